@@ -1,0 +1,17 @@
+//! mtrain-comm: collectives on candle tensors, with one semantics on every backend.
+//!
+//! # Layout
+//! - [`communicator`]: the `Communicator` trait every strategy talks through, `Work` handles,
+//!   `Backend` (creates groups).
+//! - `cpu/`: the CPU backend over TCP (ring all-reduce = ring reduce-scatter + ring all-gather).
+//! - `store`: the TCP rendezvous store hosted by rank 0.
+//! - `mesh`: the dp x pp x tp (+ ep) rank grid and its groups.
+//! - [`trace`]: per-group record of every collective.
+
+pub mod communicator;
+pub mod trace;
+
+pub use communicator::{
+    chunk_range, Backend, Comm, CommError, Communicator, OpKind, PendingWork, ReduceOp, Result, Work,
+};
+pub use trace::{TraceEvent, Tracer};
