@@ -1,0 +1,14 @@
+//! mtrain-trainer: the training loop and the `mtrain` binary's commands.
+
+pub mod bench_comm;
+pub mod checkpoint;
+pub mod cli;
+pub mod config;
+pub mod data;
+pub mod launch;
+pub mod memory;
+pub mod optim;
+pub mod plan;
+pub mod prepare;
+pub mod sample;
+pub mod train;
