@@ -7,7 +7,6 @@ pub mod config;
 pub mod data;
 pub mod launch;
 pub mod memory;
-pub mod optim;
 pub mod plan;
 pub mod prepare;
 pub mod sample;
