@@ -1,1 +1,388 @@
-//! (in progress)
+//! Data: where tokens come from and which of them each data-parallel rank trains on.
+//!
+//! A split (train or validation) is one or more token streams: the built-in corpus held in memory
+//! ([`corpus`]) or memory-mapped shards ([`shards`]). Each stream is cut into non-overlapping windows
+//! of `seq_len + 1` tokens (inputs and the targets shifted by one). Every epoch the windows are put in
+//! a fresh order by a permutation seeded with `(seed, epoch)`, and consecutive runs of
+//! `batch_size * dp_size` windows form the *global* batches. Rank `r` takes rows
+//! `r*batch_size .. (r+1)*batch_size` of each global batch:
+//!
+//! ```text
+//! epoch order:   w17 w3 w42 w8 | w25 w1 w30 w12 | ...      global batch = B * dp = 2 * 2 windows
+//! global batch 0: [ w17 w3 | w42 w8 ]
+//!                   rank 0   rank 1
+//! ```
+//!
+//! so `dp` ranks together see exactly the batch one rank sees with `batch_size * dp`, which is what
+//! makes a data-parallel loss series comparable to the single-device one. The loader's position is a
+//! single counter of global batches consumed; checkpoints save it and resume restores it. A trailing
+//! partial global batch of an epoch is dropped.
+
+pub mod corpus;
+pub mod shards;
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor};
+
+pub use corpus::SplitMix64;
+pub use shards::{write_shard, MappedShard, ShardHeader, TokenDtype};
+
+/// Bytes of built-in corpus in the training split.
+pub const BUILTIN_TRAIN_BYTES: usize = 1 << 20;
+/// Bytes of built-in corpus in the validation split.
+pub const BUILTIN_VAL_BYTES: usize = 1 << 16;
+/// Seed of the built-in corpus (fixed: it is part of the corpus's definition, not of a run).
+const BUILTIN_SEED: u64 = 0x6d74_7261_696e;
+
+/// Errors of data loading.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A file's contents are not what the format says.
+    #[error("{0}")]
+    Format(String),
+    /// The split is too small for the batch asked for.
+    #[error("the {split} split has {windows} windows of seq_len+1 = {window} tokens, fewer than one global batch of batch_size({batch_size}) * dp({dp_size}) = {need}")]
+    TooSmall {
+        /// "train" or "val".
+        split: String,
+        /// Windows available.
+        windows: usize,
+        /// Tokens per window.
+        window: usize,
+        /// Micro-batch per rank.
+        batch_size: usize,
+        /// Data-parallel ranks.
+        dp_size: usize,
+        /// Windows needed.
+        need: usize,
+    },
+    /// A bad loader argument.
+    #[error("{0}")]
+    Invalid(String),
+    /// Building a tensor failed.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+impl DataError {
+    pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
+        DataError::Io { path: path.to_path_buf(), source }
+    }
+}
+
+/// Where training data comes from: `"builtin"` or a directory of token shards.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum DataSource {
+    /// The generated corpus of [`corpus`] as byte tokens (vocabulary 256).
+    Builtin,
+    /// A directory written by `mtrain prepare` (train_*.bin, val_*.bin, headers, tokenizer.json).
+    Shards(PathBuf),
+}
+
+impl FromStr for DataSource {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "" => Err("data source is empty: use \"builtin\" or a shard directory".into()),
+            "builtin" => Ok(DataSource::Builtin),
+            path => Ok(DataSource::Shards(PathBuf::from(path))),
+        }
+    }
+}
+
+impl TryFrom<String> for DataSource {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
+    }
+}
+
+impl From<DataSource> for String {
+    fn from(d: DataSource) -> String {
+        d.to_string()
+    }
+}
+
+impl fmt::Display for DataSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DataSource::Builtin => write!(f, "builtin"),
+            DataSource::Shards(p) => write!(f, "{}", p.display()),
+        }
+    }
+}
+
+/// One stream of tokens.
+enum Stream {
+    Memory(Vec<u32>),
+    Mapped(MappedShard),
+}
+
+impl Stream {
+    fn len(&self) -> usize {
+        match self {
+            Stream::Memory(v) => v.len(),
+            Stream::Mapped(m) => m.len(),
+        }
+    }
+
+    fn read(&self, start: usize, end: usize, out: &mut Vec<u32>) {
+        match self {
+            Stream::Memory(v) => out.extend_from_slice(&v[start..end]),
+            Stream::Mapped(m) => m.read(start, end, out),
+        }
+    }
+}
+
+/// One split (train or validation): its streams, shared by every loader that reads it.
+#[derive(Clone)]
+pub struct Split {
+    name: String,
+    streams: Arc<Vec<Stream>>,
+}
+
+impl Split {
+    /// Total tokens in the split.
+    pub fn n_tokens(&self) -> usize {
+        self.streams.iter().map(Stream::len).sum()
+    }
+
+    /// The split's name ("train" or "val").
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+/// A data set: both splits and what is needed to read its ids back as text.
+pub struct Dataset {
+    /// The training split.
+    pub train: Split,
+    /// The validation split.
+    pub val: Split,
+    /// Vocabulary size of the ids.
+    pub vocab_size: usize,
+    /// The tokenizer that produced the ids (`None` for byte tokens).
+    pub tokenizer: Option<PathBuf>,
+}
+
+impl Dataset {
+    /// Open a data source: generate the built-in corpus or map a shard directory.
+    pub fn open(source: &DataSource) -> Result<Self, DataError> {
+        match source {
+            DataSource::Builtin => {
+                let bytes = |n, seed| corpus::generate(n, seed).into_iter().map(u32::from).collect();
+                let split = |name: &str, tokens| Split {
+                    name: name.into(),
+                    streams: Arc::new(vec![Stream::Memory(tokens)]),
+                };
+                Ok(Dataset {
+                    train: split("train", bytes(BUILTIN_TRAIN_BYTES, BUILTIN_SEED)),
+                    val: split("val", bytes(BUILTIN_VAL_BYTES, BUILTIN_SEED + 1)),
+                    vocab_size: 256,
+                    tokenizer: None,
+                })
+            }
+            DataSource::Shards(dir) => {
+                let mut vocab = None;
+                let mut open_split = |name: &str| -> Result<Split, DataError> {
+                    let paths = shards::list_shards(dir, name)?;
+                    if paths.is_empty() {
+                        return Err(DataError::Format(format!(
+                            "{}: no {name}_*.bin shards (write them with `mtrain prepare`)",
+                            dir.display()
+                        )));
+                    }
+                    let mut streams = Vec::new();
+                    for p in paths {
+                        let shard = MappedShard::open(&p)?;
+                        let v = shard.header.vocab_size;
+                        if *vocab.get_or_insert(v) != v {
+                            return Err(DataError::Format(format!(
+                                "{}: vocab_size {v} differs from the other shards' {}",
+                                p.display(),
+                                vocab.unwrap_or(v)
+                            )));
+                        }
+                        streams.push(Stream::Mapped(shard));
+                    }
+                    Ok(Split { name: name.into(), streams: Arc::new(streams) })
+                };
+                let train = open_split("train")?;
+                let val = open_split("val")?;
+                let tok = dir.join("tokenizer.json");
+                Ok(Dataset {
+                    train,
+                    val,
+                    vocab_size: vocab.unwrap_or(0),
+                    tokenizer: tok.exists().then_some(tok),
+                })
+            }
+        }
+    }
+}
+
+/// One rank's micro-batch: `batch_size` rows of `seq_len` input ids and the ids that follow them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Batch {
+    /// Input ids, row-major `(batch_size, seq_len)`.
+    pub inputs: Vec<u32>,
+    /// Target ids (inputs shifted by one), row-major `(batch_size, seq_len)`.
+    pub targets: Vec<u32>,
+    /// Rows.
+    pub batch_size: usize,
+    /// Columns.
+    pub seq_len: usize,
+    /// The epoch the batch was drawn in.
+    pub epoch: u64,
+}
+
+impl Batch {
+    /// The batch as `u32` tensors `(B, T)` on `device`: (inputs, targets).
+    pub fn to_tensors(&self, device: &Device) -> Result<(Tensor, Tensor), DataError> {
+        let shape = (self.batch_size, self.seq_len);
+        let x = Tensor::from_slice(&self.inputs, shape, device)?; // (B, T)
+        let y = Tensor::from_slice(&self.targets, shape, device)?; // (B, T)
+        Ok((x, y))
+    }
+}
+
+/// Deterministic per-rank batches over one split (see the module docs for the layout).
+pub struct DataLoader {
+    split: Split,
+    seq_len: usize,
+    batch_size: usize,
+    dp_rank: usize,
+    dp_size: usize,
+    seed: u64,
+    /// Cumulative windows per stream: `starts[i]` is the first global window index of stream `i`.
+    starts: Vec<usize>,
+    n_windows: usize,
+    /// Global batches consumed so far (the checkpointed position).
+    position: u64,
+    /// The window order of `order_epoch`.
+    order: Vec<u32>,
+    order_epoch: Option<u64>,
+}
+
+impl DataLoader {
+    /// A loader giving rank `dp_rank` of `dp_size` its `batch_size` rows of every global batch.
+    pub fn new(
+        split: Split,
+        seq_len: usize,
+        batch_size: usize,
+        dp_rank: usize,
+        dp_size: usize,
+        seed: u64,
+    ) -> Result<Self, DataError> {
+        if seq_len == 0 || batch_size == 0 || dp_size == 0 || dp_rank >= dp_size {
+            return Err(DataError::Invalid(format!(
+                "bad loader arguments: seq_len={seq_len}, batch_size={batch_size}, dp_rank={dp_rank}, dp_size={dp_size}"
+            )));
+        }
+        let mut starts = Vec::with_capacity(split.streams.len());
+        let mut n_windows = 0;
+        for s in split.streams.iter() {
+            starts.push(n_windows);
+            n_windows += s.len().saturating_sub(1) / seq_len;
+        }
+        if n_windows > u32::MAX as usize {
+            return Err(DataError::Invalid(format!("{n_windows} windows exceed the u32 index")));
+        }
+        let need = batch_size * dp_size;
+        if n_windows < need {
+            return Err(DataError::TooSmall {
+                split: split.name.clone(),
+                windows: n_windows,
+                window: seq_len + 1,
+                batch_size,
+                dp_size,
+                need,
+            });
+        }
+        Ok(Self {
+            split,
+            seq_len,
+            batch_size,
+            dp_rank,
+            dp_size,
+            seed,
+            starts,
+            n_windows,
+            position: 0,
+            order: Vec::new(),
+            order_epoch: None,
+        })
+    }
+
+    /// Global batches per epoch.
+    pub fn batches_per_epoch(&self) -> u64 {
+        (self.n_windows / (self.batch_size * self.dp_size)) as u64
+    }
+
+    /// Global batches consumed so far.
+    pub fn position(&self) -> u64 {
+        self.position
+    }
+
+    /// Continue from `position` global batches (restoring a checkpoint).
+    pub fn set_position(&mut self, position: u64) {
+        self.position = position;
+    }
+
+    /// The epoch the next batch comes from (0-based).
+    pub fn epoch(&self) -> u64 {
+        self.position / self.batches_per_epoch()
+    }
+
+    /// This rank's rows of the next global batch.
+    pub fn next_batch(&mut self) -> Batch {
+        let per_epoch = self.batches_per_epoch();
+        let epoch = self.position / per_epoch;
+        let in_epoch = (self.position % per_epoch) as usize;
+        if self.order_epoch != Some(epoch) {
+            self.order = self.permutation(epoch);
+            self.order_epoch = Some(epoch);
+        }
+        let global = self.batch_size * self.dp_size;
+        let first = in_epoch * global + self.dp_rank * self.batch_size;
+        let (t, b) = (self.seq_len, self.batch_size);
+        let mut inputs = Vec::with_capacity(b * t);
+        let mut targets = Vec::with_capacity(b * t);
+        let mut row = Vec::with_capacity(t + 1);
+        for &w in &self.order[first..first + b] {
+            let w = w as usize;
+            let stream = self.starts.partition_point(|&s| s <= w) - 1;
+            let start = (w - self.starts[stream]) * t;
+            row.clear();
+            self.split.streams[stream].read(start, start + t + 1, &mut row);
+            inputs.extend_from_slice(&row[..t]);
+            targets.extend_from_slice(&row[1..]);
+        }
+        self.position += 1;
+        Batch { inputs, targets, batch_size: b, seq_len: t, epoch }
+    }
+
+    /// Fisher–Yates shuffle of all windows, seeded by (seed, epoch).
+    fn permutation(&self, epoch: u64) -> Vec<u32> {
+        let mut rng = SplitMix64::new(self.seed ^ epoch.wrapping_mul(0xA24B_AED4_963E_E407));
+        let mut order: Vec<u32> = (0..self.n_windows as u32).collect();
+        for i in (1..order.len()).rev() {
+            let j = rng.below(i as u64 + 1) as usize;
+            order.swap(i, j);
+        }
+        order
+    }
+}
