@@ -1,1 +1,392 @@
-//! (in progress)
+//! The launcher: torchrun's contract, so one command starts a whole job.
+//!
+//! A process is either the *launcher* or a *worker*. It is a worker when `RANK` is set in its
+//! environment (by this launcher, by torchrun, by Slurm or by hand); otherwise, for a world of
+//! more than one process, it becomes the launcher of this node's workers:
+//!
+//! ```text
+//!   mtrain --nproc-per-node 4 --tp 2 ...            (launcher, node_rank 0, nnodes 1)
+//!      |-- mtrain --nproc-per-node 4 --tp 2 ...     RANK=0 LOCAL_RANK=0   } same arguments,
+//!      |-- mtrain --nproc-per-node 4 --tp 2 ...     RANK=1 LOCAL_RANK=1   } same binary,
+//!      |-- mtrain --nproc-per-node 4 --tp 2 ...     RANK=2 LOCAL_RANK=2   } torchrun's variables
+//!      '-- mtrain --nproc-per-node 4 --tp 2 ...     RANK=3 LOCAL_RANK=3   }
+//!          + WORLD_SIZE=4 LOCAL_WORLD_SIZE=4 MASTER_ADDR MASTER_PORT MTRAIN_JOB_ID
+//! ```
+//!
+//! Node `R` of `N` (each with `nproc` workers) starts global ranks `R·nproc .. (R+1)·nproc − 1`.
+//! Rank 0 hosts the rendezvous store at `MASTER_ADDR:MASTER_PORT`; on a single node a free
+//! loopback port is picked when none is given.
+//!
+//! Supervision, as torchrun does it: every line a worker writes is forwarded with a `[rank N]`
+//! prefix; the first worker to fail (non-zero exit code or killed by a signal) takes the job
+//! down — the others are killed, the launcher names the failed rank and how it failed, and exits
+//! non-zero. Ctrl-C or SIGTERM to the launcher stops every worker.
+
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// How often the launcher polls its workers for exit.
+const POLL_INTERVAL: Duration = Duration::from_millis(20);
+
+/// What one node's launcher needs to know to start its share of a job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchSpec {
+    /// Workers started on this node (torchrun's `--nproc-per-node`).
+    pub nproc_per_node: usize,
+    /// Nodes in the job.
+    pub nnodes: usize,
+    /// This node's index, `0..nnodes`.
+    pub node_rank: usize,
+    /// Address of rank 0, which hosts the rendezvous store.
+    pub master_addr: String,
+    /// Port of the rendezvous store; `None` picks a free one (single node only).
+    pub master_port: Option<u16>,
+}
+
+/// Why a job did not finish cleanly.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    #[error("invalid launch: {0}")]
+    Invalid(String),
+
+    #[error("could not start rank {rank} ({program}): {source}")]
+    Spawn { rank: usize, program: String, source: std::io::Error },
+
+    #[error("rank {rank} failed: {how}; stopped the other workers ({stopped})")]
+    WorkerFailed { rank: usize, how: String, stopped: String },
+
+    #[error("interrupted by {signal}; stopped all {workers} workers")]
+    Interrupted { signal: &'static str, workers: usize },
+
+    #[error("launcher i/o: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl LaunchSpec {
+    /// Number of processes in the whole job.
+    pub fn world_size(&self) -> usize {
+        self.nproc_per_node * self.nnodes
+    }
+
+    /// The global ranks this node starts: `node_rank·nproc .. (node_rank+1)·nproc`.
+    pub fn node_ranks(&self) -> std::ops::Range<usize> {
+        let start = self.node_rank * self.nproc_per_node;
+        start..start + self.nproc_per_node
+    }
+
+    /// Check the numbers that do not depend on the model layout.
+    pub fn validate(&self) -> Result<(), LaunchError> {
+        if self.nproc_per_node == 0 || self.nnodes == 0 {
+            return Err(LaunchError::Invalid(format!(
+                "--nproc-per-node ({}) and --nnodes ({}) must be at least 1",
+                self.nproc_per_node, self.nnodes
+            )));
+        }
+        if self.node_rank >= self.nnodes {
+            return Err(LaunchError::Invalid(format!(
+                "--node-rank {} is out of range for --nnodes {} (valid: 0..={})",
+                self.node_rank,
+                self.nnodes,
+                self.nnodes - 1
+            )));
+        }
+        if self.nnodes > 1 && self.master_port.is_none() {
+            return Err(LaunchError::Invalid(format!(
+                "--master-port is required with --nnodes {} (every node must meet rank 0 at the same address)",
+                self.nnodes
+            )));
+        }
+        Ok(())
+    }
+
+    /// The environment of global rank `rank` (which must be one of this node's ranks).
+    pub fn worker_env(&self, rank: usize, master_port: u16, job_id: &str) -> Vec<(&'static str, String)> {
+        let local_rank = rank - self.node_rank * self.nproc_per_node;
+        vec![
+            ("RANK", rank.to_string()),
+            ("LOCAL_RANK", local_rank.to_string()),
+            ("WORLD_SIZE", self.world_size().to_string()),
+            ("LOCAL_WORLD_SIZE", self.nproc_per_node.to_string()),
+            ("MASTER_ADDR", self.master_addr.clone()),
+            ("MASTER_PORT", master_port.to_string()),
+            ("MTRAIN_JOB_ID", job_id.to_string()),
+        ]
+    }
+}
+
+/// Ask the OS for a port that is free on `addr` right now.
+pub fn free_port(addr: &str) -> std::io::Result<u16> {
+    let listener = TcpListener::bind((addr, 0))?;
+    Ok(listener.local_addr()?.port())
+}
+
+/// A job id every node of one job agrees on: `MTRAIN_JOB_ID` when the user set one, otherwise
+/// derived from the rendezvous address (multi-node) or unique to this launch (single node), so a
+/// stray worker of an earlier job is refused by the store.
+fn job_id(spec: &LaunchSpec, port: u16) -> String {
+    if let Ok(id) = std::env::var("MTRAIN_JOB_ID") {
+        if !id.is_empty() {
+            return id;
+        }
+    }
+    if spec.nnodes > 1 {
+        format!("mtrain-{}-{}", spec.master_addr, port)
+    } else {
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+        format!("mtrain-{}-{}-{:08x}", std::process::id(), port, nanos)
+    }
+}
+
+/// Describe how a worker ended: `exit code 3` or `killed by signal 9 (SIGKILL)`.
+pub fn describe_exit(status: &ExitStatus) -> String {
+    if let Some(code) = status.code() {
+        return format!("exit code {code}");
+    }
+    match status.signal() {
+        Some(sig) => format!("killed by signal {sig} ({})", signal_name(sig)),
+        None => "ended without an exit code or signal".to_string(),
+    }
+}
+
+fn signal_name(sig: i32) -> &'static str {
+    match sig {
+        1 => "SIGHUP",
+        2 => "SIGINT",
+        3 => "SIGQUIT",
+        4 => "SIGILL",
+        6 => "SIGABRT",
+        7 => "SIGBUS",
+        8 => "SIGFPE",
+        9 => "SIGKILL",
+        11 => "SIGSEGV",
+        13 => "SIGPIPE",
+        15 => "SIGTERM",
+        _ => "signal",
+    }
+}
+
+/// One running worker and the threads forwarding its output.
+struct Worker {
+    rank: usize,
+    child: Child,
+    forwarders: Vec<JoinHandle<()>>,
+    exited: Option<ExitStatus>,
+}
+
+/// Copy `from` to our stdout or stderr line by line, each line prefixed with `[rank N] `.
+/// Bytes, not strings: a worker's output need not be UTF-8.
+fn forward_lines<R: Read + Send + 'static>(from: R, rank: usize, to_stderr: bool) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        let prefix = format!("[rank {rank}] ");
+        let mut reader = BufReader::new(from);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            match reader.read_until(b'\n', &mut line) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {
+                    if !line.ends_with(b"\n") {
+                        line.push(b'\n');
+                    }
+                    // One write per line under the stream's lock keeps lines of different ranks whole.
+                    let result = if to_stderr {
+                        let mut out = std::io::stderr().lock();
+                        out.write_all(prefix.as_bytes()).and_then(|_| out.write_all(&line))
+                    } else {
+                        let mut out = std::io::stdout().lock();
+                        out.write_all(prefix.as_bytes()).and_then(|_| out.write_all(&line)).and_then(|_| out.flush())
+                    };
+                    if result.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// Set by the Ctrl-C / SIGTERM handler; the supervision loop stops the workers when it sees it.
+fn interrupt_flag() -> Arc<AtomicBool> {
+    static FLAG: std::sync::OnceLock<Arc<AtomicBool>> = std::sync::OnceLock::new();
+    FLAG.get_or_init(|| {
+        let flag = Arc::new(AtomicBool::new(false));
+        let setter = flag.clone();
+        // Fails only if a handler is already installed; the launcher then relies on the
+        // terminal delivering SIGINT to the workers' process group itself.
+        if let Err(e) = ctrlc::set_handler(move || setter.store(true, Ordering::SeqCst)) {
+            tracing::warn!("could not install the Ctrl-C handler: {e}");
+        }
+        flag
+    })
+    .clone()
+}
+
+/// Start this node's workers by re-executing the current binary with `args` and torchrun's
+/// variables, forward their output, and supervise them until all exit cleanly (`Ok`) or one fails.
+pub fn launch(spec: &LaunchSpec, args: &[OsString]) -> Result<(), LaunchError> {
+    spec.validate()?;
+    let program = std::env::current_exe()?;
+    let port = match spec.master_port {
+        Some(p) => p,
+        None => free_port(&spec.master_addr)?,
+    };
+    let job_id = job_id(spec, port);
+    let interrupted = interrupt_flag();
+    tracing::info!(
+        world_size = spec.world_size(),
+        node_rank = spec.node_rank,
+        "launching ranks {}..={} on this node, rendezvous at {}:{port}, job {job_id}",
+        spec.node_ranks().start,
+        spec.node_ranks().end - 1,
+        spec.master_addr,
+    );
+
+    let mut workers: Vec<Worker> = Vec::with_capacity(spec.nproc_per_node);
+    for rank in spec.node_ranks() {
+        let mut cmd = Command::new(&program);
+        cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        for (key, value) in spec.worker_env(rank, port, &job_id) {
+            cmd.env(key, value);
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(source) => {
+                stop_all(&mut workers);
+                return Err(LaunchError::Spawn { rank, program: program.display().to_string(), source });
+            }
+        };
+        let mut forwarders = Vec::with_capacity(2);
+        if let Some(out) = child.stdout.take() {
+            forwarders.push(forward_lines(out, rank, false));
+        }
+        if let Some(err) = child.stderr.take() {
+            forwarders.push(forward_lines(err, rank, true));
+        }
+        workers.push(Worker { rank, child, forwarders, exited: None });
+    }
+
+    supervise(&mut workers, &interrupted)
+}
+
+/// Poll the workers until every one exited with code 0, one failed, or we were interrupted.
+fn supervise(workers: &mut [Worker], interrupted: &AtomicBool) -> Result<(), LaunchError> {
+    loop {
+        if interrupted.load(Ordering::SeqCst) {
+            let n = workers.len();
+            stop_all(workers);
+            return Err(LaunchError::Interrupted { signal: "Ctrl-C/SIGTERM", workers: n });
+        }
+        let mut failed: Option<(usize, String)> = None;
+        for w in workers.iter_mut().filter(|w| w.exited.is_none()) {
+            if let Some(status) = w.child.try_wait()? {
+                w.exited = Some(status);
+                if !status.success() && failed.is_none() {
+                    failed = Some((w.rank, describe_exit(&status)));
+                }
+            }
+        }
+        if let Some((rank, how)) = failed {
+            let stopped = stop_all(workers);
+            let stopped = if stopped.is_empty() {
+                "none were still running".to_string()
+            } else {
+                format!("ranks {stopped:?}")
+            };
+            return Err(LaunchError::WorkerFailed { rank, how, stopped });
+        }
+        if workers.iter().all(|w| w.exited.is_some()) {
+            join_forwarders(workers);
+            return Ok(());
+        }
+        std::thread::sleep(POLL_INTERVAL);
+    }
+}
+
+/// Kill every worker still running, reap all, drain their output. Returns the ranks it killed.
+fn stop_all(workers: &mut [Worker]) -> Vec<usize> {
+    let mut killed = Vec::new();
+    for w in workers.iter_mut().filter(|w| w.exited.is_none()) {
+        // Already gone between the poll and now is fine: wait() below reaps it either way.
+        let _ = w.child.kill();
+        killed.push(w.rank);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for w in workers.iter_mut().filter(|w| w.exited.is_none()) {
+        while Instant::now() < deadline {
+            match w.child.try_wait() {
+                Ok(Some(status)) => {
+                    w.exited = Some(status);
+                    break;
+                }
+                Ok(None) => std::thread::sleep(POLL_INTERVAL),
+                Err(_) => break,
+            }
+        }
+    }
+    join_forwarders(workers);
+    killed
+}
+
+/// Wait for the output threads so a worker's last lines are printed before the launcher's verdict.
+/// A worker's own children could hold its pipes open; they are not waited on past their parent.
+fn join_forwarders(workers: &mut [Worker]) {
+    for w in workers.iter_mut().filter(|w| w.exited.is_some()) {
+        for handle in w.forwarders.drain(..) {
+            let _ = handle.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(nproc: usize, nnodes: usize, node_rank: usize, port: Option<u16>) -> LaunchSpec {
+        LaunchSpec { nproc_per_node: nproc, nnodes, node_rank, master_addr: "127.0.0.1".into(), master_port: port }
+    }
+
+    #[test]
+    fn node_ranks_follow_torchrun() {
+        let s = spec(4, 2, 1, Some(29500));
+        assert_eq!(s.world_size(), 8);
+        assert_eq!(s.node_ranks(), 4..8);
+        let env = s.worker_env(6, 29500, "job");
+        let get = |k: &str| env.iter().find(|(key, _)| *key == k).map(|(_, v)| v.clone());
+        assert_eq!(get("RANK").as_deref(), Some("6"));
+        assert_eq!(get("LOCAL_RANK").as_deref(), Some("2"));
+        assert_eq!(get("WORLD_SIZE").as_deref(), Some("8"));
+        assert_eq!(get("LOCAL_WORLD_SIZE").as_deref(), Some("4"));
+        assert_eq!(get("MASTER_PORT").as_deref(), Some("29500"));
+        assert_eq!(get("MTRAIN_JOB_ID").as_deref(), Some("job"));
+    }
+
+    #[test]
+    fn invalid_specs_are_refused_with_the_numbers() {
+        let e = spec(4, 2, 2, Some(1)).validate().unwrap_err().to_string();
+        assert!(e.contains("--node-rank 2") && e.contains("--nnodes 2"), "{e}");
+        let e = spec(4, 2, 0, None).validate().unwrap_err().to_string();
+        assert!(e.contains("--master-port is required"), "{e}");
+        assert!(spec(0, 1, 0, None).validate().is_err());
+        assert!(spec(2, 1, 0, None).validate().is_ok());
+    }
+
+    #[test]
+    fn exit_descriptions_name_code_or_signal() {
+        assert_eq!(describe_exit(&ExitStatus::from_raw(3 << 8)), "exit code 3");
+        assert_eq!(describe_exit(&ExitStatus::from_raw(9)), "killed by signal 9 (SIGKILL)");
+    }
+
+    #[test]
+    fn free_port_is_bindable() {
+        let port = free_port("127.0.0.1").unwrap();
+        assert!(port > 0);
+        assert!(TcpListener::bind(("127.0.0.1", port)).is_ok());
+    }
+}
