@@ -1,1 +1,27 @@
-//! placeholder
+//! mtrain-model: a single-device GPT on candle, its MoE variant, and the block-wise engine.
+//! Nothing here knows about ranks; parallel strategies wrap these pieces.
+//!
+//! # Layout
+//! - [`config`]: `GptConfig` / `MoeConfig`, presets, parameter and FLOP counts.
+//! - [`param`]: `Param` (a name and a swappable `Var`) and `Grads` (gradients by name).
+//! - [`init`]: layout-independent initialisation, one RNG per tensor name.
+//! - [`layers`]: `Linear`, `LayerNorm`, `Mlp`, `CausalSelfAttention`, the `FeedForward` trait.
+//! - [`moe`]: top-k routing with capacity, the experts layer and its auxiliary losses.
+//! - [`gpt`]: the model as a list of segments (embedding, blocks, head).
+//! - [`engine`]: forward/backward one segment at a time with hooks and activation checkpointing.
+
+pub mod config;
+pub mod engine;
+pub mod gpt;
+pub mod init;
+pub mod layers;
+pub mod moe;
+pub mod param;
+
+pub use config::{ConfigError, GptConfig, MoeConfig};
+pub use engine::{Activations, Engine, Hooks, NoHooks};
+pub use gpt::{Block, Embedding, Gpt, Head, Segment, SegmentOut};
+pub use init::init_weights;
+pub use layers::{CausalSelfAttention, DenseLinear, FeedForward, FfnOut, LayerNorm, Linear, Mlp};
+pub use moe::{MoeLayer, MoeStats};
+pub use param::{Grads, Param};

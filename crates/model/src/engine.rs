@@ -1,0 +1,297 @@
+//! The block-wise engine: forward and backward one segment at a time.
+//!
+//! candle's `backward()` returns every gradient at the very end with no hooks. Running the model
+//! segment by segment gives the moments distributed training hangs on:
+//!
+//! ```text
+//! forward:   idx ─[seg 0]─> a₁ ─[seg 1]─> a₂ ─ … ─[seg n-1]─> loss
+//!                 each segment's input is a detached leaf Var aᵢ (a cut in the graph)
+//!
+//! backward:  for i = n-1 … 0:
+//!              pre_backward(i)            (FSDP: gather weights; recompute if checkpointing)
+//!              objective = (outᵢ · gᵢ₊₁).sum() + loss_scale · auxᵢ      gₙ = loss_scale for the loss
+//!              objective.backward()  ->  ∂/∂params(i) and gᵢ = ∂/∂aᵢ
+//!              grads[name] += ∂/∂param    (a tied weight sums over the segments using it)
+//!              post_backward(i)           (DDP: launch bucket; FSDP: reduce-scatter; PP: send gᵢ)
+//! ```
+//!
+//! By the chain rule, backpropagating `(out · g).sum()` through segment i with `g` the gradient
+//! w.r.t. its output gives exactly the whole-graph gradients of its parameters and input.
+//!
+//! With `checkpointing` the forward keeps only each segment's input; the backward re-runs the
+//! segment's forward (after `pre_backward`) before differentiating it. Without it, the recorded
+//! output (and through it the segment's graph) is kept until that segment's backward.
+//!
+//! A parameter used by several segments (the tied `wte`) is final after the backward of the
+//! lowest-index segment that uses it; `post_backward` fires per segment.
+
+use candle_core::{DType, Result, Tensor, Var};
+
+use crate::gpt::Segment;
+use crate::moe::MoeStats;
+use crate::param::Grads;
+use std::sync::Arc;
+
+/// Callbacks around each segment; every method defaults to doing nothing.
+pub trait Hooks {
+    /// Before segment `i`'s forward.
+    fn pre_forward(&mut self, _i: usize, _seg: &dyn Segment) -> Result<()> {
+        Ok(())
+    }
+    /// Before segment `i`'s backward (and before its recompute under checkpointing).
+    fn pre_backward(&mut self, _i: usize, _seg: &dyn Segment) -> Result<()> {
+        Ok(())
+    }
+    /// Segment `i`'s parameter gradients have been added to `grads`.
+    fn post_backward(&mut self, _i: usize, _seg: &dyn Segment, _grads: &mut Grads) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Hooks that do nothing.
+pub struct NoHooks;
+impl Hooks for NoHooks {}
+
+/// A segment's input as kept by the forward.
+enum SavedInput {
+    /// Integer token ids: nothing to differentiate.
+    Tokens(Tensor),
+    /// A float activation, cut from the previous segment's graph.
+    Leaf(Var),
+}
+
+impl SavedInput {
+    fn tensor(&self) -> &Tensor {
+        match self {
+            SavedInput::Tokens(t) => t,
+            SavedInput::Leaf(v) => v.as_tensor(),
+        }
+    }
+}
+
+/// What one segment's forward leaves for its backward.
+struct Saved {
+    input: SavedInput,
+    /// Recorded output, auxiliary loss and the parameter tensors the forward used
+    /// (None under checkpointing: recomputed in backward).
+    recorded: Option<Recorded>,
+}
+
+struct Recorded {
+    out: Tensor,
+    aux: Option<Tensor>,
+    params: Vec<(String, Tensor)>,
+}
+
+/// The result of [`Engine::forward`]: the last segment's output and what the backward needs.
+pub struct Activations {
+    /// The last segment's output, detached (the scalar loss when the head got targets).
+    pub output: Tensor,
+    /// Sum of the segments' auxiliary losses (already times their coefficients).
+    pub aux_loss: f64,
+    /// Routing statistics of the MoE segments, in segment order.
+    pub stats: Vec<MoeStats>,
+    saved: Vec<Saved>,
+    targets: Option<Tensor>,
+}
+
+impl Activations {
+    /// Number of segments with saved state.
+    pub fn len(&self) -> usize {
+        self.saved.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.saved.is_empty()
+    }
+
+    /// Bytes of the tensors this object holds directly (segment inputs, and outputs without
+    /// checkpointing); the graphs hanging off recorded outputs are not counted.
+    pub fn held_bytes(&self) -> usize {
+        let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        self.saved
+            .iter()
+            .map(|s| bytes(s.input.tensor()) + s.recorded.as_ref().map_or(0, |r| bytes(&r.out)))
+            .sum()
+    }
+}
+
+/// Runs segments one at a time (DESIGN.md decision 1).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Engine {
+    /// Keep only segment inputs in forward and recompute each segment in backward.
+    pub checkpointing: bool,
+}
+
+fn is_integer(dtype: DType) -> bool {
+    matches!(dtype, DType::U8 | DType::U32 | DType::I64)
+}
+
+/// Parameter tensors of a segment, each name once.
+fn param_tensors(seg: &dyn Segment) -> Vec<(String, Tensor)> {
+    let mut seen = std::collections::BTreeSet::new();
+    seg.params()
+        .into_iter()
+        .filter(|p| seen.insert(p.name().to_string()))
+        .map(|p| (p.name().to_string(), p.tensor()))
+        .collect()
+}
+
+impl Engine {
+    pub fn new(checkpointing: bool) -> Self {
+        Self { checkpointing }
+    }
+
+    /// Forward through `segs`, keeping what [`Engine::backward`] needs. `targets` is passed to
+    /// every segment (only the head uses it).
+    pub fn forward(
+        &self,
+        segs: &[Arc<dyn Segment>],
+        input: &Tensor,
+        targets: Option<&Tensor>,
+        hooks: &mut dyn Hooks,
+    ) -> Result<Activations> {
+        let mut x = input.clone();
+        let mut saved = Vec::with_capacity(segs.len());
+        let mut aux_loss = 0.0;
+        let mut stats = Vec::new();
+        for (i, seg) in segs.iter().enumerate() {
+            hooks.pre_forward(i, seg.as_ref())?;
+            let input = if is_integer(x.dtype()) {
+                SavedInput::Tokens(x.clone())
+            } else {
+                SavedInput::Leaf(Var::from_tensor(&x.detach())?)
+            };
+            let o = seg.forward(input.tensor(), targets)?;
+            if let Some(a) = &o.aux_loss {
+                aux_loss += a.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            }
+            stats.extend(o.stats);
+            x = o.out.detach();
+            let recorded = if self.checkpointing {
+                None
+            } else {
+                Some(Recorded {
+                    out: o.out,
+                    aux: o.aux_loss,
+                    params: param_tensors(seg.as_ref()),
+                })
+            };
+            saved.push(Saved { input, recorded });
+        }
+        Ok(Activations {
+            output: x,
+            aux_loss,
+            stats,
+            saved,
+            targets: targets.cloned(),
+        })
+    }
+
+    /// Backward through `segs` (the same ones given to [`Engine::forward`]), in reverse.
+    ///
+    /// `grad_output` is the gradient w.r.t. the last segment's output; None means that output is
+    /// the scalar loss, whose gradient is `loss_scale`. Auxiliary losses are scaled by `loss_scale`
+    /// too. Parameter gradients are added to `grads` by name. Returns the gradient w.r.t. the
+    /// input of the first segment, or None when that input is integer token ids.
+    pub fn backward(
+        &self,
+        segs: &[Arc<dyn Segment>],
+        mut acts: Activations,
+        grad_output: Option<&Tensor>,
+        loss_scale: f64,
+        grads: &mut Grads,
+        hooks: &mut dyn Hooks,
+    ) -> Result<Option<Tensor>> {
+        if acts.saved.len() != segs.len() {
+            return Err(candle_core::Error::Msg(format!(
+                "engine backward: {} segments given but the forward saved {}",
+                segs.len(),
+                acts.saved.len()
+            )));
+        }
+        let n = segs.len();
+        let mut grad_out: Option<Tensor> = grad_output.cloned();
+        for i in (0..n).rev() {
+            let seg = segs[i].as_ref();
+            let saved = acts
+                .saved
+                .pop()
+                .ok_or_else(|| candle_core::Error::Msg("engine backward: no saved segment".into()))?;
+            hooks.pre_backward(i, seg)?;
+            let rec = match saved.recorded {
+                Some(r) => r,
+                None => {
+                    let o = seg.forward(saved.input.tensor(), acts.targets.as_ref())?;
+                    Recorded {
+                        out: o.out,
+                        aux: o.aux_loss,
+                        params: param_tensors(seg),
+                    }
+                }
+            };
+            let mut objective = match &grad_out {
+                Some(g) => {
+                    if g.dims() != rec.out.dims() {
+                        return Err(candle_core::Error::Msg(format!(
+                            "engine backward: segment {i} ({}) output {:?} but grad_output {:?}",
+                            seg.name(),
+                            rec.out.dims(),
+                            g.dims()
+                        )));
+                    }
+                    (&rec.out * g.to_dtype(rec.out.dtype())?)?.sum_all()?
+                }
+                None => {
+                    if rec.out.elem_count() != 1 {
+                        return Err(candle_core::Error::Msg(format!(
+                            "engine backward: segment {i} ({}) output {:?} is not a scalar loss and no grad_output was given",
+                            seg.name(),
+                            rec.out.dims()
+                        )));
+                    }
+                    (rec.out.sum_all()? * loss_scale)?
+                }
+            };
+            if let Some(a) = &rec.aux {
+                let a = (a.to_dtype(objective.dtype())? * loss_scale)?;
+                objective = (objective + a)?;
+            }
+            let mut store = objective.backward()?;
+            for (name, t) in &rec.params {
+                let g = match store.remove(t) {
+                    Some(g) => g,
+                    // A parameter this call did not reach (an expert that received no token).
+                    None => t.zeros_like()?,
+                };
+                grads.accumulate(name, g)?;
+            }
+            hooks.post_backward(i, seg, grads)?;
+            grad_out = match &saved.input {
+                SavedInput::Tokens(_) => None,
+                SavedInput::Leaf(v) => Some(match store.remove(v.as_tensor()) {
+                    Some(g) => g,
+                    None => v.as_tensor().zeros_like()?,
+                }),
+            };
+        }
+        Ok(grad_out)
+    }
+
+    /// Forward and backward of the whole list with the loss at the end; returns (loss, aux_loss).
+    pub fn forward_backward(
+        &self,
+        segs: &[Arc<dyn Segment>],
+        idx: &Tensor,
+        targets: &Tensor,
+        loss_scale: f64,
+        grads: &mut Grads,
+        hooks: &mut dyn Hooks,
+    ) -> Result<(f64, f64)> {
+        let acts = self.forward(segs, idx, Some(targets), hooks)?;
+        let loss = acts.output.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+        let aux = acts.aux_loss;
+        self.backward(segs, acts, None, loss_scale, grads, hooks)?;
+        Ok((loss, aux))
+    }
+}

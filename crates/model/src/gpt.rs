@@ -1,0 +1,450 @@
+//! GPT-2 as a list of segments.
+//!
+//! ```text
+//!   idx (B, T) u32
+//!     │  Embedding: wte[idx] + wpe[0..T]                     segment 0
+//!     ▼
+//!   x (B, T, C) ─┬─> ln_1 ─> causal self-attention ─(+)─┐    segments 1..=L (one Block each)
+//!                └──────────────────────────────────────┘
+//!              ─┬─> ln_2 ─> MLP (or MoE) ──────────────(+)─┐
+//!               └──────────────────────────────────────────┘
+//!     ▼
+//!   Head: ln_f ─> x · wteᵀ (tied) ─> logits (B, T, V) ─> mean cross-entropy    segment L+1
+//! ```
+//!
+//! A segment is the unit the block-wise [`Engine`](crate::engine::Engine) runs, the unit a
+//! pipeline stage owns a range of, and the unit FSDP gathers. Blocks are built from swappable
+//! layers ([`Linear`], [`FeedForward`]) so tensor and expert parallelism reuse [`Block`] as is.
+//!
+//! Legend: `B` batch, `T` time, `C` width, `V` vocabulary, `N = B·T`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Result, Tensor, D};
+use rand::Rng;
+
+use crate::config::GptConfig;
+use crate::init::param_specs;
+use crate::layers::{
+    linear, log_softmax_last_dim, upcast, CausalSelfAttention, DenseLinear, FeedForward, LayerNorm, Linear, Mlp,
+};
+use crate::moe::{MoeLayer, MoeStats};
+use crate::param::Param;
+
+/// What a segment returns: its output (the scalar loss for a head given targets), and for MoE
+/// blocks the auxiliary loss (already times its coefficient) and routing statistics.
+pub struct SegmentOut {
+    pub out: Tensor,
+    pub aux_loss: Option<Tensor>,
+    pub stats: Option<MoeStats>,
+}
+
+impl SegmentOut {
+    /// A plain output with no auxiliary loss.
+    pub fn plain(out: Tensor) -> Self {
+        Self {
+            out,
+            aux_loss: None,
+            stats: None,
+        }
+    }
+}
+
+/// One piece of the model the engine runs as a unit.
+pub trait Segment: Send + Sync {
+    /// `embedding`, `h.3`, `head`, ...
+    fn name(&self) -> String;
+    /// Maps the segment's input to its output; only the head uses `targets`.
+    fn forward(&self, x: &Tensor, targets: Option<&Tensor>) -> Result<SegmentOut>;
+    /// The parameters this segment uses (a tied weight appears in every segment using it).
+    fn params(&self) -> Vec<Param>;
+}
+
+fn err(msg: String) -> candle_core::Error {
+    candle_core::Error::Msg(msg)
+}
+
+/// Token plus position embedding: idx (B, T) u32 -> (B, T, C).
+pub struct Embedding {
+    /// (V, C), tied with the head
+    pub wte: Param,
+    /// (block_size, C)
+    pub wpe: Param,
+}
+
+impl Embedding {
+    pub fn new(wte: Param, wpe: Param) -> Self {
+        Self { wte, wpe }
+    }
+}
+
+impl Segment for Embedding {
+    fn name(&self) -> String {
+        "embedding".to_string()
+    }
+
+    fn forward(&self, idx: &Tensor, _targets: Option<&Tensor>) -> Result<SegmentOut> {
+        let (b, t) = idx.dims2()?;
+        let wpe = self.wpe.tensor();
+        let block_size = wpe.dim(0)?;
+        if t > block_size {
+            return Err(err(format!(
+                "embedding: sequence length {t} exceeds block_size {block_size}"
+            )));
+        }
+        let wte = self.wte.tensor();
+        let c = wte.dim(1)?;
+        let tok = wte.index_select(&idx.flatten_all()?, 0)?.reshape((b, t, c))?; // (B, T, C)
+        let pos = wpe.narrow(0, 0, t)?; // (T, C)
+        Ok(SegmentOut::plain(tok.broadcast_add(&pos)?))
+    }
+
+    fn params(&self) -> Vec<Param> {
+        vec![self.wte.clone(), self.wpe.clone()]
+    }
+}
+
+/// A pre-LayerNorm transformer block: `x + attn(ln_1(x))`, then `x + ffn(ln_2(x))`.
+pub struct Block {
+    /// `h.{i}`
+    pub name: String,
+    pub ln_1: LayerNorm,
+    pub attn: CausalSelfAttention,
+    pub ln_2: LayerNorm,
+    pub ffn: Box<dyn FeedForward>,
+}
+
+impl Block {
+    pub fn new(
+        name: impl Into<String>,
+        ln_1: LayerNorm,
+        attn: CausalSelfAttention,
+        ln_2: LayerNorm,
+        ffn: Box<dyn FeedForward>,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            ln_1,
+            attn,
+            ln_2,
+            ffn,
+        }
+    }
+
+    /// Block `i` with dense layers (an MoE feed-forward when `cfg.moe` is set) from named params.
+    pub fn dense(cfg: &GptConfig, i: usize, p: &ParamStore) -> Result<Self> {
+        let h = format!("h.{i}");
+        let lin = |name: &str| -> Result<Box<dyn Linear>> {
+            Ok(Box::new(DenseLinear::new(
+                p.get(&format!("{name}.weight"))?,
+                Some(p.get(&format!("{name}.bias"))?),
+            )))
+        };
+        let ln = |name: &str| -> Result<LayerNorm> {
+            Ok(LayerNorm::new(
+                p.get(&format!("{name}.weight"))?,
+                p.get(&format!("{name}.bias"))?,
+            ))
+        };
+        let attn = CausalSelfAttention::new(
+            lin(&format!("{h}.attn.c_attn"))?,
+            lin(&format!("{h}.attn.c_proj"))?,
+            cfg.n_head,
+            cfg.head_dim(),
+        );
+        let mlp = |prefix: &str| -> Result<Mlp> {
+            Ok(Mlp::new(
+                lin(&format!("{prefix}.c_fc"))?,
+                lin(&format!("{prefix}.c_proj"))?,
+            ))
+        };
+        let ffn: Box<dyn FeedForward> = match &cfg.moe {
+            None => Box::new(mlp(&format!("{h}.mlp"))?),
+            Some(m) => {
+                let experts = (0..m.n_experts)
+                    .map(|e| mlp(&format!("{h}.moe.experts.{e}")))
+                    .collect::<Result<Vec<_>>>()?;
+                Box::new(MoeLayer::new(
+                    p.get(&format!("{h}.moe.router.weight"))?,
+                    experts,
+                    m.clone(),
+                ))
+            }
+        };
+        Ok(Self::new(
+            h.clone(),
+            ln(&format!("{h}.ln_1"))?,
+            attn,
+            ln(&format!("{h}.ln_2"))?,
+            ffn,
+        ))
+    }
+}
+
+impl Segment for Block {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn forward(&self, x: &Tensor, _targets: Option<&Tensor>) -> Result<SegmentOut> {
+        let x = (x + self.attn.forward(&self.ln_1.forward(x)?)?)?; // (B, T, C)
+        let ffn = self.ffn.forward(&self.ln_2.forward(&x)?)?;
+        Ok(SegmentOut {
+            out: (x + ffn.out)?,
+            aux_loss: ffn.aux_loss,
+            stats: ffn.stats,
+        })
+    }
+
+    fn params(&self) -> Vec<Param> {
+        let mut p = self.ln_1.params();
+        p.extend(self.attn.params());
+        p.extend(self.ln_2.params());
+        p.extend(self.ffn.params());
+        p
+    }
+}
+
+/// Final LayerNorm, LM head tied to `wte`, and the loss.
+/// Without targets the output is the logits (B, T, V); with targets (B, T) u32 it is the scalar
+/// mean cross-entropy, computed with a log-softmax in f32.
+pub struct Head {
+    pub ln_f: LayerNorm,
+    /// (V, C), the same Param as the embedding's
+    pub wte: Param,
+}
+
+impl Head {
+    pub fn new(ln_f: LayerNorm, wte: Param) -> Self {
+        Self { ln_f, wte }
+    }
+}
+
+/// Mean cross-entropy of logits (..., V) against u32 targets (...), log-softmax in f32.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let v = logits.dim(D::Minus1)?;
+    let n = targets.elem_count();
+    if logits.elem_count() != n * v {
+        return Err(err(format!(
+            "cross_entropy: logits {:?} do not match targets {:?}",
+            logits.dims(),
+            targets.dims()
+        )));
+    }
+    let logp = log_softmax_last_dim(&upcast(&logits.reshape((n, v))?)?)?; // (N, V)
+    let picked = logp.gather(&targets.reshape((n, 1))?.to_dtype(DType::U32)?, 1)?; // (N, 1)
+    picked.mean_all()?.neg()
+}
+
+impl Segment for Head {
+    fn name(&self) -> String {
+        "head".to_string()
+    }
+
+    fn forward(&self, x: &Tensor, targets: Option<&Tensor>) -> Result<SegmentOut> {
+        let x = self.ln_f.forward(x)?; // (B, T, C)
+        let logits = linear(&x, &self.wte.tensor(), None)?; // (B, T, V)
+        match targets {
+            None => Ok(SegmentOut::plain(logits)),
+            Some(t) => Ok(SegmentOut::plain(cross_entropy(&logits, t)?)),
+        }
+    }
+
+    fn params(&self) -> Vec<Param> {
+        let mut p = self.ln_f.params();
+        p.push(self.wte.clone());
+        p
+    }
+}
+
+/// Parameters by name, built once from a weight map, so every layer using a name shares one Param.
+pub struct ParamStore {
+    params: BTreeMap<String, Param>,
+}
+
+impl ParamStore {
+    /// Wraps every tensor of `weights` (moved to `device`) in a Param.
+    pub fn new(weights: &BTreeMap<String, Tensor>, device: &Device) -> Result<Self> {
+        let params = weights
+            .iter()
+            .map(|(name, t)| Ok((name.clone(), Param::new(name.clone(), t.to_device(device)?)?)))
+            .collect::<Result<_>>()?;
+        Ok(Self { params })
+    }
+
+    /// The Param called `name`, or an error naming it.
+    pub fn get(&self, name: &str) -> Result<Param> {
+        self.params
+            .get(name)
+            .cloned()
+            .ok_or_else(|| err(format!("missing weight `{name}`")))
+    }
+}
+
+/// The whole model: its config and its segments `[Embedding, Block × L, Head]`.
+pub struct Gpt {
+    pub cfg: GptConfig,
+    pub segments: Vec<Arc<dyn Segment>>,
+}
+
+/// Loss of a whole-graph forward.
+pub struct LossOut {
+    /// Mean cross-entropy (scalar).
+    pub loss: Tensor,
+    /// Sum of the blocks' auxiliary losses (already times their coefficients).
+    pub aux_loss: Option<Tensor>,
+    pub stats: Vec<MoeStats>,
+}
+
+impl LossOut {
+    /// What training minimises: loss + aux_loss.
+    pub fn objective(&self) -> Result<Tensor> {
+        match &self.aux_loss {
+            Some(a) => &self.loss + a,
+            None => Ok(self.loss.clone()),
+        }
+    }
+}
+
+impl Gpt {
+    /// Builds the model from full weights by name (see [`crate::init::init_weights`]). The tensors
+    /// keep their dtype; names `cfg` expects but `weights` lacks are reported, and so are extras.
+    pub fn new(cfg: GptConfig, weights: &BTreeMap<String, Tensor>, device: &Device) -> Result<Gpt> {
+        cfg.validate().map_err(candle_core::Error::wrap)?;
+        let expected: BTreeSet<String> = param_specs(&cfg).into_iter().map(|(n, _, _)| n).collect();
+        if let Some(extra) = weights.keys().find(|k| !expected.contains(*k)) {
+            return Err(err(format!("unexpected weight `{extra}` for this config")));
+        }
+        for (name, shape, _) in param_specs(&cfg) {
+            match weights.get(&name) {
+                None => return Err(err(format!("missing weight `{name}`"))),
+                Some(t) if t.dims() != shape.as_slice() => {
+                    return Err(err(format!(
+                        "weight `{name}` has shape {:?}, expected {shape:?}",
+                        t.dims()
+                    )))
+                }
+                Some(_) => {}
+            }
+        }
+        let p = ParamStore::new(weights, device)?;
+        let wte = p.get("wte.weight")?;
+        let mut segments: Vec<Arc<dyn Segment>> = vec![Arc::new(Embedding::new(wte.clone(), p.get("wpe.weight")?))];
+        for i in 0..cfg.n_layer {
+            segments.push(Arc::new(Block::dense(&cfg, i, &p)?));
+        }
+        segments.push(Arc::new(Head::new(
+            LayerNorm::new(p.get("ln_f.weight")?, p.get("ln_f.bias")?),
+            wte,
+        )));
+        Ok(Gpt { cfg, segments })
+    }
+
+    /// Every parameter once, in a fixed order: wte, wpe, h.0 …, ln_f.
+    pub fn params(&self) -> Vec<Param> {
+        let mut seen = BTreeSet::new();
+        self.segments
+            .iter()
+            .flat_map(|s| s.params())
+            .filter(|p| seen.insert(p.name().to_string()))
+            .collect()
+    }
+
+    /// Whole-graph forward to the loss (for tests and evaluation).
+    pub fn forward_loss(&self, idx: &Tensor, targets: &Tensor) -> Result<LossOut> {
+        let mut x = idx.clone();
+        let mut aux: Option<Tensor> = None;
+        let mut stats = Vec::new();
+        for seg in &self.segments {
+            let o = seg.forward(&x, Some(targets))?;
+            if let Some(a) = o.aux_loss {
+                aux = Some(match aux {
+                    Some(s) => (s + a)?,
+                    None => a,
+                });
+            }
+            stats.extend(o.stats);
+            x = o.out;
+        }
+        Ok(LossOut {
+            loss: x,
+            aux_loss: aux,
+            stats,
+        })
+    }
+
+    /// Logits (B, T, V) for idx (B, T).
+    pub fn logits(&self, idx: &Tensor) -> Result<Tensor> {
+        let mut x = idx.clone();
+        for seg in &self.segments {
+            x = seg.forward(&x, None)?.out;
+        }
+        Ok(x)
+    }
+
+    /// Appends `max_new_tokens` sampled tokens to idx (B, T0), feeding at most `block_size` tokens
+    /// back each step. `temperature` 0 means greedy; `top_k` keeps only the k most likely tokens.
+    pub fn generate<R: Rng + ?Sized>(
+        &self,
+        idx: &Tensor,
+        max_new_tokens: usize,
+        temperature: f64,
+        top_k: Option<usize>,
+        rng: &mut R,
+    ) -> Result<Tensor> {
+        let mut idx = idx.clone();
+        for _ in 0..max_new_tokens {
+            let t = idx.dim(1)?;
+            let cond = if t > self.cfg.block_size {
+                idx.narrow(1, t - self.cfg.block_size, self.cfg.block_size)?
+            } else {
+                idx.clone()
+            };
+            let logits = self.logits(&cond)?; // (B, T, V)
+            let last = logits.narrow(1, cond.dim(1)? - 1, 1)?.squeeze(1)?; // (B, V)
+            let rows = last.to_dtype(DType::F64)?.to_vec2::<f64>()?;
+            let next: Vec<u32> = rows
+                .iter()
+                .map(|row| sample_row(row, temperature, top_k, rng))
+                .collect();
+            let next = Tensor::from_vec(next, (rows.len(), 1), idx.device())?; // (B, 1)
+            idx = Tensor::cat(&[&idx, &next], 1)?; // (B, T + 1)
+        }
+        Ok(idx)
+    }
+}
+
+/// Samples one token id from a row of logits.
+fn sample_row<R: Rng + ?Sized>(logits: &[f64], temperature: f64, top_k: Option<usize>, rng: &mut R) -> u32 {
+    let argmax = |xs: &[f64]| {
+        xs.iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map_or(0, |(i, _)| i)
+    };
+    if temperature <= 0.0 {
+        return argmax(logits) as u32;
+    }
+    let mut scaled: Vec<f64> = logits.iter().map(|l| l / temperature).collect();
+    if let Some(k) = top_k.filter(|&k| k > 0 && k < scaled.len()) {
+        let mut sorted = scaled.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        let kth = sorted[k - 1];
+        scaled
+            .iter_mut()
+            .filter(|l| **l < kth)
+            .for_each(|l| *l = f64::NEG_INFINITY);
+    }
+    let max = scaled.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let weights: Vec<f64> = scaled.iter().map(|l| (l - max).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    let mut u = rng.gen::<f64>() * total;
+    for (i, w) in weights.iter().enumerate() {
+        if u < *w {
+            return i as u32;
+        }
+        u -= w;
+    }
+    argmax(&scaled) as u32
+}

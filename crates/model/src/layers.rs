@@ -1,0 +1,244 @@
+//! The swappable layers a transformer block is built from.
+//!
+//! Tensor and expert parallelism replace layers, not blocks: a [`Block`](crate::gpt::Block) holds
+//! `Box<dyn Linear>` and `Box<dyn FeedForward>`, so a column- or row-sharded linear or an
+//! expert-parallel MoE slots in without copying the block's code.
+//!
+//! Legend: `B` batch, `T` time, `C` width, `H` heads computed by this module, `D` head size,
+//! `N` flattened tokens. Linear weights are `(out, in)`: `y = x Wᵀ + b`.
+
+use candle_core::{DType, Device, Result, Tensor, D};
+
+use crate::moe::MoeStats;
+use crate::param::Param;
+
+/// Computes in f32 when the input is a 16-bit float (softmax, LayerNorm and loss statistics).
+pub(crate) fn upcast(x: &Tensor) -> Result<Tensor> {
+    match x.dtype() {
+        DType::BF16 | DType::F16 => x.to_dtype(DType::F32),
+        _ => Ok(x.clone()),
+    }
+}
+
+/// Numerically stable softmax over the last dimension, from differentiable ops.
+/// The subtracted row maximum is detached: it cancels in the result, so it carries no gradient.
+pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&max)?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+}
+
+/// Log-softmax over the last dimension: `x - max - ln Σ exp(x - max)`.
+pub fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let shifted = x.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    shifted.broadcast_sub(&lse)
+}
+
+/// `x Wᵀ (+ b)` for `x` of shape (..., in), flattening leading dimensions for one matmul.
+pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let (lead, inp) = dims.split_at(dims.len().saturating_sub(1));
+    let (out_f, in_f) = weight.dims2()?;
+    if inp != [in_f] {
+        return Err(candle_core::Error::Msg(format!(
+            "linear: input {:?} does not end in the weight's in_features {in_f} (weight ({out_f}, {in_f}))",
+            dims
+        )));
+    }
+    let n: usize = lead.iter().product();
+    let y = x.reshape((n, in_f))?.matmul(&weight.t()?)?; // (N, out)
+    let y = match bias {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    };
+    let mut out_dims = lead.to_vec();
+    out_dims.push(out_f);
+    y.reshape(out_dims) // (..., out)
+}
+
+/// A layer mapping (..., in) to (..., out); dense here, sharded in `tensor_parallel`.
+pub trait Linear: Send + Sync {
+    fn forward(&self, x: &Tensor) -> Result<Tensor>;
+    fn params(&self) -> Vec<Param>;
+}
+
+/// The ordinary fully connected layer `y = x Wᵀ + b`.
+pub struct DenseLinear {
+    /// (out, in)
+    pub weight: Param,
+    /// (out,)
+    pub bias: Option<Param>,
+}
+
+impl DenseLinear {
+    pub fn new(weight: Param, bias: Option<Param>) -> Self {
+        Self { weight, bias }
+    }
+}
+
+impl Linear for DenseLinear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let b = self.bias.as_ref().map(|b| b.tensor());
+        linear(x, &self.weight.tensor(), b.as_ref())
+    }
+
+    fn params(&self) -> Vec<Param> {
+        std::iter::once(self.weight.clone()).chain(self.bias.clone()).collect()
+    }
+}
+
+/// LayerNorm over the last dimension: `(x − mean) / √(var + eps) · weight + bias`
+/// (biased variance, as `torch.nn.LayerNorm`), in f32 for 16-bit inputs.
+pub struct LayerNorm {
+    /// (C,)
+    pub weight: Param,
+    /// (C,)
+    pub bias: Param,
+    pub eps: f64,
+}
+
+impl LayerNorm {
+    /// GPT-2's eps is 1e-5.
+    pub fn new(weight: Param, bias: Param) -> Self {
+        Self {
+            weight,
+            bias,
+            eps: 1e-5,
+        }
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        let x = upcast(x)?;
+        let mean = x.mean_keepdim(D::Minus1)?; // (..., 1)
+        let xc = x.broadcast_sub(&mean)?;
+        let var = xc.sqr()?.mean_keepdim(D::Minus1)?; // (..., 1)
+        let xn = xc.broadcast_div(&(var + self.eps)?.sqrt()?)?;
+        let w = self.weight.tensor().to_dtype(xn.dtype())?;
+        let b = self.bias.tensor().to_dtype(xn.dtype())?;
+        xn.broadcast_mul(&w)?.broadcast_add(&b)?.to_dtype(dtype)
+    }
+
+    pub fn params(&self) -> Vec<Param> {
+        vec![self.weight.clone(), self.bias.clone()]
+    }
+}
+
+/// What a feed-forward layer returns: its output, and for a mixture of experts the auxiliary loss
+/// (already multiplied by its coefficient) and routing statistics.
+pub struct FfnOut {
+    pub out: Tensor,
+    pub aux_loss: Option<Tensor>,
+    pub stats: Option<MoeStats>,
+}
+
+/// The position-wise half of a block: an MLP, or a mixture of experts.
+pub trait FeedForward: Send + Sync {
+    fn forward(&self, x: &Tensor) -> Result<FfnOut>;
+    fn params(&self) -> Vec<Param>;
+}
+
+/// GPT-2's MLP: `c_proj(gelu(c_fc(x)))`, GELU with the tanh approximation.
+pub struct Mlp {
+    /// C -> 4C
+    pub c_fc: Box<dyn Linear>,
+    /// 4C -> C
+    pub c_proj: Box<dyn Linear>,
+}
+
+impl Mlp {
+    pub fn new(c_fc: Box<dyn Linear>, c_proj: Box<dyn Linear>) -> Self {
+        Self { c_fc, c_proj }
+    }
+
+    /// The MLP as a plain function (..., C) -> (..., C).
+    pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.c_fc.forward(x)?.gelu()?; // (..., 4C)
+        self.c_proj.forward(&h) // (..., C)
+    }
+}
+
+impl FeedForward for Mlp {
+    fn forward(&self, x: &Tensor) -> Result<FfnOut> {
+        Ok(FfnOut {
+            out: self.apply(x)?,
+            aux_loss: None,
+            stats: None,
+        })
+    }
+
+    fn params(&self) -> Vec<Param> {
+        let mut p = self.c_fc.params();
+        p.extend(self.c_proj.params());
+        p
+    }
+}
+
+/// (T, T) additive causal mask: 0 on and below the diagonal, −∞ above.
+pub fn causal_mask(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let data: Vec<f32> = (0..t)
+        .flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    Tensor::from_vec(data, (t, t), device)?.to_dtype(dtype)
+}
+
+/// Multi-head causal self-attention.
+///
+/// `n_head` is the number of heads this module computes. Under tensor parallelism `c_attn` is
+/// column-sharded so its output is `[q_local | k_local | v_local]` for `n_head / tp` heads, and
+/// `c_proj` is row-sharded; the code below is the same in both cases.
+pub struct CausalSelfAttention {
+    /// C -> 3·H·D, output laid out q | k | v
+    pub c_attn: Box<dyn Linear>,
+    /// H·D -> C
+    pub c_proj: Box<dyn Linear>,
+    pub n_head: usize,
+    pub head_dim: usize,
+}
+
+impl CausalSelfAttention {
+    pub fn new(c_attn: Box<dyn Linear>, c_proj: Box<dyn Linear>, n_head: usize, head_dim: usize) -> Self {
+        Self {
+            c_attn,
+            c_proj,
+            n_head,
+            head_dim,
+        }
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, _c) = x.dims3()?;
+        let (h, d) = (self.n_head, self.head_dim);
+        let qkv = self.c_attn.forward(x)?; // (B, T, 3·H·D)
+        if qkv.dim(2)? != 3 * h * d {
+            return Err(candle_core::Error::Msg(format!(
+                "attention: c_attn gives {} features, expected 3 * n_head {h} * head_dim {d} = {}",
+                qkv.dim(2)?,
+                3 * h * d
+            )));
+        }
+        let heads = |i: usize| -> Result<Tensor> {
+            qkv.narrow(2, i * h * d, h * d)? // (B, T, H·D)
+                .reshape((b, t, h, d))? // (B, T, H, D)
+                .transpose(1, 2)? // (B, H, T, D)
+                .contiguous()
+        };
+        let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
+        let scale = 1.0 / (d as f64).sqrt();
+        let att = (q.matmul(&k.t()?)? * scale)?; // (B, H, T, T)
+        let att = upcast(&att)?;
+        let att = att.broadcast_add(&causal_mask(t, att.dtype(), att.device())?)?;
+        let att = softmax_last_dim(&att)?.to_dtype(v.dtype())?; // (B, H, T, T)
+        let y = att.matmul(&v)?; // (B, H, T, D)
+        let y = y.transpose(1, 2)?.reshape((b, t, h * d))?; // (B, T, H·D)
+        self.c_proj.forward(&y) // (B, T, C)
+    }
+
+    pub fn params(&self) -> Vec<Param> {
+        let mut p = self.c_attn.params();
+        p.extend(self.c_proj.params());
+        p
+    }
+}

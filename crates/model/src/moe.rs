@@ -1,0 +1,234 @@
+//! Mixture of experts on one device: the reference expert parallelism must reproduce.
+//!
+//! ```text
+//!   x (N, C) ──router──> logits (N, E) ──softmax──> probs (N, E) ──top-k──> choices per token
+//!        │                                                              │
+//!        │          capacity = ceil(k · N / E · capacity_factor) slots per expert,
+//!        │          filled in priority order: every token's 1st choice (token order),
+//!        │          then every token's 2nd choice (token order); a choice that finds its
+//!        │          expert full is dropped (GShard / Switch)
+//!        ▼                                                              ▼
+//!   expert e runs on its kept tokens x[idx_e] (n_e, C) ──> y_e · gate ──index_add──> out (N, C)
+//! ```
+//!
+//! The gate of a kept (token t, expert e) pair is the router probability `probs[t, e]`, **not
+//! renormalised** over the top-k (Switch's choice; it keeps the router trained through the output
+//! even with k = 1). A dropped choice contributes zero; the block's residual connection carries
+//! the token through unchanged.
+//!
+//! Auxiliary losses (each times its coefficient in [`MoeConfig`]):
+//! - load balancing (Switch): `E · Σᵢ fᵢ · Pᵢ`, `fᵢ` = fraction of tokens whose first choice is `i`
+//!   (a constant), `Pᵢ` = mean router probability of `i` (differentiable); 1.0 when uniform.
+//! - router z-loss (ST-MoE): `mean_t (logsumexp_e logits[t, e])²`.
+//!
+//! [`route`], [`load_balancing_loss`] and [`z_loss`] are the pieces expert parallelism calls on
+//! the same inputs, so routing and drops are identical across layouts.
+
+use candle_core::{DType, Result, Tensor, D};
+
+use crate::config::MoeConfig;
+use crate::layers::{linear, log_softmax_last_dim, softmax_last_dim, upcast, FeedForward, FfnOut, Mlp};
+use crate::param::Param;
+
+/// Routing statistics of one MoE layer call.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MoeStats {
+    /// Tokens kept by each expert (after capacity drops).
+    pub tokens_per_expert: Vec<usize>,
+    /// (token, expert) choices dropped because the expert was full.
+    pub dropped: usize,
+}
+
+/// One kept choice: `token` goes to an expert as its `choice`-th preference (0 = first).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Assignment {
+    pub token: usize,
+    pub choice: usize,
+}
+
+/// The complete routing decision for N tokens.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoutingPlan {
+    pub n_tokens: usize,
+    pub n_experts: usize,
+    pub top_k: usize,
+    /// Slots per expert.
+    pub capacity: usize,
+    /// Per token, its top-k experts, best first (ties go to the lower index).
+    pub choices: Vec<Vec<usize>>,
+    /// Per expert, the kept assignments in slot order.
+    pub assignments: Vec<Vec<Assignment>>,
+    /// Per expert, the number of tokens whose first choice it is (before drops).
+    pub first_choice_counts: Vec<usize>,
+    /// Choices dropped for lack of capacity.
+    pub dropped: usize,
+}
+
+impl RoutingPlan {
+    /// Token indices kept by `expert`, in slot order.
+    pub fn tokens_of(&self, expert: usize) -> Vec<u32> {
+        self.assignments[expert].iter().map(|a| a.token as u32).collect()
+    }
+
+    /// Kept-token counts and drops.
+    pub fn stats(&self) -> MoeStats {
+        MoeStats {
+            tokens_per_expert: self.assignments.iter().map(Vec::len).collect(),
+            dropped: self.dropped,
+        }
+    }
+}
+
+/// Slots per expert: `ceil(top_k · n_tokens / n_experts · capacity_factor)`.
+pub fn capacity(n_tokens: usize, n_experts: usize, top_k: usize, capacity_factor: f64) -> usize {
+    ((top_k * n_tokens) as f64 / n_experts as f64 * capacity_factor).ceil() as usize
+}
+
+/// Router logits and probabilities for flattened tokens: x (N, C), weight (E, C) -> (N, E) twice,
+/// in f32 for 16-bit inputs.
+pub fn router_probs(x: &Tensor, router_weight: &Tensor) -> Result<(Tensor, Tensor)> {
+    let x = upcast(x)?;
+    let w = router_weight.to_dtype(x.dtype())?;
+    let logits = linear(&x, &w, None)?; // (N, E)
+    let probs = softmax_last_dim(&logits)?; // (N, E)
+    Ok((logits, probs))
+}
+
+/// Top-k choices and capacity-limited assignment from router probabilities (N, E).
+pub fn route(probs: &Tensor, top_k: usize, capacity_factor: f64) -> Result<RoutingPlan> {
+    let (n, e) = probs.dims2()?;
+    if top_k == 0 || top_k > e {
+        return Err(candle_core::Error::Msg(format!(
+            "route: top_k {top_k} must be in 1..={e} (n_experts)"
+        )));
+    }
+    let rows = probs.to_dtype(DType::F64)?.to_vec2::<f64>()?;
+    let choices: Vec<Vec<usize>> = rows
+        .iter()
+        .map(|row| {
+            let mut order: Vec<usize> = (0..e).collect();
+            // Stable sort: equal probabilities keep the lower expert index first.
+            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+            order.truncate(top_k);
+            order
+        })
+        .collect();
+    let cap = capacity(n, e, top_k, capacity_factor);
+    let mut assignments = vec![Vec::new(); e];
+    let mut first_choice_counts = vec![0usize; e];
+    let mut dropped = 0;
+    for choice in 0..top_k {
+        for (token, c) in choices.iter().enumerate() {
+            let expert = c[choice];
+            if choice == 0 {
+                first_choice_counts[expert] += 1;
+            }
+            if assignments[expert].len() < cap {
+                assignments[expert].push(Assignment { token, choice });
+            } else {
+                dropped += 1;
+            }
+        }
+    }
+    Ok(RoutingPlan {
+        n_tokens: n,
+        n_experts: e,
+        top_k,
+        capacity: cap,
+        choices,
+        assignments,
+        first_choice_counts,
+        dropped,
+    })
+}
+
+/// Switch load-balancing loss `E · Σᵢ fᵢ · Pᵢ` (scalar), differentiable through `probs` (N, E).
+pub fn load_balancing_loss(probs: &Tensor, plan: &RoutingPlan) -> Result<Tensor> {
+    let n = plan.n_tokens.max(1) as f64;
+    let f: Vec<f64> = plan.first_choice_counts.iter().map(|&c| c as f64 / n).collect();
+    let f = Tensor::from_vec(f, plan.n_experts, probs.device())?.to_dtype(probs.dtype())?; // (E,)
+    let p_mean = probs.mean(0)?; // (E,)
+    (p_mean * f)?.sum_all()? * plan.n_experts as f64
+}
+
+/// ST-MoE router z-loss `mean_t (logsumexp logits[t, :])²` (scalar).
+pub fn z_loss(logits: &Tensor) -> Result<Tensor> {
+    // logsumexp = x - log_softmax(x) for any column; use column 0 of each row.
+    let lse = (logits.narrow(D::Minus1, 0, 1)? - log_softmax_last_dim(logits)?.narrow(D::Minus1, 0, 1)?)?; // (N, 1)
+    lse.sqr()?.mean_all()
+}
+
+/// Mixture-of-experts feed-forward layer (replaces a block's [`Mlp`]).
+pub struct MoeLayer {
+    /// (E, C)
+    pub router: Param,
+    pub experts: Vec<Mlp>,
+    pub cfg: MoeConfig,
+}
+
+impl MoeLayer {
+    pub fn new(router: Param, experts: Vec<Mlp>, cfg: MoeConfig) -> Self {
+        Self { router, experts, cfg }
+    }
+
+    /// The coefficient-weighted auxiliary loss, or None when both coefficients are zero.
+    pub fn aux_loss(&self, logits: &Tensor, probs: &Tensor, plan: &RoutingPlan) -> Result<Option<Tensor>> {
+        let mut aux = None;
+        if self.cfg.aux_loss_coef > 0.0 {
+            aux = Some((load_balancing_loss(probs, plan)? * self.cfg.aux_loss_coef)?);
+        }
+        if self.cfg.z_loss_coef > 0.0 {
+            let z = (z_loss(logits)? * self.cfg.z_loss_coef)?;
+            aux = Some(match aux {
+                Some(a) => (a + z)?,
+                None => z,
+            });
+        }
+        Ok(aux)
+    }
+}
+
+impl FeedForward for MoeLayer {
+    fn forward(&self, x: &Tensor) -> Result<FfnOut> {
+        let dims = x.dims().to_vec();
+        let c = *dims
+            .last()
+            .ok_or_else(|| candle_core::Error::Msg("moe: scalar input".into()))?;
+        let n = x.elem_count() / c.max(1);
+        let xf = x.reshape((n, c))?; // (N, C)
+        let (logits, probs) = router_probs(&xf, &self.router.tensor())?; // (N, E)
+        if probs.dim(1)? != self.experts.len() {
+            return Err(candle_core::Error::Msg(format!(
+                "moe: router has {} outputs but the layer holds {} experts",
+                probs.dim(1)?,
+                self.experts.len()
+            )));
+        }
+        let plan = route(&probs, self.cfg.top_k, self.cfg.capacity_factor)?;
+        let mut out = xf.zeros_like()?; // (N, C)
+        for (e, expert) in self.experts.iter().enumerate() {
+            let tokens = plan.tokens_of(e);
+            if tokens.is_empty() {
+                continue;
+            }
+            let idx = Tensor::from_vec(tokens.clone(), tokens.len(), x.device())?; // (n_e,)
+            let ye = expert.apply(&xf.index_select(&idx, 0)?)?; // (n_e, C)
+            let gate = probs.index_select(&idx, 0)?.narrow(1, e, 1)?.to_dtype(ye.dtype())?; // (n_e, 1)
+            out = out.index_add(&idx, &ye.broadcast_mul(&gate)?, 0)?;
+        }
+        let aux_loss = self.aux_loss(&logits, &probs, &plan)?;
+        Ok(FfnOut {
+            out: out.reshape(dims)?,
+            aux_loss,
+            stats: Some(plan.stats()),
+        })
+    }
+
+    fn params(&self) -> Vec<Param> {
+        let mut p = vec![self.router.clone()];
+        for e in &self.experts {
+            p.extend(e.params());
+        }
+        p
+    }
+}
