@@ -1,1 +1,361 @@
-//! (in progress)
+//! Tensor parallelism (Megatron-LM): every weight matrix split across the `tp` ranks of a group.
+//!
+//! A linear `y = x Wᵀ` splits two ways. **Column-parallel** splits W on its output dim; each rank
+//! computes a slice of the output features from the whole input. **Row-parallel** splits W on its
+//! input dim; each rank multiplies its slice of the input features and the partial outputs are
+//! summed:
+//!
+//! ```text
+//!   column-parallel                          row-parallel
+//!   W = [W1; W2]   (out split)               W = [W1 | W2]   (in split)
+//!
+//!   x ─f─┬─ x W1ᵀ = y1 (B,T,out/tp)          x1 ─ x1 W1ᵀ ─┐
+//!        └─ x W2ᵀ = y2                        x2 ─ x2 W2ᵀ ─┴─ g: Σ ─ + b ─ y (B,T,out)
+//! ```
+//!
+//! Chaining a column layer into a row layer needs no communication in between: the column
+//! layer's output slice is exactly the row layer's input slice. So attention (c_attn column,
+//! heads split across ranks; c_proj row) and the MLP (c_fc column; c_proj row) each cost one
+//! all-reduce in forward (g) and one in backward (f) — see [`crate::ops`].
+//!
+//! **Vocabulary parallelism** ([`vocab`]): the tied `wte` is split by rows; each rank embeds the
+//! tokens in its range, and the loss is computed from vocab-sharded logits without gathering them.
+//!
+//! **Sequence parallelism** ([`sequence`]): between the linear layers (LayerNorm, residual adds)
+//! every rank holds the same activations; with `sequence_parallel` each rank keeps only 1/tp of the
+//! sequence there, and each all-reduce becomes a reduce-scatter (leaving a layer) plus an
+//! all-gather (entering the next) — the same bytes, and 1/tp of the activation memory.
+//!
+//! Every rank slices the same full weights ([`shard`]), so tp = N starts from the single-device
+//! numbers, and [`ShardLayout::full_grads`] turns a rank's gradients back into full tensors.
+//!
+//! Legend: `B` batch, `T` sequence, `C` width, `V` vocabulary, `tp` group size.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor};
+use mtrain_comm::{Comm, CommError};
+use mtrain_model::gpt::Block;
+use mtrain_model::layers::linear;
+use mtrain_model::{CausalSelfAttention, GptConfig, LayerNorm, Linear, Mlp, Param, Segment};
+
+use crate::ops::{
+    copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
+};
+
+pub mod sequence;
+pub mod shard;
+pub mod vocab;
+
+pub use sequence::SequenceParallelBlock;
+pub use shard::{Placement, ShardLayout, ShardSpec};
+pub use vocab::{vocab_parallel_cross_entropy, VocabParallelEmbedding, VocabParallelHead};
+
+/// The sequence dim of activations (B, T, C).
+pub const SEQ_DIM: usize = 1;
+
+/// Errors building a tensor-parallel model.
+#[derive(Debug, thiserror::Error)]
+pub enum TpError {
+    #[error("tensor parallelism: {what} {value} is not divisible by tp {tp}")]
+    NotDivisible {
+        what: &'static str,
+        value: usize,
+        tp: usize,
+    },
+    #[error("tensor parallelism: missing weight `{0}`")]
+    MissingWeight(String),
+    #[error("tensor parallelism: `{0}` is not a parameter of this model")]
+    UnknownParam(String),
+    #[error("tensor parallelism: cannot shard `{name}`: {msg}")]
+    Shard { name: String, msg: String },
+    #[error("tensor parallelism: {0}")]
+    Unsupported(String),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    #[error(transparent)]
+    Comm(#[from] CommError),
+}
+
+pub type Result<T> = std::result::Result<T, TpError>;
+
+/// How a column-parallel layer receives its input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ColumnInput {
+    /// The full input is replicated on every rank: pass it through f (all-reduce its gradient).
+    Replicated,
+    /// The input already came through `gather_from_sequence_parallel_region`, whose backward
+    /// reduce-scatters (sums) the gradient: nothing more to do here.
+    SequenceGathered,
+}
+
+/// Where a row-parallel layer's partial sums go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowOutput {
+    /// All-reduce (g): every rank gets the full output.
+    AllReduce,
+    /// Reduce-scatter along the sequence: every rank gets the full sum for 1/tp of the tokens.
+    ReduceScatterSequence,
+}
+
+/// `y = x Wᵀ + b` with W split on the output dim: this rank holds `W_r` (out/tp, in) and `b_r`.
+pub struct ColumnParallelLinear {
+    /// (out/tp, in)
+    pub weight: Param,
+    /// (out/tp,)
+    pub bias: Option<Param>,
+    pub input: ColumnInput,
+    /// Gather the output slices into the full (…, out) on every rank (otherwise keep (…, out/tp)).
+    pub gather_output: bool,
+    pub group: Comm,
+}
+
+impl Linear for ColumnParallelLinear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let x = match self.input {
+            ColumnInput::Replicated => copy_to_tp_region(x, &self.group)?,
+            ColumnInput::SequenceGathered => x.clone(),
+        };
+        let b = self.bias.as_ref().map(|b| b.tensor());
+        let y = linear(&x, &self.weight.tensor(), b.as_ref())?; // (B, T, out/tp)
+        if self.gather_output {
+            gather_from_tp_region(&y, &self.group) // (B, T, out)
+        } else {
+            Ok(y)
+        }
+    }
+
+    fn params(&self) -> Vec<Param> {
+        std::iter::once(self.weight.clone())
+            .chain(self.bias.clone())
+            .collect()
+    }
+}
+
+/// `y = x Wᵀ + b` with W split on the input dim: this rank holds `W_r` (out, in/tp) and reads
+/// its slice `x_r` (…, in/tp) of the input; the partial products are summed over the group and
+/// the full bias `b` (out,) is added once, after the sum.
+pub struct RowParallelLinear {
+    /// (out, in/tp)
+    pub weight: Param,
+    /// (out,), replicated
+    pub bias: Option<Param>,
+    pub output: RowOutput,
+    pub group: Comm,
+}
+
+impl Linear for RowParallelLinear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let partial = linear(x, &self.weight.tensor(), None)?; // (B, T, out), partial sum
+        let y = match self.output {
+            RowOutput::AllReduce => reduce_from_tp_region(&partial, &self.group)?, // (B, T, out)
+            RowOutput::ReduceScatterSequence => {
+                reduce_scatter_to_sequence_parallel_region(&partial, SEQ_DIM, &self.group)?
+                // (B, T/tp, out)
+            }
+        };
+        match &self.bias {
+            Some(b) => y.broadcast_add(&b.tensor()),
+            None => Ok(y),
+        }
+    }
+
+    fn params(&self) -> Vec<Param> {
+        std::iter::once(self.weight.clone())
+            .chain(self.bias.clone())
+            .collect()
+    }
+}
+
+/// Checks that `cfg` splits over `tp` ranks: heads, MLP width and vocabulary.
+pub fn validate(cfg: &GptConfig, tp: usize) -> Result<()> {
+    if tp == 0 {
+        return Err(TpError::Unsupported("tp must be at least 1".into()));
+    }
+    if cfg.moe.is_some() {
+        return Err(TpError::Unsupported(
+            "mixture-of-experts blocks are split by expert parallelism, not tensor parallelism"
+                .into(),
+        ));
+    }
+    let checks = [
+        ("n_head", cfg.n_head),
+        ("4 * n_embd", 4 * cfg.n_embd),
+        ("vocab_size", cfg.vocab_size),
+    ];
+    for (what, value) in checks {
+        if value % tp != 0 {
+            return Err(TpError::NotDivisible { what, value, tp });
+        }
+    }
+    Ok(())
+}
+
+/// A tensor-parallel GPT on one rank: its segments `[embedding, h.0 … h.{L-1}, head]` and where
+/// every parameter lives.
+pub struct TpModel {
+    pub segments: Vec<Arc<dyn Segment>>,
+    pub layout: ShardLayout,
+    pub sequence_parallel: bool,
+}
+
+impl TpModel {
+    /// Every parameter once (the tied `wte` shard appears once), in segment order.
+    pub fn params(&self) -> Vec<Param> {
+        let mut seen = std::collections::BTreeSet::new();
+        self.segments
+            .iter()
+            .flat_map(|s| s.params())
+            .filter(|p| seen.insert(p.name().to_string()))
+            .collect()
+    }
+}
+
+/// Builds this rank's segments of a tensor-parallel GPT over the group `tp` from the full
+/// weights (by GPT-2 name, as [`mtrain_model::init_weights`] gives them). Parameters keep their
+/// full-model names and hold this rank's shard.
+pub fn build(
+    cfg: &GptConfig,
+    weights: &BTreeMap<String, Tensor>,
+    tp: &Comm,
+    sequence_parallel: bool,
+    device: &Device,
+) -> Result<TpModel> {
+    validate(cfg, tp.size())?;
+    let mut b = Builder {
+        weights,
+        layout: ShardLayout::new(tp.rank(), tp.size()),
+        device,
+        sp: sequence_parallel,
+    };
+    let wte = b.param("wte.weight", Placement::Sharded { dim: 0, blocks: 1 })?;
+    let wpe = b.param("wpe.weight", b.replicated())?;
+    let mut segments: Vec<Arc<dyn Segment>> = vec![Arc::new(VocabParallelEmbedding::new(
+        wte.clone(),
+        wpe,
+        tp.clone(),
+        sequence_parallel,
+    ))];
+    let heads = cfg.n_head / tp.size();
+    for i in 0..cfg.n_layer {
+        let h = format!("h.{i}");
+        let (input, output) = match sequence_parallel {
+            false => (ColumnInput::Replicated, RowOutput::AllReduce),
+            true => (
+                ColumnInput::SequenceGathered,
+                RowOutput::ReduceScatterSequence,
+            ),
+        };
+        let c_attn = b.column(&format!("{h}.attn.c_attn"), 3, input, tp)?;
+        let c_proj = b.row(&format!("{h}.attn.c_proj"), output, tp)?;
+        let attn = CausalSelfAttention::new(c_attn, c_proj, heads, cfg.head_dim());
+        let mlp = Mlp::new(
+            b.column(&format!("{h}.mlp.c_fc"), 1, input, tp)?,
+            b.row(&format!("{h}.mlp.c_proj"), output, tp)?,
+        );
+        let (ln_1, ln_2) = (
+            b.layer_norm(&format!("{h}.ln_1"))?,
+            b.layer_norm(&format!("{h}.ln_2"))?,
+        );
+        segments.push(match sequence_parallel {
+            false => Arc::new(Block::new(h, ln_1, attn, ln_2, Box::new(mlp))),
+            true => Arc::new(SequenceParallelBlock::new(
+                h,
+                ln_1,
+                attn,
+                ln_2,
+                mlp,
+                tp.clone(),
+            )),
+        });
+    }
+    let ln_f = b.layer_norm("ln_f")?;
+    segments.push(Arc::new(VocabParallelHead::new(
+        ln_f,
+        wte,
+        tp.clone(),
+        sequence_parallel,
+    )));
+    Ok(TpModel {
+        segments,
+        layout: b.layout,
+        sequence_parallel,
+    })
+}
+
+/// [`build`], keeping only the segments.
+pub fn build_segments(
+    cfg: &GptConfig,
+    weights: &BTreeMap<String, Tensor>,
+    tp: &Comm,
+    sequence_parallel: bool,
+    device: &Device,
+) -> Result<Vec<Arc<dyn Segment>>> {
+    Ok(build(cfg, weights, tp, sequence_parallel, device)?.segments)
+}
+
+/// Slices full weights into this rank's Params and records their placement.
+struct Builder<'a> {
+    weights: &'a BTreeMap<String, Tensor>,
+    layout: ShardLayout,
+    device: &'a Device,
+    sp: bool,
+}
+
+impl Builder<'_> {
+    /// Replicated weights used on a sequence shard only see 1/tp of the tokens under SP.
+    fn replicated(&self) -> Placement {
+        Placement::Replicated {
+            partial_grad: self.sp,
+        }
+    }
+
+    fn param(&mut self, name: &str, placement: Placement) -> Result<Param> {
+        let full = self
+            .weights
+            .get(name)
+            .ok_or_else(|| TpError::MissingWeight(name.to_string()))?;
+        let local = self.layout.take(name, full, placement)?;
+        Ok(Param::new(name, local.to_device(self.device)?)?)
+    }
+
+    fn column(
+        &mut self,
+        prefix: &str,
+        blocks: usize,
+        input: ColumnInput,
+        group: &Comm,
+    ) -> Result<Box<dyn Linear>> {
+        let split = Placement::Sharded { dim: 0, blocks };
+        Ok(Box::new(ColumnParallelLinear {
+            weight: self.param(&format!("{prefix}.weight"), split)?, // (out/tp, in)
+            bias: Some(self.param(&format!("{prefix}.bias"), split)?), // (out/tp,)
+            input,
+            gather_output: false,
+            group: group.clone(),
+        }))
+    }
+
+    fn row(&mut self, prefix: &str, output: RowOutput, group: &Comm) -> Result<Box<dyn Linear>> {
+        let bias = self.replicated();
+        Ok(Box::new(RowParallelLinear {
+            weight: self.param(
+                &format!("{prefix}.weight"),
+                Placement::Sharded { dim: 1, blocks: 1 },
+            )?, // (out, in/tp)
+            bias: Some(self.param(&format!("{prefix}.bias"), bias)?), // (out,)
+            output,
+            group: group.clone(),
+        }))
+    }
+
+    fn layer_norm(&mut self, prefix: &str) -> Result<LayerNorm> {
+        let p = self.replicated();
+        Ok(LayerNorm::new(
+            self.param(&format!("{prefix}.weight"), p)?,
+            self.param(&format!("{prefix}.bias"), p)?,
+        ))
+    }
+}

@@ -1,0 +1,79 @@
+//! Sequence parallelism: the parts of a block that are not split by tensor parallelism
+//! (LayerNorm, residual adds) work on 1/tp of the sequence instead of repeating the full work.
+//!
+//! ```text
+//!   x_r (B, T/tp, C) ── ln_1 ── all-gather T ── attn (column … row) ── reduce-scatter T ──(+)── …
+//!   │                           (B, T, C)       heads split over tp    (B, T/tp, C)       │
+//!   └──────────────────────────────────────────────────────────────────────────────────┘
+//!   backward: the all-gather becomes a reduce-scatter of the gradient and vice versa
+//! ```
+//!
+//! g's all-reduce is split into its two halves (reduce-scatter + all-gather) and the LayerNorm
+//! runs between them, so the communication volume is unchanged while activations outside the
+//! linear layers shrink by tp. The LayerNorm and row-parallel bias gradients each cover 1/tp of
+//! the tokens; [`super::ShardLayout::sync_partial_grads`] sums them over the group.
+//!
+//! The column layers of a sequence-parallel block take [`super::ColumnInput::SequenceGathered`]
+//! and the row layers [`super::RowOutput::ReduceScatterSequence`].
+
+use candle_core::{Result, Tensor};
+use mtrain_comm::Comm;
+use mtrain_model::{CausalSelfAttention, FeedForward, LayerNorm, Mlp, Param, Segment, SegmentOut};
+
+use super::SEQ_DIM;
+use crate::ops::gather_from_sequence_parallel_region;
+
+/// A pre-LayerNorm transformer block whose input and output are this rank's sequence shard.
+pub struct SequenceParallelBlock {
+    /// `h.{i}`
+    pub name: String,
+    pub ln_1: LayerNorm,
+    pub attn: CausalSelfAttention,
+    pub ln_2: LayerNorm,
+    pub mlp: Mlp,
+    pub group: Comm,
+}
+
+impl SequenceParallelBlock {
+    pub fn new(
+        name: impl Into<String>,
+        ln_1: LayerNorm,
+        attn: CausalSelfAttention,
+        ln_2: LayerNorm,
+        mlp: Mlp,
+        group: Comm,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            ln_1,
+            attn,
+            ln_2,
+            mlp,
+            group,
+        }
+    }
+}
+
+impl Segment for SequenceParallelBlock {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn forward(&self, x: &Tensor, _targets: Option<&Tensor>) -> Result<SegmentOut> {
+        // x: (B, T/tp, C)
+        let h = gather_from_sequence_parallel_region(&self.ln_1.forward(x)?, SEQ_DIM, &self.group)?; // (B, T, C)
+        let x = (x + self.attn.forward(&h)?)?; // (B, T/tp, C): c_proj reduce-scatters
+        let h =
+            gather_from_sequence_parallel_region(&self.ln_2.forward(&x)?, SEQ_DIM, &self.group)?; // (B, T, C)
+        let out = (x + self.mlp.forward(&h)?.out)?; // (B, T/tp, C)
+        Ok(SegmentOut::plain(out))
+    }
+
+    fn params(&self) -> Vec<Param> {
+        let mut p = self.ln_1.params();
+        p.extend(self.attn.params());
+        p.extend(self.ln_2.params());
+        p.extend(FeedForward::params(&self.mlp));
+        p
+    }
+}
