@@ -1,0 +1,388 @@
+//! AdamW with decoupled weight decay, the warmup + cosine learning-rate schedule, and global-norm
+//! clipping.
+//!
+//! One step for a parameter `p` with gradient `g` (Loshchilov & Hutter 2019, as `torch.optim.AdamW`):
+//!
+//! ```text
+//! t  = t + 1
+//! m  = β1·m + (1-β1)·g                    first moment
+//! v  = β2·v + (1-β2)·g²                   second moment
+//! m̂  = m / (1-β1ᵗ)      v̂ = v / (1-β2ᵗ)    bias correction
+//! p  = p·(1 - lr·wd)  -  lr · m̂ / (√v̂ + ε)  decay is applied to p directly, not mixed into g
+//! ```
+//!
+//! The optimizer is shape-agnostic: it keeps `m` and `v` by name, elementwise, so a sharded strategy
+//! can hand it flat 1-D shards instead of full tensors. Whether a tensor is decayed therefore comes
+//! from the caller ([`OptimItem::decay`]); nanoGPT decays only the ≥2-D weights (matmuls and
+//! embeddings), never biases and LayerNorm gains.
+//!
+//! Learning rate ([`lr_at`]), as nanoGPT:
+//!
+//! ```text
+//! lr │   ╱‾‾‾‾‾‾‾‾╲__
+//!    │  ╱            ‾‾╲__
+//!    │ ╱                  ‾‾‾‾───── min_lr
+//!    └┴───────┴──────────────────┴── step
+//!     0    warmup            total_steps
+//! ```
+
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Result, Tensor};
+
+use crate::param::Param;
+
+/// AdamW hyper-parameters (the learning rate is passed per step).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWConfig {
+    /// Decay of the first-moment average.
+    pub beta1: f64,
+    /// Decay of the second-moment average.
+    pub beta2: f64,
+    /// Added to √v̂ to keep the update finite.
+    pub eps: f64,
+    /// Decoupled weight decay, applied to items with `decay: true`.
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    /// nanoGPT's GPT-2 settings: β = (0.9, 0.95), ε = 1e-8, weight decay 0.1.
+    fn default() -> Self {
+        Self {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        }
+    }
+}
+
+/// One tensor to update: its state key, the parameter, its gradient and whether it is decayed.
+pub struct OptimItem<'a> {
+    /// Key of the `m`/`v` state (the parameter name, or a shard's name).
+    pub name: &'a str,
+    /// The parameter, updated in place with [`Param::set`].
+    pub param: &'a Param,
+    /// Its gradient, same element count and shape as the parameter.
+    pub grad: &'a Tensor,
+    /// Apply weight decay to this tensor.
+    pub decay: bool,
+}
+
+/// The optimizer's state, by name, for checkpoints.
+#[derive(Debug, Clone)]
+pub struct AdamWState {
+    /// Steps taken (t in the bias correction).
+    pub step: u64,
+    /// First moments.
+    pub m: BTreeMap<String, Tensor>,
+    /// Second moments.
+    pub v: BTreeMap<String, Tensor>,
+}
+
+/// AdamW over named tensors.
+pub struct AdamW {
+    cfg: AdamWConfig,
+    step: u64,
+    m: BTreeMap<String, Tensor>,
+    v: BTreeMap<String, Tensor>,
+}
+
+impl AdamW {
+    /// A fresh optimizer (zero moments, step 0).
+    pub fn new(cfg: AdamWConfig) -> Self {
+        Self {
+            cfg,
+            step: 0,
+            m: BTreeMap::new(),
+            v: BTreeMap::new(),
+        }
+    }
+
+    /// The hyper-parameters.
+    pub fn config(&self) -> &AdamWConfig {
+        &self.cfg
+    }
+
+    /// Steps taken so far.
+    pub fn steps_taken(&self) -> u64 {
+        self.step
+    }
+
+    /// One AdamW step with learning rate `lr` over `items` (moments start at zero on first sight).
+    pub fn step(&mut self, lr: f64, items: &[OptimItem]) -> Result<()> {
+        self.step += 1;
+        let t = self.step as i32;
+        let (b1, b2) = (self.cfg.beta1, self.cfg.beta2);
+        let bc1 = 1.0 - b1.powi(t);
+        let bc2 = 1.0 - b2.powi(t);
+        for it in items {
+            let p = it.param.tensor().detach();
+            if it.grad.shape() != p.shape() {
+                candle_core::bail!(
+                    "AdamW: gradient of `{}` has shape {:?} but the parameter has {:?}",
+                    it.name,
+                    it.grad.dims(),
+                    p.dims()
+                );
+            }
+            let g = it.grad.detach().to_dtype(DType::F32)?;
+            let p32 = p.to_dtype(DType::F32)?;
+            let m = match self.m.get(it.name) {
+                Some(m) => ((m * b1)? + (&g * (1.0 - b1))?)?,
+                None => (&g * (1.0 - b1))?,
+            };
+            let g2 = g.sqr()?;
+            let v = match self.v.get(it.name) {
+                Some(v) => ((v * b2)? + (&g2 * (1.0 - b2))?)?,
+                None => (&g2 * (1.0 - b2))?,
+            };
+            let denom = ((&v / bc2)?.sqrt()? + self.cfg.eps)?;
+            let update = ((&m / bc1)? / denom)?;
+            let decayed = if it.decay && self.cfg.weight_decay != 0.0 {
+                (&p32 * (1.0 - lr * self.cfg.weight_decay))?
+            } else {
+                p32
+            };
+            let new_p = (decayed - (update * lr)?)?;
+            it.param.set(&new_p.to_dtype(p.dtype())?)?;
+            self.m.insert(it.name.to_string(), m);
+            self.v.insert(it.name.to_string(), v);
+        }
+        Ok(())
+    }
+
+    /// A copy of the state (tensors are shared, not copied: candle tensors are immutable).
+    pub fn state(&self) -> AdamWState {
+        AdamWState {
+            step: self.step,
+            m: self.m.clone(),
+            v: self.v.clone(),
+        }
+    }
+
+    /// Replaces the state, e.g. from a checkpoint. Every `m` needs its `v` and vice versa.
+    pub fn load_state(&mut self, state: AdamWState) -> Result<()> {
+        for name in state.m.keys().chain(state.v.keys()) {
+            let (m, v) = (state.m.get(name), state.v.get(name));
+            match (m, v) {
+                (Some(m), Some(v)) if m.shape() == v.shape() => {}
+                (Some(m), Some(v)) => candle_core::bail!(
+                    "AdamW state for `{name}`: m has shape {:?} but v has {:?}",
+                    m.dims(),
+                    v.dims()
+                ),
+                _ => candle_core::bail!("AdamW state for `{name}` has only one of m and v"),
+            }
+        }
+        self.step = state.step;
+        self.m = state.m;
+        self.v = state.v;
+        Ok(())
+    }
+
+    /// Bytes held by the moments.
+    pub fn state_bytes(&self) -> usize {
+        self.m
+            .values()
+            .chain(self.v.values())
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum()
+    }
+}
+
+/// The learning-rate schedule: linear warmup, then cosine decay to `min_lr` at `total_steps`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LrSchedule {
+    /// Peak learning rate, reached at the end of warmup.
+    pub lr: f64,
+    /// Floor reached at `total_steps` and kept afterwards.
+    pub min_lr: f64,
+    /// Steps of linear warmup.
+    pub warmup_steps: u64,
+    /// Step at which the cosine reaches `min_lr`.
+    pub total_steps: u64,
+}
+
+/// Learning rate for 0-based `step`: `lr·(step+1)/(warmup+1)` during warmup, then
+/// `min_lr + ½(1 + cos(π·r))·(lr - min_lr)` with `r = (step - warmup)/(total - warmup)`.
+pub fn lr_at(step: u64, s: &LrSchedule) -> f64 {
+    if step < s.warmup_steps {
+        return s.lr * (step + 1) as f64 / (s.warmup_steps + 1) as f64;
+    }
+    if step >= s.total_steps || s.total_steps <= s.warmup_steps {
+        return s.min_lr;
+    }
+    let r = (step - s.warmup_steps) as f64 / (s.total_steps - s.warmup_steps) as f64;
+    s.min_lr + 0.5 * (1.0 + (std::f64::consts::PI * r).cos()) * (s.lr - s.min_lr)
+}
+
+/// Factor to multiply every gradient by so the global norm is at most `max_norm`:
+/// `min(1, max_norm / (total_norm + 1e-6))` (as `torch.nn.utils.clip_grad_norm_`); 1 when
+/// `max_norm <= 0` (clipping off).
+pub fn clip_coef(total_norm: f64, max_norm: f64) -> f64 {
+    if max_norm <= 0.0 {
+        return 1.0;
+    }
+    (max_norm / (total_norm + 1e-6)).min(1.0)
+}
+
+/// Σ x² over `tensors`, in f64 (a sharded strategy all-reduces this before taking the root).
+pub fn sq_norm<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<f64> {
+    let mut total = 0.0;
+    for t in tensors {
+        total += t
+            .to_dtype(DType::F64)?
+            .sqr()?
+            .sum_all()?
+            .to_scalar::<f64>()?;
+    }
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Two steps of AdamW on a 2-element parameter, against the formulas evaluated by hand in f64.
+    #[test]
+    fn two_steps_match_a_hand_computation() -> Result<()> {
+        let dev = Device::Cpu;
+        let cfg = AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        let p = Param::new("w", Tensor::new(&[1.0f32, -2.0], &dev)?)?;
+        let b = Param::new("b", Tensor::new(&[0.5f32], &dev)?)?;
+        let mut opt = AdamW::new(cfg);
+        let lr = 0.01;
+        let grads = [[0.5f64, -1.0], [0.25, 2.0]];
+        let bgrads = [0.3f64, -0.6];
+        for s in 0..2 {
+            let g = Tensor::new(&[grads[s][0] as f32, grads[s][1] as f32], &dev)?;
+            let gb = Tensor::new(&[bgrads[s] as f32], &dev)?;
+            opt.step(
+                lr,
+                &[
+                    OptimItem {
+                        name: "w",
+                        param: &p,
+                        grad: &g,
+                        decay: true,
+                    },
+                    OptimItem {
+                        name: "b",
+                        param: &b,
+                        grad: &gb,
+                        decay: false,
+                    },
+                ],
+            )?;
+        }
+        // Hand computation, element by element.
+        let adam = |p0: f64, g: [f64; 2], decay: bool| {
+            let (mut p, mut m, mut v) = (p0, 0.0, 0.0);
+            for (t, g) in g.iter().enumerate() {
+                let t = t as i32 + 1;
+                m = 0.9 * m + 0.1 * g;
+                v = 0.99 * v + 0.01 * g * g;
+                let mh = m / (1.0 - 0.9f64.powi(t));
+                let vh = v / (1.0 - 0.99f64.powi(t));
+                if decay {
+                    p *= 1.0 - lr * 0.1;
+                }
+                p -= lr * mh / (vh.sqrt() + 1e-8);
+            }
+            p
+        };
+        let want_w = [
+            adam(1.0, [grads[0][0], grads[1][0]], true),
+            adam(-2.0, [grads[0][1], grads[1][1]], true),
+        ];
+        let want_b = adam(0.5, bgrads, false);
+        let got_w = p.tensor().to_vec1::<f32>()?;
+        let got_b = b.tensor().to_vec1::<f32>()?;
+        for (g, w) in got_w.iter().zip(want_w) {
+            assert!((*g as f64 - w).abs() < 1e-6, "got {g}, want {w}");
+        }
+        assert!(
+            (got_b[0] as f64 - want_b).abs() < 1e-6,
+            "got {}, want {want_b}",
+            got_b[0]
+        );
+        // Sanity of the hand formula itself: with a constant gradient m̂/√v̂ = 1, so each step moves by lr.
+        assert!((adam(0.0, [0.5, 0.5], false) + 0.02).abs() < 1e-9);
+        assert_eq!(opt.steps_taken(), 2);
+        Ok(())
+    }
+
+    #[test]
+    fn state_round_trips_and_continues_identically() -> Result<()> {
+        let dev = Device::Cpu;
+        let cfg = AdamWConfig::default();
+        let g = Tensor::new(&[0.1f32, -0.2, 0.3], &dev)?;
+        let run = |resume: bool| -> Result<Vec<f32>> {
+            let p = Param::new("p", Tensor::new(&[1f32, 2., 3.], &dev)?)?;
+            let mut opt = AdamW::new(cfg);
+            opt.step(
+                1e-2,
+                &[OptimItem {
+                    name: "p",
+                    param: &p,
+                    grad: &g,
+                    decay: true,
+                }],
+            )?;
+            if resume {
+                let st = opt.state();
+                opt = AdamW::new(cfg);
+                opt.load_state(st)?;
+            }
+            opt.step(
+                1e-2,
+                &[OptimItem {
+                    name: "p",
+                    param: &p,
+                    grad: &g,
+                    decay: true,
+                }],
+            )?;
+            p.tensor().to_vec1::<f32>()
+        };
+        assert_eq!(run(false)?, run(true)?);
+        Ok(())
+    }
+
+    #[test]
+    fn lr_schedule_values() {
+        let s = LrSchedule {
+            lr: 1e-3,
+            min_lr: 1e-4,
+            warmup_steps: 10,
+            total_steps: 110,
+        };
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(close(lr_at(0, &s), 1e-3 / 11.0));
+        assert!(close(lr_at(9, &s), 1e-3 * 10.0 / 11.0));
+        assert!(close(lr_at(10, &s), 1e-3)); // cos(0) = 1: the peak
+        assert!(close(lr_at(60, &s), 5.5e-4)); // halfway: the mean of lr and min_lr
+        assert!(close(lr_at(110, &s), 1e-4));
+        assert!(close(lr_at(500, &s), 1e-4));
+        for k in 10..110 {
+            assert!(
+                lr_at(k + 1, &s) <= lr_at(k, &s),
+                "cosine must not increase at step {k}"
+            );
+        }
+    }
+
+    #[test]
+    fn clipping_coefficient() {
+        assert_eq!(clip_coef(0.5, 1.0), 1.0);
+        assert!((clip_coef(4.0, 1.0) - 1.0 / (4.0 + 1e-6)).abs() < 1e-15);
+        assert_eq!(clip_coef(100.0, 0.0), 1.0);
+    }
+}
