@@ -90,19 +90,52 @@ impl fmt::Display for OpKind {
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {
     #[error("{op} on group '{group}' (seq {seq}) timed out after {timeout_ms} ms on rank {rank} waiting for rank {peer}")]
-    Timeout { op: OpKind, group: String, seq: u64, rank: usize, peer: usize, timeout_ms: u64 },
+    Timeout {
+        op: OpKind,
+        group: String,
+        seq: u64,
+        rank: usize,
+        peer: usize,
+        timeout_ms: u64,
+    },
 
     #[error("{op} on group '{group}' (seq {seq}): rank {rank} lost its connection to rank {peer}: {detail}")]
-    PeerClosed { op: OpKind, group: String, seq: u64, rank: usize, peer: usize, detail: String },
+    PeerClosed {
+        op: OpKind,
+        group: String,
+        seq: u64,
+        rank: usize,
+        peer: usize,
+        detail: String,
+    },
 
     #[error("mismatched collectives on group '{group}': rank {rank} called {mine} but rank {peer} called {theirs}")]
-    Mismatch { group: String, rank: usize, peer: usize, mine: String, theirs: String },
+    Mismatch {
+        group: String,
+        rank: usize,
+        peer: usize,
+        mine: String,
+        theirs: String,
+    },
 
     #[error("invalid argument to {op} on group '{group}': {msg}")]
-    InvalidArgument { op: OpKind, group: String, msg: String },
+    InvalidArgument {
+        op: OpKind,
+        group: String,
+        msg: String,
+    },
 
     #[error("rendezvous: {0}")]
     Store(String),
+
+    #[error("invalid process group: {0}")]
+    InvalidGroup(String),
+
+    #[error("launch environment: {0}")]
+    Env(String),
+
+    #[error("group '{group}' is unusable after an earlier failure: {cause}")]
+    Poisoned { group: String, cause: String },
 
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
@@ -143,7 +176,9 @@ impl<T: Send + 'static> Work<T> {
                 true
             }
         }
-        Self { inner: Box::new(Ready(value)) }
+        Self {
+            inner: Box::new(Ready(value)),
+        }
     }
 
     pub fn wait(self) -> Result<T> {
@@ -217,7 +252,12 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     fn gather(&self, x: &Tensor, root: usize) -> Result<Tensor> {
         self.gather_async(x, root).wait()
     }
-    fn all_to_all(&self, x: &Tensor, send_splits: &[usize], recv_splits: &[usize]) -> Result<Tensor> {
+    fn all_to_all(
+        &self,
+        x: &Tensor,
+        send_splits: &[usize],
+        recv_splits: &[usize],
+    ) -> Result<Tensor> {
         self.all_to_all_async(x, send_splits, recv_splits).wait()
     }
     fn send(&self, x: &Tensor, dst: usize) -> Result<()> {

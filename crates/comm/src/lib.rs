@@ -3,15 +3,22 @@
 //! # Layout
 //! - [`communicator`]: the `Communicator` trait every strategy talks through, `Work` handles,
 //!   `Backend` (creates groups).
-//! - `cpu/`: the CPU backend over TCP (ring all-reduce = ring reduce-scatter + ring all-gather).
-//! - `store`: the TCP rendezvous store hosted by rank 0.
-//! - `mesh`: the dp x pp x tp (+ ep) rank grid and its groups.
+//! - [`cpu`]: the CPU backend over TCP (ring all-reduce = ring reduce-scatter + ring all-gather).
+//! - [`store`]: the TCP rendezvous store hosted by rank 0.
+//! - [`env`]: the torchrun-style launch environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+//! - [`mesh`]: the dp x pp x tp (+ ep) rank grid and its groups.
 //! - [`trace`]: per-group record of every collective.
 
 pub mod communicator;
+pub mod cpu;
+pub mod env;
+pub mod store;
 pub mod trace;
 
 pub use communicator::{
-    chunk_range, Backend, Comm, CommError, Communicator, OpKind, PendingWork, ReduceOp, Result, Work,
+    chunk_range, Backend, Comm, CommError, Communicator, OpKind, PendingWork, ReduceOp, Result,
+    Work,
 };
+pub use cpu::{run_local, CpuBackend, CpuOptions};
+pub use env::LaunchEnv;
 pub use trace::{TraceEvent, Tracer};

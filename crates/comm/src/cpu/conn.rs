@@ -1,0 +1,314 @@
+//! TCP connections between ranks: one listener per process, a handshake that routes each
+//! incoming connection to its group, and a writer thread per connection.
+//!
+//! ```text
+//!   rank 1 creates group "tp:[0, 1]#0"              rank 0 (same group)
+//!   connect(addr of rank 0 from the store) ------>  listener -> accept thread
+//!   handshake {job, group key, from 1, to 0} ---->  checks job id, files the stream under
+//!                                                   (group key, peer 1) in `incoming`
+//!                            <---------- ack 0      new_group() takes it from `incoming`
+//! ```
+//!
+//! In each group the member with the lower group rank accepts and the higher one connects, so
+//! every pair of members shares exactly one connection. Each [`Peer`] owns a writer thread fed by
+//! a channel: a rank never blocks in `write` while its peer is blocked in `write` towards it,
+//! which is what lets a ring send and receive at the same time without deadlock.
+
+use std::collections::HashMap;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::communicator::{CommError, Result};
+
+/// Handshake magic: "MTRC".
+const MAGIC: u32 = 0x4D54_5243;
+
+/// Who a new connection is from, and for which group.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Hello {
+    job_id: String,
+    group: String,
+    from: usize,
+    to: usize,
+}
+
+/// The process's listener and the connections it has accepted but no group has claimed yet.
+pub(crate) struct Rendezvous {
+    job_id: String,
+    my_rank: usize,
+    addr: SocketAddr,
+    incoming: Mutex<HashMap<(String, usize), TcpStream>>,
+    arrived: Condvar,
+    stop: AtomicBool,
+}
+
+impl Rendezvous {
+    /// Bind a listener on `ip` (port chosen by the OS) and start accepting.
+    pub fn start(
+        ip: std::net::IpAddr,
+        job_id: &str,
+        my_rank: usize,
+    ) -> Result<(Arc<Self>, JoinHandle<()>)> {
+        let listener = TcpListener::bind(SocketAddr::new(ip, 0))?;
+        let rdv = Arc::new(Self {
+            job_id: job_id.to_string(),
+            my_rank,
+            addr: listener.local_addr()?,
+            incoming: Mutex::new(HashMap::new()),
+            arrived: Condvar::new(),
+            stop: AtomicBool::new(false),
+        });
+        let r = rdv.clone();
+        let handle = std::thread::Builder::new()
+            .name(format!("rank{my_rank}-accept"))
+            .spawn(move || r.accept_loop(listener))?;
+        Ok((rdv, handle))
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    fn accept_loop(self: Arc<Self>, listener: TcpListener) {
+        for conn in listener.incoming() {
+            if self.stop.load(Ordering::SeqCst) {
+                return;
+            }
+            let Ok(conn) = conn else { continue };
+            let me = self.clone();
+            let _ = std::thread::Builder::new()
+                .name("handshake".into())
+                .spawn(move || me.admit(conn));
+        }
+    }
+
+    /// Read a handshake, check the job id and file the stream for its group.
+    fn admit(&self, mut conn: TcpStream) {
+        let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
+        let hello = match read_hello(&mut conn) {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!(
+                    rank = self.my_rank,
+                    "dropping a connection with a bad handshake: {e}"
+                );
+                return;
+            }
+        };
+        let refuse = if hello.job_id != self.job_id {
+            Some(format!(
+                "rank {} belongs to job '{}', not '{}'",
+                self.my_rank, self.job_id, hello.job_id
+            ))
+        } else if hello.to != self.my_rank {
+            Some(format!(
+                "this is rank {}, not rank {}",
+                self.my_rank, hello.to
+            ))
+        } else {
+            None
+        };
+        if let Some(msg) = refuse {
+            tracing::warn!(
+                rank = self.my_rank,
+                from = hello.from,
+                "refusing a connection: {msg}"
+            );
+            let _ = write_frame(&mut conn, msg.as_bytes());
+            return;
+        }
+        if write_frame(&mut conn, b"").is_err() {
+            return;
+        }
+        let mut map = self.incoming.lock().unwrap_or_else(|p| p.into_inner());
+        map.insert((hello.group, hello.from), conn);
+        self.arrived.notify_all();
+    }
+
+    /// Wait for global rank `from` to connect for `group`.
+    pub fn take(&self, group: &str, from: usize, deadline: Instant) -> Result<TcpStream> {
+        let key = (group.to_string(), from);
+        let mut map = self.incoming.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(conn) = map.remove(&key) {
+                return Ok(conn);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(CommError::Store(format!(
+                    "rank {} creating group '{group}': rank {from} did not connect in time (did it create the same groups in the same order?)",
+                    self.my_rank
+                )));
+            }
+            map = self
+                .arrived
+                .wait_timeout(map, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Stop accepting (wakes the accept thread with one last connection).
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
+    }
+}
+
+/// Connect to global rank `to` at `addr` for `group` and complete the handshake.
+pub(crate) fn connect(
+    addr: SocketAddr,
+    job_id: &str,
+    group: &str,
+    from: usize,
+    to: usize,
+    timeout: Duration,
+) -> Result<TcpStream> {
+    let fail = |what: String| {
+        CommError::Store(format!(
+            "rank {from} connecting to rank {to} at {addr} for group '{group}': {what}"
+        ))
+    };
+    let mut conn = TcpStream::connect_timeout(&addr, timeout).map_err(|e| fail(e.to_string()))?;
+    conn.set_read_timeout(Some(timeout))?;
+    let hello = Hello {
+        job_id: job_id.into(),
+        group: group.into(),
+        from,
+        to,
+    };
+    let body = serde_json::to_vec(&hello).map_err(|e| fail(e.to_string()))?;
+    let mut msg = MAGIC.to_le_bytes().to_vec();
+    msg.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    msg.extend_from_slice(&body);
+    conn.write_all(&msg).map_err(|e| fail(e.to_string()))?;
+    let reply =
+        read_frame(&mut conn, 1 << 16).map_err(|e| fail(format!("no handshake reply: {e}")))?;
+    if !reply.is_empty() {
+        return Err(fail(format!(
+            "refused: {}",
+            String::from_utf8_lossy(&reply)
+        )));
+    }
+    Ok(conn)
+}
+
+fn read_hello(conn: &mut TcpStream) -> std::io::Result<Hello> {
+    let mut magic = [0u8; 4];
+    conn.read_exact(&mut magic)?;
+    if u32::from_le_bytes(magic) != MAGIC {
+        return Err(std::io::Error::new(
+            ErrorKind::InvalidData,
+            "not an mtrain connection",
+        ));
+    }
+    let body = read_frame(conn, 1 << 16)?;
+    serde_json::from_slice(&body).map_err(|e| std::io::Error::new(ErrorKind::InvalidData, e))
+}
+
+/// A `u32` length followed by that many bytes.
+pub(crate) fn write_frame(conn: &mut TcpStream, body: &[u8]) -> std::io::Result<()> {
+    let mut msg = (body.len() as u32).to_le_bytes().to_vec();
+    msg.extend_from_slice(body);
+    conn.write_all(&msg)
+}
+
+fn read_frame(conn: &mut TcpStream, max: usize) -> std::io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    conn.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > max {
+        return Err(std::io::Error::new(
+            ErrorKind::InvalidData,
+            format!("frame of {len} bytes"),
+        ));
+    }
+    let mut body = vec![0u8; len];
+    conn.read_exact(&mut body)?;
+    Ok(body)
+}
+
+/// How a read from a peer failed.
+pub(crate) enum ReadFailure {
+    /// Nothing arrived within the group's timeout.
+    Timeout,
+    /// The peer closed the connection or it broke.
+    Closed(String),
+}
+
+/// One member of a group as seen from this rank: a socket to read from and a writer thread.
+pub(crate) struct Peer {
+    reader: TcpStream,
+    writer: Option<mpsc::Sender<Vec<u8>>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Peer {
+    /// Wrap a connected stream; reads give up after `timeout`.
+    pub fn new(stream: TcpStream, timeout: Duration, name: String) -> Result<Self> {
+        stream.set_nodelay(true)?;
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_write_timeout(Some(timeout))?;
+        let mut out = stream.try_clone()?;
+        let (tx, rx) = mpsc::channel::<Vec<u8>>();
+        let thread = std::thread::Builder::new().name(name).spawn(move || {
+            for buf in rx {
+                if out.write_all(&buf).is_err() {
+                    // The reader side will see the broken connection and report it.
+                    let _ = out.shutdown(std::net::Shutdown::Both);
+                    return;
+                }
+            }
+            // Everything queued has been written: tell the peer we are done.
+            let _ = out.shutdown(std::net::Shutdown::Write);
+        })?;
+        Ok(Self {
+            reader: stream,
+            writer: Some(tx),
+            thread: Some(thread),
+        })
+    }
+
+    /// Queue bytes for the writer thread; returns at once.
+    pub fn send(&self, buf: Vec<u8>) -> std::result::Result<(), ReadFailure> {
+        match &self.writer {
+            Some(tx) => tx
+                .send(buf)
+                .map_err(|_| ReadFailure::Closed("the connection's writer has stopped".into())),
+            None => Err(ReadFailure::Closed(
+                "the connection was closed after an earlier failure".into(),
+            )),
+        }
+    }
+
+    /// Fill `buf` from the peer.
+    pub fn recv_into(&mut self, buf: &mut [u8]) -> std::result::Result<(), ReadFailure> {
+        self.reader.read_exact(buf).map_err(|e| match e.kind() {
+            ErrorKind::WouldBlock | ErrorKind::TimedOut => ReadFailure::Timeout,
+            ErrorKind::UnexpectedEof => {
+                ReadFailure::Closed("connection closed (the peer exited or failed)".into())
+            }
+            _ => ReadFailure::Closed(e.to_string()),
+        })
+    }
+
+    /// Stop sending: queued bytes are still written, then the peer sees end-of-stream.
+    pub fn close_send(&mut self) {
+        self.writer = None;
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        // The writer thread flushes what is queued and exits on its own; waiting for it here
+        // could block for a whole timeout when the peer has stopped reading.
+        self.writer = None;
+        let _ = self.reader.shutdown(std::net::Shutdown::Read);
+        drop(self.thread.take());
+    }
+}

@@ -1,0 +1,287 @@
+//! `CpuComm`: one process group of the CPU backend, and its communication thread.
+//!
+//! ```text
+//!   caller thread                          communication thread of the group
+//!   all_reduce_async(x) --job-->  queue -->  header exchange, ring, ... --> fills the Work slot
+//!   ...compute...                            (ops run one at a time, in issue order)
+//!   work.wait()  <----------------------------------------------------------'
+//! ```
+//!
+//! Every op, sync or async, is a job on the group's queue; the sync methods are the async ones
+//! followed by `wait()`. Because the transfer runs on its own thread, compute issued after an
+//! async op really overlaps it. After a failure the group is poisoned: the queue keeps draining
+//! but every later op fails at once with [`CommError::Poisoned`] naming the first error.
+
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
+
+use candle_core::{DType, Device, Shape, Tensor};
+
+use super::core::GroupCore;
+use super::wire::check_dtype;
+use crate::communicator::{CommError, Communicator, OpKind, PendingWork, ReduceOp, Result, Work};
+use crate::trace::{TraceEvent, Tracer};
+
+type Job = Box<dyn FnOnce(&mut GroupCore) + Send>;
+
+/// Where the communication thread leaves an op's result.
+struct Slot<T> {
+    value: Mutex<Option<Result<T>>>,
+    ready: Condvar,
+}
+
+/// The communication thread's end of a slot. If it is dropped unfilled (the thread died), the
+/// waiter gets an error instead of hanging.
+struct Promise<T> {
+    slot: Option<Arc<Slot<T>>>,
+    group: String,
+}
+
+impl<T> Promise<T> {
+    fn fulfil(mut self, value: Result<T>) {
+        if let Some(slot) = self.slot.take() {
+            *slot.value.lock().unwrap_or_else(|p| p.into_inner()) = Some(value);
+            slot.ready.notify_all();
+        }
+    }
+}
+
+impl<T> Drop for Promise<T> {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            let err = CommError::Poisoned {
+                group: self.group.clone(),
+                cause: "its communication thread stopped".into(),
+            };
+            *slot.value.lock().unwrap_or_else(|p| p.into_inner()) = Some(Err(err));
+            slot.ready.notify_all();
+        }
+    }
+}
+
+/// The caller's end of a slot.
+struct CpuWork<T>(Arc<Slot<T>>);
+
+impl<T: Send> PendingWork<T> for CpuWork<T> {
+    fn wait(self: Box<Self>) -> Result<T> {
+        let mut value = self.0.value.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(v) = value.take() {
+                return v;
+            }
+            value = self.0.ready.wait(value).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn is_done(&self) -> bool {
+        self.0
+            .value
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+    }
+}
+
+/// One process group of the CPU backend.
+pub struct CpuComm {
+    rank: usize,
+    name: String,
+    globals: Vec<usize>,
+    device: Device,
+    tracer: Tracer,
+    jobs: mpsc::Sender<Job>,
+    poison: Arc<Mutex<Option<String>>>,
+}
+
+impl std::fmt::Debug for CpuComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuComm")
+            .field("name", &self.name)
+            .field("rank", &self.rank)
+            .field("ranks", &self.globals)
+            .finish()
+    }
+}
+
+impl CpuComm {
+    /// Start the communication thread for a group whose connections are already set up.
+    pub(crate) fn start(core: GroupCore) -> Result<Self> {
+        let (jobs, queue) = mpsc::channel::<Job>();
+        let (rank, name, globals, tracer, poison) = (
+            core.rank,
+            core.name.clone(),
+            core.globals.clone(),
+            core.tracer.clone(),
+            core.poison_flag.clone(),
+        );
+        let thread_name = format!("comm-{}-r{}", name, globals[rank]);
+        std::thread::Builder::new()
+            .name(thread_name)
+            .spawn(move || {
+                let mut core = core;
+                for job in queue {
+                    job(&mut core);
+                }
+            })?;
+        Ok(Self {
+            rank,
+            name,
+            globals,
+            device: Device::Cpu,
+            tracer,
+            jobs,
+            poison,
+        })
+    }
+
+    /// Queue `run` on the communication thread and hand back its `Work`.
+    fn submit<T: Send + 'static>(
+        &self,
+        op: OpKind,
+        input: Option<&Tensor>,
+        peer: Option<usize>,
+        run: impl FnOnce(&mut GroupCore) -> Result<T> + Send + 'static,
+    ) -> Work<T> {
+        if let Some(cause) = self
+            .poison
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+        {
+            return Work::ready(Err(CommError::Poisoned {
+                group: self.name.clone(),
+                cause,
+            }));
+        }
+        if let Some(x) = input {
+            if let Err(e) = check_dtype(op, &self.name, x.dtype()) {
+                return Work::ready(Err(e));
+            }
+        }
+        let bytes = input
+            .map(|x| (x.elem_count() * x.dtype().size_in_bytes()) as u64)
+            .unwrap_or(0);
+        let slot = Arc::new(Slot {
+            value: Mutex::new(None),
+            ready: Condvar::new(),
+        });
+        let promise = Promise {
+            slot: Some(slot.clone()),
+            group: self.name.clone(),
+        };
+        let start_us = self.tracer.now_us();
+        let job: Job = Box::new(move |core: &mut GroupCore| {
+            core.begin(op);
+            let result = match core.poisoned() {
+                Some(e) => Err(e),
+                None => {
+                    let r = run(core);
+                    if let Err(e) = &r {
+                        core.poison(e);
+                    }
+                    r
+                }
+            };
+            core.tracer.record(TraceEvent {
+                op,
+                group: core.name.clone(),
+                seq: core.cur_seq,
+                bytes,
+                bytes_sent: core.cur_sent,
+                start_us,
+                end_us: core.tracer.now_us(),
+                peer,
+            });
+            promise.fulfil(result);
+        });
+        // If the thread is gone the job (and its promise) is dropped: the Work reports it.
+        let _ = self.jobs.send(job);
+        Work::new(Box::new(CpuWork(slot)))
+    }
+}
+
+impl Communicator for CpuComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.globals.len()
+    }
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn global_ranks(&self) -> &[usize] {
+        &self.globals
+    }
+    fn device(&self) -> &Device {
+        &self.device
+    }
+    fn tracer(&self) -> &Tracer {
+        &self.tracer
+    }
+
+    fn all_reduce_async(&self, x: &Tensor, op: ReduceOp) -> Work {
+        let xc = x.clone();
+        self.submit(OpKind::AllReduce, Some(x), None, move |c| {
+            c.all_reduce(&xc, op)
+        })
+    }
+    fn reduce_async(&self, x: &Tensor, root: usize, op: ReduceOp) -> Work {
+        let xc = x.clone();
+        self.submit(OpKind::Reduce, Some(x), Some(root), move |c| {
+            c.reduce(&xc, root, op)
+        })
+    }
+    fn broadcast_async(&self, x: &Tensor, root: usize) -> Work {
+        let xc = x.clone();
+        self.submit(OpKind::Broadcast, Some(x), Some(root), move |c| {
+            c.broadcast(&xc, root)
+        })
+    }
+    fn all_gather_async(&self, x: &Tensor) -> Work {
+        let xc = x.clone();
+        self.submit(OpKind::AllGather, Some(x), None, move |c| c.all_gather(&xc))
+    }
+    fn reduce_scatter_async(&self, x: &Tensor, op: ReduceOp) -> Work {
+        let xc = x.clone();
+        self.submit(OpKind::ReduceScatter, Some(x), None, move |c| {
+            c.reduce_scatter(&xc, op)
+        })
+    }
+    fn scatter_async(&self, x: &Tensor, root: usize) -> Work {
+        let xc = x.clone();
+        self.submit(OpKind::Scatter, Some(x), Some(root), move |c| {
+            c.scatter(&xc, root)
+        })
+    }
+    fn gather_async(&self, x: &Tensor, root: usize) -> Work {
+        let xc = x.clone();
+        self.submit(OpKind::Gather, Some(x), Some(root), move |c| {
+            c.gather(&xc, root)
+        })
+    }
+    fn all_to_all_async(&self, x: &Tensor, send_splits: &[usize], recv_splits: &[usize]) -> Work {
+        let (xc, s, r) = (x.clone(), send_splits.to_vec(), recv_splits.to_vec());
+        self.submit(OpKind::AllToAll, Some(x), None, move |c| {
+            c.all_to_all(&xc, &s, &r)
+        })
+    }
+    fn send_async(&self, x: &Tensor, dst: usize) -> Work<()> {
+        let xc = x.clone();
+        self.submit(OpKind::Send, Some(x), Some(dst), move |c| {
+            c.send_to(&xc, dst)
+        })
+    }
+    fn recv_async(&self, src: usize, shape: &Shape, dtype: DType) -> Work {
+        if let Err(e) = check_dtype(OpKind::Recv, &self.name, dtype) {
+            return Work::ready(Err(e));
+        }
+        let shape = shape.clone();
+        self.submit(OpKind::Recv, None, Some(src), move |c| {
+            c.recv_from(src, &shape, dtype)
+        })
+    }
+    fn barrier_async(&self) -> Work<()> {
+        self.submit(OpKind::Barrier, None, None, |c| c.barrier())
+    }
+}

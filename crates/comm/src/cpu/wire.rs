@@ -1,0 +1,444 @@
+//! What travels on the wire: the op header every rank checks, and tensors as little-endian bytes.
+//!
+//! Every op starts with a [`Header`] sent to each peer the op talks to. Collectives exchange
+//! headers with *every* peer of the group, so a rank that called something different is seen by
+//! all ranks at once and every rank fails with the same [`CommError::Mismatch`]:
+//!
+//! ```text
+//!   rank 0: all_reduce(sum) f32 [1024] seq 7  --header-->  rank 1 compares: op, dtype, shape, seq...
+//!   rank 1: all_gather      f32 [1024] seq 7  --header-->  rank 0 compares: mismatch, both fail
+//! ```
+//!
+//! After the headers, payloads are raw bytes whose lengths both sides already know. Reductions run
+//! in an accumulation type ([`AccBuf`]): f32 for f32/bf16/f16 (so half-precision sums are
+//! accumulated in f32 and rounded once), and the exact integer type for u8/u32/i64.
+
+use candle_core::{DType, Device, Tensor};
+use half::{bf16, f16};
+
+use crate::communicator::{CommError, OpKind, ReduceOp, Result};
+
+/// Header magic: "MTRH".
+const MAGIC: u32 = 0x4D54_5248;
+
+/// Dtypes the CPU backend moves and reduces.
+pub(crate) const SUPPORTED: [DType; 7] = [
+    DType::F32,
+    DType::BF16,
+    DType::F16,
+    DType::F64,
+    DType::U8,
+    DType::U32,
+    DType::I64,
+];
+
+const OPS: [OpKind; 11] = [
+    OpKind::AllReduce,
+    OpKind::Reduce,
+    OpKind::Broadcast,
+    OpKind::AllGather,
+    OpKind::ReduceScatter,
+    OpKind::Scatter,
+    OpKind::Gather,
+    OpKind::AllToAll,
+    OpKind::Send,
+    OpKind::Recv,
+    OpKind::Barrier,
+];
+const REDUCE_OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
+
+/// The description of one op that a rank sends to its peers before any payload.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Header {
+    pub op: OpKind,
+    pub dtype: DType,
+    pub reduce: Option<ReduceOp>,
+    /// Number of the op among the group's collectives, or among the sends from one rank to another.
+    pub seq: u64,
+    /// Hash of the group's identity, so streams of two groups can never be confused.
+    pub group: u64,
+    pub root: Option<usize>,
+    pub shape: Vec<usize>,
+    /// all_to_all only: rows this rank sends to the receiver of the header, and rows it expects back.
+    pub pair: (u64, u64),
+}
+
+impl Header {
+    pub fn new(op: OpKind, dtype: DType, seq: u64, group: u64, shape: &[usize]) -> Self {
+        Self {
+            op,
+            dtype,
+            reduce: None,
+            seq,
+            group,
+            root: None,
+            shape: shape.to_vec(),
+            pair: (0, 0),
+        }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(64 + 8 * self.shape.len());
+        b.extend_from_slice(&MAGIC.to_le_bytes());
+        b.push(OPS.iter().position(|o| *o == self.op).unwrap_or(255) as u8);
+        b.push(
+            SUPPORTED
+                .iter()
+                .position(|d| *d == self.dtype)
+                .unwrap_or(255) as u8,
+        );
+        b.push(
+            self.reduce
+                .and_then(|r| REDUCE_OPS.iter().position(|o| *o == r))
+                .unwrap_or(255) as u8,
+        );
+        b.extend_from_slice(&self.seq.to_le_bytes());
+        b.extend_from_slice(&self.group.to_le_bytes());
+        b.extend_from_slice(
+            &self
+                .root
+                .map(|r| r as u64)
+                .unwrap_or(u64::MAX)
+                .to_le_bytes(),
+        );
+        b.extend_from_slice(&self.pair.0.to_le_bytes());
+        b.extend_from_slice(&self.pair.1.to_le_bytes());
+        b.extend_from_slice(&(self.shape.len() as u32).to_le_bytes());
+        for d in &self.shape {
+            b.extend_from_slice(&(*d as u64).to_le_bytes());
+        }
+        b
+    }
+
+    /// Decode a header; `None` when the bytes are not a header (the streams are out of step).
+    pub fn decode(b: &[u8]) -> Option<Self> {
+        let mut r = Reader { b, at: 0 };
+        if r.u32()? != MAGIC {
+            return None;
+        }
+        let op = *OPS.get(r.u8()? as usize)?;
+        let dtype = *SUPPORTED.get(r.u8()? as usize)?;
+        let reduce = REDUCE_OPS.get(r.u8()? as usize).copied();
+        let seq = r.u64()?;
+        let group = r.u64()?;
+        let root = match r.u64()? {
+            u64::MAX => None,
+            x => Some(x as usize),
+        };
+        let pair = (r.u64()?, r.u64()?);
+        let ndims = r.u32()? as usize;
+        if ndims > 64 {
+            return None;
+        }
+        let shape = (0..ndims)
+            .map(|_| r.u64().map(|d| d as usize))
+            .collect::<Option<Vec<_>>>()?;
+        Some(Self {
+            op,
+            dtype,
+            reduce,
+            seq,
+            group,
+            root,
+            shape,
+            pair,
+        })
+    }
+
+    /// A one-line description used in mismatch errors, e.g. `all_reduce(Sum) f32 [4, 3] (seq 2)`.
+    pub fn describe(&self) -> String {
+        let mut s = self.op.to_string();
+        if let Some(r) = self.reduce {
+            s.push_str(&format!("({r:?})"));
+        }
+        s.push_str(&format!(" {:?} {:?}", self.dtype, self.shape).to_lowercase());
+        if let Some(root) = self.root {
+            s.push_str(&format!(" root {root}"));
+        }
+        if self.op == OpKind::AllToAll {
+            s.push_str(&format!(
+                " sending {} rows, expecting {} rows",
+                self.pair.0, self.pair.1
+            ));
+        }
+        s.push_str(&format!(" (seq {})", self.seq));
+        s
+    }
+
+    /// Whether a peer's header describes the same collective as ours.
+    pub fn matches(&self, theirs: &Header) -> bool {
+        let same = self.op == theirs.op
+            && self.dtype == theirs.dtype
+            && self.reduce == theirs.reduce
+            && self.seq == theirs.seq
+            && self.group == theirs.group
+            && self.root == theirs.root;
+        same && match self.op {
+            OpKind::AllReduce | OpKind::Reduce | OpKind::Broadcast | OpKind::ReduceScatter => {
+                self.shape == theirs.shape
+            }
+            // Row counts may differ between ranks; the shape of a row may not.
+            OpKind::AllGather | OpKind::Gather => self.shape.get(1..) == theirs.shape.get(1..),
+            OpKind::AllToAll => {
+                self.shape.get(1..) == theirs.shape.get(1..)
+                    && self.pair.0 == theirs.pair.1
+                    && self.pair.1 == theirs.pair.0
+            }
+            // Only the root's shape matters; point-to-point is checked by the receiver.
+            OpKind::Scatter | OpKind::Barrier | OpKind::Send | OpKind::Recv => true,
+        }
+    }
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl Reader<'_> {
+    fn take<const N: usize>(&mut self) -> Option<[u8; N]> {
+        let s = self.b.get(self.at..self.at + N)?;
+        self.at += N;
+        s.try_into().ok()
+    }
+    fn u8(&mut self) -> Option<u8> {
+        Some(self.take::<1>()?[0])
+    }
+    fn u32(&mut self) -> Option<u32> {
+        Some(u32::from_le_bytes(self.take()?))
+    }
+    fn u64(&mut self) -> Option<u64> {
+        Some(u64::from_le_bytes(self.take()?))
+    }
+}
+
+/// Reject dtypes the backend does not carry.
+pub(crate) fn check_dtype(op: OpKind, group: &str, dtype: DType) -> Result<()> {
+    if SUPPORTED.contains(&dtype) {
+        Ok(())
+    } else {
+        Err(CommError::InvalidArgument {
+            op,
+            group: group.to_string(),
+            msg: format!(
+                "dtype {dtype:?} is not supported by the CPU backend (supported: {SUPPORTED:?})"
+            ),
+        })
+    }
+}
+
+/// A tensor's elements, in row-major order, as little-endian bytes (non-contiguous inputs are
+/// read through their strides).
+pub(crate) fn tensor_to_bytes(x: &Tensor) -> Result<Vec<u8>> {
+    let flat = x.flatten_all()?;
+    fn enc<T: Copy, const N: usize>(v: Vec<T>, f: impl Fn(T) -> [u8; N]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(v.len() * N);
+        for e in v {
+            out.extend_from_slice(&f(e));
+        }
+        out
+    }
+    Ok(match x.dtype() {
+        DType::F32 => enc(flat.to_vec1::<f32>()?, f32::to_le_bytes),
+        DType::BF16 => enc(flat.to_vec1::<bf16>()?, bf16::to_le_bytes),
+        DType::F16 => enc(flat.to_vec1::<f16>()?, f16::to_le_bytes),
+        DType::F64 => enc(flat.to_vec1::<f64>()?, f64::to_le_bytes),
+        DType::U8 => flat.to_vec1::<u8>()?,
+        DType::U32 => enc(flat.to_vec1::<u32>()?, u32::to_le_bytes),
+        DType::I64 => enc(flat.to_vec1::<i64>()?, i64::to_le_bytes),
+        other => {
+            return Err(candle_core::Error::Msg(format!(
+                "dtype {other:?} is not carried by the CPU backend"
+            ))
+            .into())
+        }
+    })
+}
+
+/// Build a CPU tensor from little-endian bytes.
+pub(crate) fn bytes_to_tensor(bytes: &[u8], dtype: DType, shape: &[usize]) -> Result<Tensor> {
+    Ok(Tensor::from_raw_buffer(bytes, dtype, shape, &Device::Cpu)?)
+}
+
+/// One element type in which reductions are carried out.
+pub(crate) trait AccElem: Copy + PartialOrd + Send + 'static {
+    const SIZE: usize;
+    fn read(b: &[u8]) -> Self;
+    fn write(self, out: &mut Vec<u8>);
+    fn add(self, other: Self) -> Self;
+    fn div_n(self, n: usize) -> Self;
+}
+
+macro_rules! acc_elem {
+    ($t:ty, $add:expr, $div:expr) => {
+        impl AccElem for $t {
+            const SIZE: usize = std::mem::size_of::<$t>();
+            fn read(b: &[u8]) -> Self {
+                let mut a = [0u8; std::mem::size_of::<$t>()];
+                a.copy_from_slice(b);
+                <$t>::from_le_bytes(a)
+            }
+            fn write(self, out: &mut Vec<u8>) {
+                out.extend_from_slice(&self.to_le_bytes());
+            }
+            fn add(self, o: Self) -> Self {
+                $add(self, o)
+            }
+            fn div_n(self, n: usize) -> Self {
+                $div(self, n)
+            }
+        }
+    };
+}
+acc_elem!(f32, |a: f32, b: f32| a + b, |a: f32, n: usize| a / n as f32);
+acc_elem!(f64, |a: f64, b: f64| a + b, |a: f64, n: usize| a / n as f64);
+acc_elem!(u8, u8::wrapping_add, |a: u8, n: usize| a / n as u8);
+acc_elem!(u32, u32::wrapping_add, |a: u32, n: usize| a / n as u32);
+acc_elem!(i64, i64::wrapping_add, |a: i64, n: usize| a / n as i64);
+
+fn combine<T: AccElem>(a: T, b: T, op: ReduceOp) -> T {
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => a.add(b),
+        ReduceOp::Max => {
+            if b > a {
+                b
+            } else {
+                a
+            }
+        }
+        ReduceOp::Min => {
+            if b < a {
+                b
+            } else {
+                a
+            }
+        }
+    }
+}
+
+/// A tensor's elements in their accumulation type.
+pub(crate) enum AccBuf {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    U8(Vec<u8>),
+    U32(Vec<u32>),
+    I64(Vec<i64>),
+}
+
+macro_rules! each_acc {
+    ($self:expr, $v:ident => $body:expr) => {
+        match $self {
+            AccBuf::F32($v) => $body,
+            AccBuf::F64($v) => $body,
+            AccBuf::U8($v) => $body,
+            AccBuf::U32($v) => $body,
+            AccBuf::I64($v) => $body,
+        }
+    };
+}
+
+impl AccBuf {
+    pub fn from_tensor(x: &Tensor) -> Result<Self> {
+        let flat = x.flatten_all()?;
+        Ok(match x.dtype() {
+            DType::F32 => AccBuf::F32(flat.to_vec1::<f32>()?),
+            DType::BF16 | DType::F16 => AccBuf::F32(flat.to_dtype(DType::F32)?.to_vec1::<f32>()?),
+            DType::F64 => AccBuf::F64(flat.to_vec1::<f64>()?),
+            DType::U8 => AccBuf::U8(flat.to_vec1::<u8>()?),
+            DType::U32 => AccBuf::U32(flat.to_vec1::<u32>()?),
+            DType::I64 => AccBuf::I64(flat.to_vec1::<i64>()?),
+            other => {
+                return Err(candle_core::Error::Msg(format!(
+                    "dtype {other:?} cannot be reduced by the CPU backend"
+                ))
+                .into())
+            }
+        })
+    }
+
+    /// Bytes per accumulated element (what a partial reduction costs on the wire).
+    pub fn elem_size(&self) -> usize {
+        each_acc!(self, v => elem_size_of(v))
+    }
+
+    /// Elements `range` as wire bytes.
+    pub fn encode(&self, range: std::ops::Range<usize>) -> Vec<u8> {
+        each_acc!(self, v => {
+            let mut out = Vec::with_capacity(range.len() * elem_size_of(v));
+            for e in &v[range] {
+                e.write(&mut out);
+            }
+            out
+        })
+    }
+
+    /// `self[range] = op(self[range], bytes)` where `bytes` holds a peer's partial result.
+    pub fn combine_from(&mut self, range: std::ops::Range<usize>, bytes: &[u8], op: ReduceOp) {
+        each_acc!(self, v => {
+            let size = elem_size_of(v);
+            for (dst, src) in v[range].iter_mut().zip(bytes.chunks_exact(size)) {
+                *dst = combine(*dst, AccElem::read(src), op);
+            }
+        })
+    }
+
+    /// Turn the sum over `n` ranks into the average (for `ReduceOp::Avg`).
+    pub fn finish(&mut self, range: std::ops::Range<usize>, op: ReduceOp, n: usize) {
+        if op == ReduceOp::Avg {
+            each_acc!(self, v => for e in &mut v[range] { *e = e.div_n(n) })
+        }
+    }
+
+    /// Elements `range` converted to `dtype` (the tensor's own type) as little-endian bytes.
+    pub fn to_native_bytes(&self, range: std::ops::Range<usize>, dtype: DType) -> Vec<u8> {
+        match (self, dtype) {
+            (AccBuf::F32(v), DType::BF16) => v[range]
+                .iter()
+                .flat_map(|e| bf16::from_f32(*e).to_le_bytes())
+                .collect(),
+            (AccBuf::F32(v), DType::F16) => v[range]
+                .iter()
+                .flat_map(|e| f16::from_f32(*e).to_le_bytes())
+                .collect(),
+            _ => self.encode(range),
+        }
+    }
+}
+
+fn elem_size_of<T: AccElem>(_: &[T]) -> usize {
+    T::SIZE
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_round_trips_and_describes_itself() {
+        let mut h = Header::new(OpKind::AllToAll, DType::BF16, 7, 42, &[5, 3]);
+        h.pair = (2, 3);
+        assert_eq!(Header::decode(&h.encode()), Some(h.clone()));
+        assert_eq!(
+            h.describe(),
+            "all_to_all bf16 [5, 3] sending 2 rows, expecting 3 rows (seq 7)"
+        );
+        let mut peer = h.clone();
+        peer.pair = (3, 2);
+        assert!(h.matches(&peer));
+        peer.pair = (2, 3);
+        assert!(!h.matches(&peer));
+    }
+
+    #[test]
+    fn half_precision_accumulates_in_f32() -> Result<()> {
+        // 256 + 1 is not representable in bf16, but (256 + 1) + 1 = 258 is: f32 accumulation gets it.
+        let x = Tensor::new(&[256f32], &Device::Cpu)?.to_dtype(DType::BF16)?;
+        let mut acc = AccBuf::from_tensor(&x)?;
+        let one = 1f32.to_le_bytes();
+        acc.combine_from(0..1, &one, ReduceOp::Sum);
+        acc.combine_from(0..1, &one, ReduceOp::Sum);
+        let out = bytes_to_tensor(&acc.to_native_bytes(0..1, DType::BF16), DType::BF16, &[1])?;
+        assert_eq!(out.to_dtype(DType::F32)?.to_vec1::<f32>()?, vec![258.0]);
+        Ok(())
+    }
+}
