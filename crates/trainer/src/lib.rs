@@ -5,6 +5,8 @@ pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod data;
+#[cfg(feature = "cuda")]
+pub mod gpu_memory;
 pub mod launch;
 pub mod memory;
 pub mod plan;
