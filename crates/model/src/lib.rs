@@ -16,6 +16,7 @@ pub mod gpt;
 pub mod init;
 pub mod layers;
 pub mod moe;
+pub mod optim;
 pub mod param;
 
 pub use config::{ConfigError, GptConfig, MoeConfig};
