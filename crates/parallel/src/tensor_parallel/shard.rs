@@ -78,6 +78,10 @@ impl ShardLayout {
                 name: name.to_string(),
                 msg: e.to_string(),
             },
+            TpError::Shard { msg, .. } => TpError::Shard {
+                name: name.to_string(),
+                msg,
+            },
             other => other,
         })?;
         self.specs.insert(name.to_string(), spec);
@@ -168,7 +172,7 @@ pub fn shard(full: &Tensor, placement: Placement, rank: usize, size: usize) -> R
     let len = full.dim(dim)?;
     if len % (blocks * size) != 0 {
         return Err(TpError::Shard {
-            name: String::new(),
+            name: "(unnamed)".to_string(),
             msg: format!(
                 "dim {dim} of size {len} does not split into {blocks} block(s) x tp {size}"
             ),

@@ -1,0 +1,806 @@
+//! Tensor parallelism against closed forms and the single-device model (CPU, ranks as threads).
+//!
+//! - `ops_*`: each differentiable collective's forward and backward against its closed form.
+//! - `*_matches_dense`: each layer against its single-device counterpart: output, input gradient,
+//!   weight and bias gradients (rel ≤ 1e-5).
+//! - `gpt_tp*`: the whole GPT with tp = 2 and 4, with and without sequence parallelism, equals one
+//!   device over 10 SGD steps (loss rel ≤ 1e-5, every gradient rel ≤ 1e-4).
+//! - `trace_*`: the collectives each block issues in forward and backward.
+
+use std::collections::BTreeMap;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor, Var};
+use mtrain_comm::cpu::run_local;
+use mtrain_comm::{chunk_range, Backend, Comm, OpKind};
+use mtrain_model::gpt::{Embedding, Head};
+use mtrain_model::{
+    init_weights, CausalSelfAttention, DenseLinear, Engine, Gpt, GptConfig, Grads, Hooks,
+    LayerNorm, Linear, Mlp, NoHooks, Param, Segment,
+};
+use mtrain_parallel::ops::*;
+use mtrain_parallel::tensor_parallel::{
+    self, ColumnInput, ColumnParallelLinear, Placement, RowOutput, RowParallelLinear, ShardLayout,
+    VocabParallelEmbedding, VocabParallelHead,
+};
+use rand::{Rng, SeedableRng};
+
+type R<T> = candle_core::Result<T>;
+
+/// Runs `f` on `n` ranks (threads), handing each its world group as the tp group.
+fn on_ranks<T: Send>(n: usize, f: impl Fn(Comm) -> T + Sync) -> Vec<T> {
+    run_local(n, Duration::from_secs(60), |b| f(b.world()))
+}
+
+/// A deterministic tensor with entries in [-1, 1).
+fn det(shape: &[usize], seed: u64) -> Tensor {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).expect("tensor")
+}
+
+/// ‖a − b‖ / ‖b‖ (‖b‖ floored at 1e-12), in f64.
+fn rel(a: &Tensor, b: &Tensor) -> f64 {
+    let a = a.to_dtype(DType::F64).expect("f64");
+    let b = b.to_dtype(DType::F64).expect("f64");
+    assert_eq!(a.dims(), b.dims(), "shapes differ");
+    let d = (&a - &b)
+        .expect("sub")
+        .sqr()
+        .expect("sqr")
+        .sum_all()
+        .expect("sum")
+        .to_scalar::<f64>()
+        .expect("s");
+    let n = b
+        .sqr()
+        .expect("sqr")
+        .sum_all()
+        .expect("sum")
+        .to_scalar::<f64>()
+        .expect("s");
+    (d / n.max(1e-24)).sqrt()
+}
+
+fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f64) {
+    let r = rel(a, b);
+    assert!(r <= tol, "{what}: rel error {r:.3e} > {tol:.0e}");
+}
+
+/// Σ (y · w) and its gradients.
+fn backward_of(y: &Tensor, w: &Tensor) -> candle_core::backprop::GradStore {
+    (y * w)
+        .expect("mul")
+        .sum_all()
+        .expect("sum")
+        .backward()
+        .expect("backward")
+}
+
+fn grad(store: &candle_core::backprop::GradStore, t: &Tensor) -> Tensor {
+    store.get(t).cloned().expect("gradient missing")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Differentiable collectives against closed forms.
+// ---------------------------------------------------------------------------------------------
+
+const SHAPE: [usize; 3] = [2, 6, 4]; // (B, T, C) with T = 6 split unevenly over 4 ranks
+const SEEDS: u64 = 100;
+
+/// Rank r's input x_r and upstream gradient weight w_r (of the output's shape).
+fn x_of(r: usize, shape: &[usize]) -> Tensor {
+    det(shape, SEEDS + r as u64)
+}
+fn w_of(r: usize, shape: &[usize]) -> Tensor {
+    det(shape, 2 * SEEDS + r as u64)
+}
+fn sum_over(n: usize, f: impl Fn(usize) -> Tensor) -> Tensor {
+    (1..n).fold(f(0), |acc, r| (acc + f(r)).expect("add"))
+}
+fn cat_over(n: usize, dim: usize, f: impl Fn(usize) -> Tensor) -> Tensor {
+    Tensor::cat(&(0..n).map(f).collect::<Vec<_>>(), dim).expect("cat")
+}
+fn slice(t: &Tensor, dim: usize, n: usize, r: usize) -> Tensor {
+    let c = chunk_range(t.dim(dim).expect("dim"), n, r);
+    t.narrow(dim, c.start, c.len()).expect("narrow")
+}
+
+/// Applies `op` to rank r's `x` (a Var), backpropagates Σ(y · w_r) and returns (y, dx).
+fn run_op(
+    g: &Comm,
+    x: Tensor,
+    w_shape: impl Fn(&Tensor) -> Vec<usize>,
+    op: impl Fn(&Tensor) -> R<Tensor>,
+) -> (Tensor, Tensor) {
+    let x = Var::from_tensor(&x).expect("var");
+    let y = op(x.as_tensor()).expect("op");
+    let store = backward_of(&y, &w_of(g.rank(), &w_shape(&y)));
+    (y, grad(&store, x.as_tensor()))
+}
+
+#[test]
+fn ops_forward_and_backward_match_closed_forms() {
+    for n in [1usize, 2, 3, 4] {
+        on_ranks(n, |g| {
+            let r = g.rank();
+            let same = |y: &Tensor| y.dims().to_vec();
+            let last = SHAPE.len() - 1;
+            // f: y = x_r, dx = Σ w
+            let (y, dx) = run_op(&g, x_of(r, &SHAPE), same, |x| copy_to_tp_region(x, &g));
+            assert_close("copy fwd", &y, &x_of(r, &SHAPE), 0.0);
+            assert_close("copy bwd", &dx, &sum_over(n, |p| w_of(p, &SHAPE)), 1e-6);
+            // g: y = Σ x, dx = w_r
+            let (y, dx) = run_op(&g, x_of(r, &SHAPE), same, |x| reduce_from_tp_region(x, &g));
+            assert_close("reduce fwd", &y, &sum_over(n, |p| x_of(p, &SHAPE)), 1e-6);
+            assert_close("reduce bwd", &dx, &w_of(r, &SHAPE), 0.0);
+            // gather last dim: y = cat x, dx = slice r of w_r
+            let (y, dx) = run_op(&g, x_of(r, &SHAPE), same, |x| gather_from_tp_region(x, &g));
+            assert_close(
+                "gather fwd",
+                &y,
+                &cat_over(n, last, |p| x_of(p, &SHAPE)),
+                0.0,
+            );
+            assert_close(
+                "gather bwd",
+                &dx,
+                &slice(&w_of(r, y.dims()), last, n, r),
+                0.0,
+            );
+            // scatter last dim (same x everywhere): y = slice r, dx = cat of every rank's w
+            let full = [2, 6, 4 * n];
+            let (y, dx) = run_op(&g, x_of(0, &full), same, |x| scatter_to_tp_region(x, &g));
+            assert_close("scatter fwd", &y, &slice(&x_of(0, &full), last, n, r), 0.0);
+            let piece = |p: usize| w_of(p, slice(&x_of(0, &full), last, n, p).dims());
+            assert_close("scatter bwd", &dx, &cat_over(n, last, piece), 0.0);
+            // sequence gather: y = cat_T x_r, dx = slice r of Σ w
+            let sh = |p: usize| slice(&x_of(p, &SHAPE), 1, n, p); // rank p's sequence shard
+            let (y, dx) = run_op(&g, sh(r), same, |x| {
+                gather_from_sequence_parallel_region(x, 1, &g)
+            });
+            assert_close("seq gather fwd", &y, &cat_over(n, 1, sh), 0.0);
+            assert_close(
+                "seq gather bwd",
+                &dx,
+                &slice(&sum_over(n, |p| w_of(p, &SHAPE)), 1, n, r),
+                1e-6,
+            );
+            // sequence reduce-scatter: y = slice r of Σ x, dx = cat_T w_p
+            let (y, dx) = run_op(&g, x_of(r, &SHAPE), same, |x| {
+                reduce_scatter_to_sequence_parallel_region(x, 1, &g)
+            });
+            assert_close(
+                "seq rs fwd",
+                &y,
+                &slice(&sum_over(n, |p| x_of(p, &SHAPE)), 1, n, r),
+                1e-6,
+            );
+            let wp = |p: usize| w_of(p, slice(&x_of(0, &SHAPE), 1, n, p).dims());
+            assert_close("seq rs bwd", &dx, &cat_over(n, 1, wp), 0.0);
+            // sequence scatter (same x everywhere): y = slice r, dx = cat_T w_p
+            let (y, dx) = run_op(&g, x_of(0, &SHAPE), same, |x| {
+                scatter_to_sequence_parallel_region(x, 1, &g)
+            });
+            assert_close(
+                "seq scatter fwd",
+                &y,
+                &slice(&x_of(0, &SHAPE), 1, n, r),
+                0.0,
+            );
+            assert_close("seq scatter bwd", &dx, &cat_over(n, 1, wp), 0.0);
+        });
+    }
+}
+
+#[test]
+fn ops_on_untracked_input_skip_the_graph() {
+    on_ranks(2, |g| {
+        let x = x_of(g.rank(), &SHAPE); // a constant: no Var upstream
+        let y = reduce_from_tp_region(&x, &g).expect("reduce");
+        assert!(
+            !y.track_op(),
+            "a collective on a constant must not be recorded"
+        );
+        assert_close("fwd", &y, &sum_over(2, |p| x_of(p, &SHAPE)), 1e-6);
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layers against their single-device counterparts.
+// ---------------------------------------------------------------------------------------------
+
+const LAYER_TOL: f64 = 1e-5;
+
+/// A dense reference parameter and this rank's shard of it, registered in `layout`.
+fn pair(
+    layout: &mut ShardLayout,
+    name: &str,
+    full: &Tensor,
+    placement: Placement,
+) -> (Param, Param) {
+    let local = layout.take(name, full, placement).expect("shard");
+    (
+        Param::new(name, full.clone()).expect("param"),
+        Param::new(name, local).expect("param"),
+    )
+}
+
+/// Checks the gradient of every reference param against the gathered gradient of its shard.
+fn check_param_grads(
+    g: &Comm,
+    layout: &ShardLayout,
+    refs: &[Param],
+    ref_store: &candle_core::backprop::GradStore,
+    tps: &[Param],
+    store: &candle_core::backprop::GradStore,
+) {
+    for (rp, tp) in refs.iter().zip(tps) {
+        let full = layout
+            .gather_full(tp.name(), &grad(store, &tp.tensor()), g)
+            .expect("gather");
+        assert_close(
+            &format!("grad {}", rp.name()),
+            &full,
+            &grad(ref_store, &rp.tensor()),
+            LAYER_TOL,
+        );
+    }
+}
+
+#[test]
+fn column_and_row_parallel_linear_match_dense() {
+    for n in [2usize, 4] {
+        on_ranks(n, |g| {
+            let mut layout = ShardLayout::new(g.rank(), n);
+            let (w, b) = (det(&[8, 12], 1), det(&[8], 2));
+            let x = det(&[2, 3, 12], 3);
+            let up = det(&[2, 3, 8], 4);
+            let dense_ref = |w: &Param, b: &Param, x: &Tensor| {
+                DenseLinear::new(w.clone(), Some(b.clone())).forward(x)
+            };
+
+            // Column, output gathered: W (8, 12) split on the output dim.
+            let (rw, cw) = pair(
+                &mut layout,
+                "col.weight",
+                &w,
+                Placement::Sharded { dim: 0, blocks: 1 },
+            );
+            let (rb, cb) = pair(
+                &mut layout,
+                "col.bias",
+                &b,
+                Placement::Sharded { dim: 0, blocks: 1 },
+            );
+            let col = ColumnParallelLinear {
+                weight: cw.clone(),
+                bias: Some(cb.clone()),
+                input: ColumnInput::Replicated,
+                gather_output: true,
+                group: g.clone(),
+            };
+            let (xr, xt) = (
+                Var::from_tensor(&x).expect("v"),
+                Var::from_tensor(&x).expect("v"),
+            );
+            let y_ref = dense_ref(&rw, &rb, xr.as_tensor()).expect("ref");
+            let y = col.forward(xt.as_tensor()).expect("col");
+            assert_close("column out", &y, &y_ref, LAYER_TOL);
+            let (s_ref, s) = (backward_of(&y_ref, &up), backward_of(&y, &up));
+            assert_close(
+                "column dx",
+                &grad(&s, xt.as_tensor()),
+                &grad(&s_ref, xr.as_tensor()),
+                LAYER_TOL,
+            );
+            check_param_grads(&g, &layout, &[rw, rb], &s_ref, &[cw, cb], &s);
+
+            // Row, input scattered from the full x: W (8, 12) split on the input dim, bias added once.
+            let (rw, pw) = pair(
+                &mut layout,
+                "row.weight",
+                &w,
+                Placement::Sharded { dim: 1, blocks: 1 },
+            );
+            let (rb, pb) = pair(
+                &mut layout,
+                "row.bias",
+                &b,
+                Placement::Replicated {
+                    partial_grad: false,
+                },
+            );
+            let row = RowParallelLinear {
+                weight: pw.clone(),
+                bias: Some(pb.clone()),
+                output: RowOutput::AllReduce,
+                group: g.clone(),
+            };
+            let (xr, xt) = (
+                Var::from_tensor(&x).expect("v"),
+                Var::from_tensor(&x).expect("v"),
+            );
+            let y_ref = dense_ref(&rw, &rb, xr.as_tensor()).expect("ref");
+            let y = row
+                .forward(&scatter_to_tp_region(xt.as_tensor(), &g).expect("scatter"))
+                .expect("row"); // (2, 3, 8)
+            assert_close("row out", &y, &y_ref, LAYER_TOL);
+            let (s_ref, s) = (backward_of(&y_ref, &up), backward_of(&y, &up));
+            assert_close(
+                "row dx",
+                &grad(&s, xt.as_tensor()),
+                &grad(&s_ref, xr.as_tensor()),
+                LAYER_TOL,
+            );
+            check_param_grads(&g, &layout, &[rw, rb], &s_ref, &[pw, pb], &s);
+        });
+    }
+}
+
+/// Dense and tensor-parallel attention + MLP (heads 4, C 16) built from the same full weights.
+#[test]
+fn attention_and_mlp_match_dense() {
+    let (c, heads) = (16usize, 4usize);
+    for n in [2usize, 4] {
+        on_ranks(n, |g| {
+            let mut layout = ShardLayout::new(g.rank(), n);
+            let mut refs = Vec::new();
+            let mut tps = Vec::new();
+            let mut lin =
+                |name: &str, out: usize, inp: usize, column: bool, blocks: usize, seed: u64| {
+                    let (w, b) = (det(&[out, inp], seed), det(&[out], seed + 1));
+                    let (wp, bp) = match column {
+                        true => (
+                            Placement::Sharded { dim: 0, blocks },
+                            Placement::Sharded { dim: 0, blocks },
+                        ),
+                        false => (
+                            Placement::Sharded { dim: 1, blocks: 1 },
+                            Placement::Replicated {
+                                partial_grad: false,
+                            },
+                        ),
+                    };
+                    let (rw, tw) = pair(&mut layout, &format!("{name}.weight"), &w, wp);
+                    let (rb, tb) = pair(&mut layout, &format!("{name}.bias"), &b, bp);
+                    refs.extend([rw.clone(), rb.clone()]);
+                    tps.extend([tw.clone(), tb.clone()]);
+                    let dense: Box<dyn Linear> = Box::new(DenseLinear::new(rw, Some(rb)));
+                    let par: Box<dyn Linear> = match column {
+                        true => Box::new(ColumnParallelLinear {
+                            weight: tw,
+                            bias: Some(tb),
+                            input: ColumnInput::Replicated,
+                            gather_output: false,
+                            group: g.clone(),
+                        }),
+                        false => Box::new(RowParallelLinear {
+                            weight: tw,
+                            bias: Some(tb),
+                            output: RowOutput::AllReduce,
+                            group: g.clone(),
+                        }),
+                    };
+                    (dense, par)
+                };
+            let (qkv_d, qkv_p) = lin("c_attn", 3 * c, c, true, 3, 10);
+            let (proj_d, proj_p) = lin("c_proj", c, c, false, 1, 20);
+            let (fc_d, fc_p) = lin("c_fc", 4 * c, c, true, 1, 30);
+            let (fc2_d, fc2_p) = lin("c_proj2", c, 4 * c, false, 1, 40);
+            let attn_d = CausalSelfAttention::new(qkv_d, proj_d, heads, c / heads);
+            let attn_p = CausalSelfAttention::new(qkv_p, proj_p, heads / n, c / heads);
+            let (mlp_d, mlp_p) = (Mlp::new(fc_d, fc2_d), Mlp::new(fc_p, fc2_p));
+
+            let x = det(&[2, 5, c], 50);
+            let up = det(&[2, 5, c], 51);
+            let (xr, xt) = (
+                Var::from_tensor(&x).expect("v"),
+                Var::from_tensor(&x).expect("v"),
+            );
+            let y_ref = mlp_d
+                .apply(&attn_d.forward(xr.as_tensor()).expect("attn"))
+                .expect("mlp");
+            let y = mlp_p
+                .apply(&attn_p.forward(xt.as_tensor()).expect("attn"))
+                .expect("mlp");
+            assert_close("attn+mlp out", &y, &y_ref, LAYER_TOL);
+            let (s_ref, s) = (backward_of(&y_ref, &up), backward_of(&y, &up));
+            assert_close(
+                "attn+mlp dx",
+                &grad(&s, xt.as_tensor()),
+                &grad(&s_ref, xr.as_tensor()),
+                LAYER_TOL,
+            );
+            check_param_grads(&g, &layout, &refs, &s_ref, &tps, &s);
+        });
+    }
+}
+
+/// Vocab-parallel embedding and head (loss) against the dense ones, with and without SP.
+#[test]
+fn vocab_parallel_embedding_and_loss_match_dense() {
+    let (v, t, c) = (32usize, 8usize, 16usize);
+    for n in [2usize, 4] {
+        for sp in [false, true] {
+            on_ranks(n, |g| {
+                let r = g.rank();
+                let mut layout = ShardLayout::new(r, n);
+                let rep = Placement::Replicated { partial_grad: sp };
+                let (rwte, twte) = pair(
+                    &mut layout,
+                    "wte.weight",
+                    &det(&[v, c], 60),
+                    Placement::Sharded { dim: 0, blocks: 1 },
+                );
+                let (rwpe, twpe) = pair(&mut layout, "wpe.weight", &det(&[t, c], 61), rep);
+                let (rlw, tlw) = pair(&mut layout, "ln_f.weight", &det(&[c], 62), rep);
+                let (rlb, tlb) = pair(&mut layout, "ln_f.bias", &det(&[c], 63), rep);
+                let ids: Vec<u32> = (0..2 * t as u32).map(|i| (i * 7 + 3) % v as u32).collect();
+                let idx = Tensor::from_vec(ids.clone(), (2, t), &Device::Cpu).expect("ids");
+                let tgt = Tensor::from_vec(
+                    ids.iter()
+                        .map(|i| (i * 5 + 1) % v as u32)
+                        .collect::<Vec<_>>(),
+                    (2, t),
+                    &Device::Cpu,
+                )
+                .expect("tgt");
+
+                // Embedding: compare Σ(out · up) gradients; with SP each rank checks its tokens.
+                let emb_d = Embedding::new(rwte.clone(), rwpe.clone());
+                let emb_p = VocabParallelEmbedding::new(twte.clone(), twpe.clone(), g.clone(), sp);
+                let y_ref = emb_d.forward(&idx, None).expect("emb").out; // (2, T, C)
+                let y = emb_p.forward(&idx, None).expect("emb").out;
+                let up = det(&[2, t, c], 64);
+                let (y_ref_mine, up_mine) = match sp {
+                    true => (slice(&y_ref, 1, n, r), slice(&up, 1, n, r)),
+                    false => (y_ref.clone(), up.clone()),
+                };
+                assert_close("embedding out", &y, &y_ref_mine, LAYER_TOL);
+                let s_ref = backward_of(&y_ref, &up);
+                let s = backward_of(&y, &up_mine);
+                let mut grads = Grads::new();
+                for p in [&twte, &twpe] {
+                    grads.insert(p.name(), grad(&s, &p.tensor()));
+                }
+                layout.sync_partial_grads(&mut grads, &g).expect("sync");
+                let full = layout.full_grads(&grads, &g).expect("full");
+                for p in [&rwte, &rwpe] {
+                    assert_close(
+                        &format!("embedding grad {}", p.name()),
+                        full.get(p.name()).expect("g"),
+                        &grad(&s_ref, &p.tensor()),
+                        LAYER_TOL,
+                    );
+                }
+
+                // Head: loss, input gradient, ln_f and wte gradients.
+                let head_d = Head::new(LayerNorm::new(rlw.clone(), rlb.clone()), rwte.clone());
+                let head_p = VocabParallelHead::new(
+                    LayerNorm::new(tlw.clone(), tlb.clone()),
+                    twte.clone(),
+                    g.clone(),
+                    sp,
+                );
+                let x = det(&[2, t, c], 65);
+                let x_mine = if sp { slice(&x, 1, n, r) } else { x.clone() };
+                let (xr, xt) = (
+                    Var::from_tensor(&x).expect("v"),
+                    Var::from_tensor(&x_mine).expect("v"),
+                );
+                let loss_ref = head_d
+                    .forward(xr.as_tensor(), Some(&tgt))
+                    .expect("head")
+                    .out;
+                let loss = head_p
+                    .forward(xt.as_tensor(), Some(&tgt))
+                    .expect("head")
+                    .out;
+                assert_close("loss", &loss, &loss_ref, LAYER_TOL);
+                let (s_ref, s) = (loss_ref.backward().expect("b"), loss.backward().expect("b"));
+                let dx_ref = grad(&s_ref, xr.as_tensor());
+                let dx_ref = if sp { slice(&dx_ref, 1, n, r) } else { dx_ref };
+                assert_close("head dx", &grad(&s, xt.as_tensor()), &dx_ref, LAYER_TOL);
+                let mut grads = Grads::new();
+                for p in [&twte, &tlw, &tlb] {
+                    grads.insert(p.name(), grad(&s, &p.tensor()));
+                }
+                layout.sync_partial_grads(&mut grads, &g).expect("sync");
+                let full = layout.full_grads(&grads, &g).expect("full");
+                for p in [&rwte, &rlw, &rlb] {
+                    assert_close(
+                        &format!("head grad {}", p.name()),
+                        full.get(p.name()).expect("g"),
+                        &grad(&s_ref, &p.tensor()),
+                        LAYER_TOL,
+                    );
+                }
+                // Without targets the head gives the full logits.
+                let logits_ref = head_d.forward(&x, None).expect("logits").out;
+                let logits = head_p.forward(&x_mine, None).expect("logits").out;
+                assert_close("logits", &logits, &logits_ref, LAYER_TOL);
+            });
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The whole GPT: tensor-parallel vs one device over 10 SGD steps.
+// ---------------------------------------------------------------------------------------------
+
+const STEPS: usize = 10;
+const LR: f64 = 0.1;
+const LOSS_TOL: f64 = 1e-5;
+const GRAD_TOL: f64 = 1e-4;
+
+fn cfg() -> GptConfig {
+    GptConfig {
+        vocab_size: 64,
+        block_size: 16,
+        n_layer: 2,
+        n_head: 4,
+        n_embd: 32,
+        moe: None,
+    }
+}
+
+/// Batch `step`: (idx, targets), both (2, 16) u32, targets = next token.
+fn batch(step: usize) -> (Tensor, Tensor) {
+    let v = cfg().vocab_size as u32;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1000 + step as u64);
+    let seq: Vec<u32> = (0..2 * 17).map(|_| rng.gen_range(0..v)).collect();
+    let rows = |off: usize| -> Vec<u32> {
+        (0..2)
+            .flat_map(|b| seq[b * 17 + off..b * 17 + off + 16].to_vec())
+            .collect()
+    };
+    let t = |v: Vec<u32>| Tensor::from_vec(v, (2, 16), &Device::Cpu).expect("batch");
+    (t(rows(0)), t(rows(1)))
+}
+
+/// p ← p − lr · g for every parameter (shard or full) with a gradient.
+fn sgd(params: &[Param], grads: &Grads) {
+    for p in params {
+        let g = grads.get(p.name()).expect("every parameter has a gradient");
+        p.set(&(p.tensor() - (g * LR).expect("scale")).expect("step"))
+            .expect("set");
+    }
+}
+
+/// Single-device losses and gradients of every step (computed once for all tp layouts).
+fn reference() -> &'static Vec<(f64, Grads)> {
+    static REF: OnceLock<Vec<(f64, Grads)>> = OnceLock::new();
+    REF.get_or_init(|| {
+        let gpt =
+            Gpt::new(cfg(), &init_weights(&cfg(), 7).expect("init"), &Device::Cpu).expect("gpt");
+        let params = gpt.params();
+        (0..STEPS)
+            .map(|step| {
+                let (idx, tgt) = batch(step);
+                let mut grads = Grads::new();
+                let (loss, _) = Engine::default()
+                    .forward_backward(&gpt.segments, &idx, &tgt, 1.0, &mut grads, &mut NoHooks)
+                    .expect("fwd/bwd");
+                sgd(&params, &grads);
+                (loss, grads)
+            })
+            .collect()
+    })
+}
+
+fn gpt_matches_single_device(tp: usize, sequence_parallel: bool) {
+    let reference = reference();
+    let weights: BTreeMap<String, Tensor> = init_weights(&cfg(), 7).expect("init");
+    on_ranks(tp, |g| {
+        let model = tensor_parallel::build(&cfg(), &weights, &g, sequence_parallel, &Device::Cpu)
+            .expect("build");
+        let params = model.params();
+        for (step, (loss_ref, grads_ref)) in reference.iter().enumerate() {
+            let (idx, tgt) = batch(step);
+            let mut grads = Grads::new();
+            let (loss, _) = Engine::default()
+                .forward_backward(&model.segments, &idx, &tgt, 1.0, &mut grads, &mut NoHooks)
+                .expect("fwd/bwd");
+            model
+                .layout
+                .sync_partial_grads(&mut grads, &g)
+                .expect("sync");
+            let l = (loss - loss_ref).abs() / loss_ref.abs();
+            assert!(l <= LOSS_TOL, "tp {tp} sp {sequence_parallel} step {step}: loss {loss} vs {loss_ref} (rel {l:.2e})");
+            let full = model.layout.full_grads(&grads, &g).expect("full grads");
+            assert_eq!(full.names(), grads_ref.names(), "gradient names");
+            for (name, gr) in grads_ref.iter() {
+                let r = rel(full.get(name).expect("grad"), gr);
+                assert!(
+                    r <= GRAD_TOL,
+                    "tp {tp} sp {sequence_parallel} step {step}: grad {name} rel {r:.2e}"
+                );
+            }
+            sgd(&params, &grads);
+        }
+    });
+}
+
+#[test]
+fn gpt_tp2_matches_single_device() {
+    gpt_matches_single_device(2, false);
+}
+
+#[test]
+fn gpt_tp4_matches_single_device() {
+    gpt_matches_single_device(4, false);
+}
+
+#[test]
+fn gpt_tp2_sequence_parallel_matches_single_device() {
+    gpt_matches_single_device(2, true);
+}
+
+#[test]
+fn gpt_tp4_sequence_parallel_matches_single_device() {
+    gpt_matches_single_device(4, true);
+}
+
+#[test]
+fn indivisible_layouts_are_rejected_with_the_numbers() {
+    let mut c = cfg();
+    c.n_head = 6;
+    c.n_embd = 48;
+    let err = tensor_parallel::validate(&c, 4)
+        .expect_err("6 heads over tp 4")
+        .to_string();
+    assert!(err.contains("n_head 6") && err.contains("tp 4"), "{err}");
+    let mut c = cfg();
+    c.vocab_size = 66;
+    let err = tensor_parallel::validate(&c, 4)
+        .expect_err("vocab 66 over tp 4")
+        .to_string();
+    assert!(
+        err.contains("vocab_size 66") && err.contains("tp 4"),
+        "{err}"
+    );
+    let err = tensor_parallel::validate(&cfg(), 3)
+        .expect_err("4 heads over tp 3")
+        .to_string();
+    assert!(err.contains("n_head 4") && err.contains("tp 3"), "{err}");
+    assert!(tensor_parallel::validate(&cfg(), 4).is_ok());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The collectives each block issues.
+// ---------------------------------------------------------------------------------------------
+
+/// Notes the tp group's event count at each segment boundary.
+struct Marks {
+    group: Comm,
+    fwd: Vec<usize>,
+    bwd: Vec<(usize, usize, usize)>, // (segment, events before, events after)
+}
+
+impl Hooks for Marks {
+    fn pre_forward(&mut self, _i: usize, _s: &dyn Segment) -> R<()> {
+        self.fwd.push(self.group.tracer().events().len());
+        Ok(())
+    }
+    fn pre_backward(&mut self, i: usize, _s: &dyn Segment) -> R<()> {
+        self.bwd.push((i, self.group.tracer().events().len(), 0));
+        Ok(())
+    }
+    fn post_backward(&mut self, _i: usize, _s: &dyn Segment, _g: &mut Grads) -> R<()> {
+        if let Some(last) = self.bwd.last_mut() {
+            last.2 = self.group.tracer().events().len();
+        }
+        Ok(())
+    }
+}
+
+fn block_trace(sequence_parallel: bool) -> Vec<(Vec<OpKind>, Vec<OpKind>)> {
+    let weights = init_weights(&cfg(), 7).expect("init");
+    let out = on_ranks(2, |g| {
+        let model = tensor_parallel::build(&cfg(), &weights, &g, sequence_parallel, &Device::Cpu)
+            .expect("build");
+        let (idx, tgt) = batch(0);
+        g.tracer().set_recording(true);
+        let mut marks = Marks {
+            group: g.clone(),
+            fwd: vec![],
+            bwd: vec![],
+        };
+        let engine = Engine::default();
+        let acts = engine
+            .forward(&model.segments, &idx, Some(&tgt), &mut marks)
+            .expect("forward");
+        marks.fwd.push(g.tracer().events().len());
+        let mut grads = Grads::new();
+        engine
+            .backward(&model.segments, acts, None, 1.0, &mut grads, &mut marks)
+            .expect("backward");
+        let ops: Vec<OpKind> = g.tracer().events().iter().map(|e| e.op).collect();
+        (1..=cfg().n_layer)
+            .map(|i| {
+                let fwd = ops[marks.fwd[i]..marks.fwd[i + 1]].to_vec();
+                let &(_, a, b) = marks.bwd.iter().find(|m| m.0 == i).expect("block backward");
+                (fwd, ops[a..b].to_vec())
+            })
+            .collect::<Vec<_>>()
+    });
+    assert!(
+        out.windows(2).all(|w| w[0] == w[1]),
+        "ranks issued different collectives"
+    );
+    out.into_iter().next().expect("rank 0")
+}
+
+#[test]
+fn trace_two_all_reduces_per_block_each_way() {
+    for (fwd, bwd) in block_trace(false) {
+        assert_eq!(fwd, vec![OpKind::AllReduce; 2], "forward of a block");
+        assert_eq!(bwd, vec![OpKind::AllReduce; 2], "backward of a block");
+    }
+}
+
+#[test]
+fn trace_sequence_parallel_gathers_and_reduce_scatters_per_block() {
+    use OpKind::{AllGather as AG, ReduceScatter as RS};
+    for (fwd, bwd) in block_trace(true) {
+        assert_eq!(
+            fwd,
+            vec![AG, RS, AG, RS],
+            "forward of a block: gather before each sub-layer, reduce-scatter after"
+        );
+        assert_eq!(
+            bwd,
+            vec![AG, RS, AG, RS],
+            "backward of a block: the conjugates, MLP first"
+        );
+    }
+}
+
+#[test]
+fn shard_and_unshard_are_inverse_and_name_bad_splits() {
+    let full = det(&[12, 8], 5);
+    for (placement, dim, blocks) in [
+        (Placement::Sharded { dim: 0, blocks: 3 }, 0, 3),
+        (Placement::Sharded { dim: 1, blocks: 1 }, 1, 1),
+    ] {
+        let pieces: Vec<Tensor> = (0..2)
+            .map(|r| tensor_parallel::shard::shard(&full, placement, r, 2).expect("shard"))
+            .collect();
+        let back = tensor_parallel::shard::unshard(
+            &Tensor::cat(&pieces, dim).expect("cat"),
+            dim,
+            blocks,
+            2,
+        )
+        .expect("unshard");
+        assert_close("unshard(shard(w))", &back, &full, 0.0);
+    }
+    // q | k | v blocks: rank 1 of 2 holds rows 2..4, 6..8, 10..12.
+    let p1 = tensor_parallel::shard::shard(&full, Placement::Sharded { dim: 0, blocks: 3 }, 1, 2)
+        .expect("shard");
+    let want = Tensor::cat(
+        &[
+            full.narrow(0, 2, 2).unwrap(),
+            full.narrow(0, 6, 2).unwrap(),
+            full.narrow(0, 10, 2).unwrap(),
+        ],
+        0,
+    )
+    .unwrap();
+    assert_close("qkv shard", &p1, &want, 0.0);
+    let err = ShardLayout::new(0, 3)
+        .take(
+            "h.0.mlp.c_proj.weight",
+            &full,
+            Placement::Sharded { dim: 1, blocks: 1 },
+        )
+        .expect_err("8 over 3");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("h.0.mlp.c_proj.weight") && msg.contains("size 8") && msg.contains("tp 3"),
+        "{msg}"
+    );
+}
