@@ -93,6 +93,16 @@ pub trait IdExchange: Send + Sync {
     fn fetch(&self, key: &str, timeout: Duration) -> Result<Vec<u8>>;
 }
 
+impl IdExchange for crate::store::StoreClient {
+    fn publish(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.set(key, value)
+    }
+
+    fn fetch(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        self.get_timeout(key, timeout)
+    }
+}
+
 /// An [`IdExchange`] for ranks that are threads of one process (one GPU per thread).
 #[derive(Debug, Default)]
 pub struct InProcessExchange {
@@ -138,6 +148,8 @@ pub struct NcclOptions {
     /// Exchange a header before every op and fail with [`CommError::Mismatch`] when ranks
     /// disagree (one host rendezvous per op: for debugging).
     pub check_args: bool,
+    /// Record every op in each group's tracer (otherwise only the last few are kept).
+    pub trace: bool,
 }
 
 impl Default for NcclOptions {
@@ -154,6 +166,8 @@ pub struct NcclBackend {
     factory: GroupFactory,
     world_size: usize,
     world: Comm,
+    /// Rank 0 of a launched job hosts the rendezvous store for as long as the backend lives.
+    _store_server: Option<crate::store::StoreServer>,
 }
 
 /// What every group of a backend is created from.
@@ -441,7 +455,11 @@ impl NcclGroup {
             device: backend.device.clone(),
             compute,
             comm_stream,
-            tracer: Tracer::new(backend.epoch),
+            tracer: {
+                let t = Tracer::new(backend.epoch);
+                t.set_recording(backend.opts.trace);
+                t
+            },
             check_args: backend.opts.check_args,
             seq: AtomicU64::new(0),
             issue: Mutex::new(()),
