@@ -128,6 +128,9 @@ pub enum CommError {
     #[error("rendezvous: {0}")]
     Store(String),
 
+    #[error("invalid mesh: {0}")]
+    InvalidMesh(String),
+
     #[error("invalid process group: {0}")]
     InvalidGroup(String),
 

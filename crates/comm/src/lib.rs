@@ -12,6 +12,7 @@
 pub mod communicator;
 pub mod cpu;
 pub mod env;
+pub mod mesh;
 pub mod store;
 pub mod trace;
 
@@ -21,4 +22,5 @@ pub use communicator::{
 };
 pub use cpu::{run_local, CpuBackend, CpuOptions};
 pub use env::LaunchEnv;
+pub use mesh::{Coords, DeviceMesh, GroupKind, MeshDims};
 pub use trace::{TraceEvent, Tracer};
