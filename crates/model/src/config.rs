@@ -165,7 +165,10 @@ impl GptConfig {
                     bound: "> 0",
                 });
             }
-            for (field, value) in [("aux_loss_coef", m.aux_loss_coef), ("z_loss_coef", m.z_loss_coef)] {
+            for (field, value) in [
+                ("aux_loss_coef", m.aux_loss_coef),
+                ("z_loss_coef", m.z_loss_coef),
+            ] {
                 if !(value.is_finite() && value >= 0.0) {
                     return Err(ConfigError::BadFloat {
                         field,
@@ -217,6 +220,7 @@ impl GptConfig {
     /// token passes through, [`GptConfig::n_active_params`]) plus 12·L·C·T for attention scores
     /// (the PaLM / nanoGPT MFU formula).
     pub fn flops_per_token(&self, seq_len: usize) -> f64 {
-        6.0 * self.n_active_params() as f64 + 12.0 * self.n_layer as f64 * self.n_embd as f64 * seq_len as f64
+        6.0 * self.n_active_params() as f64
+            + 12.0 * self.n_layer as f64 * self.n_embd as f64 * seq_len as f64
     }
 }

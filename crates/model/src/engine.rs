@@ -13,6 +13,8 @@
 //!              objective.backward()  ->  ∂/∂params(i) and gᵢ = ∂/∂aᵢ
 //!              grads[name] += ∂/∂param    (a tied weight sums over the segments using it)
 //!              post_backward(i)           (DDP: launch bucket; FSDP: reduce-scatter; PP: send gᵢ)
+//!
+//! forward hooks: pre_forward(i) before and post_forward(i) after each segment's forward.
 //! ```
 //!
 //! By the chain rule, backpropagating `(out · g).sum()` through segment i with `g` the gradient
@@ -36,6 +38,11 @@ use std::sync::Arc;
 pub trait Hooks {
     /// Before segment `i`'s forward.
     fn pre_forward(&mut self, _i: usize, _seg: &dyn Segment) -> Result<()> {
+        Ok(())
+    }
+    /// After segment `i`'s forward (FSDP may put its placeholder back here when checkpointing,
+    /// since then nothing recorded holds the gathered weight).
+    fn post_forward(&mut self, _i: usize, _seg: &dyn Segment) -> Result<()> {
         Ok(())
     }
     /// Before segment `i`'s backward (and before its recompute under checkpointing).
@@ -178,6 +185,7 @@ impl Engine {
                 })
             };
             saved.push(Saved { input, recorded });
+            hooks.post_forward(i, seg.as_ref())?;
         }
         Ok(Activations {
             output: x,
@@ -214,10 +222,9 @@ impl Engine {
         let mut grad_out: Option<Tensor> = grad_output.cloned();
         for i in (0..n).rev() {
             let seg = segs[i].as_ref();
-            let saved = acts
-                .saved
-                .pop()
-                .ok_or_else(|| candle_core::Error::Msg("engine backward: no saved segment".into()))?;
+            let saved = acts.saved.pop().ok_or_else(|| {
+                candle_core::Error::Msg("engine backward: no saved segment".into())
+            })?;
             hooks.pre_backward(i, seg)?;
             let rec = match saved.recorded {
                 Some(r) => r,
@@ -289,7 +296,11 @@ impl Engine {
         hooks: &mut dyn Hooks,
     ) -> Result<(f64, f64)> {
         let acts = self.forward(segs, idx, Some(targets), hooks)?;
-        let loss = acts.output.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+        let loss = acts
+            .output
+            .to_dtype(DType::F64)?
+            .sum_all()?
+            .to_scalar::<f64>()?;
         let aux = acts.aux_loss;
         self.backward(segs, acts, None, loss_scale, grads, hooks)?;
         Ok((loss, aux))

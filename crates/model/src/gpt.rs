@@ -27,7 +27,8 @@ use rand::Rng;
 use crate::config::GptConfig;
 use crate::init::param_specs;
 use crate::layers::{
-    linear, log_softmax_last_dim, upcast, CausalSelfAttention, DenseLinear, FeedForward, LayerNorm, Linear, Mlp,
+    linear, log_softmax_last_dim, upcast, CausalSelfAttention, DenseLinear, FeedForward, LayerNorm,
+    Linear, Mlp,
 };
 use crate::moe::{MoeLayer, MoeStats};
 use crate::param::Param;
@@ -95,7 +96,9 @@ impl Segment for Embedding {
         }
         let wte = self.wte.tensor();
         let c = wte.dim(1)?;
-        let tok = wte.index_select(&idx.flatten_all()?, 0)?.reshape((b, t, c))?; // (B, T, C)
+        let tok = wte
+            .index_select(&idx.flatten_all()?, 0)?
+            .reshape((b, t, c))?; // (B, T, C)
         let pos = wpe.narrow(0, 0, t)?; // (T, C)
         Ok(SegmentOut::plain(tok.broadcast_add(&pos)?))
     }
@@ -268,7 +271,12 @@ impl ParamStore {
     pub fn new(weights: &BTreeMap<String, Tensor>, device: &Device) -> Result<Self> {
         let params = weights
             .iter()
-            .map(|(name, t)| Ok((name.clone(), Param::new(name.clone(), t.to_device(device)?)?)))
+            .map(|(name, t)| {
+                Ok((
+                    name.clone(),
+                    Param::new(name.clone(), t.to_device(device)?)?,
+                ))
+            })
             .collect::<Result<_>>()?;
         Ok(Self { params })
     }
@@ -330,7 +338,8 @@ impl Gpt {
         }
         let p = ParamStore::new(weights, device)?;
         let wte = p.get("wte.weight")?;
-        let mut segments: Vec<Arc<dyn Segment>> = vec![Arc::new(Embedding::new(wte.clone(), p.get("wpe.weight")?))];
+        let mut segments: Vec<Arc<dyn Segment>> =
+            vec![Arc::new(Embedding::new(wte.clone(), p.get("wpe.weight")?))];
         for i in 0..cfg.n_layer {
             segments.push(Arc::new(Block::dense(&cfg, i, &p)?));
         }
@@ -416,7 +425,12 @@ impl Gpt {
 }
 
 /// Samples one token id from a row of logits.
-fn sample_row<R: Rng + ?Sized>(logits: &[f64], temperature: f64, top_k: Option<usize>, rng: &mut R) -> u32 {
+fn sample_row<R: Rng + ?Sized>(
+    logits: &[f64],
+    temperature: f64,
+    top_k: Option<usize>,
+    rng: &mut R,
+) -> u32 {
     let argmax = |xs: &[f64]| {
         xs.iter()
             .enumerate()

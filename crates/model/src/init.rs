@@ -49,7 +49,11 @@ pub fn param_specs(cfg: &GptConfig) -> Vec<(String, Vec<usize>, InitKind)> {
         push(format!("{h}.ln_1.weight"), vec![c], InitKind::Ones);
         push(format!("{h}.ln_1.bias"), vec![c], InitKind::Zeros);
         push(format!("{h}.attn.c_attn.weight"), vec![3 * c, c], normal);
-        push(format!("{h}.attn.c_attn.bias"), vec![3 * c], InitKind::Zeros);
+        push(
+            format!("{h}.attn.c_attn.bias"),
+            vec![3 * c],
+            InitKind::Zeros,
+        );
         push(format!("{h}.attn.c_proj.weight"), vec![c, c], residual);
         push(format!("{h}.attn.c_proj.bias"), vec![c], InitKind::Zeros);
         push(format!("{h}.ln_2.weight"), vec![c], InitKind::Ones);
@@ -57,8 +61,14 @@ pub fn param_specs(cfg: &GptConfig) -> Vec<(String, Vec<usize>, InitKind)> {
         let mlp_prefixes = match &cfg.moe {
             None => vec![format!("{h}.mlp")],
             Some(m) => {
-                push(format!("{h}.moe.router.weight"), vec![m.n_experts, c], normal);
-                (0..m.n_experts).map(|e| format!("{h}.moe.experts.{e}")).collect()
+                push(
+                    format!("{h}.moe.router.weight"),
+                    vec![m.n_experts, c],
+                    normal,
+                );
+                (0..m.n_experts)
+                    .map(|e| format!("{h}.moe.experts.{e}"))
+                    .collect()
             }
         };
         for p in mlp_prefixes {

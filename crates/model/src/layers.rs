@@ -85,7 +85,9 @@ impl Linear for DenseLinear {
     }
 
     fn params(&self) -> Vec<Param> {
-        std::iter::once(self.weight.clone()).chain(self.bias.clone()).collect()
+        std::iter::once(self.weight.clone())
+            .chain(self.bias.clone())
+            .collect()
     }
 }
 
@@ -199,7 +201,12 @@ pub struct CausalSelfAttention {
 }
 
 impl CausalSelfAttention {
-    pub fn new(c_attn: Box<dyn Linear>, c_proj: Box<dyn Linear>, n_head: usize, head_dim: usize) -> Self {
+    pub fn new(
+        c_attn: Box<dyn Linear>,
+        c_proj: Box<dyn Linear>,
+        n_head: usize,
+        head_dim: usize,
+    ) -> Self {
         Self {
             c_attn,
             c_proj,

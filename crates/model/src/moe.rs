@@ -27,7 +27,9 @@
 use candle_core::{DType, Result, Tensor, D};
 
 use crate::config::MoeConfig;
-use crate::layers::{linear, log_softmax_last_dim, softmax_last_dim, upcast, FeedForward, FfnOut, Mlp};
+use crate::layers::{
+    linear, log_softmax_last_dim, softmax_last_dim, upcast, FeedForward, FfnOut, Mlp,
+};
 use crate::param::Param;
 
 /// Routing statistics of one MoE layer call.
@@ -67,7 +69,10 @@ pub struct RoutingPlan {
 impl RoutingPlan {
     /// Token indices kept by `expert`, in slot order.
     pub fn tokens_of(&self, expert: usize) -> Vec<u32> {
-        self.assignments[expert].iter().map(|a| a.token as u32).collect()
+        self.assignments[expert]
+            .iter()
+            .map(|a| a.token as u32)
+            .collect()
     }
 
     /// Kept-token counts and drops.
@@ -145,7 +150,11 @@ pub fn route(probs: &Tensor, top_k: usize, capacity_factor: f64) -> Result<Routi
 /// Switch load-balancing loss `E · Σᵢ fᵢ · Pᵢ` (scalar), differentiable through `probs` (N, E).
 pub fn load_balancing_loss(probs: &Tensor, plan: &RoutingPlan) -> Result<Tensor> {
     let n = plan.n_tokens.max(1) as f64;
-    let f: Vec<f64> = plan.first_choice_counts.iter().map(|&c| c as f64 / n).collect();
+    let f: Vec<f64> = plan
+        .first_choice_counts
+        .iter()
+        .map(|&c| c as f64 / n)
+        .collect();
     let f = Tensor::from_vec(f, plan.n_experts, probs.device())?.to_dtype(probs.dtype())?; // (E,)
     let p_mean = probs.mean(0)?; // (E,)
     (p_mean * f)?.sum_all()? * plan.n_experts as f64
@@ -154,7 +163,8 @@ pub fn load_balancing_loss(probs: &Tensor, plan: &RoutingPlan) -> Result<Tensor>
 /// ST-MoE router z-loss `mean_t (logsumexp logits[t, :])²` (scalar).
 pub fn z_loss(logits: &Tensor) -> Result<Tensor> {
     // logsumexp = x - log_softmax(x) for any column; use column 0 of each row.
-    let lse = (logits.narrow(D::Minus1, 0, 1)? - log_softmax_last_dim(logits)?.narrow(D::Minus1, 0, 1)?)?; // (N, 1)
+    let lse = (logits.narrow(D::Minus1, 0, 1)?
+        - log_softmax_last_dim(logits)?.narrow(D::Minus1, 0, 1)?)?; // (N, 1)
     lse.sqr()?.mean_all()
 }
 
@@ -168,11 +178,20 @@ pub struct MoeLayer {
 
 impl MoeLayer {
     pub fn new(router: Param, experts: Vec<Mlp>, cfg: MoeConfig) -> Self {
-        Self { router, experts, cfg }
+        Self {
+            router,
+            experts,
+            cfg,
+        }
     }
 
     /// The coefficient-weighted auxiliary loss, or None when both coefficients are zero.
-    pub fn aux_loss(&self, logits: &Tensor, probs: &Tensor, plan: &RoutingPlan) -> Result<Option<Tensor>> {
+    pub fn aux_loss(
+        &self,
+        logits: &Tensor,
+        probs: &Tensor,
+        plan: &RoutingPlan,
+    ) -> Result<Option<Tensor>> {
         let mut aux = None;
         if self.cfg.aux_loss_coef > 0.0 {
             aux = Some((load_balancing_loss(probs, plan)? * self.cfg.aux_loss_coef)?);
@@ -213,7 +232,10 @@ impl FeedForward for MoeLayer {
             }
             let idx = Tensor::from_vec(tokens.clone(), tokens.len(), x.device())?; // (n_e,)
             let ye = expert.apply(&xf.index_select(&idx, 0)?)?; // (n_e, C)
-            let gate = probs.index_select(&idx, 0)?.narrow(1, e, 1)?.to_dtype(ye.dtype())?; // (n_e, 1)
+            let gate = probs
+                .index_select(&idx, 0)?
+                .narrow(1, e, 1)?
+                .to_dtype(ye.dtype())?; // (n_e, 1)
             out = out.index_add(&idx, &ye.broadcast_mul(&gate)?, 0)?;
         }
         let aux_loss = self.aux_loss(&logits, &probs, &plan)?;

@@ -17,13 +17,28 @@ use mtrain_model::layers::LayerNorm;
 use mtrain_model::param::{Grads, Param};
 
 fn small(moe: bool) -> GptConfig {
-    let moe = moe.then(|| MoeConfig { n_experts: 4, top_k: 2, capacity_factor: 1.0, aux_loss_coef: 0.1, z_loss_coef: 0.01 });
-    GptConfig { vocab_size: 32, block_size: 8, n_layer: 2, n_head: 2, n_embd: 16, moe }
+    let moe = moe.then(|| MoeConfig {
+        n_experts: 4,
+        top_k: 2,
+        capacity_factor: 1.0,
+        aux_loss_coef: 0.1,
+        z_loss_coef: 0.01,
+    });
+    GptConfig {
+        vocab_size: 32,
+        block_size: 8,
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 16,
+        moe,
+    }
 }
 
 fn model(cfg: &GptConfig, dtype: DType) -> Result<Gpt> {
-    let w: BTreeMap<String, Tensor> =
-        init_weights(cfg, 3)?.into_iter().map(|(k, v)| Ok((k, v.to_dtype(dtype)?))).collect::<Result<_>>()?;
+    let w: BTreeMap<String, Tensor> = init_weights(cfg, 3)?
+        .into_iter()
+        .map(|(k, v)| Ok((k, v.to_dtype(dtype)?)))
+        .collect::<Result<_>>()?;
     Gpt::new(cfg.clone(), &w, &Device::Cpu)
 }
 
@@ -31,7 +46,10 @@ fn batch(cfg: &GptConfig, b: usize, t: usize) -> Result<(Tensor, Tensor)> {
     let v = cfg.vocab_size as u32;
     let idx: Vec<u32> = (0..b * t).map(|i| (i as u32 * 7 + 3) % v).collect();
     let tgt: Vec<u32> = (0..b * t).map(|i| (i as u32 * 11 + 5) % v).collect();
-    Ok((Tensor::from_vec(idx, (b, t), &Device::Cpu)?, Tensor::from_vec(tgt, (b, t), &Device::Cpu)?))
+    Ok((
+        Tensor::from_vec(idx, (b, t), &Device::Cpu)?,
+        Tensor::from_vec(tgt, (b, t), &Device::Cpu)?,
+    ))
 }
 
 /// Gradients of loss + aux by one candle backward over the whole graph.
@@ -39,7 +57,10 @@ fn whole_graph_grads(gpt: &Gpt, idx: &Tensor, tgt: &Tensor) -> Result<BTreeMap<S
     let store = gpt.forward_loss(idx, tgt)?.objective()?.backward()?;
     let mut out = BTreeMap::new();
     for p in gpt.params() {
-        let g = store.get(&p.tensor()).cloned().unwrap_or(p.tensor().zeros_like()?);
+        let g = store
+            .get(&p.tensor())
+            .cloned()
+            .unwrap_or(p.tensor().zeros_like()?);
         out.insert(p.name().to_string(), g);
     }
     Ok(out)
@@ -61,12 +82,23 @@ fn rel_err(a: &Tensor, b: &Tensor) -> Result<f64> {
 }
 
 fn assert_same(grads: &Grads, want: &BTreeMap<String, Tensor>, tol: f64, what: &str) -> Result<()> {
-    assert_eq!(grads.names(), want.keys().cloned().collect::<Vec<_>>(), "{what}: parameter sets differ");
+    assert_eq!(
+        grads.names(),
+        want.keys().cloned().collect::<Vec<_>>(),
+        "{what}: parameter sets differ"
+    );
     for (name, w) in want {
         let g = grads.get(name).expect("present");
         let e = rel_err(g, w)?;
         assert!(e <= tol, "{what}: {name} rel err {e:e} > {tol:e}");
-        assert!(w.abs()?.max_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()? > 0.0, "{what}: {name} has a zero gradient");
+        assert!(
+            w.abs()?
+                .max_all()?
+                .to_dtype(DType::F64)?
+                .to_scalar::<f64>()?
+                > 0.0,
+            "{what}: {name} has a zero gradient"
+        );
     }
     Ok(())
 }
@@ -77,8 +109,32 @@ fn blockwise_equals_whole_graph_f32() -> Result<()> {
     let gpt = model(&cfg, DType::F32)?;
     let (idx, tgt) = batch(&cfg, 2, 16)?;
     let want = whole_graph_grads(&gpt, &idx, &tgt)?;
-    assert_same(&engine_grads(&gpt, Engine { checkpointing: false }, &idx, &tgt)?, &want, 1e-6, "block-wise")?;
-    assert_same(&engine_grads(&gpt, Engine { checkpointing: true }, &idx, &tgt)?, &want, 1e-6, "checkpointed")?;
+    assert_same(
+        &engine_grads(
+            &gpt,
+            Engine {
+                checkpointing: false,
+            },
+            &idx,
+            &tgt,
+        )?,
+        &want,
+        1e-6,
+        "block-wise",
+    )?;
+    assert_same(
+        &engine_grads(
+            &gpt,
+            Engine {
+                checkpointing: true,
+            },
+            &idx,
+            &tgt,
+        )?,
+        &want,
+        1e-6,
+        "checkpointed",
+    )?;
     Ok(())
 }
 
@@ -87,11 +143,31 @@ fn checkpointing_gives_identical_gradients() -> Result<()> {
     let cfg = small(false);
     let gpt = model(&cfg, DType::F32)?;
     let (idx, tgt) = batch(&cfg, 2, 8)?;
-    let a = engine_grads(&gpt, Engine { checkpointing: false }, &idx, &tgt)?;
-    let b = engine_grads(&gpt, Engine { checkpointing: true }, &idx, &tgt)?;
+    let a = engine_grads(
+        &gpt,
+        Engine {
+            checkpointing: false,
+        },
+        &idx,
+        &tgt,
+    )?;
+    let b = engine_grads(
+        &gpt,
+        Engine {
+            checkpointing: true,
+        },
+        &idx,
+        &tgt,
+    )?;
     for (name, g) in a.iter() {
-        let diff = (g - b.get(name).expect("present"))?.abs()?.max_all()?.to_scalar::<f32>()?;
-        assert_eq!(diff, 0.0, "{name}: recompute must replay the same arithmetic");
+        let diff = (g - b.get(name).expect("present"))?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        assert_eq!(
+            diff, 0.0,
+            "{name}: recompute must replay the same arithmetic"
+        );
     }
     Ok(())
 }
@@ -103,16 +179,42 @@ fn moe_blockwise_equals_whole_graph() -> Result<()> {
     let (idx, tgt) = batch(&cfg, 2, 8)?;
     let want = whole_graph_grads(&gpt, &idx, &tgt)?;
     let mut grads = Grads::new();
-    let engine = Engine { checkpointing: false };
+    let engine = Engine {
+        checkpointing: false,
+    };
     let acts = engine.forward(&gpt.segments, &idx, Some(&tgt), &mut NoHooks)?;
     let whole = gpt.forward_loss(&idx, &tgt)?;
-    let aux = whole.aux_loss.as_ref().expect("moe has aux").to_scalar::<f32>()? as f64;
-    assert!((acts.aux_loss - aux).abs() < 1e-6 * aux.abs().max(1.0), "aux {} vs {aux}", acts.aux_loss);
+    let aux = whole
+        .aux_loss
+        .as_ref()
+        .expect("moe has aux")
+        .to_scalar::<f32>()? as f64;
+    assert!(
+        (acts.aux_loss - aux).abs() < 1e-6 * aux.abs().max(1.0),
+        "aux {} vs {aux}",
+        acts.aux_loss
+    );
     assert_eq!(acts.stats, whole.stats);
-    assert!(acts.stats.iter().any(|s| s.dropped > 0), "capacity factor 1 top-2 should drop: {:?}", acts.stats);
+    assert!(
+        acts.stats.iter().any(|s| s.dropped > 0),
+        "capacity factor 1 top-2 should drop: {:?}",
+        acts.stats
+    );
     engine.backward(&gpt.segments, acts, None, 1.0, &mut grads, &mut NoHooks)?;
     assert_same(&grads, &want, 1e-6, "moe block-wise")?;
-    assert_same(&engine_grads(&gpt, Engine { checkpointing: true }, &idx, &tgt)?, &want, 1e-6, "moe checkpointed")?;
+    assert_same(
+        &engine_grads(
+            &gpt,
+            Engine {
+                checkpointing: true,
+            },
+            &idx,
+            &tgt,
+        )?,
+        &want,
+        1e-6,
+        "moe checkpointed",
+    )?;
     Ok(())
 }
 
@@ -121,12 +223,20 @@ fn finite_difference_check(cfg: &GptConfig) -> Result<()> {
     let gpt = model(cfg, DType::F64)?;
     let (idx, tgt) = batch(cfg, 2, 6)?;
     let grads = engine_grads(&gpt, Engine::default(), &idx, &tgt)?;
-    let objective = || -> Result<f64> { gpt.forward_loss(&idx, &tgt)?.objective()?.to_scalar::<f64>() };
+    let objective = || -> Result<f64> {
+        gpt.forward_loss(&idx, &tgt)?
+            .objective()?
+            .to_scalar::<f64>()
+    };
     let eps = 1e-5;
     let mut checked = 0;
     for p in gpt.params() {
         let orig = p.tensor().flatten_all()?.to_vec1::<f64>()?;
-        let g = grads.get(p.name()).expect("gradient").flatten_all()?.to_vec1::<f64>()?;
+        let g = grads
+            .get(p.name())
+            .expect("gradient")
+            .flatten_all()?
+            .to_vec1::<f64>()?;
         let n = orig.len();
         for k in [0, n / 3, (2 * n) / 3 + 1, n - 1] {
             let k = k.min(n - 1);
@@ -139,7 +249,12 @@ fn finite_difference_check(cfg: &GptConfig) -> Result<()> {
             let fd = (at(eps)? - at(-eps)?) / (2.0 * eps);
             p.set(&Tensor::from_vec(orig.clone(), p.shape(), &Device::Cpu)?)?;
             let tol = 1e-7 + 1e-5 * g[k].abs().max(fd.abs());
-            assert!((fd - g[k]).abs() <= tol, "{}[{k}]: finite difference {fd:e} vs analytic {:e}", p.name(), g[k]);
+            assert!(
+                (fd - g[k]).abs() <= tol,
+                "{}[{k}]: finite difference {fd:e} vs analytic {:e}",
+                p.name(),
+                g[k]
+            );
             checked += 1;
         }
     }
@@ -165,10 +280,17 @@ fn tied_embedding_gradient_is_the_sum_of_both_uses() -> Result<()> {
     let (idx, tgt) = batch(&cfg, 2, 8)?;
     let tied = engine_grads(&gpt, Engine::default(), &idx, &tgt)?;
     // Untie: the head gets its own copy of wte (same values, separate Var).
-    let by_name: BTreeMap<String, Param> = gpt.params().into_iter().map(|p| (p.name().to_string(), p)).collect();
+    let by_name: BTreeMap<String, Param> = gpt
+        .params()
+        .into_iter()
+        .map(|p| (p.name().to_string(), p))
+        .collect();
     let wte_in = Param::new("wte.weight", by_name["wte.weight"].tensor().copy()?)?;
     let wte_out = Param::new("wte.weight", by_name["wte.weight"].tensor().copy()?)?;
-    let mut segs: Vec<Arc<dyn Segment>> = vec![Arc::new(Embedding::new(wte_in.clone(), by_name["wpe.weight"].clone()))];
+    let mut segs: Vec<Arc<dyn Segment>> = vec![Arc::new(Embedding::new(
+        wte_in.clone(),
+        by_name["wpe.weight"].clone(),
+    ))];
     segs.extend(gpt.segments[1..=cfg.n_layer].iter().cloned());
     let ln_f = LayerNorm::new(by_name["ln_f.weight"].clone(), by_name["ln_f.bias"].clone());
     segs.push(Arc::new(Head::new(ln_f, wte_out.clone())));
@@ -179,7 +301,10 @@ fn tied_embedding_gradient_is_the_sum_of_both_uses() -> Result<()> {
     let store = x.backward()?;
     let g_in = store.get(&wte_in.tensor()).expect("embedding use").clone();
     let g_out = store.get(&wte_out.tensor()).expect("head use").clone();
-    assert!(g_in.abs()?.max_all()?.to_scalar::<f32>()? > 0.0 && g_out.abs()?.max_all()?.to_scalar::<f32>()? > 0.0);
+    assert!(
+        g_in.abs()?.max_all()?.to_scalar::<f32>()? > 0.0
+            && g_out.abs()?.max_all()?.to_scalar::<f32>()? > 0.0
+    );
     let e = rel_err(tied.get("wte.weight").expect("wte"), &(&g_in + &g_out)?)?;
     assert!(e <= 1e-6, "tied gradient vs sum of uses: rel err {e:e}");
     // The engine on the untied segments sums the two uses by name as well.
@@ -199,13 +324,21 @@ impl Hooks for Recorder {
         self.events.push(format!("F{i}"));
         Ok(())
     }
+    fn post_forward(&mut self, i: usize, _seg: &dyn Segment) -> Result<()> {
+        self.events.push(format!("f{i}"));
+        Ok(())
+    }
     fn pre_backward(&mut self, i: usize, _seg: &dyn Segment) -> Result<()> {
         self.events.push(format!("B{i}"));
         Ok(())
     }
     fn post_backward(&mut self, i: usize, seg: &dyn Segment, grads: &mut Grads) -> Result<()> {
         for p in seg.params() {
-            assert!(grads.get(p.name()).is_some(), "{} missing at post_backward of {i}", p.name());
+            assert!(
+                grads.get(p.name()).is_some(),
+                "{} missing at post_backward of {i}",
+                p.name()
+            );
         }
         self.events.push(format!("P{i}"));
         Ok(())
@@ -221,7 +354,10 @@ fn hooks_fire_in_order_and_split_ranges_compose() -> Result<()> {
     let mut rec = Recorder { events: Vec::new() };
     let mut full = Grads::new();
     engine.forward_backward(&gpt.segments, &idx, &tgt, 1.0, &mut full, &mut rec)?;
-    assert_eq!(rec.events.join(" "), "F0 F1 F2 F3 B3 P3 B2 P2 B1 P1 B0 P0");
+    assert_eq!(
+        rec.events.join(" "),
+        "F0 f0 F1 f1 F2 f2 F3 f3 B3 P3 B2 P2 B1 P1 B0 P0"
+    );
 
     // Two pipeline stages: [embedding, h.0] and [h.1, head], joined by the activation and its gradient.
     for checkpointing in [false, true] {
@@ -230,11 +366,14 @@ fn hooks_fire_in_order_and_split_ranges_compose() -> Result<()> {
         let mut grads = Grads::new();
         let a1 = engine.forward(first, &idx, Some(&tgt), &mut NoHooks)?;
         let a2 = engine.forward(last, &a1.output, Some(&tgt), &mut NoHooks)?;
-        let g = engine.backward(last, a2, None, 1.0, &mut grads, &mut NoHooks)?.expect("float input has a gradient");
+        let g = engine
+            .backward(last, a2, None, 1.0, &mut grads, &mut NoHooks)?
+            .expect("float input has a gradient");
         assert_eq!(g.dims(), &[2, 8, 16]);
         let none = engine.backward(first, a1, Some(&g), 1.0, &mut grads, &mut NoHooks)?;
         assert!(none.is_none(), "token ids have no gradient");
-        let want: BTreeMap<String, Tensor> = full.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let want: BTreeMap<String, Tensor> =
+            full.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         assert_same(&grads, &want, 1e-6, "two stages")?;
     }
 
@@ -242,7 +381,10 @@ fn hooks_fire_in_order_and_split_ranges_compose() -> Result<()> {
     let mut half = Grads::new();
     engine.forward_backward(&gpt.segments, &idx, &tgt, 0.5, &mut half, &mut NoHooks)?;
     for (name, g) in full.iter() {
-        assert!(rel_err(&(half.get(name).expect("present") * 2.0)?, g)? <= 1e-6, "{name}");
+        assert!(
+            rel_err(&(half.get(name).expect("present") * 2.0)?, g)? <= 1e-6,
+            "{name}"
+        );
     }
     Ok(())
 }
@@ -252,12 +394,21 @@ fn checkpointing_keeps_only_inputs() -> Result<()> {
     let cfg = small(false);
     let gpt = model(&cfg, DType::F32)?;
     let (idx, tgt) = batch(&cfg, 2, 8)?;
-    let kept = Engine { checkpointing: false }.forward(&gpt.segments, &idx, Some(&tgt), &mut NoHooks)?;
-    let ckpt = Engine { checkpointing: true }.forward(&gpt.segments, &idx, Some(&tgt), &mut NoHooks)?;
+    let kept = Engine {
+        checkpointing: false,
+    }
+    .forward(&gpt.segments, &idx, Some(&tgt), &mut NoHooks)?;
+    let ckpt = Engine {
+        checkpointing: true,
+    }
+    .forward(&gpt.segments, &idx, Some(&tgt), &mut NoHooks)?;
     // Inputs: ids (2·8 u32) + 3 activations (2·8·16 f32); outputs add 3 activations and the loss.
     let act = 2 * 8 * 16 * 4;
     assert_eq!(ckpt.held_bytes(), 2 * 8 * 4 + 3 * act);
     assert_eq!(kept.held_bytes(), 2 * 8 * 4 + 3 * act + 3 * act + 4);
-    assert_eq!(kept.output.to_scalar::<f32>()?, ckpt.output.to_scalar::<f32>()?);
+    assert_eq!(
+        kept.output.to_scalar::<f32>()?,
+        ckpt.output.to_scalar::<f32>()?
+    );
     Ok(())
 }
