@@ -1,1 +1,275 @@
-//! (in progress)
+//! The pipeline executor: runs one rank's [`Schedule`] actions for one training step.
+//!
+//! ```text
+//!   Forward { mb, chunk }                         Backward { mb, chunk }
+//!     x  = first stage ? idx[mb]                    g  = last stage ? None (the loss: scale 1/M)
+//!                      : recv act  <- prev stage                   : recv grad <- next stage
+//!     acts[mb, chunk] = engine.forward(x)           gx = engine.backward(acts.remove(mb, chunk), g)
+//!     last stage ? loss += acts.output              first stage ? done
+//!                : send act -> next stage (async)              : send gx -> prev stage (async)
+//! ```
+//!
+//! Communication is implicit in the actions: a schedule only says "forward micro-batch 3
+//! through chunk 0", and the stage's position decides what to receive and where to send.
+//! Sends are asynchronous: the `Work` is kept and compute goes on; finished sends are reaped
+//! after every action and the rest are waited at the end of the step. A receive is posted when
+//! the action needs its input and waited at once; the time spent there (and in the final wait
+//! for sends) is this rank's idle time, so `idle / step time` is the measured bubble, reported
+//! next to the textbook `(P − 1)/(M + P − 1)`. Schedules are built so that between two ranks the
+//! messages are received in the order they were sent (a test in `schedule.rs` checks it), so no
+//! tags are needed.
+//!
+//! The batch (B, T) is split into M micro-batches of B/M sequences. Each micro-batch's mean loss
+//! is scaled by 1/M before its backward, so the gradients summed over micro-batches equal the
+//! gradient of the full-batch mean loss, as on one device. A micro-batch's activations live from
+//! its forward to its backward (which consumes them); their high-water mark is reported
+//! (1F1B: at most P − r on rank r; GPipe: M).
+//!
+//! Legend: B batch, b = B/M micro-batch, T time, C width, P pipeline ranks, M micro-batches.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Shape, Tensor};
+use mtrain_comm::{Communicator, Work};
+use mtrain_model::{Activations, Engine, Grads, NoHooks};
+
+use super::schedule::{Action, Schedule};
+use super::stage::PipelineStages;
+use super::{PipelineError, Result};
+
+/// What one pipeline step measured on one rank.
+#[derive(Debug, Clone)]
+pub struct StepReport {
+    /// Mean loss over the batch (computed on the last stage, broadcast to every pipeline rank).
+    pub loss: f64,
+    /// Auxiliary losses (MoE) of this rank's segments, averaged over the micro-batches.
+    pub aux_loss: f64,
+    /// Wall time of the schedule on this rank, from the first action to the last send's completion.
+    pub step_time: Duration,
+    /// Part of `step_time` spent waiting on a neighbour (receives and outstanding sends).
+    pub idle_time: Duration,
+    /// `idle_time / step_time`: the measured bubble on this rank.
+    pub bubble_fraction: f64,
+    /// The ideal-pipeline bubble of this schedule, (P − 1)/(v·M + P − 1).
+    pub analytic_bubble_fraction: f64,
+    /// Most micro-batches (per chunk) whose activations were alive at once on this rank.
+    pub peak_in_flight: usize,
+}
+
+/// Runs a [`Schedule`] over a rank's [`PipelineStages`] with a block-wise [`Engine`].
+#[derive(Debug, Clone)]
+pub struct PipelineExecutor {
+    schedule: Schedule,
+    engine: Engine,
+}
+
+/// Where a pass's input comes from or its output goes: another rank over the pipeline group,
+/// or (one rank holding neighbouring stages, P = 1) this rank's own mailbox.
+struct Links<'a> {
+    pp: &'a dyn Communicator,
+    rank: usize,
+    /// Messages to this rank itself, keyed by (is activation, micro-batch, receiving stage).
+    mailbox: HashMap<(bool, usize, usize), Tensor>,
+    sends: Vec<Work<()>>,
+    idle: Duration,
+}
+
+impl Links<'_> {
+    fn send(&mut self, x: Tensor, to_rank: usize, key: (bool, usize, usize)) -> Result<()> {
+        if to_rank == self.rank {
+            self.mailbox.insert(key, x);
+        } else {
+            self.sends.push(self.pp.send_async(&x, to_rank));
+        }
+        Ok(())
+    }
+
+    fn recv(
+        &mut self,
+        from_rank: usize,
+        key: (bool, usize, usize),
+        shape: &Shape,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        if from_rank == self.rank {
+            return self.mailbox.remove(&key).ok_or_else(|| {
+                PipelineError::Layout(format!(
+                    "rank {}: nothing was sent to stage {} for micro-batch {}",
+                    self.rank, key.2, key.1
+                ))
+            });
+        }
+        let start = Instant::now();
+        let x = self.pp.recv_async(from_rank, shape, dtype).wait()?;
+        self.idle += start.elapsed();
+        Ok(x)
+    }
+
+    /// Wait the sends that already completed (surfacing their errors), keep the others.
+    fn reap_finished_sends(&mut self) -> Result<()> {
+        let (done, pending): (Vec<_>, Vec<_>) = self.sends.drain(..).partition(|w| w.is_done());
+        self.sends = pending;
+        done.into_iter()
+            .try_for_each(|w| w.wait().map_err(PipelineError::from))
+    }
+
+    fn wait_all_sends(&mut self) -> Result<()> {
+        let start = Instant::now();
+        for w in self.sends.drain(..) {
+            w.wait()?;
+        }
+        self.idle += start.elapsed();
+        Ok(())
+    }
+}
+
+impl PipelineExecutor {
+    pub fn new(schedule: Schedule, engine: Engine) -> Self {
+        Self { schedule, engine }
+    }
+
+    pub fn schedule(&self) -> &Schedule {
+        &self.schedule
+    }
+
+    /// One training step on this pipeline rank: run its actions over the batch `idx` / `targets`
+    /// (both (B, T); every pipeline rank passes the same batch: the first stage reads `idx`, the
+    /// last `targets`), add this rank's parameter gradients to `grads`, sum the tied gradients
+    /// between first and last stage, and return the loss and the step's measurements.
+    pub fn step(
+        &self,
+        stages: &PipelineStages,
+        pp: &dyn Communicator,
+        idx: &Tensor,
+        targets: &Tensor,
+        grads: &mut Grads,
+    ) -> Result<StepReport> {
+        let sched = &self.schedule;
+        let (p, m, rank) = (sched.num_ranks(), sched.num_microbatches(), stages.rank());
+        if stages.num_ranks() != p
+            || pp.size() != p
+            || pp.rank() != rank
+            || stages.chunks().len() != sched.virtual_stages()
+        {
+            return Err(PipelineError::Layout(format!(
+                "schedule for P = {p} with v = {} chunks, but the stages are rank {rank} of {} with {} chunks \
+                 and the pipeline group is rank {} of {}",
+                sched.virtual_stages(),
+                stages.num_ranks(),
+                stages.chunks().len(),
+                pp.rank(),
+                pp.size()
+            )));
+        }
+        let (batch, t) = idx.dims2()?;
+        if batch % m != 0 || targets.dims() != idx.dims() {
+            return Err(PipelineError::UnevenBatch {
+                batch,
+                microbatches: m,
+            });
+        }
+        let b = batch / m;
+        let act_shape = Shape::from((b, t, stages.n_embd())); // (b, T, C)
+        let act_dtype = stages.activation_dtype();
+        let last_stage = sched.num_model_stages() - 1;
+        let loss_scale = 1.0 / m as f64;
+
+        let mut links = Links {
+            pp,
+            rank,
+            mailbox: HashMap::new(),
+            sends: Vec::new(),
+            idle: Duration::ZERO,
+        };
+        let mut alive: HashMap<(usize, usize), Activations> = HashMap::new();
+        let (mut peak, mut loss_sum, mut aux_sum) = (0, 0.0, 0.0);
+        let start = Instant::now();
+        for action in sched.actions(rank) {
+            let (mb, chunk) = (action.mb(), action.chunk());
+            let stage = &stages.chunks()[chunk];
+            let key = |s: usize| (action.is_forward(), mb, s);
+            match action {
+                Action::Forward { .. } => {
+                    let x = match sched.input_stage(rank, action) {
+                        None => idx.narrow(0, mb * b, b)?, // (b, T) token ids
+                        Some(from) => links.recv(
+                            sched.rank_of_stage(from),
+                            key(stage.stage),
+                            &act_shape,
+                            act_dtype,
+                        )?,
+                    };
+                    let mb_targets = targets.narrow(0, mb * b, b)?; // (b, T)
+                    let tgt = (stage.stage == last_stage).then_some(&mb_targets);
+                    let acts = self
+                        .engine
+                        .forward(&stage.segments, &x, tgt, &mut NoHooks)?;
+                    aux_sum += acts.aux_loss;
+                    match sched.output_stage(rank, action) {
+                        None => loss_sum += acts.output.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+                        Some(to) => {
+                            links.send(acts.output.clone(), sched.rank_of_stage(to), key(to))?
+                        } // (b, T, C)
+                    }
+                    alive.insert((mb, chunk), acts);
+                    peak = peak.max(alive.len());
+                }
+                Action::Backward { .. } => {
+                    let grad_out = match sched.input_stage(rank, action) {
+                        None => None,
+                        Some(from) => Some(links.recv(
+                            sched.rank_of_stage(from),
+                            key(stage.stage),
+                            &act_shape,
+                            act_dtype,
+                        )?),
+                    };
+                    let acts = alive.remove(&(mb, chunk)).ok_or_else(|| {
+                        PipelineError::Layout(format!("rank {rank}: backward of micro-batch {mb} chunk {chunk} before its forward"))
+                    })?;
+                    let grad_in = self.engine.backward(
+                        &stage.segments,
+                        acts,
+                        grad_out.as_ref(),
+                        loss_scale,
+                        grads,
+                        &mut NoHooks,
+                    )?;
+                    if let Some(to) = sched.output_stage(rank, action) {
+                        let g = grad_in.ok_or_else(|| {
+                            PipelineError::Layout(format!(
+                                "rank {rank}: stage {} produced no input gradient",
+                                stage.stage
+                            ))
+                        })?;
+                        links.send(g, sched.rank_of_stage(to), key(to))?; // (b, T, C)
+                    }
+                }
+            }
+            links.reap_finished_sends()?;
+        }
+        links.wait_all_sends()?;
+        let step_time = start.elapsed();
+
+        stages.sync_tied_grads(pp, grads)?;
+        let loss = if p > 1 {
+            let mine = Tensor::new(&[loss_sum * loss_scale], pp.device())?;
+            let root = sched.rank_of_stage(last_stage);
+            pp.broadcast(&mine, root)?.to_vec1::<f64>()?[0]
+        } else {
+            loss_sum * loss_scale
+        };
+        let idle_time = links.idle;
+        Ok(StepReport {
+            loss,
+            aux_loss: aux_sum * loss_scale,
+            step_time,
+            idle_time,
+            bubble_fraction: idle_time.as_secs_f64()
+                / step_time.as_secs_f64().max(f64::MIN_POSITIVE),
+            analytic_bubble_fraction: sched.analytic_bubble_fraction(),
+            peak_in_flight: peak,
+        })
+    }
+}

@@ -1,1 +1,285 @@
-//! (in progress)
+//! Pipeline stages: which segments of the model each pipeline rank runs.
+//!
+//! The model is the segment list `[embedding, h.0, …, h.(L−1), head]`. Its L blocks are split
+//! into S consecutive ranges, one per model stage (evenly by default, the first `L % S` stages
+//! taking one block more, or by an explicit list of counts); the embedding joins stage 0 and the
+//! head (final LayerNorm, tied LM head, loss) joins stage S − 1. Model stage s runs on pipeline
+//! rank `s % P` as its chunk `s / P` (S = v·P; v > 1 only for interleaved schedules):
+//!
+//! ```text
+//!   L = 3 blocks, S = 2 stages          L = 8 blocks, P = 2 ranks, v = 2 chunks
+//!   stage 0: embedding, h.0, h.1        rank 0: chunk 0 = stage 0 (emb, h.0, h.1), chunk 1 = stage 2 (h.4, h.5)
+//!   stage 1: h.2, head                  rank 1: chunk 0 = stage 1 (h.2, h.3),      chunk 1 = stage 3 (h.6, h.7, head)
+//! ```
+//!
+//! The tied weight. `wte.weight` is both the token embedding (stage 0) and the LM head (stage
+//! S − 1). On one device its gradient is the sum of both uses; split across ranks, each copy only
+//! sees its own use, so after the step's backwards the two ranks exchange their gradients and
+//! both add them ([`PipelineStages::sync_tied_grads`]): the copies get the same gradient and
+//! stay equal after the optimizer step. With one pipeline rank there is nothing to exchange.
+
+use std::collections::BTreeSet;
+use std::ops::Range;
+use std::sync::Arc;
+
+use candle_core::DType;
+use mtrain_comm::{chunk_range, Communicator};
+use mtrain_model::{Gpt, Grads, Param, Segment};
+
+use super::{PipelineError, Result};
+
+/// How the model's L blocks are split into S model stages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StageLayout {
+    n_layer: usize,
+    /// Block range of each model stage.
+    blocks: Vec<Range<usize>>,
+}
+
+impl StageLayout {
+    /// `n_layer` blocks split as evenly as possible over `n_stages` stages.
+    pub fn even(n_layer: usize, n_stages: usize) -> Result<Self> {
+        if n_stages == 0 {
+            return Err(PipelineError::Layout(
+                "a pipeline needs at least one stage".into(),
+            ));
+        }
+        let counts: Vec<usize> = (0..n_stages)
+            .map(|s| chunk_range(n_layer, n_stages, s).len())
+            .collect();
+        Self::from_counts(n_layer, &counts)
+    }
+
+    /// Stage s holds `counts[s]` consecutive blocks. The counts must add up to `n_layer`, and
+    /// every stage must hold something (a middle stage needs at least one block).
+    pub fn from_counts(n_layer: usize, counts: &[usize]) -> Result<Self> {
+        let total: usize = counts.iter().sum();
+        if counts.is_empty() || total != n_layer {
+            return Err(PipelineError::Layout(format!(
+                "blocks per stage {counts:?} add up to {total}, but the model has {n_layer} blocks"
+            )));
+        }
+        let last = counts.len() - 1;
+        if let Some(s) = (1..last).find(|&s| counts[s] == 0) {
+            return Err(PipelineError::Layout(format!(
+                "stage {s} of {} would hold no block (blocks per stage {counts:?})",
+                counts.len()
+            )));
+        }
+        let mut start = 0;
+        let blocks = counts
+            .iter()
+            .map(|&n| {
+                start += n;
+                start - n..start
+            })
+            .collect();
+        Ok(Self { n_layer, blocks })
+    }
+
+    /// S, the number of model stages.
+    pub fn num_stages(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// The blocks `h.i` of model stage `stage`.
+    pub fn blocks(&self, stage: usize) -> Range<usize> {
+        self.blocks[stage].clone()
+    }
+
+    /// Indices into `[embedding, h.0, …, h.(L−1), head]` of the segments model stage `stage` runs.
+    pub fn segments(&self, stage: usize) -> Range<usize> {
+        let b = &self.blocks[stage];
+        let start = if stage == 0 { 0 } else { b.start + 1 };
+        let end = if stage + 1 == self.num_stages() {
+            self.n_layer + 2
+        } else {
+            b.end + 1
+        };
+        start..end
+    }
+}
+
+/// One model stage held by this rank.
+pub struct StageChunk {
+    /// Model stage index s (0 = embedding first, S − 1 = head last).
+    pub stage: usize,
+    /// Its segments, in order.
+    pub segments: Vec<Arc<dyn Segment>>,
+}
+
+/// The model stages one pipeline rank runs, plus what it needs to talk to its neighbours.
+pub struct PipelineStages {
+    layout: StageLayout,
+    rank: usize,
+    num_ranks: usize,
+    chunks: Vec<StageChunk>,
+    /// Parameters used by both the first and the last model stage (the tied `wte.weight`).
+    tied: Vec<String>,
+    activation_dtype: DType,
+    n_embd: usize,
+}
+
+fn param_names(segs: &[Arc<dyn Segment>]) -> BTreeSet<String> {
+    segs.iter()
+        .flat_map(|s| s.params())
+        .map(|p| p.name().to_string())
+        .collect()
+}
+
+impl PipelineStages {
+    /// Keep the segments of `model` that pipeline rank `rank` of `num_ranks` runs under `layout`.
+    /// Every rank builds the full model from the same seed and keeps its own stages, so each
+    /// stage starts from the numbers the single-device model has.
+    pub fn new(model: &Gpt, layout: StageLayout, rank: usize, num_ranks: usize) -> Result<Self> {
+        let s = layout.num_stages();
+        if num_ranks == 0 || rank >= num_ranks || s % num_ranks != 0 {
+            return Err(PipelineError::Layout(format!(
+                "{s} model stages cannot be spread over {num_ranks} pipeline ranks as rank {rank} \
+                 (the stage count must be a multiple of the rank count)"
+            )));
+        }
+        if layout.n_layer != model.cfg.n_layer || model.segments.len() != model.cfg.n_layer + 2 {
+            return Err(PipelineError::Layout(format!(
+                "layout is for {} blocks but the model has {} blocks and {} segments",
+                layout.n_layer,
+                model.cfg.n_layer,
+                model.segments.len()
+            )));
+        }
+        let stage_segments = |stage: usize| model.segments[layout.segments(stage)].to_vec();
+        let chunks = (rank..s)
+            .step_by(num_ranks)
+            .map(|stage| StageChunk {
+                stage,
+                segments: stage_segments(stage),
+            })
+            .collect();
+        let tied = if s > 1 {
+            let first = param_names(&stage_segments(0));
+            let last = param_names(&stage_segments(s - 1));
+            first.intersection(&last).cloned().collect()
+        } else {
+            Vec::new()
+        };
+        let activation_dtype = model
+            .params()
+            .first()
+            .map(|p| p.var().dtype())
+            .ok_or_else(|| PipelineError::Layout("the model has no parameters".into()))?;
+        Ok(Self {
+            layout,
+            rank,
+            num_ranks,
+            chunks,
+            tied,
+            activation_dtype,
+            n_embd: model.cfg.n_embd,
+        })
+    }
+
+    pub fn layout(&self) -> &StageLayout {
+        &self.layout
+    }
+
+    /// This rank's index in the pipeline.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// P, the number of pipeline ranks.
+    pub fn num_ranks(&self) -> usize {
+        self.num_ranks
+    }
+
+    /// This rank's model stages, by chunk index (chunk c is model stage `c·P + rank`).
+    pub fn chunks(&self) -> &[StageChunk] {
+        &self.chunks
+    }
+
+    /// Dtype of the activations and activation gradients passed between stages.
+    pub fn activation_dtype(&self) -> DType {
+        self.activation_dtype
+    }
+
+    /// Width C of the activations `(b, T, C)` passed between stages.
+    pub fn n_embd(&self) -> usize {
+        self.n_embd
+    }
+
+    /// Names of the parameters both the first and the last model stage use.
+    pub fn tied_names(&self) -> &[String] {
+        &self.tied
+    }
+
+    /// Every parameter this rank holds, each name once (what its optimizer steps).
+    pub fn params(&self) -> Vec<Param> {
+        let mut seen = BTreeSet::new();
+        self.chunks
+            .iter()
+            .flat_map(|c| c.segments.iter().flat_map(|s| s.params()))
+            .filter(|p| seen.insert(p.name().to_string()))
+            .collect()
+    }
+
+    /// Sum the tied parameters' gradients between the ranks holding the first and the last
+    /// model stage, over the pipeline group `pp`; other ranks do nothing. Call once per step,
+    /// after every backward. The lower rank sends first and the higher receives first, so the
+    /// exchange also pairs up on backends whose sends wait for the receiver.
+    pub fn sync_tied_grads(&self, pp: &dyn Communicator, grads: &mut Grads) -> Result<()> {
+        let (first, last) = (0, self.num_ranks - 1);
+        if first == last || (self.rank != first && self.rank != last) {
+            return Ok(());
+        }
+        let peer = if self.rank == first { last } else { first };
+        for name in &self.tied {
+            let mine = grads.get(name).cloned().ok_or_else(|| {
+                PipelineError::Layout(format!(
+                    "pipeline rank {}: no gradient for tied parameter `{name}` (did the backward run?)",
+                    self.rank
+                ))
+            })?;
+            let theirs = if self.rank == first {
+                pp.send(&mine, peer)?;
+                pp.recv(peer, mine.shape(), mine.dtype())?
+            } else {
+                let theirs = pp.recv(peer, mine.shape(), mine.dtype())?;
+                pp.send(&mine, peer)?;
+                theirs
+            };
+            grads.insert(name.clone(), (mine + theirs)?);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn even_split_puts_embedding_first_and_head_last() {
+        let l = StageLayout::even(3, 2).unwrap();
+        assert_eq!((l.blocks(0), l.blocks(1)), (0..2, 2..3));
+        // Segments: 0 = embedding, 1..=3 = h.0..h.2, 4 = head.
+        assert_eq!((l.segments(0), l.segments(1)), (0..3, 3..5));
+        let one = StageLayout::even(4, 1).unwrap();
+        assert_eq!(one.segments(0), 0..6);
+    }
+
+    #[test]
+    fn bad_layouts_are_explained() {
+        let e = StageLayout::from_counts(4, &[1, 2])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("add up to 3") && e.contains("4 blocks"), "{e}");
+        let e = StageLayout::even(1, 3).unwrap_err().to_string();
+        assert!(e.contains("stage 1 of 3 would hold no block"), "{e}");
+        // The end stages may hold no block: they still run the embedding / the head.
+        let l = StageLayout::from_counts(2, &[0, 2, 0]).unwrap();
+        assert_eq!(
+            (l.segments(0), l.segments(1), l.segments(2)),
+            (0..1, 1..3, 3..4)
+        );
+    }
+}
