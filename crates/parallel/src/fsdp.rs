@@ -1,1 +1,543 @@
-//! (in progress)
+//! Sharded data parallelism: ZeRO stages 1, 2 and 3 (stage 3 is FSDP).
+//!
+//! DDP keeps on every rank 16 bytes per parameter of model state (fp32 here: 4 for the weight,
+//! 4 for its gradient, 8 for Adam's two moments). ZeRO removes the redundancy step by step; each
+//! rank keeps 1/N of what is sharded (N = dp size, Φ = parameter count, bytes per rank):
+//!
+//! ```text
+//!   stage   sharded                      weights      grads     Adam m, v   fp32 total
+//!   DDP     nothing                      4Φ           4Φ        8Φ          16Φ
+//!   1       optimizer state              4Φ (+4Φ/N)   4Φ        8Φ/N
+//!   2       + gradients                  4Φ (+4Φ/N)   4Φ/N      8Φ/N
+//!   3       + parameters (FSDP)          4Φ/N         4Φ/N      8Φ/N        16Φ/N
+//! ```
+//! (+4Φ/N: the shard the optimizer updates, the analogue of ZeRO's fp32 master copy. Stage 3
+//! also holds the gathered weights of the segments in flight: at most two at a time. With mixed
+//! precision the same table reads 2+2+12 bytes per parameter: 16Φ/N at stage 3.)
+//!
+//! The unit of sharding is a segment of the block-wise engine: its parameters are laid out in one
+//! flat buffer and every rank keeps one contiguous shard of it (see [`unit`]). A parameter used by
+//! several segments (the tied `wte`) belongs to the lowest one, where its gradient becomes final.
+//!
+//! # One training step at stage 3 (the engine's hooks drive it)
+//! ```text
+//!   pre_forward(i)    free segment i-1's gathered weights; wait for segment i's all-gather;
+//!                     start segment i+1's all-gather (prefetch, overlaps segment i's forward)
+//!   pre_backward(i)   with activation checkpointing: gather segment i again (its forward is
+//!                     recomputed), prefetch segment i-1
+//!   post_backward(i)  reduce-scatter segment i's flat gradient (async); drop the full gradient;
+//!                     free segment i's weights
+//!   optimizer         AdamW on this rank's shards only (decay flag per piece)
+//! ```
+//! Stages 1 and 2 keep full weights in place, so no gathers run in forward/backward; after the
+//! optimizer updates the shards, an all-gather per unit writes the new weights back. Stage 1
+//! keeps full gradients and reduce-scatters only on the last micro-step (like DDP); stages 2 and 3
+//! reduce-scatter after every micro-step's backward and accumulate the shard, so full gradients
+//! never outlive one segment.
+//!
+//! Without activation checkpointing, candle's graph of a segment's forward keeps the gathered
+//! weights alive until that segment's backward (DESIGN.md decision 1): the slot is emptied after
+//! the forward but the memory only returns after the backward, and no second gather is needed.
+//! With checkpointing only the segment input is kept, so the weights really are freed after each
+//! use and gathered again for the recompute: that is where ZeRO-3's memory drop comes from.
+
+mod unit;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType, Tensor};
+use mtrain_comm::{Comm, ReduceOp, Work};
+use mtrain_model::optim::{AdamW, OptimItem};
+use mtrain_model::{Engine, Grads, Hooks, Param, Segment};
+
+use crate::ddp::{
+    final_after, hook_err, timed_wait, unique_params, verify_same_init, CommStats, DataParallel,
+    DpError, ModelStateBytes, OpTimer, Result,
+};
+use unit::FlatUnit;
+
+/// Which model state is sharded across the data-parallel ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ZeroStage {
+    /// Optimizer state.
+    One = 1,
+    /// Optimizer state and gradients.
+    Two = 2,
+    /// Optimizer state, gradients and parameters (FSDP).
+    Three = 3,
+}
+
+impl TryFrom<u8> for ZeroStage {
+    type Error = DpError;
+    fn try_from(v: u8) -> Result<ZeroStage> {
+        match v {
+            1 => Ok(ZeroStage::One),
+            2 => Ok(ZeroStage::Two),
+            3 => Ok(ZeroStage::Three),
+            _ => Err(DpError::Config(format!(
+                "zero stage must be 1, 2 or 3, got {v}"
+            ))),
+        }
+    }
+}
+
+/// FSDP / ZeRO settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FsdpConfig {
+    pub stage: ZeroStage,
+    /// Start the next segment's all-gather before the current segment computes (stage 3).
+    pub prefetch: bool,
+}
+
+impl Default for FsdpConfig {
+    fn default() -> Self {
+        Self {
+            stage: ZeroStage::Three,
+            prefetch: true,
+        }
+    }
+}
+
+/// Per-rank model-state bytes the table above predicts for `n_params` fp32 parameters with Adam
+/// on `dp` ranks (`None`: plain DDP), not counting the segments in flight.
+pub fn analytic_model_state(
+    stage: Option<ZeroStage>,
+    n_params: usize,
+    dp: usize,
+) -> ModelStateBytes {
+    let full = 4 * n_params;
+    let shard = 4 * n_params.div_ceil(dp);
+    match stage {
+        None => ModelStateBytes {
+            params: full,
+            grads: full,
+            optimizer: 2 * full,
+        },
+        Some(ZeroStage::One) => ModelStateBytes {
+            params: full + shard,
+            grads: full,
+            optimizer: 2 * shard,
+        },
+        Some(ZeroStage::Two) => ModelStateBytes {
+            params: full + shard,
+            grads: shard,
+            optimizer: 2 * shard,
+        },
+        Some(ZeroStage::Three) => ModelStateBytes {
+            params: shard,
+            grads: shard,
+            optimizer: 2 * shard,
+        },
+    }
+}
+
+/// Whether a unit's full weights are in its parameters' slots.
+enum Residency {
+    /// Only the shard exists; the slots hold empty placeholders.
+    Sharded,
+    /// The all-gather is running.
+    Gathering(Work),
+    /// The slots hold the full weights.
+    Gathered,
+}
+
+/// Sharded data parallelism over the segments of a model.
+pub struct Fsdp {
+    comm: Comm,
+    cfg: FsdpConfig,
+    segments: Vec<Arc<dyn Segment>>,
+    /// One unit per segment (`units[i]` holds the parameters whose gradient is final after segment i).
+    units: Vec<FlatUnit>,
+    residency: Vec<Residency>,
+    /// `needs[i]`: the units segment i uses.
+    needs: Vec<Vec<usize>>,
+    grads: Grads,
+    timer: Option<OpTimer>,
+    current: CommStats,
+    last: CommStats,
+}
+
+impl Fsdp {
+    /// Shards the model's segments over `comm` (the data-parallel group). Every rank must have
+    /// built the same full model (checked); at stage 3 the full weights are released here.
+    pub fn new(comm: Comm, segments: Vec<Arc<dyn Segment>>, cfg: FsdpConfig) -> Result<Fsdp> {
+        let params = unique_params(&segments);
+        verify_same_init(&comm, &params)?;
+        let owner = final_after(&segments);
+        let (rank, dp) = (comm.rank(), comm.size());
+        let mut units = Vec::with_capacity(segments.len());
+        for (i, seg) in segments.iter().enumerate() {
+            let mine: Vec<Param> = params
+                .iter()
+                .filter(|p| owner.get(p.name()) == Some(&i))
+                .cloned()
+                .collect();
+            units.push(FlatUnit::new(&seg.name(), mine, rank, dp)?);
+        }
+        let needs = segments
+            .iter()
+            .map(|s| {
+                let mut u: Vec<usize> = s
+                    .params()
+                    .iter()
+                    .filter_map(|p| owner.get(p.name()).copied())
+                    .collect();
+                u.sort_unstable();
+                u.dedup();
+                u
+            })
+            .collect();
+        let residency = units.iter().map(|_| Residency::Gathered).collect();
+        let mut fsdp = Fsdp {
+            comm,
+            cfg,
+            segments,
+            units,
+            residency,
+            needs,
+            grads: Grads::new(),
+            timer: None,
+            current: CommStats::default(),
+            last: CommStats::default(),
+        };
+        if cfg.stage == ZeroStage::Three {
+            let mut sched = fsdp.scheduler(false, false);
+            for u in 0..sched.units.len() {
+                sched.free(u)?;
+            }
+            fsdp.timer = None;
+        }
+        Ok(fsdp)
+    }
+
+    /// The hooks for one forward/backward, borrowing this strategy's state.
+    fn scheduler(&mut self, recompute: bool, reduce: bool) -> Scheduler<'_> {
+        Scheduler {
+            comm: &self.comm,
+            stage: self.cfg.stage,
+            prefetch: self.cfg.prefetch,
+            recompute,
+            reduce,
+            units: &mut self.units,
+            residency: &mut self.residency,
+            needs: &self.needs,
+            pending: Vec::new(),
+            stats: &mut self.current,
+            timer: self.timer.get_or_insert_with(OpTimer::default),
+        }
+    }
+
+    /// Gathers each unit's shards of `shard_of` into full tensors by name (a collective).
+    fn gather_full(
+        &self,
+        shard_of: impl Fn(&FlatUnit) -> candle_core::Result<Tensor>,
+    ) -> Result<BTreeMap<String, Tensor>> {
+        let mut out = BTreeMap::new();
+        for u in self.units.iter().filter(|u| u.numel > 0) {
+            let flat = self.comm.all_gather(&shard_of(u)?)?; // (padded,)
+            for (e, t) in u.unflatten(&flat)? {
+                out.insert(e.param.name().to_string(), t);
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The engine hooks of sharded data parallelism: gather, prefetch, reduce-scatter, free.
+struct Scheduler<'a> {
+    comm: &'a Comm,
+    stage: ZeroStage,
+    prefetch: bool,
+    /// The engine recomputes each segment's forward in backward (activation checkpointing).
+    recompute: bool,
+    /// Reduce-scatter gradients in this backward.
+    reduce: bool,
+    units: &'a mut [FlatUnit],
+    residency: &'a mut [Residency],
+    needs: &'a [Vec<usize>],
+    /// Reduce-scatters in flight, in issue order: (unit, work).
+    pending: Vec<(usize, Work)>,
+    stats: &'a mut CommStats,
+    timer: &'a mut OpTimer,
+}
+
+impl Scheduler<'_> {
+    fn start_gather(&mut self, u: usize) -> Result<()> {
+        if matches!(self.residency[u], Residency::Sharded) {
+            let shard = self.units[u].param_shard(self.comm.device())?; // (shard,)
+            self.stats.collectives += 1;
+            self.stats.bytes += (shard.elem_count() * shard.dtype().size_in_bytes()) as u64;
+            self.residency[u] = Residency::Gathering(self.comm.all_gather_async(&shard));
+        }
+        Ok(())
+    }
+
+    /// Makes unit `u`'s full weights available in its parameters' slots.
+    fn ensure_gathered(&mut self, u: usize) -> Result<()> {
+        self.start_gather(u)?;
+        if let Residency::Gathering(work) =
+            std::mem::replace(&mut self.residency[u], Residency::Gathered)
+        {
+            let flat = timed_wait(work, &mut self.stats.exposed_comm_s)?; // (padded,)
+            self.timer.collect(self.comm);
+            for (e, t) in self.units[u].unflatten(&flat)? {
+                e.param.replace(t)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Releases unit `u`'s full weights (stage 3): the slots get empty placeholders.
+    fn free(&mut self, u: usize) -> Result<()> {
+        if self.stage == ZeroStage::Three && self.units[u].numel > 0 {
+            for e in &self.units[u].entries {
+                e.param
+                    .replace(Tensor::zeros(0, e.param.var().dtype(), self.comm.device())?)?;
+            }
+            self.residency[u] = Residency::Sharded;
+        }
+        Ok(())
+    }
+
+    /// Waits for the reduce-scatters in issue order and adds each shard to its unit.
+    fn finish(mut self) -> Result<()> {
+        for (u, work) in std::mem::take(&mut self.pending) {
+            let shard = timed_wait(work, &mut self.stats.exposed_comm_s)?; // (shard,)
+            self.timer.collect(self.comm);
+            self.units[u].add_grad_shard(&shard)?;
+        }
+        Ok(())
+    }
+
+    fn pre_forward_impl(&mut self, i: usize) -> Result<()> {
+        if self.stage != ZeroStage::Three {
+            return Ok(());
+        }
+        if i > 0 {
+            for &u in &self.needs[i - 1] {
+                if !self.needs[i].contains(&u) {
+                    self.free(u)?;
+                }
+            }
+        }
+        for &u in &self.needs[i] {
+            self.ensure_gathered(u)?;
+        }
+        if self.prefetch && i + 1 < self.needs.len() {
+            for &u in &self.needs[i + 1] {
+                self.start_gather(u)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn pre_backward_impl(&mut self, i: usize) -> Result<()> {
+        // Without recompute the engine differentiates the graph recorded in forward, which
+        // already holds the gathered weights.
+        if self.stage != ZeroStage::Three || !self.recompute {
+            return Ok(());
+        }
+        for &u in &self.needs[i] {
+            self.ensure_gathered(u)?;
+        }
+        if self.prefetch && i > 0 {
+            for &u in &self.needs[i - 1] {
+                self.start_gather(u)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn post_backward_impl(&mut self, i: usize, grads: &mut Grads) -> Result<()> {
+        if self.reduce && self.units[i].numel > 0 {
+            let flat = self.units[i].flat_grad(grads)?; // (padded,)
+            self.stats.collectives += 1;
+            self.stats.bytes += (flat.elem_count() * flat.dtype().size_in_bytes()) as u64;
+            self.pending
+                .push((i, self.comm.reduce_scatter_async(&flat, ReduceOp::Avg)));
+            if self.stage >= ZeroStage::Two {
+                for e in &self.units[i].entries {
+                    grads.remove(e.param.name());
+                }
+            }
+        }
+        for k in 0..self.needs[i].len() {
+            let u = self.needs[i][k];
+            if i == 0 || !self.needs[i - 1].contains(&u) {
+                self.free(u)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Hooks for Scheduler<'_> {
+    fn pre_forward(&mut self, i: usize, _seg: &dyn Segment) -> candle_core::Result<()> {
+        self.pre_forward_impl(i).map_err(hook_err)
+    }
+    fn pre_backward(&mut self, i: usize, _seg: &dyn Segment) -> candle_core::Result<()> {
+        self.pre_backward_impl(i).map_err(hook_err)
+    }
+    fn post_backward(
+        &mut self,
+        i: usize,
+        _seg: &dyn Segment,
+        grads: &mut Grads,
+    ) -> candle_core::Result<()> {
+        self.post_backward_impl(i, grads).map_err(hook_err)
+    }
+}
+
+impl DataParallel for Fsdp {
+    fn forward_backward(
+        &mut self,
+        engine: &Engine,
+        idx: &Tensor,
+        targets: &Tensor,
+        loss_scale: f64,
+        sync: bool,
+    ) -> Result<f64> {
+        if self.timer.is_none() {
+            self.timer = Some(OpTimer::start(&self.comm));
+        }
+        let reduce = sync || self.cfg.stage >= ZeroStage::Two;
+        let segments = self.segments.clone();
+        let mut grads = std::mem::take(&mut self.grads);
+        let mut sched = self.scheduler(engine.checkpointing, reduce);
+        let acts = engine.forward(&segments, idx, Some(targets), &mut sched)?;
+        let loss = acts
+            .output
+            .to_dtype(DType::F64)?
+            .sum_all()?
+            .to_scalar::<f64>()?;
+        let t = Instant::now();
+        engine.backward(&segments, acts, None, loss_scale, &mut grads, &mut sched)?;
+        sched.stats.backward_s += t.elapsed().as_secs_f64();
+        sched.finish()?;
+        self.grads = grads;
+        Ok(loss)
+    }
+
+    fn grad_norm_sq(&self) -> Result<f64> {
+        let mut local = 0.0f64;
+        for u in &self.units {
+            for g in [&u.grad_decay, &u.grad_plain].into_iter().flatten() {
+                local += g
+                    .to_dtype(DType::F64)?
+                    .sqr()?
+                    .sum_all()?
+                    .to_scalar::<f64>()?;
+            }
+        }
+        let t = Tensor::new(&[local as f32], self.comm.device())?;
+        let total = self.comm.all_reduce(&t, ReduceOp::Sum)?.to_vec1::<f32>()?;
+        Ok(total.first().copied().unwrap_or(0.0) as f64)
+    }
+
+    fn scale_grads(&mut self, factor: f64) -> Result<()> {
+        for u in &mut self.units {
+            for g in [&mut u.grad_decay, &mut u.grad_plain].into_iter().flatten() {
+                *g = (&*g * factor)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn optimizer_items(&self) -> Vec<OptimItem<'_>> {
+        let mut items = Vec::new();
+        for u in &self.units {
+            for (p, g, decay) in [
+                (&u.decay_shard, &u.grad_decay, true),
+                (&u.plain_shard, &u.grad_plain, false),
+            ] {
+                if let (Some(p), Some(g)) = (p, g) {
+                    items.push(OptimItem {
+                        name: p.name(),
+                        param: p,
+                        grad: g,
+                        decay,
+                    });
+                }
+            }
+        }
+        items
+    }
+
+    fn after_optimizer_step(&mut self) -> Result<()> {
+        if self.cfg.stage != ZeroStage::Three {
+            // Write the updated shards back into every rank's full weights.
+            let mut works = Vec::new();
+            for (k, u) in self.units.iter().enumerate().filter(|(_, u)| u.numel > 0) {
+                let shard = u.param_shard(self.comm.device())?; // (shard,)
+                self.current.collectives += 1;
+                self.current.bytes += (shard.elem_count() * shard.dtype().size_in_bytes()) as u64;
+                works.push((k, self.comm.all_gather_async(&shard)));
+            }
+            for (k, work) in works {
+                let flat = timed_wait(work, &mut self.current.exposed_comm_s)?; // (padded,)
+                for (e, t) in self.units[k].unflatten(&flat)? {
+                    e.param.set(&t)?;
+                }
+            }
+        }
+        self.grads.clear();
+        for u in &mut self.units {
+            u.grad_decay = None;
+            u.grad_plain = None;
+        }
+        if let Some(mut t) = self.timer.take() {
+            t.collect(&self.comm);
+            self.current.comm_s = t.busy_s();
+        }
+        self.last = std::mem::take(&mut self.current);
+        Ok(())
+    }
+
+    fn full_state(&self) -> Result<BTreeMap<String, Tensor>> {
+        if self.cfg.stage == ZeroStage::Three {
+            return self.gather_full(|u| u.param_shard(self.comm.device()));
+        }
+        let entries = self.units.iter().flat_map(|u| u.entries.iter());
+        Ok(entries
+            .map(|e| (e.param.name().to_string(), e.param.tensor().detach()))
+            .collect())
+    }
+
+    fn full_grads(&self) -> Result<BTreeMap<String, Tensor>> {
+        self.gather_full(|u| u.grad_shard(self.comm.device()))
+    }
+
+    fn model_state_bytes(&self, opt: &AdamW) -> ModelStateBytes {
+        let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let mut s = ModelStateBytes {
+            params: 0,
+            grads: 0,
+            optimizer: opt.state_bytes(),
+        };
+        for u in &self.units {
+            s.params += u
+                .entries
+                .iter()
+                .map(|e| bytes(&e.param.tensor()))
+                .sum::<usize>();
+            s.params += [&u.decay_shard, &u.plain_shard]
+                .into_iter()
+                .flatten()
+                .map(|p| bytes(&p.tensor()))
+                .sum::<usize>();
+            s.grads += [&u.grad_decay, &u.grad_plain]
+                .into_iter()
+                .flatten()
+                .map(bytes)
+                .sum::<usize>();
+        }
+        s.grads += self.grads.iter().map(|(_, g)| bytes(g)).sum::<usize>();
+        s
+    }
+
+    fn comm_stats(&self) -> CommStats {
+        self.last
+    }
+}
