@@ -145,3 +145,70 @@ impl CudaMemoryProbe {
         self.ctx.synchronize().map_err(driver("cuCtxSynchronize"))
     }
 }
+
+/// The memory report's view: pool bytes in use and their high-water mark. A failing driver call
+/// (which only happens when the device is lost) is logged and reads as 0.
+impl crate::memory::MemoryProbe for CudaMemoryProbe {
+    fn name(&self) -> &str {
+        "cuda pool"
+    }
+
+    fn current(&self) -> u64 {
+        CudaMemoryProbe::current(self).unwrap_or_else(|e| {
+            tracing::warn!("GPU memory probe: {e}");
+            0
+        })
+    }
+
+    fn peak(&self) -> u64 {
+        CudaMemoryProbe::peak(self).unwrap_or_else(|e| {
+            tracing::warn!("GPU memory probe: {e}");
+            0
+        })
+    }
+
+    fn reset_peak(&self) {
+        if let Err(e) = CudaMemoryProbe::reset_peak(self) {
+            tracing::warn!("GPU memory probe: {e}");
+        }
+    }
+}
+
+/// Needs a CUDA GPU (run by `scripts/gpu-test.sh` through the trainer's test binary).
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Tensor};
+
+    #[test]
+    fn pool_counters_follow_allocations() {
+        let dev = Device::new_cuda(0).expect("needs a CUDA GPU");
+        let probe = CudaMemoryProbe::new(&dev).unwrap();
+        probe.synchronize().unwrap();
+        probe.reset_peak().unwrap();
+        let before = probe.current().unwrap();
+        let bytes = 256u64 << 20;
+        let t = Tensor::zeros((bytes / 4) as usize, DType::F32, &dev).unwrap();
+        probe.synchronize().unwrap();
+        let during = probe.current().unwrap();
+        assert!(
+            during >= before + bytes,
+            "current {during} after a {bytes}-byte tensor (was {before})"
+        );
+        drop(t);
+        probe.synchronize().unwrap();
+        let after = probe.current().unwrap();
+        assert!(
+            after + bytes <= during,
+            "freeing {bytes} bytes left current at {after} (was {during})"
+        );
+        assert!(probe.peak().unwrap() >= before + bytes);
+        probe.reset_peak().unwrap();
+        assert!(
+            probe.peak().unwrap() < before + bytes,
+            "reset_peak did not restart the mark"
+        );
+        let s = probe.snapshot().unwrap();
+        assert!(s.device_total > s.device_used && s.device_used >= s.reserved);
+    }
+}
