@@ -619,6 +619,13 @@ fn gpt_matches_single_device(tp: usize, sequence_parallel: bool) {
                     "tp {tp} sp {sequence_parallel} step {step}: grad {name} rel {r:.2e}"
                 );
             }
+            let norm = model.layout.global_sq_norm(&grads, &g).expect("norm");
+            let norm_ref = grads_ref.sq_norm().expect("norm");
+            let rn = (norm - norm_ref).abs() / norm_ref;
+            assert!(
+                rn <= GRAD_TOL,
+                "step {step}: squared grad norm {norm} vs {norm_ref}"
+            );
             sgd(&params, &grads);
         }
     });

@@ -24,7 +24,7 @@
 
 use std::collections::BTreeMap;
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use mtrain_comm::{Comm, ReduceOp};
 use mtrain_model::Grads;
 
@@ -123,6 +123,31 @@ impl ShardLayout {
             full.insert(name.clone(), self.gather_full(name, g, group)?);
         }
         Ok(full)
+    }
+
+    /// Σ g² over the full model's gradients (the squared global norm, for clipping), from this
+    /// rank's gradients: sharded pieces are summed over `group`, replicated ones counted once.
+    /// Call after [`ShardLayout::sync_partial_grads`]. A collective: every rank must call it.
+    pub fn global_sq_norm(&self, grads: &Grads, group: &Comm) -> Result<f64> {
+        let (mut sharded, mut replicated) = (0f64, 0f64);
+        for (name, g) in grads.iter() {
+            let spec = self
+                .specs
+                .get(name)
+                .ok_or_else(|| TpError::UnknownParam(name.clone()))?;
+            let sq = g
+                .to_dtype(DType::F64)?
+                .sqr()?
+                .sum_all()?
+                .to_scalar::<f64>()?;
+            match spec.placement {
+                Placement::Sharded { .. } => sharded += sq,
+                Placement::Replicated { .. } => replicated += sq,
+            }
+        }
+        let local = Tensor::new(&[sharded as f32], group.device())?;
+        let total = group.all_reduce(&local, ReduceOp::Sum).map_err(comm_err)?;
+        Ok(total.to_vec1::<f32>()?[0] as f64 + replicated)
     }
 
     /// Sums over `group` the gradients that each rank holds only a part of (replicated parameters
