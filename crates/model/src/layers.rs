@@ -234,7 +234,8 @@ impl CausalSelfAttention {
         };
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
         let scale = 1.0 / (d as f64).sqrt();
-        let att = (q.matmul(&k.t()?)? * scale)?; // (B, H, T, T)
+        // Scaling q (B, H, T, D) is cheaper than scaling the scores (B, H, T, T).
+        let att = (q * scale)?.matmul(&k.t()?)?; // (B, H, T, T)
         let att = upcast(&att)?;
         let att = att.broadcast_add(&causal_mask(t, att.dtype(), att.device())?)?;
         let att = softmax_last_dim(&att)?.to_dtype(v.dtype())?; // (B, H, T, T)
