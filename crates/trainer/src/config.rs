@@ -1,1 +1,559 @@
-//! (in progress)
+//! Training configuration: a typed `TrainConfig`, read from a TOML file and overridden from the
+//! command line.
+//!
+//! A configs/*.toml file has two tables:
+//!
+//! ```toml
+//! [model]            # a GptConfig (or `model = "gpt2-124m"`, a preset name, at the top level)
+//! n_layer = 12
+//! ...
+//! [train]            # the fields of TrainConfig below
+//! steps = 5000
+//! lr = 6e-4
+//! ```
+//!
+//! Resolution order: defaults (the built-in tiny model on the built-in corpus, a short run), then the
+//! file, then the flags (`--steps 10`), then `--set key=value` overrides (`--set warmup_steps=5`,
+//! `--set model.n_layer=2`). Every key is checked: an unknown one is refused with its name.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use mtrain_model::GptConfig;
+use serde::de::{self, MapAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize};
+
+use crate::data::DataSource;
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The config file could not be read.
+    #[error("cannot read config {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The TOML does not parse or does not match the fields (unknown keys are named here).
+    #[error("{context}: {message}")]
+    Parse {
+        /// Where (file name, `--set`, ...).
+        context: String,
+        /// The parser's message.
+        message: String,
+    },
+    /// The values do not make sense together.
+    #[error("invalid config: {0}")]
+    Invalid(String),
+}
+
+/// The model to train: a preset name or a full `GptConfig`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum ModelSpec {
+    /// A name accepted by `GptConfig::preset` (`tiny`, `gpt2-124m`, `gpt2-350m`, `moe-tiny`).
+    Preset(String),
+    /// An explicit `[model]` table.
+    Config(GptConfig),
+}
+
+impl<'de> Deserialize<'de> for ModelSpec {
+    // Hand-written rather than `untagged` so that an unknown key inside `[model]` is reported by name.
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = ModelSpec;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                write!(
+                    f,
+                    "a preset name ({}) or a [model] table",
+                    GptConfig::PRESETS.join(", ")
+                )
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<ModelSpec, E> {
+                Ok(ModelSpec::Preset(s.to_string()))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<ModelSpec, A::Error> {
+                GptConfig::deserialize(de::value::MapAccessDeserializer::new(map))
+                    .map(ModelSpec::Config)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl ModelSpec {
+    /// The model configuration this spec names.
+    pub fn resolve(&self) -> Result<GptConfig, ConfigError> {
+        let cfg = match self {
+            ModelSpec::Preset(name) => GptConfig::preset(name).ok_or_else(|| {
+                ConfigError::Invalid(format!(
+                    "unknown model preset `{name}`; known: {}",
+                    GptConfig::PRESETS.join(", ")
+                ))
+            })?,
+            ModelSpec::Config(c) => c.clone(),
+        };
+        cfg.validate()
+            .map_err(|e| ConfigError::Invalid(format!("model: {e}")))?;
+        Ok(cfg)
+    }
+}
+
+/// Where the model computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// The CPU.
+    Cpu,
+    /// A CUDA GPU (the one matching the local rank).
+    Cuda,
+}
+
+/// Numeric format of the forward/backward compute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum DTypeKind {
+    /// fp32 everywhere.
+    F32,
+    /// bf16 weights and activations in compute, fp32 master weights and Adam state.
+    Bf16,
+}
+
+/// Everything a training run needs to know.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainConfig {
+    /// The model: a preset name or a `[model]` table.
+    pub model: ModelSpec,
+    /// Seed of the weight initialisation and of the data order.
+    pub seed: u64,
+    /// Sequences per micro-batch on each data-parallel rank.
+    pub batch_size: usize,
+    /// Tokens per sequence (at most the model's block_size).
+    pub seq_len: usize,
+    /// Micro-batches accumulated per optimizer step.
+    pub grad_accum: usize,
+    /// Optimizer steps to run.
+    pub steps: u64,
+    /// Peak learning rate (after warmup).
+    pub lr: f64,
+    /// Learning rate at the end of the cosine decay.
+    pub min_lr: f64,
+    /// Steps of linear learning-rate warmup.
+    pub warmup_steps: u64,
+    /// Decoupled AdamW weight decay (applied to ≥2-D weights only).
+    pub weight_decay: f64,
+    /// AdamW β1.
+    pub beta1: f64,
+    /// AdamW β2.
+    pub beta2: f64,
+    /// AdamW ε.
+    pub eps: f64,
+    /// Clip the global gradient norm to this value (0 disables clipping).
+    pub grad_clip: f64,
+    /// Evaluate the validation loss every N steps and at the end (0 disables).
+    pub eval_every: u64,
+    /// Validation batches per evaluation.
+    pub eval_iters: usize,
+    /// Write a checkpoint every N steps (0: only at the end).
+    pub ckpt_every: u64,
+    /// Directory for checkpoints, metrics.jsonl and memory.jsonl.
+    pub run_dir: PathBuf,
+    /// Training data: "builtin" or a directory of token shards written by `mtrain prepare`.
+    pub data: DataSource,
+    /// Recompute each block's forward during backward instead of keeping its activations.
+    pub activation_checkpointing: bool,
+    /// Print and record the per-step memory report.
+    pub mem_report: bool,
+    /// Where to compute.
+    pub device: DeviceKind,
+    /// Compute dtype.
+    pub dtype: DTypeKind,
+    /// Log a line (and a metrics record) every N steps.
+    pub log_every: u64,
+    /// Peak FLOP/s of one device for the MFU figure; unset: a nominal figure for the device kind.
+    pub peak_flops: Option<f64>,
+    /// Continue from a checkpoint: a step-N directory, a run directory, or "latest" (this run_dir).
+    pub resume: Option<PathBuf>,
+}
+
+/// Nominal peak used for MFU on CPU when `peak_flops` is unset: an assumed 1e11 FLOP/s (about what
+/// two modern cores reach in f32 GEMM). It is a placeholder, labelled as such in the progress line.
+pub const CPU_PLACEHOLDER_PEAK_FLOPS: f64 = 1e11;
+/// Nominal peak on CUDA when `peak_flops` is unset: H100/H200 SXM dense bf16, 989 TFLOP/s.
+pub const CUDA_DEFAULT_PEAK_FLOPS: f64 = 989e12;
+
+impl Default for TrainConfig {
+    /// The built-in tiny model on the built-in corpus for 200 steps (well under a minute on 2 cores).
+    fn default() -> Self {
+        Self {
+            model: ModelSpec::Preset("tiny".into()),
+            seed: 1337,
+            batch_size: 16,
+            seq_len: 64,
+            grad_accum: 1,
+            steps: 200,
+            lr: 3e-3,
+            min_lr: 3e-4,
+            warmup_steps: 20,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            grad_clip: 1.0,
+            eval_every: 100,
+            eval_iters: 8,
+            ckpt_every: 0,
+            run_dir: PathBuf::from("runs/default"),
+            data: DataSource::Builtin,
+            activation_checkpointing: false,
+            mem_report: false,
+            device: DeviceKind::Cpu,
+            dtype: DTypeKind::F32,
+            log_every: 10,
+            peak_flops: None,
+            resume: None,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// The model configuration (preset resolved, validated).
+    pub fn gpt_config(&self) -> Result<GptConfig, ConfigError> {
+        self.model.resolve()
+    }
+
+    /// Peak FLOP/s for MFU and whether it is the CPU placeholder.
+    pub fn peak_flops(&self) -> (f64, bool) {
+        match (self.peak_flops, self.device) {
+            (Some(p), _) => (p, false),
+            (None, DeviceKind::Cpu) => (CPU_PLACEHOLDER_PEAK_FLOPS, true),
+            (None, DeviceKind::Cuda) => (CUDA_DEFAULT_PEAK_FLOPS, false),
+        }
+    }
+
+    /// Check the values against each other; messages name the values.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let model = self.gpt_config()?;
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        for (name, v) in [
+            ("batch_size", self.batch_size),
+            ("seq_len", self.seq_len),
+            ("grad_accum", self.grad_accum),
+        ] {
+            if v == 0 {
+                return bad(format!("{name} must be at least 1, got 0"));
+            }
+        }
+        if self.seq_len > model.block_size {
+            return bad(format!(
+                "seq_len {} exceeds the model's block_size {}",
+                self.seq_len, model.block_size
+            ));
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0)
+            || !(self.min_lr.is_finite() && self.min_lr >= 0.0)
+        {
+            return bad(format!(
+                "lr {} must be > 0 and min_lr {} >= 0",
+                self.lr, self.min_lr
+            ));
+        }
+        if self.min_lr > self.lr {
+            return bad(format!("min_lr {} is above lr {}", self.min_lr, self.lr));
+        }
+        for (name, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&b) {
+                return bad(format!("{name} {b} must be in [0, 1)"));
+            }
+        }
+        if !(self.eps > 0.0) || !(self.weight_decay >= 0.0) || !(self.grad_clip >= 0.0) {
+            return bad(format!(
+                "eps {} must be > 0, weight_decay {} and grad_clip {} must be >= 0",
+                self.eps, self.weight_decay, self.grad_clip
+            ));
+        }
+        if self.eval_every > 0 && self.eval_iters == 0 {
+            return bad(format!(
+                "eval_every {} needs eval_iters >= 1",
+                self.eval_every
+            ));
+        }
+        if self.dtype == DTypeKind::Bf16 && self.device == DeviceKind::Cpu {
+            return bad("dtype bf16 is not supported on cpu (candle's CPU matmul has no bf16 path); use --dtype f32 or --device cuda".into());
+        }
+        if let Some(p) = self.peak_flops {
+            if !(p.is_finite() && p > 0.0) {
+                return bad(format!("peak_flops {p} must be a positive number"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Parse a whole config file's text (`[model]` and `[train]` tables) on top of the defaults.
+    pub fn from_toml_str(text: &str, context: &str) -> Result<Self, ConfigError> {
+        let mut table = toml::Table::new();
+        merge_file(&mut table, text, context)?;
+        finish(table, context)
+    }
+}
+
+/// Command-line flags of a training run (flattened into the `mtrain` command).
+#[derive(Debug, Clone, Default, clap::Args)]
+#[command(next_help_heading = "Training")]
+pub struct TrainArgs {
+    /// TOML file with [model] and [train] tables.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Model preset (tiny, gpt2-124m, gpt2-350m, moe-tiny).
+    #[arg(long, value_name = "NAME")]
+    pub model: Option<String>,
+    /// Optimizer steps.
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Sequences per micro-batch per data-parallel rank.
+    #[arg(long)]
+    pub batch_size: Option<usize>,
+    /// Tokens per sequence.
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    /// Micro-batches per optimizer step.
+    #[arg(long)]
+    pub grad_accum: Option<usize>,
+    /// Peak learning rate.
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Final learning rate of the cosine decay.
+    #[arg(long)]
+    pub min_lr: Option<f64>,
+    /// Warmup steps.
+    #[arg(long)]
+    pub warmup_steps: Option<u64>,
+    /// Seed of initialisation and data order.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Run directory (checkpoints, metrics.jsonl, memory.jsonl).
+    #[arg(long, value_name = "DIR")]
+    pub run_dir: Option<PathBuf>,
+    /// "builtin" or a token-shard directory from `mtrain prepare`.
+    #[arg(long, value_name = "SOURCE")]
+    pub data: Option<String>,
+    /// Evaluate every N steps (0 disables).
+    #[arg(long, value_name = "N")]
+    pub eval_every: Option<u64>,
+    /// Checkpoint every N steps (0: only at the end).
+    #[arg(long, value_name = "N")]
+    pub ckpt_every: Option<u64>,
+    /// Log every N steps.
+    #[arg(long, value_name = "N")]
+    pub log_every: Option<u64>,
+    /// Print and record the per-step memory report.
+    #[arg(long)]
+    pub mem_report: bool,
+    /// Recompute activations in backward instead of storing them.
+    #[arg(long)]
+    pub activation_checkpointing: bool,
+    /// Compute device.
+    #[arg(long, value_enum)]
+    pub device: Option<DeviceKind>,
+    /// Compute dtype.
+    #[arg(long, value_enum)]
+    pub dtype: Option<DTypeKind>,
+    /// Resume from a checkpoint directory, a run directory, or "latest" (the run directory's newest).
+    #[arg(long, value_name = "CKPT", num_args = 0..=1, default_missing_value = "latest")]
+    pub resume: Option<PathBuf>,
+    /// Override any config key, e.g. `--set lr=1e-3 --set model.n_layer=2` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub overrides: Vec<String>,
+}
+
+impl TrainArgs {
+    /// Defaults, then the file, then the flags, then `--set`; validated.
+    pub fn resolve(&self) -> anyhow::Result<TrainConfig> {
+        let mut table = toml::Table::new();
+        let mut context = "command line".to_string();
+        if let Some(path) = &self.config {
+            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                path: path.clone(),
+                source,
+            })?;
+            context = path.display().to_string();
+            merge_file(&mut table, &text, &context)?;
+        }
+        let mut put = |k: &str, v: toml::Value| {
+            table.insert(k.to_string(), v);
+        };
+        let int = |v: u64| toml::Value::Integer(v as i64);
+        let path = |p: &Path| toml::Value::String(p.display().to_string());
+        if let Some(m) = &self.model {
+            put("model", toml::Value::String(m.clone()));
+        }
+        if let Some(v) = self.steps {
+            put("steps", int(v));
+        }
+        if let Some(v) = self.batch_size {
+            put("batch_size", int(v as u64));
+        }
+        if let Some(v) = self.seq_len {
+            put("seq_len", int(v as u64));
+        }
+        if let Some(v) = self.grad_accum {
+            put("grad_accum", int(v as u64));
+        }
+        if let Some(v) = self.lr {
+            put("lr", toml::Value::Float(v));
+        }
+        if let Some(v) = self.min_lr {
+            put("min_lr", toml::Value::Float(v));
+        }
+        if let Some(v) = self.warmup_steps {
+            put("warmup_steps", int(v));
+        }
+        if let Some(v) = self.seed {
+            put("seed", int(v));
+        }
+        if let Some(v) = &self.run_dir {
+            put("run_dir", path(v));
+        }
+        if let Some(v) = &self.data {
+            put("data", toml::Value::String(v.clone()));
+        }
+        if let Some(v) = self.eval_every {
+            put("eval_every", int(v));
+        }
+        if let Some(v) = self.ckpt_every {
+            put("ckpt_every", int(v));
+        }
+        if let Some(v) = self.log_every {
+            put("log_every", int(v));
+        }
+        if self.mem_report {
+            put("mem_report", toml::Value::Boolean(true));
+        }
+        if self.activation_checkpointing {
+            put("activation_checkpointing", toml::Value::Boolean(true));
+        }
+        if let Some(v) = self.device {
+            put(
+                "device",
+                toml::Value::String(format!("{v:?}").to_lowercase()),
+            );
+        }
+        if let Some(v) = self.dtype {
+            put(
+                "dtype",
+                toml::Value::String(format!("{v:?}").to_lowercase()),
+            );
+        }
+        if let Some(v) = &self.resume {
+            put("resume", path(v));
+        }
+        for kv in &self.overrides {
+            apply_override(&mut table, kv)?;
+        }
+        Ok(finish(table, &context)?)
+    }
+}
+
+/// Merge a config file's `[model]` / `[train]` tables (or a top-level `model = "preset"`) into `table`.
+fn merge_file(table: &mut toml::Table, text: &str, context: &str) -> Result<(), ConfigError> {
+    let parse = |message: String| ConfigError::Parse {
+        context: context.to_string(),
+        message,
+    };
+    let file: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| parse(e.to_string()))?;
+    for (key, value) in file {
+        match (key.as_str(), value) {
+            ("model", v @ (toml::Value::Table(_) | toml::Value::String(_))) => {
+                table.insert("model".into(), v);
+            }
+            ("train", toml::Value::Table(t)) => table.extend(t),
+            ("model", _) | ("train", _) => {
+                return Err(parse(format!(
+                    "`{key}` must be a table (or, for model, a preset name)"
+                )))
+            }
+            (other, _) => {
+                return Err(parse(format!(
+                    "unknown top-level key `{other}`; expected [model] and [train]"
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Apply `key=value` (value parsed as TOML, else taken as a string); `model.x` edits the model table,
+/// expanding a preset name into its table first; a leading `train.` is optional.
+fn apply_override(table: &mut toml::Table, kv: &str) -> Result<(), ConfigError> {
+    let parse = |message: String| ConfigError::Parse {
+        context: format!("--set {kv}"),
+        message,
+    };
+    let (key, raw) = kv
+        .split_once('=')
+        .ok_or_else(|| parse("expected KEY=VALUE".into()))?;
+    let key = key.trim();
+    let key = key.strip_prefix("train.").unwrap_or(key);
+    let value = match format!("v = {raw}").parse::<toml::Table>() {
+        Ok(mut t) => t
+            .remove("v")
+            .unwrap_or_else(|| toml::Value::String(raw.to_string())),
+        Err(_) => toml::Value::String(raw.to_string()),
+    };
+    match key.split_once('.') {
+        None => {
+            table.insert(key.to_string(), value);
+        }
+        Some(("model", field)) => {
+            let current = table
+                .remove("model")
+                .unwrap_or_else(|| toml::Value::String("tiny".into()));
+            let mut model = match current {
+                toml::Value::Table(t) => t,
+                toml::Value::String(name) => {
+                    let cfg = ModelSpec::Preset(name).resolve()?;
+                    match toml::Value::try_from(cfg) {
+                        Ok(toml::Value::Table(t)) => t,
+                        Ok(_) | Err(_) => {
+                            return Err(parse("cannot expand the model preset into a table".into()))
+                        }
+                    }
+                }
+                _ => return Err(parse("model must be a preset name or a table".into())),
+            };
+            model.insert(field.to_string(), value);
+            table.insert("model".into(), toml::Value::Table(model));
+        }
+        Some((other, _)) => return Err(parse(format!("unknown key `{key}` (no table `{other}`)"))),
+    }
+    Ok(())
+}
+
+/// Deserialize the merged table over the defaults and validate.
+fn finish(table: toml::Table, context: &str) -> Result<TrainConfig, ConfigError> {
+    let cfg =
+        TrainConfig::deserialize(toml::Value::Table(table)).map_err(|e| ConfigError::Parse {
+            context: context.to_string(),
+            message: e.to_string(),
+        })?;
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_is_valid_and_tiny() {
+        let c = TrainConfig::default();
+        c.validate().unwrap();
+        assert_eq!(c.gpt_config().unwrap(), GptConfig::tiny());
+    }
+}

@@ -78,7 +78,10 @@ pub enum DataError {
 
 impl DataError {
     pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
-        DataError::Io { path: path.to_path_buf(), source }
+        DataError::Io {
+            path: path.to_path_buf(),
+            source,
+        }
     }
 }
 
@@ -183,7 +186,12 @@ impl Dataset {
     pub fn open(source: &DataSource) -> Result<Self, DataError> {
         match source {
             DataSource::Builtin => {
-                let bytes = |n, seed| corpus::generate(n, seed).into_iter().map(u32::from).collect();
+                let bytes = |n, seed| {
+                    corpus::generate(n, seed)
+                        .into_iter()
+                        .map(u32::from)
+                        .collect()
+                };
                 let split = |name: &str, tokens| Split {
                     name: name.into(),
                     streams: Arc::new(vec![Stream::Memory(tokens)]),
@@ -218,7 +226,10 @@ impl Dataset {
                         }
                         streams.push(Stream::Mapped(shard));
                     }
-                    Ok(Split { name: name.into(), streams: Arc::new(streams) })
+                    Ok(Split {
+                        name: name.into(),
+                        streams: Arc::new(streams),
+                    })
                 };
                 let train = open_split("train")?;
                 let val = open_split("val")?;
@@ -299,7 +310,9 @@ impl DataLoader {
             n_windows += s.len().saturating_sub(1) / seq_len;
         }
         if n_windows > u32::MAX as usize {
-            return Err(DataError::Invalid(format!("{n_windows} windows exceed the u32 index")));
+            return Err(DataError::Invalid(format!(
+                "{n_windows} windows exceed the u32 index"
+            )));
         }
         let need = batch_size * dp_size;
         if n_windows < need {
@@ -372,7 +385,13 @@ impl DataLoader {
             targets.extend_from_slice(&row[1..]);
         }
         self.position += 1;
-        Batch { inputs, targets, batch_size: b, seq_len: t, epoch }
+        Batch {
+            inputs,
+            targets,
+            batch_size: b,
+            seq_len: t,
+            epoch,
+        }
     }
 
     /// Fisher–Yates shuffle of all windows, seeded by (seed, epoch).

@@ -1,1 +1,418 @@
-//! (in progress)
+//! Memory report: what the model state *should* take (analytic) next to what the process *does*
+//! take (measured), per training step.
+//!
+//! Analytic side. Training with Adam holds, per parameter Φ:
+//!
+//! ```text
+//!                         fp32 training         mixed precision (bf16 compute)
+//! parameters              4 B                   2 B  (bf16 copy used by forward/backward)
+//! gradients               4 B                   2 B
+//! master weights          -                     4 B  (fp32)
+//! Adam m, v               8 B                   8 B  (fp32)
+//!                         ─────                 ─────
+//!                         16 Φ                  16 Φ   ← the ZeRO paper's "16Φ" rule
+//! ```
+//!
+//! A [`ModelStateLayout`] holds those bytes per parameter and what a layout divides each category
+//! by: ZeRO-1 divides optimizer state (and master weights) by dp, ZeRO-2 also gradients, ZeRO-3 /
+//! FSDP also parameters. Tensor and pipeline parallelism shrink Φ itself (the parameters a rank
+//! owns), so they enter through `n_params`. Activations are estimated per block after Korthikanti
+//! et al. (2022): `B·T·C·(34 + 5·H·T/C)` bytes at 2 bytes per value, scaled to the compute dtype,
+//! or only the block inputs plus one block's worth with activation checkpointing.
+//!
+//! Measured side. A [`MemoryProbe`] reports current and peak bytes; on CPU [`CpuProbe`] reads the
+//! counters of [`CountingAlloc`], a global allocator wrapping `System` that the binary installs:
+//!
+//! ```ignore
+//! #[global_allocator]
+//! static A: mtrain_trainer::memory::CountingAlloc = mtrain_trainer::memory::CountingAlloc;
+//! ```
+//!
+//! A GPU probe (CUDA memory-pool used / high-water) implements the same trait. The trainer samples
+//! the probe after forward, after backward and after the optimizer step, and reports the step's
+//! peak; the report is printed as a table and appended as one JSON line to `RUN_DIR/memory.jsonl`.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use mtrain_model::GptConfig;
+use serde::Serialize;
+
+static CURRENT: AtomicU64 = AtomicU64::new(0);
+static PEAK: AtomicU64 = AtomicU64::new(0);
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+
+/// A global allocator over [`System`] that counts live bytes and their high-water mark.
+pub struct CountingAlloc;
+
+impl CountingAlloc {
+    fn grow(by: usize) {
+        let now = CURRENT.fetch_add(by as u64, Ordering::Relaxed) + by as u64;
+        PEAK.fetch_max(now, Ordering::Relaxed);
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn shrink(by: usize) {
+        CURRENT.fetch_sub(by as u64, Ordering::Relaxed);
+    }
+
+    /// Whether this allocator is the process's global allocator (it has seen an allocation).
+    pub fn installed() -> bool {
+        ALLOCS.load(Ordering::Relaxed) > 0
+    }
+}
+
+// SAFETY: every method forwards to `System` with the caller's layout unchanged and only updates
+// counters on success, so `System`'s guarantees carry over.
+unsafe impl GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = System.alloc(layout);
+        if !p.is_null() {
+            Self::grow(layout.size());
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = System.alloc_zeroed(layout);
+        if !p.is_null() {
+            Self::grow(layout.size());
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        System.dealloc(ptr, layout);
+        Self::shrink(layout.size());
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = System.realloc(ptr, layout, new_size);
+        if !p.is_null() {
+            Self::shrink(layout.size());
+            Self::grow(new_size);
+        }
+        p
+    }
+}
+
+/// Where measured memory comes from.
+pub trait MemoryProbe {
+    /// What is measured, for the report ("cpu heap", "cuda pool").
+    fn name(&self) -> &str;
+    /// Bytes in use now.
+    fn current(&self) -> u64;
+    /// Highest bytes in use since the last [`MemoryProbe::reset_peak`].
+    fn peak(&self) -> u64;
+    /// Start a new high-water mark at the current value.
+    fn reset_peak(&self);
+}
+
+/// Heap bytes counted by [`CountingAlloc`] (zero unless it is the global allocator).
+pub struct CpuProbe;
+
+impl MemoryProbe for CpuProbe {
+    fn name(&self) -> &str {
+        "cpu heap"
+    }
+    fn current(&self) -> u64 {
+        CURRENT.load(Ordering::Relaxed)
+    }
+    fn peak(&self) -> u64 {
+        PEAK.load(Ordering::Relaxed)
+    }
+    fn reset_peak(&self) {
+        PEAK.store(CURRENT.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+}
+
+/// Bytes per parameter of each model-state category and what the layout divides each by.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct ModelStateLayout {
+    /// Parameters this rank owns before any ZeRO sharding (Φ after TP/PP splits).
+    pub n_params: u64,
+    /// Bytes per parameter of the compute copy of the weights.
+    pub param_bytes: u64,
+    /// Bytes per parameter of the gradients.
+    pub grad_bytes: u64,
+    /// Bytes per parameter of an fp32 master copy (0 when the compute copy is fp32).
+    pub master_bytes: u64,
+    /// Bytes per parameter of optimizer state (8 for Adam's m and v in fp32).
+    pub optim_bytes: u64,
+    /// Ranks the parameters are sharded over (ZeRO-3 / FSDP: dp; otherwise 1).
+    pub param_shards: u64,
+    /// Ranks the gradients are sharded over (ZeRO-2 and up).
+    pub grad_shards: u64,
+    /// Ranks optimizer state and master weights are sharded over (ZeRO-1 and up).
+    pub optim_shards: u64,
+}
+
+impl ModelStateLayout {
+    /// fp32 weights, fp32 gradients, Adam: 4 + 4 + 8 = 16 bytes per parameter, nothing sharded.
+    pub fn fp32_adam(n_params: u64) -> Self {
+        Self {
+            n_params,
+            param_bytes: 4,
+            grad_bytes: 4,
+            master_bytes: 0,
+            optim_bytes: 8,
+            param_shards: 1,
+            grad_shards: 1,
+            optim_shards: 1,
+        }
+    }
+
+    /// bf16 weights and gradients, fp32 master and Adam state: 2 + 2 + 4 + 8 = 16 bytes per parameter.
+    pub fn mixed_adam(n_params: u64) -> Self {
+        Self {
+            param_bytes: 2,
+            grad_bytes: 2,
+            master_bytes: 4,
+            ..Self::fp32_adam(n_params)
+        }
+    }
+
+    /// The same layout with ZeRO stage `stage` (0–3) over `dp` ranks.
+    pub fn with_zero(mut self, stage: u8, dp: u64) -> Self {
+        self.optim_shards = if stage >= 1 { dp } else { 1 };
+        self.grad_shards = if stage >= 2 { dp } else { 1 };
+        self.param_shards = if stage >= 3 { dp } else { 1 };
+        self
+    }
+
+    /// Bytes of parameters held (rounded up per shard).
+    pub fn params(&self) -> u64 {
+        (self.n_params * self.param_bytes).div_ceil(self.param_shards)
+    }
+
+    /// Bytes of gradients held.
+    pub fn grads(&self) -> u64 {
+        (self.n_params * self.grad_bytes).div_ceil(self.grad_shards)
+    }
+
+    /// Bytes of optimizer state plus master weights held.
+    pub fn optim(&self) -> u64 {
+        (self.n_params * (self.optim_bytes + self.master_bytes)).div_ceil(self.optim_shards)
+    }
+
+    /// All model-state bytes held.
+    pub fn total(&self) -> u64 {
+        self.params() + self.grads() + self.optim()
+    }
+}
+
+/// Estimated activation bytes kept between forward and backward for one micro-batch.
+///
+/// Per block `B·T·C·(34 + 5·H·T/C)` bytes at 2 bytes per value (Korthikanti et al.), scaled by
+/// `dtype_bytes / 2`; plus the logits, their softmax and its gradient (`3·B·T·V` values). With
+/// activation checkpointing: each block's input (`B·T·C` values) plus one block recomputed at a time.
+pub fn activation_bytes(
+    cfg: &GptConfig,
+    batch: usize,
+    seq: usize,
+    dtype_bytes: usize,
+    checkpointing: bool,
+) -> u64 {
+    let (b, t, c, h) = (
+        batch as f64,
+        seq as f64,
+        cfg.n_embd as f64,
+        cfg.n_head as f64,
+    );
+    let scale = dtype_bytes as f64 / 2.0;
+    let per_block = b * t * c * (34.0 + 5.0 * h * t / c) * scale;
+    let head = 3.0 * b * t * cfg.vocab_size as f64 * dtype_bytes as f64;
+    let blocks = if checkpointing {
+        cfg.n_layer as f64 * b * t * c * dtype_bytes as f64 + per_block
+    } else {
+        cfg.n_layer as f64 * per_block
+    };
+    (blocks + head) as u64
+}
+
+/// The analytic side of a report.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct AnalyticMemory {
+    /// Parameter bytes.
+    pub params: u64,
+    /// Gradient bytes.
+    pub grads: u64,
+    /// Optimizer state (and master weight) bytes.
+    pub optim: u64,
+    /// Activation bytes (estimate for one micro-batch).
+    pub activations: u64,
+    /// Communication buffers (DDP buckets, gathered FSDP blocks, pipeline messages).
+    pub comm: u64,
+}
+
+impl AnalyticMemory {
+    /// From a layout plus activation and communication estimates.
+    pub fn new(layout: &ModelStateLayout, activations: u64, comm: u64) -> Self {
+        Self {
+            params: layout.params(),
+            grads: layout.grads(),
+            optim: layout.optim(),
+            activations,
+            comm,
+        }
+    }
+
+    /// Sum of every category.
+    pub fn total(&self) -> u64 {
+        self.params + self.grads + self.optim + self.activations + self.comm
+    }
+}
+
+/// A phase of the step at which the probe is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Before the first forward of the step.
+    Start,
+    /// After the (last micro-batch's) forward.
+    AfterForward,
+    /// After the (last micro-batch's) backward.
+    AfterBackward,
+    /// After the optimizer step.
+    AfterOptimizer,
+}
+
+/// One step's report.
+#[derive(Debug, Clone, Serialize)]
+pub struct MemoryReport {
+    /// The step (0-based).
+    pub step: u64,
+    /// Global rank.
+    pub rank: usize,
+    /// What is measured.
+    pub probe: String,
+    /// Analytic bytes per category.
+    pub analytic: AnalyticMemory,
+    /// Bytes in use at each phase.
+    pub measured: Vec<(Phase, u64)>,
+    /// Highest bytes in use during the step.
+    pub peak: u64,
+}
+
+fn mib(b: u64) -> String {
+    format!("{:>10.2} MiB", b as f64 / (1024.0 * 1024.0))
+}
+
+impl MemoryReport {
+    /// The report as a table.
+    pub fn table(&self) -> String {
+        let a = &self.analytic;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "memory, step {} rank {} ({}):",
+            self.step, self.rank, self.probe
+        );
+        let _ = writeln!(s, "  analytic                      measured");
+        let left = [
+            ("parameters", a.params),
+            ("gradients", a.grads),
+            ("optimizer states", a.optim),
+            ("activations (est.)", a.activations),
+            ("comm buffers", a.comm),
+            ("total", a.total()),
+        ];
+        let mut right: Vec<(String, u64)> = self
+            .measured
+            .iter()
+            .map(|(p, b)| {
+                (
+                    format!("{p:?}").to_lowercase().replace("after", "after "),
+                    *b,
+                )
+            })
+            .collect();
+        right.push(("peak".into(), self.peak));
+        for i in 0..left.len().max(right.len()) {
+            let l = left
+                .get(i)
+                .map(|(n, b)| format!("{n:<18}{}", mib(*b)))
+                .unwrap_or_default();
+            let r = right
+                .get(i)
+                .map(|(n, b)| format!("{n:<16}{}", mib(*b)))
+                .unwrap_or_default();
+            let _ = writeln!(s, "  {l:<32}{r}");
+        }
+        s
+    }
+}
+
+/// Samples a probe through one step.
+pub struct MemoryTracker<'p> {
+    probe: &'p dyn MemoryProbe,
+    measured: Vec<(Phase, u64)>,
+}
+
+impl<'p> MemoryTracker<'p> {
+    /// A tracker over `probe`.
+    pub fn new(probe: &'p dyn MemoryProbe) -> Self {
+        Self {
+            probe,
+            measured: Vec::new(),
+        }
+    }
+
+    /// Start a step: reset the peak and record the starting level.
+    pub fn begin(&mut self) {
+        self.measured.clear();
+        self.probe.reset_peak();
+        self.measured.push((Phase::Start, self.probe.current()));
+    }
+
+    /// Record the level at `phase` (a later mark of the same phase replaces the earlier one, so with
+    /// gradient accumulation the last micro-batch is reported).
+    pub fn mark(&mut self, phase: Phase) {
+        let now = self.probe.current();
+        match self.measured.iter_mut().find(|(p, _)| *p == phase) {
+            Some(slot) => slot.1 = now,
+            None => self.measured.push((phase, now)),
+        }
+    }
+
+    /// The step's report.
+    pub fn finish(&self, step: u64, rank: usize, analytic: AnalyticMemory) -> MemoryReport {
+        MemoryReport {
+            step,
+            rank,
+            probe: self.probe.name().to_string(),
+            analytic,
+            measured: self.measured.clone(),
+            peak: self.probe.peak(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sixteen_bytes_per_parameter_and_zero_division() {
+        let n = 1_000_003;
+        assert_eq!(ModelStateLayout::fp32_adam(n).total(), 16 * n);
+        assert_eq!(ModelStateLayout::mixed_adam(n).total(), 16 * n);
+        let z3 = ModelStateLayout::mixed_adam(n).with_zero(3, 8);
+        assert_eq!(z3.params(), (2 * n).div_ceil(8));
+        assert_eq!(z3.optim(), (12 * n).div_ceil(8));
+        let z1 = ModelStateLayout::mixed_adam(n).with_zero(1, 4);
+        assert_eq!(
+            (z1.params(), z1.grads(), z1.optim()),
+            (2 * n, 2 * n, (12 * n).div_ceil(4))
+        );
+    }
+
+    #[test]
+    fn checkpointing_shrinks_the_activation_estimate() {
+        let cfg = GptConfig::gpt2_124m();
+        let full = activation_bytes(&cfg, 8, 1024, 2, false);
+        let ckpt = activation_bytes(&cfg, 8, 1024, 2, true);
+        assert!(ckpt * 3 < full, "{ckpt} vs {full}");
+    }
+}

@@ -1,1 +1,126 @@
-//! (in progress)
+//! `mtrain sample`: generate text from a checkpoint.
+//!
+//! The checkpoint's meta.json carries the run's config, so the model is rebuilt from it and the
+//! weights are loaded by name. Ids are turned back into text with the prepared `tokenizer.json`
+//! (found next to the run's token shards, or given with `--tokenizer`), or as raw bytes for the
+//! built-in byte-level corpus.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use candle_core::{Device, Tensor};
+use mtrain_model::Gpt;
+use rand::SeedableRng;
+use tokenizers::Tokenizer;
+
+use crate::checkpoint;
+use crate::config::DeviceKind;
+use crate::data::DataSource;
+use crate::prepare;
+
+/// Arguments of `mtrain sample`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SampleArgs {
+    /// A checkpoint directory (step-N) or a run directory (its newest checkpoint).
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint: PathBuf,
+    /// Text the generation continues.
+    #[arg(long, default_value = "the ")]
+    pub prompt: String,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 200)]
+    pub max_new_tokens: usize,
+    /// Softmax temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f64,
+    /// Sample only among the k most likely tokens (0 = all).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// tokenizer.json to decode with; default: the one beside the run's shards, or bytes.
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
+    /// Where to run the model.
+    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    pub device: DeviceKind,
+}
+
+/// How ids and text map to each other.
+enum Codec {
+    Bytes,
+    Bpe(Box<Tokenizer>),
+}
+
+impl Codec {
+    fn encode(&self, text: &str) -> anyhow::Result<Vec<u32>> {
+        match self {
+            Codec::Bytes => Ok(text.bytes().map(u32::from).collect()),
+            Codec::Bpe(t) => Ok(prepare::encode(t, text)?),
+        }
+    }
+
+    fn decode(&self, ids: &[u32]) -> anyhow::Result<String> {
+        match self {
+            Codec::Bytes => Ok(String::from_utf8_lossy(
+                &ids.iter().map(|&i| i as u8).collect::<Vec<_>>(),
+            )
+            .into_owned()),
+            Codec::Bpe(t) => t
+                .decode(ids, false)
+                .map_err(|e| anyhow::anyhow!("decoding: {e}")),
+        }
+    }
+}
+
+/// The device a [`DeviceKind`] names (CUDA device `ordinal`).
+pub fn make_device(kind: DeviceKind, ordinal: usize) -> anyhow::Result<Device> {
+    match kind {
+        DeviceKind::Cpu => Ok(Device::Cpu),
+        DeviceKind::Cuda => Device::new_cuda(ordinal).with_context(|| {
+            format!("cannot open CUDA device {ordinal} (was mtrain built with --features cuda?)")
+        }),
+    }
+}
+
+/// Generate from the checkpoint: returns the prompt followed by the continuation.
+pub fn sample(args: &SampleArgs) -> anyhow::Result<String> {
+    let dir = checkpoint::resolve(&args.checkpoint)?;
+    let device = make_device(args.device, 0)?;
+    let ckpt = checkpoint::load(&dir, &device)?;
+    let cfg = ckpt.meta.config.gpt_config()?;
+    let model = Gpt::new(cfg.clone(), &ckpt.model, &device)
+        .with_context(|| format!("building the model from {}", dir.display()))?;
+
+    let tokenizer = match (&args.tokenizer, &ckpt.meta.config.data) {
+        (Some(p), _) => Some(p.clone()),
+        (None, DataSource::Shards(d)) => Some(d.join("tokenizer.json")).filter(|p| p.exists()),
+        (None, DataSource::Builtin) => None,
+    };
+    let codec = match tokenizer {
+        Some(p) => Codec::Bpe(Box::new(
+            Tokenizer::from_file(&p)
+                .map_err(|e| anyhow::anyhow!("loading {}: {e}", p.display()))?,
+        )),
+        None => Codec::Bytes,
+    };
+    let ids = codec.encode(&args.prompt)?;
+    anyhow::ensure!(
+        !ids.is_empty(),
+        "the prompt is empty; give at least one character"
+    );
+    if let Some(bad) = ids.iter().find(|&&i| i as usize >= cfg.vocab_size) {
+        anyhow::bail!(
+            "prompt token {bad} is outside the model's vocabulary of {}",
+            cfg.vocab_size
+        );
+    }
+    let n = ids.len();
+    let idx = Tensor::from_vec(ids, (1, n), &device)?; // (1, T0)
+    let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
+    let top_k = (args.top_k > 0).then_some(args.top_k);
+    let out = model.generate(&idx, args.max_new_tokens, args.temperature, top_k, &mut rng)?; // (1, T0 + new)
+    let out: Vec<u32> = out.squeeze(0)?.to_vec1()?;
+    codec.decode(&out)
+}

@@ -23,11 +23,17 @@
 //! same on every machine.
 
 /// Adjectives of a fact line.
-const ADJ: [&str; 8] = ["small", "big", "red", "old", "quick", "quiet", "happy", "green"];
+const ADJ: [&str; 8] = [
+    "small", "big", "red", "old", "quick", "quiet", "happy", "green",
+];
 /// Nouns (subject and object); a plural subject appends "s".
-const NOUN: [&str; 8] = ["cat", "dog", "bird", "frog", "horse", "goat", "duck", "lion"];
+const NOUN: [&str; 8] = [
+    "cat", "dog", "bird", "frog", "horse", "goat", "duck", "lion",
+];
 /// Verb stems; a singular subject appends "s".
-const VERB: [&str; 8] = ["see", "like", "follow", "chase", "help", "find", "hear", "call"];
+const VERB: [&str; 8] = [
+    "see", "like", "follow", "chase", "help", "find", "hear", "call",
+];
 
 /// SplitMix64: a tiny, well-mixed 64-bit generator (Steele, Lea, Flood 2014). Its whole state is one
 /// `u64`, which is what checkpoints save.
@@ -101,7 +107,10 @@ fn all_lines() -> Vec<(f64, String)> {
             for noun in NOUN {
                 for verb in VERB {
                     for obj in NOUN {
-                        lines.push((p_fact, format!("the {adj} {noun}{ns} {verb}{vs} the {obj}.\n")));
+                        lines.push((
+                            p_fact,
+                            format!("the {adj} {noun}{ns} {verb}{vs} the {obj}.\n"),
+                        ));
                     }
                 }
             }
@@ -149,8 +158,16 @@ mod tests {
 
     #[test]
     fn documented_entropies_match_the_tables() {
-        assert!((entropy_rate_nats() - 0.39794).abs() < 1e-4, "{}", entropy_rate_nats());
-        assert!((unigram_entropy_nats() - 3.19905).abs() < 1e-4, "{}", unigram_entropy_nats());
+        assert!(
+            (entropy_rate_nats() - 0.39794).abs() < 1e-4,
+            "{}",
+            entropy_rate_nats()
+        );
+        assert!(
+            (unigram_entropy_nats() - 3.19905).abs() < 1e-4,
+            "{}",
+            unigram_entropy_nats()
+        );
     }
 
     #[test]
@@ -161,7 +178,11 @@ mod tests {
             counts[b as usize] += 1.0;
         }
         let n = text.len() as f64;
-        let h: f64 = -counts.iter().filter(|&&c| c > 0.0).map(|&c| c / n * (c / n).ln()).sum::<f64>();
+        let h: f64 = -counts
+            .iter()
+            .filter(|&&c| c > 0.0)
+            .map(|&c| c / n * (c / n).ln())
+            .sum::<f64>();
         assert!((h - unigram_entropy_nats()).abs() < 0.01, "empirical {h}");
     }
 

@@ -81,7 +81,11 @@ impl MappedShard {
                 map.len()
             )));
         }
-        Ok(Self { path: bin.to_path_buf(), header, map })
+        Ok(Self {
+            path: bin.to_path_buf(),
+            header,
+            map,
+        })
     }
 
     /// Number of tokens.
@@ -99,23 +103,39 @@ impl MappedShard {
         let w = self.header.dtype.size();
         let bytes = &self.map[start * w..end * w];
         match self.header.dtype {
-            TokenDtype::U16 => {
-                out.extend(bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]) as u32))
-            }
-            TokenDtype::U32 => out
-                .extend(bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
+            TokenDtype::U16 => out.extend(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| u16::from_le_bytes([c[0], c[1]]) as u32),
+            ),
+            TokenDtype::U32 => out.extend(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            ),
         }
     }
 }
 
 /// Write `tokens` as `DIR/NAME.bin` + `DIR/NAME.json`, as u16 when the vocabulary fits.
-pub fn write_shard(dir: &Path, name: &str, tokens: &[u32], vocab_size: usize) -> Result<PathBuf, DataError> {
+pub fn write_shard(
+    dir: &Path,
+    name: &str,
+    tokens: &[u32],
+    vocab_size: usize,
+) -> Result<PathBuf, DataError> {
     fs::create_dir_all(dir).map_err(|e| DataError::io(dir, e))?;
-    let dtype = if vocab_size <= 1 << 16 { TokenDtype::U16 } else { TokenDtype::U32 };
+    let dtype = if vocab_size <= 1 << 16 {
+        TokenDtype::U16
+    } else {
+        TokenDtype::U32
+    };
     let mut bytes = Vec::with_capacity(tokens.len() * dtype.size());
     for &t in tokens {
         if t as usize >= vocab_size {
-            return Err(DataError::Format(format!("token id {t} is outside the vocabulary of {vocab_size}")));
+            return Err(DataError::Format(format!(
+                "token id {t} is outside the vocabulary of {vocab_size}"
+            )));
         }
         match dtype {
             TokenDtype::U16 => bytes.extend_from_slice(&(t as u16).to_le_bytes()),
@@ -124,9 +144,14 @@ pub fn write_shard(dir: &Path, name: &str, tokens: &[u32], vocab_size: usize) ->
     }
     let bin = dir.join(format!("{name}.bin"));
     fs::write(&bin, &bytes).map_err(|e| DataError::io(&bin, e))?;
-    let header = ShardHeader { dtype, n_tokens: tokens.len() as u64, vocab_size };
+    let header = ShardHeader {
+        dtype,
+        n_tokens: tokens.len() as u64,
+        vocab_size,
+    };
     let json = dir.join(format!("{name}.json"));
-    let text = serde_json::to_string_pretty(&header).map_err(|e| DataError::Format(e.to_string()))?;
+    let text =
+        serde_json::to_string_pretty(&header).map_err(|e| DataError::Format(e.to_string()))?;
     fs::write(&json, text).map_err(|e| DataError::io(&json, e))?;
     Ok(bin)
 }
@@ -137,7 +162,10 @@ pub fn list_shards(dir: &Path, prefix: &str) -> Result<Vec<PathBuf>, DataError> 
     for entry in fs::read_dir(dir).map_err(|e| DataError::io(dir, e))? {
         let path = entry.map_err(|e| DataError::io(dir, e))?.path();
         let is_bin = path.extension().is_some_and(|e| e == "bin");
-        let matches = path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(prefix));
+        let matches = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with(prefix));
         if is_bin && matches {
             found.push(path);
         }
