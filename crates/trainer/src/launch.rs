@@ -57,13 +57,24 @@ pub enum LaunchError {
     Invalid(String),
 
     #[error("could not start rank {rank} ({program}): {source}")]
-    Spawn { rank: usize, program: String, source: std::io::Error },
+    Spawn {
+        rank: usize,
+        program: String,
+        source: std::io::Error,
+    },
 
     #[error("rank {rank} failed: {how}; stopped the other workers ({stopped})")]
-    WorkerFailed { rank: usize, how: String, stopped: String },
+    WorkerFailed {
+        rank: usize,
+        how: String,
+        stopped: String,
+    },
 
     #[error("interrupted by {signal}; stopped all {workers} workers")]
-    Interrupted { signal: &'static str, workers: usize },
+    Interrupted {
+        signal: &'static str,
+        workers: usize,
+    },
 
     #[error("launcher i/o: {0}")]
     Io(#[from] std::io::Error),
@@ -107,7 +118,12 @@ impl LaunchSpec {
     }
 
     /// The environment of global rank `rank` (which must be one of this node's ranks).
-    pub fn worker_env(&self, rank: usize, master_port: u16, job_id: &str) -> Vec<(&'static str, String)> {
+    pub fn worker_env(
+        &self,
+        rank: usize,
+        master_port: u16,
+        job_id: &str,
+    ) -> Vec<(&'static str, String)> {
         let local_rank = rank - self.node_rank * self.nproc_per_node;
         vec![
             ("RANK", rank.to_string()),
@@ -139,7 +155,10 @@ fn job_id(spec: &LaunchSpec, port: u16) -> String {
     if spec.nnodes > 1 {
         format!("mtrain-{}-{}", spec.master_addr, port)
     } else {
-        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
         format!("mtrain-{}-{}-{:08x}", std::process::id(), port, nanos)
     }
 }
@@ -182,7 +201,11 @@ struct Worker {
 
 /// Copy `from` to our stdout or stderr line by line, each line prefixed with `[rank N] `.
 /// Bytes, not strings: a worker's output need not be UTF-8.
-fn forward_lines<R: Read + Send + 'static>(from: R, rank: usize, to_stderr: bool) -> JoinHandle<()> {
+fn forward_lines<R: Read + Send + 'static>(
+    from: R,
+    rank: usize,
+    to_stderr: bool,
+) -> JoinHandle<()> {
     std::thread::spawn(move || {
         let prefix = format!("[rank {rank}] ");
         let mut reader = BufReader::new(from);
@@ -198,10 +221,13 @@ fn forward_lines<R: Read + Send + 'static>(from: R, rank: usize, to_stderr: bool
                     // One write per line under the stream's lock keeps lines of different ranks whole.
                     let result = if to_stderr {
                         let mut out = std::io::stderr().lock();
-                        out.write_all(prefix.as_bytes()).and_then(|_| out.write_all(&line))
+                        out.write_all(prefix.as_bytes())
+                            .and_then(|_| out.write_all(&line))
                     } else {
                         let mut out = std::io::stdout().lock();
-                        out.write_all(prefix.as_bytes()).and_then(|_| out.write_all(&line)).and_then(|_| out.flush())
+                        out.write_all(prefix.as_bytes())
+                            .and_then(|_| out.write_all(&line))
+                            .and_then(|_| out.flush())
                     };
                     if result.is_err() {
                         break;
@@ -251,7 +277,10 @@ pub fn launch(spec: &LaunchSpec, args: &[OsString]) -> Result<(), LaunchError> {
     let mut workers: Vec<Worker> = Vec::with_capacity(spec.nproc_per_node);
     for rank in spec.node_ranks() {
         let mut cmd = Command::new(&program);
-        cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         for (key, value) in spec.worker_env(rank, port, &job_id) {
             cmd.env(key, value);
         }
@@ -259,7 +288,11 @@ pub fn launch(spec: &LaunchSpec, args: &[OsString]) -> Result<(), LaunchError> {
             Ok(c) => c,
             Err(source) => {
                 stop_all(&mut workers);
-                return Err(LaunchError::Spawn { rank, program: program.display().to_string(), source });
+                return Err(LaunchError::Spawn {
+                    rank,
+                    program: program.display().to_string(),
+                    source,
+                });
             }
         };
         let mut forwarders = Vec::with_capacity(2);
@@ -269,7 +302,12 @@ pub fn launch(spec: &LaunchSpec, args: &[OsString]) -> Result<(), LaunchError> {
         if let Some(err) = child.stderr.take() {
             forwarders.push(forward_lines(err, rank, true));
         }
-        workers.push(Worker { rank, child, forwarders, exited: None });
+        workers.push(Worker {
+            rank,
+            child,
+            forwarders,
+            exited: None,
+        });
     }
 
     supervise(&mut workers, &interrupted)
@@ -281,7 +319,10 @@ fn supervise(workers: &mut [Worker], interrupted: &AtomicBool) -> Result<(), Lau
         if interrupted.load(Ordering::SeqCst) {
             let n = workers.len();
             stop_all(workers);
-            return Err(LaunchError::Interrupted { signal: "Ctrl-C/SIGTERM", workers: n });
+            return Err(LaunchError::Interrupted {
+                signal: "Ctrl-C/SIGTERM",
+                workers: n,
+            });
         }
         let mut failed: Option<(usize, String)> = None;
         for w in workers.iter_mut().filter(|w| w.exited.is_none()) {
@@ -349,7 +390,13 @@ mod tests {
     use super::*;
 
     fn spec(nproc: usize, nnodes: usize, node_rank: usize, port: Option<u16>) -> LaunchSpec {
-        LaunchSpec { nproc_per_node: nproc, nnodes, node_rank, master_addr: "127.0.0.1".into(), master_port: port }
+        LaunchSpec {
+            nproc_per_node: nproc,
+            nnodes,
+            node_rank,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+        }
     }
 
     #[test]
@@ -358,7 +405,11 @@ mod tests {
         assert_eq!(s.world_size(), 8);
         assert_eq!(s.node_ranks(), 4..8);
         let env = s.worker_env(6, 29500, "job");
-        let get = |k: &str| env.iter().find(|(key, _)| *key == k).map(|(_, v)| v.clone());
+        let get = |k: &str| {
+            env.iter()
+                .find(|(key, _)| *key == k)
+                .map(|(_, v)| v.clone())
+        };
         assert_eq!(get("RANK").as_deref(), Some("6"));
         assert_eq!(get("LOCAL_RANK").as_deref(), Some("2"));
         assert_eq!(get("WORLD_SIZE").as_deref(), Some("8"));
@@ -370,7 +421,10 @@ mod tests {
     #[test]
     fn invalid_specs_are_refused_with_the_numbers() {
         let e = spec(4, 2, 2, Some(1)).validate().unwrap_err().to_string();
-        assert!(e.contains("--node-rank 2") && e.contains("--nnodes 2"), "{e}");
+        assert!(
+            e.contains("--node-rank 2") && e.contains("--nnodes 2"),
+            "{e}"
+        );
         let e = spec(4, 2, 0, None).validate().unwrap_err().to_string();
         assert!(e.contains("--master-port is required"), "{e}");
         assert!(spec(0, 1, 0, None).validate().is_err());
@@ -380,7 +434,10 @@ mod tests {
     #[test]
     fn exit_descriptions_name_code_or_signal() {
         assert_eq!(describe_exit(&ExitStatus::from_raw(3 << 8)), "exit code 3");
-        assert_eq!(describe_exit(&ExitStatus::from_raw(9)), "killed by signal 9 (SIGKILL)");
+        assert_eq!(
+            describe_exit(&ExitStatus::from_raw(9)),
+            "killed by signal 9 (SIGKILL)"
+        );
     }
 
     #[test]

@@ -1,1 +1,170 @@
-fn main() {}
+//! The `mtrain` binary: parse the command line, then either launch this node's workers or be one.
+//!
+//! ```text
+//!   mtrain --tp 2 --pp 2          RANK unset, world 4  -> launcher: spawn 4 workers, supervise
+//!     '-- worker (RANK=r)         RANK set             -> CPU backend from the environment,
+//!                                                         validate dims, train::run / bench-comm
+//!   mtrain                        RANK unset, world 1  -> train in this process, no spawning
+//!   mtrain plan | prepare | sample                     -> single-process tools, never launched
+//! ```
+//!
+//! Errors are printed with their chain of causes and the process exits non-zero, so a failing
+//! worker is seen by the launcher, which stops the job and names the rank.
+
+use std::ffi::OsString;
+use std::io::IsTerminal;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Parser;
+use mtrain_comm::cpu::{CpuBackend, CpuOptions};
+use mtrain_comm::env::LaunchEnv;
+use mtrain_comm::Backend;
+use mtrain_trainer::cli::{Cli, Command, Layout};
+use mtrain_trainer::launch::{self, LaunchError};
+use mtrain_trainer::{bench_comm, plan};
+
+#[global_allocator]
+static ALLOC: mtrain_trainer::memory::CountingAlloc = mtrain_trainer::memory::CountingAlloc;
+
+/// Exit code after Ctrl-C / SIGTERM, as a shell reports a SIGINT death (128 + 2).
+const EXIT_INTERRUPTED: u8 = 130;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let env = match LaunchEnv::from_env() {
+        Ok(env) => env,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    init_tracing(env.as_ref().map(|e| e.rank));
+    match run(cli, env) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            let interrupted = matches!(
+                err.downcast_ref::<LaunchError>(),
+                Some(LaunchError::Interrupted { .. })
+            );
+            eprintln!("error: {err}");
+            for cause in err.chain().skip(1) {
+                eprintln!("  caused by: {cause}");
+            }
+            if interrupted {
+                ExitCode::from(EXIT_INTERRUPTED)
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+    }
+}
+
+/// Logs go to stderr; `RUST_LOG` filters them (default `info`). In a worker every line carries
+/// the rank, so output interleaved by an external launcher can still be told apart.
+fn init_tracing(rank: Option<usize>) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_target(false);
+    let result = match rank {
+        Some(r) => builder.fmt_fields(RankFields(r)).try_init(),
+        None => builder.try_init(),
+    };
+    if let Err(e) = result {
+        eprintln!("warning: logging not initialised: {e}");
+    }
+}
+
+/// Field formatter that starts every event with `rank=N`.
+struct RankFields(usize);
+
+impl<'w> tracing_subscriber::fmt::FormatFields<'w> for RankFields {
+    fn format_fields<R: tracing_subscriber::field::RecordFields>(
+        &self,
+        mut writer: tracing_subscriber::fmt::format::Writer<'w>,
+        fields: R,
+    ) -> std::fmt::Result {
+        write!(writer, "rank={} ", self.0)?;
+        tracing_subscriber::fmt::format::DefaultFields::new().format_fields(writer, fields)
+    }
+}
+
+fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
+    match &cli.command {
+        Some(Command::Plan(args)) => plan::run(&cli.layout, args).map_err(Into::into),
+        Some(Command::BenchComm(args)) => distributed(&cli, env, |backend, _layout| {
+            bench_comm::run(args, backend)?;
+            Ok(())
+        }),
+        None => {
+            // Resolve the config before launching, so a bad flag fails once, not once per rank.
+            let cfg = cli
+                .train
+                .resolve()
+                .context("resolving the training configuration")?;
+            distributed(&cli, env, |backend, layout| {
+                if backend.world().rank() == 0 {
+                    tracing::info!(
+                        "layout dp={} pp={} tp={} ep={} (world {})",
+                        layout.dims.dp,
+                        layout.dims.pp,
+                        layout.dims.tp,
+                        layout.dims.ep,
+                        layout.world_size
+                    );
+                }
+                let _ = (&cfg, backend);
+                anyhow::bail!("training loop unavailable")
+            })
+        }
+    }
+}
+
+/// Run `job` on every rank of the layout: here (world 1), as this worker (RANK set), or by
+/// launching this node's workers, which re-enter here as workers.
+fn distributed(
+    cli: &Cli,
+    env: Option<LaunchEnv>,
+    job: impl FnOnce(&dyn Backend, &Layout) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let layout = cli.layout.resolve(env.as_ref().map(|e| e.world_size))?;
+    let env = match env {
+        Some(env) => env,
+        None if layout.world_size == 1 => LaunchEnv::single(),
+        None => {
+            let args: Vec<OsString> = std::env::args_os().skip(1).collect();
+            launch::launch(&layout.launch, &args)?;
+            return Ok(());
+        }
+    };
+    inject_failure(env.rank)?;
+    let backend = CpuBackend::init(
+        &env,
+        CpuOptions {
+            timeout: layout.comm_timeout,
+            ..Default::default()
+        },
+    )
+    .with_context(|| format!("rank {}: joining the job at {}", env.rank, env.store_addr()))?;
+    job(&backend, &layout)
+}
+
+/// Test hook for the launcher's fail-fast path: `MTRAIN_FAIL_RANK=r` makes worker `r` fail at
+/// start-up with an error, or die of SIGABRT when `MTRAIN_FAIL_MODE=abort`.
+fn inject_failure(rank: usize) -> anyhow::Result<()> {
+    let Ok(target) = std::env::var("MTRAIN_FAIL_RANK") else {
+        return Ok(());
+    };
+    if target.trim().parse::<usize>().ok() != Some(rank) {
+        return Ok(());
+    }
+    if std::env::var("MTRAIN_FAIL_MODE").as_deref() == Ok("abort") {
+        eprintln!("MTRAIN_FAIL_RANK={rank}: aborting");
+        std::process::abort();
+    }
+    anyhow::bail!("MTRAIN_FAIL_RANK={rank}: failing on purpose")
+}

@@ -1,1 +1,88 @@
-//! (in progress)
+//! `mtrain plan`: show what a layout means before paying for it.
+//!
+//! ```text
+//! mtrain plan --tp 4 --pp 2 [--config FILE] [training flags]
+//! ```
+//!
+//! Resolves the layout exactly as a training launch would (same flags, same inference of dp and
+//! the world size, same error messages), then prints the rank grid and every process group from
+//! [`MeshDims::render`], and the model the configuration describes. Nothing is launched and no
+//! network is touched, so it answers "which ranks talk to which" on a laptop for a 1000-GPU job.
+
+use clap::Args;
+use mtrain_comm::mesh::MeshDims;
+
+use crate::cli::{Layout, LayoutArgs, LayoutError};
+use crate::config::TrainArgs;
+
+/// Options of `mtrain plan`: the training flags, so `--config` and overrides resolve as in training.
+#[derive(Debug, Clone, Args)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    pub train: TrainArgs,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    #[error(transparent)]
+    Mesh(#[from] mtrain_comm::CommError),
+    #[error("resolving the training configuration: {0:#}")]
+    Config(anyhow::Error),
+}
+
+/// The plan as text: the launch, the mesh and the model.
+pub fn render(layout: &Layout, args: &PlanArgs) -> Result<String, PlanError> {
+    let dims: MeshDims = layout.dims;
+    dims.validate(layout.world_size)?;
+    let spec = &layout.launch;
+    let mut out = format!(
+        "world size {} = dp({}) * pp({}) * tp({}), ep({}) inside dp; {} process(es) per node x {} node(s), rendezvous at {}:{}\n",
+        layout.world_size,
+        dims.dp,
+        dims.pp,
+        dims.tp,
+        dims.ep,
+        spec.nproc_per_node,
+        spec.nnodes,
+        spec.master_addr,
+        spec.master_port.map_or_else(|| "<free port>".to_string(), |p| p.to_string()),
+    );
+    out.push_str(&dims.render());
+
+    let cfg = args.train.resolve().map_err(PlanError::Config)?;
+    let model = cfg.gpt_config().map_err(|e| PlanError::Config(e.into()))?;
+    out.push_str(&format!(
+        "model: {} layers, {} heads, width {}, vocab {}, context {}; {:.2}M parameters{}\n",
+        model.n_layer,
+        model.n_head,
+        model.n_embd,
+        model.vocab_size,
+        model.block_size,
+        model.n_params() as f64 / 1e6,
+        match &model.moe {
+            Some(_) => format!(
+                " ({:.2}M active per token)",
+                model.n_active_params() as f64 / 1e6
+            ),
+            None => String::new(),
+        },
+    ));
+    out.push_str(&format!(
+        "batch: {} sequences x {} tokens per dp rank, x dp({}) x grad_accum({}) = {} tokens per step\n",
+        cfg.batch_size,
+        cfg.seq_len,
+        dims.dp,
+        cfg.grad_accum,
+        cfg.batch_size * cfg.seq_len * dims.dp * cfg.grad_accum,
+    ));
+    Ok(out)
+}
+
+/// `mtrain plan`: resolve and print.
+pub fn run(layout: &LayoutArgs, args: &PlanArgs) -> Result<(), PlanError> {
+    let layout = layout.resolve(None)?;
+    print!("{}", render(&layout, args)?);
+    Ok(())
+}

@@ -1,0 +1,455 @@
+//! The `mtrain` binary end to end: the launcher's torchrun contract and fail-fast teardown,
+//! layout arithmetic, `bench-comm` correctness and `plan`'s rank grid.
+//!
+//! Every test runs the real binary (`CARGO_BIN_EXE_mtrain`) with real worker processes talking
+//! TCP on loopback; nothing is mocked.
+
+use std::io::Read;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
+
+fn mtrain(args: &[&str]) -> Command {
+    let mut cmd = Command::new(MTRAIN);
+    cmd.args(args)
+        .env_remove("RANK")
+        .env_remove("MTRAIN_FAIL_RANK")
+        .env_remove("MTRAIN_FAIL_MODE");
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+/// Run to completion within `limit`, or kill it and fail the test.
+fn run_within(mut cmd: Command, limit: Duration) -> (Output, Duration) {
+    let start = Instant::now();
+    let mut child = cmd.spawn().expect("spawn mtrain");
+    let out_pipe = child.stdout.take().expect("stdout");
+    let err_pipe = child.stderr.take().expect("stderr");
+    let read_all = |mut p: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            let _ = p.read_to_end(&mut buf);
+            buf
+        })
+    };
+    let (out_t, err_t) = (read_all(Box::new(out_pipe)), read_all(Box::new(err_pipe)));
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("try_wait") {
+            break s;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("mtrain did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let elapsed = start.elapsed();
+    let output = Output {
+        status,
+        stdout: out_t.join().unwrap(),
+        stderr: err_t.join().unwrap(),
+    };
+    (output, elapsed)
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[test]
+fn failing_worker_takes_the_job_down_and_is_named() {
+    // Rank 1 exits with an error at start-up; ranks 0 and 2 would wait 60 s for it at the
+    // rendezvous. The launcher must stop them long before that and name rank 1.
+    let mut cmd = mtrain(&[
+        "--nproc-per-node",
+        "3",
+        "--comm-timeout",
+        "60",
+        "bench-comm",
+        "-b",
+        "8",
+        "-e",
+        "8",
+    ]);
+    cmd.env("MTRAIN_FAIL_RANK", "1");
+    let (out, elapsed) = run_within(cmd, Duration::from_secs(50));
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "stderr:\n{stderr}");
+    assert!(
+        elapsed < Duration::from_secs(30),
+        "teardown took {elapsed:?}"
+    );
+    assert!(
+        stderr.contains("[rank 1] error: MTRAIN_FAIL_RANK=1: failing on purpose"),
+        "stderr:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("rank 1 failed: exit code 1"),
+        "stderr:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("stopped the other workers (ranks [0, 2])"),
+        "stderr:\n{stderr}"
+    );
+}
+
+#[test]
+fn worker_killed_by_a_signal_is_reported_with_the_signal() {
+    let mut cmd = mtrain(&[
+        "--nproc-per-node",
+        "2",
+        "--comm-timeout",
+        "60",
+        "bench-comm",
+        "-b",
+        "8",
+        "-e",
+        "8",
+    ]);
+    cmd.env("MTRAIN_FAIL_RANK", "0")
+        .env("MTRAIN_FAIL_MODE", "abort");
+    let (out, elapsed) = run_within(cmd, Duration::from_secs(50));
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "stderr:\n{stderr}");
+    assert!(
+        elapsed < Duration::from_secs(30),
+        "teardown took {elapsed:?}"
+    );
+    assert!(
+        stderr.contains("rank 0 failed: killed by signal 6 (SIGABRT)"),
+        "stderr:\n{stderr}"
+    );
+}
+
+#[test]
+fn sigterm_to_the_launcher_stops_every_worker() {
+    // A long benchmark; once rank 0 has printed its header, SIGTERM the launcher.
+    let mut cmd = mtrain(&[
+        "--nproc-per-node",
+        "2",
+        "bench-comm",
+        "-b",
+        "4M",
+        "-e",
+        "4M",
+        "-n",
+        "1000000",
+        "-w",
+        "0",
+    ]);
+    cmd.stderr(Stdio::null());
+    let mut launcher: Child = cmd.spawn().expect("spawn");
+    let mut stdout = launcher.stdout.take().expect("stdout");
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 256];
+    while !text(&seen).contains("[rank 0] # mtrain bench-comm") {
+        let n = stdout.read(&mut buf).expect("read");
+        assert!(n > 0, "launcher closed stdout early: {}", text(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    let workers = children_of(launcher.id());
+    assert_eq!(
+        workers.len(),
+        2,
+        "expected two worker processes, found {workers:?}"
+    );
+    let killed = Command::new("kill")
+        .args(["-TERM", &launcher.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = launcher.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "launcher ignored SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(130));
+    for pid in workers {
+        assert!(
+            !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+            "worker {pid} still exists"
+        );
+    }
+}
+
+/// Pids whose parent is `pid` (Linux /proc).
+fn children_of(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{child}/stat")) else {
+            continue;
+        };
+        // Fields after the parenthesised command name: state, ppid, ...
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r.to_string()) else {
+            continue;
+        };
+        let ppid = rest
+            .split_whitespace()
+            .nth(1)
+            .and_then(|p| p.parse::<u32>().ok());
+        if ppid == Some(pid) {
+            out.push(child);
+        }
+    }
+    out
+}
+
+#[test]
+fn inconsistent_layouts_are_refused_with_the_arithmetic() {
+    let (out, _) = run_within(
+        mtrain(&["--dp", "2", "--tp", "2", "--nproc-per-node", "3"]),
+        Duration::from_secs(20),
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr.contains("dp(2) * pp(1) * tp(2) = 4 != world size 3 (nproc-per-node 3 * nnodes 1)"),
+        "stderr:\n{stderr}"
+    );
+    assert!(
+        !stderr.contains("[rank"),
+        "nothing may be launched:\n{stderr}"
+    );
+
+    let (out, _) = run_within(
+        mtrain(&["plan", "--tp", "4", "--nproc-per-node", "6"]),
+        Duration::from_secs(20),
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr.contains(
+            "world size 6 (nproc-per-node 6 * nnodes 1) is not divisible by tp(4) * pp(1) = 4"
+        ),
+        "{stderr}"
+    );
+
+    // Started by an external launcher: WORLD_SIZE decides, and the flags must fit it.
+    let mut cmd = mtrain(&["--tp", "2", "bench-comm"]);
+    for (k, v) in [
+        ("RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("WORLD_SIZE", "3"),
+        ("LOCAL_WORLD_SIZE", "3"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "1"),
+    ] {
+        cmd.env(k, v);
+    }
+    let (out, _) = run_within(cmd, Duration::from_secs(20));
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr.contains("world size 3 (WORLD_SIZE=3) is not divisible by tp(2) * pp(1) = 2"),
+        "{stderr}"
+    );
+}
+
+/// busbw / algbw as nccl-tests defines it, for checking the binary's arithmetic.
+fn bus_factor(op: &str, n: f64) -> f64 {
+    match op {
+        "all-reduce" => 2.0 * (n - 1.0) / n,
+        "all-gather" | "reduce-scatter" | "all-to-all" => (n - 1.0) / n,
+        _ => 1.0,
+    }
+}
+
+#[test]
+fn bench_comm_at_two_ranks_is_correct_for_every_op() {
+    let dir = tempfile::tempdir().unwrap();
+    for (op, dtype) in [
+        ("all-reduce", "f32"),
+        ("all-reduce", "bf16"),
+        ("all-gather", "f32"),
+        ("reduce-scatter", "bf16"),
+        ("all-to-all", "f32"),
+        ("broadcast", "f32"),
+        ("send-recv", "bf16"),
+    ] {
+        let json = dir.path().join(format!("{op}-{dtype}.json"));
+        let json_arg = json.to_string_lossy().into_owned();
+        let args = [
+            "--nproc-per-node",
+            "2",
+            "bench-comm",
+            "-b",
+            "8",
+            "-e",
+            "1M",
+            "-f",
+            "8",
+            "--op",
+            op,
+            "--dtype",
+            dtype,
+            "-n",
+            "3",
+            "-w",
+            "1",
+            "--json",
+            &json_arg,
+        ];
+        let (out, _) = run_within(mtrain(&args), Duration::from_secs(60));
+        let stdout = text(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{op} {dtype}: stdout:\n{stdout}\nstderr:\n{}",
+            text(&out.stderr)
+        );
+        // The table comes from rank 0 only, with the launcher's prefix.
+        assert!(
+            stdout.contains("[rank 0] # mtrain bench-comm: "),
+            "{stdout}"
+        );
+        assert!(!stdout.contains("[rank 1] #"), "{stdout}");
+        assert!(stdout.contains("# Out of bounds values : 0 OK"), "{stdout}");
+
+        let report: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        assert_eq!(report["world_size"], 2);
+        assert_eq!(report["op"], op);
+        let rows = report["rows"].as_array().unwrap();
+        // 8 B, 64 B, 512 B, 4 KiB, 32 KiB, 256 KiB: six sizes.
+        assert_eq!(rows.len(), 6, "{op}: {rows:?}");
+        let elem = if dtype == "f32" { 4 } else { 2 };
+        for row in rows {
+            assert_eq!(row["wrong"], 0, "{op} {dtype}: {row}");
+            let count = row["count"].as_u64().unwrap();
+            assert_eq!(row["bytes"].as_u64().unwrap(), count * elem, "{row}");
+            let (alg, bus) = (
+                row["algbw_gbps"].as_f64().unwrap(),
+                row["busbw_gbps"].as_f64().unwrap(),
+            );
+            assert!(
+                (bus - alg * bus_factor(op, 2.0)).abs() <= 1e-9 * alg.max(1.0),
+                "{row}"
+            );
+        }
+        assert!(rows.last().unwrap()["time_us"].as_f64().unwrap() > 0.0);
+    }
+}
+
+#[test]
+fn workers_started_by_an_external_launcher_form_a_job() {
+    // What Slurm or torchrun does: set the variables and start each rank; no mtrain launcher.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let spawn = |rank: &str| {
+        let mut cmd = mtrain(&[
+            "bench-comm",
+            "-b",
+            "1K",
+            "-e",
+            "1K",
+            "--op",
+            "all-reduce",
+            "-n",
+            "2",
+            "-w",
+            "0",
+        ]);
+        for (k, v) in [
+            ("RANK", rank),
+            ("LOCAL_RANK", rank),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", port.as_str()),
+            ("MTRAIN_JOB_ID", "external-launch-test"),
+        ] {
+            cmd.env(k, v);
+        }
+        std::thread::spawn(move || run_within(cmd, Duration::from_secs(60)).0)
+    };
+    let (r0, r1) = (spawn("0"), spawn("1"));
+    let (out0, out1) = (r0.join().unwrap(), r1.join().unwrap());
+    assert!(
+        out0.status.success() && out1.status.success(),
+        "{}\n{}",
+        text(&out0.stderr),
+        text(&out1.stderr)
+    );
+    let table = text(&out0.stdout);
+    assert!(table.contains("# Out of bounds values : 0 OK"), "{table}");
+    assert!(text(&out1.stdout).is_empty(), "rank 1 prints no table");
+}
+
+#[test]
+fn a_world_of_one_runs_in_process() {
+    let (out, _) = run_within(
+        mtrain(&["bench-comm", "-b", "64", "-e", "64", "-n", "2"]),
+        Duration::from_secs(30),
+    );
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        stdout.starts_with("# mtrain bench-comm: all-reduce, 1 ranks"),
+        "{stdout}"
+    );
+    assert!(
+        !stdout.contains("[rank"),
+        "no workers are spawned for one rank: {stdout}"
+    );
+}
+
+#[test]
+fn plan_prints_the_8_rank_grid() {
+    let (out, _) = run_within(
+        mtrain(&["plan", "--dp", "2", "--pp", "2", "--tp", "2"]),
+        Duration::from_secs(30),
+    );
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        stdout.starts_with("world size 8 = dp(2) * pp(2) * tp(2)"),
+        "{stdout}"
+    );
+    // rank = (dp_idx * pp + pp_idx) * tp + tp_idx, computed here independently of the binary.
+    let rank = |d: usize, p: usize, t: usize| (d * 2 + p) * 2 + t;
+    let fmt = |groups: Vec<Vec<usize>>| {
+        groups
+            .iter()
+            .map(|g| format!("{g:?}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let tp: Vec<Vec<usize>> = (0..2)
+        .flat_map(|d| (0..2).map(move |p| (0..2).map(|t| rank(d, p, t)).collect()))
+        .collect();
+    let pp: Vec<Vec<usize>> = (0..2)
+        .flat_map(|d| (0..2).map(move |t| (0..2).map(|p| rank(d, p, t)).collect()))
+        .collect();
+    let mut dp: Vec<Vec<usize>> = (0..2)
+        .flat_map(|p| (0..2).map(move |t| (0..2).map(|d| rank(d, p, t)).collect()))
+        .collect();
+    dp.sort();
+    for (kind, groups) in [("tp", tp), ("pp", pp), ("dp", dp)] {
+        let line = format!("{kind} groups:  {}", fmt(groups));
+        assert!(stdout.contains(&line), "missing `{line}` in:\n{stdout}");
+    }
+    for (d, p) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+        let row = format!("dp={d} pp={p}:    {}    {}", rank(d, p, 0), rank(d, p, 1));
+        assert!(
+            stdout.contains(&row),
+            "missing grid row `{row}` in:\n{stdout}"
+        );
+    }
+    assert!(!stdout.contains("[rank"), "plan launches nothing");
+}
