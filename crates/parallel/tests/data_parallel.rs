@@ -15,11 +15,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::{Device, Tensor};
-use mtrain_comm::{run_local, Backend, Comm};
+use mtrain_comm::{run_local, Backend, Comm, OpKind};
 use mtrain_model::optim::{AdamW, AdamWConfig, OptimItem};
-use mtrain_model::{init_weights, Engine, GptConfig, Grads, Gpt, NoHooks, Segment};
-use mtrain_parallel::ddp::{DataParallel, Ddp, DdpConfig, DdpMode};
-use mtrain_parallel::fsdp::{Fsdp, FsdpConfig, ZeroStage};
+use mtrain_model::{init_weights, Engine, Gpt, GptConfig, Grads, NoHooks, Segment};
+use mtrain_parallel::ddp::{DataParallel, Ddp, DdpConfig, DdpMode, ModelStateBytes};
+use mtrain_parallel::fsdp::{analytic_model_state, Fsdp, FsdpConfig, ZeroStage};
 
 const SEED: u64 = 1234;
 const STEPS: usize = 10;
@@ -29,7 +29,14 @@ const GLOBAL_BATCH: usize = 8;
 const TIMEOUT: Duration = Duration::from_secs(60);
 
 fn cfg() -> GptConfig {
-    GptConfig { vocab_size: 64, block_size: T, n_layer: 2, n_head: 2, n_embd: 32, moe: None }
+    GptConfig {
+        vocab_size: 64,
+        block_size: T,
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 32,
+        moe: None,
+    }
 }
 
 fn model() -> Gpt {
@@ -47,7 +54,9 @@ fn batch(step: usize) -> (Vec<u32>, Vec<u32>) {
     let mut idx = Vec::new();
     let mut tgt = Vec::new();
     for _ in 0..GLOBAL_BATCH {
-        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         let mut x = (s >> 33) % v;
         for _ in 0..T {
             idx.push(x as u32);
@@ -61,7 +70,10 @@ fn batch(step: usize) -> (Vec<u32>, Vec<u32>) {
 /// Rows `[start, start + n)` of the step's global batch as tensors.
 fn rows(step: usize, start: usize, n: usize) -> (Tensor, Tensor) {
     let (idx, tgt) = batch(step);
-    let cut = |v: &[u32]| Tensor::from_vec(v[start * T..(start + n) * T].to_vec(), (n, T), &Device::Cpu).expect("batch");
+    let cut = |v: &[u32]| {
+        Tensor::from_vec(v[start * T..(start + n) * T].to_vec(), (n, T), &Device::Cpu)
+            .expect("batch")
+    };
     (cut(&idx), cut(&tgt))
 }
 
@@ -86,7 +98,9 @@ fn single_device(steps: usize) -> RunResult {
     for step in 0..steps {
         let (x, y) = rows(step, 0, GLOBAL_BATCH);
         let mut grads = Grads::new();
-        let (loss, _) = engine.forward_backward(&gpt.segments, &x, &y, 1.0, &mut grads, &mut NoHooks).expect("fb");
+        let (loss, _) = engine
+            .forward_backward(&gpt.segments, &x, &y, 1.0, &mut grads, &mut NoHooks)
+            .expect("fb");
         losses.push(loss);
         if step == 0 {
             grads0 = grads.iter().map(|(n, g)| (n.clone(), g.clone())).collect();
@@ -95,7 +109,12 @@ fn single_device(steps: usize) -> RunResult {
             .iter()
             .map(|p| {
                 let g = grads.get(p.name()).expect("every parameter has a gradient");
-                OptimItem { name: p.name(), param: p, grad: g, decay: g.dims().len() >= 2 }
+                OptimItem {
+                    name: p.name(),
+                    param: p,
+                    grad: g,
+                    decay: g.dims().len() >= 2,
+                }
             })
             .collect();
         opt.step(LR, &items).expect("step");
@@ -129,15 +148,23 @@ fn data_parallel(dp: usize, micro: usize, engine: Engine, steps: usize, make: &M
             if step == 0 {
                 grads0 = strategy.full_grads().expect("full grads");
             }
-            strategy.optimizer_step(&mut opt, LR, None).expect("optimizer step");
+            strategy
+                .optimizer_step(&mut opt, LR, None)
+                .expect("optimizer step");
         }
         RunResult { losses, grads0 }
     });
-    let losses = (0..steps).map(|s| results.iter().map(|r| r.losses[s]).sum::<f64>() / dp as f64).collect();
+    let losses = (0..steps)
+        .map(|s| results.iter().map(|r| r.losses[s]).sum::<f64>() / dp as f64)
+        .collect();
     // The averaged gradients must be identical on every rank.
     for r in &results[1..] {
         for (name, g) in &r.grads0 {
-            assert_eq!(rel_err(g, &results[0].grads0[name]), 0.0, "rank gradients differ for {name}");
+            assert_eq!(
+                rel_err(g, &results[0].grads0[name]),
+                0.0,
+                "rank gradients differ for {name}"
+            );
         }
     }
     let grads0 = results.into_iter().next().expect("rank 0").grads0;
@@ -148,7 +175,12 @@ fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
     let a = a.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("a");
     let b = b.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("b");
     assert_eq!(a.len(), b.len());
-    let diff: f64 = a.iter().zip(&b).map(|(x, y)| ((x - y) as f64).powi(2)).sum::<f64>().sqrt();
+    let diff: f64 = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| ((x - y) as f64).powi(2))
+        .sum::<f64>()
+        .sqrt();
     let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum::<f64>().sqrt();
     diff / norm.max(1e-30)
 }
@@ -157,28 +189,58 @@ fn assert_matches(name: &str, got: &RunResult, want: &RunResult) {
     assert_eq!(got.losses.len(), want.losses.len());
     for (s, (g, w)) in got.losses.iter().zip(&want.losses).enumerate() {
         let rel = (g - w).abs() / w.abs();
-        assert!(rel <= 1e-5, "{name}: step {s} loss {g} vs reference {w} (rel {rel:e})");
+        assert!(
+            rel <= 1e-5,
+            "{name}: step {s} loss {g} vs reference {w} (rel {rel:e})"
+        );
     }
-    assert_eq!(got.grads0.len(), want.grads0.len(), "{name}: gradient count");
+    assert_eq!(
+        got.grads0.len(),
+        want.grads0.len(),
+        "{name}: gradient count"
+    );
     for (p, w) in &want.grads0 {
-        let g = got.grads0.get(p).unwrap_or_else(|| panic!("{name}: no gradient for {p}"));
+        let g = got
+            .grads0
+            .get(p)
+            .unwrap_or_else(|| panic!("{name}: no gradient for {p}"));
         let rel = rel_err(g, w);
         assert!(rel <= 1e-4, "{name}: gradient of {p} rel error {rel:e}");
     }
     // The loss must have moved, or the comparison would prove little.
-    assert!(want.losses[STEPS - 1] < want.losses[0] - 0.05, "reference did not train: {:?}", want.losses);
+    assert!(
+        want.losses[STEPS - 1] < want.losses[0] - 0.05,
+        "reference did not train: {:?}",
+        want.losses
+    );
 }
 
 fn ddp(mode: DdpMode) -> impl Fn(Comm, Vec<Arc<dyn Segment>>) -> Box<dyn DataParallel> + Sync {
     move |comm, segs| {
         // Small caps so the tiny model is split into several buckets.
-        let cfg = DdpConfig { mode, bucket_cap_bytes: 16 << 10, first_bucket_cap_bytes: 4 << 10 };
+        let cfg = DdpConfig {
+            mode,
+            bucket_cap_bytes: 16 << 10,
+            first_bucket_cap_bytes: 4 << 10,
+        };
         Box::new(Ddp::new(comm, segs, cfg).expect("ddp"))
     }
 }
 
 fn fsdp(stage: ZeroStage) -> impl Fn(Comm, Vec<Arc<dyn Segment>>) -> Box<dyn DataParallel> + Sync {
-    move |comm, segs| Box::new(Fsdp::new(comm, segs, FsdpConfig { stage, prefetch: true }).expect("fsdp"))
+    move |comm, segs| {
+        Box::new(
+            Fsdp::new(
+                comm,
+                segs,
+                FsdpConfig {
+                    stage,
+                    prefetch: true,
+                },
+            )
+            .expect("fsdp"),
+        )
+    }
 }
 
 #[test]
@@ -207,7 +269,11 @@ fn zero_stages_equal_one_device() {
         (ZeroStage::Three, 2, false),
     ] {
         let got = data_parallel(dp, 1, Engine::new(checkpointing), STEPS, &fsdp(stage));
-        assert_matches(&format!("zero-{stage:?} dp={dp} checkpointing={checkpointing}"), &got, &want);
+        assert_matches(
+            &format!("zero-{stage:?} dp={dp} checkpointing={checkpointing}"),
+            &got,
+            &want,
+        );
     }
 }
 
@@ -224,7 +290,174 @@ fn gradient_accumulation_equals_one_big_batch() {
             assert!(rel <= 1e-4, "{name}: gradient of {p} rel error {rel:e}");
         }
     };
-    check("ddp dp=2 k=2", data_parallel(2, 2, Engine::default(), 3, &ddp(DdpMode::Bucketed)));
-    check("zero-1 dp=2 k=2", data_parallel(2, 2, Engine::default(), 3, &fsdp(ZeroStage::One)));
-    check("zero-3 dp=2 k=4", data_parallel(2, 4, Engine::new(true), 3, &fsdp(ZeroStage::Three)));
+    check(
+        "ddp dp=2 k=2",
+        data_parallel(2, 2, Engine::default(), 3, &ddp(DdpMode::Bucketed)),
+    );
+    check(
+        "zero-1 dp=2 k=2",
+        data_parallel(2, 2, Engine::default(), 3, &fsdp(ZeroStage::One)),
+    );
+    check(
+        "zero-3 dp=2 k=4",
+        data_parallel(2, 4, Engine::new(true), 3, &fsdp(ZeroStage::Three)),
+    );
+}
+
+/// Model-state bytes of each rank after one step, taken after the optimizer has run and before
+/// the gradients are dropped: parameters + gradients + AdamW moments all exist at that moment.
+fn state_bytes(dp: usize, engine: Engine, make: &Make) -> Vec<ModelStateBytes> {
+    let per_rank = GLOBAL_BATCH / dp;
+    run_local(dp, TIMEOUT, |backend| {
+        let comm = backend.world();
+        let rank = comm.rank();
+        let mut s = make(comm, model().segments);
+        let mut opt = adamw();
+        let (x, y) = rows(0, rank * per_rank, per_rank);
+        s.forward_backward(&engine, &x, &y, 1.0, true)
+            .expect("forward_backward");
+        opt.step(LR, &s.optimizer_items()).expect("step");
+        let bytes = s.model_state_bytes(&opt);
+        s.after_optimizer_step().expect("after step");
+        bytes
+    })
+}
+
+#[test]
+fn zero3_on_4_ranks_holds_at_most_04x_of_ddp_model_state() {
+    let n_params = cfg().n_params();
+    let ddp_bytes = state_bytes(4, Engine::default(), &ddp(DdpMode::Bucketed));
+    let zero3 = state_bytes(4, Engine::new(true), &fsdp(ZeroStage::Three));
+    for (r, b) in ddp_bytes.iter().enumerate() {
+        // DDP: a full copy of everything, as the analytic table says (16 bytes per parameter).
+        assert_eq!(*b, analytic_model_state(None, n_params, 4), "ddp rank {r}");
+    }
+    for (r, (z, d)) in zero3.iter().zip(&ddp_bytes).enumerate() {
+        let ratio = z.total() as f64 / d.total() as f64;
+        assert!(
+            ratio <= 0.4,
+            "rank {r}: ZeRO-3 holds {z:?}, DDP {d:?}: ratio {ratio:.3} > 0.4"
+        );
+        // At most the analytic 16Φ/N (shards are padded per unit, but padding is not stored).
+        assert!(
+            z.total() <= analytic_model_state(Some(ZeroStage::Three), n_params, 4).total(),
+            "rank {r}: {z:?}"
+        );
+    }
+    // The shards partition the model: summed over ranks, every element is held exactly once.
+    let sum = |f: fn(&ModelStateBytes) -> usize| zero3.iter().map(f).sum::<usize>();
+    assert_eq!(sum(|b| b.params), 4 * n_params);
+    assert_eq!(sum(|b| b.grads), 4 * n_params);
+    assert_eq!(sum(|b| b.optimizer), 8 * n_params);
+}
+
+#[test]
+fn zero_stages_shard_what_they_promise() {
+    let n_params = cfg().n_params();
+    let full = 4 * n_params;
+    for stage in [ZeroStage::One, ZeroStage::Two] {
+        let bytes = state_bytes(2, Engine::default(), &fsdp(stage));
+        let params: usize = bytes.iter().map(|b| b.params).sum();
+        let grads: usize = bytes.iter().map(|b| b.grads).sum();
+        let optimizer: usize = bytes.iter().map(|b| b.optimizer).sum();
+        // Full weights on every rank plus the shards the optimizer updates.
+        assert_eq!(params, 2 * full + full, "{stage:?}");
+        assert_eq!(optimizer, 2 * full, "{stage:?}: Adam moments are sharded");
+        let want_grads = if stage == ZeroStage::One {
+            2 * full + full
+        } else {
+            full
+        };
+        assert_eq!(grads, want_grads, "{stage:?}: gradient bytes");
+    }
+}
+
+#[test]
+fn every_rank_launches_the_same_bucket_sequence() {
+    let traces = run_local(4, TIMEOUT, |backend| {
+        let comm = backend.world();
+        let rank = comm.rank();
+        let make = ddp(DdpMode::Bucketed);
+        let mut s = make(comm.clone(), model().segments);
+        let mut opt = adamw();
+        comm.tracer().set_recording(true);
+        for step in 0..2 {
+            let (x, y) = rows(step, rank * 2, 2);
+            s.forward_backward(&Engine::default(), &x, &y, 1.0, true)
+                .expect("forward_backward");
+            s.optimizer_step(&mut opt, LR, Some(1.0)).expect("step");
+        }
+        let stats = s.comm_stats();
+        let events: Vec<(OpKind, u64)> = comm
+            .tracer()
+            .events()
+            .iter()
+            .map(|e| (e.op, e.bytes))
+            .collect();
+        (events, stats)
+    });
+    let (first, stats) = &traces[0];
+    // Bucket sizes as configured: a small first bucket, then ≥ 16 KiB ones (the last may be short).
+    let buckets: Vec<u64> = first
+        .iter()
+        .map(|(_, b)| *b)
+        .take(stats.collectives)
+        .collect();
+    assert!(
+        buckets.len() >= 4,
+        "expected several buckets, got {buckets:?}"
+    );
+    assert!(
+        first.iter().all(|(op, _)| *op == OpKind::AllReduce),
+        "{first:?}"
+    );
+    assert!(
+        buckets[0] < buckets[1],
+        "first bucket should be the small one: {buckets:?}"
+    );
+    assert_eq!(
+        first.len(),
+        2 * stats.collectives,
+        "two steps of bucket all-reduces"
+    );
+    assert_eq!(stats.bytes, buckets.iter().sum::<u64>());
+    assert_eq!(
+        stats.bytes,
+        4 * cfg().n_params() as u64,
+        "every gradient travels once"
+    );
+    for (r, (events, _)) in traces.iter().enumerate() {
+        assert_eq!(
+            events, first,
+            "rank {r} launched a different sequence than rank 0"
+        );
+    }
+    assert!(stats.backward_s > 0.0 && stats.comm_s > 0.0, "{stats:?}");
+}
+
+#[test]
+fn different_initial_weights_are_refused_naming_the_rank() {
+    let errors = run_local(3, TIMEOUT, |backend| {
+        let comm = backend.world();
+        let gpt = model();
+        if comm.rank() == 2 {
+            let p = gpt
+                .params()
+                .into_iter()
+                .find(|p| p.name() == "h.1.mlp.c_fc.weight")
+                .expect("param");
+            let bumped = (p.tensor() * 1.001).expect("scale");
+            p.set(&bumped).expect("set");
+        }
+        match Ddp::new(comm, gpt.segments, DdpConfig::default()) {
+            Ok(_) => String::new(),
+            Err(e) => e.to_string(),
+        }
+    });
+    for (r, e) in errors.iter().enumerate() {
+        assert!(
+            e.contains("rank 2") && e.contains("h.1.mlp.c_fc.weight"),
+            "rank {r} got: {e:?}"
+        );
+    }
 }
