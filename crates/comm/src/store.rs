@@ -391,7 +391,7 @@ impl StoreClient {
     pub fn get_timeout(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         let req = Request::Get {
             key: key.into(),
-            timeout_ms: timeout.as_millis() as u64,
+            timeout_ms: ceil_ms(timeout),
         };
         match self.call(req, timeout)? {
             Response::Value(v) => Ok(v),
@@ -405,7 +405,7 @@ impl StoreClient {
         let timeout = deadline.saturating_duration_since(Instant::now());
         let req = Request::Wait {
             keys: keys.iter().map(|k| k.to_string()).collect(),
-            timeout_ms: timeout.as_millis() as u64,
+            timeout_ms: ceil_ms(timeout),
         };
         match self.call(req, timeout)? {
             Response::Ok => Ok(()),
@@ -487,4 +487,9 @@ pub fn rendezvous(
     };
     let client = StoreClient::connect(&addr, &env.job_id, timeout)?;
     Ok((server, client))
+}
+
+/// Milliseconds, rounded up, so a server never gives up before the client's deadline.
+fn ceil_ms(d: Duration) -> u64 {
+    d.as_micros().div_ceil(1000) as u64
 }
