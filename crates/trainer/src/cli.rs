@@ -29,6 +29,8 @@ use crate::bench_comm::BenchCommArgs;
 use crate::config::TrainArgs;
 use crate::launch::LaunchSpec;
 use crate::plan::PlanArgs;
+use crate::prepare::PrepareArgs;
+use crate::sample::SampleArgs;
 
 /// mtrain: a mini distributed training framework (DDP, FSDP, TP, PP, EP on a GPT).
 ///
@@ -56,6 +58,10 @@ pub enum Command {
     Plan(PlanArgs),
     /// Measure collectives nccl-tests style (algbw, busbw, #wrong) with the job's ranks.
     BenchComm(BenchCommArgs),
+    /// Train a BPE tokenizer on a text file and write token shards.
+    Prepare(PrepareArgs),
+    /// Generate text from a checkpoint.
+    Sample(SampleArgs),
 }
 
 /// How many processes, where they meet, and how they are arranged.
@@ -134,6 +140,35 @@ pub struct StrategyArgs {
     /// DDP bucket size in MiB.
     #[arg(long, default_value_t = 25.0, value_name = "MIB")]
     pub bucket_mb: f64,
+}
+
+impl StrategyArgs {
+    /// The strategy flags given with a non-default value, as they were spelled.
+    pub fn non_default(&self) -> Vec<&'static str> {
+        let mut set = Vec::new();
+        if self.fsdp {
+            set.push("--fsdp");
+        }
+        if self.zero_stage != 0 {
+            set.push("--zero-stage");
+        }
+        if self.sequence_parallel {
+            set.push("--sequence-parallel");
+        }
+        if self.schedule != Schedule::OneFOneB {
+            set.push("--schedule");
+        }
+        if self.microbatches.is_some() {
+            set.push("--microbatches");
+        }
+        if self.ddp_mode != DdpMode::Bucketed {
+            set.push("--ddp-mode");
+        }
+        if self.bucket_mb != 25.0 {
+            set.push("--bucket-mb");
+        }
+        set
+    }
 }
 
 /// Pipeline schedules.

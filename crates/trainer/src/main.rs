@@ -22,7 +22,7 @@ use mtrain_comm::env::LaunchEnv;
 use mtrain_comm::Backend;
 use mtrain_trainer::cli::{Cli, Command, Layout};
 use mtrain_trainer::launch::{self, LaunchError};
-use mtrain_trainer::{bench_comm, plan};
+use mtrain_trainer::{bench_comm, plan, prepare, sample};
 
 #[global_allocator]
 static ALLOC: mtrain_trainer::memory::CountingAlloc = mtrain_trainer::memory::CountingAlloc;
@@ -96,11 +96,34 @@ impl<'w> tracing_subscriber::fmt::FormatFields<'w> for RankFields {
 fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
     match &cli.command {
         Some(Command::Plan(args)) => plan::run(&cli.layout, args).map_err(Into::into),
+        Some(Command::Prepare(args)) => {
+            let summary = prepare::prepare(args)?;
+            println!(
+                "wrote {}: vocab {}, {} train + {} val tokens, {:.2} bytes/token",
+                args.out.display(),
+                summary.vocab_size,
+                summary.train_tokens,
+                summary.val_tokens,
+                summary.bytes_per_token
+            );
+            Ok(())
+        }
+        Some(Command::Sample(args)) => {
+            println!("{}", sample::sample(args)?);
+            Ok(())
+        }
         Some(Command::BenchComm(args)) => distributed(&cli, env, |backend, _layout| {
             bench_comm::run(args, backend)?;
             Ok(())
         }),
         None => {
+            let unsupported = cli.strategy.non_default();
+            anyhow::ensure!(
+                unsupported.is_empty(),
+                "the training loop does not apply {} in this build; run without {}",
+                unsupported.join(", "),
+                if unsupported.len() == 1 { "it" } else { "them" }
+            );
             // Resolve the config before launching, so a bad flag fails once, not once per rank.
             let cfg = cli
                 .train
@@ -141,6 +164,7 @@ fn distributed(
             return Ok(());
         }
     };
+    layout.dims.validate(env.world_size)?;
     inject_failure(env.rank)?;
     let backend = CpuBackend::init(
         &env,
