@@ -1,1 +1,401 @@
-//! (in progress)
+//! Expert parallelism: the experts of a mixture-of-experts layer are spread over the ep group,
+//! and tokens travel to their experts and back with two all-to-alls (Megatron's all-to-all token
+//! dispatcher, DeepSpeed's capacity gating).
+//!
+//! ```text
+//!   ep = 2, E = 4: rank 0 holds experts 0 1, rank 1 holds experts 2 3
+//!
+//!   x (N, C) ─router─> probs (N, E) ─route (top-k, capacity)─> kept (token, expert) pairs
+//!     │ permute: x[tokens of e0] x[e1] | x[e2] x[e3]          (S, C) ordered by expert = by rank
+//!     │ counts all-to-all: how many rows each rank will send me, per local expert
+//!     │ dispatch all-to-all (send_splits → recv_splits)       (R, C) ordered [source rank][local expert]
+//!     │ sort to [local expert][source rank], run each local expert on its slab, sort back
+//!     │ combine all-to-all (recv_splits → send_splits)        (S, C) in the permuted order again
+//!     ▼ un-permute: out[token] += y · gate(token, expert)     (N, C)
+//! ```
+//!
+//! Routing is the model's own ([`mtrain_model::moe::route`] and friends), computed by each rank on
+//! its **local** tokens: capacity `ceil(k · N_local / E · cf)` is per rank, per step, as in
+//! DeepSpeed and Megatron. The single-device run that reproduces it is therefore the global batch
+//! cut into the same micro-batches (one per data-parallel rank, gradients accumulated with
+//! weight 1/dp): same tokens per routing group, same capacity, same drops. A dropped choice
+//! contributes zero and the block's residual carries the token through.
+//!
+//! # Gradients
+//! The all-to-all is a custom op whose backward is the reverse all-to-all
+//! ([`all_to_all::all_to_all`]), so the router, the gate and everything below the layer get the
+//! gradient of this rank's own loss, exactly as on one device. An expert's weights, though, see
+//! tokens from every rank of its ep group: their local gradient is already `Σ_{r ∈ ep} ∂loss_r/∂W`.
+//! [`sync_grads`] therefore averages
+//! - non-expert gradients over **dp** (as DDP does): `(1/dp) Σ_{dp} g`,
+//! - expert gradients over the expert's own replicas, the **edp** group, with the same 1/dp
+//!   weight: `(1/dp) Σ_{edp} g` (Megatron's `expert_gradient_scaling_factor`). The ep group is
+//!   never reduced over: its ranks hold different experts.
+//!
+//! Both give the gradient of the mean loss over the global batch. [`crate::ddp::Ddp`] reduces
+//! every parameter over one group and checks identical weights on all its ranks, so it does not
+//! apply to an expert-parallel model; call [`sync_grads`] after the backward instead.
+//!
+//! Legend: `N` local tokens, `C` width, `E` experts, `E_l = E / ep` local experts, `S` rows this
+//! rank sends (its kept pairs), `R` rows it receives.
+
+mod all_to_all;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use mtrain_comm::{Comm, CommError, ReduceOp};
+use mtrain_model::gpt::{Embedding, Head, ParamStore};
+use mtrain_model::layers::{FeedForward, FfnOut};
+use mtrain_model::moe::{load_balancing_loss, route, router_probs, z_loss, RoutingPlan};
+use mtrain_model::{
+    Block, CausalSelfAttention, DenseLinear, GptConfig, Grads, LayerNorm, Linear, Mlp, MoeConfig,
+    Param, Segment,
+};
+
+pub use all_to_all::all_to_all;
+
+/// Errors of expert parallelism.
+#[derive(Debug, thiserror::Error)]
+pub enum EpError {
+    #[error("expert parallelism needs an MoE model, but the config has no `moe` section")]
+    NotMoe,
+    #[error("moe.n_experts ({n_experts}) must be divisible by ep ({ep}): each rank holds n_experts / ep experts")]
+    ExpertsDontDivide { n_experts: usize, ep: usize },
+    #[error("missing weight `{0}`")]
+    MissingWeight(String),
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+pub type Result<T> = std::result::Result<T, EpError>;
+
+/// Number of experts each rank holds, or an error naming both numbers.
+pub fn local_experts(cfg: &MoeConfig, ep: usize) -> Result<usize> {
+    if ep == 0 || cfg.n_experts % ep != 0 {
+        return Err(EpError::ExpertsDontDivide {
+            n_experts: cfg.n_experts,
+            ep,
+        });
+    }
+    Ok(cfg.n_experts / ep)
+}
+
+/// Whether a parameter belongs to an expert (`h.{i}.moe.experts.{e}.…`).
+pub fn is_expert_param(name: &str) -> bool {
+    name.contains(".moe.experts.")
+}
+
+/// An MoE layer whose experts live across the ep group; this rank holds experts
+/// `ep_rank · E_l .. (ep_rank + 1) · E_l`.
+pub struct ExpertParallelMoe {
+    /// (E, C), replicated on every rank.
+    pub router: Param,
+    /// This rank's experts, in global expert order.
+    pub experts: Vec<Mlp>,
+    pub cfg: MoeConfig,
+    pub ep: Comm,
+}
+
+impl ExpertParallelMoe {
+    /// `experts` are this rank's `cfg.n_experts / ep.size()` experts.
+    pub fn new(router: Param, experts: Vec<Mlp>, cfg: MoeConfig, ep: Comm) -> Result<Self> {
+        let el = local_experts(&cfg, ep.size())?;
+        if experts.len() != el {
+            return Err(EpError::Candle(candle_core::Error::Msg(format!(
+                "ep rank {} got {} experts, expected n_experts {} / ep {} = {el}",
+                ep.rank(),
+                experts.len(),
+                cfg.n_experts,
+                ep.size()
+            ))));
+        }
+        Ok(Self {
+            router,
+            experts,
+            cfg,
+            ep,
+        })
+    }
+
+    /// Runs the local experts on the received rows (R, C), laid out [source rank][local expert]
+    /// with `counts[s][j]` rows from rank `s` for local expert `j`; returns (R, C) in that layout.
+    fn run_local_experts(
+        &self,
+        x_recv: &Tensor,
+        counts: &[Vec<usize>],
+    ) -> candle_core::Result<Tensor> {
+        let el = self.experts.len();
+        // Row offsets of each (s, j) chunk in the received layout.
+        let mut starts = vec![vec![0usize; el]; counts.len()];
+        let mut off = 0;
+        for (s, row) in counts.iter().enumerate() {
+            for (j, &c) in row.iter().enumerate() {
+                starts[s][j] = off;
+                off += c;
+            }
+        }
+        if off == 0 {
+            // Nothing arrived; the (0, C) input stands in for the output so the combine
+            // all-to-all is still recorded and its backward still runs on this rank.
+            return Ok(x_recv.clone());
+        }
+        // order[p] = received row that sits at position p of the expert-major layout.
+        let mut order: Vec<u32> = Vec::with_capacity(off);
+        for j in 0..el {
+            for (s, row) in counts.iter().enumerate() {
+                order.extend((starts[s][j]..starts[s][j] + row[j]).map(|r| r as u32));
+            }
+        }
+        let mut inverse = vec![0u32; off];
+        for (p, &r) in order.iter().enumerate() {
+            inverse[r as usize] = p as u32;
+        }
+        let dev = x_recv.device();
+        let x_sorted = x_recv.index_select(&Tensor::from_vec(order, off, dev)?, 0)?; // (R, C) by expert
+        let mut outs = Vec::with_capacity(el);
+        let mut at = 0;
+        for (j, expert) in self.experts.iter().enumerate() {
+            let n_j: usize = counts.iter().map(|row| row[j]).sum();
+            if n_j > 0 {
+                outs.push(expert.apply(&x_sorted.narrow(0, at, n_j)?)?); // (n_j, C)
+                at += n_j;
+            }
+        }
+        let y_sorted = Tensor::cat(&outs, 0)?; // (R, C) by expert
+        y_sorted.index_select(&Tensor::from_vec(inverse, off, dev)?, 0) // (R, C) by source rank
+    }
+
+    /// The coefficient-weighted auxiliary loss (as [`mtrain_model::MoeLayer::aux_loss`]).
+    fn aux_loss(
+        &self,
+        logits: &Tensor,
+        probs: &Tensor,
+        plan: &RoutingPlan,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let mut aux = None;
+        if self.cfg.aux_loss_coef > 0.0 {
+            aux = Some((load_balancing_loss(probs, plan)? * self.cfg.aux_loss_coef)?);
+        }
+        if self.cfg.z_loss_coef > 0.0 {
+            let z = (z_loss(logits)? * self.cfg.z_loss_coef)?;
+            aux = Some(match aux {
+                Some(a) => (a + z)?,
+                None => z,
+            });
+        }
+        Ok(aux)
+    }
+}
+
+fn msg(s: String) -> candle_core::Error {
+    candle_core::Error::Msg(s)
+}
+
+impl FeedForward for ExpertParallelMoe {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<FfnOut> {
+        let (ep, el, e_total) = (self.ep.size(), self.experts.len(), self.cfg.n_experts);
+        let dims = x.dims().to_vec();
+        let c = *dims
+            .last()
+            .ok_or_else(|| msg("expert-parallel moe: scalar input".into()))?;
+        let n = x.elem_count() / c.max(1);
+        let xf = x.reshape((n, c))?; // (N, C)
+        let (logits, probs) = router_probs(&xf, &self.router.tensor())?; // (N, E)
+        if probs.dim(1)? != e_total {
+            return Err(msg(format!(
+                "expert-parallel moe: router has {} outputs but moe.n_experts is {e_total}",
+                probs.dim(1)?
+            )));
+        }
+        let plan = route(&probs, self.cfg.top_k, self.cfg.capacity_factor)?;
+
+        // Permute: kept pairs grouped by expert, hence by destination rank.
+        let mut tokens = Vec::new();
+        let mut gate_at = Vec::new();
+        let mut counts = vec![0u32; e_total];
+        for (e, kept) in plan.assignments.iter().enumerate() {
+            for a in kept {
+                tokens.push(a.token as u32);
+                gate_at.push((a.token * e_total + e) as u32);
+            }
+            counts[e] = kept.len() as u32;
+        }
+        let s_rows = tokens.len();
+        let send_splits: Vec<usize> = counts
+            .chunks(el)
+            .map(|c| c.iter().map(|&v| v as usize).sum())
+            .collect(); // (ep,)
+
+        // Exchange counts: rank s learns how many rows every peer sends to each of its experts.
+        let dev = x.device();
+        let recv = self
+            .ep
+            .all_to_all(
+                &Tensor::from_vec(counts, e_total, dev)?,
+                &vec![el; ep],
+                &vec![el; ep],
+            )
+            .map_err(candle_core::Error::wrap)?
+            .to_vec1::<u32>()?; // (ep · E_l,) row s·E_l + j: from rank s for local expert j
+        let recv_counts: Vec<Vec<usize>> = recv
+            .chunks(el)
+            .map(|c| c.iter().map(|&v| v as usize).collect())
+            .collect();
+        let recv_splits: Vec<usize> = recv_counts.iter().map(|c| c.iter().sum()).collect();
+
+        let idx = Tensor::from_vec(tokens, s_rows, dev)?; // (S,)
+        let x_perm = xf.index_select(&idx, 0)?; // (S, C)
+        let x_recv = all_to_all(&x_perm, &send_splits, &recv_splits, &self.ep)?; // (R, C)
+        let y_recv = self.run_local_experts(&x_recv, &recv_counts)?; // (R, C)
+        let y_back = all_to_all(&y_recv, &recv_splits, &send_splits, &self.ep)?; // (S, C)
+
+        // Un-permute, weighting each row by its (token, expert) router probability.
+        let gate = probs
+            .flatten_all()?
+            .index_select(&Tensor::from_vec(gate_at, s_rows, dev)?, 0)?
+            .reshape((s_rows, 1))?
+            .to_dtype(y_back.dtype())?; // (S, 1)
+        let out = xf
+            .zeros_like()?
+            .index_add(&idx, &y_back.broadcast_mul(&gate)?, 0)?; // (N, C)
+        Ok(FfnOut {
+            out: out.reshape(dims)?,
+            aux_loss: self.aux_loss(&logits, &probs, &plan)?,
+            stats: Some(plan.stats()),
+        })
+    }
+
+    fn params(&self) -> Vec<Param> {
+        let mut p = vec![self.router.clone()];
+        for e in &self.experts {
+            p.extend(e.params());
+        }
+        p
+    }
+}
+
+/// This rank's segments `[embedding, h.0 … h.{L-1}, head]` of an expert-parallel MoE GPT over
+/// the group `ep`, from full weights by name: every non-expert parameter whole, and of each
+/// block's experts only this rank's `E / ep` (keeping their global names, so gradients and
+/// checkpoints line up with the single-device model).
+pub fn build_segments(
+    cfg: &GptConfig,
+    weights: &BTreeMap<String, Tensor>,
+    ep: &Comm,
+    device: &Device,
+) -> Result<Vec<Arc<dyn Segment>>> {
+    cfg.validate().map_err(candle_core::Error::wrap)?;
+    let moe = cfg.moe.as_ref().ok_or(EpError::NotMoe)?;
+    let el = local_experts(moe, ep.size())?;
+    let mine = ep.rank() * el..(ep.rank() + 1) * el;
+    let expert_of = |name: &str| -> Option<usize> {
+        let rest = name.split(".moe.experts.").nth(1)?;
+        rest.split('.').next()?.parse().ok()
+    };
+    // Only this rank's experts reach the device.
+    let local: BTreeMap<String, Tensor> = weights
+        .iter()
+        .filter(|(name, _)| expert_of(name).is_none_or(|e| mine.contains(&e)))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let p = ParamStore::new(&local, device)?;
+    let get = |name: &str| {
+        p.get(name)
+            .map_err(|_| EpError::MissingWeight(name.to_string()))
+    };
+    let lin = |name: &str| -> Result<Box<dyn Linear>> {
+        Ok(Box::new(DenseLinear::new(
+            get(&format!("{name}.weight"))?,
+            Some(get(&format!("{name}.bias"))?),
+        )))
+    };
+    let ln = |name: &str| -> Result<LayerNorm> {
+        Ok(LayerNorm::new(
+            get(&format!("{name}.weight"))?,
+            get(&format!("{name}.bias"))?,
+        ))
+    };
+    let wte = get("wte.weight")?;
+    let mut segments: Vec<Arc<dyn Segment>> =
+        vec![Arc::new(Embedding::new(wte.clone(), get("wpe.weight")?))];
+    for i in 0..cfg.n_layer {
+        let h = format!("h.{i}");
+        let attn = CausalSelfAttention::new(
+            lin(&format!("{h}.attn.c_attn"))?,
+            lin(&format!("{h}.attn.c_proj"))?,
+            cfg.n_head,
+            cfg.head_dim(),
+        );
+        let experts = mine
+            .clone()
+            .map(|e| {
+                let prefix = format!("{h}.moe.experts.{e}");
+                Ok(Mlp::new(
+                    lin(&format!("{prefix}.c_fc"))?,
+                    lin(&format!("{prefix}.c_proj"))?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let ffn = ExpertParallelMoe::new(
+            get(&format!("{h}.moe.router.weight"))?,
+            experts,
+            moe.clone(),
+            ep.clone(),
+        )?;
+        segments.push(Arc::new(Block::new(
+            h.clone(),
+            ln(&format!("{h}.ln_1"))?,
+            attn,
+            ln(&format!("{h}.ln_2"))?,
+            Box::new(ffn),
+        )));
+    }
+    segments.push(Arc::new(Head::new(ln("ln_f")?, wte)));
+    Ok(segments)
+}
+
+/// Averages one step's gradients (see the module doc): non-expert gradients over `dp`, expert
+/// gradients summed over `edp` and divided by `dp.size()`. Every parameter in `params` must be
+/// given on every rank of both groups in the same order (build them with [`build_segments`]);
+/// a parameter with no gradient counts as zero.
+pub fn sync_grads(params: &[Param], grads: &mut Grads, dp: &Comm, edp: &Comm) -> Result<()> {
+    let inv_dp = 1.0 / dp.size() as f64;
+    for p in params {
+        let g = match grads.get(p.name()) {
+            Some(g) => g.clone(),
+            None => Tensor::zeros(p.shape(), p.var().dtype(), p.var().device())?,
+        };
+        let synced = if is_expert_param(p.name()) {
+            (edp.all_reduce(&g.contiguous()?, ReduceOp::Sum)? * inv_dp)?
+        } else {
+            dp.all_reduce(&g.contiguous()?, ReduceOp::Avg)?
+        };
+        grads.insert(p.name(), synced);
+    }
+    Ok(())
+}
+
+/// Σ g² of the whole model's (synced) gradient, the same on every rank: non-expert gradients
+/// are identical everywhere and counted once; each expert lives on exactly one rank of the ep
+/// group, so the experts' part is summed over `ep`.
+pub fn grad_norm_sq(grads: &Grads, ep: &Comm) -> Result<f64> {
+    let (mut dense, mut expert) = (0.0f64, 0.0f64);
+    for (name, g) in grads.iter() {
+        let sq = g
+            .to_dtype(DType::F64)?
+            .sqr()?
+            .sum_all()?
+            .to_scalar::<f64>()?;
+        if is_expert_param(name) {
+            expert += sq;
+        } else {
+            dense += sq;
+        }
+    }
+    let total = ep.all_reduce(&Tensor::new(&[expert], ep.device())?, ReduceOp::Sum)?;
+    Ok(dense + total.to_vec1::<f64>()?[0])
+}
