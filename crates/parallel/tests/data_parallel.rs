@@ -461,3 +461,115 @@ fn different_initial_weights_are_refused_naming_the_rank() {
         );
     }
 }
+
+/// Wraps a segment and records, each time it runs forward (including the recompute in
+/// backward), which of the model's parameters hold their full weights at that moment.
+struct Probe {
+    inner: Arc<dyn Segment>,
+    all: Vec<mtrain_model::Param>,
+    seen: Arc<std::sync::Mutex<Vec<(String, Vec<String>)>>>,
+}
+
+impl Segment for Probe {
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+    fn forward(
+        &self,
+        x: &Tensor,
+        targets: Option<&Tensor>,
+    ) -> candle_core::Result<mtrain_model::SegmentOut> {
+        let live = self
+            .all
+            .iter()
+            .filter(|p| p.elem_count() > 0)
+            .map(|p| p.name().to_string())
+            .collect();
+        self.seen
+            .lock()
+            .expect("probe lock")
+            .push((self.inner.name(), live));
+        self.inner.forward(x, targets)
+    }
+    fn params(&self) -> Vec<mtrain_model::Param> {
+        self.inner.params()
+    }
+}
+
+#[test]
+fn zero3_materialises_only_the_running_segment_and_frees_after_use() {
+    let runs = run_local(2, TIMEOUT, |backend| {
+        let comm = backend.world();
+        let gpt = model();
+        let all = gpt.params();
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let segs: Vec<Arc<dyn Segment>> = gpt
+            .segments
+            .iter()
+            .map(|s| {
+                Arc::new(Probe {
+                    inner: s.clone(),
+                    all: all.clone(),
+                    seen: seen.clone(),
+                }) as Arc<dyn Segment>
+            })
+            .collect();
+        let own: BTreeMap<String, Vec<String>> = segs
+            .iter()
+            .map(|s| {
+                (
+                    s.name(),
+                    s.params().iter().map(|p| p.name().to_string()).collect(),
+                )
+            })
+            .collect();
+        let mut s = Fsdp::new(comm.clone(), segs, FsdpConfig::default()).expect("fsdp");
+        let live_between_steps =
+            |all: &[mtrain_model::Param]| all.iter().filter(|p| p.elem_count() > 0).count();
+        assert_eq!(
+            live_between_steps(&all),
+            0,
+            "ZeRO-3 keeps no full weight after setup"
+        );
+        let mut opt = adamw();
+        let (x, y) = rows(0, comm.rank() * 4, 4);
+        s.forward_backward(&Engine::new(true), &x, &y, 1.0, true)
+            .expect("forward_backward");
+        s.optimizer_step(&mut opt, LR, None).expect("step");
+        assert_eq!(
+            live_between_steps(&all),
+            0,
+            "ZeRO-3 keeps no full weight between steps"
+        );
+        let seen = seen.lock().expect("probe lock").clone();
+        (seen, own)
+    });
+    for (seen, own) in runs {
+        // Forward over embedding, h.0, h.1, head, then the recompute of head, h.1, h.0, embedding.
+        let order: Vec<&str> = seen.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            order,
+            [
+                "embedding",
+                "h.0",
+                "h.1",
+                "head",
+                "head",
+                "h.1",
+                "h.0",
+                "embedding"
+            ]
+        );
+        for (name, live) in &seen {
+            let mut want = own[name].clone();
+            if name == "head" {
+                // The tied wte lives in the embedding's unit, which also holds wpe.
+                want.push("wpe.weight".to_string());
+            }
+            want.sort();
+            let mut live = live.clone();
+            live.sort();
+            assert_eq!(live, want, "weights held while {name} runs");
+        }
+    }
+}

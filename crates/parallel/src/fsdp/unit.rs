@@ -33,16 +33,10 @@ pub(crate) struct Entry {
 
 /// One segment's parameters, flattened and sharded.
 pub(crate) struct FlatUnit {
-    /// Segment name (`embedding`, `h.3`, `head`): prefix of the shard names.
-    pub name: String,
     /// Decayed parameters first, then the others.
     pub entries: Vec<Entry>,
-    /// Elements `[0, n_decay)` of the flat buffer are weight-decayed.
-    pub n_decay: usize,
     pub numel: usize,
     pub padded: usize,
-    /// Elements of one rank's shard (`padded / dp`).
-    pub shard: usize,
     /// This rank's shard: up to two pieces, then `pad` zeros.
     pub decay_shard: Option<Param>,
     pub plain_shard: Option<Param>,
@@ -77,12 +71,9 @@ impl FlatUnit {
         let len_decay = end.min(n_decay).saturating_sub(start);
         let len_plain = end.min(numel).saturating_sub(start.max(n_decay));
         let mut unit = FlatUnit {
-            name: name.to_string(),
             entries,
-            n_decay,
             numel,
             padded,
-            shard,
             decay_shard: None,
             plain_shard: None,
             pad: shard - len_decay - len_plain,
