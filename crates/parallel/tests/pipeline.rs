@@ -304,3 +304,4 @@ fn a_batch_that_does_not_split_is_refused() {
         );
     }
 }
+
