@@ -41,6 +41,7 @@
 //! With checkpointing only the segment input is kept, so the weights really are freed after each
 //! use and gathered again for the recompute: that is where ZeRO-3's memory drop comes from.
 
+mod scheduler;
 mod unit;
 
 use std::collections::BTreeMap;
@@ -48,14 +49,15 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Tensor};
-use mtrain_comm::{Comm, ReduceOp, Work};
+use mtrain_comm::{Comm, ReduceOp};
 use mtrain_model::optim::{AdamW, OptimItem};
-use mtrain_model::{Engine, Grads, Hooks, Param, Segment};
+use mtrain_model::{Engine, Grads, Param, Segment};
 
 use crate::ddp::{
-    final_after, hook_err, timed_wait, unique_params, verify_same_init, CommStats, DataParallel,
-    DpError, ModelStateBytes, OpTimer, Result,
+    final_after, timed_wait, unique_params, verify_same_init, CommStats, DataParallel, DpError,
+    ModelStateBytes, OpTimer, Result,
 };
+use scheduler::{Residency, Scheduler};
 use unit::FlatUnit;
 
 /// Which model state is sharded across the data-parallel ranks.
@@ -131,16 +133,6 @@ pub fn analytic_model_state(
             optimizer: 2 * shard,
         },
     }
-}
-
-/// Whether a unit's full weights are in its parameters' slots.
-enum Residency {
-    /// Only the shard exists; the slots hold empty placeholders.
-    Sharded,
-    /// The all-gather is running.
-    Gathering(Work),
-    /// The slots hold the full weights.
-    Gathered,
 }
 
 /// Sharded data parallelism over the segments of a model.
@@ -242,151 +234,6 @@ impl Fsdp {
             }
         }
         Ok(out)
-    }
-}
-
-/// The engine hooks of sharded data parallelism: gather, prefetch, reduce-scatter, free.
-struct Scheduler<'a> {
-    comm: &'a Comm,
-    stage: ZeroStage,
-    prefetch: bool,
-    /// The engine recomputes each segment's forward in backward (activation checkpointing).
-    recompute: bool,
-    /// Reduce-scatter gradients in this backward.
-    reduce: bool,
-    units: &'a mut [FlatUnit],
-    residency: &'a mut [Residency],
-    needs: &'a [Vec<usize>],
-    /// Reduce-scatters in flight, in issue order: (unit, work).
-    pending: Vec<(usize, Work)>,
-    stats: &'a mut CommStats,
-    timer: &'a mut OpTimer,
-}
-
-impl Scheduler<'_> {
-    fn start_gather(&mut self, u: usize) -> Result<()> {
-        if matches!(self.residency[u], Residency::Sharded) {
-            let shard = self.units[u].param_shard(self.comm.device())?; // (shard,)
-            self.stats.collectives += 1;
-            self.stats.bytes += (shard.elem_count() * shard.dtype().size_in_bytes()) as u64;
-            self.residency[u] = Residency::Gathering(self.comm.all_gather_async(&shard));
-        }
-        Ok(())
-    }
-
-    /// Makes unit `u`'s full weights available in its parameters' slots.
-    fn ensure_gathered(&mut self, u: usize) -> Result<()> {
-        self.start_gather(u)?;
-        if let Residency::Gathering(work) =
-            std::mem::replace(&mut self.residency[u], Residency::Gathered)
-        {
-            let flat = timed_wait(work, &mut self.stats.exposed_comm_s)?; // (padded,)
-            self.timer.collect(self.comm);
-            for (e, t) in self.units[u].unflatten(&flat)? {
-                e.param.replace(t)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Releases unit `u`'s full weights (stage 3): the slots get empty placeholders.
-    fn free(&mut self, u: usize) -> Result<()> {
-        if self.stage == ZeroStage::Three && self.units[u].numel > 0 {
-            for e in &self.units[u].entries {
-                e.param
-                    .replace(Tensor::zeros(0, e.param.var().dtype(), self.comm.device())?)?;
-            }
-            self.residency[u] = Residency::Sharded;
-        }
-        Ok(())
-    }
-
-    /// Waits for the reduce-scatters in issue order and adds each shard to its unit.
-    fn finish(mut self) -> Result<()> {
-        for (u, work) in std::mem::take(&mut self.pending) {
-            let shard = timed_wait(work, &mut self.stats.exposed_comm_s)?; // (shard,)
-            self.timer.collect(self.comm);
-            self.units[u].add_grad_shard(&shard)?;
-        }
-        Ok(())
-    }
-
-    fn pre_forward_impl(&mut self, i: usize) -> Result<()> {
-        if self.stage != ZeroStage::Three {
-            return Ok(());
-        }
-        if i > 0 {
-            for &u in &self.needs[i - 1] {
-                if !self.needs[i].contains(&u) {
-                    self.free(u)?;
-                }
-            }
-        }
-        for &u in &self.needs[i] {
-            self.ensure_gathered(u)?;
-        }
-        if self.prefetch && i + 1 < self.needs.len() {
-            for &u in &self.needs[i + 1] {
-                self.start_gather(u)?;
-            }
-        }
-        Ok(())
-    }
-
-    fn pre_backward_impl(&mut self, i: usize) -> Result<()> {
-        // Without recompute the engine differentiates the graph recorded in forward, which
-        // already holds the gathered weights.
-        if self.stage != ZeroStage::Three || !self.recompute {
-            return Ok(());
-        }
-        for &u in &self.needs[i] {
-            self.ensure_gathered(u)?;
-        }
-        if self.prefetch && i > 0 {
-            for &u in &self.needs[i - 1] {
-                self.start_gather(u)?;
-            }
-        }
-        Ok(())
-    }
-
-    fn post_backward_impl(&mut self, i: usize, grads: &mut Grads) -> Result<()> {
-        if self.reduce && self.units[i].numel > 0 {
-            let flat = self.units[i].flat_grad(grads)?; // (padded,)
-            self.stats.collectives += 1;
-            self.stats.bytes += (flat.elem_count() * flat.dtype().size_in_bytes()) as u64;
-            self.pending
-                .push((i, self.comm.reduce_scatter_async(&flat, ReduceOp::Avg)));
-            if self.stage >= ZeroStage::Two {
-                for e in &self.units[i].entries {
-                    grads.remove(e.param.name());
-                }
-            }
-        }
-        for k in 0..self.needs[i].len() {
-            let u = self.needs[i][k];
-            if i == 0 || !self.needs[i - 1].contains(&u) {
-                self.free(u)?;
-            }
-        }
-        Ok(())
-    }
-}
-
-impl Hooks for Scheduler<'_> {
-    fn pre_forward(&mut self, i: usize, _seg: &dyn Segment) -> candle_core::Result<()> {
-        self.pre_forward_impl(i).map_err(hook_err)
-    }
-    fn pre_backward(&mut self, i: usize, _seg: &dyn Segment) -> candle_core::Result<()> {
-        self.pre_backward_impl(i).map_err(hook_err)
-    }
-    fn post_backward(
-        &mut self,
-        i: usize,
-        _seg: &dyn Segment,
-        grads: &mut Grads,
-    ) -> candle_core::Result<()> {
-        self.post_backward_impl(i, grads).map_err(hook_err)
     }
 }
 

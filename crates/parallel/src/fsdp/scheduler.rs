@@ -1,0 +1,174 @@
+//! When each unit's weights are gathered, prefetched and freed, and when its gradient is
+//! reduce-scattered: the hooks the block-wise engine calls around every segment.
+//!
+//! ```text
+//!   forward   seg i:  free units of seg i-1 not used by seg i │ wait gather(i) │ start gather(i+1)
+//!   backward  seg i:  (recompute only) wait gather(i) │ start gather(i-1)
+//!             after:  reduce-scatter unit i's flat gradient (async) │ drop its full gradient
+//!                     (ZeRO-2/3) │ free units of seg i not used by seg i-1
+//! ```
+//! At most two units are resident or in flight at any moment in forward (the running segment's
+//! and the prefetched one), plus the tied embedding unit while the head runs.
+
+use candle_core::Tensor;
+use mtrain_comm::{Comm, ReduceOp, Work};
+use mtrain_model::{Grads, Hooks, Segment};
+
+use super::unit::FlatUnit;
+use super::ZeroStage;
+use crate::ddp::{hook_err, timed_wait, CommStats, OpTimer, Result};
+
+/// Whether a unit's full weights are in its parameters' slots.
+pub(super) enum Residency {
+    /// Only the shard exists; the slots hold empty placeholders.
+    Sharded,
+    /// The all-gather is running.
+    Gathering(Work),
+    /// The slots hold the full weights.
+    Gathered,
+}
+
+/// The engine hooks of sharded data parallelism: gather, prefetch, reduce-scatter, free.
+pub(super) struct Scheduler<'a> {
+    pub(super) comm: &'a Comm,
+    pub(super) stage: ZeroStage,
+    pub(super) prefetch: bool,
+    /// The engine recomputes each segment's forward in backward (activation checkpointing).
+    pub(super) recompute: bool,
+    /// Reduce-scatter gradients in this backward.
+    pub(super) reduce: bool,
+    pub(super) units: &'a mut [FlatUnit],
+    pub(super) residency: &'a mut [Residency],
+    pub(super) needs: &'a [Vec<usize>],
+    /// Reduce-scatters in flight, in issue order: (unit, work).
+    pub(super) pending: Vec<(usize, Work)>,
+    pub(super) stats: &'a mut CommStats,
+    pub(super) timer: &'a mut OpTimer,
+}
+
+impl Scheduler<'_> {
+    fn start_gather(&mut self, u: usize) -> Result<()> {
+        if matches!(self.residency[u], Residency::Sharded) {
+            let shard = self.units[u].param_shard(self.comm.device())?; // (shard,)
+            self.stats.collectives += 1;
+            self.stats.bytes += (shard.elem_count() * shard.dtype().size_in_bytes()) as u64;
+            self.residency[u] = Residency::Gathering(self.comm.all_gather_async(&shard));
+        }
+        Ok(())
+    }
+
+    /// Makes unit `u`'s full weights available in its parameters' slots.
+    fn ensure_gathered(&mut self, u: usize) -> Result<()> {
+        self.start_gather(u)?;
+        if let Residency::Gathering(work) =
+            std::mem::replace(&mut self.residency[u], Residency::Gathered)
+        {
+            let flat = timed_wait(work, &mut self.stats.exposed_comm_s)?; // (padded,)
+            self.timer.collect(self.comm);
+            for (e, t) in self.units[u].unflatten(&flat)? {
+                e.param.replace(t)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Releases unit `u`'s full weights (stage 3): the slots get empty placeholders.
+    pub(super) fn free(&mut self, u: usize) -> Result<()> {
+        if self.stage == ZeroStage::Three && self.units[u].numel > 0 {
+            for e in &self.units[u].entries {
+                e.param
+                    .replace(Tensor::zeros(0, e.param.var().dtype(), self.comm.device())?)?;
+            }
+            self.residency[u] = Residency::Sharded;
+        }
+        Ok(())
+    }
+
+    /// Waits for the reduce-scatters in issue order and adds each shard to its unit.
+    pub(super) fn finish(mut self) -> Result<()> {
+        for (u, work) in std::mem::take(&mut self.pending) {
+            let shard = timed_wait(work, &mut self.stats.exposed_comm_s)?; // (shard,)
+            self.timer.collect(self.comm);
+            self.units[u].add_grad_shard(&shard)?;
+        }
+        Ok(())
+    }
+
+    fn pre_forward_impl(&mut self, i: usize) -> Result<()> {
+        if self.stage != ZeroStage::Three {
+            return Ok(());
+        }
+        if i > 0 {
+            for &u in &self.needs[i - 1] {
+                if !self.needs[i].contains(&u) {
+                    self.free(u)?;
+                }
+            }
+        }
+        for &u in &self.needs[i] {
+            self.ensure_gathered(u)?;
+        }
+        if self.prefetch && i + 1 < self.needs.len() {
+            for &u in &self.needs[i + 1] {
+                self.start_gather(u)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn pre_backward_impl(&mut self, i: usize) -> Result<()> {
+        // Without recompute the engine differentiates the graph recorded in forward, which
+        // already holds the gathered weights.
+        if self.stage != ZeroStage::Three || !self.recompute {
+            return Ok(());
+        }
+        for &u in &self.needs[i] {
+            self.ensure_gathered(u)?;
+        }
+        if self.prefetch && i > 0 {
+            for &u in &self.needs[i - 1] {
+                self.start_gather(u)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn post_backward_impl(&mut self, i: usize, grads: &mut Grads) -> Result<()> {
+        if self.reduce && self.units[i].numel > 0 {
+            let flat = self.units[i].flat_grad(grads)?; // (padded,)
+            self.stats.collectives += 1;
+            self.stats.bytes += (flat.elem_count() * flat.dtype().size_in_bytes()) as u64;
+            self.pending
+                .push((i, self.comm.reduce_scatter_async(&flat, ReduceOp::Avg)));
+            if self.stage >= ZeroStage::Two {
+                for e in &self.units[i].entries {
+                    grads.remove(e.param.name());
+                }
+            }
+        }
+        for k in 0..self.needs[i].len() {
+            let u = self.needs[i][k];
+            if i == 0 || !self.needs[i - 1].contains(&u) {
+                self.free(u)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Hooks for Scheduler<'_> {
+    fn pre_forward(&mut self, i: usize, _seg: &dyn Segment) -> candle_core::Result<()> {
+        self.pre_forward_impl(i).map_err(hook_err)
+    }
+    fn pre_backward(&mut self, i: usize, _seg: &dyn Segment) -> candle_core::Result<()> {
+        self.pre_backward_impl(i).map_err(hook_err)
+    }
+    fn post_backward(
+        &mut self,
+        i: usize,
+        _seg: &dyn Segment,
+        grads: &mut Grads,
+    ) -> candle_core::Result<()> {
+        self.post_backward_impl(i, grads).map_err(hook_err)
+    }
+}
