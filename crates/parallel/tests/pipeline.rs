@@ -97,6 +97,7 @@ fn single_device(cfg: &GptConfig) -> Trace {
 /// Each pipeline rank's trace and step reports.
 fn pipelined(
     cfg: &GptConfig,
+    engine: Engine,
     kind: ScheduleKind,
     p: usize,
     m: usize,
@@ -107,7 +108,7 @@ fn pipelined(
         let model = Gpt::new(cfg.clone(), &init_weights(cfg, SEED).unwrap(), &Device::Cpu).unwrap();
         let stages = PipelineStages::new(&model, layout.clone(), pp.rank(), p).unwrap();
         let params = stages.params();
-        let exec = PipelineExecutor::new(Schedule::new(kind, p, m).unwrap(), Engine::default());
+        let exec = PipelineExecutor::new(Schedule::new(kind, p, m).unwrap(), engine);
         let mut trace = Vec::new();
         let mut reports = Vec::new();
         for step in 0..STEPS {
@@ -142,13 +143,14 @@ fn rel(a: &Tensor, b: &Tensor) -> f64 {
 /// Runs the pipeline and checks it against one device; returns the reports for further checks.
 fn check_parity(
     cfg: &GptConfig,
+    engine: Engine,
     kind: ScheduleKind,
     p: usize,
     m: usize,
     layout: StageLayout,
 ) -> Vec<Vec<StepReport>> {
     let reference = single_device(cfg);
-    let ranks = pipelined(cfg, kind, p, m, &layout);
+    let ranks = pipelined(cfg, engine, kind, p, m, &layout);
     let mut covered = std::collections::BTreeSet::new();
     for (r, (trace, _)) in ranks.iter().enumerate() {
         for (step, ((loss, grads), (ref_loss, ref_grads))) in
@@ -215,7 +217,7 @@ fn check_in_flight(kind: ScheduleKind, p: usize, m: usize, reports: &[Vec<StepRe
 fn run(kind: ScheduleKind, p: usize, m: usize, n_layer: usize) {
     let cfg = tiny(n_layer);
     let layout = StageLayout::even(n_layer, p * kind.virtual_stages()).unwrap();
-    let reports = check_parity(&cfg, kind, p, m, layout);
+    let reports = check_parity(&cfg, Engine::default(), kind, p, m, layout);
     check_in_flight(kind, p, m, &reports);
 }
 
@@ -261,9 +263,56 @@ fn uneven_blocks_match_one_device() {
     let cfg = tiny(3);
     let even = StageLayout::even(3, 2).unwrap();
     assert_eq!((even.blocks(0), even.blocks(1)), (0..2, 2..3));
-    check_parity(&cfg, ScheduleKind::OneFOneB, 2, 4, even);
+    check_parity(&cfg, Engine::default(), ScheduleKind::OneFOneB, 2, 4, even);
     let explicit = StageLayout::from_counts(3, &[1, 2]).unwrap();
-    check_parity(&cfg, ScheduleKind::OneFOneB, 2, 4, explicit);
+    check_parity(
+        &cfg,
+        Engine::default(),
+        ScheduleKind::OneFOneB,
+        2,
+        4,
+        explicit,
+    );
+}
+
+/// Recomputing each stage in backward gives the same numbers and keeps fewer bytes alive;
+/// 1F1B keeps fewer micro-batches alive than GPipe on the first rank.
+#[test]
+fn checkpointing_and_1f1b_save_activation_memory() {
+    let cfg = tiny(4);
+    let layout = || StageLayout::even(4, 4).unwrap();
+    let peak = |reports: &[Vec<StepReport>], r: usize| reports[r][0].peak_activation_bytes;
+    let gpipe = check_parity(&cfg, Engine::default(), ScheduleKind::GPipe, 4, 8, layout());
+    let one_f_one_b = check_parity(
+        &cfg,
+        Engine::default(),
+        ScheduleKind::OneFOneB,
+        4,
+        8,
+        layout(),
+    );
+    let recompute = check_parity(
+        &cfg,
+        Engine::new(true),
+        ScheduleKind::OneFOneB,
+        4,
+        8,
+        layout(),
+    );
+    for r in 0..4 {
+        eprintln!(
+            "rank {r}: peak activation KiB GPipe {:.1}, 1F1B {:.1}, 1F1B + checkpointing {:.1}",
+            peak(&gpipe, r) as f64 / 1024.0,
+            peak(&one_f_one_b, r) as f64 / 1024.0,
+            peak(&recompute, r) as f64 / 1024.0
+        );
+        assert!(peak(&recompute, r) < peak(&one_f_one_b, r), "rank {r}");
+        assert!(peak(&one_f_one_b, r) <= peak(&gpipe, r), "rank {r}");
+    }
+    assert!(
+        peak(&one_f_one_b, 0) * 2 == peak(&gpipe, 0),
+        "rank 0 holds 4 of 8 micro-batches under 1F1B"
+    );
 }
 
 #[test]
@@ -304,4 +353,3 @@ fn a_batch_that_does_not_split_is_refused() {
         );
     }
 }
-

@@ -55,6 +55,26 @@ pub struct StepReport {
     pub analytic_bubble_fraction: f64,
     /// Most micro-batches (per chunk) whose activations were alive at once on this rank.
     pub peak_in_flight: usize,
+    /// Most bytes of saved stage inputs (and outputs, without checkpointing) alive at once,
+    /// as counted by [`Activations::held_bytes`].
+    pub peak_activation_bytes: usize,
+}
+
+impl std::fmt::Display for StepReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "loss {:.4} | step {:.1} ms, idle {:.1} ms | bubble {:.3} (ideal {:.3}) | \
+             {} micro-batches in flight ({:.1} KiB of activations)",
+            self.loss,
+            self.step_time.as_secs_f64() * 1e3,
+            self.idle_time.as_secs_f64() * 1e3,
+            self.bubble_fraction,
+            self.analytic_bubble_fraction,
+            self.peak_in_flight,
+            self.peak_activation_bytes as f64 / 1024.0
+        )
+    }
 }
 
 /// Runs a [`Schedule`] over a rank's [`PipelineStages`] with a block-wise [`Engine`].
@@ -184,6 +204,7 @@ impl PipelineExecutor {
         };
         let mut alive: HashMap<(usize, usize), Activations> = HashMap::new();
         let (mut peak, mut loss_sum, mut aux_sum) = (0, 0.0, 0.0);
+        let (mut alive_bytes, mut peak_bytes) = (0, 0);
         let start = Instant::now();
         for action in sched.actions(rank) {
             let (mb, chunk) = (action.mb(), action.chunk());
@@ -212,6 +233,8 @@ impl PipelineExecutor {
                             links.send(acts.output.clone(), sched.rank_of_stage(to), key(to))?
                         } // (b, T, C)
                     }
+                    alive_bytes += acts.held_bytes();
+                    peak_bytes = peak_bytes.max(alive_bytes);
                     alive.insert((mb, chunk), acts);
                     peak = peak.max(alive.len());
                 }
@@ -228,6 +251,7 @@ impl PipelineExecutor {
                     let acts = alive.remove(&(mb, chunk)).ok_or_else(|| {
                         PipelineError::Layout(format!("rank {rank}: backward of micro-batch {mb} chunk {chunk} before its forward"))
                     })?;
+                    alive_bytes -= acts.held_bytes();
                     let grad_in = self.engine.backward(
                         &stage.segments,
                         acts,
@@ -270,6 +294,7 @@ impl PipelineExecutor {
                 / step_time.as_secs_f64().max(f64::MIN_POSITIVE),
             analytic_bubble_fraction: sched.analytic_bubble_fraction(),
             peak_in_flight: peak,
+            peak_activation_bytes: peak_bytes,
         })
     }
 }

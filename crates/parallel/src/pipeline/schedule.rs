@@ -52,15 +52,18 @@
 
 use std::fmt;
 
-/// Which schedule to build.
+/// Which schedule to build. Written `gpipe`, `1f1b` or `interleaved:V` (V virtual stages per
+/// rank) on a command line; in TOML `"gpipe"`, `"1f1b"` or `{ interleaved_1f1b = { virtual_stages = 2 } }`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
 pub enum ScheduleKind {
     /// All forwards, then all backwards.
+    #[serde(rename = "gpipe")]
     GPipe,
     /// One forward, one backward, after a warmup of `P − r − 1` forwards.
+    #[serde(rename = "1f1b")]
     OneFOneB,
     /// 1F1B over `virtual_stages` model chunks per rank.
+    #[serde(rename = "interleaved_1f1b")]
     Interleaved1F1B { virtual_stages: usize },
 }
 
@@ -81,6 +84,23 @@ impl fmt::Display for ScheduleKind {
             ScheduleKind::OneFOneB => f.write_str("1F1B"),
             ScheduleKind::Interleaved1F1B { virtual_stages } => {
                 write!(f, "interleaved 1F1B (v = {virtual_stages})")
+            }
+        }
+    }
+}
+
+impl std::str::FromStr for ScheduleKind {
+    type Err = ScheduleError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || ScheduleError::UnknownKind(s.to_string());
+        match s.to_ascii_lowercase().as_str() {
+            "gpipe" => Ok(ScheduleKind::GPipe),
+            "1f1b" => Ok(ScheduleKind::OneFOneB),
+            other => {
+                let v = other.strip_prefix("interleaved:").ok_or_else(bad)?;
+                let virtual_stages = v.parse().map_err(|_| bad())?;
+                Ok(ScheduleKind::Interleaved1F1B { virtual_stages })
             }
         }
     }
@@ -115,6 +135,9 @@ impl Action {
 /// Errors building or simulating a schedule.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ScheduleError {
+    #[error("unknown pipeline schedule `{0}` (expected gpipe, 1f1b or interleaved:V with V virtual stages per rank)")]
+    UnknownKind(String),
+
     #[error("a pipeline needs at least one stage and one micro-batch, got P = {stages}, M = {microbatches}")]
     Empty { stages: usize, microbatches: usize },
 
@@ -621,5 +644,22 @@ mod tests {
             "{err}"
         );
         assert!(Schedule::new(ScheduleKind::OneFOneB, 0, 4).is_err());
+        assert!(Schedule::new(ScheduleKind::Interleaved1F1B { virtual_stages: 0 }, 2, 2).is_err());
+    }
+
+    #[test]
+    fn schedule_names_parse() {
+        assert_eq!("gpipe".parse(), Ok(ScheduleKind::GPipe));
+        assert_eq!("1F1B".parse(), Ok(ScheduleKind::OneFOneB));
+        assert_eq!(
+            "interleaved:3".parse(),
+            Ok(ScheduleKind::Interleaved1F1B { virtual_stages: 3 })
+        );
+        let err = "zero-bubble".parse::<ScheduleKind>().unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("unknown pipeline schedule `zero-bubble`"),
+            "{err}"
+        );
     }
 }
