@@ -216,6 +216,10 @@ impl TpModel {
 /// Builds this rank's segments of a tensor-parallel GPT over the group `tp` from the full
 /// weights (by GPT-2 name, as [`mtrain_model::init_weights`] gives them). Parameters keep their
 /// full-model names and hold this rank's shard.
+///
+/// A training step on every tp rank: run the segments with the engine, then (with
+/// `sequence_parallel`) `layout.sync_partial_grads(&mut grads, tp)`, then step each local
+/// parameter with its local gradient. `layout.full_grads` gives full tensors by name.
 pub fn build(
     cfg: &GptConfig,
     weights: &BTreeMap<String, Tensor>,
