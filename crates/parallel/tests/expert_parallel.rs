@@ -1,0 +1,520 @@
+//! Expert parallelism against closed forms and the single-device MoE (CPU, ranks as threads).
+//!
+//! - `all_to_all_*`: the differentiable all-to-all moves rows as its splits say, and its
+//!   backward sends every gradient row back where it came from (zero-row splits included).
+//! - `ep*_matches_one_device`: a tiny MoE GPT with ep = 2 and 4 (and dp = 4 with ep = 2, where
+//!   the edp group is real) equals one device over 10 AdamW steps: same routing and drops per
+//!   layer, loss and aux loss rel ≤ 1e-5, every gradient rel ≤ 1e-4.
+//!
+//!   Capacity is per routing group, and each rank routes its own tokens. The single-device
+//!   reference therefore runs the global batch as dp micro-batches (the same tokens each rank
+//!   holds, gradients accumulated with weight 1/dp): both sides route the same token groups
+//!   with the same capacity, so drops can be compared one for one.
+//! - `peer_with_zero_tokens_*`: a router biased so ep rank 1's experts receive nothing still
+//!   trains and still equals one device.
+//! - `aux_loss_*`: the load-balancing and z-loss of the layer against a hand computation.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor, Var};
+use mtrain_comm::cpu::run_local;
+use mtrain_comm::{Backend, DeviceMesh, MeshDims};
+use mtrain_model::optim::{AdamW, AdamWConfig, OptimItem};
+use mtrain_model::{
+    init_weights, DenseLinear, Engine, FeedForward, Gpt, GptConfig, Grads, Mlp, MoeConfig,
+    MoeStats, NoHooks, Param, Segment,
+};
+use mtrain_parallel::ddp::unique_params;
+use mtrain_parallel::expert_parallel::{
+    self, all_to_all, build_segments, sync_grads, ExpertParallelMoe,
+};
+use rand::{Rng, SeedableRng};
+
+type Res<T> = std::result::Result<T, String>;
+
+fn s<E: std::fmt::Display>(e: E) -> String {
+    e.to_string()
+}
+
+/// ‖a − b‖ / ‖b‖ in f64 (‖b‖ floored at 1e-12).
+fn rel(a: &Tensor, b: &Tensor) -> Res<f64> {
+    let a = a.to_dtype(DType::F64).map_err(s)?;
+    let b = b.to_dtype(DType::F64).map_err(s)?;
+    if a.dims() != b.dims() {
+        return Err(format!("shapes differ: {:?} vs {:?}", a.dims(), b.dims()));
+    }
+    let sq = |t: &Tensor| -> Res<f64> {
+        t.sqr()
+            .and_then(|t| t.sum_all())
+            .and_then(|t| t.to_scalar::<f64>())
+            .map_err(s)
+    };
+    Ok((sq(&(&a - &b).map_err(s)?)? / sq(&b)?.max(1e-24)).sqrt())
+}
+
+fn rel_f(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-12)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The differentiable all-to-all against its closed form.
+// ---------------------------------------------------------------------------------------------
+
+/// Rank r sends `splits[r][p]` rows to rank p; row values encode (source, destination, k).
+#[test]
+fn all_to_all_moves_rows_and_backward_sends_gradients_back() {
+    let splits = [[1usize, 0, 2], [0, 0, 0], [3, 1, 0]]; // rank 1 sends nothing, receives 0+0+1
+    let results = run_local(3, Duration::from_secs(60), |b| -> Res<()> {
+        let g = b.world();
+        let r = g.rank();
+        let send: Vec<usize> = splits[r].to_vec();
+        let recv: Vec<usize> = (0..3).map(|p| splits[p][r]).collect();
+        let code = |src: usize, dst: usize, k: usize| (100 * src + 10 * dst + k) as f32;
+        let rows: Vec<f32> = (0..3)
+            .flat_map(|p| (0..send[p]).flat_map(move |k| [code(r, p, k), -code(r, p, k)]))
+            .collect();
+        let n_send = send.iter().sum::<usize>();
+        let x = Var::from_tensor(&Tensor::from_vec(rows, (n_send, 2), &Device::Cpu).map_err(s)?)
+            .map_err(s)?;
+        let y = all_to_all(x.as_tensor(), &send, &recv, &g).map_err(s)?; // (Σ recv, 2)
+        let want: Vec<f32> = (0..3)
+            .flat_map(|p| (0..recv[p]).flat_map(move |k| [code(p, r, k), -code(p, r, k)]))
+            .collect();
+        let got = y
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(s)?;
+        if got != want {
+            return Err(format!("rank {r}: forward {got:?}, want {want:?}"));
+        }
+        // Weight each received row by a value the receiver knows: 1000·r + its position. The
+        // gradient of x's row is the weight its row got on the rank it went to.
+        let n_recv = y.dim(0).map_err(s)?;
+        let w: Vec<f32> = (0..n_recv)
+            .flat_map(|i| [(1000 * r + i) as f32, 0.5])
+            .collect();
+        let w = Tensor::from_vec(w, (n_recv, 2), &Device::Cpu).map_err(s)?;
+        let grads = (y * w)
+            .and_then(|t| t.sum_all())
+            .and_then(|t| t.backward())
+            .map_err(s)?;
+        let dx = match grads.get(x.as_tensor()) {
+            Some(t) => t
+                .flatten_all()
+                .and_then(|t| t.to_vec1::<f32>())
+                .map_err(s)?,
+            None if n_send == 0 => Vec::new(),
+            None => return Err(format!("rank {r}: no gradient for x")),
+        };
+        // Where does row k for destination p land? After the rows other sources sent to p first.
+        let mut want_dx = Vec::new();
+        for p in 0..3 {
+            let before: usize = (0..r).map(|q| splits[q][p]).sum();
+            for k in 0..send[p] {
+                want_dx.extend([(1000 * p + before + k) as f32, 0.5]);
+            }
+        }
+        if dx != want_dx {
+            return Err(format!("rank {r}: backward {dx:?}, want {want_dx:?}"));
+        }
+        Ok(())
+    });
+    for (r, res) in results.into_iter().enumerate() {
+        if let Err(e) = res {
+            panic!("rank {r}: {e}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Whole model: expert parallel vs one device.
+// ---------------------------------------------------------------------------------------------
+
+const B_LOCAL: usize = 2;
+const T: usize = 8;
+const LR: f64 = 1e-3;
+
+fn tiny_moe() -> GptConfig {
+    GptConfig {
+        vocab_size: 64,
+        block_size: 16,
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 16,
+        moe: Some(MoeConfig {
+            n_experts: 4,
+            top_k: 2,
+            // Tight enough that tokens are dropped, so drops are compared too.
+            capacity_factor: 1.0,
+            aux_loss_coef: 0.01,
+            z_loss_coef: 0.001,
+        }),
+    }
+}
+
+/// Micro-batch `m` of step `step`: (idx, targets), each (B_LOCAL, T) u32.
+fn batch(step: usize, m: usize, vocab: usize) -> (Tensor, Tensor) {
+    let mut rng = rand::rngs::StdRng::seed_from_u64((1000 * step + m) as u64);
+    let mut draw = || -> Tensor {
+        let v: Vec<u32> = (0..B_LOCAL * T)
+            .map(|_| rng.gen_range(0..vocab as u32))
+            .collect();
+        Tensor::from_vec(v, (B_LOCAL, T), &Device::Cpu).expect("tokens")
+    };
+    (draw(), draw())
+}
+
+/// What one micro-batch of one step gave.
+#[derive(Clone)]
+struct MicroOut {
+    loss: f64,
+    aux: f64,
+    stats: Vec<MoeStats>,
+}
+
+/// One step of the single-device reference: per micro-batch outputs and the accumulated grads.
+struct RefStep {
+    micro: Vec<MicroOut>,
+    grads: BTreeMap<String, Tensor>,
+}
+
+fn adamw_items<'a>(params: &'a [Param], grads: &'a Grads) -> Vec<OptimItem<'a>> {
+    params
+        .iter()
+        .filter_map(|p| {
+            grads.get(p.name()).map(|g| OptimItem {
+                name: p.name(),
+                param: p,
+                grad: g,
+                decay: g.dims().len() >= 2,
+            })
+        })
+        .collect()
+}
+
+/// Forward and backward of one micro-batch; returns what it gave.
+fn micro_step(
+    segs: &[Arc<dyn Segment>],
+    idx: &Tensor,
+    tgt: &Tensor,
+    loss_scale: f64,
+    grads: &mut Grads,
+) -> Res<MicroOut> {
+    let engine = Engine::default();
+    let acts = engine
+        .forward(segs, idx, Some(tgt), &mut NoHooks)
+        .map_err(s)?;
+    let loss = acts.output.to_scalar::<f32>().map_err(s)? as f64;
+    let (aux, stats) = (acts.aux_loss, acts.stats.clone());
+    engine
+        .backward(segs, acts, None, loss_scale, grads, &mut NoHooks)
+        .map_err(s)?;
+    Ok(MicroOut { loss, aux, stats })
+}
+
+/// One device, `dp` micro-batches per step (gradients accumulated with weight 1/dp), AdamW.
+fn reference(
+    cfg: &GptConfig,
+    weights: &BTreeMap<String, Tensor>,
+    dp: usize,
+    steps: usize,
+) -> Vec<RefStep> {
+    let gpt = Gpt::new(cfg.clone(), weights, &Device::Cpu).expect("model");
+    let params = gpt.params();
+    let mut opt = AdamW::new(AdamWConfig::default());
+    (0..steps)
+        .map(|step| {
+            let mut grads = Grads::new();
+            let micro = (0..dp)
+                .map(|m| {
+                    let (idx, tgt) = batch(step, m, cfg.vocab_size);
+                    micro_step(&gpt.segments, &idx, &tgt, 1.0 / dp as f64, &mut grads)
+                        .expect("reference step")
+                })
+                .collect();
+            opt.step(LR, &adamw_items(&params, &grads)).expect("adamw");
+            let grads = grads.iter().map(|(n, g)| (n.clone(), g.clone())).collect();
+            RefStep { micro, grads }
+        })
+        .collect()
+}
+
+/// The worst differences one rank saw against the reference.
+#[derive(Debug, Default)]
+struct RankReport {
+    loss_rel: f64,
+    aux_rel: f64,
+    grad_rel: f64,
+    worst_grad: String,
+    dropped: usize,
+    /// Tokens kept per expert over all steps and layers (this rank's routing).
+    kept: Vec<usize>,
+}
+
+/// Runs `steps` AdamW steps of the expert-parallel model on dp ranks (ep of them per expert
+/// group) and compares every step with `refs`.
+fn ep_run(
+    cfg: &GptConfig,
+    weights: &BTreeMap<String, Tensor>,
+    dp: usize,
+    ep: usize,
+    refs: &[RefStep],
+) -> Vec<Res<RankReport>> {
+    run_local(dp, Duration::from_secs(120), |b| -> Res<RankReport> {
+        let mesh = DeviceMesh::new(&b as &dyn Backend, MeshDims::new(dp, 1, 1, ep)).map_err(s)?;
+        let segs = build_segments(cfg, weights, &mesh.ep, &Device::Cpu).map_err(s)?;
+        let params = unique_params(&segs);
+        let m = mesh.coords.dp; // this rank's micro-batch
+        let mut opt = AdamW::new(AdamWConfig::default());
+        let mut rep = RankReport {
+            kept: vec![0; 4],
+            ..RankReport::default()
+        };
+        for (step, want) in refs.iter().enumerate() {
+            let mut grads = Grads::new();
+            let (idx, tgt) = batch(step, m, cfg.vocab_size);
+            let got = micro_step(&segs, &idx, &tgt, 1.0, &mut grads)?;
+            sync_grads(&params, &mut grads, &mesh.dp, &mesh.edp).map_err(s)?;
+            let w = &want.micro[m];
+            if got.stats != w.stats {
+                return Err(format!(
+                    "step {step}: routing differs: {:?} vs one device {:?}",
+                    got.stats, w.stats
+                ));
+            }
+            for st in &got.stats {
+                rep.dropped += st.dropped;
+                for (k, n) in rep.kept.iter_mut().zip(&st.tokens_per_expert) {
+                    *k += n;
+                }
+            }
+            rep.loss_rel = rep.loss_rel.max(rel_f(got.loss, w.loss));
+            rep.aux_rel = rep.aux_rel.max(rel_f(got.aux, w.aux));
+            for p in &params {
+                let g = grads
+                    .get(p.name())
+                    .ok_or(format!("no grad for {}", p.name()))?;
+                let r = want
+                    .grads
+                    .get(p.name())
+                    .ok_or(format!("reference has no grad for {}", p.name()))
+                    .and_then(|w| rel(g, w))?;
+                if r > rep.grad_rel {
+                    rep.grad_rel = r;
+                    rep.worst_grad = format!("{} at step {step}", p.name());
+                }
+            }
+            opt.step(LR, &adamw_items(&params, &grads)).map_err(s)?;
+        }
+        Ok(rep)
+    })
+}
+
+fn check_against_one_device(
+    cfg: &GptConfig,
+    weights: &BTreeMap<String, Tensor>,
+    dp: usize,
+    ep: usize,
+    steps: usize,
+) -> Vec<RankReport> {
+    let refs = reference(cfg, weights, dp, steps);
+    let reports: Vec<RankReport> = ep_run(cfg, weights, dp, ep, &refs)
+        .into_iter()
+        .enumerate()
+        .map(|(r, res)| res.unwrap_or_else(|e| panic!("dp {dp} ep {ep} rank {r}: {e}")))
+        .collect();
+    for (r, rep) in reports.iter().enumerate() {
+        eprintln!("dp {dp} ep {ep} rank {r}: {rep:?}");
+        assert!(
+            rep.loss_rel <= 1e-5,
+            "rank {r}: loss rel {:.3e} > 1e-5",
+            rep.loss_rel
+        );
+        assert!(
+            rep.aux_rel <= 1e-5,
+            "rank {r}: aux rel {:.3e} > 1e-5",
+            rep.aux_rel
+        );
+        assert!(
+            rep.grad_rel <= 1e-4,
+            "rank {r}: grad rel {:.3e} > 1e-4 ({})",
+            rep.grad_rel,
+            rep.worst_grad
+        );
+    }
+    reports
+}
+
+#[test]
+fn ep2_matches_one_device() {
+    let cfg = tiny_moe();
+    let w = init_weights(&cfg, 7).expect("weights");
+    let reps = check_against_one_device(&cfg, &w, 2, 2, 10);
+    assert!(
+        reps.iter().any(|r| r.dropped > 0),
+        "the test should exercise capacity drops"
+    );
+}
+
+#[test]
+fn ep4_matches_one_device() {
+    let cfg = tiny_moe();
+    let w = init_weights(&cfg, 8).expect("weights");
+    let reps = check_against_one_device(&cfg, &w, 4, 4, 10);
+    assert!(
+        reps.iter().any(|r| r.dropped > 0),
+        "the test should exercise capacity drops"
+    );
+}
+
+/// dp = 4, ep = 2: every expert has two replicas (edp = 2) whose gradients are averaged.
+#[test]
+fn dp4_ep2_matches_one_device() {
+    let cfg = tiny_moe();
+    let w = init_weights(&cfg, 9).expect("weights");
+    check_against_one_device(&cfg, &w, 4, 2, 10);
+}
+
+/// Bias every block's router so that experts 2 and 3 (ep rank 1's) never win a top-2 choice:
+/// ln_2's bias puts +5 on channel 0 of the router's input (LayerNorm output stays within
+/// ±√(C−1) ≈ 3.9, so that channel is always ≥ 1.1), and the router reads channel 0 with
+/// weight +3 for experts 0, 1 and −3 for experts 2, 3.
+#[test]
+fn peer_with_zero_tokens_trains_and_matches_one_device() {
+    let cfg = tiny_moe();
+    let mut w = init_weights(&cfg, 10).expect("weights");
+    let c = cfg.n_embd;
+    for i in 0..cfg.n_layer {
+        let mut bias = vec![0f32; c];
+        bias[0] = 5.0;
+        w.insert(
+            format!("h.{i}.ln_2.bias"),
+            Tensor::from_vec(bias, c, &Device::Cpu).expect("bias"),
+        );
+        let name = format!("h.{i}.moe.router.weight");
+        let mut router = w[&name].to_vec2::<f32>().expect("router");
+        for (e, row) in router.iter_mut().enumerate() {
+            row[0] = if e < 2 { 3.0 } else { -3.0 };
+        }
+        let flat: Vec<f32> = router.into_iter().flatten().collect();
+        w.insert(
+            name,
+            Tensor::from_vec(flat, (4, c), &Device::Cpu).expect("router"),
+        );
+    }
+    let reps = check_against_one_device(&cfg, &w, 2, 2, 4);
+    for (r, rep) in reps.iter().enumerate() {
+        assert_eq!(
+            rep.kept[2] + rep.kept[3],
+            0,
+            "rank {r}: experts 2, 3 got tokens: {:?}",
+            rep.kept
+        );
+        assert!(
+            rep.kept[0] > 0 && rep.kept[1] > 0,
+            "rank {r}: {:?}",
+            rep.kept
+        );
+    }
+}
+
+#[test]
+fn experts_must_divide_over_ep() {
+    let cfg = tiny_moe();
+    let w = init_weights(&cfg, 1).expect("weights");
+    let errs = run_local(3, Duration::from_secs(30), |b| {
+        build_segments(&cfg, &w, &b.world(), &Device::Cpu)
+            .err()
+            .map(|e| e.to_string())
+    });
+    for e in errs {
+        let e = e.expect("ep 3 with 4 experts must be refused");
+        assert!(e.contains("n_experts (4)") && e.contains("ep (3)"), "{e}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Auxiliary loss against a hand computation.
+// ---------------------------------------------------------------------------------------------
+
+/// Four tokens, two experts (one per rank), top-1, router = identity on C = 2:
+///
+/// ```text
+///   token   x        logits    probs (softmax)       top-1
+///   0      [1, 0]    [1, 0]    [σ(1),  σ(-1)]        0
+///   1      [0, 1]    [0, 1]    [σ(-1), σ(1)]         1
+///   2      [1, 1]    [1, 1]    [1/2,   1/2]          0 (tie: lower index)
+///   3      [1,-1]    [1,-1]    [σ(2),  σ(-2)]        0
+///   f = [3/4, 1/4]   P = mean probs   lb = 2 · (f₀P₀ + f₁P₁)
+///   z = mean_t (ln Σ_e exp logits)²
+/// ```
+#[test]
+fn aux_loss_equals_hand_computation() {
+    let sig = |v: f64| 1.0 / (1.0 + (-v).exp());
+    let probs = [
+        [sig(1.0), sig(-1.0)],
+        [sig(-1.0), sig(1.0)],
+        [0.5, 0.5],
+        [sig(2.0), sig(-2.0)],
+    ];
+    let p0 = probs.iter().map(|p| p[0]).sum::<f64>() / 4.0;
+    let p1 = probs.iter().map(|p| p[1]).sum::<f64>() / 4.0;
+    let lb = 2.0 * (0.75 * p0 + 0.25 * p1);
+    let lse = |a: f64, b: f64| (a.exp() + b.exp()).ln();
+    let z = [lse(1.0, 0.0), lse(0.0, 1.0), lse(1.0, 1.0), lse(1.0, -1.0)]
+        .iter()
+        .map(|l| l * l)
+        .sum::<f64>()
+        / 4.0;
+    let (aux_coef, z_coef) = (1.0, 0.5);
+    let want = aux_coef * lb + z_coef * z;
+
+    let results = run_local(2, Duration::from_secs(30), |b| -> Res<(f64, MoeStats)> {
+        let g = b.world();
+        let dev = Device::Cpu;
+        let t = |v: Vec<f32>, shape: &[usize]| Tensor::from_vec(v, shape, &dev).map_err(s);
+        let router = Param::new("router", t(vec![1., 0., 0., 1.], &[2, 2])?).map_err(s)?;
+        let e = g.rank();
+        let lin = |name: &str, o: usize, i: usize| -> Res<Box<dyn mtrain_model::Linear>> {
+            let w = t((0..o * i).map(|k| 0.1 * k as f32).collect(), &[o, i])?;
+            Ok(Box::new(DenseLinear::new(
+                Param::new(format!("e{e}.{name}.weight"), w).map_err(s)?,
+                Some(Param::new(format!("e{e}.{name}.bias"), t(vec![0.0; o], &[o])?).map_err(s)?),
+            )))
+        };
+        let expert = Mlp::new(lin("c_fc", 8, 2)?, lin("c_proj", 2, 8)?);
+        let cfg = MoeConfig {
+            n_experts: 2,
+            top_k: 1,
+            capacity_factor: 2.0,
+            aux_loss_coef: aux_coef,
+            z_loss_coef: z_coef,
+        };
+        let layer = ExpertParallelMoe::new(router, vec![expert], cfg, g).map_err(s)?;
+        let x = t(vec![1., 0., 0., 1., 1., 1., 1., -1.], &[4, 2])?;
+        let out = layer.forward(&x).map_err(s)?;
+        let aux = out
+            .aux_loss
+            .ok_or("no aux loss")?
+            .to_dtype(DType::F64)
+            .and_then(|a| a.to_scalar::<f64>())
+            .map_err(s)?;
+        Ok((aux, out.stats.ok_or("no stats")?))
+    });
+    for (r, res) in results.into_iter().enumerate() {
+        let (aux, stats) = res.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert!(
+            rel_f(aux, want) <= 1e-6,
+            "rank {r}: aux {aux} vs hand {want} (lb {lb}, z {z})"
+        );
+        assert_eq!(stats.tokens_per_expert, vec![3, 1], "rank {r}");
+        assert_eq!(stats.dropped, 0, "rank {r}");
+    }
+    // The is_expert_param rule the gradient sync relies on.
+    assert!(expert_parallel::is_expert_param(
+        "h.0.moe.experts.3.c_fc.weight"
+    ));
+    assert!(!expert_parallel::is_expert_param("h.0.moe.router.weight"));
+}
