@@ -13,6 +13,8 @@ pub mod communicator;
 pub mod cpu;
 pub mod env;
 pub mod mesh;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod store;
 pub mod trace;
 
