@@ -157,6 +157,7 @@ impl Default for NcclOptions {
         Self {
             timeout: Duration::from_secs(300),
             check_args: false,
+            trace: false,
         }
     }
 }
@@ -225,7 +226,23 @@ impl NcclBackend {
             factory,
             world_size,
             world,
+            _store_server: None,
         })
+    }
+
+    /// The backend of a launched worker: GPU `env.local_rank`, NCCL ids exchanged through the
+    /// job's rendezvous store (hosted by rank 0 at `MASTER_ADDR:MASTER_PORT`).
+    pub fn init(env: &crate::env::LaunchEnv, opts: NcclOptions) -> Result<Self> {
+        env.validate()?;
+        let device = Device::new_cuda(env.local_rank)?;
+        if env.world_size == 1 {
+            return Self::new(device, 0, 1, None, opts);
+        }
+        let (server, client) = crate::store::rendezvous(env, opts.timeout)?;
+        let exchange: Arc<dyn IdExchange> = Arc::new(client);
+        let mut backend = Self::new(device, env.rank, env.world_size, Some(exchange), opts)?;
+        backend._store_server = server;
+        Ok(backend)
     }
 
     /// The version of the NCCL library loaded at run time, e.g. 22809 for 2.28.9.
