@@ -71,10 +71,18 @@ fn grads_map(grads: &Grads) -> BTreeMap<String, Tensor> {
     grads.iter().map(|(n, g)| (n.clone(), g.clone())).collect()
 }
 
-fn single_device(cfg: &GptConfig) -> Trace {
+fn weights(params: &[Param]) -> BTreeMap<String, Tensor> {
+    params
+        .iter()
+        .map(|p| (p.name().to_string(), p.tensor().detach()))
+        .collect()
+}
+
+/// The single-device trace and the weights after the last step.
+fn single_device(cfg: &GptConfig) -> (Trace, BTreeMap<String, Tensor>) {
     let model = Gpt::new(cfg.clone(), &init_weights(cfg, SEED).unwrap(), &Device::Cpu).unwrap();
     let params = model.params();
-    (0..STEPS)
+    let trace = (0..STEPS)
         .map(|step| {
             let (idx, targets) = batch(cfg, step);
             let mut grads = Grads::new();
@@ -91,10 +99,11 @@ fn single_device(cfg: &GptConfig) -> Trace {
             sgd(&params, &grads);
             (loss, grads_map(&grads))
         })
-        .collect()
+        .collect();
+    (trace, weights(&params))
 }
 
-/// Each pipeline rank's trace and step reports.
+/// Each pipeline rank's trace, step reports and final weights.
 fn pipelined(
     cfg: &GptConfig,
     engine: Engine,
@@ -102,7 +111,7 @@ fn pipelined(
     p: usize,
     m: usize,
     layout: &StageLayout,
-) -> Vec<(Trace, Vec<StepReport>)> {
+) -> Vec<(Trace, Vec<StepReport>, BTreeMap<String, Tensor>)> {
     run_local(p, Duration::from_secs(60), |backend| {
         let pp = backend.world();
         let model = Gpt::new(cfg.clone(), &init_weights(cfg, SEED).unwrap(), &Device::Cpu).unwrap();
@@ -121,7 +130,7 @@ fn pipelined(
             trace.push((report.loss, grads_map(&grads)));
             reports.push(report);
         }
-        (trace, reports)
+        (trace, reports, weights(&params))
     })
 }
 
@@ -149,25 +158,42 @@ fn check_parity(
     m: usize,
     layout: StageLayout,
 ) -> Vec<Vec<StepReport>> {
-    let reference = single_device(cfg);
+    let (reference, ref_weights) = single_device(cfg);
     let ranks = pipelined(cfg, engine, kind, p, m, &layout);
     let mut covered = std::collections::BTreeSet::new();
-    for (r, (trace, _)) in ranks.iter().enumerate() {
+    let (mut worst_loss, mut worst_grad, mut worst_weight) = (0.0f64, 0.0f64, 0.0f64);
+    for (r, (trace, _, weights)) in ranks.iter().enumerate() {
         for (step, ((loss, grads), (ref_loss, ref_grads))) in
             trace.iter().zip(&reference).enumerate()
         {
             let loss_rel = (loss - ref_loss).abs() / ref_loss.abs();
+            worst_loss = worst_loss.max(loss_rel);
             assert!(
                 loss_rel <= 1e-5,
                 "{kind} P={p} rank {r} step {step}: loss {loss} vs one device {ref_loss}"
             );
             for (name, g) in grads {
                 let e = rel(g, &ref_grads[name]);
+                worst_grad = worst_grad.max(e);
                 assert!(e <= 1e-4, "{kind} P={p} rank {r} step {step}: gradient of {name} off by {e:.2e} (relative)");
                 covered.insert(name.clone());
             }
         }
+        // After 10 steps every weight this rank holds (both copies of the tied `wte`) is the
+        // single-device weight.
+        for (name, w) in weights {
+            let e = rel(w, &ref_weights[name]);
+            worst_weight = worst_weight.max(e);
+            assert!(
+                e <= 1e-5,
+                "{kind} P={p} rank {r}: weight {name} off by {e:.2e} after {STEPS} steps"
+            );
+        }
     }
+    eprintln!(
+        "{kind} P={p} M={m} vs one device over {STEPS} steps: loss rel {worst_loss:.1e}, \
+         gradient rel {worst_grad:.1e}, final weight rel {worst_weight:.1e}"
+    );
     let all: std::collections::BTreeSet<_> = reference[0].1.keys().cloned().collect();
     assert_eq!(
         covered, all,
@@ -179,14 +205,14 @@ fn check_parity(
         last_loss < first_loss,
         "training does not move: {first_loss} -> {last_loss}"
     );
-    ranks.into_iter().map(|(_, reports)| reports).collect()
+    ranks.into_iter().map(|(_, reports, _)| reports).collect()
 }
 
 /// The measured activation high-water mark is the simulated one, and within the schedule's bound.
 fn check_in_flight(kind: ScheduleKind, p: usize, m: usize, reports: &[Vec<StepReport>]) {
     let sim = Schedule::new(kind, p, m).unwrap().simulate().unwrap();
     for (r, rank_reports) in reports.iter().enumerate() {
-        let r0 = &rank_reports[0];
+        let r0 = &rank_reports[rank_reports.len() - 1];
         eprintln!(
             "{kind} P={p} M={m} rank {r}: peak in flight {}, measured bubble {:.3} (simulated {:.3}, analytic {:.3})",
             r0.peak_in_flight,

@@ -285,7 +285,7 @@ impl PipelineExecutor {
             loss_sum * loss_scale
         };
         let idle_time = links.idle;
-        Ok(StepReport {
+        let report = StepReport {
             loss,
             aux_loss: aux_sum * loss_scale,
             step_time,
@@ -295,6 +295,8 @@ impl PipelineExecutor {
             analytic_bubble_fraction: sched.analytic_bubble_fraction(),
             peak_in_flight: peak,
             peak_activation_bytes: peak_bytes,
-        })
+        };
+        tracing::debug!(pp_rank = rank, schedule = %sched.kind(), "{report}");
+        Ok(report)
     }
 }
