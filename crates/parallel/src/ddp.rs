@@ -50,7 +50,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Tensor};
 use mtrain_comm::{Comm, ReduceOp, Work};
-use mtrain_model::optim::{AdamW, OptimItem};
+use mtrain_model::optim::{AdamW, AdamWState, OptimItem};
 use mtrain_model::{Engine, Grads, NoHooks, Param, Segment};
 
 use buckets::BucketLauncher;
@@ -305,5 +305,31 @@ impl DataParallel for Ddp {
 
     fn comm_stats(&self) -> CommStats {
         self.last
+    }
+
+    fn load_full_state(&mut self, weights: &BTreeMap<String, Tensor>) -> Result<()> {
+        for p in &self.params {
+            let t = weights.get(p.name()).ok_or_else(|| {
+                DpError::Config(format!("no weight named `{}` to load", p.name()))
+            })?;
+            if t.dims() != p.shape().dims() {
+                return Err(DpError::Config(format!(
+                    "weight `{}` has shape {:?} but the model's parameter has {:?}",
+                    p.name(),
+                    t.dims(),
+                    p.shape().dims()
+                )));
+            }
+            p.set(&t.to_dtype(p.var().dtype())?)?;
+        }
+        Ok(())
+    }
+
+    fn full_optimizer_state(&self, opt: &AdamW) -> Result<AdamWState> {
+        Ok(opt.state())
+    }
+
+    fn shard_optimizer_state(&self, full: &AdamWState) -> Result<AdamWState> {
+        Ok(full.clone())
     }
 }

@@ -50,7 +50,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Tensor};
 use mtrain_comm::{Comm, ReduceOp};
-use mtrain_model::optim::{AdamW, OptimItem};
+use mtrain_model::optim::{AdamW, AdamWState, OptimItem};
 use mtrain_model::{Engine, Grads, Param, Segment};
 
 use crate::ddp::{
@@ -166,7 +166,7 @@ impl Fsdp {
                 .filter(|p| owner.get(p.name()) == Some(&i))
                 .cloned()
                 .collect();
-            units.push(FlatUnit::new(&seg.name(), mine, rank, dp)?);
+            units.push(FlatUnit::new(&seg.name(), mine, rank, dp, comm.device())?);
         }
         let needs = segments
             .iter()
@@ -317,7 +317,7 @@ impl DataParallel for Fsdp {
             // Write the updated shards back into every rank's full weights.
             let mut works = Vec::new();
             for (k, u) in self.units.iter().enumerate().filter(|(_, u)| u.numel > 0) {
-                let shard = u.param_shard(self.comm.device())?; // (shard,)
+                let shard = u.param_shard()?; // (shard,)
                 self.current.collectives += 1;
                 self.current.bytes += (shard.elem_count() * shard.dtype().size_in_bytes()) as u64;
                 works.push((k, self.comm.all_gather_async(&shard)));
@@ -344,7 +344,7 @@ impl DataParallel for Fsdp {
 
     fn full_state(&self) -> Result<BTreeMap<String, Tensor>> {
         if self.cfg.stage == ZeroStage::Three {
-            return self.gather_full(|u| u.param_shard(self.comm.device()));
+            return self.gather_full(|u| u.param_shard());
         }
         let entries = self.units.iter().flat_map(|u| u.entries.iter());
         Ok(entries
@@ -353,7 +353,7 @@ impl DataParallel for Fsdp {
     }
 
     fn full_grads(&self) -> Result<BTreeMap<String, Tensor>> {
-        self.gather_full(|u| u.grad_shard(self.comm.device()))
+        self.gather_full(|u| u.grad_shard())
     }
 
     fn model_state_bytes(&self, opt: &AdamW) -> ModelStateBytes {
@@ -386,5 +386,75 @@ impl DataParallel for Fsdp {
 
     fn comm_stats(&self) -> CommStats {
         self.last
+    }
+
+    fn load_full_state(&mut self, weights: &BTreeMap<String, Tensor>) -> Result<()> {
+        for u in self.units.iter().filter(|u| u.numel > 0) {
+            for e in &u.entries {
+                if !weights.contains_key(e.param.name()) {
+                    return Err(DpError::Config(format!(
+                        "no weight named `{}` to load",
+                        e.param.name()
+                    )));
+                }
+            }
+            let flat = u.flatten(|e| weights.get(e.param.name()).cloned())?; // (padded,)
+            let (decay, plain) = u.split(&u.my_slice(&flat)?)?;
+            for (p, t) in [(&u.decay_shard, decay), (&u.plain_shard, plain)] {
+                if let (Some(p), Some(t)) = (p, t) {
+                    p.set(&t)?;
+                }
+            }
+            if self.cfg.stage != ZeroStage::Three {
+                for (e, t) in u.unflatten(&flat)? {
+                    e.param.set(&t)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn full_optimizer_state(&self, opt: &AdamW) -> Result<AdamWState> {
+        let state = opt.state();
+        let gather = |moments: &BTreeMap<String, Tensor>| -> Result<BTreeMap<String, Tensor>> {
+            self.gather_full(|u| {
+                let [d, p] = u.piece_names();
+                let get = |n: Option<&str>| n.and_then(|n| moments.get(n)).cloned();
+                u.join(get(d), get(p))
+            })
+        };
+        if state.m.is_empty() {
+            // No step taken yet: nothing to gather (and nothing a single device would hold).
+            return Ok(state);
+        }
+        Ok(AdamWState {
+            step: state.step,
+            m: gather(&state.m)?,
+            v: gather(&state.v)?,
+        })
+    }
+
+    fn shard_optimizer_state(&self, full: &AdamWState) -> Result<AdamWState> {
+        let shard = |moments: &BTreeMap<String, Tensor>| -> Result<BTreeMap<String, Tensor>> {
+            let mut out = BTreeMap::new();
+            if moments.is_empty() {
+                return Ok(out);
+            }
+            for u in self.units.iter().filter(|u| u.numel > 0) {
+                let flat = u.flatten(|e| moments.get(e.param.name()).cloned())?; // (padded,)
+                let (decay, plain) = u.split(&u.my_slice(&flat)?)?;
+                for (name, t) in u.piece_names().into_iter().zip([decay, plain]) {
+                    if let (Some(name), Some(t)) = (name, t) {
+                        out.insert(name.to_string(), t);
+                    }
+                }
+            }
+            Ok(out)
+        };
+        Ok(AdamWState {
+            step: full.step,
+            m: shard(&full.m)?,
+            v: shard(&full.v)?,
+        })
     }
 }

@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Tensor};
 use mtrain_comm::{Comm, CommError, TraceEvent, Work};
-use mtrain_model::optim::{clip_coef, AdamW, OptimItem};
+use mtrain_model::optim::{clip_coef, AdamW, AdamWState, OptimItem};
 use mtrain_model::{Engine, Param, Segment};
 
 /// Errors of the data-parallel strategies.
@@ -125,6 +125,16 @@ pub trait DataParallel {
 
     /// Communication figures of the last completed optimizer step.
     fn comm_stats(&self) -> CommStats;
+
+    /// Loads full weights by name (e.g. from a checkpoint) into this rank's layout.
+    fn load_full_state(&mut self, weights: &BTreeMap<String, Tensor>) -> Result<()>;
+
+    /// The optimizer state as one device would hold it: every moment a full tensor under its
+    /// parameter's name (collective under ZeRO: call on every rank).
+    fn full_optimizer_state(&self, opt: &AdamW) -> Result<AdamWState>;
+
+    /// This rank's part of a full optimizer state, ready for `AdamW::load_state`.
+    fn shard_optimizer_state(&self, full: &AdamWState) -> Result<AdamWState>;
 
     /// Clip to `max_grad_norm` (if given), step the optimizer, finish the step. Returns the
     /// gradient norm before clipping.

@@ -49,7 +49,7 @@ pub(super) struct Scheduler<'a> {
 impl Scheduler<'_> {
     fn start_gather(&mut self, u: usize) -> Result<()> {
         if matches!(self.residency[u], Residency::Sharded) {
-            let shard = self.units[u].param_shard(self.comm.device())?; // (shard,)
+            let shard = self.units[u].param_shard()?; // (shard,)
             self.stats.collectives += 1;
             self.stats.bytes += (shard.elem_count() * shard.dtype().size_in_bytes()) as u64;
             self.residency[u] = Residency::Gathering(self.comm.all_gather_async(&shard));

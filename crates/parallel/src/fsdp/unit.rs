@@ -18,7 +18,7 @@
 //!
 //! Legend: `numel` elements of the unit, `padded` = numel rounded up to dp, `shard` = padded / dp.
 
-use candle_core::{Device, Result, Shape, Tensor};
+use candle_core::{DType, Device, Result, Shape, Tensor};
 use mtrain_model::{Grads, Param};
 
 use crate::ddp::decays;
@@ -37,18 +37,33 @@ pub(crate) struct FlatUnit {
     pub entries: Vec<Entry>,
     pub numel: usize,
     pub padded: usize,
-    /// This rank's shard: up to two pieces, then `pad` zeros.
+    /// This rank's shard is flat elements `[start, start + shard)`: `len_decay` decayed ones,
+    /// then `len_plain` others, then `pad` zeros.
+    start: usize,
+    shard: usize,
+    len_decay: usize,
+    len_plain: usize,
+    pad: usize,
+    dtype: DType,
+    device: Device,
+    /// The two pieces of this rank's shard, as parameters the optimizer updates.
     pub decay_shard: Option<Param>,
     pub plain_shard: Option<Param>,
-    pub pad: usize,
-    /// The averaged gradient of this rank's pieces, once reduce-scattered.
+    /// The averaged gradient of those pieces, once reduce-scattered.
     pub grad_decay: Option<Tensor>,
     pub grad_plain: Option<Tensor>,
 }
 
 impl FlatUnit {
     /// Lays out `params` (full tensors, identical on every rank) and keeps rank `rank`'s shard.
-    pub fn new(name: &str, params: Vec<Param>, rank: usize, dp: usize) -> Result<FlatUnit> {
+    pub fn new(
+        name: &str,
+        params: Vec<Param>,
+        rank: usize,
+        dp: usize,
+        device: &Device,
+    ) -> Result<FlatUnit> {
+        let dtype = params.first().map_or(DType::F32, |p| p.var().dtype());
         let (decayed, plain): (Vec<Param>, Vec<Param>) =
             params.into_iter().partition(|p| decays(p.shape().dims()));
         let n_decay: usize = decayed.iter().map(|p| p.elem_count()).sum();
@@ -74,120 +89,124 @@ impl FlatUnit {
             entries,
             numel,
             padded,
+            start,
+            shard,
+            len_decay,
+            len_plain,
+            pad: shard - len_decay - len_plain,
+            dtype,
+            device: device.clone(),
             decay_shard: None,
             plain_shard: None,
-            pad: shard - len_decay - len_plain,
             grad_decay: None,
             grad_plain: None,
         };
-        if numel > 0 {
-            let flat = unit.flatten(|e| Ok(e.param.tensor().detach()))?; // (padded,)
-            let mine = flat.narrow(0, start, shard)?; // (shard,)
-            if len_decay > 0 {
-                unit.decay_shard = Some(Param::new(
-                    format!("{name}.flat.decay"),
-                    mine.narrow(0, 0, len_decay)?.copy()?,
-                )?);
-            }
-            if len_plain > 0 {
-                let p = mine.narrow(0, len_decay, len_plain)?.copy()?;
-                unit.plain_shard = Some(Param::new(format!("{name}.flat.no_decay"), p)?);
-            }
-        }
+        let (decay, plain) =
+            unit.split(&unit.my_slice(&unit.flatten(|e| Some(e.param.tensor().detach()))?)?)?;
+        unit.decay_shard = decay
+            .map(|t| Param::new(format!("{name}.flat.decay"), t))
+            .transpose()?;
+        unit.plain_shard = plain
+            .map(|t| Param::new(format!("{name}.flat.no_decay"), t))
+            .transpose()?;
         Ok(unit)
     }
 
-    /// Concatenates one tensor per entry (flattened) plus the padding: (padded,).
-    fn flatten(&self, mut part: impl FnMut(&Entry) -> Result<Tensor>) -> Result<Tensor> {
+    /// Names of the shard pieces (the optimizer's state keys), decayed one first.
+    pub fn piece_names(&self) -> [Option<&str>; 2] {
+        [
+            self.decay_shard.as_ref().map(|p| p.name()),
+            self.plain_shard.as_ref().map(|p| p.name()),
+        ]
+    }
+
+    /// One tensor per entry, by name (zeros where `part` has none), laid out flat: (padded,).
+    /// A tensor whose element count differs from its entry's is an error naming it.
+    pub fn flatten(&self, part: impl Fn(&Entry) -> Option<Tensor>) -> Result<Tensor> {
         let mut parts = Vec::with_capacity(self.entries.len() + 1);
-        let mut like: Option<Tensor> = None;
         for e in &self.entries {
-            let t = part(e)?.flatten_all()?;
-            like.get_or_insert_with(|| t.clone());
+            let t = match part(e) {
+                Some(t) if t.elem_count() == e.numel => t.flatten_all()?.to_dtype(self.dtype)?,
+                Some(t) => candle_core::bail!(
+                    "`{}` has shape {:?} but the model's parameter has {:?}",
+                    e.param.name(),
+                    t.dims(),
+                    e.shape.dims()
+                ),
+                None => Tensor::zeros(e.numel, self.dtype, &self.device)?,
+            };
             parts.push(t);
         }
-        if self.padded > self.numel {
-            if let Some(l) = &like {
-                parts.push(Tensor::zeros(
-                    self.padded - self.numel,
-                    l.dtype(),
-                    l.device(),
-                )?);
-            }
-        }
+        parts.push(Tensor::zeros(
+            self.padded - self.numel,
+            self.dtype,
+            &self.device,
+        )?);
         Tensor::cat(&parts, 0)
     }
 
-    /// This rank's shard of the parameters as one tensor: (shard,).
-    pub fn param_shard(&self, device: &Device) -> Result<Tensor> {
-        let pieces = [&self.decay_shard, &self.plain_shard];
-        self.shard_of(
-            pieces
-                .iter()
-                .filter_map(|p| p.as_ref().map(|p| p.tensor().detach())),
-            device,
-        )
+    /// This rank's part of a flat buffer: (padded,) -> (shard,).
+    pub fn my_slice(&self, flat: &Tensor) -> Result<Tensor> {
+        flat.narrow(0, self.start, self.shard)?.copy()
     }
 
-    /// This rank's shard of the averaged gradient as one tensor: (shard,).
-    pub fn grad_shard(&self, device: &Device) -> Result<Tensor> {
-        let pieces = [&self.grad_decay, &self.grad_plain];
-        self.shard_of(pieces.into_iter().flatten().cloned(), device)
+    /// Splits a shard (shard,) into its decayed and not-decayed pieces (the padding is dropped).
+    pub fn split(&self, shard: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let decay = (self.len_decay > 0)
+            .then(|| shard.narrow(0, 0, self.len_decay))
+            .transpose()?;
+        let plain = (self.len_plain > 0)
+            .then(|| shard.narrow(0, self.len_decay, self.len_plain))
+            .transpose()?;
+        Ok((decay, plain))
     }
 
-    fn shard_of(&self, pieces: impl Iterator<Item = Tensor>, device: &Device) -> Result<Tensor> {
-        let mut parts: Vec<Tensor> = pieces.collect();
-        let dtype = self
-            .entries
-            .first()
-            .map_or(candle_core::DType::F32, |e| e.param.var().dtype());
-        if self.pad > 0 || parts.is_empty() {
-            parts.push(Tensor::zeros(self.pad, dtype, device)?);
-        }
+    /// Joins the two pieces (zeros for a missing one) and the padding into a shard: (shard,).
+    pub fn join(&self, decay: Option<Tensor>, plain: Option<Tensor>) -> Result<Tensor> {
+        let or_zeros = |t: Option<Tensor>, n: usize| {
+            t.map_or_else(|| Tensor::zeros(n, self.dtype, &self.device), Ok)
+        };
+        let parts = [
+            or_zeros(decay, self.len_decay)?,
+            or_zeros(plain, self.len_plain)?,
+            Tensor::zeros(self.pad, self.dtype, &self.device)?,
+        ];
         Tensor::cat(&parts, 0)
+    }
+
+    /// This rank's shard of the parameters: (shard,).
+    pub fn param_shard(&self) -> Result<Tensor> {
+        let get = |p: &Option<Param>| p.as_ref().map(|p| p.tensor().detach());
+        self.join(get(&self.decay_shard), get(&self.plain_shard))
+    }
+
+    /// This rank's shard of the averaged gradient: (shard,).
+    pub fn grad_shard(&self) -> Result<Tensor> {
+        self.join(self.grad_decay.clone(), self.grad_plain.clone())
     }
 
     /// The unit's full gradient from `grads` (zeros for a parameter without one): (padded,).
     pub fn flat_grad(&self, grads: &Grads) -> Result<Tensor> {
-        self.flatten(|e| match grads.get(e.param.name()) {
-            Some(g) => Ok(g.clone()),
-            None => Tensor::zeros(e.numel, e.param.var().dtype(), e.param.var().device()),
-        })
+        self.flatten(|e| grads.get(e.param.name()).cloned())
     }
 
     /// Adds a reduce-scattered gradient shard (shard,) to the stored pieces.
     pub fn add_grad_shard(&mut self, shard: &Tensor) -> Result<()> {
-        let len_decay = self.decay_shard.as_ref().map_or(0, |p| p.elem_count());
-        let len_plain = self.plain_shard.as_ref().map_or(0, |p| p.elem_count());
-        let add = |old: &Option<Tensor>, new: Tensor| -> Result<Tensor> {
-            match old {
-                Some(o) => o + new,
-                None => Ok(new),
+        let (decay, plain) = self.split(shard)?;
+        let add = |old: Option<Tensor>, new: Option<Tensor>| -> Result<Option<Tensor>> {
+            match (old, new) {
+                (Some(o), Some(n)) => Ok(Some((o + n)?)),
+                (o, n) => Ok(n.or(o)),
             }
         };
-        if len_decay > 0 {
-            self.grad_decay = Some(add(&self.grad_decay, shard.narrow(0, 0, len_decay)?)?);
-        }
-        if len_plain > 0 {
-            self.grad_plain = Some(add(
-                &self.grad_plain,
-                shard.narrow(0, len_decay, len_plain)?,
-            )?);
-        }
+        self.grad_decay = add(self.grad_decay.take(), decay)?;
+        self.grad_plain = add(self.grad_plain.take(), plain)?;
         Ok(())
     }
 
-    /// Cuts a gathered buffer (padded,) into `(name, tensor)` pairs of the original shapes.
+    /// Cuts a gathered buffer (padded,) into the original tensors, paired with their entries.
     pub fn unflatten(&self, flat: &Tensor) -> Result<Vec<(&Entry, Tensor)>> {
-        self.entries
-            .iter()
-            .map(|e| {
-                Ok((
-                    e,
-                    flat.narrow(0, e.offset, e.numel)?
-                        .reshape(e.shape.clone())?,
-                ))
-            })
-            .collect()
+        let cut = |e: &Entry| flat.narrow(0, e.offset, e.numel)?.reshape(e.shape.clone());
+        self.entries.iter().map(|e| Ok((e, cut(e)?))).collect()
     }
 }
