@@ -34,27 +34,30 @@
 //!
 //! Both give the gradient of the mean loss over the global batch. [`crate::ddp::Ddp`] reduces
 //! every parameter over one group and checks identical weights on all its ranks, so it does not
-//! apply to an expert-parallel model; call [`sync_grads`] after the backward instead.
+//! apply to an expert-parallel model: [`ExpertDataParallel`] is the [`crate::ddp::DataParallel`]
+//! for it (or call [`sync_grads`] after the backward).
 //!
 //! Legend: `N` local tokens, `C` width, `E` experts, `E_l = E / ep` local experts, `S` rows this
 //! rank sends (its kept pairs), `R` rows it receives.
 
 mod all_to_all;
+mod data_parallel;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor};
-use mtrain_comm::{Comm, CommError, ReduceOp};
+use candle_core::{Device, Tensor};
+use mtrain_comm::{Comm, CommError};
 use mtrain_model::gpt::{Embedding, Head, ParamStore};
 use mtrain_model::layers::{FeedForward, FfnOut};
 use mtrain_model::moe::{load_balancing_loss, route, router_probs, z_loss, RoutingPlan};
 use mtrain_model::{
-    Block, CausalSelfAttention, DenseLinear, GptConfig, Grads, LayerNorm, Linear, Mlp, MoeConfig,
-    Param, Segment,
+    Block, CausalSelfAttention, DenseLinear, GptConfig, LayerNorm, Linear, Mlp, MoeConfig, Param,
+    Segment,
 };
 
 pub use all_to_all::all_to_all;
+pub use data_parallel::{grad_norm_sq, sync_grads, total_load, ExpertDataParallel};
 
 /// Errors of expert parallelism.
 #[derive(Debug, thiserror::Error)]
@@ -356,46 +359,4 @@ pub fn build_segments(
     }
     segments.push(Arc::new(Head::new(ln("ln_f")?, wte)));
     Ok(segments)
-}
-
-/// Averages one step's gradients (see the module doc): non-expert gradients over `dp`, expert
-/// gradients summed over `edp` and divided by `dp.size()`. Every parameter in `params` must be
-/// given on every rank of both groups in the same order (build them with [`build_segments`]);
-/// a parameter with no gradient counts as zero.
-pub fn sync_grads(params: &[Param], grads: &mut Grads, dp: &Comm, edp: &Comm) -> Result<()> {
-    let inv_dp = 1.0 / dp.size() as f64;
-    for p in params {
-        let g = match grads.get(p.name()) {
-            Some(g) => g.clone(),
-            None => Tensor::zeros(p.shape(), p.var().dtype(), p.var().device())?,
-        };
-        let synced = if is_expert_param(p.name()) {
-            (edp.all_reduce(&g.contiguous()?, ReduceOp::Sum)? * inv_dp)?
-        } else {
-            dp.all_reduce(&g.contiguous()?, ReduceOp::Avg)?
-        };
-        grads.insert(p.name(), synced);
-    }
-    Ok(())
-}
-
-/// Σ g² of the whole model's (synced) gradient, the same on every rank: non-expert gradients
-/// are identical everywhere and counted once; each expert lives on exactly one rank of the ep
-/// group, so the experts' part is summed over `ep`.
-pub fn grad_norm_sq(grads: &Grads, ep: &Comm) -> Result<f64> {
-    let (mut dense, mut expert) = (0.0f64, 0.0f64);
-    for (name, g) in grads.iter() {
-        let sq = g
-            .to_dtype(DType::F64)?
-            .sqr()?
-            .sum_all()?
-            .to_scalar::<f64>()?;
-        if is_expert_param(name) {
-            expert += sq;
-        } else {
-            dense += sq;
-        }
-    }
-    let total = ep.all_reduce(&Tensor::new(&[expert], ep.device())?, ReduceOp::Sum)?;
-    Ok(dense + total.to_vec1::<f64>()?[0])
 }

@@ -26,9 +26,9 @@ use mtrain_model::{
     init_weights, DenseLinear, Engine, FeedForward, Gpt, GptConfig, Grads, Mlp, MoeConfig,
     MoeStats, NoHooks, Param, Segment,
 };
-use mtrain_parallel::ddp::unique_params;
+use mtrain_parallel::ddp::{unique_params, DataParallel};
 use mtrain_parallel::expert_parallel::{
-    self, all_to_all, build_segments, sync_grads, ExpertParallelMoe,
+    self, all_to_all, build_segments, sync_grads, ExpertDataParallel, ExpertParallelMoe,
 };
 use rand::{Rng, SeedableRng};
 
@@ -221,10 +221,20 @@ fn reference(
     dp: usize,
     steps: usize,
 ) -> Vec<RefStep> {
+    reference_with_final(cfg, weights, dp, steps).0
+}
+
+/// [`reference`], also returning the weights after the last step.
+fn reference_with_final(
+    cfg: &GptConfig,
+    weights: &BTreeMap<String, Tensor>,
+    dp: usize,
+    steps: usize,
+) -> (Vec<RefStep>, BTreeMap<String, Tensor>) {
     let gpt = Gpt::new(cfg.clone(), weights, &Device::Cpu).expect("model");
     let params = gpt.params();
     let mut opt = AdamW::new(AdamWConfig::default());
-    (0..steps)
+    let steps = (0..steps)
         .map(|step| {
             let mut grads = Grads::new();
             let micro = (0..dp)
@@ -238,7 +248,12 @@ fn reference(
             let grads = grads.iter().map(|(n, g)| (n.clone(), g.clone())).collect();
             RefStep { micro, grads }
         })
-        .collect()
+        .collect();
+    let last = params
+        .iter()
+        .map(|p| (p.name().to_string(), p.tensor().detach()))
+        .collect();
+    (steps, last)
 }
 
 /// The worst differences one rank saw against the reference.
@@ -417,6 +432,114 @@ fn peer_with_zero_tokens_trains_and_matches_one_device() {
             "rank {r}: {:?}",
             rep.kept
         );
+    }
+}
+
+/// The trainer's API: `ExpertDataParallel` (dp = 4, ep = 2) through `DataParallel` equals one
+/// device: gathered full gradients and the global gradient norm every step, the gathered full
+/// weights after 5 steps, the group's expert load, and an optimizer-state round trip.
+#[test]
+fn expert_data_parallel_api_matches_one_device() {
+    let (dp, ep, steps) = (4, 2, 5);
+    let cfg = tiny_moe();
+    let w = init_weights(&cfg, 11).expect("weights");
+    let (refs, last) = reference_with_final(&cfg, &w, dp, steps);
+    let results = run_local(dp, Duration::from_secs(120), |b| -> Res<()> {
+        let mesh = DeviceMesh::new(&b as &dyn Backend, MeshDims::new(dp, 1, 1, ep)).map_err(s)?;
+        let segs = build_segments(&cfg, &w, &mesh.ep, &Device::Cpu).map_err(s)?;
+        let mut edp =
+            ExpertDataParallel::new(segs, mesh.dp.clone(), mesh.ep.clone(), mesh.edp.clone())
+                .map_err(s)?;
+        let mut opt = AdamW::new(AdamWConfig::default());
+        let engine = Engine::default();
+        let m = mesh.coords.dp;
+        for (step, want) in refs.iter().enumerate() {
+            let (idx, tgt) = batch(step, m, cfg.vocab_size);
+            let loss = edp
+                .forward_backward(&engine, &idx, &tgt, 1.0, true)
+                .map_err(s)?;
+            if rel_f(loss, want.micro[m].loss) > 1e-5 {
+                return Err(format!(
+                    "step {step}: loss {loss} vs {}",
+                    want.micro[m].loss
+                ));
+            }
+            let full = edp.full_grads().map_err(s)?;
+            if full.len() != want.grads.len() {
+                return Err(format!(
+                    "{} full grads, one device has {}",
+                    full.len(),
+                    want.grads.len()
+                ));
+            }
+            let mut want_sq = 0.0;
+            for (name, g) in &want.grads {
+                let r = rel(full.get(name).ok_or(format!("no full grad {name}"))?, g)?;
+                if r > 1e-4 {
+                    return Err(format!("step {step}: grad {name} rel {r:.3e}"));
+                }
+                want_sq += g
+                    .sqr()
+                    .and_then(|t| t.sum_all())
+                    .and_then(|t| t.to_dtype(DType::F64))
+                    .and_then(|t| t.to_scalar::<f64>())
+                    .map_err(s)?;
+            }
+            let load = expert_parallel::total_load(edp.local_load(), &mesh.dp).map_err(s)?;
+            for (layer, got) in load.iter().enumerate() {
+                let mut kept = vec![0; 4];
+                let mut dropped = 0;
+                for mo in &want.micro {
+                    for (k, n) in kept.iter_mut().zip(&mo.stats[layer].tokens_per_expert) {
+                        *k += n;
+                    }
+                    dropped += mo.stats[layer].dropped;
+                }
+                if got.tokens_per_expert != kept || got.dropped != dropped {
+                    return Err(format!(
+                        "step {step} layer {layer}: load {got:?} vs {kept:?}, {dropped} dropped"
+                    ));
+                }
+            }
+            let norm = edp.optimizer_step(&mut opt, LR, None).map_err(s)?;
+            if rel_f(norm, want_sq.sqrt()) > 1e-5 {
+                return Err(format!(
+                    "step {step}: grad norm {norm} vs {}",
+                    want_sq.sqrt()
+                ));
+            }
+        }
+        let state = edp.full_state().map_err(s)?;
+        for (name, t) in &last {
+            let r = rel(state.get(name).ok_or(format!("no weight {name}"))?, t)?;
+            if r > 1e-4 {
+                return Err(format!("final weight {name} rel {r:.3e}"));
+            }
+        }
+        let full_opt = edp.full_optimizer_state(&opt).map_err(s)?;
+        if full_opt.m.len() != last.len() {
+            return Err(format!(
+                "full optimizer state has {} moments, want {}",
+                full_opt.m.len(),
+                last.len()
+            ));
+        }
+        let back = edp.shard_optimizer_state(&full_opt).map_err(s)?;
+        let mine = opt.state();
+        if back.m.keys().ne(mine.m.keys()) {
+            return Err("optimizer state round trip changed the names".into());
+        }
+        for (name, t) in &mine.v {
+            if rel(&back.v[name], t)? != 0.0 {
+                return Err(format!("optimizer state round trip changed v of {name}"));
+            }
+        }
+        Ok(())
+    });
+    for (r, res) in results.into_iter().enumerate() {
+        if let Err(e) = res {
+            panic!("rank {r}: {e}");
+        }
     }
 }
 

@@ -1,0 +1,391 @@
+//! Data parallelism around an expert-parallel model: which group each gradient is averaged over.
+//!
+//! ```text
+//!   dp = 4, ep = 2      ep groups (different experts):     [0 1] [2 3]
+//!                       edp groups (same experts):         [0 2] [1 3]
+//!   non-expert grads:   (1/dp) Σ over dp  = [0 1 2 3]      (as DDP)
+//!   expert grads:       (1/dp) Σ over edp = [0 2] or [1 3] (never over ep)
+//! ```
+//!
+//! An expert's local gradient already sums the contributions of every rank of its ep group (the
+//! all-to-all brought their tokens to it), so summing it over its replicas counts every token of
+//! the global batch once; dividing by dp turns the sum into the gradient of the mean loss
+//! (Megatron's `expert_gradient_scaling_factor = 1 / dp`).
+//!
+//! [`ExpertDataParallel`] implements [`DataParallel`], the trainer's API: it runs the block-wise
+//! engine, then [`sync_grads`] (all reduces launched asynchronously and waited in order, after
+//! the backward: the simple schedule, not overlapped with it). The global gradient norm counts
+//! each expert once by summing the experts' part over ep ([`grad_norm_sq`]); `full_state` and
+//! `full_grads` gather the experts from the ep group so a checkpoint holds the whole model.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType, Tensor};
+use mtrain_comm::{Comm, ReduceOp, Work};
+use mtrain_model::optim::{AdamW, AdamWState, OptimItem};
+use mtrain_model::{Engine, Grads, MoeStats, NoHooks, Param, Segment};
+
+use super::{is_expert_param, Result};
+use crate::ddp::{
+    decays, unique_params, verify_same_init, CommStats, DataParallel, DpError, ModelStateBytes,
+};
+
+/// Averages one step's gradients: non-expert gradients over `dp`, expert gradients summed over
+/// `edp` and divided by `dp.size()`. Every rank of both groups must pass the parameters of the
+/// same model layout in the same order (as [`super::build_segments`] gives them); a parameter
+/// with no gradient counts as zero. Returns the number of collectives and their input bytes.
+pub fn sync_grads(
+    params: &[Param],
+    grads: &mut Grads,
+    dp: &Comm,
+    edp: &Comm,
+) -> Result<(usize, u64)> {
+    let inv_dp = 1.0 / dp.size() as f64;
+    let mut pending: Vec<(&Param, bool, Work)> = Vec::with_capacity(params.len());
+    let mut bytes = 0u64;
+    for p in params {
+        let g = match grads.get(p.name()) {
+            Some(g) => g.contiguous()?,
+            None => Tensor::zeros(p.shape(), p.var().dtype(), p.var().device())?,
+        };
+        bytes += (g.elem_count() * g.dtype().size_in_bytes()) as u64;
+        let expert = is_expert_param(p.name());
+        let work = match expert {
+            true => edp.all_reduce_async(&g, ReduceOp::Sum),
+            false => dp.all_reduce_async(&g, ReduceOp::Avg),
+        };
+        pending.push((p, expert, work));
+    }
+    let n = pending.len();
+    for (p, expert, work) in pending {
+        let g = work.wait()?;
+        let g = if expert { (g * inv_dp)? } else { g };
+        grads.insert(p.name(), g);
+    }
+    Ok((n, bytes))
+}
+
+/// Σ g² of the whole model's synced gradient, the same on every rank: non-expert gradients are
+/// identical everywhere and counted once; each expert lives on one rank of the ep group, so the
+/// experts' part is summed over `ep`.
+pub fn grad_norm_sq(grads: &Grads, ep: &Comm) -> Result<f64> {
+    let (mut dense, mut expert) = (0.0f64, 0.0f64);
+    for (name, g) in grads.iter() {
+        let sq = g
+            .to_dtype(DType::F64)?
+            .sqr()?
+            .sum_all()?
+            .to_scalar::<f64>()?;
+        match is_expert_param(name) {
+            true => expert += sq,
+            false => dense += sq,
+        }
+    }
+    let experts = ep.all_reduce(&Tensor::new(&[expert], ep.device())?, ReduceOp::Sum)?;
+    Ok(dense + experts.to_vec1::<f64>()?[0])
+}
+
+/// The expert load of the whole dp group: tokens kept per expert and drops, summed over the
+/// ranks' routing groups (one `MoeStats` per MoE layer, as the engine reports them).
+pub fn total_load(stats: &[MoeStats], dp: &Comm) -> Result<Vec<MoeStats>> {
+    let flat: Vec<i64> = stats
+        .iter()
+        .flat_map(|s| {
+            s.tokens_per_expert
+                .iter()
+                .map(|&n| n as i64)
+                .chain([s.dropped as i64])
+        })
+        .collect();
+    let n = flat.len();
+    let sum = dp
+        .all_reduce(&Tensor::from_vec(flat, n, dp.device())?, ReduceOp::Sum)?
+        .to_vec1::<i64>()?;
+    let mut out = Vec::with_capacity(stats.len());
+    let mut at = 0;
+    for s in stats {
+        let e = s.tokens_per_expert.len();
+        out.push(MoeStats {
+            tokens_per_expert: sum[at..at + e].iter().map(|&v| v as usize).collect(),
+            dropped: sum[at + e] as usize,
+        });
+        at += e + 1;
+    }
+    Ok(out)
+}
+
+/// `h.0.moe.experts.3.c_fc.weight` → (`h.0`, 3, `c_fc.weight`).
+fn split_expert_name(name: &str) -> Option<(&str, usize, &str)> {
+    let (block, rest) = name.split_once(".moe.experts.")?;
+    let (e, field) = rest.split_once('.')?;
+    Some((block, e.parse().ok()?, field))
+}
+
+/// Replaces this rank's expert tensors in `local` by every expert's, gathered over `ep`: the
+/// local experts of one (block, field) are stacked, all-gathered, and split by global index.
+fn gather_experts(local: BTreeMap<String, Tensor>, ep: &Comm) -> Result<BTreeMap<String, Tensor>> {
+    let mut out = BTreeMap::new();
+    // (block, field) -> [(expert, tensor)] in expert order; BTreeMap order is the same everywhere.
+    let mut groups: BTreeMap<(String, String), Vec<(usize, Tensor)>> = BTreeMap::new();
+    for (name, t) in local {
+        match split_expert_name(&name) {
+            Some((block, e, field)) => groups
+                .entry((block.to_string(), field.to_string()))
+                .or_default()
+                .push((e, t)),
+            None => {
+                out.insert(name, t);
+            }
+        }
+    }
+    for ((block, field), mut experts) in groups {
+        experts.sort_by_key(|(e, _)| *e);
+        let el = experts.len();
+        // Row r·E_l + j of the gathered stack is rank r's j-th expert: expert r·E_l + j in the
+        // builder's contiguous layout, which is checked here.
+        let owned: Vec<usize> = experts.iter().map(|(e, _)| *e).collect();
+        let expected: Vec<usize> = (ep.rank() * el..(ep.rank() + 1) * el).collect();
+        if owned != expected {
+            return Err(super::EpError::Candle(candle_core::Error::Msg(format!(
+                "{block}: ep rank {} holds experts {owned:?}, expected {expected:?}",
+                ep.rank()
+            ))));
+        }
+        let stacked = Tensor::stack(
+            &experts.iter().map(|(_, t)| t.clone()).collect::<Vec<_>>(),
+            0,
+        )?; // (E_l, …)
+        let all = ep.all_gather(&stacked.contiguous()?)?; // (E, …)
+        for e in 0..all.dim(0)? {
+            out.insert(format!("{block}.moe.experts.{e}.{field}"), all.get(e)?);
+        }
+    }
+    Ok(out)
+}
+
+fn dp_err(e: super::EpError) -> DpError {
+    match e {
+        super::EpError::Comm(c) => DpError::Comm(c),
+        super::EpError::Candle(c) => DpError::Candle(c),
+        other => DpError::Config(other.to_string()),
+    }
+}
+
+/// Data parallelism over an expert-parallel model (segments from [`super::build_segments`]).
+pub struct ExpertDataParallel {
+    dp: Comm,
+    ep: Comm,
+    edp: Comm,
+    segments: Vec<Arc<dyn Segment>>,
+    params: Vec<Param>,
+    grads: Grads,
+    stats: Vec<MoeStats>,
+    current: CommStats,
+    last: CommStats,
+}
+
+impl ExpertDataParallel {
+    /// Wraps this rank's segments. Checks (collectively) that non-expert weights agree over
+    /// `dp` and expert weights over `edp`.
+    pub fn new(
+        segments: Vec<Arc<dyn Segment>>,
+        dp: Comm,
+        ep: Comm,
+        edp: Comm,
+    ) -> std::result::Result<Self, DpError> {
+        let params = unique_params(&segments);
+        let (experts, dense): (Vec<Param>, Vec<Param>) = params
+            .iter()
+            .cloned()
+            .partition(|p| is_expert_param(p.name()));
+        verify_same_init(&dp, &dense)?;
+        verify_same_init(&edp, &experts)?;
+        Ok(Self {
+            dp,
+            ep,
+            edp,
+            segments,
+            params,
+            grads: Grads::new(),
+            stats: Vec::new(),
+            current: CommStats::default(),
+            last: CommStats::default(),
+        })
+    }
+
+    /// This rank's parameters (every non-expert one, and its own experts).
+    pub fn params(&self) -> &[Param] {
+        &self.params
+    }
+
+    /// Routing statistics of the micro-steps since the last optimizer step, summed per layer
+    /// over micro-steps (this rank's tokens; see [`total_load`] for the whole group).
+    pub fn local_load(&self) -> &[MoeStats] {
+        &self.stats
+    }
+}
+
+impl DataParallel for ExpertDataParallel {
+    fn forward_backward(
+        &mut self,
+        engine: &Engine,
+        idx: &Tensor,
+        targets: &Tensor,
+        loss_scale: f64,
+        sync: bool,
+    ) -> std::result::Result<f64, DpError> {
+        let acts = engine.forward(&self.segments, idx, Some(targets), &mut NoHooks)?;
+        let loss = acts
+            .output
+            .to_dtype(DType::F64)?
+            .sum_all()?
+            .to_scalar::<f64>()?;
+        if self.stats.is_empty() {
+            self.stats = acts.stats.clone();
+        } else {
+            for (acc, s) in self.stats.iter_mut().zip(&acts.stats) {
+                for (a, n) in acc.tokens_per_expert.iter_mut().zip(&s.tokens_per_expert) {
+                    *a += n;
+                }
+                acc.dropped += s.dropped;
+            }
+        }
+        let t = Instant::now();
+        engine.backward(
+            &self.segments,
+            acts,
+            None,
+            loss_scale,
+            &mut self.grads,
+            &mut NoHooks,
+        )?;
+        self.current.backward_s += t.elapsed().as_secs_f64();
+        if sync {
+            let t = Instant::now();
+            let (n, bytes) =
+                sync_grads(&self.params, &mut self.grads, &self.dp, &self.edp).map_err(dp_err)?;
+            let waited = t.elapsed().as_secs_f64();
+            self.current.exposed_comm_s += waited;
+            self.current.comm_s += waited;
+            self.current.collectives += n;
+            self.current.bytes += bytes;
+        }
+        Ok(loss)
+    }
+
+    fn grad_norm_sq(&self) -> std::result::Result<f64, DpError> {
+        grad_norm_sq(&self.grads, &self.ep).map_err(dp_err)
+    }
+
+    fn scale_grads(&mut self, factor: f64) -> std::result::Result<(), DpError> {
+        for name in self.grads.names() {
+            if let Some(g) = self.grads.get(&name) {
+                let scaled = (g * factor)?;
+                self.grads.insert(name, scaled);
+            }
+        }
+        Ok(())
+    }
+
+    fn optimizer_items(&self) -> Vec<OptimItem<'_>> {
+        self.params
+            .iter()
+            .filter_map(|p| {
+                self.grads.get(p.name()).map(|g| OptimItem {
+                    name: p.name(),
+                    param: p,
+                    grad: g,
+                    decay: decays(g.dims()),
+                })
+            })
+            .collect()
+    }
+
+    fn after_optimizer_step(&mut self) -> std::result::Result<(), DpError> {
+        self.grads.clear();
+        self.stats.clear();
+        self.last = std::mem::take(&mut self.current);
+        Ok(())
+    }
+
+    fn full_state(&self) -> std::result::Result<BTreeMap<String, Tensor>, DpError> {
+        let local = self
+            .params
+            .iter()
+            .map(|p| (p.name().to_string(), p.tensor().detach()))
+            .collect();
+        gather_experts(local, &self.ep).map_err(dp_err)
+    }
+
+    fn full_grads(&self) -> std::result::Result<BTreeMap<String, Tensor>, DpError> {
+        let local = self
+            .grads
+            .iter()
+            .map(|(n, g)| (n.clone(), g.clone()))
+            .collect();
+        gather_experts(local, &self.ep).map_err(dp_err)
+    }
+
+    fn model_state_bytes(&self, opt: &AdamW) -> ModelStateBytes {
+        let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        ModelStateBytes {
+            params: self.params.iter().map(|p| bytes(&p.tensor())).sum(),
+            grads: self.grads.iter().map(|(_, g)| bytes(g)).sum(),
+            optimizer: opt.state_bytes(),
+        }
+    }
+
+    fn comm_stats(&self) -> CommStats {
+        self.last
+    }
+
+    fn load_full_state(
+        &mut self,
+        weights: &BTreeMap<String, Tensor>,
+    ) -> std::result::Result<(), DpError> {
+        for p in &self.params {
+            let t = weights.get(p.name()).ok_or_else(|| {
+                DpError::Config(format!("no weight named `{}` to load", p.name()))
+            })?;
+            if t.dims() != p.shape().dims() {
+                return Err(DpError::Config(format!(
+                    "weight `{}` has shape {:?} but the model's parameter has {:?}",
+                    p.name(),
+                    t.dims(),
+                    p.shape().dims()
+                )));
+            }
+            p.set(&t.to_dtype(p.var().dtype())?)?;
+        }
+        Ok(())
+    }
+
+    fn full_optimizer_state(&self, opt: &AdamW) -> std::result::Result<AdamWState, DpError> {
+        let st = opt.state();
+        Ok(AdamWState {
+            step: st.step,
+            m: gather_experts(st.m, &self.ep).map_err(dp_err)?,
+            v: gather_experts(st.v, &self.ep).map_err(dp_err)?,
+        })
+    }
+
+    fn shard_optimizer_state(&self, full: &AdamWState) -> std::result::Result<AdamWState, DpError> {
+        let mine = |moments: &BTreeMap<String, Tensor>| -> BTreeMap<String, Tensor> {
+            self.params
+                .iter()
+                .filter_map(|p| {
+                    moments
+                        .get(p.name())
+                        .map(|t| (p.name().to_string(), t.clone()))
+                })
+                .collect()
+        };
+        Ok(AdamWState {
+            step: full.step,
+            m: mine(&full.m),
+            v: mine(&full.v),
+        })
+    }
+}
