@@ -474,6 +474,60 @@ mod tests {
         assert_eq!(BenchOp::SendRecv.bus_factor(2), 1.0);
     }
 
+    fn to_vec(t: &Tensor) -> Vec<f32> {
+        t.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap()
+    }
+
+    /// The expected results are the op applied by hand to every rank's input.
+    #[test]
+    fn expected_results_equal_the_op_simulated_on_all_inputs() {
+        let ops = [
+            BenchOp::AllReduce,
+            BenchOp::AllGather,
+            BenchOp::ReduceScatter,
+            BenchOp::AllToAll,
+            BenchOp::Broadcast,
+            BenchOp::SendRecv,
+        ];
+        for op in ops {
+            for n in 1..=4usize {
+                let count = 12 * n;
+                let cases: Vec<Case> = (0..n)
+                    .map(|r| make_case(op, count, n, r, DType::BF16, &Device::Cpu).unwrap())
+                    .collect();
+                let inputs: Vec<Vec<f32>> = cases.iter().map(|c| to_vec(&c.input)).collect();
+                let sum: Vec<f32> = (0..inputs[0].len())
+                    .map(|i| inputs.iter().map(|x| x[i]).sum())
+                    .collect();
+                let m = count / n;
+                for (r, case) in cases.iter().enumerate() {
+                    let want: Vec<f32> = match op {
+                        BenchOp::AllReduce => sum.clone(),
+                        BenchOp::AllGather => inputs.concat(),
+                        BenchOp::ReduceScatter => sum[r * m..(r + 1) * m].to_vec(),
+                        BenchOp::AllToAll => (0..n)
+                            .flat_map(|p| inputs[p][r * m..(r + 1) * m].to_vec())
+                            .collect(),
+                        BenchOp::Broadcast => inputs[0].clone(),
+                        BenchOp::SendRecv => inputs[(r + n - 1) % n].clone(),
+                    };
+                    assert_eq!(case.expected, want, "{op:?} n={n} rank {r}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn wrong_elements_are_counted() {
+        let expected = vec![1.0, 2.0, 3.0, 4.0];
+        let good = Tensor::new(&[1f32, 2., 3., 4.], &Device::Cpu).unwrap();
+        let bad = Tensor::new(&[1f32, 2.5, 3., 0.], &Device::Cpu).unwrap();
+        assert_eq!(count_wrong(&good, &expected).unwrap(), 0);
+        assert_eq!(count_wrong(&bad, &expected).unwrap(), 2);
+        let short = Tensor::new(&[1f32, 2.], &Device::Cpu).unwrap();
+        assert_eq!(count_wrong(&short, &expected).unwrap(), 4);
+    }
+
     #[test]
     fn closed_forms_are_exact_in_bf16() {
         // Every value an input or an expected result can take for up to 16 ranks.
