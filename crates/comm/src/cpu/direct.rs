@@ -169,11 +169,11 @@ impl GroupCore {
             self.send(p, slice(p).to_vec())?;
         }
         let mut out = Vec::with_capacity(out_shape[0] * row_bytes);
-        for p in 0..n {
+        for (p, rows_from_p) in recv_splits.iter().enumerate() {
             if p == self.rank {
                 out.extend_from_slice(slice(p));
             } else {
-                out.extend_from_slice(&self.recv(p, recv_splits[p] * row_bytes)?);
+                out.extend_from_slice(&self.recv(p, rows_from_p * row_bytes)?);
             }
         }
         bytes_to_tensor(&out, dtype, &out_shape)

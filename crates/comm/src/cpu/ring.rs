@@ -59,8 +59,7 @@ impl GroupCore {
         for s in 0..n - 1 {
             let c = (r + 2 * n - s - 2) % n; // the chunk arriving in step s
             for seg in segments(chunks[c].clone(), es) {
-                let bytes = self.recv(left, seg.len() * es)?;
-                acc.combine_from(seg.clone(), &bytes, op);
+                acc.recv_combine(seg.clone(), op, |buf| self.recv_into(left, buf))?;
                 if s + 1 < n - 1 {
                     // Forward the freshly reduced segment: it is what we send in step s+1.
                     self.send(right, acc.encode(seg))?;

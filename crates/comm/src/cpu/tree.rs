@@ -99,8 +99,7 @@ impl GroupCore {
             if v & mask == 0 {
                 if v + mask < n {
                     let src = self.absolute(v + mask, root);
-                    let bytes = self.recv(src, numel * acc.elem_size())?;
-                    acc.combine_from(0..numel, &bytes, op);
+                    acc.recv_combine(0..numel, op, |buf| self.recv_into(src, buf))?;
                 }
             } else {
                 let dst = self.absolute(v - mask, root);

@@ -227,25 +227,38 @@ pub(crate) fn check_dtype(op: OpKind, group: &str, dtype: DType) -> Result<()> {
     }
 }
 
+// Payloads are the host's in-memory representation, cast to bytes; mtrain's wire format is
+// little-endian, so big-endian hosts are not supported.
+#[cfg(target_endian = "big")]
+compile_error!("the CPU backend's wire format is little-endian");
+
 /// A tensor's elements, in row-major order, as little-endian bytes (non-contiguous inputs are
 /// read through their strides).
 pub(crate) fn tensor_to_bytes(x: &Tensor) -> Result<Vec<u8>> {
     let flat = x.flatten_all()?;
-    fn enc<T: Copy, const N: usize>(v: Vec<T>, f: impl Fn(T) -> [u8; N]) -> Vec<u8> {
-        let mut out = Vec::with_capacity(v.len() * N);
-        for e in v {
-            out.extend_from_slice(&f(e));
-        }
-        out
+    fn bytes<T: bytemuck::Pod>(v: &[T]) -> Vec<u8> {
+        bytemuck::cast_slice(v).to_vec()
     }
     Ok(match x.dtype() {
-        DType::F32 => enc(flat.to_vec1::<f32>()?, f32::to_le_bytes),
-        DType::BF16 => enc(flat.to_vec1::<bf16>()?, bf16::to_le_bytes),
-        DType::F16 => enc(flat.to_vec1::<f16>()?, f16::to_le_bytes),
-        DType::F64 => enc(flat.to_vec1::<f64>()?, f64::to_le_bytes),
+        DType::F32 => bytes(&flat.to_vec1::<f32>()?),
+        DType::BF16 => bytes(
+            &flat
+                .to_vec1::<bf16>()?
+                .iter()
+                .map(|e| e.to_bits())
+                .collect::<Vec<u16>>(),
+        ),
+        DType::F16 => bytes(
+            &flat
+                .to_vec1::<f16>()?
+                .iter()
+                .map(|e| e.to_bits())
+                .collect::<Vec<u16>>(),
+        ),
+        DType::F64 => bytes(&flat.to_vec1::<f64>()?),
         DType::U8 => flat.to_vec1::<u8>()?,
-        DType::U32 => enc(flat.to_vec1::<u32>()?, u32::to_le_bytes),
-        DType::I64 => enc(flat.to_vec1::<i64>()?, i64::to_le_bytes),
+        DType::U32 => bytes(&flat.to_vec1::<u32>()?),
+        DType::I64 => bytes(&flat.to_vec1::<i64>()?),
         other => {
             return Err(candle_core::Error::Msg(format!(
                 "dtype {other:?} is not carried by the CPU backend"
@@ -261,10 +274,7 @@ pub(crate) fn bytes_to_tensor(bytes: &[u8], dtype: DType, shape: &[usize]) -> Re
 }
 
 /// One element type in which reductions are carried out.
-pub(crate) trait AccElem: Copy + PartialOrd + Send + 'static {
-    const SIZE: usize;
-    fn read(b: &[u8]) -> Self;
-    fn write(self, out: &mut Vec<u8>);
+pub(crate) trait AccElem: bytemuck::Pod + PartialOrd + Send + 'static {
     fn add(self, other: Self) -> Self;
     fn div_n(self, n: usize) -> Self;
 }
@@ -272,15 +282,6 @@ pub(crate) trait AccElem: Copy + PartialOrd + Send + 'static {
 macro_rules! acc_elem {
     ($t:ty, $add:expr, $div:expr) => {
         impl AccElem for $t {
-            const SIZE: usize = std::mem::size_of::<$t>();
-            fn read(b: &[u8]) -> Self {
-                let mut a = [0u8; std::mem::size_of::<$t>()];
-                a.copy_from_slice(b);
-                <$t>::from_le_bytes(a)
-            }
-            fn write(self, out: &mut Vec<u8>) {
-                out.extend_from_slice(&self.to_le_bytes());
-            }
             fn add(self, o: Self) -> Self {
                 $add(self, o)
             }
@@ -296,24 +297,31 @@ acc_elem!(u8, u8::wrapping_add, |a: u8, n: usize| a / n as u8);
 acc_elem!(u32, u32::wrapping_add, |a: u32, n: usize| a / n as u32);
 acc_elem!(i64, i64::wrapping_add, |a: i64, n: usize| a / n as i64);
 
-fn combine<T: AccElem>(a: T, b: T, op: ReduceOp) -> T {
-    match op {
-        ReduceOp::Sum | ReduceOp::Avg => a.add(b),
-        ReduceOp::Max => {
-            if b > a {
-                b
-            } else {
-                a
-            }
-        }
-        ReduceOp::Min => {
-            if b < a {
-                b
-            } else {
-                a
-            }
+/// `dst[i] = op(dst[i], src[i])`; the op is chosen once, outside the loop, so the loop vectorizes.
+fn combine_slice<T: AccElem>(dst: &mut [T], src: &[T], op: ReduceOp) {
+    fn each<T: AccElem>(dst: &mut [T], src: &[T], f: impl Fn(T, T) -> T) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = f(*d, *s);
         }
     }
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => each(dst, src, T::add),
+        ReduceOp::Max => each(dst, src, |a, b| if b > a { b } else { a }),
+        ReduceOp::Min => each(dst, src, |a, b| if b < a { b } else { a }),
+    }
+}
+
+/// Receive a peer's partial result for `dst` through `fill` (into an aligned scratch buffer of
+/// the accumulation type) and combine it into `dst`.
+fn recv_combine<T: AccElem>(
+    dst: &mut [T],
+    op: ReduceOp,
+    fill: impl FnOnce(&mut [u8]) -> Result<()>,
+) -> Result<()> {
+    let mut scratch = vec![T::zeroed(); dst.len()];
+    fill(bytemuck::cast_slice_mut(&mut scratch))?;
+    combine_slice(dst, &scratch, op);
+    Ok(())
 }
 
 /// A tensor's elements in their accumulation type.
@@ -363,23 +371,18 @@ impl AccBuf {
 
     /// Elements `range` as wire bytes.
     pub fn encode(&self, range: std::ops::Range<usize>) -> Vec<u8> {
-        each_acc!(self, v => {
-            let mut out = Vec::with_capacity(range.len() * elem_size_of(v));
-            for e in &v[range] {
-                e.write(&mut out);
-            }
-            out
-        })
+        each_acc!(self, v => bytemuck::cast_slice(&v[range]).to_vec())
     }
 
-    /// `self[range] = op(self[range], bytes)` where `bytes` holds a peer's partial result.
-    pub fn combine_from(&mut self, range: std::ops::Range<usize>, bytes: &[u8], op: ReduceOp) {
-        each_acc!(self, v => {
-            let size = elem_size_of(v);
-            for (dst, src) in v[range].iter_mut().zip(bytes.chunks_exact(size)) {
-                *dst = combine(*dst, AccElem::read(src), op);
-            }
-        })
+    /// `self[range] = op(self[range], peer's part)`, where `fill` writes the peer's partial
+    /// result (wire bytes) into the buffer it is given.
+    pub fn recv_combine(
+        &mut self,
+        range: std::ops::Range<usize>,
+        op: ReduceOp,
+        fill: impl FnOnce(&mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        each_acc!(self, v => recv_combine(&mut v[range], op, fill))
     }
 
     /// Turn the sum over `n` ranks into the average (for `ReduceOp::Avg`).
@@ -392,21 +395,27 @@ impl AccBuf {
     /// Elements `range` converted to `dtype` (the tensor's own type) as little-endian bytes.
     pub fn to_native_bytes(&self, range: std::ops::Range<usize>, dtype: DType) -> Vec<u8> {
         match (self, dtype) {
-            (AccBuf::F32(v), DType::BF16) => v[range]
-                .iter()
-                .flat_map(|e| bf16::from_f32(*e).to_le_bytes())
-                .collect(),
-            (AccBuf::F32(v), DType::F16) => v[range]
-                .iter()
-                .flat_map(|e| f16::from_f32(*e).to_le_bytes())
-                .collect(),
+            (AccBuf::F32(v), DType::BF16) => bytemuck::cast_slice(
+                &v[range]
+                    .iter()
+                    .map(|e| bf16::from_f32(*e).to_bits())
+                    .collect::<Vec<u16>>(),
+            )
+            .to_vec(),
+            (AccBuf::F32(v), DType::F16) => bytemuck::cast_slice(
+                &v[range]
+                    .iter()
+                    .map(|e| f16::from_f32(*e).to_bits())
+                    .collect::<Vec<u16>>(),
+            )
+            .to_vec(),
             _ => self.encode(range),
         }
     }
 }
 
 fn elem_size_of<T: AccElem>(_: &[T]) -> usize {
-    T::SIZE
+    std::mem::size_of::<T>()
 }
 
 #[cfg(test)]
@@ -435,8 +444,12 @@ mod tests {
         let x = Tensor::new(&[256f32], &Device::Cpu)?.to_dtype(DType::BF16)?;
         let mut acc = AccBuf::from_tensor(&x)?;
         let one = 1f32.to_le_bytes();
-        acc.combine_from(0..1, &one, ReduceOp::Sum);
-        acc.combine_from(0..1, &one, ReduceOp::Sum);
+        for _ in 0..2 {
+            acc.recv_combine(0..1, ReduceOp::Sum, |buf| {
+                buf.copy_from_slice(&one);
+                Ok(())
+            })?;
+        }
         let out = bytes_to_tensor(&acc.to_native_bytes(0..1, DType::BF16), DType::BF16, &[1])?;
         assert_eq!(out.to_dtype(DType::F32)?.to_vec1::<f32>()?, vec![258.0]);
         Ok(())
