@@ -68,6 +68,8 @@ pub enum EpError {
     ExpertsDontDivide { n_experts: usize, ep: usize },
     #[error("missing weight `{0}`")]
     MissingWeight(String),
+    #[error("expert layout: {0}")]
+    Layout(String),
     #[error(transparent)]
     Comm(#[from] CommError),
     #[error(transparent)]
@@ -108,13 +110,13 @@ impl ExpertParallelMoe {
     pub fn new(router: Param, experts: Vec<Mlp>, cfg: MoeConfig, ep: Comm) -> Result<Self> {
         let el = local_experts(&cfg, ep.size())?;
         if experts.len() != el {
-            return Err(EpError::Candle(candle_core::Error::Msg(format!(
+            return Err(EpError::Layout(format!(
                 "ep rank {} got {} experts, expected n_experts {} / ep {} = {el}",
                 ep.rank(),
                 experts.len(),
                 cfg.n_experts,
                 ep.size()
-            ))));
+            )));
         }
         Ok(Self {
             router,

@@ -10,6 +10,9 @@
 //!   reference therefore runs the global batch as dp micro-batches (the same tokens each rank
 //!   holds, gradients accumulated with weight 1/dp): both sides route the same token groups
 //!   with the same capacity, so drops can be compared one for one.
+//! - `ep2_with_checkpointing_*`: the same with activation recompute (all-to-alls re-run in backward).
+//! - `expert_data_parallel_api_*`: `ExpertDataParallel` through the trainer's `DataParallel` API:
+//!   gathered gradients, global norm, final weights, group expert load, optimizer-state round trip.
 //! - `peer_with_zero_tokens_*`: a router biased so ep rank 1's experts receive nothing still
 //!   trains and still equals one device.
 //! - `aux_loss_*`: the load-balancing and z-loss of the layer against a hand computation.
@@ -201,8 +204,8 @@ fn micro_step(
     tgt: &Tensor,
     loss_scale: f64,
     grads: &mut Grads,
+    engine: Engine,
 ) -> Res<MicroOut> {
-    let engine = Engine::default();
     let acts = engine
         .forward(segs, idx, Some(tgt), &mut NoHooks)
         .map_err(s)?;
@@ -240,8 +243,15 @@ fn reference_with_final(
             let micro = (0..dp)
                 .map(|m| {
                     let (idx, tgt) = batch(step, m, cfg.vocab_size);
-                    micro_step(&gpt.segments, &idx, &tgt, 1.0 / dp as f64, &mut grads)
-                        .expect("reference step")
+                    micro_step(
+                        &gpt.segments,
+                        &idx,
+                        &tgt,
+                        1.0 / dp as f64,
+                        &mut grads,
+                        Engine::default(),
+                    )
+                    .expect("reference step")
                 })
                 .collect();
             opt.step(LR, &adamw_items(&params, &grads)).expect("adamw");
@@ -276,6 +286,7 @@ fn ep_run(
     dp: usize,
     ep: usize,
     refs: &[RefStep],
+    engine: Engine,
 ) -> Vec<Res<RankReport>> {
     run_local(dp, Duration::from_secs(120), |b| -> Res<RankReport> {
         let mesh = DeviceMesh::new(&b as &dyn Backend, MeshDims::new(dp, 1, 1, ep)).map_err(s)?;
@@ -290,7 +301,7 @@ fn ep_run(
         for (step, want) in refs.iter().enumerate() {
             let mut grads = Grads::new();
             let (idx, tgt) = batch(step, m, cfg.vocab_size);
-            let got = micro_step(&segs, &idx, &tgt, 1.0, &mut grads)?;
+            let got = micro_step(&segs, &idx, &tgt, 1.0, &mut grads, engine)?;
             sync_grads(&params, &mut grads, &mesh.dp, &mesh.edp).map_err(s)?;
             let w = &want.micro[m];
             if got.stats != w.stats {
@@ -333,9 +344,10 @@ fn check_against_one_device(
     dp: usize,
     ep: usize,
     steps: usize,
+    engine: Engine,
 ) -> Vec<RankReport> {
     let refs = reference(cfg, weights, dp, steps);
-    let reports: Vec<RankReport> = ep_run(cfg, weights, dp, ep, &refs)
+    let reports: Vec<RankReport> = ep_run(cfg, weights, dp, ep, &refs, engine)
         .into_iter()
         .enumerate()
         .map(|(r, res)| res.unwrap_or_else(|e| panic!("dp {dp} ep {ep} rank {r}: {e}")))
@@ -366,7 +378,7 @@ fn check_against_one_device(
 fn ep2_matches_one_device() {
     let cfg = tiny_moe();
     let w = init_weights(&cfg, 7).expect("weights");
-    let reps = check_against_one_device(&cfg, &w, 2, 2, 10);
+    let reps = check_against_one_device(&cfg, &w, 2, 2, 10, Engine::default());
     assert!(
         reps.iter().any(|r| r.dropped > 0),
         "the test should exercise capacity drops"
@@ -377,7 +389,7 @@ fn ep2_matches_one_device() {
 fn ep4_matches_one_device() {
     let cfg = tiny_moe();
     let w = init_weights(&cfg, 8).expect("weights");
-    let reps = check_against_one_device(&cfg, &w, 4, 4, 10);
+    let reps = check_against_one_device(&cfg, &w, 4, 4, 10, Engine::default());
     assert!(
         reps.iter().any(|r| r.dropped > 0),
         "the test should exercise capacity drops"
@@ -389,7 +401,16 @@ fn ep4_matches_one_device() {
 fn dp4_ep2_matches_one_device() {
     let cfg = tiny_moe();
     let w = init_weights(&cfg, 9).expect("weights");
-    check_against_one_device(&cfg, &w, 4, 2, 10);
+    check_against_one_device(&cfg, &w, 4, 2, 10, Engine::default());
+}
+
+/// Activation checkpointing re-runs each block's forward in backward, all-to-alls included: the
+/// recompute issues them in the same order on every rank and still equals one device.
+#[test]
+fn ep2_with_checkpointing_matches_one_device() {
+    let cfg = tiny_moe();
+    let w = init_weights(&cfg, 12).expect("weights");
+    check_against_one_device(&cfg, &w, 2, 2, 5, Engine::new(true));
 }
 
 /// Bias every block's router so that experts 2 and 3 (ep rank 1's) never win a top-2 choice:
@@ -419,7 +440,7 @@ fn peer_with_zero_tokens_trains_and_matches_one_device() {
             Tensor::from_vec(flat, (4, c), &Device::Cpu).expect("router"),
         );
     }
-    let reps = check_against_one_device(&cfg, &w, 2, 2, 4);
+    let reps = check_against_one_device(&cfg, &w, 2, 2, 4, Engine::default());
     for (r, rep) in reps.iter().enumerate() {
         assert_eq!(
             rep.kept[2] + rep.kept[3],

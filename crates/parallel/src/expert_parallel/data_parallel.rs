@@ -148,10 +148,10 @@ fn gather_experts(local: BTreeMap<String, Tensor>, ep: &Comm) -> Result<BTreeMap
         let owned: Vec<usize> = experts.iter().map(|(e, _)| *e).collect();
         let expected: Vec<usize> = (ep.rank() * el..(ep.rank() + 1) * el).collect();
         if owned != expected {
-            return Err(super::EpError::Candle(candle_core::Error::Msg(format!(
+            return Err(super::EpError::Layout(format!(
                 "{block}: ep rank {} holds experts {owned:?}, expected {expected:?}",
                 ep.rank()
-            ))));
+            )));
         }
         let stacked = Tensor::stack(
             &experts.iter().map(|(_, t)| t.clone()).collect::<Vec<_>>(),
