@@ -89,6 +89,11 @@ struct RunResult {
 
 /// One device, whole batch, no parallelism: the reference.
 fn single_device(steps: usize) -> RunResult {
+    single_device_full(steps).0
+}
+
+/// The reference run, also returning the final weights and optimizer.
+fn single_device_full(steps: usize) -> (RunResult, BTreeMap<String, Tensor>, AdamW) {
     let gpt = model();
     let params = gpt.params();
     let engine = Engine::default();
@@ -119,7 +124,11 @@ fn single_device(steps: usize) -> RunResult {
             .collect();
         opt.step(LR, &items).expect("step");
     }
-    RunResult { losses, grads0 }
+    let weights = params
+        .iter()
+        .map(|p| (p.name().to_string(), p.tensor().detach()))
+        .collect();
+    (RunResult { losses, grads0 }, weights, opt)
 }
 
 type Make = dyn Fn(Comm, Vec<Arc<dyn Segment>>) -> Box<dyn DataParallel> + Sync;
@@ -572,4 +581,104 @@ fn zero3_materialises_only_the_running_segment_and_frees_after_use() {
             assert_eq!(live, want, "weights held while {name} runs");
         }
     }
+}
+
+fn assert_close_maps(
+    what: &str,
+    got: &BTreeMap<String, Tensor>,
+    want: &BTreeMap<String, Tensor>,
+    tol: f64,
+) {
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>(),
+        "{what}: names"
+    );
+    for (name, w) in want {
+        assert_eq!(got[name].dims(), w.dims(), "{what}: shape of {name}");
+        let rel = rel_err(&got[name], w);
+        assert!(rel <= tol, "{what}: {name} rel error {rel:e}");
+    }
+}
+
+#[test]
+fn zero3_state_gathers_to_the_single_device_state_and_resumes_under_another_layout() {
+    const FIRST: usize = 3;
+    let (reference, weights_ref, opt_ref) = single_device_full(FIRST + 2);
+    let (_, weights_at_3, opt_at_3) = single_device_full(FIRST);
+
+    // Train ZeRO-3 on 2 ranks, then gather weights and AdamW moments by parameter name.
+    let saved = run_local(2, TIMEOUT, |backend| {
+        let comm = backend.world();
+        let rank = comm.rank();
+        let mut s = fsdp(ZeroStage::Three)(comm, model().segments);
+        let mut opt = adamw();
+        for step in 0..FIRST {
+            let (x, y) = rows(step, rank * 4, 4);
+            s.forward_backward(&Engine::new(true), &x, &y, 1.0, true)
+                .expect("forward_backward");
+            s.optimizer_step(&mut opt, LR, None).expect("step");
+        }
+        let weights = s.full_state().expect("full state");
+        let state = s.full_optimizer_state(&opt).expect("full optimizer state");
+        // Sharding the full state again gives back exactly this rank's optimizer state.
+        let again = s.shard_optimizer_state(&state).expect("shard");
+        let mine = opt.state();
+        assert_eq!(
+            again.m.keys().collect::<Vec<_>>(),
+            mine.m.keys().collect::<Vec<_>>()
+        );
+        for (k, t) in &mine.m {
+            assert_eq!(rel_err(&again.m[k], t), 0.0, "m of {k}");
+            assert_eq!(rel_err(&again.v[k], &mine.v[k]), 0.0, "v of {k}");
+        }
+        (weights, state)
+    });
+    let (weights, state) = saved.into_iter().next().expect("rank 0");
+    // Looser than the loss: the key bias gets a gradient that is zero in exact arithmetic
+    // (softmax ignores a shift), so its float noise differs between layouts and AdamW, which
+    // divides by √v, turns that noise into steps of up to lr. It moves no loss.
+    assert_close_maps("weights after 3 steps", &weights, &weights_at_3, 1e-3);
+    let want = opt_at_3.state();
+    assert_eq!(state.step, want.step);
+    assert_close_maps("adam m after 3 steps", &state.m, &want.m, 1e-3);
+    assert_close_maps("adam v after 3 steps", &state.v, &want.v, 1e-3);
+
+    // Resume from that state under ZeRO-2 on 4 ranks, from a model built with another seed.
+    let resumed = run_local(4, TIMEOUT, |backend| {
+        let comm = backend.world();
+        let rank = comm.rank();
+        let other = Gpt::new(
+            cfg(),
+            &init_weights(&cfg(), SEED + 1).expect("init"),
+            &Device::Cpu,
+        )
+        .expect("model");
+        let mut s = fsdp(ZeroStage::Two)(comm, other.segments);
+        s.load_full_state(&weights).expect("load weights");
+        let mut opt = adamw();
+        opt.load_state(s.shard_optimizer_state(&state).expect("shard"))
+            .expect("load optimizer");
+        let mut losses = Vec::new();
+        for step in FIRST..FIRST + 2 {
+            let (x, y) = rows(step, rank * 2, 2);
+            losses.push(
+                s.forward_backward(&Engine::default(), &x, &y, 1.0, true)
+                    .expect("forward_backward"),
+            );
+            s.optimizer_step(&mut opt, LR, None).expect("step");
+        }
+        (losses, s.full_state().expect("full state"))
+    });
+    for k in 0..2 {
+        let loss = resumed.iter().map(|(l, _)| l[k]).sum::<f64>() / 4.0;
+        let want = reference.losses[FIRST + k];
+        assert!(
+            (loss - want).abs() / want <= 1e-5,
+            "resumed step {}: {loss} vs {want}",
+            FIRST + k
+        );
+    }
+    assert_close_maps("weights after resuming", &resumed[0].1, &weights_ref, 1e-3);
+    assert_eq!(opt_ref.steps_taken(), (FIRST + 2) as u64);
 }
