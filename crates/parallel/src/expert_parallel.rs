@@ -80,7 +80,7 @@ pub type Result<T> = std::result::Result<T, EpError>;
 
 /// Number of experts each rank holds, or an error naming both numbers.
 pub fn local_experts(cfg: &MoeConfig, ep: usize) -> Result<usize> {
-    if ep == 0 || cfg.n_experts % ep != 0 {
+    if ep == 0 || !cfg.n_experts.is_multiple_of(ep) {
         return Err(EpError::ExpertsDontDivide {
             n_experts: cfg.n_experts,
             ep,
