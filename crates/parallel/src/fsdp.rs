@@ -221,6 +221,29 @@ impl Fsdp {
         }
     }
 
+    /// Bytes of unsharded state in flight at the worst moment of a step, on top of
+    /// [`analytic_model_state`]: at stage 3 the gathered weights of a segment and of the one
+    /// being prefetched; at stages 2 and 3 one unit's full gradient before its reduce-scatter.
+    pub fn in_flight_bytes(&self) -> usize {
+        let unit_bytes = |u: &FlatUnit| u.full_bytes();
+        let mut worst = 0;
+        if self.cfg.stage == ZeroStage::Three {
+            for i in 0..self.needs.len() {
+                let mut live = self.needs[i].clone();
+                if self.cfg.prefetch {
+                    live.extend(self.needs.get(i + 1).into_iter().flatten());
+                }
+                live.sort_unstable();
+                live.dedup();
+                worst = worst.max(live.iter().map(|&u| unit_bytes(&self.units[u])).sum());
+            }
+        }
+        if self.cfg.stage >= ZeroStage::Two {
+            worst += self.units.iter().map(unit_bytes).max().unwrap_or(0);
+        }
+        worst
+    }
+
     /// Gathers each unit's shards of `shard_of` into full tensors by name (a collective).
     fn gather_full(
         &self,

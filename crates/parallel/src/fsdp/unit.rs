@@ -112,6 +112,11 @@ impl FlatUnit {
         Ok(unit)
     }
 
+    /// Bytes of the unit's full (padded) flat buffer.
+    pub fn full_bytes(&self) -> usize {
+        self.padded * self.dtype.size_in_bytes()
+    }
+
     /// Names of the shard pieces (the optimizer's state keys), decayed one first.
     pub fn piece_names(&self) -> [Option<&str>; 2] {
         [
