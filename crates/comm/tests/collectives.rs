@@ -117,6 +117,19 @@ fn all_reduce_of_more_than_16_mb_streams_through_the_ring() {
             0.0,
             "18 MB all_reduce",
         );
+        // The same size through the pipelined tree broadcast (two levels below root 1) and the
+        // all-gather, in bf16 (the all-reduce's second phase then moves native bf16 bytes).
+        let got = to_f64(&w.broadcast(&x, 1).expect("broadcast"));
+        let want: Vec<f64> = (0..len).map(|i| value(1, i)).collect();
+        assert_close(&got, &want, 0.0, "18 MB broadcast");
+        let xb = x.to_dtype(DType::BF16).expect("bf16");
+        let got = to_f64(&w.all_reduce(&xb, ReduceOp::Max).expect("all_reduce bf16"));
+        assert_close(
+            &got,
+            &reduce_closed_form(n, len, ReduceOp::Max, DType::BF16),
+            0.0,
+            "9 MB bf16 all_reduce",
+        );
     });
 }
 

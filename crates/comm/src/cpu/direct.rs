@@ -16,7 +16,7 @@
 use candle_core::{DType, Shape, Tensor};
 
 use super::core::GroupCore;
-use super::wire::{bytes_to_tensor, tensor_to_bytes};
+use super::wire::{bytes_to_tensor, HostBuf};
 use crate::communicator::{chunk_range, CommError, OpKind, Result};
 
 impl GroupCore {
@@ -61,7 +61,8 @@ impl GroupCore {
         let mut out_shape = full.clone();
         out_shape[0] = chunk_range(rows, self.size, self.rank).len(); // (D/n, ...)
         if is_root {
-            let all = tensor_to_bytes(x)?;
+            let all = HostBuf::from_tensor(x)?;
+            let all = all.as_bytes();
             for p in (0..self.size).filter(|p| *p != root) {
                 let c = chunk_range(rows, self.size, p);
                 self.send(p, all[c.start * row_bytes..c.end * row_bytes].to_vec())?;
@@ -95,14 +96,14 @@ impl GroupCore {
         let headers = self.exchange_headers(|_| mine.clone())?;
 
         if self.rank != root {
-            self.send(root, tensor_to_bytes(x)?)?;
+            self.send(root, HostBuf::from_tensor(x)?.as_bytes().to_vec())?;
             return Ok(x.contiguous()?.copy()?);
         }
         let total_rows: usize = headers.iter().map(|h| h.shape[0]).sum();
         let mut out = Vec::with_capacity(total_rows * row_bytes);
         for (p, h) in headers.iter().enumerate() {
             if p == root {
-                out.extend_from_slice(&tensor_to_bytes(x)?);
+                out.extend_from_slice(HostBuf::from_tensor(x)?.as_bytes());
             } else {
                 out.extend_from_slice(&self.recv(p, h.shape[0] * row_bytes)?);
             }
@@ -141,7 +142,8 @@ impl GroupCore {
             )));
         }
         let (dtype, shape) = (x.dtype(), x.dims().to_vec());
-        let input = tensor_to_bytes(x)?;
+        let input = HostBuf::from_tensor(x)?;
+        let input = input.as_bytes();
         let offsets: Vec<usize> = send_splits
             .iter()
             .scan(0, |at, s| {
@@ -194,7 +196,7 @@ impl GroupCore {
         self.next_p2p(dst, true);
         let h = self.header(x.dtype(), x.dims());
         self.send_header(dst, &h)?;
-        self.send(dst, tensor_to_bytes(x)?)
+        self.send(dst, HostBuf::from_tensor(x)?.as_bytes().to_vec())
     }
 
     pub(crate) fn recv_from(&mut self, src: usize, shape: &Shape, dtype: DType) -> Result<Tensor> {
@@ -218,8 +220,9 @@ impl GroupCore {
                 theirs: theirs.describe(),
             });
         }
-        let buf = self.recv(src, shape.elem_count() * dtype.size_in_bytes())?;
-        bytes_to_tensor(&buf, dtype, shape.dims())
+        let mut buf = HostBuf::zeros(dtype, shape.elem_count())?;
+        self.recv_into(src, buf.as_bytes_mut())?;
+        buf.into_tensor(shape.dims())
     }
 
     pub(crate) fn barrier(&mut self) -> Result<()> {

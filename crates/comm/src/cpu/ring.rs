@@ -30,7 +30,7 @@ use std::ops::Range;
 use candle_core::{DType, Tensor};
 
 use super::core::{segments, GroupCore};
-use super::wire::{bytes_to_tensor, tensor_to_bytes, AccBuf};
+use super::wire::{bytes_to_tensor, AccBuf, HostBuf};
 use crate::communicator::{chunk_range, ReduceOp, Result};
 
 impl GroupCore {
@@ -111,14 +111,22 @@ impl GroupCore {
         let own = chunks[self.rank].clone();
         acc.finish(own.clone(), op, n);
 
+        // All-gather the reduced chunks in the tensor's own dtype. When that is the accumulation
+        // type, the accumulator already holds our chunk in place and becomes the result.
         let es = dtype.size_in_bytes();
         let byte_chunks: Vec<Range<usize>> =
             chunks.iter().map(|c| c.start * es..c.end * es).collect();
-        let mut out = vec![0u8; numel * es];
-        out[byte_chunks[self.rank].clone()].copy_from_slice(&acc.to_native_bytes(own, dtype));
-        drop(acc);
-        self.ring_all_gather(&mut out, &byte_chunks)?;
-        bytes_to_tensor(&out, dtype, &shape)
+        let mut out = match acc.into_native(dtype) {
+            Ok(native) => native,
+            Err(acc) => {
+                let mut out = HostBuf::zeros(dtype, numel)?;
+                out.as_bytes_mut()[byte_chunks[self.rank].clone()]
+                    .copy_from_slice(&acc.to_native_bytes(own, dtype));
+                out
+            }
+        };
+        self.ring_all_gather(out.as_bytes_mut(), &byte_chunks)?;
+        out.into_tensor(&shape)
     }
 
     pub(crate) fn reduce_scatter(&mut self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
@@ -180,11 +188,12 @@ impl GroupCore {
             chunks.push(at..at + len);
             at += len;
         }
-        let mut out = vec![0u8; at];
-        out[chunks[self.rank].clone()].copy_from_slice(&tensor_to_bytes(x)?);
-        self.ring_all_gather(&mut out, &chunks)?;
+        let mut out = HostBuf::zeros(dtype, at / dtype.size_in_bytes())?;
+        out.as_bytes_mut()[chunks[self.rank].clone()]
+            .copy_from_slice(HostBuf::from_tensor(x)?.as_bytes());
+        self.ring_all_gather(out.as_bytes_mut(), &chunks)?;
         let mut out_shape = shape;
         out_shape[0] = headers.iter().map(|h| h.shape[0]).sum(); // (Σ d_r, ...)
-        bytes_to_tensor(&out, dtype, &out_shape)
+        out.into_tensor(&out_shape)
     }
 }

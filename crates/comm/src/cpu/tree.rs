@@ -13,12 +13,14 @@
 //! The reduce is the same tree walked backwards, lowest bit first: in the round of bit `mask`, a rank whose bit
 //! `mask` is set sends its partial result to v - mask and drops out; the others combine what
 //! they receive from v + mask. The root ends with the reduction over all ranks. Partial results
-//! travel in the accumulation type (f32 for half-precision inputs).
+//! travel in the accumulation type (f32 for half-precision inputs). The broadcast is pipelined:
+//! large messages move in segments, and a rank forwards each segment to its children as soon as
+//! it has arrived, so the tree's depth costs one segment's latency per level, not one message's.
 
 use candle_core::Tensor;
 
-use super::core::GroupCore;
-use super::wire::{bytes_to_tensor, tensor_to_bytes, AccBuf};
+use super::core::{segments, GroupCore};
+use super::wire::{bytes_to_tensor, AccBuf, HostBuf};
 use crate::communicator::{ReduceOp, Result};
 
 impl GroupCore {
@@ -51,31 +53,41 @@ impl GroupCore {
 
         let n = self.size;
         let v = (self.rank + n - root) % n;
-        let mut buf = if v == 0 {
-            tensor_to_bytes(x)?
-        } else {
-            vec![0u8; x.elem_count() * dtype.size_in_bytes()]
-        };
-        // Receive once, from the rank that differs from us in our lowest set bit.
+        // Our parent is the rank that differs from us in our lowest set bit; our children are
+        // v + mask for every lower bit, the largest subtree first.
+        let mut parent = None;
         let mut mask = 1;
         while mask < n {
             if v & mask != 0 {
-                let src = self.absolute(v - mask, root);
-                self.recv_into(src, &mut buf)?;
+                parent = Some(self.absolute(v - mask, root));
                 break;
             }
             mask <<= 1;
         }
-        // Then pass it on to the ranks below that bit.
+        let mut children = Vec::new();
         mask >>= 1;
         while mask > 0 {
             if v + mask < n {
-                let dst = self.absolute(v + mask, root);
-                self.send(dst, buf.clone())?;
+                children.push(self.absolute(v + mask, root));
             }
             mask >>= 1;
         }
-        bytes_to_tensor(&buf, dtype, &shape)
+        // Pipelined by segment: each segment goes on to the children as soon as it has arrived.
+        let mut buf = if v == 0 {
+            HostBuf::from_tensor(x)?
+        } else {
+            HostBuf::zeros(dtype, x.elem_count())?
+        };
+        let total = buf.as_bytes().len();
+        for seg in segments(0..total, 1) {
+            if let Some(p) = parent {
+                self.recv_into(p, &mut buf.as_bytes_mut()[seg.clone()])?;
+            }
+            for &c in &children {
+                self.send(c, buf.as_bytes()[seg.clone()].to_vec())?;
+            }
+        }
+        buf.into_tensor(&shape)
     }
 
     pub(crate) fn reduce(&mut self, x: &Tensor, root: usize, op: ReduceOp) -> Result<Tensor> {

@@ -232,40 +232,79 @@ pub(crate) fn check_dtype(op: OpKind, group: &str, dtype: DType) -> Result<()> {
 #[cfg(target_endian = "big")]
 compile_error!("the CPU backend's wire format is little-endian");
 
-/// A tensor's elements, in row-major order, as little-endian bytes (non-contiguous inputs are
-/// read through their strides).
-pub(crate) fn tensor_to_bytes(x: &Tensor) -> Result<Vec<u8>> {
-    let flat = x.flatten_all()?;
-    fn bytes<T: bytemuck::Pod>(v: &[T]) -> Vec<u8> {
-        bytemuck::cast_slice(v).to_vec()
-    }
-    Ok(match x.dtype() {
-        DType::F32 => bytes(&flat.to_vec1::<f32>()?),
-        DType::BF16 => bytes(
-            &flat
-                .to_vec1::<bf16>()?
-                .iter()
-                .map(|e| e.to_bits())
-                .collect::<Vec<u16>>(),
-        ),
-        DType::F16 => bytes(
-            &flat
-                .to_vec1::<f16>()?
-                .iter()
-                .map(|e| e.to_bits())
-                .collect::<Vec<u16>>(),
-        ),
-        DType::F64 => bytes(&flat.to_vec1::<f64>()?),
-        DType::U8 => flat.to_vec1::<u8>()?,
-        DType::U32 => bytes(&flat.to_vec1::<u32>()?),
-        DType::I64 => bytes(&flat.to_vec1::<i64>()?),
-        other => {
-            return Err(candle_core::Error::Msg(format!(
-                "dtype {other:?} is not carried by the CPU backend"
-            ))
-            .into())
+/// A tensor's elements in host memory: typed, so it becomes a tensor again without a copy
+/// ([`HostBuf::into_tensor`]), and viewable as wire bytes in place.
+pub(crate) enum HostBuf {
+    F32(Vec<f32>),
+    BF16(Vec<bf16>),
+    F16(Vec<f16>),
+    F64(Vec<f64>),
+    U8(Vec<u8>),
+    U32(Vec<u32>),
+    I64(Vec<i64>),
+}
+
+macro_rules! each_host {
+    ($self:expr, $v:ident => $body:expr) => {
+        match $self {
+            HostBuf::F32($v) => $body,
+            HostBuf::BF16($v) => $body,
+            HostBuf::F16($v) => $body,
+            HostBuf::F64($v) => $body,
+            HostBuf::U8($v) => $body,
+            HostBuf::U32($v) => $body,
+            HostBuf::I64($v) => $body,
         }
-    })
+    };
+}
+
+impl HostBuf {
+    /// Copy a tensor's elements out in row-major order (non-contiguous inputs are read through
+    /// their strides).
+    pub fn from_tensor(x: &Tensor) -> Result<Self> {
+        let flat = x.flatten_all()?;
+        Ok(match x.dtype() {
+            DType::F32 => HostBuf::F32(flat.to_vec1()?),
+            DType::BF16 => HostBuf::BF16(flat.to_vec1()?),
+            DType::F16 => HostBuf::F16(flat.to_vec1()?),
+            DType::F64 => HostBuf::F64(flat.to_vec1()?),
+            DType::U8 => HostBuf::U8(flat.to_vec1()?),
+            DType::U32 => HostBuf::U32(flat.to_vec1()?),
+            DType::I64 => HostBuf::I64(flat.to_vec1()?),
+            other => return Err(unsupported(other)),
+        })
+    }
+
+    /// `len` zero elements of `dtype`, to receive into.
+    pub fn zeros(dtype: DType, len: usize) -> Result<Self> {
+        Ok(match dtype {
+            DType::F32 => HostBuf::F32(vec![0.0; len]),
+            DType::BF16 => HostBuf::BF16(vec![bf16::ZERO; len]),
+            DType::F16 => HostBuf::F16(vec![f16::ZERO; len]),
+            DType::F64 => HostBuf::F64(vec![0.0; len]),
+            DType::U8 => HostBuf::U8(vec![0; len]),
+            DType::U32 => HostBuf::U32(vec![0; len]),
+            DType::I64 => HostBuf::I64(vec![0; len]),
+            other => return Err(unsupported(other)),
+        })
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        each_host!(self, v => bytemuck::cast_slice(v))
+    }
+
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        each_host!(self, v => bytemuck::cast_slice_mut(v))
+    }
+
+    /// The elements as a CPU tensor of `shape` (the buffer is moved, not copied).
+    pub fn into_tensor(self, shape: &[usize]) -> Result<Tensor> {
+        Ok(each_host!(self, v => Tensor::from_vec(v, shape, &Device::Cpu)?))
+    }
+}
+
+fn unsupported(dtype: DType) -> CommError {
+    candle_core::Error::Msg(format!("dtype {dtype:?} is not carried by the CPU backend")).into()
 }
 
 /// Build a CPU tensor from little-endian bytes.
@@ -389,6 +428,19 @@ impl AccBuf {
     pub fn finish(&mut self, range: std::ops::Range<usize>, op: ReduceOp, n: usize) {
         if op == ReduceOp::Avg {
             each_acc!(self, v => for e in &mut v[range] { *e = e.div_n(n) })
+        }
+    }
+
+    /// The accumulator itself as the result buffer, when the tensor's dtype is the accumulation
+    /// type (f32, f64, integers): the all-gather then fills it in place, with no extra copy.
+    pub fn into_native(self, dtype: DType) -> std::result::Result<HostBuf, AccBuf> {
+        match (self, dtype) {
+            (AccBuf::F32(v), DType::F32) => Ok(HostBuf::F32(v)),
+            (AccBuf::F64(v), DType::F64) => Ok(HostBuf::F64(v)),
+            (AccBuf::U8(v), DType::U8) => Ok(HostBuf::U8(v)),
+            (AccBuf::U32(v), DType::U32) => Ok(HostBuf::U32(v)),
+            (AccBuf::I64(v), DType::I64) => Ok(HostBuf::I64(v)),
+            (acc, _) => Err(acc),
         }
     }
 
