@@ -7,13 +7,15 @@
 //! ```text
 //!   stage   sharded                      weights      grads     Adam m, v   fp32 total
 //!   DDP     nothing                      4Φ           4Φ        8Φ          16Φ
-//!   1       optimizer state              4Φ (+4Φ/N)   4Φ        8Φ/N
+//!   1       optimizer state              4Φ (+4Φ/N)   4Φ (+4Φ/N) 8Φ/N
 //!   2       + gradients                  4Φ (+4Φ/N)   4Φ/N      8Φ/N
 //!   3       + parameters (FSDP)          4Φ/N         4Φ/N      8Φ/N        16Φ/N
 //! ```
-//! (+4Φ/N: the shard the optimizer updates, the analogue of ZeRO's fp32 master copy. Stage 3
-//! also holds the gathered weights of the segments in flight: at most two at a time. With mixed
-//! precision the same table reads 2+2+12 bytes per parameter: 16Φ/N at stage 3.)
+//! (+4Φ/N: the shard the optimizer updates and its reduced gradient, next to the full copies;
+//! the weight shard is the analogue of ZeRO's fp32 master copy. Stage 3 also holds the gathered
+//! weights of the segments in flight, at most two at a time ([`Fsdp::in_flight_bytes`]). With
+//! mixed precision the same table reads 2+2+12 bytes per parameter: 16Φ/N at stage 3. Shards
+//! are padded per segment, so a rank may hold up to one element per segment more than Φ/N.)
 //!
 //! The unit of sharding is a segment of the block-wise engine: its parameters are laid out in one
 //! flat buffer and every rank keeps one contiguous shard of it (see [`unit`]). A parameter used by
@@ -119,7 +121,7 @@ pub fn analytic_model_state(
         },
         Some(ZeroStage::One) => ModelStateBytes {
             params: full + shard,
-            grads: full,
+            grads: full + shard,
             optimizer: 2 * shard,
         },
         Some(ZeroStage::Two) => ModelStateBytes {
