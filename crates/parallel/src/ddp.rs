@@ -39,7 +39,8 @@
 //! Every step reports backward time, communication time (how long the group was busy) and
 //! exposed communication (time spent blocked in `wait()`), so the overlap is measured.
 //!
-//! The [`DataParallel`] trait here is the API the trainer drives; [`crate::fsdp`] implements it too.
+//! The [`DataParallel`] trait (`ddp/common.rs`) is the API the trainer drives; [`crate::fsdp`]
+//! implements it too.
 
 mod buckets;
 mod common;
