@@ -22,7 +22,10 @@ use mtrain_comm::env::LaunchEnv;
 use mtrain_comm::Backend;
 use mtrain_trainer::cli::{Cli, Command, Layout};
 use mtrain_trainer::launch::{self, LaunchError};
-use mtrain_trainer::{bench_comm, plan, prepare, sample};
+use mtrain_trainer::{bench_comm, plan, prepare, sample, train};
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
+use tracing_subscriber::registry::LookupSpan;
 
 #[global_allocator]
 static ALLOC: mtrain_trainer::memory::CountingAlloc = mtrain_trainer::memory::CountingAlloc;
@@ -60,8 +63,8 @@ fn main() -> ExitCode {
     }
 }
 
-/// Logs go to stderr; `RUST_LOG` filters them (default `info`). In a worker every line carries
-/// the rank, so output interleaved by an external launcher can still be told apart.
+/// Logs go to stderr; `RUST_LOG` filters them (default `info`). In a worker every line starts
+/// with `rank=N`, so output interleaved by an external launcher can still be told apart.
 fn init_tracing(rank: Option<usize>) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -71,7 +74,12 @@ fn init_tracing(rank: Option<usize>) {
         .with_ansi(std::io::stderr().is_terminal())
         .with_target(false);
     let result = match rank {
-        Some(r) => builder.fmt_fields(RankFields(r)).try_init(),
+        Some(r) => builder
+            .event_format(RankPrefix(
+                r,
+                tracing_subscriber::fmt::format().with_target(false),
+            ))
+            .try_init(),
         None => builder.try_init(),
     };
     if let Err(e) = result {
@@ -79,17 +87,23 @@ fn init_tracing(rank: Option<usize>) {
     }
 }
 
-/// Field formatter that starts every event with `rank=N`.
-struct RankFields(usize);
+/// Event format that writes `rank=N ` and then the wrapped format's line.
+struct RankPrefix<F>(usize, F);
 
-impl<'w> tracing_subscriber::fmt::FormatFields<'w> for RankFields {
-    fn format_fields<R: tracing_subscriber::field::RecordFields>(
+impl<S, N, F> FormatEvent<S, N> for RankPrefix<F>
+where
+    S: tracing::Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'w> FormatFields<'w> + 'static,
+    F: FormatEvent<S, N>,
+{
+    fn format_event(
         &self,
-        mut writer: tracing_subscriber::fmt::format::Writer<'w>,
-        fields: R,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &tracing::Event<'_>,
     ) -> std::fmt::Result {
         write!(writer, "rank={} ", self.0)?;
-        tracing_subscriber::fmt::format::DefaultFields::new().format_fields(writer, fields)
+        self.1.format_event(ctx, writer, event)
     }
 }
 
@@ -140,8 +154,8 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
                         layout.world_size
                     );
                 }
-                let _ = (&cfg, backend);
-                anyhow::bail!("training loop unavailable")
+                train::run(&cfg, backend, layout.dims)?;
+                Ok(())
             })
         }
     }
