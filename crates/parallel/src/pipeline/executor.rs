@@ -25,14 +25,20 @@
 //! its forward to its backward (which consumes them); their high-water mark is reported
 //! (1F1B: at most P − r on rank r; GPipe: M).
 //!
+//! Data parallelism inside a pipeline hangs on [`StageHooks`]: [`PipelineExecutor::step_with_hooks`]
+//! hands each pass the engine hooks of its chunk (FSDP's gather / free / reduce-scatter), and
+//! says which backward is the chunk's last of the step, after which its gradients are final.
+//! With sequence parallelism ([`PipelineStages::with_sequence_split`]) the activations passed
+//! between stages are this rank's sequence shard (b, T/tp, C).
+//!
 //! Legend: B batch, b = B/M micro-batch, T time, C width, P pipeline ranks, M micro-batches.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Shape, Tensor};
-use mtrain_comm::{Communicator, Work};
-use mtrain_model::{Activations, Engine, Grads, NoHooks};
+use mtrain_comm::{chunk_range, Communicator, Work};
+use mtrain_model::{Activations, Engine, Grads, Hooks, NoHooks};
 
 use super::schedule::{Action, Schedule};
 use super::stage::PipelineStages;
@@ -74,6 +80,22 @@ impl std::fmt::Display for StepReport {
             self.peak_in_flight,
             self.peak_activation_bytes as f64 / 1024.0
         )
+    }
+}
+
+/// The engine hooks each pass of a pipeline step runs with.
+pub trait StageHooks {
+    /// Hooks for one forward or backward pass of this rank's chunk `chunk`. `last_backward` is
+    /// true for the chunk's last backward pass of the step: its gradients are final after it.
+    fn hooks(&mut self, chunk: usize, last_backward: bool) -> &mut dyn Hooks;
+}
+
+/// No hooks for any pass.
+pub struct NoStageHooks(pub NoHooks);
+
+impl StageHooks for NoStageHooks {
+    fn hooks(&mut self, _chunk: usize, _last_backward: bool) -> &mut dyn Hooks {
+        &mut self.0
     }
 }
 
@@ -165,6 +187,47 @@ impl PipelineExecutor {
         targets: &Tensor,
         grads: &mut Grads,
     ) -> Result<StepReport> {
+        self.run(
+            stages,
+            pp,
+            idx,
+            targets,
+            1.0,
+            grads,
+            &mut NoStageHooks(NoHooks),
+            true,
+        )
+    }
+
+    /// [`PipelineExecutor::step`] with `hooks` around every pass and the gradients scaled by
+    /// `loss_scale` (times 1/M), **without** summing the tied gradients: the caller does that
+    /// once its data-parallel reduction is done (the sum over the two stages commutes with it).
+    #[allow(clippy::too_many_arguments)]
+    pub fn step_with_hooks(
+        &self,
+        stages: &PipelineStages,
+        pp: &dyn Communicator,
+        idx: &Tensor,
+        targets: &Tensor,
+        loss_scale: f64,
+        grads: &mut Grads,
+        hooks: &mut dyn StageHooks,
+    ) -> Result<StepReport> {
+        self.run(stages, pp, idx, targets, loss_scale, grads, hooks, false)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        stages: &PipelineStages,
+        pp: &dyn Communicator,
+        idx: &Tensor,
+        targets: &Tensor,
+        grad_scale: f64,
+        grads: &mut Grads,
+        hooks: &mut dyn StageHooks,
+        sync_tied: bool,
+    ) -> Result<StepReport> {
         let sched = &self.schedule;
         let (p, m, rank) = (sched.num_ranks(), sched.num_microbatches(), stages.rank());
         if stages.num_ranks() != p
@@ -190,10 +253,22 @@ impl PipelineExecutor {
             });
         }
         let b = batch / m;
-        let act_shape = Shape::from((b, t, stages.n_embd())); // (b, T, C)
+        let t_local = match stages.sequence_split() {
+            Some((size, r)) => chunk_range(t, size, r).len(), // T/tp
+            None => t,
+        };
+        let act_shape = Shape::from((b, t_local, stages.n_embd())); // (b, T, C) or (b, T/tp, C)
         let act_dtype = stages.activation_dtype();
         let last_stage = sched.num_model_stages() - 1;
         let loss_scale = 1.0 / m as f64;
+        let grad_scale = grad_scale * loss_scale;
+        // The index of each chunk's last backward action: its gradients are final after it.
+        let mut last_backward = HashMap::new();
+        for (i, a) in sched.actions(rank).iter().enumerate() {
+            if !a.is_forward() {
+                last_backward.insert(a.chunk(), i);
+            }
+        }
 
         let mut links = Links {
             pp,
@@ -206,7 +281,7 @@ impl PipelineExecutor {
         let (mut peak, mut loss_sum, mut aux_sum) = (0, 0.0, 0.0);
         let (mut alive_bytes, mut peak_bytes) = (0, 0);
         let start = Instant::now();
-        for action in sched.actions(rank) {
+        for (i, action) in sched.actions(rank).iter().enumerate() {
             let (mb, chunk) = (action.mb(), action.chunk());
             let stage = &stages.chunks()[chunk];
             let key = |s: usize| (action.is_forward(), mb, s);
@@ -225,7 +300,7 @@ impl PipelineExecutor {
                     let tgt = (stage.stage == last_stage).then_some(&mb_targets);
                     let acts = self
                         .engine
-                        .forward(&stage.segments, &x, tgt, &mut NoHooks)?;
+                        .forward(&stage.segments, &x, tgt, hooks.hooks(chunk, false))?;
                     aux_sum += acts.aux_loss;
                     match sched.output_stage(rank, action) {
                         None => loss_sum += acts.output.to_dtype(DType::F64)?.to_scalar::<f64>()?,
@@ -256,9 +331,9 @@ impl PipelineExecutor {
                         &stage.segments,
                         acts,
                         grad_out.as_ref(),
-                        loss_scale,
+                        grad_scale,
                         grads,
-                        &mut NoHooks,
+                        hooks.hooks(chunk, last_backward.get(&chunk) == Some(&i)),
                     )?;
                     if let Some(to) = sched.output_stage(rank, action) {
                         let g = grad_in.ok_or_else(|| {
@@ -276,7 +351,9 @@ impl PipelineExecutor {
         links.wait_all_sends()?;
         let step_time = start.elapsed();
 
-        stages.sync_tied_grads(pp, grads)?;
+        if sync_tied {
+            stages.sync_tied_grads(pp, grads)?;
+        }
         let loss = if p > 1 {
             let mine = Tensor::new(&[loss_sum * loss_scale], pp.device())?;
             let root = sched.rank_of_stage(last_stage);

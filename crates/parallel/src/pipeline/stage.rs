@@ -118,6 +118,8 @@ pub struct PipelineStages {
     tied: Vec<String>,
     activation_dtype: DType,
     n_embd: usize,
+    /// `(tp size, tp rank)` under sequence parallelism.
+    sequence_split: Option<(usize, usize)>,
 }
 
 fn param_names(segs: &[Arc<dyn Segment>]) -> BTreeSet<String> {
@@ -132,6 +134,26 @@ impl PipelineStages {
     /// Every rank builds the full model from the same seed and keeps its own stages, so each
     /// stage starts from the numbers the single-device model has.
     pub fn new(model: &Gpt, layout: StageLayout, rank: usize, num_ranks: usize) -> Result<Self> {
+        Self::from_segments(
+            &model.segments,
+            model.cfg.n_layer,
+            model.cfg.n_embd,
+            layout,
+            rank,
+            num_ranks,
+        )
+    }
+
+    /// [`PipelineStages::new`] for any segment list `[embedding, h.0, …, h.(L−1), head]` of
+    /// width `n_embd` (a tensor- or expert-parallel model's segments split the same way).
+    pub fn from_segments(
+        segments: &[Arc<dyn Segment>],
+        n_layer: usize,
+        n_embd: usize,
+        layout: StageLayout,
+        rank: usize,
+        num_ranks: usize,
+    ) -> Result<Self> {
         let s = layout.num_stages();
         if num_ranks == 0 || rank >= num_ranks || s % num_ranks != 0 {
             return Err(PipelineError::Layout(format!(
@@ -139,15 +161,14 @@ impl PipelineStages {
                  (the stage count must be a multiple of the rank count)"
             )));
         }
-        if layout.n_layer != model.cfg.n_layer || model.segments.len() != model.cfg.n_layer + 2 {
+        if layout.n_layer != n_layer || segments.len() != n_layer + 2 {
             return Err(PipelineError::Layout(format!(
-                "layout is for {} blocks but the model has {} blocks and {} segments",
+                "layout is for {} blocks but the model has {n_layer} blocks and {} segments",
                 layout.n_layer,
-                model.cfg.n_layer,
-                model.segments.len()
+                segments.len()
             )));
         }
-        let stage_segments = |stage: usize| model.segments[layout.segments(stage)].to_vec();
+        let stage_segments = |stage: usize| segments[layout.segments(stage)].to_vec();
         let chunks = (rank..s)
             .step_by(num_ranks)
             .map(|stage| StageChunk {
@@ -162,9 +183,10 @@ impl PipelineStages {
         } else {
             Vec::new()
         };
-        let activation_dtype = model
-            .params()
-            .first()
+        let activation_dtype = segments
+            .iter()
+            .flat_map(|s| s.params())
+            .next()
             .map(|p| p.var().dtype())
             .ok_or_else(|| PipelineError::Layout("the model has no parameters".into()))?;
         Ok(Self {
@@ -174,8 +196,21 @@ impl PipelineStages {
             chunks,
             tied,
             activation_dtype,
-            n_embd: model.cfg.n_embd,
+            n_embd,
+            sequence_split: None,
         })
+    }
+
+    /// Marks the activations between stages as sequence shards (sequence parallelism): this
+    /// rank of a tp group of `tp_size` passes `chunk_range(T, tp_size, tp_rank)` of the tokens.
+    pub fn with_sequence_split(mut self, tp_size: usize, tp_rank: usize) -> Self {
+        self.sequence_split = Some((tp_size, tp_rank));
+        self
+    }
+
+    /// `(tp size, tp rank)` when the activations between stages are sequence shards.
+    pub fn sequence_split(&self) -> Option<(usize, usize)> {
+        self.sequence_split
     }
 
     pub fn layout(&self) -> &StageLayout {
