@@ -453,3 +453,69 @@ fn plan_prints_the_8_rank_grid() {
     }
     assert!(!stdout.contains("[rank"), "plan launches nothing");
 }
+
+#[test]
+fn two_nodes_on_loopback_form_one_job() {
+    // Two launchers, as on two hosts: node r starts global ranks 2r and 2r+1.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let node = |node_rank: &'static str| {
+        let args = [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            node_rank,
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port,
+            "bench-comm",
+            "-b",
+            "4K",
+            "-e",
+            "4K",
+            "--op",
+            "all-gather",
+            "-n",
+            "2",
+            "-w",
+            "0",
+        ];
+        let cmd = mtrain(&args);
+        std::thread::spawn(move || run_within(cmd, Duration::from_secs(60)).0)
+    };
+    let (n0, n1) = (node("0"), node("1"));
+    let (out0, out1) = (n0.join().unwrap(), n1.join().unwrap());
+    let (stdout0, stdout1) = (text(&out0.stdout), text(&out1.stdout));
+    assert!(
+        out0.status.success() && out1.status.success(),
+        "{}\n{}",
+        text(&out0.stderr),
+        text(&out1.stderr)
+    );
+    assert!(
+        text(&out0.stderr).contains("launching ranks 0..=1"),
+        "{}",
+        text(&out0.stderr)
+    );
+    assert!(
+        text(&out1.stderr).contains("launching ranks 2..=3"),
+        "{}",
+        text(&out1.stderr)
+    );
+    assert!(
+        stdout0.contains("[rank 0] # mtrain bench-comm: all-gather, 4 ranks"),
+        "{stdout0}"
+    );
+    assert!(
+        stdout0.contains("# Out of bounds values : 0 OK"),
+        "{stdout0}"
+    );
+    assert!(stdout1.is_empty(), "node 1 holds no rank 0: {stdout1}");
+}
