@@ -46,14 +46,14 @@
 mod scheduler;
 mod unit;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Tensor};
 use mtrain_comm::{Comm, ReduceOp};
 use mtrain_model::optim::{AdamW, AdamWState, OptimItem};
-use mtrain_model::{Engine, Grads, Param, Segment};
+use mtrain_model::{Engine, Grads, Hooks, Param, Segment};
 
 use crate::ddp::{
     final_after, timed_wait, unique_params, verify_same_init, CommStats, DataParallel, DpError,
@@ -260,6 +260,140 @@ impl Fsdp {
         }
         Ok(out)
     }
+}
+
+/// The engine hooks of an engine pass driven from outside [`Fsdp`] (a pipeline's passes):
+/// gather, prefetch and free the units, and reduce-scatter the gradients when `reduce` is set.
+/// Gradients accumulate in the caller's [`Grads`]; at stages 2 and 3 the reduced entries are
+/// removed from it. [`FsdpHooks::finish`] waits for the reduce-scatters and stores the shards.
+pub struct FsdpHooks<'a> {
+    sched: Scheduler<'a>,
+}
+
+impl FsdpHooks<'_> {
+    /// Whether the following backward passes reduce-scatter their gradients.
+    pub fn set_reduce(&mut self, reduce: bool) {
+        self.sched.reduce = reduce;
+    }
+
+    /// Waits for the reduce-scatters in flight and adds each shard to its unit.
+    pub fn finish(self) -> Result<()> {
+        self.sched.finish()
+    }
+}
+
+impl Hooks for FsdpHooks<'_> {
+    fn pre_forward(&mut self, i: usize, seg: &dyn Segment) -> candle_core::Result<()> {
+        self.sched.pre_forward(i, seg)
+    }
+    fn pre_backward(&mut self, i: usize, seg: &dyn Segment) -> candle_core::Result<()> {
+        self.sched.pre_backward(i, seg)
+    }
+    fn post_backward(
+        &mut self,
+        i: usize,
+        seg: &dyn Segment,
+        grads: &mut Grads,
+    ) -> candle_core::Result<()> {
+        self.sched.post_backward(i, seg, grads)
+    }
+}
+
+/// Pieces for composing sharded data parallelism with other strategies (`crate::parallelize`):
+/// externally driven passes, and linear fix-ups applied to the reduced gradient shards.
+impl Fsdp {
+    /// The ZeRO stage.
+    pub fn stage(&self) -> ZeroStage {
+        self.cfg.stage
+    }
+
+    /// Hooks for engine passes over this strategy's segments (`recompute`: the engine runs with
+    /// activation checkpointing). They start with `reduce` off.
+    pub fn hooks(&mut self, recompute: bool) -> FsdpHooks<'_> {
+        if self.timer.is_none() {
+            self.timer = Some(OpTimer::start(&self.comm));
+        }
+        FsdpHooks {
+            sched: self.scheduler(recompute, false),
+        }
+    }
+
+    /// At stage 3, frees every unit's gathered weights (after a forward-only pass).
+    pub fn release(&mut self) -> Result<()> {
+        let mut sched = self.scheduler(false, false);
+        for u in 0..sched.units.len() {
+            sched.free(u)?;
+        }
+        Ok(())
+    }
+
+    /// Σ w(name) · g² over this rank's reduced gradient shards (no communication): each element
+    /// weighted by the weight of the parameter it belongs to.
+    pub fn local_grad_sq_norm(&self, weight: impl Fn(&str) -> f64) -> Result<f64> {
+        let mut total = 0.0;
+        for u in self.units.iter().filter(|u| u.numel > 0) {
+            let w = u.my_slice(&u.flatten(|e| {
+                Tensor::full(weight(e.param.name()) as f32, e.numel, self.comm.device()).ok()
+            })?)?; // (shard,)
+            let g = u.grad_shard()?.to_dtype(DType::F64)?; // (shard,)
+            total += (g.sqr()? * w.to_dtype(DType::F64)?)?
+                .sum_all()?
+                .to_scalar::<f64>()?;
+        }
+        Ok(total)
+    }
+
+    /// The reduced gradients of `names` as full tensors (a collective over the data-parallel
+    /// group: all-gathers the units holding any of them).
+    pub fn full_grads_of(&self, names: &BTreeSet<String>) -> Result<BTreeMap<String, Tensor>> {
+        let mut out = BTreeMap::new();
+        for u in self.units.iter().filter(|u| unit_has(u, names)) {
+            let flat = self.comm.all_gather(&u.grad_shard()?)?; // (padded,)
+            for (e, t) in u.unflatten(&flat)? {
+                if names.contains(e.param.name()) {
+                    out.insert(e.param.name().to_string(), t);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Adds full-tensor gradient contributions by name to this rank's gradient shards (local).
+    pub fn add_full_grads(&mut self, delta: &BTreeMap<String, Tensor>) -> Result<()> {
+        let names: BTreeSet<String> = delta.keys().cloned().collect();
+        for u in self.units.iter_mut().filter(|u| unit_has(u, &names)) {
+            let shard = u.my_slice(&u.flatten(|e| delta.get(e.param.name()).cloned())?)?; // (shard,)
+            u.add_grad_shard(&shard)?;
+        }
+        Ok(())
+    }
+
+    /// Sums the gradient shards of `names` over `group`, leaving the others as they are (a
+    /// collective over `group`, whose ranks must hold identically laid out units, as the ranks of
+    /// a tensor-parallel group do).
+    pub fn all_reduce_grads_of(&mut self, names: &BTreeSet<String>, group: &Comm) -> Result<()> {
+        let device = self.comm.device().clone();
+        for u in self.units.iter_mut().filter(|u| unit_has(u, names)) {
+            let mask = u.my_slice(&u.flatten(|e| {
+                names
+                    .contains(e.param.name())
+                    .then(|| Tensor::ones(e.numel, u_dtype(e), &device).ok())
+                    .flatten()
+            })?)?; // (shard,)
+            let masked = (u.grad_shard()? * mask)?; // (shard,)
+            let summed = group.all_reduce(&masked, ReduceOp::Sum)?;
+            u.add_grad_shard(&(summed - masked)?)?;
+        }
+        Ok(())
+    }
+}
+
+fn unit_has(u: &FlatUnit, names: &BTreeSet<String>) -> bool {
+    u.numel > 0 && u.entries.iter().any(|e| names.contains(e.param.name()))
+}
+
+fn u_dtype(e: &unit::Entry) -> DType {
+    e.param.var().dtype()
 }
 
 impl DataParallel for Fsdp {
