@@ -1,1 +1,562 @@
-//! (in progress)
+//! The training loop.
+//!
+//! ```text
+//! for step in start..steps:
+//!     lr = warmup + cosine(step)
+//!     for micro in 0..grad_accum:                        gradient accumulation
+//!         x, y = loader.next_batch()                     this rank's slice of the global batch
+//!         loss = model.forward_backward(x, y, 1/grad_accum)   block-wise engine, grads summed
+//!     coef = clip_coef(‖g‖, grad_clip)                   global-norm clipping
+//!     model.optimizer_step(lr, coef)                     AdamW, then the gradients are cleared
+//!     log (progress bar, metrics.jsonl), eval every N, checkpoint every N, memory report
+//! ```
+//!
+//! The loop talks to the model only through [`TrainableModel`], so a parallel wrapper can own the
+//! forward/backward (pipeline schedules, FSDP gathers, DDP buckets) and the optimizer's view of the
+//! parameters (flat shards) without the loop changing. [`SingleDevice`] is the one-rank
+//! implementation: the whole model, the block-wise engine, AdamW over full tensors.
+//!
+//! Resuming restores weights, AdamW moments and step, and the loader position; since nothing else is
+//! random, a resumed run reproduces the uninterrupted loss series bit for bit.
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use candle_core::{Device, Tensor};
+use indicatif::{ProgressBar, ProgressStyle};
+use mtrain_comm::mesh::MeshDims;
+use mtrain_comm::Backend;
+use mtrain_model::optim::{
+    clip_coef, lr_at, AdamW, AdamWConfig, AdamWState, LrSchedule, OptimItem,
+};
+use mtrain_model::{init_weights, Engine, Gpt, GptConfig, Grads, NoHooks, Param};
+use serde::Serialize;
+
+use crate::checkpoint::{self, CheckpointData};
+use crate::config::TrainConfig;
+use crate::data::{DataLoader, Dataset};
+use crate::memory::{
+    activation_bytes, AnalyticMemory, CpuProbe, MemoryProbe, MemoryTracker, ModelStateLayout, Phase,
+};
+
+/// What the loop needs from a model, however it is laid out across ranks.
+pub trait TrainableModel {
+    /// Forward and backward of one micro-batch `(B, T)`, adding `loss_scale ×` its gradients to the
+    /// accumulated ones; `mark` is called after the forward and after the backward (memory report).
+    /// Returns the micro-batch's mean loss.
+    fn forward_backward(
+        &mut self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        loss_scale: f64,
+        mark: &mut dyn FnMut(Phase),
+    ) -> anyhow::Result<f64>;
+    /// Mean loss of a batch without gradients.
+    fn eval_loss(&mut self, inputs: &Tensor, targets: &Tensor) -> anyhow::Result<f64>;
+    /// Σ g² over all accumulated gradients of the whole model (a sharded model reduces it).
+    fn grad_sq_norm(&mut self) -> anyhow::Result<f64>;
+    /// Scale the gradients by `grad_scale`, take an AdamW step at `lr`, clear the gradients.
+    fn optimizer_step(&mut self, lr: f64, grad_scale: f64) -> anyhow::Result<()>;
+    /// Full parameter tensors by name (for checkpoints).
+    fn state_dict(&self) -> anyhow::Result<BTreeMap<String, Tensor>>;
+    /// Full optimizer state by parameter name (for checkpoints).
+    fn optim_state(&self) -> anyhow::Result<AdamWState>;
+    /// Restore parameters and optimizer state saved by the two methods above.
+    fn load_state(
+        &mut self,
+        model: &BTreeMap<String, Tensor>,
+        optim: AdamWState,
+    ) -> anyhow::Result<()>;
+    /// Parameter shapes by name, to check a checkpoint against.
+    fn param_shapes(&self) -> BTreeMap<String, Vec<usize>>;
+    /// The bytes-per-parameter layout this rank holds (for the memory report).
+    fn memory_layout(&self) -> ModelStateLayout;
+    /// Communication buffer bytes this rank holds (0 on one device).
+    fn comm_bytes(&self) -> u64 {
+        0
+    }
+}
+
+/// The whole model on one device.
+pub struct SingleDevice {
+    model: Gpt,
+    params: Vec<Param>,
+    engine: Engine,
+    optim: AdamW,
+    grads: Grads,
+}
+
+impl SingleDevice {
+    /// The model built from `weights`, trained with AdamW `optim`.
+    pub fn new(
+        cfg: GptConfig,
+        weights: &BTreeMap<String, Tensor>,
+        device: &Device,
+        checkpointing: bool,
+        optim: AdamWConfig,
+    ) -> anyhow::Result<Self> {
+        let model = Gpt::new(cfg, weights, device)?;
+        let params = model.params();
+        Ok(Self {
+            model,
+            params,
+            engine: Engine { checkpointing },
+            optim: AdamW::new(optim),
+            grads: Grads::new(),
+        })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Gpt {
+        &self.model
+    }
+}
+
+impl TrainableModel for SingleDevice {
+    fn forward_backward(
+        &mut self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        loss_scale: f64,
+        mark: &mut dyn FnMut(Phase),
+    ) -> anyhow::Result<f64> {
+        let segs = &self.model.segments;
+        let acts = self
+            .engine
+            .forward(segs, inputs, Some(targets), &mut NoHooks)?;
+        let loss = acts
+            .output
+            .to_dtype(candle_core::DType::F64)?
+            .to_scalar::<f64>()?;
+        mark(Phase::AfterForward);
+        self.engine
+            .backward(segs, acts, None, loss_scale, &mut self.grads, &mut NoHooks)?;
+        mark(Phase::AfterBackward);
+        Ok(loss)
+    }
+
+    fn eval_loss(&mut self, inputs: &Tensor, targets: &Tensor) -> anyhow::Result<f64> {
+        let out = self.model.forward_loss(inputs, targets)?;
+        Ok(out
+            .loss
+            .to_dtype(candle_core::DType::F64)?
+            .to_scalar::<f64>()?)
+    }
+
+    fn grad_sq_norm(&mut self) -> anyhow::Result<f64> {
+        Ok(self.grads.sq_norm()?)
+    }
+
+    fn optimizer_step(&mut self, lr: f64, grad_scale: f64) -> anyhow::Result<()> {
+        let mut scaled = Vec::with_capacity(self.params.len());
+        for p in &self.params {
+            let g = self
+                .grads
+                .get(p.name())
+                .with_context(|| format!("no gradient for `{}` after backward", p.name()))?;
+            scaled.push(if grad_scale == 1.0 {
+                g.clone()
+            } else {
+                (g * grad_scale)?
+            });
+        }
+        let items: Vec<OptimItem> = self
+            .params
+            .iter()
+            .zip(&scaled)
+            .map(|(p, g)| OptimItem {
+                name: p.name(),
+                param: p,
+                grad: g,
+                decay: p.shape().rank() >= 2,
+            })
+            .collect();
+        self.optim.step(lr, &items)?;
+        self.grads.clear();
+        Ok(())
+    }
+
+    fn state_dict(&self) -> anyhow::Result<BTreeMap<String, Tensor>> {
+        Ok(self
+            .params
+            .iter()
+            .map(|p| (p.name().to_string(), p.tensor().detach()))
+            .collect())
+    }
+
+    fn optim_state(&self) -> anyhow::Result<AdamWState> {
+        Ok(self.optim.state())
+    }
+
+    fn load_state(
+        &mut self,
+        model: &BTreeMap<String, Tensor>,
+        optim: AdamWState,
+    ) -> anyhow::Result<()> {
+        for p in &self.params {
+            let t = model
+                .get(p.name())
+                .with_context(|| format!("checkpoint lacks `{}`", p.name()))?;
+            p.set(&t.to_device(&p.tensor().device().clone())?)?;
+        }
+        self.optim.load_state(optim)?;
+        Ok(())
+    }
+
+    fn param_shapes(&self) -> BTreeMap<String, Vec<usize>> {
+        self.params
+            .iter()
+            .map(|p| (p.name().to_string(), p.shape().dims().to_vec()))
+            .collect()
+    }
+
+    fn memory_layout(&self) -> ModelStateLayout {
+        ModelStateLayout::fp32_adam(self.params.iter().map(|p| p.elem_count() as u64).sum())
+    }
+}
+
+/// One line of metrics.jsonl.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepMetrics {
+    /// Optimizer step (0-based).
+    pub step: u64,
+    /// Mean training loss over the step's micro-batches (nats per token).
+    pub loss: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Tokens per second over all data-parallel ranks.
+    pub tokens_per_s: f64,
+    /// Model FLOPs utilisation against `peak_flops` (see `TrainConfig::peak_flops`).
+    pub mfu: f64,
+    /// Epoch of the training data.
+    pub epoch: u64,
+    /// Validation loss, when evaluated at this step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
+}
+
+/// What a run did.
+#[derive(Debug, Clone)]
+pub struct TrainSummary {
+    /// The first step this run executed (non-zero after a resume).
+    pub start_step: u64,
+    /// Training loss of every executed step, in order.
+    pub losses: Vec<f64>,
+    /// (step, validation loss) of every evaluation.
+    pub val_losses: Vec<(u64, f64)>,
+    /// Mean tokens per second over the run.
+    pub tokens_per_s: f64,
+    /// Directory of the last checkpoint written, if any.
+    pub last_checkpoint: Option<PathBuf>,
+    /// Analytic model-state bytes of this rank.
+    pub layout: ModelStateLayout,
+}
+
+/// Train with `cfg` on the ranks of `backend`, laid out as `dims`.
+pub fn run(
+    cfg: &TrainConfig,
+    backend: &dyn Backend,
+    dims: MeshDims,
+) -> anyhow::Result<TrainSummary> {
+    cfg.validate()?;
+    if dims.dp * dims.pp * dims.tp * dims.ep != 1 {
+        bail!(
+            "train::run drives a single rank; dp({}) pp({}) tp({}) ep({}) needs a parallel model (mtrain_parallel) wrapped as a TrainableModel",
+            dims.dp,
+            dims.pp,
+            dims.tp,
+            dims.ep
+        );
+    }
+    let gcfg = cfg.gpt_config()?;
+    let device = backend.device();
+    let rank = backend.world().rank();
+    let dataset =
+        Dataset::open(&cfg.data).with_context(|| format!("opening data `{}`", cfg.data))?;
+    if dataset.vocab_size > gcfg.vocab_size {
+        bail!(
+            "the data's vocab_size {} exceeds the model's {}",
+            dataset.vocab_size,
+            gcfg.vocab_size
+        );
+    }
+    let weights = init_weights(&gcfg, cfg.seed)?;
+    let adamw = AdamWConfig {
+        beta1: cfg.beta1,
+        beta2: cfg.beta2,
+        eps: cfg.eps,
+        weight_decay: cfg.weight_decay,
+    };
+    let mut model = SingleDevice::new(
+        gcfg.clone(),
+        &weights,
+        &device,
+        cfg.activation_checkpointing,
+        adamw,
+    )?;
+    drop(weights);
+    let loader = DataLoader::new(
+        dataset.train.clone(),
+        cfg.seq_len,
+        cfg.batch_size,
+        0,
+        1,
+        cfg.seed,
+    )?;
+    let val = DataLoader::new(
+        dataset.val.clone(),
+        cfg.seq_len,
+        cfg.batch_size,
+        0,
+        1,
+        cfg.seed,
+    )?;
+    train_loop(cfg, &gcfg, &mut model, loader, val, &device, rank, 1)
+}
+
+/// Where `cfg.resume` points: "latest" means this run directory.
+fn resume_checkpoint(
+    cfg: &TrainConfig,
+    resume: &Path,
+    device: &Device,
+) -> anyhow::Result<checkpoint::Checkpoint> {
+    if resume == Path::new("latest") {
+        let ckpt = checkpoint::load_latest_valid(&cfg.run_dir, device, |e| {
+            tracing::warn!("skipping a damaged checkpoint: {e}");
+        })?;
+        return Ok(ckpt);
+    }
+    let dir = checkpoint::resolve(resume)?;
+    Ok(checkpoint::load(&dir, device)?)
+}
+
+/// The loop itself, over any [`TrainableModel`]; `dp` scales the token count.
+#[allow(clippy::too_many_arguments)]
+pub fn train_loop(
+    cfg: &TrainConfig,
+    gcfg: &GptConfig,
+    model: &mut dyn TrainableModel,
+    mut loader: DataLoader,
+    mut val: DataLoader,
+    device: &Device,
+    rank: usize,
+    dp: usize,
+) -> anyhow::Result<TrainSummary> {
+    let _span = tracing::info_span!("train", rank).entered();
+    let mut start_step = 0;
+    if let Some(resume) = &cfg.resume {
+        let ckpt = resume_checkpoint(cfg, resume, device)?;
+        ckpt.check_shapes(&model.param_shapes())?;
+        model.load_state(&ckpt.model, ckpt.optim)?;
+        loader.set_position(ckpt.meta.data_position);
+        start_step = ckpt.meta.step;
+        tracing::info!(rank, step = start_step, dir = %ckpt.dir.display(), "resumed");
+    }
+    let lead = rank == 0;
+    if lead {
+        std::fs::create_dir_all(&cfg.run_dir)
+            .with_context(|| format!("creating {}", cfg.run_dir.display()))?;
+    }
+    let mut metrics = lead
+        .then(|| open_append(&cfg.run_dir.join("metrics.jsonl")))
+        .transpose()?;
+    let mut mem_log = (cfg.mem_report && lead)
+        .then(|| open_append(&cfg.run_dir.join("memory.jsonl")))
+        .transpose()?;
+
+    let sched = LrSchedule {
+        lr: cfg.lr,
+        min_lr: cfg.min_lr,
+        warmup_steps: cfg.warmup_steps,
+        total_steps: cfg.steps,
+    };
+    let tokens_per_step = (cfg.batch_size * cfg.seq_len * cfg.grad_accum * dp) as f64;
+    let flops_per_token = gcfg.flops_per_token(cfg.seq_len);
+    let (peak, placeholder) = cfg.peak_flops();
+    let layout = model.memory_layout();
+    let analytic = AnalyticMemory::new(
+        &layout,
+        activation_bytes(
+            gcfg,
+            cfg.batch_size,
+            cfg.seq_len,
+            4,
+            cfg.activation_checkpointing,
+        ),
+        model.comm_bytes(),
+    );
+    if lead {
+        tracing::info!(
+            params = layout.n_params,
+            flops_per_token,
+            peak_flops = peak,
+            "MFU is measured against {peak:.3e} FLOP/s{}",
+            if placeholder {
+                " (an assumed CPU peak, a placeholder: set peak_flops for a real figure)"
+            } else {
+                ""
+            }
+        );
+    }
+
+    let bar = if lead {
+        ProgressBar::new(cfg.steps)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_position(start_step);
+    let probe = CpuProbe;
+    let mut tracker = MemoryTracker::new(&probe as &dyn MemoryProbe);
+    let mut summary = TrainSummary {
+        start_step,
+        losses: Vec::new(),
+        val_losses: Vec::new(),
+        tokens_per_s: 0.0,
+        last_checkpoint: None,
+        layout,
+    };
+    let run_start = Instant::now();
+    for step in start_step..cfg.steps {
+        let t0 = Instant::now();
+        if cfg.mem_report {
+            tracker.begin();
+        }
+        let lr = lr_at(step, &sched);
+        let mut loss = 0.0;
+        let epoch = loader.epoch();
+        for _ in 0..cfg.grad_accum {
+            let (x, y) = loader.next_batch().to_tensors(device)?; // (B, T), (B, T)
+            let mut mark = |p: Phase| {
+                if cfg.mem_report {
+                    tracker.mark(p)
+                }
+            };
+            loss += model.forward_backward(&x, &y, 1.0 / cfg.grad_accum as f64, &mut mark)?
+                / cfg.grad_accum as f64;
+        }
+        if !loss.is_finite() {
+            bail!("loss became {loss} at step {step} (lr {lr:.3e}); lower --lr or check the data");
+        }
+        let grad_norm = model.grad_sq_norm()?.sqrt();
+        model.optimizer_step(lr, clip_coef(grad_norm, cfg.grad_clip))?;
+        if cfg.mem_report {
+            tracker.mark(Phase::AfterOptimizer);
+        }
+        let dt = t0.elapsed().as_secs_f64();
+        let tokens_per_s = tokens_per_step / dt.max(1e-9);
+        let mfu = flops_per_token * tokens_per_s / (peak * dp as f64);
+        summary.losses.push(loss);
+
+        let last = step + 1 == cfg.steps;
+        let val_loss = if cfg.eval_every > 0 && ((step + 1) % cfg.eval_every == 0 || last) {
+            let v = evaluate(model, &mut val, cfg.eval_iters, device)?;
+            summary.val_losses.push((step, v));
+            Some(v)
+        } else {
+            None
+        };
+        let m = StepMetrics {
+            step,
+            loss,
+            lr,
+            grad_norm,
+            tokens_per_s,
+            mfu,
+            epoch,
+            val_loss,
+        };
+        bar.set_position(step + 1);
+        bar.set_message(format!(
+            "loss {loss:.4} lr {lr:.2e} {tokens_per_s:.0} tok/s mfu {:.2}%{}",
+            100.0 * mfu,
+            if placeholder { "*" } else { "" }
+        ));
+        let log_now = cfg.log_every > 0 && (step % cfg.log_every == 0 || last);
+        if log_now || val_loss.is_some() {
+            tracing::info!(
+                rank,
+                step,
+                loss,
+                lr,
+                grad_norm,
+                tokens_per_s,
+                mfu,
+                val_loss,
+                "step"
+            );
+            if let Some(f) = metrics.as_mut() {
+                write_json_line(f, &m)?;
+            }
+        }
+        if cfg.mem_report {
+            let report = tracker.finish(step, rank, analytic);
+            if let Some(f) = mem_log.as_mut() {
+                write_json_line(f, &report)?;
+            }
+            if lead && (step == start_step || log_now) {
+                bar.suspend(|| eprint!("{}", report.table()));
+            }
+        }
+        let ckpt_now = last || (cfg.ckpt_every > 0 && (step + 1) % cfg.ckpt_every == 0);
+        if ckpt_now && lead {
+            let model_state = model.state_dict()?;
+            let optim_state = model.optim_state()?;
+            let dir = checkpoint::save(
+                &cfg.run_dir,
+                &CheckpointData {
+                    step: step + 1,
+                    config: cfg,
+                    data_position: loader.position(),
+                    model: &model_state,
+                    optim: &optim_state,
+                },
+            )?;
+            tracing::info!(rank, step = step + 1, dir = %dir.display(), "checkpoint written");
+            summary.last_checkpoint = Some(dir);
+        }
+    }
+    bar.finish_and_clear();
+    let executed = cfg.steps.saturating_sub(start_step) as f64;
+    summary.tokens_per_s = executed * tokens_per_step / run_start.elapsed().as_secs_f64().max(1e-9);
+    Ok(summary)
+}
+
+/// Mean loss over the first `iters` validation batches (the same batches at every evaluation).
+pub fn evaluate(
+    model: &mut dyn TrainableModel,
+    val: &mut DataLoader,
+    iters: usize,
+    device: &Device,
+) -> anyhow::Result<f64> {
+    val.set_position(0);
+    let mut total = 0.0;
+    for _ in 0..iters {
+        let (x, y) = val.next_batch().to_tensors(device)?; // (B, T), (B, T)
+        total += model.eval_loss(&x, &y)?;
+    }
+    Ok(total / iters as f64)
+}
+
+fn open_append(path: &Path) -> anyhow::Result<File> {
+    OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))
+}
+
+fn write_json_line(f: &mut File, value: &impl Serialize) -> anyhow::Result<()> {
+    let line = serde_json::to_string(value)?;
+    writeln!(f, "{line}")?;
+    Ok(())
+}
