@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Shape, Tensor};
 use mtrain_comm::{chunk_range, Communicator, Work};
-use mtrain_model::{Activations, Engine, Grads, Hooks, NoHooks};
+use mtrain_model::{Activations, Engine, Grads, Hooks, MoeStats, NoHooks};
 
 use super::schedule::{Action, Schedule};
 use super::stage::PipelineStages;
@@ -64,6 +64,9 @@ pub struct StepReport {
     /// Most bytes of saved stage inputs (and outputs, without checkpointing) alive at once,
     /// as counted by [`Activations::held_bytes`].
     pub peak_activation_bytes: usize,
+    /// Routing statistics of this rank's MoE layers, summed over the micro-batches (empty for a
+    /// dense model), chunk by chunk in segment order.
+    pub moe_stats: Vec<MoeStats>,
 }
 
 impl std::fmt::Display for StepReport {
@@ -279,6 +282,7 @@ impl PipelineExecutor {
         };
         let mut alive: HashMap<(usize, usize), Activations> = HashMap::new();
         let (mut peak, mut loss_sum, mut aux_sum) = (0, 0.0, 0.0);
+        let mut moe_stats: Vec<Vec<MoeStats>> = vec![Vec::new(); stages.chunks().len()];
         let (mut alive_bytes, mut peak_bytes) = (0, 0);
         let start = Instant::now();
         for (i, action) in sched.actions(rank).iter().enumerate() {
@@ -302,6 +306,7 @@ impl PipelineExecutor {
                         .engine
                         .forward(&stage.segments, &x, tgt, hooks.hooks(chunk, false))?;
                     aux_sum += acts.aux_loss;
+                    add_stats(&mut moe_stats[chunk], &acts.stats);
                     match sched.output_stage(rank, action) {
                         None => loss_sum += acts.output.to_dtype(DType::F64)?.to_scalar::<f64>()?,
                         Some(to) => {
@@ -372,8 +377,23 @@ impl PipelineExecutor {
             analytic_bubble_fraction: sched.analytic_bubble_fraction(),
             peak_in_flight: peak,
             peak_activation_bytes: peak_bytes,
+            moe_stats: moe_stats.into_iter().flatten().collect(),
         };
         tracing::debug!(pp_rank = rank, schedule = %sched.kind(), "{report}");
         Ok(report)
+    }
+}
+
+/// Adds one forward's routing statistics (one per MoE layer of a chunk) to the chunk's sums.
+fn add_stats(acc: &mut Vec<MoeStats>, new: &[MoeStats]) {
+    if acc.is_empty() {
+        acc.extend_from_slice(new);
+        return;
+    }
+    for (a, s) in acc.iter_mut().zip(new) {
+        for (x, n) in a.tokens_per_expert.iter_mut().zip(&s.tokens_per_expert) {
+            *x += n;
+        }
+        a.dropped += s.dropped;
     }
 }
