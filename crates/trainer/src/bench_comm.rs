@@ -34,6 +34,8 @@ use clap::{Args, ValueEnum};
 use mtrain_comm::{Backend, Comm, CommError, ReduceOp};
 use serde::Serialize;
 
+use crate::config::DeviceKind;
+
 /// Options of `mtrain bench-comm` (nccl-tests' short flags).
 #[derive(Debug, Clone, Args)]
 pub struct BenchCommArgs {
@@ -74,6 +76,10 @@ pub struct BenchCommArgs {
     /// Element type of the messages.
     #[arg(long, value_enum, default_value_t = BenchDtype::F32)]
     pub dtype: BenchDtype,
+
+    /// Where the messages live: `cpu` (TCP backend) or `cuda` (NCCL, one GPU per rank).
+    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    pub device: DeviceKind,
 
     /// Also write the results as JSON to this file (rank 0; `-` for stdout).
     #[arg(long, value_name = "PATH")]

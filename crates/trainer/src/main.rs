@@ -21,6 +21,7 @@ use mtrain_comm::cpu::{CpuBackend, CpuOptions};
 use mtrain_comm::env::LaunchEnv;
 use mtrain_comm::Backend;
 use mtrain_trainer::cli::{Cli, Command, Layout};
+use mtrain_trainer::config::DeviceKind;
 use mtrain_trainer::launch::{self, LaunchError};
 use mtrain_trainer::{bench_comm, plan, prepare, sample, train};
 use tracing_subscriber::fmt::format::Writer;
@@ -126,10 +127,12 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
             println!("{}", sample::sample(args)?);
             Ok(())
         }
-        Some(Command::BenchComm(args)) => distributed(&cli, env, |backend, _layout| {
-            bench_comm::run(args, backend)?;
-            Ok(())
-        }),
+        Some(Command::BenchComm(args)) => {
+            distributed(&cli, env, args.device, |backend, _layout| {
+                bench_comm::run(args, backend)?;
+                Ok(())
+            })
+        }
         None => {
             let unsupported = cli.strategy.non_default();
             anyhow::ensure!(
@@ -143,7 +146,7 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
                 .train
                 .resolve()
                 .context("resolving the training configuration")?;
-            distributed(&cli, env, |backend, layout| {
+            distributed(&cli, env, cfg.device, |backend, layout| {
                 if backend.world().rank() == 0 {
                     tracing::info!(
                         "layout dp={} pp={} tp={} ep={} (world {})",
@@ -166,6 +169,7 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
 fn distributed(
     cli: &Cli,
     env: Option<LaunchEnv>,
+    device: DeviceKind,
     job: impl FnOnce(&dyn Backend, &Layout) -> anyhow::Result<()>,
 ) -> anyhow::Result<()> {
     let layout = cli.layout.resolve(env.as_ref().map(|e| e.world_size))?;
@@ -180,15 +184,38 @@ fn distributed(
     };
     layout.dims.validate(env.world_size)?;
     inject_failure(env.rank)?;
-    let backend = CpuBackend::init(
-        &env,
-        CpuOptions {
-            timeout: layout.comm_timeout,
-            ..Default::default()
-        },
-    )
-    .with_context(|| format!("rank {}: joining the job at {}", env.rank, env.store_addr()))?;
-    job(&backend, &layout)
+    let backend = make_backend(&env, device, &layout).with_context(|| {
+        if env.world_size > 1 {
+            format!("rank {}: joining the job at {}", env.rank, env.store_addr())
+        } else {
+            "starting the collective backend".to_string()
+        }
+    })?;
+    job(backend.as_ref(), &layout)
+}
+
+/// The collective backend for this process: TCP on CPU, NCCL on the GPU of `LOCAL_RANK`.
+fn make_backend(
+    env: &LaunchEnv,
+    device: DeviceKind,
+    layout: &Layout,
+) -> anyhow::Result<Box<dyn Backend>> {
+    match device {
+        DeviceKind::Cpu => {
+            let opts = CpuOptions { timeout: layout.comm_timeout, ..Default::default() };
+            Ok(Box::new(CpuBackend::init(env, opts)?))
+        }
+        #[cfg(feature = "cuda")]
+        DeviceKind::Cuda => {
+            use mtrain_comm::nccl::{NcclBackend, NcclOptions};
+            let opts = NcclOptions { timeout: layout.comm_timeout, ..Default::default() };
+            Ok(Box::new(NcclBackend::init(env, opts)?))
+        }
+        #[cfg(not(feature = "cuda"))]
+        DeviceKind::Cuda => anyhow::bail!(
+            "--device cuda needs a build with the `cuda` feature (scripts/build-gpu.sh); this binary is CPU-only"
+        ),
+    }
 }
 
 /// Test hook for the launcher's fail-fast path: `MTRAIN_FAIL_RANK=r` makes worker `r` fail at
