@@ -556,4 +556,21 @@ mod tests {
         c.validate().unwrap();
         assert_eq!(c.gpt_config().unwrap(), GptConfig::tiny());
     }
+
+    /// Every shipped configs/*.toml parses, and its [model] table equals the preset of that name.
+    #[test]
+    fn shipped_configs_parse() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+        for name in GptConfig::PRESETS {
+            let path = dir.join(format!("{name}.toml"));
+            let text = std::fs::read_to_string(&path).unwrap();
+            let cfg = TrainConfig::from_toml_str(&text, &path.display().to_string())
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(
+                cfg.gpt_config().unwrap(),
+                GptConfig::preset(name).unwrap(),
+                "{name}"
+            );
+        }
+    }
 }

@@ -37,7 +37,7 @@ use mtrain_model::{init_weights, Engine, Gpt, GptConfig, Grads, NoHooks, Param};
 use serde::Serialize;
 
 use crate::checkpoint::{self, CheckpointData};
-use crate::config::TrainConfig;
+use crate::config::{DTypeKind, TrainConfig};
 use crate::data::{DataLoader, Dataset};
 use crate::memory::{
     activation_bytes, AnalyticMemory, CpuProbe, MemoryProbe, MemoryTracker, ModelStateLayout, Phase,
@@ -273,6 +273,9 @@ pub fn run(
             dims.tp,
             dims.ep
         );
+    }
+    if cfg.dtype == DTypeKind::Bf16 {
+        bail!("dtype bf16 (bf16 compute with fp32 master weights) is not available in the single-device trainer; use --dtype f32");
     }
     let gcfg = cfg.gpt_config()?;
     let device = backend.device();
