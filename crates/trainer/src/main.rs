@@ -31,6 +31,9 @@ use tracing_subscriber::registry::LookupSpan;
 #[global_allocator]
 static ALLOC: mtrain_trainer::memory::CountingAlloc = mtrain_trainer::memory::CountingAlloc;
 
+/// How long a worker lingers after dropping its backend so queued sends reach the peers.
+const EXIT_LINGER: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// Exit code after Ctrl-C / SIGTERM, as a shell reports a SIGINT death (128 + 2).
 const EXIT_INTERRUPTED: u8 = 130;
 
@@ -191,7 +194,16 @@ fn distributed(
             "starting the collective backend".to_string()
         }
     })?;
-    job(backend.as_ref(), &layout)
+    job(backend.as_ref(), &layout)?;
+    if env.world_size > 1 {
+        // Leave together: once every rank is past this barrier nobody waits for data from a
+        // peer any more. Then give the backend's writer threads a moment to put this rank's
+        // last bytes on the wire before the process exits, so a peer never reads a cut-off op.
+        backend.world().barrier().context("final barrier")?;
+        drop(backend);
+        std::thread::sleep(EXIT_LINGER);
+    }
+    Ok(())
 }
 
 /// The collective backend for this process: TCP on CPU, NCCL on the GPU of `LOCAL_RANK`.
