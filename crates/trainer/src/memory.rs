@@ -309,7 +309,7 @@ impl MemoryReport {
             "memory, step {} rank {} ({}):",
             self.step, self.rank, self.probe
         );
-        let _ = writeln!(s, "  analytic                      measured");
+        let _ = writeln!(s, "  {:<36}{}", "analytic", "measured");
         let left = [
             ("parameters", a.params),
             ("gradients", a.grads),
@@ -338,7 +338,7 @@ impl MemoryReport {
                 .get(i)
                 .map(|(n, b)| format!("{n:<16}{}", mib(*b)))
                 .unwrap_or_default();
-            let _ = writeln!(s, "  {l:<32}{r}");
+            let _ = writeln!(s, "  {l:<36}{r}");
         }
         s
     }

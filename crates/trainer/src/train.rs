@@ -61,9 +61,10 @@ pub trait TrainableModel {
     fn grad_sq_norm(&mut self) -> anyhow::Result<f64>;
     /// Scale the gradients by `grad_scale`, take an AdamW step at `lr`, clear the gradients.
     fn optimizer_step(&mut self, lr: f64, grad_scale: f64) -> anyhow::Result<()>;
-    /// Full parameter tensors by name (for checkpoints).
+    /// Full parameter tensors by name (for checkpoints). Called on every rank (a sharded model
+    /// gathers here); only rank 0 writes.
     fn state_dict(&self) -> anyhow::Result<BTreeMap<String, Tensor>>;
-    /// Full optimizer state by parameter name (for checkpoints).
+    /// Full optimizer state by parameter name (for checkpoints); called on every rank.
     fn optim_state(&self) -> anyhow::Result<AdamWState>;
     /// Restore parameters and optimizer state saved by the two methods above.
     fn load_state(
@@ -511,26 +512,37 @@ pub fn train_loop(
             }
         }
         let ckpt_now = last || (cfg.ckpt_every > 0 && (step + 1) % cfg.ckpt_every == 0);
-        if ckpt_now && lead {
+        if ckpt_now {
+            // Every rank gathers (a sharded model's state_dict is collective); rank 0 writes.
             let model_state = model.state_dict()?;
             let optim_state = model.optim_state()?;
-            let dir = checkpoint::save(
-                &cfg.run_dir,
-                &CheckpointData {
+            if lead {
+                let data = CheckpointData {
                     step: step + 1,
                     config: cfg,
                     data_position: loader.position(),
                     model: &model_state,
                     optim: &optim_state,
-                },
-            )?;
-            tracing::info!(rank, step = step + 1, dir = %dir.display(), "checkpoint written");
-            summary.last_checkpoint = Some(dir);
+                };
+                let dir = checkpoint::save(&cfg.run_dir, &data)?;
+                tracing::info!(rank, step = step + 1, dir = %dir.display(), "checkpoint written");
+                summary.last_checkpoint = Some(dir);
+            }
         }
     }
     bar.finish_and_clear();
     let executed = cfg.steps.saturating_sub(start_step) as f64;
     summary.tokens_per_s = executed * tokens_per_step / run_start.elapsed().as_secs_f64().max(1e-9);
+    if lead {
+        tracing::info!(
+            rank,
+            steps = executed,
+            final_loss = summary.losses.last().copied(),
+            final_val_loss = summary.val_losses.last().map(|v| v.1),
+            tokens_per_s = summary.tokens_per_s,
+            "done"
+        );
+    }
     Ok(summary)
 }
 

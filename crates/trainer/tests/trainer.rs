@@ -17,6 +17,16 @@ use mtrain_trainer::train::{self, TrainSummary};
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
 
+/// The allocator's counters are process-wide, so tests run one at a time: the memory test's
+/// phase-to-phase differences must not include another test's allocations.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 const ONE: MeshDims = MeshDims {
     dp: 1,
     pp: 1,
@@ -54,6 +64,7 @@ fn short(dir: &Path, steps: u64) -> TrainConfig {
 /// mean the validation data leaked or the loss is wrong.
 #[test]
 fn tiny_learns_the_builtin_corpus_and_samples() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     // The default run with half the default batch (8 x 64 tokens per step), to keep CI fast.
     let cfg = TrainConfig {
@@ -112,6 +123,7 @@ fn tiny_learns_the_builtin_corpus_and_samples() {
 /// Interrupting at step 6 and resuming gives bit-identical losses for steps 6..12.
 #[test]
 fn resume_reproduces_the_uninterrupted_loss_series() {
+    let _serial = serial();
     let a = tempfile::tempdir().unwrap();
     let b = tempfile::tempdir().unwrap();
     let full = run(&TrainConfig {
@@ -150,6 +162,7 @@ fn resume_reproduces_the_uninterrupted_loss_series() {
 /// The analytic byte counts equal the bytes of the real tensors.
 #[test]
 fn analytic_parameter_bytes_equal_the_tensors() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let s = run(&short(dir.path(), 1));
     let ckpt = checkpoint::load(s.last_checkpoint.as_ref().unwrap(), &Device::Cpu).unwrap();
@@ -175,6 +188,7 @@ fn analytic_parameter_bytes_equal_the_tensors() {
 /// The memory report measures each phase with the counting allocator and writes JSON lines.
 #[test]
 fn memory_report_measures_phases() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let s = run(&TrainConfig {
         mem_report: true,
@@ -222,6 +236,7 @@ fn memory_report_measures_phases() {
 /// checkpoint still loads and resumes.
 #[test]
 fn damaged_checkpoint_is_refused_and_the_previous_one_stays_usable() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     run(&TrainConfig {
         ckpt_every: 2,
@@ -280,6 +295,7 @@ fn damaged_checkpoint_is_refused_and_the_previous_one_stays_usable() {
 /// across an epoch boundary.
 #[test]
 fn data_parallel_slices_partition_the_global_batch() {
+    let _serial = serial();
     let ds = Dataset::open(&DataSource::Builtin).unwrap();
     let (t, b, dp, seed) = (32, 2, 4, 7);
     let mut one = DataLoader::new(ds.train.clone(), t, b * dp, 0, 1, seed).unwrap();
@@ -320,6 +336,7 @@ fn data_parallel_slices_partition_the_global_batch() {
 /// Shards written to disk are memory-mapped back identically and split the same way.
 #[test]
 fn token_shards_round_trip_and_split_like_memory() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let tokens: Vec<u32> = corpus::generate(20_000, 3)
         .into_iter()
@@ -360,6 +377,7 @@ fn token_shards_round_trip_and_split_like_memory() {
 /// Unknown keys are refused by name, in the file's tables, in `--set`, and in the model table.
 #[test]
 fn config_rejects_unknown_keys_naming_them() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let write = |name: &str, text: &str| {
         let p = dir.path().join(name);
@@ -428,6 +446,7 @@ fn config_rejects_unknown_keys_naming_them() {
 /// `prepare` trains a byte-level BPE on a small text, and its shards train a model.
 #[test]
 fn prepare_writes_a_tokenizer_and_shards() {
+    let _serial = serial();
     let dir = tempfile::tempdir().unwrap();
     let text_path = dir.path().join("corpus.txt");
     let text = String::from_utf8(corpus::generate(60_000, 11)).unwrap();
