@@ -1,0 +1,478 @@
+//! 4D composition against one device (CPU, ranks as threads).
+//!
+//! - `*_equals_one_device`: a layout from `parallelize` trains 5 AdamW steps (gradient clipping
+//!   on) next to a single-device GPT run by the plain engine on the same global batches: every
+//!   step's loss (rel ≤ 1e-5), full gradients (rel ≤ 1e-4 per tensor) and gradient norm
+//!   (rel ≤ 1e-5), and the final weights (rel ≤ 1e-4), on every rank.
+//! - `reshard_*`: the full weights and AdamW state saved under one layout, loaded under another,
+//!   give the next step's loss and norm of the uninterrupted single-device run.
+//! - `validate_*`: impossible layouts are refused with the arithmetic shown.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor};
+use mtrain_comm::cpu::run_local;
+use mtrain_comm::{DeviceMesh, MeshDims};
+use mtrain_model::optim::{clip_coef, AdamW, AdamWConfig, AdamWState, OptimItem};
+use mtrain_model::{init_weights, Engine, Gpt, GptConfig, Grads, MoeConfig, NoHooks};
+use mtrain_parallel::ddp::DdpConfig;
+use mtrain_parallel::fsdp::{FsdpConfig, ZeroStage};
+use mtrain_parallel::parallelize::{describe, parallelize, DataParallelKind, ParallelPlan};
+use mtrain_parallel::pipeline::ScheduleKind;
+use rand::{Rng, SeedableRng};
+
+const STEPS: usize = 5;
+const BATCH: usize = 8;
+const SEQ: usize = 8;
+const LR: f64 = 3e-3;
+/// Low enough that clipping is active, so the global norm must be right.
+const MAX_NORM: f64 = 0.5;
+const SEED: u64 = 7;
+
+fn cfg() -> GptConfig {
+    GptConfig {
+        vocab_size: 64,
+        block_size: 16,
+        n_layer: 4,
+        n_head: 4,
+        n_embd: 32,
+        moe: None,
+    }
+}
+
+fn moe_cfg() -> GptConfig {
+    GptConfig {
+        moe: Some(MoeConfig {
+            n_experts: 4,
+            top_k: 2,
+            capacity_factor: 1.0,
+            aux_loss_coef: 0.01,
+            z_loss_coef: 0.001,
+        }),
+        ..cfg()
+    }
+}
+
+/// Step `s`'s global batch (idx, targets), both (BATCH, SEQ) u32.
+fn batch(cfg: &GptConfig, s: usize) -> (Tensor, Tensor) {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1000 + s as u64);
+    let mut draw = || -> Vec<u32> {
+        (0..BATCH * SEQ)
+            .map(|_| rng.gen_range(0..cfg.vocab_size as u32))
+            .collect()
+    };
+    let idx = Tensor::from_vec(draw(), (BATCH, SEQ), &Device::Cpu).expect("idx");
+    let tgt = Tensor::from_vec(draw(), (BATCH, SEQ), &Device::Cpu).expect("targets");
+    (idx, tgt)
+}
+
+fn rel(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.dims(), b.dims(), "shapes differ");
+    let f = |t: &Tensor| t.to_dtype(DType::F64).expect("f64");
+    let sq = |t: Tensor| {
+        t.sqr()
+            .expect("sqr")
+            .sum_all()
+            .expect("sum")
+            .to_scalar::<f64>()
+            .expect("s")
+    };
+    let (a, b) = (f(a), f(b));
+    (sq((&a - &b).expect("sub")) / sq(b).max(1e-24)).sqrt()
+}
+
+fn rel_f(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-12)
+}
+
+/// What a run records per step.
+#[derive(Clone)]
+struct Trace {
+    losses: Vec<f64>,
+    norms: Vec<f64>,
+    grads: Vec<BTreeMap<String, Tensor>>,
+    weights: BTreeMap<String, Tensor>,
+}
+
+fn adamw() -> AdamW {
+    AdamW::new(AdamWConfig::default())
+}
+
+/// The single-device run: the plain engine over the whole model, each global batch cut into
+/// `groups` equal slices accumulated with weight 1/groups (one routing group per dp rank for
+/// MoE; for a dense model the slicing does not change the gradient).
+fn one_device(cfg: &GptConfig, steps: usize, groups: usize) -> (Trace, AdamWState) {
+    let weights = init_weights(cfg, SEED).expect("init");
+    let gpt = Gpt::new(cfg.clone(), &weights, &Device::Cpu).expect("gpt");
+    let params = gpt.params();
+    let engine = Engine::new(false);
+    let mut opt = adamw();
+    let mut t = Trace {
+        losses: vec![],
+        norms: vec![],
+        grads: vec![],
+        weights: BTreeMap::new(),
+    };
+    for s in 0..steps {
+        let (idx, tgt) = batch(cfg, s);
+        let b = BATCH / groups;
+        let mut grads = Grads::new();
+        let mut loss = 0.0;
+        for g in 0..groups {
+            let (i, y) = (
+                idx.narrow(0, g * b, b).expect("i"),
+                tgt.narrow(0, g * b, b).expect("y"),
+            );
+            let (l, _) = engine
+                .forward_backward(
+                    &gpt.segments,
+                    &i,
+                    &y,
+                    1.0 / groups as f64,
+                    &mut grads,
+                    &mut NoHooks,
+                )
+                .expect("fb");
+            loss += l / groups as f64;
+        }
+        let norm = grads.sq_norm().expect("norm").sqrt();
+        let c = clip_coef(norm, MAX_NORM);
+        let clipped: BTreeMap<String, Tensor> = grads
+            .iter()
+            .map(|(n, g)| (n.clone(), (g * c).expect("clip")))
+            .collect();
+        let items: Vec<OptimItem> = params
+            .iter()
+            .map(|p| {
+                let g = &clipped[p.name()];
+                OptimItem {
+                    name: p.name(),
+                    param: p,
+                    grad: g,
+                    decay: g.dims().len() >= 2,
+                }
+            })
+            .collect();
+        opt.step(LR, &items).expect("adamw");
+        t.losses.push(loss);
+        t.norms.push(norm);
+        t.grads
+            .push(grads.iter().map(|(n, g)| (n.clone(), g.clone())).collect());
+    }
+    t.weights = params
+        .iter()
+        .map(|p| (p.name().to_string(), p.tensor().detach()))
+        .collect();
+    (t, opt.state())
+}
+
+/// Runs `plan` on its world of threads for `steps` steps, optionally starting from saved full
+/// weights and optimizer state and from step `first`; returns every rank's trace and rank 0's
+/// full optimizer state at the end.
+fn run_plan(
+    cfg: &GptConfig,
+    plan: &ParallelPlan,
+    first: usize,
+    steps: usize,
+    resume: Option<&(BTreeMap<String, Tensor>, AdamWState)>,
+) -> Vec<(Trace, AdamWState)> {
+    let world = plan.dims.world_size();
+    plan.validate(cfg, world, BATCH).expect("plan validates");
+    run_local(world, Duration::from_secs(120), |backend| {
+        let mesh = DeviceMesh::new(&backend, plan.dims).expect("mesh");
+        let weights = init_weights(cfg, SEED).expect("init");
+        let mut model = parallelize(cfg, &weights, plan, &mesh, &Device::Cpu).expect("parallelize");
+        let mut opt = adamw();
+        if let Some((w, st)) = resume {
+            model.load_full_state(w).expect("load weights");
+            model
+                .load_optimizer_state(&mut opt, st)
+                .expect("load optimizer");
+        }
+        let b = BATCH / plan.dims.dp;
+        let dp_idx = mesh.coords.dp;
+        let mut t = Trace {
+            losses: vec![],
+            norms: vec![],
+            grads: vec![],
+            weights: BTreeMap::new(),
+        };
+        for s in first..first + steps {
+            let (idx, tgt) = batch(cfg, s);
+            let (i, y) = (
+                idx.narrow(0, dp_idx * b, b).expect("i"),
+                tgt.narrow(0, dp_idx * b, b).expect("y"),
+            );
+            let out = model
+                .forward_backward(&i, &y, 1.0, true)
+                .expect("forward_backward");
+            t.grads.push(model.full_grads().expect("full grads"));
+            let norm = model
+                .optimizer_step(&mut opt, LR, Some(MAX_NORM))
+                .expect("step");
+            t.losses.push(out.loss);
+            t.norms.push(norm);
+        }
+        t.weights = model.full_state().expect("full state");
+        let st = model.full_optimizer_state(&opt).expect("optimizer state");
+        (t, st)
+    })
+}
+
+/// Every rank of `plan` equals the single-device run.
+fn check_equals_one_device(cfg: &GptConfig, plan: &ParallelPlan, groups: usize) {
+    let (want, _) = one_device(cfg, STEPS, groups);
+    let ranks = run_plan(cfg, plan, 0, STEPS, None);
+    let (mut worst_loss, mut worst_grad, mut worst_norm) = (0f64, 0f64, 0f64);
+    for (r, (got, _)) in ranks.iter().enumerate() {
+        for s in 0..STEPS {
+            let l = rel_f(got.losses[s], want.losses[s]);
+            assert!(
+                l <= 1e-5,
+                "rank {r} step {s}: loss {} vs {} (rel {l:.2e})",
+                got.losses[s],
+                want.losses[s]
+            );
+            let n = rel_f(got.norms[s], want.norms[s]);
+            assert!(
+                n <= 1e-5,
+                "rank {r} step {s}: norm {} vs {} (rel {n:.2e})",
+                got.norms[s],
+                want.norms[s]
+            );
+            assert_eq!(
+                got.grads[s].len(),
+                want.grads[s].len(),
+                "rank {r}: gradient count"
+            );
+            for (name, g) in &want.grads[s] {
+                let e = rel(&got.grads[s][name], g);
+                assert!(
+                    e <= 1e-4,
+                    "rank {r} step {s}: gradient of {name} rel {e:.2e}"
+                );
+                worst_grad = worst_grad.max(e);
+            }
+            worst_loss = worst_loss.max(l);
+            worst_norm = worst_norm.max(n);
+        }
+        for (name, w) in &want.weights {
+            let e = rel(&got.weights[name], w);
+            assert!(e <= 1e-4, "rank {r}: final {name} rel {e:.2e}");
+        }
+    }
+    println!(
+        "{:?}: worst rel loss {worst_loss:.1e}, grad {worst_grad:.1e}, norm {worst_norm:.1e}; losses {:?}",
+        plan.dims, want.losses
+    );
+}
+
+fn plan(dp: usize, pp: usize, tp: usize, ep: usize) -> ParallelPlan {
+    ParallelPlan {
+        microbatches: if pp > 1 { 2 } else { 1 },
+        ..ParallelPlan::new(MeshDims::new(dp, pp, tp, ep))
+    }
+}
+
+fn zero(stage: ZeroStage) -> DataParallelKind {
+    DataParallelKind::Zero(FsdpConfig {
+        stage,
+        prefetch: true,
+    })
+}
+
+#[test]
+fn tp2_pp2_dp2_equals_one_device() {
+    check_equals_one_device(&cfg(), &plan(2, 2, 2, 1), 1);
+}
+
+#[test]
+fn tp4_pp2_equals_one_device() {
+    let p = ParallelPlan {
+        schedule: ScheduleKind::GPipe,
+        ..plan(1, 2, 4, 1)
+    };
+    check_equals_one_device(&cfg(), &p, 1);
+}
+
+#[test]
+fn pp2_dp2_zero3_equals_one_device() {
+    let p = ParallelPlan {
+        data: zero(ZeroStage::Three),
+        checkpointing: true,
+        ..plan(2, 2, 1, 1)
+    };
+    check_equals_one_device(&cfg(), &p, 1);
+}
+
+#[test]
+fn dp2_ep2_moe_equals_one_device() {
+    check_equals_one_device(&moe_cfg(), &plan(2, 1, 1, 2), 2);
+}
+
+#[test]
+fn tp2_sp_dp2_zero2_equals_one_device() {
+    let p = ParallelPlan {
+        data: zero(ZeroStage::Two),
+        sequence_parallel: true,
+        ..plan(2, 1, 2, 1)
+    };
+    check_equals_one_device(&cfg(), &p, 1);
+}
+
+#[test]
+fn pp2_tp2_sp_interleaved_equals_one_device() {
+    let p = ParallelPlan {
+        sequence_parallel: true,
+        schedule: ScheduleKind::Interleaved1F1B { virtual_stages: 2 },
+        ..plan(1, 2, 2, 1)
+    };
+    check_equals_one_device(&cfg(), &p, 1);
+}
+
+/// Saves after 2 steps under `from`, resumes under `to` for one step: its loss and norm are the
+/// single-device run's third step.
+fn check_reshard(from: &ParallelPlan, to: &ParallelPlan) {
+    let cfg = cfg();
+    let (want, _) = one_device(&cfg, 3, 1);
+    let saved = run_plan(&cfg, from, 0, 2, None);
+    let (t0, st0) = &saved[0];
+    // Every rank gathered the same full state.
+    for (r, (t, st)) in saved.iter().enumerate() {
+        for (n, w) in &t0.weights {
+            assert_eq!(
+                rel(&t.weights[n], w),
+                0.0,
+                "rank {r}: {n} differs from rank 0's"
+            );
+        }
+        assert_eq!(st.step, st0.step);
+        assert_eq!(st.m.len(), st0.m.len());
+    }
+    assert_eq!(st0.step, 2);
+    assert_eq!(
+        st0.m.len(),
+        t0.weights.len(),
+        "one first moment per parameter"
+    );
+    let resumed = run_plan(&cfg, to, 2, 1, Some(&(t0.weights.clone(), st0.clone())));
+    for (r, (t, _)) in resumed.iter().enumerate() {
+        let l = rel_f(t.losses[0], want.losses[2]);
+        let n = rel_f(t.norms[0], want.norms[2]);
+        assert!(
+            l <= 1e-5,
+            "rank {r}: resumed loss {} vs {} (rel {l:.2e})",
+            t.losses[0],
+            want.losses[2]
+        );
+        assert!(
+            n <= 1e-4,
+            "rank {r}: resumed norm {} vs {} (rel {n:.2e})",
+            t.norms[0],
+            want.norms[2]
+        );
+        for (name, w) in &want.weights {
+            let e = rel(&t.weights[name], w);
+            assert!(
+                e <= 1e-4,
+                "rank {r}: weight {name} after the resumed step rel {e:.2e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn reshard_tp2_pp2_to_tp4_dp2() {
+    check_reshard(&plan(1, 2, 2, 1), &plan(2, 1, 4, 1));
+}
+
+#[test]
+fn reshard_zero3_pp2_to_ddp_dp2() {
+    let from = ParallelPlan {
+        data: zero(ZeroStage::Three),
+        ..plan(2, 2, 1, 1)
+    };
+    let to = ParallelPlan {
+        data: DataParallelKind::Ddp(DdpConfig::default()),
+        ..plan(2, 1, 1, 1)
+    };
+    check_reshard(&from, &to);
+}
+
+fn refusal(cfg: &GptConfig, p: &ParallelPlan, world: usize, batch: usize) -> String {
+    p.validate(cfg, world, batch)
+        .expect_err("must be refused")
+        .to_string()
+}
+
+#[test]
+fn validate_shows_the_arithmetic() {
+    let c = cfg();
+    let e = refusal(&c, &plan(2, 2, 2, 1), 4, BATCH);
+    assert!(
+        e.contains("dp(2) * pp(2) * tp(2) = 8 != world size 4"),
+        "{e}"
+    );
+    let e = refusal(&c, &plan(1, 5, 1, 1), 5, BATCH);
+    assert!(e.contains("pp 5 > n_layer 4"), "{e}");
+    let six_heads = GptConfig {
+        n_head: 8,
+        n_embd: 48,
+        vocab_size: 96,
+        ..c.clone()
+    };
+    let six = GptConfig {
+        n_head: 6,
+        ..six_heads
+    };
+    let e = refusal(&six, &plan(1, 1, 4, 1), 4, BATCH);
+    assert!(e.contains("n_head 6 is not divisible by tp 4"), "{e}");
+    let e = refusal(&moe_cfg(), &plan(4, 1, 1, 3), 4, BATCH);
+    assert!(
+        e.contains("ep 3 does not divide dp 4")
+            && e.contains("n_experts 4 is not divisible by ep 3"),
+        "{e}"
+    );
+    let e = refusal(&c, &plan(2, 1, 1, 2), 2, BATCH);
+    assert!(e.contains("--ep 2 needs an MoE model"), "{e}");
+    let e = refusal(&moe_cfg(), &plan(1, 1, 2, 1), 2, BATCH);
+    assert!(e.contains("tp 2 with an MoE model"), "{e}");
+    let p = ParallelPlan {
+        microbatches: 3,
+        ..plan(2, 2, 1, 1)
+    };
+    let e = refusal(&c, &p, 4, BATCH);
+    assert!(
+        e.contains("per-rank batch 4 (batch 8 / dp 2) is not divisible by microbatches 3"),
+        "{e}"
+    );
+    // Several problems are reported together.
+    let e = refusal(&c, &plan(3, 5, 1, 1), 4, BATCH);
+    assert!(
+        e.contains("world size 4")
+            && e.contains("pp 5 > n_layer 4")
+            && e.contains("batch 8 is not divisible by dp 3"),
+        "{e}"
+    );
+    assert!(plan(2, 2, 2, 1).validate(&c, 8, BATCH).is_ok());
+}
+
+#[test]
+fn describe_lists_stages_and_memory() {
+    let d = describe(&cfg(), &plan(2, 2, 2, 1));
+    assert!(
+        d.contains("stage 0 (pp rank 0): embedding, h.0..h.1"),
+        "{d}"
+    );
+    assert!(d.contains("stage 1 (pp rank 1): h.2..h.3, head"), "{d}");
+    // Per-rank parameters of the two stages add up to the model's, less the tp split.
+    let z = describe(
+        &cfg(),
+        &ParallelPlan {
+            data: zero(ZeroStage::Three),
+            ..plan(2, 2, 2, 1)
+        },
+    );
+    assert!(z.contains("ZeRO-3") && d.contains("DDP"), "{z}");
+}
