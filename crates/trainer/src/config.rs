@@ -186,6 +186,16 @@ pub const CPU_PLACEHOLDER_PEAK_FLOPS: f64 = 1e11;
 /// Nominal peak on CUDA when `peak_flops` is unset: H100/H200 SXM dense bf16, 989 TFLOP/s.
 pub const CUDA_DEFAULT_PEAK_FLOPS: f64 = 989e12;
 
+impl DTypeKind {
+    /// The candle dtype of the compute copy.
+    pub fn candle(self) -> candle_core::DType {
+        match self {
+            DTypeKind::F32 => candle_core::DType::F32,
+            DTypeKind::Bf16 => candle_core::DType::BF16,
+        }
+    }
+}
+
 impl Default for TrainConfig {
     /// The built-in tiny model on the built-in corpus for 200 steps (well under a minute on 2 cores).
     fn default() -> Self {
@@ -281,9 +291,6 @@ impl TrainConfig {
                 "eval_every {} needs eval_iters >= 1",
                 self.eval_every
             ));
-        }
-        if self.dtype == DTypeKind::Bf16 && self.device == DeviceKind::Cpu {
-            return bad("dtype bf16 is not supported on cpu (candle's CPU matmul has no bf16 path); use --dtype f32 or --device cuda".into());
         }
         if let Some(p) = self.peak_flops {
             if !(p.is_finite() && p > 0.0) {

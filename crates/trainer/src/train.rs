@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
 use mtrain_comm::mesh::MeshDims;
 use mtrain_comm::Backend;
@@ -37,7 +37,7 @@ use mtrain_model::{init_weights, Engine, Gpt, GptConfig, Grads, NoHooks, Param};
 use serde::Serialize;
 
 use crate::checkpoint::{self, CheckpointData};
-use crate::config::{DTypeKind, TrainConfig};
+use crate::config::TrainConfig;
 use crate::data::{DataLoader, Dataset};
 use crate::memory::{
     activation_bytes, AnalyticMemory, CpuProbe, MemoryProbe, MemoryTracker, ModelStateLayout, Phase,
@@ -83,28 +83,52 @@ pub trait TrainableModel {
 }
 
 /// The whole model on one device.
+///
+/// In bf16 the model's parameters are a bf16 compute copy; the optimizer updates fp32 master
+/// weights (`master`, same names and order as `params`) and the compute copy is refreshed from
+/// them after every step — mixed precision as in Micikevicius et al. (2018), 16 bytes per parameter.
 pub struct SingleDevice {
     model: Gpt,
     params: Vec<Param>,
+    master: Option<Vec<Param>>,
     engine: Engine,
     optim: AdamW,
     grads: Grads,
 }
 
 impl SingleDevice {
-    /// The model built from `weights`, trained with AdamW `optim`.
+    /// The model built from fp32 `weights`, computing in `dtype` (F32 or BF16), trained with
+    /// AdamW `optim`.
     pub fn new(
         cfg: GptConfig,
         weights: &BTreeMap<String, Tensor>,
         device: &Device,
         checkpointing: bool,
         optim: AdamWConfig,
+        dtype: DType,
     ) -> anyhow::Result<Self> {
-        let model = Gpt::new(cfg, weights, device)?;
+        let compute: BTreeMap<String, Tensor> = weights
+            .iter()
+            .map(|(k, t)| Ok((k.clone(), t.to_dtype(dtype)?)))
+            .collect::<candle_core::Result<_>>()?;
+        let model = Gpt::new(cfg, &compute, device)?;
         let params = model.params();
+        let master = match dtype {
+            DType::F32 => None,
+            _ => Some(
+                params
+                    .iter()
+                    .map(|p| {
+                        let w = weights[p.name()].to_device(device)?.to_dtype(DType::F32)?;
+                        Param::new(p.name(), w)
+                    })
+                    .collect::<candle_core::Result<Vec<_>>>()?,
+            ),
+        };
         Ok(Self {
             model,
             params,
+            master,
             engine: Engine { checkpointing },
             optim: AdamW::new(optim),
             grads: Grads::new(),
@@ -165,8 +189,8 @@ impl TrainableModel for SingleDevice {
                 (g * grad_scale)?
             });
         }
-        let items: Vec<OptimItem> = self
-            .params
+        let updated = self.master.as_ref().unwrap_or(&self.params);
+        let items: Vec<OptimItem> = updated
             .iter()
             .zip(&scaled)
             .map(|(p, g)| OptimItem {
@@ -177,13 +201,20 @@ impl TrainableModel for SingleDevice {
             })
             .collect();
         self.optim.step(lr, &items)?;
+        if let Some(master) = &self.master {
+            for (p, m) in self.params.iter().zip(master) {
+                p.set(&m.tensor().detach().to_dtype(p.tensor().dtype())?)?;
+            }
+        }
         self.grads.clear();
         Ok(())
     }
 
     fn state_dict(&self) -> anyhow::Result<BTreeMap<String, Tensor>> {
         Ok(self
-            .params
+            .master
+            .as_ref()
+            .unwrap_or(&self.params)
             .iter()
             .map(|p| (p.name().to_string(), p.tensor().detach()))
             .collect())
@@ -202,7 +233,14 @@ impl TrainableModel for SingleDevice {
             let t = model
                 .get(p.name())
                 .with_context(|| format!("checkpoint lacks `{}`", p.name()))?;
-            p.set(&t.to_device(&p.tensor().device().clone())?)?;
+            let t = t.to_device(p.tensor().device())?;
+            p.set(&t.to_dtype(p.tensor().dtype())?)?;
+        }
+        for m in self.master.iter().flatten() {
+            let t = model
+                .get(m.name())
+                .with_context(|| format!("checkpoint lacks `{}`", m.name()))?;
+            m.set(&t.to_device(m.tensor().device())?.to_dtype(DType::F32)?)?;
         }
         self.optim.load_state(optim)?;
         Ok(())
@@ -216,7 +254,11 @@ impl TrainableModel for SingleDevice {
     }
 
     fn memory_layout(&self) -> ModelStateLayout {
-        ModelStateLayout::fp32_adam(self.params.iter().map(|p| p.elem_count() as u64).sum())
+        let n = self.params.iter().map(|p| p.elem_count() as u64).sum();
+        match self.master {
+            None => ModelStateLayout::fp32_adam(n),
+            Some(_) => ModelStateLayout::mixed_adam(n),
+        }
     }
 }
 
@@ -275,9 +317,6 @@ pub fn run(
             dims.ep
         );
     }
-    if cfg.dtype == DTypeKind::Bf16 {
-        bail!("dtype bf16 (bf16 compute with fp32 master weights) is not available in the single-device trainer; use --dtype f32");
-    }
     let gcfg = cfg.gpt_config()?;
     let device = backend.device();
     let rank = backend.world().rank();
@@ -303,6 +342,7 @@ pub fn run(
         &device,
         cfg.activation_checkpointing,
         adamw,
+        cfg.dtype.candle(),
     )?;
     drop(weights);
     let loader = DataLoader::new(
@@ -390,7 +430,7 @@ pub fn train_loop(
             gcfg,
             cfg.batch_size,
             cfg.seq_len,
-            4,
+            cfg.dtype.candle().size_in_bytes(),
             cfg.activation_checkpointing,
         ),
         model.comm_bytes(),

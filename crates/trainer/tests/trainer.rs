@@ -508,3 +508,39 @@ fn prepare_writes_a_tokenizer_and_shards() {
     .unwrap();
     assert!(text.starts_with("the"), "{text:?}");
 }
+
+/// bf16 compute with fp32 master weights follows the fp32 run to bf16 accuracy, keeps fp32 weights
+/// in its checkpoint, and reports the 2+2+4+8 byte layout.
+#[test]
+fn bf16_mixed_precision_tracks_fp32() {
+    let _serial = serial();
+    let a = tempfile::tempdir().unwrap();
+    let b = tempfile::tempdir().unwrap();
+    let f32_run = run(&short(a.path(), 20));
+    let bf16_run = run(&TrainConfig {
+        dtype: mtrain_trainer::config::DTypeKind::Bf16,
+        ..short(b.path(), 20)
+    });
+    // Same weights rounded to bf16 (relative error 2^-8): the first losses agree to ~1%.
+    let (l0, m0) = (f32_run.losses[0], bf16_run.losses[0]);
+    assert!(
+        (l0 - m0).abs() < 0.02 * l0,
+        "step 0: fp32 {l0} vs bf16 {m0}"
+    );
+    // Both learn (mean of the last 5 losses far below ln 256) and stay within 10% of each other.
+    let tail = |s: &TrainSummary| s.losses[15..].iter().sum::<f64>() / 5.0;
+    let (l, m) = (tail(&f32_run), tail(&bf16_run));
+    assert!(
+        m < l0 - 1.5 && (l - m).abs() < 0.1 * l,
+        "last 5 steps: fp32 {l} vs bf16 {m} (start {l0})"
+    );
+    let ckpt = checkpoint::load(bf16_run.last_checkpoint.as_ref().unwrap(), &Device::Cpu).unwrap();
+    assert!(
+        ckpt.model
+            .values()
+            .all(|t| t.dtype() == candle_core::DType::F32),
+        "master weights are fp32"
+    );
+    assert_eq!(bf16_run.layout.total(), 16 * bf16_run.layout.n_params);
+    assert_eq!(bf16_run.layout.params(), 2 * bf16_run.layout.n_params);
+}
