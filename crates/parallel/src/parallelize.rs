@@ -29,7 +29,10 @@
 //! stages 2 and 3 reduce-scatter after every micro-batch's backward (stage 1 after the chunk's
 //! last one), so `--pp 2 --dp 2 --zero 3` really holds 1/dp of each stage's weights. Under DDP
 //! the gradients accumulate over the micro-batches and are all-reduced once after the flush
-//! (Megatron's default, without overlapping the reduction with the backward).
+//! (Megatron's default, without overlapping the reduction with the backward; the bucketed,
+//! overlapped reduction of [`crate::ddp::Ddp`] is the standalone strategy's, and [`DdpConfig`]'s
+//! bucket sizes do not apply here). Expert gradients are averaged over their edp replicas
+//! ([`expert_parallel::sync_grads`]).
 //!
 //! **Linear fix-ups after the reduction.** Two gradients are incomplete on a single rank: under
 //! sequence parallelism the LayerNorms, `wpe` and row-parallel biases saw only 1/tp of the tokens

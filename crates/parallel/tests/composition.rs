@@ -531,3 +531,51 @@ fn zero3_under_pp_holds_half_the_model_state() {
         println!("rank {r}: DDP (grads, weights, adam) {d:?} B, ZeRO-3 {z:?} B");
     }
 }
+
+/// `eval_loss` (forward only, through the pipeline, ZeRO-3 gathering and releasing) equals the
+/// single-device loss of the same global batch on every rank.
+#[test]
+fn eval_loss_equals_one_device() {
+    let cfg = cfg();
+    let (idx, tgt) = batch(&cfg, 9);
+    let w = init_weights(&cfg, SEED).expect("init");
+    let gpt = Gpt::new(cfg.clone(), &w, &Device::Cpu).expect("gpt");
+    let want = gpt
+        .forward_loss(&idx, &tgt)
+        .expect("loss")
+        .loss
+        .to_scalar::<f32>()
+        .expect("scalar") as f64;
+    let plans = [
+        ParallelPlan {
+            sequence_parallel: true,
+            ..plan(1, 2, 2, 1)
+        },
+        ParallelPlan {
+            data: zero(ZeroStage::Three),
+            ..plan(2, 2, 1, 1)
+        },
+    ];
+    for p in plans {
+        let got = run_local(4, Duration::from_secs(60), |backend| {
+            let mesh = DeviceMesh::new(&backend, p.dims).expect("mesh");
+            let mut model = parallelize(&cfg, &w, &p, &mesh, &Device::Cpu).expect("parallelize");
+            let b = BATCH / p.dims.dp;
+            let (i, y) = (
+                idx.narrow(0, mesh.coords.dp * b, b).expect("i"),
+                tgt.narrow(0, mesh.coords.dp * b, b).expect("y"),
+            );
+            let first = model.eval_loss(&i, &y).expect("eval");
+            // Evaluating twice gives the same number (ZeRO-3 released its gathered weights).
+            (first, model.eval_loss(&i, &y).expect("eval"))
+        });
+        for (r, (a, b)) in got.iter().enumerate() {
+            assert!(
+                rel_f(*a, want) <= 1e-5,
+                "{:?} rank {r}: eval loss {a} vs {want}",
+                p.dims
+            );
+            assert_eq!(a, b, "rank {r}: second evaluation differs");
+        }
+    }
+}
