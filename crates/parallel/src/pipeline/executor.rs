@@ -302,9 +302,9 @@ impl PipelineExecutor {
                     };
                     let mb_targets = targets.narrow(0, mb * b, b)?; // (b, T)
                     let tgt = (stage.stage == last_stage).then_some(&mb_targets);
-                    let acts = self
-                        .engine
-                        .forward(&stage.segments, &x, tgt, hooks.hooks(chunk, false))?;
+                    let acts =
+                        self.engine
+                            .forward(&stage.segments, &x, tgt, hooks.hooks(chunk, false))?;
                     aux_sum += acts.aux_loss;
                     add_stats(&mut moe_stats[chunk], &acts.stats);
                     match sched.output_stage(rank, action) {

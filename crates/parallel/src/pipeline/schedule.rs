@@ -182,7 +182,7 @@ impl Schedule {
                 if virtual_stages == 0 {
                     return Err(ScheduleError::NoVirtualStages);
                 }
-                if microbatches % stages != 0 {
+                if !microbatches.is_multiple_of(stages) {
                     return Err(ScheduleError::MicrobatchesNotMultipleOfStages {
                         stages,
                         microbatches,

@@ -155,7 +155,7 @@ impl PipelineStages {
         num_ranks: usize,
     ) -> Result<Self> {
         let s = layout.num_stages();
-        if num_ranks == 0 || rank >= num_ranks || s % num_ranks != 0 {
+        if num_ranks == 0 || rank >= num_ranks || !s.is_multiple_of(num_ranks) {
             return Err(PipelineError::Layout(format!(
                 "{s} model stages cannot be spread over {num_ranks} pipeline ranks as rank {rank} \
                  (the stage count must be a multiple of the rank count)"
