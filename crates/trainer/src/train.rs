@@ -459,8 +459,8 @@ pub fn train_loop(
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     bar.set_position(start_step);
-    let probe = CpuProbe;
-    let mut tracker = MemoryTracker::new(&probe as &dyn MemoryProbe);
+    let probe = memory_probe(device);
+    let mut tracker = MemoryTracker::new(probe.as_ref());
     let mut summary = TrainSummary {
         start_step,
         losses: Vec::new(),
@@ -600,6 +600,24 @@ pub fn evaluate(
         total += model.eval_loss(&x, &y)?;
     }
     Ok(total / iters as f64)
+}
+
+/// The probe that measures `device`: the CUDA memory pool on a GPU, the counting allocator on CPU.
+pub fn memory_probe(device: &Device) -> Box<dyn MemoryProbe> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        use candle_core::backend::BackendDevice;
+        let ordinal = match d.location() {
+            candle_core::DeviceLocation::Cuda { gpu_id } => gpu_id,
+            _ => 0,
+        };
+        match crate::memory::CudaProbe::new(ordinal) {
+            Ok(p) => return Box::new(p),
+            Err(e) => tracing::warn!("GPU memory probe unavailable ({e}); reporting host heap"),
+        }
+    }
+    let _ = device;
+    Box::new(CpuProbe)
 }
 
 fn open_append(path: &Path) -> anyhow::Result<File> {
