@@ -1,35 +1,52 @@
 #!/usr/bin/env bash
-# The GPU checks, run on a GPU machine with the binaries scripts/build-gpu.sh put in .gpu/.
+# The GPU checks, run on a GPU machine with the binaries scripts/build-gpu.sh packed into .gpu/.
 #
 # Usage (on the GPU machine, from the repository root):
 #   scripts/gpu-test.sh [OUT_DIR]        # OUT_DIR collects the logs (default: .gpu/out)
 #
-#   1. the NCCL backend's tests (.gpu/comm-tests): every collective of a group of one against its
-#      closed form, stream ordering of async ops, and, with 2+ GPUs, every collective across
-#      all the machine's GPUs (uneven splits included);
-#   2. with .gpu/mtrain: the training run of GPT-2 124M on one GPU with the memory report
-#      (MTRAIN_GPU_STEPS steps, default 20), when the trainer accepts `--device cuda`.
+#   1. the NCCL backend's tests (comm-tests): every collective of a group of one against its
+#      closed form, stream ordering of async ops, and, with 2+ GPUs, every collective across all
+#      the machine's GPUs, one thread per GPU (uneven splits included);
+#   2. the CUDA memory probe's test (trainer-tests);
+#   3. with MTRAIN_GPU_TRAIN=1: GPT-2 124M on one GPU with the memory report for
+#      MTRAIN_GPU_STEPS steps (default 20).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 OUT=${1:-.gpu/out}
-mkdir -p "$OUT"
+BIN=${MTRAIN_GPU_BIN:-/tmp/mtrain-gpu}
+mkdir -p "$OUT" "$BIN"
 # shellcheck disable=SC1091
 source scripts/gpu-env.sh
 status=0
 
+# Unpack with python's lzma where no xz is installed.
+for f in .gpu/*.xz; do
+  [ -e "$f" ] || continue
+  dst="$BIN/$(basename "$f" .xz)"
+  python3 -c 'import lzma, shutil, sys
+with lzma.open(sys.argv[1]) as src, open(sys.argv[2], "wb") as dst:
+    shutil.copyfileobj(src, dst)' "$f" "$dst" && chmod +x "$dst"
+done
+
 { date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } \
   | tee "$OUT/machine.txt"
 
-if [ -x .gpu/comm-tests ]; then
+if [ -x "$BIN/comm-tests" ]; then
   echo "== NCCL backend tests"
-  .gpu/comm-tests nccl:: --test-threads=1 2>&1 | tee "$OUT/comm-tests.log" || status=1
+  "$BIN/comm-tests" nccl:: --test-threads=1 2>&1 | tee "$OUT/comm-tests.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
-
-if [ -x .gpu/mtrain ]; then
+if [ -x "$BIN/trainer-tests" ]; then
+  echo "== CUDA memory probe test"
+  "$BIN/trainer-tests" gpu_memory:: --test-threads=1 2>&1 | tee "$OUT/trainer-tests.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if [ -x "$BIN/mtrain" ] && [ "${MTRAIN_GPU_TRAIN:-0}" = 1 ]; then
   steps=${MTRAIN_GPU_STEPS:-20}
   echo "== GPT-2 124M on one GPU, $steps steps, memory report"
-  .gpu/mtrain --config configs/gpt2-124m.toml --device cuda --mem-report --steps "$steps" \
-    2>&1 | tee "$OUT/train-gpt2-124m.log" || status=1
+  "$BIN/mtrain" --config configs/gpt2-124m.toml --device cuda --mem-report --steps "$steps" \
+    2>&1 | tee "$OUT/train-gpt2-124m.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 exit $status

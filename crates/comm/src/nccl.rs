@@ -655,9 +655,11 @@ impl NcclGroup {
             }
             .map_err(|e| self.nccl_err(op, self.seq.load(Ordering::SeqCst), e))?;
         }
+        // Poll (with the timeout) before copying back: the copy itself would wait forever for
+        // a rank that never arrives.
+        self.wait_stream(op)?;
         let mut host = vec![0u64; n * k];
         self.comm_stream.memcpy_dtoh(&recv, &mut host).map_err(cu)?;
-        self.wait_stream(op)?;
         Ok(host.chunks(k.max(1)).map(|c| c.to_vec()).take(n).collect())
     }
 
@@ -1021,15 +1023,21 @@ impl NcclGroup {
             bytes,
             sent,
             Some(root),
-            vec![x, out.clone()],
+            // A non-root's result is its input: one buffer (its storage is locked only once).
+            if is_root {
+                vec![x, out.clone()]
+            } else {
+                vec![x]
+            },
             out,
             move |comm, stream, a| {
-                // SAFETY: a[0] (input) and a[1] (root's output) hold `count` elements of `ty`;
-                // NCCL writes a[1] on the root only.
+                // SAFETY: a[0] (input) and the root's a[1] (output) hold `count` elements of
+                // `ty`; NCCL writes the receive buffer on the root only.
+                let recv = if is_root { a[1] } else { a[0] };
                 check(unsafe {
                     nccl::ncclReduce(
                         a[0] as _,
-                        a[1] as _,
+                        recv as _,
                         count,
                         ty,
                         reduce_op(op),
@@ -1310,7 +1318,11 @@ impl NcclGroup {
             bytes,
             sent,
             Some(root),
-            vec![x, out.clone()],
+            if me == root {
+                vec![x, out.clone()]
+            } else {
+                vec![x]
+            },
             out,
             move |comm, stream, a| {
                 let u8t = nccl::ncclDataType_t::ncclUint8;
