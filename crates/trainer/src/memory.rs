@@ -28,7 +28,8 @@
 //! static A: mtrain_trainer::memory::CountingAlloc = mtrain_trainer::memory::CountingAlloc;
 //! ```
 //!
-//! A GPU probe (CUDA memory-pool used / high-water) implements the same trait. The trainer samples
+//! On a GPU, `gpu_memory::CudaMemoryProbe` (CUDA memory-pool used / high-water) implements the
+//! same trait. The trainer samples
 //! the probe after forward, after backward and after the optimizer step, and reports the step's
 //! peak; the report is printed as a table and appended as one JSON line to `RUN_DIR/memory.jsonl`.
 
@@ -124,86 +125,6 @@ impl MemoryProbe for CpuProbe {
     }
     fn reset_peak(&self) {
         PEAK.store(CURRENT.load(Ordering::Relaxed), Ordering::Relaxed);
-    }
-}
-
-/// GPU memory of one device, read from its default CUDA memory pool (the pool `cuMemAllocAsync`
-/// serves candle's allocations from): `USED_MEM_CURRENT` and the `USED_MEM_HIGH` high-water mark,
-/// which `reset_peak` sets back to the current level.
-#[cfg(feature = "cuda")]
-pub struct CudaProbe {
-    pool: candle_core::cuda_backend::cudarc::driver::sys::CUmemoryPool,
-}
-
-#[cfg(feature = "cuda")]
-impl CudaProbe {
-    /// The probe of CUDA device `ordinal`.
-    pub fn new(ordinal: usize) -> Result<Self, String> {
-        use candle_core::cuda_backend::cudarc::driver::{result, sys};
-        result::init().map_err(|e| format!("cuInit: {e}"))?;
-        let dev = result::device::get(ordinal as i32)
-            .map_err(|e| format!("cuDeviceGet({ordinal}): {e}"))?;
-        let mut pool = std::ptr::null_mut();
-        // SAFETY: `pool` is a valid out-pointer and `dev` a device handle from cuDeviceGet.
-        let r = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, dev) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(format!("cuDeviceGetDefaultMemPool({ordinal}): {r:?}"));
-        }
-        Ok(Self { pool })
-    }
-
-    fn attr(
-        &self,
-        attr: candle_core::cuda_backend::cudarc::driver::sys::CUmemPool_attribute,
-    ) -> u64 {
-        let mut v: u64 = 0;
-        // SAFETY: the USED_MEM_* attributes are 64-bit integers written to `v`; the pool handle
-        // is the device's default pool, valid for the life of the process.
-        let r = unsafe {
-            candle_core::cuda_backend::cudarc::driver::sys::cuMemPoolGetAttribute(
-                self.pool,
-                attr,
-                &mut v as *mut u64 as *mut std::ffi::c_void,
-            )
-        };
-        if r == candle_core::cuda_backend::cudarc::driver::sys::CUresult::CUDA_SUCCESS {
-            v
-        } else {
-            0
-        }
-    }
-}
-
-// SAFETY: a CUmemoryPool handle is a process-wide driver object usable from any thread.
-#[cfg(feature = "cuda")]
-unsafe impl Send for CudaProbe {}
-#[cfg(feature = "cuda")]
-unsafe impl Sync for CudaProbe {}
-
-#[cfg(feature = "cuda")]
-impl MemoryProbe for CudaProbe {
-    fn name(&self) -> &str {
-        "cuda memory pool"
-    }
-    fn current(&self) -> u64 {
-        use candle_core::cuda_backend::cudarc::driver::sys::CUmemPool_attribute as A;
-        self.attr(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
-    }
-    fn peak(&self) -> u64 {
-        use candle_core::cuda_backend::cudarc::driver::sys::CUmemPool_attribute as A;
-        self.attr(A::CU_MEMPOOL_ATTR_USED_MEM_HIGH)
-    }
-    fn reset_peak(&self) {
-        use candle_core::cuda_backend::cudarc::driver::sys;
-        let mut zero: u64 = 0;
-        // SAFETY: setting USED_MEM_HIGH takes a 64-bit integer and only accepts 0 (reset).
-        unsafe {
-            sys::cuMemPoolSetAttribute(
-                self.pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                &mut zero as *mut u64 as *mut std::ffi::c_void,
-            );
-        }
     }
 }
 

@@ -605,13 +605,8 @@ pub fn evaluate(
 /// The probe that measures `device`: the CUDA memory pool on a GPU, the counting allocator on CPU.
 pub fn memory_probe(device: &Device) -> Box<dyn MemoryProbe> {
     #[cfg(feature = "cuda")]
-    if let Device::Cuda(d) = device {
-        use candle_core::backend::BackendDevice;
-        let ordinal = match d.location() {
-            candle_core::DeviceLocation::Cuda { gpu_id } => gpu_id,
-            _ => 0,
-        };
-        match crate::memory::CudaProbe::new(ordinal) {
+    if device.is_cuda() {
+        match crate::gpu_memory::CudaMemoryProbe::new(device) {
             Ok(p) => return Box::new(p),
             Err(e) => tracing::warn!("GPU memory probe unavailable ({e}); reporting host heap"),
         }
