@@ -242,6 +242,9 @@ pub(crate) enum ReadFailure {
 }
 
 /// One member of a group as seen from this rank: a socket to read from and a writer thread.
+/// How long dropping a connection waits for its queued bytes to go out.
+const FLUSH_ON_DROP: Duration = Duration::from_secs(5);
+
 pub(crate) struct Peer {
     reader: TcpStream,
     writer: Option<mpsc::Sender<Vec<u8>>>,
@@ -305,10 +308,20 @@ impl Peer {
 
 impl Drop for Peer {
     fn drop(&mut self) {
-        // The writer thread flushes what is queued and exits on its own; waiting for it here
-        // could block for a whole timeout when the peer has stopped reading.
+        // Closing the queue lets the writer thread flush what is queued and exit. Wait for it a
+        // bounded while: a process that exits right after its last op would otherwise cut off
+        // bytes a peer still needs, but a peer that stopped reading must not hold us for a whole
+        // timeout.
         self.writer = None;
         let _ = self.reader.shutdown(std::net::Shutdown::Read);
-        drop(self.thread.take());
+        if let Some(thread) = self.thread.take() {
+            let deadline = Instant::now() + FLUSH_ON_DROP;
+            while !thread.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if thread.is_finished() {
+                let _ = thread.join();
+            }
+        }
     }
 }
