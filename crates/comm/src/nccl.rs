@@ -1083,8 +1083,14 @@ impl NcclGroup {
     }
 
     /// Everyone's (rows, elements per row, dtype), exchanged on the host.
+    ///
+    /// This is a host rendezvous: the host waits until every rank issued the op and this
+    /// group's earlier ops finished on the GPU. A group of one skips it.
     fn row_counts(&self, k: OpKind, x: &Tensor, root: Option<usize>) -> Result<Vec<usize>> {
         let (rows, per_row) = self.rows(k, x)?;
+        if self.shared.size == 1 {
+            return Ok(vec![rows]);
+        }
         let mine = [
             k as u64,
             dtype_code(x.dtype()),
@@ -1589,7 +1595,8 @@ impl Communicator for NcclGroup {
     fn recv_async(&self, src: usize, shape: &Shape, dtype: DType) -> Work {
         or_error(self.recv_impl(src, shape, dtype))
     }
-    /// Returns on the host once every rank reached it (a host rendezvous over NCCL).
+    /// Returns on the host once every rank reached it (a host rendezvous over NCCL) and every op
+    /// this group issued before it has finished on the GPU: a timing point for benchmarks.
     fn barrier_async(&self) -> Work<()> {
         Work::ready(
             self.exchange_host(OpKind::Barrier, &[OpKind::Barrier as u64])
