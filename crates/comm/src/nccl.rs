@@ -547,6 +547,7 @@ impl NcclGroup {
     ///
     /// `bufs` are the tensors the op reads or writes; they are kept alive by the returned
     /// handle. `enqueue` runs with the communicator locked and the CUDA context current.
+    #[allow(clippy::too_many_arguments)]
     fn launch<T: Send + 'static>(
         &self,
         op: OpKind,
