@@ -64,11 +64,21 @@ if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null 2>&1; then
 fi
 if [ -n "${CUDA_HOME:-}" ] && [ -x "$CUDA_HOME/bin/nvcc" ]; then
   echo "using the CUDA toolkit at $CUDA_HOME ($("$CUDA_HOME/bin/nvcc" --version | tail -1))"
-  extra=""
+  libs=""
   if make_stub "$PREFIX/stubs"; then
-    extra="export LIBRARY_PATH=$PREFIX/stubs:\${LIBRARY_PATH:-}"
+    libs="$PREFIX/stubs"
   fi
-  write_env "$CUDA_HOME" "$extra"
+  # A toolkit install rarely includes NCCL: take the wheel matching its CUDA major version.
+  if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so' && ! ls "$CUDA_HOME"/lib*/libnccl.so* >/dev/null 2>&1; then
+    major=$("$CUDA_HOME/bin/nvcc" --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
+    echo "no NCCL next to the toolkit: installing nvidia-nccl-cu$major into $PREFIX/nccl"
+    python3 -m pip install -q --target "$PREFIX/nccl" "nvidia-nccl-cu$major"
+    nccl_lib=$(dirname "$(find "$PREFIX/nccl" -name 'libnccl.so.*' | head -1)")
+    ln -sf "$(ls "$nccl_lib"/libnccl.so.* | head -1)" "$nccl_lib/libnccl.so"
+    libs="${libs:+$libs:}$nccl_lib"
+    echo "at run time, put $nccl_lib on LD_LIBRARY_PATH"
+  fi
+  write_env "$CUDA_HOME" "${libs:+export LIBRARY_PATH=$libs:\${LIBRARY_PATH:-}}"
   exit 0
 fi
 
