@@ -1229,15 +1229,21 @@ impl NcclGroup {
         self.root_ok(k, root)?;
         let x = self.input(k, x)?;
         let (n, me) = (self.shared.size, self.shared.rank);
-        // The others learn the root's shape: (op, dtype, rank count, dims...).
-        let mut header = vec![k as u64, dtype_code(x.dtype()), x.rank() as u64];
-        if x.rank() > MAX_DIMS || x.rank() == 0 {
-            return Err(self.invalid(
-                k,
-                format!("needs 1 to {MAX_DIMS} dimensions, got {:?}", x.dims()),
-            ));
+        // The others learn the root's shape: (op, dtype, rank count, dims...). Only the root's
+        // shape matters; a root with an unusable shape still joins the exchange (rank count
+        // u64::MAX), so that every rank fails together instead of waiting for it.
+        let root_dims_ok = (1..=MAX_DIMS).contains(&x.rank());
+        let mut header = vec![k as u64, dtype_code(x.dtype()), 0];
+        if me == root {
+            header[2] = if root_dims_ok {
+                x.rank() as u64
+            } else {
+                u64::MAX
+            };
+            if root_dims_ok {
+                header.extend(x.dims().iter().map(|&d| d as u64));
+            }
         }
-        header.extend(x.dims().iter().map(|&d| d as u64));
         header.resize(3 + MAX_DIMS, 0);
         let all = self.exchange_host(k, &header)?;
         let root_header = &all[root];
@@ -1249,6 +1255,12 @@ impl NcclGroup {
                 mine: format!("{k}({:?})", x.dtype()),
                 theirs: describe_header(&[root_header[0], root_header[1], 0, root as u64]),
             });
+        }
+        if root_header[2] == u64::MAX {
+            return Err(self.invalid(
+                k,
+                format!("the root (rank {root}) needs a tensor of 1 to {MAX_DIMS} dimensions"),
+            ));
         }
         let dims: Vec<usize> = root_header[3..3 + root_header[2] as usize]
             .iter()
