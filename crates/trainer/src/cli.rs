@@ -4,6 +4,8 @@
 //! mtrain [LAYOUT] [STRATEGY] [TRAIN OPTIONS]        train (the default command)
 //! mtrain [LAYOUT] bench-comm [-b 8 -e 256M -f 2 --op all-reduce ...]
 //! mtrain plan [LAYOUT] [--config FILE]              print the rank grid, launch nothing
+//! mtrain parity --config X --vs "--tp 2 --pp 2"     one rank vs a layout, same global batch
+//! mtrain plot RUN_DIR                               loss, memory and pipeline charts (SVG)
 //! mtrain prepare ... | mtrain sample ...            single-process tools
 //! ```
 //!
@@ -24,10 +26,16 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use mtrain_comm::mesh::MeshDims;
+use mtrain_parallel::ddp::DdpConfig;
+use mtrain_parallel::fsdp::{FsdpConfig, ZeroStage};
+use mtrain_parallel::parallelize::{DataParallelKind, ParallelPlan};
+use mtrain_parallel::pipeline::ScheduleKind;
 
 use crate::bench_comm::BenchCommArgs;
 use crate::config::TrainArgs;
 use crate::launch::LaunchSpec;
+use crate::parity::ParityArgs;
+use crate::plot::PlotArgs;
 use crate::plan::PlanArgs;
 use crate::prepare::PrepareArgs;
 use crate::sample::SampleArgs;
@@ -62,6 +70,10 @@ pub enum Command {
     Prepare(PrepareArgs),
     /// Generate text from a checkpoint.
     Sample(SampleArgs),
+    /// Train one rank and a layout on the same seed and global batch; compare the loss series.
+    Parity(ParityArgs),
+    /// Draw a run directory's loss curve, per-rank memory timeline and pipeline timeline (SVG).
+    Plot(PlotArgs),
 }
 
 /// How many processes, where they meet, and how they are arranged.
@@ -107,6 +119,11 @@ pub struct LayoutArgs {
     /// Seconds a collective may wait for a peer before failing with a message naming it.
     #[arg(long, global = true, default_value_t = 300.0, value_name = "SECONDS")]
     pub comm_timeout: f64,
+
+    /// Record every collective per rank (op, group, bytes, seq, start, end) into
+    /// RUN_DIR/trace-rank{N}.jsonl.
+    #[arg(long, global = true)]
+    pub trace: bool,
 }
 
 /// How the model is split and synchronised (data-parallel mode, FSDP/ZeRO, pipeline schedule).
@@ -171,6 +188,58 @@ impl StrategyArgs {
     }
 }
 
+impl StrategyArgs {
+    /// The parallel plan these flags describe for `dims`: DDP (bucketed or naive) or ZeRO
+    /// (`--fsdp` = stage 3, `--zero-stage N`), the schedule, micro-batches (default pp).
+    pub fn plan(&self, dims: MeshDims, checkpointing: bool) -> Result<ParallelPlan, LayoutError> {
+        let stage = match (self.fsdp, self.zero_stage) {
+            (true, 0 | 3) => 3,
+            (true, z) => {
+                return Err(LayoutError::Strategy(format!(
+                    "--fsdp shards parameters (ZeRO stage 3) but --zero-stage {z} was given; pass one of them"
+                )))
+            }
+            (false, z) => z,
+        };
+        if !(self.bucket_mb.is_finite() && self.bucket_mb > 0.0) {
+            return Err(LayoutError::Strategy(format!(
+                "--bucket-mb must be a positive number of MiB, got {}",
+                self.bucket_mb
+            )));
+        }
+        let data = match stage {
+            0 => {
+                let cap = (self.bucket_mb * (1u64 << 20) as f64) as usize;
+                DataParallelKind::Ddp(DdpConfig {
+                    mode: match self.ddp_mode {
+                        DdpMode::Bucketed => mtrain_parallel::ddp::DdpMode::Bucketed,
+                        DdpMode::Naive => mtrain_parallel::ddp::DdpMode::Naive,
+                    },
+                    bucket_cap_bytes: cap.max(1),
+                    first_bucket_cap_bytes: cap.clamp(1, 1 << 20),
+                })
+            }
+            z => DataParallelKind::Zero(FsdpConfig {
+                stage: ZeroStage::try_from(z)
+                    .map_err(|e| LayoutError::Strategy(e.to_string()))?,
+                ..FsdpConfig::default()
+            }),
+        };
+        Ok(ParallelPlan {
+            dims,
+            data,
+            sequence_parallel: self.sequence_parallel,
+            schedule: match self.schedule {
+                Schedule::Gpipe => ScheduleKind::GPipe,
+                Schedule::OneFOneB => ScheduleKind::OneFOneB,
+            },
+            microbatches: self.microbatches.unwrap_or(dims.pp),
+            stage_counts: None,
+            checkpointing,
+        })
+    }
+}
+
 /// Pipeline schedules.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Schedule {
@@ -232,6 +301,9 @@ pub enum LayoutError {
     Timeout(f64),
 
     #[error("{0}")]
+    Strategy(String),
+
+    #[error("{0}")]
     Launch(#[from] crate::launch::LaunchError),
 }
 
@@ -242,6 +314,8 @@ pub struct Layout {
     pub world_size: usize,
     pub launch: LaunchSpec,
     pub comm_timeout: Duration,
+    /// Record every collective (`--trace`).
+    pub trace: bool,
 }
 
 impl LayoutArgs {
@@ -355,6 +429,7 @@ impl LayoutArgs {
             world_size: world,
             launch,
             comm_timeout: Duration::from_secs_f64(self.comm_timeout),
+            trace: self.trace,
         })
     }
 }

@@ -5,11 +5,15 @@ pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod distributed;
 #[cfg(feature = "cuda")]
 pub mod gpu_memory;
 pub mod launch;
 pub mod memory;
+pub mod parity;
 pub mod plan;
+pub mod plot;
 pub mod prepare;
 pub mod sample;
+pub mod trace;
 pub mod train;

@@ -5,7 +5,8 @@
 //!     '-- worker (RANK=r)         RANK set             -> CPU backend from the environment,
 //!                                                         validate dims, train::run / bench-comm
 //!   mtrain                        RANK unset, world 1  -> train in this process, no spawning
-//!   mtrain plan | prepare | sample                     -> single-process tools, never launched
+//!   mtrain plan | prepare | sample | plot              -> single-process tools, never launched
+//!   mtrain parity --vs "..."                           -> runs this binary twice (1 rank, the layout)
 //! ```
 //!
 //! Errors are printed with their chain of causes and the process exits non-zero, so a failing
@@ -23,7 +24,7 @@ use mtrain_comm::Backend;
 use mtrain_trainer::cli::{Cli, Command, Layout};
 use mtrain_trainer::config::DeviceKind;
 use mtrain_trainer::launch::{self, LaunchError};
-use mtrain_trainer::{bench_comm, plan, prepare, sample, train};
+use mtrain_trainer::{bench_comm, parity, plan, plot, prepare, sample, train};
 use tracing_subscriber::fmt::format::Writer;
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
 use tracing_subscriber::registry::LookupSpan;
@@ -136,19 +137,34 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
                 Ok(())
             })
         }
+        Some(Command::Parity(args)) => parity::run(args),
+        Some(Command::Plot(args)) => {
+            for path in plot::plot_run(&args.run_dir)? {
+                println!("wrote {}", path.display());
+            }
+            Ok(())
+        }
         None => {
-            let unsupported = cli.strategy.non_default();
-            anyhow::ensure!(
-                unsupported.is_empty(),
-                "the training loop does not apply {} in this build; run without {}",
-                unsupported.join(", "),
-                if unsupported.len() == 1 { "it" } else { "them" }
-            );
-            // Resolve the config before launching, so a bad flag fails once, not once per rank.
+            // Resolve the config and the plan before launching, so a bad flag or a layout that
+            // cannot work fails once, with the arithmetic, not once per rank.
             let cfg = cli
                 .train
                 .resolve()
                 .context("resolving the training configuration")?;
+            let layout = cli.layout.resolve(env.as_ref().map(|e| e.world_size))?;
+            let plan = cli
+                .strategy
+                .plan(layout.dims, cfg.activation_checkpointing)?;
+            plan.validate(
+                &cfg.gpt_config()?,
+                layout.world_size,
+                cfg.batch_size * layout.dims.dp,
+            )
+            .context("the layout does not fit the model")?;
+            let opts = train::RunOptions {
+                plan,
+                trace: cli.layout.trace,
+            };
             distributed(&cli, env, cfg.device, |backend, layout| {
                 if backend.world().rank() == 0 {
                     tracing::info!(
@@ -160,7 +176,7 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
                         layout.world_size
                     );
                 }
-                train::run(&cfg, backend, layout.dims)?;
+                train::run_with(&cfg, backend, &opts)?;
                 Ok(())
             })
         }
@@ -214,7 +230,10 @@ fn make_backend(
 ) -> anyhow::Result<Box<dyn Backend>> {
     match device {
         DeviceKind::Cpu => {
-            let opts = CpuOptions { timeout: layout.comm_timeout, ..Default::default() };
+            let opts = CpuOptions {
+                timeout: layout.comm_timeout,
+                trace: layout.trace,
+            };
             Ok(Box::new(CpuBackend::init(env, opts)?))
         }
         #[cfg(feature = "cuda")]

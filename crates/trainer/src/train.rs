@@ -29,7 +29,8 @@ use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
 use mtrain_comm::mesh::MeshDims;
-use mtrain_comm::Backend;
+use mtrain_comm::{Backend, Comm, DeviceMesh};
+use mtrain_parallel::parallelize::ParallelPlan;
 use mtrain_model::optim::{
     clip_coef, lr_at, AdamW, AdamWConfig, AdamWState, LrSchedule, OptimItem,
 };
@@ -39,6 +40,7 @@ use serde::Serialize;
 use crate::checkpoint::{self, CheckpointData};
 use crate::config::TrainConfig;
 use crate::data::{DataLoader, Dataset};
+use crate::distributed::Distributed;
 use crate::memory::{
     activation_bytes, AnalyticMemory, CpuProbe, MemoryProbe, MemoryTracker, ModelStateLayout, Phase,
 };
@@ -79,6 +81,15 @@ pub trait TrainableModel {
     /// Communication buffer bytes this rank holds (0 on one device).
     fn comm_bytes(&self) -> u64 {
         0
+    }
+    /// What the last optimizer step cost beyond the loss (communication, pipeline bubble,
+    /// expert load), as a JSON object; None on one device.
+    fn step_report(&self) -> Option<serde_json::Value> {
+        None
+    }
+    /// The same as one human-readable line for the log.
+    fn step_line(&self) -> Option<String> {
+        None
     }
 }
 
@@ -282,6 +293,9 @@ pub struct StepMetrics {
     /// Validation loss, when evaluated at this step.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
+    /// Rank 0's communication, pipeline and expert figures (see `distributed::StepReport`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parallel: Option<serde_json::Value>,
 }
 
 /// What a run did.
@@ -301,21 +315,44 @@ pub struct TrainSummary {
     pub layout: ModelStateLayout,
 }
 
-/// Train with `cfg` on the ranks of `backend`, laid out as `dims`.
+/// How a multi-rank run is split and observed.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// The parallel plan (dims, DDP or ZeRO, schedule, micro-batches, ...).
+    pub plan: ParallelPlan,
+    /// Record every collective of every group into `RUN_DIR/trace-rank{N}.jsonl`.
+    pub trace: bool,
+}
+
+impl RunOptions {
+    /// The default plan for `dims` (DDP, 1F1B with pp micro-batches), no trace.
+    pub fn new(dims: MeshDims) -> Self {
+        let mut plan = ParallelPlan::new(dims);
+        plan.microbatches = dims.pp.max(1);
+        Self { plan, trace: false }
+    }
+}
+
+/// Train with `cfg` on the ranks of `backend`, laid out as `dims` with the default plan.
 pub fn run(
     cfg: &TrainConfig,
     backend: &dyn Backend,
     dims: MeshDims,
 ) -> anyhow::Result<TrainSummary> {
+    run_with(cfg, backend, &RunOptions::new(dims))
+}
+
+/// Train with `cfg` on the ranks of `backend` under `opts`: the whole model on one rank, or this
+/// rank's part of the plan ([`Distributed`]) on a mesh.
+pub fn run_with(
+    cfg: &TrainConfig,
+    backend: &dyn Backend,
+    opts: &RunOptions,
+) -> anyhow::Result<TrainSummary> {
     cfg.validate()?;
-    if dims.dp * dims.pp * dims.tp * dims.ep != 1 {
-        bail!(
-            "train::run drives a single rank; dp({}) pp({}) tp({}) ep({}) needs a parallel model (mtrain_parallel) wrapped as a TrainableModel",
-            dims.dp,
-            dims.pp,
-            dims.tp,
-            dims.ep
-        );
+    let dims = opts.plan.dims;
+    if dims.world_size() * dims.ep != 1 || backend.world().size() != 1 {
+        return run_distributed(cfg, backend, opts);
     }
     let gcfg = cfg.gpt_config()?;
     let device = backend.device();
@@ -364,6 +401,102 @@ pub fn run(
     train_loop(cfg, &gcfg, &mut model, loader, val, &device, rank, 1)
 }
 
+/// The multi-rank run: mesh, plan, this rank's part, its data slice, the loop; traces written and
+/// every group's last operations printed when something fails.
+fn run_distributed(
+    cfg: &TrainConfig,
+    backend: &dyn Backend,
+    opts: &RunOptions,
+) -> anyhow::Result<TrainSummary> {
+    let plan = &opts.plan;
+    let dims = plan.dims;
+    let world = backend.world().size();
+    let gcfg = cfg.gpt_config()?;
+    if cfg.dtype.candle() != DType::F32 {
+        bail!(
+            "--dtype {:?} runs on one rank only; the parallel strategies keep fp32 weights (use --dtype f32 with dp({}) pp({}) tp({}))",
+            cfg.dtype,
+            dims.dp,
+            dims.pp,
+            dims.tp
+        );
+    }
+    plan.validate(&gcfg, world, cfg.batch_size * dims.dp)
+        .context("the layout does not fit the model")?;
+    let device = backend.device();
+    let mesh = DeviceMesh::new(backend, dims).context("building the device mesh")?;
+    let rank = mesh.rank();
+    let groups = mesh_groups(&mesh);
+    if opts.trace {
+        for g in &groups {
+            g.tracer().set_recording(true);
+        }
+    }
+    let result = (|| {
+        let dataset =
+            Dataset::open(&cfg.data).with_context(|| format!("opening data `{}`", cfg.data))?;
+        if dataset.vocab_size > gcfg.vocab_size {
+            bail!(
+                "the data's vocab_size {} exceeds the model's {}",
+                dataset.vocab_size,
+                gcfg.vocab_size
+            );
+        }
+        let weights = init_weights(&gcfg, cfg.seed)?;
+        let adamw = AdamWConfig {
+            beta1: cfg.beta1,
+            beta2: cfg.beta2,
+            eps: cfg.eps,
+            weight_decay: cfg.weight_decay,
+        };
+        let mut model = Distributed::new(
+            &gcfg,
+            &weights,
+            plan,
+            &mesh,
+            &device,
+            adamw,
+            cfg.grad_accum,
+            cfg.grad_clip,
+        )?;
+        drop(weights);
+        if rank == 0 {
+            tracing::info!(
+                "{} over dp {}",
+                if model.is_standalone_ddp() {
+                    "overlapped bucketed DDP (standalone)"
+                } else {
+                    "composed plan (parallelize)"
+                },
+                dims.dp
+            );
+        }
+        // dp rank d reads rows d·B..(d+1)·B of every global batch; tp/pp ranks share them.
+        let (d, n) = (mesh.coords.dp, dims.dp);
+        let loader =
+            DataLoader::new(dataset.train.clone(), cfg.seq_len, cfg.batch_size, d, n, cfg.seed)?;
+        let val = DataLoader::new(dataset.val.clone(), cfg.seq_len, cfg.batch_size, d, n, cfg.seed)?;
+        train_loop(cfg, &gcfg, &mut model, loader, val, &device, rank, dims.dp)
+    })();
+    if opts.trace {
+        crate::trace::write_rank_trace(&cfg.run_dir, rank, &groups)?;
+    }
+    if result.is_err() {
+        eprint!("{}", crate::trace::recent_ops(rank, &groups));
+    }
+    result
+}
+
+/// Every distinct group of the mesh (size-1 groups included: they cost nothing to list).
+fn mesh_groups(mesh: &DeviceMesh) -> Vec<Comm> {
+    let mut seen = std::collections::BTreeSet::new();
+    [&mesh.world, &mesh.dp, &mesh.pp, &mesh.tp, &mesh.ep, &mesh.edp, &mesh.mp]
+        .into_iter()
+        .filter(|g| seen.insert(g.name().to_string()))
+        .cloned()
+        .collect()
+}
+
 /// Where `cfg.resume` points: "latest" means this run directory.
 fn resume_checkpoint(
     cfg: &TrainConfig,
@@ -403,16 +536,17 @@ pub fn train_loop(
         tracing::info!(rank, step = start_step, dir = %ckpt.dir.display(), "resumed");
     }
     let lead = rank == 0;
-    if lead {
-        std::fs::create_dir_all(&cfg.run_dir)
-            .with_context(|| format!("creating {}", cfg.run_dir.display()))?;
-    }
+    std::fs::create_dir_all(&cfg.run_dir)
+        .with_context(|| format!("creating {}", cfg.run_dir.display()))?;
     let mut metrics = lead
         .then(|| open_append(&cfg.run_dir.join("metrics.jsonl")))
         .transpose()?;
-    let mut mem_log = (cfg.mem_report && lead)
+    // Every rank appends its memory reports and step reports (one write per line, O_APPEND).
+    let mut mem_log = cfg
+        .mem_report
         .then(|| open_append(&cfg.run_dir.join("memory.jsonl")))
         .transpose()?;
+    let mut step_log: Option<File> = None;
 
     let sched = LrSchedule {
         lr: cfg.lr,
@@ -518,6 +652,7 @@ pub fn train_loop(
             mfu,
             epoch,
             val_loss,
+            parallel: model.step_report(),
         };
         bar.set_position(step + 1);
         bar.set_message(format!(
@@ -540,6 +675,18 @@ pub fn train_loop(
             );
             if let Some(f) = metrics.as_mut() {
                 write_json_line(f, &m)?;
+            }
+            if let (true, Some(line)) = (lead, model.step_line()) {
+                bar.suspend(|| tracing::info!(rank, step, "{line}"));
+            }
+        }
+        if let Some(report) = &m.parallel {
+            if step_log.is_none() {
+                step_log = Some(open_append(&cfg.run_dir.join("steps.jsonl"))?);
+            }
+            if let Some(f) = step_log.as_mut() {
+                let line = serde_json::json!({ "step": step, "rank": rank, "report": report });
+                write_json_line(f, &line)?;
             }
         }
         if cfg.mem_report {
@@ -624,7 +771,8 @@ fn open_append(path: &Path) -> anyhow::Result<File> {
 }
 
 fn write_json_line(f: &mut File, value: &impl Serialize) -> anyhow::Result<()> {
-    let line = serde_json::to_string(value)?;
-    writeln!(f, "{line}")?;
+    let mut line = serde_json::to_string(value)?;
+    line.push('\n');
+    f.write_all(line.as_bytes())?;
     Ok(())
 }

@@ -1,0 +1,430 @@
+//! The training loop's view of a model split over many ranks: a [`TrainableModel`] over
+//! [`ParallelModel`] (any dp × pp × tp (+ ep, + ZeRO) plan), or over the standalone overlapped
+//! [`Ddp`] for a purely data-parallel layout.
+//!
+//! ```text
+//!   mtrain --dp 4                      pp = tp = ep = 1, DDP   -> Ddp: bucket all-reduces launched
+//!                                                                 from the backward's hooks (overlap)
+//!   mtrain --tp 4 --pp 2, --dp 2 --fsdp, --dp 2 --ep 2, ...    -> ParallelModel (parallelize)
+//!
+//!   global batch of one micro-step = dp × B sequences; dp rank d reads rows d·B .. (d+1)·B;
+//!   the tp and pp ranks of one dp index read the same rows.
+//!
+//!   micro-step k of K:  forward_backward(x_k, y_k, 1/K, sync = k == K−1)
+//!   optimizer step:     global norm (one all-reduce) -> clip -> AdamW on this rank's part
+//! ```
+//!
+//! The loss returned is the mean over the global batch, identical on every rank. After every
+//! optimizer step [`Distributed::step_report`] says what the step cost: backward, communication
+//! and exposed-communication time, and where they apply the pipeline bubble (measured against
+//! the ideal (P−1)/(M+P−1)), the peak number of micro-batches in flight, and the expert load.
+//!
+//! Checkpoints are layout-independent: [`TrainableModel::state_dict`] gathers every full tensor
+//! by name on every rank (a collective), and `load_state` slices them for this rank, so a run
+//! saved under tp 2 × pp 2 resumes under dp 2 with ZeRO-3, or tp 4.
+
+use std::collections::BTreeMap;
+
+use anyhow::Context;
+use candle_core::{DType, Device, Tensor};
+use mtrain_comm::{Comm, DeviceMesh, ReduceOp};
+use mtrain_model::init::param_specs;
+use mtrain_model::optim::{AdamW, AdamWConfig, AdamWState};
+use mtrain_model::{Engine, Gpt, GptConfig, MoeStats};
+use mtrain_parallel::ddp::{CommStats, DataParallel, Ddp, ModelStateBytes};
+use mtrain_parallel::parallelize::{parallelize, DataParallelKind, ParallelModel, ParallelPlan};
+use serde::Serialize;
+
+use crate::memory::{ModelStateLayout, Phase};
+use crate::train::TrainableModel;
+
+/// Pipeline figures of one step on this rank.
+#[derive(Debug, Clone, Serialize)]
+pub struct PipelineFigures {
+    /// Wall time of the schedule (ms).
+    pub step_ms: f64,
+    /// Time spent waiting on a neighbour (ms).
+    pub idle_ms: f64,
+    /// idle / step: the measured bubble.
+    pub bubble: f64,
+    /// (P − 1)/(v·M + P − 1): the ideal bubble of the schedule.
+    pub ideal_bubble: f64,
+    /// Most micro-batches alive at once.
+    pub peak_in_flight: usize,
+    /// Most bytes of saved activations alive at once.
+    pub peak_activation_bytes: usize,
+}
+
+/// Expert load of one MoE layer over the step, summed over the data-parallel group.
+#[derive(Debug, Clone, Serialize)]
+pub struct ExpertLoad {
+    /// Tokens kept by each expert.
+    pub tokens_per_expert: Vec<usize>,
+    /// (token, expert) choices dropped at capacity.
+    pub dropped: usize,
+}
+
+/// What one optimizer step cost on this rank (a field of each metrics.jsonl line).
+#[derive(Debug, Clone, Serialize)]
+pub struct StepReport {
+    /// Forward + backward wall time (ms).
+    pub backward_ms: f64,
+    /// Time the data-parallel group was busy communicating (ms).
+    pub comm_ms: f64,
+    /// Communication the step waited for, not hidden behind compute (ms).
+    pub exposed_comm_ms: f64,
+    /// Collectives issued for the gradients.
+    pub collectives: usize,
+    /// Gradient bytes communicated.
+    pub comm_bytes: u64,
+    /// Pipeline figures (pp > 1).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<PipelineFigures>,
+    /// Expert load per MoE layer of this rank's stage (MoE models).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub experts: Option<Vec<ExpertLoad>>,
+}
+
+/// Which implementation holds the model.
+enum Inner {
+    /// The composed plan.
+    Parallel(Box<ParallelModel>),
+    /// Overlapped standalone DDP, with the model for evaluation.
+    Ddp { ddp: Box<Ddp>, gpt: Gpt, dp: Comm },
+}
+
+/// This rank's part of a model under a plan, driven by the training loop.
+pub struct Distributed {
+    inner: Inner,
+    engine: Engine,
+    opt: AdamW,
+    cfg: GptConfig,
+    plan: ParallelPlan,
+    grad_accum: usize,
+    micro: usize,
+    grad_clip: f64,
+    layout: ModelStateLayout,
+    comm_buffer_bytes: u64,
+    /// Pipeline and expert figures of the step in progress.
+    pipeline: Option<PipelineFigures>,
+    experts: Option<Vec<ExpertLoad>>,
+    last_report: Option<StepReport>,
+}
+
+/// Whether `plan` is a pure data-parallel DDP layout that the standalone, overlapped [`Ddp`]
+/// runs (dense model, pp = tp = ep = 1, no ZeRO).
+pub fn uses_standalone_ddp(cfg: &GptConfig, plan: &ParallelPlan) -> bool {
+    let d = plan.dims;
+    d.pp == 1
+        && d.tp == 1
+        && d.ep == 1
+        && cfg.moe.is_none()
+        && matches!(plan.data, DataParallelKind::Ddp(_))
+}
+
+impl Distributed {
+    /// Builds this rank's part from the full `weights` (the same on every rank). A collective
+    /// over every group of `mesh`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        cfg: &GptConfig,
+        weights: &BTreeMap<String, Tensor>,
+        plan: &ParallelPlan,
+        mesh: &DeviceMesh,
+        device: &Device,
+        optim: AdamWConfig,
+        grad_accum: usize,
+        grad_clip: f64,
+    ) -> anyhow::Result<Self> {
+        let dp = plan.dims.dp as u64;
+        let (inner, n_local, zero, comm_buffer_bytes) = match plan.data {
+            DataParallelKind::Ddp(ddp_cfg) if uses_standalone_ddp(cfg, plan) => {
+                let gpt = Gpt::new(cfg.clone(), weights, device)?;
+                let n: usize = gpt.params().iter().map(|p| p.elem_count()).sum();
+                let ddp = Ddp::new(mesh.dp.clone(), gpt.segments.clone(), ddp_cfg)
+                    .context("setting up DDP over the dp group")?;
+                let buffers = match ddp_cfg.mode {
+                    mtrain_parallel::ddp::DdpMode::Bucketed => 4 * n as u64,
+                    mtrain_parallel::ddp::DdpMode::Naive => 0,
+                };
+                let inner = Inner::Ddp {
+                    ddp: Box::new(ddp),
+                    gpt,
+                    dp: mesh.dp.clone(),
+                };
+                (inner, n as u64, 0, buffers)
+            }
+            data => {
+                let pm = parallelize(cfg, weights, plan, mesh, device)
+                    .context("building this rank's part of the model")?;
+                let n = local_param_count(cfg, &pm, plan.dims.tp);
+                let zero = match data {
+                    DataParallelKind::Zero(z) => z.stage as u8,
+                    DataParallelKind::Ddp(_) => 0,
+                };
+                (Inner::Parallel(Box::new(pm)), n, zero, 0)
+            }
+        };
+        Ok(Self {
+            inner,
+            engine: Engine::new(plan.checkpointing),
+            opt: AdamW::new(optim),
+            cfg: cfg.clone(),
+            plan: plan.clone(),
+            grad_accum: grad_accum.max(1),
+            micro: 0,
+            grad_clip,
+            layout: ModelStateLayout::fp32_adam(n_local).with_zero(zero, dp),
+            comm_buffer_bytes,
+            pipeline: None,
+            experts: None,
+            last_report: None,
+        })
+    }
+
+    /// The plan this model was built from.
+    pub fn plan(&self) -> &ParallelPlan {
+        &self.plan
+    }
+
+    /// Whether the overlapped standalone DDP runs this layout.
+    pub fn is_standalone_ddp(&self) -> bool {
+        matches!(self.inner, Inner::Ddp { .. })
+    }
+
+    /// Bytes of parameters, gradients and optimizer state this rank holds right now.
+    pub fn model_state_bytes(&self) -> ModelStateBytes {
+        match &self.inner {
+            Inner::Parallel(pm) => pm.model_state_bytes(&self.opt),
+            Inner::Ddp { ddp, .. } => ddp.model_state_bytes(&self.opt),
+        }
+    }
+
+    fn comm_stats(&self) -> CommStats {
+        match &self.inner {
+            Inner::Parallel(pm) => pm.comm_stats(),
+            Inner::Ddp { ddp, .. } => ddp.comm_stats(),
+        }
+    }
+}
+
+/// Parameters this rank holds after the tensor, pipeline and expert splits (before ZeRO):
+/// every held name's full size, divided by tp where tensor parallelism splits it.
+fn local_param_count(cfg: &GptConfig, pm: &ParallelModel, tp: usize) -> u64 {
+    let full: BTreeMap<String, usize> = param_specs(cfg)
+        .into_iter()
+        .map(|(n, s, _)| (n, s.iter().product()))
+        .collect();
+    pm.params()
+        .iter()
+        .map(|p| {
+            let n = full.get(p.name()).copied().unwrap_or(p.elem_count());
+            let split = p.name() == "wte.weight"
+                || p.name().contains(".c_attn.")
+                || p.name().contains(".c_fc.")
+                || p.name().ends_with(".c_proj.weight");
+            (if split && tp > 1 { n / tp } else { n }) as u64
+        })
+        .sum()
+}
+
+fn expert_load(stats: &[MoeStats]) -> Vec<ExpertLoad> {
+    stats
+        .iter()
+        .map(|s| ExpertLoad {
+            tokens_per_expert: s.tokens_per_expert.clone(),
+            dropped: s.dropped,
+        })
+        .collect()
+}
+
+fn scalar(t: &Tensor) -> anyhow::Result<f64> {
+    Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?[0])
+}
+
+impl TrainableModel for Distributed {
+    fn forward_backward(
+        &mut self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        loss_scale: f64,
+        mark: &mut dyn FnMut(Phase),
+    ) -> anyhow::Result<f64> {
+        if self.micro == 0 {
+            self.pipeline = None;
+            self.experts = None;
+        }
+        self.micro += 1;
+        let sync = self.micro == self.grad_accum;
+        if sync {
+            self.micro = 0;
+        }
+        let loss = match &mut self.inner {
+            Inner::Parallel(pm) => {
+                // The pipeline interleaves forwards and backwards: one mark after both.
+                let out = pm.forward_backward(inputs, targets, loss_scale, sync)?;
+                if let Some(r) = &out.pipeline {
+                    let f = PipelineFigures {
+                        step_ms: r.step_time.as_secs_f64() * 1e3,
+                        idle_ms: r.idle_time.as_secs_f64() * 1e3,
+                        bubble: r.bubble_fraction,
+                        ideal_bubble: r.analytic_bubble_fraction,
+                        peak_in_flight: r.peak_in_flight,
+                        peak_activation_bytes: r.peak_activation_bytes,
+                    };
+                    self.pipeline = Some(f);
+                }
+                if let Some(load) = &out.moe_load {
+                    let new = expert_load(load);
+                    self.experts = Some(match self.experts.take() {
+                        None => new,
+                        Some(mut acc) => {
+                            for (a, n) in acc.iter_mut().zip(new) {
+                                for (x, y) in a.tokens_per_expert.iter_mut().zip(n.tokens_per_expert) {
+                                    *x += y;
+                                }
+                                a.dropped += n.dropped;
+                            }
+                            acc
+                        }
+                    });
+                }
+                out.loss
+            }
+            Inner::Ddp { ddp, dp, .. } => {
+                let local = ddp.forward_backward(&self.engine, inputs, targets, loss_scale, sync)?;
+                let t = Tensor::new(&[local], dp.device())?;
+                scalar(&dp.all_reduce(&t, ReduceOp::Avg)?)?
+            }
+        };
+        mark(Phase::AfterBackward);
+        Ok(loss)
+    }
+
+    fn eval_loss(&mut self, inputs: &Tensor, targets: &Tensor) -> anyhow::Result<f64> {
+        match &mut self.inner {
+            Inner::Parallel(pm) => Ok(pm.eval_loss(inputs, targets)?),
+            Inner::Ddp { gpt, dp, .. } => {
+                let local = gpt.forward_loss(inputs, targets)?.loss;
+                let local = local.to_dtype(DType::F32)?.reshape(1)?;
+                scalar(&dp.all_reduce(&local, ReduceOp::Avg)?)
+            }
+        }
+    }
+
+    fn grad_sq_norm(&mut self) -> anyhow::Result<f64> {
+        Ok(match &self.inner {
+            Inner::Parallel(pm) => pm.grad_norm_sq()?,
+            Inner::Ddp { ddp, .. } => ddp.grad_norm_sq()?,
+        })
+    }
+
+    /// Clips with the configured `grad_clip` (the loop's `grad_scale` is the same coefficient,
+    /// computed from the same global norm) and steps AdamW over this rank's part.
+    fn optimizer_step(&mut self, lr: f64, _grad_scale: f64) -> anyhow::Result<()> {
+        let max = (self.grad_clip > 0.0).then_some(self.grad_clip);
+        match &mut self.inner {
+            Inner::Parallel(pm) => pm.optimizer_step(&mut self.opt, lr, max)?,
+            Inner::Ddp { ddp, .. } => ddp.optimizer_step(&mut self.opt, lr, max)?,
+        };
+        let c = self.comm_stats();
+        self.last_report = Some(StepReport {
+            backward_ms: c.backward_s * 1e3,
+            comm_ms: c.comm_s * 1e3,
+            exposed_comm_ms: c.exposed_comm_s * 1e3,
+            collectives: c.collectives,
+            comm_bytes: c.bytes,
+            pipeline: self.pipeline.take(),
+            experts: self.experts.take(),
+        });
+        Ok(())
+    }
+
+    fn state_dict(&self) -> anyhow::Result<BTreeMap<String, Tensor>> {
+        Ok(match &self.inner {
+            Inner::Parallel(pm) => pm.full_state()?,
+            Inner::Ddp { ddp, .. } => ddp.full_state()?,
+        })
+    }
+
+    fn optim_state(&self) -> anyhow::Result<AdamWState> {
+        Ok(match &self.inner {
+            Inner::Parallel(pm) => pm.full_optimizer_state(&self.opt)?,
+            Inner::Ddp { ddp, .. } => ddp.full_optimizer_state(&self.opt)?,
+        })
+    }
+
+    fn load_state(
+        &mut self,
+        model: &BTreeMap<String, Tensor>,
+        optim: AdamWState,
+    ) -> anyhow::Result<()> {
+        match &mut self.inner {
+            Inner::Parallel(pm) => {
+                pm.load_full_state(model)?;
+                pm.load_optimizer_state(&mut self.opt, &optim)?;
+            }
+            Inner::Ddp { ddp, .. } => {
+                ddp.load_full_state(model)?;
+                let mine = ddp.shard_optimizer_state(&optim)?;
+                self.opt.load_state(mine)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The full shapes, whatever the layout: checkpoints hold full tensors.
+    fn param_shapes(&self) -> BTreeMap<String, Vec<usize>> {
+        param_specs(&self.cfg)
+            .into_iter()
+            .map(|(n, s, _)| (n, s))
+            .collect()
+    }
+
+    fn memory_layout(&self) -> ModelStateLayout {
+        self.layout
+    }
+
+    fn comm_bytes(&self) -> u64 {
+        self.comm_buffer_bytes
+    }
+
+    fn step_report(&self) -> Option<serde_json::Value> {
+        self.last_report
+            .as_ref()
+            .and_then(|r| serde_json::to_value(r).ok())
+    }
+
+    fn step_line(&self) -> Option<String> {
+        self.last_report.as_ref().map(|r| r.to_string())
+    }
+}
+
+impl std::fmt::Display for StepReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "backward {:.1} ms | comm {:.1} ms, exposed {:.1} ms ({} collectives, {:.2} MiB)",
+            self.backward_ms,
+            self.comm_ms,
+            self.exposed_comm_ms,
+            self.collectives,
+            self.comm_bytes as f64 / (1 << 20) as f64
+        )?;
+        if let Some(p) = &self.pipeline {
+            write!(
+                f,
+                " | bubble {:.3} (ideal {:.3}), {} micro-batches in flight",
+                p.bubble, p.ideal_bubble, p.peak_in_flight
+            )?;
+        }
+        for (i, e) in self.experts.iter().flatten().enumerate() {
+            write!(
+                f,
+                " | moe{i} tokens/expert {:?} dropped {}",
+                e.tokens_per_expert, e.dropped
+            )?;
+        }
+        Ok(())
+    }
+}

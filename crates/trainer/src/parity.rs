@@ -1,0 +1,300 @@
+//! `mtrain parity`: does a layout train exactly like one device?
+//!
+//! ```text
+//! mtrain parity --config configs/tiny.toml --vs "--tp 2 --pp 2 --dp 2" [--steps 10] [--tol 1e-5]
+//!
+//!   reference:  mtrain --batch-size dp·B ...               one rank, the whole global batch
+//!   layout:     mtrain --tp 2 --pp 2 --dp 2 --batch-size B  dp rank d reads rows d·B..(d+1)·B
+//!               same seed, same data order, same steps: the dp slices concatenate to the
+//!               reference batch, so the losses must agree up to floating-point reassociation.
+//!
+//!   step   loss (1 rank)   loss (layout)    rel diff   grad-norm (1)  grad-norm (layout)  rel diff
+//! ```
+//!
+//! Both runs go through this binary and its launcher (separate processes, the real TCP
+//! backend), each into its own run directory, and are compared through their metrics.jsonl.
+//! The command exits non-zero when the largest relative loss difference exceeds `--tol`; the
+//! gradient-norm difference is printed beside it (it is more sensitive: a norm of a difference of
+//! nearly equal sums).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser};
+
+use crate::cli::Cli;
+
+/// Options of `mtrain parity`.
+#[derive(Debug, Clone, Args)]
+pub struct ParityArgs {
+    /// The layout to compare with one rank, as its flags in one string: "--tp 2 --pp 2 --dp 2".
+    #[arg(long, value_name = "FLAGS", allow_hyphen_values = true)]
+    pub vs: String,
+    /// TOML file with [model] and [train] tables (as for training).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Model preset, when no config file is given.
+    #[arg(long, value_name = "NAME")]
+    pub model: Option<String>,
+    /// Optimizer steps to compare.
+    #[arg(long, default_value_t = 10)]
+    pub steps: u64,
+    /// Largest allowed relative loss difference.
+    #[arg(long, default_value_t = 1e-5)]
+    pub tol: f64,
+    /// Sequences per dp rank in the layout (the reference gets dp times as many).
+    #[arg(long)]
+    pub batch_size: Option<usize>,
+    /// Tokens per sequence.
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    /// Config overrides passed to both runs, e.g. `--set lr=1e-3` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub overrides: Vec<String>,
+    /// Where the two run directories go (default: a fresh directory under the system temp dir).
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+}
+
+/// One step of a run's metrics.jsonl.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Point {
+    pub step: u64,
+    pub loss: f64,
+    pub grad_norm: f64,
+}
+
+/// The comparison of two runs.
+#[derive(Debug, Clone)]
+pub struct Parity {
+    pub reference: Vec<Point>,
+    pub layout: Vec<Point>,
+    /// Largest |a − b| / |a| over the loss series.
+    pub max_loss_rel: f64,
+    /// Largest |a − b| / |a| over the gradient-norm series.
+    pub max_grad_norm_rel: f64,
+}
+
+fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / a.abs().max(1e-30)
+}
+
+impl Parity {
+    /// Compares two series step by step; they must cover the same steps.
+    pub fn compare(reference: Vec<Point>, layout: Vec<Point>) -> anyhow::Result<Self> {
+        let steps = |v: &[Point]| v.iter().map(|p| p.step).collect::<Vec<_>>();
+        if steps(&reference) != steps(&layout) || reference.is_empty() {
+            bail!(
+                "the runs logged different steps: one rank {:?}, layout {:?}",
+                steps(&reference),
+                steps(&layout)
+            );
+        }
+        let max = |f: fn(&Point) -> f64| {
+            reference
+                .iter()
+                .zip(&layout)
+                .map(|(a, b)| rel(f(a), f(b)))
+                .fold(0.0, f64::max)
+        };
+        Ok(Self {
+            max_loss_rel: max(|p| p.loss),
+            max_grad_norm_rel: max(|p| p.grad_norm),
+            reference,
+            layout,
+        })
+    }
+
+    /// The side-by-side table.
+    pub fn table(&self, vs: &str) -> String {
+        let mut s = format!(
+            "{:>5} {:>14} {:>14} {:>10} {:>14} {:>14} {:>10}\n",
+            "step", "loss (1 rank)", "loss (layout)", "rel", "gnorm (1)", "gnorm (layout)", "rel"
+        );
+        for (a, b) in self.reference.iter().zip(&self.layout) {
+            s.push_str(&format!(
+                "{:>5} {:>14.8} {:>14.8} {:>10.2e} {:>14.8} {:>14.8} {:>10.2e}\n",
+                a.step,
+                a.loss,
+                b.loss,
+                rel(a.loss, b.loss),
+                a.grad_norm,
+                b.grad_norm,
+                rel(a.grad_norm, b.grad_norm)
+            ));
+        }
+        s.push_str(&format!(
+            "max relative difference vs `{vs}`: loss {:.3e}, grad norm {:.3e}\n",
+            self.max_loss_rel, self.max_grad_norm_rel
+        ));
+        s
+    }
+}
+
+/// Reads the (step, loss, grad_norm) series of a run directory's metrics.jsonl.
+pub fn read_metrics(run_dir: &Path) -> anyhow::Result<Vec<Point>> {
+    let path = run_dir.join("metrics.jsonl");
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(line)
+            .with_context(|| format!("{} line {}", path.display(), i + 1))?;
+        let num = |k: &str| {
+            v.get(k).and_then(|x| x.as_f64()).with_context(|| {
+                format!("{} line {} has no number `{k}`", path.display(), i + 1)
+            })
+        };
+        out.push(Point {
+            step: num("step")? as u64,
+            loss: num("loss")?,
+            grad_norm: num("grad_norm")?,
+        });
+    }
+    Ok(out)
+}
+
+/// Runs this binary with `args`; its output is shown only when it fails.
+fn run_mtrain(args: &[String], what: &str) -> anyhow::Result<()> {
+    let exe = std::env::current_exe().context("locating the mtrain binary")?;
+    eprintln!("parity: {what}: mtrain {}", args.join(" "));
+    let out = Command::new(&exe)
+        .args(args)
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .env_remove("LOCAL_RANK")
+        .env_remove("LOCAL_WORLD_SIZE")
+        .output()
+        .with_context(|| format!("starting {}", exe.display()))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        let tail: Vec<&str> = err.lines().rev().take(30).collect();
+        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        bail!(
+            "the {what} run failed ({}):\n{}",
+            out.status,
+            tail.join("\n")
+        );
+    }
+    Ok(())
+}
+
+/// `mtrain parity`: run both, print the table, fail over the tolerance.
+pub fn run(args: &ParityArgs) -> anyhow::Result<()> {
+    let vs: Vec<String> = args.vs.split_whitespace().map(str::to_string).collect();
+    let mut argv = vec!["mtrain".to_string()];
+    argv.extend(vs.iter().cloned());
+    let cli = Cli::try_parse_from(&argv)
+        .with_context(|| format!("parsing the layout flags `{}`", args.vs))?;
+    if cli.command.is_some() {
+        bail!("--vs takes layout and strategy flags, not a subcommand: `{}`", args.vs);
+    }
+    let dp = cli.layout.resolve(None)?.dims.dp;
+
+    // The per-rank batch of the layout, from the flag or the configuration.
+    let probe = crate::config::TrainArgs {
+        config: args.config.clone(),
+        model: args.model.clone(),
+        overrides: args.overrides.clone(),
+        ..Default::default()
+    };
+    let batch = match args.batch_size {
+        Some(b) => b,
+        None => probe.resolve().context("resolving the configuration")?.batch_size,
+    };
+
+    let out = match &args.out {
+        Some(d) => d.clone(),
+        None => std::env::temp_dir().join(format!("mtrain-parity-{}", std::process::id())),
+    };
+    let (one_dir, layout_dir) = (out.join("one-rank"), out.join("layout"));
+    for d in [&one_dir, &layout_dir] {
+        if d.exists() {
+            std::fs::remove_dir_all(d).with_context(|| format!("clearing {}", d.display()))?;
+        }
+    }
+    let mut common: Vec<String> = Vec::new();
+    if let Some(c) = &args.config {
+        common.extend(["--config".into(), c.display().to_string()]);
+    }
+    if let Some(m) = &args.model {
+        common.extend(["--model".into(), m.clone()]);
+    }
+    if let Some(t) = args.seq_len {
+        common.extend(["--seq-len".into(), t.to_string()]);
+    }
+    common.extend([
+        "--steps".into(),
+        args.steps.to_string(),
+        "--log-every".into(),
+        "1".into(),
+        "--eval-every".into(),
+        "0".into(),
+    ]);
+    for o in &args.overrides {
+        common.extend(["--set".into(), o.clone()]);
+    }
+
+    let mut one = common.clone();
+    one.extend([
+        "--batch-size".into(),
+        (batch * dp).to_string(),
+        "--run-dir".into(),
+        one_dir.display().to_string(),
+    ]);
+    run_mtrain(&one, "one-rank")?;
+
+    let mut lay = vs.clone();
+    lay.extend(common);
+    lay.extend([
+        "--batch-size".into(),
+        batch.to_string(),
+        "--run-dir".into(),
+        layout_dir.display().to_string(),
+    ]);
+    run_mtrain(&lay, "layout")?;
+
+    let p = Parity::compare(read_metrics(&one_dir)?, read_metrics(&layout_dir)?)?;
+    print!("{}", p.table(&args.vs));
+    if !(p.max_loss_rel <= args.tol) {
+        bail!(
+            "`{}` differs from one rank: max relative loss difference {:.3e} > tolerance {:.1e}",
+            args.vs,
+            p.max_loss_rel,
+            args.tol
+        );
+    }
+    println!(
+        "parity OK: `{}` matches one rank within {:.1e} over {} steps",
+        args.vs,
+        args.tol,
+        p.reference.len()
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pts(losses: &[f64]) -> Vec<Point> {
+        losses
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| Point {
+                step: i as u64,
+                loss: l,
+                grad_norm: 2.0 * l,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn relative_difference_is_the_largest_over_steps() {
+        let p = Parity::compare(pts(&[4.0, 2.0]), pts(&[4.0, 2.002])).unwrap();
+        assert!((p.max_loss_rel - 1e-3).abs() < 1e-12, "{}", p.max_loss_rel);
+        assert!((p.max_grad_norm_rel - 1e-3).abs() < 1e-12);
+        assert!(Parity::compare(pts(&[1.0]), pts(&[1.0, 2.0])).is_err());
+    }
+}
