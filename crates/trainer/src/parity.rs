@@ -11,6 +11,11 @@
 //!   step   loss (1 rank)   loss (layout)    rel diff   grad-norm (1)  grad-norm (layout)  rel diff
 //! ```
 //!
+//! An MoE model routes each dp rank's micro-batch on its own (expert capacity and the balancing
+//! loss are per routing group), so for MoE the reference runs the same groups one after the other
+//! as gradient-accumulation micro-steps: `--batch-size B --grad-accum dp·K` (the same rows, the same
+//! routing, gradients averaged the same way).
+//!
 //! Both runs go through this binary and its launcher (separate processes, the real TCP
 //! backend), each into its own run directory, and are compared through their metrics.jsonl.
 //! The command exits non-zero when the largest relative loss difference exceeds `--tol`; the
@@ -199,10 +204,9 @@ pub fn run(args: &ParityArgs) -> anyhow::Result<()> {
         overrides: args.overrides.clone(),
         ..Default::default()
     };
-    let batch = match args.batch_size {
-        Some(b) => b,
-        None => probe.resolve().context("resolving the configuration")?.batch_size,
-    };
+    let resolved = probe.resolve().context("resolving the configuration")?;
+    let batch = args.batch_size.unwrap_or(resolved.batch_size);
+    let moe = resolved.gpt_config()?.moe.is_some();
 
     let out = match &args.out {
         Some(d) => d.clone(),
@@ -237,12 +241,20 @@ pub fn run(args: &ParityArgs) -> anyhow::Result<()> {
     }
 
     let mut one = common.clone();
-    one.extend([
-        "--batch-size".into(),
-        (batch * dp).to_string(),
-        "--run-dir".into(),
-        one_dir.display().to_string(),
-    ]);
+    if moe {
+        // Routing (capacity, drops, balancing loss) is per group of tokens routed together,
+        // which is one dp rank's micro-batch: the reference routes the same groups, one after
+        // the other, as gradient-accumulation micro-steps.
+        one.extend([
+            "--batch-size".into(),
+            batch.to_string(),
+            "--grad-accum".into(),
+            (resolved.grad_accum * dp).to_string(),
+        ]);
+    } else {
+        one.extend(["--batch-size".into(), (batch * dp).to_string()]);
+    }
+    one.extend(["--run-dir".into(), one_dir.display().to_string()]);
     run_mtrain(&one, "one-rank")?;
 
     let mut lay = vs.clone();
