@@ -9,6 +9,7 @@
 //! - [`expert_parallel`]: MoE with all-to-all token dispatch.
 //! - [`parallelize`]: applies TP -> PP -> EP -> FSDP/DDP to a model from a validated plan.
 
+pub mod comm_cost;
 pub mod ddp;
 pub mod expert_parallel;
 pub mod fsdp;

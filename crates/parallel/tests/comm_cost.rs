@@ -1,0 +1,298 @@
+//! The communication cost model against the CPU backend's own counts.
+//!
+//! - `*_bytes_match_the_trace`: each layout of the composition tests runs one optimizer step
+//!   (forward/backward with sync, then the AdamW step) on threads with tracing on; for every
+//!   rank and every (group, op), the number of collectives and the payload bytes the tracer
+//!   counted (`bytes_sent`) equal [`step_collectives`]'s prediction exactly. The MoE token
+//!   all-to-alls depend on the routing: the prediction (balanced routing, capacity factor 1) is
+//!   an upper bound and the measurement must lie within a factor 2 below it.
+//! - `worked_example_*`: the chapter's example (hidden 8192, 8 ranks, bf16, NVLink-class
+//!   defaults): a decode token's all-reduce (16 KiB) is latency-bound, a prefill of 8192 tokens
+//!   (128 MiB) bandwidth-bound.
+//! - closed forms of the per-algorithm byte counts and times.
+
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Device, Tensor};
+use mtrain_comm::cpu::{run_local_with, CpuOptions};
+use mtrain_comm::{DeviceMesh, MeshDims, OpKind};
+use mtrain_model::optim::{AdamW, AdamWConfig};
+use mtrain_model::{init_weights, GptConfig, MoeConfig};
+use mtrain_parallel::comm_cost::{
+    all_reduce_sent, broadcast_sent, step_collectives, Bound, CostModel, Group, StepShape,
+};
+use mtrain_parallel::fsdp::{FsdpConfig, ZeroStage};
+use mtrain_parallel::parallelize::{parallelize, DataParallelKind, ParallelPlan};
+use mtrain_parallel::pipeline::ScheduleKind;
+use rand::{Rng, SeedableRng};
+
+const BATCH: usize = 8;
+const SEQ: usize = 8;
+
+fn cfg() -> GptConfig {
+    GptConfig {
+        vocab_size: 64,
+        block_size: 16,
+        n_layer: 4,
+        n_head: 4,
+        n_embd: 32,
+        moe: None,
+    }
+}
+
+fn moe_cfg() -> GptConfig {
+    GptConfig {
+        moe: Some(MoeConfig {
+            n_experts: 4,
+            top_k: 2,
+            capacity_factor: 1.0,
+            aux_loss_coef: 0.01,
+            z_loss_coef: 0.001,
+        }),
+        ..cfg()
+    }
+}
+
+fn plan(dp: usize, pp: usize, tp: usize, ep: usize) -> ParallelPlan {
+    ParallelPlan {
+        microbatches: if pp > 1 { 2 } else { 1 },
+        ..ParallelPlan::new(MeshDims::new(dp, pp, tp, ep))
+    }
+}
+
+fn zero(stage: ZeroStage) -> DataParallelKind {
+    DataParallelKind::Zero(FsdpConfig {
+        stage,
+        prefetch: true,
+    })
+}
+
+/// (count, bytes sent) per (group, op).
+type Counts = BTreeMap<(String, String), (usize, u64)>;
+
+/// One optimizer step of `plan` with tracing on; every rank's counts per (group, op), the
+/// construction's collectives excluded.
+fn measure(cfg: &GptConfig, plan: &ParallelPlan) -> Vec<Counts> {
+    let world = plan.dims.world_size();
+    let opts = CpuOptions {
+        trace: true,
+        ..CpuOptions::default()
+    };
+    run_local_with(world, opts, |backend| {
+        let mesh = DeviceMesh::new(&backend, plan.dims).expect("mesh");
+        let weights = init_weights(cfg, 7).expect("init");
+        let mut model = parallelize(cfg, &weights, plan, &mesh, &Device::Cpu).expect("parallelize");
+        let groups = [
+            &mesh.world,
+            &mesh.tp,
+            &mesh.pp,
+            &mesh.dp,
+            &mesh.ep,
+            &mesh.edp,
+            &mesh.mp,
+        ];
+        for g in groups {
+            g.tracer().clear();
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let mut draw = || -> Vec<u32> {
+            (0..BATCH * SEQ)
+                .map(|_| rng.gen_range(0..cfg.vocab_size as u32))
+                .collect()
+        };
+        let idx = Tensor::from_vec(draw(), (BATCH, SEQ), &Device::Cpu).expect("idx");
+        let tgt = Tensor::from_vec(draw(), (BATCH, SEQ), &Device::Cpu).expect("targets");
+        let b = BATCH / plan.dims.dp;
+        let d = mesh.coords.dp;
+        let (i, y) = (
+            idx.narrow(0, d * b, b).expect("i"),
+            tgt.narrow(0, d * b, b).expect("y"),
+        );
+        let mut opt = AdamW::new(AdamWConfig::default());
+        model.forward_backward(&i, &y, 1.0, true).expect("step");
+        model
+            .optimizer_step(&mut opt, 1e-3, Some(1.0))
+            .expect("opt");
+        let mut counts = Counts::new();
+        for g in groups {
+            if g.size() == 1 {
+                continue;
+            }
+            for e in g.tracer().events() {
+                let c = counts
+                    .entry((e.group.clone(), e.op.to_string()))
+                    .or_default();
+                c.0 += 1;
+                c.1 += e.bytes_sent;
+            }
+        }
+        counts
+    })
+}
+
+/// Predicted counts of every rank, plus the (group, op) keys holding an estimate.
+fn predict(cfg: &GptConfig, plan: &ParallelPlan) -> (Vec<Counts>, Vec<(String, String)>) {
+    let shape = StepShape {
+        batch: BATCH,
+        seq_len: SEQ,
+        dtype: DType::F32,
+    };
+    let mut estimates = Vec::new();
+    let all = (0..plan.dims.world_size())
+        .map(|r| {
+            let mut counts = Counts::new();
+            for c in step_collectives(cfg, plan, shape, r).expect("predict") {
+                let key = (c.group.name().to_string(), c.op.to_string());
+                if c.estimate && !estimates.contains(&key) {
+                    estimates.push(key.clone());
+                }
+                let e = counts.entry(key).or_default();
+                e.0 += c.count;
+                e.1 += c.bytes_sent * c.count as u64;
+            }
+            counts
+        })
+        .collect();
+    (all, estimates)
+}
+
+fn check(cfg: &GptConfig, plan: &ParallelPlan) {
+    let measured = measure(cfg, plan);
+    let (predicted, estimates) = predict(cfg, plan);
+    for (r, (m, p)) in measured.iter().zip(&predicted).enumerate() {
+        let keys: std::collections::BTreeSet<_> = m.keys().chain(p.keys()).collect();
+        for k in keys {
+            let (mc, mb) = m.get(k).copied().unwrap_or_default();
+            let (pc, pb) = p.get(k).copied().unwrap_or_default();
+            assert_eq!(
+                mc, pc,
+                "{:?} rank {r} {k:?}: {mc} ops traced, {pc} predicted (all: traced {m:?}, predicted {p:?})",
+                plan.dims
+            );
+            if estimates.contains(k) {
+                assert!(
+                    mb <= pb && 2 * mb >= pb,
+                    "{:?} rank {r} {k:?}: traced {mb} B outside [predicted/2, predicted] = [{}, {pb}]",
+                    plan.dims,
+                    pb / 2
+                );
+            } else {
+                assert_eq!(
+                    mb, pb,
+                    "{:?} rank {r} {k:?}: {mb} bytes sent traced, {pb} predicted",
+                    plan.dims
+                );
+            }
+        }
+    }
+    let total: u64 = measured.iter().flat_map(|m| m.values()).map(|v| v.1).sum();
+    println!(
+        "{:?}: {total} bytes sent in one step over all ranks, as predicted",
+        plan.dims
+    );
+}
+
+#[test]
+fn tp2_pp2_dp2_bytes_match_the_trace() {
+    check(&cfg(), &plan(2, 2, 2, 1));
+}
+
+#[test]
+fn tp4_pp2_bytes_match_the_trace() {
+    let p = ParallelPlan {
+        schedule: ScheduleKind::GPipe,
+        ..plan(1, 2, 4, 1)
+    };
+    check(&cfg(), &p);
+}
+
+#[test]
+fn pp2_dp2_zero3_bytes_match_the_trace() {
+    let p = ParallelPlan {
+        data: zero(ZeroStage::Three),
+        checkpointing: true,
+        ..plan(2, 2, 1, 1)
+    };
+    check(&cfg(), &p);
+}
+
+#[test]
+fn dp2_ep2_moe_bytes_match_the_trace() {
+    check(&moe_cfg(), &plan(2, 1, 1, 2));
+}
+
+#[test]
+fn tp2_sp_dp2_zero2_bytes_match_the_trace() {
+    let p = ParallelPlan {
+        data: zero(ZeroStage::Two),
+        sequence_parallel: true,
+        ..plan(2, 1, 2, 1)
+    };
+    check(&cfg(), &p);
+}
+
+#[test]
+fn pp2_tp2_sp_interleaved_bytes_match_the_trace() {
+    let p = ParallelPlan {
+        sequence_parallel: true,
+        schedule: ScheduleKind::Interleaved1F1B { virtual_stages: 2 },
+        ..plan(1, 2, 2, 1)
+    };
+    check(&cfg(), &p);
+}
+
+#[test]
+fn worked_example_decode_is_latency_bound_prefill_bandwidth_bound() {
+    let nv = CostModel::NVLINK_DEFAULT;
+    let hidden = 8192u64;
+    let decode = hidden * 2; // one token, bf16
+    let prefill = 8192 * hidden * 2; // 8192 tokens
+    assert_eq!(decode, 16 * 1024);
+    assert_eq!(prefill, 128 * 1024 * 1024);
+    let d = nv.time(OpKind::AllReduce, 8, decode);
+    let p = nv.time(OpKind::AllReduce, 8, prefill);
+    // 2(n-1) = 14 steps of α each; 2(n-1)/n · S / β of transfer.
+    assert!((d.latency_s - 14.0 * nv.alpha_s).abs() < 1e-12);
+    assert!((p.bandwidth_s - 14.0 / 8.0 * prefill as f64 / nv.beta_bytes_per_s).abs() < 1e-9);
+    assert_eq!(d.bound(), Bound::Latency, "{d:?}");
+    assert_eq!(p.bound(), Bound::Bandwidth, "{p:?}");
+    println!(
+        "decode 16 KiB: {:.1} µs latency + {:.3} µs transfer; prefill 128 MiB: {:.1} µs + {:.1} µs",
+        d.latency_s * 1e6,
+        d.bandwidth_s * 1e6,
+        p.latency_s * 1e6,
+        p.bandwidth_s * 1e6
+    );
+}
+
+#[test]
+fn ring_and_tree_bytes_follow_their_closed_forms() {
+    // Divisible sizes: 2(n-1)/n · S per rank for f32, (n-1)/n · S · (4/2 + 1) for bf16.
+    for n in [2usize, 3, 4, 8] {
+        let numel = 24 * 8;
+        for r in 0..n {
+            assert_eq!(
+                all_reduce_sent(numel, DType::F32, n, r),
+                (2 * (n - 1) * numel * 4 / n) as u64
+            );
+            assert_eq!(
+                all_reduce_sent(numel, DType::BF16, n, r),
+                ((n - 1) * numel * (4 + 2) / n) as u64
+            );
+        }
+    }
+    // One element over 4 ranks: only rank 0 owns it; the reduce-scatter is sent by ranks 1..3
+    // and forwarded in the all-gather by every rank but rank 3 (its right neighbour, rank 0,
+    // owns it).
+    let sent: Vec<u64> = (0..4)
+        .map(|r| all_reduce_sent(1, DType::F64, 4, r))
+        .collect();
+    assert_eq!(sent, vec![8, 16, 16, 8]);
+    // Binomial tree over 8 ranks from root 0: 0 → 4, 2, 1; 4 → 6, 5; 2 → 3; 6 → 7.
+    let children: Vec<u64> = (0..8).map(|r| broadcast_sent(1, 8, r, 0)).collect();
+    assert_eq!(children, vec![3, 0, 1, 0, 2, 0, 1, 0]);
+    // Over 3 ranks from root 2 (relative 0): children at relative 1 and 2, the ranks 0 and 1.
+    let children: Vec<u64> = (0..3).map(|r| broadcast_sent(1, 3, r, 2)).collect();
+    assert_eq!(children, vec![0, 0, 2]);
+    assert_eq!(Group::Edp.size(MeshDims::new(4, 1, 1, 2)), 2);
+}
