@@ -84,6 +84,12 @@ pub struct BenchCommArgs {
     /// Also write the results as JSON to this file (rank 0; `-` for stdout).
     #[arg(long, value_name = "PATH")]
     pub json: Option<PathBuf>,
+
+    /// Least-squares fit α (latency per step) and β (bandwidth) of this op and world size to the
+    /// sweep and merge them into this α-β table (TOML, e.g. configs/alpha-beta/<machine>.toml),
+    /// which `mtrain plan --alpha-beta FILE` reads.
+    #[arg(long, value_name = "FILE")]
+    pub fit: Option<PathBuf>,
 }
 
 /// The collectives bench-comm can measure.
@@ -166,6 +172,8 @@ pub enum BenchError {
     Io(#[from] std::io::Error),
     #[error("writing JSON: {0}")]
     Json(#[from] serde_json::Error),
+    #[error("--fit: {0}")]
+    Fit(String),
 }
 
 /// One row of the table.
@@ -177,6 +185,13 @@ pub struct BenchRow {
     pub algbw_gbps: f64,
     pub busbw_gbps: f64,
     pub wrong: u64,
+}
+
+impl BenchReport {
+    /// The op as spelled on the command line.
+    pub fn op_name(&self) -> &'static str {
+        self.op.name()
+    }
 }
 
 /// Everything one bench-comm run measured.
@@ -447,6 +462,33 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
             } else {
                 std::fs::write(path, text + "\n")?;
             }
+        }
+        if let Some(path) = &args.fit {
+            let backend = match args.device {
+                DeviceKind::Cpu => "cpu",
+                _ => "nccl",
+            };
+            let command = format!(
+                "mtrain bench-comm --op {} -b {} -e {} -f {} -n {} --device {backend}, {} ranks, {}",
+                report.op_name(),
+                args.min_bytes,
+                args.max_bytes,
+                args.step_factor,
+                args.iters,
+                n,
+                crate::cost::today()
+            );
+            let fit = crate::cost::write_fit(path, &report, backend, &command)
+                .map_err(|e| BenchError::Fit(e.to_string()))?;
+            println!(
+                "# fit {} over {} ranks: alpha {:.2} us per step, beta {:.3} GB/s (R^2 {:.4}) -> {}",
+                fit.op,
+                fit.ranks,
+                fit.alpha_s * 1e6,
+                fit.beta_bytes_per_s / 1e9,
+                fit.r2,
+                path.display()
+            );
         }
     }
     Ok(report)

@@ -4,6 +4,7 @@ pub mod bench_comm;
 pub mod checkpoint;
 pub mod cli;
 pub mod config;
+pub mod cost;
 pub mod data;
 pub mod distributed;
 #[cfg(feature = "cuda")]

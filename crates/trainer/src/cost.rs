@@ -1,0 +1,463 @@
+//! α-β tables, their least-squares fit from a bench-comm sweep, the communication section of
+//! `mtrain plan`, and `mtrain plan --compare RUN_DIR` (prediction next to a `--trace` run).
+//!
+//! ```text
+//!   mtrain --nproc-per-node 4 bench-comm -b 1K -e 16M --op all-reduce --fit configs/alpha-beta/laptop.toml
+//!   mtrain plan --tp 4 --pp 2 --config configs/gpt2-124m.toml --alpha-beta configs/alpha-beta/laptop.toml
+//!   mtrain plan ... --compare runs/x        # after `mtrain ... --trace` wrote runs/x/trace-rank*.jsonl
+//! ```
+//!
+//! **Fit.** For one op over n ranks the α-β model is a straight line in the message size S:
+//! `t(S) = steps·α + (steps · step_bytes / S) · S / β` (see `mtrain_parallel::comm_cost`), so an
+//! ordinary least-squares line `t = a + b·S` through the sweep gives `α = a / steps` and
+//! `β = steps · (step_bytes / S) / b`.
+//!
+//! **Table file** (TOML): a `default` model for ops and sizes not fitted, and one `[[fit]]` per
+//! (op, ranks), with the command and date that produced it.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+
+use candle_core::DType;
+use mtrain_comm::{MeshDims, OpKind};
+use mtrain_model::GptConfig;
+use mtrain_parallel::comm_cost::{
+    algorithm_steps, human_bytes, human_time, render, step_collectives, totals, CostModel, Group,
+    StepShape,
+};
+use mtrain_parallel::parallelize::ParallelPlan;
+use serde::{Deserialize, Serialize};
+
+use crate::bench_comm::{BenchOp, BenchReport};
+
+/// Errors of the cost commands.
+#[derive(Debug, thiserror::Error)]
+pub enum CostError {
+    #[error("reading {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("parsing α-β table {path}: {msg}")]
+    Parse { path: String, msg: String },
+    #[error("fit of {op} over {ranks} ranks: {msg}")]
+    Fit {
+        op: String,
+        ranks: usize,
+        msg: String,
+    },
+    #[error("{0}")]
+    Model(#[from] mtrain_parallel::comm_cost::CostError),
+    #[error("no trace-rank*.jsonl files in {0} (run training with --trace first)")]
+    NoTrace(String),
+}
+
+pub type Result<T> = std::result::Result<T, CostError>;
+
+/// One fitted line.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fit {
+    /// Collective, as in traces: `all_reduce`, `all_gather`, ...
+    pub op: String,
+    /// Group size it was measured at.
+    pub ranks: usize,
+    pub alpha_s: f64,
+    pub beta_bytes_per_s: f64,
+    /// Coefficient of determination of the line.
+    pub r2: f64,
+    /// Sizes measured.
+    pub points: usize,
+}
+
+/// An α-β table for one machine and backend.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AlphaBetaTable {
+    /// `cpu` or `nccl`.
+    pub backend: String,
+    /// What the numbers are: `default (not measured) ...` or the command and date of a fit.
+    pub source: String,
+    /// Used for every op and group size without a fit.
+    pub default: CostModel,
+    #[serde(default)]
+    pub fit: Vec<Fit>,
+}
+
+impl AlphaBetaTable {
+    /// The built-in defaults, labelled as such.
+    pub fn cpu_default() -> Self {
+        Self {
+            backend: "cpu".into(),
+            source: "default (not measured): CPU backend on loopback TCP".into(),
+            default: CostModel::CPU_LOOPBACK_DEFAULT,
+            fit: vec![],
+        }
+    }
+
+    pub fn nvlink_default() -> Self {
+        Self {
+            backend: "nccl".into(),
+            source: "default (not measured): NVLink-class GPUs, one node".into(),
+            default: CostModel::NVLINK_DEFAULT,
+            fit: vec![],
+        }
+    }
+
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|source| CostError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        toml::from_str(&text).map_err(|e| CostError::Parse {
+            path: path.display().to_string(),
+            msg: e.to_string(),
+        })
+    }
+
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let io = |source| CostError::Io {
+            path: path.display().to_string(),
+            source,
+        };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(io)?;
+        }
+        let text = toml::to_string_pretty(self).map_err(|e| CostError::Parse {
+            path: path.display().to_string(),
+            msg: e.to_string(),
+        })?;
+        std::fs::write(path, text).map_err(io)
+    }
+
+    /// The model for `op` over `n` ranks: its fit at n, else the same op's fit at the nearest
+    /// size, else the default.
+    pub fn model(&self, op: OpKind, n: usize) -> CostModel {
+        let name = op.to_string();
+        self.fit
+            .iter()
+            .filter(|f| f.op == name)
+            .min_by_key(|f| f.ranks.abs_diff(n))
+            .map_or(self.default, |f| CostModel {
+                alpha_s: f.alpha_s,
+                beta_bytes_per_s: f.beta_bytes_per_s,
+            })
+    }
+
+    /// Replaces (or adds) the fit of the same op and size.
+    pub fn upsert(&mut self, fit: Fit) {
+        self.fit
+            .retain(|f| (f.op.as_str(), f.ranks) != (fit.op.as_str(), fit.ranks));
+        self.fit.push(fit);
+        self.fit
+            .sort_by(|a, b| (a.op.as_str(), a.ranks).cmp(&(b.op.as_str(), b.ranks)));
+    }
+}
+
+/// The trace name of a bench-comm op.
+pub fn op_kind(op: BenchOp) -> OpKind {
+    match op {
+        BenchOp::AllReduce => OpKind::AllReduce,
+        BenchOp::AllGather => OpKind::AllGather,
+        BenchOp::ReduceScatter => OpKind::ReduceScatter,
+        BenchOp::AllToAll => OpKind::AllToAll,
+        BenchOp::Broadcast => OpKind::Broadcast,
+        BenchOp::SendRecv => OpKind::Send,
+    }
+}
+
+/// Least-squares α and β of `op` over `n` ranks from (message bytes S, seconds) points. S is
+/// bench-comm's size: the tensor for all-reduce, broadcast, send; the gathered output for
+/// all-gather; one rank's input for reduce-scatter and all-to-all.
+pub fn fit_alpha_beta(op: OpKind, n: usize, points: &[(f64, f64)]) -> Result<Fit> {
+    let err = |msg: String| CostError::Fit {
+        op: op.to_string(),
+        ranks: n,
+        msg,
+    };
+    if points.len() < 2 {
+        return Err(err(format!("needs at least 2 sizes, got {}", points.len())));
+    }
+    // bench-comm's all-gather size is the output; the model's input is one shard of it.
+    let model_bytes = |s: f64| match op {
+        OpKind::AllGather => s / n as f64,
+        _ => s,
+    };
+    let (steps, step_bytes_of_one) = algorithm_steps(op, n, model_bytes(1.0));
+    if steps == 0 {
+        return Err(err("a group of one rank sends nothing".into()));
+    }
+    let m = points.len() as f64;
+    let (sx, sy) = points
+        .iter()
+        .fold((0.0, 0.0), |a, p| (a.0 + p.0, a.1 + p.1));
+    let (mx, my) = (sx / m, sy / m);
+    let sxx: f64 = points.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    let sxy: f64 = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    if sxx == 0.0 {
+        return Err(err("all sizes are equal".into()));
+    }
+    let slope = sxy / sxx;
+    let intercept = my - slope * mx;
+    if slope <= 0.0 {
+        return Err(err(format!(
+            "time does not grow with size (slope {slope:.3e} s/byte): sweep larger sizes"
+        )));
+    }
+    let ss_tot: f64 = points.iter().map(|p| (p.1 - my).powi(2)).sum();
+    let ss_res: f64 = points
+        .iter()
+        .map(|p| (p.1 - intercept - slope * p.0).powi(2))
+        .sum();
+    Ok(Fit {
+        op: op.to_string(),
+        ranks: n,
+        // A negative intercept is noise around a tiny latency.
+        alpha_s: (intercept / steps as f64).max(0.0),
+        beta_bytes_per_s: steps as f64 * step_bytes_of_one / slope,
+        r2: if ss_tot > 0.0 {
+            1.0 - ss_res / ss_tot
+        } else {
+            1.0
+        },
+        points: points.len(),
+    })
+}
+
+/// `bench-comm --fit FILE`: fit the report's sweep and merge it into the table at `path`
+/// (created with the backend's defaults if missing). Returns the fit.
+pub fn write_fit(path: &Path, report: &BenchReport, backend: &str, command: &str) -> Result<Fit> {
+    let op = op_kind(report.op);
+    let points: Vec<(f64, f64)> = report
+        .rows
+        .iter()
+        .map(|r| (r.bytes as f64, r.time_us * 1e-6))
+        .collect();
+    let fit = fit_alpha_beta(op, report.world_size, &points)?;
+    let mut table = match path.exists() {
+        true => AlphaBetaTable::load(path)?,
+        false => match backend {
+            "nccl" => AlphaBetaTable::nvlink_default(),
+            _ => AlphaBetaTable::cpu_default(),
+        },
+    };
+    table.backend = backend.to_string();
+    table.source = format!("fitted by `{command}`");
+    table.upsert(fit.clone());
+    table.save(path)?;
+    Ok(fit)
+}
+
+/// The α-β model for a trace group name (`tp`, or `tp[0,1]`) of a table.
+fn group_of(name: &str) -> Option<Group> {
+    let base = name.split('[').next().unwrap_or(name);
+    [
+        Group::Tp,
+        Group::Pp,
+        Group::Dp,
+        Group::Ep,
+        Group::Edp,
+        Group::World,
+    ]
+    .into_iter()
+    .find(|g| g.name() == base)
+}
+
+/// The communication section of `mtrain plan`: for the first rank of each pipeline stage, every
+/// collective of one optimizer step with its predicted time; `batch` is the global batch of one
+/// micro-step (sequences), `grad_accum` micro-steps per optimizer step.
+pub fn plan_section(
+    cfg: &GptConfig,
+    plan: &ParallelPlan,
+    shape: StepShape,
+    grad_accum: usize,
+    table: &AlphaBetaTable,
+) -> Result<String> {
+    let dims = plan.dims;
+    let model = |_: Group, op: OpKind, n: usize| table.model(op, n);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "communication per optimizer step (α-β {}: {}; default α = {}, β = {:.2} GB/s; {} activations):",
+        table.backend,
+        table.source,
+        human_time(table.default.alpha_s),
+        table.default.beta_bytes_per_s / 1e9,
+        match shape.dtype {
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            _ => "f32",
+        }
+    );
+    if grad_accum > 1 {
+        let _ = writeln!(
+            s,
+            "(one micro-step shown; the [fwd] and [bwd] rows repeat for each of the {grad_accum} micro-steps)"
+        );
+    }
+    for p in 0..dims.pp {
+        let rank = dims.rank_of(0, p, 0);
+        let items = step_collectives(cfg, plan, shape, rank)?;
+        let _ = writeln!(s, "rank {rank} (pp stage {p}, dp 0, tp 0):");
+        s.push_str(&render(&items, dims, &model));
+    }
+    Ok(s)
+}
+
+/// Measured figures of one (group, op) on one rank.
+#[derive(Debug, Default, Clone, Copy)]
+struct Measured {
+    count: usize,
+    bytes_sent: u64,
+    busy_s: f64,
+}
+
+/// `mtrain plan --compare RUN_DIR`: per rank and (group, op), the predicted bytes sent and time
+/// per op next to the trace's mean, flagging ratios beyond 2× either way.
+pub fn compare(
+    run_dir: &Path,
+    cfg: &GptConfig,
+    plan: &ParallelPlan,
+    shape: StepShape,
+    table: &AlphaBetaTable,
+) -> Result<String> {
+    let dims = plan.dims;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{:<5} {:<6} {:<15} {:>7} {:>12} {:>12} {:>11} {:>11}  flag",
+        "rank", "group", "op", "ops", "sent/op", "pred sent", "time/op", "pred time"
+    );
+    let mut found = 0;
+    for rank in 0..dims.world_size() {
+        let path = run_dir.join(format!("trace-rank{rank}.jsonl"));
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        found += 1;
+        let mut measured: BTreeMap<(Group, String), Measured> = BTreeMap::new();
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            let v: serde_json::Value =
+                serde_json::from_str(line).map_err(|e| CostError::Parse {
+                    path: path.display().to_string(),
+                    msg: e.to_string(),
+                })?;
+            let Some(g) = v["group"].as_str().and_then(group_of) else {
+                continue;
+            };
+            let op = v["op"].as_str().unwrap_or("?").to_string();
+            let m = measured.entry((g, op)).or_default();
+            m.count += 1;
+            m.bytes_sent += v["bytes_sent"].as_u64().unwrap_or(0);
+            let (a, b) = (v["start_us"].as_u64(), v["end_us"].as_u64());
+            if let (Some(a), Some(b)) = (a, b) {
+                m.busy_s += b.saturating_sub(a) as f64 * 1e-6;
+            }
+        }
+        let mut predicted: BTreeMap<(Group, String), (usize, u64, f64)> = BTreeMap::new();
+        for c in step_collectives(cfg, plan, shape, rank)? {
+            let n = c.group.size(dims);
+            let t = table.model(c.op, n).time(c.op, n, c.bytes).total_s();
+            let p = predicted.entry((c.group, c.op.to_string())).or_default();
+            p.0 += c.count;
+            p.1 += c.bytes_sent * c.count as u64;
+            p.2 += t * c.count as f64;
+        }
+        let keys: std::collections::BTreeSet<_> =
+            measured.keys().chain(predicted.keys()).cloned().collect();
+        for k in keys {
+            if k.0.size(dims) <= 1 {
+                continue;
+            }
+            let m = measured.get(&k).copied().unwrap_or_default();
+            let p = predicted.get(&k).copied().unwrap_or_default();
+            let per = |x: f64, n: usize| if n == 0 { 0.0 } else { x / n as f64 };
+            let (m_sent, p_sent) = (per(m.bytes_sent as f64, m.count), per(p.1 as f64, p.0));
+            let (m_time, p_time) = (per(m.busy_s, m.count), per(p.2, p.0));
+            let off = |a: f64, b: f64| a > 2.0 * b || b > 2.0 * a;
+            let mut flags = Vec::new();
+            if m.count == 0 || p.0 == 0 {
+                flags.push(if m.count == 0 {
+                    "not traced"
+                } else {
+                    "not predicted"
+                });
+            } else {
+                if off(m_sent, p_sent) {
+                    flags.push("bytes >2x off");
+                }
+                if off(m_time, p_time) {
+                    flags.push("time >2x off");
+                }
+            }
+            let _ = writeln!(
+                s,
+                "{:<5} {:<6} {:<15} {:>7} {:>12} {:>12} {:>11} {:>11}  {}",
+                rank,
+                k.0.name(),
+                k.1,
+                m.count,
+                human_bytes(m_sent as u64),
+                human_bytes(p_sent as u64),
+                human_time(m_time),
+                human_time(p_time),
+                flags.join(", ")
+            );
+        }
+    }
+    if found == 0 {
+        return Err(CostError::NoTrace(run_dir.display().to_string()));
+    }
+    let _ = writeln!(
+        s,
+        "(per-op means; measured time runs from issue to completion, so it includes waiting for peers)"
+    );
+    Ok(s)
+}
+
+/// Totals of one rank, for tests and summaries.
+pub fn rank_totals(
+    cfg: &GptConfig,
+    plan: &ParallelPlan,
+    shape: StepShape,
+    rank: usize,
+    table: &AlphaBetaTable,
+) -> Result<mtrain_parallel::comm_cost::StepTotals> {
+    let items = step_collectives(cfg, plan, shape, rank)?;
+    Ok(totals(&items, plan.dims, &|_, op, n| table.model(op, n)))
+}
+
+/// Sizes of a mesh's groups, for a header line.
+pub fn group_sizes(dims: MeshDims) -> String {
+    [
+        Group::Tp,
+        Group::Pp,
+        Group::Dp,
+        Group::Ep,
+        Group::Edp,
+        Group::World,
+    ]
+    .iter()
+    .map(|g| format!("{} {}", g.name(), g.size(dims)))
+    .collect::<Vec<_>>()
+    .join(", ")
+}
+
+/// Today's date (UTC) as `YYYY-MM-DD`, for the provenance line of a fitted table.
+pub fn today() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs()) as i64;
+    // Days since 1970-01-01 to a civil date (Howard Hinnant's algorithm).
+    let z = secs.div_euclid(86_400) + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
