@@ -333,7 +333,26 @@ fn supervise(workers: &mut [Worker], interrupted: &AtomicBool) -> Result<(), Lau
                 }
             }
         }
-        if let Some((rank, how)) = failed {
+        if let Some((mut rank, mut how)) = failed {
+            // A peer that loses its partner fails too, often within the same poll. A worker
+            // killed by a signal is the cause, an error exit the likely effect: wait one more
+            // interval and name a signal death if there is one.
+            std::thread::sleep(POLL_INTERVAL);
+            for w in workers.iter_mut().filter(|w| w.exited.is_none()) {
+                if let Ok(Some(status)) = w.child.try_wait() {
+                    w.exited = Some(status);
+                }
+            }
+            if let Some(w) = workers
+                .iter()
+                .filter(|w| w.rank != rank)
+                .find(|w| w.exited.is_some_and(|s| s.signal().is_some()))
+            {
+                if let (Some(status), false) = (w.exited, how.starts_with("killed")) {
+                    rank = w.rank;
+                    how = describe_exit(&status);
+                }
+            }
             let stopped = stop_all(workers);
             let stopped = if stopped.is_empty() {
                 "none were still running".to_string()
