@@ -1185,7 +1185,7 @@ pub fn render(
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<6} {:<15} {:<36} {:>10} {:>6} {:>12} {:>11}  bound",
+        "{:<8} {:<15} {:<36} {:>10} {:>6} {:>12} {:>11}  bound",
         "group", "op", "what", "size", "count", "sent/rank", "time"
     );
     let mut sorted: Vec<&Collective> = items.iter().collect();
@@ -1195,7 +1195,7 @@ pub fn render(
         let t = model(c.group, c.op, n).time(c.op, n, c.bytes);
         let _ = writeln!(
             s,
-            "{:<6} {:<15} {:<36} {:>10} {:>6} {:>12} {:>11}  {}{}",
+            "{:<8} {:<15} {:<36} {:>10} {:>6} {:>12} {:>11}  {}{}",
             format!("{}({n})", c.group.name()),
             c.op.to_string(),
             format!(

@@ -49,6 +49,8 @@ pub enum CostError {
     },
     #[error("{0}")]
     Model(#[from] mtrain_parallel::comm_cost::CostError),
+    #[error("resolving the configuration: {0}")]
+    Config(String),
     #[error("no trace-rank*.jsonl files in {0} (run training with --trace first)")]
     NoTrace(String),
 }
@@ -460,4 +462,44 @@ pub fn today() -> String {
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
     format!("{y:04}-{m:02}-{d:02}")
+}
+
+/// What `mtrain plan` adds for the communication cost model: the per-step table under the
+/// resolved configuration and strategy flags, or with `compare` the prediction next to a traced
+/// run. `alpha_beta` is a table from `bench-comm --fit`; without one, the backend's defaults.
+pub fn plan_report(
+    dims: MeshDims,
+    strategy: &crate::cli::StrategyArgs,
+    train: &crate::config::TrainArgs,
+    alpha_beta: Option<&Path>,
+    compare_dir: Option<&Path>,
+) -> Result<String> {
+    let cfg = train
+        .resolve()
+        .map_err(|e| CostError::Config(format!("{e:#}")))?;
+    let model = cfg
+        .gpt_config()
+        .map_err(|e| CostError::Config(e.to_string()))?;
+    let plan = strategy
+        .plan(dims, cfg.activation_checkpointing)
+        .map_err(|e| CostError::Config(e.to_string()))?;
+    let table = match alpha_beta {
+        Some(p) => AlphaBetaTable::load(p)?,
+        None => match cfg.device {
+            crate::config::DeviceKind::Cuda => AlphaBetaTable::nvlink_default(),
+            crate::config::DeviceKind::Cpu => AlphaBetaTable::cpu_default(),
+        },
+    };
+    let shape = StepShape {
+        batch: cfg.batch_size * dims.dp,
+        seq_len: cfg.seq_len,
+        dtype: match cfg.dtype {
+            crate::config::DTypeKind::F32 => DType::F32,
+            _ => DType::BF16,
+        },
+    };
+    match compare_dir {
+        Some(dir) => compare(dir, &model, &plan, shape, &table),
+        None => plan_section(&model, &plan, shape, cfg.grad_accum, &table),
+    }
 }

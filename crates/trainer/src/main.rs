@@ -114,7 +114,9 @@ where
 
 fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
     match &cli.command {
-        Some(Command::Plan(args)) => plan::run(&cli.layout, args).map_err(Into::into),
+        Some(Command::Plan(args)) => {
+            plan::run(&cli.layout, &cli.strategy, args).map_err(Into::into)
+        }
         Some(Command::Prepare(args)) => {
             let summary = prepare::prepare(args)?;
             println!(

@@ -20,6 +20,15 @@ use crate::config::TrainArgs;
 pub struct PlanArgs {
     #[command(flatten)]
     pub train: TrainArgs,
+
+    /// α-β table for the communication estimate (written by `bench-comm --fit`); without it,
+    /// the built-in defaults of the backend (CPU loopback, or NVLink-class with --device cuda).
+    #[arg(long, value_name = "FILE")]
+    pub alpha_beta: Option<std::path::PathBuf>,
+
+    /// Put the predicted traffic and time next to what a `--trace` run recorded in RUN_DIR.
+    #[arg(long, value_name = "RUN_DIR")]
+    pub compare: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -81,8 +90,16 @@ pub fn render(layout: &Layout, args: &PlanArgs) -> Result<String, PlanError> {
 }
 
 /// `mtrain plan`: resolve and print.
-pub fn run(layout: &LayoutArgs, args: &PlanArgs) -> Result<(), PlanError> {
+pub fn run(
+    layout: &LayoutArgs,
+    strategy: &crate::cli::StrategyArgs,
+    args: &PlanArgs,
+) -> Result<(), PlanError> {
     let layout = layout.resolve(None)?;
     print!("{}", render(&layout, args)?);
+    let (ab, cmp) = (args.alpha_beta.as_deref(), args.compare.as_deref());
+    let comm = crate::cost::plan_report(layout.dims, strategy, &args.train, ab, cmp)
+        .map_err(|e| PlanError::Config(e.into()))?;
+    print!("{comm}");
     Ok(())
 }
