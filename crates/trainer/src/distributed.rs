@@ -280,7 +280,9 @@ impl TrainableModel for Distributed {
                         None => new,
                         Some(mut acc) => {
                             for (a, n) in acc.iter_mut().zip(new) {
-                                for (x, y) in a.tokens_per_expert.iter_mut().zip(n.tokens_per_expert) {
+                                for (x, y) in
+                                    a.tokens_per_expert.iter_mut().zip(n.tokens_per_expert)
+                                {
                                     *x += y;
                                 }
                                 a.dropped += n.dropped;
@@ -292,7 +294,8 @@ impl TrainableModel for Distributed {
                 out.loss
             }
             Inner::Ddp { ddp, dp, .. } => {
-                let local = ddp.forward_backward(&self.engine, inputs, targets, loss_scale, sync)?;
+                let local =
+                    ddp.forward_backward(&self.engine, inputs, targets, loss_scale, sync)?;
                 let t = Tensor::new(&[local], dp.device())?;
                 scalar(&dp.all_reduce(&t, ReduceOp::Avg)?)?
             }

@@ -143,13 +143,17 @@ pub fn read_metrics(run_dir: &Path) -> anyhow::Result<Vec<Point>> {
     let text =
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
         let v: serde_json::Value = serde_json::from_str(line)
             .with_context(|| format!("{} line {}", path.display(), i + 1))?;
         let num = |k: &str| {
-            v.get(k).and_then(|x| x.as_f64()).with_context(|| {
-                format!("{} line {} has no number `{k}`", path.display(), i + 1)
-            })
+            v.get(k)
+                .and_then(|x| x.as_f64())
+                .with_context(|| format!("{} line {} has no number `{k}`", path.display(), i + 1))
         };
         out.push(Point {
             step: num("step")? as u64,
@@ -193,7 +197,10 @@ pub fn run(args: &ParityArgs) -> anyhow::Result<()> {
     let cli = Cli::try_parse_from(&argv)
         .with_context(|| format!("parsing the layout flags `{}`", args.vs))?;
     if cli.command.is_some() {
-        bail!("--vs takes layout and strategy flags, not a subcommand: `{}`", args.vs);
+        bail!(
+            "--vs takes layout and strategy flags, not a subcommand: `{}`",
+            args.vs
+        );
     }
     let dp = cli.layout.resolve(None)?.dims.dp;
 

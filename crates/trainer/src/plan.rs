@@ -89,6 +89,22 @@ pub fn render(layout: &Layout, args: &PlanArgs) -> Result<String, PlanError> {
     Ok(out)
 }
 
+/// The parallel plan of the strategy flags, checked against the model and batch (refused with
+/// the arithmetic), then its layers per stage and per-rank memory estimate
+/// ([`mtrain_parallel::parallelize::describe`]).
+pub fn describe_plan(
+    layout: &Layout,
+    strategy: &crate::cli::StrategyArgs,
+    args: &PlanArgs,
+) -> Result<String, PlanError> {
+    let cfg = args.train.resolve().map_err(PlanError::Config)?;
+    let model = cfg.gpt_config().map_err(|e| PlanError::Config(e.into()))?;
+    let plan = strategy.plan(layout.dims, cfg.activation_checkpointing)?;
+    plan.validate(&model, layout.world_size, cfg.batch_size * layout.dims.dp)
+        .map_err(|e| PlanError::Config(e.into()))?;
+    Ok(mtrain_parallel::parallelize::describe(&model, &plan))
+}
+
 /// `mtrain plan`: resolve and print.
 pub fn run(
     layout: &LayoutArgs,
@@ -97,6 +113,7 @@ pub fn run(
 ) -> Result<(), PlanError> {
     let layout = layout.resolve(None)?;
     print!("{}", render(&layout, args)?);
+    print!("{}", describe_plan(&layout, strategy, args)?);
     let (ab, cmp) = (args.alpha_beta.as_deref(), args.compare.as_deref());
     let comm = crate::cost::plan_report(layout.dims, strategy, &args.train, ab, cmp)
         .map_err(|e| PlanError::Config(e.into()))?;

@@ -22,8 +22,7 @@ use mtrain_comm::{Comm, TraceEvent};
 /// Writes every recorded event of `groups` to `run_dir/trace-rank{rank}.jsonl`, ordered by start
 /// time. Returns the file's path.
 pub fn write_rank_trace(run_dir: &Path, rank: usize, groups: &[Comm]) -> anyhow::Result<PathBuf> {
-    std::fs::create_dir_all(run_dir)
-        .with_context(|| format!("creating {}", run_dir.display()))?;
+    std::fs::create_dir_all(run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
     let path = run_dir.join(format!("trace-rank{rank}.jsonl"));
     let mut events: Vec<TraceEvent> = groups.iter().flat_map(|g| g.tracer().events()).collect();
     events.sort_by_key(|e| (e.start_us, e.seq));
@@ -40,7 +39,8 @@ pub fn write_rank_trace(run_dir: &Path, rank: usize, groups: &[Comm]) -> anyhow:
 
 /// The last operations of every group on this rank, as text (one line per op).
 pub fn recent_ops(rank: usize, groups: &[Comm]) -> String {
-    let mut s = format!("rank {rank}: last collectives per group (seq, op, bytes, start..end us)\n");
+    let mut s =
+        format!("rank {rank}: last collectives per group (seq, op, bytes, start..end us)\n");
     for g in groups {
         let recent = g.tracer().recent();
         if recent.is_empty() {

@@ -77,7 +77,11 @@ fn parity(cfg: &str, vs: &str) -> String {
     // Five steps compared, side by side.
     let rows = t
         .lines()
-        .filter(|l| l.split_whitespace().next().is_some_and(|w| w.parse::<u64>().is_ok()))
+        .filter(|l| {
+            l.split_whitespace()
+                .next()
+                .is_some_and(|w| w.parse::<u64>().is_ok())
+        })
         .count();
     assert_eq!(rows, 5, "{t}");
     t
@@ -134,7 +138,10 @@ fn losses(run_dir: &Path) -> Vec<(u64, f64)> {
     s.lines()
         .map(|l| {
             let v: serde_json::Value = serde_json::from_str(l).expect("json line");
-            (v["step"].as_u64().expect("step"), v["loss"].as_f64().expect("loss"))
+            (
+                v["step"].as_u64().expect("step"),
+                v["loss"].as_f64().expect("loss"),
+            )
         })
         .collect()
 }
@@ -170,7 +177,12 @@ fn checkpoint_saved_as_tp2_pp2_resumes_as_dp2_fsdp_and_tp4() {
     // Uninterrupted: tp 2 x pp 2 (dp 1, 4 sequences), checkpoint after step 2 on the way.
     let base = tmp("reshard");
     let full = base.path().join("full");
-    let o = train(&["--tp", "2", "--pp", "2"], "4", &full, &["--ckpt-every", "2"]);
+    let o = train(
+        &["--tp", "2", "--pp", "2"],
+        "4",
+        &full,
+        &["--ckpt-every", "2"],
+    );
     assert!(o.status.success(), "{}", text(&o));
     let reference = losses(&full);
     assert_eq!(reference.len(), 4);
@@ -179,10 +191,7 @@ fn checkpoint_saved_as_tp2_pp2_resumes_as_dp2_fsdp_and_tp4() {
     let ckpt = ckpt.display().to_string();
 
     // Resumed under other layouts with the same global batch (dp 2 x 2 = 4 sequences).
-    for (layout, batch) in [
-        (vec!["--dp", "2", "--fsdp"], "2"),
-        (vec!["--tp", "4"], "4"),
-    ] {
+    for (layout, batch) in [(vec!["--dp", "2", "--fsdp"], "2"), (vec!["--tp", "4"], "4")] {
         let dir = base.path().join(layout.join("_"));
         let o = train(&layout, batch, &dir, &["--resume", &ckpt]);
         assert!(o.status.success(), "{layout:?}: {}", text(&o));
@@ -201,8 +210,8 @@ fn checkpoint_saved_as_tp2_pp2_resumes_as_dp2_fsdp_and_tp4() {
 
 /// The worker processes of launcher `pid` as (rank, pid).
 fn workers(pid: u32) -> Vec<(usize, u32)> {
-    let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default();
+    let children =
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
     children
         .split_whitespace()
         .filter_map(|c| c.parse::<u32>().ok())
@@ -225,9 +234,26 @@ fn a_worker_killed_mid_training_takes_the_job_down_naming_it() {
     let rd = dir.path().display().to_string();
     let cfg = config("tiny.toml");
     let mut child = mtrain(&[
-        "--dp", "2", "--pp", "2", "--config", &cfg, "--steps", "100000", "--batch-size", "2",
-        "--seq-len", "32", "--log-every", "1", "--eval-every", "0", "--run-dir", &rd,
-        "--comm-timeout", "60",
+        "--dp",
+        "2",
+        "--pp",
+        "2",
+        "--config",
+        &cfg,
+        "--steps",
+        "100000",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "0",
+        "--run-dir",
+        &rd,
+        "--comm-timeout",
+        "60",
     ])
     .stdout(Stdio::piped())
     .stderr(Stdio::piped())
@@ -237,7 +263,10 @@ fn a_worker_killed_mid_training_takes_the_job_down_naming_it() {
     // Wait until training is under way (a step logged), then SIGKILL rank 3.
     let metrics = dir.path().join("metrics.jsonl");
     while std::fs::read_to_string(&metrics).map_or(0, |s| s.lines().count()) < 1 {
-        assert!(start.elapsed() < Duration::from_secs(120), "training never started");
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "training never started"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     let victim = workers(child.id())
@@ -274,7 +303,10 @@ fn a_worker_killed_mid_training_takes_the_job_down_naming_it() {
 fn impossible_layouts_are_refused_with_the_arithmetic() {
     let cfg = config("tiny.toml");
     let cases: [(&[&str], &str); 4] = [
-        (&["--dp", "2", "--tp", "2", "--nproc-per-node", "3"], "dp(2) * pp(1) * tp(2) = 4 != world size 3"),
+        (
+            &["--dp", "2", "--tp", "2", "--nproc-per-node", "3"],
+            "dp(2) * pp(1) * tp(2) = 4 != world size 3",
+        ),
         (&["--pp", "5"], "pp 5 > n_layer 4"),
         (&["--tp", "3"], "n_head 4 is not divisible by tp 3"),
         (&["--dp", "2", "--ep", "2"], "--ep 2 needs an MoE model"),
@@ -318,13 +350,19 @@ fn trace_writes_every_collective_per_rank() {
     assert!(!r0.is_empty());
     // The dp group issues the same collectives in the same order with the same sizes on both.
     let dp = |v: &[(String, String, u64, u64)]| {
-        v.iter().filter(|e| e.1 == "dp").cloned().collect::<Vec<_>>()
+        v.iter()
+            .filter(|e| e.1 == "dp")
+            .cloned()
+            .collect::<Vec<_>>()
     };
     assert_eq!(dp(&r0), dp(&r1));
     // Per group, sequence numbers run 0, 1, 2, ... without a gap.
     let seqs: Vec<u64> = dp(&r0).iter().map(|e| e.2).collect();
     assert_eq!(seqs, (0..seqs.len() as u64).collect::<Vec<_>>());
     // Four steps of DDP: at least one gradient all-reduce per step.
-    let reduces = dp(&r0).iter().filter(|e| e.0.contains("all_reduce")).count();
+    let reduces = dp(&r0)
+        .iter()
+        .filter(|e| e.0.contains("all_reduce"))
+        .count();
     assert!(reduces >= 4, "{reduces} all-reduces in {:?}", dp(&r0));
 }
