@@ -67,11 +67,12 @@ pub struct CostModel {
 }
 
 impl CostModel {
-    /// Default for the CPU backend on loopback TCP (one host): measured order of magnitude of a
-    /// small-message round through the communication thread and a single TCP stream.
+    /// Default for the CPU backend on loopback TCP (one host): the order of magnitude
+    /// `bench-comm --fit` measures on a small machine (about 100 µs per step through the
+    /// communication thread, about 1 GB/s per TCP stream); fit your own for real estimates.
     pub const CPU_LOOPBACK_DEFAULT: CostModel = CostModel {
-        alpha_s: 50e-6,
-        beta_bytes_per_s: 1.5e9,
+        alpha_s: 100e-6,
+        beta_bytes_per_s: 1e9,
     };
     /// Default for NVLink-class GPUs under NCCL (H100/H200 within one node): a few µs per step,
     /// a few hundred GB/s per rank.

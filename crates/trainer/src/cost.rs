@@ -9,7 +9,8 @@
 //!
 //! **Fit.** For one op over n ranks the α-β model is a straight line in the message size S:
 //! `t(S) = steps·α + (steps · step_bytes / S) · S / β` (see `mtrain_parallel::comm_cost`), so an
-//! ordinary least-squares line `t = a + b·S` through the sweep gives `α = a / steps` and
+//! least-squares line `t = a + b·S` through the sweep (weighted by 1/t², i.e. relative error,
+//! so small messages pin α and large ones β) gives `α = a / steps` and
 //! `β = steps · (step_bytes / S) / b`.
 //!
 //! **Table file** (TOML): a `default` model for ops and sizes not fitted, and one `[[fit]]` per
@@ -71,6 +72,9 @@ pub struct Fit {
     pub r2: f64,
     /// Sizes measured.
     pub points: usize,
+    /// The sweep that produced it, with its date.
+    #[serde(default)]
+    pub command: String,
 }
 
 /// An α-β table for one machine and backend.
@@ -190,13 +194,25 @@ pub fn fit_alpha_beta(op: OpKind, n: usize, points: &[(f64, f64)]) -> Result<Fit
     if steps == 0 {
         return Err(err("a group of one rank sends nothing".into()));
     }
-    let m = points.len() as f64;
-    let (sx, sy) = points
+    // Weighted least squares with weights 1/t²: minimises the relative error of each point, so
+    // the small messages (which set α) count as much as the large ones (which set β).
+    let w: Vec<f64> = points
         .iter()
-        .fold((0.0, 0.0), |a, p| (a.0 + p.0, a.1 + p.1));
-    let (mx, my) = (sx / m, sy / m);
-    let sxx: f64 = points.iter().map(|p| (p.0 - mx).powi(2)).sum();
-    let sxy: f64 = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+        .map(|p| 1.0 / p.1.max(1e-12).powi(2))
+        .collect();
+    let sw: f64 = w.iter().sum();
+    let mx = points.iter().zip(&w).map(|(p, w)| w * p.0).sum::<f64>() / sw;
+    let my = points.iter().zip(&w).map(|(p, w)| w * p.1).sum::<f64>() / sw;
+    let sxx: f64 = points
+        .iter()
+        .zip(&w)
+        .map(|(p, w)| w * (p.0 - mx).powi(2))
+        .sum();
+    let sxy: f64 = points
+        .iter()
+        .zip(&w)
+        .map(|(p, w)| w * (p.0 - mx) * (p.1 - my))
+        .sum();
     if sxx == 0.0 {
         return Err(err("all sizes are equal".into()));
     }
@@ -207,10 +223,15 @@ pub fn fit_alpha_beta(op: OpKind, n: usize, points: &[(f64, f64)]) -> Result<Fit
             "time does not grow with size (slope {slope:.3e} s/byte): sweep larger sizes"
         )));
     }
-    let ss_tot: f64 = points.iter().map(|p| (p.1 - my).powi(2)).sum();
+    let ss_tot: f64 = points
+        .iter()
+        .zip(&w)
+        .map(|(p, w)| w * (p.1 - my).powi(2))
+        .sum();
     let ss_res: f64 = points
         .iter()
-        .map(|p| (p.1 - intercept - slope * p.0).powi(2))
+        .zip(&w)
+        .map(|(p, w)| w * (p.1 - intercept - slope * p.0).powi(2))
         .sum();
     Ok(Fit {
         op: op.to_string(),
@@ -224,11 +245,12 @@ pub fn fit_alpha_beta(op: OpKind, n: usize, points: &[(f64, f64)]) -> Result<Fit
             1.0
         },
         points: points.len(),
+        command: String::new(),
     })
 }
 
 /// `bench-comm --fit FILE`: fit the report's sweep and merge it into the table at `path`
-/// (created with the backend's defaults if missing). Returns the fit.
+/// (created with the backend's defaults if missing); `command` records the sweep. Returns the fit.
 pub fn write_fit(path: &Path, report: &BenchReport, backend: &str, command: &str) -> Result<Fit> {
     let op = op_kind(report.op);
     let points: Vec<(f64, f64)> = report
@@ -236,7 +258,8 @@ pub fn write_fit(path: &Path, report: &BenchReport, backend: &str, command: &str
         .iter()
         .map(|r| (r.bytes as f64, r.time_us * 1e-6))
         .collect();
-    let fit = fit_alpha_beta(op, report.world_size, &points)?;
+    let mut fit = fit_alpha_beta(op, report.world_size, &points)?;
+    fit.command = command.to_string();
     let mut table = match path.exists() {
         true => AlphaBetaTable::load(path)?,
         false => match backend {
@@ -245,7 +268,7 @@ pub fn write_fit(path: &Path, report: &BenchReport, backend: &str, command: &str
         },
     };
     table.backend = backend.to_string();
-    table.source = format!("fitted by `{command}`");
+    table.source = "fitted by `mtrain bench-comm --fit` (each fit names its sweep)".into();
     table.upsert(fit.clone());
     table.save(path)?;
     Ok(fit)

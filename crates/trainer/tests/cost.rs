@@ -77,6 +77,7 @@ fn table_round_trips_and_falls_back() {
         beta_bytes_per_s: 1e9,
         r2: 0.99,
         points: 10,
+        command: "mtrain bench-comm --fit".into(),
     });
     t.save(&path).expect("save");
     let back = AlphaBetaTable::load(&path).expect("load");
@@ -171,4 +172,19 @@ fn compare_finds_no_byte_difference_on_a_real_trace() {
     let empty = tempfile::tempdir().expect("tmp");
     let e = compare(empty.path(), &cfg, &plan, shape, &table).unwrap_err();
     assert!(e.to_string().contains("--trace"), "{e}");
+}
+
+#[test]
+fn shipped_tables_parse() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/alpha-beta");
+    let mut n = 0;
+    for entry in std::fs::read_dir(&dir).expect("configs/alpha-beta") {
+        let path = entry.expect("entry").path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            let t = AlphaBetaTable::load(&path).expect("table parses");
+            assert!(t.default.alpha_s > 0.0 && t.default.beta_bytes_per_s > 0.0, "{path:?}");
+            n += 1;
+        }
+    }
+    assert!(n >= 2, "expected the CPU and NVLink tables in {dir:?}");
 }
