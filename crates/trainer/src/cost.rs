@@ -304,7 +304,7 @@ pub fn plan_section(
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "communication per optimizer step (α-β {}: {}; default α = {}, β = {:.2} GB/s; {} activations):",
+        "communication of one micro-step that ends an optimizer step (α-β {}: {}; default α = {}, β = {:.2} GB/s; {} activations):",
         table.backend,
         table.source,
         human_time(table.default.alpha_s),
@@ -318,7 +318,7 @@ pub fn plan_section(
     if grad_accum > 1 {
         let _ = writeln!(
             s,
-            "(one micro-step shown; the [fwd] and [bwd] rows repeat for each of the {grad_accum} micro-steps)"
+            "(grad_accum {grad_accum}: the [fwd] and [bwd] rows run in each of the {grad_accum} micro-steps; the gradient reduction and norm once per optimizer step)"
         );
     }
     for p in 0..dims.pp {
