@@ -384,6 +384,7 @@ impl Tally {
     }
 
     /// Reduce-scatter of `rows` rows of `row_elems` elements (dim 0 after any transpose).
+    #[allow(clippy::too_many_arguments)]
     fn reduce_scatter(
         &mut self,
         g: Group,
@@ -409,6 +410,7 @@ impl Tally {
     }
 
     /// All-gather where rank i contributes `chunk_range(rows, n, i)` rows of `row_elems`.
+    #[allow(clippy::too_many_arguments)]
     fn all_gather(
         &mut self,
         g: Group,
