@@ -12,6 +12,7 @@
 //! | `MASTER_ADDR`      | host of rank 0, which serves the rendezvous store     | `127.0.0.1` |
 //! | `MASTER_PORT`      | port of the rendezvous store                          | `29500`     |
 //! | `MTRAIN_JOB_ID`    | optional; processes of other jobs are turned away     | `run-42`    |
+//! | `MTRAIN_STORE_EXTERNAL` | `1`: the launcher already serves the store, rank 0 does not | `1` |
 //!
 //! `RANK` unset means "not launched": the process runs alone ([`LaunchEnv::single`]).
 
@@ -30,6 +31,9 @@ pub struct LaunchEnv {
     pub master_addr: String,
     pub master_port: u16,
     pub job_id: String,
+    /// The rendezvous store is served by someone else (the `mtrain` launcher, which binds its
+    /// port before starting the workers so no other process can take it); rank 0 only connects.
+    pub store_external: bool,
 }
 
 impl LaunchEnv {
@@ -43,6 +47,7 @@ impl LaunchEnv {
             master_addr: "127.0.0.1".to_string(),
             master_port: 0,
             job_id: DEFAULT_JOB_ID.to_string(),
+            store_external: false,
         }
     }
 
@@ -69,6 +74,7 @@ impl LaunchEnv {
         let master_addr = required("MASTER_ADDR")?.trim().to_string();
         let master_port = parse_num::<u16>("MASTER_PORT", &required("MASTER_PORT")?)?;
         let job_id = get("MTRAIN_JOB_ID").unwrap_or_else(|| DEFAULT_JOB_ID.to_string());
+        let store_external = get("MTRAIN_STORE_EXTERNAL").is_some_and(|v| v == "1");
         let env = Self {
             rank,
             local_rank,
@@ -77,6 +83,7 @@ impl LaunchEnv {
             master_addr,
             master_port,
             job_id,
+            store_external,
         };
         env.validate()?;
         Ok(Some(env))

@@ -472,7 +472,8 @@ fn connect_once(addr: &str) -> std::io::Result<TcpStream> {
     Err(last)
 }
 
-/// Rendezvous for a launched job: rank 0 starts the server at `MASTER_ADDR:MASTER_PORT`, then
+/// Rendezvous for a launched job: rank 0 starts the server at `MASTER_ADDR:MASTER_PORT` (unless
+/// the launcher already serves it, `store_external`), then
 /// every rank (rank 0 included) connects to it. Keep the server alive as long as the job may
 /// still use the store.
 pub fn rendezvous(
@@ -480,7 +481,7 @@ pub fn rendezvous(
     timeout: Duration,
 ) -> Result<(Option<StoreServer>, StoreClient)> {
     let addr = env.store_addr();
-    let server = if env.rank == 0 {
+    let server = if env.rank == 0 && !env.store_external {
         Some(StoreServer::start_for_job(&addr, &env.job_id)?)
     } else {
         None

@@ -138,6 +138,7 @@ fn cpu_backend_init_hosts_the_store_on_rank_0() {
                         master_addr: "127.0.0.1".into(),
                         master_port: port,
                         job_id: "init-test".into(),
+                        store_external: false,
                     };
                     let b = CpuBackend::init(
                         &env,

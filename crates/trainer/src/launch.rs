@@ -14,8 +14,9 @@
 //! ```
 //!
 //! Node `R` of `N` (each with `nproc` workers) starts global ranks `R·nproc .. (R+1)·nproc − 1`.
-//! Rank 0 hosts the rendezvous store at `MASTER_ADDR:MASTER_PORT`; on a single node a free
-//! loopback port is picked when none is given.
+//! The rendezvous store lives at `MASTER_ADDR:MASTER_PORT`. When no port is given (one node),
+//! the launcher serves it itself on a port it binds before starting the workers, so no other
+//! process can take that port in between; otherwise rank 0 serves it, as under torchrun.
 //!
 //! Supervision, as torchrun does it: every line a worker writes is forwarded with a `[rank N]`
 //! prefix; the first worker to fail (non-zero exit code or killed by a signal) takes the job
@@ -32,6 +33,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use mtrain_comm::store::StoreServer;
+
 /// How often the launcher polls its workers for exit.
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
 
@@ -44,7 +47,7 @@ pub struct LaunchSpec {
     pub nnodes: usize,
     /// This node's index, `0..nnodes`.
     pub node_rank: usize,
-    /// Address of rank 0, which hosts the rendezvous store.
+    /// Address of the rendezvous store (rank 0's host).
     pub master_addr: String,
     /// Port of the rendezvous store; `None` picks a free one (single node only).
     pub master_port: Option<u16>,
@@ -75,6 +78,9 @@ pub enum LaunchError {
         signal: &'static str,
         workers: usize,
     },
+
+    #[error("could not serve the rendezvous store: {0}")]
+    Store(String),
 
     #[error("launcher i/o: {0}")]
     Io(#[from] std::io::Error),
@@ -259,11 +265,18 @@ fn interrupt_flag() -> Arc<AtomicBool> {
 pub fn launch(spec: &LaunchSpec, args: &[OsString]) -> Result<(), LaunchError> {
     spec.validate()?;
     let program = std::env::current_exe()?;
-    let port = match spec.master_port {
-        Some(p) => p,
-        None => free_port(&spec.master_addr)?,
+    // Without a given port (one node), the launcher serves the rendezvous store itself, on a port
+    // it binds and keeps: picking a free port and letting rank 0 bind it later would race with
+    // every other process on the machine asking the OS for a port.
+    let (port, job_id, store) = match spec.master_port {
+        Some(p) => (p, job_id(spec, p), None),
+        None => {
+            let job_id = job_id(spec, 0);
+            let server = StoreServer::start_for_job(&format!("{}:0", spec.master_addr), &job_id)
+                .map_err(|e| LaunchError::Store(e.to_string()))?;
+            (server.local_addr().port(), job_id, Some(server))
+        }
     };
-    let job_id = job_id(spec, port);
     let interrupted = interrupt_flag();
     tracing::info!(
         world_size = spec.world_size(),
@@ -283,6 +296,9 @@ pub fn launch(spec: &LaunchSpec, args: &[OsString]) -> Result<(), LaunchError> {
             .stderr(Stdio::piped());
         for (key, value) in spec.worker_env(rank, port, &job_id) {
             cmd.env(key, value);
+        }
+        if store.is_some() {
+            cmd.env("MTRAIN_STORE_EXTERNAL", "1");
         }
         let mut child = match cmd.spawn() {
             Ok(c) => c,

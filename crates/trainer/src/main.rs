@@ -32,9 +32,6 @@ use tracing_subscriber::registry::LookupSpan;
 #[global_allocator]
 static ALLOC: mtrain_trainer::memory::CountingAlloc = mtrain_trainer::memory::CountingAlloc;
 
-/// How long a worker lingers after dropping its backend so queued sends reach the peers.
-const EXIT_LINGER: std::time::Duration = std::time::Duration::from_millis(200);
-
 /// Exit code after Ctrl-C / SIGTERM, as a shell reports a SIGINT death (128 + 2).
 const EXIT_INTERRUPTED: u8 = 130;
 
@@ -215,11 +212,10 @@ fn distributed(
     job(backend.as_ref(), &layout)?;
     if env.world_size > 1 {
         // Leave together: once every rank is past this barrier nobody waits for data from a
-        // peer any more. Then give the backend's writer threads a moment to put this rank's
-        // last bytes on the wire before the process exits, so a peer never reads a cut-off op.
+        // peer any more (and rank 0, which may be serving the store, is the last to need it).
+        // Dropping the backend flushes each connection's queued bytes before the process exits.
         backend.world().barrier().context("final barrier")?;
         drop(backend);
-        std::thread::sleep(EXIT_LINGER);
     }
     Ok(())
 }

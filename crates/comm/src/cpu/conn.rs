@@ -245,6 +245,17 @@ pub(crate) enum ReadFailure {
 /// How long dropping a connection waits for its queued bytes to go out.
 const FLUSH_ON_DROP: Duration = Duration::from_secs(5);
 
+/// Join `thread` if it finishes within `limit`; otherwise leave it detached.
+pub(crate) fn join_within(thread: JoinHandle<()>, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while !thread.is_finished() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    if thread.is_finished() {
+        let _ = thread.join();
+    }
+}
+
 pub(crate) struct Peer {
     reader: TcpStream,
     writer: Option<mpsc::Sender<Vec<u8>>>,
@@ -315,13 +326,7 @@ impl Drop for Peer {
         self.writer = None;
         let _ = self.reader.shutdown(std::net::Shutdown::Read);
         if let Some(thread) = self.thread.take() {
-            let deadline = Instant::now() + FLUSH_ON_DROP;
-            while !thread.is_finished() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            if thread.is_finished() {
-                let _ = thread.join();
-            }
+            join_within(thread, FLUSH_ON_DROP);
         }
     }
 }

@@ -89,9 +89,26 @@ pub struct CpuComm {
     globals: Vec<usize>,
     device: Device,
     tracer: Tracer,
-    jobs: mpsc::Sender<Job>,
+    /// Queue of the communication thread; `None` once the group is being dropped.
+    jobs: Option<mpsc::Sender<Job>>,
+    thread: Option<std::thread::JoinHandle<()>>,
     poison: Arc<Mutex<Option<String>>>,
 }
+
+impl Drop for CpuComm {
+    /// Close the queue and let the communication thread finish what was issued, so a process that
+    /// exits right after its last op (a final barrier) still puts those bytes on the wire: the
+    /// thread drops the group's connections, and each connection flushes before it closes.
+    fn drop(&mut self) {
+        self.jobs = None;
+        if let Some(thread) = self.thread.take() {
+            super::conn::join_within(thread, DRAIN_ON_DROP);
+        }
+    }
+}
+
+/// How long dropping a group waits for its communication thread to drain.
+const DRAIN_ON_DROP: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl std::fmt::Debug for CpuComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -115,7 +132,7 @@ impl CpuComm {
             core.poison_flag.clone(),
         );
         let thread_name = format!("comm-{}-r{}", name, globals[rank]);
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name(thread_name)
             .spawn(move || {
                 let mut core = core;
@@ -129,7 +146,8 @@ impl CpuComm {
             globals,
             device: Device::Cpu,
             tracer,
-            jobs,
+            jobs: Some(jobs),
+            thread: Some(thread),
             poison,
         })
     }
@@ -195,7 +213,9 @@ impl CpuComm {
             promise.fulfil(result);
         });
         // If the thread is gone the job (and its promise) is dropped: the Work reports it.
-        let _ = self.jobs.send(job);
+        if let Some(jobs) = &self.jobs {
+            let _ = jobs.send(job);
+        }
         Work::new(Box::new(CpuWork(slot)))
     }
 }

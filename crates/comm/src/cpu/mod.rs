@@ -81,10 +81,10 @@ impl CpuBackend {
     /// Join the job described by `env`. Rank 0 also hosts the rendezvous store. Returns once the
     /// world group is connected.
     pub fn init(env: &LaunchEnv, opts: CpuOptions) -> Result<CpuBackend> {
-        Self::init_inner(env, opts, true)
+        Self::init_inner(env, opts)
     }
 
-    fn init_inner(env: &LaunchEnv, opts: CpuOptions, host_store: bool) -> Result<CpuBackend> {
+    fn init_inner(env: &LaunchEnv, opts: CpuOptions) -> Result<CpuBackend> {
         env.validate()?;
         let mut backend = CpuBackend {
             env: env.clone(),
@@ -99,7 +99,7 @@ impl CpuBackend {
         };
         if env.world_size > 1 {
             let addr = env.store_addr();
-            if host_store && env.rank == 0 {
+            if env.rank == 0 && !env.store_external {
                 backend._server = Some(StoreServer::start_for_job(&addr, &env.job_id)?);
             }
             let store = StoreClient::connect(&addr, &env.job_id, opts.timeout)?;
@@ -316,11 +316,13 @@ pub fn run_local_with<R: Send>(
                     master_addr: "127.0.0.1".into(),
                     master_port: port,
                     job_id: job_id.clone(),
+                    // The store is the in-process server started above.
+                    store_external: true,
                 };
                 std::thread::Builder::new()
                     .name(format!("rank{rank}"))
                     .spawn_scoped(s, move || {
-                        let backend = CpuBackend::init_inner(&env, opts.clone(), false)
+                        let backend = CpuBackend::init_inner(&env, opts.clone())
                             .unwrap_or_else(|e| {
                                 panic!("rank {rank}: CpuBackend::init failed: {e}")
                             });
