@@ -391,6 +391,9 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
         for _ in 0..args.iters {
             result = Some(run_op(&comm, args.op, &case.input)?);
         }
+        // On a GPU an op returns once it is queued on the stream; the barrier returns only after
+        // the group's earlier ops have finished, so the clock stops when the bytes have moved.
+        comm.barrier()?;
         let local_us = start.elapsed().as_secs_f64() * 1e6 / args.iters as f64;
         let wrong_local = match &result {
             Some(t) => count_wrong(t, &case.expected)?,
