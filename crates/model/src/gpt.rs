@@ -26,6 +26,7 @@ use rand::Rng;
 
 use crate::config::GptConfig;
 use crate::init::param_specs;
+use crate::kernels;
 use crate::layers::{
     linear, log_softmax_last_dim, upcast, CausalSelfAttention, DenseLinear, FeedForward, LayerNorm,
     Linear, Mlp,
@@ -240,6 +241,25 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     picked.mean_all()?.neg()
 }
 
+/// Mean cross-entropy as the head computes it: the fused kernel where it can run
+/// ([`kernels::cross_entropy`]), else [`cross_entropy`].
+pub fn mean_loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    if !kernels::cross_entropy::supported(logits) {
+        return cross_entropy(logits, targets);
+    }
+    let v = logits.dim(D::Minus1)?;
+    let n = targets.elem_count();
+    if logits.elem_count() != n * v {
+        return Err(err(format!(
+            "cross_entropy: logits {:?} do not match targets {:?}",
+            logits.dims(),
+            targets.dims()
+        )));
+    }
+    let t = targets.flatten_all()?.to_dtype(DType::U32)?; // (N,)
+    kernels::cross_entropy_rows(&logits.reshape((n, v))?, &t)?.mean_all() // scalar
+}
+
 impl Segment for Head {
     fn name(&self) -> String {
         "head".to_string()
@@ -250,7 +270,7 @@ impl Segment for Head {
         let logits = linear(&x, &self.wte.tensor(), None)?; // (B, T, V)
         match targets {
             None => Ok(SegmentOut::plain(logits)),
-            Some(t) => Ok(SegmentOut::plain(cross_entropy(&logits, t)?)),
+            Some(t) => Ok(SegmentOut::plain(mean_loss(&logits, t)?)),
         }
     }
 

@@ -7,7 +7,12 @@
 //! Legend: `B` batch, `T` time, `C` width, `H` heads computed by this module, `D` head size,
 //! `N` flattened tokens. Linear weights are `(out, in)`: `y = x Wᵀ + b`.
 
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
 use candle_core::{DType, Device, Result, Tensor, D};
+
+use crate::kernels;
 
 use crate::moe::MoeStats;
 use crate::param::Param;
@@ -178,12 +183,37 @@ impl FeedForward for Mlp {
     }
 }
 
-/// (T, T) additive causal mask: 0 on and below the diagonal, −∞ above.
+/// (T, T) additive causal mask: 0 on and below the diagonal, −∞ above. Built once per
+/// (T, dtype, device) and cached, so a forward pass neither builds it on the host nor copies it.
 pub fn causal_mask(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    type Key = (usize, DType, String);
+    static CACHE: OnceLock<Mutex<HashMap<Key, Tensor>>> = OnceLock::new();
+    let key = (t, dtype, format!("{:?}", device.location()));
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    if let Some(m) = cache.lock().ok().and_then(|c| c.get(&key).cloned()) {
+        return Ok(m);
+    }
     let data: Vec<f32> = (0..t)
         .flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
         .collect();
-    Tensor::from_vec(data, (t, t), device)?.to_dtype(dtype)
+    let mask = Tensor::from_vec(data, (t, t), device)?.to_dtype(dtype)?;
+    if let Ok(mut c) = cache.lock() {
+        c.insert(key, mask.clone());
+    }
+    Ok(mask)
+}
+
+/// Causal attention from plain candle ops: `softmax(q kᵀ · scale + mask) v` with the scores
+/// (B, H, T, T) materialised and the softmax in f32. The reference for the fused kernel, and
+/// the path on CPU. q, k, v: (B, H, T, D).
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    let t = q.dim(2)?;
+    // Scaling q (B, H, T, D) is cheaper than scaling the scores (B, H, T, T).
+    let att = (q * scale)?.matmul(&k.t()?)?; // (B, H, T, T)
+    let att = upcast(&att)?;
+    let att = att.broadcast_add(&causal_mask(t, att.dtype(), att.device())?)?;
+    let att = softmax_last_dim(&att)?.to_dtype(v.dtype())?; // (B, H, T, T)
+    att.matmul(v) // (B, H, T, D)
 }
 
 /// Multi-head causal self-attention.
@@ -234,12 +264,11 @@ impl CausalSelfAttention {
         };
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
         let scale = 1.0 / (d as f64).sqrt();
-        // Scaling q (B, H, T, D) is cheaper than scaling the scores (B, H, T, T).
-        let att = (q * scale)?.matmul(&k.t()?)?; // (B, H, T, T)
-        let att = upcast(&att)?;
-        let att = att.broadcast_add(&causal_mask(t, att.dtype(), att.device())?)?;
-        let att = softmax_last_dim(&att)?.to_dtype(v.dtype())?; // (B, H, T, T)
-        let y = att.matmul(&v)?; // (B, H, T, D)
+        let y = if kernels::flash_attention::supported(&q, d) {
+            kernels::flash_attention(&q, &k, &v, scale)? // (B, H, T, D), no (T, T) scores
+        } else {
+            causal_attention(&q, &k, &v, scale)? // (B, H, T, D)
+        };
         let y = y.transpose(1, 2)?.reshape((b, t, h * d))?; // (B, T, H·D)
         self.c_proj.forward(&y) // (B, T, C)
     }

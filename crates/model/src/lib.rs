@@ -8,12 +8,14 @@
 //! - [`layers`]: `Linear`, `LayerNorm`, `Mlp`, `CausalSelfAttention`, the `FeedForward` trait.
 //! - [`moe`]: top-k routing with capacity, the experts layer and its auxiliary losses.
 //! - [`gpt`]: the model as a list of segments (embedding, blocks, head).
+//! - [`kernels`]: fused CUDA kernels (flash attention, cross-entropy) the layers use on GPUs.
 //! - [`engine`]: forward/backward one segment at a time with hooks and activation checkpointing.
 
 pub mod config;
 pub mod engine;
 pub mod gpt;
 pub mod init;
+pub mod kernels;
 pub mod layers;
 pub mod moe;
 pub mod optim;

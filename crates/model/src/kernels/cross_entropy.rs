@@ -1,0 +1,284 @@
+//! Softmax cross-entropy per row, fused: `loss_n = ln Σ_v e^(x_nv) − x_n,target`.
+//!
+//! ```text
+//!   plain:  logits (N, V) bf16 ─> f32 copy ─> x − max ─> exp ─> Σ ─> ln ─> gather
+//!           every intermediate (N, V) f32 is kept for the backward (GPT-2: V = 50304)
+//!   fused:  forward  one block per row: running (max, Σ e^(x−max)) ─> lse_n, loss_n
+//!           backward dlogits = (e^(x − lse) − onehot(target)) · g_n, in the logits' dtype
+//! ```
+//!
+//! Only lse (N,) f32 is kept between forward and backward. The mean over rows stays a candle op,
+//! so the caller may weight rows as it likes. Legend: `N` rows (tokens), `V` vocabulary.
+
+use candle_core::{CustomOp2, DType, Layout, Result, Shape, Tensor};
+
+use super::msg;
+
+/// Whether the fused kernel can take these logits.
+pub fn supported(logits: &Tensor) -> bool {
+    super::enabled_for(logits)
+}
+
+/// Per-row cross-entropy (N,) f32 of logits (N, V) against u32 targets (N,). Differentiable in
+/// the logits. A target outside 0..V gives NaN for its row. CUDA only: see [`supported`].
+pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let (n, _v) = logits.dims2()?;
+    if targets.dims() != [n] || targets.dtype() != DType::U32 {
+        return Err(msg(format!(
+            "cross_entropy_rows: targets {:?} {:?} must be u32 ({n},) for logits {:?}",
+            targets.dims(),
+            targets.dtype(),
+            logits.dims()
+        )));
+    }
+    logits
+        .contiguous()?
+        .apply_op2(&targets.contiguous()?, CrossEntropy::default())
+}
+
+/// The recorded op: its forward leaves lse (N,) here for its backward.
+#[derive(Default)]
+struct CrossEntropy {
+    lse: std::sync::Mutex<Option<Tensor>>,
+}
+
+impl CustomOp2 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "cross-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CpuStorage, Shape)> {
+        Err(msg(
+            "cross_entropy_rows runs on CUDA only; the CPU path is gpt::cross_entropy".into(),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        logits: &candle_core::CudaStorage,
+        ll: &Layout,
+        targets: &candle_core::CudaStorage,
+        lt: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (loss, lse) = imp::forward(logits, ll, targets, lt)?;
+        *self
+            .lse
+            .lock()
+            .map_err(|_| msg("cross_entropy: lse lock poisoned".into()))? = Some(lse);
+        Ok((loss, Shape::from(ll.dims()[0])))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        _loss: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let lse = self
+            .lse
+            .lock()
+            .map_err(|_| msg("cross_entropy: lse lock poisoned".into()))?
+            .clone()
+            .ok_or_else(|| msg("cross_entropy: backward before forward".into()))?;
+        let g = grad.to_dtype(DType::F32)?.contiguous()?;
+        Ok((Some(backward(logits, targets, &lse, &g)?), None))
+    }
+}
+
+#[allow(unused_variables)]
+fn backward(logits: &Tensor, targets: &Tensor, lse: &Tensor, g: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    {
+        imp::backward(logits, targets, lse, g)
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(msg("cross_entropy_rows backward runs on CUDA only".into()))
+}
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::{CudaStorage, DType, Layout, Result, Tensor};
+    use half::bf16;
+
+    use super::super::cuda::{device, ptx, slice, storage, tensor};
+    use super::super::msg;
+
+    const THREADS: u32 = 512; // CE_THREADS in kernels.cu
+
+    fn rows(n: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    pub fn forward(
+        logits: &CudaStorage,
+        ll: &Layout,
+        targets: &CudaStorage,
+        lt: &Layout,
+    ) -> Result<(CudaStorage, Tensor)> {
+        match logits.dtype() {
+            DType::BF16 => fwd::<bf16>(logits, ll, targets, lt),
+            DType::F32 => fwd::<f32>(logits, ll, targets, lt),
+            other => Err(msg(format!(
+                "cross_entropy: dtype {other:?} (bf16 or f32 only)"
+            ))),
+        }
+    }
+
+    fn fwd<T: CudaDType + DeviceRepr>(
+        logits: &CudaStorage,
+        ll: &Layout,
+        targets: &CudaStorage,
+        lt: &Layout,
+    ) -> Result<(CudaStorage, Tensor)> {
+        let (n, v) = ll.shape().dims2()?;
+        let dev = &logits.device;
+        let xs = logits.as_cuda_slice::<T>()?.slice(ll.start_offset()..);
+        let ts = targets.as_cuda_slice::<u32>()?.slice(lt.start_offset()..);
+        // SAFETY: the kernel writes one loss and one lse per row.
+        let (loss, lse) = unsafe { (dev.alloc::<f32>(n)?, dev.alloc::<f32>(n)?) };
+        let (module, code) = ptx(None, logits.dtype())?;
+        let f = dev.get_or_load_custom_func("ce_fwd", &module, &code)?;
+        let v32 = v as i32;
+        let mut b = f.builder();
+        b.arg(&xs).arg(&ts).arg(&loss).arg(&lse).arg(&v32);
+        // SAFETY: argument types and order match `ce_fwd` in kernels.cu.
+        unsafe { b.launch(rows(n)) }.w()?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(loss, dev.clone()),
+            tensor(dev, lse, n),
+        ))
+    }
+
+    pub fn backward(logits: &Tensor, targets: &Tensor, lse: &Tensor, g: &Tensor) -> Result<Tensor> {
+        match logits.dtype() {
+            DType::BF16 => bwd::<bf16>(logits, targets, lse, g),
+            DType::F32 => bwd::<f32>(logits, targets, lse, g),
+            other => Err(msg(format!(
+                "cross_entropy: dtype {other:?} (bf16 or f32 only)"
+            ))),
+        }
+    }
+
+    fn bwd<T: CudaDType + DeviceRepr>(
+        logits: &Tensor,
+        targets: &Tensor,
+        lse: &Tensor,
+        g: &Tensor,
+    ) -> Result<Tensor> {
+        let dev = device(logits)?;
+        let (n, v) = logits.dims2()?;
+        let (gx, ox) = storage(logits, "logits")?;
+        let (gt, ot) = storage(targets, "targets")?;
+        let (gl, ol) = storage(lse, "lse")?;
+        let (gg, og) = storage(g, "grad")?;
+        let xs = slice::<T>(&gx)?.slice(ox..);
+        let ts = slice::<u32>(&gt)?.slice(ot..);
+        let ls = slice::<f32>(&gl)?.slice(ol..);
+        let gs = slice::<f32>(&gg)?.slice(og..);
+        // SAFETY: the kernel writes every element of every row.
+        let dx = unsafe { dev.alloc::<T>(n * v)? };
+        let (module, code) = ptx(None, logits.dtype())?;
+        let f = dev.get_or_load_custom_func("ce_bwd", &module, &code)?;
+        let v32 = v as i32;
+        let mut b = f.builder();
+        b.arg(&xs).arg(&ts).arg(&ls).arg(&gs).arg(&dx).arg(&v32);
+        // SAFETY: argument types and order match `ce_bwd` in kernels.cu.
+        unsafe { b.launch(rows(n)) }.w()?;
+        Ok(tensor(&dev, dx, (n, v)))
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+        let a = a.to_dtype(DType::F64).unwrap();
+        let b = b.to_dtype(DType::F64).unwrap();
+        let num = (a - &b)
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap();
+        let den = b
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap();
+        (num / den).sqrt()
+    }
+
+    /// Mean loss and dlogits of the fused kernel against gpt::cross_entropy in f32.
+    fn check(n: usize, v: usize, dtype: DType, tol: f64) {
+        let dev = match Device::new_cuda(0) {
+            Ok(d) => d,
+            Err(_) => {
+                eprintln!("skipped: no CUDA device");
+                return;
+            }
+        };
+        let x = (Tensor::randn(0f32, 1f32, (n, v), &dev).unwrap() * 3.0).unwrap();
+        let x = x.to_dtype(dtype).unwrap();
+        let t: Vec<u32> = (0..n).map(|i| ((i * 7919 + 13) % v) as u32).collect();
+        let t = Tensor::from_vec(t, n, &dev).unwrap();
+        let run = |fused: bool, dt: DType| {
+            let xv = Var::from_tensor(&x.to_dtype(dt).unwrap()).unwrap();
+            let loss = if fused {
+                cross_entropy_rows(xv.as_tensor(), &t)
+                    .unwrap()
+                    .mean_all()
+                    .unwrap()
+            } else {
+                crate::gpt::cross_entropy(xv.as_tensor(), &t).unwrap()
+            };
+            let g = loss.backward().unwrap();
+            (loss, g.get(xv.as_tensor()).unwrap().clone())
+        };
+        let (l, g) = run(true, dtype);
+        let (l_ref, g_ref) = run(false, DType::F32);
+        let (l, l_ref) = (
+            l.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap(),
+            l_ref
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap(),
+        );
+        assert!(
+            (l - l_ref).abs() / l_ref.abs() < 1e-5,
+            "loss {l} vs {l_ref}"
+        );
+        let e = rel_err(&g, &g_ref);
+        assert!(
+            e < tol,
+            "dlogits rel err {e} >= {tol} ({n} x {v}, {dtype:?})"
+        );
+    }
+
+    #[test]
+    fn matches_plain_cross_entropy() {
+        check(300, 50304, DType::BF16, 1e-2);
+        check(64, 1000, DType::F32, 1e-5);
+    }
+}

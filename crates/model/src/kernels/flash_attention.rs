@@ -1,0 +1,445 @@
+//! Causal flash attention: `softmax(mask(q kᵀ · scale)) v` without the (T, T) score matrix.
+//!
+//! ```text
+//!  keys ─────────────>         forward, one block per (64 queries, head):
+//!  ┌──┬──┬──┬──┐  q rows        for each key tile (32 keys) on or below the diagonal:
+//!  │██│  │  │  │  0..63           s = q·kᵀ·scale (masked above the diagonal)
+//!  ├──┼──┼──┼──┤                  m' = max(m, max s);  l = l·e^(m-m') + Σ e^(s-m')
+//!  │██│██│  │  │  64..127         acc = acc·e^(m-m') + e^(s-m') v
+//!  ├──┼──┼──┼──┤                o = acc / l;  keep lse = m + ln l per row (B, H, T)
+//!  │██│██│██│  │
+//!  └──┴──┴──┴──┘  only the shaded tiles are ever computed
+//! ```
+//!
+//! The backward (Dao et al. 2022, Algorithm 2, split into two passes so no thread block writes
+//! another's output): `δ = rowsum(dO ∘ O)`; rebuilding `P = e^(s - lse)` from the saved lse, one
+//! pass over query rows gives `dQ = scale · (P ∘ (dO vᵀ − δ)) K`, one pass over key rows gives
+//! `dK = scale · dSᵀ Q` and `dV = Pᵀ dO`. Memory kept for backward: the output and lse, O(T)
+//! per head instead of O(T²).
+//!
+//! Arithmetic is f32 on CUDA cores (inputs bf16 or f32); the kernels are in `kernels.cu`.
+//! Legend: `B` batch, `H` heads, `T` time, `D` head size.
+
+use candle_core::{CustomOp3, Layout, Result, Shape, Tensor};
+
+use super::msg;
+
+/// Head sizes the kernels are instantiated for.
+pub const HEAD_DIMS: [usize; 5] = [8, 16, 32, 64, 128];
+
+/// Whether the fused kernel can run attention with this head size on `q`'s device and dtype.
+pub fn supported(q: &Tensor, head_dim: usize) -> bool {
+    super::enabled_for(q) && HEAD_DIMS.contains(&head_dim)
+}
+
+/// Causal attention of q, k, v (B, H, T, D), contiguous, one dtype; returns (B, H, T, D).
+/// Differentiable in q, k and v. CUDA only: see [`supported`].
+pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    let (_b, _h, _t, d) = q.dims4()?;
+    if k.dims() != q.dims() || v.dims() != q.dims() {
+        return Err(msg(format!(
+            "flash_attention: q {:?}, k {:?}, v {:?} must have one shape (B, H, T, D)",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        )));
+    }
+    if !HEAD_DIMS.contains(&d) {
+        return Err(msg(format!(
+            "flash_attention: head size {d} not supported (one of {HEAD_DIMS:?})"
+        )));
+    }
+    q.apply_op3(k, v, FlashAttention::new(scale))
+}
+
+/// The recorded op: its forward leaves lse here for its backward.
+struct FlashAttention {
+    scale: f64,
+    lse: std::sync::Mutex<Option<Tensor>>,
+}
+
+impl FlashAttention {
+    fn new(scale: f64) -> Self {
+        Self {
+            scale,
+            lse: std::sync::Mutex::new(None),
+        }
+    }
+}
+
+impl CustomOp3 for FlashAttention {
+    fn name(&self) -> &'static str {
+        "flash-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CpuStorage, Shape)> {
+        Err(msg(
+            "flash_attention runs on CUDA only; the CPU path is layers::causal_attention".into(),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle_core::CudaStorage,
+        lq: &Layout,
+        k: &candle_core::CudaStorage,
+        lk: &Layout,
+        v: &candle_core::CudaStorage,
+        lv: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (o, lse) = imp::forward(q, lq, k, lk, v, lv, self.scale)?;
+        *self
+            .lse
+            .lock()
+            .map_err(|_| msg("flash_attention: lse lock poisoned".into()))? = Some(lse);
+        Ok((o, lq.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        grad_out: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let lse = self
+            .lse
+            .lock()
+            .map_err(|_| msg("flash_attention: lse lock poisoned".into()))?
+            .clone()
+            .ok_or_else(|| msg("flash_attention: backward before forward".into()))?;
+        let (dq, dk, dv) = backward(q, k, v, out, &grad_out.contiguous()?, &lse, self.scale)?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+/// Gradients (dq, dk, dv) of causal attention from the forward's output and lse (B, H, T).
+#[allow(unused_variables)]
+fn backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    grad_out: &Tensor,
+    lse: &Tensor,
+    scale: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    {
+        imp::backward(q, k, v, out, grad_out, lse, scale)
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(msg("flash_attention backward runs on CUDA only".into()))
+}
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::{CudaStorage, DType, Layout, Result, Tensor};
+    use half::bf16;
+
+    use super::super::cuda::{device, ptx, slice, storage, tensor};
+    use super::super::msg;
+
+    const BR: usize = 64;
+    const LOG2E: f64 = std::f64::consts::LOG2_E;
+
+    fn config(t: usize, bh: usize, d: usize) -> LaunchConfig {
+        let split = d / d.min(32);
+        LaunchConfig {
+            grid_dim: (t.div_ceil(BR) as u32, bh as u32, 1),
+            block_dim: ((BR * split) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    fn dims(l: &Layout, what: &str) -> Result<(usize, usize, usize)> {
+        let (b, h, t, d) = l.shape().dims4()?;
+        if !l.is_contiguous() {
+            return Err(msg(format!(
+                "flash_attention: {what} {:?} is not contiguous",
+                l.dims()
+            )));
+        }
+        Ok((b * h, t, d))
+    }
+
+    pub fn forward(
+        q: &CudaStorage,
+        lq: &Layout,
+        k: &CudaStorage,
+        lk: &Layout,
+        v: &CudaStorage,
+        lv: &Layout,
+        scale: f64,
+    ) -> Result<(CudaStorage, Tensor)> {
+        let (bh, t, d) = dims(lq, "q")?;
+        if dims(lk, "k")? != (bh, t, d) || dims(lv, "v")? != (bh, t, d) {
+            return Err(msg(format!(
+                "flash_attention: q {:?}, k {:?}, v {:?} differ",
+                lq.dims(),
+                lk.dims(),
+                lv.dims()
+            )));
+        }
+        match q.dtype() {
+            DType::BF16 => fwd::<bf16>(q, lq, k, lk, v, lv, (bh, t, d), scale),
+            DType::F32 => fwd::<f32>(q, lq, k, lk, v, lv, (bh, t, d), scale),
+            other => Err(msg(format!(
+                "flash_attention: dtype {other:?} (bf16 or f32 only)"
+            ))),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn fwd<T: CudaDType + DeviceRepr>(
+        q: &CudaStorage,
+        lq: &Layout,
+        k: &CudaStorage,
+        lk: &Layout,
+        v: &CudaStorage,
+        lv: &Layout,
+        (bh, t, d): (usize, usize, usize),
+        scale: f64,
+    ) -> Result<(CudaStorage, Tensor)> {
+        let dev = &q.device;
+        let n = bh * t * d;
+        let qs = q.as_cuda_slice::<T>()?.slice(lq.start_offset()..);
+        let ks = k.as_cuda_slice::<T>()?.slice(lk.start_offset()..);
+        let vs = v.as_cuda_slice::<T>()?.slice(lv.start_offset()..);
+        // SAFETY: every element of o and lse is written by the kernel (each valid row).
+        let o = unsafe { dev.alloc::<T>(n)? };
+        let lse = unsafe { dev.alloc::<f32>(bh * t)? };
+        let (module, code) = ptx(Some(d), q.dtype())?;
+        let f = dev.get_or_load_custom_func("flash_fwd", &module, &code)?;
+        let (t32, qscale) = (t as i32, (scale * LOG2E) as f32);
+        let mut b = f.builder();
+        b.arg(&qs)
+            .arg(&ks)
+            .arg(&vs)
+            .arg(&o)
+            .arg(&lse)
+            .arg(&t32)
+            .arg(&qscale);
+        // SAFETY: argument types and order match `flash_fwd` in kernels.cu.
+        unsafe { b.launch(config(t, bh, d)) }.w()?;
+        let lse = tensor(dev, lse, (bh, t));
+        Ok((CudaStorage::wrap_cuda_slice(o, dev.clone()), lse))
+    }
+
+    pub fn backward(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        grad_out: &Tensor,
+        lse: &Tensor,
+        scale: f64,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        match q.dtype() {
+            DType::BF16 => bwd::<bf16>(q, k, v, out, grad_out, lse, scale),
+            DType::F32 => bwd::<f32>(q, k, v, out, grad_out, lse, scale),
+            other => Err(msg(format!(
+                "flash_attention: dtype {other:?} (bf16 or f32 only)"
+            ))),
+        }
+    }
+
+    fn bwd<T: CudaDType + DeviceRepr>(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        grad_out: &Tensor,
+        lse: &Tensor,
+        scale: f64,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let dev = device(q)?;
+        let (b_, h, t, d) = q.dims4()?;
+        let bh = b_ * h;
+        let (gq, oq) = storage(q, "q")?;
+        let (gk, ok) = storage(k, "k")?;
+        let (gv, ov) = storage(v, "v")?;
+        let (go, oo) = storage(out, "out")?;
+        let (gd, od) = storage(grad_out, "grad_out")?;
+        let (gl, ol) = storage(lse, "lse")?;
+        let qs = slice::<T>(&gq)?.slice(oq..);
+        let ks = slice::<T>(&gk)?.slice(ok..);
+        let vs = slice::<T>(&gv)?.slice(ov..);
+        let os = slice::<T>(&go)?.slice(oo..);
+        let ds = slice::<T>(&gd)?.slice(od..);
+        let ls = slice::<f32>(&gl)?.slice(ol..);
+        let rows = bh * t;
+        let dtype = q.dtype();
+        // SAFETY: every element of each buffer is written by the kernel filling it.
+        let delta = unsafe { dev.alloc::<f32>(rows)? };
+        let (dq, dk, dv) = unsafe {
+            (
+                dev.alloc::<T>(rows * d)?,
+                dev.alloc::<T>(rows * d)?,
+                dev.alloc::<T>(rows * d)?,
+            )
+        };
+        let rows64 = rows as i64;
+        let (module, code) = ptx(Some(d), dtype)?;
+        let f = dev.get_or_load_custom_func("flash_bwd_dot", &module, &code)?;
+        let mut b = f.builder();
+        b.arg(&os).arg(&ds).arg(&delta).arg(&rows64);
+        // SAFETY: argument types and order match `flash_bwd_dot`.
+        unsafe { b.launch(LaunchConfig::for_num_elems(rows as u32)) }.w()?;
+
+        let (t32, qscale, scale32) = (t as i32, (scale * LOG2E) as f32, scale as f32);
+        let (module, code) = ptx(Some(d), dtype)?;
+        let f = dev.get_or_load_custom_func("flash_bwd_dq", &module, &code)?;
+        let mut b = f.builder();
+        b.arg(&qs)
+            .arg(&ks)
+            .arg(&vs)
+            .arg(&ds)
+            .arg(&ls)
+            .arg(&delta)
+            .arg(&dq);
+        b.arg(&t32).arg(&qscale).arg(&scale32);
+        // SAFETY: argument types and order match `flash_bwd_dq`.
+        unsafe { b.launch(config(t, bh, d)) }.w()?;
+
+        let (module, code) = ptx(Some(d), dtype)?;
+        let f = dev.get_or_load_custom_func("flash_bwd_dkdv", &module, &code)?;
+        let mut b = f.builder();
+        b.arg(&qs)
+            .arg(&ks)
+            .arg(&vs)
+            .arg(&ds)
+            .arg(&ls)
+            .arg(&delta)
+            .arg(&dk)
+            .arg(&dv);
+        b.arg(&t32).arg(&qscale).arg(&scale32);
+        // SAFETY: argument types and order match `flash_bwd_dkdv`.
+        unsafe { b.launch(config(t, bh, d)) }.w()?;
+
+        let shape = (b_, h, t, d);
+        Ok((
+            tensor(&dev, dq, shape),
+            tensor(&dev, dk, shape),
+            tensor(&dev, dv, shape),
+        ))
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, Var};
+
+    /// ‖a − b‖ / ‖b‖ in f64.
+    fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+        let a = a.to_dtype(DType::F64).unwrap();
+        let b = b.to_dtype(DType::F64).unwrap();
+        let num = (a - &b)
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap();
+        let den = b
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap();
+        (num / den).sqrt()
+    }
+
+    /// Forward and the three gradients of the fused kernel against the plain candle attention
+    /// (the reference computed in f32 from the same inputs).
+    fn check(b: usize, h: usize, t: usize, d: usize, dtype: DType, tol: f64) {
+        let dev = match Device::new_cuda(0) {
+            Ok(d) => d,
+            Err(_) => {
+                eprintln!("skipped: no CUDA device");
+                return;
+            }
+        };
+        let r = |s: &[usize]| {
+            Tensor::randn(0f32, 1f32, s, &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+        };
+        let (q, k, v, w) = (
+            r(&[b, h, t, d]),
+            r(&[b, h, t, d]),
+            r(&[b, h, t, d]),
+            r(&[b, h, t, d]),
+        );
+        let scale = 1.0 / (d as f64).sqrt();
+        let run = |fused: bool, dt: DType| {
+            let vars: Vec<Var> = [&q, &k, &v]
+                .iter()
+                .map(|x| Var::from_tensor(&x.to_dtype(dt).unwrap()).unwrap())
+                .collect();
+            let (qv, kv, vv) = (
+                vars[0].as_tensor(),
+                vars[1].as_tensor(),
+                vars[2].as_tensor(),
+            );
+            let y = if fused {
+                flash_attention(qv, kv, vv, scale).unwrap()
+            } else {
+                crate::layers::causal_attention(qv, kv, vv, scale).unwrap()
+            };
+            let g = (&y * w.to_dtype(dt).unwrap())
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let grads: Vec<Tensor> = vars
+                .iter()
+                .map(|x| g.get(x.as_tensor()).unwrap().clone())
+                .collect();
+            (y, grads)
+        };
+        let (y, gs) = run(true, dtype);
+        let (y_ref, gs_ref) = run(false, DType::F32);
+        let e = rel_err(&y, &y_ref);
+        assert!(
+            e < tol,
+            "forward rel err {e} >= {tol} (T={t}, D={d}, {dtype:?})"
+        );
+        for (name, (g, g_ref)) in ["dq", "dk", "dv"].iter().zip(gs.iter().zip(&gs_ref)) {
+            let e = rel_err(g, g_ref);
+            assert!(
+                e < tol,
+                "{name} rel err {e} >= {tol} (T={t}, D={d}, {dtype:?})"
+            );
+        }
+    }
+
+    #[test]
+    fn matches_plain_attention_bf16_d64() {
+        check(2, 3, 200, 64, DType::BF16, 1e-2);
+    }
+
+    #[test]
+    fn matches_plain_attention_f32_d16_and_d128() {
+        check(1, 2, 130, 16, DType::F32, 1e-4);
+        check(1, 2, 70, 128, DType::F32, 1e-4);
+    }
+}

@@ -1,0 +1,156 @@
+//! Fused CUDA kernels for the hot spots of a GPT training step, each a drop-in for a chain of
+//! candle ops that computes the same function.
+//!
+//! ```text
+//!   plain candle (bf16)                               fused
+//!   q·kᵀ ─> f32 ─> +mask ─> softmax ─> bf16 ─> ·v      flash_attention: one pass over key tiles,
+//!     (B, H, T, T) scores kept for backward               online softmax, only lse (B, H, T) kept
+//!   logits ─> f32 ─> log_softmax ─> gather ─> mean     cross_entropy_rows: one block per row,
+//!     (N, V) f32 copies kept for backward                 only lse (N,) kept, softmax rebuilt
+//! ```
+//!
+//! The CUDA source (`kernels.cu`) is compiled by NVRTC the first time a kernel is used, once per
+//! (head size, element type), and the PTX is cached for the process. A CPU build compiles none of
+//! this: [`enabled_for`] is then always false and the layers take their plain candle path.
+//!
+//! [`set_enabled`] turns the fused path off for the whole process, so a benchmark can run the
+//! plain path on the same device for comparison. It is on by default.
+
+pub mod cross_entropy;
+pub mod flash_attention;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use candle_core::{DType, Tensor};
+
+pub use cross_entropy::cross_entropy_rows;
+pub use flash_attention::flash_attention;
+
+static ENABLED: AtomicBool = AtomicBool::new(true);
+
+/// Turns the fused kernels on or off for this process (on by default).
+pub fn set_enabled(on: bool) {
+    ENABLED.store(on, Ordering::Relaxed);
+}
+
+/// Whether [`set_enabled`] left the fused kernels on.
+pub fn is_enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
+/// True when a fused kernel can take `t`: built with CUDA, `t` on a CUDA device, f32 or bf16,
+/// and the kernels enabled.
+pub fn enabled_for(t: &Tensor) -> bool {
+    cfg!(feature = "cuda")
+        && is_enabled()
+        && t.device().is_cuda()
+        && matches!(t.dtype(), DType::BF16 | DType::F32)
+}
+
+fn msg(s: String) -> candle_core::Error {
+    candle_core::Error::Msg(s)
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda {
+    //! NVRTC compilation, the PTX cache and small helpers shared by the kernels.
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex, OnceLock};
+
+    use candle_core::cuda_backend::cudarc::driver::CudaSlice;
+    use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+    use candle_core::cuda_backend::CudaDType;
+    use candle_core::op::BackpropOp;
+    use candle_core::{CudaDevice, CudaStorage, DType, Result, Shape, Storage, StorageRef, Tensor};
+
+    use super::msg;
+
+    const SOURCE: &str = include_str!("kernels.cu");
+
+    /// PTX by module name, compiled once per process.
+    fn ptx_cache() -> &'static Mutex<HashMap<String, Arc<String>>> {
+        static CACHE: OnceLock<Mutex<HashMap<String, Arc<String>>>> = OnceLock::new();
+        CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+    }
+
+    /// The module name for one instantiation of the source.
+    pub fn module_name(head_dim: Option<usize>, dtype: DType) -> String {
+        let bf16 = dtype == DType::BF16;
+        match head_dim {
+            Some(d) => format!("mtrain_kernels_d{d}_{}", if bf16 { "bf16" } else { "f32" }),
+            None => format!("mtrain_kernels_{}", if bf16 { "bf16" } else { "f32" }),
+        }
+    }
+
+    /// The module name and PTX of the instantiation (head_dim, dtype), compiled on first use.
+    /// Load a kernel with `dev.get_or_load_custom_func(name, &module, &ptx)`.
+    pub fn ptx(head_dim: Option<usize>, dtype: DType) -> Result<(String, Arc<String>)> {
+        let module = module_name(head_dim, dtype);
+        let mut cache = ptx_cache()
+            .lock()
+            .map_err(|_| msg("kernel cache lock poisoned".into()))?;
+        if let Some(p) = cache.get(&module) {
+            return Ok((module, p.clone()));
+        }
+        let mut options = vec![format!("-DELEM_BF16={}", u8::from(dtype == DType::BF16))];
+        if let Some(d) = head_dim {
+            options.push(format!("-DHEAD_DIM={d}"));
+        }
+        let opts = CompileOptions {
+            options,
+            name: Some(format!("{module}.cu")),
+            ..Default::default()
+        };
+        let ptx = compile_ptx_with_opts(SOURCE, opts)
+            .map_err(|e| msg(format!("NVRTC failed to compile {module}: {e:?}")))?
+            .to_src();
+        let ptx = Arc::new(ptx);
+        cache.insert(module.clone(), ptx.clone());
+        Ok((module, ptx))
+    }
+
+    /// The storage of a contiguous CUDA tensor (held for reading) and its element offset.
+    pub fn storage<'a>(t: &'a Tensor, what: &str) -> Result<(StorageRef<'a>, usize)> {
+        let (storage, layout) = t.storage_and_layout();
+        let offset = match layout.contiguous_offsets() {
+            Some((o, _)) => o,
+            None => {
+                return Err(msg(format!(
+                    "{what}: expected a contiguous tensor, got shape {:?} strides {:?}",
+                    t.dims(),
+                    layout.stride()
+                )))
+            }
+        };
+        if !matches!(&*storage, Storage::Cuda(_)) {
+            return Err(msg(format!("{what}: expected a CUDA tensor")));
+        }
+        Ok((storage, offset))
+    }
+
+    /// The device buffer of a storage returned by [`storage`], as elements of `T`.
+    pub fn slice<T: CudaDType>(s: &Storage) -> Result<&CudaSlice<T>> {
+        match s {
+            Storage::Cuda(c) => c.as_cuda_slice::<T>(),
+            _ => Err(msg("expected a CUDA tensor".into())),
+        }
+    }
+
+    /// The CUDA device of a tensor.
+    pub fn device(t: &Tensor) -> Result<CudaDevice> {
+        match t.device() {
+            candle_core::Device::Cuda(d) => Ok(d.clone()),
+            other => Err(msg(format!("expected a CUDA tensor, got one on {other:?}"))),
+        }
+    }
+
+    /// Wraps a device buffer as a tensor of `shape` that records no gradient.
+    pub fn tensor<T: CudaDType>(
+        dev: &CudaDevice,
+        s: CudaSlice<T>,
+        shape: impl Into<Shape>,
+    ) -> Tensor {
+        let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone()));
+        Tensor::from_storage(storage, shape, BackpropOp::none(), false)
+    }
+}
