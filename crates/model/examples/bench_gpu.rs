@@ -1,0 +1,359 @@
+//! Single-device training speed of a GPT with and without the fused kernels.
+//!
+//! ```text
+//! bench_gpu [--preset gpt2-124m] [--batch 16] [--seq 1024] [--steps 20] [--warmup 3]
+//!           [--plain] [--profile] [--data FILE] [--loss-steps N --loss-out FILE]
+//! ```
+//!
+//! Each step is what the trainer does in bf16: the block-wise engine's forward and backward on a
+//! bf16 compute copy, AdamW on fp32 master weights, the compute copy refreshed from them. Tokens
+//! are the bytes of `--data` (a real text; the vocabulary stays the preset's), or pseudo-random
+//! ids without it. Prints one JSON line, like scripts/bench/torch_gpt_ref.py, so the two can be
+//! put side by side. `--plain` turns the fused kernels off (`kernels::set_enabled(false)`).
+//! `--profile` adds one step timed segment by segment (a device synchronise around each).
+//! `--loss-steps N` trains N steps at lr 3e-4 and writes `step loss` lines to `--loss-out`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Result, Tensor};
+use mtrain_model::optim::{AdamW, AdamWConfig, OptimItem};
+use mtrain_model::{init_weights, kernels, Engine, Gpt, GptConfig, Grads, Hooks, Param, Segment};
+
+struct Args {
+    preset: String,
+    batch: usize,
+    seq: usize,
+    steps: usize,
+    warmup: usize,
+    plain: bool,
+    profile: bool,
+    data: Option<String>,
+    loss_steps: usize,
+    loss_out: String,
+}
+
+fn parse() -> std::result::Result<Args, String> {
+    let mut a = Args {
+        preset: "gpt2-124m".into(),
+        batch: 16,
+        seq: 1024,
+        steps: 20,
+        warmup: 3,
+        plain: false,
+        profile: false,
+        data: None,
+        loss_steps: 0,
+        loss_out: "loss.txt".into(),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(k) = it.next() {
+        let mut val = || it.next().ok_or(format!("{k} needs a value"));
+        let num = |s: String| {
+            s.parse::<usize>()
+                .map_err(|e| format!("bad number {s}: {e}"))
+        };
+        match k.as_str() {
+            "--preset" => a.preset = val()?,
+            "--batch" => a.batch = num(val()?)?,
+            "--seq" => a.seq = num(val()?)?,
+            "--steps" => a.steps = num(val()?)?,
+            "--warmup" => a.warmup = num(val()?)?,
+            "--plain" => a.plain = true,
+            "--profile" => a.profile = true,
+            "--data" => a.data = Some(val()?),
+            "--loss-steps" => a.loss_steps = num(val()?)?,
+            "--loss-out" => a.loss_out = val()?,
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    Ok(a)
+}
+
+/// Batches of (inputs, targets) from a token stream, walking it in order.
+struct Batches {
+    tokens: Vec<u32>,
+    pos: usize,
+}
+
+impl Batches {
+    fn new(path: Option<&str>, vocab: usize) -> std::io::Result<Self> {
+        let tokens = match path {
+            Some(p) => std::fs::read(p)?.into_iter().map(u32::from).collect(),
+            None => (0..1u64 << 20)
+                .map(|i| ((i * 2654435761) % vocab as u64) as u32)
+                .collect(),
+        };
+        Ok(Self { tokens, pos: 0 })
+    }
+
+    fn next(&mut self, b: usize, t: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
+        let (mut x, mut y) = (Vec::with_capacity(b * t), Vec::with_capacity(b * t));
+        for _ in 0..b {
+            if self.pos + t + 1 > self.tokens.len() {
+                self.pos = 0;
+            }
+            x.extend_from_slice(&self.tokens[self.pos..self.pos + t]);
+            y.extend_from_slice(&self.tokens[self.pos + 1..self.pos + t + 1]);
+            self.pos += t;
+        }
+        Ok((
+            Tensor::from_vec(x, (b, t), dev)?,
+            Tensor::from_vec(y, (b, t), dev)?,
+        ))
+    }
+}
+
+/// bf16 compute copy, fp32 master weights and AdamW, as the trainer's single-device path.
+struct Trainer {
+    model: Gpt,
+    params: Vec<Param>,
+    master: Vec<Param>,
+    optim: AdamW,
+    grads: Grads,
+}
+
+impl Trainer {
+    fn new(cfg: GptConfig, dev: &Device) -> Result<Self> {
+        let w = init_weights(&cfg, 0)?;
+        let compute: BTreeMap<String, Tensor> = w
+            .iter()
+            .map(|(k, t)| Ok((k.clone(), t.to_dtype(DType::BF16)?)))
+            .collect::<Result<_>>()?;
+        let model = Gpt::new(cfg, &compute, dev)?;
+        let params = model.params();
+        let master = params
+            .iter()
+            .map(|p| Param::new(p.name(), w[p.name()].to_device(dev)?))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            model,
+            params,
+            master,
+            optim: AdamW::new(AdamWConfig::default()),
+            grads: Grads::new(),
+        })
+    }
+
+    /// One step; returns the loss as a device scalar (no host sync).
+    fn step(&mut self, x: &Tensor, y: &Tensor, lr: f64, hooks: &mut dyn Hooks) -> Result<Tensor> {
+        let segs: &[Arc<dyn Segment>] = &self.model.segments;
+        let engine = Engine::new(false);
+        let acts = engine.forward(segs, x, Some(y), hooks)?;
+        let loss = acts.output.clone();
+        engine.backward(segs, acts, None, 1.0, &mut self.grads, hooks)?;
+        let items = self
+            .master
+            .iter()
+            .map(|p| {
+                let g = self.grads.get(p.name()).ok_or_else(|| {
+                    candle_core::Error::Msg(format!("no gradient for {}", p.name()))
+                })?;
+                Ok(OptimItem {
+                    name: p.name(),
+                    param: p,
+                    grad: g,
+                    decay: p.shape().rank() >= 2,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.optim.step(lr, &items)?;
+        for (p, m) in self.params.iter().zip(&self.master) {
+            p.set(&m.tensor().to_dtype(DType::BF16)?)?;
+        }
+        self.grads.clear();
+        Ok(loss)
+    }
+}
+
+/// Segment-by-segment wall time, with a device synchronise at every boundary.
+struct Profile {
+    dev: Device,
+    t0: Instant,
+    fwd: BTreeMap<String, f64>,
+    bwd: BTreeMap<String, f64>,
+}
+
+fn kind(seg: &dyn Segment) -> String {
+    let n = seg.name();
+    if n.starts_with("h.") {
+        "blocks".into()
+    } else {
+        n
+    }
+}
+
+impl Hooks for Profile {
+    fn pre_forward(&mut self, _: usize, _: &dyn Segment) -> Result<()> {
+        self.dev.synchronize()?;
+        self.t0 = Instant::now();
+        Ok(())
+    }
+    fn post_forward(&mut self, _: usize, seg: &dyn Segment) -> Result<()> {
+        self.dev.synchronize()?;
+        *self.fwd.entry(kind(seg)).or_default() += self.t0.elapsed().as_secs_f64() * 1e3;
+        Ok(())
+    }
+    fn pre_backward(&mut self, _: usize, _: &dyn Segment) -> Result<()> {
+        self.dev.synchronize()?;
+        self.t0 = Instant::now();
+        Ok(())
+    }
+    fn post_backward(&mut self, _: usize, seg: &dyn Segment, _: &mut Grads) -> Result<()> {
+        self.dev.synchronize()?;
+        *self.bwd.entry(kind(seg)).or_default() += self.t0.elapsed().as_secs_f64() * 1e3;
+        Ok(())
+    }
+}
+
+/// Peak bytes of the CUDA default memory pool since the last reset (0 on CPU).
+#[cfg(feature = "cuda")]
+mod pool {
+    use candle_core::cuda_backend::cudarc::driver::{result, sys};
+    use candle_core::Device;
+
+    fn handle(dev: &Device) -> Option<sys::CUmemoryPool> {
+        let Device::Cuda(c) = dev else { return None };
+        let ctx = c.cuda_stream().context().clone();
+        ctx.bind_to_thread().ok()?;
+        // SAFETY: the device handle comes from a live context.
+        unsafe { result::device::get_default_mem_pool(ctx.cu_device()) }.ok()
+    }
+
+    pub fn peak(dev: &Device) -> u64 {
+        let Some(p) = handle(dev) else { return 0 };
+        let mut v: u64 = 0;
+        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+        // SAFETY: USED_MEM_HIGH is a cuuint64_t written into `v`.
+        let _ = unsafe { sys::cuMemPoolGetAttribute(p, attr, &mut v as *mut u64 as *mut _) };
+        v
+    }
+
+    pub fn reset(dev: &Device) {
+        let Some(p) = handle(dev) else { return };
+        let mut zero: u64 = 0;
+        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+        // SAFETY: writing 0 to USED_MEM_HIGH resets the high-water mark.
+        let _ = unsafe { sys::cuMemPoolSetAttribute(p, attr, &mut zero as *mut u64 as *mut _) };
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod pool {
+    pub fn peak(_: &candle_core::Device) -> u64 {
+        0
+    }
+    pub fn reset(_: &candle_core::Device) {}
+}
+
+fn run(a: &Args) -> Result<()> {
+    let dev = Device::cuda_if_available(0)?;
+    kernels::set_enabled(!a.plain);
+    let cfg = GptConfig::preset(&a.preset)
+        .ok_or_else(|| candle_core::Error::Msg(format!("unknown preset {}", a.preset)))?;
+    let mode = if a.plain { "plain" } else { "fused" };
+    let mut data = Batches::new(a.data.as_deref(), cfg.vocab_size)?;
+    let mut tr = Trainer::new(cfg.clone(), &dev)?;
+    let mut none = mtrain_model::NoHooks;
+
+    if a.loss_steps > 0 {
+        let mut lines = String::new();
+        let mut pending = Vec::new();
+        for s in 0..a.loss_steps {
+            let (x, y) = data.next(a.batch, a.seq, &dev)?;
+            pending.push((s, tr.step(&x, &y, 3e-4, &mut none)?));
+            // Read the losses back 20 steps at a time, so the host rarely waits for the device.
+            if pending.len() == 20 || s + 1 == a.loss_steps {
+                for (i, l) in pending.drain(..) {
+                    let l = l.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                    lines.push_str(&format!("{i} {l:.5}\n"));
+                }
+            }
+        }
+        std::fs::write(&a.loss_out, lines)?;
+        println!(
+            "{{\"impl\": \"mtrain\", \"mode\": \"{mode}\", \"loss_curve\": \"{}\", \"steps\": {}}}",
+            a.loss_out, a.loss_steps
+        );
+        return Ok(());
+    }
+
+    for _ in 0..a.warmup {
+        let (x, y) = data.next(a.batch, a.seq, &dev)?;
+        tr.step(&x, &y, 3e-4, &mut none)?;
+    }
+    dev.synchronize()?;
+    if a.profile {
+        let (x, y) = data.next(a.batch, a.seq, &dev)?;
+        let mut p = Profile {
+            dev: dev.clone(),
+            t0: Instant::now(),
+            fwd: BTreeMap::new(),
+            bwd: BTreeMap::new(),
+        };
+        let t = Instant::now();
+        let segs: &[Arc<dyn Segment>] = &tr.model.segments;
+        let engine = Engine::new(false);
+        let acts = engine.forward(segs, &x, Some(&y), &mut p)?;
+        engine.backward(segs, acts, None, 1.0, &mut tr.grads, &mut p)?;
+        dev.synchronize()?;
+        let fb = t.elapsed().as_secs_f64() * 1e3;
+        tr.grads.clear();
+        let t = Instant::now();
+        tr.step(&x, &y, 3e-4, &mut none)?;
+        dev.synchronize()?;
+        let whole = t.elapsed().as_secs_f64() * 1e3;
+        let fmt = |m: &BTreeMap<String, f64>| {
+            m.iter()
+                .map(|(k, v)| format!("\"{k}\": {v:.2}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        println!(
+            "{{\"profile\": \"{mode}\", \"forward_ms\": {{{}}}, \"backward_ms\": {{{}}}, \"fwd_bwd_ms\": {fb:.2}, \"step_ms\": {whole:.2}, \"optimizer_ms\": {:.2}}}",
+            fmt(&p.fwd),
+            fmt(&p.bwd),
+            whole - fb
+        );
+    }
+    pool::reset(&dev);
+    let t = Instant::now();
+    let mut loss = None;
+    for _ in 0..a.steps {
+        let (x, y) = data.next(a.batch, a.seq, &dev)?;
+        loss = Some(tr.step(&x, &y, 3e-4, &mut none)?);
+    }
+    dev.synchronize()?;
+    let dt = t.elapsed().as_secs_f64() / a.steps.max(1) as f64;
+    let loss = match loss {
+        Some(l) => l.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+        None => f64::NAN,
+    };
+    let tok = (a.batch * a.seq) as f64 / dt;
+    let mfu = tok * cfg.flops_per_token(a.seq) / 989e12;
+    println!(
+        "{{\"impl\": \"mtrain\", \"mode\": \"{mode}\", \"preset\": \"{}\", \"batch\": {}, \"seq\": {}, \"dtype\": \"bf16\", \"tokens_per_s\": {}, \"mfu\": {mfu:.4}, \"peak_alloc_gib\": {:.3}, \"step_ms\": {:.2}, \"loss\": {loss:.4}}}",
+        a.preset,
+        a.batch,
+        a.seq,
+        tok.round(),
+        pool::peak(&dev) as f64 / (1u64 << 30) as f64,
+        dt * 1e3
+    );
+    Ok(())
+}
+
+fn main() {
+    let args = match parse() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("bench_gpu: {e}");
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = run(&args) {
+        eprintln!("bench_gpu: {e}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Single-GPU training speed: mtrain (fused kernels and plain candle) next to PyTorch, one run.
+#
+# Usage:
+#   scripts/bench-gpu.sh build            # here: builds and packs .gpu/bench_gpu.xz, .gpu/model-tests.xz
+#   scripts/bench-gpu.sh run [OUT_DIR]    # on the GPU machine, from the repository root
+#
+# `run` does, on one card:
+#   1. the fused kernels' tests against plain candle (model-tests kernels::);
+#   2. GPT-2 124M, bf16, AdamW: mtrain fused (batch 16 x 1024) with a per-segment profile,
+#      mtrain plain (batch 8 x 1024: the materialised attention needs twice the memory);
+#   3. PyTorch (scripts/bench/torch_gpt_ref.py): eager + SDPA flash, eager + materialised
+#      attention, torch.compile; all batch 16 x 1024;
+#   4. loss curves, fused vs plain, BENCH_LOSS_STEPS steps (default 200) of batch 4 x 256 on
+#      scripts/bench/tinyshakespeare.txt (bytes as token ids);
+#   and prints every JSON line and the ratio of mtrain fused to each PyTorch variant.
+# Environment: BENCH_STEPS (timed steps, default 10), BENCH_TORCH_COMPILE=0 to skip torch.compile.
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+
+build() {
+  PREFIX=${MTRAIN_CUDA_PREFIX:-$HOME/.cache/mtrain-cuda13}
+  [ -f "$PREFIX/env.sh" ] || scripts/cuda-setup.sh "$PREFIX"
+  # shellcheck disable=SC1091
+  source "$PREFIX/env.sh"
+  export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target-cuda}
+  mkdir -p .gpu
+  grep -qx '.gpu/' .git/info/exclude 2>/dev/null || echo '.gpu/' >> .git/info/exclude
+  set -e
+  nice -n 19 cargo build --release -p mtrain-model --features cuda --example bench_gpu
+  strip -o .gpu/bench_gpu "$CARGO_TARGET_DIR/release/examples/bench_gpu"
+  tests=$(nice -n 19 cargo test --release -p mtrain-model --features cuda --lib --no-run \
+    --message-format=json | python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["lib"]:
+        print(m["executable"])' | tail -1)
+  strip -o .gpu/model-tests "$tests"
+  xz -T0 -6 -f .gpu/bench_gpu .gpu/model-tests
+  ls -l .gpu/
+}
+
+run() {
+  OUT=${1:-.gpu/out}
+  BIN=/tmp/mtrain-bench
+  mkdir -p "$OUT" "$BIN"
+  # shellcheck disable=SC1091
+  source scripts/gpu-env.sh
+  for f in .gpu/bench_gpu.xz .gpu/model-tests.xz; do
+    python3 -c 'import lzma, shutil, sys
+with lzma.open(sys.argv[1]) as src, open(sys.argv[2], "wb") as dst:
+    shutil.copyfileobj(src, dst)' "$f" "$BIN/$(basename "$f" .xz)" && chmod +x "$BIN/$(basename "$f" .xz)"
+  done
+  { date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } \
+    | tee "$OUT/machine.txt"
+  steps=${BENCH_STEPS:-10}
+  R="$OUT/results.jsonl"
+  : > "$R"
+  echo "== kernel tests"
+  "$BIN/model-tests" kernels:: --test-threads=1 2>&1 | tee "$OUT/kernel-tests.log"
+  echo "== mtrain fused"
+  "$BIN/bench_gpu" --batch 16 --steps "$steps" --warmup 2 --profile 2>&1 | tee -a "$R"
+  echo "== mtrain plain"
+  "$BIN/bench_gpu" --plain --batch 8 --steps 3 --warmup 1 --profile 2>&1 | tee -a "$R"
+  echo "== torch"
+  T=scripts/bench/torch_gpt_ref.py
+  python3 $T --batch 16 --steps 20 --warmup 5 2>&1 | grep '^{' | tee -a "$R"
+  python3 $T --batch 16 --steps 10 --warmup 3 --manual-attn 2>&1 | grep '^{' | tee -a "$R"
+  if [ "${BENCH_TORCH_COMPILE:-1}" = 1 ]; then
+    python3 $T --batch 16 --steps 20 --warmup 5 --compile 2>&1 | grep '^{' | tee -a "$R"
+  fi
+  echo "== loss curves"
+  n=${BENCH_LOSS_STEPS:-200}
+  D=scripts/bench/tinyshakespeare.txt
+  "$BIN/bench_gpu" --batch 4 --seq 256 --data $D --loss-steps "$n" --loss-out "$OUT/loss-fused.txt" | tee -a "$R"
+  "$BIN/bench_gpu" --plain --batch 4 --seq 256 --data $D --loss-steps "$n" --loss-out "$OUT/loss-plain.txt" | tee -a "$R"
+  python3 - "$R" "$OUT/loss-fused.txt" "$OUT/loss-plain.txt" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+runs = [r for r in rows if "tokens_per_s" in r]
+ours = next((r for r in runs if r.get("impl") == "mtrain" and r["mode"] == "fused"), None)
+print(f"{'run':40s} {'tokens/s':>10s} {'peak GiB':>9s} {'ratio':>7s}")
+for r in runs:
+    name = r["impl"] + " " + r["mode"] + (" manual-attn" if r.get("manual_attn") else "") \
+        + (" compile" if r.get("compile") else "") + f" b{r['batch']}"
+    ratio = ours["tokens_per_s"] / r["tokens_per_s"] if ours else float("nan")
+    print(f"{name:40s} {r['tokens_per_s']:>10d} {r['peak_alloc_gib']:>9.2f} {ratio:>7.3f}")
+def curve(p):
+    return [float(l.split()[1]) for l in open(p)]
+try:
+    f, p = curve(sys.argv[2]), curve(sys.argv[3])
+    d = [abs(a - b) for a, b in zip(f, p)]
+    print(f"loss curves: {len(f)} steps, fused {f[0]:.4f} -> {f[-1]:.4f}, plain {p[0]:.4f} -> {p[-1]:.4f}, "
+          f"max |diff| {max(d):.4f}, mean |diff| last 50 {sum(d[-50:]) / len(d[-50:]):.4f}")
+except Exception as e:
+    print("loss curves: missing", e)
+PY
+}
+
+case "${1:-}" in
+  build) build ;;
+  run) shift; run "$@" ;;
+  *) echo "usage: $0 build | run [OUT_DIR]" >&2; exit 2 ;;
+esac
