@@ -49,7 +49,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use mtrain_comm::{Comm, ReduceOp, Work};
 use mtrain_model::optim::{AdamW, AdamWState, OptimItem};
 use mtrain_model::{Engine, Grads, NoHooks, Param, Segment};
@@ -60,7 +60,10 @@ pub use common::{
     decays, final_after, unique_params, verify_same_init, CommStats, DataParallel, DpError,
     ModelStateBytes, Result,
 };
-pub(crate) use common::{hook_err, timed_wait, OpTimer};
+pub(crate) use common::{
+    hook_err, load_replicated, named_grads, named_weights, replicated_items,
+    replicated_state_bytes, scale_all, set_weight, sq_sum_f64, sum_f64, timed_wait, OpTimer,
+};
 
 /// How DDP communicates gradients.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -203,11 +206,7 @@ impl DataParallel for Ddp {
             self.timer = Some(OpTimer::start(&self.comm));
         }
         let acts = engine.forward(&self.segments, idx, Some(targets), &mut NoHooks)?;
-        let loss = acts
-            .output
-            .to_dtype(DType::F64)?
-            .sum_all()?
-            .to_scalar::<f64>()?;
+        let loss = sum_f64(&acts.output)?;
         let t = Instant::now();
         if sync && self.cfg.mode == DdpMode::Bucketed {
             let mut hooks = BucketLauncher::new(&self.comm, &self.params, &self.buckets);
@@ -247,27 +246,11 @@ impl DataParallel for Ddp {
     }
 
     fn scale_grads(&mut self, factor: f64) -> Result<()> {
-        for name in self.grads.names() {
-            if let Some(g) = self.grads.get(&name) {
-                let scaled = (g * factor)?;
-                self.grads.insert(name, scaled);
-            }
-        }
-        Ok(())
+        Ok(scale_all(&mut self.grads, factor)?)
     }
 
     fn optimizer_items(&self) -> Vec<OptimItem<'_>> {
-        self.params
-            .iter()
-            .filter_map(|p| {
-                self.grads.get(p.name()).map(|g| OptimItem {
-                    name: p.name(),
-                    param: p,
-                    grad: g,
-                    decay: decays(g.dims()),
-                })
-            })
-            .collect()
+        replicated_items(&self.params, &self.grads)
     }
 
     fn after_optimizer_step(&mut self) -> Result<()> {
@@ -280,28 +263,15 @@ impl DataParallel for Ddp {
     }
 
     fn full_state(&self) -> Result<BTreeMap<String, Tensor>> {
-        Ok(self
-            .params
-            .iter()
-            .map(|p| (p.name().to_string(), p.tensor().detach()))
-            .collect())
+        Ok(named_weights(&self.params))
     }
 
     fn full_grads(&self) -> Result<BTreeMap<String, Tensor>> {
-        Ok(self
-            .grads
-            .iter()
-            .map(|(n, g)| (n.clone(), g.clone()))
-            .collect())
+        Ok(named_grads(&self.grads))
     }
 
     fn model_state_bytes(&self, opt: &AdamW) -> ModelStateBytes {
-        let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
-        ModelStateBytes {
-            params: self.params.iter().map(|p| bytes(&p.tensor())).sum(),
-            grads: self.grads.iter().map(|(_, g)| bytes(g)).sum(),
-            optimizer: opt.state_bytes(),
-        }
+        replicated_state_bytes(&self.params, &self.grads, opt)
     }
 
     fn comm_stats(&self) -> CommStats {
@@ -309,21 +279,7 @@ impl DataParallel for Ddp {
     }
 
     fn load_full_state(&mut self, weights: &BTreeMap<String, Tensor>) -> Result<()> {
-        for p in &self.params {
-            let t = weights.get(p.name()).ok_or_else(|| {
-                DpError::Config(format!("no weight named `{}` to load", p.name()))
-            })?;
-            if t.dims() != p.shape().dims() {
-                return Err(DpError::Config(format!(
-                    "weight `{}` has shape {:?} but the model's parameter has {:?}",
-                    p.name(),
-                    t.dims(),
-                    p.shape().dims()
-                )));
-            }
-            p.set(&t.to_dtype(p.var().dtype())?)?;
-        }
-        Ok(())
+        load_replicated(&self.params, weights)
     }
 
     fn full_optimizer_state(&self, opt: &AdamW) -> Result<AdamWState> {

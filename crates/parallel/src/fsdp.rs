@@ -56,8 +56,8 @@ use mtrain_model::optim::{AdamW, AdamWState, OptimItem};
 use mtrain_model::{Engine, Grads, Hooks, Param, Segment};
 
 use crate::ddp::{
-    final_after, timed_wait, unique_params, verify_same_init, CommStats, DataParallel, DpError,
-    ModelStateBytes, OpTimer, Result,
+    final_after, sq_sum_f64, sum_f64, timed_wait, unique_params, verify_same_init, CommStats,
+    DataParallel, DpError, ModelStateBytes, OpTimer, Result,
 };
 use scheduler::{Residency, Scheduler};
 use unit::FlatUnit;
@@ -413,11 +413,7 @@ impl DataParallel for Fsdp {
         let mut grads = std::mem::take(&mut self.grads);
         let mut sched = self.scheduler(engine.checkpointing, reduce);
         let acts = engine.forward(&segments, idx, Some(targets), &mut sched)?;
-        let loss = acts
-            .output
-            .to_dtype(DType::F64)?
-            .sum_all()?
-            .to_scalar::<f64>()?;
+        let loss = sum_f64(&acts.output)?;
         let t = Instant::now();
         engine.backward(&segments, acts, None, loss_scale, &mut grads, &mut sched)?;
         sched.stats.backward_s += t.elapsed().as_secs_f64();
@@ -430,11 +426,7 @@ impl DataParallel for Fsdp {
         let mut local = 0.0f64;
         for u in &self.units {
             for g in [&u.grad_decay, &u.grad_plain].into_iter().flatten() {
-                local += g
-                    .to_dtype(DType::F64)?
-                    .sqr()?
-                    .sum_all()?
-                    .to_scalar::<f64>()?;
+                local += sq_sum_f64(g)?;
             }
         }
         let t = Tensor::new(&[local as f32], self.comm.device())?;

@@ -70,7 +70,8 @@ use mtrain_model::optim::{clip_coef, AdamW, AdamWState, OptimItem};
 use mtrain_model::{Engine, Gpt, GptConfig, Grads, Hooks, MoeStats, NoHooks, Param, Segment};
 
 use crate::ddp::{
-    decays, verify_same_init, CommStats, DataParallel, DdpConfig, DpError, ModelStateBytes,
+    replicated_items, scale_all, set_weight, sq_sum_f64, sum_f64, verify_same_init, CommStats,
+    DataParallel, DdpConfig, DpError, ModelStateBytes,
 };
 use crate::expert_parallel::{self, is_expert_param, EpError};
 use crate::fsdp::{analytic_model_state, Fsdp, FsdpConfig, FsdpHooks, ZeroStage};
@@ -648,11 +649,7 @@ impl ParallelModel {
                 for (name, g) in self.grads.iter() {
                     let w = self.norm_weight(name, false);
                     if w > 0.0 {
-                        s += w * g
-                            .to_dtype(DType::F64)?
-                            .sqr()?
-                            .sum_all()?
-                            .to_scalar::<f64>()?;
+                        s += w * sq_sum_f64(g)?;
                     }
                 }
                 s
@@ -682,26 +679,9 @@ impl ParallelModel {
         match &mut self.replicas {
             Replicas::Full => {
                 if clip < 1.0 {
-                    for name in self.grads.names() {
-                        if let Some(g) = self.grads.get(&name) {
-                            let scaled = (g * clip)?;
-                            self.grads.insert(name, scaled);
-                        }
-                    }
+                    scale_all(&mut self.grads, clip)?;
                 }
-                let items: Vec<OptimItem> = self
-                    .params
-                    .iter()
-                    .filter_map(|p| {
-                        self.grads.get(p.name()).map(|g| OptimItem {
-                            name: p.name(),
-                            param: p,
-                            grad: g,
-                            decay: decays(g.dims()),
-                        })
-                    })
-                    .collect();
-                opt.step(lr, &items)?;
+                opt.step(lr, &replicated_items(&self.params, &self.grads))?;
             }
             Replicas::Zero(fsdps) => {
                 if clip < 1.0 {
@@ -759,7 +739,7 @@ impl ParallelModel {
                 }
             };
             if s + 1 == s_total {
-                loss = out.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+                loss = sum_f64(&out)?;
             } else if p > 1 {
                 self.pp.send(&out, (s + 1) % p)?;
             } else {
@@ -945,15 +925,7 @@ impl ParallelModel {
             Replicas::Full => {
                 for p in &self.params {
                     if let Some(t) = local.get(p.name()) {
-                        if t.dims() != p.shape().dims() {
-                            return Err(ParallelizeError::Plan(format!(
-                                "weight `{}` has shape {:?} but this rank's parameter has {:?}",
-                                p.name(),
-                                t.dims(),
-                                p.shape().dims()
-                            )));
-                        }
-                        p.set(&t.to_dtype(p.var().dtype())?)?;
+                        set_weight(p, t)?;
                     }
                 }
             }

@@ -1,6 +1,8 @@
 //! What every data-parallel strategy shares: the [`DataParallel`] API the training loop drives,
-//! its error type, per-step communication figures, the same-initialisation check, and a few
-//! facts about parameters (which segment finalises a gradient, which tensors are decayed).
+//! its error type, per-step communication figures, the same-initialisation check, a few facts
+//! about parameters (which segment finalises a gradient, which tensors are decayed), and the
+//! bookkeeping of replicated parameters that DDP, expert data parallelism and a composed layout
+//! do alike (scaling, optimizer items, state bytes, loading full weights).
 //!
 //! The API in one picture:
 //!
@@ -17,7 +19,7 @@ use std::time::Instant;
 use candle_core::{DType, Tensor};
 use mtrain_comm::{Comm, CommError, TraceEvent, Work};
 use mtrain_model::optim::{clip_coef, AdamW, AdamWState, OptimItem};
-use mtrain_model::{Engine, Param, Segment};
+use mtrain_model::{Engine, Grads, Param, Segment};
 
 /// Errors of the data-parallel strategies.
 #[derive(Debug, thiserror::Error)]
@@ -181,6 +183,95 @@ pub fn final_after(segs: &[Arc<dyn Segment>]) -> BTreeMap<String, usize> {
 /// nanoGPT's rule: decay matrices and embeddings (≥ 2-D), not biases or LayerNorm gains.
 pub fn decays(shape: &[usize]) -> bool {
     shape.len() >= 2
+}
+
+/// Σ of every element of `t` as one f64: the loss the engine's last segment returns.
+pub(crate) fn sum_f64(t: &Tensor) -> candle_core::Result<f64> {
+    t.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()
+}
+
+/// Σ t² over every element, computed in f64 (one tensor's part of a squared gradient norm).
+pub(crate) fn sq_sum_f64(t: &Tensor) -> candle_core::Result<f64> {
+    t.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()
+}
+
+/// Multiplies every gradient in `grads` by `factor` (gradient clipping).
+pub(crate) fn scale_all(grads: &mut Grads, factor: f64) -> candle_core::Result<()> {
+    for name in grads.names() {
+        if let Some(g) = grads.get(&name) {
+            let scaled = (g * factor)?;
+            grads.insert(name, scaled);
+        }
+    }
+    Ok(())
+}
+
+/// What the optimizer updates when every parameter is held whole: each parameter that has a
+/// gradient, with its gradient.
+pub(crate) fn replicated_items<'a>(params: &'a [Param], grads: &'a Grads) -> Vec<OptimItem<'a>> {
+    params
+        .iter()
+        .filter_map(|p| {
+            grads.get(p.name()).map(|g| OptimItem {
+                name: p.name(),
+                param: p,
+                grad: g,
+                decay: decays(g.dims()),
+            })
+        })
+        .collect()
+}
+
+/// Bytes of whole parameters, their gradients and the optimizer's moments.
+pub(crate) fn replicated_state_bytes(
+    params: &[Param],
+    grads: &Grads,
+    opt: &AdamW,
+) -> ModelStateBytes {
+    let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+    ModelStateBytes {
+        params: params.iter().map(|p| bytes(&p.tensor())).sum(),
+        grads: grads.iter().map(|(_, g)| bytes(g)).sum(),
+        optimizer: opt.state_bytes(),
+    }
+}
+
+/// The parameters' current values by name, detached from any graph.
+pub(crate) fn named_weights(params: &[Param]) -> BTreeMap<String, Tensor> {
+    params
+        .iter()
+        .map(|p| (p.name().to_string(), p.tensor().detach()))
+        .collect()
+}
+
+/// The gradients by name.
+pub(crate) fn named_grads(grads: &Grads) -> BTreeMap<String, Tensor> {
+    grads.iter().map(|(n, g)| (n.clone(), g.clone())).collect()
+}
+
+/// Sets `p` to `t` cast to the parameter's dtype; a shape other than the parameter's is an error
+/// naming both.
+pub(crate) fn set_weight(p: &Param, t: &Tensor) -> Result<()> {
+    if t.dims() != p.shape().dims() {
+        return Err(DpError::Config(format!(
+            "weight `{}` has shape {:?} but this rank's parameter has {:?}",
+            p.name(),
+            t.dims(),
+            p.shape().dims()
+        )));
+    }
+    Ok(p.set(&t.to_dtype(p.var().dtype())?)?)
+}
+
+/// Loads every parameter from `weights` by name; a missing name is an error.
+pub(crate) fn load_replicated(params: &[Param], weights: &BTreeMap<String, Tensor>) -> Result<()> {
+    for p in params {
+        let t = weights
+            .get(p.name())
+            .ok_or_else(|| DpError::Config(format!("no weight named `{}` to load", p.name())))?;
+        set_weight(p, t)?;
+    }
+    Ok(())
 }
 
 /// Checks that every rank holds the same initial weights: each rank computes (Σx, Σx², Σ i·x) of

@@ -22,14 +22,16 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use mtrain_comm::{Comm, ReduceOp, Work};
 use mtrain_model::optim::{AdamW, AdamWState, OptimItem};
 use mtrain_model::{Engine, Grads, MoeStats, NoHooks, Param, Segment};
 
 use super::{is_expert_param, Result};
 use crate::ddp::{
-    decays, unique_params, verify_same_init, CommStats, DataParallel, DpError, ModelStateBytes,
+    load_replicated, named_grads, named_weights, replicated_items, replicated_state_bytes,
+    scale_all, sq_sum_f64, sum_f64, unique_params, verify_same_init, CommStats, DataParallel,
+    DpError, ModelStateBytes,
 };
 
 /// Averages one step's gradients: non-expert gradients over `dp`, expert gradients summed over
@@ -73,11 +75,7 @@ pub fn sync_grads(
 pub fn grad_norm_sq(grads: &Grads, ep: &Comm) -> Result<f64> {
     let (mut dense, mut expert) = (0.0f64, 0.0f64);
     for (name, g) in grads.iter() {
-        let sq = g
-            .to_dtype(DType::F64)?
-            .sqr()?
-            .sum_all()?
-            .to_scalar::<f64>()?;
+        let sq = sq_sum_f64(g)?;
         match is_expert_param(name) {
             true => expert += sq,
             false => dense += sq,
@@ -237,11 +235,7 @@ impl DataParallel for ExpertDataParallel {
         sync: bool,
     ) -> std::result::Result<f64, DpError> {
         let acts = engine.forward(&self.segments, idx, Some(targets), &mut NoHooks)?;
-        let loss = acts
-            .output
-            .to_dtype(DType::F64)?
-            .sum_all()?
-            .to_scalar::<f64>()?;
+        let loss = sum_f64(&acts.output)?;
         if self.stats.is_empty() {
             self.stats = acts.stats.clone();
         } else {
@@ -280,27 +274,11 @@ impl DataParallel for ExpertDataParallel {
     }
 
     fn scale_grads(&mut self, factor: f64) -> std::result::Result<(), DpError> {
-        for name in self.grads.names() {
-            if let Some(g) = self.grads.get(&name) {
-                let scaled = (g * factor)?;
-                self.grads.insert(name, scaled);
-            }
-        }
-        Ok(())
+        Ok(scale_all(&mut self.grads, factor)?)
     }
 
     fn optimizer_items(&self) -> Vec<OptimItem<'_>> {
-        self.params
-            .iter()
-            .filter_map(|p| {
-                self.grads.get(p.name()).map(|g| OptimItem {
-                    name: p.name(),
-                    param: p,
-                    grad: g,
-                    decay: decays(g.dims()),
-                })
-            })
-            .collect()
+        replicated_items(&self.params, &self.grads)
     }
 
     fn after_optimizer_step(&mut self) -> std::result::Result<(), DpError> {
@@ -311,30 +289,15 @@ impl DataParallel for ExpertDataParallel {
     }
 
     fn full_state(&self) -> std::result::Result<BTreeMap<String, Tensor>, DpError> {
-        let local = self
-            .params
-            .iter()
-            .map(|p| (p.name().to_string(), p.tensor().detach()))
-            .collect();
-        gather_experts(local, &self.ep).map_err(dp_err)
+        gather_experts(named_weights(&self.params), &self.ep).map_err(dp_err)
     }
 
     fn full_grads(&self) -> std::result::Result<BTreeMap<String, Tensor>, DpError> {
-        let local = self
-            .grads
-            .iter()
-            .map(|(n, g)| (n.clone(), g.clone()))
-            .collect();
-        gather_experts(local, &self.ep).map_err(dp_err)
+        gather_experts(named_grads(&self.grads), &self.ep).map_err(dp_err)
     }
 
     fn model_state_bytes(&self, opt: &AdamW) -> ModelStateBytes {
-        let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
-        ModelStateBytes {
-            params: self.params.iter().map(|p| bytes(&p.tensor())).sum(),
-            grads: self.grads.iter().map(|(_, g)| bytes(g)).sum(),
-            optimizer: opt.state_bytes(),
-        }
+        replicated_state_bytes(&self.params, &self.grads, opt)
     }
 
     fn comm_stats(&self) -> CommStats {
@@ -345,21 +308,7 @@ impl DataParallel for ExpertDataParallel {
         &mut self,
         weights: &BTreeMap<String, Tensor>,
     ) -> std::result::Result<(), DpError> {
-        for p in &self.params {
-            let t = weights.get(p.name()).ok_or_else(|| {
-                DpError::Config(format!("no weight named `{}` to load", p.name()))
-            })?;
-            if t.dims() != p.shape().dims() {
-                return Err(DpError::Config(format!(
-                    "weight `{}` has shape {:?} but the model's parameter has {:?}",
-                    p.name(),
-                    t.dims(),
-                    p.shape().dims()
-                )));
-            }
-            p.set(&t.to_dtype(p.var().dtype())?)?;
-        }
-        Ok(())
+        load_replicated(&self.params, weights)
     }
 
     fn full_optimizer_state(&self, opt: &AdamW) -> std::result::Result<AdamWState, DpError> {
