@@ -27,7 +27,9 @@
 //! detached tensor), then applies a two-input custom op `(x, v) ↦ v` whose `bwd` runs the conjugate
 //! collective on the incoming gradient and hands it to `x` (nothing flows to `v`). The custom op
 //! is recorded only when `x` descends from a `Var`; otherwise `v` is returned as is, since no
-//! gradient can be asked of it.
+//! gradient can be asked of it. The op itself takes its backward as a closure
+//! (`value_with_backward`), so expert parallelism's all-to-all records the same op with the
+//! reverse all-to-all as its backward.
 //!
 //! Backward collectives run on the thread that calls `backward()`, in graph order; every rank
 //! builds the same graph, so every rank issues them in the same order.
@@ -172,23 +174,62 @@ enum Conjugate {
     Split { dim: usize },
 }
 
-struct ValueWithConjugate {
-    conjugate: Conjugate,
-    group: Comm,
+impl Conjugate {
+    fn op_name(self) -> &'static str {
+        match self {
+            Conjugate::Identity => "tp-value-identity-bwd",
+            Conjugate::AllReduce => "tp-value-all-reduce-bwd",
+            Conjugate::AllGather { .. } => "tp-value-all-gather-bwd",
+            Conjugate::ReduceScatter { .. } => "tp-value-reduce-scatter-bwd",
+            Conjugate::Split { .. } => "tp-value-split-bwd",
+        }
+    }
+
+    fn apply(self, grad: &Tensor, g: &dyn Communicator) -> Result<Tensor> {
+        match self {
+            Conjugate::Identity => Ok(grad.clone()),
+            Conjugate::AllReduce => g
+                .all_reduce(&grad.contiguous()?, ReduceOp::Sum)
+                .map_err(comm_err),
+            Conjugate::AllGather { dim } => all_gather_along(g, grad, dim),
+            Conjugate::ReduceScatter { dim } => reduce_scatter_along(g, grad, dim),
+            Conjugate::Split { dim } => split_along(g, grad, dim),
+        }
+    }
 }
 
 /// `(x, v) ↦ v` in forward; `dx = conjugate(dy)` in backward.
 fn with_conjugate(x: &Tensor, v: Tensor, conjugate: Conjugate, group: &Comm) -> Result<Tensor> {
+    let group = group.clone();
+    value_with_backward(x, v, conjugate.op_name(), move |grad| {
+        conjugate.apply(grad, group.as_ref())
+    })
+}
+
+/// `(x, v) ↦ v` in forward; `dx = backward(dy)` in backward, nothing to `v`.
+///
+/// The mechanism every differentiable collective shares (here and in
+/// [`crate::expert_parallel::all_to_all`]): `v` was computed outside the graph, and this records
+/// the op that connects it to `x`. Recorded whenever `x` descends from a `Var`, even when `x` or
+/// `v` has no elements, so every rank issues the backward collective; otherwise `v` is returned.
+pub(crate) fn value_with_backward<F>(
+    x: &Tensor,
+    v: Tensor,
+    name: &'static str,
+    backward: F,
+) -> Result<Tensor>
+where
+    F: Fn(&Tensor) -> Result<Tensor> + Send + Sync + 'static,
+{
     if !x.track_op() {
         return Ok(v);
     }
-    x.apply_op2(
-        &v,
-        ValueWithConjugate {
-            conjugate,
-            group: group.clone(),
-        },
-    )
+    x.apply_op2(&v, ValueWithBackward { name, backward })
+}
+
+struct ValueWithBackward<F> {
+    name: &'static str,
+    backward: F,
 }
 
 /// A fresh contiguous copy of `(storage, layout)` on the same device.
@@ -198,19 +239,18 @@ where
     S::Device: BackendDevice<Storage = S>,
 {
     let mut dst = s.device().zeros_impl(l.shape(), s.dtype())?;
-    s.copy_strided_src(&mut dst, 0, l)?;
+    if l.shape().elem_count() > 0 {
+        s.copy_strided_src(&mut dst, 0, l)?;
+    }
     Ok((dst, l.shape().clone()))
 }
 
-impl CustomOp2 for ValueWithConjugate {
+impl<F> CustomOp2 for ValueWithBackward<F>
+where
+    F: Fn(&Tensor) -> Result<Tensor> + Send + Sync,
+{
     fn name(&self) -> &'static str {
-        match self.conjugate {
-            Conjugate::Identity => "tp-value-identity-bwd",
-            Conjugate::AllReduce => "tp-value-all-reduce-bwd",
-            Conjugate::AllGather { .. } => "tp-value-all-gather-bwd",
-            Conjugate::ReduceScatter { .. } => "tp-value-reduce-scatter-bwd",
-            Conjugate::Split { .. } => "tp-value-split-bwd",
-        }
+        self.name
     }
 
     fn cpu_fwd(
@@ -240,16 +280,6 @@ impl CustomOp2 for ValueWithConjugate {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let g = self.group.as_ref();
-        let dx = match self.conjugate {
-            Conjugate::Identity => grad.clone(),
-            Conjugate::AllReduce => g
-                .all_reduce(&grad.contiguous()?, ReduceOp::Sum)
-                .map_err(comm_err)?,
-            Conjugate::AllGather { dim } => all_gather_along(g, grad, dim)?,
-            Conjugate::ReduceScatter { dim } => reduce_scatter_along(g, grad, dim)?,
-            Conjugate::Split { dim } => split_along(g, grad, dim)?,
-        };
-        Ok((Some(dx), None))
+        Ok((Some((self.backward)(grad)?), None))
     }
 }

@@ -10,16 +10,17 @@
 //! An all-to-all only moves rows, it never combines them, so its adjoint is the all-to-all that
 //! moves each row back to where it came from (Megatron's `_AllToAll` swaps the splits).
 //!
-//! Mechanism (the same as [`crate::ops`]): the forward result `v` is computed outside the graph
-//! on a detached copy, then a two-input custom op `(x, v) ↦ v` is recorded whose `bwd` runs the
-//! reverse all-to-all on the incoming gradient and hands it to `x`. The op is recorded whenever
-//! `x` descends from a `Var`, **even when `x` or `v` has zero rows**: every rank of the group
-//! must issue the backward all-to-all, including one that sent or received nothing, or its
-//! peers would wait for it forever.
+//! Mechanism: [`crate::ops`]'s value with a custom backward. The forward result `v` is
+//! computed outside the graph on a detached copy, then a two-input custom op `(x, v) ↦ v` is
+//! recorded whose backward runs the reverse all-to-all on the incoming gradient and hands it to
+//! `x`. The op is recorded whenever `x` descends from a `Var`, **even when `x` or `v` has zero
+//! rows**: every rank of the group must issue the backward all-to-all, including one that sent or
+//! received nothing, or its peers would wait for it forever.
 
-use candle_core::backend::{BackendDevice, BackendStorage};
-use candle_core::{CpuStorage, CudaStorage, CustomOp2, Layout, Result, Shape, Tensor};
+use candle_core::{Result, Tensor};
 use mtrain_comm::Comm;
+
+use crate::ops::value_with_backward;
 
 /// All-to-all along dim 0 whose backward is the reverse all-to-all.
 ///
@@ -34,75 +35,11 @@ pub fn all_to_all(
     let v = group
         .all_to_all(&x.detach().contiguous()?, send_splits, recv_splits)
         .map_err(candle_core::Error::wrap)?; // (Σ recv_splits, …)
-    if !x.track_op() {
-        return Ok(v);
-    }
-    x.apply_op2(
-        &v,
-        ReverseAllToAll {
-            send_splits: send_splits.to_vec(),
-            recv_splits: recv_splits.to_vec(),
-            group: group.clone(),
-        },
-    )
-}
-
-/// `(x, v) ↦ v`; backward sends the gradient rows back: `dx = all_to_all(dv, recv, send)`.
-struct ReverseAllToAll {
-    send_splits: Vec<usize>,
-    recv_splits: Vec<usize>,
-    group: Comm,
-}
-
-/// A fresh contiguous copy of `(storage, layout)` on the same device.
-fn copy_of<S>(s: &S, l: &Layout) -> Result<(S, Shape)>
-where
-    S: BackendStorage,
-    S::Device: BackendDevice<Storage = S>,
-{
-    let mut dst = s.device().zeros_impl(l.shape(), s.dtype())?;
-    if l.shape().elem_count() > 0 {
-        s.copy_strided_src(&mut dst, 0, l)?;
-    }
-    Ok((dst, l.shape().clone()))
-}
-
-impl CustomOp2 for ReverseAllToAll {
-    fn name(&self) -> &'static str {
-        "ep-all-to-all"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        v: &CpuStorage,
-        lv: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        copy_of(v, lv)
-    }
-
-    fn cuda_fwd(
-        &self,
-        _: &CudaStorage,
-        _: &Layout,
-        v: &CudaStorage,
-        lv: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        copy_of(v, lv)
-    }
-
-    fn bwd(
-        &self,
-        _x: &Tensor,
-        _v: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let dx = self
-            .group
-            .all_to_all(&grad.contiguous()?, &self.recv_splits, &self.send_splits)
-            .map_err(candle_core::Error::wrap)?; // (Σ send_splits, …)
-        Ok((Some(dx), None))
-    }
+    let (send, recv, group) = (send_splits.to_vec(), recv_splits.to_vec(), group.clone());
+    // Backward sends the gradient rows back: dx = all_to_all(dv, recv, send).
+    value_with_backward(x, v, "ep-all-to-all", move |grad| {
+        group
+            .all_to_all(&grad.contiguous()?, &recv, &send)
+            .map_err(candle_core::Error::wrap) // (Σ send_splits, …)
+    })
 }
