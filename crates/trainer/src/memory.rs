@@ -32,6 +32,28 @@
 //! same trait. The trainer samples
 //! the probe after forward, after backward and after the optimizer step, and reports the step's
 //! peak; the report is printed as a table and appended as one JSON line to `RUN_DIR/memory.jsonl`.
+//!
+//! Model state, measured. The whole heap mixes the model state with everything else the process
+//! holds (the corpus, the mesh's sockets, logging), so the trainer also reads the probe once right
+//! before the model and its optimizer are built — the *baseline* — and reports
+//!
+//! ```text
+//!   model state (measured) = heap after the optimizer step − baseline
+//!   model state (analytic) = parameters + optimizer state      (every strategy frees its
+//!                                                               gradients in the step)
+//!
+//!   heap ▲          after backward
+//!        │            ┌──┐ grads       after optimizer
+//!        │   ┌────────┘  └───────────── ─ ─ ─ ─ ─ ─ ─ ─ ┐
+//!        │   │ params                   params + Adam m, v │ model state (measured)
+//!   base ┼───┘                                            ┘
+//!        │ corpus, mesh, runtime
+//!        └──────────────────────────────────────────────────▶ time
+//!          build model          step 0
+//! ```
+//!
+//! ([`ModelState`]), so a layout's sharding shows as a number of bytes that can be checked
+//! against the 16Φ/N rule rather than as a small change of a large heap.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::fmt::Write as _;
@@ -279,6 +301,25 @@ pub enum Phase {
     AfterOptimizer,
 }
 
+/// The model state this rank keeps between steps, measured against its analytic size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ModelState {
+    /// Bytes in use right before the model and optimizer state were built.
+    pub baseline: u64,
+    /// Bytes in use after the optimizer step minus `baseline` (0 if the heap shrank below it).
+    pub measured: u64,
+    /// What should stay resident after the step: parameters plus optimizer state (gradients are
+    /// freed by the step).
+    pub analytic: u64,
+}
+
+impl ModelState {
+    /// `measured / analytic` (1.0 is an exact match; infinite when nothing is expected).
+    pub fn ratio(&self) -> f64 {
+        self.measured as f64 / self.analytic as f64
+    }
+}
+
 /// One step's report.
 #[derive(Debug, Clone, Serialize)]
 pub struct MemoryReport {
@@ -294,6 +335,9 @@ pub struct MemoryReport {
     pub measured: Vec<(Phase, u64)>,
     /// Highest bytes in use during the step.
     pub peak: u64,
+    /// The model state after the optimizer step, when a baseline was recorded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model_state: Option<ModelState>,
 }
 
 fn mib(b: u64) -> String {
@@ -341,7 +385,34 @@ impl MemoryReport {
                 .unwrap_or_default();
             let _ = writeln!(s, "  {l:<36}{r}");
         }
+        if let Some(m) = &self.model_state {
+            let _ = writeln!(
+                s,
+                "  {:<18}{}    {:<16}{}   (after optimizer − {:.2} MiB baseline)",
+                "model state",
+                mib(m.analytic),
+                "model state",
+                mib(m.measured),
+                m.baseline as f64 / (1024.0 * 1024.0)
+            );
+        }
         s
+    }
+
+    /// One line for the log: model state measured against analytic, and the step's peak.
+    pub fn line(&self) -> String {
+        let m = |b: u64| format!("{:.2} MiB", b as f64 / (1024.0 * 1024.0));
+        match &self.model_state {
+            Some(st) => format!(
+                "memory: model state {} measured / {} analytic ({:.2}x), peak {} ({})",
+                m(st.measured),
+                m(st.analytic),
+                st.ratio(),
+                m(self.peak),
+                self.probe
+            ),
+            None => format!("memory: peak {} ({})", m(self.peak), self.probe),
+        }
     }
 }
 
@@ -349,6 +420,7 @@ impl MemoryReport {
 pub struct MemoryTracker<'p> {
     probe: &'p dyn MemoryProbe,
     measured: Vec<(Phase, u64)>,
+    baseline: Option<u64>,
 }
 
 impl<'p> MemoryTracker<'p> {
@@ -357,6 +429,16 @@ impl<'p> MemoryTracker<'p> {
         Self {
             probe,
             measured: Vec::new(),
+            baseline: None,
+        }
+    }
+
+    /// A tracker that also reports the model state as the level after the optimizer step minus
+    /// `baseline`, the probe's reading right before the model was built.
+    pub fn with_baseline(probe: &'p dyn MemoryProbe, baseline: u64) -> Self {
+        Self {
+            baseline: Some(baseline),
+            ..Self::new(probe)
         }
     }
 
@@ -379,6 +461,19 @@ impl<'p> MemoryTracker<'p> {
 
     /// The step's report.
     pub fn finish(&self, step: u64, rank: usize, analytic: AnalyticMemory) -> MemoryReport {
+        let after_step = self
+            .measured
+            .iter()
+            .find(|(p, _)| *p == Phase::AfterOptimizer)
+            .map(|(_, b)| *b);
+        let model_state = match (self.baseline, after_step) {
+            (Some(baseline), Some(after)) => Some(ModelState {
+                baseline,
+                measured: after.saturating_sub(baseline),
+                analytic: analytic.params + analytic.optim,
+            }),
+            _ => None,
+        };
         MemoryReport {
             step,
             rank,
@@ -386,6 +481,7 @@ impl<'p> MemoryTracker<'p> {
             analytic,
             measured: self.measured.clone(),
             peak: self.probe.peak(),
+            model_state,
         }
     }
 }
@@ -407,6 +503,49 @@ mod tests {
             (z1.params(), z1.grads(), z1.optim()),
             (2 * n, 2 * n, (12 * n).div_ceil(4))
         );
+    }
+
+    /// A probe whose level the test sets by hand (the counting allocator's level moves with
+    /// every allocation of the test harness, so the arithmetic is checked on fixed numbers).
+    struct Level(std::cell::Cell<u64>);
+
+    impl MemoryProbe for Level {
+        fn name(&self) -> &str {
+            "level"
+        }
+        fn current(&self) -> u64 {
+            self.0.get()
+        }
+        fn peak(&self) -> u64 {
+            self.0.get()
+        }
+        fn reset_peak(&self) {}
+    }
+
+    #[test]
+    fn model_state_is_the_level_after_the_step_minus_the_baseline() {
+        let probe = Level(std::cell::Cell::new(1000));
+        let layout = ModelStateLayout::fp32_adam(10);
+        let analytic = AnalyticMemory::new(&layout, 7, 3);
+        let mut t = MemoryTracker::with_baseline(&probe, 400);
+        t.begin();
+        probe.0.set(1200);
+        t.mark(Phase::AfterBackward);
+        let no_step = t.finish(0, 0, analytic);
+        assert_eq!(
+            no_step.model_state, None,
+            "no optimizer mark, no model state"
+        );
+        probe.0.set(1100);
+        t.mark(Phase::AfterOptimizer);
+        let r = t.finish(0, 0, analytic);
+        let m = r.model_state.expect("model state");
+        assert_eq!((m.baseline, m.measured, m.analytic), (400, 700, 40 + 80));
+        assert!(r.table().contains("model state"));
+        assert!(MemoryTracker::new(&probe)
+            .finish(0, 0, analytic)
+            .model_state
+            .is_none());
     }
 
     #[test]

@@ -30,11 +30,11 @@ use candle_core::{DType, Device, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
 use mtrain_comm::mesh::MeshDims;
 use mtrain_comm::{Backend, Comm, DeviceMesh};
-use mtrain_parallel::parallelize::ParallelPlan;
 use mtrain_model::optim::{
     clip_coef, lr_at, AdamW, AdamWConfig, AdamWState, LrSchedule, OptimItem,
 };
 use mtrain_model::{init_weights, Engine, Gpt, GptConfig, Grads, NoHooks, Param};
+use mtrain_parallel::parallelize::ParallelPlan;
 use serde::Serialize;
 
 use crate::checkpoint::{self, CheckpointData};
@@ -366,6 +366,12 @@ pub fn run_with(
             gcfg.vocab_size
         );
     }
+    // The memory report's model state is measured from here: nothing of the model exists yet.
+    let state_baseline = if cfg.mem_report {
+        model_state_baseline(&device)?
+    } else {
+        0
+    };
     let weights = init_weights(&gcfg, cfg.seed)?;
     let adamw = AdamWConfig {
         beta1: cfg.beta1,
@@ -398,7 +404,17 @@ pub fn run_with(
         1,
         cfg.seed,
     )?;
-    train_loop(cfg, &gcfg, &mut model, loader, val, &device, rank, 1)
+    train_loop(
+        cfg,
+        &gcfg,
+        &mut model,
+        loader,
+        val,
+        &device,
+        rank,
+        1,
+        state_baseline,
+    )
 }
 
 /// The multi-rank run: mesh, plan, this rank's part, its data slice, the loop; traces written and
@@ -442,6 +458,11 @@ fn run_distributed(
                 gcfg.vocab_size
             );
         }
+        let state_baseline = if cfg.mem_report {
+            model_state_baseline(&device)?
+        } else {
+            0
+        };
         let weights = init_weights(&gcfg, cfg.seed)?;
         let adamw = AdamWConfig {
             beta1: cfg.beta1,
@@ -473,10 +494,33 @@ fn run_distributed(
         }
         // dp rank d reads rows d·B..(d+1)·B of every global batch; tp/pp ranks share them.
         let (d, n) = (mesh.coords.dp, dims.dp);
-        let loader =
-            DataLoader::new(dataset.train.clone(), cfg.seq_len, cfg.batch_size, d, n, cfg.seed)?;
-        let val = DataLoader::new(dataset.val.clone(), cfg.seq_len, cfg.batch_size, d, n, cfg.seed)?;
-        train_loop(cfg, &gcfg, &mut model, loader, val, &device, rank, dims.dp)
+        let loader = DataLoader::new(
+            dataset.train.clone(),
+            cfg.seq_len,
+            cfg.batch_size,
+            d,
+            n,
+            cfg.seed,
+        )?;
+        let val = DataLoader::new(
+            dataset.val.clone(),
+            cfg.seq_len,
+            cfg.batch_size,
+            d,
+            n,
+            cfg.seed,
+        )?;
+        train_loop(
+            cfg,
+            &gcfg,
+            &mut model,
+            loader,
+            val,
+            &device,
+            rank,
+            dims.dp,
+            state_baseline,
+        )
     })();
     if opts.trace {
         crate::trace::write_rank_trace(&cfg.run_dir, rank, &groups)?;
@@ -490,11 +534,19 @@ fn run_distributed(
 /// Every distinct group of the mesh (size-1 groups included: they cost nothing to list).
 fn mesh_groups(mesh: &DeviceMesh) -> Vec<Comm> {
     let mut seen = std::collections::BTreeSet::new();
-    [&mesh.world, &mesh.dp, &mesh.pp, &mesh.tp, &mesh.ep, &mesh.edp, &mesh.mp]
-        .into_iter()
-        .filter(|g| seen.insert(g.name().to_string()))
-        .cloned()
-        .collect()
+    [
+        &mesh.world,
+        &mesh.dp,
+        &mesh.pp,
+        &mesh.tp,
+        &mesh.ep,
+        &mesh.edp,
+        &mesh.mp,
+    ]
+    .into_iter()
+    .filter(|g| seen.insert(g.name().to_string()))
+    .cloned()
+    .collect()
 }
 
 /// Where `cfg.resume` points: "latest" means this run directory.
@@ -513,7 +565,9 @@ fn resume_checkpoint(
     Ok(checkpoint::load(&dir, device)?)
 }
 
-/// The loop itself, over any [`TrainableModel`]; `dp` scales the token count.
+/// The loop itself, over any [`TrainableModel`]; `dp` scales the token count; `state_baseline`
+/// is the memory probe's reading taken right before `model` was built (the memory report's
+/// model state is the level after each optimizer step minus it).
 #[allow(clippy::too_many_arguments)]
 pub fn train_loop(
     cfg: &TrainConfig,
@@ -524,6 +578,7 @@ pub fn train_loop(
     device: &Device,
     rank: usize,
     dp: usize,
+    state_baseline: u64,
 ) -> anyhow::Result<TrainSummary> {
     let _span = tracing::info_span!("train", rank).entered();
     let mut start_step = 0;
@@ -594,7 +649,7 @@ pub fn train_loop(
     );
     bar.set_position(start_step);
     let probe = memory_probe(device);
-    let mut tracker = MemoryTracker::new(probe.as_ref());
+    let mut tracker = MemoryTracker::with_baseline(probe.as_ref(), state_baseline);
     let mut summary = TrainSummary {
         start_step,
         losses: Vec::new(),
@@ -694,8 +749,11 @@ pub fn train_loop(
             if let Some(f) = mem_log.as_mut() {
                 write_json_line(f, &report)?;
             }
-            if lead && (step == start_step || log_now) {
+            // The full table at the first and the last step, one line at the other log steps.
+            if lead && (step == start_step || last) {
                 bar.suspend(|| eprint!("{}", report.table()));
+            } else if lead && log_now {
+                bar.suspend(|| tracing::info!(rank, step, "{}", report.line()));
             }
         }
         let ckpt_now = last || (cfg.ckpt_every > 0 && (step + 1) % cfg.ckpt_every == 0);
@@ -747,6 +805,33 @@ pub fn evaluate(
         total += model.eval_loss(&x, &y)?;
     }
     Ok(total / iters as f64)
+}
+
+/// Reads `device`'s memory probe after a few warm-up matrix products, so the compute kernels'
+/// per-thread workspace is part of the baseline, not of the model state measured from it. (On
+/// CPU, gemm keeps an L2-sized packing buffer in every thread that ran a product: a small product
+/// runs on the calling thread, a large one on the compute pool's threads.)
+/// Which pool threads run a product is up to work stealing, so the products repeat until the
+/// level has stayed flat for several of them.
+pub fn model_state_baseline(device: &Device) -> anyhow::Result<u64> {
+    let probe = memory_probe(device);
+    let product = |n: usize| -> anyhow::Result<()> {
+        let a = Tensor::ones((n, n), DType::F32, device)?;
+        a.matmul(&a)?.sum_all()?.to_scalar::<f32>()?;
+        Ok(())
+    };
+    product(16)?;
+    let (mut level, mut flat) = (probe.current(), 0);
+    for _ in 0..32 {
+        product(384)?;
+        let now = probe.current();
+        flat = if now > level { 0 } else { flat + 1 };
+        level = level.max(now);
+        if flat == 8 {
+            break;
+        }
+    }
+    Ok(probe.current())
 }
 
 /// The probe that measures `device`: the CUDA memory pool on a GPU, the counting allocator on CPU.
