@@ -11,60 +11,34 @@
 //!   (128 MiB) bandwidth-bound.
 //! - closed forms of the per-algorithm byte counts and times.
 
+mod common;
+
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor};
 use mtrain_comm::cpu::{run_local_with, CpuOptions};
 use mtrain_comm::{DeviceMesh, MeshDims, OpKind};
 use mtrain_model::optim::{AdamW, AdamWConfig};
-use mtrain_model::{init_weights, GptConfig, MoeConfig};
+use mtrain_model::{init_weights, GptConfig};
 use mtrain_parallel::comm_cost::{
     all_reduce_sent, broadcast_sent, step_collectives, Bound, CostModel, Group, StepShape,
 };
-use mtrain_parallel::fsdp::{FsdpConfig, ZeroStage};
-use mtrain_parallel::parallelize::{parallelize, DataParallelKind, ParallelPlan};
+use mtrain_parallel::fsdp::ZeroStage;
+use mtrain_parallel::parallelize::{parallelize, ParallelPlan};
 use mtrain_parallel::pipeline::ScheduleKind;
 use rand::{Rng, SeedableRng};
+
+use common::{plan, tiny_gpt, with_moe, zero};
 
 const BATCH: usize = 8;
 const SEQ: usize = 8;
 
 fn cfg() -> GptConfig {
-    GptConfig {
-        vocab_size: 64,
-        block_size: 16,
-        n_layer: 4,
-        n_head: 4,
-        n_embd: 32,
-        moe: None,
-    }
+    tiny_gpt(4, 4, 32)
 }
 
 fn moe_cfg() -> GptConfig {
-    GptConfig {
-        moe: Some(MoeConfig {
-            n_experts: 4,
-            top_k: 2,
-            capacity_factor: 1.0,
-            aux_loss_coef: 0.01,
-            z_loss_coef: 0.001,
-        }),
-        ..cfg()
-    }
-}
-
-fn plan(dp: usize, pp: usize, tp: usize, ep: usize) -> ParallelPlan {
-    ParallelPlan {
-        microbatches: if pp > 1 { 2 } else { 1 },
-        ..ParallelPlan::new(MeshDims::new(dp, pp, tp, ep))
-    }
-}
-
-fn zero(stage: ZeroStage) -> DataParallelKind {
-    DataParallelKind::Zero(FsdpConfig {
-        stage,
-        prefetch: true,
-    })
+    with_moe(cfg())
 }
 
 /// (count, bytes sent) per (group, op).

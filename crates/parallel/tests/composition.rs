@@ -8,19 +8,23 @@
 //!   give the next step's loss and norm of the uninterrupted single-device run.
 //! - `validate_*`: impossible layouts are refused with the arithmetic shown.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use mtrain_comm::cpu::run_local;
-use mtrain_comm::{DeviceMesh, MeshDims};
-use mtrain_model::optim::{clip_coef, AdamW, AdamWConfig, AdamWState, OptimItem};
-use mtrain_model::{init_weights, Engine, Gpt, GptConfig, Grads, MoeConfig, NoHooks};
+use mtrain_comm::DeviceMesh;
+use mtrain_model::optim::{clip_coef, AdamW, AdamWConfig, AdamWState};
+use mtrain_model::{init_weights, Engine, Gpt, GptConfig, Grads, NoHooks};
 use mtrain_parallel::ddp::DdpConfig;
-use mtrain_parallel::fsdp::{FsdpConfig, ZeroStage};
+use mtrain_parallel::fsdp::ZeroStage;
 use mtrain_parallel::parallelize::{describe, parallelize, DataParallelKind, ParallelPlan};
 use mtrain_parallel::pipeline::ScheduleKind;
 use rand::{Rng, SeedableRng};
+
+use common::{optim_items, plan, rel, rel_f, tiny_gpt, with_moe, zero};
 
 const STEPS: usize = 5;
 const BATCH: usize = 8;
@@ -31,27 +35,11 @@ const MAX_NORM: f64 = 0.5;
 const SEED: u64 = 7;
 
 fn cfg() -> GptConfig {
-    GptConfig {
-        vocab_size: 64,
-        block_size: 16,
-        n_layer: 4,
-        n_head: 4,
-        n_embd: 32,
-        moe: None,
-    }
+    tiny_gpt(4, 4, 32)
 }
 
 fn moe_cfg() -> GptConfig {
-    GptConfig {
-        moe: Some(MoeConfig {
-            n_experts: 4,
-            top_k: 2,
-            capacity_factor: 1.0,
-            aux_loss_coef: 0.01,
-            z_loss_coef: 0.001,
-        }),
-        ..cfg()
-    }
+    with_moe(cfg())
 }
 
 /// Step `s`'s global batch (idx, targets), both (BATCH, SEQ) u32.
@@ -65,25 +53,6 @@ fn batch(cfg: &GptConfig, s: usize) -> (Tensor, Tensor) {
     let idx = Tensor::from_vec(draw(), (BATCH, SEQ), &Device::Cpu).expect("idx");
     let tgt = Tensor::from_vec(draw(), (BATCH, SEQ), &Device::Cpu).expect("targets");
     (idx, tgt)
-}
-
-fn rel(a: &Tensor, b: &Tensor) -> f64 {
-    assert_eq!(a.dims(), b.dims(), "shapes differ");
-    let f = |t: &Tensor| t.to_dtype(DType::F64).expect("f64");
-    let sq = |t: Tensor| {
-        t.sqr()
-            .expect("sqr")
-            .sum_all()
-            .expect("sum")
-            .to_scalar::<f64>()
-            .expect("s")
-    };
-    let (a, b) = (f(a), f(b));
-    (sq((&a - &b).expect("sub")) / sq(b).max(1e-24)).sqrt()
-}
-
-fn rel_f(a: f64, b: f64) -> f64 {
-    (a - b).abs() / b.abs().max(1e-12)
 }
 
 /// What a run records per step.
@@ -142,19 +111,13 @@ fn one_device(cfg: &GptConfig, steps: usize, groups: usize) -> (Trace, AdamWStat
             .iter()
             .map(|(n, g)| (n.clone(), (g * c).expect("clip")))
             .collect();
-        let items: Vec<OptimItem> = params
-            .iter()
-            .map(|p| {
-                let g = &clipped[p.name()];
-                OptimItem {
-                    name: p.name(),
-                    param: p,
-                    grad: g,
-                    decay: g.dims().len() >= 2,
-                }
-            })
-            .collect();
-        opt.step(LR, &items).expect("adamw");
+        assert_eq!(
+            clipped.len(),
+            params.len(),
+            "every parameter has a gradient"
+        );
+        opt.step(LR, &optim_items(&params, |n| clipped.get(n)))
+            .expect("adamw");
         t.losses.push(loss);
         t.norms.push(norm);
         t.grads
@@ -266,20 +229,6 @@ fn check_equals_one_device(cfg: &GptConfig, plan: &ParallelPlan, groups: usize) 
         "{:?}: worst rel loss {worst_loss:.1e}, grad {worst_grad:.1e}, norm {worst_norm:.1e}; losses {:?}",
         plan.dims, want.losses
     );
-}
-
-fn plan(dp: usize, pp: usize, tp: usize, ep: usize) -> ParallelPlan {
-    ParallelPlan {
-        microbatches: if pp > 1 { 2 } else { 1 },
-        ..ParallelPlan::new(MeshDims::new(dp, pp, tp, ep))
-    }
-}
-
-fn zero(stage: ZeroStage) -> DataParallelKind {
-    DataParallelKind::Zero(FsdpConfig {
-        stage,
-        prefetch: true,
-    })
 }
 
 #[test]

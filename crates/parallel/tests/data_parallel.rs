@@ -10,16 +10,20 @@
 //! Tolerances: loss relative error ≤ 1e-5 at each of 10 AdamW steps; each parameter's gradient
 //! ‖g - g_ref‖ / ‖g_ref‖ ≤ 1e-4 at the first step.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::{Device, Tensor};
 use mtrain_comm::{run_local, Backend, Comm, OpKind};
-use mtrain_model::optim::{AdamW, AdamWConfig, OptimItem};
+use mtrain_model::optim::{AdamW, AdamWConfig};
 use mtrain_model::{init_weights, Engine, Gpt, GptConfig, Grads, NoHooks, Segment};
 use mtrain_parallel::ddp::{DataParallel, Ddp, DdpConfig, DdpMode, ModelStateBytes};
 use mtrain_parallel::fsdp::{analytic_model_state, Fsdp, FsdpConfig, ZeroStage};
+
+use common::{optim_items, rel, tiny_gpt};
 
 const SEED: u64 = 1234;
 const STEPS: usize = 10;
@@ -30,12 +34,8 @@ const TIMEOUT: Duration = Duration::from_secs(60);
 
 fn cfg() -> GptConfig {
     GptConfig {
-        vocab_size: 64,
         block_size: T,
-        n_layer: 2,
-        n_head: 2,
-        n_embd: 32,
-        moe: None,
+        ..tiny_gpt(2, 2, 32)
     }
 }
 
@@ -110,19 +110,9 @@ fn single_device_full(steps: usize) -> (RunResult, BTreeMap<String, Tensor>, Ada
         if step == 0 {
             grads0 = grads.iter().map(|(n, g)| (n.clone(), g.clone())).collect();
         }
-        let items: Vec<OptimItem> = params
-            .iter()
-            .map(|p| {
-                let g = grads.get(p.name()).expect("every parameter has a gradient");
-                OptimItem {
-                    name: p.name(),
-                    param: p,
-                    grad: g,
-                    decay: g.dims().len() >= 2,
-                }
-            })
-            .collect();
-        opt.step(LR, &items).expect("step");
+        assert_eq!(grads.len(), params.len(), "every parameter has a gradient");
+        opt.step(LR, &optim_items(&params, |n| grads.get(n)))
+            .expect("step");
     }
     let weights = params
         .iter()
@@ -170,7 +160,7 @@ fn data_parallel(dp: usize, micro: usize, engine: Engine, steps: usize, make: &M
     for r in &results[1..] {
         for (name, g) in &r.grads0 {
             assert_eq!(
-                rel_err(g, &results[0].grads0[name]),
+                rel(g, &results[0].grads0[name]),
                 0.0,
                 "rank gradients differ for {name}"
             );
@@ -178,20 +168,6 @@ fn data_parallel(dp: usize, micro: usize, engine: Engine, steps: usize, make: &M
     }
     let grads0 = results.into_iter().next().expect("rank 0").grads0;
     RunResult { losses, grads0 }
-}
-
-fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    let a = a.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("a");
-    let b = b.flatten_all().and_then(|t| t.to_vec1::<f32>()).expect("b");
-    assert_eq!(a.len(), b.len());
-    let diff: f64 = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| ((x - y) as f64).powi(2))
-        .sum::<f64>()
-        .sqrt();
-    let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum::<f64>().sqrt();
-    diff / norm.max(1e-30)
 }
 
 fn assert_matches(name: &str, got: &RunResult, want: &RunResult) {
@@ -213,7 +189,7 @@ fn assert_matches(name: &str, got: &RunResult, want: &RunResult) {
             .grads0
             .get(p)
             .unwrap_or_else(|| panic!("{name}: no gradient for {p}"));
-        let rel = rel_err(g, w);
+        let rel = rel(g, w);
         assert!(rel <= 1e-4, "{name}: gradient of {p} rel error {rel:e}");
     }
     // The loss must have moved, or the comparison would prove little.
@@ -295,7 +271,7 @@ fn gradient_accumulation_equals_one_big_batch() {
             assert!(rel <= 1e-5, "{name}: step {s} loss {g} vs {w}");
         }
         for (p, w) in &want.grads0 {
-            let rel = rel_err(&got.grads0[p], w);
+            let rel = rel(&got.grads0[p], w);
             assert!(rel <= 1e-4, "{name}: gradient of {p} rel error {rel:e}");
         }
     };
@@ -612,7 +588,7 @@ fn assert_close_maps(
     );
     for (name, w) in want {
         assert_eq!(got[name].dims(), w.dims(), "{what}: shape of {name}");
-        let rel = rel_err(&got[name], w);
+        let rel = rel(&got[name], w);
         assert!(rel <= tol, "{what}: {name} rel error {rel:e}");
     }
 }
@@ -645,8 +621,8 @@ fn zero3_state_gathers_to_the_single_device_state_and_resumes_under_another_layo
             mine.m.keys().collect::<Vec<_>>()
         );
         for (k, t) in &mine.m {
-            assert_eq!(rel_err(&again.m[k], t), 0.0, "m of {k}");
-            assert_eq!(rel_err(&again.v[k], &mine.v[k]), 0.0, "v of {k}");
+            assert_eq!(rel(&again.m[k], t), 0.0, "m of {k}");
+            assert_eq!(rel(&again.v[k], &mine.v[k]), 0.0, "v of {k}");
         }
         (weights, state)
     });

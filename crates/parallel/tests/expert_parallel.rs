@@ -17,6 +17,8 @@
 //!   trains and still equals one device.
 //! - `aux_loss_*`: the load-balancing and z-loss of the layer against a hand computation.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,7 +26,7 @@ use std::time::Duration;
 use candle_core::{DType, Device, Tensor, Var};
 use mtrain_comm::cpu::run_local;
 use mtrain_comm::{Backend, DeviceMesh, MeshDims};
-use mtrain_model::optim::{AdamW, AdamWConfig, OptimItem};
+use mtrain_model::optim::{AdamW, AdamWConfig};
 use mtrain_model::{
     init_weights, DenseLinear, Engine, FeedForward, Gpt, GptConfig, Grads, Mlp, MoeConfig,
     MoeStats, NoHooks, Param, Segment,
@@ -35,30 +37,12 @@ use mtrain_parallel::expert_parallel::{
 };
 use rand::{Rng, SeedableRng};
 
+use common::{optim_items, rel_f, tiny_gpt, try_rel, with_moe};
+
 type Res<T> = std::result::Result<T, String>;
 
 fn s<E: std::fmt::Display>(e: E) -> String {
     e.to_string()
-}
-
-/// ‖a − b‖ / ‖b‖ in f64 (‖b‖ floored at 1e-12).
-fn rel(a: &Tensor, b: &Tensor) -> Res<f64> {
-    let a = a.to_dtype(DType::F64).map_err(s)?;
-    let b = b.to_dtype(DType::F64).map_err(s)?;
-    if a.dims() != b.dims() {
-        return Err(format!("shapes differ: {:?} vs {:?}", a.dims(), b.dims()));
-    }
-    let sq = |t: &Tensor| -> Res<f64> {
-        t.sqr()
-            .and_then(|t| t.sum_all())
-            .and_then(|t| t.to_scalar::<f64>())
-            .map_err(s)
-    };
-    Ok((sq(&(&a - &b).map_err(s)?)? / sq(&b)?.max(1e-24)).sqrt())
-}
-
-fn rel_f(a: f64, b: f64) -> f64 {
-    (a - b).abs() / b.abs().max(1e-12)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -140,21 +124,7 @@ const T: usize = 8;
 const LR: f64 = 1e-3;
 
 fn tiny_moe() -> GptConfig {
-    GptConfig {
-        vocab_size: 64,
-        block_size: 16,
-        n_layer: 2,
-        n_head: 2,
-        n_embd: 16,
-        moe: Some(MoeConfig {
-            n_experts: 4,
-            top_k: 2,
-            // Tight enough that tokens are dropped, so drops are compared too.
-            capacity_factor: 1.0,
-            aux_loss_coef: 0.01,
-            z_loss_coef: 0.001,
-        }),
-    }
+    with_moe(tiny_gpt(2, 2, 16))
 }
 
 /// Micro-batch `m` of step `step`: (idx, targets), each (B_LOCAL, T) u32.
@@ -181,20 +151,6 @@ struct MicroOut {
 struct RefStep {
     micro: Vec<MicroOut>,
     grads: BTreeMap<String, Tensor>,
-}
-
-fn adamw_items<'a>(params: &'a [Param], grads: &'a Grads) -> Vec<OptimItem<'a>> {
-    params
-        .iter()
-        .filter_map(|p| {
-            grads.get(p.name()).map(|g| OptimItem {
-                name: p.name(),
-                param: p,
-                grad: g,
-                decay: g.dims().len() >= 2,
-            })
-        })
-        .collect()
 }
 
 /// Forward and backward of one micro-batch; returns what it gave.
@@ -254,7 +210,8 @@ fn reference_with_final(
                     .expect("reference step")
                 })
                 .collect();
-            opt.step(LR, &adamw_items(&params, &grads)).expect("adamw");
+            opt.step(LR, &optim_items(&params, |n| grads.get(n)))
+                .expect("adamw");
             let grads = grads.iter().map(|(n, g)| (n.clone(), g.clone())).collect();
             RefStep { micro, grads }
         })
@@ -326,13 +283,14 @@ fn ep_run(
                     .grads
                     .get(p.name())
                     .ok_or(format!("reference has no grad for {}", p.name()))
-                    .and_then(|w| rel(g, w))?;
+                    .and_then(|w| try_rel(g, w))?;
                 if r > rep.grad_rel {
                     rep.grad_rel = r;
                     rep.worst_grad = format!("{} at step {step}", p.name());
                 }
             }
-            opt.step(LR, &adamw_items(&params, &grads)).map_err(s)?;
+            opt.step(LR, &optim_items(&params, |n| grads.get(n)))
+                .map_err(s)?;
         }
         Ok(rep)
     })
@@ -495,7 +453,7 @@ fn expert_data_parallel_api_matches_one_device() {
             }
             let mut want_sq = 0.0;
             for (name, g) in &want.grads {
-                let r = rel(full.get(name).ok_or(format!("no full grad {name}"))?, g)?;
+                let r = try_rel(full.get(name).ok_or(format!("no full grad {name}"))?, g)?;
                 if r > 1e-4 {
                     return Err(format!("step {step}: grad {name} rel {r:.3e}"));
                 }
@@ -532,7 +490,7 @@ fn expert_data_parallel_api_matches_one_device() {
         }
         let state = edp.full_state().map_err(s)?;
         for (name, t) in &last {
-            let r = rel(state.get(name).ok_or(format!("no weight {name}"))?, t)?;
+            let r = try_rel(state.get(name).ok_or(format!("no weight {name}"))?, t)?;
             if r > 1e-4 {
                 return Err(format!("final weight {name} rel {r:.3e}"));
             }
@@ -551,7 +509,7 @@ fn expert_data_parallel_api_matches_one_device() {
             return Err("optimizer state round trip changed the names".into());
         }
         for (name, t) in &mine.v {
-            if rel(&back.v[name], t)? != 0.0 {
+            if try_rel(&back.v[name], t)? != 0.0 {
                 return Err(format!("optimizer state round trip changed v of {name}"));
             }
         }

@@ -7,11 +7,13 @@
 //!   device over 10 SGD steps (loss rel ≤ 1e-5, every gradient rel ≤ 1e-4).
 //! - `trace_*`: the collectives each block issues in forward and backward.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{Device, Tensor, Var};
 use mtrain_comm::cpu::run_local;
 use mtrain_comm::{chunk_range, Backend, Comm, OpKind};
 use mtrain_model::gpt::{Embedding, Head};
@@ -26,6 +28,8 @@ use mtrain_parallel::tensor_parallel::{
 };
 use rand::{Rng, SeedableRng};
 
+use common::{rel, tiny_gpt};
+
 type R<T> = candle_core::Result<T>;
 
 /// Runs `f` on `n` ranks (threads), handing each its world group as the tp group.
@@ -39,29 +43,6 @@ fn det(shape: &[usize], seed: u64) -> Tensor {
     let n: usize = shape.iter().product();
     let v: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
     Tensor::from_vec(v, shape, &Device::Cpu).expect("tensor")
-}
-
-/// ‖a − b‖ / ‖b‖ (‖b‖ floored at 1e-12), in f64.
-fn rel(a: &Tensor, b: &Tensor) -> f64 {
-    let a = a.to_dtype(DType::F64).expect("f64");
-    let b = b.to_dtype(DType::F64).expect("f64");
-    assert_eq!(a.dims(), b.dims(), "shapes differ");
-    let d = (&a - &b)
-        .expect("sub")
-        .sqr()
-        .expect("sqr")
-        .sum_all()
-        .expect("sum")
-        .to_scalar::<f64>()
-        .expect("s");
-    let n = b
-        .sqr()
-        .expect("sqr")
-        .sum_all()
-        .expect("sum")
-        .to_scalar::<f64>()
-        .expect("s");
-    (d / n.max(1e-24)).sqrt()
 }
 
 fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f64) {
@@ -537,14 +518,7 @@ const LOSS_TOL: f64 = 1e-5;
 const GRAD_TOL: f64 = 1e-4;
 
 fn cfg() -> GptConfig {
-    GptConfig {
-        vocab_size: 64,
-        block_size: 16,
-        n_layer: 2,
-        n_head: 4,
-        n_embd: 32,
-        moe: None,
-    }
+    tiny_gpt(2, 4, 32)
 }
 
 /// Batch `step` (two batches, alternating, so 10 steps visibly train): (idx, targets), both

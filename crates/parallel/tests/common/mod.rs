@@ -1,0 +1,99 @@
+//! What the parallel crate's integration tests share: the relative errors every comparison
+//! against the single-device run is measured with, the tiny GPT configs, the plan shorthands,
+//! and the optimizer items of a reference run that holds every parameter whole.
+//!
+//! Each test file includes this module (`mod common;`) and uses its own subset of it.
+#![allow(dead_code)]
+
+use candle_core::{DType, Tensor};
+use mtrain_comm::MeshDims;
+use mtrain_model::optim::OptimItem;
+use mtrain_model::{GptConfig, MoeConfig, Param};
+use mtrain_parallel::fsdp::{FsdpConfig, ZeroStage};
+use mtrain_parallel::parallelize::{DataParallelKind, ParallelPlan};
+
+/// ‖a − b‖ / ‖b‖ computed in f64 (‖b‖ floored at 1e-12); an error names differing shapes.
+pub fn try_rel(a: &Tensor, b: &Tensor) -> Result<f64, String> {
+    if a.dims() != b.dims() {
+        return Err(format!("shapes differ: {:?} vs {:?}", a.dims(), b.dims()));
+    }
+    let sq = |t: &Tensor| -> candle_core::Result<f64> { t.sqr()?.sum_all()?.to_scalar::<f64>() };
+    let sums = || -> candle_core::Result<(f64, f64)> {
+        let (a, b) = (a.to_dtype(DType::F64)?, b.to_dtype(DType::F64)?);
+        Ok((sq(&(&a - &b)?)?, sq(&b)?))
+    };
+    let (d, n) = sums().map_err(|e| e.to_string())?;
+    Ok((d / n.max(1e-24)).sqrt())
+}
+
+/// ‖a − b‖ / ‖b‖ in f64 (‖b‖ floored at 1e-12); panics on differing shapes.
+pub fn rel(a: &Tensor, b: &Tensor) -> f64 {
+    try_rel(a, b).unwrap_or_else(|e| panic!("relative error: {e}"))
+}
+
+/// |a − b| / |b| (|b| floored at 1e-12).
+pub fn rel_f(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-12)
+}
+
+/// A dense GPT small enough for a test: vocabulary 64, context 16.
+pub fn tiny_gpt(n_layer: usize, n_head: usize, n_embd: usize) -> GptConfig {
+    GptConfig {
+        vocab_size: 64,
+        block_size: 16,
+        n_layer,
+        n_head,
+        n_embd,
+        moe: None,
+    }
+}
+
+/// `cfg` with every MLP replaced by 4 experts, top-2 routing, capacity factor 1.0 (tight
+/// enough that tokens are dropped, so drops are compared too) and both auxiliary losses on.
+pub fn with_moe(cfg: GptConfig) -> GptConfig {
+    GptConfig {
+        moe: Some(MoeConfig {
+            n_experts: 4,
+            top_k: 2,
+            capacity_factor: 1.0,
+            aux_loss_coef: 0.01,
+            z_loss_coef: 0.001,
+        }),
+        ..cfg
+    }
+}
+
+/// The plan of a dp × pp × tp mesh with ep carved out of dp; two micro-batches when pipelined.
+pub fn plan(dp: usize, pp: usize, tp: usize, ep: usize) -> ParallelPlan {
+    ParallelPlan {
+        microbatches: if pp > 1 { 2 } else { 1 },
+        ..ParallelPlan::new(MeshDims::new(dp, pp, tp, ep))
+    }
+}
+
+/// ZeRO at `stage`, with prefetch.
+pub fn zero(stage: ZeroStage) -> DataParallelKind {
+    DataParallelKind::Zero(FsdpConfig {
+        stage,
+        prefetch: true,
+    })
+}
+
+/// The optimizer items of whole parameters: each parameter for which `grad` gives a gradient,
+/// decayed when it is a matrix or an embedding (≥ 2-D), as nanoGPT does.
+pub fn optim_items<'a>(
+    params: &'a [Param],
+    grad: impl Fn(&str) -> Option<&'a Tensor>,
+) -> Vec<OptimItem<'a>> {
+    params
+        .iter()
+        .filter_map(|p| {
+            grad(p.name()).map(|g| OptimItem {
+                name: p.name(),
+                param: p,
+                grad: g,
+                decay: g.dims().len() >= 2,
+            })
+        })
+        .collect()
+}
