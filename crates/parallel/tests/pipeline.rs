@@ -3,7 +3,9 @@
 //! single-device run step by step — loss within 1e-5 relative, every gradient within 1e-4
 //! relative (L2 norm of the difference over the L2 norm of the reference). Also checked: the
 //! number of micro-batches alive on each rank equals the schedule's simulated high-water mark
-//! (1F1B: min(P − r, M); GPipe: M), uneven block counts, and bad batches.
+//! (1F1B: min(P − r, M); GPipe: M), the recorded timeline (one forward and one backward span
+//! per action in schedule order, a receive wait per input from another rank, a send per output,
+//! no overlap, idle = the waits), uneven block counts, and bad batches.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -11,6 +13,7 @@ use std::time::Duration;
 use candle_core::{DType, Device, Tensor};
 use mtrain_comm::{run_local, Backend};
 use mtrain_model::{init_weights, Engine, Gpt, GptConfig, Grads, NoHooks, Param};
+use mtrain_parallel::pipeline::executor::SpanKind;
 use mtrain_parallel::pipeline::{
     PipelineError, PipelineExecutor, PipelineStages, Schedule, ScheduleKind, StageLayout,
     StepReport,
@@ -377,5 +380,69 @@ fn a_batch_that_does_not_split_is_refused() {
             e.to_string().contains("8 sequences cannot be split into 3"),
             "{e}"
         );
+    }
+}
+
+/// The timeline holds one forward or backward span per action, in the schedule's order; a
+/// receive wait for every input and a send for every output that crosses to another rank; the
+/// spans follow one another without overlap inside the step; and the idle time is exactly the
+/// receive waits plus the final wait for sends.
+fn check_timeline(kind: ScheduleKind, p: usize, m: usize, reports: &[Vec<StepReport>]) {
+    let sched = Schedule::new(kind, p, m).unwrap();
+    for (r, rank_reports) in reports.iter().enumerate() {
+        let actions = sched.actions(r);
+        let crosses = |stage: Option<usize>| stage.is_some_and(|s| sched.rank_of_stage(s) != r);
+        let recvs = actions
+            .iter()
+            .filter(|a| crosses(sched.input_stage(r, a)))
+            .count();
+        let sends = actions
+            .iter()
+            .filter(|a| crosses(sched.output_stage(r, a)))
+            .count();
+        for rep in rank_reports {
+            let t = &rep.timeline;
+            let count = |k: SpanKind| t.iter().filter(|s| s.kind == k).count();
+            let compute: Vec<(bool, usize, usize)> = t
+                .iter()
+                .filter(|s| matches!(s.kind, SpanKind::Forward | SpanKind::Backward))
+                .map(|s| (s.kind == SpanKind::Forward, s.mb.unwrap(), s.chunk))
+                .collect();
+            let expected: Vec<(bool, usize, usize)> = actions
+                .iter()
+                .map(|a| (a.is_forward(), a.mb(), a.chunk()))
+                .collect();
+            assert_eq!(compute, expected, "{kind} P={p} rank {r}: compute spans");
+            assert_eq!(count(SpanKind::RecvWait), recvs, "{kind} P={p} rank {r}");
+            assert_eq!(count(SpanKind::Send), sends, "{kind} P={p} rank {r}");
+            assert!(count(SpanKind::SendWait) <= 1);
+            for w in t.windows(2) {
+                assert!(w[0].start <= w[0].end && w[0].end <= w[1].start, "{w:?}");
+            }
+            assert!(t.last().unwrap().end <= rep.step_time);
+            let waited: Duration = t
+                .iter()
+                .filter(|s| matches!(s.kind, SpanKind::RecvWait | SpanKind::SendWait))
+                .map(|s| s.end - s.start)
+                .sum();
+            assert_eq!(waited, rep.idle_time, "{kind} P={p} rank {r}");
+        }
+    }
+}
+
+#[test]
+fn timeline_records_every_action_and_wait() {
+    for (kind, p, m, n_layer) in [
+        (ScheduleKind::OneFOneB, 2, 4, 2),
+        (ScheduleKind::GPipe, 4, 4, 4),
+        (ScheduleKind::Interleaved1F1B { virtual_stages: 2 }, 2, 4, 4),
+    ] {
+        let cfg = tiny(n_layer);
+        let layout = StageLayout::even(n_layer, p * kind.virtual_stages()).unwrap();
+        let reports: Vec<Vec<StepReport>> = pipelined(&cfg, Engine::default(), kind, p, m, &layout)
+            .into_iter()
+            .map(|(_, reports, _)| reports)
+            .collect();
+        check_timeline(kind, p, m, &reports);
     }
 }

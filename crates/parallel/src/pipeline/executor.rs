@@ -25,6 +25,20 @@
 //! its forward to its backward (which consumes them); their high-water mark is reported
 //! (1F1B: at most P − r on rank r; GPipe: M).
 //!
+//! Every step also records this rank's timeline ([`StepReport::timeline`]): one [`Span`] per
+//! forward, backward, send issue, receive wait and the final wait for outstanding sends, with
+//! start and end relative to the step's start (two clock reads per span, always on). Drawn one
+//! row per rank it is the schedule's grid as it really ran; the gaps between spans are the
+//! executor's own bookkeeping:
+//!
+//! ```text
+//!   1F1B, P = 2, M = 2                    time ─▶
+//!   rank 0  [F0]s[F1]s~~~~[B0]~~~~~[B1]
+//!   rank 1  ~~~~~[F0][B0]s[F1][B1]s==
+//!
+//!   [F0] [B0]: compute   ~: waiting for a receive   s: a send issued   =: final wait for sends
+//! ```
+//!
 //! Data parallelism inside a pipeline hangs on [`StageHooks`]: [`PipelineExecutor::step_with_hooks`]
 //! hands each pass the engine hooks of its chunk (FSDP's gather / free / reduce-scatter), and
 //! says which backward is the chunk's last of the step, after which its gradients are final.
@@ -43,6 +57,66 @@ use mtrain_model::{Activations, Engine, Grads, Hooks, MoeStats, NoHooks};
 use super::schedule::{Action, Schedule};
 use super::stage::PipelineStages;
 use super::{PipelineError, Result};
+
+/// What a [`Span`] of a rank's timeline was spent on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SpanKind {
+    /// The engine's forward of one micro-batch through one chunk (hooks included).
+    Forward,
+    /// The engine's backward of one micro-batch through one chunk (hooks included).
+    Backward,
+    /// Issuing an asynchronous send to a neighbour (the transfer itself overlaps what follows).
+    Send,
+    /// Waiting for a neighbour's activation or gradient to arrive: idle.
+    RecvWait,
+    /// Waiting, after the last action, for the sends still in flight: idle.
+    SendWait,
+}
+
+/// One span of a rank's pipeline timeline.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Span {
+    /// What the rank did.
+    pub kind: SpanKind,
+    /// The micro-batch (None for [`SpanKind::SendWait`], which covers all of them).
+    pub mb: Option<usize>,
+    /// This rank's chunk (virtual stage index on the rank; 0 without interleaving).
+    pub chunk: usize,
+    /// Start, from the step's start.
+    pub start: Duration,
+    /// End, from the step's start.
+    pub end: Duration,
+}
+
+/// Appends spans measured from one step start.
+struct Timeline {
+    t0: Instant,
+    spans: Vec<Span>,
+}
+
+impl Timeline {
+    /// Runs `f`, recording it as a span of `kind`.
+    fn time<T>(
+        &mut self,
+        kind: SpanKind,
+        mb: Option<usize>,
+        chunk: usize,
+        f: impl FnOnce() -> T,
+    ) -> T {
+        let start = self.t0.elapsed();
+        let out = f();
+        let end = self.t0.elapsed();
+        self.spans.push(Span {
+            kind,
+            mb,
+            chunk,
+            start,
+            end,
+        });
+        out
+    }
+}
 
 /// What one pipeline step measured on one rank.
 #[derive(Debug, Clone)]
@@ -67,6 +141,8 @@ pub struct StepReport {
     /// Routing statistics of this rank's MoE layers, summed over the micro-batches (empty for a
     /// dense model), chunk by chunk in segment order.
     pub moe_stats: Vec<MoeStats>,
+    /// This rank's timeline of the step, in the order things happened.
+    pub timeline: Vec<Span>,
 }
 
 impl std::fmt::Display for StepReport {
@@ -118,22 +194,36 @@ struct Links<'a> {
     mailbox: HashMap<(bool, usize, usize), Tensor>,
     sends: Vec<Work<()>>,
     idle: Duration,
+    timeline: Timeline,
 }
 
 impl Links<'_> {
-    fn send(&mut self, x: Tensor, to_rank: usize, key: (bool, usize, usize)) -> Result<()> {
+    /// Sends `x` for micro-batch `key.1`, issued from this rank's chunk `chunk`.
+    fn send(
+        &mut self,
+        x: Tensor,
+        to_rank: usize,
+        key: (bool, usize, usize),
+        chunk: usize,
+    ) -> Result<()> {
         if to_rank == self.rank {
             self.mailbox.insert(key, x);
         } else {
-            self.sends.push(self.pp.send_async(&x, to_rank));
+            let (pp, mb) = (self.pp, key.1);
+            let work = self.timeline.time(SpanKind::Send, Some(mb), chunk, || {
+                pp.send_async(&x, to_rank)
+            });
+            self.sends.push(work);
         }
         Ok(())
     }
 
+    /// Receives the input of micro-batch `key.1` for this rank's chunk `chunk`.
     fn recv(
         &mut self,
         from_rank: usize,
         key: (bool, usize, usize),
+        chunk: usize,
         shape: &Shape,
         dtype: DType,
     ) -> Result<Tensor> {
@@ -145,9 +235,15 @@ impl Links<'_> {
                 ))
             });
         }
-        let start = Instant::now();
-        let x = self.pp.recv_async(from_rank, shape, dtype).wait()?;
-        self.idle += start.elapsed();
+        let (pp, mb) = (self.pp, key.1);
+        let span_start = self.timeline.spans.len();
+        let x = self
+            .timeline
+            .time(SpanKind::RecvWait, Some(mb), chunk, || {
+                pp.recv_async(from_rank, shape, dtype).wait()
+            })?;
+        let span = &self.timeline.spans[span_start];
+        self.idle += span.end - span.start;
         Ok(x)
     }
 
@@ -160,11 +256,16 @@ impl Links<'_> {
     }
 
     fn wait_all_sends(&mut self) -> Result<()> {
-        let start = Instant::now();
-        for w in self.sends.drain(..) {
-            w.wait()?;
+        if self.sends.is_empty() {
+            return Ok(());
         }
-        self.idle += start.elapsed();
+        let sends: Vec<Work<()>> = self.sends.drain(..).collect();
+        let span_start = self.timeline.spans.len();
+        self.timeline.time(SpanKind::SendWait, None, 0, || {
+            sends.into_iter().try_for_each(|w| w.wait())
+        })?;
+        let span = &self.timeline.spans[span_start];
+        self.idle += span.end - span.start;
         Ok(())
     }
 }
@@ -279,12 +380,16 @@ impl PipelineExecutor {
             mailbox: HashMap::new(),
             sends: Vec::new(),
             idle: Duration::ZERO,
+            timeline: Timeline {
+                t0: Instant::now(),
+                spans: Vec::with_capacity(6 * sched.actions(rank).len()),
+            },
         };
         let mut alive: HashMap<(usize, usize), Activations> = HashMap::new();
         let (mut peak, mut loss_sum, mut aux_sum) = (0, 0.0, 0.0);
         let mut moe_stats: Vec<Vec<MoeStats>> = vec![Vec::new(); stages.chunks().len()];
         let (mut alive_bytes, mut peak_bytes) = (0, 0);
-        let start = Instant::now();
+        let start = links.timeline.t0;
         for (i, action) in sched.actions(rank).iter().enumerate() {
             let (mb, chunk) = (action.mb(), action.chunk());
             let stage = &stages.chunks()[chunk];
@@ -296,22 +401,29 @@ impl PipelineExecutor {
                         Some(from) => links.recv(
                             sched.rank_of_stage(from),
                             key(stage.stage),
+                            chunk,
                             &act_shape,
                             act_dtype,
                         )?,
                     };
                     let mb_targets = targets.narrow(0, mb * b, b)?; // (b, T)
                     let tgt = (stage.stage == last_stage).then_some(&mb_targets);
-                    let acts =
-                        self.engine
-                            .forward(&stage.segments, &x, tgt, hooks.hooks(chunk, false))?;
+                    let acts = links
+                        .timeline
+                        .time(SpanKind::Forward, Some(mb), chunk, || {
+                            self.engine
+                                .forward(&stage.segments, &x, tgt, hooks.hooks(chunk, false))
+                        })?;
                     aux_sum += acts.aux_loss;
                     add_stats(&mut moe_stats[chunk], &acts.stats);
                     match sched.output_stage(rank, action) {
                         None => loss_sum += acts.output.to_dtype(DType::F64)?.to_scalar::<f64>()?,
-                        Some(to) => {
-                            links.send(acts.output.clone(), sched.rank_of_stage(to), key(to))?
-                        } // (b, T, C)
+                        Some(to) => links.send(
+                            acts.output.clone(),
+                            sched.rank_of_stage(to),
+                            key(to),
+                            chunk,
+                        )?, // (b, T, C)
                     }
                     alive_bytes += acts.held_bytes();
                     peak_bytes = peak_bytes.max(alive_bytes);
@@ -324,6 +436,7 @@ impl PipelineExecutor {
                         Some(from) => Some(links.recv(
                             sched.rank_of_stage(from),
                             key(stage.stage),
+                            chunk,
                             &act_shape,
                             act_dtype,
                         )?),
@@ -332,14 +445,20 @@ impl PipelineExecutor {
                         PipelineError::Layout(format!("rank {rank}: backward of micro-batch {mb} chunk {chunk} before its forward"))
                     })?;
                     alive_bytes -= acts.held_bytes();
-                    let grad_in = self.engine.backward(
-                        &stage.segments,
-                        acts,
-                        grad_out.as_ref(),
-                        grad_scale,
-                        grads,
-                        hooks.hooks(chunk, last_backward.get(&chunk) == Some(&i)),
-                    )?;
+                    let final_pass = last_backward.get(&chunk) == Some(&i);
+                    let grad_in =
+                        links
+                            .timeline
+                            .time(SpanKind::Backward, Some(mb), chunk, || {
+                                self.engine.backward(
+                                    &stage.segments,
+                                    acts,
+                                    grad_out.as_ref(),
+                                    grad_scale,
+                                    grads,
+                                    hooks.hooks(chunk, final_pass),
+                                )
+                            })?;
                     if let Some(to) = sched.output_stage(rank, action) {
                         let g = grad_in.ok_or_else(|| {
                             PipelineError::Layout(format!(
@@ -347,7 +466,8 @@ impl PipelineExecutor {
                                 stage.stage
                             ))
                         })?;
-                        links.send(g, sched.rank_of_stage(to), key(to))?; // (b, T, C)
+                        links.send(g, sched.rank_of_stage(to), key(to), chunk)?;
+                        // (b, T, C)
                     }
                 }
             }
@@ -378,6 +498,7 @@ impl PipelineExecutor {
             peak_in_flight: peak,
             peak_activation_bytes: peak_bytes,
             moe_stats: moe_stats.into_iter().flatten().collect(),
+            timeline: links.timeline.spans,
         };
         tracing::debug!(pp_rank = rank, schedule = %sched.kind(), "{report}");
         Ok(report)
