@@ -1068,17 +1068,7 @@ impl NcclGroup {
             out,
             move |comm, stream, a| {
                 // SAFETY: both buffers hold `bytes` bytes; the root reads a[0], every rank writes a[1].
-                check(unsafe {
-                    nccl::ncclBroadcast(
-                        a[0] as _,
-                        a[1] as _,
-                        bytes as usize,
-                        nccl::ncclDataType_t::ncclUint8,
-                        root as i32,
-                        comm,
-                        stream,
-                    )
-                })
+                unsafe { broadcast_bytes(a[0], a[1], bytes as usize, root, comm, stream) }
             },
         ))
     }
@@ -1125,9 +1115,7 @@ impl NcclGroup {
         let rows = self.row_counts(k, &x, None)?;
         let (_, per_row) = self.rows(k, &x)?;
         let total: usize = rows.iter().sum();
-        let mut shape = x.dims().to_vec();
-        shape[0] = total;
-        let out = Tensor::zeros(shape, x.dtype(), x.device())?; // (Σ d_r, ...)
+        let out = zeros_with_rows(&x, total)?; // (Σ d_r, ...)
         let row_bytes = per_row * x.dtype().size_in_bytes();
         let bytes = nbytes(&x);
         let sent = bytes * (self.shared.size as u64 - 1);
@@ -1140,7 +1128,6 @@ impl NcclGroup {
             vec![x, out.clone()],
             out,
             move |comm, stream, a| {
-                let u8t = nccl::ncclDataType_t::ncclUint8;
                 if even {
                     // SAFETY: a[0] holds rows[0] rows, a[1] holds n times as many.
                     return check(unsafe {
@@ -1148,7 +1135,7 @@ impl NcclGroup {
                             a[0] as _,
                             a[1] as _,
                             rows[0] * row_bytes,
-                            u8t,
+                            nccl::ncclDataType_t::ncclUint8,
                             comm,
                             stream,
                         )
@@ -1159,17 +1146,9 @@ impl NcclGroup {
                     let mut offset = 0u64;
                     for (r, &d) in rows.iter().enumerate() {
                         // SAFETY: rank r's a[0] holds d rows; a[1] + offset has room for them.
-                        check(unsafe {
-                            nccl::ncclBroadcast(
-                                a[0] as _,
-                                (a[1] + offset) as _,
-                                d * row_bytes,
-                                u8t,
-                                r as i32,
-                                comm,
-                                stream,
-                            )
-                        })?;
+                        unsafe {
+                            broadcast_bytes(a[0], a[1] + offset, d * row_bytes, r, comm, stream)
+                        }?;
                         offset += (d * row_bytes) as u64;
                     }
                     Ok(())
@@ -1192,9 +1171,7 @@ impl NcclGroup {
         } else {
             pad_chunks(&x, n)?
         }; // (n * chunk, ...)
-        let mut shape = x.dims().to_vec();
-        shape[0] = chunk;
-        let out = Tensor::zeros(shape, x.dtype(), x.device())?; // (chunk, ...)
+        let out = zeros_with_rows(&x, chunk)?; // (chunk, ...)
         let mine = chunk_range(d, n, me);
         let result = out.narrow(0, 0, mine.len())?; // (|chunk_range(D, n, r)|, ...)
         let bytes = nbytes(&x);
@@ -1281,35 +1258,18 @@ impl NcclGroup {
             vec![x, out.clone()],
             out,
             move |comm, stream, a| {
-                let u8t = nccl::ncclDataType_t::ncclUint8;
                 group(|| {
                     if me == root {
                         for p in 0..n {
                             let c = chunk_range(d, n, p);
+                            let at = a[0] + (c.start * row_bytes) as u64;
                             // SAFETY: rows c of the root's input lie within a[0].
-                            check(unsafe {
-                                nccl::ncclSend(
-                                    (a[0] + (c.start * row_bytes) as u64) as _,
-                                    c.len() * row_bytes,
-                                    u8t,
-                                    p as i32,
-                                    comm,
-                                    stream,
-                                )
-                            })?;
+                            unsafe { send_bytes(at, c.len() * row_bytes, p, comm, stream) }?;
                         }
                     }
+                    let len = chunk_range(d, n, me).len() * row_bytes;
                     // SAFETY: a[1] holds exactly this rank's chunk.
-                    check(unsafe {
-                        nccl::ncclRecv(
-                            a[1] as _,
-                            chunk_range(d, n, me).len() * row_bytes,
-                            u8t,
-                            root as i32,
-                            comm,
-                            stream,
-                        )
-                    })
+                    unsafe { recv_bytes(a[1], len, root, comm, stream) }
                 })
             },
         ))
@@ -1324,9 +1284,7 @@ impl NcclGroup {
         let row_bytes = per_row * x.dtype().size_in_bytes();
         let me = self.shared.rank;
         let out = if me == root {
-            let mut shape = x.dims().to_vec();
-            shape[0] = rows.iter().sum();
-            Tensor::zeros(shape, x.dtype(), x.device())? // (Σ d_r, ...)
+            zeros_with_rows(&x, rows.iter().sum())? // (Σ d_r, ...)
         } else {
             x.clone()
         };
@@ -1344,33 +1302,14 @@ impl NcclGroup {
             },
             out,
             move |comm, stream, a| {
-                let u8t = nccl::ncclDataType_t::ncclUint8;
                 group(|| {
                     // SAFETY: a[0] holds rows[me] rows.
-                    check(unsafe {
-                        nccl::ncclSend(
-                            a[0] as _,
-                            rows[me] * row_bytes,
-                            u8t,
-                            root as i32,
-                            comm,
-                            stream,
-                        )
-                    })?;
+                    unsafe { send_bytes(a[0], rows[me] * row_bytes, root, comm, stream) }?;
                     if me == root {
                         let mut offset = 0u64;
                         for (p, &d) in rows.iter().enumerate() {
                             // SAFETY: a[1] + offset has room for rank p's d rows.
-                            check(unsafe {
-                                nccl::ncclRecv(
-                                    (a[1] + offset) as _,
-                                    d * row_bytes,
-                                    u8t,
-                                    p as i32,
-                                    comm,
-                                    stream,
-                                )
-                            })?;
+                            unsafe { recv_bytes(a[1] + offset, d * row_bytes, p, comm, stream) }?;
                             offset += (d * row_bytes) as u64;
                         }
                     }
@@ -1402,9 +1341,7 @@ impl NcclGroup {
             ));
         }
         self.check_header(k, x.dtype(), per_row, None)?;
-        let mut shape = x.dims().to_vec();
-        shape[0] = recv.iter().sum();
-        let out = Tensor::zeros(shape, x.dtype(), x.device())?; // (Σ recv, ...)
+        let out = zeros_with_rows(&x, recv.iter().sum())?; // (Σ recv, ...)
         let row_bytes = per_row * x.dtype().size_in_bytes();
         let me = self.shared.rank;
         let sent = send
@@ -1422,35 +1359,16 @@ impl NcclGroup {
             vec![x, out.clone()],
             out,
             move |comm, stream, a| {
-                let u8t = nccl::ncclDataType_t::ncclUint8;
                 group(|| {
                     let (mut so, mut ro) = (0u64, 0u64);
                     for p in 0..n {
                         if send[p] > 0 {
                             // SAFETY: rows [so, so + send[p]) of the input.
-                            check(unsafe {
-                                nccl::ncclSend(
-                                    (a[0] + so) as _,
-                                    send[p] * row_bytes,
-                                    u8t,
-                                    p as i32,
-                                    comm,
-                                    stream,
-                                )
-                            })?;
+                            unsafe { send_bytes(a[0] + so, send[p] * row_bytes, p, comm, stream) }?;
                         }
                         if recv[p] > 0 {
                             // SAFETY: the output has room for recv[p] rows at ro.
-                            check(unsafe {
-                                nccl::ncclRecv(
-                                    (a[1] + ro) as _,
-                                    recv[p] * row_bytes,
-                                    u8t,
-                                    p as i32,
-                                    comm,
-                                    stream,
-                                )
-                            })?;
+                            unsafe { recv_bytes(a[1] + ro, recv[p] * row_bytes, p, comm, stream) }?;
                         }
                         so += (send[p] * row_bytes) as u64;
                         ro += (recv[p] * row_bytes) as u64;
@@ -1475,16 +1393,7 @@ impl NcclGroup {
             (),
             move |comm, stream, a| {
                 // SAFETY: a[0] holds `bytes` bytes.
-                check(unsafe {
-                    nccl::ncclSend(
-                        a[0] as _,
-                        bytes as usize,
-                        nccl::ncclDataType_t::ncclUint8,
-                        dst as i32,
-                        comm,
-                        stream,
-                    )
-                })
+                unsafe { send_bytes(a[0], bytes as usize, dst, comm, stream) }
             },
         ))
     }
@@ -1503,16 +1412,7 @@ impl NcclGroup {
             out,
             move |comm, stream, a| {
                 // SAFETY: a[0] has room for `bytes` bytes.
-                check(unsafe {
-                    nccl::ncclRecv(
-                        a[0] as _,
-                        bytes as usize,
-                        nccl::ncclDataType_t::ncclUint8,
-                        src as i32,
-                        comm,
-                        stream,
-                    )
-                })
+                unsafe { recv_bytes(a[0], bytes as usize, src, comm, stream) }
             },
         ))
     }
@@ -1523,6 +1423,60 @@ const MAX_DIMS: usize = 8;
 
 fn nbytes(x: &Tensor) -> u64 {
     (x.elem_count() * x.dtype().size_in_bytes()) as u64
+}
+
+// The byte-level point-to-point calls the ops above are made of. Every buffer is moved as raw
+// bytes (`ncclUint8`): only reductions need NCCL to know the element type.
+
+/// `ncclSend` of `len` bytes at device address `addr` to rank `peer`.
+///
+/// # Safety
+/// `addr` must address at least `len` bytes on this communicator's device, alive until `stream`
+/// has run the send.
+unsafe fn send_bytes(
+    addr: u64,
+    len: usize,
+    peer: usize,
+    comm: nccl::ncclComm_t,
+    stream: nccl::cudaStream_t,
+) -> std::result::Result<(), String> {
+    let u8t = nccl::ncclDataType_t::ncclUint8;
+    // SAFETY: the caller guarantees the buffer.
+    check(unsafe { nccl::ncclSend(addr as _, len, u8t, peer as i32, comm, stream) })
+}
+
+/// `ncclRecv` of `len` bytes from rank `peer` into device address `addr`.
+///
+/// # Safety
+/// As [`send_bytes`], with `addr` writable.
+unsafe fn recv_bytes(
+    addr: u64,
+    len: usize,
+    peer: usize,
+    comm: nccl::ncclComm_t,
+    stream: nccl::cudaStream_t,
+) -> std::result::Result<(), String> {
+    let u8t = nccl::ncclDataType_t::ncclUint8;
+    // SAFETY: the caller guarantees the buffer.
+    check(unsafe { nccl::ncclRecv(addr as _, len, u8t, peer as i32, comm, stream) })
+}
+
+/// `ncclBroadcast` of `len` bytes: `root` reads them at `src`, every rank writes them at `dst`.
+///
+/// # Safety
+/// `src` (on the root) and `dst` (on every rank) must address at least `len` bytes on this
+/// communicator's device, alive until `stream` has run the broadcast.
+unsafe fn broadcast_bytes(
+    src: u64,
+    dst: u64,
+    len: usize,
+    root: usize,
+    comm: nccl::ncclComm_t,
+    stream: nccl::cudaStream_t,
+) -> std::result::Result<(), String> {
+    let u8t = nccl::ncclDataType_t::ncclUint8;
+    // SAFETY: the caller guarantees the buffers.
+    check(unsafe { nccl::ncclBroadcast(src as _, dst as _, len, u8t, root as i32, comm, stream) })
 }
 
 /// Run the NCCL calls `f` makes as one group (ncclGroupStart / ncclGroupEnd), so that the sends
@@ -1536,6 +1490,13 @@ fn group(f: impl FnOnce() -> std::result::Result<(), String>) -> std::result::Re
     r.and(end)
 }
 
+/// Zeros of `x`'s dtype, device and row shape, with `rows` rows: `(rows, ...)`.
+fn zeros_with_rows(x: &Tensor, rows: usize) -> candle_core::Result<Tensor> {
+    let mut shape = x.dims().to_vec();
+    shape[0] = rows;
+    Tensor::zeros(shape, x.dtype(), x.device())
+}
+
 /// Rows `chunk_range(D, n, r)` of `x` moved to rows `[r * c, r * c + len)` of a zero tensor of
 /// `n * c` rows, `c = ceil(D / n)`: equal chunks for NCCL's reduce-scatter.
 fn pad_chunks(x: &Tensor, n: usize) -> candle_core::Result<Tensor> {
@@ -1546,9 +1507,7 @@ fn pad_chunks(x: &Tensor, n: usize) -> candle_core::Result<Tensor> {
         let range = chunk_range(d, n, r);
         parts.push(x.narrow(0, range.start, range.len())?); // (len_r, ...)
         if range.len() < c {
-            let mut shape = x.dims().to_vec();
-            shape[0] = c - range.len();
-            parts.push(Tensor::zeros(shape, x.dtype(), x.device())?); // (c - len_r, ...)
+            parts.push(zeros_with_rows(x, c - range.len())?); // (c - len_r, ...)
         }
     }
     Tensor::cat(&parts, 0) // (n * c, ...)
