@@ -192,19 +192,31 @@ impl MoeLayer {
         probs: &Tensor,
         plan: &RoutingPlan,
     ) -> Result<Option<Tensor>> {
-        let mut aux = None;
-        if self.cfg.aux_loss_coef > 0.0 {
-            aux = Some((load_balancing_loss(probs, plan)? * self.cfg.aux_loss_coef)?);
-        }
-        if self.cfg.z_loss_coef > 0.0 {
-            let z = (z_loss(logits)? * self.cfg.z_loss_coef)?;
-            aux = Some(match aux {
-                Some(a) => (a + z)?,
-                None => z,
-            });
-        }
-        Ok(aux)
+        aux_loss(&self.cfg, logits, probs, plan)
     }
+}
+
+/// The auxiliary loss of one MoE layer, already times its coefficients: `aux_loss_coef ·`
+/// load balancing `+ z_loss_coef ·` router z-loss (None when both coefficients are 0). Shared with
+/// the expert-parallel layer so both add exactly the same term.
+pub fn aux_loss(
+    cfg: &MoeConfig,
+    logits: &Tensor,
+    probs: &Tensor,
+    plan: &RoutingPlan,
+) -> Result<Option<Tensor>> {
+    let mut aux = None;
+    if cfg.aux_loss_coef > 0.0 {
+        aux = Some((load_balancing_loss(probs, plan)? * cfg.aux_loss_coef)?);
+    }
+    if cfg.z_loss_coef > 0.0 {
+        let z = (z_loss(logits)? * cfg.z_loss_coef)?;
+        aux = Some(match aux {
+            Some(a) => (a + z)?,
+            None => z,
+        });
+    }
+    Ok(aux)
 }
 
 impl FeedForward for MoeLayer {

@@ -50,7 +50,7 @@ use candle_core::{Device, Tensor};
 use mtrain_comm::{Comm, CommError};
 use mtrain_model::gpt::{Embedding, Head, ParamStore};
 use mtrain_model::layers::{FeedForward, FfnOut};
-use mtrain_model::moe::{load_balancing_loss, route, router_probs, z_loss, RoutingPlan};
+use mtrain_model::moe::{aux_loss, route, router_probs};
 use mtrain_model::{
     Block, CausalSelfAttention, DenseLinear, GptConfig, LayerNorm, Linear, Mlp, MoeConfig, Param,
     Segment,
@@ -173,27 +173,6 @@ impl ExpertParallelMoe {
         let y_sorted = Tensor::cat(&outs, 0)?; // (R, C) by expert
         y_sorted.index_select(&Tensor::from_vec(inverse, off, dev)?, 0) // (R, C) by source rank
     }
-
-    /// The coefficient-weighted auxiliary loss (as [`mtrain_model::MoeLayer::aux_loss`]).
-    fn aux_loss(
-        &self,
-        logits: &Tensor,
-        probs: &Tensor,
-        plan: &RoutingPlan,
-    ) -> candle_core::Result<Option<Tensor>> {
-        let mut aux = None;
-        if self.cfg.aux_loss_coef > 0.0 {
-            aux = Some((load_balancing_loss(probs, plan)? * self.cfg.aux_loss_coef)?);
-        }
-        if self.cfg.z_loss_coef > 0.0 {
-            let z = (z_loss(logits)? * self.cfg.z_loss_coef)?;
-            aux = Some(match aux {
-                Some(a) => (a + z)?,
-                None => z,
-            });
-        }
-        Ok(aux)
-    }
 }
 
 fn msg(s: String) -> candle_core::Error {
@@ -269,7 +248,7 @@ impl FeedForward for ExpertParallelMoe {
             .index_add(&idx, &y_back.broadcast_mul(&gate)?, 0)?; // (N, C)
         Ok(FfnOut {
             out: out.reshape(dims)?,
-            aux_loss: self.aux_loss(&logits, &probs, &plan)?,
+            aux_loss: aux_loss(&self.cfg, &logits, &probs, &plan)?,
             stats: Some(plan.stats()),
         })
     }
