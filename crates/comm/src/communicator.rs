@@ -66,6 +66,23 @@ pub enum OpKind {
     Barrier,
 }
 
+impl OpKind {
+    /// Every kind, in a fixed order (backends encode an op as its index here).
+    pub const ALL: [OpKind; 11] = [
+        OpKind::AllReduce,
+        OpKind::Reduce,
+        OpKind::Broadcast,
+        OpKind::AllGather,
+        OpKind::ReduceScatter,
+        OpKind::Scatter,
+        OpKind::Gather,
+        OpKind::AllToAll,
+        OpKind::Send,
+        OpKind::Recv,
+        OpKind::Barrier,
+    ];
+}
+
 impl fmt::Display for OpKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = match self {

@@ -817,19 +817,7 @@ const DTYPES: [DType; 9] = [
     DType::F64,
 ];
 
-const OPS: [OpKind; 11] = [
-    OpKind::AllReduce,
-    OpKind::Reduce,
-    OpKind::Broadcast,
-    OpKind::AllGather,
-    OpKind::ReduceScatter,
-    OpKind::Scatter,
-    OpKind::Gather,
-    OpKind::AllToAll,
-    OpKind::Send,
-    OpKind::Recv,
-    OpKind::Barrier,
-];
+const OPS: [OpKind; 11] = OpKind::ALL;
 
 fn describe_header(h: &[u64]) -> String {
     let op = OPS

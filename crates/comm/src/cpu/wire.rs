@@ -32,19 +32,7 @@ pub(crate) const SUPPORTED: [DType; 7] = [
     DType::I64,
 ];
 
-const OPS: [OpKind; 11] = [
-    OpKind::AllReduce,
-    OpKind::Reduce,
-    OpKind::Broadcast,
-    OpKind::AllGather,
-    OpKind::ReduceScatter,
-    OpKind::Scatter,
-    OpKind::Gather,
-    OpKind::AllToAll,
-    OpKind::Send,
-    OpKind::Recv,
-    OpKind::Barrier,
-];
+const OPS: [OpKind; 11] = OpKind::ALL;
 const REDUCE_OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
 
 /// The description of one op that a rank sends to its peers before any payload.
