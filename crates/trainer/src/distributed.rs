@@ -17,7 +17,9 @@
 //! The loss returned is the mean over the global batch, identical on every rank. After every
 //! optimizer step [`Distributed::step_report`] says what the step cost: backward, communication
 //! and exposed-communication time, and where they apply the pipeline bubble (measured against
-//! the ideal (P−1)/(M+P−1)), the peak number of micro-batches in flight, and the expert load.
+//! the ideal (P−1)/(M+P−1)), the peak number of micro-batches in flight, and the expert load;
+//! with pp > 1 also the rank's [`PipelineTimeline`] (forward, backward, send, receive wait per
+//! micro-batch), which the loop writes to `RUN_DIR/pipeline-rank{N}.jsonl`.
 //!
 //! Checkpoints are layout-independent: [`TrainableModel::state_dict`] gathers every full tensor
 //! by name on every rank (a collective), and `load_state` slices them for this rank, so a run
@@ -33,6 +35,7 @@ use mtrain_model::optim::{AdamW, AdamWConfig, AdamWState};
 use mtrain_model::{Engine, Gpt, GptConfig, MoeStats};
 use mtrain_parallel::ddp::{CommStats, DataParallel, Ddp, ModelStateBytes};
 use mtrain_parallel::parallelize::{parallelize, DataParallelKind, ParallelModel, ParallelPlan};
+use mtrain_parallel::pipeline::executor::SpanKind;
 use serde::Serialize;
 
 use crate::memory::{ModelStateLayout, Phase};
@@ -53,6 +56,63 @@ pub struct PipelineFigures {
     pub peak_in_flight: usize,
     /// Most bytes of saved activations alive at once.
     pub peak_activation_bytes: usize,
+    /// What the rank did when (written to `pipeline-rank{N}.jsonl`, not to the step reports).
+    #[serde(skip)]
+    pub timeline: PipelineTimeline,
+}
+
+/// One pipeline step's timeline on this rank: a line of `RUN_DIR/pipeline-rank{N}.jsonl`.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PipelineTimeline {
+    /// Wall-clock start of the step (ms since the Unix epoch): lines up ranks on one machine.
+    pub start_unix_ms: f64,
+    /// Wall time of the schedule (ms).
+    pub step_ms: f64,
+    /// Receive waits plus the final wait for sends (ms).
+    pub idle_ms: f64,
+    /// The spans, in the order they happened.
+    pub spans: Vec<TimelineSpan>,
+}
+
+/// One span of a pipeline rank's step.
+#[derive(Debug, Clone, Serialize)]
+pub struct TimelineSpan {
+    /// Forward, backward, send (issue), recv_wait or send_wait.
+    pub kind: SpanKind,
+    /// Micro-batch (absent for the final send wait).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mb: Option<usize>,
+    /// This rank's chunk (0 unless interleaved).
+    pub chunk: usize,
+    /// Start, ms from the step's start.
+    pub start_ms: f64,
+    /// End, ms from the step's start.
+    pub end_ms: f64,
+}
+
+impl PipelineTimeline {
+    fn from_report(r: &mtrain_parallel::pipeline::StepReport) -> Self {
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        Self {
+            start_unix_ms: r
+                .started_at
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, ms),
+            step_ms: ms(r.step_time),
+            idle_ms: ms(r.idle_time),
+            spans: r
+                .timeline
+                .iter()
+                .map(|s| TimelineSpan {
+                    kind: s.kind,
+                    mb: s.mb,
+                    chunk: s.chunk,
+                    start_ms: ms(s.start),
+                    end_ms: ms(s.end),
+                })
+                .collect(),
+        }
+    }
 }
 
 /// Expert load of one MoE layer over the step, summed over the data-parallel group.
@@ -271,6 +331,7 @@ impl TrainableModel for Distributed {
                         ideal_bubble: r.analytic_bubble_fraction,
                         peak_in_flight: r.peak_in_flight,
                         peak_activation_bytes: r.peak_activation_bytes,
+                        timeline: PipelineTimeline::from_report(r),
                     };
                     self.pipeline = Some(f);
                 }
@@ -400,6 +461,11 @@ impl TrainableModel for Distributed {
 
     fn step_line(&self) -> Option<String> {
         self.last_report.as_ref().map(|r| r.to_string())
+    }
+
+    fn pipeline_timeline(&self) -> Option<serde_json::Value> {
+        let p = self.last_report.as_ref()?.pipeline.as_ref()?;
+        serde_json::to_value(&p.timeline).ok()
     }
 }
 

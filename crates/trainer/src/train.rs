@@ -8,7 +8,8 @@
 //!         loss = model.forward_backward(x, y, 1/grad_accum)   block-wise engine, grads summed
 //!     coef = clip_coef(‖g‖, grad_clip)                   global-norm clipping
 //!     model.optimizer_step(lr, coef)                     AdamW, then the gradients are cleared
-//!     log (progress bar, metrics.jsonl), eval every N, checkpoint every N, memory report
+//!     log (progress bar, metrics.jsonl, pipeline-rank{N}.jsonl), eval every N, checkpoint every N,
+//!     memory report
 //! ```
 //!
 //! The loop talks to the model only through [`TrainableModel`], so a parallel wrapper can own the
@@ -89,6 +90,11 @@ pub trait TrainableModel {
     }
     /// The same as one human-readable line for the log.
     fn step_line(&self) -> Option<String> {
+        None
+    }
+    /// The last optimizer step's pipeline timeline on this rank (spans of forward, backward,
+    /// send and receive wait per micro-batch), as a JSON object; None without a pipeline.
+    fn pipeline_timeline(&self) -> Option<serde_json::Value> {
         None
     }
 }
@@ -602,6 +608,7 @@ pub fn train_loop(
         .then(|| open_append(&cfg.run_dir.join("memory.jsonl")))
         .transpose()?;
     let mut step_log: Option<File> = None;
+    let mut timeline_log: Option<File> = None;
 
     let sched = LrSchedule {
         lr: cfg.lr,
@@ -741,6 +748,20 @@ pub fn train_loop(
             }
             if let Some(f) = step_log.as_mut() {
                 let line = serde_json::json!({ "step": step, "rank": rank, "report": report });
+                write_json_line(f, &line)?;
+            }
+        }
+        // The pipeline timeline of every logged step (and the last), one file per rank.
+        if let (true, Some(timeline)) = (log_now || last, model.pipeline_timeline()) {
+            if timeline_log.is_none() {
+                let path = cfg.run_dir.join(format!("pipeline-rank{rank}.jsonl"));
+                timeline_log = Some(open_append(&path)?);
+            }
+            if let (Some(f), serde_json::Value::Object(mut line)) =
+                (timeline_log.as_mut(), timeline)
+            {
+                line.insert("step".into(), step.into());
+                line.insert("rank".into(), rank.into());
                 write_json_line(f, &line)?;
             }
         }
