@@ -35,6 +35,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use mtrain_comm::store::StoreServer;
 
+/// Set for workers whose output this launcher prefixes with `[rank N]`, so they do not add their own.
+pub const LINES_PREFIXED_VAR: &str = "MTRAIN_LINES_PREFIXED";
+
 /// How often the launcher polls its workers for exit.
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
 
@@ -300,6 +303,7 @@ pub fn launch(spec: &LaunchSpec, args: &[OsString]) -> Result<(), LaunchError> {
         if store.is_some() {
             cmd.env("MTRAIN_STORE_EXTERNAL", "1");
         }
+        cmd.env(LINES_PREFIXED_VAR, "1");
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(source) => {

@@ -44,7 +44,9 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    init_tracing(env.as_ref().map(|e| e.rank));
+    // Under mtrain's own launcher every line already arrives as `[rank N] ...`.
+    let prefixed_by_launcher = std::env::var_os(mtrain_trainer::launch::LINES_PREFIXED_VAR).is_some();
+    init_tracing(env.as_ref().filter(|_| !prefixed_by_launcher).map(|e| e.rank));
     match run(cli, env) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
@@ -65,8 +67,8 @@ fn main() -> ExitCode {
     }
 }
 
-/// Logs go to stderr; `RUST_LOG` filters them (default `info`). In a worker every line starts
-/// with `rank=N`, so output interleaved by an external launcher can still be told apart.
+/// Logs go to stderr; `RUST_LOG` filters them (default `info`). In a worker started by an
+/// external launcher every line starts with `rank=N`, so interleaved output can be told apart.
 fn init_tracing(rank: Option<usize>) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
