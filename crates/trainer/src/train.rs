@@ -828,12 +828,14 @@ pub fn evaluate(
     Ok(total / iters as f64)
 }
 
-/// Reads `device`'s memory probe after a few warm-up matrix products, so the compute kernels'
-/// per-thread workspace is part of the baseline, not of the model state measured from it. (On
-/// CPU, gemm keeps an L2-sized packing buffer in every thread that ran a product: a small product
-/// runs on the calling thread, a large one on the compute pool's threads.)
-/// Which pool threads run a product is up to work stealing, so the products repeat until the
-/// level has stayed flat for several of them.
+/// Reads `device`'s memory probe after warm-up matrix products, so the compute kernels'
+/// per-thread workspace is part of the baseline, not of the model state measured from it.
+///
+/// On CPU, gemm keeps an L2-sized packing buffer in every thread that ran a product (1 MiB per
+/// thread on a machine with 1 MiB of L2 per core): a small product runs on the calling thread and
+/// shows the buffer's size; larger ones run on the compute pool's threads, and which threads take
+/// part is up to work stealing, so they repeat until the level has grown by one buffer per pool
+/// thread (or 64 products, about 0.3 s on one core, have run).
 pub fn model_state_baseline(device: &Device) -> anyhow::Result<u64> {
     let probe = memory_probe(device);
     let product = |n: usize| -> anyhow::Result<()> {
@@ -841,15 +843,18 @@ pub fn model_state_baseline(device: &Device) -> anyhow::Result<u64> {
         a.matmul(&a)?.sum_all()?.to_scalar::<f32>()?;
         Ok(())
     };
+    let before = probe.current();
     product(16)?;
-    let (mut level, mut flat) = (probe.current(), 0);
-    for _ in 0..32 {
-        product(384)?;
-        let now = probe.current();
-        flat = if now > level { 0 } else { flat + 1 };
-        level = level.max(now);
-        if flat == 8 {
-            break;
+    let start = probe.current();
+    let per_thread = start.saturating_sub(before) * 9 / 10;
+    let pool = candle_core::utils::get_num_threads() as u64;
+    if per_thread > 0 && pool > 1 {
+        for _ in 0..64 {
+            product(384)?;
+            if probe.current() >= start + pool * per_thread {
+                break;
+            }
+            std::thread::yield_now();
         }
     }
     Ok(probe.current())
