@@ -116,20 +116,41 @@ impl LayerNorm {
         }
     }
 
+    /// The fused kernel on CUDA ([`kernels::layer_norm`]), else [`layer_norm_plain`].
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dtype = x.dtype();
-        let x = upcast(x)?;
-        let mean = x.mean_keepdim(D::Minus1)?; // (..., 1)
-        let xc = x.broadcast_sub(&mean)?;
-        let var = xc.sqr()?.mean_keepdim(D::Minus1)?; // (..., 1)
-        let xn = xc.broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        let w = self.weight.tensor().to_dtype(xn.dtype())?;
-        let b = self.bias.tensor().to_dtype(xn.dtype())?;
-        xn.broadcast_mul(&w)?.broadcast_add(&b)?.to_dtype(dtype)
+        let (w, b) = (self.weight.tensor(), self.bias.tensor());
+        if kernels::layer_norm::supported(x, &w, &b) {
+            kernels::layer_norm(x, &w, &b, self.eps)
+        } else {
+            layer_norm_plain(x, &w, &b, self.eps)
+        }
     }
 
     pub fn params(&self) -> Vec<Param> {
         vec![self.weight.clone(), self.bias.clone()]
+    }
+}
+
+/// LayerNorm from plain candle ops, in f32 for 16-bit inputs: the path on CPU and the reference
+/// for the fused kernel. x (..., C), w and b (C,); returns x's shape and dtype.
+pub fn layer_norm_plain(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let x = upcast(x)?;
+    let mean = x.mean_keepdim(D::Minus1)?; // (..., 1)
+    let xc = x.broadcast_sub(&mean)?;
+    let var = xc.sqr()?.mean_keepdim(D::Minus1)?; // (..., 1)
+    let xn = xc.broadcast_div(&(var + eps)?.sqrt()?)?;
+    let w = w.to_dtype(xn.dtype())?;
+    let b = b.to_dtype(xn.dtype())?;
+    xn.broadcast_mul(&w)?.broadcast_add(&b)?.to_dtype(dtype)
+}
+
+/// GELU (tanh approximation): the fused kernel on CUDA ([`kernels::gelu`]), else candle's.
+pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    if kernels::gelu::supported(x) {
+        kernels::gelu(x)
+    } else {
+        x.gelu()
     }
 }
 
@@ -162,7 +183,7 @@ impl Mlp {
 
     /// The MLP as a plain function (..., C) -> (..., C).
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.c_fc.forward(x)?.gelu()?; // (..., 4C)
+        let h = gelu(&self.c_fc.forward(x)?)?; // (..., 4C)
         self.c_proj.forward(&h) // (..., C)
     }
 }

@@ -17,7 +17,14 @@
 //! `dK = scale · dSᵀ Q` and `dV = Pᵀ dO`. Memory kept for backward: the output and lse, O(T)
 //! per head instead of O(T²).
 //!
-//! Arithmetic is f32 on CUDA cores (inputs bf16 or f32); the kernels are in `kernels.cu`.
+//! Two implementations, both in `kernels.cu`:
+//! - **tensor cores** (`flash_tc_*`, bf16 with `D` in [`TC_HEAD_DIMS`]): warps of 16 rows, the
+//!   products `q kᵀ`, `P v`, `dO vᵀ`, `dS k`, `Pᵀ dO`, `dSᵀ q` as `mma.sync` m16n8k16 bf16 tiles
+//!   with f32 accumulators, the softmax statistics in f32 registers; `P` and `dS` go from the
+//!   accumulators of one product to the operands of the next without touching memory.
+//! - **CUDA cores** (`flash_*`, any dtype of bf16/f32 and `D` in [`HEAD_DIMS`]): f32 FMAs, the
+//!   fallback for f32 and for head sizes the tensor-core tiles do not cover.
+//!
 //! Legend: `B` batch, `H` heads, `T` time, `D` head size.
 
 use candle_core::{CustomOp3, Layout, Result, Shape, Tensor};
@@ -26,6 +33,17 @@ use super::msg;
 
 /// Head sizes the kernels are instantiated for.
 pub const HEAD_DIMS: [usize; 5] = [8, 16, 32, 64, 128];
+
+/// Head sizes (bf16 only) the tensor-core kernels take; other cases use the CUDA-core kernels.
+pub const TC_HEAD_DIMS: [usize; 3] = [16, 32, 64];
+
+/// Whether a bf16 attention of head size `d` whose q, k, v start at these element offsets runs
+/// on the tensor-core kernels (they read rows in 16-byte pieces, so offsets are multiples of 8).
+pub fn uses_tensor_cores(dtype: candle_core::DType, d: usize, offsets: &[usize]) -> bool {
+    dtype == candle_core::DType::BF16
+        && TC_HEAD_DIMS.contains(&d)
+        && offsets.iter().all(|o| o % 8 == 0)
+}
 
 /// Whether the fused kernel can run attention with this head size on `q`'s device and dtype.
 pub fn supported(q: &Tensor, head_dim: usize) -> bool {
@@ -165,6 +183,15 @@ mod imp {
         }
     }
 
+    /// The tensor-core kernels: 4 warps own 64 rows (TC_ROWS in kernels.cu).
+    fn tc_config(t: usize, bh: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (t.div_ceil(64) as u32, bh as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
     fn dims(l: &Layout, what: &str) -> Result<(usize, usize, usize)> {
         let (b, h, t, d) = l.shape().dims4()?;
         if !l.is_contiguous() {
@@ -223,7 +250,10 @@ mod imp {
         let o = unsafe { dev.alloc::<T>(n)? };
         let lse = unsafe { dev.alloc::<f32>(bh * t)? };
         let (module, code) = ptx(Some(d), q.dtype())?;
-        let f = dev.get_or_load_custom_func("flash_fwd", &module, &code)?;
+        let offsets = [lq.start_offset(), lk.start_offset(), lv.start_offset()];
+        let tc = super::uses_tensor_cores(q.dtype(), d, &offsets);
+        let name = if tc { "flash_tc_fwd" } else { "flash_fwd" };
+        let f = dev.get_or_load_custom_func(name, &module, &code)?;
         let (t32, qscale) = (t as i32, (scale * LOG2E) as f32);
         let mut b = f.builder();
         b.arg(&qs)
@@ -233,8 +263,13 @@ mod imp {
             .arg(&lse)
             .arg(&t32)
             .arg(&qscale);
-        // SAFETY: argument types and order match `flash_fwd` in kernels.cu.
-        unsafe { b.launch(config(t, bh, d)) }.w()?;
+        let cfg = if tc {
+            tc_config(t, bh)
+        } else {
+            config(t, bh, d)
+        };
+        // SAFETY: argument types and order match `flash_fwd` and `flash_tc_fwd` in kernels.cu.
+        unsafe { b.launch(cfg) }.w()?;
         let lse = tensor(dev, lse, (bh, t));
         Ok((CudaStorage::wrap_cuda_slice(o, dev.clone()), lse))
     }
@@ -283,6 +318,12 @@ mod imp {
         let ls = slice::<f32>(&gl)?.slice(ol..);
         let rows = bh * t;
         let dtype = q.dtype();
+        let tc = super::uses_tensor_cores(dtype, d, &[oq, ok, ov, oo, od]);
+        let (dq_name, dkdv_name, cfg) = if tc {
+            ("flash_tc_dq", "flash_tc_dkdv", tc_config(t, bh))
+        } else {
+            ("flash_bwd_dq", "flash_bwd_dkdv", config(t, bh, d))
+        };
         // SAFETY: every element of each buffer is written by the kernel filling it.
         let delta = unsafe { dev.alloc::<f32>(rows)? };
         let (dq, dk, dv) = unsafe {
@@ -302,7 +343,7 @@ mod imp {
 
         let (t32, qscale, scale32) = (t as i32, (scale * LOG2E) as f32, scale as f32);
         let (module, code) = ptx(Some(d), dtype)?;
-        let f = dev.get_or_load_custom_func("flash_bwd_dq", &module, &code)?;
+        let f = dev.get_or_load_custom_func(dq_name, &module, &code)?;
         let mut b = f.builder();
         b.arg(&qs)
             .arg(&ks)
@@ -312,11 +353,11 @@ mod imp {
             .arg(&delta)
             .arg(&dq);
         b.arg(&t32).arg(&qscale).arg(&scale32);
-        // SAFETY: argument types and order match `flash_bwd_dq`.
-        unsafe { b.launch(config(t, bh, d)) }.w()?;
+        // SAFETY: argument types and order match `flash_bwd_dq` and `flash_tc_dq`.
+        unsafe { b.launch(cfg) }.w()?;
 
         let (module, code) = ptx(Some(d), dtype)?;
-        let f = dev.get_or_load_custom_func("flash_bwd_dkdv", &module, &code)?;
+        let f = dev.get_or_load_custom_func(dkdv_name, &module, &code)?;
         let mut b = f.builder();
         b.arg(&qs)
             .arg(&ks)
@@ -327,8 +368,8 @@ mod imp {
             .arg(&dk)
             .arg(&dv);
         b.arg(&t32).arg(&qscale).arg(&scale32);
-        // SAFETY: argument types and order match `flash_bwd_dkdv`.
-        unsafe { b.launch(config(t, bh, d)) }.w()?;
+        // SAFETY: argument types and order match `flash_bwd_dkdv` and `flash_tc_dkdv`.
+        unsafe { b.launch(cfg) }.w()?;
 
         let shape = (b_, h, t, d);
         Ok((
@@ -434,7 +475,30 @@ mod tests {
 
     #[test]
     fn matches_plain_attention_bf16_d64() {
+        // Tensor cores; T = 200 leaves a partial last tile of 8 rows.
         check(2, 3, 200, 64, DType::BF16, 1e-2);
+    }
+
+    #[test]
+    fn matches_plain_attention_bf16_tensor_cores_d16_d32() {
+        check(1, 2, 130, 16, DType::BF16, 1e-2);
+        check(2, 1, 64, 32, DType::BF16, 1e-2);
+    }
+
+    #[test]
+    fn matches_plain_attention_bf16_cuda_cores_d8_d128() {
+        check(1, 2, 100, 8, DType::BF16, 1e-2);
+        check(1, 2, 70, 128, DType::BF16, 1e-2);
+    }
+
+    #[test]
+    fn tensor_cores_cover_bf16_multiples_of_16_up_to_64() {
+        use candle_core::DType::{BF16, F32};
+        assert!(uses_tensor_cores(BF16, 64, &[0, 0, 8]));
+        assert!(!uses_tensor_cores(BF16, 64, &[0, 4, 0]));
+        assert!(!uses_tensor_cores(F32, 64, &[0, 0, 0]));
+        assert!(!uses_tensor_cores(BF16, 128, &[0, 0, 0]));
+        assert!(!uses_tensor_cores(BF16, 8, &[0, 0, 0]));
     }
 
     #[test]

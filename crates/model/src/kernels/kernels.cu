@@ -234,6 +234,304 @@ extern "C" __global__ void flash_bwd_dkdv(const elem* q, const elem* k, const el
 #endif  // HEAD_DIM
 
 // ---------------------------------------------------------------------------------------------
+// Causal flash attention on tensor cores: bf16 inputs, f32 accumulation, HEAD_DIM 16..64.
+//
+// A block is 4 warps; each warp owns 16 of the block's 64 rows (queries in flash_tc_fwd and
+// flash_tc_dq, keys in flash_tc_dkdv) and keeps them in registers as mma A fragments. Tiles of 64
+// rows of the other operands are staged in shared memory as bf16, rows padded by 8 elements so
+// that the fragment reads below hit 32 distinct banks. Products are mma.sync m16n8k16
+// (bf16 x bf16 -> f32), with g = lane / 4 and t = lane % 4:
+//
+//   A 16x16 row-major   a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)
+//   B 16x8  col-major   b0 (k 2t..2t+1, n g)  b1 (k 2t+8..2t+9, n g)
+//   C 16x8  f32         c0 c1 (g, 2t..2t+1)   c2 c3 (g+8, 2t..2t+1)
+//
+// Two C tiles side by side, rounded to bf16, are exactly the A fragment of the next product
+// (P V, dS K, Pᵀ dO, dSᵀ Q), so probabilities never leave registers. The backward is the FA2
+// split: flash_tc_dq walks key tiles for 64 queries, flash_tc_dkdv walks query tiles for 64 keys;
+// each recomputes S and dP, and no block writes another's output.
+// ---------------------------------------------------------------------------------------------
+#if defined(HEAD_DIM) && ELEM_BF16 && (HEAD_DIM % 16 == 0) && (HEAD_DIM <= 64)
+#define TC_ROWS 64       // rows owned per block (4 warps x 16)
+#define TC_COLS 64       // rows of a staged tile
+#define TC_LD (D + 8)    // padded shared-memory row, in elements
+#define NT (TC_COLS / 8) // 16x8 C tiles across a score tile
+#define KD (D / 16)      // k-steps over the head size
+#define ND (D / 8)       // 16x8 C tiles across the head size
+
+typedef unsigned int u32;
+
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// (lo, hi) as bf16x2 rounded to nearest even; lo lands in the low half (the lower column).
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Rows r0 .. r0+64 of a (T, D) matrix into shared memory, 16 bytes a copy; rows past T are 0.
+__device__ __forceinline__ void tc_stage(elem (*dst)[TC_LD], const elem* src, int r0, int T) {
+    const int per_row = D / 8;
+    for (int i = threadIdx.x; i < TC_COLS * per_row; i += blockDim.x) {
+        int r = i / per_row, c = (i % per_row) * 8;
+        uint4 x = make_uint4(0u, 0u, 0u, 0u);
+        if (r0 + r < T) x = *reinterpret_cast<const uint4*>(src + (long)(r0 + r) * D + c);
+        *reinterpret_cast<uint4*>(&dst[r][c]) = x;
+    }
+}
+
+// A fragments of rows r0 .. r0+16 of a (T, D) matrix for all D/16 k-steps; rows past T are 0.
+__device__ __forceinline__ void tc_load_a(u32 (*a)[4], const elem* src, int r0, int T) {
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    const bool v0 = r0 + g < T, v1 = r0 + g + 8 < T;
+    const u32* lo = reinterpret_cast<const u32*>(src + (long)(r0 + g) * D);
+    const u32* hi = reinterpret_cast<const u32*>(src + (long)(r0 + g + 8) * D);
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+        int w = kk * 8 + t;  // 32-bit word of columns 16kk + 2t, 16kk + 2t + 1
+        a[kk][0] = v0 ? lo[w] : 0u;
+        a[kk][1] = v1 ? hi[w] : 0u;
+        a[kk][2] = v0 ? lo[w + 4] : 0u;
+        a[kk][3] = v1 ? hi[w + 4] : 0u;
+    }
+}
+
+// s (16 x 64) = X Yᵀ: X in A fragments (16 x D), Y the staged tile (64 x D); B words are rows of Y.
+__device__ __forceinline__ void tc_scores(float (*s)[4], const u32 (*a)[4],
+                                          const elem (*y)[TC_LD]) {
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        const elem* row = y[n * 8 + g];
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk) {
+            u32 b0 = *reinterpret_cast<const u32*>(row + kk * 16 + 2 * t);
+            u32 b1 = *reinterpret_cast<const u32*>(row + kk * 16 + 2 * t + 8);
+            mma_bf16(s[n], a[kk], b0, b1);
+        }
+    }
+}
+
+// acc (16 x D) += P Y: P (16 x 64) in C tiles, Y the staged tile (64 x D); B pairs down columns.
+__device__ __forceinline__ void tc_accum(float (*acc)[4], const float (*p)[4],
+                                         const elem (*y)[TC_LD]) {
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+#pragma unroll
+    for (int kk = 0; kk < TC_COLS / 16; ++kk) {
+        const u32 a[4] = {pack_bf16(p[2 * kk][0], p[2 * kk][1]),
+                          pack_bf16(p[2 * kk][2], p[2 * kk][3]),
+                          pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]),
+                          pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+        const int k0 = kk * 16 + 2 * t;
+#pragma unroll
+        for (int n = 0; n < ND; ++n) {
+            const int c = n * 8 + g;
+            u32 b0 = (u32)y[k0][c] | ((u32)y[k0 + 1][c] << 16);
+            u32 b1 = (u32)y[k0 + 8][c] | ((u32)y[k0 + 9][c] << 16);
+            mma_bf16(acc[n], a, b0, b1);
+        }
+    }
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Writes rows r0+g and r0+g+8 of a (16 x D) C-tile accumulator, times mul, to a (T, D) matrix.
+__device__ __forceinline__ void tc_store(elem* dst, const float (*acc)[4], int r0, int T,
+                                         float mul0, float mul1) {
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = r0 + g + 8 * h;
+        if (row >= T) continue;
+        const float mul = h ? mul1 : mul0;
+        u32* out = reinterpret_cast<u32*>(dst + (long)row * D);
+#pragma unroll
+        for (int n = 0; n < ND; ++n)
+            out[n * 4 + t] = pack_bf16(acc[n][2 * h] * mul, acc[n][2 * h + 1] * mul);
+    }
+}
+
+// o = softmax(mask(q kᵀ scale)) v and lse2 per row; q, k, v, o: (BH, T, D), lse2: (BH, T).
+extern "C" __global__ void __launch_bounds__(128)
+    flash_tc_fwd(const elem* q, const elem* k, const elem* v, elem* o, float* lse2, int T,
+                 float qscale) {
+    __shared__ __align__(16) elem ks[TC_COLS][TC_LD];
+    __shared__ __align__(16) elem vs[TC_COLS][TC_LD];
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    const long base = (long)blockIdx.y * T * D;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * TC_ROWS;  // the longest rows start first
+    const int r0 = q0 + (threadIdx.x >> 5) * 16;
+    u32 qa[KD][4];
+    tc_load_a(qa, q + base, r0, T);
+    float acc[ND][4];
+#pragma unroll
+    for (int n = 0; n < ND; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    for (int kb = 0; kb <= q0; kb += TC_COLS) {
+        __syncthreads();
+        tc_stage(ks, k + base, kb, T);
+        tc_stage(vs, v + base, kb, T);
+        __syncthreads();
+        float s[NT][4];
+        tc_scores(s, qa, ks);  // (16, 64) raw q·k
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = r0 + g + 8 * (e >> 1), key = kb + n * 8 + 2 * t + (e & 1);
+                s[n][e] = key <= row ? s[n][e] * qscale : NEG_INF;
+                mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+            }
+        // Key kb <= q0 <= row is never masked, so the new maxima are finite.
+        float corr[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            mx[h] = quad_max(mx[h]);
+            corr[h] = exp2f(m[h] - mx[h]);
+            l[h] *= corr[h];
+            m[h] = mx[h];
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[n][e] = exp2f(s[n][e] - m[e >> 1]);
+                l[e >> 1] += s[n][e];  // this lane's share; summed over the quad at the end
+            }
+#pragma unroll
+        for (int n = 0; n < ND; ++n) {
+            acc[n][0] *= corr[0];
+            acc[n][1] *= corr[0];
+            acc[n][2] *= corr[1];
+            acc[n][3] *= corr[1];
+        }
+        tc_accum(acc, s, vs);  // (16, D) += P V
+    }
+    l[0] = quad_sum(l[0]);
+    l[1] = quad_sum(l[1]);
+    tc_store(o + base, acc, r0, T, 1.f / l[0], 1.f / l[1]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = r0 + g + 8 * h;
+        if (t == 0 && row < T) lse2[(long)blockIdx.y * T + row] = m[h] + log2f(l[h]);
+    }
+}
+
+// dq = scale · dS k with dS = P ∘ (dO vᵀ − dvec); 64 queries per block, key tiles up to them.
+extern "C" __global__ void __launch_bounds__(128)
+    flash_tc_dq(const elem* q, const elem* k, const elem* v, const elem* dout, const float* lse2,
+                const float* dvec, elem* dq, int T, float qscale, float scale) {
+    __shared__ __align__(16) elem ks[TC_COLS][TC_LD];
+    __shared__ __align__(16) elem vs[TC_COLS][TC_LD];
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    const long base = (long)blockIdx.y * T * D;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * TC_ROWS;
+    const int r0 = q0 + (threadIdx.x >> 5) * 16;
+    u32 qa[KD][4], da[KD][4];
+    tc_load_a(qa, q + base, r0, T);
+    tc_load_a(da, dout + base, r0, T);
+    float L[2], Dv[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = r0 + g + 8 * h;
+        L[h] = row < T ? lse2[(long)blockIdx.y * T + row] : 0.f;
+        Dv[h] = row < T ? dvec[(long)blockIdx.y * T + row] : 0.f;
+    }
+    float acc[ND][4];
+#pragma unroll
+    for (int n = 0; n < ND; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    for (int kb = 0; kb <= q0; kb += TC_COLS) {
+        __syncthreads();
+        tc_stage(ks, k + base, kb, T);
+        tc_stage(vs, v + base, kb, T);
+        __syncthreads();
+        float s[NT][4], dp[NT][4];
+        tc_scores(s, qa, ks);   // (16, 64) q·k
+        tc_scores(dp, da, vs);  // (16, 64) dO·v
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int h = e >> 1;
+                const int row = r0 + g + 8 * h, key = kb + n * 8 + 2 * t + (e & 1);
+                const float p = key <= row ? exp2f(s[n][e] * qscale - L[h]) : 0.f;
+                s[n][e] = p * (dp[n][e] - Dv[h]);  // dS
+            }
+        tc_accum(acc, s, ks);  // (16, D) += dS k
+    }
+    tc_store(dq + base, acc, r0, T, scale, scale);
+}
+
+// dk = scale · dSᵀ q, dv = Pᵀ dO; 64 keys per block, query tiles from them to T.
+extern "C" __global__ void __launch_bounds__(128)
+    flash_tc_dkdv(const elem* q, const elem* k, const elem* v, const elem* dout,
+                  const float* lse2, const float* dvec, elem* dk, elem* dv, int T, float qscale,
+                  float scale) {
+    __shared__ __align__(16) elem qs[TC_COLS][TC_LD];
+    __shared__ __align__(16) elem dos[TC_COLS][TC_LD];
+    __shared__ float ls[TC_COLS], dls[TC_COLS];
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    const long base = (long)blockIdx.y * T * D;
+    const int k0 = blockIdx.x * TC_ROWS;  // block 0 has the most query tiles and starts first
+    const int r0 = k0 + (threadIdx.x >> 5) * 16;
+    u32 ka[KD][4], va[KD][4];
+    tc_load_a(ka, k + base, r0, T);
+    tc_load_a(va, v + base, r0, T);
+    float dka[ND][4], dva[ND][4];
+#pragma unroll
+    for (int n = 0; n < ND; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dka[n][e] = dva[n][e] = 0.f;
+    for (int qb = k0; qb < T; qb += TC_COLS) {
+        __syncthreads();
+        tc_stage(qs, q + base, qb, T);
+        tc_stage(dos, dout + base, qb, T);
+        for (int i = threadIdx.x; i < TC_COLS; i += blockDim.x) {
+            const bool ok = qb + i < T;
+            ls[i] = ok ? lse2[(long)blockIdx.y * T + qb + i] : 0.f;
+            dls[i] = ok ? dvec[(long)blockIdx.y * T + qb + i] : 0.f;
+        }
+        __syncthreads();
+        float s[NT][4], dp[NT][4];
+        tc_scores(s, ka, qs);    // (16 keys, 64 queries) k·q
+        tc_scores(dp, va, dos);  // (16 keys, 64 queries) v·dO
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = r0 + g + 8 * (e >> 1), i = n * 8 + 2 * t + (e & 1);
+                const int query = qb + i;
+                const float p =
+                    (query >= key && query < T) ? exp2f(s[n][e] * qscale - ls[i]) : 0.f;
+                s[n][e] = p;                       // Pᵀ
+                dp[n][e] = p * (dp[n][e] - dls[i]);  // dSᵀ
+            }
+        tc_accum(dva, s, dos);  // (16, D) += Pᵀ dO
+        tc_accum(dka, dp, qs);  // (16, D) += dSᵀ q
+    }
+    tc_store(dk + base, dka, r0, T, scale, scale);
+    tc_store(dv + base, dva, r0, T, 1.f, 1.f);
+}
+#endif  // tensor-core attention
+
+// ---------------------------------------------------------------------------------------------
 // Softmax cross-entropy over rows of logits (N, V), one block per row. The forward keeps only
 // lse (N,) in f32; the backward rebuilds softmax from it: dlogits = (softmax - onehot) * g.
 // ---------------------------------------------------------------------------------------------
@@ -278,5 +576,109 @@ extern "C" __global__ void ce_bwd(const elem* logits, const unsigned int* target
     for (int i = threadIdx.x; i < V; i += blockDim.x) {
         float p = __expf(ld(logits, row * V + i) - L);
         st(dlogits, row * V + i, (p - (i == (int)t ? 1.f : 0.f)) * gr);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// LayerNorm over rows of x (N, C), one warp per row, statistics in f32:
+//   y = (x - mean) * rstd * w + b,  rstd = 1 / sqrt(var + eps)   (biased variance)
+// The forward keeps mean and rstd (N,); the backward rebuilds xhat = (x - mean) * rstd:
+//   dx = rstd * (dy w - mean_c(dy w) - xhat * mean_c(dy w xhat))          (ln_bwd_dx)
+//   dw = sum_n dy xhat, db = sum_n dy, per column over a chunk of rows, then f32 atomics (ln_bwd_dwdb)
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+    return x;
+}
+
+extern "C" __global__ void ln_fwd(const elem* x, const elem* w, const elem* b, elem* y,
+                                  float* mean, float* rstd, int N, int C, float eps) {
+    const long row = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= N) return;
+    const elem* xr = x + row * C;
+    float s = 0.f;
+    for (int i = lane; i < C; i += 32) s += ld(xr, i);
+    const float mu = warp_sum(s) / C;
+    float v = 0.f;
+    for (int i = lane; i < C; i += 32) {
+        float d = ld(xr, i) - mu;
+        v += d * d;
+    }
+    const float r = rsqrtf(warp_sum(v) / C + eps);
+    for (int i = lane; i < C; i += 32) st(y, row * C + i, (ld(xr, i) - mu) * r * ld(w, i) + ld(b, i));
+    if (lane == 0) {
+        mean[row] = mu;
+        rstd[row] = r;
+    }
+}
+
+extern "C" __global__ void ln_bwd_dx(const elem* x, const elem* w, const elem* dy,
+                                     const float* mean, const float* rstd, elem* dx, int N,
+                                     int C) {
+    const long row = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= N) return;
+    const elem* xr = x + row * C;
+    const elem* gr = dy + row * C;
+    const float mu = mean[row], r = rstd[row];
+    float a = 0.f, c = 0.f;
+    for (int i = lane; i < C; i += 32) {
+        float gw = ld(gr, i) * ld(w, i);
+        a += gw;
+        c += gw * (ld(xr, i) - mu) * r;
+    }
+    a = warp_sum(a) / C;
+    c = warp_sum(c) / C;
+    for (int i = lane; i < C; i += 32) {
+        float xh = (ld(xr, i) - mu) * r;
+        st(dx, row * C + i, r * (ld(gr, i) * ld(w, i) - a - xh * c));
+    }
+}
+
+// One thread per column, LN_ROWS rows per block row of the grid; dw, db (C,) f32 start at 0.
+#define LN_ROWS 128
+extern "C" __global__ void ln_bwd_dwdb(const elem* x, const elem* dy, const float* mean,
+                                       const float* rstd, float* dw, float* db, int N, int C) {
+    const int col = blockIdx.x * blockDim.x + threadIdx.x;
+    if (col >= C) return;
+    const long r0 = (long)blockIdx.y * LN_ROWS;
+    const long r1 = min((long)N, r0 + LN_ROWS);
+    float sw = 0.f, sb = 0.f;
+    for (long r = r0; r < r1; ++r) {
+        float g = ld(dy, r * C + col);
+        sw += g * (ld(x, r * C + col) - mean[r]) * rstd[r];
+        sb += g;
+    }
+    atomicAdd(dw + col, sw);
+    atomicAdd(db + col, sb);
+}
+
+// ---------------------------------------------------------------------------------------------
+// GELU, tanh approximation (as candle's `gelu` and GPT-2):
+//   y = x/2 (1 + tanh u),  u = sqrt(2/pi) (x + 0.044715 x^3)
+//   dy/dx = (1 + tanh u)/2 + x/2 (1 - tanh^2 u) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+// ---------------------------------------------------------------------------------------------
+#define GELU_K 0.7978845608028654f
+#define GELU_A 0.044715f
+
+extern "C" __global__ void gelu_fwd(const elem* x, elem* y, long n) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long)gridDim.x * blockDim.x) {
+        float v = ld(x, i);
+        float th = tanhf(GELU_K * (v + GELU_A * v * v * v));
+        st(y, i, 0.5f * v * (1.f + th));
+    }
+}
+
+extern "C" __global__ void gelu_bwd(const elem* x, const elem* dy, elem* dx, long n) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long)gridDim.x * blockDim.x) {
+        float v = ld(x, i);
+        float th = tanhf(GELU_K * (v + GELU_A * v * v * v));
+        float d = 0.5f * (1.f + th) +
+                  0.5f * v * (1.f - th * th) * GELU_K * (1.f + 3.f * GELU_A * v * v);
+        st(dx, i, ld(dy, i) * d);
     }
 }

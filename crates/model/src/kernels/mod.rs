@@ -7,7 +7,13 @@
 //!     (B, H, T, T) scores kept for backward               online softmax, only lse (B, H, T) kept
 //!   logits ─> f32 ─> log_softmax ─> gather ─> mean     cross_entropy_rows: one block per row,
 //!     (N, V) f32 copies kept for backward                 only lse (N,) kept, softmax rebuilt
+//!   x ─> f32 ─> mean, var ─> normalise ─> ·w + b        layer_norm: one warp per row,
+//!     ~12 kernels, (N, C) f32 copies kept                 only mean, rstd (N,) kept
+//!   gelu backward: ~12 elementwise kernels              gelu: one kernel each way
 //! ```
+//!
+//! Attention runs on tensor cores (bf16 `mma.sync`) for bf16 and head sizes 16..64, and on CUDA
+//! cores otherwise (see [`flash_attention`]).
 //!
 //! The CUDA source (`kernels.cu`) is compiled by NVRTC the first time a kernel is used, once per
 //! (head size, element type), and the PTX is cached for the process. A CPU build compiles none of
@@ -18,6 +24,8 @@
 
 pub mod cross_entropy;
 pub mod flash_attention;
+pub mod gelu;
+pub mod layer_norm;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -25,6 +33,8 @@ use candle_core::{DType, Tensor};
 
 pub use cross_entropy::cross_entropy_rows;
 pub use flash_attention::flash_attention;
+pub use gelu::gelu;
+pub use layer_norm::layer_norm;
 
 static ENABLED: AtomicBool = AtomicBool::new(true);
 

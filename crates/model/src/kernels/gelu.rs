@@ -1,0 +1,207 @@
+//! Fused GELU (tanh approximation), forward and backward, one kernel each.
+//!
+//! ```text
+//!   y  = x/2 · (1 + tanh u),   u = √(2/π) · (x + 0.044715 x³)
+//!   dx = dy · [ (1 + tanh u)/2 + x/2 · (1 − tanh² u) · √(2/π) · (1 + 3·0.044715 x²) ]
+//!
+//!   plain backward: x³, u, tanh, 1 − tanh², products and sums: about a dozen (N, 4C) kernels
+//!   fused backward: gelu_bwd reads x and dy once, writes dx once
+//! ```
+//!
+//! The same function as candle's `Tensor::gelu`; arithmetic is f32, input and output in x's dtype.
+
+use candle_core::{CustomOp1, Layout, Result, Shape, Tensor};
+
+use super::msg;
+
+/// Whether the fused kernel can take `x`.
+pub fn supported(x: &Tensor) -> bool {
+    super::enabled_for(x)
+}
+
+/// GELU of `x` (any shape), differentiable. CUDA only: see [`supported`].
+pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    x.contiguous()?.apply_op1(Gelu)
+}
+
+struct Gelu;
+
+impl CustomOp1 for Gelu {
+    fn name(&self) -> &'static str {
+        "gelu-tanh"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CpuStorage, Shape)> {
+        Err(msg(
+            "kernels::gelu runs on CUDA only; the CPU path is Tensor::gelu".into(),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((imp::forward(x, lx)?, lx.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(backward(x, &grad.contiguous()?)?))
+    }
+}
+
+#[allow(unused_variables)]
+fn backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    {
+        imp::backward(x, dy)
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(msg("kernels::gelu backward runs on CUDA only".into()))
+}
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::{CudaStorage, DType, Layout, Result, Tensor};
+    use half::bf16;
+
+    use super::super::cuda::{device, ptx, slice, storage, tensor};
+    use super::super::msg;
+
+    /// A grid-stride loop: enough blocks to fill the card, not one per element.
+    fn config(n: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (n.div_ceil(256).clamp(1, 132 * 16) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    pub fn forward(x: &CudaStorage, lx: &Layout) -> Result<CudaStorage> {
+        match x.dtype() {
+            DType::BF16 => fwd::<bf16>(x, lx),
+            DType::F32 => fwd::<f32>(x, lx),
+            other => Err(msg(format!("gelu: dtype {other:?} (bf16 or f32 only)"))),
+        }
+    }
+
+    fn fwd<T: CudaDType + DeviceRepr>(x: &CudaStorage, lx: &Layout) -> Result<CudaStorage> {
+        if !lx.is_contiguous() {
+            return Err(msg(format!(
+                "gelu: input {:?} is not contiguous",
+                lx.dims()
+            )));
+        }
+        let dev = &x.device;
+        let n = lx.shape().elem_count();
+        let xs = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
+        // SAFETY: every element is written by the kernel's grid-stride loop.
+        let y = unsafe { dev.alloc::<T>(n)? };
+        let (module, code) = ptx(None, x.dtype())?;
+        let f = dev.get_or_load_custom_func("gelu_fwd", &module, &code)?;
+        let n64 = n as i64;
+        let mut b = f.builder();
+        b.arg(&xs).arg(&y).arg(&n64);
+        // SAFETY: argument types and order match `gelu_fwd` in kernels.cu.
+        unsafe { b.launch(config(n)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+    }
+
+    pub fn backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+        if dy.dims() != x.dims() || dy.dtype() != x.dtype() {
+            return Err(msg(format!(
+                "gelu: gradient {:?} {:?} does not match x {:?} {:?}",
+                dy.dims(),
+                dy.dtype(),
+                x.dims(),
+                x.dtype()
+            )));
+        }
+        match x.dtype() {
+            DType::BF16 => bwd::<bf16>(x, dy),
+            DType::F32 => bwd::<f32>(x, dy),
+            other => Err(msg(format!("gelu: dtype {other:?} (bf16 or f32 only)"))),
+        }
+    }
+
+    fn bwd<T: CudaDType + DeviceRepr>(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+        let dev = device(x)?;
+        let n = x.elem_count();
+        let (gx, ox) = storage(x, "x")?;
+        let (gd, od) = storage(dy, "grad")?;
+        let xs = slice::<T>(&gx)?.slice(ox..);
+        let ds = slice::<T>(&gd)?.slice(od..);
+        // SAFETY: every element is written by the kernel's grid-stride loop.
+        let dx = unsafe { dev.alloc::<T>(n)? };
+        let (module, code) = ptx(None, x.dtype())?;
+        let f = dev.get_or_load_custom_func("gelu_bwd", &module, &code)?;
+        let n64 = n as i64;
+        let mut b = f.builder();
+        b.arg(&xs).arg(&ds).arg(&dx).arg(&n64);
+        // SAFETY: argument types and order match `gelu_bwd` in kernels.cu.
+        unsafe { b.launch(config(n)) }.w()?;
+        Ok(tensor(&dev, dx, x.shape().clone()))
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, Var};
+
+    fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+        let a = a.to_dtype(DType::F64).unwrap();
+        let b = b.to_dtype(DType::F64).unwrap();
+        let num = (a - &b).unwrap().sqr().unwrap().sum_all().unwrap();
+        let den = b.sqr().unwrap().sum_all().unwrap();
+        (num.to_scalar::<f64>().unwrap() / den.to_scalar::<f64>().unwrap()).sqrt()
+    }
+
+    /// Output and dx against candle's `gelu` and its autograd, computed in f32.
+    fn check(n: usize, dtype: DType, tol: f64) {
+        let dev = match Device::new_cuda(0) {
+            Ok(d) => d,
+            Err(_) => {
+                eprintln!("skipped: no CUDA device");
+                return;
+            }
+        };
+        let x = (Tensor::randn(0f32, 1f32, (n, 3), &dev).unwrap() * 3.0).unwrap();
+        let g = Tensor::randn(0f32, 1f32, (n, 3), &dev).unwrap();
+        let run = |fused: bool, dt: DType| {
+            let v = Var::from_tensor(&x.to_dtype(dtype).unwrap().to_dtype(dt).unwrap()).unwrap();
+            let y = if fused {
+                gelu(v.as_tensor()).unwrap()
+            } else {
+                v.as_tensor().gelu().unwrap()
+            };
+            let grads = (&y * g.to_dtype(dt).unwrap())
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            (y, grads.get(v.as_tensor()).unwrap().clone())
+        };
+        let (y, dx) = run(true, dtype);
+        let (y_ref, dx_ref) = run(false, DType::F32);
+        let e = rel_err(&y, &y_ref);
+        assert!(e < tol, "forward rel err {e} >= {tol} ({dtype:?})");
+        let e = rel_err(&dx, &dx_ref);
+        assert!(e < tol, "dx rel err {e} >= {tol} ({dtype:?})");
+    }
+
+    #[test]
+    fn matches_candle_gelu() {
+        check(100_000, DType::BF16, 1e-2);
+        check(1000, DType::F32, 1e-5);
+    }
+}

@@ -1,0 +1,393 @@
+//! Fused LayerNorm over the last dimension, forward and backward, statistics in f32.
+//!
+//! ```text
+//!   plain:  x ─> f32 ─> mean ─> x−mean ─> sqr ─> mean ─> +eps ─> sqrt ─> ÷ ─> ·w ─> +b ─> bf16
+//!           (about 12 kernels forward, twice that backward, (N, C) f32 copies kept)
+//!   fused:  forward   ln_fwd     one warp per row: mean, rstd = 1/√(var + eps), y
+//!           backward  ln_bwd_dx  one warp per row: dx = rstd·(dy·w − mean(dy·w) − x̂·mean(dy·w·x̂))
+//!                     ln_bwd_dwdb one thread per column over 128 rows: dw = Σ dy·x̂, db = Σ dy
+//! ```
+//!
+//! Only mean and rstd (N,) f32 are kept for the backward; `x̂ = (x − mean)·rstd` is rebuilt.
+//! Legend: `N` rows (tokens), `C` width.
+
+use candle_core::{CustomOp3, Layout, Result, Shape, Tensor};
+
+use super::msg;
+
+/// Whether the fused kernel can normalise `x` with weight and bias `w`, `b` (one dtype).
+pub fn supported(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
+    super::enabled_for(x) && w.dtype() == x.dtype() && b.dtype() == x.dtype()
+}
+
+/// LayerNorm of x (..., C) with weight and bias (C,), biased variance, in x's dtype.
+/// Differentiable in all three. CUDA only: see [`supported`].
+pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+    let c = x.dims().last().copied().unwrap_or(0);
+    if w.dims() != [c] || b.dims() != [c] {
+        return Err(msg(format!(
+            "layer_norm: weight {:?} and bias {:?} must be ({c},) for x {:?}",
+            w.dims(),
+            b.dims(),
+            x.dims()
+        )));
+    }
+    if w.dtype() != x.dtype() || b.dtype() != x.dtype() {
+        return Err(msg(format!(
+            "layer_norm: x {:?}, weight {:?}, bias {:?} must share a dtype",
+            x.dtype(),
+            w.dtype(),
+            b.dtype()
+        )));
+    }
+    x.contiguous()?
+        .apply_op3(&w.contiguous()?, &b.contiguous()?, LayerNormOp::new(eps))
+}
+
+/// The recorded op: its forward leaves (mean, rstd) here for its backward.
+struct LayerNormOp {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    eps: f64,
+    stats: std::sync::Mutex<Option<(Tensor, Tensor)>>,
+}
+
+impl LayerNormOp {
+    fn new(eps: f64) -> Self {
+        Self {
+            eps,
+            stats: std::sync::Mutex::new(None),
+        }
+    }
+}
+
+impl CustomOp3 for LayerNormOp {
+    fn name(&self) -> &'static str {
+        "layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CpuStorage, Shape)> {
+        Err(msg(
+            "layer_norm runs on CUDA only; the CPU path is layers::LayerNorm".into(),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        w: &candle_core::CudaStorage,
+        lw: &Layout,
+        b: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (y, stats) = imp::forward(x, lx, w, lw, b, lb, self.eps)?;
+        *self
+            .stats
+            .lock()
+            .map_err(|_| msg("layer_norm: stats lock poisoned".into()))? = Some(stats);
+        Ok((y, lx.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _y: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (mean, rstd) = self
+            .stats
+            .lock()
+            .map_err(|_| msg("layer_norm: stats lock poisoned".into()))?
+            .clone()
+            .ok_or_else(|| msg("layer_norm: backward before forward".into()))?;
+        let (dx, dw, db) = backward(x, w, &grad.contiguous()?, &mean, &rstd)?;
+        Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+/// (dx, dw, db) from x, w, dy and the forward's statistics.
+#[allow(unused_variables)]
+fn backward(
+    x: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+    mean: &Tensor,
+    rstd: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    {
+        imp::backward(x, w, dy, mean, rstd)
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(msg("layer_norm backward runs on CUDA only".into()))
+}
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::{CudaStorage, DType, Layout, Result, Tensor};
+    use half::bf16;
+
+    use super::super::cuda::{device, ptx, slice, storage, tensor};
+    use super::super::msg;
+
+    /// One warp per row, 8 rows per block.
+    const ROWS_PER_BLOCK: usize = 8;
+    /// Rows per block of `ln_bwd_dwdb` (LN_ROWS in kernels.cu) and its threads (columns).
+    const DWDB_ROWS: usize = 128;
+    const DWDB_THREADS: usize = 256;
+
+    fn rows_config(n: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (n.div_ceil(ROWS_PER_BLOCK) as u32, 1, 1),
+            block_dim: ((32 * ROWS_PER_BLOCK) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    fn n_c(shape: &[usize]) -> Result<(usize, usize)> {
+        match shape.split_last() {
+            Some((&c, lead)) if c > 0 => Ok((lead.iter().product(), c)),
+            _ => Err(msg(format!("layer_norm: bad input shape {shape:?}"))),
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    pub fn forward(
+        x: &CudaStorage,
+        lx: &Layout,
+        w: &CudaStorage,
+        lw: &Layout,
+        b: &CudaStorage,
+        lb: &Layout,
+        eps: f64,
+    ) -> Result<(CudaStorage, (Tensor, Tensor))> {
+        match x.dtype() {
+            DType::BF16 => fwd::<bf16>(x, lx, w, lw, b, lb, eps),
+            DType::F32 => fwd::<f32>(x, lx, w, lw, b, lb, eps),
+            other => Err(msg(format!(
+                "layer_norm: dtype {other:?} (bf16 or f32 only)"
+            ))),
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn fwd<T: CudaDType + DeviceRepr>(
+        x: &CudaStorage,
+        lx: &Layout,
+        w: &CudaStorage,
+        lw: &Layout,
+        b: &CudaStorage,
+        lb: &Layout,
+        eps: f64,
+    ) -> Result<(CudaStorage, (Tensor, Tensor))> {
+        for (l, what) in [(lx, "x"), (lw, "weight"), (lb, "bias")] {
+            if !l.is_contiguous() {
+                return Err(msg(format!(
+                    "layer_norm: {what} {:?} is not contiguous",
+                    l.dims()
+                )));
+            }
+        }
+        let dev = &x.device;
+        let (n, c) = n_c(lx.dims())?;
+        let xs = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
+        let ws = w.as_cuda_slice::<T>()?.slice(lw.start_offset()..);
+        let bs = b.as_cuda_slice::<T>()?.slice(lb.start_offset()..);
+        // SAFETY: every element is written by the kernel (one warp per row, every column).
+        let y = unsafe { dev.alloc::<T>(n * c)? };
+        let mean = unsafe { dev.alloc::<f32>(n)? };
+        let rstd = unsafe { dev.alloc::<f32>(n)? };
+        let (module, code) = ptx(None, x.dtype())?;
+        let f = dev.get_or_load_custom_func("ln_fwd", &module, &code)?;
+        let (n32, c32, eps32) = (n as i32, c as i32, eps as f32);
+        let mut bl = f.builder();
+        bl.arg(&xs).arg(&ws).arg(&bs).arg(&y).arg(&mean).arg(&rstd);
+        bl.arg(&n32).arg(&c32).arg(&eps32);
+        // SAFETY: argument types and order match `ln_fwd` in kernels.cu.
+        unsafe { bl.launch(rows_config(n)) }.w()?;
+        let stats = (tensor(dev, mean, n), tensor(dev, rstd, n));
+        Ok((CudaStorage::wrap_cuda_slice(y, dev.clone()), stats))
+    }
+
+    pub fn backward(
+        x: &Tensor,
+        w: &Tensor,
+        dy: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        match x.dtype() {
+            DType::BF16 => bwd::<bf16>(x, w, dy, mean, rstd),
+            DType::F32 => bwd::<f32>(x, w, dy, mean, rstd),
+            other => Err(msg(format!(
+                "layer_norm: dtype {other:?} (bf16 or f32 only)"
+            ))),
+        }
+    }
+
+    fn bwd<T: CudaDType + DeviceRepr>(
+        x: &Tensor,
+        w: &Tensor,
+        dy: &Tensor,
+        mean: &Tensor,
+        rstd: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let dev = device(x)?;
+        let (n, c) = n_c(x.dims())?;
+        if dy.dims() != x.dims() || dy.dtype() != x.dtype() {
+            return Err(msg(format!(
+                "layer_norm: gradient {:?} {:?} does not match x {:?} {:?}",
+                dy.dims(),
+                dy.dtype(),
+                x.dims(),
+                x.dtype()
+            )));
+        }
+        let (gx, ox) = storage(x, "x")?;
+        let (gw, ow) = storage(w, "weight")?;
+        let (gd, od) = storage(dy, "grad")?;
+        let (gm, om) = storage(mean, "mean")?;
+        let (gr, or) = storage(rstd, "rstd")?;
+        let xs = slice::<T>(&gx)?.slice(ox..);
+        let ws = slice::<T>(&gw)?.slice(ow..);
+        let ds = slice::<T>(&gd)?.slice(od..);
+        let ms = slice::<f32>(&gm)?.slice(om..);
+        let rs = slice::<f32>(&gr)?.slice(or..);
+        // SAFETY: every element of dx is written by `ln_bwd_dx`; dw and db are zeroed here.
+        let dx = unsafe { dev.alloc::<T>(n * c)? };
+        let dw = dev.alloc_zeros::<f32>(c)?;
+        let db = dev.alloc_zeros::<f32>(c)?;
+        let (module, code) = ptx(None, x.dtype())?;
+        let (n32, c32) = (n as i32, c as i32);
+
+        let f = dev.get_or_load_custom_func("ln_bwd_dx", &module, &code)?;
+        let mut bl = f.builder();
+        bl.arg(&xs).arg(&ws).arg(&ds).arg(&ms).arg(&rs).arg(&dx);
+        bl.arg(&n32).arg(&c32);
+        // SAFETY: argument types and order match `ln_bwd_dx` in kernels.cu.
+        unsafe { bl.launch(rows_config(n)) }.w()?;
+
+        let f = dev.get_or_load_custom_func("ln_bwd_dwdb", &module, &code)?;
+        let mut bl = f.builder();
+        bl.arg(&xs).arg(&ds).arg(&ms).arg(&rs).arg(&dw).arg(&db);
+        bl.arg(&n32).arg(&c32);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                c.div_ceil(DWDB_THREADS) as u32,
+                n.div_ceil(DWDB_ROWS) as u32,
+                1,
+            ),
+            block_dim: (DWDB_THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types and order match `ln_bwd_dwdb` in kernels.cu.
+        unsafe { bl.launch(cfg) }.w()?;
+
+        let dtype = w.dtype();
+        Ok((
+            tensor(&dev, dx, x.shape().clone()),
+            tensor(&dev, dw, c).to_dtype(dtype)?,
+            tensor(&dev, db, c).to_dtype(dtype)?,
+        ))
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, Var};
+
+    fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+        let a = a.to_dtype(DType::F64).unwrap();
+        let b = b.to_dtype(DType::F64).unwrap();
+        let num = (a - &b).unwrap().sqr().unwrap().sum_all().unwrap();
+        let den = b.sqr().unwrap().sum_all().unwrap();
+        (num.to_scalar::<f64>().unwrap() / den.to_scalar::<f64>().unwrap()).sqrt()
+    }
+
+    /// Output and dx, dw, db of the fused kernel against `layers::LayerNorm`'s candle ops
+    /// computed in f32 from the same inputs.
+    fn check(n: usize, c: usize, dtype: DType, tol: f64) {
+        let dev = match Device::new_cuda(0) {
+            Ok(d) => d,
+            Err(_) => {
+                eprintln!("skipped: no CUDA device");
+                return;
+            }
+        };
+        let r = |s: &[usize], mean: f32| {
+            Tensor::randn(mean, 1f32, s, &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+        };
+        // An offset mean in x checks that the variance is taken about the mean.
+        let (x, w, b, g) = (
+            r(&[2, n, c], 3.0),
+            r(&[c], 1.0),
+            r(&[c], 0.0),
+            r(&[2, n, c], 0.0),
+        );
+        let run = |fused: bool, dt: DType| {
+            let vars: Vec<Var> = [&x, &w, &b]
+                .iter()
+                .map(|t| Var::from_tensor(&t.to_dtype(dt).unwrap()).unwrap())
+                .collect();
+            let (xv, wv, bv) = (
+                vars[0].as_tensor(),
+                vars[1].as_tensor(),
+                vars[2].as_tensor(),
+            );
+            let y = if fused {
+                layer_norm(xv, wv, bv, 1e-5).unwrap()
+            } else {
+                crate::layers::layer_norm_plain(xv, wv, bv, 1e-5).unwrap()
+            };
+            let grads = (&y * g.to_dtype(dt).unwrap())
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let gs: Vec<Tensor> = vars
+                .iter()
+                .map(|v| grads.get(v.as_tensor()).unwrap().clone())
+                .collect();
+            (y, gs)
+        };
+        let (y, gs) = run(true, dtype);
+        let (y_ref, gs_ref) = run(false, DType::F32);
+        let e = rel_err(&y, &y_ref);
+        assert!(
+            e < tol,
+            "forward rel err {e} >= {tol} (N={n}, C={c}, {dtype:?})"
+        );
+        for (name, (a, b)) in ["dx", "dw", "db"].iter().zip(gs.iter().zip(&gs_ref)) {
+            let e = rel_err(a, b);
+            assert!(
+                e < tol,
+                "{name} rel err {e} >= {tol} (N={n}, C={c}, {dtype:?})"
+            );
+        }
+    }
+
+    #[test]
+    fn matches_plain_layer_norm() {
+        check(300, 768, DType::BF16, 1e-2);
+        check(70, 100, DType::F32, 1e-5);
+    }
+}
