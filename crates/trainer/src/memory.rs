@@ -354,7 +354,7 @@ impl MemoryReport {
             "memory, step {} rank {} ({}):",
             self.step, self.rank, self.probe
         );
-        let _ = writeln!(s, "  {:<36}{}", "analytic", "measured");
+        let _ = writeln!(s, "  {:<36}measured", "analytic");
         let left = [
             ("parameters", a.params),
             ("gradients", a.grads),
@@ -383,7 +383,7 @@ impl MemoryReport {
                 .get(i)
                 .map(|(n, b)| format!("{n:<16}{}", mib(*b)))
                 .unwrap_or_default();
-            let _ = writeln!(s, "  {l:<36}{r}");
+            let _ = writeln!(s, "{}", format!("  {l:<36}{r}").trim_end());
         }
         if let Some(m) = &self.model_state {
             let _ = writeln!(
