@@ -48,7 +48,7 @@
 //! Legend: B batch, b = B/M micro-batch, T time, C width, P pipeline ranks, M micro-batches.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use candle_core::{DType, Shape, Tensor};
 use mtrain_comm::{chunk_range, Communicator, Work};
@@ -143,6 +143,9 @@ pub struct StepReport {
     pub moe_stats: Vec<MoeStats>,
     /// This rank's timeline of the step, in the order things happened.
     pub timeline: Vec<Span>,
+    /// Wall-clock time of the step's start, to line up the timelines of ranks (processes) that
+    /// share a clock.
+    pub started_at: SystemTime,
 }
 
 impl std::fmt::Display for StepReport {
@@ -389,7 +392,7 @@ impl PipelineExecutor {
         let (mut peak, mut loss_sum, mut aux_sum) = (0, 0.0, 0.0);
         let mut moe_stats: Vec<Vec<MoeStats>> = vec![Vec::new(); stages.chunks().len()];
         let (mut alive_bytes, mut peak_bytes) = (0, 0);
-        let start = links.timeline.t0;
+        let (start, started_at) = (links.timeline.t0, SystemTime::now());
         for (i, action) in sched.actions(rank).iter().enumerate() {
             let (mb, chunk) = (action.mb(), action.chunk());
             let stage = &stages.chunks()[chunk];
@@ -499,6 +502,7 @@ impl PipelineExecutor {
             peak_activation_bytes: peak_bytes,
             moe_stats: moe_stats.into_iter().flatten().collect(),
             timeline: links.timeline.spans,
+            started_at,
         };
         tracing::debug!(pp_rank = rank, schedule = %sched.kind(), "{report}");
         Ok(report)
