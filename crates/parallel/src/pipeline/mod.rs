@@ -18,7 +18,7 @@ pub mod executor;
 pub mod schedule;
 pub mod stage;
 
-pub use executor::{NoStageHooks, PipelineExecutor, StageHooks, StepReport};
+pub use executor::{NoStageHooks, PipelineExecutor, Span, SpanKind, StageHooks, StepReport};
 pub use schedule::{Action, Schedule, ScheduleError, ScheduleKind, Simulation};
 pub use stage::{PipelineStages, StageLayout};
 
