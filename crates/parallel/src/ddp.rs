@@ -44,18 +44,20 @@
 
 mod buckets;
 mod common;
+mod master;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use mtrain_comm::{Comm, ReduceOp, Work};
 use mtrain_model::optim::{AdamW, AdamWState, OptimItem};
 use mtrain_model::{Engine, Grads, NoHooks, Param, Segment};
 
 use buckets::BucketLauncher;
 pub use buckets::{assign_buckets, Bucket};
+pub use master::{grads_for_reduction, MasterWeights, MixedPrecision};
 pub use common::{
     decays, final_after, unique_params, verify_same_init, CommStats, DataParallel, DpError,
     ModelStateBytes, Result,
@@ -103,6 +105,10 @@ pub struct Ddp {
     params: Vec<Param>,
     buckets: Vec<Bucket>,
     grads: Grads,
+    /// fp32 masters under mixed precision ([`Ddp::with_mixed_precision`]).
+    masters: Option<MasterWeights>,
+    /// The dtype gradients are all-reduced in (and the optimizer sees).
+    reduce_dtype: DType,
     timer: Option<OpTimer>,
     current: CommStats,
     last: CommStats,
@@ -133,10 +139,37 @@ impl Ddp {
             params,
             buckets,
             grads: Grads::new(),
+            masters: None,
+            reduce_dtype: DType::F32,
             timer: None,
             current: CommStats::default(),
             last: CommStats::default(),
         })
+    }
+
+    /// Mixed precision: the segments compute in `precision.param_dtype` (they were built from
+    /// weights of that dtype) and AdamW updates fp32 masters copied from `fp32_weights` (the
+    /// full weights by name, before the cast); gradients are all-reduced in
+    /// `precision.reduce_dtype`. Without mixed precision this changes nothing.
+    pub fn with_mixed_precision(
+        mut self,
+        precision: MixedPrecision,
+        fp32_weights: &BTreeMap<String, Tensor>,
+    ) -> Result<Ddp> {
+        precision.validate()?;
+        if !precision.is_mixed() {
+            return Ok(self);
+        }
+        let mut masters = BTreeMap::new();
+        for p in &self.params {
+            let w = fp32_weights.get(p.name()).ok_or_else(|| {
+                DpError::Config(format!("no fp32 weight named `{}` for its master", p.name()))
+            })?;
+            masters.insert(p.name().to_string(), w.to_device(p.var().device())?);
+        }
+        self.masters = Some(MasterWeights::new(masters)?);
+        self.reduce_dtype = precision.reduce_dtype;
+        Ok(self)
     }
 
     /// The buckets, in launch order.
@@ -177,8 +210,8 @@ impl Ddp {
     fn sync_naive(&mut self) -> Result<()> {
         for p in &self.params {
             let g = match self.grads.get(p.name()) {
-                Some(g) => g.clone(),
-                None => Tensor::zeros(p.shape(), p.var().dtype(), p.var().device())?,
+                Some(g) => g.to_dtype(self.reduce_dtype)?,
+                None => Tensor::zeros(p.shape(), self.reduce_dtype, p.var().device())?,
             };
             let work = self.comm.all_reduce_async(&g, ReduceOp::Avg);
             let avg = timed_wait(work, &mut self.current.exposed_comm_s)?;
@@ -209,7 +242,12 @@ impl DataParallel for Ddp {
         let loss = sum_f64(&acts.output)?;
         let t = Instant::now();
         if sync && self.cfg.mode == DdpMode::Bucketed {
-            let mut hooks = BucketLauncher::new(&self.comm, &self.params, &self.buckets);
+            let mut hooks = BucketLauncher::new(
+                &self.comm,
+                &self.params,
+                &self.buckets,
+                self.reduce_dtype,
+            );
             engine.backward(
                 &self.segments,
                 acts,
@@ -262,8 +300,15 @@ impl DataParallel for Ddp {
         Ok(())
     }
 
+    fn masters(&self) -> Option<&MasterWeights> {
+        self.masters.as_ref()
+    }
+
     fn full_state(&self) -> Result<BTreeMap<String, Tensor>> {
-        Ok(named_weights(&self.params))
+        Ok(match &self.masters {
+            Some(m) => m.tensors(),
+            None => named_weights(&self.params),
+        })
     }
 
     fn full_grads(&self) -> Result<BTreeMap<String, Tensor>> {
@@ -271,7 +316,9 @@ impl DataParallel for Ddp {
     }
 
     fn model_state_bytes(&self, opt: &AdamW) -> ModelStateBytes {
-        replicated_state_bytes(&self.params, &self.grads, opt)
+        let mut s = replicated_state_bytes(&self.params, &self.grads, opt);
+        s.optimizer += self.masters.as_ref().map_or(0, |m| m.bytes());
+        s
     }
 
     fn comm_stats(&self) -> CommStats {
@@ -279,7 +326,11 @@ impl DataParallel for Ddp {
     }
 
     fn load_full_state(&mut self, weights: &BTreeMap<String, Tensor>) -> Result<()> {
-        load_replicated(&self.params, weights)
+        load_replicated(&self.params, weights)?;
+        if let Some(m) = &self.masters {
+            m.load(weights)?;
+        }
+        Ok(())
     }
 
     fn full_optimizer_state(&self, opt: &AdamW) -> Result<AdamWState> {

@@ -7,7 +7,7 @@
 //!   bucket order:    [ln_f, h.1.* …] [… h.0.*] [wpe, wte]   reverse, grouped by when they are final
 //! ```
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use mtrain_comm::{Comm, ReduceOp, Work};
 use mtrain_model::{Grads, Hooks, Param, Segment};
 use std::collections::BTreeMap;
@@ -99,11 +99,19 @@ pub(crate) struct BucketLauncher<'a> {
     pending: Vec<Work>,
     /// Bytes handed to those all-reduces.
     bytes: u64,
+    /// The dtype buckets are reduced in (f32 under mixed precision unless bf16 is asked for).
+    reduce_dtype: DType,
 }
 
 impl<'a> BucketLauncher<'a> {
-    pub(crate) fn new(comm: &'a Comm, params: &'a [Param], buckets: &'a [Bucket]) -> Self {
+    pub(crate) fn new(
+        comm: &'a Comm,
+        params: &'a [Param],
+        buckets: &'a [Bucket],
+        reduce_dtype: DType,
+    ) -> Self {
         Self {
+            reduce_dtype,
             comm,
             params,
             buckets,
@@ -115,7 +123,7 @@ impl<'a> BucketLauncher<'a> {
 
     fn launch_next(&mut self, grads: &Grads) -> candle_core::Result<()> {
         let b = &self.buckets[self.next];
-        let flat = flatten_grads(self.params, &b.params, grads)?; // (numel,)
+        let flat = flatten_grads(self.params, &b.params, grads)?.to_dtype(self.reduce_dtype)?; // (numel,)
         self.pending
             .push(self.comm.all_reduce_async(&flat, ReduceOp::Avg));
         self.bytes += (flat.elem_count() * flat.dtype().size_in_bytes()) as u64;

@@ -21,6 +21,8 @@ use mtrain_comm::{Comm, CommError, TraceEvent, Work};
 use mtrain_model::optim::{clip_coef, AdamW, AdamWState, OptimItem};
 use mtrain_model::{Engine, Grads, Param, Segment};
 
+use super::master::MasterWeights;
+
 /// Errors of the data-parallel strategies.
 #[derive(Debug, thiserror::Error)]
 pub enum DpError {
@@ -112,6 +114,12 @@ pub trait DataParallel {
     /// What the optimizer updates: full tensors (DDP) or this rank's flat shards (ZeRO).
     fn optimizer_items(&self) -> Vec<OptimItem<'_>>;
 
+    /// The fp32 masters the optimizer updates under mixed precision (None: it updates the
+    /// parameters of [`DataParallel::optimizer_items`] themselves).
+    fn masters(&self) -> Option<&MasterWeights> {
+        None
+    }
+
     /// After the optimizer: drop the gradients, and for ZeRO-1/2 all-gather the updated shards.
     fn after_optimizer_step(&mut self) -> Result<()>;
 
@@ -153,7 +161,10 @@ pub trait DataParallel {
                 self.scale_grads(c)?;
             }
         }
-        opt.step(lr, &self.optimizer_items())?;
+        match self.masters() {
+            Some(m) => m.step(opt, lr, &self.optimizer_items())?,
+            None => opt.step(lr, &self.optimizer_items())?,
+        }
         self.after_optimizer_step()?;
         Ok(norm)
     }
