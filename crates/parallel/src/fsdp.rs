@@ -57,7 +57,7 @@ use mtrain_model::{Engine, Grads, Hooks, Param, Segment};
 
 use crate::ddp::{
     final_after, sq_sum_f64, sum_f64, timed_wait, unique_params, verify_same_init, CommStats,
-    DataParallel, DpError, ModelStateBytes, OpTimer, Result,
+    DataParallel, DpError, MasterWeights, MixedPrecision, ModelStateBytes, OpTimer, Result,
 };
 use scheduler::{Residency, Scheduler};
 use unit::FlatUnit;
@@ -148,6 +148,8 @@ pub struct Fsdp {
     /// `needs[i]`: the units segment i uses.
     needs: Vec<Vec<usize>>,
     grads: Grads,
+    /// fp32 master shards under mixed precision ([`Fsdp::with_mixed_precision`]).
+    masters: Option<MasterWeights>,
     timer: Option<OpTimer>,
     current: CommStats,
     last: CommStats,
@@ -192,6 +194,7 @@ impl Fsdp {
             residency,
             needs,
             grads: Grads::new(),
+            masters: None,
             timer: None,
             current: CommStats::default(),
             last: CommStats::default(),
@@ -204,6 +207,56 @@ impl Fsdp {
             fsdp.timer = None;
         }
         Ok(fsdp)
+    }
+
+    /// Mixed precision: the segments compute in `precision.param_dtype` (they were built from
+    /// weights of that dtype, so the shards and all-gathers are in it too), AdamW updates fp32
+    /// master shards cut from `fp32_weights` (the full weights by name, before the cast) exactly
+    /// as the optimizer moments are cut, and gradients are reduce-scattered and kept in
+    /// `precision.reduce_dtype`. Without mixed precision this changes nothing.
+    pub fn with_mixed_precision(
+        mut self,
+        precision: MixedPrecision,
+        fp32_weights: &BTreeMap<String, Tensor>,
+    ) -> Result<Fsdp> {
+        precision.validate()?;
+        if !precision.is_mixed() {
+            return Ok(self);
+        }
+        self.masters = Some(MasterWeights::new(self.slice_items(fp32_weights)?)?);
+        for u in &mut self.units {
+            u.reduce_dtype = precision.reduce_dtype;
+        }
+        Ok(self)
+    }
+
+    /// This rank's shard pieces, keyed like the optimizer's state (`<segment>.flat.decay`, ...),
+    /// cut in f32 from full tensors by parameter name (moments, master weights).
+    fn slice_items(&self, full: &BTreeMap<String, Tensor>) -> Result<BTreeMap<String, Tensor>> {
+        let mut out = BTreeMap::new();
+        if full.is_empty() {
+            return Ok(out);
+        }
+        for u in self.units.iter().filter(|u| u.numel > 0) {
+            let flat = u.flatten(DType::F32, |e| full.get(e.param.name()).cloned())?; // (padded,)
+            let (decay, plain) = u.split(&u.my_slice(&flat)?)?;
+            for (name, t) in u.piece_names().into_iter().zip([decay, plain]) {
+                if let (Some(name), Some(t)) = (name, t) {
+                    out.insert(name.to_string(), t);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The reverse of [`Fsdp::slice_items`]: full f32 tensors by parameter name from shard pieces
+    /// keyed like the optimizer's state (a collective over the data-parallel group).
+    fn gather_items(&self, items: &BTreeMap<String, Tensor>) -> Result<BTreeMap<String, Tensor>> {
+        self.gather_full(|u| {
+            let [d, p] = u.piece_names();
+            let get = |n: Option<&str>| n.and_then(|n| items.get(n)).cloned();
+            u.join(DType::F32, get(d), get(p))
+        })
     }
 
     /// The hooks for one forward/backward, borrowing this strategy's state.
@@ -332,7 +385,7 @@ impl Fsdp {
     pub fn local_grad_sq_norm(&self, weight: impl Fn(&str) -> f64) -> Result<f64> {
         let mut total = 0.0;
         for u in self.units.iter().filter(|u| u.numel > 0) {
-            let w = u.my_slice(&u.flatten(|e| {
+            let w = u.my_slice(&u.flatten(DType::F32, |e| {
                 Tensor::full(weight(e.param.name()) as f32, e.numel, self.comm.device()).ok()
             })?)?; // (shard,)
             let g = u.grad_shard()?.to_dtype(DType::F64)?; // (shard,)
@@ -362,7 +415,8 @@ impl Fsdp {
     pub fn add_full_grads(&mut self, delta: &BTreeMap<String, Tensor>) -> Result<()> {
         let names: BTreeSet<String> = delta.keys().cloned().collect();
         for u in self.units.iter_mut().filter(|u| unit_has(u, &names)) {
-            let shard = u.my_slice(&u.flatten(|e| delta.get(e.param.name()).cloned())?)?; // (shard,)
+            let shard =
+                u.my_slice(&u.flatten(u.reduce_dtype, |e| delta.get(e.param.name()).cloned())?)?; // (shard,)
             u.add_grad_shard(&shard)?;
         }
         Ok(())
@@ -374,7 +428,7 @@ impl Fsdp {
     pub fn all_reduce_grads_of(&mut self, names: &BTreeSet<String>, group: &Comm) -> Result<()> {
         let device = self.comm.device().clone();
         for u in self.units.iter_mut().filter(|u| unit_has(u, names)) {
-            let mask = u.my_slice(&u.flatten(|e| {
+            let mask = u.my_slice(&u.flatten(u.reduce_dtype, |e| {
                 names
                     .contains(e.param.name())
                     .then(|| Tensor::ones(e.numel, u_dtype(e), &device).ok())
@@ -493,7 +547,14 @@ impl DataParallel for Fsdp {
         Ok(())
     }
 
+    fn masters(&self) -> Option<&MasterWeights> {
+        self.masters.as_ref()
+    }
+
     fn full_state(&self) -> Result<BTreeMap<String, Tensor>> {
+        if let Some(m) = &self.masters {
+            return self.gather_items(&m.tensors());
+        }
         if self.cfg.stage == ZeroStage::Three {
             return self.gather_full(|u| u.param_shard());
         }
@@ -512,7 +573,7 @@ impl DataParallel for Fsdp {
         let mut s = ModelStateBytes {
             params: 0,
             grads: 0,
-            optimizer: opt.state_bytes(),
+            optimizer: opt.state_bytes() + self.masters.as_ref().map_or(0, |m| m.bytes()),
         };
         for u in &self.units {
             s.params += u
@@ -549,7 +610,7 @@ impl DataParallel for Fsdp {
                     )));
                 }
             }
-            let flat = u.flatten(|e| weights.get(e.param.name()).cloned())?; // (padded,)
+            let flat = u.flatten(u.dtype(), |e| weights.get(e.param.name()).cloned())?; // (padded,)
             let (decay, plain) = u.split(&u.my_slice(&flat)?)?;
             for (p, t) in [(&u.decay_shard, decay), (&u.plain_shard, plain)] {
                 if let (Some(p), Some(t)) = (p, t) {
@@ -562,50 +623,30 @@ impl DataParallel for Fsdp {
                 }
             }
         }
+        if let Some(m) = &self.masters {
+            m.load(&self.slice_items(weights)?)?;
+        }
         Ok(())
     }
 
     fn full_optimizer_state(&self, opt: &AdamW) -> Result<AdamWState> {
         let state = opt.state();
-        let gather = |moments: &BTreeMap<String, Tensor>| -> Result<BTreeMap<String, Tensor>> {
-            self.gather_full(|u| {
-                let [d, p] = u.piece_names();
-                let get = |n: Option<&str>| n.and_then(|n| moments.get(n)).cloned();
-                u.join(get(d), get(p))
-            })
-        };
         if state.m.is_empty() {
             // No step taken yet: nothing to gather (and nothing a single device would hold).
             return Ok(state);
         }
         Ok(AdamWState {
             step: state.step,
-            m: gather(&state.m)?,
-            v: gather(&state.v)?,
+            m: self.gather_items(&state.m)?,
+            v: self.gather_items(&state.v)?,
         })
     }
 
     fn shard_optimizer_state(&self, full: &AdamWState) -> Result<AdamWState> {
-        let shard = |moments: &BTreeMap<String, Tensor>| -> Result<BTreeMap<String, Tensor>> {
-            let mut out = BTreeMap::new();
-            if moments.is_empty() {
-                return Ok(out);
-            }
-            for u in self.units.iter().filter(|u| u.numel > 0) {
-                let flat = u.flatten(|e| moments.get(e.param.name()).cloned())?; // (padded,)
-                let (decay, plain) = u.split(&u.my_slice(&flat)?)?;
-                for (name, t) in u.piece_names().into_iter().zip([decay, plain]) {
-                    if let (Some(name), Some(t)) = (name, t) {
-                        out.insert(name.to_string(), t);
-                    }
-                }
-            }
-            Ok(out)
-        };
         Ok(AdamWState {
             step: full.step,
-            m: shard(&full.m)?,
-            v: shard(&full.v)?,
+            m: self.slice_items(&full.m)?,
+            v: self.slice_items(&full.v)?,
         })
     }
 }

@@ -46,6 +46,9 @@ pub(crate) struct FlatUnit {
     pad: usize,
     dtype: DType,
     device: Device,
+    /// The dtype gradients are reduce-scattered and kept in (the parameters' dtype unless
+    /// mixed precision asks for f32).
+    pub reduce_dtype: DType,
     /// The two pieces of this rank's shard, as parameters the optimizer updates.
     pub decay_shard: Option<Param>,
     pub plain_shard: Option<Param>,
@@ -95,6 +98,7 @@ impl FlatUnit {
             len_plain,
             pad: shard - len_decay - len_plain,
             dtype,
+            reduce_dtype: dtype,
             device: device.clone(),
             decay_shard: None,
             plain_shard: None,
@@ -102,7 +106,7 @@ impl FlatUnit {
             grad_plain: None,
         };
         let (decay, plain) =
-            unit.split(&unit.my_slice(&unit.flatten(|e| Some(e.param.tensor().detach()))?)?)?;
+            unit.split(&unit.my_slice(&unit.flatten(dtype, |e| Some(e.param.tensor().detach()))?)?)?;
         unit.decay_shard = decay
             .map(|t| Param::new(format!("{name}.flat.decay"), t))
             .transpose()?;
@@ -110,6 +114,11 @@ impl FlatUnit {
             .map(|t| Param::new(format!("{name}.flat.no_decay"), t))
             .transpose()?;
         Ok(unit)
+    }
+
+    /// The parameters' dtype (what the shards hold and the all-gathers move).
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// Bytes of the unit's full (padded) flat buffer.
@@ -125,28 +134,24 @@ impl FlatUnit {
         ]
     }
 
-    /// One tensor per entry, by name (zeros where `part` has none), laid out flat: (padded,).
-    /// A tensor whose element count differs from its entry's is an error naming it.
-    pub fn flatten(&self, part: impl Fn(&Entry) -> Option<Tensor>) -> Result<Tensor> {
+    /// One tensor per entry, by name (zeros where `part` has none), laid out flat in `dtype`:
+    /// (padded,). A tensor whose element count differs from its entry's is an error naming it.
+    pub fn flatten(&self, dtype: DType, part: impl Fn(&Entry) -> Option<Tensor>) -> Result<Tensor> {
         let mut parts = Vec::with_capacity(self.entries.len() + 1);
         for e in &self.entries {
             let t = match part(e) {
-                Some(t) if t.elem_count() == e.numel => t.flatten_all()?.to_dtype(self.dtype)?,
+                Some(t) if t.elem_count() == e.numel => t.flatten_all()?.to_dtype(dtype)?,
                 Some(t) => candle_core::bail!(
                     "`{}` has shape {:?} but the model's parameter has {:?}",
                     e.param.name(),
                     t.dims(),
                     e.shape.dims()
                 ),
-                None => Tensor::zeros(e.numel, self.dtype, &self.device)?,
+                None => Tensor::zeros(e.numel, dtype, &self.device)?,
             };
             parts.push(t);
         }
-        parts.push(Tensor::zeros(
-            self.padded - self.numel,
-            self.dtype,
-            &self.device,
-        )?);
+        parts.push(Tensor::zeros(self.padded - self.numel, dtype, &self.device)?);
         Tensor::cat(&parts, 0)
     }
 
@@ -166,15 +171,16 @@ impl FlatUnit {
         Ok((decay, plain))
     }
 
-    /// Joins the two pieces (zeros for a missing one) and the padding into a shard: (shard,).
-    pub fn join(&self, decay: Option<Tensor>, plain: Option<Tensor>) -> Result<Tensor> {
+    /// Joins the two pieces (zeros for a missing one) and the padding into a shard in `dtype`:
+    /// (shard,).
+    pub fn join(&self, dtype: DType, decay: Option<Tensor>, plain: Option<Tensor>) -> Result<Tensor> {
         let or_zeros = |t: Option<Tensor>, n: usize| {
-            t.map_or_else(|| Tensor::zeros(n, self.dtype, &self.device), Ok)
+            t.map_or_else(|| Tensor::zeros(n, dtype, &self.device), |t| t.to_dtype(dtype))
         };
         let parts = [
             or_zeros(decay, self.len_decay)?,
             or_zeros(plain, self.len_plain)?,
-            Tensor::zeros(self.pad, self.dtype, &self.device)?,
+            Tensor::zeros(self.pad, dtype, &self.device)?,
         ];
         Tensor::cat(&parts, 0)
     }
@@ -182,22 +188,27 @@ impl FlatUnit {
     /// This rank's shard of the parameters: (shard,).
     pub fn param_shard(&self) -> Result<Tensor> {
         let get = |p: &Option<Param>| p.as_ref().map(|p| p.tensor().detach());
-        self.join(get(&self.decay_shard), get(&self.plain_shard))
+        self.join(self.dtype, get(&self.decay_shard), get(&self.plain_shard))
     }
 
     /// This rank's shard of the averaged gradient: (shard,).
     pub fn grad_shard(&self) -> Result<Tensor> {
-        self.join(self.grad_decay.clone(), self.grad_plain.clone())
+        self.join(
+            self.reduce_dtype,
+            self.grad_decay.clone(),
+            self.grad_plain.clone(),
+        )
     }
 
-    /// The unit's full gradient from `grads` (zeros for a parameter without one): (padded,).
+    /// The unit's full gradient from `grads` (zeros for a parameter without one) in the reduce
+    /// dtype: (padded,).
     pub fn flat_grad(&self, grads: &Grads) -> Result<Tensor> {
-        self.flatten(|e| grads.get(e.param.name()).cloned())
+        self.flatten(self.reduce_dtype, |e| grads.get(e.param.name()).cloned())
     }
 
     /// Adds a reduce-scattered gradient shard (shard,) to the stored pieces.
     pub fn add_grad_shard(&mut self, shard: &Tensor) -> Result<()> {
-        let (decay, plain) = self.split(shard)?;
+        let (decay, plain) = self.split(&shard.to_dtype(self.reduce_dtype)?)?;
         let add = |old: Option<Tensor>, new: Option<Tensor>| -> Result<Option<Tensor>> {
             match (old, new) {
                 (Some(o), Some(n)) => Ok(Some((o + n)?)),
