@@ -14,7 +14,10 @@
 //! (+4Φ/N: the shard the optimizer updates and its reduced gradient, next to the full copies;
 //! the weight shard is the analogue of ZeRO's fp32 master copy. Stage 3 also holds the gathered
 //! weights of the segments in flight, at most two at a time ([`Fsdp::in_flight_bytes`]). With
-//! mixed precision the same table reads 2+2+12 bytes per parameter: 16Φ/N at stage 3. Shards
+//! mixed precision ([`Fsdp::set_mixed_precision`]) the shards and gathers are bf16, the fp32
+//! master shards sit next to Adam's moments and are sharded like them, and the same table reads
+//! 2+2+12 bytes per parameter: 16Φ/N at stage 3. Gradients are reduce-scattered in the reduce
+//! dtype: f32 by default, so the kept gradient shard is then 4Φ/N rather than 2Φ/N. Shards
 //! are padded per segment, so a rank may hold up to one element per segment more than Φ/N.)
 //!
 //! The unit of sharding is a segment of the block-wise engine: its parameters are laid out in one
@@ -209,25 +212,30 @@ impl Fsdp {
         Ok(fsdp)
     }
 
-    /// Mixed precision: the segments compute in `precision.param_dtype` (they were built from
-    /// weights of that dtype, so the shards and all-gathers are in it too), AdamW updates fp32
+    /// Mixed precision (call right after [`Fsdp::new`]): the segments compute in
+    /// `precision.param_dtype` (they were built from weights of that dtype, so the shards and all-gathers are in it too), AdamW updates fp32
     /// master shards cut from `fp32_weights` (the full weights by name, before the cast) exactly
     /// as the optimizer moments are cut, and gradients are reduce-scattered and kept in
     /// `precision.reduce_dtype`. Without mixed precision this changes nothing.
-    pub fn with_mixed_precision(
-        mut self,
+    pub fn set_mixed_precision(
+        &mut self,
         precision: MixedPrecision,
         fp32_weights: &BTreeMap<String, Tensor>,
-    ) -> Result<Fsdp> {
+    ) -> Result<()> {
         precision.validate()?;
         if !precision.is_mixed() {
-            return Ok(self);
+            return Ok(());
         }
         self.masters = Some(MasterWeights::new(self.slice_items(fp32_weights)?)?);
         for u in &mut self.units {
             u.reduce_dtype = precision.reduce_dtype;
         }
-        Ok(self)
+        Ok(())
+    }
+
+    /// Bytes of the fp32 master shards (0 without mixed precision).
+    pub fn master_bytes(&self) -> usize {
+        self.masters.as_ref().map_or(0, |m| m.bytes())
     }
 
     /// This rank's shard pieces, keyed like the optimizer's state (`<segment>.flat.decay`, ...),

@@ -48,6 +48,13 @@
 //! `wte`, on dp rank 0 if its gradient is replicated over dp — ZeRO shards are disjoint and
 //! always count, an expert on its edp replica 0) and one all-reduce over the world adds it up.
 //!
+//! **Mixed precision** ([`ParallelPlan::precision`]). Every technique is built from the bf16
+//! cast of the full weights, so weights, activations, pipeline sends and tensor-parallel
+//! collectives are bf16; fp32 masters are cut from the fp32 weights like the optimizer moments
+//! (tp slice, then ZeRO shard pieces) and AdamW steps them ([`MasterWeights`]). Gradients are cast
+//! to the reduce dtype before the first reduction (dp, sequence-parallel sums, tied `wte`); ZeRO
+//! reduce-scatters in it. `full_state` gathers the masters, so checkpoints stay fp32.
+//!
 //! **Layout-independent state.** Every rank knows every name and shape from
 //! [`param_specs`]. `full_state` first gathers over dp (ZeRO) and tp ([`ShardLayout`]), then
 //! broadcasts each tensor over the world from its owner (dp 0, tp 0, the pp rank of its stage; an
@@ -70,8 +77,9 @@ use mtrain_model::optim::{clip_coef, AdamW, AdamWState, OptimItem};
 use mtrain_model::{Engine, Gpt, GptConfig, Grads, Hooks, MoeStats, NoHooks, Param, Segment};
 
 use crate::ddp::{
-    replicated_items, scale_all, set_weight, sq_sum_f64, sum_f64, verify_same_init, CommStats,
-    DataParallel, DdpConfig, DpError, ModelStateBytes,
+    grads_for_reduction, replicated_items, scale_all, set_weight, sq_sum_f64, sum_f64,
+    verify_same_init, CommStats, DataParallel, DdpConfig, DpError, MasterWeights, MixedPrecision,
+    ModelStateBytes,
 };
 use crate::expert_parallel::{self, is_expert_param, EpError};
 use crate::fsdp::{analytic_model_state, Fsdp, FsdpConfig, FsdpHooks, ZeroStage};
@@ -128,6 +136,8 @@ pub struct ParallelPlan {
     pub stage_counts: Option<Vec<usize>>,
     /// Activation checkpointing: keep only segment inputs, recompute in backward.
     pub checkpointing: bool,
+    /// Compute dtype and gradient-reduction dtype (bf16 compute keeps fp32 masters).
+    pub precision: MixedPrecision,
 }
 
 impl ParallelPlan {
@@ -141,6 +151,7 @@ impl ParallelPlan {
             microbatches: 1,
             stage_counts: None,
             checkpointing: false,
+            precision: MixedPrecision::default(),
         }
     }
 
@@ -352,6 +363,9 @@ pub struct ParallelModel {
     /// This rank's parameters, each once, in model order.
     params: Vec<Param>,
     replicas: Replicas,
+    /// fp32 masters of `params` under mixed precision with full replicas (ZeRO keeps its
+    /// master shards in each [`Fsdp`]).
+    masters: Option<MasterWeights>,
     grads: Grads,
     current: CommStats,
     last: CommStats,
@@ -373,6 +387,21 @@ pub fn parallelize(
         )));
     }
     explain(plan.layout_problems(cfg, mesh.dims.world_size()))?;
+    plan.precision.validate()?;
+    let fp32_weights = weights;
+    // The compute copy every technique below is built from (bf16 under mixed precision).
+    let cast: BTreeMap<String, Tensor>;
+    let weights = match plan.precision.is_mixed() {
+        true => {
+            let dtype = plan.precision.param_dtype;
+            cast = weights
+                .iter()
+                .map(|(n, t)| Ok((n.clone(), t.to_dtype(dtype)?)))
+                .collect::<candle_core::Result<_>>()?;
+            &cast
+        }
+        false => weights,
+    };
     let MeshDims { pp, tp, ep, .. } = plan.dims;
     let c = mesh.coords;
     let sp = plan.sequence_parallel && tp > 1;
@@ -441,7 +470,7 @@ pub fn parallelize(
             Replicas::Full
         }
     };
-    Ok(ParallelModel {
+    let mut pm = ParallelModel {
         plan: plan.clone(),
         cfg: cfg.clone(),
         coords: c,
@@ -458,10 +487,15 @@ pub fn parallelize(
         tied,
         params,
         replicas,
+        masters: None,
         grads: Grads::new(),
         current: CommStats::default(),
         last: CommStats::default(),
-    })
+    };
+    if plan.precision.is_mixed() {
+        pm.attach_masters(fp32_weights)?;
+    }
+    Ok(pm)
 }
 
 fn f64_of(t: &Tensor) -> Result<Vec<f64>> {
@@ -469,6 +503,22 @@ fn f64_of(t: &Tensor) -> Result<Vec<f64>> {
 }
 
 impl ParallelModel {
+    /// fp32 masters from the full fp32 weights, cut like this rank's optimizer state (tp slice,
+    /// then ZeRO shard pieces).
+    fn attach_masters(&mut self, fp32_weights: &BTreeMap<String, Tensor>) -> Result<()> {
+        let local = self.local_slices(fp32_weights, "weight")?;
+        let precision = self.plan.precision;
+        match &mut self.replicas {
+            Replicas::Full => self.masters = Some(MasterWeights::new(local)?),
+            Replicas::Zero(fsdps) => {
+                for f in fsdps.iter_mut() {
+                    f.set_mixed_precision(precision, &local)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The plan this model was built from.
     pub fn plan(&self) -> &ParallelPlan {
         &self.plan
@@ -565,6 +615,11 @@ impl ParallelModel {
         let t = std::time::Instant::now();
         match &mut self.replicas {
             Replicas::Full => {
+                if self.plan.precision.is_mixed() {
+                    // Every reduction below (dp, tp partial sums, tied wte) runs in this dtype.
+                    let dtype = self.plan.precision.reduce_dtype;
+                    grads_for_reduction(&self.params, &mut self.grads, dtype)?;
+                }
                 if self.plan.dims.dp > 1 {
                     let (n, bytes) = expert_parallel::sync_grads(
                         &self.params,
@@ -681,7 +736,11 @@ impl ParallelModel {
                 if clip < 1.0 {
                     scale_all(&mut self.grads, clip)?;
                 }
-                opt.step(lr, &replicated_items(&self.params, &self.grads))?;
+                let items = replicated_items(&self.params, &self.grads);
+                match &self.masters {
+                    Some(m) => m.step(opt, lr, &items)?,
+                    None => opt.step(lr, &items)?,
+                }
             }
             Replicas::Zero(fsdps) => {
                 if clip < 1.0 {
@@ -691,7 +750,12 @@ impl ParallelModel {
                 }
                 let items: Vec<OptimItem> =
                     fsdps.iter().flat_map(|f| f.optimizer_items()).collect();
-                opt.step(lr, &items)?;
+                let masters: Vec<&MasterWeights> =
+                    fsdps.iter().filter_map(|f| f.masters()).collect();
+                match masters.is_empty() {
+                    true => opt.step(lr, &items)?,
+                    false => MasterWeights::step_all(&masters, opt, lr, &items)?,
+                }
                 for f in fsdps.iter_mut() {
                     f.after_optimizer_step()?;
                 }
@@ -825,13 +889,14 @@ impl ParallelModel {
 
     /// Every parameter as a full tensor by name, on every rank (a collective on all ranks).
     pub fn full_state(&self) -> Result<BTreeMap<String, Tensor>> {
-        let local = match &self.replicas {
-            Replicas::Full => self
+        let local = match (&self.replicas, &self.masters) {
+            (Replicas::Full, Some(m)) => m.tensors(),
+            (Replicas::Full, None) => self
                 .params
                 .iter()
                 .map(|p| (p.name().to_string(), p.tensor().detach()))
                 .collect(),
-            Replicas::Zero(fsdps) => {
+            (Replicas::Zero(fsdps), _) => {
                 let mut m = BTreeMap::new();
                 for f in fsdps {
                     m.extend(f.full_state()?);
@@ -928,6 +993,9 @@ impl ParallelModel {
                         set_weight(p, t)?;
                     }
                 }
+                if let Some(m) = &self.masters {
+                    m.load(&local)?;
+                }
             }
             Replicas::Zero(fsdps) => {
                 for f in fsdps.iter_mut() {
@@ -978,7 +1046,7 @@ impl ParallelModel {
             Replicas::Full => ModelStateBytes {
                 params: self.params.iter().map(|p| bytes(&p.tensor())).sum(),
                 grads,
-                optimizer: opt.state_bytes(),
+                optimizer: opt.state_bytes() + self.masters.as_ref().map_or(0, |m| m.bytes()),
             },
             Replicas::Zero(fsdps) => {
                 let mut s = ModelStateBytes {
@@ -990,6 +1058,7 @@ impl ParallelModel {
                     let b = f.model_state_bytes(opt);
                     s.params += b.params;
                     s.grads += b.grads;
+                    s.optimizer += f.master_bytes();
                 }
                 s
             }

@@ -157,26 +157,42 @@ impl MasterWeights {
     /// One AdamW step on the masters of `items` (gradients cast to f32), then each item's
     /// compute parameter set to its master, cast to the parameter's dtype.
     pub fn step(&self, opt: &mut AdamW, lr: f64, items: &[OptimItem]) -> Result<()> {
+        Self::step_all(&[self], opt, lr, items)
+    }
+
+    /// [`MasterWeights::step`] over masters spread across several holders (one per ZeRO stage
+    /// chunk): one AdamW step, so the step count advances once.
+    pub fn step_all(
+        holders: &[&MasterWeights],
+        opt: &mut AdamW,
+        lr: f64,
+        items: &[OptimItem],
+    ) -> Result<()> {
+        let find = |name: &str| -> Result<&Param> {
+            holders
+                .iter()
+                .find_map(|h| h.masters.get(name))
+                .ok_or_else(|| {
+                    DpError::Config(format!("no fp32 master weight for optimizer item `{name}`"))
+                })
+        };
         let mut grads = Vec::with_capacity(items.len());
         for it in items {
             grads.push(it.grad.to_dtype(DType::F32)?);
         }
         let mut master_items = Vec::with_capacity(items.len());
         for (it, g) in items.iter().zip(&grads) {
-            let m = self.masters.get(it.name).ok_or_else(|| {
-                DpError::Config(format!("no fp32 master weight for optimizer item `{}`", it.name))
-            })?;
             master_items.push(OptimItem {
                 name: it.name,
-                param: m,
+                param: find(it.name)?,
                 grad: g,
                 decay: it.decay,
             });
         }
         opt.step(lr, &master_items)?;
-        for it in items {
-            let m = &self.masters[it.name];
-            it.param.set(&m.tensor().detach().to_dtype(it.param.var().dtype())?)?;
+        for (it, m) in items.iter().zip(&master_items) {
+            let w = m.param.tensor().detach().to_dtype(it.param.var().dtype())?;
+            it.param.set(&w)?;
         }
         Ok(())
     }
