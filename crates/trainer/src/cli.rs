@@ -236,6 +236,8 @@ impl StrategyArgs {
             microbatches: self.microbatches.unwrap_or(dims.pp),
             stage_counts: None,
             checkpointing,
+            // Set from the run's --dtype and --grad-reduce-dtype when training starts.
+            precision: mtrain_parallel::ddp::MixedPrecision::default(),
         })
     }
 }

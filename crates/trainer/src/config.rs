@@ -172,6 +172,9 @@ pub struct TrainConfig {
     pub device: DeviceKind,
     /// Compute dtype.
     pub dtype: DTypeKind,
+    /// Dtype gradients are reduced in across ranks under `dtype = "bf16"` (and what the
+    /// optimizer sees): f32 upcasts the bf16 gradients before the all-reduce / reduce-scatter.
+    pub grad_reduce_dtype: DTypeKind,
     /// Log a line (and a metrics record) every N steps.
     pub log_every: u64,
     /// Peak FLOP/s of one device for the MFU figure; unset: a nominal figure for the device kind.
@@ -223,6 +226,7 @@ impl Default for TrainConfig {
             mem_report: false,
             device: DeviceKind::Cpu,
             dtype: DTypeKind::F32,
+            grad_reduce_dtype: DTypeKind::F32,
             log_every: 10,
             peak_flops: None,
             resume: None,
@@ -231,6 +235,15 @@ impl Default for TrainConfig {
 }
 
 impl TrainConfig {
+    /// The mixed-precision setting of a parallel plan: compute in `dtype`, reduce gradients in
+    /// `grad_reduce_dtype` (fp32 masters whenever `dtype` is bf16).
+    pub fn precision(&self) -> mtrain_parallel::ddp::MixedPrecision {
+        mtrain_parallel::ddp::MixedPrecision {
+            param_dtype: self.dtype.candle(),
+            reduce_dtype: self.grad_reduce_dtype.candle(),
+        }
+    }
+
     /// The model configuration (preset resolved, validated).
     pub fn gpt_config(&self) -> Result<GptConfig, ConfigError> {
         self.model.resolve()
@@ -369,6 +382,9 @@ pub struct TrainArgs {
     /// Compute dtype.
     #[arg(long, value_enum)]
     pub dtype: Option<DTypeKind>,
+    /// Dtype of the gradient reduction under --dtype bf16 (f32: upcast before reducing).
+    #[arg(long, value_enum)]
+    pub grad_reduce_dtype: Option<DTypeKind>,
     /// Resume from a checkpoint directory, a run directory, or "latest" (the run directory's newest).
     #[arg(long, value_name = "CKPT", num_args = 0..=1, default_missing_value = "latest")]
     pub resume: Option<PathBuf>,
@@ -452,6 +468,12 @@ impl TrainArgs {
         if let Some(v) = self.dtype {
             put(
                 "dtype",
+                toml::Value::String(format!("{v:?}").to_lowercase()),
+            );
+        }
+        if let Some(v) = self.grad_reduce_dtype {
+            put(
+                "grad_reduce_dtype",
                 toml::Value::String(format!("{v:?}").to_lowercase()),
             );
         }

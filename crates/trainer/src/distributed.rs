@@ -21,6 +21,11 @@
 //! with pp > 1 also the rank's [`PipelineTimeline`] (forward, backward, send, receive wait per
 //! micro-batch), which the loop writes to `RUN_DIR/pipeline-rank{N}.jsonl`.
 //!
+//! With `--dtype bf16` the plan's [`mtrain_parallel::ddp::MixedPrecision`] makes every layout
+//! compute in bf16 with fp32 masters (`ddp/master.rs`), gradients reduced in
+//! `--grad-reduce-dtype` (f32 by default), and the memory report uses the mixed-precision rule
+//! (2 + 2 + 12 bytes per parameter, sharded as the ZeRO stage says).
+//!
 //! Checkpoints are layout-independent: [`TrainableModel::state_dict`] gathers every full tensor
 //! by name on every rank (a collective), and `load_state` slices them for this rank, so a run
 //! saved under tp 2 × pp 2 resumes under dp 2 with ZeRO-3, or tp 4.
@@ -199,12 +204,20 @@ impl Distributed {
         let dp = plan.dims.dp as u64;
         let (inner, n_local, zero, comm_buffer_bytes) = match plan.data {
             DataParallelKind::Ddp(ddp_cfg) if uses_standalone_ddp(cfg, plan) => {
-                let gpt = Gpt::new(cfg.clone(), weights, device)?;
+                let dtype = plan.precision.param_dtype;
+                let compute: BTreeMap<String, Tensor> = weights
+                    .iter()
+                    .map(|(k, t)| Ok((k.clone(), t.to_dtype(dtype)?)))
+                    .collect::<candle_core::Result<_>>()?;
+                let gpt = Gpt::new(cfg.clone(), &compute, device)?;
+                drop(compute);
                 let n: usize = gpt.params().iter().map(|p| p.elem_count()).sum();
                 let ddp = Ddp::new(mesh.dp.clone(), gpt.segments.clone(), ddp_cfg)
+                    .and_then(|d| d.with_mixed_precision(plan.precision, weights))
                     .context("setting up DDP over the dp group")?;
+                let reduce_bytes = plan.precision.grad_reduce_dtype().size_in_bytes() as u64;
                 let buffers = match ddp_cfg.mode {
-                    mtrain_parallel::ddp::DdpMode::Bucketed => 4 * n as u64,
+                    mtrain_parallel::ddp::DdpMode::Bucketed => reduce_bytes * n as u64,
                     mtrain_parallel::ddp::DdpMode::Naive => 0,
                 };
                 let inner = Inner::Ddp {
@@ -234,7 +247,11 @@ impl Distributed {
             grad_accum: grad_accum.max(1),
             micro: 0,
             grad_clip,
-            layout: ModelStateLayout::fp32_adam(n_local).with_zero(zero, dp),
+            layout: match plan.precision.is_mixed() {
+                true => ModelStateLayout::mixed_adam(n_local),
+                false => ModelStateLayout::fp32_adam(n_local),
+            }
+            .with_zero(zero, dp),
             comm_buffer_bytes,
             pipeline: None,
             experts: None,

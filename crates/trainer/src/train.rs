@@ -430,19 +430,13 @@ fn run_distributed(
     backend: &dyn Backend,
     opts: &RunOptions,
 ) -> anyhow::Result<TrainSummary> {
-    let plan = &opts.plan;
+    // The run's dtypes decide the plan's mixed precision.
+    let mut with_precision = opts.plan.clone();
+    with_precision.precision = cfg.precision();
+    let plan = &with_precision;
     let dims = plan.dims;
     let world = backend.world().size();
     let gcfg = cfg.gpt_config()?;
-    if cfg.dtype.candle() != DType::F32 {
-        bail!(
-            "--dtype {:?} runs on one rank only; the parallel strategies keep fp32 weights (use --dtype f32 with dp({}) pp({}) tp({}))",
-            cfg.dtype,
-            dims.dp,
-            dims.pp,
-            dims.tp
-        );
-    }
     plan.validate(&gcfg, world, cfg.batch_size * dims.dp)
         .context("the layout does not fit the model")?;
     let device = backend.device();
