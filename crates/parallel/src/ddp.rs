@@ -57,7 +57,6 @@ use mtrain_model::{Engine, Grads, NoHooks, Param, Segment};
 
 use buckets::BucketLauncher;
 pub use buckets::{assign_buckets, Bucket};
-pub use master::{grads_for_reduction, MasterWeights, MixedPrecision};
 pub use common::{
     decays, final_after, unique_params, verify_same_init, CommStats, DataParallel, DpError,
     ModelStateBytes, Result,
@@ -66,6 +65,7 @@ pub(crate) use common::{
     hook_err, load_replicated, named_grads, named_weights, replicated_items,
     replicated_state_bytes, scale_all, set_weight, sq_sum_f64, sum_f64, timed_wait, OpTimer,
 };
+pub use master::{grads_for_reduction, MasterWeights, MixedPrecision};
 
 /// How DDP communicates gradients.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -163,7 +163,10 @@ impl Ddp {
         let mut masters = BTreeMap::new();
         for p in &self.params {
             let w = fp32_weights.get(p.name()).ok_or_else(|| {
-                DpError::Config(format!("no fp32 weight named `{}` for its master", p.name()))
+                DpError::Config(format!(
+                    "no fp32 weight named `{}` for its master",
+                    p.name()
+                ))
             })?;
             masters.insert(p.name().to_string(), w.to_device(p.var().device())?);
         }
@@ -242,12 +245,8 @@ impl DataParallel for Ddp {
         let loss = sum_f64(&acts.output)?;
         let t = Instant::now();
         if sync && self.cfg.mode == DdpMode::Bucketed {
-            let mut hooks = BucketLauncher::new(
-                &self.comm,
-                &self.params,
-                &self.buckets,
-                self.reduce_dtype,
-            );
+            let mut hooks =
+                BucketLauncher::new(&self.comm, &self.params, &self.buckets, self.reduce_dtype);
             engine.backward(
                 &self.segments,
                 acts,

@@ -105,8 +105,8 @@ impl FlatUnit {
             grad_decay: None,
             grad_plain: None,
         };
-        let (decay, plain) =
-            unit.split(&unit.my_slice(&unit.flatten(dtype, |e| Some(e.param.tensor().detach()))?)?)?;
+        let (decay, plain) = unit
+            .split(&unit.my_slice(&unit.flatten(dtype, |e| Some(e.param.tensor().detach()))?)?)?;
         unit.decay_shard = decay
             .map(|t| Param::new(format!("{name}.flat.decay"), t))
             .transpose()?;
@@ -151,7 +151,11 @@ impl FlatUnit {
             };
             parts.push(t);
         }
-        parts.push(Tensor::zeros(self.padded - self.numel, dtype, &self.device)?);
+        parts.push(Tensor::zeros(
+            self.padded - self.numel,
+            dtype,
+            &self.device,
+        )?);
         Tensor::cat(&parts, 0)
     }
 
@@ -173,9 +177,17 @@ impl FlatUnit {
 
     /// Joins the two pieces (zeros for a missing one) and the padding into a shard in `dtype`:
     /// (shard,).
-    pub fn join(&self, dtype: DType, decay: Option<Tensor>, plain: Option<Tensor>) -> Result<Tensor> {
+    pub fn join(
+        &self,
+        dtype: DType,
+        decay: Option<Tensor>,
+        plain: Option<Tensor>,
+    ) -> Result<Tensor> {
         let or_zeros = |t: Option<Tensor>, n: usize| {
-            t.map_or_else(|| Tensor::zeros(n, dtype, &self.device), |t| t.to_dtype(dtype))
+            t.map_or_else(
+                || Tensor::zeros(n, dtype, &self.device),
+                |t| t.to_dtype(dtype),
+            )
         };
         let parts = [
             or_zeros(decay, self.len_decay)?,
