@@ -6,7 +6,8 @@
 #   scripts/bench-gpu.sh run [OUT_DIR]    # on the GPU machine, from the repository root
 #
 # `run` does, on one card:
-#   1. the fused kernels' tests against plain candle (model-tests kernels::);
+#   1. the fused kernels' tests against plain candle (model-tests kernels::), and the pieces of
+#      one block timed alone (bench_gpu --ops: attention, LayerNorm, GELU fused and plain; matmuls);
 #   2. GPT-2 124M, bf16, AdamW: mtrain fused (batch 16 x 1024) with a per-segment profile,
 #      mtrain plain (batch 8 x 1024: the materialised attention needs twice the memory);
 #   3. PyTorch (scripts/bench/torch_gpt_ref.py): eager + SDPA flash, eager + materialised
@@ -59,6 +60,8 @@ with lzma.open(sys.argv[1]) as src, open(sys.argv[2], "wb") as dst:
   : > "$R"
   echo "== kernel tests"
   "$BIN/model-tests" kernels:: --test-threads=1 2>&1 | tee "$OUT/kernel-tests.log"
+  echo "== ops (one block's pieces, fused and plain)"
+  "$BIN/bench_gpu" --ops --batch 16 2>&1 | tee -a "$R"
   echo "== mtrain fused"
   "$BIN/bench_gpu" --batch 16 --steps "$steps" --warmup 2 --profile 2>&1 | tee -a "$R"
   echo "== mtrain plain"

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! bench_gpu [--preset gpt2-124m] [--batch 16] [--seq 1024] [--steps 20] [--warmup 3]
-//!           [--plain] [--profile] [--data FILE] [--loss-steps N --loss-out FILE]
+//!           [--plain] [--profile] [--data FILE] [--loss-steps N --loss-out FILE] [--ops]
 //! ```
 //!
 //! Each step is what the trainer does in bf16: the block-wise engine's forward and backward on a
@@ -12,6 +12,8 @@
 //! put side by side. `--plain` turns the fused kernels off (`kernels::set_enabled(false)`).
 //! `--profile` adds one step timed segment by segment (a device synchronise around each).
 //! `--loss-steps N` trains N steps at lr 3e-4 and writes `step loss` lines to `--loss-out`.
+//! `--ops` times the pieces of one block at the preset's sizes instead (attention, LayerNorm,
+//! GELU forward and forward + backward, fused and plain; the block's matmuls), one JSON line.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -32,6 +34,7 @@ struct Args {
     data: Option<String>,
     loss_steps: usize,
     loss_out: String,
+    ops: bool,
 }
 
 fn parse() -> std::result::Result<Args, String> {
@@ -46,6 +49,7 @@ fn parse() -> std::result::Result<Args, String> {
         data: None,
         loss_steps: 0,
         loss_out: "loss.txt".into(),
+        ops: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -65,6 +69,7 @@ fn parse() -> std::result::Result<Args, String> {
             "--data" => a.data = Some(val()?),
             "--loss-steps" => a.loss_steps = num(val()?)?,
             "--loss-out" => a.loss_out = val()?,
+            "--ops" => a.ops = true,
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -247,12 +252,99 @@ mod pool {
     pub fn reset(_: &candle_core::Device) {}
 }
 
+/// Mean wall time in ms of `f` over `reps` calls after two warm-up calls, synchronised.
+fn time_ms(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    for _ in 0..2 {
+        f()?;
+    }
+    dev.synchronize()?;
+    let t = Instant::now();
+    for _ in 0..reps {
+        f()?;
+    }
+    dev.synchronize()?;
+    Ok(t.elapsed().as_secs_f64() * 1e3 / reps as f64)
+}
+
+/// Forward, and forward + backward (seeded with ones), of `f` on fresh bf16 variables.
+fn time_op(
+    dev: &Device,
+    shapes: &[&[usize]],
+    f: impl Fn(&[Tensor]) -> Result<Tensor>,
+) -> Result<(f64, f64)> {
+    let vars = shapes
+        .iter()
+        .map(|s| {
+            candle_core::Var::from_tensor(&Tensor::randn(0f32, 1., *s, dev)?.to_dtype(DType::BF16)?)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let xs: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let fwd = time_ms(dev, 10, || f(&xs).map(|_| ()))?;
+    let both = time_ms(dev, 10, || f(&xs)?.backward().map(|_| ()))?;
+    Ok((fwd, both))
+}
+
+/// `--ops`: the pieces of one block at the preset's sizes, fused and plain.
+fn ops(a: &Args, cfg: &GptConfig, dev: &Device) -> Result<()> {
+    use mtrain_model::layers;
+    let (b, t, c, h) = (a.batch, a.seq, cfg.n_embd, cfg.n_head);
+    let d = c / h;
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut out = Vec::new();
+    for fused in [true, false] {
+        kernels::set_enabled(fused);
+        let tag = if fused { "fused" } else { "plain" };
+        let attn = time_op(dev, &[&[b, h, t, d], &[b, h, t, d], &[b, h, t, d]], |x| {
+            if fused {
+                kernels::flash_attention(&x[0], &x[1], &x[2], scale)
+            } else {
+                layers::causal_attention(&x[0], &x[1], &x[2], scale)
+            }
+        })?;
+        let ln = time_op(dev, &[&[b * t, c], &[c], &[c]], |x| {
+            if fused {
+                kernels::layer_norm(&x[0], &x[1], &x[2], 1e-5)
+            } else {
+                layers::layer_norm_plain(&x[0], &x[1], &x[2], 1e-5)
+            }
+        })?;
+        let gelu = time_op(dev, &[&[b * t, 4 * c]], |x| layers::gelu(&x[0]))?;
+        for (name, (f, fb)) in [("attention", attn), ("layer_norm", ln), ("gelu", gelu)] {
+            out.push(format!(
+                "\"{name}_{tag}_fwd\": {f:.3}, \"{name}_{tag}_fwd_bwd\": {fb:.3}"
+            ));
+        }
+    }
+    kernels::set_enabled(!a.plain);
+    // The block's four matmuls, forward only: (N, C) x (C, 3C), (C, C), (C, 4C), (4C, C).
+    let n = b * t;
+    let r = |s: (usize, usize)| Tensor::randn(0f32, 1., s, dev)?.to_dtype(DType::BF16);
+    let (x, x4) = (r((n, c))?, r((n, 4 * c))?);
+    let ws = [r((c, 3 * c))?, r((c, c))?, r((c, 4 * c))?, r((4 * c, c))?];
+    let mm = time_ms(dev, 10, || {
+        for (i, w) in ws.iter().enumerate() {
+            let inp = if i == 3 { &x4 } else { &x };
+            inp.matmul(w)?;
+        }
+        Ok(())
+    })?;
+    out.push(format!("\"matmuls_fwd\": {mm:.3}"));
+    println!(
+        "{{\"ops_ms\": {{{}}}, \"batch\": {b}, \"seq\": {t}, \"n_embd\": {c}, \"n_head\": {h}}}",
+        out.join(", ")
+    );
+    Ok(())
+}
+
 fn run(a: &Args) -> Result<()> {
     let dev = Device::cuda_if_available(0)?;
     kernels::set_enabled(!a.plain);
     let cfg = GptConfig::preset(&a.preset)
         .ok_or_else(|| candle_core::Error::Msg(format!("unknown preset {}", a.preset)))?;
     let mode = if a.plain { "plain" } else { "fused" };
+    if a.ops {
+        return ops(a, &cfg, &dev);
+    }
     let mut data = Batches::new(a.data.as_deref(), cfg.vocab_size)?;
     let mut tr = Trainer::new(cfg.clone(), &dev)?;
     let mut none = mtrain_model::NoHooks;

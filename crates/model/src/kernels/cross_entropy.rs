@@ -151,7 +151,7 @@ mod imp {
         let ts = targets.as_cuda_slice::<u32>()?.slice(lt.start_offset()..);
         // SAFETY: the kernel writes one loss and one lse per row.
         let (loss, lse) = unsafe { (dev.alloc::<f32>(n)?, dev.alloc::<f32>(n)?) };
-        let (module, code) = ptx(None, logits.dtype())?;
+        let (module, code) = ptx(dev, None, logits.dtype())?;
         let f = dev.get_or_load_custom_func("ce_fwd", &module, &code)?;
         let v32 = v as i32;
         let mut b = f.builder();
@@ -192,7 +192,7 @@ mod imp {
         let gs = slice::<f32>(&gg)?.slice(og..);
         // SAFETY: the kernel writes every element of every row.
         let dx = unsafe { dev.alloc::<T>(n * v)? };
-        let (module, code) = ptx(None, logits.dtype())?;
+        let (module, code) = ptx(&dev, None, logits.dtype())?;
         let f = dev.get_or_load_custom_func("ce_bwd", &module, &code)?;
         let v32 = v as i32;
         let mut b = f.builder();

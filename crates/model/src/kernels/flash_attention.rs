@@ -168,9 +168,11 @@ mod imp {
     use candle_core::{CudaStorage, DType, Layout, Result, Tensor};
     use half::bf16;
 
-    use super::super::cuda::{device, ptx, slice, storage, tensor};
+    use super::super::cuda::{compute_capability, device, ptx, slice, storage, tensor};
     use super::super::msg;
 
+    /// bf16 `mma.sync` needs compute capability 8.0 (Ampere) or newer.
+    const TC_MIN_CC: u32 = 80;
     const BR: usize = 64;
     const LOG2E: f64 = std::f64::consts::LOG2_E;
 
@@ -249,9 +251,10 @@ mod imp {
         // SAFETY: every element of o and lse is written by the kernel (each valid row).
         let o = unsafe { dev.alloc::<T>(n)? };
         let lse = unsafe { dev.alloc::<f32>(bh * t)? };
-        let (module, code) = ptx(Some(d), q.dtype())?;
+        let (module, code) = ptx(dev, Some(d), q.dtype())?;
         let offsets = [lq.start_offset(), lk.start_offset(), lv.start_offset()];
-        let tc = super::uses_tensor_cores(q.dtype(), d, &offsets);
+        let tc = super::uses_tensor_cores(q.dtype(), d, &offsets)
+            && compute_capability(dev)? >= TC_MIN_CC;
         let name = if tc { "flash_tc_fwd" } else { "flash_fwd" };
         let f = dev.get_or_load_custom_func(name, &module, &code)?;
         let (t32, qscale) = (t as i32, (scale * LOG2E) as f32);
@@ -318,7 +321,8 @@ mod imp {
         let ls = slice::<f32>(&gl)?.slice(ol..);
         let rows = bh * t;
         let dtype = q.dtype();
-        let tc = super::uses_tensor_cores(dtype, d, &[oq, ok, ov, oo, od]);
+        let tc = super::uses_tensor_cores(dtype, d, &[oq, ok, ov, oo, od])
+            && compute_capability(&dev)? >= TC_MIN_CC;
         let (dq_name, dkdv_name, cfg) = if tc {
             ("flash_tc_dq", "flash_tc_dkdv", tc_config(t, bh))
         } else {
@@ -334,7 +338,7 @@ mod imp {
             )
         };
         let rows64 = rows as i64;
-        let (module, code) = ptx(Some(d), dtype)?;
+        let (module, code) = ptx(&dev, Some(d), dtype)?;
         let f = dev.get_or_load_custom_func("flash_bwd_dot", &module, &code)?;
         let mut b = f.builder();
         b.arg(&os).arg(&ds).arg(&delta).arg(&rows64);
@@ -342,7 +346,7 @@ mod imp {
         unsafe { b.launch(LaunchConfig::for_num_elems(rows as u32)) }.w()?;
 
         let (t32, qscale, scale32) = (t as i32, (scale * LOG2E) as f32, scale as f32);
-        let (module, code) = ptx(Some(d), dtype)?;
+        let (module, code) = ptx(&dev, Some(d), dtype)?;
         let f = dev.get_or_load_custom_func(dq_name, &module, &code)?;
         let mut b = f.builder();
         b.arg(&qs)
@@ -356,7 +360,7 @@ mod imp {
         // SAFETY: argument types and order match `flash_bwd_dq` and `flash_tc_dq`.
         unsafe { b.launch(cfg) }.w()?;
 
-        let (module, code) = ptx(Some(d), dtype)?;
+        let (module, code) = ptx(&dev, Some(d), dtype)?;
         let f = dev.get_or_load_custom_func(dkdv_name, &module, &code)?;
         let mut b = f.builder();
         b.arg(&qs)

@@ -105,7 +105,7 @@ mod imp {
         let xs = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
         // SAFETY: every element is written by the kernel's grid-stride loop.
         let y = unsafe { dev.alloc::<T>(n)? };
-        let (module, code) = ptx(None, x.dtype())?;
+        let (module, code) = ptx(dev, None, x.dtype())?;
         let f = dev.get_or_load_custom_func("gelu_fwd", &module, &code)?;
         let n64 = n as i64;
         let mut b = f.builder();
@@ -141,7 +141,7 @@ mod imp {
         let ds = slice::<T>(&gd)?.slice(od..);
         // SAFETY: every element is written by the kernel's grid-stride loop.
         let dx = unsafe { dev.alloc::<T>(n)? };
-        let (module, code) = ptx(None, x.dtype())?;
+        let (module, code) = ptx(&dev, None, x.dtype())?;
         let f = dev.get_or_load_custom_func("gelu_bwd", &module, &code)?;
         let n64 = n as i64;
         let mut b = f.builder();

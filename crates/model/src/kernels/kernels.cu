@@ -251,7 +251,8 @@ extern "C" __global__ void flash_bwd_dkdv(const elem* q, const elem* k, const el
 // split: flash_tc_dq walks key tiles for 64 queries, flash_tc_dkdv walks query tiles for 64 keys;
 // each recomputes S and dP, and no block writes another's output.
 // ---------------------------------------------------------------------------------------------
-#if defined(HEAD_DIM) && ELEM_BF16 && (HEAD_DIM % 16 == 0) && (HEAD_DIM <= 64)
+#if defined(HEAD_DIM) && ELEM_BF16 && (HEAD_DIM % 16 == 0) && (HEAD_DIM <= 64) && \
+    (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
 #define TC_ROWS 64       // rows owned per block (4 warps x 16)
 #define TC_COLS 64       // rows of a staged tile
 #define TC_LD (D + 8)    // padded shared-memory row, in elements

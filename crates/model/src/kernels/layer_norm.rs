@@ -211,7 +211,7 @@ mod imp {
         let y = unsafe { dev.alloc::<T>(n * c)? };
         let mean = unsafe { dev.alloc::<f32>(n)? };
         let rstd = unsafe { dev.alloc::<f32>(n)? };
-        let (module, code) = ptx(None, x.dtype())?;
+        let (module, code) = ptx(dev, None, x.dtype())?;
         let f = dev.get_or_load_custom_func("ln_fwd", &module, &code)?;
         let (n32, c32, eps32) = (n as i32, c as i32, eps as f32);
         let mut bl = f.builder();
@@ -271,7 +271,7 @@ mod imp {
         let dx = unsafe { dev.alloc::<T>(n * c)? };
         let dw = dev.alloc_zeros::<f32>(c)?;
         let db = dev.alloc_zeros::<f32>(c)?;
-        let (module, code) = ptx(None, x.dtype())?;
+        let (module, code) = ptx(&dev, None, x.dtype())?;
         let (n32, c32) = (n as i32, c as i32);
 
         let f = dev.get_or_load_custom_func("ln_bwd_dx", &module, &code)?;

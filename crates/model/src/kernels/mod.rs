@@ -92,10 +92,38 @@ pub(crate) mod cuda {
         }
     }
 
-    /// The module name and PTX of the instantiation (head_dim, dtype), compiled on first use.
+    /// The compute capability of `dev` as `10 * major + minor` (90 on Hopper).
+    pub fn compute_capability(dev: &CudaDevice) -> Result<u32> {
+        let (major, minor) = dev
+            .cuda_stream()
+            .context()
+            .compute_capability()
+            .map_err(|e| msg(format!("cannot read the compute capability: {e:?}")))?;
+        Ok((10 * major + minor) as u32)
+    }
+
+    /// NVRTC's `compute_XY` name for a compute capability, one static string per value seen.
+    fn arch_name(cc: u32) -> Result<&'static str> {
+        static NAMES: OnceLock<Mutex<HashMap<u32, &'static str>>> = OnceLock::new();
+        let mut names = NAMES
+            .get_or_init(|| Mutex::new(HashMap::new()))
+            .lock()
+            .map_err(|_| msg("kernel arch lock poisoned".into()))?;
+        Ok(*names
+            .entry(cc)
+            .or_insert_with(|| Box::leak(format!("compute_{cc}").into_boxed_str())))
+    }
+
+    /// The module name and PTX of the instantiation (head_dim, dtype) for `dev`'s architecture,
+    /// compiled on first use (the tensor-core kernels need compute capability 8.0 or newer).
     /// Load a kernel with `dev.get_or_load_custom_func(name, &module, &ptx)`.
-    pub fn ptx(head_dim: Option<usize>, dtype: DType) -> Result<(String, Arc<String>)> {
-        let module = module_name(head_dim, dtype);
+    pub fn ptx(
+        dev: &CudaDevice,
+        head_dim: Option<usize>,
+        dtype: DType,
+    ) -> Result<(String, Arc<String>)> {
+        let cc = compute_capability(dev)?;
+        let module = format!("{}_sm{cc}", module_name(head_dim, dtype));
         let mut cache = ptx_cache()
             .lock()
             .map_err(|_| msg("kernel cache lock poisoned".into()))?;
@@ -108,6 +136,7 @@ pub(crate) mod cuda {
         }
         let opts = CompileOptions {
             options,
+            arch: Some(arch_name(cc)?),
             name: Some(format!("{module}.cu")),
             ..Default::default()
         };
