@@ -44,7 +44,6 @@
 
 mod buckets;
 mod common;
-mod master;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -65,7 +64,7 @@ pub(crate) use common::{
     hook_err, load_replicated, named_grads, named_weights, replicated_items,
     replicated_state_bytes, scale_all, set_weight, sq_sum_f64, sum_f64, timed_wait, OpTimer,
 };
-pub use master::{grads_for_reduction, MasterWeights, MixedPrecision};
+pub use crate::mixed_precision::{grads_for_reduction, MasterWeights, MixedPrecision};
 
 /// How DDP communicates gradients.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -237,7 +237,7 @@ impl StrategyArgs {
             stage_counts: None,
             checkpointing,
             // Set from the run's --dtype and --grad-reduce-dtype when training starts.
-            precision: mtrain_parallel::ddp::MixedPrecision::default(),
+            precision: mtrain_parallel::mixed_precision::MixedPrecision::default(),
         })
     }
 }

@@ -237,8 +237,8 @@ impl Default for TrainConfig {
 impl TrainConfig {
     /// The mixed-precision setting of a parallel plan: compute in `dtype`, reduce gradients in
     /// `grad_reduce_dtype` (fp32 masters whenever `dtype` is bf16).
-    pub fn precision(&self) -> mtrain_parallel::ddp::MixedPrecision {
-        mtrain_parallel::ddp::MixedPrecision {
+    pub fn precision(&self) -> mtrain_parallel::mixed_precision::MixedPrecision {
+        mtrain_parallel::mixed_precision::MixedPrecision {
             param_dtype: self.dtype.candle(),
             reduce_dtype: self.grad_reduce_dtype.candle(),
         }

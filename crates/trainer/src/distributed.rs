@@ -21,7 +21,7 @@
 //! with pp > 1 also the rank's [`PipelineTimeline`] (forward, backward, send, receive wait per
 //! micro-batch), which the loop writes to `RUN_DIR/pipeline-rank{N}.jsonl`.
 //!
-//! With `--dtype bf16` the plan's [`mtrain_parallel::ddp::MixedPrecision`] makes every layout
+//! With `--dtype bf16` the plan's [`mtrain_parallel::mixed_precision::MixedPrecision`] makes every layout
 //! compute in bf16 with fp32 masters (`ddp/master.rs`), gradients reduced in
 //! `--grad-reduce-dtype` (f32 by default), and the memory report uses the mixed-precision rule
 //! (2 + 2 + 12 bytes per parameter, sharded as the ZeRO stage says).

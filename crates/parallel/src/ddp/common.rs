@@ -21,7 +21,7 @@ use mtrain_comm::{Comm, CommError, TraceEvent, Work};
 use mtrain_model::optim::{clip_coef, AdamW, AdamWState, OptimItem};
 use mtrain_model::{Engine, Grads, Param, Segment};
 
-use super::master::MasterWeights;
+use crate::mixed_precision::MasterWeights;
 
 /// Errors of the data-parallel strategies.
 #[derive(Debug, thiserror::Error)]

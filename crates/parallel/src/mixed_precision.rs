@@ -25,7 +25,7 @@ use candle_core::{DType, Tensor};
 use mtrain_model::optim::{AdamW, OptimItem};
 use mtrain_model::Param;
 
-use super::common::{DpError, Result};
+use crate::ddp::{DpError, Result};
 
 /// The dtypes of a mixed-precision run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
