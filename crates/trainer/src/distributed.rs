@@ -22,7 +22,7 @@
 //! micro-batch), which the loop writes to `RUN_DIR/pipeline-rank{N}.jsonl`.
 //!
 //! With `--dtype bf16` the plan's [`mtrain_parallel::mixed_precision::MixedPrecision`] makes every layout
-//! compute in bf16 with fp32 masters (`ddp/master.rs`), gradients reduced in
+//! compute in bf16 with fp32 masters (`parallel/src/mixed_precision.rs`), gradients reduced in
 //! `--grad-reduce-dtype` (f32 by default), and the memory report uses the mixed-precision rule
 //! (2 + 2 + 12 bytes per parameter, sharded as the ZeRO stage says).
 //!
