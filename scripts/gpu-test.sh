@@ -9,7 +9,8 @@
 #      the machine's GPUs, one thread per GPU (uneven splits included);
 #   2. the CUDA memory probe's test (trainer-tests);
 #   3. with MTRAIN_GPU_TRAIN=1: GPT-2 124M on one GPU with the memory report for
-#      MTRAIN_GPU_STEPS steps (default 20).
+#      MTRAIN_GPU_STEPS steps (default 20); with MTRAIN_GPU_DTYPE (e.g. bf16) once more in
+#      that compute dtype.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -48,5 +49,11 @@ if [ -x "$BIN/mtrain" ] && [ "${MTRAIN_GPU_TRAIN:-0}" = 1 ]; then
   "$BIN/mtrain" --config configs/gpt2-124m.toml --device cuda --mem-report --steps "$steps" \
     2>&1 | tee "$OUT/train-gpt2-124m.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  if [ -n "${MTRAIN_GPU_DTYPE:-}" ]; then
+    echo "== GPT-2 124M on one GPU, $steps steps, --dtype $MTRAIN_GPU_DTYPE, memory report"
+    "$BIN/mtrain" --config configs/gpt2-124m.toml --device cuda --mem-report --steps "$steps" \
+      --dtype "$MTRAIN_GPU_DTYPE" 2>&1 | tee "$OUT/train-gpt2-124m-$MTRAIN_GPU_DTYPE.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  fi
 fi
 exit $status

@@ -291,6 +291,18 @@ fn ops(a: &Args, cfg: &GptConfig, dev: &Device) -> Result<()> {
     let d = c / h;
     let scale = 1.0 / (d as f64).sqrt();
     let mut out = Vec::new();
+    // One block of the preset, with its own weights (bf16), for the whole-block timings.
+    let one = GptConfig {
+        n_layer: 1,
+        ..cfg.clone()
+    };
+    let w = init_weights(&one, 0)?;
+    let compute: BTreeMap<String, Tensor> = w
+        .iter()
+        .map(|(k, t)| Ok((k.clone(), t.to_dtype(DType::BF16)?)))
+        .collect::<Result<_>>()?;
+    let model = Gpt::new(one, &compute, dev)?;
+    let blk = model.segments[1].clone();
     for fused in [true, false] {
         kernels::set_enabled(fused);
         let tag = if fused { "fused" } else { "plain" };
@@ -309,7 +321,63 @@ fn ops(a: &Args, cfg: &GptConfig, dev: &Device) -> Result<()> {
             }
         })?;
         let gelu = time_op(dev, &[&[b * t, 4 * c]], |x| layers::gelu(&x[0]))?;
-        for (name, (f, fb)) in [("attention", attn), ("layer_norm", ln), ("gelu", gelu)] {
+        // The glue between them: the q/k/v split into heads (the three parts summed so one
+        // backward covers them), the attention output back to (B, T, C), bias and residual adds.
+        let split = time_op(dev, &[&[b, t, 3 * c]], |x| {
+            if fused {
+                kernels::split_heads(&x[0], 3, h)?.sum_all()
+            } else {
+                let part = |i: usize| {
+                    x[0].narrow(2, i * c, c)?
+                        .reshape((b, t, h, d))?
+                        .transpose(1, 2)?
+                        .contiguous()?
+                        .sum_all()
+                };
+                (part(0)? + part(1)?)? + part(2)?
+            }
+        })?;
+        let merge = time_op(dev, &[&[b, h, t, d]], |x| {
+            if fused {
+                kernels::merge_heads(&x[0].unsqueeze(0)?)
+            } else {
+                x[0].transpose(1, 2)?.reshape((b, t, c))
+            }
+        })?;
+        let bias = |w: usize| {
+            time_op(dev, &[&[b * t, w], &[w]], |x| {
+                if fused {
+                    kernels::bias_add(&x[0], &x[1])
+                } else {
+                    x[0].broadcast_add(&x[1])
+                }
+            })
+        };
+        let (bias3, bias4) = (bias(3 * c)?, bias(4 * c)?);
+        let residual = time_op(dev, &[&[b, t, c], &[b, t, c]], |x| &x[0] + &x[1])?;
+        let block = time_op(dev, &[&[b, t, c]], |x| Ok(blk.forward(&x[0], None)?.out))?;
+        // Host time to issue one block forward (no synchronise inside the loop): if it is
+        // close to the synchronised time, the block is bound by candle's per-op host cost.
+        let xb = Tensor::randn(0f32, 1., (b, t, c), dev)?.to_dtype(DType::BF16)?;
+        dev.synchronize()?;
+        let t0 = Instant::now();
+        for _ in 0..10 {
+            blk.forward(&xb, None)?;
+        }
+        let issue = t0.elapsed().as_secs_f64() * 1e3 / 10.0;
+        dev.synchronize()?;
+        out.push(format!("\"block_{tag}_fwd_issue_host\": {issue:.3}"));
+        for (name, (f, fb)) in [
+            ("attention", attn),
+            ("layer_norm", ln),
+            ("gelu", gelu),
+            ("qkv_split", split),
+            ("attn_out_merge", merge),
+            ("bias_add_3c", bias3),
+            ("bias_add_4c", bias4),
+            ("residual_add", residual),
+            ("block", block),
+        ] {
             out.push(format!(
                 "\"{name}_{tag}_fwd\": {f:.3}, \"{name}_{tag}_fwd_bwd\": {fb:.3}"
             ));
@@ -339,6 +407,7 @@ fn ops(a: &Args, cfg: &GptConfig, dev: &Device) -> Result<()> {
 fn run(a: &Args) -> Result<()> {
     let dev = Device::cuda_if_available(0)?;
     kernels::set_enabled(!a.plain);
+    kernels::retain_pool_memory(&dev)?;
     let cfg = GptConfig::preset(&a.preset)
         .ok_or_else(|| candle_core::Error::Msg(format!("unknown preset {}", a.preset)))?;
     let mode = if a.plain { "plain" } else { "fused" };

@@ -55,6 +55,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     let n: usize = lead.iter().product();
     let y = x.reshape((n, in_f))?.matmul(&weight.t()?)?; // (N, out)
     let y = match bias {
+        Some(b) if kernels::bias::supported(&y, b) => kernels::bias_add(&y, b)?,
         Some(b) => y.broadcast_add(b)?,
         None => y,
     };
@@ -277,6 +278,15 @@ impl CausalSelfAttention {
                 3 * h * d
             )));
         }
+        let scale = 1.0 / (d as f64).sqrt();
+        if kernels::flash_attention::supported(&qkv, d) && kernels::heads::supported(&qkv) {
+            // One permutation kernel each way instead of three strided copies (and, backward,
+            // three zero-padded (B, T, 3·H·D) gradients summed); see kernels::heads.
+            let qkv = kernels::split_heads(&qkv, 3, h)?; // (3, B, H, T, D)
+            let y = kernels::flash_attention_packed(&qkv, scale)?; // (B, H, T, D)
+            let y = kernels::merge_heads(&y.unsqueeze(0)?)?; // (B, T, H·D)
+            return self.c_proj.forward(&y); // (B, T, C)
+        }
         let heads = |i: usize| -> Result<Tensor> {
             qkv.narrow(2, i * h * d, h * d)? // (B, T, H·D)
                 .reshape((b, t, h, d))? // (B, T, H, D)
@@ -284,7 +294,6 @@ impl CausalSelfAttention {
                 .contiguous()
         };
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-        let scale = 1.0 / (d as f64).sqrt();
         let y = if kernels::flash_attention::supported(&q, d) {
             kernels::flash_attention(&q, &k, &v, scale)? // (B, H, T, D), no (T, T) scores
         } else {

@@ -70,6 +70,81 @@ pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result
     q.apply_op3(k, v, FlashAttention::new(scale))
 }
 
+/// Causal attention of packed heads qkv (3, B, H, T, D) = q | k | v (as
+/// [`split_heads`](super::split_heads) writes them); returns (B, H, T, D). Its gradient is one
+/// (3, B, H, T, D) tensor, so nothing is zero-padded and summed in the backward, as three
+/// `narrow`s of one tensor would be. CUDA only: see [`supported`].
+pub fn flash_attention_packed(qkv: &Tensor, scale: f64) -> Result<Tensor> {
+    let (three, _b, _h, _t, d) = qkv.dims5()?;
+    if three != 3 {
+        return Err(msg(format!(
+            "flash_attention_packed: qkv {:?} must be (3, B, H, T, D)",
+            qkv.dims()
+        )));
+    }
+    if !HEAD_DIMS.contains(&d) {
+        return Err(msg(format!(
+            "flash_attention_packed: head size {d} not supported (one of {HEAD_DIMS:?})"
+        )));
+    }
+    qkv.contiguous()?
+        .apply_op1(FlashAttentionPacked(FlashAttention::new(scale)))
+}
+
+/// [`FlashAttention`] on one packed input.
+struct FlashAttentionPacked(FlashAttention);
+
+impl candle_core::CustomOp1 for FlashAttentionPacked {
+    fn name(&self) -> &'static str {
+        "flash-attention-packed"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CpuStorage, Shape)> {
+        Err(msg(
+            "flash_attention_packed runs on CUDA only; the CPU path is layers::causal_attention"
+                .into(),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        qkv: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (_, b, h, t, d) = l.shape().dims5()?;
+        if !l.is_contiguous() {
+            return Err(msg(format!(
+                "flash_attention_packed: qkv {:?} is not contiguous",
+                l.dims()
+            )));
+        }
+        let n = b * h * t * d;
+        let part =
+            |i: usize| Layout::contiguous_with_offset((b, h, t, d), l.start_offset() + i * n);
+        let (lq, lk, lv) = (part(0), part(1), part(2));
+        self.0.cuda_fwd(qkv, &lq, qkv, &lk, qkv, &lv)
+    }
+
+    fn bwd(&self, qkv: &Tensor, out: &Tensor, grad_out: &Tensor) -> Result<Option<Tensor>> {
+        let lse = self
+            .0
+            .lse
+            .lock()
+            .map_err(|_| msg("flash_attention: lse lock poisoned".into()))?
+            .clone()
+            .ok_or_else(|| msg("flash_attention: backward before forward".into()))?;
+        let qkv = qkv.detach();
+        let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?); // (B, H, T, D) views
+        let g = backward(&q, &k, &v, out, &grad_out.contiguous()?, &lse, self.0.scale)?;
+        Ok(Some(g)) // (3, B, H, T, D)
+    }
+}
+
 /// The recorded op: its forward leaves lse here for its backward.
 struct FlashAttention {
     scale: f64,
@@ -136,12 +211,13 @@ impl CustomOp3 for FlashAttention {
             .map_err(|_| msg("flash_attention: lse lock poisoned".into()))?
             .clone()
             .ok_or_else(|| msg("flash_attention: backward before forward".into()))?;
-        let (dq, dk, dv) = backward(q, k, v, out, &grad_out.contiguous()?, &lse, self.scale)?;
-        Ok((Some(dq), Some(dk), Some(dv)))
+        let g = backward(q, k, v, out, &grad_out.contiguous()?, &lse, self.scale)?;
+        Ok((Some(g.get(0)?), Some(g.get(1)?), Some(g.get(2)?)))
     }
 }
 
-/// Gradients (dq, dk, dv) of causal attention from the forward's output and lse (B, H, T).
+/// Gradients of causal attention from the forward's output and lse (B, H, T), packed as
+/// (3, B, H, T, D) = dq | dk | dv.
 #[allow(unused_variables)]
 fn backward(
     q: &Tensor,
@@ -151,7 +227,7 @@ fn backward(
     grad_out: &Tensor,
     lse: &Tensor,
     scale: f64,
-) -> Result<(Tensor, Tensor, Tensor)> {
+) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     {
         imp::backward(q, k, v, out, grad_out, lse, scale)
@@ -285,7 +361,7 @@ mod imp {
         grad_out: &Tensor,
         lse: &Tensor,
         scale: f64,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    ) -> Result<Tensor> {
         match q.dtype() {
             DType::BF16 => bwd::<bf16>(q, k, v, out, grad_out, lse, scale),
             DType::F32 => bwd::<f32>(q, k, v, out, grad_out, lse, scale),
@@ -303,7 +379,7 @@ mod imp {
         grad_out: &Tensor,
         lse: &Tensor,
         scale: f64,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    ) -> Result<Tensor> {
         let dev = device(q)?;
         let (b_, h, t, d) = q.dims4()?;
         let bh = b_ * h;
@@ -330,13 +406,14 @@ mod imp {
         };
         // SAFETY: every element of each buffer is written by the kernel filling it.
         let delta = unsafe { dev.alloc::<f32>(rows)? };
-        let (dq, dk, dv) = unsafe {
-            (
-                dev.alloc::<T>(rows * d)?,
-                dev.alloc::<T>(rows * d)?,
-                dev.alloc::<T>(rows * d)?,
-            )
-        };
+        // One buffer (3, B, H, T, D) for dq | dk | dv, so a packed input gets one gradient.
+        let dqkv = unsafe { dev.alloc::<T>(3 * rows * d)? };
+        let n = rows * d;
+        let (dq, dk, dv) = (
+            dqkv.slice(0..n),
+            dqkv.slice(n..2 * n),
+            dqkv.slice(2 * n..3 * n),
+        );
         let rows64 = rows as i64;
         let (module, code) = ptx(&dev, Some(d), dtype)?;
         let f = dev.get_or_load_custom_func("flash_bwd_dot", &module, &code)?;
@@ -375,12 +452,8 @@ mod imp {
         // SAFETY: argument types and order match `flash_bwd_dkdv` and `flash_tc_dkdv`.
         unsafe { b.launch(cfg) }.w()?;
 
-        let shape = (b_, h, t, d);
-        Ok((
-            tensor(&dev, dq, shape),
-            tensor(&dev, dk, shape),
-            tensor(&dev, dv, shape),
-        ))
+        drop((dq, dk, dv));
+        Ok(tensor(&dev, dqkv, (3, b_, h, t, d)))
     }
 }
 
@@ -503,6 +576,50 @@ mod tests {
         assert!(!uses_tensor_cores(F32, 64, &[0, 0, 0]));
         assert!(!uses_tensor_cores(BF16, 128, &[0, 0, 0]));
         assert!(!uses_tensor_cores(BF16, 8, &[0, 0, 0]));
+    }
+
+    /// The packed entry point: output and its one (3, B, H, T, D) gradient against plain
+    /// attention on the three parts, computed in f32.
+    #[test]
+    fn packed_matches_plain_attention_bf16_d64() {
+        let dev = match Device::new_cuda(0) {
+            Ok(d) => d,
+            Err(_) => {
+                eprintln!("skipped: no CUDA device");
+                return;
+            }
+        };
+        let (b, h, t, d) = (2, 3, 200, 64);
+        let x = Tensor::randn(0f32, 1f32, (3, b, h, t, d), &dev).unwrap();
+        let w = Tensor::randn(0f32, 1f32, (b, h, t, d), &dev).unwrap();
+        let scale = 1.0 / (d as f64).sqrt();
+        let run = |fused: bool, dt: DType| {
+            let v =
+                Var::from_tensor(&x.to_dtype(DType::BF16).unwrap().to_dtype(dt).unwrap()).unwrap();
+            let p = v.as_tensor();
+            let y = if fused {
+                flash_attention_packed(p, scale).unwrap()
+            } else {
+                let part = |i| p.get(i).unwrap();
+                crate::layers::causal_attention(&part(0), &part(1), &part(2), scale).unwrap()
+            };
+            let g = (&y * w.to_dtype(dt).unwrap())
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            (y, g.get(p).unwrap().clone())
+        };
+        let (y, g) = run(true, DType::BF16);
+        let (y_ref, g_ref) = run(false, DType::F32);
+        assert_eq!(g.dims(), &[3, b, h, t, d]);
+        let e = rel_err(&y, &y_ref);
+        assert!(e < 1e-2, "forward rel err {e}");
+        for i in 0..3 {
+            let e = rel_err(&g.get(i).unwrap(), &g_ref.get(i).unwrap());
+            assert!(e < 1e-2, "gradient part {i} rel err {e}");
+        }
     }
 
     #[test]

@@ -683,3 +683,63 @@ extern "C" __global__ void gelu_bwd(const elem* x, const elem* dy, elem* dx, lon
         st(dx, i, ld(dy, i) * d);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Head layout: (B, T, S, H, D) <-> (S, B, H, T, D), a pure permutation of elements (no
+// arithmetic, so the element type is copied as is). S = 3 splits c_attn's output into q, k, v
+// heads in one pass; S = 1 merges the attention output (B, H, T, D) back into (B, T, H·D).
+// Each thread writes consecutive destination elements, so writes are coalesced and reads come
+// in runs of D.
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void heads_split(const elem* src, elem* dst, int B, int T, int S, int H,
+                                       int D) {
+    const long n = (long)B * T * S * H * D;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long)gridDim.x * blockDim.x) {
+        long r = i;  // i indexes dst (S, B, H, T, D)
+        const int d = r % D; r /= D;
+        const int t = r % T; r /= T;
+        const int h = r % H; r /= H;
+        const int b = r % B;
+        const int s = r / B;
+        dst[i] = src[((((long)b * T + t) * S + s) * H + h) * D + d];
+    }
+}
+
+extern "C" __global__ void heads_merge(const elem* src, elem* dst, int B, int T, int S, int H,
+                                       int D) {
+    const long n = (long)B * T * S * H * D;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long)gridDim.x * blockDim.x) {
+        long r = i;  // i indexes dst (B, T, S, H, D)
+        const int d = r % D; r /= D;
+        const int h = r % H; r /= H;
+        const int s = r % S; r /= S;
+        const int t = r % T;
+        const int b = r / T;
+        dst[i] = src[((((long)s * B + b) * H + h) * T + t) * D + d];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bias add y = x + b over rows of C, and its bias gradient db = Σ_rows dy: one thread per
+// column over BIAS_ROWS rows (consecutive threads read consecutive columns, so the reads are
+// coalesced), f32 partial sums added atomically into db (C,), which starts at 0.
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void bias_add_fwd(const elem* x, const elem* b, elem* y, long n, int C) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long)gridDim.x * blockDim.x) {
+        st(y, i, ld(x, i) + ld(b, i % C));
+    }
+}
+
+#define BIAS_ROWS 128
+extern "C" __global__ void bias_grad(const elem* dy, float* db, int N, int C) {
+    const int col = blockIdx.x * blockDim.x + threadIdx.x;
+    if (col >= C) return;
+    const long r0 = (long)blockIdx.y * BIAS_ROWS;
+    const long r1 = min((long)N, r0 + BIAS_ROWS);
+    float s = 0.f;
+    for (long r = r0; r < r1; ++r) s += ld(dy, r * C + col);
+    atomicAdd(db + col, s);
+}

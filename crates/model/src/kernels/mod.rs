@@ -10,6 +10,9 @@
 //!   x ─> f32 ─> mean, var ─> normalise ─> ·w + b        layer_norm: one warp per row,
 //!     ~12 kernels, (N, C) f32 copies kept                 only mean, rstd (N,) kept
 //!   gelu backward: ~12 elementwise kernels              gelu: one kernel each way
+//!   qkv narrow/transpose/contiguous x3, backward        split_heads: one permutation kernel,
+//!     three zero-padded (B, T, 3C) gradients summed       backward one (B, T, 3C) gradient
+//!   broadcast_add bias, backward a strided reduction    bias_add: coalesced column sums
 //! ```
 //!
 //! Attention runs on tensor cores (bf16 `mma.sync`) for bf16 and head sizes 16..64, and on CUDA
@@ -22,18 +25,22 @@
 //! [`set_enabled`] turns the fused path off for the whole process, so a benchmark can run the
 //! plain path on the same device for comparison. It is on by default.
 
+pub mod bias;
 pub mod cross_entropy;
 pub mod flash_attention;
 pub mod gelu;
+pub mod heads;
 pub mod layer_norm;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use candle_core::{DType, Tensor};
 
+pub use bias::bias_add;
 pub use cross_entropy::cross_entropy_rows;
-pub use flash_attention::flash_attention;
+pub use flash_attention::{flash_attention, flash_attention_packed};
 pub use gelu::gelu;
+pub use heads::{merge_heads, split_heads};
 pub use layer_norm::layer_norm;
 
 static ENABLED: AtomicBool = AtomicBool::new(true);
@@ -55,6 +62,34 @@ pub fn enabled_for(t: &Tensor) -> bool {
         && is_enabled()
         && t.device().is_cuda()
         && matches!(t.dtype(), DType::BF16 | DType::F32)
+}
+
+/// Keeps memory freed into the CUDA default pool of `dev` reserved for reuse instead of
+/// returning it to the driver at every synchronise (the pool's release threshold defaults to 0,
+/// so a step that synchronises once would unmap and map its activations again each step).
+/// Peak *used* memory is unchanged. A no-op on CPU.
+pub fn retain_pool_memory(dev: &candle_core::Device) -> candle_core::Result<()> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(c) = dev {
+        use candle_core::cuda_backend::cudarc::driver::{result, sys};
+        let ctx = c.cuda_stream().context().clone();
+        ctx.bind_to_thread()
+            .map_err(|e| msg(format!("retain_pool_memory: {e:?}")))?;
+        // SAFETY: the device handle comes from a live context.
+        let pool = unsafe { result::device::get_default_mem_pool(ctx.cu_device()) }
+            .map_err(|e| msg(format!("retain_pool_memory: no default pool: {e:?}")))?;
+        let mut keep: u64 = u64::MAX;
+        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+        // SAFETY: RELEASE_THRESHOLD is a cuuint64_t read from `keep`.
+        let r = unsafe { sys::cuMemPoolSetAttribute(pool, attr, &mut keep as *mut u64 as *mut _) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(msg(format!(
+                "retain_pool_memory: cuMemPoolSetAttribute gave {r:?}"
+            )));
+        }
+    }
+    let _ = dev;
+    Ok(())
 }
 
 fn msg(s: String) -> candle_core::Error {

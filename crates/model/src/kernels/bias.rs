@@ -1,0 +1,265 @@
+//! Fused bias add `y = x + b` with a coalesced bias gradient.
+//!
+//! ```text
+//!   x (N, C) ──+ b (C,) ──> y (N, C)          forward: one elementwise kernel
+//!   dx = dy                                  backward: dy passed through, no copy
+//!   db = Σ_rows dy   ┌─────── C columns ───────┐
+//!                    │ t0 t1 t2 ...            │ 128 rows per block row, thread j sums
+//!                    │ t0 t1 t2 ...            │ column j (neighbouring threads read
+//!                    └─────────────────────────┘ neighbouring addresses), f32 atomics
+//! ```
+//!
+//! candle's `broadcast_add` backward sums dy over the rows with its generic reduction, one
+//! thread block per column whose threads read addresses C elements apart; here a warp reads
+//! 32 neighbouring columns of one row at once. Arithmetic in f32, x, b and y in x's dtype.
+
+use candle_core::{CustomOp2, Layout, Result, Shape, Tensor};
+
+use super::msg;
+
+/// Whether the fused kernel can add `b` to `x`: both on CUDA in one supported dtype, `b` of
+/// shape (C,) for `x` (..., C).
+pub fn supported(x: &Tensor, b: &Tensor) -> bool {
+    super::enabled_for(x)
+        && b.dtype() == x.dtype()
+        && b.rank() == 1
+        && x.rank() >= 1
+        && x.dims().last() == b.dims().first()
+}
+
+/// `x + b` for x (..., C), b (C,); differentiable in both. CUDA only: see [`supported`].
+pub fn bias_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let c = b.dim(0)?;
+    if x.dims().last() != Some(&c) {
+        return Err(msg(format!(
+            "bias_add: x {:?} does not end in the bias length {c}",
+            x.dims()
+        )));
+    }
+    x.contiguous()?.apply_op2(&b.contiguous()?, BiasAdd)
+}
+
+struct BiasAdd;
+
+impl CustomOp2 for BiasAdd {
+    fn name(&self) -> &'static str {
+        "bias-add"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CpuStorage, Shape)> {
+        Err(msg(
+            "kernels::bias_add runs on CUDA only; the CPU path is broadcast_add".into(),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        b: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((imp::forward(x, lx, b, lb)?, lx.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        b: &Tensor,
+        _y: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let db = bias_grad(&grad.contiguous()?, b)?;
+        Ok((Some(grad.clone()), Some(db)))
+    }
+}
+
+/// Σ over rows of dy (..., C), in b's dtype.
+#[allow(unused_variables)]
+fn bias_grad(dy: &Tensor, b: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    {
+        imp::bias_grad(dy, b)
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(msg("kernels::bias_add backward runs on CUDA only".into()))
+}
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::{CudaStorage, DType, Layout, Result, Tensor};
+    use half::bf16;
+
+    use super::super::cuda::{device, ptx, slice, storage, tensor};
+    use super::super::msg;
+
+    /// Rows per block of `bias_grad` (BIAS_ROWS in kernels.cu) and its threads (columns).
+    const ROWS: usize = 128;
+    const THREADS: usize = 256;
+
+    pub fn forward(
+        x: &CudaStorage,
+        lx: &Layout,
+        b: &CudaStorage,
+        lb: &Layout,
+    ) -> Result<CudaStorage> {
+        if !lx.is_contiguous() || !lb.is_contiguous() || x.dtype() != b.dtype() {
+            return Err(msg(format!(
+                "bias_add: x {:?} {:?} and b {:?} {:?} must be contiguous and of one dtype",
+                lx.dims(),
+                x.dtype(),
+                lb.dims(),
+                b.dtype()
+            )));
+        }
+        match x.dtype() {
+            DType::BF16 => fwd::<bf16>(x, lx, b, lb),
+            DType::F32 => fwd::<f32>(x, lx, b, lb),
+            other => Err(msg(format!("bias_add: dtype {other:?} (bf16 or f32 only)"))),
+        }
+    }
+
+    fn fwd<T: CudaDType + DeviceRepr>(
+        x: &CudaStorage,
+        lx: &Layout,
+        b: &CudaStorage,
+        lb: &Layout,
+    ) -> Result<CudaStorage> {
+        let dev = &x.device;
+        let n = lx.shape().elem_count();
+        let c = lb.shape().elem_count();
+        let xs = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
+        let bs = b.as_cuda_slice::<T>()?.slice(lb.start_offset()..);
+        // SAFETY: every element is written by the kernel's grid-stride loop.
+        let y = unsafe { dev.alloc::<T>(n)? };
+        let (module, code) = ptx(dev, None, x.dtype())?;
+        let f = dev.get_or_load_custom_func("bias_add_fwd", &module, &code)?;
+        let (n64, c32) = (n as i64, c as i32);
+        let mut bl = f.builder();
+        bl.arg(&xs).arg(&bs).arg(&y).arg(&n64).arg(&c32);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(256).clamp(1, 132 * 16) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types and order match `bias_add_fwd` in kernels.cu.
+        unsafe { bl.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+    }
+
+    pub fn bias_grad(dy: &Tensor, b: &Tensor) -> Result<Tensor> {
+        let c = b.dim(0)?;
+        let n = dy.elem_count() / c.max(1);
+        let dev = device(dy)?;
+        let (gd, od) = storage(dy, "bias gradient")?;
+        let db = dev.alloc_zeros::<f32>(c)?;
+        let (module, code) = ptx(&dev, None, dy.dtype())?;
+        let f = dev.get_or_load_custom_func("bias_grad", &module, &code)?;
+        let (n32, c32) = (n as i32, c as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (c.div_ceil(THREADS) as u32, n.div_ceil(ROWS) as u32, 1),
+            block_dim: (THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        match dy.dtype() {
+            DType::BF16 => {
+                let ds = slice::<bf16>(&gd)?.slice(od..);
+                let mut bl = f.builder();
+                bl.arg(&ds).arg(&db).arg(&n32).arg(&c32);
+                // SAFETY: argument types and order match `bias_grad` in kernels.cu.
+                unsafe { bl.launch(cfg) }.w()?;
+            }
+            DType::F32 => {
+                let ds = slice::<f32>(&gd)?.slice(od..);
+                let mut bl = f.builder();
+                bl.arg(&ds).arg(&db).arg(&n32).arg(&c32);
+                // SAFETY: argument types and order match `bias_grad` in kernels.cu.
+                unsafe { bl.launch(cfg) }.w()?;
+            }
+            other => return Err(msg(format!("bias_add: dtype {other:?} (bf16 or f32 only)"))),
+        }
+        drop(gd);
+        tensor(&dev, db, c).to_dtype(b.dtype())
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, Var};
+
+    fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+        let a = a.to_dtype(DType::F64).unwrap();
+        let b = b.to_dtype(DType::F64).unwrap();
+        let num = (a - &b).unwrap().sqr().unwrap().sum_all().unwrap();
+        let den = b.sqr().unwrap().sum_all().unwrap();
+        (num.to_scalar::<f64>().unwrap() / den.to_scalar::<f64>().unwrap()).sqrt()
+    }
+
+    /// y, dx and db against broadcast_add and its autograd computed in f32 from the same inputs.
+    fn check(rows: usize, c: usize, dtype: DType, tol: f64) {
+        let dev = match Device::new_cuda(0) {
+            Ok(d) => d,
+            Err(_) => {
+                eprintln!("skipped: no CUDA device");
+                return;
+            }
+        };
+        let x = Tensor::randn(0f32, 1f32, (2, rows, c), &dev).unwrap();
+        let b = (Tensor::randn(0f32, 1f32, c, &dev).unwrap() + 2.0).unwrap();
+        let g = Tensor::randn(0f32, 1f32, (2, rows, c), &dev).unwrap();
+        let run = |fused: bool, dt: DType| {
+            let cast = |t: &Tensor| t.to_dtype(dtype).unwrap().to_dtype(dt).unwrap();
+            let (xv, bv) = (
+                Var::from_tensor(&cast(&x)).unwrap(),
+                Var::from_tensor(&cast(&b)).unwrap(),
+            );
+            let y = if fused {
+                bias_add(xv.as_tensor(), bv.as_tensor()).unwrap()
+            } else {
+                xv.as_tensor().broadcast_add(bv.as_tensor()).unwrap()
+            };
+            let grads = (&y * cast(&g))
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let dx = grads.get(xv.as_tensor()).unwrap().clone();
+            let db = grads.get(bv.as_tensor()).unwrap().clone();
+            (y, dx, db)
+        };
+        let (y, dx, db) = run(true, dtype);
+        let (y_ref, dx_ref, db_ref) = run(false, DType::F32);
+        for (name, a, r) in [
+            ("y", &y, &y_ref),
+            ("dx", &dx, &dx_ref),
+            ("db", &db, &db_ref),
+        ] {
+            let e = rel_err(a, r);
+            assert!(
+                e < tol,
+                "{name} rel err {e} >= {tol} ({rows}x{c}, {dtype:?})"
+            );
+        }
+        assert_eq!(db.dims(), &[c]);
+        assert_eq!(db.dtype(), dtype);
+    }
+
+    #[test]
+    fn matches_broadcast_add() {
+        // 2 x 300 rows: a partial last row block (600 = 4 x 128 + 88); C not a multiple of 256.
+        check(300, 2304, DType::BF16, 1e-2);
+        check(70, 100, DType::F32, 1e-5);
+    }
+}

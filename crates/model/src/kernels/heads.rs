@@ -1,0 +1,280 @@
+//! Head layout in one pass: `(B, T, S·H·D) <-> (S, B, H, T, D)`, forward and backward.
+//!
+//! ```text
+//!   c_attn output (B, T, 3·H·D) = [q | k | v] per token
+//!
+//!   plain candle: q = qkv.narrow(2, 0, C).reshape(B, T, H, D).transpose(1, 2).contiguous()
+//!                 (and k, v): three strided copies; backward: each narrow pads its gradient
+//!                 with zeros to (B, T, 3C) and the three are summed
+//!   split_heads:  one kernel writes (3, B, H, T, D); backward, one kernel writes the one
+//!                 (B, T, 3C) gradient
+//!   merge_heads:  the inverse, (S, B, H, T, D) -> (B, T, S·H·D); with S = 1 it turns the
+//!                 attention output (B, H, T, D) into (B, T, H·D) for c_proj
+//! ```
+//!
+//! A permutation of elements: no arithmetic, the result is bit-identical to the plain ops.
+//! Legend: `B` batch, `T` time, `S` parts (3 for q, k, v), `H` heads, `D` head size.
+
+use candle_core::{CustomOp1, Layout, Result, Shape, Tensor};
+
+use super::msg;
+
+/// Whether the fused kernels can take `x`.
+pub fn supported(x: &Tensor) -> bool {
+    super::enabled_for(x)
+}
+
+/// (B, T, S·H·D) -> (S, B, H, T, D), differentiable. CUDA only: see [`supported`].
+pub fn split_heads(x: &Tensor, s: usize, h: usize) -> Result<Tensor> {
+    let (b, t, f) = x.dims3()?;
+    if s == 0 || h == 0 || f % (s * h) != 0 {
+        return Err(msg(format!(
+            "split_heads: {f} features do not split into {s} parts of {h} heads"
+        )));
+    }
+    let dims = HeadDims {
+        b,
+        t,
+        s,
+        h,
+        d: f / (s * h),
+    };
+    x.contiguous()?.apply_op1(Heads { split: true, dims })
+}
+
+/// (S, B, H, T, D) -> (B, T, S·H·D), differentiable. CUDA only: see [`supported`].
+pub fn merge_heads(x: &Tensor) -> Result<Tensor> {
+    let (s, b, h, t, d) = x.dims5()?;
+    let dims = HeadDims { b, t, s, h, d };
+    x.contiguous()?.apply_op1(Heads { split: false, dims })
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct HeadDims {
+    b: usize,
+    t: usize,
+    s: usize,
+    h: usize,
+    d: usize,
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+impl HeadDims {
+    fn split_shape(&self) -> Shape {
+        (self.s, self.b, self.h, self.t, self.d).into()
+    }
+    fn merged_shape(&self) -> Shape {
+        (self.b, self.t, self.s * self.h * self.d).into()
+    }
+}
+
+/// `split`: (B, T, S·H·D) -> (S, B, H, T, D); otherwise the inverse.
+struct Heads {
+    split: bool,
+    dims: HeadDims,
+}
+
+impl CustomOp1 for Heads {
+    fn name(&self) -> &'static str {
+        if self.split {
+            "split-heads"
+        } else {
+            "merge-heads"
+        }
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CpuStorage, Shape)> {
+        Err(msg(
+            "kernels::heads runs on CUDA only; the CPU path is narrow/transpose".into(),
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        imp::permute(x, lx, self.split, self.dims)
+    }
+
+    fn bwd(&self, _x: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let g = grad.contiguous()?;
+        let back = Heads {
+            split: !self.split,
+            dims: self.dims,
+        };
+        Ok(Some(g.detach().apply_op1_no_bwd(&back)?))
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::{CudaStorage, DType, Layout, Result, Shape};
+    use half::bf16;
+
+    use super::super::cuda::ptx;
+    use super::super::msg;
+    use super::HeadDims;
+
+    pub fn permute(
+        x: &CudaStorage,
+        lx: &Layout,
+        split: bool,
+        dims: HeadDims,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (from, to) = if split {
+            (dims.merged_shape(), dims.split_shape())
+        } else {
+            (dims.split_shape(), dims.merged_shape())
+        };
+        if !lx.is_contiguous() || lx.shape() != &from {
+            return Err(msg(format!(
+                "heads: input {:?} (contiguous: {}) is not the expected {:?}",
+                lx.dims(),
+                lx.is_contiguous(),
+                from.dims()
+            )));
+        }
+        let out = match x.dtype() {
+            DType::BF16 => run::<bf16>(x, lx, split, dims)?,
+            DType::F32 => run::<f32>(x, lx, split, dims)?,
+            other => return Err(msg(format!("heads: dtype {other:?} (bf16 or f32 only)"))),
+        };
+        Ok((out, to))
+    }
+
+    fn run<T: CudaDType + DeviceRepr>(
+        x: &CudaStorage,
+        lx: &Layout,
+        split: bool,
+        HeadDims { b, t, s, h, d }: HeadDims,
+    ) -> Result<CudaStorage> {
+        let dev = &x.device;
+        let n = b * t * s * h * d;
+        let xs = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
+        // SAFETY: every element is written by the kernel's grid-stride loop.
+        let y = unsafe { dev.alloc::<T>(n)? };
+        let (module, code) = ptx(dev, None, x.dtype())?;
+        let name = if split { "heads_split" } else { "heads_merge" };
+        let f = dev.get_or_load_custom_func(name, &module, &code)?;
+        let [b, t, s, h, d] = [b, t, s, h, d].map(|v| v as i32);
+        let mut bl = f.builder();
+        bl.arg(&xs).arg(&y).arg(&b).arg(&t).arg(&s).arg(&h).arg(&d);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(256).clamp(1, 132 * 16) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types and order match `heads_split` / `heads_merge` in kernels.cu.
+        unsafe { bl.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, Var};
+
+    /// split_heads and merge_heads, forward and backward, against narrow/reshape/transpose:
+    /// a permutation, so the results must be bit-identical.
+    #[test]
+    fn matches_narrow_transpose_exactly() {
+        let dev = match Device::new_cuda(0) {
+            Ok(d) => d,
+            Err(_) => {
+                eprintln!("skipped: no CUDA device");
+                return;
+            }
+        };
+        let (b, t, h, d) = (2, 37, 3, 16);
+        for dtype in [DType::BF16, DType::F32] {
+            let x = Tensor::randn(0f32, 1f32, (b, t, 3 * h * d), &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let w = Tensor::randn(0f32, 1f32, (b, t, 3 * h * d), &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let run = |fused: bool| {
+                let v = Var::from_tensor(&x).unwrap();
+                let y = if fused {
+                    let p = split_heads(v.as_tensor(), 3, h).unwrap(); // (3, B, H, T, D)
+                    merge_heads(&(p * 2.0).unwrap()).unwrap() // (B, T, 3HD)
+                } else {
+                    let parts: Vec<Tensor> = (0..3)
+                        .map(|i| {
+                            v.as_tensor()
+                                .narrow(2, i * h * d, h * d)
+                                .unwrap()
+                                .reshape((b, t, h, d))
+                                .unwrap()
+                                .transpose(1, 2)
+                                .unwrap()
+                                .contiguous()
+                                .unwrap()
+                        })
+                        .collect();
+                    let p = (Tensor::stack(&parts, 0).unwrap() * 2.0).unwrap();
+                    let back: Vec<Tensor> = (0..3)
+                        .map(|i| {
+                            p.get(i)
+                                .unwrap()
+                                .transpose(1, 2)
+                                .unwrap()
+                                .reshape((b, t, h * d))
+                                .unwrap()
+                        })
+                        .collect();
+                    Tensor::cat(&back, 2).unwrap()
+                };
+                let g = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
+                let gx = g.get(v.as_tensor()).unwrap().clone();
+                (y, gx)
+            };
+            let (y, gx) = run(true);
+            let (y_ref, gx_ref) = run(false);
+            let diff = |a: &Tensor, b: &Tensor| {
+                (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap())
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f64>()
+                    .unwrap()
+            };
+            assert_eq!(y.dims(), &[b, t, 3 * h * d]);
+            assert_eq!(diff(&y, &y_ref), 0.0, "forward differs ({dtype:?})");
+            assert_eq!(diff(&gx, &gx_ref), 0.0, "gradient differs ({dtype:?})");
+            // The split layout itself: part 1 (k), batch 1, head 2, time 5 = x[1, 5, C + 2D ..].
+            let p = split_heads(&x, 3, h).unwrap();
+            let got = p
+                .get(1)
+                .unwrap()
+                .get(1)
+                .unwrap()
+                .get(2)
+                .unwrap()
+                .get(5)
+                .unwrap();
+            let want = x
+                .get(1)
+                .unwrap()
+                .get(5)
+                .unwrap()
+                .narrow(0, h * d + 2 * d, d)
+                .unwrap();
+            assert_eq!(diff(&got, &want), 0.0, "split layout ({dtype:?})");
+        }
+    }
+}
