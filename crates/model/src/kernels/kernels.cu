@@ -685,39 +685,39 @@ extern "C" __global__ void gelu_bwd(const elem* x, const elem* dy, elem* dx, lon
 }
 
 // ---------------------------------------------------------------------------------------------
-// Head layout: (B, T, S, H, D) <-> (S, B, H, T, D), a pure permutation of elements (no
+// Head layout: (B, T, S, H, Dh) <-> (S, B, H, T, Dh), a pure permutation of elements (no
 // arithmetic, so the element type is copied as is). S = 3 splits c_attn's output into q, k, v
 // heads in one pass; S = 1 merges the attention output (B, H, T, D) back into (B, T, H·D).
 // Each thread writes consecutive destination elements, so writes are coalesced and reads come
-// in runs of D.
+// in runs of Dh. (Dh, not D: the attention modules #define D as HEAD_DIM.)
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void heads_split(const elem* src, elem* dst, int B, int T, int S, int H,
-                                       int D) {
-    const long n = (long)B * T * S * H * D;
+                                       int Dh) {
+    const long n = (long)B * T * S * H * Dh;
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long)gridDim.x * blockDim.x) {
-        long r = i;  // i indexes dst (S, B, H, T, D)
-        const int d = r % D; r /= D;
+        long r = i;  // i indexes dst (S, B, H, T, Dh)
+        const int d = r % Dh; r /= Dh;
         const int t = r % T; r /= T;
         const int h = r % H; r /= H;
         const int b = r % B;
         const int s = r / B;
-        dst[i] = src[((((long)b * T + t) * S + s) * H + h) * D + d];
+        dst[i] = src[((((long)b * T + t) * S + s) * H + h) * Dh + d];
     }
 }
 
 extern "C" __global__ void heads_merge(const elem* src, elem* dst, int B, int T, int S, int H,
-                                       int D) {
-    const long n = (long)B * T * S * H * D;
+                                       int Dh) {
+    const long n = (long)B * T * S * H * Dh;
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long)gridDim.x * blockDim.x) {
-        long r = i;  // i indexes dst (B, T, S, H, D)
-        const int d = r % D; r /= D;
+        long r = i;  // i indexes dst (B, T, S, H, Dh)
+        const int d = r % Dh; r /= Dh;
         const int h = r % H; r /= H;
         const int s = r % S; r /= S;
         const int t = r % T;
         const int b = r / T;
-        dst[i] = src[((((long)s * B + b) * H + h) * T + t) * D + d];
+        dst[i] = src[((((long)s * B + b) * H + h) * T + t) * Dh + d];
     }
 }
 
