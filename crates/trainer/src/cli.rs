@@ -35,8 +35,8 @@ use crate::bench_comm::BenchCommArgs;
 use crate::config::TrainArgs;
 use crate::launch::LaunchSpec;
 use crate::parity::ParityArgs;
-use crate::plot::PlotArgs;
 use crate::plan::PlanArgs;
+use crate::plot::PlotArgs;
 use crate::prepare::PrepareArgs;
 use crate::sample::SampleArgs;
 
@@ -146,6 +146,14 @@ pub struct StrategyArgs {
     #[arg(long, value_enum, default_value_t = Schedule::OneFOneB)]
     pub schedule: Schedule,
 
+    /// Model chunks per pipeline rank for `--schedule interleaved` (Megatron's virtual stages).
+    #[arg(long, default_value_t = 2, value_name = "V")]
+    pub virtual_stages: usize,
+
+    /// Blocks per model stage, e.g. `2,1` for 3 layers on 2 stages (default: as even as possible).
+    #[arg(long, value_delimiter = ',', value_name = "N,N,...")]
+    pub stage_layers: Option<Vec<usize>>,
+
     /// Micro-batches per step through the pipeline; defaults to pp.
     #[arg(long, value_name = "M")]
     pub microbatches: Option<usize>,
@@ -174,6 +182,12 @@ impl StrategyArgs {
         }
         if self.schedule != Schedule::OneFOneB {
             set.push("--schedule");
+        }
+        if self.virtual_stages != 2 {
+            set.push("--virtual-stages");
+        }
+        if self.stage_layers.is_some() {
+            set.push("--stage-layers");
         }
         if self.microbatches.is_some() {
             set.push("--microbatches");
@@ -220,8 +234,7 @@ impl StrategyArgs {
                 })
             }
             z => DataParallelKind::Zero(FsdpConfig {
-                stage: ZeroStage::try_from(z)
-                    .map_err(|e| LayoutError::Strategy(e.to_string()))?,
+                stage: ZeroStage::try_from(z).map_err(|e| LayoutError::Strategy(e.to_string()))?,
                 ..FsdpConfig::default()
             }),
         };
@@ -232,9 +245,12 @@ impl StrategyArgs {
             schedule: match self.schedule {
                 Schedule::Gpipe => ScheduleKind::GPipe,
                 Schedule::OneFOneB => ScheduleKind::OneFOneB,
+                Schedule::Interleaved => ScheduleKind::Interleaved1F1B {
+                    virtual_stages: self.virtual_stages,
+                },
             },
             microbatches: self.microbatches.unwrap_or(dims.pp),
-            stage_counts: None,
+            stage_counts: self.stage_layers.clone(),
             checkpointing,
             // Set from the run's --dtype and --grad-reduce-dtype when training starts.
             precision: mtrain_parallel::mixed_precision::MixedPrecision::default(),
@@ -250,6 +266,8 @@ pub enum Schedule {
     /// One forward, one backward in the steady state (PipeDream-Flush).
     #[value(name = "1f1b")]
     OneFOneB,
+    /// 1F1B over `--virtual-stages` model chunks per rank: a smaller bubble for more messages.
+    Interleaved,
 }
 
 /// DDP gradient synchronisation.
@@ -557,5 +575,36 @@ mod tests {
         assert_eq!(cli.strategy.schedule, Schedule::Gpipe);
         assert_eq!(cli.strategy.ddp_mode, DdpMode::Naive);
         assert!(Cli::try_parse_from(["mtrain", "--zero-stage", "4"]).is_err());
+    }
+
+    #[test]
+    fn interleaved_schedule_and_stage_layers_reach_the_plan() {
+        let cli = Cli::try_parse_from([
+            "mtrain",
+            "--pp",
+            "2",
+            "--schedule",
+            "interleaved",
+            "--virtual-stages",
+            "3",
+            "--stage-layers",
+            "2,1,1,2,1,1",
+            "--microbatches",
+            "4",
+        ])
+        .unwrap();
+        let dims = MeshDims {
+            dp: 1,
+            pp: 2,
+            tp: 1,
+            ep: 1,
+        };
+        let plan = cli.strategy.plan(dims, false).unwrap();
+        assert_eq!(
+            plan.schedule,
+            ScheduleKind::Interleaved1F1B { virtual_stages: 3 }
+        );
+        assert_eq!(plan.stage_counts, Some(vec![2, 1, 1, 2, 1, 1]));
+        assert_eq!(plan.microbatches, 4);
     }
 }
