@@ -13,6 +13,9 @@
 //! ```
 //!
 //! A permutation of elements: no arithmetic, the result is bit-identical to the plain ops.
+//! The kernels move whole rows of `D` elements (contiguous on both sides) in 16-byte words
+//! where the row size and offset allow it: one block per (s, b, h) plane, consecutive threads
+//! on consecutive words, so reads and writes are coalesced (see kernels.cu, "Head layout").
 //! Legend: `B` batch, `T` time, `S` parts (3 for q, k, v), `H` heads, `D` head size.
 
 use candle_core::{CustomOp1, Layout, Result, Shape, Tensor};
@@ -122,7 +125,7 @@ mod imp {
 
     use super::super::cuda::ptx;
     use super::super::msg;
-    use super::HeadDims;
+    use super::{unit_bytes, HeadDims};
 
     pub fn permute(
         x: &CudaStorage,
@@ -155,27 +158,90 @@ mod imp {
         x: &CudaStorage,
         lx: &Layout,
         split: bool,
-        HeadDims { b, t, s, h, d }: HeadDims,
+        dims: HeadDims,
     ) -> Result<CudaStorage> {
+        let HeadDims { b, t, s, h, d } = dims;
         let dev = &x.device;
         let n = b * t * s * h * d;
+        let esize = std::mem::size_of::<T>();
+        // CUDA allocations are at least 256-byte aligned, so the offset decides the alignment.
+        let unit = unit_bytes(d * esize, lx.start_offset() * esize);
+        let dv = d * esize / unit; // units per row of Dh elements
         let xs = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
-        // SAFETY: every element is written by the kernel's grid-stride loop.
+        // SAFETY: every element is written: each (s, b, h) plane's T·Dv units by the
+        // grid-stride loop of its block column.
         let y = unsafe { dev.alloc::<T>(n)? };
+        if n == 0 {
+            return Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()));
+        }
         let (module, code) = ptx(dev, None, x.dtype())?;
-        let name = if split { "heads_split" } else { "heads_merge" };
-        let f = dev.get_or_load_custom_func(name, &module, &code)?;
-        let [b, t, s, h, d] = [b, t, s, h, d].map(|v| v as i32);
+        let name = format!("heads_{}_u{unit}", if split { "split" } else { "merge" });
+        let f = dev.get_or_load_custom_func(&name, &module, &code)?;
+        let planes = s * h * b;
+        let units = t * dv; // per plane
+        let int = |v: usize, what: &str| -> Result<i32> {
+            i32::try_from(v).map_err(|_| {
+                msg(format!(
+                    "heads: {what} = {v} exceeds the kernel's 32-bit index ({dims:?})"
+                ))
+            })
+        };
+        let grid_x = int(planes, "S·B·H planes")? as u32;
+        // j < T·Dv, and j + one grid stride must not wrap either.
+        int(
+            units + 65_535 * THREADS,
+            "T·Dv units per plane plus one grid stride",
+        )?;
+        let [b, t, s, h, dv] = [
+            int(b, "B")?,
+            int(t, "T")?,
+            int(s, "S")?,
+            int(h, "H")?,
+            int(dv, "Dv")?,
+        ];
         let mut bl = f.builder();
-        bl.arg(&xs).arg(&y).arg(&b).arg(&t).arg(&s).arg(&h).arg(&d);
+        bl.arg(&xs).arg(&y).arg(&b).arg(&t).arg(&s).arg(&h).arg(&dv);
         let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(256).clamp(1, 132 * 16) as u32, 1, 1),
-            block_dim: (256, 1, 1),
+            grid_dim: (grid_x, units.div_ceil(THREADS).clamp(1, 65_535) as u32, 1),
+            block_dim: (THREADS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: argument types and order match `heads_split` / `heads_merge` in kernels.cu.
+        // SAFETY: argument types and order match `heads_{split,merge}_u{16,8,4,2}` in
+        // kernels.cu; `xs` and `y` hold n elements, n·size_of::<T>() / unit units.
         unsafe { bl.launch(cfg) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+    }
+
+    const THREADS: usize = 256;
+}
+
+/// The widest word (16, 8, 4 or 2 bytes) that divides both a row of `row_bytes` and the
+/// byte offset where the data starts, so that every row is copied in aligned units:
+/// a bf16 row of 64 elements (128 bytes) at offset 0 goes in 16-byte units.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn unit_bytes(row_bytes: usize, offset_bytes: usize) -> usize {
+    [16, 8, 4, 2]
+        .into_iter()
+        .find(|u| row_bytes % u == 0 && offset_bytes % u == 0)
+        .unwrap_or(2)
+}
+
+/// CPU-checkable part of the launch: the unit width.
+#[cfg(test)]
+mod unit_tests {
+    use super::unit_bytes;
+
+    #[test]
+    fn unit_is_widest_common_divisor_up_to_16() {
+        assert_eq!(unit_bytes(128, 0), 16); // bf16, Dh = 64
+        assert_eq!(unit_bytes(256, 0), 16); // f32, Dh = 64
+        assert_eq!(unit_bytes(32, 0), 16); // bf16, Dh = 16
+        assert_eq!(unit_bytes(24, 0), 8); // bf16, Dh = 12
+        assert_eq!(unit_bytes(128, 8), 8); // offset by 4 bf16 elements
+        assert_eq!(unit_bytes(128, 4), 4); // offset by one f32
+        assert_eq!(unit_bytes(12, 0), 4); // f32, Dh = 3
+        assert_eq!(unit_bytes(6, 0), 2); // bf16, Dh = 3
+        assert_eq!(unit_bytes(128, 2), 2); // offset by one bf16
     }
 }
 

@@ -686,40 +686,61 @@ extern "C" __global__ void gelu_bwd(const elem* x, const elem* dy, elem* dx, lon
 
 // ---------------------------------------------------------------------------------------------
 // Head layout: (B, T, S, H, Dh) <-> (S, B, H, T, Dh), a pure permutation of elements (no
-// arithmetic, so the element type is copied as is). S = 3 splits c_attn's output into q, k, v
+// arithmetic, so elements are moved as raw bits). S = 3 splits c_attn's output into q, k, v
 // heads in one pass; S = 1 merges the attention output (B, H, T, D) back into (B, T, H·D).
-// Each thread writes consecutive destination elements, so writes are coalesced and reads come
-// in runs of Dh. (Dh, not D: the attention modules #define D as HEAD_DIM.)
+// (Dh, not D: the attention modules #define D as HEAD_DIM.)
+//
+// A row of Dh elements is contiguous on both sides, so the copy moves rows of Dv units, a unit
+// being a 16-, 8-, 4- or 2-byte word (the caller picks the widest that divides the row and the
+// offset; a bf16 row of 64 is Dv = 8 units of 16 bytes). blockIdx.x names one (s, b, h)
+// plane, whose T·Dv units are contiguous in the split layout and sit at a stride of S·H·Dv
+// units per t in the merged layout:
+//
+//   split  (S, B, H, T, Dv):  plane p = (s, b, h)  [ t0: v0..v(Dv-1) | t1: ... | ... ]
+//   merged (B, T, S, H, Dv):  t0: [.. (s, h) row ..]   t1: [.. (s, h) row ..]   ...
+//                                   ^ base + t·S·H·Dv
+//
+// Consecutive threads take consecutive units j of the plane (t = j / Dv, v = j % Dv): the split
+// side is one coalesced run, the merged side runs of Dv units (a 128-byte line for bf16,
+// Dh = 64). The plane's coordinates are decoded once per block; per unit there is one 32-bit
+// division and no 64-bit one. blockIdx.y with a grid-stride loop covers the T·Dv units.
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void heads_split(const elem* src, elem* dst, int B, int T, int S, int H,
-                                       int Dh) {
-    const long n = (long)B * T * S * H * Dh;
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (long)gridDim.x * blockDim.x) {
-        long r = i;  // i indexes dst (S, B, H, T, Dh)
-        const int d = r % Dh; r /= Dh;
-        const int t = r % T; r /= T;
-        const int h = r % H; r /= H;
-        const int b = r % B;
-        const int s = r / B;
-        dst[i] = src[((((long)b * T + t) * S + s) * H + h) * Dh + d];
+template <typename Unit, bool to_split>
+__device__ __forceinline__ void heads_copy(const Unit* __restrict__ src, Unit* __restrict__ dst,
+                                           int B, int T, int S, int H, int Dv) {
+    const int p = blockIdx.x;  // plane (s, b, h) of the split layout
+    const int h = p % H;
+    const int b = (p / H) % B;
+    const int s = p / (H * B);
+    const long split_base = (long)p * T * Dv;                        // (s, b, h, 0, 0)
+    const long merged_base = (((long)b * T * S + s) * H + h) * Dv;   // (b, 0, s, h, 0)
+    const long merged_t = (long)S * H * Dv;                          // stride of t, merged
+    const int n = T * Dv;
+    for (int j = blockIdx.y * blockDim.x + threadIdx.x; j < n; j += gridDim.y * blockDim.x) {
+        const int t = j / Dv;
+        const int v = j - t * Dv;
+        const long m = merged_base + t * merged_t + v;
+        if (to_split) {
+            dst[split_base + j] = src[m];
+        } else {
+            dst[m] = src[split_base + j];
+        }
     }
 }
 
-extern "C" __global__ void heads_merge(const elem* src, elem* dst, int B, int T, int S, int H,
-                                       int Dh) {
-    const long n = (long)B * T * S * H * Dh;
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (long)gridDim.x * blockDim.x) {
-        long r = i;  // i indexes dst (B, T, S, H, Dh)
-        const int d = r % Dh; r /= Dh;
-        const int h = r % H; r /= H;
-        const int s = r % S; r /= S;
-        const int t = r % T;
-        const int b = r / T;
-        dst[i] = src[((((long)s * B + b) * H + h) * T + t) * Dh + d];
+#define HEADS_KERNELS(UNIT, BYTES)                                                             \
+    extern "C" __global__ void heads_split_u##BYTES(const UNIT* src, UNIT* dst, int B, int T, \
+                                                    int S, int H, int Dv) {                    \
+        heads_copy<UNIT, true>(src, dst, B, T, S, H, Dv);                                      \
+    }                                                                                          \
+    extern "C" __global__ void heads_merge_u##BYTES(const UNIT* src, UNIT* dst, int B, int T, \
+                                                    int S, int H, int Dv) {                    \
+        heads_copy<UNIT, false>(src, dst, B, T, S, H, Dv);                                     \
     }
-}
+HEADS_KERNELS(uint4, 16)
+HEADS_KERNELS(uint2, 8)
+HEADS_KERNELS(unsigned int, 4)
+HEADS_KERNELS(unsigned short, 2)
 
 // ---------------------------------------------------------------------------------------------
 // Bias add y = x + b over rows of C, and its bias gradient db = Σ_rows dy: one thread per
