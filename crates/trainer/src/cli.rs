@@ -131,39 +131,39 @@ pub struct LayoutArgs {
 #[command(next_help_heading = "Strategy")]
 pub struct StrategyArgs {
     /// Shard parameters, gradients and optimizer state over dp (FSDP, ZeRO-3).
-    #[arg(long)]
+    #[arg(long, global = true)]
     pub fsdp: bool,
 
     /// ZeRO stage for data parallelism: 0 = DDP, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters.
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
+    #[arg(long, global = true, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero_stage: u8,
 
     /// Sequence parallelism in the tensor-parallel regions (LayerNorm/dropout on T/tp).
-    #[arg(long)]
+    #[arg(long, global = true)]
     pub sequence_parallel: bool,
 
     /// Pipeline schedule.
-    #[arg(long, value_enum, default_value_t = Schedule::OneFOneB)]
+    #[arg(long, global = true, value_enum, default_value_t = Schedule::OneFOneB)]
     pub schedule: Schedule,
 
     /// Model chunks per pipeline rank for `--schedule interleaved` (Megatron's virtual stages).
-    #[arg(long, default_value_t = 2, value_name = "V")]
+    #[arg(long, global = true, default_value_t = 2, value_name = "V")]
     pub virtual_stages: usize,
 
     /// Blocks per model stage, e.g. `2,1` for 3 layers on 2 stages (default: as even as possible).
-    #[arg(long, value_delimiter = ',', value_name = "N,N,...")]
+    #[arg(long, global = true, value_delimiter = ',', value_name = "N,N,...")]
     pub stage_layers: Option<Vec<usize>>,
 
     /// Micro-batches per step through the pipeline; defaults to pp.
-    #[arg(long, value_name = "M")]
+    #[arg(long, global = true, value_name = "M")]
     pub microbatches: Option<usize>,
 
     /// Gradient all-reduce for data parallelism.
-    #[arg(long, value_enum, default_value_t = DdpMode::Bucketed)]
+    #[arg(long, global = true, value_enum, default_value_t = DdpMode::Bucketed)]
     pub ddp_mode: DdpMode,
 
     /// DDP bucket size in MiB.
-    #[arg(long, default_value_t = 25.0, value_name = "MIB")]
+    #[arg(long, global = true, default_value_t = 25.0, value_name = "MIB")]
     pub bucket_mb: f64,
 }
 
