@@ -95,12 +95,13 @@ fn bias_grad(dy: &Tensor, b: &Tensor) -> Result<Tensor> {
 #[cfg(feature = "cuda")]
 mod imp {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
-    use candle_core::{CudaStorage, DType, Layout, Result, Tensor};
-    use half::bf16;
+    use candle_core::{CudaStorage, Layout, Result, Tensor};
 
-    use super::super::cuda::{device, ptx, slice, storage, tensor};
+    use super::super::cuda::{
+        by_dtype, column_blocks, device, grid_stride, kernel, slice, storage, tensor, view,
+    };
     use super::super::msg;
 
     /// Rows per block of `bias_grad` (BIAS_ROWS in kernels.cu) and its threads (columns).
@@ -122,11 +123,7 @@ mod imp {
                 b.dtype()
             )));
         }
-        match x.dtype() {
-            DType::BF16 => fwd::<bf16>(x, lx, b, lb),
-            DType::F32 => fwd::<f32>(x, lx, b, lb),
-            other => Err(msg(format!("bias_add: dtype {other:?} (bf16 or f32 only)"))),
-        }
+        by_dtype!("bias_add", x.dtype(), fwd(x, lx, b, lb))
     }
 
     fn fwd<T: CudaDType + DeviceRepr>(
@@ -138,56 +135,37 @@ mod imp {
         let dev = &x.device;
         let n = lx.shape().elem_count();
         let c = lb.shape().elem_count();
-        let xs = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
-        let bs = b.as_cuda_slice::<T>()?.slice(lb.start_offset()..);
+        let xs = view::<T>(x, lx)?;
+        let bs = view::<T>(b, lb)?;
         // SAFETY: every element is written by the kernel's grid-stride loop.
         let y = unsafe { dev.alloc::<T>(n)? };
-        let (module, code) = ptx(dev, None, x.dtype())?;
-        let f = dev.get_or_load_custom_func("bias_add_fwd", &module, &code)?;
+        let f = kernel(dev, None, x.dtype(), "bias_add_fwd")?;
         let (n64, c32) = (n as i64, c as i32);
         let mut bl = f.builder();
         bl.arg(&xs).arg(&bs).arg(&y).arg(&n64).arg(&c32);
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(256).clamp(1, 132 * 16) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
         // SAFETY: argument types and order match `bias_add_fwd` in kernels.cu.
-        unsafe { bl.launch(cfg) }.w()?;
+        unsafe { bl.launch(grid_stride(n)) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
     }
 
     pub fn bias_grad(dy: &Tensor, b: &Tensor) -> Result<Tensor> {
+        by_dtype!("bias_add", dy.dtype(), grad(dy, b))
+    }
+
+    fn grad<T: CudaDType + DeviceRepr>(dy: &Tensor, b: &Tensor) -> Result<Tensor> {
         let c = b.dim(0)?;
         let n = dy.elem_count() / c.max(1);
         let dev = device(dy)?;
         let (gd, od) = storage(dy, "bias gradient")?;
+        let ds = slice::<T>(&gd)?.slice(od..);
         let db = dev.alloc_zeros::<f32>(c)?;
-        let (module, code) = ptx(&dev, None, dy.dtype())?;
-        let f = dev.get_or_load_custom_func("bias_grad", &module, &code)?;
+        let f = kernel(&dev, None, dy.dtype(), "bias_grad")?;
         let (n32, c32) = (n as i32, c as i32);
-        let cfg = LaunchConfig {
-            grid_dim: (c.div_ceil(THREADS) as u32, n.div_ceil(ROWS) as u32, 1),
-            block_dim: (THREADS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        match dy.dtype() {
-            DType::BF16 => {
-                let ds = slice::<bf16>(&gd)?.slice(od..);
-                let mut bl = f.builder();
-                bl.arg(&ds).arg(&db).arg(&n32).arg(&c32);
-                // SAFETY: argument types and order match `bias_grad` in kernels.cu.
-                unsafe { bl.launch(cfg) }.w()?;
-            }
-            DType::F32 => {
-                let ds = slice::<f32>(&gd)?.slice(od..);
-                let mut bl = f.builder();
-                bl.arg(&ds).arg(&db).arg(&n32).arg(&c32);
-                // SAFETY: argument types and order match `bias_grad` in kernels.cu.
-                unsafe { bl.launch(cfg) }.w()?;
-            }
-            other => return Err(msg(format!("bias_add: dtype {other:?} (bf16 or f32 only)"))),
-        }
+        let mut bl = f.builder();
+        bl.arg(&ds).arg(&db).arg(&n32).arg(&c32);
+        // SAFETY: argument types and order match `bias_grad` in kernels.cu.
+        unsafe { bl.launch(column_blocks(n, c, ROWS, THREADS)) }.w()?;
+        drop(ds);
         drop(gd);
         tensor(&dev, db, c).to_dtype(b.dtype())
     }

@@ -68,29 +68,15 @@ fn backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
 #[cfg(feature = "cuda")]
 mod imp {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
-    use candle_core::{CudaStorage, DType, Layout, Result, Tensor};
-    use half::bf16;
+    use candle_core::{CudaStorage, Layout, Result, Tensor};
 
-    use super::super::cuda::{device, ptx, slice, storage, tensor};
+    use super::super::cuda::{by_dtype, device, grid_stride, kernel, slice, storage, tensor, view};
     use super::super::msg;
 
-    /// A grid-stride loop: enough blocks to fill the card, not one per element.
-    fn config(n: usize) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: (n.div_ceil(256).clamp(1, 132 * 16) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        }
-    }
-
     pub fn forward(x: &CudaStorage, lx: &Layout) -> Result<CudaStorage> {
-        match x.dtype() {
-            DType::BF16 => fwd::<bf16>(x, lx),
-            DType::F32 => fwd::<f32>(x, lx),
-            other => Err(msg(format!("gelu: dtype {other:?} (bf16 or f32 only)"))),
-        }
+        by_dtype!("gelu", x.dtype(), fwd(x, lx))
     }
 
     fn fwd<T: CudaDType + DeviceRepr>(x: &CudaStorage, lx: &Layout) -> Result<CudaStorage> {
@@ -102,16 +88,15 @@ mod imp {
         }
         let dev = &x.device;
         let n = lx.shape().elem_count();
-        let xs = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
+        let xs = view::<T>(x, lx)?;
         // SAFETY: every element is written by the kernel's grid-stride loop.
         let y = unsafe { dev.alloc::<T>(n)? };
-        let (module, code) = ptx(dev, None, x.dtype())?;
-        let f = dev.get_or_load_custom_func("gelu_fwd", &module, &code)?;
+        let f = kernel(dev, None, x.dtype(), "gelu_fwd")?;
         let n64 = n as i64;
         let mut b = f.builder();
         b.arg(&xs).arg(&y).arg(&n64);
         // SAFETY: argument types and order match `gelu_fwd` in kernels.cu.
-        unsafe { b.launch(config(n)) }.w()?;
+        unsafe { b.launch(grid_stride(n)) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
     }
 
@@ -125,11 +110,7 @@ mod imp {
                 x.dtype()
             )));
         }
-        match x.dtype() {
-            DType::BF16 => bwd::<bf16>(x, dy),
-            DType::F32 => bwd::<f32>(x, dy),
-            other => Err(msg(format!("gelu: dtype {other:?} (bf16 or f32 only)"))),
-        }
+        by_dtype!("gelu", x.dtype(), bwd(x, dy))
     }
 
     fn bwd<T: CudaDType + DeviceRepr>(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
@@ -141,13 +122,12 @@ mod imp {
         let ds = slice::<T>(&gd)?.slice(od..);
         // SAFETY: every element is written by the kernel's grid-stride loop.
         let dx = unsafe { dev.alloc::<T>(n)? };
-        let (module, code) = ptx(&dev, None, x.dtype())?;
-        let f = dev.get_or_load_custom_func("gelu_bwd", &module, &code)?;
+        let f = kernel(&dev, None, x.dtype(), "gelu_bwd")?;
         let n64 = n as i64;
         let mut b = f.builder();
         b.arg(&xs).arg(&ds).arg(&dx).arg(&n64);
         // SAFETY: argument types and order match `gelu_bwd` in kernels.cu.
-        unsafe { b.launch(config(n)) }.w()?;
+        unsafe { b.launch(grid_stride(n)) }.w()?;
         Ok(tensor(&dev, dx, x.shape().clone()))
     }
 }

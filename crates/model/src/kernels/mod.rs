@@ -98,17 +98,104 @@ fn msg(s: String) -> candle_core::Error {
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda {
-    //! NVRTC compilation, the PTX cache and small helpers shared by the kernels.
+    //! NVRTC compilation, the PTX cache and the host-side launch pieces every kernel shares:
+    //!
+    //! ```text
+    //!   by_dtype!    the bf16 | f32 choice of a generic launch function
+    //!   view         a CudaStorage + Layout as the device slice a kernel reads
+    //!   kernel       PTX of one instantiation ─> loaded function ─> .builder().arg(..)
+    //!   blocks       a (x, y) grid of 1-D blocks; grid_stride and column_blocks the two
+    //!                shapes several kernels use
+    //! ```
     use std::collections::HashMap;
     use std::sync::{Arc, Mutex, OnceLock};
 
-    use candle_core::cuda_backend::cudarc::driver::CudaSlice;
+    use candle_core::cuda_backend::cudarc::driver::{
+        CudaFunction, CudaSlice, CudaStream, CudaView, LaunchArgs, LaunchConfig,
+    };
     use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
     use candle_core::cuda_backend::CudaDType;
     use candle_core::op::BackpropOp;
-    use candle_core::{CudaDevice, CudaStorage, DType, Result, Shape, Storage, StorageRef, Tensor};
+    use candle_core::{
+        CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, StorageRef, Tensor,
+    };
 
     use super::msg;
+
+    /// `by_dtype!("what", dtype, f(args..))` calls `f::<bf16>(args..)` or `f::<f32>(args..)`;
+    /// any other dtype is the error "what: dtype .. (bf16 or f32 only)".
+    macro_rules! by_dtype {
+        ($what:literal, $dtype:expr, $f:ident($($arg:expr),* $(,)?)) => {
+            match $dtype {
+                candle_core::DType::BF16 => $f::<half::bf16>($($arg),*),
+                candle_core::DType::F32 => $f::<f32>($($arg),*),
+                other => Err($crate::kernels::msg(format!(
+                    concat!($what, ": dtype {:?} (bf16 or f32 only)"),
+                    other
+                ))),
+            }
+        };
+    }
+    pub(crate) use by_dtype;
+
+    /// The elements of `s` that layout `l` starts at, as the slice a kernel reads.
+    pub fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<CudaView<'a, T>> {
+        Ok(s.as_cuda_slice::<T>()?.slice(l.start_offset()..))
+    }
+
+    /// One loaded kernel function, launched on its device's stream.
+    pub struct Kernel {
+        func: CudaFunction,
+        stream: Arc<CudaStream>,
+    }
+
+    impl Kernel {
+        /// Starts a launch: push the arguments in the order of the kernel's signature.
+        pub fn builder(&self) -> LaunchArgs<'_> {
+            self.stream.launch_builder(&self.func)
+        }
+    }
+
+    /// The kernel `name` of the instantiation (head_dim, dtype) on `dev`, compiled and loaded
+    /// on first use (see [`ptx`]).
+    pub fn kernel(
+        dev: &CudaDevice,
+        head_dim: Option<usize>,
+        dtype: DType,
+        name: &str,
+    ) -> Result<Kernel> {
+        let (module, code) = ptx(dev, head_dim, dtype)?;
+        let f = dev.get_or_load_custom_func(name, &module, &code)?;
+        Ok(Kernel {
+            func: f.into_cuda_function(),
+            stream: dev.cuda_stream(),
+        })
+    }
+
+    /// A grid of `grid.0 × grid.1` blocks of `threads` threads each, no dynamic shared memory.
+    pub fn blocks(grid: (usize, usize), threads: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (grid.0 as u32, grid.1 as u32, 1),
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// An elementwise kernel over `n` elements with a grid-stride loop: blocks of 256, enough
+    /// of them to fill the card (132 SMs × 16), not one per element.
+    pub fn grid_stride(n: usize) -> LaunchConfig {
+        blocks((n.div_ceil(256).clamp(1, 132 * 16), 1), 256)
+    }
+
+    /// A column reduction of an (n, c) matrix: thread j of a block sums column j over `rows`
+    /// rows, so a warp reads 32 neighbouring addresses of one row.
+    ///
+    /// ```text
+    ///   grid (c / threads, n / rows)    block (threads,)
+    /// ```
+    pub fn column_blocks(n: usize, c: usize, rows: usize, threads: usize) -> LaunchConfig {
+        blocks((c.div_ceil(threads), n.div_ceil(rows)), threads)
+    }
 
     const SOURCE: &str = include_str!("kernels.cu");
 
