@@ -108,20 +108,15 @@ mod imp {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
-    use candle_core::{CudaStorage, DType, Layout, Result, Tensor};
-    use half::bf16;
+    use candle_core::{CudaStorage, Layout, Result, Tensor};
 
-    use super::super::cuda::{device, ptx, slice, storage, tensor};
-    use super::super::msg;
+    use super::super::cuda::{blocks, by_dtype, device, kernel, slice, storage, tensor, view};
 
-    const THREADS: u32 = 512; // CE_THREADS in kernels.cu
+    const THREADS: usize = 512; // CE_THREADS in kernels.cu
 
+    /// One block per row.
     fn rows(n: usize) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        }
+        blocks((n, 1), THREADS)
     }
 
     pub fn forward(
@@ -130,13 +125,7 @@ mod imp {
         targets: &CudaStorage,
         lt: &Layout,
     ) -> Result<(CudaStorage, Tensor)> {
-        match logits.dtype() {
-            DType::BF16 => fwd::<bf16>(logits, ll, targets, lt),
-            DType::F32 => fwd::<f32>(logits, ll, targets, lt),
-            other => Err(msg(format!(
-                "cross_entropy: dtype {other:?} (bf16 or f32 only)"
-            ))),
-        }
+        by_dtype!("cross_entropy", logits.dtype(), fwd(logits, ll, targets, lt))
     }
 
     fn fwd<T: CudaDType + DeviceRepr>(
@@ -147,12 +136,11 @@ mod imp {
     ) -> Result<(CudaStorage, Tensor)> {
         let (n, v) = ll.shape().dims2()?;
         let dev = &logits.device;
-        let xs = logits.as_cuda_slice::<T>()?.slice(ll.start_offset()..);
-        let ts = targets.as_cuda_slice::<u32>()?.slice(lt.start_offset()..);
+        let xs = view::<T>(logits, ll)?;
+        let ts = view::<u32>(targets, lt)?;
         // SAFETY: the kernel writes one loss and one lse per row.
         let (loss, lse) = unsafe { (dev.alloc::<f32>(n)?, dev.alloc::<f32>(n)?) };
-        let (module, code) = ptx(dev, None, logits.dtype())?;
-        let f = dev.get_or_load_custom_func("ce_fwd", &module, &code)?;
+        let f = kernel(dev, None, logits.dtype(), "ce_fwd")?;
         let v32 = v as i32;
         let mut b = f.builder();
         b.arg(&xs).arg(&ts).arg(&loss).arg(&lse).arg(&v32);
@@ -165,13 +153,7 @@ mod imp {
     }
 
     pub fn backward(logits: &Tensor, targets: &Tensor, lse: &Tensor, g: &Tensor) -> Result<Tensor> {
-        match logits.dtype() {
-            DType::BF16 => bwd::<bf16>(logits, targets, lse, g),
-            DType::F32 => bwd::<f32>(logits, targets, lse, g),
-            other => Err(msg(format!(
-                "cross_entropy: dtype {other:?} (bf16 or f32 only)"
-            ))),
-        }
+        by_dtype!("cross_entropy", logits.dtype(), bwd(logits, targets, lse, g))
     }
 
     fn bwd<T: CudaDType + DeviceRepr>(
@@ -192,8 +174,7 @@ mod imp {
         let gs = slice::<f32>(&gg)?.slice(og..);
         // SAFETY: the kernel writes every element of every row.
         let dx = unsafe { dev.alloc::<T>(n * v)? };
-        let (module, code) = ptx(&dev, None, logits.dtype())?;
-        let f = dev.get_or_load_custom_func("ce_bwd", &module, &code)?;
+        let f = kernel(&dev, None, logits.dtype(), "ce_bwd")?;
         let v32 = v as i32;
         let mut b = f.builder();
         b.arg(&xs).arg(&ts).arg(&ls).arg(&gs).arg(&dx).arg(&v32);

@@ -138,10 +138,11 @@ mod imp {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
-    use candle_core::{CudaStorage, DType, Layout, Result, Tensor};
-    use half::bf16;
+    use candle_core::{CudaStorage, Layout, Result, Tensor};
 
-    use super::super::cuda::{device, ptx, slice, storage, tensor};
+    use super::super::cuda::{
+        blocks, by_dtype, column_blocks, device, kernel, slice, storage, tensor, view,
+    };
     use super::super::msg;
 
     /// One warp per row, 8 rows per block.
@@ -151,11 +152,7 @@ mod imp {
     const DWDB_THREADS: usize = 256;
 
     fn rows_config(n: usize) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: (n.div_ceil(ROWS_PER_BLOCK) as u32, 1, 1),
-            block_dim: ((32 * ROWS_PER_BLOCK) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        }
+        blocks((n.div_ceil(ROWS_PER_BLOCK), 1), 32 * ROWS_PER_BLOCK)
     }
 
     fn n_c(shape: &[usize]) -> Result<(usize, usize)> {
@@ -175,13 +172,7 @@ mod imp {
         lb: &Layout,
         eps: f64,
     ) -> Result<(CudaStorage, (Tensor, Tensor))> {
-        match x.dtype() {
-            DType::BF16 => fwd::<bf16>(x, lx, w, lw, b, lb, eps),
-            DType::F32 => fwd::<f32>(x, lx, w, lw, b, lb, eps),
-            other => Err(msg(format!(
-                "layer_norm: dtype {other:?} (bf16 or f32 only)"
-            ))),
-        }
+        by_dtype!("layer_norm", x.dtype(), fwd(x, lx, w, lw, b, lb, eps))
     }
 
     #[allow(clippy::type_complexity)]
@@ -204,15 +195,14 @@ mod imp {
         }
         let dev = &x.device;
         let (n, c) = n_c(lx.dims())?;
-        let xs = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
-        let ws = w.as_cuda_slice::<T>()?.slice(lw.start_offset()..);
-        let bs = b.as_cuda_slice::<T>()?.slice(lb.start_offset()..);
+        let xs = view::<T>(x, lx)?;
+        let ws = view::<T>(w, lw)?;
+        let bs = view::<T>(b, lb)?;
         // SAFETY: every element is written by the kernel (one warp per row, every column).
         let y = unsafe { dev.alloc::<T>(n * c)? };
         let mean = unsafe { dev.alloc::<f32>(n)? };
         let rstd = unsafe { dev.alloc::<f32>(n)? };
-        let (module, code) = ptx(dev, None, x.dtype())?;
-        let f = dev.get_or_load_custom_func("ln_fwd", &module, &code)?;
+        let f = kernel(dev, None, x.dtype(), "ln_fwd")?;
         let (n32, c32, eps32) = (n as i32, c as i32, eps as f32);
         let mut bl = f.builder();
         bl.arg(&xs).arg(&ws).arg(&bs).arg(&y).arg(&mean).arg(&rstd);
@@ -230,13 +220,7 @@ mod imp {
         mean: &Tensor,
         rstd: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        match x.dtype() {
-            DType::BF16 => bwd::<bf16>(x, w, dy, mean, rstd),
-            DType::F32 => bwd::<f32>(x, w, dy, mean, rstd),
-            other => Err(msg(format!(
-                "layer_norm: dtype {other:?} (bf16 or f32 only)"
-            ))),
-        }
+        by_dtype!("layer_norm", x.dtype(), bwd(x, w, dy, mean, rstd))
     }
 
     fn bwd<T: CudaDType + DeviceRepr>(
@@ -271,29 +255,20 @@ mod imp {
         let dx = unsafe { dev.alloc::<T>(n * c)? };
         let dw = dev.alloc_zeros::<f32>(c)?;
         let db = dev.alloc_zeros::<f32>(c)?;
-        let (module, code) = ptx(&dev, None, x.dtype())?;
         let (n32, c32) = (n as i32, c as i32);
 
-        let f = dev.get_or_load_custom_func("ln_bwd_dx", &module, &code)?;
+        let f = kernel(&dev, None, x.dtype(), "ln_bwd_dx")?;
         let mut bl = f.builder();
         bl.arg(&xs).arg(&ws).arg(&ds).arg(&ms).arg(&rs).arg(&dx);
         bl.arg(&n32).arg(&c32);
         // SAFETY: argument types and order match `ln_bwd_dx` in kernels.cu.
         unsafe { bl.launch(rows_config(n)) }.w()?;
 
-        let f = dev.get_or_load_custom_func("ln_bwd_dwdb", &module, &code)?;
+        let f = kernel(&dev, None, x.dtype(), "ln_bwd_dwdb")?;
         let mut bl = f.builder();
         bl.arg(&xs).arg(&ds).arg(&ms).arg(&rs).arg(&dw).arg(&db);
         bl.arg(&n32).arg(&c32);
-        let cfg = LaunchConfig {
-            grid_dim: (
-                c.div_ceil(DWDB_THREADS) as u32,
-                n.div_ceil(DWDB_ROWS) as u32,
-                1,
-            ),
-            block_dim: (DWDB_THREADS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = column_blocks(n, c, DWDB_ROWS, DWDB_THREADS);
         // SAFETY: argument types and order match `ln_bwd_dwdb` in kernels.cu.
         unsafe { bl.launch(cfg) }.w()?;
 
