@@ -125,7 +125,11 @@ mod imp {
         targets: &CudaStorage,
         lt: &Layout,
     ) -> Result<(CudaStorage, Tensor)> {
-        by_dtype!("cross_entropy", logits.dtype(), fwd(logits, ll, targets, lt))
+        by_dtype!(
+            "cross_entropy",
+            logits.dtype(),
+            fwd(logits, ll, targets, lt)
+        )
     }
 
     fn fwd<T: CudaDType + DeviceRepr>(
@@ -153,7 +157,11 @@ mod imp {
     }
 
     pub fn backward(logits: &Tensor, targets: &Tensor, lse: &Tensor, g: &Tensor) -> Result<Tensor> {
-        by_dtype!("cross_entropy", logits.dtype(), bwd(logits, targets, lse, g))
+        by_dtype!(
+            "cross_entropy",
+            logits.dtype(),
+            bwd(logits, targets, lse, g)
+        )
     }
 
     fn bwd<T: CudaDType + DeviceRepr>(

@@ -241,10 +241,11 @@ mod imp {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
-    use candle_core::{CudaStorage, DType, Layout, Result, Tensor};
-    use half::bf16;
+    use candle_core::{CudaStorage, Layout, Result, Tensor};
 
-    use super::super::cuda::{compute_capability, device, ptx, slice, storage, tensor};
+    use super::super::cuda::{
+        blocks, by_dtype, compute_capability, device, kernel, slice, storage, tensor, view,
+    };
     use super::super::msg;
 
     /// bf16 `mma.sync` needs compute capability 8.0 (Ampere) or newer.
@@ -254,20 +255,12 @@ mod imp {
 
     fn config(t: usize, bh: usize, d: usize) -> LaunchConfig {
         let split = d / d.min(32);
-        LaunchConfig {
-            grid_dim: (t.div_ceil(BR) as u32, bh as u32, 1),
-            block_dim: ((BR * split) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        }
+        blocks((t.div_ceil(BR), bh), BR * split)
     }
 
     /// The tensor-core kernels: 4 warps own 64 rows (TC_ROWS in kernels.cu).
     fn tc_config(t: usize, bh: usize) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: (t.div_ceil(64) as u32, bh as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        }
+        blocks((t.div_ceil(64), bh), 128)
     }
 
     fn dims(l: &Layout, what: &str) -> Result<(usize, usize, usize)> {
@@ -299,13 +292,11 @@ mod imp {
                 lv.dims()
             )));
         }
-        match q.dtype() {
-            DType::BF16 => fwd::<bf16>(q, lq, k, lk, v, lv, (bh, t, d), scale),
-            DType::F32 => fwd::<f32>(q, lq, k, lk, v, lv, (bh, t, d), scale),
-            other => Err(msg(format!(
-                "flash_attention: dtype {other:?} (bf16 or f32 only)"
-            ))),
-        }
+        by_dtype!(
+            "flash_attention",
+            q.dtype(),
+            fwd(q, lq, k, lk, v, lv, (bh, t, d), scale)
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -321,18 +312,17 @@ mod imp {
     ) -> Result<(CudaStorage, Tensor)> {
         let dev = &q.device;
         let n = bh * t * d;
-        let qs = q.as_cuda_slice::<T>()?.slice(lq.start_offset()..);
-        let ks = k.as_cuda_slice::<T>()?.slice(lk.start_offset()..);
-        let vs = v.as_cuda_slice::<T>()?.slice(lv.start_offset()..);
+        let qs = view::<T>(q, lq)?;
+        let ks = view::<T>(k, lk)?;
+        let vs = view::<T>(v, lv)?;
         // SAFETY: every element of o and lse is written by the kernel (each valid row).
         let o = unsafe { dev.alloc::<T>(n)? };
         let lse = unsafe { dev.alloc::<f32>(bh * t)? };
-        let (module, code) = ptx(dev, Some(d), q.dtype())?;
         let offsets = [lq.start_offset(), lk.start_offset(), lv.start_offset()];
         let tc = super::uses_tensor_cores(q.dtype(), d, &offsets)
             && compute_capability(dev)? >= TC_MIN_CC;
         let name = if tc { "flash_tc_fwd" } else { "flash_fwd" };
-        let f = dev.get_or_load_custom_func(name, &module, &code)?;
+        let f = kernel(dev, Some(d), q.dtype(), name)?;
         let (t32, qscale) = (t as i32, (scale * LOG2E) as f32);
         let mut b = f.builder();
         b.arg(&qs)
@@ -362,13 +352,11 @@ mod imp {
         lse: &Tensor,
         scale: f64,
     ) -> Result<Tensor> {
-        match q.dtype() {
-            DType::BF16 => bwd::<bf16>(q, k, v, out, grad_out, lse, scale),
-            DType::F32 => bwd::<f32>(q, k, v, out, grad_out, lse, scale),
-            other => Err(msg(format!(
-                "flash_attention: dtype {other:?} (bf16 or f32 only)"
-            ))),
-        }
+        by_dtype!(
+            "flash_attention",
+            q.dtype(),
+            bwd(q, k, v, out, grad_out, lse, scale)
+        )
     }
 
     fn bwd<T: CudaDType + DeviceRepr>(
@@ -415,16 +403,14 @@ mod imp {
             dqkv.slice(2 * n..3 * n),
         );
         let rows64 = rows as i64;
-        let (module, code) = ptx(&dev, Some(d), dtype)?;
-        let f = dev.get_or_load_custom_func("flash_bwd_dot", &module, &code)?;
+        let f = kernel(&dev, Some(d), dtype, "flash_bwd_dot")?;
         let mut b = f.builder();
         b.arg(&os).arg(&ds).arg(&delta).arg(&rows64);
         // SAFETY: argument types and order match `flash_bwd_dot`.
         unsafe { b.launch(LaunchConfig::for_num_elems(rows as u32)) }.w()?;
 
         let (t32, qscale, scale32) = (t as i32, (scale * LOG2E) as f32, scale as f32);
-        let (module, code) = ptx(&dev, Some(d), dtype)?;
-        let f = dev.get_or_load_custom_func(dq_name, &module, &code)?;
+        let f = kernel(&dev, Some(d), dtype, dq_name)?;
         let mut b = f.builder();
         b.arg(&qs)
             .arg(&ks)
@@ -437,8 +423,7 @@ mod imp {
         // SAFETY: argument types and order match `flash_bwd_dq` and `flash_tc_dq`.
         unsafe { b.launch(cfg) }.w()?;
 
-        let (module, code) = ptx(&dev, Some(d), dtype)?;
-        let f = dev.get_or_load_custom_func(dkdv_name, &module, &code)?;
+        let f = kernel(&dev, Some(d), dtype, dkdv_name)?;
         let mut b = f.builder();
         b.arg(&qs)
             .arg(&ks)

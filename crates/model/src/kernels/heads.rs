@@ -118,12 +118,11 @@ impl CustomOp1 for Heads {
 #[cfg(feature = "cuda")]
 mod imp {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
-    use candle_core::{CudaStorage, DType, Layout, Result, Shape};
-    use half::bf16;
+    use candle_core::{CudaStorage, Layout, Result, Shape};
 
-    use super::super::cuda::ptx;
+    use super::super::cuda::{blocks, by_dtype, kernel, view};
     use super::super::msg;
     use super::{unit_bytes, HeadDims};
 
@@ -146,11 +145,7 @@ mod imp {
                 from.dims()
             )));
         }
-        let out = match x.dtype() {
-            DType::BF16 => run::<bf16>(x, lx, split, dims)?,
-            DType::F32 => run::<f32>(x, lx, split, dims)?,
-            other => return Err(msg(format!("heads: dtype {other:?} (bf16 or f32 only)"))),
-        };
+        let out = by_dtype!("heads", x.dtype(), run(x, lx, split, dims))?;
         Ok((out, to))
     }
 
@@ -167,16 +162,15 @@ mod imp {
         // CUDA allocations are at least 256-byte aligned, so the offset decides the alignment.
         let unit = unit_bytes(d * esize, lx.start_offset() * esize);
         let dv = d * esize / unit; // units per row of Dh elements
-        let xs = x.as_cuda_slice::<T>()?.slice(lx.start_offset()..);
+        let xs = view::<T>(x, lx)?;
         // SAFETY: every element is written: each (s, b, h) plane's T·Dv units by the
         // grid-stride loop of its block column.
         let y = unsafe { dev.alloc::<T>(n)? };
         if n == 0 {
             return Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()));
         }
-        let (module, code) = ptx(dev, None, x.dtype())?;
         let name = format!("heads_{}_u{unit}", if split { "split" } else { "merge" });
-        let f = dev.get_or_load_custom_func(&name, &module, &code)?;
+        let f = kernel(dev, None, x.dtype(), &name)?;
         let planes = s * h * b;
         let units = t * dv; // per plane
         let int = |v: usize, what: &str| -> Result<i32> {
@@ -186,7 +180,7 @@ mod imp {
                 ))
             })
         };
-        let grid_x = int(planes, "S·B·H planes")? as u32;
+        let grid_x = int(planes, "S·B·H planes")? as usize;
         // j < T·Dv, and j + one grid stride must not wrap either.
         int(
             units + 65_535 * THREADS,
@@ -201,11 +195,7 @@ mod imp {
         ];
         let mut bl = f.builder();
         bl.arg(&xs).arg(&y).arg(&b).arg(&t).arg(&s).arg(&h).arg(&dv);
-        let cfg = LaunchConfig {
-            grid_dim: (grid_x, units.div_ceil(THREADS).clamp(1, 65_535) as u32, 1),
-            block_dim: (THREADS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = blocks((grid_x, units.div_ceil(THREADS).clamp(1, 65_535)), THREADS);
         // SAFETY: argument types and order match `heads_{split,merge}_u{16,8,4,2}` in
         // kernels.cu; `xs` and `y` hold n elements, n·size_of::<T>() / unit units.
         unsafe { bl.launch(cfg) }.w()?;
