@@ -43,7 +43,7 @@ use mtrain_parallel::parallelize::{parallelize, DataParallelKind, ParallelModel,
 use mtrain_parallel::pipeline::executor::SpanKind;
 use serde::Serialize;
 
-use crate::memory::{ModelStateLayout, Phase};
+use crate::memory::{rank_activation_bytes, ActivationLayout, ModelStateLayout, Phase};
 use crate::train::TrainableModel;
 
 /// Pipeline figures of one step on this rank.
@@ -170,6 +170,8 @@ pub struct Distributed {
     grad_clip: f64,
     layout: ModelStateLayout,
     comm_buffer_bytes: u64,
+    /// This rank's pipeline rank (which stages' activations it holds).
+    pp_rank: usize,
     /// Pipeline and expert figures of the step in progress.
     pipeline: Option<PipelineFigures>,
     experts: Option<Vec<ExpertLoad>>,
@@ -253,6 +255,7 @@ impl Distributed {
             }
             .with_zero(zero, dp),
             comm_buffer_bytes,
+            pp_rank: mesh.coords.pp,
             pipeline: None,
             experts: None,
             last_report: None,
@@ -464,6 +467,29 @@ impl TrainableModel for Distributed {
 
     fn memory_layout(&self) -> ModelStateLayout {
         self.layout
+    }
+
+    /// This rank's blocks, micro-batches in flight and tp split ([`ActivationLayout::for_plan`]);
+    /// standalone DDP runs the whole batch at once on the whole model.
+    fn activation_bytes(
+        &self,
+        cfg: &GptConfig,
+        batch: usize,
+        seq: usize,
+        dtype_bytes: usize,
+        checkpointing: bool,
+    ) -> u64 {
+        let layout = match &self.inner {
+            Inner::Ddp { .. } => Ok(ActivationLayout::single_device(cfg, batch)),
+            Inner::Parallel(_) => ActivationLayout::for_plan(cfg, &self.plan, self.pp_rank, batch),
+        };
+        match layout {
+            Ok(l) => rank_activation_bytes(cfg, &l, seq, dtype_bytes, checkpointing),
+            Err(e) => {
+                tracing::warn!("activation estimate of the whole model (not per rank): {e}");
+                crate::memory::activation_bytes(cfg, batch, seq, dtype_bytes, checkpointing)
+            }
+        }
     }
 
     fn comm_bytes(&self) -> u64 {

@@ -60,6 +60,8 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use mtrain_model::GptConfig;
+use mtrain_parallel::parallelize::ParallelPlan;
+use mtrain_parallel::pipeline::{Schedule, ScheduleKind, StageLayout};
 use serde::Serialize;
 
 static CURRENT: AtomicU64 = AtomicU64::new(0);
@@ -225,11 +227,176 @@ impl ModelStateLayout {
     }
 }
 
-/// Estimated activation bytes kept between forward and backward for one micro-batch.
+/// What one rank's activations depend on under a parallel layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ActivationLayout {
+    /// Blocks this rank holds, summed over its model chunks.
+    pub blocks: usize,
+    /// Model chunks (virtual stages) this rank holds: 1 except under interleaved 1F1B.
+    pub chunks: usize,
+    /// Whether this rank holds the last model stage (final LayerNorm, LM head, loss).
+    pub holds_head: bool,
+    /// Rows of one pipeline micro-batch, `B / M`.
+    pub micro_batch: usize,
+    /// Peak (micro-batch, chunk) pairs whose forward ran here while their backward had not.
+    pub in_flight: usize,
+    /// Tensor-parallel degree.
+    pub tp: usize,
+    /// Sequence parallelism inside the tp group.
+    pub sequence_parallel: bool,
+}
+
+/// Why an [`ActivationLayout`] cannot be built for a plan.
+#[derive(Debug, thiserror::Error)]
+pub enum ActivationLayoutError {
+    /// The batch does not split into the plan's micro-batches.
+    #[error("batch {batch} does not split into {microbatches} equal micro-batches")]
+    Microbatches { batch: usize, microbatches: usize },
+    /// The stage layout or the schedule is invalid.
+    #[error("pipeline layout: {0}")]
+    Pipeline(String),
+}
+
+impl ActivationLayout {
+    /// The whole model on one device: every block, one micro-batch of `batch` rows.
+    pub fn single_device(cfg: &GptConfig, batch: usize) -> Self {
+        Self {
+            blocks: cfg.n_layer,
+            chunks: 1,
+            holds_head: true,
+            micro_batch: batch,
+            in_flight: 1,
+            tp: 1,
+            sequence_parallel: false,
+        }
+    }
+
+    /// Pipeline rank `pp_rank`'s part under `plan`, for a per-rank batch of `batch` rows: its
+    /// blocks from the plan's stage layout (model stage s runs on rank `s % pp`), the micro-batch
+    /// `batch / M`, and the peak in flight from the schedule's simulation (1F1B: `min(P − r, M)`,
+    /// GPipe: `M`).
+    pub fn for_plan(
+        cfg: &GptConfig,
+        plan: &ParallelPlan,
+        pp_rank: usize,
+        batch: usize,
+    ) -> Result<Self, ActivationLayoutError> {
+        let pp = plan.dims.pp.max(1);
+        let m = plan.microbatches.max(1);
+        if !batch.is_multiple_of(m) {
+            return Err(ActivationLayoutError::Microbatches {
+                batch,
+                microbatches: m,
+            });
+        }
+        // A single stage has nothing to interleave: it runs its micro-batches GPipe-style.
+        let kind = if pp == 1 {
+            ScheduleKind::GPipe
+        } else {
+            plan.schedule
+        };
+        let v = kind.virtual_stages().max(1);
+        let stages = pp * v;
+        let err = |e: String| ActivationLayoutError::Pipeline(e);
+        let layout = match &plan.stage_counts {
+            Some(counts) => StageLayout::from_counts(cfg.n_layer, counts),
+            None => StageLayout::even(cfg.n_layer, stages),
+        }
+        .map_err(|e| err(e.to_string()))?;
+        let mine: Vec<usize> = (0..layout.num_stages())
+            .filter(|s| s % pp == pp_rank)
+            .collect();
+        let sim = Schedule::new(kind, pp, m)
+            .and_then(|s| s.simulate())
+            .map_err(|e| err(e.to_string()))?;
+        Ok(Self {
+            blocks: mine.iter().map(|&s| layout.blocks(s).len()).sum(),
+            chunks: mine.len().max(1),
+            holds_head: mine.contains(&(layout.num_stages() - 1)),
+            micro_batch: batch / m,
+            in_flight: sim.peak_in_flight(pp_rank),
+            tp: plan.dims.tp.max(1),
+            sequence_parallel: plan.sequence_parallel && plan.dims.tp > 1,
+        })
+    }
+}
+
+/// Estimated activation bytes one rank keeps between forward and backward at its peak.
 ///
-/// Per block `B·T·C·(34 + 5·H·T/C)` bytes at 2 bytes per value (Korthikanti et al.), scaled by
-/// `dtype_bytes / 2`; plus the logits, their softmax and its gradient (`3·B·T·V` values). With
-/// activation checkpointing: each block's input (`B·T·C` values) plus one block recomputed at a time.
+/// Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (2022),
+/// §4: a transformer block stores, at 2 bytes per value, for `b` rows of `t` tokens, width `c`,
+/// `h` heads and tensor-parallel degree `tp`
+///
+/// ```text
+///   no tp                         b·t·c·(34 + 5·h·t/c)
+///   tp, no sequence parallelism   b·t·c·(10 + 24/tp + 5·h·t/(c·tp))   (eq. 2: LayerNorm inputs,
+///                                                                       dropout masks, residuals
+///                                                                       replicated; attention and
+///                                                                       MLP internals split)
+///   tp with sequence parallelism  b·t·c·(34/tp + 5·h·t/(c·tp))          (eq. 3)
+/// ```
+///
+/// scaled by `dtype_bytes / 2`. The head stores the logits, their softmax and its gradient,
+/// `3·b·t·V / tp` values (vocab-parallel), on the rank holding the last stage only. The
+/// embedding's output is block 0's input, already inside block 0's `34` on the first stage (its
+/// backward needs only the token ids). On a rank with `L_r` blocks over `v` chunks and a peak of
+/// `n` (micro-batch, chunk) pairs in flight, with `b = B / M`:
+///
+/// ```text
+///   activations_r = n/v · (L_r · block(b) + head(b))                  (v = 1 unless interleaved;
+///                                                                       for v > 1 an average chunk)
+///   with checkpointing: n/v · (L_r · b·t·c·s/(tp if SP) + head(b)) + block(b)
+///                       (every block's input kept, one block recomputed at a time)
+/// ```
+///
+/// On one device (`L_r = L`, `n = v = tp = 1`, `b = B`) this is the whole model's
+/// `L · block(B) + head(B)`.
+pub fn rank_activation_bytes(
+    cfg: &GptConfig,
+    layout: &ActivationLayout,
+    seq: usize,
+    dtype_bytes: usize,
+    checkpointing: bool,
+) -> u64 {
+    let (b, t, c, h) = (
+        layout.micro_batch as f64,
+        seq as f64,
+        cfg.n_embd as f64,
+        cfg.n_head as f64,
+    );
+    let tp = layout.tp.max(1) as f64;
+    let scale = dtype_bytes as f64 / 2.0;
+    let attention = 5.0 * h * t / (c * tp);
+    let per_value = if layout.sequence_parallel {
+        34.0 / tp + attention
+    } else {
+        10.0 + 24.0 / tp + attention
+    };
+    let per_block = b * t * c * per_value * scale;
+    let head = if layout.holds_head {
+        3.0 * b * t * cfg.vocab_size as f64 * dtype_bytes as f64 / tp
+    } else {
+        0.0
+    };
+    let blocks = layout.blocks as f64;
+    let in_flight = layout.in_flight as f64 / layout.chunks.max(1) as f64;
+    let total = if checkpointing {
+        let input = b * t * c * dtype_bytes as f64;
+        let input = if layout.sequence_parallel {
+            input / tp
+        } else {
+            input
+        };
+        let recomputed = if layout.blocks > 0 { per_block } else { 0.0 };
+        in_flight * (blocks * input + head) + recomputed
+    } else {
+        in_flight * (blocks * per_block + head)
+    };
+    total as u64
+}
+
+/// Estimated activation bytes of the whole model on one device for one batch of `batch` rows
+/// ([`rank_activation_bytes`] with [`ActivationLayout::single_device`]).
 pub fn activation_bytes(
     cfg: &GptConfig,
     batch: usize,
@@ -237,21 +404,13 @@ pub fn activation_bytes(
     dtype_bytes: usize,
     checkpointing: bool,
 ) -> u64 {
-    let (b, t, c, h) = (
-        batch as f64,
-        seq as f64,
-        cfg.n_embd as f64,
-        cfg.n_head as f64,
-    );
-    let scale = dtype_bytes as f64 / 2.0;
-    let per_block = b * t * c * (34.0 + 5.0 * h * t / c) * scale;
-    let head = 3.0 * b * t * cfg.vocab_size as f64 * dtype_bytes as f64;
-    let blocks = if checkpointing {
-        cfg.n_layer as f64 * b * t * c * dtype_bytes as f64 + per_block
-    } else {
-        cfg.n_layer as f64 * per_block
-    };
-    (blocks + head) as u64
+    rank_activation_bytes(
+        cfg,
+        &ActivationLayout::single_device(cfg, batch),
+        seq,
+        dtype_bytes,
+        checkpointing,
+    )
 }
 
 /// The analytic side of a report.
@@ -546,6 +705,89 @@ mod tests {
             .finish(0, 0, analytic)
             .model_state
             .is_none());
+    }
+
+    /// L = 4, C = 8, H = 2, V = 16, T = 4, 2-byte activations: per block at b rows
+    /// `b·4·8·(34 + 5·2·4/8) = 1248·b` bytes, head `3·b·4·16·2 = 384·b` bytes.
+    fn small() -> GptConfig {
+        GptConfig {
+            vocab_size: 16,
+            block_size: 4,
+            n_layer: 4,
+            n_head: 2,
+            n_embd: 8,
+            moe: None,
+        }
+    }
+
+    #[test]
+    fn single_device_estimate_is_the_whole_model() {
+        let cfg = small();
+        // 4 blocks · 1248·4 + 384·4 = 4992·4 + 1536 = 21504.
+        assert_eq!(activation_bytes(&cfg, 4, 4, 2, false), 21_504);
+        // Checkpointing: 4 block inputs of 4·4·8·2 bytes + one block + head = 1024 + 4992 + 1536.
+        assert_eq!(activation_bytes(&cfg, 4, 4, 2, true), 7_552);
+        // GPT-2 124M: the paper's closed form, 12·b·t·c·(34 + 5·h·t/c) + 3·b·t·V·2.
+        let g = GptConfig::gpt2_124m();
+        let (b, t, c, h, v) = (8.0, 1024.0, 768.0, 12.0, 50304.0);
+        let closed = 12.0 * b * t * c * (34.0 + 5.0 * h * t / c) + 3.0 * b * t * v * 2.0;
+        assert_eq!(activation_bytes(&g, 8, 1024, 2, false), closed as u64);
+    }
+
+    #[test]
+    fn pipeline_1f1b_holds_its_stage_blocks_times_micro_batches_in_flight() {
+        let cfg = small();
+        let mut plan = ParallelPlan::new(mtrain_comm::MeshDims::new(1, 2, 1, 1));
+        plan.microbatches = 2;
+        plan.schedule = ScheduleKind::OneFOneB;
+        // B = 4 rows, M = 2: micro-batch b = 2; per block 1248·2 = 2496, head 384·2 = 768.
+        let r0 = ActivationLayout::for_plan(&cfg, &plan, 0, 4).expect("rank 0");
+        let r1 = ActivationLayout::for_plan(&cfg, &plan, 1, 4).expect("rank 1");
+        assert_eq!(
+            (r0.blocks, r0.micro_batch, r0.in_flight, r0.holds_head),
+            (2, 2, 2, false)
+        );
+        assert_eq!(
+            (r1.blocks, r1.micro_batch, r1.in_flight, r1.holds_head),
+            (2, 2, 1, true)
+        );
+        // Rank 0: min(P − 0, M) = 2 in flight · 2 blocks · 2496 = 9984.
+        assert_eq!(rank_activation_bytes(&cfg, &r0, 4, 2, false), 9_984);
+        // Rank 1: min(P − 1, M) = 1 in flight · (2 · 2496 + 768) = 5760.
+        assert_eq!(rank_activation_bytes(&cfg, &r1, 4, 2, false), 5_760);
+        // GPipe keeps all M = 2 micro-batches on the last stage too: 2 · 5760.
+        plan.schedule = ScheduleKind::GPipe;
+        let g1 = ActivationLayout::for_plan(&cfg, &plan, 1, 4).expect("gpipe rank 1");
+        assert_eq!(rank_activation_bytes(&cfg, &g1, 4, 2, false), 11_520);
+        // A batch that does not split into M micro-batches is refused, naming both.
+        let e = ActivationLayout::for_plan(&cfg, &plan, 0, 3).expect_err("3 rows, M = 2");
+        assert!(e.to_string().contains("batch 3") && e.to_string().contains('2'));
+    }
+
+    #[test]
+    fn tensor_parallel_splits_the_sharded_part_and_sequence_parallel_the_rest() {
+        let cfg = small();
+        let mut plan = ParallelPlan::new(mtrain_comm::MeshDims::new(1, 1, 2, 1));
+        let tp = ActivationLayout::for_plan(&cfg, &plan, 0, 4).expect("tp 2");
+        // b·t·c = 128; per value 10 + 24/2 + 5·2·4/(8·2) = 24.5 → 3136 per block;
+        // 4 blocks + logits 3·4·4·16·2/2 = 768: 12544 + 768.
+        assert_eq!(rank_activation_bytes(&cfg, &tp, 4, 2, false), 13_312);
+        plan.sequence_parallel = true;
+        let sp = ActivationLayout::for_plan(&cfg, &plan, 0, 4).expect("tp 2 + sp");
+        // per value 34/2 + 2.5 = 19.5 → 2496 per block; 4 · 2496 + 768.
+        assert_eq!(rank_activation_bytes(&cfg, &sp, 4, 2, false), 10_752);
+        // tp = 1 gives back the single-device figure.
+        let one = ActivationLayout::for_plan(
+            &cfg,
+            &ParallelPlan::new(mtrain_comm::MeshDims::new(1, 1, 1, 1)),
+            0,
+            4,
+        )
+        .expect("one rank");
+        assert_eq!(
+            rank_activation_bytes(&cfg, &one, 4, 2, false),
+            activation_bytes(&cfg, 4, 4, 2, false)
+        );
     }
 
     #[test]

@@ -79,6 +79,18 @@ pub trait TrainableModel {
     fn param_shapes(&self) -> BTreeMap<String, Vec<usize>>;
     /// The bytes-per-parameter layout this rank holds (for the memory report).
     fn memory_layout(&self) -> ModelStateLayout;
+    /// Estimated activation bytes this rank holds at its peak for a step over `batch` rows of
+    /// `seq` tokens ([`crate::memory::rank_activation_bytes`]); the whole model's on one device.
+    fn activation_bytes(
+        &self,
+        cfg: &GptConfig,
+        batch: usize,
+        seq: usize,
+        dtype_bytes: usize,
+        checkpointing: bool,
+    ) -> u64 {
+        activation_bytes(cfg, batch, seq, dtype_bytes, checkpointing)
+    }
     /// Communication buffer bytes this rank holds (0 on one device).
     fn comm_bytes(&self) -> u64 {
         0
@@ -616,7 +628,7 @@ pub fn train_loop(
     let layout = model.memory_layout();
     let analytic = AnalyticMemory::new(
         &layout,
-        activation_bytes(
+        model.activation_bytes(
             gcfg,
             cfg.batch_size,
             cfg.seq_len,
