@@ -18,7 +18,9 @@
 //! FSDP also parameters. Tensor and pipeline parallelism shrink Φ itself (the parameters a rank
 //! owns), so they enter through `n_params`. Activations are estimated per block after Korthikanti
 //! et al. (2022): `B·T·C·(34 + 5·H·T/C)` bytes at 2 bytes per value, scaled to the compute dtype,
-//! or only the block inputs plus one block's worth with activation checkpointing.
+//! or only the block inputs plus one block's worth with activation checkpointing; under a parallel
+//! layout per rank ([`rank_activation_bytes`]): its stage's blocks, its micro-batches in flight,
+//! the tensor-parallel split.
 //!
 //! Measured side. A [`MemoryProbe`] reports current and peak bytes; on CPU [`CpuProbe`] reads the
 //! counters of [`CountingAlloc`], a global allocator wrapping `System` that the binary installs:
