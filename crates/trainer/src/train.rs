@@ -375,28 +375,12 @@ pub fn run_with(
     let gcfg = cfg.gpt_config()?;
     let device = backend.device();
     let rank = backend.world().rank();
-    let dataset =
-        Dataset::open(&cfg.data).with_context(|| format!("opening data `{}`", cfg.data))?;
-    if dataset.vocab_size > gcfg.vocab_size {
-        bail!(
-            "the data's vocab_size {} exceeds the model's {}",
-            dataset.vocab_size,
-            gcfg.vocab_size
-        );
-    }
-    // The memory report's model state is measured from here: nothing of the model exists yet.
-    let state_baseline = if cfg.mem_report {
-        model_state_baseline(&device)?
-    } else {
-        0
-    };
-    let weights = init_weights(&gcfg, cfg.seed)?;
-    let adamw = AdamWConfig {
-        beta1: cfg.beta1,
-        beta2: cfg.beta2,
-        eps: cfg.eps,
-        weight_decay: cfg.weight_decay,
-    };
+    let Setup {
+        dataset,
+        state_baseline,
+        weights,
+        adamw,
+    } = setup(cfg, &gcfg, &device)?;
     let mut model = SingleDevice::new(
         gcfg.clone(),
         &weights,
@@ -406,22 +390,7 @@ pub fn run_with(
         cfg.dtype.candle(),
     )?;
     drop(weights);
-    let loader = DataLoader::new(
-        dataset.train.clone(),
-        cfg.seq_len,
-        cfg.batch_size,
-        0,
-        1,
-        cfg.seed,
-    )?;
-    let val = DataLoader::new(
-        dataset.val.clone(),
-        cfg.seq_len,
-        cfg.batch_size,
-        0,
-        1,
-        cfg.seed,
-    )?;
+    let (loader, val) = loaders(cfg, &dataset, 0, 1)?;
     train_loop(
         cfg,
         &gcfg,
@@ -433,6 +402,68 @@ pub fn run_with(
         1,
         state_baseline,
     )
+}
+
+/// What every run prepares before it builds its model.
+struct Setup {
+    dataset: Dataset,
+    /// Heap bytes before any part of the model exists (0 without `--mem-report`).
+    state_baseline: u64,
+    /// The full initial weights, the same on every rank.
+    weights: BTreeMap<String, Tensor>,
+    adamw: AdamWConfig,
+}
+
+/// Open the data (checking it fits the model's vocabulary), read the memory baseline while
+/// nothing of the model exists yet, and draw the initial weights from the seed.
+fn setup(cfg: &TrainConfig, gcfg: &GptConfig, device: &Device) -> anyhow::Result<Setup> {
+    let dataset =
+        Dataset::open(&cfg.data).with_context(|| format!("opening data `{}`", cfg.data))?;
+    if dataset.vocab_size > gcfg.vocab_size {
+        bail!(
+            "the data's vocab_size {} exceeds the model's {}",
+            dataset.vocab_size,
+            gcfg.vocab_size
+        );
+    }
+    let state_baseline = if cfg.mem_report {
+        model_state_baseline(device)?
+    } else {
+        0
+    };
+    let weights = init_weights(gcfg, cfg.seed)?;
+    let adamw = AdamWConfig {
+        beta1: cfg.beta1,
+        beta2: cfg.beta2,
+        eps: cfg.eps,
+        weight_decay: cfg.weight_decay,
+    };
+    Ok(Setup {
+        dataset,
+        state_baseline,
+        weights,
+        adamw,
+    })
+}
+
+/// Training and validation loaders for data-parallel rank `dp_rank` of `dp_size`.
+fn loaders(
+    cfg: &TrainConfig,
+    dataset: &Dataset,
+    dp_rank: usize,
+    dp_size: usize,
+) -> anyhow::Result<(DataLoader, DataLoader)> {
+    let make = |split: &_| {
+        DataLoader::new(
+            Clone::clone(split),
+            cfg.seq_len,
+            cfg.batch_size,
+            dp_rank,
+            dp_size,
+            cfg.seed,
+        )
+    };
+    Ok((make(&dataset.train)?, make(&dataset.val)?))
 }
 
 /// The multi-rank run: mesh, plan, this rank's part, its data slice, the loop; traces written and
@@ -461,27 +492,12 @@ fn run_distributed(
         }
     }
     let result = (|| {
-        let dataset =
-            Dataset::open(&cfg.data).with_context(|| format!("opening data `{}`", cfg.data))?;
-        if dataset.vocab_size > gcfg.vocab_size {
-            bail!(
-                "the data's vocab_size {} exceeds the model's {}",
-                dataset.vocab_size,
-                gcfg.vocab_size
-            );
-        }
-        let state_baseline = if cfg.mem_report {
-            model_state_baseline(&device)?
-        } else {
-            0
-        };
-        let weights = init_weights(&gcfg, cfg.seed)?;
-        let adamw = AdamWConfig {
-            beta1: cfg.beta1,
-            beta2: cfg.beta2,
-            eps: cfg.eps,
-            weight_decay: cfg.weight_decay,
-        };
+        let Setup {
+            dataset,
+            state_baseline,
+            weights,
+            adamw,
+        } = setup(cfg, &gcfg, &device)?;
         let mut model = Distributed::new(
             &gcfg,
             &weights,
@@ -506,22 +522,7 @@ fn run_distributed(
         }
         // dp rank d reads rows d·B..(d+1)·B of every global batch; tp/pp ranks share them.
         let (d, n) = (mesh.coords.dp, dims.dp);
-        let loader = DataLoader::new(
-            dataset.train.clone(),
-            cfg.seq_len,
-            cfg.batch_size,
-            d,
-            n,
-            cfg.seed,
-        )?;
-        let val = DataLoader::new(
-            dataset.val.clone(),
-            cfg.seq_len,
-            cfg.batch_size,
-            d,
-            n,
-            cfg.seed,
-        )?;
+        let (loader, val) = loaders(cfg, &dataset, d, n)?;
         train_loop(
             cfg,
             &gcfg,
