@@ -197,7 +197,13 @@ pub(crate) mod cuda {
         blocks((c.div_ceil(threads), n.div_ceil(rows)), threads)
     }
 
-    const SOURCE: &str = include_str!("kernels.cu");
+    /// The CUDA source: the shared element helpers and the layer kernels (`kernels.cu`), then
+    /// one file per later topic, compiled as one module.
+    const SOURCE: &str = concat!(
+        include_str!("kernels.cu"),
+        include_str!("adamw.cu"),
+        include_str!("embedding.cu"),
+    );
 
     /// PTX by module name, compiled once per process.
     fn ptx_cache() -> &'static Mutex<HashMap<String, Arc<String>>> {

@@ -1,0 +1,1 @@
+// Fused AdamW (see kernels/adamw.rs). Appended to kernels.cu by kernels/mod.rs.
