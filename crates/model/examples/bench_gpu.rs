@@ -2,14 +2,17 @@
 //!
 //! ```text
 //! bench_gpu [--preset gpt2-124m] [--batch 16] [--seq 1024] [--steps 20] [--warmup 3]
-//!           [--plain] [--profile] [--data FILE] [--loss-steps N --loss-out FILE] [--ops]
+//!           [--plain] [--autograd] [--profile] [--data FILE] [--loss-steps N --loss-out FILE]
+//!           [--ops]
 //! ```
 //!
 //! Each step is what the trainer does in bf16: the block-wise engine's forward and backward on a
 //! bf16 compute copy, AdamW on fp32 master weights, the compute copy refreshed from them. Tokens
 //! are the bytes of `--data` (a real text; the vocabulary stays the preset's), or pseudo-random
 //! ids without it. Prints one JSON line, like scripts/bench/torch_gpt_ref.py, so the two can be
-//! put side by side. `--plain` turns the fused kernels off (`kernels::set_enabled(false)`).
+//! put side by side. `--plain` turns the fused kernels off (`kernels::set_enabled(false)`);
+//! `--autograd` keeps them but differentiates every segment with candle's autograd instead of
+//! the hand-written backward passes (`explicit::set_enabled(false)`).
 //! `--profile` adds one step timed segment by segment (a device synchronise around each).
 //! `--loss-steps N` trains N steps at lr 3e-4 and writes `step loss` lines to `--loss-out`.
 //! `--ops` times the pieces of one block at the preset's sizes instead (attention, LayerNorm,
@@ -30,6 +33,7 @@ struct Args {
     steps: usize,
     warmup: usize,
     plain: bool,
+    autograd: bool,
     profile: bool,
     data: Option<String>,
     loss_steps: usize,
@@ -45,6 +49,7 @@ fn parse() -> std::result::Result<Args, String> {
         steps: 20,
         warmup: 3,
         plain: false,
+        autograd: false,
         profile: false,
         data: None,
         loss_steps: 0,
@@ -65,6 +70,7 @@ fn parse() -> std::result::Result<Args, String> {
             "--steps" => a.steps = num(val()?)?,
             "--warmup" => a.warmup = num(val()?)?,
             "--plain" => a.plain = true,
+            "--autograd" => a.autograd = true,
             "--profile" => a.profile = true,
             "--data" => a.data = Some(val()?),
             "--loss-steps" => a.loss_steps = num(val()?)?,
@@ -325,16 +331,15 @@ fn ops(a: &Args, cfg: &GptConfig, dev: &Device) -> Result<()> {
         // backward covers them), the attention output back to (B, T, C), bias and residual adds.
         let split = time_op(dev, &[&[b, t, 3 * c]], |x| {
             if fused {
-                kernels::split_heads(&x[0], 3, h)?.sum_all()
+                kernels::split_heads(&x[0], 3, h)
             } else {
                 let part = |i: usize| {
                     x[0].narrow(2, i * c, c)?
                         .reshape((b, t, h, d))?
                         .transpose(1, 2)?
-                        .contiguous()?
-                        .sum_all()
+                        .contiguous()
                 };
-                (part(0)? + part(1)?)? + part(2)?
+                Tensor::stack(&[part(0)?, part(1)?, part(2)?], 0)
             }
         })?;
         let merge = time_op(dev, &[&[b, h, t, d]], |x| {
@@ -356,6 +361,18 @@ fn ops(a: &Args, cfg: &GptConfig, dev: &Device) -> Result<()> {
         let (bias3, bias4) = (bias(3 * c)?, bias(4 * c)?);
         let residual = time_op(dev, &[&[b, t, c], &[b, t, c]], |x| &x[0] + &x[1])?;
         let block = time_op(dev, &[&[b, t, c]], |x| Ok(blk.forward(&x[0], None)?.out))?;
+        if fused {
+            // The same block through its hand-written backward (explicit::block_tape).
+            let xb = Tensor::randn(0f32, 1., (b, t, c), dev)?.to_dtype(DType::BF16)?;
+            let g = xb.ones_like()?;
+            let taped = time_ms(dev, 10, || {
+                let tape = blk.forward_taped(&xb, None)?.ok_or_else(|| {
+                    candle_core::Error::Msg("the block has no hand-written backward here".into())
+                })?;
+                tape.backward(Some(&g), 1.0).map(|_| ())
+            })?;
+            out.push(format!("\"block_taped_fwd_bwd\": {taped:.3}"));
+        }
         // Host time to issue one block forward (no synchronise inside the loop): if it is
         // close to the synchronised time, the block is bound by candle's per-op host cost.
         let xb = Tensor::randn(0f32, 1., (b, t, c), dev)?.to_dtype(DType::BF16)?;
@@ -407,10 +424,15 @@ fn ops(a: &Args, cfg: &GptConfig, dev: &Device) -> Result<()> {
 fn run(a: &Args) -> Result<()> {
     let dev = Device::cuda_if_available(0)?;
     kernels::set_enabled(!a.plain);
+    mtrain_model::explicit::set_enabled(!a.autograd);
     kernels::retain_pool_memory(&dev)?;
     let cfg = GptConfig::preset(&a.preset)
         .ok_or_else(|| candle_core::Error::Msg(format!("unknown preset {}", a.preset)))?;
-    let mode = if a.plain { "plain" } else { "fused" };
+    let mode = match (a.plain, a.autograd) {
+        (true, _) => "plain",
+        (false, true) => "fused-autograd",
+        (false, false) => "fused",
+    };
     if a.ops {
         return ops(a, &cfg, &dev);
     }

@@ -24,11 +24,16 @@
 //! segment's forward (after `pre_backward`) before differentiating it. Without it, the recorded
 //! output (and through it the segment's graph) is kept until that segment's backward.
 //!
+//! A segment with a hand-written backward ([`crate::explicit`]) runs its graph-free forward
+//! instead and keeps its tape; its backward step is then `tape.backward(gᵢ₊₁)`, which returns
+//! the same parameter gradients and gᵢ without an objective or an autograd graph.
+//!
 //! A parameter used by several segments (the tied `wte`) is final after the backward of the
 //! lowest-index segment that uses it; `post_backward` fires per segment.
 
 use candle_core::{DType, Result, Tensor, Var};
 
+use crate::explicit::Tape;
 use crate::gpt::Segment;
 use crate::moe::MoeStats;
 use crate::param::Grads;
@@ -79,15 +84,49 @@ impl SavedInput {
 /// What one segment's forward leaves for its backward.
 struct Saved {
     input: SavedInput,
-    /// Recorded output, auxiliary loss and the parameter tensors the forward used
-    /// (None under checkpointing: recomputed in backward).
+    /// The recorded forward (None under checkpointing: recomputed in backward).
     recorded: Option<Recorded>,
 }
 
-struct Recorded {
-    out: Tensor,
-    aux: Option<Tensor>,
-    params: Vec<(String, Tensor)>,
+enum Recorded {
+    /// Output, auxiliary loss and the parameter tensors, for autograd.
+    Graph {
+        out: Tensor,
+        aux: Option<Tensor>,
+        params: Vec<(String, Tensor)>,
+    },
+    /// A hand-written backward's tape.
+    Tape(Box<dyn Tape>),
+}
+
+impl Recorded {
+    /// The segment's forward, taped where it can be.
+    fn run(seg: &dyn Segment, x: &Tensor, targets: Option<&Tensor>) -> Result<(Self, Vec<MoeStats>)> {
+        if let Some(tape) = seg.forward_taped(x, targets)? {
+            return Ok((Recorded::Tape(tape), Vec::new()));
+        }
+        let o = seg.forward(x, targets)?;
+        let rec = Recorded::Graph {
+            out: o.out,
+            aux: o.aux_loss,
+            params: param_tensors(seg),
+        };
+        Ok((rec, o.stats.into_iter().collect()))
+    }
+
+    fn out(&self) -> &Tensor {
+        match self {
+            Recorded::Graph { out, .. } => out,
+            Recorded::Tape(t) => t.output(),
+        }
+    }
+
+    fn aux(&self) -> Option<&Tensor> {
+        match self {
+            Recorded::Graph { aux, .. } => aux.as_ref(),
+            Recorded::Tape(_) => None,
+        }
+    }
 }
 
 /// The result of [`Engine::forward`]: the last segment's output and what the backward needs.
@@ -118,7 +157,7 @@ impl Activations {
         let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
         self.saved
             .iter()
-            .map(|s| bytes(s.input.tensor()) + s.recorded.as_ref().map_or(0, |r| bytes(&r.out)))
+            .map(|s| bytes(s.input.tensor()) + s.recorded.as_ref().map_or(0, |r| bytes(r.out())))
             .sum()
     }
 }
@@ -169,21 +208,24 @@ impl Engine {
             } else {
                 SavedInput::Leaf(Var::from_tensor(&x.detach())?)
             };
-            let o = seg.forward(input.tensor(), targets)?;
-            if let Some(a) = &o.aux_loss {
-                aux_loss += a.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            }
-            stats.extend(o.stats);
-            x = o.out.detach();
-            let recorded = if self.checkpointing {
-                None
-            } else {
-                Some(Recorded {
+            let (rec, st) = if self.checkpointing {
+                // Only the output is needed now: the backward recomputes the segment.
+                let o = seg.forward(input.tensor(), targets)?;
+                let rec = Recorded::Graph {
                     out: o.out,
                     aux: o.aux_loss,
-                    params: param_tensors(seg.as_ref()),
-                })
+                    params: Vec::new(),
+                };
+                (rec, o.stats.into_iter().collect())
+            } else {
+                Recorded::run(seg.as_ref(), input.tensor(), targets)?
             };
+            if let Some(a) = rec.aux() {
+                aux_loss += a.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            }
+            stats.extend(st);
+            x = rec.out().detach();
+            let recorded = if self.checkpointing { None } else { Some(rec) };
             saved.push(Saved { input, recorded });
             hooks.post_forward(i, seg.as_ref())?;
         }
@@ -228,44 +270,62 @@ impl Engine {
             hooks.pre_backward(i, seg)?;
             let rec = match saved.recorded {
                 Some(r) => r,
-                None => {
-                    let o = seg.forward(saved.input.tensor(), acts.targets.as_ref())?;
-                    Recorded {
-                        out: o.out,
-                        aux: o.aux_loss,
-                        params: param_tensors(seg),
+                None => Recorded::run(seg, saved.input.tensor(), acts.targets.as_ref())?.0,
+            };
+            let (out, aux, params) = match rec {
+                Recorded::Graph { out, aux, params } => (out, aux, params),
+                Recorded::Tape(tape) => {
+                    if let Some(g) = &grad_out {
+                        if g.dims() != tape.output().dims() {
+                            return Err(candle_core::Error::Msg(format!(
+                                "engine backward: segment {i} ({}) output {:?} but grad_output {:?}",
+                                seg.name(),
+                                tape.output().dims(),
+                                g.dims()
+                            )));
+                        }
                     }
+                    let g = tape.backward(grad_out.as_ref(), loss_scale)?;
+                    for (name, t) in g.params {
+                        grads.accumulate(&name, t)?;
+                    }
+                    hooks.post_backward(i, seg, grads)?;
+                    grad_out = match &saved.input {
+                        SavedInput::Tokens(_) => None,
+                        SavedInput::Leaf(_) => g.input,
+                    };
+                    continue;
                 }
             };
             let mut objective = match &grad_out {
                 Some(g) => {
-                    if g.dims() != rec.out.dims() {
+                    if g.dims() != out.dims() {
                         return Err(candle_core::Error::Msg(format!(
                             "engine backward: segment {i} ({}) output {:?} but grad_output {:?}",
                             seg.name(),
-                            rec.out.dims(),
+                            out.dims(),
                             g.dims()
                         )));
                     }
-                    (&rec.out * g.to_dtype(rec.out.dtype())?)?.sum_all()?
+                    (&out * g.to_dtype(out.dtype())?)?.sum_all()?
                 }
                 None => {
-                    if rec.out.elem_count() != 1 {
+                    if out.elem_count() != 1 {
                         return Err(candle_core::Error::Msg(format!(
                             "engine backward: segment {i} ({}) output {:?} is not a scalar loss and no grad_output was given",
                             seg.name(),
-                            rec.out.dims()
+                            out.dims()
                         )));
                     }
-                    (rec.out.sum_all()? * loss_scale)?
+                    (out.sum_all()? * loss_scale)?
                 }
             };
-            if let Some(a) = &rec.aux {
+            if let Some(a) = &aux {
                 let a = (a.to_dtype(objective.dtype())? * loss_scale)?;
                 objective = (objective + a)?;
             }
             let mut store = objective.backward()?;
-            for (name, t) in &rec.params {
+            for (name, t) in &params {
                 let g = match store.remove(t) {
                     Some(g) => g,
                     // A parameter this call did not reach (an expert that received no token).

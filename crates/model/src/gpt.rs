@@ -25,6 +25,7 @@ use candle_core::{DType, Device, Result, Tensor, D};
 use rand::Rng;
 
 use crate::config::GptConfig;
+use crate::explicit::{self, Tape};
 use crate::init::param_specs;
 use crate::kernels;
 use crate::layers::{
@@ -61,6 +62,12 @@ pub trait Segment: Send + Sync {
     fn forward(&self, x: &Tensor, targets: Option<&Tensor>) -> Result<SegmentOut>;
     /// The parameters this segment uses (a tied weight appears in every segment using it).
     fn params(&self) -> Vec<Param>;
+    /// A forward that records no autograd graph, with its hand-written backward, where this
+    /// segment has one for `x` ([`crate::explicit`]); None: the engine differentiates
+    /// [`Segment::forward`] with autograd.
+    fn forward_taped(&self, _x: &Tensor, _targets: Option<&Tensor>) -> Result<Option<Box<dyn Tape>>> {
+        Ok(None)
+    }
 }
 
 fn err(msg: String) -> candle_core::Error {
@@ -208,6 +215,10 @@ impl Segment for Block {
         p.extend(self.ffn.params());
         p
     }
+
+    fn forward_taped(&self, x: &Tensor, _targets: Option<&Tensor>) -> Result<Option<Box<dyn Tape>>> {
+        explicit::block_tape(self, x)
+    }
 }
 
 /// Final LayerNorm, LM head tied to `wte`, and the loss.
@@ -278,6 +289,10 @@ impl Segment for Head {
         let mut p = self.ln_f.params();
         p.push(self.wte.clone());
         p
+    }
+
+    fn forward_taped(&self, x: &Tensor, targets: Option<&Tensor>) -> Result<Option<Box<dyn Tape>>> {
+        explicit::head_tape(self, x, targets)
     }
 }
 

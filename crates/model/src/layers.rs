@@ -68,6 +68,11 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
 pub trait Linear: Send + Sync {
     fn forward(&self, x: &Tensor) -> Result<Tensor>;
     fn params(&self) -> Vec<Param>;
+    /// This layer as the ordinary dense layer, when it is one (the hand-written backward of
+    /// [`crate::explicit`] covers only dense layers).
+    fn as_dense(&self) -> Option<&DenseLinear> {
+        None
+    }
 }
 
 /// The ordinary fully connected layer `y = x Wᵀ + b`.
@@ -94,6 +99,10 @@ impl Linear for DenseLinear {
         std::iter::once(self.weight.clone())
             .chain(self.bias.clone())
             .collect()
+    }
+
+    fn as_dense(&self) -> Option<&DenseLinear> {
+        Some(self)
     }
 }
 
@@ -167,6 +176,10 @@ pub struct FfnOut {
 pub trait FeedForward: Send + Sync {
     fn forward(&self, x: &Tensor) -> Result<FfnOut>;
     fn params(&self) -> Vec<Param>;
+    /// This layer as the dense MLP, when it is one.
+    fn as_mlp(&self) -> Option<&Mlp> {
+        None
+    }
 }
 
 /// GPT-2's MLP: `c_proj(gelu(c_fc(x)))`, GELU with the tanh approximation.
@@ -202,6 +215,10 @@ impl FeedForward for Mlp {
         let mut p = self.c_fc.params();
         p.extend(self.c_proj.params());
         p
+    }
+
+    fn as_mlp(&self) -> Option<&Mlp> {
+        Some(self)
     }
 }
 

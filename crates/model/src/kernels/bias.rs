@@ -83,7 +83,7 @@ impl CustomOp2 for BiasAdd {
 
 /// Σ over rows of dy (..., C), in b's dtype.
 #[allow(unused_variables)]
-fn bias_grad(dy: &Tensor, b: &Tensor) -> Result<Tensor> {
+pub(crate) fn bias_grad(dy: &Tensor, b: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     {
         imp::bias_grad(dy, b)

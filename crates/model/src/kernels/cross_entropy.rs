@@ -36,6 +36,22 @@ pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         .apply_op2(&targets.contiguous()?, CrossEntropy::default())
 }
 
+/// [`cross_entropy_rows`] without recording a graph, for hand-written backward passes
+/// ([`crate::explicit`]): the per-row losses (N,) f32 and the lse (N,) [`backward`] needs.
+pub(crate) fn rows_forward_saved(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+    let op = CrossEntropy::default();
+    let loss = logits
+        .contiguous()?
+        .apply_op2_no_bwd(&targets.contiguous()?, &op)?;
+    let lse = op
+        .lse
+        .lock()
+        .map_err(|_| msg("cross_entropy: lse lock poisoned".into()))?
+        .take()
+        .ok_or_else(|| msg("cross_entropy: the forward left no lse".into()))?;
+    Ok((loss, lse))
+}
+
 /// The recorded op: its forward leaves lse (N,) here for its backward.
 #[derive(Default)]
 struct CrossEntropy {
@@ -93,8 +109,9 @@ impl CustomOp2 for CrossEntropy {
     }
 }
 
+/// dlogits (N, V) in the logits' dtype, for per-row output gradients g (N,) f32.
 #[allow(unused_variables)]
-fn backward(logits: &Tensor, targets: &Tensor, lse: &Tensor, g: &Tensor) -> Result<Tensor> {
+pub(crate) fn backward(logits: &Tensor, targets: &Tensor, lse: &Tensor, g: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     {
         imp::backward(logits, targets, lse, g)

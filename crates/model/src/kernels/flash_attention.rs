@@ -91,6 +91,35 @@ pub fn flash_attention_packed(qkv: &Tensor, scale: f64) -> Result<Tensor> {
         .apply_op1(FlashAttentionPacked(FlashAttention::new(scale)))
 }
 
+/// [`flash_attention_packed`] without recording a graph, for hand-written backward passes
+/// ([`crate::explicit`]): the output (B, H, T, D) and the lse (B, H, T) that
+/// [`packed_backward`] needs.
+pub(crate) fn packed_forward_saved(qkv: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
+    let op = FlashAttentionPacked(FlashAttention::new(scale));
+    let y = qkv.contiguous()?.apply_op1_no_bwd(&op)?;
+    let lse = op
+        .0
+        .lse
+        .lock()
+        .map_err(|_| msg("flash_attention: lse lock poisoned".into()))?
+        .take()
+        .ok_or_else(|| msg("flash_attention: the forward left no lse".into()))?;
+    Ok((y, lse))
+}
+
+/// The gradient (3, B, H, T, D) of packed attention from its input qkv, output y, output
+/// gradient dy (B, H, T, D) and the forward's lse.
+pub(crate) fn packed_backward(
+    qkv: &Tensor,
+    y: &Tensor,
+    dy: &Tensor,
+    lse: &Tensor,
+    scale: f64,
+) -> Result<Tensor> {
+    let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?); // (B, H, T, D) views
+    backward(&q, &k, &v, y, &dy.contiguous()?, lse, scale)
+}
+
 /// [`FlashAttention`] on one packed input.
 struct FlashAttentionPacked(FlashAttention);
 

@@ -55,8 +55,9 @@ impl CustomOp1 for Gelu {
     }
 }
 
+/// dx of GELU at x for the output gradient dy (same shape, contiguous).
 #[allow(unused_variables)]
-fn backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+pub(crate) fn backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     {
         imp::backward(x, dy)

@@ -44,6 +44,28 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
         .apply_op3(&w.contiguous()?, &b.contiguous()?, LayerNormOp::new(eps))
 }
 
+/// [`layer_norm`] without recording a graph, for hand-written backward passes
+/// ([`crate::explicit`]): returns y (..., C) and the statistics [`backward`] needs, mean and
+/// rstd (N,) in f32.
+pub(crate) fn forward_saved(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let op = LayerNormOp::new(eps);
+    let y = x
+        .contiguous()?
+        .apply_op3_no_bwd(&w.contiguous()?, &b.contiguous()?, &op)?;
+    let (mean, rstd) = op
+        .stats
+        .lock()
+        .map_err(|_| msg("layer_norm: stats lock poisoned".into()))?
+        .take()
+        .ok_or_else(|| msg("layer_norm: the forward left no statistics".into()))?;
+    Ok((y, mean, rstd))
+}
+
 /// The recorded op: its forward leaves (mean, rstd) here for its backward.
 struct LayerNormOp {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -118,7 +140,7 @@ impl CustomOp3 for LayerNormOp {
 
 /// (dx, dw, db) from x, w, dy and the forward's statistics.
 #[allow(unused_variables)]
-fn backward(
+pub(crate) fn backward(
     x: &Tensor,
     w: &Tensor,
     dy: &Tensor,

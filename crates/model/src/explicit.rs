@@ -1,0 +1,529 @@
+//! Hand-written backward passes: a segment's forward that records no autograd graph, keeps what
+//! its backward needs on a [`Tape`], and a backward written out layer by layer.
+//!
+//! candle's autograd gives every edge of the graph its own gradient buffer: it allocates zeros
+//! for the first contribution and adds each contribution into it, so a block's ~50 edges cost
+//! ~50 extra elementwise passes over (N, C)..(N, 4C) tensors. The tapes below compute the same
+//! gradients with one buffer per quantity and one add per residual branch:
+//!
+//! ```text
+//!   block forward (kept: x, h1, qkv, y, ym, x1, h2, f, g, LayerNorm stats, lse)
+//!     x ─ln_1─> h1 ─c_attn─> qkv (N, 3C) ─split─> (3, B, H, T, D) ─flash─> y ─merge─> ym ─c_proj─> a
+//!     x1 = x + a ─ln_2─> h2 ─c_fc─> f (N, 4C) ─gelu─> g ─c_proj─> m        out = x1 + m
+//!
+//!   block backward, given dout:
+//!     dg  = dout·W_mp      dW_mp = doutᵀ·g     db_mp = Σ_rows dout
+//!     df  = gelu'(f, dg)
+//!     dh2 = df·W_fc        dW_fc = dfᵀ·h2      db_fc = Σ_rows df
+//!     dx1 = dout + ln_2ᵀ(dh2)                               (one add: the residual)
+//!     dym = dx1·W_p        dW_p  = dx1ᵀ·ym     db_p  = Σ_rows dx1
+//!     dqkv = merge(flash'(split(dym)))                      (3, B, H, T, D) -> (N, 3C)
+//!     dh1 = dqkv·W_a       dW_a  = dqkvᵀ·h1    db_a  = Σ_rows dqkv
+//!     dx  = dx1 + ln_1ᵀ(dh1)                                (one add: the residual)
+//!
+//!   head forward: x ─ln_f─> h ─·wteᵀ─> logits (N, V) ─cross-entropy─> mean loss
+//!   head backward: dlogits = (softmax − onehot)·s/N     dh = dlogits·wte
+//!                  dwte = dlogitsᵀ·h                     dx = ln_fᵀ(dh)
+//! ```
+//!
+//! Linear weights are (out, in) and `y = x Wᵀ + b`, so `dx = dy W` and `dW = dyᵀ x`.
+//! The tapes run the same kernels as the autograd path ([`crate::kernels`]), so they exist where
+//! those do (CUDA, bf16 or f32, dense layers); elsewhere a segment returns no tape and the engine
+//! differentiates its forward with autograd. `model-tests explicit::` compares the two on a GPU.
+//!
+//! Legend: `B` batch, `T` time, `C` width, `H` heads, `D` head size, `V` vocabulary, `N = B·T`.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use candle_core::{DType, Result, Tensor};
+
+use crate::gpt::{Block, Head};
+use crate::kernels;
+use crate::layers::{DenseLinear, LayerNorm};
+
+static ENABLED: AtomicBool = AtomicBool::new(true);
+
+/// Turns the hand-written backward passes on or off for this process (on by default); off,
+/// every segment is differentiated by autograd.
+pub fn set_enabled(on: bool) {
+    ENABLED.store(on, Ordering::Relaxed);
+}
+
+/// Whether [`set_enabled`] left the hand-written backward passes on.
+pub fn is_enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
+/// Gradients a tape's backward returns.
+pub struct TapeGrads {
+    /// Parameter gradients by name, in the parameters' dtype.
+    pub params: Vec<(String, Tensor)>,
+    /// Gradient w.r.t. the segment's input (None for integer token ids).
+    pub input: Option<Tensor>,
+}
+
+/// What a segment's graph-free forward keeps, and the backward that consumes it.
+pub trait Tape: Send {
+    /// The segment's output (the scalar loss for a head given targets).
+    fn output(&self) -> &Tensor;
+    /// Gradients for `grad_out`, the gradient w.r.t. the output; None when the output is the
+    /// scalar loss, whose gradient is `loss_scale`.
+    fn backward(self: Box<Self>, grad_out: Option<&Tensor>, loss_scale: f64) -> Result<TapeGrads>;
+}
+
+fn err(s: String) -> candle_core::Error {
+    candle_core::Error::Msg(s)
+}
+
+/// A dense layer's weight (out, in) and bias (out,), detached: the tape differentiates by hand.
+struct Dense {
+    w_name: String,
+    b_name: String,
+    w: Tensor,
+    b: Tensor,
+}
+
+impl Dense {
+    fn of(l: &DenseLinear, x: &Tensor) -> Option<Dense> {
+        let b = l.bias.as_ref()?;
+        let (w, bt) = (l.weight.tensor().detach(), b.tensor().detach());
+        if w.dtype() != x.dtype() || bt.dtype() != x.dtype() || !kernels::enabled_for(&w) {
+            return None;
+        }
+        Some(Dense {
+            w_name: l.weight.name().to_string(),
+            b_name: b.name().to_string(),
+            w,
+            b: bt,
+        })
+    }
+
+    /// x (N, in) -> x Wᵀ + b (N, out).
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        kernels::bias_add(&x.matmul(&self.w.t()?)?, &self.b)
+    }
+
+    /// From the input x (N, in) and dy (N, out): dx (N, in); dW and db pushed to `grads`.
+    fn backward(
+        &self,
+        x: &Tensor,
+        dy: &Tensor,
+        grads: &mut Vec<(String, Tensor)>,
+    ) -> Result<Tensor> {
+        let dx = dy.matmul(&self.w)?; // (N, in)
+        let dw = dy.t()?.matmul(x)?; // (out, in)
+        let db = kernels::bias::bias_grad(dy, &self.b)?; // (out,)
+        grads.push((self.w_name.clone(), dw));
+        grads.push((self.b_name.clone(), db));
+        Ok(dx)
+    }
+}
+
+/// A LayerNorm's parameters, detached.
+struct Norm {
+    w_name: String,
+    b_name: String,
+    w: Tensor,
+    b: Tensor,
+    eps: f64,
+}
+
+impl Norm {
+    fn of(ln: &LayerNorm, x: &Tensor) -> Option<Norm> {
+        let (w, b) = (ln.weight.tensor().detach(), ln.bias.tensor().detach());
+        if !kernels::layer_norm::supported(x, &w, &b) {
+            return None;
+        }
+        Some(Norm {
+            w_name: ln.weight.name().to_string(),
+            b_name: ln.bias.name().to_string(),
+            w,
+            b,
+            eps: ln.eps,
+        })
+    }
+
+    /// y and the (mean, rstd) statistics of x (N, C).
+    fn forward(&self, x: &Tensor) -> Result<(Tensor, Stats)> {
+        let (y, mean, rstd) = kernels::layer_norm::forward_saved(x, &self.w, &self.b, self.eps)?;
+        Ok((y, Stats { mean, rstd }))
+    }
+
+    /// dx (N, C) from x, its statistics and dy; dw and db pushed to `grads`.
+    fn backward(
+        &self,
+        x: &Tensor,
+        s: &Stats,
+        dy: &Tensor,
+        grads: &mut Vec<(String, Tensor)>,
+    ) -> Result<Tensor> {
+        let (dx, dw, db) = kernels::layer_norm::backward(x, &self.w, dy, &s.mean, &s.rstd)?;
+        grads.push((self.w_name.clone(), dw));
+        grads.push((self.b_name.clone(), db));
+        Ok(dx)
+    }
+}
+
+/// LayerNorm statistics per row: mean and 1/√(var + eps), (N,) f32.
+struct Stats {
+    mean: Tensor,
+    rstd: Tensor,
+}
+
+/// The weights of a dense block, when every layer has a hand-written backward here.
+struct BlockWeights {
+    ln_1: Norm,
+    c_attn: Dense,
+    c_proj: Dense,
+    ln_2: Norm,
+    c_fc: Dense,
+    mlp_proj: Dense,
+    n_head: usize,
+    head_dim: usize,
+}
+
+impl BlockWeights {
+    fn of(block: &Block, x: &Tensor) -> Option<BlockWeights> {
+        let a = &block.attn;
+        let mlp = block.ffn.as_mlp()?;
+        let fits = kernels::flash_attention::supported(x, a.head_dim)
+            && kernels::heads::supported(x)
+            && kernels::gelu::supported(x);
+        if !fits {
+            return None;
+        }
+        Some(BlockWeights {
+            ln_1: Norm::of(&block.ln_1, x)?,
+            c_attn: Dense::of(a.c_attn.as_dense()?, x)?,
+            c_proj: Dense::of(a.c_proj.as_dense()?, x)?,
+            ln_2: Norm::of(&block.ln_2, x)?,
+            c_fc: Dense::of(mlp.c_fc.as_dense()?, x)?,
+            mlp_proj: Dense::of(mlp.c_proj.as_dense()?, x)?,
+            n_head: a.n_head,
+            head_dim: a.head_dim,
+        })
+    }
+}
+
+/// A block's forward kept for its backward (see the module picture).
+struct BlockTape {
+    wts: BlockWeights,
+    dims: (usize, usize, usize),
+    x: Tensor,
+    s1: Stats,
+    h1: Tensor,
+    qkv: Tensor,
+    y: Tensor,
+    lse: Tensor,
+    ym: Tensor,
+    x1: Tensor,
+    s2: Stats,
+    h2: Tensor,
+    f: Tensor,
+    g: Tensor,
+    out: Tensor,
+}
+
+/// The block's graph-free forward with its tape, or None where it has no hand-written backward
+/// (not enabled, not CUDA, a sharded layer or a mixture of experts).
+pub fn block_tape(block: &Block, x: &Tensor) -> Result<Option<Box<dyn Tape>>> {
+    if !is_enabled() {
+        return Ok(None);
+    }
+    let Some(wts) = BlockWeights::of(block, x) else {
+        return Ok(None);
+    };
+    let (b, t, c) = x.dims3()?;
+    let (h, d) = (wts.n_head, wts.head_dim);
+    if h * d != c {
+        return Ok(None);
+    }
+    let n = b * t;
+    let x = x.detach().reshape((n, c))?; // (N, C)
+    let (h1, s1) = wts.ln_1.forward(&x)?; // (N, C)
+    let qkv = wts.c_attn.forward(&h1)?.reshape((b, t, 3 * c))?; // (B, T, 3C)
+    let qkv = kernels::split_heads(&qkv, 3, h)?; // (3, B, H, T, D)
+    let scale = 1.0 / (d as f64).sqrt();
+    let (y, lse) = kernels::flash_attention::packed_forward_saved(&qkv, scale)?; // (B, H, T, D)
+    let ym = kernels::merge_heads(&y.unsqueeze(0)?)?.reshape((n, c))?; // (N, C)
+    let x1 = (&x + wts.c_proj.forward(&ym)?)?; // (N, C)
+    let (h2, s2) = wts.ln_2.forward(&x1)?;
+    let f = wts.c_fc.forward(&h2)?; // (N, 4C)
+    let g = kernels::gelu(&f)?; // (N, 4C)
+    let out = (&x1 + wts.mlp_proj.forward(&g)?)?.reshape((b, t, c))?; // (B, T, C)
+    Ok(Some(Box::new(BlockTape {
+        wts,
+        dims: (b, t, c),
+        x,
+        s1,
+        h1,
+        qkv,
+        y,
+        lse,
+        ym,
+        x1,
+        s2,
+        h2,
+        f,
+        g,
+        out,
+    })))
+}
+
+impl Tape for BlockTape {
+    fn output(&self) -> &Tensor {
+        &self.out
+    }
+
+    fn backward(self: Box<Self>, grad_out: Option<&Tensor>, _loss_scale: f64) -> Result<TapeGrads> {
+        let BlockTape {
+            wts,
+            dims: (b, t, c),
+            x,
+            s1,
+            h1,
+            qkv,
+            y,
+            lse,
+            ym,
+            x1,
+            s2,
+            h2,
+            f,
+            g,
+            out,
+        } = *self;
+        let dout = grad_out
+            .ok_or_else(|| err("block backward: the block's output is not a loss".into()))?;
+        if dout.dims() != out.dims() {
+            return Err(err(format!(
+                "block backward: output {:?} but gradient {:?}",
+                out.dims(),
+                dout.dims()
+            )));
+        }
+        drop(out);
+        let n = b * t;
+        let mut grads = Vec::with_capacity(12);
+        let dout = dout.to_dtype(x.dtype())?.reshape((n, c))?.contiguous()?; // (N, C)
+        // MLP branch.
+        let dg = wts.mlp_proj.backward(&g, &dout, &mut grads)?; // (N, 4C)
+        drop(g);
+        let df = kernels::gelu::backward(&f, &dg)?; // (N, 4C)
+        drop((f, dg));
+        let dh2 = wts.c_fc.backward(&h2, &df, &mut grads)?; // (N, C)
+        drop((h2, df));
+        let dx1 = (dout + wts.ln_2.backward(&x1, &s2, &dh2, &mut grads)?)?; // (N, C)
+        drop((x1, dh2));
+        // Attention branch.
+        let dym = wts.c_proj.backward(&ym, &dx1, &mut grads)?; // (N, C)
+        drop(ym);
+        let dy = kernels::split_heads(&dym.reshape((b, t, c))?, 1, wts.n_head)?.squeeze(0)?; // (B, H, T, D)
+        let scale = 1.0 / (wts.head_dim as f64).sqrt();
+        let dqkv = kernels::flash_attention::packed_backward(&qkv, &y, &dy, &lse, scale)?; // (3, B, H, T, D)
+        drop((qkv, y, dy, lse));
+        let dqkv = kernels::merge_heads(&dqkv)?.reshape((n, 3 * c))?; // (N, 3C)
+        let dh1 = wts.c_attn.backward(&h1, &dqkv, &mut grads)?; // (N, C)
+        drop((h1, dqkv));
+        let dx = (dx1 + wts.ln_1.backward(&x, &s1, &dh1, &mut grads)?)?; // (N, C)
+        Ok(TapeGrads {
+            params: grads,
+            input: Some(dx.reshape((b, t, c))?),
+        })
+    }
+}
+
+/// The head's forward kept for its backward.
+struct HeadTape {
+    ln_f: Norm,
+    wte_name: String,
+    wte: Tensor,
+    x: Tensor,
+    s: Stats,
+    h: Tensor,
+    logits: Tensor,
+    targets: Tensor,
+    lse: Tensor,
+    dims: (usize, usize, usize),
+    loss: Tensor,
+}
+
+/// The head's graph-free forward to the mean loss with its tape, or None where it has no
+/// hand-written backward (no targets, not enabled, not CUDA).
+pub fn head_tape(head: &Head, x: &Tensor, targets: Option<&Tensor>) -> Result<Option<Box<dyn Tape>>> {
+    let Some(targets) = targets else {
+        return Ok(None);
+    };
+    if !is_enabled() || !kernels::cross_entropy::supported(x) {
+        return Ok(None);
+    }
+    let Some(ln_f) = Norm::of(&head.ln_f, x) else {
+        return Ok(None);
+    };
+    let wte = head.wte.tensor().detach();
+    if wte.dtype() != x.dtype() {
+        return Ok(None);
+    }
+    let (b, t, c) = x.dims3()?;
+    let n = b * t;
+    if targets.elem_count() != n {
+        return Err(err(format!(
+            "head: targets {:?} do not match the input {:?}",
+            targets.dims(),
+            x.dims()
+        )));
+    }
+    let x = x.detach().reshape((n, c))?; // (N, C)
+    let (h, s) = ln_f.forward(&x)?; // (N, C)
+    let logits = h.matmul(&wte.t()?)?; // (N, V)
+    let targets = targets.flatten_all()?.to_dtype(DType::U32)?; // (N,)
+    let (rows, lse) = kernels::cross_entropy::rows_forward_saved(&logits, &targets)?; // (N,)
+    let loss = rows.mean_all()?; // scalar, f32
+    Ok(Some(Box::new(HeadTape {
+        ln_f,
+        wte_name: head.wte.name().to_string(),
+        wte,
+        x,
+        s,
+        h,
+        logits,
+        targets,
+        lse,
+        dims: (b, t, c),
+        loss,
+    })))
+}
+
+impl Tape for HeadTape {
+    fn output(&self) -> &Tensor {
+        &self.loss
+    }
+
+    fn backward(self: Box<Self>, grad_out: Option<&Tensor>, loss_scale: f64) -> Result<TapeGrads> {
+        let HeadTape {
+            ln_f,
+            wte_name,
+            wte,
+            x,
+            s,
+            h,
+            logits,
+            targets,
+            lse,
+            dims: (b, t, c),
+            loss: _,
+        } = *self;
+        let n = b * t;
+        // d(loss)/d(row loss) = s / N for the mean; s is loss_scale, or the given scalar gradient.
+        let s_out = match grad_out {
+            None => loss_scale,
+            Some(g) => g.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?,
+        };
+        let g = Tensor::full((s_out / n as f64) as f32, n, x.device())?; // (N,)
+        let dlogits = kernels::cross_entropy::backward(&logits, &targets, &lse, &g)?; // (N, V)
+        drop(logits);
+        let mut grads = Vec::with_capacity(3);
+        let dh = dlogits.matmul(&wte)?; // (N, C)
+        grads.push((wte_name, dlogits.t()?.matmul(&h)?)); // (V, C)
+        drop((dlogits, h));
+        let dx = ln_f.backward(&x, &s, &dh, &mut grads)?; // (N, C)
+        Ok(TapeGrads {
+            params: grads,
+            input: Some(dx.reshape((b, t, c))?),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use candle_core::{DType, Device, Result, Tensor};
+
+    use crate::config::GptConfig;
+    use crate::engine::{Engine, NoHooks};
+    use crate::gpt::Gpt;
+    use crate::init::init_weights;
+    use crate::param::Grads;
+
+    fn rel_err(a: &Tensor, b: &Tensor) -> Result<f64> {
+        let (a, b) = (a.to_dtype(DType::F64)?, b.to_dtype(DType::F64)?);
+        let num = (&a - &b)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+        let den = b.sqr()?.sum_all()?.to_scalar::<f64>()?;
+        Ok((num / den.max(1e-300)).sqrt())
+    }
+
+    /// The engine's step through the tapes against candle's autograd over the whole graph (the
+    /// same kernels, recorded): loss and every parameter gradient, for 2 dense blocks with head
+    /// size 64 (bf16 runs the tensor-core attention) and a tied embedding.
+    fn check(dtype: DType, tol: f64) -> Result<()> {
+        let dev = match Device::new_cuda(0) {
+            Ok(d) => d,
+            Err(_) => {
+                eprintln!("skipped: no CUDA device");
+                return Ok(());
+            }
+        };
+        let cfg = GptConfig {
+            vocab_size: 320,
+            block_size: 128,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 128,
+            moe: None,
+        };
+        let w: BTreeMap<String, Tensor> = init_weights(&cfg, 7)?
+            .into_iter()
+            .map(|(k, t)| Ok((k, t.to_dtype(dtype)?)))
+            .collect::<Result<_>>()?;
+        let gpt = Gpt::new(cfg.clone(), &w, &dev)?;
+        let (b, t) = (3, 128);
+        let ids = |seed: u32| -> Result<Tensor> {
+            let v: Vec<u32> = (0..(b * t) as u32)
+                .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 7) % 320)
+                .collect();
+            Tensor::from_vec(v, (b, t), &dev)
+        };
+        let (idx, tgt) = (ids(1)?, ids(99)?);
+
+        let x = Tensor::randn(0f32, 1f32, (b, t, cfg.n_embd), &dev)?.to_dtype(dtype)?;
+        assert!(
+            gpt.segments[1].forward_taped(&x, None)?.is_some(),
+            "the dense block has no tape on CUDA {dtype:?}"
+        );
+        assert!(gpt.segments[cfg.n_layer + 1].forward_taped(&x, Some(&tgt))?.is_some());
+
+        let mut grads = Grads::new();
+        let (loss, _) =
+            Engine::new(false).forward_backward(&gpt.segments, &idx, &tgt, 1.0, &mut grads, &mut NoHooks)?;
+        let whole = gpt.forward_loss(&idx, &tgt)?.loss;
+        let want_loss = whole.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let store = whole.backward()?;
+        assert!(
+            (loss - want_loss).abs() <= tol * want_loss.abs(),
+            "{dtype:?}: loss {loss} through the tapes vs {want_loss} by autograd"
+        );
+        for p in gpt.params() {
+            let want = store
+                .get(&p.tensor())
+                .unwrap_or_else(|| panic!("autograd gave no gradient for {}", p.name()));
+            let got = grads
+                .get(p.name())
+                .unwrap_or_else(|| panic!("the tapes gave no gradient for {}", p.name()));
+            assert_eq!(got.dims(), want.dims(), "{}", p.name());
+            let e = rel_err(got, want)?;
+            assert!(e < tol, "{dtype:?} {}: relative error {e:.2e} >= {tol:.0e}", p.name());
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn tapes_match_autograd_f32() -> Result<()> {
+        check(DType::F32, 1e-4)
+    }
+
+    #[test]
+    fn tapes_match_autograd_bf16() -> Result<()> {
+        check(DType::BF16, 2e-2)
+    }
+}
