@@ -25,8 +25,10 @@
 //! [`set_enabled`] turns the fused path off for the whole process, so a benchmark can run the
 //! plain path on the same device for comparison. It is on by default.
 
+pub mod adamw;
 pub mod bias;
 pub mod cross_entropy;
+pub mod embedding;
 pub mod flash_attention;
 pub mod gelu;
 pub mod heads;
@@ -36,8 +38,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use candle_core::{DType, Tensor};
 
+pub use adamw::{adamw_update, AdamWHyper, AdamWOut};
 pub use bias::bias_add;
 pub use cross_entropy::cross_entropy_rows;
+pub use embedding::{embedding, embedding_grad};
 pub use flash_attention::{flash_attention, flash_attention_packed};
 pub use gelu::gelu;
 pub use heads::{merge_heads, split_heads};
