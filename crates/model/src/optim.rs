@@ -11,6 +11,11 @@
 //! p  = p·(1 - lr·wd)  -  lr · m̂ / (√v̂ + ε)  decay is applied to p directly, not mixed into g
 //! ```
 //!
+//! On CUDA, an f32 parameter is updated by one fused kernel that reads p, g, m, v once and writes
+//! the new p, m, v (and, for mixed precision, the bf16 compute copy) once
+//! ([`crate::kernels::adamw`]); everywhere else the same formulas run as candle ops
+//! ([`adamw_candle`]).
+//!
 //! The optimizer is shape-agnostic: it keeps `m` and `v` by name, elementwise, so a sharded strategy
 //! can hand it flat 1-D shards instead of full tensors. Whether a tensor is decayed therefore comes
 //! from the caller ([`OptimItem::decay`]); nanoGPT decays only the ≥2-D weights (matmuls and
@@ -30,6 +35,7 @@ use std::collections::BTreeMap;
 
 use candle_core::{DType, Result, Tensor};
 
+use crate::kernels::adamw::{self, AdamWHyper};
 use crate::param::Param;
 
 /// AdamW hyper-parameters (the learning rate is passed per step).
@@ -111,11 +117,24 @@ impl AdamW {
 
     /// One AdamW step with learning rate `lr` over `items` (moments start at zero on first sight).
     pub fn step(&mut self, lr: f64, items: &[OptimItem]) -> Result<()> {
+        self.step_with_copies(lr, items, None).map(|_| ())
+    }
+
+    /// [`AdamW::step`], also returning each updated parameter cast to `copy` (one entry per item,
+    /// `None` throughout when `copy` is `None`): the compute copy of mixed-precision training.
+    ///
+    /// An item whose parameter and gradient the fused kernel takes ([`adamw::supported`]: an f32
+    /// CUDA parameter, an f32 or bf16 gradient) is updated by one kernel, which also writes a
+    /// bf16 copy; every other item takes the candle path ([`adamw_candle`]), and its copy is a
+    /// cast of the updated parameter. The gradient may be in any float dtype: it is read as f32.
+    pub fn step_with_copies(
+        &mut self,
+        lr: f64,
+        items: &[OptimItem],
+        copy: Option<DType>,
+    ) -> Result<Vec<Option<Tensor>>> {
         self.step += 1;
-        let t = self.step as i32;
-        let (b1, b2) = (self.cfg.beta1, self.cfg.beta2);
-        let bc1 = 1.0 - b1.powi(t);
-        let bc2 = 1.0 - b2.powi(t);
+        let mut copies = Vec::with_capacity(items.len());
         for it in items {
             let p = it.param.tensor().detach();
             if it.grad.shape() != p.shape() {
@@ -126,30 +145,42 @@ impl AdamW {
                     p.dims()
                 );
             }
-            let g = it.grad.detach().to_dtype(DType::F32)?;
-            let p32 = p.to_dtype(DType::F32)?;
-            let m = match self.m.get(it.name) {
-                Some(m) => ((m * b1)? + (&g * (1.0 - b1))?)?,
-                None => (&g * (1.0 - b1))?,
+            let h = AdamWHyper {
+                lr,
+                beta1: self.cfg.beta1,
+                beta2: self.cfg.beta2,
+                eps: self.cfg.eps,
+                weight_decay: if it.decay { self.cfg.weight_decay } else { 0.0 },
+                step: self.step,
             };
-            let g2 = g.sqr()?;
-            let v = match self.v.get(it.name) {
-                Some(v) => ((v * b2)? + (&g2 * (1.0 - b2))?)?,
-                None => (&g2 * (1.0 - b2))?,
-            };
-            let denom = ((&v / bc2)?.sqrt()? + self.cfg.eps)?;
-            let update = ((&m / bc1)? / denom)?;
-            let decayed = if it.decay && self.cfg.weight_decay != 0.0 {
-                (&p32 * (1.0 - lr * self.cfg.weight_decay))?
+            let g = it.grad.detach();
+            let state_f32 = [self.m.get(it.name), self.v.get(it.name)]
+                .into_iter()
+                .flatten()
+                .all(|s| s.dtype() == DType::F32 && s.device().same_device(p.device()));
+            let (new_p, m, v, copied) = if state_f32 && adamw::supported(&p, &g) {
+                let (m, v) = match (self.m.get(it.name), self.v.get(it.name)) {
+                    (Some(m), Some(v)) => (m.clone(), v.clone()),
+                    _ => (p.zeros_like()?, p.zeros_like()?),
+                };
+                let out = adamw::adamw_update(&p, &g, &m, &v, &h, copy == Some(DType::BF16))?;
+                (out.p, out.m, out.v, out.p_bf16)
             } else {
-                p32
+                let (new_p32, m, v) =
+                    adamw_candle(&p, &g, self.m.get(it.name), self.v.get(it.name), &h)?;
+                (new_p32.to_dtype(p.dtype())?, m, v, None)
             };
-            let new_p = (decayed - (update * lr)?)?;
-            it.param.set(&new_p.to_dtype(p.dtype())?)?;
+            let copied = match (copy, copied) {
+                (Some(_), Some(c)) => Some(c),
+                (Some(dtype), None) => Some(new_p.to_dtype(dtype)?),
+                (None, _) => None,
+            };
+            it.param.set(&new_p)?;
             self.m.insert(it.name.to_string(), m);
             self.v.insert(it.name.to_string(), v);
+            copies.push(copied);
         }
-        Ok(())
+        Ok(copies)
     }
 
     /// A copy of the state (tensors are shared, not copied: candle tensors are immutable).
@@ -189,6 +220,42 @@ impl AdamW {
             .map(|t| t.elem_count() * t.dtype().size_in_bytes())
             .sum()
     }
+}
+
+/// One AdamW update in candle ops, the path [`AdamW::step`] takes where the fused kernel does
+/// not apply (and the reference the kernel is tested against): the new `(p, m, v)`, all f32,
+/// from `p` and `g` in any float dtype and the moments (`None`: zero, the first step).
+pub(crate) fn adamw_candle(
+    p: &Tensor,
+    g: &Tensor,
+    m: Option<&Tensor>,
+    v: Option<&Tensor>,
+    h: &AdamWHyper,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let t = h.step as i32;
+    let (b1, b2) = (h.beta1, h.beta2);
+    let bc1 = 1.0 - b1.powi(t);
+    let bc2 = 1.0 - b2.powi(t);
+    let g = g.to_dtype(DType::F32)?;
+    let p32 = p.to_dtype(DType::F32)?;
+    let m = match m {
+        Some(m) => ((m * b1)? + (&g * (1.0 - b1))?)?,
+        None => (&g * (1.0 - b1))?,
+    };
+    let g2 = g.sqr()?;
+    let v = match v {
+        Some(v) => ((v * b2)? + (&g2 * (1.0 - b2))?)?,
+        None => (&g2 * (1.0 - b2))?,
+    };
+    let denom = ((&v / bc2)?.sqrt()? + h.eps)?;
+    let update = ((&m / bc1)? / denom)?;
+    let decayed = if h.weight_decay != 0.0 {
+        (&p32 * (1.0 - h.lr * h.weight_decay))?
+    } else {
+        p32
+    };
+    let new_p = (decayed - (update * h.lr)?)?;
+    Ok((new_p, m, v))
 }
 
 /// The learning-rate schedule: linear warmup, then cosine decay to `min_lr` at `total_steps`.

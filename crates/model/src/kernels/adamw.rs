@@ -1,0 +1,446 @@
+//! Fused AdamW: the whole update of one tensor in one kernel (`adamw.cu`).
+//!
+//! ```text
+//!   candle path, per tensor (optim.rs)                fused, per tensor
+//!   g.to(f32)                 cast                     adamw_gbf16_copy reads  p, g, m, v
+//!   m·β1 + g·(1-β1)           3 kernels                                writes p', m', v', p'_bf16
+//!   v·β2 + g²·(1-β2)          4 kernels
+//!   √(v/bc2) + ε, m/bc1, ÷    5 kernels                one pass over memory: 4+2+4+4 bytes read,
+//!   p·(1-lr·wd) - lr·update   3 kernels                4+4+4+2 written per element
+//!   p'.to(bf16)               cast (mixed precision)
+//! ```
+//!
+//! The update is the one documented in [`crate::optim`], term for term and in the same order
+//! (decoupled decay, bias correction, ε added to √v̂), with all arithmetic in f32. The constants
+//! (1-β1, 1/(1-β1ᵗ), 1-lr·wd, ...) are computed on the host in f64 and rounded to f32 once, as
+//! candle's scalar ops round theirs, so the two paths agree to a few f32 ulps (the kernel may fuse
+//! a multiply and an add).
+//!
+//! The gradient may be f32 or bf16 (two entry points, whatever the model's dtype): a bf16
+//! gradient is widened inside the kernel, exactly as `to_dtype(F32)` would. With `bf16_copy`
+//! the kernel also writes the new weights rounded to bf16 (nearest even, as candle's cast), the
+//! compute copy of mixed-precision training. Every output is a fresh buffer: no tensor that
+//! someone else may hold is written.
+
+use candle_core::{DType, Result, Tensor};
+
+use super::msg;
+
+/// One AdamW step for one tensor.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWHyper {
+    /// Learning rate of this step.
+    pub lr: f64,
+    /// Decay of the first-moment average.
+    pub beta1: f64,
+    /// Decay of the second-moment average.
+    pub beta2: f64,
+    /// Added to √v̂.
+    pub eps: f64,
+    /// Decoupled weight decay of this tensor: 0 for one that is not decayed.
+    pub weight_decay: f64,
+    /// The step being taken, counted from 1 (t of the bias correction).
+    pub step: u64,
+}
+
+/// The new state of one tensor after [`adamw_update`]; all f32 except `p_bf16`.
+#[derive(Debug, Clone)]
+pub struct AdamWOut {
+    /// The updated parameter.
+    pub p: Tensor,
+    /// The updated first moment.
+    pub m: Tensor,
+    /// The updated second moment.
+    pub v: Tensor,
+    /// `p` rounded to bf16, when asked for.
+    pub p_bf16: Option<Tensor>,
+}
+
+/// The kernel's per-step constants (`AdamwStep` in adamw.cu, field for field).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct AdamWStep {
+    beta1: f32,
+    one_m_b1: f32,
+    beta2: f32,
+    one_m_b2: f32,
+    inv_bc1: f32,
+    inv_bc2: f32,
+    eps: f32,
+    lr: f32,
+    decay: f32,
+}
+
+impl AdamWHyper {
+    /// The f32 constants the kernel multiplies by, each computed in f64 and rounded once.
+    /// Refuses step 0 and betas outside [0, 1), naming the value.
+    pub(crate) fn constants(&self) -> Result<AdamWStep> {
+        if self.step == 0 {
+            return Err(msg(
+                "AdamW: step must count from 1 (the bias correction divides by 1 - β^t)".into(),
+            ));
+        }
+        for (what, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&b) {
+                return Err(msg(format!("AdamW: {what} must be in [0, 1), got {b}")));
+            }
+        }
+        let t = i32::try_from(self.step)
+            .map_err(|_| msg(format!("AdamW: step {} is out of range", self.step)))?;
+        Ok(AdamWStep {
+            beta1: self.beta1 as f32,
+            one_m_b1: (1.0 - self.beta1) as f32,
+            beta2: self.beta2 as f32,
+            one_m_b2: (1.0 - self.beta2) as f32,
+            inv_bc1: (1.0 / (1.0 - self.beta1.powi(t))) as f32,
+            inv_bc2: (1.0 / (1.0 - self.beta2.powi(t))) as f32,
+            eps: self.eps as f32,
+            lr: self.lr as f32,
+            decay: (1.0 - self.lr * self.weight_decay) as f32,
+        })
+    }
+}
+
+/// Whether [`adamw_update`] can take parameter `p` with gradient `g`: built with CUDA, kernels
+/// enabled, `p` an f32 CUDA tensor, `g` f32 or bf16 on the same device with as many elements.
+/// (The moments must be f32 too; the optimizer keeps them so.)
+pub fn supported(p: &Tensor, g: &Tensor) -> bool {
+    super::enabled_for(p)
+        && p.dtype() == DType::F32
+        && matches!(g.dtype(), DType::F32 | DType::BF16)
+        && g.elem_count() == p.elem_count()
+        && g.device().same_device(p.device())
+}
+
+/// One AdamW step of `p` with gradient `g` and moments `m`, `v` (zeros on the first step), in
+/// one kernel; with `bf16_copy` also the new `p` in bf16. The outputs have `p`'s shape and are
+/// fresh tensors; the inputs are only read. CUDA only: see [`supported`].
+pub fn adamw_update(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    h: &AdamWHyper,
+    bf16_copy: bool,
+) -> Result<AdamWOut> {
+    let n = p.elem_count();
+    for (what, t) in [("parameter", p), ("first moment", m), ("second moment", v)] {
+        if t.dtype() != DType::F32 {
+            return Err(msg(format!(
+                "adamw_update: the {what} must be f32, got {:?}",
+                t.dtype()
+            )));
+        }
+    }
+    if !matches!(g.dtype(), DType::F32 | DType::BF16) {
+        return Err(msg(format!(
+            "adamw_update: the gradient must be f32 or bf16, got {:?}",
+            g.dtype()
+        )));
+    }
+    for (what, t) in [("gradient", g), ("first moment", m), ("second moment", v)] {
+        if t.elem_count() != n {
+            return Err(msg(format!(
+                "adamw_update: the {what} has shape {:?} but the parameter has {:?}",
+                t.dims(),
+                p.dims()
+            )));
+        }
+    }
+    let s = h.constants()?;
+    if n == 0 {
+        let p_bf16 = match bf16_copy {
+            true => Some(p.to_dtype(DType::BF16)?),
+            false => None,
+        };
+        let (m, v) = (m.reshape(p.shape())?, v.reshape(p.shape())?);
+        return Ok(AdamWOut {
+            p: p.clone(),
+            m,
+            v,
+            p_bf16,
+        });
+    }
+    launch(p, g, m, v, s, bf16_copy)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn launch(
+    _: &Tensor,
+    _: &Tensor,
+    _: &Tensor,
+    _: &Tensor,
+    _: AdamWStep,
+    _: bool,
+) -> Result<AdamWOut> {
+    Err(msg(
+        "kernels::adamw_update runs on CUDA only; the CPU path is optim::AdamW".into(),
+    ))
+}
+
+#[cfg(feature = "cuda")]
+fn launch(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    s: AdamWStep,
+    bf16_copy: bool,
+) -> Result<AdamWOut> {
+    let (p, g, m, v) = (
+        p.contiguous()?,
+        g.contiguous()?,
+        m.contiguous()?,
+        v.contiguous()?,
+    );
+    let dtype = g.dtype();
+    super::cuda::by_dtype!(
+        "adamw_update gradient",
+        dtype,
+        imp::update(&p, &g, &m, &v, s, bf16_copy)
+    )
+}
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, PushKernelArg};
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::{DType, Result, Tensor};
+
+    use super::super::cuda::{device, grid_stride, kernel, slice, storage, tensor};
+    use super::{AdamWOut, AdamWStep};
+
+    // SAFETY: AdamWStep is #[repr(C)] with nine f32 fields, the layout of `struct AdamwStep` in
+    // adamw.cu (36 bytes, 4-byte aligned), passed by value as a kernel parameter.
+    unsafe impl DeviceRepr for AdamWStep {}
+
+    /// Launches the entry point for gradient type `G` (f32 or bf16), with or without the copy.
+    pub fn update<G: CudaDType + DeviceRepr>(
+        p: &Tensor,
+        g: &Tensor,
+        m: &Tensor,
+        v: &Tensor,
+        s: AdamWStep,
+        bf16_copy: bool,
+    ) -> Result<AdamWOut> {
+        let dev = device(p)?;
+        let n = p.elem_count();
+        let (sp, op) = storage(p, "AdamW parameter")?;
+        let (sg, og) = storage(g, "AdamW gradient")?;
+        let (sm, om) = storage(m, "AdamW first moment")?;
+        let (sv, ov) = storage(v, "AdamW second moment")?;
+        let ps = slice::<f32>(&sp)?.slice(op..);
+        let gs = slice::<G>(&sg)?.slice(og..);
+        let ms = slice::<f32>(&sm)?.slice(om..);
+        let vs = slice::<f32>(&sv)?.slice(ov..);
+        // SAFETY: every element of every output is written by the kernel's grid-stride loops.
+        let (p_out, m_out, v_out) = unsafe {
+            (
+                dev.alloc::<f32>(n)?,
+                dev.alloc::<f32>(n)?,
+                dev.alloc::<f32>(n)?,
+            )
+        };
+        let p16 = match bf16_copy {
+            // SAFETY: as above.
+            true => Some(unsafe { dev.alloc::<half::bf16>(n)? }),
+            false => None,
+        };
+        let name = match (g.dtype(), bf16_copy) {
+            (DType::BF16, false) => "adamw_gbf16",
+            (DType::BF16, true) => "adamw_gbf16_copy",
+            (_, false) => "adamw_g32",
+            (_, true) => "adamw_g32_copy",
+        };
+        // The entry points do not depend on ELEM_BF16; load them from the bf16 instantiation
+        // when the run computes in bf16 (already compiled for its layers), else the f32 one.
+        let module = match g.dtype() == DType::BF16 || bf16_copy {
+            true => DType::BF16,
+            false => DType::F32,
+        };
+        let f = kernel(&dev, None, module, name)?;
+        let n64 = n as i64;
+        let mut b = f.builder();
+        b.arg(&ps).arg(&gs).arg(&ms).arg(&vs);
+        b.arg(&p_out).arg(&m_out).arg(&v_out);
+        if let Some(c) = &p16 {
+            b.arg(c);
+        }
+        b.arg(&n64).arg(&s);
+        // SAFETY: argument types and order match the entry point `name` in adamw.cu; the inputs
+        // hold n elements from their offsets, the outputs n elements.
+        unsafe { b.launch(grid_stride(n.div_ceil(4))) }.w()?;
+        drop((ps, gs, ms, vs));
+        drop((sp, sg, sm, sv));
+        let shape = p.shape().clone();
+        Ok(AdamWOut {
+            p: tensor(&dev, p_out, shape.clone()),
+            m: tensor(&dev, m_out, shape.clone()),
+            v: tensor(&dev, v_out, shape.clone()),
+            p_bf16: p16.map(|c| tensor(&dev, c, shape)),
+        })
+    }
+}
+
+#[cfg(test)]
+mod host_tests {
+    use super::*;
+
+    /// The constants are the f64 expressions rounded once, and bad hyper-parameters are named.
+    #[test]
+    fn constants_are_rounded_once_and_checked() -> Result<()> {
+        let h = AdamWHyper {
+            lr: 3e-4,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step: 3,
+        };
+        let s = h.constants()?;
+        assert_eq!(s.one_m_b1, (1.0f64 - 0.9) as f32);
+        assert_eq!(s.inv_bc2, (1.0 / (1.0 - 0.95f64.powi(3))) as f32);
+        assert_eq!(s.decay, (1.0 - 3e-4 * 0.1f64) as f32);
+        let e = AdamWHyper { step: 0, ..h }.constants().unwrap_err();
+        assert!(e.to_string().contains("from 1"), "{e}");
+        let e = AdamWHyper { beta2: 1.0, ..h }.constants().unwrap_err();
+        assert!(
+            e.to_string().contains("beta2 must be in [0, 1), got 1"),
+            "{e}"
+        );
+        Ok(())
+    }
+
+    /// On the CPU the fused path is never chosen, and calling it says where the CPU path is.
+    #[test]
+    fn cpu_tensors_take_the_candle_path() -> Result<()> {
+        let dev = candle_core::Device::Cpu;
+        let p = Tensor::zeros(8, DType::F32, &dev)?;
+        let g = Tensor::zeros(8, DType::BF16, &dev)?;
+        assert!(!supported(&p, &g));
+        let h = AdamWHyper {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            step: 1,
+        };
+        let bad = Tensor::zeros(7, DType::F32, &dev)?;
+        let e = adamw_update(&p, &g, &bad, &p, &h, false).unwrap_err();
+        assert!(e.to_string().contains("first moment has shape [7]"), "{e}");
+        Ok(())
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::*;
+    use crate::optim::adamw_candle;
+    use candle_core::Device;
+
+    /// ‖a - b‖ / ‖b‖, in f64.
+    fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+        let a = a.to_dtype(DType::F64).unwrap();
+        let b = b.to_dtype(DType::F64).unwrap();
+        let num = (a - &b).unwrap().sqr().unwrap().sum_all().unwrap();
+        let den = b.sqr().unwrap().sum_all().unwrap();
+        (num.to_scalar::<f64>().unwrap() / den.to_scalar::<f64>().unwrap()).sqrt()
+    }
+
+    fn f32s(t: &Tensor) -> Vec<f32> {
+        t.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap()
+    }
+
+    /// Three steps of the fused update against the candle AdamW path (`optim::adamw_candle`, the
+    /// path `AdamW::step` takes without the kernel) on the same CUDA tensors: p, m, v within a
+    /// relative error of 1e-6, the bf16 copy equal to candle's cast of the new p, and the
+    /// variant without the copy equal to the one with it. `offset` starts p one element into a
+    /// larger buffer, so no pointer is 16-byte aligned and every element takes the scalar loop.
+    fn check(n: usize, gdtype: DType, decay: bool, offset: bool) {
+        let dev = match Device::new_cuda(0) {
+            Ok(d) => d,
+            Err(_) => {
+                eprintln!("skipped: no CUDA device");
+                return;
+            }
+        };
+        let p0 = match offset {
+            true => Tensor::randn(0f32, 1f32, n + 1, &dev)
+                .unwrap()
+                .narrow(0, 1, n)
+                .unwrap(),
+            false => Tensor::randn(0f32, 1f32, n, &dev).unwrap(),
+        };
+        let zeros = Tensor::zeros(n, DType::F32, &dev).unwrap();
+        let (mut fp, mut fm, mut fv) = (p0.clone(), zeros.clone(), zeros);
+        let (mut rp, mut rm, mut rv): (Tensor, Option<Tensor>, Option<Tensor>) = (p0, None, None);
+        let what = format!("n={n} grad {gdtype:?} decay={decay} offset={offset}");
+        for step in 1..=3u64 {
+            let g = (Tensor::randn(0f32, 1f32, n, &dev).unwrap() * 0.1)
+                .unwrap()
+                .to_dtype(gdtype)
+                .unwrap();
+            let h = AdamWHyper {
+                lr: 1e-2,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: if decay { 0.1 } else { 0.0 },
+                step,
+            };
+            assert!(supported(&fp, &g), "{what}: kernel refused its inputs");
+            let out = adamw_update(&fp, &g, &fm, &fv, &h, true).unwrap();
+            let plain = adamw_update(&fp, &g, &fm, &fv, &h, false).unwrap();
+            let (p, m, v) = adamw_candle(&rp, &g, rm.as_ref(), rv.as_ref(), &h).unwrap();
+            for (name, a, r) in [("p", &out.p, &p), ("m", &out.m, &m), ("v", &out.v, &v)] {
+                let e = rel_err(a, r);
+                assert!(e < 1e-6, "{what} step {step}: {name} rel err {e} >= 1e-6");
+                assert_eq!(a.dtype(), DType::F32);
+                assert_eq!(a.dims(), &[n]);
+            }
+            if step == 1 {
+                // The first step moves every element by about lr (m̂/√v̂ = ±1): the comparison
+                // above is not between two unchanged copies of p0.
+                let moved = rel_err(&out.p, &fp);
+                assert!(moved > 1e-3, "{what}: p moved by only {moved} relative");
+            }
+            let copy = out.p_bf16.as_ref().expect("a bf16 copy was asked for");
+            assert_eq!(copy.dtype(), DType::BF16);
+            assert_eq!(
+                f32s(copy),
+                f32s(&out.p.to_dtype(DType::BF16).unwrap()),
+                "{what} step {step}: bf16 copy differs from candle's cast"
+            );
+            assert!(plain.p_bf16.is_none());
+            for (name, a, b) in [
+                ("p", &plain.p, &out.p),
+                ("m", &plain.m, &out.m),
+                ("v", &plain.v, &out.v),
+            ] {
+                assert_eq!(
+                    f32s(a),
+                    f32s(b),
+                    "{what} step {step}: {name} without the copy"
+                );
+            }
+            (fp, fm, fv) = (out.p, out.m, out.v);
+            (rp, rm, rv) = (p, Some(m), Some(v));
+        }
+    }
+
+    #[test]
+    fn matches_candle_adamw() {
+        // 1: the scalar tail only; 1000: whole 16-byte words; 300001: words then a 1-element
+        // tail, across many blocks of the grid-stride loop.
+        for n in [1, 1000, 300_001] {
+            for gdtype in [DType::F32, DType::BF16] {
+                for decay in [true, false] {
+                    check(n, gdtype, decay, false);
+                }
+            }
+        }
+        check(1000, DType::F32, true, true);
+        check(1000, DType::BF16, false, true);
+    }
+}
