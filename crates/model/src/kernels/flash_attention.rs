@@ -436,9 +436,9 @@ mod imp {
         let mut b = f.builder();
         b.arg(&os).arg(&ds).arg(&delta).arg(&rows64);
         // Eight threads per row, blocks of 256 (a whole number of rows and warps).
-        let cfg = blocks(((rows * 8).div_ceil(256), 1), 256);
+        let dot_cfg = blocks(((rows * 8).div_ceil(256), 1), 256);
         // SAFETY: argument types and order match `flash_bwd_dot`.
-        unsafe { b.launch(cfg) }.w()?;
+        unsafe { b.launch(dot_cfg) }.w()?;
 
         let (t32, qscale, scale32) = (t as i32, (scale * LOG2E) as f32, scale as f32);
         let f = kernel(&dev, Some(d), dtype, dq_name)?;
