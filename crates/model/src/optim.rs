@@ -452,4 +452,155 @@ mod tests {
         assert!((clip_coef(4.0, 1.0) - 1.0 / (4.0 + 1e-6)).abs() < 1e-15);
         assert_eq!(clip_coef(100.0, 0.0), 1.0);
     }
+
+    /// `step_with_copies` on the CPU: the parameters move exactly as with `step`, and each copy
+    /// is the updated parameter cast to the asked dtype (bf16 here).
+    #[test]
+    fn copies_are_the_updated_parameters_cast() -> Result<()> {
+        let dev = Device::Cpu;
+        let cfg = AdamWConfig::default();
+        let g = Tensor::new(&[0.1f32, -0.2, 0.3], &dev)?;
+        let gb = Tensor::new(&[0.05f32], &dev)?.to_dtype(DType::BF16)?;
+        let run = |copies: bool| -> Result<(Vec<Param>, Vec<Option<Tensor>>)> {
+            let p = Param::new("p", Tensor::new(&[1f32, 2., 3.], &dev)?)?;
+            let b = Param::new("b", Tensor::new(&[0.5f32], &dev)?)?;
+            let mut opt = AdamW::new(cfg);
+            let mut out = Vec::new();
+            for _ in 0..2 {
+                let items = [
+                    OptimItem {
+                        name: "p",
+                        param: &p,
+                        grad: &g,
+                        decay: true,
+                    },
+                    OptimItem {
+                        name: "b",
+                        param: &b,
+                        grad: &gb,
+                        decay: false,
+                    },
+                ];
+                out = match copies {
+                    true => opt.step_with_copies(1e-2, &items, Some(DType::BF16))?,
+                    false => {
+                        opt.step(1e-2, &items)?;
+                        vec![]
+                    }
+                };
+            }
+            Ok((vec![p, b], out))
+        };
+        let (with, copies) = run(true)?;
+        let (without, _) = run(false)?;
+        assert_eq!(copies.len(), 2);
+        for ((a, b), c) in with.iter().zip(&without).zip(&copies) {
+            let a = a.tensor();
+            assert_eq!(a.to_vec1::<f32>()?, b.tensor().to_vec1::<f32>()?);
+            let c = c.as_ref().expect("a copy was asked for");
+            assert_eq!(c.dtype(), DType::BF16);
+            assert_eq!(
+                c.to_dtype(DType::F32)?.to_vec1::<f32>()?,
+                a.to_dtype(DType::BF16)?
+                    .to_dtype(DType::F32)?
+                    .to_vec1::<f32>()?
+            );
+        }
+        Ok(())
+    }
+
+    /// Three steps of `step_with_copies` on CUDA, where every item takes the fused kernel (f32
+    /// and bf16 gradients, decayed and not), against the same steps on the CPU, where every item
+    /// takes the candle path: parameters and moments within a relative error of 1e-6, the bf16
+    /// copies equal to the cast of the CUDA parameters. Skips without a CUDA device.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn cuda_fused_steps_match_the_cpu_path() -> Result<()> {
+        let Ok(gpu) = Device::new_cuda(0) else {
+            eprintln!("skipped: no CUDA device");
+            return Ok(());
+        };
+        let cpu = Device::Cpu;
+        let sizes = [
+            (4097usize, DType::F32, true),
+            (33, DType::BF16, false),
+            (1, DType::BF16, true),
+        ];
+        let wave = |n: usize, phase: f32| -> Vec<f32> {
+            (0..n).map(|i| (i as f32 * 0.71 + phase).sin()).collect()
+        };
+        let run = |dev: &Device| -> Result<(Vec<Tensor>, Vec<Tensor>, AdamWState)> {
+            let params: Vec<Param> = sizes
+                .iter()
+                .enumerate()
+                .map(|(k, (n, _, _))| {
+                    Param::new(format!("w{k}"), Tensor::from_vec(wave(*n, 0.3), *n, dev)?)
+                })
+                .collect::<Result<_>>()?;
+            let mut opt = AdamW::new(AdamWConfig::default());
+            let mut copies = Vec::new();
+            for step in 0..3 {
+                let grads: Vec<Tensor> = sizes
+                    .iter()
+                    .map(|(n, dt, _)| {
+                        let g = Tensor::from_vec(wave(*n, 1.0 + step as f32), *n, dev)?;
+                        (g * 0.1)?.to_dtype(*dt)
+                    })
+                    .collect::<Result<_>>()?;
+                let names: Vec<String> = (0..sizes.len()).map(|k| format!("w{k}")).collect();
+                let items: Vec<OptimItem> = (0..sizes.len())
+                    .map(|k| OptimItem {
+                        name: &names[k],
+                        param: &params[k],
+                        grad: &grads[k],
+                        decay: sizes[k].2,
+                    })
+                    .collect();
+                if dev.is_cuda() {
+                    for it in &items {
+                        assert!(adamw::supported(&it.param.tensor(), it.grad));
+                    }
+                }
+                copies = opt
+                    .step_with_copies(3e-3, &items, Some(DType::BF16))?
+                    .into_iter()
+                    .map(|c| c.expect("a copy was asked for"))
+                    .collect();
+            }
+            Ok((
+                params.iter().map(|p| p.tensor()).collect(),
+                copies,
+                opt.state(),
+            ))
+        };
+        let rel = |a: &Tensor, b: &Tensor| -> Result<f64> {
+            let a = a.to_device(&cpu)?.to_dtype(DType::F64)?;
+            let b = b.to_device(&cpu)?.to_dtype(DType::F64)?;
+            let num = (a - &b)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+            Ok((num / b.sqr()?.sum_all()?.to_scalar::<f64>()?).sqrt())
+        };
+        let (gp, gc, gs) = run(&gpu)?;
+        let (cp, _, cs) = run(&cpu)?;
+        for k in 0..sizes.len() {
+            let name = format!("w{k}");
+            for (what, a, b) in [
+                ("p", &gp[k], &cp[k]),
+                ("m", &gs.m[&name], &cs.m[&name]),
+                ("v", &gs.v[&name], &cs.v[&name]),
+            ] {
+                let e = rel(a, b)?;
+                assert!(e < 1e-6, "{name} {what}: rel err {e} >= 1e-6");
+            }
+            assert_eq!(
+                gc[k].to_dtype(DType::F32)?.to_vec1::<f32>()?,
+                gp[k]
+                    .to_dtype(DType::BF16)?
+                    .to_dtype(DType::F32)?
+                    .to_vec1::<f32>()?,
+                "{name}: bf16 copy"
+            );
+        }
+        assert_eq!(gs.step, 3);
+        Ok(())
+    }
 }

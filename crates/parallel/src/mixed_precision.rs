@@ -10,6 +10,11 @@
 //!                        compute_bf16 = master_fp32.to(bf16)              refreshed in place
 //! ```
 //!
+//! On CUDA the three lines of the optimizer are one fused kernel per item
+//! ([`mtrain_model::kernels::adamw`]): it reads the bf16 (or f32) gradient as it is, updates the
+//! master, m and v, and writes the bf16 compute copy in the same pass; elsewhere the gradient is
+//! widened to f32 and the copy cast, as written above, with the same numbers.
+//!
 //! One mechanism serves every strategy: [`MasterWeights`] holds an fp32 tensor under each
 //! optimizer item's name (a parameter's name for DDP and tensor/pipeline/expert parallelism, a
 //! shard piece's name under ZeRO), laid out exactly like AdamW's moments. So ZeRO shards the
@@ -154,7 +159,7 @@ impl MasterWeights {
             .sum()
     }
 
-    /// One AdamW step on the masters of `items` (gradients cast to f32), then each item's
+    /// One AdamW step on the masters of `items` (gradients read as f32), then each item's
     /// compute parameter set to its master, cast to the parameter's dtype.
     pub fn step(&self, opt: &mut AdamW, lr: f64, items: &[OptimItem]) -> Result<()> {
         Self::step_all(&[self], opt, lr, items)
@@ -176,24 +181,129 @@ impl MasterWeights {
                     DpError::Config(format!("no fp32 master weight for optimizer item `{name}`"))
                 })
         };
-        let mut grads = Vec::with_capacity(items.len());
-        for it in items {
-            grads.push(it.grad.to_dtype(DType::F32)?);
-        }
         let mut master_items = Vec::with_capacity(items.len());
-        for (it, g) in items.iter().zip(&grads) {
+        for it in items {
+            // The gradient goes in as it is (bf16 or f32): AdamW reads it as f32.
             master_items.push(OptimItem {
                 name: it.name,
                 param: find(it.name)?,
-                grad: g,
+                grad: it.grad,
                 decay: it.decay,
             });
         }
-        opt.step(lr, &master_items)?;
-        for (it, m) in items.iter().zip(&master_items) {
-            let w = m.param.tensor().detach().to_dtype(it.param.var().dtype())?;
+        // Copies in the compute dtype: from the fused kernel where it ran, else a cast.
+        let compute = items.first().map(|it| it.param.var().dtype());
+        let copies = opt.step_with_copies(lr, &master_items, compute)?;
+        for ((it, m), copy) in items.iter().zip(&master_items).zip(copies) {
+            let dtype = it.param.var().dtype();
+            let w = match copy {
+                Some(c) if c.dtype() == dtype => c,
+                _ => m.param.tensor().detach().to_dtype(dtype)?,
+            };
             it.param.set(&w)?;
         }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+    use mtrain_model::optim::AdamWConfig;
+
+    /// Values in [-2, 2) from a fixed sequence, so the test needs no random source.
+    fn ramp(n: usize, phase: f32, dev: &Device) -> Result<Tensor> {
+        let v: Vec<f32> = (0..n)
+            .map(|i| (i as f32 * 0.37 + phase).sin() * 2.0)
+            .collect();
+        Ok(Tensor::from_vec(v, n, dev)?)
+    }
+
+    /// Three mixed-precision steps over masters split across two holders, with bf16 gradients,
+    /// against AdamW run by hand on separate fp32 copies with the gradients cast to f32 first:
+    /// the masters agree exactly, and every bf16 compute weight is its master rounded to bf16.
+    #[test]
+    fn mixed_step_equals_adamw_on_fp32_masters() -> Result<()> {
+        let dev = Device::Cpu;
+        let names = ["a.weight", "a.bias", "b.weight"];
+        let sizes = [12usize, 3, 7];
+        let init: Vec<Tensor> = sizes
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| ramp(n, k as f32, &dev))
+            .collect::<Result<_>>()?;
+        // Compute weights (bf16) and masters in two holders, as two ZeRO chunks would be.
+        let compute: Vec<Param> = names
+            .iter()
+            .zip(&init)
+            .map(|(n, t)| Ok(Param::new(*n, t.to_dtype(DType::BF16)?)?))
+            .collect::<Result<_>>()?;
+        let chunk = |range: std::ops::Range<usize>| {
+            MasterWeights::new(
+                range
+                    .map(|k| (names[k].to_string(), init[k].clone()))
+                    .collect(),
+            )
+        };
+        let (first, second) = (chunk(0..2)?, chunk(2..3)?);
+        // The reference: plain fp32 parameters and their own optimizer.
+        let reference: Vec<Param> = names
+            .iter()
+            .zip(&init)
+            .map(|(n, t)| Ok(Param::new(*n, t.clone())?))
+            .collect::<Result<_>>()?;
+        let cfg = AdamWConfig::default();
+        let (mut opt, mut opt_ref) = (AdamW::new(cfg), AdamW::new(cfg));
+        for step in 0..3 {
+            let grads: Vec<Tensor> = sizes
+                .iter()
+                .map(|&n| Ok(ramp(n, 0.5 + step as f32, &dev)?.to_dtype(DType::BF16)?))
+                .collect::<Result<_>>()?;
+            let items: Vec<OptimItem> = (0..3)
+                .map(|k| OptimItem {
+                    name: names[k],
+                    param: &compute[k],
+                    grad: &grads[k],
+                    decay: k != 1,
+                })
+                .collect();
+            MasterWeights::step_all(&[&first, &second], &mut opt, 1e-2, &items)?;
+            let grads32: Vec<Tensor> = grads
+                .iter()
+                .map(|g| Ok(g.to_dtype(DType::F32)?))
+                .collect::<Result<_>>()?;
+            let ref_items: Vec<OptimItem> = (0..3)
+                .map(|k| OptimItem {
+                    name: names[k],
+                    param: &reference[k],
+                    grad: &grads32[k],
+                    decay: k != 1,
+                })
+                .collect();
+            opt_ref.step(1e-2, &ref_items)?;
+        }
+        let mut masters = first.tensors();
+        masters.extend(second.tensors());
+        for (k, name) in names.iter().enumerate() {
+            let want = reference[k].tensor().to_vec1::<f32>()?;
+            let master = masters[*name].to_vec1::<f32>()?;
+            assert_eq!(master, want, "master `{name}`");
+            let bf16 = compute[k].tensor();
+            assert_eq!(bf16.dtype(), DType::BF16);
+            assert_eq!(
+                bf16.to_dtype(DType::F32)?.to_vec1::<f32>()?,
+                masters[*name]
+                    .to_dtype(DType::BF16)?
+                    .to_dtype(DType::F32)?
+                    .to_vec1::<f32>()?,
+                "compute weight `{name}` is not its master rounded to bf16"
+            );
+            // Three steps of about lr moved every master away from its start.
+            let start = init[k].to_vec1::<f32>()?;
+            assert!(master.iter().zip(&start).all(|(a, b)| (a - b).abs() > 1e-3));
+        }
+        assert_eq!(opt.steps_taken(), 3);
         Ok(())
     }
 }

@@ -187,6 +187,7 @@ fn launch(
     s: AdamWStep,
     bf16_copy: bool,
 ) -> Result<AdamWOut> {
+    use imp::update;
     let (p, g, m, v) = (
         p.contiguous()?,
         g.contiguous()?,
@@ -197,7 +198,7 @@ fn launch(
     super::cuda::by_dtype!(
         "adamw_update gradient",
         dtype,
-        imp::update(&p, &g, &m, &v, s, bf16_copy)
+        update(&p, &g, &m, &v, s, bf16_copy)
     )
 }
 
