@@ -177,7 +177,12 @@ impl CustomOp2 for Embedding {
         else {
             return Err(msg("embedding: inputs must be contiguous".into()));
         };
-        let c = lw.dims()[1];
+        let &[_, c] = lw.dims() else {
+            return Err(msg(format!(
+                "embedding: the table must be (V, C), got {:?}",
+                lw.dims()
+            )));
+        };
         let ids = match idx {
             CpuStorage::U32(v) => &v[i0..i1],
             _ => return Err(msg("embedding: ids must be u32".into())),
@@ -287,9 +292,13 @@ mod imp {
         idx: &CudaStorage,
         li: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        if !lw.is_contiguous() || !li.is_contiguous() || lw.dims().len() != 2 {
+        if !lw.is_contiguous()
+            || !li.is_contiguous()
+            || lw.dims().len() != 2
+            || li.dims().len() != 1
+        {
             return Err(msg(format!(
-                "embedding: table {:?} and ids {:?} must be contiguous, the table (V, C)",
+                "embedding: table {:?} and ids {:?} must be contiguous, (V, C) and (N,)",
                 lw.dims(),
                 li.dims()
             )));
