@@ -65,7 +65,7 @@ pub fn embedding(wte: &Tensor, idx: &Tensor) -> Result<Tensor> {
 /// An id >= vocab is an error naming it.
 pub fn embedding_grad(idx: &Tensor, dy: &Tensor, vocab: usize) -> Result<Tensor> {
     check_grad_args(idx, dy)?;
-    grad(idx, &dy.contiguous()?, vocab, true)
+    grad(&idx.contiguous()?, &dy.contiguous()?, vocab, true)
 }
 
 /// `idx` must be (N,) u32 on `other`'s device; returns N.
