@@ -357,7 +357,8 @@ mod tests {
     /// path `AdamW::step` takes without the kernel) on the same CUDA tensors: p, m, v within a
     /// relative error of 1e-6, the bf16 copy equal to candle's cast of the new p, and the
     /// variant without the copy equal to the one with it. `offset` starts p one element into a
-    /// larger buffer, so no pointer is 16-byte aligned and every element takes the scalar loop.
+    /// larger buffer, so p is not 16-byte aligned and the first step takes the one-at-a-time
+    /// loop for every element (later steps read the kernel's own, aligned, outputs).
     fn check(n: usize, gdtype: DType, decay: bool, offset: bool) {
         let dev = match Device::new_cuda(0) {
             Ok(d) => d,
