@@ -169,9 +169,12 @@ impl Trainer {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        self.optim.step(lr, &items)?;
-        for (p, m) in self.params.iter().zip(&self.master) {
-            p.set(&m.tensor().to_dtype(DType::BF16)?)?;
+        let copies = self.optim.step_with_copies(lr, &items, Some(DType::BF16))?;
+        for ((p, m), c) in self.params.iter().zip(&self.master).zip(copies) {
+            match c {
+                Some(c) => p.set(&c)?,
+                None => p.set(&m.tensor().to_dtype(DType::BF16)?)?,
+            }
         }
         self.grads.clear();
         Ok(loss)

@@ -21,6 +21,8 @@
 //!     dh1 = dqkv·W_a       dW_a  = dqkvᵀ·h1    db_a  = Σ_rows dqkv
 //!     dx  = dx1 + ln_1ᵀ(dh1)                                (one add: the residual)
 //!
+//!   embedding: x = wte[idx] + wpe[0..T]     dwte = scatter-add of dx rows by id   dwpe = Σ_batch dx
+//!
 //!   head forward: x ─ln_f─> h ─·wteᵀ─> logits (N, V) ─cross-entropy─> mean loss
 //!   head backward: dlogits = (softmax − onehot)·s/N     dh = dlogits·wte
 //!                  dwte = dlogitsᵀ·h                     dx = ln_fᵀ(dh)
@@ -37,7 +39,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use candle_core::{DType, Result, Tensor};
 
-use crate::gpt::{Block, Head};
+use crate::gpt::{Block, Embedding, Head};
 use crate::kernels;
 use crate::layers::{DenseLinear, LayerNorm};
 
@@ -434,6 +436,70 @@ impl Tape for HeadTape {
     }
 }
 
+/// The embedding's forward kept for its backward: the ids and the sizes.
+struct EmbeddingTape {
+    wte_name: String,
+    wpe_name: String,
+    vocab: usize,
+    block_size: usize,
+    ids: Tensor,
+    out: Tensor,
+}
+
+/// The embedding's graph-free forward with its tape, or None where it has no hand-written
+/// backward (not enabled, not CUDA).
+pub fn embedding_tape(emb: &Embedding, idx: &Tensor) -> Result<Option<Box<dyn Tape>>> {
+    let (wte, wpe) = (emb.wte.tensor().detach(), emb.wpe.tensor().detach());
+    let ids = idx.flatten_all()?; // (N,)
+    if !is_enabled() || !kernels::embedding::supported(&wte, &ids) || wpe.dtype() != wte.dtype() {
+        return Ok(None);
+    }
+    let (b, t) = idx.dims2()?;
+    let (vocab, c) = wte.dims2()?;
+    let block_size = wpe.dim(0)?;
+    if t > block_size {
+        return Err(err(format!(
+            "embedding: sequence length {t} exceeds block_size {block_size}"
+        )));
+    }
+    let tok = kernels::embedding(&wte, &ids)?.reshape((b, t, c))?; // (B, T, C), ids checked
+    let out = tok.broadcast_add(&wpe.narrow(0, 0, t)?)?; // (B, T, C)
+    Ok(Some(Box::new(EmbeddingTape {
+        wte_name: emb.wte.name().to_string(),
+        wpe_name: emb.wpe.name().to_string(),
+        vocab,
+        block_size,
+        ids,
+        out,
+    })))
+}
+
+impl Tape for EmbeddingTape {
+    fn output(&self) -> &Tensor {
+        &self.out
+    }
+
+    fn backward(self: Box<Self>, grad_out: Option<&Tensor>, _loss_scale: f64) -> Result<TapeGrads> {
+        let dx = grad_out
+            .ok_or_else(|| err("embedding backward: the output is not a loss".into()))?
+            .to_dtype(self.out.dtype())?;
+        let (b, t, c) = dx.dims3()?;
+        let dx = dx.contiguous()?;
+        // The forward checked the ids; no read-back here.
+        let dwte = kernels::embedding::grad(&self.ids, &dx.reshape((b * t, c))?, self.vocab, false)?; // (V, C)
+        let dwpe = dx.sum(0)?; // (T, C)
+        let dwpe = if t < self.block_size {
+            dwpe.pad_with_zeros(0, 0, self.block_size - t)? // (block_size, C)
+        } else {
+            dwpe
+        };
+        Ok(TapeGrads {
+            params: vec![(self.wte_name, dwte), (self.wpe_name, dwpe)],
+            input: None,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
@@ -455,7 +521,7 @@ mod tests {
 
     /// The engine's step through the tapes against candle's autograd over the whole graph (the
     /// same kernels, recorded): loss and every parameter gradient, for 2 dense blocks with head
-    /// size 64 (bf16 runs the tensor-core attention) and a tied embedding.
+    /// size 64 (bf16 runs the tensor-core attention), the head and the tied embedding.
     fn check(dtype: DType, tol: f64) -> Result<()> {
         let dev = match Device::new_cuda(0) {
             Ok(d) => d,
@@ -477,7 +543,7 @@ mod tests {
             .map(|(k, t)| Ok((k, t.to_dtype(dtype)?)))
             .collect::<Result<_>>()?;
         let gpt = Gpt::new(cfg.clone(), &w, &dev)?;
-        let (b, t) = (3, 128);
+        let (b, t) = (3, 120); // T < block_size: the position gradient is zero-padded
         let ids = |seed: u32| -> Result<Tensor> {
             let v: Vec<u32> = (0..(b * t) as u32)
                 .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 7) % 320)
@@ -492,6 +558,7 @@ mod tests {
             "the dense block has no tape on CUDA {dtype:?}"
         );
         assert!(gpt.segments[cfg.n_layer + 1].forward_taped(&x, Some(&tgt))?.is_some());
+        assert!(gpt.segments[0].forward_taped(&idx, None)?.is_some());
 
         let mut grads = Grads::new();
         let (loss, _) =

@@ -104,15 +104,23 @@ impl Segment for Embedding {
         }
         let wte = self.wte.tensor();
         let c = wte.dim(1)?;
-        let tok = wte
-            .index_select(&idx.flatten_all()?, 0)?
-            .reshape((b, t, c))?; // (B, T, C)
+        let ids = idx.flatten_all()?; // (N,)
+        let tok = if kernels::embedding::supported(&wte, &ids) {
+            kernels::embedding(&wte, &ids)? // ids checked, scatter-add gradient
+        } else {
+            wte.index_select(&ids, 0)?
+        };
+        let tok = tok.reshape((b, t, c))?; // (B, T, C)
         let pos = wpe.narrow(0, 0, t)?; // (T, C)
         Ok(SegmentOut::plain(tok.broadcast_add(&pos)?))
     }
 
     fn params(&self) -> Vec<Param> {
         vec![self.wte.clone(), self.wpe.clone()]
+    }
+
+    fn forward_taped(&self, idx: &Tensor, _targets: Option<&Tensor>) -> Result<Option<Box<dyn Tape>>> {
+        explicit::embedding_tape(self, idx)
     }
 }
 

@@ -10,7 +10,7 @@
 //! - [`gpt`]: the model as a list of segments (embedding, blocks, head).
 //! - [`kernels`]: fused CUDA kernels (flash attention, cross-entropy) the layers use on GPUs.
 //! - [`engine`]: forward/backward one segment at a time with hooks and activation checkpointing.
-//! - [`explicit`]: hand-written backward passes of the dense block and the head (CUDA kernels).
+//! - [`explicit`]: hand-written backward passes of the embedding, the dense block and the head (CUDA kernels).
 
 pub mod config;
 pub mod engine;

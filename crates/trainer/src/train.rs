@@ -229,10 +229,19 @@ impl TrainableModel for SingleDevice {
                 decay: p.shape().rank() >= 2,
             })
             .collect();
-        self.optim.step(lr, &items)?;
-        if let Some(master) = &self.master {
-            for (p, m) in self.params.iter().zip(master) {
-                p.set(&m.tensor().detach().to_dtype(p.tensor().dtype())?)?;
+        match &self.master {
+            None => self.optim.step(lr, &items)?,
+            Some(master) => {
+                // The optimizer hands back each updated master in the compute dtype (on CUDA
+                // from the same fused kernel); a missing copy is cast here.
+                let dtype = self.params.first().map(|p| p.var().dtype());
+                let copies = self.optim.step_with_copies(lr, &items, dtype)?;
+                for ((p, m), c) in self.params.iter().zip(master).zip(copies) {
+                    match c {
+                        Some(c) => p.set(&c)?,
+                        None => p.set(&m.tensor().detach().to_dtype(p.var().dtype())?)?,
+                    }
+                }
             }
         }
         self.grads.clear();

@@ -116,7 +116,7 @@ fn bad_id(what: &str, id: u32, pos: usize, vocab: usize) -> candle_core::Error {
 
 /// dwte (vocab, C) from contiguous, checked-shape `idx` and `dy`; `check_ids` false skips the
 /// read-back of the bad-id flag on CUDA (the kernel still never touches an id >= vocab).
-fn grad(idx: &Tensor, dy: &Tensor, vocab: usize, check_ids: bool) -> Result<Tensor> {
+pub(crate) fn grad(idx: &Tensor, dy: &Tensor, vocab: usize, check_ids: bool) -> Result<Tensor> {
     if dy.device().is_cuda() {
         #[cfg(feature = "cuda")]
         return imp::grad(idx, dy, vocab, check_ids);
