@@ -286,14 +286,39 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     return r;
 }
 
-// Rows r0 .. r0+64 of a (T, D) matrix into shared memory, 16 bytes a copy; rows past T are 0.
-__device__ __forceinline__ void tc_stage(elem (*dst)[TC_LD], const elem* src, int r0, int T) {
+// The shared-memory address of p, as ldmatrix and cp.async take it.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// cp.async: a global -> shared copy that does not stall the thread; `bytes` 0 writes zeros.
+// Copies issued since the last commit form a group; wait<N> returns when at most N groups are
+// still in flight, so a tile can be fetched while the previous one is being used.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+                 "l"(src), "r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)),
+                 "l"(src), "r"(ok ? 4 : 0));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Rows r0 .. r0+64 of a (T, D) matrix into shared memory through cp.async, 16 bytes a copy;
+// rows past T are 0.
+__device__ __forceinline__ void tc_stage_async(elem (*dst)[TC_LD], const elem* src, int r0,
+                                               int T) {
     const int per_row = D / 8;
     for (int i = threadIdx.x; i < TC_COLS * per_row; i += blockDim.x) {
-        int r = i / per_row, c = (i % per_row) * 8;
-        uint4 x = make_uint4(0u, 0u, 0u, 0u);
-        if (r0 + r < T) x = *reinterpret_cast<const uint4*>(src + (long)(r0 + r) * D + c);
-        *reinterpret_cast<uint4*>(&dst[r][c]) = x;
+        const int r = i / per_row, c = (i % per_row) * 8;
+        const bool ok = r0 + r < T;
+        cp_async16(&dst[r][c], ok ? src + (long)(r0 + r) * D + c : src, ok);
     }
 }
 
@@ -313,40 +338,70 @@ __device__ __forceinline__ void tc_load_a(u32 (*a)[4], const elem* src, int r0, 
     }
 }
 
-// s (16 x 64) = X Yᵀ: X in A fragments (16 x D), Y the staged tile (64 x D); B words are rows of Y.
+// ldmatrix: lane l gives the address of row l % 8 of 8x8 matrix l / 8 (16 bytes of bf16); lane
+// (g, t) receives, from each matrix, the pair at row g, columns 2t, 2t+1 — or, with .trans, the
+// pair at rows 2t, 2t+1 of column g. Those are exactly mma B fragment words.
+__device__ __forceinline__ void ldsm_x4(u32* r, const elem* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x2(u32* r, const elem* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_trans(u32* r, const elem* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+// s (16 x 64) = X Yᵀ: X in A fragments (16 x D), Y the staged tile (64 x D); the B words of
+// 8 rows of Y are rows of Y, read by ldmatrix two k-steps (32 columns) at a time:
+//   matrix i of x4: rows n·8 .. n·8+8, columns (kk + i/2)·16 + (i%2)·8 .. +8
 __device__ __forceinline__ void tc_scores(float (*s)[4], const u32 (*a)[4],
                                           const elem (*y)[TC_LD]) {
-    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    const int l = threadIdx.x & 31, mi = l >> 3, r = l & 7;
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
         s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-        const elem* row = y[n * 8 + g];
+        const elem* row = y[n * 8 + r];
+#if KD == 1
+        u32 b[2];
+        ldsm_x2(b, row + (mi & 1) * 8);
+        mma_bf16(s[n], a[0], b[0], b[1]);
+#else
 #pragma unroll
-        for (int kk = 0; kk < KD; ++kk) {
-            u32 b0 = *reinterpret_cast<const u32*>(row + kk * 16 + 2 * t);
-            u32 b1 = *reinterpret_cast<const u32*>(row + kk * 16 + 2 * t + 8);
-            mma_bf16(s[n], a[kk], b0, b1);
+        for (int kk = 0; kk < KD; kk += 2) {
+            u32 b[4];
+            ldsm_x4(b, row + (kk + (mi >> 1)) * 16 + (mi & 1) * 8);
+            mma_bf16(s[n], a[kk], b[0], b[1]);
+            mma_bf16(s[n], a[kk + 1], b[2], b[3]);
         }
+#endif
     }
 }
 
-// acc (16 x D) += P Y: P (16 x 64) in C tiles, Y the staged tile (64 x D); B pairs down columns.
+// acc (16 x D) += P Y: P (16 x 64) in C tiles, Y the staged tile (64 x D); the B words pair two
+// rows of Y in one column, read by ldmatrix.trans two column tiles (16 columns) at a time:
+//   matrix i of x4: rows kk·16 + (i%2)·8 .. +8, columns (n + i/2)·8 .. +8
 __device__ __forceinline__ void tc_accum(float (*acc)[4], const float (*p)[4],
                                          const elem (*y)[TC_LD]) {
-    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    const int l = threadIdx.x & 31, mi = l >> 3, r = l & 7;
 #pragma unroll
     for (int kk = 0; kk < TC_COLS / 16; ++kk) {
         const u32 a[4] = {pack_bf16(p[2 * kk][0], p[2 * kk][1]),
                           pack_bf16(p[2 * kk][2], p[2 * kk][3]),
                           pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]),
                           pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3])};
-        const int k0 = kk * 16 + 2 * t;
+        const elem* row = y[kk * 16 + (mi & 1) * 8 + r];
 #pragma unroll
-        for (int n = 0; n < ND; ++n) {
-            const int c = n * 8 + g;
-            u32 b0 = (u32)y[k0][c] | ((u32)y[k0 + 1][c] << 16);
-            u32 b1 = (u32)y[k0 + 8][c] | ((u32)y[k0 + 9][c] << 16);
-            mma_bf16(acc[n], a, b0, b1);
+        for (int n = 0; n < ND; n += 2) {
+            u32 b[4];
+            ldsm_x4_trans(b, row + (n + (mi >> 1)) * 8);
+            mma_bf16(acc[n], a, b[0], b[1]);
+            mma_bf16(acc[n + 1], a, b[2], b[3]);
         }
     }
 }
@@ -381,32 +436,40 @@ __device__ __forceinline__ void tc_store(elem* dst, const float (*acc)[4], int r
 extern "C" __global__ void __launch_bounds__(128)
     flash_tc_fwd(const elem* q, const elem* k, const elem* v, elem* o, float* lse2, int T,
                  float qscale) {
-    __shared__ __align__(16) elem ks[TC_COLS][TC_LD];
-    __shared__ __align__(16) elem vs[TC_COLS][TC_LD];
+    __shared__ __align__(16) elem ks[2][TC_COLS][TC_LD];  // two buffers: use one, fill the other
+    __shared__ __align__(16) elem vs[2][TC_COLS][TC_LD];
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
     const long base = (long)blockIdx.y * T * D;
     const int q0 = (gridDim.x - 1 - blockIdx.x) * TC_ROWS;  // the longest rows start first
     const int r0 = q0 + (threadIdx.x >> 5) * 16;
+    tc_stage_async(ks[0], k + base, 0, T);
+    tc_stage_async(vs[0], v + base, 0, T);
+    cp_commit();
     u32 qa[KD][4];
     tc_load_a(qa, q + base, r0, T);
     float acc[ND][4];
 #pragma unroll
     for (int n = 0; n < ND; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
-    for (int kb = 0; kb <= q0; kb += TC_COLS) {
-        __syncthreads();
-        tc_stage(ks, k + base, kb, T);
-        tc_stage(vs, v + base, kb, T);
+    int buf = 0;
+    for (int kb = 0; kb <= q0; kb += TC_COLS, buf ^= 1) {
+        if (kb + TC_COLS <= q0) {  // fetch the next tile while this one is used
+            tc_stage_async(ks[buf ^ 1], k + base, kb + TC_COLS, T);
+            tc_stage_async(vs[buf ^ 1], v + base, kb + TC_COLS, T);
+        }
+        cp_commit();
+        cp_wait<1>();  // this tile has landed (the next may still be in flight)
         __syncthreads();
         float s[NT][4];
-        tc_scores(s, qa, ks);  // (16, 64) raw q·k
+        tc_scores(s, qa, ks[buf]);  // (16, 64) raw q·k
         float mx[2] = {m[0], m[1]};
+        const bool full = kb + TC_COLS - 1 <= r0;  // no key of the tile is after a row of the warp
 #pragma unroll
         for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int row = r0 + g + 8 * (e >> 1), key = kb + n * 8 + 2 * t + (e & 1);
-                s[n][e] = key <= row ? s[n][e] * qscale : NEG_INF;
+                s[n][e] = (full || key <= row) ? s[n][e] * qscale : NEG_INF;
                 mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
             }
         // Key kb <= q0 <= row is never masked, so the new maxima are finite.
@@ -432,7 +495,8 @@ extern "C" __global__ void __launch_bounds__(128)
             acc[n][2] *= corr[1];
             acc[n][3] *= corr[1];
         }
-        tc_accum(acc, s, vs);  // (16, D) += P V
+        tc_accum(acc, s, vs[buf]);  // (16, D) += P V
+        __syncthreads();            // every warp is done with buf before it is refilled
     }
     l[0] = quad_sum(l[0]);
     l[1] = quad_sum(l[1]);
@@ -448,12 +512,15 @@ extern "C" __global__ void __launch_bounds__(128)
 extern "C" __global__ void __launch_bounds__(128)
     flash_tc_dq(const elem* q, const elem* k, const elem* v, const elem* dout, const float* lse2,
                 const float* dvec, elem* dq, int T, float qscale, float scale) {
-    __shared__ __align__(16) elem ks[TC_COLS][TC_LD];
-    __shared__ __align__(16) elem vs[TC_COLS][TC_LD];
+    __shared__ __align__(16) elem ks[2][TC_COLS][TC_LD];
+    __shared__ __align__(16) elem vs[2][TC_COLS][TC_LD];
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
     const long base = (long)blockIdx.y * T * D;
     const int q0 = (gridDim.x - 1 - blockIdx.x) * TC_ROWS;
     const int r0 = q0 + (threadIdx.x >> 5) * 16;
+    tc_stage_async(ks[0], k + base, 0, T);
+    tc_stage_async(vs[0], v + base, 0, T);
+    cp_commit();
     u32 qa[KD][4], da[KD][4];
     tc_load_a(qa, q + base, r0, T);
     tc_load_a(da, dout + base, r0, T);
@@ -467,24 +534,30 @@ extern "C" __global__ void __launch_bounds__(128)
     float acc[ND][4];
 #pragma unroll
     for (int n = 0; n < ND; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-    for (int kb = 0; kb <= q0; kb += TC_COLS) {
-        __syncthreads();
-        tc_stage(ks, k + base, kb, T);
-        tc_stage(vs, v + base, kb, T);
+    int buf = 0;
+    for (int kb = 0; kb <= q0; kb += TC_COLS, buf ^= 1) {
+        if (kb + TC_COLS <= q0) {
+            tc_stage_async(ks[buf ^ 1], k + base, kb + TC_COLS, T);
+            tc_stage_async(vs[buf ^ 1], v + base, kb + TC_COLS, T);
+        }
+        cp_commit();
+        cp_wait<1>();
         __syncthreads();
         float s[NT][4], dp[NT][4];
-        tc_scores(s, qa, ks);   // (16, 64) q·k
-        tc_scores(dp, da, vs);  // (16, 64) dO·v
+        tc_scores(s, qa, ks[buf]);   // (16, 64) q·k
+        tc_scores(dp, da, vs[buf]);  // (16, 64) dO·v
+        const bool full = kb + TC_COLS - 1 <= r0;
 #pragma unroll
         for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int h = e >> 1;
                 const int row = r0 + g + 8 * h, key = kb + n * 8 + 2 * t + (e & 1);
-                const float p = key <= row ? exp2f(s[n][e] * qscale - L[h]) : 0.f;
+                const float p = (full || key <= row) ? exp2f(s[n][e] * qscale - L[h]) : 0.f;
                 s[n][e] = p * (dp[n][e] - Dv[h]);  // dS
             }
-        tc_accum(acc, s, ks);  // (16, D) += dS k
+        tc_accum(acc, s, ks[buf]);  // (16, D) += dS k
+        __syncthreads();
     }
     tc_store(dq + base, acc, r0, T, scale, scale);
 }
@@ -494,13 +567,26 @@ extern "C" __global__ void __launch_bounds__(128)
     flash_tc_dkdv(const elem* q, const elem* k, const elem* v, const elem* dout,
                   const float* lse2, const float* dvec, elem* dk, elem* dv, int T, float qscale,
                   float scale) {
-    __shared__ __align__(16) elem qs[TC_COLS][TC_LD];
-    __shared__ __align__(16) elem dos[TC_COLS][TC_LD];
-    __shared__ float ls[TC_COLS], dls[TC_COLS];
+    __shared__ __align__(16) elem qs[2][TC_COLS][TC_LD];
+    __shared__ __align__(16) elem dos[2][TC_COLS][TC_LD];
+    __shared__ __align__(16) float ls[2][TC_COLS], dls[2][TC_COLS];
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
     const long base = (long)blockIdx.y * T * D;
     const int k0 = blockIdx.x * TC_ROWS;  // block 0 has the most query tiles and starts first
     const int r0 = k0 + (threadIdx.x >> 5) * 16;
+    const float* lrow = lse2 + (long)blockIdx.y * T;
+    const float* drow = dvec + (long)blockIdx.y * T;
+    // Query tile qb into buffer b: q and dO rows, and their lse2 and dvec entries.
+    auto stage = [&](int b, int qb) {
+        tc_stage_async(qs[b], q + base, qb, T);
+        tc_stage_async(dos[b], dout + base, qb, T);
+        const int i = threadIdx.x & (TC_COLS - 1);
+        const bool ok = qb + i < T;
+        if (threadIdx.x < TC_COLS) cp_async4(&ls[b][i], ok ? lrow + qb + i : lrow, ok);
+        else if (threadIdx.x < 2 * TC_COLS) cp_async4(&dls[b][i], ok ? drow + qb + i : drow, ok);
+    };
+    stage(0, k0);
+    cp_commit();
     u32 ka[KD][4], va[KD][4];
     tc_load_a(ka, k + base, r0, T);
     tc_load_a(va, v + base, r0, T);
@@ -509,32 +595,34 @@ extern "C" __global__ void __launch_bounds__(128)
     for (int n = 0; n < ND; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dka[n][e] = dva[n][e] = 0.f;
-    for (int qb = k0; qb < T; qb += TC_COLS) {
+    int buf = 0;
+    for (int qb = k0; qb < T; qb += TC_COLS, buf ^= 1) {
+        if (qb + TC_COLS < T) stage(buf ^ 1, qb + TC_COLS);
+        cp_commit();
+        cp_wait<1>();
         __syncthreads();
-        tc_stage(qs, q + base, qb, T);
-        tc_stage(dos, dout + base, qb, T);
-        for (int i = threadIdx.x; i < TC_COLS; i += blockDim.x) {
-            const bool ok = qb + i < T;
-            ls[i] = ok ? lse2[(long)blockIdx.y * T + qb + i] : 0.f;
-            dls[i] = ok ? dvec[(long)blockIdx.y * T + qb + i] : 0.f;
-        }
-        __syncthreads();
+        const float* lsb = ls[buf];
+        const float* dlsb = dls[buf];
         float s[NT][4], dp[NT][4];
-        tc_scores(s, ka, qs);    // (16 keys, 64 queries) k·q
-        tc_scores(dp, va, dos);  // (16 keys, 64 queries) v·dO
+        tc_scores(s, ka, qs[buf]);    // (16 keys, 64 queries) k·q
+        tc_scores(dp, va, dos[buf]);  // (16 keys, 64 queries) v·dO
+        // Every query of the tile is at or after every key of the warp, and inside T.
+        const bool full = qb >= r0 + 15 && qb + TC_COLS <= T;
 #pragma unroll
         for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = r0 + g + 8 * (e >> 1), i = n * 8 + 2 * t + (e & 1);
                 const int query = qb + i;
-                const float p =
-                    (query >= key && query < T) ? exp2f(s[n][e] * qscale - ls[i]) : 0.f;
-                s[n][e] = p;                       // Pᵀ
-                dp[n][e] = p * (dp[n][e] - dls[i]);  // dSᵀ
+                const float p = (full || (query >= key && query < T))
+                                    ? exp2f(s[n][e] * qscale - lsb[i])
+                                    : 0.f;
+                s[n][e] = p;                          // Pᵀ
+                dp[n][e] = p * (dp[n][e] - dlsb[i]);  // dSᵀ
             }
-        tc_accum(dva, s, dos);  // (16, D) += Pᵀ dO
-        tc_accum(dka, dp, qs);  // (16, D) += dSᵀ q
+        tc_accum(dva, s, dos[buf]);  // (16, D) += Pᵀ dO
+        tc_accum(dka, dp, qs[buf]);  // (16, D) += dSᵀ q
+        __syncthreads();
     }
     tc_store(dk + base, dka, r0, T, scale, scale);
     tc_store(dv + base, dva, r0, T, 1.f, 1.f);
