@@ -105,6 +105,12 @@ impl Dense {
         kernels::bias_add(&x.matmul(&self.w.t()?)?, &self.b)
     }
 
+    /// r + x Wᵀ + b for x (N, in), r (N, out): the layer and the residual add after it, the bias
+    /// added in the same pass as the residual.
+    fn forward_residual(&self, r: &Tensor, x: &Tensor) -> Result<Tensor> {
+        kernels::bias::bias_residual_add(r, &x.matmul(&self.w.t()?)?, &self.b)
+    }
+
     /// From the input x (N, in) and dy (N, out): dx (N, in); dW and db pushed to `grads`.
     fn backward(
         &self,
@@ -248,11 +254,11 @@ pub fn block_tape(block: &Block, x: &Tensor) -> Result<Option<Box<dyn Tape>>> {
     let scale = 1.0 / (d as f64).sqrt();
     let (y, lse) = kernels::flash_attention::packed_forward_saved(&qkv, scale)?; // (B, H, T, D)
     let ym = kernels::merge_heads(&y.unsqueeze(0)?)?.reshape((n, c))?; // (N, C)
-    let x1 = (&x + wts.c_proj.forward(&ym)?)?; // (N, C)
+    let x1 = wts.c_proj.forward_residual(&x, &ym)?; // (N, C) = x + attention
     let (h2, s2) = wts.ln_2.forward(&x1)?;
     let f = wts.c_fc.forward(&h2)?; // (N, 4C)
     let g = kernels::gelu(&f)?; // (N, 4C)
-    let out = (&x1 + wts.mlp_proj.forward(&g)?)?.reshape((b, t, c))?; // (B, T, C)
+    let out = wts.mlp_proj.forward_residual(&x1, &g)?.reshape((b, t, c))?; // (B, T, C) = x1 + MLP
     Ok(Some(Box::new(BlockTape {
         wts,
         dims: (b, t, c),

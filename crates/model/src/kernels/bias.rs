@@ -81,6 +81,31 @@ impl CustomOp2 for BiasAdd {
     }
 }
 
+/// `r + (x + b)` for r, x (..., C) and b (C,) in one pass, recording no graph: the residual add
+/// after a linear layer, with that layer's bias folded in (for hand-written backward passes,
+/// [`crate::explicit`], where db is Σ_rows of the output gradient). CUDA only.
+#[allow(unused_variables)]
+pub(crate) fn bias_residual_add(r: &Tensor, x: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let c = b.dim(0)?;
+    if r.dims() != x.dims() || x.dims().last() != Some(&c) || r.dtype() != x.dtype() || b.dtype() != x.dtype() {
+        return Err(msg(format!(
+            "bias_residual_add: r {:?} {:?}, x {:?} {:?}, b {:?} {:?} must be (..., C), (..., C), (C,) of one dtype",
+            r.dims(),
+            r.dtype(),
+            x.dims(),
+            x.dtype(),
+            b.dims(),
+            b.dtype()
+        )));
+    }
+    #[cfg(feature = "cuda")]
+    {
+        imp::bias_residual(&r.contiguous()?, &x.contiguous()?, &b.contiguous()?)
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(msg("kernels::bias_residual_add runs on CUDA only".into()))
+}
+
 /// Σ over rows of dy (..., C), in b's dtype.
 #[allow(unused_variables)]
 pub(crate) fn bias_grad(dy: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -150,6 +175,34 @@ mod imp {
 
     pub fn bias_grad(dy: &Tensor, b: &Tensor) -> Result<Tensor> {
         by_dtype!("bias_add", dy.dtype(), grad(dy, b))
+    }
+
+    pub fn bias_residual(r: &Tensor, x: &Tensor, b: &Tensor) -> Result<Tensor> {
+        by_dtype!("bias_residual_add", x.dtype(), residual(r, x, b))
+    }
+
+    fn residual<T: CudaDType + DeviceRepr>(r: &Tensor, x: &Tensor, b: &Tensor) -> Result<Tensor> {
+        let (n, c) = (x.elem_count(), b.dim(0)?);
+        let dev = device(x)?;
+        let (gr, or) = storage(r, "residual")?;
+        let (gx, ox) = storage(x, "x")?;
+        let (gb, ob) = storage(b, "bias")?;
+        let (rs, xs, bs) = (
+            slice::<T>(&gr)?.slice(or..),
+            slice::<T>(&gx)?.slice(ox..),
+            slice::<T>(&gb)?.slice(ob..),
+        );
+        // SAFETY: every element is written by the kernel's grid-stride loop.
+        let y = unsafe { dev.alloc::<T>(n)? };
+        let f = kernel(&dev, None, x.dtype(), "bias_residual_fwd")?;
+        let (n64, c32) = (n as i64, c as i32);
+        let mut bl = f.builder();
+        bl.arg(&rs).arg(&xs).arg(&bs).arg(&y).arg(&n64).arg(&c32);
+        // SAFETY: argument types and order match `bias_residual_fwd` in kernels.cu.
+        unsafe { bl.launch(grid_stride(n)) }.w()?;
+        drop((rs, xs, bs));
+        drop((gr, gx, gb));
+        Ok(tensor(&dev, y, x.shape().clone()))
     }
 
     fn grad<T: CudaDType + DeviceRepr>(dy: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -239,5 +292,38 @@ mod tests {
         // 2 x 300 rows: a partial last row block (600 = 4 x 128 + 88); C not a multiple of 256.
         check(300, 2304, DType::BF16, 1e-2);
         check(70, 100, DType::F32, 1e-5);
+        // Rows that are not whole 16-byte words: the one-element path.
+        check(50, 100, DType::BF16, 1e-2);
+        check(70, 101, DType::F32, 1e-5);
+    }
+
+    /// r + (x + b) against the two candle adds in f32, on the 16-byte path and the one-element one.
+    #[test]
+    fn residual_matches_two_adds() {
+        let dev = match Device::new_cuda(0) {
+            Ok(d) => d,
+            Err(_) => {
+                eprintln!("skipped: no CUDA device");
+                return;
+            }
+        };
+        for (c, dtype, tol) in [
+            (768, DType::BF16, 1e-2),
+            (100, DType::BF16, 1e-2),
+            (768, DType::F32, 1e-6),
+            (101, DType::F32, 1e-6),
+        ] {
+            let t = |s: (usize, usize, usize)| {
+                Tensor::randn(0f32, 1f32, s, &dev).unwrap().to_dtype(dtype).unwrap()
+            };
+            let (r, x) = (t((2, 33, c)), t((2, 33, c)));
+            let b = Tensor::randn(0f32, 1f32, c, &dev).unwrap().to_dtype(dtype).unwrap();
+            let y = bias_residual_add(&r, &x, &b).unwrap();
+            let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let want = (f(&r) + f(&x).broadcast_add(&f(&b)).unwrap()).unwrap();
+            let e = rel_err(&y, &want);
+            assert!(e < tol, "rel err {e} >= {tol} (C = {c}, {dtype:?})");
+            assert_eq!(y.dims(), x.dims());
+        }
     }
 }

@@ -10,17 +10,51 @@ typedef unsigned short elem;
 __device__ __forceinline__ float ld(const elem* p, long i) {
     return __uint_as_float(((unsigned int)p[i]) << 16);
 }
-// Round to nearest even, as torch and candle do.
-__device__ __forceinline__ void st(elem* p, long i, float f) {
+// The bf16 bits of f, rounded to nearest even, as torch and candle do.
+__device__ __forceinline__ unsigned int bf16_bits(float f) {
     unsigned int u = __float_as_uint(f);
     u += 0x7fffu + ((u >> 16) & 1u);
-    p[i] = (unsigned short)(u >> 16);
+    return u >> 16;
 }
+__device__ __forceinline__ void st(elem* p, long i, float f) { p[i] = (unsigned short)bf16_bits(f); }
 #else
 typedef float elem;
 __device__ __forceinline__ float ld(const elem* p, long i) { return p[i]; }
 __device__ __forceinline__ void st(elem* p, long i, float f) { p[i] = f; }
 #endif
+
+// Elementwise kernels move 16 bytes per access where they can: VEC elements, unpacked to f32.
+#define VEC (16 / (int)sizeof(elem))
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return ((unsigned long long)p & 15ull) == 0;
+}
+// f[0..VEC) = p[i .. i+VEC) as f32; p + i 16-byte aligned.
+__device__ __forceinline__ void ldv(const elem* p, long i, float* f) {
+    const uint4 w = *reinterpret_cast<const uint4*>(p + i);
+    const unsigned int u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+#if ELEM_BF16
+        f[2 * k] = __uint_as_float(u[k] << 16);
+        f[2 * k + 1] = __uint_as_float(u[k] & 0xffff0000u);
+#else
+        f[k] = __uint_as_float(u[k]);
+#endif
+    }
+}
+// p[i .. i+VEC) = f[0..VEC) in the element type; p + i 16-byte aligned.
+__device__ __forceinline__ void stv(elem* p, long i, const float* f) {
+    unsigned int u[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+#if ELEM_BF16
+        u[k] = bf16_bits(f[2 * k]) | (bf16_bits(f[2 * k + 1]) << 16);
+#else
+        u[k] = __float_as_uint(f[k]);
+#endif
+    }
+    *reinterpret_cast<uint4*>(p + i) = make_uint4(u[0], u[1], u[2], u[3]);
+}
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
@@ -761,24 +795,49 @@ extern "C" __global__ void ln_bwd_dwdb(const elem* x, const elem* dy, const floa
 #define GELU_K 0.7978845608028654f
 #define GELU_A 0.044715f
 
+__device__ __forceinline__ float gelu_f(float v) {
+    const float th = tanhf(GELU_K * (v + GELU_A * v * v * v));
+    return 0.5f * v * (1.f + th);
+}
+__device__ __forceinline__ float gelu_d(float v) {
+    const float th = tanhf(GELU_K * (v + GELU_A * v * v * v));
+    return 0.5f * (1.f + th) + 0.5f * v * (1.f - th * th) * GELU_K * (1.f + 3.f * GELU_A * v * v);
+}
+
+// Both: VEC elements per access while the pointers allow it, then one at a time for the tail.
 extern "C" __global__ void gelu_fwd(const elem* x, elem* y, long n) {
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (long)gridDim.x * blockDim.x) {
-        float v = ld(x, i);
-        float th = tanhf(GELU_K * (v + GELU_A * v * v * v));
-        st(y, i, 0.5f * v * (1.f + th));
+    const long t0 = (long)blockIdx.x * blockDim.x + threadIdx.x, step = (long)gridDim.x * blockDim.x;
+    long done = 0;
+    if (aligned16(x) && aligned16(y)) {
+        const long nv = n / VEC;
+        for (long j = t0; j < nv; j += step) {
+            float f[VEC];
+            ldv(x, j * VEC, f);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) f[k] = gelu_f(f[k]);
+            stv(y, j * VEC, f);
+        }
+        done = nv * VEC;
     }
+    for (long i = done + t0; i < n; i += step) st(y, i, gelu_f(ld(x, i)));
 }
 
 extern "C" __global__ void gelu_bwd(const elem* x, const elem* dy, elem* dx, long n) {
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (long)gridDim.x * blockDim.x) {
-        float v = ld(x, i);
-        float th = tanhf(GELU_K * (v + GELU_A * v * v * v));
-        float d = 0.5f * (1.f + th) +
-                  0.5f * v * (1.f - th * th) * GELU_K * (1.f + 3.f * GELU_A * v * v);
-        st(dx, i, ld(dy, i) * d);
+    const long t0 = (long)blockIdx.x * blockDim.x + threadIdx.x, step = (long)gridDim.x * blockDim.x;
+    long done = 0;
+    if (aligned16(x) && aligned16(dy) && aligned16(dx)) {
+        const long nv = n / VEC;
+        for (long j = t0; j < nv; j += step) {
+            float f[VEC], g[VEC];
+            ldv(x, j * VEC, f);
+            ldv(dy, j * VEC, g);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) f[k] = g[k] * gelu_d(f[k]);
+            stv(dx, j * VEC, f);
+        }
+        done = nv * VEC;
     }
+    for (long i = done + t0; i < n; i += step) st(dx, i, ld(dy, i) * gelu_d(ld(x, i)));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -844,11 +903,42 @@ HEADS_KERNELS(unsigned short, 2)
 // column over BIAS_ROWS rows (consecutive threads read consecutive columns, so the reads are
 // coalesced), f32 partial sums added atomically into db (C,), which starts at 0.
 // ---------------------------------------------------------------------------------------------
+// VEC elements per access when rows are whole words (C % VEC == 0) and the pointers aligned.
 extern "C" __global__ void bias_add_fwd(const elem* x, const elem* b, elem* y, long n, int C) {
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (long)gridDim.x * blockDim.x) {
-        st(y, i, ld(x, i) + ld(b, i % C));
+    const long t0 = (long)blockIdx.x * blockDim.x + threadIdx.x, step = (long)gridDim.x * blockDim.x;
+    if (C % VEC == 0 && aligned16(x) && aligned16(b) && aligned16(y)) {
+        const int cv = C / VEC;
+        for (long j = t0; j < n / VEC; j += step) {
+            float f[VEC], fb[VEC];
+            ldv(x, j * VEC, f);
+            ldv(b, (long)(j % cv) * VEC, fb);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) f[k] += fb[k];
+            stv(y, j * VEC, f);
+        }
+        return;
     }
+    for (long i = t0; i < n; i += step) st(y, i, ld(x, i) + ld(b, i % C));
+}
+
+// y = r + (x + b) over rows of C: a residual add with the bias of the layer that made x.
+extern "C" __global__ void bias_residual_fwd(const elem* r, const elem* x, const elem* b, elem* y,
+                                             long n, int C) {
+    const long t0 = (long)blockIdx.x * blockDim.x + threadIdx.x, step = (long)gridDim.x * blockDim.x;
+    if (C % VEC == 0 && aligned16(r) && aligned16(x) && aligned16(b) && aligned16(y)) {
+        const int cv = C / VEC;
+        for (long j = t0; j < n / VEC; j += step) {
+            float f[VEC], fr[VEC], fb[VEC];
+            ldv(x, j * VEC, f);
+            ldv(r, j * VEC, fr);
+            ldv(b, (long)(j % cv) * VEC, fb);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) f[k] = fr[k] + (f[k] + fb[k]);
+            stv(y, j * VEC, f);
+        }
+        return;
+    }
+    for (long i = t0; i < n; i += step) st(y, i, ld(r, i) + (ld(x, i) + ld(b, i % C)));
 }
 
 #define BIAS_ROWS 128
