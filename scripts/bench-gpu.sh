@@ -13,7 +13,8 @@
 #   3. PyTorch (scripts/bench/torch_gpt_ref.py): eager + SDPA flash, eager + materialised
 #      attention, torch.compile; all batch 16 x 1024;
 #   4. loss curves, fused vs plain, BENCH_LOSS_STEPS steps (default 200) of batch 4 x 256 on
-#      scripts/bench/tinyshakespeare.txt (bytes as token ids);
+#      scripts/bench/tinyshakespeare.txt (bytes as token ids), lr 3e-4 after 20 warmup steps;
+#      and fused vs the fused kernels under autograd (the bf16 rounding-order noise floor);
 #   and prints every JSON line and the ratio of mtrain fused to each PyTorch variant.
 # Environment: BENCH_STEPS (timed steps, default 10), BENCH_TORCH_COMPILE=0 to skip torch.compile.
 set -uo pipefail
@@ -78,7 +79,10 @@ with lzma.open(sys.argv[1]) as src, open(sys.argv[2], "wb") as dst:
   D=scripts/bench/tinyshakespeare.txt
   "$BIN/bench_gpu" --batch 4 --seq 256 --data $D --loss-steps "$n" --loss-out "$OUT/loss-fused.txt" | tee -a "$R"
   "$BIN/bench_gpu" --plain --batch 4 --seq 256 --data $D --loss-steps "$n" --loss-out "$OUT/loss-plain.txt" | tee -a "$R"
-  python3 - "$R" "$OUT/loss-fused.txt" "$OUT/loss-plain.txt" <<'PY'
+  # The same fused kernels differentiated by autograd: differs from the fused run only in the
+  # order of bf16 roundings, so |fused - autograd| is the bf16 noise floor for the comparison.
+  "$BIN/bench_gpu" --autograd --batch 4 --seq 256 --data $D --loss-steps "$n" --loss-out "$OUT/loss-autograd.txt" | tee -a "$R"
+  python3 - "$R" "$OUT/loss-fused.txt" "$OUT/loss-plain.txt" "$OUT/loss-autograd.txt" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 runs = [r for r in rows if "tokens_per_s" in r]
@@ -91,11 +95,15 @@ for r in runs:
     print(f"{name:40s} {r['tokens_per_s']:>10d} {r['peak_alloc_gib']:>9.2f} {ratio:>7.3f}")
 def curve(p):
     return [float(l.split()[1]) for l in open(p)]
-try:
-    f, p = curve(sys.argv[2]), curve(sys.argv[3])
+def compare(name, f, p):
     d = [abs(a - b) for a, b in zip(f, p)]
-    print(f"loss curves: {len(f)} steps, fused {f[0]:.4f} -> {f[-1]:.4f}, plain {p[0]:.4f} -> {p[-1]:.4f}, "
-          f"max |diff| {max(d):.4f}, mean |diff| last 50 {sum(d[-50:]) / len(d[-50:]):.4f}")
+    print(f"loss curves, fused vs {name}: {len(f)} steps, fused {f[0]:.4f} -> {f[-1]:.4f}, "
+          f"{name} {p[0]:.4f} -> {p[-1]:.4f}, max |diff| {max(d):.4f}, "
+          f"mean |diff| {sum(d) / len(d):.4f}, last 50 {sum(d[-50:]) / len(d[-50:]):.4f}")
+try:
+    f = curve(sys.argv[2])
+    compare("plain", f, curve(sys.argv[3]))
+    compare("autograd (noise floor)", f, curve(sys.argv[4]))
 except Exception as e:
     print("loss curves: missing", e)
 PY

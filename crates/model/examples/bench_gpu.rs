@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! bench_gpu [--preset gpt2-124m] [--batch 16] [--seq 1024] [--steps 20] [--warmup 3]
-//!           [--plain] [--autograd] [--profile] [--data FILE] [--loss-steps N --loss-out FILE]
+//!           [--plain] [--autograd] [--profile] [--data FILE]
+//!           [--loss-steps N --loss-out FILE [--loss-warmup W]]
 //!           [--ops]
 //! ```
 //!
@@ -14,7 +15,8 @@
 //! `--autograd` keeps them but differentiates every segment with candle's autograd instead of
 //! the hand-written backward passes (`explicit::set_enabled(false)`).
 //! `--profile` adds one step timed segment by segment (a device synchronise around each).
-//! `--loss-steps N` trains N steps at lr 3e-4 and writes `step loss` lines to `--loss-out`.
+//! `--loss-steps N` trains N steps at lr 3e-4 (after `--loss-warmup W` steps of linear warmup,
+//! default 20) and writes `step loss` lines to `--loss-out`.
 //! `--ops` times the pieces of one block at the preset's sizes instead (attention, LayerNorm,
 //! GELU forward and forward + backward, fused and plain; the block's matmuls), one JSON line.
 
@@ -37,6 +39,7 @@ struct Args {
     profile: bool,
     data: Option<String>,
     loss_steps: usize,
+    loss_warmup: usize,
     loss_out: String,
     ops: bool,
 }
@@ -53,6 +56,7 @@ fn parse() -> std::result::Result<Args, String> {
         profile: false,
         data: None,
         loss_steps: 0,
+        loss_warmup: 20,
         loss_out: "loss.txt".into(),
         ops: false,
     };
@@ -74,6 +78,7 @@ fn parse() -> std::result::Result<Args, String> {
             "--profile" => a.profile = true,
             "--data" => a.data = Some(val()?),
             "--loss-steps" => a.loss_steps = num(val()?)?,
+            "--loss-warmup" => a.loss_warmup = num(val()?)?,
             "--loss-out" => a.loss_out = val()?,
             "--ops" => a.ops = true,
             other => return Err(format!("unknown argument {other}")),
@@ -448,7 +453,10 @@ fn run(a: &Args) -> Result<()> {
         let mut pending = Vec::new();
         for s in 0..a.loss_steps {
             let (x, y) = data.next(a.batch, a.seq, &dev)?;
-            pending.push((s, tr.step(&x, &y, 3e-4, &mut none)?));
+            // Linear warmup, then constant: without it, Adam's first steps at this small batch
+            // spike the loss, and two runs that differ only in rounding part ways there.
+            let lr = 3e-4 * ((s + 1) as f64 / a.loss_warmup.max(1) as f64).min(1.0);
+            pending.push((s, tr.step(&x, &y, lr, &mut none)?));
             // Read the losses back 20 steps at a time, so the host rarely waits for the device.
             if pending.len() == 20 || s + 1 == a.loss_steps {
                 for (i, l) in pending.drain(..) {
