@@ -151,12 +151,19 @@ impl Grads {
     }
 
     /// Σ g² over every stored gradient, accumulated in f64 (the square of the global norm).
+    /// One read-back for all of them: the per-tensor sums stay on the device until the end.
     pub fn sq_norm(&self) -> Result<f64> {
-        let mut total = 0.0f64;
-        for g in self.map.values() {
-            let g = g.to_dtype(candle_core::DType::F64)?;
-            total += g.sqr()?.sum_all()?.to_scalar::<f64>()?;
+        let sums = self
+            .map
+            .values()
+            .map(|g| g.to_dtype(candle_core::DType::F64)?.sqr()?.sum_all())
+            .collect::<Result<Vec<_>>>()?;
+        if sums.is_empty() {
+            return Ok(0.0);
         }
-        Ok(total)
+        Ok(Tensor::stack(&sums, 0)?
+            .to_vec1::<f64>()?
+            .into_iter()
+            .sum())
     }
 }
