@@ -338,6 +338,56 @@ struct Measured {
     busy_s: f64,
 }
 
+/// Per (group, op), the count, bytes sent and busy time of one rank's trace (JSON lines).
+///
+/// A group runs its ops one after another, so an op issued while an earlier op of its group was
+/// still running is timed from that op's end, not from its issue; waiting for peers stays in.
+fn measure(path: &Path, text: &str) -> Result<BTreeMap<(Group, String), Measured>> {
+    let mut measured: BTreeMap<(Group, String), Measured> = BTreeMap::new();
+    // (group name, seq, group, op, bytes sent, issued, ended)
+    let mut events = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let v: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| CostError::Parse {
+                path: path.display().to_string(),
+                msg: e.to_string(),
+            })?;
+        let Some(name) = v["group"].as_str() else {
+            continue;
+        };
+        let Some(g) = group_of(name) else {
+            continue;
+        };
+        let op = v["op"].as_str().unwrap_or("?").to_string();
+        let (a, b) = (v["start_us"].as_u64(), v["end_us"].as_u64());
+        events.push((
+            name.to_string(),
+            v["seq"].as_u64().unwrap_or(0),
+            g,
+            op,
+            v["bytes_sent"].as_u64().unwrap_or(0),
+            a,
+            b,
+        ));
+    }
+    events.sort_by(|x, y| (&x.0, x.1).cmp(&(&y.0, y.1)));
+    let mut prev: Option<(String, u64)> = None;
+    for (name, _, g, op, sent, a, b) in events {
+        let m = measured.entry((g, op)).or_default();
+        m.count += 1;
+        m.bytes_sent += sent;
+        if let (Some(a), Some(b)) = (a, b) {
+            let start = match &prev {
+                Some((p, end)) if *p == name => a.max(*end),
+                _ => a,
+            };
+            m.busy_s += b.saturating_sub(start) as f64 * 1e-6;
+            prev = Some((name, b));
+        }
+    }
+    Ok(measured)
+}
+
 /// `mtrain plan --compare RUN_DIR`: per rank and (group, op), the predicted bytes sent and time
 /// per op next to the trace's mean, flagging ratios beyond 2× either way.
 pub fn compare(
@@ -361,25 +411,7 @@ pub fn compare(
             continue;
         };
         found += 1;
-        let mut measured: BTreeMap<(Group, String), Measured> = BTreeMap::new();
-        for line in text.lines().filter(|l| !l.trim().is_empty()) {
-            let v: serde_json::Value =
-                serde_json::from_str(line).map_err(|e| CostError::Parse {
-                    path: path.display().to_string(),
-                    msg: e.to_string(),
-                })?;
-            let Some(g) = v["group"].as_str().and_then(group_of) else {
-                continue;
-            };
-            let op = v["op"].as_str().unwrap_or("?").to_string();
-            let m = measured.entry((g, op)).or_default();
-            m.count += 1;
-            m.bytes_sent += v["bytes_sent"].as_u64().unwrap_or(0);
-            let (a, b) = (v["start_us"].as_u64(), v["end_us"].as_u64());
-            if let (Some(a), Some(b)) = (a, b) {
-                m.busy_s += b.saturating_sub(a) as f64 * 1e-6;
-            }
-        }
+        let measured = measure(&path, &text)?;
         let mut predicted: BTreeMap<(Group, String), (usize, u64, f64)> = BTreeMap::new();
         for c in step_collectives(cfg, plan, shape, rank)? {
             let n = c.group.size(dims);
@@ -436,7 +468,7 @@ pub fn compare(
     }
     let _ = writeln!(
         s,
-        "(per-op means; measured time runs from issue to completion, so it includes waiting for peers)"
+        "(per-op means; measured time runs from when the group could start the op (its issue, or the end of the group's previous op) to completion, so it includes waiting for peers)"
     );
     Ok(s)
 }
@@ -524,5 +556,38 @@ pub fn plan_report(
     match compare_dir {
         Some(dir) => compare(dir, &model, &plan, shape, &table),
         None => plan_section(&model, &plan, shape, cfg.grad_accum, &table),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two all-reduces of one group, the second issued while the first ran: the second is timed
+    /// from the first's end. Another group's op overlapping them keeps its own issue time.
+    #[test]
+    fn an_op_queued_behind_its_group_is_timed_from_when_it_could_start() {
+        let ev = |group: &str, seq: u64, op: &str, start: u64, end: u64| {
+            format!(
+                r#"{{"op":"{op}","group":"{group}","seq":{seq},"bytes":8,"bytes_sent":4,"start_us":{start},"end_us":{end},"peer":null}}"#
+            )
+        };
+        let text = [
+            ev("tp[0,1]", 1, "all_reduce", 100, 400), // issued at 100, queued behind seq 0
+            ev("tp[0,1]", 0, "all_reduce", 0, 300),
+            ev("dp[0,2]", 0, "all_reduce", 50, 250),
+            ev("not-a-group", 0, "all_reduce", 0, 1_000_000),
+        ]
+        .join("\n");
+        let m = measure(Path::new("trace-rank0.jsonl"), &text).unwrap();
+        let tp = m[&(Group::Tp, "all_reduce".to_string())];
+        assert_eq!((tp.count, tp.bytes_sent), (2, 8));
+        // 300 µs for seq 0, then 400 − 300 = 100 µs for seq 1 (not 400 − 100 = 300).
+        assert!((tp.busy_s - 400e-6).abs() < 1e-12, "{}", tp.busy_s);
+        let dp = m[&(Group::Dp, "all_reduce".to_string())];
+        assert!((dp.busy_s - 200e-6).abs() < 1e-12, "{}", dp.busy_s);
+        assert_eq!(m.len(), 2);
+        let bad = measure(Path::new("t.jsonl"), "{not json").unwrap_err();
+        assert!(bad.to_string().contains("t.jsonl"), "{bad}");
     }
 }
