@@ -18,8 +18,9 @@
 //! Attention runs on tensor cores (bf16 `mma.sync`) for bf16 and head sizes 16..64, and on CUDA
 //! cores otherwise (see [`flash_attention`]).
 //!
-//! The CUDA source (`kernels.cu`) is compiled by NVRTC the first time a kernel is used, once per
-//! (head size, element type), and the PTX is cached for the process. A CPU build compiles none of
+//! The CUDA source (`kernels.cu` and the `.cu` files after it) is compiled by NVRTC the first
+//! time a kernel is used, once per (head size, element type), and the PTX is kept for the process
+//! and on disk ([`ptx_cache`]), so later processes skip NVRTC. A CPU build compiles none of
 //! this: [`enabled_for`] is then always false and the layers take their plain candle path.
 //!
 //! [`set_enabled`] turns the fused path off for the whole process, so a benchmark can run the
@@ -33,6 +34,7 @@ pub mod flash_attention;
 pub mod gelu;
 pub mod heads;
 pub mod layer_norm;
+pub mod ptx_cache;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -266,15 +268,23 @@ pub(crate) mod cuda {
         if let Some(d) = head_dim {
             options.push(format!("-DHEAD_DIM={d}"));
         }
-        let opts = CompileOptions {
-            options,
-            arch: Some(arch_name(cc)?),
-            name: Some(format!("{module}.cu")),
-            ..Default::default()
-        };
-        let ptx = compile_ptx_with_opts(SOURCE, opts)
-            .map_err(|e| msg(format!("NVRTC failed to compile {module}: {e:?}")))?
-            .to_src();
+        let arch = arch_name(cc)?;
+        let mut parts = vec![SOURCE, arch];
+        parts.extend(options.iter().map(String::as_str));
+        let key = super::ptx_cache::key(&parts);
+        let dir = super::ptx_cache::dir();
+        let (ptx, cached) = super::ptx_cache::get_or_compile(dir.as_deref(), &module, key, || {
+            let opts = CompileOptions {
+                options: options.clone(),
+                arch: Some(arch),
+                name: Some(format!("{module}.cu")),
+                ..Default::default()
+            };
+            compile_ptx_with_opts(SOURCE, opts)
+                .map(|p| p.to_src())
+                .map_err(|e| msg(format!("NVRTC failed to compile {module}: {e:?}")))
+        })?;
+        tracing::debug!(module, cached, "kernel module ready");
         let ptx = Arc::new(ptx);
         cache.insert(module.clone(), ptx.clone());
         Ok((module, ptx))
