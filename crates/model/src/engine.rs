@@ -101,7 +101,11 @@ enum Recorded {
 
 impl Recorded {
     /// The segment's forward, taped where it can be.
-    fn run(seg: &dyn Segment, x: &Tensor, targets: Option<&Tensor>) -> Result<(Self, Vec<MoeStats>)> {
+    fn run(
+        seg: &dyn Segment,
+        x: &Tensor,
+        targets: Option<&Tensor>,
+    ) -> Result<(Self, Vec<MoeStats>)> {
         if let Some(tape) = seg.forward_taped(x, targets)? {
             return Ok((Recorded::Tape(tape), Vec::new()));
         }

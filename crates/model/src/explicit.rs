@@ -314,7 +314,7 @@ impl Tape for BlockTape {
         let n = b * t;
         let mut grads = Vec::with_capacity(12);
         let dout = dout.to_dtype(x.dtype())?.reshape((n, c))?.contiguous()?; // (N, C)
-        // MLP branch.
+                                                                             // MLP branch.
         let dg = wts.mlp_proj.backward(&g, &dout, &mut grads)?; // (N, 4C)
         drop(g);
         let df = kernels::gelu::backward(&f, &dg)?; // (N, 4C)
@@ -358,7 +358,11 @@ struct HeadTape {
 
 /// The head's graph-free forward to the mean loss with its tape, or None where it has no
 /// hand-written backward (no targets, not enabled, not CUDA).
-pub fn head_tape(head: &Head, x: &Tensor, targets: Option<&Tensor>) -> Result<Option<Box<dyn Tape>>> {
+pub fn head_tape(
+    head: &Head,
+    x: &Tensor,
+    targets: Option<&Tensor>,
+) -> Result<Option<Box<dyn Tape>>> {
     let Some(targets) = targets else {
         return Ok(None);
     };
@@ -492,7 +496,8 @@ impl Tape for EmbeddingTape {
         let (b, t, c) = dx.dims3()?;
         let dx = dx.contiguous()?;
         // The forward checked the ids; no read-back here.
-        let dwte = kernels::embedding::grad(&self.ids, &dx.reshape((b * t, c))?, self.vocab, false)?; // (V, C)
+        let dwte =
+            kernels::embedding::grad(&self.ids, &dx.reshape((b * t, c))?, self.vocab, false)?; // (V, C)
         let dwpe = dx.sum(0)?; // (T, C)
         let dwpe = if t < self.block_size {
             dwpe.pad_with_zeros(0, 0, self.block_size - t)? // (block_size, C)
@@ -563,12 +568,20 @@ mod tests {
             gpt.segments[1].forward_taped(&x, None)?.is_some(),
             "the dense block has no tape on CUDA {dtype:?}"
         );
-        assert!(gpt.segments[cfg.n_layer + 1].forward_taped(&x, Some(&tgt))?.is_some());
+        assert!(gpt.segments[cfg.n_layer + 1]
+            .forward_taped(&x, Some(&tgt))?
+            .is_some());
         assert!(gpt.segments[0].forward_taped(&idx, None)?.is_some());
 
         let mut grads = Grads::new();
-        let (loss, _) =
-            Engine::new(false).forward_backward(&gpt.segments, &idx, &tgt, 1.0, &mut grads, &mut NoHooks)?;
+        let (loss, _) = Engine::new(false).forward_backward(
+            &gpt.segments,
+            &idx,
+            &tgt,
+            1.0,
+            &mut grads,
+            &mut NoHooks,
+        )?;
         let whole = gpt.forward_loss(&idx, &tgt)?.loss;
         let want_loss = whole.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         let store = whole.backward()?;
@@ -585,7 +598,11 @@ mod tests {
                 .unwrap_or_else(|| panic!("the tapes gave no gradient for {}", p.name()));
             assert_eq!(got.dims(), want.dims(), "{}", p.name());
             let e = rel_err(got, want)?;
-            assert!(e < tol, "{dtype:?} {}: relative error {e:.2e} >= {tol:.0e}", p.name());
+            assert!(
+                e < tol,
+                "{dtype:?} {}: relative error {e:.2e} >= {tol:.0e}",
+                p.name()
+            );
         }
         Ok(())
     }

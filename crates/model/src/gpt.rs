@@ -65,7 +65,11 @@ pub trait Segment: Send + Sync {
     /// A forward that records no autograd graph, with its hand-written backward, where this
     /// segment has one for `x` ([`crate::explicit`]); None: the engine differentiates
     /// [`Segment::forward`] with autograd.
-    fn forward_taped(&self, _x: &Tensor, _targets: Option<&Tensor>) -> Result<Option<Box<dyn Tape>>> {
+    fn forward_taped(
+        &self,
+        _x: &Tensor,
+        _targets: Option<&Tensor>,
+    ) -> Result<Option<Box<dyn Tape>>> {
         Ok(None)
     }
 }
@@ -119,7 +123,11 @@ impl Segment for Embedding {
         vec![self.wte.clone(), self.wpe.clone()]
     }
 
-    fn forward_taped(&self, idx: &Tensor, _targets: Option<&Tensor>) -> Result<Option<Box<dyn Tape>>> {
+    fn forward_taped(
+        &self,
+        idx: &Tensor,
+        _targets: Option<&Tensor>,
+    ) -> Result<Option<Box<dyn Tape>>> {
         explicit::embedding_tape(self, idx)
     }
 }
@@ -224,7 +232,11 @@ impl Segment for Block {
         p
     }
 
-    fn forward_taped(&self, x: &Tensor, _targets: Option<&Tensor>) -> Result<Option<Box<dyn Tape>>> {
+    fn forward_taped(
+        &self,
+        x: &Tensor,
+        _targets: Option<&Tensor>,
+    ) -> Result<Option<Box<dyn Tape>>> {
         explicit::block_tape(self, x)
     }
 }

@@ -161,9 +161,6 @@ impl Grads {
         if sums.is_empty() {
             return Ok(0.0);
         }
-        Ok(Tensor::stack(&sums, 0)?
-            .to_vec1::<f64>()?
-            .into_iter()
-            .sum())
+        Ok(Tensor::stack(&sums, 0)?.to_vec1::<f64>()?.into_iter().sum())
     }
 }

@@ -1093,7 +1093,9 @@ fn tp_sharded(name: &str) -> bool {
 }
 
 /// What `mtrain plan` prints beyond the mesh: layers per stage, parameters per rank and a
-/// per-rank model-state estimate (fp32 weights and gradients, two Adam moments).
+/// per-rank model-state estimate: fp32 weights and gradients and two Adam moments, or under mixed
+/// precision bf16 weights and gradients with fp32 masters beside the moments (2 + 2 + 12 bytes
+/// per parameter, ZeRO sharding the optimizer part from stage 1, gradients from 2, weights at 3).
 pub fn describe(cfg: &GptConfig, plan: &ParallelPlan) -> String {
     let MeshDims { dp, pp, tp, ep } = plan.dims;
     let mut s = String::new();
@@ -1178,6 +1180,26 @@ pub fn describe(cfg: &GptConfig, plan: &ParallelPlan) -> String {
     }
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     for (r, &n) in per_rank.iter().enumerate() {
+        if plan.precision.is_mixed() {
+            let stage = zero.map_or(0, |z| z as u8);
+            let shard = |b: usize, from: u8| {
+                if stage >= from {
+                    (b * n).div_ceil(dp)
+                } else {
+                    b * n
+                }
+            };
+            let (w, g, o) = (shard(2, 3), shard(2, 2), shard(12, 1));
+            let _ = writeln!(
+                s,
+                "pp rank {r}: {n} params, model state {:.2} MiB per rank (bf16 weights {:.2}, bf16 grads {:.2}, fp32 masters + Adam {:.2})",
+                mib(w + g + o),
+                mib(w),
+                mib(g),
+                mib(o)
+            );
+            continue;
+        }
         let m = analytic_model_state(zero, n, dp);
         let _ = writeln!(
             s,

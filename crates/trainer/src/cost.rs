@@ -347,11 +347,10 @@ fn measure(path: &Path, text: &str) -> Result<BTreeMap<(Group, String), Measured
     // (group name, seq, group, op, bytes sent, issued, ended)
     let mut events = Vec::new();
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
-        let v: serde_json::Value =
-            serde_json::from_str(line).map_err(|e| CostError::Parse {
-                path: path.display().to_string(),
-                msg: e.to_string(),
-            })?;
+        let v: serde_json::Value = serde_json::from_str(line).map_err(|e| CostError::Parse {
+            path: path.display().to_string(),
+            msg: e.to_string(),
+        })?;
         let Some(name) = v["group"].as_str() else {
             continue;
         };

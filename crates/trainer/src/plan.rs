@@ -99,7 +99,9 @@ pub fn describe_plan(
 ) -> Result<String, PlanError> {
     let cfg = args.train.resolve().map_err(PlanError::Config)?;
     let model = cfg.gpt_config().map_err(|e| PlanError::Config(e.into()))?;
-    let plan = strategy.plan(layout.dims, cfg.activation_checkpointing)?;
+    let mut plan = strategy.plan(layout.dims, cfg.activation_checkpointing)?;
+    // The run's dtypes decide the plan's mixed precision, as in training.
+    plan.precision = cfg.precision();
     plan.validate(&model, layout.world_size, cfg.batch_size * layout.dims.dp)
         .map_err(|e| PlanError::Config(e.into()))?;
     Ok(mtrain_parallel::parallelize::describe(&model, &plan))

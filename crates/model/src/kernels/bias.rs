@@ -87,7 +87,11 @@ impl CustomOp2 for BiasAdd {
 #[allow(unused_variables)]
 pub(crate) fn bias_residual_add(r: &Tensor, x: &Tensor, b: &Tensor) -> Result<Tensor> {
     let c = b.dim(0)?;
-    if r.dims() != x.dims() || x.dims().last() != Some(&c) || r.dtype() != x.dtype() || b.dtype() != x.dtype() {
+    if r.dims() != x.dims()
+        || x.dims().last() != Some(&c)
+        || r.dtype() != x.dtype()
+        || b.dtype() != x.dtype()
+    {
         return Err(msg(format!(
             "bias_residual_add: r {:?} {:?}, x {:?} {:?}, b {:?} {:?} must be (..., C), (..., C), (C,) of one dtype",
             r.dims(),
@@ -314,10 +318,16 @@ mod tests {
             (101, DType::F32, 1e-6),
         ] {
             let t = |s: (usize, usize, usize)| {
-                Tensor::randn(0f32, 1f32, s, &dev).unwrap().to_dtype(dtype).unwrap()
+                Tensor::randn(0f32, 1f32, s, &dev)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap()
             };
             let (r, x) = (t((2, 33, c)), t((2, 33, c)));
-            let b = Tensor::randn(0f32, 1f32, c, &dev).unwrap().to_dtype(dtype).unwrap();
+            let b = Tensor::randn(0f32, 1f32, c, &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
             let y = bias_residual_add(&r, &x, &b).unwrap();
             let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
             let want = (f(&r) + f(&x).broadcast_add(&f(&b)).unwrap()).unwrap();

@@ -111,7 +111,12 @@ impl CustomOp2 for CrossEntropy {
 
 /// dlogits (N, V) in the logits' dtype, for per-row output gradients g (N,) f32.
 #[allow(unused_variables)]
-pub(crate) fn backward(logits: &Tensor, targets: &Tensor, lse: &Tensor, g: &Tensor) -> Result<Tensor> {
+pub(crate) fn backward(
+    logits: &Tensor,
+    targets: &Tensor,
+    lse: &Tensor,
+    g: &Tensor,
+) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     {
         imp::backward(logits, targets, lse, g)

@@ -97,13 +97,12 @@ pub fn flash_attention_packed(qkv: &Tensor, scale: f64) -> Result<Tensor> {
 pub(crate) fn packed_forward_saved(qkv: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
     let op = FlashAttentionPacked(FlashAttention::new(scale));
     let y = qkv.contiguous()?.apply_op1_no_bwd(&op)?;
-    let lse = op
-        .0
-        .lse
-        .lock()
-        .map_err(|_| msg("flash_attention: lse lock poisoned".into()))?
-        .take()
-        .ok_or_else(|| msg("flash_attention: the forward left no lse".into()))?;
+    let lse =
+        op.0.lse
+            .lock()
+            .map_err(|_| msg("flash_attention: lse lock poisoned".into()))?
+            .take()
+            .ok_or_else(|| msg("flash_attention: the forward left no lse".into()))?;
     Ok((y, lse))
 }
 
