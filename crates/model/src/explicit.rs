@@ -29,9 +29,11 @@
 //! ```
 //!
 //! Linear weights are (out, in) and `y = x Wᵀ + b`, so `dx = dy W` and `dW = dyᵀ x`.
-//! The tapes run the same kernels as the autograd path ([`crate::kernels`]), so they exist where
-//! those do (CUDA, bf16 or f32, dense layers); elsewhere a segment returns no tape and the engine
-//! differentiates its forward with autograd. `model-tests explicit::` compares the two on a GPU.
+//! The tapes are written in [`crate::tape_ops`]: the same kernels as the autograd path on CUDA
+//! (bf16 or f32, dense layers), plain candle ops on CPU when [`set_cpu`] allows it (off by
+//! default: CPU training keeps autograd). Elsewhere a segment returns no tape and the engine
+//! differentiates its forward with autograd. `model-tests explicit::` compares the two on a GPU,
+//! `tests/explicit_cpu.rs` on CPU.
 //!
 //! Legend: `B` batch, `T` time, `C` width, `H` heads, `D` head size, `V` vocabulary, `N = B·T`.
 
@@ -42,8 +44,10 @@ use candle_core::{DType, Result, Tensor};
 use crate::gpt::{Block, Embedding, Head};
 use crate::kernels;
 use crate::layers::{DenseLinear, LayerNorm};
+use crate::tape_ops as ops;
 
 static ENABLED: AtomicBool = AtomicBool::new(true);
+static CPU: AtomicBool = AtomicBool::new(false);
 
 /// Turns the hand-written backward passes on or off for this process (on by default); off,
 /// every segment is differentiated by autograd.
@@ -54,6 +58,25 @@ pub fn set_enabled(on: bool) {
 /// Whether [`set_enabled`] left the hand-written backward passes on.
 pub fn is_enabled() -> bool {
     ENABLED.load(Ordering::Relaxed)
+}
+
+/// Lets the tapes run on CPU too, in plain candle ops ([`crate::tape_ops`]); off by default, so
+/// CPU training differentiates by autograd. Tests turn it on to check the tapes without a GPU.
+pub fn set_cpu(on: bool) {
+    CPU.store(on, Ordering::Relaxed);
+}
+
+/// Whether the tapes can take `x`: enabled, and a CUDA tensor the fused kernels take, or a CPU
+/// tensor with [`set_cpu`] on (f32 or bf16 either way).
+fn usable(x: &Tensor) -> bool {
+    if !is_enabled() || !matches!(x.dtype(), DType::F32 | DType::BF16) {
+        return false;
+    }
+    if x.device().is_cuda() {
+        kernels::enabled_for(x)
+    } else {
+        x.device().is_cpu() && CPU.load(Ordering::Relaxed)
+    }
 }
 
 /// Gradients a tape's backward returns.
@@ -89,7 +112,7 @@ impl Dense {
     fn of(l: &DenseLinear, x: &Tensor) -> Option<Dense> {
         let b = l.bias.as_ref()?;
         let (w, bt) = (l.weight.tensor().detach(), b.tensor().detach());
-        if w.dtype() != x.dtype() || bt.dtype() != x.dtype() || !kernels::enabled_for(&w) {
+        if w.dtype() != x.dtype() || bt.dtype() != x.dtype() || !usable(&w) {
             return None;
         }
         Some(Dense {
@@ -102,13 +125,13 @@ impl Dense {
 
     /// x (N, in) -> x Wᵀ + b (N, out).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        kernels::bias_add(&x.matmul(&self.w.t()?)?, &self.b)
+        ops::bias_add(&x.matmul(&self.w.t()?)?, &self.b)
     }
 
     /// r + x Wᵀ + b for x (N, in), r (N, out): the layer and the residual add after it, the bias
     /// added in the same pass as the residual.
     fn forward_residual(&self, r: &Tensor, x: &Tensor) -> Result<Tensor> {
-        kernels::bias::bias_residual_add(r, &x.matmul(&self.w.t()?)?, &self.b)
+        ops::bias_residual_add(r, &x.matmul(&self.w.t()?)?, &self.b)
     }
 
     /// From the input x (N, in) and dy (N, out): dx (N, in); dW and db pushed to `grads`.
@@ -120,7 +143,7 @@ impl Dense {
     ) -> Result<Tensor> {
         let dx = dy.matmul(&self.w)?; // (N, in)
         let dw = dy.t()?.matmul(x)?; // (out, in)
-        let db = kernels::bias::bias_grad(dy, &self.b)?; // (out,)
+        let db = ops::bias_grad(dy, &self.b)?; // (out,)
         grads.push((self.w_name.clone(), dw));
         grads.push((self.b_name.clone(), db));
         Ok(dx)
@@ -139,7 +162,7 @@ struct Norm {
 impl Norm {
     fn of(ln: &LayerNorm, x: &Tensor) -> Option<Norm> {
         let (w, b) = (ln.weight.tensor().detach(), ln.bias.tensor().detach());
-        if !kernels::layer_norm::supported(x, &w, &b) {
+        if !usable(x) || w.dtype() != x.dtype() || b.dtype() != x.dtype() {
             return None;
         }
         Some(Norm {
@@ -153,7 +176,7 @@ impl Norm {
 
     /// y and the (mean, rstd) statistics of x (N, C).
     fn forward(&self, x: &Tensor) -> Result<(Tensor, Stats)> {
-        let (y, mean, rstd) = kernels::layer_norm::forward_saved(x, &self.w, &self.b, self.eps)?;
+        let (y, mean, rstd) = ops::layer_norm_fwd(x, &self.w, &self.b, self.eps)?;
         Ok((y, Stats { mean, rstd }))
     }
 
@@ -165,7 +188,7 @@ impl Norm {
         dy: &Tensor,
         grads: &mut Vec<(String, Tensor)>,
     ) -> Result<Tensor> {
-        let (dx, dw, db) = kernels::layer_norm::backward(x, &self.w, dy, &s.mean, &s.rstd)?;
+        let (dx, dw, db) = ops::layer_norm_bwd(x, &self.w, dy, &s.mean, &s.rstd)?;
         grads.push((self.w_name.clone(), dw));
         grads.push((self.b_name.clone(), db));
         Ok(dx)
@@ -194,9 +217,11 @@ impl BlockWeights {
     fn of(block: &Block, x: &Tensor) -> Option<BlockWeights> {
         let a = &block.attn;
         let mlp = block.ffn.as_mlp()?;
-        let fits = kernels::flash_attention::supported(x, a.head_dim)
-            && kernels::heads::supported(x)
-            && kernels::gelu::supported(x);
+        let fits = usable(x)
+            && (!x.device().is_cuda()
+                || kernels::flash_attention::supported(x, a.head_dim)
+                    && kernels::heads::supported(x)
+                    && kernels::gelu::supported(x));
         if !fits {
             return None;
         }
@@ -235,9 +260,6 @@ struct BlockTape {
 /// The block's graph-free forward with its tape, or None where it has no hand-written backward
 /// (not enabled, not CUDA, a sharded layer or a mixture of experts).
 pub fn block_tape(block: &Block, x: &Tensor) -> Result<Option<Box<dyn Tape>>> {
-    if !is_enabled() {
-        return Ok(None);
-    }
     let Some(wts) = BlockWeights::of(block, x) else {
         return Ok(None);
     };
@@ -250,14 +272,14 @@ pub fn block_tape(block: &Block, x: &Tensor) -> Result<Option<Box<dyn Tape>>> {
     let x = x.detach().reshape((n, c))?; // (N, C)
     let (h1, s1) = wts.ln_1.forward(&x)?; // (N, C)
     let qkv = wts.c_attn.forward(&h1)?.reshape((b, t, 3 * c))?; // (B, T, 3C)
-    let qkv = kernels::split_heads(&qkv, 3, h)?; // (3, B, H, T, D)
+    let qkv = ops::split_heads(&qkv, 3, h)?; // (3, B, H, T, D)
     let scale = 1.0 / (d as f64).sqrt();
-    let (y, lse) = kernels::flash_attention::packed_forward_saved(&qkv, scale)?; // (B, H, T, D)
-    let ym = kernels::merge_heads(&y.unsqueeze(0)?)?.reshape((n, c))?; // (N, C)
+    let (y, lse) = ops::attention_fwd(&qkv, scale)?; // (B, H, T, D)
+    let ym = ops::merge_heads(&y.unsqueeze(0)?)?.reshape((n, c))?; // (N, C)
     let x1 = wts.c_proj.forward_residual(&x, &ym)?; // (N, C) = x + attention
     let (h2, s2) = wts.ln_2.forward(&x1)?;
     let f = wts.c_fc.forward(&h2)?; // (N, 4C)
-    let g = kernels::gelu(&f)?; // (N, 4C)
+    let g = ops::gelu(&f)?; // (N, 4C)
     let out = wts.mlp_proj.forward_residual(&x1, &g)?.reshape((b, t, c))?; // (B, T, C) = x1 + MLP
     Ok(Some(Box::new(BlockTape {
         wts,
@@ -317,7 +339,7 @@ impl Tape for BlockTape {
                                                                              // MLP branch.
         let dg = wts.mlp_proj.backward(&g, &dout, &mut grads)?; // (N, 4C)
         drop(g);
-        let df = kernels::gelu::backward(&f, &dg)?; // (N, 4C)
+        let df = ops::gelu_bwd(&f, &dg)?; // (N, 4C)
         drop((f, dg));
         let dh2 = wts.c_fc.backward(&h2, &df, &mut grads)?; // (N, C)
         drop((h2, df));
@@ -326,11 +348,11 @@ impl Tape for BlockTape {
         // Attention branch.
         let dym = wts.c_proj.backward(&ym, &dx1, &mut grads)?; // (N, C)
         drop(ym);
-        let dy = kernels::split_heads(&dym.reshape((b, t, c))?, 1, wts.n_head)?.squeeze(0)?; // (B, H, T, D)
+        let dy = ops::split_heads(&dym.reshape((b, t, c))?, 1, wts.n_head)?.squeeze(0)?; // (B, H, T, D)
         let scale = 1.0 / (wts.head_dim as f64).sqrt();
-        let dqkv = kernels::flash_attention::packed_backward(&qkv, &y, &dy, &lse, scale)?; // (3, B, H, T, D)
+        let dqkv = ops::attention_bwd(&qkv, &y, &dy, &lse, scale)?; // (3, B, H, T, D)
         drop((qkv, y, dy, lse));
-        let dqkv = kernels::merge_heads(&dqkv)?.reshape((n, 3 * c))?; // (N, 3C)
+        let dqkv = ops::merge_heads(&dqkv)?.reshape((n, 3 * c))?; // (N, 3C)
         let dh1 = wts.c_attn.backward(&h1, &dqkv, &mut grads)?; // (N, C)
         drop((h1, dqkv));
         let dx = (dx1 + wts.ln_1.backward(&x, &s1, &dh1, &mut grads)?)?; // (N, C)
@@ -366,7 +388,7 @@ pub fn head_tape(
     let Some(targets) = targets else {
         return Ok(None);
     };
-    if !is_enabled() || !kernels::cross_entropy::supported(x) {
+    if !usable(x) {
         return Ok(None);
     }
     let Some(ln_f) = Norm::of(&head.ln_f, x) else {
@@ -389,7 +411,7 @@ pub fn head_tape(
     let (h, s) = ln_f.forward(&x)?; // (N, C)
     let logits = h.matmul(&wte.t()?)?; // (N, V)
     let targets = targets.flatten_all()?.to_dtype(DType::U32)?; // (N,)
-    let (rows, lse) = kernels::cross_entropy::rows_forward_saved(&logits, &targets)?; // (N,)
+    let (rows, lse) = ops::cross_entropy_fwd(&logits, &targets)?; // (N,)
     let loss = rows.mean_all()?; // scalar, f32
     Ok(Some(Box::new(HeadTape {
         ln_f,
@@ -432,7 +454,7 @@ impl Tape for HeadTape {
             Some(g) => g.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?,
         };
         let g = Tensor::full((s_out / n as f64) as f32, n, x.device())?; // (N,)
-        let dlogits = kernels::cross_entropy::backward(&logits, &targets, &lse, &g)?; // (N, V)
+        let dlogits = ops::cross_entropy_bwd(&logits, &targets, &lse, &g)?; // (N, V)
         drop(logits);
         let mut grads = Vec::with_capacity(3);
         let dh = dlogits.matmul(&wte)?; // (N, C)
@@ -461,7 +483,10 @@ struct EmbeddingTape {
 pub fn embedding_tape(emb: &Embedding, idx: &Tensor) -> Result<Option<Box<dyn Tape>>> {
     let (wte, wpe) = (emb.wte.tensor().detach(), emb.wpe.tensor().detach());
     let ids = idx.flatten_all()?; // (N,)
-    if !is_enabled() || !kernels::embedding::supported(&wte, &ids) || wpe.dtype() != wte.dtype() {
+    let fits = usable(&wte)
+        && ids.dtype() == DType::U32
+        && (!wte.device().is_cuda() || kernels::embedding::supported(&wte, &ids));
+    if !fits || wpe.dtype() != wte.dtype() {
         return Ok(None);
     }
     let (b, t) = idx.dims2()?;
@@ -472,7 +497,7 @@ pub fn embedding_tape(emb: &Embedding, idx: &Tensor) -> Result<Option<Box<dyn Ta
             "embedding: sequence length {t} exceeds block_size {block_size}"
         )));
     }
-    let tok = kernels::embedding(&wte, &ids)?.reshape((b, t, c))?; // (B, T, C), ids checked
+    let tok = ops::embedding(&wte, &ids)?.reshape((b, t, c))?; // (B, T, C), ids checked
     let out = tok.broadcast_add(&wpe.narrow(0, 0, t)?)?; // (B, T, C)
     Ok(Some(Box::new(EmbeddingTape {
         wte_name: emb.wte.name().to_string(),
@@ -496,8 +521,7 @@ impl Tape for EmbeddingTape {
         let (b, t, c) = dx.dims3()?;
         let dx = dx.contiguous()?;
         // The forward checked the ids; no read-back here.
-        let dwte =
-            kernels::embedding::grad(&self.ids, &dx.reshape((b * t, c))?, self.vocab, false)?; // (V, C)
+        let dwte = ops::embedding_grad(&self.ids, &dx.reshape((b * t, c))?, self.vocab)?; // (V, C)
         let dwpe = dx.sum(0)?; // (T, C)
         let dwpe = if t < self.block_size {
             dwpe.pad_with_zeros(0, 0, self.block_size - t)? // (block_size, C)

@@ -11,6 +11,7 @@
 //! - [`kernels`]: fused CUDA kernels (flash attention, cross-entropy) the layers use on GPUs.
 //! - [`engine`]: forward/backward one segment at a time with hooks and activation checkpointing.
 //! - [`explicit`]: hand-written backward passes of the embedding, the dense block and the head (CUDA kernels).
+//! - [`tape_ops`]: the graph-free operations those are written in, CUDA kernels or plain CPU ops.
 
 pub mod config;
 pub mod engine;
@@ -22,6 +23,7 @@ pub mod layers;
 pub mod moe;
 pub mod optim;
 pub mod param;
+pub mod tape_ops;
 
 pub use config::{ConfigError, GptConfig, MoeConfig};
 pub use engine::{Activations, Engine, Hooks, NoHooks};
