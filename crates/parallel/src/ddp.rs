@@ -44,6 +44,7 @@
 
 mod buckets;
 mod common;
+mod overlap;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -56,6 +57,7 @@ use mtrain_model::{Engine, Grads, NoHooks, Param, Segment};
 
 use buckets::BucketLauncher;
 pub use buckets::{assign_buckets, Bucket};
+pub use overlap::OverlappedDpReduce;
 pub use common::{
     decays, final_after, unique_params, verify_same_init, CommStats, DataParallel, DpError,
     ModelStateBytes, Result,

@@ -6,7 +6,8 @@
 //!     │ 1. TP  tensor_parallel::build over the tp group: column/row shards, vocab-parallel wte,
 //!     │        sequence-parallel blocks                   (or expert_parallel::build_segments: EP)
 //!     │ 2. PP  PipelineStages::from_segments: keep the segments of this rank's stage(s)
-//!     │ 3. DP  DDP: gradients all-reduced over dp (experts: over edp) after the pipeline flush
+//!     │ 3. DP  DDP: gradients all-reduced over dp (experts: over edp) after the pipeline flush,
+//!     │        or with one stage inside its last backward (ddp::OverlappedDpReduce)
 //!     │        ZeRO: one Fsdp per stage chunk over the dp group, driven by the pipeline's hooks
 //!     ▼
 //!   ParallelModel  (forward_backward / optimizer_step / full_state / ...)
@@ -79,7 +80,7 @@ use mtrain_model::{Engine, Gpt, GptConfig, Grads, Hooks, MoeStats, NoHooks, Para
 use crate::ddp::{
     grads_for_reduction, replicated_items, scale_all, set_weight, sq_sum_f64, sum_f64,
     verify_same_init, CommStats, DataParallel, DdpConfig, DpError, MasterWeights, MixedPrecision,
-    ModelStateBytes,
+    ModelStateBytes, OverlappedDpReduce,
 };
 use crate::expert_parallel::{self, is_expert_param, EpError};
 use crate::fsdp::{analytic_model_state, Fsdp, FsdpConfig, FsdpHooks, ZeroStage};
@@ -368,6 +369,8 @@ pub struct ParallelModel {
     masters: Option<MasterWeights>,
     grads: Grads,
     current: CommStats,
+    /// This step's gradients were averaged over dp during the last backward.
+    reduced: bool,
     last: CommStats,
 }
 
@@ -490,6 +493,7 @@ pub fn parallelize(
         masters: None,
         grads: Grads::new(),
         current: CommStats::default(),
+        reduced: false,
         last: CommStats::default(),
     };
     if plan.precision.is_mixed() {
@@ -547,7 +551,41 @@ impl ParallelModel {
     ) -> Result<StepOut> {
         let t = std::time::Instant::now();
         let pp = self.pp.as_ref();
+        // One stage and gradients to average: the average starts inside the last backward.
+        let overlap = sync
+            && self.plan.dims.pp == 1
+            && self.stages.chunks().len() == 1
+            && self.plan.dims.dp > 1;
         let report = match &mut self.replicas {
+            Replicas::Full if overlap => {
+                let dtype = self
+                    .plan
+                    .precision
+                    .is_mixed()
+                    .then_some(self.plan.precision.reduce_dtype);
+                let mut hooks = OverlappedDpReduce::new(
+                    &self.stages.chunks()[0].segments,
+                    &self.dp,
+                    &self.edp,
+                    dtype,
+                );
+                let report = self.executor.step_with_hooks(
+                    &self.stages,
+                    pp,
+                    idx,
+                    targets,
+                    loss_scale,
+                    &mut self.grads,
+                    &mut hooks,
+                )?;
+                let w = std::time::Instant::now();
+                let (n, bytes) = hooks.finish(&mut self.grads)?;
+                self.current.exposed_comm_s += w.elapsed().as_secs_f64();
+                self.current.collectives += n;
+                self.current.bytes += bytes;
+                self.reduced = true;
+                report
+            }
             Replicas::Full => self.executor.step_with_hooks(
                 &self.stages,
                 pp,
@@ -620,7 +658,10 @@ impl ParallelModel {
                     let dtype = self.plan.precision.reduce_dtype;
                     grads_for_reduction(&self.params, &mut self.grads, dtype)?;
                 }
-                if self.plan.dims.dp > 1 {
+                if self.reduced {
+                    // Averaged during the backward (OverlappedDpReduce).
+                    self.reduced = false;
+                } else if self.plan.dims.dp > 1 {
                     let (n, bytes) = expert_parallel::sync_grads(
                         &self.params,
                         &mut self.grads,

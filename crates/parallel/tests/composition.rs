@@ -260,6 +260,17 @@ fn dp2_ep2_moe_equals_one_device() {
     check_equals_one_device(&moe_cfg(), &plan(2, 1, 1, 2), 2);
 }
 
+/// DDP on one stage: the dp average runs inside the last backward (`OverlappedDpReduce`), and the
+/// sequence-parallel partial gradients are summed over tp after it.
+#[test]
+fn tp2_sp_dp2_ddp_overlapped_equals_one_device() {
+    let p = ParallelPlan {
+        sequence_parallel: true,
+        ..plan(2, 1, 2, 1)
+    };
+    check_equals_one_device(&cfg(), &p, 1);
+}
+
 #[test]
 fn tp2_sp_dp2_zero2_equals_one_device() {
     let p = ParallelPlan {
