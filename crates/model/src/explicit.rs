@@ -32,8 +32,8 @@
 //! The tapes are written in [`crate::tape_ops`]: the same kernels as the autograd path on CUDA
 //! (bf16 or f32, dense layers), plain candle ops on CPU when [`set_cpu`] allows it (off by
 //! default: CPU training keeps autograd). Elsewhere a segment returns no tape and the engine
-//! differentiates its forward with autograd. `model-tests explicit::` compares the two on a GPU,
-//! `tests/explicit_cpu.rs` on CPU.
+//! differentiates its forward with autograd. The tests (`explicit::tests`) compare the two on a
+//! GPU and, with the CPU tapes switched on, on CPU.
 //!
 //! Legend: `B` batch, `T` time, `C` width, `H` heads, `D` head size, `V` vocabulary, `N = B·T`.
 
@@ -541,30 +541,19 @@ mod tests {
 
     use candle_core::{DType, Device, Result, Tensor};
 
+    use super::set_cpu;
     use crate::config::GptConfig;
     use crate::engine::{Engine, NoHooks};
     use crate::gpt::Gpt;
     use crate::init::init_weights;
+    use crate::kernels::test_util::{cuda, rel_err};
     use crate::param::Grads;
 
-    fn rel_err(a: &Tensor, b: &Tensor) -> Result<f64> {
-        let (a, b) = (a.to_dtype(DType::F64)?, b.to_dtype(DType::F64)?);
-        let num = (&a - &b)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
-        let den = b.sqr()?.sum_all()?.to_scalar::<f64>()?;
-        Ok((num / den.max(1e-300)).sqrt())
-    }
-
-    /// The engine's step through the tapes against candle's autograd over the whole graph (the
-    /// same kernels, recorded): loss and every parameter gradient, for 2 dense blocks with head
-    /// size 64 (bf16 runs the tensor-core attention), the head and the tied embedding.
-    fn check(dtype: DType, tol: f64) -> Result<()> {
-        let dev = match Device::new_cuda(0) {
-            Ok(d) => d,
-            Err(_) => {
-                eprintln!("skipped: no CUDA device");
-                return Ok(());
-            }
-        };
+    /// The engine's step through the tapes, with and without checkpointing (which recomputes
+    /// each tape), against candle's autograd over the whole graph (the same operations,
+    /// recorded): loss and every parameter gradient, for 2 dense blocks with head size 64 (bf16
+    /// runs the tensor-core attention), the head and the tied embedding.
+    fn check(dev: &Device, dtype: DType, tol: f64) -> Result<()> {
         let cfg = GptConfig {
             vocab_size: 320,
             block_size: 128,
@@ -577,67 +566,106 @@ mod tests {
             .into_iter()
             .map(|(k, t)| Ok((k, t.to_dtype(dtype)?)))
             .collect::<Result<_>>()?;
-        let gpt = Gpt::new(cfg.clone(), &w, &dev)?;
+        let gpt = Gpt::new(cfg.clone(), &w, dev)?;
         let (b, t) = (3, 120); // T < block_size: the position gradient is zero-padded
         let ids = |seed: u32| -> Result<Tensor> {
             let v: Vec<u32> = (0..(b * t) as u32)
                 .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 7) % 320)
                 .collect();
-            Tensor::from_vec(v, (b, t), &dev)
+            Tensor::from_vec(v, (b, t), dev)
         };
         let (idx, tgt) = (ids(1)?, ids(99)?);
 
-        let x = Tensor::randn(0f32, 1f32, (b, t, cfg.n_embd), &dev)?.to_dtype(dtype)?;
+        let x = Tensor::randn(0f32, 1f32, (b, t, cfg.n_embd), dev)?.to_dtype(dtype)?;
+        let last = cfg.n_layer + 1;
+        assert!(
+            gpt.segments[0].forward_taped(&idx, None)?.is_some(),
+            "embedding tape"
+        );
         assert!(
             gpt.segments[1].forward_taped(&x, None)?.is_some(),
-            "the dense block has no tape on CUDA {dtype:?}"
+            "block tape"
         );
-        assert!(gpt.segments[cfg.n_layer + 1]
-            .forward_taped(&x, Some(&tgt))?
-            .is_some());
-        assert!(gpt.segments[0].forward_taped(&idx, None)?.is_some());
+        assert!(
+            gpt.segments[last].forward_taped(&x, Some(&tgt))?.is_some(),
+            "head tape"
+        );
 
-        let mut grads = Grads::new();
-        let (loss, _) = Engine::new(false).forward_backward(
-            &gpt.segments,
-            &idx,
-            &tgt,
-            1.0,
-            &mut grads,
-            &mut NoHooks,
-        )?;
         let whole = gpt.forward_loss(&idx, &tgt)?.loss;
         let want_loss = whole.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         let store = whole.backward()?;
-        assert!(
-            (loss - want_loss).abs() <= tol * want_loss.abs(),
-            "{dtype:?}: loss {loss} through the tapes vs {want_loss} by autograd"
-        );
-        for p in gpt.params() {
-            let want = store
-                .get(&p.tensor())
-                .unwrap_or_else(|| panic!("autograd gave no gradient for {}", p.name()));
-            let got = grads
-                .get(p.name())
-                .unwrap_or_else(|| panic!("the tapes gave no gradient for {}", p.name()));
-            assert_eq!(got.dims(), want.dims(), "{}", p.name());
-            let e = rel_err(got, want)?;
-            assert!(
-                e < tol,
-                "{dtype:?} {}: relative error {e:.2e} >= {tol:.0e}",
-                p.name()
+        for checkpointing in [false, true] {
+            let mut grads = Grads::new();
+            let (loss, _) = Engine::new(checkpointing).forward_backward(
+                &gpt.segments,
+                &idx,
+                &tgt,
+                1.0,
+                &mut grads,
+                &mut NoHooks,
+            )?;
+            let what = format!(
+                "{:?} {dtype:?} checkpointing {checkpointing}",
+                dev.location()
             );
+            assert!(
+                (loss - want_loss).abs() <= tol * want_loss.abs(),
+                "{what}: loss {loss} through the tapes vs {want_loss} by autograd"
+            );
+            for p in gpt.params() {
+                let want = store
+                    .get(&p.tensor())
+                    .unwrap_or_else(|| panic!("autograd gave no gradient for {}", p.name()));
+                let got = grads
+                    .get(p.name())
+                    .unwrap_or_else(|| panic!("the tapes gave no gradient for {}", p.name()));
+                assert_eq!(got.dims(), want.dims(), "{}", p.name());
+                let e = rel_err(got, want);
+                assert!(
+                    e < tol,
+                    "{what} {}: relative error {e:.2e} >= {tol:.0e}",
+                    p.name()
+                );
+            }
         }
         Ok(())
     }
 
     #[test]
     fn tapes_match_autograd_f32() -> Result<()> {
-        check(DType::F32, 1e-4)
+        let Some(dev) = cuda() else {
+            return Ok(());
+        };
+        check(&dev, DType::F32, 1e-4)
     }
 
     #[test]
     fn tapes_match_autograd_bf16() -> Result<()> {
-        check(DType::BF16, 2e-2)
+        let Some(dev) = cuda() else {
+            return Ok(());
+        };
+        check(&dev, DType::BF16, 2e-2)
+    }
+
+    /// On CPU the tapes run in plain candle ops (`tape_ops`) when switched on, so their backward
+    /// wiring is checked without a GPU. No other test of this crate's library runs the engine,
+    /// so the process-wide switch affects nothing else.
+    #[test]
+    fn tapes_match_autograd_on_cpu() -> Result<()> {
+        set_cpu(true);
+        let r = check(&Device::Cpu, DType::F32, 1e-5);
+        set_cpu(false);
+        r?;
+        let gpt = Gpt::new(
+            GptConfig::tiny(),
+            &init_weights(&GptConfig::tiny(), 1)?,
+            &Device::Cpu,
+        )?;
+        let x = Tensor::zeros((1, 4, GptConfig::tiny().n_embd), DType::F32, &Device::Cpu)?;
+        assert!(
+            gpt.segments[1].forward_taped(&x, None)?.is_none(),
+            "CPU tapes are off by default"
+        );
+        Ok(())
     }
 }

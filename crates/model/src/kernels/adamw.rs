@@ -337,17 +337,8 @@ mod host_tests {
 #[cfg(all(test, feature = "cuda"))]
 mod tests {
     use super::*;
+    use crate::kernels::test_util::{cuda, rel_err};
     use crate::optim::adamw_candle;
-    use candle_core::Device;
-
-    /// ‖a - b‖ / ‖b‖, in f64.
-    fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-        let a = a.to_dtype(DType::F64).unwrap();
-        let b = b.to_dtype(DType::F64).unwrap();
-        let num = (a - &b).unwrap().sqr().unwrap().sum_all().unwrap();
-        let den = b.sqr().unwrap().sum_all().unwrap();
-        (num.to_scalar::<f64>().unwrap() / den.to_scalar::<f64>().unwrap()).sqrt()
-    }
 
     fn f32s(t: &Tensor) -> Vec<f32> {
         t.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap()
@@ -360,12 +351,8 @@ mod tests {
     /// larger buffer, so p is not 16-byte aligned and the first step takes the one-at-a-time
     /// loop for every element (later steps read the kernel's own, aligned, outputs).
     fn check(n: usize, gdtype: DType, decay: bool, offset: bool) {
-        let dev = match Device::new_cuda(0) {
-            Ok(d) => d,
-            Err(_) => {
-                eprintln!("skipped: no CUDA device");
-                return;
-            }
+        let Some(dev) = cuda() else {
+            return;
         };
         let p0 = match offset {
             true => Tensor::randn(0f32, 1f32, n + 1, &dev)

@@ -231,24 +231,13 @@ mod imp {
 #[cfg(all(test, feature = "cuda"))]
 mod tests {
     use super::*;
-    use candle_core::{DType, Device, Var};
-
-    fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-        let a = a.to_dtype(DType::F64).unwrap();
-        let b = b.to_dtype(DType::F64).unwrap();
-        let num = (a - &b).unwrap().sqr().unwrap().sum_all().unwrap();
-        let den = b.sqr().unwrap().sum_all().unwrap();
-        (num.to_scalar::<f64>().unwrap() / den.to_scalar::<f64>().unwrap()).sqrt()
-    }
+    use crate::kernels::test_util::{cuda, rel_err};
+    use candle_core::{DType, Var};
 
     /// y, dx and db against broadcast_add and its autograd computed in f32 from the same inputs.
     fn check(rows: usize, c: usize, dtype: DType, tol: f64) {
-        let dev = match Device::new_cuda(0) {
-            Ok(d) => d,
-            Err(_) => {
-                eprintln!("skipped: no CUDA device");
-                return;
-            }
+        let Some(dev) = cuda() else {
+            return;
         };
         let x = Tensor::randn(0f32, 1f32, (2, rows, c), &dev).unwrap();
         let b = (Tensor::randn(0f32, 1f32, c, &dev).unwrap() + 2.0).unwrap();
@@ -304,12 +293,8 @@ mod tests {
     /// r + (x + b) against the two candle adds in f32, on the 16-byte path and the one-element one.
     #[test]
     fn residual_matches_two_adds() {
-        let dev = match Device::new_cuda(0) {
-            Ok(d) => d,
-            Err(_) => {
-                eprintln!("skipped: no CUDA device");
-                return;
-            }
+        let Some(dev) = cuda() else {
+            return;
         };
         for (c, dtype, tol) in [
             (768, DType::BF16, 1e-2),

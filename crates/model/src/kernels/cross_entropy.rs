@@ -217,37 +217,13 @@ mod imp {
 #[cfg(all(test, feature = "cuda"))]
 mod tests {
     use super::*;
-    use candle_core::{Device, Var};
-
-    fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-        let a = a.to_dtype(DType::F64).unwrap();
-        let b = b.to_dtype(DType::F64).unwrap();
-        let num = (a - &b)
-            .unwrap()
-            .sqr()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap();
-        let den = b
-            .sqr()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap();
-        (num / den).sqrt()
-    }
+    use crate::kernels::test_util::{cuda, rel_err};
+    use candle_core::Var;
 
     /// Mean loss and dlogits of the fused kernel against gpt::cross_entropy in f32.
     fn check(n: usize, v: usize, dtype: DType, tol: f64) {
-        let dev = match Device::new_cuda(0) {
-            Ok(d) => d,
-            Err(_) => {
-                eprintln!("skipped: no CUDA device");
-                return;
-            }
+        let Some(dev) = cuda() else {
+            return;
         };
         let x = (Tensor::randn(0f32, 1f32, (n, v), &dev).unwrap() * 3.0).unwrap();
         let x = x.to_dtype(dtype).unwrap();

@@ -420,6 +420,7 @@ mod imp {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::test_util::rel_err;
     use candle_core::{Device, Var};
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
@@ -434,14 +435,6 @@ mod tests {
                 ((u * u * vocab as f64) as usize).min(vocab - 1) as u32
             })
             .collect()
-    }
-
-    fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-        let a = a.to_dtype(DType::F64).unwrap();
-        let b = b.to_dtype(DType::F64).unwrap();
-        let num = (a - &b).unwrap().sqr().unwrap().sum_all().unwrap();
-        let den = b.sqr().unwrap().sum_all().unwrap();
-        (num.to_scalar::<f64>().unwrap() / den.to_scalar::<f64>().unwrap()).sqrt()
     }
 
     fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
@@ -558,16 +551,7 @@ mod tests {
     #[cfg(feature = "cuda")]
     mod gpu {
         use super::*;
-
-        fn cuda() -> Option<Device> {
-            match Device::new_cuda(0) {
-                Ok(d) => Some(d),
-                Err(_) => {
-                    eprintln!("skipped: no CUDA device");
-                    None
-                }
-            }
-        }
+        use crate::kernels::test_util::cuda;
 
         #[test]
         fn op_matches_index_select() {

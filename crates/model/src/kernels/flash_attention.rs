@@ -475,39 +475,14 @@ mod imp {
 #[cfg(all(test, feature = "cuda"))]
 mod tests {
     use super::*;
-    use candle_core::{DType, Device, Var};
-
-    /// ‖a − b‖ / ‖b‖ in f64.
-    fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-        let a = a.to_dtype(DType::F64).unwrap();
-        let b = b.to_dtype(DType::F64).unwrap();
-        let num = (a - &b)
-            .unwrap()
-            .sqr()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap();
-        let den = b
-            .sqr()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap();
-        (num / den).sqrt()
-    }
+    use crate::kernels::test_util::{cuda, rel_err};
+    use candle_core::{DType, Var};
 
     /// Forward and the three gradients of the fused kernel against the plain candle attention
     /// (the reference computed in f32 from the same inputs).
     fn check(b: usize, h: usize, t: usize, d: usize, dtype: DType, tol: f64) {
-        let dev = match Device::new_cuda(0) {
-            Ok(d) => d,
-            Err(_) => {
-                eprintln!("skipped: no CUDA device");
-                return;
-            }
+        let Some(dev) = cuda() else {
+            return;
         };
         let r = |s: &[usize]| {
             Tensor::randn(0f32, 1f32, s, &dev)
@@ -597,12 +572,8 @@ mod tests {
     /// attention on the three parts, computed in f32.
     #[test]
     fn packed_matches_plain_attention_bf16_d64() {
-        let dev = match Device::new_cuda(0) {
-            Ok(d) => d,
-            Err(_) => {
-                eprintln!("skipped: no CUDA device");
-                return;
-            }
+        let Some(dev) = cuda() else {
+            return;
         };
         let (b, h, t, d) = (2, 3, 200, 64);
         let x = Tensor::randn(0f32, 1f32, (3, b, h, t, d), &dev).unwrap();

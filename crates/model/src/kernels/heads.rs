@@ -238,18 +238,15 @@ mod unit_tests {
 #[cfg(all(test, feature = "cuda"))]
 mod tests {
     use super::*;
-    use candle_core::{DType, Device, Var};
+    use crate::kernels::test_util::cuda;
+    use candle_core::{DType, Var};
 
     /// split_heads and merge_heads, forward and backward, against narrow/reshape/transpose:
     /// a permutation, so the results must be bit-identical.
     #[test]
     fn matches_narrow_transpose_exactly() {
-        let dev = match Device::new_cuda(0) {
-            Ok(d) => d,
-            Err(_) => {
-                eprintln!("skipped: no CUDA device");
-                return;
-            }
+        let Some(dev) = cuda() else {
+            return;
         };
         let (b, t, h, d) = (2, 37, 3, 16);
         for dtype in [DType::BF16, DType::F32] {

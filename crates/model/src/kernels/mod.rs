@@ -98,6 +98,38 @@ pub fn retain_pool_memory(dev: &candle_core::Device) -> candle_core::Result<()> 
     Ok(())
 }
 
+/// Pieces every kernel test uses.
+#[cfg(test)]
+pub(crate) mod test_util {
+    use candle_core::{DType, Device, Tensor};
+
+    /// ‖a − b‖ / ‖b‖, in f64.
+    pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+        let a = a.to_dtype(DType::F64).unwrap();
+        let b = b.to_dtype(DType::F64).unwrap();
+        let sq = |t: &Tensor| {
+            t.sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap()
+        };
+        (sq(&(a - &b).unwrap()) / sq(&b)).sqrt()
+    }
+
+    /// The first CUDA device, or None after saying the test is skipped (no GPU here).
+    pub fn cuda() -> Option<Device> {
+        match Device::new_cuda(0) {
+            Ok(d) => Some(d),
+            Err(_) => {
+                eprintln!("skipped: no CUDA device");
+                None
+            }
+        }
+    }
+}
+
 fn msg(s: String) -> candle_core::Error {
     candle_core::Error::Msg(s)
 }
