@@ -144,15 +144,28 @@ impl LayerNorm {
 /// LayerNorm from plain candle ops, in f32 for 16-bit inputs: the path on CPU and the reference
 /// for the fused kernel. x (..., C), w and b (C,); returns x's shape and dtype.
 pub fn layer_norm_plain(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+    Ok(layer_norm_parts(x, w, b, eps)?.0)
+}
+
+/// [`layer_norm_plain`] with the statistics it computed: y, the row means and the row standard
+/// deviations √(var + eps), both (..., 1) in f32 (or x's dtype when wider).
+pub(crate) fn layer_norm_parts(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
     let dtype = x.dtype();
     let x = upcast(x)?;
     let mean = x.mean_keepdim(D::Minus1)?; // (..., 1)
     let xc = x.broadcast_sub(&mean)?;
     let var = xc.sqr()?.mean_keepdim(D::Minus1)?; // (..., 1)
-    let xn = xc.broadcast_div(&(var + eps)?.sqrt()?)?;
+    let std = (var + eps)?.sqrt()?; // (..., 1)
+    let xn = xc.broadcast_div(&std)?;
     let w = w.to_dtype(xn.dtype())?;
     let b = b.to_dtype(xn.dtype())?;
-    xn.broadcast_mul(&w)?.broadcast_add(&b)?.to_dtype(dtype)
+    let y = xn.broadcast_mul(&w)?.broadcast_add(&b)?.to_dtype(dtype)?;
+    Ok((y, mean, std))
 }
 
 /// GELU (tanh approximation): the fused kernel on CUDA ([`kernels::gelu`]), else candle's.

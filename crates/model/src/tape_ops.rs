@@ -9,7 +9,9 @@
 use candle_core::{DType, Result, Tensor, Var, D};
 
 use crate::kernels;
-use crate::layers::{causal_attention, gelu as plain_gelu, log_softmax_last_dim, upcast};
+use crate::layers::{
+    causal_attention, gelu as plain_gelu, layer_norm_parts, log_softmax_last_dim, upcast,
+};
 
 fn on_gpu(x: &Tensor) -> bool {
     x.device().is_cuda()
@@ -25,18 +27,12 @@ pub fn layer_norm_fwd(
     if on_gpu(x) {
         return kernels::layer_norm::forward_saved(x, w, b, eps);
     }
-    let xf = upcast(x)?;
-    let mean = xf.mean_keepdim(D::Minus1)?; // (N, 1)
-    let xc = xf.broadcast_sub(&mean)?;
-    let rstd = (xc.sqr()?.mean_keepdim(D::Minus1)? + eps)?
-        .sqrt()?
-        .recip()?; // (N, 1)
-    let xhat = xc.broadcast_mul(&rstd)?;
-    let y = xhat
-        .broadcast_mul(&upcast(w)?)?
-        .broadcast_add(&upcast(b)?)?
-        .to_dtype(x.dtype())?;
-    Ok((y, mean.squeeze(D::Minus1)?, rstd.squeeze(D::Minus1)?))
+    let (y, mean, std) = layer_norm_parts(x, w, b, eps)?; // statistics (N, 1)
+    Ok((
+        y,
+        mean.squeeze(D::Minus1)?,
+        std.recip()?.squeeze(D::Minus1)?,
+    ))
 }
 
 /// (dx, dw, db) of LayerNorm from x, w, dy and the forward's statistics.
