@@ -57,7 +57,10 @@ use mtrain_model::{
 };
 
 pub use all_to_all::all_to_all;
-pub use data_parallel::{grad_norm_sq, sync_grads, total_load, ExpertDataParallel};
+pub use data_parallel::{
+    finish_averages, grad_norm_sq, start_average, sync_grads, total_load, Averaging,
+    ExpertDataParallel,
+};
 
 /// Errors of expert parallelism.
 #[derive(Debug, thiserror::Error)]

@@ -11,7 +11,8 @@
 //! ```
 //!
 //! The collectives are the same ones, with the same bytes, as the after-the-step
-//! [`sync_grads`](crate::expert_parallel::sync_grads): one all-reduce per parameter; only
+//! [`sync_grads`](crate::expert_parallel::sync_grads) (both start and finish each average with
+//! [`start_average`] and [`finish_averages`]): one all-reduce per parameter; only
 //! their start moves into the backward. Used when the plan has one pipeline stage (tp × dp,
 //! dp × ep): every rank of a dp group then runs the same program, so each communicator sees its
 //! operations in the same order on every rank whatever the backend's streams. Under a pipeline,
@@ -22,10 +23,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
-use mtrain_comm::{Comm, ReduceOp, Work};
+use mtrain_comm::Comm;
 use mtrain_model::{Grads, Hooks, NoHooks, Segment};
 
-use crate::expert_parallel::is_expert_param;
+use crate::expert_parallel::{finish_averages, start_average, Averaging};
 use crate::pipeline::StageHooks;
 
 /// Stage hooks that launch each parameter's dp average as soon as its gradient is final on the
@@ -39,7 +40,7 @@ pub struct OverlappedDpReduce<'a> {
     final_after: BTreeMap<usize, Vec<String>>,
     /// Whether this pass is the last backward of the step's last micro-step.
     active: bool,
-    pending: Vec<(String, bool, Work)>,
+    pending: Vec<Averaging>,
     bytes: u64,
     idle: NoHooks,
 }
@@ -76,14 +77,9 @@ impl<'a> OverlappedDpReduce<'a> {
 
     /// Waits for every launched average and stores it in `grads`. Returns the number of
     /// collectives and their input bytes.
-    pub fn finish(self, grads: &mut Grads) -> super::Result<(usize, u64)> {
-        let inv_dp = 1.0 / self.dp.size() as f64;
+    pub fn finish(self, grads: &mut Grads) -> crate::expert_parallel::Result<(usize, u64)> {
         let n = self.pending.len();
-        for (name, expert, work) in self.pending {
-            let g = work.wait()?;
-            let g = if expert { (g * inv_dp)? } else { g };
-            grads.insert(name, g);
-        }
+        finish_averages(self.pending, grads, self.dp)?;
         Ok((n, self.bytes))
     }
 }
@@ -125,12 +121,8 @@ impl Hooks for OverlappedDpReduce<'_> {
             };
             let g: Tensor = g.contiguous()?;
             self.bytes += (g.elem_count() * g.dtype().size_in_bytes()) as u64;
-            let expert = is_expert_param(name);
-            let work = match expert {
-                true => self.edp.all_reduce_async(&g, ReduceOp::Sum),
-                false => self.dp.all_reduce_async(&g, ReduceOp::Avg),
-            };
-            self.pending.push((name.clone(), expert, work));
+            self.pending
+                .push(start_average(name, &g, self.dp, self.edp));
         }
         Ok(())
     }

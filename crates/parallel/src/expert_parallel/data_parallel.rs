@@ -44,8 +44,7 @@ pub fn sync_grads(
     dp: &Comm,
     edp: &Comm,
 ) -> Result<(usize, u64)> {
-    let inv_dp = 1.0 / dp.size() as f64;
-    let mut pending: Vec<(&Param, bool, Work)> = Vec::with_capacity(params.len());
+    let mut pending = Vec::with_capacity(params.len());
     let mut bytes = 0u64;
     for p in params {
         let g = match grads.get(p.name()) {
@@ -53,20 +52,37 @@ pub fn sync_grads(
             None => Tensor::zeros(p.shape(), p.var().dtype(), p.var().device())?,
         };
         bytes += (g.elem_count() * g.dtype().size_in_bytes()) as u64;
-        let expert = is_expert_param(p.name());
-        let work = match expert {
-            true => edp.all_reduce_async(&g, ReduceOp::Sum),
-            false => dp.all_reduce_async(&g, ReduceOp::Avg),
-        };
-        pending.push((p, expert, work));
+        pending.push(start_average(p.name(), &g, dp, edp));
     }
     let n = pending.len();
-    for (p, expert, work) in pending {
+    finish_averages(pending, grads, dp)?;
+    Ok((n, bytes))
+}
+
+/// A gradient average in flight: the parameter's name, whether it is an expert's, the work.
+pub type Averaging = (String, bool, Work);
+
+/// Starts averaging `g`, the gradient of `name`, over the data-parallel replicas: dense
+/// gradients by an all-reduce Avg over `dp`; an expert's by an all-reduce Sum over `edp`, divided
+/// by dp's size in [`finish_averages`] (each expert sees the tokens of all dp ranks).
+pub fn start_average(name: &str, g: &Tensor, dp: &Comm, edp: &Comm) -> Averaging {
+    let expert = is_expert_param(name);
+    let work = match expert {
+        true => edp.all_reduce_async(g, ReduceOp::Sum),
+        false => dp.all_reduce_async(g, ReduceOp::Avg),
+    };
+    (name.to_string(), expert, work)
+}
+
+/// Waits for the averages [`start_average`] began and stores them in `grads`.
+pub fn finish_averages(pending: Vec<Averaging>, grads: &mut Grads, dp: &Comm) -> Result<()> {
+    let inv_dp = 1.0 / dp.size() as f64;
+    for (name, expert, work) in pending {
         let g = work.wait()?;
         let g = if expert { (g * inv_dp)? } else { g };
-        grads.insert(p.name(), g);
+        grads.insert(name, g);
     }
-    Ok((n, bytes))
+    Ok(())
 }
 
 /// Σ g² of the whole model's synced gradient, the same on every rank: non-expert gradients are
