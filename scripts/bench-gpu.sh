@@ -50,9 +50,7 @@ run() {
   # shellcheck disable=SC1091
   source scripts/gpu-env.sh
   for f in .gpu/bench_gpu.xz .gpu/model-tests.xz; do
-    python3 -c 'import lzma, shutil, sys
-with lzma.open(sys.argv[1]) as src, open(sys.argv[2], "wb") as dst:
-    shutil.copyfileobj(src, dst)' "$f" "$BIN/$(basename "$f" .xz)" && chmod +x "$BIN/$(basename "$f" .xz)"
+    mtrain_unpack "$f" "$BIN/$(basename "$f" .xz)"
   done
   { date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } \
     | tee "$OUT/machine.txt"

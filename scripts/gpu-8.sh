@@ -38,9 +38,7 @@ if [ "$DEVICE" = cuda ]; then
   # shellcheck disable=SC1091
   source scripts/gpu-env.sh
   export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-  python3 -c 'import lzma, shutil, sys
-with lzma.open(sys.argv[1]) as src, open(sys.argv[2], "wb") as dst:
-    shutil.copyfileobj(src, dst)' .gpu/mtrain.xz "$BIN/mtrain" && chmod +x "$BIN/mtrain"
+  mtrain_unpack .gpu/mtrain.xz "$BIN/mtrain"
   M=$BIN/mtrain
   DTYPE=(--dtype bf16)
   { date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } | tee "$OUT/machine.txt"

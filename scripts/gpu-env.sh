@@ -19,3 +19,11 @@ export LD_LIBRARY_PATH="${_mtrain_libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 unset _mtrain_libs _mtrain_sp _d
 # NVLink SHARP (multicast) stays off: on shared hosts it can take every GPU of the node down.
 export NCCL_NVLS_ENABLE=0
+
+# mtrain_unpack SRC.xz DST: unpacks a binary carried in .gpu/ (with python's lzma: a GPU machine
+# may have no xz) and makes it executable.
+mtrain_unpack() {
+  python3 -c 'import lzma, shutil, sys
+with lzma.open(sys.argv[1]) as src, open(sys.argv[2], "wb") as dst:
+    shutil.copyfileobj(src, dst)' "$1" "$2" && chmod +x "$2"
+}

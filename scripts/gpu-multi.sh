@@ -21,9 +21,7 @@ mkdir -p "$OUT" "$BIN"
 source scripts/gpu-env.sh
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 for f in mtrain comm-tests; do
-  python3 -c 'import lzma, shutil, sys
-with lzma.open(sys.argv[1]) as src, open(sys.argv[2], "wb") as dst:
-    shutil.copyfileobj(src, dst)' ".gpu/$f.xz" "$BIN/$f" && chmod +x "$BIN/$f"
+  mtrain_unpack ".gpu/$f.xz" "$BIN/$f"
 done
 M=$BIN/mtrain
 SIZES=(-b 16M -e 1G -f 4)

@@ -21,13 +21,9 @@ mkdir -p "$OUT" "$BIN"
 source scripts/gpu-env.sh
 status=0
 
-# Unpack with python's lzma where no xz is installed.
 for f in .gpu/*.xz; do
   [ -e "$f" ] || continue
-  dst="$BIN/$(basename "$f" .xz)"
-  python3 -c 'import lzma, shutil, sys
-with lzma.open(sys.argv[1]) as src, open(sys.argv[2], "wb") as dst:
-    shutil.copyfileobj(src, dst)' "$f" "$dst" && chmod +x "$dst"
+  mtrain_unpack "$f" "$BIN/$(basename "$f" .xz)"
 done
 
 { date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } \

@@ -16,10 +16,7 @@ BIN=/tmp/mtrain-bench
 mkdir -p "$OUT" "$BIN"
 # shellcheck disable=SC1091
 source scripts/gpu-env.sh
-[ -x "$BIN/bench_gpu" ] || python3 -c 'import lzma, shutil, sys
-with lzma.open(sys.argv[1]) as src, open(sys.argv[2], "wb") as dst:
-    shutil.copyfileobj(src, dst)' .gpu/bench_gpu.xz "$BIN/bench_gpu"
-chmod +x "$BIN/bench_gpu"
+mtrain_unpack .gpu/bench_gpu.xz "$BIN/bench_gpu"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 M=gpu__time_duration.sum
 "$NCU" --clock-control none --metrics $M --csv --page raw --log-file "$OUT/mtrain.csv" \
