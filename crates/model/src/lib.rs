@@ -9,6 +9,7 @@
 //! - [`moe`]: top-k routing with capacity, the experts layer and its auxiliary losses.
 //! - [`gpt`]: the model as a list of segments (embedding, blocks, head).
 //! - [`kernels`]: fused CUDA kernels (flash attention, cross-entropy) the layers use on GPUs.
+//! - [`reduce`]: full reductions (Σ, Σ x²) summed in rows first, so a GPU runs them on every multiprocessor.
 //! - [`engine`]: forward/backward one segment at a time with hooks and activation checkpointing.
 //! - [`explicit`]: hand-written backward passes of the embedding, the dense block and the head (CUDA kernels).
 //! - [`tape_ops`]: the graph-free operations those are written in, CUDA kernels or plain CPU ops.
@@ -23,6 +24,7 @@ pub mod layers;
 pub mod moe;
 pub mod optim;
 pub mod param;
+pub mod reduce;
 pub mod tape_ops;
 
 pub use config::{ConfigError, GptConfig, MoeConfig};

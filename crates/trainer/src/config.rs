@@ -168,6 +168,9 @@ pub struct TrainConfig {
     pub activation_checkpointing: bool,
     /// Print and record the per-step memory report.
     pub mem_report: bool,
+    /// Time each phase of a step (data, forward, backward, gradient norm, optimizer), with the
+    /// device synchronised at every boundary; logged and recorded in metrics.jsonl.
+    pub profile_phases: bool,
     /// Where to compute.
     pub device: DeviceKind,
     /// Compute dtype.
@@ -224,6 +227,7 @@ impl Default for TrainConfig {
             data: DataSource::Builtin,
             activation_checkpointing: false,
             mem_report: false,
+            profile_phases: false,
             device: DeviceKind::Cpu,
             dtype: DTypeKind::F32,
             grad_reduce_dtype: DTypeKind::F32,
@@ -373,6 +377,9 @@ pub struct TrainArgs {
     /// Print and record the per-step memory report.
     #[arg(long)]
     pub mem_report: bool,
+    /// Time each phase of a step (device synchronised at every boundary) and log it.
+    #[arg(long)]
+    pub profile_phases: bool,
     /// Recompute activations in backward instead of storing them.
     #[arg(long)]
     pub activation_checkpointing: bool,
@@ -455,6 +462,9 @@ impl TrainArgs {
         }
         if self.mem_report {
             put("mem_report", toml::Value::Boolean(true));
+        }
+        if self.profile_phases {
+            put("profile_phases", toml::Value::Boolean(true));
         }
         if self.activation_checkpointing {
             put("activation_checkpointing", toml::Value::Boolean(true));

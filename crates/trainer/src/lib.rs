@@ -12,6 +12,7 @@ pub mod gpu_memory;
 pub mod launch;
 pub mod memory;
 pub mod parity;
+pub mod phases;
 pub mod plan;
 pub mod plot;
 pub mod prepare;

@@ -42,6 +42,7 @@ use crate::checkpoint::{self, CheckpointData};
 use crate::config::TrainConfig;
 use crate::data::{DataLoader, Dataset};
 use crate::distributed::Distributed;
+use crate::phases::{PhaseTimer, PhaseTimes, StepPhase};
 use crate::memory::{
     activation_bytes, AnalyticMemory, CpuProbe, MemoryProbe, MemoryTracker, ModelStateLayout, Phase,
 };
@@ -323,6 +324,9 @@ pub struct StepMetrics {
     /// Rank 0's communication, pipeline and expert figures (see `distributed::StepReport`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub parallel: Option<serde_json::Value>,
+    /// Milliseconds per phase of the step, under `profile_phases` (see [`crate::phases`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub phase_ms: Option<PhaseTimes>,
 }
 
 /// What a run did.
@@ -694,25 +698,44 @@ pub fn train_loop(
         let lr = lr_at(step, &sched);
         let mut loss = 0.0;
         let epoch = loader.epoch();
+        let mut timer = cfg
+            .profile_phases
+            .then(|| PhaseTimer::start(device))
+            .transpose()?;
         for _ in 0..cfg.grad_accum {
             let (x, y) = loader.next_batch().to_tensors(device)?; // (B, T), (B, T)
+            lap(&mut timer, StepPhase::Data)?;
+            let mut lap_err = None;
             let mut mark = |p: Phase| {
                 if cfg.mem_report {
                     tracker.mark(p)
                 }
+                let phase = match p {
+                    Phase::AfterForward => StepPhase::Forward,
+                    _ => StepPhase::Backward,
+                };
+                if let Err(e) = lap(&mut timer, phase) {
+                    lap_err.get_or_insert(e);
+                }
             };
             loss += model.forward_backward(&x, &y, 1.0 / cfg.grad_accum as f64, &mut mark)?
                 / cfg.grad_accum as f64;
+            if let Some(e) = lap_err {
+                return Err(e.into());
+            }
         }
         if !loss.is_finite() {
             bail!("loss became {loss} at step {step} (lr {lr:.3e}); lower --lr or check the data");
         }
         let grad_norm = model.grad_sq_norm()?.sqrt();
+        lap(&mut timer, StepPhase::GradNorm)?;
         model.optimizer_step(lr, clip_coef(grad_norm, cfg.grad_clip))?;
+        lap(&mut timer, StepPhase::Optimizer)?;
         if cfg.mem_report {
             tracker.mark(Phase::AfterOptimizer);
         }
         let dt = t0.elapsed().as_secs_f64();
+        let phase_ms = timer.map(PhaseTimer::finish);
         let tokens_per_s = tokens_per_step / dt.max(1e-9);
         let mfu = flops_per_token * tokens_per_s / (peak * dp as f64);
         summary.losses.push(loss);
@@ -735,6 +758,7 @@ pub fn train_loop(
             epoch,
             val_loss,
             parallel: model.step_report(),
+            phase_ms,
         };
         bar.set_position(step + 1);
         bar.set_message(format!(
@@ -760,6 +784,9 @@ pub fn train_loop(
             }
             if let (true, Some(line)) = (lead, model.step_line()) {
                 bar.suspend(|| tracing::info!(rank, step, "{line}"));
+            }
+            if let (true, Some(p)) = (lead, &m.phase_ms) {
+                bar.suspend(|| tracing::info!(rank, step, "phases (ms): {}", p.line()));
             }
         }
         if let Some(report) = &m.parallel {
@@ -891,6 +918,14 @@ pub fn memory_probe(device: &Device) -> Box<dyn MemoryProbe> {
     }
     let _ = device;
     Box::new(CpuProbe)
+}
+
+/// Ends phase `p` of the step when the phases are being timed.
+fn lap(timer: &mut Option<PhaseTimer>, p: StepPhase) -> candle_core::Result<()> {
+    match timer {
+        Some(t) => t.lap(p),
+        None => Ok(()),
+    }
 }
 
 fn open_append(path: &Path) -> anyhow::Result<File> {

@@ -198,12 +198,12 @@ pub fn decays(shape: &[usize]) -> bool {
 
 /// Σ of every element of `t` as one f64: the loss the engine's last segment returns.
 pub(crate) fn sum_f64(t: &Tensor) -> candle_core::Result<f64> {
-    t.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()
+    mtrain_model::reduce::sum_f64(t)
 }
 
 /// Σ t² over every element, computed in f64 (one tensor's part of a squared gradient norm).
 pub(crate) fn sq_sum_f64(t: &Tensor) -> candle_core::Result<f64> {
-    t.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()
+    mtrain_model::reduce::sq_sum_f64(t)
 }
 
 /// Multiplies every gradient in `grads` by `factor` (gradient clipping).
