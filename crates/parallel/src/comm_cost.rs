@@ -43,10 +43,12 @@ use mtrain_model::init::param_specs;
 use mtrain_model::moe::capacity;
 use mtrain_model::GptConfig;
 
-use crate::expert_parallel::is_expert_param;
 use crate::fsdp::ZeroStage;
-use crate::parallelize::{DataParallelKind, ParallelPlan};
-use crate::pipeline::{Action, Schedule, ScheduleKind, StageLayout};
+use crate::pipeline::{Action, Schedule};
+use crate::placement::{
+    block_of, ep_rank_of_expert, expert_of, is_expert_param, sp_partial, tp_placement,
+};
+use crate::plan::{DataParallelKind, ParallelPlan};
 
 /// Errors of the cost model.
 #[derive(Debug, thiserror::Error)]
@@ -463,18 +465,7 @@ fn segment_params(
             .find(|s| s.0 == name)
             .map_or(0, |s| s.1.iter().product::<usize>())
     };
-    let local = |name: &str| -> usize {
-        let n = numel_of(name);
-        let split = name == "wte.weight"
-            || name.contains(".c_attn.")
-            || name.contains(".c_fc.")
-            || name.ends_with(".c_proj.weight");
-        if split && tp > 1 && !is_expert_param(name) {
-            n / tp
-        } else {
-            n
-        }
-    };
+    let local = |name: &str| tp_placement(name, false).local_numel(numel_of(name), tp);
     let mut names: Vec<String> = Vec::new();
     if seg == 0 {
         names = vec!["wte.weight".into(), "wpe.weight".into()];
@@ -485,22 +476,15 @@ fn segment_params(
             "wte.weight".into(),
         ];
     } else {
-        let prefix = format!("h.{}.", seg - 1);
-        let el = cfg.moe.as_ref().map_or(0, |m| m.n_experts / ep.max(1));
+        let n_experts = cfg.moe.as_ref().map_or(0, |m| m.n_experts);
         for (name, _, _) in &specs {
-            let Some(rest) = name.strip_prefix(&prefix) else {
+            if block_of(name) != Some(seg - 1) {
                 continue;
-            };
-            if let Some(e) = rest
-                .strip_prefix("moe.experts.")
-                .and_then(|r| r.split('.').next())
-                .and_then(|e| e.parse::<usize>().ok())
-            {
-                if ep > 1 && (e < ep_idx * el || e >= (ep_idx + 1) * el) {
-                    continue;
-                }
             }
-            names.push(name.clone());
+            match expert_of(name) {
+                Some(e) if ep > 1 && ep_rank_of_expert(e, n_experts, ep) != ep_idx => continue,
+                _ => names.push(name.clone()),
+            }
         }
     }
     names
@@ -510,14 +494,6 @@ fn segment_params(
             name: n,
         })
         .collect()
-}
-
-/// Parameters whose gradient is partial over tp under sequence parallelism.
-fn sp_partial(name: &str) -> bool {
-    name == "wpe.weight"
-        || name.contains(".ln_")
-        || name.starts_with("ln_f.")
-        || name.ends_with(".c_proj.bias")
 }
 
 /// Every collective `rank` issues in one optimizer step of `plan` (one `forward_backward` with
@@ -549,18 +525,12 @@ pub fn step_collectives(
     };
     let act = shape.dtype;
     let f32_ = DType::F32;
-    let kind = if pp == 1 {
-        ScheduleKind::GPipe
-    } else {
-        plan.schedule
-    };
+    let kind = plan.effective_schedule();
     let v = kind.virtual_stages();
-    let n_stages = pp * v;
-    let layout = match &plan.stage_counts {
-        Some(counts) => StageLayout::from_counts(cfg.n_layer, counts),
-        None => StageLayout::even(cfg.n_layer, n_stages),
-    }
-    .map_err(|e| CostError::Plan(e.to_string()))?;
+    let n_stages = plan.num_stages();
+    let layout = plan
+        .stage_layout(cfg.n_layer)
+        .map_err(|e| CostError::Plan(e.to_string()))?;
     let sched =
         Schedule::new(kind, pp, plan.microbatches).map_err(|e| CostError::Plan(e.to_string()))?;
     let mut tally = Tally {

@@ -58,9 +58,11 @@ use mtrain_comm::{Comm, ReduceOp};
 use mtrain_model::optim::{AdamW, AdamWState, OptimItem};
 use mtrain_model::{Engine, Grads, Hooks, Param, Segment};
 
-use crate::ddp::{
-    final_after, sq_sum_f64, sum_f64, timed_wait, unique_params, verify_same_init, CommStats,
-    DataParallel, DpError, MasterWeights, MixedPrecision, ModelStateBytes, OpTimer, Result,
+use crate::ddp::{verify_same_init, DataParallel, DpError, Result};
+use crate::mixed_precision::{MasterWeights, MixedPrecision};
+use crate::toolbox::{
+    final_after, sq_sum_f64, sum_f64, timed_wait, unique_params, CommStats, ModelStateBytes,
+    OpTimer,
 };
 use scheduler::{Residency, Scheduler};
 use unit::FlatUnit;

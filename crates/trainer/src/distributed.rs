@@ -41,6 +41,7 @@ use mtrain_model::{Engine, Gpt, GptConfig, MoeStats};
 use mtrain_parallel::ddp::{CommStats, DataParallel, Ddp, ModelStateBytes};
 use mtrain_parallel::parallelize::{parallelize, DataParallelKind, ParallelModel, ParallelPlan};
 use mtrain_parallel::pipeline::executor::SpanKind;
+use mtrain_parallel::placement::tp_placement;
 use serde::Serialize;
 
 use crate::memory::{rank_activation_bytes, ActivationLayout, ModelStateLayout, Phase};
@@ -289,7 +290,7 @@ impl Distributed {
 }
 
 /// Parameters this rank holds after the tensor, pipeline and expert splits (before ZeRO):
-/// every held name's full size, divided by tp where tensor parallelism splits it.
+/// every held name's full size, as the tensor-parallel split rule slices it.
 fn local_param_count(cfg: &GptConfig, pm: &ParallelModel, tp: usize) -> u64 {
     let full: BTreeMap<String, usize> = param_specs(cfg)
         .into_iter()
@@ -299,11 +300,7 @@ fn local_param_count(cfg: &GptConfig, pm: &ParallelModel, tp: usize) -> u64 {
         .iter()
         .map(|p| {
             let n = full.get(p.name()).copied().unwrap_or(p.elem_count());
-            let split = p.name() == "wte.weight"
-                || p.name().contains(".c_attn.")
-                || p.name().contains(".c_fc.")
-                || p.name().ends_with(".c_proj.weight");
-            (if split && tp > 1 { n / tp } else { n }) as u64
+            tp_placement(p.name(), false).local_numel(n, tp) as u64
         })
         .sum()
 }

@@ -16,7 +16,8 @@ use mtrain_model::{Grads, Hooks, Segment};
 
 use super::unit::FlatUnit;
 use super::ZeroStage;
-use crate::ddp::{hook_err, timed_wait, CommStats, OpTimer, Result};
+use crate::ddp::Result;
+use crate::toolbox::{hook_err, timed_wait, CommStats, OpTimer};
 
 /// Whether a unit's full weights are in its parameters' slots.
 pub(super) enum Residency {
