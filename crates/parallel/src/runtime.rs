@@ -9,8 +9,8 @@
 //!                             (ZeRO: gather / free / reduce-scatter; one stage with dp > 1:
 //!                             each gradient's dp average starts in the last backward)
 //!                             sync: finish_grads = dp average, Σ tp partial, Σ tied wte
-//!   optimizer_step(opt, lr, max)   norm (one all-reduce over the world), clip, AdamW (fp32
-//!                                  masters), ZeRO write-back
+//!   norm² = grad_norm_sq()    one all-reduce over the world
+//!   scaled_step(opt, lr, clip_coef(norm, max))   scale, AdamW (fp32 masters), ZeRO write-back
 //! ```
 //!
 //! **Data parallelism under the pipeline.** The executor runs the engine's passes; it hands each
@@ -33,11 +33,12 @@
 //! ZeRO shards ([`Fsdp::all_reduce_grads_of`]; for `wte`, the full gradient gathered over dp,
 //! exchanged over pp, and the peer's part added to the shard).
 //!
-//! **Gradient norm.** Σ g² over every element of the model: each rank weighs a
+//! **Gradient norm, once per step.** Σ g² over every element of the model: each rank weighs a
 //! parameter 1 or 0 (counted on tp rank 0 if it is replicated over tp, on the first stage if it
 //! is the tied `wte`, on dp rank 0 if its gradient is replicated over dp — ZeRO shards are
 //! disjoint and always count, an expert on its edp replica 0) and one all-reduce over the world
-//! adds it up.
+//! adds it up. The loop asks for it ([`ParallelModel::grad_norm_sq`]) and passes the clip
+//! coefficient to [`ParallelModel::scaled_step`], which uses it as given.
 //!
 //! **Mixed precision** ([`ParallelPlan::precision`]). Gradients are cast to the reduce dtype
 //! before the first reduction (dp, sequence-parallel sums, tied `wte`); ZeRO reduce-scatters in
@@ -403,7 +404,9 @@ impl ParallelModel {
     }
 
     /// Clips to `max_grad_norm` (if given), steps `opt` over this rank's parameters or shards and
-    /// clears the gradients. Returns the global gradient norm before clipping.
+    /// clears the gradients. Returns the global gradient norm before clipping. The norm is
+    /// computed once ([`ParallelModel::grad_norm_sq`]) and its coefficient handed to
+    /// [`ParallelModel::scaled_step`]: a caller that already holds the norm calls that instead.
     pub fn optimizer_step(
         &mut self,
         opt: &mut AdamW,
@@ -412,10 +415,18 @@ impl ParallelModel {
     ) -> Result<f64> {
         let norm = self.grad_norm_sq()?.sqrt();
         let clip = max_grad_norm.map_or(1.0, |m| clip_coef(norm, m));
+        self.scaled_step(opt, lr, clip)?;
+        Ok(norm)
+    }
+
+    /// Multiplies the gradients by `grad_scale` (the clip coefficient of the global norm, used as
+    /// given; 1 leaves them alone), steps `opt` over this rank's parameters or shards and clears
+    /// the gradients. No collective beyond ZeRO's write-back of the updated shards.
+    pub fn scaled_step(&mut self, opt: &mut AdamW, lr: f64, grad_scale: f64) -> Result<()> {
         match &mut self.replicas {
             Replicas::Full => {
-                if clip < 1.0 {
-                    scale_all(&mut self.grads, clip)?;
+                if grad_scale != 1.0 {
+                    scale_all(&mut self.grads, grad_scale)?;
                 }
                 let items = replicated_items(&self.params, &self.grads);
                 match &self.masters {
@@ -424,9 +435,9 @@ impl ParallelModel {
                 }
             }
             Replicas::Zero(fsdps) => {
-                if clip < 1.0 {
+                if grad_scale != 1.0 {
                     for f in fsdps.iter_mut() {
-                        f.scale_grads(clip)?;
+                        f.scale_grads(grad_scale)?;
                     }
                 }
                 let items: Vec<OptimItem> =
@@ -444,7 +455,7 @@ impl ParallelModel {
         }
         self.grads.clear();
         self.last = std::mem::take(&mut self.current);
-        Ok(norm)
+        Ok(())
     }
 
     /// Mean loss of the batch without gradients, the same on every rank.

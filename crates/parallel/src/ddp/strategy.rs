@@ -5,8 +5,10 @@
 //!
 //! ```text
 //!   for micro-step k in 0..K:   loss_k = dp.forward_backward(engine, x_k, y_k, 1/K, sync = k == K-1)
-//!   norm = dp.optimizer_step(&mut adamw, lr, Some(max_norm))
-//!            = grad_norm_sq -> scale_grads (clip) -> adamw.step(optimizer_items) -> after_optimizer_step
+//!   norm² = dp.grad_norm_sq()                         one all-reduce
+//!   dp.scaled_step(&mut adamw, lr, clip_coef(norm, max_norm))
+//!            = scale_grads -> adamw.step(optimizer_items) -> after_optimizer_step
+//!   (dp.optimizer_step(&mut adamw, lr, Some(max_norm)) does both and returns the norm)
 //! ```
 
 use std::collections::BTreeMap;
@@ -113,7 +115,8 @@ pub trait DataParallel {
     fn shard_optimizer_state(&self, full: &AdamWState) -> Result<AdamWState>;
 
     /// Clip to `max_grad_norm` (if given), step the optimizer, finish the step. Returns the
-    /// gradient norm before clipping.
+    /// gradient norm before clipping: [`DataParallel::grad_norm_sq`] once, then
+    /// [`DataParallel::scaled_step`] with its clip coefficient.
     fn optimizer_step(
         &mut self,
         opt: &mut AdamW,
@@ -121,18 +124,23 @@ pub trait DataParallel {
         max_grad_norm: Option<f64>,
     ) -> Result<f64> {
         let norm = self.grad_norm_sq()?.sqrt();
-        if let Some(max) = max_grad_norm {
-            let c = clip_coef(norm, max);
-            if c < 1.0 {
-                self.scale_grads(c)?;
-            }
+        let clip = max_grad_norm.map_or(1.0, |max| clip_coef(norm, max));
+        self.scaled_step(opt, lr, clip)?;
+        Ok(norm)
+    }
+
+    /// Multiplies the gradients by `grad_scale` (the clip coefficient of a norm the caller
+    /// already has, used as given; 1 leaves them alone), steps the optimizer and finishes the
+    /// step. No norm is computed here.
+    fn scaled_step(&mut self, opt: &mut AdamW, lr: f64, grad_scale: f64) -> Result<()> {
+        if grad_scale != 1.0 {
+            self.scale_grads(grad_scale)?;
         }
         match self.masters() {
             Some(m) => m.step(opt, lr, &self.optimizer_items())?,
             None => opt.step(lr, &self.optimizer_items())?,
         }
-        self.after_optimizer_step()?;
-        Ok(norm)
+        self.after_optimizer_step()
     }
 }
 
