@@ -80,10 +80,19 @@ pub fn unique_params(segs: &[Arc<dyn Segment>]) -> Vec<Param> {
 /// For each parameter name, the segment after whose backward its gradient is final: the
 /// lowest-index segment using it (the embedding for the tied `wte`).
 pub fn final_after(segs: &[Arc<dyn Segment>]) -> BTreeMap<String, usize> {
+    let uses: Vec<Vec<String>> = segs
+        .iter()
+        .map(|s| s.params().iter().map(|p| p.name().to_string()).collect())
+        .collect();
+    final_after_names(&uses)
+}
+
+/// [`final_after`] from the names each segment uses (`uses[i]`: segment i's parameters).
+pub fn final_after_names(uses: &[Vec<String>]) -> BTreeMap<String, usize> {
     let mut at = BTreeMap::new();
-    for (i, s) in segs.iter().enumerate() {
-        for p in s.params() {
-            at.entry(p.name().to_string()).or_insert(i);
+    for (i, names) in uses.iter().enumerate() {
+        for n in names {
+            at.entry(n.clone()).or_insert(i);
         }
     }
     at
