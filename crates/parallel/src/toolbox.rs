@@ -4,8 +4,8 @@
 //! (replicated) parameters (scaling, optimizer items, state bytes, loading), the step's
 //! communication figures and the timer that reads them from a group's trace.
 //!
-//! It used to be `ddp/common.rs`; DDP, ZeRO, expert data parallelism, mixed precision and the
-//! composed model all use it, so it lives at the crate root, not inside one technique.
+//! DDP, ZeRO, expert data parallelism and the composed model all use it, so it lives at the
+//! crate root, not inside one technique.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
