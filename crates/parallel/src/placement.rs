@@ -21,6 +21,7 @@
 //! Legend: `V` vocabulary, `C` width, `E` experts, `S` model stages.
 
 use mtrain_comm::MeshDims;
+use mtrain_model::GptConfig;
 
 use crate::pipeline::StageLayout;
 
@@ -72,6 +73,16 @@ pub fn tp_placement(name: &str, sequence_parallel: bool) -> Placement {
             partial_grad: sequence_parallel,
         }
     }
+}
+
+/// The sizes [`tp_placement`] splits, so the ones tp must divide: the heads (c_attn's q | k | v
+/// and c_proj's input), the MLP width (c_fc and its c_proj) and the vocabulary (wte).
+pub fn tp_split_sizes(cfg: &GptConfig) -> [(&'static str, usize); 3] {
+    [
+        ("n_head", cfg.n_head),
+        ("4 * n_embd", 4 * cfg.n_embd),
+        ("vocab_size", cfg.vocab_size),
+    ]
 }
 
 /// Whether `name`'s gradient is a partial sum over tp under sequence parallelism (LayerNorms,

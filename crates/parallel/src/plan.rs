@@ -19,7 +19,7 @@ use crate::ddp::DdpConfig;
 use crate::fsdp::{analytic_model_state, FsdpConfig};
 use crate::mixed_precision::MixedPrecision;
 use crate::pipeline::{PipelineError, ScheduleKind, StageLayout};
-use crate::placement::{is_expert_param, tp_placement, used_on_stage};
+use crate::placement::{is_expert_param, tp_placement, tp_split_sizes, used_on_stage};
 
 /// A plan that cannot work, with every reason and its arithmetic, joined by `; `.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -198,11 +198,7 @@ impl ParallelPlan {
                     "tp {tp} with an MoE model: expert blocks are split by --ep, not tensor parallelism"
                 ));
             }
-            for (what, value) in [
-                ("n_head", cfg.n_head),
-                ("4 * n_embd", 4 * cfg.n_embd),
-                ("vocab_size", cfg.vocab_size),
-            ] {
+            for (what, value) in tp_split_sizes(cfg) {
                 if !value.is_multiple_of(tp) {
                     why.push(format!("{what} {value} is not divisible by tp {tp}"));
                 }

@@ -44,7 +44,7 @@ use crate::ops::{
     copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
     reduce_scatter_to_sequence_parallel_region,
 };
-use crate::placement::tp_placement;
+use crate::placement::{tp_placement, tp_split_sizes};
 
 pub mod sequence;
 pub mod shard;
@@ -181,12 +181,7 @@ pub fn validate(cfg: &GptConfig, tp: usize) -> Result<()> {
                 .into(),
         ));
     }
-    let checks = [
-        ("n_head", cfg.n_head),
-        ("4 * n_embd", 4 * cfg.n_embd),
-        ("vocab_size", cfg.vocab_size),
-    ];
-    for (what, value) in checks {
+    for (what, value) in tp_split_sizes(cfg) {
         if value % tp != 0 {
             return Err(TpError::NotDivisible { what, value, tp });
         }
