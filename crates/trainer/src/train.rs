@@ -523,7 +523,6 @@ fn run_distributed(
             &device,
             adamw,
             cfg.grad_accum,
-            cfg.grad_clip,
         )?;
         drop(weights);
         if rank == 0 {
