@@ -4,16 +4,19 @@
 //! mtrain plan --tp 4 --pp 2 [--config FILE] [training flags]
 //! ```
 //!
-//! Resolves the layout exactly as a training launch would (same flags, same inference of dp and
-//! the world size, same error messages), then prints the rank grid and every process group from
-//! [`MeshDims::render`], and the model the configuration describes. Nothing is launched and no
-//! network is touched, so it answers "which ranks talk to which" on a laptop for a 1000-GPU job.
+//! The layout is resolved and its plan checked exactly as a training launch does it (same
+//! flags and `[parallel]` table, same inference of dp and the world size, same error messages),
+//! then this prints the rank grid and every process group from [`MeshDims::render`], the
+//! model the configuration describes, the layers per stage, and the communication estimate.
+//! Nothing is launched and no network is touched, so it answers "which ranks talk to which" on
+//! a laptop for a 1000-GPU job.
 
 use clap::Args;
 use mtrain_comm::mesh::MeshDims;
+use mtrain_parallel::parallelize::ParallelPlan;
 
-use crate::cli::{Layout, LayoutArgs, LayoutError};
-use crate::config::TrainArgs;
+use crate::config::{TrainArgs, TrainConfig};
+use crate::layout::Layout;
 
 /// Options of `mtrain plan`: the training flags, so `--config` and overrides resolve as in training.
 #[derive(Debug, Clone, Args)]
@@ -31,20 +34,9 @@ pub struct PlanArgs {
     pub compare: Option<std::path::PathBuf>,
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum PlanError {
-    #[error(transparent)]
-    Layout(#[from] LayoutError),
-    #[error(transparent)]
-    Mesh(#[from] mtrain_comm::CommError),
-    #[error("resolving the training configuration: {0:#}")]
-    Config(anyhow::Error),
-}
-
-/// The plan as text: the launch, the mesh and the model.
-pub fn render(layout: &Layout, args: &PlanArgs) -> Result<String, PlanError> {
+/// The plan as text: the launch, the mesh, the model and the batch.
+pub fn render(cfg: &TrainConfig, layout: &Layout) -> Result<String, crate::config::ConfigError> {
     let dims: MeshDims = layout.dims;
-    dims.validate(layout.world_size)?;
     let spec = &layout.launch;
     let mut out = format!(
         "world size {} = dp({}) * pp({}) * tp({}), ep({}) inside dp; {} process(es) per node x {} node(s), rendezvous at {}:{}\n",
@@ -60,8 +52,7 @@ pub fn render(layout: &Layout, args: &PlanArgs) -> Result<String, PlanError> {
     );
     out.push_str(&dims.render());
 
-    let cfg = args.train.resolve().map_err(PlanError::Config)?;
-    let model = cfg.gpt_config().map_err(|e| PlanError::Config(e.into()))?;
+    let model = cfg.gpt_config()?;
     out.push_str(&format!(
         "model: {} layers, {} heads, width {}, vocab {}, context {}; {:.2}M parameters{}\n",
         model.n_layer,
@@ -89,36 +80,21 @@ pub fn render(layout: &Layout, args: &PlanArgs) -> Result<String, PlanError> {
     Ok(out)
 }
 
-/// The parallel plan of the strategy flags, checked against the model and batch (refused with
-/// the arithmetic), then its layers per stage and per-rank memory estimate
-/// ([`mtrain_parallel::parallelize::describe`]).
-pub fn describe_plan(
-    layout: &Layout,
-    strategy: &crate::cli::StrategyArgs,
-    args: &PlanArgs,
-) -> Result<String, PlanError> {
-    let cfg = args.train.resolve().map_err(PlanError::Config)?;
-    let model = cfg.gpt_config().map_err(|e| PlanError::Config(e.into()))?;
-    let mut plan = strategy.plan(layout.dims, cfg.activation_checkpointing)?;
-    // The run's dtypes decide the plan's mixed precision, as in training.
-    plan.precision = cfg.precision();
-    plan.validate(&model, layout.world_size, cfg.batch_size * layout.dims.dp)
-        .map_err(|e| PlanError::Config(e.into()))?;
-    Ok(mtrain_parallel::parallelize::describe(&model, &plan))
-}
-
-/// `mtrain plan`: resolve and print.
+/// `mtrain plan`: print the grid, the plan's layers per stage and per-rank estimate
+/// ([`mtrain_parallel::parallelize::describe`]) and the communication section, for the run
+/// configuration `cfg` on `layout` under `plan` (as [`crate::layout::plan`] built and checked it).
 pub fn run(
-    layout: &LayoutArgs,
-    strategy: &crate::cli::StrategyArgs,
+    cfg: &TrainConfig,
+    layout: &Layout,
+    plan: &ParallelPlan,
     args: &PlanArgs,
-) -> Result<(), PlanError> {
-    let layout = layout.resolve(None)?;
-    print!("{}", render(&layout, args)?);
-    print!("{}", describe_plan(&layout, strategy, args)?);
+) -> anyhow::Result<()> {
+    print!("{}", render(cfg, layout)?);
+    print!(
+        "{}",
+        mtrain_parallel::parallelize::describe(&cfg.gpt_config()?, plan)
+    );
     let (ab, cmp) = (args.alpha_beta.as_deref(), args.compare.as_deref());
-    let comm = crate::cost::plan_report(layout.dims, strategy, &args.train, ab, cmp)
-        .map_err(|e| PlanError::Config(e.into()))?;
-    print!("{comm}");
+    print!("{}", crate::cost::plan_report(cfg, plan, ab, cmp)?);
     Ok(())
 }

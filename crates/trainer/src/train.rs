@@ -42,6 +42,7 @@ use crate::checkpoint::{self, CheckpointData};
 use crate::config::TrainConfig;
 use crate::data::{DataLoader, Dataset};
 use crate::distributed::Distributed;
+use crate::layout::ParallelConfig;
 use crate::memory::{
     activation_bytes, AnalyticMemory, CpuProbe, MemoryProbe, MemoryTracker, ModelStateLayout, Phase,
 };
@@ -377,6 +378,11 @@ pub fn run_with(
     opts: &RunOptions,
 ) -> anyhow::Result<TrainSummary> {
     cfg.validate()?;
+    // Checkpoints record the configuration with the layout this run actually has.
+    let cfg = &TrainConfig {
+        parallel: ParallelConfig::of_plan(&opts.plan),
+        ..cfg.clone()
+    };
     let dims = opts.plan.dims;
     if dims.world_size() * dims.ep != 1 || backend.world().size() != 1 {
         return run_distributed(cfg, backend, opts);
