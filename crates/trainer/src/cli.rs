@@ -34,9 +34,9 @@ use clap::{Args, Parser, Subcommand};
 use mtrain_comm::mesh::MeshDims;
 
 use crate::bench_comm::BenchCommArgs;
-use crate::config::{TrainArgs, TrainConfig};
+use crate::config::{DdpMode, ParallelConfig, Schedule, TrainArgs, TrainConfig};
 use crate::launch::LaunchSpec;
-use crate::layout::{DdpMode, Layout, LayoutError, ParallelConfig, Schedule};
+use crate::layout::{Layout, LayoutError};
 use crate::plan::PlanArgs;
 use crate::plot::PlotArgs;
 use crate::prepare::PrepareArgs;
@@ -344,7 +344,7 @@ impl LayoutArgs {
     }
 }
 
-/// Options of `mtrain parity` (`crate::parity`).
+/// Options of `mtrain parity`.
 #[derive(Debug, Clone, Args)]
 pub struct ParityArgs {
     /// The layout to compare with one rank, as its flags in one string: "--tp 2 --pp 2 --dp 2".

@@ -10,7 +10,7 @@
 //! [train]            # the fields of TrainConfig below
 //! steps = 5000
 //! lr = 6e-4
-//! [parallel]         # the layout, a ParallelConfig (crate::layout); the layout flags' names
+//! [parallel]         # the layout (`parallel::ParallelConfig`); the layout flags' names
 //! tp = 2
 //! pp = 2
 //! ```
@@ -28,7 +28,9 @@ use serde::de::{self, MapAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::data::DataSource;
-use crate::layout::ParallelConfig;
+
+pub mod parallel;
+pub use parallel::{DdpMode, ParallelConfig, Schedule};
 
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]

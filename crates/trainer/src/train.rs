@@ -39,10 +39,9 @@ use mtrain_parallel::parallelize::ParallelPlan;
 use serde::Serialize;
 
 use crate::checkpoint::{self, CheckpointData};
-use crate::config::TrainConfig;
+use crate::config::{ParallelConfig, TrainConfig};
 use crate::data::{DataLoader, Dataset};
 use crate::distributed::Distributed;
-use crate::layout::ParallelConfig;
 use crate::memory::{
     activation_bytes, AnalyticMemory, CpuProbe, MemoryProbe, MemoryTracker, ModelStateLayout, Phase,
 };

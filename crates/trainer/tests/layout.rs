@@ -8,7 +8,8 @@ use std::process::{Command, Output, Stdio};
 
 use clap::Parser;
 use mtrain_trainer::cli::Cli;
-use mtrain_trainer::layout::{self, Schedule};
+use mtrain_trainer::config::Schedule;
+use mtrain_trainer::layout;
 use serde_json::Value;
 
 const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
