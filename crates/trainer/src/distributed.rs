@@ -43,7 +43,7 @@ use mtrain_parallel::parallelize::{parallelize, DataParallelKind, ParallelModel,
 use mtrain_parallel::pipeline::executor::SpanKind;
 use serde::Serialize;
 
-use crate::memory::{rank_activation_bytes, ActivationLayout, ModelStateLayout, Phase};
+use crate::memory::{rank_activation_bytes, tp_split, ActivationLayout, ModelStateLayout, Phase};
 use crate::train::TrainableModel;
 
 /// Pipeline figures of one step on this rank.
@@ -203,8 +203,7 @@ impl Distributed {
         grad_accum: usize,
         grad_clip: f64,
     ) -> anyhow::Result<Self> {
-        let dp = plan.dims.dp as u64;
-        let (inner, n_local, zero, comm_buffer_bytes) = match plan.data {
+        let (inner, n_local, comm_buffer_bytes) = match plan.data {
             DataParallelKind::Ddp(ddp_cfg) if uses_standalone_ddp(cfg, plan) => {
                 let dtype = plan.precision.param_dtype;
                 let compute: BTreeMap<String, Tensor> = weights
@@ -227,17 +226,13 @@ impl Distributed {
                     gpt,
                     dp: mesh.dp.clone(),
                 };
-                (inner, n as u64, 0, buffers)
+                (inner, n as u64, buffers)
             }
-            data => {
+            _ => {
                 let pm = parallelize(cfg, weights, plan, mesh, device)
                     .context("building this rank's part of the model")?;
                 let n = local_param_count(cfg, &pm, plan.dims.tp);
-                let zero = match data {
-                    DataParallelKind::Zero(z) => z.stage as u8,
-                    DataParallelKind::Ddp(_) => 0,
-                };
-                (Inner::Parallel(Box::new(pm)), n, zero, 0)
+                (Inner::Parallel(Box::new(pm)), n, 0)
             }
         };
         Ok(Self {
@@ -249,11 +244,7 @@ impl Distributed {
             grad_accum: grad_accum.max(1),
             micro: 0,
             grad_clip,
-            layout: match plan.precision.is_mixed() {
-                true => ModelStateLayout::mixed_adam(n_local),
-                false => ModelStateLayout::fp32_adam(n_local),
-            }
-            .with_zero(zero, dp),
+            layout: ModelStateLayout::for_plan(n_local, plan),
             comm_buffer_bytes,
             pp_rank: mesh.coords.pp,
             pipeline: None,
@@ -288,8 +279,9 @@ impl Distributed {
     }
 }
 
-/// Parameters this rank holds after the tensor, pipeline and expert splits (before ZeRO):
-/// every held name's full size, divided by tp where tensor parallelism splits it.
+/// Parameters this rank holds after the tensor, pipeline and expert splits (before ZeRO), counted
+/// from the built model: every held name's full size, divided by tp where tensor parallelism
+/// splits it ([`tp_split`]).
 fn local_param_count(cfg: &GptConfig, pm: &ParallelModel, tp: usize) -> u64 {
     let full: BTreeMap<String, usize> = param_specs(cfg)
         .into_iter()
@@ -299,11 +291,11 @@ fn local_param_count(cfg: &GptConfig, pm: &ParallelModel, tp: usize) -> u64 {
         .iter()
         .map(|p| {
             let n = full.get(p.name()).copied().unwrap_or(p.elem_count());
-            let split = p.name() == "wte.weight"
-                || p.name().contains(".c_attn.")
-                || p.name().contains(".c_fc.")
-                || p.name().ends_with(".c_proj.weight");
-            (if split && tp > 1 { n / tp } else { n }) as u64
+            (if tp_split(p.name()) && tp > 1 {
+                n / tp
+            } else {
+                n
+            }) as u64
         })
         .sum()
 }
