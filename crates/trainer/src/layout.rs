@@ -8,9 +8,11 @@
 //!            -> plan(cfg, layout): ParallelPlan, checked by ParallelPlan::validate
 //! ```
 //!
-//! The plan's check is the only place where `dp · pp · tp = world` (and every other way a
-//! layout can fail to fit the model and batch) is tested; [`Layout`] only infers what was left
-//! out. A run records the plan it ran (`ParallelConfig::of_plan`) in its checkpoints.
+//! The plan's check is where a run's `dp · pp · tp = world` (and every other way a layout can
+//! fail to fit the model and batch) is tested; [`Layout`] only infers what was left out.
+//! (`bench-comm` has no model to plan for and leaves the numbers to the mesh's own check,
+//! `MeshDims::validate`.) A run records the plan it ran (`ParallelConfig::of_plan`) in its
+//! checkpoints.
 
 use std::time::Duration;
 
