@@ -16,7 +16,7 @@ use mtrain_model::init::param_specs;
 use mtrain_model::GptConfig;
 
 use crate::ddp::DdpConfig;
-use crate::fsdp::{analytic_model_state, FsdpConfig};
+use crate::fsdp::FsdpConfig;
 use crate::mixed_precision::MixedPrecision;
 use crate::pipeline::{PipelineError, ScheduleKind, StageLayout};
 use crate::placement::{is_expert_param, tp_placement, tp_split_sizes, used_on_stage};
@@ -232,12 +232,11 @@ fn explain(why: Vec<String>) -> Result<(), PlanError> {
         false => Err(PlanError(why.join("; "))),
     }
 }
-/// What `mtrain plan` prints beyond the mesh: layers per stage, parameters per rank and a
-/// per-rank model-state estimate: fp32 weights and gradients and two Adam moments, or under mixed
-/// precision bf16 weights and gradients with fp32 masters beside the moments (2 + 2 + 12 bytes
-/// per parameter, ZeRO sharding the optimizer part from stage 1, gradients from 2, weights at 3).
+/// What `mtrain plan` prints beyond the mesh: the data-parallel mode and schedule, and the
+/// layers and parameters per rank of each stage (the trainer's memory model turns the latter
+/// into bytes, as its per-step report does).
 pub fn describe(cfg: &GptConfig, plan: &ParallelPlan) -> String {
-    let MeshDims { dp, pp, tp, ep } = plan.dims;
+    let MeshDims { pp, tp, ep, .. } = plan.dims;
     let mut s = String::new();
     let kind = plan.effective_schedule();
     let n_stages = plan.num_stages();
@@ -269,7 +268,6 @@ pub fn describe(cfg: &GptConfig, plan: &ParallelPlan) -> String {
         },
     );
     let specs = param_specs(cfg);
-    let mut per_rank = vec![0usize; pp];
     for st in 0..n_stages {
         let b = layout.blocks(st);
         let mut what = Vec::new();
@@ -291,45 +289,12 @@ pub fn describe(cfg: &GptConfig, plan: &ParallelPlan) -> String {
             let k = tp_placement(name, false).local_numel(numel, tp);
             n += if is_expert_param(name) { k / ep } else { k };
         }
-        per_rank[st % pp] += n;
         let _ = writeln!(
             s,
             "stage {st} (pp rank {}): {:<28} {:>10} params per rank",
             st % pp,
             what.join(", "),
             n
-        );
-    }
-    let mib = |b: usize| b as f64 / (1 << 20) as f64;
-    for (r, &n) in per_rank.iter().enumerate() {
-        if plan.precision.is_mixed() {
-            let stage = zero.map_or(0, |z| z as u8);
-            let shard = |b: usize, from: u8| {
-                if stage >= from {
-                    (b * n).div_ceil(dp)
-                } else {
-                    b * n
-                }
-            };
-            let (w, g, o) = (shard(2, 3), shard(2, 2), shard(12, 1));
-            let _ = writeln!(
-                s,
-                "pp rank {r}: {n} params, model state {:.2} MiB per rank (bf16 weights {:.2}, bf16 grads {:.2}, fp32 masters + Adam {:.2})",
-                mib(w + g + o),
-                mib(w),
-                mib(g),
-                mib(o)
-            );
-            continue;
-        }
-        let m = analytic_model_state(zero, n, dp);
-        let _ = writeln!(
-            s,
-            "pp rank {r}: {n} params, model state {:.2} MiB per rank (weights {:.2}, grads {:.2}, Adam {:.2})",
-            mib(m.total()),
-            mib(m.params),
-            mib(m.grads),
-            mib(m.optimizer)
         );
     }
     s

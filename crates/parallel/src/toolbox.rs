@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use mtrain_comm::{Comm, CommError, TraceEvent, Work};
 use mtrain_model::optim::{AdamW, OptimItem};
 use mtrain_model::{Grads, Param, Segment};

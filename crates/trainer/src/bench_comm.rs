@@ -26,15 +26,16 @@
 //! ranks. A healthy backend prints 0 in every row.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use clap::{Args, ValueEnum};
-use mtrain_comm::{Backend, Comm, CommError, ReduceOp};
+use mtrain_comm::{Backend, Comm, CommError, OpKind, ReduceOp};
 use serde::Serialize;
 
 use crate::config::DeviceKind;
+use crate::cost::{fit_alpha_beta, AlphaBetaTable, CostError, Fit};
 
 /// Options of `mtrain bench-comm` (nccl-tests' short flags).
 #[derive(Debug, Clone, Args)]
@@ -481,7 +482,7 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
                 n,
                 crate::cost::today()
             );
-            let fit = crate::cost::write_fit(path, &report, backend, &command)
+            let fit = write_fit(path, &report, backend, &command)
                 .map_err(|e| BenchError::Fit(e.to_string()))?;
             println!(
                 "# fit {} over {} ranks: alpha {:.2} us per step, beta {:.3} GB/s (R^2 {:.4}) -> {}",
@@ -495,6 +496,48 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
         }
     }
     Ok(report)
+}
+
+/// The trace name of a bench-comm op.
+pub fn op_kind(op: BenchOp) -> OpKind {
+    match op {
+        BenchOp::AllReduce => OpKind::AllReduce,
+        BenchOp::AllGather => OpKind::AllGather,
+        BenchOp::ReduceScatter => OpKind::ReduceScatter,
+        BenchOp::AllToAll => OpKind::AllToAll,
+        BenchOp::Broadcast => OpKind::Broadcast,
+        BenchOp::SendRecv => OpKind::Send,
+    }
+}
+
+/// `bench-comm --fit FILE`: fit the report's sweep and merge it into the table at `path`
+/// (created with the backend's defaults if missing); `command` records the sweep. Returns the fit.
+pub fn write_fit(
+    path: &Path,
+    report: &BenchReport,
+    backend: &str,
+    command: &str,
+) -> Result<Fit, CostError> {
+    let op = op_kind(report.op);
+    let points: Vec<(f64, f64)> = report
+        .rows
+        .iter()
+        .map(|r| (r.bytes as f64, r.time_us * 1e-6))
+        .collect();
+    let mut fit = fit_alpha_beta(op, report.world_size, &points)?;
+    fit.command = command.to_string();
+    let mut table = match path.exists() {
+        true => AlphaBetaTable::load(path)?,
+        false => match backend {
+            "nccl" => AlphaBetaTable::nvlink_default(),
+            _ => AlphaBetaTable::cpu_default(),
+        },
+    };
+    table.backend = backend.to_string();
+    table.source = "fitted by `mtrain bench-comm --fit` (each fit names its sweep)".into();
+    table.upsert(fit.clone());
+    table.save(path)?;
+    Ok(fit)
 }
 
 fn scalar_all_reduce(comm: &Comm, v: f32, op: ReduceOp) -> Result<f32, BenchError> {

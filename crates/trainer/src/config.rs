@@ -1,7 +1,7 @@
 //! Training configuration: a typed `TrainConfig`, read from a TOML file and overridden from the
 //! command line.
 //!
-//! A configs/*.toml file has two tables:
+//! A configs/*.toml file has up to three tables:
 //!
 //! ```toml
 //! [model]            # a GptConfig (or `model = "gpt2-124m"`, a preset name, at the top level)
@@ -10,11 +10,15 @@
 //! [train]            # the fields of TrainConfig below
 //! steps = 5000
 //! lr = 6e-4
+//! [parallel]         # the layout (`parallel::ParallelConfig`); the layout flags' names
+//! tp = 2
+//! pp = 2
 //! ```
 //!
-//! Resolution order: defaults (the built-in tiny model on the built-in corpus, a short run), then the
-//! file, then the flags (`--steps 10`), then `--set key=value` overrides (`--set warmup_steps=5`,
-//! `--set model.n_layer=2`). Every key is checked: an unknown one is refused with its name.
+//! Resolution order: defaults (the built-in tiny model on the built-in corpus, a short run, one
+//! rank), then the file, then the flags (`--steps 10`, `--tp 2`), then `--set key=value` overrides
+//! (`--set warmup_steps=5`, `--set model.n_layer=2`, `--set parallel.pp=2`). Every key is checked:
+//! an unknown one is refused with its name.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -24,6 +28,9 @@ use serde::de::{self, MapAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::data::DataSource;
+
+pub mod parallel;
+pub use parallel::{DdpMode, ParallelConfig, Schedule};
 
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]
@@ -184,6 +191,8 @@ pub struct TrainConfig {
     pub peak_flops: Option<f64>,
     /// Continue from a checkpoint: a step-N directory, a run directory, or "latest" (this run_dir).
     pub resume: Option<PathBuf>,
+    /// The layout: the `[parallel]` table.
+    pub parallel: ParallelConfig,
 }
 
 /// Nominal peak used for MFU on CPU when `peak_flops` is unset: an assumed 1e11 FLOP/s (about what
@@ -234,6 +243,7 @@ impl Default for TrainConfig {
             log_every: 10,
             peak_flops: None,
             resume: None,
+            parallel: ParallelConfig::default(),
         }
     }
 }
@@ -317,7 +327,8 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// Parse a whole config file's text (`[model]` and `[train]` tables) on top of the defaults.
+    /// Parse a whole config file's text (`[model]`, `[train]` and `[parallel]` tables) on top of
+    /// the defaults.
     pub fn from_toml_str(text: &str, context: &str) -> Result<Self, ConfigError> {
         let mut table = toml::Table::new();
         merge_file(&mut table, text, context)?;
@@ -329,7 +340,7 @@ impl TrainConfig {
 #[derive(Debug, Clone, Default, clap::Args)]
 #[command(next_help_heading = "Training")]
 pub struct TrainArgs {
-    /// TOML file with [model] and [train] tables.
+    /// TOML file with [model], [train] and [parallel] tables.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// Model preset (tiny, gpt2-124m, gpt2-350m, moe-tiny).
@@ -403,6 +414,12 @@ pub struct TrainArgs {
 impl TrainArgs {
     /// Defaults, then the file, then the flags, then `--set`; validated.
     pub fn resolve(&self) -> anyhow::Result<TrainConfig> {
+        self.resolve_with(&toml::Table::new())
+    }
+
+    /// [`TrainArgs::resolve`] with the layout flags given on the command line: `parallel` holds
+    /// them as `[parallel]` keys (`tp = 2`), each replacing the file's value of that key.
+    pub fn resolve_with(&self, parallel: &toml::Table) -> anyhow::Result<TrainConfig> {
         let mut table = toml::Table::new();
         let mut context = "command line".to_string();
         if let Some(path) = &self.config {
@@ -490,6 +507,14 @@ impl TrainArgs {
         if let Some(v) = &self.resume {
             put("resume", path(v));
         }
+        if !parallel.is_empty() {
+            let mut t = match table.remove("parallel") {
+                Some(toml::Value::Table(t)) => t,
+                _ => toml::Table::new(),
+            };
+            t.extend(parallel.clone());
+            table.insert("parallel".into(), toml::Value::Table(t));
+        }
         for kv in &self.overrides {
             apply_override(&mut table, kv)?;
         }
@@ -497,7 +522,8 @@ impl TrainArgs {
     }
 }
 
-/// Merge a config file's `[model]` / `[train]` tables (or a top-level `model = "preset"`) into `table`.
+/// Merge a config file's `[model]` / `[train]` / `[parallel]` tables (or a top-level
+/// `model = "preset"`) into `table`.
 fn merge_file(table: &mut toml::Table, text: &str, context: &str) -> Result<(), ConfigError> {
     let parse = |message: String| ConfigError::Parse {
         context: context.to_string(),
@@ -512,14 +538,17 @@ fn merge_file(table: &mut toml::Table, text: &str, context: &str) -> Result<(), 
                 table.insert("model".into(), v);
             }
             ("train", toml::Value::Table(t)) => table.extend(t),
-            ("model", _) | ("train", _) => {
+            ("parallel", v @ toml::Value::Table(_)) => {
+                table.insert("parallel".into(), v);
+            }
+            ("model", _) | ("train", _) | ("parallel", _) => {
                 return Err(parse(format!(
                     "`{key}` must be a table (or, for model, a preset name)"
                 )))
             }
             (other, _) => {
                 return Err(parse(format!(
-                    "unknown top-level key `{other}`; expected [model] and [train]"
+                    "unknown top-level key `{other}`; expected [model], [train] and [parallel]"
                 )))
             }
         }
@@ -528,7 +557,8 @@ fn merge_file(table: &mut toml::Table, text: &str, context: &str) -> Result<(), 
 }
 
 /// Apply `key=value` (value parsed as TOML, else taken as a string); `model.x` edits the model table,
-/// expanding a preset name into its table first; a leading `train.` is optional.
+/// expanding a preset name into its table first; `parallel.x` edits the layout table; a leading
+/// `train.` is optional.
 fn apply_override(table: &mut toml::Table, kv: &str) -> Result<(), ConfigError> {
     let parse = |message: String| ConfigError::Parse {
         context: format!("--set {kv}"),
@@ -568,6 +598,14 @@ fn apply_override(table: &mut toml::Table, kv: &str) -> Result<(), ConfigError> 
             };
             model.insert(field.to_string(), value);
             table.insert("model".into(), toml::Value::Table(model));
+        }
+        Some(("parallel", field)) => {
+            let mut parallel = match table.remove("parallel") {
+                Some(toml::Value::Table(t)) => t,
+                _ => toml::Table::new(),
+            };
+            parallel.insert(field.to_string(), value);
+            table.insert("parallel".into(), toml::Value::Table(parallel));
         }
         Some((other, _)) => return Err(parse(format!("unknown key `{key}` (no table `{other}`)"))),
     }

@@ -30,7 +30,7 @@ use mtrain_parallel::comm_cost::{
 use mtrain_parallel::parallelize::ParallelPlan;
 use serde::{Deserialize, Serialize};
 
-use crate::bench_comm::{BenchOp, BenchReport};
+use crate::config::{DTypeKind, DeviceKind, TrainConfig};
 
 /// Errors of the cost commands.
 #[derive(Debug, thiserror::Error)]
@@ -161,18 +161,6 @@ impl AlphaBetaTable {
     }
 }
 
-/// The trace name of a bench-comm op.
-pub fn op_kind(op: BenchOp) -> OpKind {
-    match op {
-        BenchOp::AllReduce => OpKind::AllReduce,
-        BenchOp::AllGather => OpKind::AllGather,
-        BenchOp::ReduceScatter => OpKind::ReduceScatter,
-        BenchOp::AllToAll => OpKind::AllToAll,
-        BenchOp::Broadcast => OpKind::Broadcast,
-        BenchOp::SendRecv => OpKind::Send,
-    }
-}
-
 /// Least-squares α and β of `op` over `n` ranks from (message bytes S, seconds) points. S is
 /// bench-comm's size: the tensor for all-reduce, broadcast, send; the gathered output for
 /// all-gather; one rank's input for reduce-scatter and all-to-all.
@@ -247,31 +235,6 @@ pub fn fit_alpha_beta(op: OpKind, n: usize, points: &[(f64, f64)]) -> Result<Fit
         points: points.len(),
         command: String::new(),
     })
-}
-
-/// `bench-comm --fit FILE`: fit the report's sweep and merge it into the table at `path`
-/// (created with the backend's defaults if missing); `command` records the sweep. Returns the fit.
-pub fn write_fit(path: &Path, report: &BenchReport, backend: &str, command: &str) -> Result<Fit> {
-    let op = op_kind(report.op);
-    let points: Vec<(f64, f64)> = report
-        .rows
-        .iter()
-        .map(|r| (r.bytes as f64, r.time_us * 1e-6))
-        .collect();
-    let mut fit = fit_alpha_beta(op, report.world_size, &points)?;
-    fit.command = command.to_string();
-    let mut table = match path.exists() {
-        true => AlphaBetaTable::load(path)?,
-        false => match backend {
-            "nccl" => AlphaBetaTable::nvlink_default(),
-            _ => AlphaBetaTable::cpu_default(),
-        },
-    };
-    table.backend = backend.to_string();
-    table.source = "fitted by `mtrain bench-comm --fit` (each fit names its sweep)".into();
-    table.upsert(fit.clone());
-    table.save(path)?;
-    Ok(fit)
 }
 
 /// The α-β model for a trace group name (`tp`, or `tp[0,1]`) of a table.
@@ -518,43 +481,36 @@ pub fn today() -> String {
     format!("{y:04}-{m:02}-{d:02}")
 }
 
-/// What `mtrain plan` adds for the communication cost model: the per-step table under the
-/// resolved configuration and strategy flags, or with `compare` the prediction next to a traced
-/// run. `alpha_beta` is a table from `bench-comm --fit`; without one, the backend's defaults.
+/// What `mtrain plan` adds for the communication cost model: the per-step table of the run
+/// configuration `cfg` under `plan`, or with `compare` the prediction next to a traced run.
+/// `alpha_beta` is a table from `bench-comm --fit`; without one, the backend's defaults.
 pub fn plan_report(
-    dims: MeshDims,
-    strategy: &crate::cli::StrategyArgs,
-    train: &crate::config::TrainArgs,
+    cfg: &TrainConfig,
+    plan: &ParallelPlan,
     alpha_beta: Option<&Path>,
     compare_dir: Option<&Path>,
 ) -> Result<String> {
-    let cfg = train
-        .resolve()
-        .map_err(|e| CostError::Config(format!("{e:#}")))?;
     let model = cfg
         .gpt_config()
-        .map_err(|e| CostError::Config(e.to_string()))?;
-    let plan = strategy
-        .plan(dims, cfg.activation_checkpointing)
         .map_err(|e| CostError::Config(e.to_string()))?;
     let table = match alpha_beta {
         Some(p) => AlphaBetaTable::load(p)?,
         None => match cfg.device {
-            crate::config::DeviceKind::Cuda => AlphaBetaTable::nvlink_default(),
-            crate::config::DeviceKind::Cpu => AlphaBetaTable::cpu_default(),
+            DeviceKind::Cuda => AlphaBetaTable::nvlink_default(),
+            DeviceKind::Cpu => AlphaBetaTable::cpu_default(),
         },
     };
     let shape = StepShape {
-        batch: cfg.batch_size * dims.dp,
+        batch: cfg.batch_size * plan.dims.dp,
         seq_len: cfg.seq_len,
         dtype: match cfg.dtype {
-            crate::config::DTypeKind::F32 => DType::F32,
+            DTypeKind::F32 => DType::F32,
             _ => DType::BF16,
         },
     };
     match compare_dir {
-        Some(dir) => compare(dir, &model, &plan, shape, &table),
-        None => plan_section(&model, &plan, shape, cfg.grad_accum, &table),
+        Some(dir) => compare(dir, &model, plan, shape, &table),
+        None => plan_section(&model, plan, shape, cfg.grad_accum, &table),
     }
 }
 

@@ -203,8 +203,7 @@ impl Distributed {
         optim: AdamWConfig,
         grad_accum: usize,
     ) -> anyhow::Result<Self> {
-        let dp = plan.dims.dp as u64;
-        let (inner, n_local, zero, comm_buffer_bytes) = match plan.data {
+        let (inner, n_local, comm_buffer_bytes) = match plan.data {
             DataParallelKind::Ddp(ddp_cfg) if uses_standalone_ddp(cfg, plan) => {
                 let dtype = plan.precision.param_dtype;
                 let compute: BTreeMap<String, Tensor> = weights
@@ -227,17 +226,13 @@ impl Distributed {
                     gpt,
                     dp: mesh.dp.clone(),
                 };
-                (inner, n as u64, 0, buffers)
+                (inner, n as u64, buffers)
             }
-            data => {
+            _ => {
                 let pm = parallelize(cfg, weights, plan, mesh, device)
                     .context("building this rank's part of the model")?;
                 let n = local_param_count(cfg, &pm, plan.dims.tp);
-                let zero = match data {
-                    DataParallelKind::Zero(z) => z.stage as u8,
-                    DataParallelKind::Ddp(_) => 0,
-                };
-                (Inner::Parallel(Box::new(pm)), n, zero, 0)
+                (Inner::Parallel(Box::new(pm)), n, 0)
             }
         };
         Ok(Self {
@@ -248,11 +243,7 @@ impl Distributed {
             plan: plan.clone(),
             grad_accum: grad_accum.max(1),
             micro: 0,
-            layout: match plan.precision.is_mixed() {
-                true => ModelStateLayout::mixed_adam(n_local),
-                false => ModelStateLayout::fp32_adam(n_local),
-            }
-            .with_zero(zero, dp),
+            layout: ModelStateLayout::for_plan(n_local, plan),
             comm_buffer_bytes,
             pp_rank: mesh.coords.pp,
             pipeline: None,

@@ -10,6 +10,7 @@ pub mod distributed;
 #[cfg(feature = "cuda")]
 pub mod gpu_memory;
 pub mod launch;
+pub mod layout;
 pub mod memory;
 pub mod parity;
 pub mod phases;

@@ -39,7 +39,7 @@ use mtrain_parallel::parallelize::ParallelPlan;
 use serde::Serialize;
 
 use crate::checkpoint::{self, CheckpointData};
-use crate::config::TrainConfig;
+use crate::config::{ParallelConfig, TrainConfig};
 use crate::data::{DataLoader, Dataset};
 use crate::distributed::Distributed;
 use crate::phases::{PhaseTimer, PhaseTimes, StepPhase};
@@ -381,6 +381,11 @@ pub fn run_with(
     opts: &RunOptions,
 ) -> anyhow::Result<TrainSummary> {
     cfg.validate()?;
+    // Checkpoints record the configuration with the layout this run actually has.
+    let cfg = &TrainConfig {
+        parallel: ParallelConfig::of_plan(&opts.plan),
+        ..cfg.clone()
+    };
     let dims = opts.plan.dims;
     if dims.world_size() * dims.ep != 1 || backend.world().size() != 1 {
         return run_distributed(cfg, backend, opts);
