@@ -279,6 +279,11 @@ pub enum DdpMode {
     Naive,
 }
 
+/// Largest degree, node count or world size accepted (2^20 processes).
+pub const MAX_WORLD: usize = 1 << 20;
+/// Longest `--comm-timeout` accepted, in seconds (30 days; longer deadlines overflow a clock).
+pub const MAX_COMM_TIMEOUT_S: f64 = 30.0 * 86400.0;
+
 /// A layout that does not add up.
 #[derive(Debug, thiserror::Error)]
 pub enum LayoutError {
@@ -317,7 +322,10 @@ pub enum LayoutError {
     #[error("ep({ep}) must divide dp({dp}): experts are carved out of the data-parallel ranks ({dp} % {ep} = {rem})")]
     Expert { ep: usize, dp: usize, rem: usize },
 
-    #[error("--comm-timeout must be a positive number of seconds, got {0}")]
+    #[error("{what} {value} is above the largest supported world of {MAX_WORLD} processes")]
+    TooLarge { what: &'static str, value: usize },
+
+    #[error("--comm-timeout must be a positive number of seconds up to {MAX_COMM_TIMEOUT_S} (30 days), got {0}")]
     Timeout(f64),
 
     #[error("{0}")]
@@ -343,24 +351,26 @@ impl LayoutArgs {
     /// launcher; the flags must then agree with it.
     pub fn resolve(&self, launched_world: Option<usize>) -> Result<Layout, LayoutError> {
         for (what, v) in [
-            ("--tp", self.tp),
-            ("--pp", self.pp),
-            ("--ep", self.ep),
-            ("--nnodes", self.nnodes),
+            ("--tp", Some(self.tp)),
+            ("--pp", Some(self.pp)),
+            ("--ep", Some(self.ep)),
+            ("--nnodes", Some(self.nnodes)),
+            ("--dp", self.dp),
+            ("--nproc-per-node", self.nproc_per_node),
         ] {
-            if v == 0 {
-                return Err(LayoutError::Zero { what });
+            match v {
+                Some(0) => return Err(LayoutError::Zero { what }),
+                // Bounded so that every product of degrees below fits a usize.
+                Some(value) if value > MAX_WORLD => {
+                    return Err(LayoutError::TooLarge { what, value })
+                }
+                _ => {}
             }
         }
-        if self.dp == Some(0) {
-            return Err(LayoutError::Zero { what: "--dp" });
-        }
-        if self.nproc_per_node == Some(0) {
-            return Err(LayoutError::Zero {
-                what: "--nproc-per-node",
-            });
-        }
-        if !(self.comm_timeout.is_finite() && self.comm_timeout > 0.0) {
+        if !(self.comm_timeout.is_finite()
+            && self.comm_timeout > 0.0
+            && self.comm_timeout <= MAX_COMM_TIMEOUT_S)
+        {
             return Err(LayoutError::Timeout(self.comm_timeout));
         }
         let (tp, pp) = (self.tp, self.pp);

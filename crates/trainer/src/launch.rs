@@ -117,6 +117,20 @@ impl LaunchSpec {
                 self.nnodes - 1
             )));
         }
+        if self.world_size() > crate::cli::MAX_WORLD {
+            return Err(LaunchError::Invalid(format!(
+                "--nproc-per-node {} * --nnodes {} = {} processes is above the largest supported world of {}",
+                self.nproc_per_node,
+                self.nnodes,
+                self.world_size(),
+                crate::cli::MAX_WORLD
+            )));
+        }
+        if self.master_port == Some(0) {
+            return Err(LaunchError::Invalid(
+                "--master-port 0 names no port the ranks could meet at; give 1..=65535, or leave it out on one node to pick a free one".into(),
+            ));
+        }
         if self.nnodes > 1 && self.master_port.is_none() {
             return Err(LaunchError::Invalid(format!(
                 "--master-port is required with --nnodes {} (every node must meet rank 0 at the same address)",
@@ -467,6 +481,13 @@ mod tests {
         let e = spec(4, 2, 0, None).validate().unwrap_err().to_string();
         assert!(e.contains("--master-port is required"), "{e}");
         assert!(spec(0, 1, 0, None).validate().is_err());
+        let e = spec(2, 1, 0, Some(0)).validate().unwrap_err().to_string();
+        assert!(e.contains("--master-port 0"), "{e}");
+        let e = spec(1 << 20, 2, 0, Some(1))
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("largest supported world of 1048576"), "{e}");
         assert!(spec(2, 1, 0, None).validate().is_ok());
     }
 

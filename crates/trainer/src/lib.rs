@@ -7,6 +7,7 @@ pub mod config;
 pub mod cost;
 pub mod data;
 pub mod distributed;
+pub mod fsio;
 #[cfg(feature = "cuda")]
 pub mod gpu_memory;
 pub mod launch;
@@ -18,3 +19,4 @@ pub mod prepare;
 pub mod sample;
 pub mod trace;
 pub mod train;
+pub mod validate;
