@@ -11,6 +11,7 @@ pub mod fsio;
 #[cfg(feature = "cuda")]
 pub mod gpu_memory;
 pub mod launch;
+pub mod liveness;
 pub mod memory;
 pub mod parity;
 pub mod plan;
