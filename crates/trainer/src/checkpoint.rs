@@ -222,7 +222,7 @@ pub fn save(run_dir: &Path, data: &CheckpointData) -> Result<PathBuf, Checkpoint
 /// Read `file` of the checkpoint `dir` and check it against `want`, before anything parses it.
 fn read_verified(dir: &Path, file: &str, want: &FileDigest) -> Result<Vec<u8>, CheckpointError> {
     let path = dir.join(file);
-    let data = fs::read(&path).at("reading", &path)?;
+    let data = fsio::read(&path)?;
     want.check(file, &data)
         .map_err(|reason| CheckpointError::Corrupt {
             dir: dir.to_path_buf(),

@@ -30,14 +30,9 @@ use crate::data::DataSource;
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    /// The config file could not be read.
-    #[error("cannot read config {path}: {source}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
-    },
+    /// The config file could not be read (names the operation and the path).
+    #[error("config: {0}")]
+    Read(crate::fsio::IoError),
     /// The TOML does not parse or does not match the fields (unknown keys are named here).
     #[error("{context}: {message}")]
     Parse {
@@ -414,10 +409,7 @@ impl TrainArgs {
         let mut table = toml::Table::new();
         let mut context = "command line".to_string();
         if let Some(path) = &self.config {
-            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-                path: path.clone(),
-                source,
-            })?;
+            let text = crate::fsio::read_to_string(path).map_err(ConfigError::Read)?;
             context = path.display().to_string();
             merge_file(&mut table, &text, &context)?;
         }

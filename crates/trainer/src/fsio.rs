@@ -45,6 +45,33 @@ impl<T> IoContext<T> for io::Result<T> {
     }
 }
 
+/// The contents of the regular file `path`. Anything else is refused before it is read: a
+/// device such as /dev/zero would never end, a directory cannot be read.
+pub fn read(path: &Path) -> Result<Vec<u8>, IoError> {
+    regular_file(path)?;
+    fs::read(path).at("reading", path)
+}
+
+/// The contents of the regular file `path` as UTF-8 text (see [`read`]).
+pub fn read_to_string(path: &Path) -> Result<String, IoError> {
+    regular_file(path)?;
+    fs::read_to_string(path).at("reading", path)
+}
+
+/// `Ok` when `path` is a regular file (or a link to one).
+pub fn regular_file(path: &Path) -> Result<(), IoError> {
+    let meta = fs::metadata(path).at("reading", path)?;
+    if meta.is_file() {
+        Ok(())
+    } else {
+        Err(IoError {
+            op: "reading",
+            path: path.to_path_buf(),
+            cause: io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"),
+        })
+    }
+}
+
 /// Write `bytes` to a new file at `path` and fsync it, so it is on disk when this returns.
 pub fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), IoError> {
     let mut f = File::create(path).at("creating", path)?;
@@ -126,6 +153,24 @@ mod tests {
             .to_string();
         assert!(e.starts_with("appending to /dev/full: "), "{e}");
         assert!(e.contains("No space left on device"), "{e}");
+    }
+
+    /// A device or a directory given where a file is expected is refused before reading (an
+    /// endless /dev/zero would otherwise be read until memory runs out).
+    #[test]
+    fn only_regular_files_are_read() {
+        for path in ["/dev/zero", "/"] {
+            let path = Path::new(path);
+            if !path.exists() {
+                continue;
+            }
+            let e = read_to_string(path).unwrap_err().to_string();
+            assert_eq!(e, format!("reading {}: not a regular file", path.display()));
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("a.txt");
+        std::fs::write(&file, "text").unwrap();
+        assert_eq!(read_to_string(&file).unwrap(), "text");
     }
 
     #[test]

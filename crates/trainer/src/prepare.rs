@@ -95,7 +95,7 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareSummary, PrepareError> {
     }
     crate::validate::at_most("--vocab-size", args.vocab_size, crate::validate::MAX_COUNT)
         .map_err(PrepareError::Invalid)?;
-    let text = std::fs::read_to_string(&args.text).at("reading", &args.text)?;
+    let text = crate::fsio::read_to_string(&args.text)?;
     std::fs::create_dir_all(&args.out).at("creating directory", &args.out)?;
 
     let tokenizer = train_tokenizer(&args.text, args.vocab_size)?;

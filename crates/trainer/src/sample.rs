@@ -106,10 +106,12 @@ pub fn sample(args: &SampleArgs) -> anyhow::Result<String> {
         (None, DataSource::Builtin) => None,
     };
     let codec = match tokenizer {
-        Some(p) => Codec::Bpe(Box::new(
-            Tokenizer::from_file(&p)
-                .map_err(|e| anyhow::anyhow!("loading {}: {e}", p.display()))?,
-        )),
+        Some(p) => {
+            crate::fsio::regular_file(&p)?;
+            Codec::Bpe(Box::new(Tokenizer::from_file(&p).map_err(|e| {
+                anyhow::anyhow!("loading {}: {e}", p.display())
+            })?))
+        }
         None => Codec::Bytes,
     };
     let ids = codec.encode(&args.prompt)?;
