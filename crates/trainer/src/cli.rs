@@ -325,7 +325,10 @@ pub enum LayoutError {
     #[error("{what} {value} is above the largest supported world of {MAX_WORLD} processes")]
     TooLarge { what: &'static str, value: usize },
 
-    #[error("--comm-timeout must be a positive number of seconds up to {MAX_COMM_TIMEOUT_S} (30 days), got {0}")]
+    #[error("world size {world} ({source_desc}) is above the largest supported {MAX_WORLD}")]
+    WorldTooLarge { world: usize, source_desc: String },
+
+    #[error("--comm-timeout must be a positive number of seconds up to {MAX_COMM_TIMEOUT_S} (30 days), got {0:?}")]
     Timeout(f64),
 
     #[error("{0}")]
@@ -406,6 +409,9 @@ impl LayoutArgs {
             }
         };
 
+        if world > MAX_WORLD {
+            return Err(LayoutError::WorldTooLarge { world, source_desc });
+        }
         let dp = match self.dp {
             Some(dp) => dp,
             None => {
@@ -552,6 +558,28 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("3 % 2 = 1"), "{e}");
+    }
+
+    #[test]
+    fn out_of_range_numbers_are_refused_with_the_bound() {
+        let e = layout(&["--tp", "4294967297"]).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "--tp 4294967297 is above the largest supported world of 1048576 processes"
+        );
+        let e = layout(&["--dp", "1048576", "--tp", "1048576"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("world size 1099511627776 (dp * pp * tp over 1 node(s))"),
+            "{e}"
+        );
+        for t in ["1e300", "nan", "inf", "0"] {
+            let e = layout(&["--comm-timeout", t]).unwrap_err().to_string();
+            assert!(e.contains("--comm-timeout must be a positive number of seconds up to 2592000"), "{e}");
+        }
+        let e = layout(&["--comm-timeout", "1e300"]).unwrap_err().to_string();
+        assert!(e.ends_with("got 1e300"), "{e}");
     }
 
     #[test]

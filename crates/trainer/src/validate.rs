@@ -22,7 +22,7 @@ pub fn positive(name: &str, value: f64) -> Result<(), String> {
     if value.is_finite() && value > 0.0 {
         Ok(())
     } else {
-        Err(format!("{name} {value} must be a finite number > 0"))
+        Err(format!("{name} {value:?} must be a finite number > 0"))
     }
 }
 
@@ -31,7 +31,7 @@ pub fn non_negative(name: &str, value: f64) -> Result<(), String> {
     if value.is_finite() && value >= 0.0 {
         Ok(())
     } else {
-        Err(format!("{name} {value} must be a finite number >= 0"))
+        Err(format!("{name} {value:?} must be a finite number >= 0"))
     }
 }
 
@@ -131,13 +131,16 @@ mod tests {
         for v in [0.0, -1.0, f64::NAN, f64::INFINITY] {
             let e = positive("eps", v).unwrap_err();
             assert!(
-                e.starts_with(&format!("eps {v} ")) && e.contains("> 0"),
+                e.starts_with(&format!("eps {v:?} ")) && e.contains("> 0"),
                 "{e}"
             );
         }
         assert!(non_negative("grad_clip", 0.0).is_ok());
         let e = non_negative("grad_clip", f64::INFINITY).unwrap_err();
         assert_eq!(e, "grad_clip inf must be a finite number >= 0");
+        // Large values are shown as written, not as 300 digits.
+        let e = positive("lr", -1e300).unwrap_err();
+        assert_eq!(e, "lr -1e300 must be a finite number > 0");
     }
 
     #[test]
