@@ -14,9 +14,9 @@
 //! ```
 //!
 //! Writing: every file goes into `RUN_DIR/.tmp-step-N/`, is fsynced, `meta.json` (with the
-//! checksums) and then `meta.digest` are written last, the directory is fsynced and renamed to `step-N` in one atomic
-//! `rename`, and only then is `latest` replaced (again temp file + rename). A crash at any point
-//! leaves either the old checkpoint set or the new one.
+//! checksums) and then `meta.digest` are written last, the directory is fsynced and renamed to
+//! `step-N` in one atomic `rename`, and only then is `latest` replaced (again temp file +
+//! rename). A crash at any point leaves either the old checkpoint set or the new one.
 //!
 //! Loading verifies size and checksum of every file, meta.json included, before parsing it
 //! ([`digest`]), so a truncated, corrupted or edited checkpoint is refused with a message naming

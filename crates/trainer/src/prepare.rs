@@ -155,7 +155,7 @@ pub fn train_tokenizer(text_file: &Path, vocab_size: usize) -> Result<Tokenizer,
     })?;
     tokenizer
         .train_from_files(&mut trainer, vec![file.to_string()])
-        .map_err(tok_err)?;
+        .map_err(|e| PrepareError::Tokenizer(format!("training on {file}: {e}")))?;
     Ok(Tokenizer::from(tokenizer))
 }
 
