@@ -341,16 +341,16 @@ pub struct TrainArgs {
     #[arg(long, value_name = "NAME")]
     pub model: Option<String>,
     /// Optimizer steps.
-    #[arg(long)]
+    #[arg(long, value_parser = toml_integer::<u64>())]
     pub steps: Option<u64>,
     /// Sequences per micro-batch per data-parallel rank.
-    #[arg(long)]
+    #[arg(long, value_parser = toml_integer::<usize>())]
     pub batch_size: Option<usize>,
     /// Tokens per sequence.
-    #[arg(long)]
+    #[arg(long, value_parser = toml_integer::<usize>())]
     pub seq_len: Option<usize>,
     /// Micro-batches per optimizer step.
-    #[arg(long)]
+    #[arg(long, value_parser = toml_integer::<usize>())]
     pub grad_accum: Option<usize>,
     /// Peak learning rate.
     #[arg(long)]
@@ -359,10 +359,10 @@ pub struct TrainArgs {
     #[arg(long)]
     pub min_lr: Option<f64>,
     /// Warmup steps.
-    #[arg(long)]
+    #[arg(long, value_parser = toml_integer::<u64>())]
     pub warmup_steps: Option<u64>,
     /// Seed of initialisation and data order.
-    #[arg(long)]
+    #[arg(long, value_parser = toml_integer::<u64>())]
     pub seed: Option<u64>,
     /// Run directory (checkpoints, metrics.jsonl, memory.jsonl).
     #[arg(long, value_name = "DIR")]
@@ -371,13 +371,13 @@ pub struct TrainArgs {
     #[arg(long, value_name = "SOURCE")]
     pub data: Option<String>,
     /// Evaluate every N steps (0 disables).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = toml_integer::<u64>())]
     pub eval_every: Option<u64>,
     /// Checkpoint every N steps (0: only at the end).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = toml_integer::<u64>())]
     pub ckpt_every: Option<u64>,
     /// Log every N steps.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = toml_integer::<u64>())]
     pub log_every: Option<u64>,
     /// Print and record the per-step memory report.
     #[arg(long)]
@@ -401,6 +401,16 @@ pub struct TrainArgs {
     /// --set model.moe.top_k=1` (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub overrides: Vec<String>,
+}
+
+/// Parser of a flag that becomes a config integer: TOML integers are signed 64-bit, so a larger
+/// value is refused here, naming the flag and the range, rather than wrapping to a negative one.
+fn toml_integer<T>() -> clap::builder::RangedU64ValueParser<T>
+where
+    T: TryFrom<u64> + Clone + Send + Sync + 'static,
+    <T as TryFrom<u64>>::Error: std::error::Error + Send + Sync + 'static,
+{
+    clap::builder::RangedU64ValueParser::<T>::new().range(0..=i64::MAX as u64)
 }
 
 impl TrainArgs {
@@ -671,6 +681,17 @@ mod tests {
         assert!(e.contains("invalid type: map") && e.contains("`lr`"), "{e}");
         let e = format!("{:#}", resolve(&["--set", "model..n_head=1"]).unwrap_err());
         assert!(e.contains("empty key segment"), "{e}");
+    }
+
+    /// A flag value beyond a TOML integer is refused by clap with the range, not wrapped.
+    #[test]
+    fn integers_beyond_toml_are_refused_at_parse() {
+        for flag in ["--steps", "--seed", "--batch-size", "--log-every"] {
+            let e = resolve(&[flag, "18446744073709551615"]).unwrap_err().to_string();
+            assert!(e.contains(flag) && e.contains("0..=9223372036854775807"), "{e}");
+        }
+        let cfg = resolve(&["--seed", "9223372036854775807"]).unwrap();
+        assert_eq!(cfg.seed, i64::MAX as u64);
     }
 
     /// Special floats and sizes too large to allocate are refused with the option's name.
