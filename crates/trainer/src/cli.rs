@@ -576,9 +576,14 @@ mod tests {
         );
         for t in ["1e300", "nan", "inf", "0"] {
             let e = layout(&["--comm-timeout", t]).unwrap_err().to_string();
-            assert!(e.contains("--comm-timeout must be a positive number of seconds up to 2592000"), "{e}");
+            assert!(
+                e.contains("--comm-timeout must be a positive number of seconds up to 2592000"),
+                "{e}"
+            );
         }
-        let e = layout(&["--comm-timeout", "1e300"]).unwrap_err().to_string();
+        let e = layout(&["--comm-timeout", "1e300"])
+            .unwrap_err()
+            .to_string();
         assert!(e.ends_with("got 1e300"), "{e}");
     }
 

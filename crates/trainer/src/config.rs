@@ -687,8 +687,13 @@ mod tests {
     #[test]
     fn integers_beyond_toml_are_refused_at_parse() {
         for flag in ["--steps", "--seed", "--batch-size", "--log-every"] {
-            let e = resolve(&[flag, "18446744073709551615"]).unwrap_err().to_string();
-            assert!(e.contains(flag) && e.contains("0..=9223372036854775807"), "{e}");
+            let e = resolve(&[flag, "18446744073709551615"])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(flag) && e.contains("0..=9223372036854775807"),
+                "{e}"
+            );
         }
         let cfg = resolve(&["--seed", "9223372036854775807"]).unwrap();
         assert_eq!(cfg.seed, i64::MAX as u64);

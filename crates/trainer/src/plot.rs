@@ -482,7 +482,10 @@ mod tests {
         )
         .unwrap();
         let written = plot_run(dir.path()).unwrap();
-        assert!(written.iter().any(|p| p.ends_with("loss.svg")), "{written:?}");
+        assert!(
+            written.iter().any(|p| p.ends_with("loss.svg")),
+            "{written:?}"
+        );
         assert_eq!(value_axis(2.0, 2.0), 1.5..2.5);
         assert_eq!(value_axis(f64::MAX, f64::MIN), -0.5..0.5);
     }

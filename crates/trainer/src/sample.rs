@@ -108,9 +108,10 @@ pub fn sample(args: &SampleArgs) -> anyhow::Result<String> {
     let codec = match tokenizer {
         Some(p) => {
             crate::fsio::regular_file(&p)?;
-            Codec::Bpe(Box::new(Tokenizer::from_file(&p).map_err(|e| {
-                anyhow::anyhow!("loading {}: {e}", p.display())
-            })?))
+            Codec::Bpe(Box::new(
+                Tokenizer::from_file(&p)
+                    .map_err(|e| anyhow::anyhow!("loading {}: {e}", p.display()))?,
+            ))
         }
         None => Codec::Bytes,
     };

@@ -595,7 +595,9 @@ fn no_worker_outlives_a_launcher_killed_by_sigkill() {
     let survivors: Vec<u32> = workers.into_iter().filter(|&p| alive(p)).collect();
     for &p in &survivors {
         // Do not leave them running past the test, whatever it concludes.
-        let _ = Command::new("kill").args(["-KILL", &p.to_string()]).status();
+        let _ = Command::new("kill")
+            .args(["-KILL", &p.to_string()])
+            .status();
     }
     assert!(
         survivors.is_empty(),
