@@ -80,19 +80,18 @@ pub fn plot_run(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
             run_dir.display()
         );
     }
-    written.push(loss_chart(
-        &read_lines(&metrics)?,
-        &run_dir.join("loss.svg"),
-    )?);
+    // Drawing errors (plotters writes the SVG as it draws) name the file being written.
+    let writing = |path: &Path| format!("writing {}", path.display());
+    let loss = run_dir.join("loss.svg");
+    written.push(loss_chart(&read_lines(&metrics)?, &loss).with_context(|| writing(&loss))?);
     let memory = run_dir.join("memory.jsonl");
     if memory.exists() {
-        written.push(memory_chart(
-            &read_lines(&memory)?,
-            &run_dir.join("memory.svg"),
-        )?);
+        let svg = run_dir.join("memory.svg");
+        written.push(memory_chart(&read_lines(&memory)?, &svg).with_context(|| writing(&svg))?);
     }
     if let Some((step, rows)) = read_timelines(run_dir)? {
-        written.push(pipeline_chart(step, &rows, &run_dir.join("pipeline.svg"))?);
+        let svg = run_dir.join("pipeline.svg");
+        written.push(pipeline_chart(step, &rows, &svg).with_context(|| writing(&svg))?);
     }
     Ok(written)
 }
@@ -485,6 +484,15 @@ mod tests {
         assert!(
             written.iter().any(|p| p.ends_with("loss.svg")),
             "{written:?}"
+        );
+        // A chart that cannot be written names its file.
+        std::fs::remove_file(dir.path().join("loss.svg")).unwrap();
+        std::fs::create_dir(dir.path().join("loss.svg")).unwrap();
+        let e = format!("{:#}", plot_run(dir.path()).unwrap_err());
+        let svg = dir.path().join("loss.svg");
+        assert!(
+            e.starts_with(&format!("writing {}: ", svg.display())),
+            "{e}"
         );
         assert_eq!(value_axis(2.0, 2.0), 1.5..2.5);
         assert_eq!(value_axis(f64::MAX, f64::MIN), -0.5..0.5);
