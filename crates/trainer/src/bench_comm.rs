@@ -36,6 +36,7 @@ use serde::Serialize;
 
 use crate::config::DeviceKind;
 use crate::cost::{fit_alpha_beta, AlphaBetaTable, CostError, Fit};
+use crate::fsio::IoContext;
 
 /// Options of `mtrain bench-comm` (nccl-tests' short flags).
 #[derive(Debug, Clone, Args)]
@@ -171,6 +172,8 @@ pub enum BenchError {
     Candle(#[from] candle_core::Error),
     #[error("writing results: {0}")]
     Io(#[from] std::io::Error),
+    #[error(transparent)]
+    File(#[from] crate::fsio::IoError),
     #[error("writing JSON: {0}")]
     Json(#[from] serde_json::Error),
     #[error("--fit: {0}")]
@@ -360,6 +363,19 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
     let dtype = args.dtype.dtype();
     let elem = dtype.size_in_bytes();
     let device = comm.device().clone();
+    // Per rank: the input, the result (n times the input for all-gather) and the expected values
+    // (f32, up to twice the input's bytes in bf16), all of the largest size at once.
+    let per_rank = args.max_bytes as u128 * (n as u128 + 3);
+    let memory = device
+        .is_cpu()
+        .then(crate::validate::host_memory_bytes)
+        .flatten();
+    crate::validate::fits_in_memory(
+        &format!("-e/--maxbytes {} over {n} ranks", args.max_bytes),
+        per_rank,
+        memory,
+    )
+    .map_err(BenchError::Invalid)?;
 
     if r == 0 {
         println!(
@@ -464,7 +480,7 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
             if path.as_os_str() == "-" {
                 println!("{text}");
             } else {
-                std::fs::write(path, text + "\n")?;
+                std::fs::write(path, text + "\n").at("writing", path)?;
             }
         }
         if let Some(path) = &args.fit {

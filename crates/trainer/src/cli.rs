@@ -36,7 +36,7 @@ use mtrain_comm::mesh::MeshDims;
 use crate::bench_comm::BenchCommArgs;
 use crate::config::{DdpMode, ParallelConfig, Schedule, TrainArgs, TrainConfig};
 use crate::launch::LaunchSpec;
-use crate::layout::{Layout, LayoutError};
+use crate::layout::{Layout, LayoutError, MAX_COMM_TIMEOUT_S, MAX_WORLD};
 use crate::plan::PlanArgs;
 use crate::plot::PlotArgs;
 use crate::prepare::PrepareArgs;
@@ -249,24 +249,26 @@ impl LayoutArgs {
         launched_world: Option<usize>,
     ) -> Result<Layout, LayoutError> {
         for (what, v) in [
-            ("--tp", parallel.tp),
-            ("--pp", parallel.pp),
-            ("--ep", parallel.ep),
-            ("--nnodes", self.nnodes),
+            ("--tp", Some(parallel.tp)),
+            ("--pp", Some(parallel.pp)),
+            ("--ep", Some(parallel.ep)),
+            ("--nnodes", Some(self.nnodes)),
+            ("--dp", parallel.dp),
+            ("--nproc-per-node", self.nproc_per_node),
         ] {
-            if v == 0 {
-                return Err(LayoutError::Zero { what });
+            match v {
+                Some(0) => return Err(LayoutError::Zero { what }),
+                // Bounded so that every product of degrees below fits a usize.
+                Some(value) if value > MAX_WORLD => {
+                    return Err(LayoutError::TooLarge { what, value })
+                }
+                _ => {}
             }
         }
-        if parallel.dp == Some(0) {
-            return Err(LayoutError::Zero { what: "--dp" });
-        }
-        if self.nproc_per_node == Some(0) {
-            return Err(LayoutError::Zero {
-                what: "--nproc-per-node",
-            });
-        }
-        if !(self.comm_timeout.is_finite() && self.comm_timeout > 0.0) {
+        if !(self.comm_timeout.is_finite()
+            && self.comm_timeout > 0.0
+            && self.comm_timeout <= MAX_COMM_TIMEOUT_S)
+        {
             return Err(LayoutError::Timeout(self.comm_timeout));
         }
         let (tp, pp) = (parallel.tp, parallel.pp);
@@ -303,6 +305,12 @@ impl LayoutArgs {
             }
         };
 
+        if world > MAX_WORLD {
+            return Err(LayoutError::WorldTooLarge {
+                world,
+                world_source: world_source.clone(),
+            });
+        }
         let dp = match parallel.dp {
             Some(dp) => dp,
             None => {
@@ -481,6 +489,33 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("3 % 2 = 1"), "{e}");
+    }
+
+    #[test]
+    fn out_of_range_numbers_are_refused_with_the_bound() {
+        let e = layout(&["--tp", "4294967297"]).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "--tp 4294967297 is above the largest supported world of 1048576 processes"
+        );
+        let e = layout(&["--dp", "1048576", "--tp", "1048576"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("world size 1099511627776 (dp * pp * tp over 1 node(s))"),
+            "{e}"
+        );
+        for t in ["1e300", "nan", "inf", "0"] {
+            let e = layout(&["--comm-timeout", t]).unwrap_err().to_string();
+            assert!(
+                e.contains("--comm-timeout must be a positive number of seconds up to 2592000"),
+                "{e}"
+            );
+        }
+        let e = layout(&["--comm-timeout", "1e300"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.ends_with("got 1e300"), "{e}");
     }
 
     #[test]

@@ -31,15 +31,13 @@ use mtrain_parallel::parallelize::ParallelPlan;
 use serde::{Deserialize, Serialize};
 
 use crate::config::{DTypeKind, DeviceKind, TrainConfig};
+use crate::fsio::IoContext;
 
 /// Errors of the cost commands.
 #[derive(Debug, thiserror::Error)]
 pub enum CostError {
-    #[error("reading {path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] crate::fsio::IoError),
     #[error("parsing α-β table {path}: {msg}")]
     Parse { path: String, msg: String },
     #[error("fit of {op} over {ranks} ranks: {msg}")]
@@ -112,10 +110,7 @@ impl AlphaBetaTable {
     }
 
     pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| CostError::Io {
-            path: path.display().to_string(),
-            source,
-        })?;
+        let text = crate::fsio::read_to_string(path)?;
         toml::from_str(&text).map_err(|e| CostError::Parse {
             path: path.display().to_string(),
             msg: e.to_string(),
@@ -123,18 +118,14 @@ impl AlphaBetaTable {
     }
 
     pub fn save(&self, path: &Path) -> Result<()> {
-        let io = |source| CostError::Io {
-            path: path.display().to_string(),
-            source,
-        };
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(io)?;
+            std::fs::create_dir_all(dir).at("creating directory", dir)?;
         }
         let text = toml::to_string_pretty(self).map_err(|e| CostError::Parse {
             path: path.display().to_string(),
             msg: e.to_string(),
         })?;
-        std::fs::write(path, text).map_err(io)
+        Ok(std::fs::write(path, text).at("writing", path)?)
     }
 
     /// The model for `op` over `n` ranks: its fit at n, else the same op's fit at the nearest

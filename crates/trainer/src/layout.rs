@@ -51,7 +51,13 @@ pub enum LayoutError {
         rem: usize,
     },
 
-    #[error("--comm-timeout must be a positive number of seconds, got {0}")]
+    #[error("{what} {value} is above the largest supported world of {MAX_WORLD} processes")]
+    TooLarge { what: &'static str, value: usize },
+
+    #[error("world size {world} ({world_source}) is above the largest supported {MAX_WORLD}")]
+    WorldTooLarge { world: usize, world_source: String },
+
+    #[error("--comm-timeout must be a positive number of seconds up to {MAX_COMM_TIMEOUT_S} (30 days), got {0:?}")]
     Timeout(f64),
 
     /// [`ParallelPlan::validate`]'s reasons, with where the world size came from.
@@ -67,6 +73,11 @@ pub enum LayoutError {
     #[error("{0}")]
     Launch(#[from] crate::launch::LaunchError),
 }
+
+/// Largest degree, node count or world size accepted (2^20 processes).
+pub const MAX_WORLD: usize = 1 << 20;
+/// Longest `--comm-timeout` accepted, in seconds (30 days; longer deadlines overflow a clock).
+pub const MAX_COMM_TIMEOUT_S: f64 = 30.0 * 86400.0;
 
 /// A layout with nothing left to infer: the mesh dimensions and how the world is launched.
 /// Whether the numbers fit together and fit the model is [`plan`]'s question.

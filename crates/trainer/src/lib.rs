@@ -7,10 +7,12 @@ pub mod config;
 pub mod cost;
 pub mod data;
 pub mod distributed;
+pub mod fsio;
 #[cfg(feature = "cuda")]
 pub mod gpu_memory;
 pub mod launch;
 pub mod layout;
+pub mod liveness;
 pub mod memory;
 pub mod parity;
 pub mod phases;
@@ -20,3 +22,4 @@ pub mod prepare;
 pub mod sample;
 pub mod trace;
 pub mod train;
+pub mod validate;

@@ -29,6 +29,7 @@ use mtrain_trainer::cli::{Cli, Command};
 use mtrain_trainer::config::DeviceKind;
 use mtrain_trainer::launch::{self, LaunchError};
 use mtrain_trainer::layout::{self, Layout};
+use mtrain_trainer::liveness::{self, StoreWatch};
 use mtrain_trainer::{bench_comm, parity, plan, plot, prepare, sample, train};
 use tracing_subscriber::fmt::format::Writer;
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
@@ -39,6 +40,8 @@ static ALLOC: mtrain_trainer::memory::CountingAlloc = mtrain_trainer::memory::Co
 
 /// Exit code after Ctrl-C / SIGTERM, as a shell reports a SIGINT death (128 + 2).
 const EXIT_INTERRUPTED: u8 = 130;
+/// Exit code of a worker whose job vanished under it (its rendezvous store stopped answering).
+const EXIT_JOB_LOST: i32 = 1;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -216,15 +219,39 @@ fn distributed(
             "starting the collective backend".to_string()
         }
     })?;
+    let watch = watch_job(&env)?;
     job(backend.as_ref())?;
     if env.world_size > 1 {
         // Leave together: once every rank is past this barrier nobody waits for data from a
         // peer any more (and rank 0, which may be serving the store, is the last to need it).
         // Dropping the backend flushes each connection's queued bytes before the process exits.
+        if let Some(w) = &watch {
+            w.disarm();
+        }
         backend.world().barrier().context("final barrier")?;
         drop(backend);
     }
     Ok(())
+}
+
+/// Exit when the job's rendezvous store goes away ([`liveness`]): the launcher or rank 0 that
+/// served it is gone, so this worker is an orphan. Not needed in a world of one, nor in the
+/// process that serves the store itself.
+fn watch_job(env: &LaunchEnv) -> anyhow::Result<Option<StoreWatch>> {
+    if env.world_size == 1 || (env.rank == 0 && !env.store_external) {
+        return Ok(None);
+    }
+    let (addr, rank) = (env.store_addr(), env.rank);
+    let watched = addr.clone();
+    let watch = StoreWatch::start(&addr, &env.job_id, liveness::POLL_INTERVAL, move |why| {
+        eprintln!(
+            "error: rank {rank}: the job's rendezvous store at {watched} stopped answering, so its launcher or rank 0 is gone; exiting"
+        );
+        eprintln!("  caused by: {why}");
+        std::process::exit(EXIT_JOB_LOST);
+    })
+    .with_context(|| format!("rank {rank}: watching the rendezvous store at {addr}"))?;
+    Ok(Some(watch))
 }
 
 /// The collective backend for this process: TCP on CPU, NCCL on the GPU of `LOCAL_RANK`.

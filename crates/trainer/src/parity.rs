@@ -159,6 +159,7 @@ fn run_mtrain(args: &[String], what: &str) -> anyhow::Result<()> {
 
 /// `mtrain parity`: run both, print the table, fail over the tolerance.
 pub fn run(args: &ParityArgs) -> anyhow::Result<()> {
+    crate::validate::non_negative("--tol", args.tol).map_err(anyhow::Error::msg)?;
     let vs: Vec<String> = args.vs.split_whitespace().map(str::to_string).collect();
     let mut argv = vec!["mtrain".to_string()];
     argv.extend(vs.iter().cloned());

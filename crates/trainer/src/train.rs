@@ -21,8 +21,6 @@
 //! random, a resumed run reproduces the uninterrupted loss series bit for bit.
 
 use std::collections::BTreeMap;
-use std::fs::{File, OpenOptions};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -43,6 +41,7 @@ use crate::config::{ParallelConfig, TrainConfig};
 use crate::data::{DataLoader, Dataset};
 use crate::distributed::Distributed;
 use crate::phases::{PhaseTimer, PhaseTimes, StepPhase};
+use crate::fsio::JsonLines;
 use crate::memory::{
     activation_bytes, AnalyticMemory, CpuProbe, MemoryProbe, MemoryTracker, ModelStateLayout, Phase,
 };
@@ -618,6 +617,7 @@ pub fn train_loop(
     let mut start_step = 0;
     if let Some(resume) = &cfg.resume {
         let ckpt = resume_checkpoint(cfg, resume, device)?;
+        ckpt.check_model(gcfg)?;
         ckpt.check_shapes(&model.param_shapes())?;
         model.load_state(&ckpt.model, ckpt.optim)?;
         loader.set_position(ckpt.meta.data_position);
@@ -635,8 +635,8 @@ pub fn train_loop(
         .mem_report
         .then(|| open_append(&cfg.run_dir.join("memory.jsonl")))
         .transpose()?;
-    let mut step_log: Option<File> = None;
-    let mut timeline_log: Option<File> = None;
+    let mut step_log: Option<JsonLines> = None;
+    let mut timeline_log: Option<JsonLines> = None;
 
     let sched = LrSchedule {
         lr: cfg.lr,
@@ -932,17 +932,10 @@ fn lap(timer: &mut Option<PhaseTimer>, p: StepPhase) -> candle_core::Result<()> 
     }
 }
 
-fn open_append(path: &Path) -> anyhow::Result<File> {
-    OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .with_context(|| format!("opening {}", path.display()))
+fn open_append(path: &Path) -> anyhow::Result<JsonLines> {
+    Ok(JsonLines::open_append(path)?)
 }
 
-fn write_json_line(f: &mut File, value: &impl Serialize) -> anyhow::Result<()> {
-    let mut line = serde_json::to_string(value)?;
-    line.push('\n');
-    f.write_all(line.as_bytes())?;
-    Ok(())
+fn write_json_line(f: &mut JsonLines, value: &impl Serialize) -> anyhow::Result<()> {
+    Ok(f.write(value)?)
 }
