@@ -137,6 +137,7 @@ fn cpu_backend_init_hosts_the_store_on_rank_0() {
                         local_world_size: 3,
                         master_addr: "127.0.0.1".into(),
                         master_port: port,
+                        store_port: port,
                         job_id: "init-test".into(),
                         store_external: false,
                     };

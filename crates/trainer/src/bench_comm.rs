@@ -5,7 +5,8 @@
 //! ```
 //!
 //! For each message size S (from `-b` to `-e`, times `-f` each step) every rank runs `-w` warm-up
-//! and `-n` timed iterations of the op; the time is the slowest rank's mean. As in nccl-tests:
+//! and `-n` timed iterations of the op; the time is the slowest rank's mean (each rank's mean
+//! over the timed iterations, then the maximum over ranks; the header says so). As in nccl-tests:
 //!
 //! ```text
 //!   algbw = S / time
@@ -23,7 +24,11 @@
 //! Every input is filled from a closed form of (rank, index) whose values are small integers, exact
 //! in bf16 and in any summation order, so the result of the last timed iteration is compared
 //! element by element with what it must be; `#wrong` is the number of differing elements over all
-//! ranks. A healthy backend prints 0 in every row.
+//! ranks. A healthy backend prints 0 in every row. nccl-tests' `-d` (element type), `-o`
+//! (reduction of all-reduce and reduce-scatter) and `-c 0` (skip the check) are taken too.
+//!
+//! stdout holds the results only: the table, or with `--json -` the JSON alone (the table then
+//! goes to stderr), so `mtrain --nproc-per-node 2 bench-comm --json - | jq` works.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -75,9 +80,17 @@ pub struct BenchCommArgs {
     )]
     pub warmup: usize,
 
-    /// Element type of the messages.
-    #[arg(long, value_enum, default_value_t = BenchDtype::F32)]
+    /// Element type of the messages (nccl-tests' `-d`; `float` and `bfloat16` are accepted too).
+    #[arg(short = 'd', long, value_enum, default_value_t = BenchDtype::F32)]
     pub dtype: BenchDtype,
+
+    /// Reduction of all-reduce and reduce-scatter (nccl-tests' `-o`; default sum).
+    #[arg(short = 'o', long = "reduce-op", value_enum, value_name = "OP")]
+    pub reduce_op: Option<BenchReduce>,
+
+    /// Check every result element by element (1, the default) or not (0), as nccl-tests' `-c`.
+    #[arg(short = 'c', long = "check", default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=1), value_name = "0|1")]
+    pub check: u8,
 
     /// Where the messages live: `cpu` (TCP backend) or `cuda` (NCCL, one GPU per rank).
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
@@ -110,8 +123,52 @@ pub enum BenchOp {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum BenchDtype {
+    #[value(alias = "float")]
     F32,
+    #[value(alias = "bfloat16")]
     Bf16,
+}
+
+/// Reductions of all-reduce and reduce-scatter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BenchReduce {
+    Sum,
+    Avg,
+    Max,
+    Min,
+}
+
+impl BenchReduce {
+    fn op(self) -> ReduceOp {
+        match self {
+            BenchReduce::Sum => ReduceOp::Sum,
+            BenchReduce::Avg => ReduceOp::Avg,
+            BenchReduce::Max => ReduceOp::Max,
+            BenchReduce::Min => ReduceOp::Min,
+        }
+    }
+
+    /// Element `i` of the reduction over `n` ranks of [`value`]: (r + 1) + i mod 7 for r in 0..n.
+    fn of_values(self, n: usize, i: usize) -> f32 {
+        let k = (i % 7) as f32;
+        let n = n as f32;
+        match self {
+            BenchReduce::Sum => n * (n + 1.0) / 2.0 + n * k,
+            BenchReduce::Avg => (n + 1.0) / 2.0 + k,
+            BenchReduce::Max => n + k,
+            BenchReduce::Min => 1.0 + k,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            BenchReduce::Sum => "sum",
+            BenchReduce::Avg => "avg",
+            BenchReduce::Max => "max",
+            BenchReduce::Min => "min",
+        }
+    }
 }
 
 impl BenchDtype {
@@ -153,6 +210,11 @@ impl BenchOp {
         }
     }
 
+    /// Ops that reduce (and take `-o`).
+    fn reduces(self) -> bool {
+        matches!(self, BenchOp::AllReduce | BenchOp::ReduceScatter)
+    }
+
     /// Ops whose size must split evenly into one block per rank.
     fn splits_by_rank(self) -> bool {
         matches!(
@@ -185,10 +247,12 @@ pub enum BenchError {
 pub struct BenchRow {
     pub bytes: u64,
     pub count: usize,
+    /// The slowest rank's mean over the timed iterations (µs).
     pub time_us: f64,
     pub algbw_gbps: f64,
     pub busbw_gbps: f64,
-    pub wrong: u64,
+    /// Wrong elements over all ranks; null under `-c 0`.
+    pub wrong: Option<u64>,
 }
 
 impl BenchReport {
@@ -203,6 +267,11 @@ impl BenchReport {
 pub struct BenchReport {
     pub op: BenchOp,
     pub dtype: BenchDtype,
+    /// The reduction (all-reduce and reduce-scatter only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reduce_op: Option<BenchReduce>,
+    /// How `time_us` is taken over ranks: "max over ranks of each rank's mean".
+    pub time: &'static str,
     pub world_size: usize,
     pub iters: usize,
     pub warmup: usize,
@@ -249,6 +318,7 @@ fn tensor(values: Vec<f32>, dtype: DType, device: &Device) -> candle_core::Resul
 
 fn make_case(
     op: BenchOp,
+    redop: BenchReduce,
     count: usize,
     n: usize,
     r: usize,
@@ -257,28 +327,18 @@ fn make_case(
 ) -> candle_core::Result<Case> {
     let m = count / n; // rows per rank for the split ops
     let (input, expected): (Vec<f32>, Vec<f32>) = match op {
-        BenchOp::AllReduce => {
-            let sum_ranks = (n * (n + 1) / 2) as f32;
-            (
-                (0..count).map(|i| value(r, i)).collect(),
-                (0..count)
-                    .map(|i| sum_ranks + (n * (i % 7)) as f32)
-                    .collect(),
-            )
-        }
+        BenchOp::AllReduce => (
+            (0..count).map(|i| value(r, i)).collect(),
+            (0..count).map(|i| redop.of_values(n, i)).collect(),
+        ),
         BenchOp::AllGather => (
             (0..m).map(|i| value(r, i)).collect(),
             (0..m * n).map(|j| value(j / m, j % m)).collect(),
         ),
-        BenchOp::ReduceScatter => {
-            let sum_ranks = (n * (n + 1) / 2) as f32;
-            (
-                (0..count).map(|i| value(r, i)).collect(),
-                (r * m..(r + 1) * m)
-                    .map(|i| sum_ranks + (n * (i % 7)) as f32)
-                    .collect(),
-            )
-        }
+        BenchOp::ReduceScatter => (
+            (0..count).map(|i| value(r, i)).collect(),
+            (r * m..(r + 1) * m).map(|i| redop.of_values(n, i)).collect(),
+        ),
         BenchOp::AllToAll => (
             (0..m * n).map(|j| block_value(r, j / m, j % m)).collect(),
             (0..m * n).map(|j| block_value(j / m, r, j % m)).collect(),
@@ -304,12 +364,12 @@ fn make_case(
 }
 
 /// Run the op once on this rank's input.
-fn run_op(comm: &Comm, op: BenchOp, x: &Tensor) -> Result<Tensor, CommError> {
+fn run_op(comm: &Comm, op: BenchOp, redop: ReduceOp, x: &Tensor) -> Result<Tensor, CommError> {
     let (n, r) = (comm.size(), comm.rank());
     match op {
-        BenchOp::AllReduce => comm.all_reduce(x, ReduceOp::Sum),
+        BenchOp::AllReduce => comm.all_reduce(x, redop),
         BenchOp::AllGather => comm.all_gather(x),
-        BenchOp::ReduceScatter => comm.reduce_scatter(x, ReduceOp::Sum),
+        BenchOp::ReduceScatter => comm.reduce_scatter(x, redop),
         BenchOp::AllToAll => {
             let splits = vec![x.dims()[0] / n; n];
             comm.all_to_all(x, &splits, &splits)
@@ -325,7 +385,8 @@ fn run_op(comm: &Comm, op: BenchOp, x: &Tensor) -> Result<Tensor, CommError> {
     }
 }
 
-fn count_wrong(result: &Tensor, expected: &[f32]) -> candle_core::Result<u64> {
+/// Elements of `result` differing from `expected` by more than `tol` relative (0: exactly).
+fn count_wrong(result: &Tensor, expected: &[f32], tol: f32) -> candle_core::Result<u64> {
     let got = result
         .to_dtype(DType::F32)?
         .flatten_all()?
@@ -333,10 +394,15 @@ fn count_wrong(result: &Tensor, expected: &[f32]) -> candle_core::Result<u64> {
     if got.len() != expected.len() {
         return Ok(expected.len().max(got.len()) as u64);
     }
-    Ok(got.iter().zip(expected).filter(|(a, b)| a != b).count() as u64)
+    Ok(got
+        .iter()
+        .zip(expected)
+        .filter(|(a, b)| (*a - *b).abs() > tol * b.abs() || a.is_nan())
+        .count() as u64)
 }
 
-/// Run the benchmark over the world group. Every rank returns the same report; rank 0 prints it.
+/// Run the benchmark over the world group. Every rank returns the same report; rank 0 prints it:
+/// the table on stdout, or on stderr when the JSON goes to stdout (`--json -`).
 pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, BenchError> {
     if args.step_factor < 2 {
         return Err(BenchError::Invalid(format!(
@@ -353,6 +419,15 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
     if args.iters == 0 {
         return Err(BenchError::Invalid("-n/--iters must be at least 1".into()));
     }
+    if let (Some(o), false) = (args.reduce_op, args.op.reduces()) {
+        return Err(BenchError::Invalid(format!(
+            "-o/--reduce-op {} applies to all-reduce and reduce-scatter, not {}",
+            o.name(),
+            args.op.name()
+        )));
+    }
+    let redop = args.reduce_op.unwrap_or(BenchReduce::Sum);
+    let check = args.check == 1;
     let comm = backend.world();
     let (n, r) = (comm.size(), comm.rank());
     if args.op == BenchOp::SendRecv && n < 2 {
@@ -376,19 +451,46 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
         memory,
     )
     .map_err(BenchError::Invalid)?;
+    // The average may be taken as a scaled sum (NCCL's avg on floats): a few units in the last
+    // place of the dtype are allowed there; every other result is exact.
+    let tol = match (redop, args.op.reduces()) {
+        (BenchReduce::Avg, true) => 4.0 * f32::powi(2.0, -(mantissa_bits(dtype) as i32)),
+        _ => 0.0,
+    };
 
+    let json_to_stdout = args.json.as_deref().is_some_and(|p| p.as_os_str() == "-");
+    // The human-readable table: stdout, unless stdout carries the JSON.
+    let mut table: Box<dyn Write> = if json_to_stdout {
+        Box::new(std::io::stderr())
+    } else {
+        Box::new(std::io::stdout())
+    };
     if r == 0 {
-        println!(
-            "# mtrain bench-comm: {}, {n} ranks, {}, {} warm-up + {} timed iterations per size",
+        let reduction = match args.op.reduces() {
+            true => format!(" ({})", redop.name()),
+            false => String::new(),
+        };
+        writeln!(
+            table,
+            "# mtrain bench-comm: {}{reduction}, {n} ranks, {}, {} warm-up + {} timed iterations per size",
             args.op.name(),
             args.dtype.nccl_name(),
             args.warmup,
             args.iters
-        );
-        println!(
+        )?;
+        writeln!(
+            table,
+            "# time: {} ({} timed iterations); #wrong: {}",
+            TIME_OVER_RANKS,
+            args.iters,
+            if check { "elements differing from the closed form, over all ranks" } else { "not checked (-c 0)" }
+        )?;
+        writeln!(
+            table,
             "# {:>12} {:>12} {:>9} {:>12} {:>12} {:>12} {:>8}",
             "size(B)", "count", "type", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"
-        );
+        )?;
+        table.flush()?;
     }
 
     let mut rows = Vec::new();
@@ -398,27 +500,30 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
         if args.op.splits_by_rank() {
             count -= count % n;
         }
-        let case = make_case(args.op, count, n, r, dtype, &device)?;
+        let case = make_case(args.op, redop, count, n, r, dtype, &device)?;
         for _ in 0..args.warmup {
-            run_op(&comm, args.op, &case.input)?;
+            run_op(&comm, args.op, redop.op(), &case.input)?;
         }
         comm.barrier()?;
         let start = Instant::now();
         let mut result = None;
         for _ in 0..args.iters {
-            result = Some(run_op(&comm, args.op, &case.input)?);
+            result = Some(run_op(&comm, args.op, redop.op(), &case.input)?);
         }
         // On a GPU an op returns once it is queued on the stream; the barrier returns only after
         // the group's earlier ops have finished, so the clock stops when the bytes have moved.
         comm.barrier()?;
         let local_us = start.elapsed().as_secs_f64() * 1e6 / args.iters as f64;
-        let wrong_local = match &result {
-            Some(t) => count_wrong(t, &case.expected)?,
-            None => 0,
-        };
         // The slowest rank's time and the wrong elements of all ranks.
         let time_us = scalar_all_reduce(&comm, local_us as f32, ReduceOp::Max)? as f64;
-        let wrong = scalar_all_reduce(&comm, wrong_local as f32, ReduceOp::Sum)? as u64;
+        let wrong = match (&result, check) {
+            (Some(t), true) => {
+                let local = count_wrong(t, &case.expected, tol)?;
+                Some(scalar_all_reduce(&comm, local as f32, ReduceOp::Sum)? as u64)
+            }
+            (None, true) => Some(0),
+            (_, false) => None,
+        };
 
         let bytes = (count * elem) as u64;
         let algbw = if time_us > 0.0 {
@@ -435,7 +540,8 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
             wrong,
         };
         if r == 0 {
-            println!(
+            writeln!(
+                table,
                 "  {:>12} {:>12} {:>9} {:>12.1} {:>12.3} {:>12.3} {:>8}",
                 row.bytes,
                 row.count,
@@ -443,9 +549,9 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
                 row.time_us,
                 row.algbw_gbps,
                 row.busbw_gbps,
-                row.wrong
-            );
-            std::io::stdout().flush()?;
+                row.wrong.map_or_else(|| "N/A".to_string(), |w| w.to_string())
+            )?;
+            table.flush()?;
         }
         rows.push(row);
         size = match size.checked_mul(args.step_factor) {
@@ -462,6 +568,8 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
     let report = BenchReport {
         op: args.op,
         dtype: args.dtype,
+        reduce_op: args.op.reduces().then_some(redop),
+        time: TIME_OVER_RANKS,
         world_size: n,
         iters: args.iters,
         warmup: args.warmup,
@@ -469,16 +577,24 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
         avg_busbw_gbps: avg,
     };
     if r == 0 {
-        let total_wrong: u64 = report.rows.iter().map(|r| r.wrong).sum();
-        println!(
-            "# Out of bounds values : {total_wrong} {}",
-            if total_wrong == 0 { "OK" } else { "FAILED" }
-        );
-        println!("# Avg bus bandwidth    : {:.3} GB/s", report.avg_busbw_gbps);
+        if check {
+            let total_wrong: u64 = report.rows.iter().filter_map(|r| r.wrong).sum();
+            writeln!(
+                table,
+                "# Out of bounds values : {total_wrong} {}",
+                if total_wrong == 0 { "OK" } else { "FAILED" }
+            )?;
+        } else {
+            writeln!(table, "# Out of bounds values : not checked (-c 0)")?;
+        }
+        writeln!(table, "# Avg bus bandwidth    : {:.3} GB/s", report.avg_busbw_gbps)?;
+        table.flush()?;
         if let Some(path) = &args.json {
             let text = serde_json::to_string_pretty(&report)?;
-            if path.as_os_str() == "-" {
-                println!("{text}");
+            if json_to_stdout {
+                let mut out = std::io::stdout().lock();
+                writeln!(out, "{text}")?;
+                out.flush()?;
             } else {
                 std::fs::write(path, text + "\n").at("writing", path)?;
             }
@@ -500,7 +616,8 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
             );
             let fit = write_fit(path, &report, backend, &command)
                 .map_err(|e| BenchError::Fit(e.to_string()))?;
-            println!(
+            writeln!(
+                table,
                 "# fit {} over {} ranks: alpha {:.2} us per step, beta {:.3} GB/s (R^2 {:.4}) -> {}",
                 fit.op,
                 fit.ranks,
@@ -508,10 +625,22 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
                 fit.beta_bytes_per_s / 1e9,
                 fit.r2,
                 path.display()
-            );
+            )?;
         }
     }
     Ok(report)
+}
+
+/// How the time column is taken over ranks (the header and the JSON say it).
+pub const TIME_OVER_RANKS: &str = "max over ranks of each rank's mean";
+
+/// Explicit mantissa bits of `dtype` (its unit in the last place relative to 1).
+fn mantissa_bits(dtype: DType) -> u32 {
+    match dtype {
+        DType::BF16 => 7,
+        DType::F16 => 10,
+        _ => 23,
+    }
 }
 
 /// The trace name of a bench-comm op.
@@ -603,7 +732,10 @@ mod tests {
             for n in 1..=4usize {
                 let count = 12 * n;
                 let cases: Vec<Case> = (0..n)
-                    .map(|r| make_case(op, count, n, r, DType::BF16, &Device::Cpu).unwrap())
+                    .map(|r| {
+                        make_case(op, BenchReduce::Sum, count, n, r, DType::BF16, &Device::Cpu)
+                            .unwrap()
+                    })
                     .collect();
                 let inputs: Vec<Vec<f32>> = cases.iter().map(|c| to_vec(&c.input)).collect();
                 let sum: Vec<f32> = (0..inputs[0].len())
@@ -627,15 +759,47 @@ mod tests {
         }
     }
 
+    /// Every reduction's closed form is the reduction applied by hand to every rank's input.
+    #[test]
+    fn expected_reductions_equal_the_reduction_of_all_inputs() {
+        for redop in [BenchReduce::Sum, BenchReduce::Avg, BenchReduce::Max, BenchReduce::Min] {
+            for n in 1..=5usize {
+                let count = 14 * n;
+                let inputs: Vec<Vec<f32>> = (0..n)
+                    .map(|r| {
+                        let c = make_case(BenchOp::AllReduce, redop, count, n, r, DType::F32, &Device::Cpu)
+                            .unwrap();
+                        to_vec(&c.input)
+                    })
+                    .collect();
+                let want: Vec<f32> = (0..count)
+                    .map(|i| {
+                        let col = inputs.iter().map(|x| x[i]);
+                        match redop {
+                            BenchReduce::Sum => col.sum(),
+                            BenchReduce::Avg => col.sum::<f32>() / n as f32,
+                            BenchReduce::Max => col.fold(f32::MIN, f32::max),
+                            BenchReduce::Min => col.fold(f32::MAX, f32::min),
+                        }
+                    })
+                    .collect();
+                let case = make_case(BenchOp::AllReduce, redop, count, n, 0, DType::F32, &Device::Cpu).unwrap();
+                assert_eq!(case.expected, want, "{redop:?} n={n}");
+            }
+        }
+    }
+
     #[test]
     fn wrong_elements_are_counted() {
         let expected = vec![1.0, 2.0, 3.0, 4.0];
         let good = Tensor::new(&[1f32, 2., 3., 4.], &Device::Cpu).unwrap();
         let bad = Tensor::new(&[1f32, 2.5, 3., 0.], &Device::Cpu).unwrap();
-        assert_eq!(count_wrong(&good, &expected).unwrap(), 0);
-        assert_eq!(count_wrong(&bad, &expected).unwrap(), 2);
+        assert_eq!(count_wrong(&good, &expected, 0.0).unwrap(), 0);
+        assert_eq!(count_wrong(&bad, &expected, 0.0).unwrap(), 2);
+        // 2.5 is 25% off 2.0: inside a 30% tolerance, 0.0 is not.
+        assert_eq!(count_wrong(&bad, &expected, 0.3).unwrap(), 1);
         let short = Tensor::new(&[1f32, 2.], &Device::Cpu).unwrap();
-        assert_eq!(count_wrong(&short, &expected).unwrap(), 4);
+        assert_eq!(count_wrong(&short, &expected, 0.0).unwrap(), 4);
     }
 
     #[test]

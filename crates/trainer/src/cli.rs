@@ -11,7 +11,12 @@
 //! mtrain prepare ... | mtrain sample ...            single-process tools
 //! ```
 //!
-//! Layout and strategy flags are global (they may also follow a subcommand). Each one is a key
+//! Each subcommand takes only the flags it uses (`mtrain prepare --help` lists prepare's). The
+//! layout flags are taken by training, `plan` and `bench-comm`, the strategy flags by training
+//! and `plan`; they may come before the subcommand or after it ([`Cli::command_layout`] merges
+//! the two; one flag given both ways with two values is refused). torchrun's underscore
+//! spellings are accepted too (`--nproc_per_node`, `--node_rank`, `--master_addr`,
+//! `--master_port`). Each layout or strategy flag is a key
 //! of the config's `[parallel]` table under the same name (`--zero-stage 1` is
 //! `zero_stage = 1`) and, when given, replaces the file's value ([`parallel_overrides`]). The
 //! world is `nproc_per_node · nnodes` processes and must equal `dp · pp · tp`; `ep` is carved
@@ -30,7 +35,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use mtrain_comm::mesh::MeshDims;
 
 use crate::bench_comm::BenchCommArgs;
@@ -46,7 +51,7 @@ use crate::sample::SampleArgs;
 ///
 /// Without a subcommand it trains. With a world of more than one process it launches one worker
 /// per rank, torchrun-style.
-#[derive(Debug, Parser)]
+#[derive(Debug, Clone, Parser)]
 #[command(name = "mtrain", version, about, long_about = None)]
 pub struct Cli {
     #[command(flatten)]
@@ -71,16 +76,34 @@ impl Cli {
 
     /// [`Cli::config`] with another command's training flags (`mtrain plan --config F`).
     pub fn config_from(&self, train: &TrainArgs) -> anyhow::Result<TrainConfig> {
-        train.resolve_with(&parallel_overrides(&self.layout, &self.strategy))
+        let strategy = self.command_strategy()?;
+        train.resolve_with(&parallel_overrides(&self.command_layout()?, &strategy))
+    }
+
+    /// The layout flags of this command: those before the subcommand merged with those after it.
+    pub fn command_layout(&self) -> Result<LayoutArgs, LayoutError> {
+        match &self.command {
+            Some(Command::Plan(p)) => self.layout.merge(&p.layout),
+            Some(Command::BenchComm(b)) => self.layout.merge(&b.layout),
+            _ => Ok(self.layout.clone()),
+        }
+    }
+
+    /// The strategy flags of this command, merged the same way.
+    pub fn command_strategy(&self) -> Result<StrategyArgs, LayoutError> {
+        match &self.command {
+            Some(Command::Plan(p)) => self.strategy.merge(&p.strategy),
+            _ => Ok(self.strategy.clone()),
+        }
     }
 }
 
-#[derive(Debug, Subcommand)]
+#[derive(Debug, Clone, Subcommand)]
 pub enum Command {
     /// Print the rank grid and every process group of a layout; launches nothing.
-    Plan(PlanArgs),
+    Plan(PlanCommand),
     /// Measure collectives nccl-tests style (algbw, busbw, #wrong) with the job's ranks.
-    BenchComm(BenchCommArgs),
+    BenchComm(BenchCommand),
     /// Train a BPE tokenizer on a text file and write token shards.
     Prepare(PrepareArgs),
     /// Generate text from a checkpoint.
@@ -91,96 +114,189 @@ pub enum Command {
     Plot(PlotArgs),
 }
 
-/// How many processes, where they meet, and how they are arranged.
+/// `mtrain plan`: the layout and strategy flags it plans for, and its own.
 #[derive(Debug, Clone, Args)]
+pub struct PlanCommand {
+    #[command(flatten)]
+    pub layout: LayoutArgs,
+    #[command(flatten)]
+    pub strategy: StrategyArgs,
+    #[command(flatten)]
+    pub args: PlanArgs,
+}
+
+/// `mtrain bench-comm`: the layout flags that size its world, and its own.
+#[derive(Debug, Clone, Args)]
+pub struct BenchCommand {
+    #[command(flatten)]
+    pub layout: LayoutArgs,
+    #[command(flatten)]
+    pub args: BenchCommArgs,
+}
+
+/// `--nnodes` when not given.
+const DEFAULT_NNODES: usize = 1;
+/// `--master-addr` when not given.
+const DEFAULT_MASTER_ADDR: &str = "127.0.0.1";
+/// `--comm-timeout` when not given (seconds).
+const DEFAULT_COMM_TIMEOUT_S: f64 = 300.0;
+
+/// How many processes, where they meet, and how they are arranged.
+#[derive(Debug, Clone, Default, Args)]
 #[command(next_help_heading = "Layout")]
 pub struct LayoutArgs {
     /// Data-parallel degree; inferred as world / (tp·pp) when omitted.
-    #[arg(long, global = true, value_name = "D")]
+    #[arg(long, value_name = "D")]
     pub dp: Option<usize>,
 
     /// Tensor-parallel degree (innermost: consecutive ranks); default 1.
-    #[arg(long, global = true, value_name = "T")]
+    #[arg(long, value_name = "T")]
     pub tp: Option<usize>,
 
     /// Pipeline-parallel degree (number of stages); default 1.
-    #[arg(long, global = true, value_name = "P")]
+    #[arg(long, value_name = "P")]
     pub pp: Option<usize>,
 
     /// Expert-parallel degree, carved out of dp (must divide dp); default 1.
-    #[arg(long, global = true, value_name = "E")]
+    #[arg(long, value_name = "E")]
     pub ep: Option<usize>,
 
     /// Worker processes on this node; defaults to dp·tp·pp / nnodes.
-    #[arg(long, global = true, value_name = "N")]
+    #[arg(long, alias = "nproc_per_node", value_name = "N")]
     pub nproc_per_node: Option<usize>,
 
-    /// Number of nodes in the job.
-    #[arg(long, global = true, default_value_t = 1, value_name = "N")]
-    pub nnodes: usize,
+    /// Number of nodes in the job (default 1).
+    #[arg(long, value_name = "N")]
+    pub nnodes: Option<usize>,
 
-    /// This node's index, 0..nnodes.
-    #[arg(long, global = true, default_value_t = 0, value_name = "R")]
-    pub node_rank: usize,
+    /// This node's index, 0..nnodes (default 0).
+    #[arg(long, alias = "node_rank", value_name = "R")]
+    pub node_rank: Option<usize>,
 
-    /// Host of rank 0, which serves the rendezvous store.
-    #[arg(long, global = true, default_value = "127.0.0.1", value_name = "ADDR")]
-    pub master_addr: String,
+    /// Host of rank 0, which serves the rendezvous store (default 127.0.0.1).
+    #[arg(long, alias = "master_addr", value_name = "ADDR")]
+    pub master_addr: Option<String>,
 
     /// Port of the rendezvous store; a free port is picked on a single node when omitted.
-    #[arg(long, global = true, value_name = "PORT")]
+    #[arg(long, alias = "master_port", value_name = "PORT")]
     pub master_port: Option<u16>,
 
-    /// Seconds a collective may wait for a peer before failing with a message naming it.
-    #[arg(long, global = true, default_value_t = 300.0, value_name = "SECONDS")]
-    pub comm_timeout: f64,
+    /// Seconds a collective may wait for a peer before failing with a message naming it
+    /// (default 300).
+    #[arg(long, value_name = "SECONDS")]
+    pub comm_timeout: Option<f64>,
 
     /// Record every collective per rank (op, group, bytes, seq, start, end) into
     /// RUN_DIR/trace-rank{N}.jsonl.
-    #[arg(long, global = true)]
+    #[arg(long)]
     pub trace: bool,
+}
+
+/// One flag given before a subcommand (`before`) and after it (`after`): the one given, and a
+/// refusal when both were given with different values.
+fn merged<T: Clone + PartialEq + std::fmt::Display>(
+    flag: &'static str,
+    before: &Option<T>,
+    after: &Option<T>,
+) -> Result<Option<T>, LayoutError> {
+    match (before, after) {
+        (Some(a), Some(b)) if a != b => Err(LayoutError::GivenTwice {
+            flag,
+            before: a.to_string(),
+            after: b.to_string(),
+        }),
+        (_, Some(b)) => Ok(Some(b.clone())),
+        (a, None) => Ok(a.clone()),
+    }
+}
+
+impl LayoutArgs {
+    /// These flags (given before the subcommand) with `after`'s (given after it).
+    pub fn merge(&self, after: &LayoutArgs) -> Result<LayoutArgs, LayoutError> {
+        Ok(LayoutArgs {
+            dp: merged("--dp", &self.dp, &after.dp)?,
+            tp: merged("--tp", &self.tp, &after.tp)?,
+            pp: merged("--pp", &self.pp, &after.pp)?,
+            ep: merged("--ep", &self.ep, &after.ep)?,
+            nproc_per_node: merged("--nproc-per-node", &self.nproc_per_node, &after.nproc_per_node)?,
+            nnodes: merged("--nnodes", &self.nnodes, &after.nnodes)?,
+            node_rank: merged("--node-rank", &self.node_rank, &after.node_rank)?,
+            master_addr: merged("--master-addr", &self.master_addr, &after.master_addr)?,
+            master_port: merged("--master-port", &self.master_port, &after.master_port)?,
+            comm_timeout: merged("--comm-timeout", &self.comm_timeout, &after.comm_timeout)?,
+            trace: self.trace || after.trace,
+        })
+    }
 }
 
 /// How the model is split and synchronised (data-parallel mode, FSDP/ZeRO, pipeline schedule).
 /// Unset flags keep the `[parallel]` table's values (see [`ParallelConfig`] for the defaults).
-#[derive(Debug, Clone, Args)]
+#[derive(Debug, Clone, Default, Args)]
 #[command(next_help_heading = "Strategy")]
 pub struct StrategyArgs {
     /// Shard parameters, gradients and optimizer state over dp (FSDP, ZeRO-3).
-    #[arg(long, global = true)]
+    #[arg(long)]
     pub fsdp: bool,
 
     /// ZeRO stage for data parallelism: 0 = DDP, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters.
-    #[arg(long, global = true, value_parser = clap::value_parser!(u8).range(0..=3))]
+    #[arg(long, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero_stage: Option<u8>,
 
     /// Sequence parallelism in the tensor-parallel regions (LayerNorm/dropout on T/tp).
-    #[arg(long, global = true)]
+    #[arg(long)]
     pub sequence_parallel: bool,
 
     /// Pipeline schedule (default 1f1b).
-    #[arg(long, global = true, value_enum)]
+    #[arg(long, value_enum)]
     pub schedule: Option<Schedule>,
 
     /// Model chunks per pipeline rank for `--schedule interleaved` (Megatron's virtual stages; default 2).
-    #[arg(long, global = true, value_name = "V")]
+    #[arg(long, value_name = "V")]
     pub virtual_stages: Option<usize>,
 
     /// Blocks per model stage, e.g. `2,1` for 3 layers on 2 stages (default: as even as possible).
-    #[arg(long, global = true, value_delimiter = ',', value_name = "N,N,...")]
+    #[arg(long, value_delimiter = ',', value_name = "N,N,...")]
     pub stage_layers: Option<Vec<usize>>,
 
     /// Micro-batches per step through the pipeline; defaults to pp.
-    #[arg(long, global = true, value_name = "M")]
+    #[arg(long, value_name = "M")]
     pub microbatches: Option<usize>,
 
     /// Gradient all-reduce for data parallelism (default bucketed).
-    #[arg(long, global = true, value_enum)]
+    #[arg(long, value_enum)]
     pub ddp_mode: Option<DdpMode>,
 
     /// DDP bucket size in MiB (default 25).
-    #[arg(long, global = true, value_name = "MIB")]
+    #[arg(long, value_name = "MIB")]
     pub bucket_mb: Option<f64>,
+}
+
+impl StrategyArgs {
+    /// These flags (given before the subcommand) with `after`'s (given after it).
+    pub fn merge(&self, after: &StrategyArgs) -> Result<StrategyArgs, LayoutError> {
+        // Enums and lists are compared by their command-line spelling.
+        let spelled = |v: Option<clap::builder::PossibleValue>| v.map(|p| p.get_name().to_string());
+        let layers = |v: &Option<Vec<usize>>| {
+            v.as_ref()
+                .map(|c| c.iter().map(usize::to_string).collect::<Vec<_>>().join(","))
+        };
+        let schedule = |s: Option<Schedule>| spelled(s.and_then(|s| s.to_possible_value()));
+        let ddp_mode = |m: Option<DdpMode>| spelled(m.and_then(|m| m.to_possible_value()));
+        merged("--schedule", &schedule(self.schedule), &schedule(after.schedule))?;
+        merged("--ddp-mode", &ddp_mode(self.ddp_mode), &ddp_mode(after.ddp_mode))?;
+        merged("--stage-layers", &layers(&self.stage_layers), &layers(&after.stage_layers))?;
+        Ok(StrategyArgs {
+            fsdp: self.fsdp || after.fsdp,
+            zero_stage: merged("--zero-stage", &self.zero_stage, &after.zero_stage)?,
+            sequence_parallel: self.sequence_parallel || after.sequence_parallel,
+            schedule: after.schedule.or(self.schedule),
+            virtual_stages: merged("--virtual-stages", &self.virtual_stages, &after.virtual_stages)?,
+            stage_layers: after.stage_layers.clone().or_else(|| self.stage_layers.clone()),
+            microbatches: merged("--microbatches", &self.microbatches, &after.microbatches)?,
+            ddp_mode: after.ddp_mode.or(self.ddp_mode),
+            bucket_mb: merged("--bucket-mb", &self.bucket_mb, &after.bucket_mb)?,
+        })
+    }
 }
 
 /// The layout and strategy flags that were given, as `[parallel]` keys of the same names.
@@ -248,11 +364,13 @@ impl LayoutArgs {
         parallel: &ParallelConfig,
         launched_world: Option<usize>,
     ) -> Result<Layout, LayoutError> {
+        let nnodes = self.nnodes.unwrap_or(DEFAULT_NNODES);
+        let comm_timeout = self.comm_timeout.unwrap_or(DEFAULT_COMM_TIMEOUT_S);
         for (what, v) in [
             ("--tp", Some(parallel.tp)),
             ("--pp", Some(parallel.pp)),
             ("--ep", Some(parallel.ep)),
-            ("--nnodes", Some(self.nnodes)),
+            ("--nnodes", Some(nnodes)),
             ("--dp", parallel.dp),
             ("--nproc-per-node", self.nproc_per_node),
         ] {
@@ -265,11 +383,8 @@ impl LayoutArgs {
                 _ => {}
             }
         }
-        if !(self.comm_timeout.is_finite()
-            && self.comm_timeout > 0.0
-            && self.comm_timeout <= MAX_COMM_TIMEOUT_S)
-        {
-            return Err(LayoutError::Timeout(self.comm_timeout));
+        if !(comm_timeout.is_finite() && comm_timeout > 0.0 && comm_timeout <= MAX_COMM_TIMEOUT_S) {
+            return Err(LayoutError::Timeout(comm_timeout));
         }
         let (tp, pp) = (parallel.tp, parallel.pp);
 
@@ -277,30 +392,30 @@ impl LayoutArgs {
         let (world, nproc, world_source) = match (launched_world, self.nproc_per_node) {
             (Some(w), _) => (
                 w,
-                self.nproc_per_node.unwrap_or(w / self.nnodes.max(1)),
+                self.nproc_per_node.unwrap_or(w / nnodes.max(1)),
                 format!("WORLD_SIZE={w}"),
             ),
             (None, Some(n)) => {
-                let w = n * self.nnodes;
-                (w, n, format!("nproc-per-node {n} * nnodes {}", self.nnodes))
+                let w = n * nnodes;
+                (w, n, format!("nproc-per-node {n} * nnodes {nnodes}"))
             }
             (None, None) => {
                 let dp = parallel.dp.unwrap_or(1);
                 let w = dp * tp * pp;
-                if w % self.nnodes != 0 {
+                if w % nnodes != 0 {
                     return Err(LayoutError::Uneven {
                         dp,
                         pp,
                         tp,
                         world: w,
-                        nnodes: self.nnodes,
-                        rem: w % self.nnodes,
+                        nnodes,
+                        rem: w % nnodes,
                     });
                 }
                 (
                     w,
-                    w / self.nnodes,
-                    format!("dp * pp * tp over {} node(s)", self.nnodes),
+                    w / nnodes,
+                    format!("dp * pp * tp over {nnodes} node(s)"),
                 )
             }
         };
@@ -328,9 +443,12 @@ impl LayoutArgs {
         };
         let launch = LaunchSpec {
             nproc_per_node: nproc,
-            nnodes: self.nnodes,
-            node_rank: self.node_rank,
-            master_addr: self.master_addr.clone(),
+            nnodes,
+            node_rank: self.node_rank.unwrap_or(0),
+            master_addr: self
+                .master_addr
+                .clone()
+                .unwrap_or_else(|| DEFAULT_MASTER_ADDR.to_string()),
             master_port: self.master_port,
         };
         if launched_world.is_none() {
@@ -346,7 +464,7 @@ impl LayoutArgs {
             world_size: world,
             world_source,
             launch,
-            comm_timeout: Duration::from_secs_f64(self.comm_timeout),
+            comm_timeout: Duration::from_secs_f64(comm_timeout),
             trace: self.trace,
         })
     }
@@ -523,13 +641,83 @@ mod tests {
         let cli = Cli::try_parse_from(["mtrain", "plan", "--tp", "4", "--pp", "2"]).unwrap();
         assert!(matches!(cli.command, Some(Command::Plan(_))));
         let l = cli
-            .layout
+            .command_layout()
+            .unwrap()
             .resolve(&cli.config().unwrap().parallel, None)
             .unwrap();
         assert_eq!(
             (l.dims.dp, l.dims.pp, l.dims.tp, l.world_size),
             (1, 2, 4, 8)
         );
+        // Before and after the subcommand, merged; one flag with two values is refused.
+        let cli = Cli::try_parse_from(["mtrain", "--tp", "2", "plan", "--pp", "2", "--fsdp"]).unwrap();
+        let l = cli.command_layout().unwrap();
+        assert_eq!((l.tp, l.pp), (Some(2), Some(2)));
+        assert!(cli.command_strategy().unwrap().fsdp);
+        let cli = Cli::try_parse_from(["mtrain", "--tp", "2", "plan", "--tp", "4"]).unwrap();
+        let e = cli.command_layout().unwrap_err().to_string();
+        assert_eq!(e, "--tp is given twice, 2 before the subcommand and 4 after it; give it once");
+        let cli = Cli::try_parse_from(["mtrain", "--nproc-per-node", "2", "bench-comm", "-d", "bfloat16"]).unwrap();
+        assert_eq!(cli.command_layout().unwrap().nproc_per_node, Some(2));
+    }
+
+    #[test]
+    fn torchruns_underscore_spellings_are_accepted() {
+        let cli = Cli::try_parse_from([
+            "mtrain",
+            "--nproc_per_node",
+            "4",
+            "--nnodes",
+            "2",
+            "--node_rank",
+            "1",
+            "--master_addr",
+            "host0",
+            "--master_port",
+            "29500",
+        ])
+        .unwrap();
+        let l = cli.layout.resolve(&cli.config().unwrap().parallel, None).unwrap();
+        assert_eq!((l.world_size, l.launch.node_rank), (8, 1));
+        assert_eq!((l.launch.master_addr.as_str(), l.launch.master_port), ("host0", Some(29500)));
+        let cli = Cli::try_parse_from(["mtrain", "bench-comm", "--nproc_per_node", "2"]).unwrap();
+        assert_eq!(cli.command_layout().unwrap().nproc_per_node, Some(2));
+    }
+
+    /// Each subcommand's help lists the flags it uses: none of the layout flags where they mean
+    /// nothing, and `--grad-reduce-dtype` does not repeat `--dtype`'s values.
+    #[test]
+    fn each_subcommand_shows_only_its_flags() {
+        let mut cmd = Cli::command();
+        cmd.build();
+        let flags = |name: &str| -> Vec<String> {
+            let sub = cmd.find_subcommand(name).expect(name);
+            sub.get_arguments().filter_map(|a| a.get_long().map(str::to_string)).collect()
+        };
+        for name in ["prepare", "sample", "plot", "parity"] {
+            let f = flags(name);
+            for layout in ["tp", "nproc-per-node", "fsdp", "zero-stage", "master-port"] {
+                assert!(!f.iter().any(|l| l == layout), "`{name}` takes --{layout}: {f:?}");
+            }
+        }
+        for layout in ["tp", "nproc-per-node", "fsdp", "master-port"] {
+            assert!(flags("plan").iter().any(|l| l == layout), "plan lacks --{layout}");
+        }
+        assert!(flags("bench-comm").iter().any(|l| l == "nproc-per-node"));
+        assert!(!flags("bench-comm").iter().any(|l| l == "fsdp"));
+        let help = Cli::command().render_long_help().to_string();
+        // The flag's block: its lines up to the next flag (possible values are `- name: ...`).
+        let grad: Vec<&str> = help[help.find("--grad-reduce-dtype").expect("the flag")..]
+            .lines()
+            .enumerate()
+            .take_while(|(i, l)| {
+                let t = l.trim_start();
+                *i == 0 || !(t.starts_with("--") || (t.starts_with('-') && t.get(2..3) == Some(",")))
+            })
+            .map(|(_, l)| l)
+            .collect();
+        let grad = grad.join("\n");
+        assert!(grad.contains("f32") && !grad.contains("Adam state"), "{grad}");
     }
 
     #[test]

@@ -184,6 +184,11 @@ pub struct TrainConfig {
     pub grad_reduce_dtype: DTypeKind,
     /// Log a line (and a metrics record) every N steps.
     pub log_every: u64,
+    /// Every rank logs its step lines, not rank 0 alone.
+    pub log_ranks: bool,
+    /// Replace the run already in `run_dir` (its metrics, logs and checkpoints) instead of
+    /// refusing to start; see `crate::run_dir`.
+    pub overwrite: bool,
     /// Peak FLOP/s of one device for the MFU figure; unset: a nominal figure for the device kind.
     pub peak_flops: Option<f64>,
     /// Continue from a checkpoint: a step-N directory, a run directory, or "latest" (this run_dir).
@@ -238,6 +243,8 @@ impl Default for TrainConfig {
             dtype: DTypeKind::F32,
             grad_reduce_dtype: DTypeKind::F32,
             log_every: 10,
+            log_ranks: false,
+            overwrite: false,
             peak_flops: None,
             resume: None,
             parallel: ParallelConfig::default(),
@@ -394,6 +401,13 @@ pub struct TrainArgs {
     /// Log every N steps.
     #[arg(long, value_name = "N", value_parser = toml_integer::<u64>())]
     pub log_every: Option<u64>,
+    /// Every rank logs its step lines (default: rank 0 alone).
+    #[arg(long)]
+    pub log_ranks: bool,
+    /// Replace the run already in the run directory (metrics, logs, checkpoints) instead of
+    /// refusing to start; `--resume` continues it instead.
+    #[arg(long)]
+    pub overwrite: bool,
     /// Print and record the per-step memory report.
     #[arg(long)]
     pub mem_report: bool,
@@ -409,8 +423,9 @@ pub struct TrainArgs {
     /// Compute dtype.
     #[arg(long, value_enum)]
     pub dtype: Option<DTypeKind>,
-    /// Dtype of the gradient reduction under --dtype bf16 (f32: upcast before reducing).
-    #[arg(long, value_enum)]
+    /// Dtype the gradients cross ranks in under --dtype bf16: f32 (default; the bf16 gradients
+    /// are upcast before the all-reduce or reduce-scatter) or bf16 (half the bytes, summed in bf16).
+    #[arg(long, value_enum, hide_possible_values = true, value_name = "f32|bf16")]
     pub grad_reduce_dtype: Option<DTypeKind>,
     /// Resume from a checkpoint directory, a run directory, or "latest" (the run directory's newest).
     #[arg(long, value_name = "CKPT", num_args = 0..=1, default_missing_value = "latest")]
@@ -496,6 +511,12 @@ impl TrainArgs {
         }
         if self.mem_report {
             put("mem_report", toml::Value::Boolean(true));
+        }
+        if self.log_ranks {
+            put("log_ranks", toml::Value::Boolean(true));
+        }
+        if self.overwrite {
+            put("overwrite", toml::Value::Boolean(true));
         }
         if self.profile_phases {
             put("profile_phases", toml::Value::Boolean(true));

@@ -18,8 +18,11 @@
 //! the launcher serves it itself on a port it binds before starting the workers, so no other
 //! process can take that port in between; otherwise rank 0 serves it, as under torchrun.
 //!
-//! Supervision, as torchrun does it: every line a worker writes is forwarded with a `[rank N]`
-//! prefix; the first worker to fail (non-zero exit code or killed by a signal) takes the job
+//! Output: stderr carries the logs, every line forwarded with a `[rank N]` prefix; stdout carries
+//! the job's results (bench-comm's table, `--json -`), which rank 0 alone writes, forwarded as
+//! written so a program can read it. Any other rank's stdout goes to stderr, prefixed like its logs.
+//!
+//! Supervision, as torchrun does it: the first worker to fail (non-zero exit code or killed by a signal) takes the job
 //! down — the others are killed, the launcher names the failed rank and how it failed, and exits
 //! non-zero. Ctrl-C or SIGTERM to the launcher stops every worker.
 //!
@@ -228,13 +231,26 @@ struct Worker {
     exited: Option<ExitStatus>,
 }
 
-/// Copy `from` to our stdout or stderr line by line, each line prefixed with `[rank N] `.
-/// Bytes, not strings: a worker's output need not be UTF-8.
-fn forward_lines<R: Read + Send + 'static>(
-    from: R,
-    rank: usize,
-    to_stderr: bool,
-) -> JoinHandle<()> {
+/// Where a worker's stream goes: rank 0's stdout as it is, everything else to stderr, prefixed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sink {
+    /// The job's stdout: rank 0's results, unprefixed.
+    Stdout,
+    /// The launcher's stderr, each line prefixed with `[rank N] `.
+    PrefixedStderr,
+}
+
+/// The sink of `rank`'s stdout (`stdout = true`) or stderr.
+fn sink(rank: usize, stdout: bool) -> Sink {
+    if stdout && rank == 0 {
+        Sink::Stdout
+    } else {
+        Sink::PrefixedStderr
+    }
+}
+
+/// Copy `from` to `sink` line by line. Bytes, not strings: a worker's output need not be UTF-8.
+fn forward_lines<R: Read + Send + 'static>(from: R, rank: usize, sink: Sink) -> JoinHandle<()> {
     std::thread::spawn(move || {
         let prefix = format!("[rank {rank}] ");
         let mut reader = BufReader::new(from);
@@ -248,15 +264,16 @@ fn forward_lines<R: Read + Send + 'static>(
                         line.push(b'\n');
                     }
                     // One write per line under the stream's lock keeps lines of different ranks whole.
-                    let result = if to_stderr {
-                        let mut out = std::io::stderr().lock();
-                        out.write_all(prefix.as_bytes())
-                            .and_then(|_| out.write_all(&line))
-                    } else {
-                        let mut out = std::io::stdout().lock();
-                        out.write_all(prefix.as_bytes())
-                            .and_then(|_| out.write_all(&line))
-                            .and_then(|_| out.flush())
+                    let result = match sink {
+                        Sink::PrefixedStderr => {
+                            let mut out = std::io::stderr().lock();
+                            out.write_all(prefix.as_bytes())
+                                .and_then(|_| out.write_all(&line))
+                        }
+                        Sink::Stdout => {
+                            let mut out = std::io::stdout().lock();
+                            out.write_all(&line).and_then(|_| out.flush())
+                        }
                     };
                     if result.is_err() {
                         break;
@@ -338,10 +355,10 @@ pub fn launch(spec: &LaunchSpec, args: &[OsString]) -> Result<(), LaunchError> {
         };
         let mut forwarders = Vec::with_capacity(2);
         if let Some(out) = child.stdout.take() {
-            forwarders.push(forward_lines(out, rank, false));
+            forwarders.push(forward_lines(out, rank, sink(rank, true)));
         }
         if let Some(err) = child.stderr.take() {
-            forwarders.push(forward_lines(err, rank, true));
+            forwarders.push(forward_lines(err, rank, sink(rank, false)));
         }
         workers.push(Worker {
             rank,
@@ -519,6 +536,13 @@ mod tests {
             .to_string();
         assert!(e.contains("largest supported world of 1048576"), "{e}");
         assert!(spec(2, 1, 0, None).validate().is_ok());
+    }
+
+    #[test]
+    fn only_rank_0s_stdout_stays_unprefixed_on_stdout() {
+        assert_eq!(sink(0, true), Sink::Stdout);
+        assert_eq!(sink(0, false), Sink::PrefixedStderr);
+        assert_eq!(sink(3, true), Sink::PrefixedStderr);
     }
 
     #[test]

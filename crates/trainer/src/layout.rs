@@ -57,6 +57,14 @@ pub enum LayoutError {
     #[error("world size {world} ({world_source}) is above the largest supported {MAX_WORLD}")]
     WorldTooLarge { world: usize, world_source: String },
 
+    /// A layout flag given before a subcommand and after it, with two values.
+    #[error("{flag} is given twice, {before} before the subcommand and {after} after it; give it once")]
+    GivenTwice {
+        flag: &'static str,
+        before: String,
+        after: String,
+    },
+
     #[error("--comm-timeout must be a positive number of seconds up to {MAX_COMM_TIMEOUT_S} (30 days), got {0:?}")]
     Timeout(f64),
 

@@ -19,6 +19,8 @@ pub mod phases;
 pub mod plan;
 pub mod plot;
 pub mod prepare;
+pub mod progress;
+pub mod run_dir;
 pub mod sample;
 pub mod trace;
 pub mod train;

@@ -122,11 +122,12 @@ where
 fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
     let launched_world = env.as_ref().map(|e| e.world_size);
     match &cli.command {
-        Some(Command::Plan(args)) => {
+        Some(Command::Plan(plan)) => {
+            let args = &plan.args;
             let cfg = cli
                 .config_from(&args.train)
                 .context("resolving the training configuration")?;
-            let layout = cli.layout.resolve(&cfg.parallel, None)?;
+            let layout = cli.command_layout()?.resolve(&cfg.parallel, None)?;
             let plan = layout::plan(&cfg, &layout)?;
             plan::run(&cfg, &layout, &plan, args)
         }
@@ -146,11 +147,12 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
             println!("{}", sample::sample(args)?);
             Ok(())
         }
-        Some(Command::BenchComm(args)) => {
+        Some(Command::BenchComm(bench)) => {
+            let args = &bench.args;
             let cfg = cli
                 .config()
                 .context("resolving the configuration (its [parallel] table)")?;
-            let layout = cli.layout.resolve(&cfg.parallel, launched_world)?;
+            let layout = cli.command_layout()?.resolve(&cfg.parallel, launched_world)?;
             // No model to plan for: only the mesh's own numbers are checked.
             layout.dims.validate(layout.world_size)?;
             distributed(&layout, env, args.device, |backend| {
@@ -176,6 +178,11 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
                 plan: layout::plan(&cfg, &layout)?,
                 trace: layout.trace,
             };
+            if env.is_none() && layout.world_size > 1 {
+                // The launcher checks the run directory once, before any worker starts;
+                // rank 0 then claims it (`train::run_with`).
+                mtrain_trainer::run_dir::check(&cfg)?;
+            }
             distributed(&layout, env, cfg.device, |backend| {
                 if backend.world().rank() == 0 {
                     tracing::info!(

@@ -48,6 +48,53 @@ fn read_lines(path: &Path) -> anyhow::Result<Vec<Value>> {
         .collect()
 }
 
+/// The lines of one run from `path` (metrics.jsonl), in step order; a file holding more than one
+/// run is refused, never drawn as one curve.
+///
+/// Every line names its run (`run`, see `crate::run_dir`). One run resumed from an earlier
+/// checkpoint re-runs the steps after it: the later line of a step replaces the earlier. A file
+/// written before lines named their run is one run only while its steps increase.
+pub fn one_run(lines: Vec<Value>, path: &Path) -> anyhow::Result<Vec<Value>> {
+    let id = |l: &Value| l.get("run").and_then(Value::as_str).map(str::to_string);
+    let mut runs: Vec<Option<String>> = Vec::new();
+    for l in &lines {
+        if !runs.contains(&id(l)) {
+            runs.push(id(l));
+        }
+    }
+    if runs.len() > 1 {
+        let names: Vec<String> = runs
+            .iter()
+            .map(|r| r.clone().unwrap_or_else(|| "(unnamed)".into()))
+            .collect();
+        bail!(
+            "{} holds {} runs ({}); a chart draws one run: give each run its own --run-dir",
+            path.display(),
+            runs.len(),
+            names.join(", ")
+        );
+    }
+    let step = |l: &Value| l.get("step").and_then(Value::as_u64).unwrap_or(0);
+    if runs.first().is_some_and(Option::is_none) {
+        for (i, pair) in lines.windows(2).enumerate() {
+            if step(&pair[1]) <= step(&pair[0]) {
+                bail!(
+                    "{} holds more than one run: step {} on line {} follows step {}; a chart draws one run: give each run its own --run-dir",
+                    path.display(),
+                    step(&pair[1]),
+                    i + 2,
+                    step(&pair[0])
+                );
+            }
+        }
+    }
+    let mut by_step = std::collections::BTreeMap::new();
+    for l in lines {
+        by_step.insert(step(&l), l);
+    }
+    Ok(by_step.into_values().collect())
+}
+
 fn num(v: &Value, key: &str) -> f64 {
     v.get(key).and_then(Value::as_f64).unwrap_or(0.0)
 }
@@ -83,7 +130,8 @@ pub fn plot_run(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     // Drawing errors (plotters writes the SVG as it draws) name the file being written.
     let writing = |path: &Path| format!("writing {}", path.display());
     let loss = run_dir.join("loss.svg");
-    written.push(loss_chart(&read_lines(&metrics)?, &loss).with_context(|| writing(&loss))?);
+    let lines = one_run(read_lines(&metrics)?, &metrics)?;
+    written.push(loss_chart(&lines, &loss).with_context(|| writing(&loss))?);
     let memory = run_dir.join("memory.jsonl");
     if memory.exists() {
         let svg = run_dir.join("memory.svg");
@@ -471,6 +519,31 @@ mod tests {
 
     /// Counts the `<text>` elements of an SVG whose content is `F<digits>` (`letter` = 'F') or
     /// `B<digits>`: the forward / backward boxes' labels.
+    /// Two runs in one metrics.jsonl are refused naming both; one resumed run is drawn with the
+    /// resumed steps replacing the ones it re-ran; an unnamed file is one run while steps increase.
+    #[test]
+    fn two_runs_are_never_drawn_as_one_curve() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        let parse = |text: &str| -> Vec<Value> {
+            text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+        };
+        let two = parse(
+            "{\"step\":0,\"run\":\"a\",\"loss\":5}\n{\"step\":1,\"run\":\"a\",\"loss\":4}\n{\"step\":0,\"run\":\"b\",\"loss\":5.5}",
+        );
+        let e = one_run(two, &path).unwrap_err().to_string();
+        assert!(e.contains("holds 2 runs (a, b)"), "{e}");
+        let resumed = parse(
+            "{\"step\":0,\"run\":\"a\",\"loss\":5}\n{\"step\":1,\"run\":\"a\",\"loss\":4}\n{\"step\":1,\"run\":\"a\",\"loss\":3.9}\n{\"step\":2,\"run\":\"a\",\"loss\":3}",
+        );
+        let kept = one_run(resumed, &path).unwrap();
+        let losses: Vec<f64> = kept.iter().map(|l| num(l, "loss")).collect();
+        assert_eq!(losses, [5.0, 3.9, 3.0]);
+        let unnamed = parse("{\"step\":0,\"loss\":5}\n{\"step\":10,\"loss\":4}\n{\"step\":0,\"loss\":5}");
+        let e = one_run(unnamed, &path).unwrap_err().to_string();
+        assert!(e.contains("step 0 on line 3 follows step 10"), "{e}");
+    }
+
     /// A run of one step has one loss: the chart is drawn (it used to hang in plotters).
     #[test]
     fn a_one_step_run_is_plotted() {

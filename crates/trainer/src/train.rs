@@ -26,7 +26,6 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor};
-use indicatif::{ProgressBar, ProgressStyle};
 use mtrain_comm::mesh::MeshDims;
 use mtrain_comm::{Backend, Comm, DeviceMesh};
 use mtrain_model::optim::{
@@ -41,6 +40,7 @@ use crate::config::{ParallelConfig, TrainConfig};
 use crate::data::{DataLoader, Dataset};
 use crate::distributed::Distributed;
 use crate::phases::{PhaseTimer, PhaseTimes, StepPhase};
+use crate::progress::{self, Progress};
 use crate::fsio::JsonLines;
 use crate::memory::{
     activation_bytes, AnalyticMemory, CpuProbe, MemoryProbe, MemoryTracker, ModelStateLayout, Phase,
@@ -305,15 +305,21 @@ impl TrainableModel for SingleDevice {
 pub struct StepMetrics {
     /// Optimizer step (0-based).
     pub step: u64,
+    /// The run's id (`crate::run_dir`): one run directory, one id.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub run: Option<String>,
     /// Mean training loss over the step's micro-batches (nats per token).
     pub loss: f64,
     /// Learning rate used.
     pub lr: f64,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
+    /// Wall time of the step (ms).
+    pub step_ms: f64,
     /// Tokens per second over all data-parallel ranks.
     pub tokens_per_s: f64,
-    /// Model FLOPs utilisation against `peak_flops` (see `TrainConfig::peak_flops`).
+    /// Model FLOPs utilisation per device: the job's model FLOP/s over `peak_flops` times the
+    /// number of devices (see `TrainConfig::peak_flops`).
     pub mfu: f64,
     /// Epoch of the training data.
     pub epoch: u64,
@@ -385,8 +391,18 @@ pub fn run_with(
         parallel: ParallelConfig::of_plan(&opts.plan),
         ..cfg.clone()
     };
+    // Rank 0 claims the run directory (held until the run ends) before any rank writes to it.
+    let _claim = match backend.world().rank() {
+        0 => Some(crate::run_dir::claim(cfg)?),
+        _ => None,
+    };
     let dims = opts.plan.dims;
     if dims.world_size() * dims.ep != 1 || backend.world().size() != 1 {
+        // The other ranks wait here until rank 0 holds the directory.
+        backend
+            .world()
+            .barrier()
+            .context("waiting for rank 0 to claim the run directory")?;
         return run_distributed(cfg, backend, opts);
     }
     let gcfg = cfg.gpt_config()?;
@@ -416,7 +432,7 @@ pub fn run_with(
         val,
         &device,
         rank,
-        1,
+        (1, 1),
         state_baseline,
     )
 }
@@ -551,7 +567,7 @@ fn run_distributed(
             val,
             &device,
             rank,
-            dims.dp,
+            (dims.dp, world),
             state_baseline,
         )
     })();
@@ -598,7 +614,8 @@ fn resume_checkpoint(
     Ok(checkpoint::load(&dir, device)?)
 }
 
-/// The loop itself, over any [`TrainableModel`]; `dp` scales the token count; `state_baseline`
+/// The loop itself, over any [`TrainableModel`]; `(dp, devices)`: the data-parallel degree
+/// scales the token count, the number of devices the peak FLOP/s of the MFU; `state_baseline`
 /// is the memory probe's reading taken right before `model` was built (the memory report's
 /// model state is the level after each optimizer step minus it).
 #[allow(clippy::too_many_arguments)]
@@ -610,7 +627,7 @@ pub fn train_loop(
     mut val: DataLoader,
     device: &Device,
     rank: usize,
-    dp: usize,
+    (dp, devices): (usize, usize),
     state_baseline: u64,
 ) -> anyhow::Result<TrainSummary> {
     let _span = tracing::info_span!("train", rank).entered();
@@ -627,6 +644,11 @@ pub fn train_loop(
     let lead = rank == 0;
     std::fs::create_dir_all(&cfg.run_dir)
         .with_context(|| format!("creating {}", cfg.run_dir.display()))?;
+    // Rank 0 claimed the directory in `run_with`; its id goes into every metrics line.
+    let run_id = match lead {
+        true => crate::run_dir::read_run_info(&cfg.run_dir)?.map(|i| i.run_id),
+        false => None,
+    };
     let mut metrics = lead
         .then(|| open_append(&cfg.run_dir.join("metrics.jsonl")))
         .transpose()?;
@@ -664,7 +686,7 @@ pub fn train_loop(
             params = layout.n_params,
             flops_per_token,
             peak_flops = peak,
-            "MFU is measured against {peak:.3e} FLOP/s{}",
+            "MFU is per device: against {peak:.3e} FLOP/s on each of {devices} device(s){}",
             if placeholder {
                 " (an assumed CPU peak, a placeholder: set peak_flops for a real figure)"
             } else {
@@ -673,16 +695,9 @@ pub fn train_loop(
         );
     }
 
-    let bar = if lead {
-        ProgressBar::new(cfg.steps)
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_style(
-        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    bar.set_position(start_step);
+    let bar = Progress::new(cfg.steps, start_step, lead);
+    // Rank 0 logs the step lines; with `log_ranks` every rank does.
+    let logs_steps = lead || cfg.log_ranks;
     let probe = memory_probe(device);
     let mut tracker = MemoryTracker::with_baseline(probe.as_ref(), state_baseline);
     let mut summary = TrainSummary {
@@ -741,7 +756,7 @@ pub fn train_loop(
         let dt = t0.elapsed().as_secs_f64();
         let phase_ms = timer.map(PhaseTimer::finish);
         let tokens_per_s = tokens_per_step / dt.max(1e-9);
-        let mfu = flops_per_token * tokens_per_s / (peak * dp as f64);
+        let mfu = flops_per_token * tokens_per_s / (peak * devices as f64);
         summary.losses.push(loss);
 
         let last = step + 1 == cfg.steps;
@@ -754,9 +769,11 @@ pub fn train_loop(
         };
         let m = StepMetrics {
             step,
+            run: run_id.clone(),
             loss,
             lr,
             grad_norm,
+            step_ms: dt * 1e3,
             tokens_per_s,
             mfu,
             epoch,
@@ -764,33 +781,21 @@ pub fn train_loop(
             parallel: model.step_report(),
             phase_ms,
         };
-        bar.set_position(step + 1);
-        bar.set_message(format!(
-            "loss {loss:.4} lr {lr:.2e} {tokens_per_s:.0} tok/s mfu {:.2}%{}",
-            100.0 * mfu,
-            if placeholder { "*" } else { "" }
-        ));
+        bar.step_done(step, loss);
         let log_now = cfg.log_every > 0 && (step % cfg.log_every == 0 || last);
         if log_now || val_loss.is_some() {
-            tracing::info!(
-                rank,
-                step,
-                loss,
-                lr,
-                grad_norm,
-                tokens_per_s,
-                mfu,
-                val_loss,
-                "step"
-            );
+            if logs_steps {
+                let line = progress::step_line(&m, cfg.steps);
+                bar.log(|| tracing::info!("{line}"));
+            }
             if let Some(f) = metrics.as_mut() {
                 write_json_line(f, &m)?;
             }
             if let (true, Some(line)) = (lead, model.step_line()) {
-                bar.suspend(|| tracing::info!(rank, step, "{line}"));
+                bar.log(|| tracing::info!(rank, step, "{line}"));
             }
             if let (true, Some(p)) = (lead, &m.phase_ms) {
-                bar.suspend(|| tracing::info!(rank, step, "phases (ms): {}", p.line()));
+                bar.log(|| tracing::info!(rank, step, "phases (ms): {}", p.line()));
             }
         }
         if let Some(report) = &m.parallel {
@@ -823,9 +828,9 @@ pub fn train_loop(
             }
             // The full table at the first and the last step, one line at the other log steps.
             if lead && (step == start_step || last) {
-                bar.suspend(|| eprint!("{}", report.table()));
+                bar.log(|| eprint!("{}", report.table()));
             } else if lead && log_now {
-                bar.suspend(|| tracing::info!(rank, step, "{}", report.line()));
+                bar.log(|| tracing::info!(rank, step, "{}", report.line()));
             }
         }
         let ckpt_now = last || (cfg.ckpt_every > 0 && (step + 1) % cfg.ckpt_every == 0);
@@ -842,23 +847,23 @@ pub fn train_loop(
                     optim: &optim_state,
                 };
                 let dir = checkpoint::save(&cfg.run_dir, &data)?;
-                tracing::info!(rank, step = step + 1, dir = %dir.display(), "checkpoint written");
+                bar.log(|| tracing::info!(rank, step = step + 1, dir = %dir.display(), "checkpoint written"));
                 summary.last_checkpoint = Some(dir);
             }
         }
     }
-    bar.finish_and_clear();
-    let executed = cfg.steps.saturating_sub(start_step) as f64;
-    summary.tokens_per_s = executed * tokens_per_step / run_start.elapsed().as_secs_f64().max(1e-9);
-    if lead {
-        tracing::info!(
-            rank,
-            steps = executed,
-            final_loss = summary.losses.last().copied(),
-            final_val_loss = summary.val_losses.last().map(|v| v.1),
-            tokens_per_s = summary.tokens_per_s,
-            "done"
+    bar.finish();
+    let executed = cfg.steps.saturating_sub(start_step);
+    summary.tokens_per_s =
+        executed as f64 * tokens_per_step / run_start.elapsed().as_secs_f64().max(1e-9);
+    if logs_steps {
+        let line = progress::done_line(
+            executed,
+            summary.losses.last().copied(),
+            summary.val_losses.last().map(|v| v.1),
+            summary.tokens_per_s,
         );
+        tracing::info!("{line}");
     }
     Ok(summary)
 }

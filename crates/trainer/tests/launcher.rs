@@ -146,7 +146,7 @@ fn sigterm_to_the_launcher_stops_every_worker() {
     let mut stdout = launcher.stdout.take().expect("stdout");
     let mut seen = Vec::new();
     let mut buf = [0u8; 256];
-    while !text(&seen).contains("[rank 0] # mtrain bench-comm") {
+    while !text(&seen).contains("# mtrain bench-comm") {
         let n = stdout.read(&mut buf).expect("read");
         assert!(n > 0, "launcher closed stdout early: {}", text(&seen));
         seen.extend_from_slice(&buf[..n]);
@@ -309,12 +309,9 @@ fn bench_comm_at_two_ranks_is_correct_for_every_op() {
             "{op} {dtype}: stdout:\n{stdout}\nstderr:\n{}",
             text(&out.stderr)
         );
-        // The table comes from rank 0 only, with the launcher's prefix.
-        assert!(
-            stdout.contains("[rank 0] # mtrain bench-comm: "),
-            "{stdout}"
-        );
-        assert!(!stdout.contains("[rank 1] #"), "{stdout}");
+        // The table comes from rank 0 only, unprefixed: stdout is the job's results.
+        assert!(stdout.starts_with("# mtrain bench-comm: "), "{stdout}");
+        assert!(!stdout.contains("[rank"), "{stdout}");
         assert!(stdout.contains("# Out of bounds values : 0 OK"), "{stdout}");
 
         let report: serde_json::Value =
@@ -400,7 +397,7 @@ fn a_world_of_one_runs_in_process() {
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(
-        stdout.starts_with("# mtrain bench-comm: all-reduce, 1 ranks"),
+        stdout.starts_with("# mtrain bench-comm: all-reduce (sum), 1 ranks"),
         "{stdout}"
     );
     assert!(
@@ -510,7 +507,7 @@ fn two_nodes_on_loopback_form_one_job() {
         text(&out1.stderr)
     );
     assert!(
-        stdout0.contains("[rank 0] # mtrain bench-comm: all-gather, 4 ranks"),
+        stdout0.starts_with("# mtrain bench-comm: all-gather, 4 ranks"),
         "{stdout0}"
     );
     assert!(
@@ -660,4 +657,360 @@ fn workers_of_an_external_launcher_end_when_the_store_host_dies() {
     assert_eq!(status.code(), Some(1), "{log}");
     assert!(!log.contains("panicked"), "{log}");
     assert!(log.contains("error:"), "a clean error is printed:\n{log}");
+}
+
+/// A port `p` that is free now with `p + 1` free too (the port torchrun's store holds and the
+/// one mtrain's store takes under it).
+fn free_port_pair() -> u16 {
+    for _ in 0..100 {
+        let p = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return p;
+        }
+    }
+    panic!("no two consecutive free ports on loopback");
+}
+
+/// What torchrun's agent sets for worker `rank` of `world` on one node (torch 2.x,
+/// `--standalone`), besides MASTER_PORT.
+fn torchrun_env(rank: usize, world: usize) -> Vec<(&'static str, String)> {
+    let r = rank.to_string();
+    let w = world.to_string();
+    vec![
+        ("RANK", r.clone()),
+        ("LOCAL_RANK", r.clone()),
+        ("GROUP_RANK", "0".into()),
+        ("ROLE_RANK", r),
+        ("ROLE_NAME", "default".into()),
+        ("WORLD_SIZE", w.clone()),
+        ("LOCAL_WORLD_SIZE", w.clone()),
+        ("ROLE_WORLD_SIZE", w),
+        ("GROUP_WORLD_SIZE", "1".into()),
+        ("MASTER_ADDR", "127.0.0.1".into()),
+        ("TORCHELASTIC_RUN_ID", "none".into()),
+        ("TORCHELASTIC_RESTART_COUNT", "0".into()),
+        ("TORCHELASTIC_MAX_RESTARTS", "0".into()),
+        ("TORCHELASTIC_USE_AGENT_STORE", "True".into()),
+        ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1".into()),
+        ("OMP_NUM_THREADS", "1".into()),
+    ]
+}
+
+/// `torchrun --standalone --nproc-per-node 2 --no-python mtrain --dp 2 --steps 3`, with this test
+/// standing in for torchrun: it holds MASTER_PORT as torchrun's agent store does, then starts
+/// the two workers with torchrun's environment. They train together on MASTER_PORT + 1 and
+/// never touch torchrun's port; without the agent-store variable rank 0 would try to bind
+/// MASTER_PORT and says why it cannot.
+#[test]
+fn a_job_started_by_torchrun_meets_beside_torchruns_store() {
+    let port = free_port_pair();
+    let agent_store = std::net::TcpListener::bind(("127.0.0.1", port)).expect("hold MASTER_PORT");
+    agent_store.set_nonblocking(true).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let spawn = |rank: usize| {
+        let mut cmd = mtrain(&[
+            "--dp",
+            "2",
+            "--steps",
+            "3",
+            "--log-every",
+            "1",
+            "--eval-every",
+            "0",
+            "--batch-size",
+            "2",
+            "--run-dir",
+            run_dir.to_str().unwrap(),
+        ]);
+        for (k, v) in torchrun_env(rank, 2) {
+            cmd.env(k, v);
+        }
+        cmd.env("MASTER_PORT", port.to_string())
+            .env_remove("MTRAIN_JOB_ID")
+            .env_remove("MTRAIN_STORE_PORT");
+        std::thread::spawn(move || run_within(cmd, Duration::from_secs(120)).0)
+    };
+    let (r0, r1) = (spawn(0), spawn(1));
+    let (out0, out1) = (r0.join().unwrap(), r1.join().unwrap());
+    let (err0, err1) = (text(&out0.stderr), text(&out1.stderr));
+    assert!(
+        out0.status.success() && out1.status.success(),
+        "rank 0:\n{err0}\nrank 1:\n{err1}"
+    );
+    // Nobody connected to torchrun's store.
+    assert!(
+        matches!(agent_store.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "a worker connected to MASTER_PORT, torchrun's own store"
+    );
+    let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 3, "{metrics}");
+    // Rank 0 logs the steps; rank 1 does not.
+    assert!(err0.contains("step 3/3 | loss "), "{err0}");
+    assert!(!err1.contains("step 3/3"), "{err1}");
+
+    // The same workers without torchrun's agent-store variable: rank 0 must serve the store on
+    // MASTER_PORT itself, finds it taken, and names the rule and the way out.
+    let mut cmd = mtrain(&["--dp", "2", "--steps", "1", "--run-dir", dir.path().join("other").to_str().unwrap()]);
+    for (k, v) in torchrun_env(0, 2) {
+        cmd.env(k, v);
+    }
+    cmd.env("MASTER_PORT", port.to_string())
+        .env_remove("TORCHELASTIC_USE_AGENT_STORE");
+    let (out, _) = run_within(cmd, Duration::from_secs(60));
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("cannot serve the rendezvous store on 127.0.0.1:{port}"))
+            && stderr.contains("MTRAIN_STORE_PORT"),
+        "{stderr}"
+    );
+    drop(agent_store);
+}
+
+/// `--json -` makes stdout a JSON document a program can parse, with the table on stderr;
+/// nccl-tests' -d, -o and -c work; the header says how the time is taken over ranks.
+#[test]
+fn bench_comm_json_on_stdout_parses() {
+    let args = [
+        "--nproc-per-node", "2", "bench-comm", "-b", "64", "-e", "1K", "-f", "4", "-n", "2", "-w",
+        "0", "-d", "bfloat16", "-o", "max", "--json", "-",
+    ];
+    let (out, _) = run_within(mtrain(&args), Duration::from_secs(60));
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    let report: serde_json::Value = serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}):\n{stdout}"));
+    assert_eq!(report["world_size"], 2);
+    assert_eq!(report["dtype"], "bf16");
+    assert_eq!(report["reduce_op"], "max");
+    assert_eq!(report["time"], "max over ranks of each rank's mean");
+    let rows = report["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 3, "{stdout}");
+    assert!(rows.iter().all(|r| r["wrong"] == 0), "{stdout}");
+    assert!(
+        stderr.contains("[rank 0] # mtrain bench-comm: all-reduce (max), 2 ranks, bfloat16")
+            && stderr.contains("# time: max over ranks of each rank's mean"),
+        "{stderr}"
+    );
+
+    // -c 0: nothing checked, and the table says so.
+    let (out, _) = run_within(
+        mtrain(&["--nproc-per-node", "2", "bench-comm", "-b", "64", "-e", "64", "-n", "1", "-c", "0"]),
+        Duration::from_secs(60),
+    );
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(stdout.contains("N/A") && stdout.contains("not checked (-c 0)"), "{stdout}");
+    // A reduction for an op that does not reduce is refused.
+    let (out, _) = run_within(mtrain(&["bench-comm", "--op", "all-gather", "-o", "min"]), Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("-o/--reduce-op min applies to all-reduce and reduce-scatter, not all-gather"), "{}", text(&out.stderr));
+}
+
+/// Under `--tp 2` (one data-parallel rank on two devices) the step lines come from rank 0, or
+/// from every rank with `--log-ranks`; MFU is per device (divided by 2, not by dp = 1);
+/// metrics.jsonl keeps what the line rounds.
+#[test]
+fn step_lines_come_from_rank_0_and_mfu_is_per_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let rd = run_dir.to_str().unwrap();
+    let base = [
+        "--tp", "2", "--steps", "2", "--log-every", "1", "--eval-every", "0", "--batch-size", "2",
+        "--set", "peak_flops=1e12", "--run-dir", rd,
+    ];
+    let (out, _) = run_within(mtrain(&base), Duration::from_secs(120));
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let step_lines: Vec<&str> = stderr.lines().filter(|l| l.contains("step 2/2 |")).collect();
+    assert_eq!(step_lines.len(), 1, "{stderr}");
+    assert!(step_lines[0].starts_with("[rank 0]"), "{stderr}");
+    assert!(stderr.contains("done: 2 steps") && !stderr.contains("steps=2.0"), "{stderr}");
+
+    let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+    let flops_per_token = mtrain_model::GptConfig::tiny().flops_per_token(64);
+    let tokens_per_s = last["tokens_per_s"].as_f64().unwrap();
+    let want = flops_per_token * tokens_per_s / (1e12 * 2.0);
+    let mfu = last["mfu"].as_f64().unwrap();
+    assert!((mfu - want).abs() <= 1e-12 * want, "mfu {mfu} vs per-device {want}");
+    // The line rounds the loss to 4 decimals; the JSON line has it whole.
+    let loss = last["loss"].as_f64().unwrap();
+    assert!(step_lines[0].contains(&format!("| loss {loss:.4} |")), "{}", step_lines[0]);
+    assert_ne!(format!("{loss}"), format!("{loss:.4}"), "metrics.jsonl keeps full precision");
+
+    let mut again = base.to_vec();
+    again.extend(["--log-ranks", "--overwrite"]);
+    let (out, _) = run_within(mtrain(&again), Duration::from_secs(120));
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    for rank in 0..2 {
+        assert!(
+            stderr.lines().any(|l| l.starts_with(&format!("[rank {rank}]")) && l.contains("step 2/2 |")),
+            "rank {rank} logs its steps under --log-ranks:\n{stderr}"
+        );
+    }
+}
+
+/// A second run into a directory that holds a run is refused (once, by the launcher, before any
+/// worker starts) unless it resumes or overwrites; a directory in use by a live run is refused
+/// even then, and a killed run does not keep it locked.
+#[test]
+fn a_run_directory_belongs_to_one_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let rd = run_dir.to_str().unwrap();
+    let short = |extra: &[&str]| {
+        let steps = if extra.contains(&"--resume") { "2" } else { "1" };
+        let mut args = vec!["--steps", steps, "--eval-every", "0", "--batch-size", "2", "--run-dir", rd];
+        args.extend_from_slice(extra);
+        run_within(mtrain(&args), Duration::from_secs(120)).0
+    };
+    let first = short(&[]);
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+
+    for layout in [&[][..], &["--dp", "2"][..]] {
+        let out = short(layout);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.contains(&format!("{rd} already holds a run"))
+                && stderr.contains("--resume")
+                && stderr.contains("--overwrite"),
+            "{stderr}"
+        );
+        assert!(!stderr.contains("[rank"), "refused before any worker starts:\n{stderr}");
+    }
+    assert_eq!(std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap(), metrics, "the refused runs wrote nothing");
+
+    // --resume continues the run: one more step, the same run id on every line.
+    let out = short(&["--resume"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.iter().map(|l| l["step"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1]);
+    assert!(lines[0]["run"].is_string() && lines[0]["run"] == lines[1]["run"], "{lines:?}");
+    let (out, _) = run_within(mtrain(&["plot", rd]), Duration::from_secs(60));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+
+    // Two runs at once: the second is refused while the first lives, even with --overwrite.
+    let busy = dir.path().join("busy");
+    let busy_arg = busy.to_str().unwrap();
+    let mut args = vec!["--run-dir", busy_arg];
+    args.extend(LONG_TRAINING);
+    let mut cmd = mtrain(&args);
+    cmd.stdout(Stdio::null());
+    let mut running = cmd.spawn().expect("spawn");
+    let err = collect(running.stderr.take().expect("stderr"));
+    wait_for(&err, "step 1/", Duration::from_secs(60));
+    let second = run_within(
+        mtrain(&["--steps", "1", "--run-dir", busy_arg, "--overwrite"]),
+        Duration::from_secs(60),
+    )
+    .0;
+    let stderr = text(&second.stderr);
+    let _ = running.kill();
+    let _ = running.wait();
+    assert_eq!(second.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("{busy_arg} is in use by another run (pid {}", running.id())),
+        "{stderr}"
+    );
+    // The killed run's lock died with it.
+    let third = run_within(
+        mtrain(&["--steps", "1", "--eval-every", "0", "--batch-size", "2", "--run-dir", busy_arg, "--overwrite"]),
+        Duration::from_secs(120),
+    )
+    .0;
+    assert!(third.status.success(), "{}", text(&third.stderr));
+}
+
+/// `text` without its ANSI escape sequences (`ESC [ ... letter`).
+fn strip_ansi(text: &str) -> String {
+    let mut out = String::new();
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' && chars.peek() == Some(&'[') {
+            chars.next();
+            for d in chars.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// On a terminal the progress bar shows elapsed time and ETA and keeps to its own line: every
+/// step line starts on a line the bar was cleared from, never after the bar's text. The test
+/// gives the run a pseudo-terminal as stderr, as a shell would.
+#[test]
+fn on_a_terminal_no_log_line_lands_on_the_progress_bar() {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let (mut master, mut slave) = (0, 0);
+    let size = libc::winsize {
+        ws_row: 50,
+        ws_col: 200,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: openpty writes two descriptors into the given integers; the other pointers are
+    // null (no name) or point at `size`, which outlives the call.
+    let rc = unsafe {
+        libc::openpty(&mut master, &mut slave, std::ptr::null_mut(), std::ptr::null(), &size)
+    };
+    assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
+    // SAFETY: both descriptors were just opened by openpty and are owned here alone.
+    let (master, slave) = unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
+    let dir = tempfile::tempdir().unwrap();
+    let rd = dir.path().join("run");
+    let mut cmd = mtrain(&[
+        "--steps", "60", "--log-every", "3", "--eval-every", "0", "--batch-size", "1",
+        "--seq-len", "16", "--run-dir", rd.to_str().unwrap(),
+    ]);
+    cmd.env("TERM", "xterm").stdout(Stdio::null()).stderr(Stdio::from(slave));
+    let mut child = cmd.spawn().expect("spawn");
+    drop(cmd); // the parent's copy of the terminal's slave side, so reading ends with the child
+    let mut terminal = std::fs::File::from(master);
+    let reader = std::thread::spawn(move || {
+        let mut out = Vec::new();
+        let mut buf = [0u8; 4096];
+        // A pseudo-terminal's master reads EIO once the last slave is closed.
+        while let Ok(n) = terminal.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            out.extend_from_slice(&buf[..n]);
+        }
+        out
+    });
+    let status = child.wait().expect("wait");
+    let screen = text(&reader.join().unwrap());
+    assert!(status.success(), "{screen}");
+    let plain = strip_ansi(&screen);
+    assert!(plain.contains("steps [") && plain.contains("elapsed, ETA"), "no bar drawn:\n{plain}");
+    let step_lines: Vec<&str> = screen.split('\n').filter(|l| l.contains(" | loss ")).collect();
+    assert!(step_lines.len() >= 20, "{screen}");
+    for line in step_lines {
+        // What the terminal shows before the log line's timestamp, after the last carriage return.
+        let start = line.find("202").expect("a timestamp");
+        let before = line[..start].rsplit('\r').next().unwrap_or("");
+        assert!(
+            strip_ansi(before).trim().is_empty(),
+            "a log line landed on the bar's line: {:?}",
+            strip_ansi(line)
+        );
+    }
 }

@@ -100,7 +100,10 @@ impl CpuBackend {
         if env.world_size > 1 {
             let addr = env.store_addr();
             if env.rank == 0 && !env.store_external {
-                backend._server = Some(StoreServer::start_for_job(&addr, &env.job_id)?);
+                let server = StoreServer::start_for_job(&addr, &env.job_id).map_err(|e| {
+                    CommError::Store(format!("{e} ({})", env.store_port_rule()))
+                })?;
+                backend._server = Some(server);
             }
             let store = StoreClient::connect(&addr, &env.job_id, opts.timeout)?;
             // Listen on the interface that reaches rank 0 (loopback for a one-host job).
@@ -315,6 +318,7 @@ pub fn run_local_with<R: Send>(
                     local_world_size: world_size,
                     master_addr: "127.0.0.1".into(),
                     master_port: port,
+                    store_port: port,
                     job_id: job_id.clone(),
                     // The store is the in-process server started above.
                     store_external: true,
