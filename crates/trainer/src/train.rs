@@ -452,7 +452,14 @@ fn setup(cfg: &TrainConfig, gcfg: &GptConfig, device: &Device) -> anyhow::Result
     } else {
         0
     };
-    let weights = init_weights(gcfg, cfg.seed)?;
+    let weights = match (&cfg.init_from, &cfg.resume) {
+        (Some(path), None) => {
+            let w = checkpoint::hf_gpt2::load(path, gcfg)?;
+            tracing::info!(path = %path.display(), "initial weights from a Hugging Face GPT-2 file");
+            w
+        }
+        _ => init_weights(gcfg, cfg.seed)?,
+    };
     let adamw = AdamWConfig {
         beta1: cfg.beta1,
         beta2: cfg.beta2,
