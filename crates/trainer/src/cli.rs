@@ -81,7 +81,8 @@ pub enum Command {
     Plan(PlanArgs),
     /// Measure collectives nccl-tests style (algbw, busbw, #wrong) with the job's ranks.
     BenchComm(BenchCommArgs),
-    /// Train a BPE tokenizer on a text file and write token shards.
+    /// Tokenize a text file into token shards, with a BPE tokenizer trained on it or an existing
+    /// tokenizer.json.
     Prepare(PrepareArgs),
     /// Generate text from a checkpoint.
     Sample(SampleArgs),

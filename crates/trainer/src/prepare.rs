@@ -1,4 +1,5 @@
-//! `mtrain prepare`: train a byte-level BPE tokenizer on a text file and write token shards.
+//! `mtrain prepare`: tokenize a text file into token shards, with a byte-level BPE tokenizer trained
+//! on it or an existing `tokenizer.json`.
 //!
 //! Byte-level BPE (GPT-2's tokenizer) starts from the 256 byte values, so any text is encodable
 //! with no unknown token, and repeatedly merges the most frequent adjacent pair until the
@@ -54,7 +55,7 @@ pub enum PrepareError {
 /// Arguments of `mtrain prepare`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct PrepareArgs {
-    /// UTF-8 text file to train the tokenizer on and to tokenize.
+    /// UTF-8 text file to tokenize (and to train the tokenizer on, without --tokenizer).
     #[arg(long, value_name = "FILE")]
     pub text: PathBuf,
     /// Vocabulary size of the tokenizer to train (at least 257: the 256 bytes and
