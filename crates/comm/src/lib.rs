@@ -25,4 +25,4 @@ pub use communicator::{
 pub use cpu::{run_local, CpuBackend, CpuOptions};
 pub use env::LaunchEnv;
 pub use mesh::{Coords, DeviceMesh, GroupKind, MeshDims};
-pub use trace::{TraceEvent, Tracer};
+pub use trace::{TraceEvent, TraceTotals, Tracer};

@@ -3,10 +3,22 @@
 //! Each communicator owns a [`Tracer`]. It always keeps the last [`RECENT`] ops, so a failing
 //! collective can say where its rank stood; with recording switched on (`--trace`) it also keeps
 //! every event, which tests use to check the exact sequence of collectives a strategy issues and
-//! the bytes each rank sends.
+//! the bytes each rank sends. Whether recording or not it keeps running [`TraceTotals`] (ops,
+//! bytes sent, busy time, time callers sat blocked), so a training step's communication figures
+//! are the difference of two readings: every collective of the group counts, whoever issued it.
+//!
+//! ```text
+//!   group's ops:    |==op0==|   |====op1====|=op2=|        (op2 issued while op1 ran)
+//!   busy:           |-------|   |-----------------|        op k from max(issued_k, finished_k-1)
+//!   caller:   ...compute...  wait(op2) |xxxxxxx|           blocked: from wait() to op2's finish
+//! ```
+//!
+//! A caller blocks only while an op it waits for is unfinished, and one thread waits for one op at
+//! a time, so the blocked time of a step never exceeds the busy time of its groups.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::ops::{Add, Sub};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -33,10 +45,57 @@ pub struct TraceEvent {
     pub peer: Option<usize>,
 }
 
+/// Running totals of one group's ops since it was created (or last cleared).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TraceTotals {
+    /// Ops completed.
+    pub ops: u64,
+    /// Bytes of the ops' inputs on this rank.
+    pub bytes: u64,
+    /// Payload bytes this rank wrote to its peers.
+    pub bytes_sent: u64,
+    /// Microseconds the group was busy: op k from max(issued_k, finished_{k−1}) to finished_k
+    /// (ops run one after another in issue order; waiting for peers counts as busy).
+    pub busy_us: u64,
+    /// Microseconds callers sat in `wait()` on an op of this group before it finished: the
+    /// communication that compute did not hide.
+    pub blocked_us: u64,
+}
+
+impl Add for TraceTotals {
+    type Output = Self;
+    fn add(self, o: Self) -> Self {
+        Self {
+            ops: self.ops + o.ops,
+            bytes: self.bytes + o.bytes,
+            bytes_sent: self.bytes_sent + o.bytes_sent,
+            busy_us: self.busy_us + o.busy_us,
+            blocked_us: self.blocked_us + o.blocked_us,
+        }
+    }
+}
+
+impl Sub for TraceTotals {
+    type Output = Self;
+    /// What happened between two readings (`later - earlier`).
+    fn sub(self, o: Self) -> Self {
+        Self {
+            ops: self.ops.saturating_sub(o.ops),
+            bytes: self.bytes.saturating_sub(o.bytes),
+            bytes_sent: self.bytes_sent.saturating_sub(o.bytes_sent),
+            busy_us: self.busy_us.saturating_sub(o.busy_us),
+            blocked_us: self.blocked_us.saturating_sub(o.blocked_us),
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Inner {
     recent: VecDeque<TraceEvent>,
     all: Vec<TraceEvent>,
+    totals: TraceTotals,
+    /// When the group's latest op finished (the earliest the next one could start).
+    last_end_us: u64,
 }
 
 /// A cheap, cloneable handle to a group's trace.
@@ -44,7 +103,6 @@ struct Inner {
 pub struct Tracer {
     epoch: Instant,
     recording: Arc<AtomicBool>,
-    bytes_sent: Arc<AtomicU64>,
     inner: Arc<Mutex<Inner>>,
 }
 
@@ -60,7 +118,6 @@ impl Tracer {
         Self {
             epoch,
             recording: Arc::new(AtomicBool::new(false)),
-            bytes_sent: Arc::new(AtomicU64::new(0)),
             inner: Arc::new(Mutex::new(Inner::default())),
         }
     }
@@ -78,10 +135,24 @@ impl Tracer {
         self.epoch.elapsed().as_micros() as u64
     }
 
+    /// The instant timestamps count from.
+    pub fn epoch(&self) -> Instant {
+        self.epoch
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Record a finished op.
     pub fn record(&self, ev: TraceEvent) {
-        self.bytes_sent.fetch_add(ev.bytes_sent, Ordering::Relaxed);
-        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let mut inner = self.lock();
+        let start = ev.start_us.max(inner.last_end_us);
+        inner.totals.ops += 1;
+        inner.totals.bytes += ev.bytes;
+        inner.totals.bytes_sent += ev.bytes_sent;
+        inner.totals.busy_us += ev.end_us.saturating_sub(start);
+        inner.last_end_us = inner.last_end_us.max(ev.end_us);
         if inner.recent.len() == RECENT {
             inner.recent.pop_front();
         }
@@ -101,15 +172,25 @@ impl Tracer {
         self.inner.lock().unwrap_or_else(|p| p.into_inner()).recent.iter().cloned().collect()
     }
 
+    /// A caller waited `waited_us` for an op of this group that was still running.
+    pub fn add_blocked(&self, waited_us: u64) {
+        self.lock().totals.blocked_us += waited_us;
+    }
+
+    /// The running totals (subtract two readings for what happened in between).
+    pub fn totals(&self) -> TraceTotals {
+        self.lock().totals
+    }
+
     /// Total payload bytes this group has sent since creation (or the last `clear`).
     pub fn total_bytes_sent(&self) -> u64 {
-        self.bytes_sent.load(Ordering::Relaxed)
+        self.lock().totals.bytes_sent
     }
 
     pub fn clear(&self) {
-        self.bytes_sent.store(0, Ordering::Relaxed);
-        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let mut inner = self.lock();
         inner.all.clear();
         inner.recent.clear();
+        inner.totals = TraceTotals::default();
     }
 }

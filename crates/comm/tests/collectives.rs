@@ -394,6 +394,47 @@ fn async_all_reduce_overlaps_compute() {
     });
 }
 
+/// The running totals a step's figures are read from: an op waited for while its peer is late
+/// counts as blocked on the early rank (about the delay), an op already finished when waited for
+/// adds nothing, and blocked time stays within busy time.
+#[test]
+fn trace_totals_count_busy_and_blocked_time() {
+    let opts = CpuOptions {
+        timeout: T,
+        trace: false,
+    };
+    let delay = Duration::from_millis(80);
+    mtrain_comm::cpu::run_local_with(2, opts, |b| {
+        let w = b.world();
+        let x = input(w.rank(), 1, 1000, 0, DType::F32);
+        let before = w.tracer().totals();
+        // Rank 1 arrives late: rank 0 blocks for about the delay.
+        if w.rank() == 1 {
+            std::thread::sleep(delay);
+        }
+        w.all_reduce(&x, ReduceOp::Sum).expect("all_reduce");
+        let late = w.tracer().totals() - before;
+        assert_eq!(late.ops, 1);
+        assert_eq!(late.bytes, 4000);
+        assert!(late.blocked_us <= late.busy_us, "{late:?}");
+        if w.rank() == 0 {
+            assert!(late.blocked_us >= 60_000, "rank 0 waited for the late peer: {late:?}");
+        } else {
+            assert!(late.blocked_us < 60_000, "rank 1 was the late one: {late:?}");
+        }
+        // Waited for only after it finished: busy, not blocked.
+        let before = w.tracer().totals();
+        let work = w.all_reduce_async(&x, ReduceOp::Sum);
+        while !work.is_done() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        work.wait().expect("all_reduce");
+        let hidden = w.tracer().totals() - before;
+        assert_eq!(hidden.ops, 1);
+        assert_eq!(hidden.blocked_us, 0, "{hidden:?}");
+    });
+}
+
 #[test]
 fn device_mesh_groups_reduce_over_the_right_ranks() {
     let dims = MeshDims::new(2, 2, 2, 2);

@@ -28,6 +28,7 @@
 
 mod architecture;
 mod digest;
+pub mod hf_gpt2;
 
 use std::collections::BTreeMap;
 use std::fs;

@@ -104,7 +104,8 @@ pub enum Command {
     Plan(PlanCommand),
     /// Measure collectives nccl-tests style (algbw, busbw, #wrong) with the job's ranks.
     BenchComm(BenchCommand),
-    /// Train a BPE tokenizer on a text file and write token shards.
+    /// Tokenize a text file into token shards, with a BPE tokenizer trained on it or an existing
+    /// tokenizer.json.
     Prepare(PrepareArgs),
     /// Generate text from a checkpoint.
     Sample(SampleArgs),

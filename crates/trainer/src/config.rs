@@ -193,6 +193,9 @@ pub struct TrainConfig {
     pub peak_flops: Option<f64>,
     /// Continue from a checkpoint: a step-N directory, a run directory, or "latest" (this run_dir).
     pub resume: Option<PathBuf>,
+    /// Start from GPT-2 weights in Hugging Face's layout (a `.safetensors` file) instead of a
+    /// random initialisation ([`crate::checkpoint::hf_gpt2`]); a resume's checkpoint wins.
+    pub init_from: Option<PathBuf>,
     /// The layout: the `[parallel]` table.
     pub parallel: ParallelConfig,
 }
@@ -247,6 +250,7 @@ impl Default for TrainConfig {
             overwrite: false,
             peak_flops: None,
             resume: None,
+            init_from: None,
             parallel: ParallelConfig::default(),
         }
     }
@@ -430,6 +434,10 @@ pub struct TrainArgs {
     /// Resume from a checkpoint directory, a run directory, or "latest" (the run directory's newest).
     #[arg(long, value_name = "CKPT", num_args = 0..=1, default_missing_value = "latest")]
     pub resume: Option<PathBuf>,
+    /// Start from GPT-2 weights in Hugging Face's layout (model.safetensors), e.g. with
+    /// `--model gpt2-124m`.
+    #[arg(long, value_name = "FILE")]
+    pub init_from: Option<PathBuf>,
     /// Override any config key, nested ones dotted, e.g. `--set lr=1e-3 --set model.n_layer=2
     /// --set model.moe.top_k=1` (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -545,6 +553,9 @@ impl TrainArgs {
         if let Some(v) = &self.resume {
             put("resume", path(v));
         }
+        if let Some(v) = &self.init_from {
+            put("init_from", path(v));
+        }
         if !parallel.is_empty() {
             let mut t = match table.remove("parallel") {
                 Some(toml::Value::Table(t)) => t,
@@ -553,10 +564,48 @@ impl TrainArgs {
             t.extend(parallel.clone());
             table.insert("parallel".into(), toml::Value::Table(t));
         }
+        // Whether the vocabulary is the user's choice: a `[model]` table of the file names it, or
+        // `--set model.vocab_size=N`; a preset's vocabulary yields to the data's.
+        let in_file = matches!(table.get("model"), Some(toml::Value::Table(t)) if t.contains_key("vocab_size"));
+        let vocab_given = in_file
+            || self.overrides.iter().any(|kv| {
+                let key = kv.split_once('=').map_or(kv.as_str(), |(k, _)| k).trim();
+                key.strip_prefix("train.").unwrap_or(key) == "model.vocab_size"
+            });
         for kv in &self.overrides {
             apply_override(&mut table, kv)?;
         }
-        Ok(finish(table, &context)?)
+        let mut cfg = deserialize(table, &context)?;
+        cfg.fit_vocab_to_data(vocab_given)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+impl TrainConfig {
+    /// Prepared data decides the model's vocabulary unless the user gave one: the data's size
+    /// padded to a multiple of 64 ([`crate::data::padded_vocab`]), as nanoGPT takes its
+    /// `meta.pkl`'s. A vocabulary the user gave must hold every id of the data.
+    pub fn fit_vocab_to_data(&mut self, vocab_given: bool) -> Result<(), ConfigError> {
+        if self.data == DataSource::Builtin {
+            return Ok(());
+        }
+        let data = crate::data::source_vocab_size(&self.data)
+            .map_err(|e| ConfigError::Invalid(format!("data `{}`: {e}", self.data)))?;
+        let mut model = self.gpt_config()?;
+        if !vocab_given {
+            model.vocab_size = crate::data::padded_vocab(data);
+            self.model = ModelSpec::Config(model);
+        } else if data > model.vocab_size {
+            return Err(ConfigError::Invalid(format!(
+                "the data `{}` has a vocabulary of {data} ids but model.vocab_size is {}: set \
+                 model.vocab_size to at least {data}, or leave it out to take the data's ({})",
+                self.data,
+                model.vocab_size,
+                crate::data::padded_vocab(data)
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -670,13 +719,17 @@ fn expand_preset(spec: &ModelSpec) -> Result<toml::Table, String> {
     }
 }
 
+/// Deserialize the merged table over the defaults.
+fn deserialize(table: toml::Table, context: &str) -> Result<TrainConfig, ConfigError> {
+    TrainConfig::deserialize(toml::Value::Table(table)).map_err(|e| ConfigError::Parse {
+        context: context.to_string(),
+        message: e.to_string(),
+    })
+}
+
 /// Deserialize the merged table over the defaults and validate.
 fn finish(table: toml::Table, context: &str) -> Result<TrainConfig, ConfigError> {
-    let cfg =
-        TrainConfig::deserialize(toml::Value::Table(table)).map_err(|e| ConfigError::Parse {
-            context: context.to_string(),
-            message: e.to_string(),
-        })?;
+    let cfg = deserialize(table, context)?;
     cfg.validate()?;
     Ok(cfg)
 }

@@ -25,7 +25,7 @@ use mtrain_comm::{MeshDims, OpKind};
 use mtrain_model::GptConfig;
 use mtrain_parallel::comm_cost::{
     algorithm_steps, human_bytes, human_time, render, step_collectives, totals, CostModel, Group,
-    StepShape,
+    Phase, StepShape,
 };
 use mtrain_parallel::parallelize::ParallelPlan;
 use serde::{Deserialize, Serialize};
@@ -292,13 +292,26 @@ struct Measured {
     busy_s: f64,
 }
 
-/// Per (group, op), the count, bytes sent and busy time of one rank's trace (JSON lines).
+/// One rank's trace, measured: per (group, op) of the training steps' collectives, and how many
+/// steps the trace holds.
+#[derive(Debug)]
+struct RankTrace {
+    ops: BTreeMap<(Group, String), Measured>,
+    steps: usize,
+}
+
+/// Per (group, op), the count, bytes sent and busy time of the training steps' collectives in
+/// one rank's trace (JSON lines), and the number of steps.
 ///
-/// A group runs its ops one after another, so an op issued while an earlier op of its group was
-/// still running is timed from that op's end, not from its issue; waiting for peers stays in.
-fn measure(path: &Path, text: &str) -> Result<BTreeMap<(Group, String), Measured>> {
+/// Only collectives tagged `"phase": "step"` count (see [`crate::trace`]): startup, evaluation
+/// and checkpoint traffic is not the step's. A trace without phase tags (written through the
+/// library without a timeline) is taken as one step. A group runs its ops one after another, so
+/// an op issued while an earlier op of its group was still running is timed from that op's end,
+/// not from its issue; waiting for peers stays in.
+fn measure(path: &Path, text: &str) -> Result<RankTrace> {
     let mut measured: BTreeMap<(Group, String), Measured> = BTreeMap::new();
-    // (group name, seq, group, op, bytes sent, issued, ended)
+    let mut steps = std::collections::BTreeSet::new();
+    // (group name, seq, group, op, bytes sent, issued, ended, in a step)
     let mut events = Vec::new();
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
         let v: serde_json::Value = serde_json::from_str(line).map_err(|e| CostError::Parse {
@@ -313,6 +326,17 @@ fn measure(path: &Path, text: &str) -> Result<BTreeMap<(Group, String), Measured
         };
         let op = v["op"].as_str().unwrap_or("?").to_string();
         let (a, b) = (v["start_us"].as_u64(), v["end_us"].as_u64());
+        let in_step = match v.get("phase") {
+            None => {
+                steps.insert(0);
+                true
+            }
+            Some(p) if p == "step" => {
+                steps.insert(v["step"].as_u64().unwrap_or(0));
+                true
+            }
+            Some(_) => false,
+        };
         events.push((
             name.to_string(),
             v["seq"].as_u64().unwrap_or(0),
@@ -321,41 +345,64 @@ fn measure(path: &Path, text: &str) -> Result<BTreeMap<(Group, String), Measured
             v["bytes_sent"].as_u64().unwrap_or(0),
             a,
             b,
+            in_step,
         ));
     }
-    events.sort_by(|x, y| (&x.0, x.1).cmp(&(&y.0, y.1)));
+    // A group's ops finish in the order they ran (sequence numbers count per kind of op: sends,
+    // receives and collectives separately).
+    events.sort_by(|x, y| (&x.0, x.6, x.5, x.1).cmp(&(&y.0, y.6, y.5, y.1)));
     let mut prev: Option<(String, u64)> = None;
-    for (name, _, g, op, sent, a, b) in events {
-        let m = measured.entry((g, op)).or_default();
-        m.count += 1;
-        m.bytes_sent += sent;
-        if let (Some(a), Some(b)) = (a, b) {
-            let start = match &prev {
-                Some((p, end)) if *p == name => a.max(*end),
-                _ => a,
-            };
-            m.busy_s += b.saturating_sub(start) as f64 * 1e-6;
-            prev = Some((name, b));
+    for (name, _, g, op, sent, a, b, in_step) in events {
+        // Every op of the group delays the next, so the busy time sees all of them.
+        let busy = match (a, b) {
+            (Some(a), Some(b)) => {
+                let start = match &prev {
+                    Some((p, end)) if *p == name => a.max(*end),
+                    _ => a,
+                };
+                prev = Some((name, b));
+                b.saturating_sub(start) as f64 * 1e-6
+            }
+            _ => 0.0,
+        };
+        if in_step {
+            let m = measured.entry((g, op)).or_default();
+            m.count += 1;
+            m.bytes_sent += sent;
+            m.busy_s += busy;
         }
     }
-    Ok(measured)
+    Ok(RankTrace {
+        ops: measured,
+        steps: steps.len(),
+    })
 }
 
-/// `mtrain plan --compare RUN_DIR`: per rank and (group, op), the predicted bytes sent and time
-/// per op next to the trace's mean, flagging ratios beyond 2× either way.
+/// `mtrain plan --compare RUN_DIR`: per rank and (group, op) of the training steps, the
+/// collectives per step, bytes sent and time per op next to the prediction for `grad_accum`
+/// micro-steps per step, flagging a different count and ratios beyond 2× either way.
 pub fn compare(
     run_dir: &Path,
     cfg: &GptConfig,
     plan: &ParallelPlan,
     shape: StepShape,
+    grad_accum: usize,
     table: &AlphaBetaTable,
 ) -> Result<String> {
     let dims = plan.dims;
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<5} {:<6} {:<15} {:>7} {:>12} {:>12} {:>11} {:>11}  flag",
-        "rank", "group", "op", "ops", "sent/op", "pred sent", "time/op", "pred time"
+        "{:<5} {:<6} {:<15} {:>8} {:>8} {:>12} {:>12} {:>11} {:>11}  flag",
+        "rank",
+        "group",
+        "op",
+        "ops/step",
+        "pred ops",
+        "sent/op",
+        "pred sent",
+        "time/op",
+        "pred time"
     );
     let mut found = 0;
     for rank in 0..dims.world_size() {
@@ -364,15 +411,23 @@ pub fn compare(
             continue;
         };
         found += 1;
-        let measured = measure(&path, &text)?;
+        let RankTrace {
+            ops: measured,
+            steps,
+        } = measure(&path, &text)?;
         let mut predicted: BTreeMap<(Group, String), (usize, u64, f64)> = BTreeMap::new();
         for c in step_collectives(cfg, plan, shape, rank)? {
             let n = c.group.size(dims);
             let t = table.model(c.op, n).time(c.op, n, c.bytes).total_s();
+            // Forward and backward collectives run in every micro-step of the optimizer step.
+            let count = match c.phase {
+                Phase::Forward | Phase::Backward => c.count * grad_accum.max(1),
+                Phase::Step => c.count,
+            };
             let p = predicted.entry((c.group, c.op.to_string())).or_default();
-            p.0 += c.count;
-            p.1 += c.bytes_sent * c.count as u64;
-            p.2 += t * c.count as f64;
+            p.0 += count;
+            p.1 += c.bytes_sent * count as u64;
+            p.2 += t * count as f64;
         }
         let keys: std::collections::BTreeSet<_> =
             measured.keys().chain(predicted.keys()).cloned().collect();
@@ -386,6 +441,7 @@ pub fn compare(
             let (m_sent, p_sent) = (per(m.bytes_sent as f64, m.count), per(p.1 as f64, p.0));
             let (m_time, p_time) = (per(m.busy_s, m.count), per(p.2, p.0));
             let off = |a: f64, b: f64| a > 2.0 * b || b > 2.0 * a;
+            let per_step = per(m.count as f64, steps);
             let mut flags = Vec::new();
             if m.count == 0 || p.0 == 0 {
                 flags.push(if m.count == 0 {
@@ -394,6 +450,9 @@ pub fn compare(
                     "not predicted"
                 });
             } else {
+                if per_step != p.0 as f64 {
+                    flags.push("count differs");
+                }
                 if off(m_sent, p_sent) {
                     flags.push("bytes >2x off");
                 }
@@ -403,11 +462,14 @@ pub fn compare(
             }
             let _ = writeln!(
                 s,
-                "{:<5} {:<6} {:<15} {:>7} {:>12} {:>12} {:>11} {:>11}  {}",
+                "{:<5} {:<6} {:<15} {:>8} {:>8} {:>12} {:>12} {:>11} {:>11}  {}",
                 rank,
                 k.0.name(),
                 k.1,
-                m.count,
+                format!("{per_step:.4}")
+                    .trim_end_matches('0')
+                    .trim_end_matches('.'),
+                p.0,
                 human_bytes(m_sent as u64),
                 human_bytes(p_sent as u64),
                 human_time(m_time),
@@ -421,7 +483,7 @@ pub fn compare(
     }
     let _ = writeln!(
         s,
-        "(per-op means; measured time runs from when the group could start the op (its issue, or the end of the group's previous op) to completion, so it includes waiting for peers)"
+        "(the training steps' collectives only, startup, evaluation and checkpoints left out; per-op means; measured time runs from when the group could start the op (its issue, or the end of the group's previous op) to completion, so it includes waiting for peers)"
     );
     Ok(s)
 }
@@ -500,7 +562,7 @@ pub fn plan_report(
         },
     };
     match compare_dir {
-        Some(dir) => compare(dir, &model, plan, shape, &table),
+        Some(dir) => compare(dir, &model, plan, shape, cfg.grad_accum, &table),
         None => plan_section(&model, plan, shape, cfg.grad_accum, &table),
     }
 }
@@ -525,7 +587,7 @@ mod tests {
             ev("not-a-group", 0, "all_reduce", 0, 1_000_000),
         ]
         .join("\n");
-        let m = measure(Path::new("trace-rank0.jsonl"), &text).unwrap();
+        let m = measure(Path::new("trace-rank0.jsonl"), &text).unwrap().ops;
         let tp = m[&(Group::Tp, "all_reduce".to_string())];
         assert_eq!((tp.count, tp.bytes_sent), (2, 8));
         // 300 µs for seq 0, then 400 − 300 = 100 µs for seq 1 (not 400 − 100 = 300).
@@ -535,5 +597,29 @@ mod tests {
         assert_eq!(m.len(), 2);
         let bad = measure(Path::new("t.jsonl"), "{not json").unwrap_err();
         assert!(bad.to_string().contains("t.jsonl"), "{bad}");
+    }
+
+    /// Only the collectives tagged with the step phase count, and the steps are counted; a
+    /// setup or evaluation op still delays the group's next op.
+    #[test]
+    fn only_the_training_steps_collectives_are_measured() {
+        let ev = |seq: u64, phase: &str, step: &str, start: u64, end: u64| {
+            format!(
+                r#"{{"op":"all_reduce","group":"tp[0,1]","seq":{seq},"bytes":8,"bytes_sent":4,"start_us":{start},"end_us":{end},"peer":null,"phase":"{phase}"{step}}}"#
+            )
+        };
+        let text = [
+            ev(0, "setup", "", 0, 100),
+            ev(1, "step", r#","step":0"#, 50, 150), // queued behind the setup op: 50 µs
+            ev(2, "eval", "", 200, 300),
+            ev(3, "step", r#","step":1"#, 400, 420),
+            ev(4, "checkpoint", "", 500, 900),
+        ]
+        .join("\n");
+        let t = measure(Path::new("trace-rank0.jsonl"), &text).unwrap();
+        assert_eq!(t.steps, 2);
+        let tp = t.ops[&(Group::Tp, "all_reduce".to_string())];
+        assert_eq!((tp.count, tp.bytes_sent), (2, 8));
+        assert!((tp.busy_s - 70e-6).abs() < 1e-12, "{}", tp.busy_s);
     }
 }

@@ -167,6 +167,31 @@ pub struct Dataset {
     pub tokenizer: Option<PathBuf>,
 }
 
+/// The vocabulary a model takes from prepared data: the data's size rounded up to a multiple of
+/// 64, as GPT-2's 50 257 ids become 50 304 (the padding rows are never a target; a width that is
+/// a multiple of 64 keeps the embedding and LM-head matrices on fast GEMM tiles).
+pub fn padded_vocab(data_vocab: usize) -> usize {
+    data_vocab.div_ceil(64) * 64
+}
+
+/// The vocabulary size of a source's ids without mapping the data: 256 for the built-in corpus,
+/// else the first training shard's header (`Dataset::open` checks that the others agree).
+pub fn source_vocab_size(source: &DataSource) -> Result<usize, DataError> {
+    match source {
+        DataSource::Builtin => Ok(256),
+        DataSource::Shards(dir) => {
+            let first = shards::list_shards(dir, "train")?.into_iter().next();
+            let bin = first.ok_or_else(|| {
+                DataError::Format(format!(
+                    "{}: no train_*.bin shards (write them with `mtrain prepare`)",
+                    dir.display()
+                ))
+            })?;
+            Ok(shards::read_header(&bin)?.vocab_size)
+        }
+    }
+}
+
 impl Dataset {
     /// Open a data source: generate the built-in corpus or map a shard directory.
     pub fn open(source: &DataSource) -> Result<Self, DataError> {

@@ -46,6 +46,7 @@ use mtrain_parallel::placement::tp_placement;
 use serde::Serialize;
 
 use crate::memory::{rank_activation_bytes, ActivationLayout, ModelStateLayout, Phase};
+use crate::trace::{CommMeter, RunPhase, Timeline};
 use crate::train::TrainableModel;
 
 /// Pipeline figures of one step on this rank.
@@ -132,17 +133,22 @@ pub struct ExpertLoad {
 }
 
 /// What one optimizer step cost on this rank (a field of each metrics.jsonl line).
+///
+/// The communication figures count every collective of the step on every group of more than one
+/// rank (tensor-parallel, pipeline, expert, data-parallel, the loss and norm reductions), from the
+/// groups' trace totals ([`crate::trace::CommMeter`]); `comm_ms` is at least `exposed_comm_ms`.
 #[derive(Debug, Clone, Serialize)]
 pub struct StepReport {
     /// Forward + backward wall time (ms).
     pub backward_ms: f64,
-    /// Time the data-parallel group was busy communicating (ms).
+    /// Time the groups were busy with the step's collectives, summed over the groups (ms).
     pub comm_ms: f64,
-    /// Communication the step waited for, not hidden behind compute (ms).
+    /// Time this rank sat blocked waiting for a collective: communication not hidden behind
+    /// compute (ms).
     pub exposed_comm_ms: f64,
-    /// Collectives issued for the gradients.
-    pub collectives: usize,
-    /// Gradient bytes communicated.
+    /// Collectives of the step (what `mtrain plan` counts for this rank).
+    pub collectives: u64,
+    /// Bytes this rank sent to its peers (the plan's "sent/rank").
     pub comm_bytes: u64,
     /// Pipeline figures (pp > 1).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -177,6 +183,12 @@ pub struct Distributed {
     pipeline: Option<PipelineFigures>,
     experts: Option<Vec<ExpertLoad>>,
     last_report: Option<StepReport>,
+    /// The step's communication, read from every group's trace totals.
+    meter: CommMeter,
+    /// Phases and compute spans for `--trace`.
+    timeline: Timeline,
+    /// Steps this process has started.
+    steps_started: u64,
 }
 
 /// Whether `plan` is a pure data-parallel DDP layout that the standalone, overlapped [`Ddp`]
@@ -249,7 +261,16 @@ impl Distributed {
             pipeline: None,
             experts: None,
             last_report: None,
+            meter: CommMeter::new(&crate::trace::mesh_groups(mesh)),
+            timeline: Timeline::new(&crate::trace::mesh_groups(mesh), false),
+            steps_started: 0,
         })
+    }
+
+    /// Records phases and compute spans on `timeline` (the run's, written under `--trace`).
+    pub fn with_timeline(mut self, timeline: Timeline) -> Self {
+        self.timeline = timeline;
+        self
     }
 
     /// The plan this model was built from.
@@ -319,7 +340,12 @@ impl TrainableModel for Distributed {
         if self.micro == 0 {
             self.pipeline = None;
             self.experts = None;
+            self.meter.begin();
+            self.timeline
+                .enter(RunPhase::Step, Some(self.steps_started));
+            self.steps_started += 1;
         }
+        let (t_start, wall_start) = (self.timeline.now_us(), std::time::SystemTime::now());
         self.micro += 1;
         let sync = self.micro == self.grad_accum;
         if sync {
@@ -339,6 +365,16 @@ impl TrainableModel for Distributed {
                         peak_activation_bytes: r.peak_activation_bytes,
                         timeline: PipelineTimeline::from_report(r),
                     };
+                    // The schedule's spans, placed on the tracers' clock.
+                    let at = self.timeline.us_at(r.started_at.max(wall_start));
+                    for s in &r.timeline {
+                        let name = serde_json::to_value(s.kind)
+                            .ok()
+                            .and_then(|v| v.as_str().map(str::to_string))
+                            .unwrap_or_default();
+                        let us = |d: std::time::Duration| at + d.as_micros() as u64;
+                        self.timeline.span(&name, s.mb, us(s.start), us(s.end));
+                    }
                     self.pipeline = Some(f);
                 }
                 if let Some(load) = &out.moe_load {
@@ -367,43 +403,61 @@ impl TrainableModel for Distributed {
                 scalar(&dp.all_reduce(&t, ReduceOp::Avg)?)?
             }
         };
+        if !matches!(&self.inner, Inner::Parallel(pm) if pm.plan().dims.pp > 1) {
+            let end = self.timeline.now_us();
+            self.timeline.span("forward+backward", None, t_start, end);
+        }
         mark(Phase::AfterBackward);
         Ok(loss)
     }
 
     fn eval_loss(&mut self, inputs: &Tensor, targets: &Tensor) -> anyhow::Result<f64> {
-        match &mut self.inner {
-            Inner::Parallel(pm) => Ok(pm.eval_loss(inputs, targets)?),
+        self.timeline.enter(RunPhase::Eval, None);
+        let start = self.timeline.now_us();
+        let loss = match &mut self.inner {
+            Inner::Parallel(pm) => pm.eval_loss(inputs, targets)?,
             Inner::Ddp { gpt, dp, .. } => {
                 let local = gpt.forward_loss(inputs, targets)?.loss;
                 let local = local.to_dtype(DType::F32)?.reshape(1)?;
-                scalar(&dp.all_reduce(&local, ReduceOp::Avg)?)
+                scalar(&dp.all_reduce(&local, ReduceOp::Avg)?)?
             }
-        }
+        };
+        self.timeline
+            .span("eval", None, start, self.timeline.now_us());
+        Ok(loss)
     }
 
     fn grad_sq_norm(&mut self) -> anyhow::Result<f64> {
-        Ok(match &self.inner {
+        let start = self.timeline.now_us();
+        let sq = match &self.inner {
             Inner::Parallel(pm) => pm.grad_norm_sq()?,
             Inner::Ddp { ddp, .. } => ddp.grad_norm_sq()?,
-        })
+        };
+        self.timeline
+            .span("grad norm", None, start, self.timeline.now_us());
+        Ok(sq)
     }
 
     /// Scales the gradients by `grad_scale`, the loop's clip coefficient of the norm
     /// [`TrainableModel::grad_sq_norm`] gave (so the norm's all-reduce runs once per step), and
     /// steps AdamW over this rank's part.
     fn optimizer_step(&mut self, lr: f64, grad_scale: f64) -> anyhow::Result<()> {
+        let start = self.timeline.now_us();
         match &mut self.inner {
             Inner::Parallel(pm) => pm.scaled_step(&mut self.opt, lr, grad_scale)?,
             Inner::Ddp { ddp, .. } => ddp.scaled_step(&mut self.opt, lr, grad_scale)?,
         };
+        let end = self.timeline.now_us();
+        self.timeline.span("optimizer", None, start, end);
+        self.timeline.enter(RunPhase::Other, None);
         let c = self.comm_stats();
+        let comm = self.meter.end();
         self.last_report = Some(StepReport {
             backward_ms: c.backward_s * 1e3,
-            comm_ms: c.comm_s * 1e3,
-            exposed_comm_ms: c.exposed_comm_s * 1e3,
-            collectives: c.collectives,
-            comm_bytes: c.bytes,
+            comm_ms: comm.busy_us as f64 * 1e-3,
+            exposed_comm_ms: comm.blocked_us as f64 * 1e-3,
+            collectives: comm.ops,
+            comm_bytes: comm.bytes_sent,
             pipeline: self.pipeline.take(),
             experts: self.experts.take(),
         });
@@ -411,17 +465,31 @@ impl TrainableModel for Distributed {
     }
 
     fn state_dict(&self) -> anyhow::Result<BTreeMap<String, Tensor>> {
-        Ok(match &self.inner {
+        self.timeline.enter(RunPhase::Checkpoint, None);
+        let start = self.timeline.now_us();
+        let state = match &self.inner {
             Inner::Parallel(pm) => pm.full_state()?,
             Inner::Ddp { ddp, .. } => ddp.full_state()?,
-        })
+        };
+        self.timeline
+            .span("gather state", None, start, self.timeline.now_us());
+        Ok(state)
     }
 
     fn optim_state(&self) -> anyhow::Result<AdamWState> {
-        Ok(match &self.inner {
+        self.timeline.enter(RunPhase::Checkpoint, None);
+        let start = self.timeline.now_us();
+        let state = match &self.inner {
             Inner::Parallel(pm) => pm.full_optimizer_state(&self.opt)?,
             Inner::Ddp { ddp, .. } => ddp.full_optimizer_state(&self.opt)?,
-        })
+        };
+        self.timeline.span(
+            "gather optimizer state",
+            None,
+            start,
+            self.timeline.now_us(),
+        );
+        Ok(state)
     }
 
     fn load_state(

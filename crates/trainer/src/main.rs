@@ -134,12 +134,13 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
         Some(Command::Prepare(args)) => {
             let summary = prepare::prepare(args)?;
             println!(
-                "wrote {}: vocab {}, {} train + {} val tokens, {:.2} bytes/token",
+                "wrote {}: vocab {}, {} train + {} val tokens, {:.2} bytes/token; a model trained on it takes vocab_size {}",
                 args.out.display(),
                 summary.vocab_size,
                 summary.train_tokens,
                 summary.val_tokens,
-                summary.bytes_per_token
+                summary.bytes_per_token,
+                mtrain_trainer::data::padded_vocab(summary.vocab_size)
             );
             Ok(())
         }

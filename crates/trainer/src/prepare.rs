@@ -1,4 +1,5 @@
-//! `mtrain prepare`: train a byte-level BPE tokenizer on a text file and write token shards.
+//! `mtrain prepare`: tokenize a text file into token shards, with a byte-level BPE tokenizer trained
+//! on it or an existing `tokenizer.json`.
 //!
 //! Byte-level BPE (GPT-2's tokenizer) starts from the 256 byte values, so any text is encodable
 //! with no unknown token, and repeatedly merges the most frequent adjacent pair until the
@@ -11,9 +12,15 @@
 //! merge (Ġ,c) ... -> the Ġcat
 //! ```
 //!
+//! With `--tokenizer FILE` no tokenizer is trained: the text is encoded with an existing Hugging
+//! Face `tokenizer.json` (GPT-2's, say), which is copied into the output so `mtrain sample` decodes
+//! with it.
+//!
 //! Output in `--out DIR`: `tokenizer.json` (loadable by the `tokenizers` crate and by Hugging Face
 //! `tokenizers`), and the text's ids split into `train_000.bin` / `val_000.bin` (the last
-//! `--val-fraction` of the tokens) with their JSON headers (see [`crate::data::shards`]).
+//! `--val-fraction` of the tokens) with their JSON headers (see [`crate::data::shards`]). A model
+//! trained on them takes their vocabulary, padded to a multiple of 64
+//! ([`crate::data::padded_vocab`]).
 
 use std::path::{Path, PathBuf};
 
@@ -48,12 +55,17 @@ pub enum PrepareError {
 /// Arguments of `mtrain prepare`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct PrepareArgs {
-    /// UTF-8 text file to train the tokenizer on and to tokenize.
+    /// UTF-8 text file to tokenize (and to train the tokenizer on, without --tokenizer).
     #[arg(long, value_name = "FILE")]
     pub text: PathBuf,
-    /// Vocabulary size (at least 257: the 256 bytes and <|endoftext|>).
-    #[arg(long, default_value_t = 4096)]
-    pub vocab_size: usize,
+    /// Vocabulary size of the tokenizer to train (at least 257: the 256 bytes and
+    /// <|endoftext|>) [default: 4096].
+    #[arg(long, conflicts_with = "tokenizer")]
+    pub vocab_size: Option<usize>,
+    /// Encode with this existing Hugging Face tokenizer.json (e.g. GPT-2's) instead of training
+    /// one; it is copied into --out.
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
     /// Output directory for tokenizer.json and the shards.
     #[arg(long, value_name = "DIR", default_value = "data/prepared")]
     pub out: PathBuf,
@@ -79,12 +91,22 @@ fn tok_err(e: impl std::fmt::Display) -> PrepareError {
     PrepareError::Tokenizer(e.to_string())
 }
 
-/// Train the tokenizer on `args.text`, tokenize it and write the shards into `args.out`.
+/// Vocabulary size `prepare` trains when `--vocab-size` is not given.
+pub const DEFAULT_VOCAB_SIZE: usize = 4096;
+
+/// Train the tokenizer on `args.text` (or load `args.tokenizer`), tokenize the text and write
+/// the shards into `args.out`.
 pub fn prepare(args: &PrepareArgs) -> Result<PrepareSummary, PrepareError> {
-    if args.vocab_size < 257 {
+    let vocab_size = args.vocab_size.unwrap_or(DEFAULT_VOCAB_SIZE);
+    if args.tokenizer.is_some() && args.vocab_size.is_some() {
+        return Err(PrepareError::Invalid(
+            "--vocab-size trains a tokenizer and --tokenizer uses an existing one: give one of them"
+                .into(),
+        ));
+    }
+    if args.tokenizer.is_none() && vocab_size < 257 {
         return Err(PrepareError::Invalid(format!(
-            "--vocab-size {} is below 257 (256 byte tokens + {END_OF_TEXT})",
-            args.vocab_size
+            "--vocab-size {vocab_size} is below 257 (256 byte tokens + {END_OF_TEXT})"
         )));
     }
     if !(0.0..1.0).contains(&args.val_fraction) {
@@ -93,13 +115,20 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareSummary, PrepareError> {
             args.val_fraction
         )));
     }
-    crate::validate::at_most("--vocab-size", args.vocab_size, crate::validate::MAX_COUNT)
+    crate::validate::at_most("--vocab-size", vocab_size, crate::validate::MAX_COUNT)
         .map_err(PrepareError::Invalid)?;
     let text = crate::fsio::read_to_string(&args.text)?;
+    // An existing tokenizer is loaded before anything is written, so a bad file leaves no output.
+    let given = match &args.tokenizer {
+        Some(path) => Some(load_tokenizer(path)?),
+        None => None,
+    };
     std::fs::create_dir_all(&args.out).at("creating directory", &args.out)?;
-
-    let tokenizer = train_tokenizer(&args.text, args.vocab_size)?;
     let tok_path = args.out.join("tokenizer.json");
+    let tokenizer = match given {
+        Some(tokenizer) => tokenizer,
+        None => train_tokenizer(&args.text, vocab_size)?,
+    };
     tokenizer
         .save(&tok_path, false)
         .map_err(|e| PrepareError::Tokenizer(format!("writing {}: {e}", tok_path.display())))?;
@@ -132,6 +161,13 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareSummary, PrepareError> {
     })
 }
 
+/// An existing Hugging Face `tokenizer.json`.
+pub fn load_tokenizer(path: &Path) -> Result<Tokenizer, PrepareError> {
+    crate::fsio::regular_file(path)?;
+    Tokenizer::from_file(path)
+        .map_err(|e| PrepareError::Tokenizer(format!("loading {}: {e}", path.display())))
+}
+
 /// A byte-level BPE tokenizer (GPT-2 style, no normalizer) trained on `text_file`.
 pub fn train_tokenizer(text_file: &Path, vocab_size: usize) -> Result<Tokenizer, PrepareError> {
     let mut trainer = BpeTrainerBuilder::new()
@@ -159,15 +195,28 @@ pub fn train_tokenizer(text_file: &Path, vocab_size: usize) -> Result<Tokenizer,
     Ok(Tokenizer::from(tokenizer))
 }
 
-/// Encode `text` in line-aligned chunks of about 1 MiB (the byte-level pre-tokenizer never merges
-/// across a newline, so chunking at newlines gives the same ids as one call).
+/// Encode `text` in chunks of about 1 MiB, each cut right after a lone newline (one between two
+/// characters that are not whitespace). GPT-2's pre-tokenizer pattern (the byte-level one, ours
+/// and Hugging Face's) splits a lone newline off on its own and never joins it to the word
+/// after it, so cutting there gives the same ids as one call; a run of whitespace such as
+/// `"\n\n"` is split by what follows it, so it is never cut.
 pub fn encode(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>, PrepareError> {
     let mut ids = Vec::new();
     let mut rest = text;
     while !rest.is_empty() {
         let mut cut = rest.len().min(1 << 20);
         if cut < rest.len() {
-            cut = rest[..cut].rfind('\n').map_or(cut, |i| i + 1);
+            while !rest.is_char_boundary(cut) {
+                cut += 1;
+            }
+            let bytes = rest.as_bytes();
+            let safe = (1..cut).rev().find(|&i| {
+                i >= 2
+                    && bytes[i - 1] == b'\n'
+                    && !bytes[i].is_ascii_whitespace()
+                    && !bytes[i - 2].is_ascii_whitespace()
+            });
+            cut = safe.unwrap_or(cut);
             while !rest.is_char_boundary(cut) {
                 cut += 1;
             }

@@ -27,7 +27,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor};
 use mtrain_comm::mesh::MeshDims;
-use mtrain_comm::{Backend, Comm, DeviceMesh};
+use mtrain_comm::{Backend, DeviceMesh};
 use mtrain_model::optim::{
     clip_coef, lr_at, AdamW, AdamWConfig, AdamWState, LrSchedule, OptimItem,
 };
@@ -468,7 +468,14 @@ fn setup(cfg: &TrainConfig, gcfg: &GptConfig, device: &Device) -> anyhow::Result
     } else {
         0
     };
-    let weights = init_weights(gcfg, cfg.seed)?;
+    let weights = match (&cfg.init_from, &cfg.resume) {
+        (Some(path), None) => {
+            let w = checkpoint::hf_gpt2::load(path, gcfg)?;
+            tracing::info!(path = %path.display(), "initial weights from a Hugging Face GPT-2 file");
+            w
+        }
+        _ => init_weights(gcfg, cfg.seed)?,
+    };
     let adamw = AdamWConfig {
         beta1: cfg.beta1,
         beta2: cfg.beta2,
@@ -522,12 +529,13 @@ fn run_distributed(
     let device = backend.device();
     let mesh = DeviceMesh::new(backend, dims).context("building the device mesh")?;
     let rank = mesh.rank();
-    let groups = mesh_groups(&mesh);
+    let groups = crate::trace::mesh_groups(&mesh);
     if opts.trace {
         for g in &groups {
             g.tracer().set_recording(true);
         }
     }
+    let timeline = crate::trace::Timeline::new(&groups, opts.trace);
     let result = (|| {
         let Setup {
             dataset,
@@ -543,7 +551,8 @@ fn run_distributed(
             &device,
             adamw,
             cfg.grad_accum,
-        )?;
+        )?
+        .with_timeline(timeline.clone());
         drop(weights);
         if rank == 0 {
             tracing::info!(
@@ -572,30 +581,20 @@ fn run_distributed(
         )
     })();
     if opts.trace {
-        crate::trace::write_rank_trace(&cfg.run_dir, rank, &groups)?;
+        crate::trace::write_rank_trace(&cfg.run_dir, rank, &groups, Some(&timeline))?;
+        // Every rank's part is on disk once all have passed the barrier; rank 0 joins them.
+        if result.is_ok() {
+            mesh.world.barrier().context("waiting for every rank's trace")?;
+            if rank == 0 {
+                let path = crate::trace::merge_chrome_traces(&cfg.run_dir, dims.world_size())?;
+                tracing::info!(rank, path = %path.display(), "Chrome trace written (ui.perfetto.dev)");
+            }
+        }
     }
     if result.is_err() {
         eprint!("{}", crate::trace::recent_ops(rank, &groups));
     }
     result
-}
-
-/// Every distinct group of the mesh (size-1 groups included: they cost nothing to list).
-fn mesh_groups(mesh: &DeviceMesh) -> Vec<Comm> {
-    let mut seen = std::collections::BTreeSet::new();
-    [
-        &mesh.world,
-        &mesh.dp,
-        &mesh.pp,
-        &mesh.tp,
-        &mesh.ep,
-        &mesh.edp,
-        &mesh.mp,
-    ]
-    .into_iter()
-    .filter(|g| seen.insert(g.name().to_string()))
-    .cloned()
-    .collect()
 }
 
 /// Where `cfg.resume` points: "latest" means this run directory.

@@ -143,7 +143,7 @@ fn compare_finds_no_byte_difference_on_a_real_trace() {
         let mut opt = AdamW::new(AdamWConfig::default());
         model.forward_backward(&idx, &tgt, 1.0, true).expect("fb");
         model.optimizer_step(&mut opt, 1e-3, None).expect("step");
-        write_rank_trace(&run_dir, mesh.rank(), &groups).expect("trace");
+        write_rank_trace(&run_dir, mesh.rank(), &groups, None).expect("trace");
     });
     let shape = StepShape {
         batch,
@@ -151,7 +151,7 @@ fn compare_finds_no_byte_difference_on_a_real_trace() {
         dtype: DType::F32,
     };
     let table = AlphaBetaTable::cpu_default();
-    let out = compare(&run_dir, &cfg, &plan, shape, &table).expect("compare");
+    let out = compare(&run_dir, &cfg, &plan, shape, 1, &table).expect("compare");
     println!("{out}");
     let rows: Vec<&str> = out
         .lines()
@@ -170,7 +170,7 @@ fn compare_finds_no_byte_difference_on_a_real_trace() {
     assert!(section.contains("block output (g)"), "{section}");
     assert!(section.contains("default (not measured)"), "{section}");
     let empty = tempfile::tempdir().expect("tmp");
-    let e = compare(empty.path(), &cfg, &plan, shape, &table).unwrap_err();
+    let e = compare(empty.path(), &cfg, &plan, shape, 1, &table).unwrap_err();
     assert!(e.to_string().contains("--trace"), "{e}");
 }
 

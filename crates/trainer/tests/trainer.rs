@@ -568,7 +568,8 @@ fn prepare_writes_a_tokenizer_and_shards() {
     let out = dir.path().join("prepared");
     let s = prepare::prepare(&PrepareArgs {
         text: text_path,
-        vocab_size: 320,
+        vocab_size: Some(320),
+        tokenizer: None,
         out: out.clone(),
         val_fraction: 0.1,
     })

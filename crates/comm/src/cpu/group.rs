@@ -12,6 +12,7 @@
 //! async op really overlaps it. After a failure the group is poisoned: the queue keeps draining
 //! but every later op fails at once with [`CommError::Poisoned`] naming the first error.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 
@@ -24,10 +25,12 @@ use crate::trace::{TraceEvent, Tracer};
 
 type Job = Box<dyn FnOnce(&mut GroupCore) + Send>;
 
-/// Where the communication thread leaves an op's result.
+/// Where the communication thread leaves an op's result, and when (on the tracer's clock) the
+/// op finished.
 struct Slot<T> {
     value: Mutex<Option<Result<T>>>,
     ready: Condvar,
+    finished_us: AtomicU64,
 }
 
 /// The communication thread's end of a slot. If it is dropped unfilled (the thread died), the
@@ -38,8 +41,9 @@ struct Promise<T> {
 }
 
 impl<T> Promise<T> {
-    fn fulfil(mut self, value: Result<T>) {
+    fn fulfil(mut self, value: Result<T>, finished_us: u64) {
         if let Some(slot) = self.slot.take() {
+            slot.finished_us.store(finished_us, Ordering::Release);
             *slot.value.lock().unwrap_or_else(|p| p.into_inner()) = Some(value);
             slot.ready.notify_all();
         }
@@ -59,14 +63,18 @@ impl<T> Drop for Promise<T> {
     }
 }
 
-/// The caller's end of a slot.
-struct CpuWork<T>(Arc<Slot<T>>);
+/// The caller's end of a slot; waiting adds the time blocked before the op finished to the
+/// group's [`Tracer`] totals (the step's exposed communication).
+struct CpuWork<T>(Arc<Slot<T>>, Tracer);
 
 impl<T: Send> PendingWork<T> for CpuWork<T> {
     fn wait(self: Box<Self>) -> Result<T> {
+        let from_us = self.1.now_us();
         let mut value = self.0.value.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             if let Some(v) = value.take() {
+                let finished = self.0.finished_us.load(Ordering::Acquire);
+                self.1.add_blocked(finished.saturating_sub(from_us));
                 return v;
             }
             value = self.0.ready.wait(value).unwrap_or_else(|p| p.into_inner());
@@ -182,6 +190,7 @@ impl CpuComm {
         let slot = Arc::new(Slot {
             value: Mutex::new(None),
             ready: Condvar::new(),
+            finished_us: AtomicU64::new(0),
         });
         let promise = Promise {
             slot: Some(slot.clone()),
@@ -200,6 +209,7 @@ impl CpuComm {
                     r
                 }
             };
+            let end_us = core.tracer.now_us();
             core.tracer.record(TraceEvent {
                 op,
                 group: core.name.clone(),
@@ -207,16 +217,16 @@ impl CpuComm {
                 bytes,
                 bytes_sent: core.cur_sent,
                 start_us,
-                end_us: core.tracer.now_us(),
+                end_us,
                 peer,
             });
-            promise.fulfil(result);
+            promise.fulfil(result, end_us);
         });
         // If the thread is gone the job (and its promise) is dropped: the Work reports it.
         if let Some(jobs) = &self.jobs {
             let _ = jobs.send(job);
         }
-        Work::new(Box::new(CpuWork(slot)))
+        Work::new(Box::new(CpuWork(slot, self.tracer.clone())))
     }
 }
 

@@ -51,6 +51,14 @@ pub struct ShardHeader {
     pub vocab_size: usize,
 }
 
+/// The header of shard `bin` (its sibling `.json`).
+pub fn read_header(bin: &Path) -> Result<ShardHeader, DataError> {
+    let json = bin.with_extension("json");
+    let text = fs::read_to_string(&json).at("reading", &json)?;
+    serde_json::from_str(&text)
+        .map_err(|e| DataError::Format(format!("{}: bad shard header: {e}", json.display())))
+}
+
 /// One memory-mapped shard.
 pub struct MappedShard {
     /// Path of the `.bin` file (for messages).
@@ -63,10 +71,7 @@ pub struct MappedShard {
 impl MappedShard {
     /// Map `bin` and check it against its header `bin.with_extension("json")`.
     pub fn open(bin: &Path) -> Result<Self, DataError> {
-        let json = bin.with_extension("json");
-        let text = fs::read_to_string(&json).at("reading", &json)?;
-        let header: ShardHeader = serde_json::from_str(&text)
-            .map_err(|e| DataError::Format(format!("{}: bad shard header: {e}", json.display())))?;
+        let header = read_header(bin)?;
         let file = fs::File::open(bin).at("opening", bin)?;
         // SAFETY: the map is read-only and the shard files are written once by `write_shard` and never
         // modified while training reads them; a concurrent truncation by another process would be a
