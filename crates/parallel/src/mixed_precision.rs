@@ -11,7 +11,7 @@
 //! ```
 //!
 //! On CUDA the three lines of the optimizer are one fused kernel per item
-//! ([`mtrain_model::kernels::adamw`]): it reads the bf16 (or f32) gradient as it is, updates the
+//! (`mtrain_kernels::adamw`): it reads the bf16 (or f32) gradient as it is, updates the
 //! master, m and v, and writes the bf16 compute copy in the same pass; elsewhere the gradient is
 //! widened to f32 and the copy cast, as written above, with the same numbers.
 //!

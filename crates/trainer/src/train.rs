@@ -158,7 +158,7 @@ impl SingleDevice {
             model,
             params,
             master,
-            engine: Engine { checkpointing },
+            engine: Engine::new(checkpointing),
             optim: AdamW::new(optim),
             grads: Grads::new(),
         })
@@ -429,7 +429,7 @@ fn setup(cfg: &TrainConfig, gcfg: &GptConfig, device: &Device) -> anyhow::Result
     // On CUDA, memory a step frees stays reserved for the next step instead of going back to
     // the driver at each synchronise (the loss read-back, the gradient norm); used memory, which
     // the memory report shows, is unchanged.
-    mtrain_model::kernels::retain_pool_memory(device)?;
+    mtrain_kernels::retain_pool_memory(device)?;
     let dataset =
         Dataset::open(&cfg.data).with_context(|| format!("opening data `{}`", cfg.data))?;
     if dataset.vocab_size > gcfg.vocab_size {
