@@ -109,8 +109,89 @@ except Exception as e:
 PY
 }
 
+# The product: the `mtrain` binary (.gpu/mtrain.xz from scripts/build-gpu.sh) on GPT-2 124M bf16
+# with the preset's recipe (AdamW, clipping at 1.0), next to PyTorch eager and torch.compile with
+# the same batch, accumulation and clipping, in one run. Each setting runs twice: plain (the
+# tokens/s figure: median over the steps after the first few) and with --profile-phases (where a
+# step's time goes, and the memory report's peak). A second binary .gpu/mtrain-before.xz, when present, runs the same settings
+# for an A/B in the same call.
+train() {
+  OUT=${1:-.gpu/out}
+  BIN=/tmp/mtrain-bench
+  mkdir -p "$OUT" "$BIN"
+  # shellcheck disable=SC1091
+  source scripts/gpu-env.sh
+  bins=mtrain
+  [ -f .gpu/mtrain-before.xz ] && bins="mtrain-before mtrain"
+  for b in $bins; do mtrain_unpack ".gpu/$b.xz" "$BIN/$b"; done
+  { date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } \
+    | tee "$OUT/machine.txt"
+  steps=${BENCH_STEPS:-30}
+  R="$OUT/train.jsonl"
+  : > "$R"
+  for setting in "16 1" "8 8"; do
+    set -- $setting
+    b=$1 ga=$2
+    for bin in $bins; do
+      for prof in "" --profile-phases; do
+        [ -n "$prof" ] && [ "$bin" != mtrain ] && continue
+        dir=/tmp/mtrain-run-$bin-$b-$ga${prof:+-prof}
+        rm -rf "$dir"
+        echo "== $bin b$b ga$ga $prof"
+        "$BIN/$bin" --config configs/gpt2-124m.toml --device cuda --dtype bf16 \
+          --set batch_size=$b --set grad_accum=$ga --steps "$steps" --eval-every 0 --log-every 1 \
+          --run-dir "$dir" ${prof:+$prof --mem-report} > "$OUT/$bin-b$b-ga$ga${prof:+-prof}.log" 2>&1
+        echo "exit $?"
+        python3 - "$dir/metrics.jsonl" "$dir/memory.jsonl" "$bin" "$b" "$ga" "$prof" <<'PY' | tee -a "$R"
+import json, statistics, sys
+m = [json.loads(l) for l in open(sys.argv[1])]
+skip = min(5, len(m) - 1)
+tok = statistics.median(r["tokens_per_s"] for r in m[skip:])
+row = {"impl": sys.argv[3], "batch": int(sys.argv[4]), "grad_accum": int(sys.argv[5]),
+       "profile_phases": bool(sys.argv[6]), "tokens_per_s": round(tok), "steps": len(m),
+       "loss_first": m[0]["loss"], "loss_last": m[-1]["loss"]}
+try:
+    mem = [json.loads(l) for l in open(sys.argv[2])]
+    row["peak_alloc_gib"] = round(max(r["peak"] for r in mem) / 2**30, 3)
+except Exception as e:
+    row["peak_alloc_gib"] = None
+phases = [r["phase_ms"] for r in m[skip:] if r.get("phase_ms")]
+if phases:
+    keys = phases[0].keys()
+    row["phase_ms"] = {k: round(statistics.median(p[k] for p in phases), 2) for k in keys}
+    step = sum(row["phase_ms"].values())
+    outside = sum(v for k, v in row["phase_ms"].items() if k not in ("forward", "backward"))
+    row["outside_fwd_bwd_frac"] = round(outside / step, 4)
+print(json.dumps(row))
+PY
+      done
+    done
+    T=scripts/bench/torch_gpt_ref.py
+    python3 $T --batch "$b" --grad-accum "$ga" --grad-clip 1.0 --steps 20 --warmup 5 2>&1 | grep '^{' | tee -a "$R"
+    if [ "${BENCH_TORCH_COMPILE:-1}" = 1 ]; then
+      python3 $T --batch "$b" --grad-accum "$ga" --grad-clip 1.0 --steps 20 --warmup 5 --compile 2>&1 \
+        | grep '^{' | tee -a "$R"
+    fi
+  done
+  python3 - "$R" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+for b, ga in [(16, 1), (8, 8)]:
+    at = [r for r in rows if r["batch"] == b and r.get("grad_accum", 1) == ga]
+    ours = next((r for r in at if r["impl"] == "mtrain" and not r["profile_phases"]), None)
+    print(f"-- {b} x 1024, grad_accum {ga}")
+    for r in at:
+        name = r["impl"] + (" compile" if r.get("compile") else "") + (" --profile-phases" if r.get("profile_phases") else "")
+        ratio = ours["tokens_per_s"] / r["tokens_per_s"] if ours else float("nan")
+        print(f"{name:32s} {r['tokens_per_s']:>9d} tok/s  peak {r.get('peak_alloc_gib')} GiB  mtrain/this {ratio:.3f}")
+        if r.get("phase_ms"):
+            print(f"{'':32s} phases {r['phase_ms']}  outside fwd/bwd {100 * r['outside_fwd_bwd_frac']:.1f}%")
+PY
+}
+
 case "${1:-}" in
   build) build ;;
   run) shift; run "$@" ;;
-  *) echo "usage: $0 build | run [OUT_DIR]" >&2; exit 2 ;;
+  train) shift; train "$@" ;;
+  *) echo "usage: $0 build | run [OUT_DIR] | train [OUT_DIR]" >&2; exit 2 ;;
 esac

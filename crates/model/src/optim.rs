@@ -242,11 +242,7 @@ pub fn clip_coef(total_norm: f64, max_norm: f64) -> f64 {
 pub fn sq_norm<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<f64> {
     let mut total = 0.0;
     for t in tensors {
-        total += t
-            .to_dtype(DType::F64)?
-            .sqr()?
-            .sum_all()?
-            .to_scalar::<f64>()?;
+        total += crate::reduce::sq_sum_f64(t)?;
     }
     Ok(total)
 }

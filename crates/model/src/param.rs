@@ -156,7 +156,7 @@ impl Grads {
         let sums = self
             .map
             .values()
-            .map(|g| g.to_dtype(candle_core::DType::F64)?.sqr()?.sum_all())
+            .map(crate::reduce::sq_sum_f64_tensor)
             .collect::<Result<Vec<_>>>()?;
         if sums.is_empty() {
             return Ok(0.0);

@@ -39,12 +39,15 @@
 //! Every step reports backward time, communication time (how long the group was busy) and
 //! exposed communication (time spent blocked in `wait()`), so the overlap is measured.
 //!
-//! The [`DataParallel`] trait (`ddp/common.rs`) is the API the trainer drives; [`crate::fsdp`]
-//! implements it too.
+//! The [`DataParallel`] trait (`ddp/strategy.rs`) is the API the trainer drives; [`crate::fsdp`]
+//! and [`crate::expert_parallel::ExpertDataParallel`] implement it too. `ddp/average.rs` is the
+//! composed plan's dp average (dense over dp, experts over edp), run after the flush or started
+//! inside the last backward by `ddp/overlap.rs`.
 
+pub mod average;
 mod buckets;
-mod common;
 mod overlap;
+mod strategy;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -58,15 +61,14 @@ use mtrain_model::{Engine, Grads, NoHooks, Param, Segment};
 use buckets::BucketLauncher;
 pub use buckets::{assign_buckets, Bucket};
 pub use overlap::OverlappedDpReduce;
-pub use common::{
-    decays, final_after, unique_params, verify_same_init, CommStats, DataParallel, DpError,
-    ModelStateBytes, Result,
+pub use strategy::{verify_same_init, DataParallel, DpError, Result};
+// What a strategy reports, under the API's name as well as the toolbox's.
+use crate::mixed_precision::{MasterWeights, MixedPrecision};
+use crate::toolbox::{
+    final_after, load_replicated, named_grads, named_weights, replicated_items,
+    replicated_state_bytes, scale_all, sum_f64, timed_wait, unique_params, OpTimer,
 };
-pub(crate) use common::{
-    hook_err, load_replicated, named_grads, named_weights, replicated_items,
-    replicated_state_bytes, scale_all, set_weight, sq_sum_f64, sum_f64, timed_wait, OpTimer,
-};
-pub use crate::mixed_precision::{grads_for_reduction, MasterWeights, MixedPrecision};
+pub use crate::toolbox::{CommStats, ModelStateBytes};
 
 /// How DDP communicates gradients.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

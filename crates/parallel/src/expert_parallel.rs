@@ -26,7 +26,7 @@
 //! ([`all_to_all::all_to_all`]), so the router, the gate and everything below the layer get the
 //! gradient of this rank's own loss, exactly as on one device. An expert's weights, though, see
 //! tokens from every rank of its ep group: their local gradient is already `Σ_{r ∈ ep} ∂loss_r/∂W`.
-//! [`sync_grads`] therefore averages
+//! [`sync_grads`] (the data-parallel average, `ddp/average.rs`) therefore averages
 //! - non-expert gradients over **dp** (as DDP does): `(1/dp) Σ_{dp} g`,
 //! - expert gradients over the expert's own replicas, the **edp** group, with the same 1/dp
 //!   weight: `(1/dp) Σ_{edp} g` (Megatron's `expert_gradient_scaling_factor`). The ep group is
@@ -56,11 +56,10 @@ use mtrain_model::{
     Segment,
 };
 
+pub use crate::ddp::average::sync_grads;
+pub use crate::placement::is_expert_param;
 pub use all_to_all::all_to_all;
-pub use data_parallel::{
-    finish_averages, grad_norm_sq, start_average, sync_grads, total_load, Averaging,
-    ExpertDataParallel,
-};
+pub use data_parallel::{grad_norm_sq, total_load, ExpertDataParallel};
 
 /// Errors of expert parallelism.
 #[derive(Debug, thiserror::Error)]
@@ -90,11 +89,6 @@ pub fn local_experts(cfg: &MoeConfig, ep: usize) -> Result<usize> {
         });
     }
     Ok(cfg.n_experts / ep)
-}
-
-/// Whether a parameter belongs to an expert (`h.{i}.moe.experts.{e}.…`).
-pub fn is_expert_param(name: &str) -> bool {
-    name.contains(".moe.experts.")
 }
 
 /// An MoE layer whose experts live across the ep group; this rank holds experts

@@ -46,6 +46,7 @@
 //! With checkpointing only the segment input is kept, so the weights really are freed after each
 //! use and gathered again for the recompute: that is where ZeRO-3's memory drop comes from.
 
+pub mod residency;
 mod scheduler;
 mod unit;
 
@@ -58,9 +59,11 @@ use mtrain_comm::{Comm, ReduceOp};
 use mtrain_model::optim::{AdamW, AdamWState, OptimItem};
 use mtrain_model::{Engine, Grads, Hooks, Param, Segment};
 
-use crate::ddp::{
-    final_after, sq_sum_f64, sum_f64, timed_wait, unique_params, verify_same_init, CommStats,
-    DataParallel, DpError, MasterWeights, MixedPrecision, ModelStateBytes, OpTimer, Result,
+use crate::ddp::{verify_same_init, DataParallel, DpError, Result};
+use crate::mixed_precision::{MasterWeights, MixedPrecision};
+use crate::toolbox::{
+    final_after, sq_sum_f64, sum_f64, timed_wait, unique_params, CommStats, ModelStateBytes,
+    OpTimer,
 };
 use scheduler::{Residency, Scheduler};
 use unit::FlatUnit;
@@ -175,19 +178,11 @@ impl Fsdp {
                 .collect();
             units.push(FlatUnit::new(&seg.name(), mine, rank, dp, comm.device())?);
         }
-        let needs = segments
+        let uses: Vec<Vec<String>> = segments
             .iter()
-            .map(|s| {
-                let mut u: Vec<usize> = s
-                    .params()
-                    .iter()
-                    .filter_map(|p| owner.get(p.name()).copied())
-                    .collect();
-                u.sort_unstable();
-                u.dedup();
-                u
-            })
+            .map(|s| s.params().iter().map(|p| p.name().to_string()).collect())
             .collect();
+        let needs = residency::needs(&uses, &owner);
         let residency = units.iter().map(|_| Residency::Gathered).collect();
         let mut fsdp = Fsdp {
             comm,
@@ -397,9 +392,7 @@ impl Fsdp {
                 Tensor::full(weight(e.param.name()) as f32, e.numel, self.comm.device()).ok()
             })?)?; // (shard,)
             let g = u.grad_shard()?.to_dtype(DType::F64)?; // (shard,)
-            total += (g.sqr()? * w.to_dtype(DType::F64)?)?
-                .sum_all()?
-                .to_scalar::<f64>()?;
+            total += mtrain_model::reduce::sum_f64(&(g.sqr()? * w.to_dtype(DType::F64)?)?)?;
         }
         Ok(total)
     }

@@ -30,7 +30,16 @@ use candle_core::{DType, Tensor};
 use mtrain_model::optim::{AdamW, OptimItem};
 use mtrain_model::Param;
 
-use crate::ddp::{DpError, Result};
+/// A precision setting that cannot work, or a master weight that does not match.
+#[derive(Debug, thiserror::Error)]
+pub enum PrecisionError {
+    #[error("invalid precision setting: {0}")]
+    Config(String),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+pub type Result<T> = std::result::Result<T, PrecisionError>;
 
 /// The dtypes of a mixed-precision run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,7 +90,7 @@ impl MixedPrecision {
             ("gradient reduce dtype", self.reduce_dtype),
         ] {
             if !matches!(d, DType::F32 | DType::BF16) {
-                return Err(DpError::Config(format!(
+                return Err(PrecisionError::Config(format!(
                     "{what} must be f32 or bf16, got {d:?}"
                 )));
             }
@@ -137,10 +146,10 @@ impl MasterWeights {
     pub fn load(&self, tensors: &BTreeMap<String, Tensor>) -> Result<()> {
         for (name, m) in &self.masters {
             let t = tensors.get(name).ok_or_else(|| {
-                DpError::Config(format!("no master weight named `{name}` to load"))
+                PrecisionError::Config(format!("no master weight named `{name}` to load"))
             })?;
             if t.dims() != m.shape().dims() {
-                return Err(DpError::Config(format!(
+                return Err(PrecisionError::Config(format!(
                     "master weight `{name}` has shape {:?} but this rank holds {:?}",
                     t.dims(),
                     m.shape().dims()
@@ -178,7 +187,9 @@ impl MasterWeights {
                 .iter()
                 .find_map(|h| h.masters.get(name))
                 .ok_or_else(|| {
-                    DpError::Config(format!("no fp32 master weight for optimizer item `{name}`"))
+                    PrecisionError::Config(format!(
+                        "no fp32 master weight for optimizer item `{name}`"
+                    ))
                 })
         };
         let mut master_items = Vec::with_capacity(items.len());

@@ -44,6 +44,7 @@ use crate::ops::{
     copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
     reduce_scatter_to_sequence_parallel_region,
 };
+use crate::placement::{tp_placement, tp_split_sizes};
 
 pub mod sequence;
 pub mod shard;
@@ -180,12 +181,7 @@ pub fn validate(cfg: &GptConfig, tp: usize) -> Result<()> {
                 .into(),
         ));
     }
-    let checks = [
-        ("n_head", cfg.n_head),
-        ("4 * n_embd", 4 * cfg.n_embd),
-        ("vocab_size", cfg.vocab_size),
-    ];
-    for (what, value) in checks {
+    for (what, value) in tp_split_sizes(cfg) {
         if value % tp != 0 {
             return Err(TpError::NotDivisible { what, value, tp });
         }
@@ -234,8 +230,8 @@ pub fn build(
         device,
         sp: sequence_parallel,
     };
-    let wte = b.param("wte.weight", Placement::Sharded { dim: 0, blocks: 1 })?;
-    let wpe = b.param("wpe.weight", b.replicated())?;
+    let wte = b.param("wte.weight")?;
+    let wpe = b.param("wpe.weight")?;
     let mut segments: Vec<Arc<dyn Segment>> = vec![Arc::new(VocabParallelEmbedding::new(
         wte.clone(),
         wpe,
@@ -252,11 +248,11 @@ pub fn build(
                 RowOutput::ReduceScatterSequence,
             ),
         };
-        let c_attn = b.column(&format!("{h}.attn.c_attn"), 3, input, tp)?;
+        let c_attn = b.column(&format!("{h}.attn.c_attn"), input, tp)?;
         let c_proj = b.row(&format!("{h}.attn.c_proj"), output, tp)?;
         let attn = CausalSelfAttention::new(c_attn, c_proj, heads, cfg.head_dim());
         let mlp = Mlp::new(
-            b.column(&format!("{h}.mlp.c_fc"), 1, input, tp)?,
+            b.column(&format!("{h}.mlp.c_fc"), input, tp)?,
             b.row(&format!("{h}.mlp.c_proj"), output, tp)?,
         );
         let (ln_1, ln_2) = (
@@ -300,7 +296,8 @@ pub fn build_segments(
     Ok(build(cfg, weights, tp, sequence_parallel, device)?.segments)
 }
 
-/// Slices full weights into this rank's Params and records their placement.
+/// Slices full weights into this rank's Params by the split rule
+/// ([`crate::placement::tp_placement`]) and records their placement.
 struct Builder<'a> {
     weights: &'a BTreeMap<String, Tensor>,
     layout: ShardLayout,
@@ -309,33 +306,24 @@ struct Builder<'a> {
 }
 
 impl Builder<'_> {
-    /// Replicated weights used on a sequence shard only see 1/tp of the tokens under SP.
-    fn replicated(&self) -> Placement {
-        Placement::Replicated {
-            partial_grad: self.sp,
-        }
-    }
-
-    fn param(&mut self, name: &str, placement: Placement) -> Result<Param> {
+    fn param(&mut self, name: &str) -> Result<Param> {
         let full = self
             .weights
             .get(name)
             .ok_or_else(|| TpError::MissingWeight(name.to_string()))?;
-        let local = self.layout.take(name, full, placement)?;
+        let local = self.layout.take(name, full, tp_placement(name, self.sp))?;
         Ok(Param::new(name, local.to_device(self.device)?)?)
     }
 
     fn column(
         &mut self,
         prefix: &str,
-        blocks: usize,
         input: ColumnInput,
         group: &Comm,
     ) -> Result<Box<dyn Linear>> {
-        let split = Placement::Sharded { dim: 0, blocks };
         Ok(Box::new(ColumnParallelLinear {
-            weight: self.param(&format!("{prefix}.weight"), split)?, // (out/tp, in)
-            bias: Some(self.param(&format!("{prefix}.bias"), split)?), // (out/tp,)
+            weight: self.param(&format!("{prefix}.weight"))?, // (out/tp, in)
+            bias: Some(self.param(&format!("{prefix}.bias"))?), // (out/tp,)
             input,
             gather_output: false,
             group: group.clone(),
@@ -343,23 +331,18 @@ impl Builder<'_> {
     }
 
     fn row(&mut self, prefix: &str, output: RowOutput, group: &Comm) -> Result<Box<dyn Linear>> {
-        let bias = self.replicated();
         Ok(Box::new(RowParallelLinear {
-            weight: self.param(
-                &format!("{prefix}.weight"),
-                Placement::Sharded { dim: 1, blocks: 1 },
-            )?, // (out, in/tp)
-            bias: Some(self.param(&format!("{prefix}.bias"), bias)?), // (out,)
+            weight: self.param(&format!("{prefix}.weight"))?, // (out, in/tp)
+            bias: Some(self.param(&format!("{prefix}.bias"))?), // (out,)
             output,
             group: group.clone(),
         }))
     }
 
     fn layer_norm(&mut self, prefix: &str) -> Result<LayerNorm> {
-        let p = self.replicated();
         Ok(LayerNorm::new(
-            self.param(&format!("{prefix}.weight"), p)?,
-            self.param(&format!("{prefix}.bias"), p)?,
+            self.param(&format!("{prefix}.weight"))?,
+            self.param(&format!("{prefix}.bias"))?,
         ))
     }
 }

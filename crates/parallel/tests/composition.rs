@@ -419,7 +419,7 @@ fn validate_shows_the_arithmetic() {
 }
 
 #[test]
-fn describe_lists_stages_and_memory() {
+fn describe_lists_stages() {
     let d = describe(&cfg(), &plan(2, 2, 2, 1));
     assert!(
         d.contains("stage 0 (pp rank 0): embedding, h.0..h.1"),
@@ -435,37 +435,8 @@ fn describe_lists_stages_and_memory() {
         },
     );
     assert!(z.contains("ZeRO-3") && d.contains("DDP"), "{z}");
-
-    // Mixed precision: bf16 weights and gradients are half the fp32 figures, fp32 masters and
-    // Adam 12 bytes per parameter; the total stays 16 bytes per parameter.
-    let figures = |text: &str| -> Vec<f64> {
-        let line = text.lines().find(|l| l.starts_with("pp rank 0:")).unwrap();
-        line.split(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .filter(|w| w.contains('.'))
-            .map(|w| w.parse().unwrap())
-            .collect() // [total, weights, grads, optimizer]
-    };
-    let mixed = describe(
-        &cfg(),
-        &ParallelPlan {
-            precision: mtrain_parallel::mixed_precision::MixedPrecision::bf16(
-                candle_core::DType::F32,
-            ),
-            ..plan(2, 2, 2, 1)
-        },
-    );
-    assert!(
-        mixed.contains("bf16 weights") && mixed.contains("fp32 masters + Adam"),
-        "{mixed}"
-    );
-    let (f, m) = (figures(&d), figures(&mixed));
-    let close = |a: f64, b: f64| (a - b).abs() <= 0.011;
-    assert!(close(m[0], f[0]), "{d}\n{mixed}");
-    assert!(
-        close(m[1], f[1] / 2.0) && close(m[2], f[2] / 2.0),
-        "{d}\n{mixed}"
-    );
-    assert!(close(m[3], 1.5 * f[3]), "{d}\n{mixed}");
+    // The bytes per rank are the trainer's memory model (`mtrain plan` prints them; its
+    // tests hold them to the memory report and to the mixed-precision table).
 }
 
 /// ZeRO-3 under a pipeline really shards: after a step each rank holds about half of its stage's

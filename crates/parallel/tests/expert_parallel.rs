@@ -31,7 +31,8 @@ use mtrain_model::{
     init_weights, DenseLinear, Engine, FeedForward, Gpt, GptConfig, Grads, Mlp, MoeConfig,
     MoeStats, NoHooks, Param, Segment,
 };
-use mtrain_parallel::ddp::{unique_params, DataParallel};
+use mtrain_parallel::ddp::DataParallel;
+use mtrain_parallel::toolbox::unique_params;
 use mtrain_parallel::expert_parallel::{
     self, all_to_all, build_segments, sync_grads, ExpertDataParallel, ExpertParallelMoe,
 };

@@ -26,15 +26,17 @@
 //! ranks. A healthy backend prints 0 in every row.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use clap::{Args, ValueEnum};
-use mtrain_comm::{Backend, Comm, CommError, ReduceOp};
+use mtrain_comm::{Backend, Comm, CommError, OpKind, ReduceOp};
 use serde::Serialize;
 
 use crate::config::DeviceKind;
+use crate::cost::{fit_alpha_beta, AlphaBetaTable, CostError, Fit};
+use crate::fsio::IoContext;
 
 /// Options of `mtrain bench-comm` (nccl-tests' short flags).
 #[derive(Debug, Clone, Args)]
@@ -170,6 +172,8 @@ pub enum BenchError {
     Candle(#[from] candle_core::Error),
     #[error("writing results: {0}")]
     Io(#[from] std::io::Error),
+    #[error(transparent)]
+    File(#[from] crate::fsio::IoError),
     #[error("writing JSON: {0}")]
     Json(#[from] serde_json::Error),
     #[error("--fit: {0}")]
@@ -359,6 +363,19 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
     let dtype = args.dtype.dtype();
     let elem = dtype.size_in_bytes();
     let device = comm.device().clone();
+    // Per rank: the input, the result (n times the input for all-gather) and the expected values
+    // (f32, up to twice the input's bytes in bf16), all of the largest size at once.
+    let per_rank = args.max_bytes as u128 * (n as u128 + 3);
+    let memory = device
+        .is_cpu()
+        .then(crate::validate::host_memory_bytes)
+        .flatten();
+    crate::validate::fits_in_memory(
+        &format!("-e/--maxbytes {} over {n} ranks", args.max_bytes),
+        per_rank,
+        memory,
+    )
+    .map_err(BenchError::Invalid)?;
 
     if r == 0 {
         println!(
@@ -463,7 +480,7 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
             if path.as_os_str() == "-" {
                 println!("{text}");
             } else {
-                std::fs::write(path, text + "\n")?;
+                std::fs::write(path, text + "\n").at("writing", path)?;
             }
         }
         if let Some(path) = &args.fit {
@@ -481,7 +498,7 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
                 n,
                 crate::cost::today()
             );
-            let fit = crate::cost::write_fit(path, &report, backend, &command)
+            let fit = write_fit(path, &report, backend, &command)
                 .map_err(|e| BenchError::Fit(e.to_string()))?;
             println!(
                 "# fit {} over {} ranks: alpha {:.2} us per step, beta {:.3} GB/s (R^2 {:.4}) -> {}",
@@ -495,6 +512,48 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
         }
     }
     Ok(report)
+}
+
+/// The trace name of a bench-comm op.
+pub fn op_kind(op: BenchOp) -> OpKind {
+    match op {
+        BenchOp::AllReduce => OpKind::AllReduce,
+        BenchOp::AllGather => OpKind::AllGather,
+        BenchOp::ReduceScatter => OpKind::ReduceScatter,
+        BenchOp::AllToAll => OpKind::AllToAll,
+        BenchOp::Broadcast => OpKind::Broadcast,
+        BenchOp::SendRecv => OpKind::Send,
+    }
+}
+
+/// `bench-comm --fit FILE`: fit the report's sweep and merge it into the table at `path`
+/// (created with the backend's defaults if missing); `command` records the sweep. Returns the fit.
+pub fn write_fit(
+    path: &Path,
+    report: &BenchReport,
+    backend: &str,
+    command: &str,
+) -> Result<Fit, CostError> {
+    let op = op_kind(report.op);
+    let points: Vec<(f64, f64)> = report
+        .rows
+        .iter()
+        .map(|r| (r.bytes as f64, r.time_us * 1e-6))
+        .collect();
+    let mut fit = fit_alpha_beta(op, report.world_size, &points)?;
+    fit.command = command.to_string();
+    let mut table = match path.exists() {
+        true => AlphaBetaTable::load(path)?,
+        false => match backend {
+            "nccl" => AlphaBetaTable::nvlink_default(),
+            _ => AlphaBetaTable::cpu_default(),
+        },
+    };
+    table.backend = backend.to_string();
+    table.source = "fitted by `mtrain bench-comm --fit` (each fit names its sweep)".into();
+    table.upsert(fit.clone());
+    table.save(path)?;
+    Ok(fit)
 }
 
 fn scalar_all_reduce(comm: &Comm, v: f32, op: ReduceOp) -> Result<f32, BenchError> {

@@ -7,54 +7,56 @@
 //!     model.safetensors   full parameter tensors by name ("h.0.attn.c_attn.weight", ...)
 //!     optim.safetensors   AdamW moments: "m.<name>", "v.<name>"
 //!     meta.json           step, config, seed + data position (the run's whole random state),
-//!                         optimizer step, and a checksum and size per file
+//!                         optimizer step, and a checksum and size per tensor file
+//!     meta.digest         size and checksum of meta.json
 //!   step-00000200/ ...
 //!   latest                "step-00000200"
 //! ```
 //!
 //! Writing: every file goes into `RUN_DIR/.tmp-step-N/`, is fsynced, `meta.json` (with the
-//! checksums) is written last, the directory is fsynced and renamed to `step-N` in one atomic
-//! `rename`, and only then is `latest` replaced (again temp file + rename). A crash at any point
-//! leaves either the old checkpoint set or the new one.
+//! checksums) and then `meta.digest` are written last, the directory is fsynced and renamed to
+//! `step-N` in one atomic `rename`, and only then is `latest` replaced (again temp file +
+//! rename). A crash at any point leaves either the old checkpoint set or the new one.
 //!
-//! Loading verifies size and checksum of every file before parsing it and the tensors' shapes
-//! against the model, so a truncated or corrupted checkpoint is refused with a message naming the
-//! file; the previous `step-*` directories are untouched and still load. Nothing else in training
-//! is random: the data order is a pure function of (seed, position), so `seed` and the loader
-//! position are the random state.
-//!
-//! The checksum is 64-bit FNV-1a over the file's bytes: not cryptographic, but any flipped or
-//! missing byte changes it.
+//! Loading verifies size and checksum of every file, meta.json included, before parsing it
+//! ([`digest`]), so a truncated, corrupted or edited checkpoint is refused with a message naming
+//! the file; the previous `step-*` directories are untouched and still load. A resume then checks
+//! the recorded `[model]` settings against the run's ([`Checkpoint::check_model`], a different
+//! architecture is refused naming the keys) and the tensors' shapes against the model. Nothing
+//! else in training is random: the data order is a pure function of (seed, position), so `seed`
+//! and the loader position are the random state.
 
-use std::collections::{BTreeMap, HashMap};
+mod architecture;
+mod digest;
+
+use std::collections::BTreeMap;
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 use mtrain_model::optim::AdamWState;
+use mtrain_model::GptConfig;
 use serde::{Deserialize, Serialize};
 
-use crate::config::TrainConfig;
+pub use digest::FileDigest;
 
-/// Format tag in meta.json.
-pub const FORMAT: &str = "mtrain-checkpoint-v1";
+use crate::config::TrainConfig;
+use crate::fsio::{self, IoContext, IoError};
+
+/// Format tag in meta.json (v2: meta.json is covered by meta.digest).
+pub const FORMAT: &str = "mtrain-checkpoint-v2";
 const MODEL_FILE: &str = "model.safetensors";
 const OPTIM_FILE: &str = "optim.safetensors";
 const META_FILE: &str = "meta.json";
+const META_DIGEST_FILE: &str = "meta.digest";
 const LATEST_FILE: &str = "latest";
 
 /// Why a checkpoint could not be written or read.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
-    /// A file operation failed.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file or directory.
-        path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
-    },
+    /// A file operation failed (the error names the operation and the path).
+    #[error(transparent)]
+    Io(#[from] IoError),
     /// The checkpoint is damaged or inconsistent (truncated, corrupt, wrong shapes, missing parts).
     #[error("checkpoint {dir} is unusable: {reason}")]
     Corrupt {
@@ -63,42 +65,28 @@ pub enum CheckpointError {
         /// What is wrong, naming the file or tensor.
         reason: String,
     },
+    /// The checkpoint was written for a different model than the run's.
+    #[error("checkpoint {dir} was written for a different model: {differences} (checkpoint vs this run); resume with the checkpoint's [model] settings or start a new run_dir")]
+    Architecture {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// `key: checkpoint value vs run value` for each differing key, `; `-separated.
+        differences: String,
+    },
+    /// A tensor file could not be encoded.
+    #[error("cannot encode {file}: {reason}")]
+    Encode {
+        /// The file being written.
+        file: PathBuf,
+        /// The encoder's message.
+        reason: String,
+    },
     /// There is no checkpoint where one was asked for.
     #[error("no checkpoint found in {0} (expected step-N directories or a `latest` file)")]
     NotFound(PathBuf),
     /// A tensor operation failed.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
-}
-
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
-    move |source| CheckpointError::Io {
-        path: path.to_path_buf(),
-        source,
-    }
-}
-
-/// Size and checksum of one file.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FileDigest {
-    /// Length in bytes.
-    pub bytes: u64,
-    /// 64-bit FNV-1a of the contents, as 16 hex digits.
-    pub fnv1a64: String,
-}
-
-impl FileDigest {
-    fn of(data: &[u8]) -> Self {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for &b in data {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-        Self {
-            bytes: data.len() as u64,
-            fnv1a64: format!("{h:016x}"),
-        }
-    }
 }
 
 /// The contents of meta.json.
@@ -117,7 +105,7 @@ pub struct CheckpointMeta {
     pub data_position: u64,
     /// AdamW's step counter (for bias correction).
     pub optimizer_step: u64,
-    /// Size and checksum of each data file.
+    /// Size and checksum of each tensor file.
     pub files: BTreeMap<String, FileDigest>,
 }
 
@@ -152,61 +140,46 @@ pub fn step_dir_name(step: u64) -> String {
     format!("step-{step:08}")
 }
 
-fn fsync_dir(dir: &Path) -> Result<(), CheckpointError> {
-    fs::File::open(dir)
-        .and_then(|f| f.sync_all())
-        .map_err(io(dir))
-}
-
-/// Write `bytes` to `path` and fsync it.
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
-    let mut f = fs::File::create(path).map_err(io(path))?;
-    f.write_all(bytes).map_err(io(path))?;
-    f.sync_all().map_err(io(path))
-}
-
+/// Encode `tensors` as safetensors in memory, write them to `path` (fsynced) and return the
+/// file's digest.
 fn tensors_to_file(
-    tensors: &HashMap<String, Tensor>,
+    tensors: BTreeMap<String, &Tensor>,
     path: &Path,
 ) -> Result<FileDigest, CheckpointError> {
-    candle_core::safetensors::save(tensors, path)?;
-    let data = fs::read(path).map_err(io(path))?;
-    fs::File::open(path)
-        .and_then(|f| f.sync_all())
-        .map_err(io(path))?;
-    Ok(FileDigest::of(&data))
+    let bytes = safetensors::serialize(tensors, None).map_err(|e| CheckpointError::Encode {
+        file: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    fsio::write_synced(path, &bytes)?;
+    Ok(FileDigest::of(&bytes))
 }
 
 /// Write a checkpoint for `data.step` into `run_dir`, atomically; returns its directory.
 pub fn save(run_dir: &Path, data: &CheckpointData) -> Result<PathBuf, CheckpointError> {
-    fs::create_dir_all(run_dir).map_err(io(run_dir))?;
+    fs::create_dir_all(run_dir).at("creating directory", run_dir)?;
     let name = step_dir_name(data.step);
     let tmp = run_dir.join(format!(".tmp-{name}"));
     if tmp.exists() {
-        fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
+        fs::remove_dir_all(&tmp).at("removing the stale", &tmp)?;
     }
-    fs::create_dir(&tmp).map_err(io(&tmp))?;
+    fs::create_dir(&tmp).at("creating directory", &tmp)?;
 
-    let model: HashMap<String, Tensor> = data
-        .model
-        .iter()
-        .map(|(k, t)| (k.clone(), t.clone()))
-        .collect();
-    let mut optim = HashMap::new();
+    let model: BTreeMap<String, &Tensor> = data.model.iter().map(|(k, t)| (k.clone(), t)).collect();
+    let mut optim = BTreeMap::new();
     for (k, t) in &data.optim.m {
-        optim.insert(format!("m.{k}"), t.clone());
+        optim.insert(format!("m.{k}"), t);
     }
     for (k, t) in &data.optim.v {
-        optim.insert(format!("v.{k}"), t.clone());
+        optim.insert(format!("v.{k}"), t);
     }
     let mut files = BTreeMap::new();
     files.insert(
         MODEL_FILE.to_string(),
-        tensors_to_file(&model, &tmp.join(MODEL_FILE))?,
+        tensors_to_file(model, &tmp.join(MODEL_FILE))?,
     );
     files.insert(
         OPTIM_FILE.to_string(),
-        tensors_to_file(&optim, &tmp.join(OPTIM_FILE))?,
+        tensors_to_file(optim, &tmp.join(OPTIM_FILE))?,
     );
 
     let meta = CheckpointMeta {
@@ -218,61 +191,82 @@ pub fn save(run_dir: &Path, data: &CheckpointData) -> Result<PathBuf, Checkpoint
         optimizer_step: data.optim.step,
         files,
     };
-    let json = serde_json::to_vec_pretty(&meta).map_err(|e| CheckpointError::Corrupt {
-        dir: tmp.clone(),
-        reason: format!("cannot encode meta.json: {e}"),
-    })?;
-    write_synced(&tmp.join(META_FILE), &json)?;
-    fsync_dir(&tmp)?;
+    let encode = |file: &str, e: serde_json::Error| CheckpointError::Encode {
+        file: tmp.join(file),
+        reason: e.to_string(),
+    };
+    let json = serde_json::to_vec_pretty(&meta).map_err(|e| encode(META_FILE, e))?;
+    fsio::write_synced(&tmp.join(META_FILE), &json)?;
+    let seal =
+        serde_json::to_vec(&FileDigest::of(&json)).map_err(|e| encode(META_DIGEST_FILE, e))?;
+    fsio::write_synced(&tmp.join(META_DIGEST_FILE), &seal)?;
+    fsio::sync_dir(&tmp)?;
 
     let dir = run_dir.join(&name);
     if dir.exists() {
         // Re-saving a step (e.g. after a resume): the old copy goes only after the new one is complete.
         let old = run_dir.join(format!(".old-{name}"));
-        fs::rename(&dir, &old).map_err(io(&dir))?;
-        fs::rename(&tmp, &dir).map_err(io(&tmp))?;
-        fs::remove_dir_all(&old).map_err(io(&old))?;
+        fsio::rename(&dir, &old)?;
+        fsio::rename(&tmp, &dir)?;
+        fs::remove_dir_all(&old).at("removing the replaced", &old)?;
     } else {
-        fs::rename(&tmp, &dir).map_err(io(&tmp))?;
+        fsio::rename(&tmp, &dir)?;
     }
     let latest_tmp = run_dir.join(format!(".{LATEST_FILE}.tmp"));
-    write_synced(&latest_tmp, name.as_bytes())?;
-    fs::rename(&latest_tmp, run_dir.join(LATEST_FILE)).map_err(io(run_dir))?;
-    fsync_dir(run_dir)?;
+    fsio::write_synced(&latest_tmp, name.as_bytes())?;
+    fsio::rename(&latest_tmp, &run_dir.join(LATEST_FILE))?;
+    fsio::sync_dir(run_dir)?;
     Ok(dir)
 }
 
-/// Read one data file of `dir` and check it against its digest.
-fn read_verified(
-    dir: &Path,
-    meta: &CheckpointMeta,
-    file: &str,
-) -> Result<Vec<u8>, CheckpointError> {
+/// Read `file` of the checkpoint `dir` and check it against `want`, before anything parses it.
+fn read_verified(dir: &Path, file: &str, want: &FileDigest) -> Result<Vec<u8>, CheckpointError> {
+    let path = dir.join(file);
+    let data = fsio::read(&path)?;
+    want.check(file, &data)
+        .map_err(|reason| CheckpointError::Corrupt {
+            dir: dir.to_path_buf(),
+            reason,
+        })?;
+    Ok(data)
+}
+
+/// meta.json, verified against meta.digest, parsed.
+fn read_meta(dir: &Path) -> Result<CheckpointMeta, CheckpointError> {
     let corrupt = |reason: String| CheckpointError::Corrupt {
         dir: dir.to_path_buf(),
         reason,
     };
-    let want = meta
-        .files
-        .get(file)
-        .ok_or_else(|| corrupt(format!("meta.json lists no digest for {file}")))?;
-    let path = dir.join(file);
-    let data = fs::read(&path).map_err(|e| corrupt(format!("cannot read {file}: {e}")))?;
-    if data.len() as u64 != want.bytes {
+    let seal_path = dir.join(META_DIGEST_FILE);
+    let seal = match fs::read(&seal_path) {
+        Ok(bytes) => bytes,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(corrupt(format!(
+                "{META_DIGEST_FILE} is missing, so meta.json cannot be verified (incomplete, or \
+                 written in an older format than `{FORMAT}`)"
+            )))
+        }
+        Err(cause) => {
+            return Err(IoError {
+                op: "reading",
+                path: seal_path,
+                cause,
+            }
+            .into())
+        }
+    };
+    let seal: FileDigest = serde_json::from_slice(&seal)
+        .map_err(|e| corrupt(format!("{META_DIGEST_FILE} does not parse: {e}")))?;
+    let bytes = read_verified(dir, META_FILE, &seal)?;
+    let meta: CheckpointMeta = serde_json::from_slice(&bytes)
+        .map_err(|e| corrupt(format!("{META_FILE} does not parse: {e}")))?;
+    if meta.format != FORMAT {
         return Err(corrupt(format!(
-            "{file} has {} bytes but meta.json recorded {} (truncated or overwritten)",
-            data.len(),
-            want.bytes
+            "format `{}` is not `{FORMAT}`",
+            meta.format
         )));
     }
-    let got = FileDigest::of(&data);
-    if got.fnv1a64 != want.fnv1a64 {
-        return Err(corrupt(format!(
-            "{file} checksum {} does not match the recorded {} (corrupted)",
-            got.fnv1a64, want.fnv1a64
-        )));
-    }
-    Ok(data)
+    Ok(meta)
 }
 
 /// Load and verify the checkpoint in `dir` (a `step-N` directory), tensors on `device`.
@@ -281,19 +275,13 @@ pub fn load(dir: &Path, device: &Device) -> Result<Checkpoint, CheckpointError> 
         dir: dir.to_path_buf(),
         reason,
     };
-    let meta_path = dir.join(META_FILE);
-    let text = fs::read_to_string(&meta_path)
-        .map_err(|e| corrupt(format!("cannot read meta.json: {e}")))?;
-    let meta: CheckpointMeta = serde_json::from_str(&text)
-        .map_err(|e| corrupt(format!("meta.json does not parse: {e}")))?;
-    if meta.format != FORMAT {
-        return Err(corrupt(format!(
-            "format `{}` is not `{FORMAT}`",
-            meta.format
-        )));
-    }
-    let parse = |file: &str| -> Result<HashMap<String, Tensor>, CheckpointError> {
-        let bytes = read_verified(dir, &meta, file)?;
+    let meta = read_meta(dir)?;
+    let parse = |file: &str| -> Result<std::collections::HashMap<String, Tensor>, CheckpointError> {
+        let want = meta
+            .files
+            .get(file)
+            .ok_or_else(|| corrupt(format!("meta.json lists no digest for {file}")))?;
+        let bytes = read_verified(dir, file, want)?;
         candle_core::safetensors::load_buffer(&bytes, device).map_err(|e| {
             CheckpointError::Corrupt {
                 dir: dir.to_path_buf(),
@@ -350,6 +338,28 @@ pub fn load(dir: &Path, device: &Device) -> Result<Checkpoint, CheckpointError> 
 }
 
 impl Checkpoint {
+    /// Refuse the checkpoint unless it was written for the model `run` (every `[model]` key
+    /// equal); the error names each key that differs.
+    pub fn check_model(&self, run: &GptConfig) -> Result<(), CheckpointError> {
+        let recorded = self
+            .meta
+            .config
+            .gpt_config()
+            .map_err(|e| CheckpointError::Corrupt {
+                dir: self.dir.clone(),
+                reason: format!("its recorded model is unusable: {e}"),
+            })?;
+        let differences = architecture::differences(&recorded, run);
+        if differences.is_empty() {
+            Ok(())
+        } else {
+            Err(CheckpointError::Architecture {
+                dir: self.dir.clone(),
+                differences: differences.join("; "),
+            })
+        }
+    }
+
     /// Check that the parameters are exactly `expected` (name → shape); the error lists every
     /// missing, extra or mis-shaped tensor.
     pub fn check_shapes(
@@ -387,8 +397,8 @@ pub fn list(run_dir: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
     if !run_dir.is_dir() {
         return Ok(found);
     }
-    for entry in fs::read_dir(run_dir).map_err(io(run_dir))? {
-        let path = entry.map_err(io(run_dir))?.path();
+    for entry in fs::read_dir(run_dir).at("listing", run_dir)? {
+        let path = entry.at("listing", run_dir)?.path();
         let step = path
             .file_name()
             .and_then(|n| n.to_str())

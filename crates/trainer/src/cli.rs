@@ -1,4 +1,6 @@
-//! The `mtrain` command line: the job layout, the strategy flags and the subcommands.
+//! The `mtrain` command line: the layout, strategy and training flags and every subcommand's
+//! options. The commands themselves live in their modules (`train`, `plan`, `parity`,
+//! `bench_comm`, ...), which read these definitions; nothing here calls into them.
 //!
 //! ```text
 //! mtrain [LAYOUT] [STRATEGY] [TRAIN OPTIONS]        train (the default command)
@@ -9,9 +11,11 @@
 //! mtrain prepare ... | mtrain sample ...            single-process tools
 //! ```
 //!
-//! Layout flags are global (they may also follow a subcommand). The world is
-//! `nproc_per_node · nnodes` processes and must equal `dp · pp · tp`; `ep` is carved out of `dp`.
-//! Whatever is left out is inferred from the rest:
+//! Layout and strategy flags are global (they may also follow a subcommand). Each one is a key
+//! of the config's `[parallel]` table under the same name (`--zero-stage 1` is
+//! `zero_stage = 1`) and, when given, replaces the file's value ([`parallel_overrides`]). The
+//! world is `nproc_per_node · nnodes` processes and must equal `dp · pp · tp`; `ep` is carved
+//! out of `dp`. Whatever is left out is inferred from the rest ([`LayoutArgs::resolve`]):
 //!
 //! | given                      | inferred                                                   |
 //! |----------------------------|------------------------------------------------------------|
@@ -19,22 +23,20 @@
 //! | no `--nproc-per-node`      | `nproc = dp·tp·pp / nnodes`, with `dp = 1` when omitted    |
 //! | launched by torchrun/Slurm | the world is `WORLD_SIZE`; `dp = WORLD_SIZE / (tp·pp)`     |
 //!
-//! Numbers that do not fit are refused with the arithmetic shown, e.g.
-//! `dp(2) * pp(1) * tp(2) = 4 != world size 3 (nproc-per-node 3 * nnodes 1)`.
+//! Numbers that do not fit are refused by the plan's one check ([`crate::layout::plan`]) with
+//! the arithmetic shown, e.g. `dp(2) * pp(1) * tp(2) = 4 != world size 3 (nproc-per-node 3 *
+//! nnodes 1)`.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand};
 use mtrain_comm::mesh::MeshDims;
-use mtrain_parallel::ddp::DdpConfig;
-use mtrain_parallel::fsdp::{FsdpConfig, ZeroStage};
-use mtrain_parallel::parallelize::{DataParallelKind, ParallelPlan};
-use mtrain_parallel::pipeline::ScheduleKind;
 
 use crate::bench_comm::BenchCommArgs;
-use crate::config::TrainArgs;
+use crate::config::{DdpMode, ParallelConfig, Schedule, TrainArgs, TrainConfig};
 use crate::launch::LaunchSpec;
-use crate::parity::ParityArgs;
+use crate::layout::{Layout, LayoutError, MAX_COMM_TIMEOUT_S, MAX_WORLD};
 use crate::plan::PlanArgs;
 use crate::plot::PlotArgs;
 use crate::prepare::PrepareArgs;
@@ -58,6 +60,19 @@ pub struct Cli {
 
     #[command(subcommand)]
     pub command: Option<Command>,
+}
+
+impl Cli {
+    /// The training configuration: defaults, `--config`, the training flags, the layout flags
+    /// over its `[parallel]` table, then `--set`.
+    pub fn config(&self) -> anyhow::Result<TrainConfig> {
+        self.config_from(&self.train)
+    }
+
+    /// [`Cli::config`] with another command's training flags (`mtrain plan --config F`).
+    pub fn config_from(&self, train: &TrainArgs) -> anyhow::Result<TrainConfig> {
+        train.resolve_with(&parallel_overrides(&self.layout, &self.strategy))
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -84,17 +99,17 @@ pub struct LayoutArgs {
     #[arg(long, global = true, value_name = "D")]
     pub dp: Option<usize>,
 
-    /// Tensor-parallel degree (innermost: consecutive ranks).
-    #[arg(long, global = true, default_value_t = 1, value_name = "T")]
-    pub tp: usize,
+    /// Tensor-parallel degree (innermost: consecutive ranks); default 1.
+    #[arg(long, global = true, value_name = "T")]
+    pub tp: Option<usize>,
 
-    /// Pipeline-parallel degree (number of stages).
-    #[arg(long, global = true, default_value_t = 1, value_name = "P")]
-    pub pp: usize,
+    /// Pipeline-parallel degree (number of stages); default 1.
+    #[arg(long, global = true, value_name = "P")]
+    pub pp: Option<usize>,
 
-    /// Expert-parallel degree, carved out of dp (must divide dp).
-    #[arg(long, global = true, default_value_t = 1, value_name = "E")]
-    pub ep: usize,
+    /// Expert-parallel degree, carved out of dp (must divide dp); default 1.
+    #[arg(long, global = true, value_name = "E")]
+    pub ep: Option<usize>,
 
     /// Worker processes on this node; defaults to dp·tp·pp / nnodes.
     #[arg(long, global = true, value_name = "N")]
@@ -127,6 +142,7 @@ pub struct LayoutArgs {
 }
 
 /// How the model is split and synchronised (data-parallel mode, FSDP/ZeRO, pipeline schedule).
+/// Unset flags keep the `[parallel]` table's values (see [`ParallelConfig`] for the defaults).
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "Strategy")]
 pub struct StrategyArgs {
@@ -135,20 +151,20 @@ pub struct StrategyArgs {
     pub fsdp: bool,
 
     /// ZeRO stage for data parallelism: 0 = DDP, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters.
-    #[arg(long, global = true, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
-    pub zero_stage: u8,
+    #[arg(long, global = true, value_parser = clap::value_parser!(u8).range(0..=3))]
+    pub zero_stage: Option<u8>,
 
     /// Sequence parallelism in the tensor-parallel regions (LayerNorm/dropout on T/tp).
     #[arg(long, global = true)]
     pub sequence_parallel: bool,
 
-    /// Pipeline schedule.
-    #[arg(long, global = true, value_enum, default_value_t = Schedule::OneFOneB)]
-    pub schedule: Schedule,
+    /// Pipeline schedule (default 1f1b).
+    #[arg(long, global = true, value_enum)]
+    pub schedule: Option<Schedule>,
 
-    /// Model chunks per pipeline rank for `--schedule interleaved` (Megatron's virtual stages).
-    #[arg(long, global = true, default_value_t = 2, value_name = "V")]
-    pub virtual_stages: usize,
+    /// Model chunks per pipeline rank for `--schedule interleaved` (Megatron's virtual stages; default 2).
+    #[arg(long, global = true, value_name = "V")]
+    pub virtual_stages: Option<usize>,
 
     /// Blocks per model stage, e.g. `2,1` for 3 layers on 2 stages (default: as even as possible).
     #[arg(long, global = true, value_delimiter = ',', value_name = "N,N,...")]
@@ -158,215 +174,107 @@ pub struct StrategyArgs {
     #[arg(long, global = true, value_name = "M")]
     pub microbatches: Option<usize>,
 
-    /// Gradient all-reduce for data parallelism.
-    #[arg(long, global = true, value_enum, default_value_t = DdpMode::Bucketed)]
-    pub ddp_mode: DdpMode,
+    /// Gradient all-reduce for data parallelism (default bucketed).
+    #[arg(long, global = true, value_enum)]
+    pub ddp_mode: Option<DdpMode>,
 
-    /// DDP bucket size in MiB.
-    #[arg(long, global = true, default_value_t = 25.0, value_name = "MIB")]
-    pub bucket_mb: f64,
+    /// DDP bucket size in MiB (default 25).
+    #[arg(long, global = true, value_name = "MIB")]
+    pub bucket_mb: Option<f64>,
 }
 
-impl StrategyArgs {
-    /// The strategy flags given with a non-default value, as they were spelled.
-    pub fn non_default(&self) -> Vec<&'static str> {
-        let mut set = Vec::new();
-        if self.fsdp {
-            set.push("--fsdp");
+/// The layout and strategy flags that were given, as `[parallel]` keys of the same names.
+pub fn parallel_overrides(layout: &LayoutArgs, strategy: &StrategyArgs) -> toml::Table {
+    let mut t = toml::Table::new();
+    let int = |v: usize| toml::Value::Integer(v as i64);
+    // The names a ValueEnum and its serde form share ("1f1b", "naive").
+    let name = |v: Option<clap::builder::PossibleValue>| {
+        toml::Value::String(v.map_or_else(String::new, |p| p.get_name().to_string()))
+    };
+    for (key, v) in [
+        ("dp", layout.dp),
+        ("tp", layout.tp),
+        ("pp", layout.pp),
+        ("ep", layout.ep),
+        ("virtual_stages", strategy.virtual_stages),
+        ("microbatches", strategy.microbatches),
+    ] {
+        if let Some(v) = v {
+            t.insert(key.into(), int(v));
         }
-        if self.zero_stage != 0 {
-            set.push("--zero-stage");
-        }
-        if self.sequence_parallel {
-            set.push("--sequence-parallel");
-        }
-        if self.schedule != Schedule::OneFOneB {
-            set.push("--schedule");
-        }
-        if self.virtual_stages != 2 {
-            set.push("--virtual-stages");
-        }
-        if self.stage_layers.is_some() {
-            set.push("--stage-layers");
-        }
-        if self.microbatches.is_some() {
-            set.push("--microbatches");
-        }
-        if self.ddp_mode != DdpMode::Bucketed {
-            set.push("--ddp-mode");
-        }
-        if self.bucket_mb != 25.0 {
-            set.push("--bucket-mb");
-        }
-        set
     }
-}
-
-impl StrategyArgs {
-    /// The parallel plan these flags describe for `dims`: DDP (bucketed or naive) or ZeRO
-    /// (`--fsdp` = stage 3, `--zero-stage N`), the schedule, micro-batches (default pp).
-    pub fn plan(&self, dims: MeshDims, checkpointing: bool) -> Result<ParallelPlan, LayoutError> {
-        let stage = match (self.fsdp, self.zero_stage) {
-            (true, 0 | 3) => 3,
-            (true, z) => {
-                return Err(LayoutError::Strategy(format!(
-                    "--fsdp shards parameters (ZeRO stage 3) but --zero-stage {z} was given; pass one of them"
-                )))
-            }
-            (false, z) => z,
-        };
-        if !(self.bucket_mb.is_finite() && self.bucket_mb > 0.0) {
-            return Err(LayoutError::Strategy(format!(
-                "--bucket-mb must be a positive number of MiB, got {}",
-                self.bucket_mb
-            )));
+    for (key, on) in [
+        ("fsdp", strategy.fsdp),
+        ("sequence_parallel", strategy.sequence_parallel),
+    ] {
+        if on {
+            t.insert(key.into(), toml::Value::Boolean(true));
         }
-        let data = match stage {
-            0 => {
-                let cap = (self.bucket_mb * (1u64 << 20) as f64) as usize;
-                DataParallelKind::Ddp(DdpConfig {
-                    mode: match self.ddp_mode {
-                        DdpMode::Bucketed => mtrain_parallel::ddp::DdpMode::Bucketed,
-                        DdpMode::Naive => mtrain_parallel::ddp::DdpMode::Naive,
-                    },
-                    bucket_cap_bytes: cap.max(1),
-                    first_bucket_cap_bytes: cap.clamp(1, 1 << 20),
-                })
-            }
-            z => DataParallelKind::Zero(FsdpConfig {
-                stage: ZeroStage::try_from(z).map_err(|e| LayoutError::Strategy(e.to_string()))?,
-                ..FsdpConfig::default()
-            }),
-        };
-        Ok(ParallelPlan {
-            dims,
-            data,
-            sequence_parallel: self.sequence_parallel,
-            schedule: match self.schedule {
-                Schedule::Gpipe => ScheduleKind::GPipe,
-                Schedule::OneFOneB => ScheduleKind::OneFOneB,
-                Schedule::Interleaved => ScheduleKind::Interleaved1F1B {
-                    virtual_stages: self.virtual_stages,
-                },
-            },
-            microbatches: self.microbatches.unwrap_or(dims.pp),
-            stage_counts: self.stage_layers.clone(),
-            checkpointing,
-            // Set from the run's --dtype and --grad-reduce-dtype when training starts.
-            precision: mtrain_parallel::mixed_precision::MixedPrecision::default(),
-        })
     }
-}
-
-/// Pipeline schedules.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Schedule {
-    /// All forwards, then all backwards (GPipe / AFAB).
-    Gpipe,
-    /// One forward, one backward in the steady state (PipeDream-Flush).
-    #[value(name = "1f1b")]
-    OneFOneB,
-    /// 1F1B over `--virtual-stages` model chunks per rank: a smaller bubble for more messages.
-    Interleaved,
-}
-
-/// DDP gradient synchronisation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum DdpMode {
-    /// Buckets of about `--bucket-mb`, all-reduced asynchronously as soon as they fill.
-    Bucketed,
-    /// One all-reduce per parameter after the whole backward.
-    Naive,
-}
-
-/// A layout that does not add up.
-#[derive(Debug, thiserror::Error)]
-pub enum LayoutError {
-    #[error("{what} must be at least 1, got 0")]
-    Zero { what: &'static str },
-
-    #[error("dp({dp}) * pp({pp}) * tp({tp}) = {product} != world size {world} ({source_desc})")]
-    Mismatch {
-        dp: usize,
-        pp: usize,
-        tp: usize,
-        product: usize,
-        world: usize,
-        source_desc: String,
-    },
-
-    #[error("world size {world} ({source_desc}) is not divisible by tp({tp}) * pp({pp}) = {tp_pp}, so dp cannot be inferred")]
-    NotDivisible {
-        world: usize,
-        source_desc: String,
-        tp: usize,
-        pp: usize,
-        tp_pp: usize,
-    },
-
-    #[error("dp({dp}) * pp({pp}) * tp({tp}) = {world} processes cannot be spread evenly over {nnodes} nodes ({world} % {nnodes} = {rem}); pass --nproc-per-node")]
-    Uneven {
-        dp: usize,
-        pp: usize,
-        tp: usize,
-        world: usize,
-        nnodes: usize,
-        rem: usize,
-    },
-
-    #[error("ep({ep}) must divide dp({dp}): experts are carved out of the data-parallel ranks ({dp} % {ep} = {rem})")]
-    Expert { ep: usize, dp: usize, rem: usize },
-
-    #[error("--comm-timeout must be a positive number of seconds, got {0}")]
-    Timeout(f64),
-
-    #[error("{0}")]
-    Strategy(String),
-
-    #[error("{0}")]
-    Launch(#[from] crate::launch::LaunchError),
-}
-
-/// A layout whose numbers add up: the mesh dimensions and how the world is launched.
-#[derive(Debug, Clone)]
-pub struct Layout {
-    pub dims: MeshDims,
-    pub world_size: usize,
-    pub launch: LaunchSpec,
-    pub comm_timeout: Duration,
-    /// Record every collective (`--trace`).
-    pub trace: bool,
+    if let Some(z) = strategy.zero_stage {
+        t.insert("zero_stage".into(), int(z as usize));
+    }
+    if let Some(s) = strategy.schedule {
+        t.insert(
+            "schedule".into(),
+            name(clap::ValueEnum::to_possible_value(&s)),
+        );
+    }
+    if let Some(m) = strategy.ddp_mode {
+        t.insert(
+            "ddp_mode".into(),
+            name(clap::ValueEnum::to_possible_value(&m)),
+        );
+    }
+    if let Some(counts) = &strategy.stage_layers {
+        t.insert(
+            "stage_layers".into(),
+            toml::Value::Array(counts.iter().map(|&c| int(c)).collect()),
+        );
+    }
+    if let Some(mb) = strategy.bucket_mb {
+        t.insert("bucket_mb".into(), toml::Value::Float(mb));
+    }
+    t
 }
 
 impl LayoutArgs {
-    /// Resolve the layout. `launched_world` is `WORLD_SIZE` when this process was started by a
-    /// launcher; the flags must then agree with it.
-    pub fn resolve(&self, launched_world: Option<usize>) -> Result<Layout, LayoutError> {
+    /// The layout of `parallel` (the resolved `[parallel]` table, these flags included) on this
+    /// job's processes: the world size and whatever degree was left out. `launched_world` is
+    /// `WORLD_SIZE` when this process was started by a launcher. Whether the numbers fit together
+    /// is [`crate::layout::plan`]'s check.
+    pub fn resolve(
+        &self,
+        parallel: &ParallelConfig,
+        launched_world: Option<usize>,
+    ) -> Result<Layout, LayoutError> {
         for (what, v) in [
-            ("--tp", self.tp),
-            ("--pp", self.pp),
-            ("--ep", self.ep),
-            ("--nnodes", self.nnodes),
+            ("--tp", Some(parallel.tp)),
+            ("--pp", Some(parallel.pp)),
+            ("--ep", Some(parallel.ep)),
+            ("--nnodes", Some(self.nnodes)),
+            ("--dp", parallel.dp),
+            ("--nproc-per-node", self.nproc_per_node),
         ] {
-            if v == 0 {
-                return Err(LayoutError::Zero { what });
+            match v {
+                Some(0) => return Err(LayoutError::Zero { what }),
+                // Bounded so that every product of degrees below fits a usize.
+                Some(value) if value > MAX_WORLD => {
+                    return Err(LayoutError::TooLarge { what, value })
+                }
+                _ => {}
             }
         }
-        if self.dp == Some(0) {
-            return Err(LayoutError::Zero { what: "--dp" });
-        }
-        if self.nproc_per_node == Some(0) {
-            return Err(LayoutError::Zero {
-                what: "--nproc-per-node",
-            });
-        }
-        if !(self.comm_timeout.is_finite() && self.comm_timeout > 0.0) {
+        if !(self.comm_timeout.is_finite()
+            && self.comm_timeout > 0.0
+            && self.comm_timeout <= MAX_COMM_TIMEOUT_S)
+        {
             return Err(LayoutError::Timeout(self.comm_timeout));
         }
-        let (tp, pp) = (self.tp, self.pp);
+        let (tp, pp) = (parallel.tp, parallel.pp);
 
         // The world size, and a description of where it came from for error messages.
-        let (world, nproc, source_desc) = match (launched_world, self.nproc_per_node) {
+        let (world, nproc, world_source) = match (launched_world, self.nproc_per_node) {
             (Some(w), _) => (
                 w,
                 self.nproc_per_node.unwrap_or(w / self.nnodes.max(1)),
@@ -377,10 +285,11 @@ impl LayoutArgs {
                 (w, n, format!("nproc-per-node {n} * nnodes {}", self.nnodes))
             }
             (None, None) => {
-                let w = self.dp.unwrap_or(1) * tp * pp;
+                let dp = parallel.dp.unwrap_or(1);
+                let w = dp * tp * pp;
                 if w % self.nnodes != 0 {
                     return Err(LayoutError::Uneven {
-                        dp: self.dp.unwrap_or(1),
+                        dp,
                         pp,
                         tp,
                         world: w,
@@ -396,13 +305,19 @@ impl LayoutArgs {
             }
         };
 
-        let dp = match self.dp {
+        if world > MAX_WORLD {
+            return Err(LayoutError::WorldTooLarge {
+                world,
+                world_source: world_source.clone(),
+            });
+        }
+        let dp = match parallel.dp {
             Some(dp) => dp,
             None => {
                 if world % (tp * pp) != 0 {
                     return Err(LayoutError::NotDivisible {
                         world,
-                        source_desc,
+                        world_source,
                         tp,
                         pp,
                         tp_pp: tp * pp,
@@ -410,29 +325,6 @@ impl LayoutArgs {
                 }
                 world / (tp * pp)
             }
-        };
-        if dp * pp * tp != world {
-            return Err(LayoutError::Mismatch {
-                dp,
-                pp,
-                tp,
-                product: dp * pp * tp,
-                world,
-                source_desc,
-            });
-        }
-        if dp % self.ep != 0 {
-            return Err(LayoutError::Expert {
-                ep: self.ep,
-                dp,
-                rem: dp % self.ep,
-            });
-        }
-        let dims = MeshDims {
-            dp,
-            pp,
-            tp,
-            ep: self.ep,
         };
         let launch = LaunchSpec {
             nproc_per_node: nproc,
@@ -445,8 +337,14 @@ impl LayoutArgs {
             launch.validate()?;
         }
         Ok(Layout {
-            dims,
+            dims: MeshDims {
+                dp,
+                pp,
+                tp,
+                ep: parallel.ep,
+            },
             world_size: world,
+            world_source,
             launch,
             comm_timeout: Duration::from_secs_f64(self.comm_timeout),
             trace: self.trace,
@@ -454,18 +352,64 @@ impl LayoutArgs {
     }
 }
 
+/// Options of `mtrain parity`.
+#[derive(Debug, Clone, Args)]
+pub struct ParityArgs {
+    /// The layout to compare with one rank, as its flags in one string: "--tp 2 --pp 2 --dp 2".
+    #[arg(long, value_name = "FLAGS", allow_hyphen_values = true)]
+    pub vs: String,
+    /// TOML file with [model], [train] and [parallel] tables (as for training).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Model preset, when no config file is given.
+    #[arg(long, value_name = "NAME")]
+    pub model: Option<String>,
+    /// Optimizer steps to compare.
+    #[arg(long, default_value_t = 10)]
+    pub steps: u64,
+    /// Largest allowed relative loss difference.
+    #[arg(long, default_value_t = 1e-5)]
+    pub tol: f64,
+    /// Sequences per dp rank in the layout (the reference gets dp times as many).
+    #[arg(long)]
+    pub batch_size: Option<usize>,
+    /// Tokens per sequence.
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    /// Config overrides passed to both runs, e.g. `--set lr=1e-3` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub overrides: Vec<String>,
+    /// Where the two run directories go (default: a fresh directory under the system temp dir).
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use clap::CommandFactory;
+    use mtrain_parallel::pipeline::ScheduleKind;
 
-    fn layout(args: &[&str]) -> Result<Layout, LayoutError> {
+    fn cli(args: &[&str]) -> Cli {
         let mut argv = vec!["mtrain"];
         argv.extend_from_slice(args);
-        Cli::try_parse_from(argv)
-            .expect("parses")
-            .layout
-            .resolve(None)
+        Cli::try_parse_from(argv).expect("parses")
+    }
+
+    /// The layout the flags resolve to (what is inferred; nothing checked against a model).
+    fn layout(args: &[&str]) -> anyhow::Result<Layout> {
+        let cli = cli(args);
+        Ok(cli.layout.resolve(&cli.config()?.parallel, None)?)
+    }
+
+    /// The layout as a training run takes it: resolved, then its plan checked against the
+    /// default model and batch ([`crate::layout::plan`]).
+    fn checked(args: &[&str]) -> anyhow::Result<Layout> {
+        let cli = cli(args);
+        let cfg = cli.config()?;
+        let layout = cli.layout.resolve(&cfg.parallel, None)?;
+        crate::layout::plan(&cfg, &layout)?;
+        Ok(layout)
     }
 
     #[test]
@@ -510,45 +454,78 @@ mod tests {
     fn dp_is_inferred_from_the_world() {
         let l = layout(&["--nproc-per-node", "8", "--tp", "2"]).unwrap();
         assert_eq!((l.dims.dp, l.dims.pp, l.dims.tp), (4, 1, 2));
-        let l = Cli::try_parse_from(["mtrain", "--tp", "2"])
-            .unwrap()
+        let c = cli(&["--tp", "2"]);
+        let l = c
             .layout
-            .resolve(Some(6))
+            .resolve(&c.config().unwrap().parallel, Some(6))
             .unwrap();
         assert_eq!(l.dims.dp, 3);
     }
 
     #[test]
     fn inconsistent_numbers_show_the_arithmetic() {
-        let e = layout(&["--dp", "2", "--tp", "2", "--nproc-per-node", "3"])
+        let e = checked(&["--dp", "2", "--tp", "2", "--nproc-per-node", "3"])
             .unwrap_err()
             .to_string();
         assert_eq!(
             e,
             "dp(2) * pp(1) * tp(2) = 4 != world size 3 (nproc-per-node 3 * nnodes 1)"
         );
-        let e = layout(&["--tp", "4", "--nproc-per-node", "6"])
+        let e = checked(&["--tp", "4", "--nproc-per-node", "6"])
             .unwrap_err()
             .to_string();
         assert!(
             e.contains("world size 6") && e.contains("tp(4) * pp(1) = 4"),
             "{e}"
         );
-        let e = layout(&["--dp", "3", "--ep", "2"]).unwrap_err().to_string();
-        assert!(e.contains("ep(2) must divide dp(3)"), "{e}");
-        let e = layout(&["--tp", "0"]).unwrap_err().to_string();
+        // The plan's check words it `ep 2 does not divide dp 3`.
+        let e = checked(&["--dp", "3", "--ep", "2"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("ep 2 does not divide dp 3"), "{e}");
+        let e = checked(&["--tp", "0"]).unwrap_err().to_string();
         assert!(e.contains("--tp must be at least 1"), "{e}");
-        let e = layout(&["--dp", "3", "--nnodes", "2", "--master-port", "1"])
+        let e = checked(&["--dp", "3", "--nnodes", "2", "--master-port", "1"])
             .unwrap_err()
             .to_string();
         assert!(e.contains("3 % 2 = 1"), "{e}");
     }
 
     #[test]
+    fn out_of_range_numbers_are_refused_with_the_bound() {
+        let e = layout(&["--tp", "4294967297"]).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "--tp 4294967297 is above the largest supported world of 1048576 processes"
+        );
+        let e = layout(&["--dp", "1048576", "--tp", "1048576"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("world size 1099511627776 (dp * pp * tp over 1 node(s))"),
+            "{e}"
+        );
+        for t in ["1e300", "nan", "inf", "0"] {
+            let e = layout(&["--comm-timeout", t]).unwrap_err().to_string();
+            assert!(
+                e.contains("--comm-timeout must be a positive number of seconds up to 2592000"),
+                "{e}"
+            );
+        }
+        let e = layout(&["--comm-timeout", "1e300"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.ends_with("got 1e300"), "{e}");
+    }
+
+    #[test]
     fn layout_flags_may_follow_a_subcommand() {
         let cli = Cli::try_parse_from(["mtrain", "plan", "--tp", "4", "--pp", "2"]).unwrap();
         assert!(matches!(cli.command, Some(Command::Plan(_))));
-        let l = cli.layout.resolve(None).unwrap();
+        let l = cli
+            .layout
+            .resolve(&cli.config().unwrap().parallel, None)
+            .unwrap();
         assert_eq!(
             (l.dims.dp, l.dims.pp, l.dims.tp, l.world_size),
             (1, 2, 4, 8)
@@ -571,9 +548,16 @@ mod tests {
         ])
         .unwrap();
         assert!(cli.strategy.fsdp);
-        assert_eq!(cli.strategy.zero_stage, 2);
-        assert_eq!(cli.strategy.schedule, Schedule::Gpipe);
-        assert_eq!(cli.strategy.ddp_mode, DdpMode::Naive);
+        assert_eq!(cli.strategy.zero_stage, Some(2));
+        assert_eq!(cli.strategy.schedule, Some(Schedule::Gpipe));
+        assert_eq!(cli.strategy.ddp_mode, Some(DdpMode::Naive));
+        // The same settings in the [parallel] table the run resolves.
+        let p = cli.config().unwrap().parallel;
+        assert!(p.fsdp);
+        assert_eq!(
+            (p.zero_stage, p.schedule, p.ddp_mode, p.bucket_mb),
+            (2, Schedule::Gpipe, DdpMode::Naive, 4.0)
+        );
         assert!(Cli::try_parse_from(["mtrain", "--zero-stage", "4"]).is_err());
     }
 
@@ -599,7 +583,8 @@ mod tests {
             tp: 1,
             ep: 1,
         };
-        let plan = cli.strategy.plan(dims, false).unwrap();
+        let cfg = cli.config().unwrap();
+        let plan = cfg.parallel.plan(dims, false, cfg.precision()).unwrap();
         assert_eq!(
             plan.schedule,
             ScheduleKind::Interleaved1F1B { virtual_stages: 3 }

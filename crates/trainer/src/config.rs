@@ -1,7 +1,7 @@
 //! Training configuration: a typed `TrainConfig`, read from a TOML file and overridden from the
 //! command line.
 //!
-//! A configs/*.toml file has two tables:
+//! A configs/*.toml file has up to three tables:
 //!
 //! ```toml
 //! [model]            # a GptConfig (or `model = "gpt2-124m"`, a preset name, at the top level)
@@ -10,11 +10,17 @@
 //! [train]            # the fields of TrainConfig below
 //! steps = 5000
 //! lr = 6e-4
+//! [parallel]         # the layout (`parallel::ParallelConfig`); the layout flags' names
+//! tp = 2
+//! pp = 2
 //! ```
 //!
-//! Resolution order: defaults (the built-in tiny model on the built-in corpus, a short run), then the
-//! file, then the flags (`--steps 10`), then `--set key=value` overrides (`--set warmup_steps=5`,
-//! `--set model.n_layer=2`). Every key is checked: an unknown one is refused with its name.
+//! Resolution order: defaults (the built-in tiny model on the built-in corpus, a short run, one
+//! rank), then the file, then the flags (`--steps 10`, `--tp 2`), then `--set key=value` overrides
+//! (`--set warmup_steps=5`, `--set model.n_layer=2`, `--set parallel.pp=2`,
+//! `--set model.moe.n_experts=8`: a dotted key reaches any nested table). Every key is checked:
+//! an unknown one is refused with its name. Every number is checked once the whole config is
+//! merged ([`TrainConfig::validate`], [`crate::validate`]).
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -25,17 +31,15 @@ use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::data::DataSource;
 
+pub mod parallel;
+pub use parallel::{DdpMode, ParallelConfig, Schedule};
+
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    /// The config file could not be read.
-    #[error("cannot read config {path}: {source}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
-    },
+    /// The config file could not be read (names the operation and the path).
+    #[error("config: {0}")]
+    Read(crate::fsio::IoError),
     /// The TOML does not parse or does not match the fields (unknown keys are named here).
     #[error("{context}: {message}")]
     Parse {
@@ -168,6 +172,9 @@ pub struct TrainConfig {
     pub activation_checkpointing: bool,
     /// Print and record the per-step memory report.
     pub mem_report: bool,
+    /// Time each phase of a step (data, forward, backward, gradient norm, optimizer), with the
+    /// device synchronised at every boundary; logged and recorded in metrics.jsonl.
+    pub profile_phases: bool,
     /// Where to compute.
     pub device: DeviceKind,
     /// Compute dtype.
@@ -181,6 +188,8 @@ pub struct TrainConfig {
     pub peak_flops: Option<f64>,
     /// Continue from a checkpoint: a step-N directory, a run directory, or "latest" (this run_dir).
     pub resume: Option<PathBuf>,
+    /// The layout: the `[parallel]` table.
+    pub parallel: ParallelConfig,
 }
 
 /// Nominal peak used for MFU on CPU when `peak_flops` is unset: an assumed 1e11 FLOP/s (about what
@@ -224,12 +233,14 @@ impl Default for TrainConfig {
             data: DataSource::Builtin,
             activation_checkpointing: false,
             mem_report: false,
+            profile_phases: false,
             device: DeviceKind::Cpu,
             dtype: DTypeKind::F32,
             grad_reduce_dtype: DTypeKind::F32,
             log_every: 10,
             peak_flops: None,
             resume: None,
+            parallel: ParallelConfig::default(),
         }
     }
 }
@@ -293,12 +304,8 @@ impl TrainConfig {
                 return bad(format!("{name} {b} must be in [0, 1)"));
             }
         }
-        if !(self.eps > 0.0) || !(self.weight_decay >= 0.0) || !(self.grad_clip >= 0.0) {
-            return bad(format!(
-                "eps {} must be > 0, weight_decay {} and grad_clip {} must be >= 0",
-                self.eps, self.weight_decay, self.grad_clip
-            ));
-        }
+        self.validate_numbers(&model)
+            .map_err(ConfigError::Invalid)?;
         if self.eval_every > 0 && self.eval_iters == 0 {
             return bad(format!(
                 "eval_every {} needs eval_iters >= 1",
@@ -313,7 +320,24 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// Parse a whole config file's text (`[model]` and `[train]` tables) on top of the defaults.
+    /// The numbers no other check covers: finite floats, counts in range, a model and a
+    /// micro-batch that fit in this machine's memory ([`crate::validate`]).
+    fn validate_numbers(&self, model: &GptConfig) -> Result<(), String> {
+        use crate::validate::{self, MAX_COUNT};
+        validate::positive("eps", self.eps)?;
+        validate::non_negative("weight_decay", self.weight_decay)?;
+        validate::non_negative("grad_clip", self.grad_clip)?;
+        validate::at_most("grad_accum", self.grad_accum, MAX_COUNT)?;
+        validate::at_most("eval_iters", self.eval_iters, MAX_COUNT)?;
+        let memory = validate::host_memory_bytes();
+        validate::model_size(model, memory)?;
+        // On a GPU the logits live in device memory, which is only known once the device is open.
+        let host = (self.device == DeviceKind::Cpu).then_some(memory).flatten();
+        validate::micro_batch(self.batch_size, self.seq_len, model.vocab_size, host)
+    }
+
+    /// Parse a whole config file's text (`[model]`, `[train]` and `[parallel]` tables) on top of
+    /// the defaults.
     pub fn from_toml_str(text: &str, context: &str) -> Result<Self, ConfigError> {
         let mut table = toml::Table::new();
         merge_file(&mut table, text, context)?;
@@ -325,23 +349,23 @@ impl TrainConfig {
 #[derive(Debug, Clone, Default, clap::Args)]
 #[command(next_help_heading = "Training")]
 pub struct TrainArgs {
-    /// TOML file with [model] and [train] tables.
+    /// TOML file with [model], [train] and [parallel] tables.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// Model preset (tiny, gpt2-124m, gpt2-350m, moe-tiny).
     #[arg(long, value_name = "NAME")]
     pub model: Option<String>,
     /// Optimizer steps.
-    #[arg(long)]
+    #[arg(long, value_parser = toml_integer::<u64>())]
     pub steps: Option<u64>,
     /// Sequences per micro-batch per data-parallel rank.
-    #[arg(long)]
+    #[arg(long, value_parser = toml_integer::<usize>())]
     pub batch_size: Option<usize>,
     /// Tokens per sequence.
-    #[arg(long)]
+    #[arg(long, value_parser = toml_integer::<usize>())]
     pub seq_len: Option<usize>,
     /// Micro-batches per optimizer step.
-    #[arg(long)]
+    #[arg(long, value_parser = toml_integer::<usize>())]
     pub grad_accum: Option<usize>,
     /// Peak learning rate.
     #[arg(long)]
@@ -350,10 +374,10 @@ pub struct TrainArgs {
     #[arg(long)]
     pub min_lr: Option<f64>,
     /// Warmup steps.
-    #[arg(long)]
+    #[arg(long, value_parser = toml_integer::<u64>())]
     pub warmup_steps: Option<u64>,
     /// Seed of initialisation and data order.
-    #[arg(long)]
+    #[arg(long, value_parser = toml_integer::<u64>())]
     pub seed: Option<u64>,
     /// Run directory (checkpoints, metrics.jsonl, memory.jsonl).
     #[arg(long, value_name = "DIR")]
@@ -362,17 +386,20 @@ pub struct TrainArgs {
     #[arg(long, value_name = "SOURCE")]
     pub data: Option<String>,
     /// Evaluate every N steps (0 disables).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = toml_integer::<u64>())]
     pub eval_every: Option<u64>,
     /// Checkpoint every N steps (0: only at the end).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = toml_integer::<u64>())]
     pub ckpt_every: Option<u64>,
     /// Log every N steps.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = toml_integer::<u64>())]
     pub log_every: Option<u64>,
     /// Print and record the per-step memory report.
     #[arg(long)]
     pub mem_report: bool,
+    /// Time each phase of a step (device synchronised at every boundary) and log it.
+    #[arg(long)]
+    pub profile_phases: bool,
     /// Recompute activations in backward instead of storing them.
     #[arg(long)]
     pub activation_checkpointing: bool,
@@ -388,21 +415,35 @@ pub struct TrainArgs {
     /// Resume from a checkpoint directory, a run directory, or "latest" (the run directory's newest).
     #[arg(long, value_name = "CKPT", num_args = 0..=1, default_missing_value = "latest")]
     pub resume: Option<PathBuf>,
-    /// Override any config key, e.g. `--set lr=1e-3 --set model.n_layer=2` (repeatable).
+    /// Override any config key, nested ones dotted, e.g. `--set lr=1e-3 --set model.n_layer=2
+    /// --set model.moe.top_k=1` (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub overrides: Vec<String>,
+}
+
+/// Parser of a flag that becomes a config integer: TOML integers are signed 64-bit, so a larger
+/// value is refused here, naming the flag and the range, rather than wrapping to a negative one.
+fn toml_integer<T>() -> clap::builder::RangedU64ValueParser<T>
+where
+    T: TryFrom<u64> + Clone + Send + Sync + 'static,
+    <T as TryFrom<u64>>::Error: std::error::Error + Send + Sync + 'static,
+{
+    clap::builder::RangedU64ValueParser::<T>::new().range(0..=i64::MAX as u64)
 }
 
 impl TrainArgs {
     /// Defaults, then the file, then the flags, then `--set`; validated.
     pub fn resolve(&self) -> anyhow::Result<TrainConfig> {
+        self.resolve_with(&toml::Table::new())
+    }
+
+    /// [`TrainArgs::resolve`] with the layout flags given on the command line: `parallel` holds
+    /// them as `[parallel]` keys (`tp = 2`), each replacing the file's value of that key.
+    pub fn resolve_with(&self, parallel: &toml::Table) -> anyhow::Result<TrainConfig> {
         let mut table = toml::Table::new();
         let mut context = "command line".to_string();
         if let Some(path) = &self.config {
-            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-                path: path.clone(),
-                source,
-            })?;
+            let text = crate::fsio::read_to_string(path).map_err(ConfigError::Read)?;
             context = path.display().to_string();
             merge_file(&mut table, &text, &context)?;
         }
@@ -456,6 +497,9 @@ impl TrainArgs {
         if self.mem_report {
             put("mem_report", toml::Value::Boolean(true));
         }
+        if self.profile_phases {
+            put("profile_phases", toml::Value::Boolean(true));
+        }
         if self.activation_checkpointing {
             put("activation_checkpointing", toml::Value::Boolean(true));
         }
@@ -480,6 +524,14 @@ impl TrainArgs {
         if let Some(v) = &self.resume {
             put("resume", path(v));
         }
+        if !parallel.is_empty() {
+            let mut t = match table.remove("parallel") {
+                Some(toml::Value::Table(t)) => t,
+                _ => toml::Table::new(),
+            };
+            t.extend(parallel.clone());
+            table.insert("parallel".into(), toml::Value::Table(t));
+        }
         for kv in &self.overrides {
             apply_override(&mut table, kv)?;
         }
@@ -487,7 +539,8 @@ impl TrainArgs {
     }
 }
 
-/// Merge a config file's `[model]` / `[train]` tables (or a top-level `model = "preset"`) into `table`.
+/// Merge a config file's `[model]` / `[train]` / `[parallel]` tables (or a top-level
+/// `model = "preset"`) into `table`.
 fn merge_file(table: &mut toml::Table, text: &str, context: &str) -> Result<(), ConfigError> {
     let parse = |message: String| ConfigError::Parse {
         context: context.to_string(),
@@ -502,14 +555,17 @@ fn merge_file(table: &mut toml::Table, text: &str, context: &str) -> Result<(), 
                 table.insert("model".into(), v);
             }
             ("train", toml::Value::Table(t)) => table.extend(t),
-            ("model", _) | ("train", _) => {
+            ("parallel", v @ toml::Value::Table(_)) => {
+                table.insert("parallel".into(), v);
+            }
+            ("model", _) | ("train", _) | ("parallel", _) => {
                 return Err(parse(format!(
                     "`{key}` must be a table (or, for model, a preset name)"
                 )))
             }
             (other, _) => {
                 return Err(parse(format!(
-                    "unknown top-level key `{other}`; expected [model] and [train]"
+                    "unknown top-level key `{other}`; expected [model], [train] and [parallel]"
                 )))
             }
         }
@@ -517,8 +573,10 @@ fn merge_file(table: &mut toml::Table, text: &str, context: &str) -> Result<(), 
     Ok(())
 }
 
-/// Apply `key=value` (value parsed as TOML, else taken as a string); `model.x` edits the model table,
-/// expanding a preset name into its table first; a leading `train.` is optional.
+/// Apply `key=value` (value parsed as TOML, else taken as a string). A dotted key reaches into
+/// nested tables (`model.moe.n_experts=8`), creating a missing one; `model` given as a preset
+/// name is expanded into its table first; `parallel.x` edits the layout table; a leading `train.` is optional. Keys that name no
+/// field are refused by name when the table is deserialized.
 fn apply_override(table: &mut toml::Table, kv: &str) -> Result<(), ConfigError> {
     let parse = |message: String| ConfigError::Parse {
         context: format!("--set {kv}"),
@@ -529,39 +587,66 @@ fn apply_override(table: &mut toml::Table, kv: &str) -> Result<(), ConfigError> 
         .ok_or_else(|| parse("expected KEY=VALUE".into()))?;
     let key = key.trim();
     let key = key.strip_prefix("train.").unwrap_or(key);
+    let path: Vec<&str> = key.split('.').map(str::trim).collect();
+    if path.iter().any(|k| k.is_empty()) {
+        return Err(parse(format!("`{key}` has an empty key segment")));
+    }
     let value = match format!("v = {raw}").parse::<toml::Table>() {
         Ok(mut t) => t
             .remove("v")
             .unwrap_or_else(|| toml::Value::String(raw.to_string())),
         Err(_) => toml::Value::String(raw.to_string()),
     };
-    match key.split_once('.') {
-        None => {
-            table.insert(key.to_string(), value);
-        }
-        Some(("model", field)) => {
-            let current = table
-                .remove("model")
-                .unwrap_or_else(|| toml::Value::String("tiny".into()));
-            let mut model = match current {
-                toml::Value::Table(t) => t,
-                toml::Value::String(name) => {
-                    let cfg = ModelSpec::Preset(name).resolve()?;
-                    match toml::Value::try_from(cfg) {
-                        Ok(toml::Value::Table(t)) => t,
-                        Ok(_) | Err(_) => {
-                            return Err(parse("cannot expand the model preset into a table".into()))
-                        }
-                    }
-                }
-                _ => return Err(parse("model must be a preset name or a table".into())),
-            };
-            model.insert(field.to_string(), value);
-            table.insert("model".into(), toml::Value::Table(model));
-        }
-        Some((other, _)) => return Err(parse(format!("unknown key `{key}` (no table `{other}`)"))),
+    set_path(table, &path, value, "").map_err(parse)
+}
+
+/// Set `path` (one key per nested table) in `table` to `value`; `above` is the dotted path of
+/// `table` itself, for messages.
+fn set_path(
+    table: &mut toml::Table,
+    path: &[&str],
+    value: toml::Value,
+    above: &str,
+) -> Result<(), String> {
+    let Some((&key, rest)) = path.split_first() else {
+        return Ok(());
+    };
+    if rest.is_empty() {
+        table.insert(key.to_string(), value);
+        return Ok(());
     }
+    let here = if above.is_empty() {
+        key.to_string()
+    } else {
+        format!("{above}.{key}")
+    };
+    let mut inner = match table.remove(key) {
+        None if here == "model" => expand_preset(&TrainConfig::default().model)?,
+        None => toml::Table::new(),
+        Some(toml::Value::Table(t)) => t,
+        Some(toml::Value::String(name)) if here == "model" => {
+            expand_preset(&ModelSpec::Preset(name))?
+        }
+        Some(other) => {
+            return Err(format!(
+                "`{here}` holds a {}, not a table, so it has no key `{}`",
+                other.type_str(),
+                rest.join(".")
+            ))
+        }
+    };
+    set_path(&mut inner, rest, value, &here)?;
+    table.insert(key.to_string(), toml::Value::Table(inner));
     Ok(())
+}
+
+/// The `[model]` table a model spec stands for (a preset name resolved to its fields).
+fn expand_preset(spec: &ModelSpec) -> Result<toml::Table, String> {
+    let cfg = spec.resolve().map_err(|e| e.to_string())?;
+    match toml::Value::try_from(cfg) {
+        Ok(toml::Value::Table(t)) => Ok(t),
+        Ok(_) | Err(_) => Err("cannot expand the model preset into a table".into()),
+    }
 }
 
 /// Deserialize the merged table over the defaults and validate.
@@ -584,6 +669,101 @@ mod tests {
         let c = TrainConfig::default();
         c.validate().unwrap();
         assert_eq!(c.gpt_config().unwrap(), GptConfig::tiny());
+    }
+
+    fn resolve(args: &[&str]) -> anyhow::Result<TrainConfig> {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            train: TrainArgs,
+        }
+        let mut argv = vec!["mtrain"];
+        argv.extend_from_slice(args);
+        Cli::try_parse_from(argv)?.train.resolve()
+    }
+
+    /// `--set` reaches every key: top-level, `model.*` (expanding a preset), `model.moe.*`.
+    #[test]
+    fn set_reaches_nested_keys() {
+        let cfg = resolve(&[
+            "--model",
+            "moe-tiny",
+            "--set",
+            "model.moe.top_k=1",
+            "--set",
+            "model.moe.capacity_factor=2.0",
+            "--set",
+            "train.lr=1e-3",
+        ])
+        .unwrap();
+        let model = cfg.gpt_config().unwrap();
+        let moe = model.moe.as_ref().unwrap();
+        assert_eq!((moe.top_k, moe.capacity_factor, moe.n_experts), (1, 2.0, 4));
+        assert_eq!(cfg.lr, 1e-3);
+        // A table created by --set must be complete: the missing fields are named.
+        let e = resolve(&["--set", "model.moe.n_experts=8"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("missing field"), "{e}");
+        let e = format!(
+            "{:#}",
+            resolve(&["--model", "moe-tiny", "--set", "model.moe.bogus=1"]).unwrap_err()
+        );
+        assert!(e.contains("bogus"), "{e}");
+        let e = format!(
+            "{:#}",
+            resolve(&["--lr", "0.1", "--set", "lr.x=1"]).unwrap_err()
+        );
+        assert!(e.contains("`lr` holds a float, not a table"), "{e}");
+        let e = format!("{:#}", resolve(&["--set", "lr.x=1"]).unwrap_err());
+        assert!(e.contains("invalid type: map") && e.contains("`lr`"), "{e}");
+        let e = format!("{:#}", resolve(&["--set", "model..n_head=1"]).unwrap_err());
+        assert!(e.contains("empty key segment"), "{e}");
+    }
+
+    /// A flag value beyond a TOML integer is refused by clap with the range, not wrapped.
+    #[test]
+    fn integers_beyond_toml_are_refused_at_parse() {
+        for flag in ["--steps", "--seed", "--batch-size", "--log-every"] {
+            let e = resolve(&[flag, "18446744073709551615"])
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(flag) && e.contains("0..=9223372036854775807"),
+                "{e}"
+            );
+        }
+        let cfg = resolve(&["--seed", "9223372036854775807"]).unwrap();
+        assert_eq!(cfg.seed, i64::MAX as u64);
+    }
+
+    /// Special floats and sizes too large to allocate are refused with the option's name.
+    #[test]
+    fn bad_numbers_are_refused_with_the_option() {
+        for (set, want) in [
+            ("eps=inf", "eps inf must be a finite number > 0"),
+            (
+                "weight_decay=nan",
+                "weight_decay NaN must be a finite number >= 0",
+            ),
+            (
+                "grad_clip=inf",
+                "grad_clip inf must be a finite number >= 0",
+            ),
+            ("lr=nan", "lr NaN must be > 0"),
+            (
+                "model.vocab_size=100000000000",
+                "model.vocab_size 100000000000 is above the largest supported 16777216",
+            ),
+            (
+                "batch_size=100000000",
+                "batch_size 100000000 is above the largest supported 16777216",
+            ),
+        ] {
+            let e = format!("{:#}", resolve(&["--set", set]).unwrap_err());
+            assert!(e.contains(want), "--set {set}: {e}");
+        }
     }
 
     /// Every shipped configs/*.toml parses, and its [model] table equals the preset of that name.

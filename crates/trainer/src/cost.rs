@@ -30,16 +30,14 @@ use mtrain_parallel::comm_cost::{
 use mtrain_parallel::parallelize::ParallelPlan;
 use serde::{Deserialize, Serialize};
 
-use crate::bench_comm::{BenchOp, BenchReport};
+use crate::config::{DTypeKind, DeviceKind, TrainConfig};
+use crate::fsio::IoContext;
 
 /// Errors of the cost commands.
 #[derive(Debug, thiserror::Error)]
 pub enum CostError {
-    #[error("reading {path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] crate::fsio::IoError),
     #[error("parsing α-β table {path}: {msg}")]
     Parse { path: String, msg: String },
     #[error("fit of {op} over {ranks} ranks: {msg}")]
@@ -112,10 +110,7 @@ impl AlphaBetaTable {
     }
 
     pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| CostError::Io {
-            path: path.display().to_string(),
-            source,
-        })?;
+        let text = crate::fsio::read_to_string(path)?;
         toml::from_str(&text).map_err(|e| CostError::Parse {
             path: path.display().to_string(),
             msg: e.to_string(),
@@ -123,18 +118,14 @@ impl AlphaBetaTable {
     }
 
     pub fn save(&self, path: &Path) -> Result<()> {
-        let io = |source| CostError::Io {
-            path: path.display().to_string(),
-            source,
-        };
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(io)?;
+            std::fs::create_dir_all(dir).at("creating directory", dir)?;
         }
         let text = toml::to_string_pretty(self).map_err(|e| CostError::Parse {
             path: path.display().to_string(),
             msg: e.to_string(),
         })?;
-        std::fs::write(path, text).map_err(io)
+        Ok(std::fs::write(path, text).at("writing", path)?)
     }
 
     /// The model for `op` over `n` ranks: its fit at n, else the same op's fit at the nearest
@@ -158,18 +149,6 @@ impl AlphaBetaTable {
         self.fit.push(fit);
         self.fit
             .sort_by(|a, b| (a.op.as_str(), a.ranks).cmp(&(b.op.as_str(), b.ranks)));
-    }
-}
-
-/// The trace name of a bench-comm op.
-pub fn op_kind(op: BenchOp) -> OpKind {
-    match op {
-        BenchOp::AllReduce => OpKind::AllReduce,
-        BenchOp::AllGather => OpKind::AllGather,
-        BenchOp::ReduceScatter => OpKind::ReduceScatter,
-        BenchOp::AllToAll => OpKind::AllToAll,
-        BenchOp::Broadcast => OpKind::Broadcast,
-        BenchOp::SendRecv => OpKind::Send,
     }
 }
 
@@ -247,31 +226,6 @@ pub fn fit_alpha_beta(op: OpKind, n: usize, points: &[(f64, f64)]) -> Result<Fit
         points: points.len(),
         command: String::new(),
     })
-}
-
-/// `bench-comm --fit FILE`: fit the report's sweep and merge it into the table at `path`
-/// (created with the backend's defaults if missing); `command` records the sweep. Returns the fit.
-pub fn write_fit(path: &Path, report: &BenchReport, backend: &str, command: &str) -> Result<Fit> {
-    let op = op_kind(report.op);
-    let points: Vec<(f64, f64)> = report
-        .rows
-        .iter()
-        .map(|r| (r.bytes as f64, r.time_us * 1e-6))
-        .collect();
-    let mut fit = fit_alpha_beta(op, report.world_size, &points)?;
-    fit.command = command.to_string();
-    let mut table = match path.exists() {
-        true => AlphaBetaTable::load(path)?,
-        false => match backend {
-            "nccl" => AlphaBetaTable::nvlink_default(),
-            _ => AlphaBetaTable::cpu_default(),
-        },
-    };
-    table.backend = backend.to_string();
-    table.source = "fitted by `mtrain bench-comm --fit` (each fit names its sweep)".into();
-    table.upsert(fit.clone());
-    table.save(path)?;
-    Ok(fit)
 }
 
 /// The α-β model for a trace group name (`tp`, or `tp[0,1]`) of a table.
@@ -518,43 +472,36 @@ pub fn today() -> String {
     format!("{y:04}-{m:02}-{d:02}")
 }
 
-/// What `mtrain plan` adds for the communication cost model: the per-step table under the
-/// resolved configuration and strategy flags, or with `compare` the prediction next to a traced
-/// run. `alpha_beta` is a table from `bench-comm --fit`; without one, the backend's defaults.
+/// What `mtrain plan` adds for the communication cost model: the per-step table of the run
+/// configuration `cfg` under `plan`, or with `compare` the prediction next to a traced run.
+/// `alpha_beta` is a table from `bench-comm --fit`; without one, the backend's defaults.
 pub fn plan_report(
-    dims: MeshDims,
-    strategy: &crate::cli::StrategyArgs,
-    train: &crate::config::TrainArgs,
+    cfg: &TrainConfig,
+    plan: &ParallelPlan,
     alpha_beta: Option<&Path>,
     compare_dir: Option<&Path>,
 ) -> Result<String> {
-    let cfg = train
-        .resolve()
-        .map_err(|e| CostError::Config(format!("{e:#}")))?;
     let model = cfg
         .gpt_config()
-        .map_err(|e| CostError::Config(e.to_string()))?;
-    let plan = strategy
-        .plan(dims, cfg.activation_checkpointing)
         .map_err(|e| CostError::Config(e.to_string()))?;
     let table = match alpha_beta {
         Some(p) => AlphaBetaTable::load(p)?,
         None => match cfg.device {
-            crate::config::DeviceKind::Cuda => AlphaBetaTable::nvlink_default(),
-            crate::config::DeviceKind::Cpu => AlphaBetaTable::cpu_default(),
+            DeviceKind::Cuda => AlphaBetaTable::nvlink_default(),
+            DeviceKind::Cpu => AlphaBetaTable::cpu_default(),
         },
     };
     let shape = StepShape {
-        batch: cfg.batch_size * dims.dp,
+        batch: cfg.batch_size * plan.dims.dp,
         seq_len: cfg.seq_len,
         dtype: match cfg.dtype {
-            crate::config::DTypeKind::F32 => DType::F32,
+            DTypeKind::F32 => DType::F32,
             _ => DType::BF16,
         },
     };
     match compare_dir {
-        Some(dir) => compare(dir, &model, &plan, shape, &table),
-        None => plan_section(&model, &plan, shape, cfg.grad_accum, &table),
+        Some(dir) => compare(dir, &model, plan, shape, &table),
+        None => plan_section(&model, plan, shape, cfg.grad_accum, &table),
     }
 }
 

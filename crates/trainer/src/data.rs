@@ -22,7 +22,7 @@ pub mod corpus;
 pub mod shards;
 
 use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::Arc;
 
@@ -41,14 +41,9 @@ const BUILTIN_SEED: u64 = 0x6d74_7261_696e;
 /// Errors of data loading.
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
-    /// A file could not be read or written.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
-    },
+    /// A file could not be read or written (the error names the operation and the path).
+    #[error(transparent)]
+    Io(#[from] crate::fsio::IoError),
     /// A file's contents are not what the format says.
     #[error("{0}")]
     Format(String),
@@ -74,15 +69,6 @@ pub enum DataError {
     /// Building a tensor failed.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
-}
-
-impl DataError {
-    pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
-        DataError::Io {
-            path: path.to_path_buf(),
-            source,
-        }
-    }
 }
 
 /// Where training data comes from: `"builtin"` or a directory of token shards.

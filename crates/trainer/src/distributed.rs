@@ -11,7 +11,8 @@
 //!   the tp and pp ranks of one dp index read the same rows.
 //!
 //!   micro-step k of K:  forward_backward(x_k, y_k, 1/K, sync = k == K−1)
-//!   optimizer step:     global norm (one all-reduce) -> clip -> AdamW on this rank's part
+//!   optimizer step:     grad_sq_norm (one all-reduce) -> the loop's clip_coef -> optimizer_step:
+//!                       AdamW on this rank's part with the gradients scaled by it
 //! ```
 //!
 //! The loss returned is the mean over the global batch, identical on every rank. After every
@@ -41,6 +42,7 @@ use mtrain_model::{Engine, Gpt, GptConfig, MoeStats};
 use mtrain_parallel::ddp::{CommStats, DataParallel, Ddp, ModelStateBytes};
 use mtrain_parallel::parallelize::{parallelize, DataParallelKind, ParallelModel, ParallelPlan};
 use mtrain_parallel::pipeline::executor::SpanKind;
+use mtrain_parallel::placement::tp_placement;
 use serde::Serialize;
 
 use crate::memory::{rank_activation_bytes, ActivationLayout, ModelStateLayout, Phase};
@@ -167,7 +169,6 @@ pub struct Distributed {
     plan: ParallelPlan,
     grad_accum: usize,
     micro: usize,
-    grad_clip: f64,
     layout: ModelStateLayout,
     comm_buffer_bytes: u64,
     /// This rank's pipeline rank (which stages' activations it holds).
@@ -191,8 +192,8 @@ pub fn uses_standalone_ddp(cfg: &GptConfig, plan: &ParallelPlan) -> bool {
 
 impl Distributed {
     /// Builds this rank's part from the full `weights` (the same on every rank). A collective
-    /// over every group of `mesh`.
-    #[allow(clippy::too_many_arguments)]
+    /// over every group of `mesh`. Clipping is the loop's: it passes the coefficient to
+    /// [`TrainableModel::optimizer_step`].
     pub fn new(
         cfg: &GptConfig,
         weights: &BTreeMap<String, Tensor>,
@@ -201,10 +202,8 @@ impl Distributed {
         device: &Device,
         optim: AdamWConfig,
         grad_accum: usize,
-        grad_clip: f64,
     ) -> anyhow::Result<Self> {
-        let dp = plan.dims.dp as u64;
-        let (inner, n_local, zero, comm_buffer_bytes) = match plan.data {
+        let (inner, n_local, comm_buffer_bytes) = match plan.data {
             DataParallelKind::Ddp(ddp_cfg) if uses_standalone_ddp(cfg, plan) => {
                 let dtype = plan.precision.param_dtype;
                 let compute: BTreeMap<String, Tensor> = weights
@@ -227,17 +226,13 @@ impl Distributed {
                     gpt,
                     dp: mesh.dp.clone(),
                 };
-                (inner, n as u64, 0, buffers)
+                (inner, n as u64, buffers)
             }
-            data => {
+            _ => {
                 let pm = parallelize(cfg, weights, plan, mesh, device)
                     .context("building this rank's part of the model")?;
                 let n = local_param_count(cfg, &pm, plan.dims.tp);
-                let zero = match data {
-                    DataParallelKind::Zero(z) => z.stage as u8,
-                    DataParallelKind::Ddp(_) => 0,
-                };
-                (Inner::Parallel(Box::new(pm)), n, zero, 0)
+                (Inner::Parallel(Box::new(pm)), n, 0)
             }
         };
         Ok(Self {
@@ -248,12 +243,7 @@ impl Distributed {
             plan: plan.clone(),
             grad_accum: grad_accum.max(1),
             micro: 0,
-            grad_clip,
-            layout: match plan.precision.is_mixed() {
-                true => ModelStateLayout::mixed_adam(n_local),
-                false => ModelStateLayout::fp32_adam(n_local),
-            }
-            .with_zero(zero, dp),
+            layout: ModelStateLayout::for_plan(n_local, plan),
             comm_buffer_bytes,
             pp_rank: mesh.coords.pp,
             pipeline: None,
@@ -289,7 +279,7 @@ impl Distributed {
 }
 
 /// Parameters this rank holds after the tensor, pipeline and expert splits (before ZeRO):
-/// every held name's full size, divided by tp where tensor parallelism splits it.
+/// every held name's full size, as the tensor-parallel split rule slices it.
 fn local_param_count(cfg: &GptConfig, pm: &ParallelModel, tp: usize) -> u64 {
     let full: BTreeMap<String, usize> = param_specs(cfg)
         .into_iter()
@@ -299,11 +289,7 @@ fn local_param_count(cfg: &GptConfig, pm: &ParallelModel, tp: usize) -> u64 {
         .iter()
         .map(|p| {
             let n = full.get(p.name()).copied().unwrap_or(p.elem_count());
-            let split = p.name() == "wte.weight"
-                || p.name().contains(".c_attn.")
-                || p.name().contains(".c_fc.")
-                || p.name().ends_with(".c_proj.weight");
-            (if split && tp > 1 { n / tp } else { n }) as u64
+            tp_placement(p.name(), false).local_numel(n, tp) as u64
         })
         .sum()
 }
@@ -403,13 +389,13 @@ impl TrainableModel for Distributed {
         })
     }
 
-    /// Clips with the configured `grad_clip` (the loop's `grad_scale` is the same coefficient,
-    /// computed from the same global norm) and steps AdamW over this rank's part.
-    fn optimizer_step(&mut self, lr: f64, _grad_scale: f64) -> anyhow::Result<()> {
-        let max = (self.grad_clip > 0.0).then_some(self.grad_clip);
+    /// Scales the gradients by `grad_scale`, the loop's clip coefficient of the norm
+    /// [`TrainableModel::grad_sq_norm`] gave (so the norm's all-reduce runs once per step), and
+    /// steps AdamW over this rank's part.
+    fn optimizer_step(&mut self, lr: f64, grad_scale: f64) -> anyhow::Result<()> {
         match &mut self.inner {
-            Inner::Parallel(pm) => pm.optimizer_step(&mut self.opt, lr, max)?,
-            Inner::Ddp { ddp, .. } => ddp.optimizer_step(&mut self.opt, lr, max)?,
+            Inner::Parallel(pm) => pm.scaled_step(&mut self.opt, lr, grad_scale)?,
+            Inner::Ddp { ddp, .. } => ddp.scaled_step(&mut self.opt, lr, grad_scale)?,
         };
         let c = self.comm_stats();
         self.last_report = Some(StepReport {

@@ -22,11 +22,17 @@
 //! prefix; the first worker to fail (non-zero exit code or killed by a signal) takes the job
 //! down — the others are killed, the launcher names the failed rank and how it failed, and exits
 //! non-zero. Ctrl-C or SIGTERM to the launcher stops every worker.
+//!
+//! Workers never outlive their launcher, however it ends: each is started with the Linux
+//! parent-death signal set to SIGKILL ([`die_with_parent`]), so the kernel kills it the moment
+//! the launcher dies, even of SIGKILL. A worker started by another launcher (torchrun, Slurm, by
+//! hand) or on another node watches the job's rendezvous store instead
+//! ([`crate::liveness`]) and exits when the store goes away.
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
-use std::os::unix::process::ExitStatusExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -116,6 +122,20 @@ impl LaunchSpec {
                 self.nnodes,
                 self.nnodes - 1
             )));
+        }
+        if self.world_size() > crate::layout::MAX_WORLD {
+            return Err(LaunchError::Invalid(format!(
+                "--nproc-per-node {} * --nnodes {} = {} processes is above the largest supported world of {}",
+                self.nproc_per_node,
+                self.nnodes,
+                self.world_size(),
+                crate::layout::MAX_WORLD
+            )));
+        }
+        if self.master_port == Some(0) {
+            return Err(LaunchError::Invalid(
+                "--master-port 0 names no port the ranks could meet at; give 1..=65535, or leave it out on one node to pick a free one".into(),
+            ));
         }
         if self.nnodes > 1 && self.master_port.is_none() {
             return Err(LaunchError::Invalid(format!(
@@ -304,6 +324,7 @@ pub fn launch(spec: &LaunchSpec, args: &[OsString]) -> Result<(), LaunchError> {
             cmd.env("MTRAIN_STORE_EXTERNAL", "1");
         }
         cmd.env(LINES_PREFIXED_VAR, "1");
+        die_with_parent(&mut cmd);
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(source) => {
@@ -331,6 +352,29 @@ pub fn launch(spec: &LaunchSpec, args: &[OsString]) -> Result<(), LaunchError> {
     }
 
     supervise(&mut workers, &interrupted)
+}
+
+/// Make the process `cmd` starts die (SIGKILL) as soon as this process does.
+///
+/// `prctl(PR_SET_PDEATHSIG)` runs in the child between fork and exec. The signal is sent when the
+/// thread that forked the child ends, so workers are spawned from the launcher's main thread,
+/// which lives as long as the launcher. If the launcher died before the prctl took effect, the
+/// child's parent is already someone else: it exits at once instead of starting orphaned.
+fn die_with_parent(cmd: &mut Command) {
+    let launcher = std::process::id() as libc::pid_t;
+    // SAFETY: the closure runs in the forked child before exec and calls only prctl, getppid
+    // and _exit, which are async-signal-safe; it allocates nothing and takes no locks.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::getppid() != launcher {
+                libc::_exit(1);
+            }
+            Ok(())
+        });
+    }
 }
 
 /// Poll the workers until every one exited with code 0, one failed, or we were interrupted.
@@ -467,6 +511,13 @@ mod tests {
         let e = spec(4, 2, 0, None).validate().unwrap_err().to_string();
         assert!(e.contains("--master-port is required"), "{e}");
         assert!(spec(0, 1, 0, None).validate().is_err());
+        let e = spec(2, 1, 0, Some(0)).validate().unwrap_err().to_string();
+        assert!(e.contains("--master-port 0"), "{e}");
+        let e = spec(1 << 20, 2, 0, Some(1))
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("largest supported world of 1048576"), "{e}");
         assert!(spec(2, 1, 0, None).validate().is_ok());
     }
 

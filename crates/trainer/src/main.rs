@@ -3,11 +3,15 @@
 //! ```text
 //!   mtrain --tp 2 --pp 2          RANK unset, world 4  -> launcher: spawn 4 workers, supervise
 //!     '-- worker (RANK=r)         RANK set             -> CPU backend from the environment,
-//!                                                         validate dims, train::run / bench-comm
+//!                                                         train::run_with / bench-comm
 //!   mtrain                        RANK unset, world 1  -> train in this process, no spawning
 //!   mtrain plan | prepare | sample | plot              -> single-process tools, never launched
 //!   mtrain parity --vs "..."                           -> runs this binary twice (1 rank, the layout)
 //! ```
+//!
+//! Every command that runs on ranks resolves the configuration (its `[parallel]` table under the
+//! layout flags) and the layout the same way, before launching and again in each worker, so a
+//! worker sees the job its launcher saw.
 //!
 //! Errors are printed with their chain of causes and the process exits non-zero, so a failing
 //! worker is seen by the launcher, which stops the job and names the rank.
@@ -21,9 +25,11 @@ use clap::Parser;
 use mtrain_comm::cpu::{CpuBackend, CpuOptions};
 use mtrain_comm::env::LaunchEnv;
 use mtrain_comm::Backend;
-use mtrain_trainer::cli::{Cli, Command, Layout};
+use mtrain_trainer::cli::{Cli, Command};
 use mtrain_trainer::config::DeviceKind;
 use mtrain_trainer::launch::{self, LaunchError};
+use mtrain_trainer::layout::{self, Layout};
+use mtrain_trainer::liveness::{self, StoreWatch};
 use mtrain_trainer::{bench_comm, parity, plan, plot, prepare, sample, train};
 use tracing_subscriber::fmt::format::Writer;
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
@@ -34,6 +40,8 @@ static ALLOC: mtrain_trainer::memory::CountingAlloc = mtrain_trainer::memory::Co
 
 /// Exit code after Ctrl-C / SIGTERM, as a shell reports a SIGINT death (128 + 2).
 const EXIT_INTERRUPTED: u8 = 130;
+/// Exit code of a worker whose job vanished under it (its rendezvous store stopped answering).
+const EXIT_JOB_LOST: i32 = 1;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -112,9 +120,15 @@ where
 }
 
 fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
+    let launched_world = env.as_ref().map(|e| e.world_size);
     match &cli.command {
         Some(Command::Plan(args)) => {
-            plan::run(&cli.layout, &cli.strategy, args).map_err(Into::into)
+            let cfg = cli
+                .config_from(&args.train)
+                .context("resolving the training configuration")?;
+            let layout = cli.layout.resolve(&cfg.parallel, None)?;
+            let plan = layout::plan(&cfg, &layout)?;
+            plan::run(&cfg, &layout, &plan, args)
         }
         Some(Command::Prepare(args)) => {
             let summary = prepare::prepare(args)?;
@@ -133,7 +147,13 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
             Ok(())
         }
         Some(Command::BenchComm(args)) => {
-            distributed(&cli, env, args.device, |backend, _layout| {
+            let cfg = cli
+                .config()
+                .context("resolving the configuration (its [parallel] table)")?;
+            let layout = cli.layout.resolve(&cfg.parallel, launched_world)?;
+            // No model to plan for: only the mesh's own numbers are checked.
+            layout.dims.validate(layout.world_size)?;
+            distributed(&layout, env, args.device, |backend| {
                 bench_comm::run(args, backend)?;
                 Ok(())
             })
@@ -146,27 +166,17 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
             Ok(())
         }
         None => {
-            // Resolve the config and the plan before launching, so a bad flag or a layout that
-            // cannot work fails once, with the arithmetic, not once per rank.
+            // Resolve the config and check the plan before launching, so a bad flag or a layout
+            // that cannot work fails once, with the arithmetic, not once per rank.
             let cfg = cli
-                .train
-                .resolve()
+                .config()
                 .context("resolving the training configuration")?;
-            let layout = cli.layout.resolve(env.as_ref().map(|e| e.world_size))?;
-            let plan = cli
-                .strategy
-                .plan(layout.dims, cfg.activation_checkpointing)?;
-            plan.validate(
-                &cfg.gpt_config()?,
-                layout.world_size,
-                cfg.batch_size * layout.dims.dp,
-            )
-            .context("the layout does not fit the model")?;
+            let layout = cli.layout.resolve(&cfg.parallel, launched_world)?;
             let opts = train::RunOptions {
-                plan,
-                trace: cli.layout.trace,
+                plan: layout::plan(&cfg, &layout)?,
+                trace: layout.trace,
             };
-            distributed(&cli, env, cfg.device, |backend, layout| {
+            distributed(&layout, env, cfg.device, |backend| {
                 if backend.world().rank() == 0 {
                     tracing::info!(
                         "layout dp={} pp={} tp={} ep={} (world {})",
@@ -184,15 +194,14 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
     }
 }
 
-/// Run `job` on every rank of the layout: here (world 1), as this worker (RANK set), or by
+/// Run `job` on every rank of `layout`: here (world 1), as this worker (RANK set), or by
 /// launching this node's workers, which re-enter here as workers.
 fn distributed(
-    cli: &Cli,
+    layout: &Layout,
     env: Option<LaunchEnv>,
     device: DeviceKind,
-    job: impl FnOnce(&dyn Backend, &Layout) -> anyhow::Result<()>,
+    job: impl FnOnce(&dyn Backend) -> anyhow::Result<()>,
 ) -> anyhow::Result<()> {
-    let layout = cli.layout.resolve(env.as_ref().map(|e| e.world_size))?;
     let env = match env {
         Some(env) => env,
         None if layout.world_size == 1 => LaunchEnv::single(),
@@ -202,24 +211,47 @@ fn distributed(
             return Ok(());
         }
     };
-    layout.dims.validate(env.world_size)?;
     inject_failure(env.rank)?;
-    let backend = make_backend(&env, device, &layout).with_context(|| {
+    let backend = make_backend(&env, device, layout).with_context(|| {
         if env.world_size > 1 {
             format!("rank {}: joining the job at {}", env.rank, env.store_addr())
         } else {
             "starting the collective backend".to_string()
         }
     })?;
-    job(backend.as_ref(), &layout)?;
+    let watch = watch_job(&env)?;
+    job(backend.as_ref())?;
     if env.world_size > 1 {
         // Leave together: once every rank is past this barrier nobody waits for data from a
         // peer any more (and rank 0, which may be serving the store, is the last to need it).
         // Dropping the backend flushes each connection's queued bytes before the process exits.
+        if let Some(w) = &watch {
+            w.disarm();
+        }
         backend.world().barrier().context("final barrier")?;
         drop(backend);
     }
     Ok(())
+}
+
+/// Exit when the job's rendezvous store goes away ([`liveness`]): the launcher or rank 0 that
+/// served it is gone, so this worker is an orphan. Not needed in a world of one, nor in the
+/// process that serves the store itself.
+fn watch_job(env: &LaunchEnv) -> anyhow::Result<Option<StoreWatch>> {
+    if env.world_size == 1 || (env.rank == 0 && !env.store_external) {
+        return Ok(None);
+    }
+    let (addr, rank) = (env.store_addr(), env.rank);
+    let watched = addr.clone();
+    let watch = StoreWatch::start(&addr, &env.job_id, liveness::POLL_INTERVAL, move |why| {
+        eprintln!(
+            "error: rank {rank}: the job's rendezvous store at {watched} stopped answering, so its launcher or rank 0 is gone; exiting"
+        );
+        eprintln!("  caused by: {why}");
+        std::process::exit(EXIT_JOB_LOST);
+    })
+    .with_context(|| format!("rank {rank}: watching the rendezvous store at {addr}"))?;
+    Ok(Some(watch))
 }
 
 /// The collective backend for this process: TCP on CPU, NCCL on the GPU of `LOCAL_RANK`.

@@ -22,45 +22,13 @@
 //! gradient-norm difference is printed beside it (it is more sensitive: a norm of a difference of
 //! nearly equal sums).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use anyhow::{bail, Context};
-use clap::{Args, Parser};
+use clap::Parser;
 
-use crate::cli::Cli;
-
-/// Options of `mtrain parity`.
-#[derive(Debug, Clone, Args)]
-pub struct ParityArgs {
-    /// The layout to compare with one rank, as its flags in one string: "--tp 2 --pp 2 --dp 2".
-    #[arg(long, value_name = "FLAGS", allow_hyphen_values = true)]
-    pub vs: String,
-    /// TOML file with [model] and [train] tables (as for training).
-    #[arg(long, value_name = "FILE")]
-    pub config: Option<PathBuf>,
-    /// Model preset, when no config file is given.
-    #[arg(long, value_name = "NAME")]
-    pub model: Option<String>,
-    /// Optimizer steps to compare.
-    #[arg(long, default_value_t = 10)]
-    pub steps: u64,
-    /// Largest allowed relative loss difference.
-    #[arg(long, default_value_t = 1e-5)]
-    pub tol: f64,
-    /// Sequences per dp rank in the layout (the reference gets dp times as many).
-    #[arg(long)]
-    pub batch_size: Option<usize>,
-    /// Tokens per sequence.
-    #[arg(long)]
-    pub seq_len: Option<usize>,
-    /// Config overrides passed to both runs, e.g. `--set lr=1e-3` (repeatable).
-    #[arg(long = "set", value_name = "KEY=VALUE")]
-    pub overrides: Vec<String>,
-    /// Where the two run directories go (default: a fresh directory under the system temp dir).
-    #[arg(long, value_name = "DIR")]
-    pub out: Option<PathBuf>,
-}
+use crate::cli::{Cli, ParityArgs};
 
 /// One step of a run's metrics.jsonl.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -191,6 +159,7 @@ fn run_mtrain(args: &[String], what: &str) -> anyhow::Result<()> {
 
 /// `mtrain parity`: run both, print the table, fail over the tolerance.
 pub fn run(args: &ParityArgs) -> anyhow::Result<()> {
+    crate::validate::non_negative("--tol", args.tol).map_err(anyhow::Error::msg)?;
     let vs: Vec<String> = args.vs.split_whitespace().map(str::to_string).collect();
     let mut argv = vec!["mtrain".to_string()];
     argv.extend(vs.iter().cloned());
@@ -202,16 +171,17 @@ pub fn run(args: &ParityArgs) -> anyhow::Result<()> {
             args.vs
         );
     }
-    let dp = cli.layout.resolve(None)?.dims.dp;
-
-    // The per-rank batch of the layout, from the flag or the configuration.
+    // The layout run's configuration: the file (its [parallel] table too) under the --vs flags.
     let probe = crate::config::TrainArgs {
         config: args.config.clone(),
         model: args.model.clone(),
         overrides: args.overrides.clone(),
         ..Default::default()
     };
-    let resolved = probe.resolve().context("resolving the configuration")?;
+    let resolved = cli
+        .config_from(&probe)
+        .context("resolving the configuration")?;
+    let dp = cli.layout.resolve(&resolved.parallel, None)?.dims.dp;
     let batch = args.batch_size.unwrap_or(resolved.batch_size);
     let moe = resolved.gpt_config()?.moe.is_some();
 
@@ -261,7 +231,13 @@ pub fn run(args: &ParityArgs) -> anyhow::Result<()> {
     } else {
         one.extend(["--batch-size".into(), (batch * dp).to_string()]);
     }
-    one.extend(["--run-dir".into(), one_dir.display().to_string()]);
+    // One rank whatever the file's [parallel] table says: the default layout.
+    one.extend([
+        "--set".into(),
+        "parallel={}".into(),
+        "--run-dir".into(),
+        one_dir.display().to_string(),
+    ]);
     run_mtrain(&one, "one-rank")?;
 
     let mut lay = vs.clone();

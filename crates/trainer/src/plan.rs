@@ -4,16 +4,22 @@
 //! mtrain plan --tp 4 --pp 2 [--config FILE] [training flags]
 //! ```
 //!
-//! Resolves the layout exactly as a training launch would (same flags, same inference of dp and
-//! the world size, same error messages), then prints the rank grid and every process group from
-//! [`MeshDims::render`], and the model the configuration describes. Nothing is launched and no
-//! network is touched, so it answers "which ranks talk to which" on a laptop for a 1000-GPU job.
+//! The layout is resolved and its plan checked exactly as a training launch does it (same
+//! flags and `[parallel]` table, same inference of dp and the world size, same error messages),
+//! then this prints the rank grid and every process group from [`MeshDims::render`], the
+//! model the configuration describes, the layers per stage, each pipeline rank's analytic
+//! memory ([`rank_memory`]: the same model and the same numbers as the analytic column of the
+//! `--mem-report` table), and the communication estimate.
+//! Nothing is launched and no network is touched, so it answers "which ranks talk to which" on
+//! a laptop for a 1000-GPU job.
 
 use clap::Args;
 use mtrain_comm::mesh::MeshDims;
+use mtrain_parallel::parallelize::ParallelPlan;
 
-use crate::cli::{Layout, LayoutArgs, LayoutError};
-use crate::config::TrainArgs;
+use crate::config::{TrainArgs, TrainConfig};
+use crate::layout::Layout;
+use crate::memory::{rank_activation_bytes, rank_params, ActivationLayout, ModelStateLayout};
 
 /// Options of `mtrain plan`: the training flags, so `--config` and overrides resolve as in training.
 #[derive(Debug, Clone, Args)]
@@ -31,20 +37,9 @@ pub struct PlanArgs {
     pub compare: Option<std::path::PathBuf>,
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum PlanError {
-    #[error(transparent)]
-    Layout(#[from] LayoutError),
-    #[error(transparent)]
-    Mesh(#[from] mtrain_comm::CommError),
-    #[error("resolving the training configuration: {0:#}")]
-    Config(anyhow::Error),
-}
-
-/// The plan as text: the launch, the mesh and the model.
-pub fn render(layout: &Layout, args: &PlanArgs) -> Result<String, PlanError> {
+/// The plan as text: the launch, the mesh, the model and the batch.
+pub fn render(cfg: &TrainConfig, layout: &Layout) -> Result<String, crate::config::ConfigError> {
     let dims: MeshDims = layout.dims;
-    dims.validate(layout.world_size)?;
     let spec = &layout.launch;
     let mut out = format!(
         "world size {} = dp({}) * pp({}) * tp({}), ep({}) inside dp; {} process(es) per node x {} node(s), rendezvous at {}:{}\n",
@@ -60,8 +55,7 @@ pub fn render(layout: &Layout, args: &PlanArgs) -> Result<String, PlanError> {
     );
     out.push_str(&dims.render());
 
-    let cfg = args.train.resolve().map_err(PlanError::Config)?;
-    let model = cfg.gpt_config().map_err(|e| PlanError::Config(e.into()))?;
+    let model = cfg.gpt_config()?;
     out.push_str(&format!(
         "model: {} layers, {} heads, width {}, vocab {}, context {}; {:.2}M parameters{}\n",
         model.n_layer,
@@ -89,36 +83,124 @@ pub fn render(layout: &Layout, args: &PlanArgs) -> Result<String, PlanError> {
     Ok(out)
 }
 
-/// The parallel plan of the strategy flags, checked against the model and batch (refused with
-/// the arithmetic), then its layers per stage and per-rank memory estimate
-/// ([`mtrain_parallel::parallelize::describe`]).
-pub fn describe_plan(
-    layout: &Layout,
-    strategy: &crate::cli::StrategyArgs,
-    args: &PlanArgs,
-) -> Result<String, PlanError> {
-    let cfg = args.train.resolve().map_err(PlanError::Config)?;
-    let model = cfg.gpt_config().map_err(|e| PlanError::Config(e.into()))?;
-    let mut plan = strategy.plan(layout.dims, cfg.activation_checkpointing)?;
-    // The run's dtypes decide the plan's mixed precision, as in training.
-    plan.precision = cfg.precision();
-    plan.validate(&model, layout.world_size, cfg.batch_size * layout.dims.dp)
-        .map_err(|e| PlanError::Config(e.into()))?;
-    Ok(mtrain_parallel::parallelize::describe(&model, &plan))
+/// What one pipeline rank (any of its tp, dp and ep ranks alike) should hold under a plan.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RankMemory {
+    pub pp_rank: usize,
+    /// Parameters, gradients and optimizer state ([`ModelStateLayout::for_plan`] of the
+    /// parameters the rank owns, [`rank_params`]).
+    pub state: ModelStateLayout,
+    /// Activations at the step's peak ([`rank_activation_bytes`]).
+    pub activations: u64,
 }
 
-/// `mtrain plan`: resolve and print.
+/// Each pipeline rank's analytic memory under `plan` for the run `cfg`: the report's model, fed
+/// from the plan instead of from a built model.
+pub fn rank_memory(cfg: &TrainConfig, plan: &ParallelPlan) -> anyhow::Result<Vec<RankMemory>> {
+    let model = cfg.gpt_config()?;
+    (0..plan.dims.pp.max(1))
+        .map(|pp_rank| {
+            let n = rank_params(&model, plan, pp_rank)?;
+            let act = ActivationLayout::for_plan(&model, plan, pp_rank, cfg.batch_size)?;
+            Ok(RankMemory {
+                pp_rank,
+                state: ModelStateLayout::for_plan(n, plan),
+                activations: rank_activation_bytes(
+                    &model,
+                    &act,
+                    cfg.seq_len,
+                    cfg.dtype.candle().size_in_bytes(),
+                    cfg.activation_checkpointing,
+                ),
+            })
+        })
+        .collect()
+}
+
+/// The memory section of `plan`: the precision, then one line per pipeline rank.
+pub fn render_memory(plan: &ParallelPlan, ranks: &[RankMemory]) -> String {
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let precision = match plan.precision.is_mixed() {
+        true => "bf16 weights and gradients, fp32 masters + Adam",
+        false => "fp32 weights, gradients and Adam",
+    };
+    let mut out =
+        format!("memory per rank (analytic, as in the --mem-report table; {precision}):\n");
+    for r in ranks {
+        let s = &r.state;
+        out.push_str(&format!(
+            "pp rank {}: {} params, model state {:.2} MiB (parameters {:.2}, gradients {:.2}, optimizer states {:.2}), activations (est.) {:.2} MiB\n",
+            r.pp_rank,
+            s.n_params,
+            mib(s.total()),
+            mib(s.params()),
+            mib(s.grads()),
+            mib(s.optim()),
+            mib(r.activations),
+        ));
+    }
+    out
+}
+
+/// `mtrain plan`: print the grid, the plan's layers per stage
+/// ([`mtrain_parallel::parallelize::describe`]), each pipeline rank's memory
+/// ([`rank_memory`]) and the communication section, for the run
+/// configuration `cfg` on `layout` under `plan` (as [`crate::layout::plan`] built and checked it).
 pub fn run(
-    layout: &LayoutArgs,
-    strategy: &crate::cli::StrategyArgs,
+    cfg: &TrainConfig,
+    layout: &Layout,
+    plan: &ParallelPlan,
     args: &PlanArgs,
-) -> Result<(), PlanError> {
-    let layout = layout.resolve(None)?;
-    print!("{}", render(&layout, args)?);
-    print!("{}", describe_plan(&layout, strategy, args)?);
+) -> anyhow::Result<()> {
+    print!("{}", render(cfg, layout)?);
+    print!(
+        "{}",
+        mtrain_parallel::parallelize::describe(&cfg.gpt_config()?, plan)
+    );
+    print!("{}", render_memory(plan, &rank_memory(cfg, plan)?));
     let (ab, cmp) = (args.alpha_beta.as_deref(), args.compare.as_deref());
-    let comm = crate::cost::plan_report(layout.dims, strategy, &args.train, ab, cmp)
-        .map_err(|e| PlanError::Config(e.into()))?;
-    print!("{comm}");
+    print!("{}", crate::cost::plan_report(cfg, plan, ab, cmp)?);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{DTypeKind, ParallelConfig};
+
+    /// Mixed precision: bf16 weights and gradients are half the fp32 figures, fp32 masters and
+    /// Adam 12 bytes per parameter; the total stays 16 bytes per parameter.
+    #[test]
+    fn mixed_precision_halves_weights_and_gradients_at_16_bytes_per_parameter() {
+        let dims = MeshDims::new(2, 2, 2, 1);
+        let memory = |dtype| {
+            let cfg = TrainConfig {
+                dtype,
+                ..TrainConfig::default()
+            };
+            let plan = ParallelConfig::default()
+                .plan(dims, false, cfg.precision())
+                .unwrap();
+            let ranks = rank_memory(&cfg, &plan).unwrap();
+            (render_memory(&plan, &ranks), ranks)
+        };
+        let (f_text, f) = memory(DTypeKind::F32);
+        let (m_text, m) = memory(DTypeKind::Bf16);
+        assert!(
+            f_text.contains("fp32 weights, gradients and Adam"),
+            "{f_text}"
+        );
+        assert!(
+            m_text.contains("bf16 weights") && m_text.contains("fp32 masters + Adam"),
+            "{m_text}"
+        );
+        assert_eq!(f.len(), 2);
+        for (f, m) in f.iter().zip(&m) {
+            let (f, m) = (&f.state, &m.state);
+            assert_eq!(m.total(), f.total(), "16 bytes per parameter either way");
+            assert_eq!((2 * m.params(), 2 * m.grads()), (f.params(), f.grads()));
+            assert_eq!(2 * m.optim(), 3 * f.optim(), "12 bytes against 8");
+            assert_eq!(f.total(), 16 * f.n_params);
+        }
+    }
 }

@@ -41,7 +41,7 @@ const W: u32 = 900;
 const H: u32 = 500;
 
 fn read_lines(path: &Path) -> anyhow::Result<Vec<Value>> {
-    let s = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let s = crate::fsio::read_to_string(path)?;
     s.lines()
         .filter(|l| !l.trim().is_empty())
         .map(|l| serde_json::from_str(l).with_context(|| format!("a line of {}", path.display())))
@@ -80,19 +80,18 @@ pub fn plot_run(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
             run_dir.display()
         );
     }
-    written.push(loss_chart(
-        &read_lines(&metrics)?,
-        &run_dir.join("loss.svg"),
-    )?);
+    // Drawing errors (plotters writes the SVG as it draws) name the file being written.
+    let writing = |path: &Path| format!("writing {}", path.display());
+    let loss = run_dir.join("loss.svg");
+    written.push(loss_chart(&read_lines(&metrics)?, &loss).with_context(|| writing(&loss))?);
     let memory = run_dir.join("memory.jsonl");
     if memory.exists() {
-        written.push(memory_chart(
-            &read_lines(&memory)?,
-            &run_dir.join("memory.svg"),
-        )?);
+        let svg = run_dir.join("memory.svg");
+        written.push(memory_chart(&read_lines(&memory)?, &svg).with_context(|| writing(&svg))?);
     }
     if let Some((step, rows)) = read_timelines(run_dir)? {
-        written.push(pipeline_chart(step, &rows, &run_dir.join("pipeline.svg"))?);
+        let svg = run_dir.join("pipeline.svg");
+        written.push(pipeline_chart(step, &rows, &svg).with_context(|| writing(&svg))?);
     }
     Ok(written)
 }
@@ -117,7 +116,7 @@ fn loss_chart(lines: &[Value], out: &Path) -> anyhow::Result<PathBuf> {
         .margin(15)
         .x_label_area_size(35)
         .y_label_area_size(50)
-        .build_cartesian_2d(0.0..x1, (y0 - 0.05 * (y1 - y0))..(y1 + 0.05 * (y1 - y0)))
+        .build_cartesian_2d(0.0..x1, value_axis(y0, y1))
         .map_err(plot_err)?;
     chart
         .configure_mesh()
@@ -142,6 +141,18 @@ fn loss_chart(lines: &[Value], out: &Path) -> anyhow::Result<PathBuf> {
         .map_err(plot_err)?;
     root.present().map_err(plot_err)?;
     Ok(out.to_path_buf())
+}
+
+/// The range of a value axis showing `lo..=hi` with 5% margins. A single value (a one-step run)
+/// or no finite value gets a range one unit wide: plotters finds no ticks on an empty range and
+/// never returns.
+fn value_axis(lo: f64, hi: f64) -> std::ops::Range<f64> {
+    if !(lo.is_finite() && hi.is_finite() && hi > lo) {
+        let mid = if lo.is_finite() && lo <= hi { lo } else { 0.0 };
+        return (mid - 0.5)..(mid + 0.5);
+    }
+    let pad = 0.05 * (hi - lo);
+    (lo - pad)..(hi + pad)
 }
 
 /// Position of a phase inside its step on the x axis.
@@ -460,6 +471,33 @@ mod tests {
 
     /// Counts the `<text>` elements of an SVG whose content is `F<digits>` (`letter` = 'F') or
     /// `B<digits>`: the forward / backward boxes' labels.
+    /// A run of one step has one loss: the chart is drawn (it used to hang in plotters).
+    #[test]
+    fn a_one_step_run_is_plotted() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("metrics.jsonl"),
+            "{\"step\":0,\"loss\":5.5}\n",
+        )
+        .unwrap();
+        let written = plot_run(dir.path()).unwrap();
+        assert!(
+            written.iter().any(|p| p.ends_with("loss.svg")),
+            "{written:?}"
+        );
+        // A chart that cannot be written names its file.
+        std::fs::remove_file(dir.path().join("loss.svg")).unwrap();
+        std::fs::create_dir(dir.path().join("loss.svg")).unwrap();
+        let e = format!("{:#}", plot_run(dir.path()).unwrap_err());
+        let svg = dir.path().join("loss.svg");
+        assert!(
+            e.starts_with(&format!("writing {}: ", svg.display())),
+            "{e}"
+        );
+        assert_eq!(value_axis(2.0, 2.0), 1.5..2.5);
+        assert_eq!(value_axis(f64::MAX, f64::MIN), -0.5..0.5);
+    }
+
     fn labels(svg: &str, letter: char) -> usize {
         svg.split("<text")
             .skip(1)

@@ -23,6 +23,7 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, Tokenizer, TokenizerBuilder};
 
 use crate::data::{write_shard, DataError};
+use crate::fsio::{IoContext, IoError};
 
 /// The document separator added to the vocabulary (GPT-2's).
 pub const END_OF_TEXT: &str = "<|endoftext|>";
@@ -33,14 +34,9 @@ pub enum PrepareError {
     /// The arguments do not make sense.
     #[error("{0}")]
     Invalid(String),
-    /// Reading the text failed.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
-    },
+    /// Reading the text or creating the output directory failed (names the operation and path).
+    #[error(transparent)]
+    Io(#[from] IoError),
     /// The tokenizers crate failed.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
@@ -97,18 +93,16 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareSummary, PrepareError> {
             args.val_fraction
         )));
     }
-    let text = std::fs::read_to_string(&args.text).map_err(|source| PrepareError::Io {
-        path: args.text.clone(),
-        source,
-    })?;
-    std::fs::create_dir_all(&args.out).map_err(|source| PrepareError::Io {
-        path: args.out.clone(),
-        source,
-    })?;
+    crate::validate::at_most("--vocab-size", args.vocab_size, crate::validate::MAX_COUNT)
+        .map_err(PrepareError::Invalid)?;
+    let text = crate::fsio::read_to_string(&args.text)?;
+    std::fs::create_dir_all(&args.out).at("creating directory", &args.out)?;
 
     let tokenizer = train_tokenizer(&args.text, args.vocab_size)?;
     let tok_path = args.out.join("tokenizer.json");
-    tokenizer.save(&tok_path, false).map_err(tok_err)?;
+    tokenizer
+        .save(&tok_path, false)
+        .map_err(|e| PrepareError::Tokenizer(format!("writing {}: {e}", tok_path.display())))?;
     // Reload through the generic `Tokenizer`, exactly as `mtrain sample` will.
     let tokenizer = Tokenizer::from_file(&tok_path).map_err(tok_err)?;
     let ids = encode(&tokenizer, &text)?;
@@ -161,7 +155,7 @@ pub fn train_tokenizer(text_file: &Path, vocab_size: usize) -> Result<Tokenizer,
     })?;
     tokenizer
         .train_from_files(&mut trainer, vec![file.to_string()])
-        .map_err(tok_err)?;
+        .map_err(|e| PrepareError::Tokenizer(format!("training on {file}: {e}")))?;
     Ok(Tokenizer::from(tokenizer))
 }
 

@@ -86,6 +86,13 @@ pub fn make_device(kind: DeviceKind, ordinal: usize) -> anyhow::Result<Device> {
 
 /// Generate from the checkpoint: returns the prompt followed by the continuation.
 pub fn sample(args: &SampleArgs) -> anyhow::Result<String> {
+    crate::validate::non_negative("--temperature", args.temperature).map_err(anyhow::Error::msg)?;
+    crate::validate::at_most(
+        "--max-new-tokens",
+        args.max_new_tokens,
+        crate::validate::MAX_COUNT,
+    )
+    .map_err(anyhow::Error::msg)?;
     let dir = checkpoint::resolve(&args.checkpoint)?;
     let device = make_device(args.device, 0)?;
     let ckpt = checkpoint::load(&dir, &device)?;
@@ -99,10 +106,13 @@ pub fn sample(args: &SampleArgs) -> anyhow::Result<String> {
         (None, DataSource::Builtin) => None,
     };
     let codec = match tokenizer {
-        Some(p) => Codec::Bpe(Box::new(
-            Tokenizer::from_file(&p)
-                .map_err(|e| anyhow::anyhow!("loading {}: {e}", p.display()))?,
-        )),
+        Some(p) => {
+            crate::fsio::regular_file(&p)?;
+            Codec::Bpe(Box::new(
+                Tokenizer::from_file(&p)
+                    .map_err(|e| anyhow::anyhow!("loading {}: {e}", p.display()))?,
+            ))
+        }
         None => Codec::Bytes,
     };
     let ids = codec.encode(&args.prompt)?;

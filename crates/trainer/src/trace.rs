@@ -29,8 +29,10 @@ pub fn write_rank_trace(run_dir: &Path, rank: usize, groups: &[Comm]) -> anyhow:
     let file = File::create(&path).with_context(|| format!("creating {}", path.display()))?;
     let mut out = BufWriter::new(file);
     for e in &events {
-        serde_json::to_writer(&mut out, e)?;
-        out.write_all(b"\n")?;
+        serde_json::to_writer(&mut out, e)
+            .map_err(std::io::Error::from)
+            .and_then(|_| out.write_all(b"\n"))
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     out.flush()
         .with_context(|| format!("writing {}", path.display()))?;

@@ -21,8 +21,6 @@
 //! random, a resumed run reproduces the uninterrupted loss series bit for bit.
 
 use std::collections::BTreeMap;
-use std::fs::{File, OpenOptions};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -39,9 +37,11 @@ use mtrain_parallel::parallelize::ParallelPlan;
 use serde::Serialize;
 
 use crate::checkpoint::{self, CheckpointData};
-use crate::config::TrainConfig;
+use crate::config::{ParallelConfig, TrainConfig};
 use crate::data::{DataLoader, Dataset};
 use crate::distributed::Distributed;
+use crate::phases::{PhaseTimer, PhaseTimes, StepPhase};
+use crate::fsio::JsonLines;
 use crate::memory::{
     activation_bytes, AnalyticMemory, CpuProbe, MemoryProbe, MemoryTracker, ModelStateLayout, Phase,
 };
@@ -323,6 +323,9 @@ pub struct StepMetrics {
     /// Rank 0's communication, pipeline and expert figures (see `distributed::StepReport`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub parallel: Option<serde_json::Value>,
+    /// Milliseconds per phase of the step, under `profile_phases` (see [`crate::phases`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub phase_ms: Option<PhaseTimes>,
 }
 
 /// What a run did.
@@ -377,6 +380,11 @@ pub fn run_with(
     opts: &RunOptions,
 ) -> anyhow::Result<TrainSummary> {
     cfg.validate()?;
+    // Checkpoints record the configuration with the layout this run actually has.
+    let cfg = &TrainConfig {
+        parallel: ParallelConfig::of_plan(&opts.plan),
+        ..cfg.clone()
+    };
     let dims = opts.plan.dims;
     if dims.world_size() * dims.ep != 1 || backend.world().size() != 1 {
         return run_distributed(cfg, backend, opts);
@@ -519,7 +527,6 @@ fn run_distributed(
             &device,
             adamw,
             cfg.grad_accum,
-            cfg.grad_clip,
         )?;
         drop(weights);
         if rank == 0 {
@@ -610,6 +617,7 @@ pub fn train_loop(
     let mut start_step = 0;
     if let Some(resume) = &cfg.resume {
         let ckpt = resume_checkpoint(cfg, resume, device)?;
+        ckpt.check_model(gcfg)?;
         ckpt.check_shapes(&model.param_shapes())?;
         model.load_state(&ckpt.model, ckpt.optim)?;
         loader.set_position(ckpt.meta.data_position);
@@ -627,8 +635,8 @@ pub fn train_loop(
         .mem_report
         .then(|| open_append(&cfg.run_dir.join("memory.jsonl")))
         .transpose()?;
-    let mut step_log: Option<File> = None;
-    let mut timeline_log: Option<File> = None;
+    let mut step_log: Option<JsonLines> = None;
+    let mut timeline_log: Option<JsonLines> = None;
 
     let sched = LrSchedule {
         lr: cfg.lr,
@@ -694,25 +702,44 @@ pub fn train_loop(
         let lr = lr_at(step, &sched);
         let mut loss = 0.0;
         let epoch = loader.epoch();
+        let mut timer = cfg
+            .profile_phases
+            .then(|| PhaseTimer::start(device))
+            .transpose()?;
         for _ in 0..cfg.grad_accum {
             let (x, y) = loader.next_batch().to_tensors(device)?; // (B, T), (B, T)
+            lap(&mut timer, StepPhase::Data)?;
+            let mut lap_err = None;
             let mut mark = |p: Phase| {
                 if cfg.mem_report {
                     tracker.mark(p)
                 }
+                let phase = match p {
+                    Phase::AfterForward => StepPhase::Forward,
+                    _ => StepPhase::Backward,
+                };
+                if let Err(e) = lap(&mut timer, phase) {
+                    lap_err.get_or_insert(e);
+                }
             };
             loss += model.forward_backward(&x, &y, 1.0 / cfg.grad_accum as f64, &mut mark)?
                 / cfg.grad_accum as f64;
+            if let Some(e) = lap_err {
+                return Err(e.into());
+            }
         }
         if !loss.is_finite() {
             bail!("loss became {loss} at step {step} (lr {lr:.3e}); lower --lr or check the data");
         }
         let grad_norm = model.grad_sq_norm()?.sqrt();
+        lap(&mut timer, StepPhase::GradNorm)?;
         model.optimizer_step(lr, clip_coef(grad_norm, cfg.grad_clip))?;
+        lap(&mut timer, StepPhase::Optimizer)?;
         if cfg.mem_report {
             tracker.mark(Phase::AfterOptimizer);
         }
         let dt = t0.elapsed().as_secs_f64();
+        let phase_ms = timer.map(PhaseTimer::finish);
         let tokens_per_s = tokens_per_step / dt.max(1e-9);
         let mfu = flops_per_token * tokens_per_s / (peak * dp as f64);
         summary.losses.push(loss);
@@ -735,6 +762,7 @@ pub fn train_loop(
             epoch,
             val_loss,
             parallel: model.step_report(),
+            phase_ms,
         };
         bar.set_position(step + 1);
         bar.set_message(format!(
@@ -760,6 +788,9 @@ pub fn train_loop(
             }
             if let (true, Some(line)) = (lead, model.step_line()) {
                 bar.suspend(|| tracing::info!(rank, step, "{line}"));
+            }
+            if let (true, Some(p)) = (lead, &m.phase_ms) {
+                bar.suspend(|| tracing::info!(rank, step, "phases (ms): {}", p.line()));
             }
         }
         if let Some(report) = &m.parallel {
@@ -893,17 +924,18 @@ pub fn memory_probe(device: &Device) -> Box<dyn MemoryProbe> {
     Box::new(CpuProbe)
 }
 
-fn open_append(path: &Path) -> anyhow::Result<File> {
-    OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .with_context(|| format!("opening {}", path.display()))
+/// Ends phase `p` of the step when the phases are being timed.
+fn lap(timer: &mut Option<PhaseTimer>, p: StepPhase) -> candle_core::Result<()> {
+    match timer {
+        Some(t) => t.lap(p),
+        None => Ok(()),
+    }
 }
 
-fn write_json_line(f: &mut File, value: &impl Serialize) -> anyhow::Result<()> {
-    let mut line = serde_json::to_string(value)?;
-    line.push('\n');
-    f.write_all(line.as_bytes())?;
-    Ok(())
+fn open_append(path: &Path) -> anyhow::Result<JsonLines> {
+    Ok(JsonLines::open_append(path)?)
+}
+
+fn write_json_line(f: &mut JsonLines, value: &impl Serialize) -> anyhow::Result<()> {
+    Ok(f.write(value)?)
 }

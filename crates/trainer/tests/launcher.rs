@@ -519,3 +519,145 @@ fn two_nodes_on_loopback_form_one_job() {
     );
     assert!(stdout1.is_empty(), "node 1 holds no rank 0: {stdout1}");
 }
+
+/// Whether `pid` is a live process (a zombie waiting to be reaped is not).
+fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => false,
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z"),
+    }
+}
+
+/// Collect `pipe` into a shared buffer from a thread, so a test can wait for a line in it.
+fn collect(mut pipe: impl Read + Send + 'static) -> std::sync::Arc<std::sync::Mutex<Vec<u8>>> {
+    let buf = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = buf.clone();
+    std::thread::spawn(move || {
+        let mut chunk = [0u8; 4096];
+        while let Ok(n) = pipe.read(&mut chunk) {
+            if n == 0 {
+                break;
+            }
+            sink.lock().unwrap().extend_from_slice(&chunk[..n]);
+        }
+    });
+    buf
+}
+
+/// Wait up to `limit` for `needle` in `buf`; fails the test with what arrived otherwise.
+fn wait_for(buf: &std::sync::Mutex<Vec<u8>>, needle: &str, limit: Duration) {
+    let start = Instant::now();
+    while !text(&buf.lock().unwrap()).contains(needle) {
+        assert!(
+            start.elapsed() < limit,
+            "no `{needle}` within {limit:?}:\n{}",
+            text(&buf.lock().unwrap())
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A training run that goes on far longer than any test (10^6 steps of the tiny model).
+const LONG_TRAINING: [&str; 8] = [
+    "--steps",
+    "1000000",
+    "--eval-every",
+    "0",
+    "--log-every",
+    "1",
+    "--batch-size",
+    "2",
+];
+
+#[test]
+fn no_worker_outlives_a_launcher_killed_by_sigkill() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().to_str().unwrap();
+    let mut args = vec!["--nproc-per-node", "2", "--run-dir", run_dir];
+    args.extend(LONG_TRAINING);
+    let mut cmd = mtrain(&args);
+    cmd.stdout(Stdio::null());
+    let mut launcher: Child = cmd.spawn().expect("spawn");
+    let stderr = collect(launcher.stderr.take().expect("stderr"));
+    // Training is under way once rank 0 logged a step.
+    wait_for(&stderr, "[rank 0]", Duration::from_secs(60));
+    wait_for(&stderr, "step", Duration::from_secs(60));
+    let workers = children_of(launcher.id());
+    assert_eq!(workers.len(), 2, "expected two workers, found {workers:?}");
+    assert!(workers.iter().all(|&p| alive(p)), "workers {workers:?}");
+
+    launcher.kill().expect("SIGKILL the launcher");
+    launcher.wait().expect("reap the launcher");
+    std::thread::sleep(Duration::from_secs(5));
+    let survivors: Vec<u32> = workers.into_iter().filter(|&p| alive(p)).collect();
+    for &p in &survivors {
+        // Do not leave them running past the test, whatever it concludes.
+        let _ = Command::new("kill")
+            .args(["-KILL", &p.to_string()])
+            .status();
+    }
+    assert!(
+        survivors.is_empty(),
+        "workers {survivors:?} still alive 5 s after SIGKILL of their launcher"
+    );
+}
+
+#[test]
+fn workers_of_an_external_launcher_end_when_the_store_host_dies() {
+    // As under torchrun: rank 0 serves the store, no mtrain launcher ties the ranks together.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let spawn = |rank: &str| {
+        let mut args = vec!["--run-dir", dir.path().to_str().unwrap()];
+        args.extend(LONG_TRAINING);
+        let mut cmd = mtrain(&args);
+        for (k, v) in [
+            ("RANK", rank),
+            ("LOCAL_RANK", rank),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", port.as_str()),
+            ("MTRAIN_JOB_ID", "store-liveness-test"),
+        ] {
+            cmd.env(k, v);
+        }
+        cmd.stdout(Stdio::null());
+        let mut child = cmd.spawn().expect("spawn a worker");
+        let stderr = collect(child.stderr.take().expect("stderr"));
+        (child, stderr)
+    };
+    let (mut rank0, err0) = spawn("0");
+    let (mut rank1, err1) = spawn("1");
+    wait_for(&err0, "step", Duration::from_secs(60));
+    rank0.kill().expect("SIGKILL rank 0");
+    rank0.wait().expect("reap rank 0");
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = rank1.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(5) {
+            let _ = rank1.kill();
+            let _ = rank1.wait();
+            panic!(
+                "rank 1 still running 5 s after the store's host died:\n{}",
+                text(&err1.lock().unwrap())
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    std::thread::sleep(Duration::from_millis(200)); // the last lines of its stderr
+    let log = text(&err1.lock().unwrap());
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(!log.contains("panicked"), "{log}");
+    assert!(log.contains("error:"), "a clean error is printed:\n{log}");
+}

@@ -135,3 +135,107 @@ fn fsdp_measures_at_most_0_4x_ddp_model_state_per_rank() {
     let ratio = fsdp[0].2 / ddp[0].2;
     assert!((ratio - 0.25).abs() < 0.01, "analytic ratio {ratio}");
 }
+
+/// `mtrain plan`'s memory lines and the report's analytic column are one model: for each layout
+/// the figures `plan` computes from the plan alone (parameters owned per pipeline rank from the
+/// parameter list) equal, byte for byte, what every rank's report computed from the model it
+/// built, and the `plan` command prints them.
+#[test]
+fn plan_prints_the_reports_analytic_figures() {
+    use clap::Parser;
+    use mtrain_trainer::cli::Cli;
+    use mtrain_trainer::plan::{rank_memory, render_memory};
+
+    let layouts: [&[&str]; 6] = [
+        &["--tp", "2"],
+        &["--pp", "2"],
+        &["--dp", "2"],
+        &["--dp", "2", "--zero-stage", "1"],
+        &["--dp", "2", "--zero-stage", "2"],
+        &["--dp", "2", "--fsdp"],
+    ];
+    let run: &[&str] = &[
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--set",
+        "eval_every=0",
+    ];
+    for layout in layouts {
+        let mut flags = layout.to_vec();
+        flags.extend_from_slice(run);
+
+        // What `mtrain plan` computes and prints.
+        let cli = Cli::try_parse_from(std::iter::once("mtrain").chain(flags.iter().copied()))
+            .expect("parses");
+        let cfg = cli.config().expect("config");
+        let l = cli.layout.resolve(&cfg.parallel, None).expect("layout");
+        let plan = mtrain_trainer::layout::plan(&cfg, &l).expect("plan");
+        let planned = rank_memory(&cfg, &plan).expect("rank memory");
+        let mut plan_args = vec!["plan"];
+        plan_args.extend_from_slice(&flags);
+        let out = Command::new(MTRAIN)
+            .args(&plan_args)
+            .env_remove("RANK")
+            .stdin(Stdio::null())
+            .output()
+            .expect("run mtrain plan");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{layout:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            stdout.contains(&render_memory(&plan, &planned)),
+            "{layout:?}:\n{stdout}"
+        );
+
+        // What each rank's report computed during one step.
+        let dir = tempfile::tempdir().expect("temp dir");
+        let run_dir = dir.path().display().to_string();
+        let mut train = flags.clone();
+        train.extend(["--steps", "1", "--mem-report", "--run-dir", &run_dir]);
+        let out = Command::new(MTRAIN)
+            .args(&train)
+            .env_remove("RANK")
+            .env_remove("WORLD_SIZE")
+            .stdin(Stdio::null())
+            .output()
+            .expect("run mtrain");
+        assert!(
+            out.status.success(),
+            "{layout:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = std::fs::read_to_string(dir.path().join("memory.jsonl")).expect("memory.jsonl");
+        let mut ranks = 0;
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            let v: Value = serde_json::from_str(line).expect("a JSON line");
+            let rank = v["rank"].as_u64().expect("rank") as usize;
+            // rank = (dp_idx · pp + pp_idx) · tp + tp_idx
+            let pp_rank = (rank / l.dims.tp) % l.dims.pp;
+            let p = &planned[pp_rank];
+            let a = &v["analytic"];
+            let got = |k: &str| a[k].as_u64().unwrap_or_else(|| panic!("no `{k}` in {a}"));
+            assert_eq!(
+                (
+                    got("params"),
+                    got("grads"),
+                    got("optim"),
+                    got("activations")
+                ),
+                (
+                    p.state.params(),
+                    p.state.grads(),
+                    p.state.optim(),
+                    p.activations
+                ),
+                "{layout:?} rank {rank} (pp rank {pp_rank})"
+            );
+            ranks += 1;
+        }
+        assert_eq!(ranks, l.world_size, "{layout:?}: one report per rank");
+    }
+}

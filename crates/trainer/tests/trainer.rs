@@ -291,6 +291,120 @@ fn damaged_checkpoint_is_refused_and_the_previous_one_stays_usable() {
     assert_eq!((resumed.start_step, resumed.losses.len()), (2, 2));
 }
 
+/// meta.json is covered by a checksum too: an edited step or data position, or a missing
+/// meta.digest, is refused naming the file, before anything of the checkpoint is used.
+#[test]
+fn edited_checkpoint_metadata_is_refused() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let s = run(&short(dir.path(), 2));
+    let ckpt = s.last_checkpoint.expect("a final checkpoint");
+    let meta_file = ckpt.join("meta.json");
+    let meta = std::fs::read_to_string(&meta_file).unwrap();
+    checkpoint::load(&ckpt, &Device::Cpu).expect("the untouched checkpoint loads");
+    for (from, to) in [
+        ("\"step\": 2,", "\"step\": 1,"),
+        ("\"data_position\": 2,", "\"data_position\": 9,"),
+    ] {
+        assert!(meta.contains(from), "{from} not in meta.json:\n{meta}");
+        std::fs::write(&meta_file, meta.replace(from, to)).unwrap();
+        let err = checkpoint::load(&ckpt, &Device::Cpu)
+            .err()
+            .expect("edited meta.json refused");
+        let msg = err.to_string();
+        assert!(
+            matches!(err, CheckpointError::Corrupt { .. })
+                && msg.contains("meta.json checksum")
+                && msg.contains("edited"),
+            "{from} -> {to}: {msg}"
+        );
+    }
+    std::fs::write(&meta_file, &meta).unwrap();
+    std::fs::remove_file(ckpt.join("meta.digest")).unwrap();
+    let msg = checkpoint::load(&ckpt, &Device::Cpu)
+        .err()
+        .expect("unsealed meta.json refused")
+        .to_string();
+    assert!(msg.contains("meta.digest is missing"), "{msg}");
+}
+
+/// A checkpoint records its model; resuming it into a different architecture is refused naming
+/// every key that differs, even where the tensor shapes agree (n_head 4 vs 8 at n_embd 64).
+#[test]
+fn resuming_into_a_different_architecture_is_refused_naming_the_keys() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let s = run(&short(dir.path(), 2));
+    let other = GptConfig {
+        n_head: 8,
+        n_layer: 2,
+        ..GptConfig::tiny()
+    };
+    let backend =
+        CpuBackend::init(&LaunchEnv::single(), CpuOptions::default()).expect("single-rank backend");
+    let err = train::run(
+        &TrainConfig {
+            model: mtrain_trainer::config::ModelSpec::Config(other),
+            resume: s.last_checkpoint.clone(),
+            ..short(dir.path(), 4)
+        },
+        &backend,
+        ONE,
+    )
+    .err()
+    .expect("a different architecture is refused");
+    let msg = format!("{err:#}");
+    assert!(
+        msg.contains("written for a different model")
+            && msg.contains("n_head: 4 vs 8")
+            && msg.contains("n_layer: 4 vs 2"),
+        "{msg}"
+    );
+    // Same shapes, different heads: the shapes alone would have let it through.
+    let heads = GptConfig {
+        n_head: 8,
+        ..GptConfig::tiny()
+    };
+    let c = checkpoint::load(s.last_checkpoint.as_ref().unwrap(), &Device::Cpu).unwrap();
+    let err = c.check_model(&heads).unwrap_err().to_string();
+    assert!(
+        err.contains("n_head: 4 vs 8") && !err.contains("n_layer"),
+        "{err}"
+    );
+    c.check_model(&GptConfig::tiny())
+        .expect("the same model is accepted");
+}
+
+/// A checkpoint that cannot be written says which operation failed on which path.
+#[test]
+fn checkpoint_io_errors_name_the_operation_and_the_path() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let s = run(&short(dir.path(), 1));
+    let c = checkpoint::load(s.last_checkpoint.as_ref().unwrap(), &Device::Cpu).unwrap();
+    // The run directory's place is taken by a regular file.
+    let blocked = dir.path().join("not-a-dir");
+    std::fs::write(&blocked, b"x").unwrap();
+    let data = checkpoint::CheckpointData {
+        step: 1,
+        config: &c.meta.config,
+        data_position: 1,
+        model: &c.model,
+        optim: &c.optim,
+    };
+    let msg = checkpoint::save(&blocked.join("run"), &data)
+        .err()
+        .expect("save fails")
+        .to_string();
+    assert!(
+        msg.starts_with(&format!(
+            "creating directory {}: ",
+            blocked.join("run").display()
+        )),
+        "{msg}"
+    );
+}
+
 /// dp ranks with batch B together see exactly the rows one rank sees with batch B·dp, every step,
 /// across an epoch boundary.
 #[test]

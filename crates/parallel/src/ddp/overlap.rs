@@ -11,7 +11,7 @@
 //! ```
 //!
 //! The collectives are the same ones, with the same bytes, as the after-the-step
-//! [`sync_grads`](crate::expert_parallel::sync_grads) (both start and finish each average with
+//! [`sync_grads`](super::average::sync_grads) (both start and finish each average with
 //! [`start_average`] and [`finish_averages`]): one all-reduce per parameter; only
 //! their start moves into the backward. Used when the plan has one pipeline stage (tp × dp,
 //! dp × ep): every rank of a dp group then runs the same program, so each communicator sees its
@@ -26,7 +26,7 @@ use candle_core::{DType, Tensor};
 use mtrain_comm::Comm;
 use mtrain_model::{Grads, Hooks, NoHooks, Segment};
 
-use crate::expert_parallel::{finish_averages, start_average, Averaging};
+use super::average::{finish_averages, start_average, Averaging};
 use crate::pipeline::StageHooks;
 
 /// Stage hooks that launch each parameter's dp average as soon as its gradient is final on the
@@ -77,7 +77,7 @@ impl<'a> OverlappedDpReduce<'a> {
 
     /// Waits for every launched average and stores it in `grads`. Returns the number of
     /// collectives and their input bytes.
-    pub fn finish(self, grads: &mut Grads) -> crate::expert_parallel::Result<(usize, u64)> {
+    pub fn finish(self, grads: &mut Grads) -> super::Result<(usize, u64)> {
         let n = self.pending.len();
         finish_averages(self.pending, grads, self.dp)?;
         Ok((n, self.bytes))

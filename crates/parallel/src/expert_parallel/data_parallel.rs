@@ -1,89 +1,28 @@
-//! Data parallelism around an expert-parallel model: which group each gradient is averaged over.
+//! Data parallelism around an expert-parallel model, as a standalone [`DataParallel`] strategy.
 //!
-//! ```text
-//!   dp = 4, ep = 2      ep groups (different experts):     [0 1] [2 3]
-//!                       edp groups (same experts):         [0 2] [1 3]
-//!   non-expert grads:   (1/dp) Σ over dp  = [0 1 2 3]      (as DDP)
-//!   expert grads:       (1/dp) Σ over edp = [0 2] or [1 3] (never over ep)
-//! ```
-//!
-//! An expert's local gradient already sums the contributions of every rank of its ep group (the
-//! all-to-all brought their tokens to it), so summing it over its replicas counts every token of
-//! the global batch once; dividing by dp turns the sum into the gradient of the mean loss
-//! (Megatron's `expert_gradient_scaling_factor = 1 / dp`).
-//!
-//! [`ExpertDataParallel`] implements [`DataParallel`], the trainer's API: it runs the block-wise
-//! engine, then [`sync_grads`] (all reduces launched asynchronously and waited in order, after
-//! the backward: the simple schedule, not overlapped with it). The global gradient norm counts
-//! each expert once by summing the experts' part over ep ([`grad_norm_sq`]); `full_state` and
-//! `full_grads` gather the experts from the ep group so a checkpoint holds the whole model.
+//! [`ExpertDataParallel`] runs the block-wise engine, then the data-parallel average of
+//! [`crate::ddp::average`] (dense gradients over dp, an expert's over its edp replicas, launched
+//! asynchronously and waited in order after the backward: the simple schedule, not overlapped
+//! with it). The global gradient norm counts each expert once by summing the experts' part over
+//! ep ([`grad_norm_sq`]); `full_state` and `full_grads` gather the experts from the ep group so a
+//! checkpoint holds the whole model.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::Tensor;
-use mtrain_comm::{Comm, ReduceOp, Work};
+use mtrain_comm::{Comm, ReduceOp};
 use mtrain_model::optim::{AdamW, AdamWState, OptimItem};
 use mtrain_model::{Engine, Grads, MoeStats, NoHooks, Param, Segment};
 
 use super::{is_expert_param, Result};
-use crate::ddp::{
+use crate::ddp::average::sync_grads;
+use crate::ddp::{verify_same_init, DataParallel, DpError};
+use crate::toolbox::{
     load_replicated, named_grads, named_weights, replicated_items, replicated_state_bytes,
-    scale_all, sq_sum_f64, sum_f64, unique_params, verify_same_init, CommStats, DataParallel,
-    DpError, ModelStateBytes,
+    scale_all, sq_sum_f64, sum_f64, unique_params, CommStats, ModelStateBytes,
 };
-
-/// Averages one step's gradients: non-expert gradients over `dp`, expert gradients summed over
-/// `edp` and divided by `dp.size()`. Every rank of both groups must pass the parameters of the
-/// same model layout in the same order (as [`super::build_segments`] gives them); a parameter
-/// with no gradient counts as zero. Returns the number of collectives and their input bytes.
-pub fn sync_grads(
-    params: &[Param],
-    grads: &mut Grads,
-    dp: &Comm,
-    edp: &Comm,
-) -> Result<(usize, u64)> {
-    let mut pending = Vec::with_capacity(params.len());
-    let mut bytes = 0u64;
-    for p in params {
-        let g = match grads.get(p.name()) {
-            Some(g) => g.contiguous()?,
-            None => Tensor::zeros(p.shape(), p.var().dtype(), p.var().device())?,
-        };
-        bytes += (g.elem_count() * g.dtype().size_in_bytes()) as u64;
-        pending.push(start_average(p.name(), &g, dp, edp));
-    }
-    let n = pending.len();
-    finish_averages(pending, grads, dp)?;
-    Ok((n, bytes))
-}
-
-/// A gradient average in flight: the parameter's name, whether it is an expert's, the work.
-pub type Averaging = (String, bool, Work);
-
-/// Starts averaging `g`, the gradient of `name`, over the data-parallel replicas: dense
-/// gradients by an all-reduce Avg over `dp`; an expert's by an all-reduce Sum over `edp`, divided
-/// by dp's size in [`finish_averages`] (each expert sees the tokens of all dp ranks).
-pub fn start_average(name: &str, g: &Tensor, dp: &Comm, edp: &Comm) -> Averaging {
-    let expert = is_expert_param(name);
-    let work = match expert {
-        true => edp.all_reduce_async(g, ReduceOp::Sum),
-        false => dp.all_reduce_async(g, ReduceOp::Avg),
-    };
-    (name.to_string(), expert, work)
-}
-
-/// Waits for the averages [`start_average`] began and stores them in `grads`.
-pub fn finish_averages(pending: Vec<Averaging>, grads: &mut Grads, dp: &Comm) -> Result<()> {
-    let inv_dp = 1.0 / dp.size() as f64;
-    for (name, expert, work) in pending {
-        let g = work.wait()?;
-        let g = if expert { (g * inv_dp)? } else { g };
-        grads.insert(name, g);
-    }
-    Ok(())
-}
 
 /// Σ g² of the whole model's synced gradient, the same on every rank: non-expert gradients are
 /// identical everywhere and counted once; each expert lives on one rank of the ep group, so the
@@ -274,8 +213,7 @@ impl DataParallel for ExpertDataParallel {
         self.current.backward_s += t.elapsed().as_secs_f64();
         if sync {
             let t = Instant::now();
-            let (n, bytes) =
-                sync_grads(&self.params, &mut self.grads, &self.dp, &self.edp).map_err(dp_err)?;
+            let (n, bytes) = sync_grads(&self.params, &mut self.grads, &self.dp, &self.edp)?;
             let waited = t.elapsed().as_secs_f64();
             self.current.exposed_comm_s += waited;
             self.current.comm_s += waited;
@@ -324,7 +262,7 @@ impl DataParallel for ExpertDataParallel {
         &mut self,
         weights: &BTreeMap<String, Tensor>,
     ) -> std::result::Result<(), DpError> {
-        load_replicated(&self.params, weights)
+        Ok(load_replicated(&self.params, weights)?)
     }
 
     fn full_optimizer_state(&self, opt: &AdamW) -> std::result::Result<AdamWState, DpError> {

@@ -1,5 +1,6 @@
 //! When each unit's weights are gathered, prefetched and freed, and when its gradient is
-//! reduce-scattered: the hooks the block-wise engine calls around every segment.
+//! reduce-scattered: the hooks the block-wise engine calls around every segment, running the
+//! moves of the residency rule ([`super::residency`]) with real collectives.
 //!
 //! ```text
 //!   forward   seg i:  free units of seg i-1 not used by seg i │ wait gather(i) │ start gather(i+1)
@@ -14,9 +15,11 @@ use candle_core::Tensor;
 use mtrain_comm::{Comm, ReduceOp, Work};
 use mtrain_model::{Grads, Hooks, Segment};
 
+use super::residency::{self, Moves};
 use super::unit::FlatUnit;
 use super::ZeroStage;
-use crate::ddp::{hook_err, timed_wait, CommStats, OpTimer, Result};
+use crate::ddp::Result;
+use crate::toolbox::{hook_err, timed_wait, CommStats, OpTimer};
 
 /// Whether a unit's full weights are in its parameters' slots.
 pub(super) enum Residency {
@@ -94,26 +97,25 @@ impl Scheduler<'_> {
         Ok(())
     }
 
+    /// Runs one step of the residency rule: free, then wait, then prefetch.
+    fn apply(&mut self, moves: Moves) -> Result<()> {
+        for u in moves.free {
+            self.free(u)?;
+        }
+        for u in moves.wait {
+            self.ensure_gathered(u)?;
+        }
+        for u in moves.prefetch {
+            self.start_gather(u)?;
+        }
+        Ok(())
+    }
+
     fn pre_forward_impl(&mut self, i: usize) -> Result<()> {
         if self.stage != ZeroStage::Three {
             return Ok(());
         }
-        if i > 0 {
-            for &u in &self.needs[i - 1] {
-                if !self.needs[i].contains(&u) {
-                    self.free(u)?;
-                }
-            }
-        }
-        for &u in &self.needs[i] {
-            self.ensure_gathered(u)?;
-        }
-        if self.prefetch && i + 1 < self.needs.len() {
-            for &u in &self.needs[i + 1] {
-                self.start_gather(u)?;
-            }
-        }
-        Ok(())
+        self.apply(residency::before_forward(self.needs, i, self.prefetch))
     }
 
     fn pre_backward_impl(&mut self, i: usize) -> Result<()> {
@@ -122,15 +124,7 @@ impl Scheduler<'_> {
         if self.stage != ZeroStage::Three || !self.recompute {
             return Ok(());
         }
-        for &u in &self.needs[i] {
-            self.ensure_gathered(u)?;
-        }
-        if self.prefetch && i > 0 {
-            for &u in &self.needs[i - 1] {
-                self.start_gather(u)?;
-            }
-        }
-        Ok(())
+        self.apply(residency::before_backward(self.needs, i, self.prefetch))
     }
 
     fn post_backward_impl(&mut self, i: usize, grads: &mut Grads) -> Result<()> {
@@ -146,11 +140,8 @@ impl Scheduler<'_> {
                 }
             }
         }
-        for k in 0..self.needs[i].len() {
-            let u = self.needs[i][k];
-            if i == 0 || !self.needs[i - 1].contains(&u) {
-                self.free(u)?;
-            }
+        for u in residency::after_backward(self.needs, i) {
+            self.free(u)?;
         }
         Ok(())
     }

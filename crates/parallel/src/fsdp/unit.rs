@@ -21,7 +21,7 @@
 use candle_core::{DType, Device, Result, Shape, Tensor};
 use mtrain_model::{Grads, Param};
 
-use crate::ddp::decays;
+use crate::toolbox::decays;
 
 /// Where one parameter sits in the flat buffer.
 pub(crate) struct Entry {

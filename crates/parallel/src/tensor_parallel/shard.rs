@@ -2,7 +2,7 @@
 //! rank's shards and back.
 //!
 //! A parameter is either replicated (LayerNorms, `wpe`, the row-parallel biases) or sharded along
-//! one dim. Sharding first views that dim as `blocks` equal blocks and gives rank r chunk r of
+//! one dim, as [`crate::placement::tp_placement`] says. Sharding first views that dim as `blocks` equal blocks and gives rank r chunk r of
 //! *each* block. `blocks = 1` is the plain Megatron split; `c_attn` uses `blocks = 3` because its
 //! rows are q | k | v stacked, and a rank must own the same heads in all three:
 //!
@@ -30,16 +30,7 @@ use mtrain_model::Grads;
 
 use super::{Result, TpError};
 use crate::ops::{all_gather_along, comm_err};
-
-/// How one parameter is laid out over the tensor-parallel group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Placement {
-    /// The full tensor on every rank. `partial_grad`: each rank's gradient is only its part of the
-    /// total (sequence parallelism: the rank saw 1/tp of the tokens) and must be summed over tp.
-    Replicated { partial_grad: bool },
-    /// Split along `dim`, which is viewed as `blocks` equal blocks; rank r holds chunk r of each.
-    Sharded { dim: usize, blocks: usize },
-}
+pub use crate::placement::Placement;
 
 /// A parameter's placement and its full shape.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -17,6 +17,7 @@ use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
 
 use super::DataError;
+use crate::fsio::IoContext;
 
 /// Width of one token on disk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -63,14 +64,14 @@ impl MappedShard {
     /// Map `bin` and check it against its header `bin.with_extension("json")`.
     pub fn open(bin: &Path) -> Result<Self, DataError> {
         let json = bin.with_extension("json");
-        let text = fs::read_to_string(&json).map_err(|e| DataError::io(&json, e))?;
+        let text = fs::read_to_string(&json).at("reading", &json)?;
         let header: ShardHeader = serde_json::from_str(&text)
             .map_err(|e| DataError::Format(format!("{}: bad shard header: {e}", json.display())))?;
-        let file = fs::File::open(bin).map_err(|e| DataError::io(bin, e))?;
+        let file = fs::File::open(bin).at("opening", bin)?;
         // SAFETY: the map is read-only and the shard files are written once by `write_shard` and never
         // modified while training reads them; a concurrent truncation by another process would be a
         // misuse of the data directory.
-        let map = unsafe { Mmap::map(&file) }.map_err(|e| DataError::io(bin, e))?;
+        let map = unsafe { Mmap::map(&file) }.at("mapping", bin)?;
         let expected = header.n_tokens as usize * header.dtype.size();
         if map.len() != expected {
             return Err(DataError::Format(format!(
@@ -124,7 +125,7 @@ pub fn write_shard(
     tokens: &[u32],
     vocab_size: usize,
 ) -> Result<PathBuf, DataError> {
-    fs::create_dir_all(dir).map_err(|e| DataError::io(dir, e))?;
+    fs::create_dir_all(dir).at("creating directory", dir)?;
     let dtype = if vocab_size <= 1 << 16 {
         TokenDtype::U16
     } else {
@@ -143,7 +144,7 @@ pub fn write_shard(
         }
     }
     let bin = dir.join(format!("{name}.bin"));
-    fs::write(&bin, &bytes).map_err(|e| DataError::io(&bin, e))?;
+    fs::write(&bin, &bytes).at("writing", &bin)?;
     let header = ShardHeader {
         dtype,
         n_tokens: tokens.len() as u64,
@@ -152,15 +153,15 @@ pub fn write_shard(
     let json = dir.join(format!("{name}.json"));
     let text =
         serde_json::to_string_pretty(&header).map_err(|e| DataError::Format(e.to_string()))?;
-    fs::write(&json, text).map_err(|e| DataError::io(&json, e))?;
+    fs::write(&json, text).at("writing", &json)?;
     Ok(bin)
 }
 
 /// The `.bin` shards in `dir` whose names start with `prefix` (`"train"` or `"val"`), sorted.
 pub fn list_shards(dir: &Path, prefix: &str) -> Result<Vec<PathBuf>, DataError> {
     let mut found = Vec::new();
-    for entry in fs::read_dir(dir).map_err(|e| DataError::io(dir, e))? {
-        let path = entry.map_err(|e| DataError::io(dir, e))?.path();
+    for entry in fs::read_dir(dir).at("listing", dir)? {
+        let path = entry.at("listing", dir)?.path();
         let is_bin = path.extension().is_some_and(|e| e == "bin");
         let matches = path
             .file_name()

@@ -1,0 +1,621 @@
+//! Every collective one rank issues in one optimizer step of a plan, walked the way the code
+//! runs it, from the same data the code runs on:
+//!
+//! ```text
+//!   schedule    Schedule::actions(pp rank): the executor's actions, with input_stage /
+//!               output_stage deciding each receive and send
+//!   placement   which parameters each segment holds on this rank and their local sizes
+//!               (tp_placement, the expert's ep rank), the stage layout of the plan
+//!   ZeRO        units and needs by the engine's "first user owns it" rule, gathers and frees by
+//!               fsdp::residency, the moves the scheduler runs
+//!   per segment the tensor-, sequence- and expert-parallel collectives of its layers in
+//!               forward, recompute and backward
+//!   after       runtime::finish_grads (dp average, Σ tp partial, tied wte), loss, expert load,
+//!               the gradient norm, ZeRO's write-back
+//! ```
+//!
+//! Payloads are counted exactly as the CPU backend sends them (see the parent module); the MoE
+//! token all-to-alls assume balanced routing.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use candle_core::DType;
+use mtrain_comm::{chunk_range, Coords, MeshDims, OpKind};
+use mtrain_model::init::param_specs;
+use mtrain_model::moe::capacity;
+use mtrain_model::{GptConfig, MoeConfig};
+
+use super::{broadcast_sent, Collective, CostError, Group, Phase, Result, StepShape, Tally};
+use crate::fsdp::{residency, ZeroStage};
+use crate::pipeline::{Action, Schedule, StageLayout};
+use crate::placement::{
+    block_of, ep_rank_of_expert, expert_of, is_expert_param, sp_partial, tp_placement, TIED,
+};
+use crate::plan::{DataParallelKind, ParallelPlan};
+use crate::toolbox::final_after_names;
+
+/// Every collective `rank` issues in one optimizer step of `plan` (one `forward_backward` with
+/// sync, then the gradient norm and `scaled_step`), merged by kind and size. Groups of one rank
+/// issue nothing.
+pub fn step_collectives(
+    cfg: &GptConfig,
+    plan: &ParallelPlan,
+    shape: StepShape,
+    rank: usize,
+) -> Result<Vec<Collective>> {
+    let dims = plan.dims;
+    let world = dims.world_size();
+    plan.validate(cfg, world, shape.batch)
+        .map_err(|e| CostError::Plan(e.to_string()))?;
+    if rank >= world {
+        return Err(CostError::Plan(format!(
+            "rank {rank} is not in a world of {world}"
+        )));
+    }
+    let mut walk = Walk::new(cfg, plan, shape, rank)?;
+    let sched = Schedule::new(plan.effective_schedule(), dims.pp, plan.microbatches)
+        .map_err(|e| CostError::Plan(e.to_string()))?;
+    let me = walk.c.pp;
+    let remote = |s: usize| sched.rank_of_stage(s) != me;
+    let actions = sched.actions(me);
+    let mut last_backward = BTreeMap::new();
+    for (i, a) in actions.iter().enumerate() {
+        if !a.is_forward() {
+            last_backward.insert(a.chunk(), i);
+        }
+    }
+    for (i, a) in actions.iter().enumerate() {
+        if sched.input_stage(me, a).is_some_and(remote) {
+            walk.pipeline_transfer(OpKind::Recv, a);
+        }
+        match a {
+            Action::Forward { .. } => walk.forward(a.chunk()),
+            Action::Backward { .. } => {
+                let reduce = match walk.zero {
+                    Some(ZeroStage::One) => last_backward.get(&a.chunk()) == Some(&i),
+                    Some(_) => true,
+                    None => false,
+                };
+                walk.backward(a.chunk(), reduce);
+            }
+        }
+        if sched.output_stage(me, a).is_some_and(remote) {
+            walk.pipeline_transfer(OpKind::Send, a);
+        }
+    }
+    if dims.pp > 1 {
+        let root = sched.rank_of_stage(plan.num_stages() - 1);
+        let sent = broadcast_sent(8, dims.pp, walk.c.pp, root);
+        walk.tally.push(
+            Group::Pp,
+            OpKind::Broadcast,
+            "loss",
+            Phase::Step,
+            8,
+            sent,
+            false,
+            false,
+        );
+    }
+    walk.finish_grads();
+    walk.step_end();
+    Ok(walk.tally.items)
+}
+
+/// A parameter as one rank holds it.
+struct Held {
+    name: String,
+    /// Elements on this rank (its tp slice).
+    numel: usize,
+}
+
+/// One ZeRO unit of a chunk: the parameters its segment is the first user of.
+struct Unit {
+    params: Vec<Held>,
+    numel: usize,
+}
+
+/// One model stage this rank runs.
+struct Chunk {
+    /// Indices into `[embedding, h.0, …, head]`.
+    segments: Range<usize>,
+    units: Vec<Unit>,
+    /// `needs[j]`: the units the chunk's segment j uses.
+    needs: Vec<Vec<usize>>,
+    /// ZeRO-3: whether each unit's weights are resident (or being gathered).
+    gathered: Vec<bool>,
+}
+
+/// The step being walked on one rank.
+struct Walk {
+    tally: Tally,
+    c: Coords,
+    dims: MeshDims,
+    n_layer: usize,
+    moe: Option<MoeConfig>,
+    zero: Option<ZeroStage>,
+    prefetch: bool,
+    recompute: bool,
+    sp: bool,
+    /// Sequences per micro-batch, sequence length, its local part, width.
+    b: usize,
+    t: usize,
+    t_loc: usize,
+    ch: usize,
+    act: DType,
+    chunks: Vec<Chunk>,
+}
+
+impl Walk {
+    fn new(cfg: &GptConfig, plan: &ParallelPlan, shape: StepShape, rank: usize) -> Result<Self> {
+        let dims = plan.dims;
+        let c = dims.coords(rank);
+        let sp = plan.sequence_parallel && dims.tp > 1;
+        let t = shape.seq_len;
+        let layout = plan
+            .stage_layout(cfg.n_layer)
+            .map_err(|e| CostError::Plan(e.to_string()))?;
+        let sched = Schedule::new(plan.effective_schedule(), dims.pp, plan.microbatches)
+            .map_err(|e| CostError::Plan(e.to_string()))?;
+        let chunks = (0..plan.effective_schedule().virtual_stages())
+            .map(|k| chunk(cfg, &layout, sched.model_stage(c.pp, k), dims, c))
+            .collect();
+        let (zero, prefetch) = match plan.data {
+            DataParallelKind::Zero(z) => (Some(z.stage), z.prefetch),
+            DataParallelKind::Ddp(_) => (None, false),
+        };
+        Ok(Self {
+            tally: Tally {
+                dims,
+                rank,
+                items: Vec::new(),
+            },
+            c,
+            dims,
+            n_layer: cfg.n_layer,
+            moe: cfg.moe.clone(),
+            zero,
+            prefetch,
+            recompute: plan.checkpointing,
+            sp,
+            b: shape.batch / dims.dp / plan.microbatches,
+            t,
+            t_loc: if sp {
+                chunk_range(t, dims.tp, c.tp).len()
+            } else {
+                t
+            },
+            ch: cfg.n_embd,
+            act: shape.dtype,
+            chunks,
+        })
+    }
+
+    /// A pipeline receive or send of one micro-batch's activation (forward) or its gradient.
+    fn pipeline_transfer(&mut self, op: OpKind, a: &Action) {
+        let (what, phase) = match a.is_forward() {
+            true => ("activation", Phase::Forward),
+            false => ("activation gradient", Phase::Backward),
+        };
+        let bytes = match op {
+            OpKind::Send => (self.b * self.t_loc * self.ch * self.act.size_in_bytes()) as u64,
+            _ => 0,
+        };
+        let overlap = op == OpKind::Send;
+        self.tally
+            .push(Group::Pp, op, what, phase, bytes, bytes, overlap, false);
+    }
+
+    /// ZeRO-3 all-gathers of `units` of chunk `k` that are not resident yet.
+    fn gather(&mut self, k: usize, units: &[usize], phase: Phase) {
+        for &u in units {
+            if !self.chunks[k].gathered[u] {
+                self.chunks[k].gathered[u] = true;
+                let n = self.padded(self.chunks[k].units[u].numel);
+                let what = "ZeRO-3 weight gather";
+                self.tally
+                    .all_gather(Group::Dp, what, phase, n, 1, DType::F32, true);
+            }
+        }
+    }
+
+    /// ZeRO-3 frees (a unit without parameters is never freed, as in the scheduler).
+    fn free(&mut self, k: usize, units: &[usize]) {
+        for &u in units {
+            if self.chunks[k].units[u].numel > 0 {
+                self.chunks[k].gathered[u] = false;
+            }
+        }
+    }
+
+    fn z3(&self) -> bool {
+        self.zero == Some(ZeroStage::Three)
+    }
+
+    fn padded(&self, n: usize) -> usize {
+        n.div_ceil(self.dims.dp) * self.dims.dp
+    }
+
+    /// One micro-batch's forward through chunk `k`.
+    fn forward(&mut self, k: usize) {
+        for (j, seg) in self.chunks[k].segments.clone().enumerate() {
+            if self.z3() {
+                let m = residency::before_forward(&self.chunks[k].needs, j, self.prefetch);
+                self.free(k, &m.free);
+                self.gather(k, &m.wait, Phase::Forward);
+                self.gather(k, &m.prefetch, Phase::Forward);
+            }
+            self.segment_forward(seg, Phase::Forward);
+        }
+    }
+
+    /// One micro-batch's backward through chunk `k`; `reduce`: ZeRO reduce-scatters after each
+    /// segment.
+    fn backward(&mut self, k: usize, reduce: bool) {
+        let segments = self.chunks[k].segments.clone();
+        for (j, seg) in segments.enumerate().rev() {
+            if self.z3() && self.recompute {
+                let m = residency::before_backward(&self.chunks[k].needs, j, self.prefetch);
+                self.gather(k, &m.wait, Phase::Backward);
+                self.gather(k, &m.prefetch, Phase::Backward);
+            }
+            if self.recompute {
+                self.segment_forward(seg, Phase::Backward);
+            }
+            self.segment_backward(seg);
+            let n = self.chunks[k].units[j].numel;
+            if reduce && n > 0 {
+                let what = "ZeRO gradient reduce-scatter";
+                let rows = self.padded(n);
+                self.tally.reduce_scatter(
+                    Group::Dp,
+                    what,
+                    Phase::Backward,
+                    rows,
+                    1,
+                    DType::F32,
+                    true,
+                );
+            }
+            if self.z3() {
+                let free = residency::after_backward(&self.chunks[k].needs, j);
+                self.free(k, &free);
+            }
+        }
+    }
+
+    /// The collectives of segment `seg`'s forward (also run by the recompute in backward).
+    fn segment_forward(&mut self, seg: usize, phase: Phase) {
+        let (b, t, ch, act, sp) = (self.b, self.t, self.ch, self.act, self.sp);
+        let moe_block = self.is_moe_block(seg);
+        let tally = &mut self.tally;
+        if self.dims.tp > 1 {
+            if seg == 0 {
+                match sp {
+                    true => {
+                        let what = "embedding sum (SP)";
+                        tally.reduce_scatter(Group::Tp, what, phase, t, b * ch, act, false)
+                    }
+                    false => {
+                        let what = "embedding sum (g)";
+                        tally.all_reduce(Group::Tp, what, phase, b * t * ch, act, false)
+                    }
+                }
+            } else if seg == self.n_layer + 1 {
+                if sp {
+                    tally.all_gather(Group::Tp, "head input (SP)", phase, t, b * ch, act, false);
+                }
+                // Vocab-parallel cross-entropy: max, Σ exp, target logit over (N, 1), f32.
+                for _ in 0..3 {
+                    let what = "vocab-parallel loss";
+                    tally.all_reduce(Group::Tp, what, phase, b * t, DType::F32, false);
+                }
+            } else {
+                // Attention, then the MLP: a column layer in, a row layer out.
+                for _ in 0..2 {
+                    match sp {
+                        true => {
+                            let (i, o) = ("block input (SP)", "block output (SP)");
+                            tally.all_gather(Group::Tp, i, phase, t, b * ch, act, false);
+                            tally.reduce_scatter(Group::Tp, o, phase, t, b * ch, act, false);
+                        }
+                        false => {
+                            let what = "block output (g)";
+                            tally.all_reduce(Group::Tp, what, phase, b * t * ch, act, false)
+                        }
+                    }
+                }
+            }
+        }
+        if moe_block {
+            if let Some(m) = &self.moe {
+                let (ep, el) = (self.dims.ep, m.n_experts / self.dims.ep);
+                let (counts, sent) = ((m.n_experts * 4) as u64, ((ep - 1) * el * 4) as u64);
+                let what = "expert counts";
+                tally.push(
+                    Group::Ep,
+                    OpKind::AllToAll,
+                    what,
+                    phase,
+                    counts,
+                    sent,
+                    false,
+                    false,
+                );
+            }
+            self.token_all_to_alls(["expert dispatch", "expert combine"], phase);
+        }
+    }
+
+    /// The collectives of segment `seg`'s backward: each forward collective's conjugate.
+    fn segment_backward(&mut self, seg: usize) {
+        let (b, t, ch, act, sp) = (self.b, self.t, self.ch, self.act, self.sp);
+        let phase = Phase::Backward;
+        let moe_block = self.is_moe_block(seg);
+        let tally = &mut self.tally;
+        if self.dims.tp > 1 {
+            if seg == 0 {
+                if sp {
+                    let what = "embedding sum (SP)";
+                    tally.all_gather(Group::Tp, what, phase, t, b * ch, act, false);
+                }
+            } else if seg == self.n_layer + 1 {
+                match sp {
+                    true => {
+                        let what = "head input (SP)";
+                        tally.reduce_scatter(Group::Tp, what, phase, t, b * ch, act, false)
+                    }
+                    false => {
+                        let what = "head input (f)";
+                        tally.all_reduce(Group::Tp, what, phase, b * t * ch, act, false)
+                    }
+                }
+            } else {
+                for _ in 0..2 {
+                    match sp {
+                        true => {
+                            let (i, o) = ("block input (SP)", "block output (SP)");
+                            tally.reduce_scatter(Group::Tp, i, phase, t, b * ch, act, false);
+                            tally.all_gather(Group::Tp, o, phase, t, b * ch, act, false);
+                        }
+                        false => {
+                            let what = "block input (f)";
+                            tally.all_reduce(Group::Tp, what, phase, b * t * ch, act, false)
+                        }
+                    }
+                }
+            }
+        }
+        if moe_block {
+            self.token_all_to_alls(["expert combine", "expert dispatch"], phase);
+        }
+    }
+
+    fn is_moe_block(&self, seg: usize) -> bool {
+        self.moe.is_some() && self.dims.ep > 1 && (1..=self.n_layer).contains(&seg)
+    }
+
+    /// The token all-to-alls of an MoE layer, in order (a balanced-routing estimate).
+    fn token_all_to_alls(&mut self, order: [&'static str; 2], phase: Phase) {
+        let Some(m) = &self.moe else { return };
+        let (rows, sent) = balanced_rows(m, self.b * self.t_loc, self.dims.ep);
+        let row = (self.ch * self.act.size_in_bytes()) as u64;
+        for what in order {
+            let (bytes, sent) = (rows * row, sent * row);
+            self.tally.push(
+                Group::Ep,
+                OpKind::AllToAll,
+                what,
+                phase,
+                bytes,
+                sent,
+                false,
+                true,
+            );
+        }
+    }
+
+    /// `ParallelModel::finish_grads`: the dp average (DDP), then the sequence-parallel partial
+    /// sums and the tied `wte` exchange, on full gradients or ZeRO shards.
+    fn finish_grads(&mut self) {
+        let step = Phase::Step;
+        let mut seen = std::collections::BTreeSet::new();
+        let held: Vec<(String, usize)> = self
+            .chunks
+            .iter()
+            .flat_map(|k| k.units.iter().flat_map(|u| u.params.iter()))
+            .filter(|p| seen.insert(p.name.clone()))
+            .map(|p| (p.name.clone(), p.numel))
+            .collect();
+        let n_stages = self.dims.pp * self.chunks.len();
+        let wte_local = held.iter().find(|p| p.0 == TIED).map(|p| p.1);
+        let tied_here = n_stages > 1 && wte_local.is_some();
+        match self.zero {
+            None => {
+                if self.dims.dp > 1 {
+                    for (name, numel) in &held {
+                        let g = match is_expert_param(name) {
+                            true => Group::Edp,
+                            false => Group::Dp,
+                        };
+                        self.tally
+                            .all_reduce(g, "gradient", step, *numel, DType::F32, true);
+                    }
+                }
+                let partial: usize = held.iter().filter(|p| sp_partial(&p.0)).map(|p| p.1).sum();
+                if self.sp && partial > 0 {
+                    let what = "sequence-parallel partial gradients";
+                    self.tally
+                        .all_reduce(Group::Tp, what, step, partial, DType::F32, false);
+                }
+            }
+            Some(_) => {
+                let units: Vec<(bool, bool, usize)> = self
+                    .chunks
+                    .iter()
+                    .flat_map(|k| k.units.iter())
+                    .map(|u| {
+                        let has = |f: &dyn Fn(&str) -> bool| u.params.iter().any(|p| f(&p.name));
+                        (has(&sp_partial), has(&|n| n == TIED), u.numel)
+                    })
+                    .collect();
+                if self.sp {
+                    for &(partial, _, numel) in &units {
+                        if partial {
+                            let what = "sequence-parallel partial gradients";
+                            let n = self.padded(numel) / self.dims.dp;
+                            self.tally
+                                .all_reduce(Group::Tp, what, step, n, DType::F32, false);
+                        }
+                    }
+                }
+                if tied_here {
+                    for &(_, tied, numel) in &units {
+                        if tied {
+                            let (what, n) = ("tied wte gradient gather", self.padded(numel));
+                            self.tally
+                                .all_gather(Group::Dp, what, step, n, 1, DType::F32, false);
+                        }
+                    }
+                }
+            }
+        }
+        let (first, last) = (0, self.dims.pp - 1);
+        if tied_here && first != last && (self.c.pp == first || self.c.pp == last) {
+            let bytes = (wte_local.unwrap_or(0) * 4) as u64;
+            let what = "tied wte gradient";
+            self.tally.push(
+                Group::Pp,
+                OpKind::Send,
+                what,
+                step,
+                bytes,
+                bytes,
+                false,
+                false,
+            );
+            self.tally
+                .push(Group::Pp, OpKind::Recv, what, step, 0, 0, false, false);
+        }
+    }
+
+    /// After the reduction: the loss and auxiliary loss, the expert load, the gradient norm
+    /// (one world all-reduce) and ZeRO-1/2's write-back of the updated shards.
+    fn step_end(&mut self) {
+        let step = Phase::Step;
+        if self.dims.pp > 1 {
+            self.tally
+                .all_reduce(Group::Pp, "aux loss", step, 1, DType::F64, false);
+        }
+        self.tally
+            .all_reduce(Group::Dp, "loss", step, 2, DType::F64, false);
+        if let Some(m) = &self.moe {
+            let layers: usize = self
+                .chunks
+                .iter()
+                .map(|k| {
+                    k.segments
+                        .clone()
+                        .filter(|&s| s >= 1 && s <= self.n_layer)
+                        .count()
+                })
+                .sum();
+            if layers > 0 {
+                let n = layers * (m.n_experts + 1);
+                self.tally
+                    .all_reduce(Group::Dp, "expert load", step, n, DType::I64, false);
+            }
+        }
+        self.tally
+            .all_reduce(Group::World, "gradient norm", step, 1, DType::F64, false);
+        if matches!(self.zero, Some(ZeroStage::One) | Some(ZeroStage::Two)) {
+            let sizes: Vec<usize> = self
+                .chunks
+                .iter()
+                .flat_map(|k| k.units.iter().map(|u| u.numel))
+                .filter(|&n| n > 0)
+                .collect();
+            for n in sizes {
+                let (what, rows) = ("ZeRO weight write-back", self.padded(n));
+                self.tally
+                    .all_gather(Group::Dp, what, step, rows, 1, DType::F32, false);
+            }
+        }
+    }
+}
+
+/// Model stage `stage` as rank `c` holds it: its segments, their parameters (tp slices, this
+/// rank's experts) grouped into ZeRO units by first use, and what each segment needs.
+fn chunk(cfg: &GptConfig, layout: &StageLayout, stage: usize, dims: MeshDims, c: Coords) -> Chunk {
+    let segments = layout.segments(stage);
+    let held: Vec<Vec<Held>> = segments
+        .clone()
+        .map(|seg| segment_params(cfg, seg, dims, c))
+        .collect();
+    let uses: Vec<Vec<String>> = held
+        .iter()
+        .map(|ps| ps.iter().map(|p| p.name.clone()).collect())
+        .collect();
+    let owner = final_after_names(&uses);
+    let needs = residency::needs(&uses, &owner);
+    let units: Vec<Unit> = held
+        .into_iter()
+        .enumerate()
+        .map(|(i, ps)| {
+            let params: Vec<Held> = ps.into_iter().filter(|p| owner[&p.name] == i).collect();
+            let numel = params.iter().map(|p| p.numel).sum();
+            Unit { params, numel }
+        })
+        .collect();
+    let gathered = units.iter().map(|u| u.numel == 0).collect();
+    Chunk {
+        segments,
+        units,
+        needs,
+        gathered,
+    }
+}
+
+/// Parameters of model segment `seg` (0 = embedding, 1..=L blocks, L+1 head) on rank `c`, in
+/// the order the segment lists them, each with its local size.
+fn segment_params(cfg: &GptConfig, seg: usize, dims: MeshDims, c: Coords) -> Vec<Held> {
+    let specs = param_specs(cfg);
+    let n_experts = cfg.moe.as_ref().map_or(0, |m| m.n_experts);
+    let names: Vec<String> = if seg == 0 {
+        vec![TIED.into(), "wpe.weight".into()]
+    } else if seg == cfg.n_layer + 1 {
+        vec!["ln_f.weight".into(), "ln_f.bias".into(), TIED.into()]
+    } else {
+        specs
+            .iter()
+            .map(|s| s.0.clone())
+            .filter(|n| block_of(n) == Some(seg - 1))
+            .filter(|n| match expert_of(n) {
+                Some(e) => dims.ep == 1 || ep_rank_of_expert(e, n_experts, dims.ep) == c.ep,
+                None => true,
+            })
+            .collect()
+    };
+    names
+        .into_iter()
+        .map(|name| {
+            let full = specs
+                .iter()
+                .find(|s| s.0 == name)
+                .map_or(0, |s| s.1.iter().product::<usize>());
+            let numel = tp_placement(&name, false).local_numel(full, dims.tp);
+            Held { name, numel }
+        })
+        .collect()
+}
+
+/// (rows a rank's input holds, rows it sends to other ranks) of a token all-to-all under
+/// balanced routing: k·N/E tokens per expert, capped by the capacity.
+fn balanced_rows(m: &MoeConfig, tokens: usize, ep: usize) -> (u64, u64) {
+    let cap = capacity(tokens, m.n_experts, m.top_k, m.capacity_factor);
+    let per_expert = ((m.top_k * tokens) as f64 / m.n_experts as f64).round() as usize;
+    let kept = per_expert.min(cap) * m.n_experts;
+    let remote = kept * (ep - 1) / ep;
+    (kept as u64, remote as u64)
+}

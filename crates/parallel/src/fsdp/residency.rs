@@ -1,0 +1,111 @@
+//! ZeRO-3's residency rule as data: for a pass over a chunk's segments, which units each step
+//! frees, waits for and prefetches. The scheduler (`fsdp/scheduler.rs`) runs these moves with
+//! real all-gathers; the cost model ([`crate::comm_cost`]) counts the same moves, so the two
+//! cannot disagree on how often a unit is gathered.
+//!
+//! ```text
+//!   unit i       the parameters segment i is the first (lowest) user of: where their
+//!                gradient becomes final (the tied wte belongs to the embedding)
+//!   needs[i]     the units segment i uses, ascending
+//!   forward  i   free needs[i-1] \ needs[i] │ wait needs[i] │ prefetch needs[i+1]
+//!   backward i   (recompute only) wait needs[i] │ prefetch needs[i-1]
+//!   after bwd i  free needs[i] \ needs[i-1]
+//! ```
+
+use std::collections::BTreeMap;
+
+/// The units segment i uses, for every segment of a chunk: `uses[i]` are the parameter names
+/// segment i uses, `owner` each name's unit ([`crate::toolbox::final_after_names`]).
+pub fn needs(uses: &[Vec<String>], owner: &BTreeMap<String, usize>) -> Vec<Vec<usize>> {
+    uses.iter()
+        .map(|names| {
+            let mut u: Vec<usize> = names.iter().filter_map(|n| owner.get(n).copied()).collect();
+            u.sort_unstable();
+            u.dedup();
+            u
+        })
+        .collect()
+}
+
+/// What happens to units around one segment's pass.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Moves {
+    /// Units whose gathered weights are released first.
+    pub free: Vec<usize>,
+    /// Units that must be resident before the segment runs (gathered now if they are not).
+    pub wait: Vec<usize>,
+    /// Units whose gather starts now, to overlap the segment's compute.
+    pub prefetch: Vec<usize>,
+}
+
+/// Before segment `i`'s forward: free the previous segment's units it does not use, wait for
+/// its own, prefetch the next segment's (with `prefetch`).
+pub fn before_forward(needs: &[Vec<usize>], i: usize, prefetch: bool) -> Moves {
+    let free = match i {
+        0 => Vec::new(),
+        _ => needs[i - 1]
+            .iter()
+            .copied()
+            .filter(|u| !needs[i].contains(u))
+            .collect(),
+    };
+    let prefetch = match prefetch && i + 1 < needs.len() {
+        true => needs[i + 1].clone(),
+        false => Vec::new(),
+    };
+    Moves {
+        free,
+        wait: needs[i].clone(),
+        prefetch,
+    }
+}
+
+/// Before segment `i`'s backward when its forward is recomputed: wait for its units, prefetch
+/// the previous segment's (with `prefetch`). Without recompute nothing is gathered: the graph
+/// recorded in forward holds the weights.
+pub fn before_backward(needs: &[Vec<usize>], i: usize, prefetch: bool) -> Moves {
+    let prefetch = match prefetch && i > 0 {
+        true => needs[i - 1].clone(),
+        false => Vec::new(),
+    };
+    Moves {
+        free: Vec::new(),
+        wait: needs[i].clone(),
+        prefetch,
+    }
+}
+
+/// After segment `i`'s backward: the units it used that the segment before it does not.
+pub fn after_backward(needs: &[Vec<usize>], i: usize) -> Vec<usize> {
+    needs[i]
+        .iter()
+        .copied()
+        .filter(|u| i == 0 || !needs[i - 1].contains(u))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_head_keeps_the_tied_embedding_unit_resident() {
+        // [embedding (wte, wpe), h.0, head (ln_f, wte)]: the head needs unit 0 too.
+        let needs = vec![vec![0], vec![1], vec![0, 2]];
+        assert_eq!(
+            before_forward(&needs, 1, true),
+            Moves {
+                free: vec![0],
+                wait: vec![1],
+                prefetch: vec![0, 2]
+            }
+        );
+        assert_eq!(before_forward(&needs, 2, false).free, vec![1]);
+        assert_eq!(after_backward(&needs, 2), vec![0, 2]);
+        assert_eq!(after_backward(&needs, 0), vec![0]);
+        assert_eq!(
+            before_backward(&needs, 0, true).prefetch,
+            Vec::<usize>::new()
+        );
+    }
+}

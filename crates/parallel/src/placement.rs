@@ -1,0 +1,215 @@
+//! Which slice of which parameter each rank holds under a plan: pure rules on GPT-2 names,
+//! written once here and used by the tensor-parallel builder, the composed model's norm and
+//! state, the cost model and the trainer's memory figures.
+//!
+//! A parameter's place has three coordinates, one per way the model is cut:
+//!
+//! ```text
+//!   tp     tp_placement: a slice of wte (vocabulary rows), of each column layer (c_attn: the
+//!          same heads of q | k | v, c_fc: output rows) or of each row layer's weight (c_proj:
+//!          input columns); everything else whole on every tp rank, its gradient a partial sum
+//!          under sequence parallelism (sp_partial)
+//!   pp     stage_of: the model stage of its block (wte, wpe: stage 0; ln_f: the last); the
+//!          tied wte is used by the last stage too (TIED)
+//!   ep     expert_of: an expert lives on ep rank e / (E / ep) only
+//! ```
+//!
+//! The dp coordinate is the strategy's (DDP replicates, ZeRO shards the flat segment), so it is
+//! not a rule of names. [`owner_of`] combines the three into the world rank that holds a
+//! parameter's reference copy.
+//!
+//! Legend: `V` vocabulary, `C` width, `E` experts, `S` model stages.
+
+use mtrain_comm::MeshDims;
+use mtrain_model::GptConfig;
+
+use crate::pipeline::StageLayout;
+
+/// The parameter both ends of the model use: the token embedding and the LM head.
+pub const TIED: &str = "wte.weight";
+
+/// How one parameter is laid out over the tensor-parallel group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    /// The full tensor on every rank. `partial_grad`: each rank's gradient is only its part of the
+    /// total (sequence parallelism: the rank saw 1/tp of the tokens) and must be summed over tp.
+    Replicated { partial_grad: bool },
+    /// Split along `dim`, which is viewed as `blocks` equal blocks; rank r holds chunk r of each.
+    Sharded { dim: usize, blocks: usize },
+}
+
+impl Placement {
+    /// Elements of a tensor of `numel` elements one rank of a `tp` group holds.
+    pub fn local_numel(self, numel: usize, tp: usize) -> usize {
+        match self {
+            Placement::Sharded { .. } => numel / tp.max(1),
+            Placement::Replicated { .. } => numel,
+        }
+    }
+}
+
+/// The tensor-parallel split rule (Megatron's): `wte` by vocabulary rows (V/tp, C); column
+/// layers by output rows, `c_attn` as three blocks q | k | v so a rank keeps the same heads of
+/// each (3C/tp, C) and `c_fc` (4C/tp, C), biases alike; row layers' weights by input columns
+/// (`c_proj`: (C, C/tp) and (C, 4C/tp)). Everything else, row biases included, is whole on every
+/// rank, and under `sequence_parallel` its gradient is partial (the rank saw 1/tp of the tokens).
+/// Experts are never tensor-parallel: expert parallelism splits them.
+pub fn tp_placement(name: &str, sequence_parallel: bool) -> Placement {
+    if is_expert_param(name) {
+        return Placement::Replicated {
+            partial_grad: false,
+        };
+    }
+    if name == TIED {
+        Placement::Sharded { dim: 0, blocks: 1 }
+    } else if name.contains(".c_attn.") {
+        Placement::Sharded { dim: 0, blocks: 3 }
+    } else if name.contains(".c_fc.") {
+        Placement::Sharded { dim: 0, blocks: 1 }
+    } else if name.ends_with(".c_proj.weight") {
+        Placement::Sharded { dim: 1, blocks: 1 }
+    } else {
+        Placement::Replicated {
+            partial_grad: sequence_parallel,
+        }
+    }
+}
+
+/// The sizes [`tp_placement`] splits, so the ones tp must divide: the heads (c_attn's q | k | v
+/// and c_proj's input), the MLP width (c_fc and its c_proj) and the vocabulary (wte).
+pub fn tp_split_sizes(cfg: &GptConfig) -> [(&'static str, usize); 3] {
+    [
+        ("n_head", cfg.n_head),
+        ("4 * n_embd", 4 * cfg.n_embd),
+        ("vocab_size", cfg.vocab_size),
+    ]
+}
+
+/// Whether `name`'s gradient is a partial sum over tp under sequence parallelism (LayerNorms,
+/// `wpe`, row-parallel biases): [`tp_placement`]'s replicated parameters.
+pub fn sp_partial(name: &str) -> bool {
+    tp_placement(name, true) == Placement::Replicated { partial_grad: true }
+}
+
+/// Whether a parameter belongs to an expert (`h.{i}.moe.experts.{e}.…`).
+pub fn is_expert_param(name: &str) -> bool {
+    name.contains(".moe.experts.")
+}
+
+/// The expert index e of an expert's parameter (`h.{i}.moe.experts.{e}.…`).
+pub fn expert_of(name: &str) -> Option<usize> {
+    name.split(".moe.experts.")
+        .nth(1)?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// The ep rank holding expert `e` of `n_experts` split over `ep` ranks (E/ep consecutive each).
+pub fn ep_rank_of_expert(e: usize, n_experts: usize, ep: usize) -> usize {
+    e / (n_experts / ep.max(1)).max(1)
+}
+
+/// The block index i of a block's parameter (`h.{i}.…`).
+pub fn block_of(name: &str) -> Option<usize> {
+    name.strip_prefix("h.")?.split('.').next()?.parse().ok()
+}
+
+/// The model stage whose segments hold `name`: its block's stage, stage 0 for the embedding
+/// (`wte`, `wpe`), the last stage for the final LayerNorm. The tied [`TIED`] is also used by
+/// the last stage ([`used_on_stage`]).
+pub fn stage_of(name: &str, layout: &StageLayout) -> usize {
+    let last = layout.num_stages().saturating_sub(1);
+    if name.starts_with("ln_f.") {
+        return last;
+    }
+    match block_of(name) {
+        Some(i) => (0..=last)
+            .find(|&s| layout.blocks(s).contains(&i))
+            .unwrap_or(0),
+        None => 0,
+    }
+}
+
+/// Whether model stage `stage` uses `name`: its own stage, and the last one for the tied `wte`.
+pub fn used_on_stage(name: &str, stage: usize, layout: &StageLayout) -> bool {
+    stage_of(name, layout) == stage || (name == TIED && stage + 1 == layout.num_stages())
+}
+
+/// The world rank holding the reference copy of `name` (dp 0, tp 0, the pp rank of its stage,
+/// an expert's ep rank): the root `full_state` broadcasts it from. `n_experts` is the model's
+/// expert count (0 for a dense model).
+pub fn owner_of(name: &str, dims: MeshDims, layout: &StageLayout, n_experts: usize) -> usize {
+    let pp_idx = stage_of(name, layout) % dims.pp.max(1);
+    let dp_idx = match (expert_of(name), dims.ep > 1 && n_experts > 0) {
+        (Some(e), true) => ep_rank_of_expert(e, n_experts, dims.ep),
+        _ => 0,
+    };
+    dims.rank_of(dp_idx, pp_idx, 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_split_rule_names_every_kind_of_parameter() {
+        let sharded = |dim, blocks| Placement::Sharded { dim, blocks };
+        assert_eq!(tp_placement("wte.weight", false), sharded(0, 1));
+        assert_eq!(tp_placement("h.3.attn.c_attn.weight", false), sharded(0, 3));
+        assert_eq!(tp_placement("h.3.attn.c_attn.bias", false), sharded(0, 3));
+        assert_eq!(tp_placement("h.0.mlp.c_fc.bias", false), sharded(0, 1));
+        assert_eq!(tp_placement("h.0.mlp.c_proj.weight", false), sharded(1, 1));
+        assert_eq!(tp_placement("h.0.attn.c_proj.weight", true), sharded(1, 1));
+        let partial = Placement::Replicated { partial_grad: true };
+        for name in [
+            "wpe.weight",
+            "h.1.ln_2.bias",
+            "ln_f.weight",
+            "h.1.mlp.c_proj.bias",
+        ] {
+            assert_eq!(tp_placement(name, true), partial, "{name}");
+            assert!(sp_partial(name), "{name}");
+        }
+        assert!(!sp_partial("h.1.mlp.c_fc.weight"));
+        assert!(!sp_partial("h.0.moe.experts.1.c_fc.weight"));
+        assert_eq!(
+            tp_placement("h.0.moe.experts.1.c_fc.weight", true),
+            Placement::Replicated {
+                partial_grad: false
+            }
+        );
+    }
+
+    #[test]
+    fn stages_and_owners_follow_the_layout() {
+        // 4 blocks over 2 stages: stage 0 = emb, h.0, h.1; stage 1 = h.2, h.3, head.
+        let layout = StageLayout::even(4, 2).expect("layout");
+        assert_eq!(stage_of("wte.weight", &layout), 0);
+        assert_eq!(stage_of("h.1.ln_1.weight", &layout), 0);
+        assert_eq!(stage_of("h.2.ln_1.weight", &layout), 1);
+        assert_eq!(stage_of("ln_f.bias", &layout), 1);
+        assert!(used_on_stage("wte.weight", 1, &layout));
+        assert!(!used_on_stage("wpe.weight", 1, &layout));
+        assert_eq!(expert_of("h.3.moe.experts.5.c_fc.weight"), Some(5));
+        assert_eq!(expert_of("h.3.mlp.c_fc.weight"), None);
+        // dp 2 x pp 2 x tp 2, ep 2: expert 3 of 4 lives on dp index 1.
+        let dims = MeshDims {
+            dp: 2,
+            pp: 2,
+            tp: 2,
+            ep: 2,
+        };
+        assert_eq!(
+            owner_of("h.3.moe.experts.3.c_fc.weight", dims, &layout, 4),
+            6
+        );
+        assert_eq!(
+            owner_of("h.3.moe.experts.1.c_fc.weight", dims, &layout, 4),
+            2
+        );
+        assert_eq!(owner_of("ln_f.weight", dims, &layout, 0), 2);
+        assert_eq!(owner_of("wte.weight", dims, &layout, 0), 0);
+    }
+}

@@ -1,0 +1,301 @@
+//! The parallel plan: everything that decides how the model is split, validated once.
+//!
+//! A [`ParallelPlan`] is data: the mesh dimensions (dp × pp × tp = world, ep carved out of dp),
+//! the data-parallel strategy (DDP or a ZeRO stage), sequence parallelism, the pipeline schedule
+//! and its micro-batches, the blocks per stage, activation checkpointing and the precision.
+//! [`ParallelPlan::validate`] is the one place that checks a plan against a model and a world,
+//! with the arithmetic in the message (`dp(2) * pp(2) * tp(2) = 8 != world size 4`); the
+//! builder, the cost model and the trainer all call it. The stage layout a plan gives a model
+//! ([`ParallelPlan::stage_layout`]) is public so every part that needs it asks the plan instead
+//! of deriving it again. [`describe`] is what `mtrain plan` prints beyond the mesh.
+
+use std::fmt::Write as _;
+
+use mtrain_comm::MeshDims;
+use mtrain_model::init::param_specs;
+use mtrain_model::GptConfig;
+
+use crate::ddp::DdpConfig;
+use crate::fsdp::FsdpConfig;
+use crate::mixed_precision::MixedPrecision;
+use crate::pipeline::{PipelineError, ScheduleKind, StageLayout};
+use crate::placement::{is_expert_param, tp_placement, tp_split_sizes, used_on_stage};
+
+/// A plan that cannot work, with every reason and its arithmetic, joined by `; `.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("invalid parallel plan: {0}")]
+pub struct PlanError(pub String);
+
+/// How the data-parallel replicas share their work.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum DataParallelKind {
+    /// Full replicas; gradients averaged over dp.
+    Ddp(DdpConfig),
+    /// ZeRO stage 1, 2 or 3 over dp.
+    Zero(FsdpConfig),
+}
+
+/// Everything that decides how the model is split.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParallelPlan {
+    /// dp × pp × tp (= world size), ep carved out of dp.
+    pub dims: MeshDims,
+    /// DDP or a ZeRO stage over the dp group.
+    pub data: DataParallelKind,
+    /// Sequence parallelism inside the tp group (no effect when tp = 1).
+    pub sequence_parallel: bool,
+    /// Pipeline schedule (ignored when pp = 1: the one stage runs its micro-batches in turn).
+    pub schedule: ScheduleKind,
+    /// Micro-batches per step M; each rank's batch must split into M equal parts.
+    pub microbatches: usize,
+    /// Blocks per model stage (pp · v entries); None splits evenly.
+    pub stage_counts: Option<Vec<usize>>,
+    /// Activation checkpointing: keep only segment inputs, recompute in backward.
+    pub checkpointing: bool,
+    /// Compute dtype and gradient-reduction dtype (bf16 compute keeps fp32 masters).
+    pub precision: MixedPrecision,
+}
+
+impl ParallelPlan {
+    /// A plain plan: `dims`, DDP, no sequence parallelism, 1F1B with one micro-batch, even stages.
+    pub fn new(dims: MeshDims) -> Self {
+        Self {
+            dims,
+            data: DataParallelKind::Ddp(DdpConfig::default()),
+            sequence_parallel: false,
+            schedule: ScheduleKind::OneFOneB,
+            microbatches: 1,
+            stage_counts: None,
+            checkpointing: false,
+            precision: MixedPrecision::default(),
+        }
+    }
+
+    /// The schedule actually run: a single stage has nothing to interleave.
+    pub fn effective_schedule(&self) -> ScheduleKind {
+        if self.dims.pp == 1 {
+            ScheduleKind::GPipe
+        } else {
+            self.schedule
+        }
+    }
+
+    /// Model stages S = pp · v.
+    pub fn num_stages(&self) -> usize {
+        self.dims.pp * self.effective_schedule().virtual_stages()
+    }
+
+    /// Every reason a layout cannot work, with the arithmetic: `dp(2) * pp(2) * tp(2) = 8 != world
+    /// size 4`, `pp 5 > n_layer 4`, `n_head 6 is not divisible by tp 4`, `ep 3 does not divide dp
+    /// 4`, `n_experts 4 is not divisible by ep 3`, `--ep needs an MoE model`, micro-batches not
+    /// dividing the batch, ... `batch_size` is the global batch of one micro-step (sequences).
+    pub fn validate(
+        &self,
+        cfg: &GptConfig,
+        world_size: usize,
+        batch_size: usize,
+    ) -> Result<(), PlanError> {
+        let mut why = self.layout_problems(cfg, world_size);
+        let (dp, m) = (self.dims.dp, self.microbatches);
+        if dp > 0 && !batch_size.is_multiple_of(dp) {
+            why.push(format!("batch {batch_size} is not divisible by dp {dp}"));
+        } else if dp > 0 && m > 0 && !(batch_size / dp).is_multiple_of(m) {
+            why.push(format!(
+                "per-rank batch {} (batch {batch_size} / dp {dp}) is not divisible by microbatches {m}",
+                batch_size / dp
+            ));
+        }
+        explain(why)
+    }
+
+    /// [`ParallelPlan::validate`] without the batch: whether the layout fits `cfg` and a world
+    /// of `world_size` ranks (the builder's check; the batch is the loop's).
+    pub fn validate_layout(&self, cfg: &GptConfig, world_size: usize) -> Result<(), PlanError> {
+        explain(self.layout_problems(cfg, world_size))
+    }
+
+    /// How `n_layer` blocks are split into this plan's model stages: `stage_counts`, or evenly.
+    pub fn stage_layout(&self, n_layer: usize) -> Result<StageLayout, PipelineError> {
+        match &self.stage_counts {
+            Some(counts) => StageLayout::from_counts(n_layer, counts),
+            None => StageLayout::even(n_layer, self.num_stages()),
+        }
+    }
+
+    fn layout_problems(&self, cfg: &GptConfig, world_size: usize) -> Vec<String> {
+        let MeshDims { dp, pp, tp, ep } = self.dims;
+        let mut why = Vec::new();
+        if let Err(e) = cfg.validate() {
+            why.push(e.to_string());
+        }
+        for (name, v) in [
+            ("dp", dp),
+            ("pp", pp),
+            ("tp", tp),
+            ("ep", ep),
+            ("microbatches", self.microbatches),
+        ] {
+            if v == 0 {
+                why.push(format!("{name} must be at least 1, got 0"));
+            }
+        }
+        if !why.is_empty() {
+            return why;
+        }
+        if dp * pp * tp != world_size {
+            why.push(format!(
+                "dp({dp}) * pp({pp}) * tp({tp}) = {} != world size {world_size}",
+                dp * pp * tp
+            ));
+        }
+        if !dp.is_multiple_of(ep) {
+            why.push(format!("ep {ep} does not divide dp {dp}"));
+        }
+        let v = self.schedule.virtual_stages();
+        if pp == 1 && v > 1 {
+            why.push(format!("an interleaved schedule (v = {v}) needs pp > 1"));
+        }
+        let s = self.num_stages();
+        if v == 0 {
+            why.push("an interleaved schedule needs at least one virtual stage, got v = 0".into());
+        } else if let Some(counts) = &self.stage_counts {
+            let total: usize = counts.iter().sum();
+            if counts.len() != s {
+                why.push(format!(
+                    "stage_counts has {} entries but there are {s} model stages",
+                    counts.len()
+                ));
+            } else if total != cfg.n_layer {
+                why.push(format!(
+                    "stage_counts {counts:?} add up to {total} != n_layer {}",
+                    cfg.n_layer
+                ));
+            } else if let Some(k) = (1..s.saturating_sub(1)).find(|&k| counts[k] == 0) {
+                why.push(format!(
+                    "stage {k} of stage_counts {counts:?} holds no block"
+                ));
+            }
+        } else if s > cfg.n_layer {
+            why.push(match v {
+                1 => format!("pp {pp} > n_layer {}", cfg.n_layer),
+                _ => format!(
+                    "pp {pp} x v {v} = {s} model stages > n_layer {}",
+                    cfg.n_layer
+                ),
+            });
+        }
+        if let ScheduleKind::Interleaved1F1B { .. } = self.effective_schedule() {
+            if !self.microbatches.is_multiple_of(pp) {
+                why.push(format!(
+                    "interleaved 1F1B needs microbatches {} to be a multiple of pp {pp}",
+                    self.microbatches
+                ));
+            }
+        }
+        if tp > 1 {
+            if cfg.moe.is_some() {
+                why.push(format!(
+                    "tp {tp} with an MoE model: expert blocks are split by --ep, not tensor parallelism"
+                ));
+            }
+            for (what, value) in tp_split_sizes(cfg) {
+                if !value.is_multiple_of(tp) {
+                    why.push(format!("{what} {value} is not divisible by tp {tp}"));
+                }
+            }
+        }
+        if ep > 1 {
+            match &cfg.moe {
+                None => why.push(format!(
+                    "--ep {ep} needs an MoE model (the config has no `moe` section)"
+                )),
+                Some(m) if !m.n_experts.is_multiple_of(ep) => why.push(format!(
+                    "n_experts {} is not divisible by ep {ep}",
+                    m.n_experts
+                )),
+                Some(_) => {}
+            }
+            if let DataParallelKind::Zero(z) = self.data {
+                why.push(format!(
+                    "ZeRO stage {} with ep {ep}: expert parameters live on ep ranks and are not sharded over dp; use DDP",
+                    z.stage as u8
+                ));
+            }
+        }
+        why
+    }
+}
+
+fn explain(why: Vec<String>) -> Result<(), PlanError> {
+    match why.is_empty() {
+        true => Ok(()),
+        false => Err(PlanError(why.join("; "))),
+    }
+}
+/// What `mtrain plan` prints beyond the mesh: the data-parallel mode and schedule, and the
+/// layers and parameters per rank of each stage (the trainer's memory model turns the latter
+/// into bytes, as its per-step report does).
+pub fn describe(cfg: &GptConfig, plan: &ParallelPlan) -> String {
+    let MeshDims { pp, tp, ep, .. } = plan.dims;
+    let mut s = String::new();
+    let kind = plan.effective_schedule();
+    let n_stages = plan.num_stages();
+    let layout = match plan.stage_layout(cfg.n_layer) {
+        Ok(l) => l,
+        Err(e) => return format!("no stage layout: {e}\n"),
+    };
+    let zero = match plan.data {
+        DataParallelKind::Ddp(_) => None,
+        DataParallelKind::Zero(z) => Some(z.stage),
+    };
+    let _ = writeln!(
+        s,
+        "plan: {} | {} micro-batch(es), schedule {kind}{}{}",
+        match zero {
+            None => "DDP".to_string(),
+            Some(z) => format!("ZeRO-{}", z as u8),
+        },
+        plan.microbatches,
+        if plan.sequence_parallel && tp > 1 {
+            ", sequence parallel"
+        } else {
+            ""
+        },
+        if plan.checkpointing {
+            ", activation checkpointing"
+        } else {
+            ""
+        },
+    );
+    let specs = param_specs(cfg);
+    for st in 0..n_stages {
+        let b = layout.blocks(st);
+        let mut what = Vec::new();
+        if st == 0 {
+            what.push("embedding".to_string());
+        }
+        if !b.is_empty() {
+            what.push(format!("h.{}..h.{}", b.start, b.end - 1));
+        }
+        if st + 1 == n_stages {
+            what.push("head".to_string());
+        }
+        let mut n = 0usize;
+        for (name, shape, _) in &specs {
+            if !used_on_stage(name, st, &layout) {
+                continue;
+            }
+            let numel: usize = shape.iter().product();
+            let k = tp_placement(name, false).local_numel(numel, tp);
+            n += if is_expert_param(name) { k / ep } else { k };
+        }
+        let _ = writeln!(
+            s,
+            "stage {st} (pp rank {}): {:<28} {:>10} params per rank",
+            st % pp,
+            what.join(", "),
+            n
+        );
+    }
+    s
+}

@@ -1,0 +1,557 @@
+//! The training step of a composed model: one micro-step's pipeline pass with the strategy's
+//! hooks, the gradient fix-ups after the data-parallel reduction, the global gradient norm and
+//! the optimizer step. [`ParallelModel`] is what [`crate::parallelize::parallelize`] builds; its
+//! layout-independent state (gather, reshard) is in [`crate::state`].
+//!
+//! ```text
+//!   for micro-step k of K:  forward_backward(x_k, y_k, 1/K, sync = k == K-1)
+//!                             executor runs the schedule's actions with the chunk's hooks
+//!                             (ZeRO: gather / free / reduce-scatter; one stage with dp > 1:
+//!                             each gradient's dp average starts in the last backward)
+//!                             sync: finish_grads = dp average, Σ tp partial, Σ tied wte
+//!   norm² = grad_norm_sq()    one all-reduce over the world
+//!   scaled_step(opt, lr, clip_coef(norm, max))   scale, AdamW (fp32 masters), ZeRO write-back
+//! ```
+//!
+//! **Data parallelism under the pipeline.** The executor runs the engine's passes; it hands each
+//! pass the engine hooks of its chunk ([`StageHooks`]) and says which backward is the chunk's last
+//! of the step. Under ZeRO those hooks are [`Fsdp`]'s own: at stage 3 the units are gathered
+//! before each segment and freed after it in every micro-batch's forward and backward, and
+//! stages 2 and 3 reduce-scatter after every micro-batch's backward (stage 1 after the chunk's
+//! last one), so `--pp 2 --dp 2 --zero 3` really holds 1/dp of each stage's weights. Under DDP
+//! with one stage each gradient's average starts inside the last backward as soon as it is final
+//! ([`OverlappedDpReduce`]); with a pipeline the gradients accumulate over the micro-batches and
+//! are averaged once after the flush (Megatron's default; [`crate::ddp::average`]). Expert
+//! gradients are averaged over their edp replicas.
+//!
+//! **Linear fix-ups after the reduction.** Two gradients are incomplete on a single rank: under
+//! sequence parallelism the LayerNorms, `wpe` and row-parallel biases saw only 1/tp of the tokens
+//! (Σ over tp, [`crate::placement::sp_partial`]), and the tied `wte` on the first and last stage
+//! saw only one of its two uses (Σ over those two pp ranks). Both are sums, and sums commute with
+//! the data-parallel average, so they are applied once, after it, to whatever the strategy keeps:
+//! full gradients ([`ShardLayout::sync_partial_grads`], [`PipelineStages::sync_tied_grads`]) or
+//! ZeRO shards ([`Fsdp::all_reduce_grads_of`]; for `wte`, the full gradient gathered over dp,
+//! exchanged over pp, and the peer's part added to the shard).
+//!
+//! **Gradient norm, once per step.** Σ g² over every element of the model: each rank weighs a
+//! parameter 1 or 0 (counted on tp rank 0 if it is replicated over tp, on the first stage if it
+//! is the tied `wte`, on dp rank 0 if its gradient is replicated over dp — ZeRO shards are
+//! disjoint and always count, an expert on its edp replica 0) and one all-reduce over the world
+//! adds it up. The loop asks for it ([`ParallelModel::grad_norm_sq`]) and passes the clip
+//! coefficient to [`ParallelModel::scaled_step`], which uses it as given.
+//!
+//! **Mixed precision** ([`ParallelPlan::precision`]). Gradients are cast to the reduce dtype
+//! before the first reduction (dp, sequence-parallel sums, tied `wte`); ZeRO reduce-scatters in
+//! it; AdamW steps the fp32 masters ([`MasterWeights`]) and copies them into the bf16 weights.
+//!
+//! Legend: `B` batch, `T` time, `C` width, `M` micro-batches, `S` model stages.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use candle_core::{DType, Shape, Tensor};
+use mtrain_comm::{chunk_range, Comm, CommError, Coords, ReduceOp};
+use mtrain_model::optim::{clip_coef, AdamW, OptimItem};
+use mtrain_model::{Engine, GptConfig, Grads, Hooks, MoeStats, NoHooks, Param};
+
+use crate::ddp::{average, DataParallel, DpError, OverlappedDpReduce};
+use crate::expert_parallel::{self, EpError};
+use crate::fsdp::{Fsdp, FsdpHooks, ZeroStage};
+use crate::mixed_precision::{grads_for_reduction, MasterWeights, PrecisionError};
+use crate::pipeline::{
+    NoStageHooks, PipelineError, PipelineExecutor, PipelineStages, StageHooks, StepReport,
+};
+use crate::placement::{is_expert_param, tp_placement, Placement};
+use crate::plan::{ParallelPlan, PlanError};
+use crate::tensor_parallel::{ShardLayout, TpError};
+use crate::toolbox::{
+    replicated_items, scale_all, sq_sum_f64, sum_f64, CommStats, ModelStateBytes, StateError,
+};
+
+/// Errors of composing the strategies.
+#[derive(Debug, thiserror::Error)]
+pub enum ParallelizeError {
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    #[error("the plan is for {plan} but the mesh is {mesh}")]
+    MeshMismatch { plan: String, mesh: String },
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error(transparent)]
+    Precision(#[from] PrecisionError),
+    #[error(transparent)]
+    Tp(#[from] TpError),
+    #[error(transparent)]
+    Pipeline(#[from] PipelineError),
+    #[error(transparent)]
+    Ep(#[from] EpError),
+    #[error(transparent)]
+    Dp(#[from] DpError),
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+pub type Result<T> = std::result::Result<T, ParallelizeError>;
+
+/// What one micro-step reports.
+#[derive(Debug, Clone)]
+pub struct StepOut {
+    /// Mean loss over the global batch, identical on every rank.
+    pub loss: f64,
+    /// Auxiliary (MoE) loss over the whole model, averaged over the global batch.
+    pub aux_loss: f64,
+    /// The pipeline's measurements on this rank (None when pp = 1).
+    pub pipeline: Option<StepReport>,
+    /// Tokens per expert and drops of this rank's MoE layers, summed over the dp group.
+    pub moe_load: Option<Vec<MoeStats>>,
+}
+
+/// How the data-parallel part keeps gradients.
+pub(crate) enum Replicas {
+    /// Full local gradients in `ParallelModel::grads`, averaged over dp (experts over edp).
+    Full,
+    /// One ZeRO strategy per stage chunk; gradients live in its shards.
+    Zero(Vec<Fsdp>),
+}
+
+/// ZeRO's hooks for every chunk of a pipeline step.
+pub(crate) struct ZeroStageHooks<'a> {
+    hooks: Vec<FsdpHooks<'a>>,
+    /// Stages 2 and 3 reduce-scatter after every backward.
+    every_backward: bool,
+    /// The step's last micro-step: stage 1 reduces after each chunk's last backward.
+    sync: bool,
+}
+
+impl StageHooks for ZeroStageHooks<'_> {
+    fn hooks(&mut self, chunk: usize, last_backward: bool) -> &mut dyn Hooks {
+        let reduce = self.every_backward || (self.sync && last_backward);
+        let h = &mut self.hooks[chunk];
+        h.set_reduce(reduce);
+        h
+    }
+}
+
+/// This rank's part of the model under a plan, with the training-step API (built by
+/// [`crate::parallelize::parallelize`]).
+pub struct ParallelModel {
+    pub(crate) plan: ParallelPlan,
+    pub(crate) cfg: GptConfig,
+    pub(crate) coords: Coords,
+    pub(crate) world: Comm,
+    pub(crate) dp: Comm,
+    pub(crate) pp: Comm,
+    pub(crate) tp: Comm,
+    pub(crate) edp: Comm,
+    pub(crate) engine: Engine,
+    pub(crate) stages: PipelineStages,
+    pub(crate) executor: PipelineExecutor,
+    /// The tensor-parallel placement of every parameter (tp > 1).
+    pub(crate) layout: Option<ShardLayout>,
+    /// Parameters whose gradient is partial over tp (sequence parallelism), held here.
+    pub(crate) partial: BTreeSet<String>,
+    /// Tied parameters held by this rank's first or last stage (pp > 1).
+    pub(crate) tied: BTreeSet<String>,
+    /// This rank's parameters, each once, in model order.
+    pub(crate) params: Vec<Param>,
+    pub(crate) replicas: Replicas,
+    /// fp32 masters of `params` under mixed precision with full replicas (ZeRO keeps its
+    /// master shards in each [`Fsdp`]).
+    pub(crate) masters: Option<MasterWeights>,
+    pub(crate) grads: Grads,
+    pub(crate) current: CommStats,
+    /// This step's gradients were averaged over dp during the last backward.
+    pub(crate) reduced: bool,
+    pub(crate) last: CommStats,
+}
+
+pub(crate) fn f64_of(t: &Tensor) -> Result<Vec<f64>> {
+    Ok(t.to_dtype(DType::F64)?.to_vec1::<f64>()?)
+}
+
+impl ParallelModel {
+    /// The plan this model was built from.
+    pub fn plan(&self) -> &ParallelPlan {
+        &self.plan
+    }
+
+    /// This rank's pipeline stages.
+    pub fn stages(&self) -> &PipelineStages {
+        &self.stages
+    }
+
+    /// This rank's parameters (tp shards, its stages, its experts), each once.
+    pub fn params(&self) -> &[Param] {
+        &self.params
+    }
+
+    /// One micro-step on this rank's data-parallel slice (B_local, T); all tp/pp ranks of one dp
+    /// index pass the same batch. Gradients accumulate; `sync` marks the last micro-step, after
+    /// which the gradients are reduced and complete. `loss_scale` multiplies the gradients (1/K
+    /// for K micro-steps).
+    pub fn forward_backward(
+        &mut self,
+        idx: &Tensor,
+        targets: &Tensor,
+        loss_scale: f64,
+        sync: bool,
+    ) -> Result<StepOut> {
+        let t = std::time::Instant::now();
+        let pp = self.pp.as_ref();
+        // One stage and gradients to average: the average starts inside the last backward.
+        let overlap = sync
+            && self.plan.dims.pp == 1
+            && self.stages.chunks().len() == 1
+            && self.plan.dims.dp > 1;
+        let report = match &mut self.replicas {
+            Replicas::Full if overlap => {
+                let dtype = self
+                    .plan
+                    .precision
+                    .is_mixed()
+                    .then_some(self.plan.precision.reduce_dtype);
+                let mut hooks = OverlappedDpReduce::new(
+                    &self.stages.chunks()[0].segments,
+                    &self.dp,
+                    &self.edp,
+                    dtype,
+                );
+                let report = self.executor.step_with_hooks(
+                    &self.stages,
+                    pp,
+                    idx,
+                    targets,
+                    loss_scale,
+                    &mut self.grads,
+                    &mut hooks,
+                )?;
+                let w = std::time::Instant::now();
+                let (n, bytes) = hooks.finish(&mut self.grads)?;
+                self.current.exposed_comm_s += w.elapsed().as_secs_f64();
+                self.current.collectives += n;
+                self.current.bytes += bytes;
+                self.reduced = true;
+                report
+            }
+            Replicas::Full => self.executor.step_with_hooks(
+                &self.stages,
+                pp,
+                idx,
+                targets,
+                loss_scale,
+                &mut self.grads,
+                &mut NoStageHooks(NoHooks),
+            )?,
+            Replicas::Zero(fsdps) => {
+                let every_backward = fsdps.first().is_some_and(|f| f.stage() >= ZeroStage::Two);
+                let recompute = self.engine.checkpointing;
+                let mut hooks = ZeroStageHooks {
+                    hooks: fsdps.iter_mut().map(|f| f.hooks(recompute)).collect(),
+                    every_backward,
+                    sync,
+                };
+                let report = self.executor.step_with_hooks(
+                    &self.stages,
+                    pp,
+                    idx,
+                    targets,
+                    loss_scale,
+                    &mut self.grads,
+                    &mut hooks,
+                )?;
+                for h in hooks.hooks {
+                    h.finish()?;
+                }
+                report
+            }
+        };
+        self.current.backward_s += t.elapsed().as_secs_f64();
+        if sync {
+            self.finish_grads()?;
+        }
+        // The loss is already the same on every pp rank; the aux losses are per stage.
+        let aux = match self.plan.dims.pp {
+            1 => report.aux_loss,
+            _ => f64_of(&self.pp.all_reduce(
+                &Tensor::new(&[report.aux_loss], self.pp.device())?,
+                ReduceOp::Sum,
+            )?)?[0],
+        };
+        let both = Tensor::new(&[report.loss, aux], self.dp.device())?;
+        let avg = f64_of(&self.dp.all_reduce(&both, ReduceOp::Avg)?)?;
+        let moe_load = match (&self.cfg.moe, report.moe_stats.is_empty()) {
+            (Some(_), false) => Some(
+                expert_parallel::total_load(&report.moe_stats, &self.dp)
+                    .map_err(ParallelizeError::from)?,
+            ),
+            _ => None,
+        };
+        Ok(StepOut {
+            loss: avg[0],
+            aux_loss: avg[1],
+            pipeline: (self.plan.dims.pp > 1).then_some(report),
+            moe_load,
+        })
+    }
+
+    /// After the last micro-step: average over dp, then the sums over tp (sequence-parallel
+    /// partial gradients) and over the two ends of the pipeline (tied `wte`).
+    fn finish_grads(&mut self) -> Result<()> {
+        let t = std::time::Instant::now();
+        match &mut self.replicas {
+            Replicas::Full => {
+                if self.plan.precision.is_mixed() {
+                    // Every reduction below (dp, tp partial sums, tied wte) runs in this dtype.
+                    let dtype = self.plan.precision.reduce_dtype;
+                    grads_for_reduction(&self.params, &mut self.grads, dtype)?;
+                }
+                if self.reduced {
+                    // Averaged during the backward (OverlappedDpReduce).
+                    self.reduced = false;
+                } else if self.plan.dims.dp > 1 {
+                    let (n, bytes) =
+                        average::sync_grads(&self.params, &mut self.grads, &self.dp, &self.edp)?;
+                    self.current.collectives += n;
+                    self.current.bytes += bytes;
+                }
+                if let Some(layout) = &self.layout {
+                    if !self.partial.is_empty() {
+                        layout.sync_partial_grads(&mut self.grads, &self.tp)?;
+                    }
+                }
+                if !self.tied.is_empty() {
+                    self.stages
+                        .sync_tied_grads(self.pp.as_ref(), &mut self.grads)?;
+                }
+            }
+            Replicas::Zero(fsdps) => {
+                if !self.partial.is_empty() {
+                    for f in fsdps.iter_mut() {
+                        f.all_reduce_grads_of(&self.partial, &self.tp)?;
+                    }
+                }
+                if !self.tied.is_empty() {
+                    // Gather my dp-averaged tied gradient, add the other end's, keep the sum.
+                    let mut mine = Grads::new();
+                    for f in fsdps.iter() {
+                        for (n, g) in f.full_grads_of(&self.tied)? {
+                            mine.insert(n, g);
+                        }
+                    }
+                    let mut total = Grads::new();
+                    for (n, g) in mine.iter() {
+                        total.insert(n.clone(), g.clone());
+                    }
+                    self.stages.sync_tied_grads(self.pp.as_ref(), &mut total)?;
+                    let mut theirs = BTreeMap::new();
+                    for (n, g) in total.iter() {
+                        if let Some(m) = mine.get(n) {
+                            theirs.insert(n.clone(), (g - m)?);
+                        }
+                    }
+                    for f in fsdps.iter_mut() {
+                        f.add_full_grads(&theirs)?;
+                    }
+                }
+            }
+        }
+        self.current.exposed_comm_s += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// 1 if this rank counts `name`'s gradient elements in the global norm, else 0.
+    fn norm_weight(&self, name: &str, sharded_over_dp: bool) -> f64 {
+        let c = &self.coords;
+        let over_dp = sharded_over_dp
+            || match is_expert_param(name) {
+                true => c.edp == 0,
+                false => c.dp == 0,
+            };
+        let over_tp = matches!(tp_placement(name, false), Placement::Sharded { .. }) || c.tp == 0;
+        let over_pp = !self.tied.contains(name) || c.pp == 0;
+        if over_dp && over_tp && over_pp {
+            1.0
+        } else {
+            0.0
+        }
+    }
+
+    /// Σ g² of the whole model's reduced gradient, every element counted once; the same on every
+    /// rank (an all-reduce over the world).
+    pub fn grad_norm_sq(&self) -> Result<f64> {
+        let local = match &self.replicas {
+            Replicas::Full => {
+                let mut s = 0.0;
+                for (name, g) in self.grads.iter() {
+                    let w = self.norm_weight(name, false);
+                    if w > 0.0 {
+                        s += w * sq_sum_f64(g)?;
+                    }
+                }
+                s
+            }
+            Replicas::Zero(fsdps) => {
+                let mut s = 0.0;
+                for f in fsdps {
+                    s += f.local_grad_sq_norm(|n| self.norm_weight(n, true))?;
+                }
+                s
+            }
+        };
+        let t = Tensor::new(&[local], self.world.device())?;
+        Ok(f64_of(&self.world.all_reduce(&t, ReduceOp::Sum)?)?[0])
+    }
+
+    /// Clips to `max_grad_norm` (if given), steps `opt` over this rank's parameters or shards and
+    /// clears the gradients. Returns the global gradient norm before clipping. The norm is
+    /// computed once ([`ParallelModel::grad_norm_sq`]) and its coefficient handed to
+    /// [`ParallelModel::scaled_step`]: a caller that already holds the norm calls that instead.
+    pub fn optimizer_step(
+        &mut self,
+        opt: &mut AdamW,
+        lr: f64,
+        max_grad_norm: Option<f64>,
+    ) -> Result<f64> {
+        let norm = self.grad_norm_sq()?.sqrt();
+        let clip = max_grad_norm.map_or(1.0, |m| clip_coef(norm, m));
+        self.scaled_step(opt, lr, clip)?;
+        Ok(norm)
+    }
+
+    /// Multiplies the gradients by `grad_scale` (the clip coefficient of the global norm, used as
+    /// given; 1 leaves them alone), steps `opt` over this rank's parameters or shards and clears
+    /// the gradients. No collective beyond ZeRO's write-back of the updated shards.
+    pub fn scaled_step(&mut self, opt: &mut AdamW, lr: f64, grad_scale: f64) -> Result<()> {
+        match &mut self.replicas {
+            Replicas::Full => {
+                if grad_scale != 1.0 {
+                    scale_all(&mut self.grads, grad_scale)?;
+                }
+                let items = replicated_items(&self.params, &self.grads);
+                match &self.masters {
+                    Some(m) => m.step(opt, lr, &items)?,
+                    None => opt.step(lr, &items)?,
+                }
+            }
+            Replicas::Zero(fsdps) => {
+                if grad_scale != 1.0 {
+                    for f in fsdps.iter_mut() {
+                        f.scale_grads(grad_scale)?;
+                    }
+                }
+                let items: Vec<OptimItem> =
+                    fsdps.iter().flat_map(|f| f.optimizer_items()).collect();
+                let masters: Vec<&MasterWeights> =
+                    fsdps.iter().filter_map(|f| f.masters()).collect();
+                match masters.is_empty() {
+                    true => opt.step(lr, &items)?,
+                    false => MasterWeights::step_all(&masters, opt, lr, &items)?,
+                }
+                for f in fsdps.iter_mut() {
+                    f.after_optimizer_step()?;
+                }
+            }
+        }
+        self.grads.clear();
+        self.last = std::mem::take(&mut self.current);
+        Ok(())
+    }
+
+    /// Mean loss of the batch without gradients, the same on every rank.
+    pub fn eval_loss(&mut self, idx: &Tensor, targets: &Tensor) -> Result<f64> {
+        let (b, t) = idx.dims2()?;
+        let p = self.plan.dims.pp;
+        let s_total = self.stages.layout().num_stages();
+        let t_local = match self.stages.sequence_split() {
+            Some((size, r)) => chunk_range(t, size, r).len(),
+            None => t,
+        };
+        let act_shape = Shape::from((b, t_local, self.cfg.n_embd)); // (B, T/tp, C)
+        let dtype = self.stages.activation_dtype();
+        let mut x = idx.clone();
+        let mut loss = 0.0;
+        for (k, chunk) in self.stages.chunks().iter().enumerate() {
+            let s = chunk.stage;
+            if s > 0 && p > 1 {
+                x = self.pp.recv((s - 1) % p, &act_shape, dtype)?;
+            }
+            let tgt = (s + 1 == s_total).then_some(targets);
+            let out = match &mut self.replicas {
+                Replicas::Full => {
+                    self.engine
+                        .forward(&chunk.segments, &x, tgt, &mut NoHooks)?
+                        .output
+                }
+                Replicas::Zero(fsdps) => {
+                    let out = {
+                        let mut h = fsdps[k].hooks(false);
+                        self.engine
+                            .forward(&chunk.segments, &x, tgt, &mut h)?
+                            .output
+                    };
+                    fsdps[k].release()?;
+                    out
+                }
+            };
+            if s + 1 == s_total {
+                loss = sum_f64(&out)?;
+            } else if p > 1 {
+                self.pp.send(&out, (s + 1) % p)?;
+            } else {
+                x = out;
+            }
+        }
+        if p > 1 {
+            let mine = Tensor::new(&[loss], self.pp.device())?;
+            loss = f64_of(&self.pp.broadcast(&mine, (s_total - 1) % p)?)?[0];
+        }
+        let avg = self
+            .dp
+            .all_reduce(&Tensor::new(&[loss], self.dp.device())?, ReduceOp::Avg)?;
+        Ok(f64_of(&avg)?[0])
+    }
+
+    /// Bytes of the parameters, gradients and optimizer moments this rank holds right now.
+    pub fn model_state_bytes(&self, opt: &AdamW) -> ModelStateBytes {
+        let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let grads: usize = self.grads.iter().map(|(_, g)| bytes(g)).sum();
+        match &self.replicas {
+            Replicas::Full => ModelStateBytes {
+                params: self.params.iter().map(|p| bytes(&p.tensor())).sum(),
+                grads,
+                optimizer: opt.state_bytes() + self.masters.as_ref().map_or(0, |m| m.bytes()),
+            },
+            Replicas::Zero(fsdps) => {
+                let mut s = ModelStateBytes {
+                    params: 0,
+                    grads,
+                    optimizer: opt.state_bytes(),
+                };
+                for f in fsdps {
+                    let b = f.model_state_bytes(opt);
+                    s.params += b.params;
+                    s.grads += b.grads;
+                    s.optimizer += f.master_bytes();
+                }
+                s
+            }
+        }
+    }
+
+    /// Communication figures of the last completed optimizer step (ZeRO: its collectives; DDP:
+    /// the reduction after the flush).
+    pub fn comm_stats(&self) -> CommStats {
+        match &self.replicas {
+            Replicas::Full => self.last,
+            Replicas::Zero(fsdps) => fsdps.iter().fold(self.last, |mut acc, f| {
+                let s = f.comm_stats();
+                acc.comm_s += s.comm_s;
+                acc.exposed_comm_s += s.exposed_comm_s;
+                acc.collectives += s.collectives;
+                acc.bytes += s.bytes;
+                acc
+            }),
+        }
+    }
+}

@@ -1,0 +1,232 @@
+//! The layout-independent state of a composed model: every parameter, gradient and optimizer
+//! moment as the one device would hold it, gathered from any plan and sliced back into any other.
+//!
+//! Every rank knows every name and shape from [`param_specs`]. Gathering goes down the cuts in
+//! reverse: ZeRO shards are gathered over dp ([`crate::fsdp::Fsdp`]), tensor-parallel slices over tp
+//! ([`crate::tensor_parallel::ShardLayout::gather_full`]), then each tensor is broadcast over the world from its owner
+//! ([`crate::placement::owner_of`]: dp 0, tp 0, the pp rank of its stage, an expert's ep rank),
+//! so every rank ends with the whole model. Loading slices the full tensors with the same
+//! placement ([`crate::placement::tp_placement`] through the layout), then ZeRO keeps its shard
+//! pieces. The optimizer moments and the fp32 masters travel the same way, so a checkpoint is the
+//! same file under every plan and a run saved as tp 2 × pp 2 resumes as dp 2 with ZeRO-3.
+//!
+//! This is its own module because it is the one part of the composed model that is not a
+//! training step: checkpoints, parity tests and `mtrain sample` use it, the loop never does.
+
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Tensor};
+use mtrain_model::init::param_specs;
+use mtrain_model::optim::{AdamW, AdamWState};
+
+use crate::ddp::DataParallel;
+use crate::mixed_precision::MasterWeights;
+use crate::placement::owner_of;
+use crate::runtime::{ParallelModel, Replicas, Result};
+use crate::tensor_parallel::shard::shard;
+use crate::toolbox::{set_weight, StateError};
+
+impl ParallelModel {
+    /// fp32 masters from the full fp32 weights, cut like this rank's optimizer state (tp slice,
+    /// then ZeRO shard pieces).
+    pub(crate) fn attach_masters(&mut self, fp32_weights: &BTreeMap<String, Tensor>) -> Result<()> {
+        let local = self.local_slices(fp32_weights, "weight")?;
+        let precision = self.plan.precision;
+        match &mut self.replicas {
+            Replicas::Full => self.masters = Some(MasterWeights::new(local)?),
+            Replicas::Zero(fsdps) => {
+                for f in fsdps.iter_mut() {
+                    f.set_mixed_precision(precision, &local)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// From tensors of this rank's layout by name (full over dp) to every full tensor of the
+    /// model on every rank: gather over tp, then one broadcast per name from its owner.
+    fn assemble(&self, local: BTreeMap<String, Tensor>) -> Result<BTreeMap<String, Tensor>> {
+        let mut mine = BTreeMap::new();
+        for (name, t) in local {
+            let full = match &self.layout {
+                Some(l) => l.gather_full(&name, &t, &self.tp)?,
+                None => t,
+            };
+            mine.insert(name, full);
+        }
+        let dtype = mine.values().next().map_or(DType::F32, |t| t.dtype());
+        let me = self.world.rank();
+        let mut out = BTreeMap::new();
+        let layout = self.stages.layout();
+        let n_experts = self.cfg.moe.as_ref().map_or(0, |m| m.n_experts);
+        for (name, shape, _) in param_specs(&self.cfg) {
+            let root = owner_of(&name, self.plan.dims, layout, n_experts);
+            let x = match (root == me, mine.get(&name)) {
+                (true, Some(t)) => t.to_dtype(dtype)?.contiguous()?,
+                (true, None) => {
+                    return Err(StateError::NotHeld {
+                        rank: me,
+                        name: name.clone(),
+                    }
+                    .into())
+                }
+                (false, _) => Tensor::zeros(shape, dtype, self.world.device())?,
+            };
+            out.insert(name, self.world.broadcast(&x, root)?);
+        }
+        Ok(out)
+    }
+
+    /// Every parameter as a full tensor by name, on every rank (a collective on all ranks).
+    pub fn full_state(&self) -> Result<BTreeMap<String, Tensor>> {
+        let local = match (&self.replicas, &self.masters) {
+            (Replicas::Full, Some(m)) => m.tensors(),
+            (Replicas::Full, None) => self
+                .params
+                .iter()
+                .map(|p| (p.name().to_string(), p.tensor().detach()))
+                .collect(),
+            (Replicas::Zero(fsdps), _) => {
+                let mut m = BTreeMap::new();
+                for f in fsdps {
+                    m.extend(f.full_state()?);
+                }
+                m
+            }
+        };
+        self.assemble(local)
+    }
+
+    /// Every parameter's reduced gradient as a full tensor by name, on every rank (a collective;
+    /// valid between the last micro-step and the optimizer step).
+    pub fn full_grads(&self) -> Result<BTreeMap<String, Tensor>> {
+        let local = match &self.replicas {
+            Replicas::Full => self
+                .grads
+                .iter()
+                .map(|(n, g)| (n.clone(), g.clone()))
+                .collect(),
+            Replicas::Zero(fsdps) => {
+                let mut m = BTreeMap::new();
+                for f in fsdps {
+                    m.extend(f.full_grads()?);
+                }
+                m
+            }
+        };
+        self.assemble(local)
+    }
+
+    /// The optimizer state as one device would hold it (full moments by parameter name), on
+    /// every rank (a collective).
+    pub fn full_optimizer_state(&self, opt: &AdamW) -> Result<AdamWState> {
+        let state = opt.state();
+        if state.m.is_empty() {
+            return Ok(state);
+        }
+        let (m, v) = match &self.replicas {
+            Replicas::Full => (state.m, state.v),
+            Replicas::Zero(fsdps) => {
+                let (mut m, mut v) = (BTreeMap::new(), BTreeMap::new());
+                for f in fsdps {
+                    let s = f.full_optimizer_state(opt)?;
+                    m.extend(s.m);
+                    v.extend(s.v);
+                }
+                (m, v)
+            }
+        };
+        Ok(AdamWState {
+            step: state.step,
+            m: self.assemble(m)?,
+            v: self.assemble(v)?,
+        })
+    }
+
+    /// This rank's piece of each full tensor it holds (tp slice; ZeRO slices later).
+    fn local_slices(
+        &self,
+        full: &BTreeMap<String, Tensor>,
+        what: &'static str,
+    ) -> Result<BTreeMap<String, Tensor>> {
+        let mut out = BTreeMap::new();
+        for p in &self.params {
+            let t = full.get(p.name()).ok_or_else(|| StateError::Missing {
+                what,
+                name: p.name().to_string(),
+            })?;
+            let t = match self.layout.as_ref().and_then(|l| l.get(p.name())) {
+                Some(spec) => {
+                    if t.dims() != spec.full_shape.as_slice() {
+                        return Err(StateError::Shape {
+                            what,
+                            name: p.name().to_string(),
+                            got: t.dims().to_vec(),
+                            expected: spec.full_shape.clone(),
+                        }
+                        .into());
+                    }
+                    shard(t, spec.placement, self.coords.tp, self.plan.dims.tp)?
+                }
+                None => t.clone(),
+            };
+            out.insert(p.name().to_string(), t.to_device(self.world.device())?);
+        }
+        Ok(out)
+    }
+
+    /// Loads full weights by name (e.g. from [`ParallelModel::full_state`] under any plan).
+    pub fn load_full_state(&mut self, full: &BTreeMap<String, Tensor>) -> Result<()> {
+        let local = self.local_slices(full, "weight")?;
+        match &mut self.replicas {
+            Replicas::Full => {
+                for p in &self.params {
+                    if let Some(t) = local.get(p.name()) {
+                        set_weight(p, t)?;
+                    }
+                }
+                if let Some(m) = &self.masters {
+                    m.load(&local)?;
+                }
+            }
+            Replicas::Zero(fsdps) => {
+                for f in fsdps.iter_mut() {
+                    f.load_full_state(&local)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Loads a full optimizer state (from [`ParallelModel::full_optimizer_state`] under any plan)
+    /// into `opt`, keeping this rank's part.
+    pub fn load_optimizer_state(&mut self, opt: &mut AdamW, full: &AdamWState) -> Result<()> {
+        if full.m.is_empty() {
+            opt.load_state(full.clone())?;
+            return Ok(());
+        }
+        let local = AdamWState {
+            step: full.step,
+            m: self.local_slices(&full.m, "first moment")?,
+            v: self.local_slices(&full.v, "second moment")?,
+        };
+        let state = match &self.replicas {
+            Replicas::Full => local,
+            Replicas::Zero(fsdps) => {
+                let (mut m, mut v) = (BTreeMap::new(), BTreeMap::new());
+                for f in fsdps {
+                    let s = f.shard_optimizer_state(&local)?;
+                    m.extend(s.m);
+                    v.extend(s.v);
+                }
+                AdamWState {
+                    step: full.step,
+                    m,
+                    v,
+                }
+            }
+        };
+        opt.load_state(state)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,275 @@
+//! The `[parallel]` table of a config file: how the model is split over the ranks and how
+//! they synchronise, one key per layout flag of the same name (`--tp 2` is `tp = 2`,
+//! `--zero-stage 1` is `zero_stage = 1`).
+//!
+//! ```toml
+//! [parallel]
+//! tp = 2
+//! pp = 2
+//! schedule = "1f1b"
+//! microbatches = 4
+//! ```
+//!
+//! [`ParallelConfig::plan`] turns the table into the parallel crate's [`ParallelPlan`] on a
+//! mesh; [`ParallelConfig::of_plan`] writes a plan back as the table a checkpoint records.
+
+use mtrain_comm::mesh::MeshDims;
+use mtrain_parallel::ddp::DdpConfig;
+use mtrain_parallel::fsdp::{FsdpConfig, ZeroStage};
+use mtrain_parallel::parallelize::{DataParallelKind, ParallelPlan};
+use mtrain_parallel::pipeline::ScheduleKind;
+use serde::{Deserialize, Serialize};
+
+use super::ConfigError;
+
+/// Bytes in one MiB, the unit of `bucket_mb`.
+const MIB: f64 = (1u64 << 20) as f64;
+
+/// The `[parallel]` table: how the model is split over the ranks and how they synchronise.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ParallelConfig {
+    /// Data-parallel degree; inferred as world / (tp·pp) when unset.
+    pub dp: Option<usize>,
+    /// Tensor-parallel degree (innermost: consecutive ranks).
+    pub tp: usize,
+    /// Pipeline-parallel degree (number of stages).
+    pub pp: usize,
+    /// Expert-parallel degree, carved out of dp (must divide dp).
+    pub ep: usize,
+    /// Shard parameters, gradients and optimizer state over dp (FSDP, the same as `zero_stage = 3`).
+    pub fsdp: bool,
+    /// ZeRO stage over dp: 0 = DDP, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters.
+    pub zero_stage: u8,
+    /// Sequence parallelism in the tensor-parallel regions (LayerNorm/dropout on T/tp).
+    pub sequence_parallel: bool,
+    /// Pipeline schedule: "gpipe", "1f1b" or "interleaved".
+    pub schedule: Schedule,
+    /// Model chunks per pipeline rank under `schedule = "interleaved"` (Megatron's virtual stages).
+    pub virtual_stages: usize,
+    /// Blocks per model stage, e.g. `[2, 1]` for 3 layers on 2 stages; unset: as even as possible.
+    pub stage_layers: Option<Vec<usize>>,
+    /// Micro-batches per step through the pipeline; unset: pp.
+    pub microbatches: Option<usize>,
+    /// Gradient all-reduce of DDP: "bucketed" or "naive".
+    pub ddp_mode: DdpMode,
+    /// DDP bucket size in MiB.
+    pub bucket_mb: f64,
+}
+
+impl Default for ParallelConfig {
+    /// One rank: every degree 1, DDP with 25 MiB buckets, 1F1B.
+    fn default() -> Self {
+        Self {
+            dp: None,
+            tp: 1,
+            pp: 1,
+            ep: 1,
+            fsdp: false,
+            zero_stage: 0,
+            sequence_parallel: false,
+            schedule: Schedule::OneFOneB,
+            virtual_stages: 2,
+            stage_layers: None,
+            microbatches: None,
+            ddp_mode: DdpMode::Bucketed,
+            bucket_mb: 25.0,
+        }
+    }
+}
+
+/// Pipeline schedules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+pub enum Schedule {
+    /// All forwards, then all backwards (GPipe / AFAB).
+    #[serde(rename = "gpipe")]
+    Gpipe,
+    /// One forward, one backward in the steady state (PipeDream-Flush).
+    #[serde(rename = "1f1b")]
+    #[value(name = "1f1b")]
+    OneFOneB,
+    /// 1F1B over `virtual_stages` model chunks per rank: a smaller bubble for more messages.
+    #[serde(rename = "interleaved")]
+    Interleaved,
+}
+
+/// DDP gradient synchronisation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum DdpMode {
+    /// Buckets of about `bucket_mb`, all-reduced asynchronously as soon as they fill.
+    Bucketed,
+    /// One all-reduce per parameter after the whole backward.
+    Naive,
+}
+
+impl ParallelConfig {
+    /// The parallel plan this table describes on the mesh `dims`, with the run's activation
+    /// checkpointing and precision; not yet checked against a model (a run's plan is checked
+    /// once, by the layout module's `plan`).
+    pub fn plan(
+        &self,
+        dims: MeshDims,
+        checkpointing: bool,
+        precision: mtrain_parallel::mixed_precision::MixedPrecision,
+    ) -> Result<ParallelPlan, ConfigError> {
+        let stage = match (self.fsdp, self.zero_stage) {
+            (true, 0 | 3) => 3,
+            (true, z) => {
+                return Err(ConfigError::Invalid(format!(
+                    "fsdp shards parameters (ZeRO stage 3) but zero_stage {z} was given; pass one of them"
+                )))
+            }
+            (false, z) => z,
+        };
+        if !(self.bucket_mb.is_finite() && self.bucket_mb > 0.0) {
+            return Err(ConfigError::Invalid(format!(
+                "bucket_mb must be a positive number of MiB, got {}",
+                self.bucket_mb
+            )));
+        }
+        let data = match stage {
+            0 => {
+                let cap = (self.bucket_mb * MIB) as usize;
+                DataParallelKind::Ddp(DdpConfig {
+                    mode: match self.ddp_mode {
+                        DdpMode::Bucketed => mtrain_parallel::ddp::DdpMode::Bucketed,
+                        DdpMode::Naive => mtrain_parallel::ddp::DdpMode::Naive,
+                    },
+                    bucket_cap_bytes: cap.max(1),
+                    first_bucket_cap_bytes: cap.clamp(1, 1 << 20),
+                })
+            }
+            z => DataParallelKind::Zero(FsdpConfig {
+                stage: ZeroStage::try_from(z).map_err(|e| ConfigError::Invalid(e.to_string()))?,
+                ..FsdpConfig::default()
+            }),
+        };
+        Ok(ParallelPlan {
+            dims,
+            data,
+            sequence_parallel: self.sequence_parallel,
+            schedule: match self.schedule {
+                Schedule::Gpipe => ScheduleKind::GPipe,
+                Schedule::OneFOneB => ScheduleKind::OneFOneB,
+                Schedule::Interleaved => ScheduleKind::Interleaved1F1B {
+                    virtual_stages: self.virtual_stages,
+                },
+            },
+            microbatches: self.microbatches.unwrap_or(dims.pp),
+            stage_counts: self.stage_layers.clone(),
+            checkpointing,
+            precision,
+        })
+    }
+
+    /// The table that builds `plan` again (dp written out, ZeRO as `zero_stage`): what a
+    /// checkpoint records of the layout a run actually had.
+    pub fn of_plan(plan: &ParallelPlan) -> Self {
+        let base = Self::default();
+        let (zero_stage, ddp_mode, bucket_mb) = match plan.data {
+            DataParallelKind::Ddp(d) => (
+                0,
+                match d.mode {
+                    mtrain_parallel::ddp::DdpMode::Bucketed => DdpMode::Bucketed,
+                    mtrain_parallel::ddp::DdpMode::Naive => DdpMode::Naive,
+                },
+                d.bucket_cap_bytes as f64 / MIB,
+            ),
+            DataParallelKind::Zero(z) => (z.stage as u8, base.ddp_mode, base.bucket_mb),
+        };
+        let (schedule, virtual_stages) = match plan.schedule {
+            ScheduleKind::GPipe => (Schedule::Gpipe, base.virtual_stages),
+            ScheduleKind::OneFOneB => (Schedule::OneFOneB, base.virtual_stages),
+            ScheduleKind::Interleaved1F1B { virtual_stages } => {
+                (Schedule::Interleaved, virtual_stages)
+            }
+        };
+        Self {
+            dp: Some(plan.dims.dp),
+            tp: plan.dims.tp,
+            pp: plan.dims.pp,
+            ep: plan.dims.ep,
+            fsdp: false,
+            zero_stage,
+            sequence_parallel: plan.sequence_parallel,
+            schedule,
+            virtual_stages,
+            stage_layers: plan.stage_counts.clone(),
+            microbatches: Some(plan.microbatches),
+            ddp_mode,
+            bucket_mb,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mtrain_comm::mesh::MeshDims;
+
+    /// A table written out from a plan builds the same plan again.
+    #[test]
+    fn a_recorded_plan_builds_the_same_plan() {
+        let precision = mtrain_parallel::mixed_precision::MixedPrecision::default();
+        let tables = [
+            ParallelConfig::default(),
+            ParallelConfig {
+                tp: 2,
+                pp: 2,
+                sequence_parallel: true,
+                schedule: Schedule::Interleaved,
+                virtual_stages: 3,
+                stage_layers: Some(vec![2, 1, 1, 2, 1, 1]),
+                microbatches: Some(4),
+                ..Default::default()
+            },
+            ParallelConfig {
+                fsdp: true,
+                ..Default::default()
+            },
+            ParallelConfig {
+                zero_stage: 1,
+                ..Default::default()
+            },
+            ParallelConfig {
+                ddp_mode: DdpMode::Naive,
+                bucket_mb: 4.0,
+                schedule: Schedule::Gpipe,
+                ..Default::default()
+            },
+        ];
+        for t in tables {
+            let dims = MeshDims::new(2, t.pp, t.tp, 1);
+            let plan = t.plan(dims, true, precision).unwrap();
+            let recorded = ParallelConfig::of_plan(&plan);
+            assert_eq!(recorded.dp, Some(2));
+            assert_eq!(recorded.plan(dims, true, precision).unwrap(), plan, "{t:?}");
+        }
+    }
+
+    #[test]
+    fn conflicting_strategy_settings_are_named() {
+        let precision = mtrain_parallel::mixed_precision::MixedPrecision::default();
+        let dims = MeshDims::new(2, 1, 1, 1);
+        let both = ParallelConfig {
+            fsdp: true,
+            zero_stage: 2,
+            ..Default::default()
+        };
+        let e = both.plan(dims, false, precision).unwrap_err().to_string();
+        assert!(e.contains("fsdp") && e.contains("zero_stage 2"), "{e}");
+        let bucket = ParallelConfig {
+            bucket_mb: 0.0,
+            ..Default::default()
+        };
+        let e = bucket.plan(dims, false, precision).unwrap_err().to_string();
+        assert!(e.contains("bucket_mb must be a positive"), "{e}");
+        let stage = ParallelConfig {
+            zero_stage: 4,
+            ..Default::default()
+        };
+        let e = stage.plan(dims, false, precision).unwrap_err().to_string();
+        assert!(e.contains("zero stage must be 1, 2 or 3, got 4"), "{e}");
+    }
+}

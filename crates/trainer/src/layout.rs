@@ -1,0 +1,111 @@
+//! The job's layout: the [`Layout`] the `[parallel]` table (`crate::config::ParallelConfig`)
+//! resolves to on this job's processes, and [`plan`], the one place a run's [`ParallelPlan`]
+//! is built and checked.
+//!
+//! ```text
+//!   defaults -> [parallel] of --config -> layout flags -> --set parallel.KEY=VALUE   (TrainConfig)
+//!            -> Layout (cli::LayoutArgs::resolve: the world, dp inferred if unset)
+//!            -> plan(cfg, layout): ParallelPlan, checked by ParallelPlan::validate
+//! ```
+//!
+//! The plan's check is where a run's `dp · pp · tp = world` (and every other way a layout can
+//! fail to fit the model and batch) is tested; [`Layout`] only infers what was left out.
+//! (`bench-comm` has no model to plan for and leaves the numbers to the mesh's own check,
+//! `MeshDims::validate`.) A run records the plan it ran (`ParallelConfig::of_plan`) in its
+//! checkpoints.
+
+use std::time::Duration;
+
+use mtrain_comm::mesh::MeshDims;
+use mtrain_parallel::parallelize::{ParallelPlan, ParallelizeError};
+use mtrain_parallel::plan::PlanError;
+
+use crate::config::TrainConfig;
+use crate::launch::LaunchSpec;
+
+/// A layout that cannot run.
+#[derive(Debug, thiserror::Error)]
+pub enum LayoutError {
+    /// A degree or a process count of zero (nothing can be inferred from it).
+    #[error("{what} must be at least 1, got 0 (the flag or the [parallel] table)")]
+    Zero { what: &'static str },
+
+    /// dp is unset and the world does not split into tp·pp groups.
+    #[error("world size {world} ({world_source}) is not divisible by tp({tp}) * pp({pp}) = {tp_pp}, so dp cannot be inferred")]
+    NotDivisible {
+        world: usize,
+        world_source: String,
+        tp: usize,
+        pp: usize,
+        tp_pp: usize,
+    },
+
+    /// The world does not spread evenly over the nodes.
+    #[error("dp({dp}) * pp({pp}) * tp({tp}) = {world} processes cannot be spread evenly over {nnodes} nodes ({world} % {nnodes} = {rem}); pass --nproc-per-node")]
+    Uneven {
+        dp: usize,
+        pp: usize,
+        tp: usize,
+        world: usize,
+        nnodes: usize,
+        rem: usize,
+    },
+
+    #[error("{what} {value} is above the largest supported world of {MAX_WORLD} processes")]
+    TooLarge { what: &'static str, value: usize },
+
+    #[error("world size {world} ({world_source}) is above the largest supported {MAX_WORLD}")]
+    WorldTooLarge { world: usize, world_source: String },
+
+    #[error("--comm-timeout must be a positive number of seconds up to {MAX_COMM_TIMEOUT_S} (30 days), got {0:?}")]
+    Timeout(f64),
+
+    /// [`ParallelPlan::validate`]'s reasons, with where the world size came from.
+    #[error("{why} ({world_source})")]
+    Plan { why: String, world_source: String },
+
+    #[error("{0}")]
+    Parallel(ParallelizeError),
+
+    #[error("{0}")]
+    Config(#[from] crate::config::ConfigError),
+
+    #[error("{0}")]
+    Launch(#[from] crate::launch::LaunchError),
+}
+
+/// Largest degree, node count or world size accepted (2^20 processes).
+pub const MAX_WORLD: usize = 1 << 20;
+/// Longest `--comm-timeout` accepted, in seconds (30 days; longer deadlines overflow a clock).
+pub const MAX_COMM_TIMEOUT_S: f64 = 30.0 * 86400.0;
+
+/// A layout with nothing left to infer: the mesh dimensions and how the world is launched.
+/// Whether the numbers fit together and fit the model is [`plan`]'s question.
+#[derive(Debug, Clone)]
+pub struct Layout {
+    pub dims: MeshDims,
+    pub world_size: usize,
+    /// Where the world size came from, for messages: `nproc-per-node 4 * nnodes 1`, `WORLD_SIZE=8`.
+    pub world_source: String,
+    pub launch: LaunchSpec,
+    pub comm_timeout: Duration,
+    /// Record every collective (`--trace`).
+    pub trace: bool,
+}
+
+/// The run's parallel plan: `cfg.parallel` on `layout`'s mesh with the run's checkpointing and
+/// precision, checked once by [`ParallelPlan::validate`] against the model, the world and the
+/// global batch, so a layout that cannot work is refused with the arithmetic before anything
+/// is launched.
+pub fn plan(cfg: &TrainConfig, layout: &Layout) -> Result<ParallelPlan, LayoutError> {
+    let plan = cfg
+        .parallel
+        .plan(layout.dims, cfg.activation_checkpointing, cfg.precision())?;
+    let model = cfg.gpt_config()?;
+    plan.validate(&model, layout.world_size, cfg.batch_size * layout.dims.dp)
+        .map_err(|PlanError(why)| LayoutError::Plan {
+            why,
+            world_source: layout.world_source.clone(),
+        })?;
+    Ok(plan)
+}
