@@ -3,7 +3,7 @@
 //!
 //! ```text
 //!   candle path, per tensor (plain_update)            fused, per tensor
-//!   g.to(f32)                 cast                     adamw_gbf16_copy reads  p, g, m, v
+//!   g.to(f32)·clip            cast, scale              adamw_gbf16_copy reads  p, g, m, v
 //!   m·β1 + g·(1-β1)           3 kernels                                writes p', m', v', p'_bf16
 //!   v·β2 + g²·(1-β2)          4 kernels
 //!   √(v/bc2) + ε, m/bc1, ÷    5 kernels                one pass over memory: 4+2+4+4 bytes read,
@@ -42,6 +42,9 @@ pub struct AdamWHyper {
     pub weight_decay: f64,
     /// The step being taken, counted from 1 (t of the bias correction).
     pub step: u64,
+    /// What the gradient is multiplied by before the update (the clip coefficient; 1 for none),
+    /// in f32 after widening, so clipping costs no pass of its own.
+    pub grad_scale: f64,
 }
 
 /// The new state of one tensor after [`step`]: `p` in the parameter's dtype, the moments f32.
@@ -70,6 +73,7 @@ pub(crate) struct AdamWStep {
     eps: f32,
     lr: f32,
     decay: f32,
+    gscale: f32,
 }
 
 impl AdamWHyper {
@@ -98,6 +102,7 @@ impl AdamWHyper {
             eps: self.eps as f32,
             lr: self.lr as f32,
             decay: (1.0 - self.lr * self.weight_decay) as f32,
+            gscale: self.grad_scale as f32,
         })
     }
 }
@@ -165,6 +170,11 @@ pub fn plain_update(
     let bc1 = 1.0 - b1.powi(t);
     let bc2 = 1.0 - b2.powi(t);
     let g = g.to_dtype(DType::F32)?;
+    let g = if h.grad_scale == 1.0 {
+        g
+    } else {
+        (g * h.grad_scale)?
+    };
     let p32 = p.to_dtype(DType::F32)?;
     let m = match m {
         Some(m) => ((m * b1)? + (&g * (1.0 - b1))?)?,
@@ -285,8 +295,8 @@ mod imp {
     use super::super::cuda::{device, grid_stride, kernel, slice, storage, tensor};
     use super::{AdamWOut, AdamWStep};
 
-    // SAFETY: AdamWStep is #[repr(C)] with nine f32 fields, the layout of `struct AdamwStep` in
-    // adamw.cu (36 bytes, 4-byte aligned), passed by value as a kernel parameter.
+    // SAFETY: AdamWStep is #[repr(C)] with ten f32 fields, the layout of `struct AdamwStep` in
+    // adamw.cu (40 bytes, 4-byte aligned), passed by value as a kernel parameter.
     unsafe impl DeviceRepr for AdamWStep {}
 
     /// Launches the entry point for gradient type `G` (f32 or bf16), with or without the copy.
@@ -371,6 +381,7 @@ mod host_tests {
             eps: 1e-8,
             weight_decay: 0.1,
             step: 3,
+            grad_scale: 1.0,
         };
         let s = h.constants()?;
         assert_eq!(s.one_m_b1, (1.0f64 - 0.9) as f32);
@@ -400,6 +411,7 @@ mod host_tests {
             eps: 1e-8,
             weight_decay: 0.0,
             step: 1,
+            grad_scale: 1.0,
         };
         let bad = Tensor::zeros(7, DType::F32, &dev)?;
         let e = fused(&p, &g, &bad, &p, &h, false).unwrap_err();
@@ -418,7 +430,8 @@ mod tests {
     }
 
     /// Three steps of the fused update against the candle AdamW path (`plain_update`, the
-    /// path `step` takes without the kernel) on the same CUDA tensors: p, m, v within a
+    /// path `step` takes without the kernel) on the same CUDA tensors, the second with the
+    /// gradient scaled by a clip coefficient of 0.37: p, m, v within a
     /// relative error of 1e-6, the bf16 copy equal to candle's cast of the new p, and the
     /// variant without the copy equal to the one with it. `offset` starts p one element into a
     /// larger buffer, so p is not 16-byte aligned and the first step takes the one-at-a-time
@@ -450,6 +463,7 @@ mod tests {
                 eps: 1e-8,
                 weight_decay: if decay { 0.1 } else { 0.0 },
                 step,
+                grad_scale: if step == 2 { 0.37 } else { 1.0 },
             };
             assert!(fuses(&fp, &g), "{what}: kernel refused its inputs");
             let out = fused(&fp, &g, &fm, &fv, &h, true).unwrap();

@@ -103,6 +103,7 @@ const SOURCE: &str = concat!(
     include_str!("kernels.cu"),
     include_str!("adamw.cu"),
     include_str!("embedding.cu"),
+    include_str!("sq_sum.cu"),
 );
 
 /// PTX by module name, compiled once per process.

@@ -17,7 +17,10 @@
 //!   qkv narrow/transpose/contiguous x3, backward        split_heads: one permutation kernel,
 //!     three zero-padded (B, T, 3C) gradients summed       backward one (B, T, 3C) gradient
 //!   broadcast_add bias, backward a strided reduction    bias_add: coalesced column sums
-//!   AdamW: about 15 elementwise kernels per tensor      adamw: one kernel per tensor
+//!   AdamW: about 15 elementwise kernels per tensor      adamw: one kernel per tensor, the
+//!     and one more to scale by the clip coefficient       clip coefficient applied inside
+//!   Σ g² per tensor: cast, square, row sums (~6 kernels)  sq_sum: one kernel per tensor,
+//!                                                         one read-back for the whole norm
 //! ```
 //!
 //! Each op comes in two forms:
@@ -39,6 +42,7 @@
 //! - [`layer_norm`], [`gelu`], [`bias`], [`heads`], [`attention`], [`embedding`],
 //!   [`cross_entropy`], [`adamw`]: one op each, its kernel launch and its dispatch.
 //! - `cuda` (feature `cuda`): NVRTC compilation and the launch pieces the kernels share.
+//! - [`reduce`]: Σ of a tensor in rows first, and Σ x² of a list of tensors (the gradient norm).
 //! - [`ptx_cache`]: compiled PTX on disk, keyed by source, options and architecture.
 //! - [`testing`]: the relative error and CUDA-or-skip helpers the kernel and tape tests share.
 //!
@@ -58,6 +62,7 @@ pub mod heads;
 pub mod layer_norm;
 pub mod plain;
 pub mod ptx_cache;
+pub mod reduce;
 
 use candle_core::{DType, Tensor};
 

@@ -174,7 +174,7 @@ impl Trainer {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let copies = self.optim.step_with_copies(lr, &items, Some(DType::BF16))?;
+        let copies = self.optim.step_with_copies(lr, 1.0, &items, Some(DType::BF16))?;
         for ((p, m), c) in self.params.iter().zip(&self.master).zip(copies) {
             match c {
                 Some(c) => p.set(&c)?,

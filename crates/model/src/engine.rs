@@ -361,7 +361,7 @@ impl Engine {
                             g.dims()
                         )));
                     }
-                    crate::reduce::sum_all(&(&out * g.to_dtype(out.dtype())?)?)?
+                    mtrain_kernels::reduce::sum_all(&(&out * g.to_dtype(out.dtype())?)?)?
                 }
                 None => {
                     if out.elem_count() != 1 {
@@ -410,7 +410,7 @@ impl Engine {
         hooks: &mut dyn Hooks,
     ) -> Result<(f64, f64)> {
         let acts = self.forward(segs, idx, Some(targets), hooks)?;
-        let loss = crate::reduce::sum_f64(&acts.output)?;
+        let loss = mtrain_kernels::reduce::sum_f64(&acts.output)?;
         let aux = acts.aux_loss;
         self.backward(segs, acts, None, loss_scale, grads, hooks)?;
         Ok((loss, aux))

@@ -409,7 +409,7 @@ impl Tape for HeadTape {
         // d(loss)/d(row loss) = s / N for the mean; s is loss_scale, or the given scalar gradient.
         let s_out = match grad_out {
             None => loss_scale,
-            Some(g) => crate::reduce::sum_f64(g)?,
+            Some(g) => mtrain_kernels::reduce::sum_f64(g)?,
         };
         let g = Tensor::full((s_out / n as f64) as f32, n, x.device())?; // (N,)
         let dlogits = cross_entropy::backward(&logits, &targets, &lse, &g)?; // (N, V)

@@ -15,7 +15,6 @@
 //! - [`engine`]: forward/backward one segment at a time with hooks and activation checkpointing;
 //!   its `Backward` value says where the tapes replace autograd.
 //! - [`optim`]: AdamW (state by name), the learning-rate schedule, clipping.
-//! - [`reduce`]: full reductions (Σ, Σ x²) summed in rows first, so a GPU runs them on every multiprocessor.
 
 pub mod config;
 pub mod engine;
@@ -26,7 +25,6 @@ pub mod layers;
 pub mod moe;
 pub mod optim;
 pub mod param;
-pub mod reduce;
 pub mod tape;
 
 pub use config::{ConfigError, GptConfig, MoeConfig};

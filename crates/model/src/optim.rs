@@ -116,11 +116,13 @@ impl AdamW {
 
     /// One AdamW step with learning rate `lr` over `items` (moments start at zero on first sight).
     pub fn step(&mut self, lr: f64, items: &[OptimItem]) -> Result<()> {
-        self.step_with_copies(lr, items, None).map(|_| ())
+        self.step_with_copies(lr, 1.0, items, None).map(|_| ())
     }
 
-    /// [`AdamW::step`], also returning each updated parameter cast to `copy` (one entry per item,
-    /// `None` throughout when `copy` is `None`): the compute copy of mixed-precision training.
+    /// [`AdamW::step`] with every gradient multiplied by `grad_scale` (the clip coefficient, 1
+    /// for none) inside the update, also returning each updated parameter cast to `copy` (one
+    /// entry per item, `None` throughout when `copy` is `None`): the compute copy of
+    /// mixed-precision training.
     ///
     /// An item whose parameter and gradient the fused kernel takes ([`adamw::fuses`]: an f32
     /// CUDA parameter, an f32 or bf16 gradient) is updated by one kernel, which also writes a
@@ -129,6 +131,7 @@ impl AdamW {
     pub fn step_with_copies(
         &mut self,
         lr: f64,
+        grad_scale: f64,
         items: &[OptimItem],
         copy: Option<DType>,
     ) -> Result<Vec<Option<Tensor>>> {
@@ -151,6 +154,7 @@ impl AdamW {
                 eps: self.cfg.eps,
                 weight_decay: if it.decay { self.cfg.weight_decay } else { 0.0 },
                 step: self.step,
+                grad_scale,
             };
             let g = it.grad.detach();
             let (m, v) = (self.m.get(it.name), self.v.get(it.name));
@@ -238,13 +242,10 @@ pub fn clip_coef(total_norm: f64, max_norm: f64) -> f64 {
     (max_norm / (total_norm + 1e-6)).min(1.0)
 }
 
-/// Σ x² over `tensors`, in f64 (a sharded strategy all-reduces this before taking the root).
+/// Σ x² over `tensors`, in f64 (a sharded strategy all-reduces this before taking the root),
+/// with one read-back for all of them ([`mtrain_kernels::reduce::sq_sum_f64_all`]).
 pub fn sq_norm<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<f64> {
-    let mut total = 0.0;
-    for t in tensors {
-        total += crate::reduce::sq_sum_f64(t)?;
-    }
-    Ok(total)
+    mtrain_kernels::reduce::sq_sum_f64_all(tensors)
 }
 
 #[cfg(test)]
@@ -422,7 +423,7 @@ mod tests {
                     },
                 ];
                 out = match copies {
-                    true => opt.step_with_copies(1e-2, &items, Some(DType::BF16))?,
+                    true => opt.step_with_copies(1e-2, 1.0, &items, Some(DType::BF16))?,
                     false => {
                         opt.step(1e-2, &items)?;
                         vec![]
@@ -505,7 +506,7 @@ mod tests {
                     }
                 }
                 copies = opt
-                    .step_with_copies(3e-3, &items, Some(DType::BF16))?
+                    .step_with_copies(3e-3, 1.0, &items, Some(DType::BF16))?
                     .into_iter()
                     .map(|c| c.expect("a copy was asked for"))
                     .collect();

@@ -204,7 +204,7 @@ impl MasterWeights {
         }
         // Copies in the compute dtype: from the fused kernel where it ran, else a cast.
         let compute = items.first().map(|it| it.param.var().dtype());
-        let copies = opt.step_with_copies(lr, &master_items, compute)?;
+        let copies = opt.step_with_copies(lr, 1.0, &master_items, compute)?;
         for ((it, m), copy) in items.iter().zip(&master_items).zip(copies) {
             let dtype = it.param.var().dtype();
             let w = match copy {
