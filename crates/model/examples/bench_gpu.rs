@@ -444,7 +444,7 @@ fn run(a: &Args) -> Result<()> {
         true => Backward::Autograd,
         false => Backward::default(),
     };
-    mtrain_kernels::retain_pool_memory(&dev)?;
+    mtrain_kernels::configure_device(&dev)?;
     let cfg = GptConfig::preset(&a.preset)
         .ok_or_else(|| candle_core::Error::Msg(format!("unknown preset {}", a.preset)))?;
     let mode = match a.autograd {

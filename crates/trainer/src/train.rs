@@ -427,9 +427,10 @@ struct Setup {
 /// nothing of the model exists yet, and draw the initial weights from the seed.
 fn setup(cfg: &TrainConfig, gcfg: &GptConfig, device: &Device) -> anyhow::Result<Setup> {
     // On CUDA, memory a step frees stays reserved for the next step instead of going back to
-    // the driver at each synchronise (the loss read-back, the gradient norm); used memory, which
-    // the memory report shows, is unchanged.
-    mtrain_kernels::retain_pool_memory(device)?;
+    // the driver at each synchronise (the loss read-back, the gradient norm; used memory, which
+    // the memory report shows, is unchanged), and kernels are ordered by the stream, without an
+    // event per buffer (`mtrain_kernels::configure_device`).
+    mtrain_kernels::configure_device(device)?;
     let dataset =
         Dataset::open(&cfg.data).with_context(|| format!("opening data `{}`", cfg.data))?;
     if dataset.vocab_size > gcfg.vocab_size {
