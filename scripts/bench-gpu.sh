@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# Single-GPU training speed: mtrain (fused kernels and plain candle) next to PyTorch, one run.
+# Single-GPU training speed: mtrain (fused kernels, hand-written backward) next to PyTorch, one run.
 #
 # Usage:
-#   scripts/bench-gpu.sh build            # here: builds and packs .gpu/bench_gpu.xz, .gpu/model-tests.xz
+#   scripts/bench-gpu.sh build            # here: builds and packs .gpu/bench_gpu.xz,
+#                                         # .gpu/kernels-tests.xz and .gpu/model-tests.xz
 #   scripts/bench-gpu.sh run [OUT_DIR]    # on the GPU machine, from the repository root
 #
 # `run` does, on one card:
-#   1. the fused kernels' tests against plain candle (model-tests kernels::), and the pieces of
-#      one block timed alone (bench_gpu --ops: attention, LayerNorm, GELU fused and plain; matmuls);
-#   2. GPT-2 124M, bf16, AdamW: mtrain fused (batch 16 x 1024) with a per-segment profile,
-#      mtrain plain (batch 8 x 1024: the materialised attention needs twice the memory);
+#   1. the fused kernels' tests against plain candle (kernels-tests), the tapes' tests against
+#      autograd (model-tests explicit::), and the pieces of one block timed alone (bench_gpu
+#      --ops: attention, LayerNorm, GELU fused and plain; the block fused and taped; matmuls);
+#   2. GPT-2 124M, bf16, AdamW: mtrain fused (batch 16 x 1024) with a per-segment profile;
 #   3. PyTorch (scripts/bench/torch_gpt_ref.py): eager + SDPA flash, eager + materialised
 #      attention, torch.compile; all batch 16 x 1024;
-#   4. loss curves, fused vs plain, BENCH_LOSS_STEPS steps (default 200) of batch 4 x 256 on
-#      scripts/bench/tinyshakespeare.txt (bytes as token ids), lr 3e-4 after 20 warmup steps;
-#      and fused vs the fused kernels under autograd (the bf16 rounding-order noise floor);
+#   4. loss curves, BENCH_LOSS_STEPS steps (default 200) of batch 4 x 256 on
+#      scripts/bench/tinyshakespeare.txt (bytes as token ids), lr 3e-4 after 20 warmup steps:
+#      fused vs the fused kernels under autograd (the bf16 rounding-order noise floor);
 #   and prints every JSON line and the ratio of mtrain fused to each PyTorch variant.
 # Environment: BENCH_STEPS (timed steps, default 10), BENCH_TORCH_COMPILE=0 to skip torch.compile.
 set -uo pipefail
@@ -32,14 +33,17 @@ build() {
   set -e
   nice -n 19 cargo build --release -p mtrain-model --features cuda --example bench_gpu
   strip -o .gpu/bench_gpu "$CARGO_TARGET_DIR/release/examples/bench_gpu"
-  tests=$(nice -n 19 cargo test --release -p mtrain-model --features cuda --lib --no-run \
-    --message-format=json | python3 -c 'import json, sys
+  # Both crates' library tests in one cargo call, so candle is built with one feature set.
+  nice -n 19 cargo test --release -p mtrain-kernels -p mtrain-model --features mtrain-model/cuda \
+    --lib --no-run --message-format=json | python3 -c 'import json, sys
+names = {"mtrain_kernels": ".gpu/kernels-tests", "mtrain_model": ".gpu/model-tests"}
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["lib"]:
-        print(m["executable"])' | tail -1)
-  strip -o .gpu/model-tests "$tests"
-  xz -T0 -6 -f .gpu/bench_gpu .gpu/model-tests
+        print(m["executable"], names[m["target"]["name"]])' | while read -r exe name; do
+    strip -o "$name" "$exe"
+  done
+  xz -T0 -6 -f .gpu/bench_gpu .gpu/kernels-tests .gpu/model-tests
   ls -l .gpu/
 }
 
@@ -49,7 +53,7 @@ run() {
   mkdir -p "$OUT" "$BIN"
   # shellcheck disable=SC1091
   source scripts/gpu-env.sh
-  for f in .gpu/bench_gpu.xz .gpu/model-tests.xz; do
+  for f in .gpu/bench_gpu.xz .gpu/kernels-tests.xz .gpu/model-tests.xz; do
     mtrain_unpack "$f" "$BIN/$(basename "$f" .xz)"
   done
   { date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } \
@@ -58,13 +62,13 @@ run() {
   R="$OUT/results.jsonl"
   : > "$R"
   echo "== kernel tests"
-  "$BIN/model-tests" kernels:: --test-threads=1 2>&1 | tee "$OUT/kernel-tests.log"
+  "$BIN/kernels-tests" --test-threads=1 2>&1 | tee "$OUT/kernel-tests.log"
+  echo "== tape tests"
+  "$BIN/model-tests" explicit:: --test-threads=1 2>&1 | tee "$OUT/tape-tests.log"
   echo "== ops (one block's pieces, fused and plain)"
   "$BIN/bench_gpu" --ops --batch 16 2>&1 | tee -a "$R"
   echo "== mtrain fused"
   "$BIN/bench_gpu" --batch 16 --steps "$steps" --warmup 2 --profile 2>&1 | tee -a "$R"
-  echo "== mtrain plain"
-  "$BIN/bench_gpu" --plain --batch 8 --steps 3 --warmup 1 --profile 2>&1 | tee -a "$R"
   echo "== torch"
   T=scripts/bench/torch_gpt_ref.py
   python3 $T --batch 16 --steps 20 --warmup 5 2>&1 | grep '^{' | tee -a "$R"
@@ -76,11 +80,10 @@ run() {
   n=${BENCH_LOSS_STEPS:-200}
   D=scripts/bench/tinyshakespeare.txt
   "$BIN/bench_gpu" --batch 4 --seq 256 --data $D --loss-steps "$n" --loss-out "$OUT/loss-fused.txt" | tee -a "$R"
-  "$BIN/bench_gpu" --plain --batch 4 --seq 256 --data $D --loss-steps "$n" --loss-out "$OUT/loss-plain.txt" | tee -a "$R"
   # The same fused kernels differentiated by autograd: differs from the fused run only in the
   # order of bf16 roundings, so |fused - autograd| is the bf16 noise floor for the comparison.
   "$BIN/bench_gpu" --autograd --batch 4 --seq 256 --data $D --loss-steps "$n" --loss-out "$OUT/loss-autograd.txt" | tee -a "$R"
-  python3 - "$R" "$OUT/loss-fused.txt" "$OUT/loss-plain.txt" "$OUT/loss-autograd.txt" <<'PY'
+  python3 - "$R" "$OUT/loss-fused.txt" "$OUT/loss-autograd.txt" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 runs = [r for r in rows if "tokens_per_s" in r]
@@ -100,8 +103,7 @@ def compare(name, f, p):
           f"mean |diff| {sum(d) / len(d):.4f}, last 50 {sum(d[-50:]) / len(d[-50:]):.4f}")
 try:
     f = curve(sys.argv[2])
-    compare("plain", f, curve(sys.argv[3]))
-    compare("autograd (noise floor)", f, curve(sys.argv[4]))
+    compare("autograd (noise floor)", f, curve(sys.argv[3]))
 except Exception as e:
     print("loss curves: missing", e)
 PY

@@ -4,6 +4,8 @@
 //! - [`communicator`]: the `Communicator` trait every strategy talks through, `Work` handles,
 //!   `Backend` (creates groups).
 //! - [`cpu`]: the CPU backend over TCP (ring all-reduce = ring reduce-scatter + ring all-gather).
+//! - `nccl` (feature `cuda`): the NCCL backend, one communicator and communication stream per
+//!   group, split by concern like `cpu`.
 //! - [`store`]: the TCP rendezvous store hosted by rank 0.
 //! - [`env`]: the torchrun-style launch environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
 //! - [`mesh`]: the dp x pp x tp (+ ep) rank grid and its groups.

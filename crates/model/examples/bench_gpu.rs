@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! bench_gpu [--preset gpt2-124m] [--batch 16] [--seq 1024] [--steps 20] [--warmup 3]
-//!           [--plain] [--autograd] [--profile] [--data FILE]
+//!           [--autograd] [--profile] [--data FILE]
 //!           [--loss-steps N --loss-out FILE [--loss-warmup W]]
 //!           [--ops]
 //! ```
@@ -11,22 +11,23 @@
 //! bf16 compute copy, AdamW on fp32 master weights, the compute copy refreshed from them. Tokens
 //! are the bytes of `--data` (a real text; the vocabulary stays the preset's), or pseudo-random
 //! ids without it. Prints one JSON line, like scripts/bench/torch_gpt_ref.py, so the two can be
-//! put side by side. `--plain` turns the fused kernels off (`kernels::set_enabled(false)`);
-//! `--autograd` keeps them but differentiates every segment with candle's autograd instead of
-//! the hand-written backward passes (`explicit::set_enabled(false)`).
+//! put side by side. `--autograd` differentiates every segment with candle's autograd (on the
+//! same fused kernels) instead of the hand-written backward passes (`Backward::Autograd`).
 //! `--profile` adds one step timed segment by segment (a device synchronise around each).
 //! `--loss-steps N` trains N steps at lr 3e-4 (after `--loss-warmup W` steps of linear warmup,
 //! default 20) and writes `step loss` lines to `--loss-out`.
 //! `--ops` times the pieces of one block at the preset's sizes instead (attention, LayerNorm,
-//! GELU forward and forward + backward, fused and plain; the block's matmuls), one JSON line.
+//! GELU forward and forward + backward, fused and plain candle; the whole block fused, under
+//! autograd and through its tape; the block's matmuls), one JSON line.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Result, Tensor};
+use mtrain_kernels::plain;
 use mtrain_model::optim::{AdamW, AdamWConfig, OptimItem};
-use mtrain_model::{init_weights, kernels, Engine, Gpt, GptConfig, Grads, Hooks, Param, Segment};
+use mtrain_model::{init_weights, Backward, Engine, Gpt, GptConfig, Grads, Hooks, Param, Segment};
 
 struct Args {
     preset: String,
@@ -34,7 +35,6 @@ struct Args {
     seq: usize,
     steps: usize,
     warmup: usize,
-    plain: bool,
     autograd: bool,
     profile: bool,
     data: Option<String>,
@@ -51,7 +51,6 @@ fn parse() -> std::result::Result<Args, String> {
         seq: 1024,
         steps: 20,
         warmup: 3,
-        plain: false,
         autograd: false,
         profile: false,
         data: None,
@@ -73,7 +72,6 @@ fn parse() -> std::result::Result<Args, String> {
             "--seq" => a.seq = num(val()?)?,
             "--steps" => a.steps = num(val()?)?,
             "--warmup" => a.warmup = num(val()?)?,
-            "--plain" => a.plain = true,
             "--autograd" => a.autograd = true,
             "--profile" => a.profile = true,
             "--data" => a.data = Some(val()?),
@@ -124,6 +122,7 @@ impl Batches {
 /// bf16 compute copy, fp32 master weights and AdamW, as the trainer's single-device path.
 struct Trainer {
     model: Gpt,
+    engine: Engine,
     params: Vec<Param>,
     master: Vec<Param>,
     optim: AdamW,
@@ -131,7 +130,7 @@ struct Trainer {
 }
 
 impl Trainer {
-    fn new(cfg: GptConfig, dev: &Device) -> Result<Self> {
+    fn new(cfg: GptConfig, engine: Engine, dev: &Device) -> Result<Self> {
         let w = init_weights(&cfg, 0)?;
         let compute: BTreeMap<String, Tensor> = w
             .iter()
@@ -145,6 +144,7 @@ impl Trainer {
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             model,
+            engine,
             params,
             master,
             optim: AdamW::new(AdamWConfig::default()),
@@ -155,10 +155,10 @@ impl Trainer {
     /// One step; returns the loss as a device scalar (no host sync).
     fn step(&mut self, x: &Tensor, y: &Tensor, lr: f64, hooks: &mut dyn Hooks) -> Result<Tensor> {
         let segs: &[Arc<dyn Segment>] = &self.model.segments;
-        let engine = Engine::new(false);
-        let acts = engine.forward(segs, x, Some(y), hooks)?;
+        let acts = self.engine.forward(segs, x, Some(y), hooks)?;
         let loss = acts.output.clone();
-        engine.backward(segs, acts, None, 1.0, &mut self.grads, hooks)?;
+        self.engine
+            .backward(segs, acts, None, 1.0, &mut self.grads, hooks)?;
         let items = self
             .master
             .iter()
@@ -174,7 +174,7 @@ impl Trainer {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let copies = self.optim.step_with_copies(lr, &items, Some(DType::BF16))?;
+        let copies = self.optim.step_with_copies(lr, 1.0, &items, Some(DType::BF16))?;
         for ((p, m), c) in self.params.iter().zip(&self.master).zip(copies) {
             match c {
                 Some(c) => p.set(&c)?,
@@ -300,7 +300,6 @@ fn time_op(
 
 /// `--ops`: the pieces of one block at the preset's sizes, fused and plain.
 fn ops(a: &Args, cfg: &GptConfig, dev: &Device) -> Result<()> {
-    use mtrain_model::layers;
     let (b, t, c, h) = (a.batch, a.seq, cfg.n_embd, cfg.n_head);
     let d = c / h;
     let scale = 1.0 / (d as f64).sqrt();
@@ -318,28 +317,36 @@ fn ops(a: &Args, cfg: &GptConfig, dev: &Device) -> Result<()> {
     let model = Gpt::new(one, &compute, dev)?;
     let blk = model.segments[1].clone();
     for fused in [true, false] {
-        kernels::set_enabled(fused);
         let tag = if fused { "fused" } else { "plain" };
-        let attn = time_op(dev, &[&[b, h, t, d], &[b, h, t, d], &[b, h, t, d]], |x| {
-            if fused {
-                kernels::flash_attention(&x[0], &x[1], &x[2], scale)
-            } else {
-                layers::causal_attention(&x[0], &x[1], &x[2], scale)
-            }
-        })?;
+        // The ops of mtrain_kernels fuse on this device; plain:: are the candle versions.
+        let attn = if fused {
+            time_op(dev, &[&[3, b, h, t, d]], |x| {
+                mtrain_kernels::causal_attention(&x[0], scale)
+            })?
+        } else {
+            time_op(dev, &[&[b, h, t, d], &[b, h, t, d], &[b, h, t, d]], |x| {
+                plain::causal_attention(&x[0], &x[1], &x[2], scale)
+            })?
+        };
         let ln = time_op(dev, &[&[b * t, c], &[c], &[c]], |x| {
             if fused {
-                kernels::layer_norm(&x[0], &x[1], &x[2], 1e-5)
+                mtrain_kernels::layer_norm(&x[0], &x[1], &x[2], 1e-5)
             } else {
-                layers::layer_norm_plain(&x[0], &x[1], &x[2], 1e-5)
+                plain::layer_norm(&x[0], &x[1], &x[2], 1e-5)
             }
         })?;
-        let gelu = time_op(dev, &[&[b * t, 4 * c]], |x| layers::gelu(&x[0]))?;
+        let gelu = time_op(dev, &[&[b * t, 4 * c]], |x| {
+            if fused {
+                mtrain_kernels::gelu(&x[0])
+            } else {
+                plain::gelu(&x[0])
+            }
+        })?;
         // The glue between them: the q/k/v split into heads (the three parts summed so one
         // backward covers them), the attention output back to (B, T, C), bias and residual adds.
         let split = time_op(dev, &[&[b, t, 3 * c]], |x| {
             if fused {
-                kernels::split_heads(&x[0], 3, h)
+                mtrain_kernels::split_heads(&x[0], 3, h)
             } else {
                 let part = |i: usize| {
                     x[0].narrow(2, i * c, c)?
@@ -352,7 +359,7 @@ fn ops(a: &Args, cfg: &GptConfig, dev: &Device) -> Result<()> {
         })?;
         let merge = time_op(dev, &[&[b, h, t, d]], |x| {
             if fused {
-                kernels::merge_heads(&x[0].unsqueeze(0)?)
+                mtrain_kernels::merge_heads(&x[0].unsqueeze(0)?)
             } else {
                 x[0].transpose(1, 2)?.reshape((b, t, c))
             }
@@ -360,7 +367,7 @@ fn ops(a: &Args, cfg: &GptConfig, dev: &Device) -> Result<()> {
         let bias = |w: usize| {
             time_op(dev, &[&[b * t, w], &[w]], |x| {
                 if fused {
-                    kernels::bias_add(&x[0], &x[1])
+                    mtrain_kernels::bias_add(&x[0], &x[1])
                 } else {
                     x[0].broadcast_add(&x[1])
                 }
@@ -368,8 +375,26 @@ fn ops(a: &Args, cfg: &GptConfig, dev: &Device) -> Result<()> {
         };
         let (bias3, bias4) = (bias(3 * c)?, bias(4 * c)?);
         let residual = time_op(dev, &[&[b, t, c], &[b, t, c]], |x| &x[0] + &x[1])?;
-        let block = time_op(dev, &[&[b, t, c]], |x| Ok(blk.forward(&x[0], None)?.out))?;
+        for (name, (f, fb)) in [
+            ("attention", attn),
+            ("layer_norm", ln),
+            ("gelu", gelu),
+            ("qkv_split", split),
+            ("attn_out_merge", merge),
+            ("bias_add_3c", bias3),
+            ("bias_add_4c", bias4),
+            ("residual_add", residual),
+        ] {
+            out.push(format!(
+                "\"{name}_{tag}_fwd\": {f:.3}, \"{name}_{tag}_fwd_bwd\": {fb:.3}"
+            ));
+        }
         if fused {
+            // The block is built on the ops above, which fuse on this device.
+            let (f, fb) = time_op(dev, &[&[b, t, c]], |x| Ok(blk.forward(&x[0], None)?.out))?;
+            out.push(format!(
+                "\"block_fused_fwd\": {f:.3}, \"block_fused_fwd_bwd\": {fb:.3}"
+            ));
             // The same block through its hand-written backward (explicit::block_tape).
             let xb = Tensor::randn(0f32, 1., (b, t, c), dev)?.to_dtype(DType::BF16)?;
             let g = xb.ones_like()?;
@@ -380,35 +405,19 @@ fn ops(a: &Args, cfg: &GptConfig, dev: &Device) -> Result<()> {
                 tape.backward(Some(&g), 1.0).map(|_| ())
             })?;
             out.push(format!("\"block_taped_fwd_bwd\": {taped:.3}"));
-        }
-        // Host time to issue one block forward (no synchronise inside the loop): if it is
-        // close to the synchronised time, the block is bound by candle's per-op host cost.
-        let xb = Tensor::randn(0f32, 1., (b, t, c), dev)?.to_dtype(DType::BF16)?;
-        dev.synchronize()?;
-        let t0 = Instant::now();
-        for _ in 0..10 {
-            blk.forward(&xb, None)?;
-        }
-        let issue = t0.elapsed().as_secs_f64() * 1e3 / 10.0;
-        dev.synchronize()?;
-        out.push(format!("\"block_{tag}_fwd_issue_host\": {issue:.3}"));
-        for (name, (f, fb)) in [
-            ("attention", attn),
-            ("layer_norm", ln),
-            ("gelu", gelu),
-            ("qkv_split", split),
-            ("attn_out_merge", merge),
-            ("bias_add_3c", bias3),
-            ("bias_add_4c", bias4),
-            ("residual_add", residual),
-            ("block", block),
-        ] {
-            out.push(format!(
-                "\"{name}_{tag}_fwd\": {f:.3}, \"{name}_{tag}_fwd_bwd\": {fb:.3}"
-            ));
+            // Host time to issue one block forward (no synchronise inside the loop): if it is
+            // close to the synchronised time, the block is bound by candle's per-op host cost.
+            let xb = Tensor::randn(0f32, 1., (b, t, c), dev)?.to_dtype(DType::BF16)?;
+            dev.synchronize()?;
+            let t0 = Instant::now();
+            for _ in 0..10 {
+                blk.forward(&xb, None)?;
+            }
+            let issue = t0.elapsed().as_secs_f64() * 1e3 / 10.0;
+            dev.synchronize()?;
+            out.push(format!("\"block_fused_fwd_issue_host\": {issue:.3}"));
         }
     }
-    kernels::set_enabled(!a.plain);
     // The block's four matmuls, forward only: (N, C) x (C, 3C), (C, C), (C, 4C), (4C, C).
     let n = b * t;
     let r = |s: (usize, usize)| Tensor::randn(0f32, 1., s, dev)?.to_dtype(DType::BF16);
@@ -431,21 +440,26 @@ fn ops(a: &Args, cfg: &GptConfig, dev: &Device) -> Result<()> {
 
 fn run(a: &Args) -> Result<()> {
     let dev = Device::cuda_if_available(0)?;
-    kernels::set_enabled(!a.plain);
-    mtrain_model::explicit::set_enabled(!a.autograd);
-    kernels::retain_pool_memory(&dev)?;
+    let backward = match a.autograd {
+        true => Backward::Autograd,
+        false => Backward::default(),
+    };
+    mtrain_kernels::configure_device(&dev)?;
     let cfg = GptConfig::preset(&a.preset)
         .ok_or_else(|| candle_core::Error::Msg(format!("unknown preset {}", a.preset)))?;
-    let mode = match (a.plain, a.autograd) {
-        (true, _) => "plain",
-        (false, true) => "fused-autograd",
-        (false, false) => "fused",
+    let mode = match a.autograd {
+        true => "fused-autograd",
+        false => "fused",
     };
     if a.ops {
         return ops(a, &cfg, &dev);
     }
     let mut data = Batches::new(a.data.as_deref(), cfg.vocab_size)?;
-    let mut tr = Trainer::new(cfg.clone(), &dev)?;
+    let mut tr = Trainer::new(
+        cfg.clone(),
+        Engine::new(false).with_backward(backward),
+        &dev,
+    )?;
     let mut none = mtrain_model::NoHooks;
 
     if a.loss_steps > 0 {
@@ -488,7 +502,7 @@ fn run(a: &Args) -> Result<()> {
         };
         let t = Instant::now();
         let segs: &[Arc<dyn Segment>] = &tr.model.segments;
-        let engine = Engine::new(false);
+        let engine = tr.engine;
         let acts = engine.forward(segs, &x, Some(&y), &mut p)?;
         engine.backward(segs, acts, None, 1.0, &mut tr.grads, &mut p)?;
         dev.synchronize()?;

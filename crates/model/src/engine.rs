@@ -25,18 +25,19 @@
 //! output (and through it the segment's graph) is kept until that segment's backward.
 //!
 //! A segment with a hand-written backward ([`crate::explicit`]) runs its graph-free forward
-//! instead and keeps its tape; its backward step is then `tape.backward(gᵢ₊₁)`, which returns
-//! the same parameter gradients and gᵢ without an objective or an autograd graph.
+//! instead, where the engine's [`Backward`] admits the input's device, and keeps its tape; its
+//! backward step is then `tape.backward(gᵢ₊₁)`, which returns the same parameter gradients and
+//! gᵢ without an objective or an autograd graph.
 //!
 //! A parameter used by several segments (the tied `wte`) is final after the backward of the
 //! lowest-index segment that uses it; `post_backward` fires per segment.
 
-use candle_core::{DType, Result, Tensor, Var};
+use candle_core::{DType, Device, Result, Tensor, Var};
 
-use crate::explicit::Tape;
 use crate::gpt::Segment;
 use crate::moe::MoeStats;
 use crate::param::Grads;
+use crate::tape::Tape;
 use std::sync::Arc;
 
 /// Callbacks around each segment; every method defaults to doing nothing.
@@ -100,14 +101,17 @@ enum Recorded {
 }
 
 impl Recorded {
-    /// The segment's forward, taped where it can be.
+    /// The segment's forward, taped where it has a tape and `backward` admits `x`'s device.
     fn run(
         seg: &dyn Segment,
         x: &Tensor,
         targets: Option<&Tensor>,
+        backward: Backward,
     ) -> Result<(Self, Vec<MoeStats>)> {
-        if let Some(tape) = seg.forward_taped(x, targets)? {
-            return Ok((Recorded::Tape(tape), Vec::new()));
+        if backward.tapes_on(x.device()) {
+            if let Some(tape) = seg.forward_taped(x, targets)? {
+                return Ok((Recorded::Tape(tape), Vec::new()));
+            }
         }
         let o = seg.forward(x, targets)?;
         let rec = Recorded::Graph {
@@ -166,11 +170,40 @@ impl Activations {
     }
 }
 
+/// Where the engine differentiates a segment by its hand-written backward (its tape,
+/// [`Segment::forward_taped`]) instead of autograd; a segment without a tape always takes
+/// autograd. A value of the engine, not of the process, so two engines in one process (a test
+/// and its oracle) can differ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backward {
+    /// candle's autograd for every segment: the oracle the tapes are tested against.
+    Autograd,
+    /// The tapes on CUDA devices, autograd on CPU (the default: CPU training keeps the path
+    /// every layout's parity tests were written against).
+    #[default]
+    TapesOnCuda,
+    /// The tapes on every device (on CPU their operations run as candle ops).
+    Tapes,
+}
+
+impl Backward {
+    /// Whether a segment's tape is used for an input on `device`.
+    pub fn tapes_on(&self, device: &Device) -> bool {
+        match self {
+            Backward::Autograd => false,
+            Backward::TapesOnCuda => device.is_cuda(),
+            Backward::Tapes => true,
+        }
+    }
+}
+
 /// Runs segments one at a time (DESIGN.md decision 1).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Engine {
     /// Keep only segment inputs in forward and recompute each segment in backward.
     pub checkpointing: bool,
+    /// Which segments are differentiated by their hand-written backward.
+    pub backward: Backward,
 }
 
 fn is_integer(dtype: DType) -> bool {
@@ -188,8 +221,17 @@ fn param_tensors(seg: &dyn Segment) -> Vec<(String, Tensor)> {
 }
 
 impl Engine {
+    /// An engine with the default [`Backward`].
     pub fn new(checkpointing: bool) -> Self {
-        Self { checkpointing }
+        Self {
+            checkpointing,
+            backward: Backward::default(),
+        }
+    }
+
+    /// This engine differentiating by `backward`.
+    pub fn with_backward(self, backward: Backward) -> Self {
+        Self { backward, ..self }
     }
 
     /// Forward through `segs`, keeping what [`Engine::backward`] needs. `targets` is passed to
@@ -222,7 +264,7 @@ impl Engine {
                 };
                 (rec, o.stats.into_iter().collect())
             } else {
-                Recorded::run(seg.as_ref(), input.tensor(), targets)?
+                Recorded::run(seg.as_ref(), input.tensor(), targets, self.backward)?
             };
             if let Some(a) = rec.aux() {
                 aux_loss += a.to_dtype(DType::F64)?.to_scalar::<f64>()?;
@@ -274,7 +316,15 @@ impl Engine {
             hooks.pre_backward(i, seg)?;
             let rec = match saved.recorded {
                 Some(r) => r,
-                None => Recorded::run(seg, saved.input.tensor(), acts.targets.as_ref())?.0,
+                None => {
+                    Recorded::run(
+                        seg,
+                        saved.input.tensor(),
+                        acts.targets.as_ref(),
+                        self.backward,
+                    )?
+                    .0
+                }
             };
             let (out, aux, params) = match rec {
                 Recorded::Graph { out, aux, params } => (out, aux, params),
@@ -311,7 +361,7 @@ impl Engine {
                             g.dims()
                         )));
                     }
-                    crate::reduce::sum_all(&(&out * g.to_dtype(out.dtype())?)?)?
+                    mtrain_kernels::reduce::sum_all(&(&out * g.to_dtype(out.dtype())?)?)?
                 }
                 None => {
                     if out.elem_count() != 1 {
@@ -360,7 +410,7 @@ impl Engine {
         hooks: &mut dyn Hooks,
     ) -> Result<(f64, f64)> {
         let acts = self.forward(segs, idx, Some(targets), hooks)?;
-        let loss = crate::reduce::sum_f64(&acts.output)?;
+        let loss = mtrain_kernels::reduce::sum_f64(&acts.output)?;
         let aux = acts.aux_loss;
         self.backward(segs, acts, None, loss_scale, grads, hooks)?;
         Ok((loss, aux))

@@ -29,71 +29,25 @@
 //! ```
 //!
 //! Linear weights are (out, in) and `y = x Wᵀ + b`, so `dx = dy W` and `dW = dyᵀ x`.
-//! The tapes are written in [`crate::tape_ops`]: the same kernels as the autograd path on CUDA
-//! (bf16 or f32, dense layers), plain candle ops on CPU when [`set_cpu`] allows it (off by
-//! default: CPU training keeps autograd). Elsewhere a segment returns no tape and the engine
-//! differentiates its forward with autograd. The tests (`explicit::tests`) compare the two on a
-//! GPU and, with the CPU tapes switched on, on CPU.
+//! The tapes are written in the graph-free ops of `mtrain_kernels` (`layer_norm::forward`,
+//! `attention::backward`, ...): the fused kernels on CUDA, the same algorithms in candle ops on
+//! CPU, so one tape serves both devices. A segment has a tape for dense layers in f32 or bf16;
+//! a sharded layer or a mixture of experts returns none and is differentiated by autograd.
+//! Where the engine runs the tapes is its [`Backward`](crate::engine::Backward) value. The
+//! tests (`explicit::tests`) compare them with autograd on a GPU and on CPU.
 //!
 //! Legend: `B` batch, `T` time, `C` width, `H` heads, `D` head size, `V` vocabulary, `N = B·T`.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-
 use candle_core::{DType, Result, Tensor};
+use mtrain_kernels::{attention, bias, cross_entropy, embedding, gelu, layer_norm};
 
-use crate::gpt::{Block, Embedding, Head};
-use crate::kernels;
-use crate::layers::{DenseLinear, LayerNorm};
-use crate::tape_ops as ops;
+use crate::layers::{CausalSelfAttention, DenseLinear, FeedForward, LayerNorm};
+use crate::param::Param;
+use crate::tape::{Tape, TapeGrads};
 
-static ENABLED: AtomicBool = AtomicBool::new(true);
-static CPU: AtomicBool = AtomicBool::new(false);
-
-/// Turns the hand-written backward passes on or off for this process (on by default); off,
-/// every segment is differentiated by autograd.
-pub fn set_enabled(on: bool) {
-    ENABLED.store(on, Ordering::Relaxed);
-}
-
-/// Whether [`set_enabled`] left the hand-written backward passes on.
-pub fn is_enabled() -> bool {
-    ENABLED.load(Ordering::Relaxed)
-}
-
-/// Lets the tapes run on CPU too, in plain candle ops ([`crate::tape_ops`]); off by default, so
-/// CPU training differentiates by autograd. Tests turn it on to check the tapes without a GPU.
-pub fn set_cpu(on: bool) {
-    CPU.store(on, Ordering::Relaxed);
-}
-
-/// Whether the tapes can take `x`: enabled, and a CUDA tensor the fused kernels take, or a CPU
-/// tensor with [`set_cpu`] on (f32 or bf16 either way).
-fn usable(x: &Tensor) -> bool {
-    if !is_enabled() || !matches!(x.dtype(), DType::F32 | DType::BF16) {
-        return false;
-    }
-    if x.device().is_cuda() {
-        kernels::enabled_for(x)
-    } else {
-        x.device().is_cpu() && CPU.load(Ordering::Relaxed)
-    }
-}
-
-/// Gradients a tape's backward returns.
-pub struct TapeGrads {
-    /// Parameter gradients by name, in the parameters' dtype.
-    pub params: Vec<(String, Tensor)>,
-    /// Gradient w.r.t. the segment's input (None for integer token ids).
-    pub input: Option<Tensor>,
-}
-
-/// What a segment's graph-free forward keeps, and the backward that consumes it.
-pub trait Tape: Send {
-    /// The segment's output (the scalar loss for a head given targets).
-    fn output(&self) -> &Tensor;
-    /// Gradients for `grad_out`, the gradient w.r.t. the output; None when the output is the
-    /// scalar loss, whose gradient is `loss_scale`.
-    fn backward(self: Box<Self>, grad_out: Option<&Tensor>, loss_scale: f64) -> Result<TapeGrads>;
+/// Whether the tapes take tensors of this dtype (the fused kernels' f32 and bf16).
+fn taped_dtype(x: &Tensor) -> bool {
+    matches!(x.dtype(), DType::F32 | DType::BF16)
 }
 
 fn err(s: String) -> candle_core::Error {
@@ -112,7 +66,7 @@ impl Dense {
     fn of(l: &DenseLinear, x: &Tensor) -> Option<Dense> {
         let b = l.bias.as_ref()?;
         let (w, bt) = (l.weight.tensor().detach(), b.tensor().detach());
-        if w.dtype() != x.dtype() || bt.dtype() != x.dtype() || !usable(&w) {
+        if w.dtype() != x.dtype() || bt.dtype() != x.dtype() || !taped_dtype(&w) {
             return None;
         }
         Some(Dense {
@@ -125,13 +79,13 @@ impl Dense {
 
     /// x (N, in) -> x Wᵀ + b (N, out).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        ops::bias_add(&x.matmul(&self.w.t()?)?, &self.b)
+        mtrain_kernels::bias_add(&x.matmul(&self.w.t()?)?, &self.b)
     }
 
     /// r + x Wᵀ + b for x (N, in), r (N, out): the layer and the residual add after it, the bias
     /// added in the same pass as the residual.
     fn forward_residual(&self, r: &Tensor, x: &Tensor) -> Result<Tensor> {
-        ops::bias_residual_add(r, &x.matmul(&self.w.t()?)?, &self.b)
+        bias::residual_add(r, &x.matmul(&self.w.t()?)?, &self.b)
     }
 
     /// From the input x (N, in) and dy (N, out): dx (N, in); dW and db pushed to `grads`.
@@ -143,7 +97,7 @@ impl Dense {
     ) -> Result<Tensor> {
         let dx = dy.matmul(&self.w)?; // (N, in)
         let dw = dy.t()?.matmul(x)?; // (out, in)
-        let db = ops::bias_grad(dy, &self.b)?; // (out,)
+        let db = bias::grad(dy, &self.b)?; // (out,)
         grads.push((self.w_name.clone(), dw));
         grads.push((self.b_name.clone(), db));
         Ok(dx)
@@ -162,7 +116,7 @@ struct Norm {
 impl Norm {
     fn of(ln: &LayerNorm, x: &Tensor) -> Option<Norm> {
         let (w, b) = (ln.weight.tensor().detach(), ln.bias.tensor().detach());
-        if !usable(x) || w.dtype() != x.dtype() || b.dtype() != x.dtype() {
+        if !taped_dtype(x) || w.dtype() != x.dtype() || b.dtype() != x.dtype() {
             return None;
         }
         Some(Norm {
@@ -176,7 +130,7 @@ impl Norm {
 
     /// y and the (mean, rstd) statistics of x (N, C).
     fn forward(&self, x: &Tensor) -> Result<(Tensor, Stats)> {
-        let (y, mean, rstd) = ops::layer_norm_fwd(x, &self.w, &self.b, self.eps)?;
+        let (y, mean, rstd) = layer_norm::forward(x, &self.w, &self.b, self.eps)?;
         Ok((y, Stats { mean, rstd }))
     }
 
@@ -188,7 +142,7 @@ impl Norm {
         dy: &Tensor,
         grads: &mut Vec<(String, Tensor)>,
     ) -> Result<Tensor> {
-        let (dx, dw, db) = ops::layer_norm_bwd(x, &self.w, dy, &s.mean, &s.rstd)?;
+        let (dx, dw, db) = layer_norm::backward(x, &self.w, dy, &s.mean, &s.rstd)?;
         grads.push((self.w_name.clone(), dw));
         grads.push((self.b_name.clone(), db));
         Ok(dx)
@@ -214,26 +168,23 @@ struct BlockWeights {
 }
 
 impl BlockWeights {
-    fn of(block: &Block, x: &Tensor) -> Option<BlockWeights> {
-        let a = &block.attn;
-        let mlp = block.ffn.as_mlp()?;
-        let fits = usable(x)
-            && (!x.device().is_cuda()
-                || kernels::flash_attention::supported(x, a.head_dim)
-                    && kernels::heads::supported(x)
-                    && kernels::gelu::supported(x));
-        if !fits {
-            return None;
-        }
+    fn of(
+        ln_1: &LayerNorm,
+        attn: &CausalSelfAttention,
+        ln_2: &LayerNorm,
+        ffn: &dyn FeedForward,
+        x: &Tensor,
+    ) -> Option<BlockWeights> {
+        let mlp = ffn.as_mlp()?;
         Some(BlockWeights {
-            ln_1: Norm::of(&block.ln_1, x)?,
-            c_attn: Dense::of(a.c_attn.as_dense()?, x)?,
-            c_proj: Dense::of(a.c_proj.as_dense()?, x)?,
-            ln_2: Norm::of(&block.ln_2, x)?,
+            ln_1: Norm::of(ln_1, x)?,
+            c_attn: Dense::of(attn.c_attn.as_dense()?, x)?,
+            c_proj: Dense::of(attn.c_proj.as_dense()?, x)?,
+            ln_2: Norm::of(ln_2, x)?,
             c_fc: Dense::of(mlp.c_fc.as_dense()?, x)?,
             mlp_proj: Dense::of(mlp.c_proj.as_dense()?, x)?,
-            n_head: a.n_head,
-            head_dim: a.head_dim,
+            n_head: attn.n_head,
+            head_dim: attn.head_dim,
         })
     }
 }
@@ -257,10 +208,17 @@ struct BlockTape {
     out: Tensor,
 }
 
-/// The block's graph-free forward with its tape, or None where it has no hand-written backward
-/// (not enabled, not CUDA, a sharded layer or a mixture of experts).
-pub fn block_tape(block: &Block, x: &Tensor) -> Result<Option<Box<dyn Tape>>> {
-    let Some(wts) = BlockWeights::of(block, x) else {
+/// The graph-free forward of the block `x + attn(ln_1(x))`, then `+ ffn(ln_2(·))`, with its
+/// tape, or None where it has no hand-written backward (a sharded layer, a mixture of experts,
+/// a dtype other than f32 or bf16).
+pub fn block_tape(
+    ln_1: &LayerNorm,
+    attn: &CausalSelfAttention,
+    ln_2: &LayerNorm,
+    ffn: &dyn FeedForward,
+    x: &Tensor,
+) -> Result<Option<Box<dyn Tape>>> {
+    let Some(wts) = BlockWeights::of(ln_1, attn, ln_2, ffn, x) else {
         return Ok(None);
     };
     let (b, t, c) = x.dims3()?;
@@ -272,14 +230,14 @@ pub fn block_tape(block: &Block, x: &Tensor) -> Result<Option<Box<dyn Tape>>> {
     let x = x.detach().reshape((n, c))?; // (N, C)
     let (h1, s1) = wts.ln_1.forward(&x)?; // (N, C)
     let qkv = wts.c_attn.forward(&h1)?.reshape((b, t, 3 * c))?; // (B, T, 3C)
-    let qkv = ops::split_heads(&qkv, 3, h)?; // (3, B, H, T, D)
+    let qkv = mtrain_kernels::split_heads(&qkv, 3, h)?; // (3, B, H, T, D)
     let scale = 1.0 / (d as f64).sqrt();
-    let (y, lse) = ops::attention_fwd(&qkv, scale)?; // (B, H, T, D)
-    let ym = ops::merge_heads(&y.unsqueeze(0)?)?.reshape((n, c))?; // (N, C)
+    let (y, lse) = attention::forward(&qkv, scale)?; // (B, H, T, D)
+    let ym = mtrain_kernels::merge_heads(&y.unsqueeze(0)?)?.reshape((n, c))?; // (N, C)
     let x1 = wts.c_proj.forward_residual(&x, &ym)?; // (N, C) = x + attention
     let (h2, s2) = wts.ln_2.forward(&x1)?;
     let f = wts.c_fc.forward(&h2)?; // (N, 4C)
-    let g = ops::gelu(&f)?; // (N, 4C)
+    let g = mtrain_kernels::gelu(&f)?; // (N, 4C)
     let out = wts.mlp_proj.forward_residual(&x1, &g)?.reshape((b, t, c))?; // (B, T, C) = x1 + MLP
     Ok(Some(Box::new(BlockTape {
         wts,
@@ -339,7 +297,7 @@ impl Tape for BlockTape {
                                                                              // MLP branch.
         let dg = wts.mlp_proj.backward(&g, &dout, &mut grads)?; // (N, 4C)
         drop(g);
-        let df = ops::gelu_bwd(&f, &dg)?; // (N, 4C)
+        let df = gelu::backward(&f, &dg)?; // (N, 4C)
         drop((f, dg));
         let dh2 = wts.c_fc.backward(&h2, &df, &mut grads)?; // (N, C)
         drop((h2, df));
@@ -348,11 +306,12 @@ impl Tape for BlockTape {
         // Attention branch.
         let dym = wts.c_proj.backward(&ym, &dx1, &mut grads)?; // (N, C)
         drop(ym);
-        let dy = ops::split_heads(&dym.reshape((b, t, c))?, 1, wts.n_head)?.squeeze(0)?; // (B, H, T, D)
+        let dy =
+            mtrain_kernels::split_heads(&dym.reshape((b, t, c))?, 1, wts.n_head)?.squeeze(0)?; // (B, H, T, D)
         let scale = 1.0 / (wts.head_dim as f64).sqrt();
-        let dqkv = ops::attention_bwd(&qkv, &y, &dy, &lse, scale)?; // (3, B, H, T, D)
+        let dqkv = attention::backward(&qkv, &y, &dy, &lse, scale)?; // (3, B, H, T, D)
         drop((qkv, y, dy, lse));
-        let dqkv = ops::merge_heads(&dqkv)?.reshape((n, 3 * c))?; // (N, 3C)
+        let dqkv = mtrain_kernels::merge_heads(&dqkv)?.reshape((n, 3 * c))?; // (N, 3C)
         let dh1 = wts.c_attn.backward(&h1, &dqkv, &mut grads)?; // (N, C)
         drop((h1, dqkv));
         let dx = (dx1 + wts.ln_1.backward(&x, &s1, &dh1, &mut grads)?)?; // (N, C)
@@ -378,23 +337,22 @@ struct HeadTape {
     loss: Tensor,
 }
 
-/// The head's graph-free forward to the mean loss with its tape, or None where it has no
-/// hand-written backward (no targets, not enabled, not CUDA).
+/// The graph-free forward of the head (`ln_f`, the LM head tied to `wte`) to the mean loss,
+/// with its tape, or None where it has no hand-written backward (no targets, a dtype other
+/// than f32 or bf16).
 pub fn head_tape(
-    head: &Head,
+    ln_f: &LayerNorm,
+    wte: &Param,
     x: &Tensor,
     targets: Option<&Tensor>,
 ) -> Result<Option<Box<dyn Tape>>> {
     let Some(targets) = targets else {
         return Ok(None);
     };
-    if !usable(x) {
-        return Ok(None);
-    }
-    let Some(ln_f) = Norm::of(&head.ln_f, x) else {
+    let Some(ln_f) = Norm::of(ln_f, x) else {
         return Ok(None);
     };
-    let wte = head.wte.tensor().detach();
+    let (wte_name, wte) = (wte.name().to_string(), wte.tensor().detach());
     if wte.dtype() != x.dtype() {
         return Ok(None);
     }
@@ -411,11 +369,11 @@ pub fn head_tape(
     let (h, s) = ln_f.forward(&x)?; // (N, C)
     let logits = h.matmul(&wte.t()?)?; // (N, V)
     let targets = targets.flatten_all()?.to_dtype(DType::U32)?; // (N,)
-    let (rows, lse) = ops::cross_entropy_fwd(&logits, &targets)?; // (N,)
+    let (rows, lse) = cross_entropy::forward(&logits, &targets)?; // (N,)
     let loss = rows.mean_all()?; // scalar, f32
     Ok(Some(Box::new(HeadTape {
         ln_f,
-        wte_name: head.wte.name().to_string(),
+        wte_name,
         wte,
         x,
         s,
@@ -451,10 +409,10 @@ impl Tape for HeadTape {
         // d(loss)/d(row loss) = s / N for the mean; s is loss_scale, or the given scalar gradient.
         let s_out = match grad_out {
             None => loss_scale,
-            Some(g) => crate::reduce::sum_f64(g)?,
+            Some(g) => mtrain_kernels::reduce::sum_f64(g)?,
         };
         let g = Tensor::full((s_out / n as f64) as f32, n, x.device())?; // (N,)
-        let dlogits = ops::cross_entropy_bwd(&logits, &targets, &lse, &g)?; // (N, V)
+        let dlogits = cross_entropy::backward(&logits, &targets, &lse, &g)?; // (N, V)
         drop(logits);
         let mut grads = Vec::with_capacity(3);
         let dh = dlogits.matmul(&wte)?; // (N, C)
@@ -478,15 +436,14 @@ struct EmbeddingTape {
     out: Tensor,
 }
 
-/// The embedding's graph-free forward with its tape, or None where it has no hand-written
-/// backward (not enabled, not CUDA).
-pub fn embedding_tape(emb: &Embedding, idx: &Tensor) -> Result<Option<Box<dyn Tape>>> {
-    let (wte, wpe) = (emb.wte.tensor().detach(), emb.wpe.tensor().detach());
+/// The graph-free forward of the token plus position embedding `wte[idx] + wpe[0..T]` with its
+/// tape, or None where it has no hand-written backward (ids not u32, a dtype other than f32 or
+/// bf16).
+pub fn embedding_tape(wte: &Param, wpe: &Param, idx: &Tensor) -> Result<Option<Box<dyn Tape>>> {
+    let (wte_name, wpe_name) = (wte.name().to_string(), wpe.name().to_string());
+    let (wte, wpe) = (wte.tensor().detach(), wpe.tensor().detach());
     let ids = idx.flatten_all()?; // (N,)
-    let fits = usable(&wte)
-        && ids.dtype() == DType::U32
-        && (!wte.device().is_cuda() || kernels::embedding::supported(&wte, &ids));
-    if !fits || wpe.dtype() != wte.dtype() {
+    if !taped_dtype(&wte) || ids.dtype() != DType::U32 || wpe.dtype() != wte.dtype() {
         return Ok(None);
     }
     let (b, t) = idx.dims2()?;
@@ -497,11 +454,11 @@ pub fn embedding_tape(emb: &Embedding, idx: &Tensor) -> Result<Option<Box<dyn Ta
             "embedding: sequence length {t} exceeds block_size {block_size}"
         )));
     }
-    let tok = ops::embedding(&wte, &ids)?.reshape((b, t, c))?; // (B, T, C), ids checked
+    let tok = embedding::forward(&wte, &ids)?.reshape((b, t, c))?; // (B, T, C), ids checked
     let out = tok.broadcast_add(&wpe.narrow(0, 0, t)?)?; // (B, T, C)
     Ok(Some(Box::new(EmbeddingTape {
-        wte_name: emb.wte.name().to_string(),
-        wpe_name: emb.wpe.name().to_string(),
+        wte_name,
+        wpe_name,
         vocab,
         block_size,
         ids,
@@ -521,7 +478,7 @@ impl Tape for EmbeddingTape {
         let (b, t, c) = dx.dims3()?;
         let dx = dx.contiguous()?;
         // The forward checked the ids; no read-back here.
-        let dwte = ops::embedding_grad(&self.ids, &dx.reshape((b * t, c))?, self.vocab)?; // (V, C)
+        let dwte = embedding::backward(&self.ids, &dx.reshape((b * t, c))?, self.vocab)?; // (V, C)
         let dwpe = dx.sum(0)?; // (T, C)
         let dwpe = if t < self.block_size {
             dwpe.pad_with_zeros(0, 0, self.block_size - t)? // (block_size, C)
@@ -541,12 +498,12 @@ mod tests {
 
     use candle_core::{DType, Device, Result, Tensor};
 
-    use super::set_cpu;
+    use mtrain_kernels::testing::{cuda, rel_err};
+
     use crate::config::GptConfig;
-    use crate::engine::{Engine, NoHooks};
+    use crate::engine::{Backward, Engine, NoHooks};
     use crate::gpt::Gpt;
     use crate::init::init_weights;
-    use crate::kernels::test_util::{cuda, rel_err};
     use crate::param::Grads;
 
     /// The engine's step through the tapes, with and without checkpointing (which recomputes
@@ -596,7 +553,8 @@ mod tests {
         let store = whole.backward()?;
         for checkpointing in [false, true] {
             let mut grads = Grads::new();
-            let (loss, _) = Engine::new(checkpointing).forward_backward(
+            let engine = Engine::new(checkpointing).with_backward(Backward::Tapes);
+            let (loss, _) = engine.forward_backward(
                 &gpt.segments,
                 &idx,
                 &tgt,
@@ -647,25 +605,19 @@ mod tests {
         check(&dev, DType::BF16, 2e-2)
     }
 
-    /// On CPU the tapes run in plain candle ops (`tape_ops`) when switched on, so their backward
-    /// wiring is checked without a GPU. No other test of this crate's library runs the engine,
-    /// so the process-wide switch affects nothing else.
+    /// On CPU the tapes' operations run as candle ops, so an engine that runs the tapes on
+    /// every device ([`Backward::Tapes`]) checks their backward wiring without a GPU. The
+    /// default engine keeps autograd on CPU.
     #[test]
     fn tapes_match_autograd_on_cpu() -> Result<()> {
-        set_cpu(true);
-        let r = check(&Device::Cpu, DType::F32, 1e-5);
-        set_cpu(false);
-        r?;
-        let gpt = Gpt::new(
-            GptConfig::tiny(),
-            &init_weights(&GptConfig::tiny(), 1)?,
-            &Device::Cpu,
-        )?;
-        let x = Tensor::zeros((1, 4, GptConfig::tiny().n_embd), DType::F32, &Device::Cpu)?;
+        check(&Device::Cpu, DType::F32, 1e-5)?;
+        let default = Engine::new(false).backward;
         assert!(
-            gpt.segments[1].forward_taped(&x, None)?.is_none(),
+            !default.tapes_on(&Device::Cpu),
             "CPU tapes are off by default"
         );
+        assert!(Backward::Tapes.tapes_on(&Device::Cpu));
+        assert!(!Backward::Autograd.tapes_on(&Device::Cpu));
         Ok(())
     }
 }

@@ -21,19 +21,18 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor};
 use rand::Rng;
 
 use crate::config::GptConfig;
-use crate::explicit::{self, Tape};
+use crate::explicit;
 use crate::init::param_specs;
-use crate::kernels;
 use crate::layers::{
-    linear, log_softmax_last_dim, upcast, CausalSelfAttention, DenseLinear, FeedForward, LayerNorm,
-    Linear, Mlp,
+    linear, CausalSelfAttention, DenseLinear, FeedForward, LayerNorm, Linear, Mlp,
 };
 use crate::moe::{MoeLayer, MoeStats};
 use crate::param::Param;
+use crate::tape::Tape;
 
 /// What a segment returns: its output (the scalar loss for a head given targets), and for MoE
 /// blocks the auxiliary loss (already times its coefficient) and routing statistics.
@@ -64,7 +63,8 @@ pub trait Segment: Send + Sync {
     fn params(&self) -> Vec<Param>;
     /// A forward that records no autograd graph, with its hand-written backward, where this
     /// segment has one for `x` ([`crate::explicit`]); None: the engine differentiates
-    /// [`Segment::forward`] with autograd.
+    /// [`Segment::forward`] with autograd. The engine's [`Backward`](crate::engine::Backward)
+    /// decides whether it asks.
     fn forward_taped(
         &self,
         _x: &Tensor,
@@ -109,12 +109,7 @@ impl Segment for Embedding {
         let wte = self.wte.tensor();
         let c = wte.dim(1)?;
         let ids = idx.flatten_all()?; // (N,)
-        let tok = if kernels::embedding::supported(&wte, &ids) {
-            kernels::embedding(&wte, &ids)? // ids checked, scatter-add gradient
-        } else {
-            wte.index_select(&ids, 0)?
-        };
-        let tok = tok.reshape((b, t, c))?; // (B, T, C)
+        let tok = mtrain_kernels::embedding(&wte, &ids)?.reshape((b, t, c))?; // (B, T, C)
         let pos = wpe.narrow(0, 0, t)?; // (T, C)
         Ok(SegmentOut::plain(tok.broadcast_add(&pos)?))
     }
@@ -128,7 +123,7 @@ impl Segment for Embedding {
         idx: &Tensor,
         _targets: Option<&Tensor>,
     ) -> Result<Option<Box<dyn Tape>>> {
-        explicit::embedding_tape(self, idx)
+        explicit::embedding_tape(&self.wte, &self.wpe, idx)
     }
 }
 
@@ -237,13 +232,13 @@ impl Segment for Block {
         x: &Tensor,
         _targets: Option<&Tensor>,
     ) -> Result<Option<Box<dyn Tape>>> {
-        explicit::block_tape(self, x)
+        explicit::block_tape(&self.ln_1, &self.attn, &self.ln_2, self.ffn.as_ref(), x)
     }
 }
 
 /// Final LayerNorm, LM head tied to `wte`, and the loss.
 /// Without targets the output is the logits (B, T, V); with targets (B, T) u32 it is the scalar
-/// mean cross-entropy, computed with a log-softmax in f32.
+/// mean cross-entropy ([`mtrain_kernels::cross_entropy`], log-softmax in f32).
 pub struct Head {
     pub ln_f: LayerNorm,
     /// (V, C), the same Param as the embedding's
@@ -256,41 +251,6 @@ impl Head {
     }
 }
 
-/// Mean cross-entropy of logits (..., V) against u32 targets (...), log-softmax in f32.
-pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    let v = logits.dim(D::Minus1)?;
-    let n = targets.elem_count();
-    if logits.elem_count() != n * v {
-        return Err(err(format!(
-            "cross_entropy: logits {:?} do not match targets {:?}",
-            logits.dims(),
-            targets.dims()
-        )));
-    }
-    let logp = log_softmax_last_dim(&upcast(&logits.reshape((n, v))?)?)?; // (N, V)
-    let picked = logp.gather(&targets.reshape((n, 1))?.to_dtype(DType::U32)?, 1)?; // (N, 1)
-    picked.mean_all()?.neg()
-}
-
-/// Mean cross-entropy as the head computes it: the fused kernel where it can run
-/// ([`kernels::cross_entropy`]), else [`cross_entropy`].
-pub fn mean_loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    if !kernels::cross_entropy::supported(logits) {
-        return cross_entropy(logits, targets);
-    }
-    let v = logits.dim(D::Minus1)?;
-    let n = targets.elem_count();
-    if logits.elem_count() != n * v {
-        return Err(err(format!(
-            "cross_entropy: logits {:?} do not match targets {:?}",
-            logits.dims(),
-            targets.dims()
-        )));
-    }
-    let t = targets.flatten_all()?.to_dtype(DType::U32)?; // (N,)
-    kernels::cross_entropy_rows(&logits.reshape((n, v))?, &t)?.mean_all() // scalar
-}
-
 impl Segment for Head {
     fn name(&self) -> String {
         "head".to_string()
@@ -301,7 +261,9 @@ impl Segment for Head {
         let logits = linear(&x, &self.wte.tensor(), None)?; // (B, T, V)
         match targets {
             None => Ok(SegmentOut::plain(logits)),
-            Some(t) => Ok(SegmentOut::plain(mean_loss(&logits, t)?)),
+            Some(t) => Ok(SegmentOut::plain(mtrain_kernels::cross_entropy(
+                &logits, t,
+            )?)),
         }
     }
 
@@ -312,7 +274,7 @@ impl Segment for Head {
     }
 
     fn forward_taped(&self, x: &Tensor, targets: Option<&Tensor>) -> Result<Option<Box<dyn Tape>>> {
-        explicit::head_tape(self, x, targets)
+        explicit::head_tape(&self.ln_f, &self.wte, x, targets)
     }
 }
 

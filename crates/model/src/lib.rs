@@ -1,5 +1,7 @@
 //! mtrain-model: a single-device GPT on candle, its MoE variant, and the block-wise engine.
-//! Nothing here knows about ranks; parallel strategies wrap these pieces.
+//! Nothing here knows about ranks; parallel strategies wrap these pieces. The operations the
+//! layers and the hand-written backward passes compute with (fused CUDA kernels or candle ops,
+//! each op choosing) are the `mtrain_kernels` crate's.
 //!
 //! # Layout
 //! - [`config`]: `GptConfig` / `MoeConfig`, presets, parameter and FLOP counts.
@@ -8,27 +10,25 @@
 //! - [`layers`]: `Linear`, `LayerNorm`, `Mlp`, `CausalSelfAttention`, the `FeedForward` trait.
 //! - [`moe`]: top-k routing with capacity, the experts layer and its auxiliary losses.
 //! - [`gpt`]: the model as a list of segments (embedding, blocks, head).
-//! - [`kernels`]: fused CUDA kernels (flash attention, cross-entropy) the layers use on GPUs.
-//! - [`reduce`]: full reductions (Σ, Σ x²) summed in rows first, so a GPU runs them on every multiprocessor.
-//! - [`engine`]: forward/backward one segment at a time with hooks and activation checkpointing.
-//! - [`explicit`]: hand-written backward passes of the embedding, the dense block and the head (CUDA kernels).
-//! - [`tape_ops`]: the graph-free operations those are written in, CUDA kernels or plain CPU ops.
+//! - [`tape`]: `Tape`, what a segment's graph-free forward keeps for its hand-written backward.
+//! - [`explicit`]: the tapes of the embedding, the dense block and the head.
+//! - [`engine`]: forward/backward one segment at a time with hooks and activation checkpointing;
+//!   its `Backward` value says where the tapes replace autograd.
+//! - [`optim`]: AdamW (state by name), the learning-rate schedule, clipping.
 
 pub mod config;
 pub mod engine;
 pub mod explicit;
 pub mod gpt;
 pub mod init;
-pub mod kernels;
 pub mod layers;
 pub mod moe;
 pub mod optim;
 pub mod param;
-pub mod reduce;
-pub mod tape_ops;
+pub mod tape;
 
 pub use config::{ConfigError, GptConfig, MoeConfig};
-pub use engine::{Activations, Engine, Hooks, NoHooks};
+pub use engine::{Activations, Backward, Engine, Hooks, NoHooks};
 pub use gpt::{Block, Embedding, Gpt, Head, Segment, SegmentOut};
 pub use init::init_weights;
 pub use layers::{CausalSelfAttention, DenseLinear, FeedForward, FfnOut, LayerNorm, Linear, Mlp};

@@ -26,10 +26,10 @@
 
 use candle_core::{DType, Result, Tensor, D};
 
+use mtrain_kernels::plain::{log_softmax_last_dim, softmax_last_dim, upcast};
+
 use crate::config::MoeConfig;
-use crate::layers::{
-    linear, log_softmax_last_dim, softmax_last_dim, upcast, FeedForward, FfnOut, Mlp,
-};
+use crate::layers::{linear, FeedForward, FfnOut, Mlp};
 use crate::param::Param;
 
 /// Routing statistics of one MoE layer call.

@@ -11,10 +11,9 @@
 //! p  = p·(1 - lr·wd)  -  lr · m̂ / (√v̂ + ε)  decay is applied to p directly, not mixed into g
 //! ```
 //!
-//! On CUDA, an f32 parameter is updated by one fused kernel that reads p, g, m, v once and writes
-//! the new p, m, v (and, for mixed precision, the bf16 compute copy) once
-//! ([`crate::kernels::adamw`]); everywhere else the same formulas run as candle ops
-//! ([`adamw_candle`]).
+//! Each tensor's update is [`mtrain_kernels::adamw::step`]: on CUDA one fused kernel that reads
+//! p, g, m, v once and writes the new p, m, v (and, for mixed precision, the bf16 compute copy)
+//! once; everywhere else the same formulas as candle ops.
 //!
 //! The optimizer is shape-agnostic: it keeps `m` and `v` by name, elementwise, so a sharded strategy
 //! can hand it flat 1-D shards instead of full tensors. Whether a tensor is decayed therefore comes
@@ -35,8 +34,8 @@ use std::collections::BTreeMap;
 
 use candle_core::{DType, Result, Tensor};
 
-use crate::kernels::adamw::{self, AdamWHyper};
 use crate::param::Param;
+use mtrain_kernels::adamw::{self, AdamWHyper};
 
 /// AdamW hyper-parameters (the learning rate is passed per step).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -117,19 +116,22 @@ impl AdamW {
 
     /// One AdamW step with learning rate `lr` over `items` (moments start at zero on first sight).
     pub fn step(&mut self, lr: f64, items: &[OptimItem]) -> Result<()> {
-        self.step_with_copies(lr, items, None).map(|_| ())
+        self.step_with_copies(lr, 1.0, items, None).map(|_| ())
     }
 
-    /// [`AdamW::step`], also returning each updated parameter cast to `copy` (one entry per item,
-    /// `None` throughout when `copy` is `None`): the compute copy of mixed-precision training.
+    /// [`AdamW::step`] with every gradient multiplied by `grad_scale` (the clip coefficient, 1
+    /// for none) inside the update, also returning each updated parameter cast to `copy` (one
+    /// entry per item, `None` throughout when `copy` is `None`): the compute copy of
+    /// mixed-precision training.
     ///
-    /// An item whose parameter and gradient the fused kernel takes ([`adamw::supported`]: an f32
+    /// An item whose parameter and gradient the fused kernel takes ([`adamw::fuses`]: an f32
     /// CUDA parameter, an f32 or bf16 gradient) is updated by one kernel, which also writes a
-    /// bf16 copy; every other item takes the candle path ([`adamw_candle`]), and its copy is a
-    /// cast of the updated parameter. The gradient may be in any float dtype: it is read as f32.
+    /// bf16 copy; every other item takes the candle path, and its copy is a cast of the updated
+    /// parameter. The gradient may be in any float dtype: it is read as f32.
     pub fn step_with_copies(
         &mut self,
         lr: f64,
+        grad_scale: f64,
         items: &[OptimItem],
         copy: Option<DType>,
     ) -> Result<Vec<Option<Tensor>>> {
@@ -152,33 +154,15 @@ impl AdamW {
                 eps: self.cfg.eps,
                 weight_decay: if it.decay { self.cfg.weight_decay } else { 0.0 },
                 step: self.step,
+                grad_scale,
             };
             let g = it.grad.detach();
-            let state_f32 = [self.m.get(it.name), self.v.get(it.name)]
-                .into_iter()
-                .flatten()
-                .all(|s| s.dtype() == DType::F32 && s.device().same_device(p.device()));
-            let (new_p, m, v, copied) = if state_f32 && adamw::supported(&p, &g) {
-                let (m, v) = match (self.m.get(it.name), self.v.get(it.name)) {
-                    (Some(m), Some(v)) => (m.clone(), v.clone()),
-                    _ => (p.zeros_like()?, p.zeros_like()?),
-                };
-                let out = adamw::adamw_update(&p, &g, &m, &v, &h, copy == Some(DType::BF16))?;
-                (out.p, out.m, out.v, out.p_bf16)
-            } else {
-                let (new_p32, m, v) =
-                    adamw_candle(&p, &g, self.m.get(it.name), self.v.get(it.name), &h)?;
-                (new_p32.to_dtype(p.dtype())?, m, v, None)
-            };
-            let copied = match (copy, copied) {
-                (Some(_), Some(c)) => Some(c),
-                (Some(dtype), None) => Some(new_p.to_dtype(dtype)?),
-                (None, _) => None,
-            };
-            it.param.set(&new_p)?;
-            self.m.insert(it.name.to_string(), m);
-            self.v.insert(it.name.to_string(), v);
-            copies.push(copied);
+            let (m, v) = (self.m.get(it.name), self.v.get(it.name));
+            let out = adamw::step(&p, &g, m, v, &h, copy)?;
+            it.param.set(&out.p)?;
+            self.m.insert(it.name.to_string(), out.m);
+            self.v.insert(it.name.to_string(), out.v);
+            copies.push(out.copy);
         }
         Ok(copies)
     }
@@ -222,42 +206,6 @@ impl AdamW {
     }
 }
 
-/// One AdamW update in candle ops, the path [`AdamW::step`] takes where the fused kernel does
-/// not apply (and the reference the kernel is tested against): the new `(p, m, v)`, all f32,
-/// from `p` and `g` in any float dtype and the moments (`None`: zero, the first step).
-pub(crate) fn adamw_candle(
-    p: &Tensor,
-    g: &Tensor,
-    m: Option<&Tensor>,
-    v: Option<&Tensor>,
-    h: &AdamWHyper,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    let t = h.step as i32;
-    let (b1, b2) = (h.beta1, h.beta2);
-    let bc1 = 1.0 - b1.powi(t);
-    let bc2 = 1.0 - b2.powi(t);
-    let g = g.to_dtype(DType::F32)?;
-    let p32 = p.to_dtype(DType::F32)?;
-    let m = match m {
-        Some(m) => ((m * b1)? + (&g * (1.0 - b1))?)?,
-        None => (&g * (1.0 - b1))?,
-    };
-    let g2 = g.sqr()?;
-    let v = match v {
-        Some(v) => ((v * b2)? + (&g2 * (1.0 - b2))?)?,
-        None => (&g2 * (1.0 - b2))?,
-    };
-    let denom = ((&v / bc2)?.sqrt()? + h.eps)?;
-    let update = ((&m / bc1)? / denom)?;
-    let decayed = if h.weight_decay != 0.0 {
-        (&p32 * (1.0 - h.lr * h.weight_decay))?
-    } else {
-        p32
-    };
-    let new_p = (decayed - (update * h.lr)?)?;
-    Ok((new_p, m, v))
-}
-
 /// The learning-rate schedule: linear warmup, then cosine decay to `min_lr` at `total_steps`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LrSchedule {
@@ -294,13 +242,10 @@ pub fn clip_coef(total_norm: f64, max_norm: f64) -> f64 {
     (max_norm / (total_norm + 1e-6)).min(1.0)
 }
 
-/// Σ x² over `tensors`, in f64 (a sharded strategy all-reduces this before taking the root).
+/// Σ x² over `tensors`, in f64 (a sharded strategy all-reduces this before taking the root),
+/// with one read-back for all of them ([`mtrain_kernels::reduce::sq_sum_f64_all`]).
 pub fn sq_norm<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<f64> {
-    let mut total = 0.0;
-    for t in tensors {
-        total += crate::reduce::sq_sum_f64(t)?;
-    }
-    Ok(total)
+    mtrain_kernels::reduce::sq_sum_f64_all(tensors)
 }
 
 #[cfg(test)]
@@ -478,7 +423,7 @@ mod tests {
                     },
                 ];
                 out = match copies {
-                    true => opt.step_with_copies(1e-2, &items, Some(DType::BF16))?,
+                    true => opt.step_with_copies(1e-2, 1.0, &items, Some(DType::BF16))?,
                     false => {
                         opt.step(1e-2, &items)?;
                         vec![]
@@ -557,11 +502,11 @@ mod tests {
                     .collect();
                 if dev.is_cuda() {
                     for it in &items {
-                        assert!(adamw::supported(&it.param.tensor(), it.grad));
+                        assert!(adamw::fuses(&it.param.tensor(), it.grad));
                     }
                 }
                 copies = opt
-                    .step_with_copies(3e-3, &items, Some(DType::BF16))?
+                    .step_with_copies(3e-3, 1.0, &items, Some(DType::BF16))?
                     .into_iter()
                     .map(|c| c.expect("a copy was asked for"))
                     .collect();

@@ -150,17 +150,9 @@ impl Grads {
         self.map.is_empty()
     }
 
-    /// Σ g² over every stored gradient, accumulated in f64 (the square of the global norm).
-    /// One read-back for all of them: the per-tensor sums stay on the device until the end.
+    /// Σ g² over every stored gradient, accumulated in f64 (the square of the global norm), with
+    /// one read-back for all of them ([`mtrain_kernels::reduce::sq_sum_f64_all`]).
     pub fn sq_norm(&self) -> Result<f64> {
-        let sums = self
-            .map
-            .values()
-            .map(crate::reduce::sq_sum_f64_tensor)
-            .collect::<Result<Vec<_>>>()?;
-        if sums.is_empty() {
-            return Ok(0.0);
-        }
-        Ok(Tensor::stack(&sums, 0)?.to_vec1::<f64>()?.into_iter().sum())
+        mtrain_kernels::reduce::sq_sum_f64_all(self.map.values())
     }
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor};
 use mtrain_model::config::{GptConfig, MoeConfig};
-use mtrain_model::engine::{Engine, Hooks, NoHooks};
+use mtrain_model::engine::{Backward, Engine, Hooks, NoHooks};
 use mtrain_model::gpt::{Embedding, Gpt, Head, Segment};
 use mtrain_model::init::init_weights;
 use mtrain_model::layers::LayerNorm;
@@ -110,27 +110,13 @@ fn blockwise_equals_whole_graph_f32() -> Result<()> {
     let (idx, tgt) = batch(&cfg, 2, 16)?;
     let want = whole_graph_grads(&gpt, &idx, &tgt)?;
     assert_same(
-        &engine_grads(
-            &gpt,
-            Engine {
-                checkpointing: false,
-            },
-            &idx,
-            &tgt,
-        )?,
+        &engine_grads(&gpt, Engine::new(false), &idx, &tgt)?,
         &want,
         1e-6,
         "block-wise",
     )?;
     assert_same(
-        &engine_grads(
-            &gpt,
-            Engine {
-                checkpointing: true,
-            },
-            &idx,
-            &tgt,
-        )?,
+        &engine_grads(&gpt, Engine::new(true), &idx, &tgt)?,
         &want,
         1e-6,
         "checkpointed",
@@ -143,22 +129,8 @@ fn checkpointing_gives_identical_gradients() -> Result<()> {
     let cfg = small(false);
     let gpt = model(&cfg, DType::F32)?;
     let (idx, tgt) = batch(&cfg, 2, 8)?;
-    let a = engine_grads(
-        &gpt,
-        Engine {
-            checkpointing: false,
-        },
-        &idx,
-        &tgt,
-    )?;
-    let b = engine_grads(
-        &gpt,
-        Engine {
-            checkpointing: true,
-        },
-        &idx,
-        &tgt,
-    )?;
+    let a = engine_grads(&gpt, Engine::new(false), &idx, &tgt)?;
+    let b = engine_grads(&gpt, Engine::new(true), &idx, &tgt)?;
     for (name, g) in a.iter() {
         let diff = (g - b.get(name).expect("present"))?
             .abs()?
@@ -179,9 +151,7 @@ fn moe_blockwise_equals_whole_graph() -> Result<()> {
     let (idx, tgt) = batch(&cfg, 2, 8)?;
     let want = whole_graph_grads(&gpt, &idx, &tgt)?;
     let mut grads = Grads::new();
-    let engine = Engine {
-        checkpointing: false,
-    };
+    let engine = Engine::new(false);
     let acts = engine.forward(&gpt.segments, &idx, Some(&tgt), &mut NoHooks)?;
     let whole = gpt.forward_loss(&idx, &tgt)?;
     let aux = whole
@@ -203,14 +173,7 @@ fn moe_blockwise_equals_whole_graph() -> Result<()> {
     engine.backward(&gpt.segments, acts, None, 1.0, &mut grads, &mut NoHooks)?;
     assert_same(&grads, &want, 1e-6, "moe block-wise")?;
     assert_same(
-        &engine_grads(
-            &gpt,
-            Engine {
-                checkpointing: true,
-            },
-            &idx,
-            &tgt,
-        )?,
+        &engine_grads(&gpt, Engine::new(true), &idx, &tgt)?,
         &want,
         1e-6,
         "moe checkpointed",
@@ -361,7 +324,7 @@ fn hooks_fire_in_order_and_split_ranges_compose() -> Result<()> {
 
     // Two pipeline stages: [embedding, h.0] and [h.1, head], joined by the activation and its gradient.
     for checkpointing in [false, true] {
-        let engine = Engine { checkpointing };
+        let engine = Engine::new(checkpointing);
         let (first, last) = gpt.segments.split_at(2);
         let mut grads = Grads::new();
         let a1 = engine.forward(first, &idx, Some(&tgt), &mut NoHooks)?;
@@ -394,14 +357,8 @@ fn checkpointing_keeps_only_inputs() -> Result<()> {
     let cfg = small(false);
     let gpt = model(&cfg, DType::F32)?;
     let (idx, tgt) = batch(&cfg, 2, 8)?;
-    let kept = Engine {
-        checkpointing: false,
-    }
-    .forward(&gpt.segments, &idx, Some(&tgt), &mut NoHooks)?;
-    let ckpt = Engine {
-        checkpointing: true,
-    }
-    .forward(&gpt.segments, &idx, Some(&tgt), &mut NoHooks)?;
+    let kept = Engine::new(false).forward(&gpt.segments, &idx, Some(&tgt), &mut NoHooks)?;
+    let ckpt = Engine::new(true).forward(&gpt.segments, &idx, Some(&tgt), &mut NoHooks)?;
     // Inputs: ids (2·8 u32) + 3 activations (2·8·16 f32); outputs add 3 activations and the loss.
     let act = 2 * 8 * 16 * 4;
     assert_eq!(ckpt.held_bytes(), 2 * 8 * 4 + 3 * act);
@@ -460,7 +417,7 @@ struct ResidualLinearTape {
     backwards: Arc<std::sync::atomic::AtomicUsize>,
 }
 
-impl mtrain_model::explicit::Tape for ResidualLinearTape {
+impl mtrain_model::tape::Tape for ResidualLinearTape {
     fn output(&self) -> &Tensor {
         &self.out
     }
@@ -469,7 +426,7 @@ impl mtrain_model::explicit::Tape for ResidualLinearTape {
         self: Box<Self>,
         grad_out: Option<&Tensor>,
         _loss_scale: f64,
-    ) -> Result<mtrain_model::explicit::TapeGrads> {
+    ) -> Result<mtrain_model::tape::TapeGrads> {
         self.backwards
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let g = grad_out.expect("a block's output is not the loss");
@@ -477,7 +434,7 @@ impl mtrain_model::explicit::Tape for ResidualLinearTape {
         let (g2, x2) = (g.reshape((b * t, c))?, self.x.reshape((b * t, c))?); // (N, C)
         let dx = (&g2 + g2.matmul(&self.w.t()?)?)?.reshape((b, t, c))?;
         let dw = x2.t()?.matmul(&g2)?; // (C, C)
-        Ok(mtrain_model::explicit::TapeGrads {
+        Ok(mtrain_model::tape::TapeGrads {
             params: vec![(self.name, dw)],
             input: Some(dx),
         })
@@ -502,7 +459,7 @@ impl Segment for TapedResidualLinear {
         &self,
         x: &Tensor,
         _t: Option<&Tensor>,
-    ) -> Result<Option<Box<dyn mtrain_model::explicit::Tape>>> {
+    ) -> Result<Option<Box<dyn mtrain_model::tape::Tape>>> {
         let (x, w) = (x.detach(), self.w.tensor().detach());
         let out = (&x + x.broadcast_matmul(&w)?)?;
         Ok(Some(Box::new(ResidualLinearTape {
@@ -554,14 +511,9 @@ fn taped_segments_give_the_whole_graph_gradients() -> Result<()> {
     for checkpointing in [false, true] {
         let before = backwards.load(std::sync::atomic::Ordering::SeqCst);
         let mut grads = Grads::new();
-        let (loss, _) = Engine::new(checkpointing).forward_backward(
-            &segs,
-            &idx,
-            &tgt,
-            1.0,
-            &mut grads,
-            &mut NoHooks,
-        )?;
+        let engine = Engine::new(checkpointing).with_backward(Backward::Tapes);
+        let (loss, _) =
+            engine.forward_backward(&segs, &idx, &tgt, 1.0, &mut grads, &mut NoHooks)?;
         assert!(
             (loss - want_loss).abs() <= 1e-6 * want_loss.abs(),
             "{loss} vs {want_loss}"

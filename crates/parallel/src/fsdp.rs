@@ -392,7 +392,7 @@ impl Fsdp {
                 Tensor::full(weight(e.param.name()) as f32, e.numel, self.comm.device()).ok()
             })?)?; // (shard,)
             let g = u.grad_shard()?.to_dtype(DType::F64)?; // (shard,)
-            total += mtrain_model::reduce::sum_f64(&(g.sqr()? * w.to_dtype(DType::F64)?)?)?;
+            total += mtrain_kernels::reduce::sum_f64(&(g.sqr()? * w.to_dtype(DType::F64)?)?)?;
         }
         Ok(total)
     }

@@ -11,7 +11,7 @@
 //! ```
 //!
 //! On CUDA the three lines of the optimizer are one fused kernel per item
-//! ([`mtrain_model::kernels::adamw`]): it reads the bf16 (or f32) gradient as it is, updates the
+//! (`mtrain_kernels::adamw`): it reads the bf16 (or f32) gradient as it is, updates the
 //! master, m and v, and writes the bf16 compute copy in the same pass; elsewhere the gradient is
 //! widened to f32 and the copy cast, as written above, with the same numbers.
 //!
@@ -204,7 +204,7 @@ impl MasterWeights {
         }
         // Copies in the compute dtype: from the fused kernel where it ran, else a cast.
         let compute = items.first().map(|it| it.param.var().dtype());
-        let copies = opt.step_with_copies(lr, &master_items, compute)?;
+        let copies = opt.step_with_copies(lr, 1.0, &master_items, compute)?;
         for ((it, m), copy) in items.iter().zip(&master_items).zip(copies) {
             let dtype = it.param.var().dtype();
             let w = match copy {

@@ -105,12 +105,12 @@ pub fn decays(shape: &[usize]) -> bool {
 
 /// Σ of every element of `t` as one f64: the loss the engine's last segment returns.
 pub fn sum_f64(t: &Tensor) -> candle_core::Result<f64> {
-    mtrain_model::reduce::sum_f64(t)
+    mtrain_kernels::reduce::sum_f64(t)
 }
 
 /// Σ t² over every element, computed in f64 (one tensor's part of a squared gradient norm).
 pub fn sq_sum_f64(t: &Tensor) -> candle_core::Result<f64> {
-    mtrain_model::reduce::sq_sum_f64(t)
+    mtrain_kernels::reduce::sq_sum_f64(t)
 }
 
 /// Multiplies every gradient in `grads` by `factor` (gradient clipping).

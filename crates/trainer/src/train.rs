@@ -158,7 +158,7 @@ impl SingleDevice {
             model,
             params,
             master,
-            engine: Engine { checkpointing },
+            engine: Engine::new(checkpointing),
             optim: AdamW::new(optim),
             grads: Grads::new(),
         })
@@ -206,41 +206,33 @@ impl TrainableModel for SingleDevice {
     }
 
     fn optimizer_step(&mut self, lr: f64, grad_scale: f64) -> anyhow::Result<()> {
-        let mut scaled = Vec::with_capacity(self.params.len());
-        for p in &self.params {
-            let g = self
-                .grads
-                .get(p.name())
-                .with_context(|| format!("no gradient for `{}` after backward", p.name()))?;
-            scaled.push(if grad_scale == 1.0 {
-                g.clone()
-            } else {
-                (g * grad_scale)?
-            });
-        }
+        // The clip coefficient is applied inside the update (`AdamW::step_with_copies`), not
+        // by a pass over the gradients of its own.
         let updated = self.master.as_ref().unwrap_or(&self.params);
-        let items: Vec<OptimItem> = updated
+        let items = updated
             .iter()
-            .zip(&scaled)
-            .map(|(p, g)| OptimItem {
-                name: p.name(),
-                param: p,
-                grad: g,
-                decay: p.shape().rank() >= 2,
+            .map(|p| {
+                let grad = self
+                    .grads
+                    .get(p.name())
+                    .with_context(|| format!("no gradient for `{}` after backward", p.name()))?;
+                Ok(OptimItem {
+                    name: p.name(),
+                    param: p,
+                    grad,
+                    decay: p.shape().rank() >= 2,
+                })
             })
-            .collect();
-        match &self.master {
-            None => self.optim.step(lr, &items)?,
-            Some(master) => {
-                // The optimizer hands back each updated master in the compute dtype (on CUDA
-                // from the same fused kernel); a missing copy is cast here.
-                let dtype = self.params.first().map(|p| p.var().dtype());
-                let copies = self.optim.step_with_copies(lr, &items, dtype)?;
-                for ((p, m), c) in self.params.iter().zip(master).zip(copies) {
-                    match c {
-                        Some(c) => p.set(&c)?,
-                        None => p.set(&m.tensor().detach().to_dtype(p.var().dtype())?)?,
-                    }
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        // The optimizer hands back each updated master in the compute dtype (on CUDA from the
+        // same fused kernel); a missing copy is cast here.
+        let dtype = self.master.as_ref().and(self.params.first().map(|p| p.var().dtype()));
+        let copies = self.optim.step_with_copies(lr, grad_scale, &items, dtype)?;
+        if let Some(master) = &self.master {
+            for ((p, m), c) in self.params.iter().zip(master).zip(copies) {
+                match c {
+                    Some(c) => p.set(&c)?,
+                    None => p.set(&m.tensor().detach().to_dtype(p.var().dtype())?)?,
                 }
             }
         }
@@ -451,9 +443,10 @@ struct Setup {
 /// nothing of the model exists yet, and draw the initial weights from the seed.
 fn setup(cfg: &TrainConfig, gcfg: &GptConfig, device: &Device) -> anyhow::Result<Setup> {
     // On CUDA, memory a step frees stays reserved for the next step instead of going back to
-    // the driver at each synchronise (the loss read-back, the gradient norm); used memory, which
-    // the memory report shows, is unchanged.
-    mtrain_model::kernels::retain_pool_memory(device)?;
+    // the driver at each synchronise (the loss read-back, the gradient norm; used memory, which
+    // the memory report shows, is unchanged), and kernels are ordered by the stream, without an
+    // event per buffer (`mtrain_kernels::configure_device`).
+    mtrain_kernels::configure_device(device)?;
     let dataset =
         Dataset::open(&cfg.data).with_context(|| format!("opening data `{}`", cfg.data))?;
     if dataset.vocab_size > gcfg.vocab_size {

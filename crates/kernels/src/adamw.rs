@@ -1,8 +1,9 @@
-//! Fused AdamW: the whole update of one tensor in one kernel (`adamw.cu`).
+//! AdamW for one tensor: the whole update in one fused kernel (`adamw.cu`), the step that picks it
+//! or the same formulas in candle ops ([`plain_update`]).
 //!
 //! ```text
-//!   candle path, per tensor (optim.rs)                fused, per tensor
-//!   g.to(f32)                 cast                     adamw_gbf16_copy reads  p, g, m, v
+//!   candle path, per tensor (plain_update)            fused, per tensor
+//!   g.to(f32)·clip            cast, scale              adamw_gbf16_copy reads  p, g, m, v
 //!   m·β1 + g·(1-β1)           3 kernels                                writes p', m', v', p'_bf16
 //!   v·β2 + g²·(1-β2)          4 kernels
 //!   √(v/bc2) + ε, m/bc1, ÷    5 kernels                one pass over memory: 4+2+4+4 bytes read,
@@ -10,7 +11,7 @@
 //!   p'.to(bf16)               cast (mixed precision)
 //! ```
 //!
-//! The update is the one documented in [`crate::optim`], term for term and in the same order
+//! The update is `torch.optim.AdamW`'s as [`plain_update`] writes it, term for term and in the same order
 //! (decoupled decay, bias correction, ε added to √v̂), with all arithmetic in f32. The constants
 //! (1-β1, 1/(1-β1ᵗ), 1-lr·wd, ...) are computed on the host in f64 and rounded to f32 once, as
 //! candle's scalar ops round theirs, so the two paths agree to a few f32 ulps (the kernel may fuse
@@ -24,7 +25,7 @@
 
 use candle_core::{DType, Result, Tensor};
 
-use super::msg;
+use crate::msg;
 
 /// One AdamW step for one tensor.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -41,9 +42,12 @@ pub struct AdamWHyper {
     pub weight_decay: f64,
     /// The step being taken, counted from 1 (t of the bias correction).
     pub step: u64,
+    /// What the gradient is multiplied by before the update (the clip coefficient; 1 for none),
+    /// in f32 after widening, so clipping costs no pass of its own.
+    pub grad_scale: f64,
 }
 
-/// The new state of one tensor after [`adamw_update`]; all f32 except `p_bf16`.
+/// The new state of one tensor after [`step`]: `p` in the parameter's dtype, the moments f32.
 #[derive(Debug, Clone)]
 pub struct AdamWOut {
     /// The updated parameter.
@@ -52,8 +56,8 @@ pub struct AdamWOut {
     pub m: Tensor,
     /// The updated second moment.
     pub v: Tensor,
-    /// `p` rounded to bf16, when asked for.
-    pub p_bf16: Option<Tensor>,
+    /// `p` cast to the dtype asked for (the compute copy of mixed precision), when asked for.
+    pub copy: Option<Tensor>,
 }
 
 /// The kernel's per-step constants (`AdamwStep` in adamw.cu, field for field).
@@ -69,6 +73,7 @@ pub(crate) struct AdamWStep {
     eps: f32,
     lr: f32,
     decay: f32,
+    gscale: f32,
 }
 
 impl AdamWHyper {
@@ -97,25 +102,104 @@ impl AdamWHyper {
             eps: self.eps as f32,
             lr: self.lr as f32,
             decay: (1.0 - self.lr * self.weight_decay) as f32,
+            gscale: self.grad_scale as f32,
         })
     }
 }
 
-/// Whether [`adamw_update`] can take parameter `p` with gradient `g`: built with CUDA, kernels
-/// enabled, `p` an f32 CUDA tensor, `g` f32 or bf16 on the same device with as many elements.
-/// (The moments must be f32 too; the optimizer keeps them so.)
-pub fn supported(p: &Tensor, g: &Tensor) -> bool {
-    super::enabled_for(p)
+/// Whether [`step`] takes the fused kernel for parameter `p` with gradient `g`: `p` an f32 CUDA
+/// tensor, `g` f32 or bf16 on the same device with as many elements (the moments must be f32
+/// on that device too). Public so that a test can say which path ran.
+pub fn fuses(p: &Tensor, g: &Tensor) -> bool {
+    crate::fused_for(p)
         && p.dtype() == DType::F32
         && matches!(g.dtype(), DType::F32 | DType::BF16)
         && g.elem_count() == p.elem_count()
         && g.device().same_device(p.device())
 }
 
+/// One AdamW step of `p` with gradient `g` (any float dtype, read as f32) and moments `m`, `v`
+/// (None on the first step: zeros); with `copy`, also the new `p` cast to that dtype. The
+/// fused kernel where it applies (it writes a bf16 copy in the same pass), else candle ops
+/// with the same formulas. The inputs are only read; every output is a fresh tensor.
+pub fn step(
+    p: &Tensor,
+    g: &Tensor,
+    m: Option<&Tensor>,
+    v: Option<&Tensor>,
+    h: &AdamWHyper,
+    copy: Option<DType>,
+) -> Result<AdamWOut> {
+    let state_f32 = [m, v]
+        .into_iter()
+        .flatten()
+        .all(|s| s.dtype() == DType::F32 && s.device().same_device(p.device()));
+    let mut out = if state_f32 && fuses(p, g) {
+        let (m, v) = match (m, v) {
+            (Some(m), Some(v)) => (m.clone(), v.clone()),
+            _ => (p.zeros_like()?, p.zeros_like()?),
+        };
+        fused(p, g, &m, &v, h, copy == Some(DType::BF16))?
+    } else {
+        let (p32, m, v) = plain_update(p, g, m, v, h)?;
+        AdamWOut {
+            p: p32.to_dtype(p.dtype())?,
+            m,
+            v,
+            copy: None,
+        }
+    };
+    if let (Some(dtype), None) = (copy, &out.copy) {
+        out.copy = Some(out.p.to_dtype(dtype)?);
+    }
+    Ok(out)
+}
+
+/// One AdamW update in candle ops, where the fused kernel does not apply (and the reference it
+/// is tested against): the new `(p, m, v)`, all f32, from `p` and `g` in any float dtype and
+/// the moments (`None`: zero, the first step).
+pub fn plain_update(
+    p: &Tensor,
+    g: &Tensor,
+    m: Option<&Tensor>,
+    v: Option<&Tensor>,
+    h: &AdamWHyper,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let t = h.step as i32;
+    let (b1, b2) = (h.beta1, h.beta2);
+    let bc1 = 1.0 - b1.powi(t);
+    let bc2 = 1.0 - b2.powi(t);
+    let g = g.to_dtype(DType::F32)?;
+    let g = if h.grad_scale == 1.0 {
+        g
+    } else {
+        (g * h.grad_scale)?
+    };
+    let p32 = p.to_dtype(DType::F32)?;
+    let m = match m {
+        Some(m) => ((m * b1)? + (&g * (1.0 - b1))?)?,
+        None => (&g * (1.0 - b1))?,
+    };
+    let g2 = g.sqr()?;
+    let v = match v {
+        Some(v) => ((v * b2)? + (&g2 * (1.0 - b2))?)?,
+        None => (&g2 * (1.0 - b2))?,
+    };
+    let denom = ((&v / bc2)?.sqrt()? + h.eps)?;
+    let update = ((&m / bc1)? / denom)?;
+    let decayed = if h.weight_decay != 0.0 {
+        (&p32 * (1.0 - h.lr * h.weight_decay))?
+    } else {
+        p32
+    };
+    let new_p = (decayed - (update * h.lr)?)?;
+    Ok((new_p, m, v))
+}
+
 /// One AdamW step of `p` with gradient `g` and moments `m`, `v` (zeros on the first step), in
 /// one kernel; with `bf16_copy` also the new `p` in bf16. The outputs have `p`'s shape and are
-/// fresh tensors; the inputs are only read. CUDA only: see [`supported`].
-pub fn adamw_update(
+/// fresh tensors; the inputs are only read. CUDA only: see [`fuses`].
+pub(crate) fn fused(
     p: &Tensor,
     g: &Tensor,
     m: &Tensor,
@@ -127,21 +211,21 @@ pub fn adamw_update(
     for (what, t) in [("parameter", p), ("first moment", m), ("second moment", v)] {
         if t.dtype() != DType::F32 {
             return Err(msg(format!(
-                "adamw_update: the {what} must be f32, got {:?}",
+                "adamw: the {what} must be f32, got {:?}",
                 t.dtype()
             )));
         }
     }
     if !matches!(g.dtype(), DType::F32 | DType::BF16) {
         return Err(msg(format!(
-            "adamw_update: the gradient must be f32 or bf16, got {:?}",
+            "adamw: the gradient must be f32 or bf16, got {:?}",
             g.dtype()
         )));
     }
     for (what, t) in [("gradient", g), ("first moment", m), ("second moment", v)] {
         if t.elem_count() != n {
             return Err(msg(format!(
-                "adamw_update: the {what} has shape {:?} but the parameter has {:?}",
+                "adamw: the {what} has shape {:?} but the parameter has {:?}",
                 t.dims(),
                 p.dims()
             )));
@@ -149,7 +233,7 @@ pub fn adamw_update(
     }
     let s = h.constants()?;
     if n == 0 {
-        let p_bf16 = match bf16_copy {
+        let copy = match bf16_copy {
             true => Some(p.to_dtype(DType::BF16)?),
             false => None,
         };
@@ -158,7 +242,7 @@ pub fn adamw_update(
             p: p.clone(),
             m,
             v,
-            p_bf16,
+            copy,
         });
     }
     launch(p, g, m, v, s, bf16_copy)
@@ -174,7 +258,7 @@ fn launch(
     _: bool,
 ) -> Result<AdamWOut> {
     Err(msg(
-        "kernels::adamw_update runs on CUDA only; the CPU path is optim::AdamW".into(),
+        "the fused adamw runs on CUDA only; the CPU path is adamw::plain_update".into(),
     ))
 }
 
@@ -196,7 +280,7 @@ fn launch(
     );
     let dtype = g.dtype();
     super::cuda::by_dtype!(
-        "adamw_update gradient",
+        "adamw gradient",
         dtype,
         update(&p, &g, &m, &v, s, bf16_copy)
     )
@@ -211,8 +295,8 @@ mod imp {
     use super::super::cuda::{device, grid_stride, kernel, slice, storage, tensor};
     use super::{AdamWOut, AdamWStep};
 
-    // SAFETY: AdamWStep is #[repr(C)] with nine f32 fields, the layout of `struct AdamwStep` in
-    // adamw.cu (36 bytes, 4-byte aligned), passed by value as a kernel parameter.
+    // SAFETY: AdamWStep is #[repr(C)] with ten f32 fields, the layout of `struct AdamwStep` in
+    // adamw.cu (40 bytes, 4-byte aligned), passed by value as a kernel parameter.
     unsafe impl DeviceRepr for AdamWStep {}
 
     /// Launches the entry point for gradient type `G` (f32 or bf16), with or without the copy.
@@ -278,7 +362,7 @@ mod imp {
             p: tensor(&dev, p_out, shape.clone()),
             m: tensor(&dev, m_out, shape.clone()),
             v: tensor(&dev, v_out, shape.clone()),
-            p_bf16: p16.map(|c| tensor(&dev, c, shape)),
+            copy: p16.map(|c| tensor(&dev, c, shape)),
         })
     }
 }
@@ -297,6 +381,7 @@ mod host_tests {
             eps: 1e-8,
             weight_decay: 0.1,
             step: 3,
+            grad_scale: 1.0,
         };
         let s = h.constants()?;
         assert_eq!(s.one_m_b1, (1.0f64 - 0.9) as f32);
@@ -318,7 +403,7 @@ mod host_tests {
         let dev = candle_core::Device::Cpu;
         let p = Tensor::zeros(8, DType::F32, &dev)?;
         let g = Tensor::zeros(8, DType::BF16, &dev)?;
-        assert!(!supported(&p, &g));
+        assert!(!fuses(&p, &g));
         let h = AdamWHyper {
             lr: 1e-3,
             beta1: 0.9,
@@ -326,9 +411,10 @@ mod host_tests {
             eps: 1e-8,
             weight_decay: 0.0,
             step: 1,
+            grad_scale: 1.0,
         };
         let bad = Tensor::zeros(7, DType::F32, &dev)?;
-        let e = adamw_update(&p, &g, &bad, &p, &h, false).unwrap_err();
+        let e = fused(&p, &g, &bad, &p, &h, false).unwrap_err();
         assert!(e.to_string().contains("first moment has shape [7]"), "{e}");
         Ok(())
     }
@@ -337,15 +423,15 @@ mod host_tests {
 #[cfg(all(test, feature = "cuda"))]
 mod tests {
     use super::*;
-    use crate::kernels::test_util::{cuda, rel_err};
-    use crate::optim::adamw_candle;
+    use crate::testing::{cuda, rel_err};
 
     fn f32s(t: &Tensor) -> Vec<f32> {
         t.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap()
     }
 
-    /// Three steps of the fused update against the candle AdamW path (`optim::adamw_candle`, the
-    /// path `AdamW::step` takes without the kernel) on the same CUDA tensors: p, m, v within a
+    /// Three steps of the fused update against the candle AdamW path (`plain_update`, the
+    /// path `step` takes without the kernel) on the same CUDA tensors, the second with the
+    /// gradient scaled by a clip coefficient of 0.37: p, m, v within a
     /// relative error of 1e-6, the bf16 copy equal to candle's cast of the new p, and the
     /// variant without the copy equal to the one with it. `offset` starts p one element into a
     /// larger buffer, so p is not 16-byte aligned and the first step takes the one-at-a-time
@@ -377,11 +463,12 @@ mod tests {
                 eps: 1e-8,
                 weight_decay: if decay { 0.1 } else { 0.0 },
                 step,
+                grad_scale: if step == 2 { 0.37 } else { 1.0 },
             };
-            assert!(supported(&fp, &g), "{what}: kernel refused its inputs");
-            let out = adamw_update(&fp, &g, &fm, &fv, &h, true).unwrap();
-            let plain = adamw_update(&fp, &g, &fm, &fv, &h, false).unwrap();
-            let (p, m, v) = adamw_candle(&rp, &g, rm.as_ref(), rv.as_ref(), &h).unwrap();
+            assert!(fuses(&fp, &g), "{what}: kernel refused its inputs");
+            let out = fused(&fp, &g, &fm, &fv, &h, true).unwrap();
+            let plain = fused(&fp, &g, &fm, &fv, &h, false).unwrap();
+            let (p, m, v) = plain_update(&rp, &g, rm.as_ref(), rv.as_ref(), &h).unwrap();
             for (name, a, r) in [("p", &out.p, &p), ("m", &out.m, &m), ("v", &out.v, &v)] {
                 let e = rel_err(a, r);
                 assert!(e < 1e-6, "{what} step {step}: {name} rel err {e} >= 1e-6");
@@ -394,14 +481,14 @@ mod tests {
                 let moved = rel_err(&out.p, &fp);
                 assert!(moved > 1e-3, "{what}: p moved by only {moved} relative");
             }
-            let copy = out.p_bf16.as_ref().expect("a bf16 copy was asked for");
+            let copy = out.copy.as_ref().expect("a bf16 copy was asked for");
             assert_eq!(copy.dtype(), DType::BF16);
             assert_eq!(
                 f32s(copy),
                 f32s(&out.p.to_dtype(DType::BF16).unwrap()),
                 "{what} step {step}: bf16 copy differs from candle's cast"
             );
-            assert!(plain.p_bf16.is_none());
+            assert!(plain.copy.is_none());
             for (name, a, b) in [
                 ("p", &plain.p, &out.p),
                 ("m", &plain.m, &out.m),

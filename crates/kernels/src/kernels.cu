@@ -1,4 +1,4 @@
-// CUDA kernels of mtrain-model, compiled at first use by NVRTC (see kernels/mod.rs).
+// CUDA kernels of mtrain-kernels, compiled at first use by NVRTC (see cuda.rs).
 //
 // Compile-time parameters (passed as -D options):
 //   HEAD_DIM   attention head size D (a power of two, 8..128)

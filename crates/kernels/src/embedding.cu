@@ -1,4 +1,4 @@
-// Embedding gradient (see kernels/embedding.rs). Appended to kernels.cu by kernels/mod.rs.
+// Embedding gradient (see embedding.rs). Compiled after kernels.cu as one module (cuda.rs).
 //
 // Token embedding y[n] = wte[ids[n]] and its gradient dwte[v] = Σ_{n : ids[n] = v} dy[n]:
 //

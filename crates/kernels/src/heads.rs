@@ -1,4 +1,5 @@
-//! Head layout in one pass: `(B, T, S·H·D) <-> (S, B, H, T, D)`, forward and backward.
+//! Head layout `(B, T, S·H·D) <-> (S, B, H, T, D)`, forward and backward: one pass of a
+//! permutation kernel on CUDA, reshape and permute elsewhere.
 //!
 //! ```text
 //!   c_attn output (B, T, 3·H·D) = [q | k | v] per token
@@ -20,14 +21,10 @@
 
 use candle_core::{CustomOp1, Layout, Result, Shape, Tensor};
 
-use super::msg;
+use crate::msg;
 
-/// Whether the fused kernels can take `x`.
-pub fn supported(x: &Tensor) -> bool {
-    super::enabled_for(x)
-}
-
-/// (B, T, S·H·D) -> (S, B, H, T, D), differentiable. CUDA only: see [`supported`].
+/// (B, T, S·H·D) -> (S, B, H, T, D), differentiable: one permutation kernel on CUDA, else
+/// reshape, permute and a contiguous copy.
 pub fn split_heads(x: &Tensor, s: usize, h: usize) -> Result<Tensor> {
     let (b, t, f) = x.dims3()?;
     if s == 0 || h == 0 || f % (s * h) != 0 {
@@ -35,19 +32,26 @@ pub fn split_heads(x: &Tensor, s: usize, h: usize) -> Result<Tensor> {
             "split_heads: {f} features do not split into {s} parts of {h} heads"
         )));
     }
-    let dims = HeadDims {
-        b,
-        t,
-        s,
-        h,
-        d: f / (s * h),
-    };
+    let d = f / (s * h);
+    if !crate::fused_for(x) {
+        return x
+            .reshape((b, t, s, h, d))? // (B, T, S, H, D)
+            .permute((2, 0, 3, 1, 4))? // (S, B, H, T, D)
+            .contiguous();
+    }
+    let dims = HeadDims { b, t, s, h, d };
     x.contiguous()?.apply_op1(Heads { split: true, dims })
 }
 
-/// (S, B, H, T, D) -> (B, T, S·H·D), differentiable. CUDA only: see [`supported`].
+/// (S, B, H, T, D) -> (B, T, S·H·D), differentiable: the inverse of [`split_heads`].
 pub fn merge_heads(x: &Tensor) -> Result<Tensor> {
     let (s, b, h, t, d) = x.dims5()?;
+    if !crate::fused_for(x) {
+        return x
+            .permute((1, 3, 0, 2, 4))? // (B, T, S, H, D)
+            .contiguous()?
+            .reshape((b, t, s * h * d)); // (B, T, S·H·D)
+    }
     let dims = HeadDims { b, t, s, h, d };
     x.contiguous()?.apply_op1(Heads { split: false, dims })
 }
@@ -238,7 +242,7 @@ mod unit_tests {
 #[cfg(all(test, feature = "cuda"))]
 mod tests {
     use super::*;
-    use crate::kernels::test_util::cuda;
+    use crate::testing::cuda;
     use candle_core::{DType, Var};
 
     /// split_heads and merge_heads, forward and backward, against narrow/reshape/transpose:

@@ -1,4 +1,5 @@
-//! Fused bias add `y = x + b` with a coalesced bias gradient.
+//! Bias add `y = x + b`: the fused kernel with a coalesced bias gradient, the op that picks it
+//! or `broadcast_add`, and the graph-free residual add and bias gradient.
 //!
 //! ```text
 //!   x (N, C) ──+ b (C,) ──> y (N, C)          forward: one elementwise kernel
@@ -15,20 +16,49 @@
 
 use candle_core::{CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::msg;
+use crate::msg;
+use crate::plain::upcast;
 
-/// Whether the fused kernel can add `b` to `x`: both on CUDA in one supported dtype, `b` of
+/// Whether the fused kernels can add `b` to `x`: both on CUDA in one supported dtype, `b` of
 /// shape (C,) for `x` (..., C).
-pub fn supported(x: &Tensor, b: &Tensor) -> bool {
-    super::enabled_for(x)
+fn fuses(x: &Tensor, b: &Tensor) -> bool {
+    crate::fused_for(x)
         && b.dtype() == x.dtype()
         && b.rank() == 1
         && x.rank() >= 1
         && x.dims().last() == b.dims().first()
 }
 
-/// `x + b` for x (..., C), b (C,); differentiable in both. CUDA only: see [`supported`].
+/// `x + b` for x (..., C), b (C,); differentiable in both. The fused kernel where it applies,
+/// else `broadcast_add`.
 pub fn bias_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if fuses(x, b) {
+        fused(x, b)
+    } else {
+        x.broadcast_add(b)
+    }
+}
+
+/// `r + (x + b)` for r, x (N, C) and b (C,), recording no graph: the residual add after a
+/// linear layer with that layer's bias folded in (db is then Σ_rows of the output gradient,
+/// [`grad`]). One pass on CUDA, two candle adds elsewhere.
+pub fn residual_add(r: &Tensor, x: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if fuses(x, b) && r.dtype() == x.dtype() {
+        return fused_residual_add(r, x, b);
+    }
+    r + x.broadcast_add(b)?
+}
+
+/// db = Σ over the rows of dy (N, C), in b's dtype (summed in f32), recording no graph.
+pub fn grad(dy: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if crate::fused_for(dy) && b.dtype() == dy.dtype() {
+        return fused_grad(&dy.contiguous()?, b);
+    }
+    upcast(dy)?.sum(0)?.to_dtype(b.dtype())
+}
+
+/// The fused kernel under autograd (CUDA only).
+pub(crate) fn fused(x: &Tensor, b: &Tensor) -> Result<Tensor> {
     let c = b.dim(0)?;
     if x.dims().last() != Some(&c) {
         return Err(msg(format!(
@@ -54,7 +84,7 @@ impl CustomOp2 for BiasAdd {
         _: &Layout,
     ) -> Result<(candle_core::CpuStorage, Shape)> {
         Err(msg(
-            "kernels::bias_add runs on CUDA only; the CPU path is broadcast_add".into(),
+            "the fused bias_add runs on CUDA only; the CPU path is broadcast_add".into(),
         ))
     }
 
@@ -76,16 +106,14 @@ impl CustomOp2 for BiasAdd {
         _y: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let db = bias_grad(&grad.contiguous()?, b)?;
+        let db = fused_grad(&grad.contiguous()?, b)?;
         Ok((Some(grad.clone()), Some(db)))
     }
 }
 
-/// `r + (x + b)` for r, x (..., C) and b (C,) in one pass, recording no graph: the residual add
-/// after a linear layer, with that layer's bias folded in (for hand-written backward passes,
-/// [`crate::explicit`], where db is Σ_rows of the output gradient). CUDA only.
+/// [`residual_add`] in one pass of the fused kernel (CUDA only).
 #[allow(unused_variables)]
-pub(crate) fn bias_residual_add(r: &Tensor, x: &Tensor, b: &Tensor) -> Result<Tensor> {
+pub(crate) fn fused_residual_add(r: &Tensor, x: &Tensor, b: &Tensor) -> Result<Tensor> {
     let c = b.dim(0)?;
     if r.dims() != x.dims()
         || x.dims().last() != Some(&c)
@@ -107,18 +135,18 @@ pub(crate) fn bias_residual_add(r: &Tensor, x: &Tensor, b: &Tensor) -> Result<Te
         imp::bias_residual(&r.contiguous()?, &x.contiguous()?, &b.contiguous()?)
     }
     #[cfg(not(feature = "cuda"))]
-    Err(msg("kernels::bias_residual_add runs on CUDA only".into()))
+    Err(msg("the fused residual_add runs on CUDA only".into()))
 }
 
-/// Σ over rows of dy (..., C), in b's dtype.
+/// Σ over rows of dy (..., C), in b's dtype, by the fused kernel (CUDA only).
 #[allow(unused_variables)]
-pub(crate) fn bias_grad(dy: &Tensor, b: &Tensor) -> Result<Tensor> {
+fn fused_grad(dy: &Tensor, b: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     {
         imp::bias_grad(dy, b)
     }
     #[cfg(not(feature = "cuda"))]
-    Err(msg("kernels::bias_add backward runs on CUDA only".into()))
+    Err(msg("the fused bias_add backward runs on CUDA only".into()))
 }
 
 #[cfg(feature = "cuda")]
@@ -231,7 +259,7 @@ mod imp {
 #[cfg(all(test, feature = "cuda"))]
 mod tests {
     use super::*;
-    use crate::kernels::test_util::{cuda, rel_err};
+    use crate::testing::{cuda, rel_err};
     use candle_core::{DType, Var};
 
     /// y, dx and db against broadcast_add and its autograd computed in f32 from the same inputs.
@@ -249,7 +277,7 @@ mod tests {
                 Var::from_tensor(&cast(&b)).unwrap(),
             );
             let y = if fused {
-                bias_add(xv.as_tensor(), bv.as_tensor()).unwrap()
+                super::fused(xv.as_tensor(), bv.as_tensor()).unwrap()
             } else {
                 xv.as_tensor().broadcast_add(bv.as_tensor()).unwrap()
             };
@@ -313,7 +341,7 @@ mod tests {
                 .unwrap()
                 .to_dtype(dtype)
                 .unwrap();
-            let y = bias_residual_add(&r, &x, &b).unwrap();
+            let y = fused_residual_add(&r, &x, &b).unwrap();
             let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
             let want = (f(&r) + f(&x).broadcast_add(&f(&b)).unwrap()).unwrap();
             let e = rel_err(&y, &want);

@@ -1,4 +1,5 @@
-//! Softmax cross-entropy per row, fused: `loss_n = ln Σ_v e^(x_nv) − x_n,target`.
+//! Softmax cross-entropy per row, `loss_n = ln Σ_v e^(x_nv) − x_n,target`: the fused kernels, the
+//! mean loss that picks them or [`plain::cross_entropy`], and the graph-free forward and backward.
 //!
 //! ```text
 //!   plain:  logits (N, V) bf16 ─> f32 copy ─> x − max ─> exp ─> Σ ─> ln ─> gather
@@ -10,35 +11,80 @@
 //! Only lse (N,) f32 is kept between forward and backward. The mean over rows stays a candle op,
 //! so the caller may weight rows as it likes. Legend: `N` rows (tokens), `V` vocabulary.
 
-use candle_core::{CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CustomOp2, DType, Layout, Result, Shape, Tensor, D};
 
-use super::msg;
+use crate::msg;
+use crate::plain::{self, log_softmax_last_dim, upcast};
 
-/// Whether the fused kernel can take these logits.
-pub fn supported(logits: &Tensor) -> bool {
-    super::enabled_for(logits)
+/// Mean cross-entropy of logits (..., V) against u32 targets (...), differentiable in the
+/// logits: the fused per-row kernel and a candle mean on CUDA, else [`plain::cross_entropy`].
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    if !crate::fused_for(logits) {
+        return plain::cross_entropy(logits, targets);
+    }
+    let v = logits.dim(D::Minus1)?;
+    let n = plain::check_targets(logits, targets)?;
+    let t = targets.flatten_all()?.to_dtype(DType::U32)?; // (N,)
+    fused_rows(&logits.reshape((n, v))?, &t)?.mean_all() // scalar
 }
 
-/// Per-row cross-entropy (N,) f32 of logits (N, V) against u32 targets (N,). Differentiable in
-/// the logits. A target outside 0..V gives NaN for its row. CUDA only: see [`supported`].
-pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    let (n, _v) = logits.dims2()?;
-    if targets.dims() != [n] || targets.dtype() != DType::U32 {
-        return Err(msg(format!(
-            "cross_entropy_rows: targets {:?} {:?} must be u32 ({n},) for logits {:?}",
-            targets.dims(),
-            targets.dtype(),
-            logits.dims()
-        )));
+/// Per-row cross-entropy (N,) f32 of logits (N, V) against u32 targets (N,) recording no graph,
+/// and the per-row log-sum-exp (N,) f32 that [`backward`] takes.
+pub fn forward(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+    if crate::fused_for(logits) {
+        return fused_forward(logits, targets);
     }
+    let lf = upcast(logits)?;
+    let logp = log_softmax_last_dim(&lf)?; // (N, V)
+    let picked = logp.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?; // (N,)
+    let lse = (lf.narrow(1, 0, 1)?.squeeze(1)? - logp.narrow(1, 0, 1)?.squeeze(1)?)?; // (N,)
+    Ok((picked.neg()?, lse))
+}
+
+/// dlogits (N, V) = (softmax − onehot(target)) · g in the logits' dtype, for per-row gradients
+/// g (N,) f32 and the lse of [`forward`], recording no graph.
+pub fn backward(logits: &Tensor, targets: &Tensor, lse: &Tensor, g: &Tensor) -> Result<Tensor> {
+    if crate::fused_for(logits) {
+        return fused_backward(logits, targets, lse, g);
+    }
+    let v = logits.dim(1)?;
+    let p = upcast(logits)?.broadcast_sub(&lse.unsqueeze(1)?)?.exp()?; // softmax (N, V)
+    let ids = Tensor::arange(0u32, v as u32, logits.device())?.unsqueeze(0)?; // (1, V)
+    let onehot = ids
+        .broadcast_eq(&targets.unsqueeze(1)?)? // (N, V)
+        .to_dtype(DType::F32)?;
+    (p - onehot)?
+        .broadcast_mul(&g.unsqueeze(1)?)?
+        .to_dtype(logits.dtype())
+}
+
+/// Per-row cross-entropy (N,) f32 of logits (N, V) against u32 targets (N,) by the fused kernel
+/// under autograd, differentiable in the logits. A target outside 0..V gives NaN for its row.
+/// CUDA only.
+pub(crate) fn fused_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    check_rows(logits, targets)?;
     logits
         .contiguous()?
         .apply_op2(&targets.contiguous()?, CrossEntropy::default())
 }
 
-/// [`cross_entropy_rows`] without recording a graph, for hand-written backward passes
-/// ([`crate::explicit`]): the per-row losses (N,) f32 and the lse (N,) [`backward`] needs.
-pub(crate) fn rows_forward_saved(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+/// The targets of per-row losses must be u32 (N,) for logits (N, V).
+fn check_rows(logits: &Tensor, targets: &Tensor) -> Result<()> {
+    let (n, _v) = logits.dims2()?;
+    if targets.dims() != [n] || targets.dtype() != DType::U32 {
+        return Err(msg(format!(
+            "cross_entropy: targets {:?} {:?} must be u32 ({n},) for logits {:?}",
+            targets.dims(),
+            targets.dtype(),
+            logits.dims()
+        )));
+    }
+    Ok(())
+}
+
+/// The fused forward without recording a graph: the per-row losses and the lse (CUDA only).
+fn fused_forward(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+    check_rows(logits, targets)?;
     let op = CrossEntropy::default();
     let loss = logits
         .contiguous()?
@@ -105,24 +151,22 @@ impl CustomOp2 for CrossEntropy {
             .clone()
             .ok_or_else(|| msg("cross_entropy: backward before forward".into()))?;
         let g = grad.to_dtype(DType::F32)?.contiguous()?;
-        Ok((Some(backward(logits, targets, &lse, &g)?), None))
+        Ok((Some(fused_backward(logits, targets, &lse, &g)?), None))
     }
 }
 
-/// dlogits (N, V) in the logits' dtype, for per-row output gradients g (N,) f32.
+/// dlogits (N, V) in the logits' dtype, for per-row output gradients g (N,) f32, by the fused
+/// kernel (CUDA only).
 #[allow(unused_variables)]
-pub(crate) fn backward(
-    logits: &Tensor,
-    targets: &Tensor,
-    lse: &Tensor,
-    g: &Tensor,
-) -> Result<Tensor> {
+fn fused_backward(logits: &Tensor, targets: &Tensor, lse: &Tensor, g: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     {
         imp::backward(logits, targets, lse, g)
     }
     #[cfg(not(feature = "cuda"))]
-    Err(msg("cross_entropy_rows backward runs on CUDA only".into()))
+    Err(msg(
+        "the fused cross_entropy backward runs on CUDA only".into()
+    ))
 }
 
 #[cfg(feature = "cuda")]
@@ -217,10 +261,10 @@ mod imp {
 #[cfg(all(test, feature = "cuda"))]
 mod tests {
     use super::*;
-    use crate::kernels::test_util::{cuda, rel_err};
+    use crate::testing::{cuda, rel_err};
     use candle_core::Var;
 
-    /// Mean loss and dlogits of the fused kernel against gpt::cross_entropy in f32.
+    /// Mean loss and dlogits of the fused kernel against plain::cross_entropy in f32.
     fn check(n: usize, v: usize, dtype: DType, tol: f64) {
         let Some(dev) = cuda() else {
             return;
@@ -232,12 +276,9 @@ mod tests {
         let run = |fused: bool, dt: DType| {
             let xv = Var::from_tensor(&x.to_dtype(dt).unwrap()).unwrap();
             let loss = if fused {
-                cross_entropy_rows(xv.as_tensor(), &t)
-                    .unwrap()
-                    .mean_all()
-                    .unwrap()
+                fused_rows(xv.as_tensor(), &t).unwrap().mean_all().unwrap()
             } else {
-                crate::gpt::cross_entropy(xv.as_tensor(), &t).unwrap()
+                plain::cross_entropy(xv.as_tensor(), &t).unwrap()
             };
             let g = loss.backward().unwrap();
             (loss, g.get(xv.as_tensor()).unwrap().clone())

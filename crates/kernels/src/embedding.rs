@@ -19,12 +19,12 @@
 //!
 //! Ids are checked: an id >= V is never read or written (its output row is zeros, its dy row
 //! is skipped) and the call fails with an error naming the first such id and its position.
-//! The check costs one 4-byte read-back, which waits for the kernel: [`embedding`] pays it once
-//! in the forward, and its backward trusts the ids the forward checked; [`embedding_grad`]
-//! pays it on every call.
+//! The check costs one 4-byte read-back, which waits for the kernel: the forward pays it once,
+//! and the backward trusts the ids the forward checked.
 //!
-//! On CPU the same functions run a plain Rust loop (the reference algorithm), so the op and
-//! its checks work everywhere; [`supported`] is true only where the CUDA kernels take over.
+//! On CPU the op runs a plain Rust loop (the reference algorithm), so the graph-free
+//! [`forward`] and [`backward`] and their checks work everywhere; the differentiable
+//! [`embedding`] takes candle's `index_select` wherever the CUDA kernels do not apply.
 //! Legend: `N` tokens, `V` vocabulary, `C` width.
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
@@ -32,18 +32,50 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use super::msg;
 
 /// Whether the CUDA kernels take this table and these ids: `wte` (V, C) on CUDA in bf16 or
-/// f32 with the kernels enabled, `idx` (N,) u32 on the same device.
-pub fn supported(wte: &Tensor, idx: &Tensor) -> bool {
-    super::enabled_for(wte)
+/// f32, `idx` (N,) u32 on the same device.
+fn fuses(wte: &Tensor, idx: &Tensor) -> bool {
+    crate::fused_for(wte)
         && wte.rank() == 2
         && idx.rank() == 1
         && idx.dtype() == DType::U32
         && idx.device().same_device(wte.device())
 }
 
-/// `wte.index_select(idx, 0)`: rows of `wte` (V, C) picked by `idx` (N,) u32, giving (N, C).
-/// Differentiable in `wte`; its gradient is [`embedding_grad`]. An id >= V is an error.
+/// `wte.index_select(idx, 0)`: rows of `wte` (V, C) picked by `idx` (N,), giving (N, C),
+/// differentiable in `wte`: the gather and scatter-add kernels on CUDA (ids checked), else
+/// candle's `index_select`.
 pub fn embedding(wte: &Tensor, idx: &Tensor) -> Result<Tensor> {
+    if fuses(wte, idx) {
+        op(wte, idx)
+    } else {
+        wte.index_select(idx, 0)
+    }
+}
+
+/// Rows of `wte` (V, C) picked by `idx` (N,) u32, recording no graph; an id >= V is an error.
+/// The CUDA kernel, or on CPU the reference loop.
+pub fn forward(wte: &Tensor, idx: &Tensor) -> Result<Tensor> {
+    check_op_args(wte, idx)?;
+    wte.contiguous()?
+        .apply_op2_no_bwd(&idx.contiguous()?, &Embedding)
+}
+
+/// The table gradient (vocab, C) of rows `idx` (N,) for dy (N, C), recording no graph, for ids
+/// that [`forward`] checked (no read-back): the scatter-add kernel, or on CPU the reference loop.
+pub fn backward(idx: &Tensor, dy: &Tensor, vocab: usize) -> Result<Tensor> {
+    check_grad_args(idx, dy)?;
+    grad(&idx.contiguous()?, &dy.contiguous()?, vocab, false)
+}
+
+/// The op itself, under autograd: the CUDA kernels, or on CPU the reference loop; ids checked,
+/// its gradient the scatter-add of [`embedding_grad`]'s algorithm.
+pub(crate) fn op(wte: &Tensor, idx: &Tensor) -> Result<Tensor> {
+    check_op_args(wte, idx)?;
+    wte.contiguous()?.apply_op2(&idx.contiguous()?, Embedding)
+}
+
+/// The table must be (V, C) bf16 or f32 and the ids u32 (N,) on its device.
+fn check_op_args(wte: &Tensor, idx: &Tensor) -> Result<()> {
     let (v, c) = wte.dims2().map_err(|_| {
         msg(format!(
             "embedding: the table must be (V, C), got {:?}",
@@ -57,18 +89,19 @@ pub fn embedding(wte: &Tensor, idx: &Tensor) -> Result<Tensor> {
             wte.dtype()
         )));
     }
-    wte.contiguous()?.apply_op2(&idx.contiguous()?, Embedding)
+    Ok(())
 }
 
-/// The gradient of [`embedding`] for a table of `vocab` rows: `dwte[v] = Σ_{idx[n] = v} dy[n]`,
+/// The gradient of [`op`] for a table of `vocab` rows: `dwte[v] = Σ_{idx[n] = v} dy[n]`,
 /// (vocab, C) in dy's dtype, summed in f32. `idx` (N,) u32, `dy` (N, C) bf16 or f32.
-/// An id >= vocab is an error naming it.
-pub fn embedding_grad(idx: &Tensor, dy: &Tensor, vocab: usize) -> Result<Tensor> {
+/// An id >= vocab is an error naming it (one read-back of a flag on CUDA). The tests' entry to
+/// the gradient alone.
+#[cfg(test)]
+pub(crate) fn embedding_grad(idx: &Tensor, dy: &Tensor, vocab: usize) -> Result<Tensor> {
     check_grad_args(idx, dy)?;
     grad(&idx.contiguous()?, &dy.contiguous()?, vocab, true)
 }
 
-/// `idx` must be (N,) u32 on `other`'s device; returns N.
 fn check_ids(idx: &Tensor, other: &Tensor, what: &str) -> Result<usize> {
     if idx.rank() != 1 || idx.dtype() != DType::U32 {
         return Err(msg(format!(
@@ -116,7 +149,7 @@ fn bad_id(what: &str, id: u32, pos: usize, vocab: usize) -> candle_core::Error {
 
 /// dwte (vocab, C) from contiguous, checked-shape `idx` and `dy`; `check_ids` false skips the
 /// read-back of the bad-id flag on CUDA (the kernel still never touches an id >= vocab).
-pub(crate) fn grad(idx: &Tensor, dy: &Tensor, vocab: usize, check_ids: bool) -> Result<Tensor> {
+fn grad(idx: &Tensor, dy: &Tensor, vocab: usize, check_ids: bool) -> Result<Tensor> {
     if dy.device().is_cuda() {
         #[cfg(feature = "cuda")]
         return imp::grad(idx, dy, vocab, check_ids);
@@ -420,7 +453,7 @@ mod imp {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::test_util::rel_err;
+    use crate::testing::rel_err;
     use candle_core::{Device, Var};
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
@@ -461,7 +494,7 @@ mod tests {
             let cast = |t: &Tensor| t.to_dtype(dtype).unwrap().to_dtype(dt).unwrap();
             let wv = Var::from_tensor(&cast(&w)).unwrap();
             let y = if fused {
-                embedding(wv.as_tensor(), &ids).unwrap()
+                op(wv.as_tensor(), &ids).unwrap()
             } else {
                 wv.as_tensor().index_select(&ids, 0).unwrap()
             };
@@ -502,7 +535,7 @@ mod tests {
         let dev = Device::Cpu;
         let wte = Tensor::zeros((10, 4), DType::F32, &dev).unwrap();
         let ids = Tensor::new(&[1u32, 2, 10, 3], &dev).unwrap();
-        let e = embedding(&wte, &ids).unwrap_err().to_string();
+        let e = op(&wte, &ids).unwrap_err().to_string();
         assert!(e.contains("token id 10 at position 2"), "{e}");
         let dy = Tensor::zeros((4, 4), DType::F32, &dev).unwrap();
         let e = embedding_grad(&ids, &dy, 10).unwrap_err().to_string();
@@ -511,10 +544,10 @@ mod tests {
         let e = embedding_grad(&ids, &dy3, 10).unwrap_err().to_string();
         assert!(e.contains("(4, C) for 4 ids, got [3, 4]"), "{e}");
         let ids_i64 = Tensor::new(&[1i64], &dev).unwrap();
-        let e = embedding(&wte, &ids_i64).unwrap_err().to_string();
+        let e = op(&wte, &ids_i64).unwrap_err().to_string();
         assert!(e.contains("ids must be u32 (N,), got I64 [1]"), "{e}");
         assert!(
-            !supported(&wte, &ids),
+            !fuses(&wte, &ids),
             "CPU tensors never take the CUDA kernels"
         );
     }
@@ -532,7 +565,7 @@ mod tests {
             .unwrap()
             .to_dtype(dtype)
             .unwrap();
-        let y = embedding(&wte, &ids).unwrap();
+        let y = op(&wte, &ids).unwrap();
         assert_eq!(y.dims(), &[0, c]);
         let dy = Tensor::zeros((0, c), dtype, dev).unwrap();
         let dw = embedding_grad(&ids, &dy, v).unwrap();
@@ -551,7 +584,7 @@ mod tests {
     #[cfg(feature = "cuda")]
     mod gpu {
         use super::*;
-        use crate::kernels::test_util::cuda;
+        use crate::testing::cuda;
 
         #[test]
         fn op_matches_index_select() {
@@ -591,7 +624,7 @@ mod tests {
                     .to_dtype(dtype)
                     .unwrap();
                 let wte = table.narrow(0, 1, v * c).unwrap().reshape((v, c)).unwrap();
-                let y = embedding(&wte, &ids).unwrap();
+                let y = op(&wte, &ids).unwrap();
                 let d = max_abs_diff(&y, &wte.index_select(&ids, 0).unwrap());
                 assert_eq!(
                     d, 0.0,
@@ -610,7 +643,7 @@ mod tests {
             let ids = Tensor::new(host, &dev).unwrap();
             for dtype in [DType::BF16, DType::F32] {
                 let wte = Tensor::zeros((v, c), dtype, &dev).unwrap();
-                let e = embedding(&wte, &ids).unwrap_err().to_string();
+                let e = op(&wte, &ids).unwrap_err().to_string();
                 assert!(e.contains("token id 300 at position 7"), "{e}");
                 let dy = Tensor::ones((64, c), dtype, &dev).unwrap();
                 let e = embedding_grad(&ids, &dy, v).unwrap_err().to_string();
@@ -630,9 +663,9 @@ mod tests {
             let Some(dev) = cuda() else { return };
             let wte = Tensor::zeros((10, 4), DType::BF16, &dev).unwrap();
             let ids = Tensor::new(&[1u32, 2], &dev).unwrap();
-            assert_eq!(supported(&wte, &ids), crate::kernels::is_enabled());
+            assert!(fuses(&wte, &ids));
             let ids_cpu = Tensor::new(&[1u32, 2], &Device::Cpu).unwrap();
-            assert!(!supported(&wte, &ids_cpu));
+            assert!(!fuses(&wte, &ids_cpu));
         }
     }
 }

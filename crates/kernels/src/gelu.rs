@@ -1,4 +1,5 @@
-//! Fused GELU (tanh approximation), forward and backward, one kernel each.
+//! GELU (tanh approximation): the fused kernels, one each way, the op that picks them or
+//! [`plain::gelu`], and the graph-free backward.
 //!
 //! ```text
 //!   y  = x/2 · (1 + tanh u),   u = √(2/π) · (x + 0.044715 x³)
@@ -12,16 +13,39 @@
 
 use candle_core::{CustomOp1, Layout, Result, Shape, Tensor};
 
-use super::msg;
+use crate::msg;
+use crate::plain::{self, upcast};
 
-/// Whether the fused kernel can take `x`.
-pub fn supported(x: &Tensor) -> bool {
-    super::enabled_for(x)
+/// GELU of `x` (any shape), differentiable: the fused kernel on CUDA, else [`plain::gelu`].
+/// On a tensor that records no graph it is also the graph-free forward.
+pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    if crate::fused_for(x) {
+        fused(x)
+    } else {
+        plain::gelu(x)
+    }
 }
 
-/// GELU of `x` (any shape), differentiable. CUDA only: see [`supported`].
-pub fn gelu(x: &Tensor) -> Result<Tensor> {
+/// The fused kernel under autograd (CUDA only).
+pub(crate) fn fused(x: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op1(Gelu)
+}
+
+/// dx of GELU at x for the output gradient dy, recording no graph. On CPU in candle ops:
+/// d/dx [x/2 (1 + tanh u)], u = k (x + a x³), is (1 + th)/2 + x/2 (1 − th²) k (1 + 3a x²).
+pub fn backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    if crate::fused_for(x) && dy.dtype() == x.dtype() {
+        return fused_backward(x, &dy.contiguous()?);
+    }
+    let (k, a) = ((2.0 / std::f64::consts::PI).sqrt(), 0.044715);
+    let xf = upcast(x)?;
+    let x2 = xf.sqr()?;
+    let th = ((&xf + (&xf * &x2)?.affine(a, 0.0)?)?.affine(k, 0.0)?).tanh()?;
+    let left = th.affine(0.5, 0.5)?;
+    let right = (&xf * th.sqr()?.affine(-1.0, 1.0)?)?
+        .affine(0.5 * k, 0.0)?
+        .mul(&x2.affine(3.0 * a, 1.0)?)?;
+    ((left + right)? * upcast(dy)?)?.to_dtype(x.dtype())
 }
 
 struct Gelu;
@@ -37,7 +61,7 @@ impl CustomOp1 for Gelu {
         _: &Layout,
     ) -> Result<(candle_core::CpuStorage, Shape)> {
         Err(msg(
-            "kernels::gelu runs on CUDA only; the CPU path is Tensor::gelu".into(),
+            "the fused gelu runs on CUDA only; the CPU path is plain::gelu".into(),
         ))
     }
 
@@ -51,19 +75,19 @@ impl CustomOp1 for Gelu {
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(backward(x, &grad.contiguous()?)?))
+        Ok(Some(fused_backward(x, &grad.contiguous()?)?))
     }
 }
 
-/// dx of GELU at x for the output gradient dy (same shape, contiguous).
+/// dx of GELU at x for the output gradient dy (same shape, contiguous), by the fused kernel.
 #[allow(unused_variables)]
-pub(crate) fn backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+fn fused_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     {
         imp::backward(x, dy)
     }
     #[cfg(not(feature = "cuda"))]
-    Err(msg("kernels::gelu backward runs on CUDA only".into()))
+    Err(msg("the fused gelu backward runs on CUDA only".into()))
 }
 
 #[cfg(feature = "cuda")]
@@ -136,7 +160,7 @@ mod imp {
 #[cfg(all(test, feature = "cuda"))]
 mod tests {
     use super::*;
-    use crate::kernels::test_util::{cuda, rel_err};
+    use crate::testing::{cuda, rel_err};
     use candle_core::{DType, Var};
 
     /// Output and dx against candle's `gelu` and its autograd, computed in f32.
@@ -149,7 +173,7 @@ mod tests {
         let run = |fused: bool, dt: DType| {
             let v = Var::from_tensor(&x.to_dtype(dtype).unwrap().to_dtype(dt).unwrap()).unwrap();
             let y = if fused {
-                gelu(v.as_tensor()).unwrap()
+                super::fused(v.as_tensor()).unwrap()
             } else {
                 v.as_tensor().gelu().unwrap()
             };

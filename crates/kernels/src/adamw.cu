@@ -1,4 +1,4 @@
-// Fused AdamW (see kernels/adamw.rs). Appended to kernels.cu by kernels/mod.rs.
+// Fused AdamW (see adamw.rs). Compiled after kernels.cu as one module (cuda.rs).
 //
 // One launch updates one tensor: it reads p, g, m, v once and writes the new p, m, v (and, in the
 // `_copy` variants, the bf16 compute copy of the new p) once. The gradient is f32 (`adamw_g32*`)
@@ -23,6 +23,7 @@ struct AdamwStep {
     float eps;       // ε, added to √v̂
     float lr;        // learning rate
     float decay;     // 1 - lr·wd, or 1 for a tensor that is not decayed
+    float gscale;    // the gradient's multiplier: the clip coefficient, or 1
 };
 
 __device__ __forceinline__ float adamw_from_bf16(unsigned short h) {
@@ -52,7 +53,7 @@ __device__ __forceinline__ float4 adamw_grad4(const unsigned short* g, long w) {
                        __uint_as_float(h.y << 16), __uint_as_float(h.y & 0xffff0000u));
 }
 
-// One element, in the order of optim.rs's candle path:
+// One element, in the order of adamw.rs's candle path (g already multiplied by gscale):
 //   m = β1·m + (1-β1)·g      v = β2·v + (1-β2)·g²
 //   p = p·(1 - lr·wd) - lr · (m/(1-β1ᵗ)) / (√(v/(1-β2ᵗ)) + ε)
 __device__ __forceinline__ void adamw_one(const AdamwStep& s, float& p, float& m, float& v,
@@ -86,10 +87,10 @@ __device__ __forceinline__ void adamw_body(const float* __restrict__ p, const G*
         float4 mw = reinterpret_cast<const float4*>(m)[w];
         float4 vw = reinterpret_cast<const float4*>(v)[w];
         float4 gw = adamw_grad4(g, w);
-        adamw_one(s, pw.x, mw.x, vw.x, gw.x);
-        adamw_one(s, pw.y, mw.y, vw.y, gw.y);
-        adamw_one(s, pw.z, mw.z, vw.z, gw.z);
-        adamw_one(s, pw.w, mw.w, vw.w, gw.w);
+        adamw_one(s, pw.x, mw.x, vw.x, gw.x * s.gscale);
+        adamw_one(s, pw.y, mw.y, vw.y, gw.y * s.gscale);
+        adamw_one(s, pw.z, mw.z, vw.z, gw.z * s.gscale);
+        adamw_one(s, pw.w, mw.w, vw.w, gw.w * s.gscale);
         reinterpret_cast<float4*>(p_out)[w] = pw;
         reinterpret_cast<float4*>(m_out)[w] = mw;
         reinterpret_cast<float4*>(v_out)[w] = vw;
@@ -102,7 +103,7 @@ __device__ __forceinline__ void adamw_body(const float* __restrict__ p, const G*
     }
     for (long i = 4 * words + tid; i < n; i += stride) {
         float pi = p[i], mi = m[i], vi = v[i];
-        adamw_one(s, pi, mi, vi, adamw_grad(g, i));
+        adamw_one(s, pi, mi, vi, adamw_grad(g, i) * s.gscale);
         p_out[i] = pi;
         m_out[i] = mi;
         v_out[i] = vi;

@@ -1,4 +1,14 @@
-//! Causal flash attention: `softmax(mask(q kᵀ · scale)) v` without the (T, T) score matrix.
+//! Causal attention `softmax(mask(q kᵀ · scale)) v` on packed heads (3, B, H, T, D), in one
+//! place for every path it is differentiated by:
+//!
+//! ```text
+//!   under autograd    causal_attention   the flash kernels (their backward as the op's bwd),
+//!                                        else plain::causal_attention (the oracle)
+//!   hand-written      forward, backward  the same flash kernels, else the same algorithm
+//!                                        in candle ops (below), saved statistic lse2 either way
+//! ```
+//!
+//! The flash kernels compute attention without the (T, T) score matrix:
 //!
 //! ```text
 //!  keys ─────────────>         forward, one block per (64 queries, head):
@@ -6,7 +16,7 @@
 //!  │██│  │  │  │  0..63           s = q·kᵀ·scale (masked above the diagonal)
 //!  ├──┼──┼──┼──┤                  m' = max(m, max s);  l = l·e^(m-m') + Σ e^(s-m')
 //!  │██│██│  │  │  64..127         acc = acc·e^(m-m') + e^(s-m') v
-//!  ├──┼──┼──┼──┤                o = acc / l;  keep lse = m + ln l per row (B, H, T)
+//!  ├──┼──┼──┼──┤                o = acc / l;  keep lse per row (B, H, T)
 //!  │██│██│██│  │
 //!  └──┴──┴──┴──┘  only the shaded tiles are ever computed
 //! ```
@@ -27,9 +37,10 @@
 //!
 //! Legend: `B` batch, `H` heads, `T` time, `D` head size.
 
-use candle_core::{CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{DType, Layout, Result, Shape, Tensor, D};
 
-use super::msg;
+use crate::msg;
+use crate::plain::{self, upcast};
 
 /// Head sizes the kernels are instantiated for.
 pub const HEAD_DIMS: [usize; 5] = [8, 16, 32, 64, 128];
@@ -39,141 +50,114 @@ pub const TC_HEAD_DIMS: [usize; 3] = [16, 32, 64];
 
 /// Whether a bf16 attention of head size `d` whose q, k, v start at these element offsets runs
 /// on the tensor-core kernels (they read rows in 16-byte pieces, so offsets are multiples of 8).
-pub fn uses_tensor_cores(dtype: candle_core::DType, d: usize, offsets: &[usize]) -> bool {
-    dtype == candle_core::DType::BF16
-        && TC_HEAD_DIMS.contains(&d)
-        && offsets.iter().all(|o| o % 8 == 0)
+pub fn uses_tensor_cores(dtype: DType, d: usize, offsets: &[usize]) -> bool {
+    dtype == DType::BF16 && TC_HEAD_DIMS.contains(&d) && offsets.iter().all(|o| o % 8 == 0)
 }
 
-/// Whether the fused kernel can run attention with this head size on `q`'s device and dtype.
-pub fn supported(q: &Tensor, head_dim: usize) -> bool {
-    super::enabled_for(q) && HEAD_DIMS.contains(&head_dim)
+/// Whether the fused kernels take packed heads of size `d` on `qkv`'s device and dtype.
+fn fuses(qkv: &Tensor, d: usize) -> bool {
+    crate::fused_for(qkv) && HEAD_DIMS.contains(&d)
 }
 
-/// Causal attention of q, k, v (B, H, T, D), contiguous, one dtype; returns (B, H, T, D).
-/// Differentiable in q, k and v. CUDA only: see [`supported`].
-pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
-    let (_b, _h, _t, d) = q.dims4()?;
-    if k.dims() != q.dims() || v.dims() != q.dims() {
-        return Err(msg(format!(
-            "flash_attention: q {:?}, k {:?}, v {:?} must have one shape (B, H, T, D)",
-            q.dims(),
-            k.dims(),
-            v.dims()
-        )));
-    }
-    if !HEAD_DIMS.contains(&d) {
-        return Err(msg(format!(
-            "flash_attention: head size {d} not supported (one of {HEAD_DIMS:?})"
-        )));
-    }
-    q.apply_op3(k, v, FlashAttention::new(scale))
-}
-
-/// Causal attention of packed heads qkv (3, B, H, T, D) = q | k | v (as
-/// [`split_heads`](super::split_heads) writes them); returns (B, H, T, D). Its gradient is one
-/// (3, B, H, T, D) tensor, so nothing is zero-padded and summed in the backward, as three
-/// `narrow`s of one tensor would be. CUDA only: see [`supported`].
-pub fn flash_attention_packed(qkv: &Tensor, scale: f64) -> Result<Tensor> {
+/// The head size D of packed heads qkv (3, B, H, T, D); an error names any other shape.
+fn head_size(qkv: &Tensor, what: &str) -> Result<usize> {
     let (three, _b, _h, _t, d) = qkv.dims5()?;
     if three != 3 {
         return Err(msg(format!(
-            "flash_attention_packed: qkv {:?} must be (3, B, H, T, D)",
+            "{what}: qkv {:?} must be (3, B, H, T, D)",
             qkv.dims()
         )));
     }
+    Ok(d)
+}
+
+/// The parts q, k, v (B, H, T, D) of packed heads qkv (3, B, H, T, D).
+fn parts(qkv: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    Ok((qkv.get(0)?, qkv.get(1)?, qkv.get(2)?))
+}
+
+/// Causal attention of packed heads qkv (3, B, H, T, D) = q | k | v (as
+/// [`split_heads`](crate::split_heads) writes them); returns (B, H, T, D). Differentiable in
+/// qkv: the fused kernels where they apply (one (3, B, H, T, D) gradient, no (T, T) scores),
+/// else [`plain::causal_attention`] on the three parts.
+pub fn causal_attention(qkv: &Tensor, scale: f64) -> Result<Tensor> {
+    if fuses(qkv, head_size(qkv, "causal_attention")?) {
+        return fused(qkv, scale);
+    }
+    let (q, k, v) = parts(qkv)?;
+    plain::causal_attention(&q, &k, &v, scale)
+}
+
+/// The fused kernels under autograd (CUDA only).
+pub(crate) fn fused(qkv: &Tensor, scale: f64) -> Result<Tensor> {
+    let d = head_size(qkv, "flash attention")?;
     if !HEAD_DIMS.contains(&d) {
         return Err(msg(format!(
-            "flash_attention_packed: head size {d} not supported (one of {HEAD_DIMS:?})"
+            "flash attention: head size {d} not supported (one of {HEAD_DIMS:?})"
         )));
     }
-    qkv.contiguous()?
-        .apply_op1(FlashAttentionPacked(FlashAttention::new(scale)))
+    qkv.contiguous()?.apply_op1(FlashAttention::new(scale))
 }
 
-/// [`flash_attention_packed`] without recording a graph, for hand-written backward passes
-/// ([`crate::explicit`]): the output (B, H, T, D) and the lse (B, H, T) that
-/// [`packed_backward`] needs.
-pub(crate) fn packed_forward_saved(qkv: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
-    let op = FlashAttentionPacked(FlashAttention::new(scale));
-    let y = qkv.contiguous()?.apply_op1_no_bwd(&op)?;
-    let lse =
-        op.0.lse
-            .lock()
-            .map_err(|_| msg("flash_attention: lse lock poisoned".into()))?
-            .take()
-            .ok_or_else(|| msg("flash_attention: the forward left no lse".into()))?;
-    Ok((y, lse))
+/// Causal attention of packed qkv (3, B, H, T, D) recording no graph: the output (B, H, T, D)
+/// and lse2 (B, H, T) f32, log₂ of each row's softmax denominator, which [`backward`] takes.
+pub fn forward(qkv: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
+    if fuses(qkv, head_size(qkv, "attention forward")?) {
+        let op = FlashAttention::new(scale);
+        let y = qkv.contiguous()?.apply_op1_no_bwd(&op)?;
+        return Ok((y, op.take_lse()?));
+    }
+    let (q, k, v) = parts(qkv)?;
+    let s = plain::causal_scores(&q, &k, scale)?; // (B, H, T, T) f32
+    let lse = logsumexp(&s)?; // (B, H, T)
+    let p = s.broadcast_sub(&lse.unsqueeze(D::Minus1)?)?.exp()?; // (B, H, T, T)
+    let y = p.to_dtype(v.dtype())?.matmul(&v)?; // (B, H, T, D)
+    Ok((y, (lse * std::f64::consts::LOG2_E)?))
 }
 
-/// The gradient (3, B, H, T, D) of packed attention from its input qkv, output y, output
-/// gradient dy (B, H, T, D) and the forward's lse.
-pub(crate) fn packed_backward(
+/// The gradient (3, B, H, T, D) = dq | dk | dv of packed causal attention from its input qkv,
+/// output y, output gradient dy (B, H, T, D) and the lse2 of [`forward`], recording no graph.
+/// On CPU in candle ops, as the kernels do it (Dao et al. 2022, Algorithm 2):
+///
+/// ```text
+///   P = exp(s − lse)      δ = rowsum(dO ∘ O)      dS = P ∘ (dO vᵀ − δ)
+///   dQ = scale · dS K     dK = scale · dSᵀ Q      dV = Pᵀ dO
+/// ```
+pub fn backward(
     qkv: &Tensor,
     y: &Tensor,
     dy: &Tensor,
-    lse: &Tensor,
+    lse2: &Tensor,
     scale: f64,
 ) -> Result<Tensor> {
-    let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?); // (B, H, T, D) views
-    backward(&q, &k, &v, y, &dy.contiguous()?, lse, scale)
+    let d = head_size(qkv, "attention backward")?;
+    let (q, k, v) = parts(qkv)?;
+    if fuses(qkv, d) {
+        return fused_backward(&q, &k, &v, y, &dy.contiguous()?, lse2, scale);
+    }
+    let lse = (lse2 * std::f64::consts::LN_2)?.unsqueeze(D::Minus1)?; // (B, H, T, 1)
+    let p = plain::causal_scores(&q, &k, scale)?
+        .broadcast_sub(&lse)?
+        .exp()?; // (B, H, T, T)
+    let (qf, kf, vf, dyf) = (upcast(&q)?, upcast(&k)?, upcast(&v)?, upcast(dy)?);
+    let delta = (&dyf * upcast(y)?)?.sum_keepdim(D::Minus1)?; // (B, H, T, 1)
+    let dp = dyf.matmul(&vf.t()?)?; // (B, H, T, T)
+    let ds = (&p * dp.broadcast_sub(&delta)?)?; // (B, H, T, T)
+    let dq = (ds.matmul(&kf)? * scale)?; // (B, H, T, D)
+    let dk = (ds.t()?.matmul(&qf)? * scale)?; // (B, H, T, D)
+    let dv = p.t()?.matmul(&dyf)?; // (B, H, T, D)
+    Tensor::stack(&[dq, dk, dv], 0)?.to_dtype(qkv.dtype()) // (3, B, H, T, D)
 }
 
-/// [`FlashAttention`] on one packed input.
-struct FlashAttentionPacked(FlashAttention);
-
-impl candle_core::CustomOp1 for FlashAttentionPacked {
-    fn name(&self) -> &'static str {
-        "flash-attention-packed"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-    ) -> Result<(candle_core::CpuStorage, Shape)> {
-        Err(msg(
-            "flash_attention_packed runs on CUDA only; the CPU path is layers::causal_attention"
-                .into(),
-        ))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        qkv: &candle_core::CudaStorage,
-        l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (_, b, h, t, d) = l.shape().dims5()?;
-        if !l.is_contiguous() {
-            return Err(msg(format!(
-                "flash_attention_packed: qkv {:?} is not contiguous",
-                l.dims()
-            )));
-        }
-        let n = b * h * t * d;
-        let part =
-            |i: usize| Layout::contiguous_with_offset((b, h, t, d), l.start_offset() + i * n);
-        let (lq, lk, lv) = (part(0), part(1), part(2));
-        self.0.cuda_fwd(qkv, &lq, qkv, &lk, qkv, &lv)
-    }
-
-    fn bwd(&self, qkv: &Tensor, out: &Tensor, grad_out: &Tensor) -> Result<Option<Tensor>> {
-        let lse = self
-            .0
-            .lse
-            .lock()
-            .map_err(|_| msg("flash_attention: lse lock poisoned".into()))?
-            .clone()
-            .ok_or_else(|| msg("flash_attention: backward before forward".into()))?;
-        let qkv = qkv.detach();
-        let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?); // (B, H, T, D) views
-        let g = backward(&q, &k, &v, out, &grad_out.contiguous()?, &lse, self.0.scale)?;
-        Ok(Some(g)) // (3, B, H, T, D)
-    }
+/// ln Σ exp over the last dimension of s (..., T), the row maximum taken out first.
+fn logsumexp(s: &Tensor) -> Result<Tensor> {
+    let max = s.max_keepdim(D::Minus1)?; // (..., 1)
+    let sum = s.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?; // (..., 1)
+    (sum.log()? + max)?.squeeze(D::Minus1)
 }
 
-/// The recorded op: its forward leaves lse here for its backward.
+/// The recorded op on one packed input (3, B, H, T, D): its forward leaves lse2 here for its
+/// backward.
 struct FlashAttention {
     scale: f64,
     lse: std::sync::Mutex<Option<Tensor>>,
@@ -186,9 +170,27 @@ impl FlashAttention {
             lse: std::sync::Mutex::new(None),
         }
     }
+
+    /// The lse2 the forward left.
+    fn lse(&self) -> Result<Tensor> {
+        self.lse
+            .lock()
+            .map_err(|_| msg("flash attention: lse lock poisoned".into()))?
+            .clone()
+            .ok_or_else(|| msg("flash attention: backward before forward".into()))
+    }
+
+    /// The lse2 the forward left, taken out.
+    fn take_lse(&self) -> Result<Tensor> {
+        self.lse
+            .lock()
+            .map_err(|_| msg("flash attention: lse lock poisoned".into()))?
+            .take()
+            .ok_or_else(|| msg("flash attention: the forward left no lse".into()))
+    }
 }
 
-impl CustomOp3 for FlashAttention {
+impl candle_core::CustomOp1 for FlashAttention {
     fn name(&self) -> &'static str {
         "flash-attention"
     }
@@ -197,57 +199,57 @@ impl CustomOp3 for FlashAttention {
         &self,
         _: &candle_core::CpuStorage,
         _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
     ) -> Result<(candle_core::CpuStorage, Shape)> {
         Err(msg(
-            "flash_attention runs on CUDA only; the CPU path is layers::causal_attention".into(),
+            "flash attention runs on CUDA only; the CPU path is plain::causal_attention".into(),
         ))
     }
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        q: &candle_core::CudaStorage,
-        lq: &Layout,
-        k: &candle_core::CudaStorage,
-        lk: &Layout,
-        v: &candle_core::CudaStorage,
-        lv: &Layout,
+        qkv: &candle_core::CudaStorage,
+        l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (o, lse) = imp::forward(q, lq, k, lk, v, lv, self.scale)?;
+        let (_, b, h, t, d) = l.shape().dims5()?;
+        if !l.is_contiguous() {
+            return Err(msg(format!(
+                "flash attention: qkv {:?} is not contiguous",
+                l.dims()
+            )));
+        }
+        let n = b * h * t * d;
+        let part =
+            |i: usize| Layout::contiguous_with_offset((b, h, t, d), l.start_offset() + i * n);
+        let (lq, lk, lv) = (part(0), part(1), part(2));
+        let (o, lse) = imp::forward(qkv, &lq, qkv, &lk, qkv, &lv, self.scale)?;
         *self
             .lse
             .lock()
-            .map_err(|_| msg("flash_attention: lse lock poisoned".into()))? = Some(lse);
+            .map_err(|_| msg("flash attention: lse lock poisoned".into()))? = Some(lse);
         Ok((o, lq.shape().clone()))
     }
 
-    fn bwd(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        out: &Tensor,
-        grad_out: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let lse = self
-            .lse
-            .lock()
-            .map_err(|_| msg("flash_attention: lse lock poisoned".into()))?
-            .clone()
-            .ok_or_else(|| msg("flash_attention: backward before forward".into()))?;
-        let g = backward(q, k, v, out, &grad_out.contiguous()?, &lse, self.scale)?;
-        Ok((Some(g.get(0)?), Some(g.get(1)?), Some(g.get(2)?)))
+    fn bwd(&self, qkv: &Tensor, out: &Tensor, grad_out: &Tensor) -> Result<Option<Tensor>> {
+        let qkv = qkv.detach();
+        let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?); // (B, H, T, D) views
+        let g = fused_backward(
+            &q,
+            &k,
+            &v,
+            out,
+            &grad_out.contiguous()?,
+            &self.lse()?,
+            self.scale,
+        )?;
+        Ok(Some(g)) // (3, B, H, T, D)
     }
 }
 
 /// Gradients of causal attention from the forward's output and lse (B, H, T), packed as
 /// (3, B, H, T, D) = dq | dk | dv.
 #[allow(unused_variables)]
-fn backward(
+fn fused_backward(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -261,7 +263,7 @@ fn backward(
         imp::backward(q, k, v, out, grad_out, lse, scale)
     }
     #[cfg(not(feature = "cuda"))]
-    Err(msg("flash_attention backward runs on CUDA only".into()))
+    Err(msg("the flash attention backward runs on CUDA only".into()))
 }
 
 #[cfg(feature = "cuda")]
@@ -475,7 +477,7 @@ mod imp {
 #[cfg(all(test, feature = "cuda"))]
 mod tests {
     use super::*;
-    use crate::kernels::test_util::{cuda, rel_err};
+    use crate::testing::{cuda, rel_err};
     use candle_core::{DType, Var};
 
     /// Forward and the three gradients of the fused kernel against the plain candle attention
@@ -508,9 +510,10 @@ mod tests {
                 vars[2].as_tensor(),
             );
             let y = if fused {
-                flash_attention(qv, kv, vv, scale).unwrap()
+                let qkv = Tensor::stack(&[qv, kv, vv], 0).unwrap(); // (3, B, H, T, D)
+                super::fused(&qkv, scale).unwrap()
             } else {
-                crate::layers::causal_attention(qv, kv, vv, scale).unwrap()
+                plain::causal_attention(qv, kv, vv, scale).unwrap()
             };
             let g = (&y * w.to_dtype(dt).unwrap())
                 .unwrap()
@@ -584,10 +587,10 @@ mod tests {
                 Var::from_tensor(&x.to_dtype(DType::BF16).unwrap().to_dtype(dt).unwrap()).unwrap();
             let p = v.as_tensor();
             let y = if fused {
-                flash_attention_packed(p, scale).unwrap()
+                super::fused(p, scale).unwrap()
             } else {
                 let part = |i| p.get(i).unwrap();
-                crate::layers::causal_attention(&part(0), &part(1), &part(2), scale).unwrap()
+                plain::causal_attention(&part(0), &part(1), &part(2), scale).unwrap()
             };
             let g = (&y * w.to_dtype(dt).unwrap())
                 .unwrap()

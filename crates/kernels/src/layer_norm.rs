@@ -1,4 +1,5 @@
-//! Fused LayerNorm over the last dimension, forward and backward, statistics in f32.
+//! LayerNorm over the last dimension: the fused kernels (forward and backward, statistics in f32),
+//! the op that picks them or [`plain::layer_norm`], and its graph-free forward and backward.
 //!
 //! ```text
 //!   plain:  x ─> f32 ─> mean ─> x−mean ─> sqr ─> mean ─> +eps ─> sqrt ─> ÷ ─> ·w ─> +b ─> bf16
@@ -11,18 +12,29 @@
 //! Only mean and rstd (N,) f32 are kept for the backward; `x̂ = (x − mean)·rstd` is rebuilt.
 //! Legend: `N` rows (tokens), `C` width.
 
-use candle_core::{CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{CustomOp3, Layout, Result, Shape, Tensor, D};
 
-use super::msg;
+use crate::msg;
+use crate::plain::{self, upcast};
 
-/// Whether the fused kernel can normalise `x` with weight and bias `w`, `b` (one dtype).
-pub fn supported(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
-    super::enabled_for(x) && w.dtype() == x.dtype() && b.dtype() == x.dtype()
+/// Whether the fused kernels take x with weight and bias (or output gradient) `w`, `b`: CUDA,
+/// bf16 or f32, one dtype.
+fn fuses(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
+    crate::fused_for(x) && w.dtype() == x.dtype() && b.dtype() == x.dtype()
 }
 
-/// LayerNorm of x (..., C) with weight and bias (C,), biased variance, in x's dtype.
-/// Differentiable in all three. CUDA only: see [`supported`].
+/// LayerNorm of x (..., C) with weight and bias (C,), biased variance, in x's dtype;
+/// differentiable in all three. The fused kernel where it applies, else [`plain::layer_norm`].
 pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+    if fuses(x, w, b) {
+        fused(x, w, b, eps)
+    } else {
+        plain::layer_norm(x, w, b, eps)
+    }
+}
+
+/// The fused kernel under autograd (CUDA only).
+pub(crate) fn fused(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
     let c = x.dims().last().copied().unwrap_or(0);
     if w.dims() != [c] || b.dims() != [c] {
         return Err(msg(format!(
@@ -44,15 +56,50 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
         .apply_op3(&w.contiguous()?, &b.contiguous()?, LayerNormOp::new(eps))
 }
 
-/// [`layer_norm`] without recording a graph, for hand-written backward passes
-/// ([`crate::explicit`]): returns y (..., C) and the statistics [`backward`] needs, mean and
-/// rstd (N,) in f32.
-pub(crate) fn forward_saved(
+/// LayerNorm of x (N, C) recording no graph: y and the per-row statistics mean and
+/// rstd = 1/√(var + eps), (N,) in f32, that [`backward`] takes.
+pub fn forward(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<(Tensor, Tensor, Tensor)> {
+    if fuses(x, w, b) {
+        return fused_forward(x, w, b, eps);
+    }
+    let (y, mean, std) = plain::layer_norm_parts(x, w, b, eps)?; // statistics (N, 1)
+    Ok((
+        y,
+        mean.squeeze(D::Minus1)?,
+        std.recip()?.squeeze(D::Minus1)?,
+    ))
+}
+
+/// (dx, dw, db) of LayerNorm from x (N, C), w, dy and the statistics of [`forward`], recording
+/// no graph. On CPU in candle ops: `dx = rstd · (dŷ − mean(dŷ) − x̂ · mean(dŷ · x̂))`, dŷ = dy · w.
+pub fn backward(
     x: &Tensor,
     w: &Tensor,
-    b: &Tensor,
-    eps: f64,
+    dy: &Tensor,
+    mean: &Tensor,
+    rstd: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    if fuses(x, w, dy) {
+        return fused_backward(x, w, dy, mean, rstd);
+    }
+    let (mean, rstd) = (mean.unsqueeze(D::Minus1)?, rstd.unsqueeze(D::Minus1)?); // (N, 1)
+    let xhat = upcast(x)?.broadcast_sub(&mean)?.broadcast_mul(&rstd)?; // (N, C)
+    let dyf = upcast(dy)?;
+    let dw = (&dyf * &xhat)?.sum(0)?.to_dtype(w.dtype())?; // (C,)
+    let db = dyf.sum(0)?.to_dtype(w.dtype())?; // (C,)
+    let dyw = dyf.broadcast_mul(&upcast(w)?)?;
+    let m1 = dyw.mean_keepdim(D::Minus1)?; // (N, 1)
+    let m2 = (&dyw * &xhat)?.mean_keepdim(D::Minus1)?; // (N, 1)
+    let dx = dyw
+        .broadcast_sub(&m1)?
+        .sub(&xhat.broadcast_mul(&m2)?)?
+        .broadcast_mul(&rstd)?
+        .to_dtype(x.dtype())?; // (N, C)
+    Ok((dx, dw, db))
+}
+
+/// The fused forward without recording a graph: y and the statistics (CUDA only).
+fn fused_forward(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<(Tensor, Tensor, Tensor)> {
     let op = LayerNormOp::new(eps);
     let y = x
         .contiguous()?
@@ -97,7 +144,7 @@ impl CustomOp3 for LayerNormOp {
         _: &Layout,
     ) -> Result<(candle_core::CpuStorage, Shape)> {
         Err(msg(
-            "layer_norm runs on CUDA only; the CPU path is layers::LayerNorm".into(),
+            "the fused layer_norm runs on CUDA only; the CPU path is plain::layer_norm".into(),
         ))
     }
 
@@ -133,14 +180,14 @@ impl CustomOp3 for LayerNormOp {
             .map_err(|_| msg("layer_norm: stats lock poisoned".into()))?
             .clone()
             .ok_or_else(|| msg("layer_norm: backward before forward".into()))?;
-        let (dx, dw, db) = backward(x, w, &grad.contiguous()?, &mean, &rstd)?;
+        let (dx, dw, db) = fused_backward(x, w, &grad.contiguous()?, &mean, &rstd)?;
         Ok((Some(dx), Some(dw), Some(db)))
     }
 }
 
-/// (dx, dw, db) from x, w, dy and the forward's statistics.
+/// (dx, dw, db) from x, w, dy and the forward's statistics, by the fused kernels (CUDA only).
 #[allow(unused_variables)]
-pub(crate) fn backward(
+fn fused_backward(
     x: &Tensor,
     w: &Tensor,
     dy: &Tensor,
@@ -152,7 +199,7 @@ pub(crate) fn backward(
         imp::backward(x, w, dy, mean, rstd)
     }
     #[cfg(not(feature = "cuda"))]
-    Err(msg("layer_norm backward runs on CUDA only".into()))
+    Err(msg("the fused layer_norm backward runs on CUDA only".into()))
 }
 
 #[cfg(feature = "cuda")]
@@ -306,10 +353,10 @@ mod imp {
 #[cfg(all(test, feature = "cuda"))]
 mod tests {
     use super::*;
-    use crate::kernels::test_util::{cuda, rel_err};
+    use crate::testing::{cuda, rel_err};
     use candle_core::{DType, Var};
 
-    /// Output and dx, dw, db of the fused kernel against `layers::LayerNorm`'s candle ops
+    /// Output and dx, dw, db of the fused kernel against `plain::layer_norm`'s candle ops
     /// computed in f32 from the same inputs.
     fn check(n: usize, c: usize, dtype: DType, tol: f64) {
         let Some(dev) = cuda() else {
@@ -339,9 +386,9 @@ mod tests {
                 vars[2].as_tensor(),
             );
             let y = if fused {
-                layer_norm(xv, wv, bv, 1e-5).unwrap()
+                super::fused(xv, wv, bv, 1e-5).unwrap()
             } else {
-                crate::layers::layer_norm_plain(xv, wv, bv, 1e-5).unwrap()
+                plain::layer_norm(xv, wv, bv, 1e-5).unwrap()
             };
             let grads = (&y * g.to_dtype(dt).unwrap())
                 .unwrap()
