@@ -45,7 +45,9 @@ use mtrain_parallel::pipeline::executor::SpanKind;
 use mtrain_parallel::placement::tp_placement;
 use serde::Serialize;
 
-use crate::memory::{rank_activation_bytes, ActivationLayout, ModelStateLayout, Phase};
+use crate::memory::{
+    step_memory, ActivationLayout, BackwardPath, ModelStateLayout, Phase, StepMemory,
+};
 use crate::train::TrainableModel;
 
 /// Pipeline figures of one step on this rank.
@@ -216,11 +218,7 @@ impl Distributed {
                 let ddp = Ddp::new(mesh.dp.clone(), gpt.segments.clone(), ddp_cfg)
                     .and_then(|d| d.with_mixed_precision(plan.precision, weights))
                     .context("setting up DDP over the dp group")?;
-                let reduce_bytes = plan.precision.grad_reduce_dtype().size_in_bytes() as u64;
-                let buffers = match ddp_cfg.mode {
-                    mtrain_parallel::ddp::DdpMode::Bucketed => reduce_bytes * n as u64,
-                    mtrain_parallel::ddp::DdpMode::Naive => 0,
-                };
+                let buffers = crate::memory::bucket_bytes(plan, n as u64, true);
                 let inner = Inner::Ddp {
                     ddp: Box::new(ddp),
                     gpt,
@@ -327,8 +325,16 @@ impl TrainableModel for Distributed {
         }
         let loss = match &mut self.inner {
             Inner::Parallel(pm) => {
-                // The pipeline interleaves forwards and backwards: one mark after both.
-                let out = pm.forward_backward(inputs, targets, loss_scale, sync)?;
+                // The pipeline interleaves forwards and backwards: "after forward" is read
+                // right before this rank's first backward, where its activations peak.
+                let mut before_backward = || mark(Phase::AfterForward);
+                let out = pm.forward_backward_observed(
+                    inputs,
+                    targets,
+                    loss_scale,
+                    sync,
+                    &mut before_backward,
+                )?;
                 if let Some(r) = &out.pipeline {
                     let f = PipelineFigures {
                         step_ms: r.step_time.as_secs_f64() * 1e3,
@@ -455,27 +461,37 @@ impl TrainableModel for Distributed {
         self.layout
     }
 
-    /// This rank's blocks, micro-batches in flight and tp split ([`ActivationLayout::for_plan`]);
-    /// standalone DDP runs the whole batch at once on the whole model.
-    fn activation_bytes(
+    /// This rank's blocks, micro-batches in flight, tp and ep splits and gathers
+    /// ([`ActivationLayout::for_plan`]); standalone DDP runs the whole batch at once on the
+    /// whole model.
+    fn step_memory(
         &self,
         cfg: &GptConfig,
         batch: usize,
         seq: usize,
         dtype_bytes: usize,
         checkpointing: bool,
-    ) -> u64 {
+        path: BackwardPath,
+        grad_accum: usize,
+    ) -> StepMemory {
         let layout = match &self.inner {
             Inner::Ddp { .. } => Ok(ActivationLayout::single_device(cfg, batch)),
             Inner::Parallel(_) => ActivationLayout::for_plan(cfg, &self.plan, self.pp_rank, batch),
         };
-        match layout {
-            Ok(l) => rank_activation_bytes(cfg, &l, seq, dtype_bytes, checkpointing),
-            Err(e) => {
-                tracing::warn!("activation estimate of the whole model (not per rank): {e}");
-                crate::memory::activation_bytes(cfg, batch, seq, dtype_bytes, checkpointing)
-            }
-        }
+        let layout = layout.unwrap_or_else(|e| {
+            tracing::warn!("memory estimate of the whole model (not per rank): {e}");
+            ActivationLayout::single_device(cfg, batch)
+        });
+        step_memory(
+            cfg,
+            &layout,
+            &self.layout,
+            seq,
+            dtype_bytes,
+            checkpointing,
+            path,
+            grad_accum,
+        )
     }
 
     fn comm_bytes(&self) -> u64 {

@@ -63,6 +63,7 @@
 //! against the 16Φ/N rule rather than as a small change of a large heap.
 
 mod analytic;
+mod kept;
 mod measured;
 
 use std::fmt::Write as _;
@@ -70,12 +71,13 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 pub use analytic::{
-    activation_bytes, rank_activation_bytes, rank_params, ActivationLayout,
-    ActivationLayoutError, ModelStateLayout,
+    activation_bytes, bucket_bytes, rank_activation_bytes, rank_params, rank_step_memory, step_memory,
+    ActivationLayout, ActivationLayoutError, ModelStateLayout, StepMemory,
 };
+pub use kept::{BackwardPath, Dims, SegmentCost};
 pub use measured::{CountingAlloc, CpuProbe, MemoryProbe};
 
-/// The analytic side of a report.
+/// The analytic side of a report: the model state by category and what the step adds to it.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct AnalyticMemory {
     /// Parameter bytes.
@@ -84,27 +86,38 @@ pub struct AnalyticMemory {
     pub grads: u64,
     /// Optimizer state (and master weight) bytes.
     pub optim: u64,
-    /// Activation bytes (estimate for one micro-batch).
+    /// Activation bytes held at the end of the forward ([`StepMemory::activations`]).
     pub activations: u64,
-    /// Communication buffers (DDP buckets, gathered FSDP blocks, pipeline messages).
+    /// ZeRO-3 weights the forward gathered and its graphs hold until their backward.
+    pub gathered: u64,
+    /// Communication buffers (DDP buckets).
     pub comm: u64,
+    /// The step's highest level above its start ([`StepMemory::peak`], buckets included).
+    pub peak: u64,
 }
 
 impl AnalyticMemory {
-    /// From a layout plus activation and communication estimates.
-    pub fn new(layout: &ModelStateLayout, activations: u64, comm: u64) -> Self {
+    /// From a layout, the step's prediction and the communication buffers.
+    pub fn new(layout: &ModelStateLayout, step: StepMemory, comm: u64) -> Self {
         Self {
             params: layout.params(),
             grads: layout.grads(),
             optim: layout.optim(),
-            activations,
+            activations: step.activations,
+            gathered: step.gathered,
             comm,
+            peak: step.peak + comm,
         }
     }
 
-    /// Sum of every category.
+    /// The level the end of the forward adds to the step's start: activations and gathers.
+    pub fn forward(&self) -> u64 {
+        self.activations + self.gathered
+    }
+
+    /// Sum of the model-state categories, the forward's increment and the buffers.
     pub fn total(&self) -> u64 {
-        self.params + self.grads + self.optim + self.activations + self.comm
+        self.params + self.grads + self.optim + self.forward() + self.comm
     }
 }
 
@@ -141,6 +154,34 @@ impl ModelState {
     }
 }
 
+/// A step's measured phases as a textbook memory profile: what each phase adds to the level the
+/// step started at (signed: the backward frees activations, the optimizer step the gradients).
+///
+/// ```text
+///   level ▲          peak
+///         │         ╭─╮
+///         │   fwd  ╱   ╲  bwd          forward   = after forward  − start
+///         │  ╱          ╲___           gradients = after backward − start
+///   start ┼─╯               ╲____      optimizer = after optimizer − after backward
+///         │ parameters (+ optimizer state)           peak      = highest level − start
+///         └──────────────────────────────▶
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Increments {
+    /// After the forward (the last micro-batch's; a pipeline's: before its first backward).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub forward: Option<i64>,
+    /// After the backward: the gradients (and whatever the backward left).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gradients: Option<i64>,
+    /// What the optimizer step adds after the backward (its first step allocates the moments;
+    /// every step frees the gradients).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub optimizer: Option<i64>,
+    /// The step's highest level above its start.
+    pub peak: u64,
+}
+
 /// One step's report.
 #[derive(Debug, Clone, Serialize)]
 pub struct MemoryReport {
@@ -156,6 +197,12 @@ pub struct MemoryReport {
     pub measured: Vec<(Phase, u64)>,
     /// Highest bytes in use during the step.
     pub peak: u64,
+    /// The phases relative to the step's start.
+    pub increments: Increments,
+    /// The parameters measured: the level at the start of this run's first step minus the
+    /// baseline (the model as built, before any optimizer state), when a baseline was recorded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parameters: Option<u64>,
     /// The model state after the optimizer step, when a baseline was recorded.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub model_state: Option<ModelState>,
@@ -165,56 +212,91 @@ fn mib(b: u64) -> String {
     format!("{:>10.2} MiB", b as f64 / (1024.0 * 1024.0))
 }
 
+fn signed_mib(b: i64) -> String {
+    format!("{:>+10.2} MiB", b as f64 / (1024.0 * 1024.0))
+}
+
 impl MemoryReport {
-    /// The report as a table.
+    /// The report as a table: each analytic figure beside the measured one it predicts.
     pub fn table(&self) -> String {
         let a = &self.analytic;
+        let inc = &self.increments;
         let mut s = String::new();
         let _ = writeln!(
             s,
             "memory, step {} rank {} ({}):",
             self.step, self.rank, self.probe
         );
-        let _ = writeln!(s, "  {:<36}measured", "analytic");
-        let left = [
-            ("parameters", a.params),
-            ("gradients", a.grads),
-            ("optimizer states", a.optim),
-            ("activations (est.)", a.activations),
-            ("comm buffers", a.comm),
-            ("total", a.total()),
-        ];
-        let mut right: Vec<(String, u64)> = self
-            .measured
-            .iter()
-            .map(|(p, b)| {
-                (
-                    format!("{p:?}").to_lowercase().replace("after", "after "),
-                    *b,
-                )
-            })
-            .collect();
-        right.push(("peak".into(), self.peak));
-        for i in 0..left.len().max(right.len()) {
-            let l = left
-                .get(i)
-                .map(|(n, b)| format!("{n:<18}{}", mib(*b)))
-                .unwrap_or_default();
-            let r = right
-                .get(i)
-                .map(|(n, b)| format!("{n:<16}{}", mib(*b)))
-                .unwrap_or_default();
-            let _ = writeln!(s, "{}", format!("  {l:<36}{r}").trim_end());
+        let _ = writeln!(s, "  {:<22}{:>14}  {:>14}", "", "analytic", "measured");
+        let row = |s: &mut String, name: &str, a: String, m: Option<String>, note: &str| {
+            let m = m.unwrap_or_default();
+            let line = format!("  {name:<22}{a:>14}  {m:>14}  {note}");
+            let _ = writeln!(s, "{}", line.trim_end());
+        };
+        row(
+            &mut s,
+            "parameters",
+            mib(a.params),
+            self.parameters.map(mib),
+            "(first step's start − baseline)",
+        );
+        row(
+            &mut s,
+            "activations",
+            mib(a.activations),
+            None,
+            "(held at the end of the forward)",
+        );
+        if a.gathered > 0 {
+            row(
+                &mut s,
+                "gathered weights",
+                mib(a.gathered),
+                None,
+                "(ZeRO-3, held by the forward's graphs)",
+            );
         }
+        row(
+            &mut s,
+            "after forward",
+            signed_mib(a.forward() as i64),
+            inc.forward.map(signed_mib),
+            "(− start)",
+        );
+        row(
+            &mut s,
+            "gradients",
+            mib(a.grads),
+            inc.gradients.map(signed_mib),
+            "(after backward − start)",
+        );
+        row(
+            &mut s,
+            "optimizer states",
+            mib(a.optim),
+            inc.optimizer.map(signed_mib),
+            "(after optimizer − after backward)",
+        );
+        if a.comm > 0 {
+            row(&mut s, "comm buffers", mib(a.comm), None, "");
+        }
+        row(
+            &mut s,
+            "peak",
+            signed_mib(a.peak as i64),
+            Some(signed_mib(inc.peak as i64)),
+            "(highest level − start)",
+        );
         if let Some(m) = &self.model_state {
-            let _ = writeln!(
-                s,
-                "  {:<18}{}    {:<16}{}   (after optimizer − {:.2} MiB baseline)",
+            row(
+                &mut s,
                 "model state",
                 mib(m.analytic),
-                "model state",
-                mib(m.measured),
-                m.baseline as f64 / (1024.0 * 1024.0)
+                Some(mib(m.measured)),
+                &format!(
+                    "(after optimizer − {:.2} MiB baseline)",
+                    m.baseline as f64 / (1024.0 * 1024.0)
+                ),
             );
         }
         s
@@ -223,16 +305,20 @@ impl MemoryReport {
     /// One line for the log: model state measured against analytic, and the step's peak.
     pub fn line(&self) -> String {
         let m = |b: u64| format!("{:.2} MiB", b as f64 / (1024.0 * 1024.0));
+        let peak = format!(
+            "peak +{} measured / +{} analytic above the step's start",
+            m(self.increments.peak),
+            m(self.analytic.peak)
+        );
         match &self.model_state {
             Some(st) => format!(
-                "memory: model state {} measured / {} analytic ({:.2}x), peak {} ({})",
+                "memory: model state {} measured / {} analytic ({:.2}x), {peak} ({})",
                 m(st.measured),
                 m(st.analytic),
                 st.ratio(),
-                m(self.peak),
                 self.probe
             ),
-            None => format!("memory: peak {} ({})", m(self.peak), self.probe),
+            None => format!("memory: {peak} ({})", self.probe),
         }
     }
 }
@@ -242,6 +328,8 @@ pub struct MemoryTracker<'p> {
     probe: &'p dyn MemoryProbe,
     measured: Vec<(Phase, u64)>,
     baseline: Option<u64>,
+    /// The level at the start of the first step this tracker saw.
+    first_start: Option<u64>,
 }
 
 impl<'p> MemoryTracker<'p> {
@@ -251,6 +339,7 @@ impl<'p> MemoryTracker<'p> {
             probe,
             measured: Vec::new(),
             baseline: None,
+            first_start: None,
         }
     }
 
@@ -266,27 +355,40 @@ impl<'p> MemoryTracker<'p> {
     /// Start a step: reset the peak and record the starting level.
     pub fn begin(&mut self) {
         self.measured.clear();
+        self.probe.settle();
         self.probe.reset_peak();
-        self.measured.push((Phase::Start, self.probe.current()));
+        let now = self.probe.current();
+        self.first_start.get_or_insert(now);
+        self.measured.push((Phase::Start, now));
     }
 
     /// Record the level at `phase` (a later mark of the same phase replaces the earlier one, so with
     /// gradient accumulation the last micro-batch is reported).
     pub fn mark(&mut self, phase: Phase) {
+        self.probe.settle();
         let now = self.probe.current();
+        self.record(phase, now);
+    }
+
+    /// Record `level`, read earlier, as the level at `phase` (a pipeline reads the level
+    /// before its first backward, inside the step).
+    pub fn record(&mut self, phase: Phase, level: u64) {
         match self.measured.iter_mut().find(|(p, _)| *p == phase) {
-            Some(slot) => slot.1 = now,
-            None => self.measured.push((phase, now)),
+            Some(slot) => slot.1 = level,
+            None => self.measured.push((phase, level)),
         }
+    }
+
+    fn level(&self, phase: Phase) -> Option<u64> {
+        self.measured
+            .iter()
+            .find(|(p, _)| *p == phase)
+            .map(|(_, b)| *b)
     }
 
     /// The step's report.
     pub fn finish(&self, step: u64, rank: usize, analytic: AnalyticMemory) -> MemoryReport {
-        let after_step = self
-            .measured
-            .iter()
-            .find(|(p, _)| *p == Phase::AfterOptimizer)
-            .map(|(_, b)| *b);
+        let after_step = self.level(Phase::AfterOptimizer);
         let model_state = match (self.baseline, after_step) {
             (Some(baseline), Some(after)) => Some(ModelState {
                 baseline,
@@ -295,13 +397,27 @@ impl<'p> MemoryTracker<'p> {
             }),
             _ => None,
         };
+        let start = self.level(Phase::Start).unwrap_or(0);
+        let diff = |a: Option<u64>, b: Option<u64>| Some(a? as i64 - b? as i64);
+        let backward = self.level(Phase::AfterBackward);
+        let peak = self.probe.peak();
         MemoryReport {
             step,
             rank,
             probe: self.probe.name().to_string(),
             analytic,
             measured: self.measured.clone(),
-            peak: self.probe.peak(),
+            peak,
+            increments: Increments {
+                forward: diff(self.level(Phase::AfterForward), Some(start)),
+                gradients: diff(backward, Some(start)),
+                optimizer: diff(after_step, backward),
+                peak: peak.saturating_sub(start),
+            },
+            parameters: match (self.baseline, self.first_start) {
+                (Some(b), Some(s)) => Some(s.saturating_sub(b)),
+                _ => None,
+            },
             model_state,
         }
     }
@@ -332,7 +448,15 @@ mod tests {
     fn model_state_is_the_level_after_the_step_minus_the_baseline() {
         let probe = Level(std::cell::Cell::new(1000));
         let layout = ModelStateLayout::fp32_adam(10);
-        let analytic = AnalyticMemory::new(&layout, 7, 3);
+        let analytic = AnalyticMemory::new(
+            &layout,
+            StepMemory {
+                activations: 7,
+                gathered: 0,
+                peak: 9,
+            },
+            3,
+        );
         let mut t = MemoryTracker::with_baseline(&probe, 400);
         t.begin();
         probe.0.set(1200);

@@ -43,7 +43,8 @@ use crate::distributed::Distributed;
 use crate::phases::{PhaseTimer, PhaseTimes, StepPhase};
 use crate::fsio::JsonLines;
 use crate::memory::{
-    activation_bytes, AnalyticMemory, CpuProbe, MemoryProbe, MemoryTracker, ModelStateLayout, Phase,
+    step_memory, ActivationLayout, AnalyticMemory, BackwardPath, CpuProbe, MemoryProbe,
+    MemoryTracker, ModelStateLayout, Phase, StepMemory,
 };
 
 /// What the loop needs from a model, however it is laid out across ranks.
@@ -79,17 +80,28 @@ pub trait TrainableModel {
     fn param_shapes(&self) -> BTreeMap<String, Vec<usize>>;
     /// The bytes-per-parameter layout this rank holds (for the memory report).
     fn memory_layout(&self) -> ModelStateLayout;
-    /// Estimated activation bytes this rank holds at its peak for a step over `batch` rows of
-    /// `seq` tokens ([`crate::memory::rank_activation_bytes`]); the whole model's on one device.
-    fn activation_bytes(
+    /// What a step over `batch` rows of `seq` tokens adds to this rank's memory (activations,
+    /// gathers, peak: [`crate::memory::rank_step_memory`]); the whole model's on one device.
+    fn step_memory(
         &self,
         cfg: &GptConfig,
         batch: usize,
         seq: usize,
         dtype_bytes: usize,
         checkpointing: bool,
-    ) -> u64 {
-        activation_bytes(cfg, batch, seq, dtype_bytes, checkpointing)
+        path: BackwardPath,
+        grad_accum: usize,
+    ) -> StepMemory {
+        step_memory(
+            cfg,
+            &ActivationLayout::single_device(cfg, batch),
+            &self.memory_layout(),
+            seq,
+            dtype_bytes,
+            checkpointing,
+            path,
+            grad_accum,
+        )
     }
     /// Communication buffer bytes this rank holds (0 on one device).
     fn comm_bytes(&self) -> u64 {
@@ -650,12 +662,14 @@ pub fn train_loop(
     let layout = model.memory_layout();
     let analytic = AnalyticMemory::new(
         &layout,
-        model.activation_bytes(
+        model.step_memory(
             gcfg,
             cfg.batch_size,
             cfg.seq_len,
             cfg.dtype.candle().size_in_bytes(),
             cfg.activation_checkpointing,
+            BackwardPath::on(device),
+            cfg.grad_accum,
         ),
         model.comm_bytes(),
     );
