@@ -46,8 +46,9 @@ use mtrain_parallel::placement::tp_placement;
 use serde::Serialize;
 
 use crate::memory::{
-    step_memory, ActivationLayout, BackwardPath, ModelStateLayout, Phase, StepMemory,
+    step_memory, ActivationLayout, BackwardPath, ModelStateLayout, Phase, Routing, StepMemory,
 };
+use mtrain_parallel::placement::ep_rank_of_expert;
 use crate::train::TrainableModel;
 
 /// Pipeline figures of one step on this rank.
@@ -175,6 +176,8 @@ pub struct Distributed {
     comm_buffer_bytes: u64,
     /// This rank's pipeline rank (which stages' activations it holds).
     pp_rank: usize,
+    /// This rank's index in its expert-parallel group (which experts it computes).
+    ep_rank: usize,
     /// Pipeline and expert figures of the step in progress.
     pipeline: Option<PipelineFigures>,
     experts: Option<Vec<ExpertLoad>>,
@@ -244,6 +247,7 @@ impl Distributed {
             layout: ModelStateLayout::for_plan(n_local, plan),
             comm_buffer_bytes,
             pp_rank: mesh.coords.pp,
+            ep_rank: mesh.ep.rank(),
             pipeline: None,
             experts: None,
             last_report: None,
@@ -253,6 +257,38 @@ impl Distributed {
     /// The plan this model was built from.
     pub fn plan(&self) -> &ParallelPlan {
         &self.plan
+    }
+
+    /// The last step's expert load (summed over dp and the step's passes), per MoE block.
+    fn last_expert_load(&self) -> Option<Vec<ExpertLoad>> {
+        self.last_report.as_ref().and_then(|r| r.experts.clone())
+    }
+
+    /// The rows each MoE block dispatched on this rank per pass, from the step's expert load:
+    /// this rank's tokens fill `1/dp` of the slots kept, its experts (`ep_rank`'s share) compute
+    /// their kept tokens over the `dp/ep` replicas of each expert.
+    fn routing(&self, n_experts: usize, load: &[ExpertLoad]) -> Vec<Routing> {
+        let d = self.plan.dims;
+        let passes = (self.grad_accum * self.plan.microbatches.max(1)) as f64;
+        let replicas = (d.dp / d.ep.max(1)).max(1) as f64;
+        load.iter()
+            .map(|l| {
+                let mine: Vec<f64> = l
+                    .tokens_per_expert
+                    .iter()
+                    .enumerate()
+                    .filter(|(e, _)| ep_rank_of_expert(*e, n_experts, d.ep) == self.ep_rank)
+                    .map(|(_, &t)| t as f64 / replicas / passes)
+                    .collect();
+                Routing {
+                    sent: l.tokens_per_expert.iter().sum::<usize>() as f64
+                        / d.dp.max(1) as f64
+                        / passes,
+                    received: mine.iter().sum(),
+                    busiest: mine.iter().copied().fold(0.0, f64::max),
+                }
+            })
+            .collect()
     }
 
     /// Whether the overlapped standalone DDP runs this layout.
@@ -478,10 +514,13 @@ impl TrainableModel for Distributed {
             Inner::Ddp { .. } => Ok(ActivationLayout::single_device(cfg, batch)),
             Inner::Parallel(_) => ActivationLayout::for_plan(cfg, &self.plan, self.pp_rank, batch),
         };
-        let layout = layout.unwrap_or_else(|e| {
+        let mut layout = layout.unwrap_or_else(|e| {
             tracing::warn!("memory estimate of the whole model (not per rank): {e}");
             ActivationLayout::single_device(cfg, batch)
         });
+        if let (Some(moe), Some(load)) = (&cfg.moe, &self.last_expert_load()) {
+            layout.routing = self.routing(moe.n_experts, load);
+        }
         step_memory(
             cfg,
             &layout,
@@ -496,6 +535,10 @@ impl TrainableModel for Distributed {
 
     fn comm_bytes(&self) -> u64 {
         self.comm_buffer_bytes
+    }
+
+    fn routing_is_measured(&self) -> bool {
+        self.cfg.moe.is_some() && self.last_expert_load().is_some()
     }
 
     fn step_report(&self) -> Option<serde_json::Value> {

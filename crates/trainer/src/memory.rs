@@ -74,7 +74,7 @@ pub use analytic::{
     activation_bytes, bucket_bytes, rank_activation_bytes, rank_params, rank_step_memory, step_memory,
     ActivationLayout, ActivationLayoutError, ModelStateLayout, StepMemory,
 };
-pub use kept::{BackwardPath, Dims, SegmentCost};
+pub use kept::{BackwardPath, Dims, Routing, SegmentCost};
 pub use measured::{CountingAlloc, CpuProbe, MemoryProbe};
 
 /// The analytic side of a report: the model state by category and what the step adds to it.

@@ -103,6 +103,11 @@ pub trait TrainableModel {
             grad_accum,
         )
     }
+    /// Whether [`TrainableModel::step_memory`] counts the MoE rows the last step's router
+    /// dispatched (then the report recomputes it after every step); false: an even split.
+    fn routing_is_measured(&self) -> bool {
+        false
+    }
     /// Communication buffer bytes this rank holds (0 on one device).
     fn comm_bytes(&self) -> u64 {
         0
@@ -660,9 +665,8 @@ pub fn train_loop(
     let flops_per_token = gcfg.flops_per_token(cfg.seq_len);
     let (peak, placeholder) = cfg.peak_flops();
     let layout = model.memory_layout();
-    let analytic = AnalyticMemory::new(
-        &layout,
-        model.step_memory(
+    let analytic_of = |model: &dyn TrainableModel| {
+        let step = model.step_memory(
             gcfg,
             cfg.batch_size,
             cfg.seq_len,
@@ -670,9 +674,10 @@ pub fn train_loop(
             cfg.activation_checkpointing,
             BackwardPath::on(device),
             cfg.grad_accum,
-        ),
-        model.comm_bytes(),
-    );
+        );
+        AnalyticMemory::new(&model.memory_layout(), step, model.comm_bytes())
+    };
+    let analytic = analytic_of(model);
     if lead {
         tracing::info!(
             params = layout.n_params,
@@ -831,6 +836,11 @@ pub fn train_loop(
             }
         }
         if cfg.mem_report {
+            // MoE rows depend on where this step's router sent the tokens.
+            let analytic = match model.routing_is_measured() {
+                true => analytic_of(model),
+                false => analytic,
+            };
             let report = tracker.finish(step, rank, analytic);
             if let Some(f) = mem_log.as_mut() {
                 write_json_line(f, &report)?;

@@ -14,7 +14,7 @@ use mtrain_parallel::parallelize::{DataParallelKind, ParallelPlan};
 use mtrain_parallel::pipeline::{Schedule, ScheduleKind, StageLayout};
 use serde::Serialize;
 
-use super::kept::{self, BackwardPath, Dims, SegmentCost};
+use super::kept::{self, BackwardPath, Dims, Routing, SegmentCost};
 
 /// Bytes per parameter of each model-state category, what the layout divides each by, and the
 /// shard copies ZeRO-1/2 keep beside the full tensors.
@@ -224,6 +224,9 @@ pub struct ActivationLayout {
     pub sequence_parallel: bool,
     /// ZeRO-3 (FSDP): each segment's weights are gathered for its forward.
     pub gathers_weights: bool,
+    /// The rows each of this rank's MoE blocks dispatched per pass, in block order (empty: an
+    /// even split with every slot filled, [`Routing::even`]).
+    pub routing: Vec<Routing>,
     /// Parameters of each of this rank's segments in forward order (the embedding, the blocks,
     /// the head; the tied `wte` with the head where the rank holds it, whose backward runs first).
     pub segment_params: Vec<u64>,
@@ -305,6 +308,7 @@ impl ActivationLayout {
             ep: 1,
             sequence_parallel: false,
             gathers_weights: false,
+            routing: Vec::new(),
             segment_params: segment_params(cfg, &plan, &layout, &[0]),
         }
     }
@@ -349,6 +353,7 @@ impl ActivationLayout {
             ep: plan.dims.ep.max(1),
             sequence_parallel: plan.sequence_parallel && plan.dims.tp > 1,
             gathers_weights: zero3,
+            routing: Vec::new(),
             segment_params: segment_params(cfg, plan, &layout, &mine),
         })
     }
@@ -405,15 +410,19 @@ pub fn rank_step_memory(
         sp: layout.sequence_parallel,
         w: dtype_bytes as f64,
     };
-    let block_cost = match &cfg.moe {
+    let block_cost = |i: usize| match &cfg.moe {
         None => kept::block(&d, path),
-        Some(m) => kept::moe_block(&d, m.n_experts, m.top_k, layout.ep),
+        Some(m) => {
+            let even = Routing::even(d.b * d.t, m.n_experts, m.top_k, layout.ep);
+            let r = layout.routing.get(i).copied().unwrap_or(even);
+            kept::moe_block(&d, m.n_experts, layout.ep, &r)
+        }
     };
     let mut segs: Vec<SegmentCost> = Vec::with_capacity(layout.blocks + 2);
     if layout.holds_embedding {
         segs.push(kept::embedding(&d, path));
     }
-    segs.extend(std::iter::repeat_n(block_cost, layout.blocks));
+    segs.extend((0..layout.blocks).map(block_cost));
     if layout.holds_head {
         segs.push(kept::head(&d, path));
     }

@@ -229,39 +229,67 @@ fn autograd_block_transient(d: &Dims, gelu_values: f64) -> f64 {
     base + gelu.max(softmax)
 }
 
+/// The rows one MoE layer dispatched on a rank in one pass.
+///
+/// How many rows the experts compute depends on where the router sends the tokens: `mtrain
+/// plan` assumes every slot filled and an even split ([`Routing::even`]); the report, after a
+/// step, takes the rows that step's router actually dispatched (its expert load).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Routing {
+    /// Rows this rank's tokens filled (`top_k · N` less the choices dropped at capacity).
+    pub sent: f64,
+    /// Rows this rank's experts computed.
+    pub received: f64,
+    /// Rows of this rank's busiest expert.
+    pub busiest: f64,
+}
+
+impl Routing {
+    /// Every one of the `top_k · n_tokens` slots filled, the same rows for each of the `n_experts`
+    /// experts, `n_experts / ep` on each rank.
+    pub fn even(n_tokens: f64, n_experts: usize, top_k: usize, ep: usize) -> Self {
+        let slots = top_k as f64 * n_tokens;
+        let local = (n_experts as f64 / ep.max(1) as f64).max(1.0);
+        Self {
+            sent: slots,
+            received: slots,
+            busiest: slots / local,
+        }
+    }
+}
+
 /// A mixture-of-experts block (autograd only): attention as in [`block`], then the router and
-/// `top_k · N` routed rows (every slot filled, an even split over the experts and the ep ranks):
+/// the routed rows of `routing` (`S` sent, `R` received; one expert MLP per local expert):
 ///
 /// ```text
 ///   ep = 1   per routed row: index_select, c_fc + b (4C + 4C), gelu (4C), c_proj + b, · gate = 16 C
 ///            per expert: the index_add's new (N, C), and the zeros it starts from
-///   ep > 1   sent rows (S = top_k·N): x_perm, the combine all-to-all's result and copy, · gate (4 C)
-///            received rows (R = S):   the dispatch all-to-all's result and copy, the expert-major
-///                                     copy, the experts (14 C), cat, the inverse gather (19 C)
+///   ep > 1   sent rows S:     x_perm, the combine all-to-all's result and copy, · gate (4 C)
+///            received rows R: the dispatch all-to-all's result and copy, the expert-major
+///                             copy, the experts (14 C), cat, the inverse gather (19 C)
 ///            zeros and index_add (2 N·C)
 /// ```
-pub fn moe_block(d: &Dims, n_experts: usize, top_k: usize, ep: usize) -> SegmentCost {
+pub fn moe_block(d: &Dims, n_experts: usize, ep: usize, routing: &Routing) -> SegmentCost {
     let (nc, w) = (d.nc(), d.w);
-    let (e, k, ep) = (n_experts as f64, top_k as f64, ep.max(1) as f64);
-    let slots = k * nc; // routed rows × C
+    let (e, ep) = (n_experts as f64, ep.max(1) as f64);
+    let (sent, received) = (routing.sent * d.c, routing.received * d.c);
     let scores = d.scores() * (w + 4.0 * F32 + d.casts());
     // Attention as in the dense block: 18 N·C (c_attn 6, heads 6, scale, ·v, merge, c_proj 2,
     // residual), the MLP half replaced by the experts and the block's residual.
     let attention = 18.0 * nc * w + scores;
     let experts = match ep > 1.0 {
-        false => 16.0 * slots + (e + 1.0) * nc,
-        true => 4.0 * slots + 19.0 * slots + 2.0 * nc,
+        false => 16.0 * received + (e + 1.0) * nc,
+        true => 4.0 * sent + 19.0 * received + 2.0 * nc,
     } * w;
     // Router logits and softmax (N, E) in f32: logits, − max, exp, ÷ Σ.
     let router = 4.0 * d.b * d.t * e * F32;
     let residual = nc * w;
     let norms = 2.0 * d.layer_norm(nc);
-    // One local expert's rows: the slots a rank receives over its E/ep experts.
-    let rows_per_expert = slots / (e / ep);
     SegmentCost {
         input: nc * w,
         kept: norms + attention + experts + router + residual,
-        transient: autograd_block_transient(d, 4.0 * rows_per_expert),
+        // The busiest expert's GELU.
+        transient: autograd_block_transient(d, 4.0 * routing.busiest * d.c),
     }
 }
 
