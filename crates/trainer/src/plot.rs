@@ -254,8 +254,9 @@ fn memory_chart(lines: &[Value], out: &Path) -> anyhow::Result<PathBuf> {
         )
         .map_err(plot_err)?;
     let panels = root.split_evenly((series.len().max(1), 1));
-    let (x0, x1) = (0.0, steps as f64);
-    for (panel, s) in panels.iter().zip(&series) {
+    // The legend sits in the first panel, right of the last step.
+    let (x0, x1) = (0.0, steps as f64 * 1.35);
+    for (k, (panel, s)) in panels.iter().zip(&series).enumerate() {
         let top = s
             .points
             .iter()
@@ -273,8 +274,8 @@ fn memory_chart(lines: &[Value], out: &Path) -> anyhow::Result<PathBuf> {
             .configure_mesh()
             .x_desc("step")
             .y_desc("MiB above baseline")
-            .x_labels((steps as usize).min(20) + 1)
-            .x_label_formatter(&|x| match (x - x.round()).abs() < 1e-9 {
+            .x_labels(((steps as usize).min(20) + 1) * 4 / 3)
+            .x_label_formatter(&|x| match (x - x.round()).abs() < 1e-9 && *x <= steps as f64 {
                 true => format!("{}", x.round() as i64),
                 false => String::new(),
             })
@@ -295,9 +296,12 @@ fn memory_chart(lines: &[Value], out: &Path) -> anyhow::Result<PathBuf> {
                 1 => chart.draw_series(pts.map(|p| TriangleMarker::new(p, 5, style))),
                 _ => chart.draw_series(pts.map(|p| Cross::new(p, 4, color.stroke_width(2)))),
             };
-            drawn.map_err(plot_err)?.label(*name).legend(move |(x, y)| {
-                Circle::new((x + 7, y), 4, color.filled())
-            });
+            let drawn = drawn.map_err(plot_err)?.label(*name);
+            match i % 3 {
+                0 => drawn.legend(move |(x, y)| Circle::new((x + 7, y), 4, color.filled())),
+                1 => drawn.legend(move |(x, y)| TriangleMarker::new((x + 7, y), 5, color.filled())),
+                _ => drawn.legend(move |(x, y)| Cross::new((x + 7, y), 4, color.stroke_width(2))),
+            };
         }
         let lines_of = |pick: fn(&(f64, f64, f64, f64)) -> f64| {
             s.predicted
@@ -321,6 +325,9 @@ fn memory_chart(lines: &[Value], out: &Path) -> anyhow::Result<PathBuf> {
                     });
                 }
             }
+        }
+        if k > 0 {
+            continue;
         }
         chart
             .configure_series_labels()
@@ -629,5 +636,65 @@ mod tests {
         assert_eq!((labels(&svg, 'F'), labels(&svg, 'B')), (8, 8));
         assert!(svg.contains("rank 0") && svg.contains("rank 1"));
         assert!(svg.contains("step 2"), "the chart shows the last step");
+    }
+
+    /// The memory chart of a 2-rank, 3-step report: a panel per rank, every phase in the
+    /// legend, the predicted levels, and step ticks at the integers only.
+    #[test]
+    fn the_memory_chart_marks_phases_per_rank_with_integer_steps() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("metrics.jsonl"), "{\"step\":0,\"loss\":5.5}\n").unwrap();
+        let mut lines = String::new();
+        for step in 0..3u64 {
+            for rank in 0..2u64 {
+                let m = |x: u64| (x + 100) << 20;
+                lines.push_str(&format!(
+                    "{{\"step\":{step},\"rank\":{rank},\"probe\":\"cpu heap\",\
+                     \"analytic\":{{\"params\":1048576,\"grads\":1048576,\"optim\":2097152,\
+                     \"activations\":{},\"gathered\":0,\"comm\":0,\"peak\":{}}},\
+                     \"measured\":[[\"start\",{}],[\"after_forward\",{}],[\"after_backward\",{}],[\"after_optimizer\",{}]],\
+                     \"peak\":{},\"increments\":{{\"peak\":0}},\
+                     \"model_state\":{{\"baseline\":{},\"measured\":0,\"analytic\":0}}}}\n",
+                    30u64 << 20,
+                    45u64 << 20,
+                    m(3),
+                    m(33),
+                    m(4),
+                    m(3),
+                    m(48),
+                    m(0)
+                ));
+            }
+        }
+        std::fs::write(dir.path().join("memory.jsonl"), lines).unwrap();
+        plot_run(dir.path()).expect("plot");
+        let svg = std::fs::read_to_string(dir.path().join("memory.svg")).expect("memory.svg");
+        let texts: Vec<&str> = svg
+            .split("<text")
+            .skip(1)
+            .filter_map(|t| Some(t.split_once('>')?.1.split_once("</text>")?.0.trim()))
+            .collect();
+        for want in [
+            "rank 0",
+            "rank 1",
+            "step start",
+            "after forward",
+            "peak",
+            "after backward",
+            "after optimizer",
+            "predicted end of forward",
+            "predicted peak",
+            "predicted model state",
+        ] {
+            assert!(texts.contains(&want), "no `{want}` in {texts:?}");
+        }
+        for tick in ["0", "1", "2", "3"] {
+            assert!(texts.contains(&tick), "no step tick {tick} in {texts:?}");
+        }
+        assert!(
+            // (the MiB axis here is labelled in whole fives)
+            !texts.iter().any(|t| t.parse::<f64>().is_ok_and(|x| x.fract() != 0.0)),
+            "a fractional step tick in {texts:?}"
+        );
     }
 }
