@@ -86,6 +86,8 @@ pub struct AnalyticMemory {
     pub grads: u64,
     /// Optimizer state (and master weight) bytes.
     pub optim: u64,
+    /// Of those, the moments the first optimizer step allocates.
+    pub moments: u64,
     /// Activation bytes held at the end of the forward ([`StepMemory::activations`]).
     pub activations: u64,
     /// ZeRO-3 weights the forward gathered and its graphs hold until their backward.
@@ -103,6 +105,7 @@ impl AnalyticMemory {
             params: layout.params(),
             grads: layout.grads(),
             optim: layout.optim(),
+            moments: layout.moments(),
             activations: step.activations,
             gathered: step.gathered,
             comm,
@@ -118,6 +121,19 @@ impl AnalyticMemory {
     /// Sum of the model-state categories, the forward's increment and the buffers.
     pub fn total(&self) -> u64 {
         self.params + self.grads + self.optim + self.forward() + self.comm
+    }
+
+    /// The phases this predicts for a step (`first`: the run's first, whose optimizer step
+    /// allocates the moments): the forward's level, the gradients the backward leaves, the
+    /// optimizer step freeing them, the peak.
+    pub fn increments(&self, first: bool) -> Increments {
+        let moments = if first { self.moments } else { 0 };
+        Increments {
+            forward: Some(self.forward() as i64),
+            gradients: Some(self.grads as i64),
+            optimizer: Some(moments as i64 - self.grads as i64),
+            peak: self.peak,
+        }
     }
 }
 
@@ -197,8 +213,10 @@ pub struct MemoryReport {
     pub measured: Vec<(Phase, u64)>,
     /// Highest bytes in use during the step.
     pub peak: u64,
-    /// The phases relative to the step's start.
+    /// The phases relative to the step's start, measured.
     pub increments: Increments,
+    /// The same phases as the analytic model predicts them.
+    pub predicted: Increments,
     /// The parameters measured: the level at the start of this run's first step minus the
     /// baseline (the model as built, before any optimizer state), when a baseline was recorded.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -216,29 +234,41 @@ fn signed_mib(b: i64) -> String {
     format!("{:>+10.2} MiB", b as f64 / (1024.0 * 1024.0))
 }
 
+fn signed(b: Option<i64>) -> String {
+    b.map(signed_mib).unwrap_or_default()
+}
+
 impl MemoryReport {
     /// The report as a table: each analytic figure beside the measured one it predicts.
     pub fn table(&self) -> String {
-        let a = &self.analytic;
-        let inc = &self.increments;
+        let (a, p, m) = (&self.analytic, &self.predicted, &self.increments);
         let mut s = String::new();
         let _ = writeln!(
             s,
             "memory, step {} rank {} ({}):",
             self.step, self.rank, self.probe
         );
-        let _ = writeln!(s, "  {:<22}{:>14}  {:>14}", "", "analytic", "measured");
+        let _ = writeln!(s, "  {:<18}{:>14}  {:>14}", "", "analytic", "measured");
         let row = |s: &mut String, name: &str, a: String, m: Option<String>, note: &str| {
             let m = m.unwrap_or_default();
-            let line = format!("  {name:<22}{a:>14}  {m:>14}  {note}");
+            let line = format!("  {name:<18}{a:>14}  {m:>14}  {note}");
             let _ = writeln!(s, "{}", line.trim_end());
         };
+        let inc = |b: Option<i64>| b.map(signed_mib);
         row(
             &mut s,
             "parameters",
             mib(a.params),
             self.parameters.map(mib),
             "(first step's start − baseline)",
+        );
+        row(&mut s, "gradients", mib(a.grads), None, "");
+        row(
+            &mut s,
+            "optimizer states",
+            mib(a.optim),
+            None,
+            "(Adam moments, fp32 masters)",
         );
         row(
             &mut s,
@@ -256,46 +286,46 @@ impl MemoryReport {
                 "(ZeRO-3, held by the forward's graphs)",
             );
         }
-        row(
-            &mut s,
-            "after forward",
-            signed_mib(a.forward() as i64),
-            inc.forward.map(signed_mib),
-            "(− start)",
-        );
-        row(
-            &mut s,
-            "gradients",
-            mib(a.grads),
-            inc.gradients.map(signed_mib),
-            "(after backward − start)",
-        );
-        row(
-            &mut s,
-            "optimizer states",
-            mib(a.optim),
-            inc.optimizer.map(signed_mib),
-            "(after optimizer − after backward)",
-        );
         if a.comm > 0 {
-            row(&mut s, "comm buffers", mib(a.comm), None, "");
+            row(&mut s, "comm buffers", mib(a.comm), None, "(DDP buckets)");
         }
         row(
             &mut s,
-            "peak",
-            signed_mib(a.peak as i64),
-            Some(signed_mib(inc.peak as i64)),
-            "(highest level − start)",
+            "after forward",
+            signed(p.forward),
+            inc(m.forward),
+            "(− step start)",
         );
-        if let Some(m) = &self.model_state {
+        row(
+            &mut s,
+            "after backward",
+            signed(p.gradients),
+            inc(m.gradients),
+            "(− step start: the gradients)",
+        );
+        row(
+            &mut s,
+            "optimizer step",
+            signed(p.optimizer),
+            inc(m.optimizer),
+            "(after optimizer − after backward)",
+        );
+        row(
+            &mut s,
+            "peak",
+            signed_mib(p.peak as i64),
+            Some(signed_mib(m.peak as i64)),
+            "(highest level − step start)",
+        );
+        if let Some(st) = &self.model_state {
             row(
                 &mut s,
                 "model state",
-                mib(m.analytic),
-                Some(mib(m.measured)),
+                mib(st.analytic),
+                Some(mib(st.measured)),
                 &format!(
                     "(after optimizer − {:.2} MiB baseline)",
-                    m.baseline as f64 / (1024.0 * 1024.0)
+                    st.baseline as f64 / (1024.0 * 1024.0)
                 ),
             );
         }
@@ -330,6 +360,11 @@ pub struct MemoryTracker<'p> {
     baseline: Option<u64>,
     /// The level at the start of the first step this tracker saw.
     first_start: Option<u64>,
+    /// Steps begun.
+    steps: u64,
+    /// The high-water mark read at the optimizer step's mark (what follows in the loop, an
+    /// evaluation or a checkpoint, is not the step's).
+    step_peak: Option<u64>,
 }
 
 impl<'p> MemoryTracker<'p> {
@@ -340,6 +375,8 @@ impl<'p> MemoryTracker<'p> {
             measured: Vec::new(),
             baseline: None,
             first_start: None,
+            steps: 0,
+            step_peak: None,
         }
     }
 
@@ -355,10 +392,12 @@ impl<'p> MemoryTracker<'p> {
     /// Start a step: reset the peak and record the starting level.
     pub fn begin(&mut self) {
         self.measured.clear();
+        self.step_peak = None;
         self.probe.settle();
         self.probe.reset_peak();
         let now = self.probe.current();
         self.first_start.get_or_insert(now);
+        self.steps += 1;
         self.measured.push((Phase::Start, now));
     }
 
@@ -367,6 +406,9 @@ impl<'p> MemoryTracker<'p> {
     pub fn mark(&mut self, phase: Phase) {
         self.probe.settle();
         let now = self.probe.current();
+        if phase == Phase::AfterOptimizer {
+            self.step_peak = Some(self.probe.peak());
+        }
         self.record(phase, now);
     }
 
@@ -400,7 +442,7 @@ impl<'p> MemoryTracker<'p> {
         let start = self.level(Phase::Start).unwrap_or(0);
         let diff = |a: Option<u64>, b: Option<u64>| Some(a? as i64 - b? as i64);
         let backward = self.level(Phase::AfterBackward);
-        let peak = self.probe.peak();
+        let peak = self.step_peak.unwrap_or_else(|| self.probe.peak());
         MemoryReport {
             step,
             rank,
@@ -408,6 +450,7 @@ impl<'p> MemoryTracker<'p> {
             analytic,
             measured: self.measured.clone(),
             peak,
+            predicted: analytic.increments(self.steps == 1),
             increments: Increments {
                 forward: diff(self.level(Phase::AfterForward), Some(start)),
                 gradients: diff(backward, Some(start)),
@@ -472,6 +515,15 @@ mod tests {
         let m = r.model_state.expect("model state");
         assert_eq!((m.baseline, m.measured, m.analytic), (400, 700, 40 + 80));
         assert!(r.table().contains("model state"));
+        // Phases against the step's start (1000): +200 after the backward, −100 by the
+        // optimizer; the parameters against the baseline; the first step's optimizer step is
+        // predicted to allocate the moments (80) and free the gradients (40).
+        assert_eq!(
+            (r.increments.gradients, r.increments.optimizer, r.parameters),
+            (Some(200), Some(-100), Some(600))
+        );
+        assert_eq!(r.predicted.optimizer, Some(80 - 40));
+        assert_eq!((r.predicted.forward, r.predicted.peak), (Some(7), 9 + 3));
         assert!(MemoryTracker::new(&probe)
             .finish(0, 0, analytic)
             .model_state

@@ -126,6 +126,12 @@ impl ModelStateLayout {
         full.div_ceil(self.grad_shards) + copy(full, self.grad_copy_shards)
     }
 
+    /// Bytes of the optimizer's moments alone, which its first step allocates (the masters
+    /// exist from the start).
+    pub fn moments(&self) -> u64 {
+        (self.n_params * self.optim_bytes).div_ceil(self.optim_shards)
+    }
+
     /// Bytes of optimizer state plus master weights held.
     pub fn optim(&self) -> u64 {
         (self.n_params * (self.optim_bytes + self.master_bytes)).div_ceil(self.optim_shards)

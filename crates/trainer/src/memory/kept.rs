@@ -63,10 +63,13 @@
 //! ```
 //!
 //! (the block input is the previous segment's output, held through the engine's leaf copy) and
-//! the backward frees each tensor after its last use; its worst moment is the MLP branch:
-//! `dout` and the gradients `dg` and `df` of the 4C-wide activations, 9 N·C. On CPU the same
-//! tapes run in plain candle ops when switched on (`explicit::set_cpu`); their forward keeps
-//! the same tensors (the CPU attention keeps no lse).
+//! the backward frees each tensor after its last use; with the fused kernels its worst moment
+//! is the MLP branch: the incoming gradient, then `dg` (4C wide) beside `g`, then `df` beside
+//! `f` (5 N·C above what is kept); the head's is `dlogits` (N, V). On CPU the same tapes run
+//! in plain candle ops when switched on (`explicit::set_cpu`): their forward keeps the same
+//! tensors (the CPU attention keeps no lse); their backward is not counted here (the CPU
+//! attention's backward recomputes under autograd, and the gradients it returns carry that
+//! graph until the step ends).
 //!
 //! Sizes are in bytes, as `f64` so the formulas read as written; callers round once.
 
@@ -197,7 +200,8 @@ pub fn block(d: &Dims, path: BackwardPath) -> SegmentCost {
         return SegmentCost {
             input,
             kept: 17.0 * nc * w + stats,
-            transient: 9.0 * nc * w,
+            // The incoming gradient, then dg (4C wide) beside g, then df beside f.
+            transient: 5.0 * nc * w,
         };
     }
     let scores = d.scores() * (w + 4.0 * F32 + d.casts());
@@ -302,8 +306,8 @@ pub fn head(d: &Dims, path: BackwardPath) -> SegmentCost {
         return SegmentCost {
             input,
             kept: nc * w + nv * w + d.b * d.t * F32,
-            // dlogits, and on CPU the softmax it is computed from.
-            transient: nv * w + nv * F32,
+            // dlogits (the fused kernel's output), then dh and the input's gradient.
+            transient: nv * w + 2.0 * nc * w,
         };
     }
     let norm = d.layer_norm(d.nc_local());
