@@ -18,14 +18,20 @@
 //! FSDP also parameters, and ZeRO-1/2 keep a shard copy beside the full tensors
 //! ([`ModelStateLayout::for_plan`]). Tensor and pipeline parallelism shrink Φ itself (the
 //! parameters a rank owns), so they enter through `n_params`: counted from the built model for
-//! the report, from the plan ([`rank_params`]) for `mtrain plan`, which prints the same figures. Activations are estimated per block after Korthikanti
-//! et al. (2022): `B·T·C·(34 + 5·H·T/C)` bytes at 2 bytes per value, scaled to the compute dtype,
-//! or only the block inputs plus one block's worth with activation checkpointing; under a parallel
-//! layout per rank ([`rank_activation_bytes`]): its stage's blocks, its micro-batches in flight,
-//! the tensor-parallel split.
+//! the report, from the plan ([`rank_params`]) for `mtrain plan`, which prints the same figures.
 //!
-//! The analytic model is `memory/analytic.rs`, the probes `memory/measured.rs`; this file is the
-//! report and the tracker that samples a probe through a step.
+//! What a step adds ([`StepMemory`], [`rank_step_memory`]) is counted from what the code keeps
+//! (`memory/kept.rs`): each segment's recorded graph or tape tensor by tensor, the engine's
+//! leaf copy of each segment input, and the worst moment of each segment's backward from
+//! candle's backward rules — no constant is fitted to a measurement. Per rank: its stage's
+//! segments, its micro-batches in flight, the tp/sp splits and their collectives' copies, the
+//! ZeRO-3 weights the forward's graphs hold, the MoE rows dispatched; the peak is the largest
+//! moment of the first backward (and, with several passes per step, of the last, when every
+//! gradient exists), or the end of the forward.
+//!
+//! The analytic model is `memory/analytic.rs` with `memory/kept.rs`, the probes
+//! `memory/measured.rs`; this file is the report and the tracker that samples a probe through a
+//! step.
 //!
 //! Measured side. A [`MemoryProbe`] reports current and peak bytes; on CPU [`CpuProbe`] reads the
 //! counters of [`CountingAlloc`], a global allocator wrapping `System` that the binary installs:
@@ -35,10 +41,12 @@
 //! static A: mtrain_trainer::memory::CountingAlloc = mtrain_trainer::memory::CountingAlloc;
 //! ```
 //!
-//! On a GPU, `gpu_memory::CudaMemoryProbe` (CUDA memory-pool used / high-water) implements the
-//! same trait. The trainer samples
-//! the probe after forward, after backward and after the optimizer step, and reports the step's
-//! peak; the report is printed as a table and appended as one JSON line to `RUN_DIR/memory.jsonl`.
+//! On a GPU, `gpu_memory::CudaMemoryProbe` (CUDA memory-pool used / high-water, read after a
+//! device synchronisation) implements the same trait. The trainer samples the probe at the
+//! step's start, after the forward (a pipeline: right before the rank's first backward), after
+//! the backward and after the optimizer step, and reports each phase against the step's start
+//! ([`Increments`], a textbook profile) beside what the model predicts for it; the report is
+//! printed as a table and appended as one JSON line to `RUN_DIR/memory.jsonl`.
 //!
 //! Model state, measured. The whole heap mixes the model state with everything else the process
 //! holds (the corpus, the mesh's sockets, logging), so the trainer also reads the probe once right

@@ -366,7 +366,7 @@ impl ActivationLayout {
 }
 
 /// What one rank holds through a step beyond the model state it starts the step with,
-/// predicted from [`kept`](super::kept): the three moments the report measures.
+/// predicted from what the segments keep (`memory/kept.rs`): the moments the report measures.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct StepMemory {
     /// Held at the end of the forward (before the first backward): what every segment pass in
