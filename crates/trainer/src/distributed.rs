@@ -403,8 +403,15 @@ impl TrainableModel for Distributed {
                 out.loss
             }
             Inner::Ddp { ddp, dp, .. } => {
-                let local =
-                    ddp.forward_backward(&self.engine, inputs, targets, loss_scale, sync)?;
+                let mut after_forward = || mark(Phase::AfterForward);
+                let local = ddp.forward_backward_observed(
+                    &self.engine,
+                    inputs,
+                    targets,
+                    loss_scale,
+                    sync,
+                    &mut after_forward,
+                )?;
                 let t = Tensor::new(&[local], dp.device())?;
                 scalar(&dp.all_reduce(&t, ReduceOp::Avg)?)?
             }

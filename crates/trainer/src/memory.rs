@@ -102,7 +102,8 @@ pub struct AnalyticMemory {
     pub gathered: u64,
     /// Communication buffers (DDP buckets).
     pub comm: u64,
-    /// The step's highest level above its start ([`StepMemory::peak`], buckets included).
+    /// The step's highest level above its start: [`StepMemory::peak`], or the end of the
+    /// backward with every gradient and bucket held, whichever is higher.
     pub peak: u64,
 }
 
@@ -117,7 +118,7 @@ impl AnalyticMemory {
             activations: step.activations,
             gathered: step.gathered,
             comm,
-            peak: step.peak + comm,
+            peak: step.peak.max(layout.grads() + comm),
         }
     }
 
@@ -531,7 +532,7 @@ mod tests {
             (Some(200), Some(-100), Some(600))
         );
         assert_eq!(r.predicted.optimizer, Some(80 - 40));
-        assert_eq!((r.predicted.forward, r.predicted.peak), (Some(7), 9 + 3));
+        assert_eq!((r.predicted.forward, r.predicted.peak), (Some(7), 40 + 3));
         assert!(MemoryTracker::new(&probe)
             .finish(0, 0, analytic)
             .model_state

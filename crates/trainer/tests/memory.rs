@@ -258,8 +258,9 @@ fn plan_prints_the_reports_analytic_figures() {
 }
 
 /// The layouts of the phase test: every strategy the memory model counts.
-const LAYOUTS: [&[&str]; 10] = [
+const LAYOUTS: [&[&str]; 11] = [
     &[],
+    &["--dp", "2"],
     &["--tp", "2"],
     &["--tp", "2", "--sequence-parallel"],
     &["--pp", "2", "--schedule", "gpipe"],

@@ -151,12 +151,15 @@ fn copy(full: u64, shards: u64) -> u64 {
     }
 }
 
-/// Bytes of the gradient buckets standalone bucketed DDP allocates for `n_params` parameters:
-/// one copy of the gradients in the reduce dtype (`standalone`: the layout runs that DDP).
+/// Bytes of the gradient buckets standalone bucketed DDP holds for `n_params` parameters
+/// (`standalone`: the layout runs that DDP): each bucket's flattened gradients and its
+/// all-reduce's result, in the reduce dtype, both held until the bucket is waited on after the
+/// backward (`parallel/src/ddp/buckets.rs`, `Ddp::finish_bucketed`) — two copies of the
+/// gradients.
 pub fn bucket_bytes(plan: &ParallelPlan, n_params: u64, standalone: bool) -> u64 {
     match plan.data {
         DataParallelKind::Ddp(d) if standalone && d.mode == DdpMode::Bucketed => {
-            plan.precision.grad_reduce_dtype().size_in_bytes() as u64 * n_params
+            2 * plan.precision.grad_reduce_dtype().size_in_bytes() as u64 * n_params
         }
         _ => 0,
     }
