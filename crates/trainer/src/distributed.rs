@@ -48,8 +48,8 @@ use serde::Serialize;
 use crate::memory::{
     step_memory, ActivationLayout, BackwardPath, ModelStateLayout, Phase, Routing, StepMemory,
 };
-use mtrain_parallel::placement::ep_rank_of_expert;
 use crate::train::TrainableModel;
+use mtrain_parallel::placement::ep_rank_of_expert;
 
 /// Pipeline figures of one step on this rank.
 #[derive(Debug, Clone, Serialize)]

@@ -79,8 +79,8 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 pub use analytic::{
-    activation_bytes, bucket_bytes, rank_activation_bytes, rank_params, rank_step_memory, step_memory,
-    ActivationLayout, ActivationLayoutError, ModelStateLayout, StepMemory,
+    activation_bytes, bucket_bytes, rank_activation_bytes, rank_params, rank_step_memory,
+    step_memory, ActivationLayout, ActivationLayoutError, ModelStateLayout, StepMemory,
 };
 pub use kept::{BackwardPath, Dims, Routing, SegmentCost};
 pub use measured::{CountingAlloc, CpuProbe, MemoryProbe};

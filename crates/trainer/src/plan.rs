@@ -17,10 +17,10 @@ use clap::Args;
 use mtrain_comm::mesh::MeshDims;
 use mtrain_parallel::parallelize::ParallelPlan;
 
-use crate::config::{TrainArgs, TrainConfig};
-use crate::layout::Layout;
 use crate::config::DeviceKind;
+use crate::config::{TrainArgs, TrainConfig};
 use crate::distributed::uses_standalone_ddp;
+use crate::layout::Layout;
 use crate::memory::{
     bucket_bytes, rank_params, step_memory, ActivationLayout, AnalyticMemory, BackwardPath,
     ModelStateLayout,

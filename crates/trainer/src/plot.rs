@@ -238,7 +238,10 @@ fn memory_chart(lines: &[Value], out: &Path) -> anyhow::Result<PathBuf> {
     ranks.sort_unstable();
     ranks.dedup();
     ranks.truncate(8);
-    let series: Vec<RankMemorySeries> = ranks.iter().map(|&r| rank_memory_series(lines, r)).collect();
+    let series: Vec<RankMemorySeries> = ranks
+        .iter()
+        .map(|&r| rank_memory_series(lines, r))
+        .collect();
     let steps = lines
         .iter()
         .filter_map(|l| l["step"].as_u64())
@@ -275,21 +278,30 @@ fn memory_chart(lines: &[Value], out: &Path) -> anyhow::Result<PathBuf> {
             .x_desc("step")
             .y_desc("MiB above baseline")
             .x_labels(((steps as usize).min(20) + 1) * 4 / 3)
-            .x_label_formatter(&|x| match (x - x.round()).abs() < 1e-9 && *x <= steps as f64 {
-                true => format!("{}", x.round() as i64),
-                false => String::new(),
-            })
+            .x_label_formatter(
+                &|x| match (x - x.round()).abs() < 1e-9 && *x <= steps as f64 {
+                    true => format!("{}", x.round() as i64),
+                    false => String::new(),
+                },
+            )
             .draw()
             .map_err(plot_err)?;
         let measured = palette(0);
         chart
-            .draw_series(LineSeries::new(s.points.iter().map(|p| (p.0, p.1)), measured))
+            .draw_series(LineSeries::new(
+                s.points.iter().map(|p| (p.0, p.1)),
+                measured,
+            ))
             .map_err(plot_err)?
             .label("measured")
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], measured));
         for (i, (phase, name)) in PHASES.iter().enumerate() {
             let color = palette(i + 1);
-            let pts = s.points.iter().filter(|p| p.2 == *phase).map(|p| (p.0, p.1));
+            let pts = s
+                .points
+                .iter()
+                .filter(|p| p.2 == *phase)
+                .map(|p| (p.0, p.1));
             let style = color.filled();
             let drawn = match i % 3 {
                 0 => chart.draw_series(pts.map(|p| Circle::new(p, 4, style))),
@@ -310,7 +322,11 @@ fn memory_chart(lines: &[Value], out: &Path) -> anyhow::Result<PathBuf> {
                 .collect::<Vec<_>>()
         };
         for (name, color, pick) in [
-            ("predicted end of forward", palette(2), (|p| p.1) as fn(&(f64, f64, f64, f64)) -> f64),
+            (
+                "predicted end of forward",
+                palette(2),
+                (|p| p.1) as fn(&(f64, f64, f64, f64)) -> f64,
+            ),
             ("predicted peak", palette(3), |p| p.2),
             ("predicted model state", palette(7), |p| p.3),
         ] {
@@ -643,7 +659,11 @@ mod tests {
     #[test]
     fn the_memory_chart_marks_phases_per_rank_with_integer_steps() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("metrics.jsonl"), "{\"step\":0,\"loss\":5.5}\n").unwrap();
+        std::fs::write(
+            dir.path().join("metrics.jsonl"),
+            "{\"step\":0,\"loss\":5.5}\n",
+        )
+        .unwrap();
         let mut lines = String::new();
         for step in 0..3u64 {
             for rank in 0..2u64 {
@@ -693,7 +713,9 @@ mod tests {
         }
         assert!(
             // (the MiB axis here is labelled in whole fives)
-            !texts.iter().any(|t| t.parse::<f64>().is_ok_and(|x| x.fract() != 0.0)),
+            !texts
+                .iter()
+                .any(|t| t.parse::<f64>().is_ok_and(|x| x.fract() != 0.0)),
             "a fractional step tick in {texts:?}"
         );
     }

@@ -345,7 +345,13 @@ fn predicted_activations_and_peak_match_the_measured_ones_on_every_rank() {
     // Two runs at a time (each rank computes on one thread).
     let results: Vec<_> = std::thread::scope(|s| {
         runs.chunks(runs.len().div_ceil(2))
-            .map(|part| s.spawn(move || part.iter().map(|&(l, w)| (l, w, phases(l, w))).collect::<Vec<_>>()))
+            .map(|part| {
+                s.spawn(move || {
+                    part.iter()
+                        .map(|&(l, w)| (l, w, phases(l, w)))
+                        .collect::<Vec<_>>()
+                })
+            })
             .collect::<Vec<_>>()
             .into_iter()
             .flat_map(|h| h.join().expect("a run thread"))
@@ -359,7 +365,10 @@ fn predicted_activations_and_peak_match_the_measured_ones_on_every_rank() {
                 v[k].as_f64()
                     .unwrap_or_else(|| panic!("{layout:?} width {width}: no `{k}` in {v}"))
             };
-            let forward = (num(a, "activations") + num(a, "gathered"), num(inc, "forward"));
+            let forward = (
+                num(a, "activations") + num(a, "gathered"),
+                num(inc, "forward"),
+            );
             let peak = (num(a, "peak"), num(inc, "peak"));
             for (what, (predicted, measured)) in [("after forward", forward), ("peak", peak)] {
                 let err = predicted / measured - 1.0;
@@ -374,7 +383,11 @@ fn predicted_activations_and_peak_match_the_measured_ones_on_every_rank() {
             }
         }
     }
-    assert!(failures.is_empty(), "outside ±15%:\n{}", failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "outside ±15%:\n{}",
+        failures.join("\n")
+    );
 }
 
 /// The hand-written backward's forward (the tapes, which a GPU runs; here in plain CPU ops,
@@ -406,8 +419,12 @@ fn the_tape_and_autograd_forwards_keep_what_the_model_counts() {
                 n_embd,
                 ..GptConfig::tiny()
             };
-            let gpt = Gpt::new(cfg.clone(), &init_weights(&cfg, 1).expect("weights"), &Device::Cpu)
-                .expect("model");
+            let gpt = Gpt::new(
+                cfg.clone(),
+                &init_weights(&cfg, 1).expect("weights"),
+                &Device::Cpu,
+            )
+            .expect("model");
             let engine = Engine::new(false);
             // One warm-up step: the kernels' workspaces and the gradients exist before the
             // measured forward.

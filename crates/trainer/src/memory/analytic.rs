@@ -9,9 +9,9 @@
 use mtrain_model::init::param_specs;
 use mtrain_model::GptConfig;
 use mtrain_parallel::ddp::DdpMode;
-use mtrain_parallel::placement::{is_expert_param, tp_placement, used_on_stage};
 use mtrain_parallel::parallelize::{DataParallelKind, ParallelPlan};
 use mtrain_parallel::pipeline::{Schedule, ScheduleKind, StageLayout};
+use mtrain_parallel::placement::{is_expert_param, tp_placement, used_on_stage};
 use serde::Serialize;
 
 use super::kept::{self, BackwardPath, Dims, Routing, SegmentCost};
@@ -458,11 +458,13 @@ pub fn rank_step_memory(
     // Under checkpointing ZeRO-3 gathers a segment again for its recompute, with the previous
     // one prefetched: the two largest consecutive segments.
     let regathered = match layout.gathers_weights && checkpointing {
-        true => params
-            .windows(2)
-            .map(|w| (w[0] + w[1]) as f64)
-            .fold(params.first().copied().unwrap_or(0) as f64, f64::max)
-            * param_bytes as f64,
+        true => {
+            params
+                .windows(2)
+                .map(|w| (w[0] + w[1]) as f64)
+                .fold(params.first().copied().unwrap_or(0) as f64, f64::max)
+                * param_bytes as f64
+        }
         false => 0.0,
     };
     let mut peak = activations + gathered;
@@ -471,7 +473,9 @@ pub fn rank_step_memory(
         let p = params.get(j).copied().unwrap_or(0) as f64;
         done += p;
         let recomputed = if checkpointing { s.kept } else { 0.0 };
-        let level = activations - freed + recomputed + s.transient
+        let level = activations - freed
+            + recomputed
+            + s.transient
             + grad_bytes * done
             + gathered * (1.0 - (done - p) / total_params)
             + regathered;
@@ -487,7 +491,9 @@ pub fn rank_step_memory(
             let p = params.get(j).copied().unwrap_or(0) as f64;
             let recomputed = if checkpointing { s.kept } else { 0.0 };
             let left = gathered / n * (1.0 - done / total_params);
-            let level = last - freed + recomputed + s.transient
+            let level = last - freed
+                + recomputed
+                + s.transient
                 + grad_bytes * total_params
                 + left
                 + regathered;
@@ -655,11 +661,23 @@ mod tests {
         let r0 = ActivationLayout::for_plan(&cfg, &plan, 0, 4).expect("rank 0");
         let r1 = ActivationLayout::for_plan(&cfg, &plan, 1, 4).expect("rank 1");
         assert_eq!(
-            (r0.blocks, r0.micro_batch, r0.in_flight, r0.holds_head, r0.holds_embedding),
+            (
+                r0.blocks,
+                r0.micro_batch,
+                r0.in_flight,
+                r0.holds_head,
+                r0.holds_embedding
+            ),
             (2, 2, 2, false, true)
         );
         assert_eq!(
-            (r1.blocks, r1.micro_batch, r1.in_flight, r1.holds_head, r1.holds_embedding),
+            (
+                r1.blocks,
+                r1.micro_batch,
+                r1.in_flight,
+                r1.holds_head,
+                r1.holds_embedding
+            ),
             (2, 2, 1, true, false)
         );
         // Rank 0 holds two micro-batches of half the rows: its pass over 2 blocks, twice.

@@ -71,6 +71,10 @@
 //! attention's backward recomputes under autograd, and the gradients it returns carry that
 //! graph until the step ends).
 //!
+//! On CUDA the layers without a tape (tensor-parallel blocks, head and embedding, MoE blocks)
+//! run autograd over the fused kernels, whose ops keep their own inputs; they are counted here
+//! with the plain ops' tensors, which no GPU run has checked yet.
+//!
 //! Sizes are in bytes, as `f64` so the formulas read as written; callers round once.
 
 use serde::Serialize;
@@ -365,7 +369,11 @@ mod tests {
         assert_eq!(blk.transient / MIB, 21.0 + 0.75);
         // Tapes: 17 N·C, the statistics and lse.
         let tape = block(&d, BackwardPath::Tapes);
-        assert!((tape.kept / MIB - 17.0 / 4.0).abs() < 0.04, "{}", tape.kept / MIB);
+        assert!(
+            (tape.kept / MIB - 17.0 / 4.0).abs() < 0.04,
+            "{}",
+            tape.kept / MIB
+        );
     }
 
     /// Tensor parallelism at tp = 2 splits the 27 inside values and the scores, keeps the
