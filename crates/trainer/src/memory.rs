@@ -98,8 +98,10 @@ pub struct AnalyticMemory {
     pub moments: u64,
     /// Activation bytes held at the end of the forward ([`StepMemory::activations`]).
     pub activations: u64,
-    /// ZeRO-3 weights the forward gathered and its graphs hold until their backward.
+    /// ZeRO-3 weights the forward gathered and still holds at its end.
     pub gathered: u64,
+    /// Gradients the earlier micro-steps wrote before the reported forward ended.
+    pub earlier_grads: u64,
     /// Communication buffers (DDP buckets).
     pub comm: u64,
     /// The step's highest level above its start: [`StepMemory::peak`], or the end of the
@@ -117,14 +119,16 @@ impl AnalyticMemory {
             moments: layout.moments(),
             activations: step.activations,
             gathered: step.gathered,
+            earlier_grads: step.earlier_grads,
             comm,
             peak: step.peak.max(layout.grads() + comm),
         }
     }
 
-    /// The level the end of the forward adds to the step's start: activations and gathers.
+    /// The level the end of the forward adds to the step's start: activations, gathers, and
+    /// under gradient accumulation the earlier micro-steps' gradients.
     pub fn forward(&self) -> u64 {
-        self.activations + self.gathered
+        self.activations + self.gathered + self.earlier_grads
     }
 
     /// Sum of the model-state categories, the forward's increment and the buffers.
@@ -505,6 +509,7 @@ mod tests {
             StepMemory {
                 activations: 7,
                 gathered: 0,
+                earlier_grads: 0,
                 peak: 9,
             },
             3,

@@ -211,7 +211,7 @@ fn rank_memory_series(lines: &[Value], rank: u64) -> RankMemorySeries {
         }
         let a = &l["analytic"];
         if let Some(start) = start {
-            let forward = num(a, "activations") + num(a, "gathered");
+            let forward = num(a, "activations") + num(a, "gathered") + num(a, "earlier_grads");
             predicted.push((
                 step,
                 level(start + forward),

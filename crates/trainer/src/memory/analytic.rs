@@ -375,8 +375,12 @@ pub struct StepMemory {
     /// Held at the end of the forward (before the first backward): what every segment pass in
     /// flight keeps, the engine's leaf copies of the segment inputs included.
     pub activations: u64,
-    /// ZeRO-3 weights gathered by the forward that its graphs hold until their backward.
+    /// ZeRO-3 weights gathered by the forward still held at its end: by its graphs until
+    /// their backward, or (checkpointing) the last segment's.
     pub gathered: u64,
+    /// Gradients already written when the reported forward ends: the earlier micro-steps'
+    /// under gradient accumulation (the report reads the last micro-step's forward).
+    pub earlier_grads: u64,
     /// The step's highest level above its start: the largest moment of the first backward
     /// (what is still held, the segment's backward at its worst, the gradients so far), or the
     /// end of the forward if that is higher.
@@ -451,9 +455,12 @@ pub fn rank_step_memory(
 
     let params = &layout.segment_params;
     let total_params = params.iter().sum::<u64>().max(1) as f64;
-    let gathered = match layout.gathers_weights && !checkpointing {
-        true => (param_bytes as f64) * total_params,
-        false => 0.0,
+    // Without checkpointing the graphs hold every gathered weight; with it, the forward frees
+    // each segment's weights when the next one starts, so the last segment's stay.
+    let gathered = match (layout.gathers_weights, checkpointing) {
+        (true, false) => (param_bytes as f64) * total_params,
+        (true, true) => (param_bytes * params.last().copied().unwrap_or(0)) as f64,
+        (false, _) => 0.0,
     };
     // Under checkpointing ZeRO-3 gathers a segment again for its recompute, with the previous
     // one prefetched: the two largest consecutive segments.
@@ -505,6 +512,7 @@ pub fn rank_step_memory(
     StepMemory {
         activations: activations as u64,
         gathered: gathered as u64,
+        earlier_grads: 0,
         peak: peak as u64,
     }
 }
@@ -528,7 +536,7 @@ pub fn step_memory(
         accumulates: layout.accumulates || grad_accum > 1,
         ..layout.clone()
     };
-    rank_step_memory(
+    let step = rank_step_memory(
         cfg,
         &layout,
         seq,
@@ -537,7 +545,14 @@ pub fn step_memory(
         path,
         state.param_bytes,
         grad_per_param,
-    )
+    );
+    StepMemory {
+        earlier_grads: match grad_accum > 1 {
+            true => state.grads(),
+            false => 0,
+        },
+        ..step
+    }
 }
 
 /// Estimated activation bytes one rank keeps at the end of its forward
@@ -715,7 +730,9 @@ mod tests {
         assert!(l.gathers_weights);
         let s = step(&cfg, &l, false);
         assert_eq!(s.gathered, 4 * cfg.n_params() as u64);
-        assert_eq!(step(&cfg, &l, true).gathered, 0);
+        // With checkpointing only the last segment's weights are still gathered: the head's.
+        let head = *l.segment_params.last().expect("a head");
+        assert_eq!(step(&cfg, &l, true).gathered, 4 * head);
     }
 
     #[test]
