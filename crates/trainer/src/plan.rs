@@ -146,7 +146,7 @@ pub fn render_memory(plan: &ParallelPlan, ranks: &[RankMemory]) -> String {
     for r in ranks {
         let (s, a) = (&r.state, &r.analytic);
         out.push_str(&format!(
-            "pp rank {}: {} params, model state {:.2} MiB (parameters {:.2}, gradients {:.2}, optimizer states {:.2}); a step adds activations {:.2} MiB, gathered weights {:.2}, comm buffers {:.2}, peak +{:.2} MiB\n",
+            "pp rank {}: {} params, model state {:.2} MiB (parameters {:.2}, gradients {:.2}, optimizer states {:.2}); a step adds activations {:.2} MiB, gathered weights {:.2}, comm buffers {:.2}: after forward +{:.2}, peak +{:.2} MiB\n",
             r.pp_rank,
             s.n_params,
             mib(s.total()),
@@ -156,6 +156,7 @@ pub fn render_memory(plan: &ParallelPlan, ranks: &[RankMemory]) -> String {
             mib(a.activations),
             mib(a.gathered),
             mib(a.comm),
+            mib(a.forward()),
             mib(a.peak),
         ));
     }

@@ -155,7 +155,8 @@ fn plan_prints_the_reports_analytic_figures() {
     use mtrain_trainer::cli::Cli;
     use mtrain_trainer::plan::{rank_memory, render_memory};
 
-    let layouts: [&[&str]; 8] = [
+    let layouts: [&[&str]; 9] = [
+        &["--set", "grad_accum=2"],
         &["--tp", "2"],
         &["--tp", "2", "--sequence-parallel"],
         &["--pp", "2"],
@@ -237,6 +238,7 @@ fn plan_prints_the_reports_analytic_figures() {
                     got("optim"),
                     got("activations"),
                     got("gathered"),
+                    got("earlier_grads"),
                     got("comm"),
                     got("peak"),
                 ],
@@ -246,6 +248,7 @@ fn plan_prints_the_reports_analytic_figures() {
                     p.optim,
                     p.activations,
                     p.gathered,
+                    p.earlier_grads,
                     p.comm,
                     p.peak,
                 ],
