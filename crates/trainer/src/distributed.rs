@@ -42,14 +42,13 @@ use mtrain_model::{Engine, Gpt, GptConfig, MoeStats};
 use mtrain_parallel::ddp::{CommStats, DataParallel, Ddp, ModelStateBytes};
 use mtrain_parallel::parallelize::{parallelize, DataParallelKind, ParallelModel, ParallelPlan};
 use mtrain_parallel::pipeline::executor::SpanKind;
-use mtrain_parallel::placement::tp_placement;
+use mtrain_parallel::placement::{ep_rank_of_expert, tp_placement};
 use serde::Serialize;
 
 use crate::memory::{
     step_memory, ActivationLayout, BackwardPath, ModelStateLayout, Phase, Routing, StepMemory,
 };
 use crate::train::TrainableModel;
-use mtrain_parallel::placement::ep_rank_of_expert;
 
 /// Pipeline figures of one step on this rank.
 #[derive(Debug, Clone, Serialize)]
