@@ -232,20 +232,24 @@ impl Ddp {
     }
 }
 
-impl DataParallel for Ddp {
-    fn forward_backward(
+impl Ddp {
+    /// [`DataParallel::forward_backward`], calling `before_backward` between the forward and
+    /// the backward (where the memory report reads the forward's level).
+    pub fn forward_backward_observed(
         &mut self,
         engine: &Engine,
         idx: &Tensor,
         targets: &Tensor,
         loss_scale: f64,
         sync: bool,
+        before_backward: &mut dyn FnMut(),
     ) -> Result<f64> {
         if self.timer.is_none() {
             self.timer = Some(OpTimer::start(&self.comm));
         }
         let acts = engine.forward(&self.segments, idx, Some(targets), &mut NoHooks)?;
         let loss = sum_f64(&acts.output)?;
+        before_backward();
         let t = Instant::now();
         if sync && self.cfg.mode == DdpMode::Bucketed {
             let mut hooks =
@@ -278,6 +282,19 @@ impl DataParallel for Ddp {
             }
         }
         Ok(loss)
+    }
+}
+
+impl DataParallel for Ddp {
+    fn forward_backward(
+        &mut self,
+        engine: &Engine,
+        idx: &Tensor,
+        targets: &Tensor,
+        loss_scale: f64,
+        sync: bool,
+    ) -> Result<f64> {
+        self.forward_backward_observed(engine, idx, targets, loss_scale, sync, &mut || {})
     }
 
     fn grad_norm_sq(&self) -> Result<f64> {

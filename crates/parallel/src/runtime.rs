@@ -166,6 +166,19 @@ pub struct ParallelModel {
     pub(crate) last: CommStats,
 }
 
+/// Stage hooks that also call an observer before the first backward.
+struct Observed<'a>(&'a mut dyn StageHooks, &'a mut dyn FnMut());
+
+impl StageHooks for Observed<'_> {
+    fn hooks(&mut self, chunk: usize, last_backward: bool) -> &mut dyn Hooks {
+        self.0.hooks(chunk, last_backward)
+    }
+    fn before_first_backward(&mut self) {
+        self.0.before_first_backward();
+        (self.1)()
+    }
+}
+
 pub(crate) fn f64_of(t: &Tensor) -> Result<Vec<f64>> {
     Ok(t.to_dtype(DType::F64)?.to_vec1::<f64>()?)
 }
@@ -197,6 +210,20 @@ impl ParallelModel {
         loss_scale: f64,
         sync: bool,
     ) -> Result<StepOut> {
+        self.forward_backward_observed(idx, targets, loss_scale, sync, &mut || {})
+    }
+
+    /// [`ParallelModel::forward_backward`], calling `before_backward` once, right before this
+    /// rank's first backward pass (where its forward activations peak: the memory report's
+    /// "after forward" on a pipeline).
+    pub fn forward_backward_observed(
+        &mut self,
+        idx: &Tensor,
+        targets: &Tensor,
+        loss_scale: f64,
+        sync: bool,
+        before_backward: &mut dyn FnMut(),
+    ) -> Result<StepOut> {
         let t = std::time::Instant::now();
         let pp = self.pp.as_ref();
         // One stage and gradients to average: the average starts inside the last backward.
@@ -224,7 +251,7 @@ impl ParallelModel {
                     targets,
                     loss_scale,
                     &mut self.grads,
-                    &mut hooks,
+                    &mut Observed(&mut hooks, before_backward),
                 )?;
                 let w = std::time::Instant::now();
                 let (n, bytes) = hooks.finish(&mut self.grads)?;
@@ -241,7 +268,7 @@ impl ParallelModel {
                 targets,
                 loss_scale,
                 &mut self.grads,
-                &mut NoStageHooks(NoHooks),
+                &mut Observed(&mut NoStageHooks(NoHooks), before_backward),
             )?,
             Replicas::Zero(fsdps) => {
                 let every_backward = fsdps.first().is_some_and(|f| f.stage() >= ZeroStage::Two);
@@ -258,7 +285,7 @@ impl ParallelModel {
                     targets,
                     loss_scale,
                     &mut self.grads,
-                    &mut hooks,
+                    &mut Observed(&mut hooks, before_backward),
                 )?;
                 for h in hooks.hooks {
                     h.finish()?;

@@ -42,10 +42,12 @@ use mtrain_model::{Engine, Gpt, GptConfig, MoeStats};
 use mtrain_parallel::ddp::{CommStats, DataParallel, Ddp, ModelStateBytes};
 use mtrain_parallel::parallelize::{parallelize, DataParallelKind, ParallelModel, ParallelPlan};
 use mtrain_parallel::pipeline::executor::SpanKind;
-use mtrain_parallel::placement::tp_placement;
+use mtrain_parallel::placement::{ep_rank_of_expert, tp_placement};
 use serde::Serialize;
 
-use crate::memory::{rank_activation_bytes, ActivationLayout, ModelStateLayout, Phase};
+use crate::memory::{
+    step_memory, ActivationLayout, BackwardPath, ModelStateLayout, Phase, Routing, StepMemory,
+};
 use crate::trace::{CommMeter, RunPhase, Timeline};
 use crate::train::TrainableModel;
 
@@ -179,6 +181,8 @@ pub struct Distributed {
     comm_buffer_bytes: u64,
     /// This rank's pipeline rank (which stages' activations it holds).
     pp_rank: usize,
+    /// This rank's index in its expert-parallel group (which experts it computes).
+    ep_rank: usize,
     /// Pipeline and expert figures of the step in progress.
     pipeline: Option<PipelineFigures>,
     experts: Option<Vec<ExpertLoad>>,
@@ -228,11 +232,7 @@ impl Distributed {
                 let ddp = Ddp::new(mesh.dp.clone(), gpt.segments.clone(), ddp_cfg)
                     .and_then(|d| d.with_mixed_precision(plan.precision, weights))
                     .context("setting up DDP over the dp group")?;
-                let reduce_bytes = plan.precision.grad_reduce_dtype().size_in_bytes() as u64;
-                let buffers = match ddp_cfg.mode {
-                    mtrain_parallel::ddp::DdpMode::Bucketed => reduce_bytes * n as u64,
-                    mtrain_parallel::ddp::DdpMode::Naive => 0,
-                };
+                let buffers = crate::memory::bucket_bytes(plan, n as u64, true);
                 let inner = Inner::Ddp {
                     ddp: Box::new(ddp),
                     gpt,
@@ -258,6 +258,7 @@ impl Distributed {
             layout: ModelStateLayout::for_plan(n_local, plan),
             comm_buffer_bytes,
             pp_rank: mesh.coords.pp,
+            ep_rank: mesh.ep.rank(),
             pipeline: None,
             experts: None,
             last_report: None,
@@ -276,6 +277,38 @@ impl Distributed {
     /// The plan this model was built from.
     pub fn plan(&self) -> &ParallelPlan {
         &self.plan
+    }
+
+    /// The last step's expert load (summed over dp and the step's passes), per MoE block.
+    fn last_expert_load(&self) -> Option<Vec<ExpertLoad>> {
+        self.last_report.as_ref().and_then(|r| r.experts.clone())
+    }
+
+    /// The rows each MoE block dispatched on this rank per pass, from the step's expert load:
+    /// this rank's tokens fill `1/dp` of the slots kept, its experts (`ep_rank`'s share) compute
+    /// their kept tokens over the `dp/ep` replicas of each expert.
+    fn routing(&self, n_experts: usize, load: &[ExpertLoad]) -> Vec<Routing> {
+        let d = self.plan.dims;
+        let passes = (self.grad_accum * self.plan.microbatches.max(1)) as f64;
+        let replicas = (d.dp / d.ep.max(1)).max(1) as f64;
+        load.iter()
+            .map(|l| {
+                let mine: Vec<f64> = l
+                    .tokens_per_expert
+                    .iter()
+                    .enumerate()
+                    .filter(|(e, _)| ep_rank_of_expert(*e, n_experts, d.ep) == self.ep_rank)
+                    .map(|(_, &t)| t as f64 / replicas / passes)
+                    .collect();
+                Routing {
+                    sent: l.tokens_per_expert.iter().sum::<usize>() as f64
+                        / d.dp.max(1) as f64
+                        / passes,
+                    received: mine.iter().sum(),
+                    busiest: mine.iter().copied().fold(0.0, f64::max),
+                }
+            })
+            .collect()
     }
 
     /// Whether the overlapped standalone DDP runs this layout.
@@ -353,8 +386,16 @@ impl TrainableModel for Distributed {
         }
         let loss = match &mut self.inner {
             Inner::Parallel(pm) => {
-                // The pipeline interleaves forwards and backwards: one mark after both.
-                let out = pm.forward_backward(inputs, targets, loss_scale, sync)?;
+                // The pipeline interleaves forwards and backwards: "after forward" is read
+                // right before this rank's first backward, where its activations peak.
+                let mut before_backward = || mark(Phase::AfterForward);
+                let out = pm.forward_backward_observed(
+                    inputs,
+                    targets,
+                    loss_scale,
+                    sync,
+                    &mut before_backward,
+                )?;
                 if let Some(r) = &out.pipeline {
                     let f = PipelineFigures {
                         step_ms: r.step_time.as_secs_f64() * 1e3,
@@ -397,8 +438,15 @@ impl TrainableModel for Distributed {
                 out.loss
             }
             Inner::Ddp { ddp, dp, .. } => {
-                let local =
-                    ddp.forward_backward(&self.engine, inputs, targets, loss_scale, sync)?;
+                let mut after_forward = || mark(Phase::AfterForward);
+                let local = ddp.forward_backward_observed(
+                    &self.engine,
+                    inputs,
+                    targets,
+                    loss_scale,
+                    sync,
+                    &mut after_forward,
+                )?;
                 let t = Tensor::new(&[local], dp.device())?;
                 scalar(&dp.all_reduce(&t, ReduceOp::Avg)?)?
             }
@@ -523,31 +571,48 @@ impl TrainableModel for Distributed {
         self.layout
     }
 
-    /// This rank's blocks, micro-batches in flight and tp split ([`ActivationLayout::for_plan`]);
-    /// standalone DDP runs the whole batch at once on the whole model.
-    fn activation_bytes(
+    /// This rank's blocks, micro-batches in flight, tp and ep splits and gathers
+    /// ([`ActivationLayout::for_plan`]); standalone DDP runs the whole batch at once on the
+    /// whole model.
+    fn step_memory(
         &self,
         cfg: &GptConfig,
         batch: usize,
         seq: usize,
         dtype_bytes: usize,
         checkpointing: bool,
-    ) -> u64 {
+        path: BackwardPath,
+        grad_accum: usize,
+    ) -> StepMemory {
         let layout = match &self.inner {
             Inner::Ddp { .. } => Ok(ActivationLayout::single_device(cfg, batch)),
             Inner::Parallel(_) => ActivationLayout::for_plan(cfg, &self.plan, self.pp_rank, batch),
         };
-        match layout {
-            Ok(l) => rank_activation_bytes(cfg, &l, seq, dtype_bytes, checkpointing),
-            Err(e) => {
-                tracing::warn!("activation estimate of the whole model (not per rank): {e}");
-                crate::memory::activation_bytes(cfg, batch, seq, dtype_bytes, checkpointing)
-            }
+        let mut layout = layout.unwrap_or_else(|e| {
+            tracing::warn!("memory estimate of the whole model (not per rank): {e}");
+            ActivationLayout::single_device(cfg, batch)
+        });
+        if let (Some(moe), Some(load)) = (&cfg.moe, &self.last_expert_load()) {
+            layout.routing = self.routing(moe.n_experts, load);
         }
+        step_memory(
+            cfg,
+            &layout,
+            &self.layout,
+            seq,
+            dtype_bytes,
+            checkpointing,
+            path,
+            grad_accum,
+        )
     }
 
     fn comm_bytes(&self) -> u64 {
         self.comm_buffer_bytes
+    }
+
+    fn routing_is_measured(&self) -> bool {
+        self.cfg.moe.is_some() && self.last_expert_load().is_some()
     }
 
     fn step_report(&self) -> Option<serde_json::Value> {

@@ -172,6 +172,13 @@ impl crate::memory::MemoryProbe for CudaMemoryProbe {
             tracing::warn!("GPU memory probe: {e}");
         }
     }
+
+    /// Phase figures count the frees the stream has reached: wait for it.
+    fn settle(&self) {
+        if let Err(e) = self.synchronize() {
+            tracing::warn!("GPU memory probe: {e}");
+        }
+    }
 }
 
 /// Needs a CUDA GPU (run by `scripts/gpu-test.sh` through the trainer's test binary).

@@ -17,9 +17,14 @@ use clap::Args;
 use mtrain_comm::mesh::MeshDims;
 use mtrain_parallel::parallelize::ParallelPlan;
 
+use crate::config::DeviceKind;
 use crate::config::{TrainArgs, TrainConfig};
+use crate::distributed::uses_standalone_ddp;
 use crate::layout::Layout;
-use crate::memory::{rank_activation_bytes, rank_params, ActivationLayout, ModelStateLayout};
+use crate::memory::{
+    bucket_bytes, rank_params, step_memory, ActivationLayout, AnalyticMemory, BackwardPath,
+    ModelStateLayout,
+};
 
 /// Options of `mtrain plan`: the training flags, so `--config` and overrides resolve as in training.
 #[derive(Debug, Clone, Args)]
@@ -90,28 +95,40 @@ pub struct RankMemory {
     /// Parameters, gradients and optimizer state ([`ModelStateLayout::for_plan`] of the
     /// parameters the rank owns, [`rank_params`]).
     pub state: ModelStateLayout,
-    /// Activations at the step's peak ([`rank_activation_bytes`]).
-    pub activations: u64,
+    /// The report's analytic column: the model state, and what a step adds to it
+    /// ([`step_memory`] on the run's backward path; the DDP buckets, [`bucket_bytes`]).
+    pub analytic: AnalyticMemory,
 }
 
 /// Each pipeline rank's analytic memory under `plan` for the run `cfg`: the report's model, fed
 /// from the plan instead of from a built model.
 pub fn rank_memory(cfg: &TrainConfig, plan: &ParallelPlan) -> anyhow::Result<Vec<RankMemory>> {
     let model = cfg.gpt_config()?;
+    let path = BackwardPath::of_device(cfg.device == DeviceKind::Cuda);
+    let standalone = plan.dims.world_size() * plan.dims.ep > 1 && uses_standalone_ddp(&model, plan);
     (0..plan.dims.pp.max(1))
         .map(|pp_rank| {
             let n = rank_params(&model, plan, pp_rank)?;
-            let act = ActivationLayout::for_plan(&model, plan, pp_rank, cfg.batch_size)?;
+            let state = ModelStateLayout::for_plan(n, plan);
+            let act = match standalone {
+                true => ActivationLayout::single_device(&model, cfg.batch_size),
+                false => ActivationLayout::for_plan(&model, plan, pp_rank, cfg.batch_size)?,
+            };
+            let step = step_memory(
+                &model,
+                &act,
+                &state,
+                cfg.seq_len,
+                cfg.dtype.candle().size_in_bytes(),
+                cfg.activation_checkpointing,
+                path,
+                cfg.grad_accum,
+            );
+            let comm = bucket_bytes(plan, n, standalone);
             Ok(RankMemory {
                 pp_rank,
-                state: ModelStateLayout::for_plan(n, plan),
-                activations: rank_activation_bytes(
-                    &model,
-                    &act,
-                    cfg.seq_len,
-                    cfg.dtype.candle().size_in_bytes(),
-                    cfg.activation_checkpointing,
-                ),
+                state,
+                analytic: AnalyticMemory::new(&state, step, comm),
             })
         })
         .collect()
@@ -127,16 +144,20 @@ pub fn render_memory(plan: &ParallelPlan, ranks: &[RankMemory]) -> String {
     let mut out =
         format!("memory per rank (analytic, as in the --mem-report table; {precision}):\n");
     for r in ranks {
-        let s = &r.state;
+        let (s, a) = (&r.state, &r.analytic);
         out.push_str(&format!(
-            "pp rank {}: {} params, model state {:.2} MiB (parameters {:.2}, gradients {:.2}, optimizer states {:.2}), activations (est.) {:.2} MiB\n",
+            "pp rank {}: {} params, model state {:.2} MiB (parameters {:.2}, gradients {:.2}, optimizer states {:.2}); a step adds activations {:.2} MiB, gathered weights {:.2}, comm buffers {:.2}: after forward +{:.2}, peak +{:.2} MiB\n",
             r.pp_rank,
             s.n_params,
             mib(s.total()),
-            mib(s.params()),
-            mib(s.grads()),
-            mib(s.optim()),
-            mib(r.activations),
+            mib(a.params),
+            mib(a.grads),
+            mib(a.optim),
+            mib(a.activations),
+            mib(a.gathered),
+            mib(a.comm),
+            mib(a.forward()),
+            mib(a.peak),
         ));
     }
     out

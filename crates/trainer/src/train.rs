@@ -43,7 +43,8 @@ use crate::phases::{PhaseTimer, PhaseTimes, StepPhase};
 use crate::progress::{self, Progress};
 use crate::fsio::JsonLines;
 use crate::memory::{
-    activation_bytes, AnalyticMemory, CpuProbe, MemoryProbe, MemoryTracker, ModelStateLayout, Phase,
+    step_memory, ActivationLayout, AnalyticMemory, BackwardPath, CpuProbe, MemoryProbe,
+    MemoryTracker, ModelStateLayout, Phase, StepMemory,
 };
 
 /// What the loop needs from a model, however it is laid out across ranks.
@@ -79,17 +80,33 @@ pub trait TrainableModel {
     fn param_shapes(&self) -> BTreeMap<String, Vec<usize>>;
     /// The bytes-per-parameter layout this rank holds (for the memory report).
     fn memory_layout(&self) -> ModelStateLayout;
-    /// Estimated activation bytes this rank holds at its peak for a step over `batch` rows of
-    /// `seq` tokens ([`crate::memory::rank_activation_bytes`]); the whole model's on one device.
-    fn activation_bytes(
+    /// What a step over `batch` rows of `seq` tokens adds to this rank's memory (activations,
+    /// gathers, peak: [`crate::memory::rank_step_memory`]); the whole model's on one device.
+    fn step_memory(
         &self,
         cfg: &GptConfig,
         batch: usize,
         seq: usize,
         dtype_bytes: usize,
         checkpointing: bool,
-    ) -> u64 {
-        activation_bytes(cfg, batch, seq, dtype_bytes, checkpointing)
+        path: BackwardPath,
+        grad_accum: usize,
+    ) -> StepMemory {
+        step_memory(
+            cfg,
+            &ActivationLayout::single_device(cfg, batch),
+            &self.memory_layout(),
+            seq,
+            dtype_bytes,
+            checkpointing,
+            path,
+            grad_accum,
+        )
+    }
+    /// Whether [`TrainableModel::step_memory`] counts the MoE rows the last step's router
+    /// dispatched (then the report recomputes it after every step); false: an even split.
+    fn routing_is_measured(&self) -> bool {
+        false
     }
     /// Communication buffer bytes this rank holds (0 on one device).
     fn comm_bytes(&self) -> u64 {
@@ -662,17 +679,19 @@ pub fn train_loop(
     let flops_per_token = gcfg.flops_per_token(cfg.seq_len);
     let (peak, placeholder) = cfg.peak_flops();
     let layout = model.memory_layout();
-    let analytic = AnalyticMemory::new(
-        &layout,
-        model.activation_bytes(
+    let analytic_of = |model: &dyn TrainableModel| {
+        let step = model.step_memory(
             gcfg,
             cfg.batch_size,
             cfg.seq_len,
             cfg.dtype.candle().size_in_bytes(),
             cfg.activation_checkpointing,
-        ),
-        model.comm_bytes(),
-    );
+            BackwardPath::on(device),
+            cfg.grad_accum,
+        );
+        AnalyticMemory::new(&model.memory_layout(), step, model.comm_bytes())
+    };
+    let analytic = analytic_of(model);
     if lead {
         tracing::info!(
             params = layout.n_params,
@@ -814,6 +833,11 @@ pub fn train_loop(
             }
         }
         if cfg.mem_report {
+            // MoE rows depend on where this step's router sent the tokens.
+            let analytic = match model.routing_is_measured() {
+                true => analytic_of(model),
+                false => analytic,
+            };
             let report = tracker.finish(step, rank, analytic);
             if let Some(f) = mem_log.as_mut() {
                 write_json_line(f, &report)?;

@@ -170,6 +170,9 @@ pub trait StageHooks {
     /// Hooks for one forward or backward pass of this rank's chunk `chunk`. `last_backward` is
     /// true for the chunk's last backward pass of the step: its gradients are final after it.
     fn hooks(&mut self, chunk: usize, last_backward: bool) -> &mut dyn Hooks;
+    /// Called once per step, right before this rank's first backward pass: the moment its
+    /// schedule holds the most forward activations (the memory report reads its level here).
+    fn before_first_backward(&mut self) {}
 }
 
 /// No hooks for any pass.
@@ -392,6 +395,7 @@ impl PipelineExecutor {
         let (mut peak, mut loss_sum, mut aux_sum) = (0, 0.0, 0.0);
         let mut moe_stats: Vec<Vec<MoeStats>> = vec![Vec::new(); stages.chunks().len()];
         let (mut alive_bytes, mut peak_bytes) = (0, 0);
+        let mut backward_started = false;
         let (start, started_at) = (links.timeline.t0, SystemTime::now());
         for (i, action) in sched.actions(rank).iter().enumerate() {
             let (mb, chunk) = (action.mb(), action.chunk());
@@ -434,6 +438,10 @@ impl PipelineExecutor {
                     peak = peak.max(alive.len());
                 }
                 Action::Backward { .. } => {
+                    if !backward_started {
+                        backward_started = true;
+                        hooks.before_first_backward();
+                    }
                     let grad_out = match sched.input_stage(rank, action) {
                         None => None,
                         Some(from) => Some(links.recv(

@@ -8,10 +8,13 @@
 
 use mtrain_model::init::param_specs;
 use mtrain_model::GptConfig;
-use mtrain_parallel::placement::{is_expert_param, tp_placement, used_on_stage};
+use mtrain_parallel::ddp::DdpMode;
 use mtrain_parallel::parallelize::{DataParallelKind, ParallelPlan};
 use mtrain_parallel::pipeline::{Schedule, ScheduleKind, StageLayout};
+use mtrain_parallel::placement::{is_expert_param, tp_placement, used_on_stage};
 use serde::Serialize;
+
+use super::kept::{self, BackwardPath, Dims, Routing, SegmentCost};
 
 /// Bytes per parameter of each model-state category, what the layout divides each by, and the
 /// shard copies ZeRO-1/2 keep beside the full tensors.
@@ -123,6 +126,12 @@ impl ModelStateLayout {
         full.div_ceil(self.grad_shards) + copy(full, self.grad_copy_shards)
     }
 
+    /// Bytes of the optimizer's moments alone, which its first step allocates (the masters
+    /// exist from the start).
+    pub fn moments(&self) -> u64 {
+        (self.n_params * self.optim_bytes).div_ceil(self.optim_shards)
+    }
+
     /// Bytes of optimizer state plus master weights held.
     pub fn optim(&self) -> u64 {
         (self.n_params * (self.optim_bytes + self.master_bytes)).div_ceil(self.optim_shards)
@@ -139,6 +148,20 @@ fn copy(full: u64, shards: u64) -> u64 {
     match shards {
         0 => 0,
         n => full.div_ceil(n),
+    }
+}
+
+/// Bytes of the gradient buckets standalone bucketed DDP holds for `n_params` parameters
+/// (`standalone`: the layout runs that DDP): each bucket's flattened gradients and its
+/// all-reduce's result, in the reduce dtype, both held until the bucket is waited on after the
+/// backward (`parallel/src/ddp/buckets.rs`, `Ddp::finish_bucketed`) — two copies of the
+/// gradients.
+pub fn bucket_bytes(plan: &ParallelPlan, n_params: u64, standalone: bool) -> u64 {
+    match plan.data {
+        DataParallelKind::Ddp(d) if standalone && d.mode == DdpMode::Bucketed => {
+            2 * plan.precision.grad_reduce_dtype().size_in_bytes() as u64 * n_params
+        }
+        _ => 0,
     }
 }
 
@@ -184,23 +207,38 @@ fn stage_layout(
     Ok((plan.effective_schedule(), layout))
 }
 
-/// What one rank's activations depend on under a parallel layout.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+/// What one rank's step depends on under a parallel layout.
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ActivationLayout {
     /// Blocks this rank holds, summed over its model chunks.
     pub blocks: usize,
     /// Model chunks (virtual stages) this rank holds: 1 except under interleaved 1F1B.
     pub chunks: usize,
+    /// Whether this rank holds the first model stage (the embedding).
+    pub holds_embedding: bool,
     /// Whether this rank holds the last model stage (final LayerNorm, LM head, loss).
     pub holds_head: bool,
     /// Rows of one pipeline micro-batch, `B / M`.
     pub micro_batch: usize,
     /// Peak (micro-batch, chunk) pairs whose forward ran here while their backward had not.
     pub in_flight: usize,
+    /// Whether a later backward of the step runs with every gradient of the rank already
+    /// written (pipeline micro-batches or gradient accumulation: M > 1 passes per step).
+    pub accumulates: bool,
     /// Tensor-parallel degree.
     pub tp: usize,
+    /// Expert-parallel degree (MoE blocks).
+    pub ep: usize,
     /// Sequence parallelism inside the tp group.
     pub sequence_parallel: bool,
+    /// ZeRO-3 (FSDP): each segment's weights are gathered for its forward.
+    pub gathers_weights: bool,
+    /// The rows each of this rank's MoE blocks dispatched per pass, in block order (empty: an
+    /// even split with every slot filled, [`Routing::even`]).
+    pub routing: Vec<Routing>,
+    /// Parameters of each of this rank's segments in forward order (the embedding, the blocks,
+    /// the head; the tied `wte` with the head where the rank holds it, whose backward runs first).
+    pub segment_params: Vec<u64>,
 }
 
 /// Why a rank's part of a plan ([`ActivationLayout::for_plan`], [`rank_params`]) cannot be laid out.
@@ -214,17 +252,73 @@ pub enum ActivationLayoutError {
     Pipeline(String),
 }
 
+/// Parameters of each segment on `stages` in forward order, counted as [`rank_params`] counts.
+fn segment_params(
+    cfg: &GptConfig,
+    plan: &ParallelPlan,
+    layout: &StageLayout,
+    stages: &[usize],
+) -> Vec<u64> {
+    let (tp, ep) = (plan.dims.tp.max(1), plan.dims.ep.max(1));
+    let last = layout.num_stages() - 1;
+    let holds_head = stages.contains(&last);
+    let mut blocks: Vec<usize> = stages.iter().flat_map(|&s| layout.blocks(s)).collect();
+    blocks.sort_unstable();
+    // Slot 0: embedding, 1..=blocks: the blocks, last: the head.
+    let mut per = vec![0u64; blocks.len() + 2];
+    for (name, shape, _) in param_specs(cfg) {
+        if !stages.iter().any(|&s| used_on_stage(&name, s, layout)) {
+            continue;
+        }
+        let numel: usize = shape.iter().product();
+        let numel = if is_expert_param(&name) {
+            numel / ep
+        } else {
+            numel
+        };
+        let n = tp_placement(&name, false).local_numel(numel, tp) as u64;
+        let slot = match name.split('.').collect::<Vec<_>>().as_slice() {
+            ["h", i, ..] => i
+                .parse::<usize>()
+                .ok()
+                .and_then(|i| blocks.iter().position(|&b| b == i))
+                .map_or(0, |p| p + 1),
+            ["ln_f", ..] => per.len() - 1,
+            ["wte", ..] if holds_head => per.len() - 1,
+            _ => 0,
+        };
+        per[slot] += n;
+    }
+    let mut out = Vec::with_capacity(per.len());
+    if stages.contains(&0) {
+        out.push(per[0]);
+    }
+    out.extend(&per[1..per.len() - 1]);
+    if holds_head {
+        out.push(per[per.len() - 1]);
+    }
+    out
+}
+
 impl ActivationLayout {
-    /// The whole model on one device: every block, one micro-batch of `batch` rows.
+    /// The whole model on one device: every segment, one micro-batch of `batch` rows.
     pub fn single_device(cfg: &GptConfig, batch: usize) -> Self {
+        let plan = ParallelPlan::new(mtrain_comm::MeshDims::new(1, 1, 1, 1));
+        let layout = StageLayout::even(cfg.n_layer, 1).expect("one stage holds every block");
         Self {
             blocks: cfg.n_layer,
             chunks: 1,
+            holds_embedding: true,
             holds_head: true,
             micro_batch: batch,
             in_flight: 1,
+            accumulates: false,
             tp: 1,
+            ep: 1,
             sequence_parallel: false,
+            gathers_weights: false,
+            routing: Vec::new(),
+            segment_params: segment_params(cfg, &plan, &layout, &[0]),
         }
     }
 
@@ -254,48 +348,215 @@ impl ActivationLayout {
         let sim = Schedule::new(kind, pp, m)
             .and_then(|s| s.simulate())
             .map_err(|e| err(e.to_string()))?;
+        let zero3 = matches!(plan.data, DataParallelKind::Zero(z) if z.stage as u8 == 3)
+            && plan.dims.dp > 1;
         Ok(Self {
             blocks: mine.iter().map(|&s| layout.blocks(s).len()).sum(),
             chunks: mine.len().max(1),
+            holds_embedding: mine.contains(&0),
             holds_head: mine.contains(&(layout.num_stages() - 1)),
             micro_batch: batch / m,
             in_flight: sim.peak_in_flight(pp_rank),
+            accumulates: m > 1,
             tp: plan.dims.tp.max(1),
+            ep: plan.dims.ep.max(1),
             sequence_parallel: plan.sequence_parallel && plan.dims.tp > 1,
+            gathers_weights: zero3,
+            routing: Vec::new(),
+            segment_params: segment_params(cfg, plan, &layout, &mine),
         })
     }
 }
 
-/// Estimated activation bytes one rank keeps between forward and backward at its peak.
-///
-/// Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (2022),
-/// §4: a transformer block stores, at 2 bytes per value, for `b` rows of `t` tokens, width `c`,
-/// `h` heads and tensor-parallel degree `tp`
+/// What one rank holds through a step beyond the model state it starts the step with,
+/// predicted from what the segments keep (`memory/kept.rs`): the moments the report measures.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct StepMemory {
+    /// Held at the end of the forward (before the first backward): what every segment pass in
+    /// flight keeps, the engine's leaf copies of the segment inputs included.
+    pub activations: u64,
+    /// ZeRO-3 weights gathered by the forward still held at its end: by its graphs until
+    /// their backward, or (checkpointing) the last segment's.
+    pub gathered: u64,
+    /// Gradients already written when the reported forward ends: the earlier micro-steps'
+    /// under gradient accumulation (the report reads the last micro-step's forward).
+    pub earlier_grads: u64,
+    /// The step's highest level above its start: the largest moment of the first backward
+    /// (what is still held, the segment's backward at its worst, the gradients so far), or the
+    /// end of the forward if that is higher.
+    pub peak: u64,
+}
+
+/// The step memory of one rank with layout `layout`, `seq` tokens per row, `dtype_bytes` per
+/// value, on the backward path `path`; `param_bytes` and `grad_bytes` per parameter of the
+/// rank's model state (gathered weights, gradients written during the backward).
 ///
 /// ```text
-///   no tp                         b·t·c·(34 + 5·h·t/c)
-///   tp, no sequence parallelism   b·t·c·(10 + 24/tp + 5·h·t/(c·tp))   (eq. 2: LayerNorm inputs,
-///                                                                       dropout masks, residuals
-///                                                                       replicated; attention and
-///                                                                       MLP internals split)
-///   tp with sequence parallelism  b·t·c·(34/tp + 5·h·t/(c·tp))          (eq. 3)
+///   pass      = Σ over the rank's segments of (input copy + kept)          (one micro-batch, all chunks)
+///   checkpointing: pass = Σ input copies, and each backward first recomputes its segment (+ kept)
+///   activations = n/v · pass                   (n (micro-batch, chunk) pairs in flight over v chunks)
+///   peak      = max over the first backward's segments j (last to first) of
+///               activations − Σ_{i after j} (input + kept)_i / v + transient_j (+ kept_j recomputed)
+///               + gradients of the segments after j and j + gathered weights not yet released
+///   (with M > 1 passes also the last backward: one pass in flight, every gradient written)
 /// ```
 ///
-/// scaled by `dtype_bytes / 2`. The head stores the logits, their softmax and its gradient,
-/// `3·b·t·V / tp` values (vocab-parallel), on the rank holding the last stage only. The
-/// embedding's output is block 0's input, already inside block 0's `34` on the first stage (its
-/// backward needs only the token ids). On a rank with `L_r` blocks over `v` chunks and a peak of
-/// `n` (micro-batch, chunk) pairs in flight, with `b = B / M`:
-///
-/// ```text
-///   activations_r = n/v · (L_r · block(b) + head(b))                  (v = 1 unless interleaved;
-///                                                                       for v > 1 an average chunk)
-///   with checkpointing: n/v · (L_r · b·t·c·s/(tp if SP) + head(b)) + block(b)
-///                       (every block's input kept, one block recomputed at a time)
-/// ```
-///
-/// On one device (`L_r = L`, `n = v = tp = 1`, `b = B`) this is the whole model's
-/// `L · block(B) + head(B)`.
+/// On one device (`n = v = tp = 1`, `b = B`) this is the whole model's single pass.
+#[allow(clippy::too_many_arguments)]
+pub fn rank_step_memory(
+    cfg: &GptConfig,
+    layout: &ActivationLayout,
+    seq: usize,
+    dtype_bytes: usize,
+    checkpointing: bool,
+    path: BackwardPath,
+    param_bytes: u64,
+    grad_bytes: f64,
+) -> StepMemory {
+    let d = Dims {
+        b: layout.micro_batch as f64,
+        t: seq as f64,
+        c: cfg.n_embd as f64,
+        h: cfg.n_head as f64,
+        v: cfg.vocab_size as f64,
+        tp: layout.tp.max(1) as f64,
+        sp: layout.sequence_parallel,
+        w: dtype_bytes as f64,
+    };
+    let block_cost = |i: usize| match &cfg.moe {
+        None => kept::block(&d, path),
+        Some(m) => {
+            let even = Routing::even(d.b * d.t, m.n_experts, m.top_k, layout.ep);
+            let r = layout.routing.get(i).copied().unwrap_or(even);
+            kept::moe_block(&d, m.n_experts, layout.ep, &r)
+        }
+    };
+    let mut segs: Vec<SegmentCost> = Vec::with_capacity(layout.blocks + 2);
+    if layout.holds_embedding {
+        segs.push(kept::embedding(&d, path));
+    }
+    segs.extend((0..layout.blocks).map(block_cost));
+    if layout.holds_head {
+        segs.push(kept::head(&d, path));
+    }
+    let held = |s: &SegmentCost| match checkpointing {
+        true => s.input,
+        false => s.input + s.kept,
+    };
+    let v = layout.chunks.max(1) as f64;
+    let n = layout.in_flight.max(1) as f64;
+    // A stage that ends in a block also keeps its output (sent on) under checkpointing.
+    let sent = match checkpointing && !layout.holds_head {
+        true => d.nc_local() * d.w,
+        false => 0.0,
+    };
+    let pass: f64 = segs.iter().map(held).sum::<f64>() + sent;
+    let activations = n / v * pass;
+
+    let params = &layout.segment_params;
+    let total_params = params.iter().sum::<u64>().max(1) as f64;
+    // Without checkpointing the graphs hold every gathered weight; with it, the forward frees
+    // each segment's weights when the next one starts, so the last segment's stay.
+    let gathered = match (layout.gathers_weights, checkpointing) {
+        (true, false) => (param_bytes as f64) * total_params,
+        (true, true) => (param_bytes * params.last().copied().unwrap_or(0)) as f64,
+        (false, _) => 0.0,
+    };
+    // Under checkpointing ZeRO-3 gathers a segment again for its recompute, with the previous
+    // one prefetched: the two largest consecutive segments.
+    let regathered = match layout.gathers_weights && checkpointing {
+        true => {
+            params
+                .windows(2)
+                .map(|w| (w[0] + w[1]) as f64)
+                .fold(params.first().copied().unwrap_or(0) as f64, f64::max)
+                * param_bytes as f64
+        }
+        false => 0.0,
+    };
+    let mut peak = activations + gathered;
+    let (mut freed, mut done) = (0.0, 0.0);
+    for (j, s) in segs.iter().enumerate().rev() {
+        let p = params.get(j).copied().unwrap_or(0) as f64;
+        done += p;
+        let recomputed = if checkpointing { s.kept } else { 0.0 };
+        let level = activations - freed
+            + recomputed
+            + s.transient
+            + grad_bytes * done
+            + gathered * (1.0 - (done - p) / total_params)
+            + regathered;
+        peak = peak.max(level);
+        freed += held(s) / v;
+    }
+    // The step's last backward (with M > 1 passes): one pass left in flight, every gradient of
+    // the rank already written by the earlier ones (and no gathered weights of the others).
+    if layout.accumulates {
+        let last = pass / v;
+        let (mut freed, mut done) = (0.0, 0.0);
+        for (j, s) in segs.iter().enumerate().rev() {
+            let p = params.get(j).copied().unwrap_or(0) as f64;
+            let recomputed = if checkpointing { s.kept } else { 0.0 };
+            let left = gathered / n * (1.0 - done / total_params);
+            let level = last - freed
+                + recomputed
+                + s.transient
+                + grad_bytes * total_params
+                + left
+                + regathered;
+            peak = peak.max(level);
+            freed += held(s) / v;
+            done += p;
+        }
+    }
+    StepMemory {
+        activations: activations as u64,
+        gathered: gathered as u64,
+        earlier_grads: 0,
+        peak: peak as u64,
+    }
+}
+
+/// [`rank_step_memory`] for a rank holding `state`: its weights' bytes per parameter for the
+/// gathers, its gradient bytes spread over its parameters for the backward's gradients; with
+/// `grad_accum > 1` micro-steps the later backwards run with every gradient written.
+#[allow(clippy::too_many_arguments)]
+pub fn step_memory(
+    cfg: &GptConfig,
+    layout: &ActivationLayout,
+    state: &ModelStateLayout,
+    seq: usize,
+    dtype_bytes: usize,
+    checkpointing: bool,
+    path: BackwardPath,
+    grad_accum: usize,
+) -> StepMemory {
+    let grad_per_param = state.grads() as f64 / state.n_params.max(1) as f64;
+    let layout = ActivationLayout {
+        accumulates: layout.accumulates || grad_accum > 1,
+        ..layout.clone()
+    };
+    let step = rank_step_memory(
+        cfg,
+        &layout,
+        seq,
+        dtype_bytes,
+        checkpointing,
+        path,
+        state.param_bytes,
+        grad_per_param,
+    );
+    StepMemory {
+        earlier_grads: match grad_accum > 1 {
+            true => state.grads(),
+            false => 0,
+        },
+        ..step
+    }
+}
+
+/// Estimated activation bytes one rank keeps at the end of its forward
+/// ([`rank_step_memory`]'s `activations` on the autograd path).
 pub fn rank_activation_bytes(
     cfg: &GptConfig,
     layout: &ActivationLayout,
@@ -303,44 +564,20 @@ pub fn rank_activation_bytes(
     dtype_bytes: usize,
     checkpointing: bool,
 ) -> u64 {
-    let (b, t, c, h) = (
-        layout.micro_batch as f64,
-        seq as f64,
-        cfg.n_embd as f64,
-        cfg.n_head as f64,
-    );
-    let tp = layout.tp.max(1) as f64;
-    let scale = dtype_bytes as f64 / 2.0;
-    let attention = 5.0 * h * t / (c * tp);
-    let per_value = if layout.sequence_parallel {
-        34.0 / tp + attention
-    } else {
-        10.0 + 24.0 / tp + attention
-    };
-    let per_block = b * t * c * per_value * scale;
-    let head = if layout.holds_head {
-        3.0 * b * t * cfg.vocab_size as f64 * dtype_bytes as f64 / tp
-    } else {
-        0.0
-    };
-    let blocks = layout.blocks as f64;
-    let in_flight = layout.in_flight as f64 / layout.chunks.max(1) as f64;
-    let total = if checkpointing {
-        let input = b * t * c * dtype_bytes as f64;
-        let input = if layout.sequence_parallel {
-            input / tp
-        } else {
-            input
-        };
-        let recomputed = if layout.blocks > 0 { per_block } else { 0.0 };
-        in_flight * (blocks * input + head) + recomputed
-    } else {
-        in_flight * (blocks * per_block + head)
-    };
-    total as u64
+    rank_step_memory(
+        cfg,
+        layout,
+        seq,
+        dtype_bytes,
+        checkpointing,
+        BackwardPath::Autograd,
+        0,
+        0.0,
+    )
+    .activations
 }
 
-/// Estimated activation bytes of the whole model on one device for one batch of `batch` rows
+/// The activation bytes of the whole model on one device for one batch of `batch` rows
 /// ([`rank_activation_bytes`] with [`ActivationLayout::single_device`]).
 pub fn activation_bytes(
     cfg: &GptConfig,
@@ -357,7 +594,6 @@ pub fn activation_bytes(
         checkpointing,
     )
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -377,8 +613,6 @@ mod tests {
         );
     }
 
-    /// L = 4, C = 8, H = 2, V = 16, T = 4, 2-byte activations: per block at b rows
-    /// `b·4·8·(34 + 5·2·4/8) = 1248·b` bytes, head `3·b·4·16·2 = 384·b` bytes.
     fn small() -> GptConfig {
         GptConfig {
             vocab_size: 16,
@@ -390,74 +624,115 @@ mod tests {
         }
     }
 
+    fn step(cfg: &GptConfig, l: &ActivationLayout, ckpt: bool) -> StepMemory {
+        rank_step_memory(cfg, l, 4, 4, ckpt, BackwardPath::Autograd, 4, 4.0)
+    }
+
+    /// One device: every segment's input copy and kept tensors, and a peak above them by at
+    /// least one block's backward; each segment's parameters once (the tied `wte` once).
     #[test]
-    fn single_device_estimate_is_the_whole_model() {
+    fn single_device_holds_every_segment() {
         let cfg = small();
-        // 4 blocks · 1248·4 + 384·4 = 4992·4 + 1536 = 21504.
-        assert_eq!(activation_bytes(&cfg, 4, 4, 2, false), 21_504);
-        // Checkpointing: 4 block inputs of 4·4·8·2 bytes + one block + head = 1024 + 4992 + 1536.
-        assert_eq!(activation_bytes(&cfg, 4, 4, 2, true), 7_552);
-        // GPT-2 124M: the paper's closed form, 12·b·t·c·(34 + 5·h·t/c) + 3·b·t·V·2.
-        let g = GptConfig::gpt2_124m();
-        let (b, t, c, h, v) = (8.0, 1024.0, 768.0, 12.0, 50304.0);
-        let closed = 12.0 * b * t * c * (34.0 + 5.0 * h * t / c) + 3.0 * b * t * v * 2.0;
-        assert_eq!(activation_bytes(&g, 8, 1024, 2, false), closed as u64);
+        let one = ActivationLayout::single_device(&cfg, 4);
+        assert_eq!(
+            one.segment_params.iter().sum::<u64>(),
+            cfg.n_params() as u64,
+            "{:?}",
+            one.segment_params
+        );
+        assert_eq!(one.segment_params.len(), cfg.n_layer + 2);
+        let d = Dims {
+            b: 4.0,
+            t: 4.0,
+            c: 8.0,
+            h: 2.0,
+            v: 16.0,
+            tp: 1.0,
+            sp: false,
+            w: 4.0,
+        };
+        let (e, b, h) = (
+            kept::embedding(&d, BackwardPath::Autograd),
+            kept::block(&d, BackwardPath::Autograd),
+            kept::head(&d, BackwardPath::Autograd),
+        );
+        let pass = e.kept + 4.0 * (b.input + b.kept) + h.input + h.kept;
+        let s = step(&cfg, &one, false);
+        assert_eq!(s.activations, pass as u64);
+        assert!(s.peak as f64 >= pass - h.input - h.kept + b.transient);
+        assert_eq!(activation_bytes(&cfg, 4, 4, 4, false), s.activations);
+        // Checkpointing keeps the five float inputs only.
+        let c = step(&cfg, &one, true);
+        assert_eq!(c.activations, (4.0 * b.input + h.input) as u64);
+        assert!(c.peak < s.peak);
     }
 
     #[test]
-    fn pipeline_1f1b_holds_its_stage_blocks_times_micro_batches_in_flight() {
+    fn pipeline_1f1b_holds_its_stage_times_micro_batches_in_flight() {
         let cfg = small();
         let mut plan = ParallelPlan::new(mtrain_comm::MeshDims::new(1, 2, 1, 1));
         plan.microbatches = 2;
         plan.schedule = ScheduleKind::OneFOneB;
-        // B = 4 rows, M = 2: micro-batch b = 2; per block 1248·2 = 2496, head 384·2 = 768.
         let r0 = ActivationLayout::for_plan(&cfg, &plan, 0, 4).expect("rank 0");
         let r1 = ActivationLayout::for_plan(&cfg, &plan, 1, 4).expect("rank 1");
         assert_eq!(
-            (r0.blocks, r0.micro_batch, r0.in_flight, r0.holds_head),
-            (2, 2, 2, false)
+            (
+                r0.blocks,
+                r0.micro_batch,
+                r0.in_flight,
+                r0.holds_head,
+                r0.holds_embedding
+            ),
+            (2, 2, 2, false, true)
         );
         assert_eq!(
-            (r1.blocks, r1.micro_batch, r1.in_flight, r1.holds_head),
-            (2, 2, 1, true)
+            (
+                r1.blocks,
+                r1.micro_batch,
+                r1.in_flight,
+                r1.holds_head,
+                r1.holds_embedding
+            ),
+            (2, 2, 1, true, false)
         );
-        // Rank 0: min(P − 0, M) = 2 in flight · 2 blocks · 2496 = 9984.
-        assert_eq!(rank_activation_bytes(&cfg, &r0, 4, 2, false), 9_984);
-        // Rank 1: min(P − 1, M) = 1 in flight · (2 · 2496 + 768) = 5760.
-        assert_eq!(rank_activation_bytes(&cfg, &r1, 4, 2, false), 5_760);
-        // GPipe keeps all M = 2 micro-batches on the last stage too: 2 · 5760.
+        // Rank 0 holds two micro-batches of half the rows: its pass over 2 blocks, twice.
+        let half = ActivationLayout {
+            in_flight: 1,
+            ..r0.clone()
+        };
+        assert_eq!(
+            step(&cfg, &r0, false).activations,
+            2 * step(&cfg, &half, false).activations
+        );
+        // GPipe keeps all M = 2 micro-batches on the last stage too.
         plan.schedule = ScheduleKind::GPipe;
         let g1 = ActivationLayout::for_plan(&cfg, &plan, 1, 4).expect("gpipe rank 1");
-        assert_eq!(rank_activation_bytes(&cfg, &g1, 4, 2, false), 11_520);
+        assert_eq!(
+            step(&cfg, &g1, false).activations,
+            2 * step(&cfg, &r1, false).activations
+        );
         // A batch that does not split into M micro-batches is refused, naming both.
         let e = ActivationLayout::for_plan(&cfg, &plan, 0, 3).expect_err("3 rows, M = 2");
         assert!(e.to_string().contains("batch 3") && e.to_string().contains('2'));
     }
 
+    /// ZeRO-3 without checkpointing: the forward's graphs hold every gathered weight.
     #[test]
-    fn tensor_parallel_splits_the_sharded_part_and_sequence_parallel_the_rest() {
+    fn fsdp_forward_holds_the_gathered_weights() {
+        use mtrain_parallel::fsdp::{FsdpConfig, ZeroStage};
         let cfg = small();
-        let mut plan = ParallelPlan::new(mtrain_comm::MeshDims::new(1, 1, 2, 1));
-        let tp = ActivationLayout::for_plan(&cfg, &plan, 0, 4).expect("tp 2");
-        // b·t·c = 128; per value 10 + 24/2 + 5·2·4/(8·2) = 24.5 → 3136 per block;
-        // 4 blocks + logits 3·4·4·16·2/2 = 768: 12544 + 768.
-        assert_eq!(rank_activation_bytes(&cfg, &tp, 4, 2, false), 13_312);
-        plan.sequence_parallel = true;
-        let sp = ActivationLayout::for_plan(&cfg, &plan, 0, 4).expect("tp 2 + sp");
-        // per value 34/2 + 2.5 = 19.5 → 2496 per block; 4 · 2496 + 768.
-        assert_eq!(rank_activation_bytes(&cfg, &sp, 4, 2, false), 10_752);
-        // tp = 1 gives back the single-device figure.
-        let one = ActivationLayout::for_plan(
-            &cfg,
-            &ParallelPlan::new(mtrain_comm::MeshDims::new(1, 1, 1, 1)),
-            0,
-            4,
-        )
-        .expect("one rank");
-        assert_eq!(
-            rank_activation_bytes(&cfg, &one, 4, 2, false),
-            activation_bytes(&cfg, 4, 4, 2, false)
-        );
+        let mut plan = ParallelPlan::new(mtrain_comm::MeshDims::new(2, 1, 1, 1));
+        plan.data = DataParallelKind::Zero(FsdpConfig {
+            stage: ZeroStage::Three,
+            ..FsdpConfig::default()
+        });
+        let l = ActivationLayout::for_plan(&cfg, &plan, 0, 4).expect("fsdp");
+        assert!(l.gathers_weights);
+        let s = step(&cfg, &l, false);
+        assert_eq!(s.gathered, 4 * cfg.n_params() as u64);
+        // With checkpointing only the last segment's weights are still gathered: the head's.
+        let head = *l.segment_params.last().expect("a head");
+        assert_eq!(step(&cfg, &l, true).gathered, 4 * head);
     }
 
     #[test]

@@ -81,6 +81,9 @@ pub trait MemoryProbe {
     fn peak(&self) -> u64;
     /// Start a new high-water mark at the current value.
     fn reset_peak(&self);
+    /// Wait until the figures include every allocation and free already issued (a GPU's
+    /// asynchronous frees); a no-op where they always do.
+    fn settle(&self) {}
 }
 
 /// Heap bytes counted by [`CountingAlloc`] (zero unless it is the global allocator).

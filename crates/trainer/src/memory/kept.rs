@@ -1,0 +1,394 @@
+//! What the code keeps: the bytes each segment's forward leaves for its backward, and what its
+//! backward adds at its worst moment, counted tensor by tensor from the code that runs — not
+//! fitted to a measurement. [`super::analytic`] sums these per rank under a plan.
+//!
+//! Two backward paths run segments (`model/src/engine.rs`, `Recorded::run`): a segment whose
+//! `forward_taped` offers a tape runs the hand-written backward, every other one is
+//! differentiated by candle's autograd.
+//!
+//! # Autograd (the reference; every segment on CPU)
+//!
+//! candle's graph keeps every tensor an op was applied to, so a segment keeps each output of a
+//! plain candle op that a later op consumed: views (`reshape` of a contiguous tensor,
+//! `transpose`, `narrow`, `broadcast_as`) share storage, everything else is a new tensor. Per
+//! block, in values of `N·C` (`N = b·t` rows; `w` bytes per value of the compute dtype; the
+//! LayerNorm, softmax and loss statistics run in f32, so 16-bit inputs add an f32 upcast and a
+//! downcast copy):
+//!
+//! ```text
+//!   LayerNorm (×2)        x − mean, (x − mean)², ÷ std, · w, + b       5 f32 (+ up, down for 16-bit)
+//!   c_attn                x Wᵀ, + b                                     3 + 3
+//!   heads                 q, k, v reshaped (a strided copy), contiguous 3 + 3
+//!   attention             q · scale, softmax(…) v, merge (a copy)       1 + 1 + 1
+//!   scores (B, H, T, T)   q kᵀ, + mask, − max, exp, ÷ Σ                 S·(w + 4·4) (+ up, down)
+//!   c_proj, residual      x Wᵀ, + b, x + a                              2 + 1
+//!   MLP                   x Wᵀ + b (4C), gelu (4C), x Wᵀ + b, residual  8 + 4 + 2 + 1
+//!   ─────────────────────────────────────────────────────────────────
+//!   dense block           27 N·C "inside" (split by tp) + 6 N·C at the width C + 2 LayerNorms + scores
+//! ```
+//!
+//! Tensor parallelism splits the 27 and the scores by `tp` and adds its collectives, each of
+//! which keeps its result and a copy (`parallel/src/ops.rs`, `value_with_backward`): the column
+//! layer's input copy (f), the row layer's all-reduce result and copy (g); sequence parallelism
+//! runs the LayerNorms and residuals on `T/tp` rows and gathers (result + copy) the full sequence
+//! before each column layer. The head keeps its LayerNorm, the logits (N, V) and the
+//! log-softmax's `− max`, `exp` and `− lse` in f32 (`4·N·V·4` bytes in f32); the embedding the
+//! looked-up rows and their sum with the positions. Every segment with a float input also keeps
+//! the engine's leaf copy of that input (`Var::from_tensor` copies).
+//!
+//! candle's backward keeps, until the segment's `backward()` returns, the gradient of every
+//! leaf and of every operand that tracks no gradient, and a gradient computed from a forward
+//! tensor that tracks gradients carries its own graph until its node is processed. The worst
+//! moment of a dense block is the GELU's derivative (`candle-core/src/backprop.rs`, `Gelu`):
+//! the gradient of the 4C-wide input holds the 15 tensors of the formula, the zeros it was
+//! added to and the incoming gradient, and the next node (the c_fc bias add) adds a sum and two
+//! zero-initialised gradients: `21` tensors of `N·4C/tp`, on top of the objective `out · g`,
+//! the untracked `g`'s gradient and the residual branch's gradient (3 of the output's size).
+//! The softmax's worst moment (its division node: the incoming chain of 3, the numerator's
+//! chain of 3, the denominator's of 5) is `11` tensors of the scores, in f32. The head's worst
+//! moment is its log-softmax (`7` tensors of N·V in f32: the chain of the `exp` node, the
+//! logits' gradient, the untracked max's gradient and a zero-initialised one) or its LayerNorm
+//! (the normalisation's three gradient chains, 4 + 3 + 5 tensors of N·C, with the max's
+//! gradient and `wte`'s).
+//!
+//! # Tapes (the hand-written backward, `model/src/explicit.rs`)
+//!
+//! On CUDA the dense blocks, the head and the embedding run graph-free forwards that keep
+//! exactly the tensors their `*Tape` structs name:
+//!
+//! ```text
+//!   block   h1, qkv (3), y, ym, x1, h2, f (4), g (4), out   17 N·C   + 4 LayerNorm statistics (N) + lse (B·H·T), f32
+//!   head    h, logits (N, V), lse (N)
+//!   embedding  out
+//! ```
+//!
+//! (the block input is the previous segment's output, held through the engine's leaf copy) and
+//! the backward frees each tensor after its last use; with the fused kernels its worst moment
+//! is the MLP branch: the incoming gradient, then `dg` (4C wide) beside `g`, then `df` beside
+//! `f` (5 N·C above what is kept); the head's is `dlogits` (N, V). On CPU the same tapes run
+//! in plain candle ops when switched on (`explicit::set_cpu`): their forward keeps the same
+//! tensors (the CPU attention keeps no lse); their backward is not counted here (the CPU
+//! attention's backward recomputes under autograd, and the gradients it returns carry that
+//! graph until the step ends).
+//!
+//! On CUDA the layers without a tape (tensor-parallel blocks, head and embedding, MoE blocks)
+//! run autograd over the fused kernels, whose ops keep their own inputs; they are counted here
+//! with the plain ops' tensors, which no GPU run has checked yet.
+//!
+//! Sizes are in bytes, as `f64` so the formulas read as written; callers round once.
+
+use serde::Serialize;
+
+/// How a segment's backward runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BackwardPath {
+    /// candle's autograd over the segment's recorded graph (CPU, and layers without a tape).
+    Autograd,
+    /// The hand-written backward passes of the dense blocks, the head and the embedding (CUDA).
+    Tapes,
+}
+
+impl BackwardPath {
+    /// The path the engine takes for a dense segment on `cuda` or on CPU: tapes on a GPU (unless
+    /// switched off, `explicit::set_enabled`), autograd on CPU (the CPU tapes are off unless a
+    /// test switches them on).
+    pub fn of_device(cuda: bool) -> Self {
+        match cuda && mtrain_model::explicit::is_enabled() {
+            true => BackwardPath::Tapes,
+            false => BackwardPath::Autograd,
+        }
+    }
+
+    /// [`BackwardPath::of_device`] for `device`.
+    pub fn on(device: &candle_core::Device) -> Self {
+        Self::of_device(device.is_cuda())
+    }
+}
+
+/// The sizes one segment pass sees.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Dims {
+    /// Rows of the micro-batch `b`.
+    pub b: f64,
+    /// Sequence length `T`.
+    pub t: f64,
+    /// Width `C`.
+    pub c: f64,
+    /// Heads `H` of the whole model.
+    pub h: f64,
+    /// Vocabulary `V`.
+    pub v: f64,
+    /// Tensor-parallel degree.
+    pub tp: f64,
+    /// Sequence parallelism (LayerNorms and residuals on `T/tp` rows).
+    pub sp: bool,
+    /// Bytes per value of the compute dtype.
+    pub w: f64,
+}
+
+/// f32, the dtype of every statistic.
+const F32: f64 = 4.0;
+
+impl Dims {
+    /// `N·C`: one activation of the block's width.
+    fn nc(&self) -> f64 {
+        self.b * self.t * self.c
+    }
+
+    /// `N·C` on this rank between the linear layers (`/tp` with sequence parallelism).
+    pub fn nc_local(&self) -> f64 {
+        match self.sp {
+            true => self.nc() / self.tp,
+            false => self.nc(),
+        }
+    }
+
+    /// Attention scores of this rank's heads: `b · H/tp · T²`.
+    fn scores(&self) -> f64 {
+        self.b * (self.h / self.tp) * self.t * self.t
+    }
+
+    /// Bytes of the f32 upcast and the downcast copy a 16-bit input adds per value.
+    fn casts(&self) -> f64 {
+        match self.w < F32 {
+            true => F32 + self.w,
+            false => 0.0,
+        }
+    }
+
+    /// One LayerNorm over `rows·C` values: 5 f32 tensors (plus the casts).
+    fn layer_norm(&self, values: f64) -> f64 {
+        values * (5.0 * F32 + self.casts())
+    }
+}
+
+/// What one segment pass costs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct SegmentCost {
+    /// The engine's leaf copy of a float input (0 for token ids).
+    pub input: f64,
+    /// What the forward keeps for the backward, its output included.
+    pub kept: f64,
+    /// What the backward adds on top of `kept` at its worst moment.
+    pub transient: f64,
+}
+
+/// The embedding: `wte[idx] + wpe` (autograd: the rows and the sum; tp: the vocab-parallel mask
+/// product and the all-reduce's result and copy, or reduce-scatter with sp; tapes: the output).
+pub fn embedding(d: &Dims, path: BackwardPath) -> SegmentCost {
+    let (nc, w) = (d.nc(), d.w);
+    let kept = match (path, d.tp > 1.0) {
+        (BackwardPath::Tapes, false) => nc * w,
+        (_, false) => 2.0 * nc * w,
+        (_, true) => {
+            // rows, · mask, then (all-reduce or reduce-scatter) result + copy, + positions
+            (2.0 * nc + 3.0 * d.nc_local()) * w
+        }
+    };
+    SegmentCost {
+        input: 0.0,
+        kept,
+        // The output's gradient and its sum over the batch.
+        transient: 2.0 * d.nc_local() * w,
+    }
+}
+
+/// A dense block (see the module tables).
+pub fn block(d: &Dims, path: BackwardPath) -> SegmentCost {
+    let (nc, w, tp) = (d.nc(), d.w, d.tp);
+    let input = d.nc_local() * w;
+    if path == BackwardPath::Tapes && tp == 1.0 {
+        let n = d.b * d.t;
+        let stats = 4.0 * n * F32 + d.b * d.h * d.t * F32;
+        return SegmentCost {
+            input,
+            kept: 17.0 * nc * w + stats,
+            // The incoming gradient, then dg (4C wide) beside g, then df beside f.
+            transient: 5.0 * nc * w,
+        };
+    }
+    let scores = d.scores() * (w + 4.0 * F32 + d.casts());
+    let inside = 27.0 * nc / tp * w;
+    // At the width C, per branch (attention, MLP): dense c_proj + bias and the residual (3);
+    // tp: f's copy, the partial product, g's result and copy, + bias, residual (6);
+    // sp: the gather's result and copy, the partial product (3 at N·C) and the reduce-scatter's
+    // result and copy, + bias, residual (4 at N·C/tp).
+    let width = match (tp > 1.0, d.sp) {
+        (false, _) => 2.0 * 3.0 * nc,
+        (true, false) => 2.0 * 6.0 * nc,
+        (true, true) => 2.0 * (3.0 * nc + 4.0 * nc / tp),
+    } * w;
+    let norms = 2.0 * d.layer_norm(d.nc_local());
+    SegmentCost {
+        input,
+        kept: norms + inside + width + scores,
+        transient: autograd_block_transient(d, 4.0 * nc / tp),
+    }
+}
+
+/// The worst moment of an autograd block's backward: the GELU's derivative over `gelu_values`
+/// (21 tensors) or the softmax's division (11 f32 tensors of the scores), on top of 3 tensors
+/// of the block's output size.
+fn autograd_block_transient(d: &Dims, gelu_values: f64) -> f64 {
+    let base = 3.0 * d.nc_local() * d.w;
+    let gelu = 21.0 * gelu_values * d.w;
+    let softmax = 11.0 * d.scores() * F32;
+    base + gelu.max(softmax)
+}
+
+/// The rows one MoE layer dispatched on a rank in one pass.
+///
+/// How many rows the experts compute depends on where the router sends the tokens: `mtrain
+/// plan` assumes every slot filled and an even split ([`Routing::even`]); the report, after a
+/// step, takes the rows that step's router actually dispatched (its expert load).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Routing {
+    /// Rows this rank's tokens filled (`top_k · N` less the choices dropped at capacity).
+    pub sent: f64,
+    /// Rows this rank's experts computed.
+    pub received: f64,
+    /// Rows of this rank's busiest expert.
+    pub busiest: f64,
+}
+
+impl Routing {
+    /// Every one of the `top_k · n_tokens` slots filled, the same rows for each of the `n_experts`
+    /// experts, `n_experts / ep` on each rank.
+    pub fn even(n_tokens: f64, n_experts: usize, top_k: usize, ep: usize) -> Self {
+        let slots = top_k as f64 * n_tokens;
+        let local = (n_experts as f64 / ep.max(1) as f64).max(1.0);
+        Self {
+            sent: slots,
+            received: slots,
+            busiest: slots / local,
+        }
+    }
+}
+
+/// A mixture-of-experts block (autograd only): attention as in [`block`], then the router and
+/// the routed rows of `routing` (`S` sent, `R` received; one expert MLP per local expert):
+///
+/// ```text
+///   ep = 1   per routed row: index_select, c_fc + b (4C + 4C), gelu (4C), c_proj + b, · gate = 16 C
+///            per expert: the index_add's new (N, C), and the zeros it starts from
+///   ep > 1   sent rows S:     x_perm, the combine all-to-all's result and copy, · gate (4 C)
+///            received rows R: the dispatch all-to-all's result and copy, the expert-major
+///                             copy, the experts (14 C), cat, the inverse gather (19 C)
+///            zeros and index_add (2 N·C)
+/// ```
+pub fn moe_block(d: &Dims, n_experts: usize, ep: usize, routing: &Routing) -> SegmentCost {
+    let (nc, w) = (d.nc(), d.w);
+    let (e, ep) = (n_experts as f64, ep.max(1) as f64);
+    let (sent, received) = (routing.sent * d.c, routing.received * d.c);
+    let scores = d.scores() * (w + 4.0 * F32 + d.casts());
+    // Attention as in the dense block: 18 N·C (c_attn 6, heads 6, scale, ·v, merge, c_proj 2,
+    // residual), the MLP half replaced by the experts and the block's residual.
+    let attention = 18.0 * nc * w + scores;
+    let experts = match ep > 1.0 {
+        false => 16.0 * received + (e + 1.0) * nc,
+        true => 4.0 * sent + 19.0 * received + 2.0 * nc,
+    } * w;
+    // Router logits and softmax (N, E) in f32: logits, − max, exp, ÷ Σ.
+    let router = 4.0 * d.b * d.t * e * F32;
+    let residual = nc * w;
+    let norms = 2.0 * d.layer_norm(nc);
+    SegmentCost {
+        input: nc * w,
+        kept: norms + attention + experts + router + residual,
+        // The busiest expert's GELU.
+        transient: autograd_block_transient(d, 4.0 * routing.busiest * d.c),
+    }
+}
+
+/// The head: final LayerNorm, logits against the tied `wte`, mean cross-entropy.
+pub fn head(d: &Dims, path: BackwardPath) -> SegmentCost {
+    let (nc, w, tp) = (d.nc(), d.w, d.tp);
+    let nv = d.b * d.t * d.v / tp;
+    let input = d.nc_local() * w;
+    if path == BackwardPath::Tapes && tp == 1.0 {
+        return SegmentCost {
+            input,
+            kept: nc * w + nv * w + d.b * d.t * F32,
+            // dlogits (the fused kernel's output), then dh and the input's gradient.
+            transient: nv * w + 2.0 * nc * w,
+        };
+    }
+    let norm = d.layer_norm(d.nc_local());
+    // f: the copy (tp), or the sequence gather's result and copy (sp).
+    let into_tp = match (tp > 1.0, d.sp) {
+        (false, _) => 0.0,
+        (true, false) => nc * w,
+        (true, true) => 2.0 * nc * w,
+    };
+    // logits, the f32 upcast of 16-bit logits, then − max, exp (and − lse for the dense loss).
+    let loss_tensors = match tp > 1.0 {
+        true => 2.0,
+        false => 3.0,
+    };
+    let logits = nv * (w + d.casts().min(F32) + loss_tensors * F32);
+    let softmax_phase = 7.0 * nv * F32;
+    let norm_phase = 12.0 * d.nc_local() * F32 + nv * F32 + d.c * d.v / tp * w;
+    SegmentCost {
+        input,
+        kept: norm + into_tp + logits,
+        transient: softmax_phase.max(norm_phase),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny(c: f64, w: f64) -> Dims {
+        Dims {
+            b: 16.0,
+            t: 64.0,
+            c,
+            h: 4.0,
+            v: 256.0,
+            tp: 1.0,
+            sp: false,
+            w,
+        }
+    }
+
+    const MIB: f64 = (1u64 << 20) as f64;
+
+    /// The default tiny run (16 × 64 tokens, width 64, fp32): a block keeps 43 N·C of 256 KiB
+    /// and 5 score tensors of 1 MiB, the head 5 N·C and 4 N·V of 1 MiB, the embedding 2 N·C —
+    /// 4 · 15.75 + 5.25 + 0.5 MiB plus the five leaf copies.
+    #[test]
+    fn the_tiny_runs_tensors_add_up() {
+        let d = tiny(64.0, 4.0);
+        let blk = block(&d, BackwardPath::Autograd);
+        assert_eq!(blk.kept / MIB, 43.0 / 4.0 + 5.0);
+        assert_eq!(head(&d, BackwardPath::Autograd).kept / MIB, 5.0 / 4.0 + 4.0);
+        assert_eq!(embedding(&d, BackwardPath::Autograd).kept / MIB, 0.5);
+        // GELU's derivative over (N, 4C): 21 · 1 MiB, on top of 3 · 256 KiB.
+        assert_eq!(blk.transient / MIB, 21.0 + 0.75);
+        // Tapes: 17 N·C, the statistics and lse.
+        let tape = block(&d, BackwardPath::Tapes);
+        assert!(
+            (tape.kept / MIB - 17.0 / 4.0).abs() < 0.04,
+            "{}",
+            tape.kept / MIB
+        );
+    }
+
+    /// Tensor parallelism at tp = 2 splits the 27 inside values and the scores, keeps the
+    /// width-C tensors and adds the collectives' copies; sequence parallelism moves the
+    /// LayerNorms and residuals to T/tp rows.
+    #[test]
+    fn tensor_and_sequence_parallel_split_what_they_split() {
+        let one = tiny(64.0, 4.0);
+        let tp = Dims { tp: 2.0, ..one };
+        let sp = Dims { sp: true, ..tp };
+        let nc = one.nc() * 4.0;
+        let s = one.scores() * 20.0;
+        let k = |d: &Dims| block(d, BackwardPath::Autograd).kept;
+        assert_eq!(k(&one), 10.0 * nc + 27.0 * nc + 6.0 * nc + s);
+        assert_eq!(k(&tp), 10.0 * nc + 13.5 * nc + 12.0 * nc + s / 2.0);
+        assert_eq!(k(&sp), 5.0 * nc + 13.5 * nc + 6.0 * nc + 4.0 * nc + s / 2.0);
+    }
+}
