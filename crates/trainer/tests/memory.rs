@@ -395,14 +395,14 @@ fn predicted_activations_and_peak_match_the_measured_ones_on_every_rank() {
 }
 
 /// The hand-written backward's forward (the tapes, which a GPU runs; here in plain CPU ops,
-/// switched on for this test) keeps what the model counts for the tape path, and the autograd
+/// chosen by the engine's `Backward::Tapes`) keeps what the model counts for the tape path, and the autograd
 /// forward what it counts for autograd: the heap grown by one `Engine::forward` of the tiny
 /// model at both widths, within ±15%. (Only the forward: the CPU tapes' attention backward
 /// recomputes under autograd, which a GPU does not.)
 #[test]
 fn the_tape_and_autograd_forwards_keep_what_the_model_counts() {
     use candle_core::{Device, Tensor};
-    use mtrain_model::{explicit, init_weights, Engine, Gpt, GptConfig, Grads, NoHooks};
+    use mtrain_model::{init_weights, Backward, Engine, Gpt, GptConfig, Grads, NoHooks};
     use mtrain_trainer::memory::{
         step_memory, ActivationLayout, BackwardPath, CpuProbe, MemoryProbe, ModelStateLayout,
     };
@@ -417,7 +417,6 @@ fn the_tape_and_autograd_forwards_keep_what_the_model_counts() {
     let (idx, tgt) = (ids(1), ids(9));
     let probe = CpuProbe;
     for path in [BackwardPath::Tapes, BackwardPath::Autograd] {
-        explicit::set_cpu(path == BackwardPath::Tapes);
         for n_embd in [64, 256] {
             let cfg = GptConfig {
                 n_embd,
@@ -429,7 +428,10 @@ fn the_tape_and_autograd_forwards_keep_what_the_model_counts() {
                 &Device::Cpu,
             )
             .expect("model");
-            let engine = Engine::new(false);
+            let engine = Engine::new(false).with_backward(match path {
+                BackwardPath::Tapes => Backward::Tapes,
+                BackwardPath::Autograd => Backward::Autograd,
+            });
             // One warm-up step: the kernels' workspaces and the gradients exist before the
             // measured forward.
             let mut grads = Grads::new();
@@ -465,5 +467,4 @@ fn the_tape_and_autograd_forwards_keep_what_the_model_counts() {
             );
         }
     }
-    explicit::set_cpu(false);
 }

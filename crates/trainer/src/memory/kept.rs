@@ -90,13 +90,13 @@ pub enum BackwardPath {
 }
 
 impl BackwardPath {
-    /// The path the engine takes for a dense segment on `cuda` or on CPU: tapes on a GPU (unless
-    /// switched off, `explicit::set_enabled`), autograd on CPU (the CPU tapes are off unless a
-    /// test switches them on).
+    /// The path the engine's default [`mtrain_model::Backward`] takes for a dense segment on a
+    /// CUDA device (`cuda`) or on the CPU.
     pub fn of_device(cuda: bool) -> Self {
-        match cuda && mtrain_model::explicit::is_enabled() {
-            true => BackwardPath::Tapes,
-            false => BackwardPath::Autograd,
+        match mtrain_model::Backward::default() {
+            mtrain_model::Backward::Autograd => BackwardPath::Autograd,
+            mtrain_model::Backward::TapesOnCuda if !cuda => BackwardPath::Autograd,
+            _ => BackwardPath::Tapes,
         }
     }
 
