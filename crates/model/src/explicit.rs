@@ -41,10 +41,10 @@
 //!
 //! Legend: `B` batch, `T` time, `C` width, `H` heads, `D` head size, `V` vocabulary, `N = B·T`.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Result, Tensor};
 use mtrain_kernels::{attention, bias, cross_entropy, embedding, gelu, layer_norm};
-
-use std::sync::Arc;
 
 use crate::layers::{CausalSelfAttention, FeedForward, LayerNorm, Linear};
 use crate::param::Param;
@@ -60,9 +60,10 @@ fn err(s: String) -> candle_core::Error {
 }
 
 /// A linear layer's weight (out, in) and bias (out,), detached (the tape differentiates by
-/// hand), and the collectives around its matmul ([`crate::layers::LinearParts`]): none for a dense layer, f on
-/// the input of a column-parallel one, g or the sequence reduce-scatter on the product of a
-/// row-parallel one. So one forward and one backward serve the dense and the sharded block.
+/// hand), and the collectives around its matmul ([`crate::layers::LinearParts`]): none for a
+/// dense layer, f on the input of a column-parallel one, g or the sequence reduce-scatter on
+/// the product of a row-parallel one. So one forward and one backward serve the dense and the
+/// sharded block.
 struct Dense {
     w_name: String,
     b_name: String,

@@ -41,11 +41,6 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
 pub trait Linear: Send + Sync {
     fn forward(&self, x: &Tensor) -> Result<Tensor>;
     fn params(&self) -> Vec<Param>;
-    /// This layer as the ordinary dense layer, when it is one (the hand-written backward of
-    /// [`crate::explicit`] covers only dense layers).
-    fn as_dense(&self) -> Option<&DenseLinear> {
-        None
-    }
     /// The layer as the hand-written backward ([`crate::explicit`]) sees it: its parameters and
     /// the collectives around its matmul; None where it has no hand-written backward.
     fn parts(&self) -> Option<LinearParts<'_>> {
@@ -91,10 +86,6 @@ impl Linear for DenseLinear {
         std::iter::once(self.weight.clone())
             .chain(self.bias.clone())
             .collect()
-    }
-
-    fn as_dense(&self) -> Option<&DenseLinear> {
-        Some(self)
     }
 
     fn parts(&self) -> Option<LinearParts<'_>> {
