@@ -90,12 +90,14 @@ fn across(
     y.reshape((b2 * t2, f2))
 }
 
+/// [`across`] in the forward direction.
 fn fwd(c: &dyn Collective, x: &Tensor) -> Result<Tensor> {
     c.forward(x)
 }
 
-fn bwd(c: &dyn Collective, x: &Tensor) -> Result<Tensor> {
-    c.backward(x)
+/// [`across`] in the backward direction (the conjugate).
+fn bwd(c: &dyn Collective, dy: &Tensor) -> Result<Tensor> {
+    c.backward(dy)
 }
 
 impl Dense {

@@ -15,6 +15,9 @@
 //!
 //! The column layers of a sequence-parallel block take [`super::ColumnInput::SequenceGathered`]
 //! and the row layers [`super::RowOutput::ReduceScatterSequence`].
+//!
+//! Its hand-written backward is the dense block's ([`sharded_block_tape`]) with the all-gather
+//! entering each sub-layer and the row layers' reduce-scatter, each conjugate in its place.
 
 use candle_core::{Result, Tensor};
 use mtrain_comm::Comm;

@@ -18,6 +18,10 @@
 //! With sequence parallelism the embedding's sum becomes a reduce-scatter along T (each rank
 //! keeps its tokens) and the head first all-gathers the sequence.
 //!
+//! Both segments also have a hand-written backward (a [`Tape`]): the same collectives in the
+//! same order, the loss's gradient `(e^(z_r − m)/S − onehot_r)·s/N` written out instead of
+//! recorded, and the LayerNorm and position-table rules of [`mtrain_model::explicit`].
+//!
 //! Legend: `B` batch, `T` sequence, `C` width, `V` vocabulary, `N = B·T`.
 
 use std::sync::Arc;
