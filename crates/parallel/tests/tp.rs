@@ -8,8 +8,9 @@
 //! - `trace_*`: the collectives each block issues in forward and backward, and that the tapes
 //!   issue the same ones (kind and bytes, in order) as autograd.
 //! - `tapes_*`: every tensor-parallel segment's hand-written backward against autograd, every
-//!   parameter gradient and the input gradient (rel ≤ 1e-5), and the whole model through the
-//!   tapes against one device.
+//!   parameter gradient and the input gradient (rel ≤ 1e-5), the whole model through the tapes
+//!   against one device (with and without checkpointing), and at tp = 1 the block's tape
+//!   giving the dense block tape's numbers exactly.
 
 mod common;
 
@@ -1029,4 +1030,39 @@ fn tapes_with_checkpointing_match_autograd() {
             }
         });
     }
+}
+
+/// A tensor-parallel block at tp = 1 is the dense block: its tape (the same code, collectives
+/// over a group of one) gives the dense block tape's output and gradients exactly.
+#[test]
+fn tapes_tp1_block_is_the_dense_block() {
+    let weights = init_weights(&cfg(), 7).expect("init");
+    let dense = Gpt::new(cfg(), &weights, &Device::Cpu).expect("gpt");
+    on_ranks(1, |g| {
+        for sp in [false, true] {
+            let model =
+                tensor_parallel::build(&cfg(), &weights, &g, sp, &Device::Cpu).expect("build");
+            let x = det(&[2, 16, cfg().n_embd], 77);
+            let dout = det(&[2, 16, cfg().n_embd], 78);
+            let run = |seg: &dyn Segment| {
+                let tape = seg
+                    .forward_taped(&x, None)
+                    .expect("taped forward")
+                    .expect("a tape");
+                let out = tape.output().clone();
+                let mut got = tape.backward(Some(&dout), 1.0).expect("backward");
+                got.params.sort_by(|a, b| a.0.cmp(&b.0));
+                (out, got.params, got.input.expect("input gradient"))
+            };
+            let (out, params, dx) = run(model.segments[1].as_ref());
+            let (out_d, params_d, dx_d) = run(dense.segments[1].as_ref());
+            assert_close(&format!("sp {sp} output"), &out, &out_d, 0.0);
+            assert_close(&format!("sp {sp} input gradient"), &dx, &dx_d, 0.0);
+            assert_eq!(params.len(), params_d.len());
+            for ((n, a), (nd, b)) in params.iter().zip(&params_d) {
+                assert_eq!(n, nd);
+                assert_close(&format!("sp {sp} {n}"), a, b, 0.0);
+            }
+        }
+    });
 }
