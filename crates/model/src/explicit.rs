@@ -31,22 +31,27 @@
 //! Linear weights are (out, in) and `y = x Wᵀ + b`, so `dx = dy W` and `dW = dyᵀ x`.
 //! The tapes are written in the graph-free ops of `mtrain_kernels` (`layer_norm::forward`,
 //! `attention::backward`, ...): the fused kernels on CUDA, the same algorithms in candle ops on
-//! CPU, so one tape serves both devices. A segment has a tape for dense layers in f32 or bf16;
-//! a sharded layer or a mixture of experts returns none and is differentiated by autograd.
+//! CPU, so one tape serves both devices. A segment has a tape for layers in f32 or bf16 that
+//! say what they are ([`Linear::parts`]): a dense layer, or a tensor-parallel column or row
+//! layer whose collectives ([`Collective`]) the same block tape runs where Megatron puts them
+//! ([`sharded_block_tape`]; the parallel crate's segments build on it and on [`Norm`]). A
+//! mixture of experts returns none and is differentiated by autograd.
 //! Where the engine runs the tapes is its [`Backward`](crate::engine::Backward) value. The
 //! tests (`explicit::tests`) compare them with autograd on a GPU and on CPU.
 //!
 //! Legend: `B` batch, `T` time, `C` width, `H` heads, `D` head size, `V` vocabulary, `N = B·T`.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Result, Tensor};
 use mtrain_kernels::{attention, bias, cross_entropy, embedding, gelu, layer_norm};
 
-use crate::layers::{CausalSelfAttention, DenseLinear, FeedForward, LayerNorm};
+use crate::layers::{CausalSelfAttention, FeedForward, LayerNorm, Linear};
 use crate::param::Param;
-use crate::tape::{Tape, TapeGrads};
+use crate::tape::{Collective, Tape, TapeGrads};
 
 /// Whether the tapes take tensors of this dtype (the fused kernels' f32 and bf16).
-fn taped_dtype(x: &Tensor) -> bool {
+pub fn taped_dtype(x: &Tensor) -> bool {
     matches!(x.dtype(), DType::F32 | DType::BF16)
 }
 
@@ -54,58 +59,103 @@ fn err(s: String) -> candle_core::Error {
     candle_core::Error::Msg(s)
 }
 
-/// A dense layer's weight (out, in) and bias (out,), detached: the tape differentiates by hand.
+/// A linear layer's weight (out, in) and bias (out,), detached (the tape differentiates by
+/// hand), and the collectives around its matmul ([`crate::layers::LinearParts`]): none for a
+/// dense layer, f on the input of a column-parallel one, g or the sequence reduce-scatter on
+/// the product of a row-parallel one. So one forward and one backward serve the dense and the
+/// sharded block.
 struct Dense {
     w_name: String,
     b_name: String,
     w: Tensor,
     b: Tensor,
+    input: Option<Arc<dyn Collective>>,
+    output: Option<Arc<dyn Collective>>,
+}
+
+/// `c` applied to x (rows, F) viewed as (B, rows/B, F), as (rows', F); x itself where `c` is
+/// None. Each collective is called with the activation's (B, T, F) shape.
+fn across(
+    c: &Option<Arc<dyn Collective>>,
+    x: &Tensor,
+    b: usize,
+    dir: fn(&dyn Collective, &Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let Some(c) = c else {
+        return Ok(x.clone());
+    };
+    let (rows, f) = x.dims2()?;
+    let y = dir(c.as_ref(), &x.reshape((b, rows / b, f))?)?; // (B, T', F)
+    let (b2, t2, f2) = y.dims3()?;
+    y.reshape((b2 * t2, f2))
+}
+
+/// [`across`] in the forward direction.
+fn fwd(c: &dyn Collective, x: &Tensor) -> Result<Tensor> {
+    c.forward(x)
+}
+
+/// [`across`] in the backward direction (the conjugate).
+fn bwd(c: &dyn Collective, dy: &Tensor) -> Result<Tensor> {
+    c.backward(dy)
 }
 
 impl Dense {
-    fn of(l: &DenseLinear, x: &Tensor) -> Option<Dense> {
-        let b = l.bias.as_ref()?;
-        let (w, bt) = (l.weight.tensor().detach(), b.tensor().detach());
+    fn of(l: &dyn Linear, x: &Tensor) -> Option<Dense> {
+        let parts = l.parts()?;
+        let b = parts.bias?;
+        let (w, bt) = (parts.weight.tensor().detach(), b.tensor().detach());
         if w.dtype() != x.dtype() || bt.dtype() != x.dtype() || !taped_dtype(&w) {
             return None;
         }
         Some(Dense {
-            w_name: l.weight.name().to_string(),
+            w_name: parts.weight.name().to_string(),
             b_name: b.name().to_string(),
             w,
             b: bt,
+            input: parts.input,
+            output: parts.output,
         })
     }
 
-    /// x (N, in) -> x Wᵀ + b (N, out).
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        mtrain_kernels::bias_add(&x.matmul(&self.w.t()?)?, &self.b)
+    /// x (N, in) of a batch of `b` sequences -> (the matmul's input after the input
+    /// collective, out(x Wᵀ) + b (N', out)).
+    fn forward(&self, x: &Tensor, b: usize) -> Result<(Tensor, Tensor)> {
+        let x = across(&self.input, x, b, fwd)?;
+        let y = across(&self.output, &x.matmul(&self.w.t()?)?, b, fwd)?;
+        Ok((x, mtrain_kernels::bias_add(&y, &self.b)?))
     }
 
-    /// r + x Wᵀ + b for x (N, in), r (N, out): the layer and the residual add after it, the bias
-    /// added in the same pass as the residual.
-    fn forward_residual(&self, r: &Tensor, x: &Tensor) -> Result<Tensor> {
-        bias::residual_add(r, &x.matmul(&self.w.t()?)?, &self.b)
+    /// r + out(x Wᵀ) + b for x (N, in), r (N', out): the layer and the residual add after it,
+    /// the bias added in the same pass as the residual; also the matmul's input, as `forward`.
+    fn forward_residual(&self, r: &Tensor, x: &Tensor, b: usize) -> Result<(Tensor, Tensor)> {
+        let x = across(&self.input, x, b, fwd)?;
+        let y = across(&self.output, &x.matmul(&self.w.t()?)?, b, fwd)?;
+        Ok((x, bias::residual_add(r, &y, &self.b)?))
     }
 
-    /// From the input x (N, in) and dy (N, out): dx (N, in); dW and db pushed to `grads`.
+    /// From the matmul's input x (N, in) and dy (N', out): dx (rows of the layer's input), the
+    /// conjugates of the collectives applied; dW and db pushed to `grads`.
     fn backward(
         &self,
         x: &Tensor,
         dy: &Tensor,
+        b: usize,
         grads: &mut Vec<(String, Tensor)>,
     ) -> Result<Tensor> {
+        let db = bias::grad(dy, &self.b)?; // (out,), over the rows the bias was added to
+        let dy = across(&self.output, dy, b, bwd)?; // (N, out)
         let dx = dy.matmul(&self.w)?; // (N, in)
         let dw = dy.t()?.matmul(x)?; // (out, in)
-        let db = bias::grad(dy, &self.b)?; // (out,)
         grads.push((self.w_name.clone(), dw));
         grads.push((self.b_name.clone(), db));
-        Ok(dx)
+        across(&self.input, &dx, b, bwd)
     }
 }
 
-/// A LayerNorm's parameters, detached.
-struct Norm {
+/// A LayerNorm's parameters, detached: its forward keeps [`Stats`] and its backward pushes the
+/// weight and bias gradients (every tape with a LayerNorm, here and in the sharded segments).
+pub struct Norm {
     w_name: String,
     b_name: String,
     w: Tensor,
@@ -114,7 +164,8 @@ struct Norm {
 }
 
 impl Norm {
-    fn of(ln: &LayerNorm, x: &Tensor) -> Option<Norm> {
+    /// The LayerNorm's tape parameters for an input like `x`, or None for another dtype.
+    pub fn of(ln: &LayerNorm, x: &Tensor) -> Option<Norm> {
         let (w, b) = (ln.weight.tensor().detach(), ln.bias.tensor().detach());
         if !taped_dtype(x) || w.dtype() != x.dtype() || b.dtype() != x.dtype() {
             return None;
@@ -129,13 +180,13 @@ impl Norm {
     }
 
     /// y and the (mean, rstd) statistics of x (N, C).
-    fn forward(&self, x: &Tensor) -> Result<(Tensor, Stats)> {
+    pub fn forward(&self, x: &Tensor) -> Result<(Tensor, Stats)> {
         let (y, mean, rstd) = layer_norm::forward(x, &self.w, &self.b, self.eps)?;
         Ok((y, Stats { mean, rstd }))
     }
 
     /// dx (N, C) from x, its statistics and dy; dw and db pushed to `grads`.
-    fn backward(
+    pub fn backward(
         &self,
         x: &Tensor,
         s: &Stats,
@@ -150,12 +201,13 @@ impl Norm {
 }
 
 /// LayerNorm statistics per row: mean and 1/√(var + eps), (N,) f32.
-struct Stats {
+pub struct Stats {
     mean: Tensor,
     rstd: Tensor,
 }
 
-/// The weights of a dense block, when every layer has a hand-written backward here.
+/// The weights of a block, when every layer has a hand-written backward here, and the
+/// collective that enters both sub-layers' column layers from their LayerNorm.
 struct BlockWeights {
     ln_1: Norm,
     c_attn: Dense,
@@ -163,8 +215,10 @@ struct BlockWeights {
     ln_2: Norm,
     c_fc: Dense,
     mlp_proj: Dense,
+    /// Heads this block computes (all of them, or this rank's under tensor parallelism).
     n_head: usize,
     head_dim: usize,
+    enter: Option<Arc<dyn Collective>>,
 }
 
 impl BlockWeights {
@@ -174,24 +228,29 @@ impl BlockWeights {
         ln_2: &LayerNorm,
         ffn: &dyn FeedForward,
         x: &Tensor,
+        enter: Option<Arc<dyn Collective>>,
     ) -> Option<BlockWeights> {
         let mlp = ffn.as_mlp()?;
         Some(BlockWeights {
             ln_1: Norm::of(ln_1, x)?,
-            c_attn: Dense::of(attn.c_attn.as_dense()?, x)?,
-            c_proj: Dense::of(attn.c_proj.as_dense()?, x)?,
+            c_attn: Dense::of(attn.c_attn.as_ref(), x)?,
+            c_proj: Dense::of(attn.c_proj.as_ref(), x)?,
             ln_2: Norm::of(ln_2, x)?,
-            c_fc: Dense::of(mlp.c_fc.as_dense()?, x)?,
-            mlp_proj: Dense::of(mlp.c_proj.as_dense()?, x)?,
+            c_fc: Dense::of(mlp.c_fc.as_ref(), x)?,
+            mlp_proj: Dense::of(mlp.c_proj.as_ref(), x)?,
             n_head: attn.n_head,
             head_dim: attn.head_dim,
+            enter,
         })
     }
 }
 
-/// A block's forward kept for its backward (see the module picture).
+/// A block's forward kept for its backward (see the module picture). `h1` and `h2` are the
+/// column layers' inputs after their collectives (the whole sequence under sequence
+/// parallelism), `x`, `x1` and the output this rank's rows.
 struct BlockTape {
     wts: BlockWeights,
+    /// (B, T of the input and output, C)
     dims: (usize, usize, usize),
     x: Tensor,
     s1: Stats,
@@ -209,8 +268,8 @@ struct BlockTape {
 }
 
 /// The graph-free forward of the block `x + attn(ln_1(x))`, then `+ ffn(ln_2(·))`, with its
-/// tape, or None where it has no hand-written backward (a sharded layer, a mixture of experts,
-/// a dtype other than f32 or bf16).
+/// tape, or None where it has no hand-written backward (a mixture of experts, a layer without
+/// [`Linear::parts`], a dtype other than f32 or bf16).
 pub fn block_tape(
     ln_1: &LayerNorm,
     attn: &CausalSelfAttention,
@@ -218,27 +277,51 @@ pub fn block_tape(
     ffn: &dyn FeedForward,
     x: &Tensor,
 ) -> Result<Option<Box<dyn Tape>>> {
-    let Some(wts) = BlockWeights::of(ln_1, attn, ln_2, ffn, x) else {
+    sharded_block_tape(ln_1, attn, ln_2, ffn, x, None)
+}
+
+/// [`block_tape`] for a block whose layers may be sharded: the collectives of its linears
+/// ([`Linear::parts`]) run where the layers put them, and `enter` (sequence parallelism's
+/// all-gather along T, whose conjugate reduce-scatters) between each LayerNorm and its column
+/// layer. With no collectives anywhere this is the dense block.
+///
+/// ```text
+///   x ─ln_1─> enter ─ in(c_attn) ─ attention ─ out(c_proj) + b ─(+x)─> x1     (the same for
+///   backward: dx = dx1 + ln_1ᵀ(enterᵀ(inᵀ(dqkv·W_a)))                       the MLP half)
+/// ```
+pub fn sharded_block_tape(
+    ln_1: &LayerNorm,
+    attn: &CausalSelfAttention,
+    ln_2: &LayerNorm,
+    ffn: &dyn FeedForward,
+    x: &Tensor,
+    enter: Option<Arc<dyn Collective>>,
+) -> Result<Option<Box<dyn Tape>>> {
+    let Some(wts) = BlockWeights::of(ln_1, attn, ln_2, ffn, x, enter) else {
         return Ok(None);
     };
     let (b, t, c) = x.dims3()?;
     let (h, d) = (wts.n_head, wts.head_dim);
-    if h * d != c {
+    if wts.c_attn.w.dim(0)? != 3 * h * d || wts.c_proj.w.dim(1)? != h * d {
         return Ok(None);
     }
-    let n = b * t;
-    let x = x.detach().reshape((n, c))?; // (N, C)
-    let (h1, s1) = wts.ln_1.forward(&x)?; // (N, C)
-    let qkv = wts.c_attn.forward(&h1)?.reshape((b, t, 3 * c))?; // (B, T, 3C)
+    let x = x.detach().reshape((b * t, c))?; // (N_r, C), this rank's rows
+    let (h1, s1) = wts.ln_1.forward(&x)?; // (N_r, C)
+    let h1 = across(&wts.enter, &h1, b, fwd)?; // (N, C)
+    let (h1, qkv) = wts.c_attn.forward(&h1, b)?; // (N, 3HD)
+    let (n, _) = qkv.dims2()?;
+    let qkv = qkv.reshape((b, n / b, 3 * h * d))?; // (B, T, 3HD)
     let qkv = mtrain_kernels::split_heads(&qkv, 3, h)?; // (3, B, H, T, D)
     let scale = 1.0 / (d as f64).sqrt();
     let (y, lse) = attention::forward(&qkv, scale)?; // (B, H, T, D)
-    let ym = mtrain_kernels::merge_heads(&y.unsqueeze(0)?)?.reshape((n, c))?; // (N, C)
-    let x1 = wts.c_proj.forward_residual(&x, &ym)?; // (N, C) = x + attention
+    let ym = mtrain_kernels::merge_heads(&y.unsqueeze(0)?)?.reshape((n, h * d))?; // (N, HD)
+    let (ym, x1) = wts.c_proj.forward_residual(&x, &ym, b)?; // (N_r, C) = x + attention
     let (h2, s2) = wts.ln_2.forward(&x1)?;
-    let f = wts.c_fc.forward(&h2)?; // (N, 4C)
-    let g = mtrain_kernels::gelu(&f)?; // (N, 4C)
-    let out = wts.mlp_proj.forward_residual(&x1, &g)?.reshape((b, t, c))?; // (B, T, C) = x1 + MLP
+    let h2 = across(&wts.enter, &h2, b, fwd)?; // (N, C)
+    let (h2, f) = wts.c_fc.forward(&h2, b)?; // (N, 4C/tp)
+    let g = mtrain_kernels::gelu(&f)?; // (N, 4C/tp)
+    let (g, out) = wts.mlp_proj.forward_residual(&x1, &g, b)?; // (N_r, C) = x1 + MLP
+    let out = out.reshape((b, t, c))?;
     Ok(Some(Box::new(BlockTape {
         wts,
         dims: (b, t, c),
@@ -291,30 +374,35 @@ impl Tape for BlockTape {
             )));
         }
         drop(out);
-        let n = b * t;
         let mut grads = Vec::with_capacity(12);
-        let dout = dout.to_dtype(x.dtype())?.reshape((n, c))?.contiguous()?; // (N, C)
-                                                                             // MLP branch.
-        let dg = wts.mlp_proj.backward(&g, &dout, &mut grads)?; // (N, 4C)
+        let dout = dout
+            .to_dtype(x.dtype())?
+            .reshape((b * t, c))?
+            .contiguous()?; // (N_r, C)
+                            // MLP branch.
+        let dg = wts.mlp_proj.backward(&g, &dout, b, &mut grads)?; // (N, 4C/tp)
         drop(g);
-        let df = gelu::backward(&f, &dg)?; // (N, 4C)
+        let df = gelu::backward(&f, &dg)?; // (N, 4C/tp)
         drop((f, dg));
-        let dh2 = wts.c_fc.backward(&h2, &df, &mut grads)?; // (N, C)
+        let dh2 = wts.c_fc.backward(&h2, &df, b, &mut grads)?; // (N, C)
         drop((h2, df));
-        let dx1 = (dout + wts.ln_2.backward(&x1, &s2, &dh2, &mut grads)?)?; // (N, C)
+        let dh2 = across(&wts.enter, &dh2, b, bwd)?; // (N_r, C)
+        let dx1 = (dout + wts.ln_2.backward(&x1, &s2, &dh2, &mut grads)?)?; // (N_r, C)
         drop((x1, dh2));
         // Attention branch.
-        let dym = wts.c_proj.backward(&ym, &dx1, &mut grads)?; // (N, C)
+        let dym = wts.c_proj.backward(&ym, &dx1, b, &mut grads)?; // (N, HD)
         drop(ym);
-        let dy =
-            mtrain_kernels::split_heads(&dym.reshape((b, t, c))?, 1, wts.n_head)?.squeeze(0)?; // (B, H, T, D)
+        let (n, hd) = dym.dims2()?;
+        let dy = mtrain_kernels::split_heads(&dym.reshape((b, n / b, hd))?, 1, wts.n_head)?
+            .squeeze(0)?; // (B, H, T, D)
         let scale = 1.0 / (wts.head_dim as f64).sqrt();
         let dqkv = attention::backward(&qkv, &y, &dy, &lse, scale)?; // (3, B, H, T, D)
         drop((qkv, y, dy, lse));
-        let dqkv = mtrain_kernels::merge_heads(&dqkv)?.reshape((n, 3 * c))?; // (N, 3C)
-        let dh1 = wts.c_attn.backward(&h1, &dqkv, &mut grads)?; // (N, C)
+        let dqkv = mtrain_kernels::merge_heads(&dqkv)?.reshape((n, 3 * hd))?; // (N, 3HD)
+        let dh1 = wts.c_attn.backward(&h1, &dqkv, b, &mut grads)?; // (N, C)
         drop((h1, dqkv));
-        let dx = (dx1 + wts.ln_1.backward(&x, &s1, &dh1, &mut grads)?)?; // (N, C)
+        let dh1 = across(&wts.enter, &dh1, b, bwd)?; // (N_r, C)
+        let dx = (dx1 + wts.ln_1.backward(&x, &s1, &dh1, &mut grads)?)?; // (N_r, C)
         Ok(TapeGrads {
             params: grads,
             input: Some(dx.reshape((b, t, c))?),
@@ -479,17 +567,29 @@ impl Tape for EmbeddingTape {
         let dx = dx.contiguous()?;
         // The forward checked the ids; no read-back here.
         let dwte = embedding::backward(&self.ids, &dx.reshape((b * t, c))?, self.vocab)?; // (V, C)
-        let dwpe = dx.sum(0)?; // (T, C)
-        let dwpe = if t < self.block_size {
-            dwpe.pad_with_zeros(0, 0, self.block_size - t)? // (block_size, C)
-        } else {
-            dwpe
-        };
+        let dwpe = position_grad(&dx, 0, self.block_size)?; // (block_size, C)
         Ok(TapeGrads {
             params: vec![(self.wte_name, dwte), (self.wpe_name, dwpe)],
             input: None,
         })
     }
+}
+
+/// The gradient (block_size, C) of the position table `wpe` whose rows `offset..offset + T`
+/// were added to every sequence of dx (B, T, C): Σ over the batch there, zero elsewhere.
+pub fn position_grad(dx: &Tensor, offset: usize, block_size: usize) -> Result<Tensor> {
+    let t = dx.dim(1)?;
+    if offset + t > block_size {
+        return Err(err(format!(
+            "position gradient: rows {offset}..{} exceed block_size {block_size}",
+            offset + t
+        )));
+    }
+    let dwpe = dx.sum(0)?; // (T, C)
+    if t == block_size {
+        return Ok(dwpe);
+    }
+    dwpe.pad_with_zeros(0, offset, block_size - offset - t) // (block_size, C)
 }
 
 #[cfg(test)]

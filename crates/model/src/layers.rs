@@ -7,10 +7,13 @@
 //! Legend: `B` batch, `T` time, `C` width, `H` heads computed by this module, `D` head size,
 //! `N` flattened tokens. Linear weights are `(out, in)`: `y = x Wᵀ + b`.
 
+use std::sync::Arc;
+
 use candle_core::{Result, Tensor};
 
 use crate::moe::MoeStats;
 use crate::param::Param;
+use crate::tape::Collective;
 
 /// `x Wᵀ (+ b)` for `x` of shape (..., in), flattening leading dimensions for one matmul.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
@@ -38,11 +41,25 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
 pub trait Linear: Send + Sync {
     fn forward(&self, x: &Tensor) -> Result<Tensor>;
     fn params(&self) -> Vec<Param>;
-    /// This layer as the ordinary dense layer, when it is one (the hand-written backward of
-    /// [`crate::explicit`] covers only dense layers).
-    fn as_dense(&self) -> Option<&DenseLinear> {
+    /// The layer as the hand-written backward ([`crate::explicit`]) sees it: its parameters and
+    /// the collectives around its matmul; None where it has no hand-written backward.
+    fn parts(&self) -> Option<LinearParts<'_>> {
         None
     }
+}
+
+/// A linear layer `y = out(in(x) Wᵀ) + b` taken apart for a tape: a dense layer has no
+/// collectives; a column-parallel one has f on its input, a row-parallel one g (or the
+/// sequence reduce-scatter) on its product, the bias added after it.
+pub struct LinearParts<'a> {
+    /// (out, in)
+    pub weight: &'a Param,
+    /// (out,)
+    pub bias: Option<&'a Param>,
+    /// On the input before the matmul; None: identity.
+    pub input: Option<Arc<dyn Collective>>,
+    /// On the product before the bias; None: identity.
+    pub output: Option<Arc<dyn Collective>>,
 }
 
 /// The ordinary fully connected layer `y = x Wᵀ + b`.
@@ -71,8 +88,13 @@ impl Linear for DenseLinear {
             .collect()
     }
 
-    fn as_dense(&self) -> Option<&DenseLinear> {
-        Some(self)
+    fn parts(&self) -> Option<LinearParts<'_>> {
+        Some(LinearParts {
+            weight: &self.weight,
+            bias: self.bias.as_ref(),
+            input: None,
+            output: None,
+        })
     }
 }
 

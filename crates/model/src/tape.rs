@@ -21,3 +21,15 @@ pub trait Tape: Send {
     /// scalar loss, whose gradient is `loss_scale`.
     fn backward(self: Box<Self>, grad_out: Option<&Tensor>, loss_scale: f64) -> Result<TapeGrads>;
 }
+
+/// A collective that a sharded layer puts into a tape's forward, and its conjugate, which the
+/// tape's backward runs on the gradient at the same place: tensor parallelism's f and g and
+/// their sequence-parallel halves. Both directions take and return activations (B, T, F). The
+/// model crate knows no ranks; the parallel crate implements this for its layers.
+pub trait Collective: Send + Sync {
+    /// The forward communication (f: none; g: all-reduce; sequence parallelism: all-gather or
+    /// reduce-scatter along T).
+    fn forward(&self, x: &Tensor) -> Result<Tensor>;
+    /// The conjugate on the gradient (f: all-reduce; g: none; the other sequence half).
+    fn backward(&self, dy: &Tensor) -> Result<Tensor>;
+}

@@ -35,14 +35,15 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
-use mtrain_comm::{Comm, CommError};
+use mtrain_comm::{Comm, CommError, ReduceOp};
 use mtrain_model::gpt::Block;
-use mtrain_model::layers::linear;
+use mtrain_model::layers::{linear, LinearParts};
+use mtrain_model::tape::Collective;
 use mtrain_model::{CausalSelfAttention, GptConfig, LayerNorm, Linear, Mlp, Param, Segment};
 
 use crate::ops::{
-    copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
-    reduce_scatter_to_sequence_parallel_region,
+    all_gather_along, comm_err, copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
+    reduce_scatter_along, reduce_scatter_to_sequence_parallel_region,
 };
 use crate::placement::{tp_placement, tp_split_sizes};
 
@@ -101,6 +102,68 @@ pub enum RowOutput {
     ReduceScatterSequence,
 }
 
+/// Megatron's mappings of [`crate::ops`] for a hand-written backward: the same collective in
+/// the forward and the same conjugate on the gradient as the autograd op of that name, issued
+/// by the tape at the same place (so a taped block communicates exactly as the recorded one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mapping {
+    /// f, [`copy_to_tp_region`]: identity forward, all-reduce backward.
+    CopyToTp,
+    /// g, [`reduce_from_tp_region`]: all-reduce forward, identity backward.
+    ReduceFromTp,
+    /// [`crate::ops::gather_from_sequence_parallel_region`] along T: all-gather forward,
+    /// reduce-scatter backward.
+    GatherFromSequence,
+    /// [`reduce_scatter_to_sequence_parallel_region`] along T: reduce-scatter forward,
+    /// all-gather backward.
+    ReduceScatterToSequence,
+}
+
+impl Mapping {
+    /// This mapping over `group`, as a tape's collective.
+    pub fn over(self, group: &Comm) -> Arc<dyn Collective> {
+        Arc::new(TapedMapping {
+            mapping: self,
+            group: group.clone(),
+        })
+    }
+}
+
+struct TapedMapping {
+    mapping: Mapping,
+    group: Comm,
+}
+
+impl TapedMapping {
+    fn all_reduce(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.group
+            .all_reduce(&x.contiguous()?, ReduceOp::Sum)
+            .map_err(comm_err)
+    }
+}
+
+impl Collective for TapedMapping {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let g = self.group.as_ref();
+        match self.mapping {
+            Mapping::CopyToTp => Ok(x.clone()),
+            Mapping::ReduceFromTp => self.all_reduce(x),
+            Mapping::GatherFromSequence => all_gather_along(g, x, SEQ_DIM),
+            Mapping::ReduceScatterToSequence => reduce_scatter_along(g, x, SEQ_DIM),
+        }
+    }
+
+    fn backward(&self, dy: &Tensor) -> candle_core::Result<Tensor> {
+        let g = self.group.as_ref();
+        match self.mapping {
+            Mapping::CopyToTp => self.all_reduce(dy),
+            Mapping::ReduceFromTp => Ok(dy.clone()),
+            Mapping::GatherFromSequence => reduce_scatter_along(g, dy, SEQ_DIM),
+            Mapping::ReduceScatterToSequence => all_gather_along(g, dy, SEQ_DIM),
+        }
+    }
+}
+
 /// `y = x Wᵀ + b` with W split on the output dim: this rank holds `W_r` (out/tp, in) and `b_r`.
 pub struct ColumnParallelLinear {
     /// (out/tp, in)
@@ -132,6 +195,23 @@ impl Linear for ColumnParallelLinear {
         std::iter::once(self.weight.clone())
             .chain(self.bias.clone())
             .collect()
+    }
+
+    /// f on the input (nothing when the sequence gather already ran); none with
+    /// `gather_output` (not in a block).
+    fn parts(&self) -> Option<LinearParts<'_>> {
+        if self.gather_output {
+            return None;
+        }
+        Some(LinearParts {
+            weight: &self.weight,
+            bias: self.bias.as_ref(),
+            input: match self.input {
+                ColumnInput::Replicated => Some(Mapping::CopyToTp.over(&self.group)),
+                ColumnInput::SequenceGathered => None,
+            },
+            output: None,
+        })
     }
 }
 
@@ -167,6 +247,22 @@ impl Linear for RowParallelLinear {
         std::iter::once(self.weight.clone())
             .chain(self.bias.clone())
             .collect()
+    }
+
+    /// g (or the sequence reduce-scatter) on the product, the bias after it.
+    fn parts(&self) -> Option<LinearParts<'_>> {
+        Some(LinearParts {
+            weight: &self.weight,
+            bias: self.bias.as_ref(),
+            input: None,
+            output: Some(
+                match self.output {
+                    RowOutput::AllReduce => Mapping::ReduceFromTp,
+                    RowOutput::ReduceScatterSequence => Mapping::ReduceScatterToSequence,
+                }
+                .over(&self.group),
+            ),
+        })
     }
 }
 

@@ -5,14 +5,15 @@
 //! number of micro-batches alive on each rank equals the schedule's simulated high-water mark
 //! (1F1B: min(P − r, M); GPipe: M), the recorded timeline (one forward and one backward span
 //! per action in schedule order, a receive wait per input from another rank, a send per output,
-//! no overlap, idle = the waits), uneven block counts, and bad batches.
+//! no overlap, idle = the waits), uneven block counts, bad batches, and stages whose segments
+//! run their hand-written backward.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
 use mtrain_comm::{run_local, Backend};
-use mtrain_model::{init_weights, Engine, Gpt, GptConfig, Grads, NoHooks, Param};
+use mtrain_model::{init_weights, Backward, Engine, Gpt, GptConfig, Grads, NoHooks, Param};
 use mtrain_parallel::pipeline::executor::SpanKind;
 use mtrain_parallel::pipeline::{
     PipelineError, PipelineExecutor, PipelineStages, Schedule, ScheduleKind, StageLayout,
@@ -258,6 +259,16 @@ fn pp2_gpipe_matches_one_device() {
 #[test]
 fn pp2_1f1b_matches_one_device() {
     run(ScheduleKind::OneFOneB, 2, 4, 2);
+}
+
+/// Pipeline stages whose segments run their hand-written backward (`Backward::Tapes`) against
+/// the single-device autograd run, with the tolerances of the autograd runs.
+#[test]
+fn pp2_1f1b_through_the_tapes_matches_one_device() {
+    let cfg = tiny(2);
+    let layout = StageLayout::even(2, 2).unwrap();
+    let engine = Engine::default().with_backward(Backward::Tapes);
+    check_parity(&cfg, engine, ScheduleKind::OneFOneB, 2, 4, layout);
 }
 
 #[test]

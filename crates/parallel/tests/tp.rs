@@ -5,7 +5,12 @@
 //!   weight and bias gradients (rel ≤ 1e-5).
 //! - `gpt_tp*`: the whole GPT with tp = 2 and 4, with and without sequence parallelism, equals one
 //!   device over 10 SGD steps (loss rel ≤ 1e-5, every gradient rel ≤ 1e-4).
-//! - `trace_*`: the collectives each block issues in forward and backward.
+//! - `trace_*`: the collectives each block issues in forward and backward, and that the tapes
+//!   issue the same ones (kind and bytes, in order) as autograd.
+//! - `tapes_*`: every tensor-parallel segment's hand-written backward against autograd, every
+//!   parameter gradient and the input gradient (rel ≤ 1e-5), the whole model through the tapes
+//!   against one device (with and without checkpointing), and at tp = 1 the block's tape
+//!   giving the dense block tape's numbers exactly.
 
 mod common;
 
@@ -18,7 +23,7 @@ use mtrain_comm::cpu::run_local;
 use mtrain_comm::{chunk_range, Backend, Comm, OpKind};
 use mtrain_model::gpt::{Embedding, Head};
 use mtrain_model::{
-    init_weights, CausalSelfAttention, DenseLinear, Engine, Gpt, GptConfig, Grads, Hooks,
+    init_weights, Backward, CausalSelfAttention, DenseLinear, Engine, Gpt, GptConfig, Grads, Hooks,
     LayerNorm, Linear, Mlp, NoHooks, Param, Segment,
 };
 use mtrain_parallel::ops::*;
@@ -48,6 +53,12 @@ fn det(shape: &[usize], seed: u64) -> Tensor {
 fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f64) {
     let r = rel(a, b);
     assert!(r <= tol, "{what}: rel error {r:.3e} > {tol:.0e}");
+}
+
+/// [`assert_close`], returning the relative error.
+fn close(what: &str, a: &Tensor, b: &Tensor, tol: f64) -> f64 {
+    assert_close(what, a, b, tol);
+    rel(a, b)
 }
 
 /// Σ (y · w) and its gradients.
@@ -567,6 +578,11 @@ fn reference() -> &'static Vec<(f64, Grads)> {
 }
 
 fn gpt_matches_single_device(tp: usize, sequence_parallel: bool) {
+    gpt_matches_single_device_by(tp, sequence_parallel, Backward::default());
+}
+
+/// The tp model differentiated by `backward` against the single-device run (autograd).
+fn gpt_matches_single_device_by(tp: usize, sequence_parallel: bool, backward: Backward) {
     let reference = reference();
     let weights: BTreeMap<String, Tensor> = init_weights(&cfg(), 7).expect("init");
     on_ranks(tp, |g| {
@@ -578,6 +594,7 @@ fn gpt_matches_single_device(tp: usize, sequence_parallel: bool) {
             let (idx, tgt) = batch(step);
             let mut grads = Grads::new();
             let (loss, _) = Engine::default()
+                .with_backward(backward)
                 .forward_backward(&model.segments, &idx, &tgt, 1.0, &mut grads, &mut NoHooks)
                 .expect("fwd/bwd");
             model
@@ -608,7 +625,7 @@ fn gpt_matches_single_device(tp: usize, sequence_parallel: bool) {
         }
         if g.rank() == 0 {
             let (first, last) = (reference[0].0, reference[STEPS - 1].0);
-            eprintln!("tp {tp} sp {sequence_parallel}: loss {first:.4} -> {last:.4} over {STEPS} steps, worst loss rel {worst_loss:.1e}, worst grad rel {worst_grad:.1e}");
+            eprintln!("tp {tp} sp {sequence_parallel} {backward:?}: loss {first:.4} -> {last:.4} over {STEPS} steps, worst loss rel {worst_loss:.1e}, worst grad rel {worst_grad:.1e}");
         }
     });
 }
@@ -686,7 +703,10 @@ impl Hooks for Marks {
     }
 }
 
-fn block_trace(sequence_parallel: bool) -> Vec<(Vec<OpKind>, Vec<OpKind>)> {
+/// The (forward, backward) collectives of each segment (embedding, blocks, head) on rank 0, as
+/// (kind, bytes sent), the model differentiated by `backward`; asserts every rank issued the
+/// same.
+fn segment_trace_by(sequence_parallel: bool, backward: Backward) -> Vec<(Vec<Event>, Vec<Event>)> {
     let weights = init_weights(&cfg(), 7).expect("init");
     let out = on_ranks(2, |g| {
         let model = tensor_parallel::build(&cfg(), &weights, &g, sequence_parallel, &Device::Cpu)
@@ -698,7 +718,7 @@ fn block_trace(sequence_parallel: bool) -> Vec<(Vec<OpKind>, Vec<OpKind>)> {
             fwd: vec![],
             bwd: vec![],
         };
-        let engine = Engine::default();
+        let engine = Engine::default().with_backward(backward);
         let acts = engine
             .forward(&model.segments, &idx, Some(&tgt), &mut marks)
             .expect("forward");
@@ -707,11 +727,20 @@ fn block_trace(sequence_parallel: bool) -> Vec<(Vec<OpKind>, Vec<OpKind>)> {
         engine
             .backward(&model.segments, acts, None, 1.0, &mut grads, &mut marks)
             .expect("backward");
-        let ops: Vec<OpKind> = g.tracer().events().iter().map(|e| e.op).collect();
-        (1..=cfg().n_layer)
+        let ops: Vec<Event> = g
+            .tracer()
+            .events()
+            .iter()
+            .map(|e| (e.op, e.bytes_sent))
+            .collect();
+        (0..model.segments.len())
             .map(|i| {
                 let fwd = ops[marks.fwd[i]..marks.fwd[i + 1]].to_vec();
-                let &(_, a, b) = marks.bwd.iter().find(|m| m.0 == i).expect("block backward");
+                let &(_, a, b) = marks
+                    .bwd
+                    .iter()
+                    .find(|m| m.0 == i)
+                    .expect("segment backward");
                 (fwd, ops[a..b].to_vec())
             })
             .collect::<Vec<_>>()
@@ -721,6 +750,46 @@ fn block_trace(sequence_parallel: bool) -> Vec<(Vec<OpKind>, Vec<OpKind>)> {
         "ranks issued different collectives"
     );
     out.into_iter().next().expect("rank 0")
+}
+
+/// A collective as the trace tests compare it: its kind and the bytes this rank sent.
+type Event = (OpKind, u64);
+
+/// The kinds of each block's collectives in [`segment_trace_by`] under the default engine
+/// (autograd on CPU).
+fn block_trace(sequence_parallel: bool) -> Vec<(Vec<OpKind>, Vec<OpKind>)> {
+    let kinds = |v: Vec<Event>| v.into_iter().map(|e| e.0).collect::<Vec<_>>();
+    segment_trace_by(sequence_parallel, Backward::default())
+        .into_iter()
+        .skip(1)
+        .take(cfg().n_layer)
+        .map(|(f, b)| (kinds(f), kinds(b)))
+        .collect()
+}
+
+/// The tapes issue the collectives autograd issues: the same kinds, sizes and order, forward
+/// and backward, for every segment, with and without sequence parallelism.
+#[test]
+fn trace_tapes_issue_the_collectives_of_autograd() {
+    for sp in [false, true] {
+        let (tapes, autograd) = (
+            segment_trace_by(sp, Backward::Tapes),
+            segment_trace_by(sp, Backward::Autograd),
+        );
+        // The embedding's backward (g's conjugate, the identity) communicates only under SP.
+        let quiet = |i: usize, b: &Vec<Event>| b.is_empty() && !(i == 0 && !sp);
+        assert!(
+            autograd
+                .iter()
+                .enumerate()
+                .all(|(i, (f, b))| !f.is_empty() && !quiet(i, b)),
+            "sp {sp}: every segment communicates: {autograd:?}"
+        );
+        assert_eq!(
+            tapes, autograd,
+            "sp {sp}: (kind, bytes) per segment, forward and backward"
+        );
+    }
 }
 
 #[test]
@@ -792,4 +861,208 @@ fn shard_and_unshard_are_inverse_and_name_bad_splits() {
         msg.contains("h.0.mlp.c_proj.weight") && msg.contains("size 8") && msg.contains("tp 3"),
         "{msg}"
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The hand-written backward of every tensor-parallel segment against autograd.
+// ---------------------------------------------------------------------------------------------
+
+/// rel ≤ 1e-5 in f32 for every gradient a tape returns.
+const TAPE_TOL: f64 = 1e-5;
+
+/// Each segment of the tp model on every rank: its tape (which it must have) against autograd
+/// through the same segment, for an upstream gradient that differs per rank under sequence
+/// parallelism (each rank's rows) and is the same on every rank otherwise: the output, every
+/// parameter gradient by name and the input gradient. `taped` are the segment indices that
+/// must have a tape.
+fn segment_tapes_match_autograd(tp: usize, sequence_parallel: bool, taped: &[usize]) {
+    let weights = init_weights(&cfg(), 7).expect("init");
+    on_ranks(tp, |g| {
+        let model = tensor_parallel::build(&cfg(), &weights, &g, sequence_parallel, &Device::Cpu)
+            .expect("build");
+        let (idx, tgt) = batch(0);
+        let t_local = if sequence_parallel { 16 / tp } else { 16 };
+        let seed = |i: usize| {
+            300 + 10 * i as u64
+                + if sequence_parallel {
+                    g.rank() as u64
+                } else {
+                    0
+                }
+        };
+        let last = model.segments.len() - 1;
+        let mut worst = 0f64;
+        for &i in taped {
+            let seg = &model.segments[i];
+            let what = format!(
+                "tp {tp} sp {sequence_parallel} rank {} {}",
+                g.rank(),
+                seg.name()
+            );
+            let x = match i {
+                0 => idx.clone(),
+                _ => det(&[2, t_local, cfg().n_embd], seed(i)),
+            };
+            let targets = (i == last).then_some(&tgt);
+            // Autograd through the segment.
+            let xv = (i > 0).then(|| Var::from_tensor(&x).expect("var"));
+            let input = xv
+                .as_ref()
+                .map_or_else(|| x.clone(), |v| v.as_tensor().clone());
+            let out = seg.forward(&input, targets).expect("forward").out;
+            let dout = (out.elem_count() > 1).then(|| det(out.dims(), seed(i) + 5));
+            let objective = match &dout {
+                Some(w) => (&out * w).expect("mul").sum_all().expect("sum"),
+                None => out.clone(),
+            };
+            let store = objective.backward().expect("backward");
+            // The tape.
+            let tape = seg
+                .forward_taped(&x, targets)
+                .expect("taped forward")
+                .unwrap_or_else(|| panic!("{what}: no tape"));
+            assert_close(&format!("{what} output"), tape.output(), &out, TAPE_TOL);
+            let got = tape.backward(dout.as_ref(), 1.0).expect("tape backward");
+            let mut names: Vec<String> = got.params.iter().map(|(n, _)| n.clone()).collect();
+            names.sort();
+            let mut want: Vec<String> = seg.params().iter().map(|p| p.name().to_string()).collect();
+            want.sort();
+            want.dedup();
+            assert_eq!(names, want, "{what}: one gradient per parameter");
+            for (name, gr) in &got.params {
+                let p = seg
+                    .params()
+                    .into_iter()
+                    .find(|p| p.name() == name)
+                    .expect("param");
+                let want = grad(&store, &p.tensor());
+                worst = worst.max(close(&format!("{what} {name}"), gr, &want, TAPE_TOL));
+            }
+            match (xv, got.input) {
+                (None, None) => {}
+                (None, Some(_)) => panic!("{what}: an input gradient for token ids"),
+                (Some(xv), Some(dx)) => {
+                    let want = grad(&store, xv.as_tensor());
+                    worst = worst.max(close(&format!("{what} input"), &dx, &want, TAPE_TOL));
+                }
+                (Some(_), None) => panic!("{what}: no input gradient"),
+            }
+        }
+        if g.rank() == 0 {
+            eprintln!("tapes tp {tp} sp {sequence_parallel} segments {taped:?}: worst gradient rel {worst:.1e}");
+        }
+    });
+}
+
+/// The blocks (Megatron's column and row linears with f and g inside the backward).
+#[test]
+fn tapes_tp_blocks_match_autograd() {
+    for tp in [2, 4] {
+        segment_tapes_match_autograd(tp, false, &[1, 2]);
+    }
+}
+
+/// The sequence-parallel blocks (all-gather before the column linears, reduce-scatter after
+/// the row linears; the conjugates in the backward).
+#[test]
+fn tapes_sequence_parallel_blocks_match_autograd() {
+    for tp in [2, 4] {
+        segment_tapes_match_autograd(tp, true, &[1, 2]);
+    }
+}
+
+/// The vocab-parallel embedding (g, or the sequence reduce-scatter, after the lookup) and the
+/// vocab-parallel head with its cross-entropy over sharded logits.
+#[test]
+fn tapes_vocab_parallel_embedding_and_head_match_autograd() {
+    let head = cfg().n_layer + 1;
+    for tp in [2, 4] {
+        for sp in [false, true] {
+            segment_tapes_match_autograd(tp, sp, &[0, head]);
+        }
+    }
+}
+
+/// The engine runs the tp tapes under `Backward::Tapes`: the whole model, trained 10 steps,
+/// equals one device with the tolerances of the autograd runs.
+#[test]
+fn tapes_gpt_tp2_matches_single_device() {
+    gpt_matches_single_device_by(2, false, Backward::Tapes);
+}
+
+#[test]
+fn tapes_gpt_tp4_sequence_parallel_matches_single_device() {
+    gpt_matches_single_device_by(4, true, Backward::Tapes);
+}
+
+/// The engine's recompute (activation checkpointing) re-runs each tp tape in the backward: the
+/// gradients equal autograd without checkpointing (rel ≤ 1e-5), with and without SP.
+#[test]
+fn tapes_with_checkpointing_match_autograd() {
+    let weights = init_weights(&cfg(), 7).expect("init");
+    for sp in [false, true] {
+        on_ranks(2, |g| {
+            let model =
+                tensor_parallel::build(&cfg(), &weights, &g, sp, &Device::Cpu).expect("build");
+            let (idx, tgt) = batch(0);
+            let run = |engine: Engine| {
+                let mut grads = Grads::new();
+                let (loss, _) = engine
+                    .forward_backward(&model.segments, &idx, &tgt, 1.0, &mut grads, &mut NoHooks)
+                    .expect("fwd/bwd");
+                (loss, grads)
+            };
+            let (loss, grads) = run(Engine::new(true).with_backward(Backward::Tapes));
+            let (loss_ref, grads_ref) = run(Engine::new(false).with_backward(Backward::Autograd));
+            assert!(
+                (loss - loss_ref).abs() <= TAPE_TOL * loss_ref.abs(),
+                "sp {sp}: loss {loss} vs {loss_ref}"
+            );
+            assert_eq!(grads.names(), grads_ref.names(), "sp {sp}: gradient names");
+            for (name, want) in grads_ref.iter() {
+                let got = grads.get(name).expect("grad");
+                assert_close(
+                    &format!("sp {sp} rank {} {name}", g.rank()),
+                    got,
+                    want,
+                    TAPE_TOL,
+                );
+            }
+        });
+    }
+}
+
+/// A tensor-parallel block at tp = 1 is the dense block: its tape (the same code, collectives
+/// over a group of one) gives the dense block tape's output and gradients exactly.
+#[test]
+fn tapes_tp1_block_is_the_dense_block() {
+    let weights = init_weights(&cfg(), 7).expect("init");
+    let dense = Gpt::new(cfg(), &weights, &Device::Cpu).expect("gpt");
+    on_ranks(1, |g| {
+        for sp in [false, true] {
+            let model =
+                tensor_parallel::build(&cfg(), &weights, &g, sp, &Device::Cpu).expect("build");
+            let x = det(&[2, 16, cfg().n_embd], 77);
+            let dout = det(&[2, 16, cfg().n_embd], 78);
+            let run = |seg: &dyn Segment| {
+                let tape = seg
+                    .forward_taped(&x, None)
+                    .expect("taped forward")
+                    .expect("a tape");
+                let out = tape.output().clone();
+                let mut got = tape.backward(Some(&dout), 1.0).expect("backward");
+                got.params.sort_by(|a, b| a.0.cmp(&b.0));
+                (out, got.params, got.input.expect("input gradient"))
+            };
+            let (out, params, dx) = run(model.segments[1].as_ref());
+            let (out_d, params_d, dx_d) = run(dense.segments[1].as_ref());
+            assert_close(&format!("sp {sp} output"), &out, &out_d, 0.0);
+            assert_close(&format!("sp {sp} input gradient"), &dx, &dx_d, 0.0);
+            assert_eq!(params.len(), params_d.len());
+            for ((n, a), (nd, b)) in params.iter().zip(&params_d) {
+                assert_eq!(n, nd);
+                assert_close(&format!("sp {sp} {n}"), a, b, 0.0);
+            }
+        }
+    });
 }

@@ -15,12 +15,17 @@
 //!
 //! The column layers of a sequence-parallel block take [`super::ColumnInput::SequenceGathered`]
 //! and the row layers [`super::RowOutput::ReduceScatterSequence`].
+//!
+//! Its hand-written backward is the dense block's ([`sharded_block_tape`]) with the all-gather
+//! entering each sub-layer and the row layers' reduce-scatter, each conjugate in its place.
 
 use candle_core::{Result, Tensor};
 use mtrain_comm::Comm;
+use mtrain_model::explicit::sharded_block_tape;
+use mtrain_model::tape::Tape;
 use mtrain_model::{CausalSelfAttention, FeedForward, LayerNorm, Mlp, Param, Segment, SegmentOut};
 
-use super::SEQ_DIM;
+use super::{Mapping, SEQ_DIM};
 use crate::ops::gather_from_sequence_parallel_region;
 
 /// A pre-LayerNorm transformer block whose input and output are this rank's sequence shard.
@@ -75,5 +80,22 @@ impl Segment for SequenceParallelBlock {
         p.extend(self.ln_2.params());
         p.extend(FeedForward::params(&self.mlp));
         p
+    }
+
+    /// The block's hand-written backward with the sequence all-gather entering each sub-layer
+    /// (its conjugate, the reduce-scatter of the gradient, in the backward).
+    fn forward_taped(
+        &self,
+        x: &Tensor,
+        _targets: Option<&Tensor>,
+    ) -> Result<Option<Box<dyn Tape>>> {
+        sharded_block_tape(
+            &self.ln_1,
+            &self.attn,
+            &self.ln_2,
+            &self.mlp,
+            x,
+            Some(Mapping::GatherFromSequence.over(&self.group)),
+        )
     }
 }

@@ -18,14 +18,23 @@
 //! With sequence parallelism the embedding's sum becomes a reduce-scatter along T (each rank
 //! keeps its tokens) and the head first all-gathers the sequence.
 //!
+//! Both segments also have a hand-written backward (a [`Tape`]): the same collectives in the
+//! same order, the loss's gradient `(e^(z_r − m)/S − onehot_r)·s/N` written out instead of
+//! recorded, and the LayerNorm and position-table rules of [`mtrain_model::explicit`].
+//!
 //! Legend: `B` batch, `T` sequence, `C` width, `V` vocabulary, `N = B·T`.
+
+use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor, D};
 use mtrain_comm::{chunk_range, Comm, ReduceOp};
+use mtrain_kernels::embedding;
+use mtrain_model::explicit::{position_grad, taped_dtype, Norm, Stats};
 use mtrain_model::layers::linear;
+use mtrain_model::tape::{Collective, Tape, TapeGrads};
 use mtrain_model::{LayerNorm, Param, Segment, SegmentOut};
 
-use super::SEQ_DIM;
+use super::{Mapping, SEQ_DIM};
 use crate::ops::{
     comm_err, copy_to_tp_region, gather_from_sequence_parallel_region, gather_from_tp_region,
     reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region,
@@ -102,6 +111,104 @@ impl Segment for VocabParallelEmbedding {
     fn params(&self) -> Vec<Param> {
         vec![self.wte.clone(), self.wpe.clone()]
     }
+
+    fn forward_taped(
+        &self,
+        idx: &Tensor,
+        _targets: Option<&Tensor>,
+    ) -> Result<Option<Box<dyn Tape>>> {
+        embedding_tape(self, idx)
+    }
+}
+
+/// The vocab-parallel embedding's forward kept for its backward.
+///
+/// ```text
+///   forward:  tok_r = wte_r[rows]·mine  ─ g (or reduce-scatter T) ─ + wpe[range] ─► out
+///   backward: dtok = gᵀ(dout) (identity, or all-gather T)
+///             dwte_r = scatter-add of dtok·mine by row     dwpe = Σ_batch dout at range
+/// ```
+struct EmbeddingTape {
+    wte_name: String,
+    wpe_name: String,
+    v_local: usize,
+    block_size: usize,
+    /// (N,) u32 rows of this rank's shard (0 off-shard), and (N, 1) 1 inside it
+    rows: Tensor,
+    mine: Tensor,
+    /// The first position row this rank's output covers.
+    offset: usize,
+    reduce: Arc<dyn Collective>,
+    out: Tensor,
+}
+
+fn embedding_tape(e: &VocabParallelEmbedding, idx: &Tensor) -> Result<Option<Box<dyn Tape>>> {
+    let (wte, wpe) = (e.wte.tensor().detach(), e.wpe.tensor().detach());
+    if !taped_dtype(&wte) || idx.dtype() != DType::U32 || wpe.dtype() != wte.dtype() {
+        return Ok(None);
+    }
+    let (b, t) = idx.dims2()?;
+    let block_size = wpe.dim(0)?;
+    if t > block_size {
+        return Err(candle_core::Error::Msg(format!(
+            "embedding: sequence length {t} exceeds block_size {block_size}"
+        )));
+    }
+    let (v_local, c) = wte.dims2()?;
+    let (rows, mine) = local_rows(
+        &idx.flatten_all()?,
+        e.group.rank() * v_local,
+        v_local,
+        wte.dtype(),
+    )?;
+    let mine = mine.unsqueeze(1)?; // (N, 1)
+    let tok = embedding::forward(&wte, &rows)?.broadcast_mul(&mine)?; // (N, C), 0 off-shard
+    let tok = tok.reshape((b, t, c))?; // (B, T, C), this rank's part of the sum
+    let (mapping, range) = match e.sequence_parallel {
+        true => (
+            Mapping::ReduceScatterToSequence,
+            chunk_range(t, e.group.size(), e.group.rank()),
+        ),
+        false => (Mapping::ReduceFromTp, 0..t),
+    };
+    let reduce = mapping.over(&e.group);
+    let tok = reduce.forward(&tok)?; // (B, T, C), or (B, T/tp, C)
+    let out = tok.broadcast_add(&wpe.narrow(0, range.start, range.len())?)?;
+    Ok(Some(Box::new(EmbeddingTape {
+        wte_name: e.wte.name().to_string(),
+        wpe_name: e.wpe.name().to_string(),
+        v_local,
+        block_size,
+        rows,
+        mine,
+        offset: range.start,
+        reduce,
+        out,
+    })))
+}
+
+impl Tape for EmbeddingTape {
+    fn output(&self) -> &Tensor {
+        &self.out
+    }
+
+    fn backward(self: Box<Self>, grad_out: Option<&Tensor>, _loss_scale: f64) -> Result<TapeGrads> {
+        let dout = grad_out
+            .ok_or_else(|| {
+                candle_core::Error::Msg("embedding backward: the output is not a loss".into())
+            })?
+            .to_dtype(self.out.dtype())?
+            .contiguous()?; // (B, T_r, C)
+        let dtok = self.reduce.backward(&dout)?; // (B, T, C)
+        let (b, t, c) = dtok.dims3()?;
+        let dtok = dtok.reshape((b * t, c))?.broadcast_mul(&self.mine)?; // (N, C), 0 off-shard
+        let dwte = embedding::backward(&self.rows, &dtok, self.v_local)?; // (V/tp, C)
+        let dwpe = position_grad(&dout, self.offset, self.block_size)?; // (block_size, C)
+        Ok(TapeGrads {
+            params: vec![(self.wte_name, dwte), (self.wpe_name, dwpe)],
+            input: None,
+        })
+    }
 }
 
 /// Final LayerNorm, the LM head tied to the vocabulary-sharded `wte`, and the vocab-parallel loss.
@@ -159,6 +266,158 @@ impl Segment for VocabParallelHead {
         let mut p = self.ln_f.params();
         p.push(self.wte.clone());
         p
+    }
+
+    fn forward_taped(&self, x: &Tensor, targets: Option<&Tensor>) -> Result<Option<Box<dyn Tape>>> {
+        head_tape(self, x, targets)
+    }
+}
+
+/// The vocab-parallel head's forward to the loss, kept for its backward.
+///
+/// ```text
+///   forward:  h = f(ln_f(x)) (or all-gather T) ─► z_r = h·wte_rᵀ (N, V/tp)
+///             m = max_tp (all-reduce max)   S = Σ_tp Σ_j e^(z_r − m)   z_t = Σ_tp z_r[target]
+///             loss = mean(ln S − (z_t − m))                                 (three all-reduces)
+///   backward: dz_r = (e^(z_r − m)/S − onehot_r)·s/N     (no communication: g's backward)
+///             dh = fᵀ(dz_r·wte_r) (all-reduce, or reduce-scatter T)   dwte_r = dz_rᵀ·h
+///             dx = ln_fᵀ(dh)
+/// ```
+struct HeadTape {
+    ln_f: Norm,
+    wte_name: String,
+    wte: Tensor,
+    enter: Arc<dyn Collective>,
+    /// (B, this rank's T, C)
+    dims: (usize, usize, usize),
+    x: Tensor,
+    s: Stats,
+    /// (N, C): the head's input after `enter`
+    h: Tensor,
+    /// (N, V/tp) f32: e^(z_r − m)
+    exp: Tensor,
+    /// (N, 1) f32: S
+    sum_exp: Tensor,
+    /// (N, 1) u32 and f32: the target's row in this shard, 1 when it is in the shard
+    rows: Tensor,
+    mine: Tensor,
+    loss: Tensor,
+}
+
+fn head_tape(
+    hd: &VocabParallelHead,
+    x: &Tensor,
+    targets: Option<&Tensor>,
+) -> Result<Option<Box<dyn Tape>>> {
+    let Some(targets) = targets else {
+        return Ok(None);
+    };
+    let Some(ln_f) = Norm::of(&hd.ln_f, x) else {
+        return Ok(None);
+    };
+    let wte = hd.wte.tensor().detach();
+    if wte.dtype() != x.dtype() {
+        return Ok(None);
+    }
+    let (b, t, c) = x.dims3()?;
+    let enter = match hd.sequence_parallel {
+        true => Mapping::GatherFromSequence,
+        false => Mapping::CopyToTp,
+    }
+    .over(&hd.group);
+    let x = x.detach().reshape((b * t, c))?; // (N_r, C)
+    let (h, s) = ln_f.forward(&x)?; // (N_r, C)
+    let h = enter.forward(&h.reshape((b, t, c))?)?; // (B, T, C)
+    let n = h.dim(0)? * h.dim(1)?;
+    let h = h.reshape((n, c))?; // (N, C)
+    if targets.elem_count() != n {
+        return Err(candle_core::Error::Msg(format!(
+            "vocab-parallel head: targets {:?} do not match the input {:?}",
+            targets.dims(),
+            (b, n / b, c)
+        )));
+    }
+    let v_local = wte.dim(0)?;
+    let z = h.matmul(&wte.t()?)?.to_dtype(DType::F32)?; // (N, V/tp)
+    let all_reduce = |t: &Tensor, op: ReduceOp| -> Result<Tensor> {
+        hd.group.all_reduce(&t.contiguous()?, op).map_err(comm_err)
+    };
+    let max = all_reduce(&z.max_keepdim(1)?, ReduceOp::Max)?; // (N, 1)
+    let z = z.broadcast_sub(&max)?; // (N, V/tp)
+    let exp = z.exp()?;
+    let sum_exp = all_reduce(&exp.sum_keepdim(1)?, ReduceOp::Sum)?; // (N, 1)
+    let (rows, mine) = local_rows(
+        &targets.flatten_all()?,
+        hd.group.rank() * v_local,
+        v_local,
+        DType::F32,
+    )?;
+    let (rows, mine) = (rows.unsqueeze(1)?, mine.unsqueeze(1)?); // (N, 1)
+    let z_target = z.gather(&rows, 1)?.broadcast_mul(&mine)?; // (N, 1)
+    let z_target = all_reduce(&z_target, ReduceOp::Sum)?; // (N, 1)
+    let loss = (sum_exp.log()? - z_target)?.mean_all()?; // scalar f32
+    Ok(Some(Box::new(HeadTape {
+        ln_f,
+        wte_name: hd.wte.name().to_string(),
+        wte,
+        enter,
+        dims: (b, t, c),
+        x,
+        s,
+        h,
+        exp,
+        sum_exp,
+        rows,
+        mine,
+        loss,
+    })))
+}
+
+impl Tape for HeadTape {
+    fn output(&self) -> &Tensor {
+        &self.loss
+    }
+
+    fn backward(self: Box<Self>, grad_out: Option<&Tensor>, loss_scale: f64) -> Result<TapeGrads> {
+        let HeadTape {
+            ln_f,
+            wte_name,
+            wte,
+            enter,
+            dims: (b, t, c),
+            x,
+            s,
+            h,
+            exp,
+            sum_exp,
+            rows,
+            mine,
+            loss: _,
+        } = *self;
+        let (n, v_local) = exp.dims2()?;
+        // d(loss)/d(row loss) = s / N for the mean; s is loss_scale, or the given scalar gradient.
+        let s_out = match grad_out {
+            None => loss_scale,
+            Some(g) => mtrain_kernels::reduce::sum_f64(g)?,
+        };
+        let cols = Tensor::arange(0u32, v_local as u32, exp.device())?.unsqueeze(0)?; // (1, V/tp)
+        let onehot = cols
+            .broadcast_eq(&rows)?
+            .to_dtype(DType::F32)?
+            .broadcast_mul(&mine)?; // (N, V/tp)
+        let dz = ((exp.broadcast_div(&sum_exp)? - onehot)? * (s_out / n as f64))?; // (N, V/tp)
+        let dz = dz.to_dtype(wte.dtype())?;
+        drop(exp);
+        let mut grads = Vec::with_capacity(3);
+        let dh = dz.matmul(&wte)?; // (N, C), this rank's part
+        grads.push((wte_name, dz.t()?.matmul(&h)?)); // (V/tp, C)
+        drop((dz, h));
+        let dh = enter.backward(&dh.reshape((b, n / b, c))?)?; // (B, T_r, C)
+        let dx = ln_f.backward(&x, &s, &dh.reshape((b * t, c))?, &mut grads)?; // (N_r, C)
+        Ok(TapeGrads {
+            params: grads,
+            input: Some(dx.reshape((b, t, c))?),
+        })
     }
 }
 
