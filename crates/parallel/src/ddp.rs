@@ -36,6 +36,10 @@
 //! micro-step (`sync = true`) communicates. The `naive` mode all-reduces one tensor at a time
 //! after the whole backward: the textbook version, kept beside the bucketed one for comparison.
 //!
+//! A group of one has nothing to average: its gradients are the engine's, untouched, and no
+//! collective is issued. That is the world of one a single-device run is, so the one-device
+//! step and the data-parallel step are one implementation.
+//!
 //! Every step reports backward time, communication time (how long the group was busy) and
 //! exposed communication (time spent blocked in `wait()`), so the overlap is measured.
 //!
@@ -66,7 +70,7 @@ pub use strategy::{verify_same_init, DataParallel, DpError, Result};
 use crate::mixed_precision::{MasterWeights, MixedPrecision};
 use crate::toolbox::{
     final_after, load_replicated, named_grads, named_weights, replicated_items,
-    replicated_state_bytes, scale_all, sum_f64, timed_wait, unique_params, OpTimer,
+    replicated_state_bytes, sum_f64, timed_wait, unique_params, OpTimer,
 };
 pub use crate::toolbox::{CommStats, ModelStateBytes};
 
@@ -251,7 +255,8 @@ impl Ddp {
         let loss = sum_f64(&acts.output)?;
         before_backward();
         let t = Instant::now();
-        if sync && self.cfg.mode == DdpMode::Bucketed {
+        let average = sync && self.comm.size() > 1;
+        if average && self.cfg.mode == DdpMode::Bucketed {
             let mut hooks =
                 BucketLauncher::new(&self.comm, &self.params, &self.buckets, self.reduce_dtype);
             engine.backward(
@@ -277,7 +282,7 @@ impl Ddp {
                 &mut NoHooks,
             )?;
             self.current.backward_s += t.elapsed().as_secs_f64();
-            if sync {
+            if average {
                 self.sync_naive()?;
             }
         }
@@ -300,10 +305,6 @@ impl DataParallel for Ddp {
     fn grad_norm_sq(&self) -> Result<f64> {
         // The gradients are already averaged and identical on every rank.
         Ok(self.grads.sq_norm()?)
-    }
-
-    fn scale_grads(&mut self, factor: f64) -> Result<()> {
-        Ok(scale_all(&mut self.grads, factor)?)
     }
 
     fn optimizer_items(&self) -> Vec<OptimItem<'_>> {

@@ -489,15 +489,6 @@ impl DataParallel for Fsdp {
         Ok(total.first().copied().unwrap_or(0.0) as f64)
     }
 
-    fn scale_grads(&mut self, factor: f64) -> Result<()> {
-        for u in &mut self.units {
-            for g in [&mut u.grad_decay, &mut u.grad_plain].into_iter().flatten() {
-                *g = (&*g * factor)?;
-            }
-        }
-        Ok(())
-    }
-
     fn optimizer_items(&self) -> Vec<OptimItem<'_>> {
         let mut items = Vec::new();
         for u in &self.units {

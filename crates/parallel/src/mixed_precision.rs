@@ -168,10 +168,11 @@ impl MasterWeights {
             .sum()
     }
 
-    /// One AdamW step on the masters of `items` (gradients read as f32), then each item's
-    /// compute parameter set to its master, cast to the parameter's dtype.
-    pub fn step(&self, opt: &mut AdamW, lr: f64, items: &[OptimItem]) -> Result<()> {
-        Self::step_all(&[self], opt, lr, items)
+    /// One AdamW step on the masters of `items` (gradients read as f32 and multiplied by
+    /// `grad_scale`, the clip coefficient), then each item's compute parameter set to its
+    /// master, cast to the parameter's dtype.
+    pub fn step(&self, opt: &mut AdamW, lr: f64, grad_scale: f64, items: &[OptimItem]) -> Result<()> {
+        Self::step_all(&[self], opt, lr, grad_scale, items)
     }
 
     /// [`MasterWeights::step`] over masters spread across several holders (one per ZeRO stage
@@ -180,6 +181,7 @@ impl MasterWeights {
         holders: &[&MasterWeights],
         opt: &mut AdamW,
         lr: f64,
+        grad_scale: f64,
         items: &[OptimItem],
     ) -> Result<()> {
         let find = |name: &str| -> Result<&Param> {
@@ -204,7 +206,7 @@ impl MasterWeights {
         }
         // Copies in the compute dtype: from the fused kernel where it ran, else a cast.
         let compute = items.first().map(|it| it.param.var().dtype());
-        let copies = opt.step_with_copies(lr, 1.0, &master_items, compute)?;
+        let copies = opt.step_with_copies(lr, grad_scale, &master_items, compute)?;
         for ((it, m), copy) in items.iter().zip(&master_items).zip(copies) {
             let dtype = it.param.var().dtype();
             let w = match copy {
@@ -279,7 +281,7 @@ mod tests {
                     decay: k != 1,
                 })
                 .collect();
-            MasterWeights::step_all(&[&first, &second], &mut opt, 1e-2, &items)?;
+            MasterWeights::step_all(&[&first, &second], &mut opt, 1e-2, 1.0, &items)?;
             let grads32: Vec<Tensor> = grads
                 .iter()
                 .map(|g| Ok(g.to_dtype(DType::F32)?))

@@ -64,7 +64,7 @@ use crate::placement::{is_expert_param, tp_placement, Placement};
 use crate::plan::{ParallelPlan, PlanError};
 use crate::tensor_parallel::{ShardLayout, TpError};
 use crate::toolbox::{
-    replicated_items, scale_all, sq_sum_f64, sum_f64, CommStats, ModelStateBytes, StateError,
+    replicated_items, sq_sum_f64, sum_f64, CommStats, ModelStateBytes, StateError,
 };
 
 /// Errors of composing the strategies.
@@ -446,34 +446,31 @@ impl ParallelModel {
         Ok(norm)
     }
 
-    /// Multiplies the gradients by `grad_scale` (the clip coefficient of the global norm, used as
-    /// given; 1 leaves them alone), steps `opt` over this rank's parameters or shards and clears
-    /// the gradients. No collective beyond ZeRO's write-back of the updated shards.
+    /// Steps `opt` over this rank's parameters or shards with the gradients multiplied by
+    /// `grad_scale` inside the update (the clip coefficient of the global norm, used as given; 1
+    /// leaves them alone) and clears the gradients. No collective beyond ZeRO's write-back of
+    /// the updated shards.
     pub fn scaled_step(&mut self, opt: &mut AdamW, lr: f64, grad_scale: f64) -> Result<()> {
         match &mut self.replicas {
             Replicas::Full => {
-                if grad_scale != 1.0 {
-                    scale_all(&mut self.grads, grad_scale)?;
-                }
                 let items = replicated_items(&self.params, &self.grads);
                 match &self.masters {
-                    Some(m) => m.step(opt, lr, &items)?,
-                    None => opt.step(lr, &items)?,
+                    Some(m) => m.step(opt, lr, grad_scale, &items)?,
+                    None => {
+                        opt.step_with_copies(lr, grad_scale, &items, None)?;
+                    }
                 }
             }
             Replicas::Zero(fsdps) => {
-                if grad_scale != 1.0 {
-                    for f in fsdps.iter_mut() {
-                        f.scale_grads(grad_scale)?;
-                    }
-                }
                 let items: Vec<OptimItem> =
                     fsdps.iter().flat_map(|f| f.optimizer_items()).collect();
                 let masters: Vec<&MasterWeights> =
                     fsdps.iter().filter_map(|f| f.masters()).collect();
                 match masters.is_empty() {
-                    true => opt.step(lr, &items)?,
-                    false => MasterWeights::step_all(&masters, opt, lr, &items)?,
+                    true => {
+                        opt.step_with_copies(lr, grad_scale, &items, None)?;
+                    }
+                    false => MasterWeights::step_all(&masters, opt, lr, grad_scale, &items)?,
                 }
                 for f in fsdps.iter_mut() {
                     f.after_optimizer_step()?;

@@ -113,16 +113,6 @@ pub fn sq_sum_f64(t: &Tensor) -> candle_core::Result<f64> {
     mtrain_kernels::reduce::sq_sum_f64(t)
 }
 
-/// Multiplies every gradient in `grads` by `factor` (gradient clipping).
-pub fn scale_all(grads: &mut Grads, factor: f64) -> candle_core::Result<()> {
-    for name in grads.names() {
-        if let Some(g) = grads.get(&name) {
-            let scaled = (g * factor)?;
-            grads.insert(name, scaled);
-        }
-    }
-    Ok(())
-}
 
 /// What the optimizer updates when every parameter is held whole: each parameter that has a
 /// gradient, with its gradient.

@@ -1,10 +1,11 @@
-//! The training loop's view of a model split over many ranks: a [`TrainableModel`] over
+//! The training loop's view of a model split over ranks: a [`TrainableModel`] over
 //! [`ParallelModel`] (any dp × pp × tp (+ ep, + ZeRO) plan), or over the standalone overlapped
-//! [`Ddp`] for a purely data-parallel layout.
+//! [`Ddp`] for a purely data-parallel layout, one device (dp = 1) included.
 //!
 //! ```text
-//!   mtrain --dp 4                      pp = tp = ep = 1, DDP   -> Ddp: bucket all-reduces launched
-//!                                                                 from the backward's hooks (overlap)
+//!   mtrain, mtrain --dp 4              pp = tp = ep = 1, DDP   -> Ddp: bucket all-reduces launched
+//!                                                                 from the backward's hooks (overlap);
+//!                                                                 none in a world of one
 //!   mtrain --tp 4 --pp 2, --dp 2 --fsdp, --dp 2 --ep 2, ...    -> ParallelModel (parallelize)
 //!
 //!   global batch of one micro-step = dp × B sequences; dp rank d reads rows d·B .. (d+1)·B;
@@ -193,6 +194,8 @@ pub struct Distributed {
     timeline: Timeline,
     /// Steps this process has started.
     steps_started: u64,
+    /// A world of one: no communication to report.
+    alone: bool,
 }
 
 /// Whether `plan` is a pure data-parallel DDP layout that the standalone, overlapped [`Ddp`]
@@ -265,6 +268,7 @@ impl Distributed {
             meter: CommMeter::new(&crate::trace::mesh_groups(mesh)),
             timeline: Timeline::new(&crate::trace::mesh_groups(mesh), false),
             steps_started: 0,
+            alone: mesh.world.size() == 1,
         })
     }
 
@@ -618,11 +622,15 @@ impl TrainableModel for Distributed {
     fn step_report(&self) -> Option<serde_json::Value> {
         self.last_report
             .as_ref()
+            .filter(|_| !self.alone)
             .and_then(|r| serde_json::to_value(r).ok())
     }
 
     fn step_line(&self) -> Option<String> {
-        self.last_report.as_ref().map(|r| r.to_string())
+        self.last_report
+            .as_ref()
+            .filter(|_| !self.alone)
+            .map(|r| r.to_string())
     }
 
     fn pipeline_timeline(&self) -> Option<serde_json::Value> {

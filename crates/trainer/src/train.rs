@@ -14,8 +14,9 @@
 //!
 //! The loop talks to the model only through [`TrainableModel`], so a parallel wrapper can own the
 //! forward/backward (pipeline schedules, FSDP gathers, DDP buckets) and the optimizer's view of the
-//! parameters (flat shards) without the loop changing. [`SingleDevice`] is the one-rank
-//! implementation: the whole model, the block-wise engine, AdamW over full tensors.
+//! parameters (flat shards) without the loop changing. Its one implementation is
+//! [`Distributed`]: a single device is the world of one, the plan whose every group has one
+//! rank, run by the same step as every other layout (DDP over a group of one averages nothing).
 //!
 //! Resuming restores weights, AdamW moments and step, and the loader position; since nothing else is
 //! random, a resumed run reproduces the uninterrupted loss series bit for bit.
@@ -29,9 +30,9 @@ use candle_core::{DType, Device, Tensor};
 use mtrain_comm::mesh::MeshDims;
 use mtrain_comm::{Backend, DeviceMesh};
 use mtrain_model::optim::{
-    clip_coef, lr_at, AdamW, AdamWConfig, AdamWState, LrSchedule, OptimItem,
+    clip_coef, lr_at, AdamWConfig, AdamWState, LrSchedule,
 };
-use mtrain_model::{init_weights, Engine, Gpt, GptConfig, Grads, NoHooks, Param};
+use mtrain_model::{init_weights, GptConfig};
 use mtrain_parallel::parallelize::ParallelPlan;
 use serde::Serialize;
 
@@ -125,187 +126,6 @@ pub trait TrainableModel {
     /// send and receive wait per micro-batch), as a JSON object; None without a pipeline.
     fn pipeline_timeline(&self) -> Option<serde_json::Value> {
         None
-    }
-}
-
-/// The whole model on one device.
-///
-/// In bf16 the model's parameters are a bf16 compute copy; the optimizer updates fp32 master
-/// weights (`master`, same names and order as `params`) and the compute copy is refreshed from
-/// them after every step — mixed precision as in Micikevicius et al. (2018), 16 bytes per parameter.
-pub struct SingleDevice {
-    model: Gpt,
-    params: Vec<Param>,
-    master: Option<Vec<Param>>,
-    engine: Engine,
-    optim: AdamW,
-    grads: Grads,
-}
-
-impl SingleDevice {
-    /// The model built from fp32 `weights`, computing in `dtype` (F32 or BF16), trained with
-    /// AdamW `optim`.
-    pub fn new(
-        cfg: GptConfig,
-        weights: &BTreeMap<String, Tensor>,
-        device: &Device,
-        checkpointing: bool,
-        optim: AdamWConfig,
-        dtype: DType,
-    ) -> anyhow::Result<Self> {
-        let compute: BTreeMap<String, Tensor> = weights
-            .iter()
-            .map(|(k, t)| Ok((k.clone(), t.to_dtype(dtype)?)))
-            .collect::<candle_core::Result<_>>()?;
-        let model = Gpt::new(cfg, &compute, device)?;
-        let params = model.params();
-        let master = match dtype {
-            DType::F32 => None,
-            _ => Some(
-                params
-                    .iter()
-                    .map(|p| {
-                        let w = weights[p.name()].to_device(device)?.to_dtype(DType::F32)?;
-                        Param::new(p.name(), w)
-                    })
-                    .collect::<candle_core::Result<Vec<_>>>()?,
-            ),
-        };
-        Ok(Self {
-            model,
-            params,
-            master,
-            engine: Engine::new(checkpointing),
-            optim: AdamW::new(optim),
-            grads: Grads::new(),
-        })
-    }
-
-    /// The model.
-    pub fn model(&self) -> &Gpt {
-        &self.model
-    }
-}
-
-impl TrainableModel for SingleDevice {
-    fn forward_backward(
-        &mut self,
-        inputs: &Tensor,
-        targets: &Tensor,
-        loss_scale: f64,
-        mark: &mut dyn FnMut(Phase),
-    ) -> anyhow::Result<f64> {
-        let segs = &self.model.segments;
-        let acts = self
-            .engine
-            .forward(segs, inputs, Some(targets), &mut NoHooks)?;
-        let loss = acts
-            .output
-            .to_dtype(candle_core::DType::F64)?
-            .to_scalar::<f64>()?;
-        mark(Phase::AfterForward);
-        self.engine
-            .backward(segs, acts, None, loss_scale, &mut self.grads, &mut NoHooks)?;
-        mark(Phase::AfterBackward);
-        Ok(loss)
-    }
-
-    fn eval_loss(&mut self, inputs: &Tensor, targets: &Tensor) -> anyhow::Result<f64> {
-        let out = self.model.forward_loss(inputs, targets)?;
-        Ok(out
-            .loss
-            .to_dtype(candle_core::DType::F64)?
-            .to_scalar::<f64>()?)
-    }
-
-    fn grad_sq_norm(&mut self) -> anyhow::Result<f64> {
-        Ok(self.grads.sq_norm()?)
-    }
-
-    fn optimizer_step(&mut self, lr: f64, grad_scale: f64) -> anyhow::Result<()> {
-        // The clip coefficient is applied inside the update (`AdamW::step_with_copies`), not
-        // by a pass over the gradients of its own.
-        let updated = self.master.as_ref().unwrap_or(&self.params);
-        let items = updated
-            .iter()
-            .map(|p| {
-                let grad = self
-                    .grads
-                    .get(p.name())
-                    .with_context(|| format!("no gradient for `{}` after backward", p.name()))?;
-                Ok(OptimItem {
-                    name: p.name(),
-                    param: p,
-                    grad,
-                    decay: p.shape().rank() >= 2,
-                })
-            })
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        // The optimizer hands back each updated master in the compute dtype (on CUDA from the
-        // same fused kernel); a missing copy is cast here.
-        let dtype = self.master.as_ref().and(self.params.first().map(|p| p.var().dtype()));
-        let copies = self.optim.step_with_copies(lr, grad_scale, &items, dtype)?;
-        if let Some(master) = &self.master {
-            for ((p, m), c) in self.params.iter().zip(master).zip(copies) {
-                match c {
-                    Some(c) => p.set(&c)?,
-                    None => p.set(&m.tensor().detach().to_dtype(p.var().dtype())?)?,
-                }
-            }
-        }
-        self.grads.clear();
-        Ok(())
-    }
-
-    fn state_dict(&self) -> anyhow::Result<BTreeMap<String, Tensor>> {
-        Ok(self
-            .master
-            .as_ref()
-            .unwrap_or(&self.params)
-            .iter()
-            .map(|p| (p.name().to_string(), p.tensor().detach()))
-            .collect())
-    }
-
-    fn optim_state(&self) -> anyhow::Result<AdamWState> {
-        Ok(self.optim.state())
-    }
-
-    fn load_state(
-        &mut self,
-        model: &BTreeMap<String, Tensor>,
-        optim: AdamWState,
-    ) -> anyhow::Result<()> {
-        for p in &self.params {
-            let t = model
-                .get(p.name())
-                .with_context(|| format!("checkpoint lacks `{}`", p.name()))?;
-            let t = t.to_device(p.tensor().device())?;
-            p.set(&t.to_dtype(p.tensor().dtype())?)?;
-        }
-        for m in self.master.iter().flatten() {
-            let t = model
-                .get(m.name())
-                .with_context(|| format!("checkpoint lacks `{}`", m.name()))?;
-            m.set(&t.to_device(m.tensor().device())?.to_dtype(DType::F32)?)?;
-        }
-        self.optim.load_state(optim)?;
-        Ok(())
-    }
-
-    fn param_shapes(&self) -> BTreeMap<String, Vec<usize>> {
-        self.params
-            .iter()
-            .map(|p| (p.name().to_string(), p.shape().dims().to_vec()))
-            .collect()
-    }
-
-    fn memory_layout(&self) -> ModelStateLayout {
-        let n = self.params.iter().map(|p| p.elem_count() as u64).sum();
-        match self.master {
-            None => ModelStateLayout::fp32_adam(n),
-            Some(_) => ModelStateLayout::mixed_adam(n),
-        }
     }
 }
 
@@ -405,45 +225,12 @@ pub fn run_with(
         0 => Some(crate::run_dir::claim(cfg)?),
         _ => None,
     };
-    let dims = opts.plan.dims;
-    if dims.world_size() * dims.ep != 1 || backend.world().size() != 1 {
-        // The other ranks wait here until rank 0 holds the directory.
-        backend
-            .world()
-            .barrier()
-            .context("waiting for rank 0 to claim the run directory")?;
-        return run_distributed(cfg, backend, opts);
-    }
-    let gcfg = cfg.gpt_config()?;
-    let device = backend.device();
-    let rank = backend.world().rank();
-    let Setup {
-        dataset,
-        state_baseline,
-        weights,
-        adamw,
-    } = setup(cfg, &gcfg, &device)?;
-    let mut model = SingleDevice::new(
-        gcfg.clone(),
-        &weights,
-        &device,
-        cfg.activation_checkpointing,
-        adamw,
-        cfg.dtype.candle(),
-    )?;
-    drop(weights);
-    let (loader, val) = loaders(cfg, &dataset, 0, 1)?;
-    train_loop(
-        cfg,
-        &gcfg,
-        &mut model,
-        loader,
-        val,
-        &device,
-        rank,
-        (1, 1),
-        state_baseline,
-    )
+    // The other ranks wait here until rank 0 holds the directory.
+    backend
+        .world()
+        .barrier()
+        .context("waiting for rank 0 to claim the run directory")?;
+    run_plan(cfg, backend, opts)
 }
 
 /// What every run prepares before it builds its model.
@@ -520,9 +307,10 @@ fn loaders(
     Ok((make(&dataset.train)?, make(&dataset.val)?))
 }
 
-/// The multi-rank run: mesh, plan, this rank's part, its data slice, the loop; traces written and
-/// every group's last operations printed when something fails.
-fn run_distributed(
+/// Every run, one device included (the world of one, where every group has one rank and no
+/// collective is issued): mesh, plan, this rank's part, its data slice, the loop; traces written
+/// and every group's last operations printed when something fails.
+fn run_plan(
     cfg: &TrainConfig,
     backend: &dyn Backend,
     opts: &RunOptions,
@@ -564,7 +352,7 @@ fn run_distributed(
         )?
         .with_timeline(timeline.clone());
         drop(weights);
-        if rank == 0 {
+        if rank == 0 && world > 1 {
             tracing::info!(
                 "{} over dp {}",
                 if model.is_standalone_ddp() {

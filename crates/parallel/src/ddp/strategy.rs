@@ -7,7 +7,7 @@
 //!   for micro-step k in 0..K:   loss_k = dp.forward_backward(engine, x_k, y_k, 1/K, sync = k == K-1)
 //!   norm² = dp.grad_norm_sq()                         one all-reduce
 //!   dp.scaled_step(&mut adamw, lr, clip_coef(norm, max_norm))
-//!            = scale_grads -> adamw.step(optimizer_items) -> after_optimizer_step
+//!            = adamw.step(optimizer_items, gradients × clip coefficient) -> after_optimizer_step
 //!   (dp.optimizer_step(&mut adamw, lr, Some(max_norm)) does both and returns the norm)
 //! ```
 
@@ -19,7 +19,7 @@ use mtrain_model::optim::{clip_coef, AdamW, AdamWState, OptimItem};
 use mtrain_model::{Engine, Param};
 
 use crate::mixed_precision::{MasterWeights, PrecisionError};
-use crate::toolbox::{CommStats, ModelStateBytes, StateError};
+use crate::toolbox::{sum_f64, CommStats, ModelStateBytes, StateError};
 
 /// Errors of the data-parallel strategies.
 #[derive(Debug, thiserror::Error)]
@@ -76,9 +76,6 @@ pub trait DataParallel {
     /// Σ g² of the global (averaged) gradient, the same on every rank, each element counted once.
     fn grad_norm_sq(&self) -> Result<f64>;
 
-    /// Multiplies the gradients the optimizer will see by `factor` (gradient clipping).
-    fn scale_grads(&mut self, factor: f64) -> Result<()>;
-
     /// What the optimizer updates: full tensors (DDP) or this rank's flat shards (ZeRO).
     fn optimizer_items(&self) -> Vec<OptimItem<'_>>;
 
@@ -129,16 +126,15 @@ pub trait DataParallel {
         Ok(norm)
     }
 
-    /// Multiplies the gradients by `grad_scale` (the clip coefficient of a norm the caller
-    /// already has, used as given; 1 leaves them alone), steps the optimizer and finishes the
-    /// step. No norm is computed here.
+    /// Steps the optimizer with the gradients multiplied by `grad_scale` (the clip coefficient
+    /// of a norm the caller already has, used as given; 1 leaves them alone) inside the update,
+    /// and finishes the step. No norm is computed here.
     fn scaled_step(&mut self, opt: &mut AdamW, lr: f64, grad_scale: f64) -> Result<()> {
-        if grad_scale != 1.0 {
-            self.scale_grads(grad_scale)?;
-        }
         match self.masters() {
-            Some(m) => m.step(opt, lr, &self.optimizer_items())?,
-            None => opt.step(lr, &self.optimizer_items())?,
+            Some(m) => m.step(opt, lr, grad_scale, &self.optimizer_items())?,
+            None => {
+                opt.step_with_copies(lr, grad_scale, &self.optimizer_items(), None)?;
+            }
         }
         self.after_optimizer_step()
     }
@@ -148,6 +144,9 @@ pub trait DataParallel {
 /// every parameter in f64, the checksums of all ranks are gathered, and any difference from rank 0
 /// fails on every rank with an error naming the rank and the parameter.
 pub fn verify_same_init(comm: &Comm, params: &[Param]) -> Result<()> {
+    if comm.size() == 1 {
+        return Ok(()); // nobody to differ from
+    }
     let device = comm.device().clone();
     let count = Tensor::new(&[params.len() as i64], &device)?;
     let counts = comm.all_gather(&count)?.to_vec1::<i64>()?;
@@ -164,9 +163,9 @@ pub fn verify_same_init(comm: &Comm, params: &[Param]) -> Result<()> {
     for p in params {
         let x = p.tensor().detach().flatten_all()?.to_dtype(DType::F64)?;
         let idx = Tensor::arange(0u32, x.elem_count() as u32, x.device())?.to_dtype(DType::F64)?;
-        sums.push(x.sum_all()?.to_scalar::<f64>()?);
-        sums.push(x.sqr()?.sum_all()?.to_scalar::<f64>()?);
-        sums.push((&x * &idx)?.sum_all()?.to_scalar::<f64>()?);
+        sums.push(sum_f64(&x)?);
+        sums.push(sum_f64(&x.sqr()?)?);
+        sums.push(sum_f64(&(&x * &idx)?)?);
     }
     // f64 bit patterns travel as i64 so the comparison is exact.
     let bits: Vec<i64> = sums.iter().map(|s| s.to_bits() as i64).collect();

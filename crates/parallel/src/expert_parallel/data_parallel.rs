@@ -21,7 +21,7 @@ use crate::ddp::average::sync_grads;
 use crate::ddp::{verify_same_init, DataParallel, DpError};
 use crate::toolbox::{
     load_replicated, named_grads, named_weights, replicated_items, replicated_state_bytes,
-    scale_all, sq_sum_f64, sum_f64, unique_params, CommStats, ModelStateBytes,
+    sq_sum_f64, sum_f64, unique_params, CommStats, ModelStateBytes,
 };
 
 /// Σ g² of the whole model's synced gradient, the same on every rank: non-expert gradients are
@@ -227,9 +227,6 @@ impl DataParallel for ExpertDataParallel {
         grad_norm_sq(&self.grads, &self.ep).map_err(dp_err)
     }
 
-    fn scale_grads(&mut self, factor: f64) -> std::result::Result<(), DpError> {
-        Ok(scale_all(&mut self.grads, factor)?)
-    }
 
     fn optimizer_items(&self) -> Vec<OptimItem<'_>> {
         replicated_items(&self.params, &self.grads)

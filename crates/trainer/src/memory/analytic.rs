@@ -155,10 +155,10 @@ fn copy(full: u64, shards: u64) -> u64 {
 /// (`standalone`: the layout runs that DDP): each bucket's flattened gradients and its
 /// all-reduce's result, in the reduce dtype, both held until the bucket is waited on after the
 /// backward (`parallel/src/ddp/buckets.rs`, `Ddp::finish_bucketed`) — two copies of the
-/// gradients.
+/// gradients. A group of one averages nothing and has no bucket (the world of one).
 pub fn bucket_bytes(plan: &ParallelPlan, n_params: u64, standalone: bool) -> u64 {
     match plan.data {
-        DataParallelKind::Ddp(d) if standalone && d.mode == DdpMode::Bucketed => {
+        DataParallelKind::Ddp(d) if standalone && d.mode == DdpMode::Bucketed && plan.dims.dp > 1 => {
             2 * plan.precision.grad_reduce_dtype().size_in_bytes() as u64 * n_params
         }
         _ => 0,
