@@ -121,8 +121,10 @@ train() {
   mkdir -p "$OUT" "$BIN"
   # shellcheck disable=SC1091
   source scripts/gpu-env.sh
-  bins=mtrain
-  [ -f .gpu/mtrain-before.xz ] && bins="mtrain-before mtrain"
+  # BENCH_BINS names the binaries (.gpu/NAME.xz) to compare, the last one the subject of the
+  # ratios; by default .gpu/mtrain-before.xz (when present) and .gpu/mtrain.xz.
+  bins=${BENCH_BINS:-mtrain}
+  [ -z "${BENCH_BINS:-}" ] && [ -f .gpu/mtrain-before.xz ] && bins="mtrain-before mtrain"
   for b in $bins; do mtrain_unpack ".gpu/$b.xz" "$BIN/$b"; done
   { date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } \
     | tee "$OUT/machine.txt"

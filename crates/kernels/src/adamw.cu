@@ -136,3 +136,88 @@ extern "C" __global__ void adamw_gbf16_copy(const float* p, const unsigned short
                                             long n, AdamwStep s) {
     adamw_body<unsigned short, true>(p, g, m, v, p_out, m_out, v_out, p16, n, s);
 }
+
+// ---- Many tensors in one launch, in place ---------------------------------------------------
+// One slot per tensor (AdamwSlot in adamw.rs, field for field). Block b updates chunk
+// b - first_chunk of the slot whose chunks it falls in (a binary search over the slots'
+// first_chunk), ADAMW_CHUNK elements, writing p, m, v (and the bf16 copy) where it read them:
+//
+//   slots:   [ tensor 0: chunks 0..c0 ][ tensor 1: chunks c0..c1 ] ... one table per step
+//   block b: slot k with first_chunk(k) <= b < first_chunk(k+1),  elements
+//            (b - first_chunk(k))·CHUNK .. min(+CHUNK, n_k), 16-byte words where aligned
+// Every element is read and written by the same thread, so updating in place is safe.
+#define ADAMW_CHUNK 65536
+struct AdamwSlot {
+    unsigned long long p;    // float*: the parameter (f32), updated in place
+    unsigned long long m;    // float*: first moment, in place
+    unsigned long long v;    // float*: second moment, in place
+    unsigned long long g;    // const float* or const bf16*: the gradient, per the entry point
+    unsigned long long p16;  // bf16*: the compute copy, written in place; 0 for none
+    long long n;             // elements
+    long long first_chunk;   // index of the slot's first chunk in the grid
+    float decay;             // 1 - lr·wd, or 1
+    float pad;
+};
+
+template <typename G>
+__device__ __forceinline__ void adamw_slot_chunk(const AdamwSlot& t, long lo, long hi, AdamwStep s) {
+    s.decay = t.decay;
+    float* p = reinterpret_cast<float*>(t.p);
+    float* m = reinterpret_cast<float*>(t.m);
+    float* v = reinterpret_cast<float*>(t.v);
+    const G* g = reinterpret_cast<const G*>(t.g);
+    unsigned short* p16 = reinterpret_cast<unsigned short*>(t.p16);
+    const bool vec = adamw_aligned(p, 16) && adamw_aligned(m, 16) && adamw_aligned(v, 16) &&
+                     adamw_aligned(g, 4 * sizeof(G)) && (p16 == nullptr || adamw_aligned(p16, 8));
+    // lo is a multiple of ADAMW_CHUNK, so the words of [lo, hi) start at lo / 4.
+    const long whi = vec ? hi / 4 : lo / 4;
+    for (long w = lo / 4 + threadIdx.x; w < whi; w += blockDim.x) {
+        float4 pw = reinterpret_cast<const float4*>(p)[w];
+        float4 mw = reinterpret_cast<const float4*>(m)[w];
+        float4 vw = reinterpret_cast<const float4*>(v)[w];
+        float4 gw = adamw_grad4(g, w);
+        adamw_one(s, pw.x, mw.x, vw.x, gw.x * s.gscale);
+        adamw_one(s, pw.y, mw.y, vw.y, gw.y * s.gscale);
+        adamw_one(s, pw.z, mw.z, vw.z, gw.z * s.gscale);
+        adamw_one(s, pw.w, mw.w, vw.w, gw.w * s.gscale);
+        reinterpret_cast<float4*>(p)[w] = pw;
+        reinterpret_cast<float4*>(m)[w] = mw;
+        reinterpret_cast<float4*>(v)[w] = vw;
+        if (p16 != nullptr) {
+            uint2 h;
+            h.x = (unsigned int)adamw_to_bf16(pw.x) | ((unsigned int)adamw_to_bf16(pw.y) << 16);
+            h.y = (unsigned int)adamw_to_bf16(pw.z) | ((unsigned int)adamw_to_bf16(pw.w) << 16);
+            reinterpret_cast<uint2*>(p16)[w] = h;
+        }
+    }
+    for (long i = 4 * whi + threadIdx.x; i < hi; i += blockDim.x) {
+        float pi = p[i], mi = m[i], vi = v[i];
+        adamw_one(s, pi, mi, vi, adamw_grad(g, i) * s.gscale);
+        p[i] = pi;
+        m[i] = mi;
+        v[i] = vi;
+        if (p16 != nullptr) p16[i] = adamw_to_bf16(pi);
+    }
+}
+
+template <typename G>
+__device__ __forceinline__ void adamw_multi(const AdamwSlot* slots, int count, AdamwStep s) {
+    const long b = blockIdx.x;
+    int lo = 0, hi = count - 1;  // the last slot whose first_chunk <= b
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (slots[mid].first_chunk <= b) lo = mid; else hi = mid - 1;
+    }
+    const AdamwSlot t = slots[lo];
+    const long start = (b - t.first_chunk) * (long)ADAMW_CHUNK;
+    const long end = min(start + (long)ADAMW_CHUNK, (long)t.n);
+    if (start < end) adamw_slot_chunk<G>(t, start, end, s);
+}
+
+extern "C" __global__ void adamw_multi_g32(const AdamwSlot* slots, int count, AdamwStep s) {
+    adamw_multi<float>(slots, count, s);
+}
+
+extern "C" __global__ void adamw_multi_gbf16(const AdamwSlot* slots, int count, AdamwStep s) {
+    adamw_multi<unsigned short>(slots, count, s);
+}

@@ -367,6 +367,162 @@ mod imp {
     }
 }
 
+/// One tensor of a [`step_in_place`] launch: the parameter, its gradient and moments, and the
+/// compute copy to refresh (None: no copy).
+#[derive(Debug, Clone, Copy)]
+pub struct InPlace<'a> {
+    /// The parameter (f32), updated in place.
+    pub p: &'a Tensor,
+    /// Its gradient, f32 or bf16 (the same dtype for every tensor of the launch).
+    pub g: &'a Tensor,
+    /// First moment (f32), updated in place.
+    pub m: &'a Tensor,
+    /// Second moment (f32), updated in place.
+    pub v: &'a Tensor,
+    /// The bf16 compute copy of `p`, written in place (Some for every tensor or for none).
+    pub copy: Option<&'a Tensor>,
+    /// This tensor's decoupled weight decay (0: not decayed); `AdamWHyper::weight_decay` is
+    /// not used by [`step_in_place`].
+    pub weight_decay: f64,
+}
+
+/// Whether [`step_in_place`] takes `items`: every tensor on one CUDA device and contiguous;
+/// `p`, `m`, `v` f32 with `p`'s element count; the gradients all f32 or all bf16; a bf16 copy for
+/// every tensor or for none. Public so that a caller can fall back to [`step`] otherwise.
+pub fn fuses_in_place(items: &[InPlace]) -> bool {
+    let Some(first) = items.first() else {
+        return false;
+    };
+    let dev = first.p.device();
+    let gdtype = first.g.dtype();
+    let with_copy = first.copy.is_some();
+    items.iter().all(|it| {
+        let n = it.p.elem_count();
+        let f32_like = |t: &Tensor| {
+            crate::fused_for(t)
+                && t.dtype() == DType::F32
+                && t.elem_count() == n
+                && t.is_contiguous()
+                && t.device().same_device(dev)
+        };
+        f32_like(it.p)
+            && f32_like(it.m)
+            && f32_like(it.v)
+            && crate::fused_for(it.g)
+            && it.g.dtype() == gdtype
+            && it.g.elem_count() == n
+            && it.g.is_contiguous()
+            && it.g.device().same_device(dev)
+            && n > 0
+            && it.copy.is_some() == with_copy
+            && it.copy.is_none_or(|c| {
+                c.dtype() == DType::BF16
+                    && c.elem_count() == n
+                    && c.is_contiguous()
+                    && c.device().same_device(dev)
+            })
+    })
+}
+
+/// One AdamW step of every tensor of `items` in one kernel launch (PyTorch's fused AdamW does
+/// the same), writing the new `p`, `m`, `v` and the bf16 copy into the tensors' own storage: no
+/// allocation, no copy afterwards, one launch and a table of 64 bytes per tensor instead of a
+/// launch, four fresh outputs and two copies per tensor. The arithmetic is [`step`]'s, element
+/// for element (`h`'s weight decay is replaced by each item's).
+///
+/// The tensors must be what [`fuses_in_place`] accepts; anything else is an error.
+///
+/// # Safety
+/// `p`, `m`, `v` and `copy` are written in place, so no one may hold them as values that stay
+/// unchanged: they must be the storage of a `Var` (which `Var::set` overwrites the same way) or
+/// state the optimizer owns alone, and none of them may share storage with another tensor of
+/// the launch.
+pub unsafe fn step_in_place(items: &[InPlace], h: &AdamWHyper) -> Result<()> {
+    if !fuses_in_place(items) {
+        return Err(msg(
+            "adamw::step_in_place: the tensors are not all contiguous CUDA f32 parameters and \
+             moments with f32 or bf16 gradients of one dtype (see fuses_in_place)"
+                .into(),
+        ));
+    }
+    let s = h.constants()?;
+    let decays = items
+        .iter()
+        .map(|it| (1.0 - h.lr * it.weight_decay) as f32)
+        .collect::<Vec<_>>();
+    launch_in_place(items, &decays, s)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn launch_in_place(_: &[InPlace], _: &[f32], _: AdamWStep) -> Result<()> {
+    Err(msg("the in-place adamw runs on CUDA only".into()))
+}
+
+#[cfg(feature = "cuda")]
+fn launch_in_place(items: &[InPlace], decays: &[f32], s: AdamWStep) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::{DevicePtr, PushKernelArg};
+    use candle_core::cuda_backend::WrapErr;
+
+    use super::cuda::{blocks, device, kernel, slice, storage};
+
+    /// Elements one block updates (ADAMW_CHUNK in adamw.cu).
+    const CHUNK: usize = 65536;
+    let dev = device(items[0].p)?;
+    let stream = dev.cuda_stream();
+    // The device address of element 0 of a contiguous tensor, its storage held while the
+    // launch is enqueued.
+    fn addr<'t>(
+        t: &'t Tensor,
+        what: &str,
+        stream: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+        guards: &mut Vec<candle_core::StorageRef<'t>>,
+    ) -> Result<u64> {
+        let (st, off) = storage(t, what)?;
+        let a = match t.dtype() {
+            DType::BF16 => slice::<half::bf16>(&st)?.device_ptr(stream).0 + 2 * off as u64,
+            _ => slice::<f32>(&st)?.device_ptr(stream).0 + 4 * off as u64,
+        };
+        guards.push(st);
+        Ok(a)
+    }
+    let mut guards = Vec::with_capacity(5 * items.len());
+    let mut addr = |t, what| addr(t, what, &stream, &mut guards);
+    // AdamwSlot, eight 64-bit words per tensor (the decay's f32 bits in the low half of the last).
+    let mut table: Vec<u64> = Vec::with_capacity(8 * items.len());
+    let mut chunks = 0usize;
+    for (it, decay) in items.iter().zip(decays) {
+        let n = it.p.elem_count();
+        table.push(addr(it.p, "adamw parameter")?);
+        table.push(addr(it.m, "adamw first moment")?);
+        table.push(addr(it.v, "adamw second moment")?);
+        table.push(addr(it.g, "adamw gradient")?);
+        table.push(match it.copy {
+            Some(c) => addr(c, "adamw compute copy")?,
+            None => 0,
+        });
+        table.push(n as u64);
+        table.push(chunks as u64);
+        table.push(decay.to_bits() as u64);
+        chunks += n.div_ceil(CHUNK);
+    }
+    let slots = dev.clone_htod(&table)?;
+    let name = match items[0].g.dtype() {
+        DType::BF16 => "adamw_multi_gbf16",
+        _ => "adamw_multi_g32",
+    };
+    // The entry points do not depend on ELEM_BF16: load them from the instantiation the run's
+    // gradients already compiled.
+    let f = kernel(&dev, None, items[0].g.dtype(), name)?;
+    let count = items.len() as i32;
+    let mut b = f.builder();
+    b.arg(&slots).arg(&count).arg(&s);
+    // SAFETY: (const AdamwSlot* slots, int count, AdamwStep s) as in adamw.cu; every slot's
+    // addresses hold n elements of the dtypes fuses_in_place checked; one block per chunk.
+    unsafe { b.launch(blocks((chunks, 1), 256)) }.w()?;
+    drop(guards);
+    Ok(())
+}
+
 #[cfg(test)]
 mod host_tests {
     use super::*;

@@ -174,13 +174,8 @@ impl Trainer {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let copies = self.optim.step_with_copies(lr, 1.0, &items, Some(DType::BF16))?;
-        for ((p, m), c) in self.params.iter().zip(&self.master).zip(copies) {
-            match c {
-                Some(c) => p.set(&c)?,
-                None => p.set(&m.tensor().to_dtype(DType::BF16)?)?,
-            }
-        }
+        let compute: Vec<&Param> = self.params.iter().collect();
+        self.optim.step_with_copies(lr, 1.0, &items, Some(&compute))?;
         self.grads.clear();
         Ok(loss)
     }

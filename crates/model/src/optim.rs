@@ -11,9 +11,10 @@
 //! p  = p·(1 - lr·wd)  -  lr · m̂ / (√v̂ + ε)  decay is applied to p directly, not mixed into g
 //! ```
 //!
-//! Each tensor's update is [`mtrain_kernels::adamw::step`]: on CUDA one fused kernel that reads
-//! p, g, m, v once and writes the new p, m, v (and, for mixed precision, the bf16 compute copy)
-//! once; everywhere else the same formulas as candle ops.
+//! On CUDA the whole step is one kernel over every tensor ([`mtrain_kernels::adamw::step_in_place`]):
+//! it reads p, g, m, v once and writes p, m, v (and, for mixed precision, the bf16 compute copy)
+//! back into their own storage; everywhere else each tensor's update is
+//! [`mtrain_kernels::adamw::step`], the same formulas as candle ops.
 //!
 //! The optimizer is shape-agnostic: it keeps `m` and `v` by name, elementwise, so a sharded strategy
 //! can hand it flat 1-D shards instead of full tensors. Whether a tensor is decayed therefore comes
@@ -116,67 +117,148 @@ impl AdamW {
 
     /// One AdamW step with learning rate `lr` over `items` (moments start at zero on first sight).
     pub fn step(&mut self, lr: f64, items: &[OptimItem]) -> Result<()> {
-        self.step_with_copies(lr, 1.0, items, None).map(|_| ())
+        self.step_with_copies(lr, 1.0, items, None)
     }
 
     /// [`AdamW::step`] with every gradient multiplied by `grad_scale` (the clip coefficient, 1
-    /// for none) inside the update, also returning each updated parameter cast to `copy` (one
-    /// entry per item, `None` throughout when `copy` is `None`): the compute copy of
+    /// for none) inside the update, and, with `copies` (one per item), each updated parameter
+    /// written into `copies[k]` in that parameter's own dtype: the compute copy of
     /// mixed-precision training.
     ///
-    /// An item whose parameter and gradient the fused kernel takes ([`adamw::fuses`]: an f32
-    /// CUDA parameter, an f32 or bf16 gradient) is updated by one kernel, which also writes a
-    /// bf16 copy; every other item takes the candle path, and its copy is a cast of the updated
-    /// parameter. The gradient may be in any float dtype: it is read as f32.
+    /// Where every item is what [`adamw::fuses_in_place`] takes (CUDA f32 parameters and
+    /// moments, gradients all f32 or all bf16, bf16 copies), the whole step is one kernel that
+    /// updates parameters, moments and copies in their own storage. Otherwise each item takes
+    /// [`adamw::step`] (one fused kernel per tensor where [`adamw::fuses`] says so, candle ops
+    /// elsewhere) and its copy is set from the kernel's bf16 output or a cast. The gradient may
+    /// be in any float dtype: it is read as f32.
     pub fn step_with_copies(
         &mut self,
         lr: f64,
         grad_scale: f64,
         items: &[OptimItem],
-        copy: Option<DType>,
-    ) -> Result<Vec<Option<Tensor>>> {
-        self.step += 1;
-        let mut copies = Vec::with_capacity(items.len());
+        copies: Option<&[&Param]>,
+    ) -> Result<()> {
+        if let Some(c) = copies {
+            if c.len() != items.len() {
+                candle_core::bail!(
+                    "AdamW: {} compute copies for {} parameters",
+                    c.len(),
+                    items.len()
+                );
+            }
+        }
         for it in items {
-            let p = it.param.tensor().detach();
-            if it.grad.shape() != p.shape() {
+            if *it.grad.shape() != it.param.shape() {
                 candle_core::bail!(
                     "AdamW: gradient of `{}` has shape {:?} but the parameter has {:?}",
                     it.name,
                     it.grad.dims(),
-                    p.dims()
+                    it.param.shape().dims()
                 );
             }
-            let h = AdamWHyper {
-                lr,
-                beta1: self.cfg.beta1,
-                beta2: self.cfg.beta2,
-                eps: self.cfg.eps,
-                weight_decay: if it.decay { self.cfg.weight_decay } else { 0.0 },
-                step: self.step,
-                grad_scale,
-            };
+        }
+        self.step += 1;
+        let (cfg, step) = (self.cfg, self.step);
+        let hyper = |decay: bool| AdamWHyper {
+            lr,
+            beta1: cfg.beta1,
+            beta2: cfg.beta2,
+            eps: cfg.eps,
+            weight_decay: if decay { cfg.weight_decay } else { 0.0 },
+            step,
+            grad_scale,
+        };
+        if self.step_in_place(items, copies, &hyper(false))? {
+            return Ok(());
+        }
+        for (k, it) in items.iter().enumerate() {
+            let p = it.param.tensor().detach();
             let g = it.grad.detach();
             let (m, v) = (self.m.get(it.name), self.v.get(it.name));
-            let out = adamw::step(&p, &g, m, v, &h, copy)?;
+            let copy = copies.map(|c| c[k]);
+            let dtype = copy.map(|c| c.var().dtype());
+            let out = adamw::step(&p, &g, m, v, &hyper(it.decay), dtype)?;
             it.param.set(&out.p)?;
+            if let Some(c) = copy {
+                match out.copy {
+                    Some(w) if w.dtype() == c.var().dtype() => c.set(&w)?,
+                    _ => c.set(&out.p.to_dtype(c.var().dtype())?)?,
+                }
+            }
             self.m.insert(it.name.to_string(), out.m);
             self.v.insert(it.name.to_string(), out.v);
-            copies.push(out.copy);
         }
-        Ok(copies)
+        Ok(())
     }
 
-    /// A copy of the state (tensors are shared, not copied: candle tensors are immutable).
-    pub fn state(&self) -> AdamWState {
-        AdamWState {
+    /// The whole step as one in-place kernel ([`adamw::step_in_place`]) when every item takes
+    /// it; false (nothing done) otherwise. Moments seen for the first time start as zeros.
+    fn step_in_place(
+        &mut self,
+        items: &[OptimItem],
+        copies: Option<&[&Param]>,
+        h: &AdamWHyper,
+    ) -> Result<bool> {
+        let params: Vec<Tensor> = items.iter().map(|it| it.param.tensor()).collect();
+        let targets: Option<Vec<Tensor>> = copies.map(|c| c.iter().map(|p| p.tensor()).collect());
+        let zeros = |p: &Tensor| Tensor::zeros(p.shape(), DType::F32, p.device());
+        let probe: Vec<adamw::InPlace> = items
+            .iter()
+            .zip(&params)
+            .enumerate()
+            .map(|(k, (it, p))| adamw::InPlace {
+                p,
+                g: it.grad,
+                m: p,
+                v: p,
+                copy: targets.as_ref().map(|t| &t[k]),
+                weight_decay: 0.0,
+            })
+            .collect();
+        if !adamw::fuses_in_place(&probe) {
+            return Ok(false);
+        }
+        for (it, p) in items.iter().zip(&params) {
+            if !self.m.contains_key(it.name) {
+                self.m.insert(it.name.to_string(), zeros(p)?);
+                self.v.insert(it.name.to_string(), zeros(p)?);
+            }
+        }
+        let launch: Vec<adamw::InPlace> = probe
+            .iter()
+            .zip(items)
+            .map(|(t, it)| adamw::InPlace {
+                m: &self.m[it.name],
+                v: &self.v[it.name],
+                weight_decay: if it.decay { self.cfg.weight_decay } else { 0.0 },
+                ..*t
+            })
+            .collect();
+        if !adamw::fuses_in_place(&launch) {
+            return Ok(false); // a moment loaded in another dtype or layout
+        }
+        // SAFETY: the parameters and copies are `Var`s (which `Param::set` overwrites the same
+        // way), and the moments are this optimizer's alone: `state` and `load_state` copy them.
+        unsafe { adamw::step_in_place(&launch, h)? };
+        Ok(true)
+    }
+
+    /// A copy of the state (the moments are copied: the optimizer updates its own in place).
+    pub fn state(&self) -> Result<AdamWState> {
+        let copy = |m: &BTreeMap<String, Tensor>| {
+            m.iter()
+                .map(|(k, t)| Ok((k.clone(), t.copy()?)))
+                .collect::<Result<BTreeMap<_, _>>>()
+        };
+        Ok(AdamWState {
             step: self.step,
-            m: self.m.clone(),
-            v: self.v.clone(),
-        }
+            m: copy(&self.m)?,
+            v: copy(&self.v)?,
+        })
     }
 
-    /// Replaces the state, e.g. from a checkpoint. Every `m` needs its `v` and vice versa.
+    /// Replaces the state, e.g. from a checkpoint. Every `m` needs its `v` and vice versa. The
+    /// moments are copied, so the caller's tensors never change.
     pub fn load_state(&mut self, state: AdamWState) -> Result<()> {
         for name in state.m.keys().chain(state.v.keys()) {
             let (m, v) = (state.m.get(name), state.v.get(name));
@@ -190,9 +272,14 @@ impl AdamW {
                 _ => candle_core::bail!("AdamW state for `{name}` has only one of m and v"),
             }
         }
+        let copy = |m: BTreeMap<String, Tensor>| {
+            m.into_iter()
+                .map(|(k, t)| Ok((k, t.copy()?)))
+                .collect::<Result<BTreeMap<_, _>>>()
+        };
         self.step = state.step;
-        self.m = state.m;
-        self.v = state.v;
+        self.m = copy(state.m)?;
+        self.v = copy(state.v)?;
         Ok(())
     }
 
@@ -345,7 +432,7 @@ mod tests {
                 }],
             )?;
             if resume {
-                let st = opt.state();
+                let st = opt.state()?;
                 opt = AdamW::new(cfg);
                 opt.load_state(st)?;
             }
@@ -395,18 +482,21 @@ mod tests {
     }
 
     /// `step_with_copies` on the CPU: the parameters move exactly as with `step`, and each copy
-    /// is the updated parameter cast to the asked dtype (bf16 here).
+    /// holds the updated parameter cast to its own dtype (bf16 here).
     #[test]
     fn copies_are_the_updated_parameters_cast() -> Result<()> {
         let dev = Device::Cpu;
         let cfg = AdamWConfig::default();
         let g = Tensor::new(&[0.1f32, -0.2, 0.3], &dev)?;
         let gb = Tensor::new(&[0.05f32], &dev)?.to_dtype(DType::BF16)?;
-        let run = |copies: bool| -> Result<(Vec<Param>, Vec<Option<Tensor>>)> {
+        let run = |copies: bool| -> Result<(Vec<Param>, Vec<Param>)> {
             let p = Param::new("p", Tensor::new(&[1f32, 2., 3.], &dev)?)?;
             let b = Param::new("b", Tensor::new(&[0.5f32], &dev)?)?;
+            let out = vec![
+                Param::new("p16", Tensor::zeros(3, DType::BF16, &dev)?)?,
+                Param::new("b16", Tensor::zeros(1, DType::BF16, &dev)?)?,
+            ];
             let mut opt = AdamW::new(cfg);
-            let mut out = Vec::new();
             for _ in 0..2 {
                 let items = [
                     OptimItem {
@@ -422,13 +512,10 @@ mod tests {
                         decay: false,
                     },
                 ];
-                out = match copies {
-                    true => opt.step_with_copies(1e-2, 1.0, &items, Some(DType::BF16))?,
-                    false => {
-                        opt.step(1e-2, &items)?;
-                        vec![]
-                    }
-                };
+                match copies {
+                    true => opt.step_with_copies(1e-2, 1.0, &items, Some(&[&out[0], &out[1]]))?,
+                    false => opt.step(1e-2, &items)?,
+                }
             }
             Ok((vec![p, b], out))
         };
@@ -438,7 +525,7 @@ mod tests {
         for ((a, b), c) in with.iter().zip(&without).zip(&copies) {
             let a = a.tensor();
             assert_eq!(a.to_vec1::<f32>()?, b.tensor().to_vec1::<f32>()?);
-            let c = c.as_ref().expect("a copy was asked for");
+            let c = c.tensor();
             assert_eq!(c.dtype(), DType::BF16);
             assert_eq!(
                 c.to_dtype(DType::F32)?.to_vec1::<f32>()?,
@@ -450,10 +537,12 @@ mod tests {
         Ok(())
     }
 
-    /// Three steps of `step_with_copies` on CUDA, where every item takes the fused kernel (f32
-    /// and bf16 gradients, decayed and not), against the same steps on the CPU, where every item
-    /// takes the candle path: parameters and moments within a relative error of 1e-6, the bf16
-    /// copies equal to the cast of the CUDA parameters. Skips without a CUDA device.
+    /// Three steps of `step_with_copies` on CUDA against the same steps on the CPU, where every
+    /// item takes the candle path: parameters and moments within a relative error of 1e-6, the
+    /// bf16 copies equal to the cast of the CUDA parameters; the second step clips (a gradient
+    /// scale of 0.37). With gradients all bf16 or all f32 the CUDA step is the one in-place
+    /// launch (`adamw::step_in_place`, tensors of one, a tail, several 65536-element chunks);
+    /// with both dtypes mixed each tensor takes its own fused kernel. Skips without a CUDA device.
     #[cfg(feature = "cuda")]
     #[test]
     fn cuda_fused_steps_match_the_cpu_path() -> Result<()> {
@@ -465,86 +554,104 @@ mod tests {
             }
         };
         let cpu = Device::Cpu;
-        let sizes = [
-            (4097usize, DType::F32, true),
-            (33, DType::BF16, false),
-            (1, DType::BF16, true),
-        ];
-        let wave = |n: usize, phase: f32| -> Vec<f32> {
-            (0..n).map(|i| (i as f32 * 0.71 + phase).sin()).collect()
-        };
-        let run = |dev: &Device| -> Result<(Vec<Tensor>, Vec<Tensor>, AdamWState)> {
-            let params: Vec<Param> = sizes
-                .iter()
-                .enumerate()
-                .map(|(k, (n, _, _))| {
-                    Param::new(format!("w{k}"), Tensor::from_vec(wave(*n, 0.3), *n, dev)?)
-                })
-                .collect::<Result<_>>()?;
-            let mut opt = AdamW::new(AdamWConfig::default());
-            let mut copies = Vec::new();
-            for step in 0..3 {
-                let grads: Vec<Tensor> = sizes
+        let mixed = [DType::F32, DType::BF16, DType::BF16, DType::F32];
+        for (gdtypes, in_place) in [
+            (mixed, false),
+            ([DType::BF16; 4], true),
+            ([DType::F32; 4], true),
+        ] {
+            let sizes = [(4097usize, true), (33, false), (1, true), (3 * 65536 + 5, true)];
+            let wave = |n: usize, phase: f32| -> Vec<f32> {
+                (0..n).map(|i| (i as f32 * 0.71 + phase).sin()).collect()
+            };
+            let run = |dev: &Device| -> Result<(Vec<Tensor>, Vec<Tensor>, AdamWState)> {
+                let params: Vec<Param> = sizes
                     .iter()
-                    .map(|(n, dt, _)| {
-                        let g = Tensor::from_vec(wave(*n, 1.0 + step as f32), *n, dev)?;
-                        (g * 0.1)?.to_dtype(*dt)
+                    .enumerate()
+                    .map(|(k, (n, _))| {
+                        Param::new(format!("w{k}"), Tensor::from_vec(wave(*n, 0.3), *n, dev)?)
                     })
                     .collect::<Result<_>>()?;
-                let names: Vec<String> = (0..sizes.len()).map(|k| format!("w{k}")).collect();
-                let items: Vec<OptimItem> = (0..sizes.len())
-                    .map(|k| OptimItem {
-                        name: &names[k],
-                        param: &params[k],
-                        grad: &grads[k],
-                        decay: sizes[k].2,
+                let copies: Vec<Param> = sizes
+                    .iter()
+                    .enumerate()
+                    .map(|(k, (n, _))| {
+                        Param::new(format!("c{k}"), Tensor::zeros(*n, DType::BF16, dev)?)
                     })
-                    .collect();
-                if dev.is_cuda() {
-                    for it in &items {
-                        assert!(adamw::fuses(&it.param.tensor(), it.grad));
+                    .collect::<Result<_>>()?;
+                let copy_refs: Vec<&Param> = copies.iter().collect();
+                let mut opt = AdamW::new(AdamWConfig::default());
+                for step in 0..3 {
+                    let grads: Vec<Tensor> = sizes
+                        .iter()
+                        .zip(gdtypes)
+                        .map(|((n, _), dt)| {
+                            let g = Tensor::from_vec(wave(*n, 1.0 + step as f32), *n, dev)?;
+                            (g * 0.1)?.to_dtype(dt)
+                        })
+                        .collect::<Result<_>>()?;
+                    let names: Vec<String> = (0..sizes.len()).map(|k| format!("w{k}")).collect();
+                    let items: Vec<OptimItem> = (0..sizes.len())
+                        .map(|k| OptimItem {
+                            name: &names[k],
+                            param: &params[k],
+                            grad: &grads[k],
+                            decay: sizes[k].1,
+                        })
+                        .collect();
+                    if dev.is_cuda() {
+                        let ps: Vec<Tensor> = params.iter().map(|p| p.tensor()).collect();
+                        let cs: Vec<Tensor> = copies.iter().map(|p| p.tensor()).collect();
+                        let probe: Vec<adamw::InPlace> = (0..sizes.len())
+                            .map(|k| adamw::InPlace {
+                                p: &ps[k],
+                                g: &grads[k],
+                                m: &ps[k],
+                                v: &ps[k],
+                                copy: Some(&cs[k]),
+                                weight_decay: 0.0,
+                            })
+                            .collect();
+                        assert_eq!(adamw::fuses_in_place(&probe), in_place, "{gdtypes:?}");
                     }
+                    let scale = if step == 1 { 0.37 } else { 1.0 };
+                    opt.step_with_copies(3e-3, scale, &items, Some(&copy_refs))?;
                 }
-                copies = opt
-                    .step_with_copies(3e-3, 1.0, &items, Some(DType::BF16))?
-                    .into_iter()
-                    .map(|c| c.expect("a copy was asked for"))
-                    .collect();
+                Ok((
+                    params.iter().map(|p| p.tensor()).collect(),
+                    copies.iter().map(|p| p.tensor()).collect(),
+                    opt.state()?,
+                ))
+            };
+            let rel = |a: &Tensor, b: &Tensor| -> Result<f64> {
+                let a = a.to_device(&cpu)?.to_dtype(DType::F64)?;
+                let b = b.to_device(&cpu)?.to_dtype(DType::F64)?;
+                let num = (a - &b)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+                Ok((num / b.sqr()?.sum_all()?.to_scalar::<f64>()?).sqrt())
+            };
+            let (gp, gc, gs) = run(&gpu)?;
+            let (cp, _, cs) = run(&cpu)?;
+            for k in 0..sizes.len() {
+                let name = format!("w{k}");
+                for (what, a, b) in [
+                    ("p", &gp[k], &cp[k]),
+                    ("m", &gs.m[&name], &cs.m[&name]),
+                    ("v", &gs.v[&name], &cs.v[&name]),
+                ] {
+                    let e = rel(a, b)?;
+                    assert!(e < 1e-6, "{gdtypes:?} {name} {what}: rel err {e} >= 1e-6");
+                }
+                assert_eq!(
+                    gc[k].to_dtype(DType::F32)?.to_vec1::<f32>()?,
+                    gp[k]
+                        .to_dtype(DType::BF16)?
+                        .to_dtype(DType::F32)?
+                        .to_vec1::<f32>()?,
+                    "{gdtypes:?} {name}: bf16 copy"
+                );
             }
-            Ok((
-                params.iter().map(|p| p.tensor()).collect(),
-                copies,
-                opt.state(),
-            ))
-        };
-        let rel = |a: &Tensor, b: &Tensor| -> Result<f64> {
-            let a = a.to_device(&cpu)?.to_dtype(DType::F64)?;
-            let b = b.to_device(&cpu)?.to_dtype(DType::F64)?;
-            let num = (a - &b)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
-            Ok((num / b.sqr()?.sum_all()?.to_scalar::<f64>()?).sqrt())
-        };
-        let (gp, gc, gs) = run(&gpu)?;
-        let (cp, _, cs) = run(&cpu)?;
-        for k in 0..sizes.len() {
-            let name = format!("w{k}");
-            for (what, a, b) in [
-                ("p", &gp[k], &cp[k]),
-                ("m", &gs.m[&name], &cs.m[&name]),
-                ("v", &gs.v[&name], &cs.v[&name]),
-            ] {
-                let e = rel(a, b)?;
-                assert!(e < 1e-6, "{name} {what}: rel err {e} >= 1e-6");
-            }
-            assert_eq!(
-                gc[k].to_dtype(DType::F32)?.to_vec1::<f32>()?,
-                gp[k]
-                    .to_dtype(DType::BF16)?
-                    .to_dtype(DType::F32)?
-                    .to_vec1::<f32>()?,
-                "{name}: bf16 copy"
-            );
+            assert_eq!(gs.step, 3);
         }
-        assert_eq!(gs.step, 3);
         Ok(())
     }
 }

@@ -354,7 +354,7 @@ impl DataParallel for Ddp {
     }
 
     fn full_optimizer_state(&self, opt: &AdamW) -> Result<AdamWState> {
-        Ok(opt.state())
+        Ok(opt.state()?)
     }
 
     fn shard_optimizer_state(&self, full: &AdamWState) -> Result<AdamWState> {

@@ -622,7 +622,7 @@ impl DataParallel for Fsdp {
     }
 
     fn full_optimizer_state(&self, opt: &AdamW) -> Result<AdamWState> {
-        let state = opt.state();
+        let state = opt.state()?;
         if state.m.is_empty() {
             // No step taken yet: nothing to gather (and nothing a single device would hold).
             return Ok(state);

@@ -204,17 +204,10 @@ impl MasterWeights {
                 decay: it.decay,
             });
         }
-        // Copies in the compute dtype: from the fused kernel where it ran, else a cast.
-        let compute = items.first().map(|it| it.param.var().dtype());
-        let copies = opt.step_with_copies(lr, grad_scale, &master_items, compute)?;
-        for ((it, m), copy) in items.iter().zip(&master_items).zip(copies) {
-            let dtype = it.param.var().dtype();
-            let w = match copy {
-                Some(c) if c.dtype() == dtype => c,
-                _ => m.param.tensor().detach().to_dtype(dtype)?,
-            };
-            it.param.set(&w)?;
-        }
+        // The optimizer writes each updated master into its compute parameter, in that
+        // parameter's dtype (in place from the fused kernel on CUDA, else a cast).
+        let compute: Vec<&Param> = items.iter().map(|it| it.param).collect();
+        opt.step_with_copies(lr, grad_scale, &master_items, Some(&compute))?;
         Ok(())
     }
 }

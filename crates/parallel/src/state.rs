@@ -120,7 +120,7 @@ impl ParallelModel {
     /// The optimizer state as one device would hold it (full moments by parameter name), on
     /// every rank (a collective).
     pub fn full_optimizer_state(&self, opt: &AdamW) -> Result<AdamWState> {
-        let state = opt.state();
+        let state = opt.state()?;
         if state.m.is_empty() {
             return Ok(state);
         }

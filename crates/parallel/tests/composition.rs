@@ -127,7 +127,7 @@ fn one_device(cfg: &GptConfig, steps: usize, groups: usize) -> (Trace, AdamWStat
         .iter()
         .map(|p| (p.name().to_string(), p.tensor().detach()))
         .collect();
-    (t, opt.state())
+    (t, opt.state().expect("optimizer state"))
 }
 
 /// Runs `plan` on its world of threads for `steps` steps, optionally starting from saved full

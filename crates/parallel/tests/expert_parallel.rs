@@ -505,7 +505,7 @@ fn expert_data_parallel_api_matches_one_device() {
             ));
         }
         let back = edp.shard_optimizer_state(&full_opt).map_err(s)?;
-        let mine = opt.state();
+        let mine = opt.state().expect("optimizer state");
         if back.m.keys().ne(mine.m.keys()) {
             return Err("optimizer state round trip changed the names".into());
         }

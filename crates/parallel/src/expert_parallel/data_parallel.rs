@@ -263,7 +263,7 @@ impl DataParallel for ExpertDataParallel {
     }
 
     fn full_optimizer_state(&self, opt: &AdamW) -> std::result::Result<AdamWState, DpError> {
-        let st = opt.state();
+        let st = opt.state()?;
         Ok(AdamWState {
             step: st.step,
             m: gather_experts(st.m, &self.ep).map_err(dp_err)?,
