@@ -50,7 +50,7 @@ use crate::memory::{
     step_memory, ActivationLayout, BackwardPath, ModelStateLayout, Phase, Routing, StepMemory,
 };
 use crate::trace::{CommMeter, RunPhase, Timeline};
-use crate::train::TrainableModel;
+use crate::trainable::TrainableModel;
 
 /// Pipeline figures of one step on this rank.
 #[derive(Debug, Clone, Serialize)]

@@ -24,4 +24,5 @@ pub mod run_dir;
 pub mod sample;
 pub mod trace;
 pub mod train;
+pub mod trainable;
 pub mod validate;

@@ -1,0 +1,93 @@
+//! The one interface between the training loop and a model, however the model is laid out
+//! across ranks: forward/backward of a micro-batch, the squared gradient norm, the optimizer
+//! step, checkpoint state, and what the memory and step reports need. [`crate::distributed`]
+//! implements it for every layout, one device included; [`crate::train`] drives it.
+
+use std::collections::BTreeMap;
+
+use candle_core::Tensor;
+use mtrain_model::optim::AdamWState;
+use mtrain_model::GptConfig;
+
+use crate::memory::{step_memory, ActivationLayout, BackwardPath, ModelStateLayout, Phase, StepMemory};
+
+/// What the loop needs from a model, however it is laid out across ranks.
+pub trait TrainableModel {
+    /// Forward and backward of one micro-batch `(B, T)`, adding `loss_scale ×` its gradients to the
+    /// accumulated ones; `mark` is called after the forward and after the backward (memory report).
+    /// Returns the micro-batch's mean loss.
+    fn forward_backward(
+        &mut self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        loss_scale: f64,
+        mark: &mut dyn FnMut(Phase),
+    ) -> anyhow::Result<f64>;
+    /// Mean loss of a batch without gradients.
+    fn eval_loss(&mut self, inputs: &Tensor, targets: &Tensor) -> anyhow::Result<f64>;
+    /// Σ g² over all accumulated gradients of the whole model (a sharded model reduces it).
+    fn grad_sq_norm(&mut self) -> anyhow::Result<f64>;
+    /// Scale the gradients by `grad_scale`, take an AdamW step at `lr`, clear the gradients.
+    fn optimizer_step(&mut self, lr: f64, grad_scale: f64) -> anyhow::Result<()>;
+    /// Full parameter tensors by name (for checkpoints). Called on every rank (a sharded model
+    /// gathers here); only rank 0 writes.
+    fn state_dict(&self) -> anyhow::Result<BTreeMap<String, Tensor>>;
+    /// Full optimizer state by parameter name (for checkpoints); called on every rank.
+    fn optim_state(&self) -> anyhow::Result<AdamWState>;
+    /// Restore parameters and optimizer state saved by the two methods above.
+    fn load_state(
+        &mut self,
+        model: &BTreeMap<String, Tensor>,
+        optim: AdamWState,
+    ) -> anyhow::Result<()>;
+    /// Parameter shapes by name, to check a checkpoint against.
+    fn param_shapes(&self) -> BTreeMap<String, Vec<usize>>;
+    /// The bytes-per-parameter layout this rank holds (for the memory report).
+    fn memory_layout(&self) -> ModelStateLayout;
+    /// What a step over `batch` rows of `seq` tokens adds to this rank's memory (activations,
+    /// gathers, peak: [`crate::memory::rank_step_memory`]); the whole model's on one device.
+    fn step_memory(
+        &self,
+        cfg: &GptConfig,
+        batch: usize,
+        seq: usize,
+        dtype_bytes: usize,
+        checkpointing: bool,
+        path: BackwardPath,
+        grad_accum: usize,
+    ) -> StepMemory {
+        step_memory(
+            cfg,
+            &ActivationLayout::single_device(cfg, batch),
+            &self.memory_layout(),
+            seq,
+            dtype_bytes,
+            checkpointing,
+            path,
+            grad_accum,
+        )
+    }
+    /// Whether [`TrainableModel::step_memory`] counts the MoE rows the last step's router
+    /// dispatched (then the report recomputes it after every step); false: an even split.
+    fn routing_is_measured(&self) -> bool {
+        false
+    }
+    /// Communication buffer bytes this rank holds (0 on one device).
+    fn comm_bytes(&self) -> u64 {
+        0
+    }
+    /// What the last optimizer step cost beyond the loss (communication, pipeline bubble,
+    /// expert load), as a JSON object; None on one device.
+    fn step_report(&self) -> Option<serde_json::Value> {
+        None
+    }
+    /// The same as one human-readable line for the log.
+    fn step_line(&self) -> Option<String> {
+        None
+    }
+    /// The last optimizer step's pipeline timeline on this rank (spans of forward, backward,
+    /// send and receive wait per micro-batch), as a JSON object; None without a pipeline.
+    fn pipeline_timeline(&self) -> Option<serde_json::Value> {
+        None
+    }
+}
