@@ -56,16 +56,18 @@ impl GroupCore {
         for seg in segments(chunks[(r + n - 1) % n].clone(), es) {
             self.send(right, acc.encode(seg))?;
         }
+        let mut scratch = std::mem::take(&mut self.scratch);
         for s in 0..n - 1 {
             let c = (r + 2 * n - s - 2) % n; // the chunk arriving in step s
             for seg in segments(chunks[c].clone(), es) {
-                acc.recv_combine(seg.clone(), op, |buf| self.recv_into(left, buf))?;
+                acc.recv_combine(seg.clone(), op, &mut scratch, |buf| self.recv_into(left, buf))?;
                 if s + 1 < n - 1 {
                     // Forward the freshly reduced segment: it is what we send in step s+1.
                     self.send(right, acc.encode(seg))?;
                 }
             }
         }
+        self.scratch = scratch;
         Ok(())
     }
 
