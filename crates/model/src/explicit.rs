@@ -606,15 +606,15 @@ mod tests {
     }
 
     /// On CPU the tapes' operations run as candle ops, so an engine that runs the tapes on
-    /// every device ([`Backward::Tapes`], the default) checks their backward wiring without a
-    /// GPU.
+    /// every device ([`Backward::Tapes`]) checks their backward wiring without a GPU. The
+    /// default engine keeps autograd on CPU.
     #[test]
     fn tapes_match_autograd_on_cpu() -> Result<()> {
         check(&Device::Cpu, DType::F32, 1e-5)?;
         let default = Engine::new(false).backward;
         assert!(
-            default.tapes_on(&Device::Cpu),
-            "CPU tapes are on by default"
+            !default.tapes_on(&Device::Cpu),
+            "CPU tapes are off by default"
         );
         assert!(Backward::Tapes.tapes_on(&Device::Cpu));
         assert!(!Backward::Autograd.tapes_on(&Device::Cpu));
