@@ -9,7 +9,7 @@ use std::time::Duration;
 use candle_core::DType;
 
 use super::conn::{Peer, ReadFailure};
-use super::wire::{Header, Scratch};
+use super::wire::Header;
 use crate::communicator::{CommError, OpKind, Result};
 use crate::trace::Tracer;
 
@@ -41,8 +41,6 @@ pub(crate) struct GroupCore {
     pub cur_op: OpKind,
     pub cur_seq: u64,
     pub cur_sent: u64,
-    /// The ring's receive buffer (one segment), kept from op to op.
-    pub scratch: Scratch,
 }
 
 impl GroupCore {
@@ -75,7 +73,6 @@ impl GroupCore {
             cur_op: OpKind::Barrier,
             cur_seq: 0,
             cur_sent: 0,
-            scratch: Scratch::default(),
         }
     }
 

@@ -30,7 +30,7 @@ use std::ops::Range;
 use candle_core::{DType, Tensor};
 
 use super::core::{segments, GroupCore};
-use super::wire::{bytes_to_tensor, AccBuf, HostBuf};
+use super::wire::{bytes_to_tensor, AccBuf, HostBuf, Scratch};
 use crate::communicator::{chunk_range, ReduceOp, Result};
 
 impl GroupCore {
@@ -56,7 +56,9 @@ impl GroupCore {
         for seg in segments(chunks[(r + n - 1) % n].clone(), es) {
             self.send(right, acc.encode(seg))?;
         }
-        let mut scratch = std::mem::take(&mut self.scratch);
+        // One receive buffer for every segment of the op, freed with it (a buffer kept past the
+        // op would count as the process's memory between steps).
+        let mut scratch = Scratch::default();
         for s in 0..n - 1 {
             let c = (r + 2 * n - s - 2) % n; // the chunk arriving in step s
             for seg in segments(chunks[c].clone(), es) {
@@ -67,7 +69,6 @@ impl GroupCore {
                 }
             }
         }
-        self.scratch = scratch;
         Ok(())
     }
 

@@ -379,7 +379,8 @@ fn combine_slice<T: AccElem>(dst: &mut [T], src: &[T], op: ReduceOp) {
 }
 
 /// Receive a peer's partial result for `dst` through `fill` (into `scratch`, kept by the caller
-/// from one segment to the next so it is allocated and faulted in once) and combine it into `dst`.
+/// from one segment of an op to the next so it is allocated and faulted in once per op) and
+/// combine it into `dst`.
 fn recv_combine<T: AccElem>(
     dst: &mut [T],
     op: ReduceOp,
@@ -392,7 +393,7 @@ fn recv_combine<T: AccElem>(
     Ok(())
 }
 
-/// A receive buffer reused across segments and ops, aligned for every accumulation type.
+/// A receive buffer reused across the segments of an op, aligned for every accumulation type.
 #[derive(Default)]
 pub(crate) struct Scratch(Vec<u64>);
 
