@@ -18,6 +18,12 @@
 //! the launcher serves it itself on a port it binds before starting the workers, so no other
 //! process can take that port in between; otherwise rank 0 serves it, as under torchrun.
 //!
+//! Threads per rank: candle runs its CPU kernels (the gemm included) on rayon's pool, which is as
+//! large as the machine has cores. n ranks on c cores would then run n·c threads on c cores and
+//! spend their time preempting one another, so the launcher gives each worker `max(1, c / n)`
+//! threads through `RAYON_NUM_THREADS` ([`threads_per_rank`]), as torchrun sets `OMP_NUM_THREADS`
+//! for PyTorch's. A value the user exported is passed on unchanged.
+//!
 //! Output: stderr carries the logs, every line forwarded with a `[rank N]` prefix; stdout carries
 //! the job's results (bench-comm's table, `--json -`), which rank 0 alone writes, forwarded as
 //! written so a program can read it. Any other rank's stdout goes to stderr, prefixed like its logs.
@@ -46,6 +52,14 @@ use mtrain_comm::store::StoreServer;
 
 /// Set for workers whose output this launcher prefixes with `[rank N]`, so they do not add their own.
 pub const LINES_PREFIXED_VAR: &str = "MTRAIN_LINES_PREFIXED";
+
+/// The variable that sizes rayon's pool (and so candle's CPU kernels) in each worker.
+pub const THREADS_VAR: &str = "RAYON_NUM_THREADS";
+
+/// Threads each of `nproc` workers gets on a node of `cores` cores: an equal share, at least one.
+pub fn threads_per_rank(cores: usize, nproc: usize) -> usize {
+    (cores / nproc.max(1)).max(1)
+}
 
 /// How often the launcher polls its workers for exit.
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
@@ -327,6 +341,13 @@ pub fn launch(spec: &LaunchSpec, args: &[OsString]) -> Result<(), LaunchError> {
         spec.master_addr,
     );
 
+    let threads = match std::env::var_os(THREADS_VAR) {
+        Some(_) => None, // the user's choice, inherited as it is
+        None => {
+            let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+            Some(threads_per_rank(cores, spec.nproc_per_node))
+        }
+    };
     let mut workers: Vec<Worker> = Vec::with_capacity(spec.nproc_per_node);
     for rank in spec.node_ranks() {
         let mut cmd = Command::new(&program);
@@ -341,6 +362,9 @@ pub fn launch(spec: &LaunchSpec, args: &[OsString]) -> Result<(), LaunchError> {
             cmd.env("MTRAIN_STORE_EXTERNAL", "1");
         }
         cmd.env(LINES_PREFIXED_VAR, "1");
+        if let Some(t) = threads {
+            cmd.env(THREADS_VAR, t.to_string());
+        }
         die_with_parent(&mut cmd);
         let mut child = match cmd.spawn() {
             Ok(c) => c,
@@ -543,6 +567,15 @@ mod tests {
         assert_eq!(sink(0, true), Sink::Stdout);
         assert_eq!(sink(0, false), Sink::PrefixedStderr);
         assert_eq!(sink(3, true), Sink::PrefixedStderr);
+    }
+
+    #[test]
+    fn each_rank_gets_an_equal_share_of_the_cores() {
+        assert_eq!(threads_per_rank(2, 1), 2);
+        assert_eq!(threads_per_rank(2, 2), 1);
+        assert_eq!(threads_per_rank(2, 4), 1); // oversubscribed: one thread each, never zero
+        assert_eq!(threads_per_rank(16, 4), 4);
+        assert_eq!(threads_per_rank(10, 4), 2);
     }
 
     #[test]

@@ -30,7 +30,7 @@ use std::ops::Range;
 use candle_core::{DType, Tensor};
 
 use super::core::{segments, GroupCore};
-use super::wire::{bytes_to_tensor, AccBuf, HostBuf};
+use super::wire::{bytes_to_tensor, AccBuf, HostBuf, Scratch};
 use crate::communicator::{chunk_range, ReduceOp, Result};
 
 impl GroupCore {
@@ -56,10 +56,13 @@ impl GroupCore {
         for seg in segments(chunks[(r + n - 1) % n].clone(), es) {
             self.send(right, acc.encode(seg))?;
         }
+        // One receive buffer for every segment of the op, freed with it (a buffer kept past the
+        // op would count as the process's memory between steps).
+        let mut scratch = Scratch::default();
         for s in 0..n - 1 {
             let c = (r + 2 * n - s - 2) % n; // the chunk arriving in step s
             for seg in segments(chunks[c].clone(), es) {
-                acc.recv_combine(seg.clone(), op, |buf| self.recv_into(left, buf))?;
+                acc.recv_combine(seg.clone(), op, &mut scratch, |buf| self.recv_into(left, buf))?;
                 if s + 1 < n - 1 {
                     // Forward the freshly reduced segment: it is what we send in step s+1.
                     self.send(right, acc.encode(seg))?;

@@ -20,7 +20,7 @@
 use candle_core::Tensor;
 
 use super::core::{segments, GroupCore};
-use super::wire::{bytes_to_tensor, AccBuf, HostBuf};
+use super::wire::{bytes_to_tensor, AccBuf, HostBuf, Scratch};
 use crate::communicator::{ReduceOp, Result};
 
 impl GroupCore {
@@ -111,7 +111,9 @@ impl GroupCore {
             if v & mask == 0 {
                 if v + mask < n {
                     let src = self.absolute(v + mask, root);
-                    acc.recv_combine(0..numel, op, |buf| self.recv_into(src, buf))?;
+                    // The whole tensor arrives at once: a scratch of its size, not kept past the op.
+                    let mut scratch = Scratch::default();
+                    acc.recv_combine(0..numel, op, &mut scratch, |buf| self.recv_into(src, buf))?;
                 }
             } else {
                 let dst = self.absolute(v - mask, root);

@@ -13,7 +13,7 @@
 //! in an accumulation type ([`AccBuf`]): f32 for f32/bf16/f16 (so half-precision sums are
 //! accumulated in f32 and rounded once), and the exact integer type for u8/u32/i64.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Storage, Tensor, WithDType};
 use half::{bf16, f16};
 
 use crate::communicator::{CommError, OpKind, ReduceOp, Result};
@@ -300,6 +300,46 @@ pub(crate) fn bytes_to_tensor(bytes: &[u8], dtype: DType, shape: &[usize]) -> Re
     Ok(Tensor::from_raw_buffer(bytes, dtype, shape, &Device::Cpu)?)
 }
 
+/// Buffers from this size on are asked to be backed by 2 MiB pages.
+const HUGE_PAGE_FROM: usize = 8 << 20;
+
+/// A tensor's elements in row-major order, in a fresh buffer of its own dtype.
+///
+/// The buffer becomes the op's result, so it is new memory every call. A large one is above
+/// glibc's largest mmap threshold (32 MiB), so each call maps it anew and takes a page fault per
+/// 4 KiB page on the first write (16,384 faults for 64 MiB), and the freed result is unmapped
+/// again: on loopback these faults cost more than the reduction. Linux's transparent huge pages
+/// (`MADV_HUGEPAGE`, a request the kernel may decline) cut them 512-fold, so a large buffer asks
+/// for them before it is first written. Non-contiguous inputs are read through their strides.
+fn host_copy<T: WithDType + bytemuck::Pod>(x: &Tensor) -> Result<Vec<T>> {
+    let (storage, layout) = x.storage_and_layout();
+    if let (Storage::Cpu(cpu), Some((start, end))) = (&*storage, layout.contiguous_offsets()) {
+        let src = &T::cpu_storage_as_slice(cpu)?[start..end];
+        let mut v = Vec::with_capacity(src.len());
+        advise_huge_pages(v.as_ptr() as usize, std::mem::size_of_val(src));
+        v.extend_from_slice(src);
+        return Ok(v);
+    }
+    drop(storage);
+    Ok(x.flatten_all()?.to_vec1()?)
+}
+
+/// Ask for huge pages under the whole 2 MiB pages of `[addr, addr + bytes)` (not yet written).
+fn advise_huge_pages(addr: usize, bytes: usize) {
+    #[cfg(target_os = "linux")]
+    if bytes >= HUGE_PAGE_FROM {
+        const HUGE: usize = 2 << 20;
+        let (start, end) = ((addr + HUGE - 1) & !(HUGE - 1), (addr + bytes) & !(HUGE - 1));
+        if end > start {
+            // SAFETY: advice over memory this process owns; it changes no contents and
+            // failure (e.g. huge pages turned off) only leaves the default pages.
+            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (addr, bytes, HUGE_PAGE_FROM);
+}
+
 /// One element type in which reductions are carried out.
 pub(crate) trait AccElem: bytemuck::Pod + PartialOrd + Send + 'static {
     fn add(self, other: Self) -> Self;
@@ -338,17 +378,34 @@ fn combine_slice<T: AccElem>(dst: &mut [T], src: &[T], op: ReduceOp) {
     }
 }
 
-/// Receive a peer's partial result for `dst` through `fill` (into an aligned scratch buffer of
-/// the accumulation type) and combine it into `dst`.
+/// Receive a peer's partial result for `dst` through `fill` (into `scratch`, kept by the caller
+/// from one segment of an op to the next so it is allocated and faulted in once per op) and
+/// combine it into `dst`.
 fn recv_combine<T: AccElem>(
     dst: &mut [T],
     op: ReduceOp,
+    scratch: &mut Scratch,
     fill: impl FnOnce(&mut [u8]) -> Result<()>,
 ) -> Result<()> {
-    let mut scratch = vec![T::zeroed(); dst.len()];
-    fill(bytemuck::cast_slice_mut(&mut scratch))?;
-    combine_slice(dst, &scratch, op);
+    let bytes = scratch.bytes(std::mem::size_of_val(dst));
+    fill(bytes)?;
+    combine_slice(dst, bytemuck::cast_slice(bytes), op);
     Ok(())
+}
+
+/// A receive buffer reused across the segments of an op, aligned for every accumulation type.
+#[derive(Default)]
+pub(crate) struct Scratch(Vec<u64>);
+
+impl Scratch {
+    /// The first `len` bytes (grown, zeroed once, when asked for more than it has).
+    fn bytes(&mut self, len: usize) -> &mut [u8] {
+        let words = len.div_ceil(8);
+        if self.0.len() < words {
+            self.0.resize(words, 0);
+        }
+        &mut bytemuck::cast_slice_mut(&mut self.0[..words])[..len]
+    }
 }
 
 /// A tensor's elements in their accumulation type.
@@ -374,14 +431,13 @@ macro_rules! each_acc {
 
 impl AccBuf {
     pub fn from_tensor(x: &Tensor) -> Result<Self> {
-        let flat = x.flatten_all()?;
         Ok(match x.dtype() {
-            DType::F32 => AccBuf::F32(flat.to_vec1::<f32>()?),
-            DType::BF16 | DType::F16 => AccBuf::F32(flat.to_dtype(DType::F32)?.to_vec1::<f32>()?),
-            DType::F64 => AccBuf::F64(flat.to_vec1::<f64>()?),
-            DType::U8 => AccBuf::U8(flat.to_vec1::<u8>()?),
-            DType::U32 => AccBuf::U32(flat.to_vec1::<u32>()?),
-            DType::I64 => AccBuf::I64(flat.to_vec1::<i64>()?),
+            DType::F32 => AccBuf::F32(host_copy(x)?),
+            DType::BF16 | DType::F16 => AccBuf::F32(x.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?),
+            DType::F64 => AccBuf::F64(host_copy(x)?),
+            DType::U8 => AccBuf::U8(host_copy(x)?),
+            DType::U32 => AccBuf::U32(host_copy(x)?),
+            DType::I64 => AccBuf::I64(host_copy(x)?),
             other => {
                 return Err(candle_core::Error::Msg(format!(
                     "dtype {other:?} cannot be reduced by the CPU backend"
@@ -407,9 +463,10 @@ impl AccBuf {
         &mut self,
         range: std::ops::Range<usize>,
         op: ReduceOp,
+        scratch: &mut Scratch,
         fill: impl FnOnce(&mut [u8]) -> Result<()>,
     ) -> Result<()> {
-        each_acc!(self, v => recv_combine(&mut v[range], op, fill))
+        each_acc!(self, v => recv_combine(&mut v[range], op, scratch, fill))
     }
 
     /// Turn the sum over `n` ranks into the average (for `ReduceOp::Avg`).
@@ -484,8 +541,9 @@ mod tests {
         let x = Tensor::new(&[256f32], &Device::Cpu)?.to_dtype(DType::BF16)?;
         let mut acc = AccBuf::from_tensor(&x)?;
         let one = 1f32.to_le_bytes();
+        let mut scratch = Scratch::default();
         for _ in 0..2 {
-            acc.recv_combine(0..1, ReduceOp::Sum, |buf| {
+            acc.recv_combine(0..1, ReduceOp::Sum, &mut scratch, |buf| {
                 buf.copy_from_slice(&one);
                 Ok(())
             })?;

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# mtrain on CPU next to PyTorch on CPU, measured in one run so both see the same machine and load.
+#
+#   1. Training, the tiny preset (4 layers, width 64, 4 heads, byte vocabulary, batch 16 x 64, f32,
+#      AdamW with weight decay 0.1 and gradient clipping at 1.0): mtrain's default CPU job against
+#      scripts/bench/torch_gpt_ref.py with the same shapes and optimizer, ROUNDS rounds taken in
+#      turn (mtrain, PyTorch, mtrain, ...). Each run's figure is the median tokens/s of its steps
+#      after the first WARMUP; the printed figure is the median over the rounds.
+#   2. All-reduce, f32, 1 MiB to 256 MiB (x4 per size) at 2 and 4 ranks on loopback: `mtrain
+#      bench-comm` against torch.distributed with gloo (scripts/bench/torch_comm_ref.py under
+#      torchrun), again in turn; the printed busbw is the median over the rounds.
+# Then the ratios mtrain / PyTorch, with the load average at the start and the end.
+#
+# PyTorch (the CPU wheel) is installed into a throwaway virtual environment that is removed at
+# the end; set VENV=DIR to keep one and reuse it across runs.
+#
+# Usage: scripts/bench-cpu.sh   (env: ROUNDS=3 STEPS=60 WARMUP=10 THREADS=$(nproc) NPROCS="2 4"
+#                                ITERS=10 MAXBYTES=256M VENV=)
+# Results: printed; each run's raw output is kept in target/bench-cpu/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+ROUNDS=${ROUNDS:-3}
+STEPS=${STEPS:-60}
+WARMUP=${WARMUP:-10}
+THREADS=${THREADS:-$(nproc)}
+NPROCS=${NPROCS:-"2 4"}
+ITERS=${ITERS:-10}
+MAXBYTES=${MAXBYTES:-256M}
+OUT=target/bench-cpu
+mkdir -p "$OUT"
+
+if [ -z "${VENV:-}" ]; then
+    VENV=$(mktemp -d)/venv
+    trap 'rm -rf "$(dirname "$VENV")"' EXIT
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "installing PyTorch (CPU) into $VENV ..." >&2
+    python3 -m venv "$VENV"
+    # The CPU-only wheel where its index is reachable; otherwise PyPI's (it runs on CPU too).
+    "$VENV/bin/pip" install -q torch --index-url https://download.pytorch.org/whl/cpu \
+        || "$VENV/bin/pip" install -q torch
+fi
+PY="$VENV/bin/python"
+
+cargo build --release --workspace --bin mtrain
+MTRAIN=target/release/mtrain
+load() { cut -d' ' -f1-3 /proc/loadavg; }
+echo "== $(date -u '+%F %H:%M UTC'), $(nproc) cores, load average $(load); torch $("$PY" -c 'import torch; print(torch.__version__)') =="
+
+# --- training -----------------------------------------------------------------------------------
+# The median of a run's per-step tokens/s after the warm-up steps (mtrain: metrics.jsonl).
+mtrain_tok() {
+    "$PY" - "$1" "$WARMUP" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+steps = [r for r in rows if "tokens_per_s" in r and r.get("step", 0) > int(sys.argv[2])]
+print(round(statistics.median(r["tokens_per_s"] for r in steps)))
+PY
+}
+median() { "$PY" -c 'import statistics, sys; print(round(statistics.median(float(x) for x in sys.argv[1:]), 3))' "$@"; }
+
+MT=(); PT=()
+for round in $(seq "$ROUNDS"); do
+    RUN="$OUT/train-run"
+    RAYON_NUM_THREADS=$THREADS "$MTRAIN" --steps "$STEPS" --eval-every 0 --log-every 1 --run-dir "$RUN" --overwrite \
+        >"$OUT/train-mtrain-$round.log" 2>&1
+    MT+=("$(mtrain_tok "$RUN/metrics.jsonl")")
+    "$PY" scripts/bench/torch_gpt_ref.py --device cpu --threads "$THREADS" --preset tiny --vocab 256 \
+        --seq 64 --batch 16 --dtype fp32 --steps $((STEPS - WARMUP)) --warmup "$WARMUP" \
+        --weight-decay 0.1 --grad-clip 1.0 >"$OUT/train-torch-$round.json" 2>"$OUT/train-torch-$round.log"
+    PT+=("$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["tokens_per_s"])' "$OUT/train-torch-$round.json")")
+    echo "round $round: mtrain ${MT[-1]} tok/s, PyTorch ${PT[-1]} tok/s (load $(load))"
+done
+MTM=$(median "${MT[@]}"); PTM=$(median "${PT[@]}")
+TRAIN_LINE="training, tiny preset, $THREADS threads: mtrain $MTM tok/s, PyTorch $PTM tok/s, ratio $("$PY" -c "print(f'{$MTM / $PTM:.2f}')")"
+echo "$TRAIN_LINE"
+
+# --- all-reduce ---------------------------------------------------------------------------------
+for n in $NPROCS; do
+    for round in $(seq "$ROUNDS"); do
+        "$MTRAIN" --nproc-per-node "$n" bench-comm -b 1M -e "$MAXBYTES" -f 4 --op all-reduce \
+            -n "$ITERS" -w 2 --json "$OUT/comm-mtrain-$n-$round.json" >/dev/null 2>"$OUT/comm-mtrain-$n-$round.log"
+        "$VENV/bin/torchrun" --nproc_per_node "$n" --master_port "$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')" \
+            scripts/bench/torch_comm_ref.py --backend gloo --op all-reduce -b 1M -e "$MAXBYTES" -f 4 \
+            --iters "$ITERS" --warmup 2 >"$OUT/comm-gloo-$n-$round.txt" 2>"$OUT/comm-gloo-$n-$round.log"
+        echo "all-reduce $n ranks, round $round done (load $(load))"
+    done
+done
+
+echo
+echo "== $(date -u '+%F %H:%M UTC'), load average $(load) =="
+echo "$TRAIN_LINE"
+"$PY" - "$OUT" "$ROUNDS" $NPROCS <<'PY'
+import json, statistics, sys
+out, rounds, nprocs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+for n in nprocs:
+    mt, gl = {}, {}
+    for r in range(1, rounds + 1):
+        for row in json.load(open(f"{out}/comm-mtrain-{n}-{r}.json"))["rows"]:
+            mt.setdefault(row["bytes"], []).append(row["busbw_gbps"])
+        for line in open(f"{out}/comm-gloo-{n}-{r}.txt"):
+            if line.startswith("#") or not line.strip():
+                continue
+            b, _count, _us, _alg, bus = line.split()
+            gl.setdefault(int(b), []).append(float(bus))
+    print(f"all-reduce busbw (GB/s, median of {rounds}), {n} ranks:")
+    print(f"  {'MiB':>5} {'mtrain':>8} {'gloo':>8} {'ratio':>6}")
+    for b in sorted(mt):
+        m, g = statistics.median(mt[b]), statistics.median(gl.get(b, [float("nan")]))
+        print(f"  {b / 2**20:>5.0f} {m:>8.3f} {g:>8.3f} {m / g:>6.2f}")
+PY
