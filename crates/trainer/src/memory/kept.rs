@@ -66,7 +66,7 @@
 //! the backward frees each tensor after its last use; with the fused kernels its worst moment
 //! is the MLP branch: the incoming gradient, then `dg` (4C wide) beside `g`, then `df` beside
 //! `f` (5 N·C above what is kept); the head's is `dlogits` (N, V). On CPU the same tapes run
-//! in plain candle ops when switched on (`explicit::set_cpu`): their forward keeps the same
+//! in plain candle ops under the engine's `Backward::Tapes`: their forward keeps the same
 //! tensors (the CPU attention keeps no lse); their backward is not counted here (the CPU
 //! attention's backward recomputes under autograd, and the gradients it returns carry that
 //! graph until the step ends).
