@@ -494,12 +494,7 @@ impl Tape for HeadTape {
             loss: _,
         } = *self;
         let n = b * t;
-        // d(loss)/d(row loss) = s / N for the mean; s is loss_scale, or the given scalar gradient.
-        let s_out = match grad_out {
-            None => loss_scale,
-            Some(g) => mtrain_kernels::reduce::sum_f64(g)?,
-        };
-        let g = Tensor::full((s_out / n as f64) as f32, n, x.device())?; // (N,)
+        let g = Tensor::full(row_loss_grad(grad_out, loss_scale, n)? as f32, n, x.device())?; // (N,)
         let dlogits = cross_entropy::backward(&logits, &targets, &lse, &g)?; // (N, V)
         drop(logits);
         let mut grads = Vec::with_capacity(3);
@@ -512,6 +507,17 @@ impl Tape for HeadTape {
             input: Some(dx.reshape((b, t, c))?),
         })
     }
+}
+
+/// d(loss)/d(row loss) of a mean over `n` rows: s / N, where s is `loss_scale` when the loss is
+/// the objective (`grad_out` None) or the given scalar gradient of the loss. Every head tape's
+/// backward starts from it.
+pub fn row_loss_grad(grad_out: Option<&Tensor>, loss_scale: f64, n: usize) -> Result<f64> {
+    let s = match grad_out {
+        None => loss_scale,
+        Some(g) => mtrain_kernels::reduce::sum_f64(g)?,
+    };
+    Ok(s / n as f64)
 }
 
 /// The embedding's forward kept for its backward: the ids and the sizes.

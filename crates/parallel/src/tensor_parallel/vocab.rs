@@ -395,17 +395,13 @@ impl Tape for HeadTape {
             loss: _,
         } = *self;
         let (n, v_local) = exp.dims2()?;
-        // d(loss)/d(row loss) = s / N for the mean; s is loss_scale, or the given scalar gradient.
-        let s_out = match grad_out {
-            None => loss_scale,
-            Some(g) => mtrain_kernels::reduce::sum_f64(g)?,
-        };
+        let g_row = mtrain_model::explicit::row_loss_grad(grad_out, loss_scale, n)?;
         let cols = Tensor::arange(0u32, v_local as u32, exp.device())?.unsqueeze(0)?; // (1, V/tp)
         let onehot = cols
             .broadcast_eq(&rows)?
             .to_dtype(DType::F32)?
             .broadcast_mul(&mine)?; // (N, V/tp)
-        let dz = ((exp.broadcast_div(&sum_exp)? - onehot)? * (s_out / n as f64))?; // (N, V/tp)
+        let dz = ((exp.broadcast_div(&sum_exp)? - onehot)? * g_row)?; // (N, V/tp)
         let dz = dz.to_dtype(wte.dtype())?;
         drop(exp);
         let mut grads = Vec::with_capacity(3);
