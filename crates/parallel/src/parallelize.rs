@@ -40,7 +40,7 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 use mtrain_comm::{DeviceMesh, MeshDims};
-use mtrain_model::{Engine, Gpt, GptConfig, Grads, Param, Segment};
+use mtrain_model::{Gpt, GptConfig, Grads, Param, Segment};
 
 use crate::ddp::{verify_same_init, CommStats};
 use crate::expert_parallel;
@@ -112,7 +112,7 @@ pub fn parallelize(
     drop(segments);
     let executor = PipelineExecutor::new(
         Schedule::new(kind, pp, plan.microbatches).map_err(PipelineError::from)?,
-        Engine::new(plan.checkpointing),
+        plan.engine(),
     );
     let params = stages.params();
     let held: BTreeSet<String> = params.iter().map(|p| p.name().to_string()).collect();
@@ -157,7 +157,7 @@ pub fn parallelize(
         pp: mesh.pp.clone(),
         tp: mesh.tp.clone(),
         edp: mesh.edp.clone(),
-        engine: Engine::new(plan.checkpointing),
+        engine: plan.engine(),
         stages,
         executor,
         layout,

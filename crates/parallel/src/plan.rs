@@ -13,7 +13,7 @@ use std::fmt::Write as _;
 
 use mtrain_comm::MeshDims;
 use mtrain_model::init::param_specs;
-use mtrain_model::GptConfig;
+use mtrain_model::{Backward, Engine, GptConfig};
 
 use crate::ddp::DdpConfig;
 use crate::fsdp::FsdpConfig;
@@ -54,6 +54,8 @@ pub struct ParallelPlan {
     pub checkpointing: bool,
     /// Compute dtype and gradient-reduction dtype (bf16 compute keeps fp32 masters).
     pub precision: MixedPrecision,
+    /// Each segment's backward: its hand-written tape or candle's autograd.
+    pub backward: Backward,
 }
 
 impl ParallelPlan {
@@ -68,7 +70,13 @@ impl ParallelPlan {
             stage_counts: None,
             checkpointing: false,
             precision: MixedPrecision::default(),
+            backward: Backward::default(),
         }
+    }
+
+    /// The engine every segment of this plan runs under: its checkpointing and backward path.
+    pub fn engine(&self) -> Engine {
+        Engine::new(self.checkpointing).with_backward(self.backward)
     }
 
     /// The schedule actually run: a single stage has nothing to interleave.

@@ -126,6 +126,16 @@ pub enum DTypeKind {
     Bf16,
 }
 
+/// How the backward pass of each segment is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum BackwardKind {
+    /// The hand-written backward of every segment (its tape) on every device.
+    Tapes,
+    /// candle's autograd: the plain path the tapes are tested against.
+    Autograd,
+}
+
 /// Everything a training run needs to know.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -170,6 +180,9 @@ pub struct TrainConfig {
     pub data: DataSource,
     /// Recompute each block's forward during backward instead of keeping its activations.
     pub activation_checkpointing: bool,
+    /// The backward path; unset: the engine's default ([`mtrain_model::Backward::default`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backward: Option<BackwardKind>,
     /// Print and record the per-step memory report.
     pub mem_report: bool,
     /// Time each phase of a step (data, forward, backward, gradient norm, optimizer), with the
@@ -240,6 +253,7 @@ impl Default for TrainConfig {
             run_dir: PathBuf::from("runs/default"),
             data: DataSource::Builtin,
             activation_checkpointing: false,
+            backward: None,
             mem_report: false,
             profile_phases: false,
             device: DeviceKind::Cpu,
@@ -263,6 +277,15 @@ impl TrainConfig {
         mtrain_parallel::mixed_precision::MixedPrecision {
             param_dtype: self.dtype.candle(),
             reduce_dtype: self.grad_reduce_dtype.candle(),
+        }
+    }
+
+    /// The engine's backward path for this run.
+    pub fn backward(&self) -> mtrain_model::Backward {
+        match self.backward {
+            None => mtrain_model::Backward::default(),
+            Some(BackwardKind::Tapes) => mtrain_model::Backward::Tapes,
+            Some(BackwardKind::Autograd) => mtrain_model::Backward::Autograd,
         }
     }
 
@@ -421,6 +444,10 @@ pub struct TrainArgs {
     /// Recompute activations in backward instead of storing them.
     #[arg(long)]
     pub activation_checkpointing: bool,
+    /// The backward path: tapes (the hand-written backward) or autograd (candle's, the
+    /// reference); default: the engine's.
+    #[arg(long, value_enum, value_name = "tapes|autograd")]
+    pub backward: Option<BackwardKind>,
     /// Compute device.
     #[arg(long, value_enum)]
     pub device: Option<DeviceKind>,
@@ -531,6 +558,12 @@ impl TrainArgs {
         }
         if self.activation_checkpointing {
             put("activation_checkpointing", toml::Value::Boolean(true));
+        }
+        if let Some(v) = self.backward {
+            put(
+                "backward",
+                toml::Value::String(format!("{v:?}").to_lowercase()),
+            );
         }
         if let Some(v) = self.device {
             put(

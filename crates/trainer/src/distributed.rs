@@ -252,7 +252,7 @@ impl Distributed {
         };
         Ok(Self {
             inner,
-            engine: Engine::new(plan.checkpointing),
+            engine: plan.engine(),
             opt: AdamW::new(optim),
             cfg: cfg.clone(),
             plan: plan.clone(),

@@ -101,14 +101,15 @@ pub struct Layout {
     pub trace: bool,
 }
 
-/// The run's parallel plan: `cfg.parallel` on `layout`'s mesh with the run's checkpointing and
-/// precision, checked once by [`ParallelPlan::validate`] against the model, the world and the
-/// global batch, so a layout that cannot work is refused with the arithmetic before anything
-/// is launched.
+/// The run's parallel plan: `cfg.parallel` on `layout`'s mesh with the run's checkpointing,
+/// backward path and precision, checked once by [`ParallelPlan::validate`] against the model,
+/// the world and the global batch, so a layout that cannot work is refused with the arithmetic
+/// before anything is launched.
 pub fn plan(cfg: &TrainConfig, layout: &Layout) -> Result<ParallelPlan, LayoutError> {
-    let plan = cfg
+    let mut plan = cfg
         .parallel
         .plan(layout.dims, cfg.activation_checkpointing, cfg.precision())?;
+    plan.backward = cfg.backward();
     let model = cfg.gpt_config()?;
     plan.validate(&model, layout.world_size, cfg.batch_size * layout.dims.dp)
         .map_err(|PlanError(why)| LayoutError::Plan {

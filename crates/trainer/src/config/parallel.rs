@@ -160,6 +160,8 @@ impl ParallelConfig {
             stage_counts: self.stage_layers.clone(),
             checkpointing,
             precision,
+            // Not a layout choice: the run's `backward` key sets it (`layout::plan`).
+            backward: mtrain_model::Backward::default(),
         })
     }
 
