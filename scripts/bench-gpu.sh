@@ -5,6 +5,8 @@
 #   scripts/bench-gpu.sh build            # here: builds and packs .gpu/bench_gpu.xz,
 #                                         # .gpu/kernels-tests.xz and .gpu/model-tests.xz
 #   scripts/bench-gpu.sh run [OUT_DIR]    # on the GPU machine, from the repository root
+#   scripts/bench-gpu.sh train [OUT_DIR]  # the mtrain binary next to PyTorch (see train())
+#   scripts/bench-gpu.sh loss [OUT_DIR]   # the binary's loss, --backward tapes vs autograd
 #
 # `run` does, on one card:
 #   1. the fused kernels' tests against plain candle (kernels-tests), the tapes' tests against
@@ -191,9 +193,61 @@ for b, ga in [(16, 1), (8, 8)]:
 PY
 }
 
+# The mtrain binary's loss curve with its hand-written backward against candle's autograd
+# (`--backward tapes` / `--backward autograd`, the same forward kernels, the same seed and
+# batches): GPT-2 124M, bf16, BENCH_LOSS_STEPS steps (default 200) of batch 4 x 256 on
+# scripts/bench/tinyshakespeare.txt as bytes (one u16 shard each for train and val), lr 3e-4
+# after 20 warmup steps.
+loss() {
+  OUT=${1:-.gpu/out}
+  BIN=/tmp/mtrain-bench
+  mkdir -p "$OUT" "$BIN"
+  # shellcheck disable=SC1091
+  source scripts/gpu-env.sh
+  mtrain_unpack .gpu/mtrain.xz "$BIN/mtrain"
+  data=/tmp/mtrain-shakespeare-bytes
+  python3 - scripts/bench/tinyshakespeare.txt "$data" <<'PY'
+import array, json, os, sys
+raw = open(sys.argv[1], "rb").read()
+out = sys.argv[2]
+os.makedirs(out, exist_ok=True)
+cut = int(len(raw) * 0.9)
+for name, part in (("train_000", raw[:cut]), ("val_000", raw[cut:])):
+    ids = array.array("H", part)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    open(f"{out}/{name}.bin", "wb").write(ids.tobytes())
+    json.dump({"dtype": "u16", "n_tokens": len(ids), "vocab_size": 256}, open(f"{out}/{name}.json", "w"))
+PY
+  steps=${BENCH_LOSS_STEPS:-200}
+  for bw in tapes autograd; do
+    dir=/tmp/mtrain-loss-$bw
+    rm -rf "$dir"
+    echo "== mtrain --backward $bw, $steps steps"
+    "$BIN/mtrain" --config configs/gpt2-124m.toml --device cuda --dtype bf16 --data "$data" \
+      --set batch_size=4 --set seq_len=256 --set grad_accum=1 --steps "$steps" --lr 3e-4 \
+      --min-lr 3e-4 --warmup-steps 20 --eval-every 0 --log-every 1 --backward "$bw" \
+      --run-dir "$dir" > "$OUT/loss-$bw.log" 2>&1
+    echo "exit $?"
+    cp "$dir/metrics.jsonl" "$OUT/loss-$bw.jsonl"
+  done
+  python3 - "$OUT/loss-tapes.jsonl" "$OUT/loss-autograd.jsonl" <<'PY'
+import json, sys
+curve = lambda p: [json.loads(l)["loss"] for l in open(p)]
+t, a = curve(sys.argv[1]), curve(sys.argv[2])
+d = [abs(x - y) for x, y in zip(t, a)]
+i = max(range(len(d)), key=d.__getitem__)
+print(f"loss curves, tapes vs autograd: {len(d)} steps, tapes {t[0]:.4f} -> {t[-1]:.4f}, "
+      f"autograd {a[0]:.4f} -> {a[-1]:.4f}; mean |diff| {sum(d) / len(d):.4f}, "
+      f"max {d[i]:.4f} (step {i + 1}), last 50 {sum(d[-50:]) / len(d[-50:]):.4f}; "
+      f"mean loss of the last 50 {sum(t[-50:]) / 50:.4f} vs {sum(a[-50:]) / 50:.4f}")
+PY
+}
+
 case "${1:-}" in
   build) build ;;
   run) shift; run "$@" ;;
   train) shift; train "$@" ;;
-  *) echo "usage: $0 build | run [OUT_DIR] | train [OUT_DIR]" >&2; exit 2 ;;
+  loss) shift; loss "$@" ;;
+  *) echo "usage: $0 build | run [OUT_DIR] | train [OUT_DIR] | loss [OUT_DIR]" >&2; exit 2 ;;
 esac

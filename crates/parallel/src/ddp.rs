@@ -37,14 +37,17 @@
 //! after the whole backward: the textbook version, kept beside the bucketed one for comparison.
 //!
 //! A group of one has nothing to average: its gradients are the engine's, untouched, and no
-//! collective is issued. That is the world of one a single-device run is, so the one-device
-//! step and the data-parallel step are one implementation.
+//! collective is issued.
 //!
 //! Every step reports backward time, communication time (how long the group was busy) and
 //! exposed communication (time spent blocked in `wait()`), so the overlap is measured.
 //!
-//! The [`DataParallel`] trait (`ddp/strategy.rs`) is the API the trainer drives; [`crate::fsdp`]
-//! and [`crate::expert_parallel::ExpertDataParallel`] implement it too. `ddp/average.rs` is the
+//! The buckets and their launcher are DDP's one reduction: [`Ddp`] runs them over a whole model
+//! on its own, and a composed plan of one stage ([`crate::ParallelPlan::dp_buckets`]: the
+//! world of one, `--dp N`, tp × dp) launches the same buckets from its executor's hooks
+//! ([`BucketedDpReduce`]), which is the step the trainer runs. The [`DataParallel`] trait
+//! (`ddp/strategy.rs`) is the API of each strategy on its own, which the tests drive;
+//! [`crate::fsdp`] and [`crate::expert_parallel::ExpertDataParallel`] implement it too. `ddp/average.rs` is the
 //! composed plan's dp average (dense over dp, experts over edp), run after the flush or started
 //! inside the last backward by `ddp/overlap.rs`.
 
@@ -63,8 +66,8 @@ use mtrain_model::optim::{AdamW, AdamWState, OptimItem};
 use mtrain_model::{Engine, Grads, NoHooks, Param, Segment};
 
 use buckets::BucketLauncher;
-pub use buckets::{assign_buckets, Bucket};
-pub use overlap::OverlappedDpReduce;
+pub use buckets::{assign_bucket_sizes, assign_buckets, Bucket, ParamSize};
+pub use overlap::{BucketedDpReduce, OverlappedDpReduce};
 pub use strategy::{verify_same_init, DataParallel, DpError, Result};
 // What a strategy reports, under the API's name as well as the toolbox's.
 use crate::mixed_precision::{MasterWeights, MixedPrecision};
@@ -199,21 +202,19 @@ impl Ddp {
 
     /// Waits for the launched buckets in order and writes the averages back into `grads`.
     fn finish_bucketed(&mut self, pending: Vec<Work>) -> Result<()> {
-        for (b, work) in self.buckets.iter().zip(pending) {
-            let flat = timed_wait(work, &mut self.current.exposed_comm_s)?; // (numel,)
-            if let Some(t) = self.timer.as_mut() {
-                t.collect(&self.comm);
-            }
-            let mut off = 0;
-            for &k in &b.params {
-                let p = &self.params[k];
-                let n = p.elem_count();
-                self.grads
-                    .insert(p.name(), flat.narrow(0, off, n)?.reshape(p.shape())?);
-                off += n;
-            }
-        }
-        Ok(())
+        let (timer, comm) = (&mut self.timer, &self.comm);
+        buckets::write_back(
+            &self.params,
+            &self.buckets,
+            pending,
+            &mut self.grads,
+            &mut self.current.exposed_comm_s,
+            &mut || {
+                if let Some(t) = timer.as_mut() {
+                    t.collect(comm);
+                }
+            },
+        )
     }
 
     /// The textbook version: after the whole backward, one blocking all-reduce per tensor.

@@ -42,7 +42,8 @@ use candle_core::{Device, Tensor};
 use mtrain_comm::{DeviceMesh, MeshDims};
 use mtrain_model::{Gpt, GptConfig, Grads, Param, Segment};
 
-use crate::ddp::{verify_same_init, CommStats};
+use crate::ddp::{assign_buckets, verify_same_init, CommStats};
+use crate::toolbox::final_after;
 use crate::expert_parallel;
 use crate::fsdp::Fsdp;
 use crate::pipeline::{PipelineError, PipelineExecutor, PipelineStages, Schedule};
@@ -148,6 +149,16 @@ pub fn parallelize(
             Replicas::Full
         }
     };
+    // DDP of one stage averages its gradients in buckets, as the backward makes them final.
+    let buckets = match plan.dp_buckets() {
+        Some(d) => assign_buckets(
+            &params,
+            &final_after(&stages.chunks()[0].segments),
+            d.first_bucket_cap_bytes,
+            d.bucket_cap_bytes,
+        ),
+        None => Vec::new(),
+    };
     let mut pm = ParallelModel {
         plan: plan.clone(),
         cfg: cfg.clone(),
@@ -165,6 +176,7 @@ pub fn parallelize(
         tied,
         params,
         replicas,
+        buckets,
         masters: None,
         grads: Grads::new(),
         current: CommStats::default(),

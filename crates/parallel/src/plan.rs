@@ -15,7 +15,7 @@ use mtrain_comm::MeshDims;
 use mtrain_model::init::param_specs;
 use mtrain_model::{Backward, Engine, GptConfig};
 
-use crate::ddp::DdpConfig;
+use crate::ddp::{DdpConfig, DdpMode};
 use crate::fsdp::FsdpConfig;
 use crate::mixed_precision::MixedPrecision;
 use crate::pipeline::{PipelineError, ScheduleKind, StageLayout};
@@ -77,6 +77,24 @@ impl ParallelPlan {
     /// The engine every segment of this plan runs under: its checkpointing and backward path.
     pub fn engine(&self) -> Engine {
         Engine::new(self.checkpointing).with_backward(self.backward)
+    }
+
+    /// The DDP caps when the gradients are averaged in buckets during the backward: DDP in
+    /// bucketed mode, dp > 1, one model stage (no pipeline to flush first) and every gradient
+    /// averaged over dp (ep = 1; an expert's goes over its edp replicas). Otherwise None: one
+    /// average per parameter, started in the last backward (one stage) or after the flush.
+    pub fn dp_buckets(&self) -> Option<DdpConfig> {
+        match self.data {
+            DataParallelKind::Ddp(d)
+                if d.mode == DdpMode::Bucketed
+                    && self.dims.dp > 1
+                    && self.dims.ep == 1
+                    && self.num_stages() == 1 =>
+            {
+                Some(d)
+            }
+            _ => None,
+        }
     }
 
     /// The schedule actually run: a single stage has nothing to interleave.

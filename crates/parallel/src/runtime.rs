@@ -50,10 +50,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use candle_core::{DType, Shape, Tensor};
 use mtrain_comm::{chunk_range, Comm, CommError, Coords, ReduceOp};
-use mtrain_model::optim::{clip_coef, AdamW, OptimItem};
+use mtrain_model::optim::{clip_coef, sq_norm, AdamW, OptimItem};
 use mtrain_model::{Engine, GptConfig, Grads, Hooks, MoeStats, NoHooks, Param};
 
-use crate::ddp::{average, DataParallel, DpError, OverlappedDpReduce};
+use crate::ddp::{average, Bucket, DdpMode, BucketedDpReduce, DataParallel, DpError, OverlappedDpReduce};
 use crate::expert_parallel::{self, EpError};
 use crate::fsdp::{Fsdp, FsdpHooks, ZeroStage};
 use crate::mixed_precision::{grads_for_reduction, MasterWeights, PrecisionError};
@@ -61,10 +61,10 @@ use crate::pipeline::{
     NoStageHooks, PipelineError, PipelineExecutor, PipelineStages, StageHooks, StepReport,
 };
 use crate::placement::{is_expert_param, tp_placement, Placement};
-use crate::plan::{ParallelPlan, PlanError};
+use crate::plan::{DataParallelKind, ParallelPlan, PlanError};
 use crate::tensor_parallel::{ShardLayout, TpError};
 use crate::toolbox::{
-    replicated_items, sq_sum_f64, sum_f64, CommStats, ModelStateBytes, StateError,
+    replicated_items, sum_f64, CommStats, ModelStateBytes, StateError,
 };
 
 /// Errors of composing the strategies.
@@ -156,6 +156,9 @@ pub struct ParallelModel {
     /// This rank's parameters, each once, in model order.
     pub(crate) params: Vec<Param>,
     pub(crate) replicas: Replicas,
+    /// The DDP buckets ([`ParallelPlan::dp_buckets`]; indices into `params`), or empty: one
+    /// average per parameter.
+    pub(crate) buckets: Vec<Bucket>,
     /// fp32 masters of `params` under mixed precision with full replicas (ZeRO keeps its
     /// master shards in each [`Fsdp`]).
     pub(crate) masters: Option<MasterWeights>,
@@ -226,12 +229,33 @@ impl ParallelModel {
     ) -> Result<StepOut> {
         let t = std::time::Instant::now();
         let pp = self.pp.as_ref();
-        // One stage and gradients to average: the average starts inside the last backward.
+        // One stage and gradients to average: the average starts inside the last backward
+        // (DDP's naive mode waits for the whole backward: the textbook version).
+        let naive = matches!(self.plan.data, DataParallelKind::Ddp(d) if d.mode == DdpMode::Naive);
         let overlap = sync
+            && !naive
             && self.plan.dims.pp == 1
             && self.stages.chunks().len() == 1
             && self.plan.dims.dp > 1;
         let report = match &mut self.replicas {
+            Replicas::Full if overlap && !self.buckets.is_empty() => {
+                let dtype = self.plan.precision.grad_reduce_dtype();
+                let mut hooks = BucketedDpReduce::new(&self.dp, &self.params, &self.buckets, dtype);
+                let report = self.executor.step_with_hooks(
+                    &self.stages,
+                    pp,
+                    idx,
+                    targets,
+                    loss_scale,
+                    &mut self.grads,
+                    &mut Observed(&mut hooks, before_backward),
+                )?;
+                let (n, bytes) = hooks.finish(&mut self.grads, &mut self.current.exposed_comm_s)?;
+                self.current.collectives += n;
+                self.current.bytes += bytes;
+                self.reduced = true;
+                report
+            }
             Replicas::Full if overlap => {
                 let dtype = self
                     .plan
@@ -409,14 +433,8 @@ impl ParallelModel {
     pub fn grad_norm_sq(&self) -> Result<f64> {
         let local = match &self.replicas {
             Replicas::Full => {
-                let mut s = 0.0;
-                for (name, g) in self.grads.iter() {
-                    let w = self.norm_weight(name, false);
-                    if w > 0.0 {
-                        s += w * sq_sum_f64(g)?;
-                    }
-                }
-                s
+                let counted = self.grads.iter().filter(|(n, _)| self.norm_weight(n, false) > 0.0);
+                sq_norm(counted.map(|(_, g)| g))?
             }
             Replicas::Zero(fsdps) => {
                 let mut s = 0.0;

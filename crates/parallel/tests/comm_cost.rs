@@ -6,6 +6,7 @@
 //!   counted (`bytes_sent`) equal [`step_collectives`]'s prediction exactly. The MoE token
 //!   all-to-alls depend on the routing: the prediction (balanced routing, capacity factor 1) is
 //!   an upper bound and the measurement must lie within a factor 2 below it.
+//! - `*_ddp_buckets_match_the_trace`: DDP of one stage, whose gradients travel in buckets.
 //! - `worked_example_*`: the chapter's example (hidden 8192, 8 ranks, bf16, NVLink-class
 //!   defaults): a decode token's all-reduce (16 KiB) is latency-bound, a prefill of 8192 tokens
 //!   (128 MiB) bandwidth-bound.
@@ -23,8 +24,9 @@ use mtrain_model::{init_weights, GptConfig};
 use mtrain_parallel::comm_cost::{
     all_reduce_sent, broadcast_sent, step_collectives, Bound, CostModel, Group, StepShape,
 };
+use mtrain_parallel::ddp::{DdpConfig, DdpMode};
 use mtrain_parallel::fsdp::ZeroStage;
-use mtrain_parallel::parallelize::{parallelize, ParallelPlan};
+use mtrain_parallel::parallelize::{parallelize, DataParallelKind, ParallelPlan};
 use mtrain_parallel::pipeline::ScheduleKind;
 use rand::{Rng, SeedableRng};
 
@@ -213,6 +215,33 @@ fn pp2_tp2_sp_interleaved_bytes_match_the_trace() {
         ..plan(1, 2, 2, 1)
     };
     check(&cfg(), &p);
+}
+
+/// DDP of one stage averages in buckets: small caps give several per step, each one all-reduce
+/// over dp, packed by the same rule on both sides.
+fn ddp_with_small_buckets(dp: usize, tp: usize) -> ParallelPlan {
+    ParallelPlan {
+        data: DataParallelKind::Ddp(DdpConfig {
+            mode: DdpMode::Bucketed,
+            bucket_cap_bytes: 16 << 10,
+            first_bucket_cap_bytes: 4 << 10,
+        }),
+        ..plan(dp, 1, tp, 1)
+    }
+}
+
+#[test]
+fn dp2_ddp_buckets_match_the_trace() {
+    let p = ddp_with_small_buckets(2, 1);
+    let (predicted, _) = predict(&cfg(), &p);
+    let buckets = predicted[0][&("dp".to_string(), "all_reduce".to_string())].0;
+    assert!(buckets > 3, "small caps should give several buckets, got {buckets} all-reduces");
+    check(&cfg(), &p);
+}
+
+#[test]
+fn tp2_dp2_ddp_buckets_match_the_trace() {
+    check(&cfg(), &ddp_with_small_buckets(2, 2));
 }
 
 #[test]

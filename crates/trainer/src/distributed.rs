@@ -1,12 +1,12 @@
-//! The training loop's view of a model split over ranks: a [`TrainableModel`] over
-//! [`ParallelModel`] (any dp × pp × tp (+ ep, + ZeRO) plan), or over the standalone overlapped
-//! [`Ddp`] for a purely data-parallel layout, one device (dp = 1) included.
+//! The training loop's view of a model split over ranks: a [`TrainableModel`] over the
+//! [`ParallelModel`] that [`parallelize`] builds for any dp × pp × tp (+ ep, + ZeRO) plan. One
+//! device is the plan of a world of one, not a separate path: every layout runs this one step.
 //!
 //! ```text
-//!   mtrain, mtrain --dp 4              pp = tp = ep = 1, DDP   -> Ddp: bucket all-reduces launched
-//!                                                                 from the backward's hooks (overlap);
-//!                                                                 none in a world of one
-//!   mtrain --tp 4 --pp 2, --dp 2 --fsdp, --dp 2 --ep 2, ...    -> ParallelModel (parallelize)
+//!   mtrain                      world of one: the same step, every group of one rank, no collective
+//!   mtrain --dp 4, --tp 2 --dp 2   DDP of one stage: bucket all-reduces launched from the
+//!                                  backward's hooks (ParallelPlan::dp_buckets)
+//!   mtrain --tp 4 --pp 2, --dp 2 --fsdp, --dp 2 --ep 2, ...    the composed strategies
 //!
 //!   global batch of one micro-step = dp × B sequences; dp rank d reads rows d·B .. (d+1)·B;
 //!   the tp and pp ranks of one dp index read the same rows.
@@ -35,13 +35,13 @@
 use std::collections::BTreeMap;
 
 use anyhow::Context;
-use candle_core::{DType, Device, Tensor};
-use mtrain_comm::{Comm, DeviceMesh, ReduceOp};
+use candle_core::{Device, Tensor};
+use mtrain_comm::DeviceMesh;
 use mtrain_model::init::param_specs;
 use mtrain_model::optim::{AdamW, AdamWConfig, AdamWState};
-use mtrain_model::{Engine, Gpt, GptConfig, MoeStats};
-use mtrain_parallel::ddp::{CommStats, DataParallel, Ddp, ModelStateBytes};
-use mtrain_parallel::parallelize::{parallelize, DataParallelKind, ParallelModel, ParallelPlan};
+use mtrain_model::{GptConfig, MoeStats};
+use mtrain_parallel::ddp::ModelStateBytes;
+use mtrain_parallel::parallelize::{parallelize, ParallelModel, ParallelPlan};
 use mtrain_parallel::pipeline::executor::SpanKind;
 use mtrain_parallel::placement::{ep_rank_of_expert, tp_placement};
 use serde::Serialize;
@@ -161,18 +161,9 @@ pub struct StepReport {
     pub experts: Option<Vec<ExpertLoad>>,
 }
 
-/// Which implementation holds the model.
-enum Inner {
-    /// The composed plan.
-    Parallel(Box<ParallelModel>),
-    /// Overlapped standalone DDP, with the model for evaluation.
-    Ddp { ddp: Box<Ddp>, gpt: Gpt, dp: Comm },
-}
-
 /// This rank's part of a model under a plan, driven by the training loop.
 pub struct Distributed {
-    inner: Inner,
-    engine: Engine,
+    pm: Box<ParallelModel>,
     opt: AdamW,
     cfg: GptConfig,
     plan: ParallelPlan,
@@ -198,17 +189,6 @@ pub struct Distributed {
     alone: bool,
 }
 
-/// Whether `plan` is a pure data-parallel DDP layout that the standalone, overlapped [`Ddp`]
-/// runs (dense model, pp = tp = ep = 1, no ZeRO).
-pub fn uses_standalone_ddp(cfg: &GptConfig, plan: &ParallelPlan) -> bool {
-    let d = plan.dims;
-    d.pp == 1
-        && d.tp == 1
-        && d.ep == 1
-        && cfg.moe.is_none()
-        && matches!(plan.data, DataParallelKind::Ddp(_))
-}
-
 impl Distributed {
     /// Builds this rank's part from the full `weights` (the same on every rank). A collective
     /// over every group of `mesh`. Clipping is the loop's: it passes the coefficient to
@@ -222,37 +202,13 @@ impl Distributed {
         optim: AdamWConfig,
         grad_accum: usize,
     ) -> anyhow::Result<Self> {
-        let (inner, n_local, comm_buffer_bytes) = match plan.data {
-            DataParallelKind::Ddp(ddp_cfg) if uses_standalone_ddp(cfg, plan) => {
-                let dtype = plan.precision.param_dtype;
-                let compute: BTreeMap<String, Tensor> = weights
-                    .iter()
-                    .map(|(k, t)| Ok((k.clone(), t.to_dtype(dtype)?)))
-                    .collect::<candle_core::Result<_>>()?;
-                let gpt = Gpt::new(cfg.clone(), &compute, device)?;
-                drop(compute);
-                let n: usize = gpt.params().iter().map(|p| p.elem_count()).sum();
-                let ddp = Ddp::new(mesh.dp.clone(), gpt.segments.clone(), ddp_cfg)
-                    .and_then(|d| d.with_mixed_precision(plan.precision, weights))
-                    .context("setting up DDP over the dp group")?;
-                let buffers = crate::memory::bucket_bytes(plan, n as u64, true);
-                let inner = Inner::Ddp {
-                    ddp: Box::new(ddp),
-                    gpt,
-                    dp: mesh.dp.clone(),
-                };
-                (inner, n as u64, buffers)
-            }
-            _ => {
-                let pm = parallelize(cfg, weights, plan, mesh, device)
-                    .context("building this rank's part of the model")?;
-                let n = local_param_count(cfg, &pm, plan.dims.tp);
-                (Inner::Parallel(Box::new(pm)), n, 0)
-            }
-        };
+        let pm = parallelize(cfg, weights, plan, mesh, device)
+            .context("building this rank's part of the model")?;
+        let n_local = local_param_count(cfg, &pm, plan.dims.tp);
+        let comm_buffer_bytes =
+            crate::memory::bucket_bytes(plan, n_local, plan.dp_buckets().is_some());
         Ok(Self {
-            inner,
-            engine: plan.engine(),
+            pm: Box::new(pm),
             opt: AdamW::new(optim),
             cfg: cfg.clone(),
             plan: plan.clone(),
@@ -315,24 +271,9 @@ impl Distributed {
             .collect()
     }
 
-    /// Whether the overlapped standalone DDP runs this layout.
-    pub fn is_standalone_ddp(&self) -> bool {
-        matches!(self.inner, Inner::Ddp { .. })
-    }
-
     /// Bytes of parameters, gradients and optimizer state this rank holds right now.
     pub fn model_state_bytes(&self) -> ModelStateBytes {
-        match &self.inner {
-            Inner::Parallel(pm) => pm.model_state_bytes(&self.opt),
-            Inner::Ddp { ddp, .. } => ddp.model_state_bytes(&self.opt),
-        }
-    }
-
-    fn comm_stats(&self) -> CommStats {
-        match &self.inner {
-            Inner::Parallel(pm) => pm.comm_stats(),
-            Inner::Ddp { ddp, .. } => ddp.comm_stats(),
-        }
+        self.pm.model_state_bytes(&self.opt)
     }
 }
 
@@ -362,10 +303,6 @@ fn expert_load(stats: &[MoeStats]) -> Vec<ExpertLoad> {
         .collect()
 }
 
-fn scalar(t: &Tensor) -> anyhow::Result<f64> {
-    Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?[0])
-}
-
 impl TrainableModel for Distributed {
     fn forward_backward(
         &mut self,
@@ -388,74 +325,57 @@ impl TrainableModel for Distributed {
         if sync {
             self.micro = 0;
         }
-        let loss = match &mut self.inner {
-            Inner::Parallel(pm) => {
-                // The pipeline interleaves forwards and backwards: "after forward" is read
-                // right before this rank's first backward, where its activations peak.
-                let mut before_backward = || mark(Phase::AfterForward);
-                let out = pm.forward_backward_observed(
-                    inputs,
-                    targets,
-                    loss_scale,
-                    sync,
-                    &mut before_backward,
-                )?;
-                if let Some(r) = &out.pipeline {
-                    let f = PipelineFigures {
-                        step_ms: r.step_time.as_secs_f64() * 1e3,
-                        idle_ms: r.idle_time.as_secs_f64() * 1e3,
-                        bubble: r.bubble_fraction,
-                        ideal_bubble: r.analytic_bubble_fraction,
-                        peak_in_flight: r.peak_in_flight,
-                        peak_activation_bytes: r.peak_activation_bytes,
-                        timeline: PipelineTimeline::from_report(r),
-                    };
-                    // The schedule's spans, placed on the tracers' clock.
-                    let at = self.timeline.us_at(r.started_at.max(wall_start));
-                    for s in &r.timeline {
-                        let name = serde_json::to_value(s.kind)
-                            .ok()
-                            .and_then(|v| v.as_str().map(str::to_string))
-                            .unwrap_or_default();
-                        let us = |d: std::time::Duration| at + d.as_micros() as u64;
-                        self.timeline.span(&name, s.mb, us(s.start), us(s.end));
-                    }
-                    self.pipeline = Some(f);
-                }
-                if let Some(load) = &out.moe_load {
-                    let new = expert_load(load);
-                    self.experts = Some(match self.experts.take() {
-                        None => new,
-                        Some(mut acc) => {
-                            for (a, n) in acc.iter_mut().zip(new) {
-                                for (x, y) in
-                                    a.tokens_per_expert.iter_mut().zip(n.tokens_per_expert)
-                                {
-                                    *x += y;
-                                }
-                                a.dropped += n.dropped;
-                            }
-                            acc
+        // The pipeline interleaves forwards and backwards: "after forward" is read
+        // right before this rank's first backward, where its activations peak.
+        let mut before_backward = || mark(Phase::AfterForward);
+        let out = self.pm.forward_backward_observed(
+            inputs,
+            targets,
+            loss_scale,
+            sync,
+            &mut before_backward,
+        )?;
+        if let Some(r) = &out.pipeline {
+            let f = PipelineFigures {
+                step_ms: r.step_time.as_secs_f64() * 1e3,
+                idle_ms: r.idle_time.as_secs_f64() * 1e3,
+                bubble: r.bubble_fraction,
+                ideal_bubble: r.analytic_bubble_fraction,
+                peak_in_flight: r.peak_in_flight,
+                peak_activation_bytes: r.peak_activation_bytes,
+                timeline: PipelineTimeline::from_report(r),
+            };
+            // The schedule's spans, placed on the tracers' clock.
+            let at = self.timeline.us_at(r.started_at.max(wall_start));
+            for s in &r.timeline {
+                let name = serde_json::to_value(s.kind)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_string))
+                    .unwrap_or_default();
+                let us = |d: std::time::Duration| at + d.as_micros() as u64;
+                self.timeline.span(&name, s.mb, us(s.start), us(s.end));
+            }
+            self.pipeline = Some(f);
+        }
+        if let Some(load) = &out.moe_load {
+            let new = expert_load(load);
+            self.experts = Some(match self.experts.take() {
+                None => new,
+                Some(mut acc) => {
+                    for (a, n) in acc.iter_mut().zip(new) {
+                        for (x, y) in
+                            a.tokens_per_expert.iter_mut().zip(n.tokens_per_expert)
+                        {
+                            *x += y;
                         }
-                    });
+                        a.dropped += n.dropped;
+                    }
+                    acc
                 }
-                out.loss
-            }
-            Inner::Ddp { ddp, dp, .. } => {
-                let mut after_forward = || mark(Phase::AfterForward);
-                let local = ddp.forward_backward_observed(
-                    &self.engine,
-                    inputs,
-                    targets,
-                    loss_scale,
-                    sync,
-                    &mut after_forward,
-                )?;
-                let t = Tensor::new(&[local], dp.device())?;
-                scalar(&dp.all_reduce(&t, ReduceOp::Avg)?)?
-            }
-        };
-        if !matches!(&self.inner, Inner::Parallel(pm) if pm.plan().dims.pp > 1) {
+            });
+        }
+        let loss = out.loss;
+        if self.plan.dims.pp == 1 {
             let end = self.timeline.now_us();
             self.timeline.span("forward+backward", None, t_start, end);
         }
@@ -466,14 +386,7 @@ impl TrainableModel for Distributed {
     fn eval_loss(&mut self, inputs: &Tensor, targets: &Tensor) -> anyhow::Result<f64> {
         self.timeline.enter(RunPhase::Eval, None);
         let start = self.timeline.now_us();
-        let loss = match &mut self.inner {
-            Inner::Parallel(pm) => pm.eval_loss(inputs, targets)?,
-            Inner::Ddp { gpt, dp, .. } => {
-                let local = gpt.forward_loss(inputs, targets)?.loss;
-                let local = local.to_dtype(DType::F32)?.reshape(1)?;
-                scalar(&dp.all_reduce(&local, ReduceOp::Avg)?)?
-            }
-        };
+        let loss = self.pm.eval_loss(inputs, targets)?;
         self.timeline
             .span("eval", None, start, self.timeline.now_us());
         Ok(loss)
@@ -481,10 +394,7 @@ impl TrainableModel for Distributed {
 
     fn grad_sq_norm(&mut self) -> anyhow::Result<f64> {
         let start = self.timeline.now_us();
-        let sq = match &self.inner {
-            Inner::Parallel(pm) => pm.grad_norm_sq()?,
-            Inner::Ddp { ddp, .. } => ddp.grad_norm_sq()?,
-        };
+        let sq = self.pm.grad_norm_sq()?;
         self.timeline
             .span("grad norm", None, start, self.timeline.now_us());
         Ok(sq)
@@ -495,14 +405,11 @@ impl TrainableModel for Distributed {
     /// steps AdamW over this rank's part.
     fn optimizer_step(&mut self, lr: f64, grad_scale: f64) -> anyhow::Result<()> {
         let start = self.timeline.now_us();
-        match &mut self.inner {
-            Inner::Parallel(pm) => pm.scaled_step(&mut self.opt, lr, grad_scale)?,
-            Inner::Ddp { ddp, .. } => ddp.scaled_step(&mut self.opt, lr, grad_scale)?,
-        };
+        self.pm.scaled_step(&mut self.opt, lr, grad_scale)?;
         let end = self.timeline.now_us();
         self.timeline.span("optimizer", None, start, end);
         self.timeline.enter(RunPhase::Other, None);
-        let c = self.comm_stats();
+        let c = self.pm.comm_stats();
         let comm = self.meter.end();
         self.last_report = Some(StepReport {
             backward_ms: c.backward_s * 1e3,
@@ -519,10 +426,7 @@ impl TrainableModel for Distributed {
     fn state_dict(&self) -> anyhow::Result<BTreeMap<String, Tensor>> {
         self.timeline.enter(RunPhase::Checkpoint, None);
         let start = self.timeline.now_us();
-        let state = match &self.inner {
-            Inner::Parallel(pm) => pm.full_state()?,
-            Inner::Ddp { ddp, .. } => ddp.full_state()?,
-        };
+        let state = self.pm.full_state()?;
         self.timeline
             .span("gather state", None, start, self.timeline.now_us());
         Ok(state)
@@ -531,10 +435,7 @@ impl TrainableModel for Distributed {
     fn optim_state(&self) -> anyhow::Result<AdamWState> {
         self.timeline.enter(RunPhase::Checkpoint, None);
         let start = self.timeline.now_us();
-        let state = match &self.inner {
-            Inner::Parallel(pm) => pm.full_optimizer_state(&self.opt)?,
-            Inner::Ddp { ddp, .. } => ddp.full_optimizer_state(&self.opt)?,
-        };
+        let state = self.pm.full_optimizer_state(&self.opt)?;
         self.timeline.span(
             "gather optimizer state",
             None,
@@ -549,17 +450,8 @@ impl TrainableModel for Distributed {
         model: &BTreeMap<String, Tensor>,
         optim: AdamWState,
     ) -> anyhow::Result<()> {
-        match &mut self.inner {
-            Inner::Parallel(pm) => {
-                pm.load_full_state(model)?;
-                pm.load_optimizer_state(&mut self.opt, &optim)?;
-            }
-            Inner::Ddp { ddp, .. } => {
-                ddp.load_full_state(model)?;
-                let mine = ddp.shard_optimizer_state(&optim)?;
-                self.opt.load_state(mine)?;
-            }
-        }
+        self.pm.load_full_state(model)?;
+        self.pm.load_optimizer_state(&mut self.opt, &optim)?;
         Ok(())
     }
 
@@ -576,8 +468,7 @@ impl TrainableModel for Distributed {
     }
 
     /// This rank's blocks, micro-batches in flight, tp and ep splits and gathers
-    /// ([`ActivationLayout::for_plan`]); standalone DDP runs the whole batch at once on the
-    /// whole model.
+    /// ([`ActivationLayout::for_plan`]).
     fn step_memory(
         &self,
         cfg: &GptConfig,
@@ -588,10 +479,7 @@ impl TrainableModel for Distributed {
         path: BackwardPath,
         grad_accum: usize,
     ) -> StepMemory {
-        let layout = match &self.inner {
-            Inner::Ddp { .. } => Ok(ActivationLayout::single_device(cfg, batch)),
-            Inner::Parallel(_) => ActivationLayout::for_plan(cfg, &self.plan, self.pp_rank, batch),
-        };
+        let layout = ActivationLayout::for_plan(cfg, &self.plan, self.pp_rank, batch);
         let mut layout = layout.unwrap_or_else(|e| {
             tracing::warn!("memory estimate of the whole model (not per rank): {e}");
             ActivationLayout::single_device(cfg, batch)

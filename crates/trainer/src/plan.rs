@@ -19,7 +19,6 @@ use mtrain_parallel::parallelize::ParallelPlan;
 
 use crate::config::DeviceKind;
 use crate::config::{TrainArgs, TrainConfig};
-use crate::distributed::uses_standalone_ddp;
 use crate::layout::Layout;
 use crate::memory::{
     bucket_bytes, rank_params, step_memory, ActivationLayout, AnalyticMemory, BackwardPath,
@@ -105,15 +104,11 @@ pub struct RankMemory {
 pub fn rank_memory(cfg: &TrainConfig, plan: &ParallelPlan) -> anyhow::Result<Vec<RankMemory>> {
     let model = cfg.gpt_config()?;
     let path = BackwardPath::of_device(cfg.device == DeviceKind::Cuda);
-    let standalone = plan.dims.world_size() * plan.dims.ep > 1 && uses_standalone_ddp(&model, plan);
     (0..plan.dims.pp.max(1))
         .map(|pp_rank| {
             let n = rank_params(&model, plan, pp_rank)?;
             let state = ModelStateLayout::for_plan(n, plan);
-            let act = match standalone {
-                true => ActivationLayout::single_device(&model, cfg.batch_size),
-                false => ActivationLayout::for_plan(&model, plan, pp_rank, cfg.batch_size)?,
-            };
+            let act = ActivationLayout::for_plan(&model, plan, pp_rank, cfg.batch_size)?;
             let step = step_memory(
                 &model,
                 &act,
@@ -124,7 +119,7 @@ pub fn rank_memory(cfg: &TrainConfig, plan: &ParallelPlan) -> anyhow::Result<Vec
                 path,
                 cfg.grad_accum,
             );
-            let comm = bucket_bytes(plan, n, standalone);
+            let comm = bucket_bytes(plan, n, plan.dp_buckets().is_some());
             Ok(RankMemory {
                 pp_rank,
                 state,

@@ -273,15 +273,11 @@ fn run_plan(
         .with_timeline(timeline.clone());
         drop(weights);
         if rank == 0 && world > 1 {
-            tracing::info!(
-                "{} over dp {}",
-                if model.is_standalone_ddp() {
-                    "overlapped bucketed DDP (standalone)"
-                } else {
-                    "composed plan (parallelize)"
-                },
-                dims.dp
-            );
+            let dp = match plan.dp_buckets() {
+                Some(_) => "gradients averaged in buckets during the backward",
+                None => "gradients averaged per parameter",
+            };
+            tracing::info!("dp {}: {dp}", dims.dp);
         }
         // dp rank d reads rows d·B..(d+1)·B of every global batch; tp/pp ranks share them.
         let (d, n) = (mesh.coords.dp, dims.dp);

@@ -27,6 +27,7 @@ use mtrain_model::moe::capacity;
 use mtrain_model::{GptConfig, MoeConfig};
 
 use super::{broadcast_sent, Collective, CostError, Group, Phase, Result, StepShape, Tally};
+use crate::ddp::{assign_bucket_sizes, DdpConfig, ParamSize};
 use crate::fsdp::{residency, ZeroStage};
 use crate::pipeline::{Action, Schedule, StageLayout};
 use crate::placement::{
@@ -145,6 +146,10 @@ struct Walk {
     ch: usize,
     act: DType,
     chunks: Vec<Chunk>,
+    /// DDP's bucket caps when the gradients travel in buckets ([`ParallelPlan::dp_buckets`]).
+    dp_buckets: Option<DdpConfig>,
+    /// Bytes per parameter element (the buckets' caps count the compute copy).
+    param_bytes: usize,
 }
 
 impl Walk {
@@ -189,6 +194,8 @@ impl Walk {
             ch: cfg.n_embd,
             act: shape.dtype,
             chunks,
+            dp_buckets: plan.dp_buckets(),
+            param_bytes: plan.precision.param_dtype.size_in_bytes(),
         })
     }
 
@@ -432,6 +439,13 @@ impl Walk {
         let wte_local = held.iter().find(|p| p.0 == TIED).map(|p| p.1);
         let tied_here = n_stages > 1 && wte_local.is_some();
         match self.zero {
+            None if self.dims.dp > 1 && self.dp_buckets.is_some() => {
+                for numel in self.bucket_numels() {
+                    self.tally
+                        .all_reduce(Group::Dp, "gradient bucket", step, numel, DType::F32, true);
+                }
+                self.sp_partial_sums(&held);
+            }
             None => {
                 if self.dims.dp > 1 {
                     for (name, numel) in &held {
@@ -443,12 +457,7 @@ impl Walk {
                             .all_reduce(g, "gradient", step, *numel, DType::F32, true);
                     }
                 }
-                let partial: usize = held.iter().filter(|p| sp_partial(&p.0)).map(|p| p.1).sum();
-                if self.sp && partial > 0 {
-                    let what = "sequence-parallel partial gradients";
-                    self.tally
-                        .all_reduce(Group::Tp, what, step, partial, DType::F32, false);
-                }
+                self.sp_partial_sums(&held);
             }
             Some(_) => {
                 let units: Vec<(bool, bool, usize)> = self
@@ -498,6 +507,39 @@ impl Walk {
             self.tally
                 .push(Group::Pp, OpKind::Recv, what, step, 0, 0, false, false);
         }
+    }
+
+    /// The sequence-parallel partial gradients' one sum over tp, after the dp average.
+    fn sp_partial_sums(&mut self, held: &[(String, usize)]) {
+        let partial: usize = held.iter().filter(|p| sp_partial(&p.0)).map(|p| p.1).sum();
+        if self.sp && partial > 0 {
+            let what = "sequence-parallel partial gradients";
+            self.tally
+                .all_reduce(Group::Tp, what, Phase::Step, partial, DType::F32, false);
+        }
+    }
+
+    /// Elements of each DDP bucket of the one stage, packed by the runtime's rule
+    /// ([`assign_bucket_sizes`]) from this rank's parameters in model order, each final after
+    /// the segment that first uses it.
+    fn bucket_numels(&self) -> Vec<usize> {
+        let Some(d) = self.dp_buckets else {
+            return Vec::new();
+        };
+        let mut final_after = BTreeMap::new();
+        let mut sizes = Vec::new();
+        for (j, u) in self.chunks[0].units.iter().enumerate() {
+            for p in &u.params {
+                final_after.insert(p.name.clone(), j);
+                let bytes = p.numel * self.param_bytes;
+                sizes.push(ParamSize { name: &p.name, numel: p.numel, bytes });
+            }
+        }
+        let (first, cap) = (d.first_bucket_cap_bytes, d.bucket_cap_bytes);
+        assign_bucket_sizes(&sizes, &final_after, first, cap)
+            .iter()
+            .map(|b| b.numel)
+            .collect()
     }
 
     /// After the reduction: the loss and auxiliary loss, the expert load, the gradient norm

@@ -32,11 +32,37 @@ pub fn assign_buckets(
     first_cap: usize,
     cap: usize,
 ) -> Vec<Bucket> {
+    let sizes: Vec<ParamSize> = params
+        .iter()
+        .map(|p| ParamSize {
+            name: p.name(),
+            numel: p.elem_count(),
+            bytes: p.elem_count() * p.var().dtype().size_in_bytes(),
+        })
+        .collect();
+    assign_bucket_sizes(&sizes, final_after, first_cap, cap)
+}
+
+/// What [`assign_buckets`] needs of a parameter: its name, elements and bytes (the cost model
+/// packs the same buckets from the plan's placement, without tensors).
+#[derive(Debug, Clone, Copy)]
+pub struct ParamSize<'a> {
+    pub name: &'a str,
+    pub numel: usize,
+    pub bytes: usize,
+}
+
+/// [`assign_buckets`] over sizes: the one packing rule.
+pub fn assign_bucket_sizes(
+    params: &[ParamSize],
+    final_after: &BTreeMap<String, usize>,
+    first_cap: usize,
+    cap: usize,
+) -> Vec<Bucket> {
+    let ready = |k: usize| final_after.get(params[k].name).copied().unwrap_or(0);
     let mut order: Vec<usize> = (0..params.len()).rev().collect();
     // Stable: keeps reverse model order inside a segment.
-    order.sort_by_key(|&k| {
-        std::cmp::Reverse(final_after.get(params[k].name()).copied().unwrap_or(0))
-    });
+    order.sort_by_key(|&k| std::cmp::Reverse(ready(k)));
     let mut buckets = Vec::new();
     let mut cur = Bucket {
         params: Vec::new(),
@@ -47,11 +73,9 @@ pub fn assign_buckets(
     for k in order {
         let p = &params[k];
         cur.params.push(k);
-        cur.numel += p.elem_count();
-        cur.ready_after = cur
-            .ready_after
-            .min(final_after.get(p.name()).copied().unwrap_or(0));
-        cur_bytes += p.elem_count() * p.var().dtype().size_in_bytes();
+        cur.numel += p.numel;
+        cur.ready_after = cur.ready_after.min(ready(k));
+        cur_bytes += p.bytes;
         let limit = if buckets.is_empty() { first_cap } else { cap };
         if cur_bytes >= limit {
             buckets.push(std::mem::replace(
@@ -139,6 +163,30 @@ impl<'a> BucketLauncher<'a> {
         }
         Ok((self.pending, self.bytes))
     }
+}
+
+/// Waits for the launched buckets in order and writes each average back into `grads`, calling
+/// `after_wait` after each (the op timer's collection); the wait time is added to `exposed_s`.
+pub(crate) fn write_back(
+    params: &[Param],
+    buckets: &[Bucket],
+    pending: Vec<Work>,
+    grads: &mut Grads,
+    exposed_s: &mut f64,
+    after_wait: &mut dyn FnMut(),
+) -> super::Result<()> {
+    for (b, work) in buckets.iter().zip(pending) {
+        let flat = crate::toolbox::timed_wait(work, exposed_s)?; // (numel,)
+        after_wait();
+        let mut off = 0;
+        for &k in &b.params {
+            let p = &params[k];
+            let n = p.elem_count();
+            grads.insert(p.name(), flat.narrow(0, off, n)?.reshape(p.shape())?);
+            off += n;
+        }
+    }
+    Ok(())
 }
 
 impl Hooks for BucketLauncher<'_> {

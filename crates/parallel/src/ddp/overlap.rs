@@ -27,7 +27,9 @@ use mtrain_comm::Comm;
 use mtrain_model::{Grads, Hooks, NoHooks, Segment};
 
 use super::average::{finish_averages, start_average, Averaging};
+use super::buckets::{self, Bucket, BucketLauncher};
 use crate::pipeline::StageHooks;
+use mtrain_model::Param;
 
 /// Stage hooks that launch each parameter's dp average as soon as its gradient is final on the
 /// last micro-step (see the module doc). One chunk only (no pipeline).
@@ -125,5 +127,64 @@ impl Hooks for OverlappedDpReduce<'_> {
                 .push(start_average(name, &g, self.dp, self.edp));
         }
         Ok(())
+    }
+}
+
+/// Stage hooks that launch the DDP buckets ([`super::assign_buckets`]) during the last backward
+/// of the step, as [`super::Ddp`] does: one flat all-reduce per bucket instead of one per
+/// parameter. Used by a composed plan of one stage whose gradients are all averaged over dp
+/// (ep = 1), which is every DDP run with pp = 1: the world of one, dp, tp × dp.
+pub struct BucketedDpReduce<'a> {
+    launcher: BucketLauncher<'a>,
+    params: &'a [Param],
+    buckets: &'a [Bucket],
+    /// Whether this pass is the last backward of the step's last micro-step.
+    active: bool,
+    idle: NoHooks,
+}
+
+impl<'a> BucketedDpReduce<'a> {
+    /// Hooks averaging `buckets` of `params` over `dp` in `reduce_dtype`.
+    pub fn new(dp: &'a Comm, params: &'a [Param], buckets: &'a [Bucket], reduce_dtype: DType) -> Self {
+        Self {
+            launcher: BucketLauncher::new(dp, params, buckets, reduce_dtype),
+            params,
+            buckets,
+            active: false,
+            idle: NoHooks,
+        }
+    }
+
+    /// Launches what is left, waits for every bucket and writes the averages into `grads`
+    /// (the waiting is added to `exposed_s`). Returns the number of collectives and their bytes.
+    pub fn finish(self, grads: &mut Grads, exposed_s: &mut f64) -> super::Result<(usize, u64)> {
+        let (pending, bytes) = self.launcher.finish(grads)?;
+        let n = pending.len();
+        buckets::write_back(self.params, self.buckets, pending, grads, exposed_s, &mut || {})?;
+        Ok((n, bytes))
+    }
+}
+
+impl StageHooks for BucketedDpReduce<'_> {
+    fn hooks(&mut self, _chunk: usize, last_backward: bool) -> &mut dyn Hooks {
+        self.active = last_backward;
+        match last_backward {
+            true => self,
+            false => &mut self.idle,
+        }
+    }
+}
+
+impl Hooks for BucketedDpReduce<'_> {
+    fn post_backward(
+        &mut self,
+        i: usize,
+        seg: &dyn Segment,
+        grads: &mut Grads,
+    ) -> candle_core::Result<()> {
+        match self.active {
+            true => self.launcher.post_backward(i, seg, grads),
+            false => Ok(()),
+        }
     }
 }

@@ -1,5 +1,6 @@
-//! The API every data-parallel strategy offers the training loop (DDP, ZeRO, expert data
-//! parallelism), its error type, and the check that the replicas start from the same weights.
+//! The API every data-parallel strategy offers on its own (DDP, ZeRO, expert data parallelism;
+//! the trainer drives their composition, [`crate::runtime::ParallelModel`]), its error type,
+//! and the check that the replicas start from the same weights.
 //!
 //! The API in one picture:
 //!
