@@ -26,8 +26,9 @@
 //!
 //! A segment with a hand-written backward ([`crate::explicit`]) runs its graph-free forward
 //! instead, where the engine's [`Backward`] admits the input's device, and keeps its tape; its
-//! backward step is then `tape.backward(gᵢ₊₁)`, which returns the same parameter gradients and
-//! gᵢ without an objective or an autograd graph.
+//! backward step is then `tape.backward(gᵢ₊₁, loss_scale)`, which returns the same parameter
+//! gradients and gᵢ without an objective or an autograd graph (a tape with an auxiliary loss,
+//! a mixture of experts, adds that loss's gradient times `loss_scale` itself).
 //!
 //! A parameter used by several segments (the tied `wte`) is final after the backward of the
 //! lowest-index segment that uses it; `post_backward` fires per segment.
@@ -110,7 +111,8 @@ impl Recorded {
     ) -> Result<(Self, Vec<MoeStats>)> {
         if backward.tapes_on(x.device()) {
             if let Some(tape) = seg.forward_taped(x, targets)? {
-                return Ok((Recorded::Tape(tape), Vec::new()));
+                let stats = tape.stats().into_iter().collect();
+                return Ok((Recorded::Tape(tape), stats));
             }
         }
         let o = seg.forward(x, targets)?;
@@ -132,7 +134,7 @@ impl Recorded {
     fn aux(&self) -> Option<&Tensor> {
         match self {
             Recorded::Graph { aux, .. } => aux.as_ref(),
-            Recorded::Tape(_) => None,
+            Recorded::Tape(t) => t.aux_loss(),
         }
     }
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use candle_core::{Result, Tensor};
 
-use crate::moe::MoeStats;
+use crate::moe::{MoeParts, MoeStats};
 use crate::param::Param;
 use crate::tape::Collective;
 
@@ -142,6 +142,11 @@ pub trait FeedForward: Send + Sync {
     fn params(&self) -> Vec<Param>;
     /// This layer as the dense MLP, when it is one.
     fn as_mlp(&self) -> Option<&Mlp> {
+        None
+    }
+    /// This layer as a mixture of experts taken apart for the hand-written backward
+    /// ([`crate::explicit`]), when it is one.
+    fn moe_parts(&self) -> Option<MoeParts<'_>> {
         None
     }
 }

@@ -10,8 +10,10 @@
 //! - [`layers`]: `Linear`, `LayerNorm`, `Mlp`, `CausalSelfAttention`, the `FeedForward` trait.
 //! - [`moe`]: top-k routing with capacity, the experts layer and its auxiliary losses.
 //! - [`gpt`]: the model as a list of segments (embedding, blocks, head).
-//! - [`tape`]: `Tape`, what a segment's graph-free forward keeps for its hand-written backward.
-//! - [`explicit`]: the tapes of the embedding, the dense block and the head.
+//! - [`tape`]: `Tape`, what a segment's graph-free forward keeps for its hand-written backward;
+//!   `Collective` and `Exchange`, the communication a sharded layer hands its tape.
+//! - [`explicit`]: the tapes (hand-written backward) of the embedding, the block (dense, tensor-
+//!   parallel, or a mixture of experts on one device or across an ep group) and the head.
 //! - [`engine`]: forward/backward one segment at a time with hooks and activation checkpointing;
 //!   its `Backward` value says where the tapes replace autograd.
 //! - [`optim`]: AdamW (state by name), the learning-rate schedule, clipping.

@@ -22,7 +22,12 @@
 //! - router z-loss (ST-MoE): `mean_t (logsumexp_e logits[t, e])²`.
 //!
 //! [`route`], [`load_balancing_loss`] and [`z_loss`] are the pieces expert parallelism calls on
-//! the same inputs, so routing and drops are identical across layouts.
+//! the same inputs, so routing and drops are identical across layouts; [`Permutation`] (the
+//! kept pairs as rows, by expert) and [`ExpertMajor`] (received rows in the order the experts
+//! run) are the layouts its autograd path and every MoE tape share. The hand-written backward
+//! of this layer and of the expert-parallel one is `explicit/moe.rs`.
+
+use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor, D};
 
@@ -31,6 +36,7 @@ use mtrain_kernels::plain::{log_softmax_last_dim, softmax_last_dim, upcast};
 use crate::config::MoeConfig;
 use crate::layers::{linear, FeedForward, FfnOut, Mlp};
 use crate::param::Param;
+use crate::tape::Exchange;
 
 /// Routing statistics of one MoE layer call.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -162,10 +168,148 @@ pub fn load_balancing_loss(probs: &Tensor, plan: &RoutingPlan) -> Result<Tensor>
 
 /// ST-MoE router z-loss `mean_t (logsumexp logits[t, :])²` (scalar).
 pub fn z_loss(logits: &Tensor) -> Result<Tensor> {
+    logsumexp(logits)?.sqr()?.mean_all()
+}
+
+/// `logsumexp_e logits[t, e]` per row of logits (N, E), as (N, 1).
+pub fn logsumexp(logits: &Tensor) -> Result<Tensor> {
     // logsumexp = x - log_softmax(x) for any column; use column 0 of each row.
-    let lse = (logits.narrow(D::Minus1, 0, 1)?
-        - log_softmax_last_dim(logits)?.narrow(D::Minus1, 0, 1)?)?; // (N, 1)
-    lse.sqr()?.mean_all()
+    logits.narrow(D::Minus1, 0, 1)? - log_softmax_last_dim(logits)?.narrow(D::Minus1, 0, 1)?
+}
+
+/// The kept (token, expert) pairs of a routing plan as rows, grouped by expert in slot order:
+/// the order tokens are sent in (under expert parallelism the experts of rank p are
+/// `p · E_l .. (p + 1) · E_l`, so grouping by expert is grouping by destination rank).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Permutation {
+    /// (S,) the token of each row.
+    pub tokens: Vec<u32>,
+    /// (S,) each row's gate as an index into the flattened probabilities: `token · E + expert`.
+    pub gate_at: Vec<u32>,
+    /// (E,) rows per expert.
+    pub counts: Vec<usize>,
+}
+
+impl Permutation {
+    pub fn of(plan: &RoutingPlan) -> Self {
+        let e_total = plan.n_experts;
+        let mut tokens = Vec::new();
+        let mut gate_at = Vec::new();
+        for (e, kept) in plan.assignments.iter().enumerate() {
+            for a in kept {
+                tokens.push(a.token as u32);
+                gate_at.push((a.token * e_total + e) as u32);
+            }
+        }
+        let counts = plan.assignments.iter().map(Vec::len).collect();
+        Self {
+            tokens,
+            gate_at,
+            counts,
+        }
+    }
+
+    /// Rows for each rank when every rank holds `local` consecutive experts: (E / local,).
+    pub fn splits(&self, local: usize) -> Vec<usize> {
+        self.counts
+            .chunks(local.max(1))
+            .map(|c| c.iter().sum())
+            .collect()
+    }
+}
+
+/// The rows a rank's experts receive, laid out `[source rank][local expert]` as they arrive,
+/// and the expert-major order `[local expert][source rank]` the experts run in. Sorting is a
+/// gather by `order`, unsorting the gather by its inverse; each is the other's adjoint (a
+/// permutation's adjoint is its inverse), so a backward sorts and unsorts gradients alike.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertMajor {
+    /// order[p] = the received row at position p of the expert-major layout.
+    order: Vec<u32>,
+    inverse: Vec<u32>,
+    /// (E_l,) rows of each local expert.
+    rows: Vec<usize>,
+    /// (ranks,) rows from each source rank.
+    sources: Vec<usize>,
+}
+
+impl ExpertMajor {
+    /// From `recv` (ranks · E_l,): entry `s · E_l + j` is the rows rank s sends to local expert j.
+    pub fn of(recv: &[usize], local: usize) -> Result<Self> {
+        if local == 0 || !recv.len().is_multiple_of(local) {
+            return Err(candle_core::Error::Msg(format!(
+                "moe: {} received counts do not split into {local} local experts per rank",
+                recv.len()
+            )));
+        }
+        let counts: Vec<&[usize]> = recv.chunks(local).collect(); // [source][local expert]
+        let mut starts = vec![vec![0usize; local]; counts.len()];
+        let mut off = 0;
+        for (s, row) in counts.iter().enumerate() {
+            for (j, &c) in row.iter().enumerate() {
+                starts[s][j] = off;
+                off += c;
+            }
+        }
+        let mut order: Vec<u32> = Vec::with_capacity(off);
+        for j in 0..local {
+            for (s, row) in counts.iter().enumerate() {
+                order.extend((starts[s][j]..starts[s][j] + row[j]).map(|r| r as u32));
+            }
+        }
+        let mut inverse = vec![0u32; off];
+        for (p, &r) in order.iter().enumerate() {
+            inverse[r as usize] = p as u32;
+        }
+        Ok(Self {
+            order,
+            inverse,
+            rows: (0..local)
+                .map(|j| counts.iter().map(|r| r[j]).sum())
+                .collect(),
+            sources: counts.iter().map(|r| r.iter().sum()).collect(),
+        })
+    }
+
+    /// (E_l,) rows of each local expert, in the expert-major layout's order.
+    pub fn rows(&self) -> &[usize] {
+        &self.rows
+    }
+
+    /// (ranks,) rows received from each rank: the receive splits of the rows all-to-all.
+    pub fn sources(&self) -> &[usize] {
+        &self.sources
+    }
+
+    /// Received rows (R, F) -> expert-major (R, F).
+    pub fn sort(&self, x: &Tensor) -> Result<Tensor> {
+        self.gather(x, &self.order)
+    }
+
+    /// Expert-major rows (R, F) -> the received layout (R, F).
+    pub fn unsort(&self, y: &Tensor) -> Result<Tensor> {
+        self.gather(y, &self.inverse)
+    }
+
+    fn gather(&self, x: &Tensor, at: &[u32]) -> Result<Tensor> {
+        if at.iter().enumerate().all(|(p, &r)| p == r as usize) {
+            return Ok(x.clone()); // one source rank: the layouts coincide
+        }
+        x.index_select(&Tensor::from_vec(at.to_vec(), at.len(), x.device())?, 0)
+    }
+}
+
+/// A mixture of experts taken apart for a tape ([`crate::explicit`]): the router, the experts
+/// this rank holds and, under expert parallelism, the all-to-alls that carry rows to them and
+/// back.
+pub struct MoeParts<'a> {
+    /// (E, C)
+    pub router: &'a Param,
+    /// The `E / ranks` experts this rank holds, in global expert order.
+    pub experts: &'a [Mlp],
+    pub cfg: &'a MoeConfig,
+    /// The expert-parallel group's row exchange; None: every expert is here.
+    pub exchange: Option<Arc<dyn Exchange>>,
 }
 
 /// Mixture-of-experts feed-forward layer (replaces a block's [`Mlp`]).
@@ -264,5 +408,14 @@ impl FeedForward for MoeLayer {
             p.extend(e.params());
         }
         p
+    }
+
+    fn moe_parts(&self) -> Option<MoeParts<'_>> {
+        Some(MoeParts {
+            router: &self.router,
+            experts: &self.experts,
+            cfg: &self.cfg,
+            exchange: None,
+        })
     }
 }

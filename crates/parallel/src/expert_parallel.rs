@@ -37,11 +37,20 @@
 //! apply to an expert-parallel model: [`ExpertDataParallel`] is the [`crate::ddp::DataParallel`]
 //! for it (or call [`sync_grads`] after the backward).
 //!
+//! The hand-written backward (`mtrain_model::explicit`'s MoE tape, which the engine runs
+//! wherever it runs the other tapes) takes this layer apart ([`FeedForward::moe_parts`]) with
+//! its ep group as an [`EpExchange`]: the same counts, dispatch and combine all-to-alls in
+//! its forward, and in its backward the dispatch of the gradient where the combine was and
+//! the combine where the dispatch was. Both paths build the rows by
+//! [`mtrain_model::moe::Permutation`] and run the experts in
+//! [`mtrain_model::moe::ExpertMajor`] order, so they issue the same collectives.
+//!
 //! Legend: `N` local tokens, `C` width, `E` experts, `E_l = E / ep` local experts, `S` rows this
 //! rank sends (its kept pairs), `R` rows it receives.
 
 mod all_to_all;
 mod data_parallel;
+mod exchange;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -50,7 +59,8 @@ use candle_core::{Device, Tensor};
 use mtrain_comm::{Comm, CommError};
 use mtrain_model::gpt::{Embedding, Head, ParamStore};
 use mtrain_model::layers::{FeedForward, FfnOut};
-use mtrain_model::moe::{aux_loss, route, router_probs};
+use mtrain_model::moe::{aux_loss, route, router_probs, ExpertMajor, MoeParts, Permutation};
+use mtrain_model::tape::Exchange;
 use mtrain_model::{
     Block, CausalSelfAttention, DenseLinear, GptConfig, LayerNorm, Linear, Mlp, MoeConfig, Param,
     Segment,
@@ -60,6 +70,7 @@ pub use crate::ddp::average::sync_grads;
 pub use crate::placement::is_expert_param;
 pub use all_to_all::all_to_all;
 pub use data_parallel::{grad_norm_sq, total_load, ExpertDataParallel};
+pub use exchange::EpExchange;
 
 /// Errors of expert parallelism.
 #[derive(Debug, thiserror::Error)]
@@ -124,51 +135,35 @@ impl ExpertParallelMoe {
     }
 
     /// Runs the local experts on the received rows (R, C), laid out [source rank][local expert]
-    /// with `counts[s][j]` rows from rank `s` for local expert `j`; returns (R, C) in that layout.
+    /// as `slabs` says; returns (R, C) in that layout.
     fn run_local_experts(
         &self,
         x_recv: &Tensor,
-        counts: &[Vec<usize>],
+        slabs: &ExpertMajor,
     ) -> candle_core::Result<Tensor> {
-        let el = self.experts.len();
-        // Row offsets of each (s, j) chunk in the received layout.
-        let mut starts = vec![vec![0usize; el]; counts.len()];
-        let mut off = 0;
-        for (s, row) in counts.iter().enumerate() {
-            for (j, &c) in row.iter().enumerate() {
-                starts[s][j] = off;
-                off += c;
-            }
-        }
-        if off == 0 {
+        if x_recv.dim(0)? == 0 {
             // Nothing arrived; the (0, C) input stands in for the output so the combine
             // all-to-all is still recorded and its backward still runs on this rank.
             return Ok(x_recv.clone());
         }
-        // order[p] = received row that sits at position p of the expert-major layout.
-        let mut order: Vec<u32> = Vec::with_capacity(off);
-        for j in 0..el {
-            for (s, row) in counts.iter().enumerate() {
-                order.extend((starts[s][j]..starts[s][j] + row[j]).map(|r| r as u32));
-            }
-        }
-        let mut inverse = vec![0u32; off];
-        for (p, &r) in order.iter().enumerate() {
-            inverse[r as usize] = p as u32;
-        }
-        let dev = x_recv.device();
-        let x_sorted = x_recv.index_select(&Tensor::from_vec(order, off, dev)?, 0)?; // (R, C) by expert
-        let mut outs = Vec::with_capacity(el);
+        let x_sorted = slabs.sort(x_recv)?; // (R, C) by expert
+        let mut outs = Vec::with_capacity(self.experts.len());
         let mut at = 0;
-        for (j, expert) in self.experts.iter().enumerate() {
-            let n_j: usize = counts.iter().map(|row| row[j]).sum();
+        for (expert, &n_j) in self.experts.iter().zip(slabs.rows()) {
             if n_j > 0 {
                 outs.push(expert.apply(&x_sorted.narrow(0, at, n_j)?)?); // (n_j, C)
                 at += n_j;
             }
         }
-        let y_sorted = Tensor::cat(&outs, 0)?; // (R, C) by expert
-        y_sorted.index_select(&Tensor::from_vec(inverse, off, dev)?, 0) // (R, C) by source rank
+        slabs.unsort(&Tensor::cat(&outs, 0)?) // (R, C) by source rank
+    }
+
+    /// The ep group as the tapes and the counts exchange take it.
+    fn exchange(&self) -> EpExchange {
+        EpExchange {
+            group: self.ep.clone(),
+            device: self.router.tensor().device().clone(),
+        }
     }
 }
 
@@ -178,7 +173,7 @@ fn msg(s: String) -> candle_core::Error {
 
 impl FeedForward for ExpertParallelMoe {
     fn forward(&self, x: &Tensor) -> candle_core::Result<FfnOut> {
-        let (ep, el, e_total) = (self.ep.size(), self.experts.len(), self.cfg.n_experts);
+        let (el, e_total) = (self.experts.len(), self.cfg.n_experts);
         let dims = x.dims().to_vec();
         let c = *dims
             .last()
@@ -195,49 +190,24 @@ impl FeedForward for ExpertParallelMoe {
         let plan = route(&probs, self.cfg.top_k, self.cfg.capacity_factor)?;
 
         // Permute: kept pairs grouped by expert, hence by destination rank.
-        let mut tokens = Vec::new();
-        let mut gate_at = Vec::new();
-        let mut counts = vec![0u32; e_total];
-        for (e, kept) in plan.assignments.iter().enumerate() {
-            for a in kept {
-                tokens.push(a.token as u32);
-                gate_at.push((a.token * e_total + e) as u32);
-            }
-            counts[e] = kept.len() as u32;
-        }
-        let s_rows = tokens.len();
-        let send_splits: Vec<usize> = counts
-            .chunks(el)
-            .map(|c| c.iter().map(|&v| v as usize).sum())
-            .collect(); // (ep,)
+        let perm = Permutation::of(&plan);
+        let send_splits = perm.splits(el); // (ep,)
+                                           // Exchange counts: rank s learns how many rows every peer sends to each of its experts.
+        let slabs = ExpertMajor::of(&self.exchange().counts(&perm.counts)?, el)?;
+        let recv_splits = slabs.sources().to_vec(); // (ep,)
 
-        // Exchange counts: rank s learns how many rows every peer sends to each of its experts.
         let dev = x.device();
-        let recv = self
-            .ep
-            .all_to_all(
-                &Tensor::from_vec(counts, e_total, dev)?,
-                &vec![el; ep],
-                &vec![el; ep],
-            )
-            .map_err(candle_core::Error::wrap)?
-            .to_vec1::<u32>()?; // (ep · E_l,) row s·E_l + j: from rank s for local expert j
-        let recv_counts: Vec<Vec<usize>> = recv
-            .chunks(el)
-            .map(|c| c.iter().map(|&v| v as usize).collect())
-            .collect();
-        let recv_splits: Vec<usize> = recv_counts.iter().map(|c| c.iter().sum()).collect();
-
-        let idx = Tensor::from_vec(tokens, s_rows, dev)?; // (S,)
+        let s_rows = perm.tokens.len();
+        let idx = Tensor::from_vec(perm.tokens, s_rows, dev)?; // (S,)
         let x_perm = xf.index_select(&idx, 0)?; // (S, C)
         let x_recv = all_to_all(&x_perm, &send_splits, &recv_splits, &self.ep)?; // (R, C)
-        let y_recv = self.run_local_experts(&x_recv, &recv_counts)?; // (R, C)
+        let y_recv = self.run_local_experts(&x_recv, &slabs)?; // (R, C)
         let y_back = all_to_all(&y_recv, &recv_splits, &send_splits, &self.ep)?; // (S, C)
 
         // Un-permute, weighting each row by its (token, expert) router probability.
         let gate = probs
             .flatten_all()?
-            .index_select(&Tensor::from_vec(gate_at, s_rows, dev)?, 0)?
+            .index_select(&Tensor::from_vec(perm.gate_at, s_rows, dev)?, 0)?
             .reshape((s_rows, 1))?
             .to_dtype(y_back.dtype())?; // (S, 1)
         let out = xf
@@ -256,6 +226,17 @@ impl FeedForward for ExpertParallelMoe {
             p.extend(e.params());
         }
         p
+    }
+
+    /// The router, this rank's experts and the ep group's exchange: the block's tape runs the
+    /// dispatch and combine all-to-alls, and their conjugates in its backward.
+    fn moe_parts(&self) -> Option<MoeParts<'_>> {
+        Some(MoeParts {
+            router: &self.router,
+            experts: &self.experts,
+            cfg: &self.cfg,
+            exchange: Some(Arc::new(self.exchange())),
+        })
     }
 }
 

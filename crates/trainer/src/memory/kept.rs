@@ -71,9 +71,12 @@
 //! attention's backward recomputes under autograd, and the gradients it returns carry that
 //! graph until the step ends).
 //!
-//! On CUDA the layers without a tape (tensor-parallel blocks, head and embedding, MoE blocks)
+//! On CUDA the layers without a tape (tensor-parallel blocks, head and embedding)
 //! run autograd over the fused kernels, whose ops keep their own inputs; they are counted here
-//! with the plain ops' tensors, which no GPU run has checked yet.
+//! with the plain ops' tensors, which no GPU run has checked yet. MoE blocks have a tape
+//! (`model/src/explicit/moe.rs`) but are counted on every path as autograd keeps them
+//! ([`moe_block`]), which the tape's forward does not match (it keeps the router's
+//! probabilities, the gates, the combined rows and each expert's MLP tensors).
 //!
 //! Sizes are in bytes, as `f64` so the formulas read as written; callers round once.
 
@@ -266,7 +269,8 @@ impl Routing {
     }
 }
 
-/// A mixture-of-experts block (autograd only): attention as in [`block`], then the router and
+/// A mixture-of-experts block as autograd keeps it (its tape's forward keeps other tensors;
+/// see the module doc): attention as in [`block`], then the router and
 /// the routed rows of `routing` (`S` sent, `R` received; one expert MLP per local expert):
 ///
 /// ```text

@@ -16,8 +16,15 @@
 //! - `peer_with_zero_tokens_*`: a router biased so ep rank 1's experts receive nothing still
 //!   trains and still equals one device.
 //! - `aux_loss_*`: the load-balancing and z-loss of the layer against a hand computation.
+//! - `tapes::*` (`tapes.rs`): the expert-parallel MoE block's hand-written backward (the dispatch and combine
+//!   all-to-alls' conjugates inside it) against autograd through the same block at ep = 2 and
+//!   4, every gradient and the input's rel ≤ 1e-5, with capacity drops; the whole model through
+//!   the tapes (`Backward::Tapes`) against one device by the tests above, tolerances unchanged;
+//!   and the tapes issuing the collectives autograd issues (kind and bytes, in order).
 
+#[path = "../common/mod.rs"]
 mod common;
+mod tapes;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -32,10 +39,10 @@ use mtrain_model::{
     MoeStats, NoHooks, Param, Segment,
 };
 use mtrain_parallel::ddp::DataParallel;
-use mtrain_parallel::toolbox::unique_params;
 use mtrain_parallel::expert_parallel::{
     self, all_to_all, build_segments, sync_grads, ExpertDataParallel, ExpertParallelMoe,
 };
+use mtrain_parallel::toolbox::unique_params;
 use rand::{Rng, SeedableRng};
 
 use common::{optim_items, rel_f, tiny_gpt, try_rel, with_moe};
@@ -378,6 +385,11 @@ fn ep2_with_checkpointing_matches_one_device() {
 /// weight +3 for experts 0, 1 and −3 for experts 2, 3.
 #[test]
 fn peer_with_zero_tokens_trains_and_matches_one_device() {
+    peer_with_zero_tokens(Engine::default());
+}
+
+/// [`peer_with_zero_tokens_trains_and_matches_one_device`] with the layout run by `engine`.
+fn peer_with_zero_tokens(engine: Engine) {
     let cfg = tiny_moe();
     let mut w = init_weights(&cfg, 10).expect("weights");
     let c = cfg.n_embd;
@@ -399,7 +411,7 @@ fn peer_with_zero_tokens_trains_and_matches_one_device() {
             Tensor::from_vec(flat, (4, c), &Device::Cpu).expect("router"),
         );
     }
-    let reps = check_against_one_device(&cfg, &w, 2, 2, 4, Engine::default());
+    let reps = check_against_one_device(&cfg, &w, 2, 2, 4, engine);
     for (r, rep) in reps.iter().enumerate() {
         assert_eq!(
             rep.kept[2] + rep.kept[3],

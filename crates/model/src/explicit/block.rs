@@ -1,0 +1,253 @@
+//! The block tape: attention, then the feed-forward half — the MLP (the module picture of
+//! [`super`]), or a mixture of experts ([`super::moe`]) — each with its residual.
+
+use std::sync::Arc;
+
+use candle_core::{Result, Tensor};
+use mtrain_kernels::attention;
+
+use super::moe::{MoeTape, MoeWeights};
+use super::{across, bwd, err, fwd, Dense, MlpKept, MlpWeights, Norm, Stats};
+use crate::layers::{CausalSelfAttention, FeedForward, LayerNorm};
+use crate::moe::MoeStats;
+use crate::tape::{Collective, Tape, TapeGrads};
+
+/// The weights of a block's attention half and its second LayerNorm, when every layer has a
+/// hand-written backward here, and the collective that enters both sub-layers' column layers
+/// from their LayerNorm.
+struct BlockWeights {
+    ln_1: Norm,
+    c_attn: Dense,
+    c_proj: Dense,
+    ln_2: Norm,
+    /// Heads this block computes (all of them, or this rank's under tensor parallelism).
+    n_head: usize,
+    head_dim: usize,
+    enter: Option<Arc<dyn Collective>>,
+}
+
+/// A block's feed-forward half as its tape sees it.
+enum Ffn {
+    Mlp(MlpWeights),
+    Moe(MoeWeights),
+}
+
+impl BlockWeights {
+    fn of(
+        ln_1: &LayerNorm,
+        attn: &CausalSelfAttention,
+        ln_2: &LayerNorm,
+        ffn: &dyn FeedForward,
+        x: &Tensor,
+        enter: Option<Arc<dyn Collective>>,
+    ) -> Option<(BlockWeights, Ffn)> {
+        let ffn = match (ffn.as_mlp(), ffn.moe_parts()) {
+            (Some(mlp), _) => Ffn::Mlp(MlpWeights::of(mlp, x)?),
+            // Experts are split by ep, never by a sequence-parallel group.
+            (None, Some(parts)) if enter.is_none() => Ffn::Moe(MoeWeights::of(parts, x)?),
+            _ => return None,
+        };
+        let wts = BlockWeights {
+            ln_1: Norm::of(ln_1, x)?,
+            c_attn: Dense::of(attn.c_attn.as_ref(), x)?,
+            c_proj: Dense::of(attn.c_proj.as_ref(), x)?,
+            ln_2: Norm::of(ln_2, x)?,
+            n_head: attn.n_head,
+            head_dim: attn.head_dim,
+            enter,
+        };
+        Some((wts, ffn))
+    }
+}
+
+/// What the feed-forward half kept: the MLP's tensors (`h` is `h2` after the entering
+/// collective), or the mixture of experts' tape.
+enum FfnKept {
+    Mlp(MlpWeights, MlpKept),
+    Moe(Box<MoeTape>),
+}
+
+/// A block's forward kept for its backward (see the module picture). `h1` is the column
+/// layer's input after its collective (the whole sequence under sequence parallelism), `x`,
+/// `x1` and the output this rank's rows.
+struct BlockTape {
+    wts: BlockWeights,
+    /// (B, T of the input and output, C)
+    dims: (usize, usize, usize),
+    x: Tensor,
+    s1: Stats,
+    h1: Tensor,
+    qkv: Tensor,
+    y: Tensor,
+    lse: Tensor,
+    ym: Tensor,
+    x1: Tensor,
+    s2: Stats,
+    ffn: FfnKept,
+    out: Tensor,
+}
+
+/// The graph-free forward of the block `x + attn(ln_1(x))`, then `+ ffn(ln_2(·))`, with its
+/// tape, or None where it has no hand-written backward (a layer without [`Linear::parts`] or
+/// [`FeedForward::moe_parts`], a dtype other than f32 or bf16).
+///
+/// [`Linear::parts`]: crate::layers::Linear::parts
+pub fn block_tape(
+    ln_1: &LayerNorm,
+    attn: &CausalSelfAttention,
+    ln_2: &LayerNorm,
+    ffn: &dyn FeedForward,
+    x: &Tensor,
+) -> Result<Option<Box<dyn Tape>>> {
+    sharded_block_tape(ln_1, attn, ln_2, ffn, x, None)
+}
+
+/// [`block_tape`] for a block whose layers may be sharded: the collectives of its linears
+/// ([`Linear::parts`]) run where the layers put them, and `enter` (sequence parallelism's
+/// all-gather along T, whose conjugate reduce-scatters) between each LayerNorm and its column
+/// layer. With no collectives anywhere this is the dense block. A mixture of experts takes no
+/// `enter` (its experts are split by ep; its all-to-alls are its own, [`super::moe`]).
+///
+/// ```text
+///   x ─ln_1─> enter ─ in(c_attn) ─ attention ─ out(c_proj) + b ─(+x)─> x1     (the same for
+///   backward: dx = dx1 + ln_1ᵀ(enterᵀ(inᵀ(dqkv·W_a)))                       the MLP half)
+/// ```
+///
+/// [`Linear::parts`]: crate::layers::Linear::parts
+pub fn sharded_block_tape(
+    ln_1: &LayerNorm,
+    attn: &CausalSelfAttention,
+    ln_2: &LayerNorm,
+    ffn: &dyn FeedForward,
+    x: &Tensor,
+    enter: Option<Arc<dyn Collective>>,
+) -> Result<Option<Box<dyn Tape>>> {
+    let Some((wts, ffn)) = BlockWeights::of(ln_1, attn, ln_2, ffn, x, enter) else {
+        return Ok(None);
+    };
+    let (b, t, c) = x.dims3()?;
+    let (h, d) = (wts.n_head, wts.head_dim);
+    if wts.c_attn.w.dim(0)? != 3 * h * d || wts.c_proj.w.dim(1)? != h * d {
+        return Ok(None);
+    }
+    let x = x.detach().reshape((b * t, c))?; // (N_r, C), this rank's rows
+    let (h1, s1) = wts.ln_1.forward(&x)?; // (N_r, C)
+    let h1 = across(&wts.enter, &h1, b, fwd)?; // (N, C)
+    let (h1, qkv) = wts.c_attn.forward(&h1, b)?; // (N, 3HD)
+    let (n, _) = qkv.dims2()?;
+    let qkv = qkv.reshape((b, n / b, 3 * h * d))?; // (B, T, 3HD)
+    let qkv = mtrain_kernels::split_heads(&qkv, 3, h)?; // (3, B, H, T, D)
+    let scale = 1.0 / (d as f64).sqrt();
+    let (y, lse) = attention::forward(&qkv, scale)?; // (B, H, T, D)
+    let ym = mtrain_kernels::merge_heads(&y.unsqueeze(0)?)?.reshape((n, h * d))?; // (N, HD)
+    let (ym, x1) = wts.c_proj.forward_residual(&x, &ym, b)?; // (N_r, C) = x + attention
+    let (h2, s2) = wts.ln_2.forward(&x1)?; // (N_r, C)
+    let (out, ffn) = match ffn {
+        Ffn::Mlp(mlp) => {
+            let h2 = across(&wts.enter, &h2, b, fwd)?; // (N, C)
+            let (out, kept) = mlp.forward(&h2, Some(&x1), b)?; // (N_r, C) = x1 + MLP
+            (out, FfnKept::Mlp(mlp, kept))
+        }
+        Ffn::Moe(moe) => {
+            let (m, tape) = moe.forward(&h2)?; // (N, C)
+            ((&x1 + m)?, FfnKept::Moe(Box::new(tape))) // (N, C) = x1 + experts
+        }
+    };
+    let out = out.reshape((b, t, c))?;
+    Ok(Some(Box::new(BlockTape {
+        wts,
+        dims: (b, t, c),
+        x,
+        s1,
+        h1,
+        qkv,
+        y,
+        lse,
+        ym,
+        x1,
+        s2,
+        ffn,
+        out,
+    })))
+}
+
+impl Tape for BlockTape {
+    fn output(&self) -> &Tensor {
+        &self.out
+    }
+
+    fn aux_loss(&self) -> Option<&Tensor> {
+        match &self.ffn {
+            FfnKept::Moe(m) => m.aux_loss(),
+            FfnKept::Mlp(..) => None,
+        }
+    }
+
+    fn stats(&self) -> Option<MoeStats> {
+        match &self.ffn {
+            FfnKept::Moe(m) => Some(m.stats()),
+            FfnKept::Mlp(..) => None,
+        }
+    }
+
+    fn backward(self: Box<Self>, grad_out: Option<&Tensor>, loss_scale: f64) -> Result<TapeGrads> {
+        let BlockTape {
+            wts,
+            dims: (b, t, c),
+            x,
+            s1,
+            h1,
+            qkv,
+            y,
+            lse,
+            ym,
+            x1,
+            s2,
+            ffn,
+            out,
+        } = *self;
+        let dout = grad_out
+            .ok_or_else(|| err("block backward: the block's output is not a loss".into()))?;
+        if dout.dims() != out.dims() {
+            return Err(err(format!(
+                "block backward: output {:?} but gradient {:?}",
+                out.dims(),
+                dout.dims()
+            )));
+        }
+        drop(out);
+        let mut grads = Vec::with_capacity(12);
+        let dout = dout
+            .to_dtype(x.dtype())?
+            .reshape((b * t, c))?
+            .contiguous()?; // (N_r, C)
+                            // Feed-forward branch.
+        let dh2 = match ffn {
+            FfnKept::Mlp(mlp, kept) => {
+                let dh2 = mlp.backward(kept, &dout, b, &mut grads)?; // (N, C)
+                across(&wts.enter, &dh2, b, bwd)? // (N_r, C)
+            }
+            FfnKept::Moe(moe) => moe.backward(&dout, loss_scale, &mut grads)?, // (N, C)
+        };
+        let dx1 = (dout + wts.ln_2.backward(&x1, &s2, &dh2, &mut grads)?)?; // (N_r, C)
+        drop((x1, dh2));
+        // Attention branch.
+        let dym = wts.c_proj.backward(&ym, &dx1, b, &mut grads)?; // (N, HD)
+        drop(ym);
+        let (n, hd) = dym.dims2()?;
+        let dy = mtrain_kernels::split_heads(&dym.reshape((b, n / b, hd))?, 1, wts.n_head)?
+            .squeeze(0)?; // (B, H, T, D)
+        let scale = 1.0 / (wts.head_dim as f64).sqrt();
+        let dqkv = attention::backward(&qkv, &y, &dy, &lse, scale)?; // (3, B, H, T, D)
+        drop((qkv, y, dy, lse));
+        let dqkv = mtrain_kernels::merge_heads(&dqkv)?.reshape((n, 3 * hd))?; // (N, 3HD)
+        let dh1 = wts.c_attn.backward(&h1, &dqkv, b, &mut grads)?; // (N, C)
+        drop((h1, dqkv));
+        let dh1 = across(&wts.enter, &dh1, b, bwd)?; // (N_r, C)
+        let dx = (dx1 + wts.ln_1.backward(&x, &s1, &dh1, &mut grads)?)?; // (N_r, C)
+        Ok(TapeGrads {
+            params: grads,
+            input: Some(dx.reshape((b, t, c))?),
+        })
+    }
+}
