@@ -40,8 +40,8 @@ use mtrain_comm::mesh::MeshDims;
 
 use crate::bench_comm::BenchCommArgs;
 use crate::config::{DdpMode, ParallelConfig, Schedule, TrainArgs, TrainConfig};
-use crate::launch::LaunchSpec;
-use crate::layout::{Layout, LayoutError, MAX_COMM_TIMEOUT_S, MAX_WORLD};
+use crate::launch::{LaunchSpec, MAX_WORLD};
+use crate::layout::{Layout, LayoutError, MAX_COMM_TIMEOUT_S};
 use crate::plan::PlanArgs;
 use crate::plot::PlotArgs;
 use crate::prepare::PrepareArgs;

@@ -250,3 +250,211 @@ fn the_citation_scan_reads_paths_as_a_reader_would() {
     assert_eq!(missing, ["gone.rs"]);
     assert!(!exists("kept.rs/extra.rs", &paths) && !exists("ept.rs", &paths));
 }
+
+/// One crate's modules and which of them each imports: `a -> b` when a file of top-level
+/// module `a` (its own file or any file under its folder) names `crate::b` (or reaches `b`
+/// through enough `super::`s). Comments and the trailing `#[cfg(test)] mod tests` are left
+/// out: a doc link or a test's import is not the module's dependency.
+struct ModuleGraph {
+    edges: BTreeSet<(String, String)>,
+}
+
+impl ModuleGraph {
+    fn of_crate(src: &Path, paths: &BTreeSet<String>, root: &Path) -> Self {
+        let prefix = format!(
+            "{}/",
+            src.strip_prefix(root).expect("under the root").display()
+        );
+        let top_of = |rel: &str| -> Option<String> {
+            let first = rel.split('/').next()?;
+            match first {
+                "lib.rs" | "main.rs" | "bin" => None,
+                f => Some(f.trim_end_matches(".rs").to_string()),
+            }
+        };
+        let files: Vec<&str> = paths
+            .iter()
+            .filter_map(|p| p.strip_prefix(&prefix))
+            .filter(|p| p.ends_with(".rs"))
+            .collect();
+        let modules: BTreeSet<String> = files.iter().filter_map(|f| top_of(f)).collect();
+        let mut edges = BTreeSet::new();
+        for file in &files {
+            let Some(top) = top_of(file) else { continue };
+            let depth = file.split('/').count() - usize::from(file.ends_with("/mod.rs"));
+            let text = std::fs::read_to_string(src.join(file)).expect("a source file");
+            for name in imported_modules(&code_of(&text), depth) {
+                if name != top && modules.contains(&name) {
+                    edges.insert((top.clone(), name));
+                }
+            }
+        }
+        Self { edges }
+    }
+
+    /// Modules `from` imports directly or through others.
+    fn reachable(&self, from: &str) -> BTreeSet<String> {
+        let mut seen = BTreeSet::new();
+        let mut todo = vec![from.to_string()];
+        while let Some(m) = todo.pop() {
+            for (a, b) in &self.edges {
+                if *a == m && seen.insert(b.clone()) {
+                    todo.push(b.clone());
+                }
+            }
+        }
+        seen
+    }
+
+    /// The modules that import each other, directly or around a longer cycle: each group once.
+    fn cycles(&self) -> Vec<BTreeSet<String>> {
+        let nodes: BTreeSet<&String> = self.edges.iter().map(|(a, _)| a).collect();
+        let mut groups: Vec<BTreeSet<String>> = Vec::new();
+        for n in nodes {
+            let out = self.reachable(n);
+            if !out.contains(n.as_str()) || groups.iter().any(|g| g.contains(n.as_str())) {
+                continue;
+            }
+            let group = out
+                .into_iter()
+                .filter(|m| self.reachable(m).contains(n.as_str()))
+                .collect();
+            groups.push(group);
+        }
+        groups
+    }
+}
+
+/// A file's code: without its trailing test module and without comments.
+fn code_of(text: &str) -> String {
+    let text = text
+        .find("#[cfg(test)]\nmod tests")
+        .map_or(text, |i| &text[..i]);
+    text.lines()
+        .map(|l| l.find("//").map_or(l, |i| &l[..i]))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The crate-level modules `code` names: `crate::a`, `crate::{a, b::c}`, and from a file
+/// `depth` folders below `src` (1 for `src/a.rs`), `super::…::a` with at least `depth` supers.
+fn imported_modules(code: &str, depth: usize) -> BTreeSet<String> {
+    let ident = |s: &str| -> String {
+        s.trim_start()
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect()
+    };
+    // `{a, b::{c, d}, e}` at the start of `s`: a, b, e.
+    let group = |s: &str| -> Vec<String> {
+        let (mut depth, mut items, mut item) = (0, Vec::new(), String::new());
+        for c in s.chars() {
+            match c {
+                '{' => depth += 1,
+                '}' if depth == 1 => break,
+                '}' => depth -= 1,
+                ',' if depth == 1 => items.push(std::mem::take(&mut item)),
+                _ if depth == 1 => item.push(c),
+                _ => {}
+            }
+        }
+        items.push(item);
+        items.iter().map(|i| ident(i)).collect()
+    };
+    let after = |rest: &str| -> Vec<String> {
+        match rest.strip_prefix('{') {
+            Some(_) => group(rest),
+            None => vec![ident(rest)],
+        }
+    };
+    let mut out = BTreeSet::new();
+    let starts_word = |i: usize| {
+        i == 0 || {
+            let c = code.as_bytes()[i - 1];
+            !(c.is_ascii_alphanumeric() || c == b'_' || c == b':')
+        }
+    };
+    for (i, _) in code.match_indices("crate::") {
+        if starts_word(i) {
+            out.extend(after(&code[i + "crate::".len()..]));
+        }
+    }
+    for (i, _) in code.match_indices("super::") {
+        if !starts_word(i) {
+            continue;
+        }
+        let mut rest = &code[i..];
+        let mut supers = 0;
+        while let Some(r) = rest.strip_prefix("super::") {
+            rest = r;
+            supers += 1;
+        }
+        if supers >= depth {
+            out.extend(after(rest));
+        }
+    }
+    out.retain(|m| !m.is_empty() && m != "self" && m != "super");
+    out
+}
+
+/// The import cycles inside crates that the structure work removed stay gone: in each crate,
+/// neither module of a pair reaches the other and back. (`layers <-> kernels` cannot return as
+/// long as the kernels are a crate of their own: cargo refuses a cycle between crates.)
+#[test]
+fn the_removed_import_cycles_stay_gone() {
+    let root = repo_root();
+    let paths = repo_paths(&root);
+    let removed = [
+        ("model", "gpt", "explicit"),
+        ("parallel", "ddp", "mixed_precision"),
+        ("trainer", "cli", "parity"),
+        ("trainer", "cli", "plan"),
+        ("trainer", "cli", "cost"),
+        ("trainer", "launch", "layout"),
+    ];
+    let mut back = Vec::new();
+    for krate in ["comm", "kernels", "model", "parallel", "trainer"] {
+        let graph =
+            ModuleGraph::of_crate(&root.join("crates").join(krate).join("src"), &paths, &root);
+        assert!(
+            !graph.edges.is_empty(),
+            "no imports found in crates/{krate}/src: the scan is broken"
+        );
+        let cycles = graph.cycles();
+        for (k, a, b) in removed.iter().filter(|r| r.0 == krate) {
+            let a_to_b = graph.reachable(a).contains(*b);
+            let b_to_a = graph.reachable(b).contains(*a);
+            if a_to_b && b_to_a {
+                back.push(format!(
+                    "{k}: {a} <-> {b} (cycles in the crate: {cycles:?})"
+                ));
+            }
+        }
+    }
+    assert!(
+        back.is_empty(),
+        "import cycles are back:\n  {}",
+        back.join("\n  ")
+    );
+}
+
+/// The import scan on a small file: grouped and nested imports, `super::` from a folder, and
+/// comments and tests left out.
+#[test]
+fn the_import_scan_reads_use_lines() {
+    let code = code_of(
+        "use crate::{config::TrainConfig, layout::{self, Layout}, plan};\n\
+         use super::super::train::run; // crate::progress in a comment\n\
+         use super::sibling::x;\n\
+         let n = crate::cost::today();\n\
+         let m = mtrain_crate::ignored();\n\
+         #[cfg(test)]\nmod tests {\n    use crate::parity;\n}\n",
+    );
+    let two_down: Vec<String> = imported_modules(&code, 2).into_iter().collect();
+    assert_eq!(two_down, ["config", "cost", "layout", "plan", "train"]);
+    let one_down: Vec<String> = imported_modules(&code, 1).into_iter().collect();
+    assert_eq!(
+        one_down,
+        ["config", "cost", "layout", "plan", "sibling", "train"]
+    );
+}
