@@ -397,11 +397,11 @@ fn imported_modules(code: &str, depth: usize) -> BTreeSet<String> {
     out
 }
 
-/// The import cycles inside crates that the structure work removed stay gone: in each crate,
-/// neither module of a pair reaches the other and back. (`layers <-> kernels` cannot return as
+/// Modules that must not import each other do not: in each crate, neither module of a pair
+/// reaches the other and back, directly or around a longer cycle. (`layers <-> kernels` cannot return as
 /// long as the kernels are a crate of their own: cargo refuses a cycle between crates.)
 #[test]
-fn the_removed_import_cycles_stay_gone() {
+fn these_modules_do_not_import_each_other() {
     let root = repo_root();
     let paths = repo_paths(&root);
     let removed = [
@@ -433,7 +433,7 @@ fn the_removed_import_cycles_stay_gone() {
     }
     assert!(
         back.is_empty(),
-        "import cycles are back:\n  {}",
+        "modules import each other:\n  {}",
         back.join("\n  ")
     );
 }
