@@ -41,8 +41,8 @@
 //! never outlive one segment.
 //!
 //! Without activation checkpointing, candle's graph of a segment's forward keeps the gathered
-//! weights alive until that segment's backward (DESIGN.md decision 1): the slot is emptied after
-//! the forward but the memory only returns after the backward, and no second gather is needed.
+//! weights alive until that segment's backward: the slot is emptied after the forward but the
+//! memory only returns after the backward, and no second gather is needed.
 //! With checkpointing only the segment input is kept, so the weights really are freed after each
 //! use and gathered again for the recompute: that is where ZeRO-3's memory drop comes from.
 

@@ -29,19 +29,26 @@
 //!
 //! stdout holds the results only: the table, or with `--json -` the JSON alone (the table then
 //! goes to stderr), so `mtrain --nproc-per-node 2 bench-comm --json - | jq` works.
+//!
+//! The correctness check (the closed forms and the comparison) is `bench_comm/check.rs`; the α-β
+//! fit a sweep can be merged into (`--fit`) is `bench_comm/fit.rs`.
+
+mod check;
+mod fit;
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use clap::{Args, ValueEnum};
-use mtrain_comm::{Backend, Comm, CommError, OpKind, ReduceOp};
+use mtrain_comm::{Backend, Comm, CommError, ReduceOp};
 use serde::Serialize;
 
 use crate::config::DeviceKind;
-use crate::cost::{fit_alpha_beta, AlphaBetaTable, CostError, Fit};
 use crate::fsio::IoContext;
+
+pub use fit::{op_kind, write_fit};
 
 /// Options of `mtrain bench-comm` (nccl-tests' short flags).
 #[derive(Debug, Clone, Args)]
@@ -146,18 +153,6 @@ impl BenchReduce {
             BenchReduce::Avg => ReduceOp::Avg,
             BenchReduce::Max => ReduceOp::Max,
             BenchReduce::Min => ReduceOp::Min,
-        }
-    }
-
-    /// Element `i` of the reduction over `n` ranks of [`value`]: (r + 1) + i mod 7 for r in 0..n.
-    fn of_values(self, n: usize, i: usize) -> f32 {
-        let k = (i % 7) as f32;
-        let n = n as f32;
-        match self {
-            BenchReduce::Sum => n * (n + 1.0) / 2.0 + n * k,
-            BenchReduce::Avg => (n + 1.0) / 2.0 + k,
-            BenchReduce::Max => n + k,
-            BenchReduce::Min => 1.0 + k,
         }
     }
 
@@ -296,73 +291,6 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("size {s:?} is too large"))
 }
 
-/// Closed-form inputs: small integers, exact in bf16 and in any summation order.
-fn value(rank: usize, i: usize) -> f32 {
-    ((rank + 1) + i % 7) as f32
-}
-/// The block rank `src` sends to rank `dst` in all-to-all.
-fn block_value(src: usize, dst: usize, i: usize) -> f32 {
-    ((src * 31 + dst * 7 + i) % 199) as f32
-}
-
-/// One size's input on this rank and the result it must produce.
-struct Case {
-    input: Tensor,
-    expected: Vec<f32>,
-}
-
-fn tensor(values: Vec<f32>, dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
-    let n = values.len();
-    Tensor::from_vec(values, n, device)?.to_dtype(dtype)
-}
-
-fn make_case(
-    op: BenchOp,
-    redop: BenchReduce,
-    count: usize,
-    n: usize,
-    r: usize,
-    dtype: DType,
-    device: &Device,
-) -> candle_core::Result<Case> {
-    let m = count / n; // rows per rank for the split ops
-    let (input, expected): (Vec<f32>, Vec<f32>) = match op {
-        BenchOp::AllReduce => (
-            (0..count).map(|i| value(r, i)).collect(),
-            (0..count).map(|i| redop.of_values(n, i)).collect(),
-        ),
-        BenchOp::AllGather => (
-            (0..m).map(|i| value(r, i)).collect(),
-            (0..m * n).map(|j| value(j / m, j % m)).collect(),
-        ),
-        BenchOp::ReduceScatter => (
-            (0..count).map(|i| value(r, i)).collect(),
-            (r * m..(r + 1) * m).map(|i| redop.of_values(n, i)).collect(),
-        ),
-        BenchOp::AllToAll => (
-            (0..m * n).map(|j| block_value(r, j / m, j % m)).collect(),
-            (0..m * n).map(|j| block_value(j / m, r, j % m)).collect(),
-        ),
-        BenchOp::Broadcast => (
-            (0..count)
-                .map(|i| if r == 0 { value(0, i) } else { -1.0 })
-                .collect(),
-            (0..count).map(|i| value(0, i)).collect(),
-        ),
-        BenchOp::SendRecv => {
-            let prev = (r + n - 1) % n;
-            (
-                (0..count).map(|i| value(r, i)).collect(),
-                (0..count).map(|i| value(prev, i)).collect(),
-            )
-        }
-    };
-    Ok(Case {
-        input: tensor(input, dtype, device)?,
-        expected,
-    })
-}
-
 /// Run the op once on this rank's input.
 fn run_op(comm: &Comm, op: BenchOp, redop: ReduceOp, x: &Tensor) -> Result<Tensor, CommError> {
     let (n, r) = (comm.size(), comm.rank());
@@ -383,22 +311,6 @@ fn run_op(comm: &Comm, op: BenchOp, redop: ReduceOp, x: &Tensor) -> Result<Tenso
             got
         }
     }
-}
-
-/// Elements of `result` differing from `expected` by more than `tol` relative (0: exactly).
-fn count_wrong(result: &Tensor, expected: &[f32], tol: f32) -> candle_core::Result<u64> {
-    let got = result
-        .to_dtype(DType::F32)?
-        .flatten_all()?
-        .to_vec1::<f32>()?;
-    if got.len() != expected.len() {
-        return Ok(expected.len().max(got.len()) as u64);
-    }
-    Ok(got
-        .iter()
-        .zip(expected)
-        .filter(|(a, b)| (*a - *b).abs() > tol * b.abs() || a.is_nan())
-        .count() as u64)
 }
 
 /// Run the benchmark over the world group. Every rank returns the same report; rank 0 prints it:
@@ -451,12 +363,7 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
         memory,
     )
     .map_err(BenchError::Invalid)?;
-    // The average may be taken as a scaled sum (NCCL's avg on floats): a few units in the last
-    // place of the dtype are allowed there; every other result is exact.
-    let tol = match (redop, args.op.reduces()) {
-        (BenchReduce::Avg, true) => 4.0 * f32::powi(2.0, -(mantissa_bits(dtype) as i32)),
-        _ => 0.0,
-    };
+    let tol = check::tolerance(args.op, redop, dtype);
 
     let json_to_stdout = args.json.as_deref().is_some_and(|p| p.as_os_str() == "-");
     // The human-readable table: stdout, unless stdout carries the JSON.
@@ -483,7 +390,11 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
             "# time: {} ({} timed iterations); #wrong: {}",
             TIME_OVER_RANKS,
             args.iters,
-            if check { "elements differing from the closed form, over all ranks" } else { "not checked (-c 0)" }
+            if check {
+                "elements differing from the closed form, over all ranks"
+            } else {
+                "not checked (-c 0)"
+            }
         )?;
         writeln!(
             table,
@@ -500,7 +411,7 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
         if args.op.splits_by_rank() {
             count -= count % n;
         }
-        let case = make_case(args.op, redop, count, n, r, dtype, &device)?;
+        let case = check::make_case(args.op, redop, count, n, r, dtype, &device)?;
         for _ in 0..args.warmup {
             run_op(&comm, args.op, redop.op(), &case.input)?;
         }
@@ -518,7 +429,7 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
         let time_us = scalar_all_reduce(&comm, local_us as f32, ReduceOp::Max)? as f64;
         let wrong = match (&result, check) {
             (Some(t), true) => {
-                let local = count_wrong(t, &case.expected, tol)?;
+                let local = check::count_wrong(t, &case.expected, tol)?;
                 Some(scalar_all_reduce(&comm, local as f32, ReduceOp::Sum)? as u64)
             }
             (None, true) => Some(0),
@@ -549,7 +460,8 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
                 row.time_us,
                 row.algbw_gbps,
                 row.busbw_gbps,
-                row.wrong.map_or_else(|| "N/A".to_string(), |w| w.to_string())
+                row.wrong
+                    .map_or_else(|| "N/A".to_string(), |w| w.to_string())
             )?;
             table.flush()?;
         }
@@ -587,7 +499,11 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
         } else {
             writeln!(table, "# Out of bounds values : not checked (-c 0)")?;
         }
-        writeln!(table, "# Avg bus bandwidth    : {:.3} GB/s", report.avg_busbw_gbps)?;
+        writeln!(
+            table,
+            "# Avg bus bandwidth    : {:.3} GB/s",
+            report.avg_busbw_gbps
+        )?;
         table.flush()?;
         if let Some(path) = &args.json {
             let text = serde_json::to_string_pretty(&report)?;
@@ -600,32 +516,7 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
             }
         }
         if let Some(path) = &args.fit {
-            let backend = match args.device {
-                DeviceKind::Cpu => "cpu",
-                _ => "nccl",
-            };
-            let command = format!(
-                "mtrain bench-comm --op {} -b {} -e {} -f {} -n {} --device {backend}, {} ranks, {}",
-                report.op_name(),
-                args.min_bytes,
-                args.max_bytes,
-                args.step_factor,
-                args.iters,
-                n,
-                crate::cost::today()
-            );
-            let fit = write_fit(path, &report, backend, &command)
-                .map_err(|e| BenchError::Fit(e.to_string()))?;
-            writeln!(
-                table,
-                "# fit {} over {} ranks: alpha {:.2} us per step, beta {:.3} GB/s (R^2 {:.4}) -> {}",
-                fit.op,
-                fit.ranks,
-                fit.alpha_s * 1e6,
-                fit.beta_bytes_per_s / 1e9,
-                fit.r2,
-                path.display()
-            )?;
+            fit::record(path, args, &report, &mut table)?;
         }
     }
     Ok(report)
@@ -633,57 +524,6 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
 
 /// How the time column is taken over ranks (the header and the JSON say it).
 pub const TIME_OVER_RANKS: &str = "max over ranks of each rank's mean";
-
-/// Explicit mantissa bits of `dtype` (its unit in the last place relative to 1).
-fn mantissa_bits(dtype: DType) -> u32 {
-    match dtype {
-        DType::BF16 => 7,
-        DType::F16 => 10,
-        _ => 23,
-    }
-}
-
-/// The trace name of a bench-comm op.
-pub fn op_kind(op: BenchOp) -> OpKind {
-    match op {
-        BenchOp::AllReduce => OpKind::AllReduce,
-        BenchOp::AllGather => OpKind::AllGather,
-        BenchOp::ReduceScatter => OpKind::ReduceScatter,
-        BenchOp::AllToAll => OpKind::AllToAll,
-        BenchOp::Broadcast => OpKind::Broadcast,
-        BenchOp::SendRecv => OpKind::Send,
-    }
-}
-
-/// `bench-comm --fit FILE`: fit the report's sweep and merge it into the table at `path`
-/// (created with the backend's defaults if missing); `command` records the sweep. Returns the fit.
-pub fn write_fit(
-    path: &Path,
-    report: &BenchReport,
-    backend: &str,
-    command: &str,
-) -> Result<Fit, CostError> {
-    let op = op_kind(report.op);
-    let points: Vec<(f64, f64)> = report
-        .rows
-        .iter()
-        .map(|r| (r.bytes as f64, r.time_us * 1e-6))
-        .collect();
-    let mut fit = fit_alpha_beta(op, report.world_size, &points)?;
-    fit.command = command.to_string();
-    let mut table = match path.exists() {
-        true => AlphaBetaTable::load(path)?,
-        false => match backend {
-            "nccl" => AlphaBetaTable::nvlink_default(),
-            _ => AlphaBetaTable::cpu_default(),
-        },
-    };
-    table.backend = backend.to_string();
-    table.source = "fitted by `mtrain bench-comm --fit` (each fit names its sweep)".into();
-    table.upsert(fit.clone());
-    table.save(path)?;
-    Ok(fit)
-}
 
 fn scalar_all_reduce(comm: &Comm, v: f32, op: ReduceOp) -> Result<f32, BenchError> {
     let t = Tensor::new(&[v], comm.device())?;
@@ -711,111 +551,5 @@ mod tests {
         assert_eq!(BenchOp::AllToAll.bus_factor(8), 0.875);
         assert_eq!(BenchOp::Broadcast.bus_factor(8), 1.0);
         assert_eq!(BenchOp::SendRecv.bus_factor(2), 1.0);
-    }
-
-    fn to_vec(t: &Tensor) -> Vec<f32> {
-        t.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap()
-    }
-
-    /// The expected results are the op applied by hand to every rank's input.
-    #[test]
-    fn expected_results_equal_the_op_simulated_on_all_inputs() {
-        let ops = [
-            BenchOp::AllReduce,
-            BenchOp::AllGather,
-            BenchOp::ReduceScatter,
-            BenchOp::AllToAll,
-            BenchOp::Broadcast,
-            BenchOp::SendRecv,
-        ];
-        for op in ops {
-            for n in 1..=4usize {
-                let count = 12 * n;
-                let cases: Vec<Case> = (0..n)
-                    .map(|r| {
-                        make_case(op, BenchReduce::Sum, count, n, r, DType::BF16, &Device::Cpu)
-                            .unwrap()
-                    })
-                    .collect();
-                let inputs: Vec<Vec<f32>> = cases.iter().map(|c| to_vec(&c.input)).collect();
-                let sum: Vec<f32> = (0..inputs[0].len())
-                    .map(|i| inputs.iter().map(|x| x[i]).sum())
-                    .collect();
-                let m = count / n;
-                for (r, case) in cases.iter().enumerate() {
-                    let want: Vec<f32> = match op {
-                        BenchOp::AllReduce => sum.clone(),
-                        BenchOp::AllGather => inputs.concat(),
-                        BenchOp::ReduceScatter => sum[r * m..(r + 1) * m].to_vec(),
-                        BenchOp::AllToAll => (0..n)
-                            .flat_map(|p| inputs[p][r * m..(r + 1) * m].to_vec())
-                            .collect(),
-                        BenchOp::Broadcast => inputs[0].clone(),
-                        BenchOp::SendRecv => inputs[(r + n - 1) % n].clone(),
-                    };
-                    assert_eq!(case.expected, want, "{op:?} n={n} rank {r}");
-                }
-            }
-        }
-    }
-
-    /// Every reduction's closed form is the reduction applied by hand to every rank's input.
-    #[test]
-    fn expected_reductions_equal_the_reduction_of_all_inputs() {
-        for redop in [BenchReduce::Sum, BenchReduce::Avg, BenchReduce::Max, BenchReduce::Min] {
-            for n in 1..=5usize {
-                let count = 14 * n;
-                let inputs: Vec<Vec<f32>> = (0..n)
-                    .map(|r| {
-                        let c = make_case(BenchOp::AllReduce, redop, count, n, r, DType::F32, &Device::Cpu)
-                            .unwrap();
-                        to_vec(&c.input)
-                    })
-                    .collect();
-                let want: Vec<f32> = (0..count)
-                    .map(|i| {
-                        let col = inputs.iter().map(|x| x[i]);
-                        match redop {
-                            BenchReduce::Sum => col.sum(),
-                            BenchReduce::Avg => col.sum::<f32>() / n as f32,
-                            BenchReduce::Max => col.fold(f32::MIN, f32::max),
-                            BenchReduce::Min => col.fold(f32::MAX, f32::min),
-                        }
-                    })
-                    .collect();
-                let case = make_case(BenchOp::AllReduce, redop, count, n, 0, DType::F32, &Device::Cpu).unwrap();
-                assert_eq!(case.expected, want, "{redop:?} n={n}");
-            }
-        }
-    }
-
-    #[test]
-    fn wrong_elements_are_counted() {
-        let expected = vec![1.0, 2.0, 3.0, 4.0];
-        let good = Tensor::new(&[1f32, 2., 3., 4.], &Device::Cpu).unwrap();
-        let bad = Tensor::new(&[1f32, 2.5, 3., 0.], &Device::Cpu).unwrap();
-        assert_eq!(count_wrong(&good, &expected, 0.0).unwrap(), 0);
-        assert_eq!(count_wrong(&bad, &expected, 0.0).unwrap(), 2);
-        // 2.5 is 25% off 2.0: inside a 30% tolerance, 0.0 is not.
-        assert_eq!(count_wrong(&bad, &expected, 0.3).unwrap(), 1);
-        let short = Tensor::new(&[1f32, 2.], &Device::Cpu).unwrap();
-        assert_eq!(count_wrong(&short, &expected, 0.0).unwrap(), 4);
-    }
-
-    #[test]
-    fn closed_forms_are_exact_in_bf16() {
-        // Every value an input or an expected result can take for up to 16 ranks.
-        let n = 16usize;
-        let max_sum = (n * (n + 1) / 2 + n * 6) as f32;
-        for v in [max_sum, 198.0, value(n - 1, 6)] {
-            let t = Tensor::new(&[v], &Device::Cpu)
-                .unwrap()
-                .to_dtype(DType::BF16)
-                .unwrap();
-            assert_eq!(
-                t.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap()[0],
-                v
-            );
-        }
     }
 }

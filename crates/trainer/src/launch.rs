@@ -53,6 +53,10 @@ use mtrain_comm::store::StoreServer;
 /// Set for workers whose output this launcher prefixes with `[rank N]`, so they do not add their own.
 pub const LINES_PREFIXED_VAR: &str = "MTRAIN_LINES_PREFIXED";
 
+/// Largest degree, node count or world size accepted (2^20 processes): the launcher's limit,
+/// which the layout's inference (`layout.rs`, `cli::LayoutArgs::resolve`) checks against too.
+pub const MAX_WORLD: usize = 1 << 20;
+
 /// The variable that sizes rayon's pool (and so candle's CPU kernels) in each worker.
 pub const THREADS_VAR: &str = "RAYON_NUM_THREADS";
 
@@ -140,13 +144,13 @@ impl LaunchSpec {
                 self.nnodes - 1
             )));
         }
-        if self.world_size() > crate::layout::MAX_WORLD {
+        if self.world_size() > MAX_WORLD {
             return Err(LaunchError::Invalid(format!(
                 "--nproc-per-node {} * --nnodes {} = {} processes is above the largest supported world of {}",
                 self.nproc_per_node,
                 self.nnodes,
                 self.world_size(),
-                crate::layout::MAX_WORLD
+                MAX_WORLD
             )));
         }
         if self.master_port == Some(0) {

@@ -21,7 +21,7 @@ use mtrain_parallel::parallelize::{ParallelPlan, ParallelizeError};
 use mtrain_parallel::plan::PlanError;
 
 use crate::config::TrainConfig;
-use crate::launch::LaunchSpec;
+use crate::launch::{LaunchSpec, MAX_WORLD};
 
 /// A layout that cannot run.
 #[derive(Debug, thiserror::Error)]
@@ -82,8 +82,6 @@ pub enum LayoutError {
     Launch(#[from] crate::launch::LaunchError),
 }
 
-/// Largest degree, node count or world size accepted (2^20 processes).
-pub const MAX_WORLD: usize = 1 << 20;
 /// Longest `--comm-timeout` accepted, in seconds (30 days; longer deadlines overflow a clock).
 pub const MAX_COMM_TIMEOUT_S: f64 = 30.0 * 86400.0;
 

@@ -1,4 +1,31 @@
 //! mtrain-trainer: the training loop and the `mtrain` binary's commands.
+//!
+//! # Layout
+//! The run, in the order it happens:
+//! - [`cli`]: the command line, every flag and each subcommand's options (a command's own
+//!   options struct may live in the command's module; only `parity`, which parses `--vs` as a
+//!   command line, imports `cli` back). [`config`]: the typed TOML (`[model]`, `[train]`,
+//!   `[parallel]`) merged with the flags and `--set`.
+//! - [`launch`]: the torchrun-style launcher (one worker per rank, the rendezvous store);
+//!   [`liveness`]: a worker's watch on its job.
+//! - [`layout`]: the resolved [`layout::Layout`] and `plan`, the one place a run's
+//!   `ParallelPlan` is built and checked.
+//! - [`data`]: the built-in corpus, token shards, each data-parallel rank's slice;
+//!   [`prepare`]: `mtrain prepare`, text to token shards.
+//! - [`train`]: the loop; [`trainable`]: `TrainableModel`, its one interface to a model;
+//!   [`distributed`]: that interface over any layout.
+//! - [`checkpoint`], [`run_dir`]: what a run keeps, and the directory that belongs to one run.
+//!
+//! What a run measures and shows: [`progress`] (the step line), [`memory`] (the per-step
+//! report: analytic next to measured; `gpu_memory`, its CUDA probe), [`phases`]
+//! (`--profile-phases`), [`trace`] (`--trace`'s files and a step's communication figures),
+//! [`plot`] (`mtrain plot`'s SVG charts).
+//!
+//! The other commands: [`plan`] (`mtrain plan`, with [`cost`]'s α-β model), [`parity`]
+//! (`mtrain parity`), [`bench_comm`] (`mtrain bench-comm`), [`sample`] (`mtrain sample`).
+//!
+//! Shared rules: [`validate`] (every number a user gives), [`fsio`] (file errors that name the
+//! operation and the path).
 
 pub mod bench_comm;
 pub mod checkpoint;

@@ -1,0 +1,179 @@
+//! One rank's part of a plan, as the step memory needs it ([`ActivationLayout`]): which
+//! segments it runs, in how many chunks, on micro-batches of how many rows, how many of them in
+//! flight at once (the schedule's own simulation), and under which tensor, sequence, expert and
+//! ZeRO-3 splits.
+
+use mtrain_model::init::param_specs;
+use mtrain_model::GptConfig;
+use mtrain_parallel::parallelize::{DataParallelKind, ParallelPlan};
+use mtrain_parallel::pipeline::{Schedule, ScheduleKind, StageLayout};
+use mtrain_parallel::placement::used_on_stage;
+use serde::Serialize;
+
+use super::owned_numel;
+use crate::memory::Routing;
+
+/// The schedule a plan actually runs and its blocks per model stage.
+pub(super) fn stage_layout(
+    cfg: &GptConfig,
+    plan: &ParallelPlan,
+) -> Result<(ScheduleKind, StageLayout), ActivationLayoutError> {
+    let layout = plan
+        .stage_layout(cfg.n_layer)
+        .map_err(|e| ActivationLayoutError::Pipeline(e.to_string()))?;
+    Ok((plan.effective_schedule(), layout))
+}
+
+/// What one rank's step depends on under a parallel layout.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ActivationLayout {
+    /// Blocks this rank holds, summed over its model chunks.
+    pub blocks: usize,
+    /// Model chunks (virtual stages) this rank holds: 1 except under interleaved 1F1B.
+    pub chunks: usize,
+    /// Whether this rank holds the first model stage (the embedding).
+    pub holds_embedding: bool,
+    /// Whether this rank holds the last model stage (final LayerNorm, LM head, loss).
+    pub holds_head: bool,
+    /// Rows of one pipeline micro-batch, `B / M`.
+    pub micro_batch: usize,
+    /// Peak (micro-batch, chunk) pairs whose forward ran here while their backward had not.
+    pub in_flight: usize,
+    /// Whether a later backward of the step runs with every gradient of the rank already
+    /// written (pipeline micro-batches or gradient accumulation: M > 1 passes per step).
+    pub accumulates: bool,
+    /// Tensor-parallel degree.
+    pub tp: usize,
+    /// Expert-parallel degree (MoE blocks).
+    pub ep: usize,
+    /// Sequence parallelism inside the tp group.
+    pub sequence_parallel: bool,
+    /// ZeRO-3 (FSDP): each segment's weights are gathered for its forward.
+    pub gathers_weights: bool,
+    /// The rows each of this rank's MoE blocks dispatched per pass, in block order (empty: an
+    /// even split with every slot filled, [`Routing::even`]).
+    pub routing: Vec<Routing>,
+    /// Parameters of each of this rank's segments in forward order (the embedding, the blocks,
+    /// the head; the tied `wte` with the head where the rank holds it, whose backward runs first).
+    pub segment_params: Vec<u64>,
+}
+
+/// Why a rank's part of a plan ([`ActivationLayout::for_plan`], [`rank_params`]) cannot be laid out.
+#[derive(Debug, thiserror::Error)]
+pub enum ActivationLayoutError {
+    /// The batch does not split into the plan's micro-batches.
+    #[error("batch {batch} does not split into {microbatches} equal micro-batches")]
+    Microbatches { batch: usize, microbatches: usize },
+    /// The stage layout or the schedule is invalid.
+    #[error("pipeline layout: {0}")]
+    Pipeline(String),
+}
+
+/// Parameters of each segment on `stages` in forward order, each counted as [`owned_numel`] counts it.
+fn segment_params(
+    cfg: &GptConfig,
+    plan: &ParallelPlan,
+    layout: &StageLayout,
+    stages: &[usize],
+) -> Vec<u64> {
+    let last = layout.num_stages() - 1;
+    let holds_head = stages.contains(&last);
+    let mut blocks: Vec<usize> = stages.iter().flat_map(|&s| layout.blocks(s)).collect();
+    blocks.sort_unstable();
+    // Slot 0: embedding, 1..=blocks: the blocks, last: the head.
+    let mut per = vec![0u64; blocks.len() + 2];
+    for (name, shape, _) in param_specs(cfg) {
+        if !stages.iter().any(|&s| used_on_stage(&name, s, layout)) {
+            continue;
+        }
+        let n = owned_numel(&name, &shape, plan);
+        let slot = match name.split('.').collect::<Vec<_>>().as_slice() {
+            ["h", i, ..] => i
+                .parse::<usize>()
+                .ok()
+                .and_then(|i| blocks.iter().position(|&b| b == i))
+                .map_or(0, |p| p + 1),
+            ["ln_f", ..] => per.len() - 1,
+            ["wte", ..] if holds_head => per.len() - 1,
+            _ => 0,
+        };
+        per[slot] += n;
+    }
+    let mut out = Vec::with_capacity(per.len());
+    if stages.contains(&0) {
+        out.push(per[0]);
+    }
+    out.extend(&per[1..per.len() - 1]);
+    if holds_head {
+        out.push(per[per.len() - 1]);
+    }
+    out
+}
+
+impl ActivationLayout {
+    /// The whole model on one device: every segment, one micro-batch of `batch` rows.
+    pub fn single_device(cfg: &GptConfig, batch: usize) -> Self {
+        let plan = ParallelPlan::new(mtrain_comm::MeshDims::new(1, 1, 1, 1));
+        let layout = StageLayout::even(cfg.n_layer, 1).expect("one stage holds every block");
+        Self {
+            blocks: cfg.n_layer,
+            chunks: 1,
+            holds_embedding: true,
+            holds_head: true,
+            micro_batch: batch,
+            in_flight: 1,
+            accumulates: false,
+            tp: 1,
+            ep: 1,
+            sequence_parallel: false,
+            gathers_weights: false,
+            routing: Vec::new(),
+            segment_params: segment_params(cfg, &plan, &layout, &[0]),
+        }
+    }
+
+    /// Pipeline rank `pp_rank`'s part under `plan`, for a per-rank batch of `batch` rows: its
+    /// blocks from the plan's stage layout (model stage s runs on rank `s % pp`), the micro-batch
+    /// `batch / M`, and the peak in flight from the schedule's simulation (1F1B: `min(P − r, M)`,
+    /// GPipe: `M`).
+    pub fn for_plan(
+        cfg: &GptConfig,
+        plan: &ParallelPlan,
+        pp_rank: usize,
+        batch: usize,
+    ) -> Result<Self, ActivationLayoutError> {
+        let pp = plan.dims.pp.max(1);
+        let m = plan.microbatches.max(1);
+        if !batch.is_multiple_of(m) {
+            return Err(ActivationLayoutError::Microbatches {
+                batch,
+                microbatches: m,
+            });
+        }
+        let (kind, layout) = stage_layout(cfg, plan)?;
+        let err = |e: String| ActivationLayoutError::Pipeline(e);
+        let mine: Vec<usize> = (0..layout.num_stages())
+            .filter(|s| s % pp == pp_rank)
+            .collect();
+        let sim = Schedule::new(kind, pp, m)
+            .and_then(|s| s.simulate())
+            .map_err(|e| err(e.to_string()))?;
+        let zero3 = matches!(plan.data, DataParallelKind::Zero(z) if z.stage as u8 == 3)
+            && plan.dims.dp > 1;
+        Ok(Self {
+            blocks: mine.iter().map(|&s| layout.blocks(s).len()).sum(),
+            chunks: mine.len().max(1),
+            holds_embedding: mine.contains(&0),
+            holds_head: mine.contains(&(layout.num_stages() - 1)),
+            micro_batch: batch / m,
+            in_flight: sim.peak_in_flight(pp_rank),
+            accumulates: m > 1,
+            tp: plan.dims.tp.max(1),
+            ep: plan.dims.ep.max(1),
+            sequence_parallel: plan.sequence_parallel && plan.dims.tp > 1,
+            gathers_weights: zero3,
+            routing: Vec::new(),
+            segment_params: segment_params(cfg, plan, &layout, &mine),
+        })
+    }
+}

@@ -1,0 +1,373 @@
+//! What a step adds above the model state ([`StepMemory`]), summed per rank from what each of
+//! its segments keeps (`memory/kept.rs`) over its part of the plan ([`ActivationLayout`]).
+
+use mtrain_model::GptConfig;
+use serde::Serialize;
+
+use super::{ActivationLayout, ModelStateLayout};
+use crate::memory::kept::{self, BackwardPath, Dims, Routing, SegmentCost};
+
+/// What one rank holds through a step beyond the model state it starts the step with,
+/// predicted from what the segments keep (`memory/kept.rs`): the moments the report measures.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct StepMemory {
+    /// Held at the end of the forward (before the first backward): what every segment pass in
+    /// flight keeps, the engine's leaf copies of the segment inputs included.
+    pub activations: u64,
+    /// ZeRO-3 weights gathered by the forward still held at its end: by its graphs until
+    /// their backward, or (checkpointing) the last segment's.
+    pub gathered: u64,
+    /// Gradients already written when the reported forward ends: the earlier micro-steps'
+    /// under gradient accumulation (the report reads the last micro-step's forward).
+    pub earlier_grads: u64,
+    /// The step's highest level above its start: the largest moment of the first backward
+    /// (what is still held, the segment's backward at its worst, the gradients so far), or the
+    /// end of the forward if that is higher.
+    pub peak: u64,
+}
+
+/// The step memory of one rank with layout `layout`, `seq` tokens per row, `dtype_bytes` per
+/// value, on the backward path `path`; `param_bytes` and `grad_bytes` per parameter of the
+/// rank's model state (gathered weights, gradients written during the backward).
+///
+/// ```text
+///   pass      = Σ over the rank's segments of (input copy + kept)          (one micro-batch, all chunks)
+///   checkpointing: pass = Σ input copies, and each backward first recomputes its segment (+ kept)
+///   activations = n/v · pass                   (n (micro-batch, chunk) pairs in flight over v chunks)
+///   peak      = max over the first backward's segments j (last to first) of
+///               activations − Σ_{i after j} (input + kept)_i / v + transient_j (+ kept_j recomputed)
+///               + gradients of the segments after j and j + gathered weights not yet released
+///   (with M > 1 passes also the last backward: one pass in flight, every gradient written)
+/// ```
+///
+/// On one device (`n = v = tp = 1`, `b = B`) this is the whole model's single pass.
+#[allow(clippy::too_many_arguments)]
+pub fn rank_step_memory(
+    cfg: &GptConfig,
+    layout: &ActivationLayout,
+    seq: usize,
+    dtype_bytes: usize,
+    checkpointing: bool,
+    path: BackwardPath,
+    param_bytes: u64,
+    grad_bytes: f64,
+) -> StepMemory {
+    let d = Dims {
+        b: layout.micro_batch as f64,
+        t: seq as f64,
+        c: cfg.n_embd as f64,
+        h: cfg.n_head as f64,
+        v: cfg.vocab_size as f64,
+        tp: layout.tp.max(1) as f64,
+        sp: layout.sequence_parallel,
+        w: dtype_bytes as f64,
+    };
+    let block_cost = |i: usize| match &cfg.moe {
+        None => kept::block(&d, path),
+        Some(m) => {
+            let even = Routing::even(d.b * d.t, m.n_experts, m.top_k, layout.ep);
+            let r = layout.routing.get(i).copied().unwrap_or(even);
+            kept::moe_block(&d, m.n_experts, layout.ep, &r)
+        }
+    };
+    let mut segs: Vec<SegmentCost> = Vec::with_capacity(layout.blocks + 2);
+    if layout.holds_embedding {
+        segs.push(kept::embedding(&d, path));
+    }
+    segs.extend((0..layout.blocks).map(block_cost));
+    if layout.holds_head {
+        segs.push(kept::head(&d, path));
+    }
+    let held = |s: &SegmentCost| match checkpointing {
+        true => s.input,
+        false => s.input + s.kept,
+    };
+    let v = layout.chunks.max(1) as f64;
+    let n = layout.in_flight.max(1) as f64;
+    // A stage that ends in a block also keeps its output (sent on) under checkpointing.
+    let sent = match checkpointing && !layout.holds_head {
+        true => d.nc_local() * d.w,
+        false => 0.0,
+    };
+    let pass: f64 = segs.iter().map(held).sum::<f64>() + sent;
+    let activations = n / v * pass;
+
+    let params = &layout.segment_params;
+    let total_params = params.iter().sum::<u64>().max(1) as f64;
+    // Without checkpointing the graphs hold every gathered weight; with it, the forward frees
+    // each segment's weights when the next one starts, so the last segment's stay.
+    let gathered = match (layout.gathers_weights, checkpointing) {
+        (true, false) => (param_bytes as f64) * total_params,
+        (true, true) => (param_bytes * params.last().copied().unwrap_or(0)) as f64,
+        (false, _) => 0.0,
+    };
+    // Under checkpointing ZeRO-3 gathers a segment again for its recompute, with the previous
+    // one prefetched: the two largest consecutive segments.
+    let regathered = match layout.gathers_weights && checkpointing {
+        true => {
+            params
+                .windows(2)
+                .map(|w| (w[0] + w[1]) as f64)
+                .fold(params.first().copied().unwrap_or(0) as f64, f64::max)
+                * param_bytes as f64
+        }
+        false => 0.0,
+    };
+    let mut peak = activations + gathered;
+    let (mut freed, mut done) = (0.0, 0.0);
+    for (j, s) in segs.iter().enumerate().rev() {
+        let p = params.get(j).copied().unwrap_or(0) as f64;
+        done += p;
+        let recomputed = if checkpointing { s.kept } else { 0.0 };
+        let level = activations - freed
+            + recomputed
+            + s.transient
+            + grad_bytes * done
+            + gathered * (1.0 - (done - p) / total_params)
+            + regathered;
+        peak = peak.max(level);
+        freed += held(s) / v;
+    }
+    // The step's last backward (with M > 1 passes): one pass left in flight, every gradient of
+    // the rank already written by the earlier ones (and no gathered weights of the others).
+    if layout.accumulates {
+        let last = pass / v;
+        let (mut freed, mut done) = (0.0, 0.0);
+        for (j, s) in segs.iter().enumerate().rev() {
+            let p = params.get(j).copied().unwrap_or(0) as f64;
+            let recomputed = if checkpointing { s.kept } else { 0.0 };
+            let left = gathered / n * (1.0 - done / total_params);
+            let level = last - freed
+                + recomputed
+                + s.transient
+                + grad_bytes * total_params
+                + left
+                + regathered;
+            peak = peak.max(level);
+            freed += held(s) / v;
+            done += p;
+        }
+    }
+    StepMemory {
+        activations: activations as u64,
+        gathered: gathered as u64,
+        earlier_grads: 0,
+        peak: peak as u64,
+    }
+}
+
+/// [`rank_step_memory`] for a rank holding `state`: its weights' bytes per parameter for the
+/// gathers, its gradient bytes spread over its parameters for the backward's gradients; with
+/// `grad_accum > 1` micro-steps the later backwards run with every gradient written.
+#[allow(clippy::too_many_arguments)]
+pub fn step_memory(
+    cfg: &GptConfig,
+    layout: &ActivationLayout,
+    state: &ModelStateLayout,
+    seq: usize,
+    dtype_bytes: usize,
+    checkpointing: bool,
+    path: BackwardPath,
+    grad_accum: usize,
+) -> StepMemory {
+    let grad_per_param = state.grads() as f64 / state.n_params.max(1) as f64;
+    let layout = ActivationLayout {
+        accumulates: layout.accumulates || grad_accum > 1,
+        ..layout.clone()
+    };
+    let step = rank_step_memory(
+        cfg,
+        &layout,
+        seq,
+        dtype_bytes,
+        checkpointing,
+        path,
+        state.param_bytes,
+        grad_per_param,
+    );
+    StepMemory {
+        earlier_grads: match grad_accum > 1 {
+            true => state.grads(),
+            false => 0,
+        },
+        ..step
+    }
+}
+
+/// Estimated activation bytes one rank keeps at the end of its forward
+/// ([`rank_step_memory`]'s `activations` on the autograd path).
+pub fn rank_activation_bytes(
+    cfg: &GptConfig,
+    layout: &ActivationLayout,
+    seq: usize,
+    dtype_bytes: usize,
+    checkpointing: bool,
+) -> u64 {
+    rank_step_memory(
+        cfg,
+        layout,
+        seq,
+        dtype_bytes,
+        checkpointing,
+        BackwardPath::Autograd,
+        0,
+        0.0,
+    )
+    .activations
+}
+
+/// The activation bytes of the whole model on one device for one batch of `batch` rows
+/// ([`rank_activation_bytes`] with [`ActivationLayout::single_device`]).
+pub fn activation_bytes(
+    cfg: &GptConfig,
+    batch: usize,
+    seq: usize,
+    dtype_bytes: usize,
+    checkpointing: bool,
+) -> u64 {
+    rank_activation_bytes(
+        cfg,
+        &ActivationLayout::single_device(cfg, batch),
+        seq,
+        dtype_bytes,
+        checkpointing,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use mtrain_parallel::parallelize::{DataParallelKind, ParallelPlan};
+    use mtrain_parallel::pipeline::ScheduleKind;
+
+    use super::*;
+
+    fn small() -> GptConfig {
+        GptConfig {
+            vocab_size: 16,
+            block_size: 4,
+            n_layer: 4,
+            n_head: 2,
+            n_embd: 8,
+            moe: None,
+        }
+    }
+
+    fn step(cfg: &GptConfig, l: &ActivationLayout, ckpt: bool) -> StepMemory {
+        rank_step_memory(cfg, l, 4, 4, ckpt, BackwardPath::Autograd, 4, 4.0)
+    }
+
+    /// One device: every segment's input copy and kept tensors, and a peak above them by at
+    /// least one block's backward; each segment's parameters once (the tied `wte` once).
+    #[test]
+    fn single_device_holds_every_segment() {
+        let cfg = small();
+        let one = ActivationLayout::single_device(&cfg, 4);
+        assert_eq!(
+            one.segment_params.iter().sum::<u64>(),
+            cfg.n_params() as u64,
+            "{:?}",
+            one.segment_params
+        );
+        assert_eq!(one.segment_params.len(), cfg.n_layer + 2);
+        let d = Dims {
+            b: 4.0,
+            t: 4.0,
+            c: 8.0,
+            h: 2.0,
+            v: 16.0,
+            tp: 1.0,
+            sp: false,
+            w: 4.0,
+        };
+        let (e, b, h) = (
+            kept::embedding(&d, BackwardPath::Autograd),
+            kept::block(&d, BackwardPath::Autograd),
+            kept::head(&d, BackwardPath::Autograd),
+        );
+        let pass = e.kept + 4.0 * (b.input + b.kept) + h.input + h.kept;
+        let s = step(&cfg, &one, false);
+        assert_eq!(s.activations, pass as u64);
+        assert!(s.peak as f64 >= pass - h.input - h.kept + b.transient);
+        assert_eq!(activation_bytes(&cfg, 4, 4, 4, false), s.activations);
+        // Checkpointing keeps the five float inputs only.
+        let c = step(&cfg, &one, true);
+        assert_eq!(c.activations, (4.0 * b.input + h.input) as u64);
+        assert!(c.peak < s.peak);
+    }
+
+    #[test]
+    fn pipeline_1f1b_holds_its_stage_times_micro_batches_in_flight() {
+        let cfg = small();
+        let mut plan = ParallelPlan::new(mtrain_comm::MeshDims::new(1, 2, 1, 1));
+        plan.microbatches = 2;
+        plan.schedule = ScheduleKind::OneFOneB;
+        let r0 = ActivationLayout::for_plan(&cfg, &plan, 0, 4).expect("rank 0");
+        let r1 = ActivationLayout::for_plan(&cfg, &plan, 1, 4).expect("rank 1");
+        assert_eq!(
+            (
+                r0.blocks,
+                r0.micro_batch,
+                r0.in_flight,
+                r0.holds_head,
+                r0.holds_embedding
+            ),
+            (2, 2, 2, false, true)
+        );
+        assert_eq!(
+            (
+                r1.blocks,
+                r1.micro_batch,
+                r1.in_flight,
+                r1.holds_head,
+                r1.holds_embedding
+            ),
+            (2, 2, 1, true, false)
+        );
+        // Rank 0 holds two micro-batches of half the rows: its pass over 2 blocks, twice.
+        let half = ActivationLayout {
+            in_flight: 1,
+            ..r0.clone()
+        };
+        assert_eq!(
+            step(&cfg, &r0, false).activations,
+            2 * step(&cfg, &half, false).activations
+        );
+        // GPipe keeps all M = 2 micro-batches on the last stage too.
+        plan.schedule = ScheduleKind::GPipe;
+        let g1 = ActivationLayout::for_plan(&cfg, &plan, 1, 4).expect("gpipe rank 1");
+        assert_eq!(
+            step(&cfg, &g1, false).activations,
+            2 * step(&cfg, &r1, false).activations
+        );
+        // A batch that does not split into M micro-batches is refused, naming both.
+        let e = ActivationLayout::for_plan(&cfg, &plan, 0, 3).expect_err("3 rows, M = 2");
+        assert!(e.to_string().contains("batch 3") && e.to_string().contains('2'));
+    }
+
+    /// ZeRO-3 without checkpointing: the forward's graphs hold every gathered weight.
+    #[test]
+    fn fsdp_forward_holds_the_gathered_weights() {
+        use mtrain_parallel::fsdp::{FsdpConfig, ZeroStage};
+        let cfg = small();
+        let mut plan = ParallelPlan::new(mtrain_comm::MeshDims::new(2, 1, 1, 1));
+        plan.data = DataParallelKind::Zero(FsdpConfig {
+            stage: ZeroStage::Three,
+            ..FsdpConfig::default()
+        });
+        let l = ActivationLayout::for_plan(&cfg, &plan, 0, 4).expect("fsdp");
+        assert!(l.gathers_weights);
+        let s = step(&cfg, &l, false);
+        assert_eq!(s.gathered, 4 * cfg.n_params() as u64);
+        // With checkpointing only the last segment's weights are still gathered: the head's.
+        let head = *l.segment_params.last().expect("a head");
+        assert_eq!(step(&cfg, &l, true).gathered, 4 * head);
+    }
+
+    #[test]
+    fn checkpointing_shrinks_the_activation_estimate() {
+        let cfg = GptConfig::gpt2_124m();
+        let full = activation_bytes(&cfg, 8, 1024, 2, false);
+        let ckpt = activation_bytes(&cfg, 8, 1024, 2, true);
+        assert!(ckpt * 3 < full, "{ckpt} vs {full}");
+    }
+}
