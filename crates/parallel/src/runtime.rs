@@ -352,8 +352,10 @@ impl ParallelModel {
         let t = std::time::Instant::now();
         match &mut self.replicas {
             Replicas::Full => {
-                if self.plan.precision.is_mixed() {
-                    // Every reduction below (dp, tp partial sums, tied wte) runs in this dtype.
+                let reduces = self.plan.dims.dp > 1 || !self.partial.is_empty() || !self.tied.is_empty();
+                if self.plan.precision.is_mixed() && reduces {
+                    // Every reduction below (dp, tp partial sums, tied wte) runs in this dtype;
+                    // with none (a world of one) the gradients stay as the backward left them.
                     let dtype = self.plan.precision.reduce_dtype;
                     grads_for_reduction(&self.params, &mut self.grads, dtype)?;
                 }
