@@ -17,7 +17,7 @@ use candle_core::{Device, Tensor};
 use mtrain_comm::cpu::run_local;
 use mtrain_comm::DeviceMesh;
 use mtrain_model::optim::{clip_coef, AdamW, AdamWConfig, AdamWState};
-use mtrain_model::{init_weights, Engine, Gpt, GptConfig, Grads, NoHooks};
+use mtrain_model::{init_weights, Backward, Engine, Gpt, GptConfig, Grads, NoHooks};
 use mtrain_parallel::ddp::DdpConfig;
 use mtrain_parallel::fsdp::ZeroStage;
 use mtrain_parallel::parallelize::{describe, parallelize, DataParallelKind, ParallelPlan};
@@ -68,14 +68,15 @@ fn adamw() -> AdamW {
     AdamW::new(AdamWConfig::default())
 }
 
-/// The single-device run: the plain engine over the whole model, each global batch cut into
-/// `groups` equal slices accumulated with weight 1/groups (one routing group per dp rank for
-/// MoE; for a dense model the slicing does not change the gradient).
-fn one_device(cfg: &GptConfig, steps: usize, groups: usize) -> (Trace, AdamWState) {
+/// The single-device run: the plain engine over the whole model on the plan's backward path
+/// (autograd or the tapes, so the comparison is of the layout alone), each global batch cut
+/// into `groups` equal slices accumulated with weight 1/groups (one routing group per dp rank
+/// for MoE; for a dense model the slicing does not change the gradient).
+fn one_device(cfg: &GptConfig, steps: usize, groups: usize, backward: Backward) -> (Trace, AdamWState) {
     let weights = init_weights(cfg, SEED).expect("init");
     let gpt = Gpt::new(cfg.clone(), &weights, &Device::Cpu).expect("gpt");
     let params = gpt.params();
-    let engine = Engine::new(false);
+    let engine = Engine::new(false).with_backward(backward);
     let mut opt = adamw();
     let mut t = Trace {
         losses: vec![],
@@ -185,7 +186,7 @@ fn run_plan(
 
 /// Every rank of `plan` equals the single-device run.
 fn check_equals_one_device(cfg: &GptConfig, plan: &ParallelPlan, groups: usize) {
-    let (want, _) = one_device(cfg, STEPS, groups);
+    let (want, _) = one_device(cfg, STEPS, groups, plan.backward);
     let ranks = run_plan(cfg, plan, 0, STEPS, None);
     let (mut worst_loss, mut worst_grad, mut worst_norm) = (0f64, 0f64, 0f64);
     for (r, (got, _)) in ranks.iter().enumerate() {
@@ -260,8 +261,29 @@ fn dp2_ep2_moe_equals_one_device() {
     check_equals_one_device(&moe_cfg(), &plan(2, 1, 1, 2), 2);
 }
 
-/// DDP on one stage: the dp average runs inside the last backward (`OverlappedDpReduce`), and the
-/// sequence-parallel partial gradients are summed over tp after it.
+/// The same plan on the hand-written backward of every segment (the MoE block's tape with its
+/// dispatch and combine conjugates, the head's and the embedding's), same tolerances.
+#[test]
+fn dp2_ep2_moe_on_the_tapes_equals_one_device() {
+    let p = ParallelPlan {
+        backward: Backward::Tapes,
+        ..plan(2, 1, 1, 2)
+    };
+    check_equals_one_device(&moe_cfg(), &p, 2);
+}
+
+/// tp × pp on the tapes: the column/row tapes with their f/g collectives, pipeline stages.
+#[test]
+fn tp2_pp2_on_the_tapes_equals_one_device() {
+    let p = ParallelPlan {
+        backward: Backward::Tapes,
+        ..plan(1, 2, 2, 1)
+    };
+    check_equals_one_device(&cfg(), &p, 2);
+}
+
+/// DDP on one stage: the dp average runs inside the last backward in DDP's buckets
+/// (`BucketedDpReduce`), and the sequence-parallel partial gradients are summed over tp after it.
 #[test]
 fn tp2_sp_dp2_ddp_overlapped_equals_one_device() {
     let p = ParallelPlan {
@@ -295,7 +317,7 @@ fn pp2_tp2_sp_interleaved_equals_one_device() {
 /// single-device run's third step.
 fn check_reshard(from: &ParallelPlan, to: &ParallelPlan) {
     let cfg = cfg();
-    let (want, _) = one_device(&cfg, 3, 1);
+    let (want, _) = one_device(&cfg, 3, 1, from.backward);
     let saved = run_plan(&cfg, from, 0, 2, None);
     let (t0, st0) = &saved[0];
     // Every rank gathered the same full state.
