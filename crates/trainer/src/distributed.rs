@@ -205,8 +205,7 @@ impl Distributed {
         let pm = parallelize(cfg, weights, plan, mesh, device)
             .context("building this rank's part of the model")?;
         let n_local = local_param_count(cfg, &pm, plan.dims.tp);
-        let comm_buffer_bytes =
-            crate::memory::bucket_bytes(plan, n_local, plan.dp_buckets().is_some());
+        let comm_buffer_bytes = crate::memory::bucket_bytes(plan, n_local);
         Ok(Self {
             pm: Box::new(pm),
             opt: AdamW::new(optim),

@@ -119,7 +119,7 @@ pub fn rank_memory(cfg: &TrainConfig, plan: &ParallelPlan) -> anyhow::Result<Vec
                 path,
                 cfg.grad_accum,
             );
-            let comm = bucket_bytes(plan, n, plan.dp_buckets().is_some());
+            let comm = bucket_bytes(plan, n);
             Ok(RankMemory {
                 pp_rank,
                 state,

@@ -19,7 +19,6 @@ mod step;
 
 use mtrain_model::init::param_specs;
 use mtrain_model::GptConfig;
-use mtrain_parallel::ddp::DdpMode;
 use mtrain_parallel::parallelize::{DataParallelKind, ParallelPlan};
 use mtrain_parallel::placement::{is_expert_param, tp_placement, used_on_stage};
 use serde::Serialize;
@@ -164,19 +163,15 @@ fn copy(full: u64, shards: u64) -> u64 {
     }
 }
 
-/// Bytes of the gradient buckets standalone bucketed DDP holds for `n_params` parameters
-/// (`standalone`: the layout runs that DDP): each bucket's flattened gradients and its
-/// all-reduce's result, in the reduce dtype, both held until the bucket is waited on after the
-/// backward (`parallel/src/ddp/buckets.rs`, `Ddp::finish_bucketed`) — two copies of the
-/// gradients. A group of one averages nothing and has no bucket (the world of one).
-pub fn bucket_bytes(plan: &ParallelPlan, n_params: u64, standalone: bool) -> u64 {
-    match plan.data {
-        DataParallelKind::Ddp(d)
-            if standalone && d.mode == DdpMode::Bucketed && plan.dims.dp > 1 =>
-        {
-            2 * plan.precision.grad_reduce_dtype().size_in_bytes() as u64 * n_params
-        }
-        _ => 0,
+/// Bytes of the DDP gradient buckets a rank holds for its `n_params` parameters when the plan
+/// averages in buckets ([`ParallelPlan::dp_buckets`]): each bucket's flattened gradients and
+/// its all-reduce's result, in the reduce dtype, both held until the bucket is waited on after
+/// the backward (`parallel/src/ddp/buckets.rs`, `write_back`) — two copies of the gradients. A
+/// group of one averages nothing and has no bucket (the world of one).
+pub fn bucket_bytes(plan: &ParallelPlan, n_params: u64) -> u64 {
+    match plan.dp_buckets() {
+        Some(_) => 2 * plan.precision.grad_reduce_dtype().size_in_bytes() as u64 * n_params,
+        None => 0,
     }
 }
 
