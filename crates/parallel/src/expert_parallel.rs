@@ -14,6 +14,9 @@
 //!     ▼ un-permute: out[token] += y · gate(token, expert)     (N, C)
 //! ```
 //!
+//! The three exchanges and their backward order are [`MOE_EXCHANGES`]; the layer runs them and
+//! the cost model counts them.
+//!
 //! Routing is the model's own ([`mtrain_model::moe::route`] and friends), computed by each rank on
 //! its **local** tokens: capacity `ceil(k · N_local / E · cf)` is per rank, per step, as in
 //! DeepSpeed and Megatron. The single-device run that reproduces it is therefore the global batch
@@ -58,7 +61,7 @@ use mtrain_model::{
 
 pub use crate::ddp::average::sync_grads;
 pub use crate::placement::is_expert_param;
-pub use all_to_all::all_to_all;
+pub use all_to_all::{all_to_all, Exchange, MOE_EXCHANGES};
 pub use data_parallel::{grad_norm_sq, total_load, ExpertDataParallel};
 
 /// Errors of expert parallelism.
@@ -213,14 +216,13 @@ impl FeedForward for ExpertParallelMoe {
 
         // Exchange counts: rank s learns how many rows every peer sends to each of its experts.
         let dev = x.device();
-        let recv = self
-            .ep
-            .all_to_all(
+        let recv = Exchange::Counts
+            .run(
                 &Tensor::from_vec(counts, e_total, dev)?,
                 &vec![el; ep],
                 &vec![el; ep],
-            )
-            .map_err(candle_core::Error::wrap)?
+                &self.ep,
+            )?
             .to_vec1::<u32>()?; // (ep · E_l,) row s·E_l + j: from rank s for local expert j
         let recv_counts: Vec<Vec<usize>> = recv
             .chunks(el)
@@ -230,9 +232,10 @@ impl FeedForward for ExpertParallelMoe {
 
         let idx = Tensor::from_vec(tokens, s_rows, dev)?; // (S,)
         let x_perm = xf.index_select(&idx, 0)?; // (S, C)
-        let x_recv = all_to_all(&x_perm, &send_splits, &recv_splits, &self.ep)?; // (R, C)
+        let (send, recv) = (&send_splits, &recv_splits);
+        let x_recv = Exchange::Dispatch.run(&x_perm, send, recv, &self.ep)?; // (R, C)
         let y_recv = self.run_local_experts(&x_recv, &recv_counts)?; // (R, C)
-        let y_back = all_to_all(&y_recv, &recv_splits, &send_splits, &self.ep)?; // (S, C)
+        let y_back = Exchange::Combine.run(&y_recv, send, recv, &self.ep)?; // (S, C)
 
         // Un-permute, weighting each row by its (token, expert) router probability.
         let gate = probs
