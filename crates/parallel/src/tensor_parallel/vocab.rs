@@ -26,9 +26,8 @@
 //!
 //! Legend: `B` batch, `T` sequence, `C` width, `V` vocabulary, `N = B·T`.
 
-use std::sync::Arc;
-
 use std::ops::Range;
+use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor, D};
 use mtrain_comm::{chunk_range, Comm, ReduceOp};
@@ -87,6 +86,7 @@ impl VocabParallelEmbedding {
         }
     }
 
+    /// Its mapping, from the embedding's table (what the cost model counts).
     pub fn mappings(&self) -> EmbeddingMappings {
         EmbeddingMappings::new(self.sequence_parallel)
     }
@@ -258,6 +258,7 @@ impl VocabParallelHead {
         }
     }
 
+    /// Its mapping, from the head's table (what the cost model counts).
     pub fn mappings(&self) -> HeadMappings {
         HeadMappings::new(self.sequence_parallel)
     }
