@@ -14,6 +14,9 @@
 //!     ▼ un-permute: out[token] += y · gate(token, expert)     (N, C)
 //! ```
 //!
+//! The three exchanges and their backward order are [`MOE_EXCHANGES`]; the layer runs them and
+//! the cost model counts them.
+//!
 //! Routing is the model's own ([`mtrain_model::moe::route`] and friends), computed by each rank on
 //! its **local** tokens: capacity `ceil(k · N_local / E · cf)` is per rank, per step, as in
 //! DeepSpeed and Megatron. The single-device run that reproduces it is therefore the global batch
@@ -68,7 +71,7 @@ use mtrain_model::{
 
 pub use crate::ddp::average::sync_grads;
 pub use crate::placement::is_expert_param;
-pub use all_to_all::all_to_all;
+pub use all_to_all::{all_to_all, MoeExchange, MOE_EXCHANGES};
 pub use data_parallel::{grad_norm_sq, total_load, ExpertDataParallel};
 pub use exchange::EpExchange;
 
@@ -192,7 +195,7 @@ impl FeedForward for ExpertParallelMoe {
         // Permute: kept pairs grouped by expert, hence by destination rank.
         let perm = Permutation::of(&plan);
         let send_splits = perm.splits(el); // (ep,)
-                                           // Exchange counts: rank s learns how many rows every peer sends to each of its experts.
+        // Exchange counts: rank s learns how many rows every peer sends to each of its experts.
         let slabs = ExpertMajor::of(&self.exchange().counts(&perm.counts)?, el)?;
         let recv_splits = slabs.sources().to_vec(); // (ep,)
 
@@ -200,9 +203,10 @@ impl FeedForward for ExpertParallelMoe {
         let s_rows = perm.tokens.len();
         let idx = Tensor::from_vec(perm.tokens, s_rows, dev)?; // (S,)
         let x_perm = xf.index_select(&idx, 0)?; // (S, C)
-        let x_recv = all_to_all(&x_perm, &send_splits, &recv_splits, &self.ep)?; // (R, C)
+        let (send, recv) = (&send_splits, &recv_splits);
+        let x_recv = MoeExchange::Dispatch.run(&x_perm, send, recv, &self.ep)?; // (R, C)
         let y_recv = self.run_local_experts(&x_recv, &slabs)?; // (R, C)
-        let y_back = all_to_all(&y_recv, &recv_splits, &send_splits, &self.ep)?; // (S, C)
+        let y_back = MoeExchange::Combine.run(&y_recv, send, recv, &self.ep)?; // (S, C)
 
         // Un-permute, weighting each row by its (token, expert) router probability.
         let gate = probs

@@ -16,7 +16,9 @@
 //! Chaining a column layer into a row layer needs no communication in between: the column
 //! layer's output slice is exactly the row layer's input slice. So attention (c_attn column,
 //! heads split across ranks; c_proj row) and the MLP (c_fc column; c_proj row) each cost one
-//! all-reduce in forward (g) and one in backward (f) — see [`crate::ops`].
+//! all-reduce in forward (g) and one in backward (f) — see [`crate::ops`]. Which mapping each
+//! segment kind runs where is one table per kind ([`mapping`]); the layers are built from it and
+//! the cost model counts it.
 //!
 //! **Vocabulary parallelism** ([`vocab`]): the tied `wte` is split by rows; each rank embeds the
 //! tokens in its range, and the loss is computed from vocab-sharded logits without gathering them.
@@ -35,22 +37,20 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
-use mtrain_comm::{Comm, CommError, ReduceOp};
+use mtrain_comm::{Comm, CommError};
 use mtrain_model::gpt::Block;
 use mtrain_model::layers::{linear, LinearParts};
-use mtrain_model::tape::Collective;
 use mtrain_model::{CausalSelfAttention, GptConfig, LayerNorm, Linear, Mlp, Param, Segment};
 
-use crate::ops::{
-    all_gather_along, comm_err, copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
-    reduce_scatter_along, reduce_scatter_to_sequence_parallel_region,
-};
+use crate::ops::gather_from_tp_region;
 use crate::placement::{tp_placement, tp_split_sizes};
 
+pub mod mapping;
 pub mod sequence;
 pub mod shard;
 pub mod vocab;
 
+pub use mapping::{BlockMappings, EmbeddingMappings, HeadMappings, Mapping, Site, TpCollective};
 pub use sequence::SequenceParallelBlock;
 pub use shard::{Placement, ShardLayout, ShardSpec};
 pub use vocab::{vocab_parallel_cross_entropy, VocabParallelEmbedding, VocabParallelHead};
@@ -93,6 +93,26 @@ pub enum ColumnInput {
     SequenceGathered,
 }
 
+impl ColumnInput {
+    /// How the column layers of a sub-layer entered through `enter` ([`BlockMappings`]: f or
+    /// the sequence all-gather) get their input: through f, which they issue, or already
+    /// gathered by the block.
+    pub fn entered_through(enter: Mapping) -> Self {
+        match enter {
+            Mapping::CopyToTp => ColumnInput::Replicated,
+            _ => ColumnInput::SequenceGathered,
+        }
+    }
+
+    /// The mapping the column layer itself issues on its input.
+    pub fn mapping(self) -> Option<Mapping> {
+        match self {
+            ColumnInput::Replicated => Some(Mapping::CopyToTp),
+            ColumnInput::SequenceGathered => None,
+        }
+    }
+}
+
 /// Where a row-parallel layer's partial sums go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RowOutput {
@@ -102,64 +122,21 @@ pub enum RowOutput {
     ReduceScatterSequence,
 }
 
-/// Megatron's mappings of [`crate::ops`] for a hand-written backward: the same collective in
-/// the forward and the same conjugate on the gradient as the autograd op of that name, issued
-/// by the tape at the same place (so a taped block communicates exactly as the recorded one).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mapping {
-    /// f, [`copy_to_tp_region`]: identity forward, all-reduce backward.
-    CopyToTp,
-    /// g, [`reduce_from_tp_region`]: all-reduce forward, identity backward.
-    ReduceFromTp,
-    /// [`crate::ops::gather_from_sequence_parallel_region`] along T: all-gather forward,
-    /// reduce-scatter backward.
-    GatherFromSequence,
-    /// [`reduce_scatter_to_sequence_parallel_region`] along T: reduce-scatter forward,
-    /// all-gather backward.
-    ReduceScatterToSequence,
-}
-
-impl Mapping {
-    /// This mapping over `group`, as a tape's collective.
-    pub fn over(self, group: &Comm) -> Arc<dyn Collective> {
-        Arc::new(TapedMapping {
-            mapping: self,
-            group: group.clone(),
-        })
-    }
-}
-
-struct TapedMapping {
-    mapping: Mapping,
-    group: Comm,
-}
-
-impl TapedMapping {
-    fn all_reduce(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.group
-            .all_reduce(&x.contiguous()?, ReduceOp::Sum)
-            .map_err(comm_err)
-    }
-}
-
-impl Collective for TapedMapping {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let g = self.group.as_ref();
-        match self.mapping {
-            Mapping::CopyToTp => Ok(x.clone()),
-            Mapping::ReduceFromTp => self.all_reduce(x),
-            Mapping::GatherFromSequence => all_gather_along(g, x, SEQ_DIM),
-            Mapping::ReduceScatterToSequence => reduce_scatter_along(g, x, SEQ_DIM),
+impl RowOutput {
+    /// The row layers of a sub-layer left through `leave` ([`BlockMappings`]: g or the
+    /// sequence reduce-scatter).
+    pub fn left_through(leave: Mapping) -> Self {
+        match leave {
+            Mapping::ReduceScatterToSequence => RowOutput::ReduceScatterSequence,
+            _ => RowOutput::AllReduce,
         }
     }
 
-    fn backward(&self, dy: &Tensor) -> candle_core::Result<Tensor> {
-        let g = self.group.as_ref();
-        match self.mapping {
-            Mapping::CopyToTp => self.all_reduce(dy),
-            Mapping::ReduceFromTp => Ok(dy.clone()),
-            Mapping::GatherFromSequence => reduce_scatter_along(g, dy, SEQ_DIM),
-            Mapping::ReduceScatterToSequence => all_gather_along(g, dy, SEQ_DIM),
+    /// The mapping the row layer issues on its partial sums.
+    pub fn mapping(self) -> Mapping {
+        match self {
+            RowOutput::AllReduce => Mapping::ReduceFromTp,
+            RowOutput::ReduceScatterSequence => Mapping::ReduceScatterToSequence,
         }
     }
 }
@@ -178,9 +155,9 @@ pub struct ColumnParallelLinear {
 
 impl Linear for ColumnParallelLinear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let x = match self.input {
-            ColumnInput::Replicated => copy_to_tp_region(x, &self.group)?,
-            ColumnInput::SequenceGathered => x.clone(),
+        let x = match self.input.mapping() {
+            Some(m) => m.apply(x, &self.group)?,
+            None => x.clone(),
         };
         let b = self.bias.as_ref().map(|b| b.tensor());
         let y = linear(&x, &self.weight.tensor(), b.as_ref())?; // (B, T, out/tp)
@@ -206,10 +183,7 @@ impl Linear for ColumnParallelLinear {
         Some(LinearParts {
             weight: &self.weight,
             bias: self.bias.as_ref(),
-            input: match self.input {
-                ColumnInput::Replicated => Some(Mapping::CopyToTp.over(&self.group)),
-                ColumnInput::SequenceGathered => None,
-            },
+            input: self.input.mapping().map(|m| m.over(&self.group)),
             output: None,
         })
     }
@@ -230,13 +204,7 @@ pub struct RowParallelLinear {
 impl Linear for RowParallelLinear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let partial = linear(x, &self.weight.tensor(), None)?; // (B, T, out), partial sum
-        let y = match self.output {
-            RowOutput::AllReduce => reduce_from_tp_region(&partial, &self.group)?, // (B, T, out)
-            RowOutput::ReduceScatterSequence => {
-                reduce_scatter_to_sequence_parallel_region(&partial, SEQ_DIM, &self.group)?
-                // (B, T/tp, out)
-            }
-        };
+        let y = self.output.mapping().apply(&partial, &self.group)?; // (B, T, out) or (B, T/tp, out)
         match &self.bias {
             Some(b) => y.broadcast_add(&b.tensor()),
             None => Ok(y),
@@ -255,13 +223,7 @@ impl Linear for RowParallelLinear {
             weight: &self.weight,
             bias: self.bias.as_ref(),
             input: None,
-            output: Some(
-                match self.output {
-                    RowOutput::AllReduce => Mapping::ReduceFromTp,
-                    RowOutput::ReduceScatterSequence => Mapping::ReduceScatterToSequence,
-                }
-                .over(&self.group),
-            ),
+            output: Some(self.output.mapping().over(&self.group)),
         })
     }
 }
@@ -335,15 +297,13 @@ pub fn build(
         sequence_parallel,
     ))];
     let heads = cfg.n_head / tp.size();
+    let sub = BlockMappings::new(sequence_parallel); // attention's and the MLP's
+    let (input, output) = (
+        ColumnInput::entered_through(sub.enter.mapping),
+        RowOutput::left_through(sub.leave.mapping),
+    );
     for i in 0..cfg.n_layer {
         let h = format!("h.{i}");
-        let (input, output) = match sequence_parallel {
-            false => (ColumnInput::Replicated, RowOutput::AllReduce),
-            true => (
-                ColumnInput::SequenceGathered,
-                RowOutput::ReduceScatterSequence,
-            ),
-        };
         let c_attn = b.column(&format!("{h}.attn.c_attn"), input, tp)?;
         let c_proj = b.row(&format!("{h}.attn.c_proj"), output, tp)?;
         let attn = CausalSelfAttention::new(c_attn, c_proj, heads, cfg.head_dim());

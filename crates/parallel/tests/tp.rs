@@ -5,8 +5,9 @@
 //!   weight and bias gradients (rel ≤ 1e-5).
 //! - `gpt_tp*`: the whole GPT with tp = 2 and 4, with and without sequence parallelism, equals one
 //!   device over 10 SGD steps (loss rel ≤ 1e-5, every gradient rel ≤ 1e-4).
-//! - `trace_*`: the collectives each block issues in forward and backward, and that the tapes
-//!   issue the same ones (kind and bytes, in order) as autograd.
+//! - `trace_*`: the collectives each block issues in forward and backward, that the tapes
+//!   issue the same ones (kind and bytes, in order) as autograd, and that every segment issues
+//!   exactly those of its mapping table (the cost model's description), in order.
 //! - `tapes_*`: every tensor-parallel segment's hand-written backward against autograd, every
 //!   parameter gradient and the input gradient (rel ≤ 1e-5), the whole model through the tapes
 //!   against one device (with and without checkpointing), and at tp = 1 the block's tape
@@ -789,6 +790,56 @@ fn trace_tapes_issue_the_collectives_of_autograd() {
             tapes, autograd,
             "sp {sp}: (kind, bytes) per segment, forward and backward"
         );
+    }
+}
+
+/// Every segment issues exactly the collectives its mapping table describes (the table the cost
+/// model counts), in order: forward the sites' forward collectives (then the head's loss
+/// all-reduces), backward the sites' backward collectives last first; under autograd and the
+/// tapes, with and without sequence parallelism.
+#[test]
+fn trace_segments_issue_the_collectives_of_their_mapping_tables() {
+    use tensor_parallel::vocab::LOSS_ALL_REDUCES;
+    use tensor_parallel::{BlockMappings, EmbeddingMappings, HeadMappings};
+    for sp in [false, true] {
+        let n = cfg().n_layer + 2;
+        let described: Vec<(Vec<OpKind>, Vec<OpKind>)> = (0..n)
+            .map(|i| {
+                let sites = match i {
+                    0 => EmbeddingMappings::new(sp).sites(),
+                    i if i == n - 1 => HeadMappings::new(sp).sites(),
+                    _ => BlockMappings::new(sp).sites(),
+                };
+                let mut fwd: Vec<OpKind> = sites
+                    .iter()
+                    .filter_map(|s| s.mapping.forward().map(|c| c.op()))
+                    .collect();
+                if i == n - 1 {
+                    fwd.extend(LOSS_ALL_REDUCES.iter().map(|_| OpKind::AllReduce));
+                }
+                let bwd = sites
+                    .iter()
+                    .rev()
+                    .filter_map(|s| s.mapping.backward().map(|c| c.op()))
+                    .collect();
+                (fwd, bwd)
+            })
+            .collect();
+        for backward in [Backward::Autograd, Backward::Tapes] {
+            let traced: Vec<(Vec<OpKind>, Vec<OpKind>)> = segment_trace_by(sp, backward)
+                .into_iter()
+                .map(|(f, b)| {
+                    (
+                        f.iter().map(|e| e.0).collect(),
+                        b.iter().map(|e| e.0).collect(),
+                    )
+                })
+                .collect();
+            assert_eq!(
+                traced, described,
+                "sp {sp} {backward:?}: (forward, backward) kinds per segment, traced vs described"
+            );
+        }
     }
 }
 

@@ -8,8 +8,9 @@
 //!               (tp_placement, the expert's ep rank), the stage layout of the plan
 //!   ZeRO        units and needs by the engine's "first user owns it" rule, gathers and frees by
 //!               fsdp::residency, the moves the scheduler runs
-//!   per segment the tensor-, sequence- and expert-parallel collectives of its layers in
-//!               forward, recompute and backward
+//!   per segment the tensor-, sequence- and expert-parallel collectives its layers describe
+//!               (tensor_parallel::mapping's tables, vocab::LOSS_ALL_REDUCES, MOE_EXCHANGES)
+//!               in forward, recompute and backward
 //!   after       runtime::finish_grads (dp average, Σ tp partial, tied wte), loss, expert load,
 //!               the gradient norm, ZeRO's write-back
 //! ```
@@ -28,12 +29,15 @@ use mtrain_model::{GptConfig, MoeConfig};
 
 use super::{broadcast_sent, Collective, CostError, Group, Phase, Result, StepShape, Tally};
 use crate::ddp::{assign_bucket_sizes, DdpConfig, ParamSize};
+use crate::expert_parallel::{MoeExchange, MOE_EXCHANGES};
 use crate::fsdp::{residency, ZeroStage};
 use crate::pipeline::{Action, Schedule, StageLayout};
 use crate::placement::{
     block_of, ep_rank_of_expert, expert_of, is_expert_param, sp_partial, tp_placement, TIED,
 };
 use crate::plan::{DataParallelKind, ParallelPlan};
+use crate::tensor_parallel::vocab::LOSS_ALL_REDUCES;
+use crate::tensor_parallel::{BlockMappings, EmbeddingMappings, HeadMappings, Site, TpCollective};
 use crate::toolbox::final_after_names;
 
 /// Every collective `rank` issues in one optimizer step of `plan` (one `forward_backward` with
@@ -292,110 +296,74 @@ impl Walk {
         }
     }
 
-    /// The collectives of segment `seg`'s forward (also run by the recompute in backward).
+    /// The collectives of segment `seg`'s forward (also run by the recompute in backward), as
+    /// its layers describe them: the tp mappings of its sites in order, the head's loss, the
+    /// MoE layer's exchanges.
     fn segment_forward(&mut self, seg: usize, phase: Phase) {
-        let (b, t, ch, act, sp) = (self.b, self.t, self.ch, self.act, self.sp);
-        let moe_block = self.is_moe_block(seg);
-        let tally = &mut self.tally;
-        if self.dims.tp > 1 {
-            if seg == 0 {
-                match sp {
-                    true => {
-                        let what = "embedding sum (SP)";
-                        tally.reduce_scatter(Group::Tp, what, phase, t, b * ch, act, false)
-                    }
-                    false => {
-                        let what = "embedding sum (g)";
-                        tally.all_reduce(Group::Tp, what, phase, b * t * ch, act, false)
-                    }
-                }
-            } else if seg == self.n_layer + 1 {
-                if sp {
-                    tally.all_gather(Group::Tp, "head input (SP)", phase, t, b * ch, act, false);
-                }
-                // Vocab-parallel cross-entropy: max, Σ exp, target logit over (N, 1), f32.
-                for _ in 0..3 {
-                    let what = "vocab-parallel loss";
-                    tally.all_reduce(Group::Tp, what, phase, b * t, DType::F32, false);
-                }
-            } else {
-                // Attention, then the MLP: a column layer in, a row layer out.
-                for _ in 0..2 {
-                    match sp {
-                        true => {
-                            let (i, o) = ("block input (SP)", "block output (SP)");
-                            tally.all_gather(Group::Tp, i, phase, t, b * ch, act, false);
-                            tally.reduce_scatter(Group::Tp, o, phase, t, b * ch, act, false);
-                        }
-                        false => {
-                            let what = "block output (g)";
-                            tally.all_reduce(Group::Tp, what, phase, b * t * ch, act, false)
-                        }
-                    }
-                }
+        for site in self.tp_sites(seg) {
+            if let Some(c) = site.mapping.forward() {
+                self.tp_collective(c, site.what, phase);
             }
         }
-        if moe_block {
-            if let Some(m) = &self.moe {
-                let (ep, el) = (self.dims.ep, m.n_experts / self.dims.ep);
-                let (counts, sent) = ((m.n_experts * 4) as u64, ((ep - 1) * el * 4) as u64);
-                let what = "expert counts";
-                tally.push(
-                    Group::Ep,
-                    OpKind::AllToAll,
-                    what,
-                    phase,
-                    counts,
-                    sent,
-                    false,
-                    false,
-                );
+        if self.dims.tp > 1 && seg == self.n_layer + 1 {
+            for _ in LOSS_ALL_REDUCES {
+                let n = self.b * self.t;
+                let what = "vocab-parallel loss";
+                self.tally
+                    .all_reduce(Group::Tp, what, phase, n, DType::F32, false);
             }
-            self.token_all_to_alls(["expert dispatch", "expert combine"], phase);
+        }
+        if self.is_moe_block(seg) {
+            for e in MOE_EXCHANGES {
+                self.exchange(e, phase);
+            }
         }
     }
 
-    /// The collectives of segment `seg`'s backward: each forward collective's conjugate.
+    /// The collectives of segment `seg`'s backward: each forward collective's conjugate, last
+    /// first (the loss's all-reduces have none).
     fn segment_backward(&mut self, seg: usize) {
-        let (b, t, ch, act, sp) = (self.b, self.t, self.ch, self.act, self.sp);
         let phase = Phase::Backward;
-        let moe_block = self.is_moe_block(seg);
-        let tally = &mut self.tally;
-        if self.dims.tp > 1 {
-            if seg == 0 {
-                if sp {
-                    let what = "embedding sum (SP)";
-                    tally.all_gather(Group::Tp, what, phase, t, b * ch, act, false);
-                }
-            } else if seg == self.n_layer + 1 {
-                match sp {
-                    true => {
-                        let what = "head input (SP)";
-                        tally.reduce_scatter(Group::Tp, what, phase, t, b * ch, act, false)
-                    }
-                    false => {
-                        let what = "head input (f)";
-                        tally.all_reduce(Group::Tp, what, phase, b * t * ch, act, false)
-                    }
-                }
-            } else {
-                for _ in 0..2 {
-                    match sp {
-                        true => {
-                            let (i, o) = ("block input (SP)", "block output (SP)");
-                            tally.reduce_scatter(Group::Tp, i, phase, t, b * ch, act, false);
-                            tally.all_gather(Group::Tp, o, phase, t, b * ch, act, false);
-                        }
-                        false => {
-                            let what = "block input (f)";
-                            tally.all_reduce(Group::Tp, what, phase, b * t * ch, act, false)
-                        }
-                    }
-                }
+        for site in self.tp_sites(seg).into_iter().rev() {
+            if let Some(c) = site.mapping.backward() {
+                self.tp_collective(c, site.what, phase);
             }
         }
-        if moe_block {
-            self.token_all_to_alls(["expert combine", "expert dispatch"], phase);
+        if self.is_moe_block(seg) {
+            for e in MoeExchange::backward_order() {
+                self.exchange(e, phase);
+            }
+        }
+    }
+
+    /// The tensor-parallel mappings of segment `seg` in forward order, from the tables its
+    /// layers are built from.
+    fn tp_sites(&self, seg: usize) -> Vec<Site> {
+        if self.dims.tp == 1 {
+            Vec::new()
+        } else if seg == 0 {
+            EmbeddingMappings::new(self.sp).sites()
+        } else if seg == self.n_layer + 1 {
+            HeadMappings::new(self.sp).sites()
+        } else {
+            BlockMappings::new(self.sp).sites()
+        }
+    }
+
+    /// One mapping's collective on a micro-batch's activation (B, T, C), split along T.
+    fn tp_collective(&mut self, c: TpCollective, what: &'static str, phase: Phase) {
+        let (b, t, ch, act) = (self.b, self.t, self.ch, self.act);
+        let tally = &mut self.tally;
+        match c {
+            TpCollective::AllReduce => {
+                tally.all_reduce(Group::Tp, what, phase, b * t * ch, act, false)
+            }
+            TpCollective::AllGather => {
+                tally.all_gather(Group::Tp, what, phase, t, b * ch, act, false)
+            }
+            TpCollective::ReduceScatter => {
+                tally.reduce_scatter(Group::Tp, what, phase, t, b * ch, act, false)
+            }
         }
     }
 
@@ -403,24 +371,25 @@ impl Walk {
         self.moe.is_some() && self.dims.ep > 1 && (1..=self.n_layer).contains(&seg)
     }
 
-    /// The token all-to-alls of an MoE layer, in order (a balanced-routing estimate).
-    fn token_all_to_alls(&mut self, order: [&'static str; 2], phase: Phase) {
+    /// One all-to-all of an MoE layer: the counts exactly, the token rows as a balanced-routing
+    /// estimate.
+    fn exchange(&mut self, e: MoeExchange, phase: Phase) {
         let Some(m) = &self.moe else { return };
-        let (rows, sent) = balanced_rows(m, self.b * self.t_loc, self.dims.ep);
-        let row = (self.ch * self.act.size_in_bytes()) as u64;
-        for what in order {
-            let (bytes, sent) = (rows * row, sent * row);
-            self.tally.push(
-                Group::Ep,
-                OpKind::AllToAll,
-                what,
-                phase,
-                bytes,
-                sent,
-                false,
-                true,
-            );
-        }
+        let ep = self.dims.ep;
+        let (bytes, sent, estimate) = match e {
+            MoeExchange::Counts => {
+                let el = m.n_experts / ep;
+                ((m.n_experts * 4) as u64, ((ep - 1) * el * 4) as u64, false)
+            }
+            MoeExchange::Dispatch | MoeExchange::Combine => {
+                let (rows, sent) = balanced_rows(m, self.b * self.t_loc, ep);
+                let row = (self.ch * self.act.size_in_bytes()) as u64;
+                (rows * row, sent * row, true)
+            }
+        };
+        let (what, op) = (e.what(), OpKind::AllToAll);
+        self.tally
+            .push(Group::Ep, op, what, phase, bytes, sent, false, estimate);
     }
 
     /// `ParallelModel::finish_grads`: the dp average (DDP), then the sequence-parallel partial

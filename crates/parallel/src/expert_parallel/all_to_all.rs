@@ -16,6 +16,10 @@
 //! `x`. The op is recorded whenever `x` descends from a `Var`, **even when `x` or `v` has zero
 //! rows**: every rank of the group must issue the backward all-to-all, including one that sent or
 //! received nothing, or its peers would wait for it forever.
+//!
+//! [`MoeExchange`] and [`MOE_EXCHANGES`] describe the MoE layer's three all-to-alls (counts,
+//! dispatch, combine) and their backward order: the layer runs them through
+//! [`MoeExchange::run`], the cost model counts them from the same list.
 
 use candle_core::{Result, Tensor};
 use mtrain_comm::Comm;
@@ -42,4 +46,57 @@ pub fn all_to_all(
             .all_to_all(&grad.contiguous()?, &recv, &send)
             .map_err(candle_core::Error::wrap) // (Σ send_splits, …)
     })
+}
+
+/// One of the all-to-alls over ep an expert-parallel MoE layer issues.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoeExchange {
+    /// The kept rows per expert, (E,) u32, `E_l` to each rank: how many rows each peer will
+    /// send to each of this rank's experts. No gradient.
+    Counts,
+    /// The routed token rows (S, C) → (R, C), to the ranks of their experts.
+    Dispatch,
+    /// The experts' outputs (R, C) → (S, C), back to the tokens' ranks.
+    Combine,
+}
+
+/// The MoE layer's exchanges in the order its forward issues them. Its backward runs the
+/// reverse all-to-all of each one with a gradient, last first ([`MoeExchange::backward_order`]).
+pub const MOE_EXCHANGES: [MoeExchange; 3] = [MoeExchange::Counts, MoeExchange::Dispatch, MoeExchange::Combine];
+
+impl MoeExchange {
+    /// Whether a gradient travels back through it.
+    pub const fn differentiable(self) -> bool {
+        !matches!(self, MoeExchange::Counts)
+    }
+
+    /// What it carries (the cost model's label).
+    pub const fn what(self) -> &'static str {
+        match self {
+            MoeExchange::Counts => "expert counts",
+            MoeExchange::Dispatch => "expert dispatch",
+            MoeExchange::Combine => "expert combine",
+        }
+    }
+
+    /// The exchanges of the layer's backward, in order: combine's reverse, then dispatch's.
+    pub fn backward_order() -> impl Iterator<Item = MoeExchange> {
+        MOE_EXCHANGES
+            .into_iter()
+            .rev()
+            .filter(|e| e.differentiable())
+    }
+
+    /// Runs this exchange of `x` over `group`, given the splits of its own direction for the
+    /// counts and of the dispatch for the token exchanges (`send` rows to each rank, `recv`
+    /// from each): the combine sends them back the reverse way.
+    pub fn run(self, x: &Tensor, send: &[usize], recv: &[usize], group: &Comm) -> Result<Tensor> {
+        match self {
+            MoeExchange::Counts => group
+                .all_to_all(x, send, recv)
+                .map_err(candle_core::Error::wrap),
+            MoeExchange::Dispatch => all_to_all(x, send, recv, group),
+            MoeExchange::Combine => all_to_all(x, recv, send, group),
+        }
+    }
 }

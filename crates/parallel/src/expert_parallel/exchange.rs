@@ -32,10 +32,8 @@ impl Exchange for EpExchange {
         let el = counts.len() / ep;
         let sent: Vec<u32> = counts.iter().map(|&c| c as u32).collect();
         let t = Tensor::from_vec(sent, counts.len(), &self.device)?; // (ep · E_l,)
-        let got = self
-            .group
-            .all_to_all(&t, &vec![el; ep], &vec![el; ep])
-            .map_err(comm_err)?
+        let got = super::MoeExchange::Counts
+            .run(&t, &vec![el; ep], &vec![el; ep], &self.group)?
             .to_vec1::<u32>()?; // (ep · E_l,) entry s·E_l + j: from rank s for local expert j
         Ok(got.into_iter().map(|c| c as usize).collect())
     }

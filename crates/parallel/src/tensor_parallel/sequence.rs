@@ -13,8 +13,9 @@
 //! linear layers shrink by tp. The LayerNorm and row-parallel bias gradients each cover 1/tp of
 //! the tokens; [`super::ShardLayout::sync_partial_grads`] sums them over the group.
 //!
-//! The column layers of a sequence-parallel block take [`super::ColumnInput::SequenceGathered`]
-//! and the row layers [`super::RowOutput::ReduceScatterSequence`].
+//! The mappings are [`BlockMappings::new`]`(true)`'s: the block runs `enter` (the all-gather)
+//! after each LayerNorm, so its column layers take [`super::ColumnInput::SequenceGathered`], and
+//! the row layers `leave` ([`super::RowOutput::ReduceScatterSequence`]).
 //!
 //! Its hand-written backward is the dense block's ([`sharded_block_tape`]) with the all-gather
 //! entering each sub-layer and the row layers' reduce-scatter, each conjugate in its place.
@@ -25,8 +26,7 @@ use mtrain_model::explicit::sharded_block_tape;
 use mtrain_model::tape::Tape;
 use mtrain_model::{CausalSelfAttention, FeedForward, LayerNorm, Mlp, Param, Segment, SegmentOut};
 
-use super::{Mapping, SEQ_DIM};
-use crate::ops::gather_from_sequence_parallel_region;
+use super::BlockMappings;
 
 /// A pre-LayerNorm transformer block whose input and output are this rank's sequence shard.
 pub struct SequenceParallelBlock {
@@ -59,6 +59,9 @@ impl SequenceParallelBlock {
     }
 }
 
+/// The all-gather entering each sub-layer.
+const ENTER: super::Mapping = BlockMappings::new(true).enter.mapping;
+
 impl Segment for SequenceParallelBlock {
     fn name(&self) -> String {
         self.name.clone()
@@ -66,10 +69,9 @@ impl Segment for SequenceParallelBlock {
 
     fn forward(&self, x: &Tensor, _targets: Option<&Tensor>) -> Result<SegmentOut> {
         // x: (B, T/tp, C)
-        let h = gather_from_sequence_parallel_region(&self.ln_1.forward(x)?, SEQ_DIM, &self.group)?; // (B, T, C)
+        let h = ENTER.apply(&self.ln_1.forward(x)?, &self.group)?; // (B, T, C)
         let x = (x + self.attn.forward(&h)?)?; // (B, T/tp, C): c_proj reduce-scatters
-        let h =
-            gather_from_sequence_parallel_region(&self.ln_2.forward(&x)?, SEQ_DIM, &self.group)?; // (B, T, C)
+        let h = ENTER.apply(&self.ln_2.forward(&x)?, &self.group)?; // (B, T, C)
         let out = (x + self.mlp.forward(&h)?.out)?; // (B, T/tp, C)
         Ok(SegmentOut::plain(out))
     }
@@ -95,7 +97,7 @@ impl Segment for SequenceParallelBlock {
             &self.ln_2,
             &self.mlp,
             x,
-            Some(Mapping::GatherFromSequence.over(&self.group)),
+            Some(ENTER.over(&self.group)),
         )
     }
 }

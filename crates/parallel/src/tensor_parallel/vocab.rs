@@ -10,13 +10,15 @@
 //!                                                    loss = mean(ln S − (z_t − m))
 //! ```
 //!
-//! The loss needs three all-reduces of N numbers instead of gathering N·V logits. Each rank ends
-//! with the same loss; the gradient of its logits is `softmax_r − onehot_r`, which autograd gets
-//! from the g's (identity backward: every rank's S and z_t feed the same loss) and the f in front
-//! of the head (the ranks' partial gradients of h are summed).
+//! The loss needs three all-reduces of N numbers ([`LOSS_ALL_REDUCES`]) instead of gathering
+//! N·V logits. Each rank ends with the same loss; the gradient of its logits is
+//! `softmax_r − onehot_r`, which autograd gets from the g's (identity backward: every rank's S
+//! and z_t feed the same loss) and the f in front of the head (the ranks' partial gradients of h
+//! are summed).
 //!
 //! With sequence parallelism the embedding's sum becomes a reduce-scatter along T (each rank
-//! keeps its tokens) and the head first all-gathers the sequence.
+//! keeps its tokens) and the head first all-gathers the sequence. Both segments take their
+//! mappings from the tables of [`super::mapping`].
 //!
 //! Both segments also have a hand-written backward (a [`Tape`]): the same collectives in the
 //! same order, the loss's gradient `(e^(z_r − m)/S − onehot_r)·s/N` written out instead of
@@ -24,6 +26,7 @@
 //!
 //! Legend: `B` batch, `T` sequence, `C` width, `V` vocabulary, `N = B·T`.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor, D};
@@ -34,11 +37,33 @@ use mtrain_model::layers::linear;
 use mtrain_model::tape::{Collective, Tape, TapeGrads};
 use mtrain_model::{LayerNorm, Param, Segment, SegmentOut};
 
-use super::{Mapping, SEQ_DIM};
-use crate::ops::{
-    comm_err, copy_to_tp_region, gather_from_sequence_parallel_region, gather_from_tp_region,
-    reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region,
-};
+use super::{EmbeddingMappings, HeadMappings};
+use crate::ops::{comm_err, gather_from_tp_region, reduce_from_tp_region};
+
+/// One of the vocab-parallel loss's all-reduces over tp: one f32 per token (N, 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LossAllReduce {
+    pub of: &'static str,
+    pub op: ReduceOp,
+}
+
+/// The vocab-parallel loss's collectives, in the order both of its implementations
+/// ([`vocab_parallel_cross_entropy`] and the head's tape) issue them. The max carries no
+/// gradient and the other two are g's (identity backward), so the loss's backward issues none.
+pub const LOSS_ALL_REDUCES: [LossAllReduce; 3] = [
+    LossAllReduce {
+        of: "max logit",
+        op: ReduceOp::Max,
+    },
+    LossAllReduce {
+        of: "Σ exp",
+        op: ReduceOp::Sum,
+    },
+    LossAllReduce {
+        of: "target logit",
+        op: ReduceOp::Sum,
+    },
+];
 
 /// Token + position embedding with `wte` split by vocabulary rows: ids (B, T) u32 → (B, T, C),
 /// or (B, T/tp, C) with sequence parallelism.
@@ -58,6 +83,19 @@ impl VocabParallelEmbedding {
             wpe,
             group,
             sequence_parallel,
+        }
+    }
+
+    /// Its mapping, from the embedding's table (what the cost model counts).
+    pub fn mappings(&self) -> EmbeddingMappings {
+        EmbeddingMappings::new(self.sequence_parallel)
+    }
+
+    /// The positions of a length-`t` sequence this rank's output covers.
+    fn positions(&self, t: usize) -> Range<usize> {
+        match self.sequence_parallel {
+            true => chunk_range(t, self.group.size(), self.group.rank()),
+            false => 0..t,
         }
     }
 }
@@ -97,14 +135,9 @@ impl Segment for VocabParallelEmbedding {
             .index_select(&rows, 0)?
             .broadcast_mul(&mine.unsqueeze(1)?)?; // (N, C), 0 off-shard
         let tok = tok.reshape((b, t, c))?; // (B, T, C), this rank's part of the sum
-        let pos = wpe.narrow(0, 0, t)?; // (T, C)
-        let (tok, pos) = if self.sequence_parallel {
-            let r = chunk_range(t, self.group.size(), self.group.rank());
-            let tok = reduce_scatter_to_sequence_parallel_region(&tok, SEQ_DIM, &self.group)?; // (B, T/tp, C)
-            (tok, pos.narrow(0, r.start, r.len())?) // (T/tp, C)
-        } else {
-            (reduce_from_tp_region(&tok, &self.group)?, pos) // (B, T, C)
-        };
+        let tok = self.mappings().sum.mapping.apply(&tok, &self.group)?; // (B, T, C) or (B, T/tp, C)
+        let r = self.positions(t);
+        let pos = wpe.narrow(0, r.start, r.len())?; // (T, C) or (T/tp, C)
         Ok(SegmentOut::plain(tok.broadcast_add(&pos)?))
     }
 
@@ -164,14 +197,8 @@ fn embedding_tape(e: &VocabParallelEmbedding, idx: &Tensor) -> Result<Option<Box
     let mine = mine.unsqueeze(1)?; // (N, 1)
     let tok = embedding::forward(&wte, &rows)?.broadcast_mul(&mine)?; // (N, C), 0 off-shard
     let tok = tok.reshape((b, t, c))?; // (B, T, C), this rank's part of the sum
-    let (mapping, range) = match e.sequence_parallel {
-        true => (
-            Mapping::ReduceScatterToSequence,
-            chunk_range(t, e.group.size(), e.group.rank()),
-        ),
-        false => (Mapping::ReduceFromTp, 0..t),
-    };
-    let reduce = mapping.over(&e.group);
+    let range = e.positions(t);
+    let reduce = e.mappings().sum.mapping.over(&e.group);
     let tok = reduce.forward(&tok)?; // (B, T, C), or (B, T/tp, C)
     let out = tok.broadcast_add(&wpe.narrow(0, range.start, range.len())?)?;
     Ok(Some(Box::new(EmbeddingTape {
@@ -230,6 +257,11 @@ impl VocabParallelHead {
             sequence_parallel,
         }
     }
+
+    /// Its mapping, from the head's table (what the cost model counts).
+    pub fn mappings(&self) -> HeadMappings {
+        HeadMappings::new(self.sequence_parallel)
+    }
 }
 
 impl Segment for VocabParallelHead {
@@ -239,10 +271,7 @@ impl Segment for VocabParallelHead {
 
     fn forward(&self, x: &Tensor, targets: Option<&Tensor>) -> Result<SegmentOut> {
         let h = self.ln_f.forward(x)?; // (B, T, C), or (B, T/tp, C) with SP
-        let h = match self.sequence_parallel {
-            true => gather_from_sequence_parallel_region(&h, SEQ_DIM, &self.group)?, // (B, T, C)
-            false => copy_to_tp_region(&h, &self.group)?,
-        };
+        let h = self.mappings().input.mapping.apply(&h, &self.group)?; // (B, T, C)
         let wte = self.wte.tensor();
         let logits = linear(&h, &wte, None)?; // (B, T, V/tp)
         match targets {
@@ -320,11 +349,7 @@ fn head_tape(
         return Ok(None);
     }
     let (b, t, c) = x.dims3()?;
-    let enter = match hd.sequence_parallel {
-        true => Mapping::GatherFromSequence,
-        false => Mapping::CopyToTp,
-    }
-    .over(&hd.group);
+    let enter = hd.mappings().input.mapping.over(&hd.group);
     let x = x.detach().reshape((b * t, c))?; // (N_r, C)
     let (h, s) = ln_f.forward(&x)?; // (N_r, C)
     let h = enter.forward(&h.reshape((b, t, c))?)?; // (B, T, C)

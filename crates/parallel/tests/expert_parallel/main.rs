@@ -633,3 +633,71 @@ fn aux_loss_equals_hand_computation() {
     ));
     assert!(!expert_parallel::is_expert_param("h.0.moe.router.weight"));
 }
+
+/// The layer issues the all-to-alls of [`MOE_EXCHANGES`] (what the cost model counts) in order,
+/// and its backward the reverse exchanges of [`MoeExchange::backward_order`]: ep = 2, E = 2, top-1,
+/// every rank routing three tokens to expert 0 and one to expert 1, so a rank's dispatch input
+/// S (4 rows) and combine input R (6 rows on rank 0, 2 on rank 1) differ and the trace's sizes
+/// tell the exchanges apart.
+#[test]
+fn moe_layer_issues_its_described_exchanges_in_order() {
+    use expert_parallel::{MoeExchange, MOE_EXCHANGES};
+    use mtrain_comm::OpKind;
+    let results = run_local(2, Duration::from_secs(30), |b| -> Res<()> {
+        let g = b.world();
+        let dev = Device::Cpu;
+        let t = |v: Vec<f32>, shape: &[usize]| Tensor::from_vec(v, shape, &dev).map_err(s);
+        let router = Param::new("router", t(vec![1., 0., 0., 1.], &[2, 2])?).map_err(s)?;
+        let lin = |name: &str, o: usize, i: usize| -> Res<Box<dyn mtrain_model::Linear>> {
+            let w = t((0..o * i).map(|k| 0.1 * k as f32).collect(), &[o, i])?;
+            Ok(Box::new(DenseLinear::new(
+                Param::new(format!("{name}.weight"), w).map_err(s)?,
+                Some(Param::new(format!("{name}.bias"), t(vec![0.0; o], &[o])?).map_err(s)?),
+            )))
+        };
+        let expert = Mlp::new(lin("c_fc", 8, 2)?, lin("c_proj", 2, 8)?);
+        let cfg = MoeConfig {
+            n_experts: 2,
+            top_k: 1,
+            capacity_factor: 2.0,
+            aux_loss_coef: 0.0,
+            z_loss_coef: 0.0,
+        };
+        let layer = ExpertParallelMoe::new(router, vec![expert], cfg, g.clone()).map_err(s)?;
+        let x = Var::from_tensor(&t(vec![1., 0., 0., 1., 1., 1., 1., -1.], &[4, 2])?).map_err(s)?;
+        g.tracer().set_recording(true);
+        let out = layer.forward(x.as_tensor()).map_err(s)?;
+        let fwd = g.tracer().events();
+        out.out.sum_all().and_then(|l| l.backward()).map_err(s)?;
+        let bwd = g.tracer().events()[fwd.len()..].to_vec();
+        let row = 2 * 4; // C f32
+        let (sent, recv) = (4 * row, if g.rank() == 0 { 6 } else { 2 } * row);
+        let want_fwd: Vec<(OpKind, u64)> = MOE_EXCHANGES
+            .iter()
+            .map(|e| match e {
+                MoeExchange::Counts => (OpKind::AllToAll, 2 * 4), // (E,) u32
+                MoeExchange::Dispatch => (OpKind::AllToAll, sent),
+                MoeExchange::Combine => (OpKind::AllToAll, recv),
+            })
+            .collect();
+        // Backward: each reverse all-to-all's input is its forward's output.
+        let want_bwd: Vec<(OpKind, u64)> = MoeExchange::backward_order()
+            .map(|e| match e {
+                MoeExchange::Combine => (OpKind::AllToAll, sent),
+                _ => (OpKind::AllToAll, recv),
+            })
+            .collect();
+        let got = |v: &[mtrain_comm::TraceEvent]| v.iter().map(|e| (e.op, e.bytes)).collect();
+        let (got_fwd, got_bwd): (Vec<_>, Vec<_>) = (got(&fwd), got(&bwd));
+        if (&got_fwd, &got_bwd) != (&want_fwd, &want_bwd) {
+            return Err(format!(
+                "rank {}: forward {got_fwd:?} / backward {got_bwd:?}, described {want_fwd:?} / {want_bwd:?}",
+                g.rank()
+            ));
+        }
+        Ok(())
+    });
+    for (r, res) in results.into_iter().enumerate() {
+        res.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+}
