@@ -284,3 +284,119 @@ fn wait_ready(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::communicator::{CommError, OpKind};
+    use crate::cpu::conn::Peer;
+    use crate::trace::Tracer;
+
+    /// Group rank 0 of a ring of two whose other member is a bare socket the test drives.
+    fn ring_of_two(timeout: Duration) -> (GroupCore, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let ours = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (theirs, _) = listener.accept().unwrap();
+        let peer = Peer::new(ours, timeout, "test-writer".into()).unwrap();
+        let mut core = GroupCore::new(
+            0,
+            "ring".into(),
+            vec![0, 1],
+            0,
+            timeout,
+            vec![None, Some(peer)],
+            Tracer::new(Instant::now()),
+            Default::default(),
+        );
+        core.begin(OpKind::AllReduce);
+        (core, theirs)
+    }
+
+    fn floats(bytes: &[u8]) -> Vec<f32> {
+        bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    }
+
+    // Our half goes out from the input, theirs arrives, is averaged with ours and forwarded.
+    #[test]
+    fn a_segment_is_combined_in_place_and_forwarded_from_the_result() {
+        let (mut core, mut theirs) = ring_of_two(Duration::from_secs(10));
+        let other = std::thread::spawn(move || {
+            theirs.write_all(bytemuck::cast_slice(&[5f32; 3])).unwrap();
+            let mut got = [0u8; 6 * 4];
+            theirs.read_exact(&mut got).unwrap();
+            floats(&got)
+        });
+        let input = [1f32, 2., 3., 10., 20., 30.];
+        let mut out = [0f32; 6];
+        let arrivals = [Arrival {
+            range: 0..3,
+            reduce: true,
+            complete: true,
+            forward: true,
+        }];
+        core.pump(
+            &input,
+            &mut out,
+            &[(Source::Input, 3..6)],
+            &arrivals,
+            ReduceOp::Avg,
+        )
+        .unwrap();
+        assert_eq!(out[..3], [3., 3.5, 4.]);
+        assert_eq!(other.join().unwrap(), [10., 20., 30., 3., 3.5, 4.]);
+        assert_eq!(core.cur_sent, 24);
+    }
+
+    #[test]
+    fn a_silent_neighbour_times_out_naming_it() {
+        let timeout = Duration::from_millis(300);
+        let (mut core, _theirs) = ring_of_two(timeout);
+        let (input, mut out) = ([1f32; 8], [0f32; 8]);
+        let arrivals = [Arrival {
+            range: 0..4,
+            reduce: true,
+            complete: true,
+            forward: false,
+        }];
+        let start = Instant::now();
+        let err = core
+            .pump(
+                &input,
+                &mut out,
+                &[(Source::Input, 4..8)],
+                &arrivals,
+                ReduceOp::Sum,
+            )
+            .unwrap_err();
+        assert!(matches!(err, CommError::Timeout { peer: 1, .. }), "{err}");
+        assert!(start.elapsed() < timeout * 3, "took {:?}", start.elapsed());
+    }
+
+    #[test]
+    fn a_neighbour_that_hangs_up_mid_segment_is_reported() {
+        let (mut core, mut theirs) = ring_of_two(Duration::from_secs(10));
+        theirs.write_all(&[0u8; 6]).unwrap(); // 6 of the segment's 16 bytes, then gone
+        drop(theirs);
+        let (input, mut out) = ([1f32; 8], [0f32; 8]);
+        let arrivals = [Arrival {
+            range: 0..4,
+            reduce: true,
+            complete: true,
+            forward: false,
+        }];
+        let err = core
+            .pump(&input, &mut out, &[], &arrivals, ReduceOp::Sum)
+            .unwrap_err();
+        assert!(
+            matches!(err, CommError::PeerClosed { peer: 1, .. }),
+            "{err}"
+        );
+    }
+}
