@@ -2,13 +2,13 @@
 //! op's own buffers, receives straight into its result, one `poll` for both neighbours.
 //!
 //! ```text
-//!   left neighbour ──recv──> result[segment] ──combine with input──> result[segment] ──send──> right
-//!                            (kernel copies in)  (once it is whole)   (forwarded from here, no copy)
+//!   left ──recv──> result[seg] ──combine with input[seg]──> result[seg] ──send──> right
+//!                  (the kernel copies in)                   (sent from here: no copy)
 //!
-//!   loop: write to the right until the socket is full ─┐
-//!         read from the left until it is empty;        │  each segment that completes is
-//!           a completed segment is combined and queued ┘  queued, then written at once
-//!         nothing moved: poll(right writable, left readable), at most the group's timeout
+//!   loop { write queued segments to the right until its socket is full;
+//!          read from the left until its socket is empty (a segment that completes is
+//!            combined and queued, and the loop goes back to writing it);
+//!          nothing moved: poll(left readable, right writable), at most the group's timeout }
 //! ```
 //!
 //! A ring step is a dependency chain: a segment can be forwarded only once it has arrived and
@@ -20,8 +20,8 @@
 //! untouched): whenever the socket to the right has room it writes the oldest queued segment
 //! from where it lies, whenever the left one has bytes it reads them into the result where they
 //! belong. The thread sleeps only in `poll`, when neither side can move. (rabit's ring in
-//! xgboost and gloo's ring work the same way; gloo keeps two segments in flight and reduces out
-//! of a scratch buffer instead of the result.)
+//! xgboost is built the same way, on `select`; gloo's ring sends from the output buffer too,
+//! but receives into a two-segment scratch buffer and leaves the socket I/O to a loop thread.)
 //!
 //! Two rules keep it correct. The connection's writer thread is flushed first, so the op's
 //! headers are on the wire before its payload. A receive never lands in a range that a queued
