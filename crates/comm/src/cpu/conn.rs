@@ -336,7 +336,9 @@ impl Peer {
         let mut state = self.written.state.lock().unwrap_or_else(|p| p.into_inner());
         while state.0 < self.queued {
             if state.1 {
-                return Err(ReadFailure::Closed("the connection's writer has stopped".into()));
+                return Err(ReadFailure::Closed(
+                    "the connection's writer has stopped".into(),
+                ));
             }
             let (next, waited) = self
                 .written

@@ -49,7 +49,14 @@ struct Plan {
 }
 
 impl Plan {
-    fn new(r: usize, n: usize, chunks: &[Range<usize>], elem: usize, reduce: bool, gather: bool) -> Plan {
+    fn new(
+        r: usize,
+        n: usize,
+        chunks: &[Range<usize>],
+        elem: usize,
+        reduce: bool,
+        gather: bool,
+    ) -> Plan {
         let segs = |c: usize| segments(chunks[c % n].clone(), elem);
         let mut arrivals = Vec::new();
         let first = if reduce {
@@ -128,7 +135,9 @@ impl GroupCore {
         op: ReduceOp,
     ) -> Result<AccBuf> {
         Ok(match x.dtype() {
-            DType::F32 | DType::BF16 | DType::F16 => AccBuf::F32(self.reduced(x, chunks, gather, op)?),
+            DType::F32 | DType::BF16 | DType::F16 => {
+                AccBuf::F32(self.reduced(x, chunks, gather, op)?)
+            }
             DType::F64 => AccBuf::F64(self.reduced(x, chunks, gather, op)?),
             DType::U8 => AccBuf::U8(self.reduced(x, chunks, gather, op)?),
             DType::U32 => AccBuf::U32(self.reduced(x, chunks, gather, op)?),

@@ -398,9 +398,11 @@ pub(crate) fn combine_into<T: AccElem>(recv: &mut [T], mine: &[T], op: ReduceOp)
 pub(crate) fn with_elems<T: WithDType, R>(x: &Tensor, f: impl FnOnce(&[T]) -> R) -> Result<R> {
     {
         let (storage, layout) = x.storage_and_layout();
-        if let (Storage::Cpu(cpu), Some((start, end)), true) =
-            (&*storage, layout.contiguous_offsets(), x.dtype() == T::DTYPE)
-        {
+        if let (Storage::Cpu(cpu), Some((start, end)), true) = (
+            &*storage,
+            layout.contiguous_offsets(),
+            x.dtype() == T::DTYPE,
+        ) {
             return Ok(f(&T::cpu_storage_as_slice(cpu)?[start..end]));
         }
     }
