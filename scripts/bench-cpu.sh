@@ -11,11 +11,15 @@
 #      torchrun), again in turn; the printed busbw is the median over the rounds.
 # Then the ratios mtrain / PyTorch, with the load average at the start and the end.
 #
+# PARTS picks what runs ("train", "comm", or both, the default). COMPARE=PATH adds another
+# mtrain binary (the one before a change, say) to every all-reduce round, run in turn with the
+# others, and prints its busbw and the ratio of the two binaries next to gloo's.
+#
 # PyTorch (the CPU wheel) is installed into a throwaway virtual environment that is removed at
 # the end; set VENV=DIR to keep one and reuse it across runs.
 #
 # Usage: scripts/bench-cpu.sh   (env: ROUNDS=3 STEPS=60 WARMUP=10 THREADS=$(nproc) NPROCS="2 4"
-#                                ITERS=10 MAXBYTES=256M VENV=)
+#                                ITERS=10 MAXBYTES=256M VENV= PARTS="train comm" COMPARE=)
 # Results: printed; each run's raw output is kept in target/bench-cpu/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +31,17 @@ THREADS=${THREADS:-$(nproc)}
 NPROCS=${NPROCS:-"2 4"}
 ITERS=${ITERS:-10}
 MAXBYTES=${MAXBYTES:-256M}
+PARTS=${PARTS:-"train comm"}
+COMPARE=${COMPARE:-}
+part() { [[ " $PARTS " == *" $1 "* ]]; }
+if ! part train && ! part comm; then
+    echo "PARTS='$PARTS' names neither 'train' nor 'comm'" >&2
+    exit 2
+fi
+if [ -n "$COMPARE" ] && [ ! -x "$COMPARE" ]; then
+    echo "COMPARE='$COMPARE' is not an executable mtrain binary" >&2
+    exit 2
+fi
 OUT=target/bench-cpu
 mkdir -p "$OUT"
 
@@ -60,8 +75,9 @@ PY
 }
 median() { "$PY" -c 'import statistics, sys; print(round(statistics.median(float(x) for x in sys.argv[1:]), 3))' "$@"; }
 
+TRAIN_LINE="training: not run (PARTS='$PARTS')"
 MT=(); PT=()
-for round in $(seq "$ROUNDS"); do
+for round in $(part train && seq "$ROUNDS"); do
     RUN="$OUT/train-run"
     RAYON_NUM_THREADS=$THREADS "$MTRAIN" --steps "$STEPS" --eval-every 0 --log-every 1 --run-dir "$RUN" --overwrite \
         >"$OUT/train-mtrain-$round.log" 2>&1
@@ -72,15 +88,22 @@ for round in $(seq "$ROUNDS"); do
     PT+=("$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["tokens_per_s"])' "$OUT/train-torch-$round.json")")
     echo "round $round: mtrain ${MT[-1]} tok/s, PyTorch ${PT[-1]} tok/s (load $(load))"
 done
-MTM=$(median "${MT[@]}"); PTM=$(median "${PT[@]}")
-TRAIN_LINE="training, tiny preset, $THREADS threads: mtrain $MTM tok/s, PyTorch $PTM tok/s, ratio $("$PY" -c "print(f'{$MTM / $PTM:.2f}')")"
-echo "$TRAIN_LINE"
+if part train; then
+    MTM=$(median "${MT[@]}"); PTM=$(median "${PT[@]}")
+    TRAIN_LINE="training, tiny preset, $THREADS threads: mtrain $MTM tok/s, PyTorch $PTM tok/s, ratio $("$PY" -c "print(f'{$MTM / $PTM:.2f}')")"
+    echo "$TRAIN_LINE"
+fi
 
 # --- all-reduce ---------------------------------------------------------------------------------
-for n in $NPROCS; do
+bench_comm() { # BINARY NAME RANKS ROUND
+    "$1" --nproc-per-node "$3" bench-comm -b 1M -e "$MAXBYTES" -f 4 --op all-reduce \
+        -n "$ITERS" -w 2 --json "$OUT/comm-$2-$3-$4.json" >/dev/null 2>"$OUT/comm-$2-$3-$4.log"
+}
+COMM_NPROCS=$(part comm && echo "$NPROCS" || true)
+for n in $COMM_NPROCS; do
     for round in $(seq "$ROUNDS"); do
-        "$MTRAIN" --nproc-per-node "$n" bench-comm -b 1M -e "$MAXBYTES" -f 4 --op all-reduce \
-            -n "$ITERS" -w 2 --json "$OUT/comm-mtrain-$n-$round.json" >/dev/null 2>"$OUT/comm-mtrain-$n-$round.log"
+        bench_comm "$MTRAIN" mtrain "$n" "$round"
+        if [ -n "$COMPARE" ]; then bench_comm "$COMPARE" compare "$n" "$round"; fi
         "$VENV/bin/torchrun" --nproc_per_node "$n" --master_port "$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')" \
             scripts/bench/torch_comm_ref.py --backend gloo --op all-reduce -b 1M -e "$MAXBYTES" -f 4 \
             --iters "$ITERS" --warmup 2 >"$OUT/comm-gloo-$n-$round.txt" 2>"$OUT/comm-gloo-$n-$round.log"
@@ -91,22 +114,28 @@ done
 echo
 echo "== $(date -u '+%F %H:%M UTC'), load average $(load) =="
 echo "$TRAIN_LINE"
-"$PY" - "$OUT" "$ROUNDS" $NPROCS <<'PY'
+"$PY" - "$OUT" "$ROUNDS" "${COMPARE:+compare}" $COMM_NPROCS <<'PY'
 import json, statistics, sys
-out, rounds, nprocs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+out, rounds, compare, nprocs = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
 for n in nprocs:
-    mt, gl = {}, {}
+    mt, cmp, gl = {}, {}, {}
     for r in range(1, rounds + 1):
-        for row in json.load(open(f"{out}/comm-mtrain-{n}-{r}.json"))["rows"]:
-            mt.setdefault(row["bytes"], []).append(row["busbw_gbps"])
+        for name, into in [("mtrain", mt)] + ([("compare", cmp)] if compare else []):
+            for row in json.load(open(f"{out}/comm-{name}-{n}-{r}.json"))["rows"]:
+                into.setdefault(row["bytes"], []).append(row["busbw_gbps"])
         for line in open(f"{out}/comm-gloo-{n}-{r}.txt"):
             if line.startswith("#") or not line.strip():
                 continue
             b, _count, _us, _alg, bus = line.split()
             gl.setdefault(int(b), []).append(float(bus))
     print(f"all-reduce busbw (GB/s, median of {rounds}), {n} ranks:")
-    print(f"  {'MiB':>5} {'mtrain':>8} {'gloo':>8} {'ratio':>6}")
+    extra = f" {'compare':>8} {'mt/cmp':>6} {'cmp/gloo':>8}" if compare else ""
+    print(f"  {'MiB':>5} {'mtrain':>8} {'gloo':>8} {'ratio':>6}{extra}")
     for b in sorted(mt):
         m, g = statistics.median(mt[b]), statistics.median(gl.get(b, [float("nan")]))
-        print(f"  {b / 2**20:>5.0f} {m:>8.3f} {g:>8.3f} {m / g:>6.2f}")
+        line = f"  {b / 2**20:>5.0f} {m:>8.3f} {g:>8.3f} {m / g:>6.2f}"
+        if compare:
+            c = statistics.median(cmp[b])
+            line += f" {c:>8.3f} {m / c:>6.2f} {c / g:>8.2f}"
+        print(line)
 PY

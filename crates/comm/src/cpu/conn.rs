@@ -260,6 +260,24 @@ pub(crate) struct Peer {
     reader: TcpStream,
     writer: Option<mpsc::Sender<Vec<u8>>>,
     thread: Option<JoinHandle<()>>,
+    /// Buffers handed to the writer thread so far.
+    queued: u64,
+    /// What the writer thread has written, for [`Peer::flush`].
+    written: Arc<Written>,
+}
+
+/// How far a writer thread has got: buffers written whole, and whether it has stopped.
+#[derive(Default)]
+struct Written {
+    state: Mutex<(u64, bool)>,
+    changed: Condvar,
+}
+
+impl Written {
+    fn update(&self, f: impl FnOnce(&mut (u64, bool))) {
+        f(&mut self.state.lock().unwrap_or_else(|p| p.into_inner()));
+        self.changed.notify_all();
+    }
 }
 
 impl Peer {
@@ -270,34 +288,76 @@ impl Peer {
         stream.set_write_timeout(Some(timeout))?;
         let mut out = stream.try_clone()?;
         let (tx, rx) = mpsc::channel::<Vec<u8>>();
+        let written = Arc::new(Written::default());
+        let progress = written.clone();
         let thread = std::thread::Builder::new().name(name).spawn(move || {
             for buf in rx {
                 if out.write_all(&buf).is_err() {
                     // The reader side will see the broken connection and report it.
+                    progress.update(|s| s.1 = true);
                     let _ = out.shutdown(std::net::Shutdown::Both);
                     return;
                 }
+                progress.update(|s| s.0 += 1);
             }
             // Everything queued has been written: tell the peer we are done.
+            progress.update(|s| s.1 = true);
             let _ = out.shutdown(std::net::Shutdown::Write);
         })?;
         Ok(Self {
             reader: stream,
             writer: Some(tx),
             thread: Some(thread),
+            queued: 0,
+            written,
         })
     }
 
     /// Queue bytes for the writer thread; returns at once.
-    pub fn send(&self, buf: Vec<u8>) -> std::result::Result<(), ReadFailure> {
+    pub fn send(&mut self, buf: Vec<u8>) -> std::result::Result<(), ReadFailure> {
         match &self.writer {
-            Some(tx) => tx
-                .send(buf)
-                .map_err(|_| ReadFailure::Closed("the connection's writer has stopped".into())),
+            Some(tx) => {
+                tx.send(buf).map_err(|_| {
+                    ReadFailure::Closed("the connection's writer has stopped".into())
+                })?;
+                self.queued += 1;
+                Ok(())
+            }
             None => Err(ReadFailure::Closed(
                 "the connection was closed after an earlier failure".into(),
             )),
         }
+    }
+
+    /// Wait until the writer thread has written everything queued so far, so the caller may
+    /// write to the socket itself ([`super::pump`]) without interleaving with it. Gives up after
+    /// `timeout` without progress (the peer stopped reading).
+    pub fn flush(&self, timeout: Duration) -> std::result::Result<(), ReadFailure> {
+        let mut state = self.written.state.lock().unwrap_or_else(|p| p.into_inner());
+        while state.0 < self.queued {
+            if state.1 {
+                return Err(ReadFailure::Closed(
+                    "the connection's writer has stopped".into(),
+                ));
+            }
+            let (next, waited) = self
+                .written
+                .changed
+                .wait_timeout(state, timeout)
+                .unwrap_or_else(|p| p.into_inner());
+            if waited.timed_out() && next.0 < self.queued {
+                return Err(ReadFailure::Timeout);
+            }
+            state = next;
+        }
+        Ok(())
+    }
+
+    /// The socket, for the non-blocking calls of [`super::pump`] (the same stream the writer
+    /// thread writes to and [`Peer::recv_into`] reads from).
+    pub fn fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.reader.as_raw_fd()
     }
 
     /// Fill `buf` from the peer.

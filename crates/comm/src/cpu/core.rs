@@ -134,7 +134,8 @@ impl GroupCore {
         }
     }
 
-    fn peer_error(&self, peer: usize, f: ReadFailure) -> CommError {
+    /// The error for a failed read or write with group rank `peer`.
+    pub(super) fn peer_failure(&self, peer: usize, f: ReadFailure) -> CommError {
         let (op, group, seq, rank, peer) = (
             self.cur_op,
             self.name.clone(),
@@ -178,15 +179,27 @@ impl GroupCore {
     pub fn send(&mut self, p: usize, buf: Vec<u8>) -> Result<()> {
         let n = buf.len() as u64;
         let r = self.peer(p)?.send(buf);
-        r.map_err(|f| self.peer_error(p, f))?;
+        r.map_err(|f| self.peer_failure(p, f))?;
         self.cur_sent += n;
         Ok(())
+    }
+
+    /// Wait until everything queued for group rank `p` is on the wire.
+    pub fn flush(&mut self, p: usize) -> Result<()> {
+        let timeout = self.timeout;
+        let r = self.peer(p)?.flush(timeout);
+        r.map_err(|f| self.peer_failure(p, f))
+    }
+
+    /// The socket shared with group rank `p`.
+    pub fn peer_fd(&mut self, p: usize) -> Result<std::os::fd::RawFd> {
+        Ok(self.peer(p)?.fd())
     }
 
     /// Fill `buf` with payload from group rank `p`.
     pub fn recv_into(&mut self, p: usize, buf: &mut [u8]) -> Result<()> {
         let r = self.peer(p)?.recv_into(buf);
-        r.map_err(|f| self.peer_error(p, f))
+        r.map_err(|f| self.peer_failure(p, f))
     }
 
     pub fn recv(&mut self, p: usize, len: usize) -> Result<Vec<u8>> {
@@ -201,7 +214,7 @@ impl GroupCore {
         let mut msg = (body.len() as u32).to_le_bytes().to_vec();
         msg.extend_from_slice(&body);
         let r = self.peer(p)?.send(msg);
-        r.map_err(|f| self.peer_error(p, f))
+        r.map_err(|f| self.peer_failure(p, f))
     }
 
     pub fn recv_header(&mut self, p: usize) -> Result<Header> {

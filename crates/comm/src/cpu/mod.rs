@@ -13,8 +13,9 @@
 //!   the group and both ranks ([`conn`]).
 //! - Each group runs its ops on its own communication thread, in issue order ([`group`]); every
 //!   op exchanges a header that all ranks check ([`wire`]), then runs its algorithm: ring
-//!   all-reduce / reduce-scatter / all-gather ([`ring`]), binomial-tree broadcast and reduce
-//!   ([`tree`]), direct scatter / gather / all-to-all / send / recv ([`direct`]).
+//!   all-reduce / reduce-scatter / all-gather ([`ring`], whose transfers the communication
+//!   thread drives itself with non-blocking calls, [`pump`]), binomial-tree broadcast and
+//!   reduce ([`tree`]), direct scatter / gather / all-to-all / send / recv ([`direct`]).
 //! - Reads give up after the group's timeout; a failure poisons the group.
 //!
 //! Results are new CPU tensors; inputs may be non-contiguous.
@@ -23,6 +24,7 @@ mod conn;
 mod core;
 mod direct;
 mod group;
+mod pump;
 mod ring;
 mod tree;
 mod wire;

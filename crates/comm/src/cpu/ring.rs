@@ -22,78 +22,138 @@
 //! per rank whatever n is: the ring is bandwidth-optimal. Large chunks are cut into segments
 //! (`SEGMENT_BYTES`) and pipelined: as soon as a segment has been received and reduced in step
 //! s it is queued to the right neighbour as part of step s+1, while later segments of step s are
-//! still arriving. Reductions run in f32 for f32/bf16/f16 (partial sums of half-precision inputs
-//! travel as f32) and exactly for integers.
+//! still arriving. An all-reduce runs its 2(n-1) steps as one pipeline: a segment of our own
+//! chunk goes out as all-gather step 0 the moment its reduction is complete, while the rest of
+//! the chunk is still being reduced. The transfers are the [`pump`](super::pump)'s: segments
+//! are received straight into the result, combined there with the input, and sent on from
+//! where they lie, so the input is never copied whole and no segment is copied to be sent.
+//!
+//! Reductions run in f32 for f32/bf16/f16 (partial sums of half-precision inputs travel as f32,
+//! and the all-gather of a half-precision result travels in its own dtype) and exactly for
+//! integers.
 
 use std::ops::Range;
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Tensor, WithDType};
 
 use super::core::{segments, GroupCore};
-use super::wire::{bytes_to_tensor, AccBuf, HostBuf, Scratch};
+use super::pump::{Arrival, Source};
+use super::wire::{bytes_to_tensor, fresh_zeroed, with_elems, AccBuf, AccElem, HostBuf};
 use crate::communicator::{chunk_range, ReduceOp, Result};
 
-impl GroupCore {
-    fn left(&self) -> usize {
-        (self.rank + self.size - 1) % self.size
-    }
-    fn right(&self) -> usize {
-        (self.rank + 1) % self.size
-    }
+/// What rank r of a ring of n sends first and receives, in order, for a reduce-scatter over
+/// `chunks` (element ranges, one per rank; `reduce`), an all-gather (`gather`), or both.
+struct Plan {
+    first: Vec<(Source, Range<usize>)>,
+    arrivals: Vec<Arrival>,
+}
 
-    /// Ring reduce-scatter of `acc`, cut at `chunks` (element ranges, one per rank). Afterwards
-    /// `acc[chunks[rank]]` holds the reduction over all ranks; the rest of `acc` is scratch.
-    pub(crate) fn ring_reduce_scatter(
-        &mut self,
-        acc: &mut AccBuf,
+impl Plan {
+    fn new(
+        r: usize,
+        n: usize,
         chunks: &[Range<usize>],
+        elem: usize,
+        reduce: bool,
+        gather: bool,
+    ) -> Plan {
+        let segs = |c: usize| segments(chunks[c % n].clone(), elem);
+        let mut arrivals = Vec::new();
+        let first = if reduce {
+            // Step s receives chunk r-s-2 and adds our copy; the last one (s = n-2) is chunk r,
+            // complete. Each is forwarded: as the next reduce step, or as all-gather step 0.
+            for s in 0..n - 1 {
+                arrivals.extend(segs(r + 2 * n - s - 2).map(|range| Arrival {
+                    range,
+                    reduce: true,
+                    complete: s == n - 2,
+                    forward: s < n - 2 || gather,
+                }));
+            }
+            segs(r + n - 1).map(|c| (Source::Input, c)).collect()
+        } else {
+            segs(r).map(|c| (Source::Output, c)).collect()
+        };
+        if gather {
+            // Step s receives chunk r-s-1, final, and passes it on unless it has gone round.
+            for s in 0..n - 1 {
+                arrivals.extend(segs(r + 2 * n - s - 1).map(|range| Arrival {
+                    range,
+                    reduce: false,
+                    complete: false,
+                    forward: s < n - 2,
+                }));
+            }
+        }
+        Plan { first, arrivals }
+    }
+}
+
+impl GroupCore {
+    /// The ring over `out`, cut at `chunks`: with `x`, a reduce-scatter of `x` into `out`
+    /// (`out[chunks[rank]]` ends up reduced over all ranks, the rest is scratch); with `gather`,
+    /// an all-gather of `out`'s chunks (ours must be complete, or be made so by the
+    /// reduce-scatter before it). `T` is the accumulation type, or bytes for an all-gather alone.
+    fn ring<T: AccElem + WithDType>(
+        &mut self,
+        x: Option<&Tensor>,
+        out: &mut [T],
+        chunks: &[Range<usize>],
+        gather: bool,
         op: ReduceOp,
     ) -> Result<()> {
-        let n = self.size;
-        let (r, left, right) = (self.rank, self.left(), self.right());
-        let es = acc.elem_size();
-        // Step 0 sends our own copy of chunk r-1.
-        for seg in segments(chunks[(r + n - 1) % n].clone(), es) {
-            self.send(right, acc.encode(seg))?;
+        let es = std::mem::size_of::<T>();
+        let plan = Plan::new(self.rank, self.size, chunks, es, x.is_some(), gather);
+        match x {
+            Some(x) => with_elems(x, |input: &[T]| {
+                self.pump(input, out, &plan.first, &plan.arrivals, op)
+            })?,
+            None => self.pump(&[], out, &plan.first, &plan.arrivals, op),
         }
-        // One receive buffer for every segment of the op, freed with it (a buffer kept past the
-        // op would count as the process's memory between steps).
-        let mut scratch = Scratch::default();
-        for s in 0..n - 1 {
-            let c = (r + 2 * n - s - 2) % n; // the chunk arriving in step s
-            for seg in segments(chunks[c].clone(), es) {
-                acc.recv_combine(seg.clone(), op, &mut scratch, |buf| self.recv_into(left, buf))?;
-                if s + 1 < n - 1 {
-                    // Forward the freshly reduced segment: it is what we send in step s+1.
-                    self.send(right, acc.encode(seg))?;
-                }
-            }
-        }
-        Ok(())
     }
 
-    /// Ring all-gather of `buf`, cut at `chunks` (byte ranges, one per rank). Our own chunk must
-    /// already be in place; afterwards every chunk is.
-    pub(crate) fn ring_all_gather(
+    /// [`ring`](Self::ring) with `x` into a new buffer of its accumulation type `T`.
+    fn reduced<T: AccElem + WithDType>(
         &mut self,
-        buf: &mut [u8],
+        x: &Tensor,
         chunks: &[Range<usize>],
-    ) -> Result<()> {
-        let n = self.size;
-        let (r, left, right) = (self.rank, self.left(), self.right());
-        for seg in segments(chunks[r].clone(), 1) {
-            self.send(right, buf[seg].to_vec())?;
-        }
-        for s in 0..n - 1 {
-            let c = (r + 2 * n - s - 1) % n; // the chunk arriving in step s
-            for seg in segments(chunks[c].clone(), 1) {
-                self.recv_into(left, &mut buf[seg.clone()])?;
-                if s + 1 < n - 1 {
-                    self.send(right, buf[seg].to_vec())?;
-                }
+        gather: bool,
+        op: ReduceOp,
+    ) -> Result<Vec<T>> {
+        let mut out = fresh_zeroed::<T>(x.elem_count());
+        self.ring(Some(x), &mut out, chunks, gather, op)?;
+        Ok(out)
+    }
+
+    /// Reduce-scatter `x` over `chunks` in its accumulation type, then all-gather in it too when
+    /// `gather`.
+    fn reduce_acc(
+        &mut self,
+        x: &Tensor,
+        chunks: &[Range<usize>],
+        gather: bool,
+        op: ReduceOp,
+    ) -> Result<AccBuf> {
+        Ok(match x.dtype() {
+            DType::F32 | DType::BF16 | DType::F16 => {
+                AccBuf::F32(self.reduced(x, chunks, gather, op)?)
             }
-        }
-        Ok(())
+            DType::F64 => AccBuf::F64(self.reduced(x, chunks, gather, op)?),
+            DType::U8 => AccBuf::U8(self.reduced(x, chunks, gather, op)?),
+            DType::U32 => AccBuf::U32(self.reduced(x, chunks, gather, op)?),
+            DType::I64 => AccBuf::I64(self.reduced(x, chunks, gather, op)?),
+            other => {
+                return Err(candle_core::Error::Msg(format!(
+                    "dtype {other:?} cannot be reduced by the CPU backend"
+                ))
+                .into())
+            }
+        })
+    }
+
+    /// The all-gather of `buf`'s chunks (byte ranges, one per rank); ours must be in place.
+    fn ring_all_gather(&mut self, buf: &mut [u8], chunks: &[Range<usize>]) -> Result<()> {
+        self.ring::<u8>(None, buf, chunks, true, ReduceOp::Sum)
     }
 
     pub(crate) fn all_reduce(&mut self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
@@ -109,25 +169,25 @@ impl GroupCore {
         let numel = x.elem_count();
         let n = self.size;
         let chunks: Vec<Range<usize>> = (0..n).map(|i| chunk_range(numel, n, i)).collect();
-        let mut acc = AccBuf::from_tensor(x)?;
-        self.ring_reduce_scatter(&mut acc, &chunks, op)?;
-        let own = chunks[self.rank].clone();
-        acc.finish(own.clone(), op, n);
-
-        // All-gather the reduced chunks in the tensor's own dtype. When that is the accumulation
-        // type, the accumulator already holds our chunk in place and becomes the result.
-        let es = dtype.size_in_bytes();
-        let byte_chunks: Vec<Range<usize>> =
-            chunks.iter().map(|c| c.start * es..c.end * es).collect();
+        // When the tensor's dtype is the accumulation type the whole op is one pipeline in it
+        // and the accumulator becomes the result. A half-precision result is gathered in its
+        // own dtype instead, half the bytes of f32.
+        let half = matches!(dtype, DType::BF16 | DType::F16);
+        let acc = self.reduce_acc(x, &chunks, !half, op)?;
         let mut out = match acc.into_native(dtype) {
-            Ok(native) => native,
+            Ok(native) => return native.into_tensor(&shape),
             Err(acc) => {
+                let own = chunks[self.rank].clone();
+                let es = dtype.size_in_bytes();
                 let mut out = HostBuf::zeros(dtype, numel)?;
-                out.as_bytes_mut()[byte_chunks[self.rank].clone()]
+                out.as_bytes_mut()[own.start * es..own.end * es]
                     .copy_from_slice(&acc.to_native_bytes(own, dtype));
                 out
             }
         };
+        let es = dtype.size_in_bytes();
+        let byte_chunks: Vec<Range<usize>> =
+            chunks.iter().map(|c| c.start * es..c.end * es).collect();
         self.ring_all_gather(out.as_bytes_mut(), &byte_chunks)?;
         out.into_tensor(&shape)
     }
@@ -157,10 +217,8 @@ impl GroupCore {
                 c.start * row..c.end * row
             })
             .collect();
-        let mut acc = AccBuf::from_tensor(x)?;
-        self.ring_reduce_scatter(&mut acc, &chunks, op)?;
+        let acc = self.reduce_acc(x, &chunks, false, op)?;
         let own = chunks[self.rank].clone();
-        acc.finish(own.clone(), op, n);
         let mut out_shape = shape.clone();
         out_shape[0] = chunk_range(rows, n, self.rank).len(); // (D/n, ...)
         bytes_to_tensor(&acc.to_native_bytes(own, dtype), dtype, &out_shape)

@@ -378,6 +378,46 @@ fn combine_slice<T: AccElem>(dst: &mut [T], src: &[T], op: ReduceOp) {
     }
 }
 
+/// `recv[i] = op(mine[i], recv[i])`: [`combine_slice`] for a peer's partial result that was
+/// received straight into the result buffer; the operands keep the same order (ours first).
+pub(crate) fn combine_into<T: AccElem>(recv: &mut [T], mine: &[T], op: ReduceOp) {
+    fn each<T: AccElem>(recv: &mut [T], mine: &[T], f: impl Fn(T, T) -> T) {
+        for (r, m) in recv.iter_mut().zip(mine) {
+            *r = f(*m, *r);
+        }
+    }
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => each(recv, mine, T::add),
+        ReduceOp::Max => each(recv, mine, |a, b| if b > a { b } else { a }),
+        ReduceOp::Min => each(recv, mine, |a, b| if b < a { b } else { a }),
+    }
+}
+
+/// Run `f` on a tensor's elements in row-major order as `T`: the tensor's own storage when it
+/// is a contiguous CPU tensor of that dtype (no copy), else a converted copy.
+pub(crate) fn with_elems<T: WithDType, R>(x: &Tensor, f: impl FnOnce(&[T]) -> R) -> Result<R> {
+    {
+        let (storage, layout) = x.storage_and_layout();
+        if let (Storage::Cpu(cpu), Some((start, end)), true) = (
+            &*storage,
+            layout.contiguous_offsets(),
+            x.dtype() == T::DTYPE,
+        ) {
+            return Ok(f(&T::cpu_storage_as_slice(cpu)?[start..end]));
+        }
+    }
+    let copy: Vec<T> = x.flatten_all()?.to_dtype(T::DTYPE)?.to_vec1()?;
+    Ok(f(&copy))
+}
+
+/// `len` zeroed elements in new memory, asked to be backed by huge pages when large (see
+/// [`host_copy`]): a fresh allocation this size comes zeroed from the kernel, untouched.
+pub(crate) fn fresh_zeroed<T: bytemuck::Pod>(len: usize) -> Vec<T> {
+    let v = vec![T::zeroed(); len];
+    advise_huge_pages(v.as_ptr() as usize, std::mem::size_of_val(v.as_slice()));
+    v
+}
+
 /// Receive a peer's partial result for `dst` through `fill` (into `scratch`, kept by the caller
 /// from one segment of an op to the next so it is allocated and faulted in once per op) and
 /// combine it into `dst`.
@@ -447,11 +487,6 @@ impl AccBuf {
         })
     }
 
-    /// Bytes per accumulated element (what a partial reduction costs on the wire).
-    pub fn elem_size(&self) -> usize {
-        each_acc!(self, v => elem_size_of(v))
-    }
-
     /// Elements `range` as wire bytes.
     pub fn encode(&self, range: std::ops::Range<usize>) -> Vec<u8> {
         each_acc!(self, v => bytemuck::cast_slice(&v[range]).to_vec())
@@ -509,10 +544,6 @@ impl AccBuf {
             _ => self.encode(range),
         }
     }
-}
-
-fn elem_size_of<T: AccElem>(_: &[T]) -> usize {
-    std::mem::size_of::<T>()
 }
 
 #[cfg(test)]
