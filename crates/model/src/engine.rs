@@ -27,7 +27,8 @@
 //! A segment with a hand-written backward ([`crate::explicit`]) runs its graph-free forward
 //! instead, where the engine's [`Backward`] admits the input's device, and keeps its tape; its
 //! backward step is then `tape.backward(gᵢ₊₁)`, which returns the same parameter gradients and
-//! gᵢ without an objective or an autograd graph.
+//! gᵢ without an objective or an autograd graph. The checkpointed forward runs that same
+//! forward and keeps only its output, so the recompute replays its arithmetic exactly.
 //!
 //! A parameter used by several segments (the tied `wte`) is final after the backward of the
 //! lowest-index segment that uses it; `post_backward` fires per segment.
@@ -101,7 +102,7 @@ enum Recorded {
 }
 
 impl Recorded {
-    /// The segment's forward, taped where it has a tape and `backward` admits `x`'s device.
+    /// The segment's forward, taped where it has a tape and `backward` takes the tapes.
     fn run(
         seg: &dyn Segment,
         x: &Tensor,
@@ -170,24 +171,24 @@ impl Activations {
     }
 }
 
-/// Where the engine differentiates a segment by its hand-written backward (its tape,
-/// [`Segment::forward_taped`]) instead of autograd; a segment without a tape always takes
-/// autograd. A value of the engine, not of the process, so two engines in one process (a test
-/// and its oracle) can differ.
+/// Whether the engine differentiates a segment by its hand-written backward (its tape,
+/// [`Segment::forward_taped`]) or by autograd; a segment without a tape (a mixture of experts)
+/// always takes autograd. A value of the engine, not of the process, so two engines in one
+/// process (a test and its oracle) can differ.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Backward {
     /// candle's autograd for every segment: the oracle the tapes are tested against.
     Autograd,
-    /// The tapes on CUDA devices, autograd on CPU (the default: CPU training keeps the path
-    /// every layout's parity tests were written against).
+    /// The tapes on CUDA devices, autograd on CPU (the default).
     #[default]
     TapesOnCuda,
-    /// The tapes on every device (on CPU their operations run as candle ops).
+    /// The tapes wherever a segment has one, on every device: the fused kernels on CUDA, the
+    /// same algorithms on CPU (`mtrain_kernels`).
     Tapes,
 }
 
 impl Backward {
-    /// Whether a segment's tape is used for an input on `device`.
+    /// Whether a segment that has a tape runs it for an input on `device`.
     pub fn tapes_on(&self, device: &Device) -> bool {
         match self {
             Backward::Autograd => false,
@@ -254,18 +255,10 @@ impl Engine {
             } else {
                 SavedInput::Leaf(Var::from_tensor(&x.detach())?)
             };
-            let (rec, st) = if self.checkpointing {
-                // Only the output is needed now: the backward recomputes the segment.
-                let o = seg.forward(input.tensor(), targets)?;
-                let rec = Recorded::Graph {
-                    out: o.out,
-                    aux: o.aux_loss,
-                    params: Vec::new(),
-                };
-                (rec, o.stats.into_iter().collect())
-            } else {
-                Recorded::run(seg.as_ref(), input.tensor(), targets, self.backward)?
-            };
+            // Under checkpointing only the output is kept (dropped with `rec` below), and the
+            // backward recomputes the segment by the same forward, so both passes run the
+            // same arithmetic.
+            let (rec, st) = Recorded::run(seg.as_ref(), input.tensor(), targets, self.backward)?;
             if let Some(a) = rec.aux() {
                 aux_loss += a.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             }
