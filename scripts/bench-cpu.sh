@@ -15,7 +15,8 @@
 # the end; set VENV=DIR to keep one and reuse it across runs.
 #
 # Usage: scripts/bench-cpu.sh   (env: ROUNDS=3 STEPS=60 WARMUP=10 THREADS=$(nproc) NPROCS="2 4"
-#                                ITERS=10 MAXBYTES=256M VENV=)
+#                                ITERS=10 MAXBYTES=256M VENV= PARTS="train comm")
+# PARTS names the parts to run: `train` (1), `comm` (2), or both (the default).
 # Results: printed; each run's raw output is kept in target/bench-cpu/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,8 @@ THREADS=${THREADS:-$(nproc)}
 NPROCS=${NPROCS:-"2 4"}
 ITERS=${ITERS:-10}
 MAXBYTES=${MAXBYTES:-256M}
+PARTS=${PARTS:-"train comm"}
+part() { [[ " $PARTS " == *" $1 "* ]]; }
 OUT=target/bench-cpu
 mkdir -p "$OUT"
 
@@ -60,6 +63,8 @@ PY
 }
 median() { "$PY" -c 'import statistics, sys; print(round(statistics.median(float(x) for x in sys.argv[1:]), 3))' "$@"; }
 
+TRAIN_LINE="training: not run (PARTS=$PARTS)"
+if part train; then
 MT=(); PT=()
 for round in $(seq "$ROUNDS"); do
     RUN="$OUT/train-run"
@@ -75,8 +80,10 @@ done
 MTM=$(median "${MT[@]}"); PTM=$(median "${PT[@]}")
 TRAIN_LINE="training, tiny preset, $THREADS threads: mtrain $MTM tok/s, PyTorch $PTM tok/s, ratio $("$PY" -c "print(f'{$MTM / $PTM:.2f}')")"
 echo "$TRAIN_LINE"
+fi
 
 # --- all-reduce ---------------------------------------------------------------------------------
+if part comm; then
 for n in $NPROCS; do
     for round in $(seq "$ROUNDS"); do
         "$MTRAIN" --nproc-per-node "$n" bench-comm -b 1M -e "$MAXBYTES" -f 4 --op all-reduce \
@@ -87,10 +94,12 @@ for n in $NPROCS; do
         echo "all-reduce $n ranks, round $round done (load $(load))"
     done
 done
+fi
 
 echo
 echo "== $(date -u '+%F %H:%M UTC'), load average $(load) =="
 echo "$TRAIN_LINE"
+part comm || exit 0
 "$PY" - "$OUT" "$ROUNDS" $NPROCS <<'PY'
 import json, statistics, sys
 out, rounds, nprocs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
