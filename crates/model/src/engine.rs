@@ -25,7 +25,7 @@
 //! output (and through it the segment's graph) is kept until that segment's backward.
 //!
 //! A segment with a hand-written backward ([`crate::explicit`]) runs its graph-free forward
-//! instead, where the engine's [`Backward`] admits the input's device, and keeps its tape; its
+//! instead, unless the engine's [`Backward`] is the autograd oracle, and keeps its tape; its
 //! backward step is then `tape.backward(gᵢ₊₁)`, which returns the same parameter gradients and
 //! gᵢ without an objective or an autograd graph. The checkpointed forward runs that same
 //! forward and keeps only its output, so the recompute replays its arithmetic exactly.
@@ -33,7 +33,7 @@
 //! A parameter used by several segments (the tied `wte`) is final after the backward of the
 //! lowest-index segment that uses it; `post_backward` fires per segment.
 
-use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_core::{DType, Result, Tensor, Var};
 
 use crate::gpt::Segment;
 use crate::moe::MoeStats;
@@ -109,7 +109,7 @@ impl Recorded {
         targets: Option<&Tensor>,
         backward: Backward,
     ) -> Result<(Self, Vec<MoeStats>)> {
-        if backward.tapes_on(x.device()) {
+        if backward.uses_tapes() {
             if let Some(tape) = seg.forward_taped(x, targets)? {
                 return Ok((Recorded::Tape(tape), Vec::new()));
             }
@@ -179,20 +179,17 @@ impl Activations {
 pub enum Backward {
     /// candle's autograd for every segment: the oracle the tapes are tested against.
     Autograd,
-    /// The tapes on CUDA devices, autograd on CPU (the default).
+    /// The tapes wherever a segment has one, on every device (the default): the fused kernels
+    /// on CUDA, the same algorithms on CPU (`mtrain_kernels`).
     #[default]
-    TapesOnCuda,
-    /// The tapes wherever a segment has one, on every device: the fused kernels on CUDA, the
-    /// same algorithms on CPU (`mtrain_kernels`).
     Tapes,
 }
 
 impl Backward {
-    /// Whether a segment that has a tape runs it for an input on `device`.
-    pub fn tapes_on(&self, device: &Device) -> bool {
+    /// Whether a segment that has a tape runs it.
+    pub fn uses_tapes(&self) -> bool {
         match self {
             Backward::Autograd => false,
-            Backward::TapesOnCuda => device.is_cuda(),
             Backward::Tapes => true,
         }
     }

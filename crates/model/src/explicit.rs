@@ -36,8 +36,9 @@
 //! layer whose collectives ([`Collective`]) the same block tape runs where Megatron puts them
 //! ([`sharded_block_tape`]; the parallel crate's segments build on it and on [`Norm`]). A
 //! mixture of experts returns none and is differentiated by autograd.
-//! Where the engine runs the tapes is its [`Backward`](crate::engine::Backward) value. The
-//! tests (`explicit::tests`) compare them with autograd on a GPU and on CPU.
+//! Whether the engine runs the tapes is its [`Backward`](crate::engine::Backward) value (by
+//! default it does, on every device). The tests (`explicit::tests`) compare them with autograd
+//! on a GPU and on CPU.
 //!
 //! Legend: `B` batch, `T` time, `C` width, `H` heads, `D` head size, `V` vocabulary, `N = B·T`.
 
@@ -711,19 +712,14 @@ mod tests {
         check(&dev, DType::BF16, 2e-2)
     }
 
-    /// On CPU the tapes' operations run as candle ops, so an engine that runs the tapes on
-    /// every device ([`Backward::Tapes`]) checks their backward wiring without a GPU. The
-    /// default engine keeps autograd on CPU.
+    /// On CPU the tapes run on the kernels crate's CPU versions of their ops, so the tapes'
+    /// backward wiring is checked without a GPU; the default engine runs the tapes everywhere.
     #[test]
     fn tapes_match_autograd_on_cpu() -> Result<()> {
         check(&Device::Cpu, DType::F32, 1e-5)?;
-        let default = Engine::new(false).backward;
-        assert!(
-            !default.tapes_on(&Device::Cpu),
-            "CPU tapes are off by default"
-        );
-        assert!(Backward::Tapes.tapes_on(&Device::Cpu));
-        assert!(!Backward::Autograd.tapes_on(&Device::Cpu));
+        assert_eq!(Engine::new(false).backward, Backward::Tapes, "the default");
+        assert!(Backward::Tapes.uses_tapes());
+        assert!(!Backward::Autograd.uses_tapes());
         Ok(())
     }
 }

@@ -6,7 +6,7 @@
 //! `forward_taped` offers a tape runs the hand-written backward, every other one is
 //! differentiated by candle's autograd.
 //!
-//! # Autograd (the reference; every segment on CPU)
+//! # Autograd (the reference, and the MoE blocks)
 //!
 //! candle's graph keeps every tensor an op was applied to, so a segment keeps each output of a
 //! plain candle op that a later op consumed: views (`reshape` of a contiguous tensor,
@@ -51,29 +51,40 @@
 //! (the normalisation's three gradient chains, 4 + 3 + 5 tensors of N·C, with the max's
 //! gradient and `wte`'s).
 //!
-//! # Tapes (the hand-written backward, `model/src/explicit.rs`)
+//! # Tapes (the hand-written backward, `model/src/explicit.rs`; the default on every device)
 //!
-//! On CUDA the dense blocks, the head and the embedding run graph-free forwards that keep
-//! exactly the tensors their `*Tape` structs name:
+//! The dense and tensor-parallel blocks, the heads and the embeddings run graph-free forwards
+//! that keep exactly the tensors their `*Tape` structs name:
 //!
 //! ```text
-//!   block   h1, qkv (3), y, ym, x1, h2, f (4), g (4), out   17 N·C   + 4 LayerNorm statistics (N) + lse (B·H·T), f32
-//!   head    h, logits (N, V), lse (N)
-//!   embedding  out
+//!   block   h1, h2 (gathered under sp)                           2 N·C
+//!           qkv (3), y, ym, f (4), g (4), split by tp            13 N·C / tp
+//!           x1, out on this rank's rows                          2 N·C (/ tp under sp)
+//!           + 4 LayerNorm statistics per row and lse (B·H/tp·T), f32          (tp = 1: 17 N·C)
+//!   head    h, logits (N, V), lse (N)      vocab-parallel: h, e^(z − max) (N, V/tp) f32, Σ, row, mask (N)
+//!   embedding  out                         vocab-parallel: out, the shard's rows and mask (N)
 //! ```
 //!
 //! (the block input is the previous segment's output, held through the engine's leaf copy) and
-//! the backward frees each tensor after its last use; with the fused kernels its worst moment
-//! is the MLP branch: the incoming gradient, then `dg` (4C wide) beside `g`, then `df` beside
-//! `f` (5 N·C above what is kept); the head's is `dlogits` (N, V). On CPU the same tapes run
-//! in plain candle ops under the engine's `Backward::Tapes`: their forward keeps the same
-//! tensors (the CPU attention keeps no lse); their backward is not counted here (the CPU
-//! attention's backward recomputes under autograd, and the gradients it returns carry that
-//! graph until the step ends).
+//! the backward frees each tensor after its last use; its worst moment is the MLP branch: the
+//! incoming gradient (and its all-gather under sp), then `dg` (4C/tp wide) beside `g`, then
+//! `df` beside `f`; the head's is `dlogits` (N, V) beside the logits (vocab-parallel: its
+//! `dz` statement, four (N, V/tp) f32). The fused kernels (CUDA) and the CPU loops
+//! (`kernels/src/cpu.rs`, f32) allocate the same tensors at the same moments, one output per
+//! op; the CPU attention also materialises the (T, T) scores: its backward holds at most three
+//! score tensors (f32) and four N·C gradients when 11 N·C of the tape are already freed, which
+//! stays at or below the MLP moment while `H·T ≤ 4C` at f32 (the tests' sizes and the tiny
+//! preset's).
 //!
-//! On CUDA the layers without a tape (tensor-parallel blocks, head and embedding, MoE blocks)
-//! run autograd over the fused kernels, whose ops keep their own inputs; they are counted here
-//! with the plain ops' tensors, which no GPU run has checked yet.
+//! The MoE blocks have no tape and run autograd (over the fused kernels on CUDA, whose ops
+//! keep their own inputs; counted here with the plain ops' tensors, which no GPU run has
+//! checked yet).
+//!
+//! # The optimizer step
+//!
+//! After the backward the activations are gone and the step's level is the gradients plus
+//! the optimizer's own worst moment ([`optimizer_step`]); with the tapes' smaller backward it
+//! is the step's peak on a pipeline stage or a ZeRO-1/2 rank.
 //!
 //! Sizes are in bytes, as `f64` so the formulas read as written; callers round once.
 
@@ -100,10 +111,7 @@ impl BackwardPath {
     pub fn of_device(cuda: bool) -> Self {
         match (mtrain_model::Backward::default(), cuda) {
             (mtrain_model::Backward::Autograd, _) => BackwardPath::Autograd,
-            (mtrain_model::Backward::TapesOnCuda, false) => BackwardPath::Autograd,
-            (mtrain_model::Backward::Tapes | mtrain_model::Backward::TapesOnCuda, true) => {
-                BackwardPath::Tapes
-            }
+            (mtrain_model::Backward::Tapes, true) => BackwardPath::Tapes,
             (mtrain_model::Backward::Tapes, false) => BackwardPath::CpuTapes,
         }
     }
@@ -362,8 +370,9 @@ pub fn head(d: &Dims, path: BackwardPath) -> SegmentCost {
             return SegmentCost {
                 input,
                 kept: nc * w + nv * w + d.b * d.t * F32,
-                // dlogits (the fused kernel's output), then dh and the input's gradient.
-                transient: nv * w + 2.0 * nc * w,
+                // dlogits beside the logits, with the row gradients (N,) and, on CPU, the
+                // target ids (N,); then the logits are dropped and dh (N, C) is made.
+                transient: (nv * w + 2.0 * d.b * d.t * F32).max(nc * w),
             };
         }
         (true, true) => {
