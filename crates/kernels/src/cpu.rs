@@ -115,6 +115,7 @@ pub(crate) fn gelu(x: &Tensor) -> Result<Tensor> {
 
 /// dx of GELU at x for dy: dy · [(1 + th)/2 + x/2 (1 − th²) k (1 + 3a x²)], th = tanh u.
 pub(crate) fn gelu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    same_dims("gelu backward", &[x, dy])?;
     with(&[x, dy], |s| {
         let dx = s[0]
             .iter()
@@ -128,6 +129,25 @@ pub(crate) fn gelu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
             .collect();
         tensor(dx, x.shape().clone())
     })
+}
+
+/// An error naming the shapes unless every tensor of `ts` has the first one's.
+fn same_dims(what: &str, ts: &[&Tensor]) -> Result<()> {
+    match ts.iter().all(|t| t.dims() == ts[0].dims()) {
+        true => Ok(()),
+        false => Err(msg(format!(
+            "{what}: shapes {:?} must be equal",
+            ts.iter().map(|t| t.dims()).collect::<Vec<_>>()
+        ))),
+    }
+}
+
+/// The size T of square scores s (..., T, T), or an error naming the shape.
+fn square(what: &str, s: &Tensor) -> Result<usize> {
+    match s.dims() {
+        [.., a, b] if a == b => Ok(*b),
+        d => Err(msg(format!("{what}: scores {d:?} must be (..., T, T)"))),
+    }
 }
 
 /// The width C (last dimension) of x and its number of rows.
@@ -265,7 +285,7 @@ pub(crate) fn row_sum(dy: &Tensor) -> Result<Tensor> {
 /// The causal softmax of scores s (..., T, T) (no mask applied: keys after the query are
 /// skipped): P with zeros above the diagonal, and each row's natural lse (..., T).
 pub(crate) fn causal_softmax(s: &Tensor) -> Result<(Tensor, Tensor)> {
-    let t = s.dim(candle_core::D::Minus1)?;
+    let t = square("causal softmax", s)?;
     with(&[s], |e| {
         let rows = e[0].len() / t;
         let (mut p, mut lse) = (vec![0f32; e[0].len()], Vec::with_capacity(rows));
@@ -290,7 +310,14 @@ pub(crate) fn causal_softmax(s: &Tensor) -> Result<(Tensor, Tensor)> {
 /// P = exp(s − lse) on and below the diagonal of s (..., T, T), zeros above: the forward's
 /// probabilities rebuilt from its lse (..., T).
 pub(crate) fn causal_probs(s: &Tensor, lse: &Tensor) -> Result<Tensor> {
-    let t = s.dim(candle_core::D::Minus1)?;
+    let t = square("causal probabilities", s)?;
+    if lse.elem_count() * t != s.elem_count() {
+        return Err(msg(format!(
+            "causal probabilities: lse {:?} for scores {:?}",
+            lse.dims(),
+            s.dims()
+        )));
+    }
     with(&[s, lse], |e| {
         let mut p = vec![0f32; e[0].len()];
         for (r, (sr, pr)) in e[0].chunks_exact(t).zip(p.chunks_exact_mut(t)).enumerate() {
@@ -307,8 +334,17 @@ pub(crate) fn causal_probs(s: &Tensor, lse: &Tensor) -> Result<Tensor> {
 /// dS = P ∘ (dP − δ) with δ = rowsum(dO ∘ O), for P, dP (..., T, T) and dO, O (..., T, D):
 /// the softmax's backward in one pass over each row (zeros above the diagonal, where P is 0).
 pub(crate) fn score_grad(p: &Tensor, dp: &Tensor, dy: &Tensor, y: &Tensor) -> Result<Tensor> {
-    let t = p.dim(candle_core::D::Minus1)?;
+    let t = square("attention dS", p)?;
     let d = y.dim(candle_core::D::Minus1)?;
+    same_dims("attention dS", &[p, dp])?;
+    same_dims("attention dS", &[dy, y])?;
+    if y.elem_count() / d != p.elem_count() / t {
+        return Err(msg(format!(
+            "attention dS: output {:?} for scores {:?}",
+            y.dims(),
+            p.dims()
+        )));
+    }
     with(&[p, dp, dy, y], |e| {
         let mut ds = vec![0f32; e[0].len()];
         let rows = e[0].chunks_exact(t).zip(e[1].chunks_exact(t));
@@ -356,6 +392,14 @@ pub(crate) fn cross_entropy_backward(
 ) -> Result<Tensor> {
     let (n, v) = logits.dims2()?;
     let ids = targets_of(targets, n, v)?;
+    if lse.elem_count() != n || g.elem_count() != n {
+        return Err(msg(format!(
+            "cross_entropy backward: lse {:?} and row gradients {:?} for logits {:?}",
+            lse.dims(),
+            g.dims(),
+            logits.dims()
+        )));
+    }
     with(&[logits, lse, g], |e| {
         let mut d = Vec::with_capacity(n * v);
         for (r, (row, &id)) in e[0].chunks_exact(v).zip(&ids).enumerate() {
@@ -443,6 +487,30 @@ mod tests {
             "causal softmax",
         );
         close(&causal_probs(&s, &lse)?, &p, "probabilities from lse");
+        Ok(())
+    }
+
+    /// Shapes that do not fit are errors that name them, not silently shortened loops.
+    #[test]
+    fn mismatched_shapes_are_errors() -> Result<()> {
+        let dev = Device::Cpu;
+        let z = |d: &[usize]| Tensor::zeros(d, DType::F32, &dev);
+        let msg = |r: Result<Tensor>| r.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(msg(gelu_backward(&z(&[4, 8])?, &z(&[4, 7])?)).contains("[4, 7]"));
+        assert!(msg(causal_probs(&z(&[2, 5, 4])?, &z(&[2, 5])?)).contains("(..., T, T)"));
+        let e = msg(score_grad(
+            &z(&[2, 5, 5])?,
+            &z(&[2, 5, 5])?,
+            &z(&[3, 5, 8])?,
+            &z(&[3, 5, 8])?,
+        ));
+        assert!(e.contains("[3, 5, 8]"), "{e}");
+        let ids = Tensor::from_vec(vec![0u32, 9], 2, &dev)?;
+        assert!(cross_entropy(&z(&[2, 4])?, &ids)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+            .contains("target 9"));
         Ok(())
     }
 }
