@@ -108,6 +108,13 @@ pub fn forward(qkv: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
         return Ok((y, op.take_lse()?));
     }
     let (q, k, v) = parts(qkv)?;
+    if crate::cpu::takes(&[qkv]) {
+        let s = (q * scale)?.matmul(&k.t()?)?; // (B, H, T, T), unmasked
+        let (p, lse) = crate::cpu::causal_softmax(&s)?; // one pass: mask, max, exp, Σ
+        drop(s);
+        let y = p.matmul(&v)?; // (B, H, T, D)
+        return Ok((y, (lse * std::f64::consts::LOG2_E)?));
+    }
     let s = plain::causal_scores(&q, &k, scale)?; // (B, H, T, T) f32
     let lse = logsumexp(&s)?; // (B, H, T)
     let p = s.broadcast_sub(&lse.unsqueeze(D::Minus1)?)?.exp()?; // (B, H, T, T)
@@ -117,7 +124,9 @@ pub fn forward(qkv: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
 
 /// The gradient (3, B, H, T, D) = dq | dk | dv of packed causal attention from its input qkv,
 /// output y, output gradient dy (B, H, T, D) and the lse2 of [`forward`], recording no graph.
-/// On CPU in candle ops, as the kernels do it (Dao et al. 2022, Algorithm 2):
+/// On CPU as the kernels do it (Dao et al. 2022, Algorithm 2), with the (T, T) scores
+/// materialised: in f32 the products by gemm and the softmax parts in one pass each, in other
+/// dtypes candle ops:
 ///
 /// ```text
 ///   P = exp(s − lse)      δ = rowsum(dO ∘ O)      dS = P ∘ (dO vᵀ − δ)
@@ -134,6 +143,20 @@ pub fn backward(
     let (q, k, v) = parts(qkv)?;
     if fuses(qkv, d) {
         return fused_backward(&q, &k, &v, y, &dy.contiguous()?, lse2, scale);
+    }
+    if crate::cpu::takes(&[qkv, y, dy, lse2]) {
+        let lse = (lse2 * std::f64::consts::LN_2)?; // (B, H, T)
+        let s = (&q * scale)?.matmul(&k.t()?)?; // (B, H, T, T), unmasked
+        let p = crate::cpu::causal_probs(&s, &lse)?; // (B, H, T, T)
+        drop(s);
+        let dp = dy.matmul(&v.t()?)?; // (B, H, T, T)
+        let ds = crate::cpu::score_grad(&p, &dp, dy, y)?; // (B, H, T, T)
+        drop(dp);
+        let dq = (ds.matmul(&k)? * scale)?; // (B, H, T, D)
+        let dk = (ds.t()?.matmul(&q)? * scale)?; // (B, H, T, D)
+        drop(ds);
+        let dv = p.t()?.matmul(dy)?; // (B, H, T, D)
+        return Tensor::stack(&[dq, dk, dv], 0); // (3, B, H, T, D)
     }
     let lse = (lse2 * std::f64::consts::LN_2)?.unsqueeze(D::Minus1)?; // (B, H, T, 1)
     let p = plain::causal_scores(&q, &k, scale)?

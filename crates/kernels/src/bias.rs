@@ -41,10 +41,13 @@ pub fn bias_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// `r + (x + b)` for r, x (N, C) and b (C,), recording no graph: the residual add after a
 /// linear layer with that layer's bias folded in (db is then Σ_rows of the output gradient,
-/// [`grad`]). One pass on CUDA, two candle adds elsewhere.
+/// [`grad`]). One pass on CUDA and on CPU in f32, two candle adds elsewhere.
 pub fn residual_add(r: &Tensor, x: &Tensor, b: &Tensor) -> Result<Tensor> {
     if fuses(x, b) && r.dtype() == x.dtype() {
         return fused_residual_add(r, x, b);
+    }
+    if crate::cpu::takes(&[r, x, b]) {
+        return crate::cpu::residual_add(r, x, b);
     }
     r + x.broadcast_add(b)?
 }
@@ -53,6 +56,9 @@ pub fn residual_add(r: &Tensor, x: &Tensor, b: &Tensor) -> Result<Tensor> {
 pub fn grad(dy: &Tensor, b: &Tensor) -> Result<Tensor> {
     if crate::fused_for(dy) && b.dtype() == dy.dtype() {
         return fused_grad(&dy.contiguous()?, b);
+    }
+    if crate::cpu::takes(&[dy, b]) && dy.dims().last() == b.dims().first() {
+        return crate::cpu::row_sum(dy);
     }
     upcast(dy)?.sum(0)?.to_dtype(b.dtype())
 }

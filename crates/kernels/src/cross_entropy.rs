@@ -34,6 +34,9 @@ pub fn forward(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
     if crate::fused_for(logits) {
         return fused_forward(logits, targets);
     }
+    if crate::cpu::takes(&[logits]) {
+        return crate::cpu::cross_entropy(logits, targets);
+    }
     let lf = upcast(logits)?;
     let logp = log_softmax_last_dim(&lf)?; // (N, V)
     let picked = logp.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?; // (N,)
@@ -46,6 +49,9 @@ pub fn forward(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
 pub fn backward(logits: &Tensor, targets: &Tensor, lse: &Tensor, g: &Tensor) -> Result<Tensor> {
     if crate::fused_for(logits) {
         return fused_backward(logits, targets, lse, g);
+    }
+    if crate::cpu::takes(&[logits, lse, g]) {
+        return crate::cpu::cross_entropy_backward(logits, targets, lse, g);
     }
     let v = logits.dim(1)?;
     let p = upcast(logits)?.broadcast_sub(&lse.unsqueeze(1)?)?.exp()?; // softmax (N, V)

@@ -17,10 +17,13 @@ use crate::msg;
 use crate::plain::{self, upcast};
 
 /// GELU of `x` (any shape), differentiable: the fused kernel on CUDA, else [`plain::gelu`].
-/// On a tensor that records no graph it is also the graph-free forward.
+/// On a tensor that records no graph it is also the graph-free forward (on CPU in f32 the
+/// one-pass loop, since nothing is recorded).
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
     if crate::fused_for(x) {
         fused(x)
+    } else if !x.track_op() && crate::cpu::takes(&[x]) {
+        crate::cpu::gelu(x)
     } else {
         plain::gelu(x)
     }
@@ -31,11 +34,15 @@ pub(crate) fn fused(x: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op1(Gelu)
 }
 
-/// dx of GELU at x for the output gradient dy, recording no graph. On CPU in candle ops:
-/// d/dx [x/2 (1 + tanh u)], u = k (x + a x³), is (1 + th)/2 + x/2 (1 − th²) k (1 + 3a x²).
+/// dx of GELU at x for the output gradient dy, recording no graph. On CPU one pass in f32, in
+/// candle ops for other dtypes: d/dx [x/2 (1 + tanh u)], u = k (x + a x³), is
+/// (1 + th)/2 + x/2 (1 − th²) k (1 + 3a x²).
 pub fn backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     if crate::fused_for(x) && dy.dtype() == x.dtype() {
         return fused_backward(x, &dy.contiguous()?);
+    }
+    if crate::cpu::takes(&[x, dy]) {
+        return crate::cpu::gelu_backward(x, dy);
     }
     let (k, a) = ((2.0 / std::f64::consts::PI).sqrt(), 0.044715);
     let xf = upcast(x)?;

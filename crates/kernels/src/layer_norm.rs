@@ -62,6 +62,9 @@ pub fn forward(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<(Tensor, 
     if fuses(x, w, b) {
         return fused_forward(x, w, b, eps);
     }
+    if crate::cpu::takes(&[x, w, b]) {
+        return crate::cpu::layer_norm(x, w, b, eps);
+    }
     let (y, mean, std) = plain::layer_norm_parts(x, w, b, eps)?; // statistics (N, 1)
     Ok((
         y,
@@ -81,6 +84,9 @@ pub fn backward(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     if fuses(x, w, dy) {
         return fused_backward(x, w, dy, mean, rstd);
+    }
+    if crate::cpu::takes(&[x, w, dy, mean, rstd]) {
+        return crate::cpu::layer_norm_backward(x, w, dy, mean, rstd);
     }
     let (mean, rstd) = (mean.unsqueeze(D::Minus1)?, rstd.unsqueeze(D::Minus1)?); // (N, 1)
     let xhat = upcast(x)?.broadcast_sub(&mean)?.broadcast_mul(&rstd)?; // (N, C)

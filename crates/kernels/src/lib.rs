@@ -30,8 +30,9 @@
 //!   reference the kernels and the hand-written backward passes are tested against.
 //! - **graph-free** (`layer_norm::forward` / `backward`, `attention::forward` / `backward`, ...):
 //!   a forward that returns what its backward needs and a backward that takes it, for the
-//!   hand-written backward passes of the model crate; on CPU each is written out in candle ops
-//!   next to its kernel, so the same tape runs and is tested on either device.
+//!   hand-written backward passes of the model crate; on CPU each runs as a loop over rows in
+//!   f32 (`cpu`, the fused kernels' counterparts) or, in other dtypes, in candle ops next to its
+//!   kernel, so the same tape runs and is tested on either device.
 //!
 //! The CUDA source (`kernels.cu` and the `.cu` files after it) is compiled by NVRTC the first
 //! time a kernel is used, once per (head size, element type), and the PTX is kept for the process
@@ -39,6 +40,7 @@
 //!
 //! # Layout
 //! - [`plain`]: the candle-ops versions (softmax, LayerNorm, causal attention, cross-entropy).
+//! - `cpu`: the graph-free ops' f32 CPU loops (one pass where candle ops make several).
 //! - [`layer_norm`], [`gelu`], [`bias`], [`heads`], [`attention`], [`embedding`],
 //!   [`cross_entropy`], [`adamw`]: one op each, its kernel launch and its dispatch.
 //! - `cuda` (feature `cuda`): NVRTC compilation and the launch pieces the kernels share.
@@ -54,6 +56,7 @@
 pub mod adamw;
 pub mod attention;
 pub mod bias;
+mod cpu;
 pub mod cross_entropy;
 #[cfg(feature = "cuda")]
 mod cuda;

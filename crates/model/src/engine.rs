@@ -25,15 +25,17 @@
 //! output (and through it the segment's graph) is kept until that segment's backward.
 //!
 //! A segment with a hand-written backward ([`crate::explicit`]) runs its graph-free forward
-//! instead, where the engine's [`Backward`] admits the input's device, and keeps its tape; its
+//! instead, unless the engine's [`Backward`] is the autograd oracle, and keeps its tape; its
 //! backward step is then `tape.backward(gᵢ₊₁, loss_scale)`, which returns the same parameter
 //! gradients and gᵢ without an objective or an autograd graph (a tape with an auxiliary loss,
-//! a mixture of experts, adds that loss's gradient times `loss_scale` itself).
+//! a mixture of experts, adds that loss's gradient times `loss_scale` itself). The checkpointed
+//! forward runs that same forward and keeps only its output, so the recompute replays its
+//! arithmetic exactly.
 //!
 //! A parameter used by several segments (the tied `wte`) is final after the backward of the
 //! lowest-index segment that uses it; `post_backward` fires per segment.
 
-use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_core::{DType, Result, Tensor, Var};
 
 use crate::gpt::Segment;
 use crate::moe::MoeStats;
@@ -102,14 +104,14 @@ enum Recorded {
 }
 
 impl Recorded {
-    /// The segment's forward, taped where it has a tape and `backward` admits `x`'s device.
+    /// The segment's forward, taped where it has a tape and `backward` takes the tapes.
     fn run(
         seg: &dyn Segment,
         x: &Tensor,
         targets: Option<&Tensor>,
         backward: Backward,
     ) -> Result<(Self, Vec<MoeStats>)> {
-        if backward.tapes_on(x.device()) {
+        if backward.uses_tapes() {
             if let Some(tape) = seg.forward_taped(x, targets)? {
                 let stats = tape.stats().into_iter().collect();
                 return Ok((Recorded::Tape(tape), stats));
@@ -172,28 +174,25 @@ impl Activations {
     }
 }
 
-/// Where the engine differentiates a segment by its hand-written backward (its tape,
-/// [`Segment::forward_taped`]) instead of autograd; a segment without a tape always takes
-/// autograd. A value of the engine, not of the process, so two engines in one process (a test
-/// and its oracle) can differ.
+/// Whether the engine differentiates a segment by its hand-written backward (its tape,
+/// [`Segment::forward_taped`]) or by autograd; a segment without a tape (a mixture of experts)
+/// always takes autograd. A value of the engine, not of the process, so two engines in one
+/// process (a test and its oracle) can differ.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Backward {
     /// candle's autograd for every segment: the oracle the tapes are tested against.
     Autograd,
-    /// The tapes on CUDA devices, autograd on CPU (the default: CPU training keeps the path
-    /// every layout's parity tests were written against).
+    /// The tapes wherever a segment has one, on every device (the default): the fused kernels
+    /// on CUDA, the same algorithms on CPU (`mtrain_kernels`).
     #[default]
-    TapesOnCuda,
-    /// The tapes on every device (on CPU their operations run as candle ops).
     Tapes,
 }
 
 impl Backward {
-    /// Whether a segment's tape is used for an input on `device`.
-    pub fn tapes_on(&self, device: &Device) -> bool {
+    /// Whether a segment that has a tape runs it.
+    pub fn uses_tapes(&self) -> bool {
         match self {
             Backward::Autograd => false,
-            Backward::TapesOnCuda => device.is_cuda(),
             Backward::Tapes => true,
         }
     }
@@ -256,18 +255,10 @@ impl Engine {
             } else {
                 SavedInput::Leaf(Var::from_tensor(&x.detach())?)
             };
-            let (rec, st) = if self.checkpointing {
-                // Only the output is needed now: the backward recomputes the segment.
-                let o = seg.forward(input.tensor(), targets)?;
-                let rec = Recorded::Graph {
-                    out: o.out,
-                    aux: o.aux_loss,
-                    params: Vec::new(),
-                };
-                (rec, o.stats.into_iter().collect())
-            } else {
-                Recorded::run(seg.as_ref(), input.tensor(), targets, self.backward)?
-            };
+            // Under checkpointing only the output is kept (dropped with `rec` below), and the
+            // backward recomputes the segment by the same forward, so both passes run the
+            // same arithmetic.
+            let (rec, st) = Recorded::run(seg.as_ref(), input.tensor(), targets, self.backward)?;
             if let Some(a) = rec.aux() {
                 aux_loss += a.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             }

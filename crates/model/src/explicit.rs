@@ -30,15 +30,16 @@
 //!
 //! Linear weights are (out, in) and `y = x Wᵀ + b`, so `dx = dy W` and `dW = dyᵀ x`.
 //! The tapes are written in the graph-free ops of `mtrain_kernels` (`layer_norm::forward`,
-//! `attention::backward`, ...): the fused kernels on CUDA, the same algorithms in candle ops on
-//! CPU, so one tape serves both devices. A segment has a tape for layers in f32 or bf16 that
+//! `attention::backward`, ...): the fused kernels on CUDA, the same algorithms as one-pass f32
+//! loops on CPU (`mtrain_kernels::cpu`), so one tape serves both devices. A segment has a tape for layers in f32 or bf16 that
 //! say what they are ([`Linear::parts`], [`FeedForward::moe_parts`](crate::layers::FeedForward::moe_parts)):
 //! a dense layer, or a tensor-parallel column or row layer whose collectives ([`Collective`])
 //! the same block tape runs where Megatron puts them ([`sharded_block_tape`]; the parallel
 //! crate's segments build on it and on [`Norm`]); a block's feed-forward half is the MLP or a
 //! mixture of experts, on one device or with its experts across an expert-parallel group
 //! (the dispatch and combine all-to-alls, [`Exchange`](crate::tape::Exchange), inside the tape).
-//! Where the engine runs the tapes is its [`Backward`](crate::engine::Backward) value.
+//! Whether the engine runs the tapes is its [`Backward`](crate::engine::Backward) value (by
+//! default it does, on every device).
 //!
 //! Where each thing lives:
 //! - here: what every tape is built from: `Dense` (a linear and its collectives), [`Norm`]

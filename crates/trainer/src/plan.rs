@@ -103,7 +103,7 @@ pub struct RankMemory {
 /// from the plan instead of from a built model.
 pub fn rank_memory(cfg: &TrainConfig, plan: &ParallelPlan) -> anyhow::Result<Vec<RankMemory>> {
     let model = cfg.gpt_config()?;
-    let path = BackwardPath::of_device(cfg.device == DeviceKind::Cuda);
+    let path = BackwardPath::of(cfg.backward(), cfg.device == DeviceKind::Cuda);
     (0..plan.dims.pp.max(1))
         .map(|pp_rank| {
             let n = rank_params(&model, plan, pp_rank)?;

@@ -390,7 +390,7 @@ pub fn train_loop(
             cfg.seq_len,
             cfg.dtype.candle().size_in_bytes(),
             cfg.activation_checkpointing,
-            BackwardPath::on(device),
+            BackwardPath::on(cfg.backward(), device),
             cfg.grad_accum,
         );
         AnalyticMemory::new(&model.memory_layout(), step, model.comm_bytes())

@@ -394,11 +394,11 @@ fn predicted_activations_and_peak_match_the_measured_ones_on_every_rank() {
     );
 }
 
-/// The hand-written backward's forward (the tapes, which a GPU runs; here in plain CPU ops,
-/// chosen by the engine's `Backward::Tapes`) keeps what the model counts for the tape path, and the autograd
+/// The hand-written backward's forward (the tapes, the default on every device; here on the
+/// kernels crate's CPU loops) keeps what the model counts for the tape path, and the autograd
 /// forward what it counts for autograd: the heap grown by one `Engine::forward` of the tiny
-/// model at both widths, within ±15%. (Only the forward: the CPU tapes' attention backward
-/// recomputes under autograd, which a GPU does not.)
+/// model at both widths, within ±15%. (The backward's moments are checked through the binary
+/// by the phase test above.)
 #[test]
 fn the_tape_and_autograd_forwards_keep_what_the_model_counts() {
     use candle_core::{Device, Tensor};
@@ -416,7 +416,7 @@ fn the_tape_and_autograd_forwards_keep_what_the_model_counts() {
     };
     let (idx, tgt) = (ids(1), ids(9));
     let probe = CpuProbe;
-    for path in [BackwardPath::Tapes, BackwardPath::Autograd] {
+    for path in [BackwardPath::CpuTapes, BackwardPath::Autograd] {
         for n_embd in [64, 256] {
             let cfg = GptConfig {
                 n_embd,
@@ -429,7 +429,7 @@ fn the_tape_and_autograd_forwards_keep_what_the_model_counts() {
             )
             .expect("model");
             let engine = Engine::new(false).with_backward(match path {
-                BackwardPath::Tapes => Backward::Tapes,
+                BackwardPath::Tapes | BackwardPath::CpuTapes => Backward::Tapes,
                 BackwardPath::Autograd => Backward::Autograd,
             });
             // One warm-up step: the kernels' workspaces and the gradients exist before the

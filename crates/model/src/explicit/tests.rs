@@ -136,19 +136,14 @@ fn tapes_match_autograd_bf16() -> Result<()> {
     check(&dev, DType::BF16, None, 2e-2)
 }
 
-/// On CPU the tapes' operations run as candle ops, so an engine that runs the tapes on
-/// every device ([`Backward::Tapes`]) checks their backward wiring without a GPU. The
-/// default engine keeps autograd on CPU.
+/// On CPU the tapes run on the kernels crate's CPU versions of their ops, so the tapes'
+/// backward wiring is checked without a GPU; the default engine runs the tapes everywhere.
 #[test]
 fn tapes_match_autograd_on_cpu() -> Result<()> {
     check(&Device::Cpu, DType::F32, None, 1e-5)?;
-    let default = Engine::new(false).backward;
-    assert!(
-        !default.tapes_on(&Device::Cpu),
-        "CPU tapes are off by default"
-    );
-    assert!(Backward::Tapes.tapes_on(&Device::Cpu));
-    assert!(!Backward::Autograd.tapes_on(&Device::Cpu));
+    assert_eq!(Engine::new(false).backward, Backward::Tapes, "the default");
+    assert!(Backward::Tapes.uses_tapes());
+    assert!(!Backward::Autograd.uses_tapes());
     Ok(())
 }
 

@@ -6,7 +6,7 @@
 //! `forward_taped` offers a tape runs the hand-written backward, every other one is
 //! differentiated by candle's autograd.
 //!
-//! # Autograd (the reference; every segment on CPU)
+//! # Autograd (the reference, and the MoE blocks)
 //!
 //! candle's graph keeps every tensor an op was applied to, so a segment keeps each output of a
 //! plain candle op that a later op consumed: views (`reshape` of a contiguous tensor,
@@ -51,61 +51,79 @@
 //! (the normalisation's three gradient chains, 4 + 3 + 5 tensors of N·C, with the max's
 //! gradient and `wte`'s).
 //!
-//! # Tapes (the hand-written backward, `model/src/explicit.rs`)
+//! # Tapes (the hand-written backward, `model/src/explicit.rs`; the default on every device)
 //!
-//! On CUDA the dense blocks, the head and the embedding run graph-free forwards that keep
-//! exactly the tensors their `*Tape` structs name:
+//! The dense and tensor-parallel blocks, the heads and the embeddings run graph-free forwards
+//! that keep exactly the tensors their `*Tape` structs name:
 //!
 //! ```text
-//!   block   h1, qkv (3), y, ym, x1, h2, f (4), g (4), out   17 N·C   + 4 LayerNorm statistics (N) + lse (B·H·T), f32
-//!   head    h, logits (N, V), lse (N)
-//!   embedding  out
+//!   block   h1, h2 (gathered under sp)                           2 N·C
+//!           qkv (3), y, ym, f (4), g (4), split by tp            13 N·C / tp
+//!           x1, out on this rank's rows                          2 N·C (/ tp under sp)
+//!           + 4 LayerNorm statistics per row and lse (B·H/tp·T), f32          (tp = 1: 17 N·C)
+//!   head    h, logits (N, V), lse (N)      vocab-parallel: h, e^(z − max) (N, V/tp) f32, Σ, row, mask (N)
+//!   embedding  out                         vocab-parallel: out, the shard's rows and mask (N)
 //! ```
 //!
 //! (the block input is the previous segment's output, held through the engine's leaf copy) and
-//! the backward frees each tensor after its last use; with the fused kernels its worst moment
-//! is the MLP branch: the incoming gradient, then `dg` (4C wide) beside `g`, then `df` beside
-//! `f` (5 N·C above what is kept); the head's is `dlogits` (N, V). On CPU the same tapes run
-//! in plain candle ops under the engine's `Backward::Tapes`: their forward keeps the same
-//! tensors (the CPU attention keeps no lse); their backward is not counted here (the CPU
-//! attention's backward recomputes under autograd, and the gradients it returns carry that
-//! graph until the step ends).
+//! the backward frees each tensor after its last use; its worst moment is the MLP branch: the
+//! incoming gradient (and its all-gather under sp), then `dg` (4C/tp wide) beside `g`, then
+//! `df` beside `f`; the head's is `dlogits` (N, V) beside the logits (vocab-parallel: its
+//! `dz` statement, four (N, V/tp) f32). The fused kernels (CUDA) and the CPU loops
+//! (`kernels/src/cpu.rs`, f32) allocate the same tensors at the same moments, one output per
+//! op; the CPU attention also materialises the (T, T) scores: its backward holds at most three
+//! score tensors (f32) and four N·C gradients when 11 N·C of the tape are already freed, which
+//! stays at or below the MLP moment while `H·T ≤ 4C` at f32 (the tests' sizes and the tiny
+//! preset's).
 //!
-//! On CUDA the layers without a tape (tensor-parallel blocks, head and embedding)
-//! run autograd over the fused kernels, whose ops keep their own inputs; they are counted here
-//! with the plain ops' tensors, which no GPU run has checked yet. MoE blocks have a tape
-//! (`model/src/explicit/moe.rs`) but are counted on every path as autograd keeps them
-//! ([`moe_block`]), which the tape's forward does not match (it keeps the router's
-//! probabilities, the gates, the combined rows and each expert's MLP tensors).
+//! MoE blocks have a tape (`model/src/explicit/moe.rs`) but are counted on every path as
+//! autograd keeps them ([`moe_block`]), which the tape's forward does not match (it keeps the
+//! router's probabilities, the gates, the combined rows and each expert's MLP tensors).
+//!
+//! # The optimizer step
+//!
+//! After the backward the activations are gone and the step's level is the gradients plus
+//! the optimizer's own worst moment ([`optimizer_step`]); with the tapes' smaller backward it
+//! is the step's peak on a pipeline stage or a ZeRO-1/2 rank.
 //!
 //! Sizes are in bytes, as `f64` so the formulas read as written; callers round once.
 
 use serde::Serialize;
 
-/// How a segment's backward runs.
+/// How a segment's backward runs, and on which device (the optimizer's update differs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum BackwardPath {
-    /// candle's autograd over the segment's recorded graph (CPU, and layers without a tape).
+    /// candle's autograd over the segment's recorded graph (the oracle, and layers without a
+    /// tape), on CPU.
     Autograd,
-    /// The hand-written backward passes of the dense blocks, the head and the embedding (CUDA).
+    /// The hand-written backward passes of the dense and tensor-parallel blocks, the heads and
+    /// the embeddings, on the fused CUDA kernels.
     Tapes,
+    /// The same tapes on CPU (`kernels/src/cpu.rs`): the same tensors kept and at the same
+    /// moments, and the optimizer's update in candle ops.
+    CpuTapes,
 }
 
 impl BackwardPath {
-    /// The path the engine's default [`mtrain_model::Backward`] takes for a dense segment on a
-    /// CUDA device (`cuda`) or on the CPU.
-    pub fn of_device(cuda: bool) -> Self {
-        match mtrain_model::Backward::default() {
-            mtrain_model::Backward::Autograd => BackwardPath::Autograd,
-            mtrain_model::Backward::TapesOnCuda if !cuda => BackwardPath::Autograd,
-            _ => BackwardPath::Tapes,
+    /// The path a run on `backward` takes for a dense segment on a CUDA device (`cuda`) or on
+    /// the CPU.
+    pub fn of(backward: mtrain_model::Backward, cuda: bool) -> Self {
+        match (backward, cuda) {
+            (mtrain_model::Backward::Autograd, _) => BackwardPath::Autograd,
+            (mtrain_model::Backward::Tapes, true) => BackwardPath::Tapes,
+            (mtrain_model::Backward::Tapes, false) => BackwardPath::CpuTapes,
         }
     }
 
-    /// [`BackwardPath::of_device`] for `device`.
-    pub fn on(device: &candle_core::Device) -> Self {
-        Self::of_device(device.is_cuda())
+    /// Whether the segments with a tape run it.
+    pub fn taped(&self) -> bool {
+        matches!(self, BackwardPath::Tapes | BackwardPath::CpuTapes)
+    }
+
+    /// [`BackwardPath::of`] for `device`.
+    pub fn on(backward: mtrain_model::Backward, device: &candle_core::Device) -> Self {
+        Self::of(backward, device.is_cuda())
     }
 }
 
@@ -178,37 +196,56 @@ pub struct SegmentCost {
 }
 
 /// The embedding: `wte[idx] + wpe` (autograd: the rows and the sum; tp: the vocab-parallel mask
-/// product and the all-reduce's result and copy, or reduce-scatter with sp; tapes: the output).
+/// product and the all-reduce's result and copy, or reduce-scatter with sp; tapes: the output,
+/// and under tp the shard's rows and mask, (N,) u32 and f32).
 pub fn embedding(d: &Dims, path: BackwardPath) -> SegmentCost {
-    let (nc, w) = (d.nc(), d.w);
-    let kept = match (path, d.tp > 1.0) {
-        (BackwardPath::Tapes, false) => nc * w,
+    let (nc, w, n) = (d.nc(), d.w, d.b * d.t);
+    let tp = d.tp > 1.0;
+    let kept = match (path.taped(), tp) {
+        (true, false) => nc * w,
+        (true, true) => d.nc_local() * w + 2.0 * n * F32,
         (_, false) => 2.0 * nc * w,
         (_, true) => {
             // rows, · mask, then (all-reduce or reduce-scatter) result + copy, + positions
             (2.0 * nc + 3.0 * d.nc_local()) * w
         }
     };
+    let transient = match (path.taped(), tp) {
+        // The output's gradient, the all-gather of it (sp) and its product with the mask.
+        (true, true) => (d.nc_local() + nc + sp_only(d, nc)) * w,
+        // The output's gradient and its sum over the batch.
+        _ => 2.0 * d.nc_local() * w,
+    };
     SegmentCost {
         input: 0.0,
         kept,
-        // The output's gradient and its sum over the batch.
-        transient: 2.0 * d.nc_local() * w,
+        transient,
+    }
+}
+
+/// `x` under sequence parallelism, else 0.
+fn sp_only(d: &Dims, x: f64) -> f64 {
+    match d.sp {
+        true => x,
+        false => 0.0,
     }
 }
 
 /// A dense block (see the module tables).
 pub fn block(d: &Dims, path: BackwardPath) -> SegmentCost {
     let (nc, w, tp) = (d.nc(), d.w, d.tp);
-    let input = d.nc_local() * w;
-    if path == BackwardPath::Tapes && tp == 1.0 {
-        let n = d.b * d.t;
-        let stats = 4.0 * n * F32 + d.b * d.h * d.t * F32;
+    let (input, local) = (d.nc_local() * w, d.nc_local());
+    if path.taped() {
+        // h1, h2 whole (gathered under sp), the 13 between the linears split by tp, x1 and the
+        // output on this rank's rows; the LayerNorm statistics of those rows, lse of its heads.
+        let rows = local / d.c;
+        let stats = 4.0 * rows * F32 + d.b * (d.h / tp) * d.t * F32;
         return SegmentCost {
             input,
-            kept: 17.0 * nc * w + stats,
-            // The incoming gradient, then dg (4C wide) beside g, then df beside f.
-            transient: 5.0 * nc * w,
+            kept: (2.0 * nc + 13.0 * nc / tp + 2.0 * local) * w + stats,
+            // The incoming gradient, its all-gather (sp), then dg (4C/tp wide) beside g, then
+            // df beside f.
+            transient: (local + sp_only(d, nc) + 4.0 * nc / tp) * w,
         };
     }
     let scores = d.scores() * (w + 4.0 * F32 + d.casts());
@@ -238,6 +275,25 @@ fn autograd_block_transient(d: &Dims, gelu_values: f64) -> f64 {
     let gelu = 21.0 * gelu_values * d.w;
     let softmax = 11.0 * d.scores() * F32;
     base + gelu.max(softmax)
+}
+
+/// What the optimizer step adds above the gradients it still holds, at its worst moment:
+///
+/// ```text
+///   update     candle ops (adamw::plain_update, CPU): m, g², v, the denominator, the update,
+///              the decayed weights, update · lr and the new weights of the tensor being stepped
+///              = 8 of the largest stepped tensor (`largest` bytes, f32), the old ones freed
+///              after it; the fused in-place kernel (CUDA): nothing
+///   write-back ZeRO-1/2 (parallel/src/fsdp.rs, after_optimizer_step): every unit's updated
+///              shard joined and all-gathered at once, so `gathered` = the full weights plus
+///              the shards sent, before each unit's gathered weights replace the old ones
+/// ```
+pub fn optimizer_step(largest: f64, gathered: f64, path: BackwardPath) -> f64 {
+    let update = match path {
+        BackwardPath::Tapes => 0.0,
+        BackwardPath::Autograd | BackwardPath::CpuTapes => 8.0 * largest,
+    };
+    update.max(gathered)
 }
 
 /// The rows one MoE layer dispatched on a rank in one pass.
@@ -310,13 +366,27 @@ pub fn head(d: &Dims, path: BackwardPath) -> SegmentCost {
     let (nc, w, tp) = (d.nc(), d.w, d.tp);
     let nv = d.b * d.t * d.v / tp;
     let input = d.nc_local() * w;
-    if path == BackwardPath::Tapes && tp == 1.0 {
-        return SegmentCost {
-            input,
-            kept: nc * w + nv * w + d.b * d.t * F32,
-            // dlogits (the fused kernel's output), then dh and the input's gradient.
-            transient: nv * w + 2.0 * nc * w,
-        };
+    match (path.taped(), tp > 1.0) {
+        (true, false) => {
+            return SegmentCost {
+                input,
+                kept: nc * w + nv * w + d.b * d.t * F32,
+                // dlogits beside the logits, with the row gradients (N,) and, on CPU, the
+                // target ids (N,); then the logits are dropped and dh (N, C) is made.
+                transient: (nv * w + 2.0 * d.b * d.t * F32).max(nc * w),
+            };
+        }
+        (true, true) => {
+            // The vocab-parallel tape (`parallel/src/tensor_parallel/vocab.rs`): h (gathered
+            // under sp), e^(z − max) (N, V/tp) f32, and per row Σ, the target's row and mask.
+            return SegmentCost {
+                input,
+                kept: nc * w + nv * F32 + 3.0 * d.b * d.t * F32,
+                // dz's statement: the one-hot mask, e/Σ, − mask and · s/N, all (N, V/tp) f32.
+                transient: 4.0 * nv * F32,
+            };
+        }
+        _ => {}
     }
     let norm = d.layer_norm(d.nc_local());
     // f: the copy (tp), or the sequence gather's result and copy (sp).

@@ -185,11 +185,26 @@ pub fn step_memory(
         state.param_bytes,
         grad_per_param,
     );
+    // The optimizer step, after the activations are gone: the gradients and its own worst
+    // moment; the largest tensor it steps is a block's widest weight (or the tied embedding),
+    // or under ZeRO a block unit's decayed shard.
+    let (c, tp) = (cfg.n_embd as f64, layout.tp.max(1) as f64);
+    let widest = (4.0 * c * c / tp).max(cfg.vocab_size as f64 * c / tp);
+    let largest = match state.optim_shards > 1 {
+        true => 12.0 * c * c / tp / state.optim_shards as f64,
+        false => widest,
+    } * 4.0;
+    let gathered = match state.param_copy_shards {
+        0 => 0.0,
+        n => state.n_params as f64 * state.param_bytes as f64 * (1.0 + 1.0 / n as f64),
+    };
+    let optimizer = state.grads() as f64 + kept::optimizer_step(largest, gathered, path);
     StepMemory {
         earlier_grads: match grad_accum > 1 {
             true => state.grads(),
             false => 0,
         },
+        peak: step.peak.max(optimizer as u64),
         ..step
     }
 }
