@@ -253,8 +253,8 @@ fn the_citation_scan_reads_paths_as_a_reader_would() {
 
 /// One crate's modules and which of them each imports: `a -> b` when a file of top-level
 /// module `a` (its own file or any file under its folder) names `crate::b` (or reaches `b`
-/// through enough `super::`s). Comments and the trailing `#[cfg(test)] mod tests` are left
-/// out: a doc link or a test's import is not the module's dependency.
+/// through enough `super::`s). Comments, the trailing `#[cfg(test)] mod tests` and a module's
+/// `tests.rs` are left out: a doc link or a test's import is not the module's dependency.
 struct ModuleGraph {
     edges: BTreeSet<(String, String)>,
 }
@@ -276,6 +276,8 @@ impl ModuleGraph {
             .iter()
             .filter_map(|p| p.strip_prefix(&prefix))
             .filter(|p| p.ends_with(".rs"))
+            // A module's test file (`a/tests.rs`) is its trailing test module moved out.
+            .filter(|p| !p.ends_with("/tests.rs"))
             .collect();
         let modules: BTreeSet<String> = files.iter().filter_map(|f| top_of(f)).collect();
         let mut edges = BTreeSet::new();
