@@ -329,8 +329,14 @@ impl ParallelModel {
                 ReduceOp::Sum,
             )?)?[0],
         };
-        let both = Tensor::new(&[report.loss, aux], self.dp.device())?;
-        let avg = f64_of(&self.dp.all_reduce(&both, ReduceOp::Avg)?)?;
+        // A group of one has nothing to average (and no copy to make to the device and back).
+        let avg = match self.dp.size() {
+            1 => vec![report.loss, aux],
+            _ => {
+                let both = Tensor::new(&[report.loss, aux], self.dp.device())?;
+                f64_of(&self.dp.all_reduce(&both, ReduceOp::Avg)?)?
+            }
+        };
         let moe_load = match (&self.cfg.moe, report.moe_stats.is_empty()) {
             (Some(_), false) => Some(
                 expert_parallel::total_load(&report.moe_stats, &self.dp)
@@ -446,6 +452,9 @@ impl ParallelModel {
                 s
             }
         };
+        if self.world.size() == 1 {
+            return Ok(local);
+        }
         let t = Tensor::new(&[local], self.world.device())?;
         Ok(f64_of(&self.world.all_reduce(&t, ReduceOp::Sum)?)?[0])
     }
