@@ -1,5 +1,5 @@
 //! Full reductions that stay fast on a GPU: Σ of every element, reduced in rows first, and the
-//! sum of squares of many tensors (the gradient norm) in one launch per tensor.
+//! sum of squares of many tensors (the gradient norm) in one launch for all of them.
 //!
 //! candle reduces a tensor to a scalar with one CUDA block per output element, so `sum_all` of a
 //! large tensor runs on a single streaming multiprocessor: for GPT-2 124M the squared gradient
@@ -18,12 +18,12 @@
 //!
 //! [`sq_sum_f64_all`] is Σ x² over a list of tensors, the square of a global gradient norm. In
 //! candle ops each tensor costs a cast to f64, a square and the row sums (about six kernels and
-//! two f64 copies of the tensor); on CUDA one kernel per tensor (`sq_sum.cu`) reads it once and
-//! writes its per-block partial sums, in f64, into one buffer shared by the whole list, which is
-//! read back once and added on the host in a fixed order:
+//! two f64 copies of the tensor); on CUDA one launch for the whole list (`sq_sum.cu`) reads every
+//! tensor once, tensor k in blocks of its own, which write their partial sums, in f64, into one
+//! buffer that is read back once and added on the host in a fixed order:
 //!
 //! ```text
-//!   tensor k (n_k elements) ─ sq_sum_partials, B_k blocks ─> partials[o_k .. o_k + B_k)
+//!   tensor k (n_k elements) ─ blocks o_k .. o_k + B_k of one launch ─> partials[o_k .. o_k + B_k)
 //!   partials (Σ B_k f64) ─ one read-back ─> Σ on the host          (o_k = B_0 + … + B_{k−1})
 //! ```
 //!
@@ -68,8 +68,8 @@ pub fn sq_sum_f64(t: &Tensor) -> Result<f64> {
 
 /// Σ x² over every element of every tensor in `tensors`, in f64, read back once.
 ///
-/// On CUDA, where every tensor is bf16 or f32 on one device, one `sq_sum_partials` launch per
-/// tensor and one read-back of all the partials; otherwise (CPU, other dtypes) each tensor's
+/// On CUDA, where every tensor is bf16 or f32 on one device, one `sq_sum_partials` launch for
+/// all of them and one read-back of the partials; otherwise (CPU, other dtypes) each tensor's
 /// [`sq_sum_f64_tensor`] on the device, the scalars stacked and read back together.
 pub fn sq_sum_f64_all<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<f64> {
     let tensors: Vec<&Tensor> = tensors.into_iter().collect();
@@ -106,50 +106,62 @@ mod partials {
 
 #[cfg(feature = "cuda")]
 mod partials {
-    use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+    use candle_core::cuda_backend::cudarc::driver::{DevicePtr, PushKernelArg, SyncOnDrop};
     use candle_core::cuda_backend::WrapErr;
-    use candle_core::{DType, Result, Tensor};
+    use candle_core::{DType, Result, Storage, Tensor};
 
     use super::sq_sum_blocks;
-    use crate::cuda::{blocks, device, kernel, slice, storage};
+    use crate::cuda::{blocks, device, kernel, storage};
 
-    /// One `sq_sum_partials` launch per tensor into one f64 buffer, read back once, added in
-    /// order on the host. The tensors are bf16 or f32 on one CUDA device.
+    /// One `sq_sum_partials` launch over every tensor into one f64 buffer, read back once,
+    /// added in order on the host. The tensors are bf16 or f32 on one CUDA device.
+    ///
+    /// The launch reads a table of the tensors' addresses, sizes, first blocks and dtypes (one
+    /// small copy to the device), so the host's cost does not grow with a launch per tensor.
     pub fn sq_sum(tensors: &[&Tensor]) -> Result<f64> {
         let dev = device(tensors[0])?;
-        let counts: Vec<usize> = tensors.iter().map(|t| sq_sum_blocks(t.elem_count())).collect();
-        let total: usize = counts.iter().sum();
-        // Every block of a launch writes its own slot; zeroed for a tensor with no elements,
-        // which launches nothing.
-        let mut out = dev.alloc_zeros::<f64>(total)?;
-        let mut at = 0;
-        for (t, &nb) in tensors.iter().zip(&counts) {
-            let n = t.elem_count();
-            if n > 0 {
-                let t = t.contiguous()?;
-                let f = kernel(&dev, None, t.dtype(), "sq_sum_partials")?;
-                let (st, off) = storage(&t, "sq_sum")?;
-                let n64 = n as i64;
-                let mut part = out.slice_mut(at..at + nb);
-                let mut b = f.builder();
-                match t.dtype() {
-                    DType::BF16 => {
-                        let xs = slice::<half::bf16>(&st)?.slice(off..);
-                        b.arg(&xs).arg(&n64).arg(&mut part);
-                        // SAFETY: (const elem* x, long n, double* out) as in sq_sum.cu, in the
-                        // bf16 instantiation; x holds n elements, out nb slots, one per block.
-                        unsafe { b.launch(blocks((nb, 1), 256)) }.w()?;
-                    }
-                    _ => {
-                        let xs = slice::<f32>(&st)?.slice(off..);
-                        b.arg(&xs).arg(&n64).arg(&mut part);
-                        // SAFETY: as above, in the f32 instantiation.
-                        unsafe { b.launch(blocks((nb, 1), 256)) }.w()?;
-                    }
+        let stream = dev.cuda_stream();
+        let k = tensors.len();
+        let tensors: Vec<Tensor> = tensors.iter().map(|t| t.contiguous()).collect::<Result<_>>()?;
+        let held = tensors
+            .iter()
+            .map(|t| storage(t, "sq_sum"))
+            .collect::<Result<Vec<_>>>()?;
+        // table: addresses | sizes | first blocks (k + 1) | bf16 flags, as sq_sum.cu reads it.
+        let mut table = vec![0u64; 4 * k + 1];
+        let mut reads: Vec<SyncOnDrop<'_>> = Vec::with_capacity(k);
+        let mut total = 0usize;
+        for (j, (t, (st, off))) in tensors.iter().zip(&held).enumerate() {
+            let Storage::Cuda(c) = &**st else {
+                return Err(crate::msg("sq_sum: expected a CUDA tensor".into()));
+            };
+            let (base, read) = match t.dtype() {
+                DType::BF16 => c.as_cuda_slice::<half::bf16>()?.device_ptr(&stream),
+                DType::F32 => c.as_cuda_slice::<f32>()?.device_ptr(&stream),
+                other => {
+                    return Err(crate::msg(format!("sq_sum: dtype {other:?} (bf16 or f32 only)")))
                 }
-            }
-            at += nb;
+            };
+            table[j] = base + (off * t.dtype().size_in_bytes()) as u64;
+            table[k + j] = t.elem_count() as u64;
+            table[2 * k + j] = total as u64;
+            table[3 * k + 1 + j] = u64::from(t.dtype() == DType::BF16);
+            total += sq_sum_blocks(t.elem_count());
+            reads.push(read);
         }
+        table[3 * k] = total as u64;
+        let table = dev.clone_htod(&table)?;
+        // SAFETY: every block writes its own slot of `out` (sq_sum.cu), so none is read unset.
+        let mut out = unsafe { dev.alloc::<f64>(total)? };
+        let f = kernel(&dev, None, DType::F32, "sq_sum_partials")?;
+        let k32 = k as i32;
+        let mut b = f.builder();
+        b.arg(&table).arg(&k32).arg(&mut out);
+        // SAFETY: (const u64* table, int k, double* out) as in sq_sum.cu; the table holds the
+        // 4k + 1 entries it reads, each address k's n elements of the dtype its flag names, held
+        // by `held` until the launch is enqueued; out holds one slot per block of the grid.
+        unsafe { b.launch(blocks((total, 1), 256)) }.w()?;
+        drop(reads);
         let host = dev.clone_dtoh(&out)?;
         Ok(host.into_iter().sum())
     }
