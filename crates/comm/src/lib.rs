@@ -6,6 +6,8 @@
 //! - [`cpu`]: the CPU backend over TCP (ring all-reduce = ring reduce-scatter + ring all-gather).
 //! - `nccl` (feature `cuda`): the NCCL backend, one communicator and communication stream per
 //!   group, split by concern like `cpu`.
+//! - [`staged`]: a group on a GPU whose collectives run through the CPU backend (ranks that
+//!   share one GPU).
 //! - [`store`]: the TCP rendezvous store hosted by rank 0.
 //! - [`env`]: the torchrun-style launch environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
 //! - [`mesh`]: the dp x pp x tp (+ ep) rank grid and its groups.
@@ -17,6 +19,7 @@ pub mod env;
 pub mod mesh;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+pub mod staged;
 pub mod store;
 pub mod trace;
 
@@ -26,5 +29,6 @@ pub use communicator::{
 };
 pub use cpu::{run_local, CpuBackend, CpuOptions};
 pub use env::LaunchEnv;
+pub use staged::{staged, StagedBackend};
 pub use mesh::{Coords, DeviceMesh, GroupKind, MeshDims};
 pub use trace::{TraceEvent, TraceTotals, Tracer};

@@ -1,4 +1,5 @@
-//! 4D composition against one device (CPU, ranks as threads).
+//! 4D composition against one device (CPU, ranks as threads; a few layouts again on a GPU
+//! where there is one).
 //!
 //! - `*_equals_one_device`: a layout from `parallelize` trains 5 AdamW steps (gradient clipping
 //!   on) next to a single-device GPT run by the plain engine on the same global batches: every
@@ -15,7 +16,7 @@ use std::time::Duration;
 
 use candle_core::{Device, Tensor};
 use mtrain_comm::cpu::run_local;
-use mtrain_comm::DeviceMesh;
+use mtrain_comm::{Backend, DeviceMesh, StagedBackend};
 use mtrain_model::optim::{clip_coef, AdamW, AdamWConfig, AdamWState};
 use mtrain_model::{init_weights, Backward, Engine, Gpt, GptConfig, Grads, NoHooks};
 use mtrain_parallel::ddp::DdpConfig;
@@ -55,6 +56,13 @@ fn batch(cfg: &GptConfig, s: usize) -> (Tensor, Tensor) {
     (idx, tgt)
 }
 
+/// [`batch`] on `dev`.
+fn batch_on(dev: &Device, cfg: &GptConfig, s: usize) -> (Tensor, Tensor) {
+    let (idx, tgt) = batch(cfg, s);
+    let on = |t: Tensor| t.to_device(dev).expect("batch to device");
+    (on(idx), on(tgt))
+}
+
 /// What a run records per step.
 #[derive(Clone)]
 struct Trace {
@@ -73,8 +81,19 @@ fn adamw() -> AdamW {
 /// into `groups` equal slices accumulated with weight 1/groups (one routing group per dp rank
 /// for MoE; for a dense model the slicing does not change the gradient).
 fn one_device(cfg: &GptConfig, steps: usize, groups: usize, backward: Backward) -> (Trace, AdamWState) {
+    one_device_on(&Device::Cpu, cfg, steps, groups, backward)
+}
+
+/// [`one_device`] on `dev`.
+fn one_device_on(
+    dev: &Device,
+    cfg: &GptConfig,
+    steps: usize,
+    groups: usize,
+    backward: Backward,
+) -> (Trace, AdamWState) {
     let weights = init_weights(cfg, SEED).expect("init");
-    let gpt = Gpt::new(cfg.clone(), &weights, &Device::Cpu).expect("gpt");
+    let gpt = Gpt::new(cfg.clone(), &weights, dev).expect("gpt");
     let params = gpt.params();
     let engine = Engine::new(false).with_backward(backward);
     let mut opt = adamw();
@@ -85,7 +104,7 @@ fn one_device(cfg: &GptConfig, steps: usize, groups: usize, backward: Backward) 
         weights: BTreeMap::new(),
     };
     for s in 0..steps {
-        let (idx, tgt) = batch(cfg, s);
+        let (idx, tgt) = batch_on(dev, cfg, s);
         let b = BATCH / groups;
         let mut grads = Grads::new();
         let mut loss = 0.0;
@@ -141,12 +160,32 @@ fn run_plan(
     steps: usize,
     resume: Option<&(BTreeMap<String, Tensor>, AdamWState)>,
 ) -> Vec<(Trace, AdamWState)> {
+    run_plan_on(&Device::Cpu, cfg, plan, first, steps, resume)
+}
+
+/// [`run_plan`] on `dev`: on a GPU every rank computes on it and the groups run through the
+/// CPU backend ([`StagedBackend`]).
+fn run_plan_on(
+    dev: &Device,
+    cfg: &GptConfig,
+    plan: &ParallelPlan,
+    first: usize,
+    steps: usize,
+    resume: Option<&(BTreeMap<String, Tensor>, AdamWState)>,
+) -> Vec<(Trace, AdamWState)> {
     let world = plan.dims.world_size();
     plan.validate(cfg, world, BATCH).expect("plan validates");
     run_local(world, Duration::from_secs(120), |backend| {
-        let mesh = DeviceMesh::new(&backend, plan.dims).expect("mesh");
+        let backend: Box<dyn Backend> = match dev.is_cuda() {
+            true => Box::new(StagedBackend {
+                inner: backend,
+                device: dev.clone(),
+            }),
+            false => Box::new(backend),
+        };
+        let mesh = DeviceMesh::new(backend.as_ref(), plan.dims).expect("mesh");
         let weights = init_weights(cfg, SEED).expect("init");
-        let mut model = parallelize(cfg, &weights, plan, &mesh, &Device::Cpu).expect("parallelize");
+        let mut model = parallelize(cfg, &weights, plan, &mesh, dev).expect("parallelize");
         let mut opt = adamw();
         if let Some((w, st)) = resume {
             model.load_full_state(w).expect("load weights");
@@ -163,7 +202,7 @@ fn run_plan(
             weights: BTreeMap::new(),
         };
         for s in first..first + steps {
-            let (idx, tgt) = batch(cfg, s);
+            let (idx, tgt) = batch_on(dev, cfg, s);
             let (i, y) = (
                 idx.narrow(0, dp_idx * b, b).expect("i"),
                 tgt.narrow(0, dp_idx * b, b).expect("y"),
@@ -186,8 +225,13 @@ fn run_plan(
 
 /// Every rank of `plan` equals the single-device run.
 fn check_equals_one_device(cfg: &GptConfig, plan: &ParallelPlan, groups: usize) {
-    let (want, _) = one_device(cfg, STEPS, groups, plan.backward);
-    let ranks = run_plan(cfg, plan, 0, STEPS, None);
+    check_equals_one_device_on(&Device::Cpu, cfg, plan, groups)
+}
+
+/// [`check_equals_one_device`] with both runs on `dev`.
+fn check_equals_one_device_on(dev: &Device, cfg: &GptConfig, plan: &ParallelPlan, groups: usize) {
+    let (want, _) = one_device_on(dev, cfg, STEPS, groups, plan.backward);
+    let ranks = run_plan_on(dev, cfg, plan, 0, STEPS, None);
     let (mut worst_loss, mut worst_grad, mut worst_norm) = (0f64, 0f64, 0f64);
     for (r, (got, _)) in ranks.iter().enumerate() {
         for s in 0..STEPS {
@@ -280,6 +324,37 @@ fn tp2_pp2_on_the_tapes_equals_one_device() {
         ..plan(1, 2, 2, 1)
     };
     check_equals_one_device(&cfg(), &p, 2);
+}
+
+/// Every segment kind's tape under its layout on a GPU (skipped without one), against one
+/// device on the same GPU with the same tolerances: tp × pp × dp (the column/row tapes, the
+/// vocab-parallel embedding and head, pipeline stages, DDP), ZeRO-3 with pp and checkpointing
+/// (gather, run, reduce-scatter), sequence parallelism under ZeRO-2, and dp × ep MoE (dispatch
+/// and combine). The ranks share the device; their groups run through the CPU backend.
+#[test]
+fn layouts_on_the_tapes_on_cuda_equal_one_device() {
+    let Ok(dev) = Device::new_cuda(0) else {
+        eprintln!("skipped: no CUDA device");
+        return;
+    };
+    let tapes = |p: ParallelPlan| ParallelPlan {
+        backward: Backward::Tapes,
+        ..p
+    };
+    check_equals_one_device_on(&dev, &cfg(), &tapes(plan(2, 2, 2, 1)), 1);
+    let zero3 = ParallelPlan {
+        data: zero(ZeroStage::Three),
+        checkpointing: true,
+        ..plan(2, 2, 1, 1)
+    };
+    check_equals_one_device_on(&dev, &cfg(), &tapes(zero3), 1);
+    let sp_zero2 = ParallelPlan {
+        data: zero(ZeroStage::Two),
+        sequence_parallel: true,
+        ..plan(2, 1, 2, 1)
+    };
+    check_equals_one_device_on(&dev, &cfg(), &tapes(sp_zero2), 1);
+    check_equals_one_device_on(&dev, &moe_cfg(), &tapes(plan(2, 1, 1, 2)), 2);
 }
 
 /// DDP on one stage: the dp average runs inside the last backward in DDP's buckets

@@ -9,7 +9,7 @@
 //!   issue the same ones (kind and bytes, in order) as autograd, and that every segment issues
 //!   exactly those of its mapping table (the cost model's description), in order.
 //! - `tapes_*`: every tensor-parallel segment's hand-written backward against autograd, every
-//!   parameter gradient and the input gradient (rel ≤ 1e-5), the whole model through the tapes
+//!   parameter gradient and the input gradient (rel ≤ 1e-5, on the CPU and, where there is one, on a GPU), the whole model through the tapes
 //!   against one device (with and without checkpointing), and at tp = 1 the block's tape
 //!   giving the dense block tape's numbers exactly.
 
@@ -925,13 +925,26 @@ const TAPE_TOL: f64 = 1e-5;
 /// through the same segment, for an upstream gradient that differs per rank under sequence
 /// parallelism (each rank's rows) and is the same on every rank otherwise: the output, every
 /// parameter gradient by name and the input gradient. `taped` are the segment indices that
-/// must have a tape.
+/// must have a tape. On a CUDA `dev` the ranks share the GPU and their tp group runs through the
+/// CPU backend ([`mtrain_comm::staged`]).
 fn segment_tapes_match_autograd(tp: usize, sequence_parallel: bool, taped: &[usize]) {
+    segment_tapes_match_autograd_on(&Device::Cpu, tp, sequence_parallel, taped)
+}
+
+fn segment_tapes_match_autograd_on(
+    dev: &Device,
+    tp: usize,
+    sequence_parallel: bool,
+    taped: &[usize],
+) {
     let weights = init_weights(&cfg(), 7).expect("init");
+    let on = |t: Tensor| t.to_device(dev).expect("to device");
     on_ranks(tp, |g| {
-        let model = tensor_parallel::build(&cfg(), &weights, &g, sequence_parallel, &Device::Cpu)
+        let g = if dev.is_cuda() { mtrain_comm::staged(g, dev) } else { g };
+        let model = tensor_parallel::build(&cfg(), &weights, &g, sequence_parallel, dev)
             .expect("build");
         let (idx, tgt) = batch(0);
+        let (idx, tgt) = (on(idx), on(tgt));
         let t_local = if sequence_parallel { 16 / tp } else { 16 };
         let seed = |i: usize| {
             300 + 10 * i as u64
@@ -952,7 +965,7 @@ fn segment_tapes_match_autograd(tp: usize, sequence_parallel: bool, taped: &[usi
             );
             let x = match i {
                 0 => idx.clone(),
-                _ => det(&[2, t_local, cfg().n_embd], seed(i)),
+                _ => on(det(&[2, t_local, cfg().n_embd], seed(i))),
             };
             let targets = (i == last).then_some(&tgt);
             // Autograd through the segment.
@@ -961,7 +974,7 @@ fn segment_tapes_match_autograd(tp: usize, sequence_parallel: bool, taped: &[usi
                 .as_ref()
                 .map_or_else(|| x.clone(), |v| v.as_tensor().clone());
             let out = seg.forward(&input, targets).expect("forward").out;
-            let dout = (out.elem_count() > 1).then(|| det(out.dims(), seed(i) + 5));
+            let dout = (out.elem_count() > 1).then(|| on(det(out.dims(), seed(i) + 5)));
             let objective = match &dout {
                 Some(w) => (&out * w).expect("mul").sum_all().expect("sum"),
                 None => out.clone(),
@@ -1000,7 +1013,7 @@ fn segment_tapes_match_autograd(tp: usize, sequence_parallel: bool, taped: &[usi
             }
         }
         if g.rank() == 0 {
-            eprintln!("tapes tp {tp} sp {sequence_parallel} segments {taped:?}: worst gradient rel {worst:.1e}");
+            eprintln!("tapes tp {tp} sp {sequence_parallel} segments {taped:?} on {dev:?}: worst gradient rel {worst:.1e}");
         }
     });
 }
@@ -1030,6 +1043,23 @@ fn tapes_vocab_parallel_embedding_and_head_match_autograd() {
     for tp in [2, 4] {
         for sp in [false, true] {
             segment_tapes_match_autograd(tp, sp, &[0, head]);
+        }
+    }
+}
+
+/// Every tensor-parallel segment's tape on a GPU (skipped without one): the blocks, the
+/// sequence-parallel blocks, the vocab-parallel embedding and head, at tp = 2 and 4, the ranks
+/// sharing the device, f32, the same bound as on the CPU.
+#[test]
+fn tapes_tp_segments_match_autograd_on_cuda() {
+    let Ok(dev) = Device::new_cuda(0) else {
+        eprintln!("skipped: no CUDA device");
+        return;
+    };
+    let head = cfg().n_layer + 1;
+    for tp in [2, 4] {
+        for sp in [false, true] {
+            segment_tapes_match_autograd_on(&dev, tp, sp, &[0, 1, 2, head]);
         }
     }
 }
