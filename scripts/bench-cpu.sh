@@ -7,19 +7,23 @@
 #      turn (mtrain, PyTorch, mtrain, ...). Each run's figure is the median tokens/s of its steps
 #      after the first WARMUP; the printed figure is the median over the rounds.
 #   2. All-reduce, f32, 1 MiB to 256 MiB (x4 per size) at 2 and 4 ranks on loopback: `mtrain
-#      bench-comm` against torch.distributed with gloo (scripts/bench/torch_comm_ref.py under
-#      torchrun), again in turn; the printed busbw is the median over the rounds.
+#      bench-comm --in-place` against torch.distributed with gloo (scripts/bench/torch_comm_ref.py
+#      under torchrun; `dist.all_reduce` reduces in place too), again in turn; the printed busbw
+#      is the median over the rounds.
 # Then the ratios mtrain / PyTorch, with the load average at the start and the end.
 #
 # PARTS picks what runs ("train", "comm", or both, the default). COMPARE=PATH adds another
 # mtrain binary (the one before a change, say) to every all-reduce round, run in turn with the
-# others, and prints its busbw and the ratio of the two binaries next to gloo's.
+# others, and prints its busbw and the ratio of the two binaries next to gloo's; COMPARE_ARGS
+# are its bench-comm flags (default: the same as mtrain's, COMM_ARGS, default --in-place), so
+# COMPARE=target/release/mtrain COMPARE_ARGS=" " sets in place against out of place.
 #
 # PyTorch (the CPU wheel) is installed into a throwaway virtual environment that is removed at
 # the end; set VENV=DIR to keep one and reuse it across runs.
 #
 # Usage: scripts/bench-cpu.sh   (env: ROUNDS=3 STEPS=60 WARMUP=10 THREADS=$(nproc) NPROCS="2 4"
-#                                ITERS=10 MAXBYTES=256M VENV= PARTS="train comm" COMPARE=)
+#                                ITERS=10 MAXBYTES=256M VENV= PARTS="train comm" COMPARE=
+#                                COMM_ARGS=--in-place COMPARE_ARGS=$COMM_ARGS)
 # Results: printed; each run's raw output is kept in target/bench-cpu/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +37,8 @@ ITERS=${ITERS:-10}
 MAXBYTES=${MAXBYTES:-256M}
 PARTS=${PARTS:-"train comm"}
 COMPARE=${COMPARE:-}
+COMM_ARGS=${COMM_ARGS:---in-place}
+COMPARE_ARGS=${COMPARE_ARGS:-$COMM_ARGS}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 if ! part train && ! part comm; then
     echo "PARTS='$PARTS' names neither 'train' nor 'comm'" >&2
@@ -95,15 +101,16 @@ if part train; then
 fi
 
 # --- all-reduce ---------------------------------------------------------------------------------
-bench_comm() { # BINARY NAME RANKS ROUND
+bench_comm() { # BINARY NAME RANKS ROUND ARGS
+    # shellcheck disable=SC2086 # ARGS are words
     "$1" --nproc-per-node "$3" bench-comm -b 1M -e "$MAXBYTES" -f 4 --op all-reduce \
-        -n "$ITERS" -w 2 --json "$OUT/comm-$2-$3-$4.json" >/dev/null 2>"$OUT/comm-$2-$3-$4.log"
+        -n "$ITERS" -w 2 $5 --json "$OUT/comm-$2-$3-$4.json" >/dev/null 2>"$OUT/comm-$2-$3-$4.log"
 }
 COMM_NPROCS=$(part comm && echo "$NPROCS" || true)
 for n in $COMM_NPROCS; do
     for round in $(seq "$ROUNDS"); do
-        bench_comm "$MTRAIN" mtrain "$n" "$round"
-        if [ -n "$COMPARE" ]; then bench_comm "$COMPARE" compare "$n" "$round"; fi
+        bench_comm "$MTRAIN" mtrain "$n" "$round" "$COMM_ARGS"
+        if [ -n "$COMPARE" ]; then bench_comm "$COMPARE" compare "$n" "$round" "$COMPARE_ARGS"; fi
         "$VENV/bin/torchrun" --nproc_per_node "$n" --master_port "$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')" \
             scripts/bench/torch_comm_ref.py --backend gloo --op all-reduce -b 1M -e "$MAXBYTES" -f 4 \
             --iters "$ITERS" --warmup 2 >"$OUT/comm-gloo-$n-$round.txt" 2>"$OUT/comm-gloo-$n-$round.log"

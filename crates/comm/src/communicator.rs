@@ -220,6 +220,24 @@ pub fn chunk_range(len: usize, n: usize, r: usize) -> std::ops::Range<usize> {
     start..start + size
 }
 
+/// The error for an in-place op on a tensor whose elements are not one contiguous run (its
+/// result would land in a copy).
+pub fn check_in_place(group: &str, x: &Tensor) -> Result<()> {
+    match x.is_contiguous() {
+        true => Ok(()),
+        false => Err(CommError::InvalidArgument {
+            op: OpKind::AllReduce,
+            group: group.to_string(),
+            msg: format!(
+                "all_reduce_in_place needs a contiguous tensor, got shape {:?} with strides {:?} \
+                 (reduce a .contiguous() copy instead)",
+                x.dims(),
+                x.stride()
+            ),
+        }),
+    }
+}
+
 /// One process group. Ranks are group ranks (0..size); `global_ranks()` maps them to the world.
 ///
 /// The async methods are the primitives; each sync method is its async twin plus `wait()`.
@@ -253,6 +271,16 @@ pub trait Communicator: Send + Sync + fmt::Debug {
 
     fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
         self.all_reduce_async(x, op).wait()
+    }
+    /// All-reduce `x` into its own storage, as `torch.distributed.all_reduce` does: afterwards
+    /// `x`, and every tensor that shares its storage, holds the result. Blocks until done. `x`
+    /// must be contiguous. This default runs [`all_reduce`](Self::all_reduce) and copies the
+    /// result back; the CPU backend reduces where the data lies instead, allocating nothing of
+    /// the tensor's size.
+    fn all_reduce_in_place(&self, x: &Tensor, op: ReduceOp) -> Result<()> {
+        check_in_place(self.name(), x)?;
+        let y = self.all_reduce(x, op)?;
+        Ok(x.flatten_all()?.slice_set(&y.flatten_all()?, 0, 0)?)
     }
     fn reduce(&self, x: &Tensor, root: usize, op: ReduceOp) -> Result<Tensor> {
         self.reduce_async(x, root, op).wait()

@@ -101,6 +101,55 @@ fn all_reduce_every_op_dtype_and_count() {
     }
 }
 
+/// `all_reduce_in_place` leaves in the tensor what `all_reduce` returns, bit for bit: every
+/// world size, dtype (the ring's own types in place, the half types through the copy), count
+/// and op, on a tensor whose view shares its storage (the view sees the result), and after an
+/// async op on the same tensor that is still queued (it finishes first, reading the old values).
+#[test]
+fn all_reduce_in_place_equals_all_reduce() {
+    for n in WORLDS {
+        run_local(n, T, |b| {
+            let w = b.world();
+            let r = w.rank();
+            for dtype in DTYPES {
+                for len in counts(n) {
+                    for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+                        let what = format!("in place {op:?} {dtype:?} len {len} n {n} rank {r}");
+                        let x = input(r, 1, len, 0, dtype).reshape(len).expect("1-d");
+                        let want = w.all_reduce(&x, op).expect("all_reduce");
+                        let view = x.reshape((1, len)).expect("view");
+                        w.all_reduce_in_place(&x, op).expect("all_reduce_in_place");
+                        assert_eq!(to_f64(&x), to_f64(&want), "{what}");
+                        assert_eq!(to_f64(&view), to_f64(&want), "{what}: the view");
+                    }
+                }
+            }
+            // 18 MB through many segments, behind a queued async op on the same tensor.
+            let len = 4_500_000;
+            let x = input(r, 1, len, 0, DType::F32).reshape(len).expect("1-d");
+            let before = w.all_reduce_async(&x, ReduceOp::Sum);
+            w.all_reduce_in_place(&x, ReduceOp::Sum).expect("in place");
+            let once = reduce_closed_form(n, len, ReduceOp::Sum, DType::F32);
+            assert_close(&to_f64(&before.wait().expect("async")), &once, 0.0, "the async op");
+            let twice: Vec<f64> = once.iter().map(|v| v * n as f64).collect();
+            let got = to_f64(&w.all_reduce(&x, ReduceOp::Sum).expect("all_reduce"));
+            assert_close(&got, &twice, 0.0, "reduced in place, then again");
+        });
+    }
+}
+
+/// A strided view cannot be reduced in place (the result would land in a copy): the error
+/// names the op and the strides.
+#[test]
+fn all_reduce_in_place_refuses_a_strided_view() {
+    run_local(2, T, |b| {
+        let w = b.world();
+        let x = input(w.rank(), 3, 4, 0, DType::F32).t().expect("transpose");
+        let err = w.all_reduce_in_place(&x, ReduceOp::Sum).unwrap_err().to_string();
+        assert!(err.contains("all_reduce_in_place") && err.contains("contiguous"), "{err}");
+    });
+}
+
 #[test]
 fn all_reduce_of_more_than_16_mb_streams_through_the_ring() {
     let len = 4_500_000; // 18 MB of f32: many 1 MiB segments per chunk

@@ -99,6 +99,12 @@ pub struct BenchCommArgs {
     #[arg(short = 'c', long = "check", default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=1), value_name = "0|1")]
     pub check: u8,
 
+    /// All-reduce in place (`Communicator::all_reduce_in_place`, as `torch.distributed.all_reduce`
+    /// and nccl-tests' in-place column): the timed iterations reduce one working copy of the
+    /// input over and over; the check runs one more call on a fresh copy, untimed.
+    #[arg(long)]
+    pub in_place: bool,
+
     /// Where the messages live: `cpu` (TCP backend) or `cuda` (NCCL, one GPU per rank).
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
@@ -270,6 +276,8 @@ pub struct BenchReport {
     pub world_size: usize,
     pub iters: usize,
     pub warmup: usize,
+    /// Whether the op ran in place (`--in-place`).
+    pub in_place: bool,
     pub rows: Vec<BenchRow>,
     /// Mean busbw over the rows, as nccl-tests' "Avg bus bandwidth".
     pub avg_busbw_gbps: f64,
@@ -342,6 +350,12 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
     let check = args.check == 1;
     let comm = backend.world();
     let (n, r) = (comm.size(), comm.rank());
+    if args.in_place && args.op != BenchOp::AllReduce {
+        return Err(BenchError::Invalid(format!(
+            "--in-place: only all-reduce has an in-place form, not {}",
+            args.op.name()
+        )));
+    }
     if args.op == BenchOp::SendRecv && n < 2 {
         return Err(BenchError::Invalid(format!(
             "send-recv needs at least 2 ranks, the job has {n}"
@@ -379,8 +393,9 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
         };
         writeln!(
             table,
-            "# mtrain bench-comm: {}{reduction}, {n} ranks, {}, {} warm-up + {} timed iterations per size",
+            "# mtrain bench-comm: {}{reduction}{}, {n} ranks, {}, {} warm-up + {} timed iterations per size",
             args.op.name(),
+            if args.in_place { ", in place" } else { "" },
             args.dtype.nccl_name(),
             args.warmup,
             args.iters
@@ -412,19 +427,36 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
             count -= count % n;
         }
         let case = check::make_case(args.op, redop, count, n, r, dtype, &device)?;
+        let work = match args.in_place {
+            true => Some(case.input.copy()?),
+            false => None,
+        };
+        let once = |result: &mut Option<Tensor>| -> Result<(), BenchError> {
+            match &work {
+                Some(w) => comm.all_reduce_in_place(w, redop.op())?,
+                None => *result = Some(run_op(&comm, args.op, redop.op(), &case.input)?),
+            }
+            Ok(())
+        };
+        let mut result = None;
         for _ in 0..args.warmup {
-            run_op(&comm, args.op, redop.op(), &case.input)?;
+            once(&mut result)?;
         }
         comm.barrier()?;
         let start = Instant::now();
-        let mut result = None;
         for _ in 0..args.iters {
-            result = Some(run_op(&comm, args.op, redop.op(), &case.input)?);
+            once(&mut result)?;
         }
         // On a GPU an op returns once it is queued on the stream; the barrier returns only after
         // the group's earlier ops have finished, so the clock stops when the bytes have moved.
         comm.barrier()?;
         let local_us = start.elapsed().as_secs_f64() * 1e6 / args.iters as f64;
+        if args.in_place && check {
+            // The working copy has been reduced many times over: check one call on a fresh one.
+            let fresh = case.input.copy()?;
+            comm.all_reduce_in_place(&fresh, redop.op())?;
+            result = Some(fresh);
+        }
         // The slowest rank's time and the wrong elements of all ranks.
         let time_us = scalar_all_reduce(&comm, local_us as f32, ReduceOp::Max)? as f64;
         let wrong = match (&result, check) {
@@ -485,6 +517,7 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
         world_size: n,
         iters: args.iters,
         warmup: args.warmup,
+        in_place: args.in_place,
         rows,
         avg_busbw_gbps: avg,
     };

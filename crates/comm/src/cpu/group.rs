@@ -16,11 +16,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 
-use candle_core::{DType, Device, Shape, Tensor};
+use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Shape, Tensor};
 
 use super::core::GroupCore;
 use super::wire::check_dtype;
-use crate::communicator::{CommError, Communicator, OpKind, PendingWork, ReduceOp, Result, Work};
+use crate::communicator::{
+    check_in_place, CommError, Communicator, OpKind, PendingWork, ReduceOp, Result, Work,
+};
 use crate::trace::{TraceEvent, Tracer};
 
 type Job = Box<dyn FnOnce(&mut GroupCore) + Send>;
@@ -160,6 +162,20 @@ impl CpuComm {
         })
     }
 
+    /// Wait until the communication thread has run every job queued so far (nothing is sent
+    /// and nothing traced). Returns at once if the thread is gone.
+    fn drain(&self) {
+        let (done, finished) = mpsc::channel::<()>();
+        let job: Job = Box::new(move |_| {
+            let _ = done.send(());
+        });
+        if let Some(jobs) = &self.jobs {
+            if jobs.send(job).is_ok() {
+                let _ = finished.recv();
+            }
+        }
+    }
+
     /// Queue `run` on the communication thread and hand back its `Work`.
     fn submit<T: Send + 'static>(
         &self,
@@ -256,6 +272,29 @@ impl Communicator for CpuComm {
             c.all_reduce(&xc, op)
         })
     }
+    /// The ring in place on `x`'s own storage (f32, f64 and the integer types; a half-precision
+    /// tensor, which the ring accumulates in f32, takes the trait's reduce-and-copy).
+    fn all_reduce_in_place(&self, x: &Tensor, op: ReduceOp) -> Result<()> {
+        check_in_place(&self.name, x)?;
+        if !matches!(x.dtype(), DType::F32 | DType::F64 | DType::U8 | DType::U32 | DType::I64) {
+            let y = self.all_reduce(x, op)?;
+            return Ok(x.flatten_all()?.slice_set(&y.flatten_all()?, 0, 0)?);
+        }
+        // An earlier op of this group may still have to read `x`: let it finish before the
+        // write lock is taken, or it would wait on the lock while we wait on it.
+        self.drain();
+        let ring = InPlaceRing {
+            comm: self,
+            x,
+            op,
+            failed: Mutex::new(None),
+        };
+        let done = x.inplace_op1(&ring);
+        match ring.failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(done?),
+        }
+    }
     fn reduce_async(&self, x: &Tensor, root: usize, op: ReduceOp) -> Work {
         let xc = x.clone();
         self.submit(OpKind::Reduce, Some(x), Some(root), move |c| {
@@ -313,5 +352,71 @@ impl Communicator for CpuComm {
     }
     fn barrier_async(&self) -> Work<()> {
         self.submit(OpKind::Barrier, None, None, |c| c.barrier())
+    }
+}
+
+/// [`CpuComm::all_reduce_in_place`] as a candle in-place op: candle hands it the tensor's
+/// storage under its write lock, and it runs the ring on those elements on the communication
+/// thread, waiting for the ring to finish before it returns (so the storage stays locked, and
+/// no one else sees it, while the thread writes).
+struct InPlaceRing<'a> {
+    comm: &'a CpuComm,
+    x: &'a Tensor,
+    op: ReduceOp,
+    /// The communication error, if any (candle's op returns only its own error type).
+    failed: Mutex<Option<CommError>>,
+}
+
+/// A tensor's elements handed to the communication thread. Only [`InPlaceRing::run`] makes one,
+/// and it waits for the job that uses it.
+struct Elems<T>(*mut T, usize);
+// SAFETY: the pointer is used by one thread at a time: the communication thread while the
+// caller waits for it, under the storage's write lock.
+unsafe impl<T> Send for Elems<T> {}
+
+impl InPlaceRing<'_> {
+    fn run<T: super::wire::AccElem + candle_core::WithDType>(
+        &self,
+        elems: &mut [T],
+    ) -> candle_core::Result<()> {
+        let raw = Elems(elems.as_mut_ptr(), elems.len());
+        let (dtype, shape, op) = (self.x.dtype(), self.x.dims().to_vec(), self.op);
+        let work = self
+            .comm
+            .submit(OpKind::AllReduce, Some(self.x), None, move |c| {
+                let raw = raw;
+                // SAFETY: `elems` is borrowed mutably for as long as `run` waits below, and the
+                // job is the only user of the pointer until it fulfils its promise.
+                let buf = unsafe { std::slice::from_raw_parts_mut(raw.0, raw.1) };
+                c.all_reduce_in_place(buf, dtype, &shape, op)
+            });
+        match work.wait() {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let msg = e.to_string();
+                *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                Err(candle_core::Error::Msg(msg))
+            }
+        }
+    }
+}
+
+impl InplaceOp1 for InPlaceRing<'_> {
+    fn name(&self) -> &'static str {
+        "all_reduce_in_place"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!("all_reduce_in_place: the tensor is not contiguous");
+        };
+        match storage {
+            CpuStorage::F32(v) => self.run(&mut v[start..end]),
+            CpuStorage::F64(v) => self.run(&mut v[start..end]),
+            CpuStorage::U8(v) => self.run(&mut v[start..end]),
+            CpuStorage::U32(v) => self.run(&mut v[start..end]),
+            CpuStorage::I64(v) => self.run(&mut v[start..end]),
+            _ => candle_core::bail!("all_reduce_in_place: dtype {:?}", self.x.dtype()),
+        }
     }
 }

@@ -27,6 +27,11 @@
 //! headers are on the wire before its payload. A receive never lands in a range that a queued
 //! send still has to read (the ring's order already prevents it; checking makes it local).
 //!
+//! In place (`all_reduce_in_place`) the result buffer is the input too: a segment to be
+//! reduced arrives in a scratch segment and is combined into our values where they lie, every
+//! send reads the result buffer, and the rule above covers our first, unreduced sends as well.
+//! Nothing of the tensor's size is allocated, so no fresh page is touched.
+//!
 //! [`Peer::recv_into`]: super::conn::Peer::recv_into
 
 use std::collections::VecDeque;
@@ -35,13 +40,15 @@ use std::ops::Range;
 
 use super::conn::ReadFailure;
 use super::core::GroupCore;
-use super::wire::{combine_into, AccElem};
+use super::core::SEGMENT_BYTES;
+use super::wire::{combine_into, combine_slice, AccElem};
 use crate::communicator::{ReduceOp, Result};
 
 /// Where a queued send reads from.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum Source {
-    /// The op's input (a reduce-scatter's first step sends our own, unreduced values).
+    /// The op's input (a reduce-scatter's first step sends our own, unreduced values); in place,
+    /// the result buffer, which holds them until they are overwritten.
     Input,
     /// The result buffer (everything forwarded).
     Output,
@@ -71,9 +78,13 @@ impl GroupCore {
     /// Run one ring op: send `first` to the right neighbour, receive `arrivals` in order from
     /// the left one, combining, completing and forwarding each as it says. `input` and `out`
     /// are in the accumulation type, `out` as long as the tensor; `first` may read either.
+    ///
+    /// With `input` None the op runs in place: `out` starts as our input and ends as the
+    /// result. A segment to be reduced then lands in a scratch segment first and is combined
+    /// into `out` from there, and every send reads `out`.
     pub(crate) fn pump<T: AccElem>(
         &mut self,
-        input: &[T],
+        input: Option<&[T]>,
         out: &mut [T],
         first: &[(Source, Range<usize>)],
         arrivals: &[Arrival],
@@ -96,13 +107,18 @@ impl GroupCore {
             })
             .collect();
         let (mut next, mut got) = (0, 0); // the arrival being received, and its bytes so far
+        let in_place = input.is_none();
+        let mut scratch: Vec<T> = match in_place {
+            true => vec![bytemuck::Zeroable::zeroed(); SEGMENT_BYTES.div_ceil(std::mem::size_of::<T>())],
+            false => Vec::new(),
+        };
         loop {
             let mut moved = false;
             // Write the queue's oldest sends until the socket is full.
             while let Some(q) = sends.front_mut() {
-                let bytes: &[u8] = match q.from {
-                    Source::Input => bytemuck::cast_slice(&input[q.range.clone()]),
-                    Source::Output => bytemuck::cast_slice(&out[q.range.clone()]),
+                let bytes: &[u8] = match (q.from, input) {
+                    (Source::Input, Some(input)) => bytemuck::cast_slice(&input[q.range.clone()]),
+                    _ => bytemuck::cast_slice(&out[q.range.clone()]),
                 };
                 match send_some(right_fd, &bytes[q.done..]) {
                     Ok(k) => {
@@ -121,13 +137,17 @@ impl GroupCore {
             // the loop goes back to writing it.
             while let Some(a) = arrivals.get(next) {
                 if got == 0
-                    && sends
-                        .iter()
-                        .any(|q| q.from == Source::Output && overlaps(&q.range, &a.range))
+                    && sends.iter().any(|q| {
+                        (q.from == Source::Output || in_place) && overlaps(&q.range, &a.range)
+                    })
                 {
                     break; // its place is still being sent from: let the send go first
                 }
-                let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut out[a.range.clone()]);
+                let staged = in_place && a.reduce;
+                let bytes: &mut [u8] = match staged {
+                    true => bytemuck::cast_slice_mut(&mut scratch[..a.range.len()]),
+                    false => bytemuck::cast_slice_mut(&mut out[a.range.clone()]),
+                };
                 match recv_some(left_fd, &mut bytes[got..]) {
                     Ok(k) => {
                         moved = true;
@@ -136,7 +156,11 @@ impl GroupCore {
                             continue;
                         }
                         if a.reduce {
-                            combine_into(&mut out[a.range.clone()], &input[a.range.clone()], op);
+                            let mine = &mut out[a.range.clone()];
+                            match input {
+                                Some(input) => combine_into(mine, &input[a.range.clone()], op),
+                                None => combine_slice(mine, &scratch[..a.range.len()], op),
+                            }
                             if a.complete && op == ReduceOp::Avg {
                                 for e in &mut out[a.range.clone()] {
                                     *e = e.div_n(n);
@@ -342,7 +366,7 @@ mod tests {
             forward: true,
         }];
         core.pump(
-            &input,
+            Some(&input),
             &mut out,
             &[(Source::Input, 3..6)],
             &arrivals,
@@ -352,6 +376,30 @@ mod tests {
         assert_eq!(out[..3], [3., 3.5, 4.]);
         assert_eq!(other.join().unwrap(), [10., 20., 30., 3., 3.5, 4.]);
         assert_eq!(core.cur_sent, 24);
+    }
+
+    // The same op in place: our values are the buffer, theirs arrive in the scratch segment and
+    // are averaged into ours, and both sends read the buffer.
+    #[test]
+    fn in_place_a_segment_is_combined_into_our_values_and_forwarded() {
+        let (mut core, mut theirs) = ring_of_two(Duration::from_secs(10));
+        let other = std::thread::spawn(move || {
+            theirs.write_all(bytemuck::cast_slice(&[5f32; 3])).unwrap();
+            let mut got = [0u8; 6 * 4];
+            theirs.read_exact(&mut got).unwrap();
+            floats(&got)
+        });
+        let mut buf = [1f32, 2., 3., 10., 20., 30.];
+        let arrivals = [Arrival {
+            range: 0..3,
+            reduce: true,
+            complete: true,
+            forward: true,
+        }];
+        core.pump(None, &mut buf, &[(Source::Input, 3..6)], &arrivals, ReduceOp::Avg)
+            .unwrap();
+        assert_eq!(buf, [3., 3.5, 4., 10., 20., 30.]);
+        assert_eq!(other.join().unwrap(), [10., 20., 30., 3., 3.5, 4.]);
     }
 
     #[test]
@@ -368,7 +416,7 @@ mod tests {
         let start = Instant::now();
         let err = core
             .pump(
-                &input,
+                Some(&input),
                 &mut out,
                 &[(Source::Input, 4..8)],
                 &arrivals,
@@ -392,7 +440,7 @@ mod tests {
             forward: false,
         }];
         let err = core
-            .pump(&input, &mut out, &[], &arrivals, ReduceOp::Sum)
+            .pump(Some(&input), &mut out, &[], &arrivals, ReduceOp::Sum)
             .unwrap_err();
         assert!(
             matches!(err, CommError::PeerClosed { peer: 1, .. }),

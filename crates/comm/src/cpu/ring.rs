@@ -106,9 +106,9 @@ impl GroupCore {
         let plan = Plan::new(self.rank, self.size, chunks, es, x.is_some(), gather);
         match x {
             Some(x) => with_elems(x, |input: &[T]| {
-                self.pump(input, out, &plan.first, &plan.arrivals, op)
+                self.pump(Some(input), out, &plan.first, &plan.arrivals, op)
             })?,
-            None => self.pump(&[], out, &plan.first, &plan.arrivals, op),
+            None => self.pump(Some(&[]), out, &plan.first, &plan.arrivals, op),
         }
     }
 
@@ -190,6 +190,30 @@ impl GroupCore {
             chunks.iter().map(|c| c.start * es..c.end * es).collect();
         self.ring_all_gather(out.as_bytes_mut(), &byte_chunks)?;
         out.into_tensor(&shape)
+    }
+
+    /// All-reduce `buf`, the elements of a tensor of `dtype` and `shape` in their accumulation
+    /// type, in place: one pipeline of reduce-scatter and all-gather whose receives land in
+    /// `buf` (the pump's in-place mode), on the wire the same op as [`all_reduce`](Self::all_reduce).
+    pub(crate) fn all_reduce_in_place<T: AccElem + WithDType>(
+        &mut self,
+        buf: &mut [T],
+        dtype: DType,
+        shape: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.next_collective();
+        if self.size == 1 {
+            return Ok(());
+        }
+        let mut mine = self.header(dtype, shape);
+        mine.reduce = Some(op);
+        self.exchange_headers(|_| mine.clone())?;
+        let n = self.size;
+        let chunks: Vec<Range<usize>> = (0..n).map(|i| chunk_range(buf.len(), n, i)).collect();
+        let es = std::mem::size_of::<T>();
+        let plan = Plan::new(self.rank, n, &chunks, es, true, true);
+        self.pump(None, buf, &plan.first, &plan.arrivals, op)
     }
 
     pub(crate) fn reduce_scatter(&mut self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {

@@ -365,7 +365,9 @@ acc_elem!(u32, u32::wrapping_add, |a: u32, n: usize| a / n as u32);
 acc_elem!(i64, i64::wrapping_add, |a: i64, n: usize| a / n as i64);
 
 /// `dst[i] = op(dst[i], src[i])`; the op is chosen once, outside the loop, so the loop vectorizes.
-fn combine_slice<T: AccElem>(dst: &mut [T], src: &[T], op: ReduceOp) {
+/// The in-place ring combines with it: our values in `dst`, the received ones in `src`, the
+/// operands in [`combine_into`]'s order.
+pub(crate) fn combine_slice<T: AccElem>(dst: &mut [T], src: &[T], op: ReduceOp) {
     fn each<T: AccElem>(dst: &mut [T], src: &[T], f: impl Fn(T, T) -> T) {
         for (d, s) in dst.iter_mut().zip(src) {
             *d = f(*d, *s);
