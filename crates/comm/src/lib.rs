@@ -29,6 +29,6 @@ pub use communicator::{
 };
 pub use cpu::{run_local, CpuBackend, CpuOptions};
 pub use env::LaunchEnv;
-pub use staged::{staged, StagedBackend};
 pub use mesh::{Coords, DeviceMesh, GroupKind, MeshDims};
+pub use staged::{staged, StagedBackend};
 pub use trace::{TraceEvent, TraceTotals, Tracer};

@@ -132,7 +132,9 @@ impl Communicator for Staged {
         self.run(x, |h| self.inner.gather_async(h, root))
     }
     fn all_to_all_async(&self, x: &Tensor, send_splits: &[usize], recv_splits: &[usize]) -> Work {
-        self.run(x, |h| self.inner.all_to_all_async(h, send_splits, recv_splits))
+        self.run(x, |h| {
+            self.inner.all_to_all_async(h, send_splits, recv_splits)
+        })
     }
     fn send_async(&self, x: &Tensor, dst: usize) -> Work<()> {
         match x.to_device(&Device::Cpu) {
@@ -169,17 +171,30 @@ mod tests {
                 let x = Tensor::new(&[[r, 1.0], [2.0 * r, 3.0]], &Device::Cpu).unwrap();
                 let xd = x.to_device(&dev).unwrap();
                 let pairs = [
-                    (world.all_reduce(&x, ReduceOp::Sum), g.all_reduce(&xd, ReduceOp::Sum)),
+                    (
+                        world.all_reduce(&x, ReduceOp::Sum),
+                        g.all_reduce(&xd, ReduceOp::Sum),
+                    ),
                     (world.all_gather(&x), g.all_gather(&xd)),
-                    (world.reduce_scatter(&x, ReduceOp::Sum), g.reduce_scatter(&xd, ReduceOp::Sum)),
+                    (
+                        world.reduce_scatter(&x, ReduceOp::Sum),
+                        g.reduce_scatter(&xd, ReduceOp::Sum),
+                    ),
                     (world.broadcast(&x, 1), g.broadcast(&xd, 1)),
-                    (world.all_to_all(&x, &[1, 1], &[1, 1]), g.all_to_all(&xd, &[1, 1], &[1, 1])),
+                    (
+                        world.all_to_all(&x, &[1, 1], &[1, 1]),
+                        g.all_to_all(&xd, &[1, 1], &[1, 1]),
+                    ),
                 ];
                 let mut same = true;
                 for (want, got) in pairs {
                     let (want, got) = (want.unwrap(), got.unwrap());
                     same &= got.device().same_device(&dev);
-                    same &= got.to_device(&Device::Cpu).unwrap().to_vec2::<f32>().unwrap()
+                    same &= got
+                        .to_device(&Device::Cpu)
+                        .unwrap()
+                        .to_vec2::<f32>()
+                        .unwrap()
                         == want.to_vec2::<f32>().unwrap();
                 }
                 let peer = 1 - world.rank();

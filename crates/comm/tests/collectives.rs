@@ -107,8 +107,14 @@ fn all_reduce_every_op_dtype_and_count() {
 /// async op on the same tensor that is still queued (it finishes first, reading the old values).
 #[test]
 fn all_reduce_in_place_equals_all_reduce() {
+    // The ring in the tensor at every size (the default runs it from 32 MiB only).
+    let opts = CpuOptions {
+        timeout: T,
+        in_place_min_bytes: 0,
+        ..CpuOptions::default()
+    };
     for n in WORLDS {
-        run_local(n, T, |b| {
+        mtrain_comm::cpu::run_local_with(n, opts.clone(), |b| {
             let w = b.world();
             let r = w.rank();
             for dtype in DTYPES {
@@ -130,7 +136,12 @@ fn all_reduce_in_place_equals_all_reduce() {
             let before = w.all_reduce_async(&x, ReduceOp::Sum);
             w.all_reduce_in_place(&x, ReduceOp::Sum).expect("in place");
             let once = reduce_closed_form(n, len, ReduceOp::Sum, DType::F32);
-            assert_close(&to_f64(&before.wait().expect("async")), &once, 0.0, "the async op");
+            assert_close(
+                &to_f64(&before.wait().expect("async")),
+                &once,
+                0.0,
+                "the async op",
+            );
             let twice: Vec<f64> = once.iter().map(|v| v * n as f64).collect();
             let got = to_f64(&w.all_reduce(&x, ReduceOp::Sum).expect("all_reduce"));
             assert_close(&got, &twice, 0.0, "reduced in place, then again");
@@ -145,8 +156,14 @@ fn all_reduce_in_place_refuses_a_strided_view() {
     run_local(2, T, |b| {
         let w = b.world();
         let x = input(w.rank(), 3, 4, 0, DType::F32).t().expect("transpose");
-        let err = w.all_reduce_in_place(&x, ReduceOp::Sum).unwrap_err().to_string();
-        assert!(err.contains("all_reduce_in_place") && err.contains("contiguous"), "{err}");
+        let err = w
+            .all_reduce_in_place(&x, ReduceOp::Sum)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("all_reduce_in_place") && err.contains("contiguous"),
+            "{err}"
+        );
     });
 }
 
@@ -390,6 +407,7 @@ fn ring_all_reduce_sends_2_n_minus_1_over_n_of_the_data() {
         let opts = CpuOptions {
             timeout: T,
             trace: true,
+            ..CpuOptions::default()
         };
         mtrain_comm::cpu::run_local_with(n, opts, |b| {
             let w = b.world();
@@ -417,6 +435,7 @@ fn async_all_reduce_overlaps_compute() {
     let opts = CpuOptions {
         timeout: T,
         trace: true,
+        ..CpuOptions::default()
     };
     mtrain_comm::cpu::run_local_with(2, opts, |b| {
         let w = b.world();
@@ -451,6 +470,7 @@ fn trace_totals_count_busy_and_blocked_time() {
     let opts = CpuOptions {
         timeout: T,
         trace: false,
+        ..CpuOptions::default()
     };
     let delay = Duration::from_millis(80);
     mtrain_comm::cpu::run_local_with(2, opts, |b| {
@@ -467,9 +487,15 @@ fn trace_totals_count_busy_and_blocked_time() {
         assert_eq!(late.bytes, 4000);
         assert!(late.blocked_us <= late.busy_us, "{late:?}");
         if w.rank() == 0 {
-            assert!(late.blocked_us >= 60_000, "rank 0 waited for the late peer: {late:?}");
+            assert!(
+                late.blocked_us >= 60_000,
+                "rank 0 waited for the late peer: {late:?}"
+            );
         } else {
-            assert!(late.blocked_us < 60_000, "rank 1 was the late one: {late:?}");
+            assert!(
+                late.blocked_us < 60_000,
+                "rank 1 was the late one: {late:?}"
+            );
         }
         // Waited for only after it finished: busy, not blocked.
         let before = w.tracer().totals();

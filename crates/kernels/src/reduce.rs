@@ -122,7 +122,10 @@ mod partials {
         let dev = device(tensors[0])?;
         let stream = dev.cuda_stream();
         let k = tensors.len();
-        let tensors: Vec<Tensor> = tensors.iter().map(|t| t.contiguous()).collect::<Result<_>>()?;
+        let tensors: Vec<Tensor> = tensors
+            .iter()
+            .map(|t| t.contiguous())
+            .collect::<Result<_>>()?;
         let held = tensors
             .iter()
             .map(|t| storage(t, "sq_sum"))
@@ -139,7 +142,9 @@ mod partials {
                 DType::BF16 => c.as_cuda_slice::<half::bf16>()?.device_ptr(&stream),
                 DType::F32 => c.as_cuda_slice::<f32>()?.device_ptr(&stream),
                 other => {
-                    return Err(crate::msg(format!("sq_sum: dtype {other:?} (bf16 or f32 only)")))
+                    return Err(crate::msg(format!(
+                        "sq_sum: dtype {other:?} (bf16 or f32 only)"
+                    )))
                 }
             };
             table[j] = base + (off * t.dtype().size_in_bytes()) as u64;
@@ -177,8 +182,20 @@ mod tests {
     #[test]
     fn equals_plain_sum_at_every_boundary() -> Result<()> {
         let dev = Device::Cpu;
-        for n in [0, 1, 7, ROW - 1, ROW, ROW + 1, 3 * ROW + 5, ROW * ROW + 3, 2 * ROW * ROW + ROW] {
-            let v: Vec<f64> = (0..n).map(|i| ((i * 7919) % 1000) as f64 * 0.5 - 250.0).collect();
+        for n in [
+            0,
+            1,
+            7,
+            ROW - 1,
+            ROW,
+            ROW + 1,
+            3 * ROW + 5,
+            ROW * ROW + 3,
+            2 * ROW * ROW + ROW,
+        ] {
+            let v: Vec<f64> = (0..n)
+                .map(|i| ((i * 7919) % 1000) as f64 * 0.5 - 250.0)
+                .collect();
             let t = Tensor::from_vec(v.clone(), n, &dev)?;
             let want: f64 = v.iter().sum();
             let got = sum_all(&t)?.to_scalar::<f64>()?;
@@ -211,11 +228,19 @@ mod tests {
                 let v: Vec<f32> = (0..n).map(|i| ((i * 31 + k) % 17) as f32 - 8.0).collect();
                 want += v.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
                 let t = Tensor::from_vec(v, n, &dev)?;
-                ts.push(if k % 2 == 0 { t.to_dtype(DType::BF16)? } else { t });
+                ts.push(if k % 2 == 0 {
+                    t.to_dtype(DType::BF16)?
+                } else {
+                    t
+                });
             }
             let got = sq_sum_f64_all(&ts)?;
             assert_eq!(got, want, "{dev:?}");
-            assert_eq!(sq_sum_f64_all(&ts)?.to_bits(), got.to_bits(), "{dev:?}: not deterministic");
+            assert_eq!(
+                sq_sum_f64_all(&ts)?.to_bits(),
+                got.to_bits(),
+                "{dev:?}: not deterministic"
+            );
             assert_eq!(sq_sum_f64_all(std::iter::empty::<&Tensor>())?, 0.0);
         }
         Ok(())

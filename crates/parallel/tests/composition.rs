@@ -80,7 +80,12 @@ fn adamw() -> AdamW {
 /// (autograd or the tapes, so the comparison is of the layout alone), each global batch cut
 /// into `groups` equal slices accumulated with weight 1/groups (one routing group per dp rank
 /// for MoE; for a dense model the slicing does not change the gradient).
-fn one_device(cfg: &GptConfig, steps: usize, groups: usize, backward: Backward) -> (Trace, AdamWState) {
+fn one_device(
+    cfg: &GptConfig,
+    steps: usize,
+    groups: usize,
+    backward: Backward,
+) -> (Trace, AdamWState) {
     one_device_on(&Device::Cpu, cfg, steps, groups, backward)
 }
 

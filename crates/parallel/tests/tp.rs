@@ -940,9 +940,13 @@ fn segment_tapes_match_autograd_on(
     let weights = init_weights(&cfg(), 7).expect("init");
     let on = |t: Tensor| t.to_device(dev).expect("to device");
     on_ranks(tp, |g| {
-        let g = if dev.is_cuda() { mtrain_comm::staged(g, dev) } else { g };
-        let model = tensor_parallel::build(&cfg(), &weights, &g, sequence_parallel, dev)
-            .expect("build");
+        let g = if dev.is_cuda() {
+            mtrain_comm::staged(g, dev)
+        } else {
+            g
+        };
+        let model =
+            tensor_parallel::build(&cfg(), &weights, &g, sequence_parallel, dev).expect("build");
         let (idx, tgt) = batch(0);
         let (idx, tgt) = (on(idx), on(tgt));
         let t_local = if sequence_parallel { 16 / tp } else { 16 };

@@ -9,7 +9,7 @@ use std::time::Duration;
 use candle_core::DType;
 
 use super::conn::{Peer, ReadFailure};
-use super::wire::Header;
+use super::wire::{Header, Scratch};
 use crate::communicator::{CommError, OpKind, Result};
 use crate::trace::Tracer;
 
@@ -41,6 +41,9 @@ pub(crate) struct GroupCore {
     pub cur_op: OpKind,
     pub cur_seq: u64,
     pub cur_sent: u64,
+    /// Where the in-place ring receives the segments it reduces, kept from one op to the next
+    /// (at most one segment, [`SEGMENT_BYTES`]).
+    pub scratch: Scratch,
 }
 
 impl GroupCore {
@@ -73,6 +76,7 @@ impl GroupCore {
             cur_op: OpKind::Barrier,
             cur_seq: 0,
             cur_sent: 0,
+            scratch: Scratch::default(),
         }
     }
 

@@ -101,6 +101,10 @@ pub struct CpuComm {
     tracer: Tracer,
     /// Queue of the communication thread; `None` once the group is being dropped.
     jobs: Option<mpsc::Sender<Job>>,
+    /// Ops queued and not yet finished by the communication thread.
+    queued: Arc<AtomicU64>,
+    /// From this size `all_reduce_in_place` runs the ring in the tensor ([`IN_PLACE_MIN_BYTES`]).
+    in_place_min_bytes: usize,
     thread: Option<std::thread::JoinHandle<()>>,
     poison: Arc<Mutex<Option<String>>>,
 }
@@ -117,6 +121,14 @@ impl Drop for CpuComm {
     }
 }
 
+/// The size from which [`CpuComm::all_reduce_in_place`] runs the ring in the tensor itself:
+/// glibc's largest mmap threshold, above which every new result buffer is fresh memory from the
+/// kernel, whose first touch cost as much as the transfer. Below it a new result comes from
+/// memory the allocator holds, and the ring that receives straight into it measured faster
+/// than the in-place one, which receives each segment it reduces into a scratch segment
+/// (`docs/BENCHMARKS.md`, the ring in place).
+pub const IN_PLACE_MIN_BYTES: usize = 32 << 20;
+
 /// How long dropping a group waits for its communication thread to drain.
 const DRAIN_ON_DROP: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -132,7 +144,7 @@ impl std::fmt::Debug for CpuComm {
 
 impl CpuComm {
     /// Start the communication thread for a group whose connections are already set up.
-    pub(crate) fn start(core: GroupCore) -> Result<Self> {
+    pub(crate) fn start(core: GroupCore, in_place_min_bytes: usize) -> Result<Self> {
         let (jobs, queue) = mpsc::channel::<Job>();
         let (rank, name, globals, tracer, poison) = (
             core.rank,
@@ -157,14 +169,19 @@ impl CpuComm {
             device: Device::Cpu,
             tracer,
             jobs: Some(jobs),
+            queued: Arc::new(AtomicU64::new(0)),
+            in_place_min_bytes,
             thread: Some(thread),
             poison,
         })
     }
 
-    /// Wait until the communication thread has run every job queued so far (nothing is sent
-    /// and nothing traced). Returns at once if the thread is gone.
+    /// Wait until the communication thread has run every op queued so far (nothing is sent
+    /// and nothing traced). Returns at once if none is pending or the thread is gone.
     fn drain(&self) {
+        if self.queued.load(Ordering::Acquire) == 0 {
+            return;
+        }
         let (done, finished) = mpsc::channel::<()>();
         let job: Job = Box::new(move |_| {
             let _ = done.send(());
@@ -213,6 +230,8 @@ impl CpuComm {
             group: self.name.clone(),
         };
         let start_us = self.tracer.now_us();
+        let queued = self.queued.clone();
+        queued.fetch_add(1, Ordering::AcqRel);
         let job: Job = Box::new(move |core: &mut GroupCore| {
             core.begin(op);
             let result = match core.poisoned() {
@@ -236,6 +255,9 @@ impl CpuComm {
                 end_us,
                 peer,
             });
+            // Counted out before the caller can see the result, so its next in-place op does
+            // not wait for this one again.
+            queued.fetch_sub(1, Ordering::AcqRel);
             promise.fulfil(result, end_us);
         });
         // If the thread is gone the job (and its promise) is dropped: the Work reports it.
@@ -272,11 +294,18 @@ impl Communicator for CpuComm {
             c.all_reduce(&xc, op)
         })
     }
-    /// The ring in place on `x`'s own storage (f32, f64 and the integer types; a half-precision
-    /// tensor, which the ring accumulates in f32, takes the trait's reduce-and-copy).
+    /// The ring in place on `x`'s own storage from [`IN_PLACE_MIN_BYTES`] (the backend's
+    /// option) up (f32, f64 and the
+    /// integer types); below that, and for a half-precision tensor (which the ring accumulates
+    /// in f32), the trait's reduce-and-copy.
     fn all_reduce_in_place(&self, x: &Tensor, op: ReduceOp) -> Result<()> {
         check_in_place(&self.name, x)?;
-        if !matches!(x.dtype(), DType::F32 | DType::F64 | DType::U8 | DType::U32 | DType::I64) {
+        let bytes = x.elem_count() * x.dtype().size_in_bytes();
+        let ring_type = matches!(
+            x.dtype(),
+            DType::F32 | DType::F64 | DType::U8 | DType::U32 | DType::I64
+        );
+        if !ring_type || bytes < self.in_place_min_bytes {
             let y = self.all_reduce(x, op)?;
             return Ok(x.flatten_all()?.slice_set(&y.flatten_all()?, 0, 0)?);
         }

@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::Device;
 
-pub use group::CpuComm;
+pub use group::{CpuComm, IN_PLACE_MIN_BYTES};
 
 use self::core::GroupCore;
 use crate::communicator::{Backend, Comm, CommError, Result};
@@ -53,6 +53,9 @@ pub struct CpuOptions {
     pub timeout: Duration,
     /// Record every op in each group's tracer (otherwise only the last few are kept).
     pub trace: bool,
+    /// The size in bytes from which `all_reduce_in_place` runs the ring in the tensor itself
+    /// (default [`IN_PLACE_MIN_BYTES`]; the tests set 0 to run it at every size).
+    pub in_place_min_bytes: usize,
 }
 
 impl Default for CpuOptions {
@@ -60,6 +63,7 @@ impl Default for CpuOptions {
         Self {
             timeout: Duration::from_secs(300),
             trace: false,
+            in_place_min_bytes: group::IN_PLACE_MIN_BYTES,
         }
     }
 }
@@ -102,9 +106,8 @@ impl CpuBackend {
         if env.world_size > 1 {
             let addr = env.store_addr();
             if env.rank == 0 && !env.store_external {
-                let server = StoreServer::start_for_job(&addr, &env.job_id).map_err(|e| {
-                    CommError::Store(format!("{e} ({})", env.store_port_rule()))
-                })?;
+                let server = StoreServer::start_for_job(&addr, &env.job_id)
+                    .map_err(|e| CommError::Store(format!("{e} ({})", env.store_port_rule())))?;
                 backend._server = Some(server);
             }
             let store = StoreClient::connect(&addr, &env.job_id, opts.timeout)?;
@@ -230,7 +233,10 @@ impl CpuBackend {
             tracer,
             Arc::default(),
         );
-        Ok(Arc::new(CpuComm::start(core)?))
+        Ok(Arc::new(CpuComm::start(
+            core,
+            self.opts.in_place_min_bytes,
+        )?))
     }
 }
 
@@ -328,8 +334,8 @@ pub fn run_local_with<R: Send>(
                 std::thread::Builder::new()
                     .name(format!("rank{rank}"))
                     .spawn_scoped(s, move || {
-                        let backend = CpuBackend::init_inner(&env, opts.clone())
-                            .unwrap_or_else(|e| {
+                        let backend =
+                            CpuBackend::init_inner(&env, opts.clone()).unwrap_or_else(|e| {
                                 panic!("rank {rank}: CpuBackend::init failed: {e}")
                             });
                         f(backend)

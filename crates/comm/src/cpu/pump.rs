@@ -40,8 +40,7 @@ use std::ops::Range;
 
 use super::conn::ReadFailure;
 use super::core::GroupCore;
-use super::core::SEGMENT_BYTES;
-use super::wire::{combine_into, combine_slice, AccElem};
+use super::wire::{combine_into, combine_slice, AccElem, Scratch};
 use crate::communicator::{ReduceOp, Result};
 
 /// Where a queued send reads from.
@@ -108,9 +107,10 @@ impl GroupCore {
             .collect();
         let (mut next, mut got) = (0, 0); // the arrival being received, and its bytes so far
         let in_place = input.is_none();
-        let mut scratch: Vec<T> = match in_place {
-            true => vec![bytemuck::Zeroable::zeroed(); SEGMENT_BYTES.div_ceil(std::mem::size_of::<T>())],
-            false => Vec::new(),
+        let es = std::mem::size_of::<T>();
+        let mut scratch = match in_place {
+            true => std::mem::take(&mut self.scratch),
+            false => Scratch::default(),
         };
         loop {
             let mut moved = false;
@@ -138,14 +138,15 @@ impl GroupCore {
             while let Some(a) = arrivals.get(next) {
                 if got == 0
                     && sends.iter().any(|q| {
-                        (q.from == Source::Output || in_place) && overlaps(&q.range, &a.range)
+                        (q.from == Source::Output || (in_place && !a.reduce))
+                            && overlaps(&q.range, &a.range)
                     })
                 {
                     break; // its place is still being sent from: let the send go first
                 }
                 let staged = in_place && a.reduce;
                 let bytes: &mut [u8] = match staged {
-                    true => bytemuck::cast_slice_mut(&mut scratch[..a.range.len()]),
+                    true => scratch.bytes(a.range.len() * es),
                     false => bytemuck::cast_slice_mut(&mut out[a.range.clone()]),
                 };
                 match recv_some(left_fd, &mut bytes[got..]) {
@@ -159,7 +160,10 @@ impl GroupCore {
                             let mine = &mut out[a.range.clone()];
                             match input {
                                 Some(input) => combine_into(mine, &input[a.range.clone()], op),
-                                None => combine_slice(mine, &scratch[..a.range.len()], op),
+                                None => {
+                                    let theirs = scratch.bytes(a.range.len() * es);
+                                    combine_slice(mine, bytemuck::cast_slice(theirs), op)
+                                }
                             }
                             if a.complete && op == ReduceOp::Avg {
                                 for e in &mut out[a.range.clone()] {
@@ -182,6 +186,9 @@ impl GroupCore {
                 }
             }
             if sends.is_empty() && next == arrivals.len() {
+                if in_place {
+                    self.scratch = scratch;
+                }
                 return Ok(());
             }
             if moved {
@@ -396,8 +403,14 @@ mod tests {
             complete: true,
             forward: true,
         }];
-        core.pump(None, &mut buf, &[(Source::Input, 3..6)], &arrivals, ReduceOp::Avg)
-            .unwrap();
+        core.pump(
+            None,
+            &mut buf,
+            &[(Source::Input, 3..6)],
+            &arrivals,
+            ReduceOp::Avg,
+        )
+        .unwrap();
         assert_eq!(buf, [3., 3.5, 4., 10., 20., 30.]);
         assert_eq!(other.join().unwrap(), [10., 20., 30., 3., 3.5, 4.]);
     }

@@ -329,7 +329,10 @@ fn advise_huge_pages(addr: usize, bytes: usize) {
     #[cfg(target_os = "linux")]
     if bytes >= HUGE_PAGE_FROM {
         const HUGE: usize = 2 << 20;
-        let (start, end) = ((addr + HUGE - 1) & !(HUGE - 1), (addr + bytes) & !(HUGE - 1));
+        let (start, end) = (
+            (addr + HUGE - 1) & !(HUGE - 1),
+            (addr + bytes) & !(HUGE - 1),
+        );
         if end > start {
             // SAFETY: advice over memory this process owns; it changes no contents and
             // failure (e.g. huge pages turned off) only leaves the default pages.
@@ -441,7 +444,7 @@ pub(crate) struct Scratch(Vec<u64>);
 
 impl Scratch {
     /// The first `len` bytes (grown, zeroed once, when asked for more than it has).
-    fn bytes(&mut self, len: usize) -> &mut [u8] {
+    pub(crate) fn bytes(&mut self, len: usize) -> &mut [u8] {
         let words = len.div_ceil(8);
         if self.0.len() < words {
             self.0.resize(words, 0);
@@ -475,7 +478,9 @@ impl AccBuf {
     pub fn from_tensor(x: &Tensor) -> Result<Self> {
         Ok(match x.dtype() {
             DType::F32 => AccBuf::F32(host_copy(x)?),
-            DType::BF16 | DType::F16 => AccBuf::F32(x.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?),
+            DType::BF16 | DType::F16 => {
+                AccBuf::F32(x.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?)
+            }
             DType::F64 => AccBuf::F64(host_copy(x)?),
             DType::U8 => AccBuf::U8(host_copy(x)?),
             DType::U32 => AccBuf::U32(host_copy(x)?),
