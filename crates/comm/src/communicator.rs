@@ -275,8 +275,8 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     /// All-reduce `x` into its own storage, as `torch.distributed.all_reduce` does: afterwards
     /// `x`, and every tensor that shares its storage, holds the result. Blocks until done. `x`
     /// must be contiguous. This default runs [`all_reduce`](Self::all_reduce) and copies the
-    /// result back; the CPU backend reduces where the data lies instead, allocating nothing of
-    /// the tensor's size.
+    /// result back; the CPU backend reduces large tensors where the data lies instead, allocating
+    /// nothing of the tensor's size.
     fn all_reduce_in_place(&self, x: &Tensor, op: ReduceOp) -> Result<()> {
         check_in_place(self.name(), x)?;
         let y = self.all_reduce(x, op)?;
