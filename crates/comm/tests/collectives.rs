@@ -107,7 +107,7 @@ fn all_reduce_every_op_dtype_and_count() {
 /// async op on the same tensor that is still queued (it finishes first, reading the old values).
 #[test]
 fn all_reduce_in_place_equals_all_reduce() {
-    // The ring in the tensor at every size (the default runs it from 32 MiB only).
+    // The ring in the tensor at every size (the default runs it from 8 MiB only).
     let opts = CpuOptions {
         timeout: T,
         in_place_min_bytes: 0,

@@ -121,13 +121,13 @@ impl Drop for CpuComm {
     }
 }
 
-/// The size from which [`CpuComm::all_reduce_in_place`] runs the ring in the tensor itself:
-/// glibc's largest mmap threshold, above which every new result buffer is fresh memory from the
-/// kernel, whose first touch cost as much as the transfer. Below it a new result comes from
-/// memory the allocator holds, and the ring that receives straight into it measured faster
-/// than the in-place one, which receives each segment it reduces into a scratch segment
-/// (`docs/BENCHMARKS.md`, the ring in place).
-pub const IN_PLACE_MIN_BYTES: usize = 32 << 20;
+/// The size from which [`CpuComm::all_reduce_in_place`] runs the ring in the tensor itself.
+/// From 32 MiB (glibc's largest mmap threshold) every new result buffer is fresh memory from the
+/// kernel, whose first touch cost as much as the transfer; below that a new result comes from
+/// memory the allocator holds, and the two ways cross between 4 and 16 MiB: at 16 MiB the ring
+/// in place measured 1.1–1.3x reducing out of place and copying back, at 4 MiB about the same,
+/// below it slower (`docs/BENCHMARKS.md`, the ring in place).
+pub const IN_PLACE_MIN_BYTES: usize = 8 << 20;
 
 /// How long dropping a group waits for its communication thread to drain.
 const DRAIN_ON_DROP: std::time::Duration = std::time::Duration::from_secs(10);
@@ -295,7 +295,7 @@ impl Communicator for CpuComm {
         })
     }
     /// The ring in place on `x`'s own storage from [`IN_PLACE_MIN_BYTES`] (the backend's
-    /// option) up (f32, f64 and the
+    /// option, 8 MiB) up (f32, f64 and the
     /// integer types); below that, and for a half-precision tensor (which the ring accumulates
     /// in f32), the trait's reduce-and-copy.
     fn all_reduce_in_place(&self, x: &Tensor, op: ReduceOp) -> Result<()> {
