@@ -107,14 +107,8 @@ fn all_reduce_every_op_dtype_and_count() {
 /// async op on the same tensor that is still queued (it finishes first, reading the old values).
 #[test]
 fn all_reduce_in_place_equals_all_reduce() {
-    // The ring in the tensor at every size (the default runs it from 8 MiB only).
-    let opts = CpuOptions {
-        timeout: T,
-        in_place_min_bytes: 0,
-        ..CpuOptions::default()
-    };
     for n in WORLDS {
-        mtrain_comm::cpu::run_local_with(n, opts.clone(), |b| {
+        run_local(n, T, |b| {
             let w = b.world();
             let r = w.rank();
             for dtype in DTYPES {

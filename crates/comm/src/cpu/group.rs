@@ -103,8 +103,6 @@ pub struct CpuComm {
     jobs: Option<mpsc::Sender<Job>>,
     /// Ops queued and not yet finished by the communication thread.
     queued: Arc<AtomicU64>,
-    /// From this size `all_reduce_in_place` runs the ring in the tensor ([`IN_PLACE_MIN_BYTES`]).
-    in_place_min_bytes: usize,
     thread: Option<std::thread::JoinHandle<()>>,
     poison: Arc<Mutex<Option<String>>>,
 }
@@ -121,14 +119,6 @@ impl Drop for CpuComm {
     }
 }
 
-/// The size from which [`CpuComm::all_reduce_in_place`] runs the ring in the tensor itself.
-/// From 32 MiB (glibc's largest mmap threshold) every new result buffer is fresh memory from the
-/// kernel, whose first touch cost as much as the transfer; below that a new result comes from
-/// memory the allocator holds, and the two ways cross between 4 and 16 MiB: at 16 MiB the ring
-/// in place measured 1.1–1.3x reducing out of place and copying back, at 4 MiB about the same,
-/// below it slower (`docs/BENCHMARKS.md`, the ring in place).
-pub const IN_PLACE_MIN_BYTES: usize = 8 << 20;
-
 /// How long dropping a group waits for its communication thread to drain.
 const DRAIN_ON_DROP: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -144,7 +134,7 @@ impl std::fmt::Debug for CpuComm {
 
 impl CpuComm {
     /// Start the communication thread for a group whose connections are already set up.
-    pub(crate) fn start(core: GroupCore, in_place_min_bytes: usize) -> Result<Self> {
+    pub(crate) fn start(core: GroupCore) -> Result<Self> {
         let (jobs, queue) = mpsc::channel::<Job>();
         let (rank, name, globals, tracer, poison) = (
             core.rank,
@@ -170,7 +160,6 @@ impl CpuComm {
             tracer,
             jobs: Some(jobs),
             queued: Arc::new(AtomicU64::new(0)),
-            in_place_min_bytes,
             thread: Some(thread),
             poison,
         })
@@ -294,18 +283,15 @@ impl Communicator for CpuComm {
             c.all_reduce(&xc, op)
         })
     }
-    /// The ring in place on `x`'s own storage from [`IN_PLACE_MIN_BYTES`] (the backend's
-    /// option, 8 MiB) up (f32, f64 and the
-    /// integer types); below that, and for a half-precision tensor (which the ring accumulates
-    /// in f32), the trait's reduce-and-copy.
+    /// The ring in place on `x`'s own storage (f32, f64 and the integer types; a half-precision
+    /// tensor, which the ring accumulates in f32, takes the trait's reduce-and-copy).
     fn all_reduce_in_place(&self, x: &Tensor, op: ReduceOp) -> Result<()> {
         check_in_place(&self.name, x)?;
-        let bytes = x.elem_count() * x.dtype().size_in_bytes();
         let ring_type = matches!(
             x.dtype(),
             DType::F32 | DType::F64 | DType::U8 | DType::U32 | DType::I64
         );
-        if !ring_type || bytes < self.in_place_min_bytes {
+        if !ring_type {
             let y = self.all_reduce(x, op)?;
             return Ok(x.flatten_all()?.slice_set(&y.flatten_all()?, 0, 0)?);
         }

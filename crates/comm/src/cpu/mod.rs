@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::Device;
 
-pub use group::{CpuComm, IN_PLACE_MIN_BYTES};
+pub use group::CpuComm;
 
 use self::core::GroupCore;
 use crate::communicator::{Backend, Comm, CommError, Result};
@@ -53,9 +53,6 @@ pub struct CpuOptions {
     pub timeout: Duration,
     /// Record every op in each group's tracer (otherwise only the last few are kept).
     pub trace: bool,
-    /// The size in bytes from which `all_reduce_in_place` runs the ring in the tensor itself
-    /// (default [`IN_PLACE_MIN_BYTES`]; the tests set 0 to run it at every size).
-    pub in_place_min_bytes: usize,
 }
 
 impl Default for CpuOptions {
@@ -63,7 +60,6 @@ impl Default for CpuOptions {
         Self {
             timeout: Duration::from_secs(300),
             trace: false,
-            in_place_min_bytes: group::IN_PLACE_MIN_BYTES,
         }
     }
 }
@@ -233,10 +229,7 @@ impl CpuBackend {
             tracer,
             Arc::default(),
         );
-        Ok(Arc::new(CpuComm::start(
-            core,
-            self.opts.in_place_min_bytes,
-        )?))
+        Ok(Arc::new(CpuComm::start(core)?))
     }
 }
 

@@ -27,10 +27,13 @@
 //! headers are on the wire before its payload. A receive never lands in a range that a queued
 //! send still has to read (the ring's order already prevents it; checking makes it local).
 //!
-//! In place (`all_reduce_in_place`) the result buffer is the input too: a segment to be
-//! reduced arrives in a scratch segment and is combined into our values where they lie, every
-//! send reads the result buffer, and the rule above covers our first, unreduced sends as well.
-//! Nothing of the tensor's size is allocated, so no fresh page is touched.
+//! In place (`all_reduce_in_place`) the result buffer is the input too: every segment arrives in
+//! one receive segment the group keeps, half a page past a page boundary, and is combined into
+//! our values where they lie or, in the all-gather, copied there; every send reads the result
+//! buffer, and the rule above covers our first, unreduced sends as well. Nothing of the
+//! tensor's size is allocated, so no fresh page is touched; and the kernel's copy into a
+//! destination at a page offset its source does not share runs at full speed (see
+//! [`Scratch::off_page`]), which a receive straight into the tensor would not.
 //!
 //! [`Peer::recv_into`]: super::conn::Peer::recv_into
 
@@ -79,8 +82,9 @@ impl GroupCore {
     /// are in the accumulation type, `out` as long as the tensor; `first` may read either.
     ///
     /// With `input` None the op runs in place: `out` starts as our input and ends as the
-    /// result. A segment to be reduced then lands in a scratch segment first and is combined
-    /// into `out` from there, and every send reads `out`.
+    /// result. Every segment then lands in the group's receive segment first (half a page off,
+    /// [`Scratch::off_page`]) and is combined into `out` (reduce-scatter) or copied there
+    /// (all-gather), and every send reads `out`.
     pub(crate) fn pump<T: AccElem>(
         &mut self,
         input: Option<&[T]>,
@@ -144,9 +148,8 @@ impl GroupCore {
                 {
                     break; // its place is still being sent from: let the send go first
                 }
-                let staged = in_place && a.reduce;
-                let bytes: &mut [u8] = match staged {
-                    true => scratch.bytes(a.range.len() * es),
+                let bytes: &mut [u8] = match in_place {
+                    true => scratch.off_page(a.range.len() * es),
                     false => bytemuck::cast_slice_mut(&mut out[a.range.clone()]),
                 };
                 match recv_some(left_fd, &mut bytes[got..]) {
@@ -156,19 +159,24 @@ impl GroupCore {
                         if got < bytes.len() {
                             continue;
                         }
-                        if a.reduce {
-                            let mine = &mut out[a.range.clone()];
-                            match input {
-                                Some(input) => combine_into(mine, &input[a.range.clone()], op),
-                                None => {
-                                    let theirs = scratch.bytes(a.range.len() * es);
-                                    combine_slice(mine, bytemuck::cast_slice(theirs), op)
+                        let mine = &mut out[a.range.clone()];
+                        match input {
+                            Some(input) if a.reduce => {
+                                combine_into(mine, &input[a.range.clone()], op)
+                            }
+                            Some(_) => {} // received where it belongs
+                            None => {
+                                let theirs: &[T] =
+                                    bytemuck::cast_slice(scratch.off_page(a.range.len() * es));
+                                match a.reduce {
+                                    true => combine_slice(mine, theirs, op),
+                                    false => mine.copy_from_slice(theirs),
                                 }
                             }
-                            if a.complete && op == ReduceOp::Avg {
-                                for e in &mut out[a.range.clone()] {
-                                    *e = e.div_n(n);
-                                }
+                        }
+                        if a.reduce && a.complete && op == ReduceOp::Avg {
+                            for e in &mut out[a.range.clone()] {
+                                *e = e.div_n(n);
                             }
                         }
                         if a.forward {

@@ -443,6 +443,22 @@ fn recv_combine<T: AccElem>(
 pub(crate) struct Scratch(Vec<u64>);
 
 impl Scratch {
+    /// `len` bytes that start half a page past a page boundary (grown, zeroed once, when asked
+    /// for more than it has; the same bytes for the same `len` until then).
+    ///
+    /// The in-place ring receives into these. The kernel's socket buffers start at page
+    /// boundaries, and a receive whose destination lies at nearly the same offset in its page
+    /// as its source (a malloc'd buffer starts 16 bytes past one) copied at well under half
+    /// speed on the AMD EPYC development machine (4K aliasing between the copy's loads and
+    /// stores; `docs/BENCHMARKS.md`, the ring in place); half a page off, it does not.
+    pub(crate) fn off_page(&mut self, len: usize) -> &mut [u8] {
+        const PAGE: usize = 4096;
+        let bytes = self.bytes(len + PAGE);
+        // base + at ≡ PAGE / 2 (mod PAGE); a multiple of 8, as the base is.
+        let at = (PAGE + PAGE / 2 - bytes.as_ptr() as usize % PAGE) % PAGE;
+        &mut bytes[at..at + len]
+    }
+
     /// The first `len` bytes (grown, zeroed once, when asked for more than it has).
     pub(crate) fn bytes(&mut self, len: usize) -> &mut [u8] {
         let words = len.div_ceil(8);
