@@ -393,7 +393,7 @@ mod tests {
         assert_eq!(core.cur_sent, 24);
     }
 
-    // The same op in place: our values are the buffer, theirs arrive in the scratch segment and
+    // The same op in place: our values are the buffer, theirs arrive in the receive segment and
     // are averaged into ours, and both sends read the buffer.
     #[test]
     fn in_place_a_segment_is_combined_into_our_values_and_forwarded() {
