@@ -238,6 +238,19 @@ pub fn check_in_place(group: &str, x: &Tensor) -> Result<()> {
     }
 }
 
+/// [`Communicator::all_reduce_in_place`] by [`Communicator::all_reduce`] and a copy of the
+/// result into `x`: the trait's default, and what a backend falls back to where it cannot
+/// reduce in place.
+pub fn all_reduce_and_copy_back<C: Communicator + ?Sized>(
+    comm: &C,
+    x: &Tensor,
+    op: ReduceOp,
+) -> Result<()> {
+    check_in_place(comm.name(), x)?;
+    let y = comm.all_reduce(x, op)?;
+    Ok(x.flatten_all()?.slice_set(&y.flatten_all()?, 0, 0)?)
+}
+
 /// One process group. Ranks are group ranks (0..size); `global_ranks()` maps them to the world.
 ///
 /// The async methods are the primitives; each sync method is its async twin plus `wait()`.
@@ -278,9 +291,7 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     /// result back; the CPU backend reduces large tensors where the data lies instead, allocating
     /// nothing of the tensor's size.
     fn all_reduce_in_place(&self, x: &Tensor, op: ReduceOp) -> Result<()> {
-        check_in_place(self.name(), x)?;
-        let y = self.all_reduce(x, op)?;
-        Ok(x.flatten_all()?.slice_set(&y.flatten_all()?, 0, 0)?)
+        all_reduce_and_copy_back(self, x, op)
     }
     fn reduce(&self, x: &Tensor, root: usize, op: ReduceOp) -> Result<Tensor> {
         self.reduce_async(x, root, op).wait()

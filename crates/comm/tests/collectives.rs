@@ -401,7 +401,6 @@ fn ring_all_reduce_sends_2_n_minus_1_over_n_of_the_data() {
         let opts = CpuOptions {
             timeout: T,
             trace: true,
-            ..CpuOptions::default()
         };
         mtrain_comm::cpu::run_local_with(n, opts, |b| {
             let w = b.world();
@@ -429,7 +428,6 @@ fn async_all_reduce_overlaps_compute() {
     let opts = CpuOptions {
         timeout: T,
         trace: true,
-        ..CpuOptions::default()
     };
     mtrain_comm::cpu::run_local_with(2, opts, |b| {
         let w = b.world();
@@ -464,7 +462,6 @@ fn trace_totals_count_busy_and_blocked_time() {
     let opts = CpuOptions {
         timeout: T,
         trace: false,
-        ..CpuOptions::default()
     };
     let delay = Duration::from_millis(80);
     mtrain_comm::cpu::run_local_with(2, opts, |b| {
@@ -481,15 +478,9 @@ fn trace_totals_count_busy_and_blocked_time() {
         assert_eq!(late.bytes, 4000);
         assert!(late.blocked_us <= late.busy_us, "{late:?}");
         if w.rank() == 0 {
-            assert!(
-                late.blocked_us >= 60_000,
-                "rank 0 waited for the late peer: {late:?}"
-            );
+            assert!(late.blocked_us >= 60_000, "rank 0 waited for the late peer: {late:?}");
         } else {
-            assert!(
-                late.blocked_us < 60_000,
-                "rank 1 was the late one: {late:?}"
-            );
+            assert!(late.blocked_us < 60_000, "rank 1 was the late one: {late:?}");
         }
         // Waited for only after it finished: busy, not blocked.
         let before = w.tracer().totals();

@@ -108,10 +108,10 @@ mod partials {
 mod partials {
     use candle_core::cuda_backend::cudarc::driver::{DevicePtr, PushKernelArg, SyncOnDrop};
     use candle_core::cuda_backend::WrapErr;
-    use candle_core::{DType, Result, Storage, Tensor};
+    use candle_core::{DType, Result, Tensor};
 
     use super::sq_sum_blocks;
-    use crate::cuda::{blocks, device, kernel, storage};
+    use crate::cuda::{blocks, device, kernel, slice, storage};
 
     /// One `sq_sum_partials` launch over every tensor into one f64 buffer, read back once,
     /// added in order on the host. The tensors are bf16 or f32 on one CUDA device.
@@ -135,12 +135,9 @@ mod partials {
         let mut reads: Vec<SyncOnDrop<'_>> = Vec::with_capacity(k);
         let mut total = 0usize;
         for (j, (t, (st, off))) in tensors.iter().zip(&held).enumerate() {
-            let Storage::Cuda(c) = &**st else {
-                return Err(crate::msg("sq_sum: expected a CUDA tensor".into()));
-            };
             let (base, read) = match t.dtype() {
-                DType::BF16 => c.as_cuda_slice::<half::bf16>()?.device_ptr(&stream),
-                DType::F32 => c.as_cuda_slice::<f32>()?.device_ptr(&stream),
+                DType::BF16 => slice::<half::bf16>(st)?.device_ptr(&stream),
+                DType::F32 => slice::<f32>(st)?.device_ptr(&stream),
                 other => {
                     return Err(crate::msg(format!(
                         "sq_sum: dtype {other:?} (bf16 or f32 only)"

@@ -175,8 +175,7 @@ impl Trainer {
             })
             .collect::<Result<Vec<_>>>()?;
         let compute: Vec<&Param> = self.params.iter().collect();
-        self.optim
-            .step_with_copies(lr, 1.0, &items, Some(&compute))?;
+        self.optim.step_with_copies(lr, 1.0, &items, Some(&compute))?;
         self.grads.clear();
         Ok(loss)
     }

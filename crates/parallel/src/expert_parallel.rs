@@ -195,7 +195,7 @@ impl FeedForward for ExpertParallelMoe {
         // Permute: kept pairs grouped by expert, hence by destination rank.
         let perm = Permutation::of(&plan);
         let send_splits = perm.splits(el); // (ep,)
-                                           // Exchange counts: rank s learns how many rows every peer sends to each of its experts.
+        // Exchange counts: rank s learns how many rows every peer sends to each of its experts.
         let slabs = ExpertMajor::of(&self.exchange().counts(&perm.counts)?, el)?;
         let recv_splits = slabs.sources().to_vec(); // (ep,)
 

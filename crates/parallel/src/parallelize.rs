@@ -43,13 +43,13 @@ use mtrain_comm::{DeviceMesh, MeshDims};
 use mtrain_model::{Gpt, GptConfig, Grads, Param, Segment};
 
 use crate::ddp::{assign_buckets, verify_same_init, CommStats};
+use crate::toolbox::final_after;
 use crate::expert_parallel;
 use crate::fsdp::Fsdp;
 use crate::pipeline::{PipelineError, PipelineExecutor, PipelineStages, Schedule};
 use crate::placement::{is_expert_param, sp_partial};
 use crate::runtime::Replicas;
 use crate::tensor_parallel::{self, ShardLayout};
-use crate::toolbox::final_after;
 
 pub use crate::plan::{describe, DataParallelKind, ParallelPlan, PlanError};
 pub use crate::runtime::{ParallelModel, ParallelizeError, Result, StepOut};

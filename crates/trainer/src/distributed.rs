@@ -362,7 +362,9 @@ impl TrainableModel for Distributed {
                 None => new,
                 Some(mut acc) => {
                     for (a, n) in acc.iter_mut().zip(new) {
-                        for (x, y) in a.tokens_per_expert.iter_mut().zip(n.tokens_per_expert) {
+                        for (x, y) in
+                            a.tokens_per_expert.iter_mut().zip(n.tokens_per_expert)
+                        {
                             *x += y;
                         }
                         a.dropped += n.dropped;

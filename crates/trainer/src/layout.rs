@@ -58,9 +58,7 @@ pub enum LayoutError {
     WorldTooLarge { world: usize, world_source: String },
 
     /// A layout flag given before a subcommand and after it, with two values.
-    #[error(
-        "{flag} is given twice, {before} before the subcommand and {after} after it; give it once"
-    )]
+    #[error("{flag} is given twice, {before} before the subcommand and {after} after it; give it once")]
     GivenTwice {
         flag: &'static str,
         before: String,

@@ -29,7 +29,9 @@ use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor};
 use mtrain_comm::mesh::MeshDims;
 use mtrain_comm::{Backend, DeviceMesh};
-use mtrain_model::optim::{clip_coef, lr_at, AdamWConfig, LrSchedule};
+use mtrain_model::optim::{
+    clip_coef, lr_at, AdamWConfig, LrSchedule,
+};
 use mtrain_model::{init_weights, GptConfig};
 use mtrain_parallel::parallelize::ParallelPlan;
 use serde::Serialize;
@@ -38,13 +40,14 @@ use crate::checkpoint::{self, CheckpointData};
 use crate::config::{ParallelConfig, TrainConfig};
 use crate::data::{DataLoader, Dataset};
 use crate::distributed::Distributed;
+use crate::trainable::TrainableModel;
+use crate::phases::{PhaseTimer, PhaseTimes, StepPhase};
+use crate::progress::{self, Progress};
 use crate::fsio::JsonLines;
 use crate::memory::{
     AnalyticMemory, BackwardPath, CpuProbe, MemoryProbe, MemoryTracker, ModelStateLayout, Phase,
 };
-use crate::phases::{PhaseTimer, PhaseTimes, StepPhase};
-use crate::progress::{self, Progress};
-use crate::trainable::TrainableModel;
+
 
 /// One line of metrics.jsonl.
 #[derive(Debug, Clone, Serialize)]
@@ -258,9 +261,16 @@ fn run_plan(
             weights,
             adamw,
         } = setup(cfg, &gcfg, &device)?;
-        let mut model =
-            Distributed::new(&gcfg, &weights, plan, &mesh, &device, adamw, cfg.grad_accum)?
-                .with_timeline(timeline.clone());
+        let mut model = Distributed::new(
+            &gcfg,
+            &weights,
+            plan,
+            &mesh,
+            &device,
+            adamw,
+            cfg.grad_accum,
+        )?
+        .with_timeline(timeline.clone());
         drop(weights);
         if rank == 0 && world > 1 {
             let dp = match plan.dp_buckets() {
@@ -288,9 +298,7 @@ fn run_plan(
         crate::trace::write_rank_trace(&cfg.run_dir, rank, &groups, Some(&timeline))?;
         // Every rank's part is on disk once all have passed the barrier; rank 0 joins them.
         if result.is_ok() {
-            mesh.world
-                .barrier()
-                .context("waiting for every rank's trace")?;
+            mesh.world.barrier().context("waiting for every rank's trace")?;
             if rank == 0 {
                 let path = crate::trace::merge_chrome_traces(&cfg.run_dir, dims.world_size())?;
                 tracing::info!(rank, path = %path.display(), "Chrome trace written (ui.perfetto.dev)");

@@ -9,9 +9,7 @@ use candle_core::Tensor;
 use mtrain_model::optim::AdamWState;
 use mtrain_model::GptConfig;
 
-use crate::memory::{
-    step_memory, ActivationLayout, BackwardPath, ModelStateLayout, Phase, StepMemory,
-};
+use crate::memory::{step_memory, ActivationLayout, BackwardPath, ModelStateLayout, Phase, StepMemory};
 
 /// What the loop needs from a model, however it is laid out across ranks.
 pub trait TrainableModel {

@@ -182,10 +182,7 @@ fn shipped_tables_parse() {
         let path = entry.expect("entry").path();
         if path.extension().is_some_and(|e| e == "toml") {
             let t = AlphaBetaTable::load(&path).expect("table parses");
-            assert!(
-                t.default.alpha_s > 0.0 && t.default.beta_bytes_per_s > 0.0,
-                "{path:?}"
-            );
+            assert!(t.default.alpha_s > 0.0 && t.default.beta_bytes_per_s > 0.0, "{path:?}");
             n += 1;
         }
     }

@@ -41,8 +41,8 @@ pub(crate) struct GroupCore {
     pub cur_op: OpKind,
     pub cur_seq: u64,
     pub cur_sent: u64,
-    /// Where the in-place ring receives the segments it reduces, kept from one op to the next
-    /// (at most one segment, [`SEGMENT_BYTES`]).
+    /// Where the in-place ring receives every segment, kept from one op to the next (one
+    /// segment, [`SEGMENT_BYTES`], and a page).
     pub scratch: Scratch,
 }
 

@@ -21,7 +21,8 @@ use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Shape, Tensor};
 use super::core::GroupCore;
 use super::wire::check_dtype;
 use crate::communicator::{
-    check_in_place, CommError, Communicator, OpKind, PendingWork, ReduceOp, Result, Work,
+    all_reduce_and_copy_back, check_in_place, CommError, Communicator, OpKind, PendingWork,
+    ReduceOp, Result, Work,
 };
 use crate::trace::{TraceEvent, Tracer};
 
@@ -286,15 +287,14 @@ impl Communicator for CpuComm {
     /// The ring in place on `x`'s own storage (f32, f64 and the integer types; a half-precision
     /// tensor, which the ring accumulates in f32, takes the trait's reduce-and-copy).
     fn all_reduce_in_place(&self, x: &Tensor, op: ReduceOp) -> Result<()> {
-        check_in_place(&self.name, x)?;
         let ring_type = matches!(
             x.dtype(),
             DType::F32 | DType::F64 | DType::U8 | DType::U32 | DType::I64
         );
         if !ring_type {
-            let y = self.all_reduce(x, op)?;
-            return Ok(x.flatten_all()?.slice_set(&y.flatten_all()?, 0, 0)?);
+            return all_reduce_and_copy_back(self, x, op);
         }
+        check_in_place(&self.name, x)?;
         // An earlier op of this group may still have to read `x`: let it finish before the
         // write lock is taken, or it would wait on the lock while we wait on it.
         self.drain();

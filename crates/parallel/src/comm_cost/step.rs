@@ -410,14 +410,8 @@ impl Walk {
         match self.zero {
             None if self.dims.dp > 1 && self.dp_buckets.is_some() => {
                 for numel in self.bucket_numels() {
-                    self.tally.all_reduce(
-                        Group::Dp,
-                        "gradient bucket",
-                        step,
-                        numel,
-                        DType::F32,
-                        true,
-                    );
+                    self.tally
+                        .all_reduce(Group::Dp, "gradient bucket", step, numel, DType::F32, true);
                 }
                 self.sp_partial_sums(&held);
             }
@@ -507,11 +501,7 @@ impl Walk {
             for p in &u.params {
                 final_after.insert(p.name.clone(), j);
                 let bytes = p.numel * self.param_bytes;
-                sizes.push(ParamSize {
-                    name: &p.name,
-                    numel: p.numel,
-                    bytes,
-                });
+                sizes.push(ParamSize { name: &p.name, numel: p.numel, bytes });
             }
         }
         let (first, cap) = (d.first_bucket_cap_bytes, d.bucket_cap_bytes);

@@ -227,6 +227,7 @@ impl DataParallel for ExpertDataParallel {
         grad_norm_sq(&self.grads, &self.ep).map_err(dp_err)
     }
 
+
     fn optimizer_items(&self) -> Vec<OptimItem<'_>> {
         replicated_items(&self.params, &self.grads)
     }

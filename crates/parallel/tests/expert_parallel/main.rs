@@ -35,8 +35,8 @@ use mtrain_comm::cpu::run_local;
 use mtrain_comm::{Backend, DeviceMesh, MeshDims};
 use mtrain_model::optim::{AdamW, AdamWConfig};
 use mtrain_model::{
-    init_weights, Backward, DenseLinear, Engine, FeedForward, Gpt, GptConfig, Grads, Mlp,
-    MoeConfig, MoeStats, NoHooks, Param, Segment,
+    init_weights, Backward, DenseLinear, Engine, FeedForward, Gpt, GptConfig, Grads, Mlp, MoeConfig,
+    MoeStats, NoHooks, Param, Segment,
 };
 use mtrain_parallel::ddp::DataParallel;
 use mtrain_parallel::expert_parallel::{
