@@ -4,7 +4,8 @@
 //! mtrain --nproc-per-node 4 bench-comm -b 8 -e 256M -f 2 --op all-reduce
 //! ```
 //!
-//! For each message size S (from `-b` to `-e`, times `-f` each step) every rank runs `-w` warm-up
+//! For each message size S (from `-b` to `-e`, times `-f` each step; a sweep from 0 measures 0 and
+//! goes on from the smallest message, `sweep_sizes`) every rank runs `-w` warm-up
 //! and `-n` timed iterations of the op; the time is the slowest rank's mean (each rank's mean
 //! over the timed iterations, then the maximum over ranks; the header says so). As in nccl-tests:
 //!
@@ -419,9 +420,19 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
         table.flush()?;
     }
 
+    let smallest = smallest_message(args.op, elem, n);
+    if r == 0 && args.min_bytes < smallest {
+        writeln!(
+            table,
+            "# -b {}: {}the sizes go on from {smallest} B, the smallest {} message of {} over {n} ranks",
+            args.min_bytes,
+            if args.min_bytes == 0 { "0 B measured, then " } else { "less than one element per rank, so " },
+            args.op.name(),
+            args.dtype.nccl_name(),
+        )?;
+    }
     let mut rows = Vec::new();
-    let mut size = args.min_bytes;
-    while size <= args.max_bytes {
+    for size in sweep_sizes(args.min_bytes, args.max_bytes, args.step_factor, smallest) {
         let mut count = (size as usize) / elem;
         if args.op.splits_by_rank() {
             count -= count % n;
@@ -498,10 +509,6 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
             table.flush()?;
         }
         rows.push(row);
-        size = match size.checked_mul(args.step_factor) {
-            Some(next) if next > 0 => next,
-            _ => break,
-        };
     }
 
     let avg = if rows.is_empty() {
@@ -555,6 +562,38 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
     Ok(report)
 }
 
+/// The smallest non-empty message of `op`: one element, or one element per rank for the ops that
+/// split their buffer by rank.
+fn smallest_message(op: BenchOp, elem: usize, n: usize) -> u64 {
+    (elem * if op.splits_by_rank() { n } else { 1 }) as u64
+}
+
+/// The sizes a sweep measures, as nccl-tests' `-b`, `-e`, `-f`: from `min` up to `max`, times
+/// `factor` (≥ 2) each step. 0 is measured once and the sweep goes on from `smallest` (0 · f would
+/// stay 0); a non-zero `min` below `smallest` (no element on some rank) starts at `smallest`.
+///
+/// ```text
+///   -b 0 -e 64, f32 all-reduce:     0, 4, 8, 16, 32, 64
+///   -b 0 -e 64, f32 all-gather, n 2: 0, 8, 16, 32, 64
+/// ```
+fn sweep_sizes(min: u64, max: u64, factor: u64, smallest: u64) -> Vec<u64> {
+    let mut sizes = Vec::new();
+    let mut size = min;
+    if size == 0 {
+        sizes.push(0);
+        size = smallest;
+    }
+    size = size.max(smallest);
+    while size <= max {
+        sizes.push(size);
+        size = match size.checked_mul(factor) {
+            Some(next) => next,
+            None => break,
+        };
+    }
+    sizes
+}
+
 /// How the time column is taken over ranks (the header and the JSON say it).
 pub const TIME_OVER_RANKS: &str = "max over ranks of each rank's mean";
 
@@ -574,6 +613,20 @@ mod tests {
         assert_eq!(parse_size("256M"), Ok(256 << 20));
         assert_eq!(parse_size("1g"), Ok(1 << 30));
         assert!(parse_size("12X").unwrap_err().contains("12X"));
+    }
+
+    #[test]
+    fn a_sweep_from_zero_goes_on_from_the_smallest_message() {
+        assert_eq!(sweep_sizes(0, 64, 2, 4), [0, 4, 8, 16, 32, 64]);
+        assert_eq!(sweep_sizes(0, 64, 2, 8), [0, 8, 16, 32, 64]);
+        assert_eq!(sweep_sizes(0, 0, 2, 4), [0]);
+        assert_eq!(sweep_sizes(0, 3, 2, 4), [0]);
+        assert_eq!(sweep_sizes(1, 64, 4, 4), [4, 16, 64]);
+        assert_eq!(sweep_sizes(8, 8, 2, 4), [8]);
+        assert_eq!(sweep_sizes(1 << 63, u64::MAX, 2, 4), [1 << 63]);
+        assert_eq!(smallest_message(BenchOp::AllReduce, 4, 2), 4);
+        assert_eq!(smallest_message(BenchOp::AllGather, 4, 2), 8);
+        assert_eq!(smallest_message(BenchOp::AllToAll, 2, 8), 16);
     }
 
     #[test]

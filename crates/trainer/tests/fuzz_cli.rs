@@ -289,6 +289,11 @@ fn case(rng: &mut StdRng, surface: &Surface) -> Vec<String> {
         }
     }
     argv.extend(positionals);
+    // Every fifth bench-comm case sweeps from 0 or with a factor that never grows the size.
+    if name.as_deref() == Some("bench-comm") && rng.gen_range(0..5) == 0 {
+        let edge = pick(rng, &[["-b", "0"], ["-f", "1"], ["-f", "0"], ["-e", "0"]]);
+        argv.extend(edge.map(String::from));
+    }
     match name.as_deref() {
         None => {
             for kv in ["steps=1", "eval_every=0", "ckpt_every=0", "log_every=0"] {

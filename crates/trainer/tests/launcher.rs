@@ -406,6 +406,46 @@ fn a_world_of_one_runs_in_process() {
     );
 }
 
+/// The sizes of a `bench-comm --json -` report's rows (and the table, on stderr).
+fn swept_sizes(args: &[&str]) -> (Vec<u64>, String) {
+    let (out, _) = run_within(mtrain(args), Duration::from_secs(60));
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "{args:?}: {stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = report["rows"].as_array().unwrap().iter();
+    (rows.map(|r| r["bytes"].as_u64().unwrap()).collect(), stderr)
+}
+
+#[test]
+fn a_sweep_from_zero_bytes_measures_every_size_up_to_the_largest() {
+    // One rank, f32 all-reduce: the smallest message is one element, 4 bytes.
+    let sweep = ["bench-comm", "-b", "0", "-e", "64", "-n", "2", "--json", "-"];
+    let (sizes, table) = swept_sizes(&sweep);
+    assert_eq!(sizes, [0, 4, 8, 16, 32, 64], "{table}");
+    assert!(
+        table.contains("# -b 0: 0 B measured, then the sizes go on from 4 B"),
+        "{table}"
+    );
+    // Two ranks, all-gather: one element per rank, 8 bytes.
+    let two = ["--nproc-per-node", "2", "--op", "all-gather"];
+    let (sizes, table) = swept_sizes(&[&two[..2], &sweep[..1], &two[2..], &sweep[1..]].concat());
+    assert_eq!(sizes, [0, 8, 16, 32, 64], "{table}");
+    assert!(table.contains("# Out of bounds values : 0 OK"), "{table}");
+    // A factor that never grows the size is refused, naming the flag.
+    for f in ["1", "0"] {
+        let (out, _) = run_within(
+            mtrain(&["bench-comm", "-b", "0", "-e", "64", "-f", f]),
+            Duration::from_secs(30),
+        );
+        let stderr = text(&out.stderr);
+        assert!(!out.status.success(), "-f {f} ran: {}", text(&out.stdout));
+        assert!(
+            stderr.contains("-f/--stepfactor must be at least 2"),
+            "{stderr}"
+        );
+    }
+}
+
 #[test]
 fn plan_prints_the_8_rank_grid() {
     let (out, _) = run_within(
