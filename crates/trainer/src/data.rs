@@ -18,6 +18,7 @@
 //! consumed; checkpoints save it and resume restores it, and the rows after it follow from it
 //! alone.
 
+pub mod chars;
 pub mod corpus;
 pub mod sampling;
 pub mod shards;

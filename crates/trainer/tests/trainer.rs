@@ -712,6 +712,7 @@ fn prepare_writes_a_tokenizer_and_shards() {
     std::fs::write(&text_path, &text).unwrap();
     let out = dir.path().join("prepared");
     let s = prepare::prepare(&PrepareArgs {
+        chars: false,
         text: text_path,
         vocab_size: Some(320),
         tokenizer: None,
