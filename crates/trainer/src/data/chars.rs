@@ -124,11 +124,11 @@ mod tests {
         assert_eq!(v.decode(&[0, 1, 2]).unwrap(), "\nde");
         let ids = v.encode("hello\nwörld").unwrap();
         assert_eq!(v.decode(&ids).unwrap(), "hello\nwörld");
-        assert_eq!(v.len(), 8);
-        assert_eq!(*ids.iter().max().unwrap(), 7, "ö sorts last");
+        assert_eq!(v.len(), 9, "\\n d e h l o r w ö");
+        assert_eq!(*ids.iter().max().unwrap(), 8, "ö sorts last");
         let e = v.encode("hi").unwrap_err().to_string();
-        assert!(e.contains("'i'") && e.contains("8 characters"), "{e}");
-        assert!(v.decode(&[8]).unwrap_err().to_string().contains("id 8"));
+        assert!(e.contains("'i'") && e.contains("9 characters"), "{e}");
+        assert!(v.decode(&[9]).unwrap_err().to_string().contains("id 9"));
         let dir = tempfile::tempdir().unwrap();
         v.save(dir.path()).unwrap();
         assert_eq!(CharVocab::load(&dir.path().join(CHARS_FILE)).unwrap(), v);
