@@ -45,6 +45,7 @@
 //!   [`cross_entropy`], [`adamw`]: one op each, its kernel launch and its dispatch.
 //! - `cuda` (feature `cuda`): NVRTC compilation and the launch pieces the kernels share.
 //! - [`reduce`]: Σ of a tensor in rows first, and Σ x² of a list of tensors (the gradient norm).
+//! - [`philox`]: Philox4x32-10, the counter-based generator of draws named by their coordinates.
 //! - [`ptx_cache`]: compiled PTX on disk, keyed by source, options and architecture.
 //! - [`testing`]: the relative error and CUDA-or-skip helpers the kernel and tape tests share.
 //!
@@ -64,6 +65,7 @@ pub mod embedding;
 pub mod gelu;
 pub mod heads;
 pub mod layer_norm;
+pub mod philox;
 pub mod plain;
 pub mod ptx_cache;
 pub mod reduce;

@@ -36,7 +36,7 @@ use mtrain_model::GptConfig;
 use serde::de::{self, MapAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 
-use crate::data::DataSource;
+use crate::data::{DataSource, Sampling};
 
 mod args;
 mod merge;
@@ -153,8 +153,12 @@ pub enum BackwardKind {
 pub struct TrainConfig {
     /// The model: a preset name or a `[model]` table.
     pub model: ModelSpec,
-    /// Seed of the weight initialisation and of the data order.
+    /// Seed of the weight initialisation and of the data draws.
     pub seed: u64,
+    /// How training batches are drawn: `random` (each row at a uniform offset of the split,
+    /// nanoGPT's get_batch) or `epochs` (non-overlapping windows, shuffled every epoch); see
+    /// [`crate::data::sampling`].
+    pub sampling: Sampling,
     /// Sequences per micro-batch on each data-parallel rank.
     pub batch_size: usize,
     /// Tokens per sequence (at most the model's block_size).
@@ -179,9 +183,10 @@ pub struct TrainConfig {
     pub eps: f64,
     /// Clip the global gradient norm to this value (0 disables clipping).
     pub grad_clip: f64,
-    /// Evaluate the validation loss every N steps and at the end (0 disables).
+    /// Evaluate every N steps and at the end (0 disables): the mean loss of `eval_iters` batches
+    /// drawn at random from each split, training and validation, as nanoGPT's estimate_loss.
     pub eval_every: u64,
-    /// Validation batches per evaluation.
+    /// Batches per split per evaluation.
     pub eval_iters: usize,
     /// Write a checkpoint every N steps (0: only at the end).
     pub ckpt_every: u64,
@@ -246,6 +251,7 @@ impl Default for TrainConfig {
         Self {
             model: ModelSpec::Preset("tiny".into()),
             seed: 1337,
+            sampling: Sampling::Random,
             batch_size: 16,
             seq_len: 64,
             grad_accum: 1,

@@ -1,24 +1,26 @@
 //! Data: where tokens come from and which of them each data-parallel rank trains on.
 //!
 //! A split (train or validation) is one or more token streams: the built-in corpus held in memory
-//! ([`corpus`]) or memory-mapped shards ([`shards`]). Each stream is cut into non-overlapping windows
-//! of `seq_len + 1` tokens (inputs and the targets shifted by one). Every epoch the windows are put in
-//! a fresh order by a permutation seeded with `(seed, epoch)`, and consecutive runs of
-//! `batch_size * dp_size` windows form the *global* batches. Rank `r` takes rows
-//! `r*batch_size .. (r+1)*batch_size` of each global batch:
+//! ([`corpus`]) or memory-mapped shards ([`shards`]). A batch is a set of rows of `seq_len + 1`
+//! tokens (inputs and the targets shifted by one). The *global* batch of a micro-batch has
+//! `batch_size * dp_size` rows, and rank `r` takes rows `r*batch_size .. (r+1)*batch_size`:
 //!
 //! ```text
-//! epoch order:   w17 w3 w42 w8 | w25 w1 w30 w12 | ...      global batch = B * dp = 2 * 2 windows
-//! global batch 0: [ w17 w3 | w42 w8 ]
-//!                   rank 0   rank 1
+//! global batch (B = 2, dp = 2):  [ row0 row1 | row2 row3 ]
+//!                                   rank 0      rank 1
 //! ```
 //!
 //! so `dp` ranks together see exactly the batch one rank sees with `batch_size * dp`, which is what
-//! makes a data-parallel loss series comparable to the single-device one. The loader's position is a
-//! single counter of global batches consumed; checkpoints save it and resume restores it. A trailing
-//! partial global batch of an epoch is dropped.
+//! makes a data-parallel loss series comparable to the single-device one. Where each row starts is
+//! the [`sampling`] rule: by default an offset drawn uniformly over the split from a counter-based
+//! generator keyed by (seed, step, micro-batch, row), as nanoGPT's get_batch draws them; or the
+//! windows of an epoch-permuted cut. The loader's position is a single counter of global batches
+//! consumed; checkpoints save it and resume restores it, and the rows after it follow from it
+//! alone.
 
+pub mod chars;
 pub mod corpus;
+pub mod sampling;
 pub mod shards;
 
 use std::fmt;
@@ -29,6 +31,8 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 
 pub use corpus::SplitMix64;
+pub use sampling::Sampling;
+use sampling::{Purpose, RandomOffsets, RowStart};
 pub use shards::{write_shard, MappedShard, ShardHeader, TokenDtype};
 
 /// Bytes of built-in corpus in the training split.
@@ -48,7 +52,7 @@ pub enum DataError {
     #[error("{0}")]
     Format(String),
     /// The split is too small for the batch asked for.
-    #[error("the {split} split has {windows} windows of seq_len+1 = {window} tokens, fewer than one global batch of batch_size({batch_size}) * dp({dp_size}) = {need}")]
+    #[error("the {split} split has {windows} windows of seq_len+1 = {window} tokens for epoch sampling, fewer than one global batch of batch_size({batch_size}) * dp({dp_size}) = {need}")]
     TooSmall {
         /// "train" or "val".
         split: String,
@@ -62,6 +66,16 @@ pub enum DataError {
         dp_size: usize,
         /// Windows needed.
         need: usize,
+    },
+    /// No stream of the split holds one row.
+    #[error("the {split} split has no stream of seq_len+1 = {window} tokens (its longest has {longest}): lower seq_len or give more data")]
+    TooShort {
+        /// "train" or "val".
+        split: String,
+        /// Tokens in its longest stream.
+        longest: usize,
+        /// Tokens per row.
+        window: usize,
     },
     /// A bad loader argument.
     #[error("{0}")]
@@ -152,6 +166,12 @@ impl Split {
     /// The split's name ("train" or "val").
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// 1 for the validation split, 0 for the training split: the split's part of its draws'
+    /// counters ([`sampling`]).
+    fn id(&self) -> u32 {
+        u32::from(self.name == "val")
     }
 }
 
@@ -289,6 +309,13 @@ pub struct DataLoader {
     dp_rank: usize,
     dp_size: usize,
     seed: u64,
+    /// Micro-batches per optimizer step: global batch `p` is micro-batch `p % grad_accum` of
+    /// step `p / grad_accum`.
+    grad_accum: usize,
+    sampling: Sampling,
+    /// The uniform starts of every row drawn at random (training under `Random`, evaluation
+    /// always).
+    offsets: RandomOffsets,
     /// Cumulative windows per stream: `starts[i]` is the first global window index of stream `i`.
     starts: Vec<usize>,
     n_windows: usize,
@@ -300,7 +327,9 @@ pub struct DataLoader {
 }
 
 impl DataLoader {
-    /// A loader giving rank `dp_rank` of `dp_size` its `batch_size` rows of every global batch.
+    /// A loader giving rank `dp_rank` of `dp_size` its `batch_size` rows of every global batch,
+    /// drawn at random offsets ([`Sampling::Random`]), one micro-batch per step (see
+    /// [`DataLoader::with_grad_accum`], [`DataLoader::with_sampling`]).
     pub fn new(
         split: Split,
         seq_len: usize,
@@ -314,27 +343,24 @@ impl DataLoader {
                 "bad loader arguments: seq_len={seq_len}, batch_size={batch_size}, dp_rank={dp_rank}, dp_size={dp_size}"
             )));
         }
-        let mut starts = Vec::with_capacity(split.streams.len());
-        let mut n_windows = 0;
-        for s in split.streams.iter() {
-            starts.push(n_windows);
-            n_windows += s.len().saturating_sub(1) / seq_len;
-        }
-        if n_windows > u32::MAX as usize {
+        let lens: Vec<usize> = split.streams.iter().map(Stream::len).collect();
+        let offsets = RandomOffsets::new(&lens, seq_len, seed, split.id()).ok_or_else(|| {
+            DataError::TooShort {
+                split: split.name.clone(),
+                longest: lens.iter().copied().max().unwrap_or(0),
+                window: seq_len + 1,
+            }
+        })?;
+        if batch_size * dp_size > u32::MAX as usize {
             return Err(DataError::Invalid(format!(
-                "{n_windows} windows exceed the u32 index"
+                "a global batch of batch_size({batch_size}) * dp({dp_size}) rows exceeds the u32 row index"
             )));
         }
-        let need = batch_size * dp_size;
-        if n_windows < need {
-            return Err(DataError::TooSmall {
-                split: split.name.clone(),
-                windows: n_windows,
-                window: seq_len + 1,
-                batch_size,
-                dp_size,
-                need,
-            });
+        let mut starts = Vec::with_capacity(lens.len());
+        let mut n_windows = 0;
+        for n in &lens {
+            starts.push(n_windows);
+            n_windows += n.saturating_sub(1) / seq_len;
         }
         Ok(Self {
             split,
@@ -343,6 +369,9 @@ impl DataLoader {
             dp_rank,
             dp_size,
             seed,
+            grad_accum: 1,
+            sampling: Sampling::Random,
+            offsets,
             starts,
             n_windows,
             position: 0,
@@ -351,9 +380,54 @@ impl DataLoader {
         })
     }
 
-    /// Global batches per epoch.
+    /// The same loader drawing its training batches as `sampling` says; epochs need at least one
+    /// global batch of windows.
+    pub fn with_sampling(mut self, sampling: Sampling) -> Result<Self, DataError> {
+        let need = self.batch_size * self.dp_size;
+        if sampling == Sampling::Epochs && self.n_windows < need {
+            return Err(DataError::TooSmall {
+                split: self.split.name.clone(),
+                windows: self.n_windows,
+                window: self.seq_len + 1,
+                batch_size: self.batch_size,
+                dp_size: self.dp_size,
+                need,
+            });
+        }
+        if self.n_windows > u32::MAX as usize && sampling == Sampling::Epochs {
+            return Err(DataError::Invalid(format!(
+                "{} windows exceed the u32 index of epoch sampling",
+                self.n_windows
+            )));
+        }
+        self.sampling = sampling;
+        Ok(self)
+    }
+
+    /// The same loader for steps of `grad_accum` micro-batches (the coordinates of its draws).
+    pub fn with_grad_accum(mut self, grad_accum: usize) -> Result<Self, DataError> {
+        if grad_accum == 0 || grad_accum > u32::MAX as usize {
+            return Err(DataError::Invalid(format!(
+                "grad_accum {grad_accum} must be in 1..=2^32-1"
+            )));
+        }
+        self.grad_accum = grad_accum;
+        Ok(self)
+    }
+
+    /// How this loader draws its training batches.
+    pub fn sampling(&self) -> Sampling {
+        self.sampling
+    }
+
+    /// Global batches per epoch: windows per global batch under `Epochs`; under `Random`, the
+    /// global batches whose tokens add up to the split's (at least 1).
     pub fn batches_per_epoch(&self) -> u64 {
-        (self.n_windows / (self.batch_size * self.dp_size)) as u64
+        let global = self.batch_size * self.dp_size;
+        match self.sampling {
+            Sampling::Epochs => (self.n_windows / global) as u64,
+            Sampling::Random => (self.split.n_tokens() / (global * self.seq_len)).max(1) as u64,
+        }
     }
 
     /// Global batches consumed so far.
@@ -366,15 +440,42 @@ impl DataLoader {
         self.position = position;
     }
 
-    /// The epoch the next batch comes from (0-based).
+    /// The epoch the next batch comes from (0-based): under `Random`, how many times the split's
+    /// tokens have been drawn.
     pub fn epoch(&self) -> u64 {
         self.position / self.batches_per_epoch()
     }
 
     /// This rank's rows of the next global batch.
     pub fn next_batch(&mut self) -> Batch {
+        let epoch = self.epoch();
+        let batch = match self.sampling {
+            Sampling::Random => {
+                let ga = self.grad_accum as u64;
+                let (step, micro) = (self.position / ga, (self.position % ga) as u32);
+                self.random_batch(Purpose::Train, step, micro, epoch)
+            }
+            Sampling::Epochs => self.epoch_batch(epoch),
+        };
+        self.position += 1;
+        batch
+    }
+
+    /// This rank's rows of evaluation batch `iter` at step `step`: random offsets from their own
+    /// stream, whatever the training sampling; the loader's position does not move.
+    pub fn eval_batch(&self, step: u64, iter: u32) -> Batch {
+        self.random_batch(Purpose::Eval, step, iter, self.epoch())
+    }
+
+    fn random_batch(&self, purpose: Purpose, step: u64, micro: u32, epoch: u64) -> Batch {
+        let first = self.dp_rank * self.batch_size;
+        let starts = (first..first + self.batch_size)
+            .map(|row| self.offsets.row_start(purpose, step, micro, row as u32));
+        self.read_rows(starts, epoch)
+    }
+
+    fn epoch_batch(&mut self, epoch: u64) -> Batch {
         let per_epoch = self.batches_per_epoch();
-        let epoch = self.position / per_epoch;
         let in_epoch = (self.position % per_epoch) as usize;
         if self.order_epoch != Some(epoch) {
             self.order = self.permutation(epoch);
@@ -382,20 +483,29 @@ impl DataLoader {
         }
         let global = self.batch_size * self.dp_size;
         let first = in_epoch * global + self.dp_rank * self.batch_size;
+        let starts: Vec<RowStart> = self.order[first..first + self.batch_size]
+            .iter()
+            .map(|&w| {
+                let w = w as usize;
+                let stream = self.starts.partition_point(|&s| s <= w) - 1;
+                (stream, (w - self.starts[stream]) * self.seq_len)
+            })
+            .collect();
+        self.read_rows(starts.into_iter(), epoch)
+    }
+
+    /// The rows of `seq_len + 1` tokens at `starts`, as inputs and targets.
+    fn read_rows(&self, starts: impl Iterator<Item = RowStart>, epoch: u64) -> Batch {
         let (t, b) = (self.seq_len, self.batch_size);
         let mut inputs = Vec::with_capacity(b * t);
         let mut targets = Vec::with_capacity(b * t);
         let mut row = Vec::with_capacity(t + 1);
-        for &w in &self.order[first..first + b] {
-            let w = w as usize;
-            let stream = self.starts.partition_point(|&s| s <= w) - 1;
-            let start = (w - self.starts[stream]) * t;
+        for (stream, start) in starts {
             row.clear();
             self.split.streams[stream].read(start, start + t + 1, &mut row);
             inputs.extend_from_slice(&row[..t]);
             targets.extend_from_slice(&row[1..]);
         }
-        self.position += 1;
         Batch {
             inputs,
             targets,

@@ -14,7 +14,8 @@
 //!
 //! With `--tokenizer FILE` no tokenizer is trained: the text is encoded with an existing Hugging
 //! Face `tokenizer.json` (GPT-2's, say), which is copied into the output so `mtrain sample` decodes
-//! with it.
+//! with it. With `--chars` each character is a token, the vocabulary the text's characters in
+//! sorted order, written as `chars.json` ([`crate::data::chars`], nanoGPT's shakespeare_char).
 //!
 //! Output in `--out DIR`: `tokenizer.json` (loadable by the `tokenizers` crate and by Hugging Face
 //! `tokenizers`), and the text's ids split into `train_000.bin` / `val_000.bin` (the last
@@ -29,6 +30,7 @@ use tokenizers::normalizers::NormalizerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, Tokenizer, TokenizerBuilder};
 
+use crate::data::chars::{CharVocab, CHARS_FILE};
 use crate::data::{write_shard, DataError};
 use crate::fsio::{IoContext, IoError};
 
@@ -60,8 +62,11 @@ pub struct PrepareArgs {
     pub text: PathBuf,
     /// Vocabulary size of the tokenizer to train (at least 257: the 256 bytes and
     /// <|endoftext|>) [default: 4096].
-    #[arg(long, conflicts_with = "tokenizer")]
+    #[arg(long, conflicts_with_all = ["tokenizer", "chars"])]
     pub vocab_size: Option<usize>,
+    /// Characters as tokens: the vocabulary is the text's characters, sorted (chars.json).
+    #[arg(long, conflicts_with = "tokenizer")]
+    pub chars: bool,
     /// Encode with this existing Hugging Face tokenizer.json (e.g. GPT-2's) instead of training
     /// one; it is copied into --out.
     #[arg(long, value_name = "FILE")]
@@ -104,7 +109,13 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareSummary, PrepareError> {
                 .into(),
         ));
     }
-    if args.tokenizer.is_none() && vocab_size < 257 {
+    if args.chars && (args.tokenizer.is_some() || args.vocab_size.is_some()) {
+        return Err(PrepareError::Invalid(
+            "--chars makes each character a token: give neither --tokenizer nor --vocab-size"
+                .into(),
+        ));
+    }
+    if args.tokenizer.is_none() && !args.chars && vocab_size < 257 {
         return Err(PrepareError::Invalid(format!(
             "--vocab-size {vocab_size} is below 257 (256 byte tokens + {END_OF_TEXT})"
         )));
@@ -125,6 +136,21 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareSummary, PrepareError> {
     };
     std::fs::create_dir_all(&args.out).at("creating directory", &args.out)?;
     let tok_path = args.out.join("tokenizer.json");
+    let chars_path = args.out.join(CHARS_FILE);
+    // One vocabulary per directory: the other kind, from an earlier prepare, is removed.
+    let stale = match args.chars {
+        true => &tok_path,
+        false => &chars_path,
+    };
+    if stale.exists() {
+        std::fs::remove_file(stale).at("removing", stale)?;
+    }
+    if args.chars {
+        let vocab = CharVocab::of_text(&text);
+        vocab.save(&args.out)?;
+        let ids = vocab.encode(&text)?;
+        return write_split(args, &ids, vocab.len(), text.len());
+    }
     let tokenizer = match given {
         Some(tokenizer) => tokenizer,
         None => train_tokenizer(&args.text, vocab_size)?,
@@ -135,8 +161,16 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareSummary, PrepareError> {
     // Reload through the generic `Tokenizer`, exactly as `mtrain sample` will.
     let tokenizer = Tokenizer::from_file(&tok_path).map_err(tok_err)?;
     let ids = encode(&tokenizer, &text)?;
-    let vocab_size = tokenizer.get_vocab_size(true);
+    write_split(args, &ids, tokenizer.get_vocab_size(true), text.len())
+}
 
+/// Write the first `1 − val_fraction` of `ids` as train_000 and the rest as val_000.
+fn write_split(
+    args: &PrepareArgs,
+    ids: &[u32],
+    vocab_size: usize,
+    text_bytes: usize,
+) -> Result<PrepareSummary, PrepareError> {
     let n_val = ((ids.len() as f64) * args.val_fraction).round() as usize;
     let n_val = if args.val_fraction > 0.0 {
         n_val.max(2)
@@ -157,7 +191,7 @@ pub fn prepare(args: &PrepareArgs) -> Result<PrepareSummary, PrepareError> {
         vocab_size,
         train_tokens: train.len(),
         val_tokens: val.len(),
-        bytes_per_token: text.len() as f64 / ids.len().max(1) as f64,
+        bytes_per_token: text_bytes as f64 / ids.len().max(1) as f64,
     })
 }
 

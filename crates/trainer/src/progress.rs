@@ -75,6 +75,9 @@ pub fn step_line(m: &StepMetrics, total: u64) -> String {
         thousands(m.tokens_per_s),
         100.0 * m.mfu
     );
+    if let Some(t) = m.train_eval_loss {
+        line.push_str(&format!(" | eval train {t:.4}"));
+    }
     if let Some(v) = m.val_loss {
         line.push_str(&format!(" | val {v:.4}"));
     }
@@ -155,6 +158,7 @@ mod tests {
             tokens_per_s: 7783.488642309049,
             mfu: 0.1182990644976354,
             epoch: 0,
+            train_eval_loss: None,
             val_loss: None,
             parallel: None,
             phase_ms: None,
@@ -164,10 +168,11 @@ mod tests {
             "step 10/200 | loss 4.0144 | lr 3.14e-03 | norm 1.70 | 8.2 ms | 7,783 tok/s | mfu 11.8%"
         );
         let v = StepMetrics {
+            train_eval_loss: Some(4.125),
             val_loss: Some(4.25),
             ..m
         };
-        assert!(step_line(&v, 200).ends_with("| mfu 11.8% | val 4.2500"));
+        assert!(step_line(&v, 200).ends_with("| mfu 11.8% | eval train 4.1250 | val 4.2500"));
         assert_eq!(
             done_line(200, Some(0.64926), None, 5058.4),
             "done: 200 steps, final loss 0.6493, 5,058 tok/s"

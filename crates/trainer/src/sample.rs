@@ -2,8 +2,9 @@
 //!
 //! The checkpoint's meta.json carries the run's config, so the model is rebuilt from it and the
 //! weights are loaded by name. Ids are turned back into text with the prepared `tokenizer.json`
-//! (found next to the run's token shards, or given with `--tokenizer`), or as raw bytes for the
-//! built-in byte-level corpus.
+//! (found next to the run's token shards, or given with `--tokenizer`), with the character
+//! vocabulary `chars.json` of data prepared with `--chars`, or as raw bytes for the built-in
+//! byte-level corpus.
 
 use std::path::PathBuf;
 
@@ -15,6 +16,7 @@ use tokenizers::Tokenizer;
 
 use crate::checkpoint;
 use crate::config::DeviceKind;
+use crate::data::chars::{CharVocab, CHARS_FILE};
 use crate::data::DataSource;
 use crate::prepare;
 
@@ -39,7 +41,8 @@ pub struct SampleArgs {
     /// Seed of the sampler.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// tokenizer.json to decode with; default: the one beside the run's shards, or bytes.
+    /// tokenizer.json (or a --chars directory's chars.json) to decode with; default: the one
+    /// beside the run's shards, or bytes.
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
     /// Where to run the model.
@@ -51,6 +54,7 @@ pub struct SampleArgs {
 enum Codec {
     Bytes,
     Bpe(Box<Tokenizer>),
+    Chars(CharVocab),
 }
 
 impl Codec {
@@ -58,6 +62,16 @@ impl Codec {
         match self {
             Codec::Bytes => Ok(text.bytes().map(u32::from).collect()),
             Codec::Bpe(t) => Ok(prepare::encode(t, text)?),
+            Codec::Chars(v) => Ok(v.encode(text)?),
+        }
+    }
+
+    /// Ids the codec can write.
+    fn vocab_size(&self) -> usize {
+        match self {
+            Codec::Bytes => 256,
+            Codec::Bpe(t) => t.get_vocab_size(true),
+            Codec::Chars(v) => v.len(),
         }
     }
 
@@ -70,6 +84,7 @@ impl Codec {
             Codec::Bpe(t) => t
                 .decode(ids, false)
                 .map_err(|e| anyhow::anyhow!("decoding: {e}")),
+            Codec::Chars(v) => Ok(v.decode(ids)?),
         }
     }
 }
@@ -96,16 +111,17 @@ pub fn sample(args: &SampleArgs) -> anyhow::Result<String> {
     let dir = checkpoint::resolve(&args.checkpoint)?;
     let device = make_device(args.device, 0)?;
     let ckpt = checkpoint::load(&dir, &device)?;
-    let cfg = ckpt.meta.config.gpt_config()?;
-    let model = Gpt::new(cfg.clone(), &ckpt.model, &device)
-        .with_context(|| format!("building the model from {}", dir.display()))?;
-
+    let mut cfg = ckpt.meta.config.gpt_config()?;
+    let mut weights = ckpt.model;
     let tokenizer = match (&args.tokenizer, &ckpt.meta.config.data) {
         (Some(p), _) => Some(p.clone()),
-        (None, DataSource::Shards(d)) => Some(d.join("tokenizer.json")).filter(|p| p.exists()),
+        (None, DataSource::Shards(d)) => [d.join(CHARS_FILE), d.join("tokenizer.json")]
+            .into_iter()
+            .find(|p| p.exists()),
         (None, DataSource::Builtin) => None,
     };
     let codec = match tokenizer {
+        Some(p) if p.file_name() == Some(CHARS_FILE.as_ref()) => Codec::Chars(CharVocab::load(&p)?),
         Some(p) => {
             crate::fsio::regular_file(&p)?;
             Codec::Bpe(Box::new(
@@ -115,6 +131,20 @@ pub fn sample(args: &SampleArgs) -> anyhow::Result<String> {
         }
         None => Codec::Bytes,
     };
+    // The model's vocabulary is the data's padded to a multiple of 64; the padding ids are never
+    // a target, so only the data's ids are drawn: the model is built with the head's (tied
+    // embedding's) first rows alone, whose logits are the full model's.
+    let data_vocab = codec.vocab_size().min(cfg.vocab_size);
+    if data_vocab < cfg.vocab_size {
+        let wte = weights
+            .get("wte.weight")
+            .with_context(|| format!("{}: no wte.weight", dir.display()))?
+            .narrow(0, 0, data_vocab)?; // (V_data, C)
+        weights.insert("wte.weight".into(), wte);
+        cfg.vocab_size = data_vocab;
+    }
+    let model = Gpt::new(cfg.clone(), &weights, &device)
+        .with_context(|| format!("building the model from {}", dir.display()))?;
     let ids = codec.encode(&args.prompt)?;
     anyhow::ensure!(
         !ids.is_empty(),

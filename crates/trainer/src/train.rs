@@ -8,8 +8,8 @@
 //!         loss = model.forward_backward(x, y, 1/grad_accum)   block-wise engine, grads summed
 //!     coef = clip_coef(‖g‖, grad_clip)                   global-norm clipping
 //!     model.optimizer_step(lr, coef)                     AdamW, then the gradients are cleared
-//!     log (progress bar, metrics.jsonl, pipeline-rank{N}.jsonl), eval every N, checkpoint every N,
-//!     memory report
+//!     every eval_every steps: mean loss of eval_iters random batches of each split
+//!     log (progress bar, metrics.jsonl, pipeline-rank{N}.jsonl), checkpoint every N, memory report
 //! ```
 //!
 //! The loop talks to the model only through [`TrainableModel`], so a parallel wrapper can own the
@@ -18,8 +18,9 @@
 //! [`Distributed`]: a single device is the world of one, the plan whose every group has one
 //! rank, run by the same step as every other layout (DDP over a group of one averages nothing).
 //!
-//! Resuming restores weights, AdamW moments and step, and the loader position; since nothing else is
-//! random, a resumed run reproduces the uninterrupted loss series bit for bit.
+//! Resuming restores weights, AdamW moments and step, and the loader position; every batch is a
+//! function of the seed and its coordinates (`crate::data::sampling`) and nothing else is random,
+//! so a resumed run reproduces the uninterrupted loss series bit for bit.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -29,9 +30,7 @@ use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor};
 use mtrain_comm::mesh::MeshDims;
 use mtrain_comm::{Backend, DeviceMesh};
-use mtrain_model::optim::{
-    clip_coef, lr_at, AdamWConfig, LrSchedule,
-};
+use mtrain_model::optim::{clip_coef, lr_at, AdamWConfig, LrSchedule};
 use mtrain_model::{init_weights, GptConfig};
 use mtrain_parallel::parallelize::ParallelPlan;
 use serde::Serialize;
@@ -40,14 +39,13 @@ use crate::checkpoint::{self, CheckpointData};
 use crate::config::{ParallelConfig, TrainConfig};
 use crate::data::{DataLoader, Dataset};
 use crate::distributed::Distributed;
-use crate::trainable::TrainableModel;
-use crate::phases::{PhaseTimer, PhaseTimes, StepPhase};
-use crate::progress::{self, Progress};
 use crate::fsio::JsonLines;
 use crate::memory::{
     AnalyticMemory, BackwardPath, CpuProbe, MemoryProbe, MemoryTracker, ModelStateLayout, Phase,
 };
-
+use crate::phases::{PhaseTimer, PhaseTimes, StepPhase};
+use crate::progress::{self, Progress};
+use crate::trainable::TrainableModel;
 
 /// One line of metrics.jsonl.
 #[derive(Debug, Clone, Serialize)]
@@ -72,7 +70,11 @@ pub struct StepMetrics {
     pub mfu: f64,
     /// Epoch of the training data.
     pub epoch: u64,
-    /// Validation loss, when evaluated at this step.
+    /// The training split's loss over `eval_iters` random batches, when evaluated at this step
+    /// (nanoGPT's estimate_loss "train").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub train_eval_loss: Option<f64>,
+    /// Validation loss over `eval_iters` random batches, when evaluated at this step.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
     /// Rank 0's communication, pipeline and expert figures (see `distributed::StepReport`).
@@ -92,6 +94,8 @@ pub struct TrainSummary {
     pub losses: Vec<f64>,
     /// (step, validation loss) of every evaluation.
     pub val_losses: Vec<(u64, f64)>,
+    /// (step, training-split loss) of every evaluation.
+    pub train_eval_losses: Vec<(u64, f64)>,
     /// Mean tokens per second over the run.
     pub tokens_per_s: f64,
     /// Directory of the last checkpoint written, if any.
@@ -214,17 +218,26 @@ fn loaders(
     dp_rank: usize,
     dp_size: usize,
 ) -> anyhow::Result<(DataLoader, DataLoader)> {
-    let make = |split: &_| {
-        DataLoader::new(
-            Clone::clone(split),
-            cfg.seq_len,
-            cfg.batch_size,
-            dp_rank,
-            dp_size,
-            cfg.seed,
-        )
-    };
-    Ok((make(&dataset.train)?, make(&dataset.val)?))
+    let train = DataLoader::new(
+        dataset.train.clone(),
+        cfg.seq_len,
+        cfg.batch_size,
+        dp_rank,
+        dp_size,
+        cfg.seed,
+    )?
+    .with_grad_accum(cfg.grad_accum)?
+    .with_sampling(cfg.sampling)?;
+    // The validation split is only evaluated, at random offsets.
+    let val = DataLoader::new(
+        dataset.val.clone(),
+        cfg.seq_len,
+        cfg.batch_size,
+        dp_rank,
+        dp_size,
+        cfg.seed,
+    )?;
+    Ok((train, val))
 }
 
 /// Every run, one device included (the world of one, where every group has one rank and no
@@ -261,16 +274,9 @@ fn run_plan(
             weights,
             adamw,
         } = setup(cfg, &gcfg, &device)?;
-        let mut model = Distributed::new(
-            &gcfg,
-            &weights,
-            plan,
-            &mesh,
-            &device,
-            adamw,
-            cfg.grad_accum,
-        )?
-        .with_timeline(timeline.clone());
+        let mut model =
+            Distributed::new(&gcfg, &weights, plan, &mesh, &device, adamw, cfg.grad_accum)?
+                .with_timeline(timeline.clone());
         drop(weights);
         if rank == 0 && world > 1 {
             let dp = match plan.dp_buckets() {
@@ -298,7 +304,9 @@ fn run_plan(
         crate::trace::write_rank_trace(&cfg.run_dir, rank, &groups, Some(&timeline))?;
         // Every rank's part is on disk once all have passed the barrier; rank 0 joins them.
         if result.is_ok() {
-            mesh.world.barrier().context("waiting for every rank's trace")?;
+            mesh.world
+                .barrier()
+                .context("waiting for every rank's trace")?;
             if rank == 0 {
                 let path = crate::trace::merge_chrome_traces(&cfg.run_dir, dims.world_size())?;
                 tracing::info!(rank, path = %path.display(), "Chrome trace written (ui.perfetto.dev)");
@@ -337,7 +345,7 @@ pub fn train_loop(
     gcfg: &GptConfig,
     model: &mut dyn TrainableModel,
     mut loader: DataLoader,
-    mut val: DataLoader,
+    val: DataLoader,
     device: &Device,
     rank: usize,
     (dp, devices): (usize, usize),
@@ -419,6 +427,7 @@ pub fn train_loop(
         start_step,
         losses: Vec::new(),
         val_losses: Vec::new(),
+        train_eval_losses: Vec::new(),
         tokens_per_s: 0.0,
         last_checkpoint: None,
         layout,
@@ -475,13 +484,16 @@ pub fn train_loop(
         summary.losses.push(loss);
 
         let last = step + 1 == cfg.steps;
-        let val_loss = if cfg.eval_every > 0 && ((step + 1) % cfg.eval_every == 0 || last) {
-            let v = evaluate(model, &mut val, cfg.eval_iters, device)?;
-            summary.val_losses.push((step, v));
-            Some(v)
-        } else {
-            None
-        };
+        let (train_eval_loss, val_loss) =
+            if cfg.eval_every > 0 && ((step + 1) % cfg.eval_every == 0 || last) {
+                let t = evaluate(model, &loader, step, cfg.eval_iters, device)?;
+                let v = evaluate(model, &val, step, cfg.eval_iters, device)?;
+                summary.train_eval_losses.push((step, t));
+                summary.val_losses.push((step, v));
+                (Some(t), Some(v))
+            } else {
+                (None, None)
+            };
         let m = StepMetrics {
             step,
             run: run_id.clone(),
@@ -492,6 +504,7 @@ pub fn train_loop(
             tokens_per_s,
             mfu,
             epoch,
+            train_eval_loss,
             val_loss,
             parallel: model.step_report(),
             phase_ms,
@@ -588,17 +601,19 @@ pub fn train_loop(
     Ok(summary)
 }
 
-/// Mean loss over the first `iters` validation batches (the same batches at every evaluation).
+/// Mean loss over `iters` batches of `split`'s loader drawn at random for the evaluation at
+/// `step` (nanoGPT's estimate_loss; fresh batches at every evaluation, the same ones in a
+/// resumed run and under every layout).
 pub fn evaluate(
     model: &mut dyn TrainableModel,
-    val: &mut DataLoader,
+    split: &DataLoader,
+    step: u64,
     iters: usize,
     device: &Device,
 ) -> anyhow::Result<f64> {
-    val.set_position(0);
     let mut total = 0.0;
-    for _ in 0..iters {
-        let (x, y) = val.next_batch().to_tensors(device)?; // (B, T), (B, T)
+    for i in 0..iters {
+        let (x, y) = split.eval_batch(step, i as u32).to_tensors(device)?; // (B, T), (B, T)
         total += model.eval_loss(&x, &y)?;
     }
     Ok(total / iters as f64)

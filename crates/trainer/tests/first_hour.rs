@@ -131,6 +131,89 @@ fn prepare_train_sample_as_the_readme_says() {
     assert_eq!(meta_vocab(&bad), 384);
 }
 
+/// Characters as tokens through the binary, as README's shakespeare_char section runs it:
+/// `prepare --chars` takes the text's sorted characters as the vocabulary, a run takes it
+/// (padded to 64), and `sample` writes characters of the corpus; a prompt character outside the
+/// vocabulary is refused by name.
+#[test]
+fn prepare_chars_train_sample() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let shakespeare =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/bench/tinyshakespeare.txt");
+    let full = std::fs::read_to_string(shakespeare).expect("tinyshakespeare.txt");
+    let cut = full
+        .char_indices()
+        .nth(60_000)
+        .map_or(full.len(), |(i, _)| i);
+    let corpus_txt = dir.path().join("corpus.txt");
+    std::fs::write(&corpus_txt, &full[..cut]).expect("write corpus");
+    let mut chars: Vec<char> = full[..cut].chars().collect();
+    chars.sort_unstable();
+    chars.dedup();
+    let data = dir.path().join("data");
+    let (t, d) = (corpus_txt.display().to_string(), data.display().to_string());
+    let o = mtrain(&["prepare", "--chars", "--text", &t, "--out", &d]);
+    let out = text(&o);
+    assert!(o.status.success(), "prepare: {out}");
+    assert!(
+        out.contains(&format!(
+            "vocab {}, 54000 train + 6000 val tokens, 1.00 bytes/token",
+            chars.len()
+        )),
+        "{out}"
+    );
+    assert!(data.join("chars.json").exists() && !data.join("tokenizer.json").exists());
+
+    let run = dir.path().join("run");
+    let r = run.display().to_string();
+    let o = mtrain(&[
+        "--data",
+        &d,
+        "--run-dir",
+        &r,
+        "--steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--eval-every",
+        "3",
+        "--eval-iters",
+        "2",
+    ]);
+    let out = text(&o);
+    assert!(o.status.success(), "train: {out}");
+    assert!(
+        out.contains("| eval train ") && out.contains(" | val "),
+        "{out}"
+    );
+    assert_eq!(meta_vocab(&run) as usize, chars.len().div_ceil(64) * 64);
+
+    let o = mtrain(&[
+        "sample",
+        "--checkpoint",
+        &r,
+        "--prompt",
+        "ROMEO:",
+        "--max-new-tokens",
+        "40",
+    ]);
+    assert!(o.status.success(), "sample: {}", text(&o));
+    let sampled = String::from_utf8_lossy(&o.stdout)
+        .trim_end_matches('\n')
+        .to_string();
+    assert!(sampled.starts_with("ROMEO:"), "{sampled}");
+    assert_eq!(sampled.chars().count(), "ROMEO:".len() + 40, "{sampled:?}");
+    assert!(sampled.chars().all(|c| chars.contains(&c)), "{sampled:?}");
+    let o = mtrain(&["sample", "--checkpoint", &r, "--prompt", "€"]);
+    let msg = text(&o);
+    assert!(
+        !o.status.success() && msg.contains("'€' is not in the corpus's vocabulary"),
+        "{msg}"
+    );
+}
+
 #[test]
 fn prepare_encodes_with_an_existing_tokenizer() {
     let dir = tempfile::tempdir().expect("tmp");
@@ -138,6 +221,7 @@ fn prepare_encodes_with_an_existing_tokenizer() {
     std::fs::write(&first, corpus::generate(40_000, 1)).expect("write");
     let trained = dir.path().join("trained");
     prepare::prepare(&PrepareArgs {
+        chars: false,
         text: first,
         vocab_size: Some(290),
         tokenizer: None,
@@ -153,6 +237,7 @@ fn prepare_encodes_with_an_existing_tokenizer() {
     std::fs::write(&second, &body).expect("write");
     let out = dir.path().join("encoded");
     let s = prepare::prepare(&PrepareArgs {
+        chars: false,
         text: second,
         vocab_size: None,
         tokenizer: Some(tokenizer_json.clone()),
@@ -191,6 +276,7 @@ fn prepare_encodes_with_an_existing_tokenizer() {
     ]);
     assert!(!o.status.success());
     let e = prepare::prepare(&PrepareArgs {
+        chars: false,
         text: dir.path().join("second.txt"),
         vocab_size: None,
         tokenizer: Some(dir.path().join("missing.json")),

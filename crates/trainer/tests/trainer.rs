@@ -8,7 +8,7 @@ use mtrain_comm::{CpuBackend, CpuOptions, LaunchEnv, MeshDims};
 use mtrain_model::GptConfig;
 use mtrain_trainer::checkpoint::{self, CheckpointError};
 use mtrain_trainer::config::{TrainArgs, TrainConfig};
-use mtrain_trainer::data::{corpus, write_shard, DataLoader, DataSource, Dataset};
+use mtrain_trainer::data::{corpus, write_shard, DataLoader, DataSource, Dataset, Sampling};
 use mtrain_trainer::memory::CountingAlloc;
 use mtrain_trainer::prepare::{self, PrepareArgs};
 use mtrain_trainer::sample::{self, SampleArgs};
@@ -120,7 +120,8 @@ fn tiny_learns_the_builtin_corpus_and_samples() {
     );
 }
 
-/// Interrupting at step 6 and resuming gives bit-identical losses for steps 6..12.
+/// Interrupting at step 6 and resuming gives bit-identical losses for steps 6..12, training and
+/// evaluated (the batches at random offsets continue from the checkpoint's data position).
 #[test]
 fn resume_reproduces_the_uninterrupted_loss_series() {
     let _serial = serial();
@@ -129,12 +130,16 @@ fn resume_reproduces_the_uninterrupted_loss_series() {
     let full = run(&TrainConfig {
         ckpt_every: 6,
         grad_accum: 2,
+        eval_every: 4,
+        eval_iters: 2,
         ..short(a.path(), 12)
     });
     let ckpt6 = a.path().join(checkpoint::step_dir_name(6));
     let resumed = run(&TrainConfig {
         ckpt_every: 6,
         grad_accum: 2,
+        eval_every: 4,
+        eval_iters: 2,
         resume: Some(ckpt6),
         ..short(b.path(), 12)
     });
@@ -143,6 +148,17 @@ fn resume_reproduces_the_uninterrupted_loss_series() {
         resumed.losses,
         full.losses[6..].to_vec(),
         "loss series differ after resume"
+    );
+    let after = |v: &[(u64, f64)]| v.iter().copied().filter(|e| e.0 >= 6).collect::<Vec<_>>();
+    assert_eq!(after(&resumed.val_losses), after(&full.val_losses));
+    assert_eq!(
+        after(&resumed.train_eval_losses),
+        after(&full.train_eval_losses)
+    );
+    assert_eq!(
+        resumed.val_losses.len(),
+        2,
+        "evaluated after steps 8 and 12"
     );
     let wa = checkpoint::load(&a.path().join(checkpoint::step_dir_name(12)), &Device::Cpu).unwrap();
     let wb = checkpoint::load(&b.path().join(checkpoint::step_dir_name(12)), &Device::Cpu).unwrap();
@@ -405,16 +421,17 @@ fn checkpoint_io_errors_name_the_operation_and_the_path() {
     );
 }
 
-/// dp ranks with batch B together see exactly the rows one rank sees with batch B·dp, every step,
-/// across an epoch boundary.
+/// Under epoch sampling, dp ranks with batch B together see exactly the rows one rank sees with
+/// batch B·dp, every step, across an epoch boundary.
 #[test]
-fn data_parallel_slices_partition_the_global_batch() {
+fn epoch_sampling_slices_partition_the_global_batch() {
     let _serial = serial();
     let ds = Dataset::open(&DataSource::Builtin).unwrap();
     let (t, b, dp, seed) = (32, 2, 4, 7);
-    let mut one = DataLoader::new(ds.train.clone(), t, b * dp, 0, 1, seed).unwrap();
+    let epochs = |l: DataLoader| l.with_sampling(Sampling::Epochs).unwrap();
+    let mut one = epochs(DataLoader::new(ds.train.clone(), t, b * dp, 0, 1, seed).unwrap());
     let mut ranks: Vec<DataLoader> = (0..dp)
-        .map(|r| DataLoader::new(ds.train.clone(), t, b, r, dp, seed).unwrap())
+        .map(|r| epochs(DataLoader::new(ds.train.clone(), t, b, r, dp, seed).unwrap()))
         .collect();
     let per_epoch = one.batches_per_epoch();
     assert_eq!(per_epoch, ranks[0].batches_per_epoch());
@@ -441,10 +458,138 @@ fn data_parallel_slices_partition_the_global_batch() {
     }
     assert_eq!(one.epoch(), 1);
     // A new epoch reshuffles: the first batch of epoch 1 differs from that of epoch 0.
-    let mut fresh = DataLoader::new(ds.train.clone(), t, b * dp, 0, 1, seed).unwrap();
+    let mut fresh = epochs(DataLoader::new(ds.train.clone(), t, b * dp, 0, 1, seed).unwrap());
     let e0 = fresh.next_batch();
     fresh.set_position(per_epoch);
     assert_ne!(e0.inputs, fresh.next_batch().inputs);
+}
+
+/// Under random offsets (the default), dp ranks with batch B draw exactly the rows one rank
+/// draws with batch B·dp, for every micro-batch of every step, and the loader's position alone
+/// decides what comes next: a loader set to position k continues the sequence of one that
+/// consumed k batches. Evaluation batches are their own draws and move no position.
+#[test]
+fn random_offsets_give_every_layout_the_same_global_batch() {
+    let _serial = serial();
+    let ds = Dataset::open(&DataSource::Builtin).unwrap();
+    let (t, b, dp, seed, accum) = (32, 2, 4, 7, 3);
+    let loader = |rows, r, n| {
+        DataLoader::new(ds.train.clone(), t, rows, r, n, seed)
+            .unwrap()
+            .with_grad_accum(accum)
+            .unwrap()
+    };
+    let mut one = loader(b * dp, 0, 1);
+    let mut ranks: Vec<DataLoader> = (0..dp).map(|r| loader(b, r, dp)).collect();
+    let mut two: Vec<DataLoader> = (0..2).map(|r| loader(b * dp / 2, r, 2)).collect();
+    let mut seen = Vec::new();
+    for step in 0..4u64 {
+        for _ in 0..accum {
+            let global = one.next_batch();
+            let of = |ls: &mut Vec<DataLoader>| -> (Vec<u32>, Vec<u32>) {
+                let parts: Vec<_> = ls.iter_mut().map(|l| l.next_batch()).collect();
+                (
+                    parts.iter().flat_map(|p| p.inputs.clone()).collect(),
+                    parts.iter().flat_map(|p| p.targets.clone()).collect(),
+                )
+            };
+            assert_eq!(
+                of(&mut ranks),
+                (global.inputs.clone(), global.targets.clone())
+            );
+            assert_eq!(
+                of(&mut two),
+                (global.inputs.clone(), global.targets.clone())
+            );
+            assert_eq!(&global.inputs[1..t], &global.targets[..t - 1]);
+            seen.push(global.inputs);
+        }
+        let eval: Vec<u32> = ranks
+            .iter()
+            .flat_map(|l| l.eval_batch(step, 1).inputs)
+            .collect();
+        assert_eq!(
+            eval,
+            one.eval_batch(step, 1).inputs,
+            "evaluation rows, step {step}"
+        );
+        assert!(!seen.contains(&eval), "evaluation drew a training batch");
+    }
+    // Every micro-batch of every step is a fresh draw.
+    for (i, a) in seen.iter().enumerate() {
+        assert!(seen[i + 1..].iter().all(|b| b != a), "batch {i} repeats");
+    }
+    let mut resumed = loader(b * dp, 0, 1);
+    resumed.set_position(5);
+    assert_eq!(resumed.next_batch().inputs, seen[5]);
+    assert_eq!(one.position(), 4 * accum as u64);
+}
+
+/// The starts of random rows are uniform over the split: over two shards of 6000 and 2000
+/// tokens (each token its own index, so a row's first input is its start) and rows of 17
+/// tokens, 64 000 draws put each of 32 equal bins of the 7968 starts near 2000 draws. The bound:
+/// Pearson's χ² over the bins (31 degrees of freedom, mean 31, σ = √62 ≈ 7.9) below 31 + 6σ =
+/// 78, and the second shard's share within 5σ of its 1984/7968 (σ = 0.0017). No row crosses a
+/// shard's end.
+#[test]
+fn random_offsets_are_uniform_over_the_shards() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let ids: Vec<u32> = (0..8000).collect();
+    write_shard(dir.path(), "train_000", &ids[..6000], 8192).unwrap();
+    write_shard(dir.path(), "train_001", &ids[6000..], 8192).unwrap();
+    write_shard(dir.path(), "val_000", &ids[..100], 8192).unwrap();
+    let ds = Dataset::open(&DataSource::Shards(dir.path().to_path_buf())).unwrap();
+    let (t, b, steps) = (16usize, 64usize, 1000u64);
+    let mut l = DataLoader::new(ds.train.clone(), t, b, 0, 1, 42).unwrap();
+    let (n_bins, per_bin) = (32usize, 249usize); // 7968 starts = 5984 + 1984
+    let mut bins = vec![0u64; n_bins];
+    let mut in_second = 0u64;
+    for _ in 0..steps {
+        let batch = l.next_batch();
+        for row in batch.inputs.chunks(t).zip(batch.targets.chunks(t)) {
+            let start = row.0[0] as usize;
+            assert_eq!(
+                row.1[t - 1] as usize,
+                start + t,
+                "row at {start} is not contiguous"
+            );
+            let index = match start < 6000 {
+                true => {
+                    assert!(
+                        start + t < 6000,
+                        "row at {start} crosses the first shard's end"
+                    );
+                    start
+                }
+                false => {
+                    in_second += 1;
+                    start - 16
+                }
+            };
+            bins[index / per_bin] += 1;
+        }
+    }
+    let n = (steps as usize * b) as f64;
+    let expect = n / n_bins as f64;
+    let chi2: f64 = bins
+        .iter()
+        .map(|&c| (c as f64 - expect).powi(2) / expect)
+        .sum();
+    let bound = 31.0 + 6.0 * 62f64.sqrt();
+    assert!(
+        chi2 < bound,
+        "χ² {chi2:.1} over 31 degrees of freedom is above {bound:.1}: {bins:?}"
+    );
+    let p = 1984.0 / 7968.0;
+    let share = in_second as f64 / n;
+    let sigma = (p * (1.0 - p) / n).sqrt();
+    assert!(
+        (share - p).abs() < 5.0 * sigma,
+        "the second shard drew {share:.4} of the rows, expected {p:.4} ± {:.4}",
+        5.0 * sigma
+    );
+    eprintln!("χ² {chi2:.1} (bound {bound:.1}), second shard {share:.4} (expected {p:.4})");
 }
 
 /// Shards written to disk are memory-mapped back identically and split the same way.
@@ -567,6 +712,7 @@ fn prepare_writes_a_tokenizer_and_shards() {
     std::fs::write(&text_path, &text).unwrap();
     let out = dir.path().join("prepared");
     let s = prepare::prepare(&PrepareArgs {
+        chars: false,
         text: text_path,
         vocab_size: Some(320),
         tokenizer: None,

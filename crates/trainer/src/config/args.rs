@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use super::merge::{apply_override, deserialize, merge_file};
 use super::{BackwardKind, ConfigError, DTypeKind, DeviceKind, TrainConfig};
+use crate::data::Sampling;
 
 /// Command-line flags of a training run (flattened into the `mtrain` command).
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -38,9 +39,12 @@ pub struct TrainArgs {
     /// Warmup steps.
     #[arg(long, value_parser = toml_integer::<u64>())]
     pub warmup_steps: Option<u64>,
-    /// Seed of initialisation and data order.
+    /// Seed of initialisation and data draws.
     #[arg(long, value_parser = toml_integer::<u64>())]
     pub seed: Option<u64>,
+    /// How training batches are drawn: random offsets (nanoGPT's) or epoch-shuffled windows.
+    #[arg(long, value_enum, value_name = "random|epochs")]
+    pub sampling: Option<Sampling>,
     /// Run directory (checkpoints, metrics.jsonl, memory.jsonl).
     #[arg(long, value_name = "DIR")]
     pub run_dir: Option<PathBuf>,
@@ -50,6 +54,9 @@ pub struct TrainArgs {
     /// Evaluate every N steps (0 disables).
     #[arg(long, value_name = "N", value_parser = toml_integer::<u64>())]
     pub eval_every: Option<u64>,
+    /// Batches per split (train and val) per evaluation.
+    #[arg(long, value_name = "N", value_parser = toml_integer::<usize>())]
+    pub eval_iters: Option<usize>,
     /// Checkpoint every N steps (0: only at the end).
     #[arg(long, value_name = "N", value_parser = toml_integer::<u64>())]
     pub ckpt_every: Option<u64>,
@@ -157,6 +164,12 @@ impl TrainArgs {
         if let Some(v) = self.seed {
             put("seed", int(v));
         }
+        if let Some(v) = self.sampling {
+            put(
+                "sampling",
+                toml::Value::String(format!("{v:?}").to_lowercase()),
+            );
+        }
         if let Some(v) = &self.run_dir {
             put("run_dir", path(v));
         }
@@ -165,6 +178,9 @@ impl TrainArgs {
         }
         if let Some(v) = self.eval_every {
             put("eval_every", int(v));
+        }
+        if let Some(v) = self.eval_iters {
+            put("eval_iters", int(v as u64));
         }
         if let Some(v) = self.ckpt_every {
             put("ckpt_every", int(v));

@@ -120,8 +120,40 @@ fn expand_preset(spec: &ModelSpec) -> Result<toml::Table, String> {
     }
 }
 
+/// `model.dropout`, the key nanoGPT's configs carry: 0 (no dropout, what the model computes) is
+/// accepted and taken out of the table; any other value is refused, since the model has no
+/// dropout layers to apply it.
+fn take_dropout(table: &mut toml::Table, context: &str) -> Result<(), ConfigError> {
+    let Some(toml::Value::Table(model)) = table.get_mut("model") else {
+        return Ok(());
+    };
+    let Some(value) = model.remove("dropout") else {
+        return Ok(());
+    };
+    let p = match value {
+        toml::Value::Float(p) => p,
+        toml::Value::Integer(p) => p as f64,
+        other => {
+            return Err(ConfigError::Parse {
+                context: context.to_string(),
+                message: format!("model.dropout must be a number, got a {}", other.type_str()),
+            })
+        }
+    };
+    match p == 0.0 {
+        true => Ok(()),
+        false => Err(ConfigError::Invalid(format!(
+            "model.dropout = {p}: the model has no dropout yet, so only 0 is accepted"
+        ))),
+    }
+}
+
 /// Deserialize the merged table over the defaults.
-pub(super) fn deserialize(table: toml::Table, context: &str) -> Result<TrainConfig, ConfigError> {
+pub(super) fn deserialize(
+    mut table: toml::Table,
+    context: &str,
+) -> Result<TrainConfig, ConfigError> {
+    take_dropout(&mut table, context)?;
     TrainConfig::deserialize(toml::Value::Table(table)).map_err(|e| ConfigError::Parse {
         context: context.to_string(),
         message: e.to_string(),
@@ -176,5 +208,35 @@ mod tests {
         assert!(e.contains("invalid type: map") && e.contains("`lr`"), "{e}");
         let e = format!("{:#}", resolve(&["--set", "model..n_head=1"]).unwrap_err());
         assert!(e.contains("empty key segment"), "{e}");
+    }
+
+    /// `model.dropout = 0` is accepted (as a file's key or through `--set`) and changes nothing;
+    /// any other value is refused, naming the key and what is accepted.
+    #[test]
+    fn dropout_zero_is_accepted_and_other_values_refused() {
+        for zero in ["model.dropout=0", "model.dropout=0.0"] {
+            let cfg = resolve(&["--set", zero]).unwrap();
+            assert_eq!(
+                cfg.gpt_config().unwrap(),
+                mtrain_model::GptConfig::tiny(),
+                "{zero}"
+            );
+        }
+        let e = format!(
+            "{:#}",
+            resolve(&["--set", "model.dropout=0.2"]).unwrap_err()
+        );
+        assert!(
+            e.contains("model.dropout = 0.2") && e.contains("only 0 is accepted"),
+            "{e}"
+        );
+        let e = format!(
+            "{:#}",
+            resolve(&["--set", "model.dropout=\"x\""]).unwrap_err()
+        );
+        assert!(e.contains("model.dropout must be a number"), "{e}");
+        let text = "[model]\nvocab_size = 256\nblock_size = 64\nn_layer = 2\nn_head = 4\nn_embd = 64\ndropout = 0.0\n";
+        let cfg = crate::config::TrainConfig::from_toml_str(text, "t.toml").unwrap();
+        assert_eq!(cfg.gpt_config().unwrap().n_layer, 2);
     }
 }
