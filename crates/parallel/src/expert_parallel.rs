@@ -71,6 +71,7 @@ use mtrain_model::{
 
 pub use crate::ddp::average::sync_grads;
 pub use crate::placement::is_expert_param;
+use crate::placement::expert_of;
 pub use all_to_all::{all_to_all, MoeExchange, MOE_EXCHANGES};
 pub use data_parallel::{grad_norm_sq, total_load, ExpertDataParallel};
 pub use exchange::EpExchange;
@@ -258,10 +259,6 @@ pub fn build_segments(
     let moe = cfg.moe.as_ref().ok_or(EpError::NotMoe)?;
     let el = local_experts(moe, ep.size())?;
     let mine = ep.rank() * el..(ep.rank() + 1) * el;
-    let expert_of = |name: &str| -> Option<usize> {
-        let rest = name.split(".moe.experts.").nth(1)?;
-        rest.split('.').next()?.parse().ok()
-    };
     // Only this rank's experts reach the device.
     let local: BTreeMap<String, Tensor> = weights
         .iter()

@@ -22,6 +22,10 @@
 //!   rule, sequence-parallel partial gradients, the stage of a name, an expert's rank, the owner
 //!   of a reference copy). Pure rules on names, below the builder, the runtime, the state, the
 //!   cost model and the trainer, so none of them restates one.
+//! - [`holdings`]: who holds what, as a table of (model config, plan, coordinates): per
+//!   segment and parameter the local shape, placement, stage, owner and whether its gradient is
+//!   partial. The builder checks the model it builds against it; the cost model, the trainer's
+//!   memory model, `describe` and the per-rank counts read it.
 //! - [`parallelize`]: the builder, TP -> PP split -> EP -> DDP/ZeRO from a plan, on one screen.
 //! - [`runtime`]: [`runtime::ParallelModel`]'s training step (micro-steps through the pipeline
 //!   executor, the fix-ups after the dp average, one global norm, the optimizer step).
@@ -36,6 +40,7 @@ pub mod comm_cost;
 pub mod ddp;
 pub mod expert_parallel;
 pub mod fsdp;
+pub mod holdings;
 pub mod mixed_precision;
 pub mod ops;
 pub mod parallelize;

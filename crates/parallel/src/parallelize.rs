@@ -39,19 +39,21 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
-use mtrain_comm::{DeviceMesh, MeshDims};
+use mtrain_comm::{Coords, DeviceMesh, MeshDims};
 use mtrain_model::{Gpt, GptConfig, Grads, Param, Segment};
 
 use crate::ddp::{assign_buckets, verify_same_init, CommStats};
-use crate::toolbox::final_after;
 use crate::expert_parallel;
 use crate::fsdp::Fsdp;
+use crate::holdings::Holdings;
 use crate::pipeline::{PipelineError, PipelineExecutor, PipelineStages, Schedule};
 use crate::placement::{is_expert_param, sp_partial};
 use crate::runtime::Replicas;
 use crate::tensor_parallel::{self, ShardLayout};
+use crate::toolbox::final_after;
 
-pub use crate::plan::{describe, DataParallelKind, ParallelPlan, PlanError};
+pub use crate::holdings::describe;
+pub use crate::plan::{DataParallelKind, ParallelPlan, PlanError};
 pub use crate::runtime::{ParallelModel, ParallelizeError, Result, StepOut};
 
 /// Builds this rank's part of the model: TP → pipeline split → EP → FSDP or DDP (see the module
@@ -111,6 +113,7 @@ pub fn parallelize(
         stages = stages.with_sequence_split(tp, c.tp);
     }
     drop(segments);
+    check_holdings(cfg, plan, c, &stages)?;
     let executor = PipelineExecutor::new(
         Schedule::new(kind, pp, plan.microbatches).map_err(PipelineError::from)?,
         plan.engine(),
@@ -187,4 +190,31 @@ pub fn parallelize(
         pm.attach_masters(fp32_weights)?;
     }
     Ok(pm)
+}
+
+/// That the stages built hold exactly what [`Holdings`] says this rank holds: every segment's
+/// parameters by name and local shape, in order. A builder that drifts from the table is an
+/// error here rather than a wrong figure in the cost model or the memory report.
+fn check_holdings(
+    cfg: &GptConfig,
+    plan: &ParallelPlan,
+    c: Coords,
+    stages: &PipelineStages,
+) -> Result<()> {
+    let table = Holdings::of_rank(cfg, plan, c)?;
+    let built: Vec<(usize, Vec<(String, Vec<usize>)>)> = stages
+        .chunks()
+        .iter()
+        .flat_map(|ch| stages.layout().segments(ch.stage).zip(&ch.segments))
+        .map(|(index, seg)| {
+            let params = seg.params();
+            let named = params
+                .iter()
+                .map(|p| (p.name().to_string(), p.shape().dims().to_vec()));
+            (index, named.collect())
+        })
+        .collect();
+    table
+        .check(&built)
+        .map_err(|why| ParallelizeError::Holdings { rank: c, why })
 }

@@ -93,17 +93,20 @@ pub fn sp_partial(name: &str) -> bool {
 
 /// Whether a parameter belongs to an expert (`h.{i}.moe.experts.{e}.…`).
 pub fn is_expert_param(name: &str) -> bool {
-    name.contains(".moe.experts.")
+    expert_of(name).is_some()
 }
 
 /// The expert index e of an expert's parameter (`h.{i}.moe.experts.{e}.…`).
 pub fn expert_of(name: &str) -> Option<usize> {
-    name.split(".moe.experts.")
-        .nth(1)?
-        .split('.')
-        .next()?
-        .parse()
-        .ok()
+    split_expert_name(name).map(|(_, e, _)| e)
+}
+
+/// An expert's parameter name taken apart, the one parse of the expert naming:
+/// `h.0.moe.experts.3.c_fc.weight` → (`h.0`, 3, `c_fc.weight`).
+pub fn split_expert_name(name: &str) -> Option<(&str, usize, &str)> {
+    let (block, rest) = name.split_once(".moe.experts.")?;
+    let (e, field) = rest.split_once('.')?;
+    Some((block, e.parse().ok()?, field))
 }
 
 /// The ep rank holding expert `e` of `n_experts` split over `ep` ranks (E/ep consecutive each).

@@ -7,19 +7,17 @@
 //! with the arithmetic in the message (`dp(2) * pp(2) * tp(2) = 8 != world size 4`); the
 //! builder, the cost model and the trainer all call it. The stage layout a plan gives a model
 //! ([`ParallelPlan::stage_layout`]) is public so every part that needs it asks the plan instead
-//! of deriving it again. [`describe`] is what `mtrain plan` prints beyond the mesh.
-
-use std::fmt::Write as _;
+//! of deriving it again. What `mtrain plan` prints beyond the mesh is
+//! [`crate::holdings::describe`], read from the holdings table.
 
 use mtrain_comm::MeshDims;
-use mtrain_model::init::param_specs;
 use mtrain_model::{Backward, Engine, GptConfig};
 
 use crate::ddp::{DdpConfig, DdpMode};
 use crate::fsdp::FsdpConfig;
 use crate::mixed_precision::MixedPrecision;
 use crate::pipeline::{PipelineError, ScheduleKind, StageLayout};
-use crate::placement::{is_expert_param, tp_placement, tp_split_sizes, used_on_stage};
+use crate::placement::tp_split_sizes;
 
 /// A plan that cannot work, with every reason and its arithmetic, joined by `; `.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -257,71 +255,4 @@ fn explain(why: Vec<String>) -> Result<(), PlanError> {
         true => Ok(()),
         false => Err(PlanError(why.join("; "))),
     }
-}
-/// What `mtrain plan` prints beyond the mesh: the data-parallel mode and schedule, and the
-/// layers and parameters per rank of each stage (the trainer's memory model turns the latter
-/// into bytes, as its per-step report does).
-pub fn describe(cfg: &GptConfig, plan: &ParallelPlan) -> String {
-    let MeshDims { pp, tp, ep, .. } = plan.dims;
-    let mut s = String::new();
-    let kind = plan.effective_schedule();
-    let n_stages = plan.num_stages();
-    let layout = match plan.stage_layout(cfg.n_layer) {
-        Ok(l) => l,
-        Err(e) => return format!("no stage layout: {e}\n"),
-    };
-    let zero = match plan.data {
-        DataParallelKind::Ddp(_) => None,
-        DataParallelKind::Zero(z) => Some(z.stage),
-    };
-    let _ = writeln!(
-        s,
-        "plan: {} | {} micro-batch(es), schedule {kind}{}{}",
-        match zero {
-            None => "DDP".to_string(),
-            Some(z) => format!("ZeRO-{}", z as u8),
-        },
-        plan.microbatches,
-        if plan.sequence_parallel && tp > 1 {
-            ", sequence parallel"
-        } else {
-            ""
-        },
-        if plan.checkpointing {
-            ", activation checkpointing"
-        } else {
-            ""
-        },
-    );
-    let specs = param_specs(cfg);
-    for st in 0..n_stages {
-        let b = layout.blocks(st);
-        let mut what = Vec::new();
-        if st == 0 {
-            what.push("embedding".to_string());
-        }
-        if !b.is_empty() {
-            what.push(format!("h.{}..h.{}", b.start, b.end - 1));
-        }
-        if st + 1 == n_stages {
-            what.push("head".to_string());
-        }
-        let mut n = 0usize;
-        for (name, shape, _) in &specs {
-            if !used_on_stage(name, st, &layout) {
-                continue;
-            }
-            let numel: usize = shape.iter().product();
-            let k = tp_placement(name, false).local_numel(numel, tp);
-            n += if is_expert_param(name) { k / ep } else { k };
-        }
-        let _ = writeln!(
-            s,
-            "stage {st} (pp rank {}): {:<28} {:>10} params per rank",
-            st % pp,
-            what.join(", "),
-            n
-        );
-    }
-    s
 }

@@ -53,7 +53,9 @@ use mtrain_comm::{chunk_range, Comm, CommError, Coords, ReduceOp};
 use mtrain_model::optim::{clip_coef, sq_norm, AdamW, OptimItem};
 use mtrain_model::{Engine, GptConfig, Grads, Hooks, MoeStats, NoHooks, Param};
 
-use crate::ddp::{average, Bucket, DdpMode, BucketedDpReduce, DataParallel, DpError, OverlappedDpReduce};
+use crate::ddp::{
+    average, Bucket, BucketedDpReduce, DataParallel, DdpMode, DpError, OverlappedDpReduce,
+};
 use crate::expert_parallel::{self, EpError};
 use crate::fsdp::{Fsdp, FsdpHooks, ZeroStage};
 use crate::mixed_precision::{grads_for_reduction, MasterWeights, PrecisionError};
@@ -63,9 +65,7 @@ use crate::pipeline::{
 use crate::placement::{is_expert_param, tp_placement, Placement};
 use crate::plan::{DataParallelKind, ParallelPlan, PlanError};
 use crate::tensor_parallel::{ShardLayout, TpError};
-use crate::toolbox::{
-    replicated_items, sum_f64, CommStats, ModelStateBytes, StateError,
-};
+use crate::toolbox::{replicated_items, sum_f64, CommStats, ModelStateBytes, StateError};
 
 /// Errors of composing the strategies.
 #[derive(Debug, thiserror::Error)]
@@ -74,6 +74,12 @@ pub enum ParallelizeError {
     Plan(#[from] PlanError),
     #[error("the plan is for {plan} but the mesh is {mesh}")]
     MeshMismatch { plan: String, mesh: String },
+    /// The model built differs from the holdings table ([`crate::holdings`]).
+    #[error("the model built on rank {rank:?} does not hold what the holdings table says: {why}")]
+    Holdings {
+        rank: mtrain_comm::Coords,
+        why: String,
+    },
     #[error(transparent)]
     State(#[from] StateError),
     #[error(transparent)]
@@ -358,7 +364,8 @@ impl ParallelModel {
         let t = std::time::Instant::now();
         match &mut self.replicas {
             Replicas::Full => {
-                let reduces = self.plan.dims.dp > 1 || !self.partial.is_empty() || !self.tied.is_empty();
+                let reduces =
+                    self.plan.dims.dp > 1 || !self.partial.is_empty() || !self.tied.is_empty();
                 if self.plan.precision.is_mixed() && reduces {
                     // Every reduction below (dp, tp partial sums, tied wte) runs in this dtype;
                     // with none (a world of one) the gradients stay as the backward left them.
@@ -441,7 +448,10 @@ impl ParallelModel {
     pub fn grad_norm_sq(&self) -> Result<f64> {
         let local = match &self.replicas {
             Replicas::Full => {
-                let counted = self.grads.iter().filter(|(n, _)| self.norm_weight(n, false) > 0.0);
+                let counted = self
+                    .grads
+                    .iter()
+                    .filter(|(n, _)| self.norm_weight(n, false) > 0.0);
                 sq_norm(counted.map(|(_, g)| g))?
             }
             Replicas::Zero(fsdps) => {

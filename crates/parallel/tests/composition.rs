@@ -21,8 +21,10 @@ use mtrain_model::optim::{clip_coef, AdamW, AdamWConfig, AdamWState};
 use mtrain_model::{init_weights, Backward, Engine, Gpt, GptConfig, Grads, NoHooks};
 use mtrain_parallel::ddp::DdpConfig;
 use mtrain_parallel::fsdp::ZeroStage;
+use mtrain_parallel::holdings::Holdings;
 use mtrain_parallel::parallelize::{describe, parallelize, DataParallelKind, ParallelPlan};
 use mtrain_parallel::pipeline::ScheduleKind;
+use mtrain_parallel::placement::Placement;
 use rand::{Rng, SeedableRng};
 
 use common::{optim_items, plan, rel, rel_f, tiny_gpt, with_moe, zero};
@@ -391,6 +393,105 @@ fn pp2_tp2_sp_interleaved_equals_one_device() {
         ..plan(1, 2, 2, 1)
     };
     check_equals_one_device(&cfg(), &p, 1);
+}
+
+/// The holdings table is the model `parallelize` builds, on every rank of the composition
+/// layouts (tp × pp × dp, tp × interleaved pp with sequence parallelism, ZeRO-3 under pp,
+/// dp × ep MoE): the same parameters by name and local shape, in the order the optimizer
+/// steps them, their elements summed to the table's count, each owner a rank whose table
+/// holds the parameter, the partial gradients exactly the replicated ones under sequence
+/// parallelism.
+#[test]
+fn the_holdings_table_is_the_model_parallelize_builds() {
+    let interleaved = ParallelPlan {
+        sequence_parallel: true,
+        schedule: ScheduleKind::Interleaved1F1B { virtual_stages: 2 },
+        ..plan(1, 2, 2, 1)
+    };
+    let zero3 = ParallelPlan {
+        data: zero(ZeroStage::Three),
+        ..plan(2, 2, 1, 1)
+    };
+    let layouts = [
+        (cfg(), plan(2, 2, 2, 1)),
+        (cfg(), interleaved),
+        (cfg(), zero3),
+        (moe_cfg(), plan(2, 1, 1, 2)),
+    ];
+    for (cfg, p) in layouts {
+        let world = p.dims.world_size();
+        let tables: Vec<Holdings> = (0..world)
+            .map(|r| Holdings::of_rank(&cfg, &p, p.dims.coords(r)).expect("table"))
+            .collect();
+        let built = run_local(world, Duration::from_secs(60), |backend| {
+            let mesh = DeviceMesh::new(&backend, p.dims).expect("mesh");
+            let w = init_weights(&cfg, SEED).expect("init");
+            let model = parallelize(&cfg, &w, &p, &mesh, &Device::Cpu).expect("parallelize");
+            let held: Vec<(String, Vec<usize>)> = model
+                .params()
+                .iter()
+                .map(|q| (q.name().to_string(), q.shape().dims().to_vec()))
+                .collect();
+            (mesh.coords, held)
+        });
+        for (r, (coords, held)) in built.into_iter().enumerate() {
+            let table = &tables[r];
+            assert_eq!(table.coords, coords, "{:?} rank {r}", p.dims);
+            let names: Vec<&str> = held.iter().map(|h| h.0.as_str()).collect();
+            let listed: Vec<&str> = table.unique().iter().map(|h| h.name.as_str()).collect();
+            assert_eq!(names, listed, "{:?} rank {r}", p.dims);
+            if matches!(p.data, DataParallelKind::Ddp(_)) {
+                // ZeRO-3 frees the weights it shards; the builder's own check saw them whole.
+                let shapes: Vec<&[usize]> = held.iter().map(|h| h.1.as_slice()).collect();
+                let listed: Vec<&[usize]> =
+                    table.unique().iter().map(|h| h.shape.as_slice()).collect();
+                assert_eq!(shapes, listed, "{:?} rank {r}", p.dims);
+                let n: usize = held.iter().map(|h| h.1.iter().product::<usize>()).sum();
+                assert_eq!(n, table.numel(), "{:?} rank {r}", p.dims);
+            }
+            for h in table.unique() {
+                let owner = &tables[h.owner];
+                assert!(
+                    owner.unique().iter().any(|o| o.name == h.name),
+                    "{:?}: {} is owned by rank {}, which does not hold it",
+                    p.dims,
+                    h.name,
+                    h.owner
+                );
+                let sp = p.sequence_parallel && p.dims.tp > 1;
+                let replicated = matches!(h.placement, Placement::Replicated { .. });
+                assert_eq!(
+                    h.partial_grad,
+                    sp && replicated && h.expert.is_none(),
+                    "{}",
+                    h.name
+                );
+            }
+        }
+    }
+}
+
+/// A model that differs from the table is caught with the segment and the parameter named.
+#[test]
+fn a_model_that_is_not_its_table_is_refused() {
+    let cfg = cfg();
+    let tp2 = plan(1, 1, 2, 1);
+    let table = Holdings::of_rank(&cfg, &tp2, tp2.dims.coords(0)).expect("table");
+    let whole = Holdings::of_rank(&cfg, &plan(1, 1, 1, 1), tp2.dims.coords(0)).expect("table");
+    let as_built = |h: &Holdings| -> Vec<(usize, Vec<(String, Vec<usize>)>)> {
+        h.segments()
+            .map(|s| {
+                let ps = s.params.iter().map(|p| (p.name.clone(), p.shape.clone()));
+                (s.index, ps.collect())
+            })
+            .collect()
+    };
+    assert!(table.check(&as_built(&table)).is_ok());
+    let e = table.check(&as_built(&whole)).unwrap_err();
+    assert!(
+        e.starts_with("segment 0:") && e.contains("wte.weight"),
+        "{e}"
+    );
 }
 
 /// Saves after 2 steps under `from`, resumes under `to` for one step: its loss and norm are the

@@ -41,9 +41,10 @@ use mtrain_model::init::param_specs;
 use mtrain_model::optim::{AdamW, AdamWConfig, AdamWState};
 use mtrain_model::{GptConfig, MoeStats};
 use mtrain_parallel::ddp::ModelStateBytes;
+use mtrain_parallel::holdings::Holdings;
 use mtrain_parallel::parallelize::{parallelize, ParallelModel, ParallelPlan};
 use mtrain_parallel::pipeline::executor::SpanKind;
-use mtrain_parallel::placement::{ep_rank_of_expert, tp_placement};
+use mtrain_parallel::placement::ep_rank_of_expert;
 use serde::Serialize;
 
 use crate::memory::{
@@ -204,7 +205,8 @@ impl Distributed {
     ) -> anyhow::Result<Self> {
         let pm = parallelize(cfg, weights, plan, mesh, device)
             .context("building this rank's part of the model")?;
-        let n_local = local_param_count(cfg, &pm, plan.dims.tp);
+        // What the model built holds (parallelize checked it against the table).
+        let n_local = Holdings::of_rank(cfg, plan, mesh.coords)?.numel() as u64;
         let comm_buffer_bytes = crate::memory::bucket_bytes(plan, n_local);
         Ok(Self {
             pm: Box::new(pm),
@@ -274,22 +276,6 @@ impl Distributed {
     pub fn model_state_bytes(&self) -> ModelStateBytes {
         self.pm.model_state_bytes(&self.opt)
     }
-}
-
-/// Parameters this rank holds after the tensor, pipeline and expert splits (before ZeRO):
-/// every held name's full size, as the tensor-parallel split rule slices it.
-fn local_param_count(cfg: &GptConfig, pm: &ParallelModel, tp: usize) -> u64 {
-    let full: BTreeMap<String, usize> = param_specs(cfg)
-        .into_iter()
-        .map(|(n, s, _)| (n, s.iter().product()))
-        .collect();
-    pm.params()
-        .iter()
-        .map(|p| {
-            let n = full.get(p.name()).copied().unwrap_or(p.elem_count());
-            tp_placement(p.name(), false).local_numel(n, tp) as u64
-        })
-        .sum()
 }
 
 fn expert_load(stats: &[MoeStats]) -> Vec<ExpertLoad> {
@@ -362,9 +348,7 @@ impl TrainableModel for Distributed {
                 None => new,
                 Some(mut acc) => {
                     for (a, n) in acc.iter_mut().zip(new) {
-                        for (x, y) in
-                            a.tokens_per_expert.iter_mut().zip(n.tokens_per_expert)
-                        {
+                        for (x, y) in a.tokens_per_expert.iter_mut().zip(n.tokens_per_expert) {
                             *x += y;
                         }
                         a.dropped += n.dropped;

@@ -4,8 +4,8 @@
 //! ```text
 //!   schedule    Schedule::actions(pp rank): the executor's actions, with input_stage /
 //!               output_stage deciding each receive and send
-//!   placement   which parameters each segment holds on this rank and their local sizes
-//!               (tp_placement, the expert's ep rank), the stage layout of the plan
+//!   holdings    which parameters each segment holds on this rank and their local sizes
+//!               (the holdings table of the plan and the rank's coordinates)
 //!   ZeRO        units and needs by the engine's "first user owns it" rule, gathers and frees by
 //!               fsdp::residency, the moves the scheduler runs
 //!   per segment the tensor-, sequence- and expert-parallel collectives its layers describe
@@ -23,7 +23,6 @@ use std::ops::Range;
 
 use candle_core::DType;
 use mtrain_comm::{chunk_range, Coords, MeshDims, OpKind};
-use mtrain_model::init::param_specs;
 use mtrain_model::moe::capacity;
 use mtrain_model::{GptConfig, MoeConfig};
 
@@ -31,10 +30,9 @@ use super::{broadcast_sent, Collective, CostError, Group, Phase, Result, StepSha
 use crate::ddp::{assign_bucket_sizes, DdpConfig, ParamSize};
 use crate::expert_parallel::{MoeExchange, MOE_EXCHANGES};
 use crate::fsdp::{residency, ZeroStage};
-use crate::pipeline::{Action, Schedule, StageLayout};
-use crate::placement::{
-    block_of, ep_rank_of_expert, expert_of, is_expert_param, sp_partial, tp_placement, TIED,
-};
+use crate::holdings::{ChunkHoldings, Held, Holdings};
+use crate::pipeline::{Action, Schedule};
+use crate::placement::TIED;
 use crate::plan::{DataParallelKind, ParallelPlan};
 use crate::tensor_parallel::vocab::LOSS_ALL_REDUCES;
 use crate::tensor_parallel::{BlockMappings, EmbeddingMappings, HeadMappings, Site, TpCollective};
@@ -108,13 +106,6 @@ pub fn step_collectives(
     Ok(walk.tally.items)
 }
 
-/// A parameter as one rank holds it.
-struct Held {
-    name: String,
-    /// Elements on this rank (its tp slice).
-    numel: usize,
-}
-
 /// One ZeRO unit of a chunk: the parameters its segment is the first user of.
 struct Unit {
     params: Vec<Held>,
@@ -162,14 +153,8 @@ impl Walk {
         let c = dims.coords(rank);
         let sp = plan.sequence_parallel && dims.tp > 1;
         let t = shape.seq_len;
-        let layout = plan
-            .stage_layout(cfg.n_layer)
-            .map_err(|e| CostError::Plan(e.to_string()))?;
-        let sched = Schedule::new(plan.effective_schedule(), dims.pp, plan.microbatches)
-            .map_err(|e| CostError::Plan(e.to_string()))?;
-        let chunks = (0..plan.effective_schedule().virtual_stages())
-            .map(|k| chunk(cfg, &layout, sched.model_stage(c.pp, k), dims, c))
-            .collect();
+        let table = Holdings::of_rank(cfg, plan, c).map_err(|e| CostError::Plan(e.to_string()))?;
+        let chunks = table.chunks.into_iter().map(chunk).collect();
         let (zero, prefetch) = match plan.data {
             DataParallelKind::Zero(z) => (Some(z.stage), z.prefetch),
             DataParallelKind::Ddp(_) => (None, false),
@@ -397,33 +382,39 @@ impl Walk {
     fn finish_grads(&mut self) {
         let step = Phase::Step;
         let mut seen = std::collections::BTreeSet::new();
-        let held: Vec<(String, usize)> = self
+        let held: Vec<Held> = self
             .chunks
             .iter()
             .flat_map(|k| k.units.iter().flat_map(|u| u.params.iter()))
             .filter(|p| seen.insert(p.name.clone()))
-            .map(|p| (p.name.clone(), p.numel))
+            .cloned()
             .collect();
         let n_stages = self.dims.pp * self.chunks.len();
-        let wte_local = held.iter().find(|p| p.0 == TIED).map(|p| p.1);
+        let wte_local = held.iter().find(|p| p.name == TIED).map(|p| p.numel());
         let tied_here = n_stages > 1 && wte_local.is_some();
         match self.zero {
             None if self.dims.dp > 1 && self.dp_buckets.is_some() => {
                 for numel in self.bucket_numels() {
-                    self.tally
-                        .all_reduce(Group::Dp, "gradient bucket", step, numel, DType::F32, true);
+                    self.tally.all_reduce(
+                        Group::Dp,
+                        "gradient bucket",
+                        step,
+                        numel,
+                        DType::F32,
+                        true,
+                    );
                 }
                 self.sp_partial_sums(&held);
             }
             None => {
                 if self.dims.dp > 1 {
-                    for (name, numel) in &held {
-                        let g = match is_expert_param(name) {
-                            true => Group::Edp,
-                            false => Group::Dp,
+                    for p in &held {
+                        let g = match p.expert {
+                            Some(_) => Group::Edp,
+                            None => Group::Dp,
                         };
                         self.tally
-                            .all_reduce(g, "gradient", step, *numel, DType::F32, true);
+                            .all_reduce(g, "gradient", step, p.numel(), DType::F32, true);
                     }
                 }
                 self.sp_partial_sums(&held);
@@ -434,8 +425,8 @@ impl Walk {
                     .iter()
                     .flat_map(|k| k.units.iter())
                     .map(|u| {
-                        let has = |f: &dyn Fn(&str) -> bool| u.params.iter().any(|p| f(&p.name));
-                        (has(&sp_partial), has(&|n| n == TIED), u.numel)
+                        let has = |f: &dyn Fn(&Held) -> bool| u.params.iter().any(f);
+                        (has(&|p| p.partial_grad), has(&|p| p.name == TIED), u.numel)
                     })
                     .collect();
                 if self.sp {
@@ -479,8 +470,12 @@ impl Walk {
     }
 
     /// The sequence-parallel partial gradients' one sum over tp, after the dp average.
-    fn sp_partial_sums(&mut self, held: &[(String, usize)]) {
-        let partial: usize = held.iter().filter(|p| sp_partial(&p.0)).map(|p| p.1).sum();
+    fn sp_partial_sums(&mut self, held: &[Held]) {
+        let partial: usize = held
+            .iter()
+            .filter(|p| p.partial_grad)
+            .map(|p| p.numel())
+            .sum();
         if self.sp && partial > 0 {
             let what = "sequence-parallel partial gradients";
             self.tally
@@ -500,8 +495,13 @@ impl Walk {
         for (j, u) in self.chunks[0].units.iter().enumerate() {
             for p in &u.params {
                 final_after.insert(p.name.clone(), j);
-                let bytes = p.numel * self.param_bytes;
-                sizes.push(ParamSize { name: &p.name, numel: p.numel, bytes });
+                let numel = p.numel();
+                let bytes = numel * self.param_bytes;
+                sizes.push(ParamSize {
+                    name: &p.name,
+                    numel,
+                    bytes,
+                });
             }
         }
         let (first, cap) = (d.first_bucket_cap_bytes, d.bucket_cap_bytes);
@@ -556,26 +556,29 @@ impl Walk {
     }
 }
 
-/// Model stage `stage` as rank `c` holds it: its segments, their parameters (tp slices, this
-/// rank's experts) grouped into ZeRO units by first use, and what each segment needs.
-fn chunk(cfg: &GptConfig, layout: &StageLayout, stage: usize, dims: MeshDims, c: Coords) -> Chunk {
-    let segments = layout.segments(stage);
-    let held: Vec<Vec<Held>> = segments
-        .clone()
-        .map(|seg| segment_params(cfg, seg, dims, c))
-        .collect();
-    let uses: Vec<Vec<String>> = held
+/// A chunk of the holdings table as the walk needs it: its segments, their parameters grouped
+/// into ZeRO units by first use, and what each segment needs.
+fn chunk(table: ChunkHoldings) -> Chunk {
+    let first = table.segments.first().map_or(0, |s| s.index);
+    let segments = first..first + table.segments.len();
+    let uses: Vec<Vec<String>> = table
+        .segments
         .iter()
-        .map(|ps| ps.iter().map(|p| p.name.clone()).collect())
+        .map(|s| s.params.iter().map(|p| p.name.clone()).collect())
         .collect();
     let owner = final_after_names(&uses);
     let needs = residency::needs(&uses, &owner);
-    let units: Vec<Unit> = held
+    let units: Vec<Unit> = table
+        .segments
         .into_iter()
         .enumerate()
-        .map(|(i, ps)| {
-            let params: Vec<Held> = ps.into_iter().filter(|p| owner[&p.name] == i).collect();
-            let numel = params.iter().map(|p| p.numel).sum();
+        .map(|(i, s)| {
+            let params: Vec<Held> = s
+                .params
+                .into_iter()
+                .filter(|p| owner[&p.name] == i)
+                .collect();
+            let numel = params.iter().map(|p| p.numel()).sum();
             Unit { params, numel }
         })
         .collect();
@@ -586,39 +589,6 @@ fn chunk(cfg: &GptConfig, layout: &StageLayout, stage: usize, dims: MeshDims, c:
         needs,
         gathered,
     }
-}
-
-/// Parameters of model segment `seg` (0 = embedding, 1..=L blocks, L+1 head) on rank `c`, in
-/// the order the segment lists them, each with its local size.
-fn segment_params(cfg: &GptConfig, seg: usize, dims: MeshDims, c: Coords) -> Vec<Held> {
-    let specs = param_specs(cfg);
-    let n_experts = cfg.moe.as_ref().map_or(0, |m| m.n_experts);
-    let names: Vec<String> = if seg == 0 {
-        vec![TIED.into(), "wpe.weight".into()]
-    } else if seg == cfg.n_layer + 1 {
-        vec!["ln_f.weight".into(), "ln_f.bias".into(), TIED.into()]
-    } else {
-        specs
-            .iter()
-            .map(|s| s.0.clone())
-            .filter(|n| block_of(n) == Some(seg - 1))
-            .filter(|n| match expert_of(n) {
-                Some(e) => dims.ep == 1 || ep_rank_of_expert(e, n_experts, dims.ep) == c.ep,
-                None => true,
-            })
-            .collect()
-    };
-    names
-        .into_iter()
-        .map(|name| {
-            let full = specs
-                .iter()
-                .find(|s| s.0 == name)
-                .map_or(0, |s| s.1.iter().product::<usize>());
-            let numel = tp_placement(&name, false).local_numel(full, dims.tp);
-            Held { name, numel }
-        })
-        .collect()
 }
 
 /// (rows a rank's input holds, rows it sends to other ranks) of a token all-to-all under

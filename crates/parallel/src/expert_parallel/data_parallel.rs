@@ -19,6 +19,7 @@ use mtrain_model::{Engine, Grads, MoeStats, NoHooks, Param, Segment};
 use super::{is_expert_param, Result};
 use crate::ddp::average::sync_grads;
 use crate::ddp::{verify_same_init, DataParallel, DpError};
+use crate::placement::split_expert_name;
 use crate::toolbox::{
     load_replicated, named_grads, named_weights, replicated_items, replicated_state_bytes,
     sq_sum_f64, sum_f64, unique_params, CommStats, ModelStateBytes,
@@ -67,13 +68,6 @@ pub fn total_load(stats: &[MoeStats], dp: &Comm) -> Result<Vec<MoeStats>> {
         at += e + 1;
     }
     Ok(out)
-}
-
-/// `h.0.moe.experts.3.c_fc.weight` → (`h.0`, 3, `c_fc.weight`).
-fn split_expert_name(name: &str) -> Option<(&str, usize, &str)> {
-    let (block, rest) = name.split_once(".moe.experts.")?;
-    let (e, field) = rest.split_once('.')?;
-    Some((block, e.parse().ok()?, field))
 }
 
 /// Replaces this rank's expert tensors in `local` by every expert's, gathered over `ep`: the
@@ -226,7 +220,6 @@ impl DataParallel for ExpertDataParallel {
     fn grad_norm_sq(&self) -> std::result::Result<f64, DpError> {
         grad_norm_sq(&self.grads, &self.ep).map_err(dp_err)
     }
-
 
     fn optimizer_items(&self) -> Vec<OptimItem<'_>> {
         replicated_items(&self.params, &self.grads)

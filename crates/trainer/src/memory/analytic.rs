@@ -5,7 +5,7 @@
 //! ```text
 //!   model state   ModelStateLayout      what a rank keeps between steps: bytes per parameter,     this file
 //!                                       divided as the ZeRO stage says, over the parameters it
-//!                                       owns (rank_params)
+//!                                       owns (rank_params: its holdings table)
 //!   its part      ActivationLayout      what its step runs: stages, chunks, micro-batches in       analytic/activation_layout.rs
 //!                                       flight, tp/sp/ep, each segment's parameters
 //!   the step      StepMemory            what the step adds above the model state: activations      analytic/step.rs
@@ -17,10 +17,9 @@
 mod activation_layout;
 mod step;
 
-use mtrain_model::init::param_specs;
 use mtrain_model::GptConfig;
+use mtrain_parallel::holdings::Holdings;
 use mtrain_parallel::parallelize::{DataParallelKind, ParallelPlan};
-use mtrain_parallel::placement::{is_expert_param, tp_placement, used_on_stage};
 use serde::Serialize;
 
 pub use activation_layout::{ActivationLayout, ActivationLayoutError};
@@ -175,38 +174,32 @@ pub fn bucket_bytes(plan: &ParallelPlan, n_params: u64) -> u64 {
     }
 }
 
-/// Parameters pipeline rank `pp_rank` owns under `plan` (any tp or ep rank of it alike), from
-/// the model's parameter list: the blocks of its stages (stage s runs on rank `s % pp`), the
-/// embedding with the first stage, the final LayerNorm and the tied LM head (a copy of `wte`)
-/// with the last, each counted as [`owned_numel`] counts it.
+/// Parameters pipeline rank `pp_rank` owns under `plan` (any dp, tp or ep rank of it alike):
+/// the size of its holdings table ([`Holdings`]), each parameter once.
 pub fn rank_params(
     cfg: &GptConfig,
     plan: &ParallelPlan,
     pp_rank: usize,
 ) -> Result<u64, ActivationLayoutError> {
-    let (_, layout) = activation_layout::stage_layout(cfg, plan)?;
-    let pp = plan.dims.pp.max(1);
-    let mine: Vec<usize> = (0..layout.num_stages())
-        .filter(|s| s % pp == pp_rank)
-        .collect();
-    let n = param_specs(cfg)
-        .into_iter()
-        .filter(|(name, _, _)| mine.iter().any(|&s| used_on_stage(name, s, &layout)))
-        .map(|(name, shape, _)| owned_numel(&name, &shape, plan))
-        .sum();
-    Ok(n)
+    Ok(rank_holdings(cfg, plan, pp_rank)?.numel() as u64)
 }
 
-/// Elements of parameter `name` (of shape `shape`) one rank holds under `plan`: what the
-/// tensor-parallel split rule leaves it ([`tp_placement`]), and an expert's 1/ep. The one
-/// count [`rank_params`] and each segment's parameters ([`ActivationLayout`]) are made of.
-fn owned_numel(name: &str, shape: &[usize], plan: &ParallelPlan) -> u64 {
-    let numel: usize = shape.iter().product();
-    let numel = match is_expert_param(name) {
-        true => numel / plan.dims.ep.max(1),
-        false => numel,
-    };
-    tp_placement(name, false).local_numel(numel, plan.dims.tp.max(1)) as u64
+/// The holdings table of the first rank (dp 0, tp 0) of pipeline rank `pp_rank`: every rank of
+/// a pipeline rank holds as many elements (tp splits evenly, each ep rank holds E/ep experts).
+fn rank_holdings(
+    cfg: &GptConfig,
+    plan: &ParallelPlan,
+    pp_rank: usize,
+) -> Result<Holdings, ActivationLayoutError> {
+    let dims = plan.dims;
+    if pp_rank >= dims.pp.max(1) {
+        return Err(ActivationLayoutError::Pipeline(format!(
+            "pipeline rank {pp_rank} is not in a pipeline of {}",
+            dims.pp
+        )));
+    }
+    Holdings::of_rank(cfg, plan, dims.coords(dims.rank_of(0, pp_rank, 0)))
+        .map_err(|e| ActivationLayoutError::Pipeline(e.to_string()))
 }
 
 #[cfg(test)]

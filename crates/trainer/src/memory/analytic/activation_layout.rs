@@ -3,14 +3,12 @@
 //! flight at once (the schedule's own simulation), and under which tensor, sequence, expert and
 //! ZeRO-3 splits.
 
-use mtrain_model::init::param_specs;
 use mtrain_model::GptConfig;
 use mtrain_parallel::parallelize::{DataParallelKind, ParallelPlan};
 use mtrain_parallel::pipeline::{Schedule, ScheduleKind, StageLayout};
-use mtrain_parallel::placement::used_on_stage;
 use serde::Serialize;
 
-use super::owned_numel;
+use super::rank_holdings;
 use crate::memory::Routing;
 
 /// The schedule a plan actually runs and its blocks per model stage.
@@ -54,7 +52,8 @@ pub struct ActivationLayout {
     /// even split with every slot filled, [`Routing::even`]).
     pub routing: Vec<Routing>,
     /// Parameters of each of this rank's segments in forward order (the embedding, the blocks,
-    /// the head; the tied `wte` with the head where the rank holds it, whose backward runs first).
+    /// the head; the tied `wte` with the head where the rank holds it, whose backward runs
+    /// first), from its holdings table ([`mtrain_parallel::holdings::Holdings::segment_numels`]).
     pub segment_params: Vec<u64>,
 }
 
@@ -69,52 +68,11 @@ pub enum ActivationLayoutError {
     Pipeline(String),
 }
 
-/// Parameters of each segment on `stages` in forward order, each counted as [`owned_numel`] counts it.
-fn segment_params(
-    cfg: &GptConfig,
-    plan: &ParallelPlan,
-    layout: &StageLayout,
-    stages: &[usize],
-) -> Vec<u64> {
-    let last = layout.num_stages() - 1;
-    let holds_head = stages.contains(&last);
-    let mut blocks: Vec<usize> = stages.iter().flat_map(|&s| layout.blocks(s)).collect();
-    blocks.sort_unstable();
-    // Slot 0: embedding, 1..=blocks: the blocks, last: the head.
-    let mut per = vec![0u64; blocks.len() + 2];
-    for (name, shape, _) in param_specs(cfg) {
-        if !stages.iter().any(|&s| used_on_stage(&name, s, layout)) {
-            continue;
-        }
-        let n = owned_numel(&name, &shape, plan);
-        let slot = match name.split('.').collect::<Vec<_>>().as_slice() {
-            ["h", i, ..] => i
-                .parse::<usize>()
-                .ok()
-                .and_then(|i| blocks.iter().position(|&b| b == i))
-                .map_or(0, |p| p + 1),
-            ["ln_f", ..] => per.len() - 1,
-            ["wte", ..] if holds_head => per.len() - 1,
-            _ => 0,
-        };
-        per[slot] += n;
-    }
-    let mut out = Vec::with_capacity(per.len());
-    if stages.contains(&0) {
-        out.push(per[0]);
-    }
-    out.extend(&per[1..per.len() - 1]);
-    if holds_head {
-        out.push(per[per.len() - 1]);
-    }
-    out
-}
-
 impl ActivationLayout {
     /// The whole model on one device: every segment, one micro-batch of `batch` rows.
     pub fn single_device(cfg: &GptConfig, batch: usize) -> Self {
         let plan = ParallelPlan::new(mtrain_comm::MeshDims::new(1, 1, 1, 1));
-        let layout = StageLayout::even(cfg.n_layer, 1).expect("one stage holds every block");
+        let table = rank_holdings(cfg, &plan, 0).expect("one stage holds every block");
         Self {
             blocks: cfg.n_layer,
             chunks: 1,
@@ -128,7 +86,11 @@ impl ActivationLayout {
             sequence_parallel: false,
             gathers_weights: false,
             routing: Vec::new(),
-            segment_params: segment_params(cfg, &plan, &layout, &[0]),
+            segment_params: table
+                .segment_numels()
+                .into_iter()
+                .map(|n| n as u64)
+                .collect(),
         }
     }
 
@@ -173,7 +135,11 @@ impl ActivationLayout {
             sequence_parallel: plan.sequence_parallel && plan.dims.tp > 1,
             gathers_weights: zero3,
             routing: Vec::new(),
-            segment_params: segment_params(cfg, plan, &layout, &mine),
+            segment_params: rank_holdings(cfg, plan, pp_rank)?
+                .segment_numels()
+                .into_iter()
+                .map(|n| n as u64)
+                .collect(),
         })
     }
 }
