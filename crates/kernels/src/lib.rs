@@ -45,7 +45,8 @@
 //!   [`cross_entropy`], [`adamw`]: one op each, its kernel launch and its dispatch.
 //! - `cuda` (feature `cuda`): NVRTC compilation and the launch pieces the kernels share.
 //! - [`reduce`]: Σ of a tensor in rows first, and Σ x² of a list of tensors (the gradient norm).
-//! - [`philox`]: Philox4x32-10, the counter-based generator of draws named by their coordinates.
+//! - [`philox`]: Philox4x32-10, the counter-based generator of draws named by their coordinates;
+//!   [`dropout`]: dropout masks drawn from it by (seed, step, micro-batch, layer, site, element).
 //! - [`ptx_cache`]: compiled PTX on disk, keyed by source, options and architecture.
 //! - [`testing`]: the relative error and CUDA-or-skip helpers the kernel and tape tests share.
 //!
@@ -59,6 +60,7 @@ pub mod attention;
 pub mod bias;
 mod cpu;
 pub mod cross_entropy;
+pub mod dropout;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod embedding;

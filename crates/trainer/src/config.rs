@@ -465,6 +465,33 @@ mod tests {
         }
     }
 
+    /// configs/shakespeare-char.toml holds nanoGPT's shakespeare_char recipe.
+    #[test]
+    fn shakespeare_char_config_is_nanogpts_recipe() {
+        let path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/shakespeare-char.toml");
+        let text = std::fs::read_to_string(&path).unwrap();
+        let c = TrainConfig::from_toml_str(&text, "shakespeare-char.toml").unwrap();
+        let m = c.gpt_config().unwrap();
+        assert_eq!(
+            (m.n_layer, m.n_head, m.n_embd, m.block_size),
+            (6, 6, 384, 256)
+        );
+        assert_eq!(
+            (c.batch_size, c.seq_len, c.grad_accum, c.steps),
+            (64, 256, 1, 5000)
+        );
+        assert_eq!((c.lr, c.min_lr, c.warmup_steps), (1e-3, 1e-4, 100));
+        assert_eq!(
+            (c.beta1, c.beta2, c.weight_decay, c.grad_clip),
+            (0.9, 0.99, 0.1, 1.0)
+        );
+        assert_eq!(
+            (c.eval_every, c.eval_iters, c.sampling),
+            (250, 200, Sampling::Random)
+        );
+    }
+
     /// Every shipped configs/*.toml parses, and its [model] table equals the preset of that name.
     #[test]
     fn shipped_configs_parse() {

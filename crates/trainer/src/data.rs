@@ -13,7 +13,8 @@
 //! so `dp` ranks together see exactly the batch one rank sees with `batch_size * dp`, which is what
 //! makes a data-parallel loss series comparable to the single-device one. Where each row starts is
 //! the [`sampling`] rule: by default an offset drawn uniformly over the split from a counter-based
-//! generator keyed by (seed, step, micro-batch, row), as nanoGPT's get_batch draws them; or the
+//! generator keyed by (seed, step, micro-batch, row of the global batch), as nanoGPT's get_batch
+//! draws them; or the
 //! windows of an epoch-permuted cut. The loader's position is a single counter of global batches
 //! consumed; checkpoints save it and resume restores it, and the rows after it follow from it
 //! alone.
@@ -351,11 +352,6 @@ impl DataLoader {
                 window: seq_len + 1,
             }
         })?;
-        if batch_size * dp_size > u32::MAX as usize {
-            return Err(DataError::Invalid(format!(
-                "a global batch of batch_size({batch_size}) * dp({dp_size}) rows exceeds the u32 row index"
-            )));
-        }
         let mut starts = Vec::with_capacity(lens.len());
         let mut n_windows = 0;
         for n in &lens {
@@ -468,9 +464,10 @@ impl DataLoader {
     }
 
     fn random_batch(&self, purpose: Purpose, step: u64, micro: u32, epoch: u64) -> Batch {
-        let first = self.dp_rank * self.batch_size;
-        let starts = (first..first + self.batch_size)
-            .map(|row| self.offsets.row_start(purpose, step, micro, row as u32));
+        let global = (self.batch_size * self.dp_size) as u64;
+        let first = u64::from(micro) * global + (self.dp_rank * self.batch_size) as u64;
+        let starts = (first..first + self.batch_size as u64)
+            .map(|row| self.offsets.row_start(purpose, step, row));
         self.read_rows(starts, epoch)
     }
 

@@ -465,9 +465,11 @@ fn epoch_sampling_slices_partition_the_global_batch() {
 }
 
 /// Under random offsets (the default), dp ranks with batch B draw exactly the rows one rank
-/// draws with batch B·dp, for every micro-batch of every step, and the loader's position alone
-/// decides what comes next: a loader set to position k continues the sequence of one that
-/// consumed k batches. Evaluation batches are their own draws and move no position.
+/// draws with batch B·dp, for every micro-batch of every step, and one rank accumulating dp
+/// times as many micro-batches of B rows draws them too, in the same order (parity's MoE
+/// reference); the loader's position alone decides what comes next: a loader set to position k
+/// continues the sequence of one that consumed k batches. Evaluation batches are their own draws
+/// and move no position.
 #[test]
 fn random_offsets_give_every_layout_the_same_global_batch() {
     let _serial = serial();
@@ -482,6 +484,10 @@ fn random_offsets_give_every_layout_the_same_global_batch() {
     let mut one = loader(b * dp, 0, 1);
     let mut ranks: Vec<DataLoader> = (0..dp).map(|r| loader(b, r, dp)).collect();
     let mut two: Vec<DataLoader> = (0..2).map(|r| loader(b * dp / 2, r, 2)).collect();
+    let mut accumulating = DataLoader::new(ds.train.clone(), t, b, 0, 1, seed)
+        .unwrap()
+        .with_grad_accum(accum * dp)
+        .unwrap();
     let mut seen = Vec::new();
     for step in 0..4u64 {
         for _ in 0..accum {
@@ -502,6 +508,10 @@ fn random_offsets_give_every_layout_the_same_global_batch() {
                 (global.inputs.clone(), global.targets.clone())
             );
             assert_eq!(&global.inputs[1..t], &global.targets[..t - 1]);
+            let accumulated: Vec<u32> = (0..dp)
+                .flat_map(|_| accumulating.next_batch().inputs)
+                .collect();
+            assert_eq!(accumulated, global.inputs, "accumulation, step {step}");
             seen.push(global.inputs);
         }
         let eval: Vec<u32> = ranks

@@ -4,20 +4,25 @@
 //! uniformly over the split. With several shards a shard is chosen in proportion to its tokens
 //! (its `len − T` possible starts, so every start in the split is equally likely), then a start
 //! in it. Each row's draw is Philox4x32-10 ([`mtrain_kernels::philox`]) keyed by the run's seed,
-//! its counter the row's coordinates:
+//! its counter the row's coordinates, (step, micro-batch, row of the global batch) flattened into
+//! the row's place in the step's batch:
 //!
 //! ```text
-//!   counter = (row of the global batch, micro-batch, step low 32 bits, step high 24 bits | stream << 24)
+//!   r       = micro · (B · dp) + row of the micro-batch's global batch     (dp rank d: d·B + i)
+//!   counter = (r low 32 bits, r high 32 bits, step low 32 bits, step high 24 bits | stream << 24)
 //!   stream  = 2 · split (train 0, val 1) + purpose (training 0, evaluation 1)
 //!   (u64 a, u64 b) = philox(seed, counter)
 //!   shard  = the one holding start a·S/2⁶⁴ of the S starts of all shards     (one shard: 0)
 //!   offset = b·(len − T)/2⁶⁴ in that shard                                   rows read: T + 1 tokens
 //! ```
 //!
-//! A row depends on nothing but its coordinates, so data-parallel rank `r` draws rows
-//! `r·B .. (r+1)·B` of the same global batch one rank draws with `B·dp`, a resumed run draws
+//! A row depends on nothing but its coordinates, so data-parallel rank `d` draws rows
+//! `d·B .. (d+1)·B` of the same global batch one rank draws with `B·dp`, a resumed run draws
 //! exactly the rows the uninterrupted one did, and evaluation batches never take draws from
-//! the training sequence.
+//! the training sequence. Flattening the micro-batch into the row makes a step's rows the same
+//! however they are split between accumulation and ranks: one rank accumulating `dp·K`
+//! micro-batches of `B` rows draws what `dp` ranks draw in `K` (`mtrain parity`'s reference for
+//! MoE, whose routing groups are per micro-batch).
 //!
 //! **Epochs** ([`Sampling::Epochs`]): the split cut into non-overlapping windows of `T + 1` tokens,
 //! put in a fresh order every epoch by a permutation seeded with `(seed, epoch)`; see
@@ -92,17 +97,17 @@ impl RandomOffsets {
         self.cum[self.cum.len() - 1]
     }
 
-    /// The start of row `row` of the global batch of micro-batch `micro` of step `step`.
-    /// Steps below 2⁵⁶ (any run) give distinct counters.
-    pub fn row_start(&self, purpose: Purpose, step: u64, micro: u32, row: u32) -> RowStart {
+    /// The start of row `row` of step `step`'s batch, its micro-batches' global batches one after
+    /// the other (see the module docs). Steps below 2⁵⁶ (any run) give distinct counters.
+    pub fn row_start(&self, purpose: Purpose, step: u64, row: u64) -> RowStart {
         let stream = 2 * self.split_id
             + match purpose {
                 Purpose::Train => 0,
                 Purpose::Eval => 1,
             };
         let counter = [
-            row,
-            micro,
+            row as u32,
+            (row >> 32) as u32,
             step as u32,
             ((step >> 32) as u32 & 0x00FF_FFFF) | stream << 24,
         ];
@@ -130,7 +135,7 @@ mod tests {
         let o = RandomOffsets::new(&[5, 40, 3, 20], 8, 1, 0).unwrap();
         assert_eq!(o.n_starts(), 32 + 12);
         for row in 0..2000 {
-            let (s, off) = o.row_start(Purpose::Train, 3, 0, row);
+            let (s, off) = o.row_start(Purpose::Train, 3, row);
             assert!(s == 1 || s == 3, "stream {s}");
             let len = [5, 40, 3, 20][s];
             assert!(
@@ -147,8 +152,7 @@ mod tests {
         let lens = [1 << 20];
         let train = RandomOffsets::new(&lens, 64, 9, 0).unwrap();
         let val = RandomOffsets::new(&lens, 64, 9, 1).unwrap();
-        let rows =
-            |o: &RandomOffsets, p| (0..16).map(|r| o.row_start(p, 5, 0, r)).collect::<Vec<_>>();
+        let rows = |o: &RandomOffsets, p| (0..16).map(|r| o.row_start(p, 5, r)).collect::<Vec<_>>();
         assert_ne!(rows(&train, Purpose::Train), rows(&train, Purpose::Eval));
         assert_ne!(rows(&train, Purpose::Eval), rows(&val, Purpose::Eval));
         assert_ne!(rows(&train, Purpose::Train), rows(&val, Purpose::Train));

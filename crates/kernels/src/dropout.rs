@@ -1,0 +1,291 @@
+//! Dropout masks that every layout draws alike: a mask element is a pure function of the run's
+//! seed and the element's coordinates, drawn with Philox4x32-10 ([`crate::philox`]).
+//!
+//! ```text
+//!   key     = seed
+//!   counter = (q low 32, q high 32, step, micro | layer << 12 | site << 24)    q = index / 4
+//!   word    = philox(key, counter)[index % 4]          one call covers 4 consecutive elements
+//!   keep    = word >= threshold,  threshold = round(p · 2³²)      P(keep) = 1 − p to 2⁻³²
+//!   mask    = keep / (1 − p)                                      inverted dropout: E[mask] = 1
+//! ```
+//!
+//! `index` is the element's place in the activation of the *whole* global batch, row-major over
+//! its global shape (for a (B, T, C) activation: `(b·T + t)·C + c`, with `b` the row of the global
+//! batch). A rank holding only a block of it (a data-parallel slice of the rows, a tensor-parallel
+//! slice of the columns or heads, a sequence-parallel slice of the positions, a pipeline stage's
+//! layers) draws its block with [`mask_block`] and gets exactly the elements one device draws for
+//! the same places; a recompute (activation checkpointing) or a backward pass regenerates the same
+//! mask from the same coordinates, so no mask needs to be kept. Unlike a per-rank generator
+//! state (Megatron's RNG tracker gives each TP rank its own stream), nothing depends on how the
+//! tensor was split.
+//!
+//! This module is the CPU generator; a CUDA kernel computes the same words from the same counters.
+
+/// Where in the model a mask is drawn (nanoGPT's three dropout sites, the residual one twice).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Site {
+    /// After the token + position embeddings.
+    Embedding = 0,
+    /// On the attention probabilities (B, H, T, T).
+    Attention = 1,
+    /// On the attention block's output projection, before the residual add.
+    AttentionResidual = 2,
+    /// On the MLP's output projection, before the residual add.
+    MlpResidual = 3,
+}
+
+/// The coordinates a mask is drawn for, all but the element index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MaskKey {
+    /// The run's seed.
+    pub seed: u64,
+    /// Optimizer step (below 2³²).
+    pub step: u64,
+    /// Micro-batch of the step (gradient accumulation; below 2¹²).
+    pub micro: u32,
+    /// Transformer block (0 for the embedding site; below 2¹²).
+    pub layer: u32,
+    /// The site in the block.
+    pub site: Site,
+}
+
+/// Largest micro-batch and layer index a key can hold (12 bits each).
+pub const MAX_FIELD: u32 = (1 << 12) - 1;
+
+/// Why a mask could not be drawn.
+#[derive(Debug, Clone, PartialEq)]
+pub enum MaskError {
+    /// A coordinate is outside the range the counter holds, or p is not a probability.
+    Invalid(String),
+}
+
+impl std::fmt::Display for MaskError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MaskError::Invalid(m) => write!(f, "{m}"),
+        }
+    }
+}
+
+impl std::error::Error for MaskError {}
+
+impl MaskKey {
+    /// The key, checked: step, micro-batch and layer within their counter fields.
+    pub fn new(
+        seed: u64,
+        step: u64,
+        micro: u32,
+        layer: u32,
+        site: Site,
+    ) -> Result<Self, MaskError> {
+        if step > u64::from(u32::MAX) || micro > MAX_FIELD || layer > MAX_FIELD {
+            return Err(MaskError::Invalid(format!(
+                "dropout mask coordinates out of range: step {step} (< 2^32), micro-batch {micro} \
+                 and layer {layer} (each <= {MAX_FIELD})"
+            )));
+        }
+        Ok(Self {
+            seed,
+            step,
+            micro,
+            layer,
+            site,
+        })
+    }
+
+    fn counter(&self, quad: u64) -> [u32; 4] {
+        [
+            quad as u32,
+            (quad >> 32) as u32,
+            self.step as u32,
+            self.micro | self.layer << 12 | (self.site as u32) << 24,
+        ]
+    }
+}
+
+/// The draw threshold of drop probability `p`: a 32-bit word below it drops its element.
+fn threshold(p: f64) -> Result<u64, MaskError> {
+    if !(0.0..1.0).contains(&p) {
+        return Err(MaskError::Invalid(format!(
+            "dropout probability {p} must be in [0, 1)"
+        )));
+    }
+    Ok((p * 4_294_967_296.0).round() as u64)
+}
+
+/// Whether element `index` is kept under drop probability `p` (its mask is `1/(1-p)` if so, else 0).
+pub fn keep(key: &MaskKey, p: f64, index: u64) -> Result<bool, MaskError> {
+    let t = threshold(p)?;
+    let w = crate::philox::philox4x32(key.counter(index / 4), crate::philox::key_of(key.seed));
+    Ok(u64::from(w[(index % 4) as usize]) >= t)
+}
+
+/// The mask values (`0` or `1/(1-p)`) of the elements `start .. start + len` of the global index.
+pub fn mask_range(key: &MaskKey, p: f64, start: u64, len: usize) -> Result<Vec<f32>, MaskError> {
+    let t = threshold(p)?;
+    let scale = (1.0 / (1.0 - p)) as f32;
+    let k = crate::philox::key_of(key.seed);
+    let mut out = Vec::with_capacity(len);
+    let mut quad = u64::MAX;
+    let mut words = [0u32; 4];
+    for index in start..start + len as u64 {
+        if index / 4 != quad {
+            quad = index / 4;
+            words = crate::philox::philox4x32(key.counter(quad), k);
+        }
+        let kept = u64::from(words[(index % 4) as usize]) >= t;
+        out.push(if kept { scale } else { 0.0 });
+    }
+    Ok(out)
+}
+
+/// The mask of a block of a global activation: `global` its shape (row-major, any rank), the
+/// block starting at `offset` with shape `shape` (each `offset[d] + shape[d] <= global[d]`); the
+/// block's values row-major. A rank's shard of rows, heads, columns or positions is such a block.
+pub fn mask_block(
+    key: &MaskKey,
+    p: f64,
+    global: &[usize],
+    offset: &[usize],
+    shape: &[usize],
+) -> Result<Vec<f32>, MaskError> {
+    let n = global.len();
+    if offset.len() != n || shape.len() != n || (0..n).any(|d| offset[d] + shape[d] > global[d]) {
+        return Err(MaskError::Invalid(format!(
+            "block at {offset:?} of shape {shape:?} does not fit in the global shape {global:?}"
+        )));
+    }
+    let total: usize = shape.iter().product();
+    if n == 0 || total == 0 {
+        return Ok(vec![mask_range(key, p, 0, 1)?[0]; total]);
+    }
+    // Strides of the global shape; the block is a set of runs of shape[n-1] contiguous elements.
+    let mut stride = vec![1u64; n];
+    for d in (0..n - 1).rev() {
+        stride[d] = stride[d + 1] * global[d + 1] as u64;
+    }
+    let run = shape[n - 1];
+    let mut out = Vec::with_capacity(total);
+    let mut at = vec![0usize; n - 1]; // position within the block, outer dims
+    loop {
+        let start: u64 = (0..n - 1)
+            .map(|d| (offset[d] + at[d]) as u64 * stride[d])
+            .sum::<u64>()
+            + offset[n - 1] as u64;
+        out.extend(mask_range(key, p, start, run)?);
+        // Next outer position, last outer dim fastest.
+        let mut d = n - 1;
+        loop {
+            if d == 0 {
+                return Ok(out);
+            }
+            d -= 1;
+            at[d] += 1;
+            if at[d] < shape[d] {
+                break;
+            }
+            at[d] = 0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(step: u64, layer: u32, site: Site) -> MaskKey {
+        MaskKey::new(1337, step, 0, layer, site).unwrap()
+    }
+
+    /// The kept fraction is 1 − p within 3σ (σ = √(p(1−p)/n)) for several p, and the kept
+    /// values are 1/(1−p).
+    #[test]
+    fn kept_fraction_is_one_minus_p_within_three_sigma() {
+        let n = 1 << 20;
+        for p in [0.1, 0.2, 0.5, 0.9] {
+            let m = mask_range(&key(3, 2, Site::MlpResidual), p, 12_345, n).unwrap();
+            let kept = m.iter().filter(|&&v| v != 0.0).count() as f64 / n as f64;
+            let sigma = (p * (1.0 - p) / n as f64).sqrt();
+            assert!(
+                (kept - (1.0 - p)).abs() < 3.0 * sigma,
+                "p {p}: kept {kept:.5}, expected {:.5} ± {:.5}",
+                1.0 - p,
+                3.0 * sigma
+            );
+            let scale = (1.0 / (1.0 - p)) as f32;
+            assert!(m.iter().all(|&v| v == 0.0 || v == scale));
+        }
+        assert!(mask_range(&key(0, 0, Site::Embedding), 0.0, 0, 4096)
+            .unwrap()
+            .iter()
+            .all(|&v| v == 1.0));
+    }
+
+    /// Masks differ between steps, micro-batches, layers and sites, and agree with themselves.
+    #[test]
+    fn masks_differ_between_steps_layers_and_sites() {
+        let n = 4096;
+        let m = |k: MaskKey| mask_range(&k, 0.5, 0, n).unwrap();
+        let base = m(key(7, 1, Site::Attention));
+        assert_eq!(
+            base,
+            m(key(7, 1, Site::Attention)),
+            "the same coordinates draw the same mask"
+        );
+        let others = [
+            key(8, 1, Site::Attention),
+            MaskKey::new(1337, 7, 1, 1, Site::Attention).unwrap(),
+            key(7, 2, Site::Attention),
+            key(7, 1, Site::AttentionResidual),
+            key(7, 1, Site::MlpResidual),
+            MaskKey::new(1338, 7, 0, 1, Site::Attention).unwrap(),
+        ];
+        for k in others {
+            let other = m(k);
+            // Independent masks at p = 0.5 agree on half the elements: 2048 ± 32 (1σ).
+            let same = base.iter().zip(&other).filter(|(a, b)| a == b).count();
+            assert!((1848..2248).contains(&same), "{k:?}: {same} of {n} equal");
+        }
+    }
+
+    /// A block of the global activation (a TP rank's columns, a DP rank's rows, an SP rank's
+    /// positions) draws exactly the elements of the whole activation's mask at those places.
+    #[test]
+    fn a_shard_draws_its_part_of_the_global_mask() {
+        let k = key(2, 3, Site::AttentionResidual);
+        let (b, t, c) = (4, 6, 10);
+        let full = mask_range(&k, 0.3, 0, b * t * c).unwrap();
+        let at = |bi: usize, ti: usize, ci: usize| full[(bi * t + ti) * c + ci];
+        for (offset, shape) in [
+            ([0, 0, 5], [4, 6, 5]),  // tp 2, rank 1: the second half of the columns
+            ([2, 0, 0], [2, 6, 10]), // dp 2, rank 1: the second half of the rows
+            ([1, 3, 2], [2, 3, 3]),  // an arbitrary block
+        ] {
+            let block = mask_block(&k, 0.3, &[b, t, c], &offset, &shape).unwrap();
+            let mut want = Vec::new();
+            for bi in 0..shape[0] {
+                for ti in 0..shape[1] {
+                    for ci in 0..shape[2] {
+                        want.push(at(offset[0] + bi, offset[1] + ti, offset[2] + ci));
+                    }
+                }
+            }
+            assert_eq!(block, want, "block at {offset:?}");
+        }
+        assert_eq!(keep(&k, 0.3, 17).unwrap(), full[17] != 0.0);
+        let e = mask_block(&k, 0.3, &[b, t, c], &[0, 0, 6], &[4, 6, 5]).unwrap_err();
+        assert!(e.to_string().contains("does not fit"), "{e}");
+    }
+
+    #[test]
+    fn bad_coordinates_and_probabilities_are_refused() {
+        let e = MaskKey::new(0, 1 << 32, 0, 0, Site::Embedding).unwrap_err();
+        assert!(e.to_string().contains("step 4294967296"), "{e}");
+        assert!(MaskKey::new(0, 0, 4096, 0, Site::Embedding).is_err());
+        assert!(MaskKey::new(0, 0, 0, 4096, Site::Embedding).is_err());
+        for p in [1.0, -0.1, f64::NAN] {
+            let e = mask_range(&key(0, 0, Site::Embedding), p, 0, 4).unwrap_err();
+            assert!(e.to_string().contains("must be in [0, 1)"), "{e}");
+        }
+    }
+}
