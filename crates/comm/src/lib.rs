@@ -11,9 +11,11 @@
 //! - [`store`]: the TCP rendezvous store hosted by rank 0.
 //! - [`env`]: the torchrun-style launch environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
 //! - [`mesh`]: the dp x pp x tp (+ ep) rank grid and its groups.
-//! - [`trace`]: per-group record of every collective.
+//! - [`trace`]: per-group record of every collective; [`op_kind`]: the kinds of collective
+//!   both the communicator and the trace name.
 
 pub mod communicator;
+pub mod op_kind;
 pub mod cpu;
 pub mod env;
 pub mod mesh;

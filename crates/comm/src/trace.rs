@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use crate::communicator::OpKind;
+use crate::op_kind::OpKind;
 
 /// How many recent ops a tracer keeps even when recording is off.
 pub const RECENT: usize = 16;

@@ -38,14 +38,8 @@ use crate::layers::{linear, FeedForward, FfnOut, Mlp};
 use crate::param::Param;
 use crate::tape::Exchange;
 
-/// Routing statistics of one MoE layer call.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct MoeStats {
-    /// Tokens kept by each expert (after capacity drops).
-    pub tokens_per_expert: Vec<usize>,
-    /// (token, expert) choices dropped because the expert was full.
-    pub dropped: usize,
-}
+mod stats;
+pub use stats::MoeStats;
 
 /// One kept choice: `token` goes to an expert as its `choice`-th preference (0 = first).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -47,7 +47,7 @@
 //! world of one, `--dp N`, tp × dp) launches the same buckets from its executor's hooks
 //! ([`BucketedDpReduce`]), which is the step the trainer runs. The [`DataParallel`] trait
 //! (`ddp/strategy.rs`) is the API of each strategy on its own, which the tests drive;
-//! [`crate::fsdp`] and [`crate::expert_parallel::ExpertDataParallel`] implement it too. `ddp/average.rs` is the
+//! [`crate::fsdp`] implements it too. `ddp/average.rs` is the
 //! composed plan's dp average (dense over dp, experts over edp), run after the flush or started
 //! inside the last backward by `ddp/overlap.rs`.
 

@@ -35,10 +35,9 @@
 //!   weight: `(1/dp) Σ_{edp} g` (Megatron's `expert_gradient_scaling_factor`). The ep group is
 //!   never reduced over: its ranks hold different experts.
 //!
-//! Both give the gradient of the mean loss over the global batch. [`crate::ddp::Ddp`] reduces
-//! every parameter over one group and checks identical weights on all its ranks, so it does not
-//! apply to an expert-parallel model: [`ExpertDataParallel`] is the [`crate::ddp::DataParallel`]
-//! for it (or call [`sync_grads`] after the backward).
+//! Both give the gradient of the mean loss over the global batch. The composed model runs it
+//! for a plan with `ep > 1` (`parallelize`, dp-only plans included); [`sync_grads`] is the
+//! average on its own, after a backward.
 //!
 //! The hand-written backward (`mtrain_model::explicit`'s MoE tape, which the engine runs
 //! wherever it runs the other tapes) takes this layer apart ([`FeedForward::moe_parts`]) with
@@ -52,28 +51,26 @@
 //! rank sends (its kept pairs), `R` rows it receives.
 
 mod all_to_all;
-mod data_parallel;
 mod exchange;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
-use mtrain_comm::{Comm, CommError};
+use mtrain_comm::{Comm, CommError, ReduceOp};
 use mtrain_model::gpt::{Embedding, Head, ParamStore};
 use mtrain_model::layers::{FeedForward, FfnOut};
 use mtrain_model::moe::{aux_loss, route, router_probs, ExpertMajor, MoeParts, Permutation};
 use mtrain_model::tape::Exchange;
 use mtrain_model::{
-    Block, CausalSelfAttention, DenseLinear, GptConfig, LayerNorm, Linear, Mlp, MoeConfig, Param,
-    Segment,
+    Block, CausalSelfAttention, DenseLinear, GptConfig, LayerNorm, Linear, Mlp, MoeConfig,
+    MoeStats, Param, Segment,
 };
 
 pub use crate::ddp::average::sync_grads;
-pub use crate::placement::is_expert_param;
 use crate::placement::expert_of;
+pub use crate::placement::is_expert_param;
 pub use all_to_all::{all_to_all, MoeExchange, MOE_EXCHANGES};
-pub use data_parallel::{grad_norm_sq, total_load, ExpertDataParallel};
 pub use exchange::EpExchange;
 
 /// Errors of expert parallelism.
@@ -196,7 +193,7 @@ impl FeedForward for ExpertParallelMoe {
         // Permute: kept pairs grouped by expert, hence by destination rank.
         let perm = Permutation::of(&plan);
         let send_splits = perm.splits(el); // (ep,)
-        // Exchange counts: rank s learns how many rows every peer sends to each of its experts.
+                                           // Exchange counts: rank s learns how many rows every peer sends to each of its experts.
         let slabs = ExpertMajor::of(&self.exchange().counts(&perm.counts)?, el)?;
         let recv_splits = slabs.sources().to_vec(); // (ep,)
 
@@ -319,4 +316,33 @@ pub fn build_segments(
     }
     segments.push(Arc::new(Head::new(ln("ln_f")?, wte)));
     Ok(segments)
+}
+
+/// The expert load of the whole dp group: tokens kept per expert and drops, summed over the
+/// ranks' routing groups (one `MoeStats` per MoE layer, as the engine reports them).
+pub fn total_load(stats: &[MoeStats], dp: &Comm) -> Result<Vec<MoeStats>> {
+    let flat: Vec<i64> = stats
+        .iter()
+        .flat_map(|s| {
+            s.tokens_per_expert
+                .iter()
+                .map(|&n| n as i64)
+                .chain([s.dropped as i64])
+        })
+        .collect();
+    let n = flat.len();
+    let sum = dp
+        .all_reduce(&Tensor::from_vec(flat, n, dp.device())?, ReduceOp::Sum)?
+        .to_vec1::<i64>()?;
+    let mut out = Vec::with_capacity(stats.len());
+    let mut at = 0;
+    for s in stats {
+        let e = s.tokens_per_expert.len();
+        out.push(MoeStats {
+            tokens_per_expert: sum[at..at + e].iter().map(|&v| v as usize).collect(),
+            dropped: sum[at + e] as usize,
+        });
+        at += e + 1;
+    }
+    Ok(out)
 }

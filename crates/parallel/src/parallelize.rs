@@ -47,7 +47,7 @@ use crate::expert_parallel;
 use crate::fsdp::Fsdp;
 use crate::holdings::Holdings;
 use crate::pipeline::{PipelineError, PipelineExecutor, PipelineStages, Schedule};
-use crate::placement::{is_expert_param, sp_partial};
+use crate::placement::is_expert_param;
 use crate::runtime::Replicas;
 use crate::tensor_parallel::{self, ShardLayout};
 use crate::toolbox::final_after;
@@ -113,17 +113,18 @@ pub fn parallelize(
         stages = stages.with_sequence_split(tp, c.tp);
     }
     drop(segments);
-    check_holdings(cfg, plan, c, &stages)?;
+    let table = check_holdings(cfg, plan, c, &stages)?;
     let executor = PipelineExecutor::new(
         Schedule::new(kind, pp, plan.microbatches).map_err(PipelineError::from)?,
         plan.engine(),
     );
     let params = stages.params();
     let held: BTreeSet<String> = params.iter().map(|p| p.name().to_string()).collect();
-    let partial = held
+    let partial = table
+        .unique()
         .iter()
-        .filter(|n| sp && sp_partial(n))
-        .cloned()
+        .filter(|h| h.partial_grad)
+        .map(|h| h.name.clone())
         .collect();
     let tied = stages
         .tied_names()
@@ -193,14 +194,15 @@ pub fn parallelize(
 }
 
 /// That the stages built hold exactly what [`Holdings`] says this rank holds: every segment's
-/// parameters by name and local shape, in order. A builder that drifts from the table is an
+/// parameters by name and local shape, in order; the table, which then says which gradients
+/// are partial. A builder that drifts from the table is an
 /// error here rather than a wrong figure in the cost model or the memory report.
 fn check_holdings(
     cfg: &GptConfig,
     plan: &ParallelPlan,
     c: Coords,
     stages: &PipelineStages,
-) -> Result<()> {
+) -> Result<Holdings> {
     let table = Holdings::of_rank(cfg, plan, c)?;
     let built: Vec<(usize, Vec<(String, Vec<usize>)>)> = stages
         .chunks()
@@ -216,5 +218,6 @@ fn check_holdings(
         .collect();
     table
         .check(&built)
-        .map_err(|why| ParallelizeError::Holdings { rank: c, why })
+        .map_err(|why| ParallelizeError::Holdings { rank: c, why })?;
+    Ok(table)
 }

@@ -32,7 +32,7 @@
 //! by name on every rank (a collective), and `load_state` slices them for this rank, so a run
 //! saved under tp 2 × pp 2 resumes under dp 2 with ZeRO-3, or tp 4.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use anyhow::Context;
 use candle_core::{Device, Tensor};
@@ -44,7 +44,6 @@ use mtrain_parallel::ddp::ModelStateBytes;
 use mtrain_parallel::holdings::Holdings;
 use mtrain_parallel::parallelize::{parallelize, ParallelModel, ParallelPlan};
 use mtrain_parallel::pipeline::executor::SpanKind;
-use mtrain_parallel::placement::ep_rank_of_expert;
 use serde::Serialize;
 
 use crate::memory::{
@@ -175,7 +174,8 @@ pub struct Distributed {
     /// This rank's pipeline rank (which stages' activations it holds).
     pp_rank: usize,
     /// This rank's index in its expert-parallel group (which experts it computes).
-    ep_rank: usize,
+    /// The experts this rank holds (its holdings table).
+    experts_held: BTreeSet<usize>,
     /// Pipeline and expert figures of the step in progress.
     pipeline: Option<PipelineFigures>,
     experts: Option<Vec<ExpertLoad>>,
@@ -206,7 +206,9 @@ impl Distributed {
         let pm = parallelize(cfg, weights, plan, mesh, device)
             .context("building this rank's part of the model")?;
         // What the model built holds (parallelize checked it against the table).
-        let n_local = Holdings::of_rank(cfg, plan, mesh.coords)?.numel() as u64;
+        let table = Holdings::of_rank(cfg, plan, mesh.coords)?;
+        let n_local = table.numel() as u64;
+        let experts_held = table.unique().iter().filter_map(|h| h.expert).collect();
         let comm_buffer_bytes = crate::memory::bucket_bytes(plan, n_local);
         Ok(Self {
             pm: Box::new(pm),
@@ -218,7 +220,7 @@ impl Distributed {
             layout: ModelStateLayout::for_plan(n_local, plan),
             comm_buffer_bytes,
             pp_rank: mesh.coords.pp,
-            ep_rank: mesh.ep.rank(),
+            experts_held,
             pipeline: None,
             experts: None,
             last_report: None,
@@ -246,9 +248,9 @@ impl Distributed {
     }
 
     /// The rows each MoE block dispatched on this rank per pass, from the step's expert load:
-    /// this rank's tokens fill `1/dp` of the slots kept, its experts (`ep_rank`'s share) compute
+    /// this rank's tokens fill `1/dp` of the slots kept, its experts (those its holdings table lists) compute
     /// their kept tokens over the `dp/ep` replicas of each expert.
-    fn routing(&self, n_experts: usize, load: &[ExpertLoad]) -> Vec<Routing> {
+    fn routing(&self, load: &[ExpertLoad]) -> Vec<Routing> {
         let d = self.plan.dims;
         let passes = (self.grad_accum * self.plan.microbatches.max(1)) as f64;
         let replicas = (d.dp / d.ep.max(1)).max(1) as f64;
@@ -258,7 +260,7 @@ impl Distributed {
                     .tokens_per_expert
                     .iter()
                     .enumerate()
-                    .filter(|(e, _)| ep_rank_of_expert(*e, n_experts, d.ep) == self.ep_rank)
+                    .filter(|(e, _)| self.experts_held.contains(e))
                     .map(|(_, &t)| t as f64 / replicas / passes)
                     .collect();
                 Routing {
@@ -467,8 +469,8 @@ impl TrainableModel for Distributed {
             tracing::warn!("memory estimate of the whole model (not per rank): {e}");
             ActivationLayout::single_device(cfg, batch)
         });
-        if let (Some(moe), Some(load)) = (&cfg.moe, &self.last_expert_load()) {
-            layout.routing = self.routing(moe.n_experts, load);
+        if let (Some(_), Some(load)) = (&cfg.moe, &self.last_expert_load()) {
+            layout.routing = self.routing(load);
         }
         step_memory(
             cfg,

@@ -43,47 +43,11 @@ use crate::fsio::JsonLines;
 use crate::memory::{
     AnalyticMemory, BackwardPath, CpuProbe, MemoryProbe, MemoryTracker, ModelStateLayout, Phase,
 };
-use crate::phases::{PhaseTimer, PhaseTimes, StepPhase};
+use crate::phases::{PhaseTimer, StepPhase};
 use crate::progress::{self, Progress};
 use crate::trainable::TrainableModel;
 
-/// One line of metrics.jsonl.
-#[derive(Debug, Clone, Serialize)]
-pub struct StepMetrics {
-    /// Optimizer step (0-based).
-    pub step: u64,
-    /// The run's id (`crate::run_dir`): one run directory, one id.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub run: Option<String>,
-    /// Mean training loss over the step's micro-batches (nats per token).
-    pub loss: f64,
-    /// Learning rate used.
-    pub lr: f64,
-    /// Global gradient norm before clipping.
-    pub grad_norm: f64,
-    /// Wall time of the step (ms).
-    pub step_ms: f64,
-    /// Tokens per second over all data-parallel ranks.
-    pub tokens_per_s: f64,
-    /// Model FLOPs utilisation per device: the job's model FLOP/s over `peak_flops` times the
-    /// number of devices (see `TrainConfig::peak_flops`).
-    pub mfu: f64,
-    /// Epoch of the training data.
-    pub epoch: u64,
-    /// The training split's loss over `eval_iters` random batches, when evaluated at this step
-    /// (nanoGPT's estimate_loss "train").
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub train_eval_loss: Option<f64>,
-    /// Validation loss over `eval_iters` random batches, when evaluated at this step.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub val_loss: Option<f64>,
-    /// Rank 0's communication, pipeline and expert figures (see `distributed::StepReport`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub parallel: Option<serde_json::Value>,
-    /// Milliseconds per phase of the step, under `profile_phases` (see [`crate::phases`]).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub phase_ms: Option<PhaseTimes>,
-}
+pub use crate::progress::StepMetrics;
 
 /// What a run did.
 #[derive(Debug, Clone)]

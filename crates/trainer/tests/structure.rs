@@ -9,7 +9,7 @@
 //!
 //! Both walk the working tree and read text only: they take milliseconds.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// The longest a source file may be.
@@ -459,4 +459,502 @@ fn the_import_scan_reads_use_lines() {
         one_down,
         ["config", "cost", "layout", "plan", "sibling", "train"]
     );
+}
+
+/// One crate's files as modules (`src/a/b.rs` and `src/a/b/mod.rs` are `a::b`, `src/lib.rs` is
+/// the root) and which file uses which: `a -> b` when file `a` names an item of module `b` by
+/// `crate::`, `super::`, `self::` or a child module's name, in a `use` or in its code. A `pub
+/// use` hands names on and is no use of its own; a name taken through one is followed to the
+/// module that defines it. A module using its own child modules is no edge (the parts of a
+/// folder are the folder); the parts using their parent or each other are. Comments, string
+/// literals and trailing test modules are left out.
+struct FileGraph {
+    /// Module path (`nccl::group`) to its file, relative to `src`.
+    files: BTreeMap<String, String>,
+    edges: BTreeSet<(String, String)>,
+}
+
+impl FileGraph {
+    fn of_crate(src: &Path) -> Self {
+        let mut files = BTreeMap::new();
+        fn walk(src: &Path, dir: &Path, files: &mut BTreeMap<String, String>) {
+            for entry in std::fs::read_dir(dir).expect("a source folder") {
+                let path = entry.expect("an entry").path();
+                let rel = path.strip_prefix(src).expect("under src");
+                let rel = rel.to_string_lossy().replace('\\', "/");
+                if path.is_dir() {
+                    walk(src, &path, files);
+                    continue;
+                }
+                let Some(stem) = rel.strip_suffix(".rs") else {
+                    continue;
+                };
+                if stem == "main" || stem.starts_with("bin/") || stem.ends_with("tests") {
+                    continue;
+                }
+                let module = match stem {
+                    "lib" => String::new(),
+                    s => s.strip_suffix("/mod").unwrap_or(s).replace('/', "::"),
+                };
+                files.insert(module, rel);
+            }
+        }
+        walk(src, src, &mut files);
+        let codes: BTreeMap<String, String> = files
+            .iter()
+            .map(|(m, f)| {
+                let text = std::fs::read_to_string(src.join(f)).expect("a source file");
+                (m.clone(), without_strings(&code_of(&text)))
+            })
+            .collect();
+        let mut graph = Self {
+            files,
+            edges: BTreeSet::new(),
+        };
+        for (module, code) in &codes {
+            let (uses, _) = split_reexports(code);
+            for path in graph.paths_named(module, &uses) {
+                let target = graph.defining_module(path, &codes, 0);
+                // A module using its own parts (`fsdp` its `fsdp::scheduler`) is how a folder
+                // is composed; the parts using each other or their parent are edges.
+                let own_part = target.starts_with(&format!("{module}::")) || module.is_empty();
+                if target != *module && !own_part {
+                    graph.edges.insert((module.clone(), target));
+                }
+            }
+        }
+        graph
+    }
+
+    /// The absolute paths (from the crate root) that `code` of `module` names.
+    fn paths_named(&self, module: &str, code: &str) -> Vec<Vec<String>> {
+        let here: Vec<String> = segments(module);
+        let children: BTreeSet<String> = self
+            .files
+            .keys()
+            .filter_map(|m| {
+                let s = segments(m);
+                (s.len() == here.len() + 1 && s.starts_with(&here)).then(|| s[here.len()].clone())
+            })
+            .collect();
+        let mut out = Vec::new();
+        for (start, rel) in use_paths(code) {
+            let mut base = here.clone();
+            let mut rest = rel.as_slice();
+            match start.as_str() {
+                "crate" => base.clear(),
+                "self" => {}
+                "super" => {
+                    base.pop();
+                    while rest.first().is_some_and(|s| s == "super") {
+                        base.pop();
+                        rest = &rest[1..];
+                    }
+                }
+                child if children.contains(child) => base.push(child.to_string()),
+                _ => continue,
+            }
+            base.extend(rest.iter().cloned());
+            out.push(base);
+        }
+        out
+    }
+
+    /// The module whose file defines what `path` names: its longest module prefix, and through
+    /// that module's `pub use` when the name is one it hands on.
+    fn defining_module(
+        &self,
+        path: Vec<String>,
+        codes: &BTreeMap<String, String>,
+        hops: usize,
+    ) -> String {
+        let mut n = path.len();
+        while n > 0 && !self.files.contains_key(&path[..n].join("::")) {
+            n -= 1;
+        }
+        let module = path[..n].join("::");
+        let Some(item) = path.get(n) else {
+            return module;
+        };
+        if hops < 8 {
+            let (_, reexports) = split_reexports(&codes[&module]);
+            for p in self.paths_named(&module, &reexports) {
+                if p.last() == Some(item) {
+                    return self.defining_module(p, codes, hops + 1);
+                }
+            }
+        }
+        module
+    }
+
+    /// The files that use each other, directly or around a longer cycle: each group once.
+    fn cycles(&self) -> Vec<BTreeSet<String>> {
+        let graph = ModuleGraph {
+            edges: self.edges.clone(),
+        };
+        graph
+            .cycles()
+            .into_iter()
+            .map(|g| g.iter().map(|m| self.files[m].clone()).collect())
+            .collect()
+    }
+}
+
+fn segments(module: &str) -> Vec<String> {
+    module
+        .split("::")
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+/// `code` with every string and character literal emptied (a path in a message is no use).
+fn without_strings(code: &str) -> String {
+    let b: Vec<char> = code.chars().collect();
+    let mut out = String::with_capacity(code.len());
+    let mut i = 0;
+    while i < b.len() {
+        let c = b[i];
+        if c == '"' {
+            // A raw string's hashes, if any, precede the quote.
+            let hashes = out.chars().rev().take_while(|&h| h == '#').count();
+            let raw = out.chars().rev().nth(hashes) == Some('r');
+            out.push('"');
+            i += 1;
+            while i < b.len() {
+                if !raw && b[i] == '\\' {
+                    i += 2;
+                    continue;
+                }
+                if b[i] == '"'
+                    && b[i + 1..]
+                        .iter()
+                        .take(hashes)
+                        .filter(|&&h| h == '#')
+                        .count()
+                        == hashes
+                {
+                    break;
+                }
+                i += 1;
+            }
+            out.push('"');
+            i += 1;
+        } else if c == '\'' && i + 2 < b.len() && (b[i + 2] == '\'' || b[i + 1] == '\\') {
+            // A character literal ('"', '\n'); a lifetime has no closing quote.
+            let end = (i + 2..b.len()).find(|&j| b[j] == '\'').unwrap_or(i + 2);
+            out.push_str("' '");
+            i = end + 1;
+        } else {
+            out.push(c);
+            i += 1;
+        }
+    }
+    out
+}
+
+/// `code` split into (everything but its `pub use` statements, those statements).
+fn split_reexports(code: &str) -> (String, String) {
+    let (mut uses, mut reexports) = (String::new(), String::new());
+    let mut rest = code;
+    while let Some(i) = rest.find("pub") {
+        let after = &rest[i + 3..];
+        let vis_end = match after.strip_prefix('(') {
+            Some(a) => a.find(')').map_or(0, |j| j + 2),
+            None => 0,
+        };
+        let stmt = after[vis_end..].trim_start();
+        let word_start = i == 0 || !rest.as_bytes()[i - 1].is_ascii_alphanumeric();
+        if word_start && stmt.starts_with("use ") {
+            let end = i
+                + 3
+                + vis_end
+                + (after.len() - vis_end - stmt.len())
+                + stmt.find(';').map_or(stmt.len(), |j| j + 1);
+            uses.push_str(&rest[..i]);
+            reexports.push_str(&rest[i..end]);
+            reexports.push('\n');
+            rest = &rest[end..];
+        } else {
+            uses.push_str(&rest[..i + 3]);
+            rest = &rest[i + 3..];
+        }
+    }
+    uses.push_str(rest);
+    (uses, reexports)
+}
+
+/// Every path `code` names, as (its first segment, the segments after it), with grouped
+/// imports expanded (`a::{b, c::{d, e as f}}`: a::b, a::c::d, a::c::e) and `self` in a group
+/// naming the group's module.
+fn use_paths(code: &str) -> Vec<(String, Vec<String>)> {
+    let chars: Vec<char> = code.chars().collect();
+    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < chars.len() {
+        let boundary = i == 0 || !(is_ident(chars[i - 1]) || chars[i - 1] == ':');
+        if !(boundary && is_ident(chars[i])) {
+            i += 1;
+            continue;
+        }
+        let start = i;
+        while i < chars.len() && is_ident(chars[i]) {
+            i += 1;
+        }
+        let first: String = chars[start..i].iter().collect();
+        if chars.get(i) == Some(&':') && chars.get(i + 1) == Some(&':') {
+            let mut paths = Vec::new();
+            i = tree(&chars, i + 2, Vec::new(), &mut paths);
+            out.extend(paths.into_iter().map(|p| (first.clone(), p)));
+        }
+    }
+    out
+}
+
+/// Parses the use tree at `chars[i..]` under `prefix` into `out`; returns where it ends.
+fn tree(chars: &[char], mut i: usize, prefix: Vec<String>, out: &mut Vec<Vec<String>>) -> usize {
+    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let skip_ws = |mut i: usize| {
+        while chars.get(i).is_some_and(|c| c.is_whitespace()) {
+            i += 1;
+        }
+        i
+    };
+    i = skip_ws(i);
+    if chars.get(i) == Some(&'{') {
+        i += 1;
+        loop {
+            i = skip_ws(i);
+            match chars.get(i) {
+                Some('}') => return i + 1,
+                Some(',') => i += 1,
+                None => return i,
+                _ => {
+                    let before = i;
+                    i = tree(chars, i, prefix.clone(), out);
+                    if i == before {
+                        i += 1;
+                    }
+                }
+            }
+        }
+    }
+    if chars.get(i) == Some(&'*') {
+        out.push(prefix);
+        return i + 1;
+    }
+    let start = i;
+    while chars.get(i).is_some_and(|&c| is_ident(c)) {
+        i += 1;
+    }
+    let seg: String = chars[start..i].iter().collect();
+    if seg.is_empty() {
+        out.push(prefix);
+        return i;
+    }
+    let mut path = prefix;
+    if seg != "self" {
+        path.push(seg);
+    }
+    if chars.get(i) == Some(&':') && chars.get(i + 1) == Some(&':') {
+        return tree(chars, i + 2, path, out);
+    }
+    out.push(path);
+    // `d as e`: the alias names nothing of the crate.
+    let j = skip_ws(i);
+    if chars
+        .get(j..j + 3)
+        .is_some_and(|w| w[0] == 'a' && w[1] == 's' && w[2].is_whitespace())
+    {
+        i = skip_ws(j + 3);
+        while chars.get(i).is_some_and(|&c| is_ident(c)) {
+            i += 1;
+        }
+    }
+    i
+}
+
+/// No file of a crate uses another that uses it back, directly or around a longer cycle:
+/// a reader can read a crate bottom-up.
+#[test]
+fn no_module_cycle_in_any_crate() {
+    let root = repo_root();
+    let mut found = Vec::new();
+    for krate in ["comm", "kernels", "model", "parallel", "trainer"] {
+        let graph = FileGraph::of_crate(&root.join("crates").join(krate).join("src"));
+        assert!(
+            graph.edges.len() > 3,
+            "few imports found in crates/{krate}/src: the scan is broken"
+        );
+        for cycle in graph.cycles() {
+            let edges: Vec<String> = graph
+                .edges
+                .iter()
+                .filter(|(a, b)| cycle.contains(&graph.files[a]) && cycle.contains(&graph.files[b]))
+                .map(|(a, b)| format!("{a} -> {b}"))
+                .collect();
+            found.push(format!("{krate}: {cycle:?} ({})", edges.join(", ")));
+        }
+    }
+    let known: Vec<String> = KNOWN_CYCLES
+        .iter()
+        .map(|(krate, files, _)| {
+            let files: BTreeSet<&str> = files.iter().copied().collect();
+            format!("{krate}: {files:?} ")
+        })
+        .collect();
+    let new: Vec<&String> = found
+        .iter()
+        .filter(|f| !known.iter().any(|k| f.starts_with(k.as_str())))
+        .collect();
+    assert!(new.is_empty(), "module cycles:\n  {new:?}");
+    let gone: Vec<&String> = known
+        .iter()
+        .filter(|k| !found.iter().any(|f| f.starts_with(k.as_str())))
+        .collect();
+    assert!(
+        gone.is_empty(),
+        "cycles no longer there: remove them from KNOWN_CYCLES: {gone:?}"
+    );
+}
+
+/// Cycles that stand until a file another change owns is edited, each with the edit that
+/// removes it; [`no_module_cycle_in_any_crate`] fails on any other, and on one of these gone.
+const KNOWN_CYCLES: [(&str, [&str; 2], &str); 1] = [(
+    "model",
+    ["layers.rs", "moe.rs"],
+    "the FeedForward trait in layers.rs returns moe's MoeParts, which lends out layers' Mlp: \
+     MoeParts moves into layers.rs beside FeedForward",
+)];
+
+/// The rules of who holds what (`parallel/src/placement.rs`) are written once, and the
+/// analysis — the cost model, the memory model, `mtrain plan`, the per-rank counts — reads the
+/// holdings table (`parallel/src/holdings.rs`) instead of applying them again: no second
+/// definition of a rule, no second parse of an expert's name, no rule applied in an analysis
+/// file.
+#[test]
+fn the_holdings_rule_is_written_once() {
+    let root = repo_root();
+    let paths = repo_paths(&root);
+    const RULES: [&str; 11] = [
+        "tp_placement",
+        "local_numel",
+        "used_on_stage",
+        "stage_of",
+        "owner_of",
+        "ep_rank_of_expert",
+        "expert_of",
+        "split_expert_name",
+        "is_expert_param",
+        "sp_partial",
+        "block_of",
+    ];
+    const ANALYSIS: [&str; 6] = [
+        "crates/parallel/src/comm_cost",
+        "crates/parallel/src/plan.rs",
+        "crates/trainer/src/memory",
+        "crates/trainer/src/plan.rs",
+        "crates/trainer/src/cost.rs",
+        "crates/trainer/src/distributed.rs",
+    ];
+    let placement = "crates/parallel/src/placement.rs";
+    let mut found = Vec::new();
+    for file in source_files(&paths) {
+        if file.ends_with("/tests.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(root.join(file)).expect("a source file");
+        let code = code_of(&text);
+        let names_a_rule = |rule: &str| {
+            code.match_indices(rule).any(|(i, _)| {
+                let before = code[..i].chars().next_back();
+                let after = code[i + rule.len()..].chars().next();
+                let ident =
+                    |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_');
+                !ident(before) && !ident(after)
+            })
+        };
+        for rule in RULES {
+            if file != placement && code.contains(&format!("fn {rule}(")) {
+                found.push(format!("{file}: a second definition of {rule}"));
+            }
+            if ANALYSIS.iter().any(|a| file.starts_with(a)) && names_a_rule(rule) {
+                found.push(format!("{file}: applies {rule} (read the holdings table)"));
+            }
+        }
+        if file != placement && code.contains("\".moe.experts.\"") {
+            found.push(format!(
+                "{file}: parses an expert's name (placement::split_expert_name)"
+            ));
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "the holdings rule again:\n  {}",
+        found.join("\n  ")
+    );
+}
+
+/// The file scan on small trees: a grouped import, `super::` from a folder, a child module by
+/// name, a name followed through a `pub use`, and a path in a string left out.
+#[test]
+fn the_file_scan_follows_uses_and_reexports() {
+    let paths: Vec<(String, Vec<String>)> =
+        use_paths("use crate::{a::{self, B}, c::d as e};\nlet x = super::super::f::g();");
+    let flat: Vec<String> = paths
+        .iter()
+        .map(|(s, p)| format!("{s}::{}", p.join("::")))
+        .collect();
+    assert_eq!(
+        flat,
+        [
+            "crate::a",
+            "crate::a::B",
+            "crate::c::d",
+            "super::super::f::g"
+        ]
+    );
+    assert_eq!(
+        without_strings(r#"f("crate::x", '"') + crate::y"#),
+        r#"f("", ' ') + crate::y"#
+    );
+    let (uses, re) =
+        split_reexports("pub use x::Y;\npub(crate) use z::W;\nuse q::R;\npub fn f() {}");
+    assert_eq!(re, "pub use x::Y;\npub(crate) use z::W;\n");
+    assert!(uses.contains("use q::R;") && uses.contains("pub fn f"));
+    let dir = std::env::temp_dir().join(format!("structure-scan-{}", std::process::id()));
+    let write = |p: &str, text: &str| {
+        let path = dir.join(p);
+        std::fs::create_dir_all(path.parent().expect("a folder")).expect("mkdir");
+        std::fs::write(path, text).expect("write");
+    };
+    write("lib.rs", "mod a;\nmod b;\npub use b::Thing;\n");
+    write("a.rs", "use crate::Thing;\n");
+    write(
+        "b/mod.rs",
+        "mod inner;\npub use inner::Thing;\npub fn helper() {}\n",
+    );
+    write(
+        "b/inner.rs",
+        "pub struct Thing;\nfn f() { super::helper() }\n",
+    );
+    let graph = FileGraph::of_crate(&dir);
+    let edges: Vec<String> = graph
+        .edges
+        .iter()
+        .map(|(a, b)| format!("{a} -> {b}"))
+        .collect();
+    assert_eq!(edges, ["a -> b::inner", "b::inner -> b"]);
+    assert!(graph.cycles().is_empty());
+    write("b/other.rs", "pub fn g() { super::inner::Thing; }\n");
+    write(
+        "b/inner.rs",
+        "pub struct Thing;\nfn f() { super::other::g() }\n",
+    );
+    let graph = FileGraph::of_crate(&dir);
+    let cycles = graph.cycles();
+    assert_eq!(cycles.len(), 1, "{:?}", graph.edges);
+    assert!(cycles[0].contains("b/inner.rs") && cycles[0].contains("b/other.rs"));
+    std::fs::remove_dir_all(&dir).expect("clean up");
 }

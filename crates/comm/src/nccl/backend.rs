@@ -5,31 +5,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use candle_core::cuda_backend::cudarc::driver::CudaContext;
 use candle_core::cuda_backend::cudarc::nccl::sys as nccl;
 use candle_core::Device;
 
+use super::factory::{GroupFactory, IdExchange, NcclOptions};
 use super::group::{check, NcclGroup};
 use crate::communicator::{Backend, Comm, CommError, OpKind, Result};
-
-/// How ranks of a group agree on the group's NCCL unique id: the first rank publishes it, the
-/// others read it. A launched job passes its rendezvous store; a single process needs none.
-pub trait IdExchange: Send + Sync {
-    /// Store `value` under `key`.
-    fn publish(&self, key: &str, value: &[u8]) -> Result<()>;
-    /// Block until `key` exists (at most `timeout`) and return its value.
-    fn fetch(&self, key: &str, timeout: Duration) -> Result<Vec<u8>>;
-}
-
-impl IdExchange for crate::store::StoreClient {
-    fn publish(&self, key: &str, value: &[u8]) -> Result<()> {
-        self.set(key, value)
-    }
-
-    fn fetch(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-        self.get_timeout(key, timeout)
-    }
-}
 
 /// An [`IdExchange`] for ranks that are threads of one process (one GPU per thread).
 #[derive(Debug, Default)]
@@ -68,28 +49,6 @@ impl IdExchange for InProcessExchange {
     }
 }
 
-/// Settings shared by every group of a [`NcclBackend`].
-#[derive(Debug, Clone)]
-pub struct NcclOptions {
-    /// An op still running after this long aborts its group with [`CommError::Timeout`].
-    pub timeout: Duration,
-    /// Exchange a header before every op and fail with [`CommError::Mismatch`] when ranks
-    /// disagree (one host rendezvous per op: for debugging).
-    pub check_args: bool,
-    /// Record every op in each group's tracer (otherwise only the last few are kept).
-    pub trace: bool,
-}
-
-impl Default for NcclOptions {
-    fn default() -> Self {
-        Self {
-            timeout: Duration::from_secs(300),
-            check_args: false,
-            trace: false,
-        }
-    }
-}
-
 /// Creates NCCL groups for one process driving one GPU.
 pub struct NcclBackend {
     pub(super) factory: GroupFactory,
@@ -97,17 +56,6 @@ pub struct NcclBackend {
     pub(super) world: Comm,
     /// Rank 0 of a launched job hosts the rendezvous store for as long as the backend lives.
     pub(super) _store_server: Option<crate::store::StoreServer>,
-}
-
-/// What every group of a backend is created from.
-pub(super) struct GroupFactory {
-    pub(super) device: Device,
-    pub(super) ctx: Arc<CudaContext>,
-    pub(super) rank: usize,
-    pub(super) exchange: Option<Arc<dyn IdExchange>>,
-    pub(super) opts: NcclOptions,
-    pub(super) epoch: Instant,
-    pub(super) groups_created: AtomicU64,
 }
 
 impl std::fmt::Debug for NcclBackend {

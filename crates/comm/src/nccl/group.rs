@@ -3,15 +3,15 @@
 
 use std::collections::VecDeque;
 use std::ffi::CStr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
-use candle_core::cuda_backend::cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::cuda_backend::cudarc::nccl::sys as nccl;
 use candle_core::{DType, Device, Shape, Tensor};
 
-use super::backend::GroupFactory;
+use super::factory::GroupFactory;
+use super::shared::{RawComm, Shared};
 use super::watchdog::spawn_watchdog;
 use crate::communicator::{Comm, CommError, Communicator, OpKind, ReduceOp, Result, Work};
 use crate::trace::Tracer;
@@ -24,45 +24,6 @@ pub(super) fn check(status: nccl::ncclResult_t) -> std::result::Result<(), Strin
             // SAFETY: ncclGetErrorString returns a pointer to a static NUL-terminated string.
             let text = unsafe { CStr::from_ptr(nccl::ncclGetErrorString(other)) };
             Err(format!("{other:?}: {}", text.to_string_lossy()))
-        }
-    }
-}
-
-/// The raw communicator handle, only ever used under [`NcclGroup::issue`] (see the module doc).
-pub(super) struct RawComm(pub(super) nccl::ncclComm_t);
-// SAFETY: see "Send and Sync" in the module doc: the handle is an opaque pointer NCCL lets any
-// thread use, it never changes after creation, and calls through it are serialised by the
-// group's issue mutex (ncclCommAbort excepted, which NCCL allows from another thread).
-unsafe impl Send for RawComm {}
-unsafe impl Sync for RawComm {}
-
-/// An op whose `done` event the watchdog watches.
-pub(super) struct InFlight {
-    pub(super) op: OpKind,
-    pub(super) seq: u64,
-    pub(super) issued: Instant,
-    pub(super) done: Arc<CudaEvent>,
-}
-
-pub(super) struct Shared {
-    pub(super) name: String,
-    pub(super) rank: usize,
-    pub(super) size: usize,
-    pub(super) timeout: Duration,
-    pub(super) ctx: Arc<CudaContext>,
-    pub(super) comm: RawComm,
-    pub(super) in_flight: Mutex<VecDeque<InFlight>>,
-    /// Set once the group was aborted: every later op fails with this error's text.
-    pub(super) poisoned: Mutex<Option<(OpKind, u64)>>,
-    pub(super) aborted: AtomicBool,
-}
-
-impl Drop for Shared {
-    fn drop(&mut self) {
-        if !self.aborted.load(Ordering::SeqCst) && !self.comm.0.is_null() {
-            // SAFETY: the handle came from ncclCommInitRank, is not aborted, and nothing else
-            // can use it any more (this is the last reference to the group).
-            let _ = unsafe { nccl::ncclCommDestroy(self.comm.0) };
         }
     }
 }

@@ -82,12 +82,15 @@
 mod args;
 mod backend;
 mod collectives;
+mod factory;
 mod group;
+mod shared;
 mod stream;
 mod watchdog;
 
 #[cfg(test)]
 mod tests;
 
-pub use backend::{IdExchange, InProcessExchange, NcclBackend, NcclOptions};
+pub use backend::{InProcessExchange, NcclBackend};
+pub use factory::{IdExchange, NcclOptions};
 pub use group::NcclGroup;

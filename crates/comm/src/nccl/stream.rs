@@ -11,7 +11,8 @@ use candle_core::cuda_backend::cudarc::nccl::sys as nccl;
 use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::{Storage, Tensor};
 
-use super::group::{check, driver_err, InFlight, NcclGroup};
+use super::group::{check, driver_err, NcclGroup};
+use super::shared::InFlight;
 use super::watchdog::abort;
 use crate::communicator::{CommError, OpKind, PendingWork, Result, Work};
 use crate::trace::{TraceEvent, Tracer};

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use candle_core::cuda_backend::cudarc::nccl::sys as nccl;
 
-use super::group::Shared;
+use super::shared::Shared;
 use crate::communicator::OpKind;
 
 /// Abort the group after a stalled op; later ops fail fast with a timeout naming it.

@@ -10,7 +10,7 @@
 //! ```
 //!
 //! One average per parameter, started by [`start_average`] and finished by [`finish_averages`]:
-//! after the flush by [`sync_grads`] (a pipeline, [`crate::expert_parallel::ExpertDataParallel`]),
+//! after the flush by [`sync_grads`] (a pipeline),
 //! or from inside the last backward by [`super::OverlappedDpReduce`] (one stage). It lives under
 //! `ddp/` because it is data parallelism of whatever model the plan built — the dense, tensor-
 //! and expert-parallel ones alike; expert parallelism only decides which group an expert's

@@ -11,8 +11,8 @@
 //!   holds, gradients accumulated with weight 1/dp): both sides route the same token groups
 //!   with the same capacity, so drops can be compared one for one.
 //! - `ep2_with_checkpointing_*`: the same with activation recompute (all-to-alls re-run in backward).
-//! - `expert_data_parallel_api_*`: `ExpertDataParallel` through the trainer's `DataParallel` API:
-//!   gathered gradients, global norm, final weights, group expert load, optimizer-state round trip.
+//! - `dp4_ep2_parallel_model_*`: the composed model of a dp × ep plan (`parallelize`): gathered
+//!   gradients, global norm, final weights, group expert load, optimizer-state round trip.
 //! - `peer_with_zero_tokens_*`: a router biased so ep rank 1's experts receive nothing still
 //!   trains and still equals one device.
 //! - `aux_loss_*`: the load-balancing and z-loss of the layer against a hand computation.
@@ -35,13 +35,13 @@ use mtrain_comm::cpu::run_local;
 use mtrain_comm::{Backend, DeviceMesh, MeshDims};
 use mtrain_model::optim::{AdamW, AdamWConfig};
 use mtrain_model::{
-    init_weights, Backward, DenseLinear, Engine, FeedForward, Gpt, GptConfig, Grads, Mlp, MoeConfig,
-    MoeStats, NoHooks, Param, Segment,
+    init_weights, Backward, DenseLinear, Engine, FeedForward, Gpt, GptConfig, Grads, Mlp,
+    MoeConfig, MoeStats, NoHooks, Param, Segment,
 };
-use mtrain_parallel::ddp::DataParallel;
 use mtrain_parallel::expert_parallel::{
-    self, all_to_all, build_segments, sync_grads, ExpertDataParallel, ExpertParallelMoe,
+    self, all_to_all, build_segments, sync_grads, ExpertParallelMoe,
 };
+use mtrain_parallel::parallelize::{parallelize, ParallelPlan};
 use mtrain_parallel::toolbox::unique_params;
 use rand::{Rng, SeedableRng};
 
@@ -428,15 +428,15 @@ fn peer_with_zero_tokens(engine: Engine) {
     }
 }
 
-/// The trainer's API: `ExpertDataParallel` (dp = 4, ep = 2) through `DataParallel` equals one
-/// device: gathered full gradients and the global gradient norm every step, the gathered full
+/// The composed model of a dp-only plan with experts carved out of it (`parallelize`, dp = 4,
+/// ep = 2) equals one device: gathered full gradients and the global gradient norm every step, the gathered full
 /// weights after 5 steps, the group's expert load, and an optimizer-state round trip. Both
 /// sides run autograd: the final weights pass through five AdamW steps, and the key part of
 /// `c_attn.bias` has no gradient in exact arithmetic, so its update is each side's rounding
 /// noise (summed in another order over dp) divided by √v + ε; the tapes' EP parity is
 /// `tapes.rs`'s, on gradients and losses.
 #[test]
-fn expert_data_parallel_api_matches_one_device() {
+fn dp4_ep2_parallel_model_matches_one_device() {
     let (dp, ep, steps) = (4, 2, 5);
     let cfg = tiny_moe();
     let w = init_weights(&cfg, 11).expect("weights");
@@ -444,23 +444,20 @@ fn expert_data_parallel_api_matches_one_device() {
     let (refs, last) = reference_with_final(&cfg, &w, dp, steps, oracle);
     let results = run_local(dp, Duration::from_secs(120), |b| -> Res<()> {
         let mesh = DeviceMesh::new(&b as &dyn Backend, MeshDims::new(dp, 1, 1, ep)).map_err(s)?;
-        let segs = build_segments(&cfg, &w, &mesh.ep, &Device::Cpu).map_err(s)?;
-        let mut edp =
-            ExpertDataParallel::new(segs, mesh.dp.clone(), mesh.ep.clone(), mesh.edp.clone())
-                .map_err(s)?;
+        let plan = ParallelPlan {
+            backward: Backward::Autograd,
+            ..ParallelPlan::new(MeshDims::new(dp, 1, 1, ep))
+        };
+        let mut edp = parallelize(&cfg, &w, &plan, &mesh, &Device::Cpu).map_err(s)?;
         let mut opt = AdamW::new(AdamWConfig::default());
-        let engine = oracle;
         let m = mesh.coords.dp;
         for (step, want) in refs.iter().enumerate() {
             let (idx, tgt) = batch(step, m, cfg.vocab_size);
-            let loss = edp
-                .forward_backward(&engine, &idx, &tgt, 1.0, true)
-                .map_err(s)?;
-            if rel_f(loss, want.micro[m].loss) > 1e-5 {
-                return Err(format!(
-                    "step {step}: loss {loss} vs {}",
-                    want.micro[m].loss
-                ));
+            let out = edp.forward_backward(&idx, &tgt, 1.0, true).map_err(s)?;
+            // The composed model reports the global batch's mean loss, the same on every rank.
+            let mean = want.micro.iter().map(|mo| mo.loss).sum::<f64>() / dp as f64;
+            if rel_f(out.loss, mean) > 1e-5 {
+                return Err(format!("step {step}: loss {} vs {mean}", out.loss));
             }
             let full = edp.full_grads().map_err(s)?;
             if full.len() != want.grads.len() {
@@ -483,7 +480,7 @@ fn expert_data_parallel_api_matches_one_device() {
                     .and_then(|t| t.to_scalar::<f64>())
                     .map_err(s)?;
             }
-            let load = expert_parallel::total_load(edp.local_load(), &mesh.dp).map_err(s)?;
+            let load = out.moe_load.ok_or("no expert load")?;
             for (layer, got) in load.iter().enumerate() {
                 let mut kept = vec![0; 4];
                 let mut dropped = 0;
@@ -522,7 +519,9 @@ fn expert_data_parallel_api_matches_one_device() {
                 last.len()
             ));
         }
-        let back = edp.shard_optimizer_state(&full_opt).map_err(s)?;
+        let mut again = AdamW::new(AdamWConfig::default());
+        edp.load_optimizer_state(&mut again, &full_opt).map_err(s)?;
+        let back = again.state().expect("optimizer state loaded");
         let mine = opt.state().expect("optimizer state");
         if back.m.keys().ne(mine.m.keys()) {
             return Err("optimizer state round trip changed the names".into());
