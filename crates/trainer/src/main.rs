@@ -2,8 +2,11 @@
 //!
 //! ```text
 //!   mtrain --tp 2 --pp 2          RANK unset, world 4  -> launcher: spawn 4 workers, supervise
-//!     '-- worker (RANK=r)         RANK set             -> CPU backend from the environment,
+//!     '-- worker (RANK=r)         RANK set             -> a backend from the environment,
 //!                                                         train::run_with / bench-comm
+//!   backend: CPU -> TCP; CUDA, a GPU per local rank -> NCCL on GPU LOCAL_RANK;
+//!            CUDA, fewer GPUs than local ranks -> GPU LOCAL_RANK mod #GPUs, collectives
+//!            through the CPU backend staged through the host (`StagedBackend`)
 //!   mtrain                        RANK unset, world 1  -> train in this process, no spawning
 //!   mtrain plan | prepare | sample | plot              -> single-process tools, never launched
 //!   mtrain parity --vs "..."                           -> runs this binary twice (1 rank, the layout)
@@ -214,6 +217,9 @@ fn distributed(
         Some(env) => env,
         None if layout.world_size == 1 => LaunchEnv::single(),
         None => {
+            if device == DeviceKind::Cuda {
+                announce_shared_gpus(layout.launch.nproc_per_node)?;
+            }
             let args: Vec<OsString> = std::env::args_os().skip(1).collect();
             launch::launch(&layout.launch, &args)?;
             return Ok(());
@@ -279,6 +285,18 @@ fn make_backend(
         #[cfg(feature = "cuda")]
         DeviceKind::Cuda => {
             use mtrain_comm::nccl::{NcclBackend, NcclOptions};
+            let gpus = visible_gpus()?;
+            if env.local_world_size > gpus {
+                // NCCL refuses two ranks on one GPU: ranks placed round-robin on the GPUs run
+                // their collectives through the CPU backend, staged through the host.
+                let opts = CpuOptions {
+                    timeout: layout.comm_timeout,
+                    trace: layout.trace,
+                };
+                let device = candle_core::Device::new_cuda(env.local_rank % gpus)?;
+                let inner = CpuBackend::init(env, opts)?;
+                return Ok(Box::new(mtrain_comm::StagedBackend { inner, device }));
+            }
             let opts = NcclOptions { timeout: layout.comm_timeout, ..Default::default() };
             Ok(Box::new(NcclBackend::init(env, opts)?))
         }
@@ -287,6 +305,36 @@ fn make_backend(
             "--device cuda needs a build with the `cuda` feature (scripts/build-gpu.sh); this binary is CPU-only"
         ),
     }
+}
+
+/// The CUDA GPUs this process sees (CUDA_VISIBLE_DEVICES applies); none is an error.
+#[cfg(feature = "cuda")]
+fn visible_gpus() -> anyhow::Result<usize> {
+    use candle_core::cuda_backend::cudarc::driver::CudaContext;
+    let n = CudaContext::device_count()
+        .map_err(|e| anyhow::anyhow!("--device cuda: counting the CUDA GPUs failed: {e:?}"))?;
+    anyhow::ensure!(
+        n > 0,
+        "--device cuda: no CUDA GPU is visible (check the driver and CUDA_VISIBLE_DEVICES)"
+    );
+    Ok(n as usize)
+}
+
+/// The launcher's word, before any worker starts, when this node has more ranks than GPUs: the
+/// ranks share the GPUs round-robin and their collectives go through the host.
+fn announce_shared_gpus(local_ranks: usize) -> anyhow::Result<()> {
+    #[cfg(feature = "cuda")]
+    {
+        let gpus = visible_gpus()?;
+        if local_ranks > gpus {
+            tracing::warn!(
+                "{local_ranks} ranks on {gpus} GPU(s): ranks share GPUs round-robin (rank r on GPU r mod {gpus}) and run their collectives through the CPU backend, staged through the host; speed figures are not multi-GPU figures"
+            );
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = local_ranks;
+    Ok(())
 }
 
 /// Test hook for the launcher's fail-fast path: `MTRAIN_FAIL_RANK=r` makes worker `r` fail at
