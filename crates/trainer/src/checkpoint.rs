@@ -28,7 +28,6 @@
 
 mod architecture;
 mod digest;
-pub mod hf_gpt2;
 
 use std::collections::BTreeMap;
 use std::fs;

@@ -8,7 +8,7 @@
 //! mtrain plan [LAYOUT] [--config FILE]              print the rank grid, launch nothing
 //! mtrain parity --config X --vs "--tp 2 --pp 2"     one rank vs a layout, same global batch
 //! mtrain plot RUN_DIR                               loss, memory and pipeline charts (SVG)
-//! mtrain prepare ... | mtrain sample ...            single-process tools
+//! mtrain prepare | sample | export --hf OUT ...     single-process tools
 //! ```
 //!
 //! Each subcommand takes only the flags it uses (`mtrain prepare --help` lists prepare's). The
@@ -47,6 +47,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::bench_comm::BenchCommArgs;
 use crate::config::{TrainArgs, TrainConfig};
+use crate::hf::ExportArgs;
 use crate::layout::LayoutError;
 use crate::plan::PlanArgs;
 use crate::plot::PlotArgs;
@@ -118,6 +119,8 @@ pub enum Command {
     Prepare(PrepareArgs),
     /// Generate text from a checkpoint.
     Sample(SampleArgs),
+    /// Write a checkpoint as a Hugging Face GPT-2 directory (transformers loads it).
+    Export(ExportArgs),
     /// Train one rank and a layout on the same seed and global batch; compare the loss series.
     Parity(ParityArgs),
     /// Draw a run directory's loss curve, per-rank memory timeline and pipeline timeline (SVG).

@@ -222,8 +222,8 @@ pub struct TrainConfig {
     pub peak_flops: Option<f64>,
     /// Continue from a checkpoint: a step-N directory, a run directory, or "latest" (this run_dir).
     pub resume: Option<PathBuf>,
-    /// Start from GPT-2 weights in Hugging Face's layout (a `.safetensors` file) instead of a
-    /// random initialisation ([`crate::checkpoint::hf_gpt2`]); a resume's checkpoint wins.
+    /// Start from GPT-2 weights in Hugging Face's layout (a `.safetensors` file or a directory
+    /// with one) instead of a random initialisation ([`crate::hf`]); a resume's checkpoint wins.
     pub init_from: Option<PathBuf>,
     /// The layout: the `[parallel]` table.
     pub parallel: ParallelConfig,

@@ -22,7 +22,8 @@
 //! [`plot`] (`mtrain plot`'s SVG charts).
 //!
 //! The other commands: [`plan`] (`mtrain plan`, with [`cost`]'s α-β model), [`parity`]
-//! (`mtrain parity`), [`bench_comm`] (`mtrain bench-comm`), [`sample`] (`mtrain sample`).
+//! (`mtrain parity`), [`bench_comm`] (`mtrain bench-comm`), [`sample`] (`mtrain sample`), [`hf`]
+//! (`mtrain export --hf` and `--init-from`: Hugging Face's GPT-2 layout).
 //!
 //! Shared rules: [`validate`] (every number a user gives), [`fsio`] (file errors that name the
 //! operation and the path).
@@ -35,6 +36,7 @@ pub mod cost;
 pub mod data;
 pub mod distributed;
 pub mod fsio;
+pub mod hf;
 #[cfg(feature = "cuda")]
 pub mod gpu_memory;
 pub mod launch;

@@ -8,7 +8,7 @@
 //!            CUDA, fewer GPUs than local ranks -> GPU LOCAL_RANK mod #GPUs, collectives
 //!            through the CPU backend staged through the host (`StagedBackend`)
 //!   mtrain                        RANK unset, world 1  -> train in this process, no spawning
-//!   mtrain plan | prepare | sample | plot              -> single-process tools, never launched
+//!   mtrain plan | prepare | sample | plot | export     -> single-process tools, never launched
 //!   mtrain parity --vs "..."                           -> runs this binary twice (1 rank, the layout)
 //! ```
 //!
@@ -33,7 +33,7 @@ use mtrain_trainer::config::DeviceKind;
 use mtrain_trainer::launch::{self, LaunchError};
 use mtrain_trainer::layout::{self, Layout};
 use mtrain_trainer::liveness::{self, StoreWatch};
-use mtrain_trainer::{bench_comm, parity, plan, plot, prepare, sample, train};
+use mtrain_trainer::{bench_comm, hf, parity, plan, plot, prepare, sample, train};
 use tracing_subscriber::fmt::format::Writer;
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
 use tracing_subscriber::registry::LookupSpan;
@@ -149,6 +149,23 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
         }
         Some(Command::Sample(args)) => {
             println!("{}", sample::sample(args)?);
+            Ok(())
+        }
+        Some(Command::Export(args)) => {
+            let s = hf::export(args)?;
+            println!(
+                "wrote {}: step {} of {}, {} parameters, vocab {}{}; transformers' GPT2LMHeadModel and AutoTokenizer load it with from_pretrained",
+                args.hf.display(),
+                s.step,
+                s.checkpoint.display(),
+                s.n_params,
+                s.vocab_size,
+                if s.dropped_rows > 0 {
+                    format!(" ({} padding rows of the embedding left out)", s.dropped_rows)
+                } else {
+                    String::new()
+                }
+            );
             Ok(())
         }
         Some(Command::BenchComm(bench)) => {

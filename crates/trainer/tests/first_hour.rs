@@ -20,7 +20,7 @@ use std::str::FromStr;
 
 use candle_core::{DType, Device, Tensor, D};
 use mtrain_model::{Gpt, GptConfig};
-use mtrain_trainer::checkpoint::hf_gpt2;
+use mtrain_trainer::hf;
 use mtrain_trainer::data::corpus;
 use mtrain_trainer::prepare::{self, PrepareArgs};
 
@@ -429,7 +429,7 @@ fn init_from_loads_the_hf_layout() {
     let file = dir.path().join("model.safetensors");
     candle_core::safetensors::save(&hf, &file).expect("write safetensors");
 
-    let weights = hf_gpt2::load(&file, &cfg).expect("load the HF layout");
+    let weights = hf::load(&file, &cfg).expect("load the HF layout");
     let model = Gpt::new(cfg.clone(), &weights, &Device::Cpu).expect("model");
     let ids: Vec<u32> = (0..2 * 12).map(|i| (i * 37 % HF_VOCAB) as u32).collect();
     let idx = Tensor::from_vec(ids, (2, 12), &Device::Cpu).unwrap(); // (B, T)
@@ -470,7 +470,7 @@ fn init_from_loads_the_hf_layout() {
     missing.remove("transformer.h.1.mlp.c_fc.bias");
     let path = dir.path().join("missing.safetensors");
     candle_core::safetensors::save(&missing, &path).unwrap();
-    let e = hf_gpt2::load(&path, &cfg).unwrap_err().to_string();
+    let e = hf::load(&path, &cfg).unwrap_err().to_string();
     assert!(
         e.contains("h.1.mlp.c_fc.bias") && e.contains("missing.safetensors"),
         "{e}"
@@ -479,13 +479,13 @@ fn init_from_loads_the_hf_layout() {
         n_layer: 1,
         ..cfg.clone()
     };
-    let e = hf_gpt2::load(&file, &deeper).unwrap_err().to_string();
+    let e = hf::load(&file, &deeper).unwrap_err().to_string();
     assert!(e.contains("h.1."), "{e}");
     let narrow = GptConfig {
         vocab_size: 64,
         ..cfg.clone()
     };
-    let e = hf_gpt2::load(&file, &narrow).unwrap_err().to_string();
+    let e = hf::load(&file, &narrow).unwrap_err().to_string();
     assert!(e.contains("250") && e.contains("64"), "{e}");
 
     // Through the binary: one step at a learning rate of 1e-9 keeps the loaded weights.

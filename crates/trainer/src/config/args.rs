@@ -96,9 +96,9 @@ pub struct TrainArgs {
     /// Resume from a checkpoint directory, a run directory, or "latest" (the run directory's newest).
     #[arg(long, value_name = "CKPT", num_args = 0..=1, default_missing_value = "latest")]
     pub resume: Option<PathBuf>,
-    /// Start from GPT-2 weights in Hugging Face's layout (model.safetensors), e.g. with
-    /// `--model gpt2-124m`.
-    #[arg(long, value_name = "FILE")]
+    /// Start from GPT-2 weights in Hugging Face's layout: a model.safetensors, or a directory
+    /// with one and its config.json (`save_pretrained`, `mtrain export --hf`).
+    #[arg(long, value_name = "PATH")]
     pub init_from: Option<PathBuf>,
     /// Override any config key, nested ones dotted, e.g. `--set lr=1e-3 --set model.n_layer=2
     /// --set model.moe.top_k=1` (repeatable).

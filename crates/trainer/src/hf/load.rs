@@ -1,28 +1,14 @@
-//! `--init-from PATH.safetensors`: start from GPT-2 weights in Hugging Face's layout (nanoGPT's
-//! `init_from='gpt2'`).
+//! `--init-from PATH`: start from GPT-2 weights in Hugging Face's layout ([`super`]'s table).
 //!
-//! Hugging Face's `GPT2LMHeadModel` names tensors as this model does, under a `transformer.`
-//! prefix (absent in files saved from `GPT2Model`, such as the hub's `gpt2/model.safetensors`),
-//! with three differences:
-//!
-//! ```text
-//!   HF name                                  HF shape       here                       shape
-//!   transformer.wte.weight                   (50257, C)     wte.weight, zero rows      (V, C), V = 50304
-//!                                                           appended up to the vocab
-//!   transformer.h.N.attn.c_attn.weight       (C, 3C)        h.N.attn.c_attn.weight     (3C, C)   transposed:
-//!   transformer.h.N.attn.c_proj.weight       (C, C)         h.N.attn.c_proj.weight     (C, C)    HF's Conv1D
-//!   transformer.h.N.mlp.c_fc.weight          (C, 4C)        h.N.mlp.c_fc.weight        (4C, C)   keeps (in, out),
-//!   transformer.h.N.mlp.c_proj.weight        (4C, C)        h.N.mlp.c_proj.weight      (C, 4C)   a Linear (out, in)
-//!   lm_head.weight (optional)                (50257, C)     tied to wte: must equal it
-//!   transformer.h.N.attn.bias, .masked_bias  causal-mask buffers, not parameters: skipped
-//! ```
-//!
-//! Biases, LayerNorms and `wpe` keep their shapes (`wpe` is cut to `block_size` rows when the
-//! file has more positions, as nanoGPT's `crop_block_size`). The padding rows of `wte` are zero,
-//! so their logits are 0 until training moves them; no target ever names them. Every tensor of
-//! the model must come from the file and every file tensor must be used: a missing or unknown
-//! name, or a shape the model's config does not give, is refused naming it. The number of heads
-//! cannot be read from the weights; the config must give the source model's (12 for GPT-2 124M).
+//! PATH is a `model.safetensors` file, or a directory holding one (what `save_pretrained` and
+//! `mtrain export --hf` write), whose `config.json` is then checked against the model's config:
+//! a different depth, width, number of heads, activation, LayerNorm eps or MLP width, an untied
+//! head or a context shorter than `block_size` is refused naming the key and both values. Every
+//! tensor of the model must come from the file and every file tensor must be used: a missing or
+//! unknown name, or a shape the model's config does not give, is refused naming it. A bare file
+//! does not tell the number of heads; the config must give the source model's (12 for GPT-2
+//! 124M). The padding rows of `wte` are zero, so their logits are 0 until training moves them;
+//! no target ever names them.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -30,6 +16,11 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use mtrain_model::init::param_specs;
 use mtrain_model::GptConfig;
+use serde_json::Value;
+
+use super::{
+    conversion, Conversion, ACTIVATION, CONFIG_FILE, LAYER_NORM_EPS, MODEL_FILE, MOE_REFUSAL,
+};
 
 /// Why a Hugging Face GPT-2 file could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -47,45 +38,26 @@ pub enum HfLoadError {
     },
 }
 
-/// How a Hugging Face tensor becomes this model's.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Conversion {
-    /// Same shape.
-    Keep,
-    /// Conv1D (in, out) to Linear (out, in).
-    Transpose,
-    /// Vocabulary rows padded with zeros up to the model's vocabulary.
-    PadRows,
-    /// Position rows cut to the model's context.
-    CropRows,
-}
-
-fn conversion(name: &str) -> Conversion {
-    let conv1d = [
-        ".attn.c_attn.weight",
-        ".attn.c_proj.weight",
-        ".mlp.c_fc.weight",
-        ".mlp.c_proj.weight",
-    ];
-    match name {
-        "wte.weight" => Conversion::PadRows,
-        "wpe.weight" => Conversion::CropRows,
-        n if conv1d.iter().any(|s| n.ends_with(s)) => Conversion::Transpose,
-        _ => Conversion::Keep,
-    }
-}
-
 /// The full fp32 weights of `cfg`'s model (this model's names and shapes, on the CPU) from the
-/// Hugging Face GPT-2 file at `path`.
+/// Hugging Face GPT-2 file at `path`, or from `path/model.safetensors` when `path` is a
+/// directory (after checking `path/config.json`, when there is one, against `cfg`).
 pub fn load(path: &Path, cfg: &GptConfig) -> Result<BTreeMap<String, Tensor>, HfLoadError> {
+    let file_path = if path.is_dir() {
+        let config = path.join(CONFIG_FILE);
+        if config.exists() {
+            check_config(&config, cfg)?;
+        }
+        path.join(MODEL_FILE)
+    } else {
+        path.to_path_buf()
+    };
+    let path = file_path.as_path();
     let invalid = |msg: String| HfLoadError::Invalid {
         path: path.display().to_string(),
         msg,
     };
     if cfg.moe.is_some() {
-        return Err(invalid(
-            "GPT-2 has a dense MLP in every block; the model's config has experts (moe)".into(),
-        ));
+        return Err(invalid(MOE_REFUSAL.into()));
     }
     crate::fsio::regular_file(path)?;
     let file = candle_core::safetensors::load(path, &Device::Cpu)
@@ -147,6 +119,84 @@ pub fn load(path: &Path, cfg: &GptConfig) -> Result<BTreeMap<String, Tensor>, Hf
     Ok(weights)
 }
 
+/// Refuse a GPT2Config (`config.json` at `path`) that describes another model than `cfg`,
+/// naming every key that differs with both values.
+fn check_config(path: &Path, cfg: &GptConfig) -> Result<(), HfLoadError> {
+    let invalid = |msg: String| HfLoadError::Invalid {
+        path: path.display().to_string(),
+        msg,
+    };
+    let text = crate::fsio::read_to_string(path)?;
+    let json: Value = serde_json::from_str(&text).map_err(|e| invalid(format!("not JSON: {e}")))?;
+    let int = |key: &str| json.get(key).and_then(Value::as_u64).map(|v| v as usize);
+    let mut problems = Vec::new();
+    if let Some(t) = json.get("model_type").and_then(Value::as_str) {
+        if t != "gpt2" {
+            problems.push(format!("model_type is `{t}`, not `gpt2`"));
+        }
+    }
+    for (key, ours, what) in [
+        ("n_layer", cfg.n_layer, "model.n_layer"),
+        ("n_head", cfg.n_head, "model.n_head"),
+        ("n_embd", cfg.n_embd, "model.n_embd"),
+    ] {
+        match int(key) {
+            Some(v) if v == ours => {}
+            Some(v) => problems.push(format!("{key} is {v}, {what} is {ours}")),
+            None => problems.push(format!("no integer `{key}`")),
+        }
+    }
+    if let Some(v) = int("n_positions") {
+        if v < cfg.block_size {
+            problems.push(format!(
+                "n_positions is {v}, shorter than model.block_size {}",
+                cfg.block_size
+            ));
+        }
+    }
+    if let Some(v) = int("vocab_size") {
+        if v > cfg.vocab_size {
+            problems.push(format!(
+                "vocab_size is {v}, larger than model.vocab_size {}",
+                cfg.vocab_size
+            ));
+        }
+    }
+    if let Some(v) = int("n_inner") {
+        if v != 4 * cfg.n_embd {
+            problems.push(format!(
+                "n_inner is {v}; this model's MLP is 4 * n_embd = {}",
+                4 * cfg.n_embd
+            ));
+        }
+    }
+    if let Some(a) = json.get("activation_function").and_then(Value::as_str) {
+        if a != ACTIVATION {
+            problems.push(format!(
+                "activation_function is `{a}`; this model's GELU is `{ACTIVATION}` (tanh approximation)"
+            ));
+        }
+    }
+    if let Some(eps) = json.get("layer_norm_epsilon").and_then(Value::as_f64) {
+        if eps != LAYER_NORM_EPS {
+            problems.push(format!(
+                "layer_norm_epsilon is {eps}; this model's LayerNorms use {LAYER_NORM_EPS}"
+            ));
+        }
+    }
+    if json.get("tie_word_embeddings").and_then(Value::as_bool) == Some(false) {
+        problems.push("tie_word_embeddings is false; this model ties its head to wte".into());
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(invalid(format!(
+            "describes another model than the config's: {}",
+            problems.join("; ")
+        )))
+    }
+}
+
 /// `t` (a Hugging Face tensor) in this model's layout `want`, or a message naming `name`.
 fn convert(name: &str, t: Tensor, want: &[usize]) -> Result<Tensor, String> {
     let have = t.dims().to_vec();
@@ -180,16 +230,6 @@ fn convert(name: &str, t: Tensor, want: &[usize]) -> Result<Tensor, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn conv1d_weights_are_the_four_projection_matrices() {
-        assert_eq!(conversion("h.3.attn.c_attn.weight"), Conversion::Transpose);
-        assert_eq!(conversion("h.3.mlp.c_proj.weight"), Conversion::Transpose);
-        assert_eq!(conversion("h.3.mlp.c_proj.bias"), Conversion::Keep);
-        assert_eq!(conversion("h.3.ln_1.weight"), Conversion::Keep);
-        assert_eq!(conversion("wte.weight"), Conversion::PadRows);
-        assert_eq!(conversion("wpe.weight"), Conversion::CropRows);
-    }
 
     #[test]
     fn a_vocabulary_larger_than_the_model_is_refused_with_both_sizes() {
