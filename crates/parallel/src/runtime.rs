@@ -65,7 +65,7 @@ use crate::pipeline::{
 use crate::placement::{is_expert_param, tp_placement, Placement};
 use crate::plan::{DataParallelKind, ParallelPlan, PlanError};
 use crate::tensor_parallel::{ShardLayout, TpError};
-use crate::toolbox::{replicated_items, sum_f64, CommStats, ModelStateBytes, StateError};
+use crate::toolbox::{replicated_items, sum_f64, CommStats, ModelStateBytes, OpTimer, StateError};
 
 /// Errors of composing the strategies.
 #[derive(Debug, thiserror::Error)]
@@ -173,6 +173,9 @@ pub struct ParallelModel {
     /// This step's gradients were averaged over dp during the last backward.
     pub(crate) reduced: bool,
     pub(crate) last: CommStats,
+    /// The dp group's busy time of the step in progress, with full replicas (ZeRO times its
+    /// own collectives in each [`Fsdp`]).
+    pub(crate) dp_timer: Option<OpTimer>,
 }
 
 /// Stage hooks that also call an observer before the first backward.
@@ -234,6 +237,10 @@ impl ParallelModel {
         before_backward: &mut dyn FnMut(),
     ) -> Result<StepOut> {
         let t = std::time::Instant::now();
+        if matches!(self.replicas, Replicas::Full) && self.dp.size() > 1 && self.dp_timer.is_none()
+        {
+            self.dp_timer = Some(OpTimer::start(&self.dp));
+        }
         let pp = self.pp.as_ref();
         // One stage and gradients to average: the average starts inside the last backward
         // (DDP's naive mode waits for the whole backward: the textbook version).
@@ -257,6 +264,9 @@ impl ParallelModel {
                     &mut Observed(&mut hooks, before_backward),
                 )?;
                 let (n, bytes) = hooks.finish(&mut self.grads, &mut self.current.exposed_comm_s)?;
+                if let Some(timer) = &mut self.dp_timer {
+                    timer.collect(&self.dp);
+                }
                 self.current.collectives += n;
                 self.current.bytes += bytes;
                 self.reduced = true;
@@ -517,6 +527,10 @@ impl ParallelModel {
             }
         }
         self.grads.clear();
+        if let Some(mut t) = self.dp_timer.take() {
+            t.collect(&self.dp);
+            self.current.comm_s = t.busy_s();
+        }
         self.last = std::mem::take(&mut self.current);
         Ok(())
     }
