@@ -38,7 +38,7 @@ use crate::layers::{linear, FeedForward, FfnOut, Mlp};
 use crate::param::Param;
 use crate::tape::Exchange;
 
-mod stats;
+pub mod stats;
 pub use stats::MoeStats;
 
 /// One kept choice: `token` goes to an expert as its `choice`-th preference (0 = first).

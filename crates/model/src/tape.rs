@@ -7,7 +7,7 @@
 
 use candle_core::{Result, Tensor};
 
-use crate::moe::MoeStats;
+use crate::moe::stats::MoeStats;
 
 /// Gradients a tape's backward returns.
 pub struct TapeGrads {

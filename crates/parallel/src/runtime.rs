@@ -65,7 +65,7 @@ use crate::pipeline::{
 use crate::placement::{is_expert_param, tp_placement, Placement};
 use crate::plan::{DataParallelKind, ParallelPlan, PlanError};
 use crate::tensor_parallel::{ShardLayout, TpError};
-use crate::toolbox::{replicated_items, sum_f64, CommStats, ModelStateBytes, StateError};
+use crate::toolbox::{replicated_items, sum_f64, CommStats, ModelStateBytes, OpTimer, StateError};
 
 /// Errors of composing the strategies.
 #[derive(Debug, thiserror::Error)]
@@ -173,6 +173,35 @@ pub struct ParallelModel {
     /// This step's gradients were averaged over dp during the last backward.
     pub(crate) reduced: bool,
     pub(crate) last: CommStats,
+    /// The dp group's busy time of the step in progress, with full replicas (ZeRO times its
+    /// own collectives in each [`Fsdp`]).
+    pub(crate) dp_timer: Option<OpTimer>,
+}
+
+/// One step's gradient sync, by kind: the hooks the executor runs and what is finished after
+/// it (the averages waited on and written back, ZeRO's last reductions).
+enum GradSync<'a> {
+    /// DDP in buckets, launched as the last backward makes them final (one stage).
+    Buckets(BucketedDpReduce<'a>),
+    /// One average per parameter started inside the last backward (one stage; experts over
+    /// edp).
+    Overlapped(OverlappedDpReduce<'a>),
+    /// Nothing during the step: `finish_grads` averages after the flush (a pipeline, or DDP's
+    /// naive mode).
+    AfterFlush(NoStageHooks),
+    /// ZeRO's hooks on every chunk: gathers, frees, reduce-scatters.
+    Zero(ZeroStageHooks<'a>),
+}
+
+impl<'a> GradSync<'a> {
+    fn hooks(&mut self) -> &mut dyn StageHooks {
+        match self {
+            GradSync::Buckets(h) => h,
+            GradSync::Overlapped(h) => h,
+            GradSync::AfterFlush(h) => h,
+            GradSync::Zero(h) => h,
+        }
+    }
 }
 
 /// Stage hooks that also call an observer before the first backward.
@@ -234,6 +263,10 @@ impl ParallelModel {
         before_backward: &mut dyn FnMut(),
     ) -> Result<StepOut> {
         let t = std::time::Instant::now();
+        if matches!(self.replicas, Replicas::Full) && self.dp.size() > 1 && self.dp_timer.is_none()
+        {
+            self.dp_timer = Some(OpTimer::start(&self.dp));
+        }
         let pp = self.pp.as_ref();
         // One stage and gradients to average: the average starts inside the last backward
         // (DDP's naive mode waits for the whole backward: the textbook version).
@@ -243,24 +276,18 @@ impl ParallelModel {
             && self.plan.dims.pp == 1
             && self.stages.chunks().len() == 1
             && self.plan.dims.dp > 1;
-        let report = match &mut self.replicas {
+        // The step's gradient sync, by kind: DDP's buckets or one average per parameter inside
+        // the last backward, nothing until the flush (`finish_grads` averages then), or ZeRO's
+        // hooks on every chunk. The executor runs the step once, with its hooks.
+        let mut grad_sync = match &mut self.replicas {
             Replicas::Full if overlap && !self.buckets.is_empty() => {
                 let dtype = self.plan.precision.grad_reduce_dtype();
-                let mut hooks = BucketedDpReduce::new(&self.dp, &self.params, &self.buckets, dtype);
-                let report = self.executor.step_with_hooks(
-                    &self.stages,
-                    pp,
-                    idx,
-                    targets,
-                    loss_scale,
-                    &mut self.grads,
-                    &mut Observed(&mut hooks, before_backward),
-                )?;
-                let (n, bytes) = hooks.finish(&mut self.grads, &mut self.current.exposed_comm_s)?;
-                self.current.collectives += n;
-                self.current.bytes += bytes;
-                self.reduced = true;
-                report
+                GradSync::Buckets(BucketedDpReduce::new(
+                    &self.dp,
+                    &self.params,
+                    &self.buckets,
+                    dtype,
+                ))
             }
             Replicas::Full if overlap => {
                 let dtype = self
@@ -268,61 +295,58 @@ impl ParallelModel {
                     .precision
                     .is_mixed()
                     .then_some(self.plan.precision.reduce_dtype);
-                let mut hooks = OverlappedDpReduce::new(
+                GradSync::Overlapped(OverlappedDpReduce::new(
                     &self.stages.chunks()[0].segments,
                     &self.dp,
                     &self.edp,
                     dtype,
-                );
-                let report = self.executor.step_with_hooks(
-                    &self.stages,
-                    pp,
-                    idx,
-                    targets,
-                    loss_scale,
-                    &mut self.grads,
-                    &mut Observed(&mut hooks, before_backward),
-                )?;
+                ))
+            }
+            Replicas::Full => GradSync::AfterFlush(NoStageHooks(NoHooks)),
+            Replicas::Zero(fsdps) => {
+                let every_backward = fsdps.first().is_some_and(|f| f.stage() >= ZeroStage::Two);
+                let recompute = self.engine.checkpointing;
+                GradSync::Zero(ZeroStageHooks {
+                    hooks: fsdps.iter_mut().map(|f| f.hooks(recompute)).collect(),
+                    every_backward,
+                    sync,
+                })
+            }
+        };
+        let report = self.executor.step_with_hooks(
+            &self.stages,
+            pp,
+            idx,
+            targets,
+            loss_scale,
+            &mut self.grads,
+            &mut Observed(grad_sync.hooks(), before_backward),
+        )?;
+        match grad_sync {
+            GradSync::Buckets(hooks) => {
+                let (n, bytes) = hooks.finish(&mut self.grads, &mut self.current.exposed_comm_s)?;
+                if let Some(timer) = &mut self.dp_timer {
+                    timer.collect(&self.dp);
+                }
+                self.current.collectives += n;
+                self.current.bytes += bytes;
+                self.reduced = true;
+            }
+            GradSync::Overlapped(hooks) => {
                 let w = std::time::Instant::now();
                 let (n, bytes) = hooks.finish(&mut self.grads)?;
                 self.current.exposed_comm_s += w.elapsed().as_secs_f64();
                 self.current.collectives += n;
                 self.current.bytes += bytes;
                 self.reduced = true;
-                report
             }
-            Replicas::Full => self.executor.step_with_hooks(
-                &self.stages,
-                pp,
-                idx,
-                targets,
-                loss_scale,
-                &mut self.grads,
-                &mut Observed(&mut NoStageHooks(NoHooks), before_backward),
-            )?,
-            Replicas::Zero(fsdps) => {
-                let every_backward = fsdps.first().is_some_and(|f| f.stage() >= ZeroStage::Two);
-                let recompute = self.engine.checkpointing;
-                let mut hooks = ZeroStageHooks {
-                    hooks: fsdps.iter_mut().map(|f| f.hooks(recompute)).collect(),
-                    every_backward,
-                    sync,
-                };
-                let report = self.executor.step_with_hooks(
-                    &self.stages,
-                    pp,
-                    idx,
-                    targets,
-                    loss_scale,
-                    &mut self.grads,
-                    &mut Observed(&mut hooks, before_backward),
-                )?;
+            GradSync::AfterFlush(_) => {}
+            GradSync::Zero(hooks) => {
                 for h in hooks.hooks {
                     h.finish()?;
                 }
-                report
             }
-        };
+        }
         self.current.backward_s += t.elapsed().as_secs_f64();
         if sync {
             self.finish_grads()?;
@@ -517,6 +541,10 @@ impl ParallelModel {
             }
         }
         self.grads.clear();
+        if let Some(mut t) = self.dp_timer.take() {
+            t.collect(&self.dp);
+            self.current.comm_s = t.busy_s();
+        }
         self.last = std::mem::take(&mut self.current);
         Ok(())
     }

@@ -19,11 +19,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::{Device, Tensor};
-use mtrain_comm::{run_local, Backend, Comm, OpKind};
+use mtrain_comm::{run_local, Backend, Comm, DeviceMesh, MeshDims, OpKind};
 use mtrain_model::optim::{AdamW, AdamWConfig};
 use mtrain_model::{init_weights, Backward, Engine, Gpt, GptConfig, Grads, NoHooks, Segment};
-use mtrain_parallel::ddp::{DataParallel, Ddp, DdpConfig, DdpMode, ModelStateBytes};
+use mtrain_parallel::ddp::{DataParallel, DdpConfig, DdpMode, ModelStateBytes};
 use mtrain_parallel::fsdp::{analytic_model_state, Fsdp, FsdpConfig, ZeroStage};
+use mtrain_parallel::parallelize::{parallelize, DataParallelKind, ParallelModel, ParallelPlan};
 
 use common::{optim_items, rel, tiny_gpt};
 
@@ -123,16 +124,91 @@ fn single_device_full(steps: usize) -> (RunResult, BTreeMap<String, Tensor>, Ada
     (RunResult { losses, grads0 }, weights, opt)
 }
 
-type Make = dyn Fn(Comm, Vec<Arc<dyn Segment>>) -> Box<dyn DataParallel> + Sync;
+/// One rank of a test: DDP is the composed model of a dp-only plan (`parallelize`, under the
+/// plan's engine, the default), ZeRO's `Fsdp` runs on its own under the test's engine.
+enum Strategy {
+    Model(Box<ParallelModel>),
+    Alone(Box<dyn DataParallel>),
+}
+
+impl Strategy {
+    fn forward_backward(
+        &mut self,
+        engine: &Engine,
+        x: &Tensor,
+        y: &Tensor,
+        scale: f64,
+        sync: bool,
+    ) -> f64 {
+        match self {
+            Strategy::Model(m) => {
+                m.forward_backward(x, y, scale, sync)
+                    .expect("forward_backward")
+                    .loss
+            }
+            Strategy::Alone(s) => s
+                .forward_backward(engine, x, y, scale, sync)
+                .expect("forward_backward"),
+        }
+    }
+
+    fn full_grads(&self) -> BTreeMap<String, Tensor> {
+        match self {
+            Strategy::Model(m) => m.full_grads().expect("full grads"),
+            Strategy::Alone(s) => s.full_grads().expect("full grads"),
+        }
+    }
+
+    fn optimizer_step(&mut self, opt: &mut AdamW, lr: f64, max_norm: Option<f64>) -> f64 {
+        match self {
+            Strategy::Model(m) => m.optimizer_step(opt, lr, max_norm).expect("optimizer step"),
+            Strategy::Alone(s) => s.optimizer_step(opt, lr, max_norm).expect("optimizer step"),
+        }
+    }
+
+    /// Model-state bytes with parameters, gradients and AdamW moments all held: after one
+    /// optimizer step, before the gradients are dropped.
+    fn state_bytes_after_one_step(
+        &mut self,
+        engine: &Engine,
+        x: &Tensor,
+        y: &Tensor,
+    ) -> ModelStateBytes {
+        let mut opt = adamw();
+        match self {
+            Strategy::Model(m) => {
+                m.forward_backward(x, y, 1.0, true)
+                    .expect("forward_backward");
+                let during = m.model_state_bytes(&opt);
+                m.optimizer_step(&mut opt, LR, None).expect("step");
+                let after = m.model_state_bytes(&opt);
+                ModelStateBytes {
+                    params: after.params,
+                    grads: during.grads,
+                    optimizer: after.optimizer,
+                }
+            }
+            Strategy::Alone(s) => {
+                s.forward_backward(engine, x, y, 1.0, true)
+                    .expect("forward_backward");
+                opt.step(LR, &s.optimizer_items()).expect("step");
+                let bytes = s.model_state_bytes(&opt);
+                s.after_optimizer_step().expect("after step");
+                bytes
+            }
+        }
+    }
+}
+
+type Make = dyn Fn(&dyn Backend) -> Strategy + Sync;
 
 /// `dp` ranks, each training on its slice of the global batch in `micro` micro-steps.
 fn data_parallel(dp: usize, micro: usize, engine: Engine, steps: usize, make: &Make) -> RunResult {
     let per_rank = GLOBAL_BATCH / dp;
     let per_micro = per_rank / micro;
     let results = run_local(dp, TIMEOUT, |backend| {
-        let comm = backend.world();
-        let rank = comm.rank();
-        let mut strategy = make(comm, model().segments);
+        let rank = backend.world().rank();
+        let mut strategy = make(&backend);
         let mut opt = adamw();
         let mut losses = Vec::new();
         let mut grads0 = BTreeMap::new();
@@ -140,18 +216,15 @@ fn data_parallel(dp: usize, micro: usize, engine: Engine, steps: usize, make: &M
             let mut loss = 0.0;
             for k in 0..micro {
                 let (x, y) = rows(step, rank * per_rank + k * per_micro, per_micro);
-                let l = strategy
-                    .forward_backward(&engine, &x, &y, 1.0 / micro as f64, k + 1 == micro)
-                    .expect("forward_backward");
+                let l =
+                    strategy.forward_backward(&engine, &x, &y, 1.0 / micro as f64, k + 1 == micro);
                 loss += l / micro as f64;
             }
             losses.push(loss);
             if step == 0 {
-                grads0 = strategy.full_grads().expect("full grads");
+                grads0 = strategy.full_grads();
             }
-            strategy
-                .optimizer_step(&mut opt, LR, None)
-                .expect("optimizer step");
+            strategy.optimizer_step(&mut opt, LR, None);
         }
         RunResult { losses, grads0 }
     });
@@ -202,19 +275,34 @@ fn assert_matches(name: &str, got: &RunResult, want: &RunResult) {
     );
 }
 
-fn ddp(mode: DdpMode) -> impl Fn(Comm, Vec<Arc<dyn Segment>>) -> Box<dyn DataParallel> + Sync {
-    move |comm, segs| {
-        // Small caps so the tiny model is split into several buckets.
-        let cfg = DdpConfig {
+/// The composed model of the dp-only plan of `backend`'s world under DDP in `mode`, built
+/// from the test's weights.
+fn ddp_model(backend: &dyn Backend, mode: DdpMode) -> (ParallelModel, DeviceMesh) {
+    let dims = MeshDims::new(backend.world().size(), 1, 1, 1);
+    let mesh = DeviceMesh::new(backend, dims).expect("mesh");
+    // Small caps so the tiny model is split into several buckets.
+    let plan = ParallelPlan {
+        data: DataParallelKind::Ddp(DdpConfig {
             mode,
             bucket_cap_bytes: 16 << 10,
             first_bucket_cap_bytes: 4 << 10,
-        };
-        Box::new(Ddp::new(comm, segs, cfg).expect("ddp"))
-    }
+        }),
+        ..ParallelPlan::new(dims)
+    };
+    let w = init_weights(&cfg(), SEED).expect("init");
+    let model = parallelize(&cfg(), &w, &plan, &mesh, &Device::Cpu).expect("parallelize");
+    (model, mesh)
 }
 
-fn fsdp(stage: ZeroStage) -> impl Fn(Comm, Vec<Arc<dyn Segment>>) -> Box<dyn DataParallel> + Sync {
+fn ddp(mode: DdpMode) -> impl Fn(&dyn Backend) -> Strategy + Sync {
+    move |backend| Strategy::Model(Box::new(ddp_model(backend, mode).0))
+}
+
+fn zero(stage: ZeroStage) -> impl Fn(&dyn Backend) -> Strategy + Sync {
+    move |backend| Strategy::Alone(fsdp(stage)(backend.world(), model().segments))
+}
+
+fn fsdp(stage: ZeroStage) -> impl Fn(Comm, Vec<Arc<dyn Segment>>) -> Box<dyn DataParallel> {
     move |comm, segs| {
         Box::new(
             Fsdp::new(
@@ -254,7 +342,7 @@ fn zero3_through_the_tapes_equals_one_device() {
     let want = single_device(STEPS);
     for checkpointing in [false, true] {
         let engine = Engine::new(checkpointing).with_backward(Backward::Tapes);
-        let got = data_parallel(2, 1, engine, STEPS, &fsdp(ZeroStage::Three));
+        let got = data_parallel(2, 1, engine, STEPS, &zero(ZeroStage::Three));
         assert_matches(
             &format!("zero-3 tapes checkpointing={checkpointing}"),
             &got,
@@ -272,7 +360,7 @@ fn zero_stages_equal_one_device() {
         (ZeroStage::Three, 4, true),
         (ZeroStage::Three, 2, false),
     ] {
-        let got = data_parallel(dp, 1, Engine::new(checkpointing), STEPS, &fsdp(stage));
+        let got = data_parallel(dp, 1, Engine::new(checkpointing), STEPS, &zero(stage));
         assert_matches(
             &format!("zero-{stage:?} dp={dp} checkpointing={checkpointing}"),
             &got,
@@ -300,11 +388,11 @@ fn gradient_accumulation_equals_one_big_batch() {
     );
     check(
         "zero-1 dp=2 k=2",
-        data_parallel(2, 2, Engine::default(), 3, &fsdp(ZeroStage::One)),
+        data_parallel(2, 2, Engine::default(), 3, &zero(ZeroStage::One)),
     );
     check(
         "zero-3 dp=2 k=4",
-        data_parallel(2, 4, Engine::new(true), 3, &fsdp(ZeroStage::Three)),
+        data_parallel(2, 4, Engine::new(true), 3, &zero(ZeroStage::Three)),
     );
 }
 
@@ -313,17 +401,10 @@ fn gradient_accumulation_equals_one_big_batch() {
 fn state_bytes(dp: usize, engine: Engine, make: &Make) -> Vec<ModelStateBytes> {
     let per_rank = GLOBAL_BATCH / dp;
     run_local(dp, TIMEOUT, |backend| {
-        let comm = backend.world();
-        let rank = comm.rank();
-        let mut s = make(comm, model().segments);
-        let mut opt = adamw();
+        let rank = backend.world().rank();
+        let mut s = make(&backend);
         let (x, y) = rows(0, rank * per_rank, per_rank);
-        s.forward_backward(&engine, &x, &y, 1.0, true)
-            .expect("forward_backward");
-        opt.step(LR, &s.optimizer_items()).expect("step");
-        let bytes = s.model_state_bytes(&opt);
-        s.after_optimizer_step().expect("after step");
-        bytes
+        s.state_bytes_after_one_step(&engine, &x, &y)
     })
 }
 
@@ -331,7 +412,7 @@ fn state_bytes(dp: usize, engine: Engine, make: &Make) -> Vec<ModelStateBytes> {
 fn zero3_on_4_ranks_holds_at_most_04x_of_ddp_model_state() {
     let n_params = cfg().n_params();
     let ddp_bytes = state_bytes(4, Engine::default(), &ddp(DdpMode::Bucketed));
-    let zero3 = state_bytes(4, Engine::new(true), &fsdp(ZeroStage::Three));
+    let zero3 = state_bytes(4, Engine::new(true), &zero(ZeroStage::Three));
     for (r, b) in ddp_bytes.iter().enumerate() {
         // DDP: a full copy of everything, as the analytic table says (16 bytes per parameter).
         assert_eq!(*b, analytic_model_state(None, n_params, 4), "ddp rank {r}");
@@ -367,7 +448,7 @@ fn zero_stages_shard_what_they_promise() {
     let n_params = cfg().n_params();
     let full = 4 * n_params;
     for stage in [ZeroStage::One, ZeroStage::Two] {
-        let bytes = state_bytes(2, Engine::default(), &fsdp(stage));
+        let bytes = state_bytes(2, Engine::default(), &zero(stage));
         let params: usize = bytes.iter().map(|b| b.params).sum();
         let grads: usize = bytes.iter().map(|b| b.grads).sum();
         let optimizer: usize = bytes.iter().map(|b| b.optimizer).sum();
@@ -394,16 +475,16 @@ fn zero_stages_shard_what_they_promise() {
 
 #[test]
 fn every_rank_launches_the_same_bucket_sequence() {
+    // DDP of a dp-only plan (`parallelize`), its dp group traced.
     let traces = run_local(4, TIMEOUT, |backend| {
-        let comm = backend.world();
-        let rank = comm.rank();
-        let make = ddp(DdpMode::Bucketed);
-        let mut s = make(comm.clone(), model().segments);
+        let rank = backend.world().rank();
+        let (mut s, mesh) = ddp_model(&backend, DdpMode::Bucketed);
+        let comm = mesh.dp.clone();
         let mut opt = adamw();
         comm.tracer().set_recording(true);
         for step in 0..2 {
             let (x, y) = rows(step, rank * 2, 2);
-            s.forward_backward(&Engine::default(), &x, &y, 1.0, true)
+            s.forward_backward(&x, &y, 1.0, true)
                 .expect("forward_backward");
             s.optimizer_step(&mut opt, LR, Some(1.0)).expect("step");
         }
@@ -435,10 +516,17 @@ fn every_rank_launches_the_same_bucket_sequence() {
         buckets[0] < buckets[1],
         "first bucket should be the small one: {buckets:?}"
     );
+    // Each step on the dp group: its buckets, then the loss's mean (two f64s) after them.
+    let loss = (OpKind::AllReduce, 16);
+    let step: Vec<(OpKind, u64)> = buckets
+        .iter()
+        .map(|&b| (OpKind::AllReduce, b))
+        .chain([loss])
+        .collect();
     assert_eq!(
-        first.len(),
-        2 * stats.collectives,
-        "two steps of bucket all-reduces"
+        *first,
+        [step.clone(), step].concat(),
+        "two steps of bucket all-reduces, each followed by the loss"
     );
     assert_eq!(stats.bytes, buckets.iter().sum::<u64>());
     assert_eq!(
@@ -458,18 +546,15 @@ fn every_rank_launches_the_same_bucket_sequence() {
 #[test]
 fn different_initial_weights_are_refused_naming_the_rank() {
     let errors = run_local(3, TIMEOUT, |backend| {
-        let comm = backend.world();
-        let gpt = model();
-        if comm.rank() == 2 {
-            let p = gpt
-                .params()
-                .into_iter()
-                .find(|p| p.name() == "h.1.mlp.c_fc.weight")
-                .expect("param");
-            let bumped = (p.tensor() * 1.001).expect("scale");
-            p.set(&bumped).expect("set");
+        let dims = MeshDims::new(3, 1, 1, 1);
+        let mesh = DeviceMesh::new(&backend, dims).expect("mesh");
+        let mut w = init_weights(&cfg(), SEED).expect("init");
+        if mesh.rank() == 2 {
+            let name = "h.1.mlp.c_fc.weight";
+            let bumped = (&w[name] * 1.001).expect("scale");
+            w.insert(name.to_string(), bumped);
         }
-        match Ddp::new(comm, gpt.segments, DdpConfig::default()) {
+        match parallelize(&cfg(), &w, &ParallelPlan::new(dims), &mesh, &Device::Cpu) {
             Ok(_) => String::new(),
             Err(e) => e.to_string(),
         }

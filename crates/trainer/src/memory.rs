@@ -17,8 +17,9 @@
 //! by: ZeRO-1 divides optimizer state (and master weights) by dp, ZeRO-2 also gradients, ZeRO-3 /
 //! FSDP also parameters, and ZeRO-1/2 keep a shard copy beside the full tensors
 //! ([`ModelStateLayout::for_plan`]). Tensor and pipeline parallelism shrink Φ itself (the
-//! parameters a rank owns), so they enter through `n_params`: counted from the built model for
-//! the report, from the plan ([`rank_params`]) for `mtrain plan`, which prints the same figures.
+//! parameters a rank owns), so they enter through `n_params`: read from the rank's holdings
+//! table (`mtrain_parallel::holdings`) for the report and, through [`rank_params`], for
+//! `mtrain plan`, which prints the same figures.
 //!
 //! What a step adds ([`StepMemory`], [`rank_step_memory`]) is counted from what the code keeps
 //! (`memory/kept.rs`): each segment's recorded graph or tape tensor by tensor, the engine's

@@ -131,7 +131,7 @@ impl Hooks for OverlappedDpReduce<'_> {
 }
 
 /// Stage hooks that launch the DDP buckets ([`super::assign_buckets`]) during the last backward
-/// of the step, as [`super::Ddp`] does: one flat all-reduce per bucket instead of one per
+/// of the step, as DDP's buckets are: one flat all-reduce per bucket instead of one per
 /// parameter. Used by a composed plan of one stage whose gradients are all averaged over dp
 /// (ep = 1), which is every DDP run with pp = 1: the world of one, dp, tp × dp.
 pub struct BucketedDpReduce<'a> {
