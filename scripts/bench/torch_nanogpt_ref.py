@@ -24,8 +24,7 @@ What it does, each part as nanoGPT's train.py does it:
 Writes OUT/metrics.jsonl with mtrain's keys (step, run, loss, lr, grad_norm, step_ms, tokens_per_s, mfu,
 epoch, train_eval_loss, val_loss) so `mtrain plot OUT` draws it, and prints mtrain's step line.
 """
-import argparse, json, math, os, time
-import numpy as np
+import argparse, array, json, math, os, sys, time
 import torch, torch.nn as nn, torch.nn.functional as F
 
 
@@ -37,12 +36,16 @@ def read_split(d, name):
     parts, vocab = [], None
     for b in bins:
         h = json.load(open(os.path.join(d, b[:-4] + ".json")))
-        a = np.fromfile(os.path.join(d, b), dtype={"u16": "<u2", "u32": "<u4"}[h["dtype"]])
+        a = array.array({"u16": "H", "u32": "I"}[h["dtype"]])
+        with open(os.path.join(d, b), "rb") as f:
+            a.frombytes(f.read())
+        if sys.byteorder != "little":
+            a.byteswap()
         if len(a) != h["n_tokens"]:
             raise SystemExit(f"{b}: {len(a)} tokens, the header says {h['n_tokens']}")
-        parts.append(a.astype(np.int64))
+        parts.append(torch.tensor(a, dtype=torch.int64))
         vocab = h["vocab_size"]
-    return torch.from_numpy(np.concatenate(parts)), vocab
+    return torch.cat(parts), vocab
 
 
 class Attention(nn.Module):

@@ -60,9 +60,9 @@ pub mod attention;
 pub mod bias;
 mod cpu;
 pub mod cross_entropy;
-pub mod dropout;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod dropout;
 pub mod embedding;
 pub mod gelu;
 pub mod heads;
