@@ -7,7 +7,7 @@
 # Environment:
 #   PROFILE_CASES  cases "NAME:L,H,C:B,T" separated by spaces (default: 774M at 8 x 1024 and 124M
 #                  at 4 x 4096, "774m:36,20,1280:8,1024 124m:12,12,768:4,4096")
-#   PROFILE_TORCH  PyTorch variants to profile, "compile" and/or "eager" (default "compile")
+#   PROFILE_TORCH  PyTorch variants to profile, "compile" and/or "eager" (default "compile"; "none")
 #
 # ncu runs each kernel alone (serialised), so a sum is device time without overlap or host gaps.
 # The binary runs two optimizer steps; the kernels of the second (after the first step's AdamW
@@ -43,6 +43,7 @@ for c in $cases; do
   echo "exit $?"
   rm -rf "$RUNS"
   for v in ${PROFILE_TORCH:-compile}; do
+    [ "$v" = none ] && continue
     echo "== $tag: torch $v (one step under ncu)"
     flag=""; [ "$v" = compile ] && flag=--compile
     timeout 300 "$NCU" --clock-control none --metrics $M --csv --page raw --print-units base \
