@@ -21,13 +21,10 @@
 //!  └──┴──┴──┴──┘  only the shaded tiles are ever computed
 //! ```
 //!
-//! The backward (Dao et al. 2022, Algorithm 2): `δ = rowsum(dO ∘ O)`; rebuilding
-//! `P = e^(s - lse)` from the saved lse, `dS = P ∘ (dO vᵀ − δ)`, `dQ = scale · dS K`,
-//! `dK = scale · dSᵀ Q` and `dV = Pᵀ dO`. The tensor-core kernel makes one pass over query tiles
-//! per block of keys, adding each block's share of dQ into an f32 buffer with atomics (so dQ's
-//! summation order varies from run to run, within f32 rounding); the CUDA-core kernels make two
-//! passes, one over query rows for dQ and one over key rows for dK and dV, so no block writes
-//! another's output. Memory kept for backward: the output and lse, O(T)
+//! The backward (Dao et al. 2022, Algorithm 2, split into two passes so no thread block writes
+//! another's output): `δ = rowsum(dO ∘ O)`; rebuilding `P = e^(s - lse)` from the saved lse, one
+//! pass over query rows gives `dQ = scale · (P ∘ (dO vᵀ − δ)) K`, one pass over key rows gives
+//! `dK = scale · dSᵀ Q` and `dV = Pᵀ dO`. Memory kept for backward: the output and lse, O(T)
 //! per head instead of O(T²).
 //!
 //! Two implementations, both in `kernels.cu`:
@@ -443,6 +440,11 @@ mod imp {
         let dtype = q.dtype();
         let tc = super::uses_tensor_cores(dtype, d, &[oq, ok, ov, oo, od])
             && compute_capability(&dev)? >= TC_MIN_CC;
+        let (dq_name, dkdv_name, cfg) = if tc {
+            ("flash_tc_dq", "flash_tc_dkdv", tc_config(t, bh))
+        } else {
+            ("flash_bwd_dq", "flash_bwd_dkdv", config(t, bh, d))
+        };
         // SAFETY: every element of each buffer is written by the kernel filling it.
         let delta = unsafe { dev.alloc::<f32>(rows)? };
         // One buffer (3, B, H, T, D) for dq | dk | dv, so a packed input gets one gradient.
@@ -463,58 +465,32 @@ mod imp {
         unsafe { b.launch(dot_cfg) }.w()?;
 
         let (t32, qscale, scale32) = (t as i32, (scale * LOG2E) as f32, scale as f32);
-        if tc {
-            // One pass per 64 keys: dk, dv, and dq summed in f32 across the key blocks.
-            let dq32 = dev.alloc_zeros::<f32>(n)?;
-            let f = kernel(&dev, Some(d), dtype, "flash_tc_bwd")?;
-            let mut b = f.builder();
-            b.arg(&qs)
-                .arg(&ks)
-                .arg(&vs)
-                .arg(&ds)
-                .arg(&ls)
-                .arg(&delta)
-                .arg(&dq32)
-                .arg(&dk)
-                .arg(&dv);
-            b.arg(&t32).arg(&qscale).arg(&scale32);
-            // SAFETY: argument types and order match `flash_tc_bwd`.
-            unsafe { b.launch(tc_config(t, bh)) }.w()?;
-            let f = kernel(&dev, Some(d), dtype, "flash_dq_cast")?;
-            let mut b = f.builder();
-            let n64 = n as i64;
-            b.arg(&dq32).arg(&dq).arg(&scale32).arg(&n64);
-            // SAFETY: argument types and order match `flash_dq_cast` (4 elements a thread).
-            unsafe { b.launch(blocks(((n / 4).div_ceil(256), 1), 256)) }.w()?;
-            drop(dq32);
-        } else {
-            let cfg = config(t, bh, d);
-            let f = kernel(&dev, Some(d), dtype, "flash_bwd_dq")?;
-            let mut b = f.builder();
-            b.arg(&qs)
-                .arg(&ks)
-                .arg(&vs)
-                .arg(&ds)
-                .arg(&ls)
-                .arg(&delta)
-                .arg(&dq);
-            b.arg(&t32).arg(&qscale).arg(&scale32);
-            // SAFETY: argument types and order match `flash_bwd_dq`.
-            unsafe { b.launch(cfg) }.w()?;
-            let f = kernel(&dev, Some(d), dtype, "flash_bwd_dkdv")?;
-            let mut b = f.builder();
-            b.arg(&qs)
-                .arg(&ks)
-                .arg(&vs)
-                .arg(&ds)
-                .arg(&ls)
-                .arg(&delta)
-                .arg(&dk)
-                .arg(&dv);
-            b.arg(&t32).arg(&qscale).arg(&scale32);
-            // SAFETY: argument types and order match `flash_bwd_dkdv`.
-            unsafe { b.launch(cfg) }.w()?;
-        }
+        let f = kernel(&dev, Some(d), dtype, dq_name)?;
+        let mut b = f.builder();
+        b.arg(&qs)
+            .arg(&ks)
+            .arg(&vs)
+            .arg(&ds)
+            .arg(&ls)
+            .arg(&delta)
+            .arg(&dq);
+        b.arg(&t32).arg(&qscale).arg(&scale32);
+        // SAFETY: argument types and order match `flash_bwd_dq` and `flash_tc_dq`.
+        unsafe { b.launch(cfg) }.w()?;
+
+        let f = kernel(&dev, Some(d), dtype, dkdv_name)?;
+        let mut b = f.builder();
+        b.arg(&qs)
+            .arg(&ks)
+            .arg(&vs)
+            .arg(&ds)
+            .arg(&ls)
+            .arg(&delta)
+            .arg(&dk)
+            .arg(&dv);
+        b.arg(&t32).arg(&qscale).arg(&scale32);
+        // SAFETY: argument types and order match `flash_bwd_dkdv` and `flash_tc_dkdv`.
+        unsafe { b.launch(cfg) }.w()?;
 
         drop((dq, dk, dv));
         Ok(tensor(&dev, dqkv, (3, b_, h, t, d)))

@@ -279,8 +279,8 @@ extern "C" __global__ void flash_bwd_dkdv(const elem* q, const elem* k, const el
 // ---------------------------------------------------------------------------------------------
 // Causal flash attention on tensor cores: bf16 inputs, f32 accumulation, HEAD_DIM 16..64.
 //
-// A block is 4 warps; each warp owns 16 of the block's 64 rows (queries in flash_tc_fwd, keys
-// in flash_tc_bwd) and keeps them in registers as mma A fragments. Tiles of 64
+// A block is 4 warps; each warp owns 16 of the block's 64 rows (queries in flash_tc_fwd and
+// flash_tc_dq, keys in flash_tc_dkdv) and keeps them in registers as mma A fragments. Tiles of 64
 // rows of the other operands are staged in shared memory as bf16, rows padded by 8 elements so
 // that the fragment reads below hit 32 distinct banks. Products are mma.sync m16n8k16
 // (bf16 x bf16 -> f32), with g = lane / 4 and t = lane % 4:
@@ -290,11 +290,9 @@ extern "C" __global__ void flash_bwd_dkdv(const elem* q, const elem* k, const el
 //   C 16x8  f32         c0 c1 (g, 2t..2t+1)   c2 c3 (g+8, 2t..2t+1)
 //
 // Two C tiles side by side, rounded to bf16, are exactly the A fragment of the next product
-// (P V, Pᵀ dO, dSᵀ Q), so probabilities never leave registers. The backward is one pass over
-// query tiles per 64 keys (flash_tc_bwd, FA2's loop): S and dP are computed once per tile pair,
-// dK and dV stay in registers, and dQ = dS K goes through shared memory (dSᵀ stored, read back
-// transposed by ldmatrix) into an f32 buffer by atomic adds, which flash_dq_cast scales and
-// rounds. Five products per tile pair, where a separate dQ pass (recomputing S and dP) takes seven.
+// (P V, dS K, Pᵀ dO, dSᵀ Q), so probabilities never leave registers. The backward is the FA2
+// split: flash_tc_dq walks key tiles for 64 queries, flash_tc_dkdv walks query tiles for 64 keys;
+// each recomputes S and dP, and no block writes another's output.
 // ---------------------------------------------------------------------------------------------
 #if defined(HEAD_DIM) && ELEM_BF16 && (HEAD_DIM % 16 == 0) && (HEAD_DIM <= 64) && \
     (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
@@ -544,44 +542,72 @@ extern "C" __global__ void __launch_bounds__(128)
     }
 }
 
-// acc (16 x D) += A Y where A (16 x 64) is rows a0 .. a0+16 of the TRANSPOSE of a staged tile
-// at (64 x 64, TC_LD): at[j][i] = A[i][j]. ldmatrix.trans hands each lane the A fragment words of
-// the transposed tile: matrix i of x4: rows kk·16 + (i/2)·8 .. +8 of at, columns a0 + (i%2)·8.
-__device__ __forceinline__ void tc_accum_t(float (*acc)[4], const elem (*at)[TC_LD], int a0,
-                                           const elem (*y)[TC_LD]) {
-    const int l = threadIdx.x & 31, mi = l >> 3, r = l & 7;
+// dq = scale · dS k with dS = P ∘ (dO vᵀ − dvec); 64 queries per block, key tiles up to them.
+extern "C" __global__ void __launch_bounds__(128)
+    flash_tc_dq(const elem* q, const elem* k, const elem* v, const elem* dout, const float* lse2,
+                const float* dvec, elem* dq, int T, float qscale, float scale) {
+    __shared__ __align__(16) elem ks[2][TC_COLS][TC_LD];
+    __shared__ __align__(16) elem vs[2][TC_COLS][TC_LD];
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    const long base = (long)blockIdx.y * T * D;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * TC_ROWS;
+    const int r0 = q0 + (threadIdx.x >> 5) * 16;
+    tc_stage_async(ks[0], k + base, 0, T);
+    tc_stage_async(vs[0], v + base, 0, T);
+    cp_commit();
+    u32 qa[KD][4], da[KD][4];
+    tc_load_a(qa, q + base, r0, T);
+    tc_load_a(da, dout + base, r0, T);
+    float L[2], Dv[2];
 #pragma unroll
-    for (int kk = 0; kk < TC_COLS / 16; ++kk) {
-        u32 a[4];
-        ldsm_x4_trans(a, at[kk * 16 + (mi >> 1) * 8 + r] + a0 + (mi & 1) * 8);
-        const elem* row = y[kk * 16 + (mi & 1) * 8 + r];
-#pragma unroll
-        for (int n = 0; n < ND; n += 2) {
-            u32 b[4];
-            ldsm_x4_trans(b, row + (n + (mi >> 1)) * 8);
-            mma_bf16(acc[n], a, b[0], b[1]);
-            mma_bf16(acc[n + 1], a, b[2], b[3]);
-        }
+    for (int h = 0; h < 2; ++h) {
+        const int row = r0 + g + 8 * h;
+        L[h] = row < T ? lse2[(long)blockIdx.y * T + row] : 0.f;
+        Dv[h] = row < T ? dvec[(long)blockIdx.y * T + row] : 0.f;
     }
+    float acc[ND][4];
+#pragma unroll
+    for (int n = 0; n < ND; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    int buf = 0;
+    for (int kb = 0; kb <= q0; kb += TC_COLS, buf ^= 1) {
+        if (kb + TC_COLS <= q0) {
+            tc_stage_async(ks[buf ^ 1], k + base, kb + TC_COLS, T);
+            tc_stage_async(vs[buf ^ 1], v + base, kb + TC_COLS, T);
+        }
+        cp_commit();
+        cp_wait<1>();
+        __syncthreads();
+        float s[NT][4], dp[NT][4];
+        tc_scores(s, qa, ks[buf]);   // (16, 64) q·k
+        tc_scores(dp, da, vs[buf]);  // (16, 64) dO·v
+        const bool full = kb + TC_COLS - 1 <= r0;
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int h = e >> 1;
+                const int row = r0 + g + 8 * h, key = kb + n * 8 + 2 * t + (e & 1);
+                const float p = (full || key <= row) ? exp2f(s[n][e] * qscale - L[h]) : 0.f;
+                s[n][e] = p * (dp[n][e] - Dv[h]);  // dS
+            }
+        tc_accum(acc, s, ks[buf]);  // (16, D) += dS k
+        __syncthreads();
+    }
+    tc_store(dq + base, acc, r0, T, scale, scale);
 }
 
-// The attention backward, 64 keys per block, query tiles from them to T:
-//   dk = scale · dSᵀ q, dv = Pᵀ dO (registers, stored at the end);
-//   dq32 += dS k for each query tile (f32 atomics; dq32 zeroed before, scaled by flash_dq_cast).
+// dk = scale · dSᵀ q, dv = Pᵀ dO; 64 keys per block, query tiles from them to T.
 extern "C" __global__ void __launch_bounds__(128)
-    flash_tc_bwd(const elem* q, const elem* k, const elem* v, const elem* dout,
-                 const float* lse2, const float* dvec, float* dq32, elem* dk, elem* dv, int T,
-                 float qscale, float scale) {
+    flash_tc_dkdv(const elem* q, const elem* k, const elem* v, const elem* dout,
+                  const float* lse2, const float* dvec, elem* dk, elem* dv, int T, float qscale,
+                  float scale) {
     __shared__ __align__(16) elem qs[2][TC_COLS][TC_LD];
-    // dO tiles; once a tile's products are done its buffer holds dSᵀ (keys x queries) for dQ.
     __shared__ __align__(16) elem dos[2][TC_COLS][TC_LD];
-    __shared__ __align__(16) elem ks[TC_COLS][TC_LD];  // this block's keys, B of dQ = dS k
     __shared__ __align__(16) float ls[2][TC_COLS], dls[2][TC_COLS];
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-    const int w16 = (threadIdx.x >> 5) * 16;  // this warp's 16 rows of the block
     const long base = (long)blockIdx.y * T * D;
     const int k0 = blockIdx.x * TC_ROWS;  // block 0 has the most query tiles and starts first
-    const int r0 = k0 + w16;
+    const int r0 = k0 + (threadIdx.x >> 5) * 16;
     const float* lrow = lse2 + (long)blockIdx.y * T;
     const float* drow = dvec + (long)blockIdx.y * T;
     // Query tile qb into buffer b: q and dO rows, and their lse2 and dvec entries.
@@ -593,7 +619,6 @@ extern "C" __global__ void __launch_bounds__(128)
         if (threadIdx.x < TC_COLS) cp_async4(&ls[b][i], ok ? lrow + qb + i : lrow, ok);
         else if (threadIdx.x < 2 * TC_COLS) cp_async4(&dls[b][i], ok ? drow + qb + i : drow, ok);
     };
-    tc_stage_async(ks, k + base, k0, T);
     stage(0, k0);
     cp_commit();
     u32 ka[KD][4], va[KD][4];
@@ -631,44 +656,10 @@ extern "C" __global__ void __launch_bounds__(128)
             }
         tc_accum(dva, s, dos[buf]);  // (16, D) += Pᵀ dO
         tc_accum(dka, dp, qs[buf]);  // (16, D) += dSᵀ q
-        __syncthreads();             // every warp is done with dos[buf]: it takes dSᵀ now
-        elem (*dst)[TC_LD] = dos[buf];
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            *reinterpret_cast<u32*>(&dst[w16 + g][n * 8 + 2 * t]) = pack_bf16(dp[n][0], dp[n][1]);
-            *reinterpret_cast<u32*>(&dst[w16 + g + 8][n * 8 + 2 * t]) =
-                pack_bf16(dp[n][2], dp[n][3]);
-        }
         __syncthreads();
-        // dQ of this warp's 16 queries of the tile, over the block's 64 keys.
-        float dqa[ND][4];
-#pragma unroll
-        for (int n = 0; n < ND; ++n) dqa[n][0] = dqa[n][1] = dqa[n][2] = dqa[n][3] = 0.f;
-        tc_accum_t(dqa, dst, w16, ks);  // (16 queries, D) = dS k
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int query = qb + w16 + g + 8 * h;
-            if (query >= T) continue;
-            float* out = dq32 + base + (long)query * D + 2 * t;
-#pragma unroll
-            for (int n = 0; n < ND; ++n) {
-                atomicAdd(out + n * 8, dqa[n][2 * h]);
-                atomicAdd(out + n * 8 + 1, dqa[n][2 * h + 1]);
-            }
-        }
-        __syncthreads();  // every warp is done with buf before it is refilled
     }
     tc_store(dk + base, dka, r0, T, scale, scale);
     tc_store(dv + base, dva, r0, T, 1.f, 1.f);
-}
-
-// dq = scale · dq32, rounded to bf16; four elements per thread (n is a multiple of 4).
-extern "C" __global__ void flash_dq_cast(const float* dq32, elem* dq, float scale, long n) {
-    const long i = 4 * ((long)blockIdx.x * blockDim.x + threadIdx.x);
-    if (i >= n) return;
-    const float4 f = *reinterpret_cast<const float4*>(dq32 + i);
-    *reinterpret_cast<uint2*>(dq + i) = make_uint2(pack_bf16(f.x * scale, f.y * scale),
-                                                   pack_bf16(f.z * scale, f.w * scale));
 }
 #endif  // tensor-core attention
 
