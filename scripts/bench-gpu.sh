@@ -7,6 +7,9 @@
 #   scripts/bench-gpu.sh run [OUT_DIR]    # on the GPU machine, from the repository root
 #   scripts/bench-gpu.sh train [OUT_DIR]  # the mtrain binary next to PyTorch (see train())
 #   scripts/bench-gpu.sh loss [OUT_DIR]   # the binary's loss, --backward tapes vs autograd
+#   scripts/bench-gpu.sh sizes [OUT_DIR]  # the binary next to eager and torch.compile, model
+#                                         # sizes and context lengths (see sizes())
+#   scripts/bench-gpu.sh attn [OUT_DIR]   # attention forward/backward alone next to SDPA
 #
 # `run` does, on one card:
 #   1. the fused kernels' tests against plain candle (kernels-tests), the tapes' tests against
@@ -31,7 +34,7 @@ build() {
   source "$PREFIX/env.sh"
   export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target-cuda}
   mkdir -p .gpu
-  grep -qx '.gpu/' .git/info/exclude 2>/dev/null || echo '.gpu/' >> .git/info/exclude
+  [ -d .git ] && { grep -qx '.gpu/' .git/info/exclude 2>/dev/null || echo '.gpu/' >> .git/info/exclude; }
   set -e
   nice -n 19 cargo build --release -p mtrain-model --features cuda --example bench_gpu
   strip -o .gpu/bench_gpu "$CARGO_TARGET_DIR/release/examples/bench_gpu"
@@ -195,7 +198,7 @@ PY
 
 # The mtrain binary's loss curve with its hand-written backward against candle's autograd
 # (`--backward tapes` / `--backward autograd`, the same forward kernels, the same seed and
-# batches): GPT-2 124M, bf16, BENCH_LOSS_STEPS steps (default 200) of batch 4 x 256 on
+# batches), or two binaries' curves (BENCH_LOSS_RUNS): GPT-2 124M, bf16, BENCH_LOSS_STEPS steps (default 200) of batch 4 x 256 on
 # scripts/bench/tinyshakespeare.txt as bytes (one u16 shard each for train and val), lr 3e-4
 # after 20 warmup steps.
 loss() {
@@ -204,7 +207,10 @@ loss() {
   mkdir -p "$OUT" "$BIN"
   # shellcheck disable=SC1091
   source scripts/gpu-env.sh
-  mtrain_unpack .gpu/mtrain.xz "$BIN/mtrain"
+  # BENCH_LOSS_RUNS: the two runs compared, "BINARY:BACKWARD" (default the binary's tapes
+  # against its autograd; "mtrain-before:tapes mtrain:tapes" compares two binaries).
+  runs=${BENCH_LOSS_RUNS:-"mtrain:tapes mtrain:autograd"}
+  for r in $runs; do [ -x "$BIN/${r%%:*}" ] || mtrain_unpack ".gpu/${r%%:*}.xz" "$BIN/${r%%:*}"; done
   data=/tmp/mtrain-shakespeare-bytes
   python3 - scripts/bench/tinyshakespeare.txt "$data" <<'PY'
 import array, json, os, sys
@@ -220,27 +226,162 @@ for name, part in (("train_000", raw[:cut]), ("val_000", raw[cut:])):
     json.dump({"dtype": "u16", "n_tokens": len(ids), "vocab_size": 256}, open(f"{out}/{name}.json", "w"))
 PY
   steps=${BENCH_LOSS_STEPS:-200}
-  for bw in tapes autograd; do
-    dir=/tmp/mtrain-loss-$bw
+  files=()
+  for r in $runs; do
+    bin=${r%%:*} bw=${r##*:}
+    dir=/tmp/mtrain-loss-$bin-$bw
     rm -rf "$dir"
-    echo "== mtrain --backward $bw, $steps steps"
-    "$BIN/mtrain" --config configs/gpt2-124m.toml --device cuda --dtype bf16 --data "$data" \
+    echo "== $bin --backward $bw, $steps steps"
+    "$BIN/$bin" --config configs/gpt2-124m.toml --device cuda --dtype bf16 --data "$data" \
       --set batch_size=4 --set seq_len=256 --set grad_accum=1 --steps "$steps" --lr 3e-4 \
       --min-lr 3e-4 --warmup-steps 20 --eval-every 0 --log-every 1 --backward "$bw" \
-      --run-dir "$dir" > "$OUT/loss-$bw.log" 2>&1
+      --run-dir "$dir" > "$OUT/loss-$bin-$bw.log" 2>&1
     echo "exit $?"
-    cp "$dir/metrics.jsonl" "$OUT/loss-$bw.jsonl"
+    cp "$dir/metrics.jsonl" "$OUT/loss-$bin-$bw.jsonl"
+    files+=("$OUT/loss-$bin-$bw.jsonl")
   done
-  python3 - "$OUT/loss-tapes.jsonl" "$OUT/loss-autograd.jsonl" <<'PY'
-import json, sys
+  python3 - "${files[@]}" <<'PY'
+import json, os, sys
 curve = lambda p: [json.loads(l)["loss"] for l in open(p)]
 t, a = curve(sys.argv[1]), curve(sys.argv[2])
+n1, n2 = (os.path.basename(p)[len("loss-"):-len(".jsonl")] for p in sys.argv[1:3])
 d = [abs(x - y) for x, y in zip(t, a)]
 i = max(range(len(d)), key=d.__getitem__)
-print(f"loss curves, tapes vs autograd: {len(d)} steps, tapes {t[0]:.4f} -> {t[-1]:.4f}, "
-      f"autograd {a[0]:.4f} -> {a[-1]:.4f}; mean |diff| {sum(d) / len(d):.4f}, "
+print(f"loss curves, {n1} vs {n2}: {len(d)} steps, {n1} {t[0]:.4f} -> {t[-1]:.4f}, "
+      f"{n2} {a[0]:.4f} -> {a[-1]:.4f}; mean |diff| {sum(d) / len(d):.4f}, "
       f"max {d[i]:.4f} (step {i + 1}), last 50 {sum(d[-50:]) / len(d[-50:]):.4f}; "
       f"mean loss of the last 50 {sum(t[-50:]) / 50:.4f} vs {sum(a[-50:]) / 50:.4f}")
+PY
+}
+
+# The binary against PyTorch eager and torch.compile over model sizes and context lengths, one
+# table: BENCH_CASES lists "NAME:L,H,C:B,T" (default GPT-2 124M, 350M, 774M, 1.5B at 8 x 1024,
+# 124M at 4 x 4096 and 2 x 8192), grad_accum 1, clipping 1.0, bf16. Every run does BENCH_WARMUP
+# steps (default 5) then BENCH_STEPS timed ones (default 25); throughput is the tokens of the
+# timed steps over their summed step times (the binary) or their wall time (PyTorch). The
+# binaries are BENCH_BINS (.gpu/NAME.xz, default "mtrain"), the last one the subject of the
+# ratios; its peak memory comes from a short extra run with --mem-report. BENCH_TORCH (default
+# "eager compile") picks the PyTorch variants. MFU: 6N + 12·L·C·T FLOP per token over 989 TFLOP/s.
+sizes() {
+  OUT=${1:-.gpu/out}
+  BIN=/tmp/mtrain-bench
+  mkdir -p "$OUT" "$BIN"
+  # shellcheck disable=SC1091
+  source scripts/gpu-env.sh
+  bins=${BENCH_BINS:-mtrain}
+  for b in $bins; do [ -x "$BIN/$b" ] || mtrain_unpack ".gpu/$b.xz" "$BIN/$b"; done
+  subject=${bins##* }
+  cases=${BENCH_CASES:-"124m:12,12,768:8,1024 350m:24,16,1024:8,1024 774m:36,20,1280:8,1024 1.5b:48,25,1600:8,1024 124m:12,12,768:4,4096 124m:12,12,768:2,8192"}
+  warm=${BENCH_WARMUP:-5}
+  steps=${BENCH_STEPS:-25}
+  R="$OUT/sizes.jsonl"
+  RUNS=/dev/shm/mtrain-sizes
+  : > "$R"
+  for c in $cases; do
+    IFS=: read -r name lhc bt <<< "$c"
+    IFS=, read -r L H C <<< "$lhc"
+    IFS=, read -r B T <<< "$bt"
+    set_args="--set model.n_layer=$L --set model.n_head=$H --set model.n_embd=$C --set model.block_size=$T --set seq_len=$T --set batch_size=$B --set grad_accum=1"
+    for bin in $bins; do
+      for mem in "" --mem-report; do
+        [ -n "$mem" ] && [ "$bin" != "$subject" ] && continue
+        n=$((warm + steps)); [ -n "$mem" ] && n=3
+        rm -rf "$RUNS"
+        echo "== $name ${B}x$T $bin $mem"
+        t0=$(date +%s)
+        # The run is stopped once its last step is logged: the final checkpoint it would write
+        # (16 bytes per parameter) is no part of the measurement, and takes longer than it.
+        # shellcheck disable=SC2086
+        "$BIN/$bin" --config configs/gpt2-124m.toml --device cuda --dtype bf16 $set_args \
+          --steps "$n" --eval-every 0 --log-every 1 --run-dir "$RUNS" $mem \
+          > "$OUT/sizes-$bin-$name-${B}x$T${mem:+-mem}.log" 2>&1 &
+        pid=$!
+        for _ in $(seq 1200); do
+          kill -0 $pid 2>/dev/null || break
+          [ "$(wc -l < "$RUNS/metrics.jsonl" 2>/dev/null || echo 0)" -ge "$n" ] && { sleep 0.5; break; }
+          sleep 0.25
+        done
+        kill $pid 2>/dev/null; wait $pid
+        echo "exit $? ($(( $(date +%s) - t0 )) s)"
+        python3 - "$RUNS" "$bin" "$name" "$L" "$C" "$B" "$T" "$warm" "$mem" <<'PY' | tee -a "$R"
+import json, sys
+d, bin_, name, L, C, B, T, warm, mem = sys.argv[1:]
+L, C, B, T, warm = int(L), int(C), int(B), int(T), int(warm)
+row = {"impl": bin_, "preset": name, "batch": B, "seq": T}
+try:
+    m = [json.loads(l) for l in open(f"{d}/metrics.jsonl")]
+    if mem:
+        row["peak_alloc_gib"] = round(max(json.loads(l)["peak"] for l in open(f"{d}/memory.jsonl")) / 2**30, 3)
+    else:
+        timed = m[warm:]
+        tok = B * T * len(timed)
+        secs = sum(B * T / r["tokens_per_s"] for r in timed)
+        n = 50304 * C + L * (12 * C * C + 13 * C) + 2 * C
+        row.update(steps=len(timed), tokens_per_s=round(tok / secs), loss_last=m[-1]["loss"],
+                   mfu=round(tok / secs * (6 * n + 12 * L * C * T) / 989e12, 4))
+except Exception as e:
+    row["error"] = repr(e)
+print(json.dumps(row))
+PY
+      done
+    done
+    for v in ${BENCH_TORCH:-eager compile}; do
+      flag=""; [ "$v" = compile ] && flag=--compile
+      echo "== $name ${B}x$T torch $v"
+      t0=$(date +%s)
+      timeout 420 python3 scripts/bench/torch_gpt_ref.py --preset "gpt2-$name" --batch "$B" --seq "$T" \
+        --grad-clip 1.0 --steps "$steps" --warmup "$warm" $flag 2>&1 | grep '^{' | tee -a "$R"
+      echo "($(( $(date +%s) - t0 )) s)"
+    done
+  done
+  rm -rf "$RUNS"
+  python3 - "$R" "$subject" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+subject = sys.argv[2]
+print("| model, batch x seq | " + " | ".join(["binary", "eager", "compile", "vs eager", "vs compile",
+      "MFU binary / compile", "peak GiB binary / eager / compile"]) + " |")
+for p, b, t in dict.fromkeys((r["preset"], r["batch"], r["seq"]) for r in rows):
+    at = [r for r in rows if (r["preset"], r["batch"], r["seq"]) == (p, b, t)]
+    get = lambda f: next((r for r in at if f(r) and "tokens_per_s" in r), None)
+    ours = get(lambda r: r["impl"] == subject)
+    eager = get(lambda r: r["impl"] == "torch" and not r["compile"])
+    comp = get(lambda r: r["impl"] == "torch" and r["compile"])
+    mem = next((r["peak_alloc_gib"] for r in at if r["impl"] == subject and "peak_alloc_gib" in r), None)
+    tok = lambda r: f"{r['tokens_per_s'] / 1e3:.1f}k" if r else "-"
+    ratio = lambda r: f"{ours['tokens_per_s'] / r['tokens_per_s']:.3f}" if r and ours else "-"
+    mfu = lambda r: f"{100 * r['mfu']:.1f}%" if r else "-"
+    pk = lambda r: f"{r['peak_alloc_gib']:.2f}" if r else "-"
+    others = " ".join(f"{r['impl']} {tok(r)}" for r in at if r["impl"] not in (subject, "torch") and "tokens_per_s" in r)
+    print(f"| {p}, {b} x {t} | {tok(ours)} | {tok(eager)} | {tok(comp)} | {ratio(eager)} | {ratio(comp)} | "
+          f"{mfu(ours)} / {mfu(comp)} | {mem} / {pk(eager)} / {pk(comp)} |" + (f" ({others})" if others else ""))
+PY
+}
+
+# Attention alone, the hand-written path's forward and backward (bench_gpu --attn) next to
+# PyTorch's SDPA (default choice and flash forced), at BENCH_ATTN shapes "B,H,T,D/..." (default
+# T = 1024, 4096, 8192 at head size 64, the presets' heads).
+attn() {
+  OUT=${1:-.gpu/out}
+  BIN=/tmp/mtrain-bench
+  mkdir -p "$OUT" "$BIN"
+  # shellcheck disable=SC1091
+  source scripts/gpu-env.sh
+  [ -x "$BIN/bench_gpu" ] || mtrain_unpack .gpu/bench_gpu.xz "$BIN/bench_gpu"
+  shapes=${BENCH_ATTN:-"16,12,1024,64/8,20,1024,64/4,12,4096,64/2,12,8192,64"}
+  "$BIN/bench_gpu" --attn "$shapes" 2>&1 | tee "$OUT/attn.jsonl"
+  python3 scripts/bench/torch_attn_ref.py --shapes "$shapes" 2>&1 | grep '^{' | tee -a "$OUT/attn.jsonl"
+  python3 - "$OUT/attn.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+for s in dict.fromkeys(tuple(r["attn"]) for r in rows):
+    at = [r for r in rows if tuple(r["attn"]) == s]
+    ours = next((r for r in at if r["impl"] == "mtrain"), None)
+    for r in at:
+        name = r["impl"] + (" " + r["backend"] if "backend" in r else "")
+        rel = f"  mtrain/this time fwd {ours['fwd_ms'] / r['fwd_ms']:.2f} bwd {ours['bwd_ms'] / r['bwd_ms']:.2f}" if ours else ""
+        print(f"B,H,T,D {list(s)} {name:16s} fwd {r['fwd_ms']:8.3f} ms {r['fwd_tflops']:6.1f} TF/s  "
+              f"bwd {r['bwd_ms']:8.3f} ms {r['bwd_tflops']:6.1f} TF/s{rel}")
 PY
 }
 
@@ -249,5 +390,7 @@ case "${1:-}" in
   run) shift; run "$@" ;;
   train) shift; train "$@" ;;
   loss) shift; loss "$@" ;;
-  *) echo "usage: $0 build | run [OUT_DIR] | train [OUT_DIR] | loss [OUT_DIR]" >&2; exit 2 ;;
+  sizes) shift; sizes "$@" ;;
+  attn) shift; attn "$@" ;;
+  *) echo "usage: $0 build | run [OUT_DIR] | train [OUT_DIR] | loss [OUT_DIR] | sizes [OUT_DIR] | attn [OUT_DIR]" >&2; exit 2 ;;
 esac

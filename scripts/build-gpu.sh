@@ -19,7 +19,7 @@ PREFIX=${MTRAIN_CUDA_PREFIX:-$HOME/.cache/mtrain-cuda13}
 source "$PREFIX/env.sh"
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target-cuda}
 mkdir -p .gpu
-grep -qx '.gpu/' .git/info/exclude 2>/dev/null || echo '.gpu/' >> .git/info/exclude
+[ -d .git ] && { grep -qx '.gpu/' .git/info/exclude 2>/dev/null || echo '.gpu/' >> .git/info/exclude; }
 
 pack() { # $1 = built executable, $2 = name in .gpu/
   strip -o ".gpu/$2" "$1"

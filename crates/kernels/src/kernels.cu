@@ -715,7 +715,7 @@ extern "C" __global__ void ce_bwd(const elem* logits, const unsigned int* target
 // LayerNorm over rows of x (N, C), one warp per row, statistics in f32:
 //   y = (x - mean) * rstd * w + b,  rstd = 1 / sqrt(var + eps)   (biased variance)
 // The forward keeps mean and rstd (N,); the backward rebuilds xhat = (x - mean) * rstd:
-//   dx = rstd * (dy w - mean_c(dy w) - xhat * mean_c(dy w xhat))          (ln_bwd_dx)
+//   dx = rstd * (dy w - mean_c(dy w) - xhat * mean_c(dy w xhat)) [+ res]  (ln_bwd_dx)
 //   dw = sum_n dy xhat, db = sum_n dy, per column over a chunk of rows, then f32 atomics (ln_bwd_dwdb)
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float x) {
@@ -746,9 +746,11 @@ extern "C" __global__ void ln_fwd(const elem* x, const elem* w, const elem* b, e
     }
 }
 
+// With add_res, dx = res + the above (the residual branch's gradient added in the same pass,
+// rounded once); res is not read otherwise.
 extern "C" __global__ void ln_bwd_dx(const elem* x, const elem* w, const elem* dy,
                                      const float* mean, const float* rstd, elem* dx, int N,
-                                     int C) {
+                                     int C, const elem* res, int add_res) {
     const long row = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (row >= N) return;
@@ -765,7 +767,8 @@ extern "C" __global__ void ln_bwd_dx(const elem* x, const elem* w, const elem* d
     c = warp_sum(c) / C;
     for (int i = lane; i < C; i += 32) {
         float xh = (ld(xr, i) - mu) * r;
-        st(dx, row * C + i, r * (ld(gr, i) * ld(w, i) - a - xh * c));
+        const float g = r * (ld(gr, i) * ld(w, i) - a - xh * c);
+        st(dx, row * C + i, add_res ? g + ld(res, row * C + i) : g);
     }
 }
 

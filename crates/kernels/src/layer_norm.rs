@@ -5,7 +5,8 @@
 //!   plain:  x ─> f32 ─> mean ─> x−mean ─> sqr ─> mean ─> +eps ─> sqrt ─> ÷ ─> ·w ─> +b ─> bf16
 //!           (about 12 kernels forward, twice that backward, (N, C) f32 copies kept)
 //!   fused:  forward   ln_fwd     one warp per row: mean, rstd = 1/√(var + eps), y
-//!           backward  ln_bwd_dx  one warp per row: dx = rstd·(dy·w − mean(dy·w) − x̂·mean(dy·w·x̂))
+//!           backward  ln_bwd_dx  one warp per row: dx = rstd·(dy·w − mean(dy·w) − x̂·mean(dy·w·x̂)),
+//!                                plus a residual branch's gradient where one is given
 //!                     ln_bwd_dwdb one thread per column over 128 rows: dw = Σ dy·x̂, db = Σ dy
 //! ```
 //!
@@ -83,8 +84,47 @@ pub fn backward(
     rstd: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     if fuses(x, w, dy) {
-        return fused_backward(x, w, dy, mean, rstd);
+        return fused_backward(x, w, dy, mean, rstd, None);
     }
+    unfused_backward(x, w, dy, mean, rstd)
+}
+
+/// [`backward`] with the gradient of a residual branch added to dx: `(res + dx, dw, db)` for
+/// `res` like x, as a pre-LayerNorm block's backward needs it (`dx1 = dout + ln_2ᵀ(dh2)`). The
+/// fused kernel adds it in the same pass over the rows (one rounding of the sum); elsewhere it is
+/// one add after [`backward`].
+pub fn backward_residual(
+    x: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+    mean: &Tensor,
+    rstd: &Tensor,
+    res: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    if res.dims() != x.dims() || res.dtype() != x.dtype() {
+        return Err(msg(format!(
+            "layer_norm backward: residual {:?} {:?} does not match x {:?} {:?}",
+            res.dims(),
+            res.dtype(),
+            x.dims(),
+            x.dtype()
+        )));
+    }
+    if fuses(x, w, dy) {
+        return fused_backward(x, w, dy, mean, rstd, Some(&res.contiguous()?));
+    }
+    let (dx, dw, db) = unfused_backward(x, w, dy, mean, rstd)?;
+    Ok(((res + dx)?, dw, db))
+}
+
+/// [`backward`] without the fused kernels: the one-pass CPU loops, else candle ops.
+fn unfused_backward(
+    x: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+    mean: &Tensor,
+    rstd: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
     if crate::cpu::takes(&[x, w, dy, mean, rstd]) {
         return crate::cpu::layer_norm_backward(x, w, dy, mean, rstd);
     }
@@ -186,12 +226,13 @@ impl CustomOp3 for LayerNormOp {
             .map_err(|_| msg("layer_norm: stats lock poisoned".into()))?
             .clone()
             .ok_or_else(|| msg("layer_norm: backward before forward".into()))?;
-        let (dx, dw, db) = fused_backward(x, w, &grad.contiguous()?, &mean, &rstd)?;
+        let (dx, dw, db) = fused_backward(x, w, &grad.contiguous()?, &mean, &rstd, None)?;
         Ok((Some(dx), Some(dw), Some(db)))
     }
 }
 
-/// (dx, dw, db) from x, w, dy and the forward's statistics, by the fused kernels (CUDA only).
+/// (dx [+ res], dw, db) from x, w, dy and the forward's statistics, by the fused kernels (CUDA
+/// only); `res` contiguous, like x.
 #[allow(unused_variables)]
 fn fused_backward(
     x: &Tensor,
@@ -199,10 +240,11 @@ fn fused_backward(
     dy: &Tensor,
     mean: &Tensor,
     rstd: &Tensor,
+    res: Option<&Tensor>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     {
-        imp::backward(x, w, dy, mean, rstd)
+        imp::backward(x, w, dy, mean, rstd, res)
     }
     #[cfg(not(feature = "cuda"))]
     Err(msg("the fused layer_norm backward runs on CUDA only".into()))
@@ -294,8 +336,9 @@ mod imp {
         dy: &Tensor,
         mean: &Tensor,
         rstd: &Tensor,
+        res: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        by_dtype!("layer_norm", x.dtype(), bwd(x, w, dy, mean, rstd))
+        by_dtype!("layer_norm", x.dtype(), bwd(x, w, dy, mean, rstd, res))
     }
 
     fn bwd<T: CudaDType + DeviceRepr>(
@@ -304,6 +347,7 @@ mod imp {
         dy: &Tensor,
         mean: &Tensor,
         rstd: &Tensor,
+        res: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let dev = device(x)?;
         let (n, c) = n_c(x.dims())?;
@@ -332,10 +376,20 @@ mod imp {
         let db = dev.alloc_zeros::<f32>(c)?;
         let (n32, c32) = (n as i32, c as i32);
 
+        let gres = res.map(|r| storage(r, "residual")).transpose()?;
+        let res_s = match &gres {
+            Some((g, o)) => Some(slice::<T>(g)?.slice(*o..)),
+            None => None,
+        };
+        let add_res = i32::from(res.is_some());
         let f = kernel(&dev, None, x.dtype(), "ln_bwd_dx")?;
         let mut bl = f.builder();
         bl.arg(&xs).arg(&ws).arg(&ds).arg(&ms).arg(&rs).arg(&dx);
-        bl.arg(&n32).arg(&c32);
+        // Without a residual, dy stands in for it (the kernel does not read it then).
+        bl.arg(&n32)
+            .arg(&c32)
+            .arg(res_s.as_ref().unwrap_or(&ds))
+            .arg(&add_res);
         // SAFETY: argument types and order match `ln_bwd_dx` in kernels.cu.
         unsafe { bl.launch(rows_config(n)) }.w()?;
 
@@ -428,5 +482,82 @@ mod tests {
     fn matches_plain_layer_norm() {
         check(300, 768, DType::BF16, 1e-2);
         check(70, 100, DType::F32, 1e-5);
+    }
+
+    /// The residual added inside the fused backward against the f32 backward plus the residual.
+    #[test]
+    fn backward_adds_the_residual() {
+        let Some(dev) = cuda() else {
+            return;
+        };
+        for (dtype, tol) in [(DType::BF16, 1e-2), (DType::F32, 1e-5)] {
+            let (n, c) = (300, 768);
+            let r = |s: &[usize], mean: f32| {
+                Tensor::randn(mean, 1f32, s, &dev)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap()
+            };
+            let (x, w, b, dy, res) = (
+                r(&[n, c], 3.0),
+                r(&[c], 1.0),
+                r(&[c], 0.0),
+                r(&[n, c], 0.0),
+                r(&[n, c], 0.0),
+            );
+            let (_, mean, rstd) = forward(&x, &w, &b, 1e-5).unwrap();
+            let (dx, dw, db) = backward_residual(&x, &w, &dy, &mean, &rstd, &res).unwrap();
+            let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let (dx_ref, dw_ref, db_ref) =
+                unfused_backward(&f(&x), &f(&w), &f(&dy), &mean, &rstd).unwrap();
+            let dx_ref = (dx_ref + f(&res)).unwrap();
+            for (name, a, b) in [
+                ("dx", &dx, &dx_ref),
+                ("dw", &dw, &dw_ref),
+                ("db", &db, &db_ref),
+            ] {
+                let e = rel_err(a, b);
+                assert!(e < tol, "{name} rel err {e} >= {tol} ({dtype:?})");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod cpu_tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    /// On CPU the residual is one add after the backward: the same dx as adding it by hand.
+    #[test]
+    fn backward_residual_is_backward_plus_the_residual() {
+        let dev = Device::Cpu;
+        let r = |s: &[usize], mean: f32| Tensor::randn(mean, 1f32, s, &dev).unwrap();
+        let (x, w, b, dy, res) = (
+            r(&[5, 24], 2.0),
+            r(&[24], 1.0),
+            r(&[24], 0.0),
+            r(&[5, 24], 0.0),
+            r(&[5, 24], 0.0),
+        );
+        let (_, mean, rstd) = forward(&x, &w, &b, 1e-5).unwrap();
+        let (dx, dw, db) = backward(&x, &w, &dy, &mean, &rstd).unwrap();
+        let (dxr, dwr, dbr) = backward_residual(&x, &w, &dy, &mean, &rstd, &res).unwrap();
+        let diff = |a: &Tensor, b: &Tensor| {
+            (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        };
+        assert_eq!(diff(&dxr, &(dx + &res).unwrap()), 0.0);
+        assert_eq!(diff(&dwr, &dw), 0.0);
+        assert_eq!(diff(&dbr, &db), 0.0);
+        let bad = Tensor::zeros((5, 23), DType::F32, &dev).unwrap();
+        let e = backward_residual(&x, &w, &dy, &mean, &rstd, &bad).unwrap_err();
+        assert!(e.to_string().contains("residual"), "{e}");
     }
 }

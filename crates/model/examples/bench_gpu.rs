@@ -4,7 +4,7 @@
 //! bench_gpu [--preset gpt2-124m] [--batch 16] [--seq 1024] [--steps 20] [--warmup 3]
 //!           [--autograd] [--profile] [--data FILE]
 //!           [--loss-steps N --loss-out FILE [--loss-warmup W]]
-//!           [--ops]
+//!           [--ops] [--attn B,H,T,D[/B,H,T,D...]]
 //! ```
 //!
 //! Each step is what the trainer does in bf16: the block-wise engine's forward and backward on a
@@ -19,6 +19,10 @@
 //! `--ops` times the pieces of one block at the preset's sizes instead (attention, LayerNorm,
 //! GELU forward and forward + backward, fused and plain candle; the whole block fused, under
 //! autograd and through its tape; the block's matmuls), one JSON line.
+//! `--attn` times the attention ops of the hand-written backward alone (`attention::forward`,
+//! `attention::backward`) at each listed shape, one JSON line per shape with its TFLOP/s
+//! (causal: forward 2·B·H·T²·D, backward 2.5 times that), to set beside PyTorch's SDPA
+//! (scripts/bench/torch_attn_ref.py).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -42,6 +46,7 @@ struct Args {
     loss_warmup: usize,
     loss_out: String,
     ops: bool,
+    attn: Vec<[usize; 4]>,
 }
 
 fn parse() -> std::result::Result<Args, String> {
@@ -58,6 +63,7 @@ fn parse() -> std::result::Result<Args, String> {
         loss_warmup: 20,
         loss_out: "loss.txt".into(),
         ops: false,
+        attn: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -79,6 +85,18 @@ fn parse() -> std::result::Result<Args, String> {
             "--loss-warmup" => a.loss_warmup = num(val()?)?,
             "--loss-out" => a.loss_out = val()?,
             "--ops" => a.ops = true,
+            "--attn" => {
+                for shape in val()?.split('/') {
+                    let dims = shape
+                        .split(',')
+                        .map(|x| num(x.to_string()))
+                        .collect::<std::result::Result<Vec<_>, _>>()?;
+                    let dims: [usize; 4] = dims
+                        .try_into()
+                        .map_err(|_| format!("--attn takes B,H,T,D shapes, got {shape}"))?;
+                    a.attn.push(dims);
+                }
+            }
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -175,7 +193,8 @@ impl Trainer {
             })
             .collect::<Result<Vec<_>>>()?;
         let compute: Vec<&Param> = self.params.iter().collect();
-        self.optim.step_with_copies(lr, 1.0, &items, Some(&compute))?;
+        self.optim
+            .step_with_copies(lr, 1.0, &items, Some(&compute))?;
         self.grads.clear();
         Ok(loss)
     }
@@ -433,6 +452,29 @@ fn ops(a: &Args, cfg: &GptConfig, dev: &Device) -> Result<()> {
     Ok(())
 }
 
+/// `--attn`: the hand-written path's attention forward and backward alone, per (B, H, T, D).
+fn attn(shapes: &[[usize; 4]], dev: &Device) -> Result<()> {
+    use mtrain_kernels::attention;
+    for &[b, h, t, d] in shapes {
+        let scale = 1.0 / (d as f64).sqrt();
+        let r = |s: &[usize]| Tensor::randn(0f32, 1., s, dev)?.to_dtype(DType::BF16);
+        let qkv = r(&[3, b, h, t, d])?;
+        let dy = r(&[b, h, t, d])?;
+        let (y, lse) = attention::forward(&qkv, scale)?;
+        let fwd = time_ms(dev, 20, || attention::forward(&qkv, scale).map(|_| ()))?;
+        let bwd = time_ms(dev, 20, || {
+            attention::backward(&qkv, &y, &dy, &lse, scale).map(|_| ())
+        })?;
+        let flops = 2.0 * (b * h * d) as f64 * (t * t) as f64; // causal: half of 4·B·H·T²·D
+        println!(
+            "{{\"impl\": \"mtrain\", \"attn\": [{b}, {h}, {t}, {d}], \"fwd_ms\": {fwd:.3}, \"bwd_ms\": {bwd:.3}, \"fwd_tflops\": {:.1}, \"bwd_tflops\": {:.1}}}",
+            flops / fwd / 1e9,
+            2.5 * flops / bwd / 1e9
+        );
+    }
+    Ok(())
+}
+
 fn run(a: &Args) -> Result<()> {
     let dev = Device::cuda_if_available(0)?;
     let backward = match a.autograd {
@@ -448,6 +490,9 @@ fn run(a: &Args) -> Result<()> {
     };
     if a.ops {
         return ops(a, &cfg, &dev);
+    }
+    if !a.attn.is_empty() {
+        return attn(&a.attn, &dev);
     }
     let mut data = Batches::new(a.data.as_deref(), cfg.vocab_size)?;
     let mut tr = Trainer::new(

@@ -4,7 +4,8 @@
 //! candle's autograd gives every edge of the graph its own gradient buffer: it allocates zeros
 //! for the first contribution and adds each contribution into it, so a block's ~50 edges cost
 //! ~50 extra elementwise passes over (N, C)..(N, 4C) tensors. The tapes compute the same
-//! gradients with one buffer per quantity and one add per residual branch:
+//! gradients with one buffer per quantity, each residual branch's gradient added by the
+//! LayerNorm backward that meets it:
 //!
 //! ```text
 //!   block forward (kept: x, h1, qkv, y, ym, x1, h2, f, g, LayerNorm stats, lse)
@@ -15,11 +16,11 @@
 //!     dg  = dout·W_mp      dW_mp = doutᵀ·g     db_mp = Σ_rows dout
 //!     df  = gelu'(f, dg)
 //!     dh2 = df·W_fc        dW_fc = dfᵀ·h2      db_fc = Σ_rows df
-//!     dx1 = dout + ln_2ᵀ(dh2)                               (one add: the residual)
+//!     dx1 = dout + ln_2ᵀ(dh2)                               (the residual, added by ln_2ᵀ)
 //!     dym = dx1·W_p        dW_p  = dx1ᵀ·ym     db_p  = Σ_rows dx1
 //!     dqkv = merge(flash'(split(dym)))                      (3, B, H, T, D) -> (N, 3C)
 //!     dh1 = dqkv·W_a       dW_a  = dqkvᵀ·h1    db_a  = Σ_rows dqkv
-//!     dx  = dx1 + ln_1ᵀ(dh1)                                (one add: the residual)
+//!     dx  = dx1 + ln_1ᵀ(dh1)                                (the residual, added by ln_1ᵀ)
 //!
 //!   embedding: x = wte[idx] + wpe[0..T]     dwte = scatter-add of dx rows by id   dwpe = Σ_batch dx
 //!
@@ -215,6 +216,22 @@ impl Norm {
         grads: &mut Vec<(String, Tensor)>,
     ) -> Result<Tensor> {
         let (dx, dw, db) = layer_norm::backward(x, &self.w, dy, &s.mean, &s.rstd)?;
+        grads.push((self.w_name.clone(), dw));
+        grads.push((self.b_name.clone(), db));
+        Ok(dx)
+    }
+
+    /// `res + dx` (N, C): [`Norm::backward`] with the residual branch's gradient `res` added in
+    /// the same pass ([`layer_norm::backward_residual`]), as each residual of a block needs.
+    pub fn backward_residual(
+        &self,
+        x: &Tensor,
+        s: &Stats,
+        dy: &Tensor,
+        res: &Tensor,
+        grads: &mut Vec<(String, Tensor)>,
+    ) -> Result<Tensor> {
+        let (dx, dw, db) = layer_norm::backward_residual(x, &self.w, dy, &s.mean, &s.rstd, res)?;
         grads.push((self.w_name.clone(), dw));
         grads.push((self.b_name.clone(), db));
         Ok(dx)

@@ -229,8 +229,10 @@ impl Tape for BlockTape {
             }
             FfnKept::Moe(moe) => moe.backward(&dout, loss_scale, &mut grads)?, // (N, C)
         };
-        let dx1 = (dout + wts.ln_2.backward(&x1, &s2, &dh2, &mut grads)?)?; // (N_r, C)
-        drop((x1, dh2));
+        let dx1 = wts
+            .ln_2
+            .backward_residual(&x1, &s2, &dh2, &dout, &mut grads)?; // (N_r, C)
+        drop((x1, dh2, dout));
         // Attention branch.
         let dym = wts.c_proj.backward(&ym, &dx1, b, &mut grads)?; // (N, HD)
         drop(ym);
@@ -244,7 +246,9 @@ impl Tape for BlockTape {
         let dh1 = wts.c_attn.backward(&h1, &dqkv, b, &mut grads)?; // (N, C)
         drop((h1, dqkv));
         let dh1 = across(&wts.enter, &dh1, b, bwd)?; // (N_r, C)
-        let dx = (dx1 + wts.ln_1.backward(&x, &s1, &dh1, &mut grads)?)?; // (N_r, C)
+        let dx = wts
+            .ln_1
+            .backward_residual(&x, &s1, &dh1, &dx1, &mut grads)?; // (N_r, C)
         Ok(TapeGrads {
             params: grads,
             input: Some(dx.reshape((b, t, c))?),
