@@ -14,8 +14,10 @@
 #      evaluation every 250 steps on 200 batches of each split) into OUT/mtrain;
 #   3. the PyTorch reference with the same recipe and the same data into OUT/torch (and, with
 #      TORCH_EXTRA_DROPOUT=p, a second reference run with dropout p into OUT/torch-dropout);
-#   4. `mtrain plot` of each run directory (loss.svg beside its metrics.jsonl), and OUT/summary.json:
-#      every evaluation of every run, best validation loss and its step, wall time.
+#   4. `mtrain plot` of each run directory (loss.svg beside its metrics.jsonl), 500 characters
+#      sampled from mtrain's model (OUT/sample.txt; its checkpoint is then removed unless
+#      KEEP_CHECKPOINTS=1), and OUT/summary.json: every evaluation of every run, best validation
+#      loss and its step, wall time.
 # Environment: DEVICE (cuda), DTYPE (bf16 on cuda, f32 on cpu), DROPOUT (0: model.dropout of both runs),
 #   STEPS (the recipe's 5000), SHAPE=tiny (2 layers, 2 heads, 64 wide, block 64, batch 8, evaluation
 #   every 10 steps on 4 batches: the CPU check), EVAL_EVERY and EVAL_ITERS (the shape's unless set),
@@ -78,6 +80,10 @@ reference torch "$DROPOUT"
 for run in mtrain torch ${TORCH_EXTRA_DROPOUT:+torch-dropout}; do
   "$MTRAIN" plot "$OUT/$run"
 done
+"$MTRAIN" sample --checkpoint "$OUT/mtrain" --device "$DEVICE" --prompt "ROMEO:" --max-new-tokens 500 \
+  | tee "$OUT/sample.txt"
+# The final checkpoint (weights and AdamW moments, 130 MB at the full shape) stays only when asked.
+[ "${KEEP_CHECKPOINTS:-0}" = 1 ] || rm -rf "$OUT"/mtrain/step-*
 
 python3 - "$OUT" <<'PY' | tee "$OUT/summary.json"
 import json, os, sys

@@ -21,6 +21,14 @@ What it does, each part as nanoGPT's train.py does it:
             random batches of each split with dropout off (estimate_loss)
   compute   bf16 autocast on CUDA (nanoGPT's dtype), fp32 on CPU
 
+Two options put the reference on mtrain's own footing, to tell the training apart from the draws:
+  --init-from RUN/step-N/model.safetensors   start from an mtrain checkpoint's weights (needs the
+                                             safetensors package)
+  --mtrain-batches                           draw every row, training and evaluation, as mtrain does
+                                             (Philox4x32-10 keyed by the seed, crates/trainer/src/data/
+                                             sampling.rs; one shard per split)
+With both, a run takes exactly mtrain's steps: the losses agree to float rounding.
+
 Writes OUT/metrics.jsonl with mtrain's keys (step, run, loss, lr, grad_norm, step_ms, tokens_per_s, mfu,
 epoch, train_eval_loss, val_loss) so `mtrain plot OUT` draws it, and prints mtrain's step line.
 """
@@ -93,6 +101,37 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+M32 = 0xFFFFFFFF
+
+
+def philox4x32(c, k):
+    """Philox4x32-10 of counter c (4 words) under key k (2 words), as mtrain_kernels::philox."""
+    for rnd in range(10):
+        if rnd:
+            k = [(k[0] + 0x9E3779B9) & M32, (k[1] + 0xBB67AE85) & M32]
+        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [((p1 >> 32) ^ c[1] ^ k[0]) & M32, p1 & M32, ((p0 >> 32) ^ c[3] ^ k[1]) & M32, p0 & M32]
+    return c
+
+
+def mtrain_row_start(seed, split_id, evaluation, step, row, n_starts):
+    """The start mtrain draws for `row` of step `step`'s batch (one shard: the second draw alone)."""
+    stream = 2 * split_id + int(evaluation)
+    w = philox4x32([row & M32, row >> 32, step & M32, ((step >> 32) & 0xFFFFFF) | stream << 24],
+                   [seed & M32, seed >> 32])
+    return ((w[2] | w[3] << 32) * n_starts) >> 64
+
+
+def load_mtrain_weights(model, path):
+    """An mtrain checkpoint's tensors into `model` (h.i -> blocks.i; the MLP's names one level up)."""
+    from safetensors.torch import load_file
+    sd = {}
+    for k, v in load_file(path).items():
+        k = "blocks." + k[2:] if k.startswith("h.") else k
+        sd[k.replace(".mlp.", ".")] = v
+    model.load_state_dict(sd, strict=True)
+
+
 def lr_at(step, a):
     if step < a.warmup:
         return a.lr * (step + 1) / (a.warmup + 1)
@@ -130,6 +169,8 @@ def main():
     p.add_argument("--compile", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="CPU: intra-op threads (0: PyTorch's default)")
     p.add_argument("--run", default="torch-nanogpt", help="the run id written into every metrics line")
+    p.add_argument("--init-from", default="", help="an mtrain checkpoint's model.safetensors")
+    p.add_argument("--mtrain-batches", action="store_true", help="draw rows as mtrain does (see above)")
     a = p.parse_args()
     cuda = a.device == "cuda"
     if a.threads:
@@ -146,7 +187,10 @@ def main():
     V = a.vocab or (data_vocab + 63) // 64 * 64
     if min(len(train), len(val)) <= a.seq:
         raise SystemExit(f"a split has at most {min(len(train), len(val))} tokens, no row of {a.seq + 1}")
-    model = GPT(V, a.seq, a.layers, a.heads, a.width, a.dropout).to(dev)
+    model = GPT(V, a.seq, a.layers, a.heads, a.width, a.dropout)
+    if a.init_from:
+        load_mtrain_weights(model, a.init_from)
+    model = model.to(dev)
     n_params = sum(w.numel() for w in model.parameters())
     decay = [w for w in model.parameters() if w.dim() >= 2]
     no_decay = [w for w in model.parameters() if w.dim() < 2]
@@ -156,8 +200,14 @@ def main():
     fwd = torch.compile(model) if a.compile else model
     gen = torch.Generator().manual_seed(a.seed)
 
-    def get_batch(split):
-        ix = torch.randint(len(split) - a.seq, (a.batch,), generator=gen)
+    def get_batch(split, step=0, micro=0, evaluation=False):
+        if a.mtrain_batches:
+            split_id = 0 if split is train else 1
+            first = micro * a.batch
+            ix = [mtrain_row_start(a.seed, split_id, evaluation, step, r, len(split) - a.seq)
+                  for r in range(first, first + a.batch)]
+        else:
+            ix = torch.randint(len(split) - a.seq, (a.batch,), generator=gen)
         x = torch.stack([split[i:i + a.seq] for i in ix])
         y = torch.stack([split[i + 1:i + 1 + a.seq] for i in ix])
         if cuda:
@@ -169,9 +219,10 @@ def main():
             return fwd(x, y)
 
     @torch.no_grad()
-    def estimate_loss():
+    def estimate_loss(step):
         model.eval()
-        out = [sum(loss_of(*get_batch(s)).item() for _ in range(a.eval_iters)) / a.eval_iters for s in (train, val)]
+        out = [sum(loss_of(*get_batch(s, step, i, True)).item() for i in range(a.eval_iters)) / a.eval_iters
+               for s in (train, val)]
         model.train()
         return out
 
@@ -191,8 +242,8 @@ def main():
         for g in opt.param_groups:
             g["lr"] = lr
         loss = 0.0
-        for _ in range(a.grad_accum):
-            l = loss_of(*get_batch(train)) / a.grad_accum
+        for micro in range(a.grad_accum):
+            l = loss_of(*get_batch(train, step, micro)) / a.grad_accum
             l.backward()
             loss += l.item()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip if a.clip > 0 else float("inf")).item()
@@ -208,7 +259,7 @@ def main():
              "tokens_per_s": tps, "mfu": flops_per_token * tps / peak,
              "epoch": step * tokens_per_step // len(train)}
         if ev:
-            m["train_eval_loss"], m["val_loss"] = estimate_loss()
+            m["train_eval_loss"], m["val_loss"] = estimate_loss(step)
             best = min(best, (m["val_loss"], step + 1))
         if ev or (a.log_every > 0 and (step % a.log_every == 0 or last)):
             metrics.write(json.dumps(m) + "\n")
