@@ -548,6 +548,13 @@ fn torchrun_runs_the_job_the_launcher_runs() {
     ])
     .args(job(&by_torchrun));
     clean_env(&mut cmd);
+    // torchrun --standalone serves its own store on a free port P of its choosing, and mtrain's
+    // store takes P + 1 by the MASTER_PORT rule (unit-tested in comm's env.rs); P + 1 can be any
+    // socket's ephemeral port while the other tests of this file run, so the test names a port
+    // it found free instead, through the documented override.
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    cmd.env("MTRAIN_STORE_PORT", free.local_addr().unwrap().port().to_string());
+    drop(free);
     let o = run_ok(
         cmd,
         "torchrun --standalone --nproc-per-node 2 --no-python mtrain --dp 2",
