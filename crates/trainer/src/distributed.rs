@@ -42,7 +42,7 @@ use mtrain_model::optim::{AdamW, AdamWConfig, AdamWState};
 use mtrain_model::{GptConfig, MoeStats};
 use mtrain_parallel::ddp::ModelStateBytes;
 use mtrain_parallel::holdings::Holdings;
-use mtrain_parallel::parallelize::{parallelize, ParallelModel, ParallelPlan};
+use mtrain_parallel::parallelize::{parallelize, ParallelModel, ParallelPlan, ValidPlan};
 use mtrain_parallel::pipeline::executor::SpanKind;
 use serde::Serialize;
 
@@ -197,7 +197,7 @@ impl Distributed {
     pub fn new(
         cfg: &GptConfig,
         weights: &BTreeMap<String, Tensor>,
-        plan: &ParallelPlan,
+        plan: &ValidPlan,
         mesh: &DeviceMesh,
         device: &Device,
         optim: AdamWConfig,
@@ -214,7 +214,7 @@ impl Distributed {
             pm: Box::new(pm),
             opt: AdamW::new(optim),
             cfg: cfg.clone(),
-            plan: plan.clone(),
+            plan: ParallelPlan::clone(plan),
             grad_accum: grad_accum.max(1),
             micro: 0,
             layout: ModelStateLayout::for_plan(n_local, plan),

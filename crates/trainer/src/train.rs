@@ -32,7 +32,7 @@ use mtrain_comm::mesh::MeshDims;
 use mtrain_comm::{Backend, DeviceMesh};
 use mtrain_model::optim::{clip_coef, lr_at, AdamWConfig, LrSchedule};
 use mtrain_model::{init_weights, GptConfig};
-use mtrain_parallel::parallelize::ParallelPlan;
+use mtrain_parallel::parallelize::{ParallelPlan, ValidPlan};
 use serde::Serialize;
 
 use crate::checkpoint::{self, CheckpointData};
@@ -71,18 +71,36 @@ pub struct TrainSummary {
 /// How a multi-rank run is split and observed.
 #[derive(Debug, Clone)]
 pub struct RunOptions {
-    /// The parallel plan (dims, DDP or ZeRO, schedule, micro-batches, ...).
-    pub plan: ParallelPlan,
+    /// The parallel plan (dims, DDP or ZeRO, schedule, micro-batches, ...), checked against the
+    /// run's model, world and batch: [`crate::layout::plan`] for the command line,
+    /// [`RunOptions::of_plan`] for a plan built in code.
+    pub plan: ValidPlan,
     /// Record every collective of every group into `RUN_DIR/trace-rank{N}.jsonl`.
     pub trace: bool,
 }
 
 impl RunOptions {
-    /// The default plan for `dims` (DDP, 1F1B with pp micro-batches), no trace.
-    pub fn new(dims: MeshDims) -> Self {
+    /// The default plan for `dims` (DDP, 1F1B with pp micro-batches) under `cfg`, no trace.
+    pub fn new(cfg: &TrainConfig, dims: MeshDims) -> anyhow::Result<Self> {
         let mut plan = ParallelPlan::new(dims);
         plan.microbatches = dims.pp.max(1);
-        Self { plan, trace: false }
+        Self::of_plan(cfg, plan)
+    }
+
+    /// `plan` with the run's dtypes as its mixed precision, checked once
+    /// ([`ParallelPlan::validate`]) against `cfg`'s model, the plan's world and the global
+    /// batch; no trace. (The backend's world is the mesh's check.)
+    pub fn of_plan(cfg: &TrainConfig, mut plan: ParallelPlan) -> anyhow::Result<Self> {
+        plan.precision = cfg.precision();
+        let dims = plan.dims;
+        let plan = plan
+            .validate(
+                &cfg.gpt_config()?,
+                dims.world_size(),
+                cfg.batch_size * dims.dp,
+            )
+            .context("the layout does not fit the model")?;
+        Ok(Self { plan, trace: false })
     }
 }
 
@@ -92,7 +110,7 @@ pub fn run(
     backend: &dyn Backend,
     dims: MeshDims,
 ) -> anyhow::Result<TrainSummary> {
-    run_with(cfg, backend, &RunOptions::new(dims))
+    run_with(cfg, backend, &RunOptions::new(cfg, dims)?)
 }
 
 /// Train with `cfg` on the ranks of `backend` under `opts`: the whole model on one rank, or this
@@ -103,6 +121,12 @@ pub fn run_with(
     opts: &RunOptions,
 ) -> anyhow::Result<TrainSummary> {
     cfg.validate()?;
+    anyhow::ensure!(
+        opts.plan.precision == cfg.precision(),
+        "the plan's precision {:?} is not the run's dtypes {:?} (RunOptions::of_plan sets them)",
+        opts.plan.precision,
+        cfg.precision()
+    );
     // Checkpoints record the configuration with the layout this run actually has.
     let cfg = &TrainConfig {
         parallel: ParallelConfig::of_plan(&opts.plan),
@@ -212,15 +236,10 @@ fn run_plan(
     backend: &dyn Backend,
     opts: &RunOptions,
 ) -> anyhow::Result<TrainSummary> {
-    // The run's dtypes decide the plan's mixed precision.
-    let mut with_precision = opts.plan.clone();
-    with_precision.precision = cfg.precision();
-    let plan = &with_precision;
+    let plan = &opts.plan;
     let dims = plan.dims;
     let world = backend.world().size();
     let gcfg = cfg.gpt_config()?;
-    plan.validate(&gcfg, world, cfg.batch_size * dims.dp)
-        .context("the layout does not fit the model")?;
     let device = backend.device();
     let mesh = DeviceMesh::new(backend, dims).context("building the device mesh")?;
     let rank = mesh.rank();
