@@ -3,9 +3,9 @@
 //! ```text
 //! for step in start..steps:
 //!     lr = warmup + cosine(step)
-//!     for micro in 0..grad_accum:                        gradient accumulation
+//!     for k in 0..grad_accum:                            gradient accumulation (the loop's count)
 //!         x, y = loader.next_batch()                     this rank's slice of the global batch
-//!         loss = model.forward_backward(x, y, 1/grad_accum)   block-wise engine, grads summed
+//!         loss = model.forward_backward(x, y, MicroStep { k, of: grad_accum })   grads summed
 //!     coef = clip_coef(‖g‖, grad_clip)                   global-norm clipping
 //!     model.optimizer_step(lr, coef)                     AdamW, then the gradients are cleared
 //!     every eval_every steps: mean loss of eval_iters random batches of each split
@@ -45,7 +45,7 @@ use crate::memory::{
 };
 use crate::phases::{PhaseTimer, StepPhase};
 use crate::progress::{self, Progress};
-use crate::trainable::TrainableModel;
+use crate::trainable::{MicroStep, TrainableModel};
 
 pub use crate::progress::StepMetrics;
 
@@ -257,9 +257,8 @@ fn run_plan(
             weights,
             adamw,
         } = setup(cfg, &gcfg, &device)?;
-        let mut model =
-            Distributed::new(&gcfg, &weights, plan, &mesh, &device, adamw, cfg.grad_accum)?
-                .with_timeline(timeline.clone());
+        let mut model = Distributed::new(&gcfg, &weights, plan, &mesh, &device, adamw)?
+            .with_timeline(timeline.clone());
         drop(weights);
         if rank == 0 && world > 1 {
             let dp = match plan.dp_buckets() {
@@ -428,7 +427,7 @@ pub fn train_loop(
             .profile_phases
             .then(|| PhaseTimer::start(device))
             .transpose()?;
-        for _ in 0..cfg.grad_accum {
+        for index in 0..cfg.grad_accum {
             let (x, y) = loader.next_batch().to_tensors(device)?; // (B, T), (B, T)
             lap(&mut timer, StepPhase::Data)?;
             let mut lap_err = None;
@@ -444,8 +443,11 @@ pub fn train_loop(
                     lap_err.get_or_insert(e);
                 }
             };
-            loss += model.forward_backward(&x, &y, 1.0 / cfg.grad_accum as f64, &mut mark)?
-                / cfg.grad_accum as f64;
+            let micro = MicroStep {
+                index,
+                of: cfg.grad_accum,
+            };
+            loss += model.forward_backward(&x, &y, micro, &mut mark)? / cfg.grad_accum as f64;
             if let Some(e) = lap_err {
                 return Err(e.into());
             }
