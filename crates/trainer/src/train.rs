@@ -12,6 +12,9 @@
 //!     log (progress bar, metrics.jsonl, pipeline-rank{N}.jsonl), checkpoint every N, memory report
 //! ```
 //!
+//! [`train_loop`] runs the step (`train_step`) and then its observers (`train/observe.rs`: the
+//! evaluation, the step logs, the memory report, the checkpoint), which change nothing trained.
+//!
 //! The loop talks to the model only through [`TrainableModel`], so a parallel wrapper can own the
 //! forward/backward (pipeline schedules, FSDP gathers, DDP buckets) and the optimizer's view of the
 //! parameters (flat shards) without the loop changing. Its one implementation is
@@ -35,7 +38,7 @@ use mtrain_model::{init_weights, GptConfig};
 use mtrain_parallel::parallelize::{ParallelPlan, ValidPlan};
 use serde::Serialize;
 
-use crate::checkpoint::{self, CheckpointData};
+use crate::checkpoint;
 use crate::config::{ParallelConfig, TrainConfig};
 use crate::data::{DataLoader, Dataset};
 use crate::distributed::Distributed;
@@ -43,11 +46,15 @@ use crate::fsio::JsonLines;
 use crate::memory::{
     AnalyticMemory, BackwardPath, CpuProbe, MemoryProbe, MemoryTracker, ModelStateLayout, Phase,
 };
-use crate::phases::{PhaseTimer, StepPhase};
+use crate::phases::{PhaseTimer, PhaseTimes, StepPhase};
 use crate::progress::{self, Progress};
 use crate::trainable::{MicroStep, TrainableModel};
 
+use observe::{evaluation, save_checkpoint, MemoryReports, StepLogs};
+
 pub use crate::progress::StepMetrics;
+
+mod observe;
 
 /// What a run did.
 #[derive(Debug, Clone)]
@@ -352,16 +359,9 @@ pub fn train_loop(
         true => crate::run_dir::read_run_info(&cfg.run_dir)?.map(|i| i.run_id),
         false => None,
     };
-    let mut metrics = lead
-        .then(|| open_append(&cfg.run_dir.join("metrics.jsonl")))
-        .transpose()?;
     // Every rank appends its memory reports and step reports (one write per line, O_APPEND).
-    let mut mem_log = cfg
-        .mem_report
-        .then(|| open_append(&cfg.run_dir.join("memory.jsonl")))
-        .transpose()?;
-    let mut step_log: Option<JsonLines> = None;
-    let mut timeline_log: Option<JsonLines> = None;
+    let mut logs = StepLogs::open(cfg, rank)?;
+    let mut mem_reports = MemoryReports::open(cfg)?;
 
     let sched = LrSchedule {
         lr: cfg.lr,
@@ -401,8 +401,6 @@ pub fn train_loop(
     }
 
     let bar = Progress::new(cfg.steps, start_step, lead);
-    // Rank 0 logs the step lines; with `log_ranks` every rank does.
-    let logs_steps = lead || cfg.log_ranks;
     let probe = memory_probe(device);
     let mut tracker = MemoryTracker::with_baseline(probe.as_ref(), state_baseline);
     let mut summary = TrainSummary {
@@ -416,165 +414,55 @@ pub fn train_loop(
     };
     let run_start = Instant::now();
     for step in start_step..cfg.steps {
-        let t0 = Instant::now();
-        if cfg.mem_report {
-            tracker.begin();
-        }
         let lr = lr_at(step, &sched);
-        let mut loss = 0.0;
         let epoch = loader.epoch();
-        let mut timer = cfg
-            .profile_phases
-            .then(|| PhaseTimer::start(device))
-            .transpose()?;
-        for index in 0..cfg.grad_accum {
-            let (x, y) = loader.next_batch().to_tensors(device)?; // (B, T), (B, T)
-            lap(&mut timer, StepPhase::Data)?;
-            let mut lap_err = None;
-            let mut mark = |p: Phase| {
-                if cfg.mem_report {
-                    tracker.mark(p)
-                }
-                let phase = match p {
-                    Phase::AfterForward => StepPhase::Forward,
-                    _ => StepPhase::Backward,
-                };
-                if let Err(e) = lap(&mut timer, phase) {
-                    lap_err.get_or_insert(e);
-                }
-            };
-            let micro = MicroStep {
-                index,
-                of: cfg.grad_accum,
-            };
-            loss += model.forward_backward(&x, &y, micro, &mut mark)? / cfg.grad_accum as f64;
-            if let Some(e) = lap_err {
-                return Err(e.into());
-            }
-        }
-        if !loss.is_finite() {
-            bail!("loss became {loss} at step {step} (lr {lr:.3e}); lower --lr or check the data");
-        }
-        let grad_norm = model.grad_sq_norm()?.sqrt();
-        lap(&mut timer, StepPhase::GradNorm)?;
-        model.optimizer_step(lr, clip_coef(grad_norm, cfg.grad_clip))?;
-        lap(&mut timer, StepPhase::Optimizer)?;
-        if cfg.mem_report {
-            tracker.mark(Phase::AfterOptimizer);
-        }
-        let dt = t0.elapsed().as_secs_f64();
-        let phase_ms = timer.map(PhaseTimer::finish);
-        let tokens_per_s = tokens_per_step / dt.max(1e-9);
+        let done = train_step(cfg, model, &mut loader, device, &mut tracker, (step, lr))?;
+        let tokens_per_s = tokens_per_step / done.secs.max(1e-9);
         let mfu = flops_per_token * tokens_per_s / (peak * devices as f64);
-        summary.losses.push(loss);
+        summary.losses.push(done.loss);
 
         let last = step + 1 == cfg.steps;
-        let (train_eval_loss, val_loss) =
-            if cfg.eval_every > 0 && ((step + 1) % cfg.eval_every == 0 || last) {
-                let t = evaluate(model, &loader, step, cfg.eval_iters, device)?;
-                let v = evaluate(model, &val, step, cfg.eval_iters, device)?;
-                summary.train_eval_losses.push((step, t));
-                summary.val_losses.push((step, v));
-                (Some(t), Some(v))
-            } else {
-                (None, None)
-            };
+        let evals = evaluation(cfg, model, (&loader, &val), step, device)?;
+        if let Some((t, v)) = evals {
+            summary.train_eval_losses.push((step, t));
+            summary.val_losses.push((step, v));
+        }
         let m = StepMetrics {
             step,
             run: run_id.clone(),
-            loss,
+            loss: done.loss,
             lr,
-            grad_norm,
-            step_ms: dt * 1e3,
+            grad_norm: done.grad_norm,
+            step_ms: done.secs * 1e3,
             tokens_per_s,
             mfu,
             epoch,
-            train_eval_loss,
-            val_loss,
+            train_eval_loss: evals.map(|e| e.0),
+            val_loss: evals.map(|e| e.1),
             parallel: model.step_report(),
-            phase_ms,
+            phase_ms: done.phase_ms,
         };
-        bar.step_done(step, loss);
+        bar.step_done(step, done.loss);
         let log_now = cfg.log_every > 0 && (step % cfg.log_every == 0 || last);
-        if log_now || val_loss.is_some() {
-            if logs_steps {
-                let line = progress::step_line(&m, cfg.steps);
-                bar.log(|| tracing::info!("{line}"));
-            }
-            if let Some(f) = metrics.as_mut() {
-                write_json_line(f, &m)?;
-            }
-            if let (true, Some(line)) = (lead, model.step_line()) {
-                bar.log(|| tracing::info!(rank, step, "{line}"));
-            }
-            if let (true, Some(p)) = (lead, &m.phase_ms) {
-                bar.log(|| tracing::info!(rank, step, "phases (ms): {}", p.line()));
-            }
-        }
-        if let Some(report) = &m.parallel {
-            if step_log.is_none() {
-                step_log = Some(open_append(&cfg.run_dir.join("steps.jsonl"))?);
-            }
-            if let Some(f) = step_log.as_mut() {
-                let line = serde_json::json!({ "step": step, "rank": rank, "report": report });
-                write_json_line(f, &line)?;
-            }
-        }
-        // The pipeline timeline of every logged step (and the last), one file per rank.
-        if let (true, Some(timeline)) = (log_now || last, model.pipeline_timeline()) {
-            if timeline_log.is_none() {
-                let path = cfg.run_dir.join(format!("pipeline-rank{rank}.jsonl"));
-                timeline_log = Some(open_append(&path)?);
-            }
-            if let (Some(f), serde_json::Value::Object(mut line)) =
-                (timeline_log.as_mut(), timeline)
-            {
-                line.insert("step".into(), step.into());
-                line.insert("rank".into(), rank.into());
-                write_json_line(f, &line)?;
-            }
-        }
+        logs.record(&m, model, &bar, log_now)?;
         if cfg.mem_report {
             // MoE rows depend on where this step's router sent the tokens.
             let analytic = match model.routing_is_measured() {
                 true => analytic_of(model),
                 false => analytic,
             };
-            let report = tracker.finish(step, rank, analytic);
-            if let Some(f) = mem_log.as_mut() {
-                write_json_line(f, &report)?;
-            }
-            // The full table at the first and the last step, one line at the other log steps.
-            if lead && (step == start_step || last) {
-                bar.log(|| eprint!("{}", report.table()));
-            } else if lead && log_now {
-                bar.log(|| tracing::info!(rank, step, "{}", report.line()));
-            }
+            let when = (step == start_step, last, log_now);
+            mem_reports.record(&tracker, analytic, (step, rank), when, &bar)?;
         }
-        let ckpt_now = last || (cfg.ckpt_every > 0 && (step + 1) % cfg.ckpt_every == 0);
-        if ckpt_now {
-            // Every rank gathers (a sharded model's state_dict is collective); rank 0 writes.
-            let model_state = model.state_dict()?;
-            let optim_state = model.optim_state()?;
-            if lead {
-                let data = CheckpointData {
-                    step: step + 1,
-                    config: cfg,
-                    data_position: loader.position(),
-                    model: &model_state,
-                    optim: &optim_state,
-                };
-                let dir = checkpoint::save(&cfg.run_dir, &data)?;
-                bar.log(|| tracing::info!(rank, step = step + 1, dir = %dir.display(), "checkpoint written"));
-                summary.last_checkpoint = Some(dir);
-            }
+        if let Some(dir) = save_checkpoint(cfg, model, &loader, step, (rank, &bar))? {
+            summary.last_checkpoint = Some(dir);
         }
     }
     bar.finish();
     let executed = cfg.steps.saturating_sub(start_step);
     summary.tokens_per_s =
         executed as f64 * tokens_per_step / run_start.elapsed().as_secs_f64().max(1e-9);
-    if logs_steps {
+    if logs.logs_steps {
         let line = progress::done_line(
             executed,
             summary.losses.last().copied(),
@@ -584,6 +472,82 @@ pub fn train_loop(
         tracing::info!("{line}");
     }
     Ok(summary)
+}
+
+/// What one optimizer step did.
+struct StepDone {
+    /// The mean loss over the step's micro-steps.
+    loss: f64,
+    /// The global gradient norm before clipping.
+    grad_norm: f64,
+    /// Wall time of the step, seconds.
+    secs: f64,
+    /// Time per phase, with `profile_phases`.
+    phase_ms: Option<PhaseTimes>,
+}
+
+/// The step itself: `grad_accum` micro-steps of forward and backward on the loader's next
+/// batches (the loop's count, [`MicroStep`]), the global gradient norm, AdamW at `lr` with the
+/// clip coefficient. The tracker marks each phase under `mem_report`; the phase timer times
+/// them under `profile_phases`.
+fn train_step(
+    cfg: &TrainConfig,
+    model: &mut dyn TrainableModel,
+    loader: &mut DataLoader,
+    device: &Device,
+    tracker: &mut MemoryTracker,
+    (step, lr): (u64, f64),
+) -> anyhow::Result<StepDone> {
+    let t0 = Instant::now();
+    if cfg.mem_report {
+        tracker.begin();
+    }
+    let mut loss = 0.0;
+    let mut timer = cfg
+        .profile_phases
+        .then(|| PhaseTimer::start(device))
+        .transpose()?;
+    for index in 0..cfg.grad_accum {
+        let (x, y) = loader.next_batch().to_tensors(device)?; // (B, T), (B, T)
+        lap(&mut timer, StepPhase::Data)?;
+        let mut lap_err = None;
+        let mut mark = |p: Phase| {
+            if cfg.mem_report {
+                tracker.mark(p)
+            }
+            let phase = match p {
+                Phase::AfterForward => StepPhase::Forward,
+                _ => StepPhase::Backward,
+            };
+            if let Err(e) = lap(&mut timer, phase) {
+                lap_err.get_or_insert(e);
+            }
+        };
+        let micro = MicroStep {
+            index,
+            of: cfg.grad_accum,
+        };
+        loss += model.forward_backward(&x, &y, micro, &mut mark)? / cfg.grad_accum as f64;
+        if let Some(e) = lap_err {
+            return Err(e.into());
+        }
+    }
+    if !loss.is_finite() {
+        bail!("loss became {loss} at step {step} (lr {lr:.3e}); lower --lr or check the data");
+    }
+    let grad_norm = model.grad_sq_norm()?.sqrt();
+    lap(&mut timer, StepPhase::GradNorm)?;
+    model.optimizer_step(lr, clip_coef(grad_norm, cfg.grad_clip))?;
+    lap(&mut timer, StepPhase::Optimizer)?;
+    if cfg.mem_report {
+        tracker.mark(Phase::AfterOptimizer);
+    }
+    Ok(StepDone {
+        loss,
+        grad_norm,
+        secs: t0.elapsed().as_secs_f64(),
+        phase_ms: timer.map(PhaseTimer::finish),
+    })
 }
 
 /// Mean loss over `iters` batches of `split`'s loader drawn at random for the evaluation at
