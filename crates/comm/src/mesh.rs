@@ -101,29 +101,43 @@ impl MeshDims {
         self.dp * self.pp * self.tp
     }
 
-    /// Check the dimensions against the world size; errors show the arithmetic.
-    pub fn validate(&self, world_size: usize) -> Result<()> {
+    /// Every way these dimensions fail to make a mesh of `world_size` ranks, with the
+    /// arithmetic; empty when they fit. The one statement of the rule: [`MeshDims::validate`]
+    /// and the parallel plan's check both read it. A zero degree is reported alone (nothing
+    /// else can be computed from it).
+    pub fn problems(&self, world_size: usize) -> Vec<String> {
         let Self { dp, pp, tp, ep } = *self;
-        for (name, v) in [("dp", dp), ("pp", pp), ("tp", tp), ("ep", ep)] {
-            if v == 0 {
-                return Err(CommError::InvalidMesh(format!(
-                    "{name} must be at least 1, got 0"
-                )));
-            }
+        let zeros: Vec<String> = [("dp", dp), ("pp", pp), ("tp", tp), ("ep", ep)]
+            .into_iter()
+            .filter(|&(_, v)| v == 0)
+            .map(|(name, _)| format!("{name} must be at least 1, got 0"))
+            .collect();
+        if !zeros.is_empty() {
+            return zeros;
         }
+        let mut why = Vec::new();
         if dp * pp * tp != world_size {
-            return Err(CommError::InvalidMesh(format!(
+            why.push(format!(
                 "dp({dp}) * pp({pp}) * tp({tp}) = {} != world size {world_size}",
                 dp * pp * tp
-            )));
+            ));
         }
         if dp % ep != 0 {
-            return Err(CommError::InvalidMesh(format!(
+            why.push(format!(
                 "ep({ep}) must divide dp({dp}): expert parallelism is carved out of data parallelism, and {dp} % {ep} = {}",
                 dp % ep
-            )));
+            ));
         }
-        Ok(())
+        why
+    }
+
+    /// Check the dimensions against the world size ([`MeshDims::problems`], joined by `; `).
+    pub fn validate(&self, world_size: usize) -> Result<()> {
+        let why = self.problems(world_size);
+        match why.is_empty() {
+            true => Ok(()),
+            false => Err(CommError::InvalidMesh(why.join("; "))),
+        }
     }
 
     /// The global rank at these coordinates.

@@ -11,9 +11,10 @@ use std::sync::Arc;
 
 use candle_core::{Result, Tensor};
 
-use crate::moe::{MoeParts, MoeStats};
+use crate::config::MoeConfig;
+use crate::moe::stats::MoeStats;
 use crate::param::Param;
-use crate::tape::Collective;
+use crate::tape::{Collective, Exchange};
 
 /// `x Wᵀ (+ b)` for `x` of shape (..., in), flattening leading dimensions for one matmul.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
@@ -149,6 +150,19 @@ pub trait FeedForward: Send + Sync {
     fn moe_parts(&self) -> Option<MoeParts<'_>> {
         None
     }
+}
+
+/// A mixture of experts ([`crate::moe`]) taken apart for a tape ([`crate::explicit`]): the
+/// router, the experts this rank holds and, under expert parallelism, the all-to-alls that
+/// carry rows to them and back.
+pub struct MoeParts<'a> {
+    /// (E, C)
+    pub router: &'a Param,
+    /// The `E / ranks` experts this rank holds, in global expert order.
+    pub experts: &'a [Mlp],
+    pub cfg: &'a MoeConfig,
+    /// The expert-parallel group's row exchange; None: every expert is here.
+    pub exchange: Option<Arc<dyn Exchange>>,
 }
 
 /// GPT-2's MLP: `c_proj(gelu(c_fc(x)))`, GELU with the tanh approximation.

@@ -27,16 +27,13 @@
 //! run) are the layouts its autograd path and every MoE tape share. The hand-written backward
 //! of this layer and of the expert-parallel one is `explicit/moe.rs`.
 
-use std::sync::Arc;
-
 use candle_core::{DType, Result, Tensor, D};
 
 use mtrain_kernels::plain::{log_softmax_last_dim, softmax_last_dim, upcast};
 
 use crate::config::MoeConfig;
-use crate::layers::{linear, FeedForward, FfnOut, Mlp};
+use crate::layers::{linear, FeedForward, FfnOut, Mlp, MoeParts};
 use crate::param::Param;
-use crate::tape::Exchange;
 
 pub mod stats;
 pub use stats::MoeStats;
@@ -291,19 +288,6 @@ impl ExpertMajor {
         }
         x.index_select(&Tensor::from_vec(at.to_vec(), at.len(), x.device())?, 0)
     }
-}
-
-/// A mixture of experts taken apart for a tape ([`crate::explicit`]): the router, the experts
-/// this rank holds and, under expert parallelism, the all-to-alls that carry rows to them and
-/// back.
-pub struct MoeParts<'a> {
-    /// (E, C)
-    pub router: &'a Param,
-    /// The `E / ranks` experts this rank holds, in global expert order.
-    pub experts: &'a [Mlp],
-    pub cfg: &'a MoeConfig,
-    /// The expert-parallel group's row exchange; None: every expert is here.
-    pub exchange: Option<Arc<dyn Exchange>>,
 }
 
 /// Mixture-of-experts feed-forward layer (replaces a block's [`Mlp`]).

@@ -59,8 +59,8 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 use mtrain_comm::{Comm, CommError, ReduceOp};
 use mtrain_model::gpt::{Embedding, Head, ParamStore};
-use mtrain_model::layers::{FeedForward, FfnOut};
-use mtrain_model::moe::{aux_loss, route, router_probs, ExpertMajor, MoeParts, Permutation};
+use mtrain_model::layers::{FeedForward, FfnOut, MoeParts};
+use mtrain_model::moe::{aux_loss, route, router_probs, ExpertMajor, Permutation};
 use mtrain_model::tape::Exchange;
 use mtrain_model::{
     Block, CausalSelfAttention, DenseLinear, GptConfig, LayerNorm, Linear, Mlp, MoeConfig,

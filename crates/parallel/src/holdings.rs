@@ -90,7 +90,7 @@ pub struct Holdings {
 
 impl Holdings {
     /// What the rank at `coords` holds under `plan` for the model `cfg`. The plan's stage
-    /// layout must exist (a plan checked by [`ParallelPlan::validate_layout`] has one).
+    /// layout must exist (a [`crate::plan::ValidPlan`] has one).
     pub fn of_rank(
         cfg: &GptConfig,
         plan: &ParallelPlan,

@@ -1,5 +1,5 @@
-//! 4D composition: one top-down function that turns full weights and a validated
-//! [`ParallelPlan`] into this rank's part of the model, applying the techniques in a fixed order:
+//! 4D composition: one top-down function that turns full weights and a [`ValidPlan`] (a
+//! [`ParallelPlan`] its check accepted) into this rank's part of the model, applying the techniques in a fixed order:
 //!
 //! ```text
 //!   full weights (every rank, same seed)
@@ -32,8 +32,9 @@
 //! collectives are bf16; fp32 masters are cut from the fp32 weights like the optimizer moments
 //! (tp slice, then ZeRO shard pieces).
 //!
-//! Refused: tensor parallelism of an MoE model (experts are split by ep), ZeRO of an
-//! expert-parallel model, an interleaved schedule without pipeline ranks.
+//! Refused by the plan's check ([`ParallelPlan::validate`], before a `ValidPlan` exists):
+//! tensor parallelism of an MoE model (experts are split by ep), ZeRO of an expert-parallel
+//! model, an interleaved schedule without pipeline ranks.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -53,7 +54,7 @@ use crate::tensor_parallel::{self, ShardLayout};
 use crate::toolbox::final_after;
 
 pub use crate::holdings::describe;
-pub use crate::plan::{DataParallelKind, ParallelPlan, PlanError};
+pub use crate::plan::{DataParallelKind, ParallelPlan, PlanError, ValidPlan};
 pub use crate::runtime::{ParallelModel, ParallelizeError, Result, StepOut};
 
 /// Builds this rank's part of the model: TP → pipeline split → EP → FSDP or DDP (see the module
@@ -61,7 +62,7 @@ pub use crate::runtime::{ParallelModel, ParallelizeError, Result, StepOut};
 pub fn parallelize(
     cfg: &GptConfig,
     weights: &BTreeMap<String, Tensor>,
-    plan: &ParallelPlan,
+    plan: &ValidPlan,
     mesh: &DeviceMesh,
     device: &Device,
 ) -> Result<ParallelModel> {
@@ -71,8 +72,6 @@ pub fn parallelize(
             mesh: format!("{:?}", mesh.dims),
         });
     }
-    plan.validate_layout(cfg, mesh.dims.world_size())?;
-    plan.precision.validate()?;
     let fp32_weights = weights;
     // The compute copy every technique below is built from (bf16 under mixed precision).
     let cast: BTreeMap<String, Tensor>;
@@ -164,7 +163,7 @@ pub fn parallelize(
         None => Vec::new(),
     };
     let mut pm = ParallelModel {
-        plan: plan.clone(),
+        plan: ParallelPlan::clone(plan),
         cfg: cfg.clone(),
         coords: c,
         world: mesh.world.clone(),

@@ -85,6 +85,27 @@ pub fn tp_split_sizes(cfg: &GptConfig) -> [(&'static str, usize); 3] {
     ]
 }
 
+/// Every reason `cfg` does not split over `tp` ranks, empty when it does: tp divides each of
+/// [`tp_split_sizes`], and the model has no experts (those are split by ep). The plan's check
+/// and the tensor-parallel builder's both read it.
+pub fn tp_problems(cfg: &GptConfig, tp: usize) -> Vec<String> {
+    if tp == 0 {
+        return vec!["tp must be at least 1, got 0".into()];
+    }
+    let mut why = Vec::new();
+    if cfg.moe.is_some() {
+        why.push(format!(
+            "tp {tp} with an MoE model: expert blocks are split by --ep, not tensor parallelism"
+        ));
+    }
+    for (what, value) in tp_split_sizes(cfg) {
+        if !value.is_multiple_of(tp) {
+            why.push(format!("{what} {value} is not divisible by tp {tp}"));
+        }
+    }
+    why
+}
+
 /// Whether `name`'s gradient is a partial sum over tp under sequence parallelism (LayerNorms,
 /// `wpe`, row-parallel biases): [`tp_placement`]'s replicated parameters.
 pub fn sp_partial(name: &str) -> bool {

@@ -3,9 +3,10 @@
 //! A [`ParallelPlan`] is data: the mesh dimensions (dp × pp × tp = world, ep carved out of dp),
 //! the data-parallel strategy (DDP or a ZeRO stage), sequence parallelism, the pipeline schedule
 //! and its micro-batches, the blocks per stage, activation checkpointing and the precision.
-//! [`ParallelPlan::validate`] is the one place that checks a plan against a model and a world,
-//! with the arithmetic in the message (`dp(2) * pp(2) * tp(2) = 8 != world size 4`); the
-//! builder, the cost model and the trainer all call it. The stage layout a plan gives a model
+//! [`ParallelPlan::validate`] is the one place that checks a plan against a model, a world and a
+//! batch, with the arithmetic in the message (`dp(2) * pp(2) * tp(2) = 8 != world size 4`; the
+//! mesh's part is [`MeshDims::problems`]); what it returns, a [`ValidPlan`], is what the builder
+//! and the trainer's run take, so neither checks again. The stage layout a plan gives a model
 //! ([`ParallelPlan::stage_layout`]) is public so every part that needs it asks the plan instead
 //! of deriving it again. What `mtrain plan` prints beyond the mesh is
 //! [`crate::holdings::describe`], read from the holdings table.
@@ -17,7 +18,7 @@ use crate::ddp::{DdpConfig, DdpMode};
 use crate::fsdp::FsdpConfig;
 use crate::mixed_precision::MixedPrecision;
 use crate::pipeline::{PipelineError, ScheduleKind, StageLayout};
-use crate::placement::tp_split_sizes;
+use crate::placement::tp_problems;
 
 /// A plan that cannot work, with every reason and its arithmetic, joined by `; `.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -54,6 +55,20 @@ pub struct ParallelPlan {
     pub precision: MixedPrecision,
     /// Each segment's backward: its hand-written tape or candle's autograd.
     pub backward: Backward,
+}
+
+/// A plan [`ParallelPlan::validate`] accepted for a model, a world and a global batch. Only
+/// `validate` makes one, so what takes a `ValidPlan` (the builder, the trainer's run) holds the
+/// proof and checks nothing again; it reads as the plan it wraps.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidPlan(ParallelPlan);
+
+impl std::ops::Deref for ValidPlan {
+    type Target = ParallelPlan;
+
+    fn deref(&self) -> &ParallelPlan {
+        &self.0
+    }
 }
 
 impl ParallelPlan {
@@ -110,15 +125,16 @@ impl ParallelPlan {
     }
 
     /// Every reason a layout cannot work, with the arithmetic: `dp(2) * pp(2) * tp(2) = 8 != world
-    /// size 4`, `pp 5 > n_layer 4`, `n_head 6 is not divisible by tp 4`, `ep 3 does not divide dp
-    /// 4`, `n_experts 4 is not divisible by ep 3`, `--ep needs an MoE model`, micro-batches not
-    /// dividing the batch, ... `batch_size` is the global batch of one micro-step (sequences).
+    /// size 4`, `pp 5 > n_layer 4`, `n_head 6 is not divisible by tp 4`, `ep(3) must divide
+    /// dp(4)`, `n_experts 4 is not divisible by ep 3`, `--ep needs an MoE model`, micro-batches
+    /// not dividing the batch, ... `batch_size` is the global batch of one micro-step
+    /// (sequences). A plan that passes comes back as a [`ValidPlan`], the only way to make one.
     pub fn validate(
         &self,
         cfg: &GptConfig,
         world_size: usize,
         batch_size: usize,
-    ) -> Result<(), PlanError> {
+    ) -> Result<ValidPlan, PlanError> {
         let mut why = self.layout_problems(cfg, world_size);
         let (dp, m) = (self.dims.dp, self.microbatches);
         if dp > 0 && !batch_size.is_multiple_of(dp) {
@@ -129,13 +145,10 @@ impl ParallelPlan {
                 batch_size / dp
             ));
         }
-        explain(why)
-    }
-
-    /// [`ParallelPlan::validate`] without the batch: whether the layout fits `cfg` and a world
-    /// of `world_size` ranks (the builder's check; the batch is the loop's).
-    pub fn validate_layout(&self, cfg: &GptConfig, world_size: usize) -> Result<(), PlanError> {
-        explain(self.layout_problems(cfg, world_size))
+        match why.is_empty() {
+            true => Ok(ValidPlan(self.clone())),
+            false => Err(PlanError(why.join("; "))),
+        }
     }
 
     /// How `n_layer` blocks are split into this plan's model stages: `stage_counts`, or evenly.
@@ -152,29 +165,22 @@ impl ParallelPlan {
         if let Err(e) = cfg.validate() {
             why.push(e.to_string());
         }
-        for (name, v) in [
-            ("dp", dp),
-            ("pp", pp),
-            ("tp", tp),
-            ("ep", ep),
-            ("microbatches", self.microbatches),
-        ] {
-            if v == 0 {
-                why.push(format!("{name} must be at least 1, got 0"));
-            }
+        if let Err(e) = self.precision.validate() {
+            why.push(e.to_string());
+        }
+        if self.microbatches == 0 {
+            why.push("microbatches must be at least 1, got 0".into());
+        }
+        // The mesh's own rule: no zero degree, dp·pp·tp = world, ep dividing dp.
+        let mesh = self.dims.problems(world_size);
+        if [dp, pp, tp, ep].contains(&0) {
+            why.extend(mesh);
+            return why;
         }
         if !why.is_empty() {
             return why;
         }
-        if dp * pp * tp != world_size {
-            why.push(format!(
-                "dp({dp}) * pp({pp}) * tp({tp}) = {} != world size {world_size}",
-                dp * pp * tp
-            ));
-        }
-        if !dp.is_multiple_of(ep) {
-            why.push(format!("ep {ep} does not divide dp {dp}"));
-        }
+        why.extend(mesh);
         let v = self.schedule.virtual_stages();
         if pp == 1 && v > 1 {
             why.push(format!("an interleaved schedule (v = {v}) needs pp > 1"));
@@ -217,16 +223,7 @@ impl ParallelPlan {
             }
         }
         if tp > 1 {
-            if cfg.moe.is_some() {
-                why.push(format!(
-                    "tp {tp} with an MoE model: expert blocks are split by --ep, not tensor parallelism"
-                ));
-            }
-            for (what, value) in tp_split_sizes(cfg) {
-                if !value.is_multiple_of(tp) {
-                    why.push(format!("{what} {value} is not divisible by tp {tp}"));
-                }
-            }
+            why.extend(tp_problems(cfg, tp));
         }
         if ep > 1 {
             match &cfg.moe {
@@ -247,12 +244,5 @@ impl ParallelPlan {
             }
         }
         why
-    }
-}
-
-fn explain(why: Vec<String>) -> Result<(), PlanError> {
-    match why.is_empty() {
-        true => Ok(()),
-        false => Err(PlanError(why.join("; "))),
     }
 }

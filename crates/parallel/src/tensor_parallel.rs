@@ -43,7 +43,7 @@ use mtrain_model::layers::{linear, LinearParts};
 use mtrain_model::{CausalSelfAttention, GptConfig, LayerNorm, Linear, Mlp, Param, Segment};
 
 use crate::ops::gather_from_tp_region;
-use crate::placement::{tp_placement, tp_split_sizes};
+use crate::placement::{tp_placement, tp_problems};
 
 pub mod mapping;
 pub mod sequence;
@@ -61,12 +61,6 @@ pub const SEQ_DIM: usize = 1;
 /// Errors building a tensor-parallel model.
 #[derive(Debug, thiserror::Error)]
 pub enum TpError {
-    #[error("tensor parallelism: {what} {value} is not divisible by tp {tp}")]
-    NotDivisible {
-        what: &'static str,
-        value: usize,
-        tp: usize,
-    },
     #[error("tensor parallelism: missing weight `{0}`")]
     MissingWeight(String),
     #[error("tensor parallelism: `{0}` is not a parameter of this model")]
@@ -228,23 +222,14 @@ impl Linear for RowParallelLinear {
     }
 }
 
-/// Checks that `cfg` splits over `tp` ranks: heads, MLP width and vocabulary.
+/// Checks that `cfg` splits over `tp` ranks ([`tp_problems`]: heads, MLP width, vocabulary,
+/// no experts), for a caller of [`build`] without a checked plan.
 pub fn validate(cfg: &GptConfig, tp: usize) -> Result<()> {
-    if tp == 0 {
-        return Err(TpError::Unsupported("tp must be at least 1".into()));
+    let why = tp_problems(cfg, tp);
+    match why.is_empty() {
+        true => Ok(()),
+        false => Err(TpError::Unsupported(why.join("; "))),
     }
-    if cfg.moe.is_some() {
-        return Err(TpError::Unsupported(
-            "mixture-of-experts blocks are split by expert parallelism, not tensor parallelism"
-                .into(),
-        ));
-    }
-    for (what, value) in tp_split_sizes(cfg) {
-        if value % tp != 0 {
-            return Err(TpError::NotDivisible { what, value, tp });
-        }
-    }
-    Ok(())
 }
 
 /// A tensor-parallel GPT on one rank: its segments `[embedding, h.0 … h.{L-1}, head]` and where

@@ -50,6 +50,7 @@ type Counts = BTreeMap<(String, String), (usize, u64)>;
 /// construction's collectives excluded.
 fn measure(cfg: &GptConfig, plan: &ParallelPlan) -> Vec<Counts> {
     let world = plan.dims.world_size();
+    let plan = &plan.validate(cfg, world, BATCH).expect("plan validates");
     let opts = CpuOptions {
         trace: true,
         ..CpuOptions::default()
@@ -235,7 +236,10 @@ fn dp2_ddp_buckets_match_the_trace() {
     let p = ddp_with_small_buckets(2, 1);
     let (predicted, _) = predict(&cfg(), &p);
     let buckets = predicted[0][&("dp".to_string(), "all_reduce".to_string())].0;
-    assert!(buckets > 3, "small caps should give several buckets, got {buckets} all-reduces");
+    assert!(
+        buckets > 3,
+        "small caps should give several buckets, got {buckets} all-reduces"
+    );
     check(&cfg(), &p);
 }
 

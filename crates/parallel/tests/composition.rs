@@ -181,7 +181,7 @@ fn run_plan_on(
     resume: Option<&(BTreeMap<String, Tensor>, AdamWState)>,
 ) -> Vec<(Trace, AdamWState)> {
     let world = plan.dims.world_size();
-    plan.validate(cfg, world, BATCH).expect("plan validates");
+    let plan = &plan.validate(cfg, world, BATCH).expect("plan validates");
     run_local(world, Duration::from_secs(120), |backend| {
         let backend: Box<dyn Backend> = match dev.is_cuda() {
             true => Box::new(StagedBackend {
@@ -420,6 +420,7 @@ fn the_holdings_table_is_the_model_parallelize_builds() {
     ];
     for (cfg, p) in layouts {
         let world = p.dims.world_size();
+        let p = p.validate(&cfg, world, BATCH).expect("plan validates");
         let tables: Vec<Holdings> = (0..world)
             .map(|r| Holdings::of_rank(&cfg, &p, p.dims.coords(r)).expect("table"))
             .collect();
@@ -593,8 +594,7 @@ fn validate_shows_the_arithmetic() {
     assert!(e.contains("n_head 6 is not divisible by tp 4"), "{e}");
     let e = refusal(&moe_cfg(), &plan(4, 1, 1, 3), 4, BATCH);
     assert!(
-        e.contains("ep 3 does not divide dp 4")
-            && e.contains("n_experts 4 is not divisible by ep 3"),
+        e.contains("ep(3) must divide dp(4)") && e.contains("n_experts 4 is not divisible by ep 3"),
         "{e}"
     );
     let e = refusal(&c, &plan(2, 1, 1, 2), 2, BATCH);
@@ -652,6 +652,7 @@ fn zero3_under_pp_holds_half_the_model_state() {
             data,
             ..plan(2, 2, 1, 1)
         };
+        let p = p.validate(&cfg, 4, BATCH).expect("plan validates");
         run_local(4, Duration::from_secs(60), |backend| {
             let mesh = DeviceMesh::new(&backend, p.dims).expect("mesh");
             let w = init_weights(&cfg, SEED).expect("init");
@@ -722,6 +723,7 @@ fn eval_loss_equals_one_device() {
         },
     ];
     for p in plans {
+        let p = p.validate(&cfg, 4, BATCH).expect("plan validates");
         let got = run_local(4, Duration::from_secs(60), |backend| {
             let mesh = DeviceMesh::new(&backend, p.dims).expect("mesh");
             let mut model = parallelize(&cfg, &w, &p, &mesh, &Device::Cpu).expect("parallelize");

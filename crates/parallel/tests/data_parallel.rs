@@ -289,6 +289,9 @@ fn ddp_model(backend: &dyn Backend, mode: DdpMode) -> (ParallelModel, DeviceMesh
         }),
         ..ParallelPlan::new(dims)
     };
+    let plan = plan
+        .validate(&cfg(), dims.world_size(), GLOBAL_BATCH)
+        .expect("plan validates");
     let w = init_weights(&cfg(), SEED).expect("init");
     let model = parallelize(&cfg(), &w, &plan, &mesh, &Device::Cpu).expect("parallelize");
     (model, mesh)
@@ -554,7 +557,10 @@ fn different_initial_weights_are_refused_naming_the_rank() {
             let bumped = (&w[name] * 1.001).expect("scale");
             w.insert(name.to_string(), bumped);
         }
-        match parallelize(&cfg(), &w, &ParallelPlan::new(dims), &mesh, &Device::Cpu) {
+        let plan = ParallelPlan::new(dims)
+            .validate(&cfg(), 3, 3)
+            .expect("plan validates");
+        match parallelize(&cfg(), &w, &plan, &mesh, &Device::Cpu) {
             Ok(_) => String::new(),
             Err(e) => e.to_string(),
         }

@@ -11,7 +11,8 @@
 //!   global batch of one micro-step = dp × B sequences; dp rank d reads rows d·B .. (d+1)·B;
 //!   the tp and pp ranks of one dp index read the same rows.
 //!
-//!   micro-step k of K:  forward_backward(x_k, y_k, 1/K, sync = k == K−1)
+//!   micro-step k of K:  forward_backward(x_k, y_k, MicroStep { index: k, of: K }): the loop's
+//!                       count; loss scale 1/K, sync = k == K−1
 //!   optimizer step:     grad_sq_norm (one all-reduce) -> the loop's clip_coef -> optimizer_step:
 //!                       AdamW on this rank's part with the gradients scaled by it
 //! ```
@@ -42,7 +43,7 @@ use mtrain_model::optim::{AdamW, AdamWConfig, AdamWState};
 use mtrain_model::{GptConfig, MoeStats};
 use mtrain_parallel::ddp::ModelStateBytes;
 use mtrain_parallel::holdings::Holdings;
-use mtrain_parallel::parallelize::{parallelize, ParallelModel, ParallelPlan};
+use mtrain_parallel::parallelize::{parallelize, ParallelModel, ParallelPlan, ValidPlan};
 use mtrain_parallel::pipeline::executor::SpanKind;
 use serde::Serialize;
 
@@ -50,7 +51,7 @@ use crate::memory::{
     step_memory, ActivationLayout, BackwardPath, ModelStateLayout, Phase, Routing, StepMemory,
 };
 use crate::trace::{CommMeter, RunPhase, Timeline};
-use crate::trainable::TrainableModel;
+use crate::trainable::{MicroStep, TrainableModel};
 
 /// Pipeline figures of one step on this rank.
 #[derive(Debug, Clone, Serialize)]
@@ -167,8 +168,6 @@ pub struct Distributed {
     opt: AdamW,
     cfg: GptConfig,
     plan: ParallelPlan,
-    grad_accum: usize,
-    micro: usize,
     layout: ModelStateLayout,
     comm_buffer_bytes: u64,
     /// This rank's pipeline rank (which stages' activations it holds).
@@ -197,11 +196,10 @@ impl Distributed {
     pub fn new(
         cfg: &GptConfig,
         weights: &BTreeMap<String, Tensor>,
-        plan: &ParallelPlan,
+        plan: &ValidPlan,
         mesh: &DeviceMesh,
         device: &Device,
         optim: AdamWConfig,
-        grad_accum: usize,
     ) -> anyhow::Result<Self> {
         let pm = parallelize(cfg, weights, plan, mesh, device)
             .context("building this rank's part of the model")?;
@@ -214,9 +212,7 @@ impl Distributed {
             pm: Box::new(pm),
             opt: AdamW::new(optim),
             cfg: cfg.clone(),
-            plan: plan.clone(),
-            grad_accum: grad_accum.max(1),
-            micro: 0,
+            plan: ParallelPlan::clone(plan),
             layout: ModelStateLayout::for_plan(n_local, plan),
             comm_buffer_bytes,
             pp_rank: mesh.coords.pp,
@@ -247,12 +243,13 @@ impl Distributed {
         self.last_report.as_ref().and_then(|r| r.experts.clone())
     }
 
-    /// The rows each MoE block dispatched on this rank per pass, from the step's expert load:
-    /// this rank's tokens fill `1/dp` of the slots kept, its experts (those its holdings table lists) compute
-    /// their kept tokens over the `dp/ep` replicas of each expert.
-    fn routing(&self, load: &[ExpertLoad]) -> Vec<Routing> {
+    /// The rows each MoE block dispatched on this rank per pass, from the step's expert load
+    /// over its `grad_accum` micro-steps: this rank's tokens fill `1/dp` of the slots kept, its
+    /// experts (those its holdings table lists) compute their kept tokens over the `dp/ep`
+    /// replicas of each expert.
+    fn routing(&self, load: &[ExpertLoad], grad_accum: usize) -> Vec<Routing> {
         let d = self.plan.dims;
-        let passes = (self.grad_accum * self.plan.microbatches.max(1)) as f64;
+        let passes = (grad_accum.max(1) * self.plan.microbatches.max(1)) as f64;
         let replicas = (d.dp / d.ep.max(1)).max(1) as f64;
         load.iter()
             .map(|l| {
@@ -295,10 +292,10 @@ impl TrainableModel for Distributed {
         &mut self,
         inputs: &Tensor,
         targets: &Tensor,
-        loss_scale: f64,
+        micro: MicroStep,
         mark: &mut dyn FnMut(Phase),
     ) -> anyhow::Result<f64> {
-        if self.micro == 0 {
+        if micro.is_first() {
             self.pipeline = None;
             self.experts = None;
             self.meter.begin();
@@ -307,18 +304,14 @@ impl TrainableModel for Distributed {
             self.steps_started += 1;
         }
         let (t_start, wall_start) = (self.timeline.now_us(), std::time::SystemTime::now());
-        self.micro += 1;
-        let sync = self.micro == self.grad_accum;
-        if sync {
-            self.micro = 0;
-        }
+        let sync = micro.is_last();
         // The pipeline interleaves forwards and backwards: "after forward" is read
         // right before this rank's first backward, where its activations peak.
         let mut before_backward = || mark(Phase::AfterForward);
         let out = self.pm.forward_backward_observed(
             inputs,
             targets,
-            loss_scale,
+            micro.loss_scale(),
             sync,
             &mut before_backward,
         )?;
@@ -470,7 +463,7 @@ impl TrainableModel for Distributed {
             ActivationLayout::single_device(cfg, batch)
         });
         if let (Some(_), Some(load)) = (&cfg.moe, &self.last_expert_load()) {
-            layout.routing = self.routing(load);
+            layout.routing = self.routing(load, grad_accum);
         }
         step_memory(
             cfg,

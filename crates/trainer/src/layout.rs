@@ -1,11 +1,11 @@
 //! The job's layout: the [`Layout`] the `[parallel]` table (`crate::config::ParallelConfig`)
-//! resolves to on this job's processes, and [`plan`], the one place a run's [`ParallelPlan`]
+//! resolves to on this job's processes, and [`plan`], the one place a run's parallel plan
 //! is built and checked.
 //!
 //! ```text
 //!   defaults -> [parallel] of --config -> layout flags -> --set parallel.KEY=VALUE   (TrainConfig)
 //!            -> Layout (cli::LayoutArgs::resolve: the world, dp inferred if unset)
-//!            -> plan(cfg, layout): ParallelPlan, checked by ParallelPlan::validate
+//!            -> plan(cfg, layout): ValidPlan, what ParallelPlan::validate returns
 //! ```
 //!
 //! The plan's check is where a run's `dp · pp · tp = world` (and every other way a layout can
@@ -17,7 +17,7 @@
 use std::time::Duration;
 
 use mtrain_comm::mesh::MeshDims;
-use mtrain_parallel::parallelize::{ParallelPlan, ParallelizeError};
+use mtrain_parallel::parallelize::{ParallelizeError, ValidPlan};
 use mtrain_parallel::plan::PlanError;
 
 use crate::config::TrainConfig;
@@ -58,7 +58,9 @@ pub enum LayoutError {
     WorldTooLarge { world: usize, world_source: String },
 
     /// A layout flag given before a subcommand and after it, with two values.
-    #[error("{flag} is given twice, {before} before the subcommand and {after} after it; give it once")]
+    #[error(
+        "{flag} is given twice, {before} before the subcommand and {after} after it; give it once"
+    )]
     GivenTwice {
         flag: &'static str,
         before: String,
@@ -68,7 +70,7 @@ pub enum LayoutError {
     #[error("--comm-timeout must be a positive number of seconds up to {MAX_COMM_TIMEOUT_S} (30 days), got {0:?}")]
     Timeout(f64),
 
-    /// [`ParallelPlan::validate`]'s reasons, with where the world size came from.
+    /// The plan's check's reasons (`ParallelPlan::validate`), with where the world size came from.
     #[error("{why} ({world_source})")]
     Plan { why: String, world_source: String },
 
@@ -100,10 +102,11 @@ pub struct Layout {
 }
 
 /// The run's parallel plan: `cfg.parallel` on `layout`'s mesh with the run's checkpointing,
-/// backward path and precision, checked once by [`ParallelPlan::validate`] against the model,
+/// backward path and precision, checked once (`ParallelPlan::validate`) against the model,
 /// the world and the global batch, so a layout that cannot work is refused with the arithmetic
-/// before anything is launched.
-pub fn plan(cfg: &TrainConfig, layout: &Layout) -> Result<ParallelPlan, LayoutError> {
+/// before anything is launched; the [`ValidPlan`] it returns is what the run takes and checks
+/// no more.
+pub fn plan(cfg: &TrainConfig, layout: &Layout) -> Result<ValidPlan, LayoutError> {
     let mut plan = cfg
         .parallel
         .plan(layout.dims, cfg.activation_checkpointing, cfg.precision())?;
@@ -113,6 +116,5 @@ pub fn plan(cfg: &TrainConfig, layout: &Layout) -> Result<ParallelPlan, LayoutEr
         .map_err(|PlanError(why)| LayoutError::Plan {
             why,
             world_source: layout.world_source.clone(),
-        })?;
-    Ok(plan)
+        })
 }

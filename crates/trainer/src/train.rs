@@ -3,14 +3,17 @@
 //! ```text
 //! for step in start..steps:
 //!     lr = warmup + cosine(step)
-//!     for micro in 0..grad_accum:                        gradient accumulation
+//!     for k in 0..grad_accum:                            gradient accumulation (the loop's count)
 //!         x, y = loader.next_batch()                     this rank's slice of the global batch
-//!         loss = model.forward_backward(x, y, 1/grad_accum)   block-wise engine, grads summed
+//!         loss = model.forward_backward(x, y, MicroStep { k, of: grad_accum })   grads summed
 //!     coef = clip_coef(‖g‖, grad_clip)                   global-norm clipping
 //!     model.optimizer_step(lr, coef)                     AdamW, then the gradients are cleared
 //!     every eval_every steps: mean loss of eval_iters random batches of each split
 //!     log (progress bar, metrics.jsonl, pipeline-rank{N}.jsonl), checkpoint every N, memory report
 //! ```
+//!
+//! [`train_loop`] runs the step (`train_step`) and then its observers (`train/observe.rs`: the
+//! evaluation, the step logs, the memory report, the checkpoint), which change nothing trained.
 //!
 //! The loop talks to the model only through [`TrainableModel`], so a parallel wrapper can own the
 //! forward/backward (pipeline schedules, FSDP gathers, DDP buckets) and the optimizer's view of the
@@ -32,10 +35,10 @@ use mtrain_comm::mesh::MeshDims;
 use mtrain_comm::{Backend, DeviceMesh};
 use mtrain_model::optim::{clip_coef, lr_at, AdamWConfig, LrSchedule};
 use mtrain_model::{init_weights, GptConfig};
-use mtrain_parallel::parallelize::ParallelPlan;
+use mtrain_parallel::parallelize::{ParallelPlan, ValidPlan};
 use serde::Serialize;
 
-use crate::checkpoint::{self, CheckpointData};
+use crate::checkpoint;
 use crate::config::{ParallelConfig, TrainConfig};
 use crate::data::{DataLoader, Dataset};
 use crate::distributed::Distributed;
@@ -43,11 +46,15 @@ use crate::fsio::JsonLines;
 use crate::memory::{
     AnalyticMemory, BackwardPath, CpuProbe, MemoryProbe, MemoryTracker, ModelStateLayout, Phase,
 };
-use crate::phases::{PhaseTimer, StepPhase};
+use crate::phases::{PhaseTimer, PhaseTimes, StepPhase};
 use crate::progress::{self, Progress};
-use crate::trainable::TrainableModel;
+use crate::trainable::{MicroStep, TrainableModel};
+
+use observe::{evaluation, save_checkpoint, MemoryReports, StepLogs};
 
 pub use crate::progress::StepMetrics;
+
+mod observe;
 
 /// What a run did.
 #[derive(Debug, Clone)]
@@ -71,18 +78,36 @@ pub struct TrainSummary {
 /// How a multi-rank run is split and observed.
 #[derive(Debug, Clone)]
 pub struct RunOptions {
-    /// The parallel plan (dims, DDP or ZeRO, schedule, micro-batches, ...).
-    pub plan: ParallelPlan,
+    /// The parallel plan (dims, DDP or ZeRO, schedule, micro-batches, ...), checked against the
+    /// run's model, world and batch: [`crate::layout::plan`] for the command line,
+    /// [`RunOptions::of_plan`] for a plan built in code.
+    pub plan: ValidPlan,
     /// Record every collective of every group into `RUN_DIR/trace-rank{N}.jsonl`.
     pub trace: bool,
 }
 
 impl RunOptions {
-    /// The default plan for `dims` (DDP, 1F1B with pp micro-batches), no trace.
-    pub fn new(dims: MeshDims) -> Self {
+    /// The default plan for `dims` (DDP, 1F1B with pp micro-batches) under `cfg`, no trace.
+    pub fn new(cfg: &TrainConfig, dims: MeshDims) -> anyhow::Result<Self> {
         let mut plan = ParallelPlan::new(dims);
         plan.microbatches = dims.pp.max(1);
-        Self { plan, trace: false }
+        Self::of_plan(cfg, plan)
+    }
+
+    /// `plan` with the run's dtypes as its mixed precision, checked once
+    /// ([`ParallelPlan::validate`]) against `cfg`'s model, the plan's world and the global
+    /// batch; no trace. (The backend's world is the mesh's check.)
+    pub fn of_plan(cfg: &TrainConfig, mut plan: ParallelPlan) -> anyhow::Result<Self> {
+        plan.precision = cfg.precision();
+        let dims = plan.dims;
+        let plan = plan
+            .validate(
+                &cfg.gpt_config()?,
+                dims.world_size(),
+                cfg.batch_size * dims.dp,
+            )
+            .context("the layout does not fit the model")?;
+        Ok(Self { plan, trace: false })
     }
 }
 
@@ -92,7 +117,7 @@ pub fn run(
     backend: &dyn Backend,
     dims: MeshDims,
 ) -> anyhow::Result<TrainSummary> {
-    run_with(cfg, backend, &RunOptions::new(dims))
+    run_with(cfg, backend, &RunOptions::new(cfg, dims)?)
 }
 
 /// Train with `cfg` on the ranks of `backend` under `opts`: the whole model on one rank, or this
@@ -103,6 +128,12 @@ pub fn run_with(
     opts: &RunOptions,
 ) -> anyhow::Result<TrainSummary> {
     cfg.validate()?;
+    anyhow::ensure!(
+        opts.plan.precision == cfg.precision(),
+        "the plan's precision {:?} is not the run's dtypes {:?} (RunOptions::of_plan sets them)",
+        opts.plan.precision,
+        cfg.precision()
+    );
     // Checkpoints record the configuration with the layout this run actually has.
     let cfg = &TrainConfig {
         parallel: ParallelConfig::of_plan(&opts.plan),
@@ -212,15 +243,10 @@ fn run_plan(
     backend: &dyn Backend,
     opts: &RunOptions,
 ) -> anyhow::Result<TrainSummary> {
-    // The run's dtypes decide the plan's mixed precision.
-    let mut with_precision = opts.plan.clone();
-    with_precision.precision = cfg.precision();
-    let plan = &with_precision;
+    let plan = &opts.plan;
     let dims = plan.dims;
     let world = backend.world().size();
     let gcfg = cfg.gpt_config()?;
-    plan.validate(&gcfg, world, cfg.batch_size * dims.dp)
-        .context("the layout does not fit the model")?;
     let device = backend.device();
     let mesh = DeviceMesh::new(backend, dims).context("building the device mesh")?;
     let rank = mesh.rank();
@@ -238,9 +264,8 @@ fn run_plan(
             weights,
             adamw,
         } = setup(cfg, &gcfg, &device)?;
-        let mut model =
-            Distributed::new(&gcfg, &weights, plan, &mesh, &device, adamw, cfg.grad_accum)?
-                .with_timeline(timeline.clone());
+        let mut model = Distributed::new(&gcfg, &weights, plan, &mesh, &device, adamw)?
+            .with_timeline(timeline.clone());
         drop(weights);
         if rank == 0 && world > 1 {
             let dp = match plan.dp_buckets() {
@@ -334,16 +359,9 @@ pub fn train_loop(
         true => crate::run_dir::read_run_info(&cfg.run_dir)?.map(|i| i.run_id),
         false => None,
     };
-    let mut metrics = lead
-        .then(|| open_append(&cfg.run_dir.join("metrics.jsonl")))
-        .transpose()?;
     // Every rank appends its memory reports and step reports (one write per line, O_APPEND).
-    let mut mem_log = cfg
-        .mem_report
-        .then(|| open_append(&cfg.run_dir.join("memory.jsonl")))
-        .transpose()?;
-    let mut step_log: Option<JsonLines> = None;
-    let mut timeline_log: Option<JsonLines> = None;
+    let mut logs = StepLogs::open(cfg, rank)?;
+    let mut mem_reports = MemoryReports::open(cfg)?;
 
     let sched = LrSchedule {
         lr: cfg.lr,
@@ -383,8 +401,6 @@ pub fn train_loop(
     }
 
     let bar = Progress::new(cfg.steps, start_step, lead);
-    // Rank 0 logs the step lines; with `log_ranks` every rank does.
-    let logs_steps = lead || cfg.log_ranks;
     let probe = memory_probe(device);
     let mut tracker = MemoryTracker::with_baseline(probe.as_ref(), state_baseline);
     let mut summary = TrainSummary {
@@ -398,162 +414,55 @@ pub fn train_loop(
     };
     let run_start = Instant::now();
     for step in start_step..cfg.steps {
-        let t0 = Instant::now();
-        if cfg.mem_report {
-            tracker.begin();
-        }
         let lr = lr_at(step, &sched);
-        let mut loss = 0.0;
         let epoch = loader.epoch();
-        let mut timer = cfg
-            .profile_phases
-            .then(|| PhaseTimer::start(device))
-            .transpose()?;
-        for _ in 0..cfg.grad_accum {
-            let (x, y) = loader.next_batch().to_tensors(device)?; // (B, T), (B, T)
-            lap(&mut timer, StepPhase::Data)?;
-            let mut lap_err = None;
-            let mut mark = |p: Phase| {
-                if cfg.mem_report {
-                    tracker.mark(p)
-                }
-                let phase = match p {
-                    Phase::AfterForward => StepPhase::Forward,
-                    _ => StepPhase::Backward,
-                };
-                if let Err(e) = lap(&mut timer, phase) {
-                    lap_err.get_or_insert(e);
-                }
-            };
-            loss += model.forward_backward(&x, &y, 1.0 / cfg.grad_accum as f64, &mut mark)?
-                / cfg.grad_accum as f64;
-            if let Some(e) = lap_err {
-                return Err(e.into());
-            }
-        }
-        if !loss.is_finite() {
-            bail!("loss became {loss} at step {step} (lr {lr:.3e}); lower --lr or check the data");
-        }
-        let grad_norm = model.grad_sq_norm()?.sqrt();
-        lap(&mut timer, StepPhase::GradNorm)?;
-        model.optimizer_step(lr, clip_coef(grad_norm, cfg.grad_clip))?;
-        lap(&mut timer, StepPhase::Optimizer)?;
-        if cfg.mem_report {
-            tracker.mark(Phase::AfterOptimizer);
-        }
-        let dt = t0.elapsed().as_secs_f64();
-        let phase_ms = timer.map(PhaseTimer::finish);
-        let tokens_per_s = tokens_per_step / dt.max(1e-9);
+        let done = train_step(cfg, model, &mut loader, device, &mut tracker, (step, lr))?;
+        let tokens_per_s = tokens_per_step / done.secs.max(1e-9);
         let mfu = flops_per_token * tokens_per_s / (peak * devices as f64);
-        summary.losses.push(loss);
+        summary.losses.push(done.loss);
 
         let last = step + 1 == cfg.steps;
-        let (train_eval_loss, val_loss) =
-            if cfg.eval_every > 0 && ((step + 1) % cfg.eval_every == 0 || last) {
-                let t = evaluate(model, &loader, step, cfg.eval_iters, device)?;
-                let v = evaluate(model, &val, step, cfg.eval_iters, device)?;
-                summary.train_eval_losses.push((step, t));
-                summary.val_losses.push((step, v));
-                (Some(t), Some(v))
-            } else {
-                (None, None)
-            };
+        let evals = evaluation(cfg, model, (&loader, &val), step, device)?;
+        if let Some((t, v)) = evals {
+            summary.train_eval_losses.push((step, t));
+            summary.val_losses.push((step, v));
+        }
         let m = StepMetrics {
             step,
             run: run_id.clone(),
-            loss,
+            loss: done.loss,
             lr,
-            grad_norm,
-            step_ms: dt * 1e3,
+            grad_norm: done.grad_norm,
+            step_ms: done.secs * 1e3,
             tokens_per_s,
             mfu,
             epoch,
-            train_eval_loss,
-            val_loss,
+            train_eval_loss: evals.map(|e| e.0),
+            val_loss: evals.map(|e| e.1),
             parallel: model.step_report(),
-            phase_ms,
+            phase_ms: done.phase_ms,
         };
-        bar.step_done(step, loss);
+        bar.step_done(step, done.loss);
         let log_now = cfg.log_every > 0 && (step % cfg.log_every == 0 || last);
-        if log_now || val_loss.is_some() {
-            if logs_steps {
-                let line = progress::step_line(&m, cfg.steps);
-                bar.log(|| tracing::info!("{line}"));
-            }
-            if let Some(f) = metrics.as_mut() {
-                write_json_line(f, &m)?;
-            }
-            if let (true, Some(line)) = (lead, model.step_line()) {
-                bar.log(|| tracing::info!(rank, step, "{line}"));
-            }
-            if let (true, Some(p)) = (lead, &m.phase_ms) {
-                bar.log(|| tracing::info!(rank, step, "phases (ms): {}", p.line()));
-            }
-        }
-        if let Some(report) = &m.parallel {
-            if step_log.is_none() {
-                step_log = Some(open_append(&cfg.run_dir.join("steps.jsonl"))?);
-            }
-            if let Some(f) = step_log.as_mut() {
-                let line = serde_json::json!({ "step": step, "rank": rank, "report": report });
-                write_json_line(f, &line)?;
-            }
-        }
-        // The pipeline timeline of every logged step (and the last), one file per rank.
-        if let (true, Some(timeline)) = (log_now || last, model.pipeline_timeline()) {
-            if timeline_log.is_none() {
-                let path = cfg.run_dir.join(format!("pipeline-rank{rank}.jsonl"));
-                timeline_log = Some(open_append(&path)?);
-            }
-            if let (Some(f), serde_json::Value::Object(mut line)) =
-                (timeline_log.as_mut(), timeline)
-            {
-                line.insert("step".into(), step.into());
-                line.insert("rank".into(), rank.into());
-                write_json_line(f, &line)?;
-            }
-        }
+        logs.record(&m, model, &bar, log_now)?;
         if cfg.mem_report {
             // MoE rows depend on where this step's router sent the tokens.
             let analytic = match model.routing_is_measured() {
                 true => analytic_of(model),
                 false => analytic,
             };
-            let report = tracker.finish(step, rank, analytic);
-            if let Some(f) = mem_log.as_mut() {
-                write_json_line(f, &report)?;
-            }
-            // The full table at the first and the last step, one line at the other log steps.
-            if lead && (step == start_step || last) {
-                bar.log(|| eprint!("{}", report.table()));
-            } else if lead && log_now {
-                bar.log(|| tracing::info!(rank, step, "{}", report.line()));
-            }
+            let when = (step == start_step, last, log_now);
+            mem_reports.record(&tracker, analytic, (step, rank), when, &bar)?;
         }
-        let ckpt_now = last || (cfg.ckpt_every > 0 && (step + 1) % cfg.ckpt_every == 0);
-        if ckpt_now {
-            // Every rank gathers (a sharded model's state_dict is collective); rank 0 writes.
-            let model_state = model.state_dict()?;
-            let optim_state = model.optim_state()?;
-            if lead {
-                let data = CheckpointData {
-                    step: step + 1,
-                    config: cfg,
-                    data_position: loader.position(),
-                    model: &model_state,
-                    optim: &optim_state,
-                };
-                let dir = checkpoint::save(&cfg.run_dir, &data)?;
-                bar.log(|| tracing::info!(rank, step = step + 1, dir = %dir.display(), "checkpoint written"));
-                summary.last_checkpoint = Some(dir);
-            }
+        if let Some(dir) = save_checkpoint(cfg, model, &loader, step, (rank, &bar))? {
+            summary.last_checkpoint = Some(dir);
         }
     }
     bar.finish();
     let executed = cfg.steps.saturating_sub(start_step);
     summary.tokens_per_s =
         executed as f64 * tokens_per_step / run_start.elapsed().as_secs_f64().max(1e-9);
-    if logs_steps {
+    if logs.logs_steps {
         let line = progress::done_line(
             executed,
             summary.losses.last().copied(),
@@ -563,6 +472,82 @@ pub fn train_loop(
         tracing::info!("{line}");
     }
     Ok(summary)
+}
+
+/// What one optimizer step did.
+struct StepDone {
+    /// The mean loss over the step's micro-steps.
+    loss: f64,
+    /// The global gradient norm before clipping.
+    grad_norm: f64,
+    /// Wall time of the step, seconds.
+    secs: f64,
+    /// Time per phase, with `profile_phases`.
+    phase_ms: Option<PhaseTimes>,
+}
+
+/// The step itself: `grad_accum` micro-steps of forward and backward on the loader's next
+/// batches (the loop's count, [`MicroStep`]), the global gradient norm, AdamW at `lr` with the
+/// clip coefficient. The tracker marks each phase under `mem_report`; the phase timer times
+/// them under `profile_phases`.
+fn train_step(
+    cfg: &TrainConfig,
+    model: &mut dyn TrainableModel,
+    loader: &mut DataLoader,
+    device: &Device,
+    tracker: &mut MemoryTracker,
+    (step, lr): (u64, f64),
+) -> anyhow::Result<StepDone> {
+    let t0 = Instant::now();
+    if cfg.mem_report {
+        tracker.begin();
+    }
+    let mut loss = 0.0;
+    let mut timer = cfg
+        .profile_phases
+        .then(|| PhaseTimer::start(device))
+        .transpose()?;
+    for index in 0..cfg.grad_accum {
+        let (x, y) = loader.next_batch().to_tensors(device)?; // (B, T), (B, T)
+        lap(&mut timer, StepPhase::Data)?;
+        let mut lap_err = None;
+        let mut mark = |p: Phase| {
+            if cfg.mem_report {
+                tracker.mark(p)
+            }
+            let phase = match p {
+                Phase::AfterForward => StepPhase::Forward,
+                _ => StepPhase::Backward,
+            };
+            if let Err(e) = lap(&mut timer, phase) {
+                lap_err.get_or_insert(e);
+            }
+        };
+        let micro = MicroStep {
+            index,
+            of: cfg.grad_accum,
+        };
+        loss += model.forward_backward(&x, &y, micro, &mut mark)? / cfg.grad_accum as f64;
+        if let Some(e) = lap_err {
+            return Err(e.into());
+        }
+    }
+    if !loss.is_finite() {
+        bail!("loss became {loss} at step {step} (lr {lr:.3e}); lower --lr or check the data");
+    }
+    let grad_norm = model.grad_sq_norm()?.sqrt();
+    lap(&mut timer, StepPhase::GradNorm)?;
+    model.optimizer_step(lr, clip_coef(grad_norm, cfg.grad_clip))?;
+    lap(&mut timer, StepPhase::Optimizer)?;
+    if cfg.mem_report {
+        tracker.mark(Phase::AfterOptimizer);
+    }
+    Ok(StepDone {
+        loss,
+        grad_norm,
+        secs: t0.elapsed().as_secs_f64(),
+        phase_ms: timer.map(PhaseTimer::finish),
+    })
 }
 
 /// Mean loss over `iters` batches of `split`'s loader drawn at random for the evaluation at

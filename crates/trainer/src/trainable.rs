@@ -9,18 +9,47 @@ use candle_core::Tensor;
 use mtrain_model::optim::AdamWState;
 use mtrain_model::GptConfig;
 
-use crate::memory::{step_memory, ActivationLayout, BackwardPath, ModelStateLayout, Phase, StepMemory};
+use crate::memory::{
+    step_memory, ActivationLayout, BackwardPath, ModelStateLayout, Phase, StepMemory,
+};
+
+/// Which of an optimizer step's micro-steps a forward/backward is: `index` of `of`, the
+/// loop's gradient accumulation. The loop is its only owner; the model reads it (the first
+/// opens the step, the last syncs the gradients) and keeps no count of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MicroStep {
+    pub index: usize,
+    pub of: usize,
+}
+
+impl MicroStep {
+    /// The first micro-step of the optimizer step.
+    pub fn is_first(&self) -> bool {
+        self.index == 0
+    }
+
+    /// The last one: the gradients are complete after it.
+    pub fn is_last(&self) -> bool {
+        self.index + 1 == self.of
+    }
+
+    /// The loss scale that makes the accumulated gradients the mean over the step: `1 / of`.
+    pub fn loss_scale(&self) -> f64 {
+        1.0 / self.of as f64
+    }
+}
 
 /// What the loop needs from a model, however it is laid out across ranks.
 pub trait TrainableModel {
-    /// Forward and backward of one micro-batch `(B, T)`, adding `loss_scale ×` its gradients to the
-    /// accumulated ones; `mark` is called after the forward and after the backward (memory report).
-    /// Returns the micro-batch's mean loss.
+    /// Forward and backward of one micro-batch `(B, T)`, micro-step `micro` of the optimizer
+    /// step, adding [`MicroStep::loss_scale`] × its gradients to the accumulated ones; `mark` is
+    /// called after the forward and after the backward (memory report). Returns the
+    /// micro-batch's mean loss.
     fn forward_backward(
         &mut self,
         inputs: &Tensor,
         targets: &Tensor,
-        loss_scale: f64,
+        micro: MicroStep,
         mark: &mut dyn FnMut(Phase),
     ) -> anyhow::Result<f64>;
     /// Mean loss of a batch without gradients.

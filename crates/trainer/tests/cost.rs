@@ -106,8 +106,10 @@ fn cfg() -> GptConfig {
 #[test]
 fn compare_finds_no_byte_difference_on_a_real_trace() {
     let cfg = cfg();
-    let plan = ParallelPlan::new(MeshDims::new(2, 1, 2, 1));
     let (batch, seq) = (4, 8);
+    let plan = ParallelPlan::new(MeshDims::new(2, 1, 2, 1))
+        .validate(&cfg, 4, batch)
+        .expect("plan validates");
     let dir = tempfile::tempdir().expect("tmp");
     let run_dir = dir.path().to_path_buf();
     let opts = CpuOptions {
@@ -182,7 +184,10 @@ fn shipped_tables_parse() {
         let path = entry.expect("entry").path();
         if path.extension().is_some_and(|e| e == "toml") {
             let t = AlphaBetaTable::load(&path).expect("table parses");
-            assert!(t.default.alpha_s > 0.0 && t.default.beta_bytes_per_s > 0.0, "{path:?}");
+            assert!(
+                t.default.alpha_s > 0.0 && t.default.beta_bytes_per_s > 0.0,
+                "{path:?}"
+            );
             n += 1;
         }
     }

@@ -797,36 +797,8 @@ fn no_module_cycle_in_any_crate() {
             found.push(format!("{krate}: {cycle:?} ({})", edges.join(", ")));
         }
     }
-    let known: Vec<String> = KNOWN_CYCLES
-        .iter()
-        .map(|(krate, files, _)| {
-            let files: BTreeSet<&str> = files.iter().copied().collect();
-            format!("{krate}: {files:?} ")
-        })
-        .collect();
-    let new: Vec<&String> = found
-        .iter()
-        .filter(|f| !known.iter().any(|k| f.starts_with(k.as_str())))
-        .collect();
-    assert!(new.is_empty(), "module cycles:\n  {new:?}");
-    let gone: Vec<&String> = known
-        .iter()
-        .filter(|k| !found.iter().any(|f| f.starts_with(k.as_str())))
-        .collect();
-    assert!(
-        gone.is_empty(),
-        "cycles no longer there: remove them from KNOWN_CYCLES: {gone:?}"
-    );
+    assert!(found.is_empty(), "module cycles:\n  {found:?}");
 }
-
-/// Cycles that stand until a file another change owns is edited, each with the edit that
-/// removes it; [`no_module_cycle_in_any_crate`] fails on any other, and on one of these gone.
-const KNOWN_CYCLES: [(&str, [&str; 2], &str); 1] = [(
-    "model",
-    ["layers.rs", "moe.rs"],
-    "the FeedForward trait in layers.rs returns moe's MoeParts, which lends out layers' Mlp: \
-     MoeParts moves into layers.rs beside FeedForward",
-)];
 
 /// The rules of who holds what (`parallel/src/placement.rs`) are written once, and the
 /// analysis — the cost model, the memory model, `mtrain plan`, the per-rank counts — reads the

@@ -815,3 +815,31 @@ fn bf16_mixed_precision_tracks_fp32() {
     assert_eq!(bf16_run.layout.total(), 16 * bf16_run.layout.n_params);
     assert_eq!(bf16_run.layout.params(), 2 * bf16_run.layout.n_params);
 }
+
+/// A plan built in code is checked once, where the run's options are made, with the
+/// arithmetic: the run never sees a plan its check refused.
+#[test]
+fn a_plan_built_in_code_is_refused_with_the_reason() {
+    use mtrain_parallel::parallelize::ParallelPlan;
+    let dir = tempfile::tempdir().expect("tmp");
+    let cfg = short(dir.path(), 1);
+    let n_layer = cfg.gpt_config().expect("model").n_layer;
+    let too_deep = ParallelPlan::new(MeshDims::new(1, n_layer + 1, 1, 1));
+    let err = train::RunOptions::of_plan(&cfg, too_deep).expect_err("more stages than blocks");
+    let msg = format!("{err:#}");
+    assert!(
+        msg.contains(&format!("pp {} > n_layer {n_layer}", n_layer + 1)),
+        "{msg}"
+    );
+    let uneven = ParallelPlan {
+        microbatches: 3,
+        ..ParallelPlan::new(ONE)
+    };
+    let msg = format!(
+        "{:#}",
+        train::RunOptions::of_plan(&cfg, uneven).unwrap_err()
+    );
+    assert!(msg.contains("not divisible by microbatches 3"), "{msg}");
+    let fits = train::RunOptions::of_plan(&cfg, ParallelPlan::new(ONE)).expect("one device");
+    assert_eq!(fits.plan.precision, cfg.precision());
+}

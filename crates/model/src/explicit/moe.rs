@@ -37,9 +37,8 @@ use mtrain_kernels::plain::upcast;
 
 use super::{err, taped_dtype, MlpKept, MlpWeights};
 use crate::config::MoeConfig;
-use crate::moe::{
-    aux_loss, logsumexp, route, router_probs, ExpertMajor, MoeParts, MoeStats, Permutation,
-};
+use crate::layers::MoeParts;
+use crate::moe::{aux_loss, logsumexp, route, router_probs, ExpertMajor, MoeStats, Permutation};
 use crate::tape::Exchange;
 
 /// A mixture of experts' weights, detached, and the exchange that reaches other ranks' experts.

@@ -448,6 +448,7 @@ fn dp4_ep2_parallel_model_matches_one_device() {
             backward: Backward::Autograd,
             ..ParallelPlan::new(MeshDims::new(dp, 1, 1, ep))
         };
+        let plan = plan.validate(&cfg, dp, dp).map_err(s)?;
         let mut edp = parallelize(&cfg, &w, &plan, &mesh, &Device::Cpu).map_err(s)?;
         let mut opt = AdamW::new(AdamWConfig::default());
         let m = mesh.coords.dp;

@@ -288,11 +288,11 @@ mod tests {
             e.contains("world size 6") && e.contains("tp(4) * pp(1) = 4"),
             "{e}"
         );
-        // The plan's check words it `ep 2 does not divide dp 3`.
+        // The plan's check words it as the mesh's rule (`MeshDims::problems`).
         let e = checked(&["--dp", "3", "--ep", "2"])
             .unwrap_err()
             .to_string();
-        assert!(e.contains("ep 2 does not divide dp 3"), "{e}");
+        assert!(e.contains("ep(2) must divide dp(3)"), "{e}");
         let e = checked(&["--tp", "0"]).unwrap_err().to_string();
         assert!(e.contains("--tp must be at least 1"), "{e}");
         let e = checked(&["--dp", "3", "--nnodes", "2", "--master-port", "1"])

@@ -220,6 +220,7 @@ mod tests {
 
     use mtrain_comm::mesh::MeshDims;
     use mtrain_comm::run_local;
+    use mtrain_parallel::parallelize::ParallelPlan;
 
     use super::super::{plot_run, read_lines};
     use crate::config::TrainConfig;
@@ -253,8 +254,11 @@ mod tests {
             run_dir: dir.path().to_path_buf(),
             ..TrainConfig::default()
         };
-        let mut opts = RunOptions::new(MeshDims::new(1, 2, 1, 1));
-        opts.plan.microbatches = 4;
+        let plan = ParallelPlan {
+            microbatches: 4,
+            ..ParallelPlan::new(MeshDims::new(1, 2, 1, 1))
+        };
+        let opts = RunOptions::of_plan(&cfg, plan).expect("a pp = 2 plan");
         for r in run_local(2, Duration::from_secs(60), |b| run_with(&cfg, &b, &opts)) {
             r.expect("pp = 2 run");
         }

@@ -1,0 +1,194 @@
+//! What the loop does after each step besides the step: the evaluation, the logs (the step
+//! line, `metrics.jsonl`, `steps.jsonl`, the pipeline timeline), the memory report and the
+//! checkpoint. Each reads the step's outcome and the model, and none changes what is trained.
+//!
+//! ```text
+//!   step done -> evaluation (every eval_every, and the last) -> StepMetrics
+//!             -> StepLogs::record (every log_every, the last, an evaluation)
+//!             -> MemoryReports::record (--mem-report) -> save_checkpoint (every ckpt_every, the last)
+//! ```
+
+use std::path::PathBuf;
+
+use candle_core::Device;
+
+use super::{evaluate, open_append, write_json_line};
+use crate::checkpoint::{self, CheckpointData};
+use crate::config::TrainConfig;
+use crate::data::DataLoader;
+use crate::fsio::JsonLines;
+use crate::memory::{AnalyticMemory, MemoryTracker};
+use crate::progress::{self, Progress, StepMetrics};
+use crate::trainable::TrainableModel;
+
+/// The evaluation after `step` when one is due (every `eval_every` steps and after the last):
+/// (training split, validation split), each the mean loss of `eval_iters` random batches.
+pub(super) fn evaluation(
+    cfg: &TrainConfig,
+    model: &mut dyn TrainableModel,
+    (train, val): (&DataLoader, &DataLoader),
+    step: u64,
+    device: &Device,
+) -> anyhow::Result<Option<(f64, f64)>> {
+    let last = step + 1 == cfg.steps;
+    if cfg.eval_every == 0 || ((step + 1) % cfg.eval_every != 0 && !last) {
+        return Ok(None);
+    }
+    let t = evaluate(model, train, step, cfg.eval_iters, device)?;
+    let v = evaluate(model, val, step, cfg.eval_iters, device)?;
+    Ok(Some((t, v)))
+}
+
+/// The step logs of one rank: its step line (rank 0, or every rank with `log_ranks`),
+/// `metrics.jsonl` (rank 0), and, opened when a step first has one, its `steps.jsonl` report
+/// and `pipeline-rank{N}.jsonl` timeline.
+pub(super) struct StepLogs<'c> {
+    cfg: &'c TrainConfig,
+    rank: usize,
+    /// Whether this rank writes the step lines.
+    pub(super) logs_steps: bool,
+    metrics: Option<JsonLines>,
+    steps: Option<JsonLines>,
+    timeline: Option<JsonLines>,
+}
+
+impl<'c> StepLogs<'c> {
+    pub(super) fn open(cfg: &'c TrainConfig, rank: usize) -> anyhow::Result<Self> {
+        let lead = rank == 0;
+        let metrics = lead
+            .then(|| open_append(&cfg.run_dir.join("metrics.jsonl")))
+            .transpose()?;
+        Ok(Self {
+            cfg,
+            rank,
+            logs_steps: lead || cfg.log_ranks,
+            metrics,
+            steps: None,
+            timeline: None,
+        })
+    }
+
+    /// Step `m`'s lines: the step line, metrics and rank 0's step and phase lines at a log step
+    /// (`log_now`) or an evaluation; the step report at every step that has one; the pipeline
+    /// timeline at every log step and the last.
+    pub(super) fn record(
+        &mut self,
+        m: &StepMetrics,
+        model: &dyn TrainableModel,
+        bar: &Progress,
+        log_now: bool,
+    ) -> anyhow::Result<()> {
+        let (rank, step, lead) = (self.rank, m.step, self.rank == 0);
+        let last = step + 1 == self.cfg.steps;
+        if log_now || m.val_loss.is_some() {
+            if self.logs_steps {
+                let line = progress::step_line(m, self.cfg.steps);
+                bar.log(|| tracing::info!("{line}"));
+            }
+            if let Some(f) = self.metrics.as_mut() {
+                write_json_line(f, m)?;
+            }
+            if let (true, Some(line)) = (lead, model.step_line()) {
+                bar.log(|| tracing::info!(rank, step, "{line}"));
+            }
+            if let (true, Some(p)) = (lead, &m.phase_ms) {
+                bar.log(|| tracing::info!(rank, step, "phases (ms): {}", p.line()));
+            }
+        }
+        if let Some(report) = &m.parallel {
+            if self.steps.is_none() {
+                self.steps = Some(open_append(&self.cfg.run_dir.join("steps.jsonl"))?);
+            }
+            if let Some(f) = self.steps.as_mut() {
+                let line = serde_json::json!({ "step": step, "rank": rank, "report": report });
+                write_json_line(f, &line)?;
+            }
+        }
+        // The pipeline timeline of every logged step (and the last), one file per rank.
+        if let (true, Some(timeline)) = (log_now || last, model.pipeline_timeline()) {
+            if self.timeline.is_none() {
+                let path = self.cfg.run_dir.join(format!("pipeline-rank{rank}.jsonl"));
+                self.timeline = Some(open_append(&path)?);
+            }
+            if let (Some(f), serde_json::Value::Object(mut line)) =
+                (self.timeline.as_mut(), timeline)
+            {
+                line.insert("step".into(), step.into());
+                line.insert("rank".into(), rank.into());
+                write_json_line(f, &line)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `--mem-report`'s observer: every rank appends each step's measured memory against the
+/// analytic model to `memory.jsonl`; rank 0 prints the full table at the first and the last
+/// step and one line at the other log steps.
+pub(super) struct MemoryReports {
+    log: Option<JsonLines>,
+}
+
+impl MemoryReports {
+    pub(super) fn open(cfg: &TrainConfig) -> anyhow::Result<Self> {
+        let log = cfg
+            .mem_report
+            .then(|| open_append(&cfg.run_dir.join("memory.jsonl")))
+            .transpose()?;
+        Ok(Self { log })
+    }
+
+    /// Step `step`'s report from `tracker` against `analytic`; `(first, last, log_now)`: the
+    /// run's first step, its last, a log step.
+    pub(super) fn record(
+        &mut self,
+        tracker: &MemoryTracker,
+        analytic: AnalyticMemory,
+        (step, rank): (u64, usize),
+        (first, last, log_now): (bool, bool, bool),
+        bar: &Progress,
+    ) -> anyhow::Result<()> {
+        let report = tracker.finish(step, rank, analytic);
+        if let Some(f) = self.log.as_mut() {
+            write_json_line(f, &report)?;
+        }
+        let lead = rank == 0;
+        if lead && (first || last) {
+            bar.log(|| eprint!("{}", report.table()));
+        } else if lead && log_now {
+            bar.log(|| tracing::info!(rank, step, "{}", report.line()));
+        }
+        Ok(())
+    }
+}
+
+/// The checkpoint after `step` when one is due (every `ckpt_every` steps and after the last):
+/// every rank gathers (a sharded model's state is collective), rank 0 writes; the directory
+/// written, on rank 0.
+pub(super) fn save_checkpoint(
+    cfg: &TrainConfig,
+    model: &dyn TrainableModel,
+    loader: &DataLoader,
+    step: u64,
+    (rank, bar): (usize, &Progress),
+) -> anyhow::Result<Option<PathBuf>> {
+    let last = step + 1 == cfg.steps;
+    if !(last || (cfg.ckpt_every > 0 && (step + 1) % cfg.ckpt_every == 0)) {
+        return Ok(None);
+    }
+    let model_state = model.state_dict()?;
+    let optim_state = model.optim_state()?;
+    if rank != 0 {
+        return Ok(None);
+    }
+    let data = CheckpointData {
+        step: step + 1,
+        config: cfg,
+        data_position: loader.position(),
+        model: &model_state,
+        optim: &optim_state,
+    };
+    let dir = checkpoint::save(&cfg.run_dir, &data)?;
+    bar.log(|| tracing::info!(rank, step = step + 1, dir = %dir.display(), "checkpoint written"));
+    Ok(Some(dir))
+}
