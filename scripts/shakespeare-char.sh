@@ -14,7 +14,8 @@
 #      evaluation every 250 steps on 200 batches of each split) into OUT/mtrain;
 #   3. the PyTorch reference with the same recipe and the same data into OUT/torch (and, with
 #      TORCH_EXTRA_DROPOUT=p, a second reference run with dropout p into OUT/torch-dropout);
-#   4. `mtrain plot` of each run directory (loss.svg beside its metrics.jsonl), 500 characters
+#   4. `mtrain plot` of the run directories (loss.svg beside each metrics.jsonl, and the runs on
+#      one chart in OUT/mtrain/compare.svg), 500 characters
 #      sampled from mtrain's model (OUT/sample.txt; its checkpoint is then removed unless
 #      KEEP_CHECKPOINTS=1), and OUT/summary.json: every evaluation of every run, best validation
 #      loss and its step, wall time.
@@ -77,9 +78,8 @@ reference() { # $1 = run directory name, $2 = dropout
 reference torch "$DROPOUT"
 [ -n "${TORCH_EXTRA_DROPOUT:-}" ] && reference torch-dropout "$TORCH_EXTRA_DROPOUT"
 
-for run in mtrain torch ${TORCH_EXTRA_DROPOUT:+torch-dropout}; do
-  "$MTRAIN" plot "$OUT/$run"
-done
+# Each run's loss.svg, and both (all three) runs on one chart: OUT/mtrain/compare.svg.
+"$MTRAIN" plot "$OUT/mtrain" "$OUT/torch" ${TORCH_EXTRA_DROPOUT:+"$OUT/torch-dropout"}
 "$MTRAIN" sample --checkpoint "$OUT/mtrain" --device "$DEVICE" --prompt "ROMEO:" --max-new-tokens 500 \
   | tee "$OUT/sample.txt"
 # The final checkpoint (weights and AdamW moments, 130 MB at the full shape) stays only when asked.

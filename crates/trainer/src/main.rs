@@ -183,7 +183,7 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
         }
         Some(Command::Parity(args)) => parity::run(args),
         Some(Command::Plot(args)) => {
-            for path in plot::plot_run(&args.run_dir)? {
+            for path in plot::plot(args)? {
                 println!("wrote {}", path.display());
             }
             Ok(())

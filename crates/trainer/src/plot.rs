@@ -1,7 +1,11 @@
-//! `mtrain plot RUN_DIR`: SVG charts of a run, drawn with plotters from its JSON lines.
+//! `mtrain plot RUN_DIR [RUN_DIR...]`: SVG charts of a run, drawn with plotters from its JSON
+//! lines; given several runs, also one chart of their losses side by side.
 //!
 //! ```text
 //!   metrics.jsonl  -> loss.svg       training loss (and validation points) per step
+//!   several runs   -> compare.svg    in the first run directory: each run's evaluated losses
+//!                                    (val solid, train dashed; the training loss where a run
+//!                                    has no evaluation), one colour a run, named by directory
 //!   memory.jsonl   -> memory.svg     a panel per rank: the measured level through each
 //!                                    step's phases (start, after forward, peak, after
 //!                                    backward, after optimizer; a marker each) and the
@@ -43,9 +47,105 @@ use pipeline::{pipeline_chart, read_timelines};
 /// Options of `mtrain plot`.
 #[derive(Debug, Clone, Args)]
 pub struct PlotArgs {
-    /// A run directory (with metrics.jsonl; memory.jsonl with --mem-report; pipeline-rank{N}.jsonl
-    /// with pp > 1).
-    pub run_dir: PathBuf,
+    /// Run directories (with metrics.jsonl; memory.jsonl with --mem-report; pipeline-rank{N}.jsonl
+    /// with pp > 1). With more than one, compare.svg in the first compares their losses.
+    #[arg(required = true, num_args = 1..)]
+    pub run_dirs: Vec<PathBuf>,
+}
+
+/// Every run's charts, then with several runs their comparison; returns the files written.
+pub fn plot(args: &PlotArgs) -> anyhow::Result<Vec<PathBuf>> {
+    let mut written = Vec::new();
+    for dir in &args.run_dirs {
+        written.extend(plot_run(dir)?);
+    }
+    if let [first, _, ..] = args.run_dirs.as_slice() {
+        let out = first.join("compare.svg");
+        let runs = args
+            .run_dirs
+            .iter()
+            .map(|d| {
+                let metrics = d.join("metrics.jsonl");
+                Ok((run_name(d), one_run(read_lines(&metrics)?, &metrics)?))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let path =
+            compare_chart(&runs, &out).with_context(|| format!("writing {}", out.display()))?;
+        written.push(path);
+    }
+    Ok(written)
+}
+
+/// A run's name in the comparison's legend: its directory's last component.
+fn run_name(dir: &Path) -> String {
+    let canonical = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    canonical.file_name().map_or_else(
+        || dir.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    )
+}
+
+/// The (step, value) points of `key` in a run's lines.
+fn series(lines: &[Value], key: &str) -> Vec<(f64, f64)> {
+    lines
+        .iter()
+        .filter_map(|l| Some((num(l, "step"), l.get(key)?.as_f64()?)))
+        .collect()
+}
+
+/// Several runs' losses on one chart: per run its validation curve (solid) and its training
+/// split's evaluation (dashed), or its training loss where it has no evaluation.
+fn compare_chart(runs: &[(String, Vec<Value>)], out: &Path) -> anyhow::Result<PathBuf> {
+    // (run, legend, points, solid): one colour a run.
+    let mut curves: Vec<(usize, String, Vec<(f64, f64)>, bool)> = Vec::new();
+    for (run, (name, lines)) in runs.iter().enumerate() {
+        let (val, train_eval) = (series(lines, "val_loss"), series(lines, "train_eval_loss"));
+        if val.is_empty() && train_eval.is_empty() {
+            curves.push((run, format!("{name} train"), series(lines, "loss"), true));
+            continue;
+        }
+        curves.push((run, format!("{name} val"), val, true));
+        if !train_eval.is_empty() {
+            curves.push((run, format!("{name} train (eval)"), train_eval, false));
+        }
+    }
+    let all = curves.iter().flat_map(|(_, _, pts, _)| pts);
+    let (x1, y0, y1) = all.fold((1.0f64, f64::MAX, f64::MIN), |(x, lo, hi), &(s, v)| {
+        (x.max(s), lo.min(v), hi.max(v))
+    });
+    let root = SVGBackend::new(out, (W, H)).into_drawing_area();
+    root.fill(&WHITE).map_err(plot_err)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("loss", ("sans-serif", 20))
+        .margin(15)
+        .x_label_area_size(35)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0.0..x1, value_axis(y0, y1))
+        .map_err(plot_err)?;
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .y_desc("nats / token")
+        .draw()
+        .map_err(plot_err)?;
+    for (run, name, pts, solid) in curves {
+        let colour = palette(run);
+        let drawn = match solid {
+            true => chart.draw_series(LineSeries::new(pts, &colour)),
+            false => chart.draw_series(DashedLineSeries::new(pts, 6, 4, colour.into())),
+        };
+        drawn
+            .map_err(plot_err)?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], colour));
+    }
+    chart
+        .configure_series_labels()
+        .border_style(BLACK)
+        .draw()
+        .map_err(plot_err)?;
+    root.present().map_err(plot_err)?;
+    Ok(out.to_path_buf())
 }
 
 const W: u32 = 900;
@@ -244,6 +344,44 @@ mod tests {
             parse("{\"step\":0,\"loss\":5}\n{\"step\":10,\"loss\":4}\n{\"step\":0,\"loss\":5}");
         let e = one_run(unnamed, &path).unwrap_err().to_string();
         assert!(e.contains("step 0 on line 3 follows step 10"), "{e}");
+    }
+
+    /// Several runs: each its own charts, and compare.svg in the first with a curve per
+    /// evaluated split of each run (its training loss where it has none), named by directory.
+    #[test]
+    fn several_runs_are_compared_on_one_chart() {
+        let root = tempfile::tempdir().unwrap();
+        let (a, b) = (root.path().join("mtrain"), root.path().join("torch"));
+        for (dir, text) in [
+            (&a, "{\"step\":0,\"loss\":5}\n{\"step\":9,\"loss\":3,\"train_eval_loss\":3.1,\"val_loss\":3.2}\n"),
+            (&b, "{\"step\":0,\"loss\":5.1}\n{\"step\":9,\"loss\":2.9}\n"),
+        ] {
+            std::fs::create_dir(dir).unwrap();
+            std::fs::write(dir.join("metrics.jsonl"), text).unwrap();
+        }
+        let args = PlotArgs {
+            run_dirs: vec![a.clone(), b.clone()],
+        };
+        let written = plot(&args).unwrap();
+        assert_eq!(
+            written,
+            [
+                a.join("loss.svg"),
+                b.join("loss.svg"),
+                a.join("compare.svg")
+            ]
+        );
+        let svg = std::fs::read_to_string(a.join("compare.svg")).unwrap();
+        for label in ["mtrain val", "mtrain train (eval)", "torch train"] {
+            assert!(svg.contains(label), "{label} missing from compare.svg");
+        }
+        assert!(!svg.contains("torch val"), "torch has no evaluation");
+        // One run: no comparison.
+        let one = plot(&PlotArgs {
+            run_dirs: vec![b.clone()],
+        })
+        .unwrap();
+        assert_eq!(one, [b.join("loss.svg")]);
     }
 
     /// A run of one step has one loss: the chart is drawn (it used to hang in plotters).

@@ -95,7 +95,11 @@ fn span_style(kind: &str) -> (RGBAColor, &'static str) {
 /// The Gantt chart of one pipeline step: a row per rank, a box per forward (F<mb>), backward
 /// (B<mb>), send, receive wait, and the idle gaps between them. Rows are aligned on the ranks'
 /// wall clocks (exact on one machine; across machines, up to their clock offset).
-pub(super) fn pipeline_chart(step: u64, rows: &[RankTimeline], out: &Path) -> anyhow::Result<PathBuf> {
+pub(super) fn pipeline_chart(
+    step: u64,
+    rows: &[RankTimeline],
+    out: &Path,
+) -> anyhow::Result<PathBuf> {
     let t0 = rows
         .iter()
         .map(|r| r.start_unix_ms)
