@@ -109,25 +109,8 @@ fn compare_chart(runs: &[(String, Vec<Value>)], out: &Path) -> anyhow::Result<Pa
             curves.push((run, format!("{name} train (eval)"), train_eval, false));
         }
     }
-    let all = curves.iter().flat_map(|(_, _, pts, _)| pts);
-    let (x1, y0, y1) = all.fold((1.0f64, f64::MAX, f64::MIN), |(x, lo, hi), &(s, v)| {
-        (x.max(s), lo.min(v), hi.max(v))
-    });
     let root = SVGBackend::new(out, (W, H)).into_drawing_area();
-    root.fill(&WHITE).map_err(plot_err)?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption("loss", ("sans-serif", 20))
-        .margin(15)
-        .x_label_area_size(35)
-        .y_label_area_size(50)
-        .build_cartesian_2d(0.0..x1, value_axis(y0, y1))
-        .map_err(plot_err)?;
-    chart
-        .configure_mesh()
-        .x_desc("step")
-        .y_desc("nats / token")
-        .draw()
-        .map_err(plot_err)?;
+    let mut chart = loss_axes(&root, curves.iter().flat_map(|(_, _, pts, _)| pts))?;
     for (run, name, pts, solid) in curves {
         let colour = palette(run);
         let drawn = match solid {
@@ -264,25 +247,8 @@ fn loss_chart(lines: &[Value], out: &Path) -> anyhow::Result<PathBuf> {
         .iter()
         .filter_map(|l| Some((num(l, "step"), l.get("val_loss")?.as_f64()?)))
         .collect();
-    let all = train.iter().chain(&val);
-    let (x1, y0, y1) = all.fold((1.0f64, f64::MAX, f64::MIN), |(x, lo, hi), &(s, v)| {
-        (x.max(s), lo.min(v), hi.max(v))
-    });
     let root = SVGBackend::new(out, (W, H)).into_drawing_area();
-    root.fill(&WHITE).map_err(plot_err)?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption("loss", ("sans-serif", 20))
-        .margin(15)
-        .x_label_area_size(35)
-        .y_label_area_size(50)
-        .build_cartesian_2d(0.0..x1, value_axis(y0, y1))
-        .map_err(plot_err)?;
-    chart
-        .configure_mesh()
-        .x_desc("step")
-        .y_desc("nats / token")
-        .draw()
-        .map_err(plot_err)?;
+    let mut chart = loss_axes(&root, train.iter().chain(&val))?;
     chart
         .draw_series(LineSeries::new(train, &palette(0)))
         .map_err(plot_err)?
@@ -300,6 +266,38 @@ fn loss_chart(lines: &[Value], out: &Path) -> anyhow::Result<PathBuf> {
         .map_err(plot_err)?;
     root.present().map_err(plot_err)?;
     Ok(out.to_path_buf())
+}
+
+/// A loss chart's axes on a white `root`: steps from 0 to the last of `points`, nats per token
+/// over their range.
+fn loss_axes<'a, 'b, 'p>(
+    root: &'a DrawingArea<SVGBackend<'b>, plotters::coord::Shift>,
+    points: impl Iterator<Item = &'p (f64, f64)>,
+) -> anyhow::Result<
+    ChartContext<
+        'a,
+        SVGBackend<'b>,
+        Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+    >,
+> {
+    let (x1, y0, y1) = points.fold((1.0f64, f64::MAX, f64::MIN), |(x, lo, hi), &(s, v)| {
+        (x.max(s), lo.min(v), hi.max(v))
+    });
+    root.fill(&WHITE).map_err(plot_err)?;
+    let mut chart = ChartBuilder::on(root)
+        .caption("loss", ("sans-serif", 20))
+        .margin(15)
+        .x_label_area_size(35)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0.0..x1, value_axis(y0, y1))
+        .map_err(plot_err)?;
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .y_desc("nats / token")
+        .draw()
+        .map_err(plot_err)?;
+    Ok(chart)
 }
 
 /// The range of a value axis showing `lo..=hi` with 5% margins. A single value (a one-step run)
