@@ -101,20 +101,26 @@ pub fn backward_residual(
     rstd: &Tensor,
     res: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    if res.dims() != x.dims() || res.dtype() != x.dtype() {
-        return Err(msg(format!(
-            "layer_norm backward: residual {:?} {:?} does not match x {:?} {:?}",
-            res.dims(),
-            res.dtype(),
-            x.dims(),
-            x.dtype()
-        )));
-    }
+    like_x("residual", res, x)?;
     if fuses(x, w, dy) {
         return fused_backward(x, w, dy, mean, rstd, Some(&res.contiguous()?));
     }
     let (dx, dw, db) = unfused_backward(x, w, dy, mean, rstd)?;
     Ok(((res + dx)?, dw, db))
+}
+
+/// An error naming `what` unless `t` has x's shape and dtype.
+fn like_x(what: &str, t: &Tensor, x: &Tensor) -> Result<()> {
+    if t.dims() == x.dims() && t.dtype() == x.dtype() {
+        return Ok(());
+    }
+    Err(msg(format!(
+        "layer_norm: {what} {:?} {:?} does not match x {:?} {:?}",
+        t.dims(),
+        t.dtype(),
+        x.dims(),
+        x.dtype()
+    )))
 }
 
 /// [`backward`] without the fused kernels: the one-pass CPU loops, else candle ops.
@@ -351,15 +357,7 @@ mod imp {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let dev = device(x)?;
         let (n, c) = n_c(x.dims())?;
-        if dy.dims() != x.dims() || dy.dtype() != x.dtype() {
-            return Err(msg(format!(
-                "layer_norm: gradient {:?} {:?} does not match x {:?} {:?}",
-                dy.dims(),
-                dy.dtype(),
-                x.dims(),
-                x.dtype()
-            )));
-        }
+        super::like_x("gradient", dy, x)?;
         let (gx, ox) = storage(x, "x")?;
         let (gw, ow) = storage(w, "weight")?;
         let (gd, od) = storage(dy, "grad")?;
