@@ -12,6 +12,11 @@
 #      is the median over the rounds.
 # Then the ratios mtrain / PyTorch, with the load average at the start and the end.
 #
+# A busy machine measures the neighbour, so before every run the script waits (up to QUIET_WAIT
+# seconds, default 120) for the one-minute load average to fall to LOAD_LIMIT (default 0.5 per
+# core), records it before and after the run, and prints no ratio when any run started above the
+# limit: the figures are still printed, marked as taken on a busy machine.
+#
 # PARTS picks what runs ("train", "comm", or both, the default). COMPARE=PATH adds another
 # mtrain binary (the one before a change, say) to every all-reduce round, run in turn with the
 # others, and prints its busbw and the ratio of the two binaries next to gloo's; COMPARE_ARGS
@@ -23,7 +28,8 @@
 #
 # Usage: scripts/bench-cpu.sh   (env: ROUNDS=3 STEPS=60 WARMUP=10 THREADS=$(nproc) NPROCS="2 4"
 #                                ITERS=10 MAXBYTES=256M VENV= PARTS="train comm" COMPARE=
-#                                COMM_ARGS=--in-place COMPARE_ARGS=$COMM_ARGS)
+#                                COMM_ARGS=--in-place COMPARE_ARGS=$COMM_ARGS QUIET_WAIT=120
+#                                LOAD_LIMIT=0.5·nproc)
 # Results: printed; each run's raw output is kept in target/bench-cpu/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -67,6 +73,19 @@ PY="$VENV/bin/python"
 cargo build --release --workspace --bin mtrain
 MTRAIN=target/release/mtrain
 load() { cut -d' ' -f1-3 /proc/loadavg; }
+QUIET_WAIT=${QUIET_WAIT:-120}
+LOAD_LIMIT=${LOAD_LIMIT:-$(awk -v n="$(nproc)" 'BEGIN { print 0.5 * n }')}
+BUSY=() # "run: load" for every run that started above LOAD_LIMIT
+above_limit() { awk -v l="$(cut -d' ' -f1 /proc/loadavg)" -v m="$LOAD_LIMIT" 'BEGIN { exit !(l > m) }'; }
+# Wait for a quiet machine (at most QUIET_WAIT s), then note the load a run starts at.
+before_run() { # NAME
+    local waited=0
+    while above_limit && [ "$waited" -lt "$QUIET_WAIT" ]; do sleep 5; waited=$((waited + 5)); done
+    if above_limit; then BUSY+=("$1: $(cut -d' ' -f1 /proc/loadavg)"); fi
+    echo "$1: load before $(load)" >>"$OUT/load.log"
+}
+after_run() { echo "$1: load after $(load)" >>"$OUT/load.log"; }
+: >"$OUT/load.log"
 echo "== $(date -u '+%F %H:%M UTC'), $(nproc) cores, load average $(load); torch $("$PY" -c 'import torch; print(torch.__version__)') =="
 
 # --- training -----------------------------------------------------------------------------------
@@ -85,35 +104,46 @@ TRAIN_LINE="training: not run (PARTS='$PARTS')"
 MT=(); PT=()
 for round in $(part train && seq "$ROUNDS"); do
     RUN="$OUT/train-run"
+    before_run "train mtrain $round"
     RAYON_NUM_THREADS=$THREADS "$MTRAIN" --steps "$STEPS" --eval-every 0 --log-every 1 --run-dir "$RUN" --overwrite \
         >"$OUT/train-mtrain-$round.log" 2>&1
+    after_run "train mtrain $round"
     MT+=("$(mtrain_tok "$RUN/metrics.jsonl")")
+    before_run "train torch $round"
     "$PY" scripts/bench/torch_gpt_ref.py --device cpu --threads "$THREADS" --preset tiny --vocab 256 \
         --seq 64 --batch 16 --dtype fp32 --steps $((STEPS - WARMUP)) --warmup "$WARMUP" \
         --weight-decay 0.1 --grad-clip 1.0 >"$OUT/train-torch-$round.json" 2>"$OUT/train-torch-$round.log"
+    after_run "train torch $round"
     PT+=("$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["tokens_per_s"])' "$OUT/train-torch-$round.json")")
     echo "round $round: mtrain ${MT[-1]} tok/s, PyTorch ${PT[-1]} tok/s (load $(load))"
 done
 if part train; then
     MTM=$(median "${MT[@]}"); PTM=$(median "${PT[@]}")
     TRAIN_LINE="training, tiny preset, $THREADS threads: mtrain $MTM tok/s, PyTorch $PTM tok/s, ratio $("$PY" -c "print(f'{$MTM / $PTM:.2f}')")"
+    if [ "${#BUSY[@]}" -gt 0 ]; then
+        TRAIN_LINE="training, tiny preset, $THREADS threads: mtrain $MTM tok/s, PyTorch $PTM tok/s, ratio not reported (busy machine)"
+    fi
     echo "$TRAIN_LINE"
 fi
 
 # --- all-reduce ---------------------------------------------------------------------------------
 bench_comm() { # BINARY NAME RANKS ROUND ARGS
+    before_run "comm $2 $3 ranks $4"
     # shellcheck disable=SC2086 # ARGS are words
     "$1" --nproc-per-node "$3" bench-comm -b 1M -e "$MAXBYTES" -f 4 --op all-reduce \
         -n "$ITERS" -w 2 $5 --json "$OUT/comm-$2-$3-$4.json" >/dev/null 2>"$OUT/comm-$2-$3-$4.log"
+    after_run "comm $2 $3 ranks $4"
 }
 COMM_NPROCS=$(part comm && echo "$NPROCS" || true)
 for n in $COMM_NPROCS; do
     for round in $(seq "$ROUNDS"); do
         bench_comm "$MTRAIN" mtrain "$n" "$round" "$COMM_ARGS"
         if [ -n "$COMPARE" ]; then bench_comm "$COMPARE" compare "$n" "$round" "$COMPARE_ARGS"; fi
+        before_run "comm gloo $n ranks $round"
         "$VENV/bin/torchrun" --nproc_per_node "$n" --master_port "$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')" \
             scripts/bench/torch_comm_ref.py --backend gloo --op all-reduce -b 1M -e "$MAXBYTES" -f 4 \
             --iters "$ITERS" --warmup 2 >"$OUT/comm-gloo-$n-$round.txt" 2>"$OUT/comm-gloo-$n-$round.log"
+        after_run "comm gloo $n ranks $round"
         echo "all-reduce $n ranks, round $round done (load $(load))"
     done
 done
@@ -121,9 +151,15 @@ done
 echo
 echo "== $(date -u '+%F %H:%M UTC'), load average $(load) =="
 echo "$TRAIN_LINE"
-"$PY" - "$OUT" "$ROUNDS" "${COMPARE:+compare}" $COMM_NPROCS <<'PY'
+if [ "${#BUSY[@]}" -gt 0 ]; then
+    echo "busy machine: these runs started above the load limit $LOAD_LIMIT (after waiting ${QUIET_WAIT} s), so no ratio is reported:"
+    printf '  %s\n' "${BUSY[@]}"
+fi
+echo "load before and after each run: $OUT/load.log"
+"$PY" - "$OUT" "$ROUNDS" "${COMPARE:+compare}" "${#BUSY[@]}" $COMM_NPROCS <<'PY'
 import json, statistics, sys
-out, rounds, compare, nprocs = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+out, rounds, compare, busy, nprocs = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]) > 0, sys.argv[5:]
+ratio = lambda a, b: "-" if busy else f"{a / b:.2f}"  # no ratio from a busy machine
 for n in nprocs:
     mt, cmp, gl = {}, {}, {}
     for r in range(1, rounds + 1):
@@ -140,9 +176,9 @@ for n in nprocs:
     print(f"  {'MiB':>5} {'mtrain':>8} {'gloo':>8} {'ratio':>6}{extra}")
     for b in sorted(mt):
         m, g = statistics.median(mt[b]), statistics.median(gl.get(b, [float("nan")]))
-        line = f"  {b / 2**20:>5.0f} {m:>8.3f} {g:>8.3f} {m / g:>6.2f}"
+        line = f"  {b / 2**20:>5.0f} {m:>8.3f} {g:>8.3f} {ratio(m, g):>6}"
         if compare:
             c = statistics.median(cmp[b])
-            line += f" {c:>8.3f} {m / c:>6.2f} {c / g:>8.2f}"
+            line += f" {c:>8.3f} {ratio(m, c):>6} {ratio(c, g):>8}"
         print(line)
 PY
