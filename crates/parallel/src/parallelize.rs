@@ -92,7 +92,7 @@ pub fn parallelize(
 
     // 1. Tensor (or expert) parallelism: this rank's segments [embedding, h.0 …, head].
     let (segments, layout): (Vec<Arc<dyn Segment>>, Option<ShardLayout>) = if tp > 1 {
-        let m = tensor_parallel::build(cfg, weights, &mesh.tp, sp, device)?;
+        let m = tensor_parallel::build(cfg, weights, plan, &mesh.tp, sp, device)?;
         (m.segments, Some(m.layout))
     } else if ep > 1 {
         (

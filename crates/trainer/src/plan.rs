@@ -161,7 +161,7 @@ pub fn render_memory(plan: &ParallelPlan, ranks: &[RankMemory]) -> String {
 /// `mtrain plan`: print the grid, the plan's layers per stage
 /// ([`mtrain_parallel::parallelize::describe`]), each pipeline rank's memory
 /// ([`rank_memory`]) and the communication section, for the run
-/// configuration `cfg` on `layout` under `plan` (as [`crate::layout::plan`] built and checked it).
+/// configuration `cfg` on `layout` under `plan` (as [`crate::resolve::resolve`] built and checked it).
 pub fn run(
     cfg: &TrainConfig,
     layout: &Layout,

@@ -181,10 +181,9 @@ fn plan_prints_the_reports_analytic_figures() {
         // What `mtrain plan` computes and prints.
         let cli = Cli::try_parse_from(std::iter::once("mtrain").chain(flags.iter().copied()))
             .expect("parses");
-        let cfg = cli.config().expect("config");
-        let l = cli.layout.resolve(&cfg.parallel, None).expect("layout");
-        let plan = mtrain_trainer::layout::plan(&cfg, &l).expect("plan");
-        let planned = rank_memory(&cfg, &plan).expect("rank memory");
+        let r = mtrain_trainer::resolve::resolve(&cli, None).expect("resolves");
+        let (cfg, plan, l) = (r.run.cfg(), &r.run.plan, &r.layout);
+        let planned = rank_memory(cfg, plan).expect("rank memory");
         let mut plan_args = vec!["plan"];
         plan_args.extend_from_slice(&flags);
         let out = Command::new(MTRAIN)

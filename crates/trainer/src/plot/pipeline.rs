@@ -263,7 +263,7 @@ mod tests {
             ..ParallelPlan::new(MeshDims::new(1, 2, 1, 1))
         };
         let opts = RunOptions::of_plan(&cfg, plan).expect("a pp = 2 plan");
-        for r in run_local(2, Duration::from_secs(60), |b| run_with(&cfg, &b, &opts)) {
+        for r in run_local(2, Duration::from_secs(60), |b| run_with(&b, &opts)) {
             r.expect("pp = 2 run");
         }
         for rank in 0..2 {
