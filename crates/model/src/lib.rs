@@ -30,7 +30,7 @@ pub mod param;
 pub mod tape;
 
 pub use config::{ConfigError, GptConfig, MoeConfig};
-pub use engine::{Activations, Backward, Engine, Hooks, NoHooks};
+pub use engine::{Activations, Backward, Engine, HookResult, Hooks, NoHooks};
 pub use gpt::{Block, Embedding, Gpt, Head, Segment, SegmentOut};
 pub use init::init_weights;
 pub use layers::{CausalSelfAttention, DenseLinear, FeedForward, FfnOut, LayerNorm, Linear, Mlp};

@@ -56,7 +56,7 @@ use std::collections::BTreeSet;
 
 use candle_core::{DType, Shape, Tensor};
 use mtrain_comm::{chunk_range, Comm, CommError, Coords, ReduceOp};
-use mtrain_model::optim::{clip_coef, AdamW};
+use mtrain_model::optim::AdamW;
 use mtrain_model::{Engine, GptConfig, Grads, Hooks, MoeStats, Param};
 
 use crate::ddp::DpError;
@@ -66,7 +66,7 @@ use crate::pipeline::{PipelineError, PipelineExecutor, PipelineStages, StageHook
 use crate::placement::{is_expert_param, tp_placement, Placement};
 use crate::plan::{ParallelPlan, PlanError};
 use crate::tensor_parallel::{ShardLayout, TpError};
-use crate::toolbox::{sum_f64, CommStats, ModelStateBytes, StateError};
+use crate::toolbox::{clipped_step, sum_f64, CommStats, ModelStateBytes, StateError};
 
 pub(crate) mod grad_sync;
 
@@ -309,10 +309,9 @@ impl ParallelModel {
         lr: f64,
         max_grad_norm: Option<f64>,
     ) -> Result<f64> {
-        let norm = self.grad_norm_sq()?.sqrt();
-        let clip = max_grad_norm.map_or(1.0, |m| clip_coef(norm, m));
-        self.scaled_step(opt, lr, clip)?;
-        Ok(norm)
+        clipped_step(self.grad_norm_sq()?, max_grad_norm, |clip| {
+            self.scaled_step(opt, lr, clip)
+        })
     }
 
     /// Steps `opt` over this rank's parameters or shards with the gradients multiplied by

@@ -39,7 +39,7 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 use mtrain_comm::{Comm, CommError};
 use mtrain_model::gpt::Block;
-use mtrain_model::layers::{linear, LinearParts};
+use mtrain_model::layers::{linear, weight_and_bias, LinearParts};
 use mtrain_model::{CausalSelfAttention, GptConfig, LayerNorm, Linear, Mlp, Param, Segment};
 
 use crate::ops::gather_from_tp_region;
@@ -164,9 +164,7 @@ impl Linear for ColumnParallelLinear {
     }
 
     fn params(&self) -> Vec<Param> {
-        std::iter::once(self.weight.clone())
-            .chain(self.bias.clone())
-            .collect()
+        weight_and_bias(&self.weight, self.bias.as_ref())
     }
 
     /// f on the input (nothing when the sequence gather already ran); none with
@@ -176,10 +174,8 @@ impl Linear for ColumnParallelLinear {
             return None;
         }
         Some(LinearParts {
-            weight: &self.weight,
-            bias: self.bias.as_ref(),
             input: self.input.mapping().map(|m| m.over(&self.group)),
-            output: None,
+            ..LinearParts::dense(&self.weight, self.bias.as_ref())
         })
     }
 }
@@ -207,18 +203,14 @@ impl Linear for RowParallelLinear {
     }
 
     fn params(&self) -> Vec<Param> {
-        std::iter::once(self.weight.clone())
-            .chain(self.bias.clone())
-            .collect()
+        weight_and_bias(&self.weight, self.bias.as_ref())
     }
 
     /// g (or the sequence reduce-scatter) on the product, the bias after it.
     fn parts(&self) -> Option<LinearParts<'_>> {
         Some(LinearParts {
-            weight: &self.weight,
-            bias: self.bias.as_ref(),
-            input: None,
             output: Some(self.output.mapping().over(&self.group)),
+            ..LinearParts::dense(&self.weight, self.bias.as_ref())
         })
     }
 }
