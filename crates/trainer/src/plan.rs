@@ -109,16 +109,7 @@ pub fn rank_memory(cfg: &TrainConfig, plan: &ParallelPlan) -> anyhow::Result<Vec
             let n = rank_params(&model, plan, pp_rank)?;
             let state = ModelStateLayout::for_plan(n, plan);
             let act = ActivationLayout::for_plan(&model, plan, pp_rank, cfg.batch_size)?;
-            let step = step_memory(
-                &model,
-                &act,
-                &state,
-                cfg.seq_len,
-                cfg.dtype.candle().size_in_bytes(),
-                cfg.activation_checkpointing,
-                path,
-                cfg.grad_accum,
-            );
+            let step = step_memory(&model, &act, &state, cfg.step_run(path));
             let comm = bucket_bytes(plan, n);
             Ok(RankMemory {
                 pp_rank,

@@ -329,15 +329,8 @@ pub fn train_loop(
     let (peak, placeholder) = cfg.peak_flops();
     let layout = model.memory_layout();
     let analytic_of = |model: &dyn TrainableModel| {
-        let step = model.step_memory(
-            gcfg,
-            cfg.batch_size,
-            cfg.seq_len,
-            cfg.dtype.candle().size_in_bytes(),
-            cfg.activation_checkpointing,
-            BackwardPath::on(cfg.backward(), device),
-            cfg.grad_accum,
-        );
+        let run = cfg.step_run(BackwardPath::on(cfg.backward(), device));
+        let step = model.step_memory(gcfg, cfg.batch_size, run);
         AnalyticMemory::new(&model.memory_layout(), step, model.comm_bytes())
     };
     let analytic = analytic_of(model);

@@ -8,7 +8,7 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde_json::Value;
 
-use super::{num, palette, plot_err, read_lines, W};
+use super::{legend, num, palette, plot_err, read_lines, W};
 
 /// One rank's timeline of one step, read from `pipeline-rank{N}.jsonl`.
 pub(super) struct RankTimeline {
@@ -207,13 +207,7 @@ pub(super) fn pipeline_chart(
             .label(text)
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 15, y + 5)], color.filled()));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .border_style(BLACK)
-        .background_style(WHITE.mix(0.85))
-        .draw()
-        .map_err(plot_err)?;
+    legend(&mut chart, SeriesLabelPosition::UpperLeft)?;
     root.present().map_err(plot_err)?;
     Ok(out.to_path_buf())
 }
