@@ -15,7 +15,7 @@
 
 use clap::Args;
 use mtrain_comm::mesh::MeshDims;
-use mtrain_parallel::parallelize::ParallelPlan;
+use mtrain_parallel::parallelize::{ParallelPlan, ValidPlan};
 
 use crate::config::DeviceKind;
 use crate::config::{TrainArgs, TrainConfig};
@@ -156,7 +156,7 @@ pub fn render_memory(plan: &ParallelPlan, ranks: &[RankMemory]) -> String {
 pub fn run(
     cfg: &TrainConfig,
     layout: &Layout,
-    plan: &ParallelPlan,
+    plan: &ValidPlan,
     args: &PlanArgs,
 ) -> anyhow::Result<()> {
     print!("{}", render(cfg, layout)?);
