@@ -40,10 +40,11 @@
 //! The loop asks for it ([`ParallelModel::grad_norm_sq`]) and passes the clip coefficient to
 //! [`ParallelModel::scaled_step`], which uses it as given.
 //!
-//! **One sync interface** ([`grad_sync`]). Which of these a step runs — DDP's buckets, one average
-//! per parameter, the average after the flush, ZeRO's hooks — which gradient elements a rank counts
-//! in the norm and what the optimizer steps are chosen there, by the replicas' kind; this file
-//! calls the executor once, with the sync's hooks, and asks the sync for the rest.
+//! **One sync interface** ([`grad_sync`]). What differs by the replicas' kind is chosen there: the
+//! hooks a step runs (DDP's buckets, one average per parameter, the average after the flush, ZeRO's
+//! hooks), the fix-ups on full gradients or on shards, which elements a rank counts in the norm,
+//! and what the optimizer steps. This file calls the executor once, with the sync's hooks, and
+//! asks the sync for the rest.
 //!
 //! **Mixed precision** ([`ParallelPlan::precision`]). Gradients are cast to the reduce dtype before
 //! the first reduction (dp, sequence-parallel sums, tied `wte`); ZeRO reduce-scatters in it; AdamW
