@@ -43,23 +43,26 @@ use crate::param::Grads;
 use crate::tape::Tape;
 use std::sync::Arc;
 
+/// What a hook returns: an error stops the pass.
+pub type HookResult = Result<()>;
+
 /// Callbacks around each segment; every method defaults to doing nothing.
 pub trait Hooks {
     /// Before segment `i`'s forward.
-    fn pre_forward(&mut self, _i: usize, _seg: &dyn Segment) -> Result<()> {
+    fn pre_forward(&mut self, _i: usize, _seg: &dyn Segment) -> HookResult {
         Ok(())
     }
     /// After segment `i`'s forward (FSDP may put its placeholder back here when checkpointing,
     /// since then nothing recorded holds the gathered weight).
-    fn post_forward(&mut self, _i: usize, _seg: &dyn Segment) -> Result<()> {
+    fn post_forward(&mut self, _i: usize, _seg: &dyn Segment) -> HookResult {
         Ok(())
     }
     /// Before segment `i`'s backward (and before its recompute under checkpointing).
-    fn pre_backward(&mut self, _i: usize, _seg: &dyn Segment) -> Result<()> {
+    fn pre_backward(&mut self, _i: usize, _seg: &dyn Segment) -> HookResult {
         Ok(())
     }
     /// Segment `i`'s parameter gradients have been added to `grads`.
-    fn post_backward(&mut self, _i: usize, _seg: &dyn Segment, _grads: &mut Grads) -> Result<()> {
+    fn post_backward(&mut self, _i: usize, _seg: &dyn Segment, _grads: &mut Grads) -> HookResult {
         Ok(())
     }
 }

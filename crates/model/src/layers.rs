@@ -63,6 +63,27 @@ pub struct LinearParts<'a> {
     pub output: Option<Arc<dyn Collective>>,
 }
 
+impl<'a> LinearParts<'a> {
+    /// `weight` and `bias` with no collective around the matmul (a dense layer); a parallel
+    /// layer sets its collective over it.
+    pub fn dense(weight: &'a Param, bias: Option<&'a Param>) -> Self {
+        Self {
+            weight,
+            bias,
+            input: None,
+            output: None,
+        }
+    }
+}
+
+/// A linear layer's parameters, in the order every [`Linear::params`] gives them: the weight,
+/// then the bias.
+pub fn weight_and_bias(weight: &Param, bias: Option<&Param>) -> Vec<Param> {
+    std::iter::once(weight.clone())
+        .chain(bias.cloned())
+        .collect()
+}
+
 /// The ordinary fully connected layer `y = x Wᵀ + b`.
 pub struct DenseLinear {
     /// (out, in)
@@ -84,18 +105,11 @@ impl Linear for DenseLinear {
     }
 
     fn params(&self) -> Vec<Param> {
-        std::iter::once(self.weight.clone())
-            .chain(self.bias.clone())
-            .collect()
+        weight_and_bias(&self.weight, self.bias.as_ref())
     }
 
     fn parts(&self) -> Option<LinearParts<'_>> {
-        Some(LinearParts {
-            weight: &self.weight,
-            bias: self.bias.as_ref(),
-            input: None,
-            output: None,
-        })
+        Some(LinearParts::dense(&self.weight, self.bias.as_ref()))
     }
 }
 

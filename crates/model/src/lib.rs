@@ -8,7 +8,8 @@
 //! - [`param`]: `Param` (a name and a swappable `Var`) and `Grads` (gradients by name).
 //! - [`init`]: layout-independent initialisation, one RNG per tensor name.
 //! - [`layers`]: `Linear`, `LayerNorm`, `Mlp`, `CausalSelfAttention`, the `FeedForward` trait.
-//! - [`moe`]: top-k routing with capacity, the experts layer and its auxiliary losses.
+//! - [`moe`]: top-k routing with capacity, the one experts layer (all experts here, or a rank's
+//!   with the group's exchange) and its auxiliary losses.
 //! - [`gpt`]: the model as a list of segments (embedding, blocks, head).
 //! - [`tape`]: `Tape`, what a segment's graph-free forward keeps for its hand-written backward;
 //!   `Collective` and `Exchange`, the communication a sharded layer hands its tape.
@@ -30,7 +31,7 @@ pub mod param;
 pub mod tape;
 
 pub use config::{ConfigError, GptConfig, MoeConfig};
-pub use engine::{Activations, Backward, Engine, Hooks, NoHooks};
+pub use engine::{Activations, Backward, Engine, HookResult, Hooks, NoHooks};
 pub use gpt::{Block, Embedding, Gpt, Head, Segment, SegmentOut};
 pub use init::init_weights;
 pub use layers::{CausalSelfAttention, DenseLinear, FeedForward, FfnOut, LayerNorm, Linear, Mlp};

@@ -24,8 +24,12 @@
 //! [`route`], [`load_balancing_loss`] and [`z_loss`] are the pieces expert parallelism calls on
 //! the same inputs, so routing and drops are identical across layouts; [`Permutation`] (the
 //! kept pairs as rows, by expert) and [`ExpertMajor`] (received rows in the order the experts
-//! run) are the layouts its autograd path and every MoE tape share. The hand-written backward
-//! of this layer and of the expert-parallel one is `explicit/moe.rs`.
+//! run) are the layouts its autograd path and every MoE tape share. The layer is written once:
+//! on one device its experts are all here and the rows go nowhere; under expert parallelism
+//! ([`MoeLayer::over`]) it holds its rank's experts and the rows travel through the group's
+//! [`Exchange`] (the parallel crate's). Its hand-written backward is `explicit/moe.rs`.
+
+use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor, D};
 
@@ -34,6 +38,7 @@ use mtrain_kernels::plain::{log_softmax_last_dim, softmax_last_dim, upcast};
 use crate::config::MoeConfig;
 use crate::layers::{linear, FeedForward, FfnOut, Mlp, MoeParts};
 use crate::param::Param;
+use crate::tape::Exchange;
 
 pub mod stats;
 pub use stats::MoeStats;
@@ -290,21 +295,53 @@ impl ExpertMajor {
     }
 }
 
-/// Mixture-of-experts feed-forward layer (replaces a block's [`Mlp`]).
+/// Mixture-of-experts feed-forward layer (replaces a block's [`Mlp`]): on one device every
+/// expert is here; under expert parallelism this rank's `E / ranks` experts and the group's row
+/// exchange ([`MoeLayer::over`]). One forward serves both: the kept rows go to their experts
+/// (the exchange's dispatch, or nowhere on one device), run expert by expert, come back (its
+/// combine) and are added to their tokens weighted by their gates.
 pub struct MoeLayer {
-    /// (E, C)
+    /// (E, C), the whole router on every rank.
     pub router: Param,
+    /// The experts held here, in global expert order: all E, or rank p's `p · E_l .. (p + 1) · E_l`.
     pub experts: Vec<Mlp>,
     pub cfg: MoeConfig,
+    /// The expert-parallel group's row exchange; None: every expert is here.
+    pub exchange: Option<Arc<dyn Exchange>>,
 }
 
 impl MoeLayer {
+    /// Every expert on this device.
     pub fn new(router: Param, experts: Vec<Mlp>, cfg: MoeConfig) -> Self {
         Self {
             router,
             experts,
             cfg,
+            exchange: None,
         }
+    }
+
+    /// This rank's experts of a layer spread over `exchange`'s group (`E / ranks` each).
+    pub fn over(
+        router: Param,
+        experts: Vec<Mlp>,
+        cfg: MoeConfig,
+        exchange: Arc<dyn Exchange>,
+    ) -> Result<Self> {
+        let ranks = exchange.size();
+        if ranks == 0 || experts.len() * ranks != cfg.n_experts {
+            return Err(candle_core::Error::Msg(format!(
+                "moe: {} experts here over {ranks} ranks do not make n_experts {}",
+                experts.len(),
+                cfg.n_experts
+            )));
+        }
+        Ok(Self {
+            router,
+            experts,
+            cfg,
+            exchange: Some(exchange),
+        })
     }
 
     /// The coefficient-weighted auxiliary loss, or None when both coefficients are zero.
@@ -315,6 +352,26 @@ impl MoeLayer {
         plan: &RoutingPlan,
     ) -> Result<Option<Tensor>> {
         aux_loss(&self.cfg, logits, probs, plan)
+    }
+
+    /// Runs the experts held here on the received rows (R, C), laid out [source rank][local
+    /// expert] as `slabs` says; returns (R, C) in that layout.
+    fn run_local_experts(&self, x_recv: &Tensor, slabs: &ExpertMajor) -> Result<Tensor> {
+        if x_recv.dim(0)? == 0 {
+            // Nothing arrived; the (0, C) input stands in for the output so the combine
+            // all-to-all is still recorded and its backward still runs on this rank.
+            return Ok(x_recv.clone());
+        }
+        let x_sorted = slabs.sort(x_recv)?; // (R, C) by expert
+        let mut outs = Vec::with_capacity(self.experts.len());
+        let mut at = 0;
+        for (expert, &n_j) in self.experts.iter().zip(slabs.rows()) {
+            if n_j > 0 {
+                outs.push(expert.apply(&x_sorted.narrow(0, at, n_j)?)?); // (n_j, C)
+                at += n_j;
+            }
+        }
+        slabs.unsort(&Tensor::cat(&outs, 0)?) // (R, C) by source rank
     }
 }
 
@@ -343,6 +400,7 @@ pub fn aux_loss(
 
 impl FeedForward for MoeLayer {
     fn forward(&self, x: &Tensor) -> Result<FfnOut> {
+        let (el, e_total) = (self.experts.len(), self.cfg.n_experts);
         let dims = x.dims().to_vec();
         let c = *dims
             .last()
@@ -350,32 +408,53 @@ impl FeedForward for MoeLayer {
         let n = x.elem_count() / c.max(1);
         let xf = x.reshape((n, c))?; // (N, C)
         let (logits, probs) = router_probs(&xf, &self.router.tensor())?; // (N, E)
-        if probs.dim(1)? != self.experts.len() {
+        let ranks = self.exchange.as_ref().map_or(1, |ex| ex.size());
+        if probs.dim(1)? != e_total || el * ranks != e_total {
             return Err(candle_core::Error::Msg(format!(
-                "moe: router has {} outputs but the layer holds {} experts",
+                "moe: router has {} outputs, moe.n_experts is {e_total}, and the layer holds {el} \
+                 experts on each of {ranks} ranks",
                 probs.dim(1)?,
-                self.experts.len()
             )));
         }
         let plan = route(&probs, self.cfg.top_k, self.cfg.capacity_factor)?;
-        let mut out = xf.zeros_like()?; // (N, C)
-        for (e, expert) in self.experts.iter().enumerate() {
-            let tokens = plan.tokens_of(e);
-            if tokens.is_empty() {
-                continue;
-            }
-            let idx = Tensor::from_vec(tokens.clone(), tokens.len(), x.device())?; // (n_e,)
-            let ye = expert.apply(&xf.index_select(&idx, 0)?)?; // (n_e, C)
-            let gate = probs
-                .index_select(&idx, 0)?
-                .narrow(1, e, 1)?
-                .to_dtype(ye.dtype())?; // (n_e, 1)
-            out = out.index_add(&idx, &ye.broadcast_mul(&gate)?, 0)?;
-        }
-        let aux_loss = self.aux_loss(&logits, &probs, &plan)?;
+
+        // Permute: kept pairs grouped by expert, hence by destination rank; `send` (ranks,).
+        let perm = Permutation::of(&plan);
+        let send = perm.splits(el);
+        // Counts: how many rows every rank sends to each of the experts held here.
+        let recv_counts = match &self.exchange {
+            Some(ex) => ex.counts(&perm.counts)?,
+            None => perm.counts.clone(),
+        };
+        let slabs = ExpertMajor::of(&recv_counts, el)?;
+        let recv = slabs.sources().to_vec(); // (ranks,)
+
+        let dev = x.device();
+        let s_rows = perm.tokens.len();
+        let idx = Tensor::from_vec(perm.tokens, s_rows, dev)?; // (S,)
+        let x_perm = xf.index_select(&idx, 0)?; // (S, C)
+        let x_recv = match &self.exchange {
+            Some(ex) => ex.dispatch(&x_perm, &send, &recv)?, // (R, C)
+            None => x_perm,
+        };
+        let y_recv = self.run_local_experts(&x_recv, &slabs)?; // (R, C)
+        let y_back = match &self.exchange {
+            Some(ex) => ex.combine(&y_recv, &send, &recv)?, // (S, C)
+            None => y_recv,
+        };
+
+        // Un-permute, weighting each row by its (token, expert) router probability.
+        let gate = probs
+            .flatten_all()?
+            .index_select(&Tensor::from_vec(perm.gate_at, s_rows, dev)?, 0)?
+            .reshape((s_rows, 1))?
+            .to_dtype(y_back.dtype())?; // (S, 1)
+        let out = xf
+            .zeros_like()?
+            .index_add(&idx, &y_back.broadcast_mul(&gate)?, 0)?; // (N, C)
         Ok(FfnOut {
             out: out.reshape(dims)?,
-            aux_loss,
+            aux_loss: self.aux_loss(&logits, &probs, &plan)?,
             stats: Some(plan.stats()),
         })
     }
@@ -393,7 +472,7 @@ impl FeedForward for MoeLayer {
             router: &self.router,
             experts: &self.experts,
             cfg: &self.cfg,
-            exchange: None,
+            exchange: self.exchange.clone(),
         })
     }
 }

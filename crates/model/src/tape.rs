@@ -63,4 +63,9 @@ pub trait Exchange: Send + Sync {
     /// The rows all-to-all: block p of x (`send[p]` rows, F) goes to rank p; returns the
     /// blocks received from ranks 0, 1, … (`recv[s]` rows each).
     fn rows(&self, x: &Tensor, send: &[usize], recv: &[usize]) -> Result<Tensor>;
+    /// The dispatch as the autograd path records it: [`Exchange::rows`] of x (S, F) by the
+    /// dispatch's splits, whose backward sends the gradient back the reverse way.
+    fn dispatch(&self, x: &Tensor, send: &[usize], recv: &[usize]) -> Result<Tensor>;
+    /// The combine, recorded likewise: y (R, F) back by the dispatch's splits swapped.
+    fn combine(&self, y: &Tensor, send: &[usize], recv: &[usize]) -> Result<Tensor>;
 }

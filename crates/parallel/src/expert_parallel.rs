@@ -39,13 +39,16 @@
 //! for a plan with `ep > 1` (`parallelize`, dp-only plans included); [`sync_grads`] is the
 //! average on its own, after a backward.
 //!
-//! The hand-written backward (`mtrain_model::explicit`'s MoE tape, which the engine runs
-//! wherever it runs the other tapes) takes this layer apart ([`FeedForward::moe_parts`]) with
-//! its ep group as an [`EpExchange`]: the same counts, dispatch and combine all-to-alls in
-//! its forward, and in its backward the dispatch of the gradient where the combine was and
-//! the combine where the dispatch was. Both paths build the rows by
-//! [`mtrain_model::moe::Permutation`] and run the experts in
-//! [`mtrain_model::moe::ExpertMajor`] order, so they issue the same collectives.
+//! **One layer.** The layer is the model's own ([`MoeLayer`], written once in
+//! `mtrain_model::moe`): [`moe_layer`] gives it this rank's experts and the ep group as an
+//! [`EpExchange`], through which its forward sends the counts and the rows (the differentiable
+//! all-to-all on the autograd path). The hand-written backward (`mtrain_model::explicit`'s MoE
+//! tape, which the engine runs wherever it runs the other tapes) takes the same layer apart
+//! (`FeedForward::moe_parts`) with the same exchange: the counts, dispatch and combine
+//! all-to-alls in its forward, and in its backward the dispatch of the gradient where the
+//! combine was and the combine where the dispatch was. Both paths build the rows by
+//! [`mtrain_model::moe::Permutation`] and run the experts in [`mtrain_model::moe::ExpertMajor`]
+//! order, so they issue the same collectives.
 //!
 //! Legend: `N` local tokens, `C` width, `E` experts, `E_l = E / ep` local experts, `S` rows this
 //! rank sends (its kept pairs), `R` rows it receives.
@@ -59,12 +62,9 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 use mtrain_comm::{Comm, CommError, ReduceOp};
 use mtrain_model::gpt::{Embedding, Head, ParamStore};
-use mtrain_model::layers::{FeedForward, FfnOut, MoeParts};
-use mtrain_model::moe::{aux_loss, route, router_probs, ExpertMajor, Permutation};
-use mtrain_model::tape::Exchange;
 use mtrain_model::{
     Block, CausalSelfAttention, DenseLinear, GptConfig, LayerNorm, Linear, Mlp, MoeConfig,
-    MoeStats, Param, Segment,
+    MoeLayer, MoeStats, Param, Segment,
 };
 
 pub use crate::ddp::average::sync_grads;
@@ -103,143 +103,25 @@ pub fn local_experts(cfg: &MoeConfig, ep: usize) -> Result<usize> {
     Ok(cfg.n_experts / ep)
 }
 
-/// An MoE layer whose experts live across the ep group; this rank holds experts
-/// `ep_rank · E_l .. (ep_rank + 1) · E_l`.
-pub struct ExpertParallelMoe {
-    /// (E, C), replicated on every rank.
-    pub router: Param,
-    /// This rank's experts, in global expert order.
-    pub experts: Vec<Mlp>,
-    pub cfg: MoeConfig,
-    pub ep: Comm,
-}
-
-impl ExpertParallelMoe {
-    /// `experts` are this rank's `cfg.n_experts / ep.size()` experts.
-    pub fn new(router: Param, experts: Vec<Mlp>, cfg: MoeConfig, ep: Comm) -> Result<Self> {
-        let el = local_experts(&cfg, ep.size())?;
-        if experts.len() != el {
-            return Err(EpError::Layout(format!(
-                "ep rank {} got {} experts, expected n_experts {} / ep {} = {el}",
-                ep.rank(),
-                experts.len(),
-                cfg.n_experts,
-                ep.size()
-            )));
-        }
-        Ok(Self {
-            router,
-            experts,
-            cfg,
-            ep,
-        })
+/// The model's MoE layer ([`MoeLayer`]) with its experts across the ep group: this rank holds
+/// experts `ep_rank · E_l .. (ep_rank + 1) · E_l` (`experts`, `cfg.n_experts / ep.size()` of
+/// them), the router whole, and the rows travel over `ep` ([`EpExchange`]).
+pub fn moe_layer(router: Param, experts: Vec<Mlp>, cfg: MoeConfig, ep: Comm) -> Result<MoeLayer> {
+    let el = local_experts(&cfg, ep.size())?;
+    if experts.len() != el {
+        return Err(EpError::Layout(format!(
+            "ep rank {} got {} experts, expected n_experts {} / ep {} = {el}",
+            ep.rank(),
+            experts.len(),
+            cfg.n_experts,
+            ep.size()
+        )));
     }
-
-    /// Runs the local experts on the received rows (R, C), laid out [source rank][local expert]
-    /// as `slabs` says; returns (R, C) in that layout.
-    fn run_local_experts(
-        &self,
-        x_recv: &Tensor,
-        slabs: &ExpertMajor,
-    ) -> candle_core::Result<Tensor> {
-        if x_recv.dim(0)? == 0 {
-            // Nothing arrived; the (0, C) input stands in for the output so the combine
-            // all-to-all is still recorded and its backward still runs on this rank.
-            return Ok(x_recv.clone());
-        }
-        let x_sorted = slabs.sort(x_recv)?; // (R, C) by expert
-        let mut outs = Vec::with_capacity(self.experts.len());
-        let mut at = 0;
-        for (expert, &n_j) in self.experts.iter().zip(slabs.rows()) {
-            if n_j > 0 {
-                outs.push(expert.apply(&x_sorted.narrow(0, at, n_j)?)?); // (n_j, C)
-                at += n_j;
-            }
-        }
-        slabs.unsort(&Tensor::cat(&outs, 0)?) // (R, C) by source rank
-    }
-
-    /// The ep group as the tapes and the counts exchange take it.
-    fn exchange(&self) -> EpExchange {
-        EpExchange {
-            group: self.ep.clone(),
-            device: self.router.tensor().device().clone(),
-        }
-    }
-}
-
-fn msg(s: String) -> candle_core::Error {
-    candle_core::Error::Msg(s)
-}
-
-impl FeedForward for ExpertParallelMoe {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<FfnOut> {
-        let (el, e_total) = (self.experts.len(), self.cfg.n_experts);
-        let dims = x.dims().to_vec();
-        let c = *dims
-            .last()
-            .ok_or_else(|| msg("expert-parallel moe: scalar input".into()))?;
-        let n = x.elem_count() / c.max(1);
-        let xf = x.reshape((n, c))?; // (N, C)
-        let (logits, probs) = router_probs(&xf, &self.router.tensor())?; // (N, E)
-        if probs.dim(1)? != e_total {
-            return Err(msg(format!(
-                "expert-parallel moe: router has {} outputs but moe.n_experts is {e_total}",
-                probs.dim(1)?
-            )));
-        }
-        let plan = route(&probs, self.cfg.top_k, self.cfg.capacity_factor)?;
-
-        // Permute: kept pairs grouped by expert, hence by destination rank.
-        let perm = Permutation::of(&plan);
-        let send_splits = perm.splits(el); // (ep,)
-                                           // Exchange counts: rank s learns how many rows every peer sends to each of its experts.
-        let slabs = ExpertMajor::of(&self.exchange().counts(&perm.counts)?, el)?;
-        let recv_splits = slabs.sources().to_vec(); // (ep,)
-
-        let dev = x.device();
-        let s_rows = perm.tokens.len();
-        let idx = Tensor::from_vec(perm.tokens, s_rows, dev)?; // (S,)
-        let x_perm = xf.index_select(&idx, 0)?; // (S, C)
-        let (send, recv) = (&send_splits, &recv_splits);
-        let x_recv = MoeExchange::Dispatch.run(&x_perm, send, recv, &self.ep)?; // (R, C)
-        let y_recv = self.run_local_experts(&x_recv, &slabs)?; // (R, C)
-        let y_back = MoeExchange::Combine.run(&y_recv, send, recv, &self.ep)?; // (S, C)
-
-        // Un-permute, weighting each row by its (token, expert) router probability.
-        let gate = probs
-            .flatten_all()?
-            .index_select(&Tensor::from_vec(perm.gate_at, s_rows, dev)?, 0)?
-            .reshape((s_rows, 1))?
-            .to_dtype(y_back.dtype())?; // (S, 1)
-        let out = xf
-            .zeros_like()?
-            .index_add(&idx, &y_back.broadcast_mul(&gate)?, 0)?; // (N, C)
-        Ok(FfnOut {
-            out: out.reshape(dims)?,
-            aux_loss: aux_loss(&self.cfg, &logits, &probs, &plan)?,
-            stats: Some(plan.stats()),
-        })
-    }
-
-    fn params(&self) -> Vec<Param> {
-        let mut p = vec![self.router.clone()];
-        for e in &self.experts {
-            p.extend(e.params());
-        }
-        p
-    }
-
-    /// The router, this rank's experts and the ep group's exchange: the block's tape runs the
-    /// dispatch and combine all-to-alls, and their conjugates in its backward.
-    fn moe_parts(&self) -> Option<MoeParts<'_>> {
-        Some(MoeParts {
-            router: &self.router,
-            experts: &self.experts,
-            cfg: &self.cfg,
-            exchange: Some(Arc::new(self.exchange())),
-        })
-    }
+    let exchange = EpExchange {
+        device: router.tensor().device().clone(),
+        group: ep,
+    };
+    Ok(MoeLayer::over(router, experts, cfg, Arc::new(exchange))?)
 }
 
 /// This rank's segments `[embedding, h.0 … h.{L-1}, head]` of an expert-parallel MoE GPT over
@@ -252,7 +134,6 @@ pub fn build_segments(
     ep: &Comm,
     device: &Device,
 ) -> Result<Vec<Arc<dyn Segment>>> {
-    cfg.validate().map_err(candle_core::Error::wrap)?;
     let moe = cfg.moe.as_ref().ok_or(EpError::NotMoe)?;
     let el = local_experts(moe, ep.size())?;
     let mine = ep.rank() * el..(ep.rank() + 1) * el;
@@ -300,7 +181,7 @@ pub fn build_segments(
                 ))
             })
             .collect::<Result<Vec<_>>>()?;
-        let ffn = ExpertParallelMoe::new(
+        let ffn = moe_layer(
             get(&format!("{h}.moe.router.weight"))?,
             experts,
             moe.clone(),

@@ -57,7 +57,7 @@ use std::time::Instant;
 use candle_core::{DType, Tensor};
 use mtrain_comm::{Comm, ReduceOp};
 use mtrain_model::optim::{AdamW, AdamWState, OptimItem};
-use mtrain_model::{Engine, Grads, Hooks, Param, Segment};
+use mtrain_model::{Engine, Grads, HookResult, Hooks, Param, Segment};
 
 use crate::ddp::{verify_same_init, DataParallel, DpError, Result};
 use crate::mixed_precision::{MasterWeights, MixedPrecision};
@@ -339,18 +339,13 @@ impl FsdpHooks<'_> {
 }
 
 impl Hooks for FsdpHooks<'_> {
-    fn pre_forward(&mut self, i: usize, seg: &dyn Segment) -> candle_core::Result<()> {
+    fn pre_forward(&mut self, i: usize, seg: &dyn Segment) -> HookResult {
         self.sched.pre_forward(i, seg)
     }
-    fn pre_backward(&mut self, i: usize, seg: &dyn Segment) -> candle_core::Result<()> {
+    fn pre_backward(&mut self, i: usize, seg: &dyn Segment) -> HookResult {
         self.sched.pre_backward(i, seg)
     }
-    fn post_backward(
-        &mut self,
-        i: usize,
-        seg: &dyn Segment,
-        grads: &mut Grads,
-    ) -> candle_core::Result<()> {
+    fn post_backward(&mut self, i: usize, seg: &dyn Segment, grads: &mut Grads) -> HookResult {
         self.sched.post_backward(i, seg, grads)
     }
 }

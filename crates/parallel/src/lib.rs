@@ -28,7 +28,9 @@
 //!   memory model, `describe` and the per-rank counts read it.
 //! - [`parallelize`]: the builder, TP -> PP split -> EP -> DDP/ZeRO from a plan, on one screen.
 //! - [`runtime`]: [`runtime::ParallelModel`]'s training step (micro-steps through the pipeline
-//!   executor, the fix-ups after the dp average, one global norm, the optimizer step).
+//!   executor, one global norm, the optimizer step), and `runtime/grad_sync.rs`, the one
+//!   gradient-sync interface every kind of data parallelism answers (hooks, the fix-ups after
+//!   the dp average, the norm's count, the optimizer's items).
 //! - [`state`]: the layout-independent state (gather to full tensors, reshard into any plan);
 //!   apart from the step because checkpoints and parity checks use it and the loop does not.
 //! - [`comm_cost`]: the α-β model of what a layout sends per step and how long it should take.

@@ -49,7 +49,7 @@ use crate::fsdp::Fsdp;
 use crate::holdings::Holdings;
 use crate::pipeline::{PipelineError, PipelineExecutor, PipelineStages, Schedule};
 use crate::placement::is_expert_param;
-use crate::runtime::Replicas;
+use crate::runtime::{FullReplicas, Replicas};
 use crate::tensor_parallel::{self, ShardLayout};
 use crate::toolbox::final_after;
 
@@ -92,7 +92,7 @@ pub fn parallelize(
 
     // 1. Tensor (or expert) parallelism: this rank's segments [embedding, h.0 …, head].
     let (segments, layout): (Vec<Arc<dyn Segment>>, Option<ShardLayout>) = if tp > 1 {
-        let m = tensor_parallel::build(cfg, weights, &mesh.tp, sp, device)?;
+        let m = tensor_parallel::build(cfg, weights, plan, &mesh.tp, sp, device)?;
         (m.segments, Some(m.layout))
     } else if ep > 1 {
         (
@@ -149,18 +149,19 @@ pub fn parallelize(
                 .partition(|p| is_expert_param(p.name()));
             verify_same_init(&mesh.dp, &dense)?;
             verify_same_init(&mesh.edp, &experts)?;
-            Replicas::Full
+            // DDP of one stage averages its gradients in buckets, as the backward makes them
+            // final.
+            let buckets = match plan.dp_buckets() {
+                Some(d) => assign_buckets(
+                    &params,
+                    &final_after(&stages.chunks()[0].segments),
+                    d.first_bucket_cap_bytes,
+                    d.bucket_cap_bytes,
+                ),
+                None => Vec::new(),
+            };
+            Replicas::Full(FullReplicas::new(buckets))
         }
-    };
-    // DDP of one stage averages its gradients in buckets, as the backward makes them final.
-    let buckets = match plan.dp_buckets() {
-        Some(d) => assign_buckets(
-            &params,
-            &final_after(&stages.chunks()[0].segments),
-            d.first_bucket_cap_bytes,
-            d.bucket_cap_bytes,
-        ),
-        None => Vec::new(),
     };
     let mut pm = ParallelModel {
         plan: ParallelPlan::clone(plan),
@@ -179,13 +180,9 @@ pub fn parallelize(
         tied,
         params,
         replicas,
-        buckets,
-        masters: None,
         grads: Grads::new(),
         current: CommStats::default(),
-        reduced: false,
         last: CommStats::default(),
-        dp_timer: None,
     };
     if plan.precision.is_mixed() {
         pm.attach_masters(fp32_weights)?;

@@ -1,6 +1,6 @@
-//! The training step of a composed model: one micro-step's pipeline pass with the strategy's
-//! hooks, the gradient fix-ups after the data-parallel reduction, the global gradient norm and
-//! the optimizer step. [`ParallelModel`] is what [`crate::parallelize::parallelize`] builds; its
+//! The training step of a composed model: one micro-step's pipeline pass with the strategy's hooks,
+//! the gradient fix-ups after the data-parallel reduction, the global gradient norm and the
+//! optimizer step. [`ParallelModel`] is what [`crate::parallelize::parallelize`] builds; its
 //! layout-independent state (gather, reshard) is in [`crate::state`].
 //!
 //! ```text
@@ -15,14 +15,14 @@
 //!
 //! **Data parallelism under the pipeline.** The executor runs the engine's passes; it hands each
 //! pass the engine hooks of its chunk ([`StageHooks`]) and says which backward is the chunk's last
-//! of the step. Under ZeRO those hooks are [`Fsdp`]'s own: at stage 3 the units are gathered
-//! before each segment and freed after it in every micro-batch's forward and backward, and
-//! stages 2 and 3 reduce-scatter after every micro-batch's backward (stage 1 after the chunk's
-//! last one), so `--pp 2 --dp 2 --zero 3` really holds 1/dp of each stage's weights. Under DDP
-//! with one stage each gradient's average starts inside the last backward as soon as it is final
-//! ([`OverlappedDpReduce`]); with a pipeline the gradients accumulate over the micro-batches and
-//! are averaged once after the flush (Megatron's default; [`crate::ddp::average`]). Expert
-//! gradients are averaged over their edp replicas.
+//! of the step. Under ZeRO those hooks are [`crate::fsdp::Fsdp`]'s own: at stage 3 the units are
+//! gathered before each segment and freed after it in every micro-batch's forward and backward, and
+//! stages 2 and 3 reduce-scatter after every micro-batch's backward (stage 1 after the chunk's last
+//! one), so `--pp 2 --dp 2 --zero 3` really holds 1/dp of each stage's weights. Under DDP with one
+//! stage each gradient's average starts inside the last backward as soon as it is final
+//! ([`crate::ddp::OverlappedDpReduce`]); with a pipeline the gradients accumulate over the
+//! micro-batches and are averaged once after the flush (Megatron's default;
+//! [`crate::ddp::average`]). Expert gradients are averaged over their edp replicas.
 //!
 //! **Linear fix-ups after the reduction.** Two gradients are incomplete on a single rank: under
 //! sequence parallelism the LayerNorms, `wpe` and row-parallel biases saw only 1/tp of the tokens
@@ -30,42 +30,49 @@
 //! saw only one of its two uses (Σ over those two pp ranks). Both are sums, and sums commute with
 //! the data-parallel average, so they are applied once, after it, to whatever the strategy keeps:
 //! full gradients ([`ShardLayout::sync_partial_grads`], [`PipelineStages::sync_tied_grads`]) or
-//! ZeRO shards ([`Fsdp::all_reduce_grads_of`]; for `wte`, the full gradient gathered over dp,
-//! exchanged over pp, and the peer's part added to the shard).
+//! ZeRO shards ([`crate::fsdp::Fsdp::all_reduce_grads_of`]; for `wte`, the full gradient gathered
+//! over dp, exchanged over pp, and the peer's part added to the shard).
 //!
 //! **Gradient norm, once per step.** Σ g² over every element of the model: each rank weighs a
-//! parameter 1 or 0 (counted on tp rank 0 if it is replicated over tp, on the first stage if it
-//! is the tied `wte`, on dp rank 0 if its gradient is replicated over dp — ZeRO shards are
-//! disjoint and always count, an expert on its edp replica 0) and one all-reduce over the world
-//! adds it up. The loop asks for it ([`ParallelModel::grad_norm_sq`]) and passes the clip
-//! coefficient to [`ParallelModel::scaled_step`], which uses it as given.
+//! parameter 1 or 0 (counted on tp rank 0 if it is replicated over tp, on the first stage if it is
+//! the tied `wte`, on dp rank 0 if its gradient is replicated over dp — ZeRO shards are disjoint
+//! and always count, an expert on its edp replica 0) and one all-reduce over the world adds it up.
+//! The loop asks for it ([`ParallelModel::grad_norm_sq`]) and passes the clip coefficient to
+//! [`ParallelModel::scaled_step`], which uses it as given.
 //!
-//! **Mixed precision** ([`ParallelPlan::precision`]). Gradients are cast to the reduce dtype
-//! before the first reduction (dp, sequence-parallel sums, tied `wte`); ZeRO reduce-scatters in
-//! it; AdamW steps the fp32 masters ([`MasterWeights`]) and copies them into the bf16 weights.
+//! **One sync interface** ([`grad_sync`]). What differs by the replicas' kind is chosen there: the
+//! hooks a step runs (DDP's buckets, one average per parameter, the average after the flush, ZeRO's
+//! hooks), the fix-ups on full gradients or on shards, which elements a rank counts in the norm,
+//! and what the optimizer steps. This file calls the executor once, with the sync's hooks, and
+//! asks the sync for the rest.
+//!
+//! **Mixed precision** ([`ParallelPlan::precision`]). Gradients are cast to the reduce dtype before
+//! the first reduction (dp, sequence-parallel sums, tied `wte`); ZeRO reduce-scatters in it; AdamW
+//! steps the fp32 masters ([`crate::mixed_precision::MasterWeights`]) and copies them into the bf16
+//! weights.
 //!
 //! Legend: `B` batch, `T` time, `C` width, `M` micro-batches, `S` model stages.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 use candle_core::{DType, Shape, Tensor};
 use mtrain_comm::{chunk_range, Comm, CommError, Coords, ReduceOp};
-use mtrain_model::optim::{clip_coef, sq_norm, AdamW, OptimItem};
-use mtrain_model::{Engine, GptConfig, Grads, Hooks, MoeStats, NoHooks, Param};
+use mtrain_model::optim::AdamW;
+use mtrain_model::{Engine, GptConfig, Grads, Hooks, MoeStats, Param};
 
-use crate::ddp::{
-    average, Bucket, BucketedDpReduce, DataParallel, DdpMode, DpError, OverlappedDpReduce,
-};
+use crate::ddp::DpError;
 use crate::expert_parallel::{self, EpError};
-use crate::fsdp::{Fsdp, FsdpHooks, ZeroStage};
-use crate::mixed_precision::{grads_for_reduction, MasterWeights, PrecisionError};
-use crate::pipeline::{
-    NoStageHooks, PipelineError, PipelineExecutor, PipelineStages, StageHooks, StepReport,
-};
+use crate::mixed_precision::PrecisionError;
+use crate::pipeline::{PipelineError, PipelineExecutor, PipelineStages, StageHooks, StepReport};
 use crate::placement::{is_expert_param, tp_placement, Placement};
-use crate::plan::{DataParallelKind, ParallelPlan, PlanError};
+use crate::plan::{ParallelPlan, PlanError};
 use crate::tensor_parallel::{ShardLayout, TpError};
-use crate::toolbox::{replicated_items, sum_f64, CommStats, ModelStateBytes, OpTimer, StateError};
+use crate::toolbox::{clipped_step, sum_f64, CommStats, ModelStateBytes, StateError};
+
+pub(crate) mod grad_sync;
+
+use grad_sync::SyncCtx;
+pub(crate) use grad_sync::{FullReplicas, Replicas};
 
 /// Errors of composing the strategies.
 #[derive(Debug, thiserror::Error)]
@@ -113,32 +120,6 @@ pub struct StepOut {
     pub moe_load: Option<Vec<MoeStats>>,
 }
 
-/// How the data-parallel part keeps gradients.
-pub(crate) enum Replicas {
-    /// Full local gradients in `ParallelModel::grads`, averaged over dp (experts over edp).
-    Full,
-    /// One ZeRO strategy per stage chunk; gradients live in its shards.
-    Zero(Vec<Fsdp>),
-}
-
-/// ZeRO's hooks for every chunk of a pipeline step.
-pub(crate) struct ZeroStageHooks<'a> {
-    hooks: Vec<FsdpHooks<'a>>,
-    /// Stages 2 and 3 reduce-scatter after every backward.
-    every_backward: bool,
-    /// The step's last micro-step: stage 1 reduces after each chunk's last backward.
-    sync: bool,
-}
-
-impl StageHooks for ZeroStageHooks<'_> {
-    fn hooks(&mut self, chunk: usize, last_backward: bool) -> &mut dyn Hooks {
-        let reduce = self.every_backward || (self.sync && last_backward);
-        let h = &mut self.hooks[chunk];
-        h.set_reduce(reduce);
-        h
-    }
-}
-
 /// This rank's part of the model under a plan, with the training-step API (built by
 /// [`crate::parallelize::parallelize`]).
 pub struct ParallelModel {
@@ -161,47 +142,11 @@ pub struct ParallelModel {
     pub(crate) tied: BTreeSet<String>,
     /// This rank's parameters, each once, in model order.
     pub(crate) params: Vec<Param>,
+    /// The gradient sync, by kind ([`grad_sync`]).
     pub(crate) replicas: Replicas,
-    /// The DDP buckets ([`ParallelPlan::dp_buckets`]; indices into `params`), or empty: one
-    /// average per parameter.
-    pub(crate) buckets: Vec<Bucket>,
-    /// fp32 masters of `params` under mixed precision with full replicas (ZeRO keeps its
-    /// master shards in each [`Fsdp`]).
-    pub(crate) masters: Option<MasterWeights>,
     pub(crate) grads: Grads,
     pub(crate) current: CommStats,
-    /// This step's gradients were averaged over dp during the last backward.
-    pub(crate) reduced: bool,
     pub(crate) last: CommStats,
-    /// The dp group's busy time of the step in progress, with full replicas (ZeRO times its
-    /// own collectives in each [`Fsdp`]).
-    pub(crate) dp_timer: Option<OpTimer>,
-}
-
-/// One step's gradient sync, by kind: the hooks the executor runs and what is finished after
-/// it (the averages waited on and written back, ZeRO's last reductions).
-enum GradSync<'a> {
-    /// DDP in buckets, launched as the last backward makes them final (one stage).
-    Buckets(BucketedDpReduce<'a>),
-    /// One average per parameter started inside the last backward (one stage; experts over
-    /// edp).
-    Overlapped(OverlappedDpReduce<'a>),
-    /// Nothing during the step: `finish_grads` averages after the flush (a pipeline, or DDP's
-    /// naive mode).
-    AfterFlush(NoStageHooks),
-    /// ZeRO's hooks on every chunk: gathers, frees, reduce-scatters.
-    Zero(ZeroStageHooks<'a>),
-}
-
-impl<'a> GradSync<'a> {
-    fn hooks(&mut self) -> &mut dyn StageHooks {
-        match self {
-            GradSync::Buckets(h) => h,
-            GradSync::Overlapped(h) => h,
-            GradSync::AfterFlush(h) => h,
-            GradSync::Zero(h) => h,
-        }
-    }
 }
 
 /// Stage hooks that also call an observer before the first backward.
@@ -263,93 +208,36 @@ impl ParallelModel {
         before_backward: &mut dyn FnMut(),
     ) -> Result<StepOut> {
         let t = std::time::Instant::now();
-        if matches!(self.replicas, Replicas::Full) && self.dp.size() > 1 && self.dp_timer.is_none()
-        {
-            self.dp_timer = Some(OpTimer::start(&self.dp));
-        }
-        let pp = self.pp.as_ref();
-        // One stage and gradients to average: the average starts inside the last backward
-        // (DDP's naive mode waits for the whole backward: the textbook version).
-        let naive = matches!(self.plan.data, DataParallelKind::Ddp(d) if d.mode == DdpMode::Naive);
-        let overlap = sync
-            && !naive
-            && self.plan.dims.pp == 1
-            && self.stages.chunks().len() == 1
-            && self.plan.dims.dp > 1;
-        // The step's gradient sync, by kind: DDP's buckets or one average per parameter inside
-        // the last backward, nothing until the flush (`finish_grads` averages then), or ZeRO's
-        // hooks on every chunk. The executor runs the step once, with its hooks.
-        let mut grad_sync = match &mut self.replicas {
-            Replicas::Full if overlap && !self.buckets.is_empty() => {
-                let dtype = self.plan.precision.grad_reduce_dtype();
-                GradSync::Buckets(BucketedDpReduce::new(
-                    &self.dp,
-                    &self.params,
-                    &self.buckets,
-                    dtype,
-                ))
-            }
-            Replicas::Full if overlap => {
-                let dtype = self
-                    .plan
-                    .precision
-                    .is_mixed()
-                    .then_some(self.plan.precision.reduce_dtype);
-                GradSync::Overlapped(OverlappedDpReduce::new(
-                    &self.stages.chunks()[0].segments,
-                    &self.dp,
-                    &self.edp,
-                    dtype,
-                ))
-            }
-            Replicas::Full => GradSync::AfterFlush(NoStageHooks(NoHooks)),
-            Replicas::Zero(fsdps) => {
-                let every_backward = fsdps.first().is_some_and(|f| f.stage() >= ZeroStage::Two);
-                let recompute = self.engine.checkpointing;
-                GradSync::Zero(ZeroStageHooks {
-                    hooks: fsdps.iter_mut().map(|f| f.hooks(recompute)).collect(),
-                    every_backward,
-                    sync,
-                })
-            }
+        let ctx = SyncCtx {
+            plan: &self.plan,
+            dp: &self.dp,
+            edp: &self.edp,
+            tp: &self.tp,
+            pp: &self.pp,
+            params: &self.params,
+            stages: &self.stages,
+            layout: self.layout.as_ref(),
+            partial: &self.partial,
+            tied: &self.tied,
+            recompute: self.engine.checkpointing,
         };
+        // The step's gradient sync, by kind ([`grad_sync`]): the executor runs the step once,
+        // with its hooks.
+        let mut step_sync = self.replicas.begin(&ctx, sync);
         let report = self.executor.step_with_hooks(
             &self.stages,
-            pp,
+            self.pp.as_ref(),
             idx,
             targets,
             loss_scale,
             &mut self.grads,
-            &mut Observed(grad_sync.hooks(), before_backward),
+            &mut Observed(step_sync.hooks(), before_backward),
         )?;
-        match grad_sync {
-            GradSync::Buckets(hooks) => {
-                let (n, bytes) = hooks.finish(&mut self.grads, &mut self.current.exposed_comm_s)?;
-                if let Some(timer) = &mut self.dp_timer {
-                    timer.collect(&self.dp);
-                }
-                self.current.collectives += n;
-                self.current.bytes += bytes;
-                self.reduced = true;
-            }
-            GradSync::Overlapped(hooks) => {
-                let w = std::time::Instant::now();
-                let (n, bytes) = hooks.finish(&mut self.grads)?;
-                self.current.exposed_comm_s += w.elapsed().as_secs_f64();
-                self.current.collectives += n;
-                self.current.bytes += bytes;
-                self.reduced = true;
-            }
-            GradSync::AfterFlush(_) => {}
-            GradSync::Zero(hooks) => {
-                for h in hooks.hooks {
-                    h.finish()?;
-                }
-            }
-        }
+        step_sync.finish(&mut self.grads, &self.dp, &mut self.current)?;
         self.current.backward_s += t.elapsed().as_secs_f64();
         if sync {
-            self.finish_grads()?;
+            self.replicas
+                .finish_grads(&ctx, &mut self.grads, &mut self.current)?;
         }
         // The loss is already the same on every pp rank; the aux losses are per stage.
         let aux = match self.plan.dims.pp {
@@ -382,74 +270,6 @@ impl ParallelModel {
         })
     }
 
-    /// After the last micro-step: average over dp, then the sums over tp (sequence-parallel
-    /// partial gradients) and over the two ends of the pipeline (tied `wte`).
-    fn finish_grads(&mut self) -> Result<()> {
-        let t = std::time::Instant::now();
-        match &mut self.replicas {
-            Replicas::Full => {
-                let reduces =
-                    self.plan.dims.dp > 1 || !self.partial.is_empty() || !self.tied.is_empty();
-                if self.plan.precision.is_mixed() && reduces {
-                    // Every reduction below (dp, tp partial sums, tied wte) runs in this dtype;
-                    // with none (a world of one) the gradients stay as the backward left them.
-                    let dtype = self.plan.precision.reduce_dtype;
-                    grads_for_reduction(&self.params, &mut self.grads, dtype)?;
-                }
-                if self.reduced {
-                    // Averaged during the backward (OverlappedDpReduce).
-                    self.reduced = false;
-                } else if self.plan.dims.dp > 1 {
-                    let (n, bytes) =
-                        average::sync_grads(&self.params, &mut self.grads, &self.dp, &self.edp)?;
-                    self.current.collectives += n;
-                    self.current.bytes += bytes;
-                }
-                if let Some(layout) = &self.layout {
-                    if !self.partial.is_empty() {
-                        layout.sync_partial_grads(&mut self.grads, &self.tp)?;
-                    }
-                }
-                if !self.tied.is_empty() {
-                    self.stages
-                        .sync_tied_grads(self.pp.as_ref(), &mut self.grads)?;
-                }
-            }
-            Replicas::Zero(fsdps) => {
-                if !self.partial.is_empty() {
-                    for f in fsdps.iter_mut() {
-                        f.all_reduce_grads_of(&self.partial, &self.tp)?;
-                    }
-                }
-                if !self.tied.is_empty() {
-                    // Gather my dp-averaged tied gradient, add the other end's, keep the sum.
-                    let mut mine = Grads::new();
-                    for f in fsdps.iter() {
-                        for (n, g) in f.full_grads_of(&self.tied)? {
-                            mine.insert(n, g);
-                        }
-                    }
-                    let mut total = Grads::new();
-                    for (n, g) in mine.iter() {
-                        total.insert(n.clone(), g.clone());
-                    }
-                    self.stages.sync_tied_grads(self.pp.as_ref(), &mut total)?;
-                    let mut theirs = BTreeMap::new();
-                    for (n, g) in total.iter() {
-                        if let Some(m) = mine.get(n) {
-                            theirs.insert(n.clone(), (g - m)?);
-                        }
-                    }
-                    for f in fsdps.iter_mut() {
-                        f.add_full_grads(&theirs)?;
-                    }
-                }
-            }
-        }
-        self.current.exposed_comm_s += t.elapsed().as_secs_f64();
-        Ok(())
-    }
-
     /// 1 if this rank counts `name`'s gradient elements in the global norm, else 0.
     fn norm_weight(&self, name: &str, sharded_over_dp: bool) -> f64 {
         let c = &self.coords;
@@ -470,22 +290,9 @@ impl ParallelModel {
     /// Σ g² of the whole model's reduced gradient, every element counted once; the same on every
     /// rank (an all-reduce over the world).
     pub fn grad_norm_sq(&self) -> Result<f64> {
-        let local = match &self.replicas {
-            Replicas::Full => {
-                let counted = self
-                    .grads
-                    .iter()
-                    .filter(|(n, _)| self.norm_weight(n, false) > 0.0);
-                sq_norm(counted.map(|(_, g)| g))?
-            }
-            Replicas::Zero(fsdps) => {
-                let mut s = 0.0;
-                for f in fsdps {
-                    s += f.local_grad_sq_norm(|n| self.norm_weight(n, true))?;
-                }
-                s
-            }
-        };
+        let local = self
+            .replicas
+            .local_norm_sq(&self.grads, &|n, sharded| self.norm_weight(n, sharded))?;
         if self.world.size() == 1 {
             return Ok(local);
         }
@@ -503,10 +310,9 @@ impl ParallelModel {
         lr: f64,
         max_grad_norm: Option<f64>,
     ) -> Result<f64> {
-        let norm = self.grad_norm_sq()?.sqrt();
-        let clip = max_grad_norm.map_or(1.0, |m| clip_coef(norm, m));
-        self.scaled_step(opt, lr, clip)?;
-        Ok(norm)
+        clipped_step(self.grad_norm_sq()?, max_grad_norm, |clip| {
+            self.scaled_step(opt, lr, clip)
+        })
     }
 
     /// Steps `opt` over this rank's parameters or shards with the gradients multiplied by
@@ -514,36 +320,12 @@ impl ParallelModel {
     /// leaves them alone) and clears the gradients. No collective beyond ZeRO's write-back of
     /// the updated shards.
     pub fn scaled_step(&mut self, opt: &mut AdamW, lr: f64, grad_scale: f64) -> Result<()> {
-        match &mut self.replicas {
-            Replicas::Full => {
-                let items = replicated_items(&self.params, &self.grads);
-                match &self.masters {
-                    Some(m) => m.step(opt, lr, grad_scale, &items)?,
-                    None => {
-                        opt.step_with_copies(lr, grad_scale, &items, None)?;
-                    }
-                }
-            }
-            Replicas::Zero(fsdps) => {
-                let items: Vec<OptimItem> =
-                    fsdps.iter().flat_map(|f| f.optimizer_items()).collect();
-                let masters: Vec<&MasterWeights> =
-                    fsdps.iter().filter_map(|f| f.masters()).collect();
-                match masters.is_empty() {
-                    true => {
-                        opt.step_with_copies(lr, grad_scale, &items, None)?;
-                    }
-                    false => MasterWeights::step_all(&masters, opt, lr, grad_scale, &items)?,
-                }
-                for f in fsdps.iter_mut() {
-                    f.after_optimizer_step()?;
-                }
-            }
-        }
+        let busy = self
+            .replicas
+            .step(opt, lr, grad_scale, &self.params, &self.grads, &self.dp)?;
         self.grads.clear();
-        if let Some(mut t) = self.dp_timer.take() {
-            t.collect(&self.dp);
-            self.current.comm_s = t.busy_s();
+        if let Some(busy) = busy {
+            self.current.comm_s = busy;
         }
         self.last = std::mem::take(&mut self.current);
         Ok(())
@@ -568,23 +350,10 @@ impl ParallelModel {
                 x = self.pp.recv((s - 1) % p, &act_shape, dtype)?;
             }
             let tgt = (s + 1 == s_total).then_some(targets);
-            let out = match &mut self.replicas {
-                Replicas::Full => {
-                    self.engine
-                        .forward(&chunk.segments, &x, tgt, &mut NoHooks)?
-                        .output
-                }
-                Replicas::Zero(fsdps) => {
-                    let out = {
-                        let mut h = fsdps[k].hooks(false);
-                        self.engine
-                            .forward(&chunk.segments, &x, tgt, &mut h)?
-                            .output
-                    };
-                    fsdps[k].release()?;
-                    out
-                }
-            };
+            let engine = &self.engine;
+            let out = self.replicas.forward_chunk(k, |hooks| {
+                Ok(engine.forward(&chunk.segments, &x, tgt, hooks)?.output)
+            })?;
             if s + 1 == s_total {
                 loss = sum_f64(&out)?;
             } else if p > 1 {
@@ -607,42 +376,12 @@ impl ParallelModel {
     pub fn model_state_bytes(&self, opt: &AdamW) -> ModelStateBytes {
         let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
         let grads: usize = self.grads.iter().map(|(_, g)| bytes(g)).sum();
-        match &self.replicas {
-            Replicas::Full => ModelStateBytes {
-                params: self.params.iter().map(|p| bytes(&p.tensor())).sum(),
-                grads,
-                optimizer: opt.state_bytes() + self.masters.as_ref().map_or(0, |m| m.bytes()),
-            },
-            Replicas::Zero(fsdps) => {
-                let mut s = ModelStateBytes {
-                    params: 0,
-                    grads,
-                    optimizer: opt.state_bytes(),
-                };
-                for f in fsdps {
-                    let b = f.model_state_bytes(opt);
-                    s.params += b.params;
-                    s.grads += b.grads;
-                    s.optimizer += f.master_bytes();
-                }
-                s
-            }
-        }
+        self.replicas.model_state_bytes(opt, &self.params, grads)
     }
 
     /// Communication figures of the last completed optimizer step (ZeRO: its collectives; DDP:
     /// the reduction after the flush).
     pub fn comm_stats(&self) -> CommStats {
-        match &self.replicas {
-            Replicas::Full => self.last,
-            Replicas::Zero(fsdps) => fsdps.iter().fold(self.last, |mut acc, f| {
-                let s = f.comm_stats();
-                acc.comm_s += s.comm_s;
-                acc.exposed_comm_s += s.exposed_comm_s;
-                acc.collectives += s.collectives;
-                acc.bytes += s.bytes;
-                acc
-            }),
-        }
+        self.replicas.comm_stats(self.last)
     }
 }

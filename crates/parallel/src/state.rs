@@ -22,7 +22,7 @@ use mtrain_model::optim::{AdamW, AdamWState};
 use crate::ddp::DataParallel;
 use crate::mixed_precision::MasterWeights;
 use crate::placement::owner_of;
-use crate::runtime::{ParallelModel, Replicas, Result};
+use crate::runtime::{FullReplicas, ParallelModel, Replicas, Result};
 use crate::tensor_parallel::shard::shard;
 use crate::toolbox::{set_weight, StateError};
 
@@ -33,7 +33,7 @@ impl ParallelModel {
         let local = self.local_slices(fp32_weights, "weight")?;
         let precision = self.plan.precision;
         match &mut self.replicas {
-            Replicas::Full => self.masters = Some(MasterWeights::new(local)?),
+            Replicas::Full(f) => f.masters = Some(MasterWeights::new(local)?),
             Replicas::Zero(fsdps) => {
                 for f in fsdps.iter_mut() {
                     f.set_mixed_precision(precision, &local)?;
@@ -79,14 +79,16 @@ impl ParallelModel {
 
     /// Every parameter as a full tensor by name, on every rank (a collective on all ranks).
     pub fn full_state(&self) -> Result<BTreeMap<String, Tensor>> {
-        let local = match (&self.replicas, &self.masters) {
-            (Replicas::Full, Some(m)) => m.tensors(),
-            (Replicas::Full, None) => self
+        let local = match &self.replicas {
+            Replicas::Full(FullReplicas {
+                masters: Some(m), ..
+            }) => m.tensors(),
+            Replicas::Full(_) => self
                 .params
                 .iter()
                 .map(|p| (p.name().to_string(), p.tensor().detach()))
                 .collect(),
-            (Replicas::Zero(fsdps), _) => {
+            Replicas::Zero(fsdps) => {
                 let mut m = BTreeMap::new();
                 for f in fsdps {
                     m.extend(f.full_state()?);
@@ -101,7 +103,7 @@ impl ParallelModel {
     /// valid between the last micro-step and the optimizer step).
     pub fn full_grads(&self) -> Result<BTreeMap<String, Tensor>> {
         let local = match &self.replicas {
-            Replicas::Full => self
+            Replicas::Full(_) => self
                 .grads
                 .iter()
                 .map(|(n, g)| (n.clone(), g.clone()))
@@ -125,7 +127,7 @@ impl ParallelModel {
             return Ok(state);
         }
         let (m, v) = match &self.replicas {
-            Replicas::Full => (state.m, state.v),
+            Replicas::Full(_) => (state.m, state.v),
             Replicas::Zero(fsdps) => {
                 let (mut m, mut v) = (BTreeMap::new(), BTreeMap::new());
                 for f in fsdps {
@@ -179,13 +181,13 @@ impl ParallelModel {
     pub fn load_full_state(&mut self, full: &BTreeMap<String, Tensor>) -> Result<()> {
         let local = self.local_slices(full, "weight")?;
         match &mut self.replicas {
-            Replicas::Full => {
+            Replicas::Full(f) => {
                 for p in &self.params {
                     if let Some(t) = local.get(p.name()) {
                         set_weight(p, t)?;
                     }
                 }
-                if let Some(m) = &self.masters {
+                if let Some(m) = &f.masters {
                     m.load(&local)?;
                 }
             }
@@ -211,7 +213,7 @@ impl ParallelModel {
             v: self.local_slices(&full.v, "second moment")?,
         };
         let state = match &self.replicas {
-            Replicas::Full => local,
+            Replicas::Full(_) => local,
             Replicas::Zero(fsdps) => {
                 let (mut m, mut v) = (BTreeMap::new(), BTreeMap::new());
                 for f in fsdps {

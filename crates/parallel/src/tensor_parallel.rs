@@ -39,11 +39,12 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 use mtrain_comm::{Comm, CommError};
 use mtrain_model::gpt::Block;
-use mtrain_model::layers::{linear, LinearParts};
+use mtrain_model::layers::{linear, weight_and_bias, LinearParts};
 use mtrain_model::{CausalSelfAttention, GptConfig, LayerNorm, Linear, Mlp, Param, Segment};
 
 use crate::ops::gather_from_tp_region;
-use crate::placement::{tp_placement, tp_problems};
+use crate::placement::tp_placement;
+use crate::plan::ValidPlan;
 
 pub mod mapping;
 pub mod sequence;
@@ -163,9 +164,7 @@ impl Linear for ColumnParallelLinear {
     }
 
     fn params(&self) -> Vec<Param> {
-        std::iter::once(self.weight.clone())
-            .chain(self.bias.clone())
-            .collect()
+        weight_and_bias(&self.weight, self.bias.as_ref())
     }
 
     /// f on the input (nothing when the sequence gather already ran); none with
@@ -175,10 +174,8 @@ impl Linear for ColumnParallelLinear {
             return None;
         }
         Some(LinearParts {
-            weight: &self.weight,
-            bias: self.bias.as_ref(),
             input: self.input.mapping().map(|m| m.over(&self.group)),
-            output: None,
+            ..LinearParts::dense(&self.weight, self.bias.as_ref())
         })
     }
 }
@@ -206,29 +203,15 @@ impl Linear for RowParallelLinear {
     }
 
     fn params(&self) -> Vec<Param> {
-        std::iter::once(self.weight.clone())
-            .chain(self.bias.clone())
-            .collect()
+        weight_and_bias(&self.weight, self.bias.as_ref())
     }
 
     /// g (or the sequence reduce-scatter) on the product, the bias after it.
     fn parts(&self) -> Option<LinearParts<'_>> {
         Some(LinearParts {
-            weight: &self.weight,
-            bias: self.bias.as_ref(),
-            input: None,
             output: Some(self.output.mapping().over(&self.group)),
+            ..LinearParts::dense(&self.weight, self.bias.as_ref())
         })
-    }
-}
-
-/// Checks that `cfg` splits over `tp` ranks ([`tp_problems`]: heads, MLP width, vocabulary,
-/// no experts), for a caller of [`build`] without a checked plan.
-pub fn validate(cfg: &GptConfig, tp: usize) -> Result<()> {
-    let why = tp_problems(cfg, tp);
-    match why.is_empty() {
-        true => Ok(()),
-        false => Err(TpError::Unsupported(why.join("; "))),
     }
 }
 
@@ -254,7 +237,9 @@ impl TpModel {
 
 /// Builds this rank's segments of a tensor-parallel GPT over the group `tp` from the full
 /// weights (by GPT-2 name, as [`mtrain_model::init_weights`] gives them). Parameters keep their
-/// full-model names and hold this rank's shard.
+/// full-model names and hold this rank's shard. `plan` is the proof that `cfg` splits over its
+/// tp ranks (heads, MLP width, vocabulary: [`crate::placement::tp_problems`], checked once by
+/// [`ParallelPlan::validate`](crate::plan::ParallelPlan::validate)); `tp` must be its tp group.
 ///
 /// A training step on every tp rank: run the segments with the engine, then (with
 /// `sequence_parallel`) `layout.sync_partial_grads(&mut grads, tp)`, then step each local
@@ -262,11 +247,18 @@ impl TpModel {
 pub fn build(
     cfg: &GptConfig,
     weights: &BTreeMap<String, Tensor>,
+    plan: &ValidPlan,
     tp: &Comm,
     sequence_parallel: bool,
     device: &Device,
 ) -> Result<TpModel> {
-    validate(cfg, tp.size())?;
+    if plan.dims.tp != tp.size() {
+        return Err(TpError::Unsupported(format!(
+            "the plan's tp {} is not the group's size {}",
+            plan.dims.tp,
+            tp.size()
+        )));
+    }
     let mut b = Builder {
         weights,
         layout: ShardLayout::new(tp.rank(), tp.size()),
@@ -324,17 +316,6 @@ pub fn build(
         layout: b.layout,
         sequence_parallel,
     })
-}
-
-/// [`build`], keeping only the segments.
-pub fn build_segments(
-    cfg: &GptConfig,
-    weights: &BTreeMap<String, Tensor>,
-    tp: &Comm,
-    sequence_parallel: bool,
-    device: &Device,
-) -> Result<Vec<Arc<dyn Segment>>> {
-    Ok(build(cfg, weights, tp, sequence_parallel, device)?.segments)
 }
 
 /// Slices full weights into this rank's Params by the split rule

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 use mtrain_comm::{Comm, CommError, TraceEvent, Work};
-use mtrain_model::optim::{AdamW, OptimItem};
+use mtrain_model::optim::{clip_coef, AdamW, OptimItem};
 use mtrain_model::{Grads, Param, Segment};
 
 /// A full tensor that does not fit this rank's layout, or a name that is not there.
@@ -229,4 +229,17 @@ pub fn timed_wait<T: Send + 'static>(work: Work<T>, exposed_s: &mut f64) -> Resu
     let out = work.wait();
     *exposed_s += t.elapsed().as_secs_f64();
     out
+}
+
+/// Global-norm clipping, in the one order every optimizer step takes: the norm from its square
+/// (`norm_sq`, Σ g² over the whole model), then `scaled_step` with its clip coefficient for
+/// `max_grad_norm` (1 without). Returns the norm before clipping.
+pub fn clipped_step<E>(
+    norm_sq: f64,
+    max_grad_norm: Option<f64>,
+    scaled_step: impl FnOnce(f64) -> Result<(), E>,
+) -> Result<f64, E> {
+    let norm = norm_sq.sqrt();
+    scaled_step(max_grad_norm.map_or(1.0, |max| clip_coef(norm, max)))?;
+    Ok(norm)
 }

@@ -109,6 +109,8 @@ fn measure(cfg: &GptConfig, plan: &ParallelPlan) -> Vec<Counts> {
 
 /// Predicted counts of every rank, plus the (group, op) keys holding an estimate.
 fn predict(cfg: &GptConfig, plan: &ParallelPlan) -> (Vec<Counts>, Vec<(String, String)>) {
+    let world = plan.dims.world_size();
+    let plan = &plan.validate(cfg, world, BATCH).expect("plan validates");
     let shape = StepShape {
         batch: BATCH,
         seq_len: SEQ,

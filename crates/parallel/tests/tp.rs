@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use candle_core::{Device, Tensor, Var};
 use mtrain_comm::cpu::run_local;
+use mtrain_comm::mesh::MeshDims;
 use mtrain_comm::{chunk_range, Backend, Comm, OpKind};
 use mtrain_model::gpt::{Embedding, Head};
 use mtrain_model::{
@@ -28,6 +29,7 @@ use mtrain_model::{
     LayerNorm, Linear, Mlp, NoHooks, Param, Segment,
 };
 use mtrain_parallel::ops::*;
+use mtrain_parallel::plan::{ParallelPlan, ValidPlan};
 use mtrain_parallel::tensor_parallel::{
     self, ColumnInput, ColumnParallelLinear, Placement, RowOutput, RowParallelLinear, ShardLayout,
     VocabParallelEmbedding, VocabParallelHead,
@@ -587,8 +589,15 @@ fn gpt_matches_single_device_by(tp: usize, sequence_parallel: bool, backward: Ba
     let reference = reference();
     let weights: BTreeMap<String, Tensor> = init_weights(&cfg(), 7).expect("init");
     on_ranks(tp, |g| {
-        let model = tensor_parallel::build(&cfg(), &weights, &g, sequence_parallel, &Device::Cpu)
-            .expect("build");
+        let model = tensor_parallel::build(
+            &cfg(),
+            &weights,
+            &tp_plan(g.size()),
+            &g,
+            sequence_parallel,
+            &Device::Cpu,
+        )
+        .expect("build");
         let params = model.params();
         let (mut worst_loss, mut worst_grad) = (0f64, 0f64);
         for (step, (loss_ref, grads_ref)) in reference.iter().enumerate() {
@@ -651,29 +660,34 @@ fn gpt_tp4_sequence_parallel_matches_single_device() {
     gpt_matches_single_device(4, true);
 }
 
+/// A checked plan of `tp` ranks for [`cfg`]: what [`tensor_parallel::build`] takes.
+fn tp_plan(tp: usize) -> ValidPlan {
+    tp_plan_of(&cfg(), tp).expect("a tp plan")
+}
+
+fn tp_plan_of(c: &GptConfig, tp: usize) -> Result<ValidPlan, String> {
+    ParallelPlan::new(MeshDims::new(1, 1, tp, 1))
+        .validate(c, tp, 2)
+        .map_err(|e| e.to_string())
+}
+
 #[test]
 fn indivisible_layouts_are_rejected_with_the_numbers() {
     let mut c = cfg();
     c.n_head = 6;
     c.n_embd = 48;
-    let err = tensor_parallel::validate(&c, 4)
-        .expect_err("6 heads over tp 4")
-        .to_string();
+    let err = tp_plan_of(&c, 4).expect_err("6 heads over tp 4");
     assert!(err.contains("n_head 6") && err.contains("tp 4"), "{err}");
     let mut c = cfg();
     c.vocab_size = 66;
-    let err = tensor_parallel::validate(&c, 4)
-        .expect_err("vocab 66 over tp 4")
-        .to_string();
+    let err = tp_plan_of(&c, 4).expect_err("vocab 66 over tp 4");
     assert!(
         err.contains("vocab_size 66") && err.contains("tp 4"),
         "{err}"
     );
-    let err = tensor_parallel::validate(&cfg(), 3)
-        .expect_err("4 heads over tp 3")
-        .to_string();
+    let err = tp_plan_of(&cfg(), 3).expect_err("4 heads over tp 3");
     assert!(err.contains("n_head 4") && err.contains("tp 3"), "{err}");
-    assert!(tensor_parallel::validate(&cfg(), 4).is_ok());
+    assert!(tp_plan_of(&cfg(), 4).is_ok());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -710,8 +724,15 @@ impl Hooks for Marks {
 fn segment_trace_by(sequence_parallel: bool, backward: Backward) -> Vec<(Vec<Event>, Vec<Event>)> {
     let weights = init_weights(&cfg(), 7).expect("init");
     let out = on_ranks(2, |g| {
-        let model = tensor_parallel::build(&cfg(), &weights, &g, sequence_parallel, &Device::Cpu)
-            .expect("build");
+        let model = tensor_parallel::build(
+            &cfg(),
+            &weights,
+            &tp_plan(g.size()),
+            &g,
+            sequence_parallel,
+            &Device::Cpu,
+        )
+        .expect("build");
         let (idx, tgt) = batch(0);
         g.tracer().set_recording(true);
         let mut marks = Marks {
@@ -945,8 +966,15 @@ fn segment_tapes_match_autograd_on(
         } else {
             g
         };
-        let model =
-            tensor_parallel::build(&cfg(), &weights, &g, sequence_parallel, dev).expect("build");
+        let model = tensor_parallel::build(
+            &cfg(),
+            &weights,
+            &tp_plan(g.size()),
+            &g,
+            sequence_parallel,
+            dev,
+        )
+        .expect("build");
         let (idx, tgt) = batch(0);
         let (idx, tgt) = (on(idx), on(tgt));
         let t_local = if sequence_parallel { 16 / tp } else { 16 };
@@ -1088,7 +1116,8 @@ fn tapes_with_checkpointing_match_autograd() {
     for sp in [false, true] {
         on_ranks(2, |g| {
             let model =
-                tensor_parallel::build(&cfg(), &weights, &g, sp, &Device::Cpu).expect("build");
+                tensor_parallel::build(&cfg(), &weights, &tp_plan(g.size()), &g, sp, &Device::Cpu)
+                    .expect("build");
             let (idx, tgt) = batch(0);
             let run = |engine: Engine| {
                 let mut grads = Grads::new();
@@ -1126,7 +1155,8 @@ fn tapes_tp1_block_is_the_dense_block() {
     on_ranks(1, |g| {
         for sp in [false, true] {
             let model =
-                tensor_parallel::build(&cfg(), &weights, &g, sp, &Device::Cpu).expect("build");
+                tensor_parallel::build(&cfg(), &weights, &tp_plan(g.size()), &g, sp, &Device::Cpu)
+                    .expect("build");
             let x = det(&[2, 16, cfg().n_embd], 77);
             let dout = det(&[2, 16, cfg().n_embd], 78);
             let run = |seg: &dyn Segment| {

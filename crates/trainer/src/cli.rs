@@ -28,7 +28,7 @@
 //! | no `--nproc-per-node`      | `nproc = dp·tp·pp / nnodes`, with `dp = 1` when omitted    |
 //! | launched by torchrun/Slurm | the world is `WORLD_SIZE`; `dp = WORLD_SIZE / (tp·pp)`     |
 //!
-//! Numbers that do not fit are refused by the plan's one check ([`crate::layout::plan`]) with
+//! Numbers that do not fit are refused by the plan's one check ([`crate::resolve`]) with
 //! the arithmetic shown, e.g. `dp(2) * pp(1) * tp(2) = 4 != world size 3 (nproc-per-node 3 *
 //! nnodes 1)`.
 //!

@@ -288,6 +288,17 @@ impl Default for TrainConfig {
 }
 
 impl TrainConfig {
+    /// How this run's steps run, for the memory estimate, on the backward `path`.
+    pub fn step_run(&self, path: crate::memory::BackwardPath) -> crate::memory::StepRun {
+        crate::memory::StepRun {
+            seq: self.seq_len,
+            dtype_bytes: self.dtype.candle().size_in_bytes(),
+            checkpointing: self.activation_checkpointing,
+            path,
+            grad_accum: self.grad_accum,
+        }
+    }
+
     /// The mixed-precision setting of a parallel plan: compute in `dtype`, reduce gradients in
     /// `grad_reduce_dtype` (fp32 masters whenever `dtype` is bf16).
     pub fn precision(&self) -> mtrain_parallel::mixed_precision::MixedPrecision {

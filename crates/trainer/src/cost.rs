@@ -27,7 +27,7 @@ use mtrain_parallel::comm_cost::{
     algorithm_steps, human_bytes, human_time, render, step_collectives, totals, CostModel, Group,
     Phase, StepShape,
 };
-use mtrain_parallel::parallelize::ParallelPlan;
+use mtrain_parallel::parallelize::ValidPlan;
 use serde::{Deserialize, Serialize};
 
 use crate::config::{DTypeKind, DeviceKind, TrainConfig};
@@ -248,7 +248,7 @@ fn group_of(name: &str) -> Option<Group> {
 /// micro-step (sequences), `grad_accum` micro-steps per optimizer step.
 pub fn plan_section(
     cfg: &GptConfig,
-    plan: &ParallelPlan,
+    plan: &ValidPlan,
     shape: StepShape,
     grad_accum: usize,
     table: &AlphaBetaTable,
@@ -384,7 +384,7 @@ fn measure(path: &Path, text: &str) -> Result<RankTrace> {
 pub fn compare(
     run_dir: &Path,
     cfg: &GptConfig,
-    plan: &ParallelPlan,
+    plan: &ValidPlan,
     shape: StepShape,
     grad_accum: usize,
     table: &AlphaBetaTable,
@@ -491,7 +491,7 @@ pub fn compare(
 /// Totals of one rank, for tests and summaries.
 pub fn rank_totals(
     cfg: &GptConfig,
-    plan: &ParallelPlan,
+    plan: &ValidPlan,
     shape: StepShape,
     rank: usize,
     table: &AlphaBetaTable,
@@ -539,7 +539,7 @@ pub fn today() -> String {
 /// `alpha_beta` is a table from `bench-comm --fit`; without one, the backend's defaults.
 pub fn plan_report(
     cfg: &TrainConfig,
-    plan: &ParallelPlan,
+    plan: &ValidPlan,
     alpha_beta: Option<&Path>,
     compare_dir: Option<&Path>,
 ) -> Result<String> {

@@ -48,7 +48,7 @@ use mtrain_parallel::pipeline::executor::SpanKind;
 use serde::Serialize;
 
 use crate::memory::{
-    step_memory, ActivationLayout, BackwardPath, ModelStateLayout, Phase, Routing, StepMemory,
+    step_memory, ActivationLayout, ModelStateLayout, Phase, Routing, StepMemory, StepRun,
 };
 use crate::trace::{CommMeter, RunPhase, Timeline};
 use crate::trainable::{MicroStep, TrainableModel};
@@ -447,34 +447,16 @@ impl TrainableModel for Distributed {
 
     /// This rank's blocks, micro-batches in flight, tp and ep splits and gathers
     /// ([`ActivationLayout::for_plan`]).
-    fn step_memory(
-        &self,
-        cfg: &GptConfig,
-        batch: usize,
-        seq: usize,
-        dtype_bytes: usize,
-        checkpointing: bool,
-        path: BackwardPath,
-        grad_accum: usize,
-    ) -> StepMemory {
+    fn step_memory(&self, cfg: &GptConfig, batch: usize, run: StepRun) -> StepMemory {
         let layout = ActivationLayout::for_plan(cfg, &self.plan, self.pp_rank, batch);
         let mut layout = layout.unwrap_or_else(|e| {
             tracing::warn!("memory estimate of the whole model (not per rank): {e}");
             ActivationLayout::single_device(cfg, batch)
         });
         if let (Some(_), Some(load)) = (&cfg.moe, &self.last_expert_load()) {
-            layout.routing = self.routing(load, grad_accum);
+            layout.routing = self.routing(load, run.grad_accum);
         }
-        step_memory(
-            cfg,
-            &layout,
-            &self.layout,
-            seq,
-            dtype_bytes,
-            checkpointing,
-            path,
-            grad_accum,
-        )
+        step_memory(cfg, &layout, &self.layout, run)
     }
 
     fn comm_bytes(&self) -> u64 {

@@ -1,26 +1,19 @@
 //! The job's layout: the [`Layout`] the `[parallel]` table (`crate::config::ParallelConfig`)
-//! resolves to on this job's processes, and [`plan`], the one place a run's parallel plan
-//! is built and checked.
+//! resolves to on this job's processes, and the errors of a layout that cannot run.
 //!
 //! ```text
 //!   defaults -> [parallel] of --config -> layout flags -> --set parallel.KEY=VALUE   (TrainConfig)
 //!            -> Layout (cli::LayoutArgs::resolve: the world, dp inferred if unset)
-//!            -> plan(cfg, layout): ValidPlan, what ParallelPlan::validate returns
 //! ```
 //!
-//! The plan's check is where a run's `dp · pp · tp = world` (and every other way a layout can
-//! fail to fit the model and batch) is tested; [`Layout`] only infers what was left out.
-//! (`bench-comm` has no model to plan for and leaves the numbers to the mesh's own check,
-//! `MeshDims::validate`.) A run records the plan it ran (`ParallelConfig::of_plan`) in its
-//! checkpoints.
+//! [`Layout`] only infers what was left out; whether the numbers fit together and fit the model
+//! (`dp · pp · tp = world`, ...) is the plan's one check, in [`crate::resolve`]. A run records the
+//! plan it ran (`ParallelConfig::of_plan`) in its checkpoints.
 
 use std::time::Duration;
 
 use mtrain_comm::mesh::MeshDims;
-use mtrain_parallel::parallelize::{ParallelizeError, ValidPlan};
-use mtrain_parallel::plan::PlanError;
 
-use crate::config::TrainConfig;
 use crate::launch::{LaunchSpec, MAX_WORLD};
 
 /// A layout that cannot run.
@@ -75,9 +68,6 @@ pub enum LayoutError {
     Plan { why: String, world_source: String },
 
     #[error("{0}")]
-    Parallel(ParallelizeError),
-
-    #[error("{0}")]
     Config(#[from] crate::config::ConfigError),
 
     #[error("{0}")]
@@ -88,7 +78,8 @@ pub enum LayoutError {
 pub const MAX_COMM_TIMEOUT_S: f64 = 30.0 * 86400.0;
 
 /// A layout with nothing left to infer: the mesh dimensions and how the world is launched.
-/// Whether the numbers fit together and fit the model is [`plan`]'s question.
+/// Whether the numbers fit together and fit the model is the plan's check
+/// (`crate::resolve`).
 #[derive(Debug, Clone)]
 pub struct Layout {
     pub dims: MeshDims,
@@ -99,22 +90,4 @@ pub struct Layout {
     pub comm_timeout: Duration,
     /// Record every collective (`--trace`).
     pub trace: bool,
-}
-
-/// The run's parallel plan: `cfg.parallel` on `layout`'s mesh with the run's checkpointing,
-/// backward path and precision, checked once (`ParallelPlan::validate`) against the model,
-/// the world and the global batch, so a layout that cannot work is refused with the arithmetic
-/// before anything is launched; the [`ValidPlan`] it returns is what the run takes and checks
-/// no more.
-pub fn plan(cfg: &TrainConfig, layout: &Layout) -> Result<ValidPlan, LayoutError> {
-    let mut plan = cfg
-        .parallel
-        .plan(layout.dims, cfg.activation_checkpointing, cfg.precision())?;
-    plan.backward = cfg.backward();
-    let model = cfg.gpt_config()?;
-    plan.validate(&model, layout.world_size, cfg.batch_size * layout.dims.dp)
-        .map_err(|PlanError(why)| LayoutError::Plan {
-            why,
-            world_source: layout.world_source.clone(),
-        })
 }

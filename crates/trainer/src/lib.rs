@@ -8,7 +8,8 @@
 //!   `[parallel]`) merged with the flags and `--set`.
 //! - [`launch`]: the torchrun-style launcher (one worker per rank, the rendezvous store);
 //!   [`liveness`]: a worker's watch on its job.
-//! - [`layout`]: the resolved [`layout::Layout`] and `plan`, the one place a run's
+//! - [`layout`]: the resolved [`layout::Layout`]; [`resolve`]: the command line, config file and
+//!   `--set` resolved once into the run's description (`RunOptions`), the one place a run's
 //!   `ParallelPlan` is built and checked.
 //! - [`data`]: the built-in corpus, token shards, each data-parallel rank's slice;
 //!   [`prepare`]: `mtrain prepare`, text to token shards.
@@ -48,6 +49,7 @@ pub mod phases;
 pub mod plan;
 pub mod plot;
 pub mod prepare;
+pub mod resolve;
 pub mod progress;
 pub mod run_dir;
 pub mod sample;

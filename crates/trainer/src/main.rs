@@ -31,8 +31,9 @@ use mtrain_comm::Backend;
 use mtrain_trainer::cli::{Cli, Command};
 use mtrain_trainer::config::DeviceKind;
 use mtrain_trainer::launch::{self, LaunchError};
-use mtrain_trainer::layout::{self, Layout};
+use mtrain_trainer::layout::Layout;
 use mtrain_trainer::liveness::{self, StoreWatch};
+use mtrain_trainer::resolve::{resolve, Resolved};
 use mtrain_trainer::{bench_comm, hf, parity, plan, plot, prepare, sample, train};
 use tracing_subscriber::fmt::format::Writer;
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
@@ -126,13 +127,8 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
     let launched_world = env.as_ref().map(|e| e.world_size);
     match &cli.command {
         Some(Command::Plan(plan)) => {
-            let args = &plan.args;
-            let cfg = cli
-                .config_from(&args.train)
-                .context("resolving the training configuration")?;
-            let layout = cli.command_layout()?.resolve(&cfg.parallel, None)?;
-            let plan = layout::plan(&cfg, &layout)?;
-            plan::run(&cfg, &layout, &plan, args)
+            let Resolved { layout, run } = resolve(&cli, None)?;
+            plan::run(run.cfg(), &layout, &run.plan, &plan.args)
         }
         Some(Command::Prepare(args)) => {
             let summary = prepare::prepare(args)?;
@@ -191,20 +187,13 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
         None => {
             // Resolve the config and check the plan before launching, so a bad flag or a layout
             // that cannot work fails once, with the arithmetic, not once per rank.
-            let cfg = cli
-                .config()
-                .context("resolving the training configuration")?;
-            let layout = cli.layout.resolve(&cfg.parallel, launched_world)?;
-            let opts = train::RunOptions {
-                plan: layout::plan(&cfg, &layout)?,
-                trace: layout.trace,
-            };
+            let Resolved { layout, run } = resolve(&cli, launched_world)?;
             if env.is_none() && layout.world_size > 1 {
                 // The launcher checks the run directory once, before any worker starts;
                 // rank 0 then claims it (`train::run_with`).
-                mtrain_trainer::run_dir::check(&cfg)?;
+                mtrain_trainer::run_dir::check(run.cfg())?;
             }
-            distributed(&layout, env, cfg.device, |backend| {
+            distributed(&layout, env, run.cfg().device, |backend| {
                 if backend.world().rank() == 0 {
                     tracing::info!(
                         "layout dp={} pp={} tp={} ep={} (world {})",
@@ -215,7 +204,7 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
                         layout.world_size
                     );
                 }
-                train::run_with(&cfg, backend, &opts)?;
+                train::run_with(backend, &run)?;
                 Ok(())
             })
         }

@@ -81,7 +81,7 @@ use serde::Serialize;
 
 pub use analytic::{
     activation_bytes, bucket_bytes, rank_activation_bytes, rank_params, rank_step_memory,
-    step_memory, ActivationLayout, ActivationLayoutError, ModelStateLayout, StepMemory,
+    step_memory, ActivationLayout, ActivationLayoutError, ModelStateLayout, StepMemory, StepRun,
 };
 pub use kept::{BackwardPath, Dims, Routing, SegmentCost};
 pub use measured::{CountingAlloc, CpuProbe, MemoryProbe};

@@ -15,7 +15,7 @@
 
 use clap::Args;
 use mtrain_comm::mesh::MeshDims;
-use mtrain_parallel::parallelize::ParallelPlan;
+use mtrain_parallel::parallelize::{ParallelPlan, ValidPlan};
 
 use crate::config::DeviceKind;
 use crate::config::{TrainArgs, TrainConfig};
@@ -109,16 +109,7 @@ pub fn rank_memory(cfg: &TrainConfig, plan: &ParallelPlan) -> anyhow::Result<Vec
             let n = rank_params(&model, plan, pp_rank)?;
             let state = ModelStateLayout::for_plan(n, plan);
             let act = ActivationLayout::for_plan(&model, plan, pp_rank, cfg.batch_size)?;
-            let step = step_memory(
-                &model,
-                &act,
-                &state,
-                cfg.seq_len,
-                cfg.dtype.candle().size_in_bytes(),
-                cfg.activation_checkpointing,
-                path,
-                cfg.grad_accum,
-            );
+            let step = step_memory(&model, &act, &state, cfg.step_run(path));
             let comm = bucket_bytes(plan, n);
             Ok(RankMemory {
                 pp_rank,
@@ -161,11 +152,11 @@ pub fn render_memory(plan: &ParallelPlan, ranks: &[RankMemory]) -> String {
 /// `mtrain plan`: print the grid, the plan's layers per stage
 /// ([`mtrain_parallel::parallelize::describe`]), each pipeline rank's memory
 /// ([`rank_memory`]) and the communication section, for the run
-/// configuration `cfg` on `layout` under `plan` (as [`crate::layout::plan`] built and checked it).
+/// configuration `cfg` on `layout` under `plan` (as [`crate::resolve::resolve`] built and checked it).
 pub fn run(
     cfg: &TrainConfig,
     layout: &Layout,
-    plan: &ParallelPlan,
+    plan: &ValidPlan,
     args: &PlanArgs,
 ) -> anyhow::Result<()> {
     print!("{}", render(cfg, layout)?);

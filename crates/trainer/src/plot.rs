@@ -300,6 +300,22 @@ fn loss_axes<'a, 'b, 'p>(
     Ok(chart)
 }
 
+/// The legend of a chart whose series are told apart by their marks: framed, on a light
+/// backdrop, at `position` (away from where its data lies).
+fn legend<'a, 'b: 'a, CT: plotters::coord::CoordTranslate>(
+    chart: &mut ChartContext<'a, SVGBackend<'b>, CT>,
+    position: SeriesLabelPosition,
+) -> anyhow::Result<()> {
+    chart
+        .configure_series_labels()
+        .position(position)
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.85))
+        .label_font(("sans-serif", 11))
+        .draw()
+        .map_err(plot_err)
+}
+
 /// The range of a value axis showing `lo..=hi` with 5% margins. A single value (a one-step run)
 /// or no finite value gets a range one unit wide: plotters finds no ticks on an empty range and
 /// never returns.

@@ -35,7 +35,6 @@ use mtrain_comm::mesh::MeshDims;
 use mtrain_comm::{Backend, DeviceMesh};
 use mtrain_model::optim::{clip_coef, lr_at, AdamWConfig, LrSchedule};
 use mtrain_model::{init_weights, GptConfig};
-use mtrain_parallel::parallelize::{ParallelPlan, ValidPlan};
 use serde::Serialize;
 
 use crate::checkpoint;
@@ -53,6 +52,7 @@ use crate::trainable::{MicroStep, TrainableModel};
 use observe::{evaluation, save_checkpoint, MemoryReports, StepLogs};
 
 pub use crate::progress::StepMetrics;
+pub use crate::resolve::RunOptions;
 
 mod observe;
 
@@ -75,65 +75,20 @@ pub struct TrainSummary {
     pub layout: ModelStateLayout,
 }
 
-/// How a multi-rank run is split and observed.
-#[derive(Debug, Clone)]
-pub struct RunOptions {
-    /// The parallel plan (dims, DDP or ZeRO, schedule, micro-batches, ...), checked against the
-    /// run's model, world and batch: [`crate::layout::plan`] for the command line,
-    /// [`RunOptions::of_plan`] for a plan built in code.
-    pub plan: ValidPlan,
-    /// Record every collective of every group into `RUN_DIR/trace-rank{N}.jsonl`.
-    pub trace: bool,
-}
-
-impl RunOptions {
-    /// The default plan for `dims` (DDP, 1F1B with pp micro-batches) under `cfg`, no trace.
-    pub fn new(cfg: &TrainConfig, dims: MeshDims) -> anyhow::Result<Self> {
-        let mut plan = ParallelPlan::new(dims);
-        plan.microbatches = dims.pp.max(1);
-        Self::of_plan(cfg, plan)
-    }
-
-    /// `plan` with the run's dtypes as its mixed precision, checked once
-    /// ([`ParallelPlan::validate`]) against `cfg`'s model, the plan's world and the global
-    /// batch; no trace. (The backend's world is the mesh's check.)
-    pub fn of_plan(cfg: &TrainConfig, mut plan: ParallelPlan) -> anyhow::Result<Self> {
-        plan.precision = cfg.precision();
-        let dims = plan.dims;
-        let plan = plan
-            .validate(
-                &cfg.gpt_config()?,
-                dims.world_size(),
-                cfg.batch_size * dims.dp,
-            )
-            .context("the layout does not fit the model")?;
-        Ok(Self { plan, trace: false })
-    }
-}
-
 /// Train with `cfg` on the ranks of `backend`, laid out as `dims` with the default plan.
 pub fn run(
     cfg: &TrainConfig,
     backend: &dyn Backend,
     dims: MeshDims,
 ) -> anyhow::Result<TrainSummary> {
-    run_with(cfg, backend, &RunOptions::new(cfg, dims)?)
+    run_with(backend, &RunOptions::new(cfg, dims)?)
 }
 
-/// Train with `cfg` on the ranks of `backend` under `opts`: the whole model on one rank, or this
-/// rank's part of the plan ([`Distributed`]) on a mesh.
-pub fn run_with(
-    cfg: &TrainConfig,
-    backend: &dyn Backend,
-    opts: &RunOptions,
-) -> anyhow::Result<TrainSummary> {
-    cfg.validate()?;
-    anyhow::ensure!(
-        opts.plan.precision == cfg.precision(),
-        "the plan's precision {:?} is not the run's dtypes {:?} (RunOptions::of_plan sets them)",
-        opts.plan.precision,
-        cfg.precision()
-    );
+/// Train the run `opts` describes (its configuration and plan, checked where it was made:
+/// [`crate::resolve`]) on the ranks of `backend`: the whole model on one rank, or this rank's
+/// part of the plan ([`Distributed`]) on a mesh.
+pub fn run_with(backend: &dyn Backend, opts: &RunOptions) -> anyhow::Result<TrainSummary> {
+    let cfg = opts.cfg();
     // Checkpoints record the configuration with the layout this run actually has.
     let cfg = &TrainConfig {
         parallel: ParallelConfig::of_plan(&opts.plan),
@@ -374,15 +329,8 @@ pub fn train_loop(
     let (peak, placeholder) = cfg.peak_flops();
     let layout = model.memory_layout();
     let analytic_of = |model: &dyn TrainableModel| {
-        let step = model.step_memory(
-            gcfg,
-            cfg.batch_size,
-            cfg.seq_len,
-            cfg.dtype.candle().size_in_bytes(),
-            cfg.activation_checkpointing,
-            BackwardPath::on(cfg.backward(), device),
-            cfg.grad_accum,
-        );
+        let run = cfg.step_run(BackwardPath::on(cfg.backward(), device));
+        let step = model.step_memory(gcfg, cfg.batch_size, run);
         AnalyticMemory::new(&model.memory_layout(), step, model.comm_bytes())
     };
     let analytic = analytic_of(model);

@@ -9,9 +9,7 @@ use candle_core::Tensor;
 use mtrain_model::optim::AdamWState;
 use mtrain_model::GptConfig;
 
-use crate::memory::{
-    step_memory, ActivationLayout, BackwardPath, ModelStateLayout, Phase, StepMemory,
-};
+use crate::memory::{step_memory, ActivationLayout, ModelStateLayout, Phase, StepMemory, StepRun};
 
 /// Which of an optimizer step's micro-steps a forward/backward is: `index` of `of`, the
 /// loop's gradient accumulation. The loop is its only owner; the model reads it (the first
@@ -75,26 +73,9 @@ pub trait TrainableModel {
     fn memory_layout(&self) -> ModelStateLayout;
     /// What a step over `batch` rows of `seq` tokens adds to this rank's memory (activations,
     /// gathers, peak: [`crate::memory::rank_step_memory`]); the whole model's on one device.
-    fn step_memory(
-        &self,
-        cfg: &GptConfig,
-        batch: usize,
-        seq: usize,
-        dtype_bytes: usize,
-        checkpointing: bool,
-        path: BackwardPath,
-        grad_accum: usize,
-    ) -> StepMemory {
-        step_memory(
-            cfg,
-            &ActivationLayout::single_device(cfg, batch),
-            &self.memory_layout(),
-            seq,
-            dtype_bytes,
-            checkpointing,
-            path,
-            grad_accum,
-        )
+    fn step_memory(&self, cfg: &GptConfig, batch: usize, run: StepRun) -> StepMemory {
+        let layout = ActivationLayout::single_device(cfg, batch);
+        step_memory(cfg, &layout, &self.memory_layout(), run)
     }
     /// Whether [`TrainableModel::step_memory`] counts the MoE rows the last step's router
     /// dispatched (then the report recomputes it after every step); false: an even split.

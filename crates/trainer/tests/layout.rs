@@ -9,7 +9,7 @@ use std::process::{Command, Output, Stdio};
 use clap::Parser;
 use mtrain_trainer::cli::Cli;
 use mtrain_trainer::config::Schedule;
-use mtrain_trainer::layout;
+use mtrain_trainer::resolve;
 use serde_json::Value;
 
 const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
@@ -142,10 +142,8 @@ fn flags_and_set_override_the_table_key_by_key() {
         let mut argv = vec!["mtrain", "--config", &file];
         argv.extend_from_slice(extra);
         let cli = Cli::try_parse_from(argv).expect("parses");
-        let cfg = cli.config().expect("config");
-        let layout = cli.layout.resolve(&cfg.parallel, None).expect("layout");
-        let plan = layout::plan(&cfg, &layout).expect("plan");
-        (cfg, layout, plan)
+        let r = resolve::resolve(&cli, None).expect("resolves");
+        (r.run.cfg().clone(), r.layout, r.run.plan)
     };
     // The table alone: 4 processes on this node.
     let (cfg, l, plan) = resolve(&[]);

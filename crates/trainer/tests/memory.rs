@@ -181,10 +181,9 @@ fn plan_prints_the_reports_analytic_figures() {
         // What `mtrain plan` computes and prints.
         let cli = Cli::try_parse_from(std::iter::once("mtrain").chain(flags.iter().copied()))
             .expect("parses");
-        let cfg = cli.config().expect("config");
-        let l = cli.layout.resolve(&cfg.parallel, None).expect("layout");
-        let plan = mtrain_trainer::layout::plan(&cfg, &l).expect("plan");
-        let planned = rank_memory(&cfg, &plan).expect("rank memory");
+        let r = mtrain_trainer::resolve::resolve(&cli, None).expect("resolves");
+        let (cfg, plan, l) = (r.run.cfg(), &r.run.plan, &r.layout);
+        let planned = rank_memory(cfg, plan).expect("rank memory");
         let mut plan_args = vec!["plan"];
         plan_args.extend_from_slice(&flags);
         let out = Command::new(MTRAIN)
@@ -412,6 +411,7 @@ fn the_tape_and_autograd_forwards_keep_what_the_model_counts() {
     use mtrain_model::{init_weights, Backward, Engine, Gpt, GptConfig, Grads, NoHooks};
     use mtrain_trainer::memory::{
         step_memory, ActivationLayout, BackwardPath, CpuProbe, MemoryProbe, ModelStateLayout,
+        StepRun,
     };
 
     let (b, t) = (8, 32);
@@ -455,17 +455,16 @@ fn the_tape_and_autograd_forwards_keep_what_the_model_counts() {
             let measured = probe.current().saturating_sub(start) as f64;
             drop(acts);
             let n = cfg.n_params() as u64;
-            let predicted = step_memory(
-                &cfg,
-                &ActivationLayout::single_device(&cfg, b),
-                &ModelStateLayout::fp32_adam(n),
-                t,
-                4,
-                false,
+            let run = StepRun {
+                seq: t,
+                dtype_bytes: 4,
+                checkpointing: false,
                 path,
-                1,
-            )
-            .activations as f64;
+                grad_accum: 1,
+            };
+            let layout = ActivationLayout::single_device(&cfg, b);
+            let predicted =
+                step_memory(&cfg, &layout, &ModelStateLayout::fp32_adam(n), run).activations as f64;
             let err = predicted / measured - 1.0;
             assert!(
                 err.abs() <= 0.15,

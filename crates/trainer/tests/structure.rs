@@ -868,6 +868,130 @@ fn the_holdings_rule_is_written_once() {
     );
 }
 
+/// The argument lists of every call of `.name(` in `code` (what stands between its parentheses).
+fn call_args<'a>(code: &'a str, name: &str) -> Vec<&'a str> {
+    let call = format!(".{name}(");
+    code.match_indices(&call)
+        .map(|(i, _)| {
+            let start = i + call.len();
+            let mut depth = 1;
+            let end = code[start..]
+                .char_indices()
+                .find(|&(_, c)| {
+                    depth += match c {
+                        '(' => 1,
+                        ')' => -1,
+                        _ => 0,
+                    };
+                    depth == 0
+                })
+                .map_or(code.len(), |(j, _)| start + j);
+            &code[start..end]
+        })
+        .collect()
+}
+
+/// Commas outside any bracket: a call's argument count less one.
+fn top_level_commas(args: &str) -> usize {
+    let mut depth = 0i32;
+    args.chars()
+        .filter(|&c| {
+            depth += match c {
+                '(' | '[' | '{' | '<' => 1,
+                ')' | ']' | '}' | '>' => -1,
+                _ => 0,
+            };
+            c == ',' && depth == 0
+        })
+        .count()
+}
+
+/// Three things have one home each, and a second is refused:
+/// - the plan's check: `ParallelPlan::validate` (model, world, batch: the only three-argument
+///   `validate`) is called in `trainer/src/resolve.rs` alone, and the tp split rule
+///   (`tp_problems`) is applied by the plan's check alone;
+/// - the gradient sync's kinds: only `runtime/grad_sync.rs` chooses by the replicas' kind (the
+///   builder makes them, `state.rs` reads the checkpoint state out of them), so the runtime
+///   asks the sync and never matches on it;
+/// - the MoE layer: `model/src/moe.rs`'s `MoeLayer` is the only MoE feed-forward (the other is
+///   the dense `Mlp`); expert parallelism gives it an exchange instead of writing it again.
+#[test]
+fn the_plan_check_the_sync_and_the_moe_layer_live_once() {
+    let root = repo_root();
+    let paths = repo_paths(&root);
+    let mut found = Vec::new();
+    let mut plan_checks = 0;
+    for file in source_files(&paths) {
+        if file.ends_with("/tests.rs") {
+            continue;
+        }
+        let code = without_strings(&code_of(
+            &std::fs::read_to_string(root.join(file)).expect("a source file"),
+        ));
+        for args in call_args(&code, "validate") {
+            if top_level_commas(args) == 2 {
+                plan_checks += 1;
+                if file != "crates/trainer/src/resolve.rs" {
+                    found.push(format!("{file}: checks a plan again (`validate({args})`)"));
+                }
+            }
+        }
+        let tp_rule_at = [
+            "crates/parallel/src/placement.rs",
+            "crates/parallel/src/plan.rs",
+        ];
+        if code.contains("tp_problems(") && !tp_rule_at.contains(&file) {
+            found.push(format!(
+                "{file}: applies the tp split rule (tp_problems) again"
+            ));
+        }
+        let sync_at = [
+            "crates/parallel/src/runtime/grad_sync.rs",
+            "crates/parallel/src/parallelize.rs",
+            "crates/parallel/src/state.rs",
+        ];
+        if (code.contains("Replicas::Full") || code.contains("Replicas::Zero"))
+            && !sync_at.contains(&file)
+        {
+            found.push(format!(
+                "{file}: chooses by the replicas' kind (ask runtime/grad_sync.rs)"
+            ));
+        }
+        for line in code.lines().filter(|l| l.contains("impl FeedForward for")) {
+            let ty = line.split("for").nth(1).unwrap_or("").trim();
+            let home = match ty.trim_end_matches('{').trim() {
+                "Mlp" => "crates/model/src/layers.rs",
+                "MoeLayer" => "crates/model/src/moe.rs",
+                _ => "",
+            };
+            if file != home {
+                found.push(format!(
+                    "{file}: a second feed-forward layer ({ty}): use MoeLayer"
+                ));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "a rule with two homes:\n  {}",
+        found.join("\n  ")
+    );
+    assert_eq!(
+        plan_checks, 1,
+        "the scan found {plan_checks} plan checks, expected resolve.rs's one"
+    );
+}
+
+/// The call scan: arguments up to the matching parenthesis, commas counted at the top level.
+#[test]
+fn the_call_scan_counts_arguments() {
+    let code = "x.validate(); plan.validate(&m, f(a, b), [1, 2]); d.validate(w)";
+    let args = call_args(code, "validate");
+    assert_eq!(args, ["", "&m, f(a, b), [1, 2]", "w"]);
+    let commas: Vec<usize> = args.iter().map(|a| top_level_commas(a)).collect();
+    assert_eq!(commas, [0, 2, 0]);
+}
+
 /// The file scan on small trees: a grouped import, `super::` from a folder, a child module by
 /// name, a name followed through a `pub use`, and a path in a string left out.
 #[test]

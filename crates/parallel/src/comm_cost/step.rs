@@ -33,24 +33,23 @@ use crate::fsdp::{residency, ZeroStage};
 use crate::holdings::{ChunkHoldings, Held, Holdings};
 use crate::pipeline::{Action, Schedule};
 use crate::placement::TIED;
-use crate::plan::{DataParallelKind, ParallelPlan};
+use crate::plan::{DataParallelKind, ParallelPlan, ValidPlan};
 use crate::tensor_parallel::vocab::LOSS_ALL_REDUCES;
 use crate::tensor_parallel::{BlockMappings, EmbeddingMappings, HeadMappings, Site, TpCollective};
 use crate::toolbox::final_after_names;
 
 /// Every collective `rank` issues in one optimizer step of `plan` (one `forward_backward` with
 /// sync, then the gradient norm and `scaled_step`), merged by kind and size. Groups of one rank
-/// issue nothing.
+/// issue nothing. The plan comes checked (a [`ValidPlan`]: against `cfg`'s model and the
+/// batch of `shape`), as the run takes it.
 pub fn step_collectives(
     cfg: &GptConfig,
-    plan: &ParallelPlan,
+    plan: &ValidPlan,
     shape: StepShape,
     rank: usize,
 ) -> Result<Vec<Collective>> {
     let dims = plan.dims;
     let world = dims.world_size();
-    plan.validate(cfg, world, shape.batch)
-        .map_err(|e| CostError::Plan(e.to_string()))?;
     if rank >= world {
         return Err(CostError::Plan(format!(
             "rank {rank} is not in a world of {world}"

@@ -9,7 +9,7 @@
 
 use candle_core::{DType, Tensor};
 use mtrain_comm::{Comm, ReduceOp, Work};
-use mtrain_model::{Grads, Hooks, Param, Segment};
+use mtrain_model::{Grads, HookResult, Hooks, Param, Segment};
 use std::collections::BTreeMap;
 
 /// A group of parameters whose gradients travel in one flat all-reduce.
@@ -190,12 +190,7 @@ pub(crate) fn write_back(
 }
 
 impl Hooks for BucketLauncher<'_> {
-    fn post_backward(
-        &mut self,
-        i: usize,
-        _seg: &dyn Segment,
-        grads: &mut Grads,
-    ) -> candle_core::Result<()> {
+    fn post_backward(&mut self, i: usize, _seg: &dyn Segment, grads: &mut Grads) -> HookResult {
         // Segments finish in reverse; bucket b is complete once segment `ready_after` is done.
         while self.next < self.buckets.len() && self.buckets[self.next].ready_after >= i {
             self.launch_next(grads)?;

@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 use mtrain_comm::Comm;
-use mtrain_model::{Grads, Hooks, NoHooks, Segment};
+use mtrain_model::{Grads, HookResult, Hooks, NoHooks, Segment};
 
 use super::average::{finish_averages, start_average, Averaging};
 use super::buckets::{self, Bucket, BucketLauncher};
@@ -99,12 +99,7 @@ impl StageHooks for OverlappedDpReduce<'_> {
 }
 
 impl Hooks for OverlappedDpReduce<'_> {
-    fn post_backward(
-        &mut self,
-        i: usize,
-        _seg: &dyn Segment,
-        grads: &mut Grads,
-    ) -> candle_core::Result<()> {
+    fn post_backward(&mut self, i: usize, _seg: &dyn Segment, grads: &mut Grads) -> HookResult {
         if !self.active {
             return Ok(());
         }
@@ -176,12 +171,7 @@ impl StageHooks for BucketedDpReduce<'_> {
 }
 
 impl Hooks for BucketedDpReduce<'_> {
-    fn post_backward(
-        &mut self,
-        i: usize,
-        seg: &dyn Segment,
-        grads: &mut Grads,
-    ) -> candle_core::Result<()> {
+    fn post_backward(&mut self, i: usize, seg: &dyn Segment, grads: &mut Grads) -> HookResult {
         match self.active {
             true => self.launcher.post_backward(i, seg, grads),
             false => Ok(()),

@@ -16,11 +16,11 @@ use std::collections::BTreeMap;
 
 use candle_core::{DType, Tensor};
 use mtrain_comm::{Comm, CommError};
-use mtrain_model::optim::{clip_coef, AdamW, AdamWState, OptimItem};
+use mtrain_model::optim::{AdamW, AdamWState, OptimItem};
 use mtrain_model::{Engine, Param};
 
 use crate::mixed_precision::{MasterWeights, PrecisionError};
-use crate::toolbox::{sum_f64, CommStats, ModelStateBytes, StateError};
+use crate::toolbox::{clipped_step, sum_f64, CommStats, ModelStateBytes, StateError};
 
 /// Errors of the data-parallel strategies.
 #[derive(Debug, thiserror::Error)]
@@ -121,10 +121,9 @@ pub trait DataParallel {
         lr: f64,
         max_grad_norm: Option<f64>,
     ) -> Result<f64> {
-        let norm = self.grad_norm_sq()?.sqrt();
-        let clip = max_grad_norm.map_or(1.0, |max| clip_coef(norm, max));
-        self.scaled_step(opt, lr, clip)?;
-        Ok(norm)
+        clipped_step(self.grad_norm_sq()?, max_grad_norm, |clip| {
+            self.scaled_step(opt, lr, clip)
+        })
     }
 
     /// Steps the optimizer with the gradients multiplied by `grad_scale` (the clip coefficient

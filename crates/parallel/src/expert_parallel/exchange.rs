@@ -1,7 +1,8 @@
 //! The ep group's row exchange as the hand-written backward takes it
 //! ([`mtrain_model::tape::Exchange`]): the counts all-to-all, and the rows all-to-all that is
-//! the dispatch one way and the combine the other. The autograd path exchanges its counts
-//! here too ([`EpExchange::counts`]), so both paths issue the same collectives.
+//! the dispatch one way and the combine the other; and the same two as the autograd path
+//! records them (the differentiable all-to-all, [`super::all_to_all`]), so both paths issue the
+//! same collectives.
 
 use candle_core::{Device, Result, Tensor};
 use mtrain_comm::Comm;
@@ -42,5 +43,13 @@ impl Exchange for EpExchange {
         self.group
             .all_to_all(&x.contiguous()?, send, recv)
             .map_err(comm_err) // (Σ recv, F)
+    }
+
+    fn dispatch(&self, x: &Tensor, send: &[usize], recv: &[usize]) -> Result<Tensor> {
+        super::MoeExchange::Dispatch.run(x, send, recv, &self.group) // (Σ recv, F)
+    }
+
+    fn combine(&self, y: &Tensor, send: &[usize], recv: &[usize]) -> Result<Tensor> {
+        super::MoeExchange::Combine.run(y, send, recv, &self.group) // (Σ send, F)
     }
 }

@@ -13,7 +13,7 @@
 
 use candle_core::Tensor;
 use mtrain_comm::{Comm, ReduceOp, Work};
-use mtrain_model::{Grads, Hooks, Segment};
+use mtrain_model::{Grads, HookResult, Hooks, Segment};
 
 use super::residency::{self, Moves};
 use super::unit::FlatUnit;
@@ -148,18 +148,13 @@ impl Scheduler<'_> {
 }
 
 impl Hooks for Scheduler<'_> {
-    fn pre_forward(&mut self, i: usize, _seg: &dyn Segment) -> candle_core::Result<()> {
+    fn pre_forward(&mut self, i: usize, _seg: &dyn Segment) -> HookResult {
         self.pre_forward_impl(i).map_err(hook_err)
     }
-    fn pre_backward(&mut self, i: usize, _seg: &dyn Segment) -> candle_core::Result<()> {
+    fn pre_backward(&mut self, i: usize, _seg: &dyn Segment) -> HookResult {
         self.pre_backward_impl(i).map_err(hook_err)
     }
-    fn post_backward(
-        &mut self,
-        i: usize,
-        _seg: &dyn Segment,
-        grads: &mut Grads,
-    ) -> candle_core::Result<()> {
+    fn post_backward(&mut self, i: usize, _seg: &dyn Segment, grads: &mut Grads) -> HookResult {
         self.post_backward_impl(i, grads).map_err(hook_err)
     }
 }

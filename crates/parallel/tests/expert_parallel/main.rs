@@ -38,9 +38,7 @@ use mtrain_model::{
     init_weights, Backward, DenseLinear, Engine, FeedForward, Gpt, GptConfig, Grads, Mlp,
     MoeConfig, MoeStats, NoHooks, Param, Segment,
 };
-use mtrain_parallel::expert_parallel::{
-    self, all_to_all, build_segments, sync_grads, ExpertParallelMoe,
-};
+use mtrain_parallel::expert_parallel::{self, all_to_all, build_segments, sync_grads};
 use mtrain_parallel::parallelize::{parallelize, ParallelPlan};
 use mtrain_parallel::toolbox::unique_params;
 use rand::{Rng, SeedableRng};
@@ -613,7 +611,7 @@ fn aux_loss_equals_hand_computation() {
             aux_loss_coef: aux_coef,
             z_loss_coef: z_coef,
         };
-        let layer = ExpertParallelMoe::new(router, vec![expert], cfg, g).map_err(s)?;
+        let layer = expert_parallel::moe_layer(router, vec![expert], cfg, g).map_err(s)?;
         let x = t(vec![1., 0., 0., 1., 1., 1., 1., -1.], &[4, 2])?;
         let out = layer.forward(&x).map_err(s)?;
         let aux = out
@@ -669,7 +667,7 @@ fn moe_layer_issues_its_described_exchanges_in_order() {
             aux_loss_coef: 0.0,
             z_loss_coef: 0.0,
         };
-        let layer = ExpertParallelMoe::new(router, vec![expert], cfg, g.clone()).map_err(s)?;
+        let layer = expert_parallel::moe_layer(router, vec![expert], cfg, g.clone()).map_err(s)?;
         let x = Var::from_tensor(&t(vec![1., 0., 0., 1., 1., 1., 1., -1.], &[4, 2])?).map_err(s)?;
         g.tracer().set_recording(true);
         let out = layer.forward(x.as_tensor()).map_err(s)?;

@@ -98,7 +98,7 @@ impl LayoutArgs {
     /// The layout of `parallel` (the resolved `[parallel]` table, these flags included) on this
     /// job's processes: the world size and whatever degree was left out. `launched_world` is
     /// `WORLD_SIZE` when this process was started by a launcher. Whether the numbers fit together
-    /// is [`crate::layout::plan`]'s check.
+    /// is [`crate::resolve`]'s check.
     pub fn resolve(
         &self,
         parallel: &ParallelConfig,
@@ -218,13 +218,9 @@ mod tests {
     }
 
     /// The layout as a training run takes it: resolved, then its plan checked against the
-    /// default model and batch ([`crate::layout::plan`]).
+    /// default model and batch ([`crate::resolve::resolve`]).
     fn checked(args: &[&str]) -> anyhow::Result<Layout> {
-        let cli = cli(args);
-        let cfg = cli.config()?;
-        let layout = cli.layout.resolve(&cfg.parallel, None)?;
-        crate::layout::plan(&cfg, &layout)?;
-        Ok(layout)
+        Ok(crate::resolve::resolve(&cli(args), None)?.layout)
     }
 
     #[test]

@@ -160,7 +160,7 @@ impl ParallelConfig {
             stage_counts: self.stage_layers.clone(),
             checkpointing,
             precision,
-            // Not a layout choice: the run's `backward` key sets it (`layout::plan`).
+            // Not a layout choice: the run's `backward` key sets it (`crate::resolve`).
             backward: mtrain_model::Backward::default(),
         })
     }

@@ -24,7 +24,7 @@ use serde::Serialize;
 
 pub use activation_layout::{ActivationLayout, ActivationLayoutError};
 pub use step::{
-    activation_bytes, rank_activation_bytes, rank_step_memory, step_memory, StepMemory,
+    activation_bytes, rank_activation_bytes, rank_step_memory, step_memory, StepMemory, StepRun,
 };
 
 /// Bytes per parameter of each model-state category, what the layout divides each by, and the

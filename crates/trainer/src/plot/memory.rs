@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use plotters::prelude::*;
 use serde_json::Value;
 
-use super::{num, palette, plot_err, value_axis, W};
+use super::{legend, num, palette, plot_err, value_axis, W};
 
 /// Position of a phase inside its step on the x axis: the step's start at the integer, then
 /// the forward, the peak (inside the backward), the backward and the optimizer step.
@@ -197,14 +197,7 @@ pub(super) fn memory_chart(lines: &[Value], out: &Path) -> anyhow::Result<PathBu
         if k > 0 {
             continue;
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .border_style(BLACK)
-            .background_style(WHITE.mix(0.8))
-            .label_font(("sans-serif", 11))
-            .draw()
-            .map_err(plot_err)?;
+        legend(&mut chart, SeriesLabelPosition::UpperRight)?;
     }
     root.present().map_err(plot_err)?;
     Ok(out.to_path_buf())

@@ -8,7 +8,7 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde_json::Value;
 
-use super::{num, palette, plot_err, read_lines, W};
+use super::{legend, num, palette, plot_err, read_lines, W};
 
 /// One rank's timeline of one step, read from `pipeline-rank{N}.jsonl`.
 pub(super) struct RankTimeline {
@@ -207,13 +207,7 @@ pub(super) fn pipeline_chart(
             .label(text)
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 15, y + 5)], color.filled()));
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .border_style(BLACK)
-        .background_style(WHITE.mix(0.85))
-        .draw()
-        .map_err(plot_err)?;
+    legend(&mut chart, SeriesLabelPosition::UpperLeft)?;
     root.present().map_err(plot_err)?;
     Ok(out.to_path_buf())
 }
@@ -263,7 +257,7 @@ mod tests {
             ..ParallelPlan::new(MeshDims::new(1, 2, 1, 1))
         };
         let opts = RunOptions::of_plan(&cfg, plan).expect("a pp = 2 plan");
-        for r in run_local(2, Duration::from_secs(60), |b| run_with(&cfg, &b, &opts)) {
+        for r in run_local(2, Duration::from_secs(60), |b| run_with(&b, &opts)) {
             r.expect("pp = 2 run");
         }
         for rank in 0..2 {

@@ -156,20 +156,34 @@ pub fn rank_step_memory(
     }
 }
 
+/// How a step runs, as far as its memory goes: `seq` tokens a row, activations of
+/// `dtype_bytes`, recomputed or kept (`checkpointing`), the backward `path`, and `grad_accum`
+/// micro-steps.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepRun {
+    pub seq: usize,
+    pub dtype_bytes: usize,
+    pub checkpointing: bool,
+    pub path: BackwardPath,
+    pub grad_accum: usize,
+}
+
 /// [`rank_step_memory`] for a rank holding `state`: its weights' bytes per parameter for the
 /// gathers, its gradient bytes spread over its parameters for the backward's gradients; with
 /// `grad_accum > 1` micro-steps the later backwards run with every gradient written.
-#[allow(clippy::too_many_arguments)]
 pub fn step_memory(
     cfg: &GptConfig,
     layout: &ActivationLayout,
     state: &ModelStateLayout,
-    seq: usize,
-    dtype_bytes: usize,
-    checkpointing: bool,
-    path: BackwardPath,
-    grad_accum: usize,
+    run: StepRun,
 ) -> StepMemory {
+    let StepRun {
+        seq,
+        dtype_bytes,
+        checkpointing,
+        path,
+        grad_accum,
+    } = run;
     let grad_per_param = state.grads() as f64 / state.n_params.max(1) as f64;
     let layout = ActivationLayout {
         accumulates: layout.accumulates || grad_accum > 1,
