@@ -261,7 +261,8 @@ PY
 # timed steps over their summed step times (the binary) or their wall time (PyTorch). The
 # binaries are BENCH_BINS (.gpu/NAME.xz, default "mtrain"), the last one the subject of the
 # ratios; its peak memory comes from a short extra run with --mem-report. BENCH_TORCH (default
-# "eager compile", "none" for neither) picks the PyTorch variants. MFU: 6N + 12·L·C·T FLOP per token over 989 TFLOP/s.
+# "eager compile", "none" for neither) picks the PyTorch variants, each stopped after
+# BENCH_TORCH_TIMEOUT seconds (default 420). MFU: 6N + 12·L·C·T FLOP per token over 989 TFLOP/s.
 sizes() {
   OUT=${1:-.gpu/out}
   BIN=/tmp/mtrain-bench
@@ -330,7 +331,7 @@ PY
       flag=""; [ "$v" = compile ] && flag=--compile
       echo "== $name ${B}x$T torch $v"
       t0=$(date +%s)
-      timeout 420 python3 scripts/bench/torch_gpt_ref.py --preset "gpt2-$name" --batch "$B" --seq "$T" \
+      timeout "${BENCH_TORCH_TIMEOUT:-420}" python3 scripts/bench/torch_gpt_ref.py --preset "gpt2-$name" --batch "$B" --seq "$T" \
         --grad-clip 1.0 --steps "$steps" --warmup "$warm" $flag 2>&1 | grep '^{' | tee -a "$R"
       echo "($(( $(date +%s) - t0 )) s)"
     done
@@ -339,6 +340,8 @@ PY
   python3 - "$R" "$subject" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+for r in rows:  # torch_gpt_ref.py names its preset "gpt2-124m", the binary's rows "124m"
+    r["preset"] = r["preset"].removeprefix("gpt2-")
 subject = sys.argv[2]
 print("| model, batch x seq | " + " | ".join(["binary", "eager", "compile", "vs eager", "vs compile",
       "MFU binary / compile", "peak GiB binary / eager / compile"]) + " |")
