@@ -261,7 +261,8 @@ PY
 # timed steps over their summed step times (the binary) or their wall time (PyTorch). The
 # binaries are BENCH_BINS (.gpu/NAME.xz, default "mtrain"), the last one the subject of the
 # ratios; its peak memory comes from a short extra run with --mem-report. BENCH_TORCH (default
-# "eager compile") picks the PyTorch variants. MFU: 6N + 12·L·C·T FLOP per token over 989 TFLOP/s.
+# "eager compile", "none" for neither) picks the PyTorch variants, each stopped after
+# BENCH_TORCH_TIMEOUT seconds (default 420). MFU: 6N + 12·L·C·T FLOP per token over 989 TFLOP/s.
 sizes() {
   OUT=${1:-.gpu/out}
   BIN=/tmp/mtrain-bench
@@ -326,10 +327,11 @@ PY
       done
     done
     for v in ${BENCH_TORCH:-eager compile}; do
+      [ "$v" = none ] && continue
       flag=""; [ "$v" = compile ] && flag=--compile
       echo "== $name ${B}x$T torch $v"
       t0=$(date +%s)
-      timeout 420 python3 scripts/bench/torch_gpt_ref.py --preset "gpt2-$name" --batch "$B" --seq "$T" \
+      timeout "${BENCH_TORCH_TIMEOUT:-420}" python3 scripts/bench/torch_gpt_ref.py --preset "gpt2-$name" --batch "$B" --seq "$T" \
         --grad-clip 1.0 --steps "$steps" --warmup "$warm" $flag 2>&1 | grep '^{' | tee -a "$R"
       echo "($(( $(date +%s) - t0 )) s)"
     done
@@ -338,6 +340,8 @@ PY
   python3 - "$R" "$subject" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+for r in rows:  # torch_gpt_ref.py names its preset "gpt2-124m", the binary's rows "124m"
+    r["preset"] = r["preset"].removeprefix("gpt2-")
 subject = sys.argv[2]
 print("| model, batch x seq | " + " | ".join(["binary", "eager", "compile", "vs eager", "vs compile",
       "MFU binary / compile", "peak GiB binary / eager / compile"]) + " |")
@@ -360,7 +364,9 @@ PY
 
 # Attention alone, the hand-written path's forward and backward (bench_gpu --attn) next to
 # PyTorch's SDPA (default choice and flash forced), at BENCH_ATTN shapes "B,H,T,D/..." (default
-# T = 1024, 4096, 8192 at head size 64, the presets' heads).
+# T = 1024, 4096, 8192 at head size 64, the presets' heads). The binary runs twice: its default
+# kernels ("mtrain") and the 16-row tensor-core kernels of kernels.cu ("mtrain-narrow",
+# MTRAIN_FLASH_KERNELS=narrow).
 attn() {
   OUT=${1:-.gpu/out}
   BIN=/tmp/mtrain-bench
@@ -370,6 +376,8 @@ attn() {
   [ -x "$BIN/bench_gpu" ] || mtrain_unpack .gpu/bench_gpu.xz "$BIN/bench_gpu"
   shapes=${BENCH_ATTN:-"16,12,1024,64/8,20,1024,64/4,12,4096,64/2,12,8192,64"}
   "$BIN/bench_gpu" --attn "$shapes" 2>&1 | tee "$OUT/attn.jsonl"
+  MTRAIN_FLASH_KERNELS=narrow "$BIN/bench_gpu" --attn "$shapes" 2>&1 \
+    | sed 's/"impl": "mtrain"/"impl": "mtrain-narrow"/' | tee -a "$OUT/attn.jsonl"
   python3 scripts/bench/torch_attn_ref.py --shapes "$shapes" 2>&1 | grep '^{' | tee -a "$OUT/attn.jsonl"
   python3 - "$OUT/attn.jsonl" <<'PY'
 import json, sys

@@ -27,18 +27,24 @@
 //! `dK = scale · dSᵀ Q` and `dV = Pᵀ dO`. Memory kept for backward: the output and lse, O(T)
 //! per head instead of O(T²).
 //!
-//! Two implementations, both in `kernels.cu`:
-//! - **tensor cores** (`flash_tc_*`, bf16 with `D` in [`TC_HEAD_DIMS`]): warps of 16 rows, the
+//! Three implementations, chosen per call by [`Path`]:
+//! - **wide tensor cores** (`flash_wide_*` in `flash_wide.cu`, bf16 with `D` in
+//!   [`WIDE_HEAD_DIMS`]): the tensor-core algorithm below with 32 rows per warp (16 at
+//!   D = 128) and blocks of 128 rows, so each operand fragment read from shared memory feeds
+//!   two products; the default where it applies.
+//! - **tensor cores** (`flash_tc_*` in `kernels.cu`, bf16 with `D` in [`TC_HEAD_DIMS`]): warps
+//!   of 16 rows, the readable version and the fallback, the
 //!   products `q kᵀ`, `P v`, `dO vᵀ`, `dS k`, `Pᵀ dO`, `dSᵀ q` as `mma.sync` m16n8k16 bf16 tiles
 //!   with f32 accumulators, the softmax statistics in f32 registers; `P` and `dS` go from the
 //!   accumulators of one product to the operands of the next without touching memory.
-//! - **CUDA cores** (`flash_*`, any dtype of bf16/f32 and `D` in [`HEAD_DIMS`]): f32 FMAs, the
+//! - **CUDA cores** (`flash_*` in `kernels.cu`, any dtype of bf16/f32 and `D` in [`HEAD_DIMS`]): f32 FMAs, the
 //!   fallback for f32 and for head sizes the tensor-core tiles do not cover.
 //!
 //! Legend: `B` batch, `H` heads, `T` time, `D` head size.
 
 use candle_core::{DType, Layout, Result, Shape, Tensor, D};
 
+pub use crate::attention_path::{path, Path, TcKernels, WIDE_HEAD_DIMS};
 use crate::msg;
 use crate::plain::{self, upcast};
 
@@ -90,20 +96,26 @@ pub fn causal_attention(qkv: &Tensor, scale: f64) -> Result<Tensor> {
 
 /// The fused kernels under autograd (CUDA only).
 pub(crate) fn fused(qkv: &Tensor, scale: f64) -> Result<Tensor> {
+    fused_with(qkv, scale, TcKernels::from_env())
+}
+
+/// [`fused`] on the given tensor-core kernels.
+pub(crate) fn fused_with(qkv: &Tensor, scale: f64, kernels: TcKernels) -> Result<Tensor> {
     let d = head_size(qkv, "flash attention")?;
     if !HEAD_DIMS.contains(&d) {
         return Err(msg(format!(
             "flash attention: head size {d} not supported (one of {HEAD_DIMS:?})"
         )));
     }
-    qkv.contiguous()?.apply_op1(FlashAttention::new(scale))
+    qkv.contiguous()?
+        .apply_op1(FlashAttention::new(scale, kernels))
 }
 
 /// Causal attention of packed qkv (3, B, H, T, D) recording no graph: the output (B, H, T, D)
 /// and lse2 (B, H, T) f32, log₂ of each row's softmax denominator, which [`backward`] takes.
 pub fn forward(qkv: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
     if fuses(qkv, head_size(qkv, "attention forward")?) {
-        let op = FlashAttention::new(scale);
+        let op = FlashAttention::new(scale, TcKernels::from_env());
         let y = qkv.contiguous()?.apply_op1_no_bwd(&op)?;
         return Ok((y, op.take_lse()?));
     }
@@ -142,7 +154,8 @@ pub fn backward(
     let d = head_size(qkv, "attention backward")?;
     let (q, k, v) = parts(qkv)?;
     if fuses(qkv, d) {
-        return fused_backward(&q, &k, &v, y, &dy.contiguous()?, lse2, scale);
+        let dy = dy.contiguous()?;
+        return fused_backward(&q, &k, &v, y, &dy, lse2, scale, TcKernels::from_env());
     }
     if crate::cpu::takes(&[qkv, y, dy, lse2]) {
         let lse = (lse2 * std::f64::consts::LN_2)?; // (B, H, T)
@@ -183,13 +196,15 @@ fn logsumexp(s: &Tensor) -> Result<Tensor> {
 /// backward.
 struct FlashAttention {
     scale: f64,
+    kernels: TcKernels,
     lse: std::sync::Mutex<Option<Tensor>>,
 }
 
 impl FlashAttention {
-    fn new(scale: f64) -> Self {
+    fn new(scale: f64, kernels: TcKernels) -> Self {
         Self {
             scale,
+            kernels,
             lse: std::sync::Mutex::new(None),
         }
     }
@@ -245,7 +260,7 @@ impl candle_core::CustomOp1 for FlashAttention {
         let part =
             |i: usize| Layout::contiguous_with_offset((b, h, t, d), l.start_offset() + i * n);
         let (lq, lk, lv) = (part(0), part(1), part(2));
-        let (o, lse) = imp::forward(qkv, &lq, qkv, &lk, qkv, &lv, self.scale)?;
+        let (o, lse) = imp::forward(qkv, &lq, qkv, &lk, qkv, &lv, self.scale, self.kernels)?;
         *self
             .lse
             .lock()
@@ -264,6 +279,7 @@ impl candle_core::CustomOp1 for FlashAttention {
             &grad_out.contiguous()?,
             &self.lse()?,
             self.scale,
+            self.kernels,
         )?;
         Ok(Some(g)) // (3, B, H, T, D)
     }
@@ -271,7 +287,7 @@ impl candle_core::CustomOp1 for FlashAttention {
 
 /// Gradients of causal attention from the forward's output and lse (B, H, T), packed as
 /// (3, B, H, T, D) = dq | dk | dv.
-#[allow(unused_variables)]
+#[allow(unused_variables, clippy::too_many_arguments)]
 fn fused_backward(
     q: &Tensor,
     k: &Tensor,
@@ -280,10 +296,11 @@ fn fused_backward(
     grad_out: &Tensor,
     lse: &Tensor,
     scale: f64,
+    kernels: TcKernels,
 ) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     {
-        imp::backward(q, k, v, out, grad_out, lse, scale)
+        imp::backward(q, k, v, out, grad_out, lse, scale, kernels)
     }
     #[cfg(not(feature = "cuda"))]
     Err(msg("the flash attention backward runs on CUDA only".into()))
@@ -300,9 +317,8 @@ mod imp {
         blocks, by_dtype, compute_capability, device, kernel, slice, storage, tensor, view,
     };
     use super::super::msg;
+    use super::{path, Path, TcKernels};
 
-    /// bf16 `mma.sync` needs compute capability 8.0 (Ampere) or newer.
-    const TC_MIN_CC: u32 = 80;
     const BR: usize = 64;
     const LOG2E: f64 = std::f64::consts::LOG2_E;
 
@@ -316,6 +332,13 @@ mod imp {
         blocks((t.div_ceil(64), bh), 128)
     }
 
+    /// The wide kernels: 4 warps own 128 rows at D <= 64, 64 at D = 128 (WD_ROWS in
+    /// flash_wide.cu).
+    fn wide_config(t: usize, bh: usize, d: usize) -> LaunchConfig {
+        let rows = if d <= 64 { 128 } else { 64 };
+        blocks((t.div_ceil(rows), bh), 128)
+    }
+
     fn dims(l: &Layout, what: &str) -> Result<(usize, usize, usize)> {
         let (b, h, t, d) = l.shape().dims4()?;
         if !l.is_contiguous() {
@@ -327,6 +350,7 @@ mod imp {
         Ok((b * h, t, d))
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         q: &CudaStorage,
         lq: &Layout,
@@ -335,6 +359,7 @@ mod imp {
         v: &CudaStorage,
         lv: &Layout,
         scale: f64,
+        kernels: TcKernels,
     ) -> Result<(CudaStorage, Tensor)> {
         let (bh, t, d) = dims(lq, "q")?;
         if dims(lk, "k")? != (bh, t, d) || dims(lv, "v")? != (bh, t, d) {
@@ -348,7 +373,7 @@ mod imp {
         by_dtype!(
             "flash_attention",
             q.dtype(),
-            fwd(q, lq, k, lk, v, lv, (bh, t, d), scale)
+            fwd(q, lq, k, lk, v, lv, (bh, t, d), scale, kernels)
         )
     }
 
@@ -362,6 +387,7 @@ mod imp {
         lv: &Layout,
         (bh, t, d): (usize, usize, usize),
         scale: f64,
+        kernels: TcKernels,
     ) -> Result<(CudaStorage, Tensor)> {
         let dev = &q.device;
         let n = bh * t * d;
@@ -372,9 +398,11 @@ mod imp {
         let o = unsafe { dev.alloc::<T>(n)? };
         let lse = unsafe { dev.alloc::<f32>(bh * t)? };
         let offsets = [lq.start_offset(), lk.start_offset(), lv.start_offset()];
-        let tc = super::uses_tensor_cores(q.dtype(), d, &offsets)
-            && compute_capability(dev)? >= TC_MIN_CC;
-        let name = if tc { "flash_tc_fwd" } else { "flash_fwd" };
+        let (name, cfg) = match path(q.dtype(), d, &offsets, compute_capability(dev)?, kernels) {
+            Path::Wide => ("flash_wide_fwd", wide_config(t, bh, d)),
+            Path::Tc => ("flash_tc_fwd", tc_config(t, bh)),
+            Path::Cuda => ("flash_fwd", config(t, bh, d)),
+        };
         let f = kernel(dev, Some(d), q.dtype(), name)?;
         let (t32, qscale) = (t as i32, (scale * LOG2E) as f32);
         let mut b = f.builder();
@@ -385,17 +413,14 @@ mod imp {
             .arg(&lse)
             .arg(&t32)
             .arg(&qscale);
-        let cfg = if tc {
-            tc_config(t, bh)
-        } else {
-            config(t, bh, d)
-        };
-        // SAFETY: argument types and order match `flash_fwd` and `flash_tc_fwd` in kernels.cu.
+        // SAFETY: argument types and order match `flash_fwd`, `flash_tc_fwd` (kernels.cu) and
+        // `flash_wide_fwd` (flash_wide.cu).
         unsafe { b.launch(cfg) }.w()?;
         let lse = tensor(dev, lse, (bh, t));
         Ok((CudaStorage::wrap_cuda_slice(o, dev.clone()), lse))
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub fn backward(
         q: &Tensor,
         k: &Tensor,
@@ -404,14 +429,16 @@ mod imp {
         grad_out: &Tensor,
         lse: &Tensor,
         scale: f64,
+        kernels: TcKernels,
     ) -> Result<Tensor> {
         by_dtype!(
             "flash_attention",
             q.dtype(),
-            bwd(q, k, v, out, grad_out, lse, scale)
+            bwd(q, k, v, out, grad_out, lse, scale, kernels)
         )
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn bwd<T: CudaDType + DeviceRepr>(
         q: &Tensor,
         k: &Tensor,
@@ -420,6 +447,7 @@ mod imp {
         grad_out: &Tensor,
         lse: &Tensor,
         scale: f64,
+        kernels: TcKernels,
     ) -> Result<Tensor> {
         let dev = device(q)?;
         let (b_, h, t, d) = q.dims4()?;
@@ -438,13 +466,13 @@ mod imp {
         let ls = slice::<f32>(&gl)?.slice(ol..);
         let rows = bh * t;
         let dtype = q.dtype();
-        let tc = super::uses_tensor_cores(dtype, d, &[oq, ok, ov, oo, od])
-            && compute_capability(&dev)? >= TC_MIN_CC;
-        let (dq_name, dkdv_name, cfg) = if tc {
-            ("flash_tc_dq", "flash_tc_dkdv", tc_config(t, bh))
-        } else {
-            ("flash_bwd_dq", "flash_bwd_dkdv", config(t, bh, d))
-        };
+        let offsets = [oq, ok, ov, oo, od];
+        let (dq_name, dkdv_name, cfg) =
+            match path(dtype, d, &offsets, compute_capability(&dev)?, kernels) {
+                Path::Wide => ("flash_wide_dq", "flash_wide_dkdv", wide_config(t, bh, d)),
+                Path::Tc => ("flash_tc_dq", "flash_tc_dkdv", tc_config(t, bh)),
+                Path::Cuda => ("flash_bwd_dq", "flash_bwd_dkdv", config(t, bh, d)),
+            };
         // SAFETY: every element of each buffer is written by the kernel filling it.
         let delta = unsafe { dev.alloc::<f32>(rows)? };
         // One buffer (3, B, H, T, D) for dq | dk | dv, so a packed input gets one gradient.
@@ -475,7 +503,7 @@ mod imp {
             .arg(&delta)
             .arg(&dq);
         b.arg(&t32).arg(&qscale).arg(&scale32);
-        // SAFETY: argument types and order match `flash_bwd_dq` and `flash_tc_dq`.
+        // SAFETY: argument types and order match `flash_bwd_dq`, `flash_tc_dq`, `flash_wide_dq`.
         unsafe { b.launch(cfg) }.w()?;
 
         let f = kernel(&dev, Some(d), dtype, dkdv_name)?;
@@ -489,7 +517,8 @@ mod imp {
             .arg(&dk)
             .arg(&dv);
         b.arg(&t32).arg(&qscale).arg(&scale32);
-        // SAFETY: argument types and order match `flash_bwd_dkdv` and `flash_tc_dkdv`.
+        // SAFETY: argument types and order match `flash_bwd_dkdv`, `flash_tc_dkdv` and
+        // `flash_wide_dkdv`.
         unsafe { b.launch(cfg) }.w()?;
 
         drop((dq, dk, dv));
@@ -503,9 +532,11 @@ mod tests {
     use crate::testing::{cuda, rel_err};
     use candle_core::{DType, Var};
 
-    /// Forward and the three gradients of the fused kernel against the plain candle attention
-    /// (the reference computed in f32 from the same inputs).
-    fn check(b: usize, h: usize, t: usize, d: usize, dtype: DType, tol: f64) {
+    /// Forward and the three gradients of the fused kernel (the tensor-core kernels `kernels`
+    /// where a bf16 case takes them) against the plain candle attention (the reference
+    /// computed in f32 from the same inputs).
+    #[allow(clippy::too_many_arguments)]
+    fn check(b: usize, h: usize, t: usize, d: usize, dtype: DType, tol: f64, kernels: TcKernels) {
         let Some(dev) = cuda() else {
             return;
         };
@@ -534,7 +565,7 @@ mod tests {
             );
             let y = if fused {
                 let qkv = Tensor::stack(&[qv, kv, vv], 0).unwrap(); // (3, B, H, T, D)
-                super::fused(&qkv, scale).unwrap()
+                super::fused_with(&qkv, scale, kernels).unwrap()
             } else {
                 plain::causal_attention(qv, kv, vv, scale).unwrap()
             };
@@ -555,33 +586,47 @@ mod tests {
         let e = rel_err(&y, &y_ref);
         assert!(
             e < tol,
-            "forward rel err {e} >= {tol} (T={t}, D={d}, {dtype:?})"
+            "forward rel err {e} >= {tol} (T={t}, D={d}, {dtype:?}, {kernels:?})"
         );
         for (name, (g, g_ref)) in ["dq", "dk", "dv"].iter().zip(gs.iter().zip(&gs_ref)) {
             let e = rel_err(g, g_ref);
             assert!(
                 e < tol,
-                "{name} rel err {e} >= {tol} (T={t}, D={d}, {dtype:?})"
+                "{name} rel err {e} >= {tol} (T={t}, D={d}, {dtype:?}, {kernels:?})"
             );
         }
     }
 
+    use TcKernels::{Narrow, Wide};
+
     #[test]
     fn matches_plain_attention_bf16_d64() {
-        // Tensor cores; T = 200 leaves a partial last tile of 8 rows.
-        check(2, 3, 200, 64, DType::BF16, 1e-2);
+        // Tensor cores; T = 200 leaves a partial last tile of 8 rows (of 72 in a wide block).
+        check(2, 3, 200, 64, DType::BF16, 1e-2, Narrow);
+        check(2, 3, 200, 64, DType::BF16, 1e-2, Wide);
     }
 
     #[test]
     fn matches_plain_attention_bf16_tensor_cores_d16_d32() {
-        check(1, 2, 130, 16, DType::BF16, 1e-2);
-        check(2, 1, 64, 32, DType::BF16, 1e-2);
+        check(1, 2, 130, 16, DType::BF16, 1e-2, Narrow);
+        check(2, 1, 64, 32, DType::BF16, 1e-2, Narrow);
     }
 
     #[test]
     fn matches_plain_attention_bf16_cuda_cores_d8_d128() {
-        check(1, 2, 100, 8, DType::BF16, 1e-2);
-        check(1, 2, 70, 128, DType::BF16, 1e-2);
+        check(1, 2, 100, 8, DType::BF16, 1e-2, Narrow);
+        check(1, 2, 70, 128, DType::BF16, 1e-2, Narrow);
+    }
+
+    /// The wide kernels at every head size they take, with partial blocks, several blocks of
+    /// query rows (T = 517: four wide blocks, the last of 5 rows) and warps that skip tiles.
+    #[test]
+    fn matches_plain_attention_bf16_wide_d16_to_d128() {
+        check(1, 2, 130, 16, DType::BF16, 1e-2, Wide);
+        check(2, 1, 64, 32, DType::BF16, 1e-2, Wide);
+        check(1, 2, 517, 64, DType::BF16, 1e-2, Wide);
+        check(1, 2, 70, 128, DType::BF16, 1e-2, Wide);
+        check(1, 1, 300, 128, DType::BF16, 1e-2, Wide);
     }
 
     #[test]
@@ -636,7 +681,7 @@ mod tests {
 
     #[test]
     fn matches_plain_attention_f32_d16_and_d128() {
-        check(1, 2, 130, 16, DType::F32, 1e-4);
-        check(1, 2, 70, 128, DType::F32, 1e-4);
+        check(1, 2, 130, 16, DType::F32, 1e-4, Wide);
+        check(1, 2, 70, 128, DType::F32, 1e-4, Wide);
     }
 }

@@ -104,6 +104,7 @@ const SOURCE: &str = concat!(
     include_str!("adamw.cu"),
     include_str!("embedding.cu"),
     include_str!("sq_sum.cu"),
+    include_str!("flash_wide.cu"),
 );
 
 /// PTX by module name, compiled once per process.

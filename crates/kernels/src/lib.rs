@@ -42,7 +42,8 @@
 //! - [`plain`]: the candle-ops versions (softmax, LayerNorm, causal attention, cross-entropy).
 //! - `cpu`: the graph-free ops' f32 CPU loops (one pass where candle ops make several).
 //! - [`layer_norm`], [`gelu`], [`bias`], [`heads`], [`attention`], [`embedding`],
-//!   [`cross_entropy`], [`adamw`]: one op each, its kernel launch and its dispatch.
+//!   [`cross_entropy`], [`adamw`]: one op each, its kernel launch and its dispatch;
+//!   `attention_path` the rule that picks attention's kernels.
 //! - `cuda` (feature `cuda`): NVRTC compilation and the launch pieces the kernels share.
 //! - [`reduce`]: Σ of a tensor in rows first, and Σ x² of a list of tensors (the gradient norm).
 //! - [`philox`]: Philox4x32-10, the counter-based generator of draws named by their coordinates;
@@ -57,6 +58,7 @@
 
 pub mod adamw;
 pub mod attention;
+mod attention_path;
 pub mod bias;
 mod cpu;
 pub mod cross_entropy;
