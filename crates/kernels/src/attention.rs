@@ -35,10 +35,23 @@
 //! - **CUDA cores** (`flash_*`, any dtype of bf16/f32 and `D` in [`HEAD_DIMS`]): f32 FMAs, the
 //!   fallback for f32 and for head sizes the tensor-core tiles do not cover.
 //!
+//! **Dropout** on the probabilities (nanoGPT's `attn_dropout`): every entry point takes an
+//! optional [`Mask`] of the probabilities (B, H, T·T) as a block of the global batch's and heads'
+//! ([`crate::dropout`]); the output is `(P ∘ M) v` and nothing of the mask is kept: the
+//! backward draws it again. With `M` the mask values (0 or 1/(1−p)):
+//!
+//! ```text
+//!   O = (P ∘ M) V     dV = (P ∘ M)ᵀ dO     dS = P ∘ (dP ∘ M − δ),  dP = dO Vᵀ,  δ = rowsum(dO ∘ O)
+//! ```
+//!
+//! (δ = rowsum(P ∘ M ∘ dP) is still rowsum(dO ∘ O)). With a mask the CUDA-core kernels run, which
+//! draw it in place (`attn_mask` in kernels.cu); on CPU it is an f32 (B, H, T, T) tensor.
+//!
 //! Legend: `B` batch, `H` heads, `T` time, `D` head size.
 
 use candle_core::{DType, Layout, Result, Shape, Tensor, D};
 
+use crate::dropout::Mask;
 use crate::msg;
 use crate::plain::{self, upcast};
 
@@ -80,45 +93,64 @@ fn parts(qkv: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
 /// [`split_heads`](crate::split_heads) writes them); returns (B, H, T, D). Differentiable in
 /// qkv: the fused kernels where they apply (one (3, B, H, T, D) gradient, no (T, T) scores),
 /// else [`plain::causal_attention`] on the three parts.
-pub fn causal_attention(qkv: &Tensor, scale: f64) -> Result<Tensor> {
+pub fn causal_attention(qkv: &Tensor, scale: f64, dropout: Option<&Mask>) -> Result<Tensor> {
+    let dropout = dropout.filter(|m| m.p > 0.0);
     if fuses(qkv, head_size(qkv, "causal_attention")?) {
-        return fused(qkv, scale);
+        return fused(qkv, scale, dropout);
     }
     let (q, k, v) = parts(qkv)?;
-    plain::causal_attention(&q, &k, &v, scale)
+    match dropout {
+        None => plain::causal_attention(&q, &k, &v, scale),
+        Some(m) => {
+            let p = plain::softmax_last_dim(&plain::causal_scores(&q, &k, scale)?)?; // (B, H, T, T)
+            (p * probs_mask(m, &q)?)?.to_dtype(v.dtype())?.matmul(&v) // (B, H, T, D)
+        }
+    }
+}
+
+/// The dropout mask of probabilities for q (B, H, T, D): (B, H, T, T) f32.
+fn probs_mask(m: &Mask, q: &Tensor) -> Result<Tensor> {
+    let (b, h, t, _) = q.dims4()?;
+    m.tensor([b, h, t * t], q.device())?.reshape((b, h, t, t))
 }
 
 /// The fused kernels under autograd (CUDA only).
-pub(crate) fn fused(qkv: &Tensor, scale: f64) -> Result<Tensor> {
+pub(crate) fn fused(qkv: &Tensor, scale: f64, dropout: Option<&Mask>) -> Result<Tensor> {
     let d = head_size(qkv, "flash attention")?;
     if !HEAD_DIMS.contains(&d) {
         return Err(msg(format!(
             "flash attention: head size {d} not supported (one of {HEAD_DIMS:?})"
         )));
     }
-    qkv.contiguous()?.apply_op1(FlashAttention::new(scale))
+    qkv.contiguous()?.apply_op1(FlashAttention::new(scale, dropout))
 }
 
 /// Causal attention of packed qkv (3, B, H, T, D) recording no graph: the output (B, H, T, D)
-/// and lse2 (B, H, T) f32, log₂ of each row's softmax denominator, which [`backward`] takes.
-pub fn forward(qkv: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
+/// and lse2 (B, H, T) f32, log₂ of each row's softmax denominator, which [`backward`] takes
+/// (with the same `dropout`).
+pub fn forward(qkv: &Tensor, scale: f64, dropout: Option<&Mask>) -> Result<(Tensor, Tensor)> {
+    let dropout = dropout.filter(|m| m.p > 0.0);
     if fuses(qkv, head_size(qkv, "attention forward")?) {
-        let op = FlashAttention::new(scale);
+        let op = FlashAttention::new(scale, dropout);
         let y = qkv.contiguous()?.apply_op1_no_bwd(&op)?;
         return Ok((y, op.take_lse()?));
     }
     let (q, k, v) = parts(qkv)?;
+    let masked = |p: Tensor| match dropout {
+        Some(m) => p * probs_mask(m, &q)?, // (B, H, T, T)
+        None => Ok(p),
+    };
     if crate::cpu::takes(&[qkv]) {
-        let s = (q * scale)?.matmul(&k.t()?)?; // (B, H, T, T), unmasked
+        let s = (&q * scale)?.matmul(&k.t()?)?; // (B, H, T, T), unmasked
         let (p, lse) = crate::cpu::causal_softmax(&s)?; // one pass: mask, max, exp, Σ
         drop(s);
-        let y = p.matmul(&v)?; // (B, H, T, D)
+        let y = masked(p)?.matmul(&v)?; // (B, H, T, D)
         return Ok((y, (lse * std::f64::consts::LOG2_E)?));
     }
     let s = plain::causal_scores(&q, &k, scale)?; // (B, H, T, T) f32
     let lse = logsumexp(&s)?; // (B, H, T)
     let p = s.broadcast_sub(&lse.unsqueeze(D::Minus1)?)?.exp()?; // (B, H, T, T)
-    let y = p.to_dtype(v.dtype())?.matmul(&v)?; // (B, H, T, D)
+    let y = masked(p)?.to_dtype(v.dtype())?.matmul(&v)?; // (B, H, T, D)
     Ok((y, (lse * std::f64::consts::LOG2_E)?))
 }
 
@@ -126,11 +158,11 @@ pub fn forward(qkv: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
 /// output y, output gradient dy (B, H, T, D) and the lse2 of [`forward`], recording no graph.
 /// On CPU as the kernels do it (Dao et al. 2022, Algorithm 2), with the (T, T) scores
 /// materialised: in f32 the products by gemm and the softmax parts in one pass each, in other
-/// dtypes candle ops:
+/// dtypes candle ops (`M` the dropout mask, all ones without `dropout`):
 ///
 /// ```text
-///   P = exp(s − lse)      δ = rowsum(dO ∘ O)      dS = P ∘ (dO vᵀ − δ)
-///   dQ = scale · dS K     dK = scale · dSᵀ Q      dV = Pᵀ dO
+///   P = exp(s − lse)      δ = rowsum(dO ∘ O)      dS = P ∘ (dO vᵀ ∘ M − δ)
+///   dQ = scale · dS K     dK = scale · dSᵀ Q      dV = (P ∘ M)ᵀ dO
 /// ```
 pub fn backward(
     qkv: &Tensor,
@@ -138,24 +170,31 @@ pub fn backward(
     dy: &Tensor,
     lse2: &Tensor,
     scale: f64,
+    dropout: Option<&Mask>,
 ) -> Result<Tensor> {
+    let dropout = dropout.filter(|m| m.p > 0.0);
     let d = head_size(qkv, "attention backward")?;
     let (q, k, v) = parts(qkv)?;
     if fuses(qkv, d) {
-        return fused_backward(&q, &k, &v, y, &dy.contiguous()?, lse2, scale);
+        return fused_backward(&q, &k, &v, y, &dy.contiguous()?, lse2, scale, dropout);
     }
+    let mask = dropout.map(|m| probs_mask(m, &q)).transpose()?; // (B, H, T, T) f32
+    let masked = |t: &Tensor| match &mask {
+        Some(m) => t * m,
+        None => Ok(t.clone()),
+    };
     if crate::cpu::takes(&[qkv, y, dy, lse2]) {
         let lse = (lse2 * std::f64::consts::LN_2)?; // (B, H, T)
         let s = (&q * scale)?.matmul(&k.t()?)?; // (B, H, T, T), unmasked
         let p = crate::cpu::causal_probs(&s, &lse)?; // (B, H, T, T)
         drop(s);
-        let dp = dy.matmul(&v.t()?)?; // (B, H, T, T)
+        let dp = masked(&dy.matmul(&v.t()?)?)?; // (B, H, T, T)
         let ds = crate::cpu::score_grad(&p, &dp, dy, y)?; // (B, H, T, T)
         drop(dp);
         let dq = (ds.matmul(&k)? * scale)?; // (B, H, T, D)
         let dk = (ds.t()?.matmul(&q)? * scale)?; // (B, H, T, D)
         drop(ds);
-        let dv = p.t()?.matmul(dy)?; // (B, H, T, D)
+        let dv = masked(&p)?.t()?.matmul(dy)?; // (B, H, T, D)
         return Tensor::stack(&[dq, dk, dv], 0); // (3, B, H, T, D)
     }
     let lse = (lse2 * std::f64::consts::LN_2)?.unsqueeze(D::Minus1)?; // (B, H, T, 1)
@@ -164,11 +203,11 @@ pub fn backward(
         .exp()?; // (B, H, T, T)
     let (qf, kf, vf, dyf) = (upcast(&q)?, upcast(&k)?, upcast(&v)?, upcast(dy)?);
     let delta = (&dyf * upcast(y)?)?.sum_keepdim(D::Minus1)?; // (B, H, T, 1)
-    let dp = dyf.matmul(&vf.t()?)?; // (B, H, T, T)
+    let dp = masked(&dyf.matmul(&vf.t()?)?)?; // (B, H, T, T)
     let ds = (&p * dp.broadcast_sub(&delta)?)?; // (B, H, T, T)
     let dq = (ds.matmul(&kf)? * scale)?; // (B, H, T, D)
     let dk = (ds.t()?.matmul(&qf)? * scale)?; // (B, H, T, D)
-    let dv = p.t()?.matmul(&dyf)?; // (B, H, T, D)
+    let dv = masked(&p)?.t()?.matmul(&dyf)?; // (B, H, T, D)
     Tensor::stack(&[dq, dk, dv], 0)?.to_dtype(qkv.dtype()) // (3, B, H, T, D)
 }
 
@@ -183,13 +222,16 @@ fn logsumexp(s: &Tensor) -> Result<Tensor> {
 /// backward.
 struct FlashAttention {
     scale: f64,
+    /// The dropout mask of the probabilities, drawn again by the backward.
+    dropout: Option<Mask>,
     lse: std::sync::Mutex<Option<Tensor>>,
 }
 
 impl FlashAttention {
-    fn new(scale: f64) -> Self {
+    fn new(scale: f64, dropout: Option<&Mask>) -> Self {
         Self {
             scale,
+            dropout: dropout.copied(),
             lse: std::sync::Mutex::new(None),
         }
     }
@@ -245,7 +287,7 @@ impl candle_core::CustomOp1 for FlashAttention {
         let part =
             |i: usize| Layout::contiguous_with_offset((b, h, t, d), l.start_offset() + i * n);
         let (lq, lk, lv) = (part(0), part(1), part(2));
-        let (o, lse) = imp::forward(qkv, &lq, qkv, &lk, qkv, &lv, self.scale)?;
+        let (o, lse) = imp::forward(qkv, &lq, qkv, &lk, qkv, &lv, self.scale, self.dropout.as_ref())?;
         *self
             .lse
             .lock()
@@ -264,6 +306,7 @@ impl candle_core::CustomOp1 for FlashAttention {
             &grad_out.contiguous()?,
             &self.lse()?,
             self.scale,
+            self.dropout.as_ref(),
         )?;
         Ok(Some(g)) // (3, B, H, T, D)
     }
@@ -271,7 +314,7 @@ impl candle_core::CustomOp1 for FlashAttention {
 
 /// Gradients of causal attention from the forward's output and lse (B, H, T), packed as
 /// (3, B, H, T, D) = dq | dk | dv.
-#[allow(unused_variables)]
+#[allow(unused_variables, clippy::too_many_arguments)]
 fn fused_backward(
     q: &Tensor,
     k: &Tensor,
@@ -280,10 +323,11 @@ fn fused_backward(
     grad_out: &Tensor,
     lse: &Tensor,
     scale: f64,
+    dropout: Option<&Mask>,
 ) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     {
-        imp::backward(q, k, v, out, grad_out, lse, scale)
+        imp::backward(q, k, v, out, grad_out, lse, scale, dropout)
     }
     #[cfg(not(feature = "cuda"))]
     Err(msg("the flash attention backward runs on CUDA only".into()))
@@ -299,6 +343,7 @@ mod imp {
     use super::super::cuda::{
         blocks, by_dtype, compute_capability, device, kernel, slice, storage, tensor, view,
     };
+    use super::super::dropout::{DropKey, Mask};
     use super::super::msg;
 
     /// bf16 `mma.sync` needs compute capability 8.0 (Ampere) or newer.
@@ -316,6 +361,50 @@ mod imp {
         blocks((t.div_ceil(64), bh), 128)
     }
 
+    /// `struct AttnDrop` of kernels.cu, field for field: the mask's key and where this launch's
+    /// (B_l, hl) heads sit in the global (Bg, hg); a zero threshold means no dropout.
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct AttnDrop {
+        key: DropKey,
+        hl: i32,
+        hg: i32,
+        b0: i32,
+        h0: i32,
+    }
+
+    // SAFETY: #[repr(C)] of a DropKey and four i32, the layout of `struct AttnDrop` (48 bytes).
+    unsafe impl DeviceRepr for AttnDrop {}
+
+    /// The kernels' dropout argument for heads (B_l, hl): none when `dropout` is None.
+    fn attn_drop(dropout: Option<&Mask>, hl: usize) -> Result<AttnDrop> {
+        let none = AttnDrop {
+            key: DropKey {
+                k0: 0,
+                k1: 0,
+                step: 0,
+                tag: 0,
+                threshold: 0,
+                scale: 1.0,
+                _pad: 0,
+            },
+            hl: hl as i32,
+            hg: hl as i32,
+            b0: 0,
+            h0: 0,
+        };
+        let Some(m) = dropout else {
+            return Ok(none);
+        };
+        Ok(AttnDrop {
+            key: m.device_key().map_err(candle_core::Error::wrap)?,
+            hg: m.place.global[1] as i32,
+            b0: m.place.offset[0] as i32,
+            h0: m.place.offset[1] as i32,
+            ..none
+        })
+    }
+
     fn dims(l: &Layout, what: &str) -> Result<(usize, usize, usize)> {
         let (b, h, t, d) = l.shape().dims4()?;
         if !l.is_contiguous() {
@@ -327,6 +416,7 @@ mod imp {
         Ok((b * h, t, d))
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         q: &CudaStorage,
         lq: &Layout,
@@ -335,6 +425,7 @@ mod imp {
         v: &CudaStorage,
         lv: &Layout,
         scale: f64,
+        dropout: Option<&Mask>,
     ) -> Result<(CudaStorage, Tensor)> {
         let (bh, t, d) = dims(lq, "q")?;
         if dims(lk, "k")? != (bh, t, d) || dims(lv, "v")? != (bh, t, d) {
@@ -348,7 +439,7 @@ mod imp {
         by_dtype!(
             "flash_attention",
             q.dtype(),
-            fwd(q, lq, k, lk, v, lv, (bh, t, d), scale)
+            fwd(q, lq, k, lk, v, lv, (bh, t, d), scale, dropout)
         )
     }
 
@@ -362,8 +453,10 @@ mod imp {
         lv: &Layout,
         (bh, t, d): (usize, usize, usize),
         scale: f64,
+        dropout: Option<&Mask>,
     ) -> Result<(CudaStorage, Tensor)> {
         let dev = &q.device;
+        let hl = lq.shape().dims4()?.1;
         let n = bh * t * d;
         let qs = view::<T>(q, lq)?;
         let ks = view::<T>(k, lk)?;
@@ -372,9 +465,12 @@ mod imp {
         let o = unsafe { dev.alloc::<T>(n)? };
         let lse = unsafe { dev.alloc::<f32>(bh * t)? };
         let offsets = [lq.start_offset(), lk.start_offset(), lv.start_offset()];
-        let tc = super::uses_tensor_cores(q.dtype(), d, &offsets)
+        // The tensor-core kernels draw no dropout mask: with one, the CUDA-core kernels run.
+        let tc = dropout.is_none()
+            && super::uses_tensor_cores(q.dtype(), d, &offsets)
             && compute_capability(dev)? >= TC_MIN_CC;
         let name = if tc { "flash_tc_fwd" } else { "flash_fwd" };
+        let ad = attn_drop(dropout, hl)?;
         let f = kernel(dev, Some(d), q.dtype(), name)?;
         let (t32, qscale) = (t as i32, (scale * LOG2E) as f32);
         let mut b = f.builder();
@@ -385,6 +481,9 @@ mod imp {
             .arg(&lse)
             .arg(&t32)
             .arg(&qscale);
+        if !tc {
+            b.arg(&ad);
+        }
         let cfg = if tc {
             tc_config(t, bh)
         } else {
@@ -396,6 +495,7 @@ mod imp {
         Ok((CudaStorage::wrap_cuda_slice(o, dev.clone()), lse))
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub fn backward(
         q: &Tensor,
         k: &Tensor,
@@ -404,14 +504,16 @@ mod imp {
         grad_out: &Tensor,
         lse: &Tensor,
         scale: f64,
+        dropout: Option<&Mask>,
     ) -> Result<Tensor> {
         by_dtype!(
             "flash_attention",
             q.dtype(),
-            bwd(q, k, v, out, grad_out, lse, scale)
+            bwd(q, k, v, out, grad_out, lse, scale, dropout)
         )
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn bwd<T: CudaDType + DeviceRepr>(
         q: &Tensor,
         k: &Tensor,
@@ -420,6 +522,7 @@ mod imp {
         grad_out: &Tensor,
         lse: &Tensor,
         scale: f64,
+        dropout: Option<&Mask>,
     ) -> Result<Tensor> {
         let dev = device(q)?;
         let (b_, h, t, d) = q.dims4()?;
@@ -438,8 +541,10 @@ mod imp {
         let ls = slice::<f32>(&gl)?.slice(ol..);
         let rows = bh * t;
         let dtype = q.dtype();
-        let tc = super::uses_tensor_cores(dtype, d, &[oq, ok, ov, oo, od])
+        let tc = dropout.is_none()
+            && super::uses_tensor_cores(dtype, d, &[oq, ok, ov, oo, od])
             && compute_capability(&dev)? >= TC_MIN_CC;
+        let ad = attn_drop(dropout, h)?;
         let (dq_name, dkdv_name, cfg) = if tc {
             ("flash_tc_dq", "flash_tc_dkdv", tc_config(t, bh))
         } else {
@@ -475,6 +580,9 @@ mod imp {
             .arg(&delta)
             .arg(&dq);
         b.arg(&t32).arg(&qscale).arg(&scale32);
+        if !tc {
+            b.arg(&ad);
+        }
         // SAFETY: argument types and order match `flash_bwd_dq` and `flash_tc_dq`.
         unsafe { b.launch(cfg) }.w()?;
 
@@ -489,6 +597,9 @@ mod imp {
             .arg(&dk)
             .arg(&dv);
         b.arg(&t32).arg(&qscale).arg(&scale32);
+        if !tc {
+            b.arg(&ad);
+        }
         // SAFETY: argument types and order match `flash_bwd_dkdv` and `flash_tc_dkdv`.
         unsafe { b.launch(cfg) }.w()?;
 
@@ -534,7 +645,7 @@ mod tests {
             );
             let y = if fused {
                 let qkv = Tensor::stack(&[qv, kv, vv], 0).unwrap(); // (3, B, H, T, D)
-                super::fused(&qkv, scale).unwrap()
+                super::fused(&qkv, scale, None).unwrap()
             } else {
                 plain::causal_attention(qv, kv, vv, scale).unwrap()
             };
@@ -610,7 +721,7 @@ mod tests {
                 Var::from_tensor(&x.to_dtype(DType::BF16).unwrap().to_dtype(dt).unwrap()).unwrap();
             let p = v.as_tensor();
             let y = if fused {
-                super::fused(p, scale).unwrap()
+                super::fused(p, scale, None).unwrap()
             } else {
                 let part = |i| p.get(i).unwrap();
                 plain::causal_attention(&part(0), &part(1), &part(2), scale).unwrap()

@@ -19,7 +19,13 @@
 //! state (Megatron's RNG tracker gives each TP rank its own stream), nothing depends on how the
 //! tensor was split.
 //!
-//! This module is the CPU generator; a CUDA kernel computes the same words from the same counters.
+//! This module is the CPU generator and [`apply`], the op that multiplies a block of an
+//! activation by its mask: on CUDA the kernel `dropout_fwd` (`dropout.cu`), which computes the
+//! same words from the same counters (`philox.cu`), as do the attention kernels for the mask on
+//! the attention probabilities ([`crate::attention`]). Its backward is the same op on the
+//! gradient: `d(x ∘ m) = dy ∘ m`.
+
+use candle_core::{DType, Tensor};
 
 /// Where in the model a mask is drawn (nanoGPT's three dropout sites, the residual one twice).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,6 +106,125 @@ impl MaskKey {
             self.step as u32,
             self.micro | self.layer << 12 | (self.site as u32) << 24,
         ]
+    }
+}
+
+/// A block of a 3-D global activation: the global shape (G0, G1, G2) and where the block
+/// starts. The activations (B, T, C) are such blocks, and so are attention probabilities
+/// (B, H, T, T) seen as (B, H, T·T) (their last two dimensions are never split).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Place {
+    pub global: [usize; 3],
+    pub offset: [usize; 3],
+}
+
+/// One mask: its key, its drop probability and the block of the global activation it covers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Mask {
+    pub key: MaskKey,
+    pub p: f64,
+    pub place: Place,
+}
+
+impl Mask {
+    /// The mask's values for a block of shape `shape` (f32, row-major).
+    pub fn values(&self, shape: [usize; 3]) -> Result<Vec<f32>, MaskError> {
+        mask_block(&self.key, self.p, &self.place.global, &self.place.offset, &shape)
+    }
+
+    /// The mask of a block (A, B, C) as an f32 tensor on `dev`.
+    pub fn tensor(&self, shape: [usize; 3], dev: &candle_core::Device) -> candle_core::Result<Tensor> {
+        let v = self.values(shape).map_err(candle_core::Error::wrap)?;
+        Tensor::from_vec(v, shape.to_vec(), &candle_core::Device::Cpu)?.to_device(dev)
+    }
+
+    /// The key as the kernels take it (`DropKey` in philox.cu).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn device_key(&self) -> Result<DropKey, MaskError> {
+        let k = crate::philox::key_of(self.key.seed);
+        let c = self.key.counter(0);
+        Ok(DropKey {
+            k0: k[0],
+            k1: k[1],
+            step: c[2],
+            tag: c[3],
+            threshold: threshold(self.p)?,
+            scale: (1.0 / (1.0 - self.p)) as f32,
+            _pad: 0,
+        })
+    }
+}
+
+/// `struct DropKey` of philox.cu, field for field.
+#[cfg(feature = "cuda")]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DropKey {
+    pub k0: u32,
+    pub k1: u32,
+    pub step: u32,
+    pub tag: u32,
+    pub threshold: u64,
+    pub scale: f32,
+    pub _pad: u32,
+}
+
+// SAFETY: #[repr(C)] plain integers and a float, the layout of `struct DropKey` in philox.cu
+// (32 bytes, 8-byte aligned).
+#[cfg(feature = "cuda")]
+unsafe impl candle_core::cuda_backend::cudarc::driver::DeviceRepr for DropKey {}
+
+/// `x ∘ mask` for x (A, B, C), the block of the global activation `mask.place` describes:
+/// inverted dropout, computed in f32 and rounded to x's dtype once. The same op is its own
+/// backward (`dy ∘ mask`). p = 0 returns x.
+pub fn apply(x: &Tensor, mask: &Mask) -> candle_core::Result<Tensor> {
+    if mask.p == 0.0 {
+        return Ok(x.clone());
+    }
+    let (a, b, c) = x.dims3()?;
+    #[cfg(feature = "cuda")]
+    if crate::fused_for(x) {
+        return imp::apply(&x.contiguous()?, mask, (a, b, c));
+    }
+    let m = mask.tensor([a, b, c], x.device())?; // (A, B, C) f32
+    (x.to_dtype(DType::F32)? * m)?.to_dtype(x.dtype())
+}
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::{Result, Tensor};
+
+    use crate::cuda::{by_dtype, device, grid_stride, kernel, slice, storage, tensor};
+
+    pub fn apply(x: &Tensor, mask: &super::Mask, dims: (usize, usize, usize)) -> Result<Tensor> {
+        by_dtype!("dropout", x.dtype(), run(x, mask, dims))
+    }
+
+    fn run<T: CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
+        x: &Tensor,
+        mask: &super::Mask,
+        (a, b, c): (usize, usize, usize),
+    ) -> Result<Tensor> {
+        let dev = device(x)?;
+        let key = mask.device_key().map_err(candle_core::Error::wrap)?;
+        let (sx, ox) = storage(x, "dropout x")?;
+        let xs = slice::<T>(&sx)?.slice(ox..);
+        let n = a * b * c;
+        // SAFETY: the kernel writes every element of y.
+        let y = unsafe { dev.alloc::<T>(n)? };
+        let f = kernel(&dev, None, x.dtype(), "dropout_fwd")?;
+        let [o0, o1, o2] = mask.place.offset.map(|v| v as i64);
+        let [_, g1, g2] = mask.place.global.map(|v| v as i64);
+        let (n64, t64, c64) = (n as i64, b as i64, c as i64);
+        let mut l = f.builder();
+        l.arg(&xs).arg(&y).arg(&n64).arg(&t64).arg(&c64);
+        l.arg(&o0).arg(&o1).arg(&o2).arg(&g1).arg(&g2).arg(&key);
+        // SAFETY: argument types and order match `dropout_fwd` in dropout.cu.
+        unsafe { l.launch(grid_stride(n)) }.w()?;
+        drop(sx);
+        Ok(tensor(&dev, y, (a, b, c)))
     }
 }
 

@@ -116,9 +116,29 @@ __device__ __forceinline__ void stage(float (*dst)[D], const elem* src, int r0, 
     }
 }
 
-// o = softmax(mask(q k^T * scale)) v, lse2 per row. q, k, v, o: (BH, T, D); lse2: (BH, T).
+// Dropout on the attention probabilities (dropout.rs `Mask` of (B, H, T·T)): this launch's
+// heads are (B_l, hl) at (b0, h0) of the global (Bg, hg); no dropout when key.threshold is 0.
+struct AttnDrop {
+    DropKey key;
+    int hl, hg, b0, h0;
+};
+
+// The global index of element (0, 0) of head blockIdx.y's (T, T) probabilities.
+__device__ __forceinline__ unsigned long long attn_base(const AttnDrop& d, int T) {
+    const long b = blockIdx.y / d.hl, h = blockIdx.y % d.hl;
+    return (unsigned long long)((d.b0 + b) * d.hg + d.h0 + h) * T * T;
+}
+
+// The mask of probability (row, col): 0 or 1 / (1 - p); 1 without dropout.
+__device__ __forceinline__ float attn_mask(const AttnDrop& d, unsigned long long base, int T,
+                                           int row, int col) {
+    return d.key.threshold == 0 ? 1.f : drop_mask(d.key, base + (unsigned long long)row * T + col);
+}
+
+// o = (P ∘ M) v with P = softmax(mask(q k^T * scale)) and M the dropout mask, lse2 per row
+// (of P, before dropout). q, k, v, o: (BH, T, D); lse2: (BH, T).
 extern "C" __global__ void flash_fwd(const elem* q, const elem* k, const elem* v, elem* o,
-                                     float* lse2, int T, float qscale) {
+                                     float* lse2, int T, float qscale, AttnDrop drop) {
     __shared__ __align__(16) float ks[BC][D];
     __shared__ __align__(16) float vs[BC][D];
     const long base = (long)blockIdx.y * T * D;
@@ -132,6 +152,7 @@ extern "C" __global__ void flash_fwd(const elem* q, const elem* k, const elem* v
         acc[i] = 0.f;
     }
     float m = NEG_INF, l = 0.f;
+    const unsigned long long hb = attn_base(drop, T);
     const int last = min(T, (int)(blockIdx.x + 1) * BR) - 1;
     for (int kb = 0; kb <= last; kb += BC) {
         __syncthreads();
@@ -157,6 +178,7 @@ extern "C" __global__ void flash_fwd(const elem* q, const elem* k, const elem* v
             for (int j = 0; j < CH; ++j) {
                 float p = exp2f(s[j] - m_use);
                 l += p;
+                if (s[j] != NEG_INF) p *= attn_mask(drop, hb, T, row, kb + c + j);
                 axpy_part(acc, p, &vs[c + j][d0]);
             }
             m = m_new;
@@ -188,10 +210,12 @@ extern "C" __global__ void flash_bwd_dot(const elem* o, const elem* dout, float*
     if (r < rows && part == 0) dvec[r] = acc;
 }
 
-// dq = scale * sum_j dS_ij k_j with dS = P * (dP - dvec), dP = dO v^T; one query row per group.
+// dq = scale * sum_j dS_ij k_j with dS = P * (dP ∘ M - dvec), dP = dO v^T, M the dropout mask
+// (dvec = rowsum(dO ∘ O) = rowsum(P ∘ M ∘ dP) still); one query row per group.
 extern "C" __global__ void flash_bwd_dq(const elem* q, const elem* k, const elem* v,
                                         const elem* dout, const float* lse2, const float* dvec,
-                                        elem* dq, int T, float qscale, float scale) {
+                                        elem* dq, int T, float qscale, float scale,
+                                        AttnDrop drop) {
     __shared__ __align__(16) float ks[BC][D];
     __shared__ __align__(16) float vs[BC][D];
     const long base = (long)blockIdx.y * T * D;
@@ -208,6 +232,7 @@ extern "C" __global__ void flash_bwd_dq(const elem* q, const elem* k, const elem
     }
     const float L = valid ? lse2[(long)blockIdx.y * T + row] : 0.f;
     const float Dv = valid ? dvec[(long)blockIdx.y * T + row] : 0.f;
+    const unsigned long long hb = attn_base(drop, T);
     const int last = min(T, (int)(blockIdx.x + 1) * BR) - 1;
     for (int kb = 0; kb <= last; kb += BC) {
         __syncthreads();
@@ -218,6 +243,7 @@ extern "C" __global__ void flash_bwd_dq(const elem* q, const elem* k, const elem
             float s = group_sum(dot_part(qr, &ks[j][d0]));
             float dp = group_sum(dot_part(dor, &vs[j][d0]));
             float p = (kb + j <= row) ? exp2f(s - L) : 0.f;
+            if (p != 0.f) dp *= attn_mask(drop, hb, T, row, kb + j);
             axpy_part(acc, p * (dp - Dv), &ks[j][d0]);
         }
     }
@@ -227,10 +253,12 @@ extern "C" __global__ void flash_bwd_dq(const elem* q, const elem* k, const elem
     }
 }
 
-// dk = scale * sum_i dS_ij q_i, dv = sum_i P_ij dO_i; one key row per group, queries i >= j.
+// dk = scale * sum_i dS_ij q_i, dv = sum_i (P ∘ M)_ij dO_i (M the dropout mask, dS as in
+// flash_bwd_dq); one key row per group, queries i >= j.
 extern "C" __global__ void flash_bwd_dkdv(const elem* q, const elem* k, const elem* v,
                                           const elem* dout, const float* lse2, const float* dvec,
-                                          elem* dk, elem* dv, int T, float qscale, float scale) {
+                                          elem* dk, elem* dv, int T, float qscale, float scale,
+                                          AttnDrop drop) {
     __shared__ __align__(16) float qs[BC][D];
     __shared__ __align__(16) float dos[BC][D];
     __shared__ float ls[BC], dvs[BC];
@@ -247,6 +275,7 @@ extern "C" __global__ void flash_bwd_dkdv(const elem* q, const elem* k, const el
         dka[i] = 0.f;
         dva[i] = 0.f;
     }
+    const unsigned long long hb = attn_base(drop, T);
     for (int qb = blockIdx.x * BR; qb < T; qb += BC) {
         __syncthreads();
         stage(qs, q + base, qb, T);
@@ -261,8 +290,9 @@ extern "C" __global__ void flash_bwd_dkdv(const elem* q, const elem* k, const el
             float s = group_sum(dot_part(kr, &qs[j][d0]));
             float dp = group_sum(dot_part(vr, &dos[j][d0]));
             float p = (qb + j >= key) ? exp2f(s - ls[j]) : 0.f;
-            axpy_part(dva, p, &dos[j][d0]);
-            axpy_part(dka, p * (dp - dvs[j]), &qs[j][d0]);
+            const float mk = (p != 0.f && valid) ? attn_mask(drop, hb, T, qb + j, key) : 1.f;
+            axpy_part(dva, p * mk, &dos[j][d0]);
+            axpy_part(dka, p * (dp * mk - dvs[j]), &qs[j][d0]);
         }
     }
     if (valid) {

@@ -186,6 +186,7 @@ pub fn parallelize(
         reduced: false,
         last: CommStats::default(),
         dp_timer: None,
+        dropout: None,
     };
     if plan.precision.is_mixed() {
         pm.attach_masters(fp32_weights)?;

@@ -51,7 +51,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use candle_core::{DType, Shape, Tensor};
 use mtrain_comm::{chunk_range, Comm, CommError, Coords, ReduceOp};
 use mtrain_model::optim::{clip_coef, sq_norm, AdamW, OptimItem};
-use mtrain_model::{Engine, GptConfig, Grads, Hooks, MoeStats, NoHooks, Param};
+use mtrain_model::{Engine, GptConfig, Grads, Hooks, MoeStats, NoHooks, Param, StepDraw};
 
 use crate::ddp::{
     average, Bucket, BucketedDpReduce, DataParallel, DdpMode, DpError, OverlappedDpReduce,
@@ -176,6 +176,8 @@ pub struct ParallelModel {
     /// The dp group's busy time of the step in progress, with full replicas (ZeRO times its
     /// own collectives in each [`Fsdp`]).
     pub(crate) dp_timer: Option<OpTimer>,
+    /// The dropout of the next micro-steps ([`ParallelModel::set_dropout`]).
+    pub(crate) dropout: Option<StepDraw>,
 }
 
 /// One step's gradient sync, by kind: the hooks the executor runs and what is finished after
@@ -237,6 +239,12 @@ impl ParallelModel {
         &self.params
     }
 
+    /// The dropout of the following micro-steps (the loop sets it before each; None: none).
+    /// This rank's rows of the global batch are rows `dp_rank · B_local ..` of `dp · B_local`.
+    pub fn set_dropout(&mut self, draw: Option<StepDraw>) {
+        self.dropout = draw;
+    }
+
     /// One micro-step on this rank's data-parallel slice (B_local, T); all tp/pp ranks of one dp
     /// index pass the same batch. Gradients accumulate; `sync` marks the last micro-step, after
     /// which the gradients are reduced and complete. `loss_scale` multiplies the gradients (1/K
@@ -263,6 +271,11 @@ impl ParallelModel {
         before_backward: &mut dyn FnMut(),
     ) -> Result<StepOut> {
         let t = std::time::Instant::now();
+        let rows = idx.dim(0)?;
+        let draw = self
+            .dropout
+            .map(|d| d.rows(self.dp.rank() * rows, self.dp.size() * rows));
+        self.executor.set_dropout(draw);
         if matches!(self.replicas, Replicas::Full) && self.dp.size() > 1 && self.dp_timer.is_none()
         {
             self.dp_timer = Some(OpTimer::start(&self.dp));
