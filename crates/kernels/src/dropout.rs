@@ -414,3 +414,108 @@ mod tests {
         }
     }
 }
+
+/// The device's masks against the host's: the elementwise kernel and the attention kernels
+/// draw the same generator as [`mask_block`].
+#[cfg(all(test, feature = "cuda"))]
+mod gpu_tests {
+    use super::*;
+    use crate::testing::{cuda, rel_err};
+    use candle_core::Device;
+
+    fn mask(site: Site, p: f64, place: Place) -> Mask {
+        Mask {
+            key: MaskKey::new(1337, 41, 2, 3, site).unwrap(),
+            p,
+            place,
+        }
+    }
+
+    /// `apply` on the GPU equals `apply` on the CPU bit for bit, in f32 and bf16, for a block
+    /// away from the origin of a larger global activation (a dp, sp and column shard at once).
+    #[test]
+    fn the_kernel_draws_the_cpu_mask_bit_for_bit() {
+        let Some(dev) = cuda() else {
+            return;
+        };
+        let place = Place {
+            global: [8, 96, 200],
+            offset: [3, 32, 8],
+        };
+        for p in [0.1, 0.2, 0.5] {
+            let m = mask(Site::MlpResidual, p, place);
+            for dtype in [DType::F32, DType::BF16] {
+                let x = Tensor::randn(0f32, 1f32, (4, 48, 136), &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                let cpu = apply(&x, &m).unwrap();
+                let gpu = apply(&x.to_device(&dev).unwrap(), &m)
+                    .unwrap()
+                    .to_device(&Device::Cpu)
+                    .unwrap();
+                let (a, b) = (
+                    cpu.to_dtype(DType::F32).unwrap().flatten_all().unwrap(),
+                    gpu.to_dtype(DType::F32).unwrap().flatten_all().unwrap(),
+                );
+                let (a, b) = (a.to_vec1::<f32>().unwrap(), b.to_vec1::<f32>().unwrap());
+                let differ = a.iter().zip(&b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+                assert_eq!(differ, 0, "p {p} {dtype:?}: {differ} of {} differ", a.len());
+                let ones = Tensor::ones((4, 48, 136), DType::F32, &dev).unwrap();
+                let drawn = apply(&ones, &m).unwrap().flatten_all().unwrap().to_vec1::<f32>();
+                assert_eq!(drawn.unwrap(), m.values([4, 48, 136]).unwrap(), "p {p}");
+            }
+        }
+    }
+
+    /// Attention with dropout on the probabilities: the flash kernels' output and gradients
+    /// against the CPU path, which multiplies by the mask tensor of [`mask_block`] (f32).
+    #[test]
+    fn attention_kernels_draw_the_cpu_mask() {
+        let Some(dev) = cuda() else {
+            return;
+        };
+        for (b, h, t, d, dtype, tol) in [
+            (2, 3, 100, 32, DType::F32, 1e-4),
+            (2, 2, 130, 64, DType::BF16, 2e-2),
+            (1, 2, 64, 16, DType::F32, 1e-4),
+        ] {
+            let place = Place {
+                global: [5, 7, t * t],
+                offset: [1, 4, 0],
+            };
+            let m = mask(Site::Attention, 0.2, place);
+            let qkv = Tensor::randn(0f32, 1f32, (3, b, h, t, d), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let dy = Tensor::randn(0f32, 1f32, (b, h, t, d), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let scale = 1.0 / (d as f64).sqrt();
+            let run = |dev: &Device, dt: DType| {
+                let (qkv, dy) = (
+                    qkv.to_dtype(dt).unwrap().to_device(dev).unwrap(),
+                    dy.to_dtype(dt).unwrap().to_device(dev).unwrap(),
+                );
+                let (y, lse) = crate::attention::forward(&qkv, scale, Some(&m)).unwrap();
+                let g = crate::attention::backward(&qkv, &y, &dy, &lse, scale, Some(&m)).unwrap();
+                let cpu = |t: Tensor| t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
+                (cpu(y), cpu(g))
+            };
+            let (y, g) = run(&dev, dtype);
+            let (y_ref, g_ref) = run(&Device::Cpu, DType::F32);
+            let e = rel_err(&y, &y_ref);
+            assert!(e < tol, "forward rel err {e} (T {t}, D {d}, {dtype:?})");
+            for i in 0..3 {
+                let e = rel_err(&g.get(i).unwrap(), &g_ref.get(i).unwrap());
+                assert!(e < tol, "gradient {i} rel err {e} (T {t}, D {d}, {dtype:?})");
+            }
+            // Without the mask the output differs: the kernels did drop.
+            let (y0, _) = crate::attention::forward(&qkv.to_device(&dev).unwrap(), scale, None).unwrap();
+            let e = rel_err(&y0.to_dtype(DType::F32).unwrap().to_device(&Device::Cpu).unwrap(), &y_ref);
+            assert!(e > 0.1, "the mask changed nothing: {e}");
+        }
+    }
+}
