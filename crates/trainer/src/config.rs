@@ -500,6 +500,7 @@ mod tests {
             (c.eval_every, c.eval_iters, c.sampling),
             (250, 200, Sampling::Random)
         );
+        assert_eq!(c.dropout, 0.2);
     }
 
     /// Every shipped configs/*.toml parses, and its [model] table equals the preset of that name.
