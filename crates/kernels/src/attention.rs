@@ -122,7 +122,8 @@ pub(crate) fn fused(qkv: &Tensor, scale: f64, dropout: Option<&Mask>) -> Result<
             "flash attention: head size {d} not supported (one of {HEAD_DIMS:?})"
         )));
     }
-    qkv.contiguous()?.apply_op1(FlashAttention::new(scale, dropout))
+    qkv.contiguous()?
+        .apply_op1(FlashAttention::new(scale, dropout))
 }
 
 /// Causal attention of packed qkv (3, B, H, T, D) recording no graph: the output (B, H, T, D)
@@ -287,7 +288,16 @@ impl candle_core::CustomOp1 for FlashAttention {
         let part =
             |i: usize| Layout::contiguous_with_offset((b, h, t, d), l.start_offset() + i * n);
         let (lq, lk, lv) = (part(0), part(1), part(2));
-        let (o, lse) = imp::forward(qkv, &lq, qkv, &lk, qkv, &lv, self.scale, self.dropout.as_ref())?;
+        let (o, lse) = imp::forward(
+            qkv,
+            &lq,
+            qkv,
+            &lk,
+            qkv,
+            &lv,
+            self.scale,
+            self.dropout.as_ref(),
+        )?;
         *self
             .lse
             .lock()

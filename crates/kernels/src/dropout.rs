@@ -129,11 +129,21 @@ pub struct Mask {
 impl Mask {
     /// The mask's values for a block of shape `shape` (f32, row-major).
     pub fn values(&self, shape: [usize; 3]) -> Result<Vec<f32>, MaskError> {
-        mask_block(&self.key, self.p, &self.place.global, &self.place.offset, &shape)
+        mask_block(
+            &self.key,
+            self.p,
+            &self.place.global,
+            &self.place.offset,
+            &shape,
+        )
     }
 
     /// The mask of a block (A, B, C) as an f32 tensor on `dev`.
-    pub fn tensor(&self, shape: [usize; 3], dev: &candle_core::Device) -> candle_core::Result<Tensor> {
+    pub fn tensor(
+        &self,
+        shape: [usize; 3],
+        dev: &candle_core::Device,
+    ) -> candle_core::Result<Tensor> {
         let v = self.values(shape).map_err(candle_core::Error::wrap)?;
         Tensor::from_vec(v, shape.to_vec(), &candle_core::Device::Cpu)?.to_device(dev)
     }
@@ -459,10 +469,18 @@ mod gpu_tests {
                     gpu.to_dtype(DType::F32).unwrap().flatten_all().unwrap(),
                 );
                 let (a, b) = (a.to_vec1::<f32>().unwrap(), b.to_vec1::<f32>().unwrap());
-                let differ = a.iter().zip(&b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+                let differ = a
+                    .iter()
+                    .zip(&b)
+                    .filter(|(x, y)| x.to_bits() != y.to_bits())
+                    .count();
                 assert_eq!(differ, 0, "p {p} {dtype:?}: {differ} of {} differ", a.len());
                 let ones = Tensor::ones((4, 48, 136), DType::F32, &dev).unwrap();
-                let drawn = apply(&ones, &m).unwrap().flatten_all().unwrap().to_vec1::<f32>();
+                let drawn = apply(&ones, &m)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>();
                 assert_eq!(drawn.unwrap(), m.values([4, 48, 136]).unwrap(), "p {p}");
             }
         }
@@ -501,7 +519,12 @@ mod gpu_tests {
                 );
                 let (y, lse) = crate::attention::forward(&qkv, scale, Some(&m)).unwrap();
                 let g = crate::attention::backward(&qkv, &y, &dy, &lse, scale, Some(&m)).unwrap();
-                let cpu = |t: Tensor| t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
+                let cpu = |t: Tensor| {
+                    t.to_device(&Device::Cpu)
+                        .unwrap()
+                        .to_dtype(DType::F32)
+                        .unwrap()
+                };
                 (cpu(y), cpu(g))
             };
             let (y, g) = run(&dev, dtype);
@@ -510,11 +533,21 @@ mod gpu_tests {
             assert!(e < tol, "forward rel err {e} (T {t}, D {d}, {dtype:?})");
             for i in 0..3 {
                 let e = rel_err(&g.get(i).unwrap(), &g_ref.get(i).unwrap());
-                assert!(e < tol, "gradient {i} rel err {e} (T {t}, D {d}, {dtype:?})");
+                assert!(
+                    e < tol,
+                    "gradient {i} rel err {e} (T {t}, D {d}, {dtype:?})"
+                );
             }
             // Without the mask the output differs: the kernels did drop.
-            let (y0, _) = crate::attention::forward(&qkv.to_device(&dev).unwrap(), scale, None).unwrap();
-            let e = rel_err(&y0.to_dtype(DType::F32).unwrap().to_device(&Device::Cpu).unwrap(), &y_ref);
+            let (y0, _) =
+                crate::attention::forward(&qkv.to_device(&dev).unwrap(), scale, None).unwrap();
+            let e = rel_err(
+                &y0.to_dtype(DType::F32)
+                    .unwrap()
+                    .to_device(&Device::Cpu)
+                    .unwrap(),
+                &y_ref,
+            );
             assert!(e > 0.1, "the mask changed nothing: {e}");
         }
     }

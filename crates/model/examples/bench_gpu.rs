@@ -461,7 +461,9 @@ fn attn(shapes: &[[usize; 4]], dev: &Device) -> Result<()> {
         let qkv = r(&[3, b, h, t, d])?;
         let dy = r(&[b, h, t, d])?;
         let (y, lse) = attention::forward(&qkv, scale, None)?;
-        let fwd = time_ms(dev, 20, || attention::forward(&qkv, scale, None).map(|_| ()))?;
+        let fwd = time_ms(dev, 20, || {
+            attention::forward(&qkv, scale, None).map(|_| ())
+        })?;
         let bwd = time_ms(dev, 20, || {
             attention::backward(&qkv, &y, &dy, &lse, scale, None).map(|_| ())
         })?;

@@ -230,7 +230,9 @@ impl Block {
     fn run(&self, x: &Tensor, draw: Option<&Draw>) -> Result<SegmentOut> {
         let (_, t, c) = x.dims3()?;
         let (masks, layer) = (BlockMasks::new(draw, self.layer, (0, t), c)?, self.layer);
-        let a = self.attn.forward_drawn(&self.ln_1.forward(x)?, draw, layer)?; // (B, T, C)
+        let a = self
+            .attn
+            .forward_drawn(&self.ln_1.forward(x)?, draw, layer)?; // (B, T, C)
         let x = (x + masks.attn(&a)?)?; // (B, T, C)
         let ffn = self.ffn.forward(&self.ln_2.forward(&x)?)?;
         Ok(SegmentOut {
@@ -283,7 +285,6 @@ impl BlockMasks {
             None => Ok(x.clone()),
         }
     }
-
 }
 
 impl Block {

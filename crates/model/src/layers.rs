@@ -268,7 +268,12 @@ impl CausalSelfAttention {
     }
 
     /// The forward with dropout on the probabilities under `draw` (none without one).
-    pub fn forward_drawn(&self, x: &Tensor, draw: Option<&crate::Draw>, layer: usize) -> Result<Tensor> {
+    pub fn forward_drawn(
+        &self,
+        x: &Tensor,
+        draw: Option<&crate::Draw>,
+        layer: usize,
+    ) -> Result<Tensor> {
         let (h, d) = (self.n_head, self.head_dim);
         let qkv = self.c_attn.forward(x)?; // (B, T, 3·H·D)
         if qkv.dim(2)? != 3 * h * d {

@@ -94,7 +94,10 @@ fn tapes_equal_autograd_under_dropout() -> Result<()> {
         let tapes = Engine::new(false).with_backward(Backward::Tapes);
         let la = run(&gpt, auto, d, (&idx, &tgt), (0, 4), &mut a)?;
         let lt = run(&gpt, tapes, d, (&idx, &tgt), (0, 4), &mut t)?;
-        assert!((la - lt).abs() <= 1e-5 * la.abs(), "moe {moe}: loss {lt} vs {la}");
+        assert!(
+            (la - lt).abs() <= 1e-5 * la.abs(),
+            "moe {moe}: loss {lt} vs {la}"
+        );
         let (a, t) = (map(&a), map(&t));
         assert_eq!(a.len(), t.len());
         for (name, g) in &a {
@@ -103,7 +106,10 @@ fn tapes_equal_autograd_under_dropout() -> Result<()> {
         }
         let mut plain = Grads::new();
         let l0 = run(&gpt, tapes, None, (&idx, &tgt), (0, 4), &mut plain)?;
-        assert!((l0 - lt).abs() > 1e-3, "moe {moe}: dropout changed nothing ({l0} vs {lt})");
+        assert!(
+            (l0 - lt).abs() > 1e-3,
+            "moe {moe}: dropout changed nothing ({l0} vs {lt})"
+        );
     }
     Ok(())
 }
@@ -148,7 +154,8 @@ fn row_blocks_draw_the_whole_batch_masks() -> Result<()> {
     for h in 0..2 {
         let (i, t) = (idx.narrow(0, 2 * h, 2)?, tgt.narrow(0, 2 * h, 2)?);
         let engine = tapes.with_dropout(d.map(|d| d.rows(2 * h, 4)));
-        let (l, _) = engine.forward_backward(&gpt.segments, &i, &t, 0.5, &mut halves, &mut NoHooks)?;
+        let (l, _) =
+            engine.forward_backward(&gpt.segments, &i, &t, 0.5, &mut halves, &mut NoHooks)?;
         lh += l / 2.0;
     }
     assert!((lw - lh).abs() <= 1e-6 * lw, "halves {lh} vs whole {lw}");
@@ -158,8 +165,18 @@ fn row_blocks_draw_the_whole_batch_masks() -> Result<()> {
         assert!(e <= 1e-5, "gradient of {name} rel {e:.2e}");
     }
     let mut other = Grads::new();
-    let lo = run(&gpt, tapes, Some(step(0.1, 3)), (&idx, &tgt), (0, 4), &mut other)?;
-    assert!((lo - lw).abs() > 1e-4, "step 3's masks gave step 2's loss {lw}");
+    let lo = run(
+        &gpt,
+        tapes,
+        Some(step(0.1, 3)),
+        (&idx, &tgt),
+        (0, 4),
+        &mut other,
+    )?;
+    assert!(
+        (lo - lw).abs() > 1e-4,
+        "step 3's masks gave step 2's loss {lw}"
+    );
     Ok(())
 }
 
@@ -170,15 +187,19 @@ fn no_draw_no_dropout() -> Result<()> {
     let c = cfg(false);
     let gpt = model(&c)?;
     let (idx, tgt) = batch(&c, 2, 16)?;
-    let plain = gpt
-        .forward_loss(&idx, &tgt)?
-        .loss
-        .to_scalar::<f32>()? as f64;
+    let plain = gpt.forward_loss(&idx, &tgt)?.loss.to_scalar::<f32>()? as f64;
     let mut g = Grads::new();
     let l = run(&gpt, Engine::new(false), None, (&idx, &tgt), (0, 2), &mut g)?;
     assert!((l - plain).abs() <= 1e-6 * plain, "{l} vs {plain}");
     let mut g = Grads::new();
-    let p0 = run(&gpt, Engine::new(false), Some(step(0.0, 1)), (&idx, &tgt), (0, 2), &mut g)?;
+    let p0 = run(
+        &gpt,
+        Engine::new(false),
+        Some(step(0.0, 1)),
+        (&idx, &tgt),
+        (0, 2),
+        &mut g,
+    )?;
     assert_eq!(p0, l, "p = 0 drops nothing");
     Ok(())
 }

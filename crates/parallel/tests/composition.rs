@@ -296,7 +296,10 @@ fn check_dropout_equals_one_device(
         let (plain, _) = one_device_dropout(dev, cfg, 1, groups, plan.backward, 0.0);
         for (name, g) in &plain.grads[0] {
             let d = rel(&want.grads[0][name], g);
-            assert!(d > 1e-3, "dropout {p} changed the gradient of {name} by only {d:.1e}");
+            assert!(
+                d > 1e-3,
+                "dropout {p} changed the gradient of {name} by only {d:.1e}"
+            );
         }
     }
     let ranks = run_plan_dropout(dev, cfg, plan, 0, STEPS, None, p);

@@ -162,7 +162,10 @@ fn check_resume(dropout: f64) {
             grad_accum: 2,
             ..short(plain.path(), 12)
         });
-        assert_ne!(without.losses, full.losses, "dropout {dropout} changed nothing");
+        assert_ne!(
+            without.losses, full.losses,
+            "dropout {dropout} changed nothing"
+        );
     }
     assert_eq!(resumed.start_step, 6);
     assert_eq!(

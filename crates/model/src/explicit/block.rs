@@ -20,9 +20,9 @@ use super::{across, bwd, err, fwd, Dense, MlpKept, MlpWeights, Norm, Stats};
 use crate::dropout::{self, Draw};
 use crate::gpt::BlockMasks;
 use crate::layers::{CausalSelfAttention, FeedForward, LayerNorm};
-use mtrain_kernels::dropout::Mask;
 use crate::moe::MoeStats;
 use crate::tape::{Collective, Tape, TapeGrads};
+use mtrain_kernels::dropout::Mask;
 
 /// The weights of a block's attention half and its second LayerNorm, when every layer has a
 /// hand-written backward here, and the collective that enters both sub-layers' column layers
@@ -272,7 +272,7 @@ impl Tape for BlockTape {
             .to_dtype(x.dtype())?
             .reshape((b * t, c))?
             .contiguous()?; // (N_r, C)
-        // Feed-forward branch: its output was M_m ∘ ffn, so its gradient is M_m ∘ dout.
+                            // Feed-forward branch: its output was M_m ∘ ffn, so its gradient is M_m ∘ dout.
         let dffn = match &masks.mlp {
             Some(m) => dropout::rows(&dout, b, m)?,
             None => dout.clone(),

@@ -430,8 +430,12 @@ impl PipelineExecutor {
                     let acts = links
                         .timeline
                         .time(SpanKind::Forward, Some(mb), chunk, || {
-                            self.engine_of(mb, b)
-                                .forward(&stage.segments, &x, tgt, hooks.hooks(chunk, false))
+                            self.engine_of(mb, b).forward(
+                                &stage.segments,
+                                &x,
+                                tgt,
+                                hooks.hooks(chunk, false),
+                            )
                         })?;
                     aux_sum += acts.aux_loss;
                     add_stats(&mut moe_stats[chunk], &acts.stats);
