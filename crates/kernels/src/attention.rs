@@ -44,8 +44,9 @@
 //!   O = (P ∘ M) V     dV = (P ∘ M)ᵀ dO     dS = P ∘ (dP ∘ M − δ),  dP = dO Vᵀ,  δ = rowsum(dO ∘ O)
 //! ```
 //!
-//! (δ = rowsum(P ∘ M ∘ dP) is still rowsum(dO ∘ O)). With a mask the CUDA-core kernels run, which
-//! draw it in place (`attn_mask` in kernels.cu); on CPU it is an f32 (B, H, T, T) tensor.
+//! (δ = rowsum(P ∘ M ∘ dP) is still rowsum(dO ∘ O)). Both kernel families draw the mask in place,
+//! where each probability is in a register (`attn_mask` in kernels.cu); on CPU it is an f32
+//! (B, H, T, T) tensor.
 //!
 //! Legend: `B` batch, `H` heads, `T` time, `D` head size.
 
@@ -475,9 +476,7 @@ mod imp {
         let o = unsafe { dev.alloc::<T>(n)? };
         let lse = unsafe { dev.alloc::<f32>(bh * t)? };
         let offsets = [lq.start_offset(), lk.start_offset(), lv.start_offset()];
-        // The tensor-core kernels draw no dropout mask: with one, the CUDA-core kernels run.
-        let tc = dropout.is_none()
-            && super::uses_tensor_cores(q.dtype(), d, &offsets)
+        let tc = super::uses_tensor_cores(q.dtype(), d, &offsets)
             && compute_capability(dev)? >= TC_MIN_CC;
         let name = if tc { "flash_tc_fwd" } else { "flash_fwd" };
         let ad = attn_drop(dropout, hl)?;
@@ -491,9 +490,7 @@ mod imp {
             .arg(&lse)
             .arg(&t32)
             .arg(&qscale);
-        if !tc {
-            b.arg(&ad);
-        }
+        b.arg(&ad);
         let cfg = if tc {
             tc_config(t, bh)
         } else {
@@ -551,8 +548,7 @@ mod imp {
         let ls = slice::<f32>(&gl)?.slice(ol..);
         let rows = bh * t;
         let dtype = q.dtype();
-        let tc = dropout.is_none()
-            && super::uses_tensor_cores(dtype, d, &[oq, ok, ov, oo, od])
+        let tc = super::uses_tensor_cores(dtype, d, &[oq, ok, ov, oo, od])
             && compute_capability(&dev)? >= TC_MIN_CC;
         let ad = attn_drop(dropout, h)?;
         let (dq_name, dkdv_name, cfg) = if tc {
@@ -590,9 +586,7 @@ mod imp {
             .arg(&delta)
             .arg(&dq);
         b.arg(&t32).arg(&qscale).arg(&scale32);
-        if !tc {
-            b.arg(&ad);
-        }
+        b.arg(&ad);
         // SAFETY: argument types and order match `flash_bwd_dq` and `flash_tc_dq`.
         unsafe { b.launch(cfg) }.w()?;
 
@@ -607,9 +601,7 @@ mod imp {
             .arg(&dk)
             .arg(&dv);
         b.arg(&t32).arg(&qscale).arg(&scale32);
-        if !tc {
-            b.arg(&ad);
-        }
+        b.arg(&ad);
         // SAFETY: argument types and order match `flash_bwd_dkdv` and `flash_tc_dkdv`.
         unsafe { b.launch(cfg) }.w()?;
 

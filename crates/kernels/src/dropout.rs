@@ -486,16 +486,18 @@ mod gpu_tests {
         }
     }
 
-    /// Attention with dropout on the probabilities: the flash kernels' output and gradients
-    /// against the CPU path, which multiplies by the mask tensor of [`mask_block`] (f32).
+    /// Attention with dropout on the probabilities: the flash kernels' (tensor-core and
+    /// CUDA-core) output and gradients against the CPU path, which multiplies by the mask tensor of [`mask_block`] (f32).
     #[test]
     fn attention_kernels_draw_the_cpu_mask() {
         let Some(dev) = cuda() else {
             return;
         };
         for (b, h, t, d, dtype, tol) in [
-            (2, 3, 100, 32, DType::F32, 1e-4),
-            (2, 2, 130, 64, DType::BF16, 2e-2),
+            (2, 3, 100, 32, DType::F32, 1e-4),   // CUDA cores
+            (2, 2, 130, 64, DType::BF16, 2e-2),  // tensor cores
+            (1, 3, 96, 32, DType::BF16, 2e-2),   // tensor cores
+            (1, 2, 70, 128, DType::BF16, 2e-2),  // CUDA cores, bf16
             (1, 2, 64, 16, DType::F32, 1e-4),
         ] {
             let place = Place {

@@ -320,7 +320,9 @@ extern "C" __global__ void flash_bwd_dkdv(const elem* q, const elem* k, const el
 //   C 16x8  f32         c0 c1 (g, 2t..2t+1)   c2 c3 (g+8, 2t..2t+1)
 //
 // Two C tiles side by side, rounded to bf16, are exactly the A fragment of the next product
-// (P V, dS K, Pᵀ dO, dSᵀ Q), so probabilities never leave registers. The backward is the FA2
+// (P V, dS K, Pᵀ dO, dSᵀ Q), so probabilities never leave registers. Dropout multiplies each
+// probability by its mask where it is in a register (`attn_mask`, as the CUDA-core kernels do):
+// P ∘ M into P V and Pᵀ dO, dP ∘ M into dS. The backward is the FA2
 // split: flash_tc_dq walks key tiles for 64 queries, flash_tc_dkdv walks query tiles for 64 keys;
 // each recomputes S and dP, and no block writes another's output.
 // ---------------------------------------------------------------------------------------------
@@ -499,7 +501,7 @@ __device__ __forceinline__ void tc_store(elem* dst, const float (*acc)[4], int r
 // o = softmax(mask(q kᵀ scale)) v and lse2 per row; q, k, v, o: (BH, T, D), lse2: (BH, T).
 extern "C" __global__ void __launch_bounds__(128)
     flash_tc_fwd(const elem* q, const elem* k, const elem* v, elem* o, float* lse2, int T,
-                 float qscale) {
+                 float qscale, AttnDrop drop) {
     __shared__ __align__(16) elem ks[2][TC_COLS][TC_LD];  // two buffers: use one, fill the other
     __shared__ __align__(16) elem vs[2][TC_COLS][TC_LD];
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
@@ -515,6 +517,7 @@ extern "C" __global__ void __launch_bounds__(128)
 #pragma unroll
     for (int n = 0; n < ND; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    const unsigned long long hb = attn_base(drop, T);
     int buf = 0;
     for (int kb = 0; kb <= q0; kb += TC_COLS, buf ^= 1) {
         if (kb + TC_COLS <= q0) {  // fetch the next tile while this one is used
@@ -551,6 +554,8 @@ extern "C" __global__ void __launch_bounds__(128)
             for (int e = 0; e < 4; ++e) {
                 s[n][e] = exp2f(s[n][e] - m[e >> 1]);
                 l[e >> 1] += s[n][e];  // this lane's share; summed over the quad at the end
+                if (drop.key.threshold != 0 && s[n][e] != 0.f)
+                    s[n][e] *= attn_mask(drop, hb, T, r0 + g + 8 * (e >> 1), kb + n * 8 + 2 * t + (e & 1));
             }
 #pragma unroll
         for (int n = 0; n < ND; ++n) {
@@ -575,7 +580,7 @@ extern "C" __global__ void __launch_bounds__(128)
 // dq = scale · dS k with dS = P ∘ (dO vᵀ − dvec); 64 queries per block, key tiles up to them.
 extern "C" __global__ void __launch_bounds__(128)
     flash_tc_dq(const elem* q, const elem* k, const elem* v, const elem* dout, const float* lse2,
-                const float* dvec, elem* dq, int T, float qscale, float scale) {
+                const float* dvec, elem* dq, int T, float qscale, float scale, AttnDrop drop) {
     __shared__ __align__(16) elem ks[2][TC_COLS][TC_LD];
     __shared__ __align__(16) elem vs[2][TC_COLS][TC_LD];
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
@@ -598,6 +603,7 @@ extern "C" __global__ void __launch_bounds__(128)
     float acc[ND][4];
 #pragma unroll
     for (int n = 0; n < ND; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    const unsigned long long hb = attn_base(drop, T);
     int buf = 0;
     for (int kb = 0; kb <= q0; kb += TC_COLS, buf ^= 1) {
         if (kb + TC_COLS <= q0) {
@@ -618,7 +624,9 @@ extern "C" __global__ void __launch_bounds__(128)
                 const int h = e >> 1;
                 const int row = r0 + g + 8 * h, key = kb + n * 8 + 2 * t + (e & 1);
                 const float p = (full || key <= row) ? exp2f(s[n][e] * qscale - L[h]) : 0.f;
-                s[n][e] = p * (dp[n][e] - Dv[h]);  // dS
+                const float mk =
+                    (drop.key.threshold != 0 && p != 0.f) ? attn_mask(drop, hb, T, row, key) : 1.f;
+                s[n][e] = p * (dp[n][e] * mk - Dv[h]);  // dS
             }
         tc_accum(acc, s, ks[buf]);  // (16, D) += dS k
         __syncthreads();
@@ -630,7 +638,7 @@ extern "C" __global__ void __launch_bounds__(128)
 extern "C" __global__ void __launch_bounds__(128)
     flash_tc_dkdv(const elem* q, const elem* k, const elem* v, const elem* dout,
                   const float* lse2, const float* dvec, elem* dk, elem* dv, int T, float qscale,
-                  float scale) {
+                  float scale, AttnDrop drop) {
     __shared__ __align__(16) elem qs[2][TC_COLS][TC_LD];
     __shared__ __align__(16) elem dos[2][TC_COLS][TC_LD];
     __shared__ __align__(16) float ls[2][TC_COLS], dls[2][TC_COLS];
@@ -659,6 +667,7 @@ extern "C" __global__ void __launch_bounds__(128)
     for (int n = 0; n < ND; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dka[n][e] = dva[n][e] = 0.f;
+    const unsigned long long hb = attn_base(drop, T);
     int buf = 0;
     for (int qb = k0; qb < T; qb += TC_COLS, buf ^= 1) {
         if (qb + TC_COLS < T) stage(buf ^ 1, qb + TC_COLS);
@@ -681,8 +690,11 @@ extern "C" __global__ void __launch_bounds__(128)
                 const float p = (full || (query >= key && query < T))
                                     ? exp2f(s[n][e] * qscale - lsb[i])
                                     : 0.f;
-                s[n][e] = p;                          // Pᵀ
-                dp[n][e] = p * (dp[n][e] - dlsb[i]);  // dSᵀ
+                const float mk = (drop.key.threshold != 0 && p != 0.f)
+                                     ? attn_mask(drop, hb, T, query, key)
+                                     : 1.f;
+                s[n][e] = p * mk;                          // (P ∘ M)ᵀ
+                dp[n][e] = p * (dp[n][e] * mk - dlsb[i]);  // dSᵀ
             }
         tc_accum(dva, s, dos[buf]);  // (16, D) += Pᵀ dO
         tc_accum(dka, dp, qs[buf]);  // (16, D) += dSᵀ q
