@@ -36,17 +36,8 @@
 //!   fallback for f32 and for head sizes the tensor-core tiles do not cover.
 //!
 //! **Dropout** on the probabilities (nanoGPT's `attn_dropout`): every entry point takes an
-//! optional [`Mask`] of the probabilities (B, H, T·T) as a block of the global batch's and heads'
-//! ([`crate::dropout`]); the output is `(P ∘ M) v` and nothing of the mask is kept: the
-//! backward draws it again. With `M` the mask values (0 or 1/(1−p)):
-//!
-//! ```text
-//!   O = (P ∘ M) V     dV = (P ∘ M)ᵀ dO     dS = P ∘ (dP ∘ M − δ),  dP = dO Vᵀ,  δ = rowsum(dO ∘ O)
-//! ```
-//!
-//! (δ = rowsum(P ∘ M ∘ dP) is still rowsum(dO ∘ O)). Both kernel families draw the mask in place,
-//! where each probability is in a register (`attn_mask` in kernels.cu); on CPU it is an f32
-//! (B, H, T, T) tensor.
+//! optional [`Mask`] of the probabilities (B, H, T·T); the output is `(P ∘ M) v`, the backward
+//! draws the mask again (the rule and where the kernels draw it: [`crate::dropout`]).
 //!
 //! Legend: `B` batch, `H` heads, `T` time, `D` head size.
 
@@ -100,13 +91,11 @@ pub fn causal_attention(qkv: &Tensor, scale: f64, dropout: Option<&Mask>) -> Res
         return fused(qkv, scale, dropout);
     }
     let (q, k, v) = parts(qkv)?;
-    match dropout {
-        None => plain::causal_attention(&q, &k, &v, scale),
-        Some(m) => {
-            let p = plain::softmax_last_dim(&plain::causal_scores(&q, &k, scale)?)?; // (B, H, T, T)
-            (p * probs_mask(m, &q)?)?.to_dtype(v.dtype())?.matmul(&v) // (B, H, T, D)
-        }
-    }
+    let Some(m) = dropout else {
+        return plain::causal_attention(&q, &k, &v, scale);
+    };
+    let p = plain::softmax_last_dim(&plain::causal_scores(&q, &k, scale)?)?; // (B, H, T, T)
+    (p * probs_mask(m, &q)?)?.to_dtype(v.dtype())?.matmul(&v) // (B, H, T, D)
 }
 
 /// The dropout mask of probabilities for q (B, H, T, D): (B, H, T, T) f32.
@@ -354,7 +343,7 @@ mod imp {
     use super::super::cuda::{
         blocks, by_dtype, compute_capability, device, kernel, slice, storage, tensor, view,
     };
-    use super::super::dropout::{DropKey, Mask};
+    use super::super::dropout::{attn_drop, Mask};
     use super::super::msg;
 
     /// bf16 `mma.sync` needs compute capability 8.0 (Ampere) or newer.
@@ -370,50 +359,6 @@ mod imp {
     /// The tensor-core kernels: 4 warps own 64 rows (TC_ROWS in kernels.cu).
     fn tc_config(t: usize, bh: usize) -> LaunchConfig {
         blocks((t.div_ceil(64), bh), 128)
-    }
-
-    /// `struct AttnDrop` of kernels.cu, field for field: the mask's key and where this launch's
-    /// (B_l, hl) heads sit in the global (Bg, hg); a zero threshold means no dropout.
-    #[repr(C)]
-    #[derive(Clone, Copy)]
-    struct AttnDrop {
-        key: DropKey,
-        hl: i32,
-        hg: i32,
-        b0: i32,
-        h0: i32,
-    }
-
-    // SAFETY: #[repr(C)] of a DropKey and four i32, the layout of `struct AttnDrop` (48 bytes).
-    unsafe impl DeviceRepr for AttnDrop {}
-
-    /// The kernels' dropout argument for heads (B_l, hl): none when `dropout` is None.
-    fn attn_drop(dropout: Option<&Mask>, hl: usize) -> Result<AttnDrop> {
-        let none = AttnDrop {
-            key: DropKey {
-                k0: 0,
-                k1: 0,
-                step: 0,
-                tag: 0,
-                threshold: 0,
-                scale: 1.0,
-                _pad: 0,
-            },
-            hl: hl as i32,
-            hg: hl as i32,
-            b0: 0,
-            h0: 0,
-        };
-        let Some(m) = dropout else {
-            return Ok(none);
-        };
-        Ok(AttnDrop {
-            key: m.device_key().map_err(candle_core::Error::wrap)?,
-            hg: m.place.global[1] as i32,
-            b0: m.place.offset[0] as i32,
-            h0: m.place.offset[1] as i32,
-            ..none
-        })
     }
 
     fn dims(l: &Layout, what: &str) -> Result<(usize, usize, usize)> {

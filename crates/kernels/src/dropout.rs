@@ -19,6 +19,16 @@
 //! state (Megatron's RNG tracker gives each TP rank its own stream), nothing depends on how the
 //! tensor was split.
 //!
+//! On the attention probabilities (B, H, T, T), seen as (B, H, T·T), the mask `M` enters as
+//!
+//! ```text
+//!   O = (P ∘ M) V     dV = (P ∘ M)ᵀ dO     dS = P ∘ (dP ∘ M − δ),  dP = dO Vᵀ,  δ = rowsum(dO ∘ O)
+//! ```
+//!
+//! (δ = rowsum(P ∘ M ∘ dP) is still rowsum(dO ∘ O)). The flash kernels, tensor-core and CUDA-core,
+//! draw it where each probability is in a register (`attn_mask` in kernels.cu, given an
+//! `AttnDrop`); on CPU it is an f32 (B, H, T, T) tensor ([`Mask::tensor`]).
+//!
 //! This module is the CPU generator and [`apply`], the op that multiplies a block of an
 //! activation by its mask: on CUDA the kernel `dropout_fwd` (`dropout.cu`), which computes the
 //! same words from the same counters (`philox.cu`), as do the attention kernels for the mask on
@@ -183,6 +193,53 @@ pub(crate) struct DropKey {
 // (32 bytes, 8-byte aligned).
 #[cfg(feature = "cuda")]
 unsafe impl candle_core::cuda_backend::cudarc::driver::DeviceRepr for DropKey {}
+
+#[cfg(feature = "cuda")]
+/// `struct AttnDrop` of kernels.cu, field for field: the mask's key and where this launch's
+/// (B_l, hl) heads sit in the global (Bg, hg); a zero threshold means no dropout.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct AttnDrop {
+    key: DropKey,
+    hl: i32,
+    hg: i32,
+    b0: i32,
+    h0: i32,
+}
+
+#[cfg(feature = "cuda")]
+// SAFETY: #[repr(C)] of a DropKey and four i32, the layout of `struct AttnDrop` (48 bytes).
+unsafe impl candle_core::cuda_backend::cudarc::driver::DeviceRepr for AttnDrop {}
+
+#[cfg(feature = "cuda")]
+/// The kernels' dropout argument for heads (B_l, hl): none when `dropout` is None.
+pub(crate) fn attn_drop(dropout: Option<&Mask>, hl: usize) -> candle_core::Result<AttnDrop> {
+    let none = AttnDrop {
+        key: DropKey {
+            k0: 0,
+            k1: 0,
+            step: 0,
+            tag: 0,
+            threshold: 0,
+            scale: 1.0,
+            _pad: 0,
+        },
+        hl: hl as i32,
+        hg: hl as i32,
+        b0: 0,
+        h0: 0,
+    };
+    let Some(m) = dropout else {
+        return Ok(none);
+    };
+    Ok(AttnDrop {
+        key: m.device_key().map_err(candle_core::Error::wrap)?,
+        hg: m.place.global[1] as i32,
+        b0: m.place.offset[0] as i32,
+        h0: m.place.offset[1] as i32,
+        ..none
+    })
+}
 
 /// `x ∘ mask` for x (A, B, C), the block of the global activation `mask.place` describes:
 /// inverted dropout, computed in f32 and rounded to x's dtype once. The same op is its own
@@ -494,10 +551,10 @@ mod gpu_tests {
             return;
         };
         for (b, h, t, d, dtype, tol) in [
-            (2, 3, 100, 32, DType::F32, 1e-4),   // CUDA cores
-            (2, 2, 130, 64, DType::BF16, 2e-2),  // tensor cores
-            (1, 3, 96, 32, DType::BF16, 2e-2),   // tensor cores
-            (1, 2, 70, 128, DType::BF16, 2e-2),  // CUDA cores, bf16
+            (2, 3, 100, 32, DType::F32, 1e-4),  // CUDA cores
+            (2, 2, 130, 64, DType::BF16, 2e-2), // tensor cores
+            (1, 3, 96, 32, DType::BF16, 2e-2),  // tensor cores
+            (1, 2, 70, 128, DType::BF16, 2e-2), // CUDA cores, bf16
             (1, 2, 64, 16, DType::F32, 1e-4),
         ] {
             let place = Place {

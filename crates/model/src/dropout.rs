@@ -168,3 +168,59 @@ impl Tape for Dropped {
         self.inner.backward(g.as_ref(), loss_scale)
     }
 }
+
+/// The embedding site's mask of an output (B, positions, c) under `draw` (None: no dropout).
+pub fn embedding_mask(
+    draw: Option<&Draw>,
+    positions: (usize, usize),
+    c: usize,
+) -> Result<Option<mtrain_kernels::dropout::Mask>> {
+    use mtrain_kernels::dropout::Site;
+    Draw::active(draw)
+        .map(|d| d.activation(0, Site::Embedding, positions, c))
+        .transpose()
+}
+
+/// The masks of a block's two residual branches (attention's output projection and the
+/// feed-forward output), for its rows (B, positions, c) under a draw; none without one.
+pub struct BlockMasks {
+    pub attn: Option<mtrain_kernels::dropout::Mask>,
+    pub mlp: Option<mtrain_kernels::dropout::Mask>,
+}
+
+impl BlockMasks {
+    pub fn new(
+        draw: Option<&Draw>,
+        layer: usize,
+        positions: (usize, usize),
+        c: usize,
+    ) -> Result<Self> {
+        use mtrain_kernels::dropout::Site;
+        let mask = |site| {
+            Draw::active(draw)
+                .map(|d| d.activation(layer, site, positions, c))
+                .transpose()
+        };
+        Ok(Self {
+            attn: mask(Site::AttentionResidual)?,
+            mlp: mask(Site::MlpResidual)?,
+        })
+    }
+
+    /// The attention branch a (B, T, C), dropped (recorded by autograd).
+    pub fn attn(&self, a: &Tensor) -> Result<Tensor> {
+        Self::drop(a, &self.attn)
+    }
+
+    /// The feed-forward branch (B, T, C), dropped (recorded by autograd).
+    pub fn mlp(&self, m: &Tensor) -> Result<Tensor> {
+        Self::drop(m, &self.mlp)
+    }
+
+    fn drop(x: &Tensor, m: &Option<mtrain_kernels::dropout::Mask>) -> Result<Tensor> {
+        match m {
+            Some(m) => recorded(x, m),
+            None => Ok(x.clone()),
+        }
+    }
+}

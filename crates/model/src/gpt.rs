@@ -25,7 +25,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use rand::Rng;
 
 use crate::config::GptConfig;
-use crate::dropout::{self, Draw};
+use crate::dropout::{self, embedding_mask, BlockMasks, Draw};
 use crate::explicit;
 use crate::init::param_specs;
 use crate::layers::{
@@ -151,18 +151,6 @@ impl Segment for Embedding {
     }
 }
 
-/// The embedding site's mask of an output (B, positions, c) under `draw` (None: no dropout).
-pub fn embedding_mask(
-    draw: Option<&Draw>,
-    positions: (usize, usize),
-    c: usize,
-) -> Result<Option<mtrain_kernels::dropout::Mask>> {
-    use mtrain_kernels::dropout::Site;
-    Draw::active(draw)
-        .map(|d| d.activation(0, Site::Embedding, positions, c))
-        .transpose()
-}
-
 impl Embedding {
     /// wte[idx] + wpe[0..T], dropped under `draw`.
     fn embed(&self, idx: &Tensor, draw: Option<&Draw>) -> Result<SegmentOut> {
@@ -240,50 +228,6 @@ impl Block {
             aux_loss: ffn.aux_loss,
             stats: ffn.stats,
         })
-    }
-}
-
-/// The masks of a block's two residual branches (attention's output projection and the
-/// feed-forward output), for its rows (B, positions, c) under a draw; none without one.
-pub struct BlockMasks {
-    pub attn: Option<mtrain_kernels::dropout::Mask>,
-    pub mlp: Option<mtrain_kernels::dropout::Mask>,
-}
-
-impl BlockMasks {
-    pub fn new(
-        draw: Option<&Draw>,
-        layer: usize,
-        positions: (usize, usize),
-        c: usize,
-    ) -> Result<Self> {
-        use mtrain_kernels::dropout::Site;
-        let mask = |site| {
-            Draw::active(draw)
-                .map(|d| d.activation(layer, site, positions, c))
-                .transpose()
-        };
-        Ok(Self {
-            attn: mask(Site::AttentionResidual)?,
-            mlp: mask(Site::MlpResidual)?,
-        })
-    }
-
-    /// The attention branch a (B, T, C), dropped (recorded by autograd).
-    pub fn attn(&self, a: &Tensor) -> Result<Tensor> {
-        Self::drop(a, &self.attn)
-    }
-
-    /// The feed-forward branch (B, T, C), dropped (recorded by autograd).
-    pub fn mlp(&self, m: &Tensor) -> Result<Tensor> {
-        Self::drop(m, &self.mlp)
-    }
-
-    fn drop(x: &Tensor, m: &Option<mtrain_kernels::dropout::Mask>) -> Result<Tensor> {
-        match m {
-            Some(m) => dropout::recorded(x, m),
-            None => Ok(x.clone()),
-        }
     }
 }
 

@@ -17,8 +17,7 @@ use mtrain_kernels::attention;
 
 use super::moe::{MoeTape, MoeWeights};
 use super::{across, bwd, err, fwd, Dense, MlpKept, MlpWeights, Norm, Stats};
-use crate::dropout::{self, Draw};
-use crate::gpt::BlockMasks;
+use crate::dropout::{self, BlockMasks, Draw};
 use crate::layers::{CausalSelfAttention, FeedForward, LayerNorm};
 use crate::moe::MoeStats;
 use crate::tape::{Collective, Tape, TapeGrads};

@@ -24,8 +24,8 @@
 
 use candle_core::{Result, Tensor};
 use mtrain_comm::{chunk_range, Comm};
+use mtrain_model::dropout::BlockMasks;
 use mtrain_model::explicit::{sharded_block_tape, BlockDropout};
-use mtrain_model::gpt::BlockMasks;
 use mtrain_model::tape::Tape;
 use mtrain_model::Draw;
 use mtrain_model::{CausalSelfAttention, FeedForward, LayerNorm, Mlp, Param, Segment, SegmentOut};

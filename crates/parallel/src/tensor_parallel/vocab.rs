@@ -35,9 +35,9 @@ use std::sync::Arc;
 use candle_core::{DType, Result, Tensor, D};
 use mtrain_comm::{chunk_range, Comm, ReduceOp};
 use mtrain_kernels::embedding;
-use mtrain_model::dropout::{self, Dropped};
+use mtrain_model::dropout::{self, embedding_mask, Dropped};
 use mtrain_model::explicit::{position_grad, taped_dtype, Norm, Stats};
-use mtrain_model::gpt::embedding_mask;
+
 use mtrain_model::layers::linear;
 use mtrain_model::tape::{Collective, Tape, TapeGrads};
 use mtrain_model::{Draw, LayerNorm, Param, Segment, SegmentOut};
