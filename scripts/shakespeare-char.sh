@@ -9,7 +9,7 @@
 #
 # Steps:
 #   1. mtrain prepare --chars on scripts/bench/tinyshakespeare.txt: 65 characters, 90/10 split;
-#   2. mtrain --config configs/shakespeare-char.toml (6 layers, 6 heads, 384 wide, block 256, batch 64,
+#   2. mtrain --config configs/shakespeare-char.toml (6 layers, 6 heads, 384 wide, block 256, dropout 0.2, batch 64,
 #      lr 1e-3 cosine to 1e-4 over 5000 steps, warmup 100, beta2 0.99, weight decay 0.1, clip 1.0,
 #      evaluation every 250 steps on 200 batches of each split) into OUT/mtrain;
 #   3. the PyTorch reference with the same recipe and the same data into OUT/torch (and, with
@@ -19,7 +19,7 @@
 #      sampled from mtrain's model (OUT/sample.txt; its checkpoint is then removed unless
 #      KEEP_CHECKPOINTS=1), and OUT/summary.json: every evaluation of every run, best validation
 #      loss and its step, wall time.
-# Environment: DEVICE (cuda), DTYPE (bf16 on cuda, f32 on cpu), DROPOUT (0: model.dropout of both runs),
+# Environment: DEVICE (cuda), DTYPE (bf16 on cuda, f32 on cpu), DROPOUT (the recipe's 0.2: model.dropout of both runs),
 #   STEPS (the recipe's 5000), SHAPE=tiny (2 layers, 2 heads, 64 wide, block 64, batch 8, evaluation
 #   every 10 steps on 4 batches: the CPU check), EVAL_EVERY and EVAL_ITERS (the shape's unless set),
 #   TORCH_THREADS (the reference's CPU threads), MTRAIN (a binary; default: .gpu/mtrain.xz unpacked).
@@ -28,7 +28,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 OUT=$(mkdir -p "${1:-.gpu/shakespeare-char}" && cd "${1:-.gpu/shakespeare-char}" && pwd)
 DEVICE=${DEVICE:-cuda}
-DROPOUT=${DROPOUT:-0}
+DROPOUT=${DROPOUT:-0.2}
 if [ "$DEVICE" = cuda ]; then DTYPE=${DTYPE:-bf16}; else DTYPE=${DTYPE:-f32}; fi
 TORCH_DTYPE=$([ "$DTYPE" = bf16 ] && echo bf16 || echo fp32)
 

@@ -40,11 +40,16 @@
 //! - **CUDA cores** (`flash_*` in `kernels.cu`, any dtype of bf16/f32 and `D` in [`HEAD_DIMS`]): f32 FMAs, the
 //!   fallback for f32 and for head sizes the tensor-core tiles do not cover.
 //!
+//! **Dropout** on the probabilities (nanoGPT's `attn_dropout`): every entry point takes an
+//! optional [`Mask`] of the probabilities (B, H, T·T); the output is `(P ∘ M) v`, the backward
+//! draws the mask again (the rule and where the kernels draw it: [`crate::dropout`]).
+//!
 //! Legend: `B` batch, `H` heads, `T` time, `D` head size.
 
 use candle_core::{DType, Layout, Result, Shape, Tensor, D};
 
 pub use crate::attention_path::{path, Path, TcKernels, WIDE_HEAD_DIMS};
+use crate::dropout::Mask;
 use crate::msg;
 use crate::plain::{self, upcast};
 
@@ -86,21 +91,37 @@ fn parts(qkv: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
 /// [`split_heads`](crate::split_heads) writes them); returns (B, H, T, D). Differentiable in
 /// qkv: the fused kernels where they apply (one (3, B, H, T, D) gradient, no (T, T) scores),
 /// else [`plain::causal_attention`] on the three parts.
-pub fn causal_attention(qkv: &Tensor, scale: f64) -> Result<Tensor> {
+pub fn causal_attention(qkv: &Tensor, scale: f64, dropout: Option<&Mask>) -> Result<Tensor> {
+    let dropout = dropout.filter(|m| m.p > 0.0);
     if fuses(qkv, head_size(qkv, "causal_attention")?) {
-        return fused(qkv, scale);
+        return fused(qkv, scale, dropout);
     }
     let (q, k, v) = parts(qkv)?;
-    plain::causal_attention(&q, &k, &v, scale)
+    let Some(m) = dropout else {
+        return plain::causal_attention(&q, &k, &v, scale);
+    };
+    let p = plain::softmax_last_dim(&plain::causal_scores(&q, &k, scale)?)?; // (B, H, T, T)
+    (p * probs_mask(m, &q)?)?.to_dtype(v.dtype())?.matmul(&v) // (B, H, T, D)
+}
+
+/// The dropout mask of probabilities for q (B, H, T, D): (B, H, T, T) f32.
+fn probs_mask(m: &Mask, q: &Tensor) -> Result<Tensor> {
+    let (b, h, t, _) = q.dims4()?;
+    m.tensor([b, h, t * t], q.device())?.reshape((b, h, t, t))
 }
 
 /// The fused kernels under autograd (CUDA only).
-pub(crate) fn fused(qkv: &Tensor, scale: f64) -> Result<Tensor> {
-    fused_with(qkv, scale, TcKernels::from_env())
+pub(crate) fn fused(qkv: &Tensor, scale: f64, dropout: Option<&Mask>) -> Result<Tensor> {
+    fused_with(qkv, scale, TcKernels::from_env(), dropout)
 }
 
 /// [`fused`] on the given tensor-core kernels.
-pub(crate) fn fused_with(qkv: &Tensor, scale: f64, kernels: TcKernels) -> Result<Tensor> {
+pub(crate) fn fused_with(
+    qkv: &Tensor,
+    scale: f64,
+    kernels: TcKernels,
+    dropout: Option<&Mask>,
+) -> Result<Tensor> {
     let d = head_size(qkv, "flash attention")?;
     if !HEAD_DIMS.contains(&d) {
         return Err(msg(format!(
@@ -108,29 +129,35 @@ pub(crate) fn fused_with(qkv: &Tensor, scale: f64, kernels: TcKernels) -> Result
         )));
     }
     qkv.contiguous()?
-        .apply_op1(FlashAttention::new(scale, kernels))
+        .apply_op1(FlashAttention::new(scale, kernels, dropout))
 }
 
 /// Causal attention of packed qkv (3, B, H, T, D) recording no graph: the output (B, H, T, D)
-/// and lse2 (B, H, T) f32, log₂ of each row's softmax denominator, which [`backward`] takes.
-pub fn forward(qkv: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
+/// and lse2 (B, H, T) f32, log₂ of each row's softmax denominator, which [`backward`] takes
+/// (with the same `dropout`).
+pub fn forward(qkv: &Tensor, scale: f64, dropout: Option<&Mask>) -> Result<(Tensor, Tensor)> {
+    let dropout = dropout.filter(|m| m.p > 0.0);
     if fuses(qkv, head_size(qkv, "attention forward")?) {
-        let op = FlashAttention::new(scale, TcKernels::from_env());
+        let op = FlashAttention::new(scale, TcKernels::from_env(), dropout);
         let y = qkv.contiguous()?.apply_op1_no_bwd(&op)?;
         return Ok((y, op.take_lse()?));
     }
     let (q, k, v) = parts(qkv)?;
+    let masked = |p: Tensor| match dropout {
+        Some(m) => p * probs_mask(m, &q)?, // (B, H, T, T)
+        None => Ok(p),
+    };
     if crate::cpu::takes(&[qkv]) {
-        let s = (q * scale)?.matmul(&k.t()?)?; // (B, H, T, T), unmasked
+        let s = (&q * scale)?.matmul(&k.t()?)?; // (B, H, T, T), unmasked
         let (p, lse) = crate::cpu::causal_softmax(&s)?; // one pass: mask, max, exp, Σ
         drop(s);
-        let y = p.matmul(&v)?; // (B, H, T, D)
+        let y = masked(p)?.matmul(&v)?; // (B, H, T, D)
         return Ok((y, (lse * std::f64::consts::LOG2_E)?));
     }
     let s = plain::causal_scores(&q, &k, scale)?; // (B, H, T, T) f32
     let lse = logsumexp(&s)?; // (B, H, T)
     let p = s.broadcast_sub(&lse.unsqueeze(D::Minus1)?)?.exp()?; // (B, H, T, T)
-    let y = p.to_dtype(v.dtype())?.matmul(&v)?; // (B, H, T, D)
+    let y = masked(p)?.to_dtype(v.dtype())?.matmul(&v)?; // (B, H, T, D)
     Ok((y, (lse * std::f64::consts::LOG2_E)?))
 }
 
@@ -138,11 +165,11 @@ pub fn forward(qkv: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
 /// output y, output gradient dy (B, H, T, D) and the lse2 of [`forward`], recording no graph.
 /// On CPU as the kernels do it (Dao et al. 2022, Algorithm 2), with the (T, T) scores
 /// materialised: in f32 the products by gemm and the softmax parts in one pass each, in other
-/// dtypes candle ops:
+/// dtypes candle ops (`M` the dropout mask, all ones without `dropout`):
 ///
 /// ```text
-///   P = exp(s − lse)      δ = rowsum(dO ∘ O)      dS = P ∘ (dO vᵀ − δ)
-///   dQ = scale · dS K     dK = scale · dSᵀ Q      dV = Pᵀ dO
+///   P = exp(s − lse)      δ = rowsum(dO ∘ O)      dS = P ∘ (dO vᵀ ∘ M − δ)
+///   dQ = scale · dS K     dK = scale · dSᵀ Q      dV = (P ∘ M)ᵀ dO
 /// ```
 pub fn backward(
     qkv: &Tensor,
@@ -150,25 +177,32 @@ pub fn backward(
     dy: &Tensor,
     lse2: &Tensor,
     scale: f64,
+    dropout: Option<&Mask>,
 ) -> Result<Tensor> {
+    let dropout = dropout.filter(|m| m.p > 0.0);
     let d = head_size(qkv, "attention backward")?;
     let (q, k, v) = parts(qkv)?;
     if fuses(qkv, d) {
         let dy = dy.contiguous()?;
-        return fused_backward(&q, &k, &v, y, &dy, lse2, scale, TcKernels::from_env());
+        return fused_backward(&q, &k, &v, y, &dy, lse2, scale, TcKernels::from_env(), dropout);
     }
+    let mask = dropout.map(|m| probs_mask(m, &q)).transpose()?; // (B, H, T, T) f32
+    let masked = |t: &Tensor| match &mask {
+        Some(m) => t * m,
+        None => Ok(t.clone()),
+    };
     if crate::cpu::takes(&[qkv, y, dy, lse2]) {
         let lse = (lse2 * std::f64::consts::LN_2)?; // (B, H, T)
         let s = (&q * scale)?.matmul(&k.t()?)?; // (B, H, T, T), unmasked
         let p = crate::cpu::causal_probs(&s, &lse)?; // (B, H, T, T)
         drop(s);
-        let dp = dy.matmul(&v.t()?)?; // (B, H, T, T)
+        let dp = masked(&dy.matmul(&v.t()?)?)?; // (B, H, T, T)
         let ds = crate::cpu::score_grad(&p, &dp, dy, y)?; // (B, H, T, T)
         drop(dp);
         let dq = (ds.matmul(&k)? * scale)?; // (B, H, T, D)
         let dk = (ds.t()?.matmul(&q)? * scale)?; // (B, H, T, D)
         drop(ds);
-        let dv = p.t()?.matmul(dy)?; // (B, H, T, D)
+        let dv = masked(&p)?.t()?.matmul(dy)?; // (B, H, T, D)
         return Tensor::stack(&[dq, dk, dv], 0); // (3, B, H, T, D)
     }
     let lse = (lse2 * std::f64::consts::LN_2)?.unsqueeze(D::Minus1)?; // (B, H, T, 1)
@@ -177,11 +211,11 @@ pub fn backward(
         .exp()?; // (B, H, T, T)
     let (qf, kf, vf, dyf) = (upcast(&q)?, upcast(&k)?, upcast(&v)?, upcast(dy)?);
     let delta = (&dyf * upcast(y)?)?.sum_keepdim(D::Minus1)?; // (B, H, T, 1)
-    let dp = dyf.matmul(&vf.t()?)?; // (B, H, T, T)
+    let dp = masked(&dyf.matmul(&vf.t()?)?)?; // (B, H, T, T)
     let ds = (&p * dp.broadcast_sub(&delta)?)?; // (B, H, T, T)
     let dq = (ds.matmul(&kf)? * scale)?; // (B, H, T, D)
     let dk = (ds.t()?.matmul(&qf)? * scale)?; // (B, H, T, D)
-    let dv = p.t()?.matmul(&dyf)?; // (B, H, T, D)
+    let dv = masked(&p)?.t()?.matmul(&dyf)?; // (B, H, T, D)
     Tensor::stack(&[dq, dk, dv], 0)?.to_dtype(qkv.dtype()) // (3, B, H, T, D)
 }
 
@@ -197,14 +231,17 @@ fn logsumexp(s: &Tensor) -> Result<Tensor> {
 struct FlashAttention {
     scale: f64,
     kernels: TcKernels,
+    /// The dropout mask of the probabilities, drawn again by the backward.
+    dropout: Option<Mask>,
     lse: std::sync::Mutex<Option<Tensor>>,
 }
 
 impl FlashAttention {
-    fn new(scale: f64, kernels: TcKernels) -> Self {
+    fn new(scale: f64, kernels: TcKernels, dropout: Option<&Mask>) -> Self {
         Self {
             scale,
             kernels,
+            dropout: dropout.copied(),
             lse: std::sync::Mutex::new(None),
         }
     }
@@ -260,7 +297,17 @@ impl candle_core::CustomOp1 for FlashAttention {
         let part =
             |i: usize| Layout::contiguous_with_offset((b, h, t, d), l.start_offset() + i * n);
         let (lq, lk, lv) = (part(0), part(1), part(2));
-        let (o, lse) = imp::forward(qkv, &lq, qkv, &lk, qkv, &lv, self.scale, self.kernels)?;
+        let (o, lse) = imp::forward(
+            qkv,
+            &lq,
+            qkv,
+            &lk,
+            qkv,
+            &lv,
+            self.scale,
+            self.kernels,
+            self.dropout.as_ref(),
+        )?;
         *self
             .lse
             .lock()
@@ -280,6 +327,7 @@ impl candle_core::CustomOp1 for FlashAttention {
             &self.lse()?,
             self.scale,
             self.kernels,
+            self.dropout.as_ref(),
         )?;
         Ok(Some(g)) // (3, B, H, T, D)
     }
@@ -297,10 +345,11 @@ fn fused_backward(
     lse: &Tensor,
     scale: f64,
     kernels: TcKernels,
+    dropout: Option<&Mask>,
 ) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     {
-        imp::backward(q, k, v, out, grad_out, lse, scale, kernels)
+        imp::backward(q, k, v, out, grad_out, lse, scale, kernels, dropout)
     }
     #[cfg(not(feature = "cuda"))]
     Err(msg("the flash attention backward runs on CUDA only".into()))
@@ -316,6 +365,7 @@ mod imp {
     use super::super::cuda::{
         blocks, by_dtype, compute_capability, device, kernel, slice, storage, tensor, view,
     };
+    use super::super::dropout::{attn_drop, Mask};
     use super::super::msg;
     use super::{path, Path, TcKernels};
 
@@ -360,6 +410,7 @@ mod imp {
         lv: &Layout,
         scale: f64,
         kernels: TcKernels,
+        dropout: Option<&Mask>,
     ) -> Result<(CudaStorage, Tensor)> {
         let (bh, t, d) = dims(lq, "q")?;
         if dims(lk, "k")? != (bh, t, d) || dims(lv, "v")? != (bh, t, d) {
@@ -373,7 +424,7 @@ mod imp {
         by_dtype!(
             "flash_attention",
             q.dtype(),
-            fwd(q, lq, k, lk, v, lv, (bh, t, d), scale, kernels)
+            fwd(q, lq, k, lk, v, lv, (bh, t, d), scale, kernels, dropout)
         )
     }
 
@@ -388,8 +439,10 @@ mod imp {
         (bh, t, d): (usize, usize, usize),
         scale: f64,
         kernels: TcKernels,
+        dropout: Option<&Mask>,
     ) -> Result<(CudaStorage, Tensor)> {
         let dev = &q.device;
+        let hl = lq.shape().dims4()?.1;
         let n = bh * t * d;
         let qs = view::<T>(q, lq)?;
         let ks = view::<T>(k, lk)?;
@@ -398,11 +451,14 @@ mod imp {
         let o = unsafe { dev.alloc::<T>(n)? };
         let lse = unsafe { dev.alloc::<f32>(bh * t)? };
         let offsets = [lq.start_offset(), lk.start_offset(), lv.start_offset()];
-        let (name, cfg) = match path(q.dtype(), d, &offsets, compute_capability(dev)?, kernels) {
+        let kernels = kernels.for_mask(dropout.is_some());
+        let path = path(q.dtype(), d, &offsets, compute_capability(dev)?, kernels);
+        let (name, cfg) = match path {
             Path::Wide => ("flash_wide_fwd", wide_config(t, bh, d)),
             Path::Tc => ("flash_tc_fwd", tc_config(t, bh)),
             Path::Cuda => ("flash_fwd", config(t, bh, d)),
         };
+        let ad = attn_drop(dropout, hl)?;
         let f = kernel(dev, Some(d), q.dtype(), name)?;
         let (t32, qscale) = (t as i32, (scale * LOG2E) as f32);
         let mut b = f.builder();
@@ -413,8 +469,11 @@ mod imp {
             .arg(&lse)
             .arg(&t32)
             .arg(&qscale);
-        // SAFETY: argument types and order match `flash_fwd`, `flash_tc_fwd` (kernels.cu) and
-        // `flash_wide_fwd` (flash_wide.cu).
+        if path != Path::Wide {
+            b.arg(&ad);
+        }
+        // SAFETY: argument types and order match `flash_fwd`, `flash_tc_fwd` (kernels.cu, with
+        // the mask last) and `flash_wide_fwd` (flash_wide.cu, no mask).
         unsafe { b.launch(cfg) }.w()?;
         let lse = tensor(dev, lse, (bh, t));
         Ok((CudaStorage::wrap_cuda_slice(o, dev.clone()), lse))
@@ -430,11 +489,12 @@ mod imp {
         lse: &Tensor,
         scale: f64,
         kernels: TcKernels,
+        dropout: Option<&Mask>,
     ) -> Result<Tensor> {
         by_dtype!(
             "flash_attention",
             q.dtype(),
-            bwd(q, k, v, out, grad_out, lse, scale, kernels)
+            bwd(q, k, v, out, grad_out, lse, scale, kernels, dropout)
         )
     }
 
@@ -448,6 +508,7 @@ mod imp {
         lse: &Tensor,
         scale: f64,
         kernels: TcKernels,
+        dropout: Option<&Mask>,
     ) -> Result<Tensor> {
         let dev = device(q)?;
         let (b_, h, t, d) = q.dims4()?;
@@ -467,12 +528,14 @@ mod imp {
         let rows = bh * t;
         let dtype = q.dtype();
         let offsets = [oq, ok, ov, oo, od];
-        let (dq_name, dkdv_name, cfg) =
-            match path(dtype, d, &offsets, compute_capability(&dev)?, kernels) {
-                Path::Wide => ("flash_wide_dq", "flash_wide_dkdv", wide_config(t, bh, d)),
-                Path::Tc => ("flash_tc_dq", "flash_tc_dkdv", tc_config(t, bh)),
-                Path::Cuda => ("flash_bwd_dq", "flash_bwd_dkdv", config(t, bh, d)),
-            };
+        let kernels = kernels.for_mask(dropout.is_some());
+        let path = path(dtype, d, &offsets, compute_capability(&dev)?, kernels);
+        let (dq_name, dkdv_name, cfg) = match path {
+            Path::Wide => ("flash_wide_dq", "flash_wide_dkdv", wide_config(t, bh, d)),
+            Path::Tc => ("flash_tc_dq", "flash_tc_dkdv", tc_config(t, bh)),
+            Path::Cuda => ("flash_bwd_dq", "flash_bwd_dkdv", config(t, bh, d)),
+        };
+        let ad = attn_drop(dropout, h)?;
         // SAFETY: every element of each buffer is written by the kernel filling it.
         let delta = unsafe { dev.alloc::<f32>(rows)? };
         // One buffer (3, B, H, T, D) for dq | dk | dv, so a packed input gets one gradient.
@@ -503,7 +566,11 @@ mod imp {
             .arg(&delta)
             .arg(&dq);
         b.arg(&t32).arg(&qscale).arg(&scale32);
-        // SAFETY: argument types and order match `flash_bwd_dq`, `flash_tc_dq`, `flash_wide_dq`.
+        if path != Path::Wide {
+            b.arg(&ad);
+        }
+        // SAFETY: argument types and order match `flash_bwd_dq`, `flash_tc_dq` (the mask last)
+        // and `flash_wide_dq` (no mask).
         unsafe { b.launch(cfg) }.w()?;
 
         let f = kernel(&dev, Some(d), dtype, dkdv_name)?;
@@ -517,8 +584,11 @@ mod imp {
             .arg(&dk)
             .arg(&dv);
         b.arg(&t32).arg(&qscale).arg(&scale32);
-        // SAFETY: argument types and order match `flash_bwd_dkdv`, `flash_tc_dkdv` and
-        // `flash_wide_dkdv`.
+        if path != Path::Wide {
+            b.arg(&ad);
+        }
+        // SAFETY: argument types and order match `flash_bwd_dkdv`, `flash_tc_dkdv` (the mask
+        // last) and `flash_wide_dkdv` (no mask).
         unsafe { b.launch(cfg) }.w()?;
 
         drop((dq, dk, dv));
@@ -565,7 +635,7 @@ mod tests {
             );
             let y = if fused {
                 let qkv = Tensor::stack(&[qv, kv, vv], 0).unwrap(); // (3, B, H, T, D)
-                super::fused_with(&qkv, scale, kernels).unwrap()
+                super::fused_with(&qkv, scale, kernels, None).unwrap()
             } else {
                 plain::causal_attention(qv, kv, vv, scale).unwrap()
             };
@@ -655,7 +725,7 @@ mod tests {
                 Var::from_tensor(&x.to_dtype(DType::BF16).unwrap().to_dtype(dt).unwrap()).unwrap();
             let p = v.as_tensor();
             let y = if fused {
-                super::fused(p, scale).unwrap()
+                super::fused(p, scale, None).unwrap()
             } else {
                 let part = |i| p.get(i).unwrap();
                 plain::causal_attention(&part(0), &part(1), &part(2), scale).unwrap()

@@ -26,6 +26,16 @@ impl TcKernels {
             _ => TcKernels::Wide,
         })
     }
+
+    /// The choice for a call with (`masked`) or without a dropout mask on the probabilities:
+    /// the wide kernels draw no mask, so a masked call takes the 16-row ones, which do.
+    pub fn for_mask(self, masked: bool) -> Self {
+        if masked {
+            TcKernels::Narrow
+        } else {
+            self
+        }
+    }
 }
 
 /// The kernels one fused call runs.
@@ -62,6 +72,8 @@ mod tests {
     #[test]
     fn wide_kernels_take_bf16_multiples_of_16_up_to_128_on_sm80() {
         assert_eq!(path(BF16, 64, &[0, 8], 90, Wide), Path::Wide);
+        assert_eq!(path(BF16, 64, &[0, 8], 90, Wide.for_mask(true)), Path::Tc);
+        assert_eq!(Wide.for_mask(false), Wide);
         assert_eq!(path(BF16, 128, &[0, 8], 80, Wide), Path::Wide);
         assert_eq!(path(BF16, 64, &[0, 8], 90, Narrow), Path::Tc);
         assert_eq!(path(BF16, 128, &[0, 8], 90, Narrow), Path::Cuda);

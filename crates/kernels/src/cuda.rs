@@ -97,14 +97,17 @@ pub fn column_blocks(n: usize, c: usize, rows: usize, threads: usize) -> LaunchC
     blocks((c.div_ceil(threads), n.div_ceil(rows)), threads)
 }
 
-/// The CUDA source: the shared element helpers and the layer kernels (`kernels.cu`), then
-/// one file per later topic, compiled as one module.
+/// The CUDA source: the Philox generator the dropout masks are drawn from (`philox.cu`), the
+/// shared element helpers and the layer kernels (`kernels.cu`), then one file per later topic,
+/// compiled as one module.
 const SOURCE: &str = concat!(
+    include_str!("philox.cu"),
     include_str!("kernels.cu"),
     include_str!("adamw.cu"),
     include_str!("embedding.cu"),
     include_str!("sq_sum.cu"),
     include_str!("flash_wide.cu"),
+    include_str!("dropout.cu"),
 );
 
 /// PTX by module name, compiled once per process.

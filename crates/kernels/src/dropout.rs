@@ -19,7 +19,23 @@
 //! state (Megatron's RNG tracker gives each TP rank its own stream), nothing depends on how the
 //! tensor was split.
 //!
-//! This module is the CPU generator; a CUDA kernel computes the same words from the same counters.
+//! On the attention probabilities (B, H, T, T), seen as (B, H, T·T), the mask `M` enters as
+//!
+//! ```text
+//!   O = (P ∘ M) V     dV = (P ∘ M)ᵀ dO     dS = P ∘ (dP ∘ M − δ),  dP = dO Vᵀ,  δ = rowsum(dO ∘ O)
+//! ```
+//!
+//! (δ = rowsum(P ∘ M ∘ dP) is still rowsum(dO ∘ O)). The flash kernels, tensor-core and CUDA-core,
+//! draw it where each probability is in a register (`attn_mask` in kernels.cu, given an
+//! `AttnDrop`); on CPU it is an f32 (B, H, T, T) tensor ([`Mask::tensor`]).
+//!
+//! This module is the CPU generator and [`apply`], the op that multiplies a block of an
+//! activation by its mask: on CUDA the kernel `dropout_fwd` (`dropout.cu`), which computes the
+//! same words from the same counters (`philox.cu`), as do the attention kernels for the mask on
+//! the attention probabilities ([`crate::attention`]). Its backward is the same op on the
+//! gradient: `d(x ∘ m) = dy ∘ m`.
+
+use candle_core::{DType, Tensor};
 
 /// Where in the model a mask is drawn (nanoGPT's three dropout sites, the residual one twice).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,6 +116,182 @@ impl MaskKey {
             self.step as u32,
             self.micro | self.layer << 12 | (self.site as u32) << 24,
         ]
+    }
+}
+
+/// A block of a 3-D global activation: the global shape (G0, G1, G2) and where the block
+/// starts. The activations (B, T, C) are such blocks, and so are attention probabilities
+/// (B, H, T, T) seen as (B, H, T·T) (their last two dimensions are never split).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Place {
+    pub global: [usize; 3],
+    pub offset: [usize; 3],
+}
+
+/// One mask: its key, its drop probability and the block of the global activation it covers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Mask {
+    pub key: MaskKey,
+    pub p: f64,
+    pub place: Place,
+}
+
+impl Mask {
+    /// The mask's values for a block of shape `shape` (f32, row-major).
+    pub fn values(&self, shape: [usize; 3]) -> Result<Vec<f32>, MaskError> {
+        mask_block(
+            &self.key,
+            self.p,
+            &self.place.global,
+            &self.place.offset,
+            &shape,
+        )
+    }
+
+    /// The mask of a block (A, B, C) as an f32 tensor on `dev`.
+    pub fn tensor(
+        &self,
+        shape: [usize; 3],
+        dev: &candle_core::Device,
+    ) -> candle_core::Result<Tensor> {
+        let v = self.values(shape).map_err(candle_core::Error::wrap)?;
+        Tensor::from_vec(v, shape.to_vec(), &candle_core::Device::Cpu)?.to_device(dev)
+    }
+
+    /// The key as the kernels take it (`DropKey` in philox.cu).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn device_key(&self) -> Result<DropKey, MaskError> {
+        let k = crate::philox::key_of(self.key.seed);
+        let c = self.key.counter(0);
+        Ok(DropKey {
+            k0: k[0],
+            k1: k[1],
+            step: c[2],
+            tag: c[3],
+            threshold: threshold(self.p)?,
+            scale: (1.0 / (1.0 - self.p)) as f32,
+            _pad: 0,
+        })
+    }
+}
+
+/// `struct DropKey` of philox.cu, field for field.
+#[cfg(feature = "cuda")]
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DropKey {
+    pub k0: u32,
+    pub k1: u32,
+    pub step: u32,
+    pub tag: u32,
+    pub threshold: u64,
+    pub scale: f32,
+    pub _pad: u32,
+}
+
+// SAFETY: #[repr(C)] plain integers and a float, the layout of `struct DropKey` in philox.cu
+// (32 bytes, 8-byte aligned).
+#[cfg(feature = "cuda")]
+unsafe impl candle_core::cuda_backend::cudarc::driver::DeviceRepr for DropKey {}
+
+#[cfg(feature = "cuda")]
+/// `struct AttnDrop` of kernels.cu, field for field: the mask's key and where this launch's
+/// (B_l, hl) heads sit in the global (Bg, hg); a zero threshold means no dropout.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct AttnDrop {
+    key: DropKey,
+    hl: i32,
+    hg: i32,
+    b0: i32,
+    h0: i32,
+}
+
+#[cfg(feature = "cuda")]
+// SAFETY: #[repr(C)] of a DropKey and four i32, the layout of `struct AttnDrop` (48 bytes).
+unsafe impl candle_core::cuda_backend::cudarc::driver::DeviceRepr for AttnDrop {}
+
+#[cfg(feature = "cuda")]
+/// The kernels' dropout argument for heads (B_l, hl): none when `dropout` is None.
+pub(crate) fn attn_drop(dropout: Option<&Mask>, hl: usize) -> candle_core::Result<AttnDrop> {
+    let none = AttnDrop {
+        key: DropKey {
+            k0: 0,
+            k1: 0,
+            step: 0,
+            tag: 0,
+            threshold: 0,
+            scale: 1.0,
+            _pad: 0,
+        },
+        hl: hl as i32,
+        hg: hl as i32,
+        b0: 0,
+        h0: 0,
+    };
+    let Some(m) = dropout else {
+        return Ok(none);
+    };
+    Ok(AttnDrop {
+        key: m.device_key().map_err(candle_core::Error::wrap)?,
+        hg: m.place.global[1] as i32,
+        b0: m.place.offset[0] as i32,
+        h0: m.place.offset[1] as i32,
+        ..none
+    })
+}
+
+/// `x ∘ mask` for x (A, B, C), the block of the global activation `mask.place` describes:
+/// inverted dropout, computed in f32 and rounded to x's dtype once. The same op is its own
+/// backward (`dy ∘ mask`). p = 0 returns x.
+pub fn apply(x: &Tensor, mask: &Mask) -> candle_core::Result<Tensor> {
+    if mask.p == 0.0 {
+        return Ok(x.clone());
+    }
+    let (a, b, c) = x.dims3()?;
+    #[cfg(feature = "cuda")]
+    if crate::fused_for(x) {
+        return imp::apply(&x.contiguous()?, mask, (a, b, c));
+    }
+    let m = mask.tensor([a, b, c], x.device())?; // (A, B, C) f32
+    (x.to_dtype(DType::F32)? * m)?.to_dtype(x.dtype())
+}
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+    use candle_core::cuda_backend::{CudaDType, WrapErr};
+    use candle_core::{Result, Tensor};
+
+    use crate::cuda::{by_dtype, device, grid_stride, kernel, slice, storage, tensor};
+
+    pub fn apply(x: &Tensor, mask: &super::Mask, dims: (usize, usize, usize)) -> Result<Tensor> {
+        by_dtype!("dropout", x.dtype(), run(x, mask, dims))
+    }
+
+    fn run<T: CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
+        x: &Tensor,
+        mask: &super::Mask,
+        (a, b, c): (usize, usize, usize),
+    ) -> Result<Tensor> {
+        let dev = device(x)?;
+        let key = mask.device_key().map_err(candle_core::Error::wrap)?;
+        let (sx, ox) = storage(x, "dropout x")?;
+        let xs = slice::<T>(&sx)?.slice(ox..);
+        let n = a * b * c;
+        // SAFETY: the kernel writes every element of y.
+        let y = unsafe { dev.alloc::<T>(n)? };
+        let f = kernel(&dev, None, x.dtype(), "dropout_fwd")?;
+        let [o0, o1, o2] = mask.place.offset.map(|v| v as i64);
+        let [_, g1, g2] = mask.place.global.map(|v| v as i64);
+        let (n64, t64, c64) = (n as i64, b as i64, c as i64);
+        let mut l = f.builder();
+        l.arg(&xs).arg(&y).arg(&n64).arg(&t64).arg(&c64);
+        l.arg(&o0).arg(&o1).arg(&o2).arg(&g1).arg(&g2).arg(&key);
+        // SAFETY: argument types and order match `dropout_fwd` in dropout.cu.
+        unsafe { l.launch(grid_stride(n)) }.w()?;
+        drop(sx);
+        Ok(tensor(&dev, y, (a, b, c)))
     }
 }
 
@@ -286,6 +478,136 @@ mod tests {
         for p in [1.0, -0.1, f64::NAN] {
             let e = mask_range(&key(0, 0, Site::Embedding), p, 0, 4).unwrap_err();
             assert!(e.to_string().contains("must be in [0, 1)"), "{e}");
+        }
+    }
+}
+
+/// The device's masks against the host's: the elementwise kernel and the attention kernels
+/// draw the same generator as [`mask_block`].
+#[cfg(all(test, feature = "cuda"))]
+mod gpu_tests {
+    use super::*;
+    use crate::testing::{cuda, rel_err};
+    use candle_core::Device;
+
+    fn mask(site: Site, p: f64, place: Place) -> Mask {
+        Mask {
+            key: MaskKey::new(1337, 41, 2, 3, site).unwrap(),
+            p,
+            place,
+        }
+    }
+
+    /// `apply` on the GPU equals `apply` on the CPU bit for bit, in f32 and bf16, for a block
+    /// away from the origin of a larger global activation (a dp, sp and column shard at once).
+    #[test]
+    fn the_kernel_draws_the_cpu_mask_bit_for_bit() {
+        let Some(dev) = cuda() else {
+            return;
+        };
+        let place = Place {
+            global: [8, 96, 200],
+            offset: [3, 32, 8],
+        };
+        for p in [0.1, 0.2, 0.5] {
+            let m = mask(Site::MlpResidual, p, place);
+            for dtype in [DType::F32, DType::BF16] {
+                let x = Tensor::randn(0f32, 1f32, (4, 48, 136), &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                let cpu = apply(&x, &m).unwrap();
+                let gpu = apply(&x.to_device(&dev).unwrap(), &m)
+                    .unwrap()
+                    .to_device(&Device::Cpu)
+                    .unwrap();
+                let (a, b) = (
+                    cpu.to_dtype(DType::F32).unwrap().flatten_all().unwrap(),
+                    gpu.to_dtype(DType::F32).unwrap().flatten_all().unwrap(),
+                );
+                let (a, b) = (a.to_vec1::<f32>().unwrap(), b.to_vec1::<f32>().unwrap());
+                let differ = a
+                    .iter()
+                    .zip(&b)
+                    .filter(|(x, y)| x.to_bits() != y.to_bits())
+                    .count();
+                assert_eq!(differ, 0, "p {p} {dtype:?}: {differ} of {} differ", a.len());
+                let ones = Tensor::ones((4, 48, 136), DType::F32, &dev).unwrap();
+                let drawn = apply(&ones, &m)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>();
+                assert_eq!(drawn.unwrap(), m.values([4, 48, 136]).unwrap(), "p {p}");
+            }
+        }
+    }
+
+    /// Attention with dropout on the probabilities: the flash kernels' (tensor-core and
+    /// CUDA-core) output and gradients against the CPU path, which multiplies by the mask tensor of [`mask_block`] (f32).
+    #[test]
+    fn attention_kernels_draw_the_cpu_mask() {
+        let Some(dev) = cuda() else {
+            return;
+        };
+        for (b, h, t, d, dtype, tol) in [
+            (2, 3, 100, 32, DType::F32, 1e-4),  // CUDA cores
+            (2, 2, 130, 64, DType::BF16, 2e-2), // tensor cores
+            (1, 3, 96, 32, DType::BF16, 2e-2),  // tensor cores
+            (1, 2, 70, 128, DType::BF16, 2e-2), // CUDA cores, bf16
+            (1, 2, 64, 16, DType::F32, 1e-4),
+        ] {
+            let place = Place {
+                global: [5, 7, t * t],
+                offset: [1, 4, 0],
+            };
+            let m = mask(Site::Attention, 0.2, place);
+            let qkv = Tensor::randn(0f32, 1f32, (3, b, h, t, d), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let dy = Tensor::randn(0f32, 1f32, (b, h, t, d), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let scale = 1.0 / (d as f64).sqrt();
+            let run = |dev: &Device, dt: DType| {
+                let (qkv, dy) = (
+                    qkv.to_dtype(dt).unwrap().to_device(dev).unwrap(),
+                    dy.to_dtype(dt).unwrap().to_device(dev).unwrap(),
+                );
+                let (y, lse) = crate::attention::forward(&qkv, scale, Some(&m)).unwrap();
+                let g = crate::attention::backward(&qkv, &y, &dy, &lse, scale, Some(&m)).unwrap();
+                let cpu = |t: Tensor| {
+                    t.to_device(&Device::Cpu)
+                        .unwrap()
+                        .to_dtype(DType::F32)
+                        .unwrap()
+                };
+                (cpu(y), cpu(g))
+            };
+            let (y, g) = run(&dev, dtype);
+            let (y_ref, g_ref) = run(&Device::Cpu, DType::F32);
+            let e = rel_err(&y, &y_ref);
+            assert!(e < tol, "forward rel err {e} (T {t}, D {d}, {dtype:?})");
+            for i in 0..3 {
+                let e = rel_err(&g.get(i).unwrap(), &g_ref.get(i).unwrap());
+                assert!(
+                    e < tol,
+                    "gradient {i} rel err {e} (T {t}, D {d}, {dtype:?})"
+                );
+            }
+            // Without the mask the output differs: the kernels did drop.
+            let (y0, _) =
+                crate::attention::forward(&qkv.to_device(&dev).unwrap(), scale, None).unwrap();
+            let e = rel_err(
+                &y0.to_dtype(DType::F32)
+                    .unwrap()
+                    .to_device(&Device::Cpu)
+                    .unwrap(),
+                &y_ref,
+            );
+            assert!(e > 0.1, "the mask changed nothing: {e}");
         }
     }
 }

@@ -116,9 +116,29 @@ __device__ __forceinline__ void stage(float (*dst)[D], const elem* src, int r0, 
     }
 }
 
-// o = softmax(mask(q k^T * scale)) v, lse2 per row. q, k, v, o: (BH, T, D); lse2: (BH, T).
+// Dropout on the attention probabilities (dropout.rs `Mask` of (B, H, T·T)): this launch's
+// heads are (B_l, hl) at (b0, h0) of the global (Bg, hg); no dropout when key.threshold is 0.
+struct AttnDrop {
+    DropKey key;
+    int hl, hg, b0, h0;
+};
+
+// The global index of element (0, 0) of head blockIdx.y's (T, T) probabilities.
+__device__ __forceinline__ unsigned long long attn_base(const AttnDrop& d, int T) {
+    const long b = blockIdx.y / d.hl, h = blockIdx.y % d.hl;
+    return (unsigned long long)((d.b0 + b) * d.hg + d.h0 + h) * T * T;
+}
+
+// The mask of probability (row, col): 0 or 1 / (1 - p); 1 without dropout.
+__device__ __forceinline__ float attn_mask(const AttnDrop& d, unsigned long long base, int T,
+                                           int row, int col) {
+    return d.key.threshold == 0 ? 1.f : drop_mask(d.key, base + (unsigned long long)row * T + col);
+}
+
+// o = (P ∘ M) v with P = softmax(mask(q k^T * scale)) and M the dropout mask, lse2 per row
+// (of P, before dropout). q, k, v, o: (BH, T, D); lse2: (BH, T).
 extern "C" __global__ void flash_fwd(const elem* q, const elem* k, const elem* v, elem* o,
-                                     float* lse2, int T, float qscale) {
+                                     float* lse2, int T, float qscale, AttnDrop drop) {
     __shared__ __align__(16) float ks[BC][D];
     __shared__ __align__(16) float vs[BC][D];
     const long base = (long)blockIdx.y * T * D;
@@ -132,6 +152,7 @@ extern "C" __global__ void flash_fwd(const elem* q, const elem* k, const elem* v
         acc[i] = 0.f;
     }
     float m = NEG_INF, l = 0.f;
+    const unsigned long long hb = attn_base(drop, T);
     const int last = min(T, (int)(blockIdx.x + 1) * BR) - 1;
     for (int kb = 0; kb <= last; kb += BC) {
         __syncthreads();
@@ -157,6 +178,7 @@ extern "C" __global__ void flash_fwd(const elem* q, const elem* k, const elem* v
             for (int j = 0; j < CH; ++j) {
                 float p = exp2f(s[j] - m_use);
                 l += p;
+                if (s[j] != NEG_INF) p *= attn_mask(drop, hb, T, row, kb + c + j);
                 axpy_part(acc, p, &vs[c + j][d0]);
             }
             m = m_new;
@@ -188,10 +210,12 @@ extern "C" __global__ void flash_bwd_dot(const elem* o, const elem* dout, float*
     if (r < rows && part == 0) dvec[r] = acc;
 }
 
-// dq = scale * sum_j dS_ij k_j with dS = P * (dP - dvec), dP = dO v^T; one query row per group.
+// dq = scale * sum_j dS_ij k_j with dS = P * (dP ∘ M - dvec), dP = dO v^T, M the dropout mask
+// (dvec = rowsum(dO ∘ O) = rowsum(P ∘ M ∘ dP) still); one query row per group.
 extern "C" __global__ void flash_bwd_dq(const elem* q, const elem* k, const elem* v,
                                         const elem* dout, const float* lse2, const float* dvec,
-                                        elem* dq, int T, float qscale, float scale) {
+                                        elem* dq, int T, float qscale, float scale,
+                                        AttnDrop drop) {
     __shared__ __align__(16) float ks[BC][D];
     __shared__ __align__(16) float vs[BC][D];
     const long base = (long)blockIdx.y * T * D;
@@ -208,6 +232,7 @@ extern "C" __global__ void flash_bwd_dq(const elem* q, const elem* k, const elem
     }
     const float L = valid ? lse2[(long)blockIdx.y * T + row] : 0.f;
     const float Dv = valid ? dvec[(long)blockIdx.y * T + row] : 0.f;
+    const unsigned long long hb = attn_base(drop, T);
     const int last = min(T, (int)(blockIdx.x + 1) * BR) - 1;
     for (int kb = 0; kb <= last; kb += BC) {
         __syncthreads();
@@ -218,6 +243,7 @@ extern "C" __global__ void flash_bwd_dq(const elem* q, const elem* k, const elem
             float s = group_sum(dot_part(qr, &ks[j][d0]));
             float dp = group_sum(dot_part(dor, &vs[j][d0]));
             float p = (kb + j <= row) ? exp2f(s - L) : 0.f;
+            if (p != 0.f) dp *= attn_mask(drop, hb, T, row, kb + j);
             axpy_part(acc, p * (dp - Dv), &ks[j][d0]);
         }
     }
@@ -227,10 +253,12 @@ extern "C" __global__ void flash_bwd_dq(const elem* q, const elem* k, const elem
     }
 }
 
-// dk = scale * sum_i dS_ij q_i, dv = sum_i P_ij dO_i; one key row per group, queries i >= j.
+// dk = scale * sum_i dS_ij q_i, dv = sum_i (P ∘ M)_ij dO_i (M the dropout mask, dS as in
+// flash_bwd_dq); one key row per group, queries i >= j.
 extern "C" __global__ void flash_bwd_dkdv(const elem* q, const elem* k, const elem* v,
                                           const elem* dout, const float* lse2, const float* dvec,
-                                          elem* dk, elem* dv, int T, float qscale, float scale) {
+                                          elem* dk, elem* dv, int T, float qscale, float scale,
+                                          AttnDrop drop) {
     __shared__ __align__(16) float qs[BC][D];
     __shared__ __align__(16) float dos[BC][D];
     __shared__ float ls[BC], dvs[BC];
@@ -247,6 +275,7 @@ extern "C" __global__ void flash_bwd_dkdv(const elem* q, const elem* k, const el
         dka[i] = 0.f;
         dva[i] = 0.f;
     }
+    const unsigned long long hb = attn_base(drop, T);
     for (int qb = blockIdx.x * BR; qb < T; qb += BC) {
         __syncthreads();
         stage(qs, q + base, qb, T);
@@ -261,8 +290,9 @@ extern "C" __global__ void flash_bwd_dkdv(const elem* q, const elem* k, const el
             float s = group_sum(dot_part(kr, &qs[j][d0]));
             float dp = group_sum(dot_part(vr, &dos[j][d0]));
             float p = (qb + j >= key) ? exp2f(s - ls[j]) : 0.f;
-            axpy_part(dva, p, &dos[j][d0]);
-            axpy_part(dka, p * (dp - dvs[j]), &qs[j][d0]);
+            const float mk = (p != 0.f && valid) ? attn_mask(drop, hb, T, qb + j, key) : 1.f;
+            axpy_part(dva, p * mk, &dos[j][d0]);
+            axpy_part(dka, p * (dp * mk - dvs[j]), &qs[j][d0]);
         }
     }
     if (valid) {
@@ -290,7 +320,9 @@ extern "C" __global__ void flash_bwd_dkdv(const elem* q, const elem* k, const el
 //   C 16x8  f32         c0 c1 (g, 2t..2t+1)   c2 c3 (g+8, 2t..2t+1)
 //
 // Two C tiles side by side, rounded to bf16, are exactly the A fragment of the next product
-// (P V, dS K, Pᵀ dO, dSᵀ Q), so probabilities never leave registers. The backward is the FA2
+// (P V, dS K, Pᵀ dO, dSᵀ Q), so probabilities never leave registers. Dropout multiplies each
+// probability by its mask where it is in a register (`attn_mask`, as the CUDA-core kernels do):
+// P ∘ M into P V and Pᵀ dO, dP ∘ M into dS. The backward is the FA2
 // split: flash_tc_dq walks key tiles for 64 queries, flash_tc_dkdv walks query tiles for 64 keys;
 // each recomputes S and dP, and no block writes another's output.
 // ---------------------------------------------------------------------------------------------
@@ -469,7 +501,7 @@ __device__ __forceinline__ void tc_store(elem* dst, const float (*acc)[4], int r
 // o = softmax(mask(q kᵀ scale)) v and lse2 per row; q, k, v, o: (BH, T, D), lse2: (BH, T).
 extern "C" __global__ void __launch_bounds__(128)
     flash_tc_fwd(const elem* q, const elem* k, const elem* v, elem* o, float* lse2, int T,
-                 float qscale) {
+                 float qscale, AttnDrop drop) {
     __shared__ __align__(16) elem ks[2][TC_COLS][TC_LD];  // two buffers: use one, fill the other
     __shared__ __align__(16) elem vs[2][TC_COLS][TC_LD];
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
@@ -485,6 +517,7 @@ extern "C" __global__ void __launch_bounds__(128)
 #pragma unroll
     for (int n = 0; n < ND; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    const unsigned long long hb = attn_base(drop, T);
     int buf = 0;
     for (int kb = 0; kb <= q0; kb += TC_COLS, buf ^= 1) {
         if (kb + TC_COLS <= q0) {  // fetch the next tile while this one is used
@@ -521,6 +554,8 @@ extern "C" __global__ void __launch_bounds__(128)
             for (int e = 0; e < 4; ++e) {
                 s[n][e] = exp2f(s[n][e] - m[e >> 1]);
                 l[e >> 1] += s[n][e];  // this lane's share; summed over the quad at the end
+                if (drop.key.threshold != 0 && s[n][e] != 0.f)
+                    s[n][e] *= attn_mask(drop, hb, T, r0 + g + 8 * (e >> 1), kb + n * 8 + 2 * t + (e & 1));
             }
 #pragma unroll
         for (int n = 0; n < ND; ++n) {
@@ -545,7 +580,7 @@ extern "C" __global__ void __launch_bounds__(128)
 // dq = scale · dS k with dS = P ∘ (dO vᵀ − dvec); 64 queries per block, key tiles up to them.
 extern "C" __global__ void __launch_bounds__(128)
     flash_tc_dq(const elem* q, const elem* k, const elem* v, const elem* dout, const float* lse2,
-                const float* dvec, elem* dq, int T, float qscale, float scale) {
+                const float* dvec, elem* dq, int T, float qscale, float scale, AttnDrop drop) {
     __shared__ __align__(16) elem ks[2][TC_COLS][TC_LD];
     __shared__ __align__(16) elem vs[2][TC_COLS][TC_LD];
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
@@ -568,6 +603,7 @@ extern "C" __global__ void __launch_bounds__(128)
     float acc[ND][4];
 #pragma unroll
     for (int n = 0; n < ND; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    const unsigned long long hb = attn_base(drop, T);
     int buf = 0;
     for (int kb = 0; kb <= q0; kb += TC_COLS, buf ^= 1) {
         if (kb + TC_COLS <= q0) {
@@ -588,7 +624,9 @@ extern "C" __global__ void __launch_bounds__(128)
                 const int h = e >> 1;
                 const int row = r0 + g + 8 * h, key = kb + n * 8 + 2 * t + (e & 1);
                 const float p = (full || key <= row) ? exp2f(s[n][e] * qscale - L[h]) : 0.f;
-                s[n][e] = p * (dp[n][e] - Dv[h]);  // dS
+                const float mk =
+                    (drop.key.threshold != 0 && p != 0.f) ? attn_mask(drop, hb, T, row, key) : 1.f;
+                s[n][e] = p * (dp[n][e] * mk - Dv[h]);  // dS
             }
         tc_accum(acc, s, ks[buf]);  // (16, D) += dS k
         __syncthreads();
@@ -600,7 +638,7 @@ extern "C" __global__ void __launch_bounds__(128)
 extern "C" __global__ void __launch_bounds__(128)
     flash_tc_dkdv(const elem* q, const elem* k, const elem* v, const elem* dout,
                   const float* lse2, const float* dvec, elem* dk, elem* dv, int T, float qscale,
-                  float scale) {
+                  float scale, AttnDrop drop) {
     __shared__ __align__(16) elem qs[2][TC_COLS][TC_LD];
     __shared__ __align__(16) elem dos[2][TC_COLS][TC_LD];
     __shared__ __align__(16) float ls[2][TC_COLS], dls[2][TC_COLS];
@@ -629,6 +667,7 @@ extern "C" __global__ void __launch_bounds__(128)
     for (int n = 0; n < ND; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dka[n][e] = dva[n][e] = 0.f;
+    const unsigned long long hb = attn_base(drop, T);
     int buf = 0;
     for (int qb = k0; qb < T; qb += TC_COLS, buf ^= 1) {
         if (qb + TC_COLS < T) stage(buf ^ 1, qb + TC_COLS);
@@ -651,8 +690,11 @@ extern "C" __global__ void __launch_bounds__(128)
                 const float p = (full || (query >= key && query < T))
                                     ? exp2f(s[n][e] * qscale - lsb[i])
                                     : 0.f;
-                s[n][e] = p;                          // Pᵀ
-                dp[n][e] = p * (dp[n][e] - dlsb[i]);  // dSᵀ
+                const float mk = (drop.key.threshold != 0 && p != 0.f)
+                                     ? attn_mask(drop, hb, T, query, key)
+                                     : 1.f;
+                s[n][e] = p * mk;                          // (P ∘ M)ᵀ
+                dp[n][e] = p * (dp[n][e] * mk - dlsb[i]);  // dSᵀ
             }
         tc_accum(dva, s, dos[buf]);  // (16, D) += Pᵀ dO
         tc_accum(dka, dp, qs[buf]);  // (16, D) += dSᵀ q

@@ -335,7 +335,7 @@ fn ops(a: &Args, cfg: &GptConfig, dev: &Device) -> Result<()> {
         // The ops of mtrain_kernels fuse on this device; plain:: are the candle versions.
         let attn = if fused {
             time_op(dev, &[&[3, b, h, t, d]], |x| {
-                mtrain_kernels::causal_attention(&x[0], scale)
+                mtrain_kernels::causal_attention(&x[0], scale, None)
             })?
         } else {
             time_op(dev, &[&[b, h, t, d], &[b, h, t, d], &[b, h, t, d]], |x| {
@@ -460,10 +460,12 @@ fn attn(shapes: &[[usize; 4]], dev: &Device) -> Result<()> {
         let r = |s: &[usize]| Tensor::randn(0f32, 1., s, dev)?.to_dtype(DType::BF16);
         let qkv = r(&[3, b, h, t, d])?;
         let dy = r(&[b, h, t, d])?;
-        let (y, lse) = attention::forward(&qkv, scale)?;
-        let fwd = time_ms(dev, 20, || attention::forward(&qkv, scale).map(|_| ()))?;
+        let (y, lse) = attention::forward(&qkv, scale, None)?;
+        let fwd = time_ms(dev, 20, || {
+            attention::forward(&qkv, scale, None).map(|_| ())
+        })?;
         let bwd = time_ms(dev, 20, || {
-            attention::backward(&qkv, &y, &dy, &lse, scale).map(|_| ())
+            attention::backward(&qkv, &y, &dy, &lse, scale, None).map(|_| ())
         })?;
         let flops = 2.0 * (b * h * d) as f64 * (t * t) as f64; // causal: half of 4·B·H·T²·D
         println!(

@@ -37,6 +37,7 @@
 
 use candle_core::{DType, Result, Tensor, Var};
 
+use crate::dropout::Draw;
 use crate::gpt::Segment;
 use crate::moe::MoeStats;
 use crate::param::Grads;
@@ -113,14 +114,22 @@ impl Recorded {
         x: &Tensor,
         targets: Option<&Tensor>,
         backward: Backward,
+        draw: Option<&Draw>,
     ) -> Result<(Self, Vec<MoeStats>)> {
         if backward.uses_tapes() {
-            if let Some(tape) = seg.forward_taped(x, targets)? {
+            let tape = match draw {
+                Some(d) => seg.forward_taped_drawn(x, targets, d)?,
+                None => seg.forward_taped(x, targets)?,
+            };
+            if let Some(tape) = tape {
                 let stats = tape.stats().into_iter().collect();
                 return Ok((Recorded::Tape(tape), stats));
             }
         }
-        let o = seg.forward(x, targets)?;
+        let o = match draw {
+            Some(d) => seg.forward_drawn(x, targets, d)?,
+            None => seg.forward(x, targets)?,
+        };
         let rec = Recorded::Graph {
             out: o.out,
             aux: o.aux_loss,
@@ -208,6 +217,9 @@ pub struct Engine {
     pub checkpointing: bool,
     /// Which segments are differentiated by their hand-written backward.
     pub backward: Backward,
+    /// The dropout of the passes this engine runs (a training micro-batch); None: no dropout
+    /// (evaluation). A recompute under checkpointing draws the same masks from it.
+    pub dropout: Option<Draw>,
 }
 
 fn is_integer(dtype: DType) -> bool {
@@ -230,6 +242,15 @@ impl Engine {
         Self {
             checkpointing,
             backward: Backward::default(),
+            dropout: None,
+        }
+    }
+
+    /// This engine running its passes under the dropout `draw` (None: none).
+    pub fn with_dropout(self, draw: Option<Draw>) -> Self {
+        Self {
+            dropout: draw,
+            ..self
         }
     }
 
@@ -261,7 +282,13 @@ impl Engine {
             // Under checkpointing only the output is kept (dropped with `rec` below), and the
             // backward recomputes the segment by the same forward, so both passes run the
             // same arithmetic.
-            let (rec, st) = Recorded::run(seg.as_ref(), input.tensor(), targets, self.backward)?;
+            let (rec, st) = Recorded::run(
+                seg.as_ref(),
+                input.tensor(),
+                targets,
+                self.backward,
+                self.dropout.as_ref(),
+            )?;
             if let Some(a) = rec.aux() {
                 aux_loss += a.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             }
@@ -318,6 +345,7 @@ impl Engine {
                         saved.input.tensor(),
                         acts.targets.as_ref(),
                         self.backward,
+                        self.dropout.as_ref(),
                     )?
                     .0
                 }

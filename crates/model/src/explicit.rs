@@ -69,7 +69,7 @@ use mtrain_kernels::{bias, gelu, layer_norm};
 use crate::layers::{LayerNorm, Linear, Mlp};
 use crate::tape::Collective;
 
-pub use block::{block_tape, sharded_block_tape};
+pub use block::{block_tape, sharded_block_tape, BlockDropout};
 pub use head::{embedding_tape, head_tape, position_grad, row_loss_grad};
 
 /// Whether the tapes take tensors of this dtype (the fused kernels' f32 and bf16).

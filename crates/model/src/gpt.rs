@@ -25,6 +25,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use rand::Rng;
 
 use crate::config::GptConfig;
+use crate::dropout::{self, embedding_mask, BlockMasks, Draw};
 use crate::explicit;
 use crate::init::param_specs;
 use crate::layers::{
@@ -72,6 +73,25 @@ pub trait Segment: Send + Sync {
     ) -> Result<Option<Box<dyn Tape>>> {
         Ok(None)
     }
+    /// [`Segment::forward`] of a training pass under `draw` ([`crate::dropout`]); a segment
+    /// with dropout sites applies them here. By default (no sites) the plain forward.
+    fn forward_drawn(
+        &self,
+        x: &Tensor,
+        targets: Option<&Tensor>,
+        _draw: &Draw,
+    ) -> Result<SegmentOut> {
+        self.forward(x, targets)
+    }
+    /// [`Segment::forward_taped`] under `draw`, as [`Segment::forward_drawn`].
+    fn forward_taped_drawn(
+        &self,
+        x: &Tensor,
+        targets: Option<&Tensor>,
+        _draw: &Draw,
+    ) -> Result<Option<Box<dyn Tape>>> {
+        self.forward_taped(x, targets)
+    }
 }
 
 fn err(msg: String) -> candle_core::Error {
@@ -98,20 +118,7 @@ impl Segment for Embedding {
     }
 
     fn forward(&self, idx: &Tensor, _targets: Option<&Tensor>) -> Result<SegmentOut> {
-        let (b, t) = idx.dims2()?;
-        let wpe = self.wpe.tensor();
-        let block_size = wpe.dim(0)?;
-        if t > block_size {
-            return Err(err(format!(
-                "embedding: sequence length {t} exceeds block_size {block_size}"
-            )));
-        }
-        let wte = self.wte.tensor();
-        let c = wte.dim(1)?;
-        let ids = idx.flatten_all()?; // (N,)
-        let tok = mtrain_kernels::embedding(&wte, &ids)?.reshape((b, t, c))?; // (B, T, C)
-        let pos = wpe.narrow(0, 0, t)?; // (T, C)
-        Ok(SegmentOut::plain(tok.broadcast_add(&pos)?))
+        self.embed(idx, None)
     }
 
     fn params(&self) -> Vec<Param> {
@@ -125,6 +132,47 @@ impl Segment for Embedding {
     ) -> Result<Option<Box<dyn Tape>>> {
         explicit::embedding_tape(&self.wte, &self.wpe, idx)
     }
+
+    fn forward_drawn(&self, idx: &Tensor, _t: Option<&Tensor>, draw: &Draw) -> Result<SegmentOut> {
+        self.embed(idx, Some(draw))
+    }
+
+    fn forward_taped_drawn(
+        &self,
+        idx: &Tensor,
+        _targets: Option<&Tensor>,
+        draw: &Draw,
+    ) -> Result<Option<Box<dyn Tape>>> {
+        let t = idx.dim(1)?;
+        let mask = embedding_mask(Some(draw), (0, t), self.wte.tensor().dim(1)?)?;
+        explicit::embedding_tape(&self.wte, &self.wpe, idx)?
+            .map(|tape| dropout::Dropped::wrap(tape, mask))
+            .transpose()
+    }
+}
+
+impl Embedding {
+    /// wte[idx] + wpe[0..T], dropped under `draw`.
+    fn embed(&self, idx: &Tensor, draw: Option<&Draw>) -> Result<SegmentOut> {
+        let (b, t) = idx.dims2()?;
+        let wpe = self.wpe.tensor();
+        let block_size = wpe.dim(0)?;
+        if t > block_size {
+            return Err(err(format!(
+                "embedding: sequence length {t} exceeds block_size {block_size}"
+            )));
+        }
+        let wte = self.wte.tensor();
+        let c = wte.dim(1)?;
+        let ids = idx.flatten_all()?; // (N,)
+        let tok = mtrain_kernels::embedding(&wte, &ids)?.reshape((b, t, c))?; // (B, T, C)
+        let pos = wpe.narrow(0, 0, t)?; // (T, C)
+        let x = tok.broadcast_add(&pos)?; // (B, T, C)
+        Ok(SegmentOut::plain(match embedding_mask(draw, (0, t), c)? {
+            Some(m) => dropout::recorded(&x, &m)?,
+            None => x,
+        }))
+    }
 }
 
 /// A pre-LayerNorm transformer block: `x + attn(ln_1(x))`, then `x + ffn(ln_2(x))`.
@@ -135,6 +183,16 @@ pub struct Block {
     pub attn: CausalSelfAttention,
     pub ln_2: LayerNorm,
     pub ffn: Box<dyn FeedForward>,
+    /// The block's index in the model (the `i` of its name), which its dropout masks are
+    /// keyed by.
+    pub layer: usize,
+}
+
+/// The index `i` of a block named `h.{i}` (0 for any other name).
+pub fn layer_of(name: &str) -> usize {
+    name.strip_prefix("h.")
+        .and_then(|i| i.parse().ok())
+        .unwrap_or(0)
 }
 
 impl Block {
@@ -145,8 +203,10 @@ impl Block {
         ln_2: LayerNorm,
         ffn: Box<dyn FeedForward>,
     ) -> Self {
+        let name = name.into();
         Self {
-            name: name.into(),
+            layer: layer_of(&name),
+            name,
             ln_1,
             attn,
             ln_2,
@@ -154,6 +214,24 @@ impl Block {
         }
     }
 
+    /// The block's forward, its dropout sites applied under `draw`.
+    fn run(&self, x: &Tensor, draw: Option<&Draw>) -> Result<SegmentOut> {
+        let (_, t, c) = x.dims3()?;
+        let (masks, layer) = (BlockMasks::new(draw, self.layer, (0, t), c)?, self.layer);
+        let a = self
+            .attn
+            .forward_drawn(&self.ln_1.forward(x)?, draw, layer)?; // (B, T, C)
+        let x = (x + masks.attn(&a)?)?; // (B, T, C)
+        let ffn = self.ffn.forward(&self.ln_2.forward(&x)?)?;
+        Ok(SegmentOut {
+            out: (x + masks.mlp(&ffn.out)?)?,
+            aux_loss: ffn.aux_loss,
+            stats: ffn.stats,
+        })
+    }
+}
+
+impl Block {
     /// Block `i` with dense layers (an MoE feed-forward when `cfg.moe` is set) from named params.
     pub fn dense(cfg: &GptConfig, i: usize, p: &ParamStore) -> Result<Self> {
         let h = format!("h.{i}");
@@ -210,13 +288,33 @@ impl Segment for Block {
     }
 
     fn forward(&self, x: &Tensor, _targets: Option<&Tensor>) -> Result<SegmentOut> {
-        let x = (x + self.attn.forward(&self.ln_1.forward(x)?)?)?; // (B, T, C)
-        let ffn = self.ffn.forward(&self.ln_2.forward(&x)?)?;
-        Ok(SegmentOut {
-            out: (x + ffn.out)?,
-            aux_loss: ffn.aux_loss,
-            stats: ffn.stats,
-        })
+        self.run(x, None)
+    }
+
+    fn forward_drawn(&self, x: &Tensor, _t: Option<&Tensor>, draw: &Draw) -> Result<SegmentOut> {
+        self.run(x, Some(draw))
+    }
+
+    fn forward_taped_drawn(
+        &self,
+        x: &Tensor,
+        _targets: Option<&Tensor>,
+        draw: &Draw,
+    ) -> Result<Option<Box<dyn Tape>>> {
+        let dropout = explicit::BlockDropout {
+            draw,
+            layer: self.layer,
+            positions: None,
+        };
+        explicit::sharded_block_tape(
+            &self.ln_1,
+            &self.attn,
+            &self.ln_2,
+            self.ffn.as_ref(),
+            x,
+            None,
+            Some(&dropout),
+        )
     }
 
     fn params(&self) -> Vec<Param> {

@@ -231,6 +231,11 @@ pub struct CausalSelfAttention {
     pub c_proj: Box<dyn Linear>,
     pub n_head: usize,
     pub head_dim: usize,
+    /// The layer's index of this module's first head (its first head under tensor parallelism).
+    pub head0: usize,
+    /// Heads of the whole layer (`n_head` unless sharded): with `head0`, where this module's
+    /// attention probabilities sit in the layer's, for their dropout mask.
+    pub heads_global: usize,
 }
 
 impl CausalSelfAttention {
@@ -245,10 +250,44 @@ impl CausalSelfAttention {
             c_proj,
             n_head,
             head_dim,
+            head0: 0,
+            heads_global: n_head,
         }
     }
 
+    /// This module as heads `head0 .. head0 + n_head` of a layer of `heads_global`.
+    pub fn sharded_heads(self, head0: usize, heads_global: usize) -> Self {
+        Self {
+            head0,
+            heads_global,
+            ..self
+        }
+    }
+
+    /// The dropout mask of this module's attention probabilities for a sequence of `t` in
+    /// `layer`, under `draw`.
+    pub fn probs_mask(
+        &self,
+        draw: Option<&crate::Draw>,
+        layer: usize,
+        t: usize,
+    ) -> Result<Option<mtrain_kernels::dropout::Mask>> {
+        crate::Draw::active(draw)
+            .map(|d| d.probs(layer, (self.head0, self.heads_global), t))
+            .transpose()
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_drawn(x, None, 0)
+    }
+
+    /// The forward with dropout on the probabilities under `draw` (none without one).
+    pub fn forward_drawn(
+        &self,
+        x: &Tensor,
+        draw: Option<&crate::Draw>,
+        layer: usize,
+    ) -> Result<Tensor> {
         let (h, d) = (self.n_head, self.head_dim);
         let qkv = self.c_attn.forward(x)?; // (B, T, 3·H·D)
         if qkv.dim(2)? != 3 * h * d {
@@ -260,7 +299,8 @@ impl CausalSelfAttention {
         }
         let scale = 1.0 / (d as f64).sqrt();
         let qkv = mtrain_kernels::split_heads(&qkv, 3, h)?; // (3, B, H, T, D)
-        let y = mtrain_kernels::causal_attention(&qkv, scale)?; // (B, H, T, D)
+        let mask = self.probs_mask(draw, layer, x.dim(1)?)?;
+        let y = mtrain_kernels::causal_attention(&qkv, scale, mask.as_ref())?; // (B, H, T, D)
         let y = mtrain_kernels::merge_heads(&y.unsqueeze(0)?)?; // (B, T, H·D)
         self.c_proj.forward(&y) // (B, T, C)
     }

@@ -17,9 +17,12 @@
 //!   parallel, or a mixture of experts on one device or across an ep group) and the head.
 //! - [`engine`]: forward/backward one segment at a time with hooks and activation checkpointing;
 //!   its `Backward` value says where the tapes replace autograd.
+//! - [`dropout`]: dropout at nanoGPT's sites, its masks keyed by the global place of each
+//!   element ([`Draw`]), so every layout and every recompute draws them alike.
 //! - [`optim`]: AdamW (state by name), the learning-rate schedule, clipping.
 
 pub mod config;
+pub mod dropout;
 pub mod engine;
 pub mod explicit;
 pub mod gpt;
@@ -31,6 +34,7 @@ pub mod param;
 pub mod tape;
 
 pub use config::{ConfigError, GptConfig, MoeConfig};
+pub use dropout::{Draw, StepDraw};
 pub use engine::{Activations, Backward, Engine, HookResult, Hooks, NoHooks};
 pub use gpt::{Block, Embedding, Gpt, Head, Segment, SegmentOut};
 pub use init::init_weights;

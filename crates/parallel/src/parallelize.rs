@@ -183,6 +183,7 @@ pub fn parallelize(
         grads: Grads::new(),
         current: CommStats::default(),
         last: CommStats::default(),
+        dropout: None,
     };
     if plan.precision.is_mixed() {
         pm.attach_masters(fp32_weights)?;

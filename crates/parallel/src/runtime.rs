@@ -58,7 +58,7 @@ use std::collections::BTreeSet;
 use candle_core::{DType, Shape, Tensor};
 use mtrain_comm::{chunk_range, Comm, CommError, Coords, ReduceOp};
 use mtrain_model::optim::AdamW;
-use mtrain_model::{Engine, GptConfig, Grads, Hooks, MoeStats, Param};
+use mtrain_model::{Engine, GptConfig, Grads, Hooks, MoeStats, Param, StepDraw};
 
 use crate::ddp::DpError;
 use crate::expert_parallel::{self, EpError};
@@ -147,6 +147,8 @@ pub struct ParallelModel {
     pub(crate) grads: Grads,
     pub(crate) current: CommStats,
     pub(crate) last: CommStats,
+    /// The dropout of the next micro-steps ([`ParallelModel::set_dropout`]).
+    pub(crate) dropout: Option<StepDraw>,
 }
 
 /// Stage hooks that also call an observer before the first backward.
@@ -182,6 +184,12 @@ impl ParallelModel {
         &self.params
     }
 
+    /// The dropout of the following micro-steps (the loop sets it before each; None: none).
+    /// This rank's rows of the global batch are rows `dp_rank · B_local ..` of `dp · B_local`.
+    pub fn set_dropout(&mut self, draw: Option<StepDraw>) {
+        self.dropout = draw;
+    }
+
     /// One micro-step on this rank's data-parallel slice (B_local, T); all tp/pp ranks of one dp
     /// index pass the same batch. Gradients accumulate; `sync` marks the last micro-step, after
     /// which the gradients are reduced and complete. `loss_scale` multiplies the gradients (1/K
@@ -208,6 +216,11 @@ impl ParallelModel {
         before_backward: &mut dyn FnMut(),
     ) -> Result<StepOut> {
         let t = std::time::Instant::now();
+        let rows = idx.dim(0)?;
+        let draw = self
+            .dropout
+            .map(|d| d.rows(self.dp.rank() * rows, self.dp.size() * rows));
+        self.executor.set_dropout(draw);
         let ctx = SyncCtx {
             plan: &self.plan,
             dp: &self.dp,

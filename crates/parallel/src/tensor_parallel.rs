@@ -283,7 +283,8 @@ pub fn build(
         let h = format!("h.{i}");
         let c_attn = b.column(&format!("{h}.attn.c_attn"), input, tp)?;
         let c_proj = b.row(&format!("{h}.attn.c_proj"), output, tp)?;
-        let attn = CausalSelfAttention::new(c_attn, c_proj, heads, cfg.head_dim());
+        let attn = CausalSelfAttention::new(c_attn, c_proj, heads, cfg.head_dim())
+            .sharded_heads(tp.rank() * heads, cfg.n_head); // this rank's heads of the layer's
         let mlp = Mlp::new(
             b.column(&format!("{h}.mlp.c_fc"), input, tp)?,
             b.row(&format!("{h}.mlp.c_proj"), output, tp)?,

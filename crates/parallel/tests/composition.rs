@@ -8,6 +8,9 @@
 //! - `reshard_*`: the full weights and AdamW state saved under one layout, loaded under another,
 //!   give the next step's loss and norm of the uninterrupted single-device run.
 //! - `validate_*`: impossible layouts are refused with the arithmetic shown.
+//! - `dropout_*`: the same comparison with dropout 0.1 at every site, same tolerances: each
+//!   layout draws, for every element, the mask one device draws (its rows of the global batch,
+//!   its heads, its positions, its stages, its recompute).
 
 mod common;
 
@@ -18,7 +21,7 @@ use candle_core::{Device, Tensor};
 use mtrain_comm::cpu::run_local;
 use mtrain_comm::{Backend, DeviceMesh, StagedBackend};
 use mtrain_model::optim::{clip_coef, AdamW, AdamWConfig, AdamWState};
-use mtrain_model::{init_weights, Backward, Engine, Gpt, GptConfig, Grads, NoHooks};
+use mtrain_model::{init_weights, Backward, Engine, Gpt, GptConfig, Grads, NoHooks, StepDraw};
 use mtrain_parallel::ddp::DdpConfig;
 use mtrain_parallel::fsdp::ZeroStage;
 use mtrain_parallel::holdings::Holdings;
@@ -36,6 +39,18 @@ const LR: f64 = 3e-3;
 /// Low enough that clipping is active, so the global norm must be right.
 const MAX_NORM: f64 = 0.5;
 const SEED: u64 = 7;
+/// The drop probability of the `dropout_*` tests.
+const DROPOUT: f64 = 0.1;
+
+/// Step `s`'s dropout at probability `p` (None at 0).
+fn draw(p: f64, s: usize) -> Option<StepDraw> {
+    (p > 0.0).then_some(StepDraw {
+        p,
+        seed: SEED,
+        step: s as u64,
+        micro: 0,
+    })
+}
 
 fn cfg() -> GptConfig {
     tiny_gpt(4, 4, 32)
@@ -99,6 +114,18 @@ fn one_device_on(
     groups: usize,
     backward: Backward,
 ) -> (Trace, AdamWState) {
+    one_device_dropout(dev, cfg, steps, groups, backward, 0.0)
+}
+
+/// [`one_device_on`] with dropout `p`: slice g of the global batch is rows `g·B/groups ..`.
+fn one_device_dropout(
+    dev: &Device,
+    cfg: &GptConfig,
+    steps: usize,
+    groups: usize,
+    backward: Backward,
+    p: f64,
+) -> (Trace, AdamWState) {
     let weights = init_weights(cfg, SEED).expect("init");
     let gpt = Gpt::new(cfg.clone(), &weights, dev).expect("gpt");
     let params = gpt.params();
@@ -120,6 +147,7 @@ fn one_device_on(
                 idx.narrow(0, g * b, b).expect("i"),
                 tgt.narrow(0, g * b, b).expect("y"),
             );
+            let engine = engine.with_dropout(draw(p, s).map(|d| d.rows(g * b, BATCH)));
             let (l, _) = engine
                 .forward_backward(
                     &gpt.segments,
@@ -180,6 +208,19 @@ fn run_plan_on(
     steps: usize,
     resume: Option<&(BTreeMap<String, Tensor>, AdamWState)>,
 ) -> Vec<(Trace, AdamWState)> {
+    run_plan_dropout(dev, cfg, plan, first, steps, resume, 0.0)
+}
+
+/// [`run_plan_on`] with dropout `p`.
+fn run_plan_dropout(
+    dev: &Device,
+    cfg: &GptConfig,
+    plan: &ParallelPlan,
+    first: usize,
+    steps: usize,
+    resume: Option<&(BTreeMap<String, Tensor>, AdamWState)>,
+    p: f64,
+) -> Vec<(Trace, AdamWState)> {
     let world = plan.dims.world_size();
     let plan = &plan.validate(cfg, world, BATCH).expect("plan validates");
     run_local(world, Duration::from_secs(120), |backend| {
@@ -214,6 +255,7 @@ fn run_plan_on(
                 idx.narrow(0, dp_idx * b, b).expect("i"),
                 tgt.narrow(0, dp_idx * b, b).expect("y"),
             );
+            model.set_dropout(draw(p, s));
             let out = model
                 .forward_backward(&i, &y, 1.0, true)
                 .expect("forward_backward");
@@ -237,8 +279,30 @@ fn check_equals_one_device(cfg: &GptConfig, plan: &ParallelPlan, groups: usize) 
 
 /// [`check_equals_one_device`] with both runs on `dev`.
 fn check_equals_one_device_on(dev: &Device, cfg: &GptConfig, plan: &ParallelPlan, groups: usize) {
-    let (want, _) = one_device_on(dev, cfg, STEPS, groups, plan.backward);
-    let ranks = run_plan_on(dev, cfg, plan, 0, STEPS, None);
+    check_dropout_equals_one_device(dev, cfg, plan, groups, 0.0)
+}
+
+/// [`check_equals_one_device_on`] with dropout `p` in both runs.
+fn check_dropout_equals_one_device(
+    dev: &Device,
+    cfg: &GptConfig,
+    plan: &ParallelPlan,
+    groups: usize,
+    p: f64,
+) {
+    let (want, _) = one_device_dropout(dev, cfg, STEPS, groups, plan.backward, p);
+    if p > 0.0 {
+        // The masks are in both runs, not in neither: every gradient of the first step moved.
+        let (plain, _) = one_device_dropout(dev, cfg, 1, groups, plan.backward, 0.0);
+        for (name, g) in &plain.grads[0] {
+            let d = rel(&want.grads[0][name], g);
+            assert!(
+                d > 1e-3,
+                "dropout {p} changed the gradient of {name} by only {d:.1e}"
+            );
+        }
+    }
+    let ranks = run_plan_dropout(dev, cfg, plan, 0, STEPS, None, p);
     let (mut worst_loss, mut worst_grad, mut worst_norm) = (0f64, 0f64, 0f64);
     for (r, (got, _)) in ranks.iter().enumerate() {
         for s in 0..STEPS {
@@ -362,6 +426,54 @@ fn layouts_on_the_tapes_on_cuda_equal_one_device() {
     };
     check_equals_one_device_on(&dev, &cfg(), &tapes(sp_zero2), 1);
     check_equals_one_device_on(&dev, &moe_cfg(), &tapes(plan(2, 1, 1, 2)), 2);
+}
+
+/// tp × pp × dp with dropout: TP ranks' heads, pipeline micro-batches' and dp ranks' rows,
+/// the vocab-parallel embedding.
+#[test]
+fn dropout_tp2_pp2_dp2_equals_one_device() {
+    check_dropout_equals_one_device(&Device::Cpu, &cfg(), &plan(2, 2, 2, 1), 1, DROPOUT);
+}
+
+/// Dropout under ZeRO-3, pp and activation checkpointing: the recompute draws the same masks.
+#[test]
+fn dropout_pp2_dp2_zero3_checkpointing_equals_one_device() {
+    let p = ParallelPlan {
+        data: zero(ZeroStage::Three),
+        checkpointing: true,
+        ..plan(2, 2, 1, 1)
+    };
+    check_dropout_equals_one_device(&Device::Cpu, &cfg(), &p, 1, DROPOUT);
+}
+
+/// Dropout with sequence parallelism (each rank's positions of the residual branches and of the
+/// embedding) and ZeRO-2.
+#[test]
+fn dropout_tp2_sp_dp2_zero2_equals_one_device() {
+    let p = ParallelPlan {
+        data: zero(ZeroStage::Two),
+        sequence_parallel: true,
+        ..plan(2, 1, 2, 1)
+    };
+    check_dropout_equals_one_device(&Device::Cpu, &cfg(), &p, 1, DROPOUT);
+}
+
+/// Dropout under expert parallelism (the MoE block's feed-forward branch dropped like the MLP's).
+#[test]
+fn dropout_dp2_ep2_moe_equals_one_device() {
+    check_dropout_equals_one_device(&Device::Cpu, &moe_cfg(), &plan(2, 1, 1, 2), 2, DROPOUT);
+}
+
+/// Dropout on autograd's path (the recorded masks) with tp × sp × interleaved pp.
+#[test]
+fn dropout_pp2_tp2_sp_interleaved_autograd_equals_one_device() {
+    let p = ParallelPlan {
+        sequence_parallel: true,
+        schedule: ScheduleKind::Interleaved1F1B { virtual_stages: 2 },
+        backward: Backward::Autograd,
+        ..plan(1, 2, 2, 1)
+    };
+    check_dropout_equals_one_device(&Device::Cpu, &cfg(), &p, 1, DROPOUT);
 }
 
 /// DDP on one stage: the dp average runs inside the last backward in DDP's buckets

@@ -155,6 +155,9 @@ pub struct TrainConfig {
     pub model: ModelSpec,
     /// Seed of the weight initialisation and of the data draws.
     pub seed: u64,
+    /// Dropout probability of the model's dropout sites during training (nanoGPT's `dropout`,
+    /// written `model.dropout`; [`mtrain_model::dropout`]); 0 turns it off.
+    pub dropout: f64,
     /// How training batches are drawn: `random` (each row at a uniform offset of the split,
     /// nanoGPT's get_batch) or `epochs` (non-overlapping windows, shuffled every epoch); see
     /// [`crate::data::sampling`].
@@ -251,6 +254,7 @@ impl Default for TrainConfig {
         Self {
             model: ModelSpec::Preset("tiny".into()),
             seed: 1337,
+            dropout: 0.0,
             sampling: Sampling::Random,
             batch_size: 16,
             seq_len: 64,
@@ -343,6 +347,12 @@ impl TrainConfig {
             if v == 0 {
                 return bad(format!("{name} must be at least 1, got 0"));
             }
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return bad(format!(
+                "dropout {} must be a probability in [0, 1)",
+                self.dropout
+            ));
         }
         if self.seq_len > model.block_size {
             return bad(format!(
@@ -501,6 +511,7 @@ mod tests {
             (c.eval_every, c.eval_iters, c.sampling),
             (250, 200, Sampling::Random)
         );
+        assert_eq!(c.dropout, 0.2);
     }
 
     /// Every shipped configs/*.toml parses, and its [model] table equals the preset of that name.

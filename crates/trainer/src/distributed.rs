@@ -305,6 +305,7 @@ impl TrainableModel for Distributed {
         }
         let (t_start, wall_start) = (self.timeline.now_us(), std::time::SystemTime::now());
         let sync = micro.is_last();
+        self.pm.set_dropout(micro.dropout);
         // The pipeline interleaves forwards and backwards: "after forward" is read
         // right before this rank's first backward, where its activations peak.
         let mut before_backward = || mark(Phase::AfterForward);

@@ -434,6 +434,19 @@ struct StepDone {
     phase_ms: Option<PhaseTimes>,
 }
 
+/// The dropout of micro-step `index` of `step` (None without dropout). Its key is the seed with
+/// a constant mixed in, so the masks' counters never meet the batch sampler's under one key.
+fn dropout_draw(cfg: &TrainConfig, step: u64, index: usize) -> Option<mtrain_model::StepDraw> {
+    /// "dropout" in ASCII.
+    const DROPOUT_KEY: u64 = 0x0064_726f_706f_7574;
+    (cfg.dropout > 0.0).then_some(mtrain_model::StepDraw {
+        p: cfg.dropout,
+        seed: cfg.seed ^ DROPOUT_KEY,
+        step,
+        micro: index as u32,
+    })
+}
+
 /// The step itself: `grad_accum` micro-steps of forward and backward on the loader's next
 /// batches (the loop's count, [`MicroStep`]), the global gradient norm, AdamW at `lr` with the
 /// clip coefficient. The tracker marks each phase under `mem_report`; the phase timer times
@@ -474,6 +487,7 @@ fn train_step(
         let micro = MicroStep {
             index,
             of: cfg.grad_accum,
+            dropout: dropout_draw(cfg, step, index),
         };
         loss += model.forward_backward(&x, &y, micro, &mut mark)? / cfg.grad_accum as f64;
         if let Some(e) = lap_err {

@@ -14,10 +14,12 @@ use crate::memory::{step_memory, ActivationLayout, ModelStateLayout, Phase, Step
 /// Which of an optimizer step's micro-steps a forward/backward is: `index` of `of`, the
 /// loop's gradient accumulation. The loop is its only owner; the model reads it (the first
 /// opens the step, the last syncs the gradients) and keeps no count of its own.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MicroStep {
     pub index: usize,
     pub of: usize,
+    /// The dropout masks' step and micro-step (None: no dropout).
+    pub dropout: Option<mtrain_model::StepDraw>,
 }
 
 impl MicroStep {

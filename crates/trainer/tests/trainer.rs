@@ -124,6 +124,17 @@ fn tiny_learns_the_builtin_corpus_and_samples() {
 /// evaluated (the batches at random offsets continue from the checkpoint's data position).
 #[test]
 fn resume_reproduces_the_uninterrupted_loss_series() {
+    check_resume(0.0);
+}
+
+/// The same with dropout 0.1: the masks are keyed by the step, so the resumed run draws the
+/// uninterrupted run's masks, bit for bit.
+#[test]
+fn resume_with_dropout_reproduces_the_uninterrupted_loss_series() {
+    check_resume(0.1);
+}
+
+fn check_resume(dropout: f64) {
     let _serial = serial();
     let a = tempfile::tempdir().unwrap();
     let b = tempfile::tempdir().unwrap();
@@ -132,6 +143,7 @@ fn resume_reproduces_the_uninterrupted_loss_series() {
         grad_accum: 2,
         eval_every: 4,
         eval_iters: 2,
+        dropout,
         ..short(a.path(), 12)
     });
     let ckpt6 = a.path().join(checkpoint::step_dir_name(6));
@@ -140,9 +152,21 @@ fn resume_reproduces_the_uninterrupted_loss_series() {
         grad_accum: 2,
         eval_every: 4,
         eval_iters: 2,
+        dropout,
         resume: Some(ckpt6),
         ..short(b.path(), 12)
     });
+    if dropout > 0.0 {
+        let plain = tempfile::tempdir().unwrap();
+        let without = run(&TrainConfig {
+            grad_accum: 2,
+            ..short(plain.path(), 12)
+        });
+        assert_ne!(
+            without.losses, full.losses,
+            "dropout {dropout} changed nothing"
+        );
+    }
     assert_eq!(resumed.start_step, 6);
     assert_eq!(
         resumed.losses,

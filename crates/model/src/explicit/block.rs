@@ -1,5 +1,14 @@
 //! The block tape: attention, then the feed-forward half — the MLP (the module picture of
 //! [`super`]), or a mixture of experts ([`super::moe`]) — each with its residual.
+//!
+//! Under a dropout draw ([`BlockDropout`]) the three sites of [`crate::dropout`] are in it, and
+//! their rule is said here once for every block tape (dense, tensor-parallel, sequence-parallel):
+//!
+//! ```text
+//!   forward:  y = attention(qkv; M_P)        x1 = x + M_a ∘ c_proj(ym)      out = x1 + M_m ∘ ffn(h2)
+//!   backward: dffn = M_m ∘ dout              dc_proj = M_a ∘ dx1            attention'(·; M_P)
+//!             (the residuals take dout and dx1 unmasked; every M drawn again, none kept)
+//! ```
 
 use std::sync::Arc;
 
@@ -8,9 +17,11 @@ use mtrain_kernels::attention;
 
 use super::moe::{MoeTape, MoeWeights};
 use super::{across, bwd, err, fwd, Dense, MlpKept, MlpWeights, Norm, Stats};
+use crate::dropout::{self, BlockMasks, Draw};
 use crate::layers::{CausalSelfAttention, FeedForward, LayerNorm};
 use crate::moe::MoeStats;
 use crate::tape::{Collective, Tape, TapeGrads};
+use mtrain_kernels::dropout::Mask;
 
 /// The weights of a block's attention half and its second LayerNorm, when every layer has a
 /// hand-written backward here, and the collective that enters both sub-layers' column layers
@@ -60,6 +71,15 @@ impl BlockWeights {
     }
 }
 
+/// A block's dropout under a training draw: the draw, the block's layer index, and under
+/// sequence parallelism the first position of this rank's rows for a sequence of T (None: all
+/// positions).
+pub struct BlockDropout<'a> {
+    pub draw: &'a Draw,
+    pub layer: usize,
+    pub positions: Option<&'a (dyn Fn(usize) -> usize + Sync)>,
+}
+
 /// What the feed-forward half kept: the MLP's tensors (`h` is `h2` after the entering
 /// collective), or the mixture of experts' tape.
 enum FfnKept {
@@ -85,6 +105,9 @@ struct BlockTape {
     s2: Stats,
     ffn: FfnKept,
     out: Tensor,
+    /// The masks of the probabilities and of the two residual branches (keys, not values).
+    probs: Option<Mask>,
+    masks: BlockMasks,
 }
 
 /// The graph-free forward of the block `x + attn(ln_1(x))`, then `+ ffn(ln_2(·))`, with its
@@ -99,7 +122,7 @@ pub fn block_tape(
     ffn: &dyn FeedForward,
     x: &Tensor,
 ) -> Result<Option<Box<dyn Tape>>> {
-    sharded_block_tape(ln_1, attn, ln_2, ffn, x, None)
+    sharded_block_tape(ln_1, attn, ln_2, ffn, x, None, None)
 }
 
 /// [`block_tape`] for a block whose layers may be sharded: the collectives of its linears
@@ -121,6 +144,7 @@ pub fn sharded_block_tape(
     ffn: &dyn FeedForward,
     x: &Tensor,
     enter: Option<Arc<dyn Collective>>,
+    dropout_at: Option<&BlockDropout>,
 ) -> Result<Option<Box<dyn Tape>>> {
     let Some((wts, ffn)) = BlockWeights::of(ln_1, attn, ln_2, ffn, x, enter) else {
         return Ok(None);
@@ -138,18 +162,40 @@ pub fn sharded_block_tape(
     let qkv = qkv.reshape((b, n / b, 3 * h * d))?; // (B, T, 3HD)
     let qkv = mtrain_kernels::split_heads(&qkv, 3, h)?; // (3, B, H, T, D)
     let scale = 1.0 / (d as f64).sqrt();
-    let (y, lse) = attention::forward(&qkv, scale)?; // (B, H, T, D)
+    let draw = dropout_at.map(|o| o.draw);
+    let layer = dropout_at.map_or(0, |o| o.layer);
+    let t_all = n / b; // the whole sequence, which attention sees
+    let probs = attn.probs_mask(draw, layer, t_all)?;
+    let first = dropout_at.and_then(|o| o.positions).map_or(0, |f| f(t_all));
+    let masks = BlockMasks::new(draw, layer, (first, t_all), c)?;
+    let (y, lse) = attention::forward(&qkv, scale, probs.as_ref())?; // (B, H, T, D)
     let ym = mtrain_kernels::merge_heads(&y.unsqueeze(0)?)?.reshape((n, h * d))?; // (N, HD)
-    let (ym, x1) = wts.c_proj.forward_residual(&x, &ym, b)?; // (N_r, C) = x + attention
+    let (ym, x1) = match &masks.attn {
+        None => wts.c_proj.forward_residual(&x, &ym, b)?, // (N_r, C) = x + attention
+        Some(m) => {
+            let (ym, a) = wts.c_proj.forward(&ym, b)?; // (N_r, C)
+            (ym, (&x + dropout::rows(&a, b, m)?)?) // (N_r, C) = x + M_a ∘ attention
+        }
+    };
     let (h2, s2) = wts.ln_2.forward(&x1)?; // (N_r, C)
     let (out, ffn) = match ffn {
         Ffn::Mlp(mlp) => {
             let h2 = across(&wts.enter, &h2, b, fwd)?; // (N, C)
-            let (out, kept) = mlp.forward(&h2, Some(&x1), b)?; // (N_r, C) = x1 + MLP
+            let (out, kept) = match &masks.mlp {
+                None => mlp.forward(&h2, Some(&x1), b)?, // (N_r, C) = x1 + MLP
+                Some(mk) => {
+                    let (m, kept) = mlp.forward(&h2, None, b)?; // (N_r, C)
+                    ((&x1 + dropout::rows(&m, b, mk)?)?, kept) // (N_r, C) = x1 + M_m ∘ MLP
+                }
+            };
             (out, FfnKept::Mlp(mlp, kept))
         }
         Ffn::Moe(moe) => {
             let (m, tape) = moe.forward(&h2)?; // (N, C)
+            let m = match &masks.mlp {
+                Some(mk) => dropout::rows(&m, b, mk)?,
+                None => m,
+            };
             ((&x1 + m)?, FfnKept::Moe(Box::new(tape))) // (N, C) = x1 + experts
         }
     };
@@ -168,6 +214,8 @@ pub fn sharded_block_tape(
         s2,
         ffn,
         out,
+        probs,
+        masks,
     })))
 }
 
@@ -205,6 +253,8 @@ impl Tape for BlockTape {
             s2,
             ffn,
             out,
+            probs,
+            masks,
         } = *self;
         let dout = grad_out
             .ok_or_else(|| err("block backward: the block's output is not a loss".into()))?;
@@ -221,26 +271,36 @@ impl Tape for BlockTape {
             .to_dtype(x.dtype())?
             .reshape((b * t, c))?
             .contiguous()?; // (N_r, C)
-                            // Feed-forward branch.
+                            // Feed-forward branch: its output was M_m ∘ ffn, so its gradient is M_m ∘ dout.
+        let dffn = match &masks.mlp {
+            Some(m) => dropout::rows(&dout, b, m)?,
+            None => dout.clone(),
+        };
         let dh2 = match ffn {
             FfnKept::Mlp(mlp, kept) => {
-                let dh2 = mlp.backward(kept, &dout, b, &mut grads)?; // (N, C)
+                let dh2 = mlp.backward(kept, &dffn, b, &mut grads)?; // (N, C)
                 across(&wts.enter, &dh2, b, bwd)? // (N_r, C)
             }
-            FfnKept::Moe(moe) => moe.backward(&dout, loss_scale, &mut grads)?, // (N, C)
+            FfnKept::Moe(moe) => moe.backward(&dffn, loss_scale, &mut grads)?, // (N, C)
         };
+        drop(dffn);
         let dx1 = wts
             .ln_2
             .backward_residual(&x1, &s2, &dh2, &dout, &mut grads)?; // (N_r, C)
         drop((x1, dh2, dout));
-        // Attention branch.
-        let dym = wts.c_proj.backward(&ym, &dx1, b, &mut grads)?; // (N, HD)
+        // Attention branch: M_a ∘ dx1 into c_proj.
+        let da = match &masks.attn {
+            Some(m) => dropout::rows(&dx1, b, m)?,
+            None => dx1.clone(),
+        };
+        let dym = wts.c_proj.backward(&ym, &da, b, &mut grads)?; // (N, HD)
+        drop(da);
         drop(ym);
         let (n, hd) = dym.dims2()?;
         let dy = mtrain_kernels::split_heads(&dym.reshape((b, n / b, hd))?, 1, wts.n_head)?
             .squeeze(0)?; // (B, H, T, D)
         let scale = 1.0 / (wts.head_dim as f64).sqrt();
-        let dqkv = attention::backward(&qkv, &y, &dy, &lse, scale)?; // (3, B, H, T, D)
+        let dqkv = attention::backward(&qkv, &y, &dy, &lse, scale, probs.as_ref())?; // (3, B, H, T, D)
         drop((qkv, y, dy, lse));
         let dqkv = mtrain_kernels::merge_heads(&dqkv)?.reshape((n, 3 * hd))?; // (N, 3HD)
         let dh1 = wts.c_attn.backward(&h1, &dqkv, b, &mut grads)?; // (N, C)

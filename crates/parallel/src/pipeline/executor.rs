@@ -52,7 +52,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use candle_core::{DType, Shape, Tensor};
 use mtrain_comm::{chunk_range, Communicator, Work};
-use mtrain_model::{Activations, Engine, Grads, Hooks, MoeStats, NoHooks};
+use mtrain_model::{Activations, Draw, Engine, Grads, Hooks, MoeStats, NoHooks};
 
 use super::schedule::{Action, Schedule};
 use super::stage::PipelineStages;
@@ -285,6 +285,18 @@ impl PipelineExecutor {
         &self.schedule
     }
 
+    /// The dropout of the next steps' passes: `draw` for the rank's whole batch, each
+    /// micro-batch's rows offset within it (None: no dropout).
+    pub fn set_dropout(&mut self, draw: Option<Draw>) {
+        self.engine = self.engine.with_dropout(draw);
+    }
+
+    /// The engine of micro-batch `mb` of `b` rows: the step's dropout at that micro-batch's rows.
+    fn engine_of(&self, mb: usize, b: usize) -> Engine {
+        let draw = self.engine.dropout.map(|d| d.at_rows(mb * b));
+        self.engine.with_dropout(draw)
+    }
+
     /// One training step on this pipeline rank: run its actions over the batch `idx` / `targets`
     /// (both (B, T); every pipeline rank passes the same batch: the first stage reads `idx`, the
     /// last `targets`), add this rank's parameter gradients to `grads`, sum the tied gradients
@@ -418,8 +430,12 @@ impl PipelineExecutor {
                     let acts = links
                         .timeline
                         .time(SpanKind::Forward, Some(mb), chunk, || {
-                            self.engine
-                                .forward(&stage.segments, &x, tgt, hooks.hooks(chunk, false))
+                            self.engine_of(mb, b).forward(
+                                &stage.segments,
+                                &x,
+                                tgt,
+                                hooks.hooks(chunk, false),
+                            )
                         })?;
                     aux_sum += acts.aux_loss;
                     add_stats(&mut moe_stats[chunk], &acts.stats);
@@ -461,7 +477,7 @@ impl PipelineExecutor {
                         links
                             .timeline
                             .time(SpanKind::Backward, Some(mb), chunk, || {
-                                self.engine.backward(
+                                self.engine_of(mb, b).backward(
                                     &stage.segments,
                                     acts,
                                     grad_out.as_ref(),

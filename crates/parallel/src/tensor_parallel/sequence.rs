@@ -18,12 +18,16 @@
 //! the row layers `leave` ([`super::RowOutput::ReduceScatterSequence`]).
 //!
 //! Its hand-written backward is the dense block's ([`sharded_block_tape`]) with the all-gather
-//! entering each sub-layer and the row layers' reduce-scatter, each conjugate in its place.
+//! entering each sub-layer and the row layers' reduce-scatter, each conjugate in its place; so
+//! is its dropout, the dense block's sites with this rank's positions of the residual branches
+//! ([`BlockDropout::positions`]).
 
 use candle_core::{Result, Tensor};
-use mtrain_comm::Comm;
-use mtrain_model::explicit::sharded_block_tape;
+use mtrain_comm::{chunk_range, Comm};
+use mtrain_model::dropout::BlockMasks;
+use mtrain_model::explicit::{sharded_block_tape, BlockDropout};
 use mtrain_model::tape::Tape;
+use mtrain_model::Draw;
 use mtrain_model::{CausalSelfAttention, FeedForward, LayerNorm, Mlp, Param, Segment, SegmentOut};
 
 use super::BlockMappings;
@@ -37,6 +41,8 @@ pub struct SequenceParallelBlock {
     pub ln_2: LayerNorm,
     pub mlp: Mlp,
     pub group: Comm,
+    /// The block's index in the model (its dropout masks' layer).
+    pub layer: usize,
 }
 
 impl SequenceParallelBlock {
@@ -48,8 +54,10 @@ impl SequenceParallelBlock {
         mlp: Mlp,
         group: Comm,
     ) -> Self {
+        let name = name.into();
         Self {
-            name: name.into(),
+            layer: mtrain_model::gpt::layer_of(&name),
+            name,
             ln_1,
             attn,
             ln_2,
@@ -68,12 +76,34 @@ impl Segment for SequenceParallelBlock {
     }
 
     fn forward(&self, x: &Tensor, _targets: Option<&Tensor>) -> Result<SegmentOut> {
-        // x: (B, T/tp, C)
-        let h = ENTER.apply(&self.ln_1.forward(x)?, &self.group)?; // (B, T, C)
-        let x = (x + self.attn.forward(&h)?)?; // (B, T/tp, C): c_proj reduce-scatters
-        let h = ENTER.apply(&self.ln_2.forward(&x)?, &self.group)?; // (B, T, C)
-        let out = (x + self.mlp.forward(&h)?.out)?; // (B, T/tp, C)
-        Ok(SegmentOut::plain(out))
+        self.run(x, None)
+    }
+
+    fn forward_drawn(&self, x: &Tensor, _t: Option<&Tensor>, draw: &Draw) -> Result<SegmentOut> {
+        self.run(x, Some(draw))
+    }
+
+    fn forward_taped_drawn(
+        &self,
+        x: &Tensor,
+        _targets: Option<&Tensor>,
+        draw: &Draw,
+    ) -> Result<Option<Box<dyn Tape>>> {
+        let first = |t: usize| self.positions(t).start;
+        let dropout = BlockDropout {
+            draw,
+            layer: self.layer,
+            positions: Some(&first),
+        };
+        sharded_block_tape(
+            &self.ln_1,
+            &self.attn,
+            &self.ln_2,
+            &self.mlp,
+            x,
+            Some(ENTER.over(&self.group)),
+            Some(&dropout),
+        )
     }
 
     fn params(&self) -> Vec<Param> {
@@ -98,6 +128,27 @@ impl Segment for SequenceParallelBlock {
             &self.mlp,
             x,
             Some(ENTER.over(&self.group)),
+            None,
         )
+    }
+}
+
+impl SequenceParallelBlock {
+    /// This rank's positions of a sequence of `t`.
+    fn positions(&self, t: usize) -> std::ops::Range<usize> {
+        chunk_range(t, self.group.size(), self.group.rank())
+    }
+
+    /// The block's forward, its dropout sites applied under `draw`.
+    fn run(&self, x: &Tensor, draw: Option<&Draw>) -> Result<SegmentOut> {
+        // x: (B, T/tp, C)
+        let h = ENTER.apply(&self.ln_1.forward(x)?, &self.group)?; // (B, T, C)
+        let (t, c) = (h.dim(1)?, h.dim(2)?);
+        let masks = BlockMasks::new(draw, self.layer, (self.positions(t).start, t), c)?;
+        let a = self.attn.forward_drawn(&h, draw, self.layer)?; // (B, T/tp, C): reduce-scattered
+        let x = (x + masks.attn(&a)?)?; // (B, T/tp, C)
+        let h = ENTER.apply(&self.ln_2.forward(&x)?, &self.group)?; // (B, T, C)
+        let out = (x + masks.mlp(&self.mlp.forward(&h)?.out)?)?; // (B, T/tp, C)
+        Ok(SegmentOut::plain(out))
     }
 }

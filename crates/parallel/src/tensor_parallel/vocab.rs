@@ -20,6 +20,9 @@
 //! keeps its tokens) and the head first all-gathers the sequence. Both segments take their
 //! mappings from the tables of [`super::mapping`].
 //!
+//! The embedding's dropout is the dense embedding's (its output dropped at this rank's
+//! positions, [`mtrain_model::dropout::Dropped`]).
+//!
 //! Both segments also have a hand-written backward (a [`Tape`]): the same collectives in the
 //! same order, the loss's gradient `(e^(z_r − m)/S − onehot_r)·s/N` written out instead of
 //! recorded, and the LayerNorm and position-table rules of [`mtrain_model::explicit`].
@@ -32,10 +35,12 @@ use std::sync::Arc;
 use candle_core::{DType, Result, Tensor, D};
 use mtrain_comm::{chunk_range, Comm, ReduceOp};
 use mtrain_kernels::embedding;
+use mtrain_model::dropout::{self, embedding_mask, Dropped};
 use mtrain_model::explicit::{position_grad, taped_dtype, Norm, Stats};
+
 use mtrain_model::layers::linear;
 use mtrain_model::tape::{Collective, Tape, TapeGrads};
-use mtrain_model::{LayerNorm, Param, Segment, SegmentOut};
+use mtrain_model::{Draw, LayerNorm, Param, Segment, SegmentOut};
 
 use super::{EmbeddingMappings, HeadMappings};
 use crate::ops::{comm_err, gather_from_tp_region, reduce_from_tp_region};
@@ -116,6 +121,47 @@ impl Segment for VocabParallelEmbedding {
     }
 
     fn forward(&self, idx: &Tensor, _targets: Option<&Tensor>) -> Result<SegmentOut> {
+        self.embed(idx, None)
+    }
+
+    fn params(&self) -> Vec<Param> {
+        vec![self.wte.clone(), self.wpe.clone()]
+    }
+
+    fn forward_taped(
+        &self,
+        idx: &Tensor,
+        _targets: Option<&Tensor>,
+    ) -> Result<Option<Box<dyn Tape>>> {
+        embedding_tape(self, idx)
+    }
+
+    fn forward_drawn(&self, idx: &Tensor, _t: Option<&Tensor>, draw: &Draw) -> Result<SegmentOut> {
+        self.embed(idx, Some(draw))
+    }
+
+    fn forward_taped_drawn(
+        &self,
+        idx: &Tensor,
+        _targets: Option<&Tensor>,
+        draw: &Draw,
+    ) -> Result<Option<Box<dyn Tape>>> {
+        let mask = self.mask(Some(draw), idx.dim(1)?)?;
+        embedding_tape(self, idx)?
+            .map(|tape| Dropped::wrap(tape, mask))
+            .transpose()
+    }
+}
+
+impl VocabParallelEmbedding {
+    /// The embedding site's mask of this rank's output for a sequence of `t` under `draw`.
+    fn mask(&self, draw: Option<&Draw>, t: usize) -> Result<Option<mtrain_kernels::dropout::Mask>> {
+        let c = self.wte.tensor().dim(1)?;
+        embedding_mask(draw, (self.positions(t).start, t), c)
+    }
+
+    /// The sum of the ranks' token rows plus wpe, dropped under `draw`.
+    fn embed(&self, idx: &Tensor, draw: Option<&Draw>) -> Result<SegmentOut> {
         let (b, t) = idx.dims2()?;
         let (wte, wpe) = (self.wte.tensor(), self.wpe.tensor());
         if t > wpe.dim(0)? {
@@ -138,19 +184,11 @@ impl Segment for VocabParallelEmbedding {
         let tok = self.mappings().sum.mapping.apply(&tok, &self.group)?; // (B, T, C) or (B, T/tp, C)
         let r = self.positions(t);
         let pos = wpe.narrow(0, r.start, r.len())?; // (T, C) or (T/tp, C)
-        Ok(SegmentOut::plain(tok.broadcast_add(&pos)?))
-    }
-
-    fn params(&self) -> Vec<Param> {
-        vec![self.wte.clone(), self.wpe.clone()]
-    }
-
-    fn forward_taped(
-        &self,
-        idx: &Tensor,
-        _targets: Option<&Tensor>,
-    ) -> Result<Option<Box<dyn Tape>>> {
-        embedding_tape(self, idx)
+        let x = tok.broadcast_add(&pos)?;
+        Ok(SegmentOut::plain(match self.mask(draw, t)? {
+            Some(m) => dropout::recorded(&x, &m)?,
+            None => x,
+        }))
     }
 }
 

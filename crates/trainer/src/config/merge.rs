@@ -120,9 +120,9 @@ fn expand_preset(spec: &ModelSpec) -> Result<toml::Table, String> {
     }
 }
 
-/// `model.dropout`, the key nanoGPT's configs carry: 0 (no dropout, what the model computes) is
-/// accepted and taken out of the table; any other value is refused, since the model has no
-/// dropout layers to apply it.
+/// `model.dropout`, the key nanoGPT's configs carry: a probability in [0, 1), moved out of the
+/// model's table to the run's `dropout` (the model's shape does not depend on it); anything else
+/// is refused with its value.
 fn take_dropout(table: &mut toml::Table, context: &str) -> Result<(), ConfigError> {
     let Some(toml::Value::Table(model)) = table.get_mut("model") else {
         return Ok(());
@@ -140,12 +140,13 @@ fn take_dropout(table: &mut toml::Table, context: &str) -> Result<(), ConfigErro
             })
         }
     };
-    match p == 0.0 {
-        true => Ok(()),
-        false => Err(ConfigError::Invalid(format!(
-            "model.dropout = {p}: the model has no dropout yet, so only 0 is accepted"
-        ))),
+    if !(0.0..1.0).contains(&p) {
+        return Err(ConfigError::Invalid(format!(
+            "model.dropout = {p} must be a probability in [0, 1)"
+        )));
     }
+    table.insert("dropout".into(), toml::Value::Float(p));
+    Ok(())
 }
 
 /// Deserialize the merged table over the defaults.
@@ -210,33 +211,31 @@ mod tests {
         assert!(e.contains("empty key segment"), "{e}");
     }
 
-    /// `model.dropout = 0` is accepted (as a file's key or through `--set`) and changes nothing;
-    /// any other value is refused, naming the key and what is accepted.
+    /// `model.dropout` (as a file's key or through `--set`) becomes the run's `dropout` and
+    /// leaves the model's shape alone; a value outside [0, 1) is refused, naming the key.
     #[test]
-    fn dropout_zero_is_accepted_and_other_values_refused() {
-        for zero in ["model.dropout=0", "model.dropout=0.0"] {
-            let cfg = resolve(&["--set", zero]).unwrap();
+    fn dropout_is_taken_to_the_run_and_bad_values_refused() {
+        for (set, p) in [("model.dropout=0", 0.0), ("model.dropout=0.2", 0.2)] {
+            let cfg = resolve(&["--set", set]).unwrap();
             assert_eq!(
                 cfg.gpt_config().unwrap(),
                 mtrain_model::GptConfig::tiny(),
-                "{zero}"
+                "{set}"
             );
+            assert_eq!(cfg.dropout, p, "{set}");
         }
-        let e = format!(
-            "{:#}",
-            resolve(&["--set", "model.dropout=0.2"]).unwrap_err()
-        );
-        assert!(
-            e.contains("model.dropout = 0.2") && e.contains("only 0 is accepted"),
-            "{e}"
-        );
+        for bad in ["model.dropout=1.0", "model.dropout=-0.1"] {
+            let e = format!("{:#}", resolve(&["--set", bad]).unwrap_err());
+            assert!(e.contains("must be a probability in [0, 1)"), "{e}");
+        }
         let e = format!(
             "{:#}",
             resolve(&["--set", "model.dropout=\"x\""]).unwrap_err()
         );
         assert!(e.contains("model.dropout must be a number"), "{e}");
-        let text = "[model]\nvocab_size = 256\nblock_size = 64\nn_layer = 2\nn_head = 4\nn_embd = 64\ndropout = 0.0\n";
+        let text = "[model]\nvocab_size = 256\nblock_size = 64\nn_layer = 2\nn_head = 4\nn_embd = 64\ndropout = 0.1\n";
         let cfg = crate::config::TrainConfig::from_toml_str(text, "t.toml").unwrap();
         assert_eq!(cfg.gpt_config().unwrap().n_layer, 2);
+        assert_eq!(cfg.dropout, 0.1);
     }
 }
