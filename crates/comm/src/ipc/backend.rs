@@ -27,7 +27,12 @@ pub struct IpcBackend {
 impl IpcBackend {
     /// Join the job described by `env` (the CPU backend's rendezvous) and map the world
     /// group's buffers on `device`.
-    pub fn init(env: &LaunchEnv, device: Device, cpu: CpuOptions, opts: IpcOptions) -> Result<Self> {
+    pub fn init(
+        env: &LaunchEnv,
+        device: Device,
+        cpu: CpuOptions,
+        opts: IpcOptions,
+    ) -> Result<Self> {
         let timeout = cpu.timeout;
         let cpu = CpuBackend::init(env, cpu)?;
         let store = match env.world_size > 1 {

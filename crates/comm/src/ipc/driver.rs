@@ -40,27 +40,38 @@ impl DevBuf {
         ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: `ptr` is a valid out-pointer; the context is current.
-        check(unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)) }, "cuMemAlloc")
-            .map_err(|e| format!("{e} ({bytes} bytes for the IPC backend)"))?;
+        check(
+            unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)) },
+            "cuMemAlloc",
+        )
+        .map_err(|e| format!("{e} ({bytes} bytes for the IPC backend)"))?;
         let buf = Self {
             ptr,
             bytes,
             own: true,
             ctx: ctx.clone(),
         };
-        // SAFETY: `ptr` addresses `bytes` bytes just allocated; synchronous on the null stream.
-        check(unsafe { sys::cuMemsetD8_v2(ptr, 0, bytes.max(1)) }, "cuMemsetD8")?;
+        // SAFETY: `ptr` addresses `bytes` bytes just allocated. The memset may run after the
+        // call returns: the null stream is synchronised so no peer's flag write lands first.
+        unsafe {
+            check(sys::cuMemsetD8_v2(ptr, 0, bytes.max(1)), "cuMemsetD8")?;
+            check(
+                sys::cuStreamSynchronize(std::ptr::null_mut()),
+                "cuStreamSynchronize",
+            )?;
+        }
         Ok(buf)
     }
 
     /// The handle a peer opens this buffer with.
     pub fn handle(&self) -> Result<IpcHandle, String> {
         self.ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
-        let mut h = sys::CUipcMemHandle {
-            reserved: [0; 64],
-        };
+        let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
         // SAFETY: `h` is a valid out-struct; `ptr` is the base of a cuMemAlloc allocation.
-        check(unsafe { sys::cuIpcGetMemHandle(&mut h, self.ptr) }, "cuIpcGetMemHandle")?;
+        check(
+            unsafe { sys::cuIpcGetMemHandle(&mut h, self.ptr) },
+            "cuIpcGetMemHandle",
+        )?;
         Ok(h.reserved.map(|c| c as u8))
     }
 
@@ -163,7 +174,9 @@ pub fn wait_flag(stream: &CudaStream, addr: u64, value: u64) -> Result<(), Strin
 pub fn read_words(side: &CudaStream, addr: u64, words: usize) -> Result<Vec<u64>, String> {
     let mut host = vec![0u64; words];
     // SAFETY: `host` holds `words` u64; `addr` is a flag buffer of at least that size.
-    side.context().bind_to_thread().map_err(|e| format!("{e:?}"))?;
+    side.context()
+        .bind_to_thread()
+        .map_err(|e| format!("{e:?}"))?;
     unsafe {
         check(
             sys::cuMemcpyDtoHAsync_v2(
@@ -183,7 +196,9 @@ pub fn read_words(side: &CudaStream, addr: u64, words: usize) -> Result<Vec<u64>
 /// to release waits on flags that will never come.
 pub fn fill_words(side: &CudaStream, addr: u64, words: usize, value: u64) -> Result<(), String> {
     let host = vec![value; words];
-    side.context().bind_to_thread().map_err(|e| format!("{e:?}"))?;
+    side.context()
+        .bind_to_thread()
+        .map_err(|e| format!("{e:?}"))?;
     // SAFETY: `host` holds `words` u64 and lives until the synchronize below.
     unsafe {
         check(
@@ -192,13 +207,4 @@ pub fn fill_words(side: &CudaStream, addr: u64, words: usize, value: u64) -> Res
         )?;
     }
     side.synchronize().map_err(|e| format!("{e:?}"))
-}
-
-/// Free and total bytes of the current device's memory.
-pub fn mem_info(ctx: &Arc<CudaContext>) -> Result<(usize, usize), String> {
-    ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
-    let (mut free, mut total) = (0usize, 0usize);
-    // SAFETY: valid out-pointers; the context is current.
-    check(unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) }, "cuMemGetInfo")?;
-    Ok((free, total))
 }

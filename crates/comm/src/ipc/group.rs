@@ -121,6 +121,9 @@ pub struct IpcGroup {
     tracer: Tracer,
     /// The same ranks on the host backend: buffer handles and row counts travel through it.
     host: Comm,
+    /// Reductions of dtypes the kernels do not take (f64 loss sums, integer counts): `host`
+    /// staged onto the device.
+    fallback: Comm,
     /// Mailbox handles travel through the store (one sender, one receiver, no group op),
     /// under keys starting with `key` (the group's name, ranks and creation count).
     store: Option<Arc<StoreClient>>,
@@ -204,6 +207,7 @@ impl IpcGroup {
             stream,
             kernels,
             tracer,
+            fallback: crate::staged::staged(host.clone(), device),
             host,
             store,
             key,
@@ -237,7 +241,12 @@ impl IpcGroup {
     }
 
     fn check_poisoned(&self) -> Result<()> {
-        match *self.watch.poisoned.lock().unwrap_or_else(|p| p.into_inner()) {
+        match *self
+            .watch
+            .poisoned
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+        {
             None => Ok(()),
             Some((op, seq, rank, peer)) => Err(CommError::Timeout {
                 op,
@@ -299,7 +308,9 @@ impl IpcGroup {
         st.seq += 1;
         let seq = st.seq;
         let start_us = self.tracer.now_us();
-        self.ctx.bind_to_thread().map_err(|e| self.err(format!("{e:?}")))?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| self.err(format!("{e:?}")))?;
         let ready = self
             .compute
             .record_event(None)
@@ -378,7 +389,12 @@ impl IpcGroup {
     }
 
     /// All-reduce into `out` (a new tensor, or `x` itself for the in-place form).
-    fn all_reduce_into(&self, x: &Tensor, out: Option<Tensor>, op: ReduceOp) -> Result<IpcWork<Tensor>> {
+    fn all_reduce_into(
+        &self,
+        x: &Tensor,
+        out: Option<Tensor>,
+        op: ReduceOp,
+    ) -> Result<IpcWork<Tensor>> {
         let k = OpKind::AllReduce;
         let x = self.input(k, x)?;
         self.reduce_dtype(k, x.dtype())?;
@@ -393,13 +409,25 @@ impl IpcGroup {
         let (n, count, dtype) = (self.size, x.elem_count(), x.dtype());
         let bytes = count * dtype.size_in_bytes();
         let algo = super::protocol::choose_all_reduce(bytes, n, self.opts.one_shot_max);
-        self.issue(k, bytes as u64, (n as u64 - 1) * bytes as u64, None, bufs, out, move |is, a| {
-            let (ax, ao) = (a[0], *a.last().unwrap_or(&a[0]));
-            match algo {
-                super::protocol::AllReduceAlgo::OneShot => is.one_shot(ax, ao, count, dtype, op),
-                super::protocol::AllReduceAlgo::TwoShot => is.two_shot(ax, ao, count, dtype, op),
-            }
-        })
+        self.issue(
+            k,
+            bytes as u64,
+            (n as u64 - 1) * bytes as u64,
+            None,
+            bufs,
+            out,
+            move |is, a| {
+                let (ax, ao) = (a[0], *a.last().unwrap_or(&a[0]));
+                match algo {
+                    super::protocol::AllReduceAlgo::OneShot => {
+                        is.one_shot(ax, ao, count, dtype, op)
+                    }
+                    super::protocol::AllReduceAlgo::TwoShot => {
+                        is.two_shot(ax, ao, count, dtype, op)
+                    }
+                }
+            },
+        )
     }
 }
 
@@ -448,7 +476,10 @@ struct Issue<'a> {
 
 impl Issue<'_> {
     fn data(&self) -> &Shared {
-        self.st.data.as_ref().expect("ensure_data ran before the op")
+        self.st
+            .data
+            .as_ref()
+            .expect("ensure_data ran before the op")
     }
 
     fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
@@ -537,7 +568,14 @@ impl Issue<'_> {
         self.barrier(Phase::Ready)
     }
 
-    fn one_shot(&mut self, ax: u64, ao: u64, count: usize, dtype: DType, op: ReduceOp) -> Result<()> {
+    fn one_shot(
+        &mut self,
+        ax: u64,
+        ao: u64,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
         let bytes = count * dtype.size_in_bytes();
         let layout = super::protocol::DataLayout::new(bytes, 0);
         self.g.ensure_data(self.st, layout.bytes)?;
@@ -550,7 +588,14 @@ impl Issue<'_> {
         self.barrier(Phase::Done)
     }
 
-    fn two_shot(&mut self, ax: u64, ao: u64, count: usize, dtype: DType, op: ReduceOp) -> Result<()> {
+    fn two_shot(
+        &mut self,
+        ax: u64,
+        ao: u64,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
         use super::protocol::{two_shot_chunk, vector_elems, DataLayout};
         let (n, r, es) = (self.g.size, self.g.rank, dtype.size_in_bytes());
         let align = vector_elems(es);
@@ -564,7 +609,16 @@ impl Issue<'_> {
         let own_chunk = self.data().addr[r] + layout.chunk as u64;
         self.g
             .kernels
-            .reduce(&self.g.stream, dtype, src, n, mine.start, own_chunk, mine.len(), op)
+            .reduce(
+                &self.g.stream,
+                dtype,
+                src,
+                n,
+                mine.start,
+                own_chunk,
+                mine.len(),
+                op,
+            )
             .map_err(|e| self.g.err(e))?;
         self.barrier(Phase::Mid)?;
         // All-gather half: chunk q from rank q's chunk area.
@@ -615,7 +669,11 @@ impl<T> IpcWork<T> {
 impl<T: Send> PendingWork<T> for IpcWork<T> {
     fn wait(mut self: Box<Self>) -> Result<T> {
         self.order_compute()?;
-        let poisoned = *self.watch.poisoned.lock().unwrap_or_else(|p| p.into_inner());
+        let poisoned = *self
+            .watch
+            .poisoned
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         if let Some((op, seq, rank, peer)) = poisoned {
             if seq <= self.event.seq {
                 return Err(CommError::Timeout {
@@ -660,9 +718,15 @@ fn spawn_watchdog(
         .spawn(move || {
             while !watch.stop.load(Ordering::Relaxed) {
                 std::thread::sleep(Duration::from_millis(5));
+                // Ops finished within the timeout are done with; an older one (finished or
+                // not: a spinning wait kernel gives up at the timeout) is late if a flag it
+                // waits for is still short.
                 let late = {
                     let mut q = watch.in_flight.lock().unwrap_or_else(|p| p.into_inner());
-                    while q.front().is_some_and(|f| f.done.is_complete()) {
+                    while q
+                        .front()
+                        .is_some_and(|f| f.issued.elapsed() <= timeout && f.done.is_complete())
+                    {
                         q.pop_front();
                     }
                     match q.front() {
@@ -674,11 +738,13 @@ fn spawn_watchdog(
                 };
                 let Some((op, seq, waits)) = late else { continue };
                 let words = driver::read_words(&side, own_flags, FLAG_WORDS).unwrap_or_default();
-                let peer = waits
+                let short = waits
                     .iter()
-                    .find(|(o, _, t)| words.get(o / 8).is_none_or(|v| v < t))
-                    .map(|(_, w, _)| *w)
-                    .unwrap_or(rank);
+                    .find(|(o, _, t)| words.get(o / 8).is_none_or(|v| v < t));
+                let Some(&(_, peer, _)) = short else {
+                    watch.in_flight.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
+                    continue;
+                };
                 tracing::error!(
                     "{op} on IPC group '{name}' (seq {seq}) timed out after {} ms on rank {} waiting for rank {}",
                     timeout.as_millis(),
@@ -702,6 +768,11 @@ impl Drop for IpcGroup {
         let _ = self.stream.synchronize();
         self.watch.stop.store(true, Ordering::Relaxed);
     }
+}
+
+/// Whether the reduction kernels take `dtype` (others reduce through the host group).
+fn reduces(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::BF16)
 }
 
 /// The rows of dim 0 and the elements per row of `x` (a 0-dim tensor is one row).
@@ -743,10 +814,16 @@ impl Communicator for IpcGroup {
     }
 
     fn all_reduce_async(&self, x: &Tensor, op: ReduceOp) -> Work {
+        if !reduces(x.dtype()) {
+            return self.fallback.all_reduce_async(x, op);
+        }
         Self::work(self.all_reduce_into(x, None, op))
     }
 
     fn all_reduce_in_place(&self, x: &Tensor, op: ReduceOp) -> Result<()> {
+        if !reduces(x.dtype()) {
+            return crate::communicator::all_reduce_and_copy_back(&*self.fallback, x, op);
+        }
         check_in_place(&self.name, x)?;
         Work::new(Box::new(self.all_reduce_into(x, Some(x.clone()), op)?))
             .wait()
@@ -754,6 +831,9 @@ impl Communicator for IpcGroup {
     }
 
     fn reduce_async(&self, x: &Tensor, root: usize, op: ReduceOp) -> Work {
+        if !reduces(x.dtype()) {
+            return self.fallback.reduce_async(x, root, op);
+        }
         let k = OpKind::Reduce;
         Self::work((|| {
             self.root_ok(k, root)?;
@@ -770,17 +850,25 @@ impl Communicator for IpcGroup {
                 true => vec![x.clone(), out.clone()],
                 false => vec![x.clone()],
             };
-            self.issue(k, bytes as u64, bytes as u64, Some(root), bufs, out, move |is, a| {
-                is.g.ensure_data(is.st, bytes)?;
-                is.publish(a[0], bytes)?;
-                if is_root {
-                    let src = Peers::of(&is.data().addr);
-                    is.g.kernels
-                        .reduce(&is.g.stream, dtype, src, n, 0, a[1], count, op)
-                        .map_err(|e| is.g.err(e))?;
-                }
-                is.barrier(Phase::Done)
-            })
+            self.issue(
+                k,
+                bytes as u64,
+                bytes as u64,
+                Some(root),
+                bufs,
+                out,
+                move |is, a| {
+                    is.g.ensure_data(is.st, bytes)?;
+                    is.publish(a[0], bytes)?;
+                    if is_root {
+                        let src = Peers::of(&is.data().addr);
+                        is.g.kernels
+                            .reduce(&is.g.stream, dtype, src, n, 0, a[1], count, op)
+                            .map_err(|e| is.g.err(e))?;
+                    }
+                    is.barrier(Phase::Done)
+                },
+            )
         })())
     }
 
@@ -792,17 +880,29 @@ impl Communicator for IpcGroup {
             let bytes = x.elem_count() * x.dtype().size_in_bytes();
             let out = uninit(x.shape(), x.dtype(), &self.device)?;
             let is_root = self.rank == root;
-            let sent = if is_root { (self.size as u64 - 1) * bytes as u64 } else { 0 };
-            self.issue(k, bytes as u64, sent, Some(root), vec![x, out.clone()], out, move |is, a| {
-                is.g.ensure_data(is.st, bytes)?;
-                match is_root {
-                    true => is.publish(a[0], bytes)?,
-                    false => is.barrier(Phase::Ready)?,
-                }
-                let src = is.data().addr[root];
-                is.copy(a[1], src, bytes)?;
-                is.barrier(Phase::Done)
-            })
+            let sent = if is_root {
+                (self.size as u64 - 1) * bytes as u64
+            } else {
+                0
+            };
+            self.issue(
+                k,
+                bytes as u64,
+                sent,
+                Some(root),
+                vec![x, out.clone()],
+                out,
+                move |is, a| {
+                    is.g.ensure_data(is.st, bytes)?;
+                    match is_root {
+                        true => is.publish(a[0], bytes)?,
+                        false => is.barrier(Phase::Ready)?,
+                    }
+                    let src = is.data().addr[root];
+                    is.copy(a[1], src, bytes)?;
+                    is.barrier(Phase::Done)
+                },
+            )
         })())
     }
 
@@ -816,7 +916,10 @@ impl Communicator for IpcGroup {
             if let Some((q, r)) = all.iter().enumerate().find(|(_, r)| r[1] as usize != row) {
                 return Err(self.invalid(
                     k,
-                    format!("rank {q} gathers rows of {} elements, this rank of {row}", r[1]),
+                    format!(
+                        "rank {q} gathers rows of {} elements, this rank of {row}",
+                        r[1]
+                    ),
                 ));
             }
             let counts: Vec<usize> = all.iter().map(|r| r[0] as usize).collect();
@@ -825,21 +928,32 @@ impl Communicator for IpcGroup {
             let bytes = rows * row * es;
             let most = counts.iter().max().copied().unwrap_or(0) * row * es;
             let sent = (self.size as u64 - 1) * bytes as u64;
-            self.issue(k, bytes as u64, sent, None, vec![x, out.clone()], out, move |is, a| {
-                is.g.ensure_data(is.st, most)?;
-                is.publish(a[0], bytes)?;
-                let mut off = 0;
-                for (q, c) in counts.iter().enumerate() {
-                    let len = c * row * es;
-                    is.copy(a[1] + off as u64, is.data().addr[q], len)?;
-                    off += len;
-                }
-                is.barrier(Phase::Done)
-            })
+            self.issue(
+                k,
+                bytes as u64,
+                sent,
+                None,
+                vec![x, out.clone()],
+                out,
+                move |is, a| {
+                    is.g.ensure_data(is.st, most)?;
+                    is.publish(a[0], bytes)?;
+                    let mut off = 0;
+                    for (q, c) in counts.iter().enumerate() {
+                        let len = c * row * es;
+                        is.copy(a[1] + off as u64, is.data().addr[q], len)?;
+                        off += len;
+                    }
+                    is.barrier(Phase::Done)
+                },
+            )
         })())
     }
 
     fn reduce_scatter_async(&self, x: &Tensor, op: ReduceOp) -> Work {
+        if !reduces(x.dtype()) {
+            return self.fallback.reduce_scatter_async(x, op);
+        }
         let k = OpKind::ReduceScatter;
         Self::work((|| {
             let x = self.input(k, x)?;
@@ -850,15 +964,32 @@ impl Communicator for IpcGroup {
             let out = uninit(&with_rows(&x, chunk.len()), dtype, &self.device)?;
             let bytes = rows * row * dtype.size_in_bytes();
             let sent = ((n - 1) * bytes / n) as u64;
-            self.issue(k, bytes as u64, sent, None, vec![x, out.clone()], out, move |is, a| {
-                is.g.ensure_data(is.st, bytes)?;
-                is.publish(a[0], bytes)?;
-                let src = Peers::of(&is.data().addr);
-                is.g.kernels
-                    .reduce(&is.g.stream, dtype, src, n, chunk.start * row, a[1], chunk.len() * row, op)
-                    .map_err(|e| is.g.err(e))?;
-                is.barrier(Phase::Done)
-            })
+            self.issue(
+                k,
+                bytes as u64,
+                sent,
+                None,
+                vec![x, out.clone()],
+                out,
+                move |is, a| {
+                    is.g.ensure_data(is.st, bytes)?;
+                    is.publish(a[0], bytes)?;
+                    let src = Peers::of(&is.data().addr);
+                    is.g.kernels
+                        .reduce(
+                            &is.g.stream,
+                            dtype,
+                            src,
+                            n,
+                            chunk.start * row,
+                            a[1],
+                            chunk.len() * row,
+                            op,
+                        )
+                        .map_err(|e| is.g.err(e))?;
+                    is.barrier(Phase::Done)
+                },
+            )
         })())
     }
 
@@ -876,8 +1007,10 @@ impl Communicator for IpcGroup {
                 }
             }
             let all = self.host_gather(&dims)?;
-            let shape: Vec<usize> =
-                all[root][1..=all[root][0] as usize].iter().map(|d| *d as usize).collect();
+            let shape: Vec<usize> = all[root][1..=all[root][0] as usize]
+                .iter()
+                .map(|d| *d as usize)
+                .collect();
             let x = match is_root {
                 true => self.input(k, x)?,
                 false => x.clone(),
@@ -931,19 +1064,27 @@ impl Communicator for IpcGroup {
                 true => vec![x, out.clone()],
                 false => vec![x],
             };
-            self.issue(k, bytes as u64, bytes as u64, Some(root), bufs, out, move |is, a| {
-                is.g.ensure_data(is.st, most)?;
-                is.publish(a[0], bytes)?;
-                if is_root {
-                    let mut off = 0;
-                    for (q, c) in counts.iter().enumerate() {
-                        let len = c * row * es;
-                        is.copy(a[1] + off as u64, is.data().addr[q], len)?;
-                        off += len;
+            self.issue(
+                k,
+                bytes as u64,
+                bytes as u64,
+                Some(root),
+                bufs,
+                out,
+                move |is, a| {
+                    is.g.ensure_data(is.st, most)?;
+                    is.publish(a[0], bytes)?;
+                    if is_root {
+                        let mut off = 0;
+                        for (q, c) in counts.iter().enumerate() {
+                            let len = c * row * es;
+                            is.copy(a[1] + off as u64, is.data().addr[q], len)?;
+                            off += len;
+                        }
                     }
-                }
-                is.barrier(Phase::Done)
-            })
+                    is.barrier(Phase::Done)
+                },
+            )
         })())
     }
 
@@ -997,19 +1138,27 @@ impl Communicator for IpcGroup {
             let me = self.rank;
             let recv = recv_splits.to_vec();
             let sent = (bytes - send_splits[me] * row * es) as u64;
-            self.issue(k, bytes as u64, sent, None, vec![x, out.clone()], out, move |is, a| {
-                is.g.ensure_data(is.st, most)?;
-                is.publish(a[0], bytes)?;
-                let mut off = 0;
-                for (p, r) in recv.iter().enumerate() {
-                    let splits: Vec<usize> = table[p].iter().map(|s| *s as usize).collect();
-                    let from = super::protocol::all_to_all_offset(&splits, me, row) * es;
-                    let len = r * row * es;
-                    is.copy(a[1] + off as u64, is.data().addr[p] + from as u64, len)?;
-                    off += len;
-                }
-                is.barrier(Phase::Done)
-            })
+            self.issue(
+                k,
+                bytes as u64,
+                sent,
+                None,
+                vec![x, out.clone()],
+                out,
+                move |is, a| {
+                    is.g.ensure_data(is.st, most)?;
+                    is.publish(a[0], bytes)?;
+                    let mut off = 0;
+                    for (p, r) in recv.iter().enumerate() {
+                        let splits: Vec<usize> = table[p].iter().map(|s| *s as usize).collect();
+                        let from = super::protocol::all_to_all_offset(&splits, me, row) * es;
+                        let len = r * row * es;
+                        is.copy(a[1] + off as u64, is.data().addr[p] + from as u64, len)?;
+                        off += len;
+                    }
+                    is.barrier(Phase::Done)
+                },
+            )
         })())
     }
 
@@ -1019,29 +1168,37 @@ impl Communicator for IpcGroup {
             self.peer_ok(k, dst)?;
             let x = self.input(k, x)?;
             let bytes = x.elem_count() * x.dtype().size_in_bytes();
-            self.issue(k, bytes as u64, bytes as u64, Some(dst), vec![x], (), move |is, a| {
-                let g = is.g;
-                let me = g.rank;
-                is.st.sent[dst] += 1;
-                let m = is.st.sent[dst];
-                let (ack, _) = mail_targets(m);
-                let cap = is.st.out_box[dst].as_ref().map_or(0, |b| b.bytes());
-                let grown = grown_capacity(cap, bytes);
-                if grown != cap || is.st.out_box[dst].is_none() {
-                    let b = DevBuf::alloc(&g.ctx, grown).map_err(|e| g.err(e))?;
-                    let h = b.handle().map_err(|e| g.err(e))?;
-                    g.store_of(k)?.set(&g.box_key(me, dst, grown), &h)?;
-                    if let Some(old) = is.st.out_box[dst].replace(b) {
-                        is.st.retired.push(old);
+            self.issue(
+                k,
+                bytes as u64,
+                bytes as u64,
+                Some(dst),
+                vec![x],
+                (),
+                move |is, a| {
+                    let g = is.g;
+                    let me = g.rank;
+                    is.st.sent[dst] += 1;
+                    let m = is.st.sent[dst];
+                    let (ack, _) = mail_targets(m);
+                    let cap = is.st.out_box[dst].as_ref().map_or(0, |b| b.bytes());
+                    let grown = grown_capacity(cap, bytes);
+                    if grown != cap || is.st.out_box[dst].is_none() {
+                        let b = DevBuf::alloc(&g.ctx, grown).map_err(|e| g.err(e))?;
+                        let h = b.handle().map_err(|e| g.err(e))?;
+                        g.store_of(k)?.set(&g.box_key(me, dst, grown), &h)?;
+                        if let Some(old) = is.st.out_box[dst].replace(b) {
+                            is.st.retired.push(old);
+                        }
                     }
-                }
-                // The previous message to dst was copied out: the mailbox may be overwritten.
-                is.wait(&[(mail_flag(Mail::Ack, dst), dst)], ack)?;
-                let slot = is.st.out_box[dst].as_ref().map_or(0, |b| b.ptr());
-                is.copy(slot, a[0], bytes)?;
-                let sig = g.flags.addr[dst] + mail_flag(Mail::Sig, me) as u64;
-                is.write(&[sig], m)
-            })
+                    // The previous message to dst was copied out: the mailbox may be overwritten.
+                    is.wait(&[(mail_flag(Mail::Ack, dst), dst)], ack)?;
+                    let slot = is.st.out_box[dst].as_ref().map_or(0, |b| b.ptr());
+                    is.copy(slot, a[0], bytes)?;
+                    let sig = g.flags.addr[dst] + mail_flag(Mail::Sig, me) as u64;
+                    is.write(&[sig], m)
+                },
+            )
         })())
     }
 
@@ -1051,32 +1208,43 @@ impl Communicator for IpcGroup {
             self.peer_ok(k, src)?;
             let out = uninit(shape, dtype, &self.device)?;
             let bytes = shape.elem_count() * dtype.size_in_bytes();
-            self.issue(k, bytes as u64, 0, Some(src), vec![out.clone()], out, move |is, a| {
-                let g = is.g;
-                let me = g.rank;
-                is.st.received[src] += 1;
-                let m = is.st.received[src];
-                let (_, sig) = mail_targets(m);
-                let cap = is.st.in_box[src].as_ref().map_or(0, |b| b.bytes());
-                let grown = grown_capacity(cap, bytes);
-                if grown != cap || is.st.in_box[src].is_none() {
-                    let raw = g.store_of(k)?.get(&g.box_key(src, me, grown))?;
-                    let mut h: IpcHandle = [0; 64];
-                    if raw.len() != 64 {
-                        return Err(CommError::Store(format!("mailbox handle of {} bytes", raw.len())));
+            self.issue(
+                k,
+                bytes as u64,
+                0,
+                Some(src),
+                vec![out.clone()],
+                out,
+                move |is, a| {
+                    let g = is.g;
+                    let me = g.rank;
+                    is.st.received[src] += 1;
+                    let m = is.st.received[src];
+                    let (_, sig) = mail_targets(m);
+                    let cap = is.st.in_box[src].as_ref().map_or(0, |b| b.bytes());
+                    let grown = grown_capacity(cap, bytes);
+                    if grown != cap || is.st.in_box[src].is_none() {
+                        let raw = g.store_of(k)?.get(&g.box_key(src, me, grown))?;
+                        let mut h: IpcHandle = [0; 64];
+                        if raw.len() != 64 {
+                            return Err(CommError::Store(format!(
+                                "mailbox handle of {} bytes",
+                                raw.len()
+                            )));
+                        }
+                        h.copy_from_slice(&raw);
+                        let b = DevBuf::open(&g.ctx, &h, grown).map_err(|e| g.err(e))?;
+                        if let Some(old) = is.st.in_box[src].replace(b) {
+                            is.st.retired.push(old);
+                        }
                     }
-                    h.copy_from_slice(&raw);
-                    let b = DevBuf::open(&g.ctx, &h, grown).map_err(|e| g.err(e))?;
-                    if let Some(old) = is.st.in_box[src].replace(b) {
-                        is.st.retired.push(old);
-                    }
-                }
-                is.wait(&[(mail_flag(Mail::Sig, src), src)], sig)?;
-                let slot = is.st.in_box[src].as_ref().map_or(0, |b| b.ptr());
-                is.copy(a[0], slot, bytes)?;
-                let ack = g.flags.addr[src] + mail_flag(Mail::Ack, me) as u64;
-                is.write(&[ack], m)
-            })
+                    is.wait(&[(mail_flag(Mail::Sig, src), src)], sig)?;
+                    let slot = is.st.in_box[src].as_ref().map_or(0, |b| b.ptr());
+                    is.copy(a[0], slot, bytes)?;
+                    let ack = g.flags.addr[src] + mail_flag(Mail::Ack, me) as u64;
+                    is.write(&[ack], m)
+                },
+            )
         })())
     }
 
@@ -1109,7 +1277,10 @@ impl IpcGroup {
     fn root_ok(&self, op: OpKind, root: usize) -> Result<()> {
         match root < self.size {
             true => Ok(()),
-            false => Err(self.invalid(op, format!("root {root} is not a rank of a group of {}", self.size))),
+            false => Err(self.invalid(
+                op,
+                format!("root {root} is not a rank of a group of {}", self.size),
+            )),
         }
     }
 
@@ -1118,7 +1289,10 @@ impl IpcGroup {
             true => Ok(()),
             false => Err(self.invalid(
                 op,
-                format!("peer {peer} is not another rank of a group of {} (this is rank {})", self.size, self.rank),
+                format!(
+                    "peer {peer} is not another rank of a group of {} (this is rank {})",
+                    self.size, self.rank
+                ),
             )),
         }
     }

@@ -40,7 +40,7 @@ fn ptx() -> Result<Ptx, String> {
     static PTX: OnceLock<Result<String, String>> = OnceLock::new();
     PTX.get_or_init(|| {
         let opts = CompileOptions {
-            arch: Some("compute_70"),
+            arch: Some("compute_75"),
             name: Some("mtrain_ipc.cu".into()),
             ..Default::default()
         };
@@ -98,7 +98,11 @@ impl Kernels {
         let func = match dtype {
             DType::F32 => &self.reduce_f32,
             DType::BF16 => &self.reduce_bf16,
-            other => return Err(format!("the IPC reduction takes bf16 or f32, got {other:?}")),
+            other => {
+                return Err(format!(
+                    "the IPC reduction takes bf16 or f32, got {other:?}"
+                ))
+            }
         };
         let code: i32 = match op {
             ReduceOp::Sum => 0,
@@ -115,19 +119,35 @@ impl Kernels {
             shared_mem_bytes: 0,
         };
         let mut b = stream.launch_builder(func);
-        b.arg(&src).arg(&n32).arg(&off64).arg(&dst).arg(&count64).arg(&code).arg(&scale);
+        b.arg(&src)
+            .arg(&n32)
+            .arg(&off64)
+            .arg(&dst)
+            .arg(&count64)
+            .arg(&code)
+            .arg(&scale);
         // SAFETY: the arguments match reduce_f32 / reduce_bf16's signature; every address in
         // `src` holds `off + count` elements and `dst` `count`, alive until the stream ran.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| format!("{e:?}"))
+        unsafe { b.launch(cfg) }
+            .map(|_| ())
+            .map_err(|e| format!("{e:?}"))
     }
 
     /// Enqueue: write `value` to each of the `n` flag addresses.
-    pub fn signal(&self, stream: &CudaStream, flags: Peers, n: usize, value: u64) -> Result<(), String> {
+    pub fn signal(
+        &self,
+        stream: &CudaStream,
+        flags: Peers,
+        n: usize,
+        value: u64,
+    ) -> Result<(), String> {
         let n32 = n as i32;
         let mut b = stream.launch_builder(&self.signal);
         b.arg(&flags).arg(&n32).arg(&value);
         // SAFETY: `flags` holds `n` addresses of flag words that live as long as the group.
-        unsafe { b.launch(one_block()) }.map(|_| ()).map_err(|e| format!("{e:?}"))
+        unsafe { b.launch(one_block()) }
+            .map(|_| ())
+            .map_err(|e| format!("{e:?}"))
     }
 
     /// Enqueue: spin until each of the `n` flag addresses reaches `target` (or the timeout).
@@ -143,7 +163,9 @@ impl Kernels {
         let mut b = stream.launch_builder(&self.wait);
         b.arg(&flags).arg(&n32).arg(&target).arg(&timeout_ns);
         // SAFETY: as in `signal`.
-        unsafe { b.launch(one_block()) }.map(|_| ()).map_err(|e| format!("{e:?}"))
+        unsafe { b.launch(one_block()) }
+            .map(|_| ())
+            .map_err(|e| format!("{e:?}"))
     }
 }
 

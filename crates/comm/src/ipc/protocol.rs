@@ -255,15 +255,27 @@ mod tests {
         assert_eq!(DataLayout::new(0, 0).bytes, 0);
         assert_eq!(grown_capacity(0, 1), MIN_CAPACITY);
         assert_eq!(grown_capacity(MIN_CAPACITY, MIN_CAPACITY), MIN_CAPACITY);
-        assert_eq!(grown_capacity(MIN_CAPACITY, MIN_CAPACITY + 1), 2 * MIN_CAPACITY);
+        assert_eq!(
+            grown_capacity(MIN_CAPACITY, MIN_CAPACITY + 1),
+            2 * MIN_CAPACITY
+        );
         assert_eq!(grown_capacity(4 << 20, 3 << 20), 4 << 20);
     }
 
     #[test]
     fn algorithm_choice() {
-        assert_eq!(choose_all_reduce(1 << 30, 2, ONE_SHOT_MAX), AllReduceAlgo::OneShot);
-        assert_eq!(choose_all_reduce(ONE_SHOT_MAX, 4, ONE_SHOT_MAX), AllReduceAlgo::OneShot);
-        assert_eq!(choose_all_reduce(ONE_SHOT_MAX + 1, 4, ONE_SHOT_MAX), AllReduceAlgo::TwoShot);
+        assert_eq!(
+            choose_all_reduce(1 << 30, 2, ONE_SHOT_MAX),
+            AllReduceAlgo::OneShot
+        );
+        assert_eq!(
+            choose_all_reduce(ONE_SHOT_MAX, 4, ONE_SHOT_MAX),
+            AllReduceAlgo::OneShot
+        );
+        assert_eq!(
+            choose_all_reduce(ONE_SHOT_MAX + 1, 4, ONE_SHOT_MAX),
+            AllReduceAlgo::TwoShot
+        );
         assert_eq!(choose_all_reduce(0, 8, 0), AllReduceAlgo::OneShot);
     }
 
@@ -279,6 +291,8 @@ mod tests {
     fn wait_modes_parse() {
         assert_eq!(WaitMode::parse("stream"), Ok(WaitMode::Stream));
         assert_eq!(WaitMode::parse("kernel"), Ok(WaitMode::Kernel));
-        assert!(WaitMode::parse("spin").unwrap_err().contains("MTRAIN_IPC_WAIT"));
+        assert!(WaitMode::parse("spin")
+            .unwrap_err()
+            .contains("MTRAIN_IPC_WAIT"));
     }
 }

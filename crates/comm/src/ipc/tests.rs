@@ -35,17 +35,22 @@ fn launch(world: usize, mode: &str, extra: &[(&str, &str)]) -> Vec<(bool, String
     let children: Vec<_> = (0..world)
         .map(|r| {
             let mut c = Command::new(&exe);
-            c.args(["ipc::tests::worker", "--exact", "--nocapture", "--test-threads=1"])
-                .env(WORKER, mode)
-                .env("RANK", r.to_string())
-                .env("LOCAL_RANK", r.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("MTRAIN_JOB_ID", format!("ipc-test-{port}"))
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
+            c.args([
+                "ipc::tests::worker",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(WORKER, mode)
+            .env("RANK", r.to_string())
+            .env("LOCAL_RANK", r.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_WORLD_SIZE", world.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("MTRAIN_JOB_ID", format!("ipc-test-{port}"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
             for (k, v) in extra {
                 c.env(k, v);
             }
@@ -77,7 +82,10 @@ fn check_all(world: usize, wait: &str) {
         eprintln!("--- rank {r} ---\n{text}");
         assert!(ok, "rank {r} of {world} failed");
     }
-    eprintln!("world {world} ({wait} waits): every op equal in {:.1} s", t.elapsed().as_secs_f64());
+    eprintln!(
+        "world {world} ({wait} waits): every op equal in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
 }
 
 #[test]
@@ -115,7 +123,9 @@ fn a_dead_rank_ends_the_op_within_the_timeout() {
 /// The worker: does nothing unless started by a launcher test.
 #[test]
 fn worker() {
-    let Ok(mode) = std::env::var(WORKER) else { return };
+    let Ok(mode) = std::env::var(WORKER) else {
+        return;
+    };
     let env = LaunchEnv::from_env().unwrap().unwrap();
     let dev = gpu().unwrap();
     match mode.as_str() {
@@ -138,10 +148,10 @@ fn dead_worker(env: &LaunchEnv, dev: &Device) {
     if env.rank == 1 {
         std::process::exit(0);
     }
-    // The first all-reduce's result is ordered; the second waits for rank 1 forever.
-    let y = w.all_reduce(&x, ReduceOp::Sum).unwrap();
-    let _ = y.sum_all().unwrap().to_scalar::<f32>();
-    let e = w.all_reduce(&x, ReduceOp::Sum).unwrap_err();
+    // This all-reduce waits for rank 1 forever; the barrier after it (which blocks the host)
+    // reports the watchdog's verdict.
+    let _y = w.all_reduce(&x, ReduceOp::Sum).unwrap();
+    let e = w.barrier().unwrap_err();
     eprintln!("error: {e}");
     std::process::exit(1);
 }
@@ -169,11 +179,29 @@ impl Checker {
     fn same(&mut self, what: &str, got: &Tensor, want: &Tensor, rel: f32) {
         self.checked += 1;
         if got.dims() != want.dims() {
-            self.wrong.push(format!("{what}: shape {:?} against {:?}", got.dims(), want.dims()));
+            self.wrong.push(format!(
+                "{what}: shape {:?} against {:?}",
+                got.dims(),
+                want.dims()
+            ));
             return;
         }
-        let g: Vec<f32> = got.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-        let w: Vec<f32> = want.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let g: Vec<f32> = got
+            .to_device(&Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let w: Vec<f32> = want
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         let bad = g
             .iter()
             .zip(&w)
@@ -206,63 +234,126 @@ fn check_worker(env: &LaunchEnv, dev: &Device) {
     let cpu = b.host_world();
     // Groups that always run one algorithm, over the same host group.
     let algo = |max: usize, key: &str| -> Comm {
-        let o = IpcOptions { one_shot_max: max, ..opts.clone() };
+        let o = IpcOptions {
+            one_shot_max: max,
+            ..opts.clone()
+        };
         Arc::new(IpcGroup::new(cpu.clone(), b.store(), key.into(), dev, o).unwrap())
     };
     let one_shot = algo(usize::MAX, "one-shot");
     let two_shot = algo(0, "two-shot");
     let (n, r) = (ipc.size(), ipc.rank());
-    let mut c = Checker { wrong: vec![], checked: 0 };
+    let mut c = Checker {
+        wrong: vec![],
+        checked: 0,
+    };
     let on = |t: &Tensor| t.to_device(dev).unwrap();
     let counts = [1usize, 2, 3, 7, 31, 1000, 4097, 65537, (1 << 20) + 3];
     let t0 = Instant::now();
     for dtype in [DType::F32, DType::BF16] {
-        let tol_avg = if dtype == DType::BF16 { 1.0 / 256.0 } else { 1e-6 };
+        let tol_avg = if dtype == DType::BF16 {
+            1.0 / 256.0
+        } else {
+            1e-6
+        };
         let mut big = counts.to_vec();
         big.push(1 << 26);
         for &count in &big {
             let x = host(count, r, 0, &[count], dtype);
             let xd = on(&x);
             let want = cpu.all_reduce(&x, ReduceOp::Sum).unwrap();
-            for (name, g) in [("default", &ipc), ("one-shot", &one_shot), ("two-shot", &two_shot)] {
+            for (name, g) in [
+                ("default", &ipc),
+                ("one-shot", &one_shot),
+                ("two-shot", &two_shot),
+            ] {
                 let got = g.all_reduce(&xd, ReduceOp::Sum).unwrap();
-                c.same(&format!("all_reduce {name} sum {dtype:?} {count}"), &got, &want, 0.0);
+                c.same(
+                    &format!("all_reduce {name} sum {dtype:?} {count}"),
+                    &got,
+                    &want,
+                    0.0,
+                );
             }
             if count > 1 << 20 {
                 continue;
             }
-            for (op, tol) in [(ReduceOp::Max, 0.0), (ReduceOp::Min, 0.0), (ReduceOp::Avg, tol_avg)] {
+            for (op, tol) in [
+                (ReduceOp::Max, 0.0),
+                (ReduceOp::Min, 0.0),
+                (ReduceOp::Avg, tol_avg),
+            ] {
                 let want = cpu.all_reduce(&x, op).unwrap();
                 for (name, g) in [("one-shot", &one_shot), ("two-shot", &two_shot)] {
                     let got = g.all_reduce(&xd, op).unwrap();
-                    c.same(&format!("all_reduce {name} {op:?} {dtype:?} {count}"), &got, &want, tol);
+                    c.same(
+                        &format!("all_reduce {name} {op:?} {dtype:?} {count}"),
+                        &got,
+                        &want,
+                        tol,
+                    );
                 }
             }
             // In place: the tensor itself holds the sum.
             let xi = on(&x);
             ipc.all_reduce_in_place(&xi, ReduceOp::Sum).unwrap();
             let want = cpu.all_reduce(&x, ReduceOp::Sum).unwrap();
-            c.same(&format!("all_reduce_in_place {dtype:?} {count}"), &xi, &want, 0.0);
+            c.same(
+                &format!("all_reduce_in_place {dtype:?} {count}"),
+                &xi,
+                &want,
+                0.0,
+            );
 
             // Rows of 3 elements; uneven row counts per rank for the gathers.
             let rows = count;
             let x2 = host(rows * 3, r, 1, &[rows, 3], dtype);
             let x2d = on(&x2);
             let want = cpu.reduce_scatter(&x2, ReduceOp::Sum).unwrap();
-            c.same(&format!("reduce_scatter {dtype:?} {rows}x3"), &ipc.reduce_scatter(&x2d, ReduceOp::Sum).unwrap(), &want, 0.0);
+            c.same(
+                &format!("reduce_scatter {dtype:?} {rows}x3"),
+                &ipc.reduce_scatter(&x2d, ReduceOp::Sum).unwrap(),
+                &want,
+                0.0,
+            );
             let mine = rows + r;
             let x3 = host(mine * 3, r, 2, &[mine, 3], dtype);
             let want = cpu.all_gather(&x3).unwrap();
-            c.same(&format!("all_gather {dtype:?} {mine}x3"), &ipc.all_gather(&on(&x3)).unwrap(), &want, 0.0);
+            c.same(
+                &format!("all_gather {dtype:?} {mine}x3"),
+                &ipc.all_gather(&on(&x3)).unwrap(),
+                &want,
+                0.0,
+            );
             let root = 1 % n;
             let want = cpu.broadcast(&x2, root).unwrap();
-            c.same(&format!("broadcast {dtype:?} {rows}x3"), &ipc.broadcast(&x2d, root).unwrap(), &want, 0.0);
+            c.same(
+                &format!("broadcast {dtype:?} {rows}x3"),
+                &ipc.broadcast(&x2d, root).unwrap(),
+                &want,
+                0.0,
+            );
             let want = cpu.reduce(&x2, root, ReduceOp::Sum).unwrap();
-            c.same(&format!("reduce {dtype:?} {rows}x3"), &ipc.reduce(&x2d, root, ReduceOp::Sum).unwrap(), &want, 0.0);
+            c.same(
+                &format!("reduce {dtype:?} {rows}x3"),
+                &ipc.reduce(&x2d, root, ReduceOp::Sum).unwrap(),
+                &want,
+                0.0,
+            );
             let want = cpu.gather(&x3, root).unwrap();
-            c.same(&format!("gather {dtype:?} {mine}x3"), &ipc.gather(&on(&x3), root).unwrap(), &want, 0.0);
+            c.same(
+                &format!("gather {dtype:?} {mine}x3"),
+                &ipc.gather(&on(&x3), root).unwrap(),
+                &want,
+                0.0,
+            );
             let want = cpu.scatter(&x2, root).unwrap();
-            c.same(&format!("scatter {dtype:?} {rows}x3"), &ipc.scatter(&x2d, root).unwrap(), &want, 0.0);
+            c.same(
+                &format!("scatter {dtype:?} {rows}x3"),
+                &ipc.scatter(&x2d, root).unwrap(),
+                &want,
+                0.0,
+            );
             // All-to-all with uneven splits: (r + p + count) % 3 rows scaled by the count.
             let unit = count.div_ceil(16).max(1);
             let split = |from: usize, to: usize| ((from + to + count) % 3) * unit;
@@ -271,7 +362,12 @@ fn check_worker(env: &LaunchEnv, dev: &Device) {
             let srows: usize = send.iter().sum();
             let x4 = host(srows * 3, r, 3, &[srows, 3], dtype);
             let want = cpu.all_to_all(&x4, &send, &recv).unwrap();
-            c.same(&format!("all_to_all {dtype:?} {send:?}"), &ipc.all_to_all(&on(&x4), &send, &recv).unwrap(), &want, 0.0);
+            c.same(
+                &format!("all_to_all {dtype:?} {send:?}"),
+                &ipc.all_to_all(&on(&x4), &send, &recv).unwrap(),
+                &want,
+                0.0,
+            );
             // Ring send/recv, both directions in flight.
             let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
             let sent = ipc.send_async(&x2d, next);
@@ -281,6 +377,20 @@ fn check_worker(env: &LaunchEnv, dev: &Device) {
             c.same(&format!("send/recv {dtype:?} {rows}x3"), &got, &want, 0.0);
             ipc.barrier().unwrap();
         }
+    }
+    // f64 and integer reductions go through the host group; the result is still on the GPU.
+    for dtype in [DType::F64, DType::I64] {
+        let x = host(1001, r, 4, &[1001], dtype);
+        let want = cpu.all_reduce(&x, ReduceOp::Sum).unwrap();
+        let got = ipc.all_reduce(&on(&x), ReduceOp::Sum).unwrap();
+        c.checked += 1;
+        if !got.device().same_device(dev) {
+            c.wrong.push(format!(
+                "all_reduce {dtype:?}: result on {:?}",
+                got.device()
+            ));
+        }
+        c.same(&format!("all_reduce {dtype:?} 1001"), &got, &want, 0.0);
     }
     eprintln!(
         "rank {r}: {} comparisons in {:.1} s, {} wrong",
