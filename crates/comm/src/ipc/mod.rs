@@ -66,13 +66,19 @@ pub mod protocol;
 #[cfg(feature = "cuda")]
 mod backend;
 #[cfg(feature = "cuda")]
+mod collectives;
+#[cfg(feature = "cuda")]
 mod driver;
 #[cfg(feature = "cuda")]
 mod group;
 #[cfg(feature = "cuda")]
 mod kernels;
+#[cfg(feature = "cuda")]
+mod phases;
 #[cfg(all(test, feature = "cuda"))]
 mod tests;
+#[cfg(feature = "cuda")]
+mod work;
 
 #[cfg(feature = "cuda")]
 pub use backend::IpcBackend;
