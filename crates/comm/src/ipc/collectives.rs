@@ -6,6 +6,7 @@ use super::driver::{DevBuf, IpcHandle};
 use super::group::{uninit, IpcGroup};
 use super::kernels::Peers;
 use super::protocol::{grown_capacity, mail_flag, mail_targets, Mail, Phase};
+use super::work::IpcWork;
 use crate::communicator::{
     check_in_place, CommError, Communicator, OpKind, ReduceOp, Result, Work,
 };
@@ -500,5 +501,49 @@ impl Communicator for IpcGroup {
             }
             Err(e) => Work::ready(Err(e)),
         }
+    }
+}
+
+impl IpcGroup {
+    /// All-reduce into `out` (a new tensor, or `x` itself for the in-place form).
+    pub(super) fn all_reduce_into(
+        &self,
+        x: &Tensor,
+        out: Option<Tensor>,
+        op: ReduceOp,
+    ) -> Result<IpcWork<Tensor>> {
+        let k = OpKind::AllReduce;
+        let x = self.input(k, x)?;
+        self.reduce_dtype(k, x.dtype())?;
+        // In place, `x` is the only buffer and the result lands in it.
+        let (out, bufs) = match out {
+            Some(o) => (o, vec![x.clone()]),
+            None => {
+                let o = uninit(x.shape(), x.dtype(), &self.device)?;
+                (o.clone(), vec![x.clone(), o])
+            }
+        };
+        let (n, count, dtype) = (self.size, x.elem_count(), x.dtype());
+        let bytes = count * dtype.size_in_bytes();
+        let algo = super::protocol::choose_all_reduce(bytes, n, self.opts.one_shot_max);
+        self.issue(
+            k,
+            bytes as u64,
+            (n as u64 - 1) * bytes as u64,
+            None,
+            bufs,
+            out,
+            move |is, a| {
+                let (ax, ao) = (a[0], *a.last().unwrap_or(&a[0]));
+                match algo {
+                    super::protocol::AllReduceAlgo::OneShot => {
+                        is.one_shot(ax, ao, count, dtype, op)
+                    }
+                    super::protocol::AllReduceAlgo::TwoShot => {
+                        is.two_shot(ax, ao, count, dtype, op)
+                    }
+                }
+            },
+        )
     }
 }

@@ -10,6 +10,8 @@ use std::sync::Arc;
 use candle_core::cuda_backend::cudarc::driver::sys;
 use candle_core::cuda_backend::cudarc::driver::{CudaContext, CudaStream};
 
+use crate::communicator::CommError;
+
 /// The bytes of a CUDA IPC memory handle, as exchanged between processes.
 pub type IpcHandle = [u8; 64];
 
@@ -207,4 +209,11 @@ pub fn fill_words(side: &CudaStream, addr: u64, words: usize, value: u64) -> Res
         )?;
     }
     side.synchronize().map_err(|e| format!("{e:?}"))
+}
+
+/// A driver failure on group `group` as the communication error.
+pub fn cuda_err(group: &str, e: impl std::fmt::Display) -> CommError {
+    CommError::Candle(candle_core::Error::Msg(format!(
+        "CUDA error on IPC group '{group}': {e}"
+    )))
 }

@@ -1,24 +1,22 @@
-//! One IPC group: its flag and data buffers (own and mapped), their growth, and the issue of an
-//! op on the communication stream (the ops are `collectives`, their phases `phases`, the
-//! handle and the watchdog `work`).
+//! One IPC group: its options, its flag and data buffers (own and mapped) and their growth.
+//! An op's issue and phases are `phases`, the ops `collectives`, the handle and the watchdog
+//! `work`.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use candle_core::cuda_backend::cudarc::driver::{CudaContext, CudaStream};
 use candle_core::{DType, Device, Shape, Tensor};
 
-use super::driver::{DevBuf, IpcHandle};
+use super::driver::{cuda_err, DevBuf, IpcHandle};
 use super::kernels::Kernels;
-use super::phases::Issue;
 use super::protocol::{grown_capacity, WaitMode, FLAG_BYTES, MAX_WORLD, ONE_SHOT_MAX};
-use super::work::{spawn_watchdog, InFlight, IpcWork, Watch};
-use crate::communicator::{Comm, CommError, OpKind, ReduceOp, Result, Work};
-use crate::nccl::with_device_addrs;
+use super::work::{spawn_watchdog, IpcWork, Watch};
+use crate::communicator::{Comm, CommError, OpKind, Result, Work};
 use crate::store::StoreClient;
-use crate::trace::{TraceEvent, Tracer};
+use crate::trace::Tracer;
 
 /// Options of the IPC backend.
 #[derive(Debug, Clone)]
@@ -122,12 +120,6 @@ impl std::fmt::Debug for IpcGroup {
             self.name, self.rank, self.size, self.global_ranks
         )
     }
-}
-
-pub(super) fn cuda_err(group: &str, e: impl std::fmt::Display) -> CommError {
-    CommError::Candle(candle_core::Error::Msg(format!(
-        "CUDA error on IPC group '{group}': {e}"
-    )))
 }
 
 impl IpcGroup {
@@ -270,82 +262,6 @@ impl IpcGroup {
         Ok(())
     }
 
-    /// Issue one op: order the communication stream after the compute stream, enqueue what
-    /// `body` enqueues (given the device addresses of `bufs`), record `done`.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn issue<T: Send + 'static>(
-        &self,
-        op: OpKind,
-        bytes: u64,
-        bytes_sent: u64,
-        peer: Option<usize>,
-        bufs: Vec<Tensor>,
-        result: T,
-        body: impl FnOnce(&mut Issue<'_>, &[u64]) -> Result<()>,
-    ) -> Result<IpcWork<T>> {
-        self.check_poisoned()?;
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        st.seq += 1;
-        let seq = st.seq;
-        let start_us = self.tracer.now_us();
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| self.err(format!("{e:?}")))?;
-        let ready = self
-            .compute
-            .record_event(None)
-            .map_err(|e| self.err(format!("{e:?}")))?;
-        self.stream
-            .wait(&ready)
-            .map_err(|e| self.err(format!("{e:?}")))?;
-        let mut waits = Vec::new();
-        with_device_addrs(&bufs, &self.stream, |addrs| {
-            let mut is = Issue {
-                g: self,
-                st: &mut st,
-                seq,
-                waits: &mut waits,
-            };
-            body(&mut is, addrs)
-        })??;
-        let done = Arc::new(
-            self.stream
-                .record_event(None)
-                .map_err(|e| self.err(format!("{e:?}")))?,
-        );
-        self.watch
-            .in_flight
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push_back(InFlight {
-                op,
-                seq,
-                issued: Instant::now(),
-                done: done.clone(),
-                waits,
-            });
-        Ok(IpcWork {
-            done: Some(done),
-            compute: self.compute.clone(),
-            keep: bufs,
-            result: Some(result),
-            tracer: self.tracer.clone(),
-            event: TraceEvent {
-                op,
-                group: self.name.clone(),
-                seq,
-                bytes,
-                bytes_sent,
-                start_us,
-                end_us: start_us,
-                peer,
-            },
-            host_blocks: false,
-            watch: self.watch.clone(),
-            timeout: self.opts.timeout,
-        })
-    }
-
     pub(super) fn work<T: Send + 'static>(r: Result<IpcWork<T>>) -> Work<T> {
         match r {
             Ok(w) => Work::new(Box::new(w)),
@@ -366,48 +282,6 @@ impl IpcGroup {
             DType::F32 | DType::BF16 => Ok(()),
             other => Err(self.invalid(op, format!("reductions take bf16 or f32, got {other:?}"))),
         }
-    }
-
-    /// All-reduce into `out` (a new tensor, or `x` itself for the in-place form).
-    pub(super) fn all_reduce_into(
-        &self,
-        x: &Tensor,
-        out: Option<Tensor>,
-        op: ReduceOp,
-    ) -> Result<IpcWork<Tensor>> {
-        let k = OpKind::AllReduce;
-        let x = self.input(k, x)?;
-        self.reduce_dtype(k, x.dtype())?;
-        // In place, `x` is the only buffer and the result lands in it.
-        let (out, bufs) = match out {
-            Some(o) => (o, vec![x.clone()]),
-            None => {
-                let o = uninit(x.shape(), x.dtype(), &self.device)?;
-                (o.clone(), vec![x.clone(), o])
-            }
-        };
-        let (n, count, dtype) = (self.size, x.elem_count(), x.dtype());
-        let bytes = count * dtype.size_in_bytes();
-        let algo = super::protocol::choose_all_reduce(bytes, n, self.opts.one_shot_max);
-        self.issue(
-            k,
-            bytes as u64,
-            (n as u64 - 1) * bytes as u64,
-            None,
-            bufs,
-            out,
-            move |is, a| {
-                let (ax, ao) = (a[0], *a.last().unwrap_or(&a[0]));
-                match algo {
-                    super::protocol::AllReduceAlgo::OneShot => {
-                        is.one_shot(ax, ao, count, dtype, op)
-                    }
-                    super::protocol::AllReduceAlgo::TwoShot => {
-                        is.two_shot(ax, ao, count, dtype, op)
-                    }
-                }
-            },
-        )
     }
 }
 

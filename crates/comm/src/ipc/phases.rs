@@ -1,13 +1,20 @@
-//! The phases of an op as it is enqueued: copies, flag signals and waits, the barriers of the
-//! protocol, and the two all-reduce algorithms.
+//! An op's issue on the communication stream (ordered after the compute stream, watched by the
+//! watchdog) and its phases as it is enqueued: copies, flag signals and waits, the barriers of
+//! the protocol, and the two all-reduce algorithms.
 
-use candle_core::DType;
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType, Tensor};
 
 use super::driver;
 use super::group::{IpcGroup, Shared, State};
 use super::kernels::Peers;
 use super::protocol::{phase_flag, Phase, WaitMode};
-use crate::communicator::{ReduceOp, Result};
+use super::work::{InFlight, IpcWork};
+use crate::communicator::{OpKind, ReduceOp, Result};
+use crate::nccl::with_device_addrs;
+use crate::trace::TraceEvent;
 
 /// One op being enqueued: the group, its state (locked) and the op's sequence number.
 pub(super) struct Issue<'a> {
@@ -171,5 +178,83 @@ impl Issue<'_> {
             self.copy(ao + (c.start * es) as u64, src, c.len() * es)?;
         }
         self.barrier(Phase::Done)
+    }
+}
+
+impl IpcGroup {
+    /// Issue one op: order the communication stream after the compute stream, enqueue what
+    /// `body` enqueues (given the device addresses of `bufs`), record `done`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn issue<T: Send + 'static>(
+        &self,
+        op: OpKind,
+        bytes: u64,
+        bytes_sent: u64,
+        peer: Option<usize>,
+        bufs: Vec<Tensor>,
+        result: T,
+        body: impl FnOnce(&mut Issue<'_>, &[u64]) -> Result<()>,
+    ) -> Result<IpcWork<T>> {
+        self.check_poisoned()?;
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.seq += 1;
+        let seq = st.seq;
+        let start_us = self.tracer.now_us();
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| self.err(format!("{e:?}")))?;
+        let ready = self
+            .compute
+            .record_event(None)
+            .map_err(|e| self.err(format!("{e:?}")))?;
+        self.stream
+            .wait(&ready)
+            .map_err(|e| self.err(format!("{e:?}")))?;
+        let mut waits = Vec::new();
+        with_device_addrs(&bufs, &self.stream, |addrs| {
+            let mut is = Issue {
+                g: self,
+                st: &mut st,
+                seq,
+                waits: &mut waits,
+            };
+            body(&mut is, addrs)
+        })??;
+        let done = Arc::new(
+            self.stream
+                .record_event(None)
+                .map_err(|e| self.err(format!("{e:?}")))?,
+        );
+        self.watch
+            .in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_back(InFlight {
+                op,
+                seq,
+                issued: Instant::now(),
+                done: done.clone(),
+                waits,
+            });
+        Ok(IpcWork {
+            done: Some(done),
+            compute: self.compute.clone(),
+            keep: bufs,
+            result: Some(result),
+            tracer: self.tracer.clone(),
+            event: TraceEvent {
+                op,
+                group: self.name.clone(),
+                seq,
+                bytes,
+                bytes_sent,
+                start_us,
+                end_us: start_us,
+                peer,
+            },
+            host_blocks: false,
+            watch: self.watch.clone(),
+            timeout: self.opts.timeout,
+        })
     }
 }

@@ -9,8 +9,7 @@ use std::time::{Duration, Instant};
 use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaStream};
 use candle_core::Tensor;
 
-use super::driver;
-use super::group::cuda_err;
+use super::driver::{self, cuda_err};
 use super::protocol::FLAG_WORDS;
 use crate::communicator::{CommError, OpKind, PendingWork, Result};
 use crate::trace::{TraceEvent, Tracer};
