@@ -6,6 +6,9 @@
 //! - [`cpu`]: the CPU backend over TCP (ring all-reduce = ring reduce-scatter + ring all-gather).
 //! - `nccl` (feature `cuda`): the NCCL backend, one communicator and communication stream per
 //!   group, split by concern like `cpu`.
+//! - [`ipc`]: the ranks of one node as processes reading each other's GPU memory through
+//!   CUDA IPC (the collectives are kernels and copies over peer memory; `cuda` feature; the
+//!   protocol's pure parts always).
 //! - [`staged`]: a group on a GPU whose collectives run through the CPU backend (ranks that
 //!   share one GPU).
 //! - [`store`]: the TCP rendezvous store hosted by rank 0.
@@ -18,6 +21,7 @@ pub mod communicator;
 pub mod op_kind;
 pub mod cpu;
 pub mod env;
+pub mod ipc;
 pub mod mesh;
 #[cfg(feature = "cuda")]
 pub mod nccl;

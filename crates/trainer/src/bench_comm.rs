@@ -106,7 +106,8 @@ pub struct BenchCommArgs {
     #[arg(long)]
     pub in_place: bool,
 
-    /// Where the messages live: `cpu` (TCP backend) or `cuda` (NCCL, one GPU per rank).
+    /// Where the messages live: `cpu` (TCP backend) or `cuda` (the backend `--comm` picks:
+    /// NCCL with one GPU per rank, CUDA IPC, or staged through the host).
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
 

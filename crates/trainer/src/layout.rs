@@ -88,6 +88,33 @@ pub struct Layout {
     pub world_source: String,
     pub launch: LaunchSpec,
     pub comm_timeout: Duration,
+    /// Which backend runs the collectives on GPUs (`--comm`).
+    pub comm: CommChoice,
     /// Record every collective (`--trace`).
     pub trace: bool,
+}
+
+/// The collective backend on GPUs (`--comm`); the CPU device always uses the CPU backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum CommChoice {
+    /// NCCL with one GPU per rank, CUDA IPC where ranks share a GPU.
+    #[default]
+    Auto,
+    /// NCCL (one GPU per rank).
+    Nccl,
+    /// The ranks of the node read each other's GPU memory through CUDA IPC.
+    Ipc,
+    /// The CPU backend, every tensor staged through the host.
+    Staged,
+}
+
+impl std::fmt::Display for CommChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CommChoice::Auto => "auto",
+            CommChoice::Nccl => "nccl",
+            CommChoice::Ipc => "ipc",
+            CommChoice::Staged => "staged",
+        })
+    }
 }

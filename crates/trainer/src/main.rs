@@ -31,7 +31,7 @@ use mtrain_comm::Backend;
 use mtrain_trainer::cli::{Cli, Command};
 use mtrain_trainer::config::DeviceKind;
 use mtrain_trainer::launch::{self, LaunchError};
-use mtrain_trainer::layout::Layout;
+use mtrain_trainer::layout::{CommChoice, Layout};
 use mtrain_trainer::liveness::{self, StoreWatch};
 use mtrain_trainer::resolve::{resolve, Resolved};
 use mtrain_trainer::{bench_comm, hf, parity, plan, plot, prepare, sample, train};
@@ -224,7 +224,7 @@ fn distributed(
         None if layout.world_size == 1 => LaunchEnv::single(),
         None => {
             if device == DeviceKind::Cuda {
-                announce_shared_gpus(layout.launch.nproc_per_node)?;
+                announce_shared_gpus(layout.launch.nproc_per_node, layout.comm)?;
             }
             let args: Vec<OsString> = std::env::args_os().skip(1).collect();
             launch::launch(&layout.launch, &args)?;
@@ -290,21 +290,39 @@ fn make_backend(
         }
         #[cfg(feature = "cuda")]
         DeviceKind::Cuda => {
+            use mtrain_comm::ipc::{IpcBackend, IpcOptions};
             use mtrain_comm::nccl::{NcclBackend, NcclOptions};
             let gpus = visible_gpus()?;
-            if env.local_world_size > gpus {
-                // NCCL refuses two ranks on one GPU: ranks placed round-robin on the GPUs run
-                // their collectives through the CPU backend, staged through the host.
-                let opts = CpuOptions {
-                    timeout: layout.comm_timeout,
-                    trace: layout.trace,
-                };
-                let device = candle_core::Device::new_cuda(env.local_rank % gpus)?;
-                let inner = CpuBackend::init(env, opts)?;
-                return Ok(Box::new(mtrain_comm::StagedBackend { inner, device }));
+            let shared = env.local_world_size > gpus;
+            let cpu = CpuOptions {
+                timeout: layout.comm_timeout,
+                trace: layout.trace,
+            };
+            // Ranks are placed round-robin on the GPUs.
+            let device = || candle_core::Device::new_cuda(env.local_rank % gpus);
+            match (layout.comm, shared) {
+                (CommChoice::Nccl, true) => anyhow::bail!(
+                    "--comm nccl: {} ranks on {gpus} GPU(s), and NCCL refuses two ranks on one GPU; use --comm ipc (or auto)",
+                    env.local_world_size
+                ),
+                (CommChoice::Nccl, false) | (CommChoice::Auto, false) => {
+                    let opts = NcclOptions { timeout: layout.comm_timeout, ..Default::default() };
+                    Ok(Box::new(NcclBackend::init(env, opts)?))
+                }
+                (CommChoice::Ipc, _) | (CommChoice::Auto, true) => {
+                    let mut opts = IpcOptions::from_env(layout.comm_timeout)?;
+                    if gpus == 1 && std::env::var_os("MTRAIN_IPC_ONE_SHOT_MAX").is_none() {
+                        // Every rank reads the same memory: two-shot's halved reads buy nothing
+                        // and its extra phase costs a context switch (docs/BENCHMARKS.md, one GPU).
+                        opts.one_shot_max = usize::MAX;
+                    }
+                    Ok(Box::new(IpcBackend::init(env, device()?, cpu, opts)?))
+                }
+                (CommChoice::Staged, _) => {
+                    let inner = CpuBackend::init(env, cpu)?;
+                    Ok(Box::new(mtrain_comm::StagedBackend { inner, device: device()? }))
+                }
             }
-            let opts = NcclOptions { timeout: layout.comm_timeout, ..Default::default() };
-            Ok(Box::new(NcclBackend::init(env, opts)?))
         }
         #[cfg(not(feature = "cuda"))]
         DeviceKind::Cuda => anyhow::bail!(
@@ -327,19 +345,28 @@ fn visible_gpus() -> anyhow::Result<usize> {
 }
 
 /// The launcher's word, before any worker starts, when this node has more ranks than GPUs: the
-/// ranks share the GPUs round-robin and their collectives go through the host.
-fn announce_shared_gpus(local_ranks: usize) -> anyhow::Result<()> {
+/// ranks share the GPUs round-robin, and which backend runs their collectives.
+fn announce_shared_gpus(local_ranks: usize, comm: CommChoice) -> anyhow::Result<()> {
     #[cfg(feature = "cuda")]
     {
         let gpus = visible_gpus()?;
         if local_ranks > gpus {
+            let how = match comm {
+                CommChoice::Staged => "through the CPU backend, staged through the host",
+                CommChoice::Nccl => anyhow::bail!(
+                    "--comm nccl: {local_ranks} ranks on {gpus} GPU(s), and NCCL refuses two ranks on one GPU; use --comm ipc (or auto)"
+                ),
+                CommChoice::Ipc | CommChoice::Auto => {
+                    "through CUDA IPC, each reading its peers' GPU memory"
+                }
+            };
             tracing::warn!(
-                "{local_ranks} ranks on {gpus} GPU(s): ranks share GPUs round-robin (rank r on GPU r mod {gpus}) and run their collectives through the CPU backend, staged through the host; speed figures are not multi-GPU figures"
+                "{local_ranks} ranks on {gpus} GPU(s): ranks share GPUs round-robin (rank r on GPU r mod {gpus}) and run their collectives {how}; speed figures are not multi-GPU figures"
             );
         }
     }
     #[cfg(not(feature = "cuda"))]
-    let _ = local_ranks;
+    let _ = (local_ranks, comm);
     Ok(())
 }
 

@@ -5,7 +5,8 @@
 //! memory is read and written through candle's `CudaStorage`. Its `unsafe` is the NCCL calls
 //! (each with a `SAFETY` note on the pointers it passes) and the `Send`/`Sync` of the raw handle
 //! ("Send and Sync" below). Elsewhere in the workspace `unsafe` is confined to the fused
-//! kernels' launches (`crates/kernels`), the CUDA memory-pool attributes (`crates/kernels`,
+//! kernels' launches (`crates/kernels`), the CUDA IPC driver calls and kernel launches
+//! (`ipc/driver.rs`, `ipc/kernels.rs`), the CUDA memory-pool attributes (`crates/kernels`,
 //! `trainer/src/gpu_memory.rs`), the counting allocator (`trainer/src/memory.rs`) and the
 //! memory map of token shards (`trainer/src/data/shards.rs`).
 //!
@@ -92,5 +93,7 @@ mod watchdog;
 mod tests;
 
 pub use backend::{InProcessExchange, NcclBackend};
+pub(crate) use collectives::uninit;
+pub(crate) use stream::with_device_addrs;
 pub use factory::{IdExchange, NcclOptions};
 pub use group::NcclGroup;

@@ -160,7 +160,7 @@ impl NcclGroup {
 /// Run `f` with the device address of each tensor's first element. The storages stay locked
 /// for reading while `f` enqueues work on `stream`, and cudarc records each buffer's "read"
 /// event on `stream` afterwards, so a later reuse of the memory waits for the enqueued op.
-pub(super) fn with_device_addrs<R>(
+pub(crate) fn with_device_addrs<R>(
     tensors: &[Tensor],
     stream: &CudaStream,
     f: impl FnOnce(&[u64]) -> R,

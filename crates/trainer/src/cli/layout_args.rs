@@ -11,7 +11,7 @@ use mtrain_comm::mesh::MeshDims;
 use super::merged;
 use crate::config::ParallelConfig;
 use crate::launch::{LaunchSpec, MAX_WORLD};
-use crate::layout::{Layout, LayoutError, MAX_COMM_TIMEOUT_S};
+use crate::layout::{CommChoice, Layout, LayoutError, MAX_COMM_TIMEOUT_S};
 
 /// `--nnodes` when not given.
 const DEFAULT_NNODES: usize = 1;
@@ -65,6 +65,12 @@ pub struct LayoutArgs {
     #[arg(long, value_name = "SECONDS")]
     pub comm_timeout: Option<f64>,
 
+    /// The collective backend on GPUs: nccl (one GPU per rank), ipc (the node's ranks read each
+    /// other's GPU memory through CUDA IPC, several ranks per GPU allowed), staged (the CPU
+    /// backend through the host), auto (nccl, or ipc where ranks share a GPU; the default).
+    #[arg(long, value_enum, value_name = "BACKEND")]
+    pub comm: Option<CommChoice>,
+
     /// Record every collective per rank (op, group, bytes, seq, start, end) into
     /// RUN_DIR/trace-rank{N}.jsonl.
     #[arg(long)]
@@ -89,6 +95,7 @@ impl LayoutArgs {
             master_addr: merged("--master-addr", &self.master_addr, &after.master_addr)?,
             master_port: merged("--master-port", &self.master_port, &after.master_port)?,
             comm_timeout: merged("--comm-timeout", &self.comm_timeout, &after.comm_timeout)?,
+            comm: merged("--comm", &self.comm, &after.comm)?,
             trace: self.trace || after.trace,
         })
     }
@@ -201,6 +208,7 @@ impl LayoutArgs {
             world_source,
             launch,
             comm_timeout: Duration::from_secs_f64(comm_timeout),
+            comm: self.comm.unwrap_or_default(),
             trace: self.trace,
         })
     }
