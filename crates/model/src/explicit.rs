@@ -70,7 +70,7 @@ use crate::layers::{LayerNorm, Linear, Mlp};
 use crate::tape::Collective;
 
 pub use block::{block_tape, sharded_block_tape, BlockDropout};
-pub use head::{embedding_tape, head_tape, position_grad, row_loss_grad};
+pub use head::{embedding_tape, head_tape, position_grad, row_loss_grad, TiedHead};
 
 /// Whether the tapes take tensors of this dtype (the fused kernels' f32 and bf16).
 pub fn taped_dtype(x: &Tensor) -> bool {

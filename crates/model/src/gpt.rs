@@ -33,7 +33,7 @@ use crate::layers::{
 };
 use crate::moe::{MoeLayer, MoeStats};
 use crate::param::Param;
-use crate::tape::Tape;
+use crate::tape::{Collective, Tape};
 
 /// What a segment returns: its output (the scalar loss for a head given targets), and for MoE
 /// blocks the auxiliary loss (already times its coefficient) and routing statistics.
@@ -91,6 +91,64 @@ pub trait Segment: Send + Sync {
         _draw: &Draw,
     ) -> Result<Option<Box<dyn Tape>>> {
         self.forward_taped(x, targets)
+    }
+}
+
+/// A pre-LayerNorm transformer block the engine runs: a [`Block`] on one device, or one whose
+/// layers are sharded (sequence parallelism's, whose input and output are this rank's
+/// positions). Its [`Segment`] methods are said once, below, from these.
+pub trait BlockSegment: Send + Sync {
+    /// Its name, layers and index in the model.
+    fn block(&self) -> &Block;
+    /// The collective entering each sub-layer after its LayerNorm (None: none).
+    fn enter(&self) -> Option<Arc<dyn Collective>>;
+    /// This rank's first position of a sequence of `t` (0 where the block sees them all).
+    fn first_position(&self, _t: usize) -> usize {
+        0
+    }
+    /// The block's forward, its dropout sites applied under `draw`.
+    fn run(&self, x: &Tensor, draw: Option<&Draw>) -> Result<SegmentOut>;
+}
+
+impl<B: BlockSegment> Segment for B {
+    fn name(&self) -> String {
+        self.block().name.clone()
+    }
+
+    fn forward(&self, x: &Tensor, _targets: Option<&Tensor>) -> Result<SegmentOut> {
+        self.run(x, None)
+    }
+
+    fn forward_drawn(&self, x: &Tensor, _t: Option<&Tensor>, draw: &Draw) -> Result<SegmentOut> {
+        self.run(x, Some(draw))
+    }
+
+    fn params(&self) -> Vec<Param> {
+        let b = self.block();
+        let mut p = b.ln_1.params();
+        p.extend(b.attn.params());
+        p.extend(b.ln_2.params());
+        p.extend(b.ffn.params());
+        p
+    }
+
+    fn forward_taped(&self, x: &Tensor, _t: Option<&Tensor>) -> Result<Option<Box<dyn Tape>>> {
+        self.block().tape(x, self.enter(), None)
+    }
+
+    fn forward_taped_drawn(
+        &self,
+        x: &Tensor,
+        _targets: Option<&Tensor>,
+        draw: &Draw,
+    ) -> Result<Option<Box<dyn Tape>>> {
+        let first = |t: usize| self.first_position(t);
+        let dropout = explicit::BlockDropout {
+            draw,
+            layer: self.block().layer,
+            positions: Some(&first),
+        };
+        self.block().tape(x, self.enter(), Some(&dropout))
     }
 }
 
@@ -214,20 +272,16 @@ impl Block {
         }
     }
 
-    /// The block's forward, its dropout sites applied under `draw`.
-    fn run(&self, x: &Tensor, draw: Option<&Draw>) -> Result<SegmentOut> {
-        let (_, t, c) = x.dims3()?;
-        let (masks, layer) = (BlockMasks::new(draw, self.layer, (0, t), c)?, self.layer);
-        let a = self
-            .attn
-            .forward_drawn(&self.ln_1.forward(x)?, draw, layer)?; // (B, T, C)
-        let x = (x + masks.attn(&a)?)?; // (B, T, C)
-        let ffn = self.ffn.forward(&self.ln_2.forward(&x)?)?;
-        Ok(SegmentOut {
-            out: (x + masks.mlp(&ffn.out)?)?,
-            aux_loss: ffn.aux_loss,
-            stats: ffn.stats,
-        })
+    /// Its hand-written backward ([`explicit::sharded_block_tape`]), `enter` after each
+    /// LayerNorm and the dropout sites of `dropout`.
+    fn tape(
+        &self,
+        x: &Tensor,
+        enter: Option<Arc<dyn Collective>>,
+        dropout: Option<&explicit::BlockDropout>,
+    ) -> Result<Option<Box<dyn Tape>>> {
+        let (ln_1, attn, ln_2) = (&self.ln_1, &self.attn, &self.ln_2);
+        explicit::sharded_block_tape(ln_1, attn, ln_2, self.ffn.as_ref(), x, enter, dropout)
     }
 }
 
@@ -282,55 +336,28 @@ impl Block {
     }
 }
 
-impl Segment for Block {
-    fn name(&self) -> String {
-        self.name.clone()
+impl BlockSegment for Block {
+    fn block(&self) -> &Block {
+        self
     }
 
-    fn forward(&self, x: &Tensor, _targets: Option<&Tensor>) -> Result<SegmentOut> {
-        self.run(x, None)
+    fn enter(&self) -> Option<Arc<dyn Collective>> {
+        None
     }
 
-    fn forward_drawn(&self, x: &Tensor, _t: Option<&Tensor>, draw: &Draw) -> Result<SegmentOut> {
-        self.run(x, Some(draw))
-    }
-
-    fn forward_taped_drawn(
-        &self,
-        x: &Tensor,
-        _targets: Option<&Tensor>,
-        draw: &Draw,
-    ) -> Result<Option<Box<dyn Tape>>> {
-        let dropout = explicit::BlockDropout {
-            draw,
-            layer: self.layer,
-            positions: None,
-        };
-        explicit::sharded_block_tape(
-            &self.ln_1,
-            &self.attn,
-            &self.ln_2,
-            self.ffn.as_ref(),
-            x,
-            None,
-            Some(&dropout),
-        )
-    }
-
-    fn params(&self) -> Vec<Param> {
-        let mut p = self.ln_1.params();
-        p.extend(self.attn.params());
-        p.extend(self.ln_2.params());
-        p.extend(self.ffn.params());
-        p
-    }
-
-    fn forward_taped(
-        &self,
-        x: &Tensor,
-        _targets: Option<&Tensor>,
-    ) -> Result<Option<Box<dyn Tape>>> {
-        explicit::block_tape(&self.ln_1, &self.attn, &self.ln_2, self.ffn.as_ref(), x)
+    fn run(&self, x: &Tensor, draw: Option<&Draw>) -> Result<SegmentOut> {
+        let (_, t, c) = x.dims3()?;
+        let (masks, layer) = (BlockMasks::new(draw, self.layer, (0, t), c)?, self.layer);
+        let a = self
+            .attn
+            .forward_drawn(&self.ln_1.forward(x)?, draw, layer)?; // (B, T, C)
+        let x = (x + masks.attn(&a)?)?; // (B, T, C)
+        let ffn = self.ffn.forward(&self.ln_2.forward(&x)?)?;
+        Ok(SegmentOut {
+            out: (x + masks.mlp(&ffn.out)?)?,
+            aux_loss: ffn.aux_loss,
+            stats: ffn.stats,
+        })
     }
 }
 

@@ -1,6 +1,7 @@
 //! The tapes at the ends of the model: the token plus position embedding, and the head (final
-//! LayerNorm, the LM head tied to `wte`, mean cross-entropy); the two rules the vocab-parallel
-//! tapes share with them ([`row_loss_grad`], [`position_grad`]).
+//! LayerNorm, the LM head tied to `wte`, mean cross-entropy); what the vocab-parallel tapes
+//! share with them: the tied head's kept forward and backward ([`TiedHead`]) and two rules
+//! ([`row_loss_grad`], [`position_grad`]).
 
 use candle_core::{DType, Result, Tensor};
 use mtrain_kernels::{cross_entropy, embedding};
@@ -8,20 +9,105 @@ use mtrain_kernels::{cross_entropy, embedding};
 use super::{err, taped_dtype, Norm, Stats};
 use crate::layers::LayerNorm;
 use crate::param::Param;
-use crate::tape::{Tape, TapeGrads};
+use crate::tape::{Collective, Tape, TapeGrads};
+
+/// What every head tape keeps of the final LayerNorm and the LM head tied to `wte` (this
+/// rank's rows of it under vocabulary parallelism), and the backward they share from the
+/// gradient of the logits.
+///
+/// ```text
+///   forward:  x (N_r, C) ─ln_f─> enter ─> h (N, C) ─·wteᵀ─> z (N, V_r)
+///   backward: dwte = dzᵀ·h    dx = ln_fᵀ(enterᵀ(dz·wte))
+/// ```
+pub struct TiedHead {
+    pub ln_f: Norm,
+    pub wte_name: String,
+    pub wte: Tensor,
+    /// (B, this rank's T, C)
+    pub dims: (usize, usize, usize),
+    /// (N_r, C): the head's input
+    pub x: Tensor,
+    pub s: Stats,
+    /// (N, C): `ln_f(x)` after the entering collective
+    pub h: Tensor,
+}
+
+impl TiedHead {
+    /// `ln_f(x)` (N, C) after `enter` (None: no collective), kept; None where the head has no
+    /// hand-written backward (a dtype other than f32 or bf16, `wte` in another than `x`'s).
+    pub fn forward(
+        ln_f: &LayerNorm,
+        wte: &Param,
+        x: &Tensor,
+        enter: Option<&dyn Collective>,
+    ) -> Result<Option<TiedHead>> {
+        let Some(ln_f) = Norm::of(ln_f, x) else {
+            return Ok(None);
+        };
+        let (wte_name, wte) = (wte.name().to_string(), wte.tensor().detach());
+        if wte.dtype() != x.dtype() {
+            return Ok(None);
+        }
+        let (b, t, c) = x.dims3()?;
+        let x = x.detach().reshape((b * t, c))?; // (N_r, C)
+        let (h, s) = ln_f.forward(&x)?; // (N_r, C)
+        let h = match enter {
+            Some(enter) => {
+                let h = enter.forward(&h.reshape((b, t, c))?)?; // (B, T, C)
+                let n = h.dim(0)? * h.dim(1)?;
+                h.reshape((n, c))? // (N, C)
+            }
+            None => h,
+        };
+        Ok(Some(TiedHead {
+            ln_f,
+            wte_name,
+            wte,
+            dims: (b, t, c),
+            x,
+            s,
+            h,
+        }))
+    }
+
+    /// The tied weight's gradient `dzᵀ·h` and dx (B, T_r, C) from dz (N, V_r), `dz·wte` taken
+    /// back through `enter` (None: no collective) and `ln_f`.
+    pub fn backward(self, dz: Tensor, enter: Option<&dyn Collective>) -> Result<TapeGrads> {
+        let TiedHead {
+            ln_f,
+            wte_name,
+            wte,
+            dims: (b, t, c),
+            x,
+            s,
+            h,
+        } = self;
+        let mut grads = Vec::with_capacity(3);
+        let dh = dz.matmul(&wte)?; // (N, C), this rank's part
+        grads.push((wte_name, dz.t()?.matmul(&h)?)); // (V_r, C)
+        drop((dz, h));
+        let dh = match enter {
+            Some(enter) => {
+                let n = dh.dim(0)?;
+                let dh = enter.backward(&dh.reshape((b, n / b, c))?)?; // (B, T_r, C)
+                dh.reshape((b * t, c))?
+            }
+            None => dh,
+        }; // (N_r, C)
+        let dx = ln_f.backward(&x, &s, &dh, &mut grads)?; // (N_r, C)
+        Ok(TapeGrads {
+            params: grads,
+            input: Some(dx.reshape((b, t, c))?),
+        })
+    }
+}
 
 /// The head's forward kept for its backward.
 struct HeadTape {
-    ln_f: Norm,
-    wte_name: String,
-    wte: Tensor,
-    x: Tensor,
-    s: Stats,
-    h: Tensor,
+    head: TiedHead,
     logits: Tensor,
     targets: Tensor,
     lse: Tensor,
-    dims: (usize, usize, usize),
     loss: Tensor,
 }
 
@@ -37,15 +123,10 @@ pub fn head_tape(
     let Some(targets) = targets else {
         return Ok(None);
     };
-    let Some(ln_f) = Norm::of(ln_f, x) else {
+    let Some(head) = TiedHead::forward(ln_f, wte, x, None)? else {
         return Ok(None);
     };
-    let (wte_name, wte) = (wte.name().to_string(), wte.tensor().detach());
-    if wte.dtype() != x.dtype() {
-        return Ok(None);
-    }
-    let (b, t, c) = x.dims3()?;
-    let n = b * t;
+    let n = head.h.dim(0)?;
     if targets.elem_count() != n {
         return Err(err(format!(
             "head: targets {:?} do not match the input {:?}",
@@ -53,23 +134,15 @@ pub fn head_tape(
             x.dims()
         )));
     }
-    let x = x.detach().reshape((n, c))?; // (N, C)
-    let (h, s) = ln_f.forward(&x)?; // (N, C)
-    let logits = h.matmul(&wte.t()?)?; // (N, V)
+    let logits = head.h.matmul(&head.wte.t()?)?; // (N, V)
     let targets = targets.flatten_all()?.to_dtype(DType::U32)?; // (N,)
     let (rows, lse) = cross_entropy::forward(&logits, &targets)?; // (N,)
     let loss = rows.mean_all()?; // scalar, f32
     Ok(Some(Box::new(HeadTape {
-        ln_f,
-        wte_name,
-        wte,
-        x,
-        s,
-        h,
+        head,
         logits,
         targets,
         lse,
-        dims: (b, t, c),
         loss,
     })))
 }
@@ -81,35 +154,21 @@ impl Tape for HeadTape {
 
     fn backward(self: Box<Self>, grad_out: Option<&Tensor>, loss_scale: f64) -> Result<TapeGrads> {
         let HeadTape {
-            ln_f,
-            wte_name,
-            wte,
-            x,
-            s,
-            h,
+            head,
             logits,
             targets,
             lse,
-            dims: (b, t, c),
             loss: _,
         } = *self;
-        let n = b * t;
+        let n = logits.dim(0)?;
         let g = Tensor::full(
             row_loss_grad(grad_out, loss_scale, n)? as f32,
             n,
-            x.device(),
+            logits.device(),
         )?; // (N,)
         let dlogits = cross_entropy::backward(&logits, &targets, &lse, &g)?; // (N, V)
         drop(logits);
-        let mut grads = Vec::with_capacity(3);
-        let dh = dlogits.matmul(&wte)?; // (N, C)
-        grads.push((wte_name, dlogits.t()?.matmul(&h)?)); // (V, C)
-        drop((dlogits, h));
-        let dx = ln_f.backward(&x, &s, &dh, &mut grads)?; // (N, C)
-        Ok(TapeGrads {
-            params: grads,
-            input: Some(dx.reshape((b, t, c))?),
-        })
+        head.backward(dlogits, None)
     }
 }
 

@@ -36,7 +36,7 @@ use candle_core::{DType, Result, Tensor, D};
 use mtrain_comm::{chunk_range, Comm, ReduceOp};
 use mtrain_kernels::embedding;
 use mtrain_model::dropout::{self, embedding_mask, Dropped};
-use mtrain_model::explicit::{position_grad, taped_dtype, Norm, Stats};
+use mtrain_model::explicit::{position_grad, taped_dtype, TiedHead};
 
 use mtrain_model::layers::linear;
 use mtrain_model::tape::{Collective, Tape, TapeGrads};
@@ -351,16 +351,8 @@ impl Segment for VocabParallelHead {
 ///             dx = ln_fᵀ(dh)
 /// ```
 struct HeadTape {
-    ln_f: Norm,
-    wte_name: String,
-    wte: Tensor,
+    head: TiedHead,
     enter: Arc<dyn Collective>,
-    /// (B, this rank's T, C)
-    dims: (usize, usize, usize),
-    x: Tensor,
-    s: Stats,
-    /// (N, C): the head's input after `enter`
-    h: Tensor,
     /// (N, V/tp) f32: e^(z_r − m)
     exp: Tensor,
     /// (N, 1) f32: S
@@ -379,20 +371,12 @@ fn head_tape(
     let Some(targets) = targets else {
         return Ok(None);
     };
-    let Some(ln_f) = Norm::of(&hd.ln_f, x) else {
+    let enter = hd.mappings().input.mapping.over(&hd.group);
+    let Some(head) = TiedHead::forward(&hd.ln_f, &hd.wte, x, Some(enter.as_ref()))? else {
         return Ok(None);
     };
-    let wte = hd.wte.tensor().detach();
-    if wte.dtype() != x.dtype() {
-        return Ok(None);
-    }
-    let (b, t, c) = x.dims3()?;
-    let enter = hd.mappings().input.mapping.over(&hd.group);
-    let x = x.detach().reshape((b * t, c))?; // (N_r, C)
-    let (h, s) = ln_f.forward(&x)?; // (N_r, C)
-    let h = enter.forward(&h.reshape((b, t, c))?)?; // (B, T, C)
-    let n = h.dim(0)? * h.dim(1)?;
-    let h = h.reshape((n, c))?; // (N, C)
+    let (b, _, c) = x.dims3()?;
+    let n = head.h.dim(0)?;
     if targets.elem_count() != n {
         return Err(candle_core::Error::Msg(format!(
             "vocab-parallel head: targets {:?} do not match the input {:?}",
@@ -400,8 +384,8 @@ fn head_tape(
             (b, n / b, c)
         )));
     }
-    let v_local = wte.dim(0)?;
-    let z = h.matmul(&wte.t()?)?.to_dtype(DType::F32)?; // (N, V/tp)
+    let v_local = head.wte.dim(0)?;
+    let z = head.h.matmul(&head.wte.t()?)?.to_dtype(DType::F32)?; // (N, V/tp)
     let all_reduce = |t: &Tensor, op: ReduceOp| -> Result<Tensor> {
         hd.group.all_reduce(&t.contiguous()?, op).map_err(comm_err)
     };
@@ -420,14 +404,8 @@ fn head_tape(
     let z_target = all_reduce(&z_target, ReduceOp::Sum)?; // (N, 1)
     let loss = (sum_exp.log()? - z_target)?.mean_all()?; // scalar f32
     Ok(Some(Box::new(HeadTape {
-        ln_f,
-        wte_name: hd.wte.name().to_string(),
-        wte,
+        head,
         enter,
-        dims: (b, t, c),
-        x,
-        s,
-        h,
         exp,
         sum_exp,
         rows,
@@ -443,14 +421,8 @@ impl Tape for HeadTape {
 
     fn backward(self: Box<Self>, grad_out: Option<&Tensor>, loss_scale: f64) -> Result<TapeGrads> {
         let HeadTape {
-            ln_f,
-            wte_name,
-            wte,
+            head,
             enter,
-            dims: (b, t, c),
-            x,
-            s,
-            h,
             exp,
             sum_exp,
             rows,
@@ -465,18 +437,9 @@ impl Tape for HeadTape {
             .to_dtype(DType::F32)?
             .broadcast_mul(&mine)?; // (N, V/tp)
         let dz = ((exp.broadcast_div(&sum_exp)? - onehot)? * g_row)?; // (N, V/tp)
-        let dz = dz.to_dtype(wte.dtype())?;
+        let dz = dz.to_dtype(head.wte.dtype())?;
         drop(exp);
-        let mut grads = Vec::with_capacity(3);
-        let dh = dz.matmul(&wte)?; // (N, C), this rank's part
-        grads.push((wte_name, dz.t()?.matmul(&h)?)); // (V/tp, C)
-        drop((dz, h));
-        let dh = enter.backward(&dh.reshape((b, n / b, c))?)?; // (B, T_r, C)
-        let dx = ln_f.backward(&x, &s, &dh.reshape((b * t, c))?, &mut grads)?; // (N_r, C)
-        Ok(TapeGrads {
-            params: grads,
-            input: Some(dx.reshape((b, t, c))?),
-        })
+        head.backward(dz, Some(enter.as_ref()))
     }
 }
 
