@@ -355,6 +355,19 @@ impl PipelineExecutor {
                 pp.size()
             )));
         }
+        if sched.kind().splits_backward() {
+            return Err(PipelineError::SplitBackward(sched.kind()));
+        }
+        if let Some(c) = (0..sched.virtual_stages())
+            .find(|&c| stages.chunks()[c].stage != sched.model_stage(rank, c))
+        {
+            return Err(PipelineError::Layout(format!(
+                "rank {rank}'s chunk {c} is model stage {}, but the {} schedule places stage {} there",
+                stages.chunks()[c].stage,
+                sched.kind(),
+                sched.model_stage(rank, c)
+            )));
+        }
         let (batch, t) = idx.dims2()?;
         if batch % m != 0 || targets.dims() != idx.dims() {
             return Err(PipelineError::UnevenBatch {
@@ -436,6 +449,9 @@ impl PipelineExecutor {
                     peak_bytes = peak_bytes.max(alive_bytes);
                     alive.insert((mb, chunk), acts);
                     peak = peak.max(alive.len());
+                }
+                Action::InputGrad { .. } | Action::WeightGrad { .. } => {
+                    return Err(PipelineError::SplitBackward(sched.kind()));
                 }
                 Action::Backward { .. } => {
                     if !backward_started {

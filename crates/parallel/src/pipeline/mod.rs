@@ -19,7 +19,9 @@ pub mod schedule;
 pub mod stage;
 
 pub use executor::{NoStageHooks, PipelineExecutor, Span, SpanKind, StageHooks, StepReport};
-pub use schedule::{Action, Schedule, ScheduleError, ScheduleKind, Simulation};
+pub use schedule::{
+    Action, PassCosts, PassKind, Schedule, ScheduleError, ScheduleKind, SimSpan, Simulation,
+};
 pub use stage::{PipelineStages, StageLayout};
 
 use mtrain_comm::CommError;
@@ -29,6 +31,9 @@ use mtrain_comm::CommError;
 pub enum PipelineError {
     #[error(transparent)]
     Schedule(#[from] ScheduleError),
+
+    #[error("the {0} schedule runs the backward as two passes, B (input gradient) and W (weight gradients), and the split backward is not implemented in the tapes yet: train with gpipe, 1f1b or interleaved (`mtrain plan` shows the {0} grid)")]
+    SplitBackward(ScheduleKind),
 
     #[error("pipeline layout: {0}")]
     Layout(String),
