@@ -24,7 +24,7 @@
 //!   backward): the receive waits, the send issues, the final wait for sends and the executor's
 //!   own bookkeeping between spans;
 //! - **predicted** = the same fraction on the schedule's grid simulated
-//!   ([`Schedule::simulate_with`], [`Simulation::rank_bubble_fraction`]) with this step's
+//!   ([`Schedule::simulate_with`], [`rank_bubble_fraction`](super::Simulation::rank_bubble_fraction)) with this step's
 //!   measured cost of each pass kind on each model stage: the mean forward and backward time of
 //!   each chunk of each rank, gathered over the pipeline group with the loss. The simulation
 //!   counts only passes as busy and sends as free, so the gap between the two is what the
