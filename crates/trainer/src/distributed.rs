@@ -58,10 +58,15 @@ use crate::trainable::{MicroStep, TrainableModel};
 pub struct PipelineFigures {
     /// Wall time of the schedule (ms).
     pub step_ms: f64,
-    /// Time spent waiting on a neighbour (ms).
+    /// Time not spent in a pass: waits, send issues, bookkeeping (ms).
     pub idle_ms: f64,
     /// idle / step: the measured bubble.
     pub bubble: f64,
+    /// The bubble of the schedule simulated with this step's pass times (the pipeline
+    /// executor's module doc defines both).
+    pub predicted_bubble: f64,
+    /// This step's mean pass times per model stage (seconds), behind the prediction.
+    pub pass_costs: Vec<mtrain_parallel::pipeline::PassCosts>,
     /// (P − 1)/(v·M + P − 1): the ideal bubble of the schedule.
     pub ideal_bubble: f64,
     /// Most micro-batches alive at once.
@@ -80,7 +85,7 @@ pub struct PipelineTimeline {
     pub start_unix_ms: f64,
     /// Wall time of the schedule (ms).
     pub step_ms: f64,
-    /// Receive waits plus the final wait for sends (ms).
+    /// Time not spent in a pass (ms).
     pub idle_ms: f64,
     /// The spans, in the order they happened.
     pub spans: Vec<TimelineSpan>,
@@ -321,6 +326,8 @@ impl TrainableModel for Distributed {
                 step_ms: r.step_time.as_secs_f64() * 1e3,
                 idle_ms: r.idle_time.as_secs_f64() * 1e3,
                 bubble: r.bubble_fraction,
+                predicted_bubble: r.predicted_bubble_fraction,
+                pass_costs: r.pass_costs.clone(),
                 ideal_bubble: r.analytic_bubble_fraction,
                 peak_in_flight: r.peak_in_flight,
                 peak_activation_bytes: r.peak_activation_bytes,
@@ -502,8 +509,9 @@ impl std::fmt::Display for StepReport {
         if let Some(p) = &self.pipeline {
             write!(
                 f,
-                " | bubble {:.3} (ideal {:.3}), {} micro-batches in flight",
-                p.bubble, p.ideal_bubble, p.peak_in_flight
+                " | bubble {:.3} (predicted {:.3} from this step's pass times; ideal {:.3}), \
+                 {} micro-batches in flight",
+                p.bubble, p.predicted_bubble, p.ideal_bubble, p.peak_in_flight
             )?;
         }
         for (i, e) in self.experts.iter().flatten().enumerate() {

@@ -16,6 +16,7 @@
 use clap::Args;
 use mtrain_comm::mesh::MeshDims;
 use mtrain_parallel::parallelize::{ParallelPlan, ValidPlan};
+use mtrain_parallel::pipeline::{PassCosts, Schedule, ScheduleKind};
 
 use crate::config::DeviceKind;
 use crate::config::{TrainArgs, TrainConfig};
@@ -85,6 +86,31 @@ pub fn render(cfg: &TrainConfig, layout: &Layout) -> Result<String, crate::confi
         cfg.batch_size * cfg.seq_len * dims.dp * cfg.grad_accum,
     ));
     Ok(out)
+}
+
+/// The pipeline schedule's grid at equal pass costs, with its bubble and each rank's peak of
+/// (micro-batch, chunk) activation sets held at once.
+pub fn render_schedule(kind: ScheduleKind, pp: usize, m: usize) -> anyhow::Result<String> {
+    let sched = Schedule::new(kind, pp, m)?;
+    let costs = if kind.splits_backward() {
+        PassCosts::EQUAL_SPLIT
+    } else {
+        PassCosts::UNIT
+    };
+    let sim = sched.simulate_with(&vec![costs; sched.num_model_stages()])?;
+    let peaks: Vec<String> = (0..pp).map(|r| sim.peak_in_flight(r).to_string()).collect();
+    let unit = if kind.splits_backward() {
+        "F = B = W, one column each"
+    } else {
+        "equal forward and backward, one column each"
+    };
+    Ok(format!(
+        "pipeline schedule {kind}, pp {pp}, {m} micro-batches ({unit}): bubble {:.3}, \
+         peak activation sets (micro-batch x chunk) per rank [{}]\n{}",
+        sim.bubble_fraction(0),
+        peaks.join(", "),
+        sim.render()
+    ))
 }
 
 /// What one pipeline rank (any of its tp, dp and ep ranks alike) should hold under a plan.
@@ -164,6 +190,20 @@ pub fn run(
         "{}",
         mtrain_parallel::parallelize::describe(&cfg.gpt_config()?, plan)
     );
+    let kind = plan.effective_schedule();
+    if plan.dims.pp > 1 {
+        print!(
+            "{}",
+            render_schedule(kind, plan.dims.pp, plan.microbatches)?
+        );
+    }
+    if kind.splits_backward() {
+        println!(
+            "training with {kind} needs the split backward (B/W), not implemented in the tapes yet: \
+             no memory or communication estimate"
+        );
+        return Ok(());
+    }
     print!("{}", render_memory(plan, &rank_memory(cfg, plan)?));
     let (ab, cmp) = (args.alpha_beta.as_deref(), args.compare.as_deref());
     print!("{}", crate::cost::plan_report(cfg, plan, ab, cmp)?);
@@ -209,5 +249,25 @@ mod tests {
             assert_eq!(2 * m.optim(), 3 * f.optim(), "12 bytes against 8");
             assert_eq!(f.total(), 16 * f.n_params);
         }
+    }
+
+    /// `mtrain plan` draws the zero-bubble grids: ZB-V at pp 4 puts stages 0 and 7 on rank 0.
+    #[test]
+    fn the_plan_draws_the_zero_bubble_grids() {
+        let v = render_schedule(ScheduleKind::ZeroBubbleV, 4, 8).unwrap();
+        assert!(
+            v.starts_with("pipeline schedule ZB-V, pp 4, 8 micro-batches"),
+            "{v}"
+        );
+        assert!(
+            v.contains("rank 3 | ") && v.contains("W7.0") && v.contains("B7.1"),
+            "{v}"
+        );
+        let h1 = render_schedule(ScheduleKind::ZeroBubbleH1, 4, 8).unwrap();
+        assert!(h1.contains("bubble 0.111"), "{h1}");
+        assert!(
+            h1.contains("rank 0 | F0 F1 F2 F3 .  .  .  B0 W0 F4"),
+            "{h1}"
+        );
     }
 }

@@ -26,7 +26,7 @@ use mtrain_comm::{chunk_range, Coords, MeshDims, OpKind};
 use mtrain_model::moe::capacity;
 use mtrain_model::{GptConfig, MoeConfig};
 
-use super::{broadcast_sent, Collective, CostError, Group, Phase, Result, StepShape, Tally};
+use super::{ring_all_gather_sent, Collective, CostError, Group, Phase, Result, StepShape, Tally};
 use crate::ddp::{assign_bucket_sizes, DdpConfig, ParamSize};
 use crate::expert_parallel::{MoeExchange, MOE_EXCHANGES};
 use crate::fsdp::{residency, ZeroStage};
@@ -58,6 +58,12 @@ pub fn step_collectives(
     let mut walk = Walk::new(cfg, plan, shape, rank)?;
     let sched = Schedule::new(plan.effective_schedule(), dims.pp, plan.microbatches)
         .map_err(|e| CostError::Plan(e.to_string()))?;
+    if sched.kind().splits_backward() {
+        return Err(CostError::Plan(format!(
+            "the {} schedule needs the split backward (B/W), not implemented in the tapes yet",
+            sched.kind()
+        )));
+    }
     let me = walk.c.pp;
     let remote = |s: usize| sched.rank_of_stage(s) != me;
     let actions = sched.actions(me);
@@ -81,20 +87,24 @@ pub fn step_collectives(
                 };
                 walk.backward(a.chunk(), reduce);
             }
+            Action::InputGrad { .. } | Action::WeightGrad { .. } => {
+                unreachable!("split schedules are refused above")
+            }
         }
         if sched.output_stage(me, a).is_some_and(remote) {
             walk.pipeline_transfer(OpKind::Send, a);
         }
     }
     if dims.pp > 1 {
-        let root = sched.rank_of_stage(plan.num_stages() - 1);
-        let sent = broadcast_sent(8, dims.pp, walk.c.pp, root);
+        // The loss and every rank's pass times (1 + 2v f64), gathered over the pipeline group.
+        let row = (8 * (1 + 2 * sched.virtual_stages())) as u64;
+        let sent = ring_all_gather_sent(&vec![row; dims.pp], walk.c.pp);
         walk.tally.push(
             Group::Pp,
-            OpKind::Broadcast,
-            "loss",
+            OpKind::AllGather,
+            "loss and pass times",
             Phase::Step,
-            8,
+            row,
             sent,
             false,
             false,

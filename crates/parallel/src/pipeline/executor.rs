@@ -13,11 +13,23 @@
 //! through chunk 0", and the stage's position decides what to receive and where to send.
 //! Sends are asynchronous: the `Work` is kept and compute goes on; finished sends are reaped
 //! after every action and the rest are waited at the end of the step. A receive is posted when
-//! the action needs its input and waited at once; the time spent there (and in the final wait
-//! for sends) is this rank's idle time, so `idle / step time` is the measured bubble, reported
-//! next to the textbook `(P − 1)/(M + P − 1)`. Schedules are built so that between two ranks the
-//! messages are received in the order they were sent (a test in `schedule.rs` checks it), so no
-//! tags are needed.
+//! the action needs its input and waited at once. Schedules are built so that between two ranks
+//! the messages are received in the order they were sent (a test in `schedule.rs` checks it), so
+//! no tags are needed. The split schedules (ZB-H1, ZB-V) are refused
+//! ([`PipelineError::SplitBackward`]): the tapes run the backward as one pass today.
+//!
+//! The bubble, measured and predicted, counted the same way on this rank:
+//! - **measured** = idle time / step time, where the step runs from the first action to the
+//!   completion of the last send, and idle is everything in it that is not a pass (forward or
+//!   backward): the receive waits, the send issues, the final wait for sends and the executor's
+//!   own bookkeeping between spans;
+//! - **predicted** = the same fraction on the schedule's grid simulated
+//!   ([`Schedule::simulate_with`], [`rank_bubble_fraction`](super::Simulation::rank_bubble_fraction)) with this step's
+//!   measured cost of each pass kind on each model stage: the mean forward and backward time of
+//!   each chunk of each rank, gathered over the pipeline group with the loss. The simulation
+//!   counts only passes as busy and sends as free, so the gap between the two is what the
+//!   pipeline loses beyond its schedule (messages, bookkeeping, ranks sharing cores);
+//! - **ideal** = the schedule's bubble at equal costs, `(P − 1)/(v·M + P − 1)`.
 //!
 //! The batch (B, T) is split into M micro-batches of B/M sequences. Each micro-batch's mean loss
 //! is scaled by 1/M before its backward, so the gradients summed over micro-batches equal the
@@ -54,7 +66,7 @@ use candle_core::{DType, Shape, Tensor};
 use mtrain_comm::{chunk_range, Communicator, Work};
 use mtrain_model::{Activations, Draw, Engine, Grads, Hooks, MoeStats, NoHooks};
 
-use super::schedule::{Action, Schedule};
+use super::schedule::{Action, PassCosts, Schedule};
 use super::stage::PipelineStages;
 use super::{PipelineError, Result};
 
@@ -127,10 +139,16 @@ pub struct StepReport {
     pub aux_loss: f64,
     /// Wall time of the schedule on this rank, from the first action to the last send's completion.
     pub step_time: Duration,
-    /// Part of `step_time` spent waiting on a neighbour (receives and outstanding sends).
+    /// Part of `step_time` not spent in a pass: receive waits, send issues, the final wait for
+    /// sends and bookkeeping.
     pub idle_time: Duration,
     /// `idle_time / step_time`: the measured bubble on this rank.
     pub bubble_fraction: f64,
+    /// This rank's bubble on the schedule simulated with this step's pass costs (module doc).
+    pub predicted_bubble_fraction: f64,
+    /// This step's mean cost of each pass kind on each model stage, in seconds (every rank's,
+    /// gathered over the pipeline group).
+    pub pass_costs: Vec<PassCosts>,
     /// The ideal-pipeline bubble of this schedule, (P − 1)/(v·M + P − 1).
     pub analytic_bubble_fraction: f64,
     /// Most micro-batches (per chunk) whose activations were alive at once on this rank.
@@ -152,12 +170,13 @@ impl std::fmt::Display for StepReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "loss {:.4} | step {:.1} ms, idle {:.1} ms | bubble {:.3} (ideal {:.3}) | \
-             {} micro-batches in flight ({:.1} KiB of activations)",
+            "loss {:.4} | step {:.1} ms, idle {:.1} ms | bubble {:.3} (predicted {:.3} from this \
+             step's pass times; ideal {:.3}) | {} micro-batches in flight ({:.1} KiB of activations)",
             self.loss,
             self.step_time.as_secs_f64() * 1e3,
             self.idle_time.as_secs_f64() * 1e3,
             self.bubble_fraction,
+            self.predicted_bubble_fraction,
             self.analytic_bubble_fraction,
             self.peak_in_flight,
             self.peak_activation_bytes as f64 / 1024.0
@@ -199,7 +218,6 @@ struct Links<'a> {
     /// Messages to this rank itself, keyed by (is activation, micro-batch, receiving stage).
     mailbox: HashMap<(bool, usize, usize), Tensor>,
     sends: Vec<Work<()>>,
-    idle: Duration,
     timeline: Timeline,
 }
 
@@ -242,14 +260,11 @@ impl Links<'_> {
             });
         }
         let (pp, mb) = (self.pp, key.1);
-        let span_start = self.timeline.spans.len();
         let x = self
             .timeline
             .time(SpanKind::RecvWait, Some(mb), chunk, || {
                 pp.recv_async(from_rank, shape, dtype).wait()
             })?;
-        let span = &self.timeline.spans[span_start];
-        self.idle += span.end - span.start;
         Ok(x)
     }
 
@@ -266,12 +281,9 @@ impl Links<'_> {
             return Ok(());
         }
         let sends: Vec<Work<()>> = self.sends.drain(..).collect();
-        let span_start = self.timeline.spans.len();
         self.timeline.time(SpanKind::SendWait, None, 0, || {
             sends.into_iter().try_for_each(|w| w.wait())
         })?;
-        let span = &self.timeline.spans[span_start];
-        self.idle += span.end - span.start;
         Ok(())
     }
 }
@@ -367,6 +379,19 @@ impl PipelineExecutor {
                 pp.size()
             )));
         }
+        if sched.kind().splits_backward() {
+            return Err(PipelineError::SplitBackward(sched.kind()));
+        }
+        if let Some(c) = (0..sched.virtual_stages())
+            .find(|&c| stages.chunks()[c].stage != sched.model_stage(rank, c))
+        {
+            return Err(PipelineError::Layout(format!(
+                "rank {rank}'s chunk {c} is model stage {}, but the {} schedule places stage {} there",
+                stages.chunks()[c].stage,
+                sched.kind(),
+                sched.model_stage(rank, c)
+            )));
+        }
         let (batch, t) = idx.dims2()?;
         if batch % m != 0 || targets.dims() != idx.dims() {
             return Err(PipelineError::UnevenBatch {
@@ -397,7 +422,6 @@ impl PipelineExecutor {
             rank,
             mailbox: HashMap::new(),
             sends: Vec::new(),
-            idle: Duration::ZERO,
             timeline: Timeline {
                 t0: Instant::now(),
                 spans: Vec::with_capacity(6 * sched.actions(rank).len()),
@@ -453,6 +477,9 @@ impl PipelineExecutor {
                     alive.insert((mb, chunk), acts);
                     peak = peak.max(alive.len());
                 }
+                Action::InputGrad { .. } | Action::WeightGrad { .. } => {
+                    return Err(PipelineError::SplitBackward(sched.kind()));
+                }
                 Action::Backward { .. } => {
                     if !backward_started {
                         backward_started = true;
@@ -506,14 +533,49 @@ impl PipelineExecutor {
         if sync_tied {
             stages.sync_tied_grads(pp, grads)?;
         }
-        let loss = if p > 1 {
-            let mine = Tensor::new(&[loss_sum * loss_scale], pp.device())?;
-            let root = sched.rank_of_stage(last_stage);
-            pp.broadcast(&mine, root)?.to_vec1::<f64>()?[0]
+        // This rank's mean pass times per chunk: (count, seconds) of forwards and backwards.
+        let v = sched.virtual_stages();
+        let mut sums = vec![[(0usize, 0.0f64); 2]; v];
+        let mut busy = Duration::ZERO;
+        for sp in &links.timeline.spans {
+            let k = match sp.kind {
+                SpanKind::Forward => 0,
+                SpanKind::Backward => 1,
+                _ => continue,
+            };
+            let d = sp.end - sp.start;
+            busy += d;
+            let (n, t) = &mut sums[sp.chunk][k];
+            *n += 1;
+            *t += d.as_secs_f64();
+        }
+        let mean = |(n, t): (usize, f64)| if n == 0 { 0.0 } else { t / n as f64 };
+        // [loss share, then (forward, backward) per chunk]: one message for the loss (nonzero
+        // on the last stage's rank only) and the pass times every rank's prediction needs.
+        let mut mine = vec![loss_sum * loss_scale];
+        mine.extend(sums.iter().flat_map(|c| [mean(c[0]), mean(c[1])]));
+        let row = mine.len(); // 1 + 2v
+        let all = if p > 1 {
+            pp.all_gather(&Tensor::new(mine.as_slice(), pp.device())?)?
+                .to_vec1::<f64>()? // (P · (1 + 2v))
         } else {
-            loss_sum * loss_scale
+            mine
         };
-        let idle_time = links.idle;
+        let loss = all[sched.rank_of_stage(last_stage) * row];
+        let pass_costs: Vec<PassCosts> = (0..sched.num_model_stages())
+            .map(|stage| {
+                let (q, c) = (sched.rank_of_stage(stage), sched.chunk_of_stage(stage));
+                let at = |k: usize| all[q * row + 1 + 2 * c + k];
+                let mut costs = PassCosts::default();
+                costs.forward = at(0);
+                costs.backward = at(1);
+                costs
+            })
+            .collect();
+        let predicted_bubble_fraction = sched
+            .simulate_with(&pass_costs)
+            .map(|sim| sim.rank_bubble_fraction(rank))?;
+        let idle_time = step_time.saturating_sub(busy);
         let report = StepReport {
             loss,
             aux_loss: aux_sum * loss_scale,
@@ -521,6 +583,8 @@ impl PipelineExecutor {
             idle_time,
             bubble_fraction: idle_time.as_secs_f64()
                 / step_time.as_secs_f64().max(f64::MIN_POSITIVE),
+            predicted_bubble_fraction,
+            pass_costs,
             analytic_bubble_fraction: sched.analytic_bubble_fraction(),
             peak_in_flight: peak,
             peak_activation_bytes: peak_bytes,

@@ -8,18 +8,22 @@
 //!   wte.weight lives on stage 0 (embedding) and stage 3 (tied LM head): its gradient is summed
 //! ```
 //!
-//! - [`schedule`]: which forward and backward each rank runs, in which order (GPipe, 1F1B,
-//!   interleaved 1F1B) as plain data, with a virtual-clock simulation and the grid renderer.
+//! - [`schedule`]: which passes each rank runs, in which order (GPipe, 1F1B, interleaved 1F1B,
+//!   and the split-backward ZB-H1 and ZB-V) and which model stages it holds, as plain data, with
+//!   a virtual-clock simulation on per-stage pass costs and the grid renderer.
 //! - [`stage`]: how blocks are split across stages, and the tied embedding/head gradient.
 //! - [`executor`]: runs one rank's actions with asynchronous send/recv of activations and
-//!   gradients, and reports the loss, the measured bubble and the activation high-water mark.
+//!   gradients, and reports the loss, the measured and the predicted bubble and the activation
+//!   high-water mark.
 
 pub mod executor;
 pub mod schedule;
 pub mod stage;
 
 pub use executor::{NoStageHooks, PipelineExecutor, Span, SpanKind, StageHooks, StepReport};
-pub use schedule::{Action, Schedule, ScheduleError, ScheduleKind, Simulation};
+pub use schedule::{
+    Action, PassCosts, PassKind, Schedule, ScheduleError, ScheduleKind, SimSpan, Simulation,
+};
 pub use stage::{PipelineStages, StageLayout};
 
 use mtrain_comm::CommError;
@@ -29,6 +33,9 @@ use mtrain_comm::CommError;
 pub enum PipelineError {
     #[error(transparent)]
     Schedule(#[from] ScheduleError),
+
+    #[error("the {0} schedule runs the backward as two passes, B (input gradient) and W (weight gradients), and the split backward is not implemented in the tapes yet: train with gpipe, 1f1b or interleaved (`mtrain plan` shows the {0} grid)")]
+    SplitBackward(ScheduleKind),
 
     #[error("pipeline layout: {0}")]
     Layout(String),

@@ -20,8 +20,19 @@
 //! - **Interleaved 1F1B** (Megatron's virtual pipeline): each rank holds v chunks; forwards walk
 //!   micro-batches in groups of P, chunk by chunk; `warmup = 2(P − r − 1) + (v − 1)·P`. M must be a
 //!   multiple of P. The bubble shrinks by v.
+//! - **ZB-H1** (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the backward split into B,
+//!   the input gradient the previous stage waits for, and W, the weight gradients nobody waits
+//!   for. 1F1B's order with B in the backward's place; rank r holds back its first r W's and
+//!   runs one W after each B in the cooldown, so the W's fill the bubbles 1F1B leaves at the end
+//!   of the step. Every rank peaks at 1F1B's peak, min(P, M) micro-batches (activations live
+//!   until W). At F = B = W it idles (P − 1) of 3M + P − 1 ticks, a third of 1F1B's bubble.
+//! - **ZB-V**: two chunks per rank in a V (rank r holds stages r and 2P − 1 − r, so rank 0 runs
+//!   the first and the last stage and the chunks' backwards start where the forwards end), the
+//!   order written down by a greedy run on a unit clock: B first, then F while the chunk (and the
+//!   one it sends to) holds fewer than P micro-batches, then the oldest W owed. Peak: P per
+//!   chunk, 2P half-stage activations, 1F1B's peak memory.
 //!
-//! With every forward and every backward taking one tick, and a stage starting a micro-batch's
+//! With every forward and every backward (fused, B or W) taking one tick, and a stage starting a micro-batch's
 //! forward (backward) only once the previous (next) stage finished it, every rank idles for
 //! 2(P − 1) ticks: GPipe and 1F1B both lose (P − 1)/(M + P − 1) of the step (1F1B wins on
 //! memory, not time), interleaved 1F1B (P − 1)/(v·M + P − 1) (its passes are v times shorter).
@@ -49,11 +60,38 @@
 //! rank 0 | F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 .    B2.1 .    B3.1 B2.0 B3.0
 //! rank 1 | .    F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 B2.0 B3.0 .
 //! ```
+//!
+//! ZB-H1, P = 4, M = 8 (`B3` is micro-batch 3's input gradient, `W3` its weight gradients):
+//! ```text
+//! rank 0 | F0 F1 F2 F3 .  .  .  B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7
+//! rank 1 | .  F0 F1 F2 .  .  B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 F6 B4 W3 F7 B5 W4 B6 W5 B7 W6 W7
+//! rank 2 | .  .  F0 F1 .  B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 F6 B5 W3 F7 B6 W4 B7 W5 W6 W7
+//! rank 3 | .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7
+//! ```
+//!
+//! ZB-V, P = 2, M = 4 (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2):
+//! ```text
+//! rank 0 | F0.0 F1.0 .    F0.1 B0.1 F1.1 B1.1 B0.0 W0.1 B1.0 W1.1 W0.0 F2.0 W1.0 F3.0 F2.1 B2.1 F3.1 B3.1 B2.0 W2.1 B3.0 W3.1 W2.0 W3.0
+//! rank 1 | .    F0.0 F0.1 F1.0 F1.1 B0.1 B0.0 B1.1 B1.0 W0.1 W0.0 W1.1 W1.0 F2.0 F2.1 F3.0 F3.1 B2.1 B2.0 B3.1 B3.0 W2.1 W2.0 W3.1 W3.0
+//! ```
+//!
+//! The simulation also runs on measured costs ([`Schedule::simulate_with`], seconds per pass of
+//! each kind on each model stage): the executor predicts each step's bubble with it
+//! (`executor.rs`).
 
 use std::fmt;
 
-/// Which schedule to build. Written `gpipe`, `1f1b` or `interleaved:V` (V virtual stages per
-/// rank) on a command line; in TOML `"gpipe"`, `"1f1b"` or `{ interleaved_1f1b = { virtual_stages = 2 } }`.
+mod simulate;
+#[cfg(test)]
+mod tests;
+mod zero_bubble;
+
+pub use simulate::{PassCosts, SimSpan, Simulation};
+use zero_bubble::{zb_h1, zero_bubble};
+
+/// Which schedule to build. Written `gpipe`, `1f1b`, `interleaved:V` (V virtual stages per
+/// rank), `zb-h1` or `zb-v` on a command line; in TOML `"gpipe"`, `"1f1b"`,
+/// `{ interleaved_1f1b = { virtual_stages = 2 } }`, `"zb_h1"` or `"zb_v"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum ScheduleKind {
     /// All forwards, then all backwards.
@@ -65,6 +103,12 @@ pub enum ScheduleKind {
     /// 1F1B over `virtual_stages` model chunks per rank.
     #[serde(rename = "interleaved_1f1b")]
     Interleaved1F1B { virtual_stages: usize },
+    /// Zero bubble, 1F1B's memory: the backward split into B and W, the W's filling bubbles.
+    #[serde(rename = "zb_h1")]
+    ZeroBubbleH1,
+    /// Zero bubble in a V: rank r holds model stages r and 2P − 1 − r, the backward split.
+    #[serde(rename = "zb_v")]
+    ZeroBubbleV,
 }
 
 impl ScheduleKind {
@@ -72,8 +116,15 @@ impl ScheduleKind {
     pub fn virtual_stages(&self) -> usize {
         match self {
             ScheduleKind::Interleaved1F1B { virtual_stages } => *virtual_stages,
+            ScheduleKind::ZeroBubbleV => 2,
             _ => 1,
         }
+    }
+
+    /// Whether the schedule runs the backward as two passes, B (input gradient) and W (weight
+    /// gradients), instead of one fused backward.
+    pub fn splits_backward(&self) -> bool {
+        matches!(self, ScheduleKind::ZeroBubbleH1 | ScheduleKind::ZeroBubbleV)
     }
 }
 
@@ -85,6 +136,8 @@ impl fmt::Display for ScheduleKind {
             ScheduleKind::Interleaved1F1B { virtual_stages } => {
                 write!(f, "interleaved 1F1B (v = {virtual_stages})")
             }
+            ScheduleKind::ZeroBubbleH1 => f.write_str("ZB-H1"),
+            ScheduleKind::ZeroBubbleV => f.write_str("ZB-V"),
         }
     }
 }
@@ -97,6 +150,8 @@ impl std::str::FromStr for ScheduleKind {
         match s.to_ascii_lowercase().as_str() {
             "gpipe" => Ok(ScheduleKind::GPipe),
             "1f1b" => Ok(ScheduleKind::OneFOneB),
+            "zb-h1" => Ok(ScheduleKind::ZeroBubbleH1),
+            "zb-v" => Ok(ScheduleKind::ZeroBubbleV),
             other => {
                 let v = other.strip_prefix("interleaved:").ok_or_else(bad)?;
                 let virtual_stages = v.parse().map_err(|_| bad())?;
@@ -106,36 +161,93 @@ impl std::str::FromStr for ScheduleKind {
     }
 }
 
-/// One unit of work on one rank: a forward or backward pass of micro-batch `mb` through the
-/// rank's model chunk `chunk` (always 0 unless the schedule is interleaved).
+/// One unit of work on one rank: a pass of micro-batch `mb` through the rank's model chunk
+/// `chunk` (0 unless the rank holds several).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Action {
+    /// F: the forward.
     Forward { mb: usize, chunk: usize },
+    /// The fused backward: the input gradient and the weight gradients in one pass.
     Backward { mb: usize, chunk: usize },
+    /// B of a split backward: the input gradient only, the one the previous stage waits for.
+    InputGrad { mb: usize, chunk: usize },
+    /// W of a split backward: the weight gradients, which nobody waits for; frees the
+    /// micro-batch's activations.
+    WeightGrad { mb: usize, chunk: usize },
+}
+
+/// The kinds of pass, to key their costs ([`PassCosts`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PassKind {
+    Forward,
+    Backward,
+    InputGrad,
+    WeightGrad,
 }
 
 impl Action {
     pub fn mb(&self) -> usize {
         match *self {
-            Action::Forward { mb, .. } | Action::Backward { mb, .. } => mb,
+            Action::Forward { mb, .. }
+            | Action::Backward { mb, .. }
+            | Action::InputGrad { mb, .. }
+            | Action::WeightGrad { mb, .. } => mb,
         }
     }
 
     pub fn chunk(&self) -> usize {
         match *self {
-            Action::Forward { chunk, .. } | Action::Backward { chunk, .. } => chunk,
+            Action::Forward { chunk, .. }
+            | Action::Backward { chunk, .. }
+            | Action::InputGrad { chunk, .. }
+            | Action::WeightGrad { chunk, .. } => chunk,
+        }
+    }
+
+    pub fn kind(&self) -> PassKind {
+        match self {
+            Action::Forward { .. } => PassKind::Forward,
+            Action::Backward { .. } => PassKind::Backward,
+            Action::InputGrad { .. } => PassKind::InputGrad,
+            Action::WeightGrad { .. } => PassKind::WeightGrad,
         }
     }
 
     pub fn is_forward(&self) -> bool {
         matches!(self, Action::Forward { .. })
     }
+
+    /// Whether the pass produces the input gradient (the fused backward or B).
+    pub fn computes_input_grad(&self) -> bool {
+        matches!(self, Action::Backward { .. } | Action::InputGrad { .. })
+    }
+
+    /// Whether the pass produces the weight gradients and frees the activations (the fused
+    /// backward or W).
+    pub fn computes_weight_grads(&self) -> bool {
+        matches!(self, Action::Backward { .. } | Action::WeightGrad { .. })
+    }
+
+    /// The grid's label: `F3`, `B3` (the fused backward, or B of a split one: a grid holds one
+    /// or the other), `W3`; `F3.1` through chunk 1 when a rank holds several chunks.
+    fn label(&self, chunks: usize) -> String {
+        let kind = match self.kind() {
+            PassKind::Forward => 'F',
+            PassKind::Backward | PassKind::InputGrad => 'B',
+            PassKind::WeightGrad => 'W',
+        };
+        if chunks > 1 {
+            format!("{kind}{}.{}", self.mb(), self.chunk())
+        } else {
+            format!("{kind}{}", self.mb())
+        }
+    }
 }
 
 /// Errors building or simulating a schedule.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ScheduleError {
-    #[error("unknown pipeline schedule `{0}` (expected gpipe, 1f1b or interleaved:V with V virtual stages per rank)")]
+    #[error("unknown pipeline schedule `{0}` (expected gpipe, 1f1b, interleaved:V with V virtual stages per rank, zb-h1 or zb-v)")]
     UnknownKind(String),
 
     #[error("a pipeline needs at least one stage and one micro-batch, got P = {stages}, M = {microbatches}")]
@@ -147,8 +259,13 @@ pub enum ScheduleError {
     #[error("interleaved 1F1B needs the micro-batch count to be a multiple of the pipeline size: M = {microbatches} is not a multiple of P = {stages}")]
     MicrobatchesNotMultipleOfStages { stages: usize, microbatches: usize },
 
-    #[error("schedule deadlocks at tick {tick}: ranks are blocked at {blocked}")]
-    Deadlock { tick: usize, blocked: String },
+    #[error("schedule deadlocks after {passes_done} passes: ranks are blocked at {blocked}")]
+    Deadlock { passes_done: usize, blocked: String },
+
+    #[error(
+        "the simulation needs the pass costs of each of the {expected} model stages, got {got}"
+    )]
+    Costs { expected: usize, got: usize },
 }
 
 /// Per-rank action lists for one training step.
@@ -173,7 +290,13 @@ impl Schedule {
                 microbatches,
             });
         }
-        let actions = match kind {
+        let mut s = Self {
+            kind,
+            stages,
+            microbatches,
+            actions: Vec::new(),
+        };
+        s.actions = match kind {
             ScheduleKind::GPipe => (0..stages).map(|_| gpipe(microbatches)).collect(),
             ScheduleKind::OneFOneB => (0..stages)
                 .map(|r| one_f_one_b(stages, r, microbatches))
@@ -192,13 +315,14 @@ impl Schedule {
                     .map(|r| interleaved(stages, r, microbatches, virtual_stages))
                     .collect()
             }
+            // 1F1B's peak: P − r micro-batches alive on rank r.
+            ScheduleKind::ZeroBubbleH1 => (0..stages)
+                .map(|r| zb_h1(stages, r, microbatches))
+                .collect(),
+            // P per chunk: 2P half-sized activations, what 1F1B's rank 0 holds in P full ones.
+            ScheduleKind::ZeroBubbleV => zero_bubble(&s, &|_| stages)?,
         };
-        Ok(Self {
-            kind,
-            stages,
-            microbatches,
-            actions,
-        })
+        Ok(s)
     }
 
     pub fn kind(&self) -> ScheduleKind {
@@ -225,34 +349,60 @@ impl Schedule {
         self.stages * self.virtual_stages()
     }
 
-    /// The model stage that chunk `chunk` of pipeline rank `rank` runs: `chunk·P + rank`.
+    /// The placement: the model stage that chunk `chunk` of pipeline rank `rank` runs.
+    /// `chunk·P + rank` (Megatron's loop), except ZB-V's V: chunk 0 is stage `rank`, chunk 1
+    /// stage `2P − 1 − rank`, so rank 0 holds both the first and the last stage.
     pub fn model_stage(&self, rank: usize, chunk: usize) -> usize {
-        chunk * self.stages + rank
+        match self.kind {
+            ScheduleKind::ZeroBubbleV if chunk == 1 => 2 * self.stages - 1 - rank,
+            _ => chunk * self.stages + rank,
+        }
     }
 
-    /// The pipeline rank that runs model stage `stage`.
+    /// The pipeline rank that runs model stage `stage` (the inverse of [`Self::model_stage`]).
     pub fn rank_of_stage(&self, stage: usize) -> usize {
-        stage % self.stages
+        let p = self.stages;
+        match self.kind {
+            ScheduleKind::ZeroBubbleV if stage >= p => 2 * p - 1 - stage,
+            _ => stage % p,
+        }
+    }
+
+    /// The chunk of its rank that model stage `stage` is.
+    pub fn chunk_of_stage(&self, stage: usize) -> usize {
+        stage / self.stages
+    }
+
+    /// The model stages pipeline rank `rank` holds, by chunk.
+    pub fn stages_of_rank(&self, rank: usize) -> Vec<usize> {
+        (0..self.virtual_stages())
+            .map(|c| self.model_stage(rank, c))
+            .collect()
     }
 
     /// The model stage whose result `action` on `rank` consumes: the previous stage's activation
-    /// for a forward, the next stage's input gradient for a backward; `None` at the pipeline's
-    /// ends (the first stage reads the batch, the last stage starts backward from its loss).
+    /// for a forward, the next stage's input gradient for a backward or B; `None` at the
+    /// pipeline's ends (the first stage reads the batch, the last stage starts backward from its
+    /// loss) and for W, which needs only this stage's own B.
     pub fn input_stage(&self, rank: usize, action: &Action) -> Option<usize> {
         let stage = self.model_stage(rank, action.chunk());
         match action {
             Action::Forward { .. } => stage.checked_sub(1),
-            Action::Backward { .. } => Some(stage + 1).filter(|&s| s < self.num_model_stages()),
+            Action::Backward { .. } | Action::InputGrad { .. } => {
+                Some(stage + 1).filter(|&s| s < self.num_model_stages())
+            }
+            Action::WeightGrad { .. } => None,
         }
     }
 
     /// The model stage that consumes what `action` on `rank` produces: the next stage for a
-    /// forward, the previous one for a backward; `None` at the pipeline's ends.
+    /// forward, the previous one for a backward or B; `None` at the pipeline's ends and for W.
     pub fn output_stage(&self, rank: usize, action: &Action) -> Option<usize> {
         let stage = self.model_stage(rank, action.chunk());
         match action {
             Action::Forward { .. } => Some(stage + 1).filter(|&s| s < self.num_model_stages()),
-            Action::Backward { .. } => stage.checked_sub(1),
+            Action::Backward { .. } | Action::InputGrad { .. } => stage.checked_sub(1),
+            Action::WeightGrad { .. } => None,
         }
     }
 
@@ -261,88 +411,23 @@ impl Schedule {
         &self.actions[rank]
     }
 
-    /// Idle fraction of a step in the ideal pipeline with equal forward and backward costs:
-    /// (P − 1)/(v·M + P − 1), the textbook (P − 1)/(M + P − 1) when v = 1.
+    /// Idle fraction of a step in the ideal pipeline with equal costs: (P − 1)/(v·M + P − 1)
+    /// for the fused schedules (the textbook (P − 1)/(M + P − 1) when v = 1); for the split
+    /// ones rank 0's simulated bubble at F = B = W.
     pub fn analytic_bubble_fraction(&self) -> f64 {
+        if self.kind.splits_backward() {
+            return self
+                .simulate_with(&vec![PassCosts::EQUAL_SPLIT; self.num_model_stages()])
+                .map_or(f64::NAN, |sim| sim.bubble_fraction(0));
+        }
         let p = self.stages as f64;
         let vm = (self.virtual_stages() * self.microbatches) as f64;
         (p - 1.0) / (vm + p - 1.0)
     }
 
-    /// Run every rank's list on a virtual clock where each action takes one tick. A forward of
-    /// micro-batch i on model stage s may start once stage s − 1 finished its forward of i (in
-    /// an earlier tick); a backward once stage s + 1 finished its backward of i. A rank whose next
-    /// action is not ready idles for the tick. Fails with [`ScheduleError::Deadlock`] if at some
-    /// tick no rank can move although work remains.
+    /// [`Self::simulate_with`] every pass one tick ([`PassCosts::UNIT`]): the grids above.
     pub fn simulate(&self) -> Result<Simulation, ScheduleError> {
-        let (p, m, s) = (self.stages, self.microbatches, self.num_model_stages());
-        // finished_at[stage][mb] for forwards and backwards: the tick a pass finished in.
-        let mut fwd_done = vec![vec![None::<usize>; m]; s];
-        let mut bwd_done = vec![vec![None::<usize>; m]; s];
-        let mut next = vec![0usize; p];
-        let mut grid: Vec<Vec<Option<Action>>> = vec![Vec::new(); p];
-        let mut alive = vec![0usize; p];
-        let mut peak_alive = vec![0usize; p];
-        let mut tick = 0;
-        while (0..p).any(|r| next[r] < self.actions[r].len()) {
-            let mut moved = false;
-            for r in 0..p {
-                let Some(&action) = self.actions[r].get(next[r]) else {
-                    grid[r].push(None);
-                    continue;
-                };
-                let stage = self.model_stage(r, action.chunk());
-                let mb = action.mb();
-                // Ready once the stage feeding this pass finished it in an earlier tick.
-                let fed = match self.input_stage(r, &action) {
-                    None => true,
-                    Some(from) => {
-                        let done = if action.is_forward() {
-                            &fwd_done
-                        } else {
-                            &bwd_done
-                        };
-                        done[from][mb].is_some_and(|t| t < tick)
-                    }
-                };
-                let ready = fed && (action.is_forward() || fwd_done[stage][mb].is_some());
-                if !ready {
-                    grid[r].push(None);
-                    continue;
-                }
-                match action {
-                    Action::Forward { .. } => {
-                        fwd_done[stage][mb] = Some(tick);
-                        alive[r] += 1;
-                        peak_alive[r] = peak_alive[r].max(alive[r]);
-                    }
-                    Action::Backward { .. } => {
-                        bwd_done[stage][mb] = Some(tick);
-                        alive[r] -= 1;
-                    }
-                }
-                grid[r].push(Some(action));
-                next[r] += 1;
-                moved = true;
-            }
-            if !moved {
-                let blocked = (0..p)
-                    .filter_map(|r| {
-                        self.actions[r]
-                            .get(next[r])
-                            .map(|a| format!("rank {r}: {a:?}"))
-                    })
-                    .collect::<Vec<_>>()
-                    .join(", ");
-                return Err(ScheduleError::Deadlock { tick, blocked });
-            }
-            tick += 1;
-        }
-        Ok(Simulation {
-            virtual_stages: self.virtual_stages(),
-            grid,
-            peak_alive,
-        })
+        self.simulate_with(&vec![PassCosts::UNIT; self.num_model_stages()])
     }
 }
 
@@ -402,264 +487,4 @@ fn interleaved(p: usize, r: usize, m: usize, v: usize) -> Vec<Action> {
     }
     out.extend((total - warmup..total).map(backward));
     out
-}
-
-/// The outcome of [`Schedule::simulate`]: what each rank did at each tick.
-#[derive(Debug, Clone)]
-pub struct Simulation {
-    virtual_stages: usize,
-    /// grid[rank][tick]: the action run, or `None` for an idle tick (a bubble).
-    grid: Vec<Vec<Option<Action>>>,
-    peak_alive: Vec<usize>,
-}
-
-impl Simulation {
-    /// Ticks from the first action to the last.
-    pub fn num_ticks(&self) -> usize {
-        self.grid.first().map_or(0, Vec::len)
-    }
-
-    /// What `rank` did at each tick (`None` = idle).
-    pub fn timeline(&self, rank: usize) -> &[Option<Action>] {
-        &self.grid[rank]
-    }
-
-    /// Idle ticks of `rank` over the step's ticks.
-    pub fn bubble_fraction(&self, rank: usize) -> f64 {
-        let idle = self.grid[rank].iter().filter(|a| a.is_none()).count();
-        idle as f64 / self.num_ticks().max(1) as f64
-    }
-
-    /// Largest number of (micro-batch, chunk) pairs whose forward ran on `rank` while their
-    /// backward had not: how many activation sets the rank holds at its worst moment.
-    pub fn peak_in_flight(&self, rank: usize) -> usize {
-        self.peak_alive[rank]
-    }
-
-    /// The time × rank grid: one row per rank, one column per tick, `F3` / `B3` for the forward /
-    /// backward of micro-batch 3 (`F3.1` through chunk 1 when interleaved), `.` for a bubble.
-    pub fn render(&self) -> String {
-        let label = |a: &Option<Action>| match a {
-            None => ".".to_string(),
-            Some(a) => {
-                let kind = if a.is_forward() { 'F' } else { 'B' };
-                if self.virtual_stages > 1 {
-                    format!("{kind}{}.{}", a.mb(), a.chunk())
-                } else {
-                    format!("{kind}{}", a.mb())
-                }
-            }
-        };
-        let width = self
-            .grid
-            .iter()
-            .flatten()
-            .map(|a| label(a).len())
-            .max()
-            .unwrap_or(1);
-        let mut out = String::new();
-        for (r, row) in self.grid.iter().enumerate() {
-            let cells: Vec<String> = row
-                .iter()
-                .map(|a| format!("{:<width$}", label(a)))
-                .collect();
-            out.push_str(format!("rank {r} | {}", cells.join(" ")).trim_end());
-            out.push('\n');
-        }
-        out
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The grids in the module documentation are exactly what the code renders today.
-    #[test]
-    fn doc_grids_match_the_code() {
-        let source = include_str!("schedule.rs");
-        let cases = [
-            (ScheduleKind::GPipe, 4, 4),
-            (ScheduleKind::OneFOneB, 4, 8),
-            (ScheduleKind::Interleaved1F1B { virtual_stages: 2 }, 2, 4),
-        ];
-        for (kind, p, m) in cases {
-            let grid = Schedule::new(kind, p, m)
-                .unwrap()
-                .simulate()
-                .unwrap()
-                .render();
-            let as_doc: String = grid.lines().map(|l| format!("//! {l}\n")).collect();
-            assert!(
-                source.contains(&as_doc),
-                "doc grid for {kind}, P = {p}, M = {m} is stale; now:\n{grid}"
-            );
-        }
-    }
-
-    /// Every schedule we can build for P ≤ 8, M ≤ 16, v ≤ 4.
-    fn all_schedules() -> Vec<Schedule> {
-        let mut out = Vec::new();
-        for p in 1..=8 {
-            for m in 1..=16 {
-                out.push(Schedule::new(ScheduleKind::GPipe, p, m).unwrap());
-                out.push(Schedule::new(ScheduleKind::OneFOneB, p, m).unwrap());
-                for v in 1..=4 {
-                    if m % p == 0 {
-                        let kind = ScheduleKind::Interleaved1F1B { virtual_stages: v };
-                        out.push(Schedule::new(kind, p, m).unwrap());
-                    }
-                }
-            }
-        }
-        out
-    }
-
-    #[test]
-    fn every_pass_runs_once_and_forward_precedes_backward() {
-        for s in all_schedules() {
-            let (p, m, v) = (s.num_ranks(), s.num_microbatches(), s.virtual_stages());
-            for r in 0..p {
-                let mut fwd_at = vec![vec![None; v]; m];
-                let mut bwd_at = vec![vec![None; v]; m];
-                for (i, a) in s.actions(r).iter().enumerate() {
-                    let slot = if a.is_forward() {
-                        &mut fwd_at
-                    } else {
-                        &mut bwd_at
-                    };
-                    let seen = slot[a.mb()][a.chunk()].replace(i);
-                    assert!(
-                        seen.is_none(),
-                        "{} P={p} M={m} rank {r}: {a:?} twice",
-                        s.kind()
-                    );
-                }
-                for mb in 0..m {
-                    for c in 0..v {
-                        let (f, b) = (fwd_at[mb][c], bwd_at[mb][c]);
-                        assert!(
-                            f.is_some() && b.is_some(),
-                            "{} P={p} M={m} rank {r}: mb {mb} chunk {c} missing",
-                            s.kind()
-                        );
-                        assert!(f < b, "{} P={p} M={m} rank {r}: backward of mb {mb} chunk {c} before its forward", s.kind());
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn simulation_finds_no_deadlock_and_the_textbook_bubble() {
-        for s in all_schedules() {
-            let (p, m) = (s.num_ranks(), s.num_microbatches());
-            let sim = s
-                .simulate()
-                .unwrap_or_else(|e| panic!("{} P={p} M={m}: {e}", s.kind()));
-            let analytic = s.analytic_bubble_fraction();
-            for r in 0..p {
-                let busy = sim.timeline(r).iter().filter(|a| a.is_some()).count();
-                assert_eq!(busy, s.actions(r).len());
-                let simulated = sim.bubble_fraction(r);
-                // Equal unit costs: every rank idles exactly 2(P − 1) of its 2(v·M + P − 1) ticks.
-                assert!(
-                    (simulated - analytic).abs() < 1e-12,
-                    "{} P={p} M={m} rank {r}: simulated bubble {simulated} != analytic {analytic}",
-                    s.kind()
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn in_flight_micro_batches_are_bounded() {
-        for s in all_schedules() {
-            let (p, m) = (s.num_ranks(), s.num_microbatches());
-            let sim = s.simulate().unwrap();
-            for r in 0..p {
-                let peak = sim.peak_in_flight(r);
-                match s.kind() {
-                    ScheduleKind::GPipe => assert_eq!(peak, m, "GPipe P={p} M={m} rank {r}"),
-                    ScheduleKind::OneFOneB => {
-                        assert_eq!(peak, (p - r).min(m), "1F1B P={p} M={m} rank {r}")
-                    }
-                    // Megatron's warmup plus the one forward of the first steady step.
-                    ScheduleKind::Interleaved1F1B { virtual_stages: v } => {
-                        let warmup = if m == p {
-                            v * m
-                        } else {
-                            2 * (p - r - 1) + (v - 1) * p
-                        };
-                        assert_eq!(
-                            peak,
-                            (warmup + 1).min(v * m),
-                            "{} P={p} M={m} rank {r}",
-                            s.kind()
-                        )
-                    }
-                }
-            }
-        }
-    }
-
-    /// The executor sends activations and gradients over one group without tags, so between
-    /// two ranks messages must be consumed in exactly the order they were sent.
-    #[test]
-    fn point_to_point_messages_arrive_in_the_order_they_are_consumed() {
-        for s in all_schedules() {
-            let p = s.num_ranks();
-            // sent[src][dst] and consumed[src][dst]: (is activation, mb, receiving stage) in order.
-            let mut sent = vec![vec![Vec::new(); p]; p];
-            let mut consumed = vec![vec![Vec::new(); p]; p];
-            for r in 0..p {
-                for a in s.actions(r) {
-                    let stage = s.model_stage(r, a.chunk());
-                    if let Some(from) = s.input_stage(r, a) {
-                        consumed[s.rank_of_stage(from)][r].push((a.is_forward(), a.mb(), stage));
-                    }
-                    if let Some(to) = s.output_stage(r, a) {
-                        sent[r][s.rank_of_stage(to)].push((a.is_forward(), a.mb(), to));
-                    }
-                }
-            }
-            let m = s.num_microbatches();
-            assert_eq!(sent, consumed, "{} P={p} M={m}", s.kind());
-        }
-    }
-
-    #[test]
-    fn interleaving_needs_whole_groups_of_micro_batches() {
-        let err =
-            Schedule::new(ScheduleKind::Interleaved1F1B { virtual_stages: 2 }, 4, 6).unwrap_err();
-        assert_eq!(
-            err,
-            ScheduleError::MicrobatchesNotMultipleOfStages {
-                stages: 4,
-                microbatches: 6
-            }
-        );
-        assert!(
-            err.to_string().contains("M = 6 is not a multiple of P = 4"),
-            "{err}"
-        );
-        assert!(Schedule::new(ScheduleKind::OneFOneB, 0, 4).is_err());
-        assert!(Schedule::new(ScheduleKind::Interleaved1F1B { virtual_stages: 0 }, 2, 2).is_err());
-    }
-
-    #[test]
-    fn schedule_names_parse() {
-        assert_eq!("gpipe".parse(), Ok(ScheduleKind::GPipe));
-        assert_eq!("1F1B".parse(), Ok(ScheduleKind::OneFOneB));
-        assert_eq!(
-            "interleaved:3".parse(),
-            Ok(ScheduleKind::Interleaved1F1B { virtual_stages: 3 })
-        );
-        let err = "zero-bubble".parse::<ScheduleKind>().unwrap_err();
-        assert!(
-            err.to_string()
-                .contains("unknown pipeline schedule `zero-bubble`"),
-            "{err}"
-        );
-    }
 }

@@ -25,8 +25,8 @@ pub struct StrategyArgs {
     #[arg(long)]
     pub sequence_parallel: bool,
 
-    /// Pipeline schedule (default 1f1b).
-    #[arg(long, value_enum)]
+    /// Pipeline schedule (default 1f1b); zb-h1 and zb-v only for `mtrain plan` so far.
+    #[arg(long, value_enum, alias = "pp-schedule")]
     pub schedule: Option<Schedule>,
 
     /// Model chunks per pipeline rank for `--schedule interleaved` (Megatron's virtual stages; default 2).

@@ -91,6 +91,15 @@ pub enum Schedule {
     /// 1F1B over `virtual_stages` model chunks per rank: a smaller bubble for more messages.
     #[serde(rename = "interleaved")]
     Interleaved,
+    /// Zero bubble at 1F1B's memory, the backward split into B and W (`mtrain plan` only: the
+    /// tapes do not split the backward yet).
+    #[serde(rename = "zb-h1")]
+    #[value(name = "zb-h1")]
+    ZbH1,
+    /// Zero bubble in a V of two chunks per rank (`mtrain plan` only, as ZB-H1).
+    #[serde(rename = "zb-v")]
+    #[value(name = "zb-v")]
+    ZbV,
 }
 
 /// DDP gradient synchronisation.
@@ -155,6 +164,8 @@ impl ParallelConfig {
                 Schedule::Interleaved => ScheduleKind::Interleaved1F1B {
                     virtual_stages: self.virtual_stages,
                 },
+                Schedule::ZbH1 => ScheduleKind::ZeroBubbleH1,
+                Schedule::ZbV => ScheduleKind::ZeroBubbleV,
             },
             microbatches: self.microbatches.unwrap_or(dims.pp),
             stage_counts: self.stage_layers.clone(),
@@ -186,6 +197,8 @@ impl ParallelConfig {
             ScheduleKind::Interleaved1F1B { virtual_stages } => {
                 (Schedule::Interleaved, virtual_stages)
             }
+            ScheduleKind::ZeroBubbleH1 => (Schedule::ZbH1, base.virtual_stages),
+            ScheduleKind::ZeroBubbleV => (Schedule::ZbV, base.virtual_stages),
         };
         Self {
             dp: Some(plan.dims.dp),

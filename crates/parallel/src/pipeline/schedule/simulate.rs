@@ -1,0 +1,253 @@
+//! The virtual clock: a schedule run with what each pass costs on each model stage, the
+//! bubble and activation peak it gives, and the grid it draws.
+
+use super::{Action, PassKind, Schedule, ScheduleError};
+
+/// What one pass of each kind costs on one model stage, in seconds (or in ticks: the
+/// simulation only adds them up).
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize)]
+pub struct PassCosts {
+    pub forward: f64,
+    pub backward: f64,
+    pub input_grad: f64,
+    pub weight_grad: f64,
+}
+
+impl PassCosts {
+    /// Every pass one tick, the fused backward included: the grids of the module doc.
+    pub const UNIT: PassCosts = PassCosts {
+        forward: 1.0,
+        backward: 1.0,
+        input_grad: 1.0,
+        weight_grad: 1.0,
+    };
+
+    /// F = B = W = 1, the fused backward B + W = 2: the zero-bubble paper's comparison.
+    pub const EQUAL_SPLIT: PassCosts = PassCosts {
+        forward: 1.0,
+        backward: 2.0,
+        input_grad: 1.0,
+        weight_grad: 1.0,
+    };
+
+    pub fn of(&self, kind: PassKind) -> f64 {
+        match kind {
+            PassKind::Forward => self.forward,
+            PassKind::Backward => self.backward,
+            PassKind::InputGrad => self.input_grad,
+            PassKind::WeightGrad => self.weight_grad,
+        }
+    }
+}
+
+impl Schedule {
+    /// Run every rank's list on a virtual clock, `costs[s]` giving what each pass of model
+    /// stage `s` takes. A rank runs its actions in order, each as soon as the rank is free and
+    /// its input exists: a forward of micro-batch i on stage s once stage s − 1 finished its
+    /// forward of i; a backward or B once stage s + 1 produced the input gradient of i; a W once
+    /// its own B finished. Messages take no time. Fails with [`ScheduleError::Deadlock`] if
+    /// work remains that no rank can start.
+    pub fn simulate_with(&self, costs: &[PassCosts]) -> Result<Simulation, ScheduleError> {
+        let (p, m, s) = (self.stages, self.microbatches, self.num_model_stages());
+        if costs.len() != s {
+            return Err(ScheduleError::Costs {
+                expected: s,
+                got: costs.len(),
+            });
+        }
+        // The time each pass of (stage, micro-batch) ended.
+        let mut fwd_end = vec![vec![None::<f64>; m]; s];
+        let mut grad_end = vec![vec![None::<f64>; m]; s]; // the input gradient (fused or B)
+        let mut next = vec![0usize; p];
+        let mut free = vec![0.0f64; p];
+        let mut spans: Vec<Vec<SimSpan>> = vec![Vec::new(); p];
+        let mut alive = vec![0usize; p];
+        let mut peak_alive = vec![0usize; p];
+        loop {
+            let mut moved = false;
+            for r in 0..p {
+                while let Some(&action) = self.actions[r].get(next[r]) {
+                    let stage = self.model_stage(r, action.chunk());
+                    let mb = action.mb();
+                    let input = match action {
+                        Action::Forward { .. } => match self.input_stage(r, &action) {
+                            None => Some(0.0),
+                            Some(from) => fwd_end[from][mb],
+                        },
+                        Action::Backward { .. } | Action::InputGrad { .. } => {
+                            let own = fwd_end[stage][mb];
+                            match self.input_stage(r, &action) {
+                                None => own,
+                                Some(from) => own.and(grad_end[from][mb]),
+                            }
+                        }
+                        // Its own B ran earlier on this rank, or the order is wrong.
+                        Action::WeightGrad { .. } => grad_end[stage][mb],
+                    };
+                    let Some(ready) = input else { break };
+                    let start = free[r].max(ready);
+                    let end = start + costs[stage].of(action.kind());
+                    match action {
+                        Action::Forward { .. } => fwd_end[stage][mb] = Some(end),
+                        Action::Backward { .. } | Action::InputGrad { .. } => {
+                            grad_end[stage][mb] = Some(end)
+                        }
+                        Action::WeightGrad { .. } => {}
+                    }
+                    if action.is_forward() {
+                        alive[r] += 1;
+                        peak_alive[r] = peak_alive[r].max(alive[r]);
+                    } else if action.computes_weight_grads() {
+                        alive[r] -= 1;
+                    }
+                    spans[r].push(SimSpan { action, start, end });
+                    free[r] = end;
+                    next[r] += 1;
+                    moved = true;
+                }
+            }
+            let remaining = (0..p).any(|r| next[r] < self.actions[r].len());
+            if !remaining {
+                break;
+            }
+            if !moved {
+                let blocked = (0..p)
+                    .filter_map(|r| {
+                        self.actions[r]
+                            .get(next[r])
+                            .map(|a| format!("rank {r}: {a:?}"))
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                return Err(ScheduleError::Deadlock {
+                    passes_done: next.iter().sum(),
+                    blocked,
+                });
+            }
+        }
+        // The grid's column: the shortest pass that ran.
+        let unit = spans
+            .iter()
+            .flatten()
+            .map(|sp| sp.end - sp.start)
+            .filter(|&d| d > 0.0)
+            .fold(f64::INFINITY, f64::min);
+        Ok(Simulation {
+            virtual_stages: self.virtual_stages(),
+            makespan: free.iter().copied().fold(0.0, f64::max),
+            unit: if unit.is_finite() { unit } else { 1.0 },
+            spans,
+            peak_alive,
+        })
+    }
+}
+
+/// One pass on the virtual clock of [`Schedule::simulate_with`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SimSpan {
+    pub action: Action,
+    pub start: f64,
+    pub end: f64,
+}
+
+/// The outcome of [`Schedule::simulate_with`]: when each rank ran each pass.
+#[derive(Debug, Clone)]
+pub struct Simulation {
+    virtual_stages: usize,
+    /// spans[rank]: the rank's passes, in order.
+    spans: Vec<Vec<SimSpan>>,
+    /// When the last pass of any rank ended (every rank starts at 0).
+    makespan: f64,
+    /// The grid's column width: the shortest pass.
+    unit: f64,
+    peak_alive: Vec<usize>,
+}
+
+impl Simulation {
+    /// Columns of the grid from the first pass to the last (ticks, with [`PassCosts::UNIT`]).
+    pub fn num_ticks(&self) -> usize {
+        (self.makespan / self.unit).round() as usize
+    }
+
+    /// The step's length on the virtual clock.
+    pub fn makespan(&self) -> f64 {
+        self.makespan
+    }
+
+    /// `rank`'s passes with their start and end.
+    pub fn spans(&self, rank: usize) -> &[SimSpan] {
+        &self.spans[rank]
+    }
+
+    /// What `rank` ran in each column of the grid (`None` = idle; a pass longer than a column
+    /// fills several).
+    pub fn timeline(&self, rank: usize) -> Vec<Option<Action>> {
+        let mut row = vec![None; self.num_ticks()];
+        for sp in &self.spans[rank] {
+            let from = (sp.start / self.unit).round() as usize;
+            let to = ((sp.end / self.unit).round() as usize).min(row.len());
+            for cell in &mut row[from..to] {
+                *cell = Some(sp.action);
+            }
+        }
+        row
+    }
+
+    fn busy(&self, rank: usize) -> f64 {
+        self.spans[rank].iter().map(|sp| sp.end - sp.start).sum()
+    }
+
+    /// The bubble of the pipeline as a whole, seen from `rank`: its idle time over the step
+    /// (every rank's step ends with the last pass of any rank).
+    pub fn bubble_fraction(&self, rank: usize) -> f64 {
+        let t = self.makespan.max(f64::MIN_POSITIVE);
+        (t - self.busy(rank)) / t
+    }
+
+    /// `rank`'s own bubble: its idle time over its own step, from 0 to the end of its last
+    /// pass. What [`crate::pipeline::StepReport::bubble_fraction`] measures: a rank's clock
+    /// stops at its last pass (and the sends it waits for), not at the pipeline's.
+    pub fn rank_bubble_fraction(&self, rank: usize) -> f64 {
+        let end = self.spans[rank].last().map_or(0.0, |sp| sp.end);
+        let t = end.max(f64::MIN_POSITIVE);
+        (t - self.busy(rank)) / t
+    }
+
+    /// Largest number of (micro-batch, chunk) pairs whose forward ran on `rank` while their
+    /// weight gradients (fused backward or W) had not: how many activation sets the rank holds
+    /// at its worst moment.
+    pub fn peak_in_flight(&self, rank: usize) -> usize {
+        self.peak_alive[rank]
+    }
+
+    /// The time × rank grid: one row per rank, one column per shortest pass, `F3` / `B3` / `W3`
+    /// for the forward / backward (or B) / W of micro-batch 3 (`F3.1` through chunk 1 when a
+    /// rank holds several), `-` where a longer pass goes on, `.` for a bubble.
+    pub fn render(&self) -> String {
+        let rows: Vec<Vec<String>> = (0..self.spans.len())
+            .map(|r| {
+                let mut prev = None;
+                self.timeline(r)
+                    .into_iter()
+                    .map(|a| {
+                        let cell = match a {
+                            None => ".".to_string(),
+                            Some(a) if prev == Some(a) => "-".to_string(),
+                            Some(a) => a.label(self.virtual_stages),
+                        };
+                        prev = a;
+                        cell
+                    })
+                    .collect()
+            })
+            .collect();
+        let width = rows.iter().flatten().map(String::len).max().unwrap_or(1);
+        let mut out = String::new();
+        for (r, row) in rows.iter().enumerate() {
+            let cells: Vec<String> = row.iter().map(|c| format!("{c:<width$}")).collect();
+            out.push_str(format!("rank {r} | {}", cells.join(" ")).trim_end());
+            out.push('\n');
+        }
+        out
+    }
+}

@@ -1,0 +1,195 @@
+//! The zero-bubble orders: ZB-H1 by rule, ZB-V by a greedy run on a unit clock.
+
+use std::collections::VecDeque;
+
+use super::{Action, Schedule, ScheduleError};
+
+/// ZB-H1 on rank `r` of `p`: 1F1B's order with each backward split into B and W, and rank r
+/// holding back its first `r` W's: the last ranks, which 1F1B leaves idle at the end of the step,
+/// run their owed W's there, and in the cooldown every rank runs a W after each B, in the gap
+/// where it waits for the next input gradient. Rank r's peak is `warmup + 1 + r = P` micro-batches
+/// (`min(P, M)`), 1F1B's peak (its rank 0's).
+pub(super) fn zb_h1(p: usize, r: usize, m: usize) -> Vec<Action> {
+    let warmup = (p - r - 1).min(m);
+    let mut out = Vec::with_capacity(3 * m);
+    let mut owed = VecDeque::new();
+    let w = |mb| Action::WeightGrad { mb, chunk: 0 };
+    out.extend((0..warmup).map(|mb| Action::Forward { mb, chunk: 0 }));
+    for i in 0..m - warmup {
+        out.push(Action::Forward {
+            mb: warmup + i,
+            chunk: 0,
+        });
+        out.push(Action::InputGrad { mb: i, chunk: 0 });
+        owed.push_back(i);
+        if owed.len() > r {
+            out.extend(owed.pop_front().map(w));
+        }
+    }
+    for mb in m - warmup..m {
+        out.push(Action::InputGrad { mb, chunk: 0 });
+        owed.push_back(mb);
+        out.extend(owed.pop_front().map(w));
+    }
+    out.extend(owed.into_iter().map(w));
+    out
+}
+
+/// The zero-bubble orders (ZB-H1, ZB-V) of `s`'s placement, written down by running the ranks
+/// on a clock where F, B and W each take one tick. At every tick each free rank picks, from
+/// what is ready, in this order:
+///
+/// 1. a B (its input gradient is what the previous stage waits for), the lowest micro-batch
+///    first, the later model stage first on a tie;
+/// 2. an F, if fewer than `cap(rank)` micro-batches hold activations in that chunk of the rank
+///    and of the rank it sends to, counting those already on their way (an F adds one, a W
+///    frees one), the lowest micro-batch first, the later stage first;
+/// 3. the oldest W still owed: W's fill what would be bubbles, and the last ones the cooldown.
+///
+/// Within a chunk, F's and B's go in micro-batch order. A pass that needs another rank's
+/// message is ready only when that message is the next one from that rank: between two ranks
+/// messages are consumed in the order they were sent, so the executor needs no tags.
+pub(super) fn zero_bubble(
+    s: &Schedule,
+    cap: &dyn Fn(usize) -> usize,
+) -> Result<Vec<Vec<Action>>, ScheduleError> {
+    let (p, m, v, n) = (
+        s.stages,
+        s.microbatches,
+        s.virtual_stages(),
+        s.num_model_stages(),
+    );
+    // The tick F (B) of (stage, micro-batch) ran in.
+    let mut f_at = vec![vec![None::<usize>; m]; n];
+    let mut b_at = vec![vec![None::<usize>; m]; n];
+    let mut next_f = vec![vec![0usize; v]; p];
+    let mut next_b = vec![vec![0usize; v]; p];
+    let mut owed_w: Vec<VecDeque<(usize, usize)>> = vec![VecDeque::new(); p];
+    let mut alive = vec![vec![0usize; v]; p];
+    // channel[src][dst]: the messages src sent dst, in order: (is activation, mb, receiving
+    // stage); read[src][dst]: how many dst consumed.
+    let mut channel = vec![vec![Vec::<(bool, usize, usize)>::new(); p]; p];
+    let mut read = vec![vec![0usize; p]; p];
+    let mut out: Vec<Vec<Action>> = vec![Vec::with_capacity(3 * m * v); p];
+    let per_rank = 3 * m * v;
+    let mut tick = 0;
+    while out.iter().any(|o| o.len() < per_rank) {
+        // Decide every rank's pass from the state before this tick, then apply them.
+        let mut chosen: Vec<Option<Action>> = vec![None; p];
+        // Activations sent to each (rank, chunk) and not yet consumed: the memory they will take.
+        let mut incoming = vec![vec![0usize; v]; p];
+        for (src, row) in channel.iter().enumerate() {
+            for (q, msgs) in row.iter().enumerate() {
+                for msg in msgs[read[src][q]..].iter().filter(|msg| msg.0) {
+                    incoming[q][s.chunk_of_stage(msg.2)] += 1;
+                }
+            }
+        }
+        for r in 0..p {
+            // Whether the message `msg` from the rank holding stage `from` is the next to read.
+            let at_head = |from: usize, msg: (bool, usize, usize)| {
+                let q = s.rank_of_stage(from);
+                q == r || channel[q][r].get(read[q][r]) == Some(&msg)
+            };
+            let before = |t: Option<usize>| t.is_some_and(|t| t < tick);
+            let by_priority = |cands: &mut Vec<(usize, usize, usize)>| {
+                // (mb, stage, chunk): lowest micro-batch, then the later stage.
+                cands.sort_by_key(|&(mb, stage, _)| (mb, std::cmp::Reverse(stage)));
+                cands.first().copied()
+            };
+            let mut bs = Vec::new();
+            let mut fs = Vec::new();
+            for c in 0..v {
+                let stage = s.model_stage(r, c);
+                let mb = next_b[r][c];
+                if mb < m && before(f_at[stage][mb]) {
+                    let fed = stage + 1 == n
+                        || (before(b_at[stage + 1][mb]) && at_head(stage + 1, (false, mb, stage)));
+                    if fed {
+                        bs.push((mb, stage, c));
+                    }
+                }
+                let mb = next_f[r][c];
+                // Room on this rank, counting the activations already on their way to it (less
+                // the one this F consumes), and on the rank it sends to: a rank never has to
+                // refuse an activation at the head of a channel, so channels never block.
+                let consumes = stage > 0 && s.rank_of_stage(stage - 1) != r;
+                let room = alive[r][c] + incoming[r][c] - usize::from(consumes) < cap(r);
+                let to = (stage + 1 < n)
+                    .then(|| (s.rank_of_stage(stage + 1), s.chunk_of_stage(stage + 1)));
+                let room_there =
+                    to.is_none_or(|(q, d)| q == r || alive[q][d] + incoming[q][d] < cap(q));
+                if mb < m && room && room_there {
+                    let fed = stage == 0
+                        || (before(f_at[stage - 1][mb]) && at_head(stage - 1, (true, mb, stage)));
+                    if fed {
+                        fs.push((mb, stage, c));
+                    }
+                }
+            }
+            chosen[r] = if let Some((mb, _, chunk)) = by_priority(&mut bs) {
+                Some(Action::InputGrad { mb, chunk })
+            } else if let Some((mb, stage, chunk)) = by_priority(&mut fs) {
+                // Reserve the room its activation takes on the next rank, for the ranks after.
+                if stage + 1 < n {
+                    let (q, d) = (s.rank_of_stage(stage + 1), s.chunk_of_stage(stage + 1));
+                    if q != r {
+                        incoming[q][d] += 1;
+                    }
+                }
+                Some(Action::Forward { mb, chunk })
+            } else {
+                owed_w[r]
+                    .front()
+                    .map(|&(mb, chunk)| Action::WeightGrad { mb, chunk })
+            };
+        }
+        if chosen.iter().all(Option::is_none) {
+            let blocked = (0..p)
+                .filter(|&r| out[r].len() < per_rank)
+                .map(|r| format!("rank {r} after {} passes", out[r].len()))
+                .collect::<Vec<_>>()
+                .join(", ");
+            return Err(ScheduleError::Deadlock {
+                passes_done: out.iter().map(Vec::len).sum(),
+                blocked,
+            });
+        }
+        for (r, a) in chosen.into_iter().enumerate() {
+            let Some(a) = a else { continue };
+            let (mb, c) = (a.mb(), a.chunk());
+            let stage = s.model_stage(r, c);
+            if let Some(from) = s.input_stage(r, &a) {
+                let q = s.rank_of_stage(from);
+                if q != r {
+                    read[q][r] += 1;
+                }
+            }
+            if let Some(to) = s.output_stage(r, &a) {
+                let q = s.rank_of_stage(to);
+                if q != r {
+                    channel[r][q].push((a.is_forward(), mb, to));
+                }
+            }
+            match a {
+                Action::Forward { .. } => {
+                    f_at[stage][mb] = Some(tick);
+                    next_f[r][c] += 1;
+                    alive[r][c] += 1;
+                }
+                Action::InputGrad { .. } => {
+                    b_at[stage][mb] = Some(tick);
+                    next_b[r][c] += 1;
+                    owed_w[r].push_back((mb, c));
+                }
+                _ => {
+                    owed_w[r].pop_front();
+                    alive[r][c] -= 1;
+                }
+            }
+            out[r].push(a);
+        }
+        tick += 1;
+    }
+    Ok(out)
+}
