@@ -25,6 +25,9 @@ use candle_core::{DType, Device, Result, Shape, Storage, StorageRef, Tensor, Wit
 
 use crate::msg;
 
+mod split;
+pub use split::{set_split_min, split_min, DEFAULT_SPLIT_MIN};
+
 /// Whether the CPU loops take these tensors: every one an f32 tensor on the CPU.
 pub(crate) fn takes(ts: &[&Tensor]) -> bool {
     ts.iter()
@@ -105,10 +108,12 @@ const GELU_A: f32 = 0.044_715;
 /// GELU (tanh approximation) of x, any shape: y = x/2 · (1 + tanh u), u = k (x + a x³).
 pub(crate) fn gelu(x: &Tensor) -> Result<Tensor> {
     with(&[x], |s| {
-        let y = s[0]
-            .iter()
-            .map(|&x| 0.5 * x * (1.0 + tanh(GELU_K * (x + GELU_A * x * x * x))))
-            .collect();
+        let mut y = vec![0f32; s[0].len()];
+        split::spans(&mut y, |o, ys| {
+            for (y, &x) in ys.iter_mut().zip(&s[0][o..]) {
+                *y = 0.5 * x * (1.0 + tanh(GELU_K * (x + GELU_A * x * x * x)));
+            }
+        });
         tensor(y, x.shape().clone())
     })
 }
@@ -117,16 +122,15 @@ pub(crate) fn gelu(x: &Tensor) -> Result<Tensor> {
 pub(crate) fn gelu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     same_dims("gelu backward", &[x, dy])?;
     with(&[x, dy], |s| {
-        let dx = s[0]
-            .iter()
-            .zip(s[1])
-            .map(|(&x, &dy)| {
+        let mut dx = vec![0f32; s[0].len()];
+        split::spans(&mut dx, |o, dxs| {
+            for ((dx, &x), &dy) in dxs.iter_mut().zip(&s[0][o..]).zip(&s[1][o..]) {
                 let th = tanh(GELU_K * (x + GELU_A * x * x * x));
                 let d = 0.5 * (1.0 + th)
                     + 0.5 * x * (1.0 - th * th) * GELU_K * (1.0 + 3.0 * GELU_A * x * x);
-                dy * d
-            })
-            .collect();
+                *dx = dy * d;
+            }
+        });
         tensor(dx, x.shape().clone())
     })
 }
@@ -178,19 +182,18 @@ pub(crate) fn layer_norm(
     }
     with(&[x, w, b], |s| {
         let (w, b) = (s[1], s[2]);
-        let (mut y, mut mean, mut rstd) = (Vec::with_capacity(n * c), vec![0f32; n], vec![0f32; n]);
-        for (i, xr) in s[0].chunks_exact(c).enumerate() {
+        let (mut y, mut stats) = (vec![0f32; n * c], vec![(0f32, 0f32); n]);
+        split::rows(&mut y, c, &mut stats, |i, yr, stat| {
+            let xr = &s[0][i * c..(i + 1) * c];
             let m = xr.iter().sum::<f32>() / c as f32;
             let var = xr.iter().map(|&v| (v - m) * (v - m)).sum::<f32>() / c as f32;
             let r = 1.0 / (var + eps as f32).sqrt();
-            y.extend(
-                xr.iter()
-                    .zip(w)
-                    .zip(b)
-                    .map(|((&v, &w), &b)| (v - m) * r * w + b),
-            );
-            (mean[i], rstd[i]) = (m, r);
-        }
+            for (((y, &v), &w), &b) in yr.iter_mut().zip(xr).zip(w).zip(b) {
+                *y = (v - m) * r * w + b;
+            }
+            *stat = (m, r);
+        });
+        let (mean, rstd): (Vec<f32>, Vec<f32>) = stats.into_iter().unzip();
         let lead = &x.dims()[..x.rank() - 1];
         Ok((
             tensor(y, x.shape().clone())?,
@@ -223,24 +226,33 @@ pub(crate) fn layer_norm_backward(
         )));
     }
     with(&[x, w, dy, mean, rstd], |s| {
-        let (w, mean, rstd) = (s[1], s[3], s[4]);
-        let mut dx = Vec::with_capacity(s[0].len());
-        let (mut dw, mut db) = (vec![0f32; c], vec![0f32; c]);
-        let mut g = vec![0f32; c];
-        for (i, (xr, dyr)) in s[0].chunks_exact(c).zip(s[2].chunks_exact(c)).enumerate() {
+        let (xs, w, dys, mean, rstd) = (s[0], s[1], s[2], s[3], s[4]);
+        let mut dx = vec![0f32; xs.len()];
+        let mut none = vec![(); n];
+        split::rows(&mut dx, c, &mut none, |i, dxr, _| {
+            let (xr, dyr) = (&xs[i * c..(i + 1) * c], &dys[i * c..(i + 1) * c]);
             let (m, r) = (mean[i], rstd[i]);
             let (mut m1, mut m2) = (0f32, 0f32);
             for j in 0..c {
-                let xh = (xr[j] - m) * r;
-                g[j] = dyr[j] * w[j];
-                m1 += g[j];
-                m2 += g[j] * xh;
-                dw[j] += dyr[j] * xh;
-                db[j] += dyr[j];
+                let g = dyr[j] * w[j];
+                m1 += g;
+                m2 += g * ((xr[j] - m) * r);
             }
             let (m1, m2) = (m1 / c as f32, m2 / c as f32);
-            dx.extend((0..c).map(|j| (g[j] - m1 - (xr[j] - m) * r * m2) * r));
-        }
+            for j in 0..c {
+                dxr[j] = (dyr[j] * w[j] - m1 - (xr[j] - m) * r * m2) * r;
+            }
+        });
+        let [dw, db] = split::column_sums(n, c, |cols, [dw, db]| {
+            for i in 0..n {
+                let (m, r) = (mean[i], rstd[i]);
+                for (k, j) in cols.clone().enumerate() {
+                    let xh = (xs[i * c + j] - m) * r;
+                    dw[k] += dys[i * c + j] * xh;
+                    db[k] += dys[i * c + j];
+                }
+            }
+        });
         Ok((
             tensor(dx, x.shape().clone())?,
             tensor(dw, c)?,
@@ -251,7 +263,7 @@ pub(crate) fn layer_norm_backward(
 
 /// r + x + b for r, x (N, C) and b (C,), in one pass.
 pub(crate) fn residual_add(r: &Tensor, x: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let (_, c) = rows(x)?;
+    let (n, c) = rows(x)?;
     if r.dims() != x.dims() || b.dims() != [c] {
         return Err(msg(format!(
             "residual_add: r {:?}, x {:?}, b {:?}",
@@ -261,23 +273,27 @@ pub(crate) fn residual_add(r: &Tensor, x: &Tensor, b: &Tensor) -> Result<Tensor>
         )));
     }
     with(&[r, x, b], |s| {
-        let b = s[2];
-        let mut y = Vec::with_capacity(s[1].len());
-        for (rr, xr) in s[0].chunks_exact(c).zip(s[1].chunks_exact(c)) {
-            y.extend(rr.iter().zip(xr).zip(b).map(|((&r, &x), &b)| r + x + b));
-        }
+        let mut y = vec![0f32; n * c];
+        let mut none = vec![(); n];
+        split::rows(&mut y, c, &mut none, |i, yr, _| {
+            let (rr, xr) = (&s[0][i * c..(i + 1) * c], &s[1][i * c..(i + 1) * c]);
+            for (((y, &r), &x), &b) in yr.iter_mut().zip(rr).zip(xr).zip(s[2]) {
+                *y = r + x + b;
+            }
+        });
         tensor(y, x.shape().clone())
     })
 }
 
 /// Σ over the rows of dy (..., C): (C,).
 pub(crate) fn row_sum(dy: &Tensor) -> Result<Tensor> {
-    let (_, c) = rows(dy)?;
+    let (n, c) = rows(dy)?;
     with(&[dy], |s| {
-        let mut acc = vec![0f32; c];
-        for r in s[0].chunks_exact(c) {
-            acc.iter_mut().zip(r).for_each(|(a, &v)| *a += v);
-        }
+        let [acc] = split::column_sums(n, c, |cols, [acc]| {
+            for r in s[0].chunks_exact(c) {
+                acc.iter_mut().zip(&r[cols.clone()]).for_each(|(a, &v)| *a += v);
+            }
+        });
         tensor(acc, c)
     })
 }
@@ -287,11 +303,10 @@ pub(crate) fn row_sum(dy: &Tensor) -> Result<Tensor> {
 pub(crate) fn causal_softmax(s: &Tensor) -> Result<(Tensor, Tensor)> {
     let t = square("causal softmax", s)?;
     with(&[s], |e| {
-        let rows = e[0].len() / t;
-        let (mut p, mut lse) = (vec![0f32; e[0].len()], Vec::with_capacity(rows));
-        for (r, (sr, pr)) in e[0].chunks_exact(t).zip(p.chunks_exact_mut(t)).enumerate() {
+        let (mut p, mut lse) = (vec![0f32; e[0].len()], vec![0f32; e[0].len() / t]);
+        split::rows(&mut p, t, &mut lse, |r, pr, lse| {
             let i = r % t; // the query's position: keys 0..=i
-            let (sr, pr) = (&sr[..=i], &mut pr[..=i]);
+            let (sr, pr) = (&e[0][r * t..r * t + i + 1], &mut pr[..=i]);
             let max = sr.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
             let mut sum = 0f32;
             for (p, &s) in pr.iter_mut().zip(sr) {
@@ -300,8 +315,8 @@ pub(crate) fn causal_softmax(s: &Tensor) -> Result<(Tensor, Tensor)> {
             }
             let inv = 1.0 / sum;
             pr.iter_mut().for_each(|p| *p *= inv);
-            lse.push(max + sum.ln());
-        }
+            *lse = max + sum.ln();
+        });
         let lead = &s.dims()[..s.rank() - 1];
         Ok((tensor(p, s.shape().clone())?, tensor(lse, lead)?))
     })
@@ -320,13 +335,14 @@ pub(crate) fn causal_probs(s: &Tensor, lse: &Tensor) -> Result<Tensor> {
     }
     with(&[s, lse], |e| {
         let mut p = vec![0f32; e[0].len()];
-        for (r, (sr, pr)) in e[0].chunks_exact(t).zip(p.chunks_exact_mut(t)).enumerate() {
+        let mut none = vec![(); e[1].len()];
+        split::rows(&mut p, t, &mut none, |r, pr, _| {
             let (i, l) = (r % t, e[1][r]);
             pr[..=i]
                 .iter_mut()
-                .zip(&sr[..=i])
+                .zip(&e[0][r * t..r * t + i + 1])
                 .for_each(|(p, &s)| *p = exp(s - l));
-        }
+        });
         tensor(p, s.shape().clone())
     })
 }
@@ -347,19 +363,18 @@ pub(crate) fn score_grad(p: &Tensor, dp: &Tensor, dy: &Tensor, y: &Tensor) -> Re
     }
     with(&[p, dp, dy, y], |e| {
         let mut ds = vec![0f32; e[0].len()];
-        let rows = e[0].chunks_exact(t).zip(e[1].chunks_exact(t));
-        let outs = e[2].chunks_exact(d).zip(e[3].chunks_exact(d));
-        for (r, (((pr, dpr), (dyr, yr)), dsr)) in
-            rows.zip(outs).zip(ds.chunks_exact_mut(t)).enumerate()
-        {
+        let mut none = vec![(); e[0].len() / t];
+        split::rows(&mut ds, t, &mut none, |r, dsr, _| {
             let i = r % t;
+            let (pr, dpr) = (&e[0][r * t..r * t + i + 1], &e[1][r * t..r * t + i + 1]);
+            let (dyr, yr) = (&e[2][r * d..(r + 1) * d], &e[3][r * d..(r + 1) * d]);
             let delta: f32 = dyr.iter().zip(yr).map(|(a, b)| a * b).sum();
             dsr[..=i]
                 .iter_mut()
-                .zip(&pr[..=i])
-                .zip(&dpr[..=i])
+                .zip(pr)
+                .zip(dpr)
                 .for_each(|((ds, &p), &dp)| *ds = p * (dp - delta));
-        }
+        });
         tensor(ds, p.shape().clone())
     })
 }
@@ -370,14 +385,15 @@ pub(crate) fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<(Tensor
     let (n, v) = logits.dims2()?;
     let ids = targets_of(targets, n, v)?;
     with(&[logits], |e| {
-        let (mut loss, mut lse) = (Vec::with_capacity(n), Vec::with_capacity(n));
-        for (row, &id) in e[0].chunks_exact(v).zip(&ids) {
+        let mut out = vec![(0f32, 0f32); n];
+        split::row_stats(v, &mut out, |r, out| {
+            let row = &e[0][r * v..(r + 1) * v];
             let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
             let sum: f32 = row.iter().map(|&x| exp(x - max)).sum();
             let l = max + sum.ln();
-            loss.push(l - row[id as usize]);
-            lse.push(l);
-        }
+            *out = (l - row[ids[r] as usize], l);
+        });
+        let (loss, lse): (Vec<f32>, Vec<f32>) = out.into_iter().unzip();
         Ok((tensor(loss, n)?, tensor(lse, n)?))
     })
 }
@@ -401,13 +417,15 @@ pub(crate) fn cross_entropy_backward(
         )));
     }
     with(&[logits, lse, g], |e| {
-        let mut d = Vec::with_capacity(n * v);
-        for (r, (row, &id)) in e[0].chunks_exact(v).zip(&ids).enumerate() {
+        let mut d = vec![0f32; n * v];
+        let mut none = vec![(); n];
+        split::rows(&mut d, v, &mut none, |r, dr, _| {
             let (l, g) = (e[1][r], e[2][r]);
-            let start = d.len();
-            d.extend(row.iter().map(|&x| exp(x - l) * g));
-            d[start + id as usize] -= g;
-        }
+            for (d, &x) in dr.iter_mut().zip(&e[0][r * v..(r + 1) * v]) {
+                *d = exp(x - l) * g;
+            }
+            dr[ids[r] as usize] -= g;
+        });
         tensor(d, (n, v))
     })
 }
@@ -487,6 +505,56 @@ mod tests {
             "causal softmax",
         );
         close(&causal_probs(&s, &lse)?, &p, "probabilities from lse");
+        Ok(())
+    }
+
+    /// Every loop gives the same bits on one thread as split over four (the split forced down
+    /// to the smallest op): rows, spans and column blocks change no arithmetic.
+    #[test]
+    fn a_split_changes_no_bit() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 2f32, (300, 37), &dev)?;
+        let dy = Tensor::randn(0f32, 1f32, (300, 37), &dev)?;
+        let w = Tensor::randn(1f32, 0.1f32, 37, &dev)?;
+        let b = Tensor::randn(0f32, 0.1f32, 37, &dev)?;
+        let s = Tensor::randn(0f32, 3f32, (3, 33, 33), &dev)?;
+        let o = Tensor::randn(0f32, 1f32, (3, 33, 8), &dev)?;
+        let logits = Tensor::randn(0f32, 2f32, (50, 77), &dev)?;
+        let ids = Tensor::from_vec((0..50u32).map(|i| i * 3 % 77).collect(), 50, &dev)?;
+        let all = || -> Result<Vec<Vec<u32>>> {
+            let (y, mean, rstd) = layer_norm(&x, &w, &b, 1e-5)?;
+            let (dx, dw, db) = layer_norm_backward(&x, &w, &dy, &mean, &rstd)?;
+            let (p, lse) = causal_softmax(&s)?;
+            let (loss, lse_ce) = cross_entropy(&logits, &ids)?;
+            let outs = [
+                gelu(&x)?,
+                gelu_backward(&x, &dy)?,
+                y,
+                mean,
+                rstd,
+                dx,
+                dw,
+                db,
+                residual_add(&x, &dy, &b)?,
+                row_sum(&dy)?,
+                causal_probs(&s, &lse)?,
+                score_grad(&p, &s, &o, &o)?,
+                p,
+                lse,
+                cross_entropy_backward(&logits, &ids, &lse_ce, &loss)?,
+                loss,
+                lse_ce,
+            ];
+            outs.iter()
+                .map(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect()))
+                .collect()
+        };
+        let pool = |n| rayon::ThreadPoolBuilder::new().num_threads(n).build().unwrap();
+        let before = split_min();
+        set_split_min(0);
+        let (one, four) = (pool(1).install(all), pool(4).install(all));
+        set_split_min(before);
+        assert!(one? == four?, "an op's bits depend on the thread count");
         Ok(())
     }
 

@@ -32,6 +32,7 @@
 pub mod bench_comm;
 pub mod checkpoint;
 pub mod cli;
+pub mod compute_pool;
 pub mod config;
 pub mod cost;
 pub mod data;

@@ -48,6 +48,7 @@ const EXIT_INTERRUPTED: u8 = 130;
 const EXIT_JOB_LOST: i32 = 1;
 
 fn main() -> ExitCode {
+    mtrain_trainer::compute_pool::init();
     let cli = Cli::parse();
     let env = match LaunchEnv::from_env() {
         Ok(env) => env,

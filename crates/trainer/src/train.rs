@@ -460,6 +460,7 @@ fn train_step(
     (step, lr): (u64, f64),
 ) -> anyhow::Result<StepDone> {
     let t0 = Instant::now();
+    let _hot = device.is_cpu().then(crate::compute_pool::Hot::start);
     if cfg.mem_report {
         tracker.begin();
     }

@@ -1,0 +1,115 @@
+//! How the CPU loops use more than one thread: an op's output rows (or fixed spans of an
+//! element-wise op) are split over rayon's pool when the op is large enough to pay for the
+//! split, and a sum over rows is split by blocks of columns, each column still summed in row
+//! order. Every element comes out of the same arithmetic in the same order on any number of
+//! threads, so a result does not depend on the thread count, bit for bit.
+//!
+//! ```text
+//!   an op's output (N × C)            a sum over rows (C,)
+//!   ┌─────────────┐ rows  0..k  t0    cols 0..16 │ 16..32 │ ...
+//!   ├─────────────┤ rows  k..2k t1         t0    │   t1   │ ...   each column: rows 0, 1, .., N−1
+//!   └─────────────┘ ...                                          in order, as on one thread
+//! ```
+//!
+//! Below [`split_min`] elements an op runs on the calling thread alone: handing half of it to
+//! another thread (waking it, stealing the task, joining) costs more than the half saves. The
+//! threshold is measured (docs/BENCHMARKS.md, "Two cores"), and [`set_split_min`] moves it for
+//! such a measurement.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use rayon::prelude::*;
+
+/// The default [`split_min`], in elements of the op's output (or of its input, for sums).
+pub const DEFAULT_SPLIT_MIN: usize = 32 * 1024;
+/// The fewest elements one task of a split op takes: an op is cut into pieces of at least this.
+const TASK_MIN: usize = 8 * 1024;
+/// The columns one task of a sum over rows takes: a 64-byte line of f32 in each row.
+const COL_BLOCK: usize = 16;
+
+static SPLIT_MIN: AtomicUsize = AtomicUsize::new(DEFAULT_SPLIT_MIN);
+
+/// The size (elements) from which a CPU loop splits over rayon's pool.
+pub fn split_min() -> usize {
+    SPLIT_MIN.load(Ordering::Relaxed)
+}
+
+/// Sets [`split_min`] (0: always split; `usize::MAX`: never), for measuring where a split pays.
+pub fn set_split_min(elems: usize) {
+    SPLIT_MIN.store(elems, Ordering::Relaxed);
+}
+
+/// Whether an op of `elems` elements splits: at least [`split_min`], and a pool to split over.
+fn splits(elems: usize) -> bool {
+    elems >= split_min() && rayon::current_num_threads() > 1
+}
+
+/// Runs `f(i, row, stat)` for each row `i` of `out` (rows of `c` elements; the last may be
+/// shorter, for spans of an element-wise op) with the row's per-row output `stats[i]`.
+pub(crate) fn rows<S: Send>(
+    out: &mut [f32],
+    c: usize,
+    stats: &mut [S],
+    f: impl Fn(usize, &mut [f32], &mut S) + Sync,
+) {
+    debug_assert_eq!(out.len().div_ceil(c), stats.len());
+    if splits(out.len()) {
+        out.par_chunks_mut(c)
+            .zip(stats.par_iter_mut())
+            .with_min_len(TASK_MIN.div_ceil(c))
+            .enumerate()
+            .for_each(|(i, (row, s))| f(i, row, s));
+    } else {
+        out.chunks_mut(c)
+            .zip(stats.iter_mut())
+            .enumerate()
+            .for_each(|(i, (row, s))| f(i, row, s));
+    }
+}
+
+/// `K` sums over the `n` rows of an (N, C) input, each (C,): `add(cols, acc)` adds every row's
+/// contribution to the columns `cols`, rows in order, into `acc[k][..cols.len()]`.
+pub(crate) fn column_sums<const K: usize>(
+    n: usize,
+    c: usize,
+    add: impl Fn(Range<usize>, &mut [Vec<f32>; K]) + Sync,
+) -> [Vec<f32>; K] {
+    let block = |cols: Range<usize>| {
+        let mut acc: [Vec<f32>; K] = std::array::from_fn(|_| vec![0f32; cols.len()]);
+        add(cols, &mut acc);
+        acc
+    };
+    if !splits(n * c) || c <= COL_BLOCK {
+        return block(0..c);
+    }
+    let parts: Vec<[Vec<f32>; K]> = (0..c.div_ceil(COL_BLOCK))
+        .into_par_iter()
+        .map(|b| block(b * COL_BLOCK..c.min((b + 1) * COL_BLOCK)))
+        .collect();
+    std::array::from_fn(|k| parts.iter().flat_map(|p| p[k].iter().copied()).collect())
+}
+
+/// The elements one task of a split element-wise op takes.
+const SPAN: usize = TASK_MIN;
+
+/// Runs `f(offset, span)` over spans of `out` (element-wise ops: `span` is
+/// `out[offset..offset + span.len()]`).
+pub(crate) fn spans(out: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
+    let mut none = vec![(); out.len().div_ceil(SPAN)];
+    rows(out, SPAN, &mut none, |i, span, _| f(i * SPAN, span));
+}
+
+/// Runs `f(i, stat)` for each of the `stats.len()` rows of an op whose rows read `c` elements
+/// each and write only the per-row `stats[i]`.
+pub(crate) fn row_stats<S: Send>(c: usize, stats: &mut [S], f: impl Fn(usize, &mut S) + Sync) {
+    if splits(stats.len() * c) {
+        stats
+            .par_iter_mut()
+            .with_min_len(TASK_MIN.div_ceil(c))
+            .enumerate()
+            .for_each(|(i, s)| f(i, s));
+    } else {
+        stats.iter_mut().enumerate().for_each(|(i, s)| f(i, s));
+    }
+}

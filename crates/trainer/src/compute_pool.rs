@@ -1,0 +1,81 @@
+//! A rank's compute threads on CPU: one pool, the thread that runs the step its first worker.
+//!
+//! candle's CPU backend reaches for threads in two places: its gemm splits a large product over
+//! rayon's pool (the caller's, else the global one), and its element-wise maps of 64 Ki elements
+//! or more split over a second pool of its own, whose workers spin for a while after each op
+//! before they park. The tapes' CPU loops (`mtrain-kernels`, `cpu.rs`) split their rows over
+//! rayon's pool too. Left alone, a rank given `n` threads runs `n` rayon workers, `n − 1` of
+//! candle's and its own main thread, which hands each gemm to rayon and sleeps until it is done:
+//!
+//! ```text
+//!   left alone (n = 2, 2 cores)                   after init()
+//!   main ── gemm ──▶ queue ─┐ sleeps ┌─▶ main      main = rayon worker 0 ─┬─ its half of the gemm
+//!   rayon 0, rayon 1 ◀──────┘  spin  │            rayon worker 1 ─────────┴─ the other half
+//!   candle's worker (spins after every large map)  (candle's pool: no workers)
+//!   4 threads for 2 cores                         2 threads for 2 cores
+//! ```
+//!
+//! [`init`] builds rayon's global pool with the calling thread as worker 0 and gives candle's own
+//! pool no workers (`CANDLE_NUM_THREADS=1` unless the user set it), so every parallel section of
+//! a step runs on the same `RAYON_NUM_THREADS` threads and the thread that runs the step works
+//! on each section instead of waiting for it. Below the sizes where a split pays (measured:
+//! docs/BENCHMARKS.md, "Two cores"), an op runs on the calling thread alone.
+
+/// The variable that sizes candle's own element-wise pool.
+const CANDLE_THREADS_VAR: &str = "CANDLE_NUM_THREADS";
+
+/// Makes the calling thread worker 0 of rayon's global pool (`RAYON_NUM_THREADS` threads, default
+/// one per core) and leaves candle's element-wise pool without workers. Call it first thing in
+/// `main`, before any other thread exists (it sets an environment variable).
+pub fn init() {
+    if std::env::var_os(CANDLE_THREADS_VAR).is_none() {
+        std::env::set_var(CANDLE_THREADS_VAR, "1");
+    }
+    // num_threads(0): rayon's own default, RAYON_NUM_THREADS or one per core.
+    let built = rayon::ThreadPoolBuilder::new()
+        .num_threads(0)
+        .use_current_thread()
+        .thread_name(|i| format!("compute-{i}"))
+        .build_global();
+    if let Err(e) = built {
+        eprintln!("warning: the compute pool was not built ({e}); rayon's default pool runs the ops");
+    }
+}
+
+/// The other workers of the pool kept polling for work while this lives (a step's compute), so a
+/// parallel section finds them awake: a worker that has gone to sleep takes tens of microseconds
+/// to wake, about as long as the sections of a small model's step last, and a step has a hundred
+/// of them. Between steps they sleep again. Only on the pool [`init`] built, with more than one
+/// thread, on the thread that runs the step (its worker 0); elsewhere [`Hot::start`] is `None`.
+pub struct Hot {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Hot {
+    /// Wakes the pool's other workers into polling until the returned guard is dropped.
+    pub fn start() -> Option<Hot> {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        if rayon::current_num_threads() < 2 || rayon::current_thread_index() != Some(0) {
+            return None;
+        }
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let polling = stop.clone();
+        rayon::spawn_broadcast(move |ctx| {
+            if ctx.index() == 0 {
+                return; // the step's own thread
+            }
+            while !polling.load(Ordering::Relaxed) {
+                if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                    std::thread::yield_now(); // nothing to steal: let the OS run anything else
+                }
+            }
+        });
+        Some(Hot { stop })
+    }
+}
+
+impl Drop for Hot {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
