@@ -25,6 +25,7 @@ use candle_core::{DType, Device, Result, Shape, Storage, StorageRef, Tensor, Wit
 
 use crate::msg;
 
+mod simd;
 mod split;
 pub use split::{set_split_min, split_min, DEFAULT_SPLIT_MIN};
 
@@ -109,11 +110,7 @@ const GELU_A: f32 = 0.044_715;
 pub(crate) fn gelu(x: &Tensor) -> Result<Tensor> {
     with(&[x], |s| {
         let mut y = vec![0f32; s[0].len()];
-        split::spans(&mut y, |o, ys| {
-            for (y, &x) in ys.iter_mut().zip(&s[0][o..]) {
-                *y = 0.5 * x * (1.0 + tanh(GELU_K * (x + GELU_A * x * x * x)));
-            }
-        });
+        split::spans(&mut y, |o, ys| simd::gelu(&s[0][o..o + ys.len()], ys));
         tensor(y, x.shape().clone())
     })
 }
@@ -124,12 +121,8 @@ pub(crate) fn gelu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     with(&[x, dy], |s| {
         let mut dx = vec![0f32; s[0].len()];
         split::spans(&mut dx, |o, dxs| {
-            for ((dx, &x), &dy) in dxs.iter_mut().zip(&s[0][o..]).zip(&s[1][o..]) {
-                let th = tanh(GELU_K * (x + GELU_A * x * x * x));
-                let d = 0.5 * (1.0 + th)
-                    + 0.5 * x * (1.0 - th * th) * GELU_K * (1.0 + 3.0 * GELU_A * x * x);
-                *dx = dy * d;
-            }
+            let n = dxs.len();
+            simd::gelu_backward(&s[0][o..o + n], &s[1][o..o + n], dxs)
         });
         tensor(dx, x.shape().clone())
     })
@@ -308,13 +301,9 @@ pub(crate) fn causal_softmax(s: &Tensor) -> Result<(Tensor, Tensor)> {
             let i = r % t; // the query's position: keys 0..=i
             let (sr, pr) = (&e[0][r * t..r * t + i + 1], &mut pr[..=i]);
             let max = sr.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-            let mut sum = 0f32;
-            for (p, &s) in pr.iter_mut().zip(sr) {
-                *p = exp(s - max);
-                sum += *p;
-            }
-            let inv = 1.0 / sum;
-            pr.iter_mut().for_each(|p| *p *= inv);
+            simd::exp_shifted(sr, max, 1.0, pr);
+            let sum = pr.iter().fold(0f32, |a, &p| a + p);
+            simd::scale(pr, 1.0 / sum);
             *lse = max + sum.ln();
         });
         let lead = &s.dims()[..s.rank() - 1];
@@ -337,11 +326,8 @@ pub(crate) fn causal_probs(s: &Tensor, lse: &Tensor) -> Result<Tensor> {
         let mut p = vec![0f32; e[0].len()];
         let mut none = vec![(); e[1].len()];
         split::rows(&mut p, t, &mut none, |r, pr, _| {
-            let (i, l) = (r % t, e[1][r]);
-            pr[..=i]
-                .iter_mut()
-                .zip(&e[0][r * t..r * t + i + 1])
-                .for_each(|(p, &s)| *p = exp(s - l));
+            let i = r % t;
+            simd::exp_shifted(&e[0][r * t..r * t + i + 1], e[1][r], 1.0, &mut pr[..=i]);
         });
         tensor(p, s.shape().clone())
     })
@@ -420,10 +406,8 @@ pub(crate) fn cross_entropy_backward(
         let mut d = vec![0f32; n * v];
         let mut none = vec![(); n];
         split::rows(&mut d, v, &mut none, |r, dr, _| {
-            let (l, g) = (e[1][r], e[2][r]);
-            for (d, &x) in dr.iter_mut().zip(&e[0][r * v..(r + 1) * v]) {
-                *d = exp(x - l) * g;
-            }
+            let g = e[2][r];
+            simd::exp_shifted(&e[0][r * v..(r + 1) * v], e[1][r], g, dr);
             dr[ids[r] as usize] -= g;
         });
         tensor(d, (n, v))
@@ -509,7 +493,8 @@ mod tests {
     }
 
     /// Every loop gives the same bits on one thread as split over four (the split forced down
-    /// to the smallest op): rows, spans and column blocks change no arithmetic.
+    /// to the smallest op), and in the baseline build as in the AVX2 one: rows, spans, column
+    /// blocks and vector lanes change no arithmetic.
     #[test]
     fn a_split_changes_no_bit() -> Result<()> {
         let dev = Device::Cpu;
@@ -554,7 +539,12 @@ mod tests {
         set_split_min(0);
         let (one, four) = (pool(1).install(all), pool(4).install(all));
         set_split_min(before);
-        assert!(one? == four?, "an op's bits depend on the thread count");
+        let one = one?;
+        assert!(one == four?, "an op's bits depend on the thread count");
+        simd::force_baseline(true);
+        let baseline = all();
+        simd::force_baseline(false);
+        assert!(one == baseline?, "the AVX2 build's bits differ from the baseline's");
         Ok(())
     }
 
