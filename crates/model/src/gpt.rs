@@ -29,7 +29,8 @@ use crate::dropout::{self, embedding_mask, BlockMasks, Draw};
 use crate::explicit;
 use crate::init::param_specs;
 use crate::layers::{
-    linear, CausalSelfAttention, DenseLinear, FeedForward, LayerNorm, Linear, Mlp,
+    linear, AllRows, CausalSelfAttention, DenseLinear, FeedForward, LayerNorm, Linear, Mlp,
+    VocabRows,
 };
 use crate::moe::{MoeLayer, MoeStats};
 use crate::param::Param;
@@ -156,21 +157,32 @@ fn err(msg: String) -> candle_core::Error {
     candle_core::Error::Msg(msg)
 }
 
-/// Token plus position embedding: idx (B, T) u32 -> (B, T, C).
-pub struct Embedding {
-    /// (V, C), tied with the head
+/// Token plus position embedding: idx (B, T) u32 -> (B, T, C); with the vocabulary split
+/// ([`VocabRows`]), this holder's rows of `wte` looked up, the holders' parts summed, then
+/// `wpe` at the positions the output covers: (B, T, C), or (B, T_r, C).
+pub struct Embedding<V: VocabRows = AllRows> {
+    /// (V, C), or the rows this holder keeps (V/tp, C); tied with the head
     pub wte: Param,
     /// (block_size, C)
     pub wpe: Param,
+    /// Which vocabulary rows `wte` holds.
+    pub vocab: V,
 }
 
 impl Embedding {
     pub fn new(wte: Param, wpe: Param) -> Self {
-        Self { wte, wpe }
+        Self::over(wte, wpe, AllRows)
     }
 }
 
-impl Segment for Embedding {
+impl<V: VocabRows> Embedding<V> {
+    /// The embedding of the rows `vocab` says `wte` holds.
+    pub fn over(wte: Param, wpe: Param, vocab: V) -> Self {
+        Self { wte, wpe, vocab }
+    }
+}
+
+impl<V: VocabRows> Segment for Embedding<V> {
     fn name(&self) -> String {
         "embedding".to_string()
     }
@@ -188,7 +200,7 @@ impl Segment for Embedding {
         idx: &Tensor,
         _targets: Option<&Tensor>,
     ) -> Result<Option<Box<dyn Tape>>> {
-        explicit::embedding_tape(&self.wte, &self.wpe, idx)
+        explicit::embedding_tape(&self.wte, &self.wpe, &self.vocab, idx)
     }
 
     fn forward_drawn(&self, idx: &Tensor, _t: Option<&Tensor>, draw: &Draw) -> Result<SegmentOut> {
@@ -201,16 +213,21 @@ impl Segment for Embedding {
         _targets: Option<&Tensor>,
         draw: &Draw,
     ) -> Result<Option<Box<dyn Tape>>> {
-        let t = idx.dim(1)?;
-        let mask = embedding_mask(Some(draw), (0, t), self.wte.tensor().dim(1)?)?;
-        explicit::embedding_tape(&self.wte, &self.wpe, idx)?
+        let mask = self.mask(Some(draw), idx.dim(1)?)?;
+        explicit::embedding_tape(&self.wte, &self.wpe, &self.vocab, idx)?
             .map(|tape| dropout::Dropped::wrap(tape, mask))
             .transpose()
     }
 }
 
-impl Embedding {
-    /// wte[idx] + wpe[0..T], dropped under `draw`.
+impl<V: VocabRows> Embedding<V> {
+    /// The embedding site's mask of the output for a sequence of `t` under `draw`.
+    fn mask(&self, draw: Option<&Draw>, t: usize) -> Result<Option<mtrain_kernels::dropout::Mask>> {
+        let c = self.wte.tensor().dim(1)?;
+        embedding_mask(draw, (self.vocab.first_position(t), t), c)
+    }
+
+    /// The (summed) token rows plus wpe, dropped under `draw`.
     fn embed(&self, idx: &Tensor, draw: Option<&Draw>) -> Result<SegmentOut> {
         let (b, t) = idx.dims2()?;
         let wpe = self.wpe.tensor();
@@ -221,12 +238,18 @@ impl Embedding {
             )));
         }
         let wte = self.wte.tensor();
-        let c = wte.dim(1)?;
-        let ids = idx.flatten_all()?; // (N,)
-        let tok = mtrain_kernels::embedding(&wte, &ids)?.reshape((b, t, c))?; // (B, T, C)
-        let pos = wpe.narrow(0, 0, t)?; // (T, C)
-        let x = tok.broadcast_add(&pos)?; // (B, T, C)
-        Ok(SegmentOut::plain(match embedding_mask(draw, (0, t), c)? {
+        let (held, c) = wte.dims2()?;
+        let (rows, mine) = self.vocab.rows(&idx.flatten_all()?, held, wte.dtype())?; // (N,)
+        let tok = mtrain_kernels::embedding(&wte, &rows)?; // (N, C)
+        let tok = match mine {
+            Some(mine) => tok.broadcast_mul(&mine.unsqueeze(1)?)?, // 0 for rows held elsewhere
+            None => tok,
+        };
+        let tok = self.vocab.sum(&tok.reshape((b, t, c))?)?; // (B, T, C), or (B, T_r, C)
+        let first = self.vocab.first_position(t);
+        let pos = wpe.narrow(0, first, tok.dim(1)?)?; // (T, C), or (T_r, C)
+        let x = tok.broadcast_add(&pos)?;
+        Ok(SegmentOut::plain(match self.mask(draw, t)? {
             Some(m) => dropout::recorded(&x, &m)?,
             None => x,
         }))

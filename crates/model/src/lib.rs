@@ -7,7 +7,8 @@
 //! - [`config`]: `GptConfig` / `MoeConfig`, presets, parameter and FLOP counts.
 //! - [`param`]: `Param` (a name and a swappable `Var`) and `Grads` (gradients by name).
 //! - [`init`]: layout-independent initialisation, one RNG per tensor name.
-//! - [`layers`]: `Linear`, `LayerNorm`, `Mlp`, `CausalSelfAttention`, the `FeedForward` trait.
+//! - [`layers`]: `Linear`, `LayerNorm`, `Mlp`, `CausalSelfAttention`, the `FeedForward` trait,
+//!   `VocabRows` (the rows of the vocabulary an embedding holds).
 //! - [`moe`]: top-k routing with capacity, the one experts layer (all experts here, or a rank's
 //!   with the group's exchange) and its auxiliary losses.
 //! - [`gpt`]: the model as a list of segments (embedding, blocks, head).

@@ -3,11 +3,13 @@
 //! share with them: the tied head's kept forward and backward ([`TiedHead`]) and two rules
 //! ([`row_loss_grad`], [`position_grad`]).
 
+use std::sync::Arc;
+
 use candle_core::{DType, Result, Tensor};
 use mtrain_kernels::{cross_entropy, embedding};
 
 use super::{err, taped_dtype, Norm, Stats};
-use crate::layers::LayerNorm;
+use crate::layers::{LayerNorm, VocabRows};
 use crate::param::Param;
 use crate::tape::{Collective, Tape, TapeGrads};
 
@@ -183,44 +185,83 @@ pub fn row_loss_grad(grad_out: Option<&Tensor>, loss_scale: f64, n: usize) -> Re
     Ok(s / n as f64)
 }
 
-/// The embedding's forward kept for its backward: the ids and the sizes.
+/// The embedding's forward kept for its backward: the rows looked up, the sizes, and where the
+/// vocabulary is split, the mask of the ids held here and the sum over the holders.
+///
+/// ```text
+///   forward:  tok = wte[rows]·mine ─ sum (none, g, or reduce-scatter T) ─ + wpe[offset..] ─► out
+///   backward: dtok = sumᵀ(dout) (none, identity, or all-gather T)
+///             dwte = scatter-add of dtok·mine by row     dwpe = Σ_batch dout at offset..
+/// ```
 struct EmbeddingTape {
     wte_name: String,
     wpe_name: String,
-    vocab: usize,
+    /// Rows of `wte`: V, or this holder's V/tp.
+    held: usize,
     block_size: usize,
-    ids: Tensor,
+    /// (N,) u32: each id's row in `wte`
+    rows: Tensor,
+    /// (N, 1): 1 for the ids held here (None: all are)
+    mine: Option<Tensor>,
+    sum: Option<Arc<dyn Collective>>,
+    /// The first position the output covers.
+    offset: usize,
     out: Tensor,
 }
 
-/// The graph-free forward of the token plus position embedding `wte[idx] + wpe[0..T]` with its
-/// tape, or None where it has no hand-written backward (ids not u32, a dtype other than f32 or
-/// bf16).
-pub fn embedding_tape(wte: &Param, wpe: &Param, idx: &Tensor) -> Result<Option<Box<dyn Tape>>> {
+/// The graph-free forward of the token plus position embedding with its tape: `wte[idx] +
+/// wpe[0..T]`, or with the vocabulary split ([`VocabRows`]) the holders' parts summed, then
+/// `wpe` at the positions the output covers. None where it has no hand-written backward (ids
+/// not u32, a dtype other than f32 or bf16).
+pub fn embedding_tape(
+    wte: &Param,
+    wpe: &Param,
+    vocab: &dyn VocabRows,
+    idx: &Tensor,
+) -> Result<Option<Box<dyn Tape>>> {
     let (wte_name, wpe_name) = (wte.name().to_string(), wpe.name().to_string());
     let (wte, wpe) = (wte.tensor().detach(), wpe.tensor().detach());
-    let ids = idx.flatten_all()?; // (N,)
-    if !taped_dtype(&wte) || ids.dtype() != DType::U32 || wpe.dtype() != wte.dtype() {
+    if !taped_dtype(&wte) || idx.dtype() != DType::U32 || wpe.dtype() != wte.dtype() {
         return Ok(None);
     }
     let (b, t) = idx.dims2()?;
-    let (vocab, c) = wte.dims2()?;
+    let (held, c) = wte.dims2()?;
     let block_size = wpe.dim(0)?;
     if t > block_size {
         return Err(err(format!(
             "embedding: sequence length {t} exceeds block_size {block_size}"
         )));
     }
-    let tok = embedding::forward(&wte, &ids)?.reshape((b, t, c))?; // (B, T, C), ids checked
-    let out = tok.broadcast_add(&wpe.narrow(0, 0, t)?)?; // (B, T, C)
+    let (rows, mine) = vocab.rows(&idx.flatten_all()?, held, wte.dtype())?; // (N,)
+    let mine = mine.map(|m| m.unsqueeze(1)).transpose()?; // (N, 1)
+    let tok = held_here(embedding::forward(&wte, &rows)?, mine.as_ref())?; // (N, C), ids checked
+    let sum = vocab.sum_taped();
+    let tok = tok.reshape((b, t, c))?; // (B, T, C), this holder's part of the sum
+    let tok = match &sum {
+        Some(sum) => sum.forward(&tok)?,
+        None => tok,
+    }; // (B, T, C), or (B, T_r, C)
+    let offset = vocab.first_position(t);
+    let out = tok.broadcast_add(&wpe.narrow(0, offset, tok.dim(1)?)?)?;
     Ok(Some(Box::new(EmbeddingTape {
         wte_name,
         wpe_name,
-        vocab,
+        held,
         block_size,
-        ids,
+        rows,
+        mine,
+        sum,
+        offset,
         out,
     })))
+}
+
+/// x (N, C) times the (N, 1) mask of the rows held here; x where all are.
+fn held_here(x: Tensor, mine: Option<&Tensor>) -> Result<Tensor> {
+    match mine {
+        Some(mine) => x.broadcast_mul(mine),
+        None => Ok(x),
+    }
 }
 
 impl Tape for EmbeddingTape {
@@ -229,14 +270,18 @@ impl Tape for EmbeddingTape {
     }
 
     fn backward(self: Box<Self>, grad_out: Option<&Tensor>, _loss_scale: f64) -> Result<TapeGrads> {
-        let dx = grad_out
+        let dout = grad_out
             .ok_or_else(|| err("embedding backward: the output is not a loss".into()))?
-            .to_dtype(self.out.dtype())?;
-        let (b, t, c) = dx.dims3()?;
-        let dx = dx.contiguous()?;
-        // The forward checked the ids; no read-back here.
-        let dwte = embedding::backward(&self.ids, &dx.reshape((b * t, c))?, self.vocab)?; // (V, C)
-        let dwpe = position_grad(&dx, 0, self.block_size)?; // (block_size, C)
+            .to_dtype(self.out.dtype())?
+            .contiguous()?; // (B, T_r, C)
+        let dtok = match &self.sum {
+            Some(sum) => sum.backward(&dout)?,
+            None => dout.clone(),
+        }; // (B, T, C)
+        let (b, t, c) = dtok.dims3()?;
+        let dtok = held_here(dtok.reshape((b * t, c))?, self.mine.as_ref())?; // (N, C)
+        let dwte = embedding::backward(&self.rows, &dtok, self.held)?; // (V or V/tp, C), rows checked
+        let dwpe = position_grad(&dout, self.offset, self.block_size)?; // (block_size, C)
         Ok(TapeGrads {
             params: vec![(self.wte_name, dwte), (self.wpe_name, dwpe)],
             input: None,

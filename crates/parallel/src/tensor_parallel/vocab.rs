@@ -20,27 +20,23 @@
 //! keeps its tokens) and the head first all-gathers the sequence. Both segments take their
 //! mappings from the tables of [`super::mapping`].
 //!
-//! The embedding's dropout is the dense embedding's (its output dropped at this rank's
-//! positions, [`mtrain_model::dropout::Dropped`]).
-//!
-//! Both segments also have a hand-written backward (a [`Tape`]): the same collectives in the
-//! same order, the loss's gradient `(e^(z_r − m)/S − onehot_r)·s/N` written out instead of
-//! recorded, and the LayerNorm and position-table rules of [`mtrain_model::explicit`].
+//! The embedding is the dense [`Embedding`] over this rank's [`VocabShard`]: its forward, its
+//! hand-written backward ([`mtrain_model::explicit::embedding_tape`]) and its dropout (the
+//! output dropped at this rank's positions) are the dense embedding's, the shard's lookup and
+//! sum in their places. The head also has a hand-written backward (a [`Tape`]): the same
+//! collectives in the same order, the loss's gradient `(e^(z_r − m)/S − onehot_r)·s/N` written
+//! out instead of recorded, and the tied head's backward of [`mtrain_model::explicit`].
 //!
 //! Legend: `B` batch, `T` sequence, `C` width, `V` vocabulary, `N = B·T`.
 
-use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor, D};
 use mtrain_comm::{chunk_range, Comm, ReduceOp};
-use mtrain_kernels::embedding;
-use mtrain_model::dropout::{self, embedding_mask, Dropped};
-use mtrain_model::explicit::{position_grad, taped_dtype, TiedHead};
-
-use mtrain_model::layers::linear;
+use mtrain_model::explicit::TiedHead;
+use mtrain_model::layers::{linear, VocabRows};
 use mtrain_model::tape::{Collective, Tape, TapeGrads};
-use mtrain_model::{Draw, LayerNorm, Param, Segment, SegmentOut};
+use mtrain_model::{Embedding, LayerNorm, Param, Segment, SegmentOut};
 
 use super::{EmbeddingMappings, HeadMappings};
 use crate::ops::{comm_err, gather_from_tp_region, reduce_from_tp_region};
@@ -71,21 +67,26 @@ pub const LOSS_ALL_REDUCES: [LossAllReduce; 3] = [
 ];
 
 /// Token + position embedding with `wte` split by vocabulary rows: ids (B, T) u32 → (B, T, C),
-/// or (B, T/tp, C) with sequence parallelism.
-pub struct VocabParallelEmbedding {
-    /// (V/tp, C): this rank's vocabulary rows, tied with the head
-    pub wte: Param,
-    /// (block_size, C), replicated
-    pub wpe: Param,
+/// or (B, T/tp, C) with sequence parallelism. It is the dense [`Embedding`] over this rank's
+/// [`VocabShard`]: one forward, tape and dropout, the shard's lookup and sum in their places.
+pub type VocabParallelEmbedding = Embedding<VocabShard>;
+
+/// This rank's rows of the vocabulary `[r·V/tp, (r+1)·V/tp)` and the tp group their lookups
+/// are summed over (g, or with sequence parallelism a reduce-scatter along T).
+///
+/// ```text
+///   forward:  tok_r = wte_r[rows]·mine  ─ g (or reduce-scatter T) ─ + wpe[range] ─► out
+///   backward: dtok = gᵀ(dout) (identity, or all-gather T)
+///             dwte_r = scatter-add of dtok·mine by row     dwpe = Σ_batch dout at range
+/// ```
+pub struct VocabShard {
     pub group: Comm,
     pub sequence_parallel: bool,
 }
 
-impl VocabParallelEmbedding {
-    pub fn new(wte: Param, wpe: Param, group: Comm, sequence_parallel: bool) -> Self {
+impl VocabShard {
+    pub fn new(group: Comm, sequence_parallel: bool) -> Self {
         Self {
-            wte,
-            wpe,
             group,
             sequence_parallel,
         }
@@ -94,14 +95,6 @@ impl VocabParallelEmbedding {
     /// Its mapping, from the embedding's table (what the cost model counts).
     pub fn mappings(&self) -> EmbeddingMappings {
         EmbeddingMappings::new(self.sequence_parallel)
-    }
-
-    /// The positions of a length-`t` sequence this rank's output covers.
-    fn positions(&self, t: usize) -> Range<usize> {
-        match self.sequence_parallel {
-            true => chunk_range(t, self.group.size(), self.group.rank()),
-            false => 0..t,
-        }
     }
 }
 
@@ -115,164 +108,25 @@ fn local_rows(ids: &Tensor, start: usize, len: usize, dtype: DType) -> Result<(T
     Ok((rows, mine.to_dtype(dtype)?))
 }
 
-impl Segment for VocabParallelEmbedding {
-    fn name(&self) -> String {
-        "embedding".to_string()
+impl VocabRows for VocabShard {
+    fn rows(&self, ids: &Tensor, held: usize, dtype: DType) -> Result<(Tensor, Option<Tensor>)> {
+        let (rows, mine) = local_rows(ids, self.group.rank() * held, held, dtype)?;
+        Ok((rows, Some(mine)))
     }
 
-    fn forward(&self, idx: &Tensor, _targets: Option<&Tensor>) -> Result<SegmentOut> {
-        self.embed(idx, None)
+    fn sum(&self, tok: &Tensor) -> Result<Tensor> {
+        self.mappings().sum.mapping.apply(tok, &self.group)
     }
 
-    fn params(&self) -> Vec<Param> {
-        vec![self.wte.clone(), self.wpe.clone()]
+    fn sum_taped(&self) -> Option<Arc<dyn Collective>> {
+        Some(self.mappings().sum.mapping.over(&self.group))
     }
 
-    fn forward_taped(
-        &self,
-        idx: &Tensor,
-        _targets: Option<&Tensor>,
-    ) -> Result<Option<Box<dyn Tape>>> {
-        embedding_tape(self, idx)
-    }
-
-    fn forward_drawn(&self, idx: &Tensor, _t: Option<&Tensor>, draw: &Draw) -> Result<SegmentOut> {
-        self.embed(idx, Some(draw))
-    }
-
-    fn forward_taped_drawn(
-        &self,
-        idx: &Tensor,
-        _targets: Option<&Tensor>,
-        draw: &Draw,
-    ) -> Result<Option<Box<dyn Tape>>> {
-        let mask = self.mask(Some(draw), idx.dim(1)?)?;
-        embedding_tape(self, idx)?
-            .map(|tape| Dropped::wrap(tape, mask))
-            .transpose()
-    }
-}
-
-impl VocabParallelEmbedding {
-    /// The embedding site's mask of this rank's output for a sequence of `t` under `draw`.
-    fn mask(&self, draw: Option<&Draw>, t: usize) -> Result<Option<mtrain_kernels::dropout::Mask>> {
-        let c = self.wte.tensor().dim(1)?;
-        embedding_mask(draw, (self.positions(t).start, t), c)
-    }
-
-    /// The sum of the ranks' token rows plus wpe, dropped under `draw`.
-    fn embed(&self, idx: &Tensor, draw: Option<&Draw>) -> Result<SegmentOut> {
-        let (b, t) = idx.dims2()?;
-        let (wte, wpe) = (self.wte.tensor(), self.wpe.tensor());
-        if t > wpe.dim(0)? {
-            return Err(candle_core::Error::Msg(format!(
-                "embedding: sequence length {t} exceeds block_size {}",
-                wpe.dim(0)?
-            )));
+    fn first_position(&self, t: usize) -> usize {
+        match self.sequence_parallel {
+            true => chunk_range(t, self.group.size(), self.group.rank()).start,
+            false => 0,
         }
-        let (v_local, c) = wte.dims2()?;
-        let (rows, mine) = local_rows(
-            &idx.flatten_all()?,
-            self.group.rank() * v_local,
-            v_local,
-            wte.dtype(),
-        )?;
-        let tok = wte
-            .index_select(&rows, 0)?
-            .broadcast_mul(&mine.unsqueeze(1)?)?; // (N, C), 0 off-shard
-        let tok = tok.reshape((b, t, c))?; // (B, T, C), this rank's part of the sum
-        let tok = self.mappings().sum.mapping.apply(&tok, &self.group)?; // (B, T, C) or (B, T/tp, C)
-        let r = self.positions(t);
-        let pos = wpe.narrow(0, r.start, r.len())?; // (T, C) or (T/tp, C)
-        let x = tok.broadcast_add(&pos)?;
-        Ok(SegmentOut::plain(match self.mask(draw, t)? {
-            Some(m) => dropout::recorded(&x, &m)?,
-            None => x,
-        }))
-    }
-}
-
-/// The vocab-parallel embedding's forward kept for its backward.
-///
-/// ```text
-///   forward:  tok_r = wte_r[rows]·mine  ─ g (or reduce-scatter T) ─ + wpe[range] ─► out
-///   backward: dtok = gᵀ(dout) (identity, or all-gather T)
-///             dwte_r = scatter-add of dtok·mine by row     dwpe = Σ_batch dout at range
-/// ```
-struct EmbeddingTape {
-    wte_name: String,
-    wpe_name: String,
-    v_local: usize,
-    block_size: usize,
-    /// (N,) u32 rows of this rank's shard (0 off-shard), and (N, 1) 1 inside it
-    rows: Tensor,
-    mine: Tensor,
-    /// The first position row this rank's output covers.
-    offset: usize,
-    reduce: Arc<dyn Collective>,
-    out: Tensor,
-}
-
-fn embedding_tape(e: &VocabParallelEmbedding, idx: &Tensor) -> Result<Option<Box<dyn Tape>>> {
-    let (wte, wpe) = (e.wte.tensor().detach(), e.wpe.tensor().detach());
-    if !taped_dtype(&wte) || idx.dtype() != DType::U32 || wpe.dtype() != wte.dtype() {
-        return Ok(None);
-    }
-    let (b, t) = idx.dims2()?;
-    let block_size = wpe.dim(0)?;
-    if t > block_size {
-        return Err(candle_core::Error::Msg(format!(
-            "embedding: sequence length {t} exceeds block_size {block_size}"
-        )));
-    }
-    let (v_local, c) = wte.dims2()?;
-    let (rows, mine) = local_rows(
-        &idx.flatten_all()?,
-        e.group.rank() * v_local,
-        v_local,
-        wte.dtype(),
-    )?;
-    let mine = mine.unsqueeze(1)?; // (N, 1)
-    let tok = embedding::forward(&wte, &rows)?.broadcast_mul(&mine)?; // (N, C), 0 off-shard
-    let tok = tok.reshape((b, t, c))?; // (B, T, C), this rank's part of the sum
-    let range = e.positions(t);
-    let reduce = e.mappings().sum.mapping.over(&e.group);
-    let tok = reduce.forward(&tok)?; // (B, T, C), or (B, T/tp, C)
-    let out = tok.broadcast_add(&wpe.narrow(0, range.start, range.len())?)?;
-    Ok(Some(Box::new(EmbeddingTape {
-        wte_name: e.wte.name().to_string(),
-        wpe_name: e.wpe.name().to_string(),
-        v_local,
-        block_size,
-        rows,
-        mine,
-        offset: range.start,
-        reduce,
-        out,
-    })))
-}
-
-impl Tape for EmbeddingTape {
-    fn output(&self) -> &Tensor {
-        &self.out
-    }
-
-    fn backward(self: Box<Self>, grad_out: Option<&Tensor>, _loss_scale: f64) -> Result<TapeGrads> {
-        let dout = grad_out
-            .ok_or_else(|| {
-                candle_core::Error::Msg("embedding backward: the output is not a loss".into())
-            })?
-            .to_dtype(self.out.dtype())?
-            .contiguous()?; // (B, T_r, C)
-        let dtok = self.reduce.backward(&dout)?; // (B, T, C)
-        let (b, t, c) = dtok.dims3()?;
-        let dtok = dtok.reshape((b * t, c))?.broadcast_mul(&self.mine)?; // (N, C), 0 off-shard
-        let dwte = embedding::backward(&self.rows, &dtok, self.v_local)?; // (V/tp, C)
-        let dwpe = position_grad(&dout, self.offset, self.block_size)?; // (block_size, C)
-        Ok(TapeGrads {
-            params: vec![(self.wte_name, dwte), (self.wpe_name, dwpe)],
-            input: None,
-        })
     }
 }
 
