@@ -29,12 +29,12 @@ use crate::dropout::{self, embedding_mask, BlockMasks, Draw};
 use crate::explicit;
 use crate::init::param_specs;
 use crate::layers::{
-    linear, AllRows, CausalSelfAttention, DenseLinear, FeedForward, LayerNorm, Linear, Mlp,
-    VocabRows,
+    linear, CausalSelfAttention, DenseLinear, FeedForward, LayerNorm, Linear, Mlp,
 };
 use crate::moe::{MoeLayer, MoeStats};
 use crate::param::Param;
 use crate::tape::{Collective, Tape};
+use crate::vocab::{AllRows, VocabLoss, VocabRows};
 
 /// What a segment returns: its output (the scalar loss for a head given targets), and for MoE
 /// blocks the auxiliary loss (already times its coefficient) and routing statistics.
@@ -384,35 +384,43 @@ impl BlockSegment for Block {
     }
 }
 
-/// Final LayerNorm, LM head tied to `wte`, and the loss.
+/// Final LayerNorm, LM head tied to `wte` (the rows of it `vocab` holds), and the loss.
 /// Without targets the output is the logits (B, T, V); with targets (B, T) u32 it is the scalar
-/// mean cross-entropy ([`mtrain_kernels::cross_entropy`], log-softmax in f32).
-pub struct Head {
+/// mean cross-entropy (over all rows [`mtrain_kernels::cross_entropy`], log-softmax in f32; with
+/// the vocabulary split, the split's [`VocabLoss`]).
+pub struct Head<V: VocabLoss = AllRows> {
     pub ln_f: LayerNorm,
-    /// (V, C), the same Param as the embedding's
+    /// (V, C), or the rows this holder keeps (V/tp, C); the same Param as the embedding's
     pub wte: Param,
+    /// Which vocabulary rows `wte` holds, and the loss over them.
+    pub vocab: V,
 }
 
 impl Head {
     pub fn new(ln_f: LayerNorm, wte: Param) -> Self {
-        Self { ln_f, wte }
+        Self::over(ln_f, wte, AllRows)
     }
 }
 
-impl Segment for Head {
+impl<V: VocabLoss> Head<V> {
+    /// The head of the rows `vocab` says `wte` holds.
+    pub fn over(ln_f: LayerNorm, wte: Param, vocab: V) -> Self {
+        Self { ln_f, wte, vocab }
+    }
+}
+
+impl<V: VocabLoss> Segment for Head<V> {
     fn name(&self) -> String {
         "head".to_string()
     }
 
     fn forward(&self, x: &Tensor, targets: Option<&Tensor>) -> Result<SegmentOut> {
-        let x = self.ln_f.forward(x)?; // (B, T, C)
-        let logits = linear(&x, &self.wte.tensor(), None)?; // (B, T, V)
-        match targets {
-            None => Ok(SegmentOut::plain(logits)),
-            Some(t) => Ok(SegmentOut::plain(mtrain_kernels::cross_entropy(
-                &logits, t,
-            )?)),
-        }
+        let h = self.vocab.enter(&self.ln_f.forward(x)?)?; // (B, T, C)
+        let logits = linear(&h, &self.wte.tensor(), None)?; // (B, T, V), or (B, T, V_r)
+        Ok(SegmentOut::plain(match targets {
+            None => self.vocab.logits(&logits)?, // (B, T, V)
+            Some(t) => self.vocab.loss(&logits, t)?,
+        }))
     }
 
     fn params(&self) -> Vec<Param> {
@@ -422,7 +430,7 @@ impl Segment for Head {
     }
 
     fn forward_taped(&self, x: &Tensor, targets: Option<&Tensor>) -> Result<Option<Box<dyn Tape>>> {
-        explicit::head_tape(&self.ln_f, &self.wte, x, targets)
+        explicit::head_tape(&self.ln_f, &self.wte, &self.vocab, x, targets)
     }
 }
 

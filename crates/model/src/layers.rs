@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{Result, Tensor};
 
 use crate::config::MoeConfig;
 use crate::moe::stats::MoeStats;
@@ -140,43 +140,6 @@ impl LayerNorm {
 
     pub fn params(&self) -> Vec<Param> {
         vec![self.weight.clone(), self.bias.clone()]
-    }
-}
-
-/// Which rows of the vocabulary a token embedding holds, and how the holders' lookups add up
-/// to the embedding: every row on one device ([`AllRows`]), or under vocabulary parallelism a
-/// rank's range, the ranks' parts summed over the tp group (the parallel crate's). The
-/// embedding's forward, its tape and its dropout ([`crate::gpt::Embedding`],
-/// [`crate::explicit::embedding_tape`]) are written once over it.
-pub trait VocabRows: Send + Sync {
-    /// Each id's row among the `held` rows of `wte`, with a (N,) 0/1 mask in `dtype` of the
-    /// ids held here (None: all are) for ids (N,) u32.
-    fn rows(&self, ids: &Tensor, held: usize, dtype: DType) -> Result<(Tensor, Option<Tensor>)>;
-    /// The holders' token parts (B, T, C) summed, as autograd records it: (B, T, C), or this
-    /// rank's positions (B, T_r, C).
-    fn sum(&self, tok: &Tensor) -> Result<Tensor>;
-    /// The same sum as a tape's collective (None: nothing to sum).
-    fn sum_taped(&self) -> Option<Arc<dyn Collective>>;
-    /// The first position of a sequence of `t` the output covers (0: it covers them all).
-    fn first_position(&self, _t: usize) -> usize {
-        0
-    }
-}
-
-/// The whole vocabulary on one device: each id is its own row, nothing to sum.
-pub struct AllRows;
-
-impl VocabRows for AllRows {
-    fn rows(&self, ids: &Tensor, _held: usize, _dtype: DType) -> Result<(Tensor, Option<Tensor>)> {
-        Ok((ids.clone(), None))
-    }
-
-    fn sum(&self, tok: &Tensor) -> Result<Tensor> {
-        Ok(tok.clone())
-    }
-
-    fn sum_taped(&self) -> Option<Arc<dyn Collective>> {
-        None
     }
 }
 

@@ -307,11 +307,10 @@ pub fn build(
         });
     }
     let ln_f = b.layer_norm("ln_f")?;
-    segments.push(Arc::new(VocabParallelHead::new(
+    segments.push(Arc::new(VocabParallelHead::over(
         ln_f,
         wte,
-        tp.clone(),
-        sequence_parallel,
+        VocabShard::new(tp.clone(), sequence_parallel),
     )));
     Ok(TpModel {
         segments,

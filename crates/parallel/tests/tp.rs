@@ -475,11 +475,10 @@ fn vocab_parallel_embedding_and_loss_match_dense() {
 
                 // Head: loss, input gradient, ln_f and wte gradients.
                 let head_d = Head::new(LayerNorm::new(rlw.clone(), rlb.clone()), rwte.clone());
-                let head_p = VocabParallelHead::new(
+                let head_p = VocabParallelHead::over(
                     LayerNorm::new(tlw.clone(), tlb.clone()),
                     twte.clone(),
-                    g.clone(),
-                    sp,
+                    VocabShard::new(g.clone(), sp),
                 );
                 let x = det(&[2, t, c], 65);
                 let x_mine = if sp { slice(&x, 1, n, r) } else { x.clone() };

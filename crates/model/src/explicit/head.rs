@@ -1,27 +1,27 @@
 //! The tapes at the ends of the model: the token plus position embedding, and the head (final
-//! LayerNorm, the LM head tied to `wte`, mean cross-entropy); what the vocab-parallel tapes
-//! share with them: the tied head's kept forward and backward ([`TiedHead`]) and two rules
-//! ([`row_loss_grad`], [`position_grad`]).
+//! LayerNorm, the LM head tied to `wte`, mean cross-entropy), each over the vocabulary's rows
+//! it holds ([`crate::vocab`]): all of them, or a tp rank's, whose lookup, collectives and loss
+//! the vocabulary split puts in their places.
 
 use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor};
-use mtrain_kernels::{cross_entropy, embedding};
+use mtrain_kernels::embedding;
 
 use super::{err, taped_dtype, Norm, Stats};
-use crate::layers::{LayerNorm, VocabRows};
+use crate::layers::LayerNorm;
 use crate::param::Param;
 use crate::tape::{Collective, Tape, TapeGrads};
+use crate::vocab::{LogitsGrad, VocabLoss, VocabRows};
 
-/// What every head tape keeps of the final LayerNorm and the LM head tied to `wte` (this
-/// rank's rows of it under vocabulary parallelism), and the backward they share from the
-/// gradient of the logits.
+/// What the head tape keeps of the final LayerNorm and the LM head tied to `wte` (this rank's
+/// rows of it under vocabulary parallelism), and its backward from the gradient of the logits.
 ///
 /// ```text
 ///   forward:  x (N_r, C) ─ln_f─> enter ─> h (N, C) ─·wteᵀ─> z (N, V_r)
 ///   backward: dwte = dzᵀ·h    dx = ln_fᵀ(enterᵀ(dz·wte))
 /// ```
-pub struct TiedHead {
+struct TiedHead {
     pub ln_f: Norm,
     pub wte_name: String,
     pub wte: Tensor,
@@ -104,48 +104,54 @@ impl TiedHead {
     }
 }
 
-/// The head's forward kept for its backward.
+/// The head's forward kept for its backward: the tied head, the collective entering it and
+/// the loss.
+///
+/// ```text
+///   forward:  h = enter(ln_f(x)) (N, C) ─► z = h·wteᵀ (N, V_r) ─► loss (the split's)
+///   backward: dz = the loss's gradient (N, V_r)    dwte = dzᵀ·h    dx = ln_fᵀ(enterᵀ(dz·wte))
+/// ```
 struct HeadTape {
     head: TiedHead,
-    logits: Tensor,
-    targets: Tensor,
-    lse: Tensor,
+    enter: Option<Arc<dyn Collective>>,
+    /// scalar f32
     loss: Tensor,
+    grad: Box<dyn LogitsGrad>,
 }
 
-/// The graph-free forward of the head (`ln_f`, the LM head tied to `wte`) to the mean loss,
-/// with its tape, or None where it has no hand-written backward (no targets, a dtype other
-/// than f32 or bf16).
+/// The graph-free forward of the head (`ln_f`, the LM head tied to the rows of `wte` that
+/// `vocab` holds) to the mean loss, with its tape, or None where it has no hand-written
+/// backward (no targets, a dtype other than f32 or bf16).
 pub fn head_tape(
     ln_f: &LayerNorm,
     wte: &Param,
+    vocab: &dyn VocabLoss,
     x: &Tensor,
     targets: Option<&Tensor>,
 ) -> Result<Option<Box<dyn Tape>>> {
     let Some(targets) = targets else {
         return Ok(None);
     };
-    let Some(head) = TiedHead::forward(ln_f, wte, x, None)? else {
+    let enter = vocab.enter_taped();
+    let Some(head) = TiedHead::forward(ln_f, wte, x, enter.as_deref())? else {
         return Ok(None);
     };
+    let (b, _, c) = x.dims3()?;
     let n = head.h.dim(0)?;
     if targets.elem_count() != n {
         return Err(err(format!(
             "head: targets {:?} do not match the input {:?}",
             targets.dims(),
-            x.dims()
+            (b, n / b, c)
         )));
     }
-    let logits = head.h.matmul(&head.wte.t()?)?; // (N, V)
-    let targets = targets.flatten_all()?.to_dtype(DType::U32)?; // (N,)
-    let (rows, lse) = cross_entropy::forward(&logits, &targets)?; // (N,)
-    let loss = rows.mean_all()?; // scalar, f32
+    let z = head.h.matmul(&head.wte.t()?)?; // (N, V_r)
+    let (loss, grad) = vocab.loss_taped(&z, &targets.flatten_all()?)?;
     Ok(Some(Box::new(HeadTape {
         head,
-        logits,
-        targets,
-        lse,
+        enter,
         loss,
+        grad,
     })))
 }
 
@@ -155,29 +161,18 @@ impl Tape for HeadTape {
     }
 
     fn backward(self: Box<Self>, grad_out: Option<&Tensor>, loss_scale: f64) -> Result<TapeGrads> {
-        let HeadTape {
-            head,
-            logits,
-            targets,
-            lse,
-            loss: _,
-        } = *self;
-        let n = logits.dim(0)?;
-        let g = Tensor::full(
-            row_loss_grad(grad_out, loss_scale, n)? as f32,
-            n,
-            logits.device(),
-        )?; // (N,)
-        let dlogits = cross_entropy::backward(&logits, &targets, &lse, &g)?; // (N, V)
-        drop(logits);
-        head.backward(dlogits, None)
+        let tape = *self;
+        let (head, enter) = (tape.head, tape.enter);
+        let g_row = row_loss_grad(grad_out, loss_scale, head.h.dim(0)?)?;
+        let dz = tape.grad.grad(g_row)?.to_dtype(head.wte.dtype())?; // (N, V_r)
+        head.backward(dz, enter.as_deref())
     }
 }
 
 /// d(loss)/d(row loss) of a mean over `n` rows: s / N, where s is `loss_scale` when the loss is
-/// the objective (`grad_out` None) or the given scalar gradient of the loss. Every head tape's
+/// the objective (`grad_out` None) or the given scalar gradient of the loss. The head tape's
 /// backward starts from it.
-pub fn row_loss_grad(grad_out: Option<&Tensor>, loss_scale: f64, n: usize) -> Result<f64> {
+fn row_loss_grad(grad_out: Option<&Tensor>, loss_scale: f64, n: usize) -> Result<f64> {
     let s = match grad_out {
         None => loss_scale,
         Some(g) => mtrain_kernels::reduce::sum_f64(g)?,
@@ -291,7 +286,7 @@ impl Tape for EmbeddingTape {
 
 /// The gradient (block_size, C) of the position table `wpe` whose rows `offset..offset + T`
 /// were added to every sequence of dx (B, T, C): Σ over the batch there, zero elsewhere.
-pub fn position_grad(dx: &Tensor, offset: usize, block_size: usize) -> Result<Tensor> {
+fn position_grad(dx: &Tensor, offset: usize, block_size: usize) -> Result<Tensor> {
     let t = dx.dim(1)?;
     if offset + t > block_size {
         return Err(err(format!(
