@@ -161,11 +161,23 @@ impl Tape for HeadTape {
     }
 
     fn backward(self: Box<Self>, grad_out: Option<&Tensor>, loss_scale: f64) -> Result<TapeGrads> {
+        let (head, dz, enter) = self.logits_grad(grad_out, loss_scale)?;
+        head.backward(dz, enter.as_deref())
+    }
+}
+
+impl HeadTape {
+    /// The tied head, the logits' gradient dz (N, V_r) and the collective entering the head.
+    fn logits_grad(
+        self: Box<Self>,
+        grad_out: Option<&Tensor>,
+        loss_scale: f64,
+    ) -> Result<(TiedHead, Tensor, Option<Arc<dyn Collective>>)> {
         let tape = *self;
-        let (head, enter) = (tape.head, tape.enter);
+        let head = tape.head;
         let g_row = row_loss_grad(grad_out, loss_scale, head.h.dim(0)?)?;
         let dz = tape.grad.grad(g_row)?.to_dtype(head.wte.dtype())?; // (N, V_r)
-        head.backward(dz, enter.as_deref())
+        Ok((head, dz, tape.enter))
     }
 }
 
