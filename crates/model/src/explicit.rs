@@ -35,9 +35,9 @@
 //! loops on CPU (`mtrain_kernels::cpu`), so one tape serves both devices. A segment has a tape for layers in f32 or bf16 that
 //! say what they are ([`Linear::parts`], [`FeedForward::moe_parts`](crate::layers::FeedForward::moe_parts)):
 //! a dense layer, or a tensor-parallel column or row layer whose collectives ([`Collective`])
-//! the same block tape runs where Megatron puts them ([`sharded_block_tape`]; the parallel
-//! crate's segments build on it and on [`Norm`]); a block's feed-forward half is the MLP or a
-//! mixture of experts, on one device or with its experts across an expert-parallel group
+//! the same block tape runs where Megatron puts them ([`sharded_block_tape`]; the embedding and
+//! head tapes run the vocabulary's split, [`crate::vocab`]); a block's feed-forward half is the
+//! MLP or a mixture of experts, on one device or with its experts across an expert-parallel group
 //! (the dispatch and combine all-to-alls, [`Exchange`](crate::tape::Exchange), inside the tape).
 //! Whether the engine runs the tapes is its [`Backward`](crate::engine::Backward) value (by
 //! default it does, on every device).
@@ -50,7 +50,7 @@
 //! - `moe.rs`: the mixture-of-experts half of a block: the router's and the aux losses'
 //!   gradients, the experts' MLPs, and under expert parallelism the all-to-alls' conjugates;
 //! - `head.rs`: the ends of the model, the embedding and the head with its loss
-//!   ([`embedding_tape`], [`head_tape`], [`row_loss_grad`], [`position_grad`]);
+//!   ([`embedding_tape`], [`head_tape`]), the vocabulary whole or split by tp;
 //! - `tests.rs`: every tape against autograd, on a GPU and on CPU.
 //!
 //! Legend: `B` batch, `T` time, `C` width, `H` heads, `D` head size, `V` vocabulary, `N = B·T`.
@@ -70,7 +70,7 @@ use crate::layers::{LayerNorm, Linear, Mlp};
 use crate::tape::Collective;
 
 pub use block::{block_tape, sharded_block_tape, BlockDropout};
-pub use head::{embedding_tape, head_tape, position_grad, row_loss_grad, TiedHead};
+pub use head::{embedding_tape, head_tape};
 
 /// Whether the tapes take tensors of this dtype (the fused kernels' f32 and bf16).
 pub fn taped_dtype(x: &Tensor) -> bool {

@@ -34,6 +34,7 @@ use crate::layers::{
 use crate::moe::{MoeLayer, MoeStats};
 use crate::param::Param;
 use crate::tape::{Collective, Tape};
+use crate::vocab::{AllRows, VocabLoss, VocabRows};
 
 /// What a segment returns: its output (the scalar loss for a head given targets), and for MoE
 /// blocks the auxiliary loss (already times its coefficient) and routing statistics.
@@ -156,21 +157,32 @@ fn err(msg: String) -> candle_core::Error {
     candle_core::Error::Msg(msg)
 }
 
-/// Token plus position embedding: idx (B, T) u32 -> (B, T, C).
-pub struct Embedding {
-    /// (V, C), tied with the head
+/// Token plus position embedding: idx (B, T) u32 -> (B, T, C); with the vocabulary split
+/// ([`VocabRows`]), this holder's rows of `wte` looked up, the holders' parts summed, then
+/// `wpe` at the positions the output covers: (B, T, C), or (B, T_r, C).
+pub struct Embedding<V: VocabRows = AllRows> {
+    /// (V, C), or the rows this holder keeps (V/tp, C); tied with the head
     pub wte: Param,
     /// (block_size, C)
     pub wpe: Param,
+    /// Which vocabulary rows `wte` holds.
+    pub vocab: V,
 }
 
 impl Embedding {
     pub fn new(wte: Param, wpe: Param) -> Self {
-        Self { wte, wpe }
+        Self::over(wte, wpe, AllRows)
     }
 }
 
-impl Segment for Embedding {
+impl<V: VocabRows> Embedding<V> {
+    /// The embedding of the rows `vocab` says `wte` holds.
+    pub fn over(wte: Param, wpe: Param, vocab: V) -> Self {
+        Self { wte, wpe, vocab }
+    }
+}
+
+impl<V: VocabRows> Segment for Embedding<V> {
     fn name(&self) -> String {
         "embedding".to_string()
     }
@@ -188,7 +200,7 @@ impl Segment for Embedding {
         idx: &Tensor,
         _targets: Option<&Tensor>,
     ) -> Result<Option<Box<dyn Tape>>> {
-        explicit::embedding_tape(&self.wte, &self.wpe, idx)
+        explicit::embedding_tape(&self.wte, &self.wpe, &self.vocab, idx)
     }
 
     fn forward_drawn(&self, idx: &Tensor, _t: Option<&Tensor>, draw: &Draw) -> Result<SegmentOut> {
@@ -201,16 +213,21 @@ impl Segment for Embedding {
         _targets: Option<&Tensor>,
         draw: &Draw,
     ) -> Result<Option<Box<dyn Tape>>> {
-        let t = idx.dim(1)?;
-        let mask = embedding_mask(Some(draw), (0, t), self.wte.tensor().dim(1)?)?;
-        explicit::embedding_tape(&self.wte, &self.wpe, idx)?
+        let mask = self.mask(Some(draw), idx.dim(1)?)?;
+        explicit::embedding_tape(&self.wte, &self.wpe, &self.vocab, idx)?
             .map(|tape| dropout::Dropped::wrap(tape, mask))
             .transpose()
     }
 }
 
-impl Embedding {
-    /// wte[idx] + wpe[0..T], dropped under `draw`.
+impl<V: VocabRows> Embedding<V> {
+    /// The embedding site's mask of the output for a sequence of `t` under `draw`.
+    fn mask(&self, draw: Option<&Draw>, t: usize) -> Result<Option<mtrain_kernels::dropout::Mask>> {
+        let c = self.wte.tensor().dim(1)?;
+        embedding_mask(draw, (self.vocab.first_position(t), t), c)
+    }
+
+    /// The (summed) token rows plus wpe, dropped under `draw`.
     fn embed(&self, idx: &Tensor, draw: Option<&Draw>) -> Result<SegmentOut> {
         let (b, t) = idx.dims2()?;
         let wpe = self.wpe.tensor();
@@ -221,12 +238,18 @@ impl Embedding {
             )));
         }
         let wte = self.wte.tensor();
-        let c = wte.dim(1)?;
-        let ids = idx.flatten_all()?; // (N,)
-        let tok = mtrain_kernels::embedding(&wte, &ids)?.reshape((b, t, c))?; // (B, T, C)
-        let pos = wpe.narrow(0, 0, t)?; // (T, C)
-        let x = tok.broadcast_add(&pos)?; // (B, T, C)
-        Ok(SegmentOut::plain(match embedding_mask(draw, (0, t), c)? {
+        let (held, c) = wte.dims2()?;
+        let (rows, mine) = self.vocab.rows(&idx.flatten_all()?, held, wte.dtype())?; // (N,)
+        let tok = mtrain_kernels::embedding(&wte, &rows)?; // (N, C)
+        let tok = match mine {
+            Some(mine) => tok.broadcast_mul(&mine.unsqueeze(1)?)?, // 0 for rows held elsewhere
+            None => tok,
+        };
+        let tok = self.vocab.sum(&tok.reshape((b, t, c))?)?; // (B, T, C), or (B, T_r, C)
+        let first = self.vocab.first_position(t);
+        let pos = wpe.narrow(0, first, tok.dim(1)?)?; // (T, C), or (T_r, C)
+        let x = tok.broadcast_add(&pos)?;
+        Ok(SegmentOut::plain(match self.mask(draw, t)? {
             Some(m) => dropout::recorded(&x, &m)?,
             None => x,
         }))
@@ -361,35 +384,43 @@ impl BlockSegment for Block {
     }
 }
 
-/// Final LayerNorm, LM head tied to `wte`, and the loss.
+/// Final LayerNorm, LM head tied to `wte` (the rows of it `vocab` holds), and the loss.
 /// Without targets the output is the logits (B, T, V); with targets (B, T) u32 it is the scalar
-/// mean cross-entropy ([`mtrain_kernels::cross_entropy`], log-softmax in f32).
-pub struct Head {
+/// mean cross-entropy (over all rows [`mtrain_kernels::cross_entropy`], log-softmax in f32; with
+/// the vocabulary split, the split's [`VocabLoss`]).
+pub struct Head<V: VocabLoss = AllRows> {
     pub ln_f: LayerNorm,
-    /// (V, C), the same Param as the embedding's
+    /// (V, C), or the rows this holder keeps (V/tp, C); the same Param as the embedding's
     pub wte: Param,
+    /// Which vocabulary rows `wte` holds, and the loss over them.
+    pub vocab: V,
 }
 
 impl Head {
     pub fn new(ln_f: LayerNorm, wte: Param) -> Self {
-        Self { ln_f, wte }
+        Self::over(ln_f, wte, AllRows)
     }
 }
 
-impl Segment for Head {
+impl<V: VocabLoss> Head<V> {
+    /// The head of the rows `vocab` says `wte` holds.
+    pub fn over(ln_f: LayerNorm, wte: Param, vocab: V) -> Self {
+        Self { ln_f, wte, vocab }
+    }
+}
+
+impl<V: VocabLoss> Segment for Head<V> {
     fn name(&self) -> String {
         "head".to_string()
     }
 
     fn forward(&self, x: &Tensor, targets: Option<&Tensor>) -> Result<SegmentOut> {
-        let x = self.ln_f.forward(x)?; // (B, T, C)
-        let logits = linear(&x, &self.wte.tensor(), None)?; // (B, T, V)
-        match targets {
-            None => Ok(SegmentOut::plain(logits)),
-            Some(t) => Ok(SegmentOut::plain(mtrain_kernels::cross_entropy(
-                &logits, t,
-            )?)),
-        }
+        let h = self.vocab.enter(&self.ln_f.forward(x)?)?; // (B, T, C)
+        let logits = linear(&h, &self.wte.tensor(), None)?; // (B, T, V), or (B, T, V_r)
+        Ok(SegmentOut::plain(match targets {
+            None => self.vocab.logits(&logits)?, // (B, T, V)
+            Some(t) => self.vocab.loss(&logits, t)?,
+        }))
     }
 
     fn params(&self) -> Vec<Param> {
@@ -399,7 +430,7 @@ impl Segment for Head {
     }
 
     fn forward_taped(&self, x: &Tensor, targets: Option<&Tensor>) -> Result<Option<Box<dyn Tape>>> {
-        explicit::head_tape(&self.ln_f, &self.wte, x, targets)
+        explicit::head_tape(&self.ln_f, &self.wte, &self.vocab, x, targets)
     }
 }
 

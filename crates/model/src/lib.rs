@@ -8,6 +8,8 @@
 //! - [`param`]: `Param` (a name and a swappable `Var`) and `Grads` (gradients by name).
 //! - [`init`]: layout-independent initialisation, one RNG per tensor name.
 //! - [`layers`]: `Linear`, `LayerNorm`, `Mlp`, `CausalSelfAttention`, the `FeedForward` trait.
+//! - [`vocab`]: the tied vocabulary whole or split by rows, as the embedding (`VocabRows`) and
+//!   the head (`VocabLoss`) see it; `AllRows`, the whole of it.
 //! - [`moe`]: top-k routing with capacity, the one experts layer (all experts here, or a rank's
 //!   with the group's exchange) and its auxiliary losses.
 //! - [`gpt`]: the model as a list of segments (embedding, blocks, head).
@@ -32,6 +34,7 @@ pub mod moe;
 pub mod optim;
 pub mod param;
 pub mod tape;
+pub mod vocab;
 
 pub use config::{ConfigError, GptConfig, MoeConfig};
 pub use dropout::{Draw, StepDraw};

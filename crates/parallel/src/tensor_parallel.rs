@@ -54,7 +54,9 @@ pub mod vocab;
 pub use mapping::{BlockMappings, EmbeddingMappings, HeadMappings, Mapping, Site, TpCollective};
 pub use sequence::SequenceParallelBlock;
 pub use shard::{Placement, ShardLayout, ShardSpec};
-pub use vocab::{vocab_parallel_cross_entropy, VocabParallelEmbedding, VocabParallelHead};
+pub use vocab::{
+    vocab_parallel_cross_entropy, VocabParallelEmbedding, VocabParallelHead, VocabShard,
+};
 
 /// The sequence dim of activations (B, T, C).
 pub const SEQ_DIM: usize = 1;
@@ -267,11 +269,10 @@ pub fn build(
     };
     let wte = b.param("wte.weight")?;
     let wpe = b.param("wpe.weight")?;
-    let mut segments: Vec<Arc<dyn Segment>> = vec![Arc::new(VocabParallelEmbedding::new(
+    let mut segments: Vec<Arc<dyn Segment>> = vec![Arc::new(VocabParallelEmbedding::over(
         wte.clone(),
         wpe,
-        tp.clone(),
-        sequence_parallel,
+        VocabShard::new(tp.clone(), sequence_parallel),
     ))];
     let heads = cfg.n_head / tp.size();
     let sub = BlockMappings::new(sequence_parallel); // attention's and the MLP's
@@ -306,11 +307,10 @@ pub fn build(
         });
     }
     let ln_f = b.layer_norm("ln_f")?;
-    segments.push(Arc::new(VocabParallelHead::new(
+    segments.push(Arc::new(VocabParallelHead::over(
         ln_f,
         wte,
-        tp.clone(),
-        sequence_parallel,
+        VocabShard::new(tp.clone(), sequence_parallel),
     )));
     Ok(TpModel {
         segments,

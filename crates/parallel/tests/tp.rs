@@ -32,7 +32,7 @@ use mtrain_parallel::ops::*;
 use mtrain_parallel::plan::{ParallelPlan, ValidPlan};
 use mtrain_parallel::tensor_parallel::{
     self, ColumnInput, ColumnParallelLinear, Placement, RowOutput, RowParallelLinear, ShardLayout,
-    VocabParallelEmbedding, VocabParallelHead,
+    VocabParallelEmbedding, VocabParallelHead, VocabShard,
 };
 use rand::{Rng, SeedableRng};
 
@@ -446,7 +446,8 @@ fn vocab_parallel_embedding_and_loss_match_dense() {
 
                 // Embedding: compare Σ(out · up) gradients; with SP each rank checks its tokens.
                 let emb_d = Embedding::new(rwte.clone(), rwpe.clone());
-                let emb_p = VocabParallelEmbedding::new(twte.clone(), twpe.clone(), g.clone(), sp);
+                let shard = VocabShard::new(g.clone(), sp);
+                let emb_p = VocabParallelEmbedding::over(twte.clone(), twpe.clone(), shard);
                 let y_ref = emb_d.forward(&idx, None).expect("emb").out; // (2, T, C)
                 let y = emb_p.forward(&idx, None).expect("emb").out;
                 let up = det(&[2, t, c], 64);
@@ -474,11 +475,10 @@ fn vocab_parallel_embedding_and_loss_match_dense() {
 
                 // Head: loss, input gradient, ln_f and wte gradients.
                 let head_d = Head::new(LayerNorm::new(rlw.clone(), rlb.clone()), rwte.clone());
-                let head_p = VocabParallelHead::new(
+                let head_p = VocabParallelHead::over(
                     LayerNorm::new(tlw.clone(), tlb.clone()),
                     twte.clone(),
-                    g.clone(),
-                    sp,
+                    VocabShard::new(g.clone(), sp),
                 );
                 let x = det(&[2, t, c], 65);
                 let x_mine = if sp { slice(&x, 1, n, r) } else { x.clone() };

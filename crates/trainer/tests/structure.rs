@@ -982,6 +982,36 @@ fn the_plan_check_the_sync_and_the_moe_layer_live_once() {
     );
 }
 
+/// The model's segments have one home: every `impl ... Segment for` in the crates' sources is
+/// in `model/src/gpt.rs` (the embedding and the head over their vocabulary, a block through
+/// `BlockSegment`). A technique gives those segments its pieces (a `BlockSegment`, a
+/// vocabulary shard, sharded layers) instead of writing a segment again.
+#[test]
+fn the_segments_are_written_once_in_the_model() {
+    let root = repo_root();
+    let paths = repo_paths(&root);
+    let mut found = Vec::new();
+    for file in source_files(&paths) {
+        if file.ends_with("/tests.rs") || file == "crates/model/src/gpt.rs" {
+            continue;
+        }
+        let code = without_strings(&code_of(
+            &std::fs::read_to_string(root.join(file)).expect("a source file"),
+        ));
+        for line in code.lines().filter(|l| l.contains(" Segment for ")) {
+            if line.trim_start().starts_with("impl") {
+                found.push(format!("{file}: {}", line.trim()));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "a segment written outside the model's gpt.rs (give it a BlockSegment or a \
+         vocabulary instead):\n  {}",
+        found.join("\n  ")
+    );
+}
+
 /// The call scan: arguments up to the matching parenthesis, commas counted at the top level.
 #[test]
 fn the_call_scan_counts_arguments() {

@@ -1,25 +1,27 @@
 //! The tapes at the ends of the model: the token plus position embedding, and the head (final
-//! LayerNorm, the LM head tied to `wte`, mean cross-entropy); what the vocab-parallel tapes
-//! share with them: the tied head's kept forward and backward ([`TiedHead`]) and two rules
-//! ([`row_loss_grad`], [`position_grad`]).
+//! LayerNorm, the LM head tied to `wte`, mean cross-entropy), each over the vocabulary's rows
+//! it holds ([`crate::vocab`]): all of them, or a tp rank's, whose lookup, collectives and loss
+//! the vocabulary split puts in their places.
+
+use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor};
-use mtrain_kernels::{cross_entropy, embedding};
+use mtrain_kernels::embedding;
 
 use super::{err, taped_dtype, Norm, Stats};
 use crate::layers::LayerNorm;
 use crate::param::Param;
 use crate::tape::{Collective, Tape, TapeGrads};
+use crate::vocab::{LogitsGrad, VocabLoss, VocabRows};
 
-/// What every head tape keeps of the final LayerNorm and the LM head tied to `wte` (this
-/// rank's rows of it under vocabulary parallelism), and the backward they share from the
-/// gradient of the logits.
+/// What the head tape keeps of the final LayerNorm and the LM head tied to `wte` (this rank's
+/// rows of it under vocabulary parallelism), and its backward from the gradient of the logits.
 ///
 /// ```text
 ///   forward:  x (N_r, C) ─ln_f─> enter ─> h (N, C) ─·wteᵀ─> z (N, V_r)
 ///   backward: dwte = dzᵀ·h    dx = ln_fᵀ(enterᵀ(dz·wte))
 /// ```
-pub struct TiedHead {
+struct TiedHead {
     pub ln_f: Norm,
     pub wte_name: String,
     pub wte: Tensor,
@@ -102,48 +104,54 @@ impl TiedHead {
     }
 }
 
-/// The head's forward kept for its backward.
+/// The head's forward kept for its backward: the tied head, the collective entering it and
+/// the loss.
+///
+/// ```text
+///   forward:  h = enter(ln_f(x)) (N, C) ─► z = h·wteᵀ (N, V_r) ─► loss (the split's)
+///   backward: dz = the loss's gradient (N, V_r)    dwte = dzᵀ·h    dx = ln_fᵀ(enterᵀ(dz·wte))
+/// ```
 struct HeadTape {
     head: TiedHead,
-    logits: Tensor,
-    targets: Tensor,
-    lse: Tensor,
+    enter: Option<Arc<dyn Collective>>,
+    /// scalar f32
     loss: Tensor,
+    grad: Box<dyn LogitsGrad>,
 }
 
-/// The graph-free forward of the head (`ln_f`, the LM head tied to `wte`) to the mean loss,
-/// with its tape, or None where it has no hand-written backward (no targets, a dtype other
-/// than f32 or bf16).
+/// The graph-free forward of the head (`ln_f`, the LM head tied to the rows of `wte` that
+/// `vocab` holds) to the mean loss, with its tape, or None where it has no hand-written
+/// backward (no targets, a dtype other than f32 or bf16).
 pub fn head_tape(
     ln_f: &LayerNorm,
     wte: &Param,
+    vocab: &dyn VocabLoss,
     x: &Tensor,
     targets: Option<&Tensor>,
 ) -> Result<Option<Box<dyn Tape>>> {
     let Some(targets) = targets else {
         return Ok(None);
     };
-    let Some(head) = TiedHead::forward(ln_f, wte, x, None)? else {
+    let enter = vocab.enter_taped();
+    let Some(head) = TiedHead::forward(ln_f, wte, x, enter.as_deref())? else {
         return Ok(None);
     };
+    let (b, _, c) = x.dims3()?;
     let n = head.h.dim(0)?;
     if targets.elem_count() != n {
         return Err(err(format!(
             "head: targets {:?} do not match the input {:?}",
             targets.dims(),
-            x.dims()
+            (b, n / b, c)
         )));
     }
-    let logits = head.h.matmul(&head.wte.t()?)?; // (N, V)
-    let targets = targets.flatten_all()?.to_dtype(DType::U32)?; // (N,)
-    let (rows, lse) = cross_entropy::forward(&logits, &targets)?; // (N,)
-    let loss = rows.mean_all()?; // scalar, f32
+    let z = head.h.matmul(&head.wte.t()?)?; // (N, V_r)
+    let (loss, grad) = vocab.loss_taped(&z, &targets.flatten_all()?)?;
     Ok(Some(Box::new(HeadTape {
         head,
-        logits,
-        targets,
-        lse,
+        enter,
         loss,
+        grad,
     })))
 }
 
@@ -153,29 +161,30 @@ impl Tape for HeadTape {
     }
 
     fn backward(self: Box<Self>, grad_out: Option<&Tensor>, loss_scale: f64) -> Result<TapeGrads> {
-        let HeadTape {
-            head,
-            logits,
-            targets,
-            lse,
-            loss: _,
-        } = *self;
-        let n = logits.dim(0)?;
-        let g = Tensor::full(
-            row_loss_grad(grad_out, loss_scale, n)? as f32,
-            n,
-            logits.device(),
-        )?; // (N,)
-        let dlogits = cross_entropy::backward(&logits, &targets, &lse, &g)?; // (N, V)
-        drop(logits);
-        head.backward(dlogits, None)
+        let (head, dz, enter) = self.logits_grad(grad_out, loss_scale)?;
+        head.backward(dz, enter.as_deref())
+    }
+}
+
+impl HeadTape {
+    /// The tied head, the logits' gradient dz (N, V_r) and the collective entering the head.
+    fn logits_grad(
+        self: Box<Self>,
+        grad_out: Option<&Tensor>,
+        loss_scale: f64,
+    ) -> Result<(TiedHead, Tensor, Option<Arc<dyn Collective>>)> {
+        let tape = *self;
+        let head = tape.head;
+        let g_row = row_loss_grad(grad_out, loss_scale, head.h.dim(0)?)?;
+        let dz = tape.grad.grad(g_row)?.to_dtype(head.wte.dtype())?; // (N, V_r)
+        Ok((head, dz, tape.enter))
     }
 }
 
 /// d(loss)/d(row loss) of a mean over `n` rows: s / N, where s is `loss_scale` when the loss is
-/// the objective (`grad_out` None) or the given scalar gradient of the loss. Every head tape's
+/// the objective (`grad_out` None) or the given scalar gradient of the loss. The head tape's
 /// backward starts from it.
-pub fn row_loss_grad(grad_out: Option<&Tensor>, loss_scale: f64, n: usize) -> Result<f64> {
+fn row_loss_grad(grad_out: Option<&Tensor>, loss_scale: f64, n: usize) -> Result<f64> {
     let s = match grad_out {
         None => loss_scale,
         Some(g) => mtrain_kernels::reduce::sum_f64(g)?,
@@ -183,44 +192,83 @@ pub fn row_loss_grad(grad_out: Option<&Tensor>, loss_scale: f64, n: usize) -> Re
     Ok(s / n as f64)
 }
 
-/// The embedding's forward kept for its backward: the ids and the sizes.
+/// The embedding's forward kept for its backward: the rows looked up, the sizes, and where the
+/// vocabulary is split, the mask of the ids held here and the sum over the holders.
+///
+/// ```text
+///   forward:  tok = wte[rows]·mine ─ sum (none, g, or reduce-scatter T) ─ + wpe[offset..] ─► out
+///   backward: dtok = sumᵀ(dout) (none, identity, or all-gather T)
+///             dwte = scatter-add of dtok·mine by row     dwpe = Σ_batch dout at offset..
+/// ```
 struct EmbeddingTape {
     wte_name: String,
     wpe_name: String,
-    vocab: usize,
+    /// Rows of `wte`: V, or this holder's V/tp.
+    held: usize,
     block_size: usize,
-    ids: Tensor,
+    /// (N,) u32: each id's row in `wte`
+    rows: Tensor,
+    /// (N, 1): 1 for the ids held here (None: all are)
+    mine: Option<Tensor>,
+    sum: Option<Arc<dyn Collective>>,
+    /// The first position the output covers.
+    offset: usize,
     out: Tensor,
 }
 
-/// The graph-free forward of the token plus position embedding `wte[idx] + wpe[0..T]` with its
-/// tape, or None where it has no hand-written backward (ids not u32, a dtype other than f32 or
-/// bf16).
-pub fn embedding_tape(wte: &Param, wpe: &Param, idx: &Tensor) -> Result<Option<Box<dyn Tape>>> {
+/// The graph-free forward of the token plus position embedding with its tape: `wte[idx] +
+/// wpe[0..T]`, or with the vocabulary split ([`VocabRows`]) the holders' parts summed, then
+/// `wpe` at the positions the output covers. None where it has no hand-written backward (ids
+/// not u32, a dtype other than f32 or bf16).
+pub fn embedding_tape(
+    wte: &Param,
+    wpe: &Param,
+    vocab: &dyn VocabRows,
+    idx: &Tensor,
+) -> Result<Option<Box<dyn Tape>>> {
     let (wte_name, wpe_name) = (wte.name().to_string(), wpe.name().to_string());
     let (wte, wpe) = (wte.tensor().detach(), wpe.tensor().detach());
-    let ids = idx.flatten_all()?; // (N,)
-    if !taped_dtype(&wte) || ids.dtype() != DType::U32 || wpe.dtype() != wte.dtype() {
+    if !taped_dtype(&wte) || idx.dtype() != DType::U32 || wpe.dtype() != wte.dtype() {
         return Ok(None);
     }
     let (b, t) = idx.dims2()?;
-    let (vocab, c) = wte.dims2()?;
+    let (held, c) = wte.dims2()?;
     let block_size = wpe.dim(0)?;
     if t > block_size {
         return Err(err(format!(
             "embedding: sequence length {t} exceeds block_size {block_size}"
         )));
     }
-    let tok = embedding::forward(&wte, &ids)?.reshape((b, t, c))?; // (B, T, C), ids checked
-    let out = tok.broadcast_add(&wpe.narrow(0, 0, t)?)?; // (B, T, C)
+    let (rows, mine) = vocab.rows(&idx.flatten_all()?, held, wte.dtype())?; // (N,)
+    let mine = mine.map(|m| m.unsqueeze(1)).transpose()?; // (N, 1)
+    let tok = held_here(embedding::forward(&wte, &rows)?, mine.as_ref())?; // (N, C), ids checked
+    let sum = vocab.sum_taped();
+    let tok = tok.reshape((b, t, c))?; // (B, T, C), this holder's part of the sum
+    let tok = match &sum {
+        Some(sum) => sum.forward(&tok)?,
+        None => tok,
+    }; // (B, T, C), or (B, T_r, C)
+    let offset = vocab.first_position(t);
+    let out = tok.broadcast_add(&wpe.narrow(0, offset, tok.dim(1)?)?)?;
     Ok(Some(Box::new(EmbeddingTape {
         wte_name,
         wpe_name,
-        vocab,
+        held,
         block_size,
-        ids,
+        rows,
+        mine,
+        sum,
+        offset,
         out,
     })))
+}
+
+/// x (N, C) times the (N, 1) mask of the rows held here; x where all are.
+fn held_here(x: Tensor, mine: Option<&Tensor>) -> Result<Tensor> {
+    match mine {
+        Some(mine) => x.broadcast_mul(mine),
+        None => Ok(x),
+    }
 }
 
 impl Tape for EmbeddingTape {
@@ -229,14 +277,18 @@ impl Tape for EmbeddingTape {
     }
 
     fn backward(self: Box<Self>, grad_out: Option<&Tensor>, _loss_scale: f64) -> Result<TapeGrads> {
-        let dx = grad_out
+        let dout = grad_out
             .ok_or_else(|| err("embedding backward: the output is not a loss".into()))?
-            .to_dtype(self.out.dtype())?;
-        let (b, t, c) = dx.dims3()?;
-        let dx = dx.contiguous()?;
-        // The forward checked the ids; no read-back here.
-        let dwte = embedding::backward(&self.ids, &dx.reshape((b * t, c))?, self.vocab)?; // (V, C)
-        let dwpe = position_grad(&dx, 0, self.block_size)?; // (block_size, C)
+            .to_dtype(self.out.dtype())?
+            .contiguous()?; // (B, T_r, C)
+        let dtok = match &self.sum {
+            Some(sum) => sum.backward(&dout)?,
+            None => dout.clone(),
+        }; // (B, T, C)
+        let (b, t, c) = dtok.dims3()?;
+        let dtok = held_here(dtok.reshape((b * t, c))?, self.mine.as_ref())?; // (N, C)
+        let dwte = embedding::backward(&self.rows, &dtok, self.held)?; // (V or V/tp, C), rows checked
+        let dwpe = position_grad(&dout, self.offset, self.block_size)?; // (block_size, C)
         Ok(TapeGrads {
             params: vec![(self.wte_name, dwte), (self.wpe_name, dwpe)],
             input: None,
@@ -246,7 +298,7 @@ impl Tape for EmbeddingTape {
 
 /// The gradient (block_size, C) of the position table `wpe` whose rows `offset..offset + T`
 /// were added to every sequence of dx (B, T, C): Σ over the batch there, zero elsewhere.
-pub fn position_grad(dx: &Tensor, offset: usize, block_size: usize) -> Result<Tensor> {
+fn position_grad(dx: &Tensor, offset: usize, block_size: usize) -> Result<Tensor> {
     let t = dx.dim(1)?;
     if offset + t > block_size {
         return Err(err(format!(
