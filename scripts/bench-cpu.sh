@@ -17,6 +17,12 @@
 # core), records it before and after the run, and prints no ratio when any run started above the
 # limit: the figures are still printed, marked as taken on a busy machine.
 #
+# N_EMBD=W trains the tiny preset at width W on both sides (`--set model.n_embd=W`, `--n-embd W`).
+# DP=N trains data-parallel on N processes, the global batch still 16 x 64: `mtrain --dp N
+# --batch-size 16/N` against PyTorch DDP over gloo under torchrun (`--mode ddp`, 16/N per
+# rank), each process THREADS threads (default for DP: one per process); the figure is the
+# job's tokens/s (all ranks).
+#
 # PARTS picks what runs ("train", "comm", or both, the default). COMPARE=PATH adds another
 # mtrain binary (the one before a change, say) to every all-reduce round, run in turn with the
 # others, and prints its busbw and the ratio of the two binaries next to gloo's; COMPARE_ARGS
@@ -29,7 +35,7 @@
 # Usage: scripts/bench-cpu.sh   (env: ROUNDS=3 STEPS=60 WARMUP=10 THREADS=$(nproc) NPROCS="2 4"
 #                                ITERS=10 MAXBYTES=256M VENV= PARTS="train comm" COMPARE=
 #                                COMM_ARGS=--in-place COMPARE_ARGS=$COMM_ARGS QUIET_WAIT=120
-#                                LOAD_LIMIT=0.5·nproc)
+#                                LOAD_LIMIT=0.5·nproc N_EMBD= DP=1)
 # Results: printed; each run's raw output is kept in target/bench-cpu/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +43,14 @@ cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-3}
 STEPS=${STEPS:-60}
 WARMUP=${WARMUP:-10}
-THREADS=${THREADS:-$(nproc)}
+DP=${DP:-1}
+THREADS=${THREADS:-$(( $(nproc) / DP > 0 ? $(nproc) / DP : 1 ))}
+N_EMBD=${N_EMBD:-}
+BATCH=$((16 / DP))
+MTRAIN_SHAPE=(--batch-size "$BATCH" ${N_EMBD:+--set model.n_embd=$N_EMBD})
+[ "$DP" -gt 1 ] && MTRAIN_SHAPE+=(--dp "$DP")
+TORCH_SHAPE=(--batch "$BATCH" ${N_EMBD:+--n-embd $N_EMBD})
+[ "$DP" -gt 1 ] && TORCH_SHAPE+=(--mode ddp)
 NPROCS=${NPROCS:-"2 4"}
 ITERS=${ITERS:-10}
 MAXBYTES=${MAXBYTES:-256M}
@@ -106,22 +119,27 @@ for round in $(part train && seq "$ROUNDS"); do
     RUN="$OUT/train-run"
     before_run "train mtrain $round"
     RAYON_NUM_THREADS=$THREADS "$MTRAIN" --steps "$STEPS" --eval-every 0 --log-every 1 --run-dir "$RUN" --overwrite \
-        >"$OUT/train-mtrain-$round.log" 2>&1
+        "${MTRAIN_SHAPE[@]}" >"$OUT/train-mtrain-$round.log" 2>&1
     after_run "train mtrain $round"
     MT+=("$(mtrain_tok "$RUN/metrics.jsonl")")
     before_run "train torch $round"
-    "$PY" scripts/bench/torch_gpt_ref.py --device cpu --threads "$THREADS" --preset tiny --vocab 256 \
-        --seq 64 --batch 16 --dtype fp32 --steps $((STEPS - WARMUP)) --warmup "$WARMUP" \
-        --weight-decay 0.1 --grad-clip 1.0 >"$OUT/train-torch-$round.json" 2>"$OUT/train-torch-$round.log"
+    TORCH=("$PY")
+    if [ "$DP" -gt 1 ]; then
+        TORCH=("$VENV/bin/torchrun" --nproc_per_node "$DP" --master_port "$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')")
+    fi
+    OMP_NUM_THREADS=$THREADS "${TORCH[@]}" scripts/bench/torch_gpt_ref.py --device cpu --threads "$THREADS" --preset tiny --vocab 256 \
+        --seq 64 --dtype fp32 --steps $((STEPS - WARMUP)) --warmup "$WARMUP" \
+        --weight-decay 0.1 --grad-clip 1.0 "${TORCH_SHAPE[@]}" >"$OUT/train-torch-$round.json" 2>"$OUT/train-torch-$round.log"
     after_run "train torch $round"
     PT+=("$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["tokens_per_s"])' "$OUT/train-torch-$round.json")")
     echo "round $round: mtrain ${MT[-1]} tok/s, PyTorch ${PT[-1]} tok/s (load $(load))"
 done
 if part train; then
     MTM=$(median "${MT[@]}"); PTM=$(median "${PT[@]}")
-    TRAIN_LINE="training, tiny preset, $THREADS threads: mtrain $MTM tok/s, PyTorch $PTM tok/s, ratio $("$PY" -c "print(f'{$MTM / $PTM:.2f}')")"
+    SHAPE="tiny preset${N_EMBD:+, n_embd $N_EMBD}$([ "$DP" -gt 1 ] && echo ", dp $DP")"
+    TRAIN_LINE="training, $SHAPE, $THREADS threads: mtrain $MTM tok/s, PyTorch $PTM tok/s, ratio $("$PY" -c "print(f'{$MTM / $PTM:.2f}')")"
     if [ "${#BUSY[@]}" -gt 0 ]; then
-        TRAIN_LINE="training, tiny preset, $THREADS threads: mtrain $MTM tok/s, PyTorch $PTM tok/s, ratio not reported (busy machine)"
+        TRAIN_LINE="training, $SHAPE, $THREADS threads: mtrain $MTM tok/s, PyTorch $PTM tok/s, ratio not reported (busy machine)"
     fi
     echo "$TRAIN_LINE"
 fi

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use rayon::prelude::*;
 
 /// The default [`split_min`], in elements of the op's output (or of its input, for sums).
-pub const DEFAULT_SPLIT_MIN: usize = 32 * 1024;
+pub const DEFAULT_SPLIT_MIN: usize = 16 * 1024;
 /// The fewest elements one task of a split op takes: an op is cut into pieces of at least this.
 const TASK_MIN: usize = 8 * 1024;
 /// The columns one task of a sum over rows takes: a 64-byte line of f32 in each row.
