@@ -39,7 +39,7 @@ use mtrain_model::dropout::{self, embedding_mask, Dropped};
 use mtrain_model::explicit::{position_grad, taped_dtype, TiedHead};
 
 use mtrain_model::layers::linear;
-use mtrain_model::tape::{Collective, Tape, TapeGrads};
+use mtrain_model::tape::{Collective, SplitGrads, Tape, TapeGrads};
 use mtrain_model::{Draw, LayerNorm, Param, Segment, SegmentOut};
 
 use super::{EmbeddingMappings, HeadMappings};
@@ -420,6 +420,27 @@ impl Tape for HeadTape {
     }
 
     fn backward(self: Box<Self>, grad_out: Option<&Tensor>, loss_scale: f64) -> Result<TapeGrads> {
+        let (head, dz, enter) = self.logits_grad(grad_out, loss_scale)?;
+        head.backward(dz, Some(enter.as_ref()))
+    }
+
+    fn backward_input(
+        self: Box<Self>,
+        grad_out: Option<&Tensor>,
+        loss_scale: f64,
+    ) -> Result<SplitGrads> {
+        let (head, dz, enter) = self.logits_grad(grad_out, loss_scale)?;
+        head.backward_input(dz, Some(enter.as_ref()))
+    }
+}
+
+impl HeadTape {
+    /// The tied head, this rank's logits' gradient dz_r (N, V/tp) and the entering collective.
+    fn logits_grad(
+        self: Box<Self>,
+        grad_out: Option<&Tensor>,
+        loss_scale: f64,
+    ) -> Result<(TiedHead, Tensor, Arc<dyn Collective>)> {
         let HeadTape {
             head,
             enter,
@@ -438,8 +459,7 @@ impl Tape for HeadTape {
             .broadcast_mul(&mine)?; // (N, V/tp)
         let dz = ((exp.broadcast_div(&sum_exp)? - onehot)? * g_row)?; // (N, V/tp)
         let dz = dz.to_dtype(head.wte.dtype())?;
-        drop(exp);
-        head.backward(dz, Some(enter.as_ref()))
+        Ok((head, dz, enter))
     }
 }
 
