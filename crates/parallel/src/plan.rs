@@ -151,12 +151,14 @@ impl ParallelPlan {
         }
     }
 
-    /// How `n_layer` blocks are split into this plan's model stages: `stage_counts`, or evenly.
+    /// How `n_layer` blocks are split into this plan's model stages: `stage_counts`, or evenly;
+    /// placed on the pipeline ranks as the schedule places them.
     pub fn stage_layout(&self, n_layer: usize) -> Result<StageLayout, PipelineError> {
-        match &self.stage_counts {
+        let layout = match &self.stage_counts {
             Some(counts) => StageLayout::from_counts(n_layer, counts),
             None => StageLayout::even(n_layer, self.num_stages()),
-        }
+        };
+        Ok(layout?.with_placement(self.effective_schedule().placement()))
     }
 
     fn layout_problems(&self, cfg: &GptConfig, world_size: usize) -> Vec<String> {

@@ -197,13 +197,6 @@ pub fn run(
             render_schedule(kind, plan.dims.pp, plan.microbatches)?
         );
     }
-    if kind.splits_backward() {
-        println!(
-            "training with {kind} needs the split backward (B/W), not implemented in the tapes yet: \
-             no memory or communication estimate"
-        );
-        return Ok(());
-    }
     print!("{}", render_memory(plan, &rank_memory(cfg, plan)?));
     let (ab, cmp) = (args.alpha_beta.as_deref(), args.compare.as_deref());
     print!("{}", crate::cost::plan_report(cfg, plan, ab, cmp)?);
