@@ -231,9 +231,11 @@ pub trait StageHooks {
     /// Hooks for one pass of this rank's chunk `chunk`. `last_backward` is true for the chunk's
     /// last backward pass (fused, or W) of the step: its gradients are final after it.
     fn hooks(&mut self, chunk: usize, last_backward: bool) -> &mut dyn Hooks;
-    /// Called once per step, right before this rank's first backward pass: the moment its
-    /// schedule holds the most forward activations (the memory report reads its level here).
-    fn before_first_backward(&mut self) {}
+    /// Called once per step, right after the forward that first brings this rank to the most
+    /// activation sets its schedule holds at once (before the first backward under GPipe and
+    /// 1F1B; later under ZB-H1 and ZB-V, whose W's hold a set past its B): the memory report
+    /// reads its level here.
+    fn at_activation_peak(&mut self) {}
 }
 
 /// No hooks for any pass.
@@ -472,7 +474,7 @@ impl PipelineExecutor {
         let (mut peak, mut loss_sum, mut aux_sum) = (0, 0.0, 0.0);
         let mut moe_stats: Vec<Vec<MoeStats>> = vec![Vec::new(); stages.chunks().len()];
         let (mut alive_bytes, mut peak_bytes) = (0, 0);
-        let mut backward_started = false;
+        let peak_at = activation_peak_at(sched.actions(rank));
         let (start, started_at) = (links.timeline.t0, SystemTime::now());
         for (i, action) in sched.actions(rank).iter().enumerate() {
             let (mb, chunk) = (action.mb(), action.chunk());
@@ -538,10 +540,6 @@ impl PipelineExecutor {
                         })?;
                 }
                 Action::Backward { .. } | Action::InputGrad { .. } => {
-                    if !backward_started {
-                        backward_started = true;
-                        hooks.before_first_backward();
-                    }
                     let grad_out = match sched.input_stage(rank, action) {
                         None => None,
                         Some(from) => Some(links.recv(
@@ -595,6 +593,9 @@ impl PipelineExecutor {
                         // (b, T, C)
                     }
                 }
+            }
+            if peak_at == Some(i) {
+                hooks.at_activation_peak();
             }
             links.reap_finished_sends()?;
         }
@@ -672,6 +673,23 @@ impl PipelineExecutor {
         tracing::debug!(pp_rank = rank, schedule = %sched.kind(), "{report}");
         Ok(report)
     }
+}
+
+/// The index of the action after which `actions` first hold the most activation sets: a
+/// forward adds one, a fused backward or a W frees one.
+fn activation_peak_at(actions: &[Action]) -> Option<usize> {
+    let (mut alive, mut best) = (0usize, (0usize, None));
+    for (i, a) in actions.iter().enumerate() {
+        if a.is_forward() {
+            alive += 1;
+            if alive > best.0 {
+                best = (alive, Some(i));
+            }
+        } else if a.computes_weight_grads() {
+            alive -= 1;
+        }
+    }
+    best.1
 }
 
 /// Adds one forward's routing statistics (one per MoE layer of a chunk) to the chunk's sums.
