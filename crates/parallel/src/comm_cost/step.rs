@@ -32,7 +32,7 @@ use crate::expert_parallel::{MoeExchange, MOE_EXCHANGES};
 use crate::fsdp::{residency, ZeroStage};
 use crate::holdings::{ChunkHoldings, Held, Holdings};
 use crate::pipeline::executor::gathered_f64s;
-use crate::pipeline::{Action, Schedule};
+use crate::pipeline::{Action, Schedule, StagePlacement};
 use crate::placement::TIED;
 use crate::plan::{DataParallelKind, ParallelPlan, ValidPlan};
 use crate::tensor_parallel::vocab::LOSS_ALL_REDUCES;
@@ -147,6 +147,8 @@ struct Walk {
     dp_buckets: Option<DdpConfig>,
     /// Bytes per parameter element (the buckets' caps count the compute copy).
     param_bytes: usize,
+    /// Where the schedule places the model stages (the tied `wte`'s two ends).
+    placement: StagePlacement,
 }
 
 impl Walk {
@@ -162,6 +164,7 @@ impl Walk {
             DataParallelKind::Ddp(_) => (None, false),
         };
         Ok(Self {
+            placement: plan.effective_schedule().placement(),
             tally: Tally {
                 dims,
                 rank,
@@ -468,7 +471,11 @@ impl Walk {
                 }
             }
         }
-        let (first, last) = (0, self.dims.pp - 1);
+        let pp = self.dims.pp;
+        let (first, last) = (
+            self.placement.rank_of_stage(pp, 0),
+            self.placement.rank_of_stage(pp, n_stages - 1),
+        );
         if tied_here && first != last && (self.c.pp == first || self.c.pp == last) {
             let bytes = (wte_local.unwrap_or(0) * 4) as u64;
             let what = "tied wte gradient";
