@@ -550,6 +550,18 @@ fn pp2_dp2_zero2_zero_bubble_equals_one_device() {
     }
 }
 
+/// Dropout under the split backward: the recompute in B and the embedding's backward in W
+/// draw the masks one device draws.
+#[test]
+fn dropout_tp2_pp2_dp2_zero_bubble_checkpointing_equals_one_device() {
+    let p = ParallelPlan {
+        checkpointing: true,
+        ..plan(2, 2, 2, 1)
+    };
+    let p = zero_bubble(ScheduleKind::ZeroBubbleV, p);
+    check_dropout_equals_one_device(&Device::Cpu, &cfg(), &p, 1, DROPOUT);
+}
+
 /// ZeRO under ZB-V is refused, with the reason: the V puts both users of the tied `wte` on
 /// pipeline rank 0 as two ZeRO chunks.
 #[test]
