@@ -337,12 +337,16 @@ impl Engine {
         for i in (0..segs.len()).rev() {
             let seg = segs[i].as_ref();
             let (rec, input) = self.recorded(seg, &mut acts, i, hooks)?;
-            let (weights, grad_in) =
-                segment_backward(i, seg, rec, input.leaf(), grad_out.as_ref(), loss_scale, false)?;
-            for (name, t) in weights.finish()? {
-                grads.accumulate(&name, t)?;
-            }
-            hooks.post_backward(i, seg, grads)?;
+            let (weights, grad_in) = segment_backward(
+                i,
+                seg,
+                rec,
+                input.leaf(),
+                grad_out.as_ref(),
+                loss_scale,
+                false,
+            )?;
+            add_weight_grads(i, seg, weights, grads, hooks)?;
             grad_out = grad_in;
         }
         Ok(grad_out)
@@ -415,10 +419,7 @@ impl Engine {
                     segment_backward(i, seg, rec, None, grad_out.as_ref(), loss_scale, false)?.0
                 }
             };
-            for (name, t) in weights.finish()? {
-                grads.accumulate(&name, t)?;
-            }
-            hooks.post_backward(i, seg, grads)?;
+            add_weight_grads(i, seg, weights, grads, hooks)?;
         }
         Ok(())
     }
@@ -432,9 +433,10 @@ impl Engine {
         i: usize,
         hooks: &mut dyn Hooks,
     ) -> Result<(Recorded, SavedInput)> {
-        let saved = acts.saved.pop().ok_or_else(|| {
-            candle_core::Error::Msg("engine backward: no saved segment".into())
-        })?;
+        let saved = acts
+            .saved
+            .pop()
+            .ok_or_else(|| candle_core::Error::Msg("engine backward: no saved segment".into()))?;
         hooks.pre_backward(i, seg)?;
         let rec = match saved.recorded {
             Some(r) => r,
@@ -513,6 +515,21 @@ impl SavedInput {
             SavedInput::Leaf(v) => Some(v),
         }
     }
+}
+
+/// Segment i's gradients formed and added to `grads` by name; then its `post_backward`: they
+/// are final for this pass.
+fn add_weight_grads(
+    i: usize,
+    seg: &dyn Segment,
+    weights: WeightGrads,
+    grads: &mut Grads,
+    hooks: &mut dyn Hooks,
+) -> Result<()> {
+    for (name, t) in weights.finish()? {
+        grads.accumulate(&name, t)?;
+    }
+    hooks.post_backward(i, seg, grads)
 }
 
 fn check_saved(segs: &[Arc<dyn Segment>], acts: &Activations) -> Result<()> {

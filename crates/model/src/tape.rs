@@ -42,7 +42,10 @@ pub struct WeightGrads {
 enum WeightGrad {
     Formed(Tensor),
     /// dyᵀ·x, not taken yet.
-    Product { dy: Tensor, x: Tensor },
+    Product {
+        dy: Tensor,
+        x: Tensor,
+    },
 }
 
 impl WeightGrads {

@@ -936,4 +936,3 @@ fn eval_loss_equals_one_device() {
         }
     }
 }
-

@@ -111,7 +111,10 @@ pub fn render_schedule_at(
 ) -> anyhow::Result<String> {
     let sched = Schedule::new(kind, pp, m)?;
     let (costs, unit) = match (fbw, kind.splits_backward()) {
-        (None, true) => (PassCosts::EQUAL_SPLIT, "F = B = W, one column each".to_string()),
+        (None, true) => (
+            PassCosts::EQUAL_SPLIT,
+            "F = B = W, one column each".to_string(),
+        ),
         (None, false) => (
             PassCosts::UNIT,
             "equal forward and backward, one column each".to_string(),
@@ -303,7 +306,10 @@ mod tests {
         let at = render_schedule_at(ScheduleKind::ZeroBubbleH1, 4, 8, Some([2.0, 2.0, 2.0]));
         let at = at.unwrap();
         assert!(at.contains("bubble 0.111, step 54.0 ms"), "{at}");
-        assert_eq!(at.lines().skip(1).collect::<Vec<_>>(), h1.lines().skip(1).collect::<Vec<_>>());
+        assert_eq!(
+            at.lines().skip(1).collect::<Vec<_>>(),
+            h1.lines().skip(1).collect::<Vec<_>>()
+        );
         assert!(
             h1.contains("rank 0 | F0 F1 F2 F3 .  .  .  B0 W0 F4"),
             "{h1}"

@@ -314,9 +314,7 @@ impl BlockTape {
             FfnKept::Moe(moe) => moe.backward(&dffn, loss_scale, grads)?, // (N, C)
         };
         drop(dffn);
-        let dx1 = wts
-            .ln_2
-            .backward_residual(&x1, &s2, &dh2, &dout, grads)?; // (N_r, C)
+        let dx1 = wts.ln_2.backward_residual(&x1, &s2, &dh2, &dout, grads)?; // (N_r, C)
         drop((x1, dh2, dout));
         // Attention branch: M_a ∘ dx1 into c_proj.
         let da = match &masks.attn {
@@ -336,9 +334,7 @@ impl BlockTape {
         let dh1 = wts.c_attn.backward(&h1, &dqkv, b, grads)?; // (N, C)
         drop((h1, dqkv));
         let dh1 = across(&wts.enter, &dh1, b, bwd)?; // (N_r, C)
-        let dx = wts
-            .ln_1
-            .backward_residual(&x, &s1, &dh1, &dx1, grads)?; // (N_r, C)
+        let dx = wts.ln_1.backward_residual(&x, &s1, &dh1, &dx1, grads)?; // (N_r, C)
         dx.reshape((b, t, c))
     }
 }

@@ -286,15 +286,8 @@ impl Walk {
         if reduce && n > 0 {
             let what = "ZeRO gradient reduce-scatter";
             let rows = self.padded(n);
-            self.tally.reduce_scatter(
-                Group::Dp,
-                what,
-                Phase::Backward,
-                rows,
-                1,
-                DType::F32,
-                true,
-            );
+            self.tally
+                .reduce_scatter(Group::Dp, what, Phase::Backward, rows, 1, DType::F32, true);
         }
         if self.z3() {
             let free = residency::after_backward(&self.chunks[k].needs, j);

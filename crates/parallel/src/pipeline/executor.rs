@@ -71,105 +71,25 @@
 //!
 //! Legend: B batch, b = B/M micro-batch, T time, C width, P pipeline ranks, M micro-batches.
 
+mod links;
+
 use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime};
 
 use candle_core::{DType, Shape, Tensor};
-use mtrain_comm::{chunk_range, Communicator, Work};
+use mtrain_comm::{chunk_range, Communicator};
 use mtrain_model::{Activations, Draw, Engine, Grads, Hooks, MoeStats, NoHooks, PendingGrads};
 
-use super::schedule::{Action, PassCosts, PassKind, Schedule};
+use super::schedule::{Action, PassCosts, Schedule};
 use super::stage::PipelineStages;
 use super::{PipelineError, Result};
-
-/// What a [`Span`] of a rank's timeline was spent on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum SpanKind {
-    /// The engine's forward of one micro-batch through one chunk (hooks included).
-    Forward,
-    /// The engine's backward of one micro-batch through one chunk (hooks included).
-    Backward,
-    /// B of a split backward: the input gradient (pre-backward hooks included).
-    InputGrad,
-    /// W of a split backward: the weight gradients (post-backward hooks included).
-    WeightGrad,
-    /// Issuing an asynchronous send to a neighbour (the transfer itself overlaps what follows).
-    Send,
-    /// Waiting for a neighbour's activation or gradient to arrive: idle.
-    RecvWait,
-    /// Waiting, after the last action, for the sends still in flight: idle.
-    SendWait,
-}
-
-/// One span of a rank's pipeline timeline.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
-pub struct Span {
-    /// What the rank did.
-    pub kind: SpanKind,
-    /// The micro-batch (None for [`SpanKind::SendWait`], which covers all of them).
-    pub mb: Option<usize>,
-    /// This rank's chunk (virtual stage index on the rank; 0 without interleaving).
-    pub chunk: usize,
-    /// Start, from the step's start.
-    pub start: Duration,
-    /// End, from the step's start.
-    pub end: Duration,
-}
-
-/// Appends spans measured from one step start.
-struct Timeline {
-    t0: Instant,
-    spans: Vec<Span>,
-}
-
-impl SpanKind {
-    /// Whether the span is a pass (compute), not a wait or a send.
-    pub fn is_pass(&self) -> bool {
-        matches!(
-            self,
-            SpanKind::Forward | SpanKind::Backward | SpanKind::InputGrad | SpanKind::WeightGrad
-        )
-    }
-
-    /// The span of a pass of `kind`.
-    fn of(kind: PassKind) -> SpanKind {
-        match kind {
-            PassKind::Forward => SpanKind::Forward,
-            PassKind::Backward => SpanKind::Backward,
-            PassKind::InputGrad => SpanKind::InputGrad,
-            PassKind::WeightGrad => SpanKind::WeightGrad,
-        }
-    }
-}
+use links::{Links, Timeline};
+pub use links::{Span, SpanKind};
 
 /// The f64s each pipeline rank contributes to the step's one all-gather: the loss share, then
 /// per chunk the mean forward, backward (fused, or B) and W time.
 pub fn gathered_f64s(virtual_stages: usize) -> usize {
     1 + 3 * virtual_stages
-}
-
-impl Timeline {
-    /// Runs `f`, recording it as a span of `kind`.
-    fn time<T>(
-        &mut self,
-        kind: SpanKind,
-        mb: Option<usize>,
-        chunk: usize,
-        f: impl FnOnce() -> T,
-    ) -> T {
-        let start = self.t0.elapsed();
-        let out = f();
-        let end = self.t0.elapsed();
-        self.spans.push(Span {
-            kind,
-            mb,
-            chunk,
-            start,
-            end,
-        });
-        out
-    }
 }
 
 /// What one pipeline step measured on one rank.
@@ -252,84 +172,6 @@ impl StageHooks for NoStageHooks {
 pub struct PipelineExecutor {
     schedule: Schedule,
     engine: Engine,
-}
-
-/// Where a pass's input comes from or its output goes: another rank over the pipeline group,
-/// or (one rank holding neighbouring stages, P = 1) this rank's own mailbox.
-struct Links<'a> {
-    pp: &'a dyn Communicator,
-    rank: usize,
-    /// Messages to this rank itself, keyed by (is activation, micro-batch, receiving stage).
-    mailbox: HashMap<(bool, usize, usize), Tensor>,
-    sends: Vec<Work<()>>,
-    timeline: Timeline,
-}
-
-impl Links<'_> {
-    /// Sends `x` for micro-batch `key.1`, issued from this rank's chunk `chunk`.
-    fn send(
-        &mut self,
-        x: Tensor,
-        to_rank: usize,
-        key: (bool, usize, usize),
-        chunk: usize,
-    ) -> Result<()> {
-        if to_rank == self.rank {
-            self.mailbox.insert(key, x);
-        } else {
-            let (pp, mb) = (self.pp, key.1);
-            let work = self.timeline.time(SpanKind::Send, Some(mb), chunk, || {
-                pp.send_async(&x, to_rank)
-            });
-            self.sends.push(work);
-        }
-        Ok(())
-    }
-
-    /// Receives the input of micro-batch `key.1` for this rank's chunk `chunk`.
-    fn recv(
-        &mut self,
-        from_rank: usize,
-        key: (bool, usize, usize),
-        chunk: usize,
-        shape: &Shape,
-        dtype: DType,
-    ) -> Result<Tensor> {
-        if from_rank == self.rank {
-            return self.mailbox.remove(&key).ok_or_else(|| {
-                PipelineError::Layout(format!(
-                    "rank {}: nothing was sent to stage {} for micro-batch {}",
-                    self.rank, key.2, key.1
-                ))
-            });
-        }
-        let (pp, mb) = (self.pp, key.1);
-        let x = self
-            .timeline
-            .time(SpanKind::RecvWait, Some(mb), chunk, || {
-                pp.recv_async(from_rank, shape, dtype).wait()
-            })?;
-        Ok(x)
-    }
-
-    /// Wait the sends that already completed (surfacing their errors), keep the others.
-    fn reap_finished_sends(&mut self) -> Result<()> {
-        let (done, pending): (Vec<_>, Vec<_>) = self.sends.drain(..).partition(|w| w.is_done());
-        self.sends = pending;
-        done.into_iter()
-            .try_for_each(|w| w.wait().map_err(PipelineError::from))
-    }
-
-    fn wait_all_sends(&mut self) -> Result<()> {
-        if self.sends.is_empty() {
-            return Ok(());
-        }
-        let sends: Vec<Work<()>> = self.sends.drain(..).collect();
-        self.timeline.time(SpanKind::SendWait, None, 0, || {
-            sends.into_iter().try_for_each(|w| w.wait())
-        })?;
-        Ok(())
-    }
 }
 
 impl PipelineExecutor {

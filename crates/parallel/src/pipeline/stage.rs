@@ -209,7 +209,10 @@ impl PipelineStages {
             .collect();
         // Summed over the pipeline group when the first and the last stage are on two ranks;
         // on one (the V) the rank's gradients already hold both uses.
-        let (first, last) = (layout.rank_of_stage(0, num_ranks), layout.rank_of_stage(s - 1, num_ranks));
+        let (first, last) = (
+            layout.rank_of_stage(0, num_ranks),
+            layout.rank_of_stage(s - 1, num_ranks),
+        );
         let tied = if s > 1 && first != last {
             let first = param_names(&stage_segments(0));
             let last = param_names(&stage_segments(s - 1));

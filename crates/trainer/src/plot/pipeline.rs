@@ -90,8 +90,14 @@ fn span_style(kind: &str) -> (RGBAColor, &'static str) {
     match kind {
         "forward" => (palette(0).to_rgba(), "forward F<micro-batch>"),
         "backward" => (palette(2).to_rgba(), "backward B<micro-batch>"),
-        "input_grad" => (palette(2).to_rgba(), "input gradient B<micro-batch> (split)"),
-        "weight_grad" => (palette(5).to_rgba(), "weight gradients W<micro-batch> (split)"),
+        "input_grad" => (
+            palette(2).to_rgba(),
+            "input gradient B<micro-batch> (split)",
+        ),
+        "weight_grad" => (
+            palette(5).to_rgba(),
+            "weight gradients W<micro-batch> (split)",
+        ),
         "send" => (palette(1).to_rgba(), "send issued (asynchronous)"),
         "recv_wait" => (palette(3).mix(0.45), "waiting for a receive"),
         "send_wait" => (palette(4).mix(0.45), "waiting for sends to finish"),
