@@ -41,6 +41,9 @@
 //!   pipeline loses beyond its schedule (messages, bookkeeping, ranks sharing cores);
 //! - **ideal** = the schedule's bubble at equal costs, `(P − 1)/(v·M + P − 1)`.
 //!
+//! On passes of known cost (`tests/bubble.rs`: stages that sleep F, B and W) the measured and
+//! the predicted figure agree within 0.03, under 1F1B, ZB-H1 and ZB-V.
+//!
 //! The batch (B, T) is split into M micro-batches of B/M sequences. Each micro-batch's mean loss
 //! is scaled by 1/M before its backward, so the gradients summed over micro-batches equal the
 //! gradient of the full-batch mean loss, as on one device. A micro-batch's activations live from
