@@ -536,13 +536,19 @@ fn pp2_dp2_ddp_zero_bubble_equals_one_device() {
     }
 }
 
-/// dp × pp with ZeRO-2 under ZB-H1: each W's post-backward hook reduce-scatters the segment's
-/// gradient, with and without activation checkpointing (B recomputes).
+/// dp × pp with ZeRO under ZB-H1: each W's post-backward hook reduce-scatters the segment's
+/// gradient (stage 1: the chunk's last W), with and without activation checkpointing (B
+/// recomputes; stage 3 gathers there and frees after W).
 #[test]
-fn pp2_dp2_zero2_zero_bubble_equals_one_device() {
-    for checkpointing in [false, true] {
+fn pp2_dp2_zero_zero_bubble_equals_one_device() {
+    for (stage, checkpointing) in [
+        (ZeroStage::One, false),
+        (ZeroStage::Two, false),
+        (ZeroStage::Two, true),
+        (ZeroStage::Three, true),
+    ] {
         let p = ParallelPlan {
-            data: zero(ZeroStage::Two),
+            data: zero(stage),
             checkpointing,
             ..plan(2, 2, 1, 1)
         };
