@@ -326,30 +326,24 @@ impl Engine {
     pub fn backward(
         &self,
         segs: &[Arc<dyn Segment>],
-        mut acts: Activations,
+        acts: Activations,
         grad_output: Option<&Tensor>,
         loss_scale: f64,
         grads: &mut Grads,
         hooks: &mut dyn Hooks,
     ) -> Result<Option<Tensor>> {
-        check_saved(segs, &acts)?;
-        let mut grad_out: Option<Tensor> = grad_output.cloned();
-        for i in (0..segs.len()).rev() {
-            let seg = segs[i].as_ref();
-            let (rec, input) = self.recorded(seg, &mut acts, i, hooks)?;
-            let (weights, grad_in) = segment_backward(
-                i,
-                seg,
-                rec,
-                input.leaf(),
-                grad_out.as_ref(),
-                loss_scale,
-                false,
-            )?;
-            add_weight_grads(i, seg, weights, grads, hooks)?;
-            grad_out = grad_in;
-        }
-        Ok(grad_out)
+        self.walk(
+            segs,
+            acts,
+            grad_output,
+            hooks,
+            |i, seg, rec, input, g, hooks| {
+                let leaf = input.leaf();
+                let (weights, grad_in) = segment_backward(i, seg, rec, leaf, g, loss_scale, false)?;
+                add_weight_grads(i, seg, weights, grads, hooks)?;
+                Ok(grad_in)
+            },
+        )
     }
 
     /// B of a split backward through `segs`: [`Engine::backward`]'s walk computing only the
@@ -360,42 +354,64 @@ impl Engine {
     pub fn backward_input(
         &self,
         segs: &[Arc<dyn Segment>],
-        mut acts: Activations,
+        acts: Activations,
         grad_output: Option<&Tensor>,
         loss_scale: f64,
         hooks: &mut dyn Hooks,
     ) -> Result<(Option<Tensor>, PendingGrads)> {
-        check_saved(segs, &acts)?;
-        let mut grad_out: Option<Tensor> = grad_output.cloned();
         let mut pending = PendingGrads {
             segs: Vec::with_capacity(segs.len()),
             loss_scale,
         };
+        let grad_in = self.walk(
+            segs,
+            acts,
+            grad_output,
+            hooks,
+            |i, seg, rec, input, g, _| {
+                let (kept, grad_in) = match input.leaf() {
+                    None => {
+                        let grad_out = g.cloned();
+                        (Pending::Whole { rec, grad_out }, None)
+                    }
+                    Some(leaf) => {
+                        let split = segment_backward(i, seg, rec, Some(leaf), g, loss_scale, true)?;
+                        (Pending::Weights(split.0), split.1)
+                    }
+                };
+                pending.segs.push((i, kept));
+                Ok(grad_in)
+            },
+        )?;
+        Ok((grad_in, pending))
+    }
+
+    /// The walk both backwards take: segments last to first, each popped from `acts` (after
+    /// its `pre_backward` and any recompute) and handed to `step` with the gradient of its
+    /// output; `step` returns the gradient of its input, the previous segment's output.
+    fn walk(
+        &self,
+        segs: &[Arc<dyn Segment>],
+        mut acts: Activations,
+        grad_output: Option<&Tensor>,
+        hooks: &mut dyn Hooks,
+        mut step: impl FnMut(
+            usize,
+            &dyn Segment,
+            Recorded,
+            SavedInput,
+            Option<&Tensor>,
+            &mut dyn Hooks,
+        ) -> Result<Option<Tensor>>,
+    ) -> Result<Option<Tensor>> {
+        check_saved(segs, &acts)?;
+        let mut grad_out: Option<Tensor> = grad_output.cloned();
         for i in (0..segs.len()).rev() {
             let seg = segs[i].as_ref();
             let (rec, input) = self.recorded(seg, &mut acts, i, hooks)?;
-            let kept = match input.leaf() {
-                None => Pending::Whole {
-                    rec,
-                    grad_out: grad_out.take(),
-                },
-                Some(leaf) => {
-                    let (weights, grad_in) = segment_backward(
-                        i,
-                        seg,
-                        rec,
-                        Some(leaf),
-                        grad_out.as_ref(),
-                        loss_scale,
-                        true,
-                    )?;
-                    grad_out = grad_in;
-                    Pending::Weights(weights)
-                }
-            };
-            pending.segs.push((i, kept));
+            grad_out = step(i, seg, rec, input, grad_out.as_ref(), hooks)?;
         }
-        Ok((grad_out, pending))
+        Ok(grad_out)
     }
 
     /// W of a split backward: forms the weight gradients B left in `pending` (from the last

@@ -556,18 +556,6 @@ fn pp2_dp2_zero_zero_bubble_equals_one_device() {
     }
 }
 
-/// Dropout under the split backward: the recompute in B and the embedding's backward in W
-/// draw the masks one device draws.
-#[test]
-fn dropout_tp2_pp2_dp2_zero_bubble_checkpointing_equals_one_device() {
-    let p = ParallelPlan {
-        checkpointing: true,
-        ..plan(2, 2, 2, 1)
-    };
-    let p = zero_bubble(ScheduleKind::ZeroBubbleV, p);
-    check_dropout_equals_one_device(&Device::Cpu, &cfg(), &p, 1, DROPOUT);
-}
-
 /// ZeRO under ZB-V is refused, with the reason: the V puts both users of the tied `wte` on
 /// pipeline rank 0 as two ZeRO chunks.
 #[test]
@@ -581,14 +569,18 @@ fn zero_under_zb_v_is_refused() {
     assert!(why.contains("use zb-h1 or DDP"), "{why}");
 }
 
-/// tp × pp × dp with activation checkpointing under ZB-V.
+/// tp × pp × dp with activation checkpointing under ZB-V, without dropout and with it (the
+/// recompute in B and the embedding's backward in W draw the masks one device draws).
 #[test]
 fn tp2_pp2_dp2_zero_bubble_checkpointing_equals_one_device() {
     let p = ParallelPlan {
         checkpointing: true,
         ..plan(2, 2, 2, 1)
     };
-    check_equals_one_device(&cfg(), &zero_bubble(ScheduleKind::ZeroBubbleV, p), 1);
+    let p = zero_bubble(ScheduleKind::ZeroBubbleV, p);
+    for dropout in [0.0, DROPOUT] {
+        check_dropout_equals_one_device(&Device::Cpu, &cfg(), &p, 1, dropout);
+    }
 }
 
 /// The holdings table is the model `parallelize` builds, on every rank of the composition

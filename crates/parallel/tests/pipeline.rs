@@ -306,26 +306,19 @@ fn pp4_interleaved_matches_one_device() {
     run(ScheduleKind::Interleaved1F1B { virtual_stages: 2 }, 4, 8, 8);
 }
 
+/// ZB-H1 and ZB-V at pp 2 and 4. Under ZB-V rank 0 holds the first and the last stage (the
+/// tied `wte` summed on the rank itself), and each rank passes activations between its own two
+/// chunks at the V's turn.
 #[test]
-fn pp2_zb_h1_matches_one_device() {
-    run(ScheduleKind::ZeroBubbleH1, 2, 4, 2);
-}
-
-#[test]
-fn pp4_zb_h1_matches_one_device() {
-    run(ScheduleKind::ZeroBubbleH1, 4, 8, 4);
-}
-
-/// ZB-V: rank 0 holds the first and the last stage (the tied `wte` summed on the rank itself),
-/// and each rank passes activations between its own two chunks at the V's turn.
-#[test]
-fn pp2_zb_v_matches_one_device() {
-    run(ScheduleKind::ZeroBubbleV, 2, 4, 4);
-}
-
-#[test]
-fn pp4_zb_v_matches_one_device() {
-    run(ScheduleKind::ZeroBubbleV, 4, 8, 8);
+fn zero_bubble_schedules_match_one_device() {
+    for (kind, p, m, n_layer) in [
+        (ScheduleKind::ZeroBubbleH1, 2, 4, 2),
+        (ScheduleKind::ZeroBubbleH1, 4, 8, 4),
+        (ScheduleKind::ZeroBubbleV, 2, 4, 4),
+        (ScheduleKind::ZeroBubbleV, 4, 8, 8),
+    ] {
+        run(kind, p, m, n_layer);
+    }
 }
 
 /// The split backward under activation checkpointing: B recomputes the stage's forward and
