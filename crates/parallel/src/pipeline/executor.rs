@@ -36,9 +36,10 @@
 //! - **predicted** = the same fraction on the schedule's grid simulated
 //!   ([`Schedule::simulate_with`], [`rank_bubble_fraction`](super::Simulation::rank_bubble_fraction)) with this step's
 //!   measured cost of each pass kind on each model stage: the mean F, backward (fused, or B)
-//!   and W time of each chunk of each rank, gathered over the pipeline group with the loss. The simulation
-//!   counts only passes as busy and sends as free, so the gap between the two is what the
-//!   pipeline loses beyond its schedule (messages, bookkeeping, ranks sharing cores);
+//!   and W time of each chunk of each rank, gathered over the pipeline group with the loss.
+//!   The simulation counts only passes as busy and sends as free, so the gap between the two
+//!   is what the pipeline loses beyond its schedule (messages, bookkeeping, ranks sharing
+//!   cores);
 //! - **ideal** = the schedule's bubble at equal costs, `(P − 1)/(v·M + P − 1)`.
 //!
 //! On passes of known cost (`tests/bubble.rs`: stages that sleep F, B and W) the measured and
@@ -52,10 +53,10 @@
 //! high-water mark is reported (1F1B: at most P − r on rank r; GPipe: M; ZB-H1: min(P, M)).
 //!
 //! Every step also records this rank's timeline ([`StepReport::timeline`]): one [`Span`] per
-//! forward, backward, send issue, receive wait and the final wait for outstanding sends, with
-//! start and end relative to the step's start (two clock reads per span, always on). Drawn one
-//! row per rank it is the schedule's grid as it really ran; the gaps between spans are the
-//! executor's own bookkeeping:
+//! forward, backward (or B and W), send issue, receive wait and the final wait for outstanding
+//! sends, with start and end relative to the step's start (two clock reads per span, always
+//! on). Drawn one row per rank it is the schedule's grid as it really ran; the gaps between
+//! spans are the executor's own bookkeeping:
 //!
 //! ```text
 //!   1F1B, P = 2, M = 2                    time ─▶

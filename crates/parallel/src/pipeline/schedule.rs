@@ -393,9 +393,8 @@ impl Schedule {
         self.stages * self.virtual_stages()
     }
 
-    /// The placement: the model stage that chunk `chunk` of pipeline rank `rank` runs.
-    /// `chunk·P + rank` (Megatron's loop), except ZB-V's V: chunk 0 is stage `rank`, chunk 1
-    /// stage `2P − 1 − rank`, so rank 0 holds both the first and the last stage.
+    /// The model stage that chunk `chunk` of pipeline rank `rank` runs, by the kind's
+    /// [`StagePlacement`] (under ZB-V's V rank 0 holds both the first and the last stage).
     pub fn model_stage(&self, rank: usize, chunk: usize) -> usize {
         self.kind.placement().model_stage(self.stages, rank, chunk)
     }
