@@ -34,6 +34,16 @@
 //!
 //! A parameter used by several segments (the tied `wte`) is final after the backward of the
 //! lowest-index segment that uses it; `post_backward` fires per segment.
+//!
+//! The backward can also run as two calls, for the zero-bubble pipeline schedules:
+//!
+//! ```text
+//! B  backward_input:    for i = n-1 … 0: pre_backward(i), recompute; gᵢ from gᵢ₊₁    -> g₀, pending
+//!                       (a tape's B: dx now, its weight products dyᵀ·x kept; autograd: all now;
+//!                        the embedding, whose input is token ids: nothing yet)
+//! W  backward_weights:  for i = n-1 … 0: form pending(i), grads[name] += …, post_backward(i)
+//! ```
+//! B and W together add the same gradients as [`Engine::backward`], by the same products.
 
 use candle_core::{DType, Result, Tensor, Var};
 
@@ -41,7 +51,7 @@ use crate::dropout::Draw;
 use crate::gpt::Segment;
 use crate::moe::MoeStats;
 use crate::param::Grads;
-use crate::tape::Tape;
+use crate::tape::{Tape, WeightGrads};
 use std::sync::Arc;
 
 /// What a hook returns: an error stops the pass.
@@ -316,111 +326,148 @@ impl Engine {
     pub fn backward(
         &self,
         segs: &[Arc<dyn Segment>],
-        mut acts: Activations,
+        acts: Activations,
         grad_output: Option<&Tensor>,
         loss_scale: f64,
         grads: &mut Grads,
         hooks: &mut dyn Hooks,
     ) -> Result<Option<Tensor>> {
-        if acts.saved.len() != segs.len() {
-            return Err(candle_core::Error::Msg(format!(
-                "engine backward: {} segments given but the forward saved {}",
-                segs.len(),
-                acts.saved.len()
-            )));
-        }
-        let n = segs.len();
-        let mut grad_out: Option<Tensor> = grad_output.cloned();
-        for i in (0..n).rev() {
-            let seg = segs[i].as_ref();
-            let saved = acts.saved.pop().ok_or_else(|| {
-                candle_core::Error::Msg("engine backward: no saved segment".into())
-            })?;
-            hooks.pre_backward(i, seg)?;
-            let rec = match saved.recorded {
-                Some(r) => r,
-                None => {
-                    Recorded::run(
-                        seg,
-                        saved.input.tensor(),
-                        acts.targets.as_ref(),
-                        self.backward,
-                        self.dropout.as_ref(),
-                    )?
-                    .0
-                }
-            };
-            let (out, aux, params) = match rec {
-                Recorded::Graph { out, aux, params } => (out, aux, params),
-                Recorded::Tape(tape) => {
-                    if let Some(g) = &grad_out {
-                        if g.dims() != tape.output().dims() {
-                            return Err(candle_core::Error::Msg(format!(
-                                "engine backward: segment {i} ({}) output {:?} but grad_output {:?}",
-                                seg.name(),
-                                tape.output().dims(),
-                                g.dims()
-                            )));
-                        }
+        self.walk(
+            segs,
+            acts,
+            grad_output,
+            hooks,
+            |i, seg, rec, input, g, hooks| {
+                let leaf = input.leaf();
+                let (weights, grad_in) = segment_backward(i, seg, rec, leaf, g, loss_scale, false)?;
+                add_weight_grads(i, seg, weights, grads, hooks)?;
+                Ok(grad_in)
+            },
+        )
+    }
+
+    /// B of a split backward through `segs`: [`Engine::backward`]'s walk computing only the
+    /// input gradients (`pre_backward` and any recompute run here), each segment's weight
+    /// products kept in the returned [`PendingGrads`] for [`Engine::backward_weights`]. A
+    /// segment whose input is token ids (the embedding) has no input gradient to compute: its
+    /// whole backward waits for W.
+    pub fn backward_input(
+        &self,
+        segs: &[Arc<dyn Segment>],
+        acts: Activations,
+        grad_output: Option<&Tensor>,
+        loss_scale: f64,
+        hooks: &mut dyn Hooks,
+    ) -> Result<(Option<Tensor>, PendingGrads)> {
+        let mut pending = PendingGrads {
+            segs: Vec::with_capacity(segs.len()),
+            loss_scale,
+        };
+        let grad_in = self.walk(
+            segs,
+            acts,
+            grad_output,
+            hooks,
+            |i, seg, rec, input, g, _| {
+                let (kept, grad_in) = match input.leaf() {
+                    None => {
+                        let grad_out = g.cloned();
+                        (Pending::Whole { rec, grad_out }, None)
                     }
-                    let g = tape.backward(grad_out.as_ref(), loss_scale)?;
-                    for (name, t) in g.params {
-                        grads.accumulate(&name, t)?;
+                    Some(leaf) => {
+                        let split = segment_backward(i, seg, rec, Some(leaf), g, loss_scale, true)?;
+                        (Pending::Weights(split.0), split.1)
                     }
-                    hooks.post_backward(i, seg, grads)?;
-                    grad_out = match &saved.input {
-                        SavedInput::Tokens(_) => None,
-                        SavedInput::Leaf(_) => g.input,
-                    };
-                    continue;
-                }
-            };
-            let mut objective = match &grad_out {
-                Some(g) => {
-                    if g.dims() != out.dims() {
-                        return Err(candle_core::Error::Msg(format!(
-                            "engine backward: segment {i} ({}) output {:?} but grad_output {:?}",
-                            seg.name(),
-                            out.dims(),
-                            g.dims()
-                        )));
-                    }
-                    mtrain_kernels::reduce::sum_all(&(&out * g.to_dtype(out.dtype())?)?)?
-                }
-                None => {
-                    if out.elem_count() != 1 {
-                        return Err(candle_core::Error::Msg(format!(
-                            "engine backward: segment {i} ({}) output {:?} is not a scalar loss and no grad_output was given",
-                            seg.name(),
-                            out.dims()
-                        )));
-                    }
-                    (out.sum_all()? * loss_scale)?
-                }
-            };
-            if let Some(a) = &aux {
-                let a = (a.to_dtype(objective.dtype())? * loss_scale)?;
-                objective = (objective + a)?;
-            }
-            let mut store = objective.backward()?;
-            for (name, t) in &params {
-                let g = match store.remove(t) {
-                    Some(g) => g,
-                    // A parameter this call did not reach (an expert that received no token).
-                    None => t.zeros_like()?,
                 };
-                grads.accumulate(name, g)?;
-            }
-            hooks.post_backward(i, seg, grads)?;
-            grad_out = match &saved.input {
-                SavedInput::Tokens(_) => None,
-                SavedInput::Leaf(v) => Some(match store.remove(v.as_tensor()) {
-                    Some(g) => g,
-                    None => v.as_tensor().zeros_like()?,
-                }),
-            };
+                pending.segs.push((i, kept));
+                Ok(grad_in)
+            },
+        )?;
+        Ok((grad_in, pending))
+    }
+
+    /// The walk both backwards take: segments last to first, each popped from `acts` (after
+    /// its `pre_backward` and any recompute) and handed to `step` with the gradient of its
+    /// output; `step` returns the gradient of its input, the previous segment's output.
+    fn walk(
+        &self,
+        segs: &[Arc<dyn Segment>],
+        mut acts: Activations,
+        grad_output: Option<&Tensor>,
+        hooks: &mut dyn Hooks,
+        mut step: impl FnMut(
+            usize,
+            &dyn Segment,
+            Recorded,
+            SavedInput,
+            Option<&Tensor>,
+            &mut dyn Hooks,
+        ) -> Result<Option<Tensor>>,
+    ) -> Result<Option<Tensor>> {
+        check_saved(segs, &acts)?;
+        let mut grad_out: Option<Tensor> = grad_output.cloned();
+        for i in (0..segs.len()).rev() {
+            let seg = segs[i].as_ref();
+            let (rec, input) = self.recorded(seg, &mut acts, i, hooks)?;
+            grad_out = step(i, seg, rec, input, grad_out.as_ref(), hooks)?;
         }
         Ok(grad_out)
+    }
+
+    /// W of a split backward: forms the weight gradients B left in `pending` (from the last
+    /// segment to the first, as the fused backward does), adds them to `grads` by name and
+    /// fires `post_backward` for each segment: its gradients are final for this micro-batch.
+    pub fn backward_weights(
+        &self,
+        segs: &[Arc<dyn Segment>],
+        pending: PendingGrads,
+        grads: &mut Grads,
+        hooks: &mut dyn Hooks,
+    ) -> Result<()> {
+        let loss_scale = pending.loss_scale;
+        for (i, kept) in pending.segs {
+            let seg = segs.get(i).map(|s| s.as_ref()).ok_or_else(|| {
+                candle_core::Error::Msg(format!("engine backward_weights: no segment {i}"))
+            })?;
+            let weights = match kept {
+                Pending::Weights(w) => w,
+                Pending::Whole { rec, grad_out } => {
+                    segment_backward(i, seg, rec, None, grad_out.as_ref(), loss_scale, false)?.0
+                }
+            };
+            add_weight_grads(i, seg, weights, grads, hooks)?;
+        }
+        Ok(())
+    }
+
+    /// Segment i's saved input and its recorded forward, popped from `acts` after
+    /// `pre_backward(i)`, the forward recomputed under checkpointing.
+    fn recorded(
+        &self,
+        seg: &dyn Segment,
+        acts: &mut Activations,
+        i: usize,
+        hooks: &mut dyn Hooks,
+    ) -> Result<(Recorded, SavedInput)> {
+        let saved = acts
+            .saved
+            .pop()
+            .ok_or_else(|| candle_core::Error::Msg("engine backward: no saved segment".into()))?;
+        hooks.pre_backward(i, seg)?;
+        let rec = match saved.recorded {
+            Some(r) => r,
+            None => {
+                Recorded::run(
+                    seg,
+                    saved.input.tensor(),
+                    acts.targets.as_ref(),
+                    self.backward,
+                    self.dropout.as_ref(),
+                )?
+                .0
+            }
+        };
+        Ok((rec, saved.input))
     }
 
     /// Forward and backward of the whole list with the loss at the end; returns (loss, aux_loss).
@@ -439,4 +486,160 @@ impl Engine {
         self.backward(segs, acts, None, loss_scale, grads, hooks)?;
         Ok((loss, aux))
     }
+}
+
+/// What B of a split backward ([`Engine::backward_input`]) leaves for W
+/// ([`Engine::backward_weights`]): each segment's weight gradients, from the last segment to
+/// the first.
+pub struct PendingGrads {
+    segs: Vec<(usize, Pending)>,
+    loss_scale: f64,
+}
+
+enum Pending {
+    /// The weight gradients B formed, and the products it kept.
+    Weights(WeightGrads),
+    /// A segment whose input is token ids: its whole backward, from its output's gradient.
+    Whole {
+        rec: Recorded,
+        grad_out: Option<Tensor>,
+    },
+}
+
+impl PendingGrads {
+    /// Bytes held for W: the kept products' factors, and a whole backward's output and its
+    /// gradient.
+    pub fn held_bytes(&self) -> usize {
+        let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        self.segs
+            .iter()
+            .map(|(_, p)| match p {
+                Pending::Weights(w) => w.held_bytes(),
+                Pending::Whole { rec, grad_out } => {
+                    bytes(rec.out()) + grad_out.as_ref().map_or(0, bytes)
+                }
+            })
+            .sum()
+    }
+}
+
+impl SavedInput {
+    /// The leaf whose gradient is the segment's input gradient (None for token ids).
+    fn leaf(&self) -> Option<&Var> {
+        match self {
+            SavedInput::Tokens(_) => None,
+            SavedInput::Leaf(v) => Some(v),
+        }
+    }
+}
+
+/// Segment i's gradients formed and added to `grads` by name; then its `post_backward`: they
+/// are final for this pass.
+fn add_weight_grads(
+    i: usize,
+    seg: &dyn Segment,
+    weights: WeightGrads,
+    grads: &mut Grads,
+    hooks: &mut dyn Hooks,
+) -> Result<()> {
+    for (name, t) in weights.finish()? {
+        grads.accumulate(&name, t)?;
+    }
+    hooks.post_backward(i, seg, grads)
+}
+
+fn check_saved(segs: &[Arc<dyn Segment>], acts: &Activations) -> Result<()> {
+    if acts.saved.len() != segs.len() {
+        return Err(candle_core::Error::Msg(format!(
+            "engine backward: {} segments given but the forward saved {}",
+            segs.len(),
+            acts.saved.len()
+        )));
+    }
+    Ok(())
+}
+
+/// One segment's backward from its recorded forward `rec` and `grad_out`, the gradient w.r.t.
+/// its output (None: the output is the scalar loss): its parameter gradients and, where its
+/// input is the leaf `leaf`, the gradient w.r.t. it. A tape runs its own backward, B alone
+/// when `split` (the weight products kept); autograd differentiates `(out · g).sum() + aux`
+/// and forms everything at once.
+fn segment_backward(
+    i: usize,
+    seg: &dyn Segment,
+    rec: Recorded,
+    leaf: Option<&Var>,
+    grad_out: Option<&Tensor>,
+    loss_scale: f64,
+    split: bool,
+) -> Result<(WeightGrads, Option<Tensor>)> {
+    let mismatch = |out: &Tensor, g: &Tensor| {
+        candle_core::Error::Msg(format!(
+            "engine backward: segment {i} ({}) output {:?} but grad_output {:?}",
+            seg.name(),
+            out.dims(),
+            g.dims()
+        ))
+    };
+    let (out, aux, params) = match rec {
+        Recorded::Graph { out, aux, params } => (out, aux, params),
+        Recorded::Tape(tape) => {
+            if let Some(g) = grad_out {
+                if g.dims() != tape.output().dims() {
+                    return Err(mismatch(tape.output(), g));
+                }
+            }
+            let (weights, input) = match split {
+                true => {
+                    let g = tape.backward_input(grad_out, loss_scale)?;
+                    (g.weights, g.input)
+                }
+                false => {
+                    let g = tape.backward(grad_out, loss_scale)?;
+                    (WeightGrads::formed(g.params), g.input)
+                }
+            };
+            return Ok((weights, input.filter(|_| leaf.is_some())));
+        }
+    };
+    let mut objective = match grad_out {
+        Some(g) => {
+            if g.dims() != out.dims() {
+                return Err(mismatch(&out, g));
+            }
+            mtrain_kernels::reduce::sum_all(&(&out * g.to_dtype(out.dtype())?)?)?
+        }
+        None => {
+            if out.elem_count() != 1 {
+                return Err(candle_core::Error::Msg(format!(
+                    "engine backward: segment {i} ({}) output {:?} is not a scalar loss and no grad_output was given",
+                    seg.name(),
+                    out.dims()
+                )));
+            }
+            (out.sum_all()? * loss_scale)?
+        }
+    };
+    if let Some(a) = &aux {
+        let a = (a.to_dtype(objective.dtype())? * loss_scale)?;
+        objective = (objective + a)?;
+    }
+    let mut store = objective.backward()?;
+    let mut weights = WeightGrads::now();
+    for (name, t) in &params {
+        let g = match store.remove(t) {
+            Some(g) => g,
+            // A parameter this call did not reach (an expert that received no token).
+            None => t.zeros_like()?,
+        };
+        weights.push((name.clone(), g));
+    }
+    let input = match leaf {
+        None => None,
+        Some(v) => Some(match store.remove(v.as_tensor()) {
+            Some(g) => g,
+            None => v.as_tensor().zeros_like()?,
+        }),
+    };
+    Ok((weights, input))
 }

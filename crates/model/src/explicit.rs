@@ -67,7 +67,7 @@ use candle_core::{DType, Result, Tensor};
 use mtrain_kernels::{bias, gelu, layer_norm};
 
 use crate::layers::{LayerNorm, Linear, Mlp};
-use crate::tape::Collective;
+use crate::tape::{Collective, WeightGrads};
 
 pub use block::{block_tape, sharded_block_tape, BlockDropout};
 pub use head::{embedding_tape, head_tape};
@@ -157,19 +157,19 @@ impl Dense {
     }
 
     /// From the matmul's input x (N, in) and dy (N', out): dx (rows of the layer's input), the
-    /// conjugates of the collectives applied; dW and db pushed to `grads`.
+    /// conjugates of the collectives applied; db pushed to `grads`, and dW, or its factors
+    /// when `grads` defers it to W.
     fn backward(
         &self,
         x: &Tensor,
         dy: &Tensor,
         b: usize,
-        grads: &mut Vec<(String, Tensor)>,
+        grads: &mut WeightGrads,
     ) -> Result<Tensor> {
         let db = bias::grad(dy, &self.b)?; // (out,), over the rows the bias was added to
         let dy = across(&self.output, dy, b, bwd)?; // (N, out)
         let dx = dy.matmul(&self.w)?; // (N, in)
-        let dw = dy.t()?.matmul(x)?; // (out, in)
-        grads.push((self.w_name.clone(), dw));
+        grads.product(self.w_name.clone(), &dy, x)?; // dW = dyᵀ·x (out, in), now or in W
         grads.push((self.b_name.clone(), db));
         across(&self.input, &dx, b, bwd)
     }
@@ -213,7 +213,7 @@ impl Norm {
         x: &Tensor,
         s: &Stats,
         dy: &Tensor,
-        grads: &mut Vec<(String, Tensor)>,
+        grads: &mut WeightGrads,
     ) -> Result<Tensor> {
         let (dx, dw, db) = layer_norm::backward(x, &self.w, dy, &s.mean, &s.rstd)?;
         grads.push((self.w_name.clone(), dw));
@@ -229,7 +229,7 @@ impl Norm {
         s: &Stats,
         dy: &Tensor,
         res: &Tensor,
-        grads: &mut Vec<(String, Tensor)>,
+        grads: &mut WeightGrads,
     ) -> Result<Tensor> {
         let (dx, dw, db) = layer_norm::backward_residual(x, &self.w, dy, &s.mean, &s.rstd, res)?;
         grads.push((self.w_name.clone(), dw));
@@ -284,7 +284,7 @@ impl MlpWeights {
         kept: MlpKept,
         dy: &Tensor,
         b: usize,
-        grads: &mut Vec<(String, Tensor)>,
+        grads: &mut WeightGrads,
     ) -> Result<Tensor> {
         let MlpKept { h, f, g } = kept;
         let dg = self.c_proj.backward(&g, dy, b, grads)?; // (N, 4C/tp)
@@ -296,7 +296,7 @@ impl MlpWeights {
 
     /// Zero gradients for the four parameters of an MLP that saw no rows (an expert no token
     /// reached), as autograd's engine gives a parameter its backward did not reach.
-    fn zero_grads(&self, grads: &mut Vec<(String, Tensor)>) -> Result<()> {
+    fn zero_grads(&self, grads: &mut WeightGrads) -> Result<()> {
         for d in [&self.c_fc, &self.c_proj] {
             grads.push((d.w_name.clone(), d.w.zeros_like()?));
             grads.push((d.b_name.clone(), d.b.zeros_like()?));

@@ -38,7 +38,7 @@ pub mod vocab;
 
 pub use config::{ConfigError, GptConfig, MoeConfig};
 pub use dropout::{Draw, StepDraw};
-pub use engine::{Activations, Backward, Engine, HookResult, Hooks, NoHooks};
+pub use engine::{Activations, Backward, Engine, HookResult, Hooks, NoHooks, PendingGrads};
 pub use gpt::{Block, BlockSegment, Embedding, Gpt, Head, Segment, SegmentOut};
 pub use init::init_weights;
 pub use layers::{CausalSelfAttention, DenseLinear, FeedForward, FfnOut, LayerNorm, Linear, Mlp};

@@ -4,6 +4,19 @@
 //! The tapes of the GPT's segments are in [`crate::explicit`]. A sharded layer hands its
 //! tape the communication it needs as values of the two traits below: [`Collective`]
 //! (tensor and sequence parallelism) and [`Exchange`] (expert parallelism).
+//!
+//! A tape's backward can also run split in two, as zero-bubble pipeline schedules want it
+//! (Qi et al. 2023): B, [`Tape::backward_input`], the input gradient the previous stage waits
+//! for, which leaves the weight products `dW = dyᵀ·x` unformed in a [`WeightGrads`]; and W,
+//! [`WeightGrads::finish`], which forms them later, when nobody waits:
+//!
+//! ```text
+//!   fused:  dx, [dW₁ = dy₁ᵀ·x₁, db₁, …]            one call
+//!   B:      dx, kept [(dy₁, x₁), …], formed [db₁, LayerNorm's dγ dβ, …]
+//!   W:      [dy₁ᵀ·x₁, …] ++ formed                  the same products, in the same order
+//! ```
+//! A bias or a LayerNorm gradient comes out of the kernel that computes dx, so B forms it;
+//! every matrix product that only a weight gradient needs waits for W.
 
 use candle_core::{Result, Tensor};
 
@@ -15,6 +28,102 @@ pub struct TapeGrads {
     pub params: Vec<(String, Tensor)>,
     /// Gradient w.r.t. the segment's input (None for integer token ids).
     pub input: Option<Tensor>,
+}
+
+/// The weight gradients of one tape's backward: formed as they come (the fused backward), or,
+/// for B of a split backward, with each weight product `dW = dyᵀ·x` (out, in) kept as its two
+/// factors dy (N, out) and x (N, in) until [`WeightGrads::finish`] (W) forms it.
+pub struct WeightGrads {
+    defer: bool,
+    /// In the order they were given; a deferred product holds its place.
+    grads: Vec<(String, WeightGrad)>,
+}
+
+enum WeightGrad {
+    Formed(Tensor),
+    /// dyᵀ·x, not taken yet.
+    Product {
+        dy: Tensor,
+        x: Tensor,
+    },
+}
+
+impl WeightGrads {
+    /// Every gradient formed when it is given: the fused backward.
+    pub fn now() -> Self {
+        Self {
+            defer: false,
+            grads: Vec::new(),
+        }
+    }
+
+    /// The weight products kept for later: B of a split backward.
+    pub fn deferred() -> Self {
+        Self {
+            defer: true,
+            grads: Vec::new(),
+        }
+    }
+
+    /// Gradients already formed (what a tape without a split backward returns).
+    pub fn formed(grads: Vec<(String, Tensor)>) -> Self {
+        Self {
+            defer: false,
+            grads: grads
+                .into_iter()
+                .map(|(n, g)| (n, WeightGrad::Formed(g)))
+                .collect(),
+        }
+    }
+
+    /// A gradient formed by the pass itself (a bias, a LayerNorm's, an embedding's).
+    pub fn push(&mut self, (name, g): (String, Tensor)) {
+        self.grads.push((name, WeightGrad::Formed(g)));
+    }
+
+    /// The weight gradient `dyᵀ·x` (out, in) of a linear y = x Wᵀ, from dy (N, out) and x
+    /// (N, in): taken now, or kept for [`WeightGrads::finish`] when deferred.
+    pub fn product(&mut self, name: String, dy: &Tensor, x: &Tensor) -> Result<()> {
+        let g = match self.defer {
+            true => WeightGrad::Product {
+                dy: dy.clone(),
+                x: x.clone(),
+            },
+            false => WeightGrad::Formed(dy.t()?.matmul(x)?), // (out, in)
+        };
+        self.grads.push((name, g));
+        Ok(())
+    }
+
+    /// Bytes of the factors kept for W (0 when nothing is deferred).
+    pub fn held_bytes(&self) -> usize {
+        let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        self.grads
+            .iter()
+            .map(|(_, g)| match g {
+                WeightGrad::Formed(_) => 0,
+                WeightGrad::Product { dy, x } => bytes(dy) + bytes(x),
+            })
+            .sum()
+    }
+
+    /// Every gradient by name, the kept products formed now (W), in the order they were given.
+    pub fn finish(self) -> Result<Vec<(String, Tensor)>> {
+        self.grads
+            .into_iter()
+            .map(|(name, g)| match g {
+                WeightGrad::Formed(t) => Ok((name, t)),
+                WeightGrad::Product { dy, x } => Ok((name, dy.t()?.matmul(&x)?)), // (out, in)
+            })
+            .collect()
+    }
+}
+
+/// What B of a split backward returns: the input gradient, and the weight gradients W forms.
+pub struct SplitGrads {
+    /// Gradient w.r.t. the segment's input (None for integer token ids).
+    pub input: Option<Tensor>,
+    pub weights: WeightGrads,
 }
 
 /// What a segment's graph-free forward keeps, and the backward that consumes it.
@@ -34,6 +143,20 @@ pub trait Tape: Send {
     /// Gradients for `grad_out`, the gradient w.r.t. the output; None when the output is the
     /// scalar loss, whose gradient is `loss_scale`.
     fn backward(self: Box<Self>, grad_out: Option<&Tensor>, loss_scale: f64) -> Result<TapeGrads>;
+    /// B of a split backward: the input gradient now, the weight products kept in the
+    /// returned [`WeightGrads`] for W. By default the fused backward, whose gradients W then
+    /// only hands over (a tape that keeps nothing back).
+    fn backward_input(
+        self: Box<Self>,
+        grad_out: Option<&Tensor>,
+        loss_scale: f64,
+    ) -> Result<SplitGrads> {
+        let g = self.backward(grad_out, loss_scale)?;
+        Ok(SplitGrads {
+            input: g.input,
+            weights: WeightGrads::formed(g.params),
+        })
+    }
 }
 
 /// A collective that a sharded layer puts into a tape's forward, and its conjugate, which the

@@ -147,8 +147,9 @@ impl Holdings {
             SegmentHoldings { index, params }
         };
         let num_stages = layout.num_stages();
-        let chunks = (coords.pp..num_stages)
-            .step_by(pp)
+        let chunks = layout
+            .stages_of_rank(coords.pp, pp)
+            .into_iter()
             .map(|stage| ChunkHoldings {
                 stage,
                 segments: layout.segments(stage).map(segment).collect(),
@@ -297,7 +298,8 @@ pub fn describe(cfg: &GptConfig, plan: &ParallelPlan) -> String {
         if st + 1 == n_stages {
             what.push("head".to_string());
         }
-        let coords = plan.dims.coords(plan.dims.rank_of(0, st % pp, 0));
+        let pp_rank = layout.rank_of_stage(st, pp);
+        let coords = plan.dims.coords(plan.dims.rank_of(0, pp_rank, 0));
         let n = match Holdings::of_rank(cfg, plan, coords) {
             Ok(h) => h.stage_numel(st),
             Err(e) => return format!("no holdings: {e}\n"),
@@ -305,7 +307,7 @@ pub fn describe(cfg: &GptConfig, plan: &ParallelPlan) -> String {
         let _ = writeln!(
             s,
             "stage {st} (pp rank {}): {:<28} {:>10} params per rank",
-            st % pp,
+            pp_rank,
             what.join(", "),
             n
         );

@@ -165,7 +165,7 @@ pub fn used_on_stage(name: &str, stage: usize, layout: &StageLayout) -> bool {
 /// an expert's ep rank): the root `full_state` broadcasts it from. `n_experts` is the model's
 /// expert count (0 for a dense model).
 pub fn owner_of(name: &str, dims: MeshDims, layout: &StageLayout, n_experts: usize) -> usize {
-    let pp_idx = stage_of(name, layout) % dims.pp.max(1);
+    let pp_idx = layout.rank_of_stage(stage_of(name, layout), dims.pp);
     let dp_idx = match (expert_of(name), dims.ep > 1 && n_experts > 0) {
         (Some(e), true) => ep_rank_of_expert(e, n_experts, dims.ep),
         _ => 0,

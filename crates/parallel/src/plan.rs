@@ -151,12 +151,14 @@ impl ParallelPlan {
         }
     }
 
-    /// How `n_layer` blocks are split into this plan's model stages: `stage_counts`, or evenly.
+    /// How `n_layer` blocks are split into this plan's model stages: `stage_counts`, or evenly;
+    /// placed on the pipeline ranks as the schedule places them.
     pub fn stage_layout(&self, n_layer: usize) -> Result<StageLayout, PipelineError> {
-        match &self.stage_counts {
+        let layout = match &self.stage_counts {
             Some(counts) => StageLayout::from_counts(n_layer, counts),
             None => StageLayout::even(n_layer, self.num_stages()),
-        }
+        };
+        Ok(layout?.with_placement(self.effective_schedule().placement()))
     }
 
     fn layout_problems(&self, cfg: &GptConfig, world_size: usize) -> Vec<String> {
@@ -221,6 +223,17 @@ impl ParallelPlan {
                     self.microbatches
                 ));
             }
+        }
+        if let (ScheduleKind::ZeroBubbleV, DataParallelKind::Zero(z)) =
+            (self.effective_schedule(), self.data)
+        {
+            // ZeRO shards each chunk's parameters apart; in the V the first and the last stage,
+            // both users of the tied wte, are two chunks of pipeline rank 0.
+            why.push(format!(
+                "ZeRO stage {} with zb-v: pipeline rank 0 holds both users of the tied wte.weight \
+                 as two ZeRO chunks, whose shards are not summed; use zb-h1 or DDP",
+                z.stage as u8
+            ));
         }
         if tp > 1 {
             why.extend(tp_problems(cfg, tp));

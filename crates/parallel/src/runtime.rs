@@ -151,15 +151,15 @@ pub struct ParallelModel {
     pub(crate) dropout: Option<StepDraw>,
 }
 
-/// Stage hooks that also call an observer before the first backward.
+/// Stage hooks that also call an observer at the rank's activation peak.
 struct Observed<'a>(&'a mut dyn StageHooks, &'a mut dyn FnMut());
 
 impl StageHooks for Observed<'_> {
     fn hooks(&mut self, chunk: usize, last_backward: bool) -> &mut dyn Hooks {
         self.0.hooks(chunk, last_backward)
     }
-    fn before_first_backward(&mut self) {
-        self.0.before_first_backward();
+    fn at_activation_peak(&mut self) {
+        self.0.at_activation_peak();
         (self.1)()
     }
 }
@@ -204,9 +204,10 @@ impl ParallelModel {
         self.forward_backward_observed(idx, targets, loss_scale, sync, &mut || {})
     }
 
-    /// [`ParallelModel::forward_backward`], calling `before_backward` once, right before this
-    /// rank's first backward pass (where its forward activations peak: the memory report's
-    /// "after forward" on a pipeline).
+    /// [`ParallelModel::forward_backward`], calling `before_backward` once, where this rank's
+    /// activations peak ([`StageHooks::at_activation_peak`]: right before the first backward
+    /// pass, or under a split backward the forward that first fills the schedule's peak; the
+    /// memory report's "after forward" on a pipeline).
     pub fn forward_backward_observed(
         &mut self,
         idx: &Tensor,

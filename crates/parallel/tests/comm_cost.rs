@@ -220,6 +220,28 @@ fn pp2_tp2_sp_interleaved_bytes_match_the_trace() {
     check(&cfg(), &p);
 }
 
+/// The split backward's collectives: ZB-V with tp × sp × dp (B's conjugates, the embedding's
+/// in W, the tied `wte` on rank 0 alone), ZB-H1 with ZeRO-3 and checkpointing (B's gathers, W's
+/// reduce-scatters and frees).
+#[test]
+fn zero_bubble_bytes_match_the_trace() {
+    let v = ParallelPlan {
+        sequence_parallel: true,
+        schedule: ScheduleKind::ZeroBubbleV,
+        microbatches: 4,
+        ..plan(2, 2, 2, 1)
+    };
+    check(&cfg(), &v);
+    let h1 = ParallelPlan {
+        data: zero(ZeroStage::Three),
+        checkpointing: true,
+        schedule: ScheduleKind::ZeroBubbleH1,
+        microbatches: 4,
+        ..plan(2, 2, 1, 1)
+    };
+    check(&cfg(), &h1);
+}
+
 /// DDP of one stage averages in buckets: small caps give several per step, each one all-reduce
 /// over dp, packed by the same rule on both sides.
 fn ddp_with_small_buckets(dp: usize, tp: usize) -> ParallelPlan {

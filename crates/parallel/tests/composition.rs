@@ -507,6 +507,82 @@ fn pp2_tp2_sp_interleaved_equals_one_device() {
     check_equals_one_device(&cfg(), &p, 1);
 }
 
+/// The zero-bubble schedules (the backward split into B and W) and `plan`, four micro-batches.
+fn zero_bubble(kind: ScheduleKind, p: ParallelPlan) -> ParallelPlan {
+    ParallelPlan {
+        schedule: kind,
+        microbatches: 4,
+        ..p
+    }
+}
+
+const ZERO_BUBBLE: [ScheduleKind; 2] = [ScheduleKind::ZeroBubbleH1, ScheduleKind::ZeroBubbleV];
+
+/// tp × pp under ZB-H1 and ZB-V: the column/row tapes' B with their f/g conjugates, the
+/// vocab-parallel head's B and W, the vocab-parallel embedding's whole backward in W.
+#[test]
+fn tp2_pp2_zero_bubble_equals_one_device() {
+    for kind in ZERO_BUBBLE {
+        check_equals_one_device(&cfg(), &zero_bubble(kind, plan(1, 2, 2, 1)), 1);
+    }
+}
+
+/// dp × pp with DDP under ZB-H1 and ZB-V: the replicas' gradients, final after each chunk's
+/// last W, averaged after the flush.
+#[test]
+fn pp2_dp2_ddp_zero_bubble_equals_one_device() {
+    for kind in ZERO_BUBBLE {
+        check_equals_one_device(&cfg(), &zero_bubble(kind, plan(2, 2, 1, 1)), 1);
+    }
+}
+
+/// dp × pp with ZeRO under ZB-H1: each W's post-backward hook reduce-scatters the segment's
+/// gradient (stage 1: the chunk's last W), with and without activation checkpointing (B
+/// recomputes; stage 3 gathers there and frees after W).
+#[test]
+fn pp2_dp2_zero_zero_bubble_equals_one_device() {
+    for (stage, checkpointing) in [
+        (ZeroStage::One, false),
+        (ZeroStage::Two, false),
+        (ZeroStage::Two, true),
+        (ZeroStage::Three, true),
+    ] {
+        let p = ParallelPlan {
+            data: zero(stage),
+            checkpointing,
+            ..plan(2, 2, 1, 1)
+        };
+        check_equals_one_device(&cfg(), &zero_bubble(ScheduleKind::ZeroBubbleH1, p), 1);
+    }
+}
+
+/// ZeRO under ZB-V is refused, with the reason: the V puts both users of the tied `wte` on
+/// pipeline rank 0 as two ZeRO chunks.
+#[test]
+fn zero_under_zb_v_is_refused() {
+    let p = ParallelPlan {
+        data: zero(ZeroStage::Two),
+        ..plan(2, 2, 1, 1)
+    };
+    let why = refusal(&cfg(), &zero_bubble(ScheduleKind::ZeroBubbleV, p), 4, BATCH);
+    assert!(why.contains("ZeRO stage 2 with zb-v"), "{why}");
+    assert!(why.contains("use zb-h1 or DDP"), "{why}");
+}
+
+/// tp × pp × dp with activation checkpointing under ZB-V, without dropout and with it (the
+/// recompute in B and the embedding's backward in W draw the masks one device draws).
+#[test]
+fn tp2_pp2_dp2_zero_bubble_checkpointing_equals_one_device() {
+    let p = ParallelPlan {
+        checkpointing: true,
+        ..plan(2, 2, 2, 1)
+    };
+    let p = zero_bubble(ScheduleKind::ZeroBubbleV, p);
+    for dropout in [0.0, DROPOUT] {
+        check_dropout_equals_one_device(&Device::Cpu, &cfg(), &p, 1, dropout);
+    }
+}
+
 /// The holdings table is the model `parallelize` builds, on every rank of the composition
 /// layouts (tp × pp × dp, tp × interleaved pp with sequence parallelism, ZeRO-3 under pp,
 /// dp × ep MoE): the same parameters by name and local shape, in the order the optimizer

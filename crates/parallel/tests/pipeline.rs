@@ -3,10 +3,12 @@
 //! single-device run step by step — loss within 1e-5 relative, every gradient within 1e-4
 //! relative (L2 norm of the difference over the L2 norm of the reference). Also checked: the
 //! number of micro-batches alive on each rank equals the schedule's simulated high-water mark
-//! (1F1B: min(P − r, M); GPipe: M), the recorded timeline (one forward and one backward span
-//! per action in schedule order, a receive wait per input from another rank, a send per output,
-//! no overlap, idle = the waits), uneven block counts, bad batches, and stages whose segments
-//! run their hand-written backward.
+//! (1F1B: min(P − r, M); GPipe: M; ZB-H1: min(P, M)), the recorded timeline (one pass span —
+//! forward, backward, B or W — per action in schedule order, a receive wait per input from
+//! another rank, a send per output, no overlap, idle = the waits), uneven block counts, bad
+//! batches, and stages whose segments run their hand-written backward. The zero-bubble
+//! schedules (ZB-H1, ZB-V: the backward split into B and W on the tapes) meet the same
+//! tolerances, with and without activation checkpointing.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -16,7 +18,7 @@ use mtrain_comm::{run_local, Backend};
 use mtrain_model::{init_weights, Backward, Engine, Gpt, GptConfig, Grads, NoHooks, Param};
 use mtrain_parallel::pipeline::executor::SpanKind;
 use mtrain_parallel::pipeline::{
-    PipelineError, PipelineExecutor, PipelineStages, Schedule, ScheduleKind, StageLayout,
+    Action, PipelineError, PipelineExecutor, PipelineStages, Schedule, ScheduleKind, StageLayout,
     StepReport,
 };
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -233,9 +235,9 @@ fn check_in_flight(kind: ScheduleKind, p: usize, m: usize, reports: &[Vec<StepRe
             match kind {
                 ScheduleKind::GPipe => assert_eq!(rep.peak_in_flight, m),
                 ScheduleKind::OneFOneB => assert!(rep.peak_in_flight <= p - r),
-                ScheduleKind::Interleaved1F1B { .. }
-                | ScheduleKind::ZeroBubbleH1
-                | ScheduleKind::ZeroBubbleV => {}
+                ScheduleKind::ZeroBubbleH1 => assert!(rep.peak_in_flight <= p.min(m)),
+                ScheduleKind::ZeroBubbleV => assert!(rep.peak_in_flight <= 2 * p),
+                ScheduleKind::Interleaved1F1B { .. } => {}
             }
             assert!(
                 (0.0..=1.0).contains(&rep.bubble_fraction),
@@ -246,10 +248,21 @@ fn check_in_flight(kind: ScheduleKind, p: usize, m: usize, reports: &[Vec<StepRe
     }
 }
 
+/// The even layout of `n_layer` blocks over the stages of `kind` on `p` ranks, placed as `kind`
+/// places them (ZB-V's V, Megatron's loop otherwise).
+fn layout_of(kind: ScheduleKind, p: usize, n_layer: usize) -> StageLayout {
+    StageLayout::even(n_layer, p * kind.virtual_stages())
+        .unwrap()
+        .with_placement(kind.placement())
+}
+
 fn run(kind: ScheduleKind, p: usize, m: usize, n_layer: usize) {
+    run_with(Engine::default(), kind, p, m, n_layer);
+}
+
+fn run_with(engine: Engine, kind: ScheduleKind, p: usize, m: usize, n_layer: usize) {
     let cfg = tiny(n_layer);
-    let layout = StageLayout::even(n_layer, p * kind.virtual_stages()).unwrap();
-    let reports = check_parity(&cfg, Engine::default(), kind, p, m, layout);
+    let reports = check_parity(&cfg, engine, kind, p, m, layout_of(kind, p, n_layer));
     check_in_flight(kind, p, m, &reports);
 }
 
@@ -291,6 +304,29 @@ fn pp4_1f1b_matches_one_device() {
 #[test]
 fn pp4_interleaved_matches_one_device() {
     run(ScheduleKind::Interleaved1F1B { virtual_stages: 2 }, 4, 8, 8);
+}
+
+/// ZB-H1 and ZB-V at pp 2 and 4. Under ZB-V rank 0 holds the first and the last stage (the
+/// tied `wte` summed on the rank itself), and each rank passes activations between its own two
+/// chunks at the V's turn.
+#[test]
+fn zero_bubble_schedules_match_one_device() {
+    for (kind, p, m, n_layer) in [
+        (ScheduleKind::ZeroBubbleH1, 2, 4, 2),
+        (ScheduleKind::ZeroBubbleH1, 4, 8, 4),
+        (ScheduleKind::ZeroBubbleV, 2, 4, 4),
+        (ScheduleKind::ZeroBubbleV, 4, 8, 8),
+    ] {
+        run(kind, p, m, n_layer);
+    }
+}
+
+/// The split backward under activation checkpointing: B recomputes the stage's forward and
+/// keeps its weight products for W.
+#[test]
+fn zero_bubble_with_checkpointing_matches_one_device() {
+    run_with(Engine::new(true), ScheduleKind::ZeroBubbleH1, 4, 8, 4);
+    run_with(Engine::new(true), ScheduleKind::ZeroBubbleV, 2, 4, 4);
 }
 
 /// One rank holding two chunks passes activations to itself.
@@ -417,14 +453,20 @@ fn check_timeline(kind: ScheduleKind, p: usize, m: usize, reports: &[Vec<StepRep
         for rep in rank_reports {
             let t = &rep.timeline;
             let count = |k: SpanKind| t.iter().filter(|s| s.kind == k).count();
-            let compute: Vec<(bool, usize, usize)> = t
+            let compute: Vec<(SpanKind, usize, usize)> = t
                 .iter()
-                .filter(|s| matches!(s.kind, SpanKind::Forward | SpanKind::Backward))
-                .map(|s| (s.kind == SpanKind::Forward, s.mb.unwrap(), s.chunk))
+                .filter(|s| s.kind.is_pass())
+                .map(|s| (s.kind, s.mb.unwrap(), s.chunk))
                 .collect();
-            let expected: Vec<(bool, usize, usize)> = actions
+            let span_of = |a: &Action| match a {
+                Action::Forward { .. } => SpanKind::Forward,
+                Action::Backward { .. } => SpanKind::Backward,
+                Action::InputGrad { .. } => SpanKind::InputGrad,
+                Action::WeightGrad { .. } => SpanKind::WeightGrad,
+            };
+            let expected: Vec<(SpanKind, usize, usize)> = actions
                 .iter()
-                .map(|a| (a.is_forward(), a.mb(), a.chunk()))
+                .map(|a| (span_of(a), a.mb(), a.chunk()))
                 .collect();
             assert_eq!(compute, expected, "{kind} P={p} rank {r}: compute spans");
             assert_eq!(count(SpanKind::RecvWait), recvs, "{kind} P={p} rank {r}");
@@ -441,7 +483,7 @@ fn check_timeline(kind: ScheduleKind, p: usize, m: usize, reports: &[Vec<StepRep
                 .sum();
             let passes: Duration = t
                 .iter()
-                .filter(|s| matches!(s.kind, SpanKind::Forward | SpanKind::Backward))
+                .filter(|s| s.kind.is_pass())
                 .map(|s| s.end - s.start)
                 .sum();
             assert_eq!(
@@ -452,17 +494,29 @@ fn check_timeline(kind: ScheduleKind, p: usize, m: usize, reports: &[Vec<StepRep
             assert!(waited <= rep.idle_time, "{kind} P={p} rank {r}");
             assert_eq!(rep.pass_costs.len(), sched.num_model_stages());
             for c in 0..sched.virtual_stages() {
-                let mean_forward = t
-                    .iter()
-                    .filter(|s| s.kind == SpanKind::Forward && s.chunk == c)
-                    .map(|s| (s.end - s.start).as_secs_f64())
-                    .sum::<f64>()
-                    / m as f64;
-                let got = rep.pass_costs[sched.model_stage(r, c)].forward;
-                assert!(
-                    (got - mean_forward).abs() <= 1e-9 * mean_forward.max(1.0),
-                    "{got} {mean_forward}"
-                );
+                let mean = |k: SpanKind| {
+                    t.iter()
+                        .filter(|s| s.kind == k && s.chunk == c)
+                        .map(|s| (s.end - s.start).as_secs_f64())
+                        .sum::<f64>()
+                        / m as f64
+                };
+                let costs = rep.pass_costs[sched.model_stage(r, c)];
+                let pairs = match kind.splits_backward() {
+                    true => [
+                        (costs.forward, mean(SpanKind::Forward)),
+                        (costs.input_grad, mean(SpanKind::InputGrad)),
+                        (costs.weight_grad, mean(SpanKind::WeightGrad)),
+                    ],
+                    false => [
+                        (costs.forward, mean(SpanKind::Forward)),
+                        (costs.backward, mean(SpanKind::Backward)),
+                        (0.0, 0.0),
+                    ],
+                };
+                for (got, want) in pairs {
+                    assert!((got - want).abs() <= 1e-9 * want.max(1.0), "{got} {want}");
+                }
             }
             assert!((0.0..=1.0).contains(&rep.predicted_bubble_fraction));
         }
@@ -475,49 +529,15 @@ fn timeline_records_every_action_and_wait() {
         (ScheduleKind::OneFOneB, 2, 4, 2),
         (ScheduleKind::GPipe, 4, 4, 4),
         (ScheduleKind::Interleaved1F1B { virtual_stages: 2 }, 2, 4, 4),
+        (ScheduleKind::ZeroBubbleH1, 2, 4, 2),
+        (ScheduleKind::ZeroBubbleV, 2, 4, 4),
     ] {
         let cfg = tiny(n_layer);
-        let layout = StageLayout::even(n_layer, p * kind.virtual_stages()).unwrap();
+        let layout = layout_of(kind, p, n_layer);
         let reports: Vec<Vec<StepReport>> = pipelined(&cfg, Engine::default(), kind, p, m, &layout)
             .into_iter()
             .map(|(_, reports, _)| reports)
             .collect();
         check_timeline(kind, p, m, &reports);
-    }
-}
-
-/// The zero-bubble schedules need the backward split into B and W, which the tapes do not
-/// offer yet: the executor refuses them with that reason instead of running anything else.
-#[test]
-fn a_split_backward_schedule_is_refused() {
-    let cfg = tiny(4);
-    for kind in [ScheduleKind::ZeroBubbleH1, ScheduleKind::ZeroBubbleV] {
-        let errs = run_local(2, Duration::from_secs(30), |backend| {
-            let pp = backend.world();
-            let model = Gpt::new(
-                cfg.clone(),
-                &init_weights(&cfg, SEED).unwrap(),
-                &Device::Cpu,
-            )
-            .unwrap();
-            let sched = Schedule::new(kind, 2, 4).unwrap();
-            let layout = StageLayout::even(4, sched.num_model_stages()).unwrap();
-            let stages = PipelineStages::new(&model, layout, pp.rank(), 2).unwrap();
-            let exec = PipelineExecutor::new(sched, Engine::default());
-            let (idx, targets) = batch(&cfg, 0);
-            exec.step(&stages, pp.as_ref(), &idx, &targets, &mut Grads::new())
-                .unwrap_err()
-        });
-        for e in errs {
-            assert!(
-                matches!(e, PipelineError::SplitBackward(k) if k == kind),
-                "{e}"
-            );
-            assert!(
-                e.to_string()
-                    .contains("split backward is not implemented in the tapes yet"),
-                "{e}"
-            );
-        }
     }
 }

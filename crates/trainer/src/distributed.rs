@@ -94,7 +94,7 @@ pub struct PipelineTimeline {
 /// One span of a pipeline rank's step.
 #[derive(Debug, Clone, Serialize)]
 pub struct TimelineSpan {
-    /// Forward, backward, send (issue), recv_wait or send_wait.
+    /// forward, backward, input_grad (B), weight_grad (W), send (issue), recv_wait or send_wait.
     pub kind: SpanKind,
     /// Micro-batch (absent for the final send wait).
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -189,11 +189,6 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
             // Resolve the config and check the plan before launching, so a bad flag or a layout
             // that cannot work fails once, with the arithmetic, not once per rank.
             let Resolved { layout, run } = resolve(&cli, launched_world)?;
-            // A schedule whose backward is split (B/W) cannot run yet: say so before any launch.
-            let kind = run.plan.effective_schedule();
-            if kind.splits_backward() {
-                return Err(mtrain_parallel::pipeline::PipelineError::SplitBackward(kind).into());
-            }
             if env.is_none() && layout.world_size > 1 {
                 // The launcher checks the run directory once, before any worker starts;
                 // rank 0 then claims it (`train::run_with`).

@@ -40,6 +40,12 @@ pub struct PlanArgs {
     /// Put the predicted traffic and time next to what a `--trace` run recorded in RUN_DIR.
     #[arg(long, value_name = "RUN_DIR")]
     pub compare: Option<std::path::PathBuf>,
+
+    /// Simulate the pipeline schedule with these costs of one stage's F, B and W (ms, e.g. the
+    /// pass times a run's step report measured) instead of equal ones: the fused backward costs
+    /// B + W, and a chunk of a two-chunk schedule half of each.
+    #[arg(long, value_name = "F,B,W", value_delimiter = ',')]
+    pub pass_costs: Option<Vec<f64>>,
 }
 
 /// The plan as text: the launch, the mesh, the model and the batch.
@@ -91,26 +97,63 @@ pub fn render(cfg: &TrainConfig, layout: &Layout) -> Result<String, crate::confi
 /// The pipeline schedule's grid at equal pass costs, with its bubble and each rank's peak of
 /// (micro-batch, chunk) activation sets held at once.
 pub fn render_schedule(kind: ScheduleKind, pp: usize, m: usize) -> anyhow::Result<String> {
+    render_schedule_at(kind, pp, m, None)
+}
+
+/// [`render_schedule`] at `fbw`, the costs (ms) of one stage's F, B and W (None: equal): the
+/// fused backward costs B + W, a chunk of a two-chunk schedule half of each. The bubble is
+/// rank 0's idle over the pipeline's step, the step its simulated length.
+pub fn render_schedule_at(
+    kind: ScheduleKind,
+    pp: usize,
+    m: usize,
+    fbw: Option<[f64; 3]>,
+) -> anyhow::Result<String> {
     let sched = Schedule::new(kind, pp, m)?;
-    let costs = if kind.splits_backward() {
-        PassCosts::EQUAL_SPLIT
-    } else {
-        PassCosts::UNIT
+    let (costs, unit) = match (fbw, kind.splits_backward()) {
+        (None, true) => (
+            PassCosts::EQUAL_SPLIT,
+            "F = B = W, one column each".to_string(),
+        ),
+        (None, false) => (
+            PassCosts::UNIT,
+            "equal forward and backward, one column each".to_string(),
+        ),
+        (Some([f, b, w]), _) => {
+            let k = 1.0 / sched.virtual_stages() as f64;
+            let costs = PassCosts {
+                forward: f * k,
+                backward: (b + w) * k,
+                input_grad: b * k,
+                weight_grad: w * k,
+            };
+            (costs, format!("F {f} ms, B {b} ms, W {w} ms per stage"))
+        }
     };
     let sim = sched.simulate_with(&vec![costs; sched.num_model_stages()])?;
     let peaks: Vec<String> = (0..pp).map(|r| sim.peak_in_flight(r).to_string()).collect();
-    let unit = if kind.splits_backward() {
-        "F = B = W, one column each"
-    } else {
-        "equal forward and backward, one column each"
+    let step = match fbw {
+        Some(_) => format!(", step {:.1} ms", sim.makespan()),
+        None => String::new(),
     };
     Ok(format!(
-        "pipeline schedule {kind}, pp {pp}, {m} micro-batches ({unit}): bubble {:.3}, \
+        "pipeline schedule {kind}, pp {pp}, {m} micro-batches ({unit}): bubble {:.3}{step}, \
          peak activation sets (micro-batch x chunk) per rank [{}]\n{}",
         sim.bubble_fraction(0),
         peaks.join(", "),
         sim.render()
     ))
+}
+
+/// `--pass-costs F,B,W`, checked: three positive costs.
+fn pass_costs(args: &PlanArgs) -> anyhow::Result<Option<[f64; 3]>> {
+    match args.pass_costs.as_deref() {
+        None => Ok(None),
+        Some(&[f, b, w]) if [f, b, w].iter().all(|c| c.is_finite() && *c > 0.0) => {
+            Ok(Some([f, b, w]))
+        }
+        Some(c) => anyhow::bail!("--pass-costs takes three positive costs F,B,W in ms, got {c:?}"),
+    }
 }
 
 /// What one pipeline rank (any of its tp, dp and ep ranks alike) should hold under a plan.
@@ -194,15 +237,8 @@ pub fn run(
     if plan.dims.pp > 1 {
         print!(
             "{}",
-            render_schedule(kind, plan.dims.pp, plan.microbatches)?
+            render_schedule_at(kind, plan.dims.pp, plan.microbatches, pass_costs(args)?)?
         );
-    }
-    if kind.splits_backward() {
-        println!(
-            "training with {kind} needs the split backward (B/W), not implemented in the tapes yet: \
-             no memory or communication estimate"
-        );
-        return Ok(());
     }
     print!("{}", render_memory(plan, &rank_memory(cfg, plan)?));
     let (ab, cmp) = (args.alpha_beta.as_deref(), args.compare.as_deref());
@@ -265,6 +301,15 @@ mod tests {
         );
         let h1 = render_schedule(ScheduleKind::ZeroBubbleH1, 4, 8).unwrap();
         assert!(h1.contains("bubble 0.111"), "{h1}");
+        // At F = B = W given as costs the grid and the bubble are the equal-cost ones; a step
+        // of 3M + P − 1 = 27 passes of 2 ms.
+        let at = render_schedule_at(ScheduleKind::ZeroBubbleH1, 4, 8, Some([2.0, 2.0, 2.0]));
+        let at = at.unwrap();
+        assert!(at.contains("bubble 0.111, step 54.0 ms"), "{at}");
+        assert_eq!(
+            at.lines().skip(1).collect::<Vec<_>>(),
+            h1.lines().skip(1).collect::<Vec<_>>()
+        );
         assert!(
             h1.contains("rank 0 | F0 F1 F2 F3 .  .  .  B0 W0 F4"),
             "{h1}"

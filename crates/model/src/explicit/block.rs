@@ -20,7 +20,7 @@ use super::{across, bwd, err, fwd, Dense, MlpKept, MlpWeights, Norm, Stats};
 use crate::dropout::{self, BlockMasks, Draw};
 use crate::layers::{CausalSelfAttention, FeedForward, LayerNorm};
 use crate::moe::MoeStats;
-use crate::tape::{Collective, Tape, TapeGrads};
+use crate::tape::{Collective, SplitGrads, Tape, TapeGrads, WeightGrads};
 use mtrain_kernels::dropout::Mask;
 
 /// The weights of a block's attention half and its second LayerNorm, when every layer has a
@@ -239,6 +239,37 @@ impl Tape for BlockTape {
     }
 
     fn backward(self: Box<Self>, grad_out: Option<&Tensor>, loss_scale: f64) -> Result<TapeGrads> {
+        let mut grads = WeightGrads::now();
+        let dx = self.run_backward(grad_out, loss_scale, &mut grads)?;
+        Ok(TapeGrads {
+            params: grads.finish()?,
+            input: Some(dx),
+        })
+    }
+
+    fn backward_input(
+        self: Box<Self>,
+        grad_out: Option<&Tensor>,
+        loss_scale: f64,
+    ) -> Result<SplitGrads> {
+        let mut weights = WeightGrads::deferred();
+        let dx = self.run_backward(grad_out, loss_scale, &mut weights)?;
+        Ok(SplitGrads {
+            input: Some(dx),
+            weights,
+        })
+    }
+}
+
+impl BlockTape {
+    /// dx (B, T, C) from dout; the weight gradients into `grads` (formed, or their products
+    /// kept for W when `grads` defers them).
+    fn run_backward(
+        self,
+        grad_out: Option<&Tensor>,
+        loss_scale: f64,
+        grads: &mut WeightGrads,
+    ) -> Result<Tensor> {
         let BlockTape {
             wts,
             dims: (b, t, c),
@@ -255,7 +286,7 @@ impl Tape for BlockTape {
             out,
             probs,
             masks,
-        } = *self;
+        } = self;
         let dout = grad_out
             .ok_or_else(|| err("block backward: the block's output is not a loss".into()))?;
         if dout.dims() != out.dims() {
@@ -266,7 +297,6 @@ impl Tape for BlockTape {
             )));
         }
         drop(out);
-        let mut grads = Vec::with_capacity(12);
         let dout = dout
             .to_dtype(x.dtype())?
             .reshape((b * t, c))?
@@ -278,22 +308,20 @@ impl Tape for BlockTape {
         };
         let dh2 = match ffn {
             FfnKept::Mlp(mlp, kept) => {
-                let dh2 = mlp.backward(kept, &dffn, b, &mut grads)?; // (N, C)
+                let dh2 = mlp.backward(kept, &dffn, b, grads)?; // (N, C)
                 across(&wts.enter, &dh2, b, bwd)? // (N_r, C)
             }
-            FfnKept::Moe(moe) => moe.backward(&dffn, loss_scale, &mut grads)?, // (N, C)
+            FfnKept::Moe(moe) => moe.backward(&dffn, loss_scale, grads)?, // (N, C)
         };
         drop(dffn);
-        let dx1 = wts
-            .ln_2
-            .backward_residual(&x1, &s2, &dh2, &dout, &mut grads)?; // (N_r, C)
+        let dx1 = wts.ln_2.backward_residual(&x1, &s2, &dh2, &dout, grads)?; // (N_r, C)
         drop((x1, dh2, dout));
         // Attention branch: M_a ∘ dx1 into c_proj.
         let da = match &masks.attn {
             Some(m) => dropout::rows(&dx1, b, m)?,
             None => dx1.clone(),
         };
-        let dym = wts.c_proj.backward(&ym, &da, b, &mut grads)?; // (N, HD)
+        let dym = wts.c_proj.backward(&ym, &da, b, grads)?; // (N, HD)
         drop(da);
         drop(ym);
         let (n, hd) = dym.dims2()?;
@@ -303,15 +331,10 @@ impl Tape for BlockTape {
         let dqkv = attention::backward(&qkv, &y, &dy, &lse, scale, probs.as_ref())?; // (3, B, H, T, D)
         drop((qkv, y, dy, lse));
         let dqkv = mtrain_kernels::merge_heads(&dqkv)?.reshape((n, 3 * hd))?; // (N, 3HD)
-        let dh1 = wts.c_attn.backward(&h1, &dqkv, b, &mut grads)?; // (N, C)
+        let dh1 = wts.c_attn.backward(&h1, &dqkv, b, grads)?; // (N, C)
         drop((h1, dqkv));
         let dh1 = across(&wts.enter, &dh1, b, bwd)?; // (N_r, C)
-        let dx = wts
-            .ln_1
-            .backward_residual(&x, &s1, &dh1, &dx1, &mut grads)?; // (N_r, C)
-        Ok(TapeGrads {
-            params: grads,
-            input: Some(dx.reshape((b, t, c))?),
-        })
+        let dx = wts.ln_1.backward_residual(&x, &s1, &dh1, &dx1, grads)?; // (N_r, C)
+        dx.reshape((b, t, c))
     }
 }

@@ -11,7 +11,7 @@ use mtrain_kernels::embedding;
 use super::{err, taped_dtype, Norm, Stats};
 use crate::layers::LayerNorm;
 use crate::param::Param;
-use crate::tape::{Collective, Tape, TapeGrads};
+use crate::tape::{Collective, SplitGrads, Tape, TapeGrads, WeightGrads};
 use crate::vocab::{LogitsGrad, VocabLoss, VocabRows};
 
 /// What the head tape keeps of the final LayerNorm and the LM head tied to `wte` (this rank's
@@ -75,6 +75,28 @@ impl TiedHead {
     /// The tied weight's gradient `dzᵀ·h` and dx (B, T_r, C) from dz (N, V_r), `dz·wte` taken
     /// back through `enter` (None: no collective) and `ln_f`.
     pub fn backward(self, dz: Tensor, enter: Option<&dyn Collective>) -> Result<TapeGrads> {
+        let mut grads = WeightGrads::now();
+        let input = Some(self.backward_into(dz, enter, &mut grads)?);
+        Ok(TapeGrads {
+            params: grads.finish()?,
+            input,
+        })
+    }
+
+    /// B of [`TiedHead::backward`]: dx now, `dzᵀ·h` kept for W.
+    pub fn backward_input(self, dz: Tensor, enter: Option<&dyn Collective>) -> Result<SplitGrads> {
+        let mut weights = WeightGrads::deferred();
+        let input = Some(self.backward_into(dz, enter, &mut weights)?);
+        Ok(SplitGrads { input, weights })
+    }
+
+    /// dx (B, T_r, C); the tied weight's and ln_f's gradients into `grads`.
+    fn backward_into(
+        self,
+        dz: Tensor,
+        enter: Option<&dyn Collective>,
+        grads: &mut WeightGrads,
+    ) -> Result<Tensor> {
         let TiedHead {
             ln_f,
             wte_name,
@@ -84,9 +106,8 @@ impl TiedHead {
             s,
             h,
         } = self;
-        let mut grads = Vec::with_capacity(3);
         let dh = dz.matmul(&wte)?; // (N, C), this rank's part
-        grads.push((wte_name, dz.t()?.matmul(&h)?)); // (V_r, C)
+        grads.product(wte_name, &dz, &h)?; // (V_r, C)
         drop((dz, h));
         let dh = match enter {
             Some(enter) => {
@@ -96,11 +117,8 @@ impl TiedHead {
             }
             None => dh,
         }; // (N_r, C)
-        let dx = ln_f.backward(&x, &s, &dh, &mut grads)?; // (N_r, C)
-        Ok(TapeGrads {
-            params: grads,
-            input: Some(dx.reshape((b, t, c))?),
-        })
+        let dx = ln_f.backward(&x, &s, &dh, grads)?; // (N_r, C)
+        dx.reshape((b, t, c))
     }
 }
 
@@ -163,6 +181,15 @@ impl Tape for HeadTape {
     fn backward(self: Box<Self>, grad_out: Option<&Tensor>, loss_scale: f64) -> Result<TapeGrads> {
         let (head, dz, enter) = self.logits_grad(grad_out, loss_scale)?;
         head.backward(dz, enter.as_deref())
+    }
+
+    fn backward_input(
+        self: Box<Self>,
+        grad_out: Option<&Tensor>,
+        loss_scale: f64,
+    ) -> Result<SplitGrads> {
+        let (head, dz, enter) = self.logits_grad(grad_out, loss_scale)?;
+        head.backward_input(dz, enter.as_deref())
     }
 }
 

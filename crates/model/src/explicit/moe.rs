@@ -39,7 +39,7 @@ use super::{err, taped_dtype, MlpKept, MlpWeights};
 use crate::config::MoeConfig;
 use crate::layers::MoeParts;
 use crate::moe::{aux_loss, logsumexp, route, router_probs, ExpertMajor, MoeStats, Permutation};
-use crate::tape::Exchange;
+use crate::tape::{Exchange, WeightGrads};
 
 /// A mixture of experts' weights, detached, and the exchange that reaches other ranks' experts.
 pub(super) struct MoeWeights {
@@ -245,7 +245,7 @@ impl MoeTape {
         self,
         dout: &Tensor,
         loss_scale: f64,
-        grads: &mut Vec<(String, Tensor)>,
+        grads: &mut WeightGrads,
     ) -> Result<Tensor> {
         let MoeTape {
             wts,

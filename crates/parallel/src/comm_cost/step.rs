@@ -31,7 +31,8 @@ use crate::ddp::{assign_bucket_sizes, DdpConfig, ParamSize};
 use crate::expert_parallel::{MoeExchange, MOE_EXCHANGES};
 use crate::fsdp::{residency, ZeroStage};
 use crate::holdings::{ChunkHoldings, Held, Holdings};
-use crate::pipeline::{Action, Schedule};
+use crate::pipeline::executor::gathered_f64s;
+use crate::pipeline::{Action, Schedule, StagePlacement};
 use crate::placement::TIED;
 use crate::plan::{DataParallelKind, ParallelPlan, ValidPlan};
 use crate::tensor_parallel::vocab::LOSS_ALL_REDUCES;
@@ -58,18 +59,12 @@ pub fn step_collectives(
     let mut walk = Walk::new(cfg, plan, shape, rank)?;
     let sched = Schedule::new(plan.effective_schedule(), dims.pp, plan.microbatches)
         .map_err(|e| CostError::Plan(e.to_string()))?;
-    if sched.kind().splits_backward() {
-        return Err(CostError::Plan(format!(
-            "the {} schedule needs the split backward (B/W), not implemented in the tapes yet",
-            sched.kind()
-        )));
-    }
     let me = walk.c.pp;
     let remote = |s: usize| sched.rank_of_stage(s) != me;
     let actions = sched.actions(me);
     let mut last_backward = BTreeMap::new();
     for (i, a) in actions.iter().enumerate() {
-        if !a.is_forward() {
+        if a.computes_weight_grads() {
             last_backward.insert(a.chunk(), i);
         }
     }
@@ -79,16 +74,14 @@ pub fn step_collectives(
         }
         match a {
             Action::Forward { .. } => walk.forward(a.chunk()),
-            Action::Backward { .. } => {
+            Action::Backward { .. } | Action::InputGrad { .. } | Action::WeightGrad { .. } => {
                 let reduce = match walk.zero {
                     Some(ZeroStage::One) => last_backward.get(&a.chunk()) == Some(&i),
                     Some(_) => true,
                     None => false,
                 };
-                walk.backward(a.chunk(), reduce);
-            }
-            Action::InputGrad { .. } | Action::WeightGrad { .. } => {
-                unreachable!("split schedules are refused above")
+                let (input, weights) = (a.computes_input_grad(), a.computes_weight_grads());
+                walk.backward(a.chunk(), input, weights, reduce);
             }
         }
         if sched.output_stage(me, a).is_some_and(remote) {
@@ -96,8 +89,8 @@ pub fn step_collectives(
         }
     }
     if dims.pp > 1 {
-        // The loss and every rank's pass times (1 + 2v f64), gathered over the pipeline group.
-        let row = (8 * (1 + 2 * sched.virtual_stages())) as u64;
+        // The loss and every rank's pass times, gathered over the pipeline group.
+        let row = (8 * gathered_f64s(sched.virtual_stages())) as u64;
         let sent = ring_all_gather_sent(&vec![row; dims.pp], walk.c.pp);
         walk.tally.push(
             Group::Pp,
@@ -154,6 +147,8 @@ struct Walk {
     dp_buckets: Option<DdpConfig>,
     /// Bytes per parameter element (the buckets' caps count the compute copy).
     param_bytes: usize,
+    /// Where the schedule places the model stages (the tied `wte`'s two ends).
+    placement: StagePlacement,
 }
 
 impl Walk {
@@ -169,6 +164,7 @@ impl Walk {
             DataParallelKind::Ddp(_) => (None, false),
         };
         Ok(Self {
+            placement: plan.effective_schedule().placement(),
             tally: Tally {
                 dims,
                 rank,
@@ -257,36 +253,45 @@ impl Walk {
 
     /// One micro-batch's backward through chunk `k`; `reduce`: ZeRO reduce-scatters after each
     /// segment.
-    fn backward(&mut self, k: usize, reduce: bool) {
+    /// Chunk k's backward: with `input` the input-gradient walk (the fused backward's, or B's:
+    /// ZeRO-3's gathers, the recompute, each segment's conjugate collectives), with `weights`
+    /// what follows each segment's weight gradients (the fused backward's, or W's: the
+    /// reduce-scatter when `reduce`, ZeRO-3's frees).
+    fn backward(&mut self, k: usize, input: bool, weights: bool, reduce: bool) {
         let segments = self.chunks[k].segments.clone();
         for (j, seg) in segments.enumerate().rev() {
-            if self.z3() && self.recompute {
-                let m = residency::before_backward(&self.chunks[k].needs, j, self.prefetch);
-                self.gather(k, &m.wait, Phase::Backward);
-                self.gather(k, &m.prefetch, Phase::Backward);
+            if input {
+                self.backward_input(k, j, seg);
             }
-            if self.recompute {
-                self.segment_forward(seg, Phase::Backward);
+            if weights {
+                self.backward_weights(k, j, reduce);
             }
-            self.segment_backward(seg);
-            let n = self.chunks[k].units[j].numel;
-            if reduce && n > 0 {
-                let what = "ZeRO gradient reduce-scatter";
-                let rows = self.padded(n);
-                self.tally.reduce_scatter(
-                    Group::Dp,
-                    what,
-                    Phase::Backward,
-                    rows,
-                    1,
-                    DType::F32,
-                    true,
-                );
-            }
-            if self.z3() {
-                let free = residency::after_backward(&self.chunks[k].needs, j);
-                self.free(k, &free);
-            }
+        }
+    }
+
+    fn backward_input(&mut self, k: usize, j: usize, seg: usize) {
+        if self.z3() && self.recompute {
+            let m = residency::before_backward(&self.chunks[k].needs, j, self.prefetch);
+            self.gather(k, &m.wait, Phase::Backward);
+            self.gather(k, &m.prefetch, Phase::Backward);
+        }
+        if self.recompute {
+            self.segment_forward(seg, Phase::Backward);
+        }
+        self.segment_backward(seg);
+    }
+
+    fn backward_weights(&mut self, k: usize, j: usize, reduce: bool) {
+        let n = self.chunks[k].units[j].numel;
+        if reduce && n > 0 {
+            let what = "ZeRO gradient reduce-scatter";
+            let rows = self.padded(n);
+            self.tally
+                .reduce_scatter(Group::Dp, what, Phase::Backward, rows, 1, DType::F32, true);
+        }
+        if self.z3() {
+            let free = residency::after_backward(&self.chunks[k].needs, j);
+            self.free(k, &free);
         }
     }
 
@@ -459,7 +464,11 @@ impl Walk {
                 }
             }
         }
-        let (first, last) = (0, self.dims.pp - 1);
+        let pp = self.dims.pp;
+        let (first, last) = (
+            self.placement.rank_of_stage(pp, 0),
+            self.placement.rank_of_stage(pp, n_stages - 1),
+        );
         if tied_here && first != last && (self.c.pp == first || self.c.pp == last) {
             let bytes = (wte_local.unwrap_or(0) * 4) as u64;
             let what = "tied wte gradient";

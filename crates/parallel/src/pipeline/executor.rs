@@ -9,39 +9,54 @@
 //!                : send act -> next stage (async)              : send gx -> prev stage (async)
 //! ```
 //!
+//! The split backward of the zero-bubble schedules (ZB-H1, ZB-V) runs as two calls on the same
+//! tapes ([`Engine::backward_input`], [`Engine::backward_weights`]):
+//!
+//! ```text
+//!   InputGrad { mb, chunk }  (B)                   WeightGrad { mb, chunk }  (W)
+//!     g  = recv grad <- next stage (or the loss)     owed.remove(mb, chunk)
+//!     gx, owed[mb, chunk] = engine.backward_input      engine.backward_weights -> grads
+//!              (acts consumed; weight products kept)   post_backward hooks fire here
+//!     send gx -> prev stage (async)
+//! ```
+//!
 //! Communication is implicit in the actions: a schedule only says "forward micro-batch 3
 //! through chunk 0", and the stage's position decides what to receive and where to send.
 //! Sends are asynchronous: the `Work` is kept and compute goes on; finished sends are reaped
 //! after every action and the rest are waited at the end of the step. A receive is posted when
 //! the action needs its input and waited at once. Schedules are built so that between two ranks
 //! the messages are received in the order they were sent (a test in `schedule.rs` checks it), so
-//! no tags are needed. The split schedules (ZB-H1, ZB-V) are refused
-//! ([`PipelineError::SplitBackward`]): the tapes run the backward as one pass today.
+//! no tags are needed.
 //!
 //! The bubble, measured and predicted, counted the same way on this rank:
 //! - **measured** = idle time / step time, where the step runs from the first action to the
 //!   completion of the last send, and idle is everything in it that is not a pass (forward or
 //!   backward): the receive waits, the send issues, the final wait for sends and the executor's
-//!   own bookkeeping between spans;
+//!   own bookkeeping between spans (a pass is a forward, a fused backward, a B or a W);
 //! - **predicted** = the same fraction on the schedule's grid simulated
 //!   ([`Schedule::simulate_with`], [`rank_bubble_fraction`](super::Simulation::rank_bubble_fraction)) with this step's
-//!   measured cost of each pass kind on each model stage: the mean forward and backward time of
-//!   each chunk of each rank, gathered over the pipeline group with the loss. The simulation
-//!   counts only passes as busy and sends as free, so the gap between the two is what the
-//!   pipeline loses beyond its schedule (messages, bookkeeping, ranks sharing cores);
+//!   measured cost of each pass kind on each model stage: the mean F, backward (fused, or B)
+//!   and W time of each chunk of each rank, gathered over the pipeline group with the loss.
+//!   The simulation counts only passes as busy and sends as free, so the gap between the two
+//!   is what the pipeline loses beyond its schedule (messages, bookkeeping, ranks sharing
+//!   cores);
 //! - **ideal** = the schedule's bubble at equal costs, `(P − 1)/(v·M + P − 1)`.
+//!
+//! On passes of known cost (`tests/bubble.rs`: stages that sleep F, B and W) the measured and
+//! the predicted figure agree within 0.03, under 1F1B, ZB-H1 and ZB-V.
 //!
 //! The batch (B, T) is split into M micro-batches of B/M sequences. Each micro-batch's mean loss
 //! is scaled by 1/M before its backward, so the gradients summed over micro-batches equal the
 //! gradient of the full-batch mean loss, as on one device. A micro-batch's activations live from
-//! its forward to its backward (which consumes them); their high-water mark is reported
-//! (1F1B: at most P − r on rank r; GPipe: M).
+//! its forward to its backward (which consumes them), or under a split backward until its W
+//! (B consumes the activations and keeps the weight products' factors, which count too); their
+//! high-water mark is reported (1F1B: at most P − r on rank r; GPipe: M; ZB-H1: min(P, M)).
 //!
 //! Every step also records this rank's timeline ([`StepReport::timeline`]): one [`Span`] per
-//! forward, backward, send issue, receive wait and the final wait for outstanding sends, with
-//! start and end relative to the step's start (two clock reads per span, always on). Drawn one
-//! row per rank it is the schedule's grid as it really ran; the gaps between spans are the
-//! executor's own bookkeeping:
+//! forward, backward (or B and W), send issue, receive wait and the final wait for outstanding
+//! sends, with start and end relative to the step's start (two clock reads per span, always
+//! on). Drawn one row per rank it is the schedule's grid as it really ran; the gaps between
+//! spans are the executor's own bookkeeping:
 //!
 //! ```text
 //!   1F1B, P = 2, M = 2                    time ─▶
@@ -53,81 +68,32 @@
 //!
 //! Data parallelism inside a pipeline hangs on [`StageHooks`]: [`PipelineExecutor::step_with_hooks`]
 //! hands each pass the engine hooks of its chunk (FSDP's gather / free / reduce-scatter), and
-//! says which backward is the chunk's last of the step, after which its gradients are final.
+//! says which backward (fused, or W) is the chunk's last of the step, after which its gradients
+//! are final: DDP's buckets and ZeRO's reduce-scatters hang on the `post_backward` of W.
 //! With sequence parallelism ([`PipelineStages::with_sequence_split`]) the activations passed
 //! between stages are this rank's sequence shard (b, T/tp, C).
 //!
 //! Legend: B batch, b = B/M micro-batch, T time, C width, P pipeline ranks, M micro-batches.
 
+mod links;
+
 use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime};
 
 use candle_core::{DType, Shape, Tensor};
-use mtrain_comm::{chunk_range, Communicator, Work};
-use mtrain_model::{Activations, Draw, Engine, Grads, Hooks, MoeStats, NoHooks};
+use mtrain_comm::{chunk_range, Communicator};
+use mtrain_model::{Activations, Draw, Engine, Grads, Hooks, MoeStats, NoHooks, PendingGrads};
 
 use super::schedule::{Action, PassCosts, Schedule};
 use super::stage::PipelineStages;
 use super::{PipelineError, Result};
+use links::{Links, Timeline};
+pub use links::{Span, SpanKind};
 
-/// What a [`Span`] of a rank's timeline was spent on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum SpanKind {
-    /// The engine's forward of one micro-batch through one chunk (hooks included).
-    Forward,
-    /// The engine's backward of one micro-batch through one chunk (hooks included).
-    Backward,
-    /// Issuing an asynchronous send to a neighbour (the transfer itself overlaps what follows).
-    Send,
-    /// Waiting for a neighbour's activation or gradient to arrive: idle.
-    RecvWait,
-    /// Waiting, after the last action, for the sends still in flight: idle.
-    SendWait,
-}
-
-/// One span of a rank's pipeline timeline.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
-pub struct Span {
-    /// What the rank did.
-    pub kind: SpanKind,
-    /// The micro-batch (None for [`SpanKind::SendWait`], which covers all of them).
-    pub mb: Option<usize>,
-    /// This rank's chunk (virtual stage index on the rank; 0 without interleaving).
-    pub chunk: usize,
-    /// Start, from the step's start.
-    pub start: Duration,
-    /// End, from the step's start.
-    pub end: Duration,
-}
-
-/// Appends spans measured from one step start.
-struct Timeline {
-    t0: Instant,
-    spans: Vec<Span>,
-}
-
-impl Timeline {
-    /// Runs `f`, recording it as a span of `kind`.
-    fn time<T>(
-        &mut self,
-        kind: SpanKind,
-        mb: Option<usize>,
-        chunk: usize,
-        f: impl FnOnce() -> T,
-    ) -> T {
-        let start = self.t0.elapsed();
-        let out = f();
-        let end = self.t0.elapsed();
-        self.spans.push(Span {
-            kind,
-            mb,
-            chunk,
-            start,
-            end,
-        });
-        out
-    }
+/// The f64s each pipeline rank contributes to the step's one all-gather: the loss share, then
+/// per chunk the mean forward, backward (fused, or B) and W time.
+pub fn gathered_f64s(virtual_stages: usize) -> usize {
+    1 + 3 * virtual_stages
 }
 
 /// What one pipeline step measured on one rank.
@@ -186,12 +152,14 @@ impl std::fmt::Display for StepReport {
 
 /// The engine hooks each pass of a pipeline step runs with.
 pub trait StageHooks {
-    /// Hooks for one forward or backward pass of this rank's chunk `chunk`. `last_backward` is
-    /// true for the chunk's last backward pass of the step: its gradients are final after it.
+    /// Hooks for one pass of this rank's chunk `chunk`. `last_backward` is true for the chunk's
+    /// last backward pass (fused, or W) of the step: its gradients are final after it.
     fn hooks(&mut self, chunk: usize, last_backward: bool) -> &mut dyn Hooks;
-    /// Called once per step, right before this rank's first backward pass: the moment its
-    /// schedule holds the most forward activations (the memory report reads its level here).
-    fn before_first_backward(&mut self) {}
+    /// Called once per step, right after the forward that first brings this rank to the most
+    /// activation sets its schedule holds at once (before the first backward under GPipe and
+    /// 1F1B; later under ZB-H1 and ZB-V, whose W's hold a set past its B): the memory report
+    /// reads its level here.
+    fn at_activation_peak(&mut self) {}
 }
 
 /// No hooks for any pass.
@@ -208,84 +176,6 @@ impl StageHooks for NoStageHooks {
 pub struct PipelineExecutor {
     schedule: Schedule,
     engine: Engine,
-}
-
-/// Where a pass's input comes from or its output goes: another rank over the pipeline group,
-/// or (one rank holding neighbouring stages, P = 1) this rank's own mailbox.
-struct Links<'a> {
-    pp: &'a dyn Communicator,
-    rank: usize,
-    /// Messages to this rank itself, keyed by (is activation, micro-batch, receiving stage).
-    mailbox: HashMap<(bool, usize, usize), Tensor>,
-    sends: Vec<Work<()>>,
-    timeline: Timeline,
-}
-
-impl Links<'_> {
-    /// Sends `x` for micro-batch `key.1`, issued from this rank's chunk `chunk`.
-    fn send(
-        &mut self,
-        x: Tensor,
-        to_rank: usize,
-        key: (bool, usize, usize),
-        chunk: usize,
-    ) -> Result<()> {
-        if to_rank == self.rank {
-            self.mailbox.insert(key, x);
-        } else {
-            let (pp, mb) = (self.pp, key.1);
-            let work = self.timeline.time(SpanKind::Send, Some(mb), chunk, || {
-                pp.send_async(&x, to_rank)
-            });
-            self.sends.push(work);
-        }
-        Ok(())
-    }
-
-    /// Receives the input of micro-batch `key.1` for this rank's chunk `chunk`.
-    fn recv(
-        &mut self,
-        from_rank: usize,
-        key: (bool, usize, usize),
-        chunk: usize,
-        shape: &Shape,
-        dtype: DType,
-    ) -> Result<Tensor> {
-        if from_rank == self.rank {
-            return self.mailbox.remove(&key).ok_or_else(|| {
-                PipelineError::Layout(format!(
-                    "rank {}: nothing was sent to stage {} for micro-batch {}",
-                    self.rank, key.2, key.1
-                ))
-            });
-        }
-        let (pp, mb) = (self.pp, key.1);
-        let x = self
-            .timeline
-            .time(SpanKind::RecvWait, Some(mb), chunk, || {
-                pp.recv_async(from_rank, shape, dtype).wait()
-            })?;
-        Ok(x)
-    }
-
-    /// Wait the sends that already completed (surfacing their errors), keep the others.
-    fn reap_finished_sends(&mut self) -> Result<()> {
-        let (done, pending): (Vec<_>, Vec<_>) = self.sends.drain(..).partition(|w| w.is_done());
-        self.sends = pending;
-        done.into_iter()
-            .try_for_each(|w| w.wait().map_err(PipelineError::from))
-    }
-
-    fn wait_all_sends(&mut self) -> Result<()> {
-        if self.sends.is_empty() {
-            return Ok(());
-        }
-        let sends: Vec<Work<()>> = self.sends.drain(..).collect();
-        self.timeline.time(SpanKind::SendWait, None, 0, || {
-            sends.into_iter().try_for_each(|w| w.wait())
-        })?;
-        Ok(())
-    }
 }
 
 impl PipelineExecutor {
@@ -379,9 +269,6 @@ impl PipelineExecutor {
                 pp.size()
             )));
         }
-        if sched.kind().splits_backward() {
-            return Err(PipelineError::SplitBackward(sched.kind()));
-        }
         if let Some(c) = (0..sched.virtual_stages())
             .find(|&c| stages.chunks()[c].stage != sched.model_stage(rank, c))
         {
@@ -409,10 +296,10 @@ impl PipelineExecutor {
         let last_stage = sched.num_model_stages() - 1;
         let loss_scale = 1.0 / m as f64;
         let grad_scale = grad_scale * loss_scale;
-        // The index of each chunk's last backward action: its gradients are final after it.
+        // The index of each chunk's last backward (fused, or W): its gradients are final after it.
         let mut last_backward = HashMap::new();
         for (i, a) in sched.actions(rank).iter().enumerate() {
-            if !a.is_forward() {
+            if a.computes_weight_grads() {
                 last_backward.insert(a.chunk(), i);
             }
         }
@@ -428,10 +315,12 @@ impl PipelineExecutor {
             },
         };
         let mut alive: HashMap<(usize, usize), Activations> = HashMap::new();
+        // What each B left for its W.
+        let mut owed: HashMap<(usize, usize), PendingGrads> = HashMap::new();
         let (mut peak, mut loss_sum, mut aux_sum) = (0, 0.0, 0.0);
         let mut moe_stats: Vec<Vec<MoeStats>> = vec![Vec::new(); stages.chunks().len()];
         let (mut alive_bytes, mut peak_bytes) = (0, 0);
-        let mut backward_started = false;
+        let peak_at = activation_peak_at(sched.actions(rank));
         let (start, started_at) = (links.timeline.t0, SystemTime::now());
         for (i, action) in sched.actions(rank).iter().enumerate() {
             let (mb, chunk) = (action.mb(), action.chunk());
@@ -475,16 +364,28 @@ impl PipelineExecutor {
                     alive_bytes += acts.held_bytes();
                     peak_bytes = peak_bytes.max(alive_bytes);
                     alive.insert((mb, chunk), acts);
-                    peak = peak.max(alive.len());
+                    peak = peak.max(alive.len() + owed.len());
                 }
-                Action::InputGrad { .. } | Action::WeightGrad { .. } => {
-                    return Err(PipelineError::SplitBackward(sched.kind()));
+                Action::WeightGrad { .. } => {
+                    let pending = owed.remove(&(mb, chunk)).ok_or_else(|| {
+                        PipelineError::Layout(format!(
+                            "rank {rank}: W of micro-batch {mb} chunk {chunk} before its B"
+                        ))
+                    })?;
+                    alive_bytes -= pending.held_bytes();
+                    let final_pass = last_backward.get(&chunk) == Some(&i);
+                    links
+                        .timeline
+                        .time(SpanKind::WeightGrad, Some(mb), chunk, || {
+                            self.engine_of(mb, b).backward_weights(
+                                &stage.segments,
+                                pending,
+                                grads,
+                                hooks.hooks(chunk, final_pass),
+                            )
+                        })?;
                 }
-                Action::Backward { .. } => {
-                    if !backward_started {
-                        backward_started = true;
-                        hooks.before_first_backward();
-                    }
+                Action::Backward { .. } | Action::InputGrad { .. } => {
                     let grad_out = match sched.input_stage(rank, action) {
                         None => None,
                         Some(from) => Some(links.recv(
@@ -500,19 +401,33 @@ impl PipelineExecutor {
                     })?;
                     alive_bytes -= acts.held_bytes();
                     let final_pass = last_backward.get(&chunk) == Some(&i);
-                    let grad_in =
-                        links
-                            .timeline
-                            .time(SpanKind::Backward, Some(mb), chunk, || {
-                                self.engine_of(mb, b).backward(
+                    let engine = self.engine_of(mb, b);
+                    let grad_in = links.timeline.time(
+                        SpanKind::of(action.kind()),
+                        Some(mb),
+                        chunk,
+                        || -> Result<Option<Tensor>> {
+                            let g = grad_out.as_ref();
+                            if action.computes_weight_grads() {
+                                let h = hooks.hooks(chunk, final_pass);
+                                return Ok(engine.backward(
                                     &stage.segments,
                                     acts,
-                                    grad_out.as_ref(),
+                                    g,
                                     grad_scale,
                                     grads,
-                                    hooks.hooks(chunk, final_pass),
-                                )
-                            })?;
+                                    h,
+                                )?);
+                            }
+                            let h = hooks.hooks(chunk, false);
+                            let (grad_in, pending) =
+                                engine.backward_input(&stage.segments, acts, g, grad_scale, h)?;
+                            alive_bytes += pending.held_bytes();
+                            peak_bytes = peak_bytes.max(alive_bytes);
+                            owed.insert((mb, chunk), pending);
+                            Ok(grad_in)
+                        },
+                    )?;
                     if let Some(to) = sched.output_stage(rank, action) {
                         let g = grad_in.ok_or_else(|| {
                             PipelineError::Layout(format!(
@@ -525,6 +440,9 @@ impl PipelineExecutor {
                     }
                 }
             }
+            if peak_at == Some(i) {
+                hooks.at_activation_peak();
+            }
             links.reap_finished_sends()?;
         }
         links.wait_all_sends()?;
@@ -533,14 +451,15 @@ impl PipelineExecutor {
         if sync_tied {
             stages.sync_tied_grads(pp, grads)?;
         }
-        // This rank's mean pass times per chunk: (count, seconds) of forwards and backwards.
+        // This rank's mean pass times per chunk: (count, seconds) of F, backward (fused or B), W.
         let v = sched.virtual_stages();
-        let mut sums = vec![[(0usize, 0.0f64); 2]; v];
+        let mut sums = vec![[(0usize, 0.0f64); 3]; v];
         let mut busy = Duration::ZERO;
         for sp in &links.timeline.spans {
             let k = match sp.kind {
                 SpanKind::Forward => 0,
-                SpanKind::Backward => 1,
+                SpanKind::Backward | SpanKind::InputGrad => 1,
+                SpanKind::WeightGrad => 2,
                 _ => continue,
             };
             let d = sp.end - sp.start;
@@ -550,14 +469,14 @@ impl PipelineExecutor {
             *t += d.as_secs_f64();
         }
         let mean = |(n, t): (usize, f64)| if n == 0 { 0.0 } else { t / n as f64 };
-        // [loss share, then (forward, backward) per chunk]: one message for the loss (nonzero
+        // [loss share, then (F, backward or B, W) per chunk]: one message for the loss (nonzero
         // on the last stage's rank only) and the pass times every rank's prediction needs.
         let mut mine = vec![loss_sum * loss_scale];
-        mine.extend(sums.iter().flat_map(|c| [mean(c[0]), mean(c[1])]));
-        let row = mine.len(); // 1 + 2v
+        mine.extend(sums.iter().flat_map(|c| c.map(mean)));
+        let row = mine.len(); // gathered_f64s(v) = 1 + 3v
         let all = if p > 1 {
             pp.all_gather(&Tensor::new(mine.as_slice(), pp.device())?)?
-                .to_vec1::<f64>()? // (P · (1 + 2v))
+                .to_vec1::<f64>()? // (P · (1 + 3v))
         } else {
             mine
         };
@@ -565,10 +484,15 @@ impl PipelineExecutor {
         let pass_costs: Vec<PassCosts> = (0..sched.num_model_stages())
             .map(|stage| {
                 let (q, c) = (sched.rank_of_stage(stage), sched.chunk_of_stage(stage));
-                let at = |k: usize| all[q * row + 1 + 2 * c + k];
-                let mut costs = PassCosts::default();
-                costs.forward = at(0);
-                costs.backward = at(1);
+                let at = |k: usize| all[q * row + 1 + 3 * c + k];
+                let mut costs = PassCosts {
+                    forward: at(0),
+                    ..PassCosts::default()
+                };
+                match sched.kind().splits_backward() {
+                    true => (costs.input_grad, costs.weight_grad) = (at(1), at(2)),
+                    false => costs.backward = at(1),
+                }
                 costs
             })
             .collect();
@@ -595,6 +519,23 @@ impl PipelineExecutor {
         tracing::debug!(pp_rank = rank, schedule = %sched.kind(), "{report}");
         Ok(report)
     }
+}
+
+/// The index of the action after which `actions` first hold the most activation sets: a
+/// forward adds one, a fused backward or a W frees one.
+fn activation_peak_at(actions: &[Action]) -> Option<usize> {
+    let (mut alive, mut best) = (0usize, (0usize, None));
+    for (i, a) in actions.iter().enumerate() {
+        if a.is_forward() {
+            alive += 1;
+            if alive > best.0 {
+                best = (alive, Some(i));
+            }
+        } else if a.computes_weight_grads() {
+            alive -= 1;
+        }
+    }
+    best.1
 }
 
 /// Adds one forward's routing statistics (one per MoE layer of a chunk) to the chunk's sums.

@@ -12,8 +12,8 @@
 //!   and the split-backward ZB-H1 and ZB-V) and which model stages it holds, as plain data, with
 //!   a virtual-clock simulation on per-stage pass costs and the grid renderer.
 //! - [`stage`]: how blocks are split across stages, and the tied embedding/head gradient.
-//! - [`executor`]: runs one rank's actions with asynchronous send/recv of activations and
-//!   gradients, and reports the loss, the measured and the predicted bubble and the activation
+//! - [`executor`]: runs one rank's actions (a split backward's B and W as two engine calls)
+//!   with asynchronous send/recv of activations and gradients, and reports the loss, the measured and the predicted bubble and the activation
 //!   high-water mark.
 
 pub mod executor;
@@ -23,6 +23,7 @@ pub mod stage;
 pub use executor::{NoStageHooks, PipelineExecutor, Span, SpanKind, StageHooks, StepReport};
 pub use schedule::{
     Action, PassCosts, PassKind, Schedule, ScheduleError, ScheduleKind, SimSpan, Simulation,
+    StagePlacement,
 };
 pub use stage::{PipelineStages, StageLayout};
 
@@ -33,9 +34,6 @@ use mtrain_comm::CommError;
 pub enum PipelineError {
     #[error(transparent)]
     Schedule(#[from] ScheduleError),
-
-    #[error("the {0} schedule runs the backward as two passes, B (input gradient) and W (weight gradients), and the split backward is not implemented in the tapes yet: train with gpipe, 1f1b or interleaved (`mtrain plan` shows the {0} grid)")]
-    SplitBackward(ScheduleKind),
 
     #[error("pipeline layout: {0}")]
     Layout(String),

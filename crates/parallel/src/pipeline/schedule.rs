@@ -121,6 +121,14 @@ impl ScheduleKind {
         }
     }
 
+    /// Where its model stages run: the V for ZB-V, Megatron's loop otherwise.
+    pub fn placement(&self) -> StagePlacement {
+        match self {
+            ScheduleKind::ZeroBubbleV => StagePlacement::V,
+            _ => StagePlacement::Loop,
+        }
+    }
+
     /// Whether the schedule runs the backward as two passes, B (input gradient) and W (weight
     /// gradients), instead of one fused backward.
     pub fn splits_backward(&self) -> bool {
@@ -158,6 +166,42 @@ impl std::str::FromStr for ScheduleKind {
                 Ok(ScheduleKind::Interleaved1F1B { virtual_stages })
             }
         }
+    }
+}
+
+/// Which pipeline rank runs each model stage (S = v·P stages, chunk c of rank r).
+///
+/// ```text
+///   Loop (Megatron):  stage = c·P + r          P = 2, v = 2: rank 0 {0, 2}, rank 1 {1, 3}
+///   V (ZB-V, v = 2):  stage = r, 2P − 1 − r    P = 2:        rank 0 {0, 3}, rank 1 {1, 2}
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum StagePlacement {
+    #[default]
+    Loop,
+    V,
+}
+
+impl StagePlacement {
+    /// The model stage that chunk `chunk` of pipeline rank `rank` of `p` runs.
+    pub fn model_stage(self, p: usize, rank: usize, chunk: usize) -> usize {
+        match self {
+            StagePlacement::V if chunk == 1 => 2 * p - 1 - rank,
+            _ => chunk * p + rank,
+        }
+    }
+
+    /// The pipeline rank of `p` that runs model stage `stage`.
+    pub fn rank_of_stage(self, p: usize, stage: usize) -> usize {
+        match self {
+            StagePlacement::V if stage >= p => 2 * p - 1 - stage,
+            _ => stage % p,
+        }
+    }
+
+    /// The chunk of its rank that model stage `stage` is (the same under both).
+    pub fn chunk_of_stage(self, p: usize, stage: usize) -> usize {
+        stage / p
     }
 }
 
@@ -349,28 +393,20 @@ impl Schedule {
         self.stages * self.virtual_stages()
     }
 
-    /// The placement: the model stage that chunk `chunk` of pipeline rank `rank` runs.
-    /// `chunk·P + rank` (Megatron's loop), except ZB-V's V: chunk 0 is stage `rank`, chunk 1
-    /// stage `2P − 1 − rank`, so rank 0 holds both the first and the last stage.
+    /// The model stage that chunk `chunk` of pipeline rank `rank` runs, by the kind's
+    /// [`StagePlacement`] (under ZB-V's V rank 0 holds both the first and the last stage).
     pub fn model_stage(&self, rank: usize, chunk: usize) -> usize {
-        match self.kind {
-            ScheduleKind::ZeroBubbleV if chunk == 1 => 2 * self.stages - 1 - rank,
-            _ => chunk * self.stages + rank,
-        }
+        self.kind.placement().model_stage(self.stages, rank, chunk)
     }
 
     /// The pipeline rank that runs model stage `stage` (the inverse of [`Self::model_stage`]).
     pub fn rank_of_stage(&self, stage: usize) -> usize {
-        let p = self.stages;
-        match self.kind {
-            ScheduleKind::ZeroBubbleV if stage >= p => 2 * p - 1 - stage,
-            _ => stage % p,
-        }
+        self.kind.placement().rank_of_stage(self.stages, stage)
     }
 
     /// The chunk of its rank that model stage `stage` is.
     pub fn chunk_of_stage(&self, stage: usize) -> usize {
-        stage / self.stages
+        self.kind.placement().chunk_of_stage(self.stages, stage)
     }
 
     /// The model stages pipeline rank `rank` holds, by chunk.

@@ -4,7 +4,8 @@
 //! into S consecutive ranges, one per model stage (evenly by default, the first `L % S` stages
 //! taking one block more, or by an explicit list of counts); the embedding joins stage 0 and the
 //! head (final LayerNorm, tied LM head, loss) joins stage S − 1. Model stage s runs on pipeline
-//! rank `s % P` as its chunk `s / P` (S = v·P; v > 1 only for interleaved schedules):
+//! rank `s % P` as its chunk `s / P` (S = v·P; v > 1 for interleaved schedules), or, placed in
+//! ZB-V's V ([`StageLayout::with_placement`]), stage s ≥ P on rank 2P − 1 − s:
 //!
 //! ```text
 //!   L = 3 blocks, S = 2 stages          L = 8 blocks, P = 2 ranks, v = 2 chunks
@@ -26,14 +27,16 @@ use candle_core::DType;
 use mtrain_comm::{chunk_range, Communicator};
 use mtrain_model::{Gpt, Grads, Param, Segment};
 
+use super::schedule::StagePlacement;
 use super::{PipelineError, Result};
 
-/// How the model's L blocks are split into S model stages.
+/// How the model's L blocks are split into S model stages, and which pipeline rank runs each.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StageLayout {
     n_layer: usize,
     /// Block range of each model stage.
     blocks: Vec<Range<usize>>,
+    placement: StagePlacement,
 }
 
 impl StageLayout {
@@ -74,7 +77,34 @@ impl StageLayout {
                 start - n..start
             })
             .collect();
-        Ok(Self { n_layer, blocks })
+        Ok(Self {
+            n_layer,
+            blocks,
+            placement: StagePlacement::Loop,
+        })
+    }
+
+    /// This layout with its stages placed on the pipeline ranks by `placement` (by default
+    /// Megatron's loop; ZB-V's V).
+    pub fn with_placement(self, placement: StagePlacement) -> Self {
+        Self { placement, ..self }
+    }
+
+    pub fn placement(&self) -> StagePlacement {
+        self.placement
+    }
+
+    /// The pipeline rank of `p` that runs model stage `stage`.
+    pub fn rank_of_stage(&self, stage: usize, p: usize) -> usize {
+        self.placement.rank_of_stage(p.max(1), stage)
+    }
+
+    /// The model stages pipeline rank `rank` of `p` runs, by chunk.
+    pub fn stages_of_rank(&self, rank: usize, p: usize) -> Vec<usize> {
+        let p = p.max(1);
+        (0..self.num_stages() / p)
+            .map(|c| self.placement.model_stage(p, rank, c))
+            .collect()
     }
 
     /// S, the number of model stages.
@@ -169,14 +199,21 @@ impl PipelineStages {
             )));
         }
         let stage_segments = |stage: usize| segments[layout.segments(stage)].to_vec();
-        let chunks = (rank..s)
-            .step_by(num_ranks)
+        let chunks = layout
+            .stages_of_rank(rank, num_ranks)
+            .into_iter()
             .map(|stage| StageChunk {
                 stage,
                 segments: stage_segments(stage),
             })
             .collect();
-        let tied = if s > 1 {
+        // Summed over the pipeline group when the first and the last stage are on two ranks;
+        // on one (the V) the rank's gradients already hold both uses.
+        let (first, last) = (
+            layout.rank_of_stage(0, num_ranks),
+            layout.rank_of_stage(s - 1, num_ranks),
+        );
+        let tied = if s > 1 && first != last {
             let first = param_names(&stage_segments(0));
             let last = param_names(&stage_segments(s - 1));
             first.intersection(&last).cloned().collect()
@@ -227,7 +264,8 @@ impl PipelineStages {
         self.num_ranks
     }
 
-    /// This rank's model stages, by chunk index (chunk c is model stage `c·P + rank`).
+    /// This rank's model stages, by chunk index (the layout's placement: chunk c is model
+    /// stage `c·P + rank` in Megatron's loop).
     pub fn chunks(&self) -> &[StageChunk] {
         &self.chunks
     }
@@ -262,7 +300,11 @@ impl PipelineStages {
     /// after every backward. The lower rank sends first and the higher receives first, so the
     /// exchange also pairs up on backends whose sends wait for the receiver.
     pub fn sync_tied_grads(&self, pp: &dyn Communicator, grads: &mut Grads) -> Result<()> {
-        let (first, last) = (0, self.num_ranks - 1);
+        let (p, s) = (self.num_ranks, self.layout.num_stages());
+        let (first, last) = (
+            self.layout.rank_of_stage(0, p),
+            self.layout.rank_of_stage(s - 1, p),
+        );
         if first == last || (self.rank != first && self.rank != last) {
             return Ok(());
         }

@@ -25,7 +25,7 @@ pub struct StrategyArgs {
     #[arg(long)]
     pub sequence_parallel: bool,
 
-    /// Pipeline schedule (default 1f1b); zb-h1 and zb-v only for `mtrain plan` so far.
+    /// Pipeline schedule (default 1f1b): gpipe, 1f1b, interleaved:V, zb-h1 or zb-v.
     #[arg(long, value_enum, alias = "pp-schedule")]
     pub schedule: Option<Schedule>,
 

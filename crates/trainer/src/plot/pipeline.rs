@@ -1,5 +1,6 @@
 //! The pipeline chart (`pipeline.svg`, from `pipeline-rank{N}.jsonl`): one step as it ran, a
-//! row per rank and a box per forward, backward, send, receive wait and idle gap.
+//! row per rank and a box per forward, backward (or a split backward's B and W), send, receive
+//! wait and idle gap.
 
 use std::path::{Path, PathBuf};
 
@@ -57,8 +58,12 @@ pub(super) fn read_timelines(run_dir: &Path) -> anyhow::Result<Option<(u64, Vec<
                 let kind = s["kind"].as_str().unwrap_or("").to_string();
                 let mb = s["mb"].as_u64();
                 let label = match (kind.as_str(), mb) {
-                    ("forward", Some(mb)) | ("backward", Some(mb)) => {
-                        let letter = if kind == "forward" { 'F' } else { 'B' };
+                    ("forward" | "backward" | "input_grad" | "weight_grad", Some(mb)) => {
+                        let letter = match kind.as_str() {
+                            "forward" => 'F',
+                            "weight_grad" => 'W',
+                            _ => 'B',
+                        };
                         if interleaved {
                             format!("{letter}{mb}.{}", num(s, "chunk"))
                         } else {
@@ -85,6 +90,14 @@ fn span_style(kind: &str) -> (RGBAColor, &'static str) {
     match kind {
         "forward" => (palette(0).to_rgba(), "forward F<micro-batch>"),
         "backward" => (palette(2).to_rgba(), "backward B<micro-batch>"),
+        "input_grad" => (
+            palette(2).to_rgba(),
+            "input gradient B<micro-batch> (split)",
+        ),
+        "weight_grad" => (
+            palette(5).to_rgba(),
+            "weight gradients W<micro-batch> (split)",
+        ),
         "send" => (palette(1).to_rgba(), "send issued (asynchronous)"),
         "recv_wait" => (palette(3).mix(0.45), "waiting for a receive"),
         "send_wait" => (palette(4).mix(0.45), "waiting for sends to finish"),
@@ -192,14 +205,24 @@ pub(super) fn pipeline_chart(
                 .map(|(l, x, y)| Text::new(l.clone(), (*x, *y), font.clone())),
         )
         .map_err(plot_err)?;
+    let shown: std::collections::BTreeSet<&str> = rows
+        .iter()
+        .flat_map(|r| r.spans.iter().map(|s| s.0.as_str()))
+        .collect();
+    let optional = ["backward", "input_grad", "weight_grad"];
     for kind in [
         "forward",
         "backward",
+        "input_grad",
+        "weight_grad",
         "send",
         "recv_wait",
         "send_wait",
         "idle",
     ] {
+        if optional.contains(&kind) && !shown.contains(kind) {
+            continue;
+        }
         let (color, text) = span_style(kind);
         chart
             .draw_series(std::iter::empty::<Rectangle<(f64, f64)>>())
@@ -237,47 +260,68 @@ mod tests {
             .count()
     }
 
-    /// A pp = 2 run (ranks as threads over loopback TCP, 1F1B with 4 micro-batches, 3 steps)
-    /// writes one timeline per rank per step, and the chart draws the last step: each of the 2
-    /// ranks runs 4 forwards and 4 backwards, so 8 F boxes and 8 B boxes.
+    /// A pp = 2 run (ranks as threads over loopback TCP, 4 micro-batches, 3 steps) writes one
+    /// timeline per rank per step, and the chart draws the last step: under 1F1B each of the 2
+    /// ranks runs 4 forwards and 4 backwards, so 8 F boxes and 8 B boxes; under ZB-H1 4
+    /// forwards, 4 B's and 4 W's each, so 8 of each letter.
     #[test]
     fn pp2_run_draws_every_forward_and_backward_of_one_step() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let cfg = TrainConfig {
-            steps: 3,
-            batch_size: 4,
-            seq_len: 32,
-            eval_every: 0,
-            log_every: 1,
-            run_dir: dir.path().to_path_buf(),
-            ..TrainConfig::default()
-        };
-        let plan = ParallelPlan {
-            microbatches: 4,
-            ..ParallelPlan::new(MeshDims::new(1, 2, 1, 1))
-        };
-        let opts = RunOptions::of_plan(&cfg, plan).expect("a pp = 2 plan");
-        for r in run_local(2, Duration::from_secs(60), |b| run_with(&b, &opts)) {
-            r.expect("pp = 2 run");
-        }
-        for rank in 0..2 {
-            let lines = read_lines(&dir.path().join(format!("pipeline-rank{rank}.jsonl")))
-                .expect("a timeline per rank");
-            assert_eq!(lines.len(), 3, "rank {rank}: one line per logged step");
-            for l in &lines {
-                let spans = l["spans"].as_array().expect("spans");
-                let count = |k: &str| spans.iter().filter(|s| s["kind"] == k).count();
-                assert_eq!((count("forward"), count("backward")), (4, 4), "rank {rank}");
-                // Rank 0 receives 4 gradients, rank 1 4 activations; each sends 4.
-                assert_eq!((count("recv_wait"), count("send")), (4, 4), "rank {rank}");
+        use mtrain_parallel::pipeline::ScheduleKind;
+        for kind in [ScheduleKind::OneFOneB, ScheduleKind::ZeroBubbleH1] {
+            let dir = tempfile::tempdir().expect("temp dir");
+            let cfg = TrainConfig {
+                steps: 3,
+                batch_size: 4,
+                seq_len: 32,
+                eval_every: 0,
+                log_every: 1,
+                run_dir: dir.path().to_path_buf(),
+                ..TrainConfig::default()
+            };
+            let plan = ParallelPlan {
+                microbatches: 4,
+                schedule: kind,
+                ..ParallelPlan::new(MeshDims::new(1, 2, 1, 1))
+            };
+            let opts = RunOptions::of_plan(&cfg, plan).expect("a pp = 2 plan");
+            for r in run_local(2, Duration::from_secs(60), |b| run_with(&b, &opts)) {
+                r.expect("pp = 2 run");
             }
+            let split = kind.splits_backward();
+            for rank in 0..2 {
+                let lines = read_lines(&dir.path().join(format!("pipeline-rank{rank}.jsonl")))
+                    .expect("a timeline per rank");
+                assert_eq!(lines.len(), 3, "rank {rank}: one line per logged step");
+                for l in &lines {
+                    let spans = l["spans"].as_array().expect("spans");
+                    let count = |k: &str| spans.iter().filter(|s| s["kind"] == k).count();
+                    let want = match split {
+                        true => (4, 0, 4, 4),
+                        false => (4, 4, 0, 0),
+                    };
+                    let got = (
+                        count("forward"),
+                        count("backward"),
+                        count("input_grad"),
+                        count("weight_grad"),
+                    );
+                    assert_eq!(got, want, "{kind} rank {rank}");
+                    // Rank 0 receives 4 gradients, rank 1 4 activations; each sends 4.
+                    assert_eq!((count("recv_wait"), count("send")), (4, 4), "rank {rank}");
+                }
+            }
+            let written = plot_run(dir.path()).expect("plot");
+            let svg_path = dir.path().join("pipeline.svg");
+            assert!(written.contains(&svg_path), "{written:?}");
+            let svg = std::fs::read_to_string(&svg_path).expect("pipeline.svg");
+            let w = if split { 8 } else { 0 };
+            assert_eq!(
+                (labels(&svg, 'F'), labels(&svg, 'B'), labels(&svg, 'W')),
+                (8, 8, w),
+                "{kind}"
+            );
+            assert!(svg.contains("rank 0") && svg.contains("rank 1"));
+            assert!(svg.contains("step 2"), "the chart shows the last step");
         }
-        let written = plot_run(dir.path()).expect("plot");
-        let svg_path = dir.path().join("pipeline.svg");
-        assert!(written.contains(&svg_path), "{written:?}");
-        let svg = std::fs::read_to_string(&svg_path).expect("pipeline.svg");
-        assert_eq!((labels(&svg, 'F'), labels(&svg, 'B')), (8, 8));
-        assert!(svg.contains("rank 0") && svg.contains("rank 1"));
-        assert!(svg.contains("step 2"), "the chart shows the last step");
     }
 }

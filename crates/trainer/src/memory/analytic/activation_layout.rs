@@ -115,7 +115,7 @@ impl ActivationLayout {
         let (kind, layout) = stage_layout(cfg, plan)?;
         let err = |e: String| ActivationLayoutError::Pipeline(e);
         let mine: Vec<usize> = (0..layout.num_stages())
-            .filter(|s| s % pp == pp_rank)
+            .filter(|&s| layout.rank_of_stage(s, pp) == pp_rank)
             .collect();
         let sim = Schedule::new(kind, pp, m)
             .and_then(|s| s.simulate())
