@@ -48,9 +48,9 @@ THREADS=${THREADS:-$(( $(nproc) / DP > 0 ? $(nproc) / DP : 1 ))}
 N_EMBD=${N_EMBD:-}
 BATCH=$((16 / DP))
 MTRAIN_SHAPE=(--batch-size "$BATCH" ${N_EMBD:+--set model.n_embd=$N_EMBD})
-[ "$DP" -gt 1 ] && MTRAIN_SHAPE+=(--dp "$DP")
+if [ "$DP" -gt 1 ]; then MTRAIN_SHAPE+=(--dp "$DP"); fi
 TORCH_SHAPE=(--batch "$BATCH" ${N_EMBD:+--n-embd $N_EMBD})
-[ "$DP" -gt 1 ] && TORCH_SHAPE+=(--mode ddp)
+if [ "$DP" -gt 1 ]; then TORCH_SHAPE+=(--mode ddp); fi
 NPROCS=${NPROCS:-"2 4"}
 ITERS=${ITERS:-10}
 MAXBYTES=${MAXBYTES:-256M}
@@ -136,7 +136,8 @@ for round in $(part train && seq "$ROUNDS"); do
 done
 if part train; then
     MTM=$(median "${MT[@]}"); PTM=$(median "${PT[@]}")
-    SHAPE="tiny preset${N_EMBD:+, n_embd $N_EMBD}$([ "$DP" -gt 1 ] && echo ", dp $DP")"
+    SHAPE="tiny preset${N_EMBD:+, n_embd $N_EMBD}"
+    if [ "$DP" -gt 1 ]; then SHAPE+=", dp $DP"; fi
     TRAIN_LINE="training, $SHAPE, $THREADS threads: mtrain $MTM tok/s, PyTorch $PTM tok/s, ratio $("$PY" -c "print(f'{$MTM / $PTM:.2f}')")"
     if [ "${#BUSY[@]}" -gt 0 ]; then
         TRAIN_LINE="training, $SHAPE, $THREADS threads: mtrain $MTM tok/s, PyTorch $PTM tok/s, ratio not reported (busy machine)"

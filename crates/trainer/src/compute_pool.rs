@@ -67,6 +67,56 @@ pub fn keep_freed_memory() {
     let _ = tuned;
 }
 
+/// Pins worker `i` of the pool [`init`] built to the `LOCAL_RANK · n + i`-th CPU this process may
+/// run on (`n` its threads), when every local rank's threads have a CPU of their own
+/// (`LOCAL_WORLD_SIZE · n` at most the CPUs) and `MTRAIN_PIN_THREADS` is not `0`; returns the
+/// CPUs pinned to, empty when nothing was pinned. Left to the scheduler, the two threads of a
+/// 2-core rank at times share one core for a second or more, and the step takes one core's time.
+/// Call it where training starts (not in the launcher: children inherit a pinned mask).
+pub fn pin_threads() -> Vec<usize> {
+    #[cfg(target_os = "linux")]
+    {
+        let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
+        let n = rayon::current_num_threads();
+        let (local_rank, local_world) = (env("LOCAL_RANK").unwrap_or(0), env("LOCAL_WORLD_SIZE").unwrap_or(1));
+        let cpus = allowed_cpus();
+        let off = std::env::var("MTRAIN_PIN_THREADS").is_ok_and(|v| v == "0");
+        if off || rayon::current_thread_index() != Some(0) || n * local_world > cpus.len() {
+            return Vec::new();
+        }
+        let mine: Vec<usize> = cpus[local_rank * n..(local_rank + 1) * n].to_vec();
+        rayon::broadcast(|ctx| pin_current_thread(mine[ctx.index()]));
+        mine
+    }
+    #[cfg(not(target_os = "linux"))]
+    Vec::new()
+}
+
+/// The CPUs this process may run on, in increasing order.
+#[cfg(target_os = "linux")]
+fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity writes at most its size.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let got = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    if got != 0 {
+        return Vec::new();
+    }
+    (0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect()
+}
+
+/// Pins the calling thread to `cpu`.
+#[cfg(target_os = "linux")]
+fn pin_current_thread(cpu: usize) {
+    // SAFETY: as in allowed_cpus; pid 0 is the calling thread.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
 /// The other workers of the pool kept polling for work while this lives (a step's compute), so a
 /// parallel section finds them awake: a worker that has gone to sleep takes tens of microseconds
 /// to wake, about as long as the sections of a small model's step last, and a step has a hundred
