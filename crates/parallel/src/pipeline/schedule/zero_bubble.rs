@@ -2,7 +2,7 @@
 
 use std::collections::VecDeque;
 
-use super::{Action, Schedule, ScheduleError};
+use super::{one_f_one_b, Action, Schedule, ScheduleError};
 
 /// ZB-H1 on rank `r` of `p`: 1F1B's order with each backward split into B and W, and rank r
 /// holding back its first `r` W's: the last ranks, which 1F1B leaves idle at the end of the step,
@@ -10,26 +10,21 @@ use super::{Action, Schedule, ScheduleError};
 /// where it waits for the next input gradient. Rank r's peak is `warmup + 1 + r = P` micro-batches
 /// (`min(P, M)`), 1F1B's peak (its rank 0's).
 pub(super) fn zb_h1(p: usize, r: usize, m: usize) -> Vec<Action> {
-    let warmup = (p - r - 1).min(m);
+    let cooldown = m - (p - r - 1).min(m); // 1F1B's backwards from this micro-batch on drain it
+    let w = |mb| Action::WeightGrad { mb, chunk: 0 };
     let mut out = Vec::with_capacity(3 * m);
     let mut owed = VecDeque::new();
-    let w = |mb| Action::WeightGrad { mb, chunk: 0 };
-    out.extend((0..warmup).map(|mb| Action::Forward { mb, chunk: 0 }));
-    for i in 0..m - warmup {
-        out.push(Action::Forward {
-            mb: warmup + i,
-            chunk: 0,
-        });
-        out.push(Action::InputGrad { mb: i, chunk: 0 });
-        owed.push_back(i);
-        if owed.len() > r {
-            out.extend(owed.pop_front().map(w));
+    for action in one_f_one_b(p, r, m) {
+        match action {
+            Action::Backward { mb, chunk } => {
+                out.push(Action::InputGrad { mb, chunk });
+                owed.push_back(mb);
+                if mb >= cooldown || owed.len() > r {
+                    out.extend(owed.pop_front().map(w));
+                }
+            }
+            other => out.push(other),
         }
-    }
-    for mb in m - warmup..m {
-        out.push(Action::InputGrad { mb, chunk: 0 });
-        owed.push_back(mb);
-        out.extend(owed.pop_front().map(w));
     }
     out.extend(owed.into_iter().map(w));
     out
