@@ -221,8 +221,7 @@ pub(crate) fn layer_norm_backward(
     with(&[x, w, dy, mean, rstd], |s| {
         let (xs, w, dys, mean, rstd) = (s[0], s[1], s[2], s[3], s[4]);
         let mut dx = vec![0f32; xs.len()];
-        let mut none = vec![(); n];
-        split::rows(&mut dx, c, &mut none, |i, dxr, _| {
+        split::each_row(&mut dx, c, |i, dxr| {
             let (xr, dyr) = (&xs[i * c..(i + 1) * c], &dys[i * c..(i + 1) * c]);
             let (m, r) = (mean[i], rstd[i]);
             let (mut m1, mut m2) = (0f32, 0f32);
@@ -267,8 +266,7 @@ pub(crate) fn residual_add(r: &Tensor, x: &Tensor, b: &Tensor) -> Result<Tensor>
     }
     with(&[r, x, b], |s| {
         let mut y = vec![0f32; n * c];
-        let mut none = vec![(); n];
-        split::rows(&mut y, c, &mut none, |i, yr, _| {
+        split::each_row(&mut y, c, |i, yr| {
             let (rr, xr) = (&s[0][i * c..(i + 1) * c], &s[1][i * c..(i + 1) * c]);
             for (((y, &r), &x), &b) in yr.iter_mut().zip(rr).zip(xr).zip(s[2]) {
                 *y = r + x + b;
@@ -324,8 +322,7 @@ pub(crate) fn causal_probs(s: &Tensor, lse: &Tensor) -> Result<Tensor> {
     }
     with(&[s, lse], |e| {
         let mut p = vec![0f32; e[0].len()];
-        let mut none = vec![(); e[1].len()];
-        split::rows(&mut p, t, &mut none, |r, pr, _| {
+        split::each_row(&mut p, t, |r, pr| {
             let i = r % t;
             simd::exp_shifted(&e[0][r * t..r * t + i + 1], e[1][r], 1.0, &mut pr[..=i]);
         });
@@ -349,8 +346,7 @@ pub(crate) fn score_grad(p: &Tensor, dp: &Tensor, dy: &Tensor, y: &Tensor) -> Re
     }
     with(&[p, dp, dy, y], |e| {
         let mut ds = vec![0f32; e[0].len()];
-        let mut none = vec![(); e[0].len() / t];
-        split::rows(&mut ds, t, &mut none, |r, dsr, _| {
+        split::each_row(&mut ds, t, |r, dsr| {
             let i = r % t;
             let (pr, dpr) = (&e[0][r * t..r * t + i + 1], &e[1][r * t..r * t + i + 1]);
             let (dyr, yr) = (&e[2][r * d..(r + 1) * d], &e[3][r * d..(r + 1) * d]);
@@ -404,8 +400,7 @@ pub(crate) fn cross_entropy_backward(
     }
     with(&[logits, lse, g], |e| {
         let mut d = vec![0f32; n * v];
-        let mut none = vec![(); n];
-        split::rows(&mut d, v, &mut none, |r, dr, _| {
+        split::each_row(&mut d, v, |r, dr| {
             let g = e[2][r];
             simd::exp_shifted(&e[0][r * v..(r + 1) * v], e[1][r], g, dr);
             dr[ids[r] as usize] -= g;

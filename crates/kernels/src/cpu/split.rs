@@ -96,8 +96,13 @@ const SPAN: usize = TASK_MIN;
 /// Runs `f(offset, span)` over spans of `out` (element-wise ops: `span` is
 /// `out[offset..offset + span.len()]`).
 pub(crate) fn spans(out: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
-    let mut none = vec![(); out.len().div_ceil(SPAN)];
-    rows(out, SPAN, &mut none, |i, span, _| f(i * SPAN, span));
+    each_row(out, SPAN, |i, span| f(i * SPAN, span));
+}
+
+/// [`rows`] for an op that writes nothing per row but the row itself.
+pub(crate) fn each_row(out: &mut [f32], c: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+    let mut none = vec![(); out.len().div_ceil(c)];
+    rows(out, c, &mut none, |i, row, _| f(i, row));
 }
 
 /// Runs `f(i, stat)` for each of the `stats.len()` rows of an op whose rows read `c` elements
