@@ -52,33 +52,33 @@ pub fn init() {
 /// Blocks up to glibc's largest mmap threshold (32 MiB) come from the heap, and up to 1 GiB freed
 /// at its top stays there, unless the user tuned the allocator (`MALLOC_*_` or `GLIBC_TUNABLES`).
 pub fn keep_freed_memory() {
-    let tuned = std::env::vars_os().any(|(k, _)| {
-        let k = k.to_string_lossy();
-        (k.starts_with("MALLOC_") && k.ends_with('_')) || k == "GLIBC_TUNABLES"
-    });
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    if !tuned {
-        // SAFETY: mallopt only sets the allocator's parameters; it is called before any thread.
-        unsafe {
-            libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-            libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+    {
+        let tuned = std::env::vars_os().any(|(k, _)| {
+            let k = k.to_string_lossy();
+            (k.starts_with("MALLOC_") && k.ends_with('_')) || k == "GLIBC_TUNABLES"
+        });
+        if !tuned {
+            // SAFETY: mallopt only sets the allocator's parameters; it runs before any thread.
+            unsafe {
+                libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+                libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+            }
         }
     }
-    let _ = tuned;
 }
 
-/// Pins worker `i` of the pool [`init`] built to the `LOCAL_RANK · n + i`-th CPU this process may
+/// Pins worker `i` of the pool [`init`] built to the `local_rank · n + i`-th CPU this process may
 /// run on (`n` its threads), when every local rank's threads have a CPU of their own
-/// (`LOCAL_WORLD_SIZE · n` at most the CPUs) and `MTRAIN_PIN_THREADS` is not `0`; returns the
-/// CPUs pinned to, empty when nothing was pinned. Left to the scheduler, the two threads of a
-/// 2-core rank at times share one core for a second or more, and the step takes one core's time.
-/// Call it where training starts (not in the launcher: children inherit a pinned mask).
-pub fn pin_threads() -> Vec<usize> {
+/// (`local_world · n` at most the CPUs) and `MTRAIN_PIN_THREADS` is not `0`; returns the CPUs
+/// pinned to, empty when nothing was pinned. Left to the scheduler, the two threads of a 2-core
+/// rank at times share one core for a second or more, and the step takes one core's time. Called
+/// by a worker once its collectives' threads exist (they keep the whole mask), never by the
+/// launcher (its children would inherit a pinned mask).
+pub fn pin_threads(local_rank: usize, local_world: usize) -> Vec<usize> {
     #[cfg(target_os = "linux")]
     {
-        let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
         let n = rayon::current_num_threads();
-        let (local_rank, local_world) = (env("LOCAL_RANK").unwrap_or(0), env("LOCAL_WORLD_SIZE").unwrap_or(1));
         let cpus = allowed_cpus();
         let off = std::env::var("MTRAIN_PIN_THREADS").is_ok_and(|v| v == "0");
         if off || rayon::current_thread_index() != Some(0) || n * local_world > cpus.len() {
@@ -89,7 +89,10 @@ pub fn pin_threads() -> Vec<usize> {
         mine
     }
     #[cfg(not(target_os = "linux"))]
-    Vec::new()
+    {
+        let _ = (local_rank, local_world);
+        Vec::new()
+    }
 }
 
 /// The CPUs this process may run on, in increasing order.

@@ -241,6 +241,12 @@ fn distributed(
         }
     })?;
     let watch = watch_job(&env)?;
+    if device == DeviceKind::Cpu {
+        let cpus = mtrain_trainer::compute_pool::pin_threads(env.local_rank, env.local_world_size);
+        if !cpus.is_empty() {
+            tracing::debug!("compute threads pinned to CPUs {cpus:?}");
+        }
+    }
     job(backend.as_ref())?;
     if env.world_size > 1 {
         // Leave together: once every rank is past this barrier nobody waits for data from a

@@ -296,12 +296,6 @@ pub fn train_loop(
     state_baseline: u64,
 ) -> anyhow::Result<TrainSummary> {
     let _span = tracing::info_span!("train", rank).entered();
-    if device.is_cpu() {
-        let cpus = crate::compute_pool::pin_threads();
-        if !cpus.is_empty() {
-            tracing::debug!("compute threads pinned to CPUs {cpus:?}");
-        }
-    }
     let mut start_step = 0;
     if let Some(resume) = &cfg.resume {
         let ckpt = resume_checkpoint(cfg, resume, device)?;
