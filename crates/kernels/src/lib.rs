@@ -43,6 +43,7 @@
 //! - `cpu`: the graph-free ops' f32 CPU loops (one pass where candle ops make several).
 //! - [`layer_norm`], [`gelu`], [`bias`], [`heads`], [`attention`], [`embedding`],
 //!   [`cross_entropy`], [`adamw`]: one op each, its kernel launch and its dispatch;
+//!   [`linear`] the layer's GEMM with its bias, residual or GELU in cuBLASLt's epilogue;
 //!   `attention_path` the rule that picks attention's kernels.
 //! - `cuda` (feature `cuda`): NVRTC compilation and the launch pieces the kernels share.
 //! - [`reduce`]: Σ of a tensor in rows first, and Σ x² of a list of tensors (the gradient norm).
@@ -70,6 +71,7 @@ pub mod embedding;
 pub mod gelu;
 pub mod heads;
 pub mod layer_norm;
+pub mod linear;
 pub mod philox;
 pub mod plain;
 pub mod ptx_cache;
