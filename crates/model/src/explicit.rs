@@ -64,7 +64,7 @@ mod tests;
 use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor};
-use mtrain_kernels::{bias, gelu, layer_norm};
+use mtrain_kernels::{bias, gelu, layer_norm, linear};
 
 use crate::layers::{LayerNorm, Linear, Mlp};
 use crate::tape::{Collective, WeightGrads};
@@ -144,34 +144,76 @@ impl Dense {
     /// collective, out(x Wᵀ) + b (N', out)).
     fn forward(&self, x: &Tensor, b: usize) -> Result<(Tensor, Tensor)> {
         let x = across(&self.input, x, b, fwd)?;
-        let y = across(&self.output, &x.matmul(&self.w.t()?)?, b, fwd)?;
-        Ok((x, mtrain_kernels::bias_add(&y, &self.b)?))
+        let y = match &self.output {
+            None => linear::forward(&x, &self.w, &self.b)?,
+            Some(_) => mtrain_kernels::bias_add(&self.product(&x, b)?, &self.b)?,
+        };
+        Ok((x, y))
     }
 
     /// r + out(x Wᵀ) + b for x (N, in), r (N', out): the layer and the residual add after it,
     /// the bias added in the same pass as the residual; also the matmul's input, as `forward`.
     fn forward_residual(&self, r: &Tensor, x: &Tensor, b: usize) -> Result<(Tensor, Tensor)> {
         let x = across(&self.input, x, b, fwd)?;
-        let y = across(&self.output, &x.matmul(&self.w.t()?)?, b, fwd)?;
-        Ok((x, bias::residual_add(r, &y, &self.b)?))
+        let y = match &self.output {
+            None => linear::forward_residual(r, &x, &self.w, &self.b)?,
+            Some(_) => bias::residual_add(r, &self.product(&x, b)?, &self.b)?,
+        };
+        Ok((x, y))
+    }
+
+    /// [`Dense::forward`] followed by GELU: (the matmul's input, f = out(x Wᵀ) + b, gelu(f)).
+    fn forward_gelu(&self, x: &Tensor, b: usize) -> Result<(Tensor, Tensor, Tensor)> {
+        if self.output.is_none() {
+            let x = across(&self.input, x, b, fwd)?;
+            let (f, g) = linear::forward_gelu(&x, &self.w, &self.b)?;
+            return Ok((x, f, g));
+        }
+        let (x, f) = self.forward(x, b)?;
+        let g = mtrain_kernels::gelu(&f)?;
+        Ok((x, f, g))
+    }
+
+    /// out(x Wᵀ) (N', out), the output collective applied: where it sits between the product
+    /// and the bias, the bias cannot be the GEMM's epilogue.
+    fn product(&self, x: &Tensor, b: usize) -> Result<Tensor> {
+        across(&self.output, &x.matmul(&self.w.t()?)?, b, fwd)
     }
 
     /// From the matmul's input x (N, in) and dy (N', out): dx (rows of the layer's input), the
     /// conjugates of the collectives applied; db pushed to `grads`, and dW, or its factors
-    /// when `grads` defers it to W.
+    /// when `grads` defers it to W. With `gelu_of` = f, where the layer's input x was gelu(f):
+    /// the gradient carried through that GELU, df (in the GEMM's epilogue where no collective
+    /// sits between them).
     fn backward(
         &self,
         x: &Tensor,
         dy: &Tensor,
         b: usize,
         grads: &mut WeightGrads,
+        gelu_of: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let db = bias::grad(dy, &self.b)?; // (out,), over the rows the bias was added to
+        let dy_b = dy; // (N', out), the rows the bias was added to
         let dy = across(&self.output, dy, b, bwd)?; // (N, out)
-        let dx = dy.matmul(&self.w)?; // (N, in)
-        grads.product(self.w_name.clone(), &dy, x)?; // dW = dyᵀ·x (out, in), now or in W
-        grads.push((self.b_name.clone(), db));
-        across(&self.input, &dx, b, bwd)
+        let dx = match (gelu_of, &self.input) {
+            (Some(f), None) => linear::input_grad_gelu(&dy, &self.w, f)?, // df (N, in)
+            _ => dy.matmul(&self.w)?,                                     // (N, in)
+        };
+        let names = (self.w_name.clone(), self.b_name.clone());
+        match &self.output {
+            // dW = dyᵀ·x (out, in) and db together, now or dW in W.
+            None => grads.linear(names, &dy, x, &self.b)?,
+            Some(_) => {
+                let db = bias::grad(dy_b, &self.b)?; // (out,)
+                grads.product(names.0, &dy, x)?; // dW, now or in W
+                grads.push((names.1, db));
+            }
+        }
+        let dx = across(&self.input, &dx, b, bwd)?;
+        match (gelu_of, &self.input) {
+            (Some(f), Some(_)) => gelu::backward(f, &dx),
+            _ => Ok(dx),
+        }
     }
 }
 
@@ -269,8 +311,7 @@ impl MlpWeights {
     /// `r + MLP(x)` for x (N, C) of a batch of `b` sequences (the residual added with c_proj's
     /// bias), or `MLP(x)` without `r`; and what the backward needs.
     fn forward(&self, x: &Tensor, r: Option<&Tensor>, b: usize) -> Result<(Tensor, MlpKept)> {
-        let (h, f) = self.c_fc.forward(x, b)?; // (N, 4C/tp)
-        let g = mtrain_kernels::gelu(&f)?; // (N, 4C/tp)
+        let (h, f, g) = self.c_fc.forward_gelu(x, b)?; // f, g (N, 4C/tp)
         let (g, y) = match r {
             Some(r) => self.c_proj.forward_residual(r, &g, b)?, // (N_r, C) = r + MLP
             None => self.c_proj.forward(&g, b)?,                // (N_r, C)
@@ -287,11 +328,9 @@ impl MlpWeights {
         grads: &mut WeightGrads,
     ) -> Result<Tensor> {
         let MlpKept { h, f, g } = kept;
-        let dg = self.c_proj.backward(&g, dy, b, grads)?; // (N, 4C/tp)
-        drop(g);
-        let df = gelu::backward(&f, &dg)?; // (N, 4C/tp)
-        drop((f, dg));
-        self.c_fc.backward(&h, &df, b, grads) // (N, C)
+        let df = self.c_proj.backward(&g, dy, b, grads, Some(&f))?; // (N, 4C/tp)
+        drop((f, g));
+        self.c_fc.backward(&h, &df, b, grads, None) // (N, C)
     }
 
     /// Zero gradients for the four parameters of an MLP that saw no rows (an expert no token

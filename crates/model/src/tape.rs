@@ -19,6 +19,7 @@
 //! every matrix product that only a weight gradient needs waits for W.
 
 use candle_core::{Result, Tensor};
+use mtrain_kernels::linear;
 
 use crate::moe::stats::MoeStats;
 
@@ -92,6 +93,28 @@ impl WeightGrads {
             false => WeightGrad::Formed(dy.t()?.matmul(x)?), // (out, in)
         };
         self.grads.push((name, g));
+        Ok(())
+    }
+
+    /// A linear layer's gradients from dy (N, out) and x (N, in), dy over the rows its `bias`
+    /// was added to: dW = dyᵀ·x and db = Σ_rows dy, in one GEMM (the bias gradient its
+    /// epilogue, [`linear::weight_grad`]) when formed now; db now and dW kept when deferred.
+    pub fn linear(
+        &mut self,
+        (w_name, b_name): (String, String),
+        dy: &Tensor,
+        x: &Tensor,
+        bias: &Tensor,
+    ) -> Result<()> {
+        if self.defer {
+            let db = mtrain_kernels::bias::grad(dy, bias)?; // (out,)
+            self.product(w_name, dy, x)?;
+            self.push((b_name, db));
+            return Ok(());
+        }
+        let (dw, db) = linear::weight_grad(dy, x, bias)?; // (out, in), (out,)
+        self.push((w_name, dw));
+        self.push((b_name, db));
         Ok(())
     }
 

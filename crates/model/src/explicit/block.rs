@@ -321,7 +321,7 @@ impl BlockTape {
             Some(m) => dropout::rows(&dx1, b, m)?,
             None => dx1.clone(),
         };
-        let dym = wts.c_proj.backward(&ym, &da, b, grads)?; // (N, HD)
+        let dym = wts.c_proj.backward(&ym, &da, b, grads, None)?; // (N, HD)
         drop(da);
         drop(ym);
         let (n, hd) = dym.dims2()?;
@@ -331,7 +331,7 @@ impl BlockTape {
         let dqkv = attention::backward(&qkv, &y, &dy, &lse, scale, probs.as_ref())?; // (3, B, H, T, D)
         drop((qkv, y, dy, lse));
         let dqkv = mtrain_kernels::merge_heads(&dqkv)?.reshape((n, 3 * hd))?; // (N, 3HD)
-        let dh1 = wts.c_attn.backward(&h1, &dqkv, b, grads)?; // (N, C)
+        let dh1 = wts.c_attn.backward(&h1, &dqkv, b, grads, None)?; // (N, C)
         drop((h1, dqkv));
         let dh1 = across(&wts.enter, &dh1, b, bwd)?; // (N_r, C)
         let dx = wts.ln_1.backward_residual(&x, &s1, &dh1, &dx1, grads)?; // (N_r, C)
