@@ -378,6 +378,12 @@ attn() {
   "$BIN/bench_gpu" --attn "$shapes" 2>&1 | tee "$OUT/attn.jsonl"
   MTRAIN_FLASH_KERNELS=narrow "$BIN/bench_gpu" --attn "$shapes" 2>&1 \
     | sed 's/"impl": "mtrain"/"impl": "mtrain-narrow"/' | tee -a "$OUT/attn.jsonl"
+  # BENCH_ATTN_BLOCKS (say "1 3"): the wide kernels again with their registers fitted to that
+  # many blocks per SM (MTRAIN_FLASH_MIN_BLOCKS; the source's default is 2).
+  for nb in ${BENCH_ATTN_BLOCKS:-}; do
+    MTRAIN_FLASH_MIN_BLOCKS=$nb "$BIN/bench_gpu" --attn "$shapes" 2>&1 \
+      | sed "s/\"impl\": \"mtrain\"/\"impl\": \"mtrain-b$nb\"/" | tee -a "$OUT/attn.jsonl"
+  done
   python3 scripts/bench/torch_attn_ref.py --shapes "$shapes" 2>&1 | grep '^{' | tee -a "$OUT/attn.jsonl"
   python3 - "$OUT/attn.jsonl" <<'PY'
 import json, sys

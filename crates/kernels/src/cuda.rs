@@ -156,7 +156,11 @@ pub fn ptx(
     dtype: DType,
 ) -> Result<(String, Arc<String>)> {
     let cc = compute_capability(dev)?;
-    let module = format!("{}_sm{cc}", module_name(head_dim, dtype));
+    let blocks = head_dim.and(wide_min_blocks());
+    let module = match blocks {
+        Some(b) => format!("{}_sm{cc}_b{b}", module_name(head_dim, dtype)),
+        None => format!("{}_sm{cc}", module_name(head_dim, dtype)),
+    };
     let mut cache = ptx_cache()
         .lock()
         .map_err(|_| msg("kernel cache lock poisoned".into()))?;
@@ -166,6 +170,9 @@ pub fn ptx(
     let mut options = vec![format!("-DELEM_BF16={}", u8::from(dtype == DType::BF16))];
     if let Some(d) = head_dim {
         options.push(format!("-DHEAD_DIM={d}"));
+    }
+    if let Some(b) = blocks {
+        options.push(format!("-DWD_MIN_BLOCKS={b}"));
     }
     let arch = arch_name(cc)?;
     let mut parts = vec![SOURCE, arch];
@@ -187,6 +194,19 @@ pub fn ptx(
     let ptx = Arc::new(ptx);
     cache.insert(module.clone(), ptx.clone());
     Ok((module, ptx))
+}
+
+/// The blocks per SM the wide attention kernels' registers are fitted to
+/// (`__launch_bounds__`), where the environment sets `MTRAIN_FLASH_MIN_BLOCKS` to 1..=4 to
+/// time the choices against each other; None: the source's default (2). Read once.
+fn wide_min_blocks() -> Option<u32> {
+    static BLOCKS: OnceLock<Option<u32>> = OnceLock::new();
+    *BLOCKS.get_or_init(|| {
+        std::env::var("MTRAIN_FLASH_MIN_BLOCKS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|b| (1..=4).contains(b))
+    })
 }
 
 /// The storage of a contiguous CUDA tensor (held for reading) and its element offset.

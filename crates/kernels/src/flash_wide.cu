@@ -48,6 +48,9 @@
 #define WD_WM 1
 #endif
 #define WD_ROWS (64 * WD_WM)  // rows owned per block (4 warps)
+#ifndef WD_MIN_BLOCKS
+#define WD_MIN_BLOCKS 2       // blocks per SM the register budget is fitted to
+#endif
 #define WD_TILE 64            // rows of a staged tile
 #define WD_LD (HEAD_DIM + 8)  // padded shared-memory row, in elements (conflict-free ldmatrix)
 #define WD_KD (HEAD_DIM / 16) // k-steps over the head size
@@ -242,7 +245,7 @@ __device__ __forceinline__ void wd_zero(float (*acc)[WD_ND][4]) {
 
 // o = softmax(mask(q kᵀ scale)) v and lse2 per row; q, k, v, o: (BH, T, D), lse2: (BH, T).
 // Grid (ceil(T / WD_ROWS), BH), 128 threads.
-extern "C" __global__ void __launch_bounds__(128, 2)
+extern "C" __global__ void __launch_bounds__(128, WD_MIN_BLOCKS)
     flash_wide_fwd(const elem* q, const elem* k, const elem* v, elem* o, float* lse2, int T,
                    float qscale) {
     __shared__ __align__(16) elem ks[2][WD_TILE][WD_LD];
@@ -333,7 +336,7 @@ extern "C" __global__ void __launch_bounds__(128, 2)
 
 // dq = scale · dS k with dS = P ∘ (dO vᵀ − dvec); WD_ROWS queries per block, key tiles up to
 // them, each walked in chunks of 16 keys. Grid (ceil(T / WD_ROWS), BH), 128 threads.
-extern "C" __global__ void __launch_bounds__(128, 2)
+extern "C" __global__ void __launch_bounds__(128, WD_MIN_BLOCKS)
     flash_wide_dq(const elem* q, const elem* k, const elem* v, const elem* dout,
                   const float* lse2, const float* dvec, elem* dq, int T, float qscale,
                   float scale) {
@@ -407,7 +410,7 @@ extern "C" __global__ void __launch_bounds__(128, 2)
 
 // dk = scale · dSᵀ q, dv = Pᵀ dO; WD_ROWS keys per block, query tiles from them to T, each
 // walked in chunks of 16 queries. Grid (ceil(T / WD_ROWS), BH), 128 threads.
-extern "C" __global__ void __launch_bounds__(128, 2)
+extern "C" __global__ void __launch_bounds__(128, WD_MIN_BLOCKS)
     flash_wide_dkdv(const elem* q, const elem* k, const elem* v, const elem* dout,
                     const float* lse2, const float* dvec, elem* dk, elem* dv, int T,
                     float qscale, float scale) {
