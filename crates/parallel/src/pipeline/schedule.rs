@@ -90,6 +90,8 @@ mod simulate;
 mod tests;
 mod zero_bubble;
 
+use cost_aware::shortest;
+#[cfg(test)]
 use cost_aware::{cost_aware, Rules};
 pub use simulate::{PassCosts, SimSpan, Simulation};
 use zero_bubble::{zb_h1, zero_bubble};
@@ -389,21 +391,8 @@ impl Schedule {
         if !kind.splits_backward() {
             return Ok(unit);
         }
-        let makespan = |s: &Schedule| s.simulate_with(costs).map(|sim| sim.makespan());
-        let mut best = (makespan(&unit)?, unit.clone());
-        for rules in Rules::all() {
-            // Rules that deadlock at these costs are no candidate (the tests' `all_schedules`
-            // builds every rule on the costs it tries and requires that none does).
-            let Ok(actions) = cost_aware(&unit, costs, &|_| stages, rules) else {
-                continue;
-            };
-            let s = Self { actions, ..unit.clone() };
-            let t = makespan(&s)?;
-            if t < best.0 * (1.0 - 1e-12) {
-                best = (t, s);
-            }
-        }
-        Ok(best.1)
+        let actions = shortest(&unit, costs, &|_| stages)?;
+        Ok(Self { actions, ..unit })
     }
 
     pub fn kind(&self) -> ScheduleKind {
