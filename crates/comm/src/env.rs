@@ -167,10 +167,7 @@ impl LaunchEnv {
     /// Why the store is on `store_port`, for error messages: which rule of the module doc chose it.
     pub fn store_port_rule(&self) -> String {
         if self.store_port == self.master_port {
-            format!(
-                "the store's port is MASTER_PORT={}; {STORE_PORT_VAR} chooses another",
-                self.master_port
-            )
+            format!("the store's port is MASTER_PORT={}; {STORE_PORT_VAR} chooses another", self.master_port)
         } else {
             format!(
                 "the store's port is {} and not MASTER_PORT={} (torchrun's own store holds that one, {TORCHRUN_AGENT_STORE_VAR}=True, or {STORE_PORT_VAR} was set); {STORE_PORT_VAR} chooses another",

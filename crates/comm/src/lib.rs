@@ -18,13 +18,13 @@
 //!   both the communicator and the trace name.
 
 pub mod communicator;
+pub mod op_kind;
 pub mod cpu;
 pub mod env;
 pub mod ipc;
 pub mod mesh;
 #[cfg(feature = "cuda")]
 pub mod nccl;
-pub mod op_kind;
 pub mod staged;
 pub mod store;
 pub mod trace;

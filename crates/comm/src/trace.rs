@@ -164,22 +164,12 @@ impl Tracer {
 
     /// Every event recorded while recording was on, in completion order.
     pub fn events(&self) -> Vec<TraceEvent> {
-        self.inner
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .all
-            .clone()
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).all.clone()
     }
 
     /// The last few ops, recorded or not: what a timeout report prints.
     pub fn recent(&self) -> Vec<TraceEvent> {
-        self.inner
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .recent
-            .iter()
-            .cloned()
-            .collect()
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).recent.iter().cloned().collect()
     }
 
     /// A caller waited `waited_us` for an op of this group that was still running.

@@ -282,9 +282,7 @@ pub(crate) fn row_sum(dy: &Tensor) -> Result<Tensor> {
     with(&[dy], |s| {
         let [acc] = split::column_sums(n, c, |cols, [acc]| {
             for r in s[0].chunks_exact(c) {
-                acc.iter_mut()
-                    .zip(&r[cols.clone()])
-                    .for_each(|(a, &v)| *a += v);
+                acc.iter_mut().zip(&r[cols.clone()]).for_each(|(a, &v)| *a += v);
             }
         });
         tensor(acc, c)
@@ -528,21 +526,10 @@ mod tests {
                 lse_ce,
             ];
             outs.iter()
-                .map(|t| {
-                    Ok(t.flatten_all()?
-                        .to_vec1::<f32>()?
-                        .iter()
-                        .map(|v| v.to_bits())
-                        .collect())
-                })
+                .map(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect()))
                 .collect()
         };
-        let pool = |n| {
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(n)
-                .build()
-                .unwrap()
-        };
+        let pool = |n| rayon::ThreadPoolBuilder::new().num_threads(n).build().unwrap();
         let before = split_min();
         set_split_min(0);
         let (one, four) = (pool(1).install(all), pool(4).install(all));
@@ -552,10 +539,7 @@ mod tests {
         simd::force_baseline(true);
         let baseline = all();
         simd::force_baseline(false);
-        assert!(
-            one == baseline?,
-            "the AVX2 build's bits differ from the baseline's"
-        );
+        assert!(one == baseline?, "the AVX2 build's bits differ from the baseline's");
         Ok(())
     }
 

@@ -560,12 +560,7 @@ mod tests {
             ([DType::BF16; 4], true),
             ([DType::F32; 4], true),
         ] {
-            let sizes = [
-                (4097usize, true),
-                (33, false),
-                (1, true),
-                (3 * 65536 + 5, true),
-            ];
+            let sizes = [(4097usize, true), (33, false), (1, true), (3 * 65536 + 5, true)];
             let wave = |n: usize, phase: f32| -> Vec<f32> {
                 (0..n).map(|i| (i as f32 * 0.71 + phase).sin()).collect()
             };

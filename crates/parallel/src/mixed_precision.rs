@@ -171,13 +171,7 @@ impl MasterWeights {
     /// One AdamW step on the masters of `items` (gradients read as f32 and multiplied by
     /// `grad_scale`, the clip coefficient), then each item's compute parameter set to its
     /// master, cast to the parameter's dtype.
-    pub fn step(
-        &self,
-        opt: &mut AdamW,
-        lr: f64,
-        grad_scale: f64,
-        items: &[OptimItem],
-    ) -> Result<()> {
+    pub fn step(&self, opt: &mut AdamW, lr: f64, grad_scale: f64, items: &[OptimItem]) -> Result<()> {
         Self::step_all(&[self], opt, lr, grad_scale, items)
     }
 

@@ -113,6 +113,7 @@ pub fn sq_sum_f64(t: &Tensor) -> candle_core::Result<f64> {
     mtrain_kernels::reduce::sq_sum_f64(t)
 }
 
+
 /// What the optimizer updates when every parameter is held whole: each parameter that has a
 /// gradient, with its gradient.
 pub fn replicated_items<'a>(params: &'a [Param], grads: &'a Grads) -> Vec<OptimItem<'a>> {

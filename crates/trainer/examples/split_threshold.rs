@@ -44,14 +44,8 @@ fn main() -> Result<()> {
         let dy = Tensor::randn(0f32, 1., (n / c, c), &dev)?;
         let (_, mean, rstd) = layer_norm::forward(&x, &w, &b, eps)?;
         let ops: [(&str, Box<dyn Fn() -> Result<()>>); 3] = [
-            (
-                "gelu backward",
-                Box::new(|| gelu::backward(&x, &dy).map(drop)),
-            ),
-            (
-                "layer_norm forward",
-                Box::new(|| layer_norm::forward(&x, &w, &b, eps).map(drop)),
-            ),
+            ("gelu backward", Box::new(|| gelu::backward(&x, &dy).map(drop))),
+            ("layer_norm forward", Box::new(|| layer_norm::forward(&x, &w, &b, eps).map(drop))),
             (
                 "layer_norm backward",
                 Box::new(|| layer_norm::backward(&x, &w, &dy, &mean, &rstd).map(drop)),
@@ -62,10 +56,7 @@ fn main() -> Result<()> {
             let one = median_us(op.as_ref())?;
             set_split_min(0);
             let split = median_us(op.as_ref())?;
-            println!(
-                "| {n} | {name} | {one:.1} | {split:.1} | {:.2} |",
-                split / one
-            );
+            println!("| {n} | {name} | {one:.1} | {split:.1} | {:.2} |", split / one);
         }
     }
     Ok(())

@@ -230,26 +230,14 @@ mod tests {
             (1, 2, 4, 8)
         );
         // Before and after the subcommand, merged; one flag with two values is refused.
-        let cli =
-            Cli::try_parse_from(["mtrain", "--tp", "2", "plan", "--pp", "2", "--fsdp"]).unwrap();
+        let cli = Cli::try_parse_from(["mtrain", "--tp", "2", "plan", "--pp", "2", "--fsdp"]).unwrap();
         let l = cli.command_layout().unwrap();
         assert_eq!((l.tp, l.pp), (Some(2), Some(2)));
         assert!(cli.command_strategy().unwrap().fsdp);
         let cli = Cli::try_parse_from(["mtrain", "--tp", "2", "plan", "--tp", "4"]).unwrap();
         let e = cli.command_layout().unwrap_err().to_string();
-        assert_eq!(
-            e,
-            "--tp is given twice, 2 before the subcommand and 4 after it; give it once"
-        );
-        let cli = Cli::try_parse_from([
-            "mtrain",
-            "--nproc-per-node",
-            "2",
-            "bench-comm",
-            "-d",
-            "bfloat16",
-        ])
-        .unwrap();
+        assert_eq!(e, "--tp is given twice, 2 before the subcommand and 4 after it; give it once");
+        let cli = Cli::try_parse_from(["mtrain", "--nproc-per-node", "2", "bench-comm", "-d", "bfloat16"]).unwrap();
         assert_eq!(cli.command_layout().unwrap().nproc_per_node, Some(2));
     }
 
@@ -269,15 +257,9 @@ mod tests {
             "29500",
         ])
         .unwrap();
-        let l = cli
-            .layout
-            .resolve(&cli.config().unwrap().parallel, None)
-            .unwrap();
+        let l = cli.layout.resolve(&cli.config().unwrap().parallel, None).unwrap();
         assert_eq!((l.world_size, l.launch.node_rank), (8, 1));
-        assert_eq!(
-            (l.launch.master_addr.as_str(), l.launch.master_port),
-            ("host0", Some(29500))
-        );
+        assert_eq!((l.launch.master_addr.as_str(), l.launch.master_port), ("host0", Some(29500)));
         let cli = Cli::try_parse_from(["mtrain", "bench-comm", "--nproc_per_node", "2"]).unwrap();
         assert_eq!(cli.command_layout().unwrap().nproc_per_node, Some(2));
     }
@@ -290,24 +272,16 @@ mod tests {
         cmd.build();
         let flags = |name: &str| -> Vec<String> {
             let sub = cmd.find_subcommand(name).expect(name);
-            sub.get_arguments()
-                .filter_map(|a| a.get_long().map(str::to_string))
-                .collect()
+            sub.get_arguments().filter_map(|a| a.get_long().map(str::to_string)).collect()
         };
         for name in ["prepare", "sample", "plot", "parity"] {
             let f = flags(name);
             for layout in ["tp", "nproc-per-node", "fsdp", "zero-stage", "master-port"] {
-                assert!(
-                    !f.iter().any(|l| l == layout),
-                    "`{name}` takes --{layout}: {f:?}"
-                );
+                assert!(!f.iter().any(|l| l == layout), "`{name}` takes --{layout}: {f:?}");
             }
         }
         for layout in ["tp", "nproc-per-node", "fsdp", "master-port"] {
-            assert!(
-                flags("plan").iter().any(|l| l == layout),
-                "plan lacks --{layout}"
-            );
+            assert!(flags("plan").iter().any(|l| l == layout), "plan lacks --{layout}");
         }
         assert!(flags("bench-comm").iter().any(|l| l == "nproc-per-node"));
         assert!(!flags("bench-comm").iter().any(|l| l == "fsdp"));
@@ -318,15 +292,12 @@ mod tests {
             .enumerate()
             .take_while(|(i, l)| {
                 let t = l.trim_start();
-                *i == 0
-                    || !(t.starts_with("--") || (t.starts_with('-') && t.get(2..3) == Some(",")))
+                *i == 0 || !(t.starts_with("--") || (t.starts_with('-') && t.get(2..3) == Some(",")))
             })
             .map(|(_, l)| l)
             .collect();
         let grad = grad.join("\n");
-        assert!(
-            grad.contains("f32") && !grad.contains("Adam state"),
-            "{grad}"
-        );
+        assert!(grad.contains("f32") && !grad.contains("Adam state"), "{grad}");
     }
+
 }

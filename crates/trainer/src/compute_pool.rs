@@ -45,9 +45,7 @@ pub fn init() {
         .thread_name(|i| format!("compute-{i}"))
         .build_global();
     if let Err(e) = built {
-        eprintln!(
-            "warning: the compute pool was not built ({e}); rayon's default pool runs the ops"
-        );
+        eprintln!("warning: the compute pool was not built ({e}); rayon's default pool runs the ops");
     }
 }
 
@@ -102,8 +100,7 @@ pub fn pin_threads(local_rank: usize, local_world: usize) -> Vec<usize> {
 fn allowed_cpus() -> Vec<usize> {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity writes at most its size.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    let got =
-        unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    let got = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
     if got != 0 {
         return Vec::new();
     }

@@ -58,13 +58,8 @@ fn main() -> ExitCode {
         }
     };
     // Under mtrain's own launcher every line already arrives as `[rank N] ...`.
-    let prefixed_by_launcher =
-        std::env::var_os(mtrain_trainer::launch::LINES_PREFIXED_VAR).is_some();
-    init_tracing(
-        env.as_ref()
-            .filter(|_| !prefixed_by_launcher)
-            .map(|e| e.rank),
-    );
+    let prefixed_by_launcher = std::env::var_os(mtrain_trainer::launch::LINES_PREFIXED_VAR).is_some();
+    init_tracing(env.as_ref().filter(|_| !prefixed_by_launcher).map(|e| e.rank));
     match run(cli, env) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
@@ -175,9 +170,7 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
             let cfg = cli
                 .config()
                 .context("resolving the configuration (its [parallel] table)")?;
-            let layout = cli
-                .command_layout()?
-                .resolve(&cfg.parallel, launched_world)?;
+            let layout = cli.command_layout()?.resolve(&cfg.parallel, launched_world)?;
             // No model to plan for: only the mesh's own numbers are checked.
             layout.dims.validate(layout.world_size)?;
             distributed(&layout, env, args.device, |backend| {

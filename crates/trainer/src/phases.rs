@@ -61,11 +61,7 @@ impl PhaseTimes {
 
     /// Time outside the forward and backward (ms).
     pub fn outside_model(&self) -> f64 {
-        self.0
-            .iter()
-            .filter(|(p, _)| !p.is_model())
-            .map(|(_, ms)| ms)
-            .sum()
+        self.0.iter().filter(|(p, _)| !p.is_model()).map(|(_, ms)| ms).sum()
     }
 
     /// `data 1.2 forward 14.0 ... ms` in step order.
@@ -146,12 +142,7 @@ mod tests {
         assert!(p.0[&StepPhase::Forward] >= 6.0, "{:?}", p);
         assert!(p.0[&StepPhase::Optimizer] >= 2.0, "{:?}", p);
         assert!((p.total() - p.0.values().sum::<f64>()).abs() < 1e-12);
-        assert!(
-            (p.outside_model()
-                - (p.total() - p.0[&StepPhase::Forward] - p.0[&StepPhase::Backward]))
-                .abs()
-                < 1e-9
-        );
+        assert!((p.outside_model() - (p.total() - p.0[&StepPhase::Forward] - p.0[&StepPhase::Backward])).abs() < 1e-9);
         assert!(p.line().starts_with("data "), "{}", p.line());
         Ok(())
     }

@@ -50,13 +50,7 @@ const RUN_FILES: [&str; 8] = [
 ];
 /// Prefixes of the other files and directories a run writes: per-rank traces and timelines,
 /// checkpoints and checkpoints being written.
-const RUN_PREFIXES: [&str; 5] = [
-    "trace-rank",
-    "trace.",
-    "pipeline-rank",
-    "step-",
-    ".tmp-step-",
-];
+const RUN_PREFIXES: [&str; 5] = ["trace-rank", "trace.", "pipeline-rank", "step-", ".tmp-step-"];
 
 /// Why a run may not use its directory.
 #[derive(Debug, thiserror::Error)]
@@ -71,9 +65,7 @@ pub enum RunDirError {
         lock: PathBuf,
     },
 
-    #[error(
-        "--resume continues the run in the directory and --overwrite replaces it: give one of them"
-    )]
+    #[error("--resume continues the run in the directory and --overwrite replaces it: give one of them")]
     ResumeAndOverwrite,
 
     #[error(transparent)]
@@ -302,9 +294,7 @@ mod tests {
         })
         .unwrap_err();
         assert!(
-            matches!(e, RunDirError::Locked { .. })
-                && e.to_string()
-                    .contains(&format!("pid {}", std::process::id())),
+            matches!(e, RunDirError::Locked { .. }) && e.to_string().contains(&format!("pid {}", std::process::id())),
             "{e}"
         );
         assert!(matches!(check(&cfg(&dir)), Err(RunDirError::Locked { .. })));
@@ -324,11 +314,7 @@ mod tests {
             ..cfg(&dir)
         };
         check(&resumed).unwrap();
-        assert_eq!(
-            claim(&resumed).unwrap().run_id,
-            id,
-            "a resumed run keeps its id"
-        );
+        assert_eq!(claim(&resumed).unwrap().run_id, id, "a resumed run keeps its id");
 
         let over = TrainConfig {
             overwrite: true,

@@ -20,8 +20,8 @@ use std::str::FromStr;
 
 use candle_core::{DType, Device, Tensor, D};
 use mtrain_model::{Gpt, GptConfig};
-use mtrain_trainer::data::corpus;
 use mtrain_trainer::hf;
+use mtrain_trainer::data::corpus;
 use mtrain_trainer::prepare::{self, PrepareArgs};
 
 const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");

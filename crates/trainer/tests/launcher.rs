@@ -419,17 +419,7 @@ fn swept_sizes(args: &[&str]) -> (Vec<u64>, String) {
 #[test]
 fn a_sweep_from_zero_bytes_measures_every_size_up_to_the_largest() {
     // One rank, f32 all-reduce: the smallest message is one element, 4 bytes.
-    let sweep = [
-        "bench-comm",
-        "-b",
-        "0",
-        "-e",
-        "64",
-        "-n",
-        "2",
-        "--json",
-        "-",
-    ];
+    let sweep = ["bench-comm", "-b", "0", "-e", "64", "-n", "2", "--json", "-"];
     let (sizes, table) = swept_sizes(&sweep);
     assert_eq!(sizes, [0, 4, 8, 16, 32, 64], "{table}");
     assert!(
@@ -805,14 +795,7 @@ fn a_job_started_by_torchrun_meets_beside_torchruns_store() {
 
     // The same workers without torchrun's agent-store variable: rank 0 must serve the store on
     // MASTER_PORT itself, finds it taken, and names the rule and the way out.
-    let mut cmd = mtrain(&[
-        "--dp",
-        "2",
-        "--steps",
-        "1",
-        "--run-dir",
-        dir.path().join("other").to_str().unwrap(),
-    ]);
+    let mut cmd = mtrain(&["--dp", "2", "--steps", "1", "--run-dir", dir.path().join("other").to_str().unwrap()]);
     for (k, v) in torchrun_env(0, 2) {
         cmd.env(k, v);
     }
@@ -822,9 +805,8 @@ fn a_job_started_by_torchrun_meets_beside_torchruns_store() {
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
-        stderr.contains(&format!(
-            "cannot serve the rendezvous store on 127.0.0.1:{port}"
-        )) && stderr.contains("MTRAIN_STORE_PORT"),
+        stderr.contains(&format!("cannot serve the rendezvous store on 127.0.0.1:{port}"))
+            && stderr.contains("MTRAIN_STORE_PORT"),
         "{stderr}"
     );
     drop(agent_store);
@@ -835,25 +817,8 @@ fn a_job_started_by_torchrun_meets_beside_torchruns_store() {
 #[test]
 fn bench_comm_json_on_stdout_parses() {
     let args = [
-        "--nproc-per-node",
-        "2",
-        "bench-comm",
-        "-b",
-        "64",
-        "-e",
-        "1K",
-        "-f",
-        "4",
-        "-n",
-        "2",
-        "-w",
-        "0",
-        "-d",
-        "bfloat16",
-        "-o",
-        "max",
-        "--json",
-        "-",
+        "--nproc-per-node", "2", "bench-comm", "-b", "64", "-e", "1K", "-f", "4", "-n", "2", "-w",
+        "0", "-d", "bfloat16", "-o", "max", "--json", "-",
     ];
     let (out, _) = run_within(mtrain(&args), Duration::from_secs(60));
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
@@ -875,40 +840,16 @@ fn bench_comm_json_on_stdout_parses() {
 
     // -c 0: nothing checked, and the table says so.
     let (out, _) = run_within(
-        mtrain(&[
-            "--nproc-per-node",
-            "2",
-            "bench-comm",
-            "-b",
-            "64",
-            "-e",
-            "64",
-            "-n",
-            "1",
-            "-c",
-            "0",
-        ]),
+        mtrain(&["--nproc-per-node", "2", "bench-comm", "-b", "64", "-e", "64", "-n", "1", "-c", "0"]),
         Duration::from_secs(60),
     );
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{}", text(&out.stderr));
-    assert!(
-        stdout.contains("N/A") && stdout.contains("not checked (-c 0)"),
-        "{stdout}"
-    );
+    assert!(stdout.contains("N/A") && stdout.contains("not checked (-c 0)"), "{stdout}");
     // A reduction for an op that does not reduce is refused.
-    let (out, _) = run_within(
-        mtrain(&["bench-comm", "--op", "all-gather", "-o", "min"]),
-        Duration::from_secs(30),
-    );
+    let (out, _) = run_within(mtrain(&["bench-comm", "--op", "all-gather", "-o", "min"]), Duration::from_secs(30));
     assert_eq!(out.status.code(), Some(1));
-    assert!(
-        text(&out.stderr).contains(
-            "-o/--reduce-op min applies to all-reduce and reduce-scatter, not all-gather"
-        ),
-        "{}",
-        text(&out.stderr)
-    );
+    assert!(text(&out.stderr).contains("-o/--reduce-op min applies to all-reduce and reduce-scatter, not all-gather"), "{}", text(&out.stderr));
 }
 
 /// Under `--tp 2` (one data-parallel rank on two devices) the step lines come from rank 0, or
@@ -920,34 +861,16 @@ fn step_lines_come_from_rank_0_and_mfu_is_per_device() {
     let run_dir = dir.path().join("run");
     let rd = run_dir.to_str().unwrap();
     let base = [
-        "--tp",
-        "2",
-        "--steps",
-        "2",
-        "--log-every",
-        "1",
-        "--eval-every",
-        "0",
-        "--batch-size",
-        "2",
-        "--set",
-        "peak_flops=1e12",
-        "--run-dir",
-        rd,
+        "--tp", "2", "--steps", "2", "--log-every", "1", "--eval-every", "0", "--batch-size", "2",
+        "--set", "peak_flops=1e12", "--run-dir", rd,
     ];
     let (out, _) = run_within(mtrain(&base), Duration::from_secs(120));
     let stderr = text(&out.stderr);
     assert!(out.status.success(), "{stderr}");
-    let step_lines: Vec<&str> = stderr
-        .lines()
-        .filter(|l| l.contains("step 2/2 |"))
-        .collect();
+    let step_lines: Vec<&str> = stderr.lines().filter(|l| l.contains("step 2/2 |")).collect();
     assert_eq!(step_lines.len(), 1, "{stderr}");
     assert!(step_lines[0].starts_with("[rank 0]"), "{stderr}");
-    assert!(
-        stderr.contains("done: 2 steps") && !stderr.contains("steps=2.0"),
-        "{stderr}"
-    );
+    assert!(stderr.contains("done: 2 steps") && !stderr.contains("steps=2.0"), "{stderr}");
 
     let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
     let last: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
@@ -955,22 +878,11 @@ fn step_lines_come_from_rank_0_and_mfu_is_per_device() {
     let tokens_per_s = last["tokens_per_s"].as_f64().unwrap();
     let want = flops_per_token * tokens_per_s / (1e12 * 2.0);
     let mfu = last["mfu"].as_f64().unwrap();
-    assert!(
-        (mfu - want).abs() <= 1e-12 * want,
-        "mfu {mfu} vs per-device {want}"
-    );
+    assert!((mfu - want).abs() <= 1e-12 * want, "mfu {mfu} vs per-device {want}");
     // The line rounds the loss to 4 decimals; the JSON line has it whole.
     let loss = last["loss"].as_f64().unwrap();
-    assert!(
-        step_lines[0].contains(&format!("| loss {loss:.4} |")),
-        "{}",
-        step_lines[0]
-    );
-    assert_ne!(
-        format!("{loss}"),
-        format!("{loss:.4}"),
-        "metrics.jsonl keeps full precision"
-    );
+    assert!(step_lines[0].contains(&format!("| loss {loss:.4} |")), "{}", step_lines[0]);
+    assert_ne!(format!("{loss}"), format!("{loss:.4}"), "metrics.jsonl keeps full precision");
 
     let mut again = base.to_vec();
     again.extend(["--log-ranks", "--overwrite"]);
@@ -979,9 +891,7 @@ fn step_lines_come_from_rank_0_and_mfu_is_per_device() {
     assert!(out.status.success(), "{stderr}");
     for rank in 0..2 {
         assert!(
-            stderr
-                .lines()
-                .any(|l| l.starts_with(&format!("[rank {rank}]")) && l.contains("step 2/2 |")),
+            stderr.lines().any(|l| l.starts_with(&format!("[rank {rank}]")) && l.contains("step 2/2 |")),
             "rank {rank} logs its steps under --log-ranks:\n{stderr}"
         );
     }
@@ -996,21 +906,8 @@ fn a_run_directory_belongs_to_one_run() {
     let run_dir = dir.path().join("run");
     let rd = run_dir.to_str().unwrap();
     let short = |extra: &[&str]| {
-        let steps = if extra.contains(&"--resume") {
-            "2"
-        } else {
-            "1"
-        };
-        let mut args = vec![
-            "--steps",
-            steps,
-            "--eval-every",
-            "0",
-            "--batch-size",
-            "2",
-            "--run-dir",
-            rd,
-        ];
+        let steps = if extra.contains(&"--resume") { "2" } else { "1" };
+        let mut args = vec!["--steps", steps, "--eval-every", "0", "--batch-size", "2", "--run-dir", rd];
         args.extend_from_slice(extra);
         run_within(mtrain(&args), Duration::from_secs(120)).0
     };
@@ -1028,16 +925,9 @@ fn a_run_directory_belongs_to_one_run() {
                 && stderr.contains("--overwrite"),
             "{stderr}"
         );
-        assert!(
-            !stderr.contains("[rank"),
-            "refused before any worker starts:\n{stderr}"
-        );
+        assert!(!stderr.contains("[rank"), "refused before any worker starts:\n{stderr}");
     }
-    assert_eq!(
-        std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap(),
-        metrics,
-        "the refused runs wrote nothing"
-    );
+    assert_eq!(std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap(), metrics, "the refused runs wrote nothing");
 
     // --resume continues the run: one more step, the same run id on every line.
     let out = short(&["--resume"]);
@@ -1047,17 +937,8 @@ fn a_run_directory_belongs_to_one_run() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(
-        lines
-            .iter()
-            .map(|l| l["step"].as_u64().unwrap())
-            .collect::<Vec<_>>(),
-        [0, 1]
-    );
-    assert!(
-        lines[0]["run"].is_string() && lines[0]["run"] == lines[1]["run"],
-        "{lines:?}"
-    );
+    assert_eq!(lines.iter().map(|l| l["step"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1]);
+    assert!(lines[0]["run"].is_string() && lines[0]["run"] == lines[1]["run"], "{lines:?}");
     let (out, _) = run_within(mtrain(&["plot", rd]), Duration::from_secs(60));
     assert!(out.status.success(), "{}", text(&out.stderr));
 
@@ -1081,25 +962,12 @@ fn a_run_directory_belongs_to_one_run() {
     let _ = running.wait();
     assert_eq!(second.status.code(), Some(1), "{stderr}");
     assert!(
-        stderr.contains(&format!(
-            "{busy_arg} is in use by another run (pid {}",
-            running.id()
-        )),
+        stderr.contains(&format!("{busy_arg} is in use by another run (pid {}", running.id())),
         "{stderr}"
     );
     // The killed run's lock died with it.
     let third = run_within(
-        mtrain(&[
-            "--steps",
-            "1",
-            "--eval-every",
-            "0",
-            "--batch-size",
-            "2",
-            "--run-dir",
-            busy_arg,
-            "--overwrite",
-        ]),
+        mtrain(&["--steps", "1", "--eval-every", "0", "--batch-size", "2", "--run-dir", busy_arg, "--overwrite"]),
         Duration::from_secs(120),
     )
     .0;
@@ -1141,13 +1009,7 @@ fn on_a_terminal_no_log_line_lands_on_the_progress_bar() {
     // SAFETY: openpty writes two descriptors into the given integers; the other pointers are
     // null (no name) or point at `size`, which outlives the call.
     let rc = unsafe {
-        libc::openpty(
-            &mut master,
-            &mut slave,
-            std::ptr::null_mut(),
-            std::ptr::null(),
-            &size,
-        )
+        libc::openpty(&mut master, &mut slave, std::ptr::null_mut(), std::ptr::null(), &size)
     };
     assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
     // SAFETY: both descriptors were just opened by openpty and are owned here alone.
@@ -1155,22 +1017,10 @@ fn on_a_terminal_no_log_line_lands_on_the_progress_bar() {
     let dir = tempfile::tempdir().unwrap();
     let rd = dir.path().join("run");
     let mut cmd = mtrain(&[
-        "--steps",
-        "60",
-        "--log-every",
-        "3",
-        "--eval-every",
-        "0",
-        "--batch-size",
-        "1",
-        "--seq-len",
-        "16",
-        "--run-dir",
-        rd.to_str().unwrap(),
+        "--steps", "60", "--log-every", "3", "--eval-every", "0", "--batch-size", "1",
+        "--seq-len", "16", "--run-dir", rd.to_str().unwrap(),
     ]);
-    cmd.env("TERM", "xterm")
-        .stdout(Stdio::null())
-        .stderr(Stdio::from(slave));
+    cmd.env("TERM", "xterm").stdout(Stdio::null()).stderr(Stdio::from(slave));
     let mut child = cmd.spawn().expect("spawn");
     drop(cmd); // the parent's copy of the terminal's slave side, so reading ends with the child
     let mut terminal = std::fs::File::from(master);
@@ -1190,14 +1040,8 @@ fn on_a_terminal_no_log_line_lands_on_the_progress_bar() {
     let screen = text(&reader.join().unwrap());
     assert!(status.success(), "{screen}");
     let plain = strip_ansi(&screen);
-    assert!(
-        plain.contains("steps [") && plain.contains("elapsed, ETA"),
-        "no bar drawn:\n{plain}"
-    );
-    let step_lines: Vec<&str> = screen
-        .split('\n')
-        .filter(|l| l.contains(" | loss "))
-        .collect();
+    assert!(plain.contains("steps [") && plain.contains("elapsed, ETA"), "no bar drawn:\n{plain}");
+    let step_lines: Vec<&str> = screen.split('\n').filter(|l| l.contains(" | loss ")).collect();
     assert!(step_lines.len() >= 20, "{screen}");
     for line in step_lines {
         // What the terminal shows before the log line's timestamp, after the last carriage return.

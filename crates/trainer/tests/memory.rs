@@ -277,25 +277,9 @@ const LAYOUTS: [&[&str]; 13] = [
     &["--dp", "2", "--fsdp"],
     &["--dp", "2", "--zero-stage", "1"],
     &["--dp", "2", "--zero-stage", "2", "--backward", "autograd"],
-    &[
-        "--dp",
-        "2",
-        "--ep",
-        "2",
-        "--model",
-        "moe-tiny",
-        "--backward",
-        "autograd",
-    ],
+    &["--dp", "2", "--ep", "2", "--model", "moe-tiny", "--backward", "autograd"],
     &["--activation-checkpointing"],
-    &[
-        "--pp",
-        "2",
-        "--schedule",
-        "interleaved",
-        "--backward",
-        "autograd",
-    ],
+    &["--pp", "2", "--schedule", "interleaved", "--backward", "autograd"],
     &["--set", "grad_accum=2"],
 ];
 

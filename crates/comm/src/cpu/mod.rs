@@ -102,8 +102,9 @@ impl CpuBackend {
         if env.world_size > 1 {
             let addr = env.store_addr();
             if env.rank == 0 && !env.store_external {
-                let server = StoreServer::start_for_job(&addr, &env.job_id)
-                    .map_err(|e| CommError::Store(format!("{e} ({})", env.store_port_rule())))?;
+                let server = StoreServer::start_for_job(&addr, &env.job_id).map_err(|e| {
+                    CommError::Store(format!("{e} ({})", env.store_port_rule()))
+                })?;
                 backend._server = Some(server);
             }
             let store = StoreClient::connect(&addr, &env.job_id, opts.timeout)?;
@@ -327,8 +328,8 @@ pub fn run_local_with<R: Send>(
                 std::thread::Builder::new()
                     .name(format!("rank{rank}"))
                     .spawn_scoped(s, move || {
-                        let backend =
-                            CpuBackend::init_inner(&env, opts.clone()).unwrap_or_else(|e| {
+                        let backend = CpuBackend::init_inner(&env, opts.clone())
+                            .unwrap_or_else(|e| {
                                 panic!("rank {rank}: CpuBackend::init failed: {e}")
                             });
                         f(backend)

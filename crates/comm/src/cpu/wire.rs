@@ -329,10 +329,7 @@ fn advise_huge_pages(addr: usize, bytes: usize) {
     #[cfg(target_os = "linux")]
     if bytes >= HUGE_PAGE_FROM {
         const HUGE: usize = 2 << 20;
-        let (start, end) = (
-            (addr + HUGE - 1) & !(HUGE - 1),
-            (addr + bytes) & !(HUGE - 1),
-        );
+        let (start, end) = ((addr + HUGE - 1) & !(HUGE - 1), (addr + bytes) & !(HUGE - 1));
         if end > start {
             // SAFETY: advice over memory this process owns; it changes no contents and
             // failure (e.g. huge pages turned off) only leaves the default pages.
@@ -494,9 +491,7 @@ impl AccBuf {
     pub fn from_tensor(x: &Tensor) -> Result<Self> {
         Ok(match x.dtype() {
             DType::F32 => AccBuf::F32(host_copy(x)?),
-            DType::BF16 | DType::F16 => {
-                AccBuf::F32(x.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?)
-            }
+            DType::BF16 | DType::F16 => AccBuf::F32(x.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?),
             DType::F64 => AccBuf::F64(host_copy(x)?),
             DType::U8 => AccBuf::U8(host_copy(x)?),
             DType::U32 => AccBuf::U32(host_copy(x)?),

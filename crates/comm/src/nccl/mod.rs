@@ -94,6 +94,6 @@ mod tests;
 
 pub use backend::{InProcessExchange, NcclBackend};
 pub(crate) use collectives::uninit;
+pub(crate) use stream::with_device_addrs;
 pub use factory::{IdExchange, NcclOptions};
 pub use group::NcclGroup;
-pub(crate) use stream::with_device_addrs;

@@ -140,12 +140,7 @@ pub struct BucketedDpReduce<'a> {
 
 impl<'a> BucketedDpReduce<'a> {
     /// Hooks averaging `buckets` of `params` over `dp` in `reduce_dtype`.
-    pub fn new(
-        dp: &'a Comm,
-        params: &'a [Param],
-        buckets: &'a [Bucket],
-        reduce_dtype: DType,
-    ) -> Self {
+    pub fn new(dp: &'a Comm, params: &'a [Param], buckets: &'a [Bucket], reduce_dtype: DType) -> Self {
         Self {
             launcher: BucketLauncher::new(dp, params, buckets, reduce_dtype),
             params,
@@ -160,14 +155,7 @@ impl<'a> BucketedDpReduce<'a> {
     pub fn finish(self, grads: &mut Grads, exposed_s: &mut f64) -> super::Result<(usize, u64)> {
         let (pending, bytes) = self.launcher.finish(grads)?;
         let n = pending.len();
-        buckets::write_back(
-            self.params,
-            self.buckets,
-            pending,
-            grads,
-            exposed_s,
-            &mut || {},
-        )?;
+        buckets::write_back(self.params, self.buckets, pending, grads, exposed_s, &mut || {})?;
         Ok((n, bytes))
     }
 }

@@ -62,11 +62,7 @@ pub enum MoeExchange {
 
 /// The MoE layer's exchanges in the order its forward issues them. Its backward runs the
 /// reverse all-to-all of each one with a gradient, last first ([`MoeExchange::backward_order`]).
-pub const MOE_EXCHANGES: [MoeExchange; 3] = [
-    MoeExchange::Counts,
-    MoeExchange::Dispatch,
-    MoeExchange::Combine,
-];
+pub const MOE_EXCHANGES: [MoeExchange; 3] = [MoeExchange::Counts, MoeExchange::Dispatch, MoeExchange::Combine];
 
 impl MoeExchange {
     /// Whether a gradient travels back through it.
