@@ -131,6 +131,9 @@ struct Msg {
 /// when it shortens the step, over every rank twice. Rules that deadlock at these costs are no
 /// candidate (the tests build every uniform choice on the costs they try and require that none
 /// does).
+/// Every rank's actions, in order.
+type Orders = Vec<Vec<Action>>;
+
 /// At most this many sweeps over the ranks (each stops the search when it shortens nothing).
 const SWEEPS: usize = 8;
 
@@ -148,7 +151,7 @@ pub(super) fn shortest(
         s.simulate_with(costs).map(|sim| sim.makespan())
     };
     // The step of rank r's rules `per_rank`, None if they deadlock.
-    let build = |per_rank: &[Rules]| -> Result<Option<(f64, Vec<Vec<Action>>)>, ScheduleError> {
+    let build = |per_rank: &[Rules]| -> Result<Option<(f64, Orders)>, ScheduleError> {
         match cost_aware(unit, costs, cap, per_rank) {
             Ok(actions) => Ok(Some((step(&actions)?, actions))),
             Err(_) => Ok(None),
