@@ -125,44 +125,42 @@ struct Msg {
     at: f64,
 }
 
-/// Of `unit`'s order and the cost-aware ones, the one whose simulation at `costs` is the
-/// shortest, `unit`'s on a tie. The cost-aware ones: every rank by the same [`Rules`], each
-/// combination; then, from the best of those, one rank's rules changed at a time, a change kept
-/// when it shortens the step, over every rank twice. Rules that deadlock at these costs are no
-/// candidate (the tests build every uniform choice on the costs they try and require that none
-/// does).
 /// Every rank's actions, in order.
 type Orders = Vec<Vec<Action>>;
 
-/// At most this many sweeps over the ranks (each stops the search when it shortens nothing).
+/// At most this many sweeps over the ranks in [`shortest`]'s search.
 const SWEEPS: usize = 8;
 
+/// Of `unit`'s order and the cost-aware ones, the one whose simulation at `costs` is the
+/// shortest, `unit`'s on a tie. The cost-aware ones: every rank by the same [`Rules`], each
+/// combination; then, from the best of those, one rank's rules changed at a time, a change kept
+/// when it shortens the step, in sweeps over the ranks until one shortens nothing (at most
+/// [`SWEEPS`]). Rules that deadlock at these costs are no candidate (the tests build every
+/// uniform choice and this search's outcome on the costs they try, and check both).
 pub(super) fn shortest(
     unit: &Schedule,
     costs: &[PassCosts],
     cap: &dyn Fn(usize) -> usize,
-) -> Result<Vec<Vec<Action>>, ScheduleError> {
+) -> Result<Orders, ScheduleError> {
     let p = unit.stages;
-    let step = |actions: &Vec<Vec<Action>>| {
+    let step = |actions: &Orders| {
         let s = Schedule {
             actions: actions.clone(),
             ..unit.clone()
         };
         s.simulate_with(costs).map(|sim| sim.makespan())
     };
-    // The step of rank r's rules `per_rank`, None if they deadlock.
-    let build = |per_rank: &[Rules]| -> Result<Option<(f64, Orders)>, ScheduleError> {
-        match cost_aware(unit, costs, cap, per_rank) {
-            Ok(actions) => Ok(Some((step(&actions)?, actions))),
-            Err(_) => Ok(None),
-        }
+    // The order by rank r's rules `per_rank[r]` and its step, None if it deadlocks.
+    let build = |per_rank: &[Rules]| {
+        let actions = cost_aware(unit, costs, cap, per_rank).ok()?;
+        Some((step(&actions).ok()?, actions))
     };
     let shorter = |t: f64, than: f64| t < than * (1.0 - 1e-12);
     let mut best = (step(&unit.actions)?, unit.actions.clone());
     // The best uniform choice, and from it one rank's rules at a time.
     let mut here: Option<(f64, Vec<Rules>)> = None;
     for rules in Rules::all() {
-        if let Some((t, actions)) = build(&vec![rules; p])? {
+        if let Some((t, actions)) = build(&vec![rules; p]) {
             if here.as_ref().is_none_or(|(h, _)| shorter(t, *h)) {
                 here = Some((t, vec![rules; p]));
             }
@@ -180,7 +178,7 @@ pub(super) fn shortest(
             for rules in Rules::all() {
                 let was = per_rank[r];
                 per_rank[r] = rules;
-                match build(&per_rank)? {
+                match build(&per_rank) {
                     Some((t, actions)) if shorter(t, at) => {
                         at = t;
                         if shorter(t, best.0) {

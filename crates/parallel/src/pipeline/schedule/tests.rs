@@ -50,7 +50,8 @@ fn cost_sets(kind: ScheduleKind, p: usize) -> Vec<Vec<PassCosts>> {
 }
 
 /// Every schedule we can build for P ≤ 8, M ≤ 16, v ≤ 4, and the cost-aware zero-bubble orders
-/// by each rule at each of [`cost_sets`] (building them must not deadlock).
+/// at each of [`cost_sets`]: by each uniform choice of rules (building them must not deadlock)
+/// and the one [`Schedule::with_costs`] keeps.
 fn all_schedules() -> Vec<Schedule> {
     let mut out = Vec::new();
     for p in 1..=8 {
@@ -70,6 +71,7 @@ fn all_schedules() -> Vec<Schedule> {
                             ..unit.clone()
                         });
                     }
+                    out.push(Schedule::with_costs(kind, p, m, &costs).unwrap());
                 }
                 out.push(unit);
             }
