@@ -119,16 +119,7 @@ pub fn render_schedule_at(
             PassCosts::UNIT,
             "equal forward and backward, one column each".to_string(),
         ),
-        (Some([f, b, w]), _) => {
-            let k = 1.0 / sched.virtual_stages() as f64;
-            let costs = PassCosts {
-                forward: f * k,
-                backward: (b + w) * k,
-                input_grad: b * k,
-                weight_grad: w * k,
-            };
-            (costs, format!("F {f} ms, B {b} ms, W {w} ms per stage"))
-        }
+        (Some(fbw), _) => (stage_costs(kind, fbw), costs_label(fbw)),
     };
     let sim = sched.simulate_with(&vec![costs; sched.num_model_stages()])?;
     let peaks: Vec<String> = (0..pp).map(|r| sim.peak_in_flight(r).to_string()).collect();
@@ -143,6 +134,72 @@ pub fn render_schedule_at(
         peaks.join(", "),
         sim.render()
     ))
+}
+
+/// What each pass of one model stage of `kind` costs when a stage's F, B and W cost `fbw`: the
+/// fused backward B + W, a chunk of a two-chunk schedule half of each.
+fn stage_costs(kind: ScheduleKind, [f, b, w]: [f64; 3]) -> PassCosts {
+    let k = 1.0 / kind.virtual_stages() as f64;
+    PassCosts {
+        forward: f * k,
+        backward: (b + w) * k,
+        input_grad: b * k,
+        weight_grad: w * k,
+    }
+}
+
+fn costs_label([f, b, w]: [f64; 3]) -> String {
+    format!("F {f} ms, B {b} ms, W {w} ms per stage")
+}
+
+/// The zero-bubble order built for the costs `fbw` ([`Schedule::with_costs`]) beside the
+/// unit-clock one [`render_schedule_at`] draws: both bubbles, each as a multiple of 1F1B's at
+/// the same costs, and the cost-aware grid. `None` for the schedules that do not split the
+/// backward (their order does not depend on costs).
+pub fn render_cost_aware(
+    kind: ScheduleKind,
+    pp: usize,
+    m: usize,
+    fbw: [f64; 3],
+) -> anyhow::Result<Option<String>> {
+    if !kind.splits_backward() {
+        return Ok(None);
+    }
+    let bubble = |kind: ScheduleKind, sched: &Schedule| -> anyhow::Result<(f64, f64)> {
+        let costs = vec![stage_costs(kind, fbw); sched.num_model_stages()];
+        let sim = sched.simulate_with(&costs)?;
+        Ok((sim.bubble_fraction(0), sim.makespan()))
+    };
+    let unit = Schedule::new(kind, pp, m)?;
+    let costs = vec![stage_costs(kind, fbw); unit.num_model_stages()];
+    let aware = Schedule::with_costs(kind, pp, m, &costs)?;
+    let base = bubble(
+        ScheduleKind::OneFOneB,
+        &Schedule::new(ScheduleKind::OneFOneB, pp, m)?,
+    )?
+    .0;
+    let (u, _) = bubble(kind, &unit)?;
+    let (a, step) = bubble(kind, &aware)?;
+    let head = format!(
+        "cost-aware {kind} order, built for {}: bubble {a:.3}, step {step:.1} ms; \
+         of 1F1B's bubble {base:.3} at these costs: unit-clock {:.2}x, cost-aware {:.2}x",
+        costs_label(fbw),
+        u / base,
+        a / base,
+    );
+    if aware == unit {
+        return Ok(Some(format!(
+            "{head} (the unit-clock order: none built for the costs is shorter)
+"
+        )));
+    }
+    let sim = aware.simulate_with(&costs)?;
+    let peaks: Vec<String> = (0..pp).map(|r| sim.peak_in_flight(r).to_string()).collect();
+    Ok(Some(format!(
+        "{head}, peak activation sets per rank [{}]\n{}",
+        peaks.join(", "),
+        sim.render()
+    )))
 }
 
 /// `--pass-costs F,B,W`, checked: three positive costs.
@@ -235,10 +292,11 @@ pub fn run(
     );
     let kind = plan.effective_schedule();
     if plan.dims.pp > 1 {
-        print!(
-            "{}",
-            render_schedule_at(kind, plan.dims.pp, plan.microbatches, pass_costs(args)?)?
-        );
+        let (pp, m, fbw) = (plan.dims.pp, plan.microbatches, pass_costs(args)?);
+        print!("{}", render_schedule_at(kind, pp, m, fbw)?);
+        if let Some(aware) = fbw.map(|c| render_cost_aware(kind, pp, m, c)).transpose()? {
+            print!("{}", aware.unwrap_or_default());
+        }
     }
     print!("{}", render_memory(plan, &rank_memory(cfg, plan)?));
     let (ab, cmp) = (args.alpha_beta.as_deref(), args.compare.as_deref());
@@ -285,6 +343,36 @@ mod tests {
             assert_eq!(2 * m.optim(), 3 * f.optim(), "12 bytes against 8");
             assert_eq!(f.total(), 16 * f.n_params);
         }
+    }
+
+    /// `--pass-costs` adds the order built for the costs: ZB-V's at pp 4 draws its grid and
+    /// shrinks the bubble (0.37x of 1F1B's to 0.26x at the measured costs); ZB-H1's is its
+    /// unit-clock order, already the shortest; 1F1B has none.
+    #[test]
+    fn the_plan_prints_the_cost_aware_order_beside_the_unit_clock_one() {
+        let measured = [12.6, 12.6, 9.8];
+        let v = render_cost_aware(ScheduleKind::ZeroBubbleV, 4, 8, measured).unwrap();
+        let v = v.unwrap();
+        assert!(
+            v.starts_with("cost-aware ZB-V order, built for F 12.6 ms, B 12.6 ms, W 9.8 ms"),
+            "{v}"
+        );
+        assert!(
+            v.contains(
+                "bubble 0.072, step 301.7 ms; of 1F1B's bubble 0.273 at these costs: \
+                 unit-clock 0.37x, cost-aware 0.26x"
+            ),
+            "{v}"
+        );
+        assert!(v.contains("\nrank 3 | "), "{v}");
+        let h1 = render_cost_aware(ScheduleKind::ZeroBubbleH1, 4, 8, measured).unwrap();
+        let h1 = h1.unwrap();
+        assert!(
+            h1.contains("unit-clock 0.52x, cost-aware 0.52x (the unit-clock order"),
+            "{h1}"
+        );
+        let none = render_cost_aware(ScheduleKind::OneFOneB, 4, 8, measured).unwrap();
+        assert!(none.is_none());
     }
 
     /// `mtrain plan` draws the zero-bubble grids: ZB-V at pp 4 puts stages 0 and 7 on rank 0.

@@ -9,8 +9,9 @@
 //! ```
 //!
 //! - [`schedule`]: which passes each rank runs, in which order (GPipe, 1F1B, interleaved 1F1B,
-//!   and the split-backward ZB-H1 and ZB-V) and which model stages it holds, as plain data, with
-//!   a virtual-clock simulation on per-stage pass costs and the grid renderer.
+//!   and the split-backward ZB-H1 and ZB-V, by a unit clock or built for given pass costs) and
+//!   which model stages it holds, as plain data, with a virtual-clock simulation on per-stage
+//!   pass costs and the grid renderer.
 //! - [`stage`]: how blocks are split across stages, and the tied embedding/head gradient.
 //! - [`executor`]: runs one rank's actions (a split backward's B and W as two engine calls)
 //!   with asynchronous send/recv of activations and gradients, and reports the loss, the measured and the predicted bubble and the activation

@@ -77,15 +77,22 @@
 //!
 //! The simulation also runs on measured costs ([`Schedule::simulate_with`], seconds per pass of
 //! each kind on each model stage): the executor predicts each step's bubble with it
-//! (`executor.rs`).
+//! (`executor.rs`). [`Schedule::with_costs`] builds the zero-bubble orders for such costs
+//! (`cost_aware.rs`: list scheduling on the costs' clock, each W placed by its length, the
+//! memory limits above kept); `mtrain plan --pass-costs F,B,W` prints it beside the unit-clock
+//! order. The executor runs the unit-clock orders (why: `executor.rs`).
 
 use std::fmt;
 
+mod cost_aware;
 mod simulate;
 #[cfg(test)]
 mod tests;
 mod zero_bubble;
 
+use cost_aware::shortest;
+#[cfg(test)]
+use cost_aware::{cost_aware, Rules};
 pub use simulate::{PassCosts, SimSpan, Simulation};
 use zero_bubble::{zb_h1, zero_bubble};
 
@@ -367,6 +374,25 @@ impl Schedule {
             ScheduleKind::ZeroBubbleV => zero_bubble(&s, &|_| stages)?,
         };
         Ok(s)
+    }
+
+    /// [`Self::new`], the zero-bubble orders built for `costs[stage]` (`cost_aware.rs`): of the
+    /// unit-clock order and the cost-aware ones, the one whose simulation at `costs` is the
+    /// shortest, the unit-clock order on a tie. Each keeps its kind's memory limit (ZB-H1:
+    /// min(P, M) micro-batches per rank, 1F1B's peak; ZB-V: P per chunk). The other kinds do
+    /// not depend on costs: [`Self::new`]'s order.
+    pub fn with_costs(
+        kind: ScheduleKind,
+        stages: usize,
+        microbatches: usize,
+        costs: &[PassCosts],
+    ) -> Result<Self, ScheduleError> {
+        let unit = Self::new(kind, stages, microbatches)?;
+        if !kind.splits_backward() {
+            return Ok(unit);
+        }
+        let actions = shortest(&unit, costs, &|_| stages)?;
+        Ok(Self { actions, ..unit })
     }
 
     pub fn kind(&self) -> ScheduleKind {

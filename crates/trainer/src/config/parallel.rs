@@ -91,12 +91,13 @@ pub enum Schedule {
     /// 1F1B over `virtual_stages` model chunks per rank: a smaller bubble for more messages.
     #[serde(rename = "interleaved")]
     Interleaved,
-    /// Zero bubble at 1F1B's memory, the backward split into B and W (`mtrain plan` only: the
-    /// tapes do not split the backward yet).
+    /// Zero bubble at 1F1B's memory, the backward split into B (input gradient) and W (weight
+    /// gradients), run as two calls on the tapes.
     #[serde(rename = "zb-h1")]
     #[value(name = "zb-h1")]
     ZbH1,
-    /// Zero bubble in a V of two chunks per rank (`mtrain plan` only, as ZB-H1).
+    /// Zero bubble in a V of two chunks per rank (rank r holds stages r and 2P − 1 − r), the
+    /// backward split as in ZB-H1.
     #[serde(rename = "zb-v")]
     #[value(name = "zb-v")]
     ZbV,
