@@ -12,9 +12,7 @@ use candle_core::{DType, Device, Shape, Tensor};
 
 use super::driver::{cuda_err, DevBuf, IpcHandle};
 use super::kernels::Kernels;
-use super::protocol::{
-    grown_capacity, OpNumbers, WaitMode, FLAG_BYTES, MAX_WORLD, ONE_SHOT_MAX,
-};
+use super::protocol::{grown_capacity, OpNumbers, WaitMode, FLAG_BYTES, MAX_WORLD, ONE_SHOT_MAX};
 use super::work::{spawn_watchdog, IpcWork, Watch};
 use crate::communicator::{Comm, CommError, OpKind, Result, Work};
 use crate::store::StoreClient;

@@ -323,10 +323,7 @@ mod tests {
 
     #[test]
     fn vectors_are_16_bytes() {
-        assert_eq!(
-            [1, 2, 4, 8, 16, 32].map(vector_elems),
-            [16, 8, 4, 2, 1, 1]
-        );
+        assert_eq!([1, 2, 4, 8, 16, 32].map(vector_elems), [16, 8, 4, 2, 1, 1]);
     }
 
     /// Two-shot as `phases.rs` lays it out: the chunk area is sized by chunk 0, which no other

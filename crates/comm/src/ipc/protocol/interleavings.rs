@@ -83,29 +83,53 @@ fn compile(programs: &[Vec<Op>], rules: Rules) -> Vec<Vec<Step>> {
                 };
                 let done = |steps: &mut Vec<Step>| {
                     if rules != Rules::NoDoneBarrier {
-                        steps.push(Step::Signal { phase: Phase::Done, t });
-                        steps.push(Step::Wait { phase: Phase::Done, t });
+                        steps.push(Step::Signal {
+                            phase: Phase::Done,
+                            t,
+                        });
+                        steps.push(Step::Wait {
+                            phase: Phase::Done,
+                            t,
+                        });
                     }
                 };
                 match op {
                     Op::OneShot | Op::TwoShot => {
                         steps.push(Step::Publish { t });
-                        steps.push(Step::Signal { phase: Phase::Ready, t });
-                        steps.push(Step::Wait { phase: Phase::Ready, t });
+                        steps.push(Step::Signal {
+                            phase: Phase::Ready,
+                            t,
+                        });
+                        steps.push(Step::Wait {
+                            phase: Phase::Ready,
+                            t,
+                        });
                         steps.push(Step::ReadInputs { t, end: false });
                         steps.push(Step::ReadInputs { t, end: true });
                         if op == Op::TwoShot {
                             steps.push(Step::WriteChunk { t });
-                            steps.push(Step::Signal { phase: Phase::Mid, t });
-                            steps.push(Step::Wait { phase: Phase::Mid, t });
+                            steps.push(Step::Signal {
+                                phase: Phase::Mid,
+                                t,
+                            });
+                            steps.push(Step::Wait {
+                                phase: Phase::Mid,
+                                t,
+                            });
                             steps.push(Step::ReadChunks { t, end: false });
                             steps.push(Step::ReadChunks { t, end: true });
                         }
                         done(&mut steps);
                     }
                     Op::Barrier => {
-                        steps.push(Step::Signal { phase: Phase::Ready, t });
-                        steps.push(Step::Wait { phase: Phase::Ready, t });
+                        steps.push(Step::Signal {
+                            phase: Phase::Ready,
+                            t,
+                        });
+                        steps.push(Step::Wait {
+                            phase: Phase::Ready,
+                            t,
+                        });
                     }
                     Op::Send(dst) => {
                         sent[dst] += 1;
@@ -163,8 +187,12 @@ impl Buffers {
             Step::Wait { phase, t } => (0..self.n)
                 .filter(|q| *q != me)
                 .all(|q| self.flag(me, phase_flag(phase, q)) >= t),
-            Step::WaitAck { dst, k } => self.flag(me, mail_flag(Mail::Ack, dst)) >= mail_targets(k).0,
-            Step::WaitSig { src, k } => self.flag(me, mail_flag(Mail::Sig, src)) >= mail_targets(k).1,
+            Step::WaitAck { dst, k } => {
+                self.flag(me, mail_flag(Mail::Ack, dst)) >= mail_targets(k).0
+            }
+            Step::WaitSig { src, k } => {
+                self.flag(me, mail_flag(Mail::Sig, src)) >= mail_targets(k).1
+            }
             _ => true,
         }
     }
@@ -185,7 +213,11 @@ impl Buffers {
                     return Err(format!(
                         "rank {me} read rank {q}'s input of collective {} for collective {t} ({})",
                         self.input[q],
-                        if end { "overwritten while read" } else { "read too early" }
+                        if end {
+                            "overwritten while read"
+                        } else {
+                            "read too early"
+                        }
                     ));
                 }
             }
@@ -283,7 +315,11 @@ fn ring(n: usize) -> Vec<Vec<Op>> {
         .map(|r| {
             let mut ops = Vec::new();
             for _ in 0..3 {
-                ops.extend([Op::Send((r + 1) % n), Op::Recv((r + n - 1) % n), Op::OneShot]);
+                ops.extend([
+                    Op::Send((r + 1) % n),
+                    Op::Recv((r + n - 1) % n),
+                    Op::OneShot,
+                ]);
             }
             ops
         })
@@ -322,7 +358,11 @@ fn pipeline(pp: usize, m: usize) -> Vec<Vec<Op>> {
 #[test]
 fn collectives_read_only_their_own_data_under_every_order() {
     for n in [2, 3, 4, MAX_WORLD] {
-        assert_eq!(first_failure(&collectives(n), Rules::Protocol), None, "n {n}");
+        assert_eq!(
+            first_failure(&collectives(n), Rules::Protocol),
+            None,
+            "n {n}"
+        );
     }
 }
 
@@ -357,13 +397,23 @@ fn a_send_does_not_wait_for_its_receive() {
 #[test]
 fn collectives_after_uneven_pipeline_messages_complete() {
     for pp in [2, 3, 4] {
-        assert_eq!(first_failure(&pipeline(pp, 3), Rules::Protocol), None, "pp {pp}");
+        assert_eq!(
+            first_failure(&pipeline(pp, 3), Rules::Protocol),
+            None,
+            "pp {pp}"
+        );
     }
-    assert_eq!(first_failure(&pipeline(2, 3), Rules::TargetsCountEveryOp), None);
+    assert_eq!(
+        first_failure(&pipeline(2, 3), Rules::TargetsCountEveryOp),
+        None
+    );
     for pp in [3, 4] {
         let e = first_failure(&pipeline(pp, 3), Rules::TargetsCountEveryOp)
             .unwrap_or_else(|| panic!("pp {pp}: counting every op must fail"));
-        assert!(e.contains("collective") || e.starts_with("hang"), "pp {pp}: {e}");
+        assert!(
+            e.contains("collective") || e.starts_with("hang"),
+            "pp {pp}: {e}"
+        );
     }
 }
 
