@@ -284,7 +284,7 @@ mod tests {
                     for r in 0..n {
                         let c = two_shot_chunk(count, n, r, align);
                         assert_eq!(c.start, next, "count {count} n {n} r {r}");
-                        assert!(c.start % align == 0 || c.start == count);
+                        assert!(c.start.is_multiple_of(align) || c.start == count);
                         assert!(c.len() <= count.div_ceil(n) + align);
                         next = c.end;
                     }
@@ -337,12 +337,12 @@ mod tests {
                 for n in 2..=MAX_WORLD {
                     let first = two_shot_chunk(count, n, 0, align).len();
                     let l = DataLayout::new(count * es, first * es);
-                    assert!(l.chunk >= count * es && l.chunk % 256 == 0);
+                    assert!(l.chunk >= count * es && l.chunk.is_multiple_of(256));
                     assert!(l.bytes >= l.chunk + first * es);
                     for r in 0..n {
                         let c = two_shot_chunk(count, n, r, align);
                         assert!(c.len() <= first, "count {count} n {n} r {r}");
-                        assert!(c.start == count || (c.start * es) % 16 == 0);
+                        assert!(c.start == count || (c.start * es).is_multiple_of(16));
                     }
                 }
             }
