@@ -17,7 +17,8 @@
 #           against the staged path, world 2, 4 and 8, 1K to 1M: OUT/bench-MODE-N.txt each and
 #           the time per op side by side in OUT/bench.txt;
 #   train   GPT-2 124M in bf16, tp 2 x pp 2 on the one GPU, IPC_TRAIN_STEPS steps with the memory
-#           report per rank: OUT/train.log.
+#           report per rank: OUT/train.log, and each process's GPU memory every 15 s as the
+#           driver counts it: OUT/train-gpu-memory.csv.
 # Environment: IPC_PARTS (the parts to run, default "ops parity bench train"), IPC_TRAIN_STEPS
 # (50), PARITY_STEPS (5), LIMIT (seconds per command, 240; train: TRAIN_LIMIT, 590), DEVICE
 # (cuda; with cpu the parity part runs this checkout's target/release/mtrain, or $MTRAIN, on the
@@ -166,10 +167,17 @@ fi
 
 if has train && needs_cuda train; then
   steps=${IPC_TRAIN_STEPS:-50}
+  # Each process's GPU memory as the driver counts it (its context included) every 15 s, beside
+  # the memory report's figures: what the launcher's per-rank allowance (gpu_fit.rs) stands for.
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader -l 15 \
+    > "$OUT/train-gpu-memory.csv" 2>&1 &
+  sampler=$!
   if run train "$TRAIN_LIMIT" "$M" --device cuda --dtype bf16 --tp 2 --pp 2 \
       --config configs/gpt2-124m.toml --steps "$steps" --mem-report --run-dir "$OUT/train-run" --overwrite; then
     grep -E "ranks on|step=|memory:" "$OUT/train.log" | tail -12
   fi
+  kill "$sampler" 2>/dev/null
+  tail -4 "$OUT/train-gpu-memory.csv"
 fi
 cat "$OUT/times.txt" 2>/dev/null
 exit $status
