@@ -146,6 +146,26 @@ impl CudaMemoryProbe {
     }
 }
 
+/// Free and total memory of every visible GPU, with its name, as the launcher reads it before
+/// any worker starts (`crate::gpu_fit`): each GPU's primary context is retained for the query
+/// and released after it.
+pub fn free_memory() -> Result<Vec<crate::gpu_fit::GpuFree>, GpuMemoryError> {
+    let n = CudaContext::device_count().map_err(driver("cuDeviceGetCount"))?;
+    (0..n.max(0) as usize)
+        .map(|gpu| {
+            let ctx = CudaContext::new(gpu).map_err(driver("cuDevicePrimaryCtxRetain"))?;
+            let (free, total) = ctx.mem_get_info().map_err(driver("cuMemGetInfo"))?;
+            let name = ctx.name().map_err(driver("cuDeviceGetName"))?;
+            Ok(crate::gpu_fit::GpuFree {
+                gpu,
+                name,
+                free: free as u64,
+                total: total as u64,
+            })
+        })
+        .collect()
+}
+
 /// The memory report's view: pool bytes in use and their high-water mark. A failing driver call
 /// (which only happens when the device is lost) is logged and reads as 0.
 impl crate::memory::MemoryProbe for CudaMemoryProbe {

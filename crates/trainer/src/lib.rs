@@ -7,6 +7,7 @@
 //!   command line, imports `cli` back). [`config`]: the typed TOML (`[model]`, `[train]`,
 //!   `[parallel]`) merged with the flags and `--set`.
 //! - [`launch`]: the torchrun-style launcher (one worker per rank, the rendezvous store);
+//!   [`gpu_fit`]: before ranks share GPUs, whether they fit the GPUs' free memory;
 //!   [`liveness`]: a worker's watch on its job.
 //! - [`layout`]: the resolved [`layout::Layout`]; [`resolve`]: the command line, config file and
 //!   `--set` resolved once into the run's description (`RunOptions`), the one place a run's
@@ -38,9 +39,10 @@ pub mod cost;
 pub mod data;
 pub mod distributed;
 pub mod fsio;
-pub mod hf;
+pub mod gpu_fit;
 #[cfg(feature = "cuda")]
 pub mod gpu_memory;
+pub mod hf;
 pub mod launch;
 pub mod layout;
 pub mod liveness;
@@ -50,8 +52,8 @@ pub mod phases;
 pub mod plan;
 pub mod plot;
 pub mod prepare;
-pub mod resolve;
 pub mod progress;
+pub mod resolve;
 pub mod run_dir;
 pub mod sample;
 pub mod trace;

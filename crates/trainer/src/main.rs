@@ -6,7 +6,8 @@
 //!                                                         train::run_with / bench-comm
 //!   backend: CPU -> TCP; CUDA, a GPU per local rank -> NCCL on GPU LOCAL_RANK;
 //!            CUDA, fewer GPUs than local ranks -> GPU LOCAL_RANK mod #GPUs, collectives
-//!            through the CPU backend staged through the host (`StagedBackend`)
+//!            through CUDA IPC (or `--comm staged`: the CPU backend, through the host), once
+//!            the launcher checked that each GPU's ranks fit its free memory (`gpu_fit`)
 //!   mtrain                        RANK unset, world 1  -> train in this process, no spawning
 //!   mtrain plan | prepare | sample | plot | export     -> single-process tools, never launched
 //!   mtrain parity --vs "..."                           -> runs this binary twice (1 rank, the layout)
@@ -33,7 +34,7 @@ use mtrain_trainer::config::DeviceKind;
 use mtrain_trainer::launch::{self, LaunchError};
 use mtrain_trainer::layout::{CommChoice, Layout};
 use mtrain_trainer::liveness::{self, StoreWatch};
-use mtrain_trainer::resolve::{resolve, Resolved};
+use mtrain_trainer::resolve::{resolve, Resolved, RunOptions};
 use mtrain_trainer::{bench_comm, hf, parity, plan, plot, prepare, sample, train};
 use tracing_subscriber::fmt::format::Writer;
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
@@ -58,8 +59,13 @@ fn main() -> ExitCode {
         }
     };
     // Under mtrain's own launcher every line already arrives as `[rank N] ...`.
-    let prefixed_by_launcher = std::env::var_os(mtrain_trainer::launch::LINES_PREFIXED_VAR).is_some();
-    init_tracing(env.as_ref().filter(|_| !prefixed_by_launcher).map(|e| e.rank));
+    let prefixed_by_launcher =
+        std::env::var_os(mtrain_trainer::launch::LINES_PREFIXED_VAR).is_some();
+    init_tracing(
+        env.as_ref()
+            .filter(|_| !prefixed_by_launcher)
+            .map(|e| e.rank),
+    );
     match run(cli, env) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
@@ -170,10 +176,12 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
             let cfg = cli
                 .config()
                 .context("resolving the configuration (its [parallel] table)")?;
-            let layout = cli.command_layout()?.resolve(&cfg.parallel, launched_world)?;
+            let layout = cli
+                .command_layout()?
+                .resolve(&cfg.parallel, launched_world)?;
             // No model to plan for: only the mesh's own numbers are checked.
             layout.dims.validate(layout.world_size)?;
-            distributed(&layout, env, args.device, |backend| {
+            distributed(&layout, env, args.device, None, |backend| {
                 bench_comm::run(args, backend)?;
                 Ok(())
             })
@@ -194,7 +202,7 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
                 // rank 0 then claims it (`train::run_with`).
                 mtrain_trainer::run_dir::check(run.cfg())?;
             }
-            distributed(&layout, env, run.cfg().device, |backend| {
+            distributed(&layout, env, run.cfg().device, Some(&run), |backend| {
                 if backend.world().rank() == 0 {
                     tracing::info!(
                         "layout dp={} pp={} tp={} ep={} (world {})",
@@ -213,11 +221,13 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
 }
 
 /// Run `job` on every rank of `layout`: here (world 1), as this worker (RANK set), or by
-/// launching this node's workers, which re-enter here as workers.
+/// launching this node's workers, which re-enter here as workers. A training `run` is checked
+/// against the GPUs' free memory before the launch when its ranks share GPUs.
 fn distributed(
     layout: &Layout,
     env: Option<LaunchEnv>,
     device: DeviceKind,
+    run: Option<&RunOptions>,
     job: impl FnOnce(&dyn Backend) -> anyhow::Result<()>,
 ) -> anyhow::Result<()> {
     let env = match env {
@@ -226,6 +236,9 @@ fn distributed(
         None => {
             if device == DeviceKind::Cuda {
                 announce_shared_gpus(layout.launch.nproc_per_node, layout.comm)?;
+                if let Some(run) = run {
+                    check_gpu_memory(layout, run)?;
+                }
             }
             let args: Vec<OsString> = std::env::args_os().skip(1).collect();
             launch::launch(&layout.launch, &args)?;
@@ -374,6 +387,24 @@ fn announce_shared_gpus(local_ranks: usize, comm: CommChoice) -> anyhow::Result<
     }
     #[cfg(not(feature = "cuda"))]
     let _ = (local_ranks, comm);
+    Ok(())
+}
+
+/// Before the launch, with fewer GPUs than this node's ranks: the ranks each GPU will hold must
+/// fit its free memory (`gpu_fit`: the memory model's prediction per rank against cuMemGetInfo).
+fn check_gpu_memory(layout: &Layout, run: &RunOptions) -> anyhow::Result<()> {
+    #[cfg(feature = "cuda")]
+    {
+        use mtrain_trainer::gpu_fit;
+        if layout.launch.nproc_per_node > visible_gpus()? && !gpu_fit::skipped() {
+            let free = mtrain_trainer::gpu_memory::free_memory().map_err(|e| {
+                anyhow::anyhow!("reading the GPUs' free memory before the launch: {e}")
+            })?;
+            gpu_fit::check_launch(run.cfg(), &run.plan, &layout.launch, &free)?;
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (layout, run);
     Ok(())
 }
 

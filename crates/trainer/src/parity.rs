@@ -16,6 +16,11 @@
 //! as gradient-accumulation micro-steps: `--batch-size B --grad-accum dp·K` (the same rows, the same
 //! routing, gradients averaged the same way).
 //!
+//! The reference takes the `--vs` flags that decide one device's arithmetic (`--device`,
+//! `--dtype`, `--backward`: [`reference_flags`]), so `--vs "--tp 2 --device cuda --comm ipc"`
+//! compares against one rank on the same GPU in the same dtype; `--comm` stays the layout's
+//! (one rank has no peers).
+//!
 //! Both runs go through this binary and its launcher (separate processes, the real TCP
 //! backend), each into its own run directory, and are compared through their metrics.jsonl.
 //! The command exits non-zero when the largest relative loss difference exceeds `--tol`; the
@@ -29,6 +34,7 @@ use anyhow::{bail, Context};
 use clap::Parser;
 
 use crate::cli::{Cli, ParityArgs};
+use crate::config::TrainArgs;
 
 /// One step of a run's metrics.jsonl.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -132,6 +138,27 @@ pub fn read_metrics(run_dir: &Path) -> anyhow::Result<Vec<Point>> {
     Ok(out)
 }
 
+/// The flags of the layout's command line (`--vs`) that the one-rank reference runs with too:
+/// the device, the compute dtype and the backward path, as given.
+pub fn reference_flags(layout: &TrainArgs) -> Vec<String> {
+    fn name<T: clap::ValueEnum>(v: &T) -> String {
+        v.to_possible_value()
+            .map(|p| p.get_name().to_string())
+            .unwrap_or_default()
+    }
+    let mut out = Vec::new();
+    if let Some(d) = &layout.device {
+        out.extend(["--device".to_string(), name(d)]);
+    }
+    if let Some(d) = &layout.dtype {
+        out.extend(["--dtype".to_string(), name(d)]);
+    }
+    if let Some(b) = &layout.backward {
+        out.extend(["--backward".to_string(), name(b)]);
+    }
+    out
+}
+
 /// Runs this binary with `args`; its output is shown only when it fails.
 fn run_mtrain(args: &[String], what: &str) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("locating the mtrain binary")?;
@@ -218,6 +245,7 @@ pub fn run(args: &ParityArgs) -> anyhow::Result<()> {
     }
 
     let mut one = common.clone();
+    one.extend(reference_flags(&cli.train));
     if moe {
         // Routing (capacity, drops, balancing loss) is per group of tokens routed together,
         // which is one dp rank's micro-batch: the reference routes the same groups, one after
@@ -283,6 +311,26 @@ mod tests {
                 grad_norm: 2.0 * l,
             })
             .collect()
+    }
+
+    fn flags(vs: &str) -> Vec<String> {
+        let argv = std::iter::once("mtrain").chain(vs.split_whitespace());
+        reference_flags(&Cli::try_parse_from(argv).unwrap().train)
+    }
+
+    /// The reference runs where the layout runs and in its dtype; the layout's own flags
+    /// (degrees, strategy, backend) stay the layout's.
+    #[test]
+    fn the_reference_takes_the_layouts_device_dtype_and_backward() {
+        assert_eq!(
+            flags("--tp 2 --sequence-parallel --device cuda --dtype f32 --comm ipc"),
+            ["--device", "cuda", "--dtype", "f32"]
+        );
+        assert_eq!(
+            flags("--dp 2 --dtype bf16 --backward autograd --fsdp"),
+            ["--dtype", "bf16", "--backward", "autograd"]
+        );
+        assert!(flags("--pp 2 --schedule interleaved --virtual-stages 2").is_empty());
     }
 
     #[test]

@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Shape, Tensor};
 
 use super::driver::{cuda_err, DevBuf, IpcHandle};
 use super::kernels::Kernels;
-use super::protocol::{grown_capacity, WaitMode, FLAG_BYTES, MAX_WORLD, ONE_SHOT_MAX};
+use super::protocol::{grown_capacity, OpNumbers, WaitMode, FLAG_BYTES, MAX_WORLD, ONE_SHOT_MAX};
 use super::work::{spawn_watchdog, IpcWork, Watch};
 use crate::communicator::{Comm, CommError, OpKind, Result, Work};
 use crate::store::StoreClient;
@@ -68,9 +68,9 @@ pub(super) struct Shared {
     pub(super) addr: Vec<u64>,
 }
 
-/// What the ops of a group change: the sequence number and the buffers that grow.
+/// What the ops of a group change: their numbers and the buffers that grow.
 pub(super) struct State {
-    pub(super) seq: u64,
+    pub(super) numbers: OpNumbers,
     pub(super) data: Option<Shared>,
     pub(super) data_cap: usize,
     /// This rank's mailbox for messages to peer q, and how many it sent there.
@@ -186,7 +186,7 @@ impl IpcGroup {
             opts,
             flags,
             state: Mutex::new(State {
-                seq: 0,
+                numbers: OpNumbers::default(),
                 data: None,
                 data_cap: 0,
                 out_box: (0..size).map(|_| None).collect(),

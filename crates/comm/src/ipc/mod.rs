@@ -16,7 +16,7 @@
 //! shape depends on the peers (all_gather, gather, all_to_all, scatter) are exchanged over
 //! `host` too, one small host rendezvous per such op, as the NCCL backend does for uneven splits.
 //!
-//! # One collective (op seq s), here a one-shot all-reduce on rank 0 of 3
+//! # One collective (the group's s-th), here a one-shot all-reduce on rank 0 of 3
 //!
 //! ```text
 //!   compute ─●ready────────────────────────────────────────────────────────⧗─[use out]─▶
@@ -38,12 +38,14 @@
 //!    all_gather, broadcast, all_to_all, scatter, gather copy rows from the peers' buffers.
 //! 3. DONE: nobody reads a data buffer any more, so the next op may overwrite it.
 //!
-//! Flags only grow (op s waits for `≥ s`), so they are never reset and a stale value never
-//! lets an op pass early. send/recv use the pair's mailbox instead of the data buffer: the
-//! sender waits `ACK ≥ k−1` (the receiver copied the previous message out), copies message k in
-//! and sets the receiver's `SIG := k`; the receiver waits `SIG ≥ k`, copies it out and sets
-//! the sender's `ACK := k`. A send does not wait for its own receive, so two ranks that send to
-//! each other before receiving do not deadlock.
+//! Flags only grow (collective s waits for `≥ s`), so they are never reset and a stale value
+//! never lets an op pass early. `s` counts the group's collectives alone, which every rank
+//! issues alike; its sends and receives, which differ between ranks (a pipeline's middle
+//! stages have twice the ends' messages), are numbered per pair. send/recv use the pair's
+//! mailbox instead of the data buffer: the sender waits `ACK ≥ k−1` (the receiver copied the
+//! previous message out), copies message k in and sets the receiver's `SIG := k`; the receiver
+//! waits `SIG ≥ k`, copies it out and sets the sender's `ACK := k`. A send does not wait for
+//! its own receive, so two ranks that send to each other before receiving do not deadlock.
 //!
 //! Waits are `cuStreamWaitValue64` on the communication stream (the GPU's front end waits, no
 //! SM spins) or, with `MTRAIN_IPC_WAIT=kernel`, a one-block kernel that spins on the flags; the

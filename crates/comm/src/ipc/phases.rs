@@ -10,17 +10,18 @@ use candle_core::{DType, Tensor};
 use super::driver;
 use super::group::{IpcGroup, Shared, State};
 use super::kernels::Peers;
-use super::protocol::{phase_flag, Phase, WaitMode};
+use super::protocol::{phase_flag, Numbered, Phase, WaitMode};
 use super::work::{InFlight, IpcWork};
 use crate::communicator::{OpKind, ReduceOp, Result};
 use crate::nccl::with_device_addrs;
 use crate::trace::TraceEvent;
 
-/// One op being enqueued: the group, its state (locked) and the op's sequence number.
+/// One op being enqueued: the group, its state (locked) and the op's collective target (the
+/// value its phase flags are set to and waited for: `protocol::OpNumbers`).
 pub(super) struct Issue<'a> {
     pub(super) g: &'a IpcGroup,
     pub(super) st: &'a mut State,
-    pub(super) seq: u64,
+    pub(super) target: u64,
     pub(super) waits: &'a mut Vec<(usize, usize, u64)>,
 }
 
@@ -39,7 +40,7 @@ impl Issue<'_> {
         unsafe { driver::copy(&self.g.stream, dst, src, bytes) }.map_err(|e| self.g.err(e))
     }
 
-    /// Write this op's seq into `phase`'s flag of this rank in every peer's flag buffer.
+    /// Write this op's target into `phase`'s flag of this rank in every peer's flag buffer.
     pub(super) fn signal(&mut self, phase: Phase) -> Result<()> {
         let g = self.g;
         let me = g.rank;
@@ -47,7 +48,7 @@ impl Issue<'_> {
             .filter(|q| *q != me)
             .map(|q| g.flags.addr[q] + phase_flag(phase, me) as u64)
             .collect();
-        self.write(&addrs, self.seq)
+        self.write(&addrs, self.target)
     }
 
     pub(super) fn write(&self, addrs: &[u64], value: u64) -> Result<()> {
@@ -107,7 +108,7 @@ impl Issue<'_> {
             .filter(|q| *q != me)
             .map(|q| (phase_flag(phase, q), q))
             .collect();
-        self.wait(&flags, self.seq)
+        self.wait(&flags, self.target)
     }
 
     /// Copy `bytes` of this rank's input (address `ax`) to the start of its data buffer and
@@ -197,8 +198,7 @@ impl IpcGroup {
     ) -> Result<IpcWork<T>> {
         self.check_poisoned()?;
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        st.seq += 1;
-        let seq = st.seq;
+        let Numbered { seq, target } = st.numbers.issue(op);
         let start_us = self.tracer.now_us();
         self.ctx
             .bind_to_thread()
@@ -215,7 +215,7 @@ impl IpcGroup {
             let mut is = Issue {
                 g: self,
                 st: &mut st,
-                seq,
+                target,
                 waits: &mut waits,
             };
             body(&mut is, addrs)

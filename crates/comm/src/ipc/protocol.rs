@@ -12,10 +12,15 @@
 //! ```
 //!
 //! Every flag is written by the peer the column names, into this rank's buffer, and only ever
-//! grows: op `s` of a group (seq 1, 2, ...) waits until `flag >= s`, so a flag never needs a
-//! reset and a late reader of an older value only waits longer, never passes early.
+//! grows: collective `s` of a group (1, 2, ...) waits until `flag >= s`, so a flag never needs a
+//! reset and a late reader of an older value only waits longer, never passes early. `s` counts
+//! the group's collectives alone ([`OpNumbers`]); sends and receives number their messages per
+//! pair (SIG, ACK). `protocol/interleavings.rs` runs both under every order of the ranks' steps
+//! a seeded scheduler picks and checks that no read sees another op's data.
 
 use std::ops::Range;
+
+use crate::op_kind::OpKind;
 
 /// Most ranks in one IPC group (the flag columns and the kernels' pointer table).
 pub const MAX_WORLD: usize = 8;
@@ -69,6 +74,46 @@ pub fn mail_flag(kind: Mail, writer: usize) -> usize {
 /// The value a collective flag must reach for op `seq` (1-based: a zeroed buffer means "none").
 pub fn collective_target(seq: u64) -> u64 {
     seq
+}
+
+/// What an op of a group is numbered when it is issued.
+///
+/// Every rank of a group issues the same collectives in the same order, but not the same
+/// sends and receives: in a 1F1B pipeline of 4 stages a middle stage sends and receives twice
+/// as often as an end stage. The collective flags therefore count collectives alone; counting
+/// every op would leave the ranks' targets apart after the pipeline's messages, and the next
+/// collective (the executor's all-gather of the loss) would wait for a value its peers never
+/// write.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OpNumbers {
+    /// Ops issued so far, point-to-point included (the trace's and the watchdog's seq).
+    pub ops: u64,
+    /// Collectives issued so far (barriers included).
+    pub collectives: u64,
+}
+
+/// The numbers of one issued op.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Numbered {
+    /// Its place among the group's ops (1-based).
+    pub seq: u64,
+    /// The value its collective flags are set to and waited for ([`collective_target`] of the
+    /// collectives issued so far, this one included); unused by a send or a receive.
+    pub target: u64,
+}
+
+impl OpNumbers {
+    /// Number the next op, of kind `op`.
+    pub fn issue(&mut self, op: OpKind) -> Numbered {
+        self.ops += 1;
+        if !matches!(op, OpKind::Send | OpKind::Recv) {
+            self.collectives += 1;
+        }
+        Numbered {
+            seq: self.ops,
+            target: collective_target(self.collectives),
+        }
+    }
 }
 
 /// The two waits of the k-th message (1-based) from one rank to another:
@@ -187,6 +232,9 @@ impl WaitMode {
 }
 
 #[cfg(test)]
+mod interleavings;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -236,7 +284,7 @@ mod tests {
                     for r in 0..n {
                         let c = two_shot_chunk(count, n, r, align);
                         assert_eq!(c.start, next, "count {count} n {n} r {r}");
-                        assert!(c.start % align == 0 || c.start == count);
+                        assert!(c.start.is_multiple_of(align) || c.start == count);
                         assert!(c.len() <= count.div_ceil(n) + align);
                         next = c.end;
                     }
@@ -246,6 +294,59 @@ mod tests {
         }
         assert_eq!(two_shot_chunk(10, 4, 3, 4), 10..10);
         assert_eq!(two_shot_chunk(10, 4, 1, 4), 4..8);
+    }
+
+    /// The table is the picture of the module doc: READY, MID, DONE, SIG, ACK rows of
+    /// MAX_WORLD words each, the column the writer's rank.
+    #[test]
+    fn flag_rows_follow_the_table() {
+        for w in 0..MAX_WORLD {
+            assert_eq!(phase_flag(Phase::Ready, w), 8 * w);
+            assert_eq!(phase_flag(Phase::Mid, w), 8 * (MAX_WORLD + w));
+            assert_eq!(phase_flag(Phase::Done, w), 8 * (2 * MAX_WORLD + w));
+            assert_eq!(mail_flag(Mail::Sig, w), 8 * (3 * MAX_WORLD + w));
+            assert_eq!(mail_flag(Mail::Ack, w), 8 * (4 * MAX_WORLD + w));
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "beyond MAX_WORLD")]
+    fn a_mailbox_writer_beyond_the_table_is_refused() {
+        mail_flag(Mail::Ack, MAX_WORLD);
+    }
+
+    #[test]
+    #[should_panic(expected = "numbered from 1")]
+    fn message_zero_is_refused() {
+        mail_targets(0);
+    }
+
+    #[test]
+    fn vectors_are_16_bytes() {
+        assert_eq!([1, 2, 4, 8, 16, 32].map(vector_elems), [16, 8, 4, 2, 1, 1]);
+    }
+
+    /// Two-shot as `phases.rs` lays it out: the chunk area is sized by chunk 0, which no other
+    /// rank's chunk exceeds; it starts 256-aligned after the whole input, and every chunk of
+    /// the input and of the output starts on a 16-byte boundary.
+    #[test]
+    fn two_shot_chunks_fit_the_chunk_area_aligned() {
+        for es in [2usize, 4] {
+            let align = vector_elems(es);
+            for count in [1usize, 5, 17, 1000, 4097, (1 << 20) + 3] {
+                for n in 2..=MAX_WORLD {
+                    let first = two_shot_chunk(count, n, 0, align).len();
+                    let l = DataLayout::new(count * es, first * es);
+                    assert!(l.chunk >= count * es && l.chunk.is_multiple_of(256));
+                    assert!(l.bytes >= l.chunk + first * es);
+                    for r in 0..n {
+                        let c = two_shot_chunk(count, n, r, align);
+                        assert!(c.len() <= first, "count {count} n {n} r {r}");
+                        assert!(c.start == count || (c.start * es).is_multiple_of(16));
+                    }
+                }
+            }
+        }
     }
 
     #[test]

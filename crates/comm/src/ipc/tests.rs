@@ -1,5 +1,5 @@
 //! The IPC backend against the CPU backend, ranks as processes on the first GPU (skipped
-//! without one). Each launcher test starts its ranks as copies of this test binary running
+//! without one): worlds of 2, 4 and 8. Each launcher test starts its ranks as copies of this test binary running
 //! `ipc::tests::worker` with a launch environment; the worker compares every op with the
 //! CPU backend's result on the same host values and exits non-zero on any difference.
 //!
@@ -96,6 +96,13 @@ fn ipc_ops_equal_the_cpu_backend_world_2() {
 #[test]
 fn ipc_ops_equal_the_cpu_backend_world_4() {
     check_all(4, "stream");
+}
+
+/// The largest group (`MAX_WORLD` ranks, every column of the flag table and of the kernels'
+/// pointer table in use). Run alone: eight contexts time-share the GPU.
+#[test]
+fn ipc_ops_equal_the_cpu_backend_world_8() {
+    check_all(super::protocol::MAX_WORLD, "stream");
 }
 
 #[test]
