@@ -299,7 +299,7 @@ sizes() {
         pid=$!
         for _ in $(seq 1200); do
           kill -0 $pid 2>/dev/null || break
-          [ "$(wc -l < "$RUNS/metrics.jsonl" 2>/dev/null || echo 0)" -ge "$n" ] && { sleep 0.5; break; }
+          [ "$( (wc -l < "$RUNS/metrics.jsonl") 2>/dev/null || echo 0)" -ge "$n" ] && { sleep 0.5; break; }
           sleep 0.25
         done
         kill $pid 2>/dev/null; wait $pid
