@@ -47,7 +47,7 @@ use crate::ddp::{assign_buckets, verify_same_init, CommStats};
 use crate::expert_parallel;
 use crate::fsdp::Fsdp;
 use crate::holdings::Holdings;
-use crate::pipeline::{PipelineError, PipelineExecutor, PipelineStages, Schedule};
+use crate::pipeline::{PipelineExecutor, PipelineStages};
 use crate::placement::is_expert_param;
 use crate::runtime::{FullReplicas, Replicas};
 use crate::tensor_parallel::{self, ShardLayout};
@@ -104,7 +104,6 @@ pub fn parallelize(
     };
 
     // 2. Pipeline: keep this rank's stages.
-    let kind = plan.effective_schedule();
     let stage_layout = plan.stage_layout(cfg.n_layer)?;
     let mut stages =
         PipelineStages::from_segments(&segments, cfg.n_layer, cfg.n_embd, stage_layout, c.pp, pp)?;
@@ -113,10 +112,7 @@ pub fn parallelize(
     }
     drop(segments);
     let table = check_holdings(cfg, plan, c, &stages)?;
-    let executor = PipelineExecutor::new(
-        Schedule::new(kind, pp, plan.microbatches).map_err(PipelineError::from)?,
-        plan.engine(),
-    );
+    let executor = PipelineExecutor::new(plan.schedule()?, plan.engine());
     let params = stages.params();
     let held: BTreeSet<String> = params.iter().map(|p| p.name().to_string()).collect();
     let partial = table

@@ -17,7 +17,7 @@ use mtrain_model::{Backward, Engine, GptConfig};
 use crate::ddp::{DdpConfig, DdpMode};
 use crate::fsdp::FsdpConfig;
 use crate::mixed_precision::MixedPrecision;
-use crate::pipeline::{PipelineError, ScheduleKind, StageLayout};
+use crate::pipeline::{PassCosts, PipelineError, Schedule, ScheduleKind, StageLayout};
 use crate::placement::tp_problems;
 
 /// A plan that cannot work, with every reason and its arithmetic, joined by `; `.
@@ -49,6 +49,10 @@ pub struct ParallelPlan {
     pub microbatches: usize,
     /// Blocks per model stage (pp · v entries); None splits evenly.
     pub stage_counts: Option<Vec<usize>>,
+    /// F, B and W of one stage (ms) that the zero-bubble orders are built for
+    /// ([`Schedule::with_costs`]: every rank builds the same order from the same numbers);
+    /// None: the unit-clock orders. The other schedules do not depend on costs.
+    pub pass_costs: Option<[f64; 3]>,
     /// Activation checkpointing: keep only segment inputs, recompute in backward.
     pub checkpointing: bool,
     /// Compute dtype and gradient-reduction dtype (bf16 compute keeps fp32 masters).
@@ -81,6 +85,7 @@ impl ParallelPlan {
             schedule: ScheduleKind::OneFOneB,
             microbatches: 1,
             stage_counts: None,
+            pass_costs: None,
             checkpointing: false,
             precision: MixedPrecision::default(),
             backward: Backward::default(),
@@ -145,10 +150,29 @@ impl ParallelPlan {
                 batch_size / dp
             ));
         }
+        if let Some(c) = self.pass_costs {
+            if !c.iter().all(|x| x.is_finite() && *x > 0.0) {
+                why.push(format!(
+                    "pass costs F,B,W must be three positive numbers of ms, got {c:?}"
+                ));
+            }
+        }
         match why.is_empty() {
             true => Ok(ValidPlan(self.clone())),
             false => Err(PlanError(why.join("; "))),
         }
+    }
+
+    /// The pipeline's order of passes: the schedule's, built for `pass_costs` where given.
+    pub fn schedule(&self) -> Result<Schedule, PipelineError> {
+        let (kind, pp, m) = (self.effective_schedule(), self.dims.pp, self.microbatches);
+        Ok(match self.pass_costs {
+            Some(fbw) => {
+                let costs = vec![PassCosts::of_stage(kind, fbw); pp * kind.virtual_stages()];
+                Schedule::with_costs(kind, pp, m, &costs)?
+            }
+            None => Schedule::new(kind, pp, m)?,
+        })
     }
 
     /// How `n_layer` blocks are split into this plan's model stages: `stage_counts`, or evenly;

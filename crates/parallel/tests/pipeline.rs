@@ -18,8 +18,8 @@ use mtrain_comm::{run_local, Backend};
 use mtrain_model::{init_weights, Backward, Engine, Gpt, GptConfig, Grads, NoHooks, Param};
 use mtrain_parallel::pipeline::executor::SpanKind;
 use mtrain_parallel::pipeline::{
-    Action, PipelineError, PipelineExecutor, PipelineStages, Schedule, ScheduleKind, StageLayout,
-    StepReport,
+    Action, PassCosts, PipelineError, PipelineExecutor, PipelineStages, Schedule, ScheduleKind,
+    StageLayout, StepReport,
 };
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -113,17 +113,16 @@ fn single_device(cfg: &GptConfig) -> (Trace, BTreeMap<String, Tensor>) {
 fn pipelined(
     cfg: &GptConfig,
     engine: Engine,
-    kind: ScheduleKind,
-    p: usize,
-    m: usize,
+    sched: &Schedule,
     layout: &StageLayout,
 ) -> Vec<(Trace, Vec<StepReport>, BTreeMap<String, Tensor>)> {
+    let p = sched.num_ranks();
     run_local(p, Duration::from_secs(60), |backend| {
         let pp = backend.world();
         let model = Gpt::new(cfg.clone(), &init_weights(cfg, SEED).unwrap(), &Device::Cpu).unwrap();
         let stages = PipelineStages::new(&model, layout.clone(), pp.rank(), p).unwrap();
         let params = stages.params();
-        let exec = PipelineExecutor::new(Schedule::new(kind, p, m).unwrap(), engine);
+        let exec = PipelineExecutor::new(sched.clone(), engine);
         let mut trace = Vec::new();
         let mut reports = Vec::new();
         for step in 0..STEPS {
@@ -164,8 +163,19 @@ fn check_parity(
     m: usize,
     layout: StageLayout,
 ) -> Vec<Vec<StepReport>> {
+    check_parity_of(cfg, engine, &Schedule::new(kind, p, m).unwrap(), layout)
+}
+
+/// [`check_parity`] for a given order of passes.
+fn check_parity_of(
+    cfg: &GptConfig,
+    engine: Engine,
+    sched: &Schedule,
+    layout: StageLayout,
+) -> Vec<Vec<StepReport>> {
+    let (kind, p, m) = (sched.kind(), sched.num_ranks(), sched.num_microbatches());
     let (reference, ref_weights) = single_device(cfg);
-    let ranks = pipelined(cfg, engine, kind, p, m, &layout);
+    let ranks = pipelined(cfg, engine, sched, &layout);
     let mut covered = std::collections::BTreeSet::new();
     let (mut worst_loss, mut worst_grad, mut worst_weight) = (0.0f64, 0.0f64, 0.0f64);
     for (r, (trace, _, weights)) in ranks.iter().enumerate() {
@@ -318,6 +328,27 @@ fn zero_bubble_schedules_match_one_device() {
         (ScheduleKind::ZeroBubbleV, 4, 8, 8),
     ] {
         run(kind, p, m, n_layer);
+    }
+}
+
+/// The orders built for measured pass costs (`--pass-costs`; F 12.6, B 12.6, W 9.8 ms, the
+/// costs the pipeline measured at pp 2) train like one device at the same tolerances; each
+/// differs from its unit-clock order, so the test runs an order of its own.
+#[test]
+fn cost_aware_zero_bubble_orders_match_one_device() {
+    for (kind, p, m, n_layer) in [
+        (ScheduleKind::ZeroBubbleV, 2, 8, 4),
+        (ScheduleKind::ZeroBubbleV, 4, 8, 8),
+    ] {
+        let costs = vec![PassCosts::of_stage(kind, [12.6, 12.6, 9.8]); p * kind.virtual_stages()];
+        let sched = Schedule::with_costs(kind, p, m, &costs).unwrap();
+        assert_ne!(
+            sched,
+            Schedule::new(kind, p, m).unwrap(),
+            "{kind} P={p} M={m}: the cost-aware order is the unit-clock one"
+        );
+        let cfg = tiny(n_layer);
+        check_parity_of(&cfg, Engine::default(), &sched, layout_of(kind, p, n_layer));
     }
 }
 
@@ -534,7 +565,8 @@ fn timeline_records_every_action_and_wait() {
     ] {
         let cfg = tiny(n_layer);
         let layout = layout_of(kind, p, n_layer);
-        let reports: Vec<Vec<StepReport>> = pipelined(&cfg, Engine::default(), kind, p, m, &layout)
+        let sched = Schedule::new(kind, p, m).unwrap();
+        let reports: Vec<Vec<StepReport>> = pipelined(&cfg, Engine::default(), &sched, &layout)
             .into_iter()
             .map(|(_, reports, _)| reports)
             .collect();

@@ -40,12 +40,6 @@ pub struct PlanArgs {
     /// Put the predicted traffic and time next to what a `--trace` run recorded in RUN_DIR.
     #[arg(long, value_name = "RUN_DIR")]
     pub compare: Option<std::path::PathBuf>,
-
-    /// Simulate the pipeline schedule with these costs of one stage's F, B and W (ms, e.g. the
-    /// pass times a run's step report measured) instead of equal ones: the fused backward costs
-    /// B + W, and a chunk of a two-chunk schedule half of each.
-    #[arg(long, value_name = "F,B,W", value_delimiter = ',')]
-    pub pass_costs: Option<Vec<f64>>,
 }
 
 /// The plan as text: the launch, the mesh, the model and the batch.
@@ -119,7 +113,7 @@ pub fn render_schedule_at(
             PassCosts::UNIT,
             "equal forward and backward, one column each".to_string(),
         ),
-        (Some(fbw), _) => (stage_costs(kind, fbw), costs_label(fbw)),
+        (Some(fbw), _) => (PassCosts::of_stage(kind, fbw), costs_label(fbw)),
     };
     let sim = sched.simulate_with(&vec![costs; sched.num_model_stages()])?;
     let peaks: Vec<String> = (0..pp).map(|r| sim.peak_in_flight(r).to_string()).collect();
@@ -134,18 +128,6 @@ pub fn render_schedule_at(
         peaks.join(", "),
         sim.render()
     ))
-}
-
-/// What each pass of one model stage of `kind` costs when a stage's F, B and W cost `fbw`: the
-/// fused backward B + W, a chunk of a two-chunk schedule half of each.
-fn stage_costs(kind: ScheduleKind, [f, b, w]: [f64; 3]) -> PassCosts {
-    let k = 1.0 / kind.virtual_stages() as f64;
-    PassCosts {
-        forward: f * k,
-        backward: (b + w) * k,
-        input_grad: b * k,
-        weight_grad: w * k,
-    }
 }
 
 fn costs_label([f, b, w]: [f64; 3]) -> String {
@@ -166,12 +148,12 @@ pub fn render_cost_aware(
         return Ok(None);
     }
     let bubble = |kind: ScheduleKind, sched: &Schedule| -> anyhow::Result<(f64, f64)> {
-        let costs = vec![stage_costs(kind, fbw); sched.num_model_stages()];
+        let costs = vec![PassCosts::of_stage(kind, fbw); sched.num_model_stages()];
         let sim = sched.simulate_with(&costs)?;
         Ok((sim.bubble_fraction(0), sim.makespan()))
     };
     let unit = Schedule::new(kind, pp, m)?;
-    let costs = vec![stage_costs(kind, fbw); unit.num_model_stages()];
+    let costs = vec![PassCosts::of_stage(kind, fbw); unit.num_model_stages()];
     let aware = Schedule::with_costs(kind, pp, m, &costs)?;
     let base = bubble(
         ScheduleKind::OneFOneB,
@@ -181,7 +163,8 @@ pub fn render_cost_aware(
     let (u, _) = bubble(kind, &unit)?;
     let (a, step) = bubble(kind, &aware)?;
     let head = format!(
-        "cost-aware {kind} order, built for {}: bubble {a:.3}, step {step:.1} ms; \
+        "cost-aware {kind} order (what training runs under these --pass-costs), built for {}: \
+         bubble {a:.3}, step {step:.1} ms; \
          of 1F1B's bubble {base:.3} at these costs: unit-clock {:.2}x, cost-aware {:.2}x",
         costs_label(fbw),
         u / base,
@@ -200,17 +183,6 @@ pub fn render_cost_aware(
         peaks.join(", "),
         sim.render()
     )))
-}
-
-/// `--pass-costs F,B,W`, checked: three positive costs.
-fn pass_costs(args: &PlanArgs) -> anyhow::Result<Option<[f64; 3]>> {
-    match args.pass_costs.as_deref() {
-        None => Ok(None),
-        Some(&[f, b, w]) if [f, b, w].iter().all(|c| c.is_finite() && *c > 0.0) => {
-            Ok(Some([f, b, w]))
-        }
-        Some(c) => anyhow::bail!("--pass-costs takes three positive costs F,B,W in ms, got {c:?}"),
-    }
 }
 
 /// What one pipeline rank (any of its tp, dp and ep ranks alike) should hold under a plan.
@@ -292,7 +264,7 @@ pub fn run(
     );
     let kind = plan.effective_schedule();
     if plan.dims.pp > 1 {
-        let (pp, m, fbw) = (plan.dims.pp, plan.microbatches, pass_costs(args)?);
+        let (pp, m, fbw) = (plan.dims.pp, plan.microbatches, plan.pass_costs);
         print!("{}", render_schedule_at(kind, pp, m, fbw)?);
         if let Some(aware) = fbw.map(|c| render_cost_aware(kind, pp, m, c)).transpose()? {
             print!("{}", aware.unwrap_or_default());

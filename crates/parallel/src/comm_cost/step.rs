@@ -32,7 +32,7 @@ use crate::expert_parallel::{MoeExchange, MOE_EXCHANGES};
 use crate::fsdp::{residency, ZeroStage};
 use crate::holdings::{ChunkHoldings, Held, Holdings};
 use crate::pipeline::executor::gathered_f64s;
-use crate::pipeline::{Action, Schedule, StagePlacement};
+use crate::pipeline::{Action, StagePlacement};
 use crate::placement::TIED;
 use crate::plan::{DataParallelKind, ParallelPlan, ValidPlan};
 use crate::tensor_parallel::vocab::LOSS_ALL_REDUCES;
@@ -57,7 +57,8 @@ pub fn step_collectives(
         )));
     }
     let mut walk = Walk::new(cfg, plan, shape, rank)?;
-    let sched = Schedule::new(plan.effective_schedule(), dims.pp, plan.microbatches)
+    let sched = plan
+        .schedule()
         .map_err(|e| CostError::Plan(e.to_string()))?;
     let me = walk.c.pp;
     let remote = |s: usize| sched.rank_of_stage(s) != me;

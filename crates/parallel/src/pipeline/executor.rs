@@ -46,14 +46,13 @@
 //! the predicted figure agree within 0.03, under 1F1B, ZB-H1 and ZB-V.
 //!
 //! The executor runs the schedule it is given and does not rebuild it from the pass costs it
-//! gathers ([`Schedule::with_costs`] would build a shorter ZB-V order from them). Those costs are
-//! gathered over the pipeline group only, and the ranks that must run identical orders are not
-//! all in one: the tp ranks of a stage, and the dp replicas of it, each sit in another pipeline
-//! group, gather other timings and would build other orders, and then issue their tensor-parallel
-//! collectives, DDP buckets and ZeRO reduce-scatters in different orders, a hang. Agreeing on
-//! one set of costs would need a collective over the whole world, which the executor does not
-//! hold. Training on the cost-aware order is therefore not wired; `mtrain plan --pass-costs`
-//! prints it and its simulated bubble.
+//! gathers. Those costs are gathered over the pipeline group only, and the ranks that must run
+//! identical orders are not all in one: the tp ranks of a stage, and the dp replicas of it, each
+//! sit in another pipeline group, gather other timings and would build other orders, and then
+//! issue their tensor-parallel collectives, DDP buckets and ZeRO reduce-scatters in different
+//! orders, a hang. The cost-aware order ([`Schedule::with_costs`]) is built instead from the
+//! costs every rank is given (`--pass-costs F,B,W`, read by `ParallelPlan::schedule`): the same
+//! numbers on every rank, the same order.
 //!
 //! The batch (B, T) is split into M micro-batches of B/M sequences. Each micro-batch's mean loss
 //! is scaled by 1/M before its backward, so the gradients summed over micro-batches equal the

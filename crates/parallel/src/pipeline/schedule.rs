@@ -80,7 +80,7 @@
 //! (`executor.rs`). [`Schedule::with_costs`] builds the zero-bubble orders for such costs
 //! (`cost_aware.rs`: list scheduling on the costs' clock, each W placed by its length, the
 //! memory limits above kept); `mtrain plan --pass-costs F,B,W` prints it beside the unit-clock
-//! order. The executor runs the unit-clock orders (why: `executor.rs`).
+//! order, and training under the same flag runs it (`ParallelPlan::schedule`).
 
 use std::fmt;
 

@@ -41,6 +41,12 @@ pub struct StrategyArgs {
     #[arg(long, value_name = "M")]
     pub microbatches: Option<usize>,
 
+    /// One stage's F, B and W (ms, e.g. the pass times a run's step report measured): zb-h1
+    /// and zb-v run the order built for these costs, `mtrain plan` simulates every schedule at
+    /// them (the fused backward B + W, a chunk of a two-chunk schedule half of each).
+    #[arg(long, value_name = "F,B,W", value_delimiter = ',')]
+    pub pass_costs: Option<Vec<f64>>,
+
     /// Gradient all-reduce for data parallelism (default bucketed).
     #[arg(long, value_enum)]
     pub ddp_mode: Option<DdpMode>,
@@ -76,6 +82,15 @@ impl StrategyArgs {
             &layers(&self.stage_layers),
             &layers(&after.stage_layers),
         )?;
+        let costs = |v: &Option<Vec<f64>>| {
+            v.as_ref()
+                .map(|c| c.iter().map(f64::to_string).collect::<Vec<_>>().join(","))
+        };
+        merged(
+            "--pass-costs",
+            &costs(&self.pass_costs),
+            &costs(&after.pass_costs),
+        )?;
         Ok(StrategyArgs {
             fsdp: self.fsdp || after.fsdp,
             zero_stage: merged("--zero-stage", &self.zero_stage, &after.zero_stage)?,
@@ -91,6 +106,7 @@ impl StrategyArgs {
                 .clone()
                 .or_else(|| self.stage_layers.clone()),
             microbatches: merged("--microbatches", &self.microbatches, &after.microbatches)?,
+            pass_costs: after.pass_costs.clone().or_else(|| self.pass_costs.clone()),
             ddp_mode: after.ddp_mode.or(self.ddp_mode),
             bucket_mb: merged("--bucket-mb", &self.bucket_mb, &after.bucket_mb)?,
         })
@@ -144,6 +160,12 @@ pub fn parallel_overrides(layout: &LayoutArgs, strategy: &StrategyArgs) -> toml:
         t.insert(
             "stage_layers".into(),
             toml::Value::Array(counts.iter().map(|&c| int(c)).collect()),
+        );
+    }
+    if let Some(costs) = &strategy.pass_costs {
+        t.insert(
+            "pass_costs".into(),
+            toml::Value::Array(costs.iter().map(|&c| toml::Value::Float(c)).collect()),
         );
     }
     if let Some(mb) = strategy.bucket_mb {
@@ -220,5 +242,39 @@ mod tests {
         );
         assert_eq!(plan.stage_counts, Some(vec![2, 1, 1, 2, 1, 1]));
         assert_eq!(plan.microbatches, 4);
+    }
+
+    /// `--pass-costs` reaches the plan the executor builds its order from; anything but three
+    /// positive costs is refused, naming the key.
+    #[test]
+    fn pass_costs_reach_the_plan_or_are_refused() {
+        let dims = MeshDims {
+            dp: 1,
+            pp: 2,
+            tp: 1,
+            ep: 1,
+        };
+        let plan_of = |costs: &str| {
+            let cli = Cli::try_parse_from([
+                "mtrain",
+                "--pp",
+                "2",
+                "--schedule",
+                "zb-v",
+                "--pass-costs",
+                costs,
+            ])
+            .unwrap();
+            let cfg = cli.config().unwrap();
+            cfg.parallel.plan(dims, false, cfg.precision())
+        };
+        assert_eq!(
+            plan_of("12.6,12.6,9.8").unwrap().pass_costs,
+            Some([12.6, 12.6, 9.8])
+        );
+        for bad in ["12.6,12.6", "12.6,0,9.8", "1,2,3,4"] {
+            let e = plan_of(bad).unwrap_err().to_string();
+            assert!(e.contains("pass_costs"), "{bad}: {e}");
+        }
     }
 }

@@ -51,6 +51,9 @@ pub struct ParallelConfig {
     pub stage_layers: Option<Vec<usize>>,
     /// Micro-batches per step through the pipeline; unset: pp.
     pub microbatches: Option<usize>,
+    /// One stage's F, B and W in ms that zb-h1 and zb-v build their order for; unset: the
+    /// unit-clock orders.
+    pub pass_costs: Option<Vec<f64>>,
     /// Gradient all-reduce of DDP: "bucketed" or "naive".
     pub ddp_mode: DdpMode,
     /// DDP bucket size in MiB.
@@ -72,6 +75,7 @@ impl Default for ParallelConfig {
             virtual_stages: 2,
             stage_layers: None,
             microbatches: None,
+            pass_costs: None,
             ddp_mode: DdpMode::Bucketed,
             bucket_mb: 25.0,
         }
@@ -138,6 +142,17 @@ impl ParallelConfig {
                 self.bucket_mb
             )));
         }
+        let pass_costs = match self.pass_costs.as_deref() {
+            None => None,
+            Some(&[f, b, w]) if [f, b, w].iter().all(|c| c.is_finite() && *c > 0.0) => {
+                Some([f, b, w])
+            }
+            Some(c) => {
+                return Err(ConfigError::Invalid(format!(
+                    "pass_costs (--pass-costs) takes three positive costs F,B,W in ms, got {c:?}"
+                )))
+            }
+        };
         let data = match stage {
             0 => {
                 let cap = (self.bucket_mb * MIB) as usize;
@@ -170,6 +185,7 @@ impl ParallelConfig {
             },
             microbatches: self.microbatches.unwrap_or(dims.pp),
             stage_counts: self.stage_layers.clone(),
+            pass_costs,
             checkpointing,
             precision,
             // Not a layout choice: the run's `backward` key sets it (`crate::resolve`).
@@ -213,6 +229,7 @@ impl ParallelConfig {
             virtual_stages,
             stage_layers: plan.stage_counts.clone(),
             microbatches: Some(plan.microbatches),
+            pass_costs: plan.pass_costs.map(|c| c.to_vec()),
             ddp_mode,
             bucket_mb,
         }
@@ -238,6 +255,12 @@ mod tests {
                 virtual_stages: 3,
                 stage_layers: Some(vec![2, 1, 1, 2, 1, 1]),
                 microbatches: Some(4),
+                ..Default::default()
+            },
+            ParallelConfig {
+                pp: 2,
+                schedule: Schedule::ZbV,
+                pass_costs: Some(vec![12.6, 12.6, 9.8]),
                 ..Default::default()
             },
             ParallelConfig {

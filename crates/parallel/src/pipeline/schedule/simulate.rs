@@ -30,6 +30,18 @@ impl PassCosts {
         weight_grad: 1.0,
     };
 
+    /// One model stage's costs under `kind` from a whole stage's F, B and W (ms): a chunk of a
+    /// schedule with v chunks per rank costs 1/v of each; the fused backward is B + W.
+    pub fn of_stage(kind: super::ScheduleKind, [f, b, w]: [f64; 3]) -> PassCosts {
+        let k = 1.0 / kind.virtual_stages() as f64;
+        PassCosts {
+            forward: f * k,
+            backward: (b + w) * k,
+            input_grad: b * k,
+            weight_grad: w * k,
+        }
+    }
+
     pub fn of(&self, kind: PassKind) -> f64 {
         match kind {
             PassKind::Forward => self.forward,
