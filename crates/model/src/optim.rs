@@ -171,13 +171,24 @@ impl AdamW {
         if self.step_in_place(items, copies, &hyper(false))? {
             return Ok(());
         }
-        for (k, it) in items.iter().enumerate() {
-            let p = it.param.tensor().detach();
-            let g = it.grad.detach();
-            let (m, v) = (self.m.get(it.name), self.v.get(it.name));
+        // Each tensor's update is independent of the others: on the CPU they are spread over
+        // the compute pool, each computed as it would be alone (`mtrain_kernels::each_tensor`).
+        let jobs: Vec<(&OptimItem, Tensor, Option<DType>)> = items
+            .iter()
+            .enumerate()
+            .map(|(k, it)| (it, it.param.tensor(), copies.map(|c| c[k].var().dtype())))
+            .collect();
+        let (moments_m, moments_v) = (&self.m, &self.v);
+        let outs = mtrain_kernels::each_tensor(
+            &jobs,
+            |(_, p, _)| p,
+            |(it, p, dtype)| {
+                let (m, v) = (moments_m.get(it.name), moments_v.get(it.name));
+                adamw::step(&p.detach(), &it.grad.detach(), m, v, &hyper(it.decay), *dtype)
+            },
+        )?;
+        for (k, (it, out)) in items.iter().zip(outs).enumerate() {
             let copy = copies.map(|c| c[k]);
-            let dtype = copy.map(|c| c.var().dtype());
-            let out = adamw::step(&p, &g, m, v, &hyper(it.decay), dtype)?;
             it.param.set(&out.p)?;
             if let Some(c) = copy {
                 match out.copy {
