@@ -25,9 +25,11 @@ use candle_core::{DType, Device, Result, Shape, Storage, StorageRef, Tensor, Wit
 
 use crate::msg;
 
+mod bmm;
 mod each;
 mod simd;
 mod split;
+pub(crate) use bmm::matmul;
 pub use each::each_tensor;
 pub use split::{set_split_min, split_min, DEFAULT_SPLIT_MIN};
 
