@@ -134,8 +134,16 @@ mod tests {
                 step,
                 grad_scale: clip,
             };
-            let g = if bf16 { g.to_dtype(DType::BF16)? } else { g.clone() };
-            let (m, v) = if moments { (Some(&m), Some(&v)) } else { (None, None) };
+            let g = if bf16 {
+                g.to_dtype(DType::BF16)?
+            } else {
+                g.clone()
+            };
+            let (m, v) = if moments {
+                (Some(&m), Some(&v))
+            } else {
+                (None, None)
+            };
             assert!(takes(&p, &g, m, v));
             let want = crate::adamw::plain_update(&p, &g, m, v, &h)?;
             let got = update(&p, &g, m, v, &h)?;

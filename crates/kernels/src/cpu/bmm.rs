@@ -137,7 +137,10 @@ mod tests {
         let qkv = Tensor::randn(0f32, 1.0, (3, 4, 4, 64, 32), &dev)?;
         let (q, k) = (qkv.get(0)?, qkv.get(1)?);
         let s = Tensor::randn(0f32, 1.0, (4, 4, 64, 64), &dev)?;
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
         let kt = k.t()?;
         let st = s.t()?;
         let cases: [(&Tensor, &Tensor); 4] = [(&q, &kt), (&s, &k), (&st, &q), (&s, &q)];
@@ -151,7 +154,10 @@ mod tests {
         let got = pool.install(|| matmul(&wide, &wide))?;
         assert_eq!(bits(&got)?, bits(&wide.matmul(&wide)?)?);
         let bad = pool.install(|| matmul(&q, &s.narrow(D::Minus1, 0, 16)?));
-        assert!(bad.is_err(), "a (.., 64, 32) by (.., 64, 16) product must fail");
+        assert!(
+            bad.is_err(),
+            "a (.., 64, 32) by (.., 64, 16) product must fail"
+        );
         Ok(())
     }
 }

@@ -62,17 +62,24 @@ mod tests {
             .collect::<Result<_>>()?;
         let sum = |t: &Tensor| t.sqr()?.sum_all()?.to_scalar::<f32>();
         let one: Vec<f32> = ts.iter().map(sum).collect::<Result<_>>()?;
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
         let spread = pool.install(|| each_tensor(&ts, |t| t, sum))?;
         assert_eq!(
             one.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
             spread.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
         );
         let failing = pool.install(|| {
-            each_tensor(&ts, |t| t, |t| match t.elem_count() {
-                3 => Err(crate::msg("item of 3 elements".into())),
-                _ => sum(t),
-            })
+            each_tensor(
+                &ts,
+                |t| t,
+                |t| match t.elem_count() {
+                    3 => Err(crate::msg("item of 3 elements".into())),
+                    _ => sum(t),
+                },
+            )
         });
         assert!(failing.unwrap_err().to_string().contains("item of 3"));
         Ok(())
