@@ -1,6 +1,5 @@
 //! AdamW for one tensor: the whole update in one fused kernel (`adamw.cu`), the step that picks it
-//! or the same formulas in candle ops ([`plain_update`]; on the CPU, the same arithmetic in one
-//! pass, `cpu/adamw.rs`).
+//! or the same formulas in candle ops ([`plain_update`]).
 //!
 //! ```text
 //!   candle path, per tensor (plain_update)            fused, per tensor
@@ -121,8 +120,8 @@ pub fn fuses(p: &Tensor, g: &Tensor) -> bool {
 
 /// One AdamW step of `p` with gradient `g` (any float dtype, read as f32) and moments `m`, `v`
 /// (None on the first step: zeros); with `copy`, also the new `p` cast to that dtype. The
-/// fused kernel where it applies (it writes a bf16 copy in the same pass), on the CPU one pass
-/// with [`plain_update`]'s arithmetic (`cpu/adamw.rs`), else candle ops with the same formulas. The inputs are only read; every output is a fresh tensor.
+/// fused kernel where it applies (it writes a bf16 copy in the same pass), else candle ops
+/// with the same formulas. The inputs are only read; every output is a fresh tensor.
 pub fn step(
     p: &Tensor,
     g: &Tensor,
@@ -142,10 +141,7 @@ pub fn step(
         };
         fused(p, g, &m, &v, h, copy == Some(DType::BF16))?
     } else {
-        let (p32, m, v) = match crate::cpu::adamw::takes(p, g, m, v) {
-            true => crate::cpu::adamw::update(p, g, m, v, h)?, // plain_update in one pass
-            false => plain_update(p, g, m, v, h)?,
-        };
+        let (p32, m, v) = plain_update(p, g, m, v, h)?;
         AdamWOut {
             p: p32.to_dtype(p.dtype())?,
             m,

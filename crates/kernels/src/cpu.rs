@@ -25,7 +25,6 @@ use candle_core::{DType, Device, Result, Shape, Storage, StorageRef, Tensor, Wit
 
 use crate::msg;
 
-pub(crate) mod adamw;
 mod bmm;
 mod each;
 mod simd;

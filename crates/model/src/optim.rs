@@ -172,33 +172,40 @@ impl AdamW {
             return Ok(());
         }
         // Each tensor's update is independent of the others: on the CPU they are spread over
-        // the compute pool, each computed as it would be alone (`mtrain_kernels::each_tensor`).
-        let jobs: Vec<(&OptimItem, Tensor, Option<DType>)> = items
+        // the compute pool (`mtrain_kernels::each_tensor`), each computed as it would be alone
+        // and stored as soon as it is done, so no more than one new tensor per worker is alive
+        // beside the old state (in order on one thread, as a plain loop).
+        let jobs: Vec<(&OptimItem, Option<&Param>)> = items
             .iter()
             .enumerate()
-            .map(|(k, it)| (it, it.param.tensor(), copies.map(|c| c[k].var().dtype())))
+            .map(|(k, it)| (it, copies.map(|c| c[k])))
             .collect();
-        let (moments_m, moments_v) = (&self.m, &self.v);
-        let outs = mtrain_kernels::each_tensor(
+        let moments = std::sync::Mutex::new((&mut self.m, &mut self.v));
+        let moments_of = |name: &str| {
+            let mv = moments.lock().expect("the moments' lock");
+            (mv.0.get(name).cloned(), mv.1.get(name).cloned())
+        };
+        mtrain_kernels::each_tensor(
             &jobs,
-            |(_, p, _)| p,
-            |(it, p, dtype)| {
-                let (m, v) = (moments_m.get(it.name), moments_v.get(it.name));
-                adamw::step(&p.detach(), &it.grad.detach(), m, v, &hyper(it.decay), *dtype)
+            |(it, _)| it.grad, // the parameter's device and size
+            |&(it, copy)| {
+                let (m, v) = moments_of(it.name);
+                let (p, g) = (it.param.tensor().detach(), it.grad.detach());
+                let (h, dtype) = (hyper(it.decay), copy.map(|c| c.var().dtype()));
+                let out = adamw::step(&p, &g, m.as_ref(), v.as_ref(), &h, dtype)?;
+                it.param.set(&out.p)?;
+                if let Some(c) = copy {
+                    match out.copy {
+                        Some(w) if w.dtype() == c.var().dtype() => c.set(&w)?,
+                        _ => c.set(&out.p.to_dtype(c.var().dtype())?)?,
+                    }
+                }
+                let mut mv = moments.lock().expect("the moments' lock");
+                mv.0.insert(it.name.to_string(), out.m);
+                mv.1.insert(it.name.to_string(), out.v);
+                Ok(())
             },
         )?;
-        for (k, (it, out)) in items.iter().zip(outs).enumerate() {
-            let copy = copies.map(|c| c[k]);
-            it.param.set(&out.p)?;
-            if let Some(c) = copy {
-                match out.copy {
-                    Some(w) if w.dtype() == c.var().dtype() => c.set(&w)?,
-                    _ => c.set(&out.p.to_dtype(c.var().dtype())?)?,
-                }
-            }
-            self.m.insert(it.name.to_string(), out.m);
-            self.v.insert(it.name.to_string(), out.v);
-        }
         Ok(())
     }
 
