@@ -148,10 +148,11 @@ pub fn forward(qkv: &Tensor, scale: f64, dropout: Option<&Mask>) -> Result<(Tens
         None => Ok(p),
     };
     if crate::cpu::takes(&[qkv]) {
-        let s = (&q * scale)?.matmul(&k.t()?)?; // (B, H, T, T), unmasked
+        let bmm = crate::cpu::matmul; // the B·H products shared over the pool
+        let s = bmm(&(&q * scale)?, &k.t()?)?; // (B, H, T, T), unmasked
         let (p, lse) = crate::cpu::causal_softmax(&s)?; // one pass: mask, max, exp, Σ
         drop(s);
-        let y = masked(p)?.matmul(&v)?; // (B, H, T, D)
+        let y = bmm(&masked(p)?, &v)?; // (B, H, T, D)
         return Ok((y, (lse * std::f64::consts::LOG2_E)?));
     }
     let s = plain::causal_scores(&q, &k, scale)?; // (B, H, T, T) f32
@@ -203,16 +204,17 @@ pub fn backward(
     };
     if crate::cpu::takes(&[qkv, y, dy, lse2]) {
         let lse = (lse2 * std::f64::consts::LN_2)?; // (B, H, T)
-        let s = (&q * scale)?.matmul(&k.t()?)?; // (B, H, T, T), unmasked
+        let bmm = crate::cpu::matmul; // the B·H products shared over the pool
+        let s = bmm(&(&q * scale)?, &k.t()?)?; // (B, H, T, T), unmasked
         let p = crate::cpu::causal_probs(&s, &lse)?; // (B, H, T, T)
         drop(s);
-        let dp = masked(&dy.matmul(&v.t()?)?)?; // (B, H, T, T)
+        let dp = masked(&bmm(dy, &v.t()?)?)?; // (B, H, T, T)
         let ds = crate::cpu::score_grad(&p, &dp, dy, y)?; // (B, H, T, T)
         drop(dp);
-        let dq = (ds.matmul(&k)? * scale)?; // (B, H, T, D)
-        let dk = (ds.t()?.matmul(&q)? * scale)?; // (B, H, T, D)
+        let dq = (bmm(&ds, &k)? * scale)?; // (B, H, T, D)
+        let dk = (bmm(&ds.t()?, &q)? * scale)?; // (B, H, T, D)
         drop(ds);
-        let dv = masked(&p)?.t()?.matmul(dy)?; // (B, H, T, D)
+        let dv = bmm(&masked(&p)?.t()?, dy)?; // (B, H, T, D)
         return Tensor::stack(&[dq, dk, dv], 0); // (3, B, H, T, D)
     }
     let lse = (lse2 * std::f64::consts::LN_2)?.unsqueeze(D::Minus1)?; // (B, H, T, 1)

@@ -25,8 +25,12 @@ use candle_core::{DType, Device, Result, Shape, Storage, StorageRef, Tensor, Wit
 
 use crate::msg;
 
+mod bmm;
+mod each;
 mod simd;
 mod split;
+pub(crate) use bmm::matmul;
+pub use each::each_tensor;
 pub use split::{set_split_min, split_min, DEFAULT_SPLIT_MIN};
 
 /// Whether the CPU loops take these tensors: every one an f32 tensor on the CPU.

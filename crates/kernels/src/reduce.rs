@@ -70,7 +70,8 @@ pub fn sq_sum_f64(t: &Tensor) -> Result<f64> {
 ///
 /// On CUDA, where every tensor is bf16 or f32 on one device, one `sq_sum_partials` launch for
 /// all of them and one read-back of the partials; otherwise (CPU, other dtypes) each tensor's
-/// [`sq_sum_f64_tensor`] on the device, the scalars stacked and read back together.
+/// [`sq_sum_f64_tensor`] on the device (on the CPU spread over the compute pool,
+/// [`crate::each_tensor`]), the scalars stacked in order and read back together.
 pub fn sq_sum_f64_all<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<f64> {
     let tensors: Vec<&Tensor> = tensors.into_iter().collect();
     let Some(first) = tensors.first() else {
@@ -82,10 +83,7 @@ pub fn sq_sum_f64_all<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Resu
     if fused {
         return partials::sq_sum(&tensors);
     }
-    let sums = tensors
-        .iter()
-        .map(|t| sq_sum_f64_tensor(t))
-        .collect::<Result<Vec<_>>>()?;
+    let sums = crate::each_tensor(&tensors, |t| *t, |t| sq_sum_f64_tensor(t))?;
     Ok(Tensor::stack(&sums, 0)?.to_vec1::<f64>()?.into_iter().sum())
 }
 

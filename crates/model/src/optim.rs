@@ -171,23 +171,41 @@ impl AdamW {
         if self.step_in_place(items, copies, &hyper(false))? {
             return Ok(());
         }
-        for (k, it) in items.iter().enumerate() {
-            let p = it.param.tensor().detach();
-            let g = it.grad.detach();
-            let (m, v) = (self.m.get(it.name), self.v.get(it.name));
-            let copy = copies.map(|c| c[k]);
-            let dtype = copy.map(|c| c.var().dtype());
-            let out = adamw::step(&p, &g, m, v, &hyper(it.decay), dtype)?;
-            it.param.set(&out.p)?;
-            if let Some(c) = copy {
-                match out.copy {
-                    Some(w) if w.dtype() == c.var().dtype() => c.set(&w)?,
-                    _ => c.set(&out.p.to_dtype(c.var().dtype())?)?,
+        // Each tensor's update is independent of the others: on the CPU they are spread over
+        // the compute pool (`mtrain_kernels::each_tensor`), each computed as it would be alone
+        // and stored as soon as it is done, so no more than one new tensor per worker is alive
+        // beside the old state (in order on one thread, as a plain loop).
+        let jobs: Vec<(&OptimItem, Option<&Param>)> = items
+            .iter()
+            .enumerate()
+            .map(|(k, it)| (it, copies.map(|c| c[k])))
+            .collect();
+        let moments = std::sync::Mutex::new((&mut self.m, &mut self.v));
+        let moments_of = |name: &str| {
+            let mv = moments.lock().expect("the moments' lock");
+            (mv.0.get(name).cloned(), mv.1.get(name).cloned())
+        };
+        mtrain_kernels::each_tensor(
+            &jobs,
+            |(it, _)| it.grad, // the parameter's device and size
+            |&(it, copy)| {
+                let (m, v) = moments_of(it.name);
+                let (p, g) = (it.param.tensor().detach(), it.grad.detach());
+                let (h, dtype) = (hyper(it.decay), copy.map(|c| c.var().dtype()));
+                let out = adamw::step(&p, &g, m.as_ref(), v.as_ref(), &h, dtype)?;
+                it.param.set(&out.p)?;
+                if let Some(c) = copy {
+                    match out.copy {
+                        Some(w) if w.dtype() == c.var().dtype() => c.set(&w)?,
+                        _ => c.set(&out.p.to_dtype(c.var().dtype())?)?,
+                    }
                 }
-            }
-            self.m.insert(it.name.to_string(), out.m);
-            self.v.insert(it.name.to_string(), out.v);
-        }
+                let mut mv = moments.lock().expect("the moments' lock");
+                mv.0.insert(it.name.to_string(), out.m);
+                mv.1.insert(it.name.to_string(), out.v);
+                Ok(())
+            },
+        )?;
         Ok(())
     }
 

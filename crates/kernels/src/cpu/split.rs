@@ -41,7 +41,7 @@ pub fn set_split_min(elems: usize) {
 }
 
 /// Whether an op of `elems` elements splits: at least [`split_min`], and a pool to split over.
-fn splits(elems: usize) -> bool {
+pub(super) fn splits(elems: usize) -> bool {
     elems >= split_min() && rayon::current_num_threads() > 1
 }
 

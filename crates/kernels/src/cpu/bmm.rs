@@ -1,0 +1,163 @@
+//! Batched products of many small matrices on the CPU, the batch split over the compute pool.
+//!
+//! Attention's products are (B, H, M, K) · (B, H, K, N): B·H matrices of T × D or T × T each
+//! (64 × 64 at the tiny preset's width 256). candle hands each matrix to the gemm in turn, and
+//! each is below the gemm's threading threshold ([`gemm::get_threading_threshold`] multiply-adds),
+//! so all of them run on the calling thread while the other workers wait. Here the B·H products
+//! are shared out over the pool instead, each written into its own part of one output:
+//!
+//! ```text
+//!   out (B·H, M, N)    matrices 0 .. B·H/2   worker 0   each one gemm(a[i], b[i]) call, the
+//!                      matrices B·H/2 .. B·H worker 1   same arguments candle passes, so the
+//!                                                       same bits as candle's matmul
+//! ```
+//!
+//! Larger matrices (the gemm splits each itself), other ranks, dtypes or devices, a broadcast
+//! batch, and products below [`split_min`](super::split_min) output elements in all go to
+//! candle's matmul.
+
+use candle_core::{Layout, Result, Storage, Tensor};
+use rayon::prelude::*;
+
+/// `a · b` for a (B, H, M, K) and b (B, H, K, N): (B, H, M, N), as `a.matmul(b)`.
+pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let (Ok((bb, h, m, k)), Ok((b2, h2, k2, n))) = (a.dims4(), b.dims4()) else {
+        return a.matmul(b);
+    };
+    let mats = bb * h;
+    let small = m * n * k < gemm::get_threading_threshold();
+    let split = super::takes(&[a, b])
+        && (bb, h, k) == (b2, h2, k2)
+        && mats >= 2
+        && small
+        && super::split::splits(mats * m * n);
+    if !split {
+        return a.matmul(b);
+    }
+    let (sa, la) = a.storage_and_layout();
+    let (sb, lb) = b.storage_and_layout();
+    let (Storage::Cpu(ca), Storage::Cpu(cb)) = (&*sa, &*sb) else {
+        return a.matmul(b);
+    };
+    let (va, vb) = (ca.as_slice::<f32>()?, cb.as_slice::<f32>()?);
+    let (oa, ob) = (Offsets::of(la, h), Offsets::of(lb, h));
+    if oa.broadcast() || ob.broadcast() {
+        return a.matmul(b);
+    }
+    let threads = rayon::current_num_threads();
+    let mut out = vec![0f32; mats * m * n];
+    out.par_chunks_mut(m * n)
+        .with_min_len(mats.div_ceil(threads))
+        .enumerate()
+        .for_each(|(i, dst)| {
+            // SAFETY: the offsets and strides are those of valid layouts of `a` and `b` over
+            // `va` and `vb`, so every element the gemm reads of matrix i lies in them; `dst`
+            // is one (M, N) row-major matrix of `out`. The arguments are candle's own
+            // (`cpu_backend::MatMul`): C = 0·C + 1·A·B, C not read.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    n,
+                    k,
+                    dst.as_mut_ptr(),
+                    1,
+                    n as isize,
+                    false,
+                    va.as_ptr().add(oa.start(i)),
+                    oa.cs,
+                    oa.rs,
+                    vb.as_ptr().add(ob.start(i)),
+                    ob.cs,
+                    ob.rs,
+                    0f32,
+                    1f32,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::Rayon(threads),
+                )
+            }
+        });
+    drop((sa, sb));
+    Tensor::from_vec(out, (bb, h, m, n), a.device())
+}
+
+/// Where matrix `i` = (batch i / H, head i % H) of a 4-D layout starts, and its strides.
+struct Offsets {
+    start: usize,
+    h: usize,
+    s0: usize,
+    s1: usize,
+    rs: isize,
+    cs: isize,
+}
+
+impl Offsets {
+    fn of(l: &Layout, h: usize) -> Self {
+        let s = l.stride();
+        Self {
+            start: l.start_offset(),
+            h,
+            s0: s[0],
+            s1: s[1],
+            rs: s[2] as isize,
+            cs: s[3] as isize,
+        }
+    }
+
+    /// Whether a batch dimension repeats one matrix (stride 0): candle folds those differently.
+    fn broadcast(&self) -> bool {
+        self.s0 == 0 || (self.h > 1 && self.s1 == 0)
+    }
+
+    fn start(&self, i: usize) -> usize {
+        self.start + (i / self.h) * self.s0 + (i % self.h) * self.s1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, D};
+
+    fn bits(t: &Tensor) -> Result<Vec<u32>> {
+        Ok(t.flatten_all()?
+            .to_vec1::<f32>()?
+            .iter()
+            .map(|x| x.to_bits())
+            .collect())
+    }
+
+    /// Every product attention takes (a plain pair, a transposed right side, a transposed left
+    /// side, a view at an offset) gives candle's bits on two threads; a large or a mismatched
+    /// product is candle's own.
+    #[test]
+    fn split_products_are_candle_bit_for_bit() -> Result<()> {
+        let dev = Device::Cpu;
+        let qkv = Tensor::randn(0f32, 1.0, (3, 4, 4, 64, 32), &dev)?;
+        let (q, k) = (qkv.get(0)?, qkv.get(1)?);
+        let s = Tensor::randn(0f32, 1.0, (4, 4, 64, 64), &dev)?;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let kt = k.t()?;
+        let st = s.t()?;
+        let cases: [(&Tensor, &Tensor); 4] = [(&q, &kt), (&s, &k), (&st, &q), (&s, &q)];
+        for (a, b) in cases {
+            let want = a.matmul(b)?;
+            let got = pool.install(|| matmul(a, b))?;
+            assert_eq!(got.dims(), want.dims());
+            assert_eq!(bits(&got)?, bits(&want)?);
+        }
+        let wide = Tensor::randn(0f32, 1.0, (2, 1, 256, 256), &dev)?;
+        let got = pool.install(|| matmul(&wide, &wide))?;
+        assert_eq!(bits(&got)?, bits(&wide.matmul(&wide)?)?);
+        let bad = pool.install(|| matmul(&q, &s.narrow(D::Minus1, 0, 16)?));
+        assert!(
+            bad.is_err(),
+            "a (.., 64, 32) by (.., 64, 16) product must fail"
+        );
+        Ok(())
+    }
+}
