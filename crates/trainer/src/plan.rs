@@ -326,7 +326,10 @@ mod tests {
         let v = render_cost_aware(ScheduleKind::ZeroBubbleV, 4, 8, measured).unwrap();
         let v = v.unwrap();
         assert!(
-            v.starts_with("cost-aware ZB-V order, built for F 12.6 ms, B 12.6 ms, W 9.8 ms"),
+            v.starts_with(
+                "cost-aware ZB-V order (what training runs under these --pass-costs), built for \
+                 F 12.6 ms, B 12.6 ms, W 9.8 ms"
+            ),
             "{v}"
         );
         assert!(
