@@ -66,8 +66,7 @@
 //!   stops at 0.26x (a 301.7 ms step against the floor's 298.9: its rules leave a few gaps of
 //!   1.4 ms, a chunk's F less its W, on ranks 1 to 3).
 
-use std::collections::VecDeque;
-
+use super::zero_bubble::Progress;
 use super::{Action, PassCosts, Schedule, ScheduleError};
 
 /// When a rank with nothing else ready runs a W (module doc).
@@ -222,13 +221,8 @@ pub(super) fn cost_aware(
             .iter()
             .map(|c| c.forward + c.input_grad + c.weight_grad)
             .sum::<f64>();
-    // When F (B) of (stage, micro-batch) ends.
-    let mut f_end = vec![vec![None::<f64>; m]; n];
-    let mut b_end = vec![vec![None::<f64>; m]; n];
-    let mut next_f = vec![vec![0usize; v]; p];
-    let mut next_b = vec![vec![0usize; v]; p];
-    let mut owed_w: Vec<VecDeque<(usize, usize)>> = vec![VecDeque::new(); p];
-    let mut alive = vec![vec![0usize; v]; p];
+    // What ran, and when F (B) of (stage, micro-batch) ends.
+    let mut pr = Progress::<f64>::new(n, m, p, v);
     // Activations sent to (rank, chunk) and not yet consumed: the memory they will take.
     let mut incoming = vec![vec![0usize; v]; p];
     // channel[src][dst]: what src sent dst (src itself too), in order; read[src][dst]: how many
@@ -264,24 +258,24 @@ pub(super) fn cost_aware(
             let mut waits_for_memory = None;
             for c in 0..v {
                 let stage = s.model_stage(r, c);
-                let mb = next_b[r][c];
-                if mb < m && done(f_end[stage][mb]) {
+                let mb = pr.next_b[r][c];
+                if mb < m && done(pr.f[stage][mb]) {
                     let fed = stage + 1 == n
-                        || (done(b_end[stage + 1][mb]) && at_head(stage + 1, false, mb, stage));
+                        || (done(pr.b[stage + 1][mb]) && at_head(stage + 1, false, mb, stage));
                     if fed {
                         bs.push((mb, stage, c));
                     }
                 }
-                let mb = next_f[r][c];
+                let mb = pr.next_f[r][c];
                 let fed = mb < m
                     && (stage == 0
-                        || (done(f_end[stage - 1][mb]) && at_head(stage - 1, true, mb, stage)));
+                        || (done(pr.f[stage - 1][mb]) && at_head(stage - 1, true, mb, stage)));
                 let consumes = stage > 0 && s.rank_of_stage(stage - 1) != r;
-                let room = alive[r][c] + incoming[r][c] - usize::from(consumes && fed) < cap(r);
+                let room = pr.alive[r][c] + incoming[r][c] - usize::from(consumes && fed) < cap(r);
                 let to = (stage + 1 < n)
                     .then(|| (s.rank_of_stage(stage + 1), s.chunk_of_stage(stage + 1)));
                 let room_there =
-                    to.is_none_or(|(q, d)| q == r || alive[q][d] + incoming[q][d] < cap(q));
+                    to.is_none_or(|(q, d)| q == r || pr.alive[q][d] + incoming[q][d] < cap(q));
                 if fed && room && room_there {
                     fs.push((mb, stage, c));
                 } else if fed && !room {
@@ -296,8 +290,8 @@ pub(super) fn cost_aware(
             // The oldest W owed, of the chunk an F waits on for memory if there is one.
             let w = waits_for_memory
                 .filter(|_| rules.frees_memory_first)
-                .and_then(|c| owed_w[r].iter().position(|&(_, chunk)| chunk == c))
-                .or((!owed_w[r].is_empty()).then_some(0));
+                .and_then(|c| pr.owed_w[r].iter().position(|&(_, chunk)| chunk == c))
+                .or((!pr.owed_w[r].is_empty()).then_some(0));
             let b = first(&mut bs).map(|(mb, _, chunk)| Action::InputGrad { mb, chunk });
             let f = first(&mut fs).map(|(mb, _, chunk)| Action::Forward { mb, chunk });
             let action = if let Some(a) = match rules.order {
@@ -305,7 +299,7 @@ pub(super) fn cost_aware(
                 Order::FFirst => f.or(b),
             } {
                 Some(a)
-            } else if let Some((mb, chunk)) = w.map(|i| owed_w[r][i]) {
+            } else if let Some((mb, chunk)) = w.map(|i| pr.owed_w[r][i]) {
                 let cost = costs[s.model_stage(r, chunk)].weight_grad;
                 // The next message on its way here: the first unread one of each channel, if
                 // it has not arrived yet.
@@ -343,22 +337,7 @@ pub(super) fn cost_aware(
                     incoming[q][s.chunk_of_stage(to)] += 1;
                 }
             }
-            match a {
-                Action::Forward { .. } => {
-                    f_end[stage][mb] = Some(end);
-                    next_f[r][c] += 1;
-                    alive[r][c] += 1;
-                }
-                Action::InputGrad { .. } => {
-                    b_end[stage][mb] = Some(end);
-                    next_b[r][c] += 1;
-                    owed_w[r].push_back((mb, c));
-                }
-                _ => {
-                    owed_w[r].retain(|&owed| owed != (mb, c));
-                    alive[r][c] -= 1;
-                }
-            }
+            pr.record(r, a, stage, mb, c, end);
             out[r].push(a);
             free[r] = end;
             took[r] = true;

@@ -30,6 +30,55 @@ pub(super) fn zb_h1(p: usize, r: usize, m: usize) -> Vec<Action> {
     out
 }
 
+/// What a greedy builder of the zero-bubble orders has placed so far, per model stage, rank and
+/// chunk; `T` is when a pass happened (a tick, or a time on the costs' clock).
+pub(super) struct Progress<T> {
+    /// When F (B) of (stage, micro-batch) ran.
+    pub f: Vec<Vec<Option<T>>>,
+    pub b: Vec<Vec<Option<T>>>,
+    /// The next micro-batch whose F (B) each (rank, chunk) runs.
+    pub next_f: Vec<Vec<usize>>,
+    pub next_b: Vec<Vec<usize>>,
+    /// The W's each rank owes, (micro-batch, chunk), oldest first.
+    pub owed_w: Vec<VecDeque<(usize, usize)>>,
+    /// Micro-batches holding activations in each (rank, chunk): an F adds one, a W frees it.
+    pub alive: Vec<Vec<usize>>,
+}
+
+impl<T: Copy> Progress<T> {
+    /// Nothing placed: `n` model stages, `m` micro-batches, `p` ranks of `v` chunks.
+    pub fn new(n: usize, m: usize, p: usize, v: usize) -> Self {
+        Self {
+            f: vec![vec![None; m]; n],
+            b: vec![vec![None; m]; n],
+            next_f: vec![vec![0; v]; p],
+            next_b: vec![vec![0; v]; p],
+            owed_w: vec![VecDeque::new(); p],
+            alive: vec![vec![0; v]; p],
+        }
+    }
+
+    /// Rank `r` ran `a` (micro-batch `mb` of `stage`, its chunk `c`) at `at`.
+    pub fn record(&mut self, r: usize, a: Action, stage: usize, mb: usize, c: usize, at: T) {
+        match a {
+            Action::Forward { .. } => {
+                self.f[stage][mb] = Some(at);
+                self.next_f[r][c] += 1;
+                self.alive[r][c] += 1;
+            }
+            Action::InputGrad { .. } => {
+                self.b[stage][mb] = Some(at);
+                self.next_b[r][c] += 1;
+                self.owed_w[r].push_back((mb, c));
+            }
+            _ => {
+                self.owed_w[r].retain(|&owed| owed != (mb, c));
+                self.alive[r][c] -= 1;
+            }
+        }
+    }
+}
+
 /// The zero-bubble orders (ZB-H1, ZB-V) of `s`'s placement, written down by running the ranks
 /// on a clock where F, B and W each take one tick. At every tick each free rank picks, from
 /// what is ready, in this order:
@@ -54,13 +103,8 @@ pub(super) fn zero_bubble(
         s.virtual_stages(),
         s.num_model_stages(),
     );
-    // The tick F (B) of (stage, micro-batch) ran in.
-    let mut f_at = vec![vec![None::<usize>; m]; n];
-    let mut b_at = vec![vec![None::<usize>; m]; n];
-    let mut next_f = vec![vec![0usize; v]; p];
-    let mut next_b = vec![vec![0usize; v]; p];
-    let mut owed_w: Vec<VecDeque<(usize, usize)>> = vec![VecDeque::new(); p];
-    let mut alive = vec![vec![0usize; v]; p];
+    // What ran, and the tick F (B) of (stage, micro-batch) ran in.
+    let mut pr = Progress::<usize>::new(n, m, p, v);
     // channel[src][dst]: the messages src sent dst, in order: (is activation, mb, receiving
     // stage); read[src][dst]: how many dst consumed.
     let mut channel = vec![vec![Vec::<(bool, usize, usize)>::new(); p]; p];
@@ -96,27 +140,27 @@ pub(super) fn zero_bubble(
             let mut fs = Vec::new();
             for c in 0..v {
                 let stage = s.model_stage(r, c);
-                let mb = next_b[r][c];
-                if mb < m && before(f_at[stage][mb]) {
+                let mb = pr.next_b[r][c];
+                if mb < m && before(pr.f[stage][mb]) {
                     let fed = stage + 1 == n
-                        || (before(b_at[stage + 1][mb]) && at_head(stage + 1, (false, mb, stage)));
+                        || (before(pr.b[stage + 1][mb]) && at_head(stage + 1, (false, mb, stage)));
                     if fed {
                         bs.push((mb, stage, c));
                     }
                 }
-                let mb = next_f[r][c];
+                let mb = pr.next_f[r][c];
                 // Room on this rank, counting the activations already on their way to it (less
                 // the one this F consumes), and on the rank it sends to: a rank never has to
                 // refuse an activation at the head of a channel, so channels never block.
                 let consumes = stage > 0 && s.rank_of_stage(stage - 1) != r;
-                let room = alive[r][c] + incoming[r][c] - usize::from(consumes) < cap(r);
+                let room = pr.alive[r][c] + incoming[r][c] - usize::from(consumes) < cap(r);
                 let to = (stage + 1 < n)
                     .then(|| (s.rank_of_stage(stage + 1), s.chunk_of_stage(stage + 1)));
                 let room_there =
-                    to.is_none_or(|(q, d)| q == r || alive[q][d] + incoming[q][d] < cap(q));
+                    to.is_none_or(|(q, d)| q == r || pr.alive[q][d] + incoming[q][d] < cap(q));
                 if mb < m && room && room_there {
                     let fed = stage == 0
-                        || (before(f_at[stage - 1][mb]) && at_head(stage - 1, (true, mb, stage)));
+                        || (before(pr.f[stage - 1][mb]) && at_head(stage - 1, (true, mb, stage)));
                     if fed {
                         fs.push((mb, stage, c));
                     }
@@ -134,7 +178,7 @@ pub(super) fn zero_bubble(
                 }
                 Some(Action::Forward { mb, chunk })
             } else {
-                owed_w[r]
+                pr.owed_w[r]
                     .front()
                     .map(|&(mb, chunk)| Action::WeightGrad { mb, chunk })
             };
@@ -166,22 +210,7 @@ pub(super) fn zero_bubble(
                     channel[r][q].push((a.is_forward(), mb, to));
                 }
             }
-            match a {
-                Action::Forward { .. } => {
-                    f_at[stage][mb] = Some(tick);
-                    next_f[r][c] += 1;
-                    alive[r][c] += 1;
-                }
-                Action::InputGrad { .. } => {
-                    b_at[stage][mb] = Some(tick);
-                    next_b[r][c] += 1;
-                    owed_w[r].push_back((mb, c));
-                }
-                _ => {
-                    owed_w[r].pop_front();
-                    alive[r][c] -= 1;
-                }
-            }
+            pr.record(r, a, stage, mb, c, tick);
             out[r].push(a);
         }
         tick += 1;
