@@ -86,7 +86,9 @@ mod lt {
     use std::sync::{Arc, Mutex, OnceLock};
 
     use candle_core::cuda_backend::cudarc::cublaslt::{result as blt, sys};
-    use candle_core::cuda_backend::cudarc::driver::{result as drv, sys as dsys, DevicePtr};
+    use candle_core::cuda_backend::cudarc::driver::{
+        result as drv, sys as dsys, CudaSlice, DevicePtr,
+    };
     use candle_core::{DType, Result, Tensor};
     use half::bf16;
 
@@ -413,6 +415,20 @@ mod lt {
         }};
     }
 
+    /// A fresh bf16 buffer of `len` elements and its device address: a GEMM's output, which the
+    /// call writes in full before anything reads it.
+    fn output(dev: &candle_core::CudaDevice, len: usize) -> Result<(CudaSlice<bf16>, u64)> {
+        // SAFETY: every caller's GEMM writes all `len` elements (D, the aux matrix, the bias
+        // gradient) before the buffer is read.
+        let buf = unsafe { dev.alloc::<bf16>(len)? };
+        let stream = dev.cuda_stream();
+        let p = {
+            let (p, _sync) = buf.device_ptr(&stream);
+            p as u64
+        };
+        Ok((buf, p))
+    }
+
     fn dims2(t: &Tensor, what: &str) -> Result<(usize, usize)> {
         t.dims2()
             .map_err(|_| msg(format!("linear: {what} must be 2-D, got {:?}", t.dims())))
@@ -434,12 +450,7 @@ mod lt {
         let dev = device(&x)?;
         let stream = dev.cuda_stream();
         let r = r.map(|r| r.contiguous()).transpose()?;
-        // SAFETY: the GEMM writes every element of D.
-        let y = unsafe { dev.alloc::<bf16>(n * m)? };
-        let yp = {
-            let (p, _sync) = y.device_ptr(&stream);
-            p as u64
-        };
+        let (y, yp) = output(&dev, n * m)?;
         let ptrs = Ptrs {
             a: addr!(&w, "w", &stream),
             b: addr!(&x, "x", &stream),
@@ -479,13 +490,7 @@ mod lt {
         }
         let dev = device(&x)?;
         let stream = dev.cuda_stream();
-        // SAFETY: the GEMM writes every element of D and of the aux matrix.
-        let (f, g) = unsafe { (dev.alloc::<bf16>(n * m)?, dev.alloc::<bf16>(n * m)?) };
-        let (fp, gp) = {
-            let (f, _s1) = f.device_ptr(&stream);
-            let (g, _s2) = g.device_ptr(&stream);
-            (f as u64, g as u64)
-        };
+        let ((f, fp), (g, gp)) = (output(&dev, n * m)?, output(&dev, n * m)?);
         let ptrs = Ptrs {
             a: addr!(&w, "w", &stream),
             b: addr!(&x, "x", &stream),
@@ -522,12 +527,7 @@ mod lt {
         }
         let dev = device(&dy)?;
         let stream = dev.cuda_stream();
-        // SAFETY: the GEMM writes every element of D.
-        let df = unsafe { dev.alloc::<bf16>(n * m)? };
-        let dp = {
-            let (p, _sync) = df.device_ptr(&stream);
-            p as u64
-        };
+        let (df, dp) = output(&dev, n * m)?;
         let ptrs = Ptrs {
             a: addr!(&w, "w", &stream),
             b: addr!(&dy, "dy", &stream),
@@ -563,13 +563,7 @@ mod lt {
         }
         let dev = device(&dy)?;
         let stream = dev.cuda_stream();
-        // SAFETY: the GEMM writes every element of D and of the bias gradient.
-        let (dw, db) = unsafe { (dev.alloc::<bf16>(o * i)?, dev.alloc::<bf16>(o)?) };
-        let (wp, bp) = {
-            let (w, _s1) = dw.device_ptr(&stream);
-            let (b, _s2) = db.device_ptr(&stream);
-            (w as u64, b as u64)
-        };
+        let ((dw, wp), (db, bp)) = (output(&dev, o * i)?, output(&dev, o)?);
         let ptrs = Ptrs {
             a: addr!(&x, "x", &stream),
             b: addr!(&dy, "dy", &stream),
