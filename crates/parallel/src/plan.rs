@@ -20,6 +20,15 @@ use crate::mixed_precision::MixedPrecision;
 use crate::pipeline::{PassCosts, PipelineError, Schedule, ScheduleKind, StageLayout};
 use crate::placement::tp_problems;
 
+/// Why `costs` cannot be one stage's F, B and W (ms), if it cannot: they must be three positive
+/// finite numbers. The one rule for `pass_costs`, wherever the numbers come from.
+pub fn pass_costs_problem(costs: &[f64]) -> Option<String> {
+    let ok = costs.len() == 3 && costs.iter().all(|c| c.is_finite() && *c > 0.0);
+    (!ok).then(|| {
+        format!("pass_costs (--pass-costs) takes three positive costs F,B,W in ms, got {costs:?}")
+    })
+}
+
 /// A plan that cannot work, with every reason and its arithmetic, joined by `; `.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("invalid parallel plan: {0}")]
@@ -150,12 +159,8 @@ impl ParallelPlan {
                 batch_size / dp
             ));
         }
-        if let Some(c) = self.pass_costs {
-            if !c.iter().all(|x| x.is_finite() && *x > 0.0) {
-                why.push(format!(
-                    "pass costs F,B,W must be three positive numbers of ms, got {c:?}"
-                ));
-            }
+        if let Some(problem) = self.pass_costs.and_then(|c| pass_costs_problem(&c)) {
+            why.push(problem);
         }
         match why.is_empty() {
             true => Ok(ValidPlan(self.clone())),

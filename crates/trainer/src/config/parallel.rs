@@ -18,6 +18,7 @@ use mtrain_parallel::ddp::DdpConfig;
 use mtrain_parallel::fsdp::{FsdpConfig, ZeroStage};
 use mtrain_parallel::parallelize::{DataParallelKind, ParallelPlan};
 use mtrain_parallel::pipeline::ScheduleKind;
+use mtrain_parallel::plan::pass_costs_problem;
 use serde::{Deserialize, Serialize};
 
 use super::ConfigError;
@@ -144,14 +145,10 @@ impl ParallelConfig {
         }
         let pass_costs = match self.pass_costs.as_deref() {
             None => None,
-            Some(&[f, b, w]) if [f, b, w].iter().all(|c| c.is_finite() && *c > 0.0) => {
-                Some([f, b, w])
-            }
-            Some(c) => {
-                return Err(ConfigError::Invalid(format!(
-                    "pass_costs (--pass-costs) takes three positive costs F,B,W in ms, got {c:?}"
-                )))
-            }
+            Some(c) => match pass_costs_problem(c) {
+                Some(why) => return Err(ConfigError::Invalid(why)),
+                None => Some([c[0], c[1], c[2]]),
+            },
         };
         let data = match stage {
             0 => {
