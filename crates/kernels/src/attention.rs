@@ -27,11 +27,16 @@
 //! `dK = scale · dSᵀ Q` and `dV = Pᵀ dO`. Memory kept for backward: the output and lse, O(T)
 //! per head instead of O(T²).
 //!
-//! Three implementations, chosen per call by [`Path`]:
+//! Four implementations, chosen per call by [`Path`]:
+//! - **Hopper warpgroups** (`flash_hopper_*` in `flash_hopper.cu`, bf16 with `D` in
+//!   [`HOPPER_HEAD_DIMS`] on compute capability 9.0): the same algorithm with each product
+//!   issued by a warpgroup of 4 warps as `wgmma` (64 rows × a whole staged tile per
+//!   instruction, the operands read by the tensor cores from swizzled shared memory), 128 or
+//!   192 rows a block; the default where it applies.
 //! - **wide tensor cores** (`flash_wide_*` in `flash_wide.cu`, bf16 with `D` in
 //!   [`WIDE_HEAD_DIMS`]): the tensor-core algorithm below with 32 rows per warp (16 at
 //!   D = 128) and blocks of 128 rows, so each operand fragment read from shared memory feeds
-//!   two products; the default where it applies.
+//!   two products; the default where the Hopper kernels do not apply.
 //! - **tensor cores** (`flash_tc_*` in `kernels.cu`, bf16 with `D` in [`TC_HEAD_DIMS`]): warps
 //!   of 16 rows, the readable version and the fallback, the
 //!   products `q kᵀ`, `P v`, `dO vᵀ`, `dS k`, `Pᵀ dO`, `dSᵀ q` as `mma.sync` m16n8k16 bf16 tiles
@@ -48,7 +53,7 @@
 
 use candle_core::{DType, Layout, Result, Shape, Tensor, D};
 
-pub use crate::attention_path::{path, Path, TcKernels, WIDE_HEAD_DIMS};
+pub use crate::attention_path::{path, Path, TcKernels, HOPPER_HEAD_DIMS, WIDE_HEAD_DIMS};
 use crate::dropout::Mask;
 use crate::msg;
 use crate::plain::{self, upcast};
@@ -441,13 +446,26 @@ mod tests {
         }
     }
 
-    use TcKernels::{Narrow, Wide};
+    use TcKernels::{Hopper, Narrow, Wide};
 
     #[test]
     fn matches_plain_attention_bf16_d64() {
         // Tensor cores; T = 200 leaves a partial last tile of 8 rows (of 72 in a wide block).
         check(2, 3, 200, 64, DType::BF16, 1e-2, Narrow);
         check(2, 3, 200, 64, DType::BF16, 1e-2, Wide);
+        check(2, 3, 200, 64, DType::BF16, 1e-2, Hopper);
+    }
+
+    /// The Hopper kernels (the wide ones on other devices): one partial block (T = 100), a
+    /// block whose second warpgroup has no row (T = 60), several blocks with a partial last
+    /// one (T = 517: 5 forward blocks of 128 rows, 3 dkdv blocks of 192 keys) and one long
+    /// row set (T = 1000) where the forward walks 8 key tiles of 128.
+    #[test]
+    fn matches_plain_attention_bf16_hopper_d64() {
+        check(1, 2, 60, 64, DType::BF16, 1e-2, Hopper);
+        check(2, 1, 100, 64, DType::BF16, 1e-2, Hopper);
+        check(1, 2, 517, 64, DType::BF16, 1e-2, Hopper);
+        check(1, 1, 1000, 64, DType::BF16, 1e-2, Hopper);
     }
 
     #[test]

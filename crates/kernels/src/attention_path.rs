@@ -1,34 +1,96 @@
-//! Which flash-attention kernels one call runs ([`path`]): the wide tensor-core kernels of
-//! `flash_wide.cu`, the 16-row tensor-core kernels of `kernels.cu`, or the CUDA-core ones, from
-//! the dtype, the head size, the operands' offsets, the device and the [`TcKernels`] choice.
-//! The launches are in `attention.rs`; this is the rule alone, so it is tested without a GPU.
+//! Which flash-attention kernels one call runs ([`path`]): the warpgroup (wgmma) kernels of
+//! `flash_hopper.cu` on Hopper, the wide tensor-core kernels of `flash_wide.cu`, the 16-row
+//! tensor-core kernels of `kernels.cu`, or the CUDA-core ones, from the dtype, the head size,
+//! the operands' offsets, the device and the [`TcKernels`] choice; and the shapes the Hopper
+//! kernels are compiled for ([`hopper_options`]). The launches are in `attention/imp.rs`; this
+//! is the rule alone, so it is tested without a GPU.
 
 use candle_core::DType;
 
 /// Head sizes (bf16 only) the wide tensor-core kernels take.
 pub const WIDE_HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
 
-/// Which tensor-core kernels a bf16 call may run: the wide ones where they apply, or only the
-/// 16-row ones of `kernels.cu`. The default is [`TcKernels::from_env`].
+/// Head sizes (bf16 only, compute capability 9.0) the Hopper kernels take.
+pub const HOPPER_HEAD_DIMS: [usize; 1] = [64];
+
+/// How one Hopper kernel is laid out: warpgroups per block (each owns 64 rows, so a block
+/// owns `64 · warpgroups`), and the blocks per SM its registers are fitted to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HopperShape {
+    pub warpgroups: usize,
+    pub blocks_per_sm: usize,
+}
+
+impl HopperShape {
+    /// Rows (queries, or keys for dkdv) one block owns.
+    pub fn rows(self) -> usize {
+        64 * self.warpgroups
+    }
+    /// Threads per block.
+    pub fn threads(self) -> usize {
+        128 * self.warpgroups
+    }
+}
+
+/// The shapes of `flash_hopper_fwd`, `flash_hopper_dq` and `flash_hopper_dkdv`, chosen by
+/// timing on an H200 at 4 × 12 × 4096, D = 64 (docs/BENCHMARKS.md): two blocks of two
+/// warpgroups per SM for the forward and dq (128 registers a thread), one block of three for
+/// dkdv (its four accumulators need 168).
+pub const HOPPER_FWD: HopperShape = HopperShape {
+    warpgroups: 2,
+    blocks_per_sm: 2,
+};
+pub const HOPPER_DQ: HopperShape = HopperShape {
+    warpgroups: 2,
+    blocks_per_sm: 2,
+};
+pub const HOPPER_DKDV: HopperShape = HopperShape {
+    warpgroups: 3,
+    blocks_per_sm: 1,
+};
+
+/// The shapes as NVRTC options (`-DHP_FWD_WGS=2 …`), the only way the kernels learn them.
+pub fn hopper_options() -> Vec<String> {
+    [
+        ("FWD", HOPPER_FWD),
+        ("DQ", HOPPER_DQ),
+        ("DKDV", HOPPER_DKDV),
+    ]
+    .iter()
+    .flat_map(|(n, s)| {
+        [
+            format!("-DHP_{n}_WGS={}", s.warpgroups),
+            format!("-DHP_{n}_BLOCKS={}", s.blocks_per_sm),
+        ]
+    })
+    .collect()
+}
+
+/// Which tensor-core kernels a bf16 call may run: the Hopper ones where they apply (else the
+/// wide ones), the wide ones where they apply, or only the 16-row ones of `kernels.cu`. The
+/// default is [`TcKernels::from_env`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TcKernels {
+    Hopper,
     Wide,
     Narrow,
 }
 
 impl TcKernels {
-    /// `Wide`, or `Narrow` when the environment sets `MTRAIN_FLASH_KERNELS=narrow` (to time the
-    /// two against each other in one process tree); read once.
+    /// `Hopper`, or `Wide` / `Narrow` when the environment sets `MTRAIN_FLASH_KERNELS=wide` or
+    /// `=narrow` (to time them against each other in one process tree); read once.
     pub fn from_env() -> Self {
         static CHOICE: std::sync::OnceLock<TcKernels> = std::sync::OnceLock::new();
         *CHOICE.get_or_init(|| match std::env::var("MTRAIN_FLASH_KERNELS").as_deref() {
             Ok("narrow") => TcKernels::Narrow,
-            _ => TcKernels::Wide,
+            Ok("wide") => TcKernels::Wide,
+            _ => TcKernels::Hopper,
         })
     }
 
     /// The choice for a call with (`masked`) or without a dropout mask on the probabilities:
-    /// the wide kernels draw no mask, so a masked call takes the 16-row ones, which do.
+    /// the wide and Hopper kernels draw no mask, so a masked call takes the 16-row ones, which
+    /// do.
     pub fn for_mask(self, masked: bool) -> Self {
         if masked {
             TcKernels::Narrow
@@ -41,6 +103,8 @@ impl TcKernels {
 /// The kernels one fused call runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Path {
+    /// `flash_hopper_*` (flash_hopper.cu).
+    Hopper,
     /// `flash_wide_*` (flash_wide.cu).
     Wide,
     /// `flash_tc_*` (kernels.cu).
@@ -49,12 +113,22 @@ pub enum Path {
     Cuda,
 }
 
+impl Path {
+    /// Whether the path's kernels take a dropout mask (the last argument of their launch).
+    pub fn draws_mask(self) -> bool {
+        matches!(self, Path::Tc | Path::Cuda)
+    }
+}
+
 /// The kernels for a call of `dtype`, head size `d`, operands at element `offsets`, on a device
-/// of compute capability `cc` (10·major + minor): mma.sync needs 8.0, 16-byte rows need
-/// offsets that are multiples of 8.
+/// of compute capability `cc` (10·major + minor): mma.sync needs 8.0, wgmma exactly 9.0
+/// (NVRTC's `compute_90a`, see [`hopper_arch`]), 16-byte rows need offsets that are multiples
+/// of 8.
 pub fn path(dtype: DType, d: usize, offsets: &[usize], cc: u32, kernels: TcKernels) -> Path {
     let tc_ok = dtype == DType::BF16 && offsets.iter().all(|o| o % 8 == 0) && cc >= 80;
-    if tc_ok && kernels == TcKernels::Wide && WIDE_HEAD_DIMS.contains(&d) {
+    if tc_ok && kernels == TcKernels::Hopper && hopper_arch(cc) && HOPPER_HEAD_DIMS.contains(&d) {
+        Path::Hopper
+    } else if tc_ok && kernels != TcKernels::Narrow && WIDE_HEAD_DIMS.contains(&d) {
         Path::Wide
     } else if tc_ok && crate::attention::uses_tensor_cores(dtype, d, offsets) {
         Path::Tc
@@ -63,11 +137,32 @@ pub fn path(dtype: DType, d: usize, offsets: &[usize], cc: u32, kernels: TcKerne
     }
 }
 
+/// Whether a device of compute capability `cc` runs the Hopper kernels: wgmma is an sm_90a
+/// feature (compiled for `compute_90a`, which runs on 9.0 only, not on later architectures).
+pub fn hopper_arch(cc: u32) -> bool {
+    cc == 90
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use candle_core::DType::{BF16, F32};
-    use TcKernels::{Narrow, Wide};
+    use TcKernels::{Hopper, Narrow, Wide};
+
+    #[test]
+    fn hopper_kernels_take_bf16_d64_on_sm90_only() {
+        assert_eq!(path(BF16, 64, &[0, 8], 90, Hopper), Path::Hopper);
+        assert_eq!(path(BF16, 64, &[0, 8], 90, Hopper.for_mask(true)), Path::Tc);
+        assert_eq!(path(BF16, 64, &[0, 8], 80, Hopper), Path::Wide);
+        assert_eq!(path(BF16, 64, &[0, 8], 100, Hopper), Path::Wide);
+        assert_eq!(path(BF16, 128, &[0, 8], 90, Hopper), Path::Wide);
+        assert_eq!(path(BF16, 32, &[0, 8], 90, Hopper), Path::Wide);
+        assert_eq!(path(BF16, 64, &[0, 4], 90, Hopper), Path::Cuda);
+        assert_eq!(path(F32, 64, &[0, 0], 90, Hopper), Path::Cuda);
+        assert_eq!(path(BF16, 64, &[0, 8], 90, Wide), Path::Wide);
+        assert_eq!((HOPPER_DKDV.rows(), HOPPER_FWD.threads()), (192, 256));
+        assert!(hopper_options().contains(&"-DHP_DKDV_WGS=3".to_string()));
+    }
 
     #[test]
     fn wide_kernels_take_bf16_multiples_of_16_up_to_128_on_sm80() {

@@ -54,6 +54,22 @@ impl Kernel {
     pub fn builder(&self) -> LaunchArgs<'_> {
         self.stream.launch_builder(&self.func)
     }
+
+    /// Lets launches give the kernel up to `bytes` of dynamic shared memory (beyond the 48 KiB
+    /// a kernel gets without asking).
+    pub fn allow_dynamic_smem(&self, bytes: usize) -> Result<()> {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum as A;
+        self.func
+            .set_attribute(
+                A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .map_err(|e| {
+                msg(format!(
+                    "cannot allow {bytes} bytes of shared memory: {e:?}"
+                ))
+            })
+    }
 }
 
 /// The kernel `name` of the instantiation (head_dim, dtype) on `dev`, compiled and loaded
@@ -107,6 +123,7 @@ const SOURCE: &str = concat!(
     include_str!("embedding.cu"),
     include_str!("sq_sum.cu"),
     include_str!("flash_wide.cu"),
+    include_str!("flash_hopper.cu"),
     include_str!("dropout.cu"),
 );
 
@@ -135,16 +152,23 @@ pub fn compute_capability(dev: &CudaDevice) -> Result<u32> {
     Ok((10 * major + minor) as u32)
 }
 
-/// NVRTC's `compute_XY` name for a compute capability, one static string per value seen.
+/// NVRTC's `compute_XY` name for a compute capability, one static string per value seen;
+/// `compute_90a` on Hopper, whose wgmma instructions the architecture-specific target alone
+/// has (`attention_path::hopper_arch`).
 fn arch_name(cc: u32) -> Result<&'static str> {
     static NAMES: OnceLock<Mutex<HashMap<u32, &'static str>>> = OnceLock::new();
     let mut names = NAMES
         .get_or_init(|| Mutex::new(HashMap::new()))
         .lock()
         .map_err(|_| msg("kernel arch lock poisoned".into()))?;
-    Ok(*names
-        .entry(cc)
-        .or_insert_with(|| Box::leak(format!("compute_{cc}").into_boxed_str())))
+    Ok(*names.entry(cc).or_insert_with(|| {
+        let suffix = if crate::attention_path::hopper_arch(cc) {
+            "a"
+        } else {
+            ""
+        };
+        Box::leak(format!("compute_{cc}{suffix}").into_boxed_str())
+    }))
 }
 
 /// The module name and PTX of the instantiation (head_dim, dtype) for `dev`'s architecture,
@@ -173,6 +197,9 @@ pub fn ptx(
     }
     if let Some(b) = blocks {
         options.push(format!("-DWD_MIN_BLOCKS={b}"));
+    }
+    if head_dim.is_some() && crate::attention_path::hopper_arch(cc) {
+        options.extend(crate::attention_path::hopper_options());
     }
     let arch = arch_name(cc)?;
     let mut parts = vec![SOURCE, arch];

@@ -1,12 +1,14 @@
 //! The CUDA launches of the flash kernels ([`super`] says which kernels and why): shapes,
 //! buffers and argument lists; the kernels themselves are CUDA source (`kernels.cu`,
-//! `flash_wide.cu`).
+//! `flash_wide.cu`, `flash_hopper.cu`).
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaStorage, Layout, Result, Tensor};
 
+use super::super::attention_path::{HopperShape, HOPPER_DKDV, HOPPER_DQ, HOPPER_FWD};
+use super::super::cuda::Kernel;
 use super::super::cuda::{
     blocks, by_dtype, compute_capability, device, kernel, slice, storage, tensor, view,
 };
@@ -32,6 +34,36 @@ fn tc_config(t: usize, bh: usize) -> LaunchConfig {
 fn wide_config(t: usize, bh: usize, d: usize) -> LaunchConfig {
     let rows = if d <= 64 { 128 } else { 64 };
     blocks((t.div_ceil(rows), bh), 128)
+}
+
+/// A Hopper kernel of `shape` with `smem` bytes of dynamic shared memory (its layout's
+/// HP_*_SMEM in flash_hopper.cu, which the kernel checks), allowed on `f`.
+fn hopper_config(
+    f: &Kernel,
+    shape: HopperShape,
+    t: usize,
+    bh: usize,
+    smem: usize,
+) -> Result<LaunchConfig> {
+    f.allow_dynamic_smem(smem)?;
+    Ok(LaunchConfig {
+        shared_mem_bytes: smem as u32,
+        ..blocks((t.div_ceil(shape.rows()), bh), shape.threads())
+    })
+}
+
+/// Bytes of a staged (rows, d) bf16 tile.
+fn tile(rows: usize, d: usize) -> usize {
+    rows * d * 2
+}
+
+/// The dynamic shared memory of the three Hopper kernels (HP_FWD_SMEM, HP_DQ_SMEM and
+/// HP_DKDV_SMEM): their tiles plus 1 KiB to align the first to 1024 bytes.
+fn hopper_smem(d: usize) -> [usize; 3] {
+    let fwd = tile(HOPPER_FWD.rows(), d) + 4 * tile(128, d);
+    let dq = 2 * tile(HOPPER_DQ.rows(), d) + 4 * tile(64, d);
+    let dkdv = 2 * tile(HOPPER_DKDV.rows(), d) + 4 * tile(64, d) + 4 * 64 * 4;
+    [fwd + 1024, dq + 1024, dkdv + 1024]
 }
 
 fn dims(l: &Layout, what: &str) -> Result<(usize, usize, usize)> {
@@ -98,13 +130,20 @@ fn fwd<T: CudaDType + DeviceRepr>(
     let offsets = [lq.start_offset(), lk.start_offset(), lv.start_offset()];
     let kernels = kernels.for_mask(dropout.is_some());
     let path = path(q.dtype(), d, &offsets, compute_capability(dev)?, kernels);
-    let (name, cfg) = match path {
-        Path::Wide => ("flash_wide_fwd", wide_config(t, bh, d)),
-        Path::Tc => ("flash_tc_fwd", tc_config(t, bh)),
-        Path::Cuda => ("flash_fwd", config(t, bh, d)),
+    let name = match path {
+        Path::Hopper => "flash_hopper_fwd",
+        Path::Wide => "flash_wide_fwd",
+        Path::Tc => "flash_tc_fwd",
+        Path::Cuda => "flash_fwd",
     };
     let ad = attn_drop(dropout, hl)?;
     let f = kernel(dev, Some(d), q.dtype(), name)?;
+    let cfg = match path {
+        Path::Hopper => hopper_config(&f, HOPPER_FWD, t, bh, hopper_smem(d)[0])?,
+        Path::Wide => wide_config(t, bh, d),
+        Path::Tc => tc_config(t, bh),
+        Path::Cuda => config(t, bh, d),
+    };
     let (t32, qscale) = (t as i32, (scale * LOG2E) as f32);
     let mut b = f.builder();
     b.arg(&qs)
@@ -114,11 +153,11 @@ fn fwd<T: CudaDType + DeviceRepr>(
         .arg(&lse)
         .arg(&t32)
         .arg(&qscale);
-    if path != Path::Wide {
+    if path.draws_mask() {
         b.arg(&ad);
     }
     // SAFETY: argument types and order match `flash_fwd`, `flash_tc_fwd` (kernels.cu, with
-    // the mask last) and `flash_wide_fwd` (flash_wide.cu, no mask).
+    // the mask last), `flash_wide_fwd` and `flash_hopper_fwd` (no mask).
     unsafe { b.launch(cfg) }.w()?;
     let lse = tensor(dev, lse, (bh, t));
     Ok((CudaStorage::wrap_cuda_slice(o, dev.clone()), lse))
@@ -175,10 +214,21 @@ fn bwd<T: CudaDType + DeviceRepr>(
     let offsets = [oq, ok, ov, oo, od];
     let kernels = kernels.for_mask(dropout.is_some());
     let path = path(dtype, d, &offsets, compute_capability(&dev)?, kernels);
-    let (dq_name, dkdv_name, cfg) = match path {
-        Path::Wide => ("flash_wide_dq", "flash_wide_dkdv", wide_config(t, bh, d)),
-        Path::Tc => ("flash_tc_dq", "flash_tc_dkdv", tc_config(t, bh)),
-        Path::Cuda => ("flash_bwd_dq", "flash_bwd_dkdv", config(t, bh, d)),
+    let (dq_name, dkdv_name) = match path {
+        Path::Hopper => ("flash_hopper_dq", "flash_hopper_dkdv"),
+        Path::Wide => ("flash_wide_dq", "flash_wide_dkdv"),
+        Path::Tc => ("flash_tc_dq", "flash_tc_dkdv"),
+        Path::Cuda => ("flash_bwd_dq", "flash_bwd_dkdv"),
+    };
+    // The launch of dq (shape 0) or dkdv (shape 1) on `f`.
+    let cfg = |f: &Kernel, which: usize| match path {
+        Path::Hopper => {
+            let shape = [HOPPER_DQ, HOPPER_DKDV][which];
+            hopper_config(f, shape, t, bh, hopper_smem(d)[1 + which])
+        }
+        Path::Wide => Ok(wide_config(t, bh, d)),
+        Path::Tc => Ok(tc_config(t, bh)),
+        Path::Cuda => Ok(config(t, bh, d)),
     };
     let ad = attn_drop(dropout, h)?;
     // SAFETY: every element of each buffer is written by the kernel filling it.
@@ -211,12 +261,12 @@ fn bwd<T: CudaDType + DeviceRepr>(
         .arg(&delta)
         .arg(&dq);
     b.arg(&t32).arg(&qscale).arg(&scale32);
-    if path != Path::Wide {
+    if path.draws_mask() {
         b.arg(&ad);
     }
-    // SAFETY: argument types and order match `flash_bwd_dq`, `flash_tc_dq` (the mask last)
-    // and `flash_wide_dq` (no mask).
-    unsafe { b.launch(cfg) }.w()?;
+    // SAFETY: argument types and order match `flash_bwd_dq`, `flash_tc_dq` (the mask last),
+    // `flash_wide_dq` and `flash_hopper_dq` (no mask).
+    unsafe { b.launch(cfg(&f, 0)?) }.w()?;
 
     let f = kernel(&dev, Some(d), dtype, dkdv_name)?;
     let mut b = f.builder();
@@ -229,12 +279,12 @@ fn bwd<T: CudaDType + DeviceRepr>(
         .arg(&dk)
         .arg(&dv);
     b.arg(&t32).arg(&qscale).arg(&scale32);
-    if path != Path::Wide {
+    if path.draws_mask() {
         b.arg(&ad);
     }
     // SAFETY: argument types and order match `flash_bwd_dkdv`, `flash_tc_dkdv` (the mask
-    // last) and `flash_wide_dkdv` (no mask).
-    unsafe { b.launch(cfg) }.w()?;
+    // last), `flash_wide_dkdv` and `flash_hopper_dkdv` (no mask).
+    unsafe { b.launch(cfg(&f, 1)?) }.w()?;
 
     drop((dq, dk, dv));
     Ok(tensor(&dev, dqkv, (3, b_, h, t, d)))

@@ -1,0 +1,522 @@
+// ---------------------------------------------------------------------------------------------
+// Causal flash attention on Hopper's warpgroup tensor cores: bf16, f32 accumulation, HEAD_DIM
+// 64, compiled only for sm_90a (NVRTC's compute_90a). The algorithm, the operands and the
+// outputs are those of flash_wide_* (flash_wide.cu), which stay the readable path and the
+// fallback; what differs is the instruction. A warpgroup (4 warps, 128 threads) issues
+// wgmma.mma_async m64nNk16: one instruction multiplies a 64 x 16 A by a 16 x N B, A from
+// shared memory or from registers, B from shared memory, read by the tensor cores directly
+// (no ldmatrix), with the 64 x N f32 result spread over the warpgroup's registers.
+//
+//   a block = W warpgroups = 64·W rows (queries in fwd and dq, keys in dkdv)
+//   ┌────────────────────┐  warpgroup 0: rows 0..63     each wgmma: 64 rows x N columns
+//   │ 64 rows ─ wgmma    │                               (N = 128 keys in fwd, 64 in bwd)
+//   ├────────────────────┤  warpgroup 1: rows 64..127
+//   │ 64 rows ─ wgmma    │  ...
+//   └────────────────────┘
+//   the other operand's tiles staged by cp.async, double-buffered, shared by the warpgroups
+//
+// W and the blocks per SM the registers are fitted to come from the compile options
+// (HP_{FWD,DQ,DKDV}_{WGS,BLOCKS}: attention_path.rs's HOPPER_* shapes, the one place they
+// are chosen); each kernel checks that its launch gave it the shared memory its layout needs.
+//
+// Shared-memory tiles are (rows, HEAD_DIM) bf16 with the 128-byte swizzle wgmma reads: a row
+// is 128 bytes (64 elements), and in each group of 8 rows (1024 bytes, 1024-aligned) the
+// 16-byte chunk c of row r sits at chunk c ^ (r % 8), so that the 8 rows of a column chunk
+// lie in 8 different banks.
+//
+// One tile layout serves both operand roles through its descriptor:
+// - K-major (the reduction runs along HEAD_DIM, the row): Q, K, V, dO as the A or B of
+//   Q Kᵀ, dO Vᵀ, K Qᵀ, V dOᵀ; k-step kk starts 32·kk bytes into the rows, 8-row groups
+//   1024 bytes apart (the stride byte offset).
+// - MN-major (the reduction runs along the rows): V, K, dO, Q as the B of P V, dS K,
+//   Pᵀ dO, dSᵀ Q, with B's transpose bit set; k-step kk (16 rows) starts 2048·kk bytes in.
+// The A of those products (P, dS and their transposes) is the previous product's
+// accumulator, converted to bf16 in registers: the m64nN f32 layout (warp w holds rows
+// 16w..16w+15; within the warp the 16x8 C-tile layout of mma.sync per 8 columns, register
+// 4j+e at row g + 8·(e / 2), column 8j + 2t + e % 2, g = lane / 4, t = lane % 4) is, two
+// 8-column tiles at a time, the A-fragment layout of a 64 x 16 register operand.
+//
+// wgmma runs asynchronously: a warpgroup issues a batch (wgmma.fence first, since registers
+// it reads were written by ordinary instructions), commits it and waits for it before
+// reading the results; shared memory written by cp.async is handed to the tensor cores'
+// (async) proxy with fence.proxy.async before the barrier that publishes a tile.
+// ---------------------------------------------------------------------------------------------
+#if defined(HEAD_DIM) && ELEM_BF16 && (HEAD_DIM == 64) && defined(HP_FWD_WGS) && \
+    (defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__))
+#define HP_FWD_N 128 // keys per staged tile in the forward
+#define HP_BWD_N 64  // keys (dq) or queries (dkdv) per staged tile in the backward
+
+typedef unsigned int hp_u32;
+typedef unsigned long long hp_u64;
+
+__device__ __forceinline__ hp_u32 hp_saddr(const void* p) {
+    hp_u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// The first 1024-aligned byte of the dynamic shared memory (the swizzle is a function of the
+// address bits, so every tile starts on a 1024-byte boundary); launches ask for 1 KiB extra.
+__device__ __forceinline__ char* hp_smem_base() {
+    extern __shared__ __align__(16) char hp_smem[];
+    const hp_u32 a = hp_saddr(hp_smem);
+    return hp_smem + (((a + 1023u) & ~1023u) - a);
+}
+
+// Stops the kernel when its launch gave it less dynamic shared memory than `need` bytes.
+__device__ __forceinline__ void hp_require_smem(hp_u32 need) {
+    hp_u32 have;
+    asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(have));
+    if (have < need) __trap();
+}
+
+__device__ __forceinline__ void hp_cp16(hp_u32 dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void hp_cp4(void* dst, const void* src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(hp_saddr(dst)),
+                 "l"(src), "r"(ok ? 4 : 0));
+}
+__device__ __forceinline__ void hp_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void hp_cp_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Rows r0 .. r0+R of a (T, D) matrix into a swizzled tile at `dst` by the block's
+// THREADS threads; rows past T are 0.
+template <int R, int THREADS>
+__device__ __forceinline__ void hp_stage(char* dst, const elem* src, int r0, int T) {
+    constexpr int chunks = HEAD_DIM / 8;  // 16 bytes each, per row
+    const hp_u32 d0 = hp_saddr(dst);
+#pragma unroll
+    for (int i = threadIdx.x; i < R * chunks; i += THREADS) {
+        const int r = i / chunks, c = i % chunks;
+        const bool ok = r0 + r < T;
+        const hp_u32 d = d0 + (c / 8) * (R * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+        hp_cp16(d, ok ? src + (long)(r0 + r) * HEAD_DIM + c * 8 : src, ok);
+    }
+}
+
+// A wgmma shared-memory descriptor: start address, leading and stride byte offsets (16-byte
+// units) and the 128-byte swizzle.
+__device__ __forceinline__ hp_u64 hp_desc(hp_u32 addr, hp_u32 lbo, hp_u32 sbo) {
+    return (hp_u64)((addr & 0x3FFFF) >> 4) | ((hp_u64)((lbo >> 4) & 0x3FFF) << 16) |
+           ((hp_u64)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+// K-major: k-step kk (16 columns) of a tile of `rows` rows at `tile`.
+__device__ __forceinline__ hp_u64 hp_desc_k(hp_u32 tile, int rows, int kk) {
+    return hp_desc(tile + (kk / 4) * rows * 128 + (kk % 4) * 32, 16, 1024);
+}
+// MN-major: k-step kk (16 rows) of a tile of `rows` rows at `tile`.
+__device__ __forceinline__ hp_u64 hp_desc_mn(hp_u32 tile, int rows, int kk) {
+    return hp_desc(tile + kk * 2048, rows * 128, 1024);
+}
+
+__device__ __forceinline__ void hp_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void hp_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void hp_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+__device__ __forceinline__ void hp_fence_proxy() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Keeps the compiler from moving reads of the N accumulators above the wait.
+template <int N>
+__device__ __forceinline__ void hp_hold(float* d) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+__device__ __forceinline__ hp_u32 hp_pack(float lo, float hi) {
+    hp_u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ float hp_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float hp_quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float hp_quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// The A fragments (bf16) of a 64 x N accumulator, k-step kk = columns 16kk .. 16kk+15.
+template <int N>
+__device__ __forceinline__ void hp_to_a(hp_u32 (*a)[4], const float* c) {
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) a[kk][j] = hp_pack(c[8 * kk + 2 * j], c[8 * kk + 2 * j + 1]);
+}
+
+// Rows of a warpgroup's 64 x D accumulator times mul[h] into a (T, D) matrix; `row` is the
+// thread's first row (its second is row + 8); rows past T are not written.
+__device__ __forceinline__ void hp_store(elem* dst, const float* acc, int row, int T,
+                                         const float* mul) {
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = row + 8 * h;
+        if (r >= T) continue;
+        hp_u32* out = reinterpret_cast<hp_u32*>(dst + (long)r * HEAD_DIM);
+#pragma unroll
+        for (int j = 0; j < HEAD_DIM / 8; ++j)
+            out[j * 4 + t] = hp_pack(acc[4 * j + 2 * h] * mul[h], acc[4 * j + 2 * h + 1] * mul[h]);
+    }
+}
+
+// d (64 x 64, f32) = [d +] A B, A and B in shared memory (K-major descriptors).
+__device__ __forceinline__ void hp_ss64(float* d, hp_u64 da, hp_u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+// d (64 x 128, f32) = [d +] A B, A and B in shared memory (K-major descriptors).
+__device__ __forceinline__ void hp_ss128(float* d, hp_u64 da, hp_u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+// d (64 x 64, f32) = [d +] A B, A (64 x 16) in registers, B in shared memory (MN-major).
+__device__ __forceinline__ void hp_rs64(float* d, const hp_u32* a, hp_u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+}
+// d (64 x 128, f32) = [d +] A B, A (64 x 16) in registers, B in shared memory (MN-major).
+__device__ __forceinline__ void hp_rs128(float* d, const hp_u32* a, hp_u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+}
+template <int N>
+__device__ __forceinline__ void hp_ss(float* d, hp_u64 da, hp_u64 db, int accumulate) {
+    if constexpr (N == 64) hp_ss64(d, da, db, accumulate);
+    else hp_ss128(d, da, db, accumulate);
+}
+// o = softmax(mask(q kᵀ scale)) v and lse2 per row, as flash_wide_fwd; q, k, v, o: (BH, T, D),
+// lse2: (BH, T). Per staged tile of 128 keys each warpgroup computes S (64 x 128) = Q Kᵀ
+// (Q and K from shared memory), the online softmax on S in registers (log2 domain, as in
+// flash_wide_fwd), then O += P V with P from registers. Grid (ceil(T / HP_FWD_ROWS), BH),
+// 128·HP_FWD_WGS threads, HP_FWD_SMEM bytes of shared memory.
+#define HP_FWD_ROWS (64 * HP_FWD_WGS)
+#define HP_FWD_SMEM ((HP_FWD_ROWS + 4 * HP_FWD_N) * HEAD_DIM * 2 + 1024)
+extern "C" __global__ void __launch_bounds__(128 * HP_FWD_WGS, HP_FWD_BLOCKS)
+    flash_hopper_fwd(const elem* q, const elem* k, const elem* v, elem* o, float* lse2, int T,
+                     float qscale) {
+    hp_require_smem(HP_FWD_SMEM);
+    char* qs = hp_smem_base();                   // (64·WGS, D)
+    char* ks = qs + HP_FWD_ROWS * HEAD_DIM * 2;      // 2 x (128, D)
+    char* vs = ks + 2 * HP_FWD_N * HEAD_DIM * 2; // 2 x (128, D)
+    constexpr int TILE = HP_FWD_N * HEAD_DIM * 2;
+    const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wi = (threadIdx.x >> 5) & 3;
+    const int g = lane >> 2, t = lane & 3;
+    const long base = (long)blockIdx.y * T * HEAD_DIM;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * HP_FWD_ROWS;  // the longest rows start first
+    const int rw = q0 + 64 * wg;                             // the warpgroup's first row
+    const int row = rw + 16 * wi + g;                        // the thread's rows: row, row + 8
+    const int tiles = (min(q0 + HP_FWD_ROWS, T) + HP_FWD_N - 1) / HP_FWD_N;
+    hp_stage<HP_FWD_ROWS, 128 * HP_FWD_WGS>(qs, q + base, q0, T);
+    hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(ks, k + base, 0, T);
+    hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(vs, v + base, 0, T);
+    hp_cp_commit();
+    const hp_u32 qa = hp_saddr(qs) + wg * 64 * 128;
+    float acc[HEAD_DIM / 2];
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 2; ++i) acc[i] = 0.f;
+    float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.f, 0.f};
+    for (int it = 0; it < tiles; ++it) {
+        const int buf = it & 1, kb = it * HP_FWD_N;
+        if (it + 1 < tiles) {  // fetch the next tile while this one is used
+            hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(ks + (buf ^ 1) * TILE, k + base, kb + HP_FWD_N, T);
+            hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(vs + (buf ^ 1) * TILE, v + base, kb + HP_FWD_N, T);
+        }
+        hp_cp_commit();
+        hp_cp_wait<1>();
+        hp_fence_proxy();
+        __syncthreads();
+        // kb is at or before the warpgroup's first row whenever it computes, so every row
+        // sees key kb and its maximum is finite.
+        if (kb <= rw + 63) {
+            float s[HP_FWD_N / 2];
+            const hp_u32 kt = hp_saddr(ks + buf * TILE), vt = hp_saddr(vs + buf * TILE);
+            hp_fence();
+#pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+                hp_ss<HP_FWD_N>(s, hp_desc_k(qa, HP_FWD_ROWS, kk), hp_desc_k(kt, HP_FWD_N, kk), kk);
+            hp_commit();
+            hp_wait();
+            hp_hold<HP_FWD_N / 2>(s);
+            const bool full = kb + HP_FWD_N - 1 <= rw;  // no key after any row of the warpgroup
+            float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+            for (int i = 0; i < HP_FWD_N / 2; ++i) {
+                const int h = (i >> 1) & 1, key = kb + (i >> 2) * 8 + 2 * t + (i & 1);
+                if (!full && key > row + 8 * h) s[i] = NEG_INF;
+                mx[h] = fmaxf(mx[h], s[i]);
+            }
+            float corr[2], neg[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float mnew = fmaxf(mrow[h], hp_quad_max(mx[h]) * qscale);
+                corr[h] = hp_exp2(mrow[h] - mnew);
+                lrow[h] *= corr[h];
+                mrow[h] = mnew;
+                neg[h] = -mnew;
+            }
+#pragma unroll
+            for (int i = 0; i < HP_FWD_N / 2; ++i) {
+                const int h = (i >> 1) & 1;
+                s[i] = hp_exp2(fmaf(s[i], qscale, neg[h]));
+                lrow[h] += s[i];  // this lane's share; quad sum at the end
+            }
+#pragma unroll
+            for (int i = 0; i < HEAD_DIM / 2; ++i) acc[i] *= corr[(i >> 1) & 1];
+            hp_u32 pa[HP_FWD_N / 16][4];
+            hp_to_a<HP_FWD_N>(pa, s);
+            hp_fence();
+#pragma unroll
+            for (int kk = 0; kk < HP_FWD_N / 16; ++kk)
+                hp_rs64(acc, pa[kk], hp_desc_mn(vt, HP_FWD_N, kk), 1);
+            hp_commit();
+            hp_wait();
+            hp_hold<HEAD_DIM / 2>(acc);
+        }
+        __syncthreads();  // both warpgroups are done with buf before it is refilled
+    }
+    float inv[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        lrow[h] = hp_quad_sum(lrow[h]);
+        inv[h] = 1.f / lrow[h];
+        const int r = row + 8 * h;
+        if (t == 0 && r < T) lse2[(long)blockIdx.y * T + r] = mrow[h] + log2f(lrow[h]);
+    }
+    hp_store(o + base, acc, row, T, inv);
+}
+
+// dq = scale · dS k with dS = P ∘ (dO vᵀ − dvec), as flash_wide_dq; 64·HP_DQ_WGS queries per
+// block (Q and dO staged once), key tiles of 64 up to them: S = Q Kᵀ and dP = dO Vᵀ (shared
+// memory operands), then dQ += dS K with dS from registers. Grid (ceil(T / HP_DQ_ROWS), BH),
+// 128·HP_DQ_WGS threads, HP_DQ_SMEM bytes of shared memory.
+#define HP_DQ_ROWS (64 * HP_DQ_WGS)
+#define HP_DQ_SMEM ((2 * HP_DQ_ROWS + 4 * HP_BWD_N) * HEAD_DIM * 2 + 1024)
+extern "C" __global__ void __launch_bounds__(128 * HP_DQ_WGS, HP_DQ_BLOCKS)
+    flash_hopper_dq(const elem* q, const elem* k, const elem* v, const elem* dout,
+                    const float* lse2, const float* dvec, elem* dq, int T, float qscale,
+                    float scale) {
+    hp_require_smem(HP_DQ_SMEM);
+    char* qs = hp_smem_base();                    // (64·WGS, D)
+    char* dos = qs + HP_DQ_ROWS * HEAD_DIM * 2;      // (64·WGS, D)
+    char* ks = dos + HP_DQ_ROWS * HEAD_DIM * 2;      // 2 x (64, D)
+    char* vs = ks + 2 * HP_BWD_N * HEAD_DIM * 2;  // 2 x (64, D)
+    constexpr int TILE = HP_BWD_N * HEAD_DIM * 2;
+    const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wi = (threadIdx.x >> 5) & 3;
+    const int g = lane >> 2, t = lane & 3;
+    const long base = (long)blockIdx.y * T * HEAD_DIM;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * HP_DQ_ROWS;
+    const int rw = q0 + 64 * wg;
+    const int row = rw + 16 * wi + g;
+    const int tiles = (min(q0 + HP_DQ_ROWS, T) + HP_BWD_N - 1) / HP_BWD_N;
+    hp_stage<HP_DQ_ROWS, 128 * HP_DQ_WGS>(qs, q + base, q0, T);
+    hp_stage<HP_DQ_ROWS, 128 * HP_DQ_WGS>(dos, dout + base, q0, T);
+    hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(ks, k + base, 0, T);
+    hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(vs, v + base, 0, T);
+    hp_cp_commit();
+    float l2[2], dl[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = row + 8 * h;
+        l2[h] = r < T ? lse2[(long)blockIdx.y * T + r] : 0.f;
+        dl[h] = r < T ? dvec[(long)blockIdx.y * T + r] : 0.f;
+    }
+    const hp_u32 qa = hp_saddr(qs) + wg * 64 * 128, da = hp_saddr(dos) + wg * 64 * 128;
+    float acc[HEAD_DIM / 2];
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 2; ++i) acc[i] = 0.f;
+    for (int it = 0; it < tiles; ++it) {
+        const int buf = it & 1, kb = it * HP_BWD_N;
+        if (it + 1 < tiles) {
+            hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(ks + (buf ^ 1) * TILE, k + base, kb + HP_BWD_N, T);
+            hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(vs + (buf ^ 1) * TILE, v + base, kb + HP_BWD_N, T);
+        }
+        hp_cp_commit();
+        hp_cp_wait<1>();
+        hp_fence_proxy();
+        __syncthreads();
+        if (kb <= rw + 63) {
+            float s[HP_BWD_N / 2], dp[HP_BWD_N / 2];
+            const hp_u32 kt = hp_saddr(ks + buf * TILE), vt = hp_saddr(vs + buf * TILE);
+            hp_fence();
+#pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+                hp_ss64(s, hp_desc_k(qa, HP_DQ_ROWS, kk), hp_desc_k(kt, HP_BWD_N, kk), kk);
+                hp_ss64(dp, hp_desc_k(da, HP_DQ_ROWS, kk), hp_desc_k(vt, HP_BWD_N, kk), kk);
+            }
+            hp_commit();
+            hp_wait();
+            hp_hold<HP_BWD_N / 2>(s);
+            hp_hold<HP_BWD_N / 2>(dp);
+#pragma unroll
+            for (int i = 0; i < HP_BWD_N / 2; ++i) {
+                const int h = (i >> 1) & 1, key = kb + (i >> 2) * 8 + 2 * t + (i & 1);
+                const float p = key > row + 8 * h ? 0.f : hp_exp2(fmaf(s[i], qscale, -l2[h]));
+                s[i] = p * (dp[i] - dl[h]);  // dS
+            }
+            hp_u32 sa[HP_BWD_N / 16][4];
+            hp_to_a<HP_BWD_N>(sa, s);
+            hp_fence();
+#pragma unroll
+            for (int kk = 0; kk < HP_BWD_N / 16; ++kk)
+                hp_rs64(acc, sa[kk], hp_desc_mn(kt, HP_BWD_N, kk), 1);
+            hp_commit();
+            hp_wait();
+            hp_hold<HEAD_DIM / 2>(acc);
+        }
+        __syncthreads();
+    }
+    const float mul[2] = {scale, scale};
+    hp_store(dq + base, acc, row, T, mul);
+}
+
+#define HP_DKDV_ROWS (64 * HP_DKDV_WGS)
+#define HP_DKDV_SMEM ((2 * HP_DKDV_ROWS + 4 * HP_BWD_N) * HEAD_DIM * 2 + 1024 + 4 * HP_BWD_N * 4)
+// dk = scale · dSᵀ q and dv = Pᵀ dO, as flash_wide_dkdv; 64·HP_DKDV_WGS keys per block (K and
+// V staged once), query tiles of 64 (with their lse2 and δ) from the block's first key on:
+// Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (shared memory operands), then dV += Pᵀ dO and dK += dSᵀ Q with
+// Pᵀ and dSᵀ from registers. Grid (ceil(T / HP_DKDV_ROWS), BH), 128·HP_DKDV_WGS threads,
+// HP_DKDV_SMEM bytes of shared memory.
+extern "C" __global__ void __launch_bounds__(128 * HP_DKDV_WGS, HP_DKDV_BLOCKS)
+    flash_hopper_dkdv(const elem* q, const elem* k, const elem* v, const elem* dout,
+                      const float* lse2, const float* dvec, elem* dk, elem* dv, int T,
+                      float qscale, float scale) {
+    hp_require_smem(HP_DKDV_SMEM);
+    char* ks = hp_smem_base();                    // (64·WGS, D)
+    char* vs = ks + HP_DKDV_ROWS * HEAD_DIM * 2;       // (64·WGS, D)
+    char* qs = vs + HP_DKDV_ROWS * HEAD_DIM * 2;       // 2 x (64, D)
+    char* dos = qs + 2 * HP_BWD_N * HEAD_DIM * 2; // 2 x (64, D)
+    float* ls = reinterpret_cast<float*>(dos + 2 * HP_BWD_N * HEAD_DIM * 2);  // 2 x 64
+    float* dls = ls + 2 * HP_BWD_N;                                            // 2 x 64
+    constexpr int TILE = HP_BWD_N * HEAD_DIM * 2;
+    const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wi = (threadIdx.x >> 5) & 3;
+    const int g = lane >> 2, t = lane & 3;
+    const long base = (long)blockIdx.y * T * HEAD_DIM;
+    const float* lrow = lse2 + (long)blockIdx.y * T;
+    const float* drow = dvec + (long)blockIdx.y * T;
+    const int k0 = blockIdx.x * HP_DKDV_ROWS;  // block 0 has the most query tiles and starts first
+    const int kw = k0 + 64 * wg;          // the warpgroup's first key
+    const int key = kw + 16 * wi + g;     // the thread's keys: key, key + 8
+    const int qt0 = k0 / HP_BWD_N, tiles = (T + HP_BWD_N - 1) / HP_BWD_N - qt0;
+    hp_stage<HP_DKDV_ROWS, 128 * HP_DKDV_WGS>(ks, k + base, k0, T);
+    hp_stage<HP_DKDV_ROWS, 128 * HP_DKDV_WGS>(vs, v + base, k0, T);
+    auto stage_q = [&](int j, int b) {
+        const int qb = (qt0 + j) * HP_BWD_N;
+        hp_stage<HP_BWD_N, 128 * HP_DKDV_WGS>(qs + b * TILE, q + base, qb, T);
+        hp_stage<HP_BWD_N, 128 * HP_DKDV_WGS>(dos + b * TILE, dout + base, qb, T);
+        if (threadIdx.x < HP_BWD_N) {
+            const int r = qb + threadIdx.x;
+            hp_cp4(ls + b * HP_BWD_N + threadIdx.x, lrow + (r < T ? r : 0), r < T);
+            hp_cp4(dls + b * HP_BWD_N + threadIdx.x, drow + (r < T ? r : 0), r < T);
+        }
+    };
+    stage_q(0, 0);
+    hp_cp_commit();
+    const hp_u32 ka = hp_saddr(ks) + wg * 64 * 128, va = hp_saddr(vs) + wg * 64 * 128;
+    float dka[HEAD_DIM / 2], dva[HEAD_DIM / 2];
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 2; ++i) dka[i] = dva[i] = 0.f;
+    for (int it = 0; it < tiles; ++it) {
+        const int buf = it & 1, qb = (qt0 + it) * HP_BWD_N;
+        if (it + 1 < tiles) stage_q(it + 1, buf ^ 1);
+        hp_cp_commit();
+        hp_cp_wait<1>();
+        hp_fence_proxy();
+        __syncthreads();
+        if (qb + HP_BWD_N - 1 >= kw) {  // some query of the tile at or after the first key
+            float s[HP_BWD_N / 2], dp[HP_BWD_N / 2];
+            const hp_u32 qt = hp_saddr(qs + buf * TILE), dt = hp_saddr(dos + buf * TILE);
+            const float* lt = ls + buf * HP_BWD_N;
+            const float* dlt = dls + buf * HP_BWD_N;
+            hp_fence();
+#pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+                hp_ss64(s, hp_desc_k(ka, HP_DKDV_ROWS, kk), hp_desc_k(qt, HP_BWD_N, kk), kk);
+                hp_ss64(dp, hp_desc_k(va, HP_DKDV_ROWS, kk), hp_desc_k(dt, HP_BWD_N, kk), kk);
+            }
+            hp_commit();
+            hp_wait();
+            hp_hold<HP_BWD_N / 2>(s);
+            hp_hold<HP_BWD_N / 2>(dp);
+#pragma unroll
+            for (int i = 0; i < HP_BWD_N / 2; ++i) {
+                const int h = (i >> 1) & 1, c = (i >> 2) * 8 + 2 * t + (i & 1), qq = qb + c;
+                const float p =
+                    (qq < key + 8 * h || qq >= T) ? 0.f : hp_exp2(fmaf(s[i], qscale, -lt[c]));
+                s[i] = p;
+                dp[i] = p * (dp[i] - dlt[c]);  // dSᵀ
+            }
+            hp_u32 pa[HP_BWD_N / 16][4], sa[HP_BWD_N / 16][4];
+            hp_to_a<HP_BWD_N>(pa, s);
+            hp_to_a<HP_BWD_N>(sa, dp);
+            hp_fence();
+#pragma unroll
+            for (int kk = 0; kk < HP_BWD_N / 16; ++kk) {
+                hp_rs64(dva, pa[kk], hp_desc_mn(dt, HP_BWD_N, kk), 1);
+                hp_rs64(dka, sa[kk], hp_desc_mn(qt, HP_BWD_N, kk), 1);
+            }
+            hp_commit();
+            hp_wait();
+            hp_hold<HEAD_DIM / 2>(dka);
+            hp_hold<HEAD_DIM / 2>(dva);
+        }
+        __syncthreads();
+    }
+    const float one[2] = {1.f, 1.f}, mul[2] = {scale, scale};
+    hp_store(dk + base, dka, key, T, mul);
+    hp_store(dv + base, dva, key, T, one);
+}
+#endif
