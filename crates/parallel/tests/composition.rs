@@ -536,17 +536,20 @@ fn pp2_dp2_ddp_zero_bubble_equals_one_device() {
     }
 }
 
+/// The ZeRO stages and activation checkpointing the zero-bubble ZeRO tests run.
+const ZERO_CASES: [(ZeroStage, bool); 4] = [
+    (ZeroStage::One, false),
+    (ZeroStage::Two, false),
+    (ZeroStage::Two, true),
+    (ZeroStage::Three, true),
+];
+
 /// dp × pp with ZeRO under ZB-H1: each W's post-backward hook reduce-scatters the segment's
 /// gradient (stage 1: the chunk's last W), with and without activation checkpointing (B
 /// recomputes; stage 3 gathers there and frees after W).
 #[test]
 fn pp2_dp2_zero_zero_bubble_equals_one_device() {
-    for (stage, checkpointing) in [
-        (ZeroStage::One, false),
-        (ZeroStage::Two, false),
-        (ZeroStage::Two, true),
-        (ZeroStage::Three, true),
-    ] {
+    for (stage, checkpointing) in ZERO_CASES {
         let p = ParallelPlan {
             data: zero(stage),
             checkpointing,
@@ -556,17 +559,31 @@ fn pp2_dp2_zero_zero_bubble_equals_one_device() {
     }
 }
 
-/// ZeRO under ZB-V is refused, with the reason: the V puts both users of the tied `wte` on
-/// pipeline rank 0 as two ZeRO chunks.
+/// dp × pp with ZeRO under ZB-V: pipeline rank 0 runs the embedding and the tied LM head as
+/// two chunks of one ZeRO strategy, so `wte` is one unit (one shard, one optimizer state)
+/// whose reduce-scatter after the embedding's W carries the head's gradient too; stage 3
+/// gathers it for both chunks.
 #[test]
-fn zero_under_zb_v_is_refused() {
+fn pp2_dp2_zero_zb_v_equals_one_device() {
+    for (stage, checkpointing) in ZERO_CASES {
+        let p = ParallelPlan {
+            data: zero(stage),
+            checkpointing,
+            ..plan(2, 2, 1, 1)
+        };
+        check_equals_one_device(&cfg(), &zero_bubble(ScheduleKind::ZeroBubbleV, p), 1);
+    }
+}
+
+/// tp × pp × dp with ZeRO-2 under ZB-V: the vocab-parallel `wte` shard of each tp rank is one
+/// ZeRO unit on pipeline rank 0.
+#[test]
+fn tp2_pp2_dp2_zero2_zb_v_equals_one_device() {
     let p = ParallelPlan {
         data: zero(ZeroStage::Two),
-        ..plan(2, 2, 1, 1)
+        ..plan(2, 2, 2, 1)
     };
-    let why = refusal(&cfg(), &zero_bubble(ScheduleKind::ZeroBubbleV, p), 4, BATCH);
-    assert!(why.contains("ZeRO stage 2 with zb-v"), "{why}");
-    assert!(why.contains("use zb-h1 or DDP"), "{why}");
+    check_equals_one_device(&cfg(), &zero_bubble(ScheduleKind::ZeroBubbleV, p), 1);
 }
 
 /// tp × pp × dp with activation checkpointing under ZB-V, without dropout and with it (the

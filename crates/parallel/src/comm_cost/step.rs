@@ -63,12 +63,7 @@ pub fn step_collectives(
     let me = walk.c.pp;
     let remote = |s: usize| sched.rank_of_stage(s) != me;
     let actions = sched.actions(me);
-    let mut last_backward = BTreeMap::new();
-    for (i, a) in actions.iter().enumerate() {
-        if a.computes_weight_grads() {
-            last_backward.insert(a.chunk(), i);
-        }
-    }
+    let last_backward = sched.last_backwards(me);
     for (i, a) in actions.iter().enumerate() {
         if sched.input_stage(me, a).is_some_and(remote) {
             walk.pipeline_transfer(OpKind::Recv, a);
@@ -77,7 +72,7 @@ pub fn step_collectives(
             Action::Forward { .. } => walk.forward(a.chunk()),
             Action::Backward { .. } | Action::InputGrad { .. } | Action::WeightGrad { .. } => {
                 let reduce = match walk.zero {
-                    Some(ZeroStage::One) => last_backward.get(&a.chunk()) == Some(&i),
+                    Some(ZeroStage::One) => last_backward[a.chunk()] == Some(i),
                     Some(_) => true,
                     None => false,
                 };
