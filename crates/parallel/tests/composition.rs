@@ -602,10 +602,10 @@ fn tp2_pp2_dp2_zero_bubble_checkpointing_equals_one_device() {
 
 /// The holdings table is the model `parallelize` builds, on every rank of the composition
 /// layouts (tp × pp × dp, tp × interleaved pp with sequence parallelism, ZeRO-3 under pp,
-/// dp × ep MoE): the same parameters by name and local shape, in the order the optimizer
-/// steps them, their elements summed to the table's count, each owner a rank whose table
-/// holds the parameter, the partial gradients exactly the replicated ones under sequence
-/// parallelism.
+/// ZeRO-2 under ZB-V, whose rank 0 lists the tied `wte` once for its two chunks, dp × ep MoE):
+/// the same parameters by name and local shape, in the order the optimizer steps them, their
+/// elements summed to the table's count, each owner a rank whose table holds the parameter,
+/// the partial gradients exactly the replicated ones under sequence parallelism.
 #[test]
 fn the_holdings_table_is_the_model_parallelize_builds() {
     let interleaved = ParallelPlan {
@@ -617,10 +617,15 @@ fn the_holdings_table_is_the_model_parallelize_builds() {
         data: zero(ZeroStage::Three),
         ..plan(2, 2, 1, 1)
     };
+    let zero2_v = ParallelPlan {
+        data: zero(ZeroStage::Two),
+        ..zero_bubble(ScheduleKind::ZeroBubbleV, plan(2, 2, 1, 1))
+    };
     let layouts = [
         (cfg(), plan(2, 2, 2, 1)),
         (cfg(), interleaved),
         (cfg(), zero3),
+        (cfg(), zero2_v),
         (moe_cfg(), plan(2, 1, 1, 2)),
     ];
     for (cfg, p) in layouts {
@@ -848,13 +853,21 @@ fn describe_lists_stages() {
 }
 
 /// ZeRO-3 under a pipeline really shards: after a step each rank holds about half of its stage's
-/// weights, gradients and moments (dp = 2), against the full stage under DDP.
+/// weights, gradients and moments (dp = 2), against the full stage under DDP; under 1F1B and
+/// under ZB-V, whose pipeline rank 0 holds the tied `wte` for two chunks and keeps one shard of it.
 #[test]
 fn zero3_under_pp_holds_half_the_model_state() {
+    for schedule in [ScheduleKind::OneFOneB, ScheduleKind::ZeroBubbleV] {
+        zero3_holds_half_the_model_state_under(schedule);
+    }
+}
+
+fn zero3_holds_half_the_model_state_under(schedule: ScheduleKind) {
     let cfg = cfg();
     let bytes = |data: DataParallelKind| {
         let p = ParallelPlan {
             data,
+            schedule,
             ..plan(2, 2, 1, 1)
         };
         let p = p.validate(&cfg, 4, BATCH).expect("plan validates");
@@ -899,7 +912,7 @@ fn zero3_under_pp_holds_half_the_model_state() {
             z.2,
             d.2
         );
-        println!("rank {r}: DDP (grads, weights, adam) {d:?} B, ZeRO-3 {z:?} B");
+        println!("{schedule} rank {r}: DDP (grads, weights, adam) {d:?} B, ZeRO-3 {z:?} B");
     }
 }
 
