@@ -862,6 +862,38 @@ fn zero3_under_pp_holds_half_the_model_state() {
     }
 }
 
+/// The forward-only loss under ZB-V's V (DDP, and ZeRO-3 gathering `wte` for both of rank 0's
+/// chunks) is the single-device loss of the same weights and batch (rel ≤ 1e-5): rank 1 hands
+/// its chunk 0's output to its chunk 1 in place, rank 0's head receives from rank 1.
+#[test]
+fn eval_loss_under_zb_v_equals_one_device() {
+    let cfg = cfg();
+    let (want, _) = one_device(&cfg, 1, 1, plan(2, 2, 1, 1).backward);
+    for data in [DataParallelKind::Ddp(DdpConfig::default()), zero(ZeroStage::Three)] {
+        let p = ParallelPlan {
+            data,
+            ..zero_bubble(ScheduleKind::ZeroBubbleV, plan(2, 2, 1, 1))
+        };
+        let p = p.validate(&cfg, 4, BATCH).expect("plan validates");
+        let losses = run_local(4, Duration::from_secs(60), |backend| {
+            let mesh = DeviceMesh::new(&backend, p.dims).expect("mesh");
+            let w = init_weights(&cfg, SEED).expect("init");
+            let mut model = parallelize(&cfg, &w, &p, &mesh, &Device::Cpu).expect("parallelize");
+            let (idx, tgt) = batch(&cfg, 0);
+            let b = BATCH / 2;
+            let (i, y) = (
+                idx.narrow(0, mesh.coords.dp * b, b).expect("i"),
+                tgt.narrow(0, mesh.coords.dp * b, b).expect("y"),
+            );
+            model.eval_loss(&i, &y).expect("eval")
+        });
+        for (r, l) in losses.iter().enumerate() {
+            let e = rel_f(*l, want.losses[0]);
+            assert!(e <= 1e-5, "{:?} rank {r}: {l} vs {} (rel {e:.1e})", p.data, want.losses[0]);
+        }
+    }
+}
+
 fn zero3_holds_half_the_model_state_under(schedule: ScheduleKind) {
     let cfg = cfg();
     let bytes = |data: DataParallelKind| {
