@@ -24,15 +24,14 @@
 //! flat buffer and every rank keeps one contiguous shard of it (see [`unit`]). A parameter used by
 //! several segments (the tied `wte`) belongs to the lowest one, where its gradient becomes final.
 //!
-//! Under a pipeline one strategy covers every chunk (model stage) its rank runs, the chunks'
-//! segments numbered one after the other ([`Fsdp::over_chunks`]); the hooks of a pass are those
-//! of one chunk, and ZeRO-3's residency rule runs within it. So the rule above also holds across
-//! chunks: in ZB-V's V, pipeline rank 0 runs the embedding (chunk 0) and the tied LM head (chunk
-//! 1), and `wte` is one unit of the embedding's, with one shard and one optimizer state. The
-//! head's passes gather that unit (stage 3) and leave their `wte` gradient in the caller's
-//! [`Grads`], where the embedding's next backward adds its own before the unit's one
-//! reduce-scatter. That is right as long as the embedding's chunk runs the step's last backward
-//! of the two, which the caller checks ([`Fsdp::shared_across_chunks`]).
+//! Under a pipeline one strategy covers every chunk (model stage) of its rank, their segments
+//! numbered one after the other ([`Fsdp::over_chunks`]); a pass's hooks are one chunk's, and
+//! ZeRO-3's residency rule runs within it. So the rule above holds across chunks: ZB-V's rank 0
+//! runs the embedding (chunk 0) and the tied head (chunk 1), and `wte` is one embedding unit
+//! (one shard, one optimizer state). The head's passes gather it (stage 3) and leave their
+//! `wte` gradient in the caller's [`Grads`] for the unit's next reduce-scatter, after the
+//! embedding's backward: right while the embedding's chunk runs the step's last backward of the
+//! two, which the caller checks ([`Fsdp::shared_across_chunks`]).
 //!
 //! # One training step at stage 3 (the engine's hooks drive it)
 //! ```text
@@ -320,11 +319,14 @@ impl Fsdp {
         let unit_bytes = |u: &FlatUnit| u.full_bytes();
         let mut worst = 0;
         if self.cfg.stage == ZeroStage::Three {
-            for i in self.chunks.iter().flat_map(|c| c.clone()) {
+            for (c, i) in self
+                .chunks
+                .iter()
+                .flat_map(|c| c.clone().map(move |i| (c, i)))
+            {
                 let mut live = self.needs[i].clone();
-                let next_in_chunk = self.chunks.iter().any(|c| c.contains(&(i + 1)) && c.contains(&i));
-                if self.cfg.prefetch && next_in_chunk {
-                    live.extend(self.needs[i + 1].iter());
+                if self.cfg.prefetch && c.contains(&(i + 1)) {
+                    live.extend(&self.needs[i + 1]);
                 }
                 live.sort_unstable();
                 live.dedup();
@@ -413,17 +415,7 @@ impl Fsdp {
     /// ascending). A unit's reduction after its owner's backward holds every chunk's gradient
     /// only if, in each step, its owner's chunk runs the last backward of them.
     pub fn shared_across_chunks(&self) -> Vec<(usize, Vec<usize>)> {
-        let chunk_of = |i: usize| self.chunks.iter().position(|c| c.contains(&i));
-        (0..self.units.len())
-            .filter_map(|u| {
-                let mut users: Vec<usize> = (0..self.needs.len())
-                    .filter(|&i| self.needs[i].contains(&u))
-                    .filter_map(chunk_of)
-                    .collect();
-                users.dedup();
-                (users.len() > 1).then(|| Some((chunk_of(u)?, users))).flatten()
-            })
-            .collect()
+        residency::shared_across_chunks(&self.needs, &self.chunks)
     }
 
     /// At stage 3, frees every unit's gathered weights (after a forward-only pass).

@@ -869,7 +869,10 @@ fn zero3_under_pp_holds_half_the_model_state() {
 fn eval_loss_under_zb_v_equals_one_device() {
     let cfg = cfg();
     let (want, _) = one_device(&cfg, 1, 1, plan(2, 2, 1, 1).backward);
-    for data in [DataParallelKind::Ddp(DdpConfig::default()), zero(ZeroStage::Three)] {
+    for data in [
+        DataParallelKind::Ddp(DdpConfig::default()),
+        zero(ZeroStage::Three),
+    ] {
         let p = ParallelPlan {
             data,
             ..zero_bubble(ScheduleKind::ZeroBubbleV, plan(2, 2, 1, 1))
@@ -889,7 +892,12 @@ fn eval_loss_under_zb_v_equals_one_device() {
         });
         for (r, l) in losses.iter().enumerate() {
             let e = rel_f(*l, want.losses[0]);
-            assert!(e <= 1e-5, "{:?} rank {r}: {l} vs {} (rel {e:.1e})", p.data, want.losses[0]);
+            assert!(
+                e <= 1e-5,
+                "{:?} rank {r}: {l} vs {} (rel {e:.1e})",
+                p.data,
+                want.losses[0]
+            );
         }
     }
 }

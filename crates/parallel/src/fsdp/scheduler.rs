@@ -9,7 +9,8 @@
 //!                     (ZeRO-2/3) │ free units of seg i not used by seg i-1
 //! ```
 //! At most two units are resident or in flight at any moment in forward (the running segment's
-//! and the prefetched one), plus the tied embedding unit while the head runs.
+//! and the prefetched one), plus the tied embedding unit while the head runs. Segment i is the
+//! running chunk's ([`super::Fsdp::over_chunks`]); the units are numbered over all chunks.
 
 use std::ops::Range;
 

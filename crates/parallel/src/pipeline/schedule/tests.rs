@@ -500,7 +500,11 @@ fn zb_v_runs_the_embedding_chunks_last_w_after_the_heads() {
             }
             for s in &orders {
                 let last = s.last_backwards(0);
-                assert_eq!(s.model_stage(0, 1), n - 1, "P={p}: rank 0's chunk 1 is the head");
+                assert_eq!(
+                    s.model_stage(0, 1),
+                    n - 1,
+                    "P={p}: rank 0's chunk 1 is the head"
+                );
                 assert!(last[0] > last[1], "P={p} M={m}: {last:?}");
             }
         }
