@@ -136,7 +136,7 @@ pub fn parallelize(
             let chunks = stages.chunks().iter().map(|ch| ch.segments.clone());
             let fsdp = Fsdp::over_chunks(mesh.dp.clone(), chunks.collect(), z)?;
             check_shared_units(&fsdp, executor.schedule(), c.pp)?;
-            Replicas::Zero(fsdp)
+            Replicas::Zero(Box::new(fsdp))
         }
         DataParallelKind::Ddp(_) => {
             let (experts, dense): (Vec<Param>, Vec<Param>) = params

@@ -140,6 +140,6 @@ mod tests {
             shared_across_chunks(&needs, &[0..2, 2..4]),
             vec![(0, vec![0, 1])]
         );
-        assert!(shared_across_chunks(&needs, &[0..4]).is_empty());
+        assert!(shared_across_chunks(&needs, std::slice::from_ref(&(0..4))).is_empty());
     }
 }

@@ -64,7 +64,7 @@ pub(crate) enum Replicas {
     Full(FullReplicas),
     /// One ZeRO strategy over every stage chunk of the rank ([`Fsdp::over_chunks`]); gradients
     /// live in its shards.
-    Zero(Fsdp),
+    Zero(Box<Fsdp>),
 }
 
 /// What the sync reads of the model around it.
