@@ -24,6 +24,15 @@
 //! flat buffer and every rank keeps one contiguous shard of it (see [`unit`]). A parameter used by
 //! several segments (the tied `wte`) belongs to the lowest one, where its gradient becomes final.
 //!
+//! Under a pipeline one strategy covers every chunk (model stage) of its rank, their segments
+//! numbered one after the other ([`Fsdp::over_chunks`]); a pass's hooks are one chunk's, and
+//! ZeRO-3's residency rule runs within it. So the rule above holds across chunks: ZB-V's rank 0
+//! runs the embedding (chunk 0) and the tied head (chunk 1), and `wte` is one embedding unit
+//! (one shard, one optimizer state). The head's passes gather it (stage 3) and leave their
+//! `wte` gradient in the caller's [`Grads`] for the unit's next reduce-scatter, after the
+//! embedding's backward: right while the embedding's chunk runs the step's last backward of the
+//! two, which the caller checks ([`Fsdp::shared_across_chunks`]).
+//!
 //! # One training step at stage 3 (the engine's hooks drive it)
 //! ```text
 //!   pre_forward(i)    free segment i-1's gathered weights; wait for segment i's all-gather;
@@ -51,6 +60,7 @@ mod scheduler;
 mod unit;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -147,7 +157,10 @@ pub fn analytic_model_state(
 pub struct Fsdp {
     comm: Comm,
     cfg: FsdpConfig,
+    /// The segments of every chunk, one after the other.
     segments: Vec<Arc<dyn Segment>>,
+    /// Chunk k's segments: `segments[chunks[k]]`.
+    chunks: Vec<Range<usize>>,
     /// One unit per segment (`units[i]` holds the parameters whose gradient is final after segment i).
     units: Vec<FlatUnit>,
     residency: Vec<Residency>,
@@ -165,6 +178,23 @@ impl Fsdp {
     /// Shards the model's segments over `comm` (the data-parallel group). Every rank must have
     /// built the same full model (checked); at stage 3 the full weights are released here.
     pub fn new(comm: Comm, segments: Vec<Arc<dyn Segment>>, cfg: FsdpConfig) -> Result<Fsdp> {
+        Self::over_chunks(comm, vec![segments], cfg)
+    }
+
+    /// [`Fsdp::new`] over the segments of several chunks (the model stages one pipeline rank
+    /// runs, in chunk order), numbered one after the other: a parameter two chunks use is one
+    /// unit, its lowest user's.
+    pub fn over_chunks(
+        comm: Comm,
+        chunks: Vec<Vec<Arc<dyn Segment>>>,
+        cfg: FsdpConfig,
+    ) -> Result<Fsdp> {
+        let mut ranges = Vec::with_capacity(chunks.len());
+        for c in &chunks {
+            let start = ranges.last().map_or(0, |r: &Range<usize>| r.end);
+            ranges.push(start..start + c.len());
+        }
+        let segments: Vec<Arc<dyn Segment>> = chunks.into_iter().flatten().collect();
         let params = unique_params(&segments);
         verify_same_init(&comm, &params)?;
         let owner = final_after(&segments);
@@ -188,6 +218,7 @@ impl Fsdp {
             comm,
             cfg,
             segments,
+            chunks: ranges,
             units,
             residency,
             needs,
@@ -273,6 +304,8 @@ impl Fsdp {
             units: &mut self.units,
             residency: &mut self.residency,
             needs: &self.needs,
+            chunks: &self.chunks,
+            chunk: 0,
             pending: Vec::new(),
             stats: &mut self.current,
             timer: self.timer.get_or_insert_with(OpTimer::default),
@@ -286,10 +319,14 @@ impl Fsdp {
         let unit_bytes = |u: &FlatUnit| u.full_bytes();
         let mut worst = 0;
         if self.cfg.stage == ZeroStage::Three {
-            for i in 0..self.needs.len() {
+            for (c, i) in self
+                .chunks
+                .iter()
+                .flat_map(|c| c.clone().map(move |i| (c, i)))
+            {
                 let mut live = self.needs[i].clone();
-                if self.cfg.prefetch {
-                    live.extend(self.needs.get(i + 1).into_iter().flatten());
+                if self.cfg.prefetch && c.contains(&(i + 1)) {
+                    live.extend(&self.needs[i + 1]);
                 }
                 live.sort_unstable();
                 live.dedup();
@@ -332,6 +369,11 @@ impl FsdpHooks<'_> {
         self.sched.reduce = reduce;
     }
 
+    /// The chunk the following passes run over ([`Fsdp::over_chunks`]; 0 with one).
+    pub fn set_chunk(&mut self, chunk: usize) {
+        self.sched.chunk = chunk;
+    }
+
     /// Waits for the reduce-scatters in flight and adds each shard to its unit.
     pub fn finish(self) -> Result<()> {
         self.sched.finish()
@@ -367,6 +409,13 @@ impl Fsdp {
         FsdpHooks {
             sched: self.scheduler(recompute, false),
         }
+    }
+
+    /// The units more than one chunk uses, each as (its owner's chunk, every chunk using it,
+    /// ascending). A unit's reduction after its owner's backward holds every chunk's gradient
+    /// only if, in each step, its owner's chunk runs the last backward of them.
+    pub fn shared_across_chunks(&self) -> Vec<(usize, Vec<usize>)> {
+        residency::shared_across_chunks(&self.needs, &self.chunks)
     }
 
     /// At stage 3, frees every unit's gathered weights (after a forward-only pass).
@@ -455,6 +504,13 @@ impl DataParallel for Fsdp {
         loss_scale: f64,
         sync: bool,
     ) -> Result<f64> {
+        if self.chunks.len() != 1 {
+            return Err(DpError::Config(format!(
+                "a forward and backward over {} chunks at once: drive each chunk's passes \
+                 through Fsdp::hooks",
+                self.chunks.len()
+            )));
+        }
         if self.timer.is_none() {
             self.timer = Some(OpTimer::start(&self.comm));
         }

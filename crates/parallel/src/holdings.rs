@@ -12,7 +12,9 @@
 //! Every rule comes from [`crate::placement`]: the tensor-parallel split ([`tp_placement`]),
 //! the stage of a name, the ep rank of an expert, the owner of the reference copy. The dp
 //! coordinate is the data-parallel strategy's (DDP replicates what the table lists, ZeRO shards
-//! each chunk's flat segment), so the table lists what a rank holds before ZeRO.
+//! each segment's flat unit, one strategy over the rank's chunks, so a parameter two chunks use
+//! is sharded once), so the table lists what a rank holds before ZeRO, each name once
+//! ([`Holdings::unique`]: ZB-V's rank 0 lists the tied `wte` for both its chunks' segments).
 //!
 //! [`crate::parallelize()`] checks that the model it builds holds exactly this table; the cost
 //! model, the trainer's memory model, `mtrain plan` and the per-rank parameter counts read it

@@ -47,7 +47,7 @@ use crate::ddp::{assign_buckets, verify_same_init, CommStats};
 use crate::expert_parallel;
 use crate::fsdp::Fsdp;
 use crate::holdings::Holdings;
-use crate::pipeline::{PipelineExecutor, PipelineStages};
+use crate::pipeline::{PipelineExecutor, PipelineStages, Schedule};
 use crate::placement::is_expert_param;
 use crate::runtime::{FullReplicas, Replicas};
 use crate::tensor_parallel::{self, ShardLayout};
@@ -128,16 +128,16 @@ pub fn parallelize(
         .cloned()
         .collect();
 
-    // 3. Data parallelism (experts: over edp) on each chunk: ZeRO shards each chunk's
-    //    segments over dp; DDP keeps full replicas, which must start equal.
+    // 3. Data parallelism (experts: over edp): ZeRO shards the segments of all this rank's
+    //    chunks over dp as one strategy (a parameter two chunks use, ZB-V's tied wte, is one
+    //    unit); DDP keeps full replicas, which must start equal.
     let replicas = match plan.data {
-        DataParallelKind::Zero(z) => Replicas::Zero(
-            stages
-                .chunks()
-                .iter()
-                .map(|ch| Fsdp::new(mesh.dp.clone(), ch.segments.clone(), z))
-                .collect::<std::result::Result<_, _>>()?,
-        ),
+        DataParallelKind::Zero(z) => {
+            let chunks = stages.chunks().iter().map(|ch| ch.segments.clone());
+            let fsdp = Fsdp::over_chunks(mesh.dp.clone(), chunks.collect(), z)?;
+            check_shared_units(&fsdp, executor.schedule(), c.pp)?;
+            Replicas::Zero(Box::new(fsdp))
+        }
         DataParallelKind::Ddp(_) => {
             let (experts, dense): (Vec<Param>, Vec<Param>) = params
                 .iter()
@@ -185,6 +185,24 @@ pub fn parallelize(
         pm.attach_masters(fp32_weights)?;
     }
     Ok(pm)
+}
+
+/// That every ZeRO unit two chunks use is reduced after all their gradients: in each step the
+/// chunk owning it runs its last backward after the other users' ([`Fsdp::shared_across_chunks`];
+/// ZB-V's V on pipeline rank 0: the embedding's chunk after the head's).
+fn check_shared_units(fsdp: &Fsdp, schedule: &Schedule, pp_rank: usize) -> Result<()> {
+    let last = schedule.last_backwards(pp_rank);
+    for (owner, users) in fsdp.shared_across_chunks() {
+        if let Some(&late) = users.iter().find(|&&k| last[k] > last[owner]) {
+            return Err(ParallelizeError::Plan(PlanError(format!(
+                "ZeRO under {}: pipeline rank {pp_rank}'s chunk {late} runs its last backward \
+                 after chunk {owner}, which owns a parameter both use, so that parameter's \
+                 gradient would be reduced before it is final",
+                schedule.kind()
+            ))));
+        }
+    }
+    Ok(())
 }
 
 /// That the stages built hold exactly what [`Holdings`] says this rank holds: every segment's

@@ -253,17 +253,6 @@ impl ParallelPlan {
                 ));
             }
         }
-        if let (ScheduleKind::ZeroBubbleV, DataParallelKind::Zero(z)) =
-            (self.effective_schedule(), self.data)
-        {
-            // ZeRO shards each chunk's parameters apart; in the V the first and the last stage,
-            // both users of the tied wte, are two chunks of pipeline rank 0.
-            why.push(format!(
-                "ZeRO stage {} with zb-v: pipeline rank 0 holds both users of the tied wte.weight \
-                 as two ZeRO chunks, whose shards are not summed; use zb-h1 or DDP",
-                z.stage as u8
-            ));
-        }
         if tp > 1 {
             why.extend(tp_problems(cfg, tp));
         }

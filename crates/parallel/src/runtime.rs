@@ -356,12 +356,17 @@ impl ParallelModel {
         };
         let act_shape = Shape::from((b, t_local, self.cfg.n_embd)); // (B, T/tp, C)
         let dtype = self.stages.activation_dtype();
+        // Where each model stage runs (the loop, or ZB-V's V): a neighbour on this rank hands
+        // its activation over in place.
+        let (layout, me) = (self.stages.layout(), self.stages.rank());
         let mut x = idx.clone();
         let mut loss = 0.0;
         for (k, chunk) in self.stages.chunks().iter().enumerate() {
             let s = chunk.stage;
-            if s > 0 && p > 1 {
-                x = self.pp.recv((s - 1) % p, &act_shape, dtype)?;
+            if s > 0 && layout.rank_of_stage(s - 1, p) != me {
+                x = self
+                    .pp
+                    .recv(layout.rank_of_stage(s - 1, p), &act_shape, dtype)?;
             }
             let tgt = (s + 1 == s_total).then_some(targets);
             let engine = &self.engine;
@@ -370,15 +375,16 @@ impl ParallelModel {
             })?;
             if s + 1 == s_total {
                 loss = sum_f64(&out)?;
-            } else if p > 1 {
-                self.pp.send(&out, (s + 1) % p)?;
+            } else if layout.rank_of_stage(s + 1, p) != me {
+                self.pp.send(&out, layout.rank_of_stage(s + 1, p))?;
             } else {
                 x = out;
             }
         }
         if p > 1 {
             let mine = Tensor::new(&[loss], self.pp.device())?;
-            loss = f64_of(&self.pp.broadcast(&mine, (s_total - 1) % p)?)?[0];
+            let root = layout.rank_of_stage(s_total - 1, p);
+            loss = f64_of(&self.pp.broadcast(&mine, root)?)?[0];
         }
         let avg = self
             .dp

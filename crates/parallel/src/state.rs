@@ -34,11 +34,7 @@ impl ParallelModel {
         let precision = self.plan.precision;
         match &mut self.replicas {
             Replicas::Full(f) => f.masters = Some(MasterWeights::new(local)?),
-            Replicas::Zero(fsdps) => {
-                for f in fsdps.iter_mut() {
-                    f.set_mixed_precision(precision, &local)?;
-                }
-            }
+            Replicas::Zero(fsdp) => fsdp.set_mixed_precision(precision, &local)?,
         }
         Ok(())
     }
@@ -88,13 +84,7 @@ impl ParallelModel {
                 .iter()
                 .map(|p| (p.name().to_string(), p.tensor().detach()))
                 .collect(),
-            Replicas::Zero(fsdps) => {
-                let mut m = BTreeMap::new();
-                for f in fsdps {
-                    m.extend(f.full_state()?);
-                }
-                m
-            }
+            Replicas::Zero(fsdp) => fsdp.full_state()?,
         };
         self.assemble(local)
     }
@@ -108,13 +98,7 @@ impl ParallelModel {
                 .iter()
                 .map(|(n, g)| (n.clone(), g.clone()))
                 .collect(),
-            Replicas::Zero(fsdps) => {
-                let mut m = BTreeMap::new();
-                for f in fsdps {
-                    m.extend(f.full_grads()?);
-                }
-                m
-            }
+            Replicas::Zero(fsdp) => fsdp.full_grads()?,
         };
         self.assemble(local)
     }
@@ -128,14 +112,9 @@ impl ParallelModel {
         }
         let (m, v) = match &self.replicas {
             Replicas::Full(_) => (state.m, state.v),
-            Replicas::Zero(fsdps) => {
-                let (mut m, mut v) = (BTreeMap::new(), BTreeMap::new());
-                for f in fsdps {
-                    let s = f.full_optimizer_state(opt)?;
-                    m.extend(s.m);
-                    v.extend(s.v);
-                }
-                (m, v)
+            Replicas::Zero(fsdp) => {
+                let s = fsdp.full_optimizer_state(opt)?;
+                (s.m, s.v)
             }
         };
         Ok(AdamWState {
@@ -191,11 +170,7 @@ impl ParallelModel {
                     m.load(&local)?;
                 }
             }
-            Replicas::Zero(fsdps) => {
-                for f in fsdps.iter_mut() {
-                    f.load_full_state(&local)?;
-                }
-            }
+            Replicas::Zero(fsdp) => fsdp.load_full_state(&local)?,
         }
         Ok(())
     }
@@ -214,19 +189,7 @@ impl ParallelModel {
         };
         let state = match &self.replicas {
             Replicas::Full(_) => local,
-            Replicas::Zero(fsdps) => {
-                let (mut m, mut v) = (BTreeMap::new(), BTreeMap::new());
-                for f in fsdps {
-                    let s = f.shard_optimizer_state(&local)?;
-                    m.extend(s.m);
-                    v.extend(s.v);
-                }
-                AdamWState {
-                    step: full.step,
-                    m,
-                    v,
-                }
-            }
+            Replicas::Zero(fsdp) => fsdp.shard_optimizer_state(&local)?,
         };
         opt.load_state(state)?;
         Ok(())

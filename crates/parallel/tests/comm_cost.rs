@@ -222,9 +222,20 @@ fn pp2_tp2_sp_interleaved_bytes_match_the_trace() {
 
 /// The split backward's collectives: ZB-V with tp × sp × dp (B's conjugates, the embedding's
 /// in W, the tied `wte` on rank 0 alone), ZB-H1 with ZeRO-3 and checkpointing (B's gathers, W's
-/// reduce-scatters and frees).
+/// reduce-scatters and frees), ZB-V with ZeRO-1 and ZeRO-3 (rank 0's one `wte` unit, gathered
+/// by both chunks, reduced after the embedding's W).
 #[test]
 fn zero_bubble_bytes_match_the_trace() {
+    for (stage, checkpointing) in [(ZeroStage::One, false), (ZeroStage::Three, true)] {
+        let v = ParallelPlan {
+            data: zero(stage),
+            checkpointing,
+            schedule: ScheduleKind::ZeroBubbleV,
+            microbatches: 4,
+            ..plan(2, 2, 1, 1)
+        };
+        check(&cfg(), &v);
+    }
     let v = ParallelPlan {
         sequence_parallel: true,
         schedule: ScheduleKind::ZeroBubbleV,

@@ -536,17 +536,20 @@ fn pp2_dp2_ddp_zero_bubble_equals_one_device() {
     }
 }
 
+/// The ZeRO stages and activation checkpointing the zero-bubble ZeRO tests run.
+const ZERO_CASES: [(ZeroStage, bool); 4] = [
+    (ZeroStage::One, false),
+    (ZeroStage::Two, false),
+    (ZeroStage::Two, true),
+    (ZeroStage::Three, true),
+];
+
 /// dp × pp with ZeRO under ZB-H1: each W's post-backward hook reduce-scatters the segment's
 /// gradient (stage 1: the chunk's last W), with and without activation checkpointing (B
 /// recomputes; stage 3 gathers there and frees after W).
 #[test]
 fn pp2_dp2_zero_zero_bubble_equals_one_device() {
-    for (stage, checkpointing) in [
-        (ZeroStage::One, false),
-        (ZeroStage::Two, false),
-        (ZeroStage::Two, true),
-        (ZeroStage::Three, true),
-    ] {
+    for (stage, checkpointing) in ZERO_CASES {
         let p = ParallelPlan {
             data: zero(stage),
             checkpointing,
@@ -556,17 +559,31 @@ fn pp2_dp2_zero_zero_bubble_equals_one_device() {
     }
 }
 
-/// ZeRO under ZB-V is refused, with the reason: the V puts both users of the tied `wte` on
-/// pipeline rank 0 as two ZeRO chunks.
+/// dp × pp with ZeRO under ZB-V: pipeline rank 0 runs the embedding and the tied LM head as
+/// two chunks of one ZeRO strategy, so `wte` is one unit (one shard, one optimizer state)
+/// whose reduce-scatter after the embedding's W carries the head's gradient too; stage 3
+/// gathers it for both chunks.
 #[test]
-fn zero_under_zb_v_is_refused() {
+fn pp2_dp2_zero_zb_v_equals_one_device() {
+    for (stage, checkpointing) in ZERO_CASES {
+        let p = ParallelPlan {
+            data: zero(stage),
+            checkpointing,
+            ..plan(2, 2, 1, 1)
+        };
+        check_equals_one_device(&cfg(), &zero_bubble(ScheduleKind::ZeroBubbleV, p), 1);
+    }
+}
+
+/// tp × pp × dp with ZeRO-2 under ZB-V: the vocab-parallel `wte` shard of each tp rank is one
+/// ZeRO unit on pipeline rank 0.
+#[test]
+fn tp2_pp2_dp2_zero2_zb_v_equals_one_device() {
     let p = ParallelPlan {
         data: zero(ZeroStage::Two),
-        ..plan(2, 2, 1, 1)
+        ..plan(2, 2, 2, 1)
     };
-    let why = refusal(&cfg(), &zero_bubble(ScheduleKind::ZeroBubbleV, p), 4, BATCH);
-    assert!(why.contains("ZeRO stage 2 with zb-v"), "{why}");
-    assert!(why.contains("use zb-h1 or DDP"), "{why}");
+    check_equals_one_device(&cfg(), &zero_bubble(ScheduleKind::ZeroBubbleV, p), 1);
 }
 
 /// tp × pp × dp with activation checkpointing under ZB-V, without dropout and with it (the
@@ -585,10 +602,10 @@ fn tp2_pp2_dp2_zero_bubble_checkpointing_equals_one_device() {
 
 /// The holdings table is the model `parallelize` builds, on every rank of the composition
 /// layouts (tp × pp × dp, tp × interleaved pp with sequence parallelism, ZeRO-3 under pp,
-/// dp × ep MoE): the same parameters by name and local shape, in the order the optimizer
-/// steps them, their elements summed to the table's count, each owner a rank whose table
-/// holds the parameter, the partial gradients exactly the replicated ones under sequence
-/// parallelism.
+/// ZeRO-2 under ZB-V, whose rank 0 lists the tied `wte` once for its two chunks, dp × ep MoE):
+/// the same parameters by name and local shape, in the order the optimizer steps them, their
+/// elements summed to the table's count, each owner a rank whose table holds the parameter,
+/// the partial gradients exactly the replicated ones under sequence parallelism.
 #[test]
 fn the_holdings_table_is_the_model_parallelize_builds() {
     let interleaved = ParallelPlan {
@@ -600,10 +617,15 @@ fn the_holdings_table_is_the_model_parallelize_builds() {
         data: zero(ZeroStage::Three),
         ..plan(2, 2, 1, 1)
     };
+    let zero2_v = ParallelPlan {
+        data: zero(ZeroStage::Two),
+        ..zero_bubble(ScheduleKind::ZeroBubbleV, plan(2, 2, 1, 1))
+    };
     let layouts = [
         (cfg(), plan(2, 2, 2, 1)),
         (cfg(), interleaved),
         (cfg(), zero3),
+        (cfg(), zero2_v),
         (moe_cfg(), plan(2, 1, 1, 2)),
     ];
     for (cfg, p) in layouts {
@@ -831,13 +853,61 @@ fn describe_lists_stages() {
 }
 
 /// ZeRO-3 under a pipeline really shards: after a step each rank holds about half of its stage's
-/// weights, gradients and moments (dp = 2), against the full stage under DDP.
+/// weights, gradients and moments (dp = 2), against the full stage under DDP; under 1F1B and
+/// under ZB-V, whose pipeline rank 0 holds the tied `wte` for two chunks and keeps one shard of it.
 #[test]
 fn zero3_under_pp_holds_half_the_model_state() {
+    for schedule in [ScheduleKind::OneFOneB, ScheduleKind::ZeroBubbleV] {
+        zero3_holds_half_the_model_state_under(schedule);
+    }
+}
+
+/// The forward-only loss under ZB-V's V (DDP, and ZeRO-3 gathering `wte` for both of rank 0's
+/// chunks) is the single-device loss of the same weights and batch (rel ≤ 1e-5): rank 1 hands
+/// its chunk 0's output to its chunk 1 in place, rank 0's head receives from rank 1.
+#[test]
+fn eval_loss_under_zb_v_equals_one_device() {
+    let cfg = cfg();
+    let (want, _) = one_device(&cfg, 1, 1, plan(2, 2, 1, 1).backward);
+    for data in [
+        DataParallelKind::Ddp(DdpConfig::default()),
+        zero(ZeroStage::Three),
+    ] {
+        let p = ParallelPlan {
+            data,
+            ..zero_bubble(ScheduleKind::ZeroBubbleV, plan(2, 2, 1, 1))
+        };
+        let p = p.validate(&cfg, 4, BATCH).expect("plan validates");
+        let losses = run_local(4, Duration::from_secs(60), |backend| {
+            let mesh = DeviceMesh::new(&backend, p.dims).expect("mesh");
+            let w = init_weights(&cfg, SEED).expect("init");
+            let mut model = parallelize(&cfg, &w, &p, &mesh, &Device::Cpu).expect("parallelize");
+            let (idx, tgt) = batch(&cfg, 0);
+            let b = BATCH / 2;
+            let (i, y) = (
+                idx.narrow(0, mesh.coords.dp * b, b).expect("i"),
+                tgt.narrow(0, mesh.coords.dp * b, b).expect("y"),
+            );
+            model.eval_loss(&i, &y).expect("eval")
+        });
+        for (r, l) in losses.iter().enumerate() {
+            let e = rel_f(*l, want.losses[0]);
+            assert!(
+                e <= 1e-5,
+                "{:?} rank {r}: {l} vs {} (rel {e:.1e})",
+                p.data,
+                want.losses[0]
+            );
+        }
+    }
+}
+
+fn zero3_holds_half_the_model_state_under(schedule: ScheduleKind) {
     let cfg = cfg();
     let bytes = |data: DataParallelKind| {
         let p = ParallelPlan {
             data,
+            schedule,
             ..plan(2, 2, 1, 1)
         };
         let p = p.validate(&cfg, 4, BATCH).expect("plan validates");
@@ -882,7 +952,7 @@ fn zero3_under_pp_holds_half_the_model_state() {
             z.2,
             d.2
         );
-        println!("rank {r}: DDP (grads, weights, adam) {d:?} B, ZeRO-3 {z:?} B");
+        println!("{schedule} rank {r}: DDP (grads, weights, adam) {d:?} B, ZeRO-3 {z:?} B");
     }
 }
 

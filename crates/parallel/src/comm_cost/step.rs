@@ -6,8 +6,9 @@
 //!               output_stage deciding each receive and send
 //!   holdings    which parameters each segment holds on this rank and their local sizes
 //!               (the holdings table of the plan and the rank's coordinates)
-//!   ZeRO        units and needs by the engine's "first user owns it" rule, gathers and frees by
-//!               fsdp::residency, the moves the scheduler runs
+//!   ZeRO        units and needs by the engine's "first user owns it" rule over all the rank's
+//!               chunks (ZB-V's tied wte: one unit), gathers and frees by fsdp::residency
+//!               within each chunk, the moves the scheduler runs
 //!   per segment the tensor-, sequence- and expert-parallel collectives its layers describe
 //!               (tensor_parallel::mapping's tables, vocab::LOSS_ALL_REDUCES, MOE_EXCHANGES)
 //!               in forward, recompute and backward
@@ -63,12 +64,7 @@ pub fn step_collectives(
     let me = walk.c.pp;
     let remote = |s: usize| sched.rank_of_stage(s) != me;
     let actions = sched.actions(me);
-    let mut last_backward = BTreeMap::new();
-    for (i, a) in actions.iter().enumerate() {
-        if a.computes_weight_grads() {
-            last_backward.insert(a.chunk(), i);
-        }
-    }
+    let last_backward = sched.last_backwards(me);
     for (i, a) in actions.iter().enumerate() {
         if sched.input_stage(me, a).is_some_and(remote) {
             walk.pipeline_transfer(OpKind::Recv, a);
@@ -77,7 +73,7 @@ pub fn step_collectives(
             Action::Forward { .. } => walk.forward(a.chunk()),
             Action::Backward { .. } | Action::InputGrad { .. } | Action::WeightGrad { .. } => {
                 let reduce = match walk.zero {
-                    Some(ZeroStage::One) => last_backward.get(&a.chunk()) == Some(&i),
+                    Some(ZeroStage::One) => last_backward[a.chunk()] == Some(i),
                     Some(_) => true,
                     None => false,
                 };
@@ -109,7 +105,7 @@ pub fn step_collectives(
     Ok(walk.tally.items)
 }
 
-/// One ZeRO unit of a chunk: the parameters its segment is the first user of.
+/// One ZeRO unit of the rank: the parameters its segment is the first user of.
 struct Unit {
     params: Vec<Held>,
     numel: usize,
@@ -119,11 +115,11 @@ struct Unit {
 struct Chunk {
     /// Indices into `[embedding, h.0, …, head]`.
     segments: Range<usize>,
-    units: Vec<Unit>,
+    /// Its segment j is the rank's segment `first + j` (the chunks' segments numbered one
+    /// after the other), whose unit is `units[first + j]`.
+    first: usize,
     /// `needs[j]`: the units the chunk's segment j uses.
     needs: Vec<Vec<usize>>,
-    /// ZeRO-3: whether each unit's weights are resident (or being gathered).
-    gathered: Vec<bool>,
 }
 
 /// The step being walked on one rank.
@@ -144,6 +140,10 @@ struct Walk {
     ch: usize,
     act: DType,
     chunks: Vec<Chunk>,
+    /// The rank's ZeRO units, one per segment of every chunk.
+    units: Vec<Unit>,
+    /// ZeRO-3: whether each unit's weights are resident (or being gathered).
+    gathered: Vec<bool>,
     /// DDP's bucket caps when the gradients travel in buckets ([`ParallelPlan::dp_buckets`]).
     dp_buckets: Option<DdpConfig>,
     /// Bytes per parameter element (the buckets' caps count the compute copy).
@@ -159,7 +159,8 @@ impl Walk {
         let sp = plan.sequence_parallel && dims.tp > 1;
         let t = shape.seq_len;
         let table = Holdings::of_rank(cfg, plan, c).map_err(|e| CostError::Plan(e.to_string()))?;
-        let chunks = table.chunks.into_iter().map(chunk).collect();
+        let (chunks, units) = zero_units(table.chunks);
+        let gathered = units.iter().map(|u| u.numel == 0).collect();
         let (zero, prefetch) = match plan.data {
             DataParallelKind::Zero(z) => (Some(z.stage), z.prefetch),
             DataParallelKind::Ddp(_) => (None, false),
@@ -189,6 +190,8 @@ impl Walk {
             ch: cfg.n_embd,
             act: shape.dtype,
             chunks,
+            units,
+            gathered,
             dp_buckets: plan.dp_buckets(),
             param_bytes: plan.precision.param_dtype.size_in_bytes(),
         })
@@ -209,12 +212,12 @@ impl Walk {
             .push(Group::Pp, op, what, phase, bytes, bytes, overlap, false);
     }
 
-    /// ZeRO-3 all-gathers of `units` of chunk `k` that are not resident yet.
-    fn gather(&mut self, k: usize, units: &[usize], phase: Phase) {
+    /// ZeRO-3 all-gathers of `units` that are not resident yet.
+    fn gather(&mut self, units: &[usize], phase: Phase) {
         for &u in units {
-            if !self.chunks[k].gathered[u] {
-                self.chunks[k].gathered[u] = true;
-                let n = self.padded(self.chunks[k].units[u].numel);
+            if !self.gathered[u] {
+                self.gathered[u] = true;
+                let n = self.padded(self.units[u].numel);
                 let what = "ZeRO-3 weight gather";
                 self.tally
                     .all_gather(Group::Dp, what, phase, n, 1, DType::F32, true);
@@ -223,10 +226,10 @@ impl Walk {
     }
 
     /// ZeRO-3 frees (a unit without parameters is never freed, as in the scheduler).
-    fn free(&mut self, k: usize, units: &[usize]) {
+    fn free(&mut self, units: &[usize]) {
         for &u in units {
-            if self.chunks[k].units[u].numel > 0 {
-                self.chunks[k].gathered[u] = false;
+            if self.units[u].numel > 0 {
+                self.gathered[u] = false;
             }
         }
     }
@@ -244,9 +247,9 @@ impl Walk {
         for (j, seg) in self.chunks[k].segments.clone().enumerate() {
             if self.z3() {
                 let m = residency::before_forward(&self.chunks[k].needs, j, self.prefetch);
-                self.free(k, &m.free);
-                self.gather(k, &m.wait, Phase::Forward);
-                self.gather(k, &m.prefetch, Phase::Forward);
+                self.free(&m.free);
+                self.gather(&m.wait, Phase::Forward);
+                self.gather(&m.prefetch, Phase::Forward);
             }
             self.segment_forward(seg, Phase::Forward);
         }
@@ -273,8 +276,8 @@ impl Walk {
     fn backward_input(&mut self, k: usize, j: usize, seg: usize) {
         if self.z3() && self.recompute {
             let m = residency::before_backward(&self.chunks[k].needs, j, self.prefetch);
-            self.gather(k, &m.wait, Phase::Backward);
-            self.gather(k, &m.prefetch, Phase::Backward);
+            self.gather(&m.wait, Phase::Backward);
+            self.gather(&m.prefetch, Phase::Backward);
         }
         if self.recompute {
             self.segment_forward(seg, Phase::Backward);
@@ -283,7 +286,7 @@ impl Walk {
     }
 
     fn backward_weights(&mut self, k: usize, j: usize, reduce: bool) {
-        let n = self.chunks[k].units[j].numel;
+        let n = self.units[self.chunks[k].first + j].numel;
         if reduce && n > 0 {
             let what = "ZeRO gradient reduce-scatter";
             let rows = self.padded(n);
@@ -292,7 +295,7 @@ impl Walk {
         }
         if self.z3() {
             let free = residency::after_backward(&self.chunks[k].needs, j);
-            self.free(k, &free);
+            self.free(&free);
         }
     }
 
@@ -398,15 +401,20 @@ impl Walk {
         let step = Phase::Step;
         let mut seen = std::collections::BTreeSet::new();
         let held: Vec<Held> = self
-            .chunks
+            .units
             .iter()
-            .flat_map(|k| k.units.iter().flat_map(|u| u.params.iter()))
+            .flat_map(|u| u.params.iter())
             .filter(|p| seen.insert(p.name.clone()))
             .cloned()
             .collect();
-        let n_stages = self.dims.pp * self.chunks.len();
+        let (pp, n_stages) = (self.dims.pp, self.dims.pp * self.chunks.len());
+        let (first, last) = (
+            self.placement.rank_of_stage(pp, 0),
+            self.placement.rank_of_stage(pp, n_stages - 1),
+        );
         let wte_local = held.iter().find(|p| p.name == TIED).map(|p| p.numel());
-        let tied_here = n_stages > 1 && wte_local.is_some();
+        // Summed between two pipeline ranks; in the V both ends are this rank's.
+        let tied_here = n_stages > 1 && first != last && wte_local.is_some();
         match self.zero {
             None if self.dims.dp > 1 && self.dp_buckets.is_some() => {
                 for numel in self.bucket_numels() {
@@ -436,9 +444,8 @@ impl Walk {
             }
             Some(_) => {
                 let units: Vec<(bool, bool, usize)> = self
-                    .chunks
+                    .units
                     .iter()
-                    .flat_map(|k| k.units.iter())
                     .map(|u| {
                         let has = |f: &dyn Fn(&Held) -> bool| u.params.iter().any(f);
                         (has(&|p| p.partial_grad), has(&|p| p.name == TIED), u.numel)
@@ -465,12 +472,7 @@ impl Walk {
                 }
             }
         }
-        let pp = self.dims.pp;
-        let (first, last) = (
-            self.placement.rank_of_stage(pp, 0),
-            self.placement.rank_of_stage(pp, n_stages - 1),
-        );
-        if tied_here && first != last && (self.c.pp == first || self.c.pp == last) {
+        if tied_here && (self.c.pp == first || self.c.pp == last) {
             let bytes = (wte_local.unwrap_or(0) * 4) as u64;
             let what = "tied wte gradient";
             self.tally.push(
@@ -511,7 +513,7 @@ impl Walk {
         };
         let mut final_after = BTreeMap::new();
         let mut sizes = Vec::new();
-        for (j, u) in self.chunks[0].units.iter().enumerate() {
+        for (j, u) in self.units.iter().enumerate() {
             for p in &u.params {
                 final_after.insert(p.name.clone(), j);
                 let numel = p.numel();
@@ -561,9 +563,9 @@ impl Walk {
             .all_reduce(Group::World, "gradient norm", step, 1, DType::F64, false);
         if matches!(self.zero, Some(ZeroStage::One) | Some(ZeroStage::Two)) {
             let sizes: Vec<usize> = self
-                .chunks
+                .units
                 .iter()
-                .flat_map(|k| k.units.iter().map(|u| u.numel))
+                .map(|u| u.numel)
                 .filter(|&n| n > 0)
                 .collect();
             for n in sizes {
@@ -575,39 +577,46 @@ impl Walk {
     }
 }
 
-/// A chunk of the holdings table as the walk needs it: its segments, their parameters grouped
-/// into ZeRO units by first use, and what each segment needs.
-fn chunk(table: ChunkHoldings) -> Chunk {
-    let first = table.segments.first().map_or(0, |s| s.index);
-    let segments = first..first + table.segments.len();
-    let uses: Vec<Vec<String>> = table
-        .segments
+/// The chunks of the holdings table as the walk needs them, and the rank's ZeRO units: the
+/// segments of all chunks numbered one after the other, their parameters grouped into units by
+/// first use over that numbering (`Fsdp::over_chunks`), and what each segment needs.
+fn zero_units(tables: Vec<ChunkHoldings>) -> (Vec<Chunk>, Vec<Unit>) {
+    let segs: Vec<_> = tables.iter().flat_map(|t| t.segments.iter()).collect();
+    let uses: Vec<Vec<String>> = segs
         .iter()
         .map(|s| s.params.iter().map(|p| p.name.clone()).collect())
         .collect();
     let owner = final_after_names(&uses);
     let needs = residency::needs(&uses, &owner);
-    let units: Vec<Unit> = table
-        .segments
-        .into_iter()
+    let units = segs
+        .iter()
         .enumerate()
         .map(|(i, s)| {
             let params: Vec<Held> = s
                 .params
-                .into_iter()
+                .iter()
                 .filter(|p| owner[&p.name] == i)
+                .cloned()
                 .collect();
             let numel = params.iter().map(|p| p.numel()).sum();
             Unit { params, numel }
         })
         .collect();
-    let gathered = units.iter().map(|u| u.numel == 0).collect();
-    Chunk {
-        segments,
-        units,
-        needs,
-        gathered,
-    }
+    let mut first = 0;
+    let chunks = tables
+        .iter()
+        .map(|t| {
+            let start = t.segments.first().map_or(0, |s| s.index);
+            let n = t.segments.len();
+            first += n;
+            Chunk {
+                segments: start..start + n,
+                first: first - n,
+                needs: needs[first - n..first].to_vec(),
+            }
+        })
+        .collect();
+    (chunks, units)
 }
 
 /// (rows a rank's input holds, rows it sends to other ranks) of a token all-to-all under

@@ -11,8 +11,12 @@
 //!   backward i   (recompute only) wait needs[i] │ prefetch needs[i-1]
 //!   after bwd i  free needs[i] \ needs[i-1]
 //! ```
+//! A rank running several chunks numbers their segments (and units) one after the other and
+//! applies the rule within each chunk's range; a unit used by two chunks (ZB-V's `wte` on rank
+//! 0) is listed by [`shared_across_chunks`].
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 
 /// The units segment i uses, for every segment of a chunk: `uses[i]` are the parameter names
 /// segment i uses, `owner` each name's unit ([`crate::toolbox::final_after_names`]).
@@ -84,6 +88,25 @@ pub fn after_backward(needs: &[Vec<usize>], i: usize) -> Vec<usize> {
         .collect()
 }
 
+/// The units segments of more than one chunk use (`chunks[k]`: chunk k's range of `needs`),
+/// each as (the chunk of its owner, segment `u`; every chunk using it, ascending).
+pub fn shared_across_chunks(
+    needs: &[Vec<usize>],
+    chunks: &[Range<usize>],
+) -> Vec<(usize, Vec<usize>)> {
+    let chunk_of = |i: usize| chunks.iter().position(|c| c.contains(&i));
+    let mut shared = Vec::new();
+    for u in 0..needs.len() {
+        let users = needs.iter().enumerate().filter(|(_, n)| n.contains(&u));
+        let mut users: Vec<usize> = users.filter_map(|(i, _)| chunk_of(i)).collect();
+        users.dedup();
+        if let (true, Some(owner)) = (users.len() > 1, chunk_of(u)) {
+            shared.push((owner, users));
+        }
+    }
+    shared
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -107,5 +130,16 @@ mod tests {
             before_backward(&needs, 0, true).prefetch,
             Vec::<usize>::new()
         );
+    }
+
+    #[test]
+    fn zb_v_rank_0_shares_the_embedding_unit_between_its_chunks() {
+        // Chunk 0 [embedding, h.0], chunk 1 [h.3, head]: the head uses the embedding's unit.
+        let needs = vec![vec![0], vec![1], vec![2], vec![0, 3]];
+        assert_eq!(
+            shared_across_chunks(&needs, &[0..2, 2..4]),
+            vec![(0, vec![0, 1])]
+        );
+        assert!(shared_across_chunks(&needs, std::slice::from_ref(&(0..4))).is_empty());
     }
 }

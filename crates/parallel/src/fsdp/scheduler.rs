@@ -9,7 +9,10 @@
 //!                     (ZeRO-2/3) │ free units of seg i not used by seg i-1
 //! ```
 //! At most two units are resident or in flight at any moment in forward (the running segment's
-//! and the prefetched one), plus the tied embedding unit while the head runs.
+//! and the prefetched one), plus the tied embedding unit while the head runs. Segment i is the
+//! running chunk's ([`super::Fsdp::over_chunks`]); the units are numbered over all chunks.
+
+use std::ops::Range;
 
 use candle_core::Tensor;
 use mtrain_comm::{Comm, ReduceOp, Work};
@@ -42,7 +45,12 @@ pub(super) struct Scheduler<'a> {
     pub(super) reduce: bool,
     pub(super) units: &'a mut [FlatUnit],
     pub(super) residency: &'a mut [Residency],
+    /// `needs[i]` for every segment of every chunk (unit indices are over all chunks).
     pub(super) needs: &'a [Vec<usize>],
+    /// Each chunk's segments, as a range of `needs`.
+    pub(super) chunks: &'a [Range<usize>],
+    /// The chunk of the pass running: the engine's segment i is `chunks[chunk].start + i`.
+    pub(super) chunk: usize,
     /// Reduce-scatters in flight, in issue order: (unit, work).
     pub(super) pending: Vec<(usize, Work)>,
     pub(super) stats: &'a mut CommStats,
@@ -111,11 +119,20 @@ impl Scheduler<'_> {
         Ok(())
     }
 
+    /// What segments of the running chunk need: the residency rule runs within one chunk.
+    fn chunk_needs(&self) -> &[Vec<usize>] {
+        &self.needs[self.chunks[self.chunk].clone()]
+    }
+
     fn pre_forward_impl(&mut self, i: usize) -> Result<()> {
         if self.stage != ZeroStage::Three {
             return Ok(());
         }
-        self.apply(residency::before_forward(self.needs, i, self.prefetch))
+        self.apply(residency::before_forward(
+            self.chunk_needs(),
+            i,
+            self.prefetch,
+        ))
     }
 
     fn pre_backward_impl(&mut self, i: usize) -> Result<()> {
@@ -124,23 +141,30 @@ impl Scheduler<'_> {
         if self.stage != ZeroStage::Three || !self.recompute {
             return Ok(());
         }
-        self.apply(residency::before_backward(self.needs, i, self.prefetch))
+        self.apply(residency::before_backward(
+            self.chunk_needs(),
+            i,
+            self.prefetch,
+        ))
     }
 
+    /// After segment i of the running chunk: reduce-scatter its unit (a parameter it shares
+    /// with a lower segment, the head's `wte`, stays in `grads` for that segment's unit).
     fn post_backward_impl(&mut self, i: usize, grads: &mut Grads) -> Result<()> {
-        if self.reduce && self.units[i].numel > 0 {
-            let flat = self.units[i].flat_grad(grads)?; // (padded,)
+        let u = self.chunks[self.chunk].start + i;
+        if self.reduce && self.units[u].numel > 0 {
+            let flat = self.units[u].flat_grad(grads)?; // (padded,)
             self.stats.collectives += 1;
             self.stats.bytes += (flat.elem_count() * flat.dtype().size_in_bytes()) as u64;
             self.pending
-                .push((i, self.comm.reduce_scatter_async(&flat, ReduceOp::Avg)));
+                .push((u, self.comm.reduce_scatter_async(&flat, ReduceOp::Avg)));
             if self.stage >= ZeroStage::Two {
-                for e in &self.units[i].entries {
+                for e in &self.units[u].entries {
                     grads.remove(e.param.name());
                 }
             }
         }
-        for u in residency::after_backward(self.needs, i) {
+        for u in residency::after_backward(self.chunk_needs(), i) {
             self.free(u)?;
         }
         Ok(())

@@ -305,13 +305,7 @@ impl PipelineExecutor {
         let last_stage = sched.num_model_stages() - 1;
         let loss_scale = 1.0 / m as f64;
         let grad_scale = grad_scale * loss_scale;
-        // The index of each chunk's last backward (fused, or W): its gradients are final after it.
-        let mut last_backward = HashMap::new();
-        for (i, a) in sched.actions(rank).iter().enumerate() {
-            if a.computes_weight_grads() {
-                last_backward.insert(a.chunk(), i);
-            }
-        }
+        let last_backward = sched.last_backwards(rank);
 
         let mut links = Links {
             pp,
@@ -382,7 +376,7 @@ impl PipelineExecutor {
                         ))
                     })?;
                     alive_bytes -= pending.held_bytes();
-                    let final_pass = last_backward.get(&chunk) == Some(&i);
+                    let final_pass = last_backward[chunk] == Some(i);
                     links
                         .timeline
                         .time(SpanKind::WeightGrad, Some(mb), chunk, || {
@@ -409,7 +403,7 @@ impl PipelineExecutor {
                         PipelineError::Layout(format!("rank {rank}: backward of micro-batch {mb} chunk {chunk} before its forward"))
                     })?;
                     alive_bytes -= acts.held_bytes();
-                    let final_pass = last_backward.get(&chunk) == Some(&i);
+                    let final_pass = last_backward[chunk] == Some(i);
                     let engine = self.engine_of(mb, b);
                     let grad_in = links.timeline.time(
                         SpanKind::of(action.kind()),

@@ -473,6 +473,18 @@ impl Schedule {
         &self.actions[rank]
     }
 
+    /// For each chunk of rank `rank`, the index in [`Schedule::actions`] of its last backward
+    /// (fused, or W): the chunk's gradients are final for the step after it.
+    pub fn last_backwards(&self, rank: usize) -> Vec<Option<usize>> {
+        let mut last = vec![None; self.virtual_stages()];
+        for (i, a) in self.actions(rank).iter().enumerate() {
+            if a.computes_weight_grads() {
+                last[a.chunk()] = Some(i);
+            }
+        }
+        last
+    }
+
     /// Idle fraction of a step in the ideal pipeline with equal costs: (P − 1)/(v·M + P − 1)
     /// for the fused schedules (the textbook (P − 1)/(M + P − 1) when v = 1); for the split
     /// ones rank 0's simulated bubble at F = B = W.

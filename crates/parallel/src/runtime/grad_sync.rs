@@ -7,7 +7,7 @@
 //!   Full: DDP buckets     BucketedDpReduce, last backward    wait, write      Σ tp, Σ tied wte
 //!   Full: overlapped      OverlappedDpReduce, last backward  wait, write      Σ tp, Σ tied wte
 //!   Full: after flush     nothing (pipeline, naive DDP)      -                dp avg, Σ tp, tied
-//!   Zero: ZeRO 1/2/3      Fsdp's hooks on every chunk        last reductions  Σ tp, tied (shards)
+//!   Zero: ZeRO 1/2/3      Fsdp's hooks on each chunk's pass  last reductions  Σ tp, tied (shards)
 //!
 //!   norm: Full counts a gradient on its dp (edp) replica 0; Zero's shards are disjoint over dp
 //!   step: Full steps the replicated parameters (fp32 masters under mixed precision);
@@ -62,8 +62,9 @@ impl FullReplicas {
 /// How the data-parallel part keeps and syncs gradients.
 pub(crate) enum Replicas {
     Full(FullReplicas),
-    /// One ZeRO strategy per stage chunk; gradients live in its shards.
-    Zero(Vec<Fsdp>),
+    /// One ZeRO strategy over every stage chunk of the rank ([`Fsdp::over_chunks`]); gradients
+    /// live in its shards.
+    Zero(Box<Fsdp>),
 }
 
 /// What the sync reads of the model around it.
@@ -107,7 +108,7 @@ pub(crate) enum StepSync<'a> {
 
 /// ZeRO's hooks for every chunk of a pipeline step.
 pub(crate) struct ZeroStageHooks<'a> {
-    hooks: Vec<FsdpHooks<'a>>,
+    hooks: FsdpHooks<'a>,
     /// Stages 2 and 3 reduce-scatter after every backward.
     every_backward: bool,
     /// The step's last micro-step: stage 1 reduces after each chunk's last backward.
@@ -117,9 +118,9 @@ pub(crate) struct ZeroStageHooks<'a> {
 impl StageHooks for ZeroStageHooks<'_> {
     fn hooks(&mut self, chunk: usize, last_backward: bool) -> &mut dyn Hooks {
         let reduce = self.every_backward || (self.sync && last_backward);
-        let h = &mut self.hooks[chunk];
-        h.set_reduce(reduce);
-        h
+        self.hooks.set_chunk(chunk);
+        self.hooks.set_reduce(reduce);
+        &mut self.hooks
     }
 }
 
@@ -165,10 +166,10 @@ impl Replicas {
                     (false, _) => StepSync::AfterFlush(NoStageHooks(NoHooks)),
                 }
             }
-            Replicas::Zero(fsdps) => {
-                let every_backward = fsdps.first().is_some_and(|f| f.stage() >= ZeroStage::Two);
+            Replicas::Zero(fsdp) => {
+                let every_backward = fsdp.stage() >= ZeroStage::Two;
                 StepSync::Zero(ZeroStageHooks {
-                    hooks: fsdps.iter_mut().map(|f| f.hooks(ctx.recompute)).collect(),
+                    hooks: fsdp.hooks(ctx.recompute),
                     every_backward,
                     sync,
                 })
@@ -211,19 +212,15 @@ impl Replicas {
                     ctx.stages.sync_tied_grads(ctx.pp.as_ref(), grads)?;
                 }
             }
-            Replicas::Zero(fsdps) => {
+            Replicas::Zero(fsdp) => {
                 if !ctx.partial.is_empty() {
-                    for f in fsdps.iter_mut() {
-                        f.all_reduce_grads_of(ctx.partial, ctx.tp)?;
-                    }
+                    fsdp.all_reduce_grads_of(ctx.partial, ctx.tp)?;
                 }
                 if !ctx.tied.is_empty() {
                     // Gather my dp-averaged tied gradient, add the other end's, keep the sum.
                     let mut mine = Grads::new();
-                    for f in fsdps.iter() {
-                        for (n, g) in f.full_grads_of(ctx.tied)? {
-                            mine.insert(n, g);
-                        }
+                    for (n, g) in fsdp.full_grads_of(ctx.tied)? {
+                        mine.insert(n, g);
                     }
                     let mut total = Grads::new();
                     for (n, g) in mine.iter() {
@@ -236,9 +233,7 @@ impl Replicas {
                             theirs.insert(n.clone(), (g - m)?);
                         }
                     }
-                    for f in fsdps.iter_mut() {
-                        f.add_full_grads(&theirs)?;
-                    }
+                    fsdp.add_full_grads(&theirs)?;
                 }
             }
         }
@@ -258,13 +253,7 @@ impl Replicas {
                 let counted = grads.iter().filter(|(n, _)| weight(n, false) > 0.0);
                 sq_norm(counted.map(|(_, g)| g))?
             }
-            Replicas::Zero(fsdps) => {
-                let mut s = 0.0;
-                for f in fsdps {
-                    s += f.local_grad_sq_norm(|n| weight(n, true))?;
-                }
-                s
-            }
+            Replicas::Zero(fsdp) => fsdp.local_grad_sq_norm(|n| weight(n, true))?,
         })
     }
 
@@ -294,20 +283,15 @@ impl Replicas {
                     t.busy_s()
                 }))
             }
-            Replicas::Zero(fsdps) => {
-                let items: Vec<OptimItem> =
-                    fsdps.iter().flat_map(|f| f.optimizer_items()).collect();
-                let masters: Vec<&MasterWeights> =
-                    fsdps.iter().filter_map(|f| f.masters()).collect();
-                match masters.is_empty() {
-                    true => {
+            Replicas::Zero(fsdp) => {
+                let items: Vec<OptimItem> = fsdp.optimizer_items();
+                match fsdp.masters() {
+                    None => {
                         opt.step_with_copies(lr, grad_scale, &items, None)?;
                     }
-                    false => MasterWeights::step_all(&masters, opt, lr, grad_scale, &items)?,
+                    Some(m) => MasterWeights::step_all(&[m], opt, lr, grad_scale, &items)?,
                 }
-                for f in fsdps.iter_mut() {
-                    f.after_optimizer_step()?;
-                }
+                fsdp.after_optimizer_step()?;
                 Ok(None)
             }
         }
@@ -322,9 +306,11 @@ impl Replicas {
     ) -> Result<Tensor> {
         match self {
             Replicas::Full(_) => forward(&mut NoHooks),
-            Replicas::Zero(fsdps) => {
-                let out = forward(&mut fsdps[k].hooks(false))?;
-                fsdps[k].release()?;
+            Replicas::Zero(fsdp) => {
+                let mut hooks = fsdp.hooks(false);
+                hooks.set_chunk(k);
+                let out = forward(&mut hooks)?;
+                fsdp.release()?;
                 Ok(out)
             }
         }
@@ -345,19 +331,13 @@ impl Replicas {
                 grads,
                 optimizer: opt.state_bytes() + f.masters.as_ref().map_or(0, |m| m.bytes()),
             },
-            Replicas::Zero(fsdps) => {
-                let mut s = ModelStateBytes {
-                    params: 0,
-                    grads,
-                    optimizer: opt.state_bytes(),
-                };
-                for f in fsdps {
-                    let b = f.model_state_bytes(opt);
-                    s.params += b.params;
-                    s.grads += b.grads;
-                    s.optimizer += f.master_bytes();
+            Replicas::Zero(fsdp) => {
+                let b = fsdp.model_state_bytes(opt);
+                ModelStateBytes {
+                    params: b.params,
+                    grads: grads + b.grads,
+                    optimizer: opt.state_bytes() + fsdp.master_bytes(),
                 }
-                s
             }
         }
     }
@@ -366,14 +346,14 @@ impl Replicas {
     pub(crate) fn comm_stats(&self, last: CommStats) -> CommStats {
         match self {
             Replicas::Full(_) => last,
-            Replicas::Zero(fsdps) => fsdps.iter().fold(last, |mut acc, f| {
-                let s = f.comm_stats();
+            Replicas::Zero(fsdp) => {
+                let (mut acc, s) = (last, fsdp.comm_stats());
                 acc.comm_s += s.comm_s;
                 acc.exposed_comm_s += s.exposed_comm_s;
                 acc.collectives += s.collectives;
                 acc.bytes += s.bytes;
                 acc
-            }),
+            }
         }
     }
 }
@@ -415,11 +395,7 @@ impl<'a> StepSync<'a> {
                 *reduced = true;
             }
             StepSync::AfterFlush(_) => {}
-            StepSync::Zero(hooks) => {
-                for h in hooks.hooks {
-                    h.finish()?;
-                }
-            }
+            StepSync::Zero(hooks) => hooks.hooks.finish()?,
         }
         Ok(())
     }

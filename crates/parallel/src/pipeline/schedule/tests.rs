@@ -468,3 +468,45 @@ fn cost_aware_doc_grids_match_the_code() {
         assert!(source.contains(&as_doc), "doc grid is stale; now:\n{grid}");
     }
 }
+
+/// In ZB-V's V, pipeline rank 0 holds the embedding (chunk 0) and the tied LM head (chunk 1):
+/// its chunk 0 runs the step's last W, so ZeRO can reduce the tied `wte` once, after the
+/// embedding's W, with the head's gradient in it (`parallelize` checks the same for the order
+/// it runs). Unit-clock and cost-aware orders, at equal costs and at costs where W is cheap or
+/// dear and the head stage slow.
+#[test]
+fn zb_v_runs_the_embedding_chunks_last_w_after_the_heads() {
+    let split = |f: f64, b: f64, w: f64| PassCosts {
+        forward: f,
+        backward: b + w,
+        input_grad: b,
+        weight_grad: w,
+    };
+    for p in 1..=8 {
+        for m in 1..=16 {
+            let unit = Schedule::new(ScheduleKind::ZeroBubbleV, p, m).unwrap();
+            let n = unit.num_model_stages();
+            let mut slow_head = vec![split(1.0, 1.0, 1.0); n];
+            slow_head[n - 1] = split(3.0, 3.0, 0.5);
+            let cost_sets = [
+                vec![PassCosts::EQUAL_SPLIT; n],
+                vec![split(2.0, 2.0, 1.0); n],
+                vec![split(1.0, 1.0, 3.0); n],
+                slow_head,
+            ];
+            let mut orders = vec![unit];
+            for costs in &cost_sets {
+                orders.push(Schedule::with_costs(ScheduleKind::ZeroBubbleV, p, m, costs).unwrap());
+            }
+            for s in &orders {
+                let last = s.last_backwards(0);
+                assert_eq!(
+                    s.model_stage(0, 1),
+                    n - 1,
+                    "P={p}: rank 0's chunk 1 is the head"
+                );
+                assert!(last[0] > last[1], "P={p} M={m}: {last:?}");
+            }
+        }
+    }
+}
