@@ -32,10 +32,10 @@ impl HopperShape {
     }
 }
 
-/// The shapes of `flash_hopper_fwd`, `flash_hopper_dq` and `flash_hopper_dkdv`, chosen by
-/// timing on an H200 at 4 × 12 × 4096, D = 64 (docs/BENCHMARKS.md): two blocks of two
+/// The shapes of `flash_hopper_fwd`, `flash_hopper_dq` and `flash_hopper_dkdv`, from timing
+/// them on an H200 at 4 × 12 × 4096, D = 64 (docs/BENCHMARKS.md, 2026-12-03): two blocks of two
 /// warpgroups per SM for the forward and dq (128 registers a thread), one block of three for
-/// dkdv (its four accumulators need 168).
+/// dkdv (its four accumulators need 168 registers).
 pub const HOPPER_FWD: HopperShape = HopperShape {
     warpgroups: 2,
     blocks_per_sm: 2,
