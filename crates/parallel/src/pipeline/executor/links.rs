@@ -62,7 +62,7 @@ impl SpanKind {
     }
 
     /// The span of a pass of `kind`.
-    pub(super) fn of(kind: PassKind) -> SpanKind {
+    pub fn of(kind: PassKind) -> SpanKind {
         match kind {
             PassKind::Forward => SpanKind::Forward,
             PassKind::Backward => SpanKind::Backward,
