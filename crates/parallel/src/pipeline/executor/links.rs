@@ -111,7 +111,7 @@ impl Links<'_> {
     /// complete without the receiver ([`Communicator::sends_complete_locally`]: the CPU backend)
     /// the hand-off to the communication thread is waited, yielding the core, before the next
     /// pass: that thread shares the rank's core with the passes, and a send left queued behind
-    /// the next pass reached the neighbour up to 4 ms late (a whole pass's wait at a step's start,
+    /// the next pass reached the neighbour up to 4 ms late (half a pass, at every step's start;
     /// docs/BENCHMARKS.md, "The bubble's overhead"). Elsewhere the `Work` is kept and reaped.
     pub(super) fn send(
         &mut self,
