@@ -505,15 +505,9 @@ fn trace_totals_count_busy_and_blocked_time() {
         assert_eq!(late.bytes, 4000);
         assert!(late.blocked_us <= late.busy_us, "{late:?}");
         if w.rank() == 0 {
-            assert!(
-                late.blocked_us >= 60_000,
-                "rank 0 waited for the late peer: {late:?}"
-            );
+            assert!(late.blocked_us >= 60_000, "rank 0 waited for the late peer: {late:?}");
         } else {
-            assert!(
-                late.blocked_us < 60_000,
-                "rank 1 was the late one: {late:?}"
-            );
+            assert!(late.blocked_us < 60_000, "rank 1 was the late one: {late:?}");
         }
         // Waited for only after it finished: busy, not blocked.
         let before = w.tracer().totals();
