@@ -227,6 +227,13 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     /// `send_splits[p]` rows of `x` (in order) go to peer p; `recv_splits[p]` rows come from peer p.
     fn all_to_all_async(&self, x: &Tensor, send_splits: &[usize], recv_splits: &[usize]) -> Work;
     fn send_async(&self, x: &Tensor, dst: usize) -> Work<()>;
+    /// Whether a send's `Work` completes once this rank has handed the data off, whatever the
+    /// receiver does (the CPU backend: the bytes queued for the connection's writer thread).
+    /// False where it may wait for the matching receive (NCCL): a caller that waited on such a
+    /// send before its own receives could deadlock with its peer.
+    fn sends_complete_locally(&self) -> bool {
+        false
+    }
     fn recv_async(&self, src: usize, shape: &Shape, dtype: DType) -> Work;
     fn barrier_async(&self) -> Work<()>;
 

@@ -368,6 +368,33 @@ fn send_recv_around_the_ring_and_barrier() {
     }
 }
 
+/// `sends_complete_locally`: on the CPU backend a send's `Work` completes before the receiver
+/// posts anything, here three of the pipeline's activation size (128 KiB) waited one by one while
+/// rank 1 has not reached its receives (it waits on a barrier of another group, which rank 0
+/// joins only after them).
+#[test]
+fn cpu_sends_complete_before_the_receiver_posts() {
+    run_local(2, T, |b| {
+        let (w, side) = (b.world(), b.new_group(&[0, 1], "side").expect("group"));
+        assert!(w.sends_complete_locally());
+        let shape = Shape::from((128, 256));
+        if w.rank() == 0 {
+            for k in 0..3 {
+                let x = input(k, 128, 256, 0, DType::F32);
+                w.send_async(&x, 1).wait().expect("send");
+            }
+            side.barrier().expect("barrier");
+        } else {
+            side.barrier().expect("barrier");
+            for k in 0..3 {
+                let got = w.recv(0, &shape, DType::F32).expect("recv");
+                let want = to_f64(&input(k, 128, 256, 0, DType::F32));
+                assert_close(&to_f64(&got), &want, 0.0, &format!("message {k}"));
+            }
+        }
+    });
+}
+
 #[test]
 fn non_contiguous_inputs_are_read_through_their_strides() {
     run_local(3, T, |b| {

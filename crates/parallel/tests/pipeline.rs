@@ -14,12 +14,13 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
-use mtrain_comm::{run_local, Backend};
+use mtrain_comm::{run_local, Backend, MeshDims};
 use mtrain_model::{init_weights, Backward, Engine, Gpt, GptConfig, Grads, NoHooks, Param};
+use mtrain_parallel::parallelize::ParallelPlan;
 use mtrain_parallel::pipeline::executor::SpanKind;
 use mtrain_parallel::pipeline::{
-    Action, PassCosts, PipelineError, PipelineExecutor, PipelineStages, Schedule, ScheduleKind,
-    StageLayout, StepReport,
+    Action, PipelineError, PipelineExecutor, PipelineStages, Schedule, ScheduleKind, StageLayout,
+    StepReport,
 };
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -332,23 +333,46 @@ fn zero_bubble_schedules_match_one_device() {
 }
 
 /// The orders built for measured pass costs (`--pass-costs`; F 12.6, B 12.6, W 9.8 ms, the
-/// costs the pipeline measured at pp 2) train like one device at the same tolerances; each
-/// differs from its unit-clock order, so the test runs an order of its own.
+/// costs the pipeline measured at pp 2) train like one device at the same tolerances. The order
+/// is the plan's ([`ParallelPlan::schedule`], what `mtrain plan --pass-costs` draws and what
+/// `parallelize` hands the executor); each differs from its unit-clock order, and every rank's
+/// timeline runs its passes exactly in that order, step after step.
 #[test]
 fn cost_aware_zero_bubble_orders_match_one_device() {
     for (kind, p, m, n_layer) in [
         (ScheduleKind::ZeroBubbleV, 2, 8, 4),
         (ScheduleKind::ZeroBubbleV, 4, 8, 8),
     ] {
-        let costs = vec![PassCosts::of_stage(kind, [12.6, 12.6, 9.8]); p * kind.virtual_stages()];
-        let sched = Schedule::with_costs(kind, p, m, &costs).unwrap();
+        let mut plan = ParallelPlan::new(MeshDims::new(1, p, 1, 1));
+        (plan.schedule, plan.microbatches) = (kind, m);
+        plan.pass_costs = Some([12.6, 12.6, 9.8]);
+        let sched = plan.schedule().unwrap();
         assert_ne!(
             sched,
             Schedule::new(kind, p, m).unwrap(),
             "{kind} P={p} M={m}: the cost-aware order is the unit-clock one"
         );
         let cfg = tiny(n_layer);
-        check_parity_of(&cfg, Engine::default(), &sched, layout_of(kind, p, n_layer));
+        let reports = check_parity_of(&cfg, Engine::default(), &sched, layout_of(kind, p, n_layer));
+        for (r, rank_reports) in reports.iter().enumerate() {
+            let planned: Vec<_> = sched
+                .actions(r)
+                .iter()
+                .map(|a| (SpanKind::of(a.kind()), a.mb(), a.chunk()))
+                .collect();
+            for (step, rep) in rank_reports.iter().enumerate() {
+                let ran: Vec<_> = rep
+                    .timeline
+                    .iter()
+                    .filter(|s| s.kind.is_pass())
+                    .map(|s| (s.kind, s.mb.unwrap(), s.chunk))
+                    .collect();
+                assert_eq!(
+                    ran, planned,
+                    "{kind} P={p} rank {r} step {step}: passes run out of the plan's order"
+                );
+            }
+        }
     }
 }
 

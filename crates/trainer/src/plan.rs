@@ -134,19 +134,16 @@ fn costs_label([f, b, w]: [f64; 3]) -> String {
     format!("F {f} ms, B {b} ms, W {w} ms per stage")
 }
 
-/// The zero-bubble order built for the costs `fbw` ([`Schedule::with_costs`]) beside the
-/// unit-clock one [`render_schedule_at`] draws: both bubbles, each as a multiple of 1F1B's at
-/// the same costs, and the cost-aware grid. `None` for the schedules that do not split the
-/// backward (their order does not depend on costs).
-pub fn render_cost_aware(
-    kind: ScheduleKind,
-    pp: usize,
-    m: usize,
-    fbw: [f64; 3],
-) -> anyhow::Result<Option<String>> {
-    if !kind.splits_backward() {
+/// The zero-bubble order `plan` trains under its `pass_costs` ([`ParallelPlan::schedule`], the
+/// one order the executor is given) beside the unit-clock one [`render_schedule_at`] draws: both
+/// bubbles, each as a multiple of 1F1B's at the same costs, and the cost-aware grid. `None`
+/// without `pass_costs`, or for the schedules that do not split the backward (their order does
+/// not depend on costs).
+pub fn render_cost_aware(plan: &ParallelPlan) -> anyhow::Result<Option<String>> {
+    let (kind, pp, m) = (plan.effective_schedule(), plan.dims.pp, plan.microbatches);
+    let Some(fbw) = plan.pass_costs.filter(|_| kind.splits_backward()) else {
         return Ok(None);
-    }
+    };
     let bubble = |kind: ScheduleKind, sched: &Schedule| -> anyhow::Result<(f64, f64)> {
         let costs = vec![PassCosts::of_stage(kind, fbw); sched.num_model_stages()];
         let sim = sched.simulate_with(&costs)?;
@@ -154,7 +151,7 @@ pub fn render_cost_aware(
     };
     let unit = Schedule::new(kind, pp, m)?;
     let costs = vec![PassCosts::of_stage(kind, fbw); unit.num_model_stages()];
-    let aware = Schedule::with_costs(kind, pp, m, &costs)?;
+    let aware = plan.schedule()?;
     let base = bubble(
         ScheduleKind::OneFOneB,
         &Schedule::new(ScheduleKind::OneFOneB, pp, m)?,
@@ -266,9 +263,7 @@ pub fn run(
     if plan.dims.pp > 1 {
         let (pp, m, fbw) = (plan.dims.pp, plan.microbatches, plan.pass_costs);
         print!("{}", render_schedule_at(kind, pp, m, fbw)?);
-        if let Some(aware) = fbw.map(|c| render_cost_aware(kind, pp, m, c)).transpose()? {
-            print!("{}", aware.unwrap_or_default());
-        }
+        print!("{}", render_cost_aware(plan)?.unwrap_or_default());
     }
     print!("{}", render_memory(plan, &rank_memory(cfg, plan)?));
     let (ab, cmp) = (args.alpha_beta.as_deref(), args.compare.as_deref());
@@ -280,6 +275,7 @@ pub fn run(
 mod tests {
     use super::*;
     use crate::config::{DTypeKind, ParallelConfig};
+    use mtrain_parallel::pipeline::Action;
 
     /// Mixed precision: bf16 weights and gradients are half the fp32 figures, fp32 masters and
     /// Adam 12 bytes per parameter; the total stays 16 bytes per parameter.
@@ -317,13 +313,20 @@ mod tests {
         }
     }
 
+    /// The plan of `kind` at pp 4, 8 micro-batches, built for the costs measured at pp 2.
+    fn measured_plan(kind: ScheduleKind, fbw: Option<[f64; 3]>) -> ParallelPlan {
+        let mut plan = ParallelPlan::new(MeshDims::new(1, 4, 1, 1));
+        (plan.schedule, plan.microbatches, plan.pass_costs) = (kind, 8, fbw);
+        plan
+    }
+
     /// `--pass-costs` adds the order built for the costs: ZB-V's at pp 4 draws its grid and
     /// shrinks the bubble (0.37x of 1F1B's to 0.26x at the measured costs); ZB-H1's is its
-    /// unit-clock order, already the shortest; 1F1B has none.
+    /// unit-clock order, already the shortest; 1F1B has none, nor a plan without costs.
     #[test]
     fn the_plan_prints_the_cost_aware_order_beside_the_unit_clock_one() {
-        let measured = [12.6, 12.6, 9.8];
-        let v = render_cost_aware(ScheduleKind::ZeroBubbleV, 4, 8, measured).unwrap();
+        let measured = Some([12.6, 12.6, 9.8]);
+        let v = render_cost_aware(&measured_plan(ScheduleKind::ZeroBubbleV, measured)).unwrap();
         let v = v.unwrap();
         assert!(
             v.starts_with(
@@ -340,14 +343,63 @@ mod tests {
             "{v}"
         );
         assert!(v.contains("\nrank 3 | "), "{v}");
-        let h1 = render_cost_aware(ScheduleKind::ZeroBubbleH1, 4, 8, measured).unwrap();
+        let h1 = render_cost_aware(&measured_plan(ScheduleKind::ZeroBubbleH1, measured)).unwrap();
         let h1 = h1.unwrap();
         assert!(
             h1.contains("unit-clock 0.52x, cost-aware 0.52x (the unit-clock order"),
             "{h1}"
         );
-        let none = render_cost_aware(ScheduleKind::OneFOneB, 4, 8, measured).unwrap();
-        assert!(none.is_none());
+        for plan in [
+            measured_plan(ScheduleKind::OneFOneB, measured),
+            measured_plan(ScheduleKind::ZeroBubbleV, None),
+        ] {
+            assert!(render_cost_aware(&plan).unwrap().is_none(), "{plan:?}");
+        }
+    }
+
+    /// The grid `mtrain plan --pass-costs` prints is the order the executor is given
+    /// (`parallelize` builds it from [`ParallelPlan::schedule`]), drawn from the order itself:
+    /// every rank's row, pass by pass, at pp 2 and 4.
+    #[test]
+    fn the_printed_cost_aware_grid_is_the_executors_order() {
+        for pp in [2, 4] {
+            let mut plan = measured_plan(ScheduleKind::ZeroBubbleV, Some([12.6, 12.6, 9.8]));
+            plan.dims.pp = pp;
+            let printed = render_cost_aware(&plan).unwrap().unwrap();
+            let sched = plan.schedule().unwrap();
+            let unit = Schedule::new(ScheduleKind::ZeroBubbleV, pp, 8).unwrap();
+            assert_ne!(
+                sched, unit,
+                "pp {pp}: the cost-aware order is the unit-clock one"
+            );
+            let rows = |s: &str| -> Vec<Vec<String>> {
+                s.lines()
+                    .filter_map(|l| l.split_once(" | ").map(|(_, r)| r))
+                    .map(|r| {
+                        r.split_whitespace()
+                            .filter(|c| c.len() > 1)
+                            .map(String::from)
+                            .collect()
+                    })
+                    .collect()
+            };
+            let runs: Vec<Vec<String>> = (0..pp)
+                .map(|r| {
+                    let label = |a: &Action| {
+                        let k = if a.is_forward() {
+                            'F'
+                        } else if a.computes_weight_grads() {
+                            'W'
+                        } else {
+                            'B'
+                        };
+                        format!("{k}{}.{}", a.mb(), a.chunk())
+                    };
+                    sched.actions(r).iter().map(label).collect()
+                })
+                .collect();
+            assert_eq!(rows(&printed), runs, "pp {pp}: the printed grid\n{printed}");
+        }
     }
 
     /// `mtrain plan` draws the zero-bubble grids: ZB-V at pp 4 puts stages 0 and 7 on rank 0.

@@ -356,6 +356,10 @@ impl Communicator for CpuComm {
             c.send_to(&xc, dst)
         })
     }
+    /// The send job only queues the bytes for the peer's writer thread (an unbounded channel).
+    fn sends_complete_locally(&self) -> bool {
+        true
+    }
     fn recv_async(&self, src: usize, shape: &Shape, dtype: DType) -> Work {
         if let Err(e) = check_dtype(OpKind::Recv, &self.name, dtype) {
             return Work::ready(Err(e));

@@ -62,7 +62,7 @@ impl SpanKind {
     }
 
     /// The span of a pass of `kind`.
-    pub(super) fn of(kind: PassKind) -> SpanKind {
+    pub fn of(kind: PassKind) -> SpanKind {
         match kind {
             PassKind::Forward => SpanKind::Forward,
             PassKind::Backward => SpanKind::Backward,
@@ -107,7 +107,12 @@ pub(super) struct Links<'a> {
 }
 
 impl Links<'_> {
-    /// Sends `x` for micro-batch `key.1`, issued from this rank's chunk `chunk`.
+    /// Sends `x` for micro-batch `key.1`, issued from this rank's chunk `chunk`. Where sends
+    /// complete without the receiver ([`Communicator::sends_complete_locally`]: the CPU backend)
+    /// the hand-off to the communication thread is waited, yielding the core, before the next
+    /// pass: that thread shares the rank's core with the passes, and a send left queued behind
+    /// the next pass reached the neighbour up to 4 ms late (half a pass, at every step's start;
+    /// docs/BENCHMARKS.md, "The bubble's overhead"). Elsewhere the `Work` is kept and reaped.
     pub(super) fn send(
         &mut self,
         x: Tensor,
@@ -120,7 +125,11 @@ impl Links<'_> {
         } else {
             let (pp, mb) = (self.pp, key.1);
             let work = self.timeline.time(SpanKind::Send, Some(mb), chunk, || {
-                pp.send_async(&x, to_rank)
+                let work = pp.send_async(&x, to_rank);
+                while pp.sends_complete_locally() && !work.is_done() {
+                    std::thread::yield_now();
+                }
+                work
             });
             self.sends.push(work);
         }
