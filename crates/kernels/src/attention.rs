@@ -53,22 +53,15 @@
 
 use candle_core::{DType, Layout, Result, Shape, Tensor, D};
 
-pub use crate::attention_path::{path, Path, TcKernels, HOPPER_HEAD_DIMS, WIDE_HEAD_DIMS};
+pub use crate::attention_path::{
+    path, uses_tensor_cores, Path, TcKernels, HOPPER_HEAD_DIMS, TC_HEAD_DIMS, WIDE_HEAD_DIMS,
+};
 use crate::dropout::Mask;
 use crate::msg;
 use crate::plain::{self, upcast};
 
 /// Head sizes the kernels are instantiated for.
 pub const HEAD_DIMS: [usize; 5] = [8, 16, 32, 64, 128];
-
-/// Head sizes (bf16 only) the tensor-core kernels take; other cases use the CUDA-core kernels.
-pub const TC_HEAD_DIMS: [usize; 3] = [16, 32, 64];
-
-/// Whether a bf16 attention of head size `d` whose q, k, v start at these element offsets runs
-/// on the tensor-core kernels (they read rows in 16-byte pieces, so offsets are multiples of 8).
-pub fn uses_tensor_cores(dtype: DType, d: usize, offsets: &[usize]) -> bool {
-    dtype == DType::BF16 && TC_HEAD_DIMS.contains(&d) && offsets.iter().all(|o| o % 8 == 0)
-}
 
 /// Whether the fused kernels take packed heads of size `d` on `qkv`'s device and dtype.
 fn fuses(qkv: &Tensor, d: usize) -> bool {

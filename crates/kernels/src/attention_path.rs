@@ -10,6 +10,15 @@ use candle_core::DType;
 /// Head sizes (bf16 only) the wide tensor-core kernels take.
 pub const WIDE_HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
 
+/// Head sizes (bf16 only) the tensor-core kernels take; other cases use the CUDA-core kernels.
+pub const TC_HEAD_DIMS: [usize; 3] = [16, 32, 64];
+
+/// Whether a bf16 attention of head size `d` whose q, k, v start at these element offsets runs
+/// on the tensor-core kernels (they read rows in 16-byte pieces, so offsets are multiples of 8).
+pub fn uses_tensor_cores(dtype: DType, d: usize, offsets: &[usize]) -> bool {
+    dtype == DType::BF16 && TC_HEAD_DIMS.contains(&d) && offsets.iter().all(|o| o % 8 == 0)
+}
+
 /// Head sizes (bf16 only, compute capability 9.0) the Hopper kernels take.
 pub const HOPPER_HEAD_DIMS: [usize; 1] = [64];
 
@@ -130,7 +139,7 @@ pub fn path(dtype: DType, d: usize, offsets: &[usize], cc: u32, kernels: TcKerne
         Path::Hopper
     } else if tc_ok && kernels != TcKernels::Narrow && WIDE_HEAD_DIMS.contains(&d) {
         Path::Wide
-    } else if tc_ok && crate::attention::uses_tensor_cores(dtype, d, offsets) {
+    } else if tc_ok && uses_tensor_cores(dtype, d, offsets) {
         Path::Tc
     } else {
         Path::Cuda
