@@ -46,20 +46,16 @@
 #define HP_FWD_N 128 // keys per staged tile in the forward
 #define HP_BWD_N 64  // keys (dq) or queries (dkdv) per staged tile in the backward
 
+// The cp.async, bf16-pack, ex2 and quad-reduction helpers are flash_wide.cu's (wd_*), compiled
+// into the same module under a guard that covers this one.
 typedef unsigned int hp_u32;
 typedef unsigned long long hp_u64;
-
-__device__ __forceinline__ hp_u32 hp_saddr(const void* p) {
-    hp_u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(a) : "l"(p));
-    return a;
-}
 
 // The first 1024-aligned byte of the dynamic shared memory (the swizzle is a function of the
 // address bits, so every tile starts on a 1024-byte boundary); launches ask for 1 KiB extra.
 __device__ __forceinline__ char* hp_smem_base() {
     extern __shared__ __align__(16) char hp_smem[];
-    const hp_u32 a = hp_saddr(hp_smem);
+    const hp_u32 a = wd_saddr(hp_smem);
     return hp_smem + (((a + 1023u) & ~1023u) - a);
 }
 
@@ -74,22 +70,13 @@ __device__ __forceinline__ void hp_cp16(hp_u32 dst, const void* src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                  "r"(ok ? 16 : 0));
 }
-__device__ __forceinline__ void hp_cp4(void* dst, const void* src, bool ok) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(hp_saddr(dst)),
-                 "l"(src), "r"(ok ? 4 : 0));
-}
-__device__ __forceinline__ void hp_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void hp_cp_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 // Rows r0 .. r0+R of a (T, D) matrix into a swizzled tile at `dst` by the block's
 // THREADS threads; rows past T are 0.
 template <int R, int THREADS>
 __device__ __forceinline__ void hp_stage(char* dst, const elem* src, int r0, int T) {
     constexpr int chunks = HEAD_DIM / 8;  // 16 bytes each, per row
-    const hp_u32 d0 = hp_saddr(dst);
+    const hp_u32 d0 = wd_saddr(dst);
 #pragma unroll
     for (int i = threadIdx.x; i < R * chunks; i += THREADS) {
         const int r = i / chunks, c = i % chunks;
@@ -133,24 +120,6 @@ __device__ __forceinline__ void hp_hold(float* d) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-__device__ __forceinline__ hp_u32 hp_pack(float lo, float hi) {
-    hp_u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-__device__ __forceinline__ float hp_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-__device__ __forceinline__ float hp_quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float hp_quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
 
 // The A fragments (bf16) of a 64 x N accumulator, k-step kk = columns 16kk .. 16kk+15.
 template <int N>
@@ -158,7 +127,7 @@ __device__ __forceinline__ void hp_to_a(hp_u32 (*a)[4], const float* c) {
 #pragma unroll
     for (int kk = 0; kk < N / 16; ++kk)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) a[kk][j] = hp_pack(c[8 * kk + 2 * j], c[8 * kk + 2 * j + 1]);
+        for (int j = 0; j < 4; ++j) a[kk][j] = wd_pack(c[8 * kk + 2 * j], c[8 * kk + 2 * j + 1]);
 }
 
 // Rows of a warpgroup's 64 x D accumulator times mul[h] into a (T, D) matrix; `row` is the
@@ -173,7 +142,7 @@ __device__ __forceinline__ void hp_store(elem* dst, const float* acc, int row, i
         hp_u32* out = reinterpret_cast<hp_u32*>(dst + (long)r * HEAD_DIM);
 #pragma unroll
         for (int j = 0; j < HEAD_DIM / 8; ++j)
-            out[j * 4 + t] = hp_pack(acc[4 * j + 2 * h] * mul[h], acc[4 * j + 2 * h + 1] * mul[h]);
+            out[j * 4 + t] = wd_pack(acc[4 * j + 2 * h] * mul[h], acc[4 * j + 2 * h + 1] * mul[h]);
     }
 }
 
@@ -217,22 +186,6 @@ __device__ __forceinline__ void hp_rs64(float* d, const hp_u32* a, hp_u64 db, in
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
-// d (64 x 128, f32) = [d +] A B, A (64 x 16) in registers, B in shared memory (MN-major).
-__device__ __forceinline__ void hp_rs128(float* d, const hp_u32* a, hp_u64 db, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
-}
 template <int N>
 __device__ __forceinline__ void hp_ss(float* d, hp_u64 da, hp_u64 db, int accumulate) {
     if constexpr (N == 64) hp_ss64(d, da, db, accumulate);
@@ -263,8 +216,8 @@ extern "C" __global__ void __launch_bounds__(128 * HP_FWD_WGS, HP_FWD_BLOCKS)
     hp_stage<HP_FWD_ROWS, 128 * HP_FWD_WGS>(qs, q + base, q0, T);
     hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(ks, k + base, 0, T);
     hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(vs, v + base, 0, T);
-    hp_cp_commit();
-    const hp_u32 qa = hp_saddr(qs) + wg * 64 * 128;
+    wd_commit();
+    const hp_u32 qa = wd_saddr(qs) + wg * 64 * 128;
     float acc[HEAD_DIM / 2];
 #pragma unroll
     for (int i = 0; i < HEAD_DIM / 2; ++i) acc[i] = 0.f;
@@ -275,15 +228,15 @@ extern "C" __global__ void __launch_bounds__(128 * HP_FWD_WGS, HP_FWD_BLOCKS)
             hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(ks + (buf ^ 1) * TILE, k + base, kb + HP_FWD_N, T);
             hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(vs + (buf ^ 1) * TILE, v + base, kb + HP_FWD_N, T);
         }
-        hp_cp_commit();
-        hp_cp_wait<1>();
+        wd_commit();
+        wd_wait<1>();
         hp_fence_proxy();
         __syncthreads();
         // kb is at or before the warpgroup's first row whenever it computes, so every row
         // sees key kb and its maximum is finite.
         if (kb <= rw + 63) {
             float s[HP_FWD_N / 2];
-            const hp_u32 kt = hp_saddr(ks + buf * TILE), vt = hp_saddr(vs + buf * TILE);
+            const hp_u32 kt = wd_saddr(ks + buf * TILE), vt = wd_saddr(vs + buf * TILE);
             hp_fence();
 #pragma unroll
             for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
@@ -302,8 +255,8 @@ extern "C" __global__ void __launch_bounds__(128 * HP_FWD_WGS, HP_FWD_BLOCKS)
             float corr[2], neg[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const float mnew = fmaxf(mrow[h], hp_quad_max(mx[h]) * qscale);
-                corr[h] = hp_exp2(mrow[h] - mnew);
+                const float mnew = fmaxf(mrow[h], wd_quad_max(mx[h]) * qscale);
+                corr[h] = wd_exp2(mrow[h] - mnew);
                 lrow[h] *= corr[h];
                 mrow[h] = mnew;
                 neg[h] = -mnew;
@@ -311,7 +264,7 @@ extern "C" __global__ void __launch_bounds__(128 * HP_FWD_WGS, HP_FWD_BLOCKS)
 #pragma unroll
             for (int i = 0; i < HP_FWD_N / 2; ++i) {
                 const int h = (i >> 1) & 1;
-                s[i] = hp_exp2(fmaf(s[i], qscale, neg[h]));
+                s[i] = wd_exp2(fmaf(s[i], qscale, neg[h]));
                 lrow[h] += s[i];  // this lane's share; quad sum at the end
             }
 #pragma unroll
@@ -331,7 +284,7 @@ extern "C" __global__ void __launch_bounds__(128 * HP_FWD_WGS, HP_FWD_BLOCKS)
     float inv[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        lrow[h] = hp_quad_sum(lrow[h]);
+        lrow[h] = wd_quad_sum(lrow[h]);
         inv[h] = 1.f / lrow[h];
         const int r = row + 8 * h;
         if (t == 0 && r < T) lse2[(long)blockIdx.y * T + r] = mrow[h] + log2f(lrow[h]);
@@ -366,7 +319,7 @@ extern "C" __global__ void __launch_bounds__(128 * HP_DQ_WGS, HP_DQ_BLOCKS)
     hp_stage<HP_DQ_ROWS, 128 * HP_DQ_WGS>(dos, dout + base, q0, T);
     hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(ks, k + base, 0, T);
     hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(vs, v + base, 0, T);
-    hp_cp_commit();
+    wd_commit();
     float l2[2], dl[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -374,7 +327,7 @@ extern "C" __global__ void __launch_bounds__(128 * HP_DQ_WGS, HP_DQ_BLOCKS)
         l2[h] = r < T ? lse2[(long)blockIdx.y * T + r] : 0.f;
         dl[h] = r < T ? dvec[(long)blockIdx.y * T + r] : 0.f;
     }
-    const hp_u32 qa = hp_saddr(qs) + wg * 64 * 128, da = hp_saddr(dos) + wg * 64 * 128;
+    const hp_u32 qa = wd_saddr(qs) + wg * 64 * 128, da = wd_saddr(dos) + wg * 64 * 128;
     float acc[HEAD_DIM / 2];
 #pragma unroll
     for (int i = 0; i < HEAD_DIM / 2; ++i) acc[i] = 0.f;
@@ -384,13 +337,13 @@ extern "C" __global__ void __launch_bounds__(128 * HP_DQ_WGS, HP_DQ_BLOCKS)
             hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(ks + (buf ^ 1) * TILE, k + base, kb + HP_BWD_N, T);
             hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(vs + (buf ^ 1) * TILE, v + base, kb + HP_BWD_N, T);
         }
-        hp_cp_commit();
-        hp_cp_wait<1>();
+        wd_commit();
+        wd_wait<1>();
         hp_fence_proxy();
         __syncthreads();
         if (kb <= rw + 63) {
             float s[HP_BWD_N / 2], dp[HP_BWD_N / 2];
-            const hp_u32 kt = hp_saddr(ks + buf * TILE), vt = hp_saddr(vs + buf * TILE);
+            const hp_u32 kt = wd_saddr(ks + buf * TILE), vt = wd_saddr(vs + buf * TILE);
             hp_fence();
 #pragma unroll
             for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
@@ -404,7 +357,7 @@ extern "C" __global__ void __launch_bounds__(128 * HP_DQ_WGS, HP_DQ_BLOCKS)
 #pragma unroll
             for (int i = 0; i < HP_BWD_N / 2; ++i) {
                 const int h = (i >> 1) & 1, key = kb + (i >> 2) * 8 + 2 * t + (i & 1);
-                const float p = key > row + 8 * h ? 0.f : hp_exp2(fmaf(s[i], qscale, -l2[h]));
+                const float p = key > row + 8 * h ? 0.f : wd_exp2(fmaf(s[i], qscale, -l2[h]));
                 s[i] = p * (dp[i] - dl[h]);  // dS
             }
             hp_u32 sa[HP_BWD_N / 16][4];
@@ -459,26 +412,26 @@ extern "C" __global__ void __launch_bounds__(128 * HP_DKDV_WGS, HP_DKDV_BLOCKS)
         hp_stage<HP_BWD_N, 128 * HP_DKDV_WGS>(dos + b * TILE, dout + base, qb, T);
         if (threadIdx.x < HP_BWD_N) {
             const int r = qb + threadIdx.x;
-            hp_cp4(ls + b * HP_BWD_N + threadIdx.x, lrow + (r < T ? r : 0), r < T);
-            hp_cp4(dls + b * HP_BWD_N + threadIdx.x, drow + (r < T ? r : 0), r < T);
+            wd_cp4(ls + b * HP_BWD_N + threadIdx.x, lrow + (r < T ? r : 0), r < T);
+            wd_cp4(dls + b * HP_BWD_N + threadIdx.x, drow + (r < T ? r : 0), r < T);
         }
     };
     stage_q(0, 0);
-    hp_cp_commit();
-    const hp_u32 ka = hp_saddr(ks) + wg * 64 * 128, va = hp_saddr(vs) + wg * 64 * 128;
+    wd_commit();
+    const hp_u32 ka = wd_saddr(ks) + wg * 64 * 128, va = wd_saddr(vs) + wg * 64 * 128;
     float dka[HEAD_DIM / 2], dva[HEAD_DIM / 2];
 #pragma unroll
     for (int i = 0; i < HEAD_DIM / 2; ++i) dka[i] = dva[i] = 0.f;
     for (int it = 0; it < tiles; ++it) {
         const int buf = it & 1, qb = (qt0 + it) * HP_BWD_N;
         if (it + 1 < tiles) stage_q(it + 1, buf ^ 1);
-        hp_cp_commit();
-        hp_cp_wait<1>();
+        wd_commit();
+        wd_wait<1>();
         hp_fence_proxy();
         __syncthreads();
         if (qb + HP_BWD_N - 1 >= kw) {  // some query of the tile at or after the first key
             float s[HP_BWD_N / 2], dp[HP_BWD_N / 2];
-            const hp_u32 qt = hp_saddr(qs + buf * TILE), dt = hp_saddr(dos + buf * TILE);
+            const hp_u32 qt = wd_saddr(qs + buf * TILE), dt = wd_saddr(dos + buf * TILE);
             const float* lt = ls + buf * HP_BWD_N;
             const float* dlt = dls + buf * HP_BWD_N;
             hp_fence();
@@ -495,7 +448,7 @@ extern "C" __global__ void __launch_bounds__(128 * HP_DKDV_WGS, HP_DKDV_BLOCKS)
             for (int i = 0; i < HP_BWD_N / 2; ++i) {
                 const int h = (i >> 1) & 1, c = (i >> 2) * 8 + 2 * t + (i & 1), qq = qb + c;
                 const float p =
-                    (qq < key + 8 * h || qq >= T) ? 0.f : hp_exp2(fmaf(s[i], qscale, -lt[c]));
+                    (qq < key + 8 * h || qq >= T) ? 0.f : wd_exp2(fmaf(s[i], qscale, -lt[c]));
                 s[i] = p;
                 dp[i] = p * (dp[i] - dlt[c]);  // dSᵀ
             }
