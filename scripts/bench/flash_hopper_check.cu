@@ -18,8 +18,8 @@
 #define HP_FWD_BLOCKS 2
 #define HP_DQ_WGS 2
 #define HP_DQ_BLOCKS 2
-#define HP_DKDV_WGS 3
-#define HP_DKDV_BLOCKS 1
+#define HP_DKDV_WGS 1
+#define HP_DKDV_BLOCKS 3
 #endif
 typedef unsigned short elem;
 #define NEG_INF (-__int_as_float(0x7f800000))

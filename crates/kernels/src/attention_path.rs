@@ -43,8 +43,9 @@ impl HopperShape {
 
 /// The shapes of `flash_hopper_fwd`, `flash_hopper_dq` and `flash_hopper_dkdv`, from timing
 /// them on an H200 at 4 × 12 × 4096, D = 64 (docs/BENCHMARKS.md, 2026-12-03): two blocks of two
-/// warpgroups per SM for the forward and dq (128 registers a thread), one block of three for
-/// dkdv (its four accumulators need 168 registers).
+/// warpgroups per SM for the forward and dq (128 registers a thread), and for dkdv (its four
+/// accumulators need 168 registers) three blocks of one warpgroup, which run unsynchronised
+/// where one block of three waits at every tile for its slowest warpgroup.
 pub const HOPPER_FWD: HopperShape = HopperShape {
     warpgroups: 2,
     blocks_per_sm: 2,
@@ -54,8 +55,8 @@ pub const HOPPER_DQ: HopperShape = HopperShape {
     blocks_per_sm: 2,
 };
 pub const HOPPER_DKDV: HopperShape = HopperShape {
-    warpgroups: 3,
-    blocks_per_sm: 1,
+    warpgroups: 1,
+    blocks_per_sm: 3,
 };
 
 /// The shapes as NVRTC options (`-DHP_FWD_WGS=2 …`), the only way the kernels learn them.
@@ -169,8 +170,8 @@ mod tests {
         assert_eq!(path(BF16, 64, &[0, 4], 90, Hopper), Path::Cuda);
         assert_eq!(path(F32, 64, &[0, 0], 90, Hopper), Path::Cuda);
         assert_eq!(path(BF16, 64, &[0, 8], 90, Wide), Path::Wide);
-        assert_eq!((HOPPER_DKDV.rows(), HOPPER_FWD.threads()), (192, 256));
-        assert!(hopper_options().contains(&"-DHP_DKDV_WGS=3".to_string()));
+        assert_eq!((HOPPER_DKDV.rows(), HOPPER_FWD.threads()), (64, 256));
+        assert!(hopper_options().contains(&"-DHP_DKDV_BLOCKS=3".to_string()));
     }
 
     #[test]
