@@ -364,10 +364,11 @@ PY
 
 # Attention alone, the hand-written path's forward and backward (bench_gpu --attn) next to
 # PyTorch's SDPA (default choice and flash forced), at BENCH_ATTN shapes "B,H,T,D/..." (default
-# T = 1024, 4096, 8192 at head size 64, the presets' heads). The binary runs three times: its
-# default kernels ("mtrain": flash_hopper.cu's on an H100/H200 where they apply), the wide
-# mma.sync kernels of flash_wide.cu ("mtrain-wide", MTRAIN_FLASH_KERNELS=wide) and the 16-row
-# ones of kernels.cu ("mtrain-narrow", MTRAIN_FLASH_KERNELS=narrow).
+# T = 1024, 4096, 8192 at head size 64, the presets' heads). The binary runs with its default
+# kernels ("mtrain": flash_hopper.cu's on an H100/H200 where they apply) and then with each of
+# BENCH_ATTN_KERNELS: by default the Hopper kernels with the two-pass backward at every length
+# ("mtrain-hopper-two-pass"), the wide mma.sync kernels of flash_wide.cu ("mtrain-wide") and
+# the 16-row ones of kernels.cu ("mtrain-narrow").
 attn() {
   OUT=${1:-.gpu/out}
   BIN=/tmp/mtrain-bench
@@ -377,10 +378,12 @@ attn() {
   [ -x "$BIN/bench_gpu" ] || mtrain_unpack .gpu/bench_gpu.xz "$BIN/bench_gpu"
   shapes=${BENCH_ATTN:-"16,12,1024,64/8,20,1024,64/4,12,4096,64/2,12,8192,64"}
   "$BIN/bench_gpu" --attn "$shapes" 2>&1 | tee "$OUT/attn.jsonl"
-  MTRAIN_FLASH_KERNELS=wide "$BIN/bench_gpu" --attn "$shapes" 2>&1 \
-    | sed 's/"impl": "mtrain"/"impl": "mtrain-wide"/' | tee -a "$OUT/attn.jsonl"
-  MTRAIN_FLASH_KERNELS=narrow "$BIN/bench_gpu" --attn "$shapes" 2>&1 \
-    | sed 's/"impl": "mtrain"/"impl": "mtrain-narrow"/' | tee -a "$OUT/attn.jsonl"
+  # BENCH_ATTN_KERNELS: the other kernel choices timed beside the default ("mtrain-NAME" for
+  # MTRAIN_FLASH_KERNELS=NAME).
+  for kn in ${BENCH_ATTN_KERNELS:-hopper-two-pass wide narrow}; do
+    MTRAIN_FLASH_KERNELS=$kn "$BIN/bench_gpu" --attn "$shapes" 2>&1 \
+      | sed "s/\"impl\": \"mtrain\"/\"impl\": \"mtrain-$kn\"/" | tee -a "$OUT/attn.jsonl"
+  done
   # BENCH_ATTN_BLOCKS (say "1 3"): the wide kernels again with their registers fitted to that
   # many blocks per SM (MTRAIN_FLASH_MIN_BLOCKS; the source's default is 2).
   for nb in ${BENCH_ATTN_BLOCKS:-}; do

@@ -21,6 +21,10 @@
 #define HP_DKDV_WGS 1
 #define HP_DKDV_BLOCKS 3
 #endif
+#ifndef HP_BWD_WGS
+#define HP_BWD_WGS 3
+#define HP_BWD_BLOCKS 1
+#endif
 typedef unsigned short elem;
 #define NEG_INF (-__int_as_float(0x7f800000))
 #include "../../crates/kernels/src/flash_wide.cu"
@@ -48,6 +52,7 @@ int main(int argc, char** argv) {
   float *l1, *l2, *dvec;
   elem** bufs[] = {&q, &k, &v, &o1, &o2, &dout, &dq1, &dq2, &dk1, &dk2, &dv1, &dv2};
   for (auto b : bufs) CK(cudaMalloc(b, n * 2));
+  float* dqacc; CK(cudaMalloc(&dqacc, n * 4));
   CK(cudaMalloc(&l1, BH * T * 4)); CK(cudaMalloc(&l2, BH * T * 4)); CK(cudaMalloc(&dvec, BH * T * 4));
   for (elem* p : {q, k, v, dout}) {
     for (auto& x : h) x = f2bf((rand() / (float)RAND_MAX - 0.5f) * 2.f);
@@ -58,6 +63,13 @@ int main(int argc, char** argv) {
   CK(cudaFuncSetAttribute(flash_hopper_fwd, cudaFuncAttributeMaxDynamicSharedMemorySize, HP_FWD_SMEM));
   CK(cudaFuncSetAttribute(flash_hopper_dq, cudaFuncAttributeMaxDynamicSharedMemorySize, HP_DQ_SMEM));
   CK(cudaFuncSetAttribute(flash_hopper_dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, HP_DKDV_SMEM));
+  CK(cudaFuncSetAttribute(flash_hopper_bwd, cudaFuncAttributeMaxDynamicSharedMemorySize, HP_BWD_SMEM));
+  dim3 gb((T + HP_BWD_ROWS - 1) / HP_BWD_ROWS, BH), gc((unsigned)((n / 4 + 255) / 256));
+  auto fused = [&] {
+    cudaMemsetAsync(dqacc, 0, n * 4);
+    flash_hopper_bwd<<<gb, 128 * HP_BWD_WGS, HP_BWD_SMEM>>>(q, k, v, dout, l1, dvec, dqacc, dk2, dv2, T, qscale, scale);
+    flash_hopper_dq_out<<<gc, 256>>>(dqacc, dq2, (long)n);
+  };
   flash_wide_fwd<<<gw, 128>>>(q, k, v, o1, l1, T, qscale);
   flash_hopper_fwd<<<gf, 128 * HP_FWD_WGS, HP_FWD_SMEM>>>(q, k, v, o2, l2, T, qscale);
   CK(cudaDeviceSynchronize());
@@ -80,10 +92,15 @@ int main(int argc, char** argv) {
   CK(cudaDeviceSynchronize());
   const char* names[] = {"dq", "dk", "dv"};
   elem* ref[] = {dq1, dk1, dv1}; elem* got[] = {dq2, dk2, dv2};
-  for (int i = 0; i < 3; ++i) {
-    CK(cudaMemcpy(a.data(), ref[i], n * 2, cudaMemcpyDeviceToHost)); CK(cudaMemcpy(b.data(), got[i], n * 2, cudaMemcpyDeviceToHost));
-    Cmp c = cmp(b, a); printf("  %s max|d| %.3g (max|ref| %.3g)\n", names[i], c.maxabs, c.ref);
-  }
+  auto compare = [&](const char* what) {
+    for (int i = 0; i < 3; ++i) {
+      CK(cudaMemcpy(a.data(), ref[i], n * 2, cudaMemcpyDeviceToHost)); CK(cudaMemcpy(b.data(), got[i], n * 2, cudaMemcpyDeviceToHost));
+      Cmp c = cmp(b, a); printf("  %s %s max|d| %.3g (max|ref| %.3g)\n", what, names[i], c.maxabs, c.ref);
+    }
+  };
+  compare("two-pass");
+  fused(); CK(cudaDeviceSynchronize());
+  compare("one-pass");
   cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
   double flop = 4.0 * BH * (double)T * T * D / 2;  // causal, one product pair
   auto timeit = [&](const char* name, double f, auto fn) {
@@ -98,5 +115,6 @@ int main(int argc, char** argv) {
   timeit("hopper dq", flop * 1.5, [&] { flash_hopper_dq<<<gq, 128 * HP_DQ_WGS, HP_DQ_SMEM>>>(q, k, v, dout, l1, dvec, dq2, T, qscale, scale); });
   timeit("wide dkdv", flop * 2, [&] { flash_wide_dkdv<<<gw, 128>>>(q, k, v, dout, l1, dvec, dk1, dv1, T, qscale, scale); });
   timeit("hopper dkdv", flop * 2, [&] { flash_hopper_dkdv<<<gk, 128 * HP_DKDV_WGS, HP_DKDV_SMEM>>>(q, k, v, dout, l1, dvec, dk2, dv2, T, qscale, scale); });
+  timeit("hopper bwd", flop * 2.5, fused);
   return 0;
 }

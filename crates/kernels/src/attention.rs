@@ -31,8 +31,12 @@
 //! - **Hopper warpgroups** (`flash_hopper_*` in `flash_hopper.cu`, bf16 with `D` in
 //!   [`HOPPER_HEAD_DIMS`] on compute capability 9.0): the same algorithm with each product
 //!   issued by a warpgroup of 4 warps as `wgmma` (64 rows × a whole staged tile per
-//!   instruction, the operands read by the tensor cores from swizzled shared memory), 128 or
-//!   192 rows a block; the default where it applies.
+//!   instruction, the operands read by the tensor cores from swizzled shared memory), 64 to
+//!   192 rows a block; the default where it applies. From
+//!   [`HOPPER_ONE_PASS_MIN_T`](crate::attention_path::HOPPER_ONE_PASS_MIN_T) keys on, its
+//!   backward is one pass over key rows that also adds `dQ` into an f32 buffer atomically
+//!   (`flash_hopper_bwd`: S and dP computed once per tile pair, five products instead of
+//!   seven; the price is a dq that differs in its last bits from run to run).
 //! - **wide tensor cores** (`flash_wide_*` in `flash_wide.cu`, bf16 with `D` in
 //!   [`WIDE_HEAD_DIMS`]): the tensor-core algorithm below with 32 rows per warp (16 at
 //!   D = 128) and blocks of 128 rows, so each operand fragment read from shared memory feeds
@@ -439,7 +443,7 @@ mod tests {
         }
     }
 
-    use TcKernels::{Hopper, Narrow, Wide};
+    use TcKernels::{Hopper, HopperOnePass, Narrow, Wide};
 
     #[test]
     fn matches_plain_attention_bf16_d64() {
@@ -449,16 +453,30 @@ mod tests {
         check(2, 3, 200, 64, DType::BF16, 1e-2, Hopper);
     }
 
-    /// The Hopper kernels (the wide ones on other devices): one partial block (T = 100), a
-    /// block whose second warpgroup has no row (T = 60), several blocks with a partial last
-    /// one (T = 517: 5 forward blocks of 128 rows, 3 dkdv blocks of 192 keys) and one long
-    /// row set (T = 1000) where the forward walks 8 key tiles of 128.
+    /// The Hopper kernels (the wide ones on other devices), the backward in two passes: one
+    /// partial block (T = 100), a block whose second warpgroup has no row (T = 60), several
+    /// blocks with a partial last one (T = 517: 5 forward blocks of 128 rows, 9 dkdv blocks
+    /// of 64 keys) and one long row set (T = 1000) where the forward walks 8 key tiles of 128.
     #[test]
     fn matches_plain_attention_bf16_hopper_d64() {
         check(1, 2, 60, 64, DType::BF16, 1e-2, Hopper);
         check(2, 1, 100, 64, DType::BF16, 1e-2, Hopper);
         check(1, 2, 517, 64, DType::BF16, 1e-2, Hopper);
         check(1, 1, 1000, 64, DType::BF16, 1e-2, Hopper);
+    }
+
+    /// The backward in one pass: blocks of three warpgroups where only the first has keys
+    /// (T = 60) or the last has none (T = 130), where the second has keys past T (T = 100),
+    /// where some see a tile and others not (T = 517, 1000), and at the length from which the
+    /// default takes it (T = 2100).
+    #[test]
+    fn matches_plain_attention_bf16_hopper_one_pass_d64() {
+        check(1, 2, 60, 64, DType::BF16, 1e-2, HopperOnePass);
+        check(2, 1, 100, 64, DType::BF16, 1e-2, HopperOnePass);
+        check(1, 1, 130, 64, DType::BF16, 1e-2, HopperOnePass);
+        check(1, 2, 517, 64, DType::BF16, 1e-2, HopperOnePass);
+        check(1, 1, 1000, 64, DType::BF16, 1e-2, HopperOnePass);
+        check(1, 1, 2100, 64, DType::BF16, 1e-2, Hopper);
     }
 
     #[test]

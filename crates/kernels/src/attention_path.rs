@@ -1,8 +1,9 @@
 //! Which flash-attention kernels one call runs ([`path`]): the warpgroup (wgmma) kernels of
 //! `flash_hopper.cu` on Hopper, the wide tensor-core kernels of `flash_wide.cu`, the 16-row
 //! tensor-core kernels of `kernels.cu`, or the CUDA-core ones, from the dtype, the head size,
-//! the operands' offsets, the device and the [`TcKernels`] choice; and the shapes the Hopper
-//! kernels are compiled for ([`hopper_options`]). The launches are in `attention/imp.rs`; this
+//! the operands' offsets, the device and the [`TcKernels`] choice; whether a Hopper backward
+//! runs in one pass or two ([`TcKernels::one_pass`]); and the shapes the Hopper kernels are
+//! compiled for ([`hopper_options`]). The launches are in `attention/imp.rs`; this
 //! is the rule alone, so it is tested without a GPU.
 
 use candle_core::DType;
@@ -58,6 +59,20 @@ pub const HOPPER_DKDV: HopperShape = HopperShape {
     warpgroups: 1,
     blocks_per_sm: 3,
 };
+/// The shape of `flash_hopper_bwd`, the backward in one pass: three warpgroups of 64 keys in a
+/// block (the largest that fits its shared memory), so that dq is added to memory once per
+/// 192 keys and not once per 64.
+pub const HOPPER_BWD: HopperShape = HopperShape {
+    warpgroups: 3,
+    blocks_per_sm: 1,
+};
+
+/// From this sequence length on, the Hopper backward runs in one pass (`flash_hopper_bwd`,
+/// five products and dq added atomically) rather than two (`flash_hopper_dq` then
+/// `flash_hopper_dkdv`, seven products, no atomics). On an H200 at D = 64 (docs/BENCHMARKS.md,
+/// 2026-12-03) one pass is 6% faster at T = 4096 and 9% at 8192, and as fast at 1024, where
+/// the two-pass backward stays (it is also the same from run to run, bit for bit).
+pub const HOPPER_ONE_PASS_MIN_T: usize = 2048;
 
 /// The shapes as NVRTC options (`-DHP_FWD_WGS=2 …`), the only way the kernels learn them.
 pub fn hopper_options() -> Vec<String> {
@@ -65,6 +80,7 @@ pub fn hopper_options() -> Vec<String> {
         ("FWD", HOPPER_FWD),
         ("DQ", HOPPER_DQ),
         ("DKDV", HOPPER_DKDV),
+        ("BWD", HOPPER_BWD),
     ]
     .iter()
     .flat_map(|(n, s)| {
@@ -79,23 +95,47 @@ pub fn hopper_options() -> Vec<String> {
 /// Which tensor-core kernels a bf16 call may run: the Hopper ones where they apply (else the
 /// wide ones), the wide ones where they apply, or only the 16-row ones of `kernels.cu`. The
 /// default is [`TcKernels::from_env`].
+/// `Hopper` takes the one-pass backward from [`HOPPER_ONE_PASS_MIN_T`] on; `HopperOnePass` and
+/// `HopperTwoPass` take one of the two at every length.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TcKernels {
     Hopper,
+    HopperOnePass,
+    HopperTwoPass,
     Wide,
     Narrow,
 }
 
 impl TcKernels {
-    /// `Hopper`, or `Wide` / `Narrow` when the environment sets `MTRAIN_FLASH_KERNELS=wide` or
-    /// `=narrow` (to time them against each other in one process tree); read once.
+    /// `Hopper`, or another when the environment sets `MTRAIN_FLASH_KERNELS=wide`, `=narrow`,
+    /// `=hopper-one-pass` or `=hopper-two-pass` (to time them against each other in one
+    /// process tree); read once.
     pub fn from_env() -> Self {
         static CHOICE: std::sync::OnceLock<TcKernels> = std::sync::OnceLock::new();
         *CHOICE.get_or_init(|| match std::env::var("MTRAIN_FLASH_KERNELS").as_deref() {
             Ok("narrow") => TcKernels::Narrow,
             Ok("wide") => TcKernels::Wide,
+            Ok("hopper-one-pass") => TcKernels::HopperOnePass,
+            Ok("hopper-two-pass") => TcKernels::HopperTwoPass,
             _ => TcKernels::Hopper,
         })
+    }
+
+    /// Whether the Hopper kernels are chosen (where they apply).
+    pub fn hopper(self) -> bool {
+        matches!(
+            self,
+            TcKernels::Hopper | TcKernels::HopperOnePass | TcKernels::HopperTwoPass
+        )
+    }
+
+    /// Whether a Hopper backward over sequences of length `t` runs in one pass.
+    pub fn one_pass(self, t: usize) -> bool {
+        match self {
+            TcKernels::HopperOnePass => true,
+            TcKernels::HopperTwoPass => false,
+            _ => t >= HOPPER_ONE_PASS_MIN_T,
+        }
     }
 
     /// The choice for a call with (`masked`) or without a dropout mask on the probabilities:
@@ -136,7 +176,7 @@ impl Path {
 /// of 8.
 pub fn path(dtype: DType, d: usize, offsets: &[usize], cc: u32, kernels: TcKernels) -> Path {
     let tc_ok = dtype == DType::BF16 && offsets.iter().all(|o| o % 8 == 0) && cc >= 80;
-    if tc_ok && kernels == TcKernels::Hopper && hopper_arch(cc) && HOPPER_HEAD_DIMS.contains(&d) {
+    if tc_ok && kernels.hopper() && hopper_arch(cc) && HOPPER_HEAD_DIMS.contains(&d) {
         Path::Hopper
     } else if tc_ok && kernels != TcKernels::Narrow && WIDE_HEAD_DIMS.contains(&d) {
         Path::Wide
@@ -157,7 +197,7 @@ pub fn hopper_arch(cc: u32) -> bool {
 mod tests {
     use super::*;
     use candle_core::DType::{BF16, F32};
-    use TcKernels::{Hopper, Narrow, Wide};
+    use TcKernels::{Hopper, HopperOnePass, HopperTwoPass, Narrow, Wide};
 
     #[test]
     fn hopper_kernels_take_bf16_d64_on_sm90_only() {
@@ -170,8 +210,18 @@ mod tests {
         assert_eq!(path(BF16, 64, &[0, 4], 90, Hopper), Path::Cuda);
         assert_eq!(path(F32, 64, &[0, 0], 90, Hopper), Path::Cuda);
         assert_eq!(path(BF16, 64, &[0, 8], 90, Wide), Path::Wide);
+        assert_eq!(path(BF16, 64, &[0, 8], 90, HopperOnePass), Path::Hopper);
+        assert_eq!(path(BF16, 64, &[0, 8], 90, HopperTwoPass), Path::Hopper);
         assert_eq!((HOPPER_DKDV.rows(), HOPPER_FWD.threads()), (64, 256));
         assert!(hopper_options().contains(&"-DHP_DKDV_BLOCKS=3".to_string()));
+        assert!(hopper_options().contains(&"-DHP_BWD_WGS=3".to_string()));
+    }
+
+    #[test]
+    fn the_hopper_backward_takes_one_pass_from_2048_on() {
+        assert!(!Hopper.one_pass(HOPPER_ONE_PASS_MIN_T - 1));
+        assert!(Hopper.one_pass(HOPPER_ONE_PASS_MIN_T));
+        assert!(HopperOnePass.one_pass(60) && !HopperTwoPass.one_pass(8192));
     }
 
     #[test]

@@ -71,14 +71,14 @@ __device__ __forceinline__ void hp_cp16(hp_u32 dst, const void* src, bool ok) {
                  "r"(ok ? 16 : 0));
 }
 
-// Rows r0 .. r0+R of a (T, D) matrix into a swizzled tile at `dst` by the block's
-// THREADS threads; rows past T are 0.
+// Rows r0 .. r0+R of a (T, D) matrix into a swizzled tile at `dst` by THREADS threads (this
+// one is number `tid` of them); rows past T are 0.
 template <int R, int THREADS>
-__device__ __forceinline__ void hp_stage(char* dst, const elem* src, int r0, int T) {
+__device__ __forceinline__ void hp_stage(char* dst, const elem* src, int r0, int T, int tid) {
     constexpr int chunks = HEAD_DIM / 8;  // 16 bytes each, per row
     const hp_u32 d0 = wd_saddr(dst);
 #pragma unroll
-    for (int i = threadIdx.x; i < R * chunks; i += THREADS) {
+    for (int i = tid; i < R * chunks; i += THREADS) {
         const int r = i / chunks, c = i % chunks;
         const bool ok = r0 + r < T;
         const hp_u32 d = d0 + (c / 8) * (R * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
@@ -158,6 +158,18 @@ __device__ __forceinline__ void hp_ss64(float* d, hp_u64 da, hp_u64 db, int accu
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "l"(da), "l"(db), "r"(accumulate));
 }
+// d (64 x 64, f32) = [d +] A B, A and B in shared memory, both MN-major (transposed).
+__device__ __forceinline__ void hp_ss64_t(float* d, hp_u64 da, hp_u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
 // d (64 x 128, f32) = [d +] A B, A and B in shared memory (K-major descriptors).
 __device__ __forceinline__ void hp_ss128(float* d, hp_u64 da, hp_u64 db, int accumulate) {
     asm volatile(
@@ -213,9 +225,9 @@ extern "C" __global__ void __launch_bounds__(128 * HP_FWD_WGS, HP_FWD_BLOCKS)
     const int rw = q0 + 64 * wg;                             // the warpgroup's first row
     const int row = rw + 16 * wi + g;                        // the thread's rows: row, row + 8
     const int tiles = (min(q0 + HP_FWD_ROWS, T) + HP_FWD_N - 1) / HP_FWD_N;
-    hp_stage<HP_FWD_ROWS, 128 * HP_FWD_WGS>(qs, q + base, q0, T);
-    hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(ks, k + base, 0, T);
-    hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(vs, v + base, 0, T);
+    hp_stage<HP_FWD_ROWS, 128 * HP_FWD_WGS>(qs, q + base, q0, T, threadIdx.x);
+    hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(ks, k + base, 0, T, threadIdx.x);
+    hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(vs, v + base, 0, T, threadIdx.x);
     wd_commit();
     const hp_u32 qa = wd_saddr(qs) + wg * 64 * 128;
     float acc[HEAD_DIM / 2];
@@ -225,8 +237,8 @@ extern "C" __global__ void __launch_bounds__(128 * HP_FWD_WGS, HP_FWD_BLOCKS)
     for (int it = 0; it < tiles; ++it) {
         const int buf = it & 1, kb = it * HP_FWD_N;
         if (it + 1 < tiles) {  // fetch the next tile while this one is used
-            hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(ks + (buf ^ 1) * TILE, k + base, kb + HP_FWD_N, T);
-            hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(vs + (buf ^ 1) * TILE, v + base, kb + HP_FWD_N, T);
+            hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(ks + (buf ^ 1) * TILE, k + base, kb + HP_FWD_N, T, threadIdx.x);
+            hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(vs + (buf ^ 1) * TILE, v + base, kb + HP_FWD_N, T, threadIdx.x);
         }
         wd_commit();
         wd_wait<1>();
@@ -315,10 +327,10 @@ extern "C" __global__ void __launch_bounds__(128 * HP_DQ_WGS, HP_DQ_BLOCKS)
     const int rw = q0 + 64 * wg;
     const int row = rw + 16 * wi + g;
     const int tiles = (min(q0 + HP_DQ_ROWS, T) + HP_BWD_N - 1) / HP_BWD_N;
-    hp_stage<HP_DQ_ROWS, 128 * HP_DQ_WGS>(qs, q + base, q0, T);
-    hp_stage<HP_DQ_ROWS, 128 * HP_DQ_WGS>(dos, dout + base, q0, T);
-    hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(ks, k + base, 0, T);
-    hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(vs, v + base, 0, T);
+    hp_stage<HP_DQ_ROWS, 128 * HP_DQ_WGS>(qs, q + base, q0, T, threadIdx.x);
+    hp_stage<HP_DQ_ROWS, 128 * HP_DQ_WGS>(dos, dout + base, q0, T, threadIdx.x);
+    hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(ks, k + base, 0, T, threadIdx.x);
+    hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(vs, v + base, 0, T, threadIdx.x);
     wd_commit();
     float l2[2], dl[2];
 #pragma unroll
@@ -334,8 +346,8 @@ extern "C" __global__ void __launch_bounds__(128 * HP_DQ_WGS, HP_DQ_BLOCKS)
     for (int it = 0; it < tiles; ++it) {
         const int buf = it & 1, kb = it * HP_BWD_N;
         if (it + 1 < tiles) {
-            hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(ks + (buf ^ 1) * TILE, k + base, kb + HP_BWD_N, T);
-            hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(vs + (buf ^ 1) * TILE, v + base, kb + HP_BWD_N, T);
+            hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(ks + (buf ^ 1) * TILE, k + base, kb + HP_BWD_N, T, threadIdx.x);
+            hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(vs + (buf ^ 1) * TILE, v + base, kb + HP_BWD_N, T, threadIdx.x);
         }
         wd_commit();
         wd_wait<1>();
@@ -404,12 +416,12 @@ extern "C" __global__ void __launch_bounds__(128 * HP_DKDV_WGS, HP_DKDV_BLOCKS)
     const int kw = k0 + 64 * wg;          // the warpgroup's first key
     const int key = kw + 16 * wi + g;     // the thread's keys: key, key + 8
     const int qt0 = k0 / HP_BWD_N, tiles = (T + HP_BWD_N - 1) / HP_BWD_N - qt0;
-    hp_stage<HP_DKDV_ROWS, 128 * HP_DKDV_WGS>(ks, k + base, k0, T);
-    hp_stage<HP_DKDV_ROWS, 128 * HP_DKDV_WGS>(vs, v + base, k0, T);
+    hp_stage<HP_DKDV_ROWS, 128 * HP_DKDV_WGS>(ks, k + base, k0, T, threadIdx.x);
+    hp_stage<HP_DKDV_ROWS, 128 * HP_DKDV_WGS>(vs, v + base, k0, T, threadIdx.x);
     auto stage_q = [&](int j, int b) {
         const int qb = (qt0 + j) * HP_BWD_N;
-        hp_stage<HP_BWD_N, 128 * HP_DKDV_WGS>(qs + b * TILE, q + base, qb, T);
-        hp_stage<HP_BWD_N, 128 * HP_DKDV_WGS>(dos + b * TILE, dout + base, qb, T);
+        hp_stage<HP_BWD_N, 128 * HP_DKDV_WGS>(qs + b * TILE, q + base, qb, T, threadIdx.x);
+        hp_stage<HP_BWD_N, 128 * HP_DKDV_WGS>(dos + b * TILE, dout + base, qb, T, threadIdx.x);
         if (threadIdx.x < HP_BWD_N) {
             const int r = qb + threadIdx.x;
             wd_cp4(ls + b * HP_BWD_N + threadIdx.x, lrow + (r < T ? r : 0), r < T);
@@ -471,5 +483,203 @@ extern "C" __global__ void __launch_bounds__(128 * HP_DKDV_WGS, HP_DKDV_BLOCKS)
     const float one[2] = {1.f, 1.f}, mul[2] = {scale, scale};
     hp_store(dk + base, dka, key, T, mul);
     hp_store(dv + base, dva, key, T, one);
+}
+
+// The backward in one pass: dk = scale · dSᵀ q and dv = Pᵀ dO as flash_hopper_dkdv, and dq =
+// scale · dS k added into `dqacc` (f32, (BH, T, D), zero on entry; flash_hopper_dq_out makes
+// it bf16), so S and dP are computed once per tile pair: five products where the two-pass
+// backward has seven. A block is HP_BWD_WGS warpgroups of 64 keys each, and each warpgroup
+// runs on its own (its own staged tiles, warpgroup barriers only), over the query tiles from
+// the last down to its keys' own, so the warpgroups of a block reach each tile together:
+//
+//   per query tile x (64 rows), per warpgroup w:
+//     Sᵀ = K_w Qᵀ, dPᵀ = V_w dOᵀ → Pᵀ, dSᵀ (registers) → dV_w += Pᵀ dO, dK_w += dSᵀ Q
+//     dSᵀ → shared memory, buffer x % 2 of the warpgroup (the staged tiles' swizzle)
+//   warpgroup x % (those that see tile x), once all have stored their dSᵀ: dQ (64 x D) =
+//   Σ_w dS_w K_w (dS read transposed), added into dqacc (one global add per block and tile,
+//   not one per warpgroup); then buffer x % 2 of every warpgroup is free for tile x - 2
+//
+// Grid (ceil(T / HP_BWD_ROWS), BH), 128·HP_BWD_WGS threads, HP_BWD_SMEM bytes of shared memory.
+#define HP_BWD_ROWS (64 * HP_BWD_WGS)
+// One warpgroup's region: K, V (64 rows), Q and dO (2 x 64 rows), dSᵀ (2 x 64 x 64), lse2, δ.
+#define HP_BWD_WG_BYTES (8 * 64 * HEAD_DIM * 2 + 4 * HP_BWD_N * 4)
+#define HP_BWD_SMEM (HP_BWD_WGS * HP_BWD_WG_BYTES + 64 * 64 * 2 + 4 * 4 + 1024)
+
+// Adds a (row, 2 columns) pair of dQ into the f32 accumulator.
+__device__ __forceinline__ void hp_red2(float* dst, float a, float b) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+}
+// The barrier of warpgroup `wg` alone (barrier 0 is __syncthreads).
+__device__ __forceinline__ void hp_wg_sync(int wg) {
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+}
+
+extern "C" __global__ void __launch_bounds__(128 * HP_BWD_WGS, HP_BWD_BLOCKS)
+    flash_hopper_bwd(const elem* q, const elem* k, const elem* v, const elem* dout,
+                     const float* lse2, const float* dvec, float* dqacc, elem* dk, elem* dv,
+                     int T, float qscale, float scale) {
+    hp_require_smem(HP_BWD_SMEM);
+    constexpr int TILE = 64 * HEAD_DIM * 2;
+    const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wi = (threadIdx.x >> 5) & 3;
+    const int g = lane >> 2, t = lane & 3, tw = threadIdx.x & 127;
+    char* const region0 = hp_smem_base();  // warpgroup w's region at w·HP_BWD_WG_BYTES
+    char* mine = region0 + wg * HP_BWD_WG_BYTES;
+    char* ks = mine;              // (64, D)
+    char* vs = ks + TILE;         // (64, D)
+    char* qs = vs + TILE;         // 2 x (64, D)
+    char* dos = qs + 2 * TILE;    // 2 x (64, D)
+    char* dss = dos + 2 * TILE;   // 2 x (64, 64): dSᵀ of tiles x with x % 2 = 0, 1
+    float* ls = reinterpret_cast<float*>(dss + 2 * TILE);  // 2 x 64
+    float* dls = ls + 2 * HP_BWD_N;                        // 2 x 64
+    char* zero = region0 + HP_BWD_WGS * HP_BWD_WG_BYTES;                       // (64, 64) zeros
+    int* count = reinterpret_cast<int*>(zero + TILE);  // per buffer: dSᵀ stored
+    int* owner = count + 2;    // per buffer: the tile whose dSᵀ it may take next
+    const long base = (long)blockIdx.y * T * HEAD_DIM;
+    const float* lrow = lse2 + (long)blockIdx.y * T;
+    const float* drow = dvec + (long)blockIdx.y * T;
+    const int k0 = blockIdx.x * HP_BWD_ROWS;  // block 0 has the most query tiles and starts first
+    const int kw = k0 + 64 * wg;              // the warpgroup's first key
+    const int key = kw + 16 * wi + g;         // the thread's keys: key, key + 8
+    const int qt0 = k0 / HP_BWD_N, nt = (T + HP_BWD_N - 1) / HP_BWD_N;
+    for (int i = threadIdx.x; i < TILE / 4; i += blockDim.x) reinterpret_cast<int*>(zero)[i] = 0;
+    if (threadIdx.x < 2) {
+        count[threadIdx.x] = 0;
+        owner[threadIdx.x] = (nt - 1) % 2 == (int)threadIdx.x ? nt - 1 : nt - 2;
+    }
+    hp_fence_proxy();  // the zero tile, to the tensor cores
+    __syncthreads();
+    const int first = qt0 + wg;  // the warpgroup's own (diagonal) tile, its last
+    if (first >= nt) return;     // keys past T: no tile, and no barrier waits for this warpgroup
+    hp_stage<64, 128>(ks, k + base, kw, T, tw);
+    hp_stage<64, 128>(vs, v + base, kw, T, tw);
+    auto stage_q = [&](int x, int b) {
+        const int qb = x * HP_BWD_N;
+        hp_stage<HP_BWD_N, 128>(qs + b * TILE, q + base, qb, T, tw);
+        hp_stage<HP_BWD_N, 128>(dos + b * TILE, dout + base, qb, T, tw);
+        if (tw < HP_BWD_N) {
+            const int r = qb + tw;
+            wd_cp4(ls + b * HP_BWD_N + tw, lrow + (r < T ? r : 0), r < T);
+            wd_cp4(dls + b * HP_BWD_N + tw, drow + (r < T ? r : 0), r < T);
+        }
+    };
+    stage_q(nt - 1, 0);
+    wd_commit();
+    const hp_u32 ka = wd_saddr(ks), va = wd_saddr(vs);
+    float dka[HEAD_DIM / 2], dva[HEAD_DIM / 2];
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 2; ++i) dka[i] = dva[i] = 0.f;
+    for (int x = nt - 1, it = 0; x >= first; --x, ++it) {
+        const int buf = it & 1, qb = x * HP_BWD_N, sb = x & 1;
+        if (x > first) stage_q(x - 1, buf ^ 1);
+        wd_commit();
+        wd_wait<1>();
+        hp_fence_proxy();
+        hp_wg_sync(wg);
+        const hp_u32 qt = wd_saddr(qs + buf * TILE), dt = wd_saddr(dos + buf * TILE);
+        {
+            float s[HP_BWD_N / 2], dp[HP_BWD_N / 2];
+            const float* lt = ls + buf * HP_BWD_N;
+            const float* dlt = dls + buf * HP_BWD_N;
+            hp_fence();
+#pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+                hp_ss64(s, hp_desc_k(ka, 64, kk), hp_desc_k(qt, HP_BWD_N, kk), kk);
+                hp_ss64(dp, hp_desc_k(va, 64, kk), hp_desc_k(dt, HP_BWD_N, kk), kk);
+            }
+            hp_commit();
+            hp_wait();
+            hp_hold<HP_BWD_N / 2>(s);
+            hp_hold<HP_BWD_N / 2>(dp);
+#pragma unroll
+            for (int i = 0; i < HP_BWD_N / 2; ++i) {
+                const int h = (i >> 1) & 1, c = (i >> 2) * 8 + 2 * t + (i & 1), qq = qb + c;
+                const float p =
+                    (qq < key + 8 * h || qq >= T) ? 0.f : wd_exp2(fmaf(s[i], qscale, -lt[c]));
+                s[i] = p;
+                dp[i] = p * (dp[i] - dlt[c]);  // dSᵀ
+            }
+            hp_u32 pa[HP_BWD_N / 16][4], sa[HP_BWD_N / 16][4];
+            hp_to_a<HP_BWD_N>(pa, s);
+            hp_to_a<HP_BWD_N>(sa, dp);
+            // Buffer sb is free once tile x + 2's dQ has read it.
+            if (tw == 0)
+                while (*reinterpret_cast<volatile int*>(owner + sb) != x) __nanosleep(20);
+            hp_wg_sync(wg);
+            // sa[kk][j] holds row 16·wi + g + 8·(j % 2), columns 16·kk + 8·(j / 2) + 2t, +1:
+            // into the swizzled tile (chunk c of row r at c ^ (r % 8); r % 8 = g).
+            char* dsw = dss + sb * TILE;
+#pragma unroll
+            for (int kk = 0; kk < HP_BWD_N / 16; ++kk)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int r = 16 * wi + g + 8 * (j & 1), c = 2 * kk + (j >> 1);
+                    *reinterpret_cast<hp_u32*>(dsw + r * 128 + ((c ^ g) << 4) + 4 * t) = sa[kk][j];
+                }
+            hp_fence();
+#pragma unroll
+            for (int kk = 0; kk < HP_BWD_N / 16; ++kk) {
+                hp_rs64(dva, pa[kk], hp_desc_mn(dt, HP_BWD_N, kk), 1);
+                hp_rs64(dka, sa[kk], hp_desc_mn(qt, HP_BWD_N, kk), 1);
+            }
+            hp_commit();
+            hp_wait();  // frees Pᵀ and dSᵀ's registers before dQ's accumulator is needed
+            hp_hold<HEAD_DIM / 2>(dka);
+            hp_hold<HEAD_DIM / 2>(dva);
+        }
+        hp_fence_proxy();  // the dSᵀ stores, to the tensor cores (of whichever warpgroup)
+        __threadfence_block();
+        hp_wg_sync(wg);
+        if (tw == 0) atomicAdd(count + sb, 1);
+        // Tile x's dQ falls to warpgroup x % seen of the `seen` whose keys the tile sees.
+        const int seen = min(HP_BWD_WGS, x - qt0 + 1);
+        if (wg == x % seen) {
+            if (tw == 0)
+                while (*reinterpret_cast<volatile int*>(count + sb) != seen) __nanosleep(20);
+            hp_wg_sync(wg);
+            __threadfence_block();
+            float dqp[HEAD_DIM / 2];
+            hp_fence();
+#pragma unroll
+            for (int w = 0; w < HP_BWD_WGS; ++w) {
+                // A warpgroup that does not see the tile adds the zero tile's product (a
+                // branch here would serialise the warpgroup's products).
+                char* other = region0 + w * HP_BWD_WG_BYTES;
+                const hp_u32 dsa = wd_saddr(w < seen ? other + 6 * TILE + sb * TILE : zero);
+                const hp_u32 kwa = wd_saddr(w < seen ? other : zero);
+#pragma unroll
+                for (int kk = 0; kk < 64 / 16; ++kk)
+                    hp_ss64_t(dqp, hp_desc_mn(dsa, 64, kk), hp_desc_mn(kwa, 64, kk), w + kk);
+            }
+            hp_commit();
+            hp_wait();
+            hp_hold<HEAD_DIM / 2>(dqp);
+            hp_wg_sync(wg);  // every thread's products are done: the buffers may be reused
+            if (tw == 0) {
+                count[sb] = 0;
+                __threadfence_block();
+                *reinterpret_cast<volatile int*>(owner + sb) = x - 2;
+            }
+            // dqp[i] is row 16·wi + g + 8·((i / 2) % 2), column 8·(i / 4) + 2t + i % 2.
+#pragma unroll
+            for (int i = 0; i < HEAD_DIM / 2; i += 2) {
+                const int r = qb + 16 * wi + g + 8 * ((i >> 1) & 1);
+                if (r < T)
+                    hp_red2(dqacc + base + (long)r * HEAD_DIM + 8 * (i >> 2) + 2 * t,
+                            dqp[i] * scale, dqp[i + 1] * scale);
+            }
+        }
+        hp_wg_sync(wg);  // buf is refilled two tiles on
+    }
+    const float one[2] = {1.f, 1.f}, mul[2] = {scale, scale};
+    hp_store(dk + base, dka, key, T, mul);
+    hp_store(dv + base, dva, key, T, one);
+}
+
+// dq (bf16) from flash_hopper_bwd's f32 accumulator, four elements a thread; n % 4 == 0.
+extern "C" __global__ void flash_hopper_dq_out(const float* acc, elem* dq, long n) {
+    const long i = ((long)blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    if (i >= n) return;
+    const float4 a = *reinterpret_cast<const float4*>(acc + i);
+    *reinterpret_cast<uint2*>(dq + i) = make_uint2(wd_pack(a.x, a.y), wd_pack(a.z, a.w));
 }
 #endif

@@ -7,7 +7,7 @@ use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKe
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaStorage, Layout, Result, Tensor};
 
-use super::super::attention_path::{HopperShape, HOPPER_DKDV, HOPPER_DQ, HOPPER_FWD};
+use super::super::attention_path::{HopperShape, HOPPER_BWD, HOPPER_DKDV, HOPPER_DQ, HOPPER_FWD};
 use super::super::cuda::Kernel;
 use super::super::cuda::{
     blocks, by_dtype, compute_capability, device, kernel, slice, storage, tensor, view,
@@ -57,13 +57,16 @@ fn tile(rows: usize, d: usize) -> usize {
     rows * d * 2
 }
 
-/// The dynamic shared memory of the three Hopper kernels (HP_FWD_SMEM, HP_DQ_SMEM and
-/// HP_DKDV_SMEM): their tiles plus 1 KiB to align the first to 1024 bytes.
-fn hopper_smem(d: usize) -> [usize; 3] {
+/// The dynamic shared memory of the four Hopper kernels (HP_FWD_SMEM, HP_DQ_SMEM,
+/// HP_DKDV_SMEM and HP_BWD_SMEM): their tiles plus 1 KiB to align the first to 1024 bytes.
+fn hopper_smem(d: usize) -> [usize; 4] {
     let fwd = tile(HOPPER_FWD.rows(), d) + 4 * tile(128, d);
     let dq = 2 * tile(HOPPER_DQ.rows(), d) + 4 * tile(64, d);
     let dkdv = 2 * tile(HOPPER_DKDV.rows(), d) + 4 * tile(64, d) + 4 * 64 * 4;
-    [fwd + 1024, dq + 1024, dkdv + 1024]
+    // Per warpgroup K, V, 2 Q, 2 dO, 2 dSᵀ tiles and lse2, δ; a zero tile; two counters and
+    // two owners.
+    let bwd = HOPPER_BWD.warpgroups * (8 * tile(64, d) + 4 * 64 * 4) + tile(64, 64) + 16;
+    [fwd + 1024, dq + 1024, dkdv + 1024, bwd + 1024]
 }
 
 fn dims(l: &Layout, what: &str) -> Result<(usize, usize, usize)> {
@@ -251,6 +254,33 @@ fn bwd<T: CudaDType + DeviceRepr>(
     unsafe { b.launch(dot_cfg) }.w()?;
 
     let (t32, qscale, scale32) = (t as i32, (scale * LOG2E) as f32, scale as f32);
+    if path == Path::Hopper && kernels.one_pass(t) {
+        // dk, dv and dq (into f32, then bf16) in one pass.
+        let acc = dev.alloc_zeros::<f32>(n)?;
+        let f = kernel(&dev, Some(d), dtype, "flash_hopper_bwd")?;
+        let mut b = f.builder();
+        b.arg(&qs)
+            .arg(&ks)
+            .arg(&vs)
+            .arg(&ds)
+            .arg(&ls)
+            .arg(&delta)
+            .arg(&acc)
+            .arg(&dk)
+            .arg(&dv);
+        b.arg(&t32).arg(&qscale).arg(&scale32);
+        let cfg = hopper_config(&f, HOPPER_BWD, t, bh, hopper_smem(d)[3])?;
+        // SAFETY: argument types and order match `flash_hopper_bwd`.
+        unsafe { b.launch(cfg) }.w()?;
+        let f = kernel(&dev, Some(d), dtype, "flash_hopper_dq_out")?;
+        let n64 = n as i64;
+        let mut b = f.builder();
+        b.arg(&acc).arg(&dq).arg(&n64);
+        // SAFETY: argument types and order match `flash_hopper_dq_out`; n is a multiple of 4.
+        unsafe { b.launch(blocks(((n / 4).div_ceil(256), 1), 256)) }.w()?;
+        drop((dq, dk, dv));
+        return Ok(tensor(&dev, dqkv, (3, b_, h, t, d)));
+    }
     let f = kernel(&dev, Some(d), dtype, dq_name)?;
     let mut b = f.builder();
     b.arg(&qs)
