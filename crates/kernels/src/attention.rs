@@ -55,7 +55,7 @@
 //!
 //! Legend: `B` batch, `H` heads, `T` time, `D` head size.
 
-use candle_core::{DType, Layout, Result, Shape, Tensor, D};
+use candle_core::{Layout, Result, Shape, Tensor, D};
 
 pub use crate::attention_path::{
     path, uses_tensor_cores, Path, TcKernels, HOPPER_HEAD_DIMS, TC_HEAD_DIMS, WIDE_HEAD_DIMS,

@@ -25,12 +25,14 @@ pub const HOPPER_HEAD_DIMS: [usize; 1] = [64];
 
 /// How one Hopper kernel is laid out: warpgroups per block (each owns 64 rows, so a block
 /// owns `64 · warpgroups`), and the blocks per SM its registers are fitted to.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HopperShape {
     pub warpgroups: usize,
     pub blocks_per_sm: usize,
 }
 
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 impl HopperShape {
     /// Rows (queries, or keys for dkdv) one block owns.
     pub fn rows(self) -> usize {
@@ -47,14 +49,17 @@ impl HopperShape {
 /// warpgroups per SM for the forward and dq (128 registers a thread), and for dkdv (its four
 /// accumulators need 168 registers) three blocks of one warpgroup, which run unsynchronised
 /// where one block of three waits at every tile for its slowest warpgroup.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub const HOPPER_FWD: HopperShape = HopperShape {
     warpgroups: 2,
     blocks_per_sm: 2,
 };
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub const HOPPER_DQ: HopperShape = HopperShape {
     warpgroups: 2,
     blocks_per_sm: 2,
 };
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub const HOPPER_DKDV: HopperShape = HopperShape {
     warpgroups: 1,
     blocks_per_sm: 3,
@@ -62,6 +67,7 @@ pub const HOPPER_DKDV: HopperShape = HopperShape {
 /// The shape of `flash_hopper_bwd`, the backward in one pass: three warpgroups of 64 keys in a
 /// block (the largest that fits its shared memory), so that dq is added to memory once per
 /// 192 keys and not once per 64.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub const HOPPER_BWD: HopperShape = HopperShape {
     warpgroups: 3,
     blocks_per_sm: 1,
@@ -75,6 +81,7 @@ pub const HOPPER_BWD: HopperShape = HopperShape {
 pub const HOPPER_ONE_PASS_MIN_T: usize = 2048;
 
 /// The shapes as NVRTC options (`-DHP_FWD_WGS=2 …`), the only way the kernels learn them.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub fn hopper_options() -> Vec<String> {
     [
         ("FWD", HOPPER_FWD),

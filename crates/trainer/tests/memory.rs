@@ -30,6 +30,15 @@ const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
 #[global_allocator]
 static ALLOC: mtrain_trainer::memory::CountingAlloc = mtrain_trainer::memory::CountingAlloc;
 
+/// The counting allocator sees every thread of this process, so a test that reads it in-process
+/// would also count what a neighbouring test holds at that moment (its children's captured
+/// output, the models `plan` builds): every test here holds this lock, and they run one at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Tolerance of measured against analytic model state: 2% plus 0.5 MiB (the optimizer's and the
 /// gradient map's bookkeeping, the data batch, the comm layer's per-op buffers).
 fn within_tolerance(measured: f64, analytic: f64) -> bool {
@@ -117,6 +126,7 @@ fn read_last_step(path: &Path) -> Vec<(usize, f64, f64)> {
 
 #[test]
 fn fsdp_measures_at_most_0_4x_ddp_model_state_per_rank() {
+    let _serial = one_at_a_time();
     let mib = |b: f64| b / (1 << 20) as f64;
     let ddp = model_state(&[]);
     let fsdp = model_state(&["--fsdp"]);
@@ -151,6 +161,7 @@ fn fsdp_measures_at_most_0_4x_ddp_model_state_per_rank() {
 /// built, and the `plan` command prints them.
 #[test]
 fn plan_prints_the_reports_analytic_figures() {
+    let _serial = one_at_a_time();
     use clap::Parser;
     use mtrain_trainer::cli::Cli;
     use mtrain_trainer::plan::{rank_memory, render_memory};
@@ -348,6 +359,7 @@ fn phases(layout: &[&str], n_embd: usize) -> Vec<(usize, Value, Value)> {
 /// moments and the kernels' workspaces.
 #[test]
 fn predicted_activations_and_peak_match_the_measured_ones_on_every_rank() {
+    let _serial = one_at_a_time();
     let mib = |b: f64| b / (1 << 20) as f64;
     let runs: Vec<(&[&str], usize)> = LAYOUTS
         .iter()
@@ -407,6 +419,7 @@ fn predicted_activations_and_peak_match_the_measured_ones_on_every_rank() {
 /// by the phase test above.)
 #[test]
 fn the_tape_and_autograd_forwards_keep_what_the_model_counts() {
+    let _serial = one_at_a_time();
     use candle_core::{Device, Tensor};
     use mtrain_model::{init_weights, Backward, Engine, Gpt, GptConfig, Grads, NoHooks};
     use mtrain_trainer::memory::{
