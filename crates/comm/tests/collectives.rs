@@ -368,6 +368,62 @@ fn send_recv_around_the_ring_and_barrier() {
     }
 }
 
+/// A send and a blocking receive run on the caller's thread only where nothing is queued before
+/// them: issued behind an async all-reduce, they still go on the wire, and are matched, in issue
+/// order (a send ahead of the all-reduce would meet the peer's all-reduce header: a mismatch).
+/// With nothing queued, sends larger than the socket takes at once (16 MiB, the receiver not
+/// reading yet) complete at once and arrive whole, the rest carried by the writer thread.
+#[test]
+fn caller_run_sends_and_receives_keep_the_issue_order() {
+    run_local(2, T, |b| {
+        let w = b.world();
+        let (r, peer) = (w.rank(), 1 - w.rank());
+        let (rows, cols) = (1 << 12, 1 << 10); // 16 MiB of f32
+        let shape = Shape::from((rows, cols));
+        let want = |k| to_f64(&input(peer, rows, cols, k, DType::F32));
+
+        let x = input(r, rows, cols, 0, DType::F32);
+        let reduced = w.all_reduce_async(&x, ReduceOp::Sum);
+        let sent = w.send_async(&x, peer);
+        let got = w
+            .recv(peer, &shape, DType::F32)
+            .expect("recv behind the all-reduce");
+        sent.wait().expect("send");
+        let sum = to_f64(&reduced.wait().expect("all-reduce"));
+        assert_close(
+            &sum,
+            &reduce_closed_form(2, rows * cols, ReduceOp::Sum, DType::F32),
+            0.0,
+            "sum",
+        );
+        assert_close(
+            &to_f64(&got),
+            &want(0),
+            0.0,
+            "message behind the all-reduce",
+        );
+
+        w.barrier().expect("barrier");
+        if r == 0 {
+            for k in 1..4 {
+                let sent = w.send_async(&input(r, rows, cols, k, DType::F32), peer);
+                assert!(
+                    sent.is_done(),
+                    "send {k} was left to the communication thread"
+                );
+                sent.wait().expect("send");
+            }
+        } else {
+            std::thread::sleep(Duration::from_millis(200));
+            for k in 1..4 {
+                let got = w.recv(peer, &shape, DType::F32).expect("recv");
+                assert_close(&to_f64(&got), &want(k), 0.0, &format!("message {k}"));
+            }
+        }
+        w.barrier().expect("barrier");
+    });
+}
+
 /// `sends_complete_locally`: on the CPU backend a send's `Work` completes before the receiver
 /// posts anything, here three of the pipeline's activation size (128 KiB) waited one by one while
 /// rank 1 has not reached its receives (it waits on a barrier of another group, which rank 0

@@ -12,7 +12,9 @@
 //! In each group the member with the lower group rank accepts and the higher one connects, so
 //! every pair of members shares exactly one connection. Each [`Peer`] owns a writer thread fed by
 //! a channel: a rank never blocks in `write` while its peer is blocked in `write` towards it,
-//! which is what lets a ring send and receive at the same time without deadlock.
+//! which is what lets a ring send and receive at the same time without deadlock. A send first
+//! writes what the socket takes at once with a non-blocking call on the sending thread (while
+//! the writer thread is idle, so the bytes keep their order) and queues only the rest.
 
 use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
@@ -313,8 +315,65 @@ impl Peer {
         })
     }
 
-    /// Queue bytes for the writer thread; returns at once.
+    /// Send `buf` without waiting for the peer: written straight into the socket as far as it
+    /// takes it now (a non-blocking call on this thread, made only while the writer thread has
+    /// nothing left to write, so the bytes stay in order), the rest queued for the writer thread.
+    /// Returns at once. Where the socket has room (a pipeline's activation, the op headers) the
+    /// message costs one system call and no hand-off to another thread.
     pub fn send(&mut self, buf: Vec<u8>) -> std::result::Result<(), ReadFailure> {
+        match self.write_now(&[&buf])? {
+            0 => self.queue(buf),
+            k if k < buf.len() => self.queue(buf[k..].to_vec()),
+            _ => Ok(()),
+        }
+    }
+
+    /// [`Peer::send`] of `parts` one after another, from borrowed bytes (a header and a
+    /// tensor's own storage: one system call for both, so the peer wakes once; copied only
+    /// where the socket does not take them all).
+    pub fn send_parts(&mut self, parts: &[&[u8]]) -> std::result::Result<(), ReadFailure> {
+        let mut at = self.write_now(parts)?;
+        let mut rest = Vec::new();
+        for part in parts {
+            let skip = at.min(part.len());
+            rest.extend_from_slice(&part[skip..]);
+            at -= skip;
+        }
+        if !rest.is_empty() {
+            self.queue(rest)?;
+        }
+        Ok(())
+    }
+
+    /// Write what the socket takes now of `parts` if the writer thread is idle; how many bytes.
+    fn write_now(&mut self, parts: &[&[u8]]) -> std::result::Result<usize, ReadFailure> {
+        let closed = || ReadFailure::Closed("the connection's writer has stopped".into());
+        if self.writer.is_none() {
+            return Err(ReadFailure::Closed(
+                "the connection was closed after an earlier failure".into(),
+            ));
+        }
+        let state = *self.written.state.lock().unwrap_or_else(|p| p.into_inner());
+        if state.1 {
+            return Err(closed());
+        }
+        if state.0 < self.queued {
+            return Ok(0);
+        }
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        let mut at = 0;
+        while at < total {
+            match send_some_of(self.fd(), parts, at) {
+                Ok(k) => at += k,
+                Err(Stall::Wait) => break,
+                Err(Stall::Failed(f)) => return Err(f),
+            }
+        }
+        Ok(at)
+    }
+
+    /// Hand bytes to the writer thread.
+    fn queue(&mut self, buf: Vec<u8>) -> std::result::Result<(), ReadFailure> {
         match &self.writer {
             Some(tx) => {
                 tx.send(buf).map_err(|_| {
@@ -387,6 +446,62 @@ impl Drop for Peer {
         let _ = self.reader.shutdown(std::net::Shutdown::Read);
         if let Some(thread) = self.thread.take() {
             join_within(thread, FLUSH_ON_DROP);
+        }
+    }
+}
+
+/// Why a non-blocking call moved nothing.
+pub(crate) enum Stall {
+    /// The socket is full (send) or empty (recv): try again after `poll`.
+    Wait,
+    Failed(ReadFailure),
+}
+
+#[cfg(target_os = "linux")]
+const NO_SIGNAL: libc::c_int = libc::MSG_NOSIGNAL;
+#[cfg(not(target_os = "linux"))]
+const NO_SIGNAL: libc::c_int = 0;
+
+/// Write what the socket takes now of `buf` (non-empty).
+pub(crate) fn send_some(fd: libc::c_int, buf: &[u8]) -> std::result::Result<usize, Stall> {
+    send_some_of(fd, &[buf], 0)
+}
+
+/// Write what the socket takes now of `parts` laid end to end, from byte `at` on (some left).
+pub(crate) fn send_some_of(
+    fd: libc::c_int,
+    parts: &[&[u8]],
+    at: usize,
+) -> std::result::Result<usize, Stall> {
+    let mut skip = at;
+    let mut iov = Vec::with_capacity(parts.len());
+    for part in parts {
+        if skip >= part.len() {
+            skip -= part.len();
+            continue;
+        }
+        iov.push(libc::iovec {
+            iov_base: part[skip..].as_ptr() as *mut libc::c_void,
+            iov_len: part.len() - skip,
+        });
+        skip = 0;
+    }
+    loop {
+        // SAFETY: every iovec points into a slice of `parts`, valid for reads of its length
+        // for the duration of the call; the kernel only reads them.
+        let k = unsafe {
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = iov.as_mut_ptr();
+            msg.msg_iovlen = iov.len() as _;
+            libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | NO_SIGNAL)
+        };
+        if k >= 0 {
+            return Ok(k as usize);
+        }
+        match std::io::Error::last_os_error() {
+            e if e.kind() == ErrorKind::Interrupted => continue,
+            e if e.kind() == ErrorKind::WouldBlock => return Err(Stall::Wait),
+            e => return Err(Stall::Failed(ReadFailure::Closed(e.to_string()))),
         }
     }
 }

@@ -188,6 +188,17 @@ impl GroupCore {
         Ok(())
     }
 
+    /// An op header and its payload, from borrowed bytes (a tensor's own storage), in one
+    /// write where the socket takes them (the payload counted in the trace as bytes sent).
+    pub fn send_with_header(&mut self, p: usize, h: &Header, payload: &[u8]) -> Result<()> {
+        let body = h.encode();
+        let len = (body.len() as u32).to_le_bytes();
+        let r = self.peer(p)?.send_parts(&[&len, &body, payload]);
+        r.map_err(|f| self.peer_failure(p, f))?;
+        self.cur_sent += payload.len() as u64;
+        Ok(())
+    }
+
     /// Wait until everything queued for group rank `p` is on the wire.
     pub fn flush(&mut self, p: usize) -> Result<()> {
         let timeout = self.timeout;

@@ -16,7 +16,7 @@
 use candle_core::{DType, Shape, Tensor};
 
 use super::core::GroupCore;
-use super::wire::{bytes_to_tensor, HostBuf};
+use super::wire::{bytes_to_tensor, with_wire_bytes, HostBuf};
 use crate::communicator::{chunk_range, CommError, OpKind, Result};
 
 impl GroupCore {
@@ -195,8 +195,7 @@ impl GroupCore {
         self.check_peer(dst)?;
         self.next_p2p(dst, true);
         let h = self.header(x.dtype(), x.dims());
-        self.send_header(dst, &h)?;
-        self.send(dst, HostBuf::from_tensor(x)?.as_bytes().to_vec())
+        with_wire_bytes(x, |bytes| self.send_with_header(dst, &h, bytes))?
     }
 
     pub(crate) fn recv_from(&mut self, src: usize, shape: &Shape, dtype: DType) -> Result<Tensor> {

@@ -9,7 +9,10 @@
 //!
 //! Every op, sync or async, is a job on the group's queue; the sync methods are the async ones
 //! followed by `wait()`. Because the transfer runs on its own thread, compute issued after an
-//! async op really overlaps it. After a failure the group is poisoned: the queue keeps draining
+//! async op really overlaps it. Two ops the caller would gain nothing by handing off run on the
+//! caller's thread instead where the queue is empty (the job and its order unchanged, under the
+//! group's lock): a send, which writes into the socket what it takes and never waits on the
+//! receiver, and a blocking `recv`, whose caller waits for it anyway. After a failure the group is poisoned: the queue keeps draining
 //! but every later op fails at once with [`CommError::Poisoned`] naming the first error.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -95,6 +98,9 @@ impl<T: Send> PendingWork<T> for CpuWork<T> {
 
 /// One process group of the CPU backend.
 pub struct CpuComm {
+    /// The group's state: the communication thread's, lent to the caller for an op it runs
+    /// itself ([`CpuComm::submit`]).
+    core: Arc<Mutex<GroupCore>>,
     rank: usize,
     name: String,
     globals: Vec<usize>,
@@ -145,15 +151,17 @@ impl CpuComm {
             core.poison_flag.clone(),
         );
         let thread_name = format!("comm-{}-r{}", name, globals[rank]);
+        let core = Arc::new(Mutex::new(core));
+        let theirs = core.clone();
         let thread = std::thread::Builder::new()
             .name(thread_name)
             .spawn(move || {
-                let mut core = core;
                 for job in queue {
-                    job(&mut core);
+                    job(&mut theirs.lock().unwrap_or_else(|p| p.into_inner()));
                 }
             })?;
         Ok(Self {
+            core,
             rank,
             name,
             globals,
@@ -163,6 +171,17 @@ impl CpuComm {
             queued: Arc::new(AtomicU64::new(0)),
             thread: Some(thread),
             poison,
+        })
+    }
+
+    /// A receive from `src`, queued or (`inline`) run by the caller ([`CpuComm::submit`]).
+    fn recv_job(&self, src: usize, shape: &Shape, dtype: DType, inline: bool) -> Work {
+        if let Err(e) = check_dtype(OpKind::Recv, &self.name, dtype) {
+            return Work::ready(Err(e));
+        }
+        let shape = shape.clone();
+        self.submit(OpKind::Recv, None, Some(src), inline, move |c| {
+            c.recv_from(src, &shape, dtype)
         })
     }
 
@@ -183,12 +202,17 @@ impl CpuComm {
         }
     }
 
-    /// Queue `run` on the communication thread and hand back its `Work`.
+    /// Queue `run` on the communication thread and hand back its `Work`. With `inline`, where
+    /// nothing is queued, the calling thread runs it itself instead (it would have waited for
+    /// it, or the op never waits on a peer), which saves two hand-offs between threads, each a
+    /// wake-up that on a busy core waits for a time slice; the op still runs after every op
+    /// issued before it, and before every later one, under the group's lock.
     fn submit<T: Send + 'static>(
         &self,
         op: OpKind,
         input: Option<&Tensor>,
         peer: Option<usize>,
+        inline: bool,
         run: impl FnOnce(&mut GroupCore) -> Result<T> + Send + 'static,
     ) -> Work<T> {
         if let Some(cause) = self
@@ -221,7 +245,13 @@ impl CpuComm {
         };
         let start_us = self.tracer.now_us();
         let queued = self.queued.clone();
-        queued.fetch_add(1, Ordering::AcqRel);
+        let here = inline
+            && queued
+                .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok();
+        if !here {
+            queued.fetch_add(1, Ordering::AcqRel);
+        }
         let job: Job = Box::new(move |core: &mut GroupCore| {
             core.begin(op);
             let result = match core.poisoned() {
@@ -250,8 +280,13 @@ impl CpuComm {
             queued.fetch_sub(1, Ordering::AcqRel);
             promise.fulfil(result, end_us);
         });
-        // If the thread is gone the job (and its promise) is dropped: the Work reports it.
-        if let Some(jobs) = &self.jobs {
+        if here {
+            job(&mut self.core.lock().unwrap_or_else(|p| p.into_inner()));
+            // The caller spent the op's time on it: exposed communication, as a wait would be.
+            self.tracer
+                .add_blocked(self.tracer.now_us().saturating_sub(start_us));
+        } else if let Some(jobs) = &self.jobs {
+            // If the thread is gone the job (and its promise) is dropped: the Work reports it.
             let _ = jobs.send(job);
         }
         Work::new(Box::new(CpuWork(slot, self.tracer.clone())))
@@ -280,7 +315,7 @@ impl Communicator for CpuComm {
 
     fn all_reduce_async(&self, x: &Tensor, op: ReduceOp) -> Work {
         let xc = x.clone();
-        self.submit(OpKind::AllReduce, Some(x), None, move |c| {
+        self.submit(OpKind::AllReduce, Some(x), None, false, move |c| {
             c.all_reduce(&xc, op)
         })
     }
@@ -312,65 +347,69 @@ impl Communicator for CpuComm {
     }
     fn reduce_async(&self, x: &Tensor, root: usize, op: ReduceOp) -> Work {
         let xc = x.clone();
-        self.submit(OpKind::Reduce, Some(x), Some(root), move |c| {
+        self.submit(OpKind::Reduce, Some(x), Some(root), false, move |c| {
             c.reduce(&xc, root, op)
         })
     }
     fn broadcast_async(&self, x: &Tensor, root: usize) -> Work {
         let xc = x.clone();
-        self.submit(OpKind::Broadcast, Some(x), Some(root), move |c| {
+        self.submit(OpKind::Broadcast, Some(x), Some(root), false, move |c| {
             c.broadcast(&xc, root)
         })
     }
     fn all_gather_async(&self, x: &Tensor) -> Work {
         let xc = x.clone();
-        self.submit(OpKind::AllGather, Some(x), None, move |c| c.all_gather(&xc))
+        self.submit(OpKind::AllGather, Some(x), None, false, move |c| {
+            c.all_gather(&xc)
+        })
     }
     fn reduce_scatter_async(&self, x: &Tensor, op: ReduceOp) -> Work {
         let xc = x.clone();
-        self.submit(OpKind::ReduceScatter, Some(x), None, move |c| {
+        self.submit(OpKind::ReduceScatter, Some(x), None, false, move |c| {
             c.reduce_scatter(&xc, op)
         })
     }
     fn scatter_async(&self, x: &Tensor, root: usize) -> Work {
         let xc = x.clone();
-        self.submit(OpKind::Scatter, Some(x), Some(root), move |c| {
+        self.submit(OpKind::Scatter, Some(x), Some(root), false, move |c| {
             c.scatter(&xc, root)
         })
     }
     fn gather_async(&self, x: &Tensor, root: usize) -> Work {
         let xc = x.clone();
-        self.submit(OpKind::Gather, Some(x), Some(root), move |c| {
+        self.submit(OpKind::Gather, Some(x), Some(root), false, move |c| {
             c.gather(&xc, root)
         })
     }
     fn all_to_all_async(&self, x: &Tensor, send_splits: &[usize], recv_splits: &[usize]) -> Work {
         let (xc, s, r) = (x.clone(), send_splits.to_vec(), recv_splits.to_vec());
-        self.submit(OpKind::AllToAll, Some(x), None, move |c| {
+        self.submit(OpKind::AllToAll, Some(x), None, false, move |c| {
             c.all_to_all(&xc, &s, &r)
         })
     }
+    /// Run by the caller where nothing is queued ([`CpuComm::submit`]): the job never waits
+    /// on the receiver.
     fn send_async(&self, x: &Tensor, dst: usize) -> Work<()> {
         let xc = x.clone();
-        self.submit(OpKind::Send, Some(x), Some(dst), move |c| {
+        self.submit(OpKind::Send, Some(x), Some(dst), true, move |c| {
             c.send_to(&xc, dst)
         })
     }
-    /// The send job only queues the bytes for the peer's writer thread (an unbounded channel).
+    /// The send job writes into the socket what it takes and queues the rest for the
+    /// connection's writer thread (an unbounded channel); it never waits on the receiver.
     fn sends_complete_locally(&self) -> bool {
         true
     }
     fn recv_async(&self, src: usize, shape: &Shape, dtype: DType) -> Work {
-        if let Err(e) = check_dtype(OpKind::Recv, &self.name, dtype) {
-            return Work::ready(Err(e));
-        }
-        let shape = shape.clone();
-        self.submit(OpKind::Recv, None, Some(src), move |c| {
-            c.recv_from(src, &shape, dtype)
-        })
+        self.recv_job(src, shape, dtype, false)
+    }
+    /// Run by the caller where nothing is queued ([`CpuComm::submit`]): it reads the socket
+    /// itself, so a message already there costs no round trip through the communication thread.
+    fn recv(&self, src: usize, shape: &Shape, dtype: DType) -> Result<Tensor> {
+        self.recv_job(src, shape, dtype, true).wait()
     }
     fn barrier_async(&self) -> Work<()> {
-        self.submit(OpKind::Barrier, None, None, |c| c.barrier())
+        self.submit(OpKind::Barrier, None, None, false, |c| c.barrier())
     }
 }
 
@@ -402,7 +441,7 @@ impl InPlaceRing<'_> {
         let (dtype, shape, op) = (self.x.dtype(), self.x.dims().to_vec(), self.op);
         let work = self
             .comm
-            .submit(OpKind::AllReduce, Some(self.x), None, move |c| {
+            .submit(OpKind::AllReduce, Some(self.x), None, false, move |c| {
                 let raw = raw;
                 // SAFETY: `elems` is borrowed mutably for as long as `run` waits below, and the
                 // job is the only user of the pointer until it fulfils its promise.

@@ -11,7 +11,8 @@
 //! - A group is a full mesh of TCP connections between its members (TCP_NODELAY), created by
 //!   `new_group` on every member in the same order; the connection handshake names the job,
 //!   the group and both ranks ([`conn`]).
-//! - Each group runs its ops on its own communication thread, in issue order ([`group`]); every
+//! - Each group runs its ops on its own communication thread, in issue order (a send, and a
+//!   blocking receive, on the caller's thread where nothing is queued before them, [`group`]); every
 //!   op exchanges a header that all ranks check ([`wire`]), then runs its algorithm: ring
 //!   all-reduce / reduce-scatter / all-gather ([`ring`], whose transfers the communication
 //!   thread drives itself with non-blocking calls, [`pump`]), binomial-tree broadcast and

@@ -41,7 +41,7 @@ use std::collections::VecDeque;
 use std::io::ErrorKind;
 use std::ops::Range;
 
-use super::conn::ReadFailure;
+use super::conn::{send_some, ReadFailure, Stall};
 use super::core::GroupCore;
 use super::wire::{combine_into, combine_slice, AccElem, Scratch};
 use crate::communicator::{ReduceOp, Result};
@@ -226,41 +226,7 @@ fn overlaps(a: &Range<usize>, b: &Range<usize>) -> bool {
     a.start < b.end && b.start < a.end
 }
 
-/// Why a non-blocking call moved nothing.
-enum Stall {
-    /// The socket is full (send) or empty (recv): try again after `poll`.
-    Wait,
-    Failed(ReadFailure),
-}
 use Stall::{Failed, Wait};
-
-#[cfg(target_os = "linux")]
-const NO_SIGNAL: libc::c_int = libc::MSG_NOSIGNAL;
-#[cfg(not(target_os = "linux"))]
-const NO_SIGNAL: libc::c_int = 0;
-
-/// Write what the socket takes now of `buf` (non-empty).
-fn send_some(fd: libc::c_int, buf: &[u8]) -> std::result::Result<usize, Stall> {
-    loop {
-        // SAFETY: `buf` is valid for reads of its length for the duration of the call.
-        let k = unsafe {
-            libc::send(
-                fd,
-                buf.as_ptr().cast(),
-                buf.len(),
-                libc::MSG_DONTWAIT | NO_SIGNAL,
-            )
-        };
-        if k >= 0 {
-            return Ok(k as usize);
-        }
-        match std::io::Error::last_os_error() {
-            e if e.kind() == ErrorKind::Interrupted => continue,
-            e if e.kind() == ErrorKind::WouldBlock => return Err(Wait),
-            e => return Err(Failed(ReadFailure::Closed(e.to_string()))),
-        }
-    }
-}
 
 /// Read what has arrived, up to `buf.len()` (non-empty) bytes.
 fn recv_some(fd: libc::c_int, buf: &mut [u8]) -> std::result::Result<usize, Stall> {

@@ -13,7 +13,7 @@
 //! in an accumulation type ([`AccBuf`]): f32 for f32/bf16/f16 (so half-precision sums are
 //! accumulated in f32 and rounded once), and the exact integer type for u8/u32/i64.
 
-use candle_core::{DType, Device, Storage, Tensor, WithDType};
+use candle_core::{CpuStorage, DType, Device, Storage, Tensor, WithDType};
 use half::{bf16, f16};
 
 use crate::communicator::{CommError, OpKind, ReduceOp, Result};
@@ -324,12 +324,39 @@ fn host_copy<T: WithDType + bytemuck::Pod>(x: &Tensor) -> Result<Vec<T>> {
     Ok(x.flatten_all()?.to_vec1()?)
 }
 
+/// Runs `f` on `x`'s elements as wire bytes: its own storage where it is a contiguous CPU
+/// tensor (no copy), a host copy otherwise.
+pub(crate) fn with_wire_bytes<R>(x: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+    let (storage, layout) = x.storage_and_layout();
+    if let (Storage::Cpu(cpu), Some((start, end))) = (&*storage, layout.contiguous_offsets()) {
+        let size = x.dtype().size_in_bytes();
+        let bytes: Option<&[u8]> = match cpu {
+            CpuStorage::F32(v) => Some(bytemuck::cast_slice(v)),
+            CpuStorage::BF16(v) => Some(bytemuck::cast_slice(v)),
+            CpuStorage::F16(v) => Some(bytemuck::cast_slice(v)),
+            CpuStorage::F64(v) => Some(bytemuck::cast_slice(v)),
+            CpuStorage::U8(v) => Some(v),
+            CpuStorage::U32(v) => Some(bytemuck::cast_slice(v)),
+            CpuStorage::I64(v) => Some(bytemuck::cast_slice(v)),
+            _ => None,
+        };
+        if let Some(bytes) = bytes {
+            return Ok(f(&bytes[start * size..end * size]));
+        }
+    }
+    drop(storage);
+    Ok(f(HostBuf::from_tensor(x)?.as_bytes()))
+}
+
 /// Ask for huge pages under the whole 2 MiB pages of `[addr, addr + bytes)` (not yet written).
 fn advise_huge_pages(addr: usize, bytes: usize) {
     #[cfg(target_os = "linux")]
     if bytes >= HUGE_PAGE_FROM {
         const HUGE: usize = 2 << 20;
-        let (start, end) = ((addr + HUGE - 1) & !(HUGE - 1), (addr + bytes) & !(HUGE - 1));
+        let (start, end) = (
+            (addr + HUGE - 1) & !(HUGE - 1),
+            (addr + bytes) & !(HUGE - 1),
+        );
         if end > start {
             // SAFETY: advice over memory this process owns; it changes no contents and
             // failure (e.g. huge pages turned off) only leaves the default pages.

@@ -23,10 +23,9 @@
 //! Communication is implicit in the actions: a schedule only says "forward micro-batch 3
 //! through chunk 0", and the stage's position decides what to receive and where to send.
 //! Sends are asynchronous: the `Work` is kept and compute goes on (on the CPU backend once the
-//! communication thread has taken the bytes, so the message leaves before the next pass takes
-//! the core); finished sends are reaped after every action and the rest are waited at the end
-//! of the step. A receive is posted when
-//! the action needs its input and waited at once. Schedules are built so that between two ranks
+//! bytes are in the socket or with the communication thread, so the message leaves before the
+//! next pass takes the core); finished sends are reaped after every action and the rest are
+//! waited at the end of the step. A receive is made when the action needs its input, blocking. Schedules are built so that between two ranks
 //! the messages are received in the order they were sent (a test in `schedule.rs` checks it), so
 //! no tags are needed.
 //!

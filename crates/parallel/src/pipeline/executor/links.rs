@@ -109,10 +109,12 @@ pub(super) struct Links<'a> {
 impl Links<'_> {
     /// Sends `x` for micro-batch `key.1`, issued from this rank's chunk `chunk`. Where sends
     /// complete without the receiver ([`Communicator::sends_complete_locally`]: the CPU backend)
-    /// the hand-off to the communication thread is waited, yielding the core, before the next
-    /// pass: that thread shares the rank's core with the passes, and a send left queued behind
-    /// the next pass reached the neighbour up to 4 ms late (half a pass, at every step's start;
-    /// docs/BENCHMARKS.md, "The bubble's overhead"). Elsewhere the `Work` is kept and reaped.
+    /// the send is waited, yielding the core, before the next pass: the CPU backend writes it
+    /// into the socket on this thread when its group has nothing queued, and otherwise queues
+    /// it on the communication thread, which shares the rank's core with the passes; a send
+    /// left queued behind the next pass reached the neighbour up to 4 ms late (half a pass, at
+    /// every step's start; docs/BENCHMARKS.md, "The bubble's overhead"). Elsewhere the `Work`
+    /// is kept and reaped.
     pub(super) fn send(
         &mut self,
         x: Tensor,
@@ -136,7 +138,10 @@ impl Links<'_> {
         Ok(())
     }
 
-    /// Receives the input of micro-batch `key.1` for this rank's chunk `chunk`.
+    /// Receives the input of micro-batch `key.1` for this rank's chunk `chunk`, by the blocking
+    /// `recv` (the CPU backend reads the socket on this thread when its group has nothing
+    /// queued: a message already there costs one read, not a round trip through the
+    /// communication thread).
     pub(super) fn recv(
         &mut self,
         from_rank: usize,
@@ -157,7 +162,7 @@ impl Links<'_> {
         let x = self
             .timeline
             .time(SpanKind::RecvWait, Some(mb), chunk, || {
-                pp.recv_async(from_rank, shape, dtype).wait()
+                pp.recv(from_rank, shape, dtype)
             })?;
         Ok(x)
     }
