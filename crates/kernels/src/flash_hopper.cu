@@ -16,7 +16,7 @@
 //   the other operand's tiles staged by cp.async, double-buffered, shared by the warpgroups
 //
 // W and the blocks per SM the registers are fitted to come from the compile options
-// (HP_{FWD,DQ,DKDV}_{WGS,BLOCKS}: attention_path.rs's HOPPER_* shapes, the one place they
+// (HP_{FWD,DQ,DKDV,BWD}_{WGS,BLOCKS}: attention_path.rs's HOPPER_* shapes, the one place they
 // are chosen); each kernel checks that its launch gave it the shared memory its layout needs.
 //
 // Shared-memory tiles are (rows, HEAD_DIM) bf16 with the 128-byte swizzle wgmma reads: a row
@@ -388,6 +388,54 @@ extern "C" __global__ void __launch_bounds__(128 * HP_DQ_WGS, HP_DQ_BLOCKS)
     hp_store(dq + base, acc, row, T, mul);
 }
 
+// The backward's step on one tile of 64 queries against a warpgroup's 64 keys, keys as rows:
+// Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (shared-memory operands), then Pᵀ = exp2(Sᵀ·qscale − lse2), 0
+// where the query is before the key or past T, and dSᵀ = Pᵀ ∘ (dPᵀ − δ), returned as the bf16
+// A fragments pa (Pᵀ) and sa (dSᵀ) of the products that follow. ka, va: the warpgroup's K and
+// V rows in tiles of `krows` rows; qt, dt: the staged Q and dO tiles; lt, dlt: their lse2 and
+// δ; qb: the tile's first query; key: the thread's first key; t: its lane % 4.
+__device__ __forceinline__ void hp_bwd_p_ds(hp_u32 (*pa)[4], hp_u32 (*sa)[4], hp_u32 ka, hp_u32 va,
+                                            int krows, hp_u32 qt, hp_u32 dt, const float* lt,
+                                            const float* dlt, int qb, int key, int t, int T,
+                                            float qscale) {
+    float s[HP_BWD_N / 2], dp[HP_BWD_N / 2];
+    hp_fence();
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        hp_ss64(s, hp_desc_k(ka, krows, kk), hp_desc_k(qt, HP_BWD_N, kk), kk);
+        hp_ss64(dp, hp_desc_k(va, krows, kk), hp_desc_k(dt, HP_BWD_N, kk), kk);
+    }
+    hp_commit();
+    hp_wait();
+    hp_hold<HP_BWD_N / 2>(s);
+    hp_hold<HP_BWD_N / 2>(dp);
+#pragma unroll
+    for (int i = 0; i < HP_BWD_N / 2; ++i) {
+        const int h = (i >> 1) & 1, c = (i >> 2) * 8 + 2 * t + (i & 1), qq = qb + c;
+        const float p =
+            (qq < key + 8 * h || qq >= T) ? 0.f : wd_exp2(fmaf(s[i], qscale, -lt[c]));
+        s[i] = p;
+        dp[i] = p * (dp[i] - dlt[c]);  // dSᵀ
+    }
+    hp_to_a<HP_BWD_N>(pa, s);
+    hp_to_a<HP_BWD_N>(sa, dp);
+}
+// dV += Pᵀ dO and dK += dSᵀ Q for the fragments hp_bwd_p_ds returned (qt, dt: the same tiles,
+// read MN-major); waits for both, so Pᵀ's and dSᵀ's registers are free after it.
+__device__ __forceinline__ void hp_bwd_dkdv(float* dka, float* dva, const hp_u32 (*pa)[4],
+                                            const hp_u32 (*sa)[4], hp_u32 qt, hp_u32 dt) {
+    hp_fence();
+#pragma unroll
+    for (int kk = 0; kk < HP_BWD_N / 16; ++kk) {
+        hp_rs64(dva, pa[kk], hp_desc_mn(dt, HP_BWD_N, kk), 1);
+        hp_rs64(dka, sa[kk], hp_desc_mn(qt, HP_BWD_N, kk), 1);
+    }
+    hp_commit();
+    hp_wait();
+    hp_hold<HEAD_DIM / 2>(dka);
+    hp_hold<HEAD_DIM / 2>(dva);
+}
+
 #define HP_DKDV_ROWS (64 * HP_DKDV_WGS)
 #define HP_DKDV_SMEM ((2 * HP_DKDV_ROWS + 4 * HP_BWD_N) * HEAD_DIM * 2 + 1024 + 4 * HP_BWD_N * 4)
 // dk = scale · dSᵀ q and dv = Pᵀ dO, as flash_wide_dkdv; 64·HP_DKDV_WGS keys per block (K and
@@ -442,41 +490,11 @@ extern "C" __global__ void __launch_bounds__(128 * HP_DKDV_WGS, HP_DKDV_BLOCKS)
         hp_fence_proxy();
         __syncthreads();
         if (qb + HP_BWD_N - 1 >= kw) {  // some query of the tile at or after the first key
-            float s[HP_BWD_N / 2], dp[HP_BWD_N / 2];
             const hp_u32 qt = wd_saddr(qs + buf * TILE), dt = wd_saddr(dos + buf * TILE);
-            const float* lt = ls + buf * HP_BWD_N;
-            const float* dlt = dls + buf * HP_BWD_N;
-            hp_fence();
-#pragma unroll
-            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-                hp_ss64(s, hp_desc_k(ka, HP_DKDV_ROWS, kk), hp_desc_k(qt, HP_BWD_N, kk), kk);
-                hp_ss64(dp, hp_desc_k(va, HP_DKDV_ROWS, kk), hp_desc_k(dt, HP_BWD_N, kk), kk);
-            }
-            hp_commit();
-            hp_wait();
-            hp_hold<HP_BWD_N / 2>(s);
-            hp_hold<HP_BWD_N / 2>(dp);
-#pragma unroll
-            for (int i = 0; i < HP_BWD_N / 2; ++i) {
-                const int h = (i >> 1) & 1, c = (i >> 2) * 8 + 2 * t + (i & 1), qq = qb + c;
-                const float p =
-                    (qq < key + 8 * h || qq >= T) ? 0.f : wd_exp2(fmaf(s[i], qscale, -lt[c]));
-                s[i] = p;
-                dp[i] = p * (dp[i] - dlt[c]);  // dSᵀ
-            }
             hp_u32 pa[HP_BWD_N / 16][4], sa[HP_BWD_N / 16][4];
-            hp_to_a<HP_BWD_N>(pa, s);
-            hp_to_a<HP_BWD_N>(sa, dp);
-            hp_fence();
-#pragma unroll
-            for (int kk = 0; kk < HP_BWD_N / 16; ++kk) {
-                hp_rs64(dva, pa[kk], hp_desc_mn(dt, HP_BWD_N, kk), 1);
-                hp_rs64(dka, sa[kk], hp_desc_mn(qt, HP_BWD_N, kk), 1);
-            }
-            hp_commit();
-            hp_wait();
-            hp_hold<HEAD_DIM / 2>(dka);
-            hp_hold<HEAD_DIM / 2>(dva);
+            hp_bwd_p_ds(pa, sa, ka, va, HP_DKDV_ROWS, qt, dt, ls + buf * HP_BWD_N,
+                        dls + buf * HP_BWD_N, qb, key, t, T, qscale);
+            hp_bwd_dkdv(dka, dva, pa, sa, qt, dt);
         }
         __syncthreads();
     }
@@ -577,30 +595,9 @@ extern "C" __global__ void __launch_bounds__(128 * HP_BWD_WGS, HP_BWD_BLOCKS)
         hp_wg_sync(wg);
         const hp_u32 qt = wd_saddr(qs + buf * TILE), dt = wd_saddr(dos + buf * TILE);
         {
-            float s[HP_BWD_N / 2], dp[HP_BWD_N / 2];
-            const float* lt = ls + buf * HP_BWD_N;
-            const float* dlt = dls + buf * HP_BWD_N;
-            hp_fence();
-#pragma unroll
-            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-                hp_ss64(s, hp_desc_k(ka, 64, kk), hp_desc_k(qt, HP_BWD_N, kk), kk);
-                hp_ss64(dp, hp_desc_k(va, 64, kk), hp_desc_k(dt, HP_BWD_N, kk), kk);
-            }
-            hp_commit();
-            hp_wait();
-            hp_hold<HP_BWD_N / 2>(s);
-            hp_hold<HP_BWD_N / 2>(dp);
-#pragma unroll
-            for (int i = 0; i < HP_BWD_N / 2; ++i) {
-                const int h = (i >> 1) & 1, c = (i >> 2) * 8 + 2 * t + (i & 1), qq = qb + c;
-                const float p =
-                    (qq < key + 8 * h || qq >= T) ? 0.f : wd_exp2(fmaf(s[i], qscale, -lt[c]));
-                s[i] = p;
-                dp[i] = p * (dp[i] - dlt[c]);  // dSᵀ
-            }
             hp_u32 pa[HP_BWD_N / 16][4], sa[HP_BWD_N / 16][4];
-            hp_to_a<HP_BWD_N>(pa, s);
-            hp_to_a<HP_BWD_N>(sa, dp);
+            hp_bwd_p_ds(pa, sa, ka, va, 64, qt, dt, ls + buf * HP_BWD_N, dls + buf * HP_BWD_N, qb,
+                        key, t, T, qscale);
             // Buffer sb is free once tile x + 2's dQ has read it.
             if (tw == 0)
                 while (*reinterpret_cast<volatile int*>(owner + sb) != x) __nanosleep(20);
@@ -615,16 +612,7 @@ extern "C" __global__ void __launch_bounds__(128 * HP_BWD_WGS, HP_BWD_BLOCKS)
                     const int r = 16 * wi + g + 8 * (j & 1), c = 2 * kk + (j >> 1);
                     *reinterpret_cast<hp_u32*>(dsw + r * 128 + ((c ^ g) << 4) + 4 * t) = sa[kk][j];
                 }
-            hp_fence();
-#pragma unroll
-            for (int kk = 0; kk < HP_BWD_N / 16; ++kk) {
-                hp_rs64(dva, pa[kk], hp_desc_mn(dt, HP_BWD_N, kk), 1);
-                hp_rs64(dka, sa[kk], hp_desc_mn(qt, HP_BWD_N, kk), 1);
-            }
-            hp_commit();
-            hp_wait();  // frees Pᵀ and dSᵀ's registers before dQ's accumulator is needed
-            hp_hold<HEAD_DIM / 2>(dka);
-            hp_hold<HEAD_DIM / 2>(dva);
+            hp_bwd_dkdv(dka, dva, pa, sa, qt, dt);  // Pᵀ's and dSᵀ's registers free before dQ's
         }
         hp_fence_proxy();  // the dSᵀ stores, to the tensor cores (of whichever warpgroup)
         __threadfence_block();
