@@ -304,6 +304,23 @@ extern "C" __global__ void __launch_bounds__(128 * HP_FWD_WGS, HP_FWD_BLOCKS)
     hp_store(o + base, acc, row, T, inv);
 }
 
+// The backward's two products of one tile pair, waited for: s = A0 B0ᵀ and dp = A1 B1ᵀ, every
+// operand a staged tile read K-major (A0, A1 of `arows` rows, B0, B1 of HP_BWD_N): S and dP
+// with queries as rows (flash_hopper_dq), Sᵀ and dPᵀ with keys as rows (hp_bwd_p_ds).
+__device__ __forceinline__ void hp_bwd_s_dp(float* s, float* dp, hp_u32 a0, hp_u32 b0, hp_u32 a1,
+                                            hp_u32 b1, int arows) {
+    hp_fence();
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        hp_ss64(s, hp_desc_k(a0, arows, kk), hp_desc_k(b0, HP_BWD_N, kk), kk);
+        hp_ss64(dp, hp_desc_k(a1, arows, kk), hp_desc_k(b1, HP_BWD_N, kk), kk);
+    }
+    hp_commit();
+    hp_wait();
+    hp_hold<HP_BWD_N / 2>(s);
+    hp_hold<HP_BWD_N / 2>(dp);
+}
+
 // dq = scale · dS k with dS = P ∘ (dO vᵀ − dvec), as flash_wide_dq; 64·HP_DQ_WGS queries per
 // block (Q and dO staged once), key tiles of 64 up to them: S = Q Kᵀ and dP = dO Vᵀ (shared
 // memory operands), then dQ += dS K with dS from registers. Grid (ceil(T / HP_DQ_ROWS), BH),
@@ -356,16 +373,7 @@ extern "C" __global__ void __launch_bounds__(128 * HP_DQ_WGS, HP_DQ_BLOCKS)
         if (kb <= rw + 63) {
             float s[HP_BWD_N / 2], dp[HP_BWD_N / 2];
             const hp_u32 kt = wd_saddr(ks + buf * TILE), vt = wd_saddr(vs + buf * TILE);
-            hp_fence();
-#pragma unroll
-            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-                hp_ss64(s, hp_desc_k(qa, HP_DQ_ROWS, kk), hp_desc_k(kt, HP_BWD_N, kk), kk);
-                hp_ss64(dp, hp_desc_k(da, HP_DQ_ROWS, kk), hp_desc_k(vt, HP_BWD_N, kk), kk);
-            }
-            hp_commit();
-            hp_wait();
-            hp_hold<HP_BWD_N / 2>(s);
-            hp_hold<HP_BWD_N / 2>(dp);
+            hp_bwd_s_dp(s, dp, qa, kt, da, vt, HP_DQ_ROWS);
 #pragma unroll
             for (int i = 0; i < HP_BWD_N / 2; ++i) {
                 const int h = (i >> 1) & 1, key = kb + (i >> 2) * 8 + 2 * t + (i & 1);
@@ -399,16 +407,7 @@ __device__ __forceinline__ void hp_bwd_p_ds(hp_u32 (*pa)[4], hp_u32 (*sa)[4], hp
                                             const float* dlt, int qb, int key, int t, int T,
                                             float qscale) {
     float s[HP_BWD_N / 2], dp[HP_BWD_N / 2];
-    hp_fence();
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-        hp_ss64(s, hp_desc_k(ka, krows, kk), hp_desc_k(qt, HP_BWD_N, kk), kk);
-        hp_ss64(dp, hp_desc_k(va, krows, kk), hp_desc_k(dt, HP_BWD_N, kk), kk);
-    }
-    hp_commit();
-    hp_wait();
-    hp_hold<HP_BWD_N / 2>(s);
-    hp_hold<HP_BWD_N / 2>(dp);
+    hp_bwd_s_dp(s, dp, ka, qt, va, dt, krows);
 #pragma unroll
     for (int i = 0; i < HP_BWD_N / 2; ++i) {
         const int h = (i >> 1) & 1, c = (i >> 2) * 8 + 2 * t + (i & 1), qq = qb + c;
