@@ -12,8 +12,9 @@
 //! async op really overlaps it. Two ops the caller would gain nothing by handing off run on the
 //! caller's thread instead where the queue is empty (the job and its order unchanged, under the
 //! group's lock): a send, which writes into the socket what it takes and never waits on the
-//! receiver, and a blocking `recv`, whose caller waits for it anyway. After a failure the group is poisoned: the queue keeps draining
-//! but every later op fails at once with [`CommError::Poisoned`] naming the first error.
+//! receiver, and a blocking `recv`, whose caller waits for it anyway. After a failure the group
+//! is poisoned: the queue keeps draining but every later op fails at once with
+//! [`CommError::Poisoned`] naming the first error.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;

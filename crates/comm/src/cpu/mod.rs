@@ -12,8 +12,8 @@
 //!   `new_group` on every member in the same order; the connection handshake names the job,
 //!   the group and both ranks ([`conn`]).
 //! - Each group runs its ops on its own communication thread, in issue order (a send, and a
-//!   blocking receive, on the caller's thread where nothing is queued before them, [`group`]); every
-//!   op exchanges a header that all ranks check ([`wire`]), then runs its algorithm: ring
+//!   blocking receive, on the caller's thread where nothing is queued before them, [`group`]);
+//!   every op exchanges a header that all ranks check ([`wire`]), then runs its algorithm: ring
 //!   all-reduce / reduce-scatter / all-gather ([`ring`], whose transfers the communication
 //!   thread drives itself with non-blocking calls, [`pump`]), binomial-tree broadcast and
 //!   reduce ([`tree`]), direct scatter / gather / all-to-all / send / recv ([`direct`]).

@@ -25,9 +25,9 @@
 //! Sends are asynchronous: the `Work` is kept and compute goes on (on the CPU backend once the
 //! bytes are in the socket or with the communication thread, so the message leaves before the
 //! next pass takes the core); finished sends are reaped after every action and the rest are
-//! waited at the end of the step. A receive is made when the action needs its input, blocking. Schedules are built so that between two ranks
-//! the messages are received in the order they were sent (a test in `schedule.rs` checks it), so
-//! no tags are needed.
+//! waited at the end of the step. A receive is made when the action needs its input, blocking.
+//! Schedules are built so that between two ranks the messages are received in the order they
+//! were sent (a test in `schedule.rs` checks it), so no tags are needed.
 //!
 //! The bubble, measured and predicted, counted the same way on this rank:
 //! - **measured** = idle time / step time, where the step runs from the first action to the
