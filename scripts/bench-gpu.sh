@@ -169,6 +169,9 @@ if phases:
     step = sum(row["phase_ms"].values())
     outside = sum(v for k, v in row["phase_ms"].items() if k not in ("forward", "backward"))
     row["outside_fwd_bwd_frac"] = round(outside / step, 4)
+    host = [r["phase_host_ms"] for r in m[skip:] if r.get("phase_host_ms")]
+    if host:
+        row["phase_host_ms"] = {k: round(statistics.median(p[k] for p in host), 2) for k in keys}
 print(json.dumps(row))
 PY
       done

@@ -10,6 +10,17 @@
 //! Without the flag nothing is synchronised beyond what the step itself reads back (the loss,
 //! the gradient norm), so a GPU keeps running ahead of the host; with it, every boundary waits
 //! for the device, which costs a little throughput and makes the figures exact.
+//!
+//! Each phase's wall time splits in two at the moment the host starts to wait for the device:
+//!
+//! ```text
+//!   phase start ──── host: issuing the phase's work (and any read-back inside it) ──── wait ──── end
+//!               '-------------------------------- wall --------------------------------------'
+//! ```
+//!
+//! A phase whose host time is close to its wall time kept the device waiting for the host
+//! (launch-bound) unless a read-back inside it explains the time (the forward reads the loss);
+//! one whose host time is small left the host ahead, as it should be.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -64,11 +75,16 @@ impl PhaseTimes {
         self.0.iter().filter(|(p, _)| !p.is_model()).map(|(_, ms)| ms).sum()
     }
 
-    /// `data 1.2 forward 14.0 ... ms` in step order.
-    pub fn line(&self) -> String {
+    /// `data 1.2 (host 1.1) forward 14.0 (host 3.9) ... (outside forward/backward ...)` in step
+    /// order: each phase's wall time and, from `host`, the host's share of it.
+    pub fn line(&self, host: &PhaseTimes) -> String {
         let mut parts: Vec<String> = StepPhase::ALL
             .iter()
-            .filter_map(|p| self.0.get(p).map(|ms| format!("{} {ms:.1}", name(*p))))
+            .filter_map(|p| {
+                let wall = self.0.get(p)?;
+                let host = host.0.get(p).copied().unwrap_or(0.0);
+                Some(format!("{} {wall:.1} (host {host:.1})", name(*p)))
+            })
             .collect();
         parts.push(format!(
             "(outside forward/backward {:.1} of {:.1} ms)",
@@ -89,11 +105,20 @@ fn name(p: StepPhase) -> &'static str {
     }
 }
 
+/// What [`PhaseTimer`] measured in one step: per phase, the wall time and the host's share of it.
+#[derive(Debug, Clone, Default)]
+pub struct StepPhases {
+    /// Wall time per phase, ending when the device has finished the phase's work (ms).
+    pub wall: PhaseTimes,
+    /// Of each phase's wall time, the host's: from its start until the wait for the device (ms).
+    pub host: PhaseTimes,
+}
+
 /// Times the phases of one step: [`PhaseTimer::lap`] at the end of each phase.
 pub struct PhaseTimer {
     device: Device,
     last: Instant,
-    times: PhaseTimes,
+    times: StepPhases,
 }
 
 impl PhaseTimer {
@@ -103,22 +128,25 @@ impl PhaseTimer {
         Ok(Self {
             device: device.clone(),
             last: Instant::now(),
-            times: PhaseTimes::default(),
+            times: StepPhases::default(),
         })
     }
 
-    /// Ends `phase`: waits for the device and charges the time since the last lap to it.
+    /// Ends `phase`: waits for the device and charges the time since the last lap to it (the
+    /// time until the wait began to its host share).
     pub fn lap(&mut self, phase: StepPhase) -> candle_core::Result<()> {
+        let issued = Instant::now();
         self.device.synchronize()?;
         let now = Instant::now();
-        let ms = now.duration_since(self.last).as_secs_f64() * 1e3;
-        *self.times.0.entry(phase).or_default() += ms;
+        let ms = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64() * 1e3;
+        *self.times.wall.0.entry(phase).or_default() += ms(self.last, now);
+        *self.times.host.0.entry(phase).or_default() += ms(self.last, issued);
         self.last = now;
         Ok(())
     }
 
     /// The step's figures.
-    pub fn finish(self) -> PhaseTimes {
+    pub fn finish(self) -> StepPhases {
         self.times
     }
 }
@@ -138,12 +166,17 @@ mod tests {
         }
         std::thread::sleep(std::time::Duration::from_millis(2));
         t.lap(StepPhase::Optimizer)?;
-        let p = t.finish();
+        let StepPhases { wall: p, host } = t.finish();
+        for (phase, ms) in &host.0 {
+            assert!(*ms <= p.0[phase], "{phase:?}: host {ms} ms > wall {} ms", p.0[phase]);
+        }
+        assert!(host.0[&StepPhase::Forward] >= 6.0, "{:?}", host);
         assert!(p.0[&StepPhase::Forward] >= 6.0, "{:?}", p);
         assert!(p.0[&StepPhase::Optimizer] >= 2.0, "{:?}", p);
         assert!((p.total() - p.0.values().sum::<f64>()).abs() < 1e-12);
         assert!((p.outside_model() - (p.total() - p.0[&StepPhase::Forward] - p.0[&StepPhase::Backward])).abs() < 1e-9);
-        assert!(p.line().starts_with("data "), "{}", p.line());
+        let line = p.line(&host);
+        assert!(line.starts_with("data ") && line.contains("(host "), "{line}");
         Ok(())
     }
 }

@@ -57,6 +57,9 @@ pub struct StepMetrics {
     /// Milliseconds per phase of the step, under `profile_phases` (see [`crate::phases`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub phase_ms: Option<PhaseTimes>,
+    /// Of each phase's milliseconds, the host's own: until it waited for the device.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub phase_host_ms: Option<PhaseTimes>,
 }
 
 /// The bar's layout: position, elapsed time and the estimated time left.
@@ -202,6 +205,7 @@ mod tests {
             val_loss: None,
             parallel: None,
             phase_ms: None,
+            phase_host_ms: None,
         };
         assert_eq!(
             step_line(&m, 200),

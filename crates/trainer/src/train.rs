@@ -45,7 +45,7 @@ use crate::fsio::JsonLines;
 use crate::memory::{
     AnalyticMemory, BackwardPath, CpuProbe, MemoryProbe, MemoryTracker, ModelStateLayout, Phase,
 };
-use crate::phases::{PhaseTimer, PhaseTimes, StepPhase};
+use crate::phases::{PhaseTimer, StepPhase, StepPhases};
 use crate::progress::{self, Progress};
 use crate::trainable::{MicroStep, TrainableModel};
 
@@ -388,7 +388,8 @@ pub fn train_loop(
             train_eval_loss: evals.map(|e| e.0),
             val_loss: evals.map(|e| e.1),
             parallel: model.step_report(),
-            phase_ms: done.phase_ms,
+            phase_ms: done.phases.as_ref().map(|p| p.wall.clone()),
+            phase_host_ms: done.phases.map(|p| p.host),
         };
         bar.step_done(step, done.loss);
         let log_now = cfg.log_every > 0 && (step % cfg.log_every == 0 || last);
@@ -431,7 +432,7 @@ struct StepDone {
     /// Wall time of the step, seconds.
     secs: f64,
     /// Time per phase, with `profile_phases`.
-    phase_ms: Option<PhaseTimes>,
+    phases: Option<StepPhases>,
 }
 
 /// The dropout of micro-step `index` of `step` (None without dropout). Its key is the seed with
@@ -509,7 +510,7 @@ fn train_step(
         loss,
         grad_norm,
         secs: t0.elapsed().as_secs_f64(),
-        phase_ms: timer.map(PhaseTimer::finish),
+        phases: timer.map(PhaseTimer::finish),
     })
 }
 

@@ -91,8 +91,8 @@ impl<'c> StepLogs<'c> {
             if let (true, Some(line)) = (lead, model.step_line()) {
                 bar.log(|| tracing::info!(rank, step, "{line}"));
             }
-            if let (true, Some(p)) = (lead, &m.phase_ms) {
-                bar.log(|| tracing::info!(rank, step, "phases (ms): {}", p.line()));
+            if let (true, Some(p), Some(host)) = (lead, &m.phase_ms, &m.phase_host_ms) {
+                bar.log(|| tracing::info!(rank, step, "phases (ms): {}", p.line(host)));
             }
         }
         if let Some(report) = &m.parallel {
