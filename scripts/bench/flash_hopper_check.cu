@@ -27,6 +27,14 @@
 #endif
 typedef unsigned short elem;
 #define NEG_INF (-__int_as_float(0x7f800000))
+// kernels.cu's row layout (not included here), heads stored apart below.
+struct HeadRows {
+    long batch, head;
+    int row, heads;
+};
+__device__ __forceinline__ long head_row(const HeadRows& l, int bh, long t) {
+    return (long)(bh / l.heads) * l.batch + (long)(bh % l.heads) * l.head + t * l.row;
+}
 #include "../../crates/kernels/src/flash_wide.cu"
 #include "../../crates/kernels/src/flash_hopper.cu"
 
@@ -59,6 +67,7 @@ int main(int argc, char** argv) {
     CK(cudaMemcpy(p, h.data(), n * 2, cudaMemcpyHostToDevice));
   }
   float scale = 1.f / sqrtf(D), qscale = scale * 1.4426950408889634f;
+  const HeadRows ap{(long)T * D, 0, D, 1};
   dim3 gw((T + WD_ROWS - 1) / WD_ROWS, BH), gf((T + HP_FWD_ROWS - 1) / HP_FWD_ROWS, BH), gq((T + HP_DQ_ROWS - 1) / HP_DQ_ROWS, BH), gk((T + HP_DKDV_ROWS - 1) / HP_DKDV_ROWS, BH);
   CK(cudaFuncSetAttribute(flash_hopper_fwd, cudaFuncAttributeMaxDynamicSharedMemorySize, HP_FWD_SMEM));
   CK(cudaFuncSetAttribute(flash_hopper_dq, cudaFuncAttributeMaxDynamicSharedMemorySize, HP_DQ_SMEM));
@@ -67,11 +76,11 @@ int main(int argc, char** argv) {
   dim3 gb((T + HP_BWD_ROWS - 1) / HP_BWD_ROWS, BH), gc((unsigned)((n / 4 + 255) / 256));
   auto fused = [&] {
     cudaMemsetAsync(dqacc, 0, n * 4);
-    flash_hopper_bwd<<<gb, 128 * HP_BWD_WGS, HP_BWD_SMEM>>>(q, k, v, dout, l1, dvec, dqacc, dk2, dv2, T, qscale, scale);
-    flash_hopper_dq_out<<<gc, 256>>>(dqacc, dq2, (long)n);
+    flash_hopper_bwd<<<gb, 128 * HP_BWD_WGS, HP_BWD_SMEM>>>(q, k, v, dout, l1, dvec, dqacc, dk2, dv2, T, qscale, scale, ap, ap);
+    flash_hopper_dq_out<<<gc, 256>>>(dqacc, dq2, (long)n, T, ap);
   };
   flash_wide_fwd<<<gw, 128>>>(q, k, v, o1, l1, T, qscale);
-  flash_hopper_fwd<<<gf, 128 * HP_FWD_WGS, HP_FWD_SMEM>>>(q, k, v, o2, l2, T, qscale);
+  flash_hopper_fwd<<<gf, 128 * HP_FWD_WGS, HP_FWD_SMEM>>>(q, k, v, o2, l2, T, qscale, ap, ap);
   CK(cudaDeviceSynchronize());
   std::vector<unsigned short> a(n), b(n);
   CK(cudaMemcpy(a.data(), o1, n * 2, cudaMemcpyDeviceToHost)); CK(cudaMemcpy(b.data(), o2, n * 2, cudaMemcpyDeviceToHost));
@@ -87,8 +96,8 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(dvec, dv_.data(), BH * T * 4, cudaMemcpyHostToDevice));
   flash_wide_dq<<<gw, 128>>>(q, k, v, dout, l1, dvec, dq1, T, qscale, scale);
   flash_wide_dkdv<<<gw, 128>>>(q, k, v, dout, l1, dvec, dk1, dv1, T, qscale, scale);
-  flash_hopper_dq<<<gq, 128 * HP_DQ_WGS, HP_DQ_SMEM>>>(q, k, v, dout, l1, dvec, dq2, T, qscale, scale);
-  flash_hopper_dkdv<<<gk, 128 * HP_DKDV_WGS, HP_DKDV_SMEM>>>(q, k, v, dout, l1, dvec, dk2, dv2, T, qscale, scale);
+  flash_hopper_dq<<<gq, 128 * HP_DQ_WGS, HP_DQ_SMEM>>>(q, k, v, dout, l1, dvec, dq2, T, qscale, scale, ap, ap);
+  flash_hopper_dkdv<<<gk, 128 * HP_DKDV_WGS, HP_DKDV_SMEM>>>(q, k, v, dout, l1, dvec, dk2, dv2, T, qscale, scale, ap, ap);
   CK(cudaDeviceSynchronize());
   const char* names[] = {"dq", "dk", "dv"};
   elem* ref[] = {dq1, dk1, dv1}; elem* got[] = {dq2, dk2, dv2};
@@ -110,11 +119,11 @@ int main(int argc, char** argv) {
     printf("  %-12s %8.3f ms  %6.1f TFLOP/s\n", name, ms, f / ms / 1e9);
   };
   timeit("wide fwd", flop, [&] { flash_wide_fwd<<<gw, 128>>>(q, k, v, o1, l1, T, qscale); });
-  timeit("hopper fwd", flop, [&] { flash_hopper_fwd<<<gf, 128 * HP_FWD_WGS, HP_FWD_SMEM>>>(q, k, v, o2, l2, T, qscale); });
+  timeit("hopper fwd", flop, [&] { flash_hopper_fwd<<<gf, 128 * HP_FWD_WGS, HP_FWD_SMEM>>>(q, k, v, o2, l2, T, qscale, ap, ap); });
   timeit("wide dq", flop * 1.5, [&] { flash_wide_dq<<<gw, 128>>>(q, k, v, dout, l1, dvec, dq1, T, qscale, scale); });
-  timeit("hopper dq", flop * 1.5, [&] { flash_hopper_dq<<<gq, 128 * HP_DQ_WGS, HP_DQ_SMEM>>>(q, k, v, dout, l1, dvec, dq2, T, qscale, scale); });
+  timeit("hopper dq", flop * 1.5, [&] { flash_hopper_dq<<<gq, 128 * HP_DQ_WGS, HP_DQ_SMEM>>>(q, k, v, dout, l1, dvec, dq2, T, qscale, scale, ap, ap); });
   timeit("wide dkdv", flop * 2, [&] { flash_wide_dkdv<<<gw, 128>>>(q, k, v, dout, l1, dvec, dk1, dv1, T, qscale, scale); });
-  timeit("hopper dkdv", flop * 2, [&] { flash_hopper_dkdv<<<gk, 128 * HP_DKDV_WGS, HP_DKDV_SMEM>>>(q, k, v, dout, l1, dvec, dk2, dv2, T, qscale, scale); });
+  timeit("hopper dkdv", flop * 2, [&] { flash_hopper_dkdv<<<gk, 128 * HP_DKDV_WGS, HP_DKDV_SMEM>>>(q, k, v, dout, l1, dvec, dk2, dv2, T, qscale, scale, ap, ap); });
   timeit("hopper bwd", flop * 2.5, fused);
   return 0;
 }

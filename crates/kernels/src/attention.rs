@@ -233,6 +233,79 @@ pub fn backward(
     Tensor::stack(&[dq, dk, dv], 0)?.to_dtype(qkv.dtype()) // (3, B, H, T, D)
 }
 
+/// What [`forward_tokens`] keeps for [`backward_tokens`]: c_attn's output as the kernels read
+/// it, and lse2.
+pub struct TokensSaved {
+    /// (B, T, 3·H·D) where the kernels read the tokens' layout in place, else the heads split
+    /// apart (3, B, H, T, D).
+    qkv: Tensor,
+    /// (B·H, T) or (B, H, T) f32.
+    lse2: Tensor,
+}
+
+impl TokensSaved {
+    /// Whether qkv is kept as c_attn wrote it (the kernels read the tokens' layout).
+    pub fn in_place(&self) -> bool {
+        self.qkv.rank() == 3
+    }
+}
+
+/// Causal attention straight from c_attn's output `qkv` (B, T, 3·H·D), per token q | k | v of
+/// `h` heads, recording no graph: the output (B, T, H·D), c_proj's input, and what
+/// [`backward_tokens`] takes. Where the Hopper kernels apply (bf16, D = 64, compute capability
+/// 9.0, no dropout) they read q, k, v where c_attn wrote them and write the output where c_proj
+/// reads it, so neither [`split_heads`](crate::split_heads) nor
+/// [`merge_heads`](crate::merge_heads) runs, forward or backward:
+///
+/// ```text
+///   Hopper:     qkv (B, T, 3HD) ─ flash_hopper_fwd (rows of 3HD) ─> y (B, T, HD)
+///   elsewhere:  qkv ─ split_heads ─> (3, B, H, T, D) ─ forward ─> (B, H, T, D) ─ merge_heads ─> y
+/// ```
+///
+/// The same kernels do the same arithmetic either way: only the addresses differ.
+pub fn forward_tokens(
+    qkv: &Tensor,
+    h: usize,
+    scale: f64,
+    dropout: Option<&Mask>,
+) -> Result<(Tensor, TokensSaved)> {
+    let dropout = dropout.filter(|m| m.p > 0.0);
+    #[cfg(feature = "cuda")]
+    if imp::takes_tokens(qkv, h, TcKernels::from_env(), dropout.is_some())? {
+        let (y, lse2) = imp::forward_tokens(qkv, h, scale)?;
+        let qkv = qkv.clone();
+        return Ok((y, TokensSaved { qkv, lse2 }));
+    }
+    let qkv = crate::split_heads(qkv, 3, h)?; // (3, B, H, T, D)
+    let (y, lse2) = forward(&qkv, scale, dropout)?; // (B, H, T, D)
+    let y = crate::merge_heads(&y.unsqueeze(0)?)?; // (B, T, H·D)
+    Ok((y, TokensSaved { qkv, lse2 }))
+}
+
+/// The gradient (B, T, 3·H·D) of [`forward_tokens`] from what it kept, its output `y` and the
+/// output's gradient `dy` (both (B, T, H·D)), with the same `h`, `scale` and `dropout`: in the
+/// tokens' layout from the Hopper kernels, else through [`backward`] on the heads split apart.
+pub fn backward_tokens(
+    saved: TokensSaved,
+    y: &Tensor,
+    dy: &Tensor,
+    h: usize,
+    scale: f64,
+    dropout: Option<&Mask>,
+) -> Result<Tensor> {
+    let TokensSaved { qkv, lse2 } = saved;
+    let dy = dy.contiguous()?;
+    if qkv.rank() == 3 {
+        #[cfg(feature = "cuda")]
+        return imp::backward_tokens(&qkv, &y.contiguous()?, &dy, &lse2, h, scale);
+        #[cfg(not(feature = "cuda"))]
+        return Err(msg("the tokens' attention backward runs on CUDA only".into()));
+    }
+    let apart = |t: &Tensor| crate::split_heads(t, 1, h)?.squeeze(0); // (B, H, T, D)
+    let dqkv = backward(&qkv, &apart(y)?, &apart(&dy)?, &lse2, scale, dropout)?; // (3, B, H, T, D)
+    crate::merge_heads(&dqkv) // (B, T, 3·H·D)
+}
+
 /// ln Σ exp over the last dimension of s (..., T), the row maximum taken out first.
 fn logsumexp(s: &Tensor) -> Result<Tensor> {
     let max = s.max_keepdim(D::Minus1)?; // (..., 1)
@@ -549,6 +622,58 @@ mod tests {
         for i in 0..3 {
             let e = rel_err(&g.get(i).unwrap(), &g_ref.get(i).unwrap());
             assert!(e < 1e-2, "gradient part {i} rel err {e}");
+        }
+    }
+
+    /// The tokens' layout (c_attn's output read in place, the output and dqkv written where
+    /// c_proj and c_attn's backward take them) against the same kernels on the heads split
+    /// apart: bit for bit where the backward runs in two passes (T = 60, 517, 1000: the same
+    /// arithmetic at other addresses); from T = 2048 on (one pass, dq added atomically) dk
+    /// and dv bit for bit and dq against plain attention in f32 at the tolerance of the
+    /// other checks. B = 2, H = 3, so rows of several heads and batches interleave.
+    #[test]
+    fn tokens_layout_matches_heads_apart_bf16_d64() {
+        let Some(dev) = cuda() else {
+            return;
+        };
+        let (b, h, d) = (2, 3, 64);
+        for t in [60, 517, 1000, 2100] {
+            let r = |s: (usize, usize, usize)| {
+                Tensor::randn(0f32, 1f32, s, &dev).unwrap().to_dtype(DType::BF16).unwrap()
+            };
+            let (qkv, dy) = (r((b, t, 3 * h * d)), r((b, t, h * d)));
+            let scale = 1.0 / (d as f64).sqrt();
+            let (y, saved) = forward_tokens(&qkv, h, scale, None).unwrap();
+            if !saved.in_place() {
+                return; // not a Hopper device: the tokens' path is the split one
+            }
+            let dqkv = backward_tokens(saved, &y, &dy, h, scale, None).unwrap();
+            let apart = crate::split_heads(&qkv, 3, h).unwrap(); // (3, B, H, T, D)
+            let (ya, lse) = forward(&apart, scale, None).unwrap();
+            let dya = crate::split_heads(&dy, 1, h).unwrap().squeeze(0).unwrap();
+            let ga = backward(&apart, &ya, &dya, &lse, scale, None).unwrap();
+            let ya = crate::merge_heads(&ya.unsqueeze(0).unwrap()).unwrap(); // (B, T, HD)
+            let ga = crate::merge_heads(&ga).unwrap(); // (B, T, 3HD)
+            let bits = |x: &Tensor| x.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert!(bits(&y) == bits(&ya), "T = {t}: the outputs differ");
+            let part = |g: &Tensor, i: usize| g.narrow(2, i * h * d, h * d).unwrap();
+            let one_pass = TcKernels::from_env().one_pass(t);
+            for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {
+                if i == 0 && one_pass {
+                    let p = |x: &Tensor| x.get(0).unwrap().to_dtype(DType::F32).unwrap();
+                    let (q, k, v) = (p(&apart), apart.get(1).unwrap(), apart.get(2).unwrap());
+                    let (q, k, v) = (q, k.to_dtype(DType::F32).unwrap(), v.to_dtype(DType::F32).unwrap());
+                    let q = Var::from_tensor(&q).unwrap();
+                    let yr = plain::causal_attention(q.as_tensor(), &k, &v, scale).unwrap();
+                    let dyf = dya.to_dtype(DType::F32).unwrap();
+                    let g = (&yr * dyf).unwrap().sum_all().unwrap().backward().unwrap();
+                    let dq_ref = crate::merge_heads(&g.get(q.as_tensor()).unwrap().unsqueeze(0).unwrap()).unwrap();
+                    let e = rel_err(&part(&dqkv, 0), &dq_ref);
+                    assert!(e < 1e-2, "T = {t}: dq rel err {e} against plain attention");
+                    continue;
+                }
+                assert!(bits(&part(&dqkv, i)) == bits(&part(&ga, i)), "T = {t}: {name} differs");
+            }
         }
     }
 

@@ -15,6 +15,10 @@
 //   └────────────────────┘
 //   the other operand's tiles staged by cp.async, double-buffered, shared by the warpgroups
 //
+// Every kernel reads q, k, v and writes dq, dk, dv laid out by its `lin` (HeadRows, kernels.cu)
+// and o, dO by `lout`: heads stored apart, or the rows of the linears' outputs read in place
+// (attention.rs's token layout); lse2, δ and dq's f32 accumulator are (BH, T) and (BH, T, D).
+//
 // W and the blocks per SM the registers are fitted to come from the compile options
 // (HP_{FWD,DQ,DKDV,BWD}_{WGS,BLOCKS}: attention_path.rs's HOPPER_* shapes, the one place they
 // are chosen); each kernel checks that its launch gave it the shared memory its layout needs.
@@ -71,18 +75,22 @@ __device__ __forceinline__ void hp_cp16(hp_u32 dst, const void* src, bool ok) {
                  "r"(ok ? 16 : 0));
 }
 
-// Rows r0 .. r0+R of a (T, D) matrix into a swizzled tile at `dst` by THREADS threads (this
-// one is number `tid` of them); rows past T are 0.
+// Rows r0 .. r0+R of a (T, D) matrix whose rows are `ld` elements apart into a swizzled tile
+// at `dst` by THREADS threads (this one is number `tid` of them); rows past T are 0.
 template <int R, int THREADS>
-__device__ __forceinline__ void hp_stage(char* dst, const elem* src, int r0, int T, int tid) {
+__device__ __forceinline__ void hp_stage(char* dst, const elem* src, int ld, int r0, int T,
+                                         int tid) {
     constexpr int chunks = HEAD_DIM / 8;  // 16 bytes each, per row
     const hp_u32 d0 = wd_saddr(dst);
+    static_assert(THREADS % chunks == 0, "a thread copies the same chunk of every row it takes");
+    const int c = tid % chunks, r1 = tid / chunks;
+    const elem* from = src + (long)(r0 + r1) * ld + c * 8;
+    const long step = (long)(THREADS / chunks) * ld;
 #pragma unroll
-    for (int i = tid; i < R * chunks; i += THREADS) {
-        const int r = i / chunks, c = i % chunks;
+    for (int r = r1; r < R; r += THREADS / chunks, from += step) {
         const bool ok = r0 + r < T;
         const hp_u32 d = d0 + (c / 8) * (R * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
-        hp_cp16(d, ok ? src + (long)(r0 + r) * HEAD_DIM + c * 8 : src, ok);
+        hp_cp16(d, ok ? from : src, ok);
     }
 }
 
@@ -130,16 +138,17 @@ __device__ __forceinline__ void hp_to_a(hp_u32 (*a)[4], const float* c) {
         for (int j = 0; j < 4; ++j) a[kk][j] = wd_pack(c[8 * kk + 2 * j], c[8 * kk + 2 * j + 1]);
 }
 
-// Rows of a warpgroup's 64 x D accumulator times mul[h] into a (T, D) matrix; `row` is the
-// thread's first row (its second is row + 8); rows past T are not written.
-__device__ __forceinline__ void hp_store(elem* dst, const float* acc, int row, int T,
+// Rows of a warpgroup's 64 x D accumulator times mul[h] into a (T, D) matrix whose rows are
+// `ld` elements apart; `row` is the thread's first row (its second is row + 8); rows past T
+// are not written.
+__device__ __forceinline__ void hp_store(elem* dst, int ld, const float* acc, int row, int T,
                                          const float* mul) {
     const int t = threadIdx.x & 3;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = row + 8 * h;
         if (r >= T) continue;
-        hp_u32* out = reinterpret_cast<hp_u32*>(dst + (long)r * HEAD_DIM);
+        hp_u32* out = reinterpret_cast<hp_u32*>(dst + r * ld);
 #pragma unroll
         for (int j = 0; j < HEAD_DIM / 8; ++j)
             out[j * 4 + t] = wd_pack(acc[4 * j + 2 * h] * mul[h], acc[4 * j + 2 * h + 1] * mul[h]);
@@ -204,7 +213,7 @@ __device__ __forceinline__ void hp_ss(float* d, hp_u64 da, hp_u64 db, int accumu
     else hp_ss128(d, da, db, accumulate);
 }
 // o = softmax(mask(q kᵀ scale)) v and lse2 per row, as flash_wide_fwd; q, k, v, o: (BH, T, D),
-// lse2: (BH, T). Per staged tile of 128 keys each warpgroup computes S (64 x 128) = Q Kᵀ
+// q, k, v laid out by `lin` and o by `lout` (HeadRows, kernels.cu), lse2: (BH, T). Per staged tile of 128 keys each warpgroup computes S (64 x 128) = Q Kᵀ
 // (Q and K from shared memory), the online softmax on S in registers (log2 domain, as in
 // flash_wide_fwd), then O += P V with P from registers. Grid (ceil(T / HP_FWD_ROWS), BH),
 // 128·HP_FWD_WGS threads, HP_FWD_SMEM bytes of shared memory.
@@ -212,7 +221,7 @@ __device__ __forceinline__ void hp_ss(float* d, hp_u64 da, hp_u64 db, int accumu
 #define HP_FWD_SMEM ((HP_FWD_ROWS + 4 * HP_FWD_N) * HEAD_DIM * 2 + 1024)
 extern "C" __global__ void __launch_bounds__(128 * HP_FWD_WGS, HP_FWD_BLOCKS)
     flash_hopper_fwd(const elem* q, const elem* k, const elem* v, elem* o, float* lse2, int T,
-                     float qscale) {
+                     float qscale, HeadRows lin, HeadRows lout) {
     hp_require_smem(HP_FWD_SMEM);
     char* qs = hp_smem_base();                   // (64·WGS, D)
     char* ks = qs + HP_FWD_ROWS * HEAD_DIM * 2;      // 2 x (128, D)
@@ -220,14 +229,14 @@ extern "C" __global__ void __launch_bounds__(128 * HP_FWD_WGS, HP_FWD_BLOCKS)
     constexpr int TILE = HP_FWD_N * HEAD_DIM * 2;
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wi = (threadIdx.x >> 5) & 3;
     const int g = lane >> 2, t = lane & 3;
-    const long base = (long)blockIdx.y * T * HEAD_DIM;
+    const long bin = head_row(lin, blockIdx.y, 0);
     const int q0 = (gridDim.x - 1 - blockIdx.x) * HP_FWD_ROWS;  // the longest rows start first
     const int rw = q0 + 64 * wg;                             // the warpgroup's first row
     const int row = rw + 16 * wi + g;                        // the thread's rows: row, row + 8
     const int tiles = (min(q0 + HP_FWD_ROWS, T) + HP_FWD_N - 1) / HP_FWD_N;
-    hp_stage<HP_FWD_ROWS, 128 * HP_FWD_WGS>(qs, q + base, q0, T, threadIdx.x);
-    hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(ks, k + base, 0, T, threadIdx.x);
-    hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(vs, v + base, 0, T, threadIdx.x);
+    hp_stage<HP_FWD_ROWS, 128 * HP_FWD_WGS>(qs, q + bin, lin.row, q0, T, threadIdx.x);
+    hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(ks, k + bin, lin.row, 0, T, threadIdx.x);
+    hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(vs, v + bin, lin.row, 0, T, threadIdx.x);
     wd_commit();
     const hp_u32 qa = wd_saddr(qs) + wg * 64 * 128;
     float acc[HEAD_DIM / 2];
@@ -237,8 +246,8 @@ extern "C" __global__ void __launch_bounds__(128 * HP_FWD_WGS, HP_FWD_BLOCKS)
     for (int it = 0; it < tiles; ++it) {
         const int buf = it & 1, kb = it * HP_FWD_N;
         if (it + 1 < tiles) {  // fetch the next tile while this one is used
-            hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(ks + (buf ^ 1) * TILE, k + base, kb + HP_FWD_N, T, threadIdx.x);
-            hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(vs + (buf ^ 1) * TILE, v + base, kb + HP_FWD_N, T, threadIdx.x);
+            hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(ks + (buf ^ 1) * TILE, k + bin, lin.row, kb + HP_FWD_N, T, threadIdx.x);
+            hp_stage<HP_FWD_N, 128 * HP_FWD_WGS>(vs + (buf ^ 1) * TILE, v + bin, lin.row, kb + HP_FWD_N, T, threadIdx.x);
         }
         wd_commit();
         wd_wait<1>();
@@ -301,7 +310,7 @@ extern "C" __global__ void __launch_bounds__(128 * HP_FWD_WGS, HP_FWD_BLOCKS)
         const int r = row + 8 * h;
         if (t == 0 && r < T) lse2[(long)blockIdx.y * T + r] = mrow[h] + log2f(lrow[h]);
     }
-    hp_store(o + base, acc, row, T, inv);
+    hp_store(o + head_row(lout, blockIdx.y, 0), lout.row, acc, row, T, inv);
 }
 
 // The backward's two products of one tile pair, waited for: s = A0 B0ᵀ and dp = A1 B1ᵀ, every
@@ -330,7 +339,7 @@ __device__ __forceinline__ void hp_bwd_s_dp(float* s, float* dp, hp_u32 a0, hp_u
 extern "C" __global__ void __launch_bounds__(128 * HP_DQ_WGS, HP_DQ_BLOCKS)
     flash_hopper_dq(const elem* q, const elem* k, const elem* v, const elem* dout,
                     const float* lse2, const float* dvec, elem* dq, int T, float qscale,
-                    float scale) {
+                    float scale, HeadRows lin, HeadRows lout) {
     hp_require_smem(HP_DQ_SMEM);
     char* qs = hp_smem_base();                    // (64·WGS, D)
     char* dos = qs + HP_DQ_ROWS * HEAD_DIM * 2;      // (64·WGS, D)
@@ -339,15 +348,15 @@ extern "C" __global__ void __launch_bounds__(128 * HP_DQ_WGS, HP_DQ_BLOCKS)
     constexpr int TILE = HP_BWD_N * HEAD_DIM * 2;
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wi = (threadIdx.x >> 5) & 3;
     const int g = lane >> 2, t = lane & 3;
-    const long base = (long)blockIdx.y * T * HEAD_DIM;
+    const long bin = head_row(lin, blockIdx.y, 0), bout = head_row(lout, blockIdx.y, 0);
     const int q0 = (gridDim.x - 1 - blockIdx.x) * HP_DQ_ROWS;
     const int rw = q0 + 64 * wg;
     const int row = rw + 16 * wi + g;
     const int tiles = (min(q0 + HP_DQ_ROWS, T) + HP_BWD_N - 1) / HP_BWD_N;
-    hp_stage<HP_DQ_ROWS, 128 * HP_DQ_WGS>(qs, q + base, q0, T, threadIdx.x);
-    hp_stage<HP_DQ_ROWS, 128 * HP_DQ_WGS>(dos, dout + base, q0, T, threadIdx.x);
-    hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(ks, k + base, 0, T, threadIdx.x);
-    hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(vs, v + base, 0, T, threadIdx.x);
+    hp_stage<HP_DQ_ROWS, 128 * HP_DQ_WGS>(qs, q + bin, lin.row, q0, T, threadIdx.x);
+    hp_stage<HP_DQ_ROWS, 128 * HP_DQ_WGS>(dos, dout + bout, lout.row, q0, T, threadIdx.x);
+    hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(ks, k + bin, lin.row, 0, T, threadIdx.x);
+    hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(vs, v + bin, lin.row, 0, T, threadIdx.x);
     wd_commit();
     float l2[2], dl[2];
 #pragma unroll
@@ -363,8 +372,8 @@ extern "C" __global__ void __launch_bounds__(128 * HP_DQ_WGS, HP_DQ_BLOCKS)
     for (int it = 0; it < tiles; ++it) {
         const int buf = it & 1, kb = it * HP_BWD_N;
         if (it + 1 < tiles) {
-            hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(ks + (buf ^ 1) * TILE, k + base, kb + HP_BWD_N, T, threadIdx.x);
-            hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(vs + (buf ^ 1) * TILE, v + base, kb + HP_BWD_N, T, threadIdx.x);
+            hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(ks + (buf ^ 1) * TILE, k + bin, lin.row, kb + HP_BWD_N, T, threadIdx.x);
+            hp_stage<HP_BWD_N, 128 * HP_DQ_WGS>(vs + (buf ^ 1) * TILE, v + bin, lin.row, kb + HP_BWD_N, T, threadIdx.x);
         }
         wd_commit();
         wd_wait<1>();
@@ -393,7 +402,7 @@ extern "C" __global__ void __launch_bounds__(128 * HP_DQ_WGS, HP_DQ_BLOCKS)
         __syncthreads();
     }
     const float mul[2] = {scale, scale};
-    hp_store(dq + base, acc, row, T, mul);
+    hp_store(dq + bin, lin.row, acc, row, T, mul);
 }
 
 // The backward's step on one tile of 64 queries against a warpgroup's 64 keys, keys as rows:
@@ -445,7 +454,7 @@ __device__ __forceinline__ void hp_bwd_dkdv(float* dka, float* dva, const hp_u32
 extern "C" __global__ void __launch_bounds__(128 * HP_DKDV_WGS, HP_DKDV_BLOCKS)
     flash_hopper_dkdv(const elem* q, const elem* k, const elem* v, const elem* dout,
                       const float* lse2, const float* dvec, elem* dk, elem* dv, int T,
-                      float qscale, float scale) {
+                      float qscale, float scale, HeadRows lin, HeadRows lout) {
     hp_require_smem(HP_DKDV_SMEM);
     char* ks = hp_smem_base();                    // (64·WGS, D)
     char* vs = ks + HP_DKDV_ROWS * HEAD_DIM * 2;       // (64·WGS, D)
@@ -456,19 +465,19 @@ extern "C" __global__ void __launch_bounds__(128 * HP_DKDV_WGS, HP_DKDV_BLOCKS)
     constexpr int TILE = HP_BWD_N * HEAD_DIM * 2;
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wi = (threadIdx.x >> 5) & 3;
     const int g = lane >> 2, t = lane & 3;
-    const long base = (long)blockIdx.y * T * HEAD_DIM;
+    const long bin = head_row(lin, blockIdx.y, 0), bout = head_row(lout, blockIdx.y, 0);
     const float* lrow = lse2 + (long)blockIdx.y * T;
     const float* drow = dvec + (long)blockIdx.y * T;
     const int k0 = blockIdx.x * HP_DKDV_ROWS;  // block 0 has the most query tiles and starts first
     const int kw = k0 + 64 * wg;          // the warpgroup's first key
     const int key = kw + 16 * wi + g;     // the thread's keys: key, key + 8
     const int qt0 = k0 / HP_BWD_N, tiles = (T + HP_BWD_N - 1) / HP_BWD_N - qt0;
-    hp_stage<HP_DKDV_ROWS, 128 * HP_DKDV_WGS>(ks, k + base, k0, T, threadIdx.x);
-    hp_stage<HP_DKDV_ROWS, 128 * HP_DKDV_WGS>(vs, v + base, k0, T, threadIdx.x);
+    hp_stage<HP_DKDV_ROWS, 128 * HP_DKDV_WGS>(ks, k + bin, lin.row, k0, T, threadIdx.x);
+    hp_stage<HP_DKDV_ROWS, 128 * HP_DKDV_WGS>(vs, v + bin, lin.row, k0, T, threadIdx.x);
     auto stage_q = [&](int j, int b) {
         const int qb = (qt0 + j) * HP_BWD_N;
-        hp_stage<HP_BWD_N, 128 * HP_DKDV_WGS>(qs + b * TILE, q + base, qb, T, threadIdx.x);
-        hp_stage<HP_BWD_N, 128 * HP_DKDV_WGS>(dos + b * TILE, dout + base, qb, T, threadIdx.x);
+        hp_stage<HP_BWD_N, 128 * HP_DKDV_WGS>(qs + b * TILE, q + bin, lin.row, qb, T, threadIdx.x);
+        hp_stage<HP_BWD_N, 128 * HP_DKDV_WGS>(dos + b * TILE, dout + bout, lout.row, qb, T, threadIdx.x);
         if (threadIdx.x < HP_BWD_N) {
             const int r = qb + threadIdx.x;
             wd_cp4(ls + b * HP_BWD_N + threadIdx.x, lrow + (r < T ? r : 0), r < T);
@@ -498,8 +507,8 @@ extern "C" __global__ void __launch_bounds__(128 * HP_DKDV_WGS, HP_DKDV_BLOCKS)
         __syncthreads();
     }
     const float one[2] = {1.f, 1.f}, mul[2] = {scale, scale};
-    hp_store(dk + base, dka, key, T, mul);
-    hp_store(dv + base, dva, key, T, one);
+    hp_store(dk + bin, lin.row, dka, key, T, mul);
+    hp_store(dv + bin, lin.row, dva, key, T, one);
 }
 
 // The backward in one pass: dk = scale · dSᵀ q and dv = Pᵀ dO as flash_hopper_dkdv, and dq =
@@ -534,7 +543,7 @@ __device__ __forceinline__ void hp_wg_sync(int wg) {
 extern "C" __global__ void __launch_bounds__(128 * HP_BWD_WGS, HP_BWD_BLOCKS)
     flash_hopper_bwd(const elem* q, const elem* k, const elem* v, const elem* dout,
                      const float* lse2, const float* dvec, float* dqacc, elem* dk, elem* dv,
-                     int T, float qscale, float scale) {
+                     int T, float qscale, float scale, HeadRows lin, HeadRows lout) {
     hp_require_smem(HP_BWD_SMEM);
     constexpr int TILE = 64 * HEAD_DIM * 2;
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, wi = (threadIdx.x >> 5) & 3;
@@ -551,7 +560,8 @@ extern "C" __global__ void __launch_bounds__(128 * HP_BWD_WGS, HP_BWD_BLOCKS)
     char* zero = region0 + HP_BWD_WGS * HP_BWD_WG_BYTES;                       // (64, 64) zeros
     int* count = reinterpret_cast<int*>(zero + TILE);  // per buffer: dSᵀ stored
     int* owner = count + 2;    // per buffer: the tile whose dSᵀ it may take next
-    const long base = (long)blockIdx.y * T * HEAD_DIM;
+    const long bin = head_row(lin, blockIdx.y, 0), bout = head_row(lout, blockIdx.y, 0);
+    const long abase = (long)blockIdx.y * T * HEAD_DIM;  // dqacc is (BH, T, D)
     const float* lrow = lse2 + (long)blockIdx.y * T;
     const float* drow = dvec + (long)blockIdx.y * T;
     const int k0 = blockIdx.x * HP_BWD_ROWS;  // block 0 has the most query tiles and starts first
@@ -567,12 +577,12 @@ extern "C" __global__ void __launch_bounds__(128 * HP_BWD_WGS, HP_BWD_BLOCKS)
     __syncthreads();
     const int first = qt0 + wg;  // the warpgroup's own (diagonal) tile, its last
     if (first >= nt) return;     // keys past T: no tile, and no barrier waits for this warpgroup
-    hp_stage<64, 128>(ks, k + base, kw, T, tw);
-    hp_stage<64, 128>(vs, v + base, kw, T, tw);
+    hp_stage<64, 128>(ks, k + bin, lin.row, kw, T, tw);
+    hp_stage<64, 128>(vs, v + bin, lin.row, kw, T, tw);
     auto stage_q = [&](int x, int b) {
         const int qb = x * HP_BWD_N;
-        hp_stage<HP_BWD_N, 128>(qs + b * TILE, q + base, qb, T, tw);
-        hp_stage<HP_BWD_N, 128>(dos + b * TILE, dout + base, qb, T, tw);
+        hp_stage<HP_BWD_N, 128>(qs + b * TILE, q + bin, lin.row, qb, T, tw);
+        hp_stage<HP_BWD_N, 128>(dos + b * TILE, dout + bout, lout.row, qb, T, tw);
         if (tw < HP_BWD_N) {
             const int r = qb + tw;
             wd_cp4(ls + b * HP_BWD_N + tw, lrow + (r < T ? r : 0), r < T);
@@ -651,22 +661,26 @@ extern "C" __global__ void __launch_bounds__(128 * HP_BWD_WGS, HP_BWD_BLOCKS)
             for (int i = 0; i < HEAD_DIM / 2; i += 2) {
                 const int r = qb + 16 * wi + g + 8 * ((i >> 1) & 1);
                 if (r < T)
-                    hp_red2(dqacc + base + (long)r * HEAD_DIM + 8 * (i >> 2) + 2 * t,
+                    hp_red2(dqacc + abase + (long)r * HEAD_DIM + 8 * (i >> 2) + 2 * t,
                             dqp[i] * scale, dqp[i + 1] * scale);
             }
         }
         hp_wg_sync(wg);  // buf is refilled two tiles on
     }
     const float one[2] = {1.f, 1.f}, mul[2] = {scale, scale};
-    hp_store(dk + base, dka, key, T, mul);
-    hp_store(dv + base, dva, key, T, one);
+    hp_store(dk + bin, lin.row, dka, key, T, mul);
+    hp_store(dv + bin, lin.row, dva, key, T, one);
 }
 
-// dq (bf16) from flash_hopper_bwd's f32 accumulator, four elements a thread; n % 4 == 0.
-extern "C" __global__ void flash_hopper_dq_out(const float* acc, elem* dq, long n) {
+// dq (bf16, laid out by `lin`) from flash_hopper_bwd's f32 accumulator (BH, T, D) of n
+// elements, four a thread; n % 4 == 0.
+extern "C" __global__ void flash_hopper_dq_out(const float* acc, elem* dq, long n, int T,
+                                               HeadRows lin) {
     const long i = ((long)blockIdx.x * blockDim.x + threadIdx.x) * 4;
     if (i >= n) return;
+    const long r = i / HEAD_DIM;  // row r % T of head r / T
     const float4 a = *reinterpret_cast<const float4*>(acc + i);
-    *reinterpret_cast<uint2*>(dq + i) = make_uint2(wd_pack(a.x, a.y), wd_pack(a.z, a.w));
+    *reinterpret_cast<uint2*>(dq + head_row(lin, (int)(r / T), r % T) + i % HEAD_DIM) =
+        make_uint2(wd_pack(a.x, a.y), wd_pack(a.z, a.w));
 }
 #endif

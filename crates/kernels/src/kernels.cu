@@ -192,15 +192,30 @@ extern "C" __global__ void flash_fwd(const elem* q, const elem* k, const elem* v
     }
 }
 
-// dvec = rowsum(dO * O) over rows of (rows, D): 8 neighbouring lanes per row, each summing D/8
-// consecutive elements, so a warp reads 4 whole rows (coalesced); a shuffle adds the 8 parts.
-// Launched with 8 threads per row, in blocks of a multiple of 32.
-extern "C" __global__ void flash_bwd_dot(const elem* o, const elem* dout, float* dvec, long rows) {
+// Where the rows of a (BH, T, D) attention operand lie: row t of head bh starts at element
+// (bh / heads)·batch + (bh % heads)·head + t·row. Heads stored apart, (BH, T, D) contiguous:
+// {T·D, 0, D, 1}. The tokens' layout, a linear's output (B, T, S·H·D) read in place (part s
+// from element s·H·D on, the kernel given that part's first element): {T·S·H·D, D, S·H·D, H}.
+// (T·row < 2³¹: attention.rs checks it.)
+struct HeadRows {
+    long batch, head;
+    int row, heads;
+};
+__device__ __forceinline__ long head_row(const HeadRows& l, int bh, long t) {
+    return (long)(bh / l.heads) * l.batch + (long)(bh % l.heads) * l.head + t * l.row;
+}
+
+// dvec = rowsum(dO * O) over the rows of (BH, T, D) operands laid out by `lo` (both the same
+// way): 8 neighbouring lanes per row, each summing D/8 consecutive elements, so a warp reads
+// 4 whole rows (coalesced); a shuffle adds the 8 parts. Launched with 8 threads per row, in
+// blocks of a multiple of 32; dvec is (BH, T) contiguous.
+extern "C" __global__ void flash_bwd_dot(const elem* o, const elem* dout, float* dvec, long rows,
+                                         int T, HeadRows lo) {
     const long r = ((long)blockIdx.x * blockDim.x + threadIdx.x) >> 3;
     const int part = threadIdx.x & 7;
     float acc = 0.f;
     if (r < rows) {
-        const long at = r * D + part * (D / 8);
+        const long at = head_row(lo, (int)(r / T), r % T) + part * (D / 8);
 #pragma unroll
         for (int i = 0; i < D / 8; ++i) acc += ld(o, at + i) * ld(dout, at + i);
     }

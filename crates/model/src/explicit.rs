@@ -8,8 +8,9 @@
 //! LayerNorm backward that meets it:
 //!
 //! ```text
-//!   block forward (kept: x, h1, qkv, y, ym, x1, h2, f, g, LayerNorm stats, lse)
-//!     x ─ln_1─> h1 ─c_attn─> qkv (N, 3C) ─split─> (3, B, H, T, D) ─flash─> y ─merge─> ym ─c_proj─> a
+//!   block forward (kept: x, h1, qkv, ym, x1, h2, f, g, LayerNorm stats, lse)
+//!     x ─ln_1─> h1 ─c_attn─> qkv (N, 3C) ─flash─> ym (N, C) ─c_proj─> a      (attention on the
+//!                                          tokens' layout: attention::forward_tokens)
 //!     x1 = x + a ─ln_2─> h2 ─c_fc─> f (N, 4C) ─gelu─> g ─c_proj─> m        out = x1 + m
 //!
 //!   block backward, given dout:
@@ -18,7 +19,7 @@
 //!     dh2 = df·W_fc        dW_fc = dfᵀ·h2      db_fc = Σ_rows df
 //!     dx1 = dout + ln_2ᵀ(dh2)                               (the residual, added by ln_2ᵀ)
 //!     dym = dx1·W_p        dW_p  = dx1ᵀ·ym     db_p  = Σ_rows dx1
-//!     dqkv = merge(flash'(split(dym)))                      (3, B, H, T, D) -> (N, 3C)
+//!     dqkv = flash'(qkv, ym, dym)                           (N, 3C)
 //!     dh1 = dqkv·W_a       dW_a  = dqkvᵀ·h1    db_a  = Σ_rows dqkv
 //!     dx  = dx1 + ln_1ᵀ(dh1)                                (the residual, added by ln_1ᵀ)
 //!

@@ -97,9 +97,9 @@ struct BlockTape {
     x: Tensor,
     s1: Stats,
     h1: Tensor,
-    qkv: Tensor,
-    y: Tensor,
-    lse: Tensor,
+    /// c_attn's output and lse2, as attention's backward takes them.
+    att: attention::TokensSaved,
+    /// Attention's output (N, HD), c_proj's input.
     ym: Tensor,
     x1: Tensor,
     s2: Stats,
@@ -160,7 +160,6 @@ pub fn sharded_block_tape(
     let (h1, qkv) = wts.c_attn.forward(&h1, b)?; // (N, 3HD)
     let (n, _) = qkv.dims2()?;
     let qkv = qkv.reshape((b, n / b, 3 * h * d))?; // (B, T, 3HD)
-    let qkv = mtrain_kernels::split_heads(&qkv, 3, h)?; // (3, B, H, T, D)
     let scale = 1.0 / (d as f64).sqrt();
     let draw = dropout_at.map(|o| o.draw);
     let layer = dropout_at.map_or(0, |o| o.layer);
@@ -168,8 +167,9 @@ pub fn sharded_block_tape(
     let probs = attn.probs_mask(draw, layer, t_all)?;
     let first = dropout_at.and_then(|o| o.positions).map_or(0, |f| f(t_all));
     let masks = BlockMasks::new(draw, layer, (first, t_all), c)?;
-    let (y, lse) = attention::forward(&qkv, scale, probs.as_ref())?; // (B, H, T, D)
-    let ym = mtrain_kernels::merge_heads(&y.unsqueeze(0)?)?.reshape((n, h * d))?; // (N, HD)
+    let (ym, att) = attention::forward_tokens(&qkv, h, scale, probs.as_ref())?; // (B, T, HD)
+    drop(qkv); // `att` holds it as the kernels read it
+    let ym = ym.reshape((n, h * d))?; // (N, HD)
     let (ym, x1) = match &masks.attn {
         None => wts.c_proj.forward_residual(&x, &ym, b)?, // (N_r, C) = x + attention
         Some(m) => {
@@ -206,9 +206,7 @@ pub fn sharded_block_tape(
         x,
         s1,
         h1,
-        qkv,
-        y,
-        lse,
+        att,
         ym,
         x1,
         s2,
@@ -276,9 +274,7 @@ impl BlockTape {
             x,
             s1,
             h1,
-            qkv,
-            y,
-            lse,
+            att,
             ym,
             x1,
             s2,
@@ -323,14 +319,13 @@ impl BlockTape {
         };
         let dym = wts.c_proj.backward(&ym, &da, b, grads, None)?; // (N, HD)
         drop(da);
-        drop(ym);
         let (n, hd) = dym.dims2()?;
-        let dy = mtrain_kernels::split_heads(&dym.reshape((b, n / b, hd))?, 1, wts.n_head)?
-            .squeeze(0)?; // (B, H, T, D)
+        let tokens = |t: &Tensor| t.reshape((b, n / b, hd)); // (B, T, HD)
         let scale = 1.0 / (wts.head_dim as f64).sqrt();
-        let dqkv = attention::backward(&qkv, &y, &dy, &lse, scale, probs.as_ref())?; // (3, B, H, T, D)
-        drop((qkv, y, dy, lse));
-        let dqkv = mtrain_kernels::merge_heads(&dqkv)?.reshape((n, 3 * hd))?; // (N, 3HD)
+        let (h, dm) = (wts.n_head, probs.as_ref());
+        let dqkv = attention::backward_tokens(att, &tokens(&ym)?, &tokens(&dym)?, h, scale, dm)?;
+        drop((ym, dym));
+        let dqkv = dqkv.reshape((n, 3 * hd))?; // (N, 3HD)
         let dh1 = wts.c_attn.backward(&h1, &dqkv, b, grads, None)?; // (N, C)
         drop((h1, dqkv));
         let dh1 = across(&wts.enter, &dh1, b, bwd)?; // (N_r, C)

@@ -58,9 +58,9 @@
 //!
 //! ```text
 //!   block   h1, h2 (gathered under sp)                           2 N·C
-//!           qkv (3), y, ym, f (4), g (4), split by tp            13 N·C / tp
+//!           qkv (3), ym, f (4), g (4), split by tp               12 N·C / tp
 //!           x1, out on this rank's rows                          2 N·C (/ tp under sp)
-//!           + 4 LayerNorm statistics per row and lse (B·H/tp·T), f32          (tp = 1: 17 N·C)
+//!           + 4 LayerNorm statistics per row and lse (B·H/tp·T), f32          (tp = 1: 16 N·C)
 //!   head    h, logits (N, V), lse (N)      vocab-parallel: h, e^(z − max) (N, V/tp) f32, Σ, row, mask (N)
 //!   embedding  out                         vocab-parallel: out, the shard's rows and mask (N)
 //! ```
@@ -236,13 +236,13 @@ pub fn block(d: &Dims, path: BackwardPath) -> SegmentCost {
     let (nc, w, tp) = (d.nc(), d.w, d.tp);
     let (input, local) = (d.nc_local() * w, d.nc_local());
     if path.taped() {
-        // h1, h2 whole (gathered under sp), the 13 between the linears split by tp, x1 and the
+        // h1, h2 whole (gathered under sp), the 12 between the linears split by tp, x1 and the
         // output on this rank's rows; the LayerNorm statistics of those rows, lse of its heads.
         let rows = local / d.c;
         let stats = 4.0 * rows * F32 + d.b * (d.h / tp) * d.t * F32;
         return SegmentCost {
             input,
-            kept: (2.0 * nc + 13.0 * nc / tp + 2.0 * local) * w + stats,
+            kept: (2.0 * nc + 12.0 * nc / tp + 2.0 * local) * w + stats,
             // The incoming gradient, its all-gather (sp), then dg (4C/tp wide) beside g, then
             // df beside f.
             transient: (local + sp_only(d, nc) + 4.0 * nc / tp) * w,
@@ -441,10 +441,10 @@ mod tests {
         assert_eq!(embedding(&d, BackwardPath::Autograd).kept / MIB, 0.5);
         // GELU's derivative over (N, 4C): 21 · 1 MiB, on top of 3 · 256 KiB.
         assert_eq!(blk.transient / MIB, 21.0 + 0.75);
-        // Tapes: 17 N·C, the statistics and lse.
+        // Tapes: 16 N·C, the statistics and lse.
         let tape = block(&d, BackwardPath::Tapes);
         assert!(
-            (tape.kept / MIB - 17.0 / 4.0).abs() < 0.04,
+            (tape.kept / MIB - 16.0 / 4.0).abs() < 0.04,
             "{}",
             tape.kept / MIB
         );
