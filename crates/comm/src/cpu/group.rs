@@ -283,9 +283,10 @@ impl CpuComm {
         });
         if here {
             job(&mut self.core.lock().unwrap_or_else(|p| p.into_inner()));
-            // The caller spent the op's time on it: exposed communication, as a wait would be.
-            self.tracer
-                .add_blocked(self.tracer.now_us().saturating_sub(start_us));
+            // The caller spent the op's time on it: exposed communication, as a wait would be,
+            // up to the op's recorded end (so it never exceeds the op's busy time).
+            let finished = slot.finished_us.load(Ordering::Acquire);
+            self.tracer.add_blocked(finished.saturating_sub(start_us));
         } else if let Some(jobs) = &self.jobs {
             // If the thread is gone the job (and its promise) is dropped: the Work reports it.
             let _ = jobs.send(job);
