@@ -214,10 +214,16 @@ __device__ __forceinline__ void adamw_multi(const AdamwSlot* slots, int count, A
     if (start < end) adamw_slot_chunk<G>(t, start, end, s);
 }
 
-extern "C" __global__ void adamw_multi_g32(const AdamwSlot* slots, int count, AdamwStep s) {
+// `scale`, when not null, is one f32 on the device the gradients are also multiplied by (the
+// clip coefficient computed there, sq_sum.cu's clip_coef_f32): s.gscale is then 1, and 1·c = c.
+extern "C" __global__ void adamw_multi_g32(const AdamwSlot* slots, int count, AdamwStep s,
+                                           const float* scale) {
+    if (scale != nullptr) s.gscale *= scale[0];
     adamw_multi<float>(slots, count, s);
 }
 
-extern "C" __global__ void adamw_multi_gbf16(const AdamwSlot* slots, int count, AdamwStep s) {
+extern "C" __global__ void adamw_multi_gbf16(const AdamwSlot* slots, int count, AdamwStep s,
+                                             const float* scale) {
+    if (scale != nullptr) s.gscale *= scale[0];
     adamw_multi<unsigned short>(slots, count, s);
 }

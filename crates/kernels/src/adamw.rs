@@ -118,6 +118,38 @@ pub fn fuses(p: &Tensor, g: &Tensor) -> bool {
         && g.device().same_device(p.device())
 }
 
+/// Factor to multiply every gradient by so the global norm is at most `max_norm`:
+/// `min(1, max_norm / (total_norm + 1e-6))` (as `torch.nn.utils.clip_grad_norm_`); 1 when
+/// `max_norm <= 0` (clipping off).
+pub fn clip_coef(total_norm: f64, max_norm: f64) -> f64 {
+    if max_norm <= 0.0 {
+        return 1.0;
+    }
+    (max_norm / (total_norm + 1e-6)).min(1.0)
+}
+
+/// [`clip_coef`] of `√sq` (`sq` one f64, the squared global norm) as one f32 on `sq`'s device,
+/// the value `clip_coef(sq.sqrt(), max_norm) as f32` bit for bit. On CUDA one launch
+/// (`clip_coef_f32` in sq_sum.cu) and no read-back, so [`step_in_place`] can be queued behind
+/// the norm; on the CPU the host's value as a tensor.
+pub fn clip_coef_on_device(sq: &Tensor, max_norm: f64) -> Result<Tensor> {
+    if sq.dtype() != DType::F64 || sq.elem_count() != 1 {
+        return Err(msg(format!(
+            "clip_coef_on_device: the squared norm must be one f64, got {:?} {:?}",
+            sq.dtype(),
+            sq.dims()
+        )));
+    }
+    match sq.device() {
+        #[cfg(feature = "cuda")]
+        candle_core::Device::Cuda(_) => imp::clip_coef(sq, max_norm),
+        dev => {
+            let norm = sq.flatten_all()?.to_vec1::<f64>()?[0].sqrt();
+            Tensor::new(clip_coef(norm, max_norm) as f32, dev)
+        }
+    }
+}
+
 /// One AdamW step of `p` with gradient `g` (any float dtype, read as f32) and moments `m`, `v`
 /// (None on the first step: zeros); with `copy`, also the new `p` cast to that dtype. The
 /// fused kernel where it applies (it writes a bf16 copy in the same pass), else candle ops
@@ -292,12 +324,30 @@ mod imp {
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{DType, Result, Tensor};
 
-    use super::super::cuda::{device, grid_stride, kernel, slice, storage, tensor};
+    use super::super::cuda::{blocks, device, grid_stride, kernel, slice, storage, tensor};
     use super::{AdamWOut, AdamWStep};
 
     // SAFETY: AdamWStep is #[repr(C)] with ten f32 fields, the layout of `struct AdamwStep` in
     // adamw.cu (40 bytes, 4-byte aligned), passed by value as a kernel parameter.
     unsafe impl DeviceRepr for AdamWStep {}
+
+    /// `clip_coef_f32` (sq_sum.cu) of the one f64 in `sq`, into a fresh one-element f32.
+    pub fn clip_coef(sq: &Tensor, max_norm: f64) -> Result<Tensor> {
+        let dev = device(sq)?;
+        let (st, off) = storage(sq, "clip_coef squared norm")?;
+        let sqs = slice::<f64>(&st)?.slice(off..);
+        // SAFETY: the kernel's one thread writes the one element.
+        let mut coef = unsafe { dev.alloc::<f32>(1)? };
+        let f = kernel(&dev, None, DType::F32, "clip_coef_f32")?;
+        let mut b = f.builder();
+        b.arg(&sqs).arg(&max_norm).arg(&mut coef);
+        // SAFETY: (const double* sq, double max_norm, float* coef) as in sq_sum.cu; `sqs` holds
+        // the one f64 from its offset, `coef` one f32.
+        unsafe { b.launch(blocks((1, 1), 32)) }.w()?;
+        drop(sqs);
+        drop(st);
+        Ok(tensor(&dev, coef, ()))
+    }
 
     /// Launches the entry point for gradient type `G` (f32 or bf16), with or without the copy.
     pub fn update<G: CudaDType + DeviceRepr>(
@@ -437,7 +487,15 @@ pub fn fuses_in_place(items: &[InPlace]) -> bool {
 /// unchanged: they must be the storage of a `Var` (which `Var::set` overwrites the same way) or
 /// state the optimizer owns alone, and none of them may share storage with another tensor of
 /// the launch.
-pub unsafe fn step_in_place(items: &[InPlace], h: &AdamWHyper) -> Result<()> {
+///
+/// With `scale` (a one-element f32 tensor on the parameters' device, e.g. from
+/// [`clip_coef_on_device`]), every gradient is also multiplied by its value, read by the kernel:
+/// the host launches the step without waiting for the number.
+pub unsafe fn step_in_place(
+    items: &[InPlace],
+    h: &AdamWHyper,
+    scale: Option<&Tensor>,
+) -> Result<()> {
     if !fuses_in_place(items) {
         return Err(msg(
             "adamw::step_in_place: the tensors are not all contiguous CUDA f32 parameters and \
@@ -450,16 +508,35 @@ pub unsafe fn step_in_place(items: &[InPlace], h: &AdamWHyper) -> Result<()> {
         .iter()
         .map(|it| (1.0 - h.lr * it.weight_decay) as f32)
         .collect::<Vec<_>>();
-    launch_in_place(items, &decays, s)
+    if let Some(c) = scale {
+        let ok = c.dtype() == DType::F32
+            && c.elem_count() == 1
+            && c.device().same_device(items[0].p.device());
+        if !ok {
+            return Err(msg(format!(
+                "adamw::step_in_place: the gradient scale must be one f32 on the parameters' \
+                 device, got {:?} {:?} on {:?}",
+                c.dtype(),
+                c.dims(),
+                c.device()
+            )));
+        }
+    }
+    launch_in_place(items, &decays, s, scale)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn launch_in_place(_: &[InPlace], _: &[f32], _: AdamWStep) -> Result<()> {
+fn launch_in_place(_: &[InPlace], _: &[f32], _: AdamWStep, _: Option<&Tensor>) -> Result<()> {
     Err(msg("the in-place adamw runs on CUDA only".into()))
 }
 
 #[cfg(feature = "cuda")]
-fn launch_in_place(items: &[InPlace], decays: &[f32], s: AdamWStep) -> Result<()> {
+fn launch_in_place(
+    items: &[InPlace],
+    decays: &[f32],
+    s: AdamWStep,
+    scale: Option<&Tensor>,
+) -> Result<()> {
     use candle_core::cuda_backend::cudarc::driver::{DevicePtr, PushKernelArg};
     use candle_core::cuda_backend::WrapErr;
 
@@ -505,6 +582,10 @@ fn launch_in_place(items: &[InPlace], decays: &[f32], s: AdamWStep) -> Result<()
         table.push(decay.to_bits() as u64);
         chunks += n.div_ceil(CHUNK);
     }
+    let scale_at = match scale {
+        Some(c) => addr(c, "adamw gradient scale")?,
+        None => 0,
+    };
     let slots = dev.clone_htod(&table)?;
     let name = match items[0].g.dtype() {
         DType::BF16 => "adamw_multi_gbf16",
@@ -515,9 +596,10 @@ fn launch_in_place(items: &[InPlace], decays: &[f32], s: AdamWStep) -> Result<()
     let f = kernel(&dev, None, items[0].g.dtype(), name)?;
     let count = items.len() as i32;
     let mut b = f.builder();
-    b.arg(&slots).arg(&count).arg(&s);
-    // SAFETY: (const AdamwSlot* slots, int count, AdamwStep s) as in adamw.cu; every slot's
-    // addresses hold n elements of the dtypes fuses_in_place checked; one block per chunk.
+    b.arg(&slots).arg(&count).arg(&s).arg(&scale_at);
+    // SAFETY: (const AdamwSlot* slots, int count, AdamwStep s, const float* scale) as in
+    // adamw.cu; every slot's addresses hold n elements of the dtypes fuses_in_place checked,
+    // `scale_at` is 0 or one f32 (checked above); one block per chunk.
     unsafe { b.launch(blocks((chunks, 1), 256)) }.w()?;
     drop(guards);
     Ok(())
@@ -572,6 +654,46 @@ mod host_tests {
         let bad = Tensor::zeros(7, DType::F32, &dev)?;
         let e = fused(&p, &g, &bad, &p, &h, false).unwrap_err();
         assert!(e.to_string().contains("first moment has shape [7]"), "{e}");
+        Ok(())
+    }
+}
+
+/// `clip_coef_on_device` gives `clip_coef(√sq) as f32` bit for bit (norms under, at and over
+/// the limit, zero, infinity, NaN, clipping off) on the CPU and, where there is one, on CUDA;
+/// what is not one f64 is refused.
+#[cfg(test)]
+mod clip_tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn the_device_coefficient_is_the_host_rule_rounded_once() -> Result<()> {
+        let mut devices = vec![Device::Cpu];
+        devices.extend(crate::testing::cuda());
+        for dev in devices {
+            for sq in [
+                0.0,
+                0.25,
+                1.0,
+                1.0 + 1e-9,
+                2.0,
+                53.7,
+                1e12,
+                f64::INFINITY,
+                f64::NAN,
+            ] {
+                for max in [1.0, 0.5, 0.0, -1.0] {
+                    let got = clip_coef_on_device(&Tensor::new(sq, &dev)?, max)?;
+                    assert_eq!(got.dtype(), DType::F32);
+                    assert!(got.device().same_device(&dev));
+                    let got = got.to_scalar::<f32>()?;
+                    let want = clip_coef(sq.sqrt(), max) as f32;
+                    assert_eq!(got.to_bits(), want.to_bits(), "{dev:?} sq {sq} max {max}");
+                }
+            }
+            let err = clip_coef_on_device(&Tensor::new(1f32, &dev)?, 1.0).unwrap_err();
+            assert!(err.to_string().contains("one f64"), "{err}");
+        }
         Ok(())
     }
 }

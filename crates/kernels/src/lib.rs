@@ -75,6 +75,7 @@ pub mod linear;
 pub mod philox;
 pub mod plain;
 pub mod ptx_cache;
+pub mod readback;
 pub mod reduce;
 
 use candle_core::{DType, Tensor};

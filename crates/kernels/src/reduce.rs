@@ -20,16 +20,19 @@
 //! candle ops each tensor costs a cast to f64, a square and the row sums (about six kernels and
 //! two f64 copies of the tensor); on CUDA one launch for the whole list (`sq_sum.cu`) reads every
 //! tensor once, tensor k in blocks of its own, which write their partial sums, in f64, into one
-//! buffer that is read back once and added on the host in a fixed order:
+//! buffer; a second launch of one block adds the partials in a fixed order into one f64 on the
+//! device ([`sq_sum_f64_all_on_device`]), which a caller reads when it needs the number and not
+//! before (the optimizer's clip coefficient is computed from it on the device too,
+//! [`crate::adamw::clip_coef_on_device`]):
 //!
 //! ```text
 //!   tensor k (n_k elements) ─ blocks o_k .. o_k + B_k of one launch ─> partials[o_k .. o_k + B_k)
-//!   partials (Σ B_k f64) ─ one read-back ─> Σ on the host          (o_k = B_0 + … + B_{k−1})
+//!   partials (Σ B_k f64) ─ one block, fixed order ─> Σ, a scalar on the device (o_k = B_0 + … + B_{k−1})
 //! ```
 //!
 //! B_k depends only on n_k, so the same gradients give the same norm, bit for bit, at every run.
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 
 /// Elements each block sums in the first pass.
 pub const ROW: usize = 1024;
@@ -68,23 +71,42 @@ pub fn sq_sum_f64(t: &Tensor) -> Result<f64> {
 
 /// Σ x² over every element of every tensor in `tensors`, in f64, read back once.
 ///
-/// On CUDA, where every tensor is bf16 or f32 on one device, one `sq_sum_partials` launch for
-/// all of them and one read-back of the partials; otherwise (CPU, other dtypes) each tensor's
+/// On CUDA, where every tensor is bf16 or f32 on one device, [`sq_sum_f64_all_on_device`] and
+/// one read-back of its scalar; otherwise (CPU, other dtypes) each tensor's
 /// [`sq_sum_f64_tensor`] on the device (on the CPU spread over the compute pool,
 /// [`crate::each_tensor`]), the scalars stacked in order and read back together.
 pub fn sq_sum_f64_all<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<f64> {
     let tensors: Vec<&Tensor> = tensors.into_iter().collect();
-    let Some(first) = tensors.first() else {
+    if tensors.is_empty() {
         return Ok(0.0);
-    };
-    let fused = tensors
-        .iter()
-        .all(|t| crate::fused_for(t) && t.device().same_device(first.device()));
-    if fused {
-        return partials::sq_sum(&tensors);
+    }
+    if fused_all(&tensors) {
+        return partials::sq_sum(&tensors)?.to_scalar::<f64>();
     }
     let sums = crate::each_tensor(&tensors, |t| *t, |t| sq_sum_f64_tensor(t))?;
     Ok(Tensor::stack(&sums, 0)?.to_vec1::<f64>()?.into_iter().sum())
+}
+
+/// [`sq_sum_f64_all`] as an f64 scalar (rank 0) on `device`, not read back: on CUDA two
+/// launches and no wait for the device, so work that depends on the norm (the clip
+/// coefficient, the optimizer) is queued behind it. On the CPU the host's value as a tensor.
+pub fn sq_sum_f64_all_on_device<'a>(
+    tensors: impl IntoIterator<Item = &'a Tensor>,
+    device: &Device,
+) -> Result<Tensor> {
+    let tensors: Vec<&Tensor> = tensors.into_iter().collect();
+    if !tensors.is_empty() && fused_all(&tensors) && tensors[0].device().same_device(device) {
+        return partials::sq_sum(&tensors);
+    }
+    Tensor::new(sq_sum_f64_all(tensors)?, device)
+}
+
+/// Whether the one-launch kernel takes `tensors`: every one where the fused kernels run, on
+/// the first one's device.
+fn fused_all(tensors: &[&Tensor]) -> bool {
+    tensors
+        .iter()
+        .all(|t| crate::fused_for(t) && t.device().same_device(tensors[0].device()))
 }
 
 /// The blocks of 256 threads [`sq_sum_f64_all`]'s kernel gives a tensor of `n` elements: one
@@ -97,7 +119,7 @@ pub fn sq_sum_blocks(n: usize) -> usize {
 mod partials {
     use candle_core::{Result, Tensor};
 
-    pub fn sq_sum(_: &[&Tensor]) -> Result<f64> {
+    pub fn sq_sum(_: &[&Tensor]) -> Result<Tensor> {
         Err(crate::msg("sq_sum_partials runs on CUDA only".into()))
     }
 }
@@ -109,14 +131,15 @@ mod partials {
     use candle_core::{DType, Result, Tensor};
 
     use super::sq_sum_blocks;
-    use crate::cuda::{blocks, device, kernel, slice, storage};
+    use crate::cuda::{blocks, device, kernel, slice, storage, tensor};
 
-    /// One `sq_sum_partials` launch over every tensor into one f64 buffer, read back once,
-    /// added in order on the host. The tensors are bf16 or f32 on one CUDA device.
+    /// One `sq_sum_partials` launch over every tensor into one f64 buffer, then one
+    /// `sq_sum_total` launch adding the partials into a scalar on the device, not read back.
+    /// The tensors are bf16 or f32 on one CUDA device.
     ///
     /// The launch reads a table of the tensors' addresses, sizes, first blocks and dtypes (one
     /// small copy to the device), so the host's cost does not grow with a launch per tensor.
-    pub fn sq_sum(tensors: &[&Tensor]) -> Result<f64> {
+    pub fn sq_sum(tensors: &[&Tensor]) -> Result<Tensor> {
         let dev = device(tensors[0])?;
         let stream = dev.cuda_stream();
         let k = tensors.len();
@@ -162,8 +185,16 @@ mod partials {
         // by `held` until the launch is enqueued; out holds one slot per block of the grid.
         unsafe { b.launch(blocks((total, 1), 256)) }.w()?;
         drop(reads);
-        let host = dev.clone_dtoh(&out)?;
-        Ok(host.into_iter().sum())
+        // SAFETY: the one block writes out[0] (sq_sum.cu).
+        let mut sum = unsafe { dev.alloc::<f64>(1)? };
+        let f = kernel(&dev, None, DType::F32, "sq_sum_total")?;
+        let n = total as i64;
+        let mut b = f.builder();
+        b.arg(&out).arg(&n).arg(&mut sum);
+        // SAFETY: (const double* parts, long n, double* out) as in sq_sum.cu: `out` holds the
+        // n partials written above, `sum` one value; one block of 256 threads.
+        unsafe { b.launch(blocks((1, 1), 256)) }.w()?;
+        Ok(tensor(&dev, sum, ()))
     }
 }
 
@@ -236,7 +267,15 @@ mod tests {
                 got.to_bits(),
                 "{dev:?}: not deterministic"
             );
+            let on = sq_sum_f64_all_on_device(&ts, &dev)?;
+            assert!(
+                on.device().same_device(&dev) && on.dims().is_empty(),
+                "{dev:?}"
+            );
+            assert_eq!(on.to_scalar::<f64>()?, want, "{dev:?}: on the device");
             assert_eq!(sq_sum_f64_all(std::iter::empty::<&Tensor>())?, 0.0);
+            let none = sq_sum_f64_all_on_device(std::iter::empty::<&Tensor>(), &dev)?;
+            assert_eq!(none.to_scalar::<f64>()?, 0.0);
         }
         Ok(())
     }

@@ -52,3 +52,29 @@ extern "C" __global__ void sq_sum_partials(const unsigned long long* table, int 
     }
     if (threadIdx.x == 0) out[b] = part[0];
 }
+
+// The partials' total into out[0], in one block: thread t adds parts[t], parts[t + 256], ... in
+// order, then the 256 sums meet in the same fixed tree as above. One input gives the same total
+// at every run, and nothing but this one value ever needs to leave the device.
+extern "C" __global__ void sq_sum_total(const double* parts, long n, double* out) {
+    __shared__ double part[SQ_SUM_THREADS];
+    double acc = 0.0;
+    for (long i = threadIdx.x; i < n; i += blockDim.x) acc += parts[i];
+    part[threadIdx.x] = acc;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[0] = part[0];
+}
+
+// The clip coefficient of a squared global norm, on the device so the optimizer's launch need
+// not wait for the norm to reach the host: adamw.rs's clip_coef term for term in f64 (sqrt and
+// division correctly rounded, fmin passing over a NaN as f64::min does), rounded to f32 once.
+extern "C" __global__ void clip_coef_f32(const double* sq, double max_norm, float* coef) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    double c = 1.0;
+    if (max_norm > 0.0) c = fmin(max_norm / (sqrt(sq[0]) + 1e-6), 1.0);
+    coef[0] = (float)c;
+}

@@ -134,10 +134,11 @@ impl AdamW {
     pub fn step_with_copies(
         &mut self,
         lr: f64,
-        grad_scale: f64,
+        grad_scale: impl Into<GradScale>,
         items: &[OptimItem],
         copies: Option<&[&Param]>,
     ) -> Result<()> {
+        let grad_scale = grad_scale.into();
         if let Some(c) = copies {
             if c.len() != items.len() {
                 candle_core::bail!(
@@ -159,7 +160,7 @@ impl AdamW {
         }
         self.step += 1;
         let (cfg, step) = (self.cfg, self.step);
-        let hyper = |decay: bool| AdamWHyper {
+        let hyper = |decay: bool, grad_scale: f64| AdamWHyper {
             lr,
             beta1: cfg.beta1,
             beta2: cfg.beta2,
@@ -168,9 +169,15 @@ impl AdamW {
             step,
             grad_scale,
         };
-        if self.step_in_place(items, copies, &hyper(false))? {
+        let (host_scale, device_scale) = match &grad_scale {
+            GradScale::By(x) => (*x, None),
+            GradScale::OnDevice(t) => (1.0, Some(t)),
+        };
+        if self.step_in_place(items, copies, &hyper(false, host_scale), device_scale)? {
             return Ok(());
         }
+        // The paths below take the scale as a number: a device one is read back here.
+        let grad_scale = grad_scale.value()?;
         // Each tensor's update is independent of the others: on the CPU they are spread over
         // the compute pool (`mtrain_kernels::each_tensor`), each computed as it would be alone
         // and stored as soon as it is done, so no more than one new tensor per worker is alive
@@ -191,7 +198,7 @@ impl AdamW {
             |&(it, copy)| {
                 let (m, v) = moments_of(it.name);
                 let (p, g) = (it.param.tensor().detach(), it.grad.detach());
-                let (h, dtype) = (hyper(it.decay), copy.map(|c| c.var().dtype()));
+                let (h, dtype) = (hyper(it.decay, grad_scale), copy.map(|c| c.var().dtype()));
                 let out = adamw::step(&p, &g, m.as_ref(), v.as_ref(), &h, dtype)?;
                 it.param.set(&out.p)?;
                 if let Some(c) = copy {
@@ -216,6 +223,7 @@ impl AdamW {
         items: &[OptimItem],
         copies: Option<&[&Param]>,
         h: &AdamWHyper,
+        scale: Option<&Tensor>,
     ) -> Result<bool> {
         let params: Vec<Tensor> = items.iter().map(|it| it.param.tensor()).collect();
         let targets: Option<Vec<Tensor>> = copies.map(|c| c.iter().map(|p| p.tensor()).collect());
@@ -257,7 +265,7 @@ impl AdamW {
         }
         // SAFETY: the parameters and copies are `Var`s (which `Param::set` overwrites the same
         // way), and the moments are this optimizer's alone: `state` and `load_state` copy them.
-        unsafe { adamw::step_in_place(&launch, h)? };
+        unsafe { adamw::step_in_place(&launch, h, scale)? };
         Ok(true)
     }
 
@@ -337,14 +345,33 @@ pub fn lr_at(step: u64, s: &LrSchedule) -> f64 {
     s.min_lr + 0.5 * (1.0 + (std::f64::consts::PI * r).cos()) * (s.lr - s.min_lr)
 }
 
-/// Factor to multiply every gradient by so the global norm is at most `max_norm`:
-/// `min(1, max_norm / (total_norm + 1e-6))` (as `torch.nn.utils.clip_grad_norm_`); 1 when
-/// `max_norm <= 0` (clipping off).
-pub fn clip_coef(total_norm: f64, max_norm: f64) -> f64 {
-    if max_norm <= 0.0 {
-        return 1.0;
+pub use mtrain_kernels::adamw::{clip_coef, clip_coef_on_device};
+
+/// What every gradient is multiplied by inside an AdamW step: the clip coefficient.
+#[derive(Debug, Clone)]
+pub enum GradScale {
+    /// A number the host holds (1: none).
+    By(f64),
+    /// One f32 on the parameters' device that the host has not read
+    /// ([`clip_coef_on_device`]): the one-launch step on CUDA reads it there, so the step is
+    /// queued without waiting for the norm; every other path reads it back first.
+    OnDevice(Tensor),
+}
+
+impl From<f64> for GradScale {
+    fn from(x: f64) -> Self {
+        Self::By(x)
     }
-    (max_norm / (total_norm + 1e-6)).min(1.0)
+}
+
+impl GradScale {
+    /// The factor as a number (a device one read back).
+    pub fn value(&self) -> Result<f64> {
+        match self {
+            Self::By(x) => Ok(*x),
+            Self::OnDevice(t) => Ok(t.flatten_all()?.to_vec1::<f32>()?[0] as f64),
+        }
+    }
 }
 
 /// Σ x² over `tensors`, in f64 (a sharded strategy all-reduces this before taking the root),
@@ -578,7 +605,12 @@ mod tests {
             ([DType::BF16; 4], true),
             ([DType::F32; 4], true),
         ] {
-            let sizes = [(4097usize, true), (33, false), (1, true), (3 * 65536 + 5, true)];
+            let sizes = [
+                (4097usize, true),
+                (33, false),
+                (1, true),
+                (3 * 65536 + 5, true),
+            ];
             let wave = |n: usize, phase: f32| -> Vec<f32> {
                 (0..n).map(|i| (i as f32 * 0.71 + phase).sin()).collect()
             };
@@ -669,6 +701,97 @@ mod tests {
                 );
             }
             assert_eq!(gs.step, 3);
+        }
+        Ok(())
+    }
+
+    /// A clip coefficient handed over as one f32 on the device (`GradScale::OnDevice`, what the
+    /// training loop passes) gives the same parameters, moments and bf16 copies, bit for bit, as
+    /// the same number handed over by the host, on the CPU and (where there is one) on CUDA, with
+    /// the gradients of one dtype (the one in-place launch reads it there) and of two (each
+    /// tensor's own kernel, the number read back first).
+    #[test]
+    fn a_scale_on_the_device_equals_the_same_scale_from_the_host() -> Result<()> {
+        let cuda = if cfg!(feature = "cuda") {
+            Device::new_cuda(0).ok()
+        } else {
+            None
+        };
+        let devices: Vec<Device> = std::iter::once(Device::Cpu).chain(cuda).collect();
+        let sizes = [4097usize, 33, 1, 3 * 65536 + 5];
+        let wave = |n: usize, phase: f32| -> Vec<f32> {
+            (0..n).map(|i| (i as f32 * 0.37 + phase).cos()).collect()
+        };
+        for dev in &devices {
+            for gdtypes in [
+                [DType::BF16; 4],
+                [DType::F32, DType::BF16, DType::F32, DType::BF16],
+            ] {
+                let run = |on_device: bool| -> Result<Vec<Vec<f32>>> {
+                    let params: Vec<Param> = sizes
+                        .iter()
+                        .enumerate()
+                        .map(|(k, n)| {
+                            Param::new(format!("w{k}"), Tensor::from_vec(wave(*n, 0.1), *n, dev)?)
+                        })
+                        .collect::<Result<_>>()?;
+                    let copies: Vec<Param> = sizes
+                        .iter()
+                        .enumerate()
+                        .map(|(k, n)| {
+                            Param::new(format!("c{k}"), Tensor::zeros(*n, DType::BF16, dev)?)
+                        })
+                        .collect::<Result<_>>()?;
+                    let copy_refs: Vec<&Param> = copies.iter().collect();
+                    let names: Vec<String> = (0..sizes.len()).map(|k| format!("w{k}")).collect();
+                    let mut opt = AdamW::new(AdamWConfig::default());
+                    for step in 0..3 {
+                        let grads: Vec<Tensor> = sizes
+                            .iter()
+                            .zip(gdtypes)
+                            .map(|(n, dt)| {
+                                Tensor::from_vec(wave(*n, 2.0 + step as f32), *n, dev)?.to_dtype(dt)
+                            })
+                            .collect::<Result<_>>()?;
+                        let items: Vec<OptimItem> = (0..sizes.len())
+                            .map(|k| OptimItem {
+                                name: &names[k],
+                                param: &params[k],
+                                grad: &grads[k],
+                                decay: k % 2 == 0,
+                            })
+                            .collect();
+                        // An awkward clip coefficient, as the loop's kernel would round it.
+                        let c = clip_coef(7.3 + step as f64, 1.0) as f32;
+                        let scale = match on_device {
+                            true => GradScale::OnDevice(Tensor::new(c, dev)?),
+                            false => GradScale::By(c as f64),
+                        };
+                        opt.step_with_copies(3e-3, scale, &items, Some(&copy_refs))?;
+                    }
+                    let st = opt.state()?;
+                    let mut out = Vec::new();
+                    for (k, name) in names.iter().enumerate() {
+                        for t in [
+                            params[k].tensor(),
+                            copies[k].tensor(),
+                            st.m[name].clone(),
+                            st.v[name].clone(),
+                        ] {
+                            out.push(t.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+                        }
+                    }
+                    Ok(out)
+                };
+                let (host, device) = (run(false)?, run(true)?);
+                for (a, b) in host.iter().zip(&device) {
+                    let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(
+                        same,
+                        "{dev:?} {gdtypes:?}: the device scale changed the step"
+                    );
+                }
+            }
         }
         Ok(())
     }

@@ -27,7 +27,7 @@
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Tensor};
-use mtrain_model::optim::{AdamW, OptimItem};
+use mtrain_model::optim::{AdamW, GradScale, OptimItem};
 use mtrain_model::Param;
 
 /// A precision setting that cannot work, or a master weight that does not match.
@@ -171,7 +171,13 @@ impl MasterWeights {
     /// One AdamW step on the masters of `items` (gradients read as f32 and multiplied by
     /// `grad_scale`, the clip coefficient), then each item's compute parameter set to its
     /// master, cast to the parameter's dtype.
-    pub fn step(&self, opt: &mut AdamW, lr: f64, grad_scale: f64, items: &[OptimItem]) -> Result<()> {
+    pub fn step(
+        &self,
+        opt: &mut AdamW,
+        lr: f64,
+        grad_scale: impl Into<GradScale>,
+        items: &[OptimItem],
+    ) -> Result<()> {
         Self::step_all(&[self], opt, lr, grad_scale, items)
     }
 
@@ -181,7 +187,7 @@ impl MasterWeights {
         holders: &[&MasterWeights],
         opt: &mut AdamW,
         lr: f64,
-        grad_scale: f64,
+        grad_scale: impl Into<GradScale>,
         items: &[OptimItem],
     ) -> Result<()> {
         let find = |name: &str| -> Result<&Param> {

@@ -57,7 +57,7 @@ use std::collections::BTreeSet;
 
 use candle_core::{DType, Shape, Tensor};
 use mtrain_comm::{chunk_range, Comm, CommError, Coords, ReduceOp};
-use mtrain_model::optim::AdamW;
+use mtrain_model::optim::{AdamW, GradScale};
 use mtrain_model::{Engine, GptConfig, Grads, Hooks, MoeStats, Param, StepDraw};
 
 use crate::ddp::DpError;
@@ -304,14 +304,24 @@ impl ParallelModel {
     /// Σ g² of the whole model's reduced gradient, every element counted once; the same on every
     /// rank (an all-reduce over the world).
     pub fn grad_norm_sq(&self) -> Result<f64> {
-        let local = self
-            .replicas
-            .local_norm_sq(&self.grads, &|n, sharded| self.norm_weight(n, sharded))?;
+        Ok(f64_of(&self.grad_norm_sq_on_device()?.flatten_all()?)?[0])
+    }
+
+    /// [`ParallelModel::grad_norm_sq`] as one f64 on the world's device, not read back: on CUDA
+    /// the sum, and the all-reduce over the world, are queued without the host waiting, so the
+    /// clip coefficient and the optimizer step can be queued behind them
+    /// ([`mtrain_model::optim::clip_coef_on_device`], [`ParallelModel::scaled_step`]).
+    pub fn grad_norm_sq_on_device(&self) -> Result<Tensor> {
+        let local = self.replicas.local_norm_sq_on_device(
+            &self.grads,
+            &|n, sharded| self.norm_weight(n, sharded),
+            self.world.device(),
+        )?;
         if self.world.size() == 1 {
             return Ok(local);
         }
-        let t = Tensor::new(&[local], self.world.device())?;
-        Ok(f64_of(&self.world.all_reduce(&t, ReduceOp::Sum)?)?[0])
+        let t = local.reshape(1)?; // (1,)
+        Ok(self.world.all_reduce(&t, ReduceOp::Sum)?.reshape(())?)
     }
 
     /// Clips to `max_grad_norm` (if given), steps `opt` over this rank's parameters or shards and
@@ -333,10 +343,20 @@ impl ParallelModel {
     /// `grad_scale` inside the update (the clip coefficient of the global norm, used as given; 1
     /// leaves them alone) and clears the gradients. No collective beyond ZeRO's write-back of
     /// the updated shards.
-    pub fn scaled_step(&mut self, opt: &mut AdamW, lr: f64, grad_scale: f64) -> Result<()> {
-        let busy = self
-            .replicas
-            .step(opt, lr, grad_scale, &self.params, &self.grads, &self.dp)?;
+    pub fn scaled_step(
+        &mut self,
+        opt: &mut AdamW,
+        lr: f64,
+        grad_scale: impl Into<GradScale>,
+    ) -> Result<()> {
+        let busy = self.replicas.step(
+            opt,
+            lr,
+            grad_scale.into(),
+            &self.params,
+            &self.grads,
+            &self.dp,
+        )?;
         self.grads.clear();
         if let Some(busy) = busy {
             self.current.comm_s = busy;

@@ -14,7 +14,8 @@
 //!   micro-step k of K:  forward_backward(x_k, y_k, MicroStep { index: k, of: K }): the loop's
 //!                       count; loss scale 1/K, sync = k == K−1
 //!   optimizer step:     grad_sq_norm (one all-reduce) -> the loop's clip_coef -> optimizer_step:
-//!                       AdamW on this rank's part with the gradients scaled by it
+//!                       AdamW on this rank's part with the gradients scaled by it (the norm
+//!                       and the coefficient stay on the device until AdamW is queued)
 //! ```
 //!
 //! The loss returned is the mean over the global batch, identical on every rank. After every
@@ -39,7 +40,7 @@ use anyhow::Context;
 use candle_core::{Device, Tensor};
 use mtrain_comm::DeviceMesh;
 use mtrain_model::init::param_specs;
-use mtrain_model::optim::{AdamW, AdamWConfig, AdamWState};
+use mtrain_model::optim::{AdamW, AdamWConfig, AdamWState, GradScale};
 use mtrain_model::{GptConfig, MoeStats};
 use mtrain_parallel::ddp::ModelStateBytes;
 use mtrain_parallel::holdings::Holdings;
@@ -378,9 +379,9 @@ impl TrainableModel for Distributed {
         Ok(loss)
     }
 
-    fn grad_sq_norm(&mut self) -> anyhow::Result<f64> {
+    fn grad_sq_norm(&mut self) -> anyhow::Result<Tensor> {
         let start = self.timeline.now_us();
-        let sq = self.pm.grad_norm_sq()?;
+        let sq = self.pm.grad_norm_sq_on_device()?;
         self.timeline
             .span("grad norm", None, start, self.timeline.now_us());
         Ok(sq)
@@ -389,7 +390,7 @@ impl TrainableModel for Distributed {
     /// Scales the gradients by `grad_scale`, the loop's clip coefficient of the norm
     /// [`TrainableModel::grad_sq_norm`] gave (so the norm's all-reduce runs once per step), and
     /// steps AdamW over this rank's part.
-    fn optimizer_step(&mut self, lr: f64, grad_scale: f64) -> anyhow::Result<()> {
+    fn optimizer_step(&mut self, lr: f64, grad_scale: GradScale) -> anyhow::Result<()> {
         let start = self.timeline.now_us();
         self.pm.scaled_step(&mut self.opt, lr, grad_scale)?;
         let end = self.timeline.now_us();

@@ -6,8 +6,9 @@
 //!     for k in 0..grad_accum:                            gradient accumulation (the loop's count)
 //!         x, y = loader.next_batch()                     this rank's slice of the global batch
 //!         loss = model.forward_backward(x, y, MicroStep { k, of: grad_accum })   grads summed
-//!     coef = clip_coef(‖g‖, grad_clip)                   global-norm clipping
+//!     coef = clip_coef(‖g‖, grad_clip)                   global-norm clipping, on the device
 //!     model.optimizer_step(lr, coef)                     AdamW, then the gradients are cleared
+//!     read ‖g‖ back for the log                          (the host never waits before AdamW)
 //!     every eval_every steps: mean loss of eval_iters random batches of each split
 //!     log (progress bar, metrics.jsonl, pipeline-rank{N}.jsonl), checkpoint every N, memory report
 //! ```
@@ -33,7 +34,8 @@ use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor};
 use mtrain_comm::mesh::MeshDims;
 use mtrain_comm::{Backend, DeviceMesh};
-use mtrain_model::optim::{clip_coef, lr_at, AdamWConfig, LrSchedule};
+use mtrain_kernels::readback::ReadLater;
+use mtrain_model::optim::{clip_coef_on_device, lr_at, AdamWConfig, GradScale, LrSchedule};
 use mtrain_model::{init_weights, GptConfig};
 use serde::Serialize;
 
@@ -499,9 +501,15 @@ fn train_step(
     if !loss.is_finite() {
         bail!("loss became {loss} at step {step} (lr {lr:.3e}); lower --lr or check the data");
     }
-    let grad_norm = model.grad_sq_norm()?.sqrt();
+    // The norm stays on the device until the step that needs it is queued: its clip
+    // coefficient is computed there and the optimizer reads it there. Its copy to the host is
+    // queued before AdamW, so the host waits for the norm, not for AdamW.
+    let norm_sq = model.grad_sq_norm()?; // () f64
     lap(&mut timer, StepPhase::GradNorm)?;
-    model.optimizer_step(lr, clip_coef(grad_norm, cfg.grad_clip))?;
+    let scale = clip_coef_on_device(&norm_sq, cfg.grad_clip)?; // () f32
+    let norm_read = ReadLater::start(&norm_sq)?;
+    model.optimizer_step(lr, GradScale::OnDevice(scale))?;
+    let grad_norm = norm_read.wait()?.sqrt();
     lap(&mut timer, StepPhase::Optimizer)?;
     if cfg.mem_report {
         tracker.mark(Phase::AfterOptimizer);

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use candle_core::Tensor;
-use mtrain_model::optim::AdamWState;
+use mtrain_model::optim::{AdamWState, GradScale};
 use mtrain_model::GptConfig;
 
 use crate::memory::{step_memory, ActivationLayout, ModelStateLayout, Phase, StepMemory, StepRun};
@@ -54,10 +54,12 @@ pub trait TrainableModel {
     ) -> anyhow::Result<f64>;
     /// Mean loss of a batch without gradients.
     fn eval_loss(&mut self, inputs: &Tensor, targets: &Tensor) -> anyhow::Result<f64>;
-    /// Σ g² over all accumulated gradients of the whole model (a sharded model reduces it).
-    fn grad_sq_norm(&mut self) -> anyhow::Result<f64>;
+    /// Σ g² over all accumulated gradients of the whole model (a sharded model reduces it), as
+    /// one f64 on the model's device: the loop reads it once the optimizer step is queued, so
+    /// on a GPU the host does not wait for the norm in between.
+    fn grad_sq_norm(&mut self) -> anyhow::Result<Tensor>;
     /// Scale the gradients by `grad_scale`, take an AdamW step at `lr`, clear the gradients.
-    fn optimizer_step(&mut self, lr: f64, grad_scale: f64) -> anyhow::Result<()>;
+    fn optimizer_step(&mut self, lr: f64, grad_scale: GradScale) -> anyhow::Result<()>;
     /// Full parameter tensors by name (for checkpoints). Called on every rank (a sharded model
     /// gathers here); only rank 0 writes.
     fn state_dict(&self) -> anyhow::Result<BTreeMap<String, Tensor>>;

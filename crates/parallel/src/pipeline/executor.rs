@@ -92,6 +92,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use candle_core::{DType, Shape, Tensor};
 use mtrain_comm::{chunk_range, Communicator};
+use mtrain_kernels::readback::ReadLater;
 use mtrain_model::{Activations, Draw, Engine, Grads, Hooks, MoeStats, NoHooks, PendingGrads};
 
 use super::schedule::{Action, PassCosts, Schedule};
@@ -322,6 +323,10 @@ impl PipelineExecutor {
         // What each B left for its W.
         let mut owed: HashMap<(usize, usize), PendingGrads> = HashMap::new();
         let (mut peak, mut loss_sum, mut aux_sum) = (0, 0.0, 0.0);
+        // The micro-batches' losses on their way to the host: one stage reads them after its
+        // last backward is queued (the device is never idle for the read); a pipeline stage
+        // reads each at once, as its timeline has always been taken.
+        let mut losses: Vec<ReadLater> = Vec::new();
         let mut moe_stats: Vec<Vec<MoeStats>> = vec![Vec::new(); stages.chunks().len()];
         let (mut alive_bytes, mut peak_bytes) = (0, 0);
         let peak_at = activation_peak_at(sched.actions(rank));
@@ -357,7 +362,13 @@ impl PipelineExecutor {
                     aux_sum += acts.aux_loss;
                     add_stats(&mut moe_stats[chunk], &acts.stats);
                     match sched.output_stage(rank, action) {
-                        None => loss_sum += acts.output.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+                        None => {
+                            let read = ReadLater::start(&acts.output.to_dtype(DType::F64)?)?;
+                            match p {
+                                1 => losses.push(read),
+                                _ => loss_sum += read.wait()?,
+                            }
+                        }
                         Some(to) => links.send(
                             acts.output.clone(),
                             sched.rank_of_stage(to),
@@ -450,6 +461,9 @@ impl PipelineExecutor {
             links.reap_finished_sends()?;
         }
         links.wait_all_sends()?;
+        for read in losses {
+            loss_sum += read.wait()?;
+        }
         let step_time = start.elapsed();
 
         if sync_tied {

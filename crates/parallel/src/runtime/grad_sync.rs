@@ -19,9 +19,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 use mtrain_comm::Comm;
-use mtrain_model::optim::{sq_norm, AdamW, OptimItem};
+use mtrain_kernels::reduce::sq_sum_f64_all_on_device;
+use mtrain_model::optim::{AdamW, GradScale, OptimItem};
 use mtrain_model::{Grads, Hooks, NoHooks, Param};
 
 use crate::ddp::{average, Bucket, BucketedDpReduce, DataParallel, DdpMode, OverlappedDpReduce};
@@ -243,17 +244,22 @@ impl Replicas {
 
     /// Σ g² of the gradient elements this rank counts: `weight(name, sharded_over_dp)` is the
     /// model's rule (1 or 0); full replicas are replicated over dp, ZeRO's shards are not.
-    pub(crate) fn local_norm_sq(
+    /// The sum is one f64 on `device`, not read back where the gradients are full (on CUDA the
+    /// one-launch sum, [`mtrain_kernels::reduce::sq_sum_f64_all_on_device`]).
+    pub(crate) fn local_norm_sq_on_device(
         &self,
         grads: &Grads,
         weight: &dyn Fn(&str, bool) -> f64,
-    ) -> Result<f64> {
+        device: &Device,
+    ) -> Result<Tensor> {
         Ok(match self {
             Replicas::Full(_) => {
                 let counted = grads.iter().filter(|(n, _)| weight(n, false) > 0.0);
-                sq_norm(counted.map(|(_, g)| g))?
+                sq_sum_f64_all_on_device(counted.map(|(_, g)| g), device)?
             }
-            Replicas::Zero(fsdp) => fsdp.local_grad_sq_norm(|n| weight(n, true))?,
+            Replicas::Zero(fsdp) => {
+                Tensor::new(fsdp.local_grad_sq_norm(|n| weight(n, true))?, device)?
+            }
         })
     }
 
@@ -264,7 +270,7 @@ impl Replicas {
         &mut self,
         opt: &mut AdamW,
         lr: f64,
-        grad_scale: f64,
+        grad_scale: GradScale,
         params: &[Param],
         grads: &Grads,
         dp: &Comm,
