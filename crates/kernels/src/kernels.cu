@@ -774,32 +774,104 @@ extern "C" __global__ void ce_bwd(const elem* logits, const unsigned int* target
 // The forward keeps mean and rstd (N,); the backward rebuilds xhat = (x - mean) * rstd:
 //   dx = rstd * (dy w - mean_c(dy w) - xhat * mean_c(dy w xhat)) [+ res]  (ln_bwd_dx)
 //   dw = sum_n dy xhat, db = sum_n dy, per column over a chunk of rows, then f32 atomics (ln_bwd_dwdb)
+// Each access moves W adjacent columns: VEC (16 bytes) when C % VEC == 0 and every (N, C)
+// and (C,) pointer is 16-byte aligned, else 1 (ln_width decides, once per launch).
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
     return x;
 }
+template <int W>
+__device__ __forceinline__ void ldw(const elem* p, long i, float* f) {
+    if constexpr (W == 1) f[0] = ld(p, i); else ldv(p, i, f);
+}
+template <int W>
+__device__ __forceinline__ void stw(elem* p, long i, const float* f) {
+    if constexpr (W == 1) st(p, i, f[0]); else stv(p, i, f);
+}
+__device__ __forceinline__ bool ln_vec(int C, const void* a, const void* b, const void* c,
+                                       const void* d, const void* e) {
+    return C % VEC == 0 && aligned16(a) && aligned16(b) && aligned16(c) && aligned16(d) &&
+           aligned16(e);
+}
+
+template <int W>
+__device__ __forceinline__ void ln_fwd_row(const elem* x, const elem* w, const elem* b, elem* y,
+                                           float* mean, float* rstd, long row, int C, float eps,
+                                           int lane) {
+    const elem* xr = x + row * C;
+    float s = 0.f, f[W];
+    for (int i = lane * W; i < C; i += 32 * W) {
+        ldw<W>(xr, i, f);
+#pragma unroll
+        for (int k = 0; k < W; ++k) s += f[k];
+    }
+    const float mu = warp_sum(s) / C;
+    float v = 0.f;
+    for (int i = lane * W; i < C; i += 32 * W) {  // the row again, from L1
+        ldw<W>(xr, i, f);
+#pragma unroll
+        for (int k = 0; k < W; ++k) v += (f[k] - mu) * (f[k] - mu);
+    }
+    const float r = rsqrtf(warp_sum(v) / C + eps);
+    for (int i = lane * W; i < C; i += 32 * W) {
+        float g[W], h[W];
+        ldw<W>(xr, i, f);
+        ldw<W>(w, i, g);
+        ldw<W>(b, i, h);
+#pragma unroll
+        for (int k = 0; k < W; ++k) f[k] = (f[k] - mu) * r * g[k] + h[k];
+        stw<W>(y, row * C + i, f);
+    }
+    if (lane == 0) {
+        mean[row] = mu;
+        rstd[row] = r;
+    }
+}
 
 extern "C" __global__ void ln_fwd(const elem* x, const elem* w, const elem* b, elem* y,
                                   float* mean, float* rstd, int N, int C, float eps) {
     const long row = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
     if (row >= N) return;
+    if (ln_vec(C, x, w, b, y, y)) ln_fwd_row<VEC>(x, w, b, y, mean, rstd, row, C, eps, threadIdx.x % 32);
+    else ln_fwd_row<1>(x, w, b, y, mean, rstd, row, C, eps, threadIdx.x % 32);
+}
+
+template <int W>
+__device__ __forceinline__ void ln_bwd_dx_row(const elem* x, const elem* w, const elem* dy,
+                                              const float* mean, const float* rstd, elem* dx,
+                                              long row, int C, const elem* res, int add_res,
+                                              int lane) {
     const elem* xr = x + row * C;
-    float s = 0.f;
-    for (int i = lane; i < C; i += 32) s += ld(xr, i);
-    const float mu = warp_sum(s) / C;
-    float v = 0.f;
-    for (int i = lane; i < C; i += 32) {
-        float d = ld(xr, i) - mu;
-        v += d * d;
+    const elem* gr = dy + row * C;
+    const float mu = mean[row], r = rstd[row];
+    float a = 0.f, c = 0.f, f[W], g[W], h[W];
+    for (int i = lane * W; i < C; i += 32 * W) {
+        ldw<W>(xr, i, f);
+        ldw<W>(gr, i, g);
+        ldw<W>(w, i, h);
+#pragma unroll
+        for (int k = 0; k < W; ++k) {
+            const float gw = g[k] * h[k];
+            a += gw;
+            c += gw * (f[k] - mu) * r;
+        }
     }
-    const float r = rsqrtf(warp_sum(v) / C + eps);
-    for (int i = lane; i < C; i += 32) st(y, row * C + i, (ld(xr, i) - mu) * r * ld(w, i) + ld(b, i));
-    if (lane == 0) {
-        mean[row] = mu;
-        rstd[row] = r;
+    a = warp_sum(a) / C;
+    c = warp_sum(c) / C;
+    for (int i = lane * W; i < C; i += 32 * W) {  // the rows again, from L1
+        float e[W];
+        ldw<W>(xr, i, f);
+        ldw<W>(gr, i, g);
+        ldw<W>(w, i, h);
+        if (add_res) ldw<W>(res, row * C + i, e);
+#pragma unroll
+        for (int k = 0; k < W; ++k) {
+            const float d = r * (g[k] * h[k] - a - (f[k] - mu) * r * c);
+            f[k] = add_res ? d + e[k] : d;
+        }
+        stw<W>(dx, row * C + i, f);
     }
 }
 
@@ -809,42 +881,69 @@ extern "C" __global__ void ln_bwd_dx(const elem* x, const elem* w, const elem* d
                                      const float* mean, const float* rstd, elem* dx, int N,
                                      int C, const elem* res, int add_res) {
     const long row = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
     if (row >= N) return;
-    const elem* xr = x + row * C;
-    const elem* gr = dy + row * C;
-    const float mu = mean[row], r = rstd[row];
-    float a = 0.f, c = 0.f;
-    for (int i = lane; i < C; i += 32) {
-        float gw = ld(gr, i) * ld(w, i);
-        a += gw;
-        c += gw * (ld(xr, i) - mu) * r;
-    }
-    a = warp_sum(a) / C;
-    c = warp_sum(c) / C;
-    for (int i = lane; i < C; i += 32) {
-        float xh = (ld(xr, i) - mu) * r;
-        const float g = r * (ld(gr, i) * ld(w, i) - a - xh * c);
-        st(dx, row * C + i, add_res ? g + ld(res, row * C + i) : g);
+    const int lane = threadIdx.x % 32;
+    if (ln_vec(C, x, w, dy, dx, res))
+        ln_bwd_dx_row<VEC>(x, w, dy, mean, rstd, dx, row, C, res, add_res, lane);
+    else
+        ln_bwd_dx_row<1>(x, w, dy, mean, rstd, dx, row, C, res, add_res, lane);
+}
+
+// dw, db (C,) f32 start at 0. A block of LN_WARPS warps takes LN_ROWS rows and 32·W columns
+// at a time (grid-stride over column chunks): lane l sums columns l·W .. l·W + W over the rows
+// its warp takes (every LN_WARPS-th), the warps' sums meet in shared memory, and one atomic
+// add per column and block goes to dw and db.
+#define LN_ROWS 64
+#define LN_WARPS 8
+template <int W>
+__device__ __forceinline__ void ln_dwdb_cols(const elem* x, const elem* dy, const float* mean,
+                                             const float* rstd, float* dw, float* db, int N,
+                                             int C, float (*red)[LN_WARPS][32 * VEC]) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const long r0 = (long)blockIdx.y * LN_ROWS;
+    const long r1 = min((long)N, r0 + LN_ROWS);
+    for (int c0 = blockIdx.x * 32 * W; c0 < C; c0 += gridDim.x * 32 * W) {
+        const int col = c0 + lane * W;
+        float sw[W], sb[W], f[W], g[W];
+#pragma unroll
+        for (int k = 0; k < W; ++k) sw[k] = sb[k] = 0.f;
+        if (col < C)
+            for (long r = r0 + warp; r < r1; r += LN_WARPS) {
+                ldw<W>(x, r * C + col, f);
+                ldw<W>(dy, r * C + col, g);
+                const float mu = mean[r], rs = rstd[r];
+#pragma unroll
+                for (int k = 0; k < W; ++k) {
+                    sw[k] += g[k] * (f[k] - mu) * rs;
+                    sb[k] += g[k];
+                }
+            }
+#pragma unroll
+        for (int k = 0; k < W; ++k) {
+            red[0][warp][lane * W + k] = sw[k];
+            red[1][warp][lane * W + k] = sb[k];
+        }
+        __syncthreads();
+        for (int j = threadIdx.x; j < 32 * W; j += blockDim.x)
+            if (c0 + j < C) {
+                float tw = 0.f, tb = 0.f;
+#pragma unroll
+                for (int v = 0; v < LN_WARPS; ++v) {
+                    tw += red[0][v][j];
+                    tb += red[1][v][j];
+                }
+                atomicAdd(dw + c0 + j, tw);
+                atomicAdd(db + c0 + j, tb);
+            }
+        __syncthreads();
     }
 }
 
-// One thread per column, LN_ROWS rows per block row of the grid; dw, db (C,) f32 start at 0.
-#define LN_ROWS 128
 extern "C" __global__ void ln_bwd_dwdb(const elem* x, const elem* dy, const float* mean,
                                        const float* rstd, float* dw, float* db, int N, int C) {
-    const int col = blockIdx.x * blockDim.x + threadIdx.x;
-    if (col >= C) return;
-    const long r0 = (long)blockIdx.y * LN_ROWS;
-    const long r1 = min((long)N, r0 + LN_ROWS);
-    float sw = 0.f, sb = 0.f;
-    for (long r = r0; r < r1; ++r) {
-        float g = ld(dy, r * C + col);
-        sw += g * (ld(x, r * C + col) - mean[r]) * rstd[r];
-        sb += g;
-    }
-    atomicAdd(dw + col, sw);
-    atomicAdd(db + col, sb);
+    __shared__ float red[2][LN_WARPS][32 * VEC];
+    if (ln_vec(C, x, dy, dy, dy, dy)) ln_dwdb_cols<VEC>(x, dy, mean, rstd, dw, db, N, C, red);
+    else ln_dwdb_cols<1>(x, dy, mean, rstd, dw, db, N, C, red);
 }
 
 // ---------------------------------------------------------------------------------------------
