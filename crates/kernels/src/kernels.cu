@@ -723,6 +723,8 @@ extern "C" __global__ void __launch_bounds__(128)
 // ---------------------------------------------------------------------------------------------
 // Softmax cross-entropy over rows of logits (N, V), one block per row. The forward keeps only
 // lse (N,) in f32; the backward rebuilds softmax from it: dlogits = (softmax - onehot) * g.
+// A thread reads VEC logits (16 bytes) per access when V % VEC == 0 and the pointers are
+// 16-byte aligned (GPT-2's padded 50304), else one.
 // ---------------------------------------------------------------------------------------------
 #define CE_THREADS 512
 
@@ -740,7 +742,20 @@ extern "C" __global__ void ce_fwd(const elem* logits, const unsigned int* target
     const long row = blockIdx.x;
     const elem* x = logits + row * V;
     float m = NEG_INF, s = 0.f;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) lse_merge(m, s, ld(x, i), 1.f);
+    if (V % VEC == 0 && aligned16(logits)) {
+        for (int i = threadIdx.x * VEC; i < V; i += blockDim.x * VEC) {
+            float f[VEC], vm = NEG_INF, vs = 0.f;  // the vector's own (max, sum), then merged
+            ldv(x, i, f);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) vm = fmaxf(vm, f[k]);
+            if (vm == NEG_INF) continue;
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) vs += __expf(f[k] - vm);
+            lse_merge(m, s, vm, vs);
+        }
+    } else {
+        for (int i = threadIdx.x; i < V; i += blockDim.x) lse_merge(m, s, ld(x, i), 1.f);
+    }
     for (int off = 16; off > 0; off >>= 1) {
         float m2 = __shfl_xor_sync(0xffffffffu, m, off);
         float s2 = __shfl_xor_sync(0xffffffffu, s, off);
@@ -762,6 +777,17 @@ extern "C" __global__ void ce_bwd(const elem* logits, const unsigned int* target
     const long row = blockIdx.x;
     const float L = lse[row], gr = g[row];
     const unsigned int t = targets[row];
+    if (V % VEC == 0 && aligned16(logits) && aligned16(dlogits)) {
+        for (int i = threadIdx.x * VEC; i < V; i += blockDim.x * VEC) {
+            float f[VEC];
+            ldv(logits, row * V + i, f);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k)
+                f[k] = (__expf(f[k] - L) - (i + k == (int)t ? 1.f : 0.f)) * gr;
+            stv(dlogits, row * V + i, f);
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < V; i += blockDim.x) {
         float p = __expf(ld(logits, row * V + i) - L);
         st(dlogits, row * V + i, (p - (i == (int)t ? 1.f : 0.f)) * gr);

@@ -7,10 +7,11 @@
 //!   fused:  forward   ln_fwd     one warp per row: mean, rstd = 1/√(var + eps), y
 //!           backward  ln_bwd_dx  one warp per row: dx = rstd·(dy·w − mean(dy·w) − x̂·mean(dy·w·x̂)),
 //!                                plus a residual branch's gradient where one is given
-//!                     ln_bwd_dwdb one thread per column over 128 rows: dw = Σ dy·x̂, db = Σ dy
+//!                     ln_bwd_dwdb 8 warps over 64 rows, a lane 16 bytes of columns: dw = Σ dy·x̂, db = Σ dy
 //! ```
 //!
 //! Only mean and rstd (N,) f32 are kept for the backward; `x̂ = (x − mean)·rstd` is rebuilt.
+//! Each access moves 16 bytes a lane (8 bf16 or 4 f32) where C and the pointers allow it.
 //! Legend: `N` rows (tokens), `C` width.
 
 use candle_core::{CustomOp3, Layout, Result, Shape, Tensor, D};
@@ -263,15 +264,14 @@ mod imp {
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{CudaStorage, Layout, Result, Tensor};
 
-    use super::super::cuda::{
-        blocks, by_dtype, column_blocks, device, kernel, slice, storage, tensor, view,
-    };
+    use super::super::cuda::{blocks, by_dtype, device, kernel, slice, storage, tensor, view};
     use super::super::msg;
 
     /// One warp per row, 8 rows per block.
     const ROWS_PER_BLOCK: usize = 8;
-    /// Rows per block of `ln_bwd_dwdb` (LN_ROWS in kernels.cu) and its threads (columns).
-    const DWDB_ROWS: usize = 128;
+    /// Rows per block of `ln_bwd_dwdb` (LN_ROWS in kernels.cu) and its threads (LN_WARPS
+    /// warps); a block takes 32 lanes x 16 bytes of columns at a time.
+    const DWDB_ROWS: usize = 64;
     const DWDB_THREADS: usize = 256;
 
     fn rows_config(n: usize) -> LaunchConfig {
@@ -395,7 +395,8 @@ mod imp {
         let mut bl = f.builder();
         bl.arg(&xs).arg(&ds).arg(&ms).arg(&rs).arg(&dw).arg(&db);
         bl.arg(&n32).arg(&c32);
-        let cfg = column_blocks(n, c, DWDB_ROWS, DWDB_THREADS);
+        let cols = 32 * 16 / std::mem::size_of::<T>();
+        let cfg = blocks((c.div_ceil(cols), n.div_ceil(DWDB_ROWS)), DWDB_THREADS);
         // SAFETY: argument types and order match `ln_bwd_dwdb` in kernels.cu.
         unsafe { bl.launch(cfg) }.w()?;
 
@@ -478,8 +479,11 @@ mod tests {
 
     #[test]
     fn matches_plain_layer_norm() {
+        // 16 bytes a lane (C a multiple of 8 bf16 or 4 f32), then one element a lane.
         check(300, 768, DType::BF16, 1e-2);
         check(70, 100, DType::F32, 1e-5);
+        check(70, 100, DType::BF16, 1e-2);
+        check(130, 771, DType::F32, 1e-5);
     }
 
     /// The residual added inside the fused backward against the f32 backward plus the residual.

@@ -1,10 +1,11 @@
-// The LayerNorm kernels of kernels.cu alone, outside the binary: ln_fwd, ln_bwd_dx (with the
-// residual added) and ln_bwd_dwdb on random bf16 rows, against a double-precision reference on
-// the host (max |difference| over max |reference|), and the time of each kernel and the bytes
-// it moves per second. For finding the kernels' costs; claims about speed come from the binary.
+// The row kernels of kernels.cu alone, outside the binary, on random bf16 rows: LayerNorm
+// (ln_fwd, ln_bwd_dx with the residual added, ln_bwd_dwdb) over (N, C) and cross-entropy
+// (ce_fwd, ce_bwd) over (N, V), against a double-precision reference on the host (max
+// |difference| over max |reference|), and the time of each kernel and the bytes it moves per
+// second. For finding the kernels' costs; claims about speed come from the binary.
 //
-//   build (here, nvcc of CUDA 13):  scripts/layer-norm-check.sh build [KERNELS_CU] [NAME]
-//   run (on the GPU machine):       .gpu/layer-norm-check N C REPS
+//   build (here, nvcc of CUDA 13):  scripts/row-kernels-check.sh build [KERNELS_CU] [NAME]
+//   run (on the GPU machine):       .gpu/row-kernels-check N C V REPS   (V 0: no cross-entropy)
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -31,9 +32,57 @@ static double maxrel(const std::vector<double>& ref, const std::vector<float>& g
   return m / r;
 }
 
+
+// ce_fwd and ce_bwd over (N, V) logits in [-4, 4), g_n = 1 / N; the reference for the first 16
+// rows.
+template <typename Timer>
+static void cross_entropy(int N, int V, int reps, Timer& timeit) {
+  const size_t n = (size_t)N * V;
+  std::vector<unsigned short> h(n);
+  for (auto& v : h) v = f2bf(-4.f + 8.f * (rand() / (float)RAND_MAX));
+  std::vector<unsigned int> tg(N);
+  for (auto& t : tg) t = rand() % V;
+  std::vector<float> g(N, 1.f / N);
+  elem *x, *dx;
+  unsigned int* t;
+  float *loss, *lse, *gd;
+  CK(cudaMalloc(&x, n * 2)); CK(cudaMalloc(&dx, n * 2)); CK(cudaMalloc(&t, N * 4));
+  CK(cudaMalloc(&loss, N * 4)); CK(cudaMalloc(&lse, N * 4)); CK(cudaMalloc(&gd, N * 4));
+  CK(cudaMemcpy(x, h.data(), n * 2, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(t, tg.data(), N * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(gd, g.data(), N * 4, cudaMemcpyHostToDevice));
+  auto fwd = [&] { ce_fwd<<<N, CE_THREADS>>>(x, t, loss, lse, V); };
+  auto bwd = [&] { ce_bwd<<<N, CE_THREADS>>>(x, t, lse, gd, dx, V); };
+  fwd(); bwd();
+  CK(cudaDeviceSynchronize());
+  const int R = N < 16 ? N : 16;
+  std::vector<float> gl(N), gdx((size_t)R * V);
+  std::vector<unsigned short> hdx((size_t)R * V);
+  CK(cudaMemcpy(gl.data(), loss, N * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(hdx.data(), dx, (size_t)R * V * 2, cudaMemcpyDeviceToHost));
+  std::vector<double> rl(R), rdx((size_t)R * V);
+  std::vector<float> gl16(R);
+  for (int r = 0; r < R; ++r) {
+    const size_t o = (size_t)r * V;
+    double m = -1e30, s = 0;
+    for (int v = 0; v < V; ++v) m = fmax(m, bf2f(h[o + v]));
+    for (int v = 0; v < V; ++v) s += exp(bf2f(h[o + v]) - m);
+    const double l = m + log(s);
+    rl[r] = l - bf2f(h[o + tg[r]]);
+    gl16[r] = gl[r];
+    for (int v = 0; v < V; ++v) rdx[o + v] = (exp(bf2f(h[o + v]) - l) - (v == (int)tg[r])) / N;
+  }
+  for (size_t i = 0; i < gdx.size(); ++i) gdx[i] = bf2f(hdx[i]);
+  printf("N %d V %d: max rel err loss %.3g dlogits %.3g\n", N, V, maxrel(rl, gl16), maxrel(rdx, gdx));
+  const double nv = 2.0 * n;
+  float ms = timeit("ce_fwd", nv, fwd);
+  ms += timeit("ce_bwd", 2 * nv, bwd);
+  printf("  %-12s %8.1f us\n", "both", ms * 1e3);
+}
+
 int main(int argc, char** argv) {
   const int N = argc > 1 ? atoi(argv[1]) : 8192, C = argc > 2 ? atoi(argv[2]) : 768;
-  const int reps = argc > 3 ? atoi(argv[3]) : 50;
+  const int V = argc > 3 ? atoi(argv[3]) : 0, reps = argc > 4 ? atoi(argv[4]) : 50;
   const size_t n = (size_t)N * C;
   const float eps = 1e-5f;
   srand(1);
@@ -109,5 +158,6 @@ int main(int argc, char** argv) {
   t += timeit("ln_bwd_dx", 4 * nc, bdx);          // x, dy, res in, dx out
   t += timeit("ln_bwd_dwdb", 2 * nc, bdwdb);      // x, dy in
   printf("  %-12s %8.1f us\n", "all three", t * 1e3);
+  if (V > 0) cross_entropy(N, V, reps, timeit);
   return 0;
 }
