@@ -28,6 +28,11 @@ __device__ __forceinline__ void st(elem* p, long i, float f) { p[i] = f; }
 __device__ __forceinline__ bool aligned16(const void* p) {
     return ((unsigned long long)p & 15ull) == 0;
 }
+// Whether rows of n elements move VEC at a time: n % VEC == 0 and every pointer 16-byte aligned.
+template <typename... P>
+__device__ __forceinline__ bool rows_vec(long n, const P*... p) {
+    return n % VEC == 0 && (aligned16(p) && ...);
+}
 // f[0..VEC) = p[i .. i+VEC) as f32; p + i 16-byte aligned.
 __device__ __forceinline__ void ldv(const elem* p, long i, float* f) {
     const uint4 w = *reinterpret_cast<const uint4*>(p + i);
@@ -723,8 +728,8 @@ extern "C" __global__ void __launch_bounds__(128)
 // ---------------------------------------------------------------------------------------------
 // Softmax cross-entropy over rows of logits (N, V), one block per row. The forward keeps only
 // lse (N,) in f32; the backward rebuilds softmax from it: dlogits = (softmax - onehot) * g.
-// A thread reads VEC logits (16 bytes) per access when V % VEC == 0 and the pointers are
-// 16-byte aligned (GPT-2's padded 50304), else one.
+// A thread reads VEC logits (16 bytes) per access where rows_vec allows it (GPT-2's padded
+// 50304), else one.
 // ---------------------------------------------------------------------------------------------
 #define CE_THREADS 512
 
@@ -742,7 +747,7 @@ extern "C" __global__ void ce_fwd(const elem* logits, const unsigned int* target
     const long row = blockIdx.x;
     const elem* x = logits + row * V;
     float m = NEG_INF, s = 0.f;
-    if (V % VEC == 0 && aligned16(logits)) {
+    if (rows_vec(V, logits)) {
         for (int i = threadIdx.x * VEC; i < V; i += blockDim.x * VEC) {
             float f[VEC], vm = NEG_INF, vs = 0.f;  // the vector's own (max, sum), then merged
             ldv(x, i, f);
@@ -777,7 +782,7 @@ extern "C" __global__ void ce_bwd(const elem* logits, const unsigned int* target
     const long row = blockIdx.x;
     const float L = lse[row], gr = g[row];
     const unsigned int t = targets[row];
-    if (V % VEC == 0 && aligned16(logits) && aligned16(dlogits)) {
+    if (rows_vec(V, logits, dlogits)) {
         for (int i = threadIdx.x * VEC; i < V; i += blockDim.x * VEC) {
             float f[VEC];
             ldv(logits, row * V + i, f);
@@ -800,8 +805,7 @@ extern "C" __global__ void ce_bwd(const elem* logits, const unsigned int* target
 // The forward keeps mean and rstd (N,); the backward rebuilds xhat = (x - mean) * rstd:
 //   dx = rstd * (dy w - mean_c(dy w) - xhat * mean_c(dy w xhat)) [+ res]  (ln_bwd_dx)
 //   dw = sum_n dy xhat, db = sum_n dy, per column over a chunk of rows, then f32 atomics (ln_bwd_dwdb)
-// Each access moves W adjacent columns: VEC (16 bytes) when C % VEC == 0 and every (N, C)
-// and (C,) pointer is 16-byte aligned, else 1 (ln_width decides, once per launch).
+// Each access moves W adjacent columns: VEC (16 bytes) where rows_vec allows it, else 1.
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -815,11 +819,6 @@ __device__ __forceinline__ void ldw(const elem* p, long i, float* f) {
 template <int W>
 __device__ __forceinline__ void stw(elem* p, long i, const float* f) {
     if constexpr (W == 1) st(p, i, f[0]); else stv(p, i, f);
-}
-__device__ __forceinline__ bool ln_vec(int C, const void* a, const void* b, const void* c,
-                                       const void* d, const void* e) {
-    return C % VEC == 0 && aligned16(a) && aligned16(b) && aligned16(c) && aligned16(d) &&
-           aligned16(e);
 }
 
 template <int W>
@@ -860,7 +859,7 @@ extern "C" __global__ void ln_fwd(const elem* x, const elem* w, const elem* b, e
                                   float* mean, float* rstd, int N, int C, float eps) {
     const long row = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= N) return;
-    if (ln_vec(C, x, w, b, y, y)) ln_fwd_row<VEC>(x, w, b, y, mean, rstd, row, C, eps, threadIdx.x % 32);
+    if (rows_vec(C, x, w, b, y)) ln_fwd_row<VEC>(x, w, b, y, mean, rstd, row, C, eps, threadIdx.x % 32);
     else ln_fwd_row<1>(x, w, b, y, mean, rstd, row, C, eps, threadIdx.x % 32);
 }
 
@@ -909,7 +908,7 @@ extern "C" __global__ void ln_bwd_dx(const elem* x, const elem* w, const elem* d
     const long row = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= N) return;
     const int lane = threadIdx.x % 32;
-    if (ln_vec(C, x, w, dy, dx, res))
+    if (rows_vec(C, x, w, dy, dx, res))
         ln_bwd_dx_row<VEC>(x, w, dy, mean, rstd, dx, row, C, res, add_res, lane);
     else
         ln_bwd_dx_row<1>(x, w, dy, mean, rstd, dx, row, C, res, add_res, lane);
@@ -968,7 +967,7 @@ __device__ __forceinline__ void ln_dwdb_cols(const elem* x, const elem* dy, cons
 extern "C" __global__ void ln_bwd_dwdb(const elem* x, const elem* dy, const float* mean,
                                        const float* rstd, float* dw, float* db, int N, int C) {
     __shared__ float red[2][LN_WARPS][32 * VEC];
-    if (ln_vec(C, x, dy, dy, dy, dy)) ln_dwdb_cols<VEC>(x, dy, mean, rstd, dw, db, N, C, red);
+    if (rows_vec(C, x, dy)) ln_dwdb_cols<VEC>(x, dy, mean, rstd, dw, db, N, C, red);
     else ln_dwdb_cols<1>(x, dy, mean, rstd, dw, db, N, C, red);
 }
 
@@ -1088,10 +1087,10 @@ HEADS_KERNELS(unsigned short, 2)
 // column over BIAS_ROWS rows (consecutive threads read consecutive columns, so the reads are
 // coalesced), f32 partial sums added atomically into db (C,), which starts at 0.
 // ---------------------------------------------------------------------------------------------
-// VEC elements per access when rows are whole words (C % VEC == 0) and the pointers aligned.
+// VEC elements per access where rows_vec allows it, else one at a time.
 extern "C" __global__ void bias_add_fwd(const elem* x, const elem* b, elem* y, long n, int C) {
     const long t0 = (long)blockIdx.x * blockDim.x + threadIdx.x, step = (long)gridDim.x * blockDim.x;
-    if (C % VEC == 0 && aligned16(x) && aligned16(b) && aligned16(y)) {
+    if (rows_vec(C, x, b, y)) {
         const int cv = C / VEC;
         for (long j = t0; j < n / VEC; j += step) {
             float f[VEC], fb[VEC];
@@ -1110,7 +1109,7 @@ extern "C" __global__ void bias_add_fwd(const elem* x, const elem* b, elem* y, l
 extern "C" __global__ void bias_residual_fwd(const elem* r, const elem* x, const elem* b, elem* y,
                                              long n, int C) {
     const long t0 = (long)blockIdx.x * blockDim.x + threadIdx.x, step = (long)gridDim.x * blockDim.x;
-    if (C % VEC == 0 && aligned16(r) && aligned16(x) && aligned16(b) && aligned16(y)) {
+    if (rows_vec(C, r, x, b, y)) {
         const int cv = C / VEC;
         for (long j = t0; j < n / VEC; j += step) {
             float f[VEC], fr[VEC], fb[VEC];
