@@ -384,32 +384,31 @@ pub(crate) fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<(Tensor
     })
 }
 
-/// dlogits (N, V) = (softmax − onehot(target)) · g per row, from the forward's lse and the
-/// per-row gradients g (N,).
+/// dlogits = (softmax − onehot(target)) · g per row written over the logits `x` (N·V, rows of
+/// `v`), from the forward's lse and the per-row gradients g (N,).
 pub(crate) fn cross_entropy_backward(
-    logits: &Tensor,
+    x: &mut [f32],
+    v: usize,
     targets: &Tensor,
     lse: &Tensor,
     g: &Tensor,
-) -> Result<Tensor> {
-    let (n, v) = logits.dims2()?;
+) -> Result<()> {
+    let n = x.len() / v;
     let ids = targets_of(targets, n, v)?;
     if lse.elem_count() != n || g.elem_count() != n {
         return Err(msg(format!(
-            "cross_entropy backward: lse {:?} and row gradients {:?} for logits {:?}",
+            "cross_entropy backward: lse {:?} and row gradients {:?} for logits ({n}, {v})",
             lse.dims(),
             g.dims(),
-            logits.dims()
         )));
     }
-    with(&[logits, lse, g], |e| {
-        let mut d = vec![0f32; n * v];
-        split::each_row(&mut d, v, |r, dr| {
-            let g = e[2][r];
-            simd::exp_shifted(&e[0][r * v..(r + 1) * v], e[1][r], g, dr);
-            dr[ids[r] as usize] -= g;
+    with(&[lse, g], |e| {
+        split::each_row(x, v, |r, row| {
+            let g = e[1][r];
+            simd::exp_shifted_in_place(row, e[0][r], g);
+            row[ids[r] as usize] -= g;
         });
-        tensor(d, (n, v))
+        Ok(())
     })
 }
 
@@ -525,7 +524,7 @@ mod tests {
                 score_grad(&p, &s, &o, &o)?,
                 p,
                 lse,
-                cross_entropy_backward(&logits, &ids, &lse_ce, &loss)?,
+                crate::cross_entropy::backward_in_place(logits.copy()?, &ids, &lse_ce, &loss)?,
                 loss,
                 lse_ce,
             ];

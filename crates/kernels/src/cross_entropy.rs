@@ -7,12 +7,13 @@
 //!   fused:  forward  one block per row: running (max, Σ e^(x−max)) ─> lse_n, loss_n
 //!           (16 bytes of logits a thread and access where V and the pointers allow it)
 //!           backward dlogits = (e^(x − lse) − onehot(target)) · g_n, in the logits' dtype
+//!   taped:  backward_in_place writes dlogits over the logits: one (N, V) tensor, not two
 //! ```
 //!
 //! Only lse (N,) f32 is kept between forward and backward. The mean over rows stays a candle op,
 //! so the caller may weight rows as it likes. Legend: `N` rows (tokens), `V` vocabulary.
 
-use candle_core::{CustomOp2, DType, Layout, Result, Shape, Tensor, D};
+use candle_core::{CustomOp2, DType, InplaceOp1, Layout, Result, Shape, Tensor, D};
 
 use crate::msg;
 use crate::plain::{self, log_softmax_last_dim, upcast};
@@ -30,7 +31,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 }
 
 /// Per-row cross-entropy (N,) f32 of logits (N, V) against u32 targets (N,) recording no graph,
-/// and the per-row log-sum-exp (N,) f32 that [`backward`] takes.
+/// and the per-row log-sum-exp (N,) f32 that [`backward_in_place`] takes.
 pub fn forward(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
     if crate::fused_for(logits) {
         return fused_forward(logits, targets);
@@ -46,16 +47,39 @@ pub fn forward(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
 }
 
 /// dlogits (N, V) = (softmax − onehot(target)) · g in the logits' dtype, for per-row gradients
-/// g (N,) f32 and the lse of [`forward`], recording no graph.
-pub fn backward(logits: &Tensor, targets: &Tensor, lse: &Tensor, g: &Tensor) -> Result<Tensor> {
-    if crate::fused_for(logits) {
-        return fused_backward(logits, targets, lse, g);
+/// g (N,) f32 and the lse of [`forward`], recording no graph, **written over the logits**: the
+/// caller (the head tape) owns them and reads them no more, so the step holds one (N, V) tensor
+/// where it would hold two. Contiguous CUDA f32/bf16 logits (the fused kernel) and CPU f32
+/// logits (the CPU loop) are overwritten and returned; other logits get a fresh tensor from
+/// candle ops. Any other tensor sharing the logits' storage reads dlogits afterwards.
+pub fn backward_in_place(
+    logits: Tensor,
+    targets: &Tensor,
+    lse: &Tensor,
+    g: &Tensor,
+) -> Result<Tensor> {
+    check_rows(&logits, targets)?;
+    let n = logits.dim(0)?;
+    if lse.dims() != [n] || g.dims() != [n] {
+        return Err(msg(format!(
+            "cross_entropy backward: lse {:?} and row gradients {:?} must be ({n},) for logits {:?}",
+            lse.dims(),
+            g.dims(),
+            logits.dims()
+        )));
     }
-    if crate::cpu::takes(&[logits, lse, g]) {
-        return crate::cpu::cross_entropy_backward(logits, targets, lse, g);
+    let kernels = crate::fused_for(&logits) || crate::cpu::takes(&[&logits, lse, g]);
+    if kernels && logits.is_contiguous() {
+        let op = InPlace {
+            targets: targets.contiguous()?,
+            lse: lse.contiguous()?,
+            g: g.contiguous()?,
+        };
+        logits.inplace_op1(&op)?;
+        return Ok(logits);
     }
     let v = logits.dim(1)?;
-    let p = upcast(logits)?.broadcast_sub(&lse.unsqueeze(1)?)?.exp()?; // softmax (N, V)
+    let p = upcast(&logits)?.broadcast_sub(&lse.unsqueeze(1)?)?.exp()?; // softmax (N, V)
     let ids = Tensor::arange(0u32, v as u32, logits.device())?.unsqueeze(0)?; // (1, V)
     let onehot = ids
         .broadcast_eq(&targets.unsqueeze(1)?)? // (N, V)
@@ -63,6 +87,43 @@ pub fn backward(logits: &Tensor, targets: &Tensor, lse: &Tensor, g: &Tensor) -> 
     (p - onehot)?
         .broadcast_mul(&g.unsqueeze(1)?)?
         .to_dtype(logits.dtype())
+}
+
+/// [`backward_in_place`]'s op on the logits' storage: the CPU loop or the fused kernel.
+struct InPlace {
+    /// (N,) u32
+    targets: Tensor,
+    /// (N,) f32
+    lse: Tensor,
+    /// (N,) f32
+    g: Tensor,
+}
+
+impl InplaceOp1 for InPlace {
+    fn name(&self) -> &'static str {
+        "cross-entropy backward in place"
+    }
+
+    fn cpu_fwd(&self, storage: &mut candle_core::CpuStorage, layout: &Layout) -> Result<()> {
+        let (start, end) = layout
+            .contiguous_offsets()
+            .ok_or_else(|| msg("cross_entropy backward: the logits are not contiguous".into()))?;
+        let candle_core::CpuStorage::F32(x) = storage else {
+            return Err(msg("cross_entropy backward: CPU logits must be f32".into()));
+        };
+        crate::cpu::cross_entropy_backward(
+            &mut x[start..end],
+            layout.dims()[1],
+            &self.targets,
+            &self.lse,
+            &self.g,
+        )
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, storage: &mut candle_core::CudaStorage, layout: &Layout) -> Result<()> {
+        imp::backward_in_place(storage, layout, &self.targets, &self.lse, &self.g)
+    }
 }
 
 /// Per-row cross-entropy (N,) f32 of logits (N, V) against u32 targets (N,) by the fused kernel
@@ -263,6 +324,83 @@ mod imp {
         unsafe { b.launch(rows(n)) }.w()?;
         Ok(tensor(&dev, dx, (n, v)))
     }
+
+    /// The logits (N, V) at `l` in `x` overwritten by dlogits (`ce_bwd_in_place`).
+    pub fn backward_in_place(
+        x: &mut CudaStorage,
+        l: &Layout,
+        targets: &Tensor,
+        lse: &Tensor,
+        g: &Tensor,
+    ) -> Result<()> {
+        by_dtype!(
+            "cross_entropy",
+            x.dtype(),
+            bwd_in_place(x, l, targets, lse, g)
+        )
+    }
+
+    fn bwd_in_place<T: CudaDType + DeviceRepr>(
+        x: &mut CudaStorage,
+        l: &Layout,
+        targets: &Tensor,
+        lse: &Tensor,
+        g: &Tensor,
+    ) -> Result<()> {
+        let (n, v) = l.shape().dims2()?;
+        let dev = x.device.clone();
+        let (gt, ot) = storage(targets, "targets")?;
+        let (gl, ol) = storage(lse, "lse")?;
+        let (gg, og) = storage(g, "grad")?;
+        let ts = slice::<u32>(&gt)?.slice(ot..);
+        let ls = slice::<f32>(&gl)?.slice(ol..);
+        let gs = slice::<f32>(&gg)?.slice(og..);
+        let mut xs = x.as_cuda_slice_mut::<T>()?.slice_mut(l.start_offset()..);
+        let f = kernel(&dev, None, x.dtype(), "ce_bwd_in_place")?;
+        let v32 = v as i32;
+        let mut b = f.builder();
+        b.arg(&mut xs).arg(&ts).arg(&ls).arg(&gs).arg(&v32);
+        // SAFETY: argument types and order match `ce_bwd_in_place` in kernels.cu; the caller's
+        // layout is contiguous (N, V), every row read and written by one block.
+        unsafe { b.launch(rows(n)) }.w()?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod host_tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// dlogits written over the logits (a handle sharing them reads the gradient) equal the
+    /// softmax-minus-one-hot formula in candle ops, and bad row gradients are named.
+    #[test]
+    fn backward_in_place_overwrites_the_logits_with_their_gradient() -> Result<()> {
+        let dev = Device::Cpu;
+        let (n, v) = (37, 301);
+        let z = (Tensor::randn(0f32, 1f32, (n, v), &dev)? * 3.0)?;
+        let ids: Vec<u32> = (0..n).map(|i| ((i * 7919 + 13) % v) as u32).collect();
+        let t = Tensor::from_vec(ids, n, &dev)?;
+        let (_, lse) = forward(&z, &t)?;
+        let g = Tensor::randn(0f32, 1f32, n, &dev)?;
+        let onehot = Tensor::arange(0u32, v as u32, &dev)?
+            .unsqueeze(0)?
+            .broadcast_eq(&t.unsqueeze(1)?)?
+            .to_dtype(DType::F32)?; // (N, V)
+        let want = (z.broadcast_sub(&lse.unsqueeze(1)?)?.exp()? - onehot)?
+            .broadcast_mul(&g.unsqueeze(1)?)?;
+        let logits = z.copy()?;
+        let shared = logits.clone();
+        let dz = backward_in_place(logits, &t, &lse, &g)?;
+        let err = (&dz - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(err <= 1e-6 * scale, "dlogits max err {err} (scale {scale})");
+        let same = (&shared - &dz)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert_eq!(same, 0.0, "the logits' storage does not hold dlogits");
+        let bad = backward_in_place(z.copy()?, &t, &lse, &g.narrow(0, 0, n - 1)?);
+        assert!(bad.unwrap_err().to_string().contains("[36]"));
+        Ok(())
+    }
 }
 
 #[cfg(all(test, feature = "cuda"))]
@@ -309,6 +447,26 @@ mod tests {
             e < tol,
             "dlogits rel err {e} >= {tol} ({n} x {v}, {dtype:?})"
         );
+    }
+
+    /// The in-place backward writes the out-of-place kernel's bits over the logits.
+    #[test]
+    fn in_place_backward_matches_the_fused_backward() {
+        let Some(dev) = cuda() else {
+            return;
+        };
+        for (n, v, dtype) in [(64, 50304, DType::BF16), (33, 1001, DType::F32)] {
+            let x = (Tensor::randn(0f32, 1f32, (n, v), &dev).unwrap() * 3.0).unwrap();
+            let x = x.to_dtype(dtype).unwrap();
+            let t: Vec<u32> = (0..n).map(|i| ((i * 7919 + 13) % v) as u32).collect();
+            let t = Tensor::from_vec(t, n, &dev).unwrap();
+            let (_, lse) = forward(&x, &t).unwrap();
+            let g = Tensor::randn(0f32, 1f32, n, &dev).unwrap();
+            let want = fused_backward(&x, &t, &lse, &g).unwrap();
+            let got = backward_in_place(x.copy().unwrap(), &t, &lse, &g).unwrap();
+            let bits = |d: &Tensor| d.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert!(bits(&got) == bits(&want), "{n} x {v} {dtype:?}: other bits in place");
+        }
     }
 
     #[test]

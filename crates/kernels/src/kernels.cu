@@ -777,8 +777,11 @@ extern "C" __global__ void ce_fwd(const elem* logits, const unsigned int* target
     }
 }
 
-extern "C" __global__ void ce_bwd(const elem* logits, const unsigned int* targets,
-                                  const float* lse, const float* g, elem* dlogits, int V) {
+// dlogits may be the logits themselves (ce_bwd_in_place): each element is read, then written,
+// by the same thread.
+__device__ __forceinline__ void ce_bwd_row(const elem* logits, const unsigned int* targets,
+                                           const float* lse, const float* g, elem* dlogits,
+                                           int V) {
     const long row = blockIdx.x;
     const float L = lse[row], gr = g[row];
     const unsigned int t = targets[row];
@@ -797,6 +800,17 @@ extern "C" __global__ void ce_bwd(const elem* logits, const unsigned int* target
         float p = __expf(ld(logits, row * V + i) - L);
         st(dlogits, row * V + i, (p - (i == (int)t ? 1.f : 0.f)) * gr);
     }
+}
+
+extern "C" __global__ void ce_bwd(const elem* logits, const unsigned int* targets,
+                                  const float* lse, const float* g, elem* dlogits, int V) {
+    ce_bwd_row(logits, targets, lse, g, dlogits, V);
+}
+
+// The logits overwritten by their gradient.
+extern "C" __global__ void ce_bwd_in_place(elem* logits, const unsigned int* targets,
+                                           const float* lse, const float* g, int V) {
+    ce_bwd_row(logits, targets, lse, g, logits, V);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -52,8 +52,8 @@ pub trait VocabLoss: Send + Sync {
     /// autograd records it; the same scalar on every holder.
     fn loss(&self, z: &Tensor, targets: &Tensor) -> Result<Tensor>;
     /// The same loss computed graph-free from z (N, V_r) and targets (N,), and what its
-    /// gradient needs of it.
-    fn loss_taped(&self, z: &Tensor, targets: &Tensor) -> Result<(Tensor, Box<dyn LogitsGrad>)>;
+    /// gradient needs of it. z is the loss's from here on: the gradient may be written over it.
+    fn loss_taped(&self, z: Tensor, targets: &Tensor) -> Result<(Tensor, Box<dyn LogitsGrad>)>;
 }
 
 /// What a head's loss keeps of its graph-free forward for the gradient of the logits.
@@ -98,11 +98,11 @@ impl VocabLoss for AllRows {
         mtrain_kernels::cross_entropy(z, targets)
     }
 
-    fn loss_taped(&self, z: &Tensor, targets: &Tensor) -> Result<(Tensor, Box<dyn LogitsGrad>)> {
+    fn loss_taped(&self, z: Tensor, targets: &Tensor) -> Result<(Tensor, Box<dyn LogitsGrad>)> {
         let targets = targets.to_dtype(DType::U32)?; // (N,)
-        let (rows, lse) = cross_entropy::forward(z, &targets)?; // (N,)
+        let (rows, lse) = cross_entropy::forward(&z, &targets)?; // (N,)
         let loss = rows.mean_all()?; // scalar, f32
-        let logits = z.clone();
+        let logits = z;
         Ok((
             loss,
             Box::new(CrossEntropy {
@@ -115,6 +115,7 @@ impl VocabLoss for AllRows {
 }
 
 /// The cross-entropy of all the logits, kept: z (N, V), the targets (N,) and log Σ e^z (N,).
+/// Its gradient is written over z, which the tape alone holds.
 struct CrossEntropy {
     logits: Tensor,
     targets: Tensor,
@@ -125,6 +126,7 @@ impl LogitsGrad for CrossEntropy {
     fn grad(self: Box<Self>, g_row: f64) -> Result<Tensor> {
         let n = self.logits.dim(0)?;
         let g = Tensor::full(g_row as f32, n, self.logits.device())?; // (N,)
-        cross_entropy::backward(&self.logits, &self.targets, &self.lse, &g) // (N, V)
+        let dz = cross_entropy::backward_in_place(self.logits, &self.targets, &self.lse, &g)?;
+        Ok(dz) // (N, V), in z's storage
     }
 }

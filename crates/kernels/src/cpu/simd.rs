@@ -85,6 +85,13 @@ simd_fn! {
 }
 
 simd_fn! {
+    /// x = e^(x − shift) · scale, element by element: [`exp_shifted`] over its own input.
+    pub(super) fn exp_shifted_in_place(x: &mut [f32], shift: f32, scale: f32) {
+        x.iter_mut().for_each(|x| *x = exp(*x - shift) * scale);
+    }
+}
+
+simd_fn! {
     /// x *= k, element by element.
     pub(super) fn scale(x: &mut [f32], k: f32) {
         x.iter_mut().for_each(|v| *v *= k);

@@ -164,7 +164,7 @@ pub fn head_tape(
         )));
     }
     let z = head.h.matmul(&head.wte.t()?)?; // (N, V_r)
-    let (loss, grad) = vocab.loss_taped(&z, &targets.flatten_all()?)?;
+    let (loss, grad) = vocab.loss_taped(z, &targets.flatten_all()?)?;
     Ok(Some(Box::new(HeadTape {
         head,
         enter,

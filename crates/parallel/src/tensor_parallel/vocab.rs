@@ -169,7 +169,7 @@ impl VocabLoss for VocabShard {
     }
 
     /// The loss's three all-reduces ([`LOSS_ALL_REDUCES`]) on z_r (N, V/tp), in f32.
-    fn loss_taped(&self, z: &Tensor, targets: &Tensor) -> Result<(Tensor, Box<dyn LogitsGrad>)> {
+    fn loss_taped(&self, z: Tensor, targets: &Tensor) -> Result<(Tensor, Box<dyn LogitsGrad>)> {
         let v_local = z.dim(1)?;
         let z = z.to_dtype(DType::F32)?; // (N, V/tp)
         let all_reduce = |t: &Tensor, op: ReduceOp| -> Result<Tensor> {

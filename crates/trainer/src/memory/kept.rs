@@ -68,8 +68,8 @@
 //! (the block input is the previous segment's output, held through the engine's leaf copy) and
 //! the backward frees each tensor after its last use; its worst moment is the MLP branch: the
 //! incoming gradient (and its all-gather under sp), then `dg` (4C/tp wide) beside `g`, then
-//! `df` beside `f`; the head's is `dlogits` (N, V) beside the logits (vocab-parallel: its
-//! `dz` statement, four (N, V/tp) f32). The fused kernels (CUDA) and the CPU loops
+//! `df` beside `f`; the head's is `dh` (N, C) beside `dlogits`, which the loss writes over
+//! the logits (vocab-parallel: its `dz` statement, four (N, V/tp) f32). The fused kernels (CUDA) and the CPU loops
 //! (`kernels/src/cpu.rs`, f32) allocate the same tensors at the same moments, one output per
 //! op; the CPU attention also materialises the (T, T) scores: its backward holds at most three
 //! score tensors (f32) and four N·C gradients when 11 N·C of the tape are already freed, which
@@ -371,9 +371,9 @@ pub fn head(d: &Dims, path: BackwardPath) -> SegmentCost {
             return SegmentCost {
                 input,
                 kept: nc * w + nv * w + d.b * d.t * F32,
-                // dlogits beside the logits, with the row gradients (N,) and, on CPU, the
-                // target ids (N,); then the logits are dropped and dh (N, C) is made.
-                transient: (nv * w + 2.0 * d.b * d.t * F32).max(nc * w),
+                // dlogits written over the logits, with the row gradients (N,) and, on CPU,
+                // the target ids (N,); then dh (N, C) beside them.
+                transient: (2.0 * d.b * d.t * F32).max(nc * w),
             };
         }
         (true, true) => {
