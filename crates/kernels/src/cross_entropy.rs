@@ -355,8 +355,8 @@ mod imp {
         let ts = slice::<u32>(&gt)?.slice(ot..);
         let ls = slice::<f32>(&gl)?.slice(ol..);
         let gs = slice::<f32>(&gg)?.slice(og..);
-        let mut xs = x.as_cuda_slice_mut::<T>()?.slice_mut(l.start_offset()..);
         let f = kernel(&dev, None, x.dtype(), "ce_bwd_in_place")?;
+        let mut xs = x.as_cuda_slice_mut::<T>()?.slice_mut(l.start_offset()..);
         let v32 = v as i32;
         let mut b = f.builder();
         b.arg(&mut xs).arg(&ts).arg(&ls).arg(&gs).arg(&v32);
