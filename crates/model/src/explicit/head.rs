@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor};
-use mtrain_kernels::embedding;
+use mtrain_kernels::{bias, embedding};
 
 use super::{err, taped_dtype, Norm, Stats};
 use crate::layers::LayerNorm;
@@ -276,7 +276,11 @@ pub fn embedding_tape(
         None => tok,
     }; // (B, T, C), or (B, T_r, C)
     let offset = vocab.first_position(t);
-    let out = tok.broadcast_add(&wpe.narrow(0, offset, tok.dim(1)?)?)?;
+    // The positions' rows of wpe added to every sequence: a bias that repeats every T_r·C
+    // elements (one pass of the bias kernel on CUDA, where candle's broadcast add indexes).
+    let (bs, tr, _) = tok.dims3()?;
+    let pos = wpe.narrow(0, offset, tr)?.flatten_all()?; // (T_r·C,)
+    let out = bias::bias_add(&tok.reshape((bs, tr * c))?, &pos)?.reshape((bs, tr, c))?;
     Ok(Some(Box::new(EmbeddingTape {
         wte_name,
         wpe_name,
