@@ -60,46 +60,60 @@ mod imp {
     use std::cell::RefCell;
     use std::sync::Arc;
 
-    use candle_core::cuda_backend::cudarc::driver::{CudaContext, PinnedHostSlice};
+    use candle_core::cuda_backend::cudarc::driver::{CudaContext, CudaEvent, PinnedHostSlice};
     use candle_core::cuda_backend::WrapErr;
     use candle_core::{Result, Tensor};
 
     use crate::cuda::{device, slice, storage};
 
-    pub struct Pinned(PinnedHostSlice<f64>);
-
-    thread_local! {
-        /// Page-locked one-value buffers done with, for the next read on this thread.
-        static FREE: RefCell<Vec<PinnedHostSlice<f64>>> = const { RefCell::new(Vec::new()) };
+    /// A page-locked value and the event recorded behind the copy into it. The event is ours:
+    /// cudarc records a pinned buffer's own event only while it tracks events across several
+    /// streams, which a training process turns off ([`crate::order_by_stream`]) and a
+    /// one-stream context never does, and a wait on an unrecorded event returns at once, with
+    /// the buffer's previous value.
+    pub struct Pinned {
+        host: PinnedHostSlice<f64>,
+        copied: CudaEvent,
     }
 
-    fn take(ctx: &Arc<CudaContext>) -> Result<PinnedHostSlice<f64>> {
+    thread_local! {
+        /// Page-locked one-value buffers (and their events) done with, for the next read on
+        /// this thread.
+        static FREE: RefCell<Vec<Pinned>> = const { RefCell::new(Vec::new()) };
+    }
+
+    fn take(ctx: &Arc<CudaContext>) -> Result<Pinned> {
         let reused = FREE.with(|f| {
             let mut f = f.borrow_mut();
-            let at = f.iter().position(|p| Arc::ptr_eq(p.context(), ctx))?;
+            let at = f.iter().position(|p| Arc::ptr_eq(p.host.context(), ctx))?;
             Some(f.swap_remove(at))
         });
         match reused {
             Some(p) => Ok(p),
-            // SAFETY: the one value is written by the copy before `wait` reads it.
-            None => unsafe { ctx.alloc_pinned_with_flags::<f64>(1, 0) }.w(),
+            None => Ok(Pinned {
+                // SAFETY: the one value is written by the copy before `wait` reads it.
+                host: unsafe { ctx.alloc_pinned_with_flags::<f64>(1, 0) }.w()?,
+                copied: ctx.new_event(None).w()?,
+            }),
         }
     }
 
     pub fn start(t: &Tensor) -> Result<Pinned> {
         let dev = device(t)?;
         let stream = dev.cuda_stream();
-        let mut host = take(stream.context())?;
+        let mut p = take(stream.context())?;
         let (st, off) = storage(t, "ReadLater")?;
         let src = slice::<f64>(&st)?.slice(off..off + 1);
-        // Queued on the tensor's stream; the pinned buffer records its event after the copy.
-        stream.memcpy_dtoh(&src, &mut host).w()?;
-        Ok(Pinned(host))
+        // Queued on the tensor's stream, the event right behind it.
+        stream.memcpy_dtoh(&src, &mut p.host).w()?;
+        p.copied.record(&stream).w()?;
+        Ok(p)
     }
 
     pub fn wait(p: Pinned) -> Result<f64> {
-        let x = p.0.as_slice().w()?[0]; // waits for the copy's event
-        FREE.with(|f| f.borrow_mut().push(p.0));
+        p.copied.synchronize().w()?; // the copy is done
+        let x = p.host.as_slice().w()?[0];
+        FREE.with(|f| f.borrow_mut().push(p));
         Ok(x)
     }
 }
@@ -110,8 +124,8 @@ mod tests {
     use candle_core::Device;
 
     /// The value read later is the tensor's, on the CPU and (where there is one) on CUDA, also
-    /// after more work was queued behind it and with the buffer reused; anything but one f64 is
-    /// refused.
+    /// after more work was queued behind it, behind long work queued before it, and with the
+    /// buffer reused; anything but one f64 is refused.
     #[test]
     fn reads_the_value_after_later_work() -> Result<()> {
         let mut devices = vec![Device::Cpu];
@@ -124,6 +138,17 @@ mod tests {
                 let later = (x.sqr()? * 3.0)?.sum_all()?; // queued behind the copy
                 assert_eq!(read.wait()?, -0.5 + round as f64, "{dev:?}");
                 assert!(later.to_scalar::<f64>()? > 0.0);
+            }
+            // Milliseconds of products queued before the value, so a wait that does not wait
+            // for the copy reads the reused buffer's previous value.
+            let a = Tensor::randn(0f32, 1f32, (2048, 2048), &dev)?;
+            for round in 0..3 * dev.is_cuda() as usize {
+                let mut h = a.clone();
+                for _ in 0..8 {
+                    h = (h.matmul(&a)? * 1e-3)?;
+                }
+                let v = ((h.sum_all()? * 0.0)?.to_dtype(DType::F64)? + (10 + round) as f64)?;
+                assert_eq!(ReadLater::start(&v)?.wait()?, (10 + round) as f64, "{dev:?}");
             }
             let e = ReadLater::start(&Tensor::new(1f32, &dev)?).err().unwrap();
             assert!(e.to_string().contains("one f64"), "{e}");
