@@ -89,7 +89,8 @@ fn tensor<S: Into<Shape>>(v: Vec<f32>, shape: S) -> Result<Tensor> {
 pub(crate) fn exp(x: f32) -> f32 {
     const ROUND: f32 = 12_582_912.0; // 1.5 · 2²³: adding and subtracting it rounds to an integer
     let x = x.clamp(-87.0, 88.0);
-    let n = (x * std::f32::consts::LOG2_E + ROUND) - ROUND;
+    let t = x * std::f32::consts::LOG2_E + ROUND; // n in the low bits of the mantissa
+    let n = t - ROUND;
     // r = x − n ln 2, with ln 2 split in two so n · ln2_hi is exact.
     let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
     let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
@@ -97,7 +98,9 @@ pub(crate) fn exp(x: f32) -> f32 {
         * r
         + 0.5;
     let e = r * r * p + r + 1.0;
-    f32::from_bits(((n as i32 + 127) << 23) as u32) * e
+    // 2ⁿ: t's bits are 0x4B40_0000 + n, and shifted left by 23 only n is left (no float-to-int
+    // conversion, which the compiler cannot vectorise with its saturation rule).
+    f32::from_bits((t.to_bits() << 23).wrapping_add(127 << 23)) * e
 }
 
 /// tanh u = 1 − 2 / (e^(2u) + 1); |u| ≥ 9 gives ±1 to f32 precision.
@@ -544,6 +547,35 @@ mod tests {
         simd::force_baseline(false);
         assert!(one == baseline?, "the AVX2 build's bits differ from the baseline's");
         Ok(())
+    }
+
+    /// `exp`'s 2ⁿ from t's bits is the integer conversion's, bit for bit, over and past the
+    /// clamped range.
+    #[test]
+    fn exp_scale_from_bits_is_the_conversion() {
+        let by_conversion = |x: f32| {
+            const ROUND: f32 = 12_582_912.0;
+            let x = x.clamp(-87.0, 88.0);
+            let n = (x * std::f32::consts::LOG2_E + ROUND) - ROUND;
+            let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
+            let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r
+                + 4.166_579_6e-2)
+                * r
+                + 0.166_666_65)
+                * r
+                + 0.5;
+            let e = r * r * p + r + 1.0;
+            f32::from_bits(((n as i32 + 127) << 23) as u32) * e
+        };
+        let mut x = -100.0f32;
+        while x < 100.0 {
+            assert_eq!(exp(x).to_bits(), by_conversion(x).to_bits(), "e^{x}");
+            x += 0.000_37;
+        }
+        for x in [-87.0f32, 88.0, -0.0, f32::MIN_POSITIVE, f32::MAX, f32::MIN] {
+            assert_eq!(exp(x).to_bits(), by_conversion(x).to_bits(), "e^{x}");
+        }
+        assert!(exp(f32::NAN).is_nan());
     }
 
     /// Shapes that do not fit are errors that name them, not silently shortened loops.
