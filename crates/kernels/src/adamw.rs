@@ -1,5 +1,6 @@
-//! AdamW for one tensor: the whole update in one fused kernel (`adamw.cu`), the step that picks it
-//! or the same formulas in candle ops ([`plain_update`]).
+//! AdamW for one tensor: the whole update in one fused kernel (`adamw.cu`), the step that picks it,
+//! the same formulas in candle ops ([`plain_update`]) and, for f32 tensors on the CPU, those ops'
+//! arithmetic in one pass (`cpu/adamw.rs`, the same bits).
 //!
 //! ```text
 //!   candle path, per tensor (plain_update)            fused, per tensor
@@ -152,8 +153,9 @@ pub fn clip_coef_on_device(sq: &Tensor, max_norm: f64) -> Result<Tensor> {
 
 /// One AdamW step of `p` with gradient `g` (any float dtype, read as f32) and moments `m`, `v`
 /// (None on the first step: zeros); with `copy`, also the new `p` cast to that dtype. The
-/// fused kernel where it applies (it writes a bf16 copy in the same pass), else candle ops
-/// with the same formulas. The inputs are only read; every output is a fresh tensor.
+/// fused kernel where it applies (it writes a bf16 copy in the same pass), for f32 CPU tensors
+/// the CPU loop, else candle ops with the same formulas. The inputs are only read; every
+/// output is a fresh tensor.
 pub fn step(
     p: &Tensor,
     g: &Tensor,
@@ -173,7 +175,11 @@ pub fn step(
         };
         fused(p, g, &m, &v, h, copy == Some(DType::BF16))?
     } else {
-        let (p32, m, v) = plain_update(p, g, m, v, h)?;
+        let cpu_loop = crate::cpu::takes(&[p, g]) && crate::cpu::takes(&[m, v].map(|t| t.unwrap_or(p)));
+        let (p32, m, v) = match cpu_loop {
+            true => crate::cpu::adamw_update(p, g, m, v, h)?,
+            false => plain_update(p, g, m, v, h)?,
+        };
         AdamWOut {
             p: p32.to_dtype(p.dtype())?,
             m,

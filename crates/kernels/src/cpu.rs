@@ -25,10 +25,12 @@ use candle_core::{DType, Device, Result, Shape, Storage, StorageRef, Tensor, Wit
 
 use crate::msg;
 
+mod adamw;
 mod bmm;
 mod each;
 mod simd;
 mod split;
+pub(crate) use adamw::adamw_update;
 pub(crate) use bmm::matmul;
 pub use each::each_tensor;
 pub use split::{set_split_min, split_min, DEFAULT_SPLIT_MIN};

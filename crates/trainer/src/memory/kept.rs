@@ -101,7 +101,7 @@ pub enum BackwardPath {
     /// the embeddings, on the fused CUDA kernels.
     Tapes,
     /// The same tapes on CPU (`kernels/src/cpu.rs`): the same tensors kept and at the same
-    /// moments, and the optimizer's update in candle ops.
+    /// moments, and the optimizer's update in the CPU loop.
     CpuTapes,
 }
 
@@ -280,10 +280,9 @@ fn autograd_block_transient(d: &Dims, gelu_values: f64) -> f64 {
 /// What the optimizer step adds above the gradients it still holds, at its worst moment:
 ///
 /// ```text
-///   update     candle ops (adamw::plain_update, CPU): m, g², v, the denominator, the update,
-///              the decayed weights, update · lr and the new weights of the tensor being stepped
-///              = 8 of the largest stepped tensor (`largest` bytes, f32), the old ones freed
-///              after it; the fused in-place kernel (CUDA): nothing
+///   update     the CPU loop (kernels/src/cpu/adamw.rs, f32): the new weights, m and v of the
+///              tensor being stepped = 3 of the largest stepped tensor (`largest` bytes, f32),
+///              the old ones freed after it; the fused in-place kernel (CUDA): nothing
 ///   write-back ZeRO-1/2 (parallel/src/fsdp.rs, after_optimizer_step): every unit's updated
 ///              shard joined and all-gathered at once, so `gathered` = the full weights plus
 ///              the shards sent, before each unit's gathered weights replace the old ones
@@ -291,7 +290,7 @@ fn autograd_block_transient(d: &Dims, gelu_values: f64) -> f64 {
 pub fn optimizer_step(largest: f64, gathered: f64, path: BackwardPath) -> f64 {
     let update = match path {
         BackwardPath::Tapes => 0.0,
-        BackwardPath::Autograd | BackwardPath::CpuTapes => 8.0 * largest,
+        BackwardPath::Autograd | BackwardPath::CpuTapes => 3.0 * largest,
     };
     update.max(gathered)
 }
