@@ -118,8 +118,7 @@ const GELU_A: f32 = 0.044_715;
 /// GELU (tanh approximation) of x, any shape: y = x/2 · (1 + tanh u), u = k (x + a x³).
 pub(crate) fn gelu(x: &Tensor) -> Result<Tensor> {
     with(&[x], |s| {
-        let mut y = vec![0f32; s[0].len()];
-        split::spans(&mut y, |o, ys| simd::gelu(&s[0][o..o + ys.len()], ys));
+        let y = split::fresh_spans(s[0].len(), |o, ys| simd::gelu(&s[0][o..o + ys.len()], ys));
         tensor(y, x.shape().clone())
     })
 }
@@ -128,8 +127,7 @@ pub(crate) fn gelu(x: &Tensor) -> Result<Tensor> {
 pub(crate) fn gelu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     same_dims("gelu backward", &[x, dy])?;
     with(&[x, dy], |s| {
-        let mut dx = vec![0f32; s[0].len()];
-        split::spans(&mut dx, |o, dxs| {
+        let dx = split::fresh_spans(s[0].len(), |o, dxs| {
             let n = dxs.len();
             simd::gelu_backward(&s[0][o..o + n], &s[1][o..o + n], dxs)
         });
@@ -184,8 +182,8 @@ pub(crate) fn layer_norm(
     }
     with(&[x, w, b], |s| {
         let (w, b) = (s[1], s[2]);
-        let (mut y, mut stats) = (vec![0f32; n * c], vec![(0f32, 0f32); n]);
-        split::rows(&mut y, c, &mut stats, |i, yr, stat| {
+        let mut stats = vec![(0f32, 0f32); n];
+        let y = split::fresh_rows(n * c, c, &mut stats, |i, yr, stat| {
             let xr = &s[0][i * c..(i + 1) * c];
             let m = xr.iter().sum::<f32>() / c as f32;
             let var = xr.iter().map(|&v| (v - m) * (v - m)).sum::<f32>() / c as f32;
@@ -229,8 +227,7 @@ pub(crate) fn layer_norm_backward(
     }
     with(&[x, w, dy, mean, rstd], |s| {
         let (xs, w, dys, mean, rstd) = (s[0], s[1], s[2], s[3], s[4]);
-        let mut dx = vec![0f32; xs.len()];
-        split::each_row(&mut dx, c, |i, dxr| {
+        let dx = split::fresh_each_row(xs.len(), c, |i, dxr| {
             let (xr, dyr) = (&xs[i * c..(i + 1) * c], &dys[i * c..(i + 1) * c]);
             let (m, r) = (mean[i], rstd[i]);
             let (mut m1, mut m2) = (0f32, 0f32);
@@ -274,8 +271,7 @@ pub(crate) fn residual_add(r: &Tensor, x: &Tensor, b: &Tensor) -> Result<Tensor>
         )));
     }
     with(&[r, x, b], |s| {
-        let mut y = vec![0f32; n * c];
-        split::each_row(&mut y, c, |i, yr| {
+        let y = split::fresh_each_row(n * c, c, |i, yr| {
             let (rr, xr) = (&s[0][i * c..(i + 1) * c], &s[1][i * c..(i + 1) * c]);
             for (((y, &r), &x), &b) in yr.iter_mut().zip(rr).zip(xr).zip(s[2]) {
                 *y = r + x + b;
@@ -303,8 +299,8 @@ pub(crate) fn row_sum(dy: &Tensor) -> Result<Tensor> {
 pub(crate) fn causal_softmax(s: &Tensor) -> Result<(Tensor, Tensor)> {
     let t = square("causal softmax", s)?;
     with(&[s], |e| {
-        let (mut p, mut lse) = (vec![0f32; e[0].len()], vec![0f32; e[0].len() / t]);
-        split::rows(&mut p, t, &mut lse, |r, pr, lse| {
+        let mut lse = vec![0f32; e[0].len() / t];
+        let p = split::fresh_rows(e[0].len(), t, &mut lse, |r, pr, lse| {
             let i = r % t; // the query's position: keys 0..=i
             let (sr, pr) = (&e[0][r * t..r * t + i + 1], &mut pr[..=i]);
             let max = sr.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
@@ -330,8 +326,7 @@ pub(crate) fn causal_probs(s: &Tensor, lse: &Tensor) -> Result<Tensor> {
         )));
     }
     with(&[s, lse], |e| {
-        let mut p = vec![0f32; e[0].len()];
-        split::each_row(&mut p, t, |r, pr| {
+        let p = split::fresh_each_row(e[0].len(), t, |r, pr| {
             let i = r % t;
             simd::exp_shifted(&e[0][r * t..r * t + i + 1], e[1][r], 1.0, &mut pr[..=i]);
         });
@@ -354,8 +349,7 @@ pub(crate) fn score_grad(p: &Tensor, dp: &Tensor, dy: &Tensor, y: &Tensor) -> Re
         )));
     }
     with(&[p, dp, dy, y], |e| {
-        let mut ds = vec![0f32; e[0].len()];
-        split::each_row(&mut ds, t, |r, dsr| {
+        let ds = split::fresh_each_row(e[0].len(), t, |r, dsr| {
             let i = r % t;
             let (pr, dpr) = (&e[0][r * t..r * t + i + 1], &e[1][r * t..r * t + i + 1]);
             let (dyr, yr) = (&e[2][r * d..(r + 1) * d], &e[3][r * d..(r + 1) * d]);

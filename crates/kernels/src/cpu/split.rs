@@ -16,6 +16,7 @@
 //! threshold is measured (docs/BENCHMARKS.md, "Two cores"), and [`set_split_min`] moves it for
 //! such a measurement.
 
+use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -52,6 +53,38 @@ pub(crate) fn rows<S: Send>(
     c: usize,
     stats: &mut [S],
     f: impl Fn(usize, &mut [f32], &mut S) + Sync,
+) {
+    split_rows(out, c, stats, f);
+}
+
+/// [`rows`] into a fresh output of `n` elements: each row is zeroed by the task that then
+/// writes it, on whichever worker runs it, while the row is in cache; `vec![0; n]` would be a
+/// pass of its own on the calling thread before the split.
+pub(crate) fn fresh_rows<S: Send>(
+    n: usize,
+    c: usize,
+    stats: &mut [S],
+    f: impl Fn(usize, &mut [f32], &mut S) + Sync,
+) -> Vec<f32> {
+    let mut out: Vec<f32> = Vec::with_capacity(n);
+    split_rows(&mut out.spare_capacity_mut()[..n], c, stats, |i, row, s| {
+        row.fill(MaybeUninit::new(0.0));
+        // SAFETY: every element of `row` was just written.
+        let row = unsafe { &mut *(row as *mut [MaybeUninit<f32>] as *mut [f32]) };
+        f(i, row, s)
+    });
+    // SAFETY: the rows cover the first n elements, and each was written.
+    unsafe { out.set_len(n) };
+    out
+}
+
+/// The split itself: rows of `c` elements of `out` with `stats`, over the pool from
+/// [`split_min`] elements, tasks of at least [`TASK_MIN`].
+fn split_rows<T: Send, S: Send>(
+    out: &mut [T],
+    c: usize,
+    stats: &mut [S],
+    f: impl Fn(usize, &mut [T], &mut S) + Sync,
 ) {
     debug_assert_eq!(out.len().div_ceil(c), stats.len());
     if splits(out.len()) {
@@ -93,16 +126,22 @@ pub(crate) fn column_sums<const K: usize>(
 /// The elements one task of a split element-wise op takes.
 const SPAN: usize = TASK_MIN;
 
-/// Runs `f(offset, span)` over spans of `out` (element-wise ops: `span` is
-/// `out[offset..offset + span.len()]`).
-pub(crate) fn spans(out: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
-    each_row(out, SPAN, |i, span| f(i * SPAN, span));
+/// A fresh output of `n` elements written by `f(offset, span)` over its spans (element-wise
+/// ops: `span` is `out[offset..offset + span.len()]`), as [`fresh_rows`].
+pub(crate) fn fresh_spans(n: usize, f: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
+    fresh_each_row(n, SPAN, |i, span| f(i * SPAN, span))
 }
 
 /// [`rows`] for an op that writes nothing per row but the row itself.
 pub(crate) fn each_row(out: &mut [f32], c: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
     let mut none = vec![(); out.len().div_ceil(c)];
     rows(out, c, &mut none, |i, row, _| f(i, row));
+}
+
+/// [`fresh_rows`] for an op that writes nothing per row but the row itself.
+pub(crate) fn fresh_each_row(n: usize, c: usize, f: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
+    let mut none = vec![(); n.div_ceil(c)];
+    fresh_rows(n, c, &mut none, |i, row, _| f(i, row))
 }
 
 /// Runs `f(i, stat)` for each of the `stats.len()` rows of an op whose rows read `c` elements
