@@ -1,6 +1,6 @@
 //! AdamW for one tensor: the whole update in one fused kernel (`adamw.cu`), the step that picks it,
 //! the same formulas in candle ops ([`plain_update`]) and, for f32 tensors on the CPU, those ops'
-//! arithmetic in one pass (`cpu/adamw.rs`, the same bits).
+//! arithmetic in one pass (`adamw/one_pass.rs`, the same bits).
 //!
 //! ```text
 //!   candle path, per tensor (plain_update)            fused, per tensor
@@ -27,6 +27,8 @@
 use candle_core::{DType, Result, Tensor};
 
 use crate::msg;
+
+mod one_pass;
 
 /// One AdamW step for one tensor.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -177,7 +179,7 @@ pub fn step(
     } else {
         let cpu_loop = crate::cpu::takes(&[p, g]) && crate::cpu::takes(&[m, v].map(|t| t.unwrap_or(p)));
         let (p32, m, v) = match cpu_loop {
-            true => crate::cpu::adamw_update(p, g, m, v, h)?,
+            true => one_pass::update(p, g, m, v, h)?,
             false => plain_update(p, g, m, v, h)?,
         };
         AdamWOut {

@@ -25,12 +25,10 @@ use candle_core::{DType, Device, Result, Shape, Storage, StorageRef, Tensor, Wit
 
 use crate::msg;
 
-mod adamw;
 mod bmm;
 mod each;
 mod simd;
 mod split;
-pub(crate) use adamw::adamw_update;
 pub(crate) use bmm::matmul;
 pub use each::each_tensor;
 pub use split::{set_split_min, split_min, DEFAULT_SPLIT_MIN};
@@ -71,7 +69,7 @@ impl<'a> Elems<'a> {
 }
 
 /// Runs `f` on the f32 elements of each tensor of `ts` (made contiguous first).
-fn with<R>(ts: &[&Tensor], f: impl FnOnce(&[&[f32]]) -> Result<R>) -> Result<R> {
+pub(crate) fn with<R>(ts: &[&Tensor], f: impl FnOnce(&[&[f32]]) -> Result<R>) -> Result<R> {
     let owned: Vec<Tensor> = ts.iter().map(|t| t.contiguous()).collect::<Result<_>>()?;
     let elems: Vec<Elems> = owned.iter().map(Elems::of).collect::<Result<_>>()?;
     let slices: Vec<&[f32]> = elems
@@ -81,7 +79,7 @@ fn with<R>(ts: &[&Tensor], f: impl FnOnce(&[&[f32]]) -> Result<R>) -> Result<R> 
     f(&slices)
 }
 
-fn tensor<S: Into<Shape>>(v: Vec<f32>, shape: S) -> Result<Tensor> {
+pub(crate) fn tensor<S: Into<Shape>>(v: Vec<f32>, shape: S) -> Result<Tensor> {
     Tensor::from_vec(v, shape, &Device::Cpu)
 }
 

@@ -29,6 +29,7 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let split = super::takes(&[a, b])
         && (bb, h, k) == (b2, h2, k2)
         && mats >= 2
+        && k > 0
         && small
         && super::split::splits(mats * m * n);
     if !split {
@@ -45,21 +46,23 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         return a.matmul(b);
     }
     let threads = rayon::current_num_threads();
-    let mut out = vec![0f32; mats * m * n];
-    out.par_chunks_mut(m * n)
+    // Not zeroed first: the gemm writes every element of C without reading it (k > 0).
+    let mut out: Vec<f32> = Vec::with_capacity(mats * m * n);
+    out.spare_capacity_mut()[..mats * m * n]
+        .par_chunks_mut(m * n)
         .with_min_len(mats.div_ceil(threads))
         .enumerate()
         .for_each(|(i, dst)| {
             // SAFETY: the offsets and strides are those of valid layouts of `a` and `b` over
             // `va` and `vb`, so every element the gemm reads of matrix i lies in them; `dst`
-            // is one (M, N) row-major matrix of `out`. The arguments are candle's own
-            // (`cpu_backend::MatMul`): C = 0·C + 1·A·B, C not read.
+            // is one (M, N) row-major matrix of `out`'s capacity. The arguments are candle's
+            // own (`cpu_backend::MatMul`): C = 0·C + 1·A·B, C not read, every element written.
             unsafe {
                 gemm::gemm(
                     m,
                     n,
                     k,
-                    dst.as_mut_ptr(),
+                    dst.as_mut_ptr() as *mut f32,
                     1,
                     n as isize,
                     false,
@@ -78,6 +81,8 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
                 )
             }
         });
+    // SAFETY: the products wrote all mats · m · n elements.
+    unsafe { out.set_len(mats * m * n) };
     drop((sa, sb));
     Tensor::from_vec(out, (bb, h, m, n), a.device())
 }

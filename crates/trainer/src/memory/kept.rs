@@ -280,7 +280,7 @@ fn autograd_block_transient(d: &Dims, gelu_values: f64) -> f64 {
 /// What the optimizer step adds above the gradients it still holds, at its worst moment:
 ///
 /// ```text
-///   update     the CPU loop (kernels/src/cpu/adamw.rs, f32): the new weights, m and v of the
+///   update     the CPU loop (kernels/src/adamw/one_pass.rs, f32): the new weights, m and v of the
 ///              tensor being stepped = 3 of the largest stepped tensor (`largest` bytes, f32),
 ///              the old ones freed after it; the fused in-place kernel (CUDA): nothing
 ///   write-back ZeRO-1/2 (parallel/src/fsdp.rs, after_optimizer_step): every unit's updated

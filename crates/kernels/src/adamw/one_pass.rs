@@ -1,5 +1,5 @@
 //! AdamW's update of one f32 tensor on the CPU in one pass over its elements: the arithmetic of
-//! [`crate::adamw::plain_update`]'s candle ops, element for element, so the bits are the same,
+//! [`super::plain_update`]'s candle ops, element for element, so the bits are the same,
 //! without their fourteen passes over the tensor and the fresh tensor each pass makes.
 //!
 //! ```text
@@ -10,31 +10,30 @@
 //!   m + g·(1−β₁), decayed − u·lr    binary add / sub               + / −
 //! ```
 //!
-//! Each constant is the f64 expression rounded to f32 once, as candle's affine map takes it.
+//! The constants are [`AdamWHyper::constants`]': each the f64 expression rounded to f32 once, as
+//! candle's affine map takes it.
 //! The `+ 0` stays: it turns a −0 into +0, as the candle op does.
 
 use std::mem::MaybeUninit;
 
 use candle_core::{Result, Tensor};
 
-use super::{tensor, with};
-use crate::adamw::AdamWHyper;
+use super::AdamWHyper;
+use crate::cpu::{tensor, with};
 
 /// The new `(p, m, v)` (f32, `p`'s shape) from f32 CPU tensors `p`, `g` and the moments (None:
-/// zero, the first step): [`crate::adamw::plain_update`]'s result, bit for bit.
-pub(crate) fn adamw_update(
+/// zero, the first step): [`super::plain_update`]'s result, bit for bit.
+pub(super) fn update(
     p: &Tensor,
     g: &Tensor,
     m: Option<&Tensor>,
     v: Option<&Tensor>,
     h: &AdamWHyper,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let t = h.step as i32;
-    let (bc1, bc2) = (1.0 - h.beta1.powi(t), 1.0 - h.beta2.powi(t));
-    let c = |x: f64| x as f32;
-    let decay = (h.weight_decay != 0.0).then(|| c(1.0 - h.lr * h.weight_decay));
-    let (b1, ob1, b2, ob2) = (c(h.beta1), c(1.0 - h.beta1), c(h.beta2), c(1.0 - h.beta2));
-    let (ibc1, ibc2, eps, lr) = (c(1.0 / bc1), c(1.0 / bc2), c(h.eps), c(h.lr));
+    let k = h.constants()?;
+    let decay = (h.weight_decay != 0.0).then_some(k.decay);
+    let (b1, ob1, b2, ob2) = (k.beta1, k.one_m_b1, k.beta2, k.one_m_b2);
+    let (ibc1, ibc2, eps, lr, s) = (k.inv_bc1, k.inv_bc2, k.eps, k.lr, k.gscale);
     let zeros;
     let (m, v) = match (m, v) {
         (Some(m), Some(v)) => (m, v),
@@ -48,7 +47,6 @@ pub(crate) fn adamw_update(
     // The gradient is scaled even by 1 (`g · 1 + 0` differs from g only at −0, and every use
     // of g, `g · (1 − β₁) + 0` and g², gives +0 for both zeros); the decay is not: a −0 weight
     // would come out +0.
-    let s = c(h.grad_scale);
     with(&[p, g, m, v], |e| {
         let n = e[0].len();
         // Written into spare capacity, element by element, then given their length: no pass
@@ -128,8 +126,8 @@ mod tests {
                 1 => (None, None),
                 _ => (Some(&m), Some(&v)),
             };
-            let want = crate::adamw::plain_update(&p, &g, mm, vv, &h)?;
-            let got = adamw_update(&p, &g, mm, vv, &h)?;
+            let want = super::super::plain_update(&p, &g, mm, vv, &h)?;
+            let got = update(&p, &g, mm, vv, &h)?;
             for (what, a, b) in [("p", &got.0, &want.0), ("m", &got.1, &want.1), ("v", &got.2, &want.2)] {
                 assert!(bits(a)? == bits(b)?, "step {step} wd {wd} scale {scale}: {what} differs");
             }
