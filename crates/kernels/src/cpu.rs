@@ -9,6 +9,7 @@
 //!   gelu forward / backward  tanh, powers, products: 4 / ~14            one each, tanh from exp
 //!   layer_norm fwd / bwd     mean, centre, square, ÷, ·w, +b: ~8 / ~14  one row at a time
 //!   residual + bias          2                                          1
+//!   bias add (graph-free)    1, on the calling thread                   1, rows split
 //!   attention softmax        +mask, max, −, exp, Σ, ln, −, exp: 8       1, the masked half skipped
 //!   attention dS             exp(s − lse), dy·y, Σ, −, ·: 5             1 (with δ = rowsum(dy∘y))
 //!   cross-entropy fwd / bwd  log-softmax, gather / exp, one-hot, ·: ~6  one row at a time
@@ -279,6 +280,23 @@ pub(crate) fn residual_add(r: &Tensor, x: &Tensor, b: &Tensor) -> Result<Tensor>
     })
 }
 
+/// x + b for x (N, C) and b (C,): candle's broadcast add element for element, its rows split
+/// over the pool (candle's runs on the calling thread).
+pub(crate) fn bias_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let (n, c) = rows(x)?;
+    if b.dims() != [c] {
+        return Err(msg(format!("bias_add: x {:?}, b {:?}", x.dims(), b.dims())));
+    }
+    with(&[x, b], |s| {
+        let y = split::fresh_each_row(n * c, c, |i, yr| {
+            for ((y, &x), &b) in yr.iter_mut().zip(&s[0][i * c..(i + 1) * c]).zip(s[1]) {
+                *y = x + b;
+            }
+        });
+        tensor(y, x.shape().clone())
+    })
+}
+
 /// Σ over the rows of dy (..., C): (C,).
 pub(crate) fn row_sum(dy: &Tensor) -> Result<Tensor> {
     let (n, c) = rows(dy)?;
@@ -470,6 +488,10 @@ mod tests {
             &(&x + dy.broadcast_add(&b)?)?,
             "residual",
         );
+        let bits = |t: &Tensor| -> Result<Vec<u32>> {
+            Ok(t.flatten_all()?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())
+        };
+        assert!(bits(&bias_add(&x, &b)?)? == bits(&x.broadcast_add(&b)?)?, "bias add");
         close(
             &row_sum(&dy.narrow(0, 2, 5)?)?,
             &dy.narrow(0, 2, 5)?.sum(0)?,
@@ -516,6 +538,7 @@ mod tests {
                 dw,
                 db,
                 residual_add(&x, &dy, &b)?,
+                bias_add(&x, &b)?,
                 row_sum(&dy)?,
                 causal_probs(&s, &lse)?,
                 score_grad(&p, &s, &o, &o)?,
