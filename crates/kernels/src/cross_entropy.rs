@@ -240,7 +240,7 @@ fn fused_backward(logits: &Tensor, targets: &Tensor, lse: &Tensor, g: &Tensor) -
 #[cfg(feature = "cuda")]
 mod imp {
     use candle_core::backend::BackendStorage;
-    use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{CudaStorage, Layout, Result, Tensor};
 
@@ -307,22 +307,34 @@ mod imp {
         let dev = device(logits)?;
         let (n, v) = logits.dims2()?;
         let (gx, ox) = storage(logits, "logits")?;
-        let (gt, ot) = storage(targets, "targets")?;
-        let (gl, ol) = storage(lse, "lse")?;
-        let (gg, og) = storage(g, "grad")?;
         let xs = slice::<T>(&gx)?.slice(ox..);
-        let ts = slice::<u32>(&gt)?.slice(ot..);
-        let ls = slice::<f32>(&gl)?.slice(ol..);
-        let gs = slice::<f32>(&gg)?.slice(og..);
         // SAFETY: the kernel writes every element of every row.
         let dx = unsafe { dev.alloc::<T>(n * v)? };
         let f = kernel(&dev, None, logits.dtype(), "ce_bwd")?;
         let v32 = v as i32;
-        let mut b = f.builder();
-        b.arg(&xs).arg(&ts).arg(&ls).arg(&gs).arg(&dx).arg(&v32);
-        // SAFETY: argument types and order match `ce_bwd` in kernels.cu.
-        unsafe { b.launch(rows(n)) }.w()?;
+        per_row(targets, lse, g, |ts, ls, gs| {
+            let mut b = f.builder();
+            b.arg(&xs).arg(ts).arg(ls).arg(gs).arg(&dx).arg(&v32);
+            // SAFETY: argument types and order match `ce_bwd` in kernels.cu.
+            unsafe { b.launch(rows(n)) }.w().map(|_| ())
+        })?;
         Ok(tensor(&dev, dx, (n, v)))
+    }
+
+    /// `launch` with the device views of the per-row inputs: targets (N,) u32, lse and g (N,) f32.
+    fn per_row(
+        targets: &Tensor,
+        lse: &Tensor,
+        g: &Tensor,
+        launch: impl FnOnce(&CudaView<u32>, &CudaView<f32>, &CudaView<f32>) -> Result<()>,
+    ) -> Result<()> {
+        let (gt, ot) = storage(targets, "targets")?;
+        let (gl, ol) = storage(lse, "lse")?;
+        let (gg, og) = storage(g, "grad")?;
+        let ts = slice::<u32>(&gt)?.slice(ot..);
+        let ls = slice::<f32>(&gl)?.slice(ol..);
+        let gs = slice::<f32>(&gg)?.slice(og..);
+        launch(&ts, &ls, &gs)
     }
 
     /// The logits (N, V) at `l` in `x` overwritten by dlogits (`ce_bwd_in_place`).
@@ -348,22 +360,16 @@ mod imp {
         g: &Tensor,
     ) -> Result<()> {
         let (n, v) = l.shape().dims2()?;
-        let dev = x.device.clone();
-        let (gt, ot) = storage(targets, "targets")?;
-        let (gl, ol) = storage(lse, "lse")?;
-        let (gg, og) = storage(g, "grad")?;
-        let ts = slice::<u32>(&gt)?.slice(ot..);
-        let ls = slice::<f32>(&gl)?.slice(ol..);
-        let gs = slice::<f32>(&gg)?.slice(og..);
-        let f = kernel(&dev, None, x.dtype(), "ce_bwd_in_place")?;
+        let f = kernel(&x.device, None, x.dtype(), "ce_bwd_in_place")?;
         let mut xs = x.as_cuda_slice_mut::<T>()?.slice_mut(l.start_offset()..);
         let v32 = v as i32;
-        let mut b = f.builder();
-        b.arg(&mut xs).arg(&ts).arg(&ls).arg(&gs).arg(&v32);
-        // SAFETY: argument types and order match `ce_bwd_in_place` in kernels.cu; the caller's
-        // layout is contiguous (N, V), every row read and written by one block.
-        unsafe { b.launch(rows(n)) }.w()?;
-        Ok(())
+        per_row(targets, lse, g, |ts, ls, gs| {
+            let mut b = f.builder();
+            b.arg(&mut xs).arg(ts).arg(ls).arg(gs).arg(&v32);
+            // SAFETY: argument types and order match `ce_bwd_in_place` in kernels.cu; the
+            // caller's layout is contiguous (N, V), every row read and written by one block.
+            unsafe { b.launch(rows(n)) }.w().map(|_| ())
+        })
     }
 }
 
