@@ -69,9 +69,9 @@
 //! the backward frees each tensor after its last use; its worst moment is the MLP branch: the
 //! incoming gradient (and its all-gather under sp), then `dg` (4C/tp wide) beside `g`, then
 //! `df` beside `f`; the head's is `dh` (N, C) beside `dlogits`, which the loss writes over
-//! the logits (vocab-parallel: its `dz` statement, four (N, V/tp) f32). The fused kernels (CUDA) and the CPU loops
-//! (`kernels/src/cpu.rs`, f32) allocate the same tensors at the same moments, one output per
-//! op; the CPU attention also materialises the (T, T) scores: its backward holds at most three
+//! the logits (vocab-parallel: its `dz` statement, four (N, V/tp) f32). The fused kernels
+//! (CUDA) and the CPU loops (`kernels/src/cpu.rs`, f32) allocate the same tensors at the same
+//! moments, one output per op; the CPU attention also materialises the (T, T) scores: its backward holds at most three
 //! score tensors (f32) and four N·C gradients when 11 N·C of the tape are already freed, which
 //! stays at or below the MLP moment while `H·T ≤ 4C` at f32 (the tests' sizes and the tiny
 //! preset's).
