@@ -71,10 +71,10 @@
 //! `df` beside `f`; the head's is `dh` (N, C) beside `dlogits`, which the loss writes over
 //! the logits (vocab-parallel: its `dz` statement, four (N, V/tp) f32). The fused kernels
 //! (CUDA) and the CPU loops (`kernels/src/cpu.rs`, f32) allocate the same tensors at the same
-//! moments, one output per op; the CPU attention also materialises the (T, T) scores: its backward holds at most three
-//! score tensors (f32) and four N·C gradients when 11 N·C of the tape are already freed, which
-//! stays at or below the MLP moment while `H·T ≤ 4C` at f32 (the tests' sizes and the tiny
-//! preset's).
+//! moments, one output per op; the CPU attention also materialises the (T, T) scores: its
+//! backward holds at most three score tensors (f32) and four N·C gradients when 11 N·C of the
+//! tape are already freed, which stays at or below the MLP moment while `H·T ≤ 4C` at f32 (the
+//! tests' sizes and the tiny preset's).
 //!
 //! MoE blocks have a tape (`model/src/explicit/moe.rs`) but are counted on every path as
 //! autograd keeps them ([`moe_block`]), which the tape's forward does not match (it keeps the
