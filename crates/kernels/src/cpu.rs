@@ -15,7 +15,8 @@
 //!   cross-entropy fwd / bwd  log-softmax, gather / exp, one-hot, ·: ~6  one row at a time
 //! ```
 //!
-//! The matrix products stay candle's (its gemm). `exp` is a polynomial the compiler vectorises
+//! The matrix products are candle's gemm calls ([`matmul`]: the outputs unzeroed, attention's
+//! batches split over the pool). `exp` is a polynomial the compiler vectorises
 //! (libm's `expf` is one call per element): `e^x = 2^n · e^r`, `n = round(x / ln 2)`,
 //! `|r| ≤ ln 2 / 2`, `e^r ≈ 1 + r + r² p(r)` with Cephes' degree-5 `p`, a few units in the last
 //! place; `tanh u = 1 − 2 / (e^(2u) + 1)`. Sums run in f32 in row order, as the kernels' do.
@@ -30,7 +31,7 @@ mod bmm;
 mod each;
 mod simd;
 mod split;
-pub(crate) use bmm::matmul;
+pub use bmm::matmul;
 pub use each::each_tensor;
 pub use split::{set_split_min, split_min, DEFAULT_SPLIT_MIN};
 

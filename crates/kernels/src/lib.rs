@@ -62,7 +62,7 @@ pub mod attention;
 mod attention_path;
 pub mod bias;
 mod cpu;
-pub use cpu::{each_tensor, set_split_min, split_min, DEFAULT_SPLIT_MIN};
+pub use cpu::{each_tensor, matmul, set_split_min, split_min, DEFAULT_SPLIT_MIN};
 pub mod cross_entropy;
 #[cfg(feature = "cuda")]
 mod cuda;

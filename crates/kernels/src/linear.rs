@@ -36,7 +36,7 @@ pub fn forward(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     if lt::takes(&[x, w, b]) {
         return lt::forward(x, w, b, None);
     }
-    let y = x.matmul(&w.t()?)?;
+    let y = crate::matmul(x, &w.t()?)?;
     if crate::cpu::takes(&[&y, b]) {
         return crate::cpu::bias_add(&y, b);
     }
@@ -49,7 +49,7 @@ pub fn forward_residual(r: &Tensor, x: &Tensor, w: &Tensor, b: &Tensor) -> Resul
     if lt::takes(&[r, x, w, b]) {
         return lt::forward(x, w, b, Some(r));
     }
-    bias::residual_add(r, &x.matmul(&w.t()?)?, b)
+    bias::residual_add(r, &crate::matmul(x, &w.t()?)?, b)
 }
 
 /// `(f, gelu(f))` with `f = x wᵀ + b`: the MLP's first layer and its activation.
@@ -70,7 +70,7 @@ pub fn input_grad_gelu(dy: &Tensor, w: &Tensor, f: &Tensor) -> Result<Tensor> {
     if lt::takes(&[dy, w, f]) && lt::aux_fits(w.dim(1)?) {
         return lt::input_grad_gelu(dy, w, f);
     }
-    gelu::backward(f, &dy.matmul(w)?)
+    gelu::backward(f, &crate::matmul(dy, w)?)
 }
 
 /// `(dyᵀ x, Σ_rows dy)` for dy (N, out), x (N, in): a linear layer's weight and bias gradients.
@@ -79,7 +79,7 @@ pub fn weight_grad(dy: &Tensor, x: &Tensor, b: &Tensor) -> Result<(Tensor, Tenso
     if lt::takes(&[dy, x, b]) && lt::bias_grad_fused() {
         return lt::weight_grad(dy, x);
     }
-    Ok((dy.t()?.matmul(x)?, bias::grad(dy, b)?))
+    Ok((crate::matmul(&dy.t()?, x)?, bias::grad(dy, b)?))
 }
 
 #[cfg(feature = "cuda")]

@@ -178,7 +178,7 @@ impl Dense {
     /// out(x Wᵀ) (N', out), the output collective applied: where it sits between the product
     /// and the bias, the bias cannot be the GEMM's epilogue.
     fn product(&self, x: &Tensor, b: usize) -> Result<Tensor> {
-        across(&self.output, &x.matmul(&self.w.t()?)?, b, fwd)
+        across(&self.output, &mtrain_kernels::matmul(x, &self.w.t()?)?, b, fwd)
     }
 
     /// From the matmul's input x (N, in) and dy (N', out): dx (rows of the layer's input), the
@@ -198,7 +198,7 @@ impl Dense {
         let dy = across(&self.output, dy, b, bwd)?; // (N, out)
         let dx = match (gelu_of, &self.input) {
             (Some(f), None) => linear::input_grad_gelu(&dy, &self.w, f)?, // df (N, in)
-            _ => dy.matmul(&self.w)?,                                     // (N, in)
+            _ => mtrain_kernels::matmul(&dy, &self.w)?,                   // (N, in)
         };
         let names = (self.w_name.clone(), self.b_name.clone());
         match &self.output {

@@ -90,7 +90,7 @@ impl WeightGrads {
                 dy: dy.clone(),
                 x: x.clone(),
             },
-            false => WeightGrad::Formed(dy.t()?.matmul(x)?), // (out, in)
+            false => WeightGrad::Formed(mtrain_kernels::matmul(&dy.t()?, x)?), // (out, in)
         };
         self.grads.push((name, g));
         Ok(())
@@ -136,7 +136,7 @@ impl WeightGrads {
             .into_iter()
             .map(|(name, g)| match g {
                 WeightGrad::Formed(t) => Ok((name, t)),
-                WeightGrad::Product { dy, x } => Ok((name, dy.t()?.matmul(&x)?)), // (out, in)
+                WeightGrad::Product { dy, x } => Ok((name, mtrain_kernels::matmul(&dy.t()?, &x)?)), // (out, in)
             })
             .collect()
     }

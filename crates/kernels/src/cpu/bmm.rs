@@ -1,4 +1,11 @@
-//! Batched products of many small matrices on the CPU, the batch split over the compute pool.
+//! The matrix products on the CPU: candle's gemm calls, with outputs the gemm writes whole left
+//! unzeroed, and batches of small matrices split over the compute pool.
+//!
+//! candle's matmul zeroes every output before the gemm overwrites it (`C = 0·C + A·B` with C
+//! not read): at the tiny preset's width 256 that is about 90 MB of stores a step at one
+//! thread. [`matmul`] passes the gemm candle's arguments for the same product, so the bits are
+//! candle's, into an output it never zeroes: a rank-2 product whole (the gemm splits it over
+//! the pool itself above its threading threshold), a rank-4 batch as below.
 //!
 //! Attention's products are (B, H, M, K) · (B, H, K, N): B·H matrices of T × D or T × T each
 //! (64 × 64 at the tiny preset's width 256). candle hands each matrix to the gemm in turn, and
@@ -19,8 +26,12 @@
 use candle_core::{Layout, Result, Storage, Tensor};
 use rayon::prelude::*;
 
-/// `a · b` for a (B, H, M, K) and b (B, H, K, N): (B, H, M, N), as `a.matmul(b)`.
+/// `a · b` for a (M, K) and b (K, N), or a (B, H, M, K) and b (B, H, K, N): (M, N) or
+/// (B, H, M, N), as `a.matmul(b)`.
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if a.rank() == 2 && b.rank() == 2 {
+        return product(a, b);
+    }
     let (Ok((bb, h, m, k)), Ok((b2, h2, k2, n))) = (a.dims4(), b.dims4()) else {
         return a.matmul(b);
     };
@@ -87,6 +98,67 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     Tensor::from_vec(out, (bb, h, m, n), a.device())
 }
 
+/// `a · b` for a (M, K) and b (K, N), each row-major or transposed (the layouts candle's matmul
+/// takes), as one gemm call into an unzeroed output; anything else is candle's matmul.
+fn product(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let ((m, k), (k2, n)) = (a.dims2()?, b.dims2()?);
+    if !super::takes(&[a, b]) || k != k2 || k == 0 || m * n == 0 {
+        return a.matmul(b);
+    }
+    let (sa, la) = a.storage_and_layout();
+    let (sb, lb) = b.storage_and_layout();
+    let (Storage::Cpu(ca), Storage::Cpu(cb)) = (&*sa, &*sb) else {
+        return a.matmul(b);
+    };
+    // Row-major (rs = cols, cs = 1) or transposed (rs = 1, cs = rows), as candle requires.
+    let plain = |l: &Layout, rows: usize, cols: usize| {
+        let s = l.stride();
+        (s[1] == 1 && (s[0] == cols || rows == 1)) || (s[0] == 1 && (s[1] == rows || cols == 1))
+    };
+    if !plain(la, m, k) || !plain(lb, k, n) {
+        return a.matmul(b);
+    }
+    let (va, vb) = (ca.as_slice::<f32>()?, cb.as_slice::<f32>()?);
+    let (ta, tb) = (la.stride(), lb.stride());
+    let threads = rayon::current_num_threads();
+    let parallelism = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    let mut out: Vec<f32> = Vec::with_capacity(m * n);
+    // SAFETY: the strides are those of valid layouts of `a` and `b` over `va` and `vb` from
+    // their start offsets, so every element the gemm reads lies in them; the destination is
+    // `out`'s capacity as one (M, N) row-major matrix. The arguments are candle's own
+    // (`cpu_backend::MatMul`): C = 0·C + 1·A·B, C not read, every element written (k > 0).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            va.as_ptr().add(la.start_offset()),
+            ta[1] as isize,
+            ta[0] as isize,
+            vb.as_ptr().add(lb.start_offset()),
+            tb[1] as isize,
+            tb[0] as isize,
+            0f32,
+            1f32,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+        out.set_len(m * n);
+    }
+    drop((sa, sb));
+    Tensor::from_vec(out, (m, n), a.device())
+}
+
 /// Where matrix `i` = (batch i / H, head i % H) of a 4-D layout starts, and its strides.
 struct Offsets {
     start: usize,
@@ -123,7 +195,7 @@ impl Offsets {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, D};
+    use candle_core::{DType, Device, D};
 
     fn bits(t: &Tensor) -> Result<Vec<u32>> {
         Ok(t.flatten_all()?
@@ -163,6 +235,38 @@ mod tests {
             bad.is_err(),
             "a (.., 64, 32) by (.., 64, 16) product must fail"
         );
+        Ok(())
+    }
+
+    /// The linear layers' three products (x wᵀ, dy w, dyᵀ x), above and below the gemm's
+    /// threading threshold, a view at an offset and a single row give candle's bits at one and
+    /// two threads; a non-matching pair fails as candle's does.
+    #[test]
+    fn rank_two_products_are_candle_bit_for_bit() -> Result<()> {
+        let dev = Device::Cpu;
+        for (rows, i, o) in [(1024, 256, 768), (48, 20, 12), (1, 64, 32)] {
+            let x = Tensor::randn(0f32, 1.0, (rows, i), &dev)?;
+            let w = Tensor::randn(0f32, 1.0, (o, i), &dev)?;
+            let dy = Tensor::randn(0f32, 1.0, (rows, o), &dev)?;
+            let big = Tensor::randn(0f32, 1.0, (rows + 3, o), &dev)?;
+            let view = big.narrow(0, 3, rows)?;
+            let (wt, dyt) = (w.t()?, dy.t()?);
+            let cases: [(&Tensor, &Tensor); 4] = [(&x, &wt), (&dy, &w), (&dyt, &x), (&view, &w)];
+            for threads in [1, 2] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                for (a, b) in cases {
+                    let want = a.matmul(b)?;
+                    let got = pool.install(|| matmul(a, b))?;
+                    assert_eq!(got.dims(), want.dims());
+                    assert_eq!(bits(&got)?, bits(&want)?, "{:?} x {:?}", a.dims(), b.dims());
+                }
+            }
+        }
+        let (a, b) = (Tensor::zeros((4, 5), DType::F32, &dev)?, Tensor::zeros((6, 3), DType::F32, &dev)?);
+        assert!(matmul(&a, &b).is_err(), "a (4, 5) by (6, 3) product must fail");
         Ok(())
     }
 }

@@ -106,7 +106,7 @@ impl TiedHead {
             s,
             h,
         } = self;
-        let dh = dz.matmul(&wte)?; // (N, C), this rank's part
+        let dh = mtrain_kernels::matmul(&dz, &wte)?; // (N, C), this rank's part
         grads.product(wte_name, &dz, &h)?; // (V_r, C)
         drop((dz, h));
         let dh = match enter {
@@ -163,7 +163,7 @@ pub fn head_tape(
             (b, n / b, c)
         )));
     }
-    let z = head.h.matmul(&head.wte.t()?)?; // (N, V_r)
+    let z = mtrain_kernels::matmul(&head.h, &head.wte.t()?)?; // (N, V_r)
     let (loss, grad) = vocab.loss_taped(z, &targets.flatten_all()?)?;
     Ok(Some(Box::new(HeadTape {
         head,
