@@ -145,18 +145,13 @@ pub fn forward(qkv: &Tensor, scale: f64, dropout: Option<&Mask>) -> Result<(Tens
         return Ok((y, op.take_lse()?));
     }
     let (q, k, v) = parts(qkv)?;
+    if crate::cpu::takes(&[qkv]) {
+        return cpu_forward(&q, &k, &v, scale, dropout);
+    }
     let masked = |p: Tensor| match dropout {
         Some(m) => p * probs_mask(m, &q)?, // (B, H, T, T)
         None => Ok(p),
     };
-    if crate::cpu::takes(&[qkv]) {
-        let bmm = crate::cpu::matmul; // the B·H products shared over the pool
-        let s = bmm(&(&q * scale)?, &k.t()?)?; // (B, H, T, T), unmasked
-        let (p, lse) = crate::cpu::causal_softmax(&s)?; // one pass: mask, max, exp, Σ
-        drop(s);
-        let y = bmm(&masked(p)?, &v)?; // (B, H, T, D)
-        return Ok((y, (lse * std::f64::consts::LOG2_E)?));
-    }
     let s = plain::causal_scores(&q, &k, scale)?; // (B, H, T, T) f32
     let lse = logsumexp(&s)?; // (B, H, T)
     let p = s.broadcast_sub(&lse.unsqueeze(D::Minus1)?)?.exp()?; // (B, H, T, T)
@@ -199,26 +194,15 @@ pub fn backward(
             dropout,
         );
     }
+    if crate::cpu::takes(&[qkv, y, dy, lse2]) {
+        let (dq, dk, dv) = cpu_backward(&q, &k, &v, y, dy, lse2, scale, dropout)?;
+        return Tensor::stack(&[(dq * scale)?, (dk * scale)?, dv], 0); // (3, B, H, T, D)
+    }
     let mask = dropout.map(|m| probs_mask(m, &q)).transpose()?; // (B, H, T, T) f32
     let masked = |t: &Tensor| match &mask {
         Some(m) => t * m,
         None => Ok(t.clone()),
     };
-    if crate::cpu::takes(&[qkv, y, dy, lse2]) {
-        let lse = (lse2 * std::f64::consts::LN_2)?; // (B, H, T)
-        let bmm = crate::cpu::matmul; // the B·H products shared over the pool
-        let s = bmm(&(&q * scale)?, &k.t()?)?; // (B, H, T, T), unmasked
-        let p = crate::cpu::causal_probs(&s, &lse)?; // (B, H, T, T)
-        drop(s);
-        let dp = masked(&bmm(dy, &v.t()?)?)?; // (B, H, T, T)
-        let ds = crate::cpu::score_grad(&p, &dp, dy, y)?; // (B, H, T, T)
-        drop(dp);
-        let dq = (bmm(&ds, &k)? * scale)?; // (B, H, T, D)
-        let dk = (bmm(&ds.t()?, &q)? * scale)?; // (B, H, T, D)
-        drop(ds);
-        let dv = bmm(&masked(&p)?.t()?, dy)?; // (B, H, T, D)
-        return Tensor::stack(&[dq, dk, dv], 0); // (3, B, H, T, D)
-    }
     let lse = (lse2 * std::f64::consts::LN_2)?.unsqueeze(D::Minus1)?; // (B, H, T, 1)
     let p = plain::causal_scores(&q, &k, scale)?
         .broadcast_sub(&lse)?
@@ -236,15 +220,15 @@ pub fn backward(
 /// What [`forward_tokens`] keeps for [`backward_tokens`]: c_attn's output as the kernels read
 /// it, and lse2.
 pub struct TokensSaved {
-    /// (B, T, 3·H·D) where the kernels read the tokens' layout in place, else the heads split
-    /// apart (3, B, H, T, D).
+    /// (B, T, 3·H·D) where the kernels or the CPU's products read the tokens' layout in place,
+    /// else the heads split apart (3, B, H, T, D).
     qkv: Tensor,
     /// (B·H, T) or (B, H, T) f32.
     lse2: Tensor,
 }
 
 impl TokensSaved {
-    /// Whether qkv is kept as c_attn wrote it (the kernels read the tokens' layout).
+    /// Whether qkv is kept as c_attn wrote it (the kernels or the CPU read the tokens' layout).
     pub fn in_place(&self) -> bool {
         self.qkv.rank() == 3
     }
@@ -255,10 +239,13 @@ impl TokensSaved {
 /// [`backward_tokens`] takes. Where the Hopper kernels apply (bf16, D = 64, compute capability
 /// 9.0, no dropout) they read q, k, v where c_attn wrote them and write the output where c_proj
 /// reads it, so neither [`split_heads`](crate::split_heads) nor
-/// [`merge_heads`](crate::merge_heads) runs, forward or backward:
+/// [`merge_heads`](crate::merge_heads) runs, forward or backward; on the CPU (f32) the gemm
+/// reads the heads in place (strided views) and the backward writes dq | dk | dv per token in
+/// one pass:
 ///
 /// ```text
 ///   Hopper:     qkv (B, T, 3HD) ─ flash_hopper_fwd (rows of 3HD) ─> y (B, T, HD)
+///   CPU f32:    qkv (B, T, 3HD) ─ views (B, H, T, D) ─ forward ─> (B, H, T, D) ─ merge_heads ─> y
 ///   elsewhere:  qkv ─ split_heads ─> (3, B, H, T, D) ─ forward ─> (B, H, T, D) ─ merge_heads ─> y
 /// ```
 ///
@@ -276,6 +263,14 @@ pub fn forward_tokens(
         let qkv = qkv.clone();
         return Ok((y, TokensSaved { qkv, lse2 }));
     }
+    if crate::cpu::takes(&[qkv]) {
+        // The CPU's products read the heads where c_attn wrote them; qkv is kept as it is.
+        let qkv = qkv.contiguous()?;
+        let hv = token_heads(&qkv, 3, h)?;
+        let (y, lse2) = cpu_forward(&hv[0], &hv[1], &hv[2], scale, dropout)?; // (B, H, T, D)
+        let y = crate::merge_heads(&y.unsqueeze(0)?)?; // (B, T, H·D)
+        return Ok((y, TokensSaved { qkv, lse2 }));
+    }
     let qkv = crate::split_heads(qkv, 3, h)?; // (3, B, H, T, D)
     let (y, lse2) = forward(&qkv, scale, dropout)?; // (B, H, T, D)
     let y = crate::merge_heads(&y.unsqueeze(0)?)?; // (B, T, H·D)
@@ -284,7 +279,8 @@ pub fn forward_tokens(
 
 /// The gradient (B, T, 3·H·D) of [`forward_tokens`] from what it kept, its output `y` and the
 /// output's gradient `dy` (both (B, T, H·D)), with the same `h`, `scale` and `dropout`: in the
-/// tokens' layout from the Hopper kernels, else through [`backward`] on the heads split apart.
+/// tokens' layout from the Hopper kernels and on the CPU (f32), else through [`backward`] on
+/// the heads split apart.
 pub fn backward_tokens(
     saved: TokensSaved,
     y: &Tensor,
@@ -295,6 +291,12 @@ pub fn backward_tokens(
 ) -> Result<Tensor> {
     let TokensSaved { qkv, lse2 } = saved;
     let dy = dy.contiguous()?;
+    if qkv.rank() == 3 && crate::cpu::takes(&[&qkv, y, &dy, &lse2]) {
+        let y = y.contiguous()?;
+        let (hv, yv, dyv) = (token_heads(&qkv, 3, h)?, token_heads(&y, 1, h)?, token_heads(&dy, 1, h)?);
+        let (dq, dk, dv) = cpu_backward(&hv[0], &hv[1], &hv[2], &yv[0], &dyv[0], &lse2, scale, dropout)?;
+        return crate::cpu::tokens_grad(&dq, &dk, &dv, scale); // (B, T, 3·H·D)
+    }
     if qkv.rank() == 3 {
         #[cfg(feature = "cuda")]
         return imp::backward_tokens(&qkv, &y.contiguous()?, &dy, &lse2, h, scale);
@@ -444,6 +446,8 @@ fn fused_backward(
 
 #[cfg(feature = "cuda")]
 mod imp;
+mod on_cpu;
+use on_cpu::{cpu_backward, cpu_forward, token_heads};
 
 #[cfg(all(test, feature = "cuda"))]
 mod tests {

@@ -351,6 +351,31 @@ pub(crate) fn causal_probs(s: &Tensor, lse: &Tensor) -> Result<Tensor> {
     })
 }
 
+/// The heads' gradients dq, dk, dv (B, H, T, D) as c_attn's output gradient (B, T, 3·H·D), in
+/// one pass: each head's D values where the token's q | k | v of that head sit, dq and dk times
+/// `scale` as candle's `x · scale + 0` (so the bits of `stack([dq·s, dk·s, dv])` merged).
+pub(crate) fn tokens_grad(dq: &Tensor, dk: &Tensor, dv: &Tensor, scale: f64) -> Result<Tensor> {
+    let (b, h, t, d) = dq.dims4()?;
+    same_dims("attention gradient", &[dq, dk, dv])?;
+    let (c, s) = (h * d, scale as f32);
+    with(&[dq, dk, dv], |e| {
+        let out = split::fresh_each_row(b * t * 3 * c, 3 * c, |r, row| {
+            let (bi, ti) = (r / t, r % t);
+            for (j, part) in e.iter().enumerate() {
+                for hh in 0..h {
+                    let src = &part[((bi * h + hh) * t + ti) * d..][..d];
+                    let dst = &mut row[j * c + hh * d..][..d];
+                    match j {
+                        2 => dst.copy_from_slice(src),
+                        _ => dst.iter_mut().zip(src).for_each(|(o, &x)| *o = x * s + 0.0),
+                    }
+                }
+            }
+        });
+        tensor(out, (b, t, 3 * c))
+    })
+}
+
 /// dS = P ∘ (dP − δ) with δ = rowsum(dO ∘ O), for P, dP (..., T, T) and dO, O (..., T, D):
 /// the softmax's backward in one pass over each row (zeros above the diagonal, where P is 0).
 pub(crate) fn score_grad(p: &Tensor, dp: &Tensor, dy: &Tensor, y: &Tensor) -> Result<Tensor> {

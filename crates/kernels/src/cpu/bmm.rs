@@ -19,9 +19,11 @@
 //!                                                       same bits as candle's matmul
 //! ```
 //!
-//! Larger matrices (the gemm splits each itself), other ranks, dtypes or devices, a broadcast
-//! batch, and products below [`split_min`](super::split_min) output elements in all go to
-//! candle's matmul.
+//! Larger matrices (the gemm splits each itself) and products below
+//! [`split_min`](super::split_min) output elements in all run in turn, each as candle runs it.
+//! A matrix may sit at any strides, so attention reads q, k, v (B, H, T, D) as views of c_attn's
+//! token-major output (B, T, 3·H·D), which candle's matmul does not take. Other ranks, dtypes
+//! or devices and a broadcast batch go to candle's matmul.
 
 use candle_core::{Layout, Result, Storage, Tensor};
 use rayon::prelude::*;
@@ -36,14 +38,7 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         return a.matmul(b);
     };
     let mats = bb * h;
-    let small = m * n * k < gemm::get_threading_threshold();
-    let split = super::takes(&[a, b])
-        && (bb, h, k) == (b2, h2, k2)
-        && mats >= 2
-        && k > 0
-        && small
-        && super::split::splits(mats * m * n);
-    if !split {
+    if !super::takes(&[a, b]) || (bb, h, k) != (b2, h2, k2) || k == 0 || mats * m * n == 0 {
         return a.matmul(b);
     }
     let (sa, la) = a.storage_and_layout();
@@ -57,41 +52,55 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         return a.matmul(b);
     }
     let threads = rayon::current_num_threads();
+    // Small products split over the pool, one matrix a task; larger ones in turn, each split
+    // by the gemm itself as candle's are.
+    let small = m * n * k < gemm::get_threading_threshold();
+    let split = mats >= 2 && small && super::split::splits(mats * m * n);
+    let parallelism = match split || threads == 1 {
+        true => gemm::Parallelism::None,
+        false => gemm::Parallelism::Rayon(threads),
+    };
+    let one = |i: usize, dst: &mut [std::mem::MaybeUninit<f32>]| {
+        // SAFETY: the offsets and strides are those of valid layouts of `a` and `b` over `va`
+        // and `vb` (any strides: the heads of a token-major tensor included), so every element
+        // the gemm reads of matrix i lies in them; `dst` is one (M, N) row-major matrix of
+        // `out`'s capacity. The arguments are candle's own (`cpu_backend::MatMul`):
+        // C = 0·C + 1·A·B, C not read, every element written.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                dst.as_mut_ptr() as *mut f32,
+                1,
+                n as isize,
+                false,
+                va.as_ptr().add(oa.start(i)),
+                oa.cs,
+                oa.rs,
+                vb.as_ptr().add(ob.start(i)),
+                ob.cs,
+                ob.rs,
+                0f32,
+                1f32,
+                false,
+                false,
+                false,
+                parallelism,
+            )
+        }
+    };
     // Not zeroed first: the gemm writes every element of C without reading it (k > 0).
     let mut out: Vec<f32> = Vec::with_capacity(mats * m * n);
-    out.spare_capacity_mut()[..mats * m * n]
-        .par_chunks_mut(m * n)
-        .with_min_len(mats.div_ceil(threads))
-        .enumerate()
-        .for_each(|(i, dst)| {
-            // SAFETY: the offsets and strides are those of valid layouts of `a` and `b` over
-            // `va` and `vb`, so every element the gemm reads of matrix i lies in them; `dst`
-            // is one (M, N) row-major matrix of `out`'s capacity. The arguments are candle's
-            // own (`cpu_backend::MatMul`): C = 0·C + 1·A·B, C not read, every element written.
-            unsafe {
-                gemm::gemm(
-                    m,
-                    n,
-                    k,
-                    dst.as_mut_ptr() as *mut f32,
-                    1,
-                    n as isize,
-                    false,
-                    va.as_ptr().add(oa.start(i)),
-                    oa.cs,
-                    oa.rs,
-                    vb.as_ptr().add(ob.start(i)),
-                    ob.cs,
-                    ob.rs,
-                    0f32,
-                    1f32,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::Rayon(threads),
-                )
-            }
-        });
+    let dst = &mut out.spare_capacity_mut()[..mats * m * n];
+    if split {
+        dst.par_chunks_mut(m * n)
+            .with_min_len(mats.div_ceil(threads))
+            .enumerate()
+            .for_each(|(i, d)| one(i, d));
+    } else {
+        dst.chunks_mut(m * n).enumerate().for_each(|(i, d)| one(i, d));
+    }
     // SAFETY: the products wrote all mats · m · n elements.
     unsafe { out.set_len(mats * m * n) };
     drop((sa, sb));
@@ -230,6 +239,21 @@ mod tests {
         let wide = Tensor::randn(0f32, 1.0, (2, 1, 256, 256), &dev)?;
         let got = pool.install(|| matmul(&wide, &wide))?;
         assert_eq!(bits(&got)?, bits(&wide.matmul(&wide)?)?);
+        // The heads as views of a token-major (B, T, 3·H·D) tensor, at one and two threads.
+        let tok = Tensor::randn(0f32, 1.0, (4, 64, 3 * 4 * 32), &dev)?;
+        let view = |j: usize| -> Result<Tensor> {
+            tok.reshape((4, 64, 3, 4, 32))?.narrow(2, j, 1)?.squeeze(2)?.transpose(1, 2)
+        };
+        let (qv, kv) = (view(0)?, view(1)?);
+        let want = qv.contiguous()?.matmul(&kv.contiguous()?.t()?)?;
+        for threads in [1, 2] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let got = pool.install(|| matmul(&qv, &kv.t()?))?;
+            assert_eq!(bits(&got)?, bits(&want)?, "{threads} threads");
+        }
         let bad = pool.install(|| matmul(&q, &s.narrow(D::Minus1, 0, 16)?));
         assert!(
             bad.is_err(),
