@@ -195,6 +195,32 @@ pub fn step(
     Ok(out)
 }
 
+/// One AdamW step on the CPU with `p` written in place (its storage, a parameter's variable,
+/// shared) and the new moments `(m, v)` returned, the arithmetic and bits of [`step`]'s CPU
+/// loop; `None`, nothing done, unless `p` is a contiguous f32 CPU tensor and `g`, `m`, `v` f32
+/// CPU tensors of its size (the moments None on the first step). No fresh parameter is made and
+/// none is copied into the variable: the two passes [`step`] plus `Var::set` cost.
+pub fn step_in_place_cpu(
+    p: &Tensor,
+    g: &Tensor,
+    m: Option<&Tensor>,
+    v: Option<&Tensor>,
+    h: &AdamWHyper,
+) -> Result<Option<(Tensor, Tensor)>> {
+    let n = p.elem_count();
+    let state = [m, v].into_iter().flatten().collect::<Vec<_>>();
+    let takes = crate::cpu::takes(&[p, g])
+        && crate::cpu::takes(&state)
+        && p.is_contiguous()
+        && g.elem_count() == n
+        && state.iter().all(|t| t.elem_count() == n)
+        && (m.is_some() == v.is_some());
+    match takes {
+        true => Ok(Some(one_pass::update_in_place(p, g, m, v, h)?)),
+        false => Ok(None),
+    }
+}
+
 /// One AdamW update in candle ops, where the fused kernel does not apply (and the reference it
 /// is tested against): the new `(p, m, v)`, all f32, from `p` and `g` in any float dtype and
 /// the moments (`None`: zero, the first step).

@@ -197,8 +197,19 @@ impl AdamW {
             |(it, _)| it.grad, // the parameter's device and size
             |&(it, copy)| {
                 let (m, v) = moments_of(it.name);
+                let h = hyper(it.decay, grad_scale);
+                if copy.is_none() {
+                    // On the CPU the parameter's own storage is updated in place.
+                    let p = it.param.tensor();
+                    if let Some((m, v)) = adamw::step_in_place_cpu(&p, it.grad, m.as_ref(), v.as_ref(), &h)? {
+                        let mut mv = moments.lock().expect("the moments' lock");
+                        mv.0.insert(it.name.to_string(), m);
+                        mv.1.insert(it.name.to_string(), v);
+                        return Ok(());
+                    }
+                }
                 let (p, g) = (it.param.tensor().detach(), it.grad.detach());
-                let (h, dtype) = (hyper(it.decay, grad_scale), copy.map(|c| c.var().dtype()));
+                let dtype = copy.map(|c| c.var().dtype());
                 let out = adamw::step(&p, &g, m.as_ref(), v.as_ref(), &h, dtype)?;
                 it.param.set(&out.p)?;
                 if let Some(c) = copy {

@@ -15,11 +15,78 @@
 //! The `+ 0` stays: it turns a −0 into +0, as the candle op does.
 
 use std::mem::MaybeUninit;
+use std::sync::Mutex;
 
-use candle_core::{Result, Tensor};
+use candle_core::{CpuStorage, InplaceOp1, Layout, Result, Tensor};
 
 use super::AdamWHyper;
 use crate::cpu::{tensor, with};
+use crate::msg;
+
+/// The per-element arithmetic of one step, its constants fixed.
+#[derive(Clone, Copy)]
+struct Rule {
+    k: super::AdamWStep,
+    /// `Some(1 − lr·wd)` where the tensor decays.
+    decay: Option<f32>,
+}
+
+impl Rule {
+    fn new(h: &AdamWHyper) -> Result<Self> {
+        let k = h.constants()?;
+        let decay = (h.weight_decay != 0.0).then_some(k.decay);
+        Ok(Self { k, decay })
+    }
+
+    /// (p, m, v) after the step from their values before it and the gradient. The gradient is
+    /// scaled even by 1 (`g · 1 + 0` differs from g only at −0, and every use of g,
+    /// `g · (1 − β₁) + 0` and g², gives +0 for both zeros); the decay is not: a −0 weight would
+    /// come out +0.
+    #[inline(always)]
+    fn apply(&self, p: f32, g: f32, m: f32, v: f32) -> (f32, f32, f32) {
+        let k = &self.k;
+        let decayed = match self.decay {
+            Some(d) => p * d + 0.0,
+            None => p,
+        };
+        let g = g * k.gscale + 0.0;
+        let m = (m * k.beta1 + 0.0) + (g * k.one_m_b1 + 0.0);
+        let v = (v * k.beta2 + 0.0) + (g * g * k.one_m_b2 + 0.0);
+        let denom = (v * k.inv_bc2 + 0.0).sqrt() * 1.0 + k.eps;
+        let update = (m * k.inv_bc1 + 0.0) / denom;
+        (decayed - (update * k.lr + 0.0), m, v)
+    }
+}
+
+/// The moments to read: the given ones, or zeros of `p`'s shape on the first step ((0 · β + 0)
+/// + x is x for every x the update makes: its `+ 0` leaves no −0).
+fn moments(p: &Tensor, m: Option<&Tensor>, v: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+    match (m, v) {
+        (Some(m), Some(v)) => Ok((m.clone(), v.clone())),
+        _ => {
+            let zeros = p.zeros_like()?;
+            Ok((zeros.clone(), zeros))
+        }
+    }
+}
+
+/// Fresh vectors of `n` elements written element by element (no pass to zero them first):
+/// `f(i, [a, b, c])` writes element i of each.
+fn fresh3(n: usize, mut f: impl FnMut(usize, [&mut MaybeUninit<f32>; 3])) -> [Vec<f32>; 3] {
+    let mut out: [Vec<f32>; 3] = std::array::from_fn(|_| Vec::with_capacity(n));
+    {
+        let [a, b, c] = &mut out;
+        let outs = a.spare_capacity_mut()[..n]
+            .iter_mut()
+            .zip(&mut b.spare_capacity_mut()[..n])
+            .zip(&mut c.spare_capacity_mut()[..n])
+            .enumerate();
+        outs.for_each(|(i, ((x, y), z))| f(i, [x, y, z]));
+    }
+    // SAFETY: the loop above wrote each of the first n elements of all three.
+    out.iter_mut().for_each(|o| unsafe { o.set_len(n) });
+    out
+}
 
 /// The new `(p, m, v)` (f32, `p`'s shape) from f32 CPU tensors `p`, `g` and the moments (None:
 /// zero, the first step): [`super::plain_update`]'s result, bit for bit.
@@ -30,65 +97,78 @@ pub(super) fn update(
     v: Option<&Tensor>,
     h: &AdamWHyper,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let k = h.constants()?;
-    let decay = (h.weight_decay != 0.0).then_some(k.decay);
-    let (b1, ob1, b2, ob2) = (k.beta1, k.one_m_b1, k.beta2, k.one_m_b2);
-    let (ibc1, ibc2, eps, lr, s) = (k.inv_bc1, k.inv_bc2, k.eps, k.lr, k.gscale);
-    let zeros;
-    let (m, v) = match (m, v) {
-        (Some(m), Some(v)) => (m, v),
-        // Zero moments give the first step's bits: (0 · β + 0) + x is x for every x the
-        // update makes (its `+ 0` leaves no −0).
-        _ => {
-            zeros = p.zeros_like()?;
-            (&zeros, &zeros)
-        }
-    };
-    // The gradient is scaled even by 1 (`g · 1 + 0` differs from g only at −0, and every use
-    // of g, `g · (1 − β₁) + 0` and g², gives +0 for both zeros); the decay is not: a −0 weight
-    // would come out +0.
-    with(&[p, g, m, v], |e| {
-        let n = e[0].len();
-        // Written into spare capacity, element by element, then given their length: no pass
-        // to zero them first.
-        let (mut np, mut nm, mut nv) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
-        let one = |i: usize, decayed: f32| {
-            let g = e[1][i] * s + 0.0;
-            let m = (e[2][i] * b1 + 0.0) + (g * ob1 + 0.0);
-            let v = (e[3][i] * b2 + 0.0) + (g * g * ob2 + 0.0);
-            let denom = (v * ibc2 + 0.0).sqrt() * 1.0 + eps;
-            let update = (m * ibc1 + 0.0) / denom;
-            (decayed - (update * lr + 0.0), m, v)
-        };
-        {
-            let outs = np.spare_capacity_mut()[..n]
-                .iter_mut()
-                .zip(&mut nm.spare_capacity_mut()[..n])
-                .zip(&mut nv.spare_capacity_mut()[..n])
-                .enumerate();
-            type Out<'a> = &'a mut MaybeUninit<f32>;
-            let put = |i: usize, ((a, b), c): ((Out, Out), Out), d: f32| {
-                let (x, y, z) = one(i, d);
-                (a.write(x), b.write(y), c.write(z));
-            };
-            match decay {
-                Some(d) => outs.for_each(|(i, o)| put(i, o, e[0][i] * d + 0.0)),
-                None => outs.for_each(|(i, o)| put(i, o, e[0][i])),
-            }
-        }
-        // SAFETY: the loop above wrote each of the first n elements of all three.
-        unsafe {
-            np.set_len(n);
-            nm.set_len(n);
-            nv.set_len(n);
-        }
+    let rule = Rule::new(h)?;
+    let (m, v) = moments(p, m, v)?;
+    with(&[p, g, &m, &v], |e| {
+        let [np, nm, nv] = fresh3(e[0].len(), |i, [a, b, c]| {
+            let (x, y, z) = rule.apply(e[0][i], e[1][i], e[2][i], e[3][i]);
+            (a.write(x), b.write(y), c.write(z));
+        });
         let shape = p.shape().clone();
-        Ok((
-            tensor(np, shape.clone())?,
-            tensor(nm, shape.clone())?,
-            tensor(nv, shape)?,
-        ))
+        Ok((tensor(np, shape.clone())?, tensor(nm, shape.clone())?, tensor(nv, shape)?))
     })
+}
+
+/// [`update`] with `p` written in place (its storage: a parameter's variable, shared), the new
+/// moments returned: no fresh parameter and no copy of it into the variable. `p` must be a
+/// contiguous f32 CPU tensor and `g`, `m`, `v` f32 CPU tensors of its size.
+pub(super) fn update_in_place(
+    p: &Tensor,
+    g: &Tensor,
+    m: Option<&Tensor>,
+    v: Option<&Tensor>,
+    h: &AdamWHyper,
+) -> Result<(Tensor, Tensor)> {
+    let (m, v) = moments(p, m, v)?;
+    let op = InPlace {
+        rule: Rule::new(h)?,
+        g,
+        m: &m,
+        v: &v,
+        out: Mutex::new(None),
+    };
+    p.inplace_op1(&op)?;
+    let out = op.out.into_inner().map_err(|_| msg("adamw: the moments' lock".into()))?;
+    let (nm, nv) = out.ok_or_else(|| msg("adamw: the in-place update did not run".into()))?;
+    Ok((tensor(nm, p.shape().clone())?, tensor(nv, p.shape().clone())?))
+}
+
+/// The in-place op: `p` through candle's mutable storage, the moments out through `out`.
+struct InPlace<'a> {
+    rule: Rule,
+    g: &'a Tensor,
+    m: &'a Tensor,
+    v: &'a Tensor,
+    out: Mutex<Option<(Vec<f32>, Vec<f32>)>>,
+}
+
+impl InplaceOp1 for InPlace<'_> {
+    fn name(&self) -> &'static str {
+        "adamw one pass in place"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> Result<()> {
+        let (start, end) = layout
+            .contiguous_offsets()
+            .ok_or_else(|| msg("adamw in place: the parameter is not contiguous".into()))?;
+        let CpuStorage::F32(pv) = storage else {
+            return Err(msg("adamw in place: the parameter must be f32".into()));
+        };
+        let p = &mut pv[start..end];
+        let n = p.len();
+        with(&[self.g, self.m, self.v], |e| {
+            if e.iter().any(|x| x.len() != n) {
+                return Err(msg(format!("adamw in place: the gradient or a moment is not of {n} elements")));
+            }
+            let [nm, nv, _] = fresh3(n, |i, [b, c, _]| {
+                let (x, y, z) = self.rule.apply(p[i], e[0][i], e[1][i], e[2][i]);
+                p[i] = x;
+                (b.write(y), c.write(z));
+            });
+            *self.out.lock().map_err(|_| msg("adamw: the moments' lock".into()))? = Some((nm, nv));
+            Ok(())
+        })
+    }
 }
 
 #[cfg(test)]
@@ -96,8 +176,9 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
-    /// The one pass gives plain_update's bits: the first step and a later one, with and without
-    /// weight decay and a gradient scale, zero gradients and weights of both signs included.
+    /// The one pass, fresh or in place, gives plain_update's bits: the first step and a later
+    /// one, with and without weight decay and a gradient scale, zero gradients and weights of
+    /// both signs included.
     #[test]
     fn one_pass_is_plain_update_bit_for_bit() -> Result<()> {
         let dev = Device::Cpu;
@@ -130,6 +211,12 @@ mod tests {
             let got = update(&p, &g, mm, vv, &h)?;
             for (what, a, b) in [("p", &got.0, &want.0), ("m", &got.1, &want.1), ("v", &got.2, &want.2)] {
                 assert!(bits(a)? == bits(b)?, "step {step} wd {wd} scale {scale}: {what} differs");
+            }
+            // In place: the parameter's own storage (a copy of p here) takes the same bits.
+            let var = candle_core::Var::from_tensor(&p)?;
+            let (m2, v2) = update_in_place(var.as_tensor(), &g, mm, vv, &h)?;
+            for (what, a, b) in [("p", var.as_tensor(), &want.0), ("m", &m2, &want.1), ("v", &v2, &want.2)] {
+                assert!(bits(a)? == bits(b)?, "in place, step {step} wd {wd} scale {scale}: {what} differs");
             }
         }
         Ok(())

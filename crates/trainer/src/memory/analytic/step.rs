@@ -212,7 +212,8 @@ pub fn step_memory(
         0 => 0.0,
         n => state.n_params as f64 * state.param_bytes as f64 * (1.0 + 1.0 / n as f64),
     };
-    let optimizer = state.grads() as f64 + kept::optimizer_step(largest, gathered, path);
+    let masters = state.master_bytes > 0;
+    let optimizer = state.grads() as f64 + kept::optimizer_step(largest, gathered, path, masters);
     StepMemory {
         earlier_grads: match grad_accum > 1 {
             true => state.grads(),
