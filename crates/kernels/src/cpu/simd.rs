@@ -1,8 +1,10 @@
 //! The CPU loops' element-wise spans, each compiled twice: for x86-64's baseline (SSE2, 4 lanes)
 //! and for AVX2 + FMA (8 lanes), the second chosen at run time on a CPU that has them, as the
-//! gemm crate chooses its kernels. The compiler contracts no `a·b + c` into an FMA on its own,
-//! so both builds do the same arithmetic per element: the same bits on any x86-64 (a test
-//! compares them). Sums over a row are not here: they stay one add after another, in order.
+//! gemm crate chooses its kernels; GELU's two spans, whose polynomial and division fill the
+//! vector units, a third time for AVX-512F (16 lanes). The compiler contracts no `a·b + c` into
+//! an FMA on its own, so every build does the same arithmetic per element: the same bits on any
+//! x86-64 (a test compares them). Sums over a row are not here: they stay one add after
+//! another, in order.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -24,6 +26,16 @@ fn avx2_fma() -> bool {
         }
         level => level == 2,
     }
+}
+
+/// Whether the AVX-512F build of the wide spans runs (detected once; never under the baseline).
+fn avx512() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    #[cfg(target_arch = "x86_64")]
+    let has = *HAS.get_or_init(|| is_x86_feature_detected!("avx512f"));
+    #[cfg(not(target_arch = "x86_64"))]
+    let has = false;
+    has && avx2_fma()
 }
 
 /// Runs the baseline build from now on (`true`) or the one the CPU supports (`false`).
@@ -55,7 +67,39 @@ macro_rules! simd_fn {
     };
 }
 
-simd_fn! {
+/// `fn name(args) { body }` as [`simd_fn`], and also for AVX-512F (16 lanes) where the CPU has
+/// it: the spans whose arithmetic (GELU's polynomial and division) fills the vector units.
+macro_rules! wide_fn {
+    ($(#[$m:meta])* $vis:vis fn $name:ident($($a:ident: $t:ty),* $(,)?) $body:block) => {
+        $(#[$m])*
+        $vis fn $name($($a: $t),*) {
+            #[inline(always)]
+            fn body($($a: $t),*) $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx2,fma")]
+                unsafe fn lanes16($($a: $t),*) {
+                    body($($a),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2($($a: $t),*) {
+                    body($($a),*)
+                }
+                if avx512() {
+                    // SAFETY: the CPU has AVX-512F, AVX2 and FMA (checked at run time).
+                    return unsafe { lanes16($($a),*) };
+                }
+                if avx2_fma() {
+                    // SAFETY: the CPU has AVX2 and FMA (checked at run time).
+                    return unsafe { avx2($($a),*) };
+                }
+            }
+            body($($a),*)
+        }
+    };
+}
+
+wide_fn! {
     /// y = GELU(x), element by element.
     pub(super) fn gelu(x: &[f32], y: &mut [f32]) {
         for (y, &x) in y.iter_mut().zip(x) {
@@ -64,7 +108,7 @@ simd_fn! {
     }
 }
 
-simd_fn! {
+wide_fn! {
     /// dx = dy · GELU'(x), element by element.
     pub(super) fn gelu_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) {
         for ((dx, &x), &dy) in dx.iter_mut().zip(x).zip(dy) {
