@@ -29,6 +29,7 @@ use candle_core::{DType, Result, Tensor};
 use crate::msg;
 
 mod one_pass;
+pub use one_pass::step_in_place_cpu;
 
 /// One AdamW step for one tensor.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -193,32 +194,6 @@ pub fn step(
         out.copy = Some(out.p.to_dtype(dtype)?);
     }
     Ok(out)
-}
-
-/// One AdamW step on the CPU with `p` written in place (its storage, a parameter's variable,
-/// shared) and the new moments `(m, v)` returned, the arithmetic and bits of [`step`]'s CPU
-/// loop; `None`, nothing done, unless `p` is a contiguous f32 CPU tensor and `g`, `m`, `v` f32
-/// CPU tensors of its size (the moments None on the first step). No fresh parameter is made and
-/// none is copied into the variable: the two passes [`step`] plus `Var::set` cost.
-pub fn step_in_place_cpu(
-    p: &Tensor,
-    g: &Tensor,
-    m: Option<&Tensor>,
-    v: Option<&Tensor>,
-    h: &AdamWHyper,
-) -> Result<Option<(Tensor, Tensor)>> {
-    let n = p.elem_count();
-    let state = [m, v].into_iter().flatten().collect::<Vec<_>>();
-    let takes = crate::cpu::takes(&[p, g])
-        && crate::cpu::takes(&state)
-        && p.is_contiguous()
-        && g.elem_count() == n
-        && state.iter().all(|t| t.elem_count() == n)
-        && (m.is_some() == v.is_some());
-    match takes {
-        true => Ok(Some(one_pass::update_in_place(p, g, m, v, h)?)),
-        false => Ok(None),
-    }
 }
 
 /// One AdamW update in candle ops, where the fused kernel does not apply (and the reference it

@@ -15,7 +15,7 @@
 //! The `+ 0` stays: it turns a −0 into +0, as the candle op does.
 
 use std::mem::MaybeUninit;
-use std::sync::Mutex;
+use std::cell::RefCell;
 
 use candle_core::{CpuStorage, InplaceOp1, Layout, Result, Tensor};
 
@@ -109,40 +109,86 @@ pub(super) fn update(
     })
 }
 
-/// [`update`] with `p` written in place (its storage: a parameter's variable, shared), the new
-/// moments returned: no fresh parameter and no copy of it into the variable. `p` must be a
-/// contiguous f32 CPU tensor and `g`, `m`, `v` f32 CPU tensors of its size.
-pub(super) fn update_in_place(
+/// One AdamW step on the CPU with `p`, `m` and `v` written in their own storage (a parameter's
+/// variable, shared, and the optimizer's moments) and the moments `(m, v)` returned (fresh
+/// zeros updated on the first step, None), the arithmetic and bits of [`super::step`]'s CPU loop;
+/// `None`, nothing done, unless `p`, `g` and the moments are contiguous f32 CPU tensors of one
+/// size. No fresh tensor is made and none is copied into the variable.
+pub fn step_in_place_cpu(
+    p: &Tensor,
+    g: &Tensor,
+    m: Option<&Tensor>,
+    v: Option<&Tensor>,
+    h: &AdamWHyper,
+) -> Result<Option<(Tensor, Tensor)>> {
+    let n = p.elem_count();
+    let state = [m, v].into_iter().flatten().collect::<Vec<_>>();
+    let takes = crate::cpu::takes(&[p, g])
+        && crate::cpu::takes(&state)
+        && p.is_contiguous()
+        && state.iter().all(|t| t.is_contiguous())
+        && g.elem_count() == n
+        && state.iter().all(|t| t.elem_count() == n)
+        && (m.is_some() == v.is_some());
+    match takes {
+        true => Ok(Some(update_in_place(p, g, m, v, h)?)),
+        false => Ok(None),
+    }
+}
+
+/// [`update`] with `p`, `m` and `v` written in their own storage (the parameter's variable, the
+/// optimizer's moments), which it returns: no fresh tensor, and no copy of the parameter into
+/// its variable. On the first step (None) the moments start as zeros of their own. `p`, `m`,
+/// `v` must be contiguous f32 CPU tensors of one size, `g` an f32 CPU tensor of that size.
+fn update_in_place(
     p: &Tensor,
     g: &Tensor,
     m: Option<&Tensor>,
     v: Option<&Tensor>,
     h: &AdamWHyper,
 ) -> Result<(Tensor, Tensor)> {
-    let (m, v) = moments(p, m, v)?;
-    let op = InPlace {
-        rule: Rule::new(h)?,
-        g,
-        m: &m,
-        v: &v,
-        out: Mutex::new(None),
+    let (m, v) = match (m, v) {
+        (Some(m), Some(v)) => (m.clone(), v.clone()),
+        // Two storages: each is written under its own lock.
+        _ => (p.zeros_like()?, p.zeros_like()?),
     };
-    p.inplace_op1(&op)?;
-    let out = op.out.into_inner().map_err(|_| msg("adamw: the moments' lock".into()))?;
-    let (nm, nv) = out.ok_or_else(|| msg("adamw: the in-place update did not run".into()))?;
-    Ok((tensor(nm, p.shape().clone())?, tensor(nv, p.shape().clone())?))
+    let rule = Rule::new(h)?;
+    // Each storage is borrowed mutably by candle's in-place op, the next one inside it.
+    m.inplace_op1(&Slot::new(|m: &mut [f32]| {
+        v.inplace_op1(&Slot::new(|v: &mut [f32]| {
+            p.inplace_op1(&Slot::new(|p: &mut [f32]| {
+                with(&[g], |e| {
+                    let n = p.len();
+                    if e[0].len() != n || m.len() != n || v.len() != n {
+                        return Err(msg(format!(
+                            "adamw in place: the gradient or a moment is not of {n} elements"
+                        )));
+                    }
+                    for i in 0..n {
+                        (p[i], m[i], v[i]) = rule.apply(p[i], e[0][i], m[i], v[i]);
+                    }
+                    Ok(())
+                })
+            }))
+        }))
+    }))?;
+    Ok((m, v))
 }
 
-/// The in-place op: `p` through candle's mutable storage, the moments out through `out`.
-struct InPlace<'a> {
-    rule: Rule,
-    g: &'a Tensor,
-    m: &'a Tensor,
-    v: &'a Tensor,
-    out: Mutex<Option<(Vec<f32>, Vec<f32>)>>,
+/// An in-place op that hands the contiguous f32 elements of its tensor to `f`, once.
+struct Slot<F> {
+    f: RefCell<Option<F>>,
 }
 
-impl InplaceOp1 for InPlace<'_> {
+impl<F: FnOnce(&mut [f32]) -> Result<()>> Slot<F> {
+    fn new(f: F) -> Self {
+        Self {
+            f: RefCell::new(Some(f)),
+        }
+    }
+}
+
+impl<F: FnOnce(&mut [f32]) -> Result<()>> InplaceOp1 for Slot<F> {
     fn name(&self) -> &'static str {
         "adamw one pass in place"
     }
@@ -150,24 +196,13 @@ impl InplaceOp1 for InPlace<'_> {
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> Result<()> {
         let (start, end) = layout
             .contiguous_offsets()
-            .ok_or_else(|| msg("adamw in place: the parameter is not contiguous".into()))?;
-        let CpuStorage::F32(pv) = storage else {
-            return Err(msg("adamw in place: the parameter must be f32".into()));
+            .ok_or_else(|| msg("adamw in place: a tensor is not contiguous".into()))?;
+        let CpuStorage::F32(x) = storage else {
+            return Err(msg("adamw in place: the tensors must be f32".into()));
         };
-        let p = &mut pv[start..end];
-        let n = p.len();
-        with(&[self.g, self.m, self.v], |e| {
-            if e.iter().any(|x| x.len() != n) {
-                return Err(msg(format!("adamw in place: the gradient or a moment is not of {n} elements")));
-            }
-            let [nm, nv, _] = fresh3(n, |i, [b, c, _]| {
-                let (x, y, z) = self.rule.apply(p[i], e[0][i], e[1][i], e[2][i]);
-                p[i] = x;
-                (b.write(y), c.write(z));
-            });
-            *self.out.lock().map_err(|_| msg("adamw: the moments' lock".into()))? = Some((nm, nv));
-            Ok(())
-        })
+        let f = self.f.borrow_mut().take();
+        let f = f.ok_or_else(|| msg("adamw in place: the op ran twice".into()))?;
+        f(&mut x[start..end])
     }
 }
 
@@ -212,9 +247,18 @@ mod tests {
             for (what, a, b) in [("p", &got.0, &want.0), ("m", &got.1, &want.1), ("v", &got.2, &want.2)] {
                 assert!(bits(a)? == bits(b)?, "step {step} wd {wd} scale {scale}: {what} differs");
             }
-            // In place: the parameter's own storage (a copy of p here) takes the same bits.
+            // In place: the parameter's and the moments' own storage (copies here) take the
+            // same bits.
             let var = candle_core::Var::from_tensor(&p)?;
-            let (m2, v2) = update_in_place(var.as_tensor(), &g, mm, vv, &h)?;
+            let (mc, vc) = (m.copy()?, v.copy()?);
+            let (mm2, vv2) = match step {
+                1 => (None, None),
+                _ => (Some(&mc), Some(&vc)),
+            };
+            let (m2, v2) = update_in_place(var.as_tensor(), &g, mm2, vv2, &h)?;
+            if step > 1 {
+                assert_eq!(bits(&mc)?, bits(&want.1)?, "m is written in its own storage");
+            }
             for (what, a, b) in [("p", var.as_tensor(), &want.0), ("m", &m2, &want.1), ("v", &v2, &want.2)] {
                 assert!(bits(a)? == bits(b)?, "in place, step {step} wd {wd} scale {scale}: {what} differs");
             }

@@ -280,19 +280,18 @@ fn autograd_block_transient(d: &Dims, gelu_values: f64) -> f64 {
 /// What the optimizer step adds above the gradients it still holds, at its worst moment:
 ///
 /// ```text
-///   update     the CPU loop (kernels/src/adamw/one_pass.rs, f32): the new m and v of the tensor
-///              being stepped, the weights written in place = 2 of the largest stepped tensor
-///              (`largest` bytes, f32), the old ones freed after it; with fp32 masters behind a
-///              bf16 copy (`masters`) the new master too, 3; the fused in-place kernel (CUDA):
-///              nothing
+///   update     the CPU loop (kernels/src/adamw/one_pass.rs, f32) and the fused kernel (CUDA)
+///              write weights and moments in place: nothing; with fp32 masters behind a bf16
+///              copy (`masters`) the CPU loop makes a new master, m and v of the tensor being
+///              stepped = 3 of the largest stepped tensor (`largest` bytes, f32), the old ones
+///              freed after it
 ///   write-back ZeRO-1/2 (parallel/src/fsdp.rs, after_optimizer_step): every unit's updated
 ///              shard joined and all-gathered at once, so `gathered` = the full weights plus
 ///              the shards sent, before each unit's gathered weights replace the old ones
 /// ```
 pub fn optimizer_step(largest: f64, gathered: f64, path: BackwardPath, masters: bool) -> f64 {
     let update = match (path, masters) {
-        (BackwardPath::Tapes, _) => 0.0,
-        (_, false) => 2.0 * largest,
+        (BackwardPath::Tapes, _) | (_, false) => 0.0,
         (_, true) => 3.0 * largest,
     };
     update.max(gathered)
