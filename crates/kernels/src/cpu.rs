@@ -32,6 +32,7 @@ mod each;
 mod simd;
 mod split;
 pub use bmm::matmul;
+pub(crate) use bmm::matmul_scaled;
 pub use each::each_tensor;
 pub use split::{set_split_min, split_min, DEFAULT_SPLIT_MIN};
 

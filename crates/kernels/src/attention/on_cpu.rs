@@ -18,7 +18,7 @@ pub(super) fn cpu_forward(
     dropout: Option<&Mask>,
 ) -> Result<(Tensor, Tensor)> {
     let bmm = crate::cpu::matmul; // the B·H products shared over the pool
-    let s = bmm(&(q * scale)?, &k.t()?)?; // (B, H, T, T), unmasked
+    let s = crate::cpu::matmul_scaled(q, &k.t()?, scale as f32)?; // (B, H, T, T), unmasked
     let (p, lse) = crate::cpu::causal_softmax(&s)?; // one pass: mask, max, exp, Σ
     drop(s);
     let p = match dropout {
@@ -50,7 +50,7 @@ pub(super) fn cpu_backward(
     };
     let lse = (lse2 * std::f64::consts::LN_2)?; // (B, H, T)
     let bmm = crate::cpu::matmul; // the B·H products shared over the pool
-    let s = bmm(&(q * scale)?, &k.t()?)?; // (B, H, T, T), unmasked
+    let s = crate::cpu::matmul_scaled(q, &k.t()?, scale as f32)?; // (B, H, T, T), unmasked
     let p = crate::cpu::causal_probs(&s, &lse)?; // (B, H, T, T)
     drop(s);
     let dp = masked(&bmm(dy, &v.t()?)?)?; // (B, H, T, T)

@@ -34,22 +34,37 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if a.rank() == 2 && b.rank() == 2 {
         return product(a, b);
     }
+    batched(a, b, 1.0)
+}
+
+/// `s · (a · b)` for a (B, H, M, K) and b (B, H, K, N), the factor applied by the gemm to each
+/// product as it stores it (one rounding; for a power of two, the bits of `(s · a) · b`).
+pub(crate) fn matmul_scaled(a: &Tensor, b: &Tensor, s: f32) -> Result<Tensor> {
+    batched(a, b, s)
+}
+
+/// The batched products of [`matmul`] and [`matmul_scaled`].
+fn batched(a: &Tensor, b: &Tensor, scale: f32) -> Result<Tensor> {
+    let candle = || match scale == 1.0 {
+        true => a.matmul(b),
+        false => a.matmul(b)? * scale as f64,
+    };
     let (Ok((bb, h, m, k)), Ok((b2, h2, k2, n))) = (a.dims4(), b.dims4()) else {
-        return a.matmul(b);
+        return candle();
     };
     let mats = bb * h;
     if !super::takes(&[a, b]) || (bb, h, k) != (b2, h2, k2) || k == 0 || mats * m * n == 0 {
-        return a.matmul(b);
+        return candle();
     }
     let (sa, la) = a.storage_and_layout();
     let (sb, lb) = b.storage_and_layout();
     let (Storage::Cpu(ca), Storage::Cpu(cb)) = (&*sa, &*sb) else {
-        return a.matmul(b);
+        return candle();
     };
     let (va, vb) = (ca.as_slice::<f32>()?, cb.as_slice::<f32>()?);
     let (oa, ob) = (Offsets::of(la, h), Offsets::of(lb, h));
     if oa.broadcast() || ob.broadcast() {
-        return a.matmul(b);
+        return candle();
     }
     let threads = rayon::current_num_threads();
     // Small products split over the pool, one matrix a task; larger ones in turn, each split
@@ -65,7 +80,7 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         // and `vb` (any strides: the heads of a token-major tensor included), so every element
         // the gemm reads of matrix i lies in them; `dst` is one (M, N) row-major matrix of
         // `out`'s capacity. The arguments are candle's own (`cpu_backend::MatMul`):
-        // C = 0·C + 1·A·B, C not read, every element written.
+        // C = 0·C + s·A·B, C not read, every element written (s = 1: candle's call).
         unsafe {
             gemm::gemm(
                 m,
@@ -82,7 +97,7 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
                 ob.cs,
                 ob.rs,
                 0f32,
-                1f32,
+                scale,
                 false,
                 false,
                 false,
@@ -253,6 +268,19 @@ mod tests {
                 .unwrap();
             let got = pool.install(|| matmul(&qv, &kv.t()?))?;
             assert_eq!(bits(&got)?, bits(&want)?, "{threads} threads");
+        }
+        // The factor applied in the gemm: for a power of two the bits of scaling a first; for
+        // another, one rounding of the scaled product.
+        let kt = k.t()?;
+        for threads in [1, 2] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            let got = pool.install(|| matmul_scaled(&q, &kt, 0.125))?;
+            assert_eq!(bits(&got)?, bits(&(&q * 0.125)?.matmul(&kt)?)?, "{threads} threads");
+            let got = pool.install(|| matmul_scaled(&q, &kt, 0.3))?;
+            let want = (q.matmul(&kt)? * 0.3f32 as f64)?;
+            let err = (got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            let top = want.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(err <= top * 1e-6, "{threads} threads: {err} against {top}");
         }
         let bad = pool.install(|| matmul(&q, &s.narrow(D::Minus1, 0, 16)?));
         assert!(
