@@ -18,7 +18,7 @@ pub(super) fn cpu_forward(
     dropout: Option<&Mask>,
 ) -> Result<(Tensor, Tensor)> {
     let bmm = crate::cpu::matmul; // the B·H products shared over the pool
-    let s = crate::cpu::matmul_scaled(q, &k.t()?, scale as f32)?; // (B, H, T, T), unmasked
+    let s = scores(q, k, scale)?; // (B, H, T, T), unmasked
     let (p, lse) = crate::cpu::causal_softmax(&s)?; // one pass: mask, max, exp, Σ
     drop(s);
     let p = match dropout {
@@ -50,7 +50,7 @@ pub(super) fn cpu_backward(
     };
     let lse = (lse2 * std::f64::consts::LN_2)?; // (B, H, T)
     let bmm = crate::cpu::matmul; // the B·H products shared over the pool
-    let s = crate::cpu::matmul_scaled(q, &k.t()?, scale as f32)?; // (B, H, T, T), unmasked
+    let s = scores(q, k, scale)?; // (B, H, T, T), unmasked
     let p = crate::cpu::causal_probs(&s, &lse)?; // (B, H, T, T)
     drop(s);
     let dp = masked(&bmm(dy, &v.t()?)?)?; // (B, H, T, T)
@@ -61,6 +61,17 @@ pub(super) fn cpu_backward(
     drop(ds);
     let dv = bmm(&masked(&p)?.t()?, dy)?; // (B, H, T, D)
     Ok((dq, dk, dv))
+}
+
+/// The scores (q·scale) kᵀ (B, H, T, T): for a power-of-two factor (1/√D at D = 16, 64, 256)
+/// the gemm applies it as it stores the products, the same bits as scaling q first, which the
+/// other factors still do (a pass over q), so that every D keeps its bits.
+fn scores(q: &Tensor, k: &Tensor, scale: f64) -> Result<Tensor> {
+    let s = scale as f32;
+    match s.to_bits() & 0x007f_ffff == 0 && s.is_normal() {
+        true => crate::cpu::matmul_scaled(q, &k.t()?, s),
+        false => crate::cpu::matmul(&(q * scale)?, &k.t()?),
+    }
 }
 
 /// The heads of a token-major (B, T, n·H·D) tensor as n views (B, H, T, D), no copy.

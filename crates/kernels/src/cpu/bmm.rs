@@ -38,7 +38,8 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 }
 
 /// `s · (a · b)` for a (B, H, M, K) and b (B, H, K, N), the factor applied by the gemm to each
-/// product as it stores it (one rounding; for a power of two, the bits of `(s · a) · b`).
+/// product as it stores it (one rounding; for a power of two, the bits of `(s · a) · b`, the
+/// only factor attention passes it).
 pub(crate) fn matmul_scaled(a: &Tensor, b: &Tensor, s: f32) -> Result<Tensor> {
     batched(a, b, s)
 }
