@@ -172,10 +172,7 @@ pub fn step(
         .flatten()
         .all(|s| s.dtype() == DType::F32 && s.device().same_device(p.device()));
     let mut out = if state_f32 && fuses(p, g) {
-        let (m, v) = match (m, v) {
-            (Some(m), Some(v)) => (m.clone(), v.clone()),
-            _ => (p.zeros_like()?, p.zeros_like()?),
-        };
+        let (m, v) = moments_or_zeros(p, m, v)?;
         fused(p, g, &m, &v, h, copy == Some(DType::BF16))?
     } else {
         let cpu_loop = crate::cpu::takes(&[p, g]) && crate::cpu::takes(&[m, v].map(|t| t.unwrap_or(p)));
@@ -194,6 +191,16 @@ pub fn step(
         out.copy = Some(out.p.to_dtype(dtype)?);
     }
     Ok(out)
+}
+
+/// The moments to update: the given ones, or on the first step (None) zeros of `p`'s shape,
+/// two storages, so that each may be written in place ((0 · β + 0) + x is x for every x the
+/// update makes: its `+ 0` leaves no −0).
+fn moments_or_zeros(p: &Tensor, m: Option<&Tensor>, v: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+    match (m, v) {
+        (Some(m), Some(v)) => Ok((m.clone(), v.clone())),
+        _ => Ok((p.zeros_like()?, p.zeros_like()?)),
+    }
 }
 
 /// One AdamW update in candle ops, where the fused kernel does not apply (and the reference it

@@ -58,18 +58,6 @@ impl Rule {
     }
 }
 
-/// The moments to read: the given ones, or zeros of `p`'s shape on the first step ((0 · β + 0)
-/// + x is x for every x the update makes: its `+ 0` leaves no −0).
-fn moments(p: &Tensor, m: Option<&Tensor>, v: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
-    match (m, v) {
-        (Some(m), Some(v)) => Ok((m.clone(), v.clone())),
-        _ => {
-            let zeros = p.zeros_like()?;
-            Ok((zeros.clone(), zeros))
-        }
-    }
-}
-
 /// Fresh vectors of `n` elements written element by element (no pass to zero them first):
 /// `f(i, [a, b, c])` writes element i of each.
 fn fresh3(n: usize, mut f: impl FnMut(usize, [&mut MaybeUninit<f32>; 3])) -> [Vec<f32>; 3] {
@@ -98,7 +86,7 @@ pub(super) fn update(
     h: &AdamWHyper,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let rule = Rule::new(h)?;
-    let (m, v) = moments(p, m, v)?;
+    let (m, v) = super::moments_or_zeros(p, m, v)?;
     with(&[p, g, &m, &v], |e| {
         let [np, nm, nv] = fresh3(e[0].len(), |i, [a, b, c]| {
             let (x, y, z) = rule.apply(e[0][i], e[1][i], e[2][i], e[3][i]);
@@ -147,11 +135,7 @@ fn update_in_place(
     v: Option<&Tensor>,
     h: &AdamWHyper,
 ) -> Result<(Tensor, Tensor)> {
-    let (m, v) = match (m, v) {
-        (Some(m), Some(v)) => (m.clone(), v.clone()),
-        // Two storages: each is written under its own lock.
-        _ => (p.zeros_like()?, p.zeros_like()?),
-    };
+    let (m, v) = super::moments_or_zeros(p, m, v)?;
     let rule = Rule::new(h)?;
     // Each storage is borrowed mutably by candle's in-place op, the next one inside it.
     m.inplace_op1(&Slot::new(|m: &mut [f32]| {

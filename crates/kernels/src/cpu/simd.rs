@@ -44,33 +44,17 @@ pub(super) fn force_baseline(on: bool) {
     LEVEL.store(if on { 1 } else { 0 }, Ordering::Relaxed);
 }
 
-/// `fn name(args) { body }`, its body compiled for the baseline and for AVX2 + FMA.
+/// `fn name(args) { body }`, its body compiled for the baseline and for AVX2 + FMA; with
+/// `wide:` first also for AVX-512F (16 lanes), for the spans whose arithmetic (GELU's
+/// polynomial and division) fills the vector units.
 macro_rules! simd_fn {
     ($(#[$m:meta])* $vis:vis fn $name:ident($($a:ident: $t:ty),* $(,)?) $body:block) => {
-        $(#[$m])*
-        $vis fn $name($($a: $t),*) {
-            #[inline(always)]
-            fn body($($a: $t),*) $body
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx2,fma")]
-                unsafe fn avx2($($a: $t),*) {
-                    body($($a),*)
-                }
-                if avx2_fma() {
-                    // SAFETY: the CPU has AVX2 and FMA (checked at run time).
-                    return unsafe { avx2($($a),*) };
-                }
-            }
-            body($($a),*)
-        }
+        simd_fn! { @build false; $(#[$m])* $vis fn $name($($a: $t),*) $body }
     };
-}
-
-/// `fn name(args) { body }` as [`simd_fn`], and also for AVX-512F (16 lanes) where the CPU has
-/// it: the spans whose arithmetic (GELU's polynomial and division) fills the vector units.
-macro_rules! wide_fn {
-    ($(#[$m:meta])* $vis:vis fn $name:ident($($a:ident: $t:ty),* $(,)?) $body:block) => {
+    (wide: $(#[$m:meta])* $vis:vis fn $name:ident($($a:ident: $t:ty),* $(,)?) $body:block) => {
+        simd_fn! { @build true; $(#[$m])* $vis fn $name($($a: $t),*) $body }
+    };
+    (@build $wide:literal; $(#[$m:meta])* $vis:vis fn $name:ident($($a:ident: $t:ty),*) $body:block) => {
         $(#[$m])*
         $vis fn $name($($a: $t),*) {
             #[inline(always)]
@@ -85,7 +69,7 @@ macro_rules! wide_fn {
                 unsafe fn avx2($($a: $t),*) {
                     body($($a),*)
                 }
-                if avx512() {
+                if $wide && avx512() {
                     // SAFETY: the CPU has AVX-512F, AVX2 and FMA (checked at run time).
                     return unsafe { lanes16($($a),*) };
                 }
@@ -99,7 +83,8 @@ macro_rules! wide_fn {
     };
 }
 
-wide_fn! {
+simd_fn! {
+    wide:
     /// y = GELU(x), element by element.
     pub(super) fn gelu(x: &[f32], y: &mut [f32]) {
         for (y, &x) in y.iter_mut().zip(x) {
@@ -108,7 +93,8 @@ wide_fn! {
     }
 }
 
-wide_fn! {
+simd_fn! {
+    wide:
     /// dx = dy · GELU'(x), element by element.
     pub(super) fn gelu_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) {
         for ((dx, &x), &dy) in dx.iter_mut().zip(x).zip(dy) {
