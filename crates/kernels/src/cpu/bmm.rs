@@ -4,8 +4,8 @@
 //! candle's matmul zeroes every output before the gemm overwrites it (`C = 0·C + A·B` with C
 //! not read): at the tiny preset's width 256 that is about 90 MB of stores a step at one
 //! thread. [`matmul`] passes the gemm candle's arguments for the same product, so the bits are
-//! candle's, into an output it never zeroes: a rank-2 product whole (the gemm splits it over
-//! the pool itself above its threading threshold), a rank-4 batch as below.
+//! candle's, into an output it never zeroes: a rank-2 product as a batch of one (the gemm
+//! splits it over the pool itself above its threading threshold), a rank-4 batch as below.
 //!
 //! Attention's products are (B, H, M, K) · (B, H, K, N): B·H matrices of T × D or T × T each
 //! (64 × 64 at the tiny preset's width 256). candle hands each matrix to the gemm in turn, and
@@ -32,7 +32,9 @@ use rayon::prelude::*;
 /// (B, H, M, N), as `a.matmul(b)`.
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if a.rank() == 2 && b.rank() == 2 {
-        return product(a, b);
+        // One matrix of a batch of one: the same gemm call, split by the gemm itself.
+        let four = |t: &Tensor| t.unsqueeze(0)?.unsqueeze(0);
+        return batched(&four(a)?, &four(b)?, 1.0)?.squeeze(0)?.squeeze(0);
     }
     batched(a, b, 1.0)
 }
@@ -121,67 +123,6 @@ fn batched(a: &Tensor, b: &Tensor, scale: f32) -> Result<Tensor> {
     unsafe { out.set_len(mats * m * n) };
     drop((sa, sb));
     Tensor::from_vec(out, (bb, h, m, n), a.device())
-}
-
-/// `a · b` for a (M, K) and b (K, N), each row-major or transposed (the layouts candle's matmul
-/// takes), as one gemm call into an unzeroed output; anything else is candle's matmul.
-fn product(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let ((m, k), (k2, n)) = (a.dims2()?, b.dims2()?);
-    if !super::takes(&[a, b]) || k != k2 || k == 0 || m * n == 0 {
-        return a.matmul(b);
-    }
-    let (sa, la) = a.storage_and_layout();
-    let (sb, lb) = b.storage_and_layout();
-    let (Storage::Cpu(ca), Storage::Cpu(cb)) = (&*sa, &*sb) else {
-        return a.matmul(b);
-    };
-    // Row-major (rs = cols, cs = 1) or transposed (rs = 1, cs = rows), as candle requires.
-    let plain = |l: &Layout, rows: usize, cols: usize| {
-        let s = l.stride();
-        (s[1] == 1 && (s[0] == cols || rows == 1)) || (s[0] == 1 && (s[1] == rows || cols == 1))
-    };
-    if !plain(la, m, k) || !plain(lb, k, n) {
-        return a.matmul(b);
-    }
-    let (va, vb) = (ca.as_slice::<f32>()?, cb.as_slice::<f32>()?);
-    let (ta, tb) = (la.stride(), lb.stride());
-    let threads = rayon::current_num_threads();
-    let parallelism = if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
-    let mut out: Vec<f32> = Vec::with_capacity(m * n);
-    // SAFETY: the strides are those of valid layouts of `a` and `b` over `va` and `vb` from
-    // their start offsets, so every element the gemm reads lies in them; the destination is
-    // `out`'s capacity as one (M, N) row-major matrix. The arguments are candle's own
-    // (`cpu_backend::MatMul`): C = 0·C + 1·A·B, C not read, every element written (k > 0).
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            out.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            va.as_ptr().add(la.start_offset()),
-            ta[1] as isize,
-            ta[0] as isize,
-            vb.as_ptr().add(lb.start_offset()),
-            tb[1] as isize,
-            tb[0] as isize,
-            0f32,
-            1f32,
-            false,
-            false,
-            false,
-            parallelism,
-        );
-        out.set_len(m * n);
-    }
-    drop((sa, sb));
-    Tensor::from_vec(out, (m, n), a.device())
 }
 
 /// Where matrix `i` = (batch i / H, head i % H) of a 4-D layout starts, and its strides.
