@@ -198,29 +198,34 @@ impl AdamW {
             |&(it, copy)| {
                 let (m, v) = moments_of(it.name);
                 let h = hyper(it.decay, grad_scale);
-                if copy.is_none() {
-                    // On the CPU the parameter's own storage is updated in place.
-                    let p = it.param.tensor();
-                    if let Some((m, v)) = adamw::step_in_place_cpu(&p, it.grad, m.as_ref(), v.as_ref(), &h)? {
-                        let mut mv = moments.lock().expect("the moments' lock");
-                        mv.0.insert(it.name.to_string(), m);
-                        mv.1.insert(it.name.to_string(), v);
-                        return Ok(());
+                // On the CPU, without a compute copy, the parameter's and the moments' own
+                // storage are written in place.
+                let in_place = match copy {
+                    None => {
+                        let p = it.param.tensor();
+                        adamw::step_in_place_cpu(&p, it.grad, m.as_ref(), v.as_ref(), &h)?
                     }
-                }
-                let (p, g) = (it.param.tensor().detach(), it.grad.detach());
-                let dtype = copy.map(|c| c.var().dtype());
-                let out = adamw::step(&p, &g, m.as_ref(), v.as_ref(), &h, dtype)?;
-                it.param.set(&out.p)?;
-                if let Some(c) = copy {
-                    match out.copy {
-                        Some(w) if w.dtype() == c.var().dtype() => c.set(&w)?,
-                        _ => c.set(&out.p.to_dtype(c.var().dtype())?)?,
+                    Some(_) => None,
+                };
+                let (m, v) = match in_place {
+                    Some(mv) => mv,
+                    None => {
+                        let (p, g) = (it.param.tensor().detach(), it.grad.detach());
+                        let dtype = copy.map(|c| c.var().dtype());
+                        let out = adamw::step(&p, &g, m.as_ref(), v.as_ref(), &h, dtype)?;
+                        it.param.set(&out.p)?;
+                        if let Some(c) = copy {
+                            match out.copy {
+                                Some(w) if w.dtype() == c.var().dtype() => c.set(&w)?,
+                                _ => c.set(&out.p.to_dtype(c.var().dtype())?)?,
+                            }
+                        }
+                        (out.m, out.v)
                     }
-                }
+                };
                 let mut mv = moments.lock().expect("the moments' lock");
-                mv.0.insert(it.name.to_string(), out.m);
-                mv.1.insert(it.name.to_string(), out.v);
+                mv.0.insert(it.name.to_string(), m);
+                mv.1.insert(it.name.to_string(), v);
                 Ok(())
             },
         )?;
