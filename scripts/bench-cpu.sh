@@ -4,8 +4,9 @@
 #   1. Training, the tiny preset (4 layers, width 64, 4 heads, byte vocabulary, batch 16 x 64, f32,
 #      AdamW with weight decay 0.1 and gradient clipping at 1.0): mtrain's default CPU job against
 #      scripts/bench/torch_gpt_ref.py with the same shapes and optimizer, ROUNDS rounds taken in
-#      turn (mtrain, PyTorch, mtrain, ...). Each run's figure is the median tokens/s of its steps
-#      after the first WARMUP; the printed figure is the median over the rounds.
+#      turn (mtrain, PyTorch, mtrain, ...). Each run's figure, on both sides, is the median over its
+#      steps after the first WARMUP of each step's tokens/s, with the share of those steps within
+#      ±10% of the median step time; the printed figure is the median over the rounds.
 #   2. All-reduce, f32, 1 MiB to 256 MiB (x4 per size) at 2 and 4 ranks on loopback: `mtrain
 #      bench-comm --in-place` against torch.distributed with gloo (scripts/bench/torch_comm_ref.py
 #      under torchrun; `dist.all_reduce` reduces in place too), again in turn; the printed busbw
@@ -99,29 +100,49 @@ before_run() { # NAME
 }
 after_run() { echo "$1: load after $(load)" >>"$OUT/load.log"; }
 : >"$OUT/load.log"
-echo "== $(date -u '+%F %H:%M UTC'), $(nproc) cores, load average $(load); torch $("$PY" -c 'import torch; print(torch.__version__)') =="
+# Which CPU: the products' kernels differ with AVX-512 (the gemm's choice at run time).
+CPU_LINE="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), family $(grep -m1 'cpu family' /proc/cpuinfo | cut -d: -f2 | xargs) model $(grep -m1 '^model[[:space:]]' /proc/cpuinfo | cut -d: -f2 | xargs), $(grep -qw avx512f /proc/cpuinfo && echo AVX-512 || echo 'no AVX-512')"
+echo "== $(date -u '+%F %H:%M UTC'), $(nproc) cores ($CPU_LINE), load average $(load); torch $("$PY" -c 'import torch; print(torch.__version__)') =="
 
 # --- training -----------------------------------------------------------------------------------
-# The median of a run's per-step tokens/s after the warm-up steps (mtrain: metrics.jsonl).
+# A run's figure, the same statistic on both sides: the median over its timed steps of tokens
+# per second of the step, and beside it the share of those steps within ±10% of the median step
+# time (how steady the machine and the program were). mtrain's steps after the first WARMUP come
+# from metrics.jsonl; PyTorch's from its per-step times (step_ms_each; it runs WARMUP steps
+# untimed first), scaled by its tokens per step.
 mtrain_tok() {
     "$PY" - "$1" "$WARMUP" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 steps = [r for r in rows if "tokens_per_s" in r and r.get("step", 0) > int(sys.argv[2])]
-print(round(statistics.median(r["tokens_per_s"] for r in steps)))
+ms = [r["step_ms"] for r in steps]
+med = statistics.median(ms)
+steady = sum(abs(m - med) <= 0.1 * med for m in ms) / len(ms)
+print(round(statistics.median(r["tokens_per_s"] for r in steps)), f"{100 * steady:.0f}%")
+PY
+}
+torch_tok() {
+    "$PY" - "$1" <<'PY'
+import json, statistics, sys
+r = json.load(open(sys.argv[1]))
+ms = r["step_ms_each"]
+med = statistics.median(ms)
+steady = sum(abs(m - med) <= 0.1 * med for m in ms) / len(ms)
+print(round(r["tokens_per_s"] * r["step_ms"] / med), f"{100 * steady:.0f}%")
 PY
 }
 median() { "$PY" -c 'import statistics, sys; print(round(statistics.median(float(x) for x in sys.argv[1:]), 3))' "$@"; }
 
 TRAIN_LINE="training: not run (PARTS='$PARTS')"
-MT=(); PT=()
+MT=(); PT=(); MS=(); PS=()
 for round in $(part train && seq "$ROUNDS"); do
     RUN="$OUT/train-run"
     before_run "train mtrain $round"
     RAYON_NUM_THREADS=$THREADS "$MTRAIN" --steps "$STEPS" --eval-every 0 --log-every 1 --run-dir "$RUN" --overwrite \
         "${MTRAIN_SHAPE[@]}" >"$OUT/train-mtrain-$round.log" 2>&1
     after_run "train mtrain $round"
-    MT+=("$(mtrain_tok "$RUN/metrics.jsonl")")
+    read -r tok steady < <(mtrain_tok "$RUN/metrics.jsonl")
+    MT+=("$tok"); MS+=("$steady")
     before_run "train torch $round"
     TORCH=("$PY")
     if [ "$DP" -gt 1 ]; then
@@ -131,8 +152,9 @@ for round in $(part train && seq "$ROUNDS"); do
         --seq 64 --dtype fp32 --steps $((STEPS - WARMUP)) --warmup "$WARMUP" \
         --weight-decay 0.1 --grad-clip 1.0 "${TORCH_SHAPE[@]}" >"$OUT/train-torch-$round.json" 2>"$OUT/train-torch-$round.log"
     after_run "train torch $round"
-    PT+=("$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["tokens_per_s"])' "$OUT/train-torch-$round.json")")
-    echo "round $round: mtrain ${MT[-1]} tok/s, PyTorch ${PT[-1]} tok/s (load $(load))"
+    read -r tok steady < <(torch_tok "$OUT/train-torch-$round.json")
+    PT+=("$tok"); PS+=("$steady")
+    echo "round $round: mtrain ${MT[-1]} tok/s (${MS[-1]} of steps within ±10%), PyTorch ${PT[-1]} tok/s (${PS[-1]}) (load $(load))"
 done
 if part train; then
     MTM=$(median "${MT[@]}"); PTM=$(median "${PT[@]}")
