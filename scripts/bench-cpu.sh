@@ -110,25 +110,22 @@ echo "== $(date -u '+%F %H:%M UTC'), $(nproc) cores ($CPU_LINE), load average $(
 # time (how steady the machine and the program were). mtrain's steps after the first WARMUP come
 # from metrics.jsonl; PyTorch's from its per-step times (step_ms_each; it runs WARMUP steps
 # untimed first), scaled by its tokens per step.
-mtrain_tok() {
-    "$PY" - "$1" "$WARMUP" <<'PY'
+# run_figure mtrain METRICS_JSONL | run_figure torch RESULT_JSON
+run_figure() {
+    "$PY" - "$1" "$2" "$WARMUP" <<'PY'
 import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-steps = [r for r in rows if "tokens_per_s" in r and r.get("step", 0) > int(sys.argv[2])]
-ms = [r["step_ms"] for r in steps]
+side, path, warmup = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if side == "mtrain":  # (tokens per step, step ms) of each step after the warm-up
+    rows = [json.loads(l) for l in open(path) if l.strip()]
+    steps = [(r["tokens_per_s"] * r["step_ms"] / 1e3, r["step_ms"]) for r in rows
+             if "tokens_per_s" in r and r.get("step", 0) > warmup]
+else:  # PyTorch ran its warm-up untimed; its tokens per step from the whole range
+    r = json.load(open(path))
+    steps = [(r["tokens_per_s"] * r["step_ms"] / 1e3, ms) for ms in r["step_ms_each"]]
+ms = [m for _, m in steps]
 med = statistics.median(ms)
 steady = sum(abs(m - med) <= 0.1 * med for m in ms) / len(ms)
-print(round(statistics.median(r["tokens_per_s"] for r in steps)), f"{100 * steady:.0f}%")
-PY
-}
-torch_tok() {
-    "$PY" - "$1" <<'PY'
-import json, statistics, sys
-r = json.load(open(sys.argv[1]))
-ms = r["step_ms_each"]
-med = statistics.median(ms)
-steady = sum(abs(m - med) <= 0.1 * med for m in ms) / len(ms)
-print(round(r["tokens_per_s"] * r["step_ms"] / med), f"{100 * steady:.0f}%")
+print(round(statistics.median(t / m * 1e3 for t, m in steps)), f"{100 * steady:.0f}%")
 PY
 }
 median() { "$PY" -c 'import statistics, sys; print(round(statistics.median(float(x) for x in sys.argv[1:]), 3))' "$@"; }
@@ -141,7 +138,7 @@ for round in $(part train && seq "$ROUNDS"); do
     RAYON_NUM_THREADS=$THREADS "$MTRAIN" --steps "$STEPS" --eval-every 0 --log-every 1 --run-dir "$RUN" --overwrite \
         "${MTRAIN_SHAPE[@]}" >"$OUT/train-mtrain-$round.log" 2>&1
     after_run "train mtrain $round"
-    read -r tok steady < <(mtrain_tok "$RUN/metrics.jsonl")
+    read -r tok steady < <(run_figure mtrain "$RUN/metrics.jsonl")
     MT+=("$tok"); MS+=("$steady")
     before_run "train torch $round"
     TORCH=("$PY")
@@ -152,7 +149,7 @@ for round in $(part train && seq "$ROUNDS"); do
         --seq 64 --dtype fp32 --steps $((STEPS - WARMUP)) --warmup "$WARMUP" \
         --weight-decay 0.1 --grad-clip 1.0 "${TORCH_SHAPE[@]}" >"$OUT/train-torch-$round.json" 2>"$OUT/train-torch-$round.log"
     after_run "train torch $round"
-    read -r tok steady < <(torch_tok "$OUT/train-torch-$round.json")
+    read -r tok steady < <(run_figure torch "$OUT/train-torch-$round.json")
     PT+=("$tok"); PS+=("$steady")
     echo "round $round: mtrain ${MT[-1]} tok/s (${MS[-1]} of steps within ±10%), PyTorch ${PT[-1]} tok/s (${PS[-1]}) (load $(load))"
 done
