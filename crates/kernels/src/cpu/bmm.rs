@@ -19,14 +19,24 @@
 //!                                                       same bits as candle's matmul
 //! ```
 //!
-//! Larger matrices (the gemm splits each itself) and products below
-//! [`split_min`](super::split_min) output elements in all run in turn, each as candle runs it.
+//! A larger product of at least 2 · [`ROWS_MIN`] rows is cut by rows into one part a thread,
+//! each part one single-threaded gemm call, which the pool's threads claim
+//! ([`claimed`](super::split::claimed)): the caller spins for the last part instead of
+//! sleeping in a join (the gemm's own split sleeps there, which on a virtual machine halts the
+//! CPU; docs/BENCHMARKS.md, "The products' parts claimed"). Other larger matrices (the gemm
+//! splits each itself) and products below [`split_min`](super::split_min) output elements in all
+//! run in turn, each as candle runs it.
 //! A matrix may sit at any strides, so attention reads q, k, v (B, H, T, D) as views of c_attn's
 //! token-major output (B, T, 3·H·D), which candle's matmul does not take. Other ranks, dtypes
 //! or devices and a broadcast batch go to candle's matmul.
 
 use candle_core::{Layout, Result, Storage, Tensor};
 use rayon::prelude::*;
+
+/// The fewest rows of a part of a product cut by rows: each part packs the whole right side
+/// again (a product of 256 rows of a long K cut in two lost 12%, docs/BENCHMARKS.md), so a
+/// product of fewer than twice this many rows keeps the gemm's own split.
+const ROWS_MIN: usize = 256;
 
 /// `a · b` for a (M, K) and b (K, N), or a (B, H, M, K) and b (B, H, K, N): (M, N) or
 /// (B, H, M, N), as `a.matmul(b)`.
@@ -70,30 +80,38 @@ fn batched(a: &Tensor, b: &Tensor, scale: f32) -> Result<Tensor> {
         return candle();
     }
     let threads = rayon::current_num_threads();
-    // Small products split over the pool, one matrix a task; larger ones in turn, each split
-    // by the gemm itself as candle's are.
+    // Small products split over the pool, one matrix a task. A larger one with rows enough is
+    // cut into parts of at least ROWS_MIN rows that the pool's threads claim (`claimed`);
+    // others go in turn, each split by the gemm itself as candle's are.
     let small = m * n * k < gemm::get_threading_threshold();
     let split = mats >= 2 && small && super::split::splits(mats * m * n);
-    let parallelism = match split || threads == 1 {
+    let parts = match split || small || threads == 1 {
+        true => 1,
+        false => (m / ROWS_MIN).min(threads),
+    };
+    let parallelism = match split || threads == 1 || parts >= 2 {
         true => gemm::Parallelism::None,
         false => gemm::Parallelism::Rayon(threads),
     };
-    let one = |i: usize, dst: &mut [std::mem::MaybeUninit<f32>]| {
+    // Rows r0.. of matrix i into `dst`, those rows of its (M, N) output, row-major.
+    let rows = |i: usize, r0: usize, dst: &mut [std::mem::MaybeUninit<f32>]| {
         // SAFETY: the offsets and strides are those of valid layouts of `a` and `b` over `va`
         // and `vb` (any strides: the heads of a token-major tensor included), so every element
-        // the gemm reads of matrix i lies in them; `dst` is one (M, N) row-major matrix of
-        // `out`'s capacity. The arguments are candle's own (`cpu_backend::MatMul`):
-        // C = 0·C + s·A·B, C not read, every element written (s = 1: candle's call).
+        // the gemm reads of rows r0.. of matrix i lies in them; `dst` is whole rows of one
+        // (M, N) row-major matrix of `out`'s capacity. The arguments are candle's own
+        // (`cpu_backend::MatMul`): C = 0·C + s·A·B, C not read, every element written (s = 1:
+        // candle's call). The gemm's depth blocks depend on K alone, so every element is the
+        // same sum in the same order whichever rows share its call.
         unsafe {
             gemm::gemm(
-                m,
+                dst.len() / n,
                 n,
                 k,
                 dst.as_mut_ptr() as *mut f32,
                 1,
                 n as isize,
                 false,
-                va.as_ptr().add(oa.start(i)),
+                va.as_ptr().add(oa.start(i)).offset(r0 as isize * oa.rs),
                 oa.cs,
                 oa.rs,
                 vb.as_ptr().add(ob.start(i)),
@@ -115,9 +133,27 @@ fn batched(a: &Tensor, b: &Tensor, scale: f32) -> Result<Tensor> {
         dst.par_chunks_mut(m * n)
             .with_min_len(mats.div_ceil(threads))
             .enumerate()
-            .for_each(|(i, d)| one(i, d));
+            .for_each(|(i, d)| rows(i, 0, d));
+    } else if parts >= 2 {
+        // Part p: rows p·M/P .. (p + 1)·M/P of the matrix.
+        let bounds = |p: usize| p * m / parts;
+        for (i, d) in dst.chunks_mut(m * n).enumerate() {
+            let base = d.as_mut_ptr() as usize;
+            super::split::claimed(parts, &|p| {
+                let (r0, r1) = (bounds(p), bounds(p + 1));
+                // SAFETY: the parts' row ranges are disjoint and inside the matrix, so each
+                // part's rows are written by that part alone while `d` is borrowed here.
+                let rows_out = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        (base as *mut std::mem::MaybeUninit<f32>).add(r0 * n),
+                        (r1 - r0) * n,
+                    )
+                };
+                rows(i, r0, rows_out)
+            });
+        }
     } else {
-        dst.chunks_mut(m * n).enumerate().for_each(|(i, d)| one(i, d));
+        dst.chunks_mut(m * n).enumerate().for_each(|(i, d)| rows(i, 0, d));
     }
     // SAFETY: the products wrote all mats · m · n elements.
     unsafe { out.set_len(mats * m * n) };

@@ -157,3 +157,93 @@ pub(crate) fn row_stats<S: Send>(c: usize, stats: &mut [S], f: impl Fn(usize, &m
         stats.iter_mut().enumerate().for_each(|(i, s)| f(i, s));
     }
 }
+
+/// Runs `f(0) .. f(parts − 1)` on the calling thread and the pool's other workers, each part
+/// claimed by whichever thread is free first, and returns once every part has run. The caller
+/// waits for the last part by spinning, not by sleeping in a join.
+///
+/// ```text
+///   next ──▶ 0  1  2  3       the caller and each helper job: i = next++; f(i) while i < parts
+///   caller   ██ ██    ██      a thread slowed down (by its host, say) takes fewer parts
+///   worker 1 ██████           instead of holding the others at a fixed half
+/// ```
+///
+/// Why not a join: a split into one fixed part a thread (the gemm's own) runs at the slower
+/// thread's pace, and a thread that waits in rayon's join goes to sleep after a few rounds of
+/// yielding, which on a virtual machine halts its CPU until it is woken again (docs/BENCHMARKS.md,
+/// "Where the two-thread width-256 step loses its steadiness"). A helper job that starts after
+/// every part was claimed finds nothing to do and returns without touching `f`'s data.
+pub(crate) fn claimed(parts: usize, f: &(dyn Fn(usize) + Sync)) {
+    use std::sync::Arc;
+    struct Claims {
+        next: AtomicUsize,
+        done: AtomicUsize,
+        panicked: std::sync::atomic::AtomicBool,
+    }
+    let claims = Arc::new(Claims {
+        next: AtomicUsize::new(0),
+        done: AtomicUsize::new(0),
+        panicked: std::sync::atomic::AtomicBool::new(false),
+    });
+    let run = move |claims: &Claims, f: &(dyn Fn(usize) + Sync)| loop {
+        let i = claims.next.fetch_add(1, Ordering::AcqRel);
+        if i >= parts {
+            return;
+        }
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(i))).is_err() {
+            claims.panicked.store(true, Ordering::Release);
+        }
+        claims.done.fetch_add(1, Ordering::AcqRel);
+    };
+    // SAFETY: a helper calls `f` only for a part it claimed below `parts`, and this function
+    // returns only once `done` counts every part, so no call of `f` outlives the borrow; a
+    // helper that starts later claims nothing and only reads the counters it shares.
+    let f_static: &'static (dyn Fn(usize) + Sync) = unsafe { std::mem::transmute(f) };
+    for _ in 1..rayon::current_num_threads().min(parts) {
+        let claims = claims.clone();
+        rayon::spawn(move || run(&claims, f_static));
+    }
+    run(&claims, f);
+    let mut spins = 0u32;
+    while claims.done.load(Ordering::Acquire) < parts {
+        // A plain spin: a pause instruction in a loop can make the host take the CPU away.
+        // Past about a millisecond the helper is off its CPU, so give ours up instead.
+        spins = spins.saturating_add(1);
+        if spins > 1 << 20 {
+            std::thread::yield_now();
+        }
+    }
+    assert!(
+        !claims.panicked.load(Ordering::Acquire),
+        "a part of a claimed split panicked"
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every part runs exactly once, on one thread or several, and the call returns only after
+    /// the last; a part that panics panics the caller instead of leaving it waiting.
+    #[test]
+    fn claimed_runs_every_part_once() {
+        for threads in [1, 2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            for parts in [1, 2, 7, 64] {
+                let runs: Vec<AtomicUsize> = (0..parts).map(|_| AtomicUsize::new(0)).collect();
+                pool.install(|| {
+                    claimed(parts, &|p| {
+                        std::thread::sleep(std::time::Duration::from_micros(50 * (p % 3) as u64));
+                        runs[p].fetch_add(1, Ordering::Relaxed);
+                    })
+                });
+                let counts: Vec<usize> = runs.iter().map(|r| r.load(Ordering::Relaxed)).collect();
+                assert_eq!(counts, vec![1; parts], "{threads} threads, {parts} parts");
+            }
+            let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                pool.install(|| claimed(4, &|p| assert_ne!(p, 2, "part 2 fails")))
+            }));
+            assert!(failed.is_err(), "{threads} threads: a failing part must fail the call");
+        }
+    }
+}
