@@ -109,7 +109,7 @@ echo "== $(date -u '+%F %H:%M UTC'), $(nproc) cores ($CPU_LINE), load average $(
 # per second of the step, and beside it the share of those steps within ±10% of the median step
 # time (how steady the machine and the program were). mtrain's steps after the first WARMUP come
 # from metrics.jsonl; PyTorch's from its per-step times (step_ms_each; it runs WARMUP steps
-# untimed first), scaled by its tokens per step.
+# untimed first) and the job's tokens per step.
 # run_figure mtrain METRICS_JSONL | run_figure torch RESULT_JSON
 run_figure() {
     "$PY" - "$1" "$2" "$WARMUP" <<'PY'
@@ -119,9 +119,10 @@ if side == "mtrain":  # (tokens per step, step ms) of each step after the warm-u
     rows = [json.loads(l) for l in open(path) if l.strip()]
     steps = [(r["tokens_per_s"] * r["step_ms"] / 1e3, r["step_ms"]) for r in rows
              if "tokens_per_s" in r and r.get("step", 0) > warmup]
-else:  # PyTorch ran its warm-up untimed; its tokens per step from the whole range
+else:  # PyTorch ran its warm-up untimed; every step takes the job's batch of tokens
     r = json.load(open(path))
-    steps = [(r["tokens_per_s"] * r["step_ms"] / 1e3, ms) for ms in r["step_ms_each"]]
+    tokens = r["batch"] * r["seq"] * r["grad_accum"] * r["world"]
+    steps = [(tokens, ms) for ms in r["step_ms_each"]]
 ms = [m for _, m in steps]
 med = statistics.median(ms)
 steady = sum(abs(m - med) <= 0.1 * med for m in ms) / len(ms)
