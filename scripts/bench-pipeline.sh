@@ -46,7 +46,7 @@ above_limit() { awk -v l="$(cut -d' ' -f1 /proc/loadavg)" -v m="$LOAD_LIMIT" 'BE
 BUSY=()
 : >"$OUT/load.log"
 
-# means RUN_DIR: "F,B,W" of one stage in ms, the mean over ranks, chunks and timed steps.
+# stage_costs RUN_DIR: "F,B,W" of one stage in ms, the mean over the stages and timed steps.
 stage_costs() {
     python3 - "$1" "$WARMUP" <<'PY'
 import json, sys
@@ -56,9 +56,8 @@ for line in open(f"{run}/steps.jsonl"):
     r = json.loads(line)
     if r["step"] < warmup:
         continue
-    costs = r["report"]["pipeline"]["pass_costs"]  # one entry per chunk of this rank, seconds
-    f += sum(c["forward"] for c in costs); b += sum(c["input_grad"] for c in costs)
-    w += sum(c["weight_grad"] for c in costs); n += 1
+    for c in r["report"]["pipeline"]["pass_costs"]:  # one entry a stage, seconds a micro-batch
+        f += c["forward"]; b += c["input_grad"]; w += c["weight_grad"]; n += 1
 print(",".join(f"{1e3 * x / n:.1f}" for x in (f, b, w)))
 PY
 }
