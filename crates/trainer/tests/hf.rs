@@ -180,7 +180,11 @@ fn stacks(pid: u32) -> String {
         .stdin(Stdio::null())
         .output();
     let stacks = match gdb {
-        Ok(o) => String::from_utf8_lossy(&o.stdout).into_owned(),
+        Ok(o) => format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        ),
         Err(e) => format!("(no stacks: gdb could not run: {e})"),
     };
     format!("== process {pid}: {cmdline}\n{stacks}\n")
