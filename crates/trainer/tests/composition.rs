@@ -10,6 +10,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+use common::BoundedOutput;
+
 const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
 
 fn config(name: &str) -> String {
@@ -32,7 +35,7 @@ fn mtrain(args: &[&str]) -> Command {
 }
 
 fn output(args: &[&str]) -> Output {
-    mtrain(args).output().expect("run mtrain")
+    mtrain(args).bounded_output()
 }
 
 fn text(o: &Output) -> String {

@@ -24,6 +24,9 @@ use mtrain_trainer::hf;
 use mtrain_trainer::data::corpus;
 use mtrain_trainer::prepare::{self, PrepareArgs};
 
+mod common;
+use common::BoundedOutput;
+
 const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
 
 fn mtrain(args: &[&str]) -> Output {
@@ -32,8 +35,7 @@ fn mtrain(args: &[&str]) -> Output {
         .env_remove("RANK")
         .env_remove("WORLD_SIZE")
         .stdin(Stdio::null())
-        .output()
-        .expect("run mtrain")
+        .bounded_output()
 }
 
 fn text(o: &Output) -> String {

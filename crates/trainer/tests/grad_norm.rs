@@ -10,6 +10,9 @@
 use std::path::Path;
 use std::process::{Command, Stdio};
 
+mod common;
+use common::BoundedOutput;
+
 const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
 const STEPS: usize = 3;
 
@@ -48,8 +51,7 @@ fn one_norm_all_reduce_per_step(layout: &[&str], world: usize) {
         .env_remove("RANK")
         .env_remove("WORLD_SIZE")
         .stdin(Stdio::null())
-        .output()
-        .expect("run mtrain");
+        .bounded_output();
     assert!(
         o.status.success(),
         "{layout:?} failed:\n{}{}",

@@ -21,18 +21,19 @@
 //! CI (`CI` set) and say they are skipped elsewhere.
 //!
 //! No test here hangs: a command still running after five minutes, or mtrain's generate in the
-//! test's own process, fails the test with the stacks of its threads (gdb) and what it printed.
+//! test's own process, fails the test with the stacks of its threads (`common`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 use mtrain_model::{Gpt, GptConfig};
 use mtrain_trainer::checkpoint;
 use mtrain_trainer::data::corpus;
 use mtrain_trainer::hf;
+
+mod common;
 
 const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
 const HF_SIDE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/hf_side.py");
@@ -77,137 +78,10 @@ fn clean_env(cmd: &mut Command) {
 }
 
 /// Run `cmd`, failing the test with its output unless it succeeds.
-fn run_ok(cmd: Command, what: &str) -> Output {
-    let out = run_bounded(cmd, what);
+fn run_ok(mut cmd: Command, what: &str) -> Output {
+    let out = common::output(&mut cmd);
     assert!(out.status.success(), "{what} failed:\n{}", text(&out));
     out
-}
-
-/// The longest one command of these tests may take: they take seconds, and a slow machine
-/// minutes.
-const COMMAND_DEADLINE: Duration = Duration::from_secs(300);
-
-/// Runs `cmd` to its end and returns what it printed. A command still running after
-/// [`COMMAND_DEADLINE`] fails the test with the stacks of every thread of its processes (gdb,
-/// where the machine has it) and what it printed so far, and is killed with its children: a
-/// test never hangs on it.
-fn run_bounded(mut cmd: Command, what: &str) -> Output {
-    use std::io::Read;
-    use std::os::unix::process::CommandExt;
-    // Its own process group, so its children (torchrun's workers) are found and killed with it.
-    cmd.process_group(0)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = cmd
-        .spawn()
-        .unwrap_or_else(|e| panic!("{what}: cannot start: {e}"));
-    let drain = |mut pipe: Box<dyn Read + Send>| {
-        std::thread::spawn(move || {
-            let mut bytes = Vec::new();
-            let _ = pipe.read_to_end(&mut bytes);
-            bytes
-        })
-    };
-    let stdout = drain(Box::new(child.stdout.take().unwrap()));
-    let stderr = drain(Box::new(child.stderr.take().unwrap()));
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait") {
-            break status;
-        }
-        if t0.elapsed() > COMMAND_DEADLINE {
-            let stacks = group_stacks(child.id());
-            let _ = Command::new("kill")
-                .args(["-KILL", "--", &format!("-{}", child.id())])
-                .status();
-            let _ = child.wait();
-            let printed = format!(
-                "{}{}",
-                String::from_utf8_lossy(&stdout.join().unwrap()),
-                String::from_utf8_lossy(&stderr.join().unwrap())
-            );
-            panic!(
-                "{what} did not finish within {} s; killed. Its threads' stacks:\n{stacks}\nWhat it printed:\n{printed}",
-                COMMAND_DEADLINE.as_secs()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    Output {
-        status,
-        stdout: stdout.join().unwrap(),
-        stderr: stderr.join().unwrap(),
-    }
-}
-
-/// Every thread's stack of every process in process group `pgid`, from gdb.
-fn group_stacks(pgid: u32) -> String {
-    let members: Vec<u32> = std::fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            // /proc/PID/stat: "pid (comm) state ppid pgrp ..."; comm may hold spaces.
-            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-                stat.rsplit_once(')')
-                    .and_then(|(_, rest)| rest.split_whitespace().nth(2)?.parse::<u32>().ok())
-                    == Some(pgid)
-            })
-        })
-        .collect();
-    let mut all = String::new();
-    for pid in members {
-        all += &stacks(pid);
-    }
-    all
-}
-
-/// Every thread's stack of process `pid`, from gdb, under a line naming the process.
-fn stacks(pid: u32) -> String {
-    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-    let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
-    let gdb = Command::new("timeout")
-        .args([
-            "60",
-            "gdb",
-            "-p",
-            &pid.to_string(),
-            "-batch",
-            "-ex",
-            "thread apply all bt 40",
-        ])
-        .stdin(Stdio::null())
-        .output();
-    let stacks = match gdb {
-        Ok(o) => format!(
-            "{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        ),
-        Err(e) => format!("(no stacks: gdb could not run: {e})"),
-    };
-    format!("== process {pid}: {cmdline}\n{stacks}\n")
-}
-
-/// Guards work a test does in its own process: if the guard is still alive after
-/// [`COMMAND_DEADLINE`], the test binary prints its threads' stacks and aborts (the process
-/// cannot be killed from outside and go on). Dropping the guard stands it down.
-struct Watchdog(#[allow(dead_code)] std::sync::mpsc::Sender<()>);
-
-fn watchdog(what: &'static str) -> Watchdog {
-    let (tx, rx) = std::sync::mpsc::channel::<()>();
-    std::thread::spawn(move || {
-        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(COMMAND_DEADLINE) {
-            eprintln!(
-                "{what} did not finish within {} s; aborting. This process's stacks:\n{}",
-                COMMAND_DEADLINE.as_secs(),
-                stacks(std::process::id())
-            );
-            std::process::abort();
-        }
-    });
-    Watchdog(tx)
 }
 
 fn text(o: &Output) -> String {
@@ -453,10 +327,13 @@ fn export_then_init_from_gives_the_weights_back_bit_for_bit() {
     ];
     run_ok(mtrain(&args), "mtrain --model moe-tiny");
     let out = dir.path().join("hf-moe");
-    let o = run_bounded(
-        mtrain(&["export", "--hf", &s(&out), "--checkpoint", &s(&run)]),
-        "mtrain export --hf (experts)",
-    );
+    let o = common::output(&mut mtrain(&[
+        "export",
+        "--hf",
+        &s(&out),
+        "--checkpoint",
+        &s(&run),
+    ]));
     let said = text(&o);
     assert!(!o.status.success(), "{said}");
     assert!(
@@ -571,7 +448,7 @@ fn greedy_decoding_is_transformers_generate() {
         prompt_ids, our_prompt,
         "AutoTokenizer encodes the prompt as mtrain does"
     );
-    let guard = watchdog("mtrain's generate, in the test's process");
+    let guard = common::watchdog("mtrain's generate, in the test's process");
     let model = Gpt::new(cfg, &ckpt.model, &Device::Cpu).unwrap();
     let idx = Tensor::from_vec(our_prompt.clone(), (1, our_prompt.len()), &Device::Cpu).unwrap();
     let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(0);

@@ -12,6 +12,9 @@ use mtrain_trainer::config::Schedule;
 use mtrain_trainer::resolve;
 use serde_json::Value;
 
+mod common;
+use common::BoundedOutput;
+
 const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
 
 /// A short run of the tiny model: 3 steps of 4 sequences of 32 tokens, a loss every step.
@@ -39,8 +42,7 @@ fn mtrain(args: &[&str]) -> Output {
         .env_remove("MTRAIN_FAIL_RANK")
         .env_remove("MTRAIN_FAIL_MODE")
         .stdin(Stdio::null())
-        .output()
-        .expect("run mtrain")
+        .bounded_output()
 }
 
 fn text(o: &Output) -> String {

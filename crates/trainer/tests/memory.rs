@@ -25,6 +25,9 @@ use std::process::{Command, Stdio};
 
 use serde_json::Value;
 
+mod common;
+use common::BoundedOutput;
+
 const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
 
 #[global_allocator]
@@ -79,8 +82,7 @@ fn model_state(extra: &[&str]) -> Vec<(usize, f64, f64)> {
         .env_remove("WORLD_SIZE")
         .env("RAYON_NUM_THREADS", "1")
         .stdin(Stdio::null())
-        .output()
-        .expect("run mtrain");
+        .bounded_output();
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -201,8 +203,7 @@ fn plan_prints_the_reports_analytic_figures() {
             .args(&plan_args)
             .env_remove("RANK")
             .stdin(Stdio::null())
-            .output()
-            .expect("run mtrain plan");
+            .bounded_output();
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success(),
@@ -224,8 +225,7 @@ fn plan_prints_the_reports_analytic_figures() {
             .env_remove("RANK")
             .env_remove("WORLD_SIZE")
             .stdin(Stdio::null())
-            .output()
-            .expect("run mtrain");
+            .bounded_output();
         assert!(
             out.status.success(),
             "{layout:?}: {}",
@@ -325,8 +325,7 @@ fn phases(layout: &[&str], n_embd: usize) -> Vec<(usize, Value, Value)> {
         .env_remove("WORLD_SIZE")
         .env("RAYON_NUM_THREADS", "1")
         .stdin(Stdio::null())
-        .output()
-        .expect("run mtrain");
+        .bounded_output();
     assert!(
         out.status.success(),
         "mtrain {args:?} failed:\n{}",

@@ -16,6 +16,9 @@ use std::process::{Command, Output, Stdio};
 
 use serde_json::Value;
 
+mod common;
+use common::BoundedOutput;
+
 const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
 
 fn mtrain(args: &[&str]) -> Output {
@@ -26,8 +29,7 @@ fn mtrain(args: &[&str]) -> Output {
         .env_remove("MTRAIN_FAIL_RANK")
         .env_remove("MTRAIN_FAIL_MODE")
         .stdin(Stdio::null())
-        .output()
-        .expect("run mtrain")
+        .bounded_output()
 }
 
 fn text(o: &Output) -> String {

@@ -19,6 +19,9 @@ use std::process::{Command, Output, Stdio};
 
 use serde_json::Value;
 
+mod common;
+use common::BoundedOutput;
+
 const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
 const STEPS: u64 = 3;
 
@@ -28,8 +31,7 @@ fn mtrain(args: &[String]) -> Output {
         .env_remove("RANK")
         .env_remove("WORLD_SIZE")
         .stdin(Stdio::null())
-        .output()
-        .expect("run mtrain")
+        .bounded_output()
 }
 
 fn ok(o: &Output, what: &str) -> String {

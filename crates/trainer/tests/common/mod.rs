@@ -1,0 +1,147 @@
+//! What the trainer's integration tests share: running a command (mtrain, torchrun, Python) so
+//! that a hang fails the test with every thread's stack instead of stalling the suite, and the
+//! same guard for work a test does in its own process.
+//!
+//! Each test file that runs commands includes this module (`mod common;`).
+#![allow(dead_code)]
+
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The longest one command of these tests may take: they take seconds, and a slow machine
+/// minutes.
+pub const COMMAND_DEADLINE: Duration = Duration::from_secs(300);
+
+/// [`output`] as a method, in place of `Command::output`.
+pub trait BoundedOutput {
+    fn bounded_output(&mut self) -> Output;
+}
+
+impl BoundedOutput for Command {
+    fn bounded_output(&mut self) -> Output {
+        output(self)
+    }
+}
+
+/// `cmd.output()`, bounded: runs `cmd` to its end and returns what it printed. A command still
+/// running after [`COMMAND_DEADLINE`] fails the test with the stacks of every thread of its
+/// processes (gdb, where the machine has it) and what it printed so far, and is killed with its
+/// children: a test never hangs on it.
+pub fn output(cmd: &mut Command) -> Output {
+    use std::io::Read;
+    use std::os::unix::process::CommandExt;
+    // Its own process group, so its children (torchrun's workers) are found and killed with it.
+    cmd.process_group(0)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("{cmd:?}: cannot start: {e}"));
+    let drain = |mut pipe: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            let _ = pipe.read_to_end(&mut bytes);
+            bytes
+        })
+    };
+    let stdout = drain(Box::new(child.stdout.take().unwrap()));
+    let stderr = drain(Box::new(child.stderr.take().unwrap()));
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if t0.elapsed() > COMMAND_DEADLINE {
+            let stacks = group_stacks(child.id());
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", child.id())])
+                .status();
+            let _ = child.wait();
+            let printed = format!(
+                "{}{}",
+                String::from_utf8_lossy(&stdout.join().unwrap()),
+                String::from_utf8_lossy(&stderr.join().unwrap())
+            );
+            panic!(
+                "{cmd:?} did not finish within {} s; killed. Its threads' stacks:\n{stacks}\nWhat it printed:\n{printed}",
+                COMMAND_DEADLINE.as_secs()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Output {
+        status,
+        stdout: stdout.join().unwrap(),
+        stderr: stderr.join().unwrap(),
+    }
+}
+
+/// Every thread's stack of every process in process group `pgid`, from gdb.
+fn group_stacks(pgid: u32) -> String {
+    let members: Vec<u32> = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            // /proc/PID/stat: "pid (comm) state ppid pgrp ..."; comm may hold spaces.
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+                stat.rsplit_once(')')
+                    .and_then(|(_, rest)| rest.split_whitespace().nth(2)?.parse::<u32>().ok())
+                    == Some(pgid)
+            })
+        })
+        .collect();
+    let mut all = String::new();
+    for pid in members {
+        all += &stacks(pid);
+    }
+    all
+}
+
+/// Every thread's stack of process `pid`, from gdb, under a line naming the process.
+fn stacks(pid: u32) -> String {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+    let gdb = Command::new("timeout")
+        .args([
+            "60",
+            "gdb",
+            "-p",
+            &pid.to_string(),
+            "-batch",
+            "-ex",
+            "thread apply all bt 40",
+        ])
+        .stdin(Stdio::null())
+        .output();
+    let stacks = match gdb {
+        Ok(o) => format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        ),
+        Err(e) => format!("(no stacks: gdb could not run: {e})"),
+    };
+    format!("== process {pid}: {cmdline}\n{stacks}\n")
+}
+
+/// Guards work a test does in its own process: if the guard is still alive after
+/// [`COMMAND_DEADLINE`], the test binary prints its threads' stacks and aborts (the process
+/// cannot be killed from outside and go on). Dropping the guard stands it down.
+pub struct Watchdog(#[allow(dead_code)] std::sync::mpsc::Sender<()>);
+
+pub fn watchdog(what: &'static str) -> Watchdog {
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(COMMAND_DEADLINE) {
+            eprintln!(
+                "{what} did not finish within {} s; aborting. This process's stacks:\n{}",
+                COMMAND_DEADLINE.as_secs(),
+                stacks(std::process::id())
+            );
+            std::process::abort();
+        }
+    });
+    Watchdog(tx)
+}
