@@ -86,22 +86,9 @@ PY="$VENV/bin/python"
 
 cargo build --release --workspace --bin mtrain
 MTRAIN=target/release/mtrain
-load() { cut -d' ' -f1-3 /proc/loadavg; }
-QUIET_WAIT=${QUIET_WAIT:-120}
-LOAD_LIMIT=${LOAD_LIMIT:-$(awk -v n="$(nproc)" 'BEGIN { print 0.5 * n }')}
-BUSY=() # "run: load" for every run that started above LOAD_LIMIT
-above_limit() { awk -v l="$(cut -d' ' -f1 /proc/loadavg)" -v m="$LOAD_LIMIT" 'BEGIN { exit !(l > m) }'; }
-# Wait for a quiet machine (at most QUIET_WAIT s), then note the load a run starts at.
-before_run() { # NAME
-    local waited=0
-    while above_limit && [ "$waited" -lt "$QUIET_WAIT" ]; do sleep 5; waited=$((waited + 5)); done
-    if above_limit; then BUSY+=("$1: $(cut -d' ' -f1 /proc/loadavg)"); fi
-    echo "$1: load before $(load)" >>"$OUT/load.log"
-}
-after_run() { echo "$1: load after $(load)" >>"$OUT/load.log"; }
-: >"$OUT/load.log"
-# Which CPU: the products' kernels differ with AVX-512 (the gemm's choice at run time).
-CPU_LINE="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), family $(grep -m1 'cpu family' /proc/cpuinfo | cut -d: -f2 | xargs) model $(grep -m1 '^model[[:space:]]' /proc/cpuinfo | cut -d: -f2 | xargs), $(grep -qw avx512f /proc/cpuinfo && echo AVX-512 || echo 'no AVX-512')"
+# shellcheck source=scripts/quiet.sh
+. scripts/quiet.sh
+CPU_LINE=$(cpu_line)
 echo "== $(date -u '+%F %H:%M UTC'), $(nproc) cores ($CPU_LINE), load average $(load); torch $("$PY" -c 'import torch; print(torch.__version__)') =="
 
 # --- training -----------------------------------------------------------------------------------

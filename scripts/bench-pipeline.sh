@@ -13,10 +13,9 @@
 # doc), the predicted one the schedule simulated with that step's measured pass times. The
 # summary's last columns are the worse rank's bubble over 1F1B's, measured and predicted.
 #
-# Each round starts on a quiet machine as in bench-cpu.sh: up to QUIET_WAIT s (default 120) for
-# the one-minute load average to fall to LOAD_LIMIT (default 0.5 per core); a round that started
-# above it is named and no ratio is printed. The load before and after every run is logged (a
-# run itself keeps every core busy, so the load rises through a round).
+# Each round starts on a quiet machine (scripts/quiet.sh: up to QUIET_WAIT s, default 120, for
+# the one-minute load average to fall to LOAD_LIMIT, default 0.5 per core); a round that started
+# above it is named and no ratio is printed. The load before and after every run is logged.
 #
 # Usage: scripts/bench-pipeline.sh   (env: ROUNDS=3 STEPS=10 WARMUP=2 MICRO=8 PP=2 N_LAYER=8
 #                                     N_EMBD=512 N_HEAD=8 SCHEDULES="1f1b interleaved:2 zb-h1
@@ -34,17 +33,13 @@ N_LAYER=${N_LAYER:-8}
 N_EMBD=${N_EMBD:-512}
 N_HEAD=${N_HEAD:-8}
 SCHEDULES=${SCHEDULES:-"1f1b interleaved:2 zb-h1 zb-v zb-v-cost"}
-QUIET_WAIT=${QUIET_WAIT:-120}
-LOAD_LIMIT=${LOAD_LIMIT:-$(awk -v n="$(nproc)" 'BEGIN { print 0.5 * n }')}
 MTRAIN=target/release/mtrain
 OUT=target/bench-pipeline
 mkdir -p "$OUT"
-[ -x "$MTRAIN" ] || cargo build --release -p mtrain-trainer --bin mtrain
+cargo build --release --workspace --bin mtrain
 
-load() { cut -d' ' -f1-3 /proc/loadavg; }
-above_limit() { awk -v l="$(cut -d' ' -f1 /proc/loadavg)" -v m="$LOAD_LIMIT" 'BEGIN { exit !(l > m) }'; }
-BUSY=()
-: >"$OUT/load.log"
+# shellcheck source=scripts/quiet.sh
+. scripts/quiet.sh
 
 # stage_costs RUN_DIR: "F,B,W" of one stage in ms, the mean over the stages and timed steps.
 stage_costs() {
@@ -62,7 +57,7 @@ print(",".join(f"{1e3 * x / n:.1f}" for x in (f, b, w)))
 PY
 }
 
-echo "== $(date -u '+%F %H:%M UTC'), $(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), load average $(load) =="
+echo "== $(date -u '+%F %H:%M UTC'), $(nproc) cores ($(cpu_line)), load average $(load) =="
 echo "pp $PP, $MICRO micro-batches, $N_LAYER layers, n_embd $N_EMBD, $N_HEAD heads, one thread a rank; $ROUNDS rounds of $STEPS steps (the first $WARMUP not counted)"
 for round in $(seq "$ROUNDS"); do
     COSTS=""
@@ -77,16 +72,14 @@ for round in $(seq "$ROUNDS"); do
             args+=(--pass-costs "$COSTS")
         fi
         run="$OUT/$name-$round"
-        if [ "$s" = "${SCHEDULES%% *}" ]; then
-            for _ in $(seq "$QUIET_WAIT"); do above_limit || break; sleep 1; done
-            if above_limit; then BUSY+=("round $round: $(cut -d' ' -f1 /proc/loadavg)"); fi
-        fi
-        echo "$name $round: load before $(load)" >>"$OUT/load.log"
+        # A round waits for a quiet machine before its first run only (each run keeps every core
+        # busy, so the load rises through a round).
+        if [ "$s" = "${SCHEDULES%% *}" ]; then before_run "$name $round"; else before_run "$name $round" nowait; fi
         RAYON_NUM_THREADS=1 "$MTRAIN" --pp "$PP" --microbatches "$MICRO" "${args[@]}" --steps "$STEPS" \
             --log-every "$STEPS" --eval-every 0 --mem-report --run-dir "$run" --overwrite \
             --set model.n_layer="$N_LAYER" --set model.n_embd="$N_EMBD" --set model.n_head="$N_HEAD" \
             >"$OUT/$name-$round.log" 2>&1 || { tail -5 "$OUT/$name-$round.log" >&2; exit 1; }
-        echo "$name $round: load after $(load)" >>"$OUT/load.log"
+        after_run "$name $round"
         if [ "$s" = zb-h1 ]; then COSTS=$(stage_costs "$run"); fi
         note=""
         if [[ "$s" == *-cost ]]; then note=" (the order built for F,B,W = $COSTS ms)"; fi
