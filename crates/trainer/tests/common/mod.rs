@@ -9,8 +9,14 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 /// The longest one command of these tests may take: they take seconds, and a slow machine
-/// minutes.
-pub const COMMAND_DEADLINE: Duration = Duration::from_secs(300);
+/// minutes. `MTRAIN_TEST_DEADLINE_S` sets another (seconds).
+pub fn command_deadline() -> Duration {
+    let secs = std::env::var("MTRAIN_TEST_DEADLINE_S")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(300);
+    Duration::from_secs(secs)
+}
 
 /// [`output`] as a method, in place of `Command::output`.
 pub trait BoundedOutput {
@@ -24,7 +30,7 @@ impl BoundedOutput for Command {
 }
 
 /// `cmd.output()`, bounded: runs `cmd` to its end and returns what it printed. A command still
-/// running after [`COMMAND_DEADLINE`] fails the test with the stacks of every thread of its
+/// running after [`command_deadline`] fails the test with the stacks of every thread of its
 /// processes (gdb, where the machine has it) and what it printed so far, and is killed with its
 /// children: a test never hangs on it.
 pub fn output(cmd: &mut Command) -> Output {
@@ -51,11 +57,11 @@ pub fn output(cmd: &mut Command) -> Output {
         if let Some(status) = child.try_wait().expect("wait") {
             break status;
         }
-        if t0.elapsed() > COMMAND_DEADLINE {
+        if t0.elapsed() > command_deadline() {
             let stacks = group_stacks(child.id());
-            let _ = Command::new("kill")
-                .args(["-KILL", "--", &format!("-{}", child.id())])
-                .status();
+            // SAFETY: kill(2) on the process group this function created; no memory is touched.
+            unsafe { libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL) };
+            let _ = child.kill();
             let _ = child.wait();
             let printed = format!(
                 "{}{}",
@@ -64,7 +70,7 @@ pub fn output(cmd: &mut Command) -> Output {
             );
             panic!(
                 "{cmd:?} did not finish within {} s; killed. Its threads' stacks:\n{stacks}\nWhat it printed:\n{printed}",
-                COMMAND_DEADLINE.as_secs()
+                command_deadline().as_secs()
             );
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -127,17 +133,17 @@ fn stacks(pid: u32) -> String {
 }
 
 /// Guards work a test does in its own process: if the guard is still alive after
-/// [`COMMAND_DEADLINE`], the test binary prints its threads' stacks and aborts (the process
+/// [`command_deadline`], the test binary prints its threads' stacks and aborts (the process
 /// cannot be killed from outside and go on). Dropping the guard stands it down.
 pub struct Watchdog(#[allow(dead_code)] std::sync::mpsc::Sender<()>);
 
 pub fn watchdog(what: &'static str) -> Watchdog {
     let (tx, rx) = std::sync::mpsc::channel::<()>();
     std::thread::spawn(move || {
-        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(COMMAND_DEADLINE) {
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(command_deadline()) {
             eprintln!(
                 "{what} did not finish within {} s; aborting. This process's stacks:\n{}",
-                COMMAND_DEADLINE.as_secs(),
+                command_deadline().as_secs(),
                 stacks(std::process::id())
             );
             std::process::abort();
