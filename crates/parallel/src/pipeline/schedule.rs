@@ -90,7 +90,7 @@ mod simulate;
 mod tests;
 mod zero_bubble;
 
-use cost_aware::shortest;
+use cost_aware::{refine, shortest};
 #[cfg(test)]
 use cost_aware::{cost_aware, Rules};
 pub use simulate::{PassCosts, SimSpan, Simulation};
@@ -378,7 +378,7 @@ impl Schedule {
 
     /// [`Self::new`], the zero-bubble orders built for `costs[stage]` (`cost_aware.rs`): of the
     /// unit-clock order and the cost-aware ones, the one whose simulation at `costs` is the
-    /// shortest, the unit-clock order on a tie. Each keeps its kind's memory limit (ZB-H1:
+    /// shortest, the unit-clock order on a tie, then shortened by single moves of a pass. Each keeps its kind's memory limit (ZB-H1:
     /// min(P, M) micro-batches per rank, 1F1B's peak; ZB-V: P per chunk). The other kinds do
     /// not depend on costs: [`Self::new`]'s order.
     pub fn with_costs(
@@ -391,7 +391,7 @@ impl Schedule {
         if !kind.splits_backward() {
             return Ok(unit);
         }
-        let actions = shortest(&unit, costs, &|_| stages)?;
+        let actions = refine(&unit, costs, shortest(&unit, costs, &|_| stages)?);
         Ok(Self { actions, ..unit })
     }
 
