@@ -334,10 +334,10 @@ fn zero_bubble_schedules_match_one_device() {
 
 /// The orders built for measured pass costs (`--pass-costs`; F 12.6, B 12.6, W 9.8 ms, the
 /// costs the pipeline measured at pp 2, and F 15.4, B 16.8, W 13.5 ms, measured at width 256)
-/// train like one device at the same tolerances. The order
-/// is the plan's ([`ParallelPlan::schedule`], what `mtrain plan --pass-costs` draws and what
-/// `parallelize` hands the executor); each differs from its unit-clock order, and every rank's
-/// timeline runs its passes exactly in that order, step after step.
+/// train like one device at the same tolerances. The order is the plan's
+/// ([`ParallelPlan::schedule`], what `mtrain plan --pass-costs` draws and what `parallelize`
+/// hands the executor); each differs from its unit-clock order, and every rank's timeline runs
+/// its passes exactly in that order, step after step.
 #[test]
 fn cost_aware_zero_bubble_orders_match_one_device() {
     // The last: the costs measured at width 256, where single moves after the rule search

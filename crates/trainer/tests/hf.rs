@@ -562,10 +562,7 @@ fn torchrun_runs_the_job_the_launcher_runs() {
     // socket's ephemeral port while the other tests of this file run, so the test names a port
     // it found free instead, through the documented override.
     let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    cmd.env(
-        "MTRAIN_STORE_PORT",
-        free.local_addr().unwrap().port().to_string(),
-    );
+    cmd.env("MTRAIN_STORE_PORT", free.local_addr().unwrap().port().to_string());
     drop(free);
     let o = run_ok(
         cmd,

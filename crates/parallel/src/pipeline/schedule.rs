@@ -378,9 +378,9 @@ impl Schedule {
 
     /// [`Self::new`], the zero-bubble orders built for `costs[stage]` (`cost_aware.rs`): of the
     /// unit-clock order and the cost-aware ones, the one whose simulation at `costs` is the
-    /// shortest, the unit-clock order on a tie, then shortened by single moves of a pass. Each keeps its kind's memory limit (ZB-H1:
-    /// min(P, M) micro-batches per rank, 1F1B's peak; ZB-V: P per chunk). The other kinds do
-    /// not depend on costs: [`Self::new`]'s order.
+    /// shortest, the unit-clock order on a tie, then shortened by single moves of a pass. Each
+    /// keeps its kind's memory limit (ZB-H1: min(P, M) micro-batches per rank, 1F1B's peak;
+    /// ZB-V: P per chunk). The other kinds do not depend on costs: [`Self::new`]'s order.
     pub fn with_costs(
         kind: ScheduleKind,
         stages: usize,

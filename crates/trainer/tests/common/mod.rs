@@ -135,7 +135,7 @@ fn stacks(pid: u32) -> String {
 /// Guards work a test does in its own process: if the guard is still alive after
 /// [`command_deadline`], the test binary prints its threads' stacks and aborts (the process
 /// cannot be killed from outside and go on). Dropping the guard stands it down.
-pub struct Watchdog(#[allow(dead_code)] std::sync::mpsc::Sender<()>);
+pub struct Watchdog(std::sync::mpsc::Sender<()>);
 
 pub fn watchdog(what: &'static str) -> Watchdog {
     let (tx, rx) = std::sync::mpsc::channel::<()>();

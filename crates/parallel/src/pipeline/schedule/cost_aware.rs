@@ -238,13 +238,10 @@ pub(super) fn refine(unit: &Schedule, costs: &[PassCosts], orders: Orders) -> Or
                 let lo = i.saturating_sub(REFINE_REACH);
                 let hi = (i + REFINE_REACH).min(s.actions[r].len() - 1);
                 for j in (lo..=hi).filter(|&j| j != i) {
-                    let action = s.actions[r].remove(i);
-                    s.actions[r].insert(j, action);
                     if work >= REFINE_WORK {
-                        let action = s.actions[r].remove(j);
-                        s.actions[r].insert(i, action);
                         return s.actions;
                     }
+                    let action = move_pass(&mut s.actions[r], i, j);
                     // A W sends and consumes nothing, so moving it keeps every channel's order.
                     let is_w = matches!(action, Action::WeightGrad { .. });
                     let keeps_order = is_w || messages_keep_their_order(&s);
@@ -262,8 +259,7 @@ pub(super) fn refine(unit: &Schedule, costs: &[PassCosts], orders: Orders) -> Or
                         at = t;
                         break;
                     }
-                    let action = s.actions[r].remove(j);
-                    s.actions[r].insert(i, action);
+                    move_pass(&mut s.actions[r], j, i); // undo
                 }
             }
         }
@@ -272,6 +268,13 @@ pub(super) fn refine(unit: &Schedule, costs: &[PassCosts], orders: Orders) -> Or
         }
     }
     s.actions
+}
+
+/// Moves the pass at `from` of one rank's order to `to`, and returns it.
+fn move_pass(order: &mut Vec<Action>, from: usize, to: usize) -> Action {
+    let action = order.remove(from);
+    order.insert(to, action);
+    action
 }
 
 /// Whether every rank consumes what each other rank sends it (itself included) in the order it

@@ -429,8 +429,8 @@ fn cost_aware_orders_shrink_the_bubble_at_the_measured_costs() {
 /// activation sets than before.
 #[test]
 fn refined_zb_v_order_is_shorter_at_the_width_256_costs() {
-    let (p, m) = (2, 8);
-    let costs = vec![PassCosts::of_stage(ScheduleKind::ZeroBubbleV, [15.4, 16.8, 13.5]); 2 * p];
+    let (p, m, measured) = (2, 8, [15.4, 16.8, 13.5]);
+    let costs = vec![PassCosts::of_stage(ScheduleKind::ZeroBubbleV, measured); 2 * p];
     let unit = Schedule::new(ScheduleKind::ZeroBubbleV, p, m).unwrap();
     let as_schedule = |actions: Vec<Vec<Action>>| Schedule {
         actions,
@@ -444,7 +444,7 @@ fn refined_zb_v_order_is_shorter_at_the_width_256_costs() {
     );
     let one_f_one_b = Schedule::new(ScheduleKind::OneFOneB, p, m)
         .unwrap()
-        .simulate_with(&vec![PassCosts::of_stage(ScheduleKind::OneFOneB, [15.4, 16.8, 13.5]); p])
+        .simulate_with(&vec![PassCosts::of_stage(ScheduleKind::OneFOneB, measured); p])
         .unwrap();
     let worst = |sim: &Simulation| (0..p).map(|r| sim.bubble_fraction(r)).fold(0.0, f64::max);
     let ratio = |sim: &Simulation| worst(sim) / worst(&one_f_one_b);
