@@ -10,8 +10,10 @@
 # for the pass costs that round's zb-h1 run measured, `--pass-costs F,B,W`), ROUNDS rounds taken
 # in turn. Every figure is the mean over the steps after the first WARMUP and over the rounds;
 # a rank's bubble is its idle fraction of the step (defined in the pipeline executor's module
-# doc), the predicted one the schedule simulated with that step's measured pass times. The
-# summary's last columns are the worse rank's bubble over 1F1B's, measured and predicted.
+# doc), the predicted one the schedule simulated with that step's measured pass times, and the
+# one on even stages the same with every stage at the mean of those times (predicted − even:
+# what the uneven stages cost). The summary's last columns are the worse rank's bubble over
+# 1F1B's, measured, predicted and on even stages.
 #
 # Each round starts on a quiet machine (scripts/quiet.sh: up to QUIET_WAIT s, default 120, for
 # the one-minute load average to fall to LOAD_LIMIT, default 0.5 per core); a round that started
@@ -95,7 +97,7 @@ mean = statistics.mean
 rows = {}
 for s in sys.argv[6:]:
     name = s.replace(":", "")
-    per_rank = {r: {"step": [], "bubble": [], "pred": [], "act": [], "analytic": []} for r in range(pp)}
+    per_rank = {r: {"step": [], "bubble": [], "pred": [], "even": [], "act": [], "analytic": []} for r in range(pp)}
     for k in range(1, rounds + 1):
         run = f"{out}/{name}-{k}"
         for line in open(f"{run}/steps.jsonl"):
@@ -104,7 +106,7 @@ for s in sys.argv[6:]:
                 continue
             p, d = r["report"]["pipeline"], per_rank[r["rank"]]
             d["step"].append(p["step_ms"]); d["bubble"].append(p["bubble"])
-            d["pred"].append(p["predicted_bubble"])
+            d["pred"].append(p["predicted_bubble"]); d["even"].append(p["balanced_bubble"])
         for line in open(f"{run}/memory.jsonl"):
             m = json.loads(line)
             if m["step"] < warmup:
@@ -116,15 +118,19 @@ for s in sys.argv[6:]:
     rows[s] = {r: {k: mean(v) for k, v in d.items()} for r, d in per_rank.items()}
 base = max(rows["1f1b"][r]["bubble"] for r in range(pp)) if "1f1b" in rows else None
 base_pred = max(rows["1f1b"][r]["pred"] for r in range(pp)) if "1f1b" in rows else None
+base_even = max(rows["1f1b"][r]["even"] for r in range(pp)) if "1f1b" in rows else None
 print("| schedule | step ms, rank " + " / ".join(map(str, range(pp))) +
-      " | bubble measured / predicted, each rank | worse rank / 1F1B's, measured (predicted) "
+      " | bubble measured / predicted / on even stages, each rank "
+      "| worse rank / 1F1B's, measured (predicted; on even stages) "
       "| activations at the peak / analytic (MiB), each rank |")
 print("|---|---|---|---|---|")
 for s, ranks in rows.items():
     step = " / ".join(f"{ranks[r]['step']:.1f}" for r in range(pp))
-    bub = " ; ".join(f"{ranks[r]['bubble']:.3f} / {ranks[r]['pred']:.3f}" for r in range(pp))
-    worst = max(ranks[r]["bubble"] for r in range(pp)); worst_pred = max(ranks[r]["pred"] for r in range(pp))
-    ratio = "—" if base is None or busy else f"{worst / base:.2f}x ({worst_pred / base_pred:.2f}x)"
+    bub = " ; ".join(f"{ranks[r]['bubble']:.3f} / {ranks[r]['pred']:.3f} / {ranks[r]['even']:.3f}"
+                     for r in range(pp))
+    worst, worst_pred, worst_even = (max(ranks[r][k] for r in range(pp)) for k in ("bubble", "pred", "even"))
+    ratio = ("—" if base is None or busy else
+             f"{worst / base:.2f}x ({worst_pred / base_pred:.2f}x; {worst_even / base_even:.2f}x)")
     act = " ; ".join(f"{ranks[r]['act'] / 2**20:.2f} / {ranks[r]['analytic'] / 2**20:.2f} "
                      f"({ranks[r]['act'] / ranks[r]['analytic']:.2f}x)" for r in range(pp))
     print(f"| {s} | {step} | {bub} | {ratio} | {act} |")

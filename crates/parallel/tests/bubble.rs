@@ -1,15 +1,17 @@
 //! The bubble figure on a pipeline whose passes have known costs. Each model stage is one
 //! segment whose forward sleeps F, whose tape's backward (B of a split one) sleeps B, and whose
 //! post-backward hook, which fires when the weight gradients are final (W, or the end of a fused
-//! backward), sleeps W; the embedding and the head cost nothing. Sleeping takes no CPU, so the
-//! step runs at those costs on a loaded machine too. On every rank the measured bubble (idle over
-//! the rank's step, `executor.rs`'s module doc) agrees with the schedule simulated at the known
-//! costs, and with the executor's own prediction from the pass times it measured, within 0.03,
-//! under 1F1B, ZB-H1 and ZB-V:
+//! backward), sleeps W; the embedding costs nothing, and the head nothing or, to make the last
+//! stage the slowest, a forward of its own. Sleeping takes no CPU, so the step runs at those
+//! costs on a loaded machine too. On every rank the measured bubble (idle over the rank's step,
+//! `executor.rs`'s module doc) agrees with the schedule simulated at the known costs, and with
+//! the executor's own prediction from the pass times it measured, within 0.03, under 1F1B, ZB-H1
+//! and ZB-V; its balanced figure is the schedule at the mean of the stages' known costs:
 //!
 //! ```text
 //!   stage s = [h.s] (+ embedding on stage 0, + head on the last)    F = 30 ms, B = 30 ms, W = 15 ms
 //!   fused backward = B + W                                          (P = 2, M = 4, 3 steps each)
+//!   the head's forward: 0, or HEAD_F = 30 ms (the last stage's F = 60 ms)
 //! ```
 
 use std::sync::Arc;
@@ -26,6 +28,8 @@ use mtrain_parallel::pipeline::{
 const F_MS: u64 = 30;
 const B_MS: u64 = 30;
 const W_MS: u64 = 15;
+/// The head's forward where the last stage is made the slowest.
+const HEAD_F_MS: u64 = 30;
 const C: usize = 4;
 const M: usize = 4;
 const P: usize = 2;
@@ -49,7 +53,8 @@ struct Sleeper {
 }
 
 impl Sleeper {
-    fn new(name: &str, place: Place) -> Self {
+    /// A block sleeps F and B; the embedding nothing; the head `head_f` in its forward.
+    fn new(name: &str, place: Place, head_f: Duration) -> Self {
         let cost = |ms| match place {
             Place::Block => Duration::from_millis(ms),
             _ => Duration::ZERO,
@@ -59,7 +64,7 @@ impl Sleeper {
             name: name.to_string(),
             place,
             param: Param::new(format!("{name}.weight"), zeros).unwrap(),
-            f: cost(F_MS),
+            f: if place == Place::Head { head_f } else { cost(F_MS) },
             b: cost(B_MS),
         }
     }
@@ -143,24 +148,32 @@ impl StageHooks for SleepW {
     }
 }
 
-/// Each rank's (measured, executor-predicted) bubble of the last of [`STEPS`] steps.
-fn run(kind: ScheduleKind) -> Vec<(f64, f64)> {
+/// What the executor reported on one rank for the last of [`STEPS`] steps.
+struct Bubbles {
+    measured: f64,
+    predicted: f64,
+    balanced: f64,
+}
+
+/// Each rank's bubbles, the head's forward sleeping `head_f`.
+fn run(kind: ScheduleKind, head_f: Duration) -> Vec<Bubbles> {
     let s = P * kind.virtual_stages();
     run_local(P, Duration::from_secs(60), |backend| {
         let pp = backend.world();
+        let zero = Duration::ZERO;
         let mut segments: Vec<Arc<dyn Segment>> =
-            vec![Arc::new(Sleeper::new("emb", Place::Embedding))];
+            vec![Arc::new(Sleeper::new("emb", Place::Embedding, zero))];
         for i in 0..s {
-            segments.push(Arc::new(Sleeper::new(&format!("h.{i}"), Place::Block)));
+            segments.push(Arc::new(Sleeper::new(&format!("h.{i}"), Place::Block, zero)));
         }
-        segments.push(Arc::new(Sleeper::new("head", Place::Head)));
+        segments.push(Arc::new(Sleeper::new("head", Place::Head, head_f)));
         let layout = StageLayout::even(s, s)
             .unwrap()
             .with_placement(kind.placement());
         let stages = PipelineStages::from_segments(&segments, s, C, layout, pp.rank(), P).unwrap();
         let exec = PipelineExecutor::new(Schedule::new(kind, P, M).unwrap(), Engine::default());
         let idx = Tensor::zeros((M, 2), DType::U32, &Device::Cpu).unwrap(); // (B, T)
-        let mut last = (0.0, 0.0);
+        let mut last = None;
         for _ in 0..STEPS {
             let mut grads = Grads::new();
             let rep = exec
@@ -174,43 +187,69 @@ fn run(kind: ScheduleKind) -> Vec<(f64, f64)> {
                     &mut SleepW,
                 )
                 .unwrap();
-            last = (rep.bubble_fraction, rep.predicted_bubble_fraction);
+            last = Some(Bubbles {
+                measured: rep.bubble_fraction,
+                predicted: rep.predicted_bubble_fraction,
+                balanced: rep.balanced_bubble_fraction,
+            });
         }
-        last
+        last.unwrap()
     })
+}
+
+/// The known costs of a block stage.
+fn block_costs() -> PassCosts {
+    let ms = |n: u64| n as f64 * 1e-3;
+    PassCosts {
+        forward: ms(F_MS),
+        backward: ms(B_MS + W_MS),
+        input_grad: ms(B_MS),
+        weight_grad: ms(W_MS),
+    }
 }
 
 #[test]
 fn the_measured_bubble_is_the_simulated_one_at_known_costs() {
-    let ms = |n: u64| n as f64 * 1e-3;
-    for kind in [
-        ScheduleKind::OneFOneB,
-        ScheduleKind::ZeroBubbleH1,
-        ScheduleKind::ZeroBubbleV,
-    ] {
-        let sched = Schedule::new(kind, P, M).unwrap();
-        let costs = PassCosts {
-            forward: ms(F_MS),
-            backward: ms(B_MS + W_MS),
-            input_grad: ms(B_MS),
-            weight_grad: ms(W_MS),
-        };
-        let sim = sched
-            .simulate_with(&vec![costs; sched.num_model_stages()])
-            .unwrap();
-        for (r, (measured, predicted)) in run(kind).into_iter().enumerate() {
-            let known = sim.rank_bubble_fraction(r);
-            eprintln!(
-                "{kind} rank {r}: measured {measured:.3}, predicted {predicted:.3}, at the known costs {known:.3}"
-            );
-            assert!(
-                (measured - known).abs() <= 0.03,
-                "{kind} rank {r}: measured bubble {measured:.3} against {known:.3} simulated at the known costs"
-            );
-            assert!(
-                (measured - predicted).abs() <= 0.03,
-                "{kind} rank {r}: measured bubble {measured:.3} against the executor's prediction {predicted:.3}"
-            );
+    for head_ms in [0, HEAD_F_MS] {
+        let head_f = Duration::from_millis(head_ms);
+        for kind in [
+            ScheduleKind::OneFOneB,
+            ScheduleKind::ZeroBubbleH1,
+            ScheduleKind::ZeroBubbleV,
+        ] {
+            let sched = Schedule::new(kind, P, M).unwrap();
+            let mut costs = vec![block_costs(); sched.num_model_stages()];
+            costs.last_mut().unwrap().forward += head_f.as_secs_f64();
+            let even = vec![PassCosts::mean(&costs); costs.len()];
+            let sim = sched.simulate_with(&costs).unwrap();
+            let sim_even = sched.simulate_with(&even).unwrap();
+            for (r, b) in run(kind, head_f).into_iter().enumerate() {
+                let (known, known_even) =
+                    (sim.rank_bubble_fraction(r), sim_even.rank_bubble_fraction(r));
+                let Bubbles {
+                    measured,
+                    predicted,
+                    balanced,
+                } = b;
+                let case = format!("{kind}, head {head_ms} ms, rank {r}");
+                eprintln!(
+                    "{case}: measured {measured:.3}, predicted {predicted:.3}, balanced \
+                     {balanced:.3}; at the known costs {known:.3}, on even stages {known_even:.3}"
+                );
+                assert!(
+                    (measured - known).abs() <= 0.03,
+                    "{case}: measured bubble {measured:.3} against {known:.3} simulated at the known costs"
+                );
+                assert!(
+                    (measured - predicted).abs() <= 0.03,
+                    "{case}: measured bubble {measured:.3} against the executor's prediction {predicted:.3}"
+                );
+                assert!(
+                    (balanced - known_even).abs() <= 0.03,
+                    "{case}: balanced bubble {balanced:.3} against {known_even:.3} simulated at the \
+                     mean of the known costs"
+                );
+            }
         }
     }
 }

@@ -66,6 +66,9 @@ pub struct PipelineFigures {
     /// The bubble of the schedule simulated with this step's pass times (the pipeline
     /// executor's module doc defines both).
     pub predicted_bubble: f64,
+    /// The same schedule with every stage at the mean of those pass times: the schedule on even
+    /// stages (predicted − balanced: what the uneven stages cost).
+    pub balanced_bubble: f64,
     /// This step's mean pass times per model stage (seconds), behind the prediction.
     pub pass_costs: Vec<mtrain_parallel::pipeline::PassCosts>,
     /// (P − 1)/(v·M + P − 1): the ideal bubble of the schedule.
@@ -328,6 +331,7 @@ impl TrainableModel for Distributed {
                 idle_ms: r.idle_time.as_secs_f64() * 1e3,
                 bubble: r.bubble_fraction,
                 predicted_bubble: r.predicted_bubble_fraction,
+                balanced_bubble: r.balanced_bubble_fraction,
                 pass_costs: r.pass_costs.clone(),
                 ideal_bubble: r.analytic_bubble_fraction,
                 peak_in_flight: r.peak_in_flight,

@@ -41,6 +41,9 @@
 //!   The simulation counts only passes as busy and sends as free, so the gap between the two
 //!   is what the pipeline loses beyond its schedule (messages, bookkeeping, ranks sharing
 //!   cores);
+//! - **balanced** = the same simulation with every model stage at the mean of those costs:
+//!   what the schedule gives this step's passes on even stages, so predicted − balanced is
+//!   what the uneven stages cost (a last stage slowed by the head, a stage on a slower core);
 //! - **ideal** = the schedule's bubble at equal costs, `(P − 1)/(v·M + P − 1)`.
 //!
 //! On passes of known cost (`tests/bubble.rs`: stages that sleep F, B and W) the measured and
@@ -123,6 +126,8 @@ pub struct StepReport {
     pub bubble_fraction: f64,
     /// This rank's bubble on the schedule simulated with this step's pass costs (module doc).
     pub predicted_bubble_fraction: f64,
+    /// The same with every stage at the mean of those costs: the schedule on even stages.
+    pub balanced_bubble_fraction: f64,
     /// This step's mean cost of each pass kind on each model stage, in seconds (every rank's,
     /// gathered over the pipeline group).
     pub pass_costs: Vec<PassCosts>,
@@ -514,9 +519,14 @@ impl PipelineExecutor {
                 costs
             })
             .collect();
-        let predicted_bubble_fraction = sched
-            .simulate_with(&pass_costs)
-            .map(|sim| sim.rank_bubble_fraction(rank))?;
+        let bubble_at = |costs: &[PassCosts]| {
+            sched
+                .simulate_with(costs)
+                .map(|sim| sim.rank_bubble_fraction(rank))
+        };
+        let predicted_bubble_fraction = bubble_at(&pass_costs)?;
+        let balanced_bubble_fraction =
+            bubble_at(&vec![PassCosts::mean(&pass_costs); pass_costs.len()])?;
         let idle_time = step_time.saturating_sub(busy);
         let report = StepReport {
             loss,
@@ -526,6 +536,7 @@ impl PipelineExecutor {
             bubble_fraction: idle_time.as_secs_f64()
                 / step_time.as_secs_f64().max(f64::MIN_POSITIVE),
             predicted_bubble_fraction,
+            balanced_bubble_fraction,
             pass_costs,
             analytic_bubble_fraction: sched.analytic_bubble_fraction(),
             peak_in_flight: peak,

@@ -42,6 +42,18 @@ impl PassCosts {
         }
     }
 
+    /// Each pass kind's mean over `stages`.
+    pub fn mean(stages: &[PassCosts]) -> PassCosts {
+        let n = stages.len().max(1) as f64;
+        let sum = |f: fn(&PassCosts) -> f64| stages.iter().map(f).sum::<f64>() / n;
+        PassCosts {
+            forward: sum(|c| c.forward),
+            backward: sum(|c| c.backward),
+            input_grad: sum(|c| c.input_grad),
+            weight_grad: sum(|c| c.weight_grad),
+        }
+    }
+
     pub fn of(&self, kind: PassKind) -> f64 {
         match kind {
             PassKind::Forward => self.forward,
