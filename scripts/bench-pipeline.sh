@@ -21,7 +21,8 @@
 #
 # Usage: scripts/bench-pipeline.sh   (env: ROUNDS=3 STEPS=10 WARMUP=2 MICRO=8 PP=2 N_LAYER=8
 #                                     N_EMBD=512 N_HEAD=8 SCHEDULES="1f1b interleaved:2 zb-h1
-#                                     zb-v zb-v-cost" QUIET_WAIT=120 LOAD_LIMIT=0.5·nproc)
+#                                     zb-v zb-v-cost" QUIET_WAIT=120 LOAD_LIMIT=0.5·nproc
+#                                     MTRAIN=binary)
 # Results: printed; each run's directory and output under target/bench-pipeline/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,10 +36,13 @@ N_LAYER=${N_LAYER:-8}
 N_EMBD=${N_EMBD:-512}
 N_HEAD=${N_HEAD:-8}
 SCHEDULES=${SCHEDULES:-"1f1b interleaved:2 zb-h1 zb-v zb-v-cost"}
-MTRAIN=target/release/mtrain
 OUT=target/bench-pipeline
 mkdir -p "$OUT"
-cargo build --release --workspace --bin mtrain
+# MTRAIN: a built binary to run instead of building this checkout's (a machine without Rust).
+if [ -z "${MTRAIN:-}" ]; then
+    MTRAIN=target/release/mtrain
+    cargo build --release --workspace --bin mtrain
+fi
 
 # shellcheck source=scripts/quiet.sh
 . scripts/quiet.sh
