@@ -5,21 +5,19 @@
 
 use mtrain_model::GptConfig;
 use mtrain_parallel::parallelize::{DataParallelKind, ParallelPlan};
-use mtrain_parallel::pipeline::{Schedule, ScheduleKind, StageLayout};
+use mtrain_parallel::pipeline::StageLayout;
 use serde::Serialize;
 
 use super::rank_holdings;
 use crate::memory::Routing;
 
-/// The schedule a plan actually runs and its blocks per model stage.
-pub(super) fn stage_layout(
+/// The plan's blocks per model stage.
+fn stage_layout(
     cfg: &GptConfig,
     plan: &ParallelPlan,
-) -> Result<(ScheduleKind, StageLayout), ActivationLayoutError> {
-    let layout = plan
-        .stage_layout(cfg.n_layer)
-        .map_err(|e| ActivationLayoutError::Pipeline(e.to_string()))?;
-    Ok((plan.effective_schedule(), layout))
+) -> Result<StageLayout, ActivationLayoutError> {
+    plan.stage_layout(cfg.n_layer)
+        .map_err(|e| ActivationLayoutError::Pipeline(e.to_string()))
 }
 
 /// What one rank's step depends on under a parallel layout.
@@ -96,8 +94,9 @@ impl ActivationLayout {
 
     /// Pipeline rank `pp_rank`'s part under `plan`, for a per-rank batch of `batch` rows: its
     /// blocks from the plan's stage layout (model stage s runs on rank `s % pp`), the micro-batch
-    /// `batch / M`, and the peak in flight from the schedule's simulation (1F1B: `min(P − r, M)`,
-    /// GPipe: `M`).
+    /// `batch / M`, and the peak in flight from the simulation of the order the run trains under
+    /// ([`ParallelPlan::schedule`]: the one built for the plan's pass costs where it has them,
+    /// whose peak can be below the unit-clock order's; 1F1B: `min(P − r, M)`, GPipe: `M`).
     pub fn for_plan(
         cfg: &GptConfig,
         plan: &ParallelPlan,
@@ -112,13 +111,14 @@ impl ActivationLayout {
                 microbatches: m,
             });
         }
-        let (kind, layout) = stage_layout(cfg, plan)?;
+        let layout = stage_layout(cfg, plan)?;
         let err = |e: String| ActivationLayoutError::Pipeline(e);
         let mine: Vec<usize> = (0..layout.num_stages())
             .filter(|&s| layout.rank_of_stage(s, pp) == pp_rank)
             .collect();
-        let sim = Schedule::new(kind, pp, m)
-            .and_then(|s| s.simulate())
+        let sim = plan
+            .schedule()
+            .and_then(|s| Ok(s.simulate()?))
             .map_err(|e| err(e.to_string()))?;
         let zero3 = matches!(plan.data, DataParallelKind::Zero(z) if z.stage as u8 == 3)
             && plan.dims.dp > 1;

@@ -374,6 +374,27 @@ mod tests {
         assert!(e.to_string().contains("batch 3") && e.to_string().contains('2'));
     }
 
+    /// Under `--pass-costs` the run trains under the order built for them, whose peak can be
+    /// lower than the unit-clock order's: the model counts the order the run holds. At F 17.1,
+    /// B 15.7, W 13.2 ms, ZB-V's cost-aware order (pp 2, M = 8) holds 3 activation sets on
+    /// rank 0 where the unit-clock order holds 4.
+    #[test]
+    fn zero_bubble_counts_the_order_built_for_the_pass_costs() {
+        let cfg = small();
+        let mut plan = ParallelPlan::new(mtrain_comm::MeshDims::new(1, 2, 1, 1));
+        plan.microbatches = 8;
+        plan.schedule = ScheduleKind::ZeroBubbleV;
+        let unit = ActivationLayout::for_plan(&cfg, &plan, 0, 16).expect("unit-clock");
+        plan.pass_costs = Some([17.1, 15.7, 13.2]);
+        let aware = ActivationLayout::for_plan(&cfg, &plan, 0, 16).expect("cost-aware");
+        let runs = plan.schedule().unwrap().simulate().unwrap().peak_in_flight(0);
+        assert_eq!((unit.in_flight, aware.in_flight, runs), (4, 3, 3));
+        assert_eq!(
+            4 * step(&cfg, &aware, false).activations,
+            3 * step(&cfg, &unit, false).activations
+        );
+    }
+
     /// ZeRO-3 without checkpointing: the forward's graphs hold every gathered weight.
     #[test]
     fn fsdp_forward_holds_the_gathered_weights() {
