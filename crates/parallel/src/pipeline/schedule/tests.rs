@@ -466,6 +466,60 @@ fn refined_zb_v_order_is_shorter_at_the_width_256_costs() {
     assert_eq!(with_costs.actions, refined.actions, "with_costs runs the refined order");
 }
 
+/// The issue's bars (ZB-H1 at most half of 1F1B's bubble, ZB-V at most a quarter; P = 2, M = 8)
+/// hold on even stages and fall to one stage slower than the others. At the width-256 pass
+/// costs (F 15.4, B 16.8, W 13.5 ms a stage), each order built for the costs it runs at, the
+/// worse rank's bubble over 1F1B's, with the last model stage slower by `slow`:
+///
+/// ```text
+///   slow     1F1B    ZB-H1          ZB-V
+///   0        0.111   0.049 (0.44x)  0.022 (0.20x)
+///   1%       0.119   0.057 (0.48x)  0.026 (0.22x)
+///   3%       0.134   0.073 (0.55x)  0.034 (0.26x)
+///   5%       0.149   0.089 (0.60x)  0.042 (0.28x)
+/// ```
+///
+/// A pipeline whose stages run one a core is as uneven as its cores are
+/// (`scripts/core-balance.sh`).
+#[test]
+fn the_bars_hold_on_even_stages_and_not_on_uneven_ones() {
+    let (p, m, fbw) = (2, 8, [15.4, 16.8, 13.5]);
+    let worst = |kind: ScheduleKind, slow: f64| {
+        let mut costs = vec![PassCosts::of_stage(kind, fbw); p * kind.virtual_stages()];
+        let last = costs.last_mut().unwrap();
+        for c in [
+            &mut last.forward,
+            &mut last.backward,
+            &mut last.input_grad,
+            &mut last.weight_grad,
+        ] {
+            *c *= 1.0 + slow;
+        }
+        let sim = Schedule::with_costs(kind, p, m, &costs)
+            .and_then(|s| s.simulate_with(&costs))
+            .unwrap();
+        (0..p).map(|r| sim.rank_bubble_fraction(r)).fold(0.0, f64::max)
+    };
+    let mut ratios = Vec::new();
+    for slow in [0.0, 0.01, 0.03, 0.05] {
+        let base = worst(ScheduleKind::OneFOneB, slow);
+        let (h1, v) = (
+            worst(ScheduleKind::ZeroBubbleH1, slow),
+            worst(ScheduleKind::ZeroBubbleV, slow),
+        );
+        eprintln!(
+            "slow {slow}: 1F1B {base:.3}, ZB-H1 {h1:.3} ({:.2}x), ZB-V {v:.3} ({:.2}x)",
+            h1 / base,
+            v / base
+        );
+        ratios.push((slow, h1 / base, v / base));
+    }
+    let (_, h1, v) = ratios[0];
+    assert!(h1 <= 0.5 && v <= 0.25, "even stages: ZB-H1 {h1:.3}x, ZB-V {v:.3}x");
+    let (_, h1, v) = ratios[3];
+    assert!(h1 > 0.5 && v > 0.25, "a stage 5% slower: ZB-H1 {h1:.3}x, ZB-V {v:.3}x");
+}
+
 /// At F = B = W the cost-aware choice is never worse than the unit-clock order, on every
 /// zero-bubble schedule we build.
 #[test]
