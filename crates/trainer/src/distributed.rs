@@ -514,9 +514,9 @@ impl std::fmt::Display for StepReport {
         if let Some(p) = &self.pipeline {
             write!(
                 f,
-                " | bubble {:.3} (predicted {:.3} from this step's pass times; ideal {:.3}), \
-                 {} micro-batches in flight",
-                p.bubble, p.predicted_bubble, p.ideal_bubble, p.peak_in_flight
+                " | bubble {:.3} (predicted {:.3} from this step's pass times, {:.3} on even \
+                 stages; ideal {:.3}), {} micro-batches in flight",
+                p.bubble, p.predicted_bubble, p.balanced_bubble, p.ideal_bubble, p.peak_in_flight
             )?;
         }
         for (i, e) in self.experts.iter().flatten().enumerate() {

@@ -153,12 +153,14 @@ impl std::fmt::Display for StepReport {
         write!(
             f,
             "loss {:.4} | step {:.1} ms, idle {:.1} ms | bubble {:.3} (predicted {:.3} from this \
-             step's pass times; ideal {:.3}) | {} micro-batches in flight ({:.1} KiB of activations)",
+             step's pass times, {:.3} on even stages; ideal {:.3}) | {} micro-batches in flight \
+             ({:.1} KiB of activations)",
             self.loss,
             self.step_time.as_secs_f64() * 1e3,
             self.idle_time.as_secs_f64() * 1e3,
             self.bubble_fraction,
             self.predicted_bubble_fraction,
+            self.balanced_bubble_fraction,
             self.analytic_bubble_fraction,
             self.peak_in_flight,
             self.peak_activation_bytes as f64 / 1024.0
