@@ -32,11 +32,13 @@
 //!   [`HOPPER_HEAD_DIMS`] on compute capability 9.0): the same algorithm with each product
 //!   issued by a warpgroup of 4 warps as `wgmma` (64 rows × a whole staged tile per
 //!   instruction, the operands read by the tensor cores from swizzled shared memory), 64 to
-//!   192 rows a block; the default where it applies. From
-//!   [`HOPPER_ONE_PASS_MIN_T`](crate::attention_path::HOPPER_ONE_PASS_MIN_T) keys on, its
-//!   backward is one pass over key rows that also adds `dQ` into an f32 buffer atomically
+//!   192 rows a block; the default where it applies. Its backward runs in two passes, dQ over
+//!   query rows then dK and dV over key rows; chosen with `MTRAIN_FLASH_KERNELS=hopper-one-pass`,
+//!   in one pass over key rows that also adds `dQ` into an f32 buffer atomically
 //!   (`flash_hopper_bwd`: S and dP computed once per tile pair, five products instead of
-//!   seven; the price is a dq that differs in its last bits from run to run).
+//!   seven; the price is a dq that differs in its last bits from run to run), which was the
+//!   faster from T = 2048 on before the kernels of 2026-12-06
+//!   ([`TcKernels::one_pass`](crate::attention_path::TcKernels::one_pass)).
 //! - **wide tensor cores** (`flash_wide_*` in `flash_wide.cu`, bf16 with `D` in
 //!   [`WIDE_HEAD_DIMS`]): the tensor-core algorithm below with 32 rows per warp (16 at
 //!   D = 128) and blocks of 128 rows, so each operand fragment read from shared memory feeds
@@ -544,8 +546,7 @@ mod tests {
 
     /// The backward in one pass: blocks of three warpgroups where only the first has keys
     /// (T = 60) or the last has none (T = 130), where the second has keys past T (T = 100),
-    /// where some see a tile and others not (T = 517, 1000), and at the length from which the
-    /// default takes it (T = 2100).
+    /// where some see a tile and others not (T = 517, 1000), and past 2048 (T = 2100).
     #[test]
     fn matches_plain_attention_bf16_hopper_one_pass_d64() {
         check(1, 2, 60, 64, DType::BF16, 1e-2, HopperOnePass);
@@ -553,7 +554,7 @@ mod tests {
         check(1, 1, 130, 64, DType::BF16, 1e-2, HopperOnePass);
         check(1, 2, 517, 64, DType::BF16, 1e-2, HopperOnePass);
         check(1, 1, 1000, 64, DType::BF16, 1e-2, HopperOnePass);
-        check(1, 1, 2100, 64, DType::BF16, 1e-2, Hopper);
+        check(1, 1, 2100, 64, DType::BF16, 1e-2, HopperOnePass);
     }
 
     #[test]
@@ -661,7 +662,7 @@ mod tests {
             let bits = |x: &Tensor| x.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
             assert!(bits(&y) == bits(&ya), "T = {t}: the outputs differ");
             let part = |g: &Tensor, i: usize| g.narrow(2, i * h * d, h * d).unwrap();
-            let one_pass = TcKernels::from_env().one_pass(t);
+            let one_pass = TcKernels::from_env().one_pass();
             for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {
                 if i == 0 && one_pass {
                     let p = |x: &Tensor| x.get(0).unwrap().to_dtype(DType::F32).unwrap();

@@ -73,13 +73,6 @@ pub const HOPPER_BWD: HopperShape = HopperShape {
     blocks_per_sm: 1,
 };
 
-/// From this sequence length on, the Hopper backward runs in one pass (`flash_hopper_bwd`,
-/// five products and dq added atomically) rather than two (`flash_hopper_dq` then
-/// `flash_hopper_dkdv`, seven products, no atomics). On an H200 at D = 64 (docs/BENCHMARKS.md,
-/// 2026-12-03) one pass is 6% faster at T = 4096 and 9% at 8192, and as fast at 1024, where
-/// the two-pass backward stays (it is also the same from run to run, bit for bit).
-pub const HOPPER_ONE_PASS_MIN_T: usize = 2048;
-
 /// The shapes as NVRTC options (`-DHP_FWD_WGS=2 …`), the only way the kernels learn them.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub fn hopper_options() -> Vec<String> {
@@ -102,8 +95,8 @@ pub fn hopper_options() -> Vec<String> {
 /// Which tensor-core kernels a bf16 call may run: the Hopper ones where they apply (else the
 /// wide ones), the wide ones where they apply, or only the 16-row ones of `kernels.cu`. The
 /// default is [`TcKernels::from_env`].
-/// `Hopper` takes the one-pass backward from [`HOPPER_ONE_PASS_MIN_T`] on; `HopperOnePass` and
-/// `HopperTwoPass` take one of the two at every length.
+/// `Hopper` and `HopperTwoPass` run the two-pass backward, `HopperOnePass` the one-pass one
+/// ([`TcKernels::one_pass`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TcKernels {
     Hopper,
@@ -136,13 +129,15 @@ impl TcKernels {
         )
     }
 
-    /// Whether a Hopper backward over sequences of length `t` runs in one pass.
-    pub fn one_pass(self, t: usize) -> bool {
-        match self {
-            TcKernels::HopperOnePass => true,
-            TcKernels::HopperTwoPass => false,
-            _ => t >= HOPPER_ONE_PASS_MIN_T,
-        }
+    /// Whether a Hopper backward runs in one pass (`flash_hopper_bwd`: five products, dq added
+    /// into f32 atomically, so its last bits differ from run to run) rather than two
+    /// (`flash_hopper_dq` then `flash_hopper_dkdv`: seven products, no atomics, the same bits
+    /// every run): only when chosen (`MTRAIN_FLASH_KERNELS=hopper-one-pass`). With the kernels
+    /// of 2026-12-06 on an H100 at D = 64, GPT-2 124M trains 2.5%, 2.1% and 2.0% faster with two
+    /// passes at T = 2048, 4096 and 8192 (docs/BENCHMARKS.md); one pass was the faster one from
+    /// T = 2048 on before those kernels, on an H200.
+    pub fn one_pass(self) -> bool {
+        self == TcKernels::HopperOnePass
     }
 
     /// The choice for a call with (`masked`) or without a dropout mask on the probabilities:
@@ -225,10 +220,9 @@ mod tests {
     }
 
     #[test]
-    fn the_hopper_backward_takes_one_pass_from_2048_on() {
-        assert!(!Hopper.one_pass(HOPPER_ONE_PASS_MIN_T - 1));
-        assert!(Hopper.one_pass(HOPPER_ONE_PASS_MIN_T));
-        assert!(HopperOnePass.one_pass(60) && !HopperTwoPass.one_pass(8192));
+    fn the_hopper_backward_takes_one_pass_only_when_chosen() {
+        assert!(!Hopper.one_pass() && !HopperTwoPass.one_pass());
+        assert!(HopperOnePass.one_pass());
     }
 
     #[test]

@@ -83,30 +83,42 @@ __device__ __forceinline__ void hp_stage(char* dst, const elem* src, int ld, int
     constexpr int chunks = HEAD_DIM / 8;  // 16 bytes each, per row
     const hp_u32 d0 = wd_saddr(dst);
     static_assert(THREADS % chunks == 0, "a thread copies the same chunk of every row it takes");
+    // P rows a pass; the trip count is a constant (the loop unrolls without a remainder loop),
+    // and only when P does not divide R does the last pass check its row.
+    constexpr int P = THREADS / chunks;
     const int c = tid % chunks, r1 = tid / chunks;
     const elem* from = src + (long)(r0 + r1) * ld + c * 8;
-    const long step = (long)(THREADS / chunks) * ld;
+    const long step = (long)P * ld;
 #pragma unroll
-    for (int r = r1; r < R; r += THREADS / chunks, from += step) {
+    for (int pass = 0; pass < (R + P - 1) / P; ++pass, from += step) {
+        const int r = r1 + pass * P;
+        if (R % P != 0 && r >= R) break;
         const bool ok = r0 + r < T;
         const hp_u32 d = d0 + (c / 8) * (R * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
         hp_cp16(d, ok ? from : src, ok);
     }
 }
 
-// A wgmma shared-memory descriptor: start address, leading and stride byte offsets (16-byte
-// units) and the 128-byte swizzle.
-__device__ __forceinline__ hp_u64 hp_desc(hp_u32 addr, hp_u32 lbo, hp_u32 sbo) {
-    return (hp_u64)((addr & 0x3FFFF) >> 4) | ((hp_u64)((lbo >> 4) & 0x3FFF) << 16) |
-           ((hp_u64)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
+// A wgmma shared-memory descriptor: start address, leading and stride byte offsets, all three
+// in 16-byte units, and the 128-byte swizzle (bit 62).
+//
+//   bits  0..13 start >> 4 | 16..29 leading >> 4 | 32..45 stride >> 4 | 62 swizzle 128 B
+//
+// A block's shared addresses lie below 2^18 bytes (228 KiB at most), so `start >> 4` fits its
+// 14 bits without a mask, and the fields are added rather than masked and or-ed: a k-step's
+// descriptor is then the tile's shifted address plus a constant, which the compiler folds into
+// one add per product (the masked form cost a mask, a shift, an or and a move per descriptor,
+// about a sixth of the backward's instructions).
+__device__ __forceinline__ hp_u64 hp_desc16(hp_u32 start16, hp_u32 lbo16, hp_u32 sbo16) {
+    return (hp_u64)(start16 + (lbo16 << 16)) | ((hp_u64)(sbo16 | (1u << 30)) << 32);
 }
-// K-major: k-step kk (16 columns) of a tile of `rows` rows at `tile`.
+// K-major: k-step kk (16 columns) of a tile of `rows` rows at shared address `tile`.
 __device__ __forceinline__ hp_u64 hp_desc_k(hp_u32 tile, int rows, int kk) {
-    return hp_desc(tile + (kk / 4) * rows * 128 + (kk % 4) * 32, 16, 1024);
+    return hp_desc16((tile >> 4) + (kk / 4) * rows * 8 + (kk % 4) * 2, 1, 64);
 }
-// MN-major: k-step kk (16 rows) of a tile of `rows` rows at `tile`.
+// MN-major: k-step kk (16 rows) of a tile of `rows` rows at shared address `tile`.
 __device__ __forceinline__ hp_u64 hp_desc_mn(hp_u32 tile, int rows, int kk) {
-    return hp_desc(tile + kk * 2048, rows * 128, 1024);
+    return hp_desc16((tile >> 4) + kk * 128, rows * 8, 64);
 }
 
 __device__ __forceinline__ void hp_fence() {
@@ -212,12 +224,66 @@ __device__ __forceinline__ void hp_ss(float* d, hp_u64 da, hp_u64 db, int accumu
     if constexpr (N == 64) hp_ss64(d, da, db, accumulate);
     else hp_ss128(d, da, db, accumulate);
 }
+#define HP_FWD_ROWS (64 * HP_FWD_WGS)
+// One staged tile of HP_FWD_N keys (from kb) for a warpgroup's 64 rows: S = Q Kᵀ (Q at qa, K at
+// kt, both K-major), the online softmax on S in registers (log2 domain, as in flash_wide_fwd),
+// then O += P V (P from registers, V at vt MN-major). MASK: the tile reaches past some row of the
+// warpgroup, so keys after a row are masked out; the tiles wholly before the warpgroup's first
+// row skip the compare and select per score (two of the integer pipe's instructions per score,
+// the pipe the profile had busiest). acc: the thread's O; mrow, lrow: its two rows' running
+// maximum and (lane-partial) sum; row: its first row (the second is row + 8); t: lane % 4.
+template <bool MASK>
+__device__ __forceinline__ void hp_fwd_tile(float* acc, float* mrow, float* lrow, hp_u32 qa,
+                                            hp_u32 kt, hp_u32 vt, int kb, int row, int t,
+                                            float qscale) {
+    float s[HP_FWD_N / 2];
+    hp_fence();
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+        hp_ss<HP_FWD_N>(s, hp_desc_k(qa, HP_FWD_ROWS, kk), hp_desc_k(kt, HP_FWD_N, kk), kk);
+    hp_commit();
+    hp_wait();
+    hp_hold<HP_FWD_N / 2>(s);
+    float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int i = 0; i < HP_FWD_N / 2; ++i) {
+        const int h = (i >> 1) & 1;
+        if (MASK && kb + (i >> 2) * 8 + 2 * t + (i & 1) > row + 8 * h) s[i] = NEG_INF;
+        mx[h] = fmaxf(mx[h], s[i]);
+    }
+    float corr[2], neg[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const float mnew = fmaxf(mrow[h], wd_quad_max(mx[h]) * qscale);
+        corr[h] = wd_exp2(mrow[h] - mnew);
+        lrow[h] *= corr[h];
+        mrow[h] = mnew;
+        neg[h] = -mnew;
+    }
+#pragma unroll
+    for (int i = 0; i < HP_FWD_N / 2; ++i) {
+        const int h = (i >> 1) & 1;
+        s[i] = wd_exp2(fmaf(s[i], qscale, neg[h]));
+        lrow[h] += s[i];  // this lane's share; quad sum at the end
+    }
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 2; ++i) acc[i] *= corr[(i >> 1) & 1];
+    hp_u32 pa[HP_FWD_N / 16][4];
+    hp_to_a<HP_FWD_N>(pa, s);
+    hp_fence();
+#pragma unroll
+    for (int kk = 0; kk < HP_FWD_N / 16; ++kk)
+        hp_rs64(acc, pa[kk], hp_desc_mn(vt, HP_FWD_N, kk), 1);
+    hp_commit();
+    hp_wait();
+    hp_hold<HEAD_DIM / 2>(acc);
+}
+
 // o = softmax(mask(q kᵀ scale)) v and lse2 per row, as flash_wide_fwd; q, k, v, o: (BH, T, D),
 // q, k, v laid out by `lin` and o by `lout` (HeadRows, kernels.cu), lse2: (BH, T). Per staged tile of 128 keys each warpgroup computes S (64 x 128) = Q Kᵀ
 // (Q and K from shared memory), the online softmax on S in registers (log2 domain, as in
 // flash_wide_fwd), then O += P V with P from registers. Grid (ceil(T / HP_FWD_ROWS), BH),
 // 128·HP_FWD_WGS threads, HP_FWD_SMEM bytes of shared memory.
-#define HP_FWD_ROWS (64 * HP_FWD_WGS)
 #define HP_FWD_SMEM ((HP_FWD_ROWS + 4 * HP_FWD_N) * HEAD_DIM * 2 + 1024)
 extern "C" __global__ void __launch_bounds__(128 * HP_FWD_WGS, HP_FWD_BLOCKS)
     flash_hopper_fwd(const elem* q, const elem* k, const elem* v, elem* o, float* lse2, int T,
@@ -253,53 +319,14 @@ extern "C" __global__ void __launch_bounds__(128 * HP_FWD_WGS, HP_FWD_BLOCKS)
         wd_wait<1>();
         hp_fence_proxy();
         __syncthreads();
+        const hp_u32 kt = wd_saddr(ks + buf * TILE), vt = wd_saddr(vs + buf * TILE);
         // kb is at or before the warpgroup's first row whenever it computes, so every row
-        // sees key kb and its maximum is finite.
-        if (kb <= rw + 63) {
-            float s[HP_FWD_N / 2];
-            const hp_u32 kt = wd_saddr(ks + buf * TILE), vt = wd_saddr(vs + buf * TILE);
-            hp_fence();
-#pragma unroll
-            for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-                hp_ss<HP_FWD_N>(s, hp_desc_k(qa, HP_FWD_ROWS, kk), hp_desc_k(kt, HP_FWD_N, kk), kk);
-            hp_commit();
-            hp_wait();
-            hp_hold<HP_FWD_N / 2>(s);
-            const bool full = kb + HP_FWD_N - 1 <= rw;  // no key after any row of the warpgroup
-            float mx[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-            for (int i = 0; i < HP_FWD_N / 2; ++i) {
-                const int h = (i >> 1) & 1, key = kb + (i >> 2) * 8 + 2 * t + (i & 1);
-                if (!full && key > row + 8 * h) s[i] = NEG_INF;
-                mx[h] = fmaxf(mx[h], s[i]);
-            }
-            float corr[2], neg[2];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const float mnew = fmaxf(mrow[h], wd_quad_max(mx[h]) * qscale);
-                corr[h] = wd_exp2(mrow[h] - mnew);
-                lrow[h] *= corr[h];
-                mrow[h] = mnew;
-                neg[h] = -mnew;
-            }
-#pragma unroll
-            for (int i = 0; i < HP_FWD_N / 2; ++i) {
-                const int h = (i >> 1) & 1;
-                s[i] = wd_exp2(fmaf(s[i], qscale, neg[h]));
-                lrow[h] += s[i];  // this lane's share; quad sum at the end
-            }
-#pragma unroll
-            for (int i = 0; i < HEAD_DIM / 2; ++i) acc[i] *= corr[(i >> 1) & 1];
-            hp_u32 pa[HP_FWD_N / 16][4];
-            hp_to_a<HP_FWD_N>(pa, s);
-            hp_fence();
-#pragma unroll
-            for (int kk = 0; kk < HP_FWD_N / 16; ++kk)
-                hp_rs64(acc, pa[kk], hp_desc_mn(vt, HP_FWD_N, kk), 1);
-            hp_commit();
-            hp_wait();
-            hp_hold<HEAD_DIM / 2>(acc);
-        }
+        // sees key kb and its maximum is finite. Only the tiles that reach past the
+        // warpgroup's first row (its diagonal) need the causal mask.
+        if (kb + HP_FWD_N - 1 <= rw)
+            hp_fwd_tile<false>(acc, mrow, lrow, qa, kt, vt, kb, row, t, qscale);
+        else if (kb <= rw + 63)
+            hp_fwd_tile<true>(acc, mrow, lrow, qa, kt, vt, kb, row, t, qscale);
         __syncthreads();  // both warpgroups are done with buf before it is refilled
     }
     float inv[2];
@@ -330,11 +357,40 @@ __device__ __forceinline__ void hp_bwd_s_dp(float* s, float* dp, hp_u32 a0, hp_u
     hp_hold<HP_BWD_N / 2>(dp);
 }
 
+#define HP_DQ_ROWS (64 * HP_DQ_WGS)
+// One key tile of flash_hopper_dq for a warpgroup's 64 queries: S = Q Kᵀ and dP = dO Vᵀ (Q, dO
+// at qa, da; K, V at kt, vt), dS = P ∘ (dP − δ) in registers, then dQ += dS K (K read MN-major).
+// MASK: the tile has keys after some row of the warpgroup (its diagonal), zeroed there; the
+// tiles before it skip the compare and select per score. l2, dl: the thread's two rows' lse2
+// and δ; row: its first row; t: lane % 4.
+template <bool MASK>
+__device__ __forceinline__ void hp_dq_tile(float* acc, hp_u32 qa, hp_u32 da, hp_u32 kt, hp_u32 vt,
+                                           int kb, int row, int t, const float* l2,
+                                           const float* dl, float qscale) {
+    float s[HP_BWD_N / 2], dp[HP_BWD_N / 2];
+    hp_bwd_s_dp(s, dp, qa, kt, da, vt, HP_DQ_ROWS);
+#pragma unroll
+    for (int i = 0; i < HP_BWD_N / 2; ++i) {
+        const int h = (i >> 1) & 1;
+        float p = wd_exp2(fmaf(s[i], qscale, -l2[h]));
+        if (MASK && kb + (i >> 2) * 8 + 2 * t + (i & 1) > row + 8 * h) p = 0.f;
+        s[i] = p * (dp[i] - dl[h]);  // dS
+    }
+    hp_u32 sa[HP_BWD_N / 16][4];
+    hp_to_a<HP_BWD_N>(sa, s);
+    hp_fence();
+#pragma unroll
+    for (int kk = 0; kk < HP_BWD_N / 16; ++kk)
+        hp_rs64(acc, sa[kk], hp_desc_mn(kt, HP_BWD_N, kk), 1);
+    hp_commit();
+    hp_wait();
+    hp_hold<HEAD_DIM / 2>(acc);
+}
+
 // dq = scale · dS k with dS = P ∘ (dO vᵀ − dvec), as flash_wide_dq; 64·HP_DQ_WGS queries per
 // block (Q and dO staged once), key tiles of 64 up to them: S = Q Kᵀ and dP = dO Vᵀ (shared
 // memory operands), then dQ += dS K with dS from registers. Grid (ceil(T / HP_DQ_ROWS), BH),
 // 128·HP_DQ_WGS threads, HP_DQ_SMEM bytes of shared memory.
-#define HP_DQ_ROWS (64 * HP_DQ_WGS)
 #define HP_DQ_SMEM ((2 * HP_DQ_ROWS + 4 * HP_BWD_N) * HEAD_DIM * 2 + 1024)
 extern "C" __global__ void __launch_bounds__(128 * HP_DQ_WGS, HP_DQ_BLOCKS)
     flash_hopper_dq(const elem* q, const elem* k, const elem* v, const elem* dout,
@@ -379,26 +435,12 @@ extern "C" __global__ void __launch_bounds__(128 * HP_DQ_WGS, HP_DQ_BLOCKS)
         wd_wait<1>();
         hp_fence_proxy();
         __syncthreads();
-        if (kb <= rw + 63) {
-            float s[HP_BWD_N / 2], dp[HP_BWD_N / 2];
-            const hp_u32 kt = wd_saddr(ks + buf * TILE), vt = wd_saddr(vs + buf * TILE);
-            hp_bwd_s_dp(s, dp, qa, kt, da, vt, HP_DQ_ROWS);
-#pragma unroll
-            for (int i = 0; i < HP_BWD_N / 2; ++i) {
-                const int h = (i >> 1) & 1, key = kb + (i >> 2) * 8 + 2 * t + (i & 1);
-                const float p = key > row + 8 * h ? 0.f : wd_exp2(fmaf(s[i], qscale, -l2[h]));
-                s[i] = p * (dp[i] - dl[h]);  // dS
-            }
-            hp_u32 sa[HP_BWD_N / 16][4];
-            hp_to_a<HP_BWD_N>(sa, s);
-            hp_fence();
-#pragma unroll
-            for (int kk = 0; kk < HP_BWD_N / 16; ++kk)
-                hp_rs64(acc, sa[kk], hp_desc_mn(kt, HP_BWD_N, kk), 1);
-            hp_commit();
-            hp_wait();
-            hp_hold<HEAD_DIM / 2>(acc);
-        }
+        const hp_u32 kt = wd_saddr(ks + buf * TILE), vt = wd_saddr(vs + buf * TILE);
+        // Keys after a row of the warpgroup only in the tiles that reach past its first row.
+        if (kb + HP_BWD_N - 1 <= rw)
+            hp_dq_tile<false>(acc, qa, da, kt, vt, kb, row, t, l2, dl, qscale);
+        else if (kb <= rw + 63)
+            hp_dq_tile<true>(acc, qa, da, kt, vt, kb, row, t, l2, dl, qscale);
         __syncthreads();
     }
     const float mul[2] = {scale, scale};
@@ -411,6 +453,12 @@ extern "C" __global__ void __launch_bounds__(128 * HP_DQ_WGS, HP_DQ_BLOCKS)
 // A fragments pa (Pᵀ) and sa (dSᵀ) of the products that follow. ka, va: the warpgroup's K and
 // V rows in tiles of `krows` rows; qt, dt: the staged Q and dO tiles; lt, dlt: their lse2 and
 // δ; qb: the tile's first query; key: the thread's first key; t: its lane % 4.
+//
+// MASK: the tile holds queries before some key of the warpgroup (its diagonal tile) or past T
+// (the last, when T % 64 ≠ 0), zeroed there; every other tile skips the compares and selects.
+// A thread's columns come in adjacent pairs (2t, 2t + 1 of each 8), so lse2 and δ are read as
+// float2, 16 loads where one per column was 32.
+template <bool MASK>
 __device__ __forceinline__ void hp_bwd_p_ds(hp_u32 (*pa)[4], hp_u32 (*sa)[4], hp_u32 ka, hp_u32 va,
                                             int krows, hp_u32 qt, hp_u32 dt, const float* lt,
                                             const float* dlt, int qb, int key, int t, int T,
@@ -418,12 +466,17 @@ __device__ __forceinline__ void hp_bwd_p_ds(hp_u32 (*pa)[4], hp_u32 (*sa)[4], hp
     float s[HP_BWD_N / 2], dp[HP_BWD_N / 2];
     hp_bwd_s_dp(s, dp, ka, qt, va, dt, krows);
 #pragma unroll
-    for (int i = 0; i < HP_BWD_N / 2; ++i) {
-        const int h = (i >> 1) & 1, c = (i >> 2) * 8 + 2 * t + (i & 1), qq = qb + c;
-        const float p =
-            (qq < key + 8 * h || qq >= T) ? 0.f : wd_exp2(fmaf(s[i], qscale, -lt[c]));
-        s[i] = p;
-        dp[i] = p * (dp[i] - dlt[c]);  // dSᵀ
+    for (int j = 0; j < HP_BWD_N / 8; ++j) {
+        const float2 l = *reinterpret_cast<const float2*>(lt + 8 * j + 2 * t);
+        const float2 d = *reinterpret_cast<const float2*>(dlt + 8 * j + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int i = 4 * j + e, h = e >> 1, qq = qb + 8 * j + 2 * t + (e & 1);
+            float p = wd_exp2(fmaf(s[i], qscale, -((e & 1) ? l.y : l.x)));
+            if (MASK && (qq < key + 8 * h || qq >= T)) p = 0.f;
+            s[i] = p;
+            dp[i] = p * (dp[i] - ((e & 1) ? d.y : d.x));  // dSᵀ
+        }
     }
     hp_to_a<HP_BWD_N>(pa, s);
     hp_to_a<HP_BWD_N>(sa, dp);
@@ -500,8 +553,13 @@ extern "C" __global__ void __launch_bounds__(128 * HP_DKDV_WGS, HP_DKDV_BLOCKS)
         if (qb + HP_BWD_N - 1 >= kw) {  // some query of the tile at or after the first key
             const hp_u32 qt = wd_saddr(qs + buf * TILE), dt = wd_saddr(dos + buf * TILE);
             hp_u32 pa[HP_BWD_N / 16][4], sa[HP_BWD_N / 16][4];
-            hp_bwd_p_ds(pa, sa, ka, va, HP_DKDV_ROWS, qt, dt, ls + buf * HP_BWD_N,
-                        dls + buf * HP_BWD_N, qb, key, t, T, qscale);
+            // The mask only where the tile meets the warpgroup's keys or runs past T.
+            if (qb < kw + 64 || qb + HP_BWD_N > T)
+                hp_bwd_p_ds<true>(pa, sa, ka, va, HP_DKDV_ROWS, qt, dt, ls + buf * HP_BWD_N,
+                                  dls + buf * HP_BWD_N, qb, key, t, T, qscale);
+            else
+                hp_bwd_p_ds<false>(pa, sa, ka, va, HP_DKDV_ROWS, qt, dt, ls + buf * HP_BWD_N,
+                                   dls + buf * HP_BWD_N, qb, key, t, T, qscale);
             hp_bwd_dkdv(dka, dva, pa, sa, qt, dt);
         }
         __syncthreads();
@@ -605,8 +663,13 @@ extern "C" __global__ void __launch_bounds__(128 * HP_BWD_WGS, HP_BWD_BLOCKS)
         const hp_u32 qt = wd_saddr(qs + buf * TILE), dt = wd_saddr(dos + buf * TILE);
         {
             hp_u32 pa[HP_BWD_N / 16][4], sa[HP_BWD_N / 16][4];
-            hp_bwd_p_ds(pa, sa, ka, va, 64, qt, dt, ls + buf * HP_BWD_N, dls + buf * HP_BWD_N, qb,
-                        key, t, T, qscale);
+            // The mask only on the warpgroup's own (diagonal) tile and a last tile past T.
+            if (x == first || qb + HP_BWD_N > T)
+                hp_bwd_p_ds<true>(pa, sa, ka, va, 64, qt, dt, ls + buf * HP_BWD_N,
+                                  dls + buf * HP_BWD_N, qb, key, t, T, qscale);
+            else
+                hp_bwd_p_ds<false>(pa, sa, ka, va, 64, qt, dt, ls + buf * HP_BWD_N,
+                                   dls + buf * HP_BWD_N, qb, key, t, T, qscale);
             // Buffer sb is free once tile x + 2's dQ has read it.
             if (tw == 0)
                 while (*reinterpret_cast<volatile int*>(owner + sb) != x) __nanosleep(20);

@@ -441,7 +441,7 @@ fn bwd_launch<T: CudaDType + DeviceRepr + WithDType>(
     unsafe { b.launch(dot_cfg) }.w()?;
 
     let (qscale, scale32) = ((scale * LOG2E) as f32, scale as f32);
-    if path == Path::Hopper && kernels.one_pass(t) {
+    if path == Path::Hopper && kernels.one_pass() {
         // dk, dv and dq (into f32, then bf16) in one pass.
         let acc = dev.alloc_zeros::<f32>(n)?;
         let f = kernel(dev, Some(d), dtype, "flash_hopper_bwd")?;
