@@ -38,14 +38,10 @@ N_HEAD=${N_HEAD:-8}
 SCHEDULES=${SCHEDULES:-"1f1b interleaved:2 zb-h1 zb-v zb-v-cost"}
 OUT=target/bench-pipeline
 mkdir -p "$OUT"
-# MTRAIN: a built binary to run instead of building this checkout's (a machine without Rust).
-if [ -z "${MTRAIN:-}" ]; then
-    MTRAIN=target/release/mtrain
-    cargo build --release --workspace --bin mtrain
-fi
 
 # shellcheck source=scripts/quiet.sh
 . scripts/quiet.sh
+bench_binary
 
 # stage_costs RUN_DIR: "F,B,W" of one stage in ms, the mean over the stages and timed steps.
 stage_costs() {

@@ -28,14 +28,10 @@ N_EMBD=${N_EMBD:-256}
 N_HEAD=${N_HEAD:-8}
 OUT=target/core-balance
 mkdir -p "$OUT"
-# MTRAIN: a built binary to run instead of building this checkout's (a machine without Rust).
-if [ -z "${MTRAIN:-}" ]; then
-    MTRAIN=target/release/mtrain
-    cargo build --release --workspace --bin mtrain
-fi
 
 # shellcheck source=scripts/quiet.sh
 . scripts/quiet.sh
+bench_binary
 
 echo "== $(date -u '+%F %H:%M UTC'), $(nproc) cores ($(cpu_line)), load average $(load) =="
 echo "cores $CORES at once, one thread each; $STEPS steps, $N_LAYER layers, n_embd $N_EMBD, $N_HEAD heads"

@@ -6,6 +6,8 @@
 # it, and logs the load it starts at to $OUT/load.log; `before_run NAME nowait` only logs.
 # after_run NAME logs the load it ended at. A script prints no ratio while BUSY is not empty.
 # cpu_line: the CPU's model, family, model number and AVX-512 (the gemm's kernels differ).
+# bench_binary: sets MTRAIN to the mtrain the script runs: $MTRAIN where given (a binary built
+# elsewhere, on a machine without Rust), else this checkout's, built first.
 QUIET_WAIT=${QUIET_WAIT:-120}
 LOAD_LIMIT=${LOAD_LIMIT:-$(awk -v n="$(nproc)" 'BEGIN { print 0.5 * n }')}
 BUSY=() # "run: load" for every run that started above LOAD_LIMIT
@@ -22,5 +24,11 @@ before_run() { # NAME [nowait]
 after_run() { echo "$1: load after $(load)" >>"$OUT/load.log"; }
 cpu_line() {
     echo "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), family $(grep -m1 'cpu family' /proc/cpuinfo | cut -d: -f2 | xargs) model $(grep -m1 '^model[[:space:]]' /proc/cpuinfo | cut -d: -f2 | xargs), $(grep -qw avx512f /proc/cpuinfo && echo AVX-512 || echo 'no AVX-512')"
+}
+bench_binary() {
+    if [ -z "${MTRAIN:-}" ]; then
+        MTRAIN=target/release/mtrain
+        cargo build --release --workspace --bin mtrain
+    fi
 }
 : >"$OUT/load.log"
