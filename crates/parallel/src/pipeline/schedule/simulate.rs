@@ -45,12 +45,12 @@ impl PassCosts {
     /// Each pass kind's mean over `stages`.
     pub fn mean(stages: &[PassCosts]) -> PassCosts {
         let n = stages.len().max(1) as f64;
-        let sum = |f: fn(&PassCosts) -> f64| stages.iter().map(f).sum::<f64>() / n;
+        let avg = |f: fn(&PassCosts) -> f64| stages.iter().map(f).sum::<f64>() / n;
         PassCosts {
-            forward: sum(|c| c.forward),
-            backward: sum(|c| c.backward),
-            input_grad: sum(|c| c.input_grad),
-            weight_grad: sum(|c| c.weight_grad),
+            forward: avg(|c| c.forward),
+            backward: avg(|c| c.backward),
+            input_grad: avg(|c| c.input_grad),
+            weight_grad: avg(|c| c.weight_grad),
         }
     }
 
