@@ -36,7 +36,7 @@
 # Usage: scripts/bench-cpu.sh   (env: ROUNDS=3 STEPS=60 WARMUP=10 THREADS=$(nproc) NPROCS="2 4"
 #                                ITERS=10 MAXBYTES=256M VENV= PARTS="train comm" COMPARE=
 #                                COMM_ARGS=--in-place COMPARE_ARGS=$COMM_ARGS QUIET_WAIT=120
-#                                LOAD_LIMIT=0.5·nproc N_EMBD= DP=1)
+#                                LOAD_LIMIT=0.5·nproc --all N_EMBD= DP=1)
 # Results: printed; each run's raw output is kept in target/bench-cpu/.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -21,7 +21,7 @@
 #
 # Usage: scripts/bench-pipeline.sh   (env: ROUNDS=3 STEPS=10 WARMUP=2 MICRO=8 PP=2 N_LAYER=8
 #                                     N_EMBD=512 N_HEAD=8 SCHEDULES="1f1b interleaved:2 zb-h1
-#                                     zb-v zb-v-cost" QUIET_WAIT=120 LOAD_LIMIT=0.5·nproc
+#                                     zb-v zb-v-cost" QUIET_WAIT=120 LOAD_LIMIT=0.5·nproc --all
 #                                     MTRAIN=binary)
 # Results: printed; each run's directory and output under target/bench-pipeline/.
 set -euo pipefail

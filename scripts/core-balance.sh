@@ -15,7 +15,7 @@
 # even stages).
 #
 # Usage: scripts/core-balance.sh   (env: CORES="0 1" STEPS=60 WARMUP=5 N_LAYER=8 N_EMBD=256
-#                                   N_HEAD=8 QUIET_WAIT=120 LOAD_LIMIT=0.5·nproc MTRAIN=binary)
+#                                   N_HEAD=8 QUIET_WAIT=120 LOAD_LIMIT=0.5·nproc --all MTRAIN=binary)
 # Results: printed; each run's directory under target/core-balance/.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -9,7 +9,9 @@
 # bench_binary: sets MTRAIN to the mtrain the script runs: $MTRAIN where given (a binary built
 # elsewhere, on a machine without Rust), else this checkout's, built first.
 QUIET_WAIT=${QUIET_WAIT:-120}
-LOAD_LIMIT=${LOAD_LIMIT:-$(awk -v n="$(nproc)" 'BEGIN { print 0.5 * n }')}
+# The load average counts the whole machine, so the limit does too: every CPU, not only those a
+# taskset leaves this script (`nproc --all`).
+LOAD_LIMIT=${LOAD_LIMIT:-$(awk -v n="$(nproc --all)" 'BEGIN { print 0.5 * n }')}
 BUSY=() # "run: load" for every run that started above LOAD_LIMIT
 load() { cut -d' ' -f1-3 /proc/loadavg; }
 above_limit() { awk -v l="$(cut -d' ' -f1 /proc/loadavg)" -v m="$LOAD_LIMIT" 'BEGIN { exit !(l > m) }'; }
