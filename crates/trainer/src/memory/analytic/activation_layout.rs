@@ -5,20 +5,10 @@
 
 use mtrain_model::GptConfig;
 use mtrain_parallel::parallelize::{DataParallelKind, ParallelPlan};
-use mtrain_parallel::pipeline::StageLayout;
 use serde::Serialize;
 
 use super::rank_holdings;
 use crate::memory::Routing;
-
-/// The plan's blocks per model stage.
-fn stage_layout(
-    cfg: &GptConfig,
-    plan: &ParallelPlan,
-) -> Result<StageLayout, ActivationLayoutError> {
-    plan.stage_layout(cfg.n_layer)
-        .map_err(|e| ActivationLayoutError::Pipeline(e.to_string()))
-}
 
 /// What one rank's step depends on under a parallel layout.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -111,8 +101,8 @@ impl ActivationLayout {
                 microbatches: m,
             });
         }
-        let layout = stage_layout(cfg, plan)?;
         let err = |e: String| ActivationLayoutError::Pipeline(e);
+        let layout = plan.stage_layout(cfg.n_layer).map_err(|e| err(e.to_string()))?;
         let mine: Vec<usize> = (0..layout.num_stages())
             .filter(|&s| layout.rank_of_stage(s, pp) == pp_rank)
             .collect();
