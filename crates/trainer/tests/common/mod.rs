@@ -52,12 +52,12 @@ pub fn output(cmd: &mut Command) -> Output {
     };
     let stdout = drain(Box::new(child.stdout.take().unwrap()));
     let stderr = drain(Box::new(child.stderr.take().unwrap()));
-    let t0 = Instant::now();
+    let (t0, deadline) = (Instant::now(), command_deadline());
     let status = loop {
         if let Some(status) = child.try_wait().expect("wait") {
             break status;
         }
-        if t0.elapsed() > command_deadline() {
+        if t0.elapsed() > deadline {
             let stacks = group_stacks(child.id());
             // SAFETY: kill(2) on the process group this function created; no memory is touched.
             unsafe { libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL) };
@@ -70,7 +70,7 @@ pub fn output(cmd: &mut Command) -> Output {
             );
             panic!(
                 "{cmd:?} did not finish within {} s; killed. Its threads' stacks:\n{stacks}\nWhat it printed:\n{printed}",
-                command_deadline().as_secs()
+                deadline.as_secs()
             );
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -139,11 +139,12 @@ pub struct Watchdog(std::sync::mpsc::Sender<()>);
 
 pub fn watchdog(what: &'static str) -> Watchdog {
     let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let deadline = command_deadline();
     std::thread::spawn(move || {
-        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(command_deadline()) {
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(deadline) {
             eprintln!(
                 "{what} did not finish within {} s; aborting. This process's stacks:\n{}",
-                command_deadline().as_secs(),
+                deadline.as_secs(),
                 stacks(std::process::id())
             );
             std::process::abort();
