@@ -35,6 +35,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Shape, Tensor};
 
 pub use crate::op_kind::OpKind;
+use crate::site::Site;
 use crate::trace::Tracer;
 
 /// A shared handle to one process group.
@@ -54,7 +55,7 @@ pub enum ReduceOp {
 /// the group, the op's sequence number in that group and the ranks involved.
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {
-    #[error("{op} on group '{group}' (seq {seq}) timed out after {timeout_ms} ms on rank {rank} waiting for rank {peer}")]
+    #[error("{op} on group '{group}' (seq {seq}) timed out after {timeout_ms} ms on rank {rank} waiting for rank {peer}, issued at {site}")]
     Timeout {
         op: OpKind,
         group: String,
@@ -62,9 +63,11 @@ pub enum CommError {
         rank: usize,
         peer: usize,
         timeout_ms: u64,
+        /// Where the op that timed out was issued.
+        site: Site,
     },
 
-    #[error("{op} on group '{group}' (seq {seq}): rank {rank} lost its connection to rank {peer}: {detail}")]
+    #[error("{op} on group '{group}' (seq {seq}), issued at {site}: rank {rank} lost its connection to rank {peer}: {detail}")]
     PeerClosed {
         op: OpKind,
         group: String,
@@ -72,6 +75,8 @@ pub enum CommError {
         rank: usize,
         peer: usize,
         detail: String,
+        /// Where the op that failed was issued.
+        site: Site,
     },
 
     #[error("mismatched collectives on group '{group}': rank {rank} called {mine} but rank {peer} called {theirs}")]
@@ -189,6 +194,7 @@ pub fn check_in_place(group: &str, x: &Tensor) -> Result<()> {
 /// [`Communicator::all_reduce_in_place`] by [`Communicator::all_reduce`] and a copy of the
 /// result into `x`: the trait's default, and what a backend falls back to where it cannot
 /// reduce in place.
+#[track_caller]
 pub fn all_reduce_and_copy_back<C: Communicator + ?Sized>(
     comm: &C,
     x: &Tensor,
@@ -202,6 +208,8 @@ pub fn all_reduce_and_copy_back<C: Communicator + ?Sized>(
 /// One process group. Ranks are group ranks (0..size); `global_ranks()` maps them to the world.
 ///
 /// The async methods are the primitives; each sync method is its async twin plus `wait()`.
+/// Every collective is `#[track_caller]`: a backend records where it was issued
+/// ([`Site::caller`](crate::Site::caller) in its implementation).
 pub trait Communicator: Send + Sync + fmt::Debug {
     /// This process's rank within the group.
     fn rank(&self) -> usize;
@@ -216,16 +224,25 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     /// The group's trace: every op with its bytes and timing, plus the last few ops for error reports.
     fn tracer(&self) -> &Tracer;
 
+    #[track_caller]
     fn all_reduce_async(&self, x: &Tensor, op: ReduceOp) -> Work;
+    #[track_caller]
     fn reduce_async(&self, x: &Tensor, root: usize, op: ReduceOp) -> Work;
+    #[track_caller]
     fn broadcast_async(&self, x: &Tensor, root: usize) -> Work;
+    #[track_caller]
     fn all_gather_async(&self, x: &Tensor) -> Work;
+    #[track_caller]
     fn reduce_scatter_async(&self, x: &Tensor, op: ReduceOp) -> Work;
     /// `x` is read on the root only; other ranks pass a tensor of the same dtype (its shape is ignored).
+    #[track_caller]
     fn scatter_async(&self, x: &Tensor, root: usize) -> Work;
+    #[track_caller]
     fn gather_async(&self, x: &Tensor, root: usize) -> Work;
     /// `send_splits[p]` rows of `x` (in order) go to peer p; `recv_splits[p]` rows come from peer p.
+    #[track_caller]
     fn all_to_all_async(&self, x: &Tensor, send_splits: &[usize], recv_splits: &[usize]) -> Work;
+    #[track_caller]
     fn send_async(&self, x: &Tensor, dst: usize) -> Work<()>;
     /// Whether a send's `Work` completes once this rank has handed the data off, whatever the
     /// receiver does (the CPU backend: the bytes queued for the connection's writer thread).
@@ -234,9 +251,12 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     fn sends_complete_locally(&self) -> bool {
         false
     }
+    #[track_caller]
     fn recv_async(&self, src: usize, shape: &Shape, dtype: DType) -> Work;
+    #[track_caller]
     fn barrier_async(&self) -> Work<()>;
 
+    #[track_caller]
     fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
         self.all_reduce_async(x, op).wait()
     }
@@ -245,27 +265,35 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     /// must be contiguous. This default runs [`all_reduce`](Self::all_reduce) and copies the
     /// result back; the CPU backend reduces large tensors where the data lies instead, allocating
     /// nothing of the tensor's size.
+    #[track_caller]
     fn all_reduce_in_place(&self, x: &Tensor, op: ReduceOp) -> Result<()> {
         all_reduce_and_copy_back(self, x, op)
     }
+    #[track_caller]
     fn reduce(&self, x: &Tensor, root: usize, op: ReduceOp) -> Result<Tensor> {
         self.reduce_async(x, root, op).wait()
     }
+    #[track_caller]
     fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor> {
         self.broadcast_async(x, root).wait()
     }
+    #[track_caller]
     fn all_gather(&self, x: &Tensor) -> Result<Tensor> {
         self.all_gather_async(x).wait()
     }
+    #[track_caller]
     fn reduce_scatter(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
         self.reduce_scatter_async(x, op).wait()
     }
+    #[track_caller]
     fn scatter(&self, x: &Tensor, root: usize) -> Result<Tensor> {
         self.scatter_async(x, root).wait()
     }
+    #[track_caller]
     fn gather(&self, x: &Tensor, root: usize) -> Result<Tensor> {
         self.gather_async(x, root).wait()
     }
+    #[track_caller]
     fn all_to_all(
         &self,
         x: &Tensor,
@@ -274,12 +302,15 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     ) -> Result<Tensor> {
         self.all_to_all_async(x, send_splits, recv_splits).wait()
     }
+    #[track_caller]
     fn send(&self, x: &Tensor, dst: usize) -> Result<()> {
         self.send_async(x, dst).wait()
     }
+    #[track_caller]
     fn recv(&self, src: usize, shape: &Shape, dtype: DType) -> Result<Tensor> {
         self.recv_async(src, shape, dtype).wait()
     }
+    #[track_caller]
     fn barrier(&self) -> Result<()> {
         self.barrier_async().wait()
     }

@@ -14,7 +14,8 @@
 //! - [`store`]: the TCP rendezvous store hosted by rank 0.
 //! - [`env`]: the torchrun-style launch environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
 //! - [`mesh`]: the dp x pp x tp (+ ep) rank grid and its groups.
-//! - [`trace`]: per-group record of every collective; [`op_kind`]: the kinds of collective
+//! - [`trace`]: per-group record of every collective, each with its [`site`] (the file and line
+//!   that issued it); [`op_kind`]: the kinds of collective
 //!   both the communicator and the trace name.
 
 pub mod communicator;
@@ -25,6 +26,7 @@ pub mod ipc;
 pub mod mesh;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+pub mod site;
 pub mod staged;
 pub mod store;
 pub mod trace;
@@ -36,5 +38,6 @@ pub use communicator::{
 pub use cpu::{run_local, CpuBackend, CpuOptions};
 pub use env::LaunchEnv;
 pub use mesh::{Coords, DeviceMesh, GroupKind, MeshDims};
+pub use site::Site;
 pub use staged::{staged, StagedBackend};
 pub use trace::{TraceEvent, TraceTotals, Tracer};

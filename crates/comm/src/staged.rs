@@ -73,15 +73,19 @@ impl PendingWork<Tensor> for OnDevice {
     }
 }
 
-impl Staged {
-    /// `op` on the host copy of `x`, its result on the device.
-    fn run(&self, x: &Tensor, op: impl FnOnce(&Tensor) -> Work) -> Work {
-        match x.to_device(&Device::Cpu) {
-            Ok(host) => self.back(op(&host)),
+/// `$call` on the host copy `$h` of `$x`, its result brought back to the device. A macro, not a
+/// closure, so the call keeps the caller's [`Site`](crate::Site) (closures cannot pass it on).
+macro_rules! on_host {
+    ($s:ident, $x:expr, $h:ident => $call:expr) => {
+        match $x.to_device(&Device::Cpu) {
+            Ok($h) => $s.back($call),
             Err(e) => Work::ready(Err(e.into())),
         }
-    }
+    };
+}
 
+impl Staged {
+    /// The inner group's `work`, its result on this group's device.
     fn back(&self, work: Work) -> Work {
         Work::new(Box::new(OnDevice {
             work,
@@ -111,30 +115,28 @@ impl Communicator for Staged {
     }
 
     fn all_reduce_async(&self, x: &Tensor, op: ReduceOp) -> Work {
-        self.run(x, |h| self.inner.all_reduce_async(h, op))
+        on_host!(self, x, h => self.inner.all_reduce_async(&h, op))
     }
     fn reduce_async(&self, x: &Tensor, root: usize, op: ReduceOp) -> Work {
-        self.run(x, |h| self.inner.reduce_async(h, root, op))
+        on_host!(self, x, h => self.inner.reduce_async(&h, root, op))
     }
     fn broadcast_async(&self, x: &Tensor, root: usize) -> Work {
-        self.run(x, |h| self.inner.broadcast_async(h, root))
+        on_host!(self, x, h => self.inner.broadcast_async(&h, root))
     }
     fn all_gather_async(&self, x: &Tensor) -> Work {
-        self.run(x, |h| self.inner.all_gather_async(h))
+        on_host!(self, x, h => self.inner.all_gather_async(&h))
     }
     fn reduce_scatter_async(&self, x: &Tensor, op: ReduceOp) -> Work {
-        self.run(x, |h| self.inner.reduce_scatter_async(h, op))
+        on_host!(self, x, h => self.inner.reduce_scatter_async(&h, op))
     }
     fn scatter_async(&self, x: &Tensor, root: usize) -> Work {
-        self.run(x, |h| self.inner.scatter_async(h, root))
+        on_host!(self, x, h => self.inner.scatter_async(&h, root))
     }
     fn gather_async(&self, x: &Tensor, root: usize) -> Work {
-        self.run(x, |h| self.inner.gather_async(h, root))
+        on_host!(self, x, h => self.inner.gather_async(&h, root))
     }
     fn all_to_all_async(&self, x: &Tensor, send_splits: &[usize], recv_splits: &[usize]) -> Work {
-        self.run(x, |h| {
-            self.inner.all_to_all_async(h, send_splits, recv_splits)
-        })
+        on_host!(self, x, h => self.inner.all_to_all_async(&h, send_splits, recv_splits))
     }
     fn send_async(&self, x: &Tensor, dst: usize) -> Work<()> {
         match x.to_device(&Device::Cpu) {

@@ -23,6 +23,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::op_kind::OpKind;
+use crate::site::Site;
 
 /// How many recent ops a tracer keeps even when recording is off.
 pub const RECENT: usize = 16;
@@ -43,6 +44,8 @@ pub struct TraceEvent {
     pub end_us: u64,
     /// Peer of a send/recv, root of a rooted op.
     pub peer: Option<usize>,
+    /// The file and line that issued the op.
+    pub site: Site,
 }
 
 /// Running totals of one group's ops since it was created (or last cleared).

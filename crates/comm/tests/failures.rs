@@ -21,20 +21,23 @@ fn different_ops_give_mismatch_on_every_rank() {
         // A good op first, so the mismatch is at seq 1.
         w.all_reduce(&ones(4), ReduceOp::Sum)
             .expect("first op agrees");
-        let r = if w.rank() == 2 {
-            w.all_gather(&ones(4))
+        let (r, line) = if w.rank() == 2 {
+            (w.all_gather(&ones(4)), line!())
         } else {
-            w.all_reduce(&ones(4), ReduceOp::Sum)
+            (w.all_reduce(&ones(4), ReduceOp::Sum), line!())
         };
         let err = r.expect_err("mismatched collectives must fail");
         // The group is poisoned: later ops fail at once.
         let later = w.barrier().expect_err("poisoned group");
         assert!(matches!(later, CommError::Poisoned { .. }), "{later}");
-        err
+        (err, line)
     });
     assert!(start.elapsed() < T, "took {:?}", start.elapsed());
-    for (rank, e) in errs.iter().enumerate() {
+    for (rank, (e, line)) in errs.iter().enumerate() {
         let msg = e.to_string();
+        // Each rank names the line of its own call.
+        let site = format!("issued at crates/comm/tests/failures.rs:{line}");
+        assert!(msg.contains(&site), "rank {rank}: {msg}\nshould name: {site}");
         assert!(
             matches!(e, CommError::Mismatch { .. }),
             "rank {rank}: {msg}"
@@ -53,11 +56,14 @@ fn different_counts_give_mismatch_on_every_rank() {
     let errs = run_local(4, T, |b| {
         let w = b.world();
         let len = if w.rank() == 1 { 5 } else { 4 };
-        w.all_reduce(&ones(len), ReduceOp::Sum)
-            .expect_err("mismatched counts must fail")
+        let err = w.all_reduce(&ones(len), ReduceOp::Sum);
+        (err.expect_err("mismatched counts must fail"), line!() - 1)
     });
-    for (rank, e) in errs.iter().enumerate() {
+    for (rank, (e, line)) in errs.iter().enumerate() {
         let msg = e.to_string();
+        // Each rank names the line of its own call.
+        let site = format!("issued at crates/comm/tests/failures.rs:{line}");
+        assert!(msg.contains(&site), "rank {rank}: {msg}\nshould name: {site}");
         assert!(
             matches!(e, CommError::Mismatch { .. }),
             "rank {rank}: {msg}"
@@ -156,7 +162,7 @@ fn a_dead_rank_fails_the_others_within_the_timeout() {
 }
 
 #[test]
-fn a_stalled_rank_times_out_naming_op_group_seq_and_peer() {
+fn a_stalled_rank_times_out_naming_op_group_seq_peer_and_site() {
     let timeout = Duration::from_millis(500);
     let errs = run_local(3, timeout, |b| {
         let w = b.world();
@@ -167,9 +173,10 @@ fn a_stalled_rank_times_out_naming_op_group_seq_and_peer() {
         }
         let start = Instant::now();
         let e = w.broadcast(&ones(10), 0).expect_err("rank 1 stalls");
-        Some((e, start.elapsed()))
+        Some((e, start.elapsed(), line!() - 1))
     });
-    for (e, took) in errs.into_iter().flatten() {
+    assert_eq!(errs.iter().flatten().count(), 2, "ranks 0 and 2 wait for rank 1");
+    for (e, took, line) in errs.into_iter().flatten() {
         let msg = e.to_string();
         assert!(
             matches!(
@@ -186,6 +193,9 @@ fn a_stalled_rank_times_out_naming_op_group_seq_and_peer() {
             msg.contains("broadcast on group 'world' (seq 1) timed out after 500 ms"),
             "{msg}"
         );
+        // Each waiting rank names the line that issued the op it waits in.
+        let site = format!("issued at crates/comm/tests/failures.rs:{line}");
+        assert!(msg.ends_with(&site), "{msg}\nshould end with: {site}");
         assert!(took < timeout * 2, "failed after {took:?}");
     }
 }

@@ -11,6 +11,7 @@ use candle_core::DType;
 use super::conn::{Peer, ReadFailure};
 use super::wire::{Header, Scratch};
 use crate::communicator::{CommError, OpKind, Result};
+use crate::site::Site;
 use crate::trace::Tracer;
 
 /// Largest piece a large message is cut into, so the ring can pipeline: a segment reduced in one
@@ -41,6 +42,8 @@ pub(crate) struct GroupCore {
     pub cur_op: OpKind,
     pub cur_seq: u64,
     pub cur_sent: u64,
+    /// Where the op being run was issued.
+    pub cur_site: Site,
     /// Where the in-place ring receives every segment, kept from one op to the next (one
     /// segment, [`SEGMENT_BYTES`], and a page).
     pub scratch: Scratch,
@@ -76,6 +79,7 @@ impl GroupCore {
             cur_op: OpKind::Barrier,
             cur_seq: 0,
             cur_sent: 0,
+            cur_site: Site::caller(),
             scratch: Scratch::default(),
         }
     }
@@ -99,9 +103,10 @@ impl GroupCore {
         self.poisoned = Some(cause);
     }
 
-    /// Start an op: reset the per-op counters.
-    pub fn begin(&mut self, op: OpKind) {
+    /// Start an op issued at `site`: reset the per-op counters.
+    pub fn begin(&mut self, op: OpKind, site: Site) {
         self.cur_op = op;
+        self.cur_site = site;
         self.cur_seq = 0;
         self.cur_sent = 0;
     }
@@ -140,12 +145,13 @@ impl GroupCore {
 
     /// The error for a failed read or write with group rank `peer`.
     pub(super) fn peer_failure(&self, peer: usize, f: ReadFailure) -> CommError {
-        let (op, group, seq, rank, peer) = (
+        let (op, group, seq, rank, peer, site) = (
             self.cur_op,
             self.name.clone(),
             self.cur_seq,
             self.globals[self.rank],
             self.globals[peer],
+            self.cur_site,
         );
         match f {
             ReadFailure::Timeout => CommError::Timeout {
@@ -155,6 +161,7 @@ impl GroupCore {
                 rank,
                 peer,
                 timeout_ms: self.timeout.as_millis() as u64,
+                site,
             },
             ReadFailure::Closed(detail) => CommError::PeerClosed {
                 op,
@@ -163,6 +170,7 @@ impl GroupCore {
                 rank,
                 peer,
                 detail,
+                site,
             },
         }
     }
@@ -240,7 +248,7 @@ impl GroupCore {
             group: me.name.clone(),
             rank: me.globals[me.rank],
             peer: me.globals[p],
-            mine: format!("{} (seq {})", me.cur_op, me.cur_seq),
+            mine: format!("{} (seq {}), issued at {}", me.cur_op, me.cur_seq, me.cur_site),
             theirs: "something unreadable (the ranks' streams are out of step)".into(),
         };
         if len > 4096 {
@@ -273,7 +281,7 @@ impl GroupCore {
                     group: self.name.clone(),
                     rank: self.globals[self.rank],
                     peer: self.globals[p],
-                    mine: m.describe(),
+                    mine: format!("{}, issued at {}", m.describe(), self.cur_site),
                     theirs: theirs.describe(),
                 });
             }

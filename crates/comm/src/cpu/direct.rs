@@ -215,7 +215,11 @@ impl GroupCore {
                 group: self.name.clone(),
                 rank: self.globals[self.rank],
                 peer: self.globals[src],
-                mine: format!("recv expecting {}", expected.describe()),
+                mine: format!(
+                    "recv expecting {}, issued at {}",
+                    expected.describe(),
+                    self.cur_site
+                ),
                 theirs: theirs.describe(),
             });
         }

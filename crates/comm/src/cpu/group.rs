@@ -28,6 +28,7 @@ use crate::communicator::{
     all_reduce_and_copy_back, check_in_place, CommError, Communicator, OpKind, PendingWork,
     ReduceOp, Result, Work,
 };
+use crate::site::Site;
 use crate::trace::{TraceEvent, Tracer};
 
 type Job = Box<dyn FnOnce(&mut GroupCore) + Send>;
@@ -176,12 +177,13 @@ impl CpuComm {
     }
 
     /// A receive from `src`, queued or (`inline`) run by the caller ([`CpuComm::submit`]).
+    #[track_caller]
     fn recv_job(&self, src: usize, shape: &Shape, dtype: DType, inline: bool) -> Work {
         if let Err(e) = check_dtype(OpKind::Recv, &self.name, dtype) {
             return Work::ready(Err(e));
         }
         let shape = shape.clone();
-        self.submit(OpKind::Recv, None, Some(src), inline, move |c| {
+        self.submit(Site::caller(), OpKind::Recv, None, Some(src), inline, move |c| {
             c.recv_from(src, &shape, dtype)
         })
     }
@@ -210,6 +212,7 @@ impl CpuComm {
     /// issued before it, and before every later one, under the group's lock.
     fn submit<T: Send + 'static>(
         &self,
+        site: Site,
         op: OpKind,
         input: Option<&Tensor>,
         peer: Option<usize>,
@@ -254,7 +257,7 @@ impl CpuComm {
             queued.fetch_add(1, Ordering::AcqRel);
         }
         let job: Job = Box::new(move |core: &mut GroupCore| {
-            core.begin(op);
+            core.begin(op, site);
             let result = match core.poisoned() {
                 Some(e) => Err(e),
                 None => {
@@ -275,6 +278,7 @@ impl CpuComm {
                 start_us,
                 end_us,
                 peer,
+                site,
             });
             // Counted out before the caller can see the result, so its next in-place op does
             // not wait for this one again.
@@ -317,7 +321,7 @@ impl Communicator for CpuComm {
 
     fn all_reduce_async(&self, x: &Tensor, op: ReduceOp) -> Work {
         let xc = x.clone();
-        self.submit(OpKind::AllReduce, Some(x), None, false, move |c| {
+        self.submit(Site::caller(), OpKind::AllReduce, Some(x), None, false, move |c| {
             c.all_reduce(&xc, op)
         })
     }
@@ -336,6 +340,7 @@ impl Communicator for CpuComm {
         // write lock is taken, or it would wait on the lock while we wait on it.
         self.drain();
         let ring = InPlaceRing {
+            site: Site::caller(),
             comm: self,
             x,
             op,
@@ -349,43 +354,43 @@ impl Communicator for CpuComm {
     }
     fn reduce_async(&self, x: &Tensor, root: usize, op: ReduceOp) -> Work {
         let xc = x.clone();
-        self.submit(OpKind::Reduce, Some(x), Some(root), false, move |c| {
+        self.submit(Site::caller(), OpKind::Reduce, Some(x), Some(root), false, move |c| {
             c.reduce(&xc, root, op)
         })
     }
     fn broadcast_async(&self, x: &Tensor, root: usize) -> Work {
         let xc = x.clone();
-        self.submit(OpKind::Broadcast, Some(x), Some(root), false, move |c| {
+        self.submit(Site::caller(), OpKind::Broadcast, Some(x), Some(root), false, move |c| {
             c.broadcast(&xc, root)
         })
     }
     fn all_gather_async(&self, x: &Tensor) -> Work {
         let xc = x.clone();
-        self.submit(OpKind::AllGather, Some(x), None, false, move |c| {
+        self.submit(Site::caller(), OpKind::AllGather, Some(x), None, false, move |c| {
             c.all_gather(&xc)
         })
     }
     fn reduce_scatter_async(&self, x: &Tensor, op: ReduceOp) -> Work {
         let xc = x.clone();
-        self.submit(OpKind::ReduceScatter, Some(x), None, false, move |c| {
+        self.submit(Site::caller(), OpKind::ReduceScatter, Some(x), None, false, move |c| {
             c.reduce_scatter(&xc, op)
         })
     }
     fn scatter_async(&self, x: &Tensor, root: usize) -> Work {
         let xc = x.clone();
-        self.submit(OpKind::Scatter, Some(x), Some(root), false, move |c| {
+        self.submit(Site::caller(), OpKind::Scatter, Some(x), Some(root), false, move |c| {
             c.scatter(&xc, root)
         })
     }
     fn gather_async(&self, x: &Tensor, root: usize) -> Work {
         let xc = x.clone();
-        self.submit(OpKind::Gather, Some(x), Some(root), false, move |c| {
+        self.submit(Site::caller(), OpKind::Gather, Some(x), Some(root), false, move |c| {
             c.gather(&xc, root)
         })
     }
     fn all_to_all_async(&self, x: &Tensor, send_splits: &[usize], recv_splits: &[usize]) -> Work {
         let (xc, s, r) = (x.clone(), send_splits.to_vec(), recv_splits.to_vec());
-        self.submit(OpKind::AllToAll, Some(x), None, false, move |c| {
+        self.submit(Site::caller(), OpKind::AllToAll, Some(x), None, false, move |c| {
             c.all_to_all(&xc, &s, &r)
         })
     }
@@ -393,7 +398,7 @@ impl Communicator for CpuComm {
     /// on the receiver.
     fn send_async(&self, x: &Tensor, dst: usize) -> Work<()> {
         let xc = x.clone();
-        self.submit(OpKind::Send, Some(x), Some(dst), true, move |c| {
+        self.submit(Site::caller(), OpKind::Send, Some(x), Some(dst), true, move |c| {
             c.send_to(&xc, dst)
         })
     }
@@ -411,7 +416,7 @@ impl Communicator for CpuComm {
         self.recv_job(src, shape, dtype, true).wait()
     }
     fn barrier_async(&self) -> Work<()> {
-        self.submit(OpKind::Barrier, None, None, false, |c| c.barrier())
+        self.submit(Site::caller(), OpKind::Barrier, None, None, false, |c| c.barrier())
     }
 }
 
@@ -420,6 +425,8 @@ impl Communicator for CpuComm {
 /// thread, waiting for the ring to finish before it returns (so the storage stays locked, and
 /// no one else sees it, while the thread writes).
 struct InPlaceRing<'a> {
+    /// Where the all-reduce was issued.
+    site: Site,
     comm: &'a CpuComm,
     x: &'a Tensor,
     op: ReduceOp,
@@ -443,7 +450,7 @@ impl InPlaceRing<'_> {
         let (dtype, shape, op) = (self.x.dtype(), self.x.dims().to_vec(), self.op);
         let work = self
             .comm
-            .submit(OpKind::AllReduce, Some(self.x), None, false, move |c| {
+            .submit(self.site, OpKind::AllReduce, Some(self.x), None, false, move |c| {
                 let raw = raw;
                 // SAFETY: `elems` is borrowed mutably for as long as `run` waits below, and the
                 // job is the only user of the pointer until it fulfils its promise.

@@ -317,7 +317,7 @@ mod tests {
             Tracer::new(Instant::now()),
             Default::default(),
         );
-        core.begin(OpKind::AllReduce);
+        core.begin(OpKind::AllReduce, crate::Site::caller());
         (core, theirs)
     }
 

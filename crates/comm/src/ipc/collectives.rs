@@ -10,6 +10,7 @@ use super::work::IpcWork;
 use crate::communicator::{
     check_in_place, CommError, Communicator, OpKind, ReduceOp, Result, Work,
 };
+use crate::site::Site;
 use crate::trace::Tracer;
 
 /// Whether the reduction kernels take `dtype` (others reduce through the host group).
@@ -73,6 +74,7 @@ impl Communicator for IpcGroup {
     }
 
     fn reduce_async(&self, x: &Tensor, root: usize, op: ReduceOp) -> Work {
+        let site = Site::caller();
         if !reduces(x.dtype()) {
             return self.fallback.reduce_async(x, root, op);
         }
@@ -93,6 +95,7 @@ impl Communicator for IpcGroup {
                 false => vec![x.clone()],
             };
             self.issue(
+                site,
                 k,
                 bytes as u64,
                 bytes as u64,
@@ -115,6 +118,7 @@ impl Communicator for IpcGroup {
     }
 
     fn broadcast_async(&self, x: &Tensor, root: usize) -> Work {
+        let site = Site::caller();
         let k = OpKind::Broadcast;
         Self::work((|| {
             self.root_ok(k, root)?;
@@ -128,6 +132,7 @@ impl Communicator for IpcGroup {
                 0
             };
             self.issue(
+                site,
                 k,
                 bytes as u64,
                 sent,
@@ -149,6 +154,7 @@ impl Communicator for IpcGroup {
     }
 
     fn all_gather_async(&self, x: &Tensor) -> Work {
+        let site = Site::caller();
         let k = OpKind::AllGather;
         Self::work((|| {
             let x = self.input(k, x)?;
@@ -171,6 +177,7 @@ impl Communicator for IpcGroup {
             let most = counts.iter().max().copied().unwrap_or(0) * row * es;
             let sent = (self.size as u64 - 1) * bytes as u64;
             self.issue(
+                site,
                 k,
                 bytes as u64,
                 sent,
@@ -193,6 +200,7 @@ impl Communicator for IpcGroup {
     }
 
     fn reduce_scatter_async(&self, x: &Tensor, op: ReduceOp) -> Work {
+        let site = Site::caller();
         if !reduces(x.dtype()) {
             return self.fallback.reduce_scatter_async(x, op);
         }
@@ -207,6 +215,7 @@ impl Communicator for IpcGroup {
             let bytes = rows * row * dtype.size_in_bytes();
             let sent = ((n - 1) * bytes / n) as u64;
             self.issue(
+                site,
                 k,
                 bytes as u64,
                 sent,
@@ -236,6 +245,7 @@ impl Communicator for IpcGroup {
     }
 
     fn scatter_async(&self, x: &Tensor, root: usize) -> Work {
+        let site = Site::caller();
         let k = OpKind::Scatter;
         Self::work((|| {
             self.root_ok(k, root)?;
@@ -272,7 +282,7 @@ impl Communicator for IpcGroup {
                 true => vec![out.clone(), x],
                 false => vec![out.clone()],
             };
-            self.issue(k, bytes as u64, 0, Some(root), bufs, out, move |is, a| {
+            self.issue(site, k, bytes as u64, 0, Some(root), bufs, out, move |is, a| {
                 is.g.ensure_data(is.st, bytes)?;
                 match is_root {
                     true => is.publish(a[1], bytes)?,
@@ -286,6 +296,7 @@ impl Communicator for IpcGroup {
     }
 
     fn gather_async(&self, x: &Tensor, root: usize) -> Work {
+        let site = Site::caller();
         let k = OpKind::Gather;
         Self::work((|| {
             self.root_ok(k, root)?;
@@ -307,6 +318,7 @@ impl Communicator for IpcGroup {
                 false => vec![x],
             };
             self.issue(
+                site,
                 k,
                 bytes as u64,
                 bytes as u64,
@@ -331,6 +343,7 @@ impl Communicator for IpcGroup {
     }
 
     fn all_to_all_async(&self, x: &Tensor, send_splits: &[usize], recv_splits: &[usize]) -> Work {
+        let site = Site::caller();
         let k = OpKind::AllToAll;
         Self::work((|| {
             let n = self.size;
@@ -381,6 +394,7 @@ impl Communicator for IpcGroup {
             let recv = recv_splits.to_vec();
             let sent = (bytes - send_splits[me] * row * es) as u64;
             self.issue(
+                site,
                 k,
                 bytes as u64,
                 sent,
@@ -405,12 +419,14 @@ impl Communicator for IpcGroup {
     }
 
     fn send_async(&self, x: &Tensor, dst: usize) -> Work<()> {
+        let site = Site::caller();
         let k = OpKind::Send;
         Self::work((|| {
             self.peer_ok(k, dst)?;
             let x = self.input(k, x)?;
             let bytes = x.elem_count() * x.dtype().size_in_bytes();
             self.issue(
+                site,
                 k,
                 bytes as u64,
                 bytes as u64,
@@ -445,12 +461,14 @@ impl Communicator for IpcGroup {
     }
 
     fn recv_async(&self, src: usize, shape: &Shape, dtype: DType) -> Work {
+        let site = Site::caller();
         let k = OpKind::Recv;
         Self::work((|| {
             self.peer_ok(k, src)?;
             let out = uninit(shape, dtype, &self.device)?;
             let bytes = shape.elem_count() * dtype.size_in_bytes();
             self.issue(
+                site,
                 k,
                 bytes as u64,
                 0,
@@ -491,7 +509,8 @@ impl Communicator for IpcGroup {
     }
 
     fn barrier_async(&self) -> Work<()> {
-        let r = self.issue(OpKind::Barrier, 0, 0, None, vec![], (), |is, _| {
+        let site = Site::caller();
+        let r = self.issue(site, OpKind::Barrier, 0, 0, None, vec![], (), |is, _| {
             is.barrier(Phase::Ready)
         });
         match r {
@@ -506,12 +525,14 @@ impl Communicator for IpcGroup {
 
 impl IpcGroup {
     /// All-reduce into `out` (a new tensor, or `x` itself for the in-place form).
+    #[track_caller]
     pub(super) fn all_reduce_into(
         &self,
         x: &Tensor,
         out: Option<Tensor>,
         op: ReduceOp,
     ) -> Result<IpcWork<Tensor>> {
+        let site = Site::caller();
         let k = OpKind::AllReduce;
         let x = self.input(k, x)?;
         self.reduce_dtype(k, x.dtype())?;
@@ -527,6 +548,7 @@ impl IpcGroup {
         let bytes = count * dtype.size_in_bytes();
         let algo = super::protocol::choose_all_reduce(bytes, n, self.opts.one_shot_max);
         self.issue(
+            site,
             k,
             bytes as u64,
             (n as u64 - 1) * bytes as u64,

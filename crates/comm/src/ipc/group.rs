@@ -220,13 +220,14 @@ impl IpcGroup {
             .unwrap_or_else(|p| p.into_inner())
         {
             None => Ok(()),
-            Some((op, seq, rank, peer)) => Err(CommError::Timeout {
+            Some((op, seq, rank, peer, site)) => Err(CommError::Timeout {
                 op,
                 group: self.name.clone(),
                 seq,
                 rank,
                 peer,
                 timeout_ms: self.opts.timeout.as_millis() as u64,
+                site,
             }),
         }
     }

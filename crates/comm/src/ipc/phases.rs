@@ -14,6 +14,7 @@ use super::protocol::{phase_flag, Numbered, Phase, WaitMode};
 use super::work::{InFlight, IpcWork};
 use crate::communicator::{OpKind, ReduceOp, Result};
 use crate::nccl::with_device_addrs;
+use crate::site::Site;
 use crate::trace::TraceEvent;
 
 /// One op being enqueued: the group, its state (locked) and the op's collective target (the
@@ -188,6 +189,7 @@ impl IpcGroup {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn issue<T: Send + 'static>(
         &self,
+        site: Site,
         op: OpKind,
         bytes: u64,
         bytes_sent: u64,
@@ -232,6 +234,7 @@ impl IpcGroup {
             .push_back(InFlight {
                 op,
                 seq,
+                site,
                 issued: Instant::now(),
                 done: done.clone(),
                 waits,
@@ -251,6 +254,7 @@ impl IpcGroup {
                 start_us,
                 end_us: start_us,
                 peer,
+                site,
             },
             host_blocks: false,
             watch: self.watch.clone(),

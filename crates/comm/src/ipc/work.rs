@@ -12,12 +12,15 @@ use candle_core::Tensor;
 use super::driver::{self, cuda_err};
 use super::protocol::FLAG_WORDS;
 use crate::communicator::{CommError, OpKind, PendingWork, Result};
+use crate::site::Site;
 use crate::trace::{TraceEvent, Tracer};
 
 /// An op on the communication stream that the watchdog watches.
 pub(super) struct InFlight {
     pub(super) op: OpKind,
     pub(super) seq: u64,
+    /// Where the op was issued.
+    pub(super) site: Site,
     pub(super) issued: Instant,
     pub(super) done: Arc<CudaEvent>,
     /// (byte offset in this rank's flag buffer, group rank of the writer, target) of each wait.
@@ -27,8 +30,9 @@ pub(super) struct InFlight {
 /// What the watchdog and the ops share.
 pub(super) struct Watch {
     pub(super) in_flight: Mutex<VecDeque<InFlight>>,
-    /// (op, seq, this rank, the late peer), global ranks, once an op timed out.
-    pub(super) poisoned: Mutex<Option<(OpKind, u64, usize, usize)>>,
+    /// (op, seq, this rank, the late peer, where the op was issued), global ranks, once an op
+    /// timed out.
+    pub(super) poisoned: Mutex<Option<(OpKind, u64, usize, usize, Site)>>,
     pub(super) stop: AtomicBool,
 }
 
@@ -75,7 +79,7 @@ impl<T: Send> PendingWork<T> for IpcWork<T> {
             .poisoned
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        if let Some((op, seq, rank, peer)) = poisoned {
+        if let Some((op, seq, rank, peer, site)) = poisoned {
             if seq <= self.event.seq {
                 return Err(CommError::Timeout {
                     op,
@@ -84,6 +88,7 @@ impl<T: Send> PendingWork<T> for IpcWork<T> {
                     rank,
                     peer,
                     timeout_ms: self.timeout.as_millis() as u64,
+                    site,
                 });
             }
         }
@@ -132,12 +137,12 @@ pub(super) fn spawn_watchdog(
                     }
                     match q.front() {
                         Some(f) if f.issued.elapsed() > timeout => {
-                            Some((f.op, f.seq, f.waits.clone()))
+                            Some((f.op, f.seq, f.site, f.waits.clone()))
                         }
                         _ => None,
                     }
                 };
-                let Some((op, seq, waits)) = late else { continue };
+                let Some((op, seq, site, waits)) = late else { continue };
                 let words = driver::read_words(&side, own_flags, FLAG_WORDS).unwrap_or_default();
                 let short = waits
                     .iter()
@@ -147,13 +152,13 @@ pub(super) fn spawn_watchdog(
                     continue;
                 };
                 tracing::error!(
-                    "{op} on IPC group '{name}' (seq {seq}) timed out after {} ms on rank {} waiting for rank {}",
+                    "{op} on IPC group '{name}' (seq {seq}) timed out after {} ms on rank {} waiting for rank {}, issued at {site}",
                     timeout.as_millis(),
                     global[rank],
                     global[peer]
                 );
                 *watch.poisoned.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some((op, seq, global[rank], global[peer]));
+                    Some((op, seq, global[rank], global[peer], site));
                 let _ = driver::fill_words(&side, own_flags, FLAG_WORDS, u64::MAX / 2);
                 return;
             }

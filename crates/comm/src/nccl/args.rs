@@ -9,6 +9,7 @@ use crate::communicator::{CommError, OpKind, ReduceOp, Result};
 
 impl NcclGroup {
     /// With `check_args`, compare (op, dtype, count, root) across the group.
+    #[track_caller]
     pub(super) fn check_header(
         &self,
         op: OpKind,

@@ -10,6 +10,7 @@ use super::group::{check, NcclGroup};
 use crate::communicator::{chunk_range, CommError, OpKind, ReduceOp, Result, Work};
 
 impl NcclGroup {
+    #[track_caller]
     pub(super) fn all_reduce_impl(&self, x: &Tensor, op: ReduceOp) -> Result<Work> {
         let k = OpKind::AllReduce;
         let x = self.input(k, x)?;
@@ -43,6 +44,7 @@ impl NcclGroup {
         ))
     }
 
+    #[track_caller]
     pub(super) fn reduce_impl(&self, x: &Tensor, root: usize, op: ReduceOp) -> Result<Work> {
         let k = OpKind::Reduce;
         self.root_ok(k, root)?;
@@ -90,6 +92,7 @@ impl NcclGroup {
         ))
     }
 
+    #[track_caller]
     pub(super) fn broadcast_impl(&self, x: &Tensor, root: usize) -> Result<Work> {
         let k = OpKind::Broadcast;
         self.root_ok(k, root)?;
@@ -116,6 +119,7 @@ impl NcclGroup {
     ///
     /// This is a host rendezvous: the host waits until every rank issued the op and this
     /// group's earlier ops finished on the GPU. A group of one skips it.
+    #[track_caller]
     pub(super) fn row_counts(
         &self,
         k: OpKind,
@@ -153,6 +157,7 @@ impl NcclGroup {
         Ok(counts)
     }
 
+    #[track_caller]
     pub(super) fn all_gather_impl(&self, x: &Tensor) -> Result<Work> {
         let k = OpKind::AllGather;
         let x = self.input(k, x)?;
@@ -201,6 +206,7 @@ impl NcclGroup {
         ))
     }
 
+    #[track_caller]
     pub(super) fn reduce_scatter_impl(&self, x: &Tensor, op: ReduceOp) -> Result<Work> {
         let k = OpKind::ReduceScatter;
         let x = self.input(k, x)?;
@@ -245,6 +251,7 @@ impl NcclGroup {
         ))
     }
 
+    #[track_caller]
     pub(super) fn scatter_impl(&self, x: &Tensor, root: usize) -> Result<Work> {
         let k = OpKind::Scatter;
         self.root_ok(k, root)?;
@@ -319,6 +326,7 @@ impl NcclGroup {
         ))
     }
 
+    #[track_caller]
     pub(super) fn gather_impl(&self, x: &Tensor, root: usize) -> Result<Work> {
         let k = OpKind::Gather;
         self.root_ok(k, root)?;
@@ -363,6 +371,7 @@ impl NcclGroup {
         ))
     }
 
+    #[track_caller]
     pub(super) fn all_to_all_impl(
         &self,
         x: &Tensor,
@@ -428,6 +437,7 @@ impl NcclGroup {
         ))
     }
 
+    #[track_caller]
     pub(super) fn send_impl(&self, x: &Tensor, dst: usize) -> Result<Work<()>> {
         let k = OpKind::Send;
         self.root_ok(k, dst)?;
@@ -447,6 +457,7 @@ impl NcclGroup {
         ))
     }
 
+    #[track_caller]
     pub(super) fn recv_impl(&self, src: usize, shape: &Shape, dtype: DType) -> Result<Work> {
         let k = OpKind::Recv;
         self.root_ok(k, src)?;

@@ -14,6 +14,7 @@ use super::factory::GroupFactory;
 use super::shared::{RawComm, Shared};
 use super::watchdog::spawn_watchdog;
 use crate::communicator::{Comm, CommError, Communicator, OpKind, ReduceOp, Result, Work};
+use crate::site::Site;
 use crate::trace::Tracer;
 
 /// Turn an NCCL status into a message naming the NCCL error.
@@ -122,7 +123,7 @@ impl NcclGroup {
         }
     }
 
-    pub(super) fn nccl_err(&self, op: OpKind, seq: u64, e: String) -> CommError {
+    pub(super) fn nccl_err(&self, op: OpKind, seq: u64, site: Site, e: String) -> CommError {
         CommError::PeerClosed {
             op,
             group: self.name().to_string(),
@@ -130,6 +131,7 @@ impl NcclGroup {
             rank: self.shared.rank,
             peer: self.shared.rank,
             detail: format!("NCCL: {e}"),
+            site,
         }
     }
 
@@ -142,7 +144,7 @@ impl NcclGroup {
             .unwrap_or_else(|p| p.into_inner());
         match poisoned {
             None => Ok(()),
-            Some((op, seq)) => Err(CommError::Timeout {
+            Some((op, seq, site)) => Err(CommError::Timeout {
                 op,
                 group: self.name().to_string(),
                 seq,
@@ -150,6 +152,7 @@ impl NcclGroup {
                 // NCCL does not say which peer never arrived.
                 peer: self.shared.rank,
                 timeout_ms: self.shared.timeout.as_millis() as u64,
+                site,
             }),
         }
     }

@@ -25,6 +25,8 @@ unsafe impl Sync for RawComm {}
 pub(super) struct InFlight {
     pub(super) op: OpKind,
     pub(super) seq: u64,
+    /// Where the op was issued.
+    pub(super) site: Site,
     pub(super) issued: Instant,
     pub(super) done: Arc<CudaEvent>,
 }
@@ -38,7 +40,7 @@ pub(super) struct Shared {
     pub(super) comm: RawComm,
     pub(super) in_flight: Mutex<VecDeque<InFlight>>,
     /// Set once the group was aborted: every later op fails with this error's text.
-    pub(super) poisoned: Mutex<Option<(OpKind, u64)>>,
+    pub(super) poisoned: Mutex<Option<(OpKind, u64, Site)>>,
     pub(super) aborted: AtomicBool,
 }
 

@@ -15,6 +15,7 @@ use super::group::{check, driver_err, NcclGroup};
 use super::shared::InFlight;
 use super::watchdog::abort;
 use crate::communicator::{CommError, OpKind, PendingWork, Result, Work};
+use crate::site::Site;
 use crate::trace::{TraceEvent, Tracer};
 
 impl NcclGroup {
@@ -24,6 +25,7 @@ impl NcclGroup {
     /// `bufs` are the tensors the op reads or writes; they are kept alive by the returned
     /// handle. `enqueue` runs with the communicator locked and the CUDA context current.
     #[allow(clippy::too_many_arguments)]
+    #[track_caller]
     pub(super) fn launch<T: Send + 'static>(
         &self,
         op: OpKind,
@@ -45,6 +47,7 @@ impl NcclGroup {
     }
 
     #[allow(clippy::too_many_arguments)]
+    #[track_caller]
     pub(super) fn try_launch<T: Send + 'static>(
         &self,
         op: OpKind,
@@ -59,6 +62,7 @@ impl NcclGroup {
             &[u64],
         ) -> std::result::Result<(), String>,
     ) -> Result<NcclWork<T>> {
+        let site = Site::caller();
         self.check_poisoned()?;
         let _issue = self.issue.lock().unwrap_or_else(|p| p.into_inner());
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
@@ -72,7 +76,7 @@ impl NcclGroup {
             let stream = self.comm_stream.cu_stream() as nccl::cudaStream_t;
             enqueue(self.shared.comm.0, stream, addrs)
         })?
-        .map_err(|e| self.nccl_err(op, seq, e))?;
+        .map_err(|e| self.nccl_err(op, seq, site, e))?;
         let done = Arc::new(self.comm_stream.record_event(None).map_err(cu)?);
         self.shared
             .in_flight
@@ -81,6 +85,7 @@ impl NcclGroup {
             .push_back(InFlight {
                 op,
                 seq,
+                site,
                 issued: Instant::now(),
                 done: done.clone(),
             });
@@ -93,6 +98,7 @@ impl NcclGroup {
             start_us,
             end_us: start_us,
             peer,
+            site,
         };
         Ok(NcclWork {
             done: Some(done),
@@ -107,7 +113,9 @@ impl NcclGroup {
     /// All-gather `vals` (the same length on every rank) over the communication stream and
     /// return them per rank on the host. The host waits for the group: a rendezvous that does
     /// not wait for pending compute, since the values come from the host.
+    #[track_caller]
     pub(super) fn exchange_host(&self, op: OpKind, vals: &[u64]) -> Result<Vec<Vec<u64>>> {
+        let site = Site::caller();
         self.check_poisoned()?;
         let n = self.shared.size;
         let k = vals.len();
@@ -130,25 +138,25 @@ impl NcclGroup {
                     self.comm_stream.cu_stream() as _,
                 ))
             }
-            .map_err(|e| self.nccl_err(op, self.seq.load(Ordering::SeqCst), e))?;
+            .map_err(|e| self.nccl_err(op, self.seq.load(Ordering::SeqCst), site, e))?;
         }
         // Poll (with the timeout) before copying back: the copy itself would wait forever for
         // a rank that never arrives.
-        self.wait_stream(op)?;
+        self.wait_stream(op, site)?;
         let mut host = vec![0u64; n * k];
         self.comm_stream.memcpy_dtoh(&recv, &mut host).map_err(cu)?;
         Ok(host.chunks(k.max(1)).map(|c| c.to_vec()).take(n).collect())
     }
 
     /// Synchronise the communication stream, giving up (and aborting) after the timeout.
-    pub(super) fn wait_stream(&self, op: OpKind) -> Result<()> {
+    pub(super) fn wait_stream(&self, op: OpKind, site: Site) -> Result<()> {
         let cu = |e| driver_err(self.name(), e);
         let event = self.comm_stream.record_event(None).map_err(cu)?;
         let deadline = Instant::now() + self.shared.timeout;
         while !event.try_is_complete().map_err(cu)? {
             if Instant::now() > deadline {
                 let seq = self.seq.load(Ordering::SeqCst);
-                abort(&self.shared, op, seq);
+                abort(&self.shared, op, seq, site);
                 return self.check_poisoned();
             }
             std::thread::sleep(Duration::from_micros(50));

@@ -9,17 +9,19 @@ use candle_core::cuda_backend::cudarc::nccl::sys as nccl;
 
 use super::shared::Shared;
 use crate::communicator::OpKind;
+use crate::site::Site;
 
 /// Abort the group after a stalled op; later ops fail fast with a timeout naming it.
-pub(super) fn abort(shared: &Shared, op: OpKind, seq: u64) {
+pub(super) fn abort(shared: &Shared, op: OpKind, seq: u64, site: Site) {
     if shared.aborted.swap(true, Ordering::SeqCst) {
         return;
     }
-    *shared.poisoned.lock().unwrap_or_else(|p| p.into_inner()) = Some((op, seq));
+    *shared.poisoned.lock().unwrap_or_else(|p| p.into_inner()) = Some((op, seq, site));
     tracing::error!(
         group = %shared.name,
         rank = shared.rank,
         seq,
+        %site,
         "{op} did not finish within {:?}; aborting the NCCL communicator",
         shared.timeout
     );
@@ -52,14 +54,14 @@ pub(super) fn spawn_watchdog(shared: Weak<Shared>) {
                         q.pop_front();
                     } else {
                         if front.issued.elapsed() > shared.timeout {
-                            stalled = Some((front.op, front.seq));
+                            stalled = Some((front.op, front.seq, front.site));
                         }
                         break;
                     }
                 }
             }
-            if let Some((op, seq)) = stalled {
-                abort(&shared, op, seq);
+            if let Some((op, seq, site)) = stalled {
+                abort(&shared, op, seq, site);
                 return;
             }
         });
