@@ -44,6 +44,7 @@ use mtrain_comm::{chunk_range, Comm, Communicator, ReduceOp};
 ///
 /// Sits at the input of a column-parallel linear: every rank reads the same `x`, so the gradient
 /// of `x` is the sum of the ranks' partial gradients.
+#[track_caller]
 pub fn copy_to_tp_region(x: &Tensor, group: &Comm) -> Result<Tensor> {
     with_conjugate(x, x.detach(), Conjugate::AllReduce, group)
 }
@@ -51,6 +52,7 @@ pub fn copy_to_tp_region(x: &Tensor, group: &Comm) -> Result<Tensor> {
 /// All-reduce (sum over the group) in forward, identity in backward — Megatron's g.
 ///
 /// Sits at the output of a row-parallel linear: each rank holds a partial sum of the output.
+#[track_caller]
 pub fn reduce_from_tp_region(x: &Tensor, group: &Comm) -> Result<Tensor> {
     let v = group
         .all_reduce(&x.detach().contiguous()?, ReduceOp::Sum)
@@ -61,6 +63,7 @@ pub fn reduce_from_tp_region(x: &Tensor, group: &Comm) -> Result<Tensor> {
 /// All-gather along the last dim in forward, keep this rank's slice of the gradient in backward.
 ///
 /// `(…, d_r) → (…, Σ d_r)`; the pieces must follow [`chunk_range`] of the gathered size.
+#[track_caller]
 pub fn gather_from_tp_region(x: &Tensor, group: &Comm) -> Result<Tensor> {
     let dim = last_dim(x)?;
     let v = all_gather_along(group.as_ref(), &x.detach(), dim)?;
@@ -70,6 +73,7 @@ pub fn gather_from_tp_region(x: &Tensor, group: &Comm) -> Result<Tensor> {
 /// Keep this rank's slice of the last dim in forward, all-gather the gradient in backward.
 ///
 /// `(…, D) → (…, D_r)` with the slice `chunk_range(D, tp, rank)`.
+#[track_caller]
 pub fn scatter_to_tp_region(x: &Tensor, group: &Comm) -> Result<Tensor> {
     let dim = last_dim(x)?;
     let v = split_along(group.as_ref(), &x.detach(), dim)?;
@@ -80,6 +84,7 @@ pub fn scatter_to_tp_region(x: &Tensor, group: &Comm) -> Result<Tensor> {
 ///
 /// Sequence parallelism: `(B, T/tp, C) → (B, T, C)` before a column-parallel linear. Every rank's
 /// gathered copy feeds a different weight shard, so the gradient is summed and scattered back.
+#[track_caller]
 pub fn gather_from_sequence_parallel_region(
     x: &Tensor,
     dim: usize,
@@ -93,6 +98,7 @@ pub fn gather_from_sequence_parallel_region(
 ///
 /// Sequence parallelism: partial sums `(B, T, C) → (B, T/tp, C)` after a row-parallel linear,
 /// replacing g's all-reduce with half of it.
+#[track_caller]
 pub fn reduce_scatter_to_sequence_parallel_region(
     x: &Tensor,
     dim: usize,
@@ -105,6 +111,7 @@ pub fn reduce_scatter_to_sequence_parallel_region(
 /// Keep this rank's slice along `dim` in forward, all-gather the gradient along `dim` in backward.
 ///
 /// The entry into a sequence-parallel region from a replicated tensor (no communication forward).
+#[track_caller]
 pub fn scatter_to_sequence_parallel_region(x: &Tensor, dim: usize, group: &Comm) -> Result<Tensor> {
     let v = split_along(group.as_ref(), &x.detach(), dim)?;
     with_conjugate(x, v, Conjugate::AllGather { dim }, group)
@@ -116,6 +123,7 @@ pub fn scatter_to_sequence_parallel_region(x: &Tensor, dim: usize, group: &Comm)
 // ---------------------------------------------------------------------------------------------
 
 /// Concatenate every rank's `x` along `dim`.
+#[track_caller]
 pub fn all_gather_along(group: &dyn Communicator, x: &Tensor, dim: usize) -> Result<Tensor> {
     if dim == 0 {
         return group.all_gather(&x.contiguous()?).map_err(comm_err);
@@ -126,6 +134,7 @@ pub fn all_gather_along(group: &dyn Communicator, x: &Tensor, dim: usize) -> Res
 }
 
 /// Sum `x` over the ranks and keep this rank's `chunk_range` slice along `dim`.
+#[track_caller]
 pub fn reduce_scatter_along(group: &dyn Communicator, x: &Tensor, dim: usize) -> Result<Tensor> {
     if dim == 0 {
         return group

@@ -55,8 +55,8 @@
 
 use std::collections::BTreeSet;
 
-use candle_core::{DType, Shape, Tensor};
-use mtrain_comm::{chunk_range, Comm, CommError, Coords, ReduceOp};
+use candle_core::{DType, Tensor};
+use mtrain_comm::{Comm, CommError, Coords, ReduceOp};
 use mtrain_model::optim::{AdamW, GradScale};
 use mtrain_model::{Engine, GptConfig, Grads, Hooks, MoeStats, Param, StepDraw};
 
@@ -67,7 +67,7 @@ use crate::pipeline::{PipelineError, PipelineExecutor, PipelineStages, StageHook
 use crate::placement::{is_expert_param, tp_placement, Placement};
 use crate::plan::{ParallelPlan, PlanError};
 use crate::tensor_parallel::{ShardLayout, TpError};
-use crate::toolbox::{clipped_step, sum_f64, CommStats, ModelStateBytes, StateError};
+use crate::toolbox::{clipped_step, CommStats, ModelStateBytes, StateError};
 
 pub(crate) mod grad_sync;
 
@@ -365,47 +365,16 @@ impl ParallelModel {
         Ok(())
     }
 
-    /// Mean loss of the batch without gradients, the same on every rank.
+    /// Mean loss of the batch without gradients, the same on every rank: the pipeline's
+    /// forward ([`PipelineStages::forward_only`]), then the average over dp.
     pub fn eval_loss(&mut self, idx: &Tensor, targets: &Tensor) -> Result<f64> {
-        let (b, t) = idx.dims2()?;
-        let p = self.plan.dims.pp;
-        let s_total = self.stages.layout().num_stages();
-        let t_local = match self.stages.sequence_split() {
-            Some((size, r)) => chunk_range(t, size, r).len(),
-            None => t,
-        };
-        let act_shape = Shape::from((b, t_local, self.cfg.n_embd)); // (B, T/tp, C)
-        let dtype = self.stages.activation_dtype();
-        // Where each model stage runs (the loop, or ZB-V's V): a neighbour on this rank hands
-        // its activation over in place.
-        let (layout, me) = (self.stages.layout(), self.stages.rank());
-        let mut x = idx.clone();
-        let mut loss = 0.0;
-        for (k, chunk) in self.stages.chunks().iter().enumerate() {
-            let s = chunk.stage;
-            if s > 0 && layout.rank_of_stage(s - 1, p) != me {
-                x = self
-                    .pp
-                    .recv(layout.rank_of_stage(s - 1, p), &act_shape, dtype)?;
-            }
-            let tgt = (s + 1 == s_total).then_some(targets);
-            let engine = &self.engine;
-            let out = self.replicas.forward_chunk(k, |hooks| {
-                Ok(engine.forward(&chunk.segments, &x, tgt, hooks)?.output)
-            })?;
-            if s + 1 == s_total {
-                loss = sum_f64(&out)?;
-            } else if layout.rank_of_stage(s + 1, p) != me {
-                self.pp.send(&out, layout.rank_of_stage(s + 1, p))?;
-            } else {
-                x = out;
-            }
-        }
-        if p > 1 {
-            let mine = Tensor::new(&[loss], self.pp.device())?;
-            let root = layout.rank_of_stage(s_total - 1, p);
-            loss = f64_of(&self.pp.broadcast(&mine, root)?)?[0];
-        }
+        let (engine, replicas) = (&self.engine, &mut self.replicas);
+        let chunks = self.stages.chunks();
+        let loss = self.stages.forward_only(self.pp.as_ref(), idx, targets, |k, x, tgt| {
+            replicas.forward_chunk(k, |hooks| {
+                Ok(engine.forward(&chunks[k].segments, x, tgt, hooks)?.output)
+            })
+        })?;
         let avg = self
             .dp
             .all_reduce(&Tensor::new(&[loss], self.dp.device())?, ReduceOp::Avg)?;

@@ -23,11 +23,12 @@ use std::collections::BTreeSet;
 use std::ops::Range;
 use std::sync::Arc;
 
-use candle_core::DType;
-use mtrain_comm::{chunk_range, Communicator};
+use candle_core::{DType, Shape, Tensor};
+use mtrain_comm::{chunk_range, CommError, Communicator};
 use mtrain_model::{Gpt, Grads, Param, Segment};
 
 use super::schedule::StagePlacement;
+use crate::toolbox::sum_f64;
 use super::{PipelineError, Result};
 
 /// How the model's L blocks are split into S model stages, and which pipeline rank runs each.
@@ -278,6 +279,61 @@ impl PipelineStages {
     /// Width C of the activations `(b, T, C)` passed between stages.
     pub fn n_embd(&self) -> usize {
         self.n_embd
+    }
+
+    /// The model's forward without a backward (evaluation) through this rank's chunks in
+    /// stage order: a chunk's input comes from the rank of the stage before, its output goes to
+    /// the rank of the stage after (a neighbour on this rank hands it over in place).
+    /// `run(k, x, targets)` runs chunk k; the last stage gets the targets and returns its loss
+    /// summed over the batch. Returns that sum, broadcast over `pp` from the last stage's rank.
+    ///
+    /// ```text
+    ///   rank of stage s:   recv x (B, T/tp, C) from stage s−1 ─ run ─ send to stage s+1
+    ///   rank of the last:  recv ─ run(targets) = Σ loss ─ broadcast over pp
+    /// ```
+    pub fn forward_only<E>(
+        &self,
+        pp: &dyn Communicator,
+        idx: &Tensor,     // (B, T) token ids
+        targets: &Tensor, // (B, T)
+        mut run: impl FnMut(usize, &Tensor, Option<&Tensor>) -> std::result::Result<Tensor, E>,
+    ) -> std::result::Result<f64, E>
+    where
+        E: From<CommError> + From<candle_core::Error>,
+    {
+        let (b, t) = idx.dims2()?;
+        let p = self.num_ranks;
+        let s_total = self.layout.num_stages();
+        let t_local = match self.sequence_split {
+            Some((size, r)) => chunk_range(t, size, r).len(),
+            None => t,
+        };
+        let act_shape = Shape::from((b, t_local, self.n_embd)); // (B, T/tp, C)
+        let mut x = idx.clone();
+        let mut loss = 0.0;
+        for (k, chunk) in self.chunks.iter().enumerate() {
+            let s = chunk.stage;
+            if s > 0 && self.layout.rank_of_stage(s - 1, p) != self.rank {
+                let from = self.layout.rank_of_stage(s - 1, p);
+                x = pp.recv(from, &act_shape, self.activation_dtype)?;
+            }
+            let last = s + 1 == s_total;
+            let out = run(k, &x, last.then_some(targets))?;
+            if last {
+                loss = sum_f64(&out)?;
+            } else if self.layout.rank_of_stage(s + 1, p) != self.rank {
+                pp.send(&out, self.layout.rank_of_stage(s + 1, p))?;
+            } else {
+                x = out;
+            }
+        }
+        if p > 1 {
+            let mine = Tensor::new(&[loss], pp.device())?;
+            let root = self.layout.rank_of_stage(s_total - 1, p);
+            let all = pp.broadcast(&mine, root)?.to_dtype(DType::F64)?;
+            loss = all.to_vec1::<f64>()?[0];
+        }
+        Ok(loss)
     }
 
     /// Names of the parameters both the first and the last model stage use.

@@ -72,7 +72,8 @@ impl TpCollective {
         }
     }
 
-    /// Runs it on `x` over `group` (no autograd).
+    /// Runs it on `x` over `group` (no autograd); the collective's site is the caller's line.
+    #[track_caller]
     fn run(self, x: &Tensor, group: &Comm) -> candle_core::Result<Tensor> {
         match self {
             TpCollective::AllReduce => group
@@ -106,6 +107,7 @@ impl Mapping {
     }
 
     /// The autograd op of this mapping on `x` over `group`.
+    #[track_caller]
     pub fn apply(self, x: &Tensor, group: &Comm) -> candle_core::Result<Tensor> {
         match self {
             Mapping::CopyToTp => copy_to_tp_region(x, group),
