@@ -5,12 +5,14 @@
 //! ```text
 //!   RUN_DIR/trace-rank3.jsonl
 //!   {"op":"all_reduce","group":"dp","seq":41,"bytes":1048576,"bytes_sent":1048576,
-//!    "start_us":912345,"end_us":913002,"peer":null,"phase":"step","step":7}
+//!    "start_us":912345,"end_us":913002,"peer":null,
+//!    "site":"crates/parallel/src/ddp/buckets.rs:152","phase":"step","step":7}
 //!   RUN_DIR/trace.json        Trace Event Format (chrome://tracing, ui.perfetto.dev)
 //!     pid = rank             tid 0 "phase"    setup | step 0 | eval | step 1 | ... | checkpoint
 //!                            tid 1 "compute"  forward / backward per micro-batch (pipeline),
 //!                                             forward+backward, grad norm, optimizer, eval, gather
-//!                            tid 2.. one per group ("tp [0, 1]", "pp [0, 2]", ...): its collectives
+//!                            tid 2.. one per group ("tp [0, 1]", "pp [0, 2]", ...): its collectives,
+//!                                    each with the file and line that issued it (`args.site`)
 //! ```
 //!
 //! **Phases.** A collective belongs to the phase its rank was in when it was issued: `setup`
@@ -373,6 +375,7 @@ fn chrome_part(rank: usize, groups: &[Comm], events: &[TraceEvent], t: &Timeline
         let args = json!({
             "group": e.group, "seq": e.seq, "bytes": e.bytes, "bytes_sent": e.bytes_sent,
             "peer": e.peer, "issued_us": base + e.start_us as f64, "phase": phase, "step": step,
+            "site": e.site,
         });
         out.push(x(e.op.to_string(), "comm", 2 + i, start, e.end_us, args));
     }
@@ -419,7 +422,7 @@ pub fn merge_chrome_traces(run_dir: &Path, world: usize) -> anyhow::Result<PathB
 /// The last operations of every group on this rank, as text (one line per op).
 pub fn recent_ops(rank: usize, groups: &[Comm]) -> String {
     let mut s =
-        format!("rank {rank}: last collectives per group (seq, op, bytes, start..end us)\n");
+        format!("rank {rank}: last collectives per group (seq, op, bytes, start..end us, site)\n");
     for g in groups {
         let recent = g.tracer().recent();
         if recent.is_empty() {
@@ -429,8 +432,8 @@ pub fn recent_ops(rank: usize, groups: &[Comm]) -> String {
         for e in recent {
             let peer = e.peer.map(|p| format!(" peer {p}")).unwrap_or_default();
             s.push_str(&format!(
-                "    #{} {:?} {} B{} {}..{}\n",
-                e.seq, e.op, e.bytes, peer, e.start_us, e.end_us
+                "    #{} {:?} {} B{} {}..{} at {}\n",
+                e.seq, e.op, e.bytes, peer, e.start_us, e.end_us, e.site
             ));
         }
     }
