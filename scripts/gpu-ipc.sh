@@ -24,7 +24,7 @@
 # (cuda; with cpu the parity part runs this checkout's target/release/mtrain, or $MTRAIN, on the
 # CPU backend, which checks the script on a machine without a GPU; the other parts need cuda).
 # With the defaults, ops + parity + bench fit in one 600 s call; train takes about 5 minutes
-# more at 50 steps (5.8 s a step on one H200, docs/BENCHMARKS.md). Each command has its time
+# more at 50 steps (5.8 s a step on one H200, docs/journal.md). Each command has its time
 # limit, so one that hangs cannot take the rest with it; a failure is reported and the script
 # goes on, exiting non-zero at the end.
 set -uo pipefail

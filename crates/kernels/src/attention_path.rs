@@ -45,7 +45,7 @@ impl HopperShape {
 }
 
 /// The shapes of `flash_hopper_fwd`, `flash_hopper_dq` and `flash_hopper_dkdv`, from timing
-/// them on an H200 at 4 × 12 × 4096, D = 64 (docs/BENCHMARKS.md, 2026-12-03): two blocks of two
+/// them on an H200 at 4 × 12 × 4096, D = 64 (docs/journal.md, 2026-12-03): two blocks of two
 /// warpgroups per SM for the forward and dq (128 registers a thread), and for dkdv (its four
 /// accumulators need 168 registers) three blocks of one warpgroup, which run unsynchronised
 /// where one block of three waits at every tile for its slowest warpgroup.
@@ -134,7 +134,7 @@ impl TcKernels {
     /// (`flash_hopper_dq` then `flash_hopper_dkdv`: seven products, no atomics, the same bits
     /// every run): only when chosen (`MTRAIN_FLASH_KERNELS=hopper-one-pass`). With the kernels
     /// of 2026-12-06 on an H100 at D = 64, GPT-2 124M trains 2.5%, 2.1% and 2.0% faster with two
-    /// passes at T = 2048, 4096 and 8192 (docs/BENCHMARKS.md); one pass was the faster one from
+    /// passes at T = 2048, 4096 and 8192 (docs/journal.md); one pass was the faster one from
     /// T = 2048 on before those kernels, on an H200.
     pub fn one_pass(self) -> bool {
         self == TcKernels::HopperOnePass

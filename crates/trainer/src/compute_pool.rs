@@ -19,13 +19,13 @@
 //! pool no workers (`CANDLE_NUM_THREADS=1` unless the user set it), so every parallel section of
 //! a step runs on the same `RAYON_NUM_THREADS` threads and the thread that runs the step works
 //! on each section instead of waiting for it. Below the sizes where a split pays (measured:
-//! docs/BENCHMARKS.md, "Two cores"), an op runs on the calling thread alone.
+//! docs/journal.md, "Two cores"), an op runs on the calling thread alone.
 //!
 //! The same call keeps the memory a step frees for the next step ([`keep_freed_memory`]): a
 //! step's activations are megabytes each, and glibc's allocator, left alone, hands a freed block
 //! at the top of its heap back to the kernel and maps a fresh one on the next step, whose every
 //! 4 KiB page then faults and is zeroed again (measured: 68k page faults in 60 steps of the tiny
-//! preset, 10k with the memory kept, docs/BENCHMARKS.md).
+//! preset, 10k with the memory kept, docs/journal.md).
 
 /// The variable that sizes candle's own element-wise pool.
 const CANDLE_THREADS_VAR: &str = "CANDLE_NUM_THREADS";

@@ -333,7 +333,7 @@ fn make_backend(
                     let mut opts = IpcOptions::from_env(layout.comm_timeout)?;
                     if gpus == 1 && std::env::var_os("MTRAIN_IPC_ONE_SHOT_MAX").is_none() {
                         // Every rank reads the same memory: two-shot's halved reads buy nothing
-                        // and its extra phase costs a context switch (docs/BENCHMARKS.md, one GPU).
+                        // and its extra phase costs a context switch (docs/journal.md, one GPU).
                         opts.one_shot_max = usize::MAX;
                     }
                     Ok(Box::new(IpcBackend::init(env, device()?, cpu, opts)?))

@@ -2,9 +2,10 @@
 //! train on it, sample from the run; encode with an existing tokenizer.json; start from GPT-2
 //! weights in Hugging Face's layout.
 //!
-//! - `prepare_train_sample_as_the_readme_says`: `mtrain prepare --text T --vocab-size N --out D`,
-//!   `mtrain --data D`, `mtrain sample --checkpoint RUN`, each exiting 0, the model taking the data's
-//!   vocabulary padded to a multiple of 64; a vocabulary set too small is refused naming both sizes.
+//! - `prepare_train_sample_as_the_data_guide_says` (docs/data.md): `mtrain prepare --text T
+//!   --vocab-size N --out D`, `mtrain --data D`, `mtrain sample --checkpoint RUN`, each exiting 0,
+//!   the model taking the data's vocabulary padded to a multiple of 64; a vocabulary set too small
+//!   is refused naming both sizes.
 //! - `prepare_encodes_with_an_existing_tokenizer`: `--tokenizer FILE` gives the ids that file
 //!   gives for the whole text, across the 1 MiB chunks `prepare` encodes in.
 //! - `init_from_loads_the_hf_layout`: a small GPT-2 written in Hugging Face's layout (the
@@ -57,7 +58,7 @@ fn meta_vocab(run_dir: &Path) -> u64 {
 }
 
 #[test]
-fn prepare_train_sample_as_the_readme_says() {
+fn prepare_train_sample_as_the_data_guide_says() {
     let dir = tempfile::tempdir().expect("tmp");
     let corpus_txt = dir.path().join("corpus.txt");
     std::fs::write(&corpus_txt, corpus::generate(80_000, 5)).expect("write corpus");
@@ -133,7 +134,7 @@ fn prepare_train_sample_as_the_readme_says() {
     assert_eq!(meta_vocab(&bad), 384);
 }
 
-/// Characters as tokens through the binary, as README's shakespeare_char section runs it:
+/// Characters as tokens through the binary, as docs/data.md's shakespeare_char section runs it:
 /// `prepare --chars` takes the text's sorted characters as the vocabulary, a run takes it
 /// (padded to 64), and `sample` writes characters of the corpus; a prompt character outside the
 /// vocabulary is refused by name.

@@ -1,13 +1,17 @@
 //! The layout of the repository as a reader meets it: no source file too long to read in one
-//! sitting, and no document pointing at a file that is not there.
+//! sitting, no document pointing at a file that is not there, a README that is a door, and line
+//! counts in the documents that are the files' own.
 //!
 //! ```text
 //!   every .rs under crates/*/src                  at most MAX_LINES lines
 //!   README.md, ARCHITECTURE.md, docs/*.md,        every repository path they cite exists
 //!   the //! docs of crates/*/src/lib.rs
+//!   README.md                                     at most 150 lines, with the technique table
+//!   README.md, ARCHITECTURE.md's reader's path    every `path (N lines)` is current
+//!   each technique's path in ARCHITECTURE.md      at most 4 files and 800 lines
 //! ```
 //!
-//! Both walk the working tree and read text only: they take milliseconds.
+//! They walk the working tree and read text only: they take milliseconds.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -1083,4 +1087,250 @@ fn the_file_scan_follows_uses_and_reexports() {
     assert_eq!(cycles.len(), 1, "{:?}", graph.edges);
     assert!(cycles[0].contains("b/inner.rs") && cycles[0].contains("b/other.rs"));
     std::fs::remove_dir_all(&dir).expect("clean up");
+}
+
+/// The most lines the README may have: it is a door, not a manual (the rest is in `docs/`).
+const README_MAX_LINES: usize = 150;
+
+/// The techniques the README's table and the codemap's reader's path cover, as their rows and
+/// sections name them.
+const TECHNIQUES: [&str; 5] = ["DDP", "FSDP", "TP", "pipeline", "experts"];
+
+/// The heading of ARCHITECTURE.md's section that walks each technique's files.
+const READERS_PATH: &str = "## The reader's path per technique";
+
+/// A technique's path from the README to the collectives its step issues: at most this many
+/// files and lines, kernels and tests aside.
+const PATH_MAX_FILES: usize = 4;
+const PATH_MAX_LINES: usize = 800;
+
+/// Techniques whose path is over the budget today, each with the reason. The check fails when
+/// one of them fits again, so the entry is removed as soon as it is not needed.
+const OVER_BUDGET: [(&str, &str); 3] = [
+    (
+        "FSDP",
+        "fsdp.rs alone is 695 lines: ZeRO-1/2/3's strategy and its write-back in one file",
+    ),
+    (
+        "TP",
+        "the builder, the mappings and the tape are three files of 250-370 lines each",
+    ),
+    (
+        "pipeline",
+        "the schedules, the executor and its links are three files of 190-590 lines",
+    ),
+];
+
+/// Every `path (N lines)` in `text`, in order: the path as written (a word of path characters
+/// right before ` (`, a closing backtick allowed) and N.
+fn line_counts(text: &str) -> Vec<(String, usize)> {
+    let is_path_char = |c: char| c.is_ascii_alphanumeric() || "_./-".contains(c);
+    let mut out = Vec::new();
+    for (i, _) in text.match_indices(" lines)") {
+        let before = &text[..i];
+        let Some(open) = before.rfind('(') else {
+            continue;
+        };
+        let digits = &before[open + 1..];
+        if digits.is_empty() || !digits.chars().all(|c| c.is_ascii_digit()) {
+            continue;
+        }
+        let Some(head) = before[..open].strip_suffix(' ') else {
+            continue;
+        };
+        let head = head.trim_end_matches('`');
+        let start = head
+            .char_indices()
+            .rev()
+            .find(|&(_, c)| !is_path_char(c))
+            .map_or(0, |(j, c)| j + c.len_utf8());
+        let path = &head[start..];
+        if path.contains('/') || path.contains('.') {
+            out.push((path.to_string(), digits.parse().expect("digits")));
+        }
+    }
+    out
+}
+
+/// The lines of a file as `wc -l` counts them: its newline characters.
+fn wc_l(text: &str) -> usize {
+    text.matches('\n').count()
+}
+
+/// ARCHITECTURE.md's reader's path: (technique, its section's text), one per `###` under
+/// [`READERS_PATH`].
+fn readers_path(codemap: &str) -> Vec<(String, String)> {
+    let Some(start) = codemap.find(READERS_PATH) else {
+        return Vec::new();
+    };
+    let section = &codemap[start + READERS_PATH.len()..];
+    let section = section.find("\n## ").map_or(section, |end| &section[..end]);
+    section
+        .split("\n### ")
+        .skip(1)
+        .map(|part| {
+            let (name, body) = part.split_once('\n').unwrap_or((part, ""));
+            (name.trim().to_string(), body.to_string())
+        })
+        .collect()
+}
+
+/// Whether a path is a kernel or a test, which a technique's line budget leaves aside.
+fn outside_the_budget(path: &str) -> bool {
+    path.starts_with("crates/kernels/") || path.contains("/tests/") || path.ends_with("/tests.rs")
+}
+
+/// The README is a door: at most [`README_MAX_LINES`] lines, with the table that takes a reader
+/// from each technique to its files (with their line counts), its paper, its test and a command.
+#[test]
+fn readme_is_a_door_with_the_technique_table() {
+    let root = repo_root();
+    let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
+    let n = wc_l(&readme);
+    assert!(
+        n <= README_MAX_LINES,
+        "README.md has {n} lines, over {README_MAX_LINES}: move the detail into a page of docs/ \
+         and leave a link"
+    );
+    let header = readme
+        .lines()
+        .find(|l| l.starts_with('|') && l.contains("technique") && l.contains("files to read"))
+        .expect(
+            "README.md has no table whose header names `technique` and `files to read`: \
+             the reader's table (technique | files to read | paper | equals one device | run it)",
+        );
+    for column in ["paper", "equals one device", "run it"] {
+        assert!(
+            header.contains(column),
+            "README.md's technique table has no `{column}` column: {header}"
+        );
+    }
+    for technique in TECHNIQUES {
+        let row = readme
+            .lines()
+            .find(|l| l.starts_with(&format!("| {technique}")))
+            .unwrap_or_else(|| panic!("README.md's table has no row for {technique}"));
+        assert!(
+            !line_counts(row).is_empty() && row.contains("tests/") && row.contains("mtrain "),
+            "README.md's row for {technique} needs its files as `path (N lines)`, its test \
+             file and a command: {row}"
+        );
+    }
+}
+
+/// Every `path (N lines)` that the README and ARCHITECTURE.md's reader's path name is a file
+/// of the repository with N lines, so that a move or an edit of a file shows up here.
+#[test]
+fn the_line_counts_the_docs_give_are_current() {
+    let root = repo_root();
+    let read = |p: &str| std::fs::read_to_string(root.join(p)).expect("a document");
+    let readme = read("README.md");
+    let codemap = read("ARCHITECTURE.md");
+    let sections = readers_path(&codemap);
+    let mut named = vec![("README.md", line_counts(&readme))];
+    for (_, body) in &sections {
+        named.push(("ARCHITECTURE.md", line_counts(body)));
+    }
+    let total: usize = named.iter().map(|(_, counts)| counts.len()).sum();
+    assert!(
+        total >= 2 * TECHNIQUES.len(),
+        "only {total} `path (N lines)` found in README.md and ARCHITECTURE.md: the scan is broken"
+    );
+    let mut stale = Vec::new();
+    for (doc, counts) in named {
+        for (path, said) in counts {
+            match std::fs::read_to_string(root.join(&path)) {
+                Err(_) => stale.push(format!(
+                    "{doc} names {path} ({said} lines), which is not a file of the repository: \
+                     write the path it has now"
+                )),
+                Ok(text) if wc_l(&text) != said => stale.push(format!(
+                    "{doc} says {path} ({said} lines); it has {} lines now: write ({} lines) \
+                     there, and read the prose around it again",
+                    wc_l(&text),
+                    wc_l(&text)
+                )),
+                Ok(_) => {}
+            }
+        }
+    }
+    assert!(
+        stale.is_empty(),
+        "line counts the documents give are out of date:\n  {}",
+        stale.join("\n  ")
+    );
+}
+
+/// ARCHITECTURE.md walks each technique from the README to the collectives its step issues in
+/// at most [`PATH_MAX_FILES`] files and [`PATH_MAX_LINES`] lines, kernels and tests aside;
+/// [`OVER_BUDGET`] names the paths that do not fit yet, and an entry that fits fails too.
+#[test]
+fn each_techniques_path_fits_in_4_files_and_800_lines() {
+    let root = repo_root();
+    let codemap = std::fs::read_to_string(root.join("ARCHITECTURE.md")).expect("ARCHITECTURE.md");
+    let sections = readers_path(&codemap);
+    let mut problems = Vec::new();
+    for technique in TECHNIQUES {
+        let named = |n: &String| n.to_lowercase().starts_with(&technique.to_lowercase());
+        let Some((name, body)) = sections.iter().find(|(n, _)| named(n)) else {
+            problems.push(format!(
+                "ARCHITECTURE.md's \"{READERS_PATH}\" has no `### {technique}` section"
+            ));
+            continue;
+        };
+        let files: Vec<(String, usize)> = line_counts(body)
+            .into_iter()
+            .filter(|(p, _)| !outside_the_budget(p))
+            .collect();
+        let lines: usize = files.iter().map(|(_, n)| n).sum();
+        let fits = !files.is_empty() && files.len() <= PATH_MAX_FILES && lines <= PATH_MAX_LINES;
+        let excused = OVER_BUDGET.iter().find(|(t, _)| *t == technique);
+        match (fits, excused) {
+            (true, Some(_)) => problems.push(format!(
+                "{name}: {} files, {lines} lines now fit the budget: remove it from OVER_BUDGET",
+                files.len()
+            )),
+            (false, None) => problems.push(format!(
+                "{name}: {} files, {lines} lines, over the budget of {PATH_MAX_FILES} files and \
+                 {PATH_MAX_LINES} lines (kernels and tests aside): split the files by concern, \
+                 or walk the path through fewer",
+                files.len()
+            )),
+            _ => {}
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "the reader's path per technique:\n  {}",
+        problems.join("\n  ")
+    );
+}
+
+/// The scan of `path (N lines)`: a table cell, a list item, a path in backticks; and what is
+/// not a count (a parenthesis of other words, a count with no path before it).
+#[test]
+fn the_line_count_scan_reads_paths_and_counts() {
+    let text = "| DDP | crates/parallel/src/ddp.rs (93 lines)<br>crates/a/b.rs (7 lines) |\n\
+                1. `crates/model/src/explicit.rs` (346 lines): the tape\n\
+                a note (3 lines) and (many lines) and x.rs (12 lines, kept)";
+    let got = line_counts(text);
+    let want: Vec<(String, usize)> = [
+        ("crates/parallel/src/ddp.rs", 93),
+        ("crates/a/b.rs", 7),
+        ("crates/model/src/explicit.rs", 346),
+    ]
+    .into_iter()
+    .map(|(p, n)| (p.to_string(), n))
+    .collect();
+    assert_eq!(got, want);
+    assert_eq!(wc_l("a\nb\n"), 2);
+    assert_eq!(wc_l("a\nb"), 1);
+    let codemap = "# x\n## The reader's path per technique\nintro\n### DDP\n1. a.rs (1 lines)\n\
+                   ### TP\n2. b.rs (2 lines)\n## Next\n### Other\n";
+    let sections = readers_path(codemap);
+    let names: Vec<&str> = sections.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["DDP", "TP"]);
+    assert!(outside_the_budget("crates/kernels/src/attention.rs"));
+    assert!(outside_the_budget("crates/parallel/tests/tp.rs"));
+    assert!(!outside_the_budget("crates/parallel/src/ddp.rs"));
 }

@@ -474,7 +474,7 @@ impl Scratch {
     /// boundaries, and a receive whose destination lies at nearly the same offset in its page
     /// as its source (a malloc'd buffer starts 16 bytes past one) copied at well under half
     /// speed on the AMD EPYC development machine (4K aliasing between the copy's loads and
-    /// stores; `docs/BENCHMARKS.md`, the ring in place); half a page off, it does not.
+    /// stores; `docs/journal.md`, the ring in place); half a page off, it does not.
     pub(crate) fn off_page(&mut self, len: usize) -> &mut [u8] {
         const PAGE: usize = 4096;
         let bytes = self.bytes(len + PAGE);

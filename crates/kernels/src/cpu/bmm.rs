@@ -23,7 +23,7 @@
 //! each part one single-threaded gemm call, which the pool's threads claim
 //! ([`claimed`](super::split::claimed)): the caller spins for the last part instead of
 //! sleeping in a join (the gemm's own split sleeps there, which on a virtual machine halts the
-//! CPU; docs/BENCHMARKS.md, "The products' parts claimed"). Other larger matrices (the gemm
+//! CPU; docs/journal.md, "The products' parts claimed"). Other larger matrices (the gemm
 //! splits each itself) and products below [`split_min`](super::split_min) output elements in all
 //! run in turn, each as candle runs it.
 //! A matrix may sit at any strides, so attention reads q, k, v (B, H, T, D) as views of c_attn's
@@ -34,7 +34,7 @@ use candle_core::{Layout, Result, Storage, Tensor};
 use rayon::prelude::*;
 
 /// The fewest rows of a part of a product cut by rows: each part packs the whole right side
-/// again (a product of 256 rows of a long K cut in two lost 12%, docs/BENCHMARKS.md), so a
+/// again (a product of 256 rows of a long K cut in two lost 12%, docs/journal.md), so a
 /// product of fewer than twice this many rows keeps the gemm's own split.
 const ROWS_MIN: usize = 256;
 

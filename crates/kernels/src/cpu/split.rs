@@ -13,7 +13,7 @@
 //!
 //! Below [`split_min`] elements an op runs on the calling thread alone: handing half of it to
 //! another thread (waking it, stealing the task, joining) costs more than the half saves. The
-//! threshold is measured (docs/BENCHMARKS.md, "Two cores"), and [`set_split_min`] moves it for
+//! threshold is measured (docs/journal.md, "Two cores"), and [`set_split_min`] moves it for
 //! such a measurement.
 
 use std::mem::MaybeUninit;
@@ -170,7 +170,7 @@ pub(crate) fn row_stats<S: Send>(c: usize, stats: &mut [S], f: impl Fn(usize, &m
 ///
 /// Why not a join: a split into one fixed part a thread (the gemm's own) runs at the slower
 /// thread's pace, and a thread that waits in rayon's join goes to sleep after a few rounds of
-/// yielding, which on a virtual machine halts its CPU until it is woken again (docs/BENCHMARKS.md,
+/// yielding, which on a virtual machine halts its CPU until it is woken again (docs/journal.md,
 /// "Where the two-thread width-256 step loses its steadiness"). A helper job that starts after
 /// every part was claimed finds nothing to do and returns without touching `f`'s data.
 pub(crate) fn claimed(parts: usize, f: &(dyn Fn(usize) + Sync)) {

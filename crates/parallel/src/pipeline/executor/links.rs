@@ -113,7 +113,7 @@ impl Links<'_> {
     /// into the socket on this thread when its group has nothing queued, and otherwise queues
     /// it on the communication thread, which shares the rank's core with the passes; a send
     /// left queued behind the next pass reached the neighbour up to 4 ms late (half a pass, at
-    /// every step's start; docs/BENCHMARKS.md, "The bubble's overhead"). Elsewhere the `Work`
+    /// every step's start; docs/journal.md, "The bubble's overhead"). Elsewhere the `Work`
     /// is kept and reaped.
     pub(super) fn send(
         &mut self,
