@@ -33,18 +33,20 @@
 //! Linear weights are (out, in) and `y = x Wᵀ + b`, so `dx = dy W` and `dW = dyᵀ x`.
 //! The tapes are written in the graph-free ops of `mtrain_kernels` (`layer_norm::forward`,
 //! `attention::backward`, ...): the fused kernels on CUDA, the same algorithms as one-pass f32
-//! loops on CPU (`mtrain_kernels::cpu`), so one tape serves both devices. A segment has a tape for layers in f32 or bf16 that
-//! say what they are ([`Linear::parts`], [`FeedForward::moe_parts`](crate::layers::FeedForward::moe_parts)):
-//! a dense layer, or a tensor-parallel column or row layer whose collectives ([`Collective`])
-//! the same block tape runs where Megatron puts them ([`sharded_block_tape`]; the embedding and
-//! head tapes run the vocabulary's split, [`crate::vocab`]); a block's feed-forward half is the
-//! MLP or a mixture of experts, on one device or with its experts across an expert-parallel group
-//! (the dispatch and combine all-to-alls, [`Exchange`](crate::tape::Exchange), inside the tape).
+//! loops on CPU (`mtrain_kernels::cpu`), so one tape serves both devices. A segment has a tape
+//! for layers in f32 or bf16 that say how they run in one ([`Linear::taped`](crate::layers::Linear::taped),
+//! [`FeedForward::moe_parts`](crate::layers::FeedForward::moe_parts)): each linear is a
+//! [`TapedLinear`] — the dense [`DenseTape`] here, or tensor parallelism's column and row layers,
+//! which issue f and g where Megatron puts them (the parallel crate's `tensor_parallel/`) —
+//! and the same block tape runs them all ([`sharded_block_tape`]; the embedding and head tapes
+//! run the vocabulary's split, [`crate::vocab`]); a block's feed-forward half is the MLP or a
+//! mixture of experts, on one device or with its experts across an expert-parallel group (the
+//! dispatch and combine all-to-alls, [`Exchange`](crate::tape::Exchange), inside the tape).
 //! Whether the engine runs the tapes is its [`Backward`](crate::engine::Backward) value (by
 //! default it does, on every device).
 //!
 //! Where each thing lives:
-//! - here: what every tape is built from: `Dense` (a linear and its collectives), [`Norm`]
+//! - here: what every tape is built from: [`DenseTape`] (the dense linear), [`Norm`]
 //!   (a LayerNorm), `MlpWeights` (the MLP of a block and of each expert);
 //! - `block.rs`: the block tape ([`block_tape`], [`sharded_block_tape`]), attention and the
 //!   feed-forward half;
@@ -65,10 +67,11 @@ mod tests;
 use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor};
-use mtrain_kernels::{bias, gelu, layer_norm, linear};
+use mtrain_kernels::{layer_norm, linear};
 
-use crate::layers::{LayerNorm, Linear, Mlp};
-use crate::tape::{Collective, WeightGrads};
+use crate::layers::{LayerNorm, Mlp};
+use crate::param::Param;
+use crate::tape::{Collective, TapedLinear, WeightGrads};
 
 pub use block::{block_tape, sharded_block_tape, BlockDropout};
 pub use head::{embedding_tape, head_tape};
@@ -80,20 +83,6 @@ pub fn taped_dtype(x: &Tensor) -> bool {
 
 fn err(s: String) -> candle_core::Error {
     candle_core::Error::Msg(s)
-}
-
-/// A linear layer's weight (out, in) and bias (out,), detached (the tape differentiates by
-/// hand), and the collectives around its matmul ([`crate::layers::LinearParts`]): none for a
-/// dense layer, f on the input of a column-parallel one, g or the sequence reduce-scatter on
-/// the product of a row-parallel one. So one forward and one backward serve the dense and the
-/// sharded block.
-struct Dense {
-    w_name: String,
-    b_name: String,
-    w: Tensor,
-    b: Tensor,
-    input: Option<Arc<dyn Collective>>,
-    output: Option<Arc<dyn Collective>>,
 }
 
 /// `c` applied to x (rows, F) viewed as (B, rows/B, F), as (rows', F); x itself where `c` is
@@ -123,98 +112,85 @@ fn bwd(c: &dyn Collective, dy: &Tensor) -> Result<Tensor> {
     c.backward(dy)
 }
 
-impl Dense {
-    fn of(l: &dyn Linear, x: &Tensor) -> Option<Dense> {
-        let parts = l.parts()?;
-        let b = parts.bias?;
-        let (w, bt) = (parts.weight.tensor().detach(), b.tensor().detach());
+/// The dense linear layer as a tape runs it: its weight (out, in) and bias (out,), detached
+/// (the tape differentiates by hand), each product with its bias, residual or GELU in the
+/// GEMM's epilogue ([`linear`]). Tensor parallelism's column and row layers are the other
+/// [`TapedLinear`]s; they reach this one's tensors and names through its accessors.
+pub struct DenseTape {
+    w_name: String,
+    b_name: String,
+    w: Tensor,
+    b: Tensor,
+}
+
+impl DenseTape {
+    /// The tape of the layer with these parameters, for an input like `x`; None for a dtype
+    /// the tapes do not take or that differs from the input's.
+    pub fn of(weight: &Param, bias: &Param, x: &Tensor) -> Option<DenseTape> {
+        let (w, bt) = (weight.tensor().detach(), bias.tensor().detach());
         if w.dtype() != x.dtype() || bt.dtype() != x.dtype() || !taped_dtype(&w) {
             return None;
         }
-        Some(Dense {
-            w_name: parts.weight.name().to_string(),
-            b_name: b.name().to_string(),
+        Some(DenseTape {
+            w_name: weight.name().to_string(),
+            b_name: bias.name().to_string(),
             w,
             b: bt,
-            input: parts.input,
-            output: parts.output,
         })
     }
 
-    /// x (N, in) of a batch of `b` sequences -> (the matmul's input after the input
-    /// collective, out(x Wᵀ) + b (N', out)).
-    fn forward(&self, x: &Tensor, b: usize) -> Result<(Tensor, Tensor)> {
-        let x = across(&self.input, x, b, fwd)?;
-        let y = match &self.output {
-            None => linear::forward(&x, &self.w, &self.b)?,
-            Some(_) => mtrain_kernels::bias_add(&self.product(&x, b)?, &self.b)?,
-        };
-        Ok((x, y))
+    /// The bias (out,).
+    pub fn bias(&self) -> &Tensor {
+        &self.b
     }
 
-    /// r + out(x Wᵀ) + b for x (N, in), r (N', out): the layer and the residual add after it,
-    /// the bias added in the same pass as the residual; also the matmul's input, as `forward`.
-    fn forward_residual(&self, r: &Tensor, x: &Tensor, b: usize) -> Result<(Tensor, Tensor)> {
-        let x = across(&self.input, x, b, fwd)?;
-        let y = match &self.output {
-            None => linear::forward_residual(r, &x, &self.w, &self.b)?,
-            Some(_) => bias::residual_add(r, &self.product(&x, b)?, &self.b)?,
-        };
-        Ok((x, y))
+    /// The weight's and the bias's names.
+    pub fn names(&self) -> (String, String) {
+        (self.w_name.clone(), self.b_name.clone())
+    }
+}
+
+impl TapedLinear for DenseTape {
+    fn weight(&self) -> &Tensor {
+        &self.w
     }
 
-    /// [`Dense::forward`] followed by GELU: (the matmul's input, f = out(x Wᵀ) + b, gelu(f)).
-    fn forward_gelu(&self, x: &Tensor, b: usize) -> Result<(Tensor, Tensor, Tensor)> {
-        if self.output.is_none() {
-            let x = across(&self.input, x, b, fwd)?;
-            let (f, g) = linear::forward_gelu(&x, &self.w, &self.b)?;
-            return Ok((x, f, g));
-        }
-        let (x, f) = self.forward(x, b)?;
-        let g = mtrain_kernels::gelu(&f)?;
-        Ok((x, f, g))
+    /// x (N, in) -> (x, x Wᵀ + b (N, out)).
+    fn forward(&self, x: &Tensor, _b: usize) -> Result<(Tensor, Tensor)> {
+        Ok((x.clone(), linear::forward(x, &self.w, &self.b)?))
     }
 
-    /// out(x Wᵀ) (N', out), the output collective applied: where it sits between the product
-    /// and the bias, the bias cannot be the GEMM's epilogue.
-    fn product(&self, x: &Tensor, b: usize) -> Result<Tensor> {
-        across(&self.output, &mtrain_kernels::matmul(x, &self.w.t()?)?, b, fwd)
+    fn forward_residual(&self, r: &Tensor, x: &Tensor, _b: usize) -> Result<(Tensor, Tensor)> {
+        Ok((x.clone(), linear::forward_residual(r, x, &self.w, &self.b)?))
     }
 
-    /// From the matmul's input x (N, in) and dy (N', out): dx (rows of the layer's input), the
-    /// conjugates of the collectives applied; db pushed to `grads`, and dW, or its factors
-    /// when `grads` defers it to W. With `gelu_of` = f, where the layer's input x was gelu(f):
-    /// the gradient carried through that GELU, df (in the GEMM's epilogue where no collective
-    /// sits between them).
+    fn forward_gelu(&self, x: &Tensor, _b: usize) -> Result<(Tensor, Tensor, Tensor)> {
+        let (f, g) = linear::forward_gelu(x, &self.w, &self.b)?; // (N, out) each
+        Ok((x.clone(), f, g))
+    }
+
+    /// dx = dy·W (N, in), or df = gelu'(f) ∘ dy·W in the GEMM's epilogue; dW = dyᵀ·x and
+    /// db = Σ_rows dy, now or dW in W.
     fn backward(
         &self,
         x: &Tensor,
         dy: &Tensor,
-        b: usize,
+        _b: usize,
         grads: &mut WeightGrads,
         gelu_of: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let dy_b = dy; // (N', out), the rows the bias was added to
-        let dy = across(&self.output, dy, b, bwd)?; // (N, out)
-        let dx = match (gelu_of, &self.input) {
-            (Some(f), None) => linear::input_grad_gelu(&dy, &self.w, f)?, // df (N, in)
-            _ => mtrain_kernels::matmul(&dy, &self.w)?,                   // (N, in)
+        let dx = match gelu_of {
+            Some(f) => linear::input_grad_gelu(dy, &self.w, f)?, // df (N, in)
+            None => mtrain_kernels::matmul(dy, &self.w)?,      // (N, in)
         };
-        let names = (self.w_name.clone(), self.b_name.clone());
-        match &self.output {
-            // dW = dyᵀ·x (out, in) and db together, now or dW in W.
-            None => grads.linear(names, &dy, x, &self.b)?,
-            Some(_) => {
-                let db = bias::grad(dy_b, &self.b)?; // (out,)
-                grads.product(names.0, &dy, x)?; // dW, now or in W
-                grads.push((names.1, db));
-            }
-        }
-        let dx = across(&self.input, &dx, b, bwd)?;
-        match (gelu_of, &self.input) {
-            (Some(f), Some(_)) => gelu::backward(f, &dx),
-            _ => Ok(dx),
-        }
+        grads.linear(self.names(), dy, x, &self.b)?;
+        Ok(dx)
+    }
+
+    fn zero_grads(&self, grads: &mut WeightGrads) -> Result<()> {
+        grads.push((self.w_name.clone(), self.w.zeros_like()?));
+        grads.push((self.b_name.clone(), self.b.zeros_like()?));
+        Ok(())
     }
 }
 
@@ -290,8 +266,8 @@ pub struct Stats {
 /// An MLP's two linears, `c_proj(gelu(c_fc(x)))`: the feed-forward half of a dense block and
 /// every expert of a mixture of experts.
 struct MlpWeights {
-    c_fc: Dense,
-    c_proj: Dense,
+    c_fc: Box<dyn TapedLinear>,
+    c_proj: Box<dyn TapedLinear>,
 }
 
 /// What an MLP's forward keeps: c_fc's input after its collective, c_fc's output and its GELU.
@@ -304,8 +280,8 @@ struct MlpKept {
 impl MlpWeights {
     fn of(mlp: &Mlp, x: &Tensor) -> Option<MlpWeights> {
         Some(MlpWeights {
-            c_fc: Dense::of(mlp.c_fc.as_ref(), x)?,
-            c_proj: Dense::of(mlp.c_proj.as_ref(), x)?,
+            c_fc: mlp.c_fc.taped(x)?,
+            c_proj: mlp.c_proj.taped(x)?,
         })
     }
 
@@ -337,10 +313,7 @@ impl MlpWeights {
     /// Zero gradients for the four parameters of an MLP that saw no rows (an expert no token
     /// reached), as autograd's engine gives a parameter its backward did not reach.
     fn zero_grads(&self, grads: &mut WeightGrads) -> Result<()> {
-        for d in [&self.c_fc, &self.c_proj] {
-            grads.push((d.w_name.clone(), d.w.zeros_like()?));
-            grads.push((d.b_name.clone(), d.b.zeros_like()?));
-        }
-        Ok(())
+        self.c_fc.zero_grads(grads)?;
+        self.c_proj.zero_grads(grads)
     }
 }

@@ -14,7 +14,8 @@ use candle_core::{Result, Tensor};
 use crate::config::MoeConfig;
 use crate::moe::stats::MoeStats;
 use crate::param::Param;
-use crate::tape::{Collective, Exchange};
+use crate::explicit::DenseTape;
+use crate::tape::{Exchange, TapedLinear};
 
 /// `x Wᵀ (+ b)` for `x` of shape (..., in), flattening leading dimensions for one matmul.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
@@ -42,37 +43,11 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
 pub trait Linear: Send + Sync {
     fn forward(&self, x: &Tensor) -> Result<Tensor>;
     fn params(&self) -> Vec<Param>;
-    /// The layer as the hand-written backward ([`crate::explicit`]) sees it: its parameters and
-    /// the collectives around its matmul; None where it has no hand-written backward.
-    fn parts(&self) -> Option<LinearParts<'_>> {
+    /// The layer as the hand-written backward ([`crate::explicit`]) runs it, for an input like
+    /// `x`; None where it has no hand-written backward (another dtype, no bias).
+    fn taped(&self, x: &Tensor) -> Option<Box<dyn TapedLinear>> {
+        let _ = x;
         None
-    }
-}
-
-/// A linear layer `y = out(in(x) Wᵀ) + b` taken apart for a tape: a dense layer has no
-/// collectives; a column-parallel one has f on its input, a row-parallel one g (or the
-/// sequence reduce-scatter) on its product, the bias added after it.
-pub struct LinearParts<'a> {
-    /// (out, in)
-    pub weight: &'a Param,
-    /// (out,)
-    pub bias: Option<&'a Param>,
-    /// On the input before the matmul; None: identity.
-    pub input: Option<Arc<dyn Collective>>,
-    /// On the product before the bias; None: identity.
-    pub output: Option<Arc<dyn Collective>>,
-}
-
-impl<'a> LinearParts<'a> {
-    /// `weight` and `bias` with no collective around the matmul (a dense layer); a parallel
-    /// layer sets its collective over it.
-    pub fn dense(weight: &'a Param, bias: Option<&'a Param>) -> Self {
-        Self {
-            weight,
-            bias,
-            input: None,
-            output: None,
-        }
     }
 }
 
@@ -108,8 +83,9 @@ impl Linear for DenseLinear {
         weight_and_bias(&self.weight, self.bias.as_ref())
     }
 
-    fn parts(&self) -> Option<LinearParts<'_>> {
-        Some(LinearParts::dense(&self.weight, self.bias.as_ref()))
+    fn taped(&self, x: &Tensor) -> Option<Box<dyn TapedLinear>> {
+        let tape = DenseTape::of(&self.weight, self.bias.as_ref()?, x)?;
+        Some(Box::new(tape))
     }
 }
 

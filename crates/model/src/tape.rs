@@ -1,9 +1,11 @@
 //! The interface between a hand-written backward pass and the engine: a segment's graph-free
 //! forward returns a [`Tape`] holding what its backward needs, and the engine calls
 //! [`Tape::backward`] in place of autograd ([`crate::engine::Backward`] says where).
-//! The tapes of the GPT's segments are in [`crate::explicit`]. A sharded layer hands its
-//! tape the communication it needs as values of the two traits below: [`Collective`]
-//! (tensor and sequence parallelism) and [`Exchange`] (expert parallelism).
+//! The tapes of the GPT's segments are in [`crate::explicit`]. A linear layer runs in a tape
+//! as a [`TapedLinear`]: the dense one here ([`crate::explicit::DenseTape`]), tensor
+//! parallelism's column and row layers with their collectives in the parallel crate. Other
+//! sharded parts hand the tape their communication as values of [`Collective`] (sequence
+//! parallelism's entry into a block, the vocabulary's) and [`Exchange`] (expert parallelism).
 //!
 //! A tape's backward can also run split in two, as zero-bubble pipeline schedules want it
 //! (Qi et al. 2023): B, [`Tape::backward_input`], the input gradient the previous stage waits
@@ -180,6 +182,35 @@ pub trait Tape: Send {
             weights: WeightGrads::formed(g.params),
         })
     }
+}
+
+/// A linear layer `y = x Wᵀ + b` as a tape runs it: its forward on the rows (N, in) of a batch
+/// of `b` sequences, and its hand-written backward, with whatever communication its split needs
+/// (none for the dense layer; f or g for tensor parallelism's column and row layers). Each
+/// forward returns the product's input, which the backward takes back as `x`.
+pub trait TapedLinear: Send + Sync {
+    /// This rank's weight (out, in).
+    fn weight(&self) -> &Tensor;
+    /// x (N, in) -> (the product's input, y (N', out)).
+    fn forward(&self, x: &Tensor, b: usize) -> Result<(Tensor, Tensor)>;
+    /// `r + y` for r (N', out): the layer and the residual add after it, the bias added in
+    /// the same pass as the residual where no collective sits between.
+    fn forward_residual(&self, r: &Tensor, x: &Tensor, b: usize) -> Result<(Tensor, Tensor)>;
+    /// [`TapedLinear::forward`] then GELU: (the product's input, f = y, gelu(f)).
+    fn forward_gelu(&self, x: &Tensor, b: usize) -> Result<(Tensor, Tensor, Tensor)>;
+    /// dx (rows of the layer's input) from the product's input x and dy (N', out); dW and db
+    /// pushed to `grads`. With `gelu_of` = f, where the layer's input was gelu(f): the
+    /// gradient carried through that GELU, df.
+    fn backward(
+        &self,
+        x: &Tensor,
+        dy: &Tensor,
+        b: usize,
+        grads: &mut WeightGrads,
+        gelu_of: Option<&Tensor>,
+    ) -> Result<Tensor>;
+    /// Zero gradients for the weight and bias, for a layer no row reached (an expert).
+    fn zero_grads(&self, grads: &mut WeightGrads) -> Result<()>;
 }
 
 /// A collective that a sharded layer puts into a tape's forward, and its conjugate, which the

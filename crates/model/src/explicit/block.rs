@@ -16,11 +16,11 @@ use candle_core::{Result, Tensor};
 use mtrain_kernels::attention;
 
 use super::moe::{MoeTape, MoeWeights};
-use super::{across, bwd, err, fwd, Dense, MlpKept, MlpWeights, Norm, Stats};
+use super::{across, bwd, err, fwd, MlpKept, MlpWeights, Norm, Stats};
 use crate::dropout::{self, BlockMasks, Draw};
 use crate::layers::{CausalSelfAttention, FeedForward, LayerNorm};
 use crate::moe::MoeStats;
-use crate::tape::{Collective, SplitGrads, Tape, TapeGrads, WeightGrads};
+use crate::tape::{Collective, SplitGrads, Tape, TapeGrads, TapedLinear, WeightGrads};
 use mtrain_kernels::dropout::Mask;
 
 /// The weights of a block's attention half and its second LayerNorm, when every layer has a
@@ -28,8 +28,8 @@ use mtrain_kernels::dropout::Mask;
 /// from their LayerNorm.
 struct BlockWeights {
     ln_1: Norm,
-    c_attn: Dense,
-    c_proj: Dense,
+    c_attn: Box<dyn TapedLinear>,
+    c_proj: Box<dyn TapedLinear>,
     ln_2: Norm,
     /// Heads this block computes (all of them, or this rank's under tensor parallelism).
     n_head: usize,
@@ -60,8 +60,8 @@ impl BlockWeights {
         };
         let wts = BlockWeights {
             ln_1: Norm::of(ln_1, x)?,
-            c_attn: Dense::of(attn.c_attn.as_ref(), x)?,
-            c_proj: Dense::of(attn.c_proj.as_ref(), x)?,
+            c_attn: attn.c_attn.taped(x)?,
+            c_proj: attn.c_proj.taped(x)?,
             ln_2: Norm::of(ln_2, x)?,
             n_head: attn.n_head,
             head_dim: attn.head_dim,
@@ -111,10 +111,10 @@ struct BlockTape {
 }
 
 /// The graph-free forward of the block `x + attn(ln_1(x))`, then `+ ffn(ln_2(·))`, with its
-/// tape, or None where it has no hand-written backward (a layer without [`Linear::parts`] or
+/// tape, or None where it has no hand-written backward (a layer without [`Linear::taped`] or
 /// [`FeedForward::moe_parts`], a dtype other than f32 or bf16).
 ///
-/// [`Linear::parts`]: crate::layers::Linear::parts
+/// [`Linear::taped`]: crate::layers::Linear::taped
 pub fn block_tape(
     ln_1: &LayerNorm,
     attn: &CausalSelfAttention,
@@ -126,7 +126,7 @@ pub fn block_tape(
 }
 
 /// [`block_tape`] for a block whose layers may be sharded: the collectives of its linears
-/// ([`Linear::parts`]) run where the layers put them, and `enter` (sequence parallelism's
+/// ([`Linear::taped`]) run where the layers put them, and `enter` (sequence parallelism's
 /// all-gather along T, whose conjugate reduce-scatters) between each LayerNorm and its column
 /// layer. With no collectives anywhere this is the dense block. A mixture of experts takes no
 /// `enter` (its experts are split by ep; its all-to-alls are its own, [`super::moe`]).
@@ -136,7 +136,7 @@ pub fn block_tape(
 ///   backward: dx = dx1 + ln_1ᵀ(enterᵀ(inᵀ(dqkv·W_a)))                       the MLP half)
 /// ```
 ///
-/// [`Linear::parts`]: crate::layers::Linear::parts
+/// [`Linear::taped`]: crate::layers::Linear::taped
 pub fn sharded_block_tape(
     ln_1: &LayerNorm,
     attn: &CausalSelfAttention,
@@ -151,7 +151,7 @@ pub fn sharded_block_tape(
     };
     let (b, t, c) = x.dims3()?;
     let (h, d) = (wts.n_head, wts.head_dim);
-    if wts.c_attn.w.dim(0)? != 3 * h * d || wts.c_proj.w.dim(1)? != h * d {
+    if wts.c_attn.weight().dim(0)? != 3 * h * d || wts.c_proj.weight().dim(1)? != h * d {
         return Ok(None);
     }
     let x = x.detach().reshape((b * t, c))?; // (N_r, C), this rank's rows

@@ -85,6 +85,19 @@ impl TpCollective {
     }
 }
 
+impl TpCollective {
+    /// [`TpCollective::run`] on the rows (N, F) of a batch of `b` sequences, viewed as the
+    /// activation (B, N/B, F): the layout a tape holds. Returns (N', F) for the N' = B·T' rows
+    /// it leaves (T' = T/tp after a reduce-scatter, T after an all-gather).
+    #[track_caller]
+    pub fn run_rows(self, x: &Tensor, b: usize, group: &Comm) -> candle_core::Result<Tensor> {
+        let (rows, f) = x.dims2()?;
+        let y = self.run(&x.reshape((b, rows / b, f))?, group)?; // (B, T', F)
+        let (b2, t2, f2) = y.dims3()?;
+        y.reshape((b2 * t2, f2)) // (N', F)
+    }
+}
+
 impl Mapping {
     /// The collective it issues in forward (`None`: the identity).
     pub const fn forward(self) -> Option<TpCollective> {

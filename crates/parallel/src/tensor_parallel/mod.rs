@@ -16,9 +16,11 @@
 //! Chaining a column layer into a row layer needs no communication in between: the column
 //! layer's output slice is exactly the row layer's input slice. So attention (c_attn column,
 //! heads split across ranks; c_proj row) and the MLP (c_fc column; c_proj row) each cost one
-//! all-reduce in forward (g) and one in backward (f) — see [`crate::ops`]. Which mapping each
-//! segment kind runs where is one table per kind ([`mapping`]); the layers are built from it and
-//! the cost model counts it.
+//! all-reduce in forward (g) and one in backward (f). [`column`] and [`row`] hold each layer's
+//! forward and hand-written backward as the training step runs them, f and g issued where they
+//! sit, and its autograd forward (the tests' oracle). Which mapping each segment kind runs
+//! where is one table per kind ([`mapping`]); the layers are built from it and the cost model
+//! counts it.
 //!
 //! **Vocabulary parallelism** ([`vocab`]): the tied `wte` is split by rows; each rank embeds the
 //! tokens in its range, and the loss is computed from vocab-sharded logits without gathering them.
@@ -39,19 +41,21 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 use mtrain_comm::{Comm, CommError};
 use mtrain_model::gpt::Block;
-use mtrain_model::layers::{linear, weight_and_bias, LinearParts};
 use mtrain_model::{CausalSelfAttention, GptConfig, LayerNorm, Linear, Mlp, Param, Segment};
 
-use crate::ops::gather_from_tp_region;
 use crate::placement::tp_placement;
 use crate::plan::ValidPlan;
 
+pub mod column;
 pub mod mapping;
+pub mod row;
 pub mod sequence;
 pub mod shard;
 pub mod vocab;
 
+pub use column::{ColumnInput, ColumnParallelLinear};
 pub use mapping::{BlockMappings, EmbeddingMappings, HeadMappings, Mapping, Site, TpCollective};
+pub use row::{RowOutput, RowParallelLinear};
 pub use sequence::SequenceParallelBlock;
 pub use shard::{Placement, ShardLayout, ShardSpec};
 pub use vocab::{
@@ -79,143 +83,6 @@ pub enum TpError {
 }
 
 pub type Result<T> = std::result::Result<T, TpError>;
-
-/// How a column-parallel layer receives its input.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ColumnInput {
-    /// The full input is replicated on every rank: pass it through f (all-reduce its gradient).
-    Replicated,
-    /// The input already came through `gather_from_sequence_parallel_region`, whose backward
-    /// reduce-scatters (sums) the gradient: nothing more to do here.
-    SequenceGathered,
-}
-
-impl ColumnInput {
-    /// How the column layers of a sub-layer entered through `enter` ([`BlockMappings`]: f or
-    /// the sequence all-gather) get their input: through f, which they issue, or already
-    /// gathered by the block.
-    pub fn entered_through(enter: Mapping) -> Self {
-        match enter {
-            Mapping::CopyToTp => ColumnInput::Replicated,
-            _ => ColumnInput::SequenceGathered,
-        }
-    }
-
-    /// The mapping the column layer itself issues on its input.
-    pub fn mapping(self) -> Option<Mapping> {
-        match self {
-            ColumnInput::Replicated => Some(Mapping::CopyToTp),
-            ColumnInput::SequenceGathered => None,
-        }
-    }
-}
-
-/// Where a row-parallel layer's partial sums go.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RowOutput {
-    /// All-reduce (g): every rank gets the full output.
-    AllReduce,
-    /// Reduce-scatter along the sequence: every rank gets the full sum for 1/tp of the tokens.
-    ReduceScatterSequence,
-}
-
-impl RowOutput {
-    /// The row layers of a sub-layer left through `leave` ([`BlockMappings`]: g or the
-    /// sequence reduce-scatter).
-    pub fn left_through(leave: Mapping) -> Self {
-        match leave {
-            Mapping::ReduceScatterToSequence => RowOutput::ReduceScatterSequence,
-            _ => RowOutput::AllReduce,
-        }
-    }
-
-    /// The mapping the row layer issues on its partial sums.
-    pub fn mapping(self) -> Mapping {
-        match self {
-            RowOutput::AllReduce => Mapping::ReduceFromTp,
-            RowOutput::ReduceScatterSequence => Mapping::ReduceScatterToSequence,
-        }
-    }
-}
-
-/// `y = x Wᵀ + b` with W split on the output dim: this rank holds `W_r` (out/tp, in) and `b_r`.
-pub struct ColumnParallelLinear {
-    /// (out/tp, in)
-    pub weight: Param,
-    /// (out/tp,)
-    pub bias: Option<Param>,
-    pub input: ColumnInput,
-    /// Gather the output slices into the full (…, out) on every rank (otherwise keep (…, out/tp)).
-    pub gather_output: bool,
-    pub group: Comm,
-}
-
-impl Linear for ColumnParallelLinear {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let x = match self.input.mapping() {
-            Some(m) => m.apply(x, &self.group)?,
-            None => x.clone(),
-        };
-        let b = self.bias.as_ref().map(|b| b.tensor());
-        let y = linear(&x, &self.weight.tensor(), b.as_ref())?; // (B, T, out/tp)
-        if self.gather_output {
-            gather_from_tp_region(&y, &self.group) // (B, T, out)
-        } else {
-            Ok(y)
-        }
-    }
-
-    fn params(&self) -> Vec<Param> {
-        weight_and_bias(&self.weight, self.bias.as_ref())
-    }
-
-    /// f on the input (nothing when the sequence gather already ran); none with
-    /// `gather_output` (not in a block).
-    fn parts(&self) -> Option<LinearParts<'_>> {
-        if self.gather_output {
-            return None;
-        }
-        Some(LinearParts {
-            input: self.input.mapping().map(|m| m.over(&self.group)),
-            ..LinearParts::dense(&self.weight, self.bias.as_ref())
-        })
-    }
-}
-
-/// `y = x Wᵀ + b` with W split on the input dim: this rank holds `W_r` (out, in/tp) and reads
-/// its slice `x_r` (…, in/tp) of the input; the partial products are summed over the group and
-/// the full bias `b` (out,) is added once, after the sum.
-pub struct RowParallelLinear {
-    /// (out, in/tp)
-    pub weight: Param,
-    /// (out,), replicated
-    pub bias: Option<Param>,
-    pub output: RowOutput,
-    pub group: Comm,
-}
-
-impl Linear for RowParallelLinear {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let partial = linear(x, &self.weight.tensor(), None)?; // (B, T, out), partial sum
-        let y = self.output.mapping().apply(&partial, &self.group)?; // (B, T, out) or (B, T/tp, out)
-        match &self.bias {
-            Some(b) => y.broadcast_add(&b.tensor()),
-            None => Ok(y),
-        }
-    }
-
-    fn params(&self) -> Vec<Param> {
-        weight_and_bias(&self.weight, self.bias.as_ref())
-    }
-
-    /// g (or the sequence reduce-scatter) on the product, the bias after it.
-    fn parts(&self) -> Option<LinearParts<'_>> {
-        Some(LinearParts {
-            output: Some(self.output.mapping().over(&self.group)),
-            ..LinearParts::dense(&self.weight, self.bias.as_ref())
-        })
-    }
-}
 
 /// A tensor-parallel GPT on one rank: its segments `[embedding, h.0 … h.{L-1}, head]` and where
 /// every parameter lives.

@@ -1,0 +1,180 @@
+//! The column-parallel linear: W split on its output dim, each rank computing a slice of the
+//! output features from the whole input. Its input enters through f (Megatron's
+//! `copy_to_tp_region`): the identity in forward, the all-reduce of the input gradient in
+//! backward, since every rank's copy of x fed a different W_r.
+//!
+//! ```text
+//!   W = [W_0; W_1; …; W_{tp-1}]   rank r holds W_r (out/tp, in) and b_r (out/tp,)
+//!
+//!   forward    x (N, in) ──f: identity──> y_r = x W_rᵀ + b_r          (N, out/tp)
+//!   backward   dx_r = dy_r W_r  ──f: all-reduce over tp──> dx = Σ_r dx_r   (N, in)
+//!              dW_r = dy_rᵀ x    db_r = Σ_rows dy_r                     (no communication)
+//! ```
+//!
+//! Under sequence parallelism the block all-gathers the sequence before the layer
+//! ([`super::sequence`]) and reduce-scatters the gradient after it; the layer then issues
+//! nothing ([`ColumnInput::SequenceGathered`]).
+//!
+//! Legend: `N` rows (B·T), `in`/`out` the full layer's features, `tp` the group's size.
+
+use candle_core::Tensor;
+use mtrain_comm::Comm;
+use mtrain_model::explicit::DenseTape;
+use mtrain_model::layers::{linear, weight_and_bias};
+use mtrain_model::tape::{TapedLinear, WeightGrads};
+use mtrain_model::{Linear, Param};
+
+use super::mapping::{Mapping, TpCollective};
+use crate::ops::gather_from_tp_region;
+
+/// How a column-parallel layer receives its input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ColumnInput {
+    /// The full input is replicated on every rank: pass it through f (all-reduce its gradient).
+    Replicated,
+    /// The input already came through `gather_from_sequence_parallel_region`, whose backward
+    /// reduce-scatters (sums) the gradient: nothing more to do here.
+    SequenceGathered,
+}
+
+impl ColumnInput {
+    /// How the column layers of a sub-layer entered through `enter` ([`super::BlockMappings`]:
+    /// f or the sequence all-gather) get their input: through f, which they issue, or already
+    /// gathered by the block.
+    pub fn entered_through(enter: Mapping) -> Self {
+        match enter {
+            Mapping::CopyToTp => ColumnInput::Replicated,
+            _ => ColumnInput::SequenceGathered,
+        }
+    }
+
+    /// The mapping the column layer itself issues on its input.
+    pub fn mapping(self) -> Option<Mapping> {
+        match self {
+            ColumnInput::Replicated => Some(Mapping::CopyToTp),
+            ColumnInput::SequenceGathered => None,
+        }
+    }
+}
+
+/// `y = x Wᵀ + b` with W split on the output dim: this rank holds `W_r` (out/tp, in) and `b_r`.
+pub struct ColumnParallelLinear {
+    /// (out/tp, in)
+    pub weight: Param,
+    /// (out/tp,)
+    pub bias: Option<Param>,
+    pub input: ColumnInput,
+    /// Gather the output slices into the full (…, out) on every rank (otherwise keep (…, out/tp)).
+    pub gather_output: bool,
+    pub group: Comm,
+}
+
+impl Linear for ColumnParallelLinear {
+    /// The layer under candle's autograd, f as a differentiable collective: the tests' oracle
+    /// for [`ColumnTape`], which is what the training step runs.
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let x = match self.input.mapping() {
+            Some(m) => m.apply(x, &self.group)?,
+            None => x.clone(),
+        };
+        let b = self.bias.as_ref().map(|b| b.tensor());
+        let y = linear(&x, &self.weight.tensor(), b.as_ref())?; // (B, T, out/tp)
+        if self.gather_output {
+            gather_from_tp_region(&y, &self.group) // (B, T, out)
+        } else {
+            Ok(y)
+        }
+    }
+
+    fn params(&self) -> Vec<Param> {
+        weight_and_bias(&self.weight, self.bias.as_ref())
+    }
+
+    /// The layer in a block's tape; none with `gather_output` (not a block's layer).
+    fn taped(&self, x: &Tensor) -> Option<Box<dyn TapedLinear>> {
+        if self.gather_output {
+            return None;
+        }
+        Some(Box::new(ColumnTape {
+            dense: DenseTape::of(&self.weight, self.bias.as_ref()?, x)?,
+            f: self.input.mapping(),
+            group: self.group.clone(),
+        }))
+    }
+}
+
+/// The column-parallel layer as the training step runs it: this rank's product (the dense
+/// layer's tape over `W_r`, `b_r`) and f around it.
+struct ColumnTape {
+    dense: DenseTape,
+    /// f, or None where the block's sequence all-gather entered instead.
+    f: Option<Mapping>,
+    group: Comm,
+}
+
+impl ColumnTape {
+    /// f in forward on x (N, in): the identity (the table says so; kept for its symmetry).
+    fn f_forward(&self, x: &Tensor, b: usize) -> candle_core::Result<Tensor> {
+        match self.f.and_then(Mapping::forward) {
+            Some(c) => c.run_rows(x, b, &self.group),
+            None => Ok(x.clone()),
+        }
+    }
+
+    /// f's conjugate on the input gradient: the all-reduce over tp, or None.
+    fn f_backward(&self) -> Option<TpCollective> {
+        self.f.and_then(Mapping::backward)
+    }
+}
+
+impl TapedLinear for ColumnTape {
+    fn weight(&self) -> &Tensor {
+        self.dense.weight()
+    }
+
+    /// x (N, in) -> (x, y_r = x W_rᵀ + b_r (N, out/tp)).
+    fn forward(&self, x: &Tensor, b: usize) -> candle_core::Result<(Tensor, Tensor)> {
+        let x = self.f_forward(x, b)?; // (N, in), the same on every rank
+        self.dense.forward(&x, b)
+    }
+
+    fn forward_residual(
+        &self,
+        r: &Tensor,
+        x: &Tensor,
+        b: usize,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        let x = self.f_forward(x, b)?;
+        self.dense.forward_residual(r, &x, b) // (N, out/tp)
+    }
+
+    fn forward_gelu(&self, x: &Tensor, b: usize) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let x = self.f_forward(x, b)?;
+        self.dense.forward_gelu(&x, b) // f, gelu(f) (N, out/tp)
+    }
+
+    /// dx = Σ_tp dy_r W_r (N, in): the product here, the sum by f's conjugate; dW_r, db_r.
+    fn backward(
+        &self,
+        x: &Tensor,
+        dy: &Tensor,
+        b: usize,
+        grads: &mut WeightGrads,
+        gelu_of: Option<&Tensor>,
+    ) -> candle_core::Result<Tensor> {
+        let Some(f) = self.f_backward() else {
+            // Nothing between the product and a GELU before it: one fused GEMM.
+            return self.dense.backward(x, dy, b, grads, gelu_of); // (N, in)
+        };
+        let dx = self.dense.backward(x, dy, b, grads, None)?; // dy_r W_r (N, in), partial
+        let dx = f.run_rows(&dx, b, &self.group)?; // all-reduce: Σ_tp (N, in)
+        match gelu_of {
+            Some(pre) => mtrain_kernels::gelu::backward(pre, &dx), // through the GELU before
+            None => Ok(dx),
+        }
+    }
+
+    fn zero_grads(&self, grads: &mut WeightGrads) -> candle_core::Result<()> {
+        self.dense.zero_grads(grads)
+    }
+}
