@@ -176,9 +176,9 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
             let cfg = cli
                 .config()
                 .context("resolving the configuration (its [parallel] table)")?;
-            let layout = cli
-                .command_layout()?
-                .resolve(&cfg.parallel, launched_world)?;
+            let layout_args = cli.command_layout()?;
+            layout_args.check_device(args.device)?;
+            let layout = layout_args.resolve(&cfg.parallel, launched_world)?;
             // No model to plan for: only the mesh's own numbers are checked.
             layout.dims.validate(layout.world_size)?;
             distributed(&layout, env, args.device, None, |backend| {

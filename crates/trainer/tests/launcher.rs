@@ -258,6 +258,39 @@ fn inconsistent_layouts_are_refused_with_the_arithmetic() {
     );
 }
 
+/// A flag that acts only on CUDA GPUs, given for a run on the CPU, is refused naming the flag and
+/// what it needs, before anything is launched: training, `plan` and `bench-comm` alike. `--comm
+/// auto` (the default) is taken on any device, and `plan` takes `--comm ipc` with `--device cuda`.
+#[test]
+fn gpu_only_flags_are_refused_on_the_cpu() {
+    for (args, flag) in [
+        (&["--comm", "ipc", "--steps", "1"][..], "--comm ipc"),
+        (&["--nproc-per-node", "2", "--comm", "staged"], "--comm staged"),
+        (&["--comm", "nccl", "--device", "cpu"], "--comm nccl"),
+        (&["plan", "--tp", "2", "--comm", "ipc"], "--comm ipc"),
+        (&["--comm", "staged", "plan", "--tp", "2"], "--comm staged"),
+        (&["--nproc-per-node", "2", "bench-comm", "--comm", "ipc"], "--comm ipc"),
+    ] {
+        let (out, _) = run_within(mtrain(args), Duration::from_secs(20));
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "mtrain {args:?}:\n{stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "error: {flag} needs --device cuda: it picks the collective backend of ranks on GPUs"
+            )),
+            "mtrain {args:?}:\n{stderr}"
+        );
+        assert!(!stderr.contains("[rank"), "nothing may be launched:\n{stderr}");
+    }
+    for args in [
+        &["plan", "--tp", "2", "--comm", "auto"][..],
+        &["plan", "--tp", "2", "--comm", "ipc", "--device", "cuda"],
+    ] {
+        let (out, _) = run_within(mtrain(args), Duration::from_secs(20));
+        assert!(out.status.success(), "mtrain {args:?}:\n{}", text(&out.stderr));
+    }
+}
+
 /// busbw / algbw as nccl-tests defines it, for checking the binary's arithmetic.
 fn bus_factor(op: &str, n: f64) -> f64 {
     match op {
