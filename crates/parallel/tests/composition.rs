@@ -397,17 +397,15 @@ fn tp2_pp2_on_the_tapes_equals_one_device() {
     check_equals_one_device(&cfg(), &p, 2);
 }
 
-/// Every segment kind's tape under its layout on a GPU (skipped without one), against one
-/// device on the same GPU with the same tolerances: tp × pp × dp (the column/row tapes, the
-/// vocab-parallel embedding and head, pipeline stages, DDP), ZeRO-3 with pp and checkpointing
-/// (gather, run, reduce-scatter), sequence parallelism under ZeRO-2, and dp × ep MoE (dispatch
-/// and combine). The ranks share the device; their groups run through the CPU backend.
+/// Every segment kind's tape under its layout on a GPU, against one device on the same GPU with
+/// the same tolerances: tp × pp × dp (the column/row tapes, the vocab-parallel embedding and
+/// head, pipeline stages, DDP), ZeRO-3 with pp and checkpointing (gather, run, reduce-scatter),
+/// sequence parallelism under ZeRO-2, and dp × ep MoE (dispatch and combine). The ranks share
+/// the device; their groups run through the CPU backend.
 #[test]
+#[cfg_attr(not(feature = "cuda"), ignore = "needs a CUDA device: build with --features cuda")]
 fn layouts_on_the_tapes_on_cuda_equal_one_device() {
-    let Ok(dev) = Device::new_cuda(0) else {
-        eprintln!("skipped: no CUDA device");
-        return;
-    };
+    let dev = mtrain_kernels::testing::cuda();
     let tapes = |p: ParallelPlan| ParallelPlan {
         backward: Backward::Tapes,
         ..p

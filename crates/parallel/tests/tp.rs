@@ -1079,15 +1079,13 @@ fn tapes_vocab_parallel_embedding_and_head_match_autograd() {
     }
 }
 
-/// Every tensor-parallel segment's tape on a GPU (skipped without one): the blocks, the
-/// sequence-parallel blocks, the vocab-parallel embedding and head, at tp = 2 and 4, the ranks
-/// sharing the device, f32, the same bound as on the CPU.
+/// Every tensor-parallel segment's tape on a GPU: the blocks, the sequence-parallel blocks, the
+/// vocab-parallel embedding and head, at tp = 2 and 4, the ranks sharing the device, f32, the
+/// same bound as on the CPU.
 #[test]
+#[cfg_attr(not(feature = "cuda"), ignore = "needs a CUDA device: build with --features cuda")]
 fn tapes_tp_segments_match_autograd_on_cuda() {
-    let Ok(dev) = Device::new_cuda(0) else {
-        eprintln!("skipped: no CUDA device");
-        return;
-    };
+    let dev = mtrain_kernels::testing::cuda();
     let head = cfg().n_layer + 1;
     for tp in [2, 4] {
         for sp in [false, true] {
