@@ -20,7 +20,7 @@ use std::time::Duration;
 use candle_core::{Device, Tensor};
 use mtrain_comm::cpu::run_local;
 use mtrain_comm::{Backend, DeviceMesh, StagedBackend};
-use mtrain_model::optim::{clip_coef, AdamW, AdamWConfig, AdamWState};
+use mtrain_model::optim::{clip_coef, AdamWState};
 use mtrain_model::{init_weights, Backward, Engine, Gpt, GptConfig, Grads, NoHooks, StepDraw};
 use mtrain_parallel::ddp::DdpConfig;
 use mtrain_parallel::fsdp::ZeroStage;
@@ -30,7 +30,7 @@ use mtrain_parallel::pipeline::ScheduleKind;
 use mtrain_parallel::placement::Placement;
 use rand::{Rng, SeedableRng};
 
-use common::{optim_items, plan, rel, rel_f, tiny_gpt, with_moe, zero};
+use common::{adamw, optim_items, plan, rel, rel_f, tiny_gpt, with_moe, zero};
 
 const STEPS: usize = 5;
 const BATCH: usize = 8;
@@ -87,10 +87,6 @@ struct Trace {
     norms: Vec<f64>,
     grads: Vec<BTreeMap<String, Tensor>>,
     weights: BTreeMap<String, Tensor>,
-}
-
-fn adamw() -> AdamW {
-    AdamW::new(AdamWConfig::default())
 }
 
 /// The single-device run: the plain engine over the whole model on the plan's backward path

@@ -36,21 +36,13 @@ use mtrain_parallel::tensor_parallel::{
 };
 use rand::{Rng, SeedableRng};
 
-use common::{rel, tiny_gpt};
+use common::{det, rel, tiny_gpt};
 
 type R<T> = candle_core::Result<T>;
 
 /// Runs `f` on `n` ranks (threads), handing each its world group as the tp group.
 fn on_ranks<T: Send>(n: usize, f: impl Fn(Comm) -> T + Sync) -> Vec<T> {
     run_local(n, Duration::from_secs(60), |b| f(b.world()))
-}
-
-/// A deterministic tensor with entries in [-1, 1).
-fn det(shape: &[usize], seed: u64) -> Tensor {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).expect("tensor")
 }
 
 fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f64) {
