@@ -19,9 +19,9 @@ use std::str::FromStr;
 
 use candle_core::{DType, Device, Tensor, D};
 use mtrain_model::{Gpt, GptConfig};
-use mtrain_trainer::hf;
+use mtrain_trainer::tools::hf;
 use mtrain_trainer::data::corpus;
-use mtrain_trainer::prepare::{self, PrepareArgs};
+use mtrain_trainer::tools::prepare::{self, PrepareArgs};
 
 mod common;
 use common::{run_mtrain, text};

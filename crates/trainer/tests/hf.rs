@@ -31,7 +31,7 @@ use candle_core::{DType, Device, Tensor};
 use mtrain_model::{Gpt, GptConfig};
 use mtrain_trainer::checkpoint;
 use mtrain_trainer::data::corpus;
-use mtrain_trainer::hf;
+use mtrain_trainer::tools::hf;
 
 mod common;
 use common::{clean_env, losses, mtrain, text, MTRAIN};

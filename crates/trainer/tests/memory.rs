@@ -159,7 +159,7 @@ fn plan_prints_the_reports_analytic_figures() {
     let _serial = one_at_a_time();
     use clap::Parser;
     use mtrain_trainer::cli::Cli;
-    use mtrain_trainer::plan::{rank_memory, render_memory};
+    use mtrain_trainer::tools::plan::{rank_memory, render_memory};
 
     let layouts: [&[&str]; 9] = [
         &["--set", "grad_accum=2"],
