@@ -28,7 +28,8 @@ SIZES=(-b 16M -e 1G -f 4)
 { date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } | tee "$OUT/machine.txt"
 
 echo "== NCCL backend tests"
-timeout 180 "$BIN/comm-tests" nccl:: --test-threads=1 > "$OUT/comm-tests.log" 2>&1
+# --include-ignored: the multi-GPU test, ignored by default, runs here.
+timeout 180 "$BIN/comm-tests" nccl:: --test-threads=1 --include-ignored > "$OUT/comm-tests.log" 2>&1
 grep -E "^test |test result" "$OUT/comm-tests.log"
 echo "== all-reduce: mtrain"
 timeout 120 "$M" --nproc-per-node 2 bench-comm "${SIZES[@]}" --op all-reduce --device cuda > "$OUT/bench-comm.log" 2>&1

@@ -33,7 +33,10 @@ done
 
 if [ -x "$BIN/comm-tests" ]; then
   echo "== NCCL backend tests"
-  "$BIN/comm-tests" nccl:: --test-threads=1 2>&1 | tee "$OUT/comm-tests.log"
+  # The multi-GPU test is ignored by default; with 2+ GPUs it runs too.
+  multi=()
+  [ "$(nvidia-smi -L | grep -c '^GPU ')" -ge 2 ] && multi=(--include-ignored)
+  "$BIN/comm-tests" nccl:: --test-threads=1 ${multi[@]+"${multi[@]}"} 2>&1 | tee "$OUT/comm-tests.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   echo "== IPC backend tests (ranks as processes on GPU 0)"
   "$BIN/comm-tests" ipc:: --test-threads=4 --skip world_8 2>&1 | tee "$OUT/ipc-tests.log"

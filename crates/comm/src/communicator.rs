@@ -1,7 +1,8 @@
 //! The `Communicator` trait: collectives on candle tensors over one process group.
 //!
 //! Every parallel strategy in mtrain talks through this trait and nothing else, so the same
-//! code runs on the CPU backend (TCP, `cpu/`) and on GPUs (NCCL, `nccl.rs`).
+//! code runs on the CPU backend (TCP, `cpu/`) and on GPUs (NCCL, `nccl/`; CUDA IPC, `ipc/`; or
+//! the CPU backend staged through the host, `staged.rs`).
 //!
 //! Semantics shared by every backend (the tests in `tests/collectives.rs` check each one
 //! against its closed form):

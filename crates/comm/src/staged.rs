@@ -160,11 +160,16 @@ mod tests {
     use crate::cpu::run_local;
 
     /// Each op through the staged group equals the inner group's on the same values, and the
-    /// result is on the group's device (here the CPU; on a GPU the same code runs with CUDA).
+    /// result is on the group's device: the CPU, and on a build with the `cuda` feature the first
+    /// GPU too (none there fails the test).
     #[test]
     fn staged_ops_equal_the_inner_groups() {
         let mut devices = vec![Device::Cpu];
-        devices.extend(Device::new_cuda(0).ok());
+        if cfg!(feature = "cuda") {
+            devices.push(Device::new_cuda(0).unwrap_or_else(|e| {
+                panic!("a build with the `cuda` feature checks the staged group on a CUDA device, and none could be opened: {e}")
+            }));
+        }
         for dev in devices {
             let got = run_local(2, Duration::from_secs(30), |b| {
                 let world = b.world();

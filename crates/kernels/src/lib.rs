@@ -50,7 +50,7 @@
 //! - [`philox`]: Philox4x32-10, the counter-based generator of draws named by their coordinates;
 //!   [`dropout`]: dropout masks drawn from it by (seed, step, micro-batch, layer, site, element).
 //! - [`ptx_cache`]: compiled PTX on disk, keyed by source, options and architecture.
-//! - [`testing`]: the relative error and CUDA-or-skip helpers the kernel and tape tests share.
+//! - [`testing`]: the relative error and the CUDA device helpers the kernel and tape tests share.
 //!
 //! `unsafe` here is confined to kernel launches (`launch_builder(..).launch(..)`, each with its
 //! argument list next to the kernel's signature), uninitialised output buffers the kernel
@@ -167,15 +167,26 @@ pub mod testing {
         (sq(&(a - &b).expect("rel_err: difference")) / sq(&b)).sqrt()
     }
 
-    /// The first CUDA device, or None after saying the test is skipped (no GPU here).
-    pub fn cuda() -> Option<Device> {
-        match Device::new_cuda(0) {
-            Ok(d) => Some(d),
-            Err(_) => {
-                eprintln!("skipped: no CUDA device");
-                None
-            }
+    /// The first CUDA device, for a test that needs one (ignored on a build without the `cuda`
+    /// feature: `#[cfg_attr(not(feature = "cuda"), ignore = "needs a CUDA device: build with
+    /// --features cuda")]`). Without one (a CPU-only build, no GPU visible, no driver) the test
+    /// fails, naming what is missing: it never passes untested.
+    pub fn cuda() -> Device {
+        Device::new_cuda(0).unwrap_or_else(|e| {
+            panic!(
+                "this test needs a CUDA device and none could be opened (a build with --features cuda, a GPU visible through CUDA_VISIBLE_DEVICES, its driver): {e}"
+            )
+        })
+    }
+
+    /// The devices a test that runs everywhere checks: the CPU, and on a build with the `cuda`
+    /// feature the first CUDA device too ([`cuda`]: a GPU missing there fails the test).
+    pub fn devices() -> Vec<Device> {
+        let mut devices = vec![Device::Cpu];
+        if cfg!(feature = "cuda") {
+            devices.push(cuda());
         }
+        devices
     }
 }
 

@@ -121,15 +121,13 @@ mod imp {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
 
-    /// The value read later is the tensor's, on the CPU and (where there is one) on CUDA, also
-    /// after more work was queued behind it, behind long work queued before it, and with the
-    /// buffer reused; anything but one f64 is refused.
+    /// The value read later is the tensor's, on the CPU and (on a build with the `cuda` feature)
+    /// on CUDA, also after more work was queued behind it, behind long work queued before it,
+    /// and with the buffer reused; anything but one f64 is refused.
     #[test]
     fn reads_the_value_after_later_work() -> Result<()> {
-        let mut devices = vec![Device::Cpu];
-        devices.extend(crate::testing::cuda());
+        let devices = crate::testing::devices();
         for dev in devices {
             for round in 0..3 {
                 let x = Tensor::new(&[1.5f64 + round as f64, -2.0], &dev)?;

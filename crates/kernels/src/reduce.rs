@@ -241,8 +241,7 @@ mod tests {
     /// sizes around the block boundaries, and give the same bits twice.
     #[test]
     fn sum_of_squares_of_a_list() -> Result<()> {
-        let mut devices = vec![Device::Cpu];
-        devices.extend(crate::testing::cuda());
+        let devices = crate::testing::devices();
         for dev in devices {
             let mut ts = Vec::new();
             let mut want = 0f64;

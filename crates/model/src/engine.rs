@@ -220,7 +220,9 @@ impl Backward {
     }
 }
 
-/// Runs segments one at a time (DESIGN.md decision 1).
+/// Runs segments one at a time, each differentiated on its own, so that every segment's
+/// [`Hooks`] fire between the others' work (candle's `backward()` alone returns every gradient
+/// at the end, with no moment to overlap communication, gather weights or free them).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Engine {
     /// Keep only segment inputs in forward and recompute each segment in backward.

@@ -15,6 +15,9 @@ use mtrain_model::init::init_weights;
 use mtrain_model::param::Grads;
 use mtrain_model::StepDraw;
 
+mod common;
+use common::batch;
+
 fn cfg(moe: bool) -> GptConfig {
     GptConfig {
         vocab_size: 32,
@@ -34,16 +37,6 @@ fn cfg(moe: bool) -> GptConfig {
 
 fn model(cfg: &GptConfig) -> Result<Gpt> {
     Gpt::new(cfg.clone(), &init_weights(cfg, 3)?, &Device::Cpu)
-}
-
-fn batch(cfg: &GptConfig, b: usize, t: usize) -> Result<(Tensor, Tensor)> {
-    let v = cfg.vocab_size as u32;
-    let idx: Vec<u32> = (0..b * t).map(|i| (i as u32 * 7 + 3) % v).collect();
-    let tgt: Vec<u32> = (0..b * t).map(|i| (i as u32 * 11 + 5) % v).collect();
-    Ok((
-        Tensor::from_vec(idx, (b, t), &Device::Cpu)?,
-        Tensor::from_vec(tgt, (b, t), &Device::Cpu)?,
-    ))
 }
 
 fn step(p: f64, s: u64) -> StepDraw {

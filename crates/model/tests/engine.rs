@@ -16,6 +16,9 @@ use mtrain_model::init::init_weights;
 use mtrain_model::layers::LayerNorm;
 use mtrain_model::param::{Grads, Param};
 
+mod common;
+use common::batch;
+
 fn small(moe: bool) -> GptConfig {
     let moe = moe.then(|| MoeConfig {
         n_experts: 4,
@@ -40,16 +43,6 @@ fn model(cfg: &GptConfig, dtype: DType) -> Result<Gpt> {
         .map(|(k, v)| Ok((k, v.to_dtype(dtype)?)))
         .collect::<Result<_>>()?;
     Gpt::new(cfg.clone(), &w, &Device::Cpu)
-}
-
-fn batch(cfg: &GptConfig, b: usize, t: usize) -> Result<(Tensor, Tensor)> {
-    let v = cfg.vocab_size as u32;
-    let idx: Vec<u32> = (0..b * t).map(|i| (i as u32 * 7 + 3) % v).collect();
-    let tgt: Vec<u32> = (0..b * t).map(|i| (i as u32 * 11 + 5) % v).collect();
-    Ok((
-        Tensor::from_vec(idx, (b, t), &Device::Cpu)?,
-        Tensor::from_vec(tgt, (b, t), &Device::Cpu)?,
-    ))
 }
 
 /// Gradients of loss + aux by one candle backward over the whole graph.

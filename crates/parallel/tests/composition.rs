@@ -20,7 +20,7 @@ use std::time::Duration;
 use candle_core::{Device, Tensor};
 use mtrain_comm::cpu::run_local;
 use mtrain_comm::{Backend, DeviceMesh, StagedBackend};
-use mtrain_model::optim::{clip_coef, AdamW, AdamWConfig, AdamWState};
+use mtrain_model::optim::{clip_coef, AdamWState};
 use mtrain_model::{init_weights, Backward, Engine, Gpt, GptConfig, Grads, NoHooks, StepDraw};
 use mtrain_parallel::ddp::DdpConfig;
 use mtrain_parallel::fsdp::ZeroStage;
@@ -30,7 +30,7 @@ use mtrain_parallel::pipeline::ScheduleKind;
 use mtrain_parallel::placement::Placement;
 use rand::{Rng, SeedableRng};
 
-use common::{optim_items, plan, rel, rel_f, tiny_gpt, with_moe, zero};
+use common::{adamw, optim_items, plan, rel, rel_f, tiny_gpt, with_moe, zero};
 
 const STEPS: usize = 5;
 const BATCH: usize = 8;
@@ -87,10 +87,6 @@ struct Trace {
     norms: Vec<f64>,
     grads: Vec<BTreeMap<String, Tensor>>,
     weights: BTreeMap<String, Tensor>,
-}
-
-fn adamw() -> AdamW {
-    AdamW::new(AdamWConfig::default())
 }
 
 /// The single-device run: the plain engine over the whole model on the plan's backward path
@@ -397,17 +393,15 @@ fn tp2_pp2_on_the_tapes_equals_one_device() {
     check_equals_one_device(&cfg(), &p, 2);
 }
 
-/// Every segment kind's tape under its layout on a GPU (skipped without one), against one
-/// device on the same GPU with the same tolerances: tp × pp × dp (the column/row tapes, the
-/// vocab-parallel embedding and head, pipeline stages, DDP), ZeRO-3 with pp and checkpointing
-/// (gather, run, reduce-scatter), sequence parallelism under ZeRO-2, and dp × ep MoE (dispatch
-/// and combine). The ranks share the device; their groups run through the CPU backend.
+/// Every segment kind's tape under its layout on a GPU, against one device on the same GPU with
+/// the same tolerances: tp × pp × dp (the column/row tapes, the vocab-parallel embedding and
+/// head, pipeline stages, DDP), ZeRO-3 with pp and checkpointing (gather, run, reduce-scatter),
+/// sequence parallelism under ZeRO-2, and dp × ep MoE (dispatch and combine). The ranks share
+/// the device; their groups run through the CPU backend.
 #[test]
+#[cfg_attr(not(feature = "cuda"), ignore = "needs a CUDA device: build with --features cuda")]
 fn layouts_on_the_tapes_on_cuda_equal_one_device() {
-    let Ok(dev) = Device::new_cuda(0) else {
-        eprintln!("skipped: no CUDA device");
-        return;
-    };
+    let dev = mtrain_kernels::testing::cuda();
     let tapes = |p: ParallelPlan| ParallelPlan {
         backward: Backward::Tapes,
         ..p

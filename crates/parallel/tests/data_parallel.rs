@@ -20,13 +20,13 @@ use std::time::Duration;
 
 use candle_core::{Device, Tensor};
 use mtrain_comm::{run_local, Backend, Comm, DeviceMesh, MeshDims, OpKind};
-use mtrain_model::optim::{AdamW, AdamWConfig};
+use mtrain_model::optim::AdamW;
 use mtrain_model::{init_weights, Backward, Engine, Gpt, GptConfig, Grads, NoHooks, Segment};
 use mtrain_parallel::ddp::{DataParallel, DdpConfig, DdpMode, ModelStateBytes};
 use mtrain_parallel::fsdp::{analytic_model_state, Fsdp, FsdpConfig, ZeroStage};
 use mtrain_parallel::parallelize::{parallelize, DataParallelKind, ParallelModel, ParallelPlan};
 
-use common::{optim_items, rel, tiny_gpt};
+use common::{adamw, optim_items, rel, tiny_gpt};
 
 const SEED: u64 = 1234;
 const STEPS: usize = 10;
@@ -78,10 +78,6 @@ fn rows(step: usize, start: usize, n: usize) -> (Tensor, Tensor) {
             .expect("batch")
     };
     (cut(&idx), cut(&tgt))
-}
-
-fn adamw() -> AdamW {
-    AdamW::new(AdamWConfig::default())
 }
 
 /// What a run produced: the loss of each step (global mean) and the gradients of the first step.

@@ -36,21 +36,13 @@ use mtrain_parallel::tensor_parallel::{
 };
 use rand::{Rng, SeedableRng};
 
-use common::{rel, tiny_gpt};
+use common::{det, rel, tiny_gpt};
 
 type R<T> = candle_core::Result<T>;
 
 /// Runs `f` on `n` ranks (threads), handing each its world group as the tp group.
 fn on_ranks<T: Send>(n: usize, f: impl Fn(Comm) -> T + Sync) -> Vec<T> {
     run_local(n, Duration::from_secs(60), |b| f(b.world()))
-}
-
-/// A deterministic tensor with entries in [-1, 1).
-fn det(shape: &[usize], seed: u64) -> Tensor {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).expect("tensor")
 }
 
 fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f64) {
@@ -1079,15 +1071,13 @@ fn tapes_vocab_parallel_embedding_and_head_match_autograd() {
     }
 }
 
-/// Every tensor-parallel segment's tape on a GPU (skipped without one): the blocks, the
-/// sequence-parallel blocks, the vocab-parallel embedding and head, at tp = 2 and 4, the ranks
-/// sharing the device, f32, the same bound as on the CPU.
+/// Every tensor-parallel segment's tape on a GPU: the blocks, the sequence-parallel blocks, the
+/// vocab-parallel embedding and head, at tp = 2 and 4, the ranks sharing the device, f32, the
+/// same bound as on the CPU.
 #[test]
+#[cfg_attr(not(feature = "cuda"), ignore = "needs a CUDA device: build with --features cuda")]
 fn tapes_tp_segments_match_autograd_on_cuda() {
-    let Ok(dev) = Device::new_cuda(0) else {
-        eprintln!("skipped: no CUDA device");
-        return;
-    };
+    let dev = mtrain_kernels::testing::cuda();
     let head = cfg().n_layer + 1;
     for tp in [2, 4] {
         for sp in [false, true] {

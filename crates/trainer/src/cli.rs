@@ -1,6 +1,6 @@
 //! The `mtrain` command line: the layout, strategy and training flags and every subcommand's
-//! options. The commands themselves live in their modules (`train`, `plan`, `parity`,
-//! `bench_comm`, ...), which read these definitions; nothing here calls into them.
+//! options. The commands themselves live in their modules (`train`; under `tools`: `plan`,
+//! `parity`, `bench_comm`, ...), which read these definitions; nothing here calls into them.
 //!
 //! ```text
 //! mtrain [LAYOUT] [STRATEGY] [TRAIN OPTIONS]        train (the default command)
@@ -45,14 +45,14 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::bench_comm::BenchCommArgs;
+use crate::tools::bench_comm::BenchCommArgs;
 use crate::config::{TrainArgs, TrainConfig};
-use crate::hf::ExportArgs;
+use crate::tools::hf::ExportArgs;
 use crate::layout::LayoutError;
-use crate::plan::PlanArgs;
-use crate::plot::PlotArgs;
-use crate::prepare::PrepareArgs;
-use crate::sample::SampleArgs;
+use crate::tools::plan::PlanArgs;
+use crate::tools::plot::PlotArgs;
+use crate::tools::prepare::PrepareArgs;
+use crate::tools::sample::SampleArgs;
 
 pub use layout_args::LayoutArgs;
 pub use strategy_args::{parallel_overrides, StrategyArgs};

@@ -226,7 +226,8 @@ pub struct TrainConfig {
     /// Continue from a checkpoint: a step-N directory, a run directory, or "latest" (this run_dir).
     pub resume: Option<PathBuf>,
     /// Start from GPT-2 weights in Hugging Face's layout (a `.safetensors` file or a directory
-    /// with one) instead of a random initialisation ([`crate::hf`]); a resume's checkpoint wins.
+    /// with one) instead of a random initialisation ([`crate::tools::hf`]); a resume's
+    /// checkpoint wins.
     pub init_from: Option<PathBuf>,
     /// The layout: the `[parallel]` table.
     pub parallel: ParallelConfig,

@@ -147,16 +147,16 @@ impl CudaMemoryProbe {
 }
 
 /// Free and total memory of every visible GPU, with its name, as the launcher reads it before
-/// any worker starts (`crate::gpu_fit`): each GPU's primary context is retained for the query
-/// and released after it.
-pub fn free_memory() -> Result<Vec<crate::gpu_fit::GpuFree>, GpuMemoryError> {
+/// any worker starts (`crate::tools::gpu_fit`): each GPU's primary context is retained for the
+/// query and released after it.
+pub fn free_memory() -> Result<Vec<crate::tools::gpu_fit::GpuFree>, GpuMemoryError> {
     let n = CudaContext::device_count().map_err(driver("cuDeviceGetCount"))?;
     (0..n.max(0) as usize)
         .map(|gpu| {
             let ctx = CudaContext::new(gpu).map_err(driver("cuDevicePrimaryCtxRetain"))?;
             let (free, total) = ctx.mem_get_info().map_err(driver("cuMemGetInfo"))?;
             let name = ctx.name().map_err(driver("cuDeviceGetName"))?;
-            Ok(crate::gpu_fit::GpuFree {
+            Ok(crate::tools::gpu_fit::GpuFree {
                 gpu,
                 name,
                 free: free as u64,

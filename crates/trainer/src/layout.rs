@@ -63,6 +63,10 @@ pub enum LayoutError {
     #[error("--comm-timeout must be a positive number of seconds up to {MAX_COMM_TIMEOUT_S} (30 days), got {0:?}")]
     Timeout(f64),
 
+    /// A flag that acts only on CUDA GPUs, given for a run on another device.
+    #[error("{flag} needs --device cuda: {why}")]
+    NeedsCuda { flag: String, why: &'static str },
+
     /// The plan's check's reasons (`ParallelPlan::validate`), with where the world size came from.
     #[error("{why} ({world_source})")]
     Plan { why: String, world_source: String },
@@ -94,7 +98,8 @@ pub struct Layout {
     pub trace: bool,
 }
 
-/// The collective backend on GPUs (`--comm`); the CPU device always uses the CPU backend.
+/// The collective backend on GPUs (`--comm`); the CPU device always uses the CPU backend, and
+/// any value but `auto` is refused there ([`crate::cli::LayoutArgs::check_device`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum CommChoice {
     /// NCCL with one GPU per rank, CUDA IPC where ranks share a GPU.

@@ -6,56 +6,46 @@
 //!   options struct may live in the command's module; only `parity`, which parses `--vs` as a
 //!   command line, imports `cli` back). [`config`]: the typed TOML (`[model]`, `[train]`,
 //!   `[parallel]`) merged with the flags and `--set`.
-//! - [`launch`]: the torchrun-style launcher (one worker per rank, the rendezvous store);
-//!   [`gpu_fit`]: before ranks share GPUs, whether they fit the GPUs' free memory;
+//! - [`launch`]: the torchrun-style launcher (one worker per rank, the rendezvous store;
+//!   before ranks share GPUs, `tools::gpu_fit` checks they fit the GPUs' free memory);
 //!   [`liveness`]: a worker's watch on its job.
 //! - [`layout`]: the resolved [`layout::Layout`]; [`resolve`]: the command line, config file and
 //!   `--set` resolved once into the run's description (`RunOptions`), the one place a run's
 //!   `ParallelPlan` is built and checked.
-//! - [`data`]: the built-in corpus, token shards, each data-parallel rank's slice;
-//!   [`prepare`]: `mtrain prepare`, text to token shards.
+//! - [`data`]: the built-in corpus, token shards, each data-parallel rank's slice.
 //! - [`train`]: the loop; [`trainable`]: `TrainableModel`, its one interface to a model;
 //!   [`distributed`]: that interface over any layout.
 //! - [`checkpoint`], [`run_dir`]: what a run keeps, and the directory that belongs to one run.
 //!
 //! What a run measures and shows: [`progress`] (the step line), [`memory`] (the per-step
 //! report: analytic next to measured; `gpu_memory`, its CUDA probe), [`phases`]
-//! (`--profile-phases`), [`trace`] (`--trace`'s files and a step's communication figures),
-//! [`plot`] (`mtrain plot`'s SVG charts).
+//! (`--profile-phases`), [`trace`] (`--trace`'s files and a step's communication figures).
 //!
-//! The other commands: [`plan`] (`mtrain plan`, with [`cost`]'s α-β model), [`parity`]
-//! (`mtrain parity`), [`bench_comm`] (`mtrain bench-comm`), [`sample`] (`mtrain sample`), [`hf`]
-//! (`mtrain export --hf` and `--init-from`: Hugging Face's GPT-2 layout).
+//! [`tools`]: the other subcommands, apart from the loop: `plan` (with `cost`'s α-β model),
+//! `parity`, `bench-comm`, `prepare`, `sample`, `export` and `--init-from` (`hf`: Hugging
+//! Face's GPT-2 layout), `plot`, and the launcher's GPU fit (`gpu_fit`).
 //!
 //! Shared rules: [`validate`] (every number a user gives), [`fsio`] (file errors that name the
 //! operation and the path).
 
-pub mod bench_comm;
 pub mod checkpoint;
 pub mod cli;
 pub mod compute_pool;
 pub mod config;
-pub mod cost;
 pub mod data;
 pub mod distributed;
 pub mod fsio;
-pub mod gpu_fit;
 #[cfg(feature = "cuda")]
 pub mod gpu_memory;
-pub mod hf;
 pub mod launch;
 pub mod layout;
 pub mod liveness;
 pub mod memory;
-pub mod parity;
 pub mod phases;
-pub mod plan;
-pub mod plot;
-pub mod prepare;
 pub mod progress;
 pub mod resolve;
 pub mod run_dir;
-pub mod sample;
+pub mod tools;
 pub mod trace;
 pub mod train;
 pub mod trainable;

@@ -35,7 +35,8 @@ use mtrain_trainer::launch::{self, LaunchError};
 use mtrain_trainer::layout::{CommChoice, Layout};
 use mtrain_trainer::liveness::{self, StoreWatch};
 use mtrain_trainer::resolve::{resolve, Resolved, RunOptions};
-use mtrain_trainer::{bench_comm, hf, parity, plan, plot, prepare, sample, train};
+use mtrain_trainer::tools::{bench_comm, hf, parity, plan, plot, prepare, sample};
+use mtrain_trainer::train;
 use tracing_subscriber::fmt::format::Writer;
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
 use tracing_subscriber::registry::LookupSpan;
@@ -176,9 +177,9 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
             let cfg = cli
                 .config()
                 .context("resolving the configuration (its [parallel] table)")?;
-            let layout = cli
-                .command_layout()?
-                .resolve(&cfg.parallel, launched_world)?;
+            let layout_args = cli.command_layout()?;
+            layout_args.check_device(args.device)?;
+            let layout = layout_args.resolve(&cfg.parallel, launched_world)?;
             // No model to plan for: only the mesh's own numbers are checked.
             layout.dims.validate(layout.world_size)?;
             distributed(&layout, env, args.device, None, |backend| {
@@ -395,7 +396,7 @@ fn announce_shared_gpus(local_ranks: usize, comm: CommChoice) -> anyhow::Result<
 fn check_gpu_memory(layout: &Layout, run: &RunOptions) -> anyhow::Result<()> {
     #[cfg(feature = "cuda")]
     {
-        use mtrain_trainer::gpu_fit;
+        use mtrain_trainer::tools::gpu_fit;
         if layout.launch.nproc_per_node > visible_gpus()? && !gpu_fit::skipped() {
             let free = mtrain_trainer::gpu_memory::free_memory().map_err(|e| {
                 anyhow::anyhow!("reading the GPUs' free memory before the launch: {e}")

@@ -86,9 +86,9 @@ pub fn resolve(cli: &Cli, launched_world: Option<usize>) -> anyhow::Result<Resol
     let cfg = cli
         .config_from(train)
         .context("resolving the training configuration")?;
-    let layout = cli
-        .command_layout()?
-        .resolve(&cfg.parallel, launched_world)?;
+    let layout_args = cli.command_layout()?;
+    layout_args.check_device(cfg.device)?;
+    let layout = layout_args.resolve(&cfg.parallel, launched_world)?;
     let mut plan = cfg
         .parallel
         .plan(layout.dims, cfg.activation_checkpointing, cfg.precision())

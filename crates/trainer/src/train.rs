@@ -143,7 +143,7 @@ fn setup(cfg: &TrainConfig, gcfg: &GptConfig, device: &Device) -> anyhow::Result
     };
     let weights = match (&cfg.init_from, &cfg.resume) {
         (Some(path), None) => {
-            let w = crate::hf::load(path, gcfg)?;
+            let w = crate::tools::hf::load(path, gcfg)?;
             tracing::info!(path = %path.display(), "initial weights from a Hugging Face GPT-2 file");
             w
         }

@@ -11,9 +11,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::BoundedOutput;
-
-const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
+use common::{losses, mtrain, run_mtrain, text, tmp};
 
 fn config(name: &str) -> String {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -23,41 +21,11 @@ fn config(name: &str) -> String {
         .to_string()
 }
 
-fn mtrain(args: &[&str]) -> Command {
-    let mut cmd = Command::new(MTRAIN);
-    cmd.args(args)
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .env_remove("MTRAIN_FAIL_RANK")
-        .env_remove("MTRAIN_FAIL_MODE")
-        .stdin(Stdio::null());
-    cmd
-}
-
-fn output(args: &[&str]) -> Output {
-    mtrain(args).bounded_output()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-fn tmp(tag: &str) -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix(&format!("mtrain-{tag}-"))
-        .tempdir()
-        .expect("temp dir")
-}
-
 /// `mtrain parity` of `vs` against one rank over 5 steps at rel ≤ 1e-5; returns the report.
 fn parity(cfg: &str, vs: &str) -> String {
     let dir = tmp("parity");
     let out_dir = dir.path().display().to_string();
-    let o = output(&[
+    let o = run_mtrain(&[
         "parity",
         "--config",
         &config(cfg),
@@ -115,7 +83,7 @@ fn parity_fails_when_the_layout_trains_differently() {
     // A different learning rate for the layout only cannot match: the command must say so.
     let dir = tmp("parity-bad");
     let out_dir = dir.path().display().to_string();
-    let o = output(&[
+    let o = run_mtrain(&[
         "parity",
         "--config",
         &config("tiny.toml"),
@@ -133,20 +101,6 @@ fn parity_fails_when_the_layout_trains_differently() {
     let t = text(&o);
     assert!(!o.status.success(), "{t}");
     assert!(t.contains("differs from one rank"), "{t}");
-}
-
-/// (step, loss) of a run's metrics.jsonl.
-fn losses(run_dir: &Path) -> Vec<(u64, f64)> {
-    let s = std::fs::read_to_string(run_dir.join("metrics.jsonl")).expect("metrics.jsonl");
-    s.lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).expect("json line");
-            (
-                v["step"].as_u64().expect("step"),
-                v["loss"].as_f64().expect("loss"),
-            )
-        })
-        .collect()
 }
 
 fn train(layout: &[&str], batch: &str, run_dir: &Path, extra: &[&str]) -> Output {
@@ -172,7 +126,7 @@ fn train(layout: &[&str], batch: &str, run_dir: &Path, extra: &[&str]) -> Output
     let pos = args.iter().position(|a| *a == "").expect("placeholder");
     args[pos] = &cfg;
     args.extend_from_slice(extra);
-    output(&args)
+    run_mtrain(&args)
 }
 
 #[test]
@@ -318,7 +272,7 @@ fn impossible_layouts_are_refused_with_the_arithmetic() {
         let mut args = layout.to_vec();
         args.extend(["--config", &cfg, "--steps", "1"]);
         let start = Instant::now();
-        let o = output(&args);
+        let o = run_mtrain(&args);
         let t = text(&o);
         assert!(!o.status.success(), "{layout:?} was accepted:\n{t}");
         assert!(t.contains(want), "{layout:?}: expected `{want}` in:\n{t}");

@@ -15,7 +15,7 @@ use mtrain_model::optim::{AdamW, AdamWConfig};
 use mtrain_model::{init_weights, GptConfig};
 use mtrain_parallel::comm_cost::{CostModel, StepShape};
 use mtrain_parallel::parallelize::{parallelize, ParallelPlan};
-use mtrain_trainer::cost::{compare, fit_alpha_beta, plan_section, AlphaBetaTable, Fit};
+use mtrain_trainer::tools::cost::{compare, fit_alpha_beta, plan_section, AlphaBetaTable, Fit};
 use mtrain_trainer::trace::write_rank_trace;
 
 fn rel(a: f64, b: f64) -> f64 {

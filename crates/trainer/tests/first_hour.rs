@@ -16,36 +16,16 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
 use std::str::FromStr;
 
 use candle_core::{DType, Device, Tensor, D};
 use mtrain_model::{Gpt, GptConfig};
-use mtrain_trainer::hf;
+use mtrain_trainer::tools::hf;
 use mtrain_trainer::data::corpus;
-use mtrain_trainer::prepare::{self, PrepareArgs};
+use mtrain_trainer::tools::prepare::{self, PrepareArgs};
 
 mod common;
-use common::BoundedOutput;
-
-const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
-
-fn mtrain(args: &[&str]) -> Output {
-    Command::new(MTRAIN)
-        .args(args)
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .stdin(Stdio::null())
-        .bounded_output()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
+use common::{run_mtrain, text};
 
 fn meta_vocab(run_dir: &Path) -> u64 {
     let latest = std::fs::read_to_string(run_dir.join("latest")).expect("latest");
@@ -64,7 +44,7 @@ fn prepare_train_sample_as_the_data_guide_says() {
     std::fs::write(&corpus_txt, corpus::generate(80_000, 5)).expect("write corpus");
     let data = dir.path().join("data");
     let (t, d) = (corpus_txt.display().to_string(), data.display().to_string());
-    let o = mtrain(&["prepare", "--text", &t, "--vocab-size", "300", "--out", &d]);
+    let o = run_mtrain(&["prepare", "--text", &t, "--vocab-size", "300", "--out", &d]);
     assert!(o.status.success(), "prepare: {}", text(&o));
     // Up to 300 ids (fewer if the text has fewer pairs to merge): the model takes 320.
     let out = text(&o);
@@ -82,11 +62,11 @@ fn prepare_train_sample_as_the_data_guide_says() {
     let small = ["--steps", "3", "--batch-size", "4", "--seq-len", "32"];
     let mut args = vec!["--data", &d, "--run-dir", &r];
     args.extend(small);
-    let o = mtrain(&args);
+    let o = run_mtrain(&args);
     assert!(o.status.success(), "train: {}", text(&o));
     assert_eq!(meta_vocab(&run), 320);
 
-    let o = mtrain(&[
+    let o = run_mtrain(&[
         "sample",
         "--checkpoint",
         &r,
@@ -112,7 +92,7 @@ fn prepare_train_sample_as_the_data_guide_says() {
         "model.vocab_size=256",
     ];
     args.extend(small);
-    let o = mtrain(&args);
+    let o = run_mtrain(&args);
     let msg = text(&o);
     assert!(!o.status.success(), "{msg}");
     assert!(
@@ -129,7 +109,7 @@ fn prepare_train_sample_as_the_data_guide_says() {
         "model.vocab_size=384",
     ];
     args.extend(small);
-    let o = mtrain(&args);
+    let o = run_mtrain(&args);
     assert!(o.status.success(), "{}", text(&o));
     assert_eq!(meta_vocab(&bad), 384);
 }
@@ -155,7 +135,7 @@ fn prepare_chars_train_sample() {
     chars.dedup();
     let data = dir.path().join("data");
     let (t, d) = (corpus_txt.display().to_string(), data.display().to_string());
-    let o = mtrain(&["prepare", "--chars", "--text", &t, "--out", &d]);
+    let o = run_mtrain(&["prepare", "--chars", "--text", &t, "--out", &d]);
     let out = text(&o);
     assert!(o.status.success(), "prepare: {out}");
     assert!(
@@ -169,7 +149,7 @@ fn prepare_chars_train_sample() {
 
     let run = dir.path().join("run");
     let r = run.display().to_string();
-    let o = mtrain(&[
+    let o = run_mtrain(&[
         "--data",
         &d,
         "--run-dir",
@@ -193,7 +173,7 @@ fn prepare_chars_train_sample() {
     );
     assert_eq!(meta_vocab(&run) as usize, chars.len().div_ceil(64) * 64);
 
-    let o = mtrain(&[
+    let o = run_mtrain(&[
         "sample",
         "--checkpoint",
         &r,
@@ -209,7 +189,7 @@ fn prepare_chars_train_sample() {
     assert!(sampled.starts_with("ROMEO:"), "{sampled}");
     assert_eq!(sampled.chars().count(), "ROMEO:".len() + 40, "{sampled:?}");
     assert!(sampled.chars().all(|c| chars.contains(&c)), "{sampled:?}");
-    let o = mtrain(&["sample", "--checkpoint", &r, "--prompt", "€"]);
+    let o = run_mtrain(&["sample", "--checkpoint", &r, "--prompt", "€"]);
     let msg = text(&o);
     assert!(
         !o.status.success() && msg.contains("'€' is not in the corpus's vocabulary"),
@@ -268,7 +248,7 @@ fn prepare_encodes_with_an_existing_tokenizer() {
     );
 
     // Training a vocabulary and using a given tokenizer exclude each other; a missing file is named.
-    let o = mtrain(&[
+    let o = run_mtrain(&[
         "prepare",
         "--text",
         "x.txt",
@@ -494,7 +474,7 @@ fn init_from_loads_the_hf_layout() {
     // Through the binary: one step at a learning rate of 1e-9 keeps the loaded weights.
     let run = dir.path().join("run");
     let (f, r) = (file.display().to_string(), run.display().to_string());
-    let o = mtrain(&[
+    let o = run_mtrain(&[
         "--init-from",
         &f,
         "--run-dir",

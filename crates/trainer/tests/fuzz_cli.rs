@@ -16,7 +16,7 @@
 
 use std::io::Read;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use clap::CommandFactory;
@@ -26,7 +26,9 @@ use mtrain_trainer::config::{ModelSpec, TrainConfig};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
+mod common;
+use common::mtrain;
+
 /// The seed CI runs.
 const DEFAULT_SEED: u64 = 20_261_201;
 /// Cases CI runs (4 s on two idle cores, 20 s on busy ones).
@@ -310,14 +312,9 @@ fn case(rng: &mut StdRng, surface: &Surface) -> Vec<String> {
 
 /// The exit code of one run when it ended acceptably, else why not.
 fn check(argv: &[String], cwd: &Path) -> Result<i32, String> {
-    let mut child = Command::new(MTRAIN)
-        .args(argv)
+    let mut child = mtrain(argv)
         .current_dir(cwd)
-        .env_remove("RANK")
-        .env_remove("MTRAIN_FAIL_RANK")
-        .env_remove("MTRAIN_FAIL_MODE")
         .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()

@@ -8,12 +8,10 @@
 //! checkpoint's broadcasts).
 
 use std::path::Path;
-use std::process::{Command, Stdio};
 
 mod common;
-use common::BoundedOutput;
+use common::{mtrain, BoundedOutput};
 
-const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
 const STEPS: usize = 3;
 
 /// (op, bytes) of every all-reduce `rank`'s world group issued, from its trace file.
@@ -42,15 +40,11 @@ fn one_norm_all_reduce_per_step(layout: &[&str], world: usize) {
         .expect("temp dir");
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/tiny.toml");
     let steps = STEPS.to_string();
-    let o = Command::new(MTRAIN)
-        .args(layout)
+    let o = mtrain(layout)
         .args(["--config", &config.display().to_string()])
         .args(["--steps", &steps, "--batch-size", "2", "--seq-len", "32"])
         .args(["--eval-every", "0", "--trace", "--run-dir"])
         .arg(dir.path())
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .stdin(Stdio::null())
         .bounded_output();
     assert!(
         o.status.success(),

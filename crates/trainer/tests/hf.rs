@@ -31,11 +31,11 @@ use candle_core::{DType, Device, Tensor};
 use mtrain_model::{Gpt, GptConfig};
 use mtrain_trainer::checkpoint;
 use mtrain_trainer::data::corpus;
-use mtrain_trainer::hf;
+use mtrain_trainer::tools::hf;
 
 mod common;
+use common::{clean_env, losses, mtrain, text, MTRAIN};
 
-const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
 const HF_SIDE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/hf_side.py");
 /// The bound on max |logit difference| / max |logit| between transformers and mtrain (f32).
 const LOGITS_REL: f32 = 1e-5;
@@ -52,44 +52,11 @@ const MODEL: [&str; 8] = [
     "model.block_size=64",
 ];
 
-fn mtrain(args: &[&str]) -> Command {
-    let mut cmd = Command::new(MTRAIN);
-    cmd.args(args);
-    clean_env(&mut cmd);
-    cmd
-}
-
-/// Remove what a launcher sets, so the command is never taken for a worker.
-fn clean_env(cmd: &mut Command) {
-    for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "MTRAIN_JOB_ID",
-        "MTRAIN_STORE_PORT",
-        "MTRAIN_FAIL_RANK",
-        "TORCHELASTIC_USE_AGENT_STORE",
-    ] {
-        cmd.env_remove(var);
-    }
-    cmd.stdin(Stdio::null());
-}
-
 /// Run `cmd`, failing the test with its output unless it succeeds.
 fn run_ok(mut cmd: Command, what: &str) -> Output {
     let out = common::output(&mut cmd);
     assert!(out.status.success(), "{what} failed:\n{}", text(&out));
     out
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 fn s(p: &Path) -> String {
@@ -497,18 +464,6 @@ fn greedy_decoding_is_transformers_generate() {
     );
 }
 
-/// The loss of every step in a run's metrics.jsonl, as bits.
-fn loss_bits(run: &Path) -> Vec<u64> {
-    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).expect("metrics.jsonl");
-    metrics
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v["loss"].as_f64().unwrap().to_bits()
-        })
-        .collect()
-}
-
 #[test]
 fn torchrun_runs_the_job_the_launcher_runs() {
     let Some(venv) = venv() else { return };
@@ -571,6 +526,9 @@ fn torchrun_runs_the_job_the_launcher_runs() {
     let log = text(&o);
     assert!(log.contains("step 4/4 | loss "), "{log}");
 
+    let loss_bits = |run: &Path| -> Vec<u64> {
+        losses(run).into_iter().map(|(_, l)| l.to_bits()).collect()
+    };
     let (ours, theirs) = (loss_bits(&by_launcher), loss_bits(&by_torchrun));
     assert_eq!(ours.len(), 4);
     assert_eq!(

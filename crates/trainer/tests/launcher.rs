@@ -5,56 +5,11 @@
 //! TCP on loopback; nothing is mocked.
 
 use std::io::Read;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
-
-fn mtrain(args: &[&str]) -> Command {
-    let mut cmd = Command::new(MTRAIN);
-    cmd.args(args)
-        .env_remove("RANK")
-        .env_remove("MTRAIN_FAIL_RANK")
-        .env_remove("MTRAIN_FAIL_MODE");
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    cmd
-}
-
-/// Run to completion within `limit`, or kill it and fail the test.
-fn run_within(mut cmd: Command, limit: Duration) -> (Output, Duration) {
-    let start = Instant::now();
-    let mut child = cmd.spawn().expect("spawn mtrain");
-    let out_pipe = child.stdout.take().expect("stdout");
-    let err_pipe = child.stderr.take().expect("stderr");
-    let read_all = |mut p: Box<dyn Read + Send>| {
-        std::thread::spawn(move || {
-            let mut buf = Vec::new();
-            let _ = p.read_to_end(&mut buf);
-            buf
-        })
-    };
-    let (out_t, err_t) = (read_all(Box::new(out_pipe)), read_all(Box::new(err_pipe)));
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("try_wait") {
-            break s;
-        }
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("mtrain did not finish within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let elapsed = start.elapsed();
-    let output = Output {
-        status,
-        stdout: out_t.join().unwrap(),
-        stderr: err_t.join().unwrap(),
-    };
-    (output, elapsed)
-}
+mod common;
+use common::{mtrain, BoundedOutput};
 
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
@@ -76,7 +31,9 @@ fn failing_worker_takes_the_job_down_and_is_named() {
         "8",
     ]);
     cmd.env("MTRAIN_FAIL_RANK", "1");
-    let (out, elapsed) = run_within(cmd, Duration::from_secs(50));
+    let t0 = Instant::now();
+    let out = cmd.bounded_output_within(Duration::from_secs(50));
+    let elapsed = t0.elapsed();
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "stderr:\n{stderr}");
     assert!(
@@ -112,7 +69,9 @@ fn worker_killed_by_a_signal_is_reported_with_the_signal() {
     ]);
     cmd.env("MTRAIN_FAIL_RANK", "0")
         .env("MTRAIN_FAIL_MODE", "abort");
-    let (out, elapsed) = run_within(cmd, Duration::from_secs(50));
+    let t0 = Instant::now();
+    let out = cmd.bounded_output_within(Duration::from_secs(50));
+    let elapsed = t0.elapsed();
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "stderr:\n{stderr}");
     assert!(
@@ -141,7 +100,7 @@ fn sigterm_to_the_launcher_stops_every_worker() {
         "-w",
         "0",
     ]);
-    cmd.stderr(Stdio::null());
+    cmd.stdout(Stdio::piped()).stderr(Stdio::null());
     let mut launcher: Child = cmd.spawn().expect("spawn");
     let mut stdout = launcher.stdout.take().expect("stdout");
     let mut seen = Vec::new();
@@ -209,10 +168,8 @@ fn children_of(pid: u32) -> Vec<u32> {
 
 #[test]
 fn inconsistent_layouts_are_refused_with_the_arithmetic() {
-    let (out, _) = run_within(
-        mtrain(&["--dp", "2", "--tp", "2", "--nproc-per-node", "3"]),
-        Duration::from_secs(20),
-    );
+    let out = mtrain(&["--dp", "2", "--tp", "2", "--nproc-per-node", "3"])
+        .bounded_output_within(Duration::from_secs(20));
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1));
     assert!(
@@ -224,10 +181,8 @@ fn inconsistent_layouts_are_refused_with_the_arithmetic() {
         "nothing may be launched:\n{stderr}"
     );
 
-    let (out, _) = run_within(
-        mtrain(&["plan", "--tp", "4", "--nproc-per-node", "6"]),
-        Duration::from_secs(20),
-    );
+    let out = mtrain(&["plan", "--tp", "4", "--nproc-per-node", "6"])
+        .bounded_output_within(Duration::from_secs(20));
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1));
     assert!(
@@ -249,13 +204,46 @@ fn inconsistent_layouts_are_refused_with_the_arithmetic() {
     ] {
         cmd.env(k, v);
     }
-    let (out, _) = run_within(cmd, Duration::from_secs(20));
+    let out = cmd.bounded_output_within(Duration::from_secs(20));
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1));
     assert!(
         stderr.contains("world size 3 (WORLD_SIZE=3) is not divisible by tp(2) * pp(1) = 2"),
         "{stderr}"
     );
+}
+
+/// A flag that acts only on CUDA GPUs, given for a run on the CPU, is refused naming the flag and
+/// what it needs, before anything is launched: training, `plan` and `bench-comm` alike. `--comm
+/// auto` (the default) is taken on any device, and `plan` takes `--comm ipc` with `--device cuda`.
+#[test]
+fn gpu_only_flags_are_refused_on_the_cpu() {
+    for (args, flag) in [
+        (&["--comm", "ipc", "--steps", "1"][..], "--comm ipc"),
+        (&["--nproc-per-node", "2", "--comm", "staged"], "--comm staged"),
+        (&["--comm", "nccl", "--device", "cpu"], "--comm nccl"),
+        (&["plan", "--tp", "2", "--comm", "ipc"], "--comm ipc"),
+        (&["--comm", "staged", "plan", "--tp", "2"], "--comm staged"),
+        (&["--nproc-per-node", "2", "bench-comm", "--comm", "ipc"], "--comm ipc"),
+    ] {
+        let out = mtrain(args).bounded_output_within(Duration::from_secs(20));
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "mtrain {args:?}:\n{stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "error: {flag} needs --device cuda: it picks the collective backend of ranks on GPUs"
+            )),
+            "mtrain {args:?}:\n{stderr}"
+        );
+        assert!(!stderr.contains("[rank"), "nothing may be launched:\n{stderr}");
+    }
+    for args in [
+        &["plan", "--tp", "2", "--comm", "auto"][..],
+        &["plan", "--tp", "2", "--comm", "ipc", "--device", "cuda"],
+    ] {
+        let out = mtrain(args).bounded_output_within(Duration::from_secs(20));
+        assert!(out.status.success(), "mtrain {args:?}:\n{}", text(&out.stderr));
+    }
 }
 
 /// busbw / algbw as nccl-tests defines it, for checking the binary's arithmetic.
@@ -302,7 +290,7 @@ fn bench_comm_at_two_ranks_is_correct_for_every_op() {
             "--json",
             &json_arg,
         ];
-        let (out, _) = run_within(mtrain(&args), Duration::from_secs(60));
+        let out = mtrain(&args).bounded_output_within(Duration::from_secs(60));
         let stdout = text(&out.stdout);
         assert!(
             out.status.success(),
@@ -373,7 +361,7 @@ fn workers_started_by_an_external_launcher_form_a_job() {
         ] {
             cmd.env(k, v);
         }
-        std::thread::spawn(move || run_within(cmd, Duration::from_secs(60)).0)
+        std::thread::spawn(move || cmd.bounded_output_within(Duration::from_secs(60)))
     };
     let (r0, r1) = (spawn("0"), spawn("1"));
     let (out0, out1) = (r0.join().unwrap(), r1.join().unwrap());
@@ -390,10 +378,8 @@ fn workers_started_by_an_external_launcher_form_a_job() {
 
 #[test]
 fn a_world_of_one_runs_in_process() {
-    let (out, _) = run_within(
-        mtrain(&["bench-comm", "-b", "64", "-e", "64", "-n", "2"]),
-        Duration::from_secs(30),
-    );
+    let out = mtrain(&["bench-comm", "-b", "64", "-e", "64", "-n", "2"])
+        .bounded_output_within(Duration::from_secs(30));
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(
@@ -408,7 +394,7 @@ fn a_world_of_one_runs_in_process() {
 
 /// The sizes of a `bench-comm --json -` report's rows (and the table, on stderr).
 fn swept_sizes(args: &[&str]) -> (Vec<u64>, String) {
-    let (out, _) = run_within(mtrain(args), Duration::from_secs(60));
+    let out = mtrain(args).bounded_output_within(Duration::from_secs(60));
     let stderr = text(&out.stderr);
     assert!(out.status.success(), "{args:?}: {stderr}");
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -433,10 +419,8 @@ fn a_sweep_from_zero_bytes_measures_every_size_up_to_the_largest() {
     assert!(table.contains("# Out of bounds values : 0 OK"), "{table}");
     // A factor that never grows the size is refused, naming the flag.
     for f in ["1", "0"] {
-        let (out, _) = run_within(
-            mtrain(&["bench-comm", "-b", "0", "-e", "64", "-f", f]),
-            Duration::from_secs(30),
-        );
+        let out = mtrain(&["bench-comm", "-b", "0", "-e", "64", "-f", f])
+            .bounded_output_within(Duration::from_secs(30));
         let stderr = text(&out.stderr);
         assert!(!out.status.success(), "-f {f} ran: {}", text(&out.stdout));
         assert!(
@@ -448,10 +432,8 @@ fn a_sweep_from_zero_bytes_measures_every_size_up_to_the_largest() {
 
 #[test]
 fn plan_prints_the_8_rank_grid() {
-    let (out, _) = run_within(
-        mtrain(&["plan", "--dp", "2", "--pp", "2", "--tp", "2"]),
-        Duration::from_secs(30),
-    );
+    let out = mtrain(&["plan", "--dp", "2", "--pp", "2", "--tp", "2"])
+        .bounded_output_within(Duration::from_secs(30));
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(
@@ -524,8 +506,8 @@ fn two_nodes_on_loopback_form_one_job() {
             "-w",
             "0",
         ];
-        let cmd = mtrain(&args);
-        std::thread::spawn(move || run_within(cmd, Duration::from_secs(60)).0)
+        let mut cmd = mtrain(&args);
+        std::thread::spawn(move || cmd.bounded_output_within(Duration::from_secs(60)))
     };
     let (n0, n1) = (node("0"), node("1"));
     let (out0, out1) = (n0.join().unwrap(), n1.join().unwrap());
@@ -616,7 +598,7 @@ fn no_worker_outlives_a_launcher_killed_by_sigkill() {
     let mut args = vec!["--nproc-per-node", "2", "--run-dir", run_dir];
     args.extend(LONG_TRAINING);
     let mut cmd = mtrain(&args);
-    cmd.stdout(Stdio::null());
+    cmd.stdout(Stdio::null()).stderr(Stdio::piped());
     let mut launcher: Child = cmd.spawn().expect("spawn");
     let stderr = collect(launcher.stderr.take().expect("stderr"));
     // Training is under way once rank 0 logged a step.
@@ -667,7 +649,7 @@ fn workers_of_an_external_launcher_end_when_the_store_host_dies() {
         ] {
             cmd.env(k, v);
         }
-        cmd.stdout(Stdio::null());
+        cmd.stdout(Stdio::null()).stderr(Stdio::piped());
         let mut child = cmd.spawn().expect("spawn a worker");
         let stderr = collect(child.stderr.take().expect("stderr"));
         (child, stderr)
@@ -773,7 +755,7 @@ fn a_job_started_by_torchrun_meets_beside_torchruns_store() {
         cmd.env("MASTER_PORT", port.to_string())
             .env_remove("MTRAIN_JOB_ID")
             .env_remove("MTRAIN_STORE_PORT");
-        std::thread::spawn(move || run_within(cmd, Duration::from_secs(120)).0)
+        std::thread::spawn(move || cmd.bounded_output_within(Duration::from_secs(120)))
     };
     let (r0, r1) = (spawn(0), spawn(1));
     let (out0, out1) = (r0.join().unwrap(), r1.join().unwrap());
@@ -801,7 +783,7 @@ fn a_job_started_by_torchrun_meets_beside_torchruns_store() {
     }
     cmd.env("MASTER_PORT", port.to_string())
         .env_remove("TORCHELASTIC_USE_AGENT_STORE");
-    let (out, _) = run_within(cmd, Duration::from_secs(60));
+    let out = cmd.bounded_output_within(Duration::from_secs(60));
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
@@ -820,7 +802,7 @@ fn bench_comm_json_on_stdout_parses() {
         "--nproc-per-node", "2", "bench-comm", "-b", "64", "-e", "1K", "-f", "4", "-n", "2", "-w",
         "0", "-d", "bfloat16", "-o", "max", "--json", "-",
     ];
-    let (out, _) = run_within(mtrain(&args), Duration::from_secs(60));
+    let out = mtrain(&args).bounded_output_within(Duration::from_secs(60));
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert!(out.status.success(), "{stderr}");
     let report: serde_json::Value = serde_json::from_str(&stdout)
@@ -839,15 +821,14 @@ fn bench_comm_json_on_stdout_parses() {
     );
 
     // -c 0: nothing checked, and the table says so.
-    let (out, _) = run_within(
-        mtrain(&["--nproc-per-node", "2", "bench-comm", "-b", "64", "-e", "64", "-n", "1", "-c", "0"]),
-        Duration::from_secs(60),
-    );
+    let out = mtrain(&["--nproc-per-node", "2", "bench-comm", "-b", "64", "-e", "64", "-n", "1", "-c", "0"])
+        .bounded_output_within(Duration::from_secs(60));
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(stdout.contains("N/A") && stdout.contains("not checked (-c 0)"), "{stdout}");
     // A reduction for an op that does not reduce is refused.
-    let (out, _) = run_within(mtrain(&["bench-comm", "--op", "all-gather", "-o", "min"]), Duration::from_secs(30));
+    let out = mtrain(&["bench-comm", "--op", "all-gather", "-o", "min"])
+        .bounded_output_within(Duration::from_secs(30));
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("-o/--reduce-op min applies to all-reduce and reduce-scatter, not all-gather"), "{}", text(&out.stderr));
 }
@@ -864,7 +845,7 @@ fn step_lines_come_from_rank_0_and_mfu_is_per_device() {
         "--tp", "2", "--steps", "2", "--log-every", "1", "--eval-every", "0", "--batch-size", "2",
         "--set", "peak_flops=1e12", "--run-dir", rd,
     ];
-    let (out, _) = run_within(mtrain(&base), Duration::from_secs(120));
+    let out = mtrain(&base).bounded_output_within(Duration::from_secs(120));
     let stderr = text(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     let step_lines: Vec<&str> = stderr.lines().filter(|l| l.contains("step 2/2 |")).collect();
@@ -886,7 +867,7 @@ fn step_lines_come_from_rank_0_and_mfu_is_per_device() {
 
     let mut again = base.to_vec();
     again.extend(["--log-ranks", "--overwrite"]);
-    let (out, _) = run_within(mtrain(&again), Duration::from_secs(120));
+    let out = mtrain(&again).bounded_output_within(Duration::from_secs(120));
     let stderr = text(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     for rank in 0..2 {
@@ -909,7 +890,7 @@ fn a_run_directory_belongs_to_one_run() {
         let steps = if extra.contains(&"--resume") { "2" } else { "1" };
         let mut args = vec!["--steps", steps, "--eval-every", "0", "--batch-size", "2", "--run-dir", rd];
         args.extend_from_slice(extra);
-        run_within(mtrain(&args), Duration::from_secs(120)).0
+        mtrain(&args).bounded_output_within(Duration::from_secs(120))
     };
     let first = short(&[]);
     assert!(first.status.success(), "{}", text(&first.stderr));
@@ -939,7 +920,7 @@ fn a_run_directory_belongs_to_one_run() {
         .collect();
     assert_eq!(lines.iter().map(|l| l["step"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1]);
     assert!(lines[0]["run"].is_string() && lines[0]["run"] == lines[1]["run"], "{lines:?}");
-    let (out, _) = run_within(mtrain(&["plot", rd]), Duration::from_secs(60));
+    let out = mtrain(&["plot", rd]).bounded_output_within(Duration::from_secs(60));
     assert!(out.status.success(), "{}", text(&out.stderr));
 
     // Two runs at once: the second is refused while the first lives, even with --overwrite.
@@ -948,15 +929,12 @@ fn a_run_directory_belongs_to_one_run() {
     let mut args = vec!["--run-dir", busy_arg];
     args.extend(LONG_TRAINING);
     let mut cmd = mtrain(&args);
-    cmd.stdout(Stdio::null());
+    cmd.stdout(Stdio::null()).stderr(Stdio::piped());
     let mut running = cmd.spawn().expect("spawn");
     let err = collect(running.stderr.take().expect("stderr"));
     wait_for(&err, "step 1/", Duration::from_secs(60));
-    let second = run_within(
-        mtrain(&["--steps", "1", "--run-dir", busy_arg, "--overwrite"]),
-        Duration::from_secs(60),
-    )
-    .0;
+    let second = mtrain(&["--steps", "1", "--run-dir", busy_arg, "--overwrite"])
+        .bounded_output_within(Duration::from_secs(60));
     let stderr = text(&second.stderr);
     let _ = running.kill();
     let _ = running.wait();
@@ -966,11 +944,8 @@ fn a_run_directory_belongs_to_one_run() {
         "{stderr}"
     );
     // The killed run's lock died with it.
-    let third = run_within(
-        mtrain(&["--steps", "1", "--eval-every", "0", "--batch-size", "2", "--run-dir", busy_arg, "--overwrite"]),
-        Duration::from_secs(120),
-    )
-    .0;
+    let third = mtrain(&["--steps", "1", "--eval-every", "0", "--batch-size", "2", "--run-dir", busy_arg, "--overwrite"])
+        .bounded_output_within(Duration::from_secs(120));
     assert!(third.status.success(), "{}", text(&third.stderr));
 }
 

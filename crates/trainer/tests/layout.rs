@@ -4,7 +4,6 @@
 //! checkpoint records it.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
 
 use clap::Parser;
 use mtrain_trainer::cli::Cli;
@@ -13,9 +12,7 @@ use mtrain_trainer::resolve;
 use serde_json::Value;
 
 mod common;
-use common::BoundedOutput;
-
-const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
+use common::{losses, run_mtrain, text};
 
 /// A short run of the tiny model: 3 steps of 4 sequences of 32 tokens, a loss every step.
 const TRAIN: &str = r#"
@@ -34,47 +31,15 @@ fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     path
 }
 
-fn mtrain(args: &[&str]) -> Output {
-    Command::new(MTRAIN)
-        .args(args)
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .env_remove("MTRAIN_FAIL_RANK")
-        .env_remove("MTRAIN_FAIL_MODE")
-        .stdin(Stdio::null())
-        .bounded_output()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
 /// Runs `mtrain args --run-dir dir`, which must succeed; returns its output.
 fn train(args: &[&str], dir: &Path) -> String {
     let run_dir = dir.display().to_string();
     let mut all = args.to_vec();
     all.extend(["--run-dir", &run_dir]);
-    let o = mtrain(&all);
+    let o = run_mtrain(&all);
     let t = text(&o);
     assert!(o.status.success(), "mtrain {all:?} failed:\n{t}");
     t
-}
-
-/// The (step, loss) series of a run directory's metrics.jsonl, losses as exact bit patterns.
-fn losses(dir: &Path) -> Vec<(u64, u64)> {
-    let s = std::fs::read_to_string(dir.join("metrics.jsonl")).expect("metrics.jsonl");
-    s.lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| {
-            let v: Value = serde_json::from_str(l).expect("a JSON line");
-            let loss = v["loss"].as_f64().expect("loss");
-            (v["step"].as_u64().expect("step"), loss.to_bits())
-        })
-        .collect()
 }
 
 /// The `parallel` table recorded in the run's latest checkpoint.
@@ -119,9 +84,13 @@ fn a_parallel_table_runs_the_same_job_as_the_flags() {
             "no 4-rank layout line in:\n{out}"
         );
     }
-    let series = losses(&from_table);
+    // (step, loss bits): the same job, bit for bit.
+    let bits = |dir: &Path| -> Vec<(u64, u64)> {
+        losses(dir).into_iter().map(|(s, l)| (s, l.to_bits())).collect()
+    };
+    let series = bits(&from_table);
     assert_eq!(series.len(), 3, "one loss per step");
-    assert_eq!(series, losses(&from_flags), "the same job, bit for bit");
+    assert_eq!(series, bits(&from_flags), "the same job, bit for bit");
     // The checkpoint records the layout the run had, dp written out.
     for run in [&from_table, &from_flags] {
         let p = recorded_parallel(run);
@@ -179,7 +148,7 @@ fn a_bad_parallel_table_is_refused_by_name() {
         "unknown.toml",
         &format!("{TRAIN}\n[parallel]\ntp = 2\ntensor_parallel = 2\n"),
     );
-    let o = mtrain(&["--config", &unknown.display().to_string()]);
+    let o = run_mtrain(&["--config", &unknown.display().to_string()]);
     assert!(!o.status.success());
     assert!(text(&o).contains("tensor_parallel"), "{}", text(&o));
     // Numbers that do not fit are the plan's one check, with the arithmetic and the source.
@@ -188,7 +157,7 @@ fn a_bad_parallel_table_is_refused_by_name() {
         "misfit.toml",
         &format!("{TRAIN}\n[parallel]\ndp = 2\ntp = 2\n"),
     );
-    let o = mtrain(&[
+    let o = run_mtrain(&[
         "--config",
         &misfit.display().to_string(),
         "--nproc-per-node",
@@ -212,7 +181,7 @@ fn parity_compares_the_table_layout_with_one_rank() {
         &format!("{TRAIN}\n[parallel]\ntp = 2\nschedule = \"gpipe\"\n"),
     );
     let out = dir.path().join("parity");
-    let o = mtrain(&[
+    let o = run_mtrain(&[
         "parity",
         "--config",
         &table.display().to_string(),

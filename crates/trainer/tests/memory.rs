@@ -21,14 +21,11 @@
 //! is installed too, for the tape path's check, which runs the engine here.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
 
 use serde_json::Value;
 
 mod common;
-use common::BoundedOutput;
-
-const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
+use common::{mtrain, BoundedOutput};
 
 #[global_allocator]
 static ALLOC: mtrain_trainer::memory::CountingAlloc = mtrain_trainer::memory::CountingAlloc;
@@ -76,12 +73,8 @@ fn model_state(extra: &[&str]) -> Vec<(usize, f64, f64)> {
         &run_dir,
     ];
     args.extend_from_slice(extra);
-    let out = Command::new(MTRAIN)
-        .args(&args)
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
+    let out = mtrain(&args)
         .env("RAYON_NUM_THREADS", "1")
-        .stdin(Stdio::null())
         .bounded_output();
     let text = format!(
         "{}{}",
@@ -166,7 +159,7 @@ fn plan_prints_the_reports_analytic_figures() {
     let _serial = one_at_a_time();
     use clap::Parser;
     use mtrain_trainer::cli::Cli;
-    use mtrain_trainer::plan::{rank_memory, render_memory};
+    use mtrain_trainer::tools::plan::{rank_memory, render_memory};
 
     let layouts: [&[&str]; 9] = [
         &["--set", "grad_accum=2"],
@@ -199,11 +192,7 @@ fn plan_prints_the_reports_analytic_figures() {
         let planned = rank_memory(cfg, plan).expect("rank memory");
         let mut plan_args = vec!["plan"];
         plan_args.extend_from_slice(&flags);
-        let out = Command::new(MTRAIN)
-            .args(&plan_args)
-            .env_remove("RANK")
-            .stdin(Stdio::null())
-            .bounded_output();
+        let out = mtrain(&plan_args).bounded_output();
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success(),
@@ -220,12 +209,7 @@ fn plan_prints_the_reports_analytic_figures() {
         let run_dir = dir.path().display().to_string();
         let mut train = flags.clone();
         train.extend(["--steps", "1", "--mem-report", "--run-dir", &run_dir]);
-        let out = Command::new(MTRAIN)
-            .args(&train)
-            .env_remove("RANK")
-            .env_remove("WORLD_SIZE")
-            .stdin(Stdio::null())
-            .bounded_output();
+        let out = mtrain(&train).bounded_output();
         assert!(
             out.status.success(),
             "{layout:?}: {}",
@@ -319,12 +303,8 @@ fn phases(layout: &[&str], n_embd: usize) -> Vec<(usize, Value, Value)> {
         "--run-dir",
         &run_dir,
     ]);
-    let out = Command::new(MTRAIN)
-        .args(&args)
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
+    let out = mtrain(&args)
         .env("RAYON_NUM_THREADS", "1")
-        .stdin(Stdio::null())
         .bounded_output();
     assert!(
         out.status.success(),

@@ -12,40 +12,11 @@
 //! Tiny model (the built-in preset), 2 sequences of 32 tokens per dp rank, 5 steps.
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
 
 use serde_json::Value;
 
 mod common;
-use common::BoundedOutput;
-
-const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
-
-fn mtrain(args: &[&str]) -> Output {
-    Command::new(MTRAIN)
-        .args(args)
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .env_remove("MTRAIN_FAIL_RANK")
-        .env_remove("MTRAIN_FAIL_MODE")
-        .stdin(Stdio::null())
-        .bounded_output()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-fn tmp(tag: &str) -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix(&format!("mtrain-{tag}-"))
-        .tempdir()
-        .expect("temp dir")
-}
+use common::{run_mtrain, text, tmp};
 
 /// `mtrain parity --dtype bf16` of `vs` against one bf16 rank over 5 steps, gradients reduced
 /// in `reduce`; asserts loss rel ≤ 2e-3 and returns the largest loss difference seen.
@@ -53,7 +24,7 @@ fn bf16_parity(vs: &str, reduce: &str) -> f64 {
     let dir = tmp("bf16-parity");
     let out_dir = dir.path().display().to_string();
     let reduce = format!("grad_reduce_dtype={reduce}");
-    let o = mtrain(&[
+    let o = run_mtrain(&[
         "parity",
         "--vs",
         vs,
@@ -138,7 +109,7 @@ fn train_bf16(layout: &[&str], batch: &str, steps: &str, run_dir: &Path, extra: 
         &rd,
     ]);
     args.extend_from_slice(extra);
-    let o = mtrain(&args);
+    let o = run_mtrain(&args);
     assert!(o.status.success(), "mtrain {args:?} failed:\n{}", text(&o));
 }
 
@@ -199,7 +170,7 @@ fn bf16_checkpoints_hold_fp32_masters_equal_to_one_rank_within_the_adam_bound() 
     // And the layout did compute in bf16: the same layout in f32 ends elsewhere.
     let f32_run = tmp("f32-zero3");
     let rd = f32_run.path().display().to_string();
-    let o = mtrain(&[
+    let o = run_mtrain(&[
         "--dp",
         "2",
         "--fsdp",
@@ -248,7 +219,7 @@ fn analytic(layout: &[&str], dtype: &str) -> (f64, f64, f64) {
         "--run-dir",
         &rd,
     ]);
-    let o = mtrain(&args);
+    let o = run_mtrain(&args);
     assert!(o.status.success(), "mtrain {args:?} failed:\n{}", text(&o));
     let s = std::fs::read_to_string(dir.path().join("memory.jsonl")).expect("memory.jsonl");
     let line: Value = s

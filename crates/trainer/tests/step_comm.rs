@@ -15,24 +15,14 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::Output;
 
 use serde_json::Value;
 
 mod common;
-use common::BoundedOutput;
+use common::{run_mtrain};
 
-const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
 const STEPS: u64 = 3;
-
-fn mtrain(args: &[String]) -> Output {
-    Command::new(MTRAIN)
-        .args(args)
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .stdin(Stdio::null())
-        .bounded_output()
-}
 
 fn ok(o: &Output, what: &str) -> String {
     let s = format!(
@@ -83,7 +73,7 @@ fn check(layout: &[&str], world: usize, group_size: impl Fn(&str) -> usize, exac
         .iter()
         .map(|s| s.to_string()),
     );
-    ok(&mtrain(&train), "training");
+    ok(&run_mtrain(&train), "training");
 
     // (rank, step) -> (collectives, bytes sent, comm ms, exposed ms) of the step reports.
     let mut reports = BTreeMap::new();
@@ -142,7 +132,7 @@ fn check(layout: &[&str], world: usize, group_size: impl Fn(&str) -> usize, exac
     let mut plan = vec!["plan".to_string()];
     plan.extend(args.iter().cloned());
     plan.extend(["--compare".to_string(), run.clone()]);
-    let out = ok(&mtrain(&plan), "plan --compare");
+    let out = ok(&run_mtrain(&plan), "plan --compare");
     let rows: Vec<&str> = out
         .lines()
         .filter(|l| l.starts_with(char::is_numeric))

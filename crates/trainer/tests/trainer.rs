@@ -10,8 +10,8 @@ use mtrain_trainer::checkpoint::{self, CheckpointError};
 use mtrain_trainer::config::{TrainArgs, TrainConfig};
 use mtrain_trainer::data::{corpus, write_shard, DataLoader, DataSource, Dataset, Sampling};
 use mtrain_trainer::memory::CountingAlloc;
-use mtrain_trainer::prepare::{self, PrepareArgs};
-use mtrain_trainer::sample::{self, SampleArgs};
+use mtrain_trainer::tools::prepare::{self, PrepareArgs};
+use mtrain_trainer::tools::sample::{self, SampleArgs};
 use mtrain_trainer::train::{self, TrainSummary};
 
 #[global_allocator]

@@ -1,7 +1,8 @@
-//! The IPC backend against the CPU backend, ranks as processes on the first GPU (skipped
-//! without one): worlds of 2, 4 and 8. Each launcher test starts its ranks as copies of this test binary running
-//! `ipc::tests::worker` with a launch environment; the worker compares every op with the
-//! CPU backend's result on the same host values and exits non-zero on any difference.
+//! The IPC backend against the CPU backend, ranks as processes on the first GPU (without one
+//! the tests fail): worlds of 2, 4 and 8. Each launcher test starts its ranks as copies of this
+//! test binary running `ipc::tests::worker` with a launch environment; the worker compares
+//! every op with the CPU backend's result on the same host values and exits non-zero on any
+//! difference.
 //!
 //! Values are small integers, exact in bf16 and in any order of summation, so sum, max and
 //! min must equal bit for bit; avg (a division) is compared within one bf16 ulp (2^-8 relative)
@@ -20,8 +21,12 @@ use crate::env::LaunchEnv;
 
 const WORKER: &str = "MTRAIN_IPC_TEST_WORKER";
 
-fn gpu() -> Option<Device> {
-    Device::new_cuda(0).ok()
+/// The first GPU; without one the test fails, naming what is missing (a build with the `cuda`
+/// feature runs these tests, and they never pass untested).
+fn gpu() -> Device {
+    Device::new_cuda(0).unwrap_or_else(|e| {
+        panic!("the IPC backend's tests need a CUDA device and none could be opened (a GPU visible through CUDA_VISIBLE_DEVICES, its driver): {e}")
+    })
 }
 
 /// Run `world` ranks of `worker` with `extra` environment; (exit ok, output) per rank.
@@ -72,10 +77,7 @@ fn launch(world: usize, mode: &str, extra: &[(&str, &str)]) -> Vec<(bool, String
 }
 
 fn check_all(world: usize, wait: &str) {
-    if gpu().is_none() {
-        eprintln!("no CUDA device: skipped");
-        return;
-    }
+    gpu(); // here, before any rank starts: no GPU fails the test
     let t = Instant::now();
     let runs = launch(world, "check", &[("MTRAIN_IPC_WAIT", wait)]);
     for (r, (ok, text)) in runs.iter().enumerate() {
@@ -114,9 +116,7 @@ fn ipc_ops_equal_the_cpu_backend_world_2_kernel_waits() {
 /// and the peer.
 #[test]
 fn a_dead_rank_ends_the_op_within_the_timeout() {
-    if gpu().is_none() {
-        return;
-    }
+    gpu(); // here, before any rank starts: no GPU fails the test
     let t = Instant::now();
     let runs = launch(2, "dead", &[]);
     let took = t.elapsed();
@@ -134,7 +134,7 @@ fn worker() {
         return;
     };
     let env = LaunchEnv::from_env().unwrap().unwrap();
-    let dev = gpu().unwrap();
+    let dev = gpu();
     match mode.as_str() {
         "check" => check_worker(&env, &dev),
         "dead" => dead_worker(&env, &dev),

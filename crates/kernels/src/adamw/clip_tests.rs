@@ -1,10 +1,8 @@
 use super::*;
-use candle_core::Device;
 
 #[test]
 fn the_device_coefficient_is_the_host_rule_rounded_once() -> Result<()> {
-    let mut devices = vec![Device::Cpu];
-    devices.extend(crate::testing::cuda());
+    let devices = crate::testing::devices();
     for dev in devices {
         for sq in [
             0.0,

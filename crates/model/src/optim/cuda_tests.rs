@@ -6,16 +6,10 @@ use candle_core::Device;
 /// bf16 copies equal to the cast of the CUDA parameters; the second step clips (a gradient
 /// scale of 0.37). With gradients all bf16 or all f32 the CUDA step is the one in-place
 /// launch (`adamw::step_in_place`, tensors of one, a tail, several 65536-element chunks);
-/// with both dtypes mixed each tensor takes its own fused kernel. Skips without a CUDA device.
+/// with both dtypes mixed each tensor takes its own fused kernel. Fails without a CUDA device.
 #[test]
 fn cuda_fused_steps_match_the_cpu_path() -> Result<()> {
-    let gpu = match Device::new_cuda(0) {
-        Ok(d) => d,
-        Err(_) => {
-            eprintln!("skipped: no CUDA device");
-            return Ok(());
-        }
-    };
+    let gpu = mtrain_kernels::testing::cuda();
     let cpu = Device::Cpu;
     let mixed = [DType::F32, DType::BF16, DType::BF16, DType::F32];
     for (gdtypes, in_place) in [

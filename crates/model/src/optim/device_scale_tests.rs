@@ -1,19 +1,13 @@
 use super::*;
-use candle_core::Device;
 
 /// A clip coefficient handed over as one f32 on the device (`GradScale::OnDevice`, what the
 /// training loop passes) gives the same parameters, moments and bf16 copies, bit for bit, as
-/// the same number handed over by the host, on the CPU and (where there is one) on CUDA, with
+/// the same number handed over by the host, on the CPU and (on a CUDA build) on CUDA, with
 /// the gradients of one dtype (the one in-place launch reads it there) and of two (each
 /// tensor's own kernel, the number read back first).
 #[test]
 fn a_scale_on_the_device_equals_the_same_scale_from_the_host() -> Result<()> {
-    let cuda = if cfg!(feature = "cuda") {
-        Device::new_cuda(0).ok()
-    } else {
-        None
-    };
-    let devices: Vec<Device> = std::iter::once(Device::Cpu).chain(cuda).collect();
+    let devices = mtrain_kernels::testing::devices();
     let sizes = [4097usize, 33, 1, 3 * 65536 + 5];
     let wave = |n: usize, phase: f32| -> Vec<f32> {
         (0..n).map(|i| (i as f32 * 0.37 + phase).cos()).collect()

@@ -1,13 +1,14 @@
 //! What the parallel crate's integration tests share: the relative errors every comparison
-//! against the single-device run is measured with, the tiny GPT configs, the plan shorthands,
-//! and the optimizer items of a reference run that holds every parameter whole.
+//! against the single-device run is measured with, deterministic tensors, the tiny GPT configs,
+//! the plan shorthands, AdamW, and the optimizer items of a reference run that holds every
+//! parameter whole.
 //!
 //! Each test file includes this module (`mod common;`) and uses its own subset of it.
 #![allow(dead_code)]
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use mtrain_comm::MeshDims;
-use mtrain_model::optim::OptimItem;
+use mtrain_model::optim::{AdamW, AdamWConfig, OptimItem};
 use mtrain_model::{GptConfig, MoeConfig, Param};
 use mtrain_parallel::fsdp::{FsdpConfig, ZeroStage};
 use mtrain_parallel::parallelize::{DataParallelKind, ParallelPlan};
@@ -34,6 +35,20 @@ pub fn rel(a: &Tensor, b: &Tensor) -> f64 {
 /// |a − b| / |b| (|b| floored at 1e-12).
 pub fn rel_f(a: f64, b: f64) -> f64 {
     (a - b).abs() / b.abs().max(1e-12)
+}
+
+/// A deterministic tensor with entries in [-1, 1).
+pub fn det(shape: &[usize], seed: u64) -> Tensor {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).expect("tensor")
+}
+
+/// AdamW with its default hyperparameters.
+pub fn adamw() -> AdamW {
+    AdamW::new(AdamWConfig::default())
 }
 
 /// A dense GPT small enough for a test: vocabulary 64, context 16.

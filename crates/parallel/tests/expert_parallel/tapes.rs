@@ -6,7 +6,7 @@ use super::*;
 
 use mtrain_model::Backward;
 
-use crate::common::rel;
+use crate::common::{det, rel};
 
 /// rel ≤ 1e-5 in f32 for every gradient a tape returns.
 const TAPE_TOL: f64 = 1e-5;
@@ -25,14 +25,6 @@ fn gap(got: &Tensor, want: &Tensor) -> f64 {
         0.0 => norm(got),
         _ => rel(got, want),
     }
-}
-
-/// A deterministic tensor with entries in [-1, 1).
-fn det(shape: &[usize], seed: u64) -> Tensor {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).expect("tensor")
 }
 
 /// Each rank's first expert-parallel MoE block: its tape (which it must have) against

@@ -9,7 +9,7 @@ use clap::Args;
 use mtrain_comm::mesh::MeshDims;
 
 use super::merged;
-use crate::config::ParallelConfig;
+use crate::config::{DeviceKind, ParallelConfig};
 use crate::launch::{LaunchSpec, MAX_WORLD};
 use crate::layout::{CommChoice, Layout, LayoutError, MAX_COMM_TIMEOUT_S};
 
@@ -67,7 +67,8 @@ pub struct LayoutArgs {
 
     /// The collective backend on GPUs: nccl (one GPU per rank), ipc (the node's ranks read each
     /// other's GPU memory through CUDA IPC, several ranks per GPU allowed), staged (the CPU
-    /// backend through the host), auto (nccl, or ipc where ranks share a GPU; the default).
+    /// backend through the host), auto (nccl, or ipc where ranks share a GPU; the default). Any
+    /// but auto needs --device cuda: the CPU device always runs the CPU backend.
     #[arg(long, value_enum, value_name = "BACKEND")]
     pub comm: Option<CommChoice>,
 
@@ -102,6 +103,21 @@ impl LayoutArgs {
 }
 
 impl LayoutArgs {
+    /// Refuses a flag that acts only on CUDA GPUs when the run's `device` is another one, naming
+    /// the flag and what it needs, rather than running without it: `--comm` other than `auto`
+    /// (the CPU device always runs its collectives on the CPU backend).
+    pub fn check_device(&self, device: DeviceKind) -> Result<(), LayoutError> {
+        match self.comm {
+            Some(comm) if comm != CommChoice::Auto && device != DeviceKind::Cuda => {
+                Err(LayoutError::NeedsCuda {
+                    flag: format!("--comm {comm}"),
+                    why: "it picks the collective backend of ranks on GPUs, and on the CPU device the collectives always run on the CPU backend (TCP)",
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// The layout of `parallel` (the resolved `[parallel]` table, these flags included) on this
     /// job's processes: the world size and whatever degree was left out. `launched_world` is
     /// `WORLD_SIZE` when this process was started by a launcher. Whether the numbers fit together

@@ -25,7 +25,8 @@ pub struct StrategyArgs {
     #[arg(long)]
     pub sequence_parallel: bool,
 
-    /// Pipeline schedule (default 1f1b): gpipe, 1f1b, interleaved:V, zb-h1 or zb-v.
+    /// Pipeline schedule (default 1f1b): gpipe, 1f1b, interleaved (its model chunks per rank
+    /// from --virtual-stages), zb-h1 or zb-v.
     #[arg(long, value_enum, alias = "pp-schedule")]
     pub schedule: Option<Schedule>,
 

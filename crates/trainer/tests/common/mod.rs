@@ -1,12 +1,96 @@
-//! What the trainer's integration tests share: running a command (mtrain, torchrun, Python) so
-//! that a hang fails the test with every thread's stack instead of stalling the suite, and the
-//! same guard for work a test does in its own process.
+//! What the trainer's integration tests share: the `mtrain` command, never taken for a worker;
+//! running a command (mtrain, torchrun, Python) so that a hang fails the test with every
+//! thread's stack instead of stalling the suite, and the same guard for work a test does in its
+//! own process.
 //!
 //! Each test file that runs commands includes this module (`mod common;`).
 #![allow(dead_code)]
 
+use std::ffi::OsStr;
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
+
+/// The `mtrain` binary of this build.
+pub const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
+
+/// What a launcher sets (torchrun's and mtrain's own) and the launcher tests' failure hooks:
+/// none of it may leak from the environment the tests run in into a command they start.
+const LAUNCH_VARS: [&str; 11] = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "MTRAIN_JOB_ID",
+    "MTRAIN_STORE_PORT",
+    "MTRAIN_FAIL_RANK",
+    "MTRAIN_FAIL_MODE",
+    "TORCHELASTIC_USE_AGENT_STORE",
+];
+
+/// `cmd` with [`LAUNCH_VARS`] removed, so that it is never taken for a worker (a test sets what
+/// it means to set after this), and its stdin closed.
+pub fn clean_env(cmd: &mut Command) -> &mut Command {
+    for var in LAUNCH_VARS {
+        cmd.env_remove(var);
+    }
+    cmd.stdin(Stdio::null())
+}
+
+/// `mtrain args` ([`clean_env`]): run it with [`BoundedOutput`], or spawn it.
+pub fn mtrain<I, S>(args: I) -> Command
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    let mut cmd = Command::new(MTRAIN);
+    cmd.args(args);
+    clean_env(&mut cmd);
+    cmd
+}
+
+/// `mtrain args` run to its end within [`command_deadline`]; what it printed.
+pub fn run_mtrain<I, S>(args: I) -> Output
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    mtrain(args).bounded_output()
+}
+
+/// A fresh temporary directory named `mtrain-TAG-...`, removed when dropped.
+pub fn tmp(tag: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("mtrain-{tag}-"))
+        .tempdir()
+        .expect("temp dir")
+}
+
+/// The (step, loss) series of a run directory's metrics.jsonl, in its order.
+pub fn losses(run_dir: &Path) -> Vec<(u64, f64)> {
+    let s = std::fs::read_to_string(run_dir.join("metrics.jsonl")).expect("metrics.jsonl");
+    s.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
+            (
+                v["step"].as_u64().expect("step"),
+                v["loss"].as_f64().expect("loss"),
+            )
+        })
+        .collect()
+}
+
+/// What a command printed: its stdout, then its stderr.
+pub fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
 
 /// The longest one command of these tests may take: they take seconds, and a slow machine
 /// minutes. `MTRAIN_TEST_DEADLINE_S` sets another (seconds).
@@ -18,14 +102,18 @@ pub fn command_deadline() -> Duration {
     Duration::from_secs(secs)
 }
 
-/// [`output`] as a method, in place of `Command::output`.
+/// [`output`] and [`output_within`] as methods, in place of `Command::output`.
 pub trait BoundedOutput {
     fn bounded_output(&mut self) -> Output;
+    fn bounded_output_within(&mut self, limit: Duration) -> Output;
 }
 
 impl BoundedOutput for Command {
     fn bounded_output(&mut self) -> Output {
         output(self)
+    }
+    fn bounded_output_within(&mut self, limit: Duration) -> Output {
+        output_within(self, limit)
     }
 }
 
@@ -34,6 +122,12 @@ impl BoundedOutput for Command {
 /// processes (gdb, where the machine has it) and what it printed so far, and is killed with its
 /// children: a test never hangs on it.
 pub fn output(cmd: &mut Command) -> Output {
+    output_within(cmd, command_deadline())
+}
+
+/// [`output`] with a deadline of the test's own, `limit`: for a test whose command must end
+/// sooner than any command may (a launcher that stops a failing job within seconds).
+pub fn output_within(cmd: &mut Command, limit: Duration) -> Output {
     use std::io::Read;
     use std::os::unix::process::CommandExt;
     // Its own process group, so its children (torchrun's workers) are found and killed with it.
@@ -52,12 +146,12 @@ pub fn output(cmd: &mut Command) -> Output {
     };
     let stdout = drain(Box::new(child.stdout.take().unwrap()));
     let stderr = drain(Box::new(child.stderr.take().unwrap()));
-    let (t0, deadline) = (Instant::now(), command_deadline());
+    let t0 = Instant::now();
     let status = loop {
         if let Some(status) = child.try_wait().expect("wait") {
             break status;
         }
-        if t0.elapsed() > deadline {
+        if t0.elapsed() > limit {
             let stacks = group_stacks(child.id());
             // SAFETY: kill(2) on the process group this function created; no memory is touched.
             unsafe { libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL) };
@@ -70,7 +164,7 @@ pub fn output(cmd: &mut Command) -> Output {
             );
             panic!(
                 "{cmd:?} did not finish within {} s; killed. Its threads' stacks:\n{stacks}\nWhat it printed:\n{printed}",
-                deadline.as_secs()
+                limit.as_secs_f64()
             );
         }
         std::thread::sleep(Duration::from_millis(20));

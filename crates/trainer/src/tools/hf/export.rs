@@ -30,7 +30,7 @@ use super::{
 };
 use crate::checkpoint;
 use crate::data::DataSource;
-use crate::prepare::END_OF_TEXT;
+use crate::tools::prepare::END_OF_TEXT;
 
 const TOKENIZER_FILE: &str = "tokenizer.json";
 const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";

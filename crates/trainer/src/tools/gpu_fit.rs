@@ -70,7 +70,7 @@ pub fn predicted_per_rank(
     plan: &ParallelPlan,
     launch: &LaunchSpec,
 ) -> anyhow::Result<Vec<u64>> {
-    let stages = crate::plan::rank_memory(cfg, plan)?;
+    let stages = crate::tools::plan::rank_memory(cfg, plan)?;
     Ok(launch
         .node_ranks()
         .map(|rank| {
@@ -291,7 +291,7 @@ mod tests {
             master_port: None,
         };
         let got = predicted_per_rank(&cfg, &plan, &launch).unwrap();
-        let stages = crate::plan::rank_memory(&cfg, &plan).unwrap();
+        let stages = crate::tools::plan::rank_memory(&cfg, &plan).unwrap();
         let of = |s: usize| {
             let a = &stages[s].analytic;
             a.params + a.optim + a.peak

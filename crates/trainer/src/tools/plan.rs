@@ -267,7 +267,7 @@ pub fn run(
     }
     print!("{}", render_memory(plan, &rank_memory(cfg, plan)?));
     let (ab, cmp) = (args.alpha_beta.as_deref(), args.compare.as_deref());
-    print!("{}", crate::cost::plan_report(cfg, plan, ab, cmp)?);
+    print!("{}", crate::tools::cost::plan_report(cfg, plan, ab, cmp)?);
     Ok(())
 }
 

@@ -18,7 +18,7 @@ use crate::checkpoint;
 use crate::config::DeviceKind;
 use crate::data::chars::{CharVocab, CHARS_FILE};
 use crate::data::DataSource;
-use crate::prepare;
+use crate::tools::prepare;
 
 /// Arguments of `mtrain sample`.
 #[derive(Debug, Clone, clap::Args)]

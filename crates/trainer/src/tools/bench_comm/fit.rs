@@ -10,7 +10,7 @@ use mtrain_comm::OpKind;
 
 use super::{BenchCommArgs, BenchError, BenchOp, BenchReport};
 use crate::config::DeviceKind;
-use crate::cost::{fit_alpha_beta, AlphaBetaTable, CostError, Fit};
+use crate::tools::cost::{fit_alpha_beta, AlphaBetaTable, CostError, Fit};
 
 /// Fit `report`'s sweep, merge it into the table at `path`, and say so on `table` (the
 /// human-readable output): `--fit`'s whole effect.
@@ -32,7 +32,7 @@ pub(super) fn record(
         args.step_factor,
         args.iters,
         report.world_size,
-        crate::cost::today()
+        crate::tools::cost::today()
     );
     let fit =
         write_fit(path, report, backend, &command).map_err(|e| BenchError::Fit(e.to_string()))?;
