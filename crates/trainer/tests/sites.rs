@@ -15,31 +15,21 @@
 //! setup's checks and the checkpoint's gathers are the loop's own and are not.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
 
 use serde_json::Value;
 
 mod common;
-use common::BoundedOutput;
-
-const MTRAIN: &str = env!("CARGO_BIN_EXE_mtrain");
+use common::{mtrain, tmp, BoundedOutput};
 
 /// The collective events (category "comm") of `trace.json` after 3 steps under `layout`.
 fn traced_collectives(layout: &[&str], config: &str) -> Vec<Value> {
-    let dir = tempfile::Builder::new()
-        .prefix("mtrain-sites-")
-        .tempdir()
-        .expect("temp dir");
+    let dir = tmp("sites");
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs").join(config);
-    let o = Command::new(MTRAIN)
-        .args(layout)
+    let o = mtrain(layout)
         .args(["--config", &config.display().to_string()])
         .args(["--steps", "3", "--batch-size", "4", "--seq-len", "32"])
         .args(["--eval-every", "2", "--trace", "--run-dir"])
         .arg(dir.path())
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .stdin(Stdio::null())
         .bounded_output();
     assert!(
         o.status.success(),
