@@ -4,8 +4,8 @@
 //! # Layout
 //! The techniques, each readable on its own:
 //! - [`ops`]: differentiable collectives (Megatron's f and g, gather/scatter, sequence-parallel pairs).
-//! - [`ddp`]: data parallelism: bucketed all-reduce overlapping backward, the [`ddp::DataParallel`]
-//!   API every data-parallel strategy offers the loop, and the composed plan's dp average
+//! - [`ddp`]: data parallelism: bucketed all-reduce overlapping backward, the check that the
+//!   replicas start equal, and the composed plan's dp average
 //!   ([`ddp::average`], dense over dp, experts over edp), after the flush or inside the last
 //!   backward. All data parallelism lives here, whatever model it averages.
 //! - [`fsdp`]: ZeRO-1/2/3 sharding of optimizer state, gradients and parameters.

@@ -19,7 +19,6 @@ use candle_core::{DType, Tensor};
 use mtrain_model::init::param_specs;
 use mtrain_model::optim::{AdamW, AdamWState};
 
-use crate::ddp::DataParallel;
 use crate::mixed_precision::MasterWeights;
 use crate::placement::owner_of;
 use crate::runtime::{FullReplicas, ParallelModel, Replicas, Result};

@@ -22,7 +22,7 @@ use candle_core::{Device, Tensor};
 use mtrain_comm::{run_local, Backend, Comm, DeviceMesh, MeshDims, OpKind};
 use mtrain_model::optim::AdamW;
 use mtrain_model::{init_weights, Backward, Engine, Gpt, GptConfig, Grads, NoHooks, Segment};
-use mtrain_parallel::ddp::{DataParallel, DdpConfig, DdpMode, ModelStateBytes};
+use mtrain_parallel::ddp::{DdpConfig, DdpMode, ModelStateBytes};
 use mtrain_parallel::fsdp::{analytic_model_state, Fsdp, FsdpConfig, ZeroStage};
 use mtrain_parallel::parallelize::{parallelize, DataParallelKind, ParallelModel, ParallelPlan};
 
@@ -124,7 +124,7 @@ fn single_device_full(steps: usize) -> (RunResult, BTreeMap<String, Tensor>, Ada
 /// plan's engine, the default), ZeRO's `Fsdp` runs on its own under the test's engine.
 enum Strategy {
     Model(Box<ParallelModel>),
-    Alone(Box<dyn DataParallel>),
+    Alone(Box<Fsdp>),
 }
 
 impl Strategy {
@@ -301,7 +301,7 @@ fn zero(stage: ZeroStage) -> impl Fn(&dyn Backend) -> Strategy + Sync {
     move |backend| Strategy::Alone(fsdp(stage)(backend.world(), model().segments))
 }
 
-fn fsdp(stage: ZeroStage) -> impl Fn(Comm, Vec<Arc<dyn Segment>>) -> Box<dyn DataParallel> {
+fn fsdp(stage: ZeroStage) -> impl Fn(Comm, Vec<Arc<dyn Segment>>) -> Box<Fsdp> {
     move |comm, segs| {
         Box::new(
             Fsdp::new(

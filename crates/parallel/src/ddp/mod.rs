@@ -44,21 +44,19 @@
 //!
 //! The buckets and their launcher are DDP's one reduction: a composed plan of one stage
 //! ([`crate::ParallelPlan::dp_buckets`]: the world of one, `--dp N`, tp × dp) launches them
-//! from its executor's hooks ([`BucketedDpReduce`]); that is the step the trainer runs and
-//! the tests drive, with dp-only plans for DDP alone. The [`DataParallel`] trait
-//! (`ddp/strategy.rs`) is the API of each strategy on its own, which the tests drive;
-//! [`crate::fsdp`] implements it too. `ddp/average.rs` is the
-//! composed plan's dp average (dense over dp, experts over edp), run after the flush or started
-//! inside the last backward by `ddp/overlap.rs`.
+//! from its executor's hooks ([`BucketedDpReduce`]); that is the step `--dp N` runs. The naive
+//! mode and every plan the buckets do not cover (pipelines, experts) take the composed plan's
+//! dp average, `ddp/average.rs`: one all-reduce per gradient (dense over dp, experts over edp),
+//! after the flush, or started inside the last backward by `ddp/overlap.rs`.
 
 pub mod average;
 mod buckets;
 mod overlap;
-mod strategy;
+mod setup;
 
 pub use buckets::{assign_bucket_sizes, assign_buckets, Bucket, ParamSize};
 pub use overlap::{BucketedDpReduce, OverlappedDpReduce};
-pub use strategy::{verify_same_init, DataParallel, DpError, Result};
+pub use setup::{verify_same_init, DpError, Result};
 // What a strategy reports, under the API's name as well as the toolbox's.
 pub use crate::toolbox::{CommStats, ModelStateBytes};
 

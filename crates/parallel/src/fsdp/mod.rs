@@ -57,6 +57,7 @@
 
 pub mod residency;
 mod scheduler;
+mod state;
 mod unit;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -66,16 +67,18 @@ use std::time::Instant;
 
 use candle_core::{DType, Tensor};
 use mtrain_comm::{Comm, ReduceOp};
-use mtrain_model::optim::{AdamW, AdamWState, OptimItem};
+use mtrain_model::optim::{AdamW, OptimItem};
 use mtrain_model::{Engine, Grads, HookResult, Hooks, Param, Segment};
 
-use crate::ddp::{verify_same_init, DataParallel, DpError, Result};
+use crate::ddp::{verify_same_init, DpError, Result};
 use crate::mixed_precision::{MasterWeights, MixedPrecision};
 use crate::toolbox::{
-    final_after, sq_sum_f64, sum_f64, timed_wait, unique_params, CommStats, ModelStateBytes,
+    clipped_step, final_after, sq_sum_f64, sum_f64, timed_wait, unique_params, CommStats,
     OpTimer,
 };
 use scheduler::{Residency, Scheduler};
+pub use state::analytic_model_state;
+use state::unit_has;
 use unit::FlatUnit;
 
 /// Which model state is sharded across the data-parallel ranks.
@@ -120,38 +123,6 @@ impl Default for FsdpConfig {
     }
 }
 
-/// Per-rank model-state bytes the table above predicts for `n_params` fp32 parameters with Adam
-/// on `dp` ranks (`None`: plain DDP), not counting the segments in flight.
-pub fn analytic_model_state(
-    stage: Option<ZeroStage>,
-    n_params: usize,
-    dp: usize,
-) -> ModelStateBytes {
-    let full = 4 * n_params;
-    let shard = 4 * n_params.div_ceil(dp);
-    match stage {
-        None => ModelStateBytes {
-            params: full,
-            grads: full,
-            optimizer: 2 * full,
-        },
-        Some(ZeroStage::One) => ModelStateBytes {
-            params: full + shard,
-            grads: full + shard,
-            optimizer: 2 * shard,
-        },
-        Some(ZeroStage::Two) => ModelStateBytes {
-            params: full + shard,
-            grads: shard,
-            optimizer: 2 * shard,
-        },
-        Some(ZeroStage::Three) => ModelStateBytes {
-            params: shard,
-            grads: shard,
-            optimizer: 2 * shard,
-        },
-    }
-}
 
 /// Sharded data parallelism over the segments of a model.
 pub struct Fsdp {
@@ -259,39 +230,8 @@ impl Fsdp {
         Ok(())
     }
 
-    /// Bytes of the fp32 master shards (0 without mixed precision).
-    pub fn master_bytes(&self) -> usize {
-        self.masters.as_ref().map_or(0, |m| m.bytes())
-    }
 
-    /// This rank's shard pieces, keyed like the optimizer's state (`<segment>.flat.decay`, ...),
-    /// cut in f32 from full tensors by parameter name (moments, master weights).
-    fn slice_items(&self, full: &BTreeMap<String, Tensor>) -> Result<BTreeMap<String, Tensor>> {
-        let mut out = BTreeMap::new();
-        if full.is_empty() {
-            return Ok(out);
-        }
-        for u in self.units.iter().filter(|u| u.numel > 0) {
-            let flat = u.flatten(DType::F32, |e| full.get(e.param.name()).cloned())?; // (padded,)
-            let (decay, plain) = u.split(&u.my_slice(&flat)?)?;
-            for (name, t) in u.piece_names().into_iter().zip([decay, plain]) {
-                if let (Some(name), Some(t)) = (name, t) {
-                    out.insert(name.to_string(), t);
-                }
-            }
-        }
-        Ok(out)
-    }
 
-    /// The reverse of [`Fsdp::slice_items`]: full f32 tensors by parameter name from shard pieces
-    /// keyed like the optimizer's state (a collective over the data-parallel group).
-    fn gather_items(&self, items: &BTreeMap<String, Tensor>) -> Result<BTreeMap<String, Tensor>> {
-        self.gather_full(|u| {
-            let [d, p] = u.piece_names();
-            let get = |n: Option<&str>| n.and_then(|n| items.get(n)).cloned();
-            u.join(DType::F32, get(d), get(p))
-        })
-    }
 
     /// The hooks for one forward/backward, borrowing this strategy's state.
     fn scheduler(&mut self, recompute: bool, reduce: bool) -> Scheduler<'_> {
@@ -312,47 +252,7 @@ impl Fsdp {
         }
     }
 
-    /// Bytes of unsharded state in flight at the worst moment of a step, on top of
-    /// [`analytic_model_state`]: at stage 3 the gathered weights of a segment and of the one
-    /// being prefetched; at stages 2 and 3 one unit's full gradient before its reduce-scatter.
-    pub fn in_flight_bytes(&self) -> usize {
-        let unit_bytes = |u: &FlatUnit| u.full_bytes();
-        let mut worst = 0;
-        if self.cfg.stage == ZeroStage::Three {
-            for (c, i) in self
-                .chunks
-                .iter()
-                .flat_map(|c| c.clone().map(move |i| (c, i)))
-            {
-                let mut live = self.needs[i].clone();
-                if self.cfg.prefetch && c.contains(&(i + 1)) {
-                    live.extend(&self.needs[i + 1]);
-                }
-                live.sort_unstable();
-                live.dedup();
-                worst = worst.max(live.iter().map(|&u| unit_bytes(&self.units[u])).sum());
-            }
-        }
-        if self.cfg.stage >= ZeroStage::Two {
-            worst += self.units.iter().map(unit_bytes).max().unwrap_or(0);
-        }
-        worst
-    }
 
-    /// Gathers each unit's shards of `shard_of` into full tensors by name (a collective).
-    fn gather_full(
-        &self,
-        shard_of: impl Fn(&FlatUnit) -> candle_core::Result<Tensor>,
-    ) -> Result<BTreeMap<String, Tensor>> {
-        let mut out = BTreeMap::new();
-        for u in self.units.iter().filter(|u| u.numel > 0) {
-            let flat = self.comm.all_gather(&shard_of(u)?)?; // (padded,)
-            for (e, t) in u.unflatten(&flat)? {
-                out.insert(e.param.name().to_string(), t);
-            }
-        }
-        Ok(out)
-    }
 }
 
 /// The engine hooks of an engine pass driven from outside [`Fsdp`] (a pipeline's passes):
@@ -441,31 +341,7 @@ impl Fsdp {
         Ok(total)
     }
 
-    /// The reduced gradients of `names` as full tensors (a collective over the data-parallel
-    /// group: all-gathers the units holding any of them).
-    pub fn full_grads_of(&self, names: &BTreeSet<String>) -> Result<BTreeMap<String, Tensor>> {
-        let mut out = BTreeMap::new();
-        for u in self.units.iter().filter(|u| unit_has(u, names)) {
-            let flat = self.comm.all_gather(&u.grad_shard()?)?; // (padded,)
-            for (e, t) in u.unflatten(&flat)? {
-                if names.contains(e.param.name()) {
-                    out.insert(e.param.name().to_string(), t);
-                }
-            }
-        }
-        Ok(out)
-    }
 
-    /// Adds full-tensor gradient contributions by name to this rank's gradient shards (local).
-    pub fn add_full_grads(&mut self, delta: &BTreeMap<String, Tensor>) -> Result<()> {
-        let names: BTreeSet<String> = delta.keys().cloned().collect();
-        for u in self.units.iter_mut().filter(|u| unit_has(u, &names)) {
-            let shard =
-                u.my_slice(&u.flatten(u.reduce_dtype, |e| delta.get(e.param.name()).cloned())?)?; // (shard,)
-            u.add_grad_shard(&shard)?;
-        }
-        Ok(())
-    }
 
     /// Sums the gradient shards of `names` over `group`, leaving the others as they are (a
     /// collective over `group`, whose ranks must hold identically laid out units, as the ranks of
@@ -487,16 +363,23 @@ impl Fsdp {
     }
 }
 
-fn unit_has(u: &FlatUnit, names: &BTreeSet<String>) -> bool {
-    u.numel > 0 && u.entries.iter().any(|e| names.contains(e.param.name()))
-}
 
 fn u_dtype(e: &unit::Entry) -> DType {
     e.param.var().dtype()
 }
 
-impl DataParallel for Fsdp {
-    fn forward_backward(
+/// The strategy on its own: one chunk's forward and backward, the norm, the optimizer step.
+///
+/// ```text
+///   for micro-step k in 0..K:  loss_k = fsdp.forward_backward(engine, x_k, y_k, 1/K, k == K-1)
+///   fsdp.optimizer_step(&mut adamw, lr, Some(max_norm))   // clip, AdamW on the shards, write-back
+/// ```
+impl Fsdp {
+    /// Forward and backward of this rank's micro-batch over the one chunk's segments, driven by
+    /// this strategy's hooks; gradients accumulate until the optimizer step. `loss_scale`
+    /// multiplies the loss (1/K for K micro-steps); `sync` marks the last micro-step, the one
+    /// whose backward reduces at stage 1. Returns this rank's loss (unscaled).
+    pub fn forward_backward(
         &mut self,
         engine: &Engine,
         idx: &Tensor,
@@ -528,7 +411,9 @@ impl DataParallel for Fsdp {
         Ok(loss)
     }
 
-    fn grad_norm_sq(&self) -> Result<f64> {
+    /// Σ g² of the global (averaged) gradient, the same on every rank, each element counted
+    /// once: the shards' sums, all-reduced.
+    pub fn grad_norm_sq(&self) -> Result<f64> {
         let mut local = 0.0f64;
         for u in &self.units {
             for g in [&u.grad_decay, &u.grad_plain].into_iter().flatten() {
@@ -540,7 +425,8 @@ impl DataParallel for Fsdp {
         Ok(total.first().copied().unwrap_or(0.0) as f64)
     }
 
-    fn optimizer_items(&self) -> Vec<OptimItem<'_>> {
+    /// What the optimizer updates: this rank's flat shards, each with its decay flag.
+    pub fn optimizer_items(&self) -> Vec<OptimItem<'_>> {
         let mut items = Vec::new();
         for u in &self.units {
             for (p, g, decay) in [
@@ -560,7 +446,9 @@ impl DataParallel for Fsdp {
         items
     }
 
-    fn after_optimizer_step(&mut self) -> Result<()> {
+    /// After the optimizer: at stages 1 and 2 all-gather the updated shards back into every
+    /// rank's full weights; drop the gradients; close the step's communication figures.
+    pub fn after_optimizer_step(&mut self) -> Result<()> {
         if self.cfg.stage != ZeroStage::Three {
             // Write the updated shards back into every rank's full weights.
             let mut works = Vec::new();
@@ -590,106 +478,43 @@ impl DataParallel for Fsdp {
         Ok(())
     }
 
-    fn masters(&self) -> Option<&MasterWeights> {
+    /// The fp32 master shards the optimizer updates under mixed precision (None: it updates
+    /// the shards of [`Fsdp::optimizer_items`] themselves).
+    pub fn masters(&self) -> Option<&MasterWeights> {
         self.masters.as_ref()
     }
 
-    fn full_state(&self) -> Result<BTreeMap<String, Tensor>> {
-        if let Some(m) = &self.masters {
-            return self.gather_items(&m.tensors());
-        }
-        if self.cfg.stage == ZeroStage::Three {
-            return self.gather_full(|u| u.param_shard());
-        }
-        let entries = self.units.iter().flat_map(|u| u.entries.iter());
-        Ok(entries
-            .map(|e| (e.param.name().to_string(), e.param.tensor().detach()))
-            .collect())
-    }
 
-    fn full_grads(&self) -> Result<BTreeMap<String, Tensor>> {
-        self.gather_full(|u| u.grad_shard())
-    }
 
-    fn model_state_bytes(&self, opt: &AdamW) -> ModelStateBytes {
-        let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
-        let mut s = ModelStateBytes {
-            params: 0,
-            grads: 0,
-            optimizer: opt.state_bytes() + self.masters.as_ref().map_or(0, |m| m.bytes()),
-        };
-        for u in &self.units {
-            s.params += u
-                .entries
-                .iter()
-                .map(|e| bytes(&e.param.tensor()))
-                .sum::<usize>();
-            s.params += [&u.decay_shard, &u.plain_shard]
-                .into_iter()
-                .flatten()
-                .map(|p| bytes(&p.tensor()))
-                .sum::<usize>();
-            s.grads += [&u.grad_decay, &u.grad_plain]
-                .into_iter()
-                .flatten()
-                .map(bytes)
-                .sum::<usize>();
-        }
-        s.grads += self.grads.iter().map(|(_, g)| bytes(g)).sum::<usize>();
-        s
-    }
 
-    fn comm_stats(&self) -> CommStats {
-        self.last
-    }
 
-    fn load_full_state(&mut self, weights: &BTreeMap<String, Tensor>) -> Result<()> {
-        for u in self.units.iter().filter(|u| u.numel > 0) {
-            for e in &u.entries {
-                if !weights.contains_key(e.param.name()) {
-                    return Err(DpError::Config(format!(
-                        "no weight named `{}` to load",
-                        e.param.name()
-                    )));
-                }
-            }
-            let flat = u.flatten(u.dtype(), |e| weights.get(e.param.name()).cloned())?; // (padded,)
-            let (decay, plain) = u.split(&u.my_slice(&flat)?)?;
-            for (p, t) in [(&u.decay_shard, decay), (&u.plain_shard, plain)] {
-                if let (Some(p), Some(t)) = (p, t) {
-                    p.set(&t)?;
-                }
-            }
-            if self.cfg.stage != ZeroStage::Three {
-                for (e, t) in u.unflatten(&flat)? {
-                    e.param.set(&t)?;
-                }
-            }
-        }
-        if let Some(m) = &self.masters {
-            m.load(&self.slice_items(weights)?)?;
-        }
-        Ok(())
-    }
 
-    fn full_optimizer_state(&self, opt: &AdamW) -> Result<AdamWState> {
-        let state = opt.state()?;
-        if state.m.is_empty() {
-            // No step taken yet: nothing to gather (and nothing a single device would hold).
-            return Ok(state);
-        }
-        Ok(AdamWState {
-            step: state.step,
-            m: self.gather_items(&state.m)?,
-            v: self.gather_items(&state.v)?,
+
+
+    /// Clip to `max_grad_norm` (if given), step the optimizer, finish the step. Returns the
+    /// gradient norm before clipping: [`Fsdp::grad_norm_sq`] once, then [`Fsdp::scaled_step`]
+    /// with its clip coefficient.
+    pub fn optimizer_step(
+        &mut self,
+        opt: &mut AdamW,
+        lr: f64,
+        max_grad_norm: Option<f64>,
+    ) -> Result<f64> {
+        clipped_step(self.grad_norm_sq()?, max_grad_norm, |clip| {
+            self.scaled_step(opt, lr, clip)
         })
     }
 
-    fn shard_optimizer_state(&self, full: &AdamWState) -> Result<AdamWState> {
-        Ok(AdamWState {
-            step: full.step,
-            m: self.slice_items(&full.m)?,
-            v: self.slice_items(&full.v)?,
-        })
+    /// Steps the optimizer with the gradients multiplied by `grad_scale` (the clip coefficient
+    /// of a norm the caller already has, used as given; 1 leaves them alone) inside the update,
+    /// and finishes the step. No norm is computed here.
+    pub fn scaled_step(&mut self, opt: &mut AdamW, lr: f64, grad_scale: f64) -> Result<()> {
+        match self.masters() {
+            Some(m) => m.step(opt, lr, grad_scale, &self.optimizer_items())?,
+            None => {
+                opt.step_with_copies(lr, grad_scale, &self.optimizer_items(), None)?;
+            }
+        }
+        self.after_optimizer_step()
     }
 }

@@ -25,7 +25,7 @@ use mtrain_kernels::reduce::sq_sum_f64_all_on_device;
 use mtrain_model::optim::{AdamW, GradScale, OptimItem};
 use mtrain_model::{Grads, Hooks, NoHooks, Param};
 
-use crate::ddp::{average, Bucket, BucketedDpReduce, DataParallel, DdpMode, OverlappedDpReduce};
+use crate::ddp::{average, Bucket, BucketedDpReduce, DdpMode, OverlappedDpReduce};
 use crate::fsdp::{Fsdp, FsdpHooks, ZeroStage};
 use crate::mixed_precision::{grads_for_reduction, MasterWeights};
 use crate::pipeline::{NoStageHooks, PipelineStages, StageHooks};
