@@ -33,12 +33,13 @@
 //!   the dp average, the norm's count, the optimizer's items).
 //! - [`state`]: the layout-independent state (gather to full tensors, reshard into any plan);
 //!   apart from the step because checkpoints and parity checks use it and the loop does not.
-//! - [`comm_cost`]: the α-β model of what a layout sends per step and how long it should take.
+//! - [`analysis`]: what a layout should cost, apart from the step: the α-β model of what it sends
+//!   per step and how long that should take ([`analysis::comm_cost`]).
 //! - [`toolbox`]: helpers every technique uses (parameter order, f64 sums, replicated-parameter
 //!   bookkeeping, communication figures); at the root so that no technique imports another for
 //!   them.
 
-pub mod comm_cost;
+pub mod analysis;
 pub mod ddp;
 pub mod expert_parallel;
 pub mod fsdp;

@@ -21,7 +21,7 @@ use mtrain_comm::cpu::{run_local_with, CpuOptions};
 use mtrain_comm::{DeviceMesh, MeshDims, OpKind};
 use mtrain_model::optim::{AdamW, AdamWConfig};
 use mtrain_model::{init_weights, GptConfig};
-use mtrain_parallel::comm_cost::{
+use mtrain_parallel::analysis::comm_cost::{
     all_reduce_sent, broadcast_sent, step_collectives, Bound, CostModel, Group, StepShape,
 };
 use mtrain_parallel::ddp::{DdpConfig, DdpMode};

@@ -13,7 +13,7 @@ use mtrain_comm::cpu::{run_local_with, CpuOptions};
 use mtrain_comm::{DeviceMesh, MeshDims, OpKind};
 use mtrain_model::optim::{AdamW, AdamWConfig};
 use mtrain_model::{init_weights, GptConfig};
-use mtrain_parallel::comm_cost::{CostModel, StepShape};
+use mtrain_parallel::analysis::comm_cost::{CostModel, StepShape};
 use mtrain_parallel::parallelize::{parallelize, ParallelPlan};
 use mtrain_trainer::tools::cost::{compare, fit_alpha_beta, plan_section, AlphaBetaTable, Fit};
 use mtrain_trainer::trace::write_rank_trace;

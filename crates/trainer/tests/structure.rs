@@ -833,7 +833,7 @@ fn the_holdings_rule_is_written_once() {
         "block_of",
     ];
     const ANALYSIS: [&str; 6] = [
-        "crates/parallel/src/comm_cost",
+        "crates/parallel/src/analysis",
         "crates/parallel/src/plan.rs",
         "crates/trainer/src/memory",
         "crates/trainer/src/tools/plan.rs",

@@ -1,6 +1,6 @@
 //! ZeRO-3's residency rule as data: for a pass over a chunk's segments, which units each step
 //! frees, waits for and prefetches. The scheduler (`fsdp/scheduler.rs`) runs these moves with
-//! real all-gathers; the cost model ([`crate::comm_cost`]) counts the same moves, so the two
+//! real all-gathers; the cost model ([`crate::analysis::comm_cost`]) counts the same moves, so the two
 //! cannot disagree on how often a unit is gathered.
 //!
 //! ```text

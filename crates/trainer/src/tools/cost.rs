@@ -8,7 +8,7 @@
 //! ```
 //!
 //! **Fit.** For one op over n ranks the α-β model is a straight line in the message size S:
-//! `t(S) = steps·α + (steps · step_bytes / S) · S / β` (see `mtrain_parallel::comm_cost`), so an
+//! `t(S) = steps·α + (steps · step_bytes / S) · S / β` (see `mtrain_parallel::analysis::comm_cost`), so an
 //! least-squares line `t = a + b·S` through the sweep (weighted by 1/t², i.e. relative error,
 //! so small messages pin α and large ones β) gives `α = a / steps` and
 //! `β = steps · (step_bytes / S) / b`.
@@ -23,7 +23,7 @@ use std::path::Path;
 use candle_core::DType;
 use mtrain_comm::{MeshDims, OpKind};
 use mtrain_model::GptConfig;
-use mtrain_parallel::comm_cost::{
+use mtrain_parallel::analysis::comm_cost::{
     algorithm_steps, human_bytes, human_time, render, step_collectives, totals, CostModel, Group,
     Phase, StepShape,
 };
@@ -47,7 +47,7 @@ pub enum CostError {
         msg: String,
     },
     #[error("{0}")]
-    Model(#[from] mtrain_parallel::comm_cost::CostError),
+    Model(#[from] mtrain_parallel::analysis::comm_cost::CostError),
     #[error("resolving the configuration: {0}")]
     Config(String),
     #[error("no trace-rank*.jsonl files in {0} (run training with --trace first)")]
@@ -495,7 +495,7 @@ pub fn rank_totals(
     shape: StepShape,
     rank: usize,
     table: &AlphaBetaTable,
-) -> Result<mtrain_parallel::comm_cost::StepTotals> {
+) -> Result<mtrain_parallel::analysis::comm_cost::StepTotals> {
     let items = step_collectives(cfg, plan, shape, rank)?;
     Ok(totals(&items, plan.dims, &|_, op, n| table.model(op, n)))
 }
