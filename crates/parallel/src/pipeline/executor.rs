@@ -48,6 +48,7 @@
 //!
 //! Legend: B batch, b = B/M micro-batch, T time, C width, P pipeline ranks, M micro-batches.
 
+mod check;
 mod links;
 mod recorder;
 
@@ -60,6 +61,7 @@ use mtrain_model::{Activations, Draw, Engine, Grads, Hooks, NoHooks, PendingGrad
 use super::schedule::{Action, Schedule};
 use super::stage::PipelineStages;
 use super::{PipelineError, Result};
+use check::check_layout;
 use links::Links;
 use recorder::Recorder;
 pub use recorder::{gathered_f64s, Span, SpanKind, StepReport};
@@ -161,7 +163,7 @@ impl PipelineExecutor {
         sync_tied: bool,
     ) -> Result<StepReport> {
         let (sched, rank) = (&self.schedule, stages.rank());
-        let b = self.check_layout(stages, pp, idx, targets)?;
+        let b = check_layout(sched, stages, pp, idx, targets)?;
         let t = match stages.sequence_split() {
             Some((size, r)) => chunk_range(idx.dim(1)?, size, r).len(), // T/tp
             None => idx.dim(1)?,
@@ -267,51 +269,5 @@ impl PipelineExecutor {
         let report = rec.report(sched, pp)?;
         tracing::debug!(pp_rank = rank, schedule = %sched.kind(), "{report}");
         Ok(report)
-    }
-
-    /// Checks that `stages` and `pp` are the ranks and chunks the schedule places, and that the
-    /// batch splits into M micro-batches; returns b = B/M.
-    fn check_layout(
-        &self,
-        stages: &PipelineStages,
-        pp: &dyn Communicator,
-        idx: &Tensor,
-        targets: &Tensor,
-    ) -> Result<usize> {
-        let sched = &self.schedule;
-        let (p, m, rank) = (sched.num_ranks(), sched.num_microbatches(), stages.rank());
-        if stages.num_ranks() != p
-            || pp.size() != p
-            || pp.rank() != rank
-            || stages.chunks().len() != sched.virtual_stages()
-        {
-            return Err(PipelineError::Layout(format!(
-                "schedule for P = {p} with v = {} chunks, but the stages are rank {rank} of {} with {} chunks \
-                 and the pipeline group is rank {} of {}",
-                sched.virtual_stages(),
-                stages.num_ranks(),
-                stages.chunks().len(),
-                pp.rank(),
-                pp.size()
-            )));
-        }
-        if let Some(c) = (0..sched.virtual_stages())
-            .find(|&c| stages.chunks()[c].stage != sched.model_stage(rank, c))
-        {
-            return Err(PipelineError::Layout(format!(
-                "rank {rank}'s chunk {c} is model stage {}, but the {} schedule places stage {} there",
-                stages.chunks()[c].stage,
-                sched.kind(),
-                sched.model_stage(rank, c)
-            )));
-        }
-        let (batch, _) = idx.dims2()?;
-        if batch % m != 0 || targets.dims() != idx.dims() {
-            return Err(PipelineError::UnevenBatch {
-                batch,
-                microbatches: m,
-            });
-        }
-        Ok(batch / m)
     }
 }
