@@ -76,11 +76,8 @@
 //! ```
 //!
 //! The simulation also runs on measured costs ([`Schedule::simulate_with`], seconds per pass of
-//! each kind on each model stage): the executor predicts each step's bubble with it
-//! (`executor.rs`). [`Schedule::with_costs`] builds the zero-bubble orders for such costs
-//! (`cost_aware.rs`: list scheduling on the costs' clock, each W placed by its length, the
-//! memory limits above kept); `mtrain plan --pass-costs F,B,W` prints it beside the unit-clock
-//! order, and training under the same flag runs it (`ParallelPlan::schedule`).
+//! each kind on each model stage, `simulate.rs`): the executor predicts each step's bubble with it.
+//! [`Schedule::with_costs`] builds the zero-bubble orders for such costs (`cost_aware.rs`).
 
 mod cost_aware;
 mod names;
@@ -90,7 +87,6 @@ mod simulate;
 mod tests;
 mod zero_bubble;
 
-use cost_aware::{refine, shortest};
 #[cfg(test)]
 use cost_aware::{cost_aware, Rules};
 pub use placement::StagePlacement;
@@ -202,21 +198,6 @@ impl Action {
     pub fn computes_weight_grads(&self) -> bool {
         matches!(self, Action::Backward { .. } | Action::WeightGrad { .. })
     }
-
-    /// The grid's label: `F3`, `B3` (the fused backward, or B of a split one: a grid holds one
-    /// or the other), `W3`; `F3.1` through chunk 1 when a rank holds several chunks.
-    fn label(&self, chunks: usize) -> String {
-        let kind = match self.kind() {
-            PassKind::Forward => 'F',
-            PassKind::Backward | PassKind::InputGrad => 'B',
-            PassKind::WeightGrad => 'W',
-        };
-        if chunks > 1 {
-            format!("{kind}{}.{}", self.mb(), self.chunk())
-        } else {
-            format!("{kind}{}", self.mb())
-        }
-    }
 }
 
 /// Errors building or simulating a schedule.
@@ -300,25 +281,6 @@ impl Schedule {
         Ok(s)
     }
 
-    /// [`Self::new`], the zero-bubble orders built for `costs[stage]` (`cost_aware.rs`): of the
-    /// unit-clock order and the cost-aware ones, the one whose simulation at `costs` is the
-    /// shortest, the unit-clock order on a tie, then shortened by single moves of a pass. Each
-    /// keeps its kind's memory limit (ZB-H1: min(P, M) micro-batches per rank, 1F1B's peak;
-    /// ZB-V: P per chunk). The other kinds do not depend on costs: [`Self::new`]'s order.
-    pub fn with_costs(
-        kind: ScheduleKind,
-        stages: usize,
-        microbatches: usize,
-        costs: &[PassCosts],
-    ) -> Result<Self, ScheduleError> {
-        let unit = Self::new(kind, stages, microbatches)?;
-        if !kind.splits_backward() {
-            return Ok(unit);
-        }
-        let actions = refine(&unit, costs, shortest(&unit, costs, &|_| stages)?);
-        Ok(Self { actions, ..unit })
-    }
-
     pub fn kind(&self) -> ScheduleKind {
         self.kind
     }
@@ -384,25 +346,6 @@ impl Schedule {
             }
         }
         last
-    }
-
-    /// Idle fraction of a step in the ideal pipeline with equal costs: (P − 1)/(v·M + P − 1)
-    /// for the fused schedules (the textbook (P − 1)/(M + P − 1) when v = 1); for the split
-    /// ones rank 0's simulated bubble at F = B = W.
-    pub fn analytic_bubble_fraction(&self) -> f64 {
-        if self.kind.splits_backward() {
-            return self
-                .simulate_with(&vec![PassCosts::EQUAL_SPLIT; self.num_model_stages()])
-                .map_or(f64::NAN, |sim| sim.bubble_fraction(0));
-        }
-        let p = self.stages as f64;
-        let vm = (self.virtual_stages() * self.microbatches) as f64;
-        (p - 1.0) / (vm + p - 1.0)
-    }
-
-    /// [`Self::simulate_with`] every pass one tick ([`PassCosts::UNIT`]): the grids above.
-    pub fn simulate(&self) -> Result<Simulation, ScheduleError> {
-        self.simulate_with(&vec![PassCosts::UNIT; self.num_model_stages()])
     }
 }
 
