@@ -11,7 +11,7 @@
 //! S = v·P model stages. Chunk c on rank r is model stage `c·P + r` (Megatron's layout: rank 0
 //! holds stages 0, P, 2P, ...).
 //!
-//! Three schedules:
+//! The schedules:
 //! - **GPipe** (all-forward-all-backward): every rank runs the M forwards, then the M backwards.
 //!   All M micro-batches' activations are alive at once.
 //! - **1F1B** (PipeDream-Flush, Megatron's non-interleaved schedule): rank r runs
@@ -20,17 +20,10 @@
 //! - **Interleaved 1F1B** (Megatron's virtual pipeline): each rank holds v chunks; forwards walk
 //!   micro-batches in groups of P, chunk by chunk; `warmup = 2(P − r − 1) + (v − 1)·P`. M must be a
 //!   multiple of P. The bubble shrinks by v.
-//! - **ZB-H1** (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the backward split into B,
-//!   the input gradient the previous stage waits for, and W, the weight gradients nobody waits
-//!   for. 1F1B's order with B in the backward's place; rank r holds back its first r W's and
-//!   runs one W after each B in the cooldown, so the W's fill the bubbles 1F1B leaves at the end
-//!   of the step. Every rank peaks at 1F1B's peak, min(P, M) micro-batches (activations live
-//!   until W). At F = B = W it idles (P − 1) of 3M + P − 1 ticks, a third of 1F1B's bubble.
-//! - **ZB-V**: two chunks per rank in a V (rank r holds stages r and 2P − 1 − r, so rank 0 runs
-//!   the first and the last stage and the chunks' backwards start where the forwards end), the
-//!   order written down by a greedy run on a unit clock: B first, then F while the chunk (and the
-//!   one it sends to) holds fewer than P micro-batches, then the oldest W owed. Peak: P per
-//!   chunk, 2P half-stage activations, 1F1B's peak memory.
+//! - **ZB-H1** and **ZB-V**, the zero-bubble family: the backward split into B (the input
+//!   gradient) and W (the weight gradients), the W's filling the bubbles (`zero_bubble.rs`, with
+//!   their grids; [`Schedule::with_costs`] builds their orders for given pass costs,
+//!   `cost_aware.rs`).
 //!
 //! With every forward and every backward (fused, B or W) taking one tick, and a stage starting a micro-batch's
 //! forward (backward) only once the previous (next) stage finished it, every rank idles for
@@ -61,23 +54,8 @@
 //! rank 1 | .    F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 B2.0 B3.0 .
 //! ```
 //!
-//! ZB-H1, P = 4, M = 8 (`B3` is micro-batch 3's input gradient, `W3` its weight gradients):
-//! ```text
-//! rank 0 | F0 F1 F2 F3 .  .  .  B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7
-//! rank 1 | .  F0 F1 F2 .  .  B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 F6 B4 W3 F7 B5 W4 B6 W5 B7 W6 W7
-//! rank 2 | .  .  F0 F1 .  B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 F6 B5 W3 F7 B6 W4 B7 W5 W6 W7
-//! rank 3 | .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7
-//! ```
-//!
-//! ZB-V, P = 2, M = 4 (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2):
-//! ```text
-//! rank 0 | F0.0 F1.0 .    F0.1 B0.1 F1.1 B1.1 B0.0 W0.1 B1.0 W1.1 W0.0 F2.0 W1.0 F3.0 F2.1 B2.1 F3.1 B3.1 B2.0 W2.1 B3.0 W3.1 W2.0 W3.0
-//! rank 1 | .    F0.0 F0.1 F1.0 F1.1 B0.1 B0.0 B1.1 B1.0 W0.1 W0.0 W1.1 W1.0 F2.0 F2.1 F3.0 F3.1 B2.1 B2.0 B3.1 B3.0 W2.1 W2.0 W3.1 W3.0
-//! ```
-//!
 //! The simulation also runs on measured costs ([`Schedule::simulate_with`], seconds per pass of
 //! each kind on each model stage, `simulate.rs`): the executor predicts each step's bubble with it.
-//! [`Schedule::with_costs`] builds the zero-bubble orders for such costs (`cost_aware.rs`).
 
 mod cost_aware;
 mod names;
