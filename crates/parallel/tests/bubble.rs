@@ -4,7 +4,7 @@
 //! backward), sleeps W; the embedding costs nothing, and the head nothing or, to make the last
 //! stage the slowest, a forward of its own. Sleeping takes no CPU, so the step runs at those
 //! costs on a loaded machine too. On every rank the measured bubble (idle over the rank's step,
-//! `executor.rs`'s module doc) agrees with the schedule simulated at the known costs, and with
+//! `executor/recorder.rs`'s module doc) agrees with the schedule simulated at the known costs, and with
 //! the executor's own prediction from the pass times it measured, within 0.03, under 1F1B, ZB-H1
 //! and ZB-V; its balanced figure is the schedule at the mean of the stages' known costs:
 //!

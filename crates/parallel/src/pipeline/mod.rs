@@ -14,8 +14,9 @@
 //!   pass costs and the grid renderer.
 //! - [`stage`]: how blocks are split across stages, and the tied embedding/head gradient.
 //! - [`executor`]: runs one rank's actions (a split backward's B and W as two engine calls)
-//!   with asynchronous send/recv of activations and gradients, and reports the loss, the measured and the predicted bubble and the activation
-//!   high-water mark.
+//!   with asynchronous send/recv of activations and gradients (`executor/links.rs`); a recorder
+//!   beside the loop (`executor/recorder.rs`) keeps the timeline and reports the loss, the
+//!   measured and the predicted bubble and the activation high-water mark.
 
 pub mod executor;
 pub mod schedule;

@@ -11,7 +11,7 @@
 //! S = v·P model stages. Chunk c on rank r is model stage `c·P + r` (Megatron's layout: rank 0
 //! holds stages 0, P, 2P, ...).
 //!
-//! Three schedules:
+//! The schedules:
 //! - **GPipe** (all-forward-all-backward): every rank runs the M forwards, then the M backwards.
 //!   All M micro-batches' activations are alive at once.
 //! - **1F1B** (PipeDream-Flush, Megatron's non-interleaved schedule): rank r runs
@@ -20,17 +20,10 @@
 //! - **Interleaved 1F1B** (Megatron's virtual pipeline): each rank holds v chunks; forwards walk
 //!   micro-batches in groups of P, chunk by chunk; `warmup = 2(P − r − 1) + (v − 1)·P`. M must be a
 //!   multiple of P. The bubble shrinks by v.
-//! - **ZB-H1** (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the backward split into B,
-//!   the input gradient the previous stage waits for, and W, the weight gradients nobody waits
-//!   for. 1F1B's order with B in the backward's place; rank r holds back its first r W's and
-//!   runs one W after each B in the cooldown, so the W's fill the bubbles 1F1B leaves at the end
-//!   of the step. Every rank peaks at 1F1B's peak, min(P, M) micro-batches (activations live
-//!   until W). At F = B = W it idles (P − 1) of 3M + P − 1 ticks, a third of 1F1B's bubble.
-//! - **ZB-V**: two chunks per rank in a V (rank r holds stages r and 2P − 1 − r, so rank 0 runs
-//!   the first and the last stage and the chunks' backwards start where the forwards end), the
-//!   order written down by a greedy run on a unit clock: B first, then F while the chunk (and the
-//!   one it sends to) holds fewer than P micro-batches, then the oldest W owed. Peak: P per
-//!   chunk, 2P half-stage activations, 1F1B's peak memory.
+//! - **ZB-H1** and **ZB-V**, the zero-bubble family: the backward split into B (the input
+//!   gradient) and W (the weight gradients), the W's filling the bubbles (`zero_bubble.rs`, with
+//!   their grids; [`Schedule::with_costs`] builds their orders for given pass costs,
+//!   `cost_aware.rs`).
 //!
 //! With every forward and every backward (fused, B or W) taking one tick, and a stage starting a micro-batch's
 //! forward (backward) only once the previous (next) stage finished it, every rank idles for
@@ -61,38 +54,20 @@
 //! rank 1 | .    F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 B2.0 B3.0 .
 //! ```
 //!
-//! ZB-H1, P = 4, M = 8 (`B3` is micro-batch 3's input gradient, `W3` its weight gradients):
-//! ```text
-//! rank 0 | F0 F1 F2 F3 .  .  .  B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7
-//! rank 1 | .  F0 F1 F2 .  .  B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 F6 B4 W3 F7 B5 W4 B6 W5 B7 W6 W7
-//! rank 2 | .  .  F0 F1 .  B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 F6 B5 W3 F7 B6 W4 B7 W5 W6 W7
-//! rank 3 | .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7
-//! ```
-//!
-//! ZB-V, P = 2, M = 4 (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2):
-//! ```text
-//! rank 0 | F0.0 F1.0 .    F0.1 B0.1 F1.1 B1.1 B0.0 W0.1 B1.0 W1.1 W0.0 F2.0 W1.0 F3.0 F2.1 B2.1 F3.1 B3.1 B2.0 W2.1 B3.0 W3.1 W2.0 W3.0
-//! rank 1 | .    F0.0 F0.1 F1.0 F1.1 B0.1 B0.0 B1.1 B1.0 W0.1 W0.0 W1.1 W1.0 F2.0 F2.1 F3.0 F3.1 B2.1 B2.0 B3.1 B3.0 W2.1 W2.0 W3.1 W3.0
-//! ```
-//!
 //! The simulation also runs on measured costs ([`Schedule::simulate_with`], seconds per pass of
-//! each kind on each model stage): the executor predicts each step's bubble with it
-//! (`executor.rs`). [`Schedule::with_costs`] builds the zero-bubble orders for such costs
-//! (`cost_aware.rs`: list scheduling on the costs' clock, each W placed by its length, the
-//! memory limits above kept); `mtrain plan --pass-costs F,B,W` prints it beside the unit-clock
-//! order, and training under the same flag runs it (`ParallelPlan::schedule`).
-
-use std::fmt;
+//! each kind on each model stage, `simulate.rs`): the executor predicts each step's bubble with it.
 
 mod cost_aware;
+mod names;
+mod placement;
 mod simulate;
 #[cfg(test)]
 mod tests;
 mod zero_bubble;
 
-use cost_aware::{refine, shortest};
 #[cfg(test)]
 use cost_aware::{cost_aware, Rules};
+pub use placement::StagePlacement;
 pub use simulate::{PassCosts, SimSpan, Simulation};
 use zero_bubble::{zb_h1, zero_bubble};
 
@@ -128,87 +103,10 @@ impl ScheduleKind {
         }
     }
 
-    /// Where its model stages run: the V for ZB-V, Megatron's loop otherwise.
-    pub fn placement(&self) -> StagePlacement {
-        match self {
-            ScheduleKind::ZeroBubbleV => StagePlacement::V,
-            _ => StagePlacement::Loop,
-        }
-    }
-
     /// Whether the schedule runs the backward as two passes, B (input gradient) and W (weight
     /// gradients), instead of one fused backward.
     pub fn splits_backward(&self) -> bool {
         matches!(self, ScheduleKind::ZeroBubbleH1 | ScheduleKind::ZeroBubbleV)
-    }
-}
-
-impl fmt::Display for ScheduleKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ScheduleKind::GPipe => f.write_str("GPipe"),
-            ScheduleKind::OneFOneB => f.write_str("1F1B"),
-            ScheduleKind::Interleaved1F1B { virtual_stages } => {
-                write!(f, "interleaved 1F1B (v = {virtual_stages})")
-            }
-            ScheduleKind::ZeroBubbleH1 => f.write_str("ZB-H1"),
-            ScheduleKind::ZeroBubbleV => f.write_str("ZB-V"),
-        }
-    }
-}
-
-impl std::str::FromStr for ScheduleKind {
-    type Err = ScheduleError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let bad = || ScheduleError::UnknownKind(s.to_string());
-        match s.to_ascii_lowercase().as_str() {
-            "gpipe" => Ok(ScheduleKind::GPipe),
-            "1f1b" => Ok(ScheduleKind::OneFOneB),
-            "zb-h1" => Ok(ScheduleKind::ZeroBubbleH1),
-            "zb-v" => Ok(ScheduleKind::ZeroBubbleV),
-            other => {
-                let v = other.strip_prefix("interleaved:").ok_or_else(bad)?;
-                let virtual_stages = v.parse().map_err(|_| bad())?;
-                Ok(ScheduleKind::Interleaved1F1B { virtual_stages })
-            }
-        }
-    }
-}
-
-/// Which pipeline rank runs each model stage (S = v·P stages, chunk c of rank r).
-///
-/// ```text
-///   Loop (Megatron):  stage = c·P + r          P = 2, v = 2: rank 0 {0, 2}, rank 1 {1, 3}
-///   V (ZB-V, v = 2):  stage = r, 2P − 1 − r    P = 2:        rank 0 {0, 3}, rank 1 {1, 2}
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum StagePlacement {
-    #[default]
-    Loop,
-    V,
-}
-
-impl StagePlacement {
-    /// The model stage that chunk `chunk` of pipeline rank `rank` of `p` runs.
-    pub fn model_stage(self, p: usize, rank: usize, chunk: usize) -> usize {
-        match self {
-            StagePlacement::V if chunk == 1 => 2 * p - 1 - rank,
-            _ => chunk * p + rank,
-        }
-    }
-
-    /// The pipeline rank of `p` that runs model stage `stage`.
-    pub fn rank_of_stage(self, p: usize, stage: usize) -> usize {
-        match self {
-            StagePlacement::V if stage >= p => 2 * p - 1 - stage,
-            _ => stage % p,
-        }
-    }
-
-    /// The chunk of its rank that model stage `stage` is (the same under both).
-    pub fn chunk_of_stage(self, p: usize, stage: usize) -> usize {
-        stage / p
     }
 }
 
@@ -277,21 +175,6 @@ impl Action {
     /// backward or W).
     pub fn computes_weight_grads(&self) -> bool {
         matches!(self, Action::Backward { .. } | Action::WeightGrad { .. })
-    }
-
-    /// The grid's label: `F3`, `B3` (the fused backward, or B of a split one: a grid holds one
-    /// or the other), `W3`; `F3.1` through chunk 1 when a rank holds several chunks.
-    fn label(&self, chunks: usize) -> String {
-        let kind = match self.kind() {
-            PassKind::Forward => 'F',
-            PassKind::Backward | PassKind::InputGrad => 'B',
-            PassKind::WeightGrad => 'W',
-        };
-        if chunks > 1 {
-            format!("{kind}{}.{}", self.mb(), self.chunk())
-        } else {
-            format!("{kind}{}", self.mb())
-        }
     }
 }
 
@@ -376,25 +259,6 @@ impl Schedule {
         Ok(s)
     }
 
-    /// [`Self::new`], the zero-bubble orders built for `costs[stage]` (`cost_aware.rs`): of the
-    /// unit-clock order and the cost-aware ones, the one whose simulation at `costs` is the
-    /// shortest, the unit-clock order on a tie, then shortened by single moves of a pass. Each
-    /// keeps its kind's memory limit (ZB-H1: min(P, M) micro-batches per rank, 1F1B's peak;
-    /// ZB-V: P per chunk). The other kinds do not depend on costs: [`Self::new`]'s order.
-    pub fn with_costs(
-        kind: ScheduleKind,
-        stages: usize,
-        microbatches: usize,
-        costs: &[PassCosts],
-    ) -> Result<Self, ScheduleError> {
-        let unit = Self::new(kind, stages, microbatches)?;
-        if !kind.splits_backward() {
-            return Ok(unit);
-        }
-        let actions = refine(&unit, costs, shortest(&unit, costs, &|_| stages)?);
-        Ok(Self { actions, ..unit })
-    }
-
     pub fn kind(&self) -> ScheduleKind {
         self.kind
     }
@@ -417,29 +281,6 @@ impl Schedule {
     /// S = v·P, the number of model stages.
     pub fn num_model_stages(&self) -> usize {
         self.stages * self.virtual_stages()
-    }
-
-    /// The model stage that chunk `chunk` of pipeline rank `rank` runs, by the kind's
-    /// [`StagePlacement`] (under ZB-V's V rank 0 holds both the first and the last stage).
-    pub fn model_stage(&self, rank: usize, chunk: usize) -> usize {
-        self.kind.placement().model_stage(self.stages, rank, chunk)
-    }
-
-    /// The pipeline rank that runs model stage `stage` (the inverse of [`Self::model_stage`]).
-    pub fn rank_of_stage(&self, stage: usize) -> usize {
-        self.kind.placement().rank_of_stage(self.stages, stage)
-    }
-
-    /// The chunk of its rank that model stage `stage` is.
-    pub fn chunk_of_stage(&self, stage: usize) -> usize {
-        self.kind.placement().chunk_of_stage(self.stages, stage)
-    }
-
-    /// The model stages pipeline rank `rank` holds, by chunk.
-    pub fn stages_of_rank(&self, rank: usize) -> Vec<usize> {
-        (0..self.virtual_stages())
-            .map(|c| self.model_stage(rank, c))
-            .collect()
     }
 
     /// The model stage whose result `action` on `rank` consumes: the previous stage's activation
@@ -483,25 +324,6 @@ impl Schedule {
             }
         }
         last
-    }
-
-    /// Idle fraction of a step in the ideal pipeline with equal costs: (P − 1)/(v·M + P − 1)
-    /// for the fused schedules (the textbook (P − 1)/(M + P − 1) when v = 1); for the split
-    /// ones rank 0's simulated bubble at F = B = W.
-    pub fn analytic_bubble_fraction(&self) -> f64 {
-        if self.kind.splits_backward() {
-            return self
-                .simulate_with(&vec![PassCosts::EQUAL_SPLIT; self.num_model_stages()])
-                .map_or(f64::NAN, |sim| sim.bubble_fraction(0));
-        }
-        let p = self.stages as f64;
-        let vm = (self.virtual_stages() * self.microbatches) as f64;
-        (p - 1.0) / (vm + p - 1.0)
-    }
-
-    /// [`Self::simulate_with`] every pass one tick ([`PassCosts::UNIT`]): the grids above.
-    pub fn simulate(&self) -> Result<Simulation, ScheduleError> {
-        self.simulate_with(&vec![PassCosts::UNIT; self.num_model_stages()])
     }
 }
 

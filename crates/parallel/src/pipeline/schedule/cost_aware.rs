@@ -72,7 +72,30 @@
 //!   1.4 ms, a chunk's F less its W, on ranks 1 to 3).
 
 use super::zero_bubble::Progress;
-use super::{Action, PassCosts, Schedule, ScheduleError};
+use super::{Action, PassCosts, Schedule, ScheduleError, ScheduleKind};
+
+impl Schedule {
+    /// [`Self::new`], the zero-bubble orders built for `costs[stage]` (`cost_aware.rs`): of the
+    /// unit-clock order and the cost-aware ones, the one whose simulation at `costs` is the
+    /// shortest, the unit-clock order on a tie, then shortened by single moves of a pass. Each
+    /// keeps its kind's memory limit (ZB-H1: min(P, M) micro-batches per rank, 1F1B's peak;
+    /// ZB-V: P per chunk). The other kinds do not depend on costs: [`Self::new`]'s order.
+    /// `mtrain plan --pass-costs F,B,W` prints it beside the unit-clock order, and training
+    /// under the same flag runs it (`ParallelPlan::schedule`).
+    pub fn with_costs(
+        kind: ScheduleKind,
+        stages: usize,
+        microbatches: usize,
+        costs: &[PassCosts],
+    ) -> Result<Self, ScheduleError> {
+        let unit = Self::new(kind, stages, microbatches)?;
+        if !kind.splits_backward() {
+            return Ok(unit);
+        }
+        let actions = refine(&unit, costs, shortest(&unit, costs, &|_| stages)?);
+        Ok(Self { actions, ..unit })
+    }
+}
 
 /// When a rank with nothing else ready runs a W (module doc).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

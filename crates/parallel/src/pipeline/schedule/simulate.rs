@@ -65,6 +65,26 @@ impl PassCosts {
 }
 
 impl Schedule {
+    /// Idle fraction of a step in the ideal pipeline with equal costs: (P − 1)/(v·M + P − 1)
+    /// for the fused schedules (the textbook (P − 1)/(M + P − 1) when v = 1); for the split
+    /// ones rank 0's simulated bubble at F = B = W.
+    pub fn analytic_bubble_fraction(&self) -> f64 {
+        if self.kind.splits_backward() {
+            return self
+                .simulate_with(&vec![PassCosts::EQUAL_SPLIT; self.num_model_stages()])
+                .map_or(f64::NAN, |sim| sim.bubble_fraction(0));
+        }
+        let p = self.stages as f64;
+        let vm = (self.virtual_stages() * self.microbatches) as f64;
+        (p - 1.0) / (vm + p - 1.0)
+    }
+
+    /// [`Self::simulate_with`] every pass one tick ([`PassCosts::UNIT`]): the grids of
+    /// `schedule.rs`.
+    pub fn simulate(&self) -> Result<Simulation, ScheduleError> {
+        self.simulate_with(&vec![PassCosts::UNIT; self.num_model_stages()])
+    }
+
     /// Run every rank's list on a virtual clock, `costs[s]` giving what each pass of model
     /// stage `s` takes. A rank runs its actions in order, each as soon as the rank is free and
     /// its input exists: a forward of micro-batch i on stage s once stage s − 1 finished its
@@ -257,7 +277,7 @@ impl Simulation {
                         let cell = match a {
                             None => ".".to_string(),
                             Some(a) if prev == Some(a) => "-".to_string(),
-                            Some(a) => a.label(self.virtual_stages),
+                            Some(a) => label(&a, self.virtual_stages),
                         };
                         prev = a;
                         cell
@@ -273,5 +293,20 @@ impl Simulation {
             out.push('\n');
         }
         out
+    }
+}
+
+/// The grid's label of `a`: `F3`, `B3` (the fused backward, or B of a split one: a grid holds
+/// one or the other), `W3`; `F3.1` through chunk 1 when a rank holds several chunks.
+fn label(a: &Action, chunks: usize) -> String {
+    let kind = match a.kind() {
+        PassKind::Forward => 'F',
+        PassKind::Backward | PassKind::InputGrad => 'B',
+        PassKind::WeightGrad => 'W',
+    };
+    if chunks > 1 {
+        format!("{kind}{}.{}", a.mb(), a.chunk())
+    } else {
+        format!("{kind}{}", a.mb())
     }
 }

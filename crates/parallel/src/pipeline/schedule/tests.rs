@@ -3,18 +3,19 @@
 
 use super::*;
 
-/// The grids in the module documentation are exactly what the code renders today.
+/// The grids in the module documentation (`schedule.rs`'s, and `zero_bubble.rs`'s for ZB-H1 and
+/// ZB-V) are exactly what the code renders today.
 #[test]
 fn doc_grids_match_the_code() {
-    let source = include_str!("../schedule.rs");
+    let (schedules, zero_bubble) = (include_str!("../schedule.rs"), include_str!("zero_bubble.rs"));
     let cases = [
-        (ScheduleKind::GPipe, 4, 4),
-        (ScheduleKind::OneFOneB, 4, 8),
-        (ScheduleKind::Interleaved1F1B { virtual_stages: 2 }, 2, 4),
-        (ScheduleKind::ZeroBubbleH1, 4, 8),
-        (ScheduleKind::ZeroBubbleV, 2, 4),
+        (ScheduleKind::GPipe, 4, 4, schedules),
+        (ScheduleKind::OneFOneB, 4, 8, schedules),
+        (ScheduleKind::Interleaved1F1B { virtual_stages: 2 }, 2, 4, schedules),
+        (ScheduleKind::ZeroBubbleH1, 4, 8, zero_bubble),
+        (ScheduleKind::ZeroBubbleV, 2, 4, zero_bubble),
     ];
-    for (kind, p, m) in cases {
+    for (kind, p, m, source) in cases {
         let grid = Schedule::new(kind, p, m)
             .unwrap()
             .simulate()

@@ -1,4 +1,32 @@
 //! The zero-bubble orders: ZB-H1 by rule, ZB-V by a greedy run on a unit clock.
+//!
+//! - **ZB-H1** (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the backward split into B,
+//!   the input gradient the previous stage waits for, and W, the weight gradients nobody waits
+//!   for. 1F1B's order with B in the backward's place; rank r holds back its first r W's and
+//!   runs one W after each B in the cooldown, so the W's fill the bubbles 1F1B leaves at the end
+//!   of the step. Every rank peaks at 1F1B's peak, min(P, M) micro-batches (activations live
+//!   until W). At F = B = W it idles (P − 1) of 3M + P − 1 ticks, a third of 1F1B's bubble.
+//! - **ZB-V**: two chunks per rank in a V (rank r holds stages r and 2P − 1 − r, so rank 0 runs
+//!   the first and the last stage and the chunks' backwards start where the forwards end), the
+//!   order written down by a greedy run on a unit clock: B first, then F while the chunk (and the
+//!   one it sends to) holds fewer than P micro-batches, then the oldest W owed. Peak: P per
+//!   chunk, 2P half-stage activations, 1F1B's peak memory.
+//!
+//! On the unit clock of `schedule.rs`'s grids:
+//!
+//! ZB-H1, P = 4, M = 8 (`B3` is micro-batch 3's input gradient, `W3` its weight gradients):
+//! ```text
+//! rank 0 | F0 F1 F2 F3 .  .  .  B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7
+//! rank 1 | .  F0 F1 F2 .  .  B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 F6 B4 W3 F7 B5 W4 B6 W5 B7 W6 W7
+//! rank 2 | .  .  F0 F1 .  B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 F6 B5 W3 F7 B6 W4 B7 W5 W6 W7
+//! rank 3 | .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7
+//! ```
+//!
+//! ZB-V, P = 2, M = 4 (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2):
+//! ```text
+//! rank 0 | F0.0 F1.0 .    F0.1 B0.1 F1.1 B1.1 B0.0 W0.1 B1.0 W1.1 W0.0 F2.0 W1.0 F3.0 F2.1 B2.1 F3.1 B3.1 B2.0 W2.1 B3.0 W3.1 W2.0 W3.0
+//! rank 1 | .    F0.0 F0.1 F1.0 F1.1 B0.1 B0.0 B1.1 B1.0 W0.1 W0.0 W1.1 W1.0 F2.0 F2.1 F3.0 F3.1 B2.1 B2.0 B3.1 B3.0 W2.1 W2.0 W3.1 W3.0
+//! ```
 
 use std::collections::VecDeque;
 
