@@ -1,36 +1,33 @@
 //! The block-wise engine: forward and backward one segment at a time.
 //!
-//! candle's `backward()` returns every gradient at the very end with no hooks. Running the model
-//! segment by segment gives the moments distributed training hangs on:
+//! Running the model segment by segment gives the moments distributed training hangs on
+//! (candle's `backward()` returns every gradient at the very end, with no hooks):
 //!
 //! ```text
 //! forward:   idx ─[seg 0]─> a₁ ─[seg 1]─> a₂ ─ … ─[seg n-1]─> loss
-//!                 each segment's input is a detached leaf Var aᵢ (a cut in the graph)
+//!                 each segment runs its graph-free forward and keeps its tape
 //!
 //! backward:  for i = n-1 … 0:
 //!              pre_backward(i)            (FSDP: gather weights; recompute if checkpointing)
-//!              objective = (outᵢ · gᵢ₊₁).sum() + loss_scale · auxᵢ      gₙ = loss_scale for the loss
-//!              objective.backward()  ->  ∂/∂params(i) and gᵢ = ∂/∂aᵢ
+//!              gᵢ, ∂/∂params(i) = tapeᵢ.backward(gᵢ₊₁, loss_scale)    gₙ = loss_scale for the loss
 //!              grads[name] += ∂/∂param    (a tied weight sums over the segments using it)
 //!              post_backward(i)           (DDP: launch bucket; FSDP: reduce-scatter; PP: send gᵢ)
 //!
 //! forward hooks: pre_forward(i) before and post_forward(i) after each segment's forward.
 //! ```
 //!
-//! By the chain rule, backpropagating `(out · g).sum()` through segment i with `g` the gradient
-//! w.r.t. its output gives exactly the whole-graph gradients of its parameters and input.
+//! A segment's tape is its hand-written backward ([`crate::explicit`]): the parameter gradients
+//! and gᵢ autograd would give, without an autograd graph (a tape with an auxiliary loss, a
+//! mixture of experts, adds that loss's gradient times `loss_scale` itself). With
+//! [`Backward::Autograd`], the oracle the tests compare the tapes with, each segment's input is
+//! a detached leaf Var aᵢ instead and the backward differentiates
+//! `(outᵢ · gᵢ₊₁).sum() + loss_scale · auxᵢ`: by the chain rule, exactly the whole-graph gradients
+//! of the segment's parameters and input.
 //!
 //! With `checkpointing` the forward keeps only each segment's input; the backward re-runs the
-//! segment's forward (after `pre_backward`) before differentiating it. Without it, the recorded
-//! output (and through it the segment's graph) is kept until that segment's backward.
-//!
-//! A segment with a hand-written backward ([`crate::explicit`]) runs its graph-free forward
-//! instead, unless the engine's [`Backward`] is the autograd oracle, and keeps its tape; its
-//! backward step is then `tape.backward(gᵢ₊₁, loss_scale)`, which returns the same parameter
-//! gradients and gᵢ without an objective or an autograd graph (a tape with an auxiliary loss,
-//! a mixture of experts, adds that loss's gradient times `loss_scale` itself). The checkpointed
-//! forward runs that same forward and keeps only its output, so the recompute replays its
-//! arithmetic exactly.
+//! segment's forward (after `pre_backward`) before differentiating it: the same forward, so the
+//! recompute replays its arithmetic exactly. Without it, the tape (under autograd, the recorded
+//! graph) is kept until that segment's backward.
 //!
 //! A parameter used by several segments (the tied `wte`) is final after the backward of the
 //! lowest-index segment that uses it; `post_backward` fires per segment.

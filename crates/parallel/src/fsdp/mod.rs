@@ -49,9 +49,9 @@
 //! reduce-scatter after every micro-step's backward and accumulate the shard, so full gradients
 //! never outlive one segment.
 //!
-//! Without activation checkpointing, candle's graph of a segment's forward keeps the gathered
-//! weights alive until that segment's backward: the slot is emptied after the forward but the
-//! memory only returns after the backward, and no second gather is needed.
+//! Without activation checkpointing, a segment's tape (what its forward keeps for the backward)
+//! holds the gathered weights until that segment's backward: the slot is emptied after the
+//! forward but the memory only returns after the backward, and no second gather is needed.
 //! With checkpointing only the segment input is kept, so the weights really are freed after each
 //! use and gathered again for the recompute: that is where ZeRO-3's memory drop comes from.
 
