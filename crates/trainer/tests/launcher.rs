@@ -681,6 +681,91 @@ fn workers_of_an_external_launcher_end_when_the_store_host_dies() {
     assert!(log.contains("error:"), "a clean error is printed:\n{log}");
 }
 
+/// A rank that stops answering is named by the rank waiting for it, with the line that issued
+/// the collective it waits in: ranks 0 and 1 of `--tp 2` train, rank 1 is stopped (SIGSTOP),
+/// and rank 0's collective (a tensor-parallel all-reduce, mostly) times out naming rank 1, the
+/// op, its sequence number and its site, then lists its last collectives, each with its site.
+#[test]
+fn a_timed_out_collective_names_where_it_was_issued() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let spawn = |rank: &str| {
+        let mut args = vec!["--tp", "2", "--comm-timeout", "2"];
+        args.extend(["--run-dir", dir.path().to_str().unwrap()]);
+        args.extend(LONG_TRAINING);
+        let mut cmd = mtrain(&args);
+        for (k, v) in [
+            ("RANK", rank),
+            ("LOCAL_RANK", rank),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", port.as_str()),
+            ("MTRAIN_JOB_ID", "site-timeout-test"),
+        ] {
+            cmd.env(k, v);
+        }
+        cmd.stdout(Stdio::null()).stderr(Stdio::piped());
+        let mut child = cmd.spawn().expect("spawn a worker");
+        let stderr = collect(child.stderr.take().expect("stderr"));
+        (child, stderr)
+    };
+    let (mut rank0, err0) = spawn("0");
+    let (mut rank1, _err1) = spawn("1");
+    wait_for(&err0, "step", Duration::from_secs(60));
+    let signal = |sig: &str, child: &Child| {
+        let sent = Command::new("kill")
+            .args([sig, &child.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(sent.success(), "kill {sig}");
+    };
+    signal("-STOP", &rank1);
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = rank0.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(20) {
+            let _ = rank0.kill();
+            let _ = rank0.wait();
+            signal("-CONT", &rank1);
+            let _ = rank1.kill();
+            panic!("rank 0 still running 20 s after rank 1 stopped");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    signal("-CONT", &rank1);
+    let _ = rank1.kill();
+    let _ = rank1.wait();
+    std::thread::sleep(Duration::from_millis(200)); // the last lines of its stderr
+    let log = text(&err0.lock().unwrap());
+    assert_eq!(status.code(), Some(1), "{log}");
+    let error = log
+        .lines()
+        .find(|l| l.starts_with("error: ") && l.contains("timed out"))
+        .unwrap_or_else(|| panic!("no timeout error in rank 0's log:\n{log}"));
+    // Most of a step's collectives are the tp group's; the one the stop caught may also be the
+    // step's norm (the world group's, issued by the runtime): either names its line.
+    assert!(
+        error.contains("waiting for rank 1") && error.contains("issued at crates/parallel/src/"),
+        "the error should name rank 1 and the line that issued the collective: {error}"
+    );
+    if error.contains("on group 'tp'") {
+        assert!(error.contains("issued at crates/parallel/src/tensor_parallel/"), "{error}");
+    }
+    let recent: Vec<&str> = log.lines().filter(|l| l.trim_start().starts_with('#')).collect();
+    assert!(!recent.is_empty(), "no recent collectives listed:\n{log}");
+    for line in recent {
+        assert!(line.contains(" at crates/"), "a recent collective without its site: {line}");
+    }
+}
+
 /// A port `p` that is free now with `p + 1` free too (the port torchrun's store holds and the
 /// one mtrain's store takes under it).
 fn free_port_pair() -> u16 {
