@@ -627,35 +627,9 @@ fn no_worker_outlives_a_launcher_killed_by_sigkill() {
 #[test]
 fn workers_of_an_external_launcher_end_when_the_store_host_dies() {
     // As under torchrun: rank 0 serves the store, no mtrain launcher ties the ranks together.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
-    let dir = tempfile::tempdir().unwrap();
-    let spawn = |rank: &str| {
-        let mut args = vec!["--run-dir", dir.path().to_str().unwrap()];
-        args.extend(LONG_TRAINING);
-        let mut cmd = mtrain(&args);
-        for (k, v) in [
-            ("RANK", rank),
-            ("LOCAL_RANK", rank),
-            ("WORLD_SIZE", "2"),
-            ("LOCAL_WORLD_SIZE", "2"),
-            ("MASTER_ADDR", "127.0.0.1"),
-            ("MASTER_PORT", port.as_str()),
-            ("MTRAIN_JOB_ID", "store-liveness-test"),
-        ] {
-            cmd.env(k, v);
-        }
-        cmd.stdout(Stdio::null()).stderr(Stdio::piped());
-        let mut child = cmd.spawn().expect("spawn a worker");
-        let stderr = collect(child.stderr.take().expect("stderr"));
-        (child, stderr)
-    };
-    let (mut rank0, err0) = spawn("0");
-    let (mut rank1, err1) = spawn("1");
+    let (_dir, mut workers) = external_pair(&[], "store-liveness-test");
+    let (mut rank1, err1) = workers.pop().expect("rank 1");
+    let (mut rank0, err0) = workers.pop().expect("rank 0");
     wait_for(&err0, "step", Duration::from_secs(60));
     rank0.kill().expect("SIGKILL rank 0");
     rank0.wait().expect("reap rank 0");
@@ -687,36 +661,9 @@ fn workers_of_an_external_launcher_end_when_the_store_host_dies() {
 /// op, its sequence number and its site, then lists its last collectives, each with its site.
 #[test]
 fn a_timed_out_collective_names_where_it_was_issued() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
-    let dir = tempfile::tempdir().unwrap();
-    let spawn = |rank: &str| {
-        let mut args = vec!["--tp", "2", "--comm-timeout", "2"];
-        args.extend(["--run-dir", dir.path().to_str().unwrap()]);
-        args.extend(LONG_TRAINING);
-        let mut cmd = mtrain(&args);
-        for (k, v) in [
-            ("RANK", rank),
-            ("LOCAL_RANK", rank),
-            ("WORLD_SIZE", "2"),
-            ("LOCAL_WORLD_SIZE", "2"),
-            ("MASTER_ADDR", "127.0.0.1"),
-            ("MASTER_PORT", port.as_str()),
-            ("MTRAIN_JOB_ID", "site-timeout-test"),
-        ] {
-            cmd.env(k, v);
-        }
-        cmd.stdout(Stdio::null()).stderr(Stdio::piped());
-        let mut child = cmd.spawn().expect("spawn a worker");
-        let stderr = collect(child.stderr.take().expect("stderr"));
-        (child, stderr)
-    };
-    let (mut rank0, err0) = spawn("0");
-    let (mut rank1, _err1) = spawn("1");
+    let (_dir, mut workers) = external_pair(&["--tp", "2", "--comm-timeout", "2"], "site-test");
+    let (mut rank1, _err1) = workers.pop().expect("rank 1");
+    let (mut rank0, err0) = workers.pop().expect("rank 0");
     wait_for(&err0, "step", Duration::from_secs(60));
     let signal = |sig: &str, child: &Child| {
         let sent = Command::new("kill")
@@ -764,6 +711,47 @@ fn a_timed_out_collective_names_where_it_was_issued() {
     for line in recent {
         assert!(line.contains(" at crates/"), "a recent collective without its site: {line}");
     }
+}
+
+/// What a worker wrote to stderr, collected while it runs.
+type Collected = std::sync::Arc<std::sync::Mutex<Vec<u8>>>;
+
+/// Ranks 0 and 1 of one job started as torchrun starts them (rank 0 serves the store, no mtrain
+/// launcher ties them together), each training `args` then [`LONG_TRAINING`] into the returned
+/// temporary run directory; their stderr collected.
+fn external_pair(args: &[&str], job: &str) -> (tempfile::TempDir, Vec<(Child, Collected)>) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let workers = ["0", "1"]
+        .into_iter()
+        .map(|rank| {
+            let mut all = args.to_vec();
+            all.extend(["--run-dir", dir.path().to_str().unwrap()]);
+            all.extend(LONG_TRAINING);
+            let mut cmd = mtrain(&all);
+            for (k, v) in [
+                ("RANK", rank),
+                ("LOCAL_RANK", rank),
+                ("WORLD_SIZE", "2"),
+                ("LOCAL_WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", port.as_str()),
+                ("MTRAIN_JOB_ID", job),
+            ] {
+                cmd.env(k, v);
+            }
+            cmd.stdout(Stdio::null()).stderr(Stdio::piped());
+            let mut child = cmd.spawn().expect("spawn a worker");
+            let stderr = collect(child.stderr.take().expect("stderr"));
+            (child, stderr)
+        })
+        .collect();
+    (dir, workers)
 }
 
 /// A port `p` that is free now with `p + 1` free too (the port torchrun's store holds and the
