@@ -24,7 +24,9 @@ use common::{mtrain, tmp, BoundedOutput};
 /// The collective events (category "comm") of `trace.json` after 3 steps under `layout`.
 fn traced_collectives(layout: &[&str], config: &str) -> Vec<Value> {
     let dir = tmp("sites");
-    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs").join(config);
+    let config = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../configs")
+        .join(config);
     let o = mtrain(layout)
         .args(["--config", &config.display().to_string()])
         .args(["--steps", "3", "--batch-size", "4", "--seq-len", "32"])
@@ -48,7 +50,11 @@ fn traced_collectives(layout: &[&str], config: &str) -> Vec<Value> {
         .filter(|e| e["cat"].as_str() == Some("comm"))
         .cloned()
         .collect();
-    assert!(!events.is_empty(), "{layout:?}: no collective in {}", path.display());
+    assert!(
+        !events.is_empty(),
+        "{layout:?}: no collective in {}",
+        path.display()
+    );
     for e in &events {
         let site = e["args"]["site"].as_str().unwrap_or_default();
         let (file, line) = site.rsplit_once(':').unwrap_or_default();
@@ -57,7 +63,10 @@ fn traced_collectives(layout: &[&str], config: &str) -> Vec<Value> {
             "{layout:?}: a collective without a site (file:line under crates/): {e}"
         );
         assert!(
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(file).is_file(),
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../..")
+                .join(file)
+                .is_file(),
             "{layout:?}: the site {site} names no file of the repository"
         );
     }
@@ -84,7 +93,12 @@ fn issued_under(
     assert!(!chosen.is_empty(), "no {ops:?} on group {group}");
     let astray: Vec<String> = chosen
         .iter()
-        .filter(|e| !e["args"]["site"].as_str().unwrap_or_default().starts_with(folder))
+        .filter(|e| {
+            !e["args"]["site"]
+                .as_str()
+                .unwrap_or_default()
+                .starts_with(folder)
+        })
         .map(|e| format!("{} at {}", e["name"], e["args"]["site"]))
         .collect();
     assert!(
@@ -101,7 +115,13 @@ const ANY: fn(&Value) -> bool = |_| true;
 fn tensor_parallel_collectives_are_issued_from_its_folder() {
     let events = traced_collectives(&["--tp", "2"], "tiny.toml");
     let ops = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"];
-    issued_under(&events, "tp", &ops, ANY, "crates/parallel/src/tensor_parallel/");
+    issued_under(
+        &events,
+        "tp",
+        &ops,
+        ANY,
+        "crates/parallel/src/tensor_parallel/",
+    );
 }
 
 #[test]
@@ -110,7 +130,13 @@ fn ddp_bucket_all_reduces_are_issued_from_its_folder() {
     // The gradients' buckets; the step's loss and the evaluation's (two f64 at most) are the
     // loop's, not data parallelism's.
     let gradients = |e: &Value| e["args"]["bytes"].as_u64().unwrap_or(0) > 16;
-    issued_under(&events, "dp", &["all_reduce"], gradients, "crates/parallel/src/ddp/");
+    issued_under(
+        &events,
+        "dp",
+        &["all_reduce"],
+        gradients,
+        "crates/parallel/src/ddp/",
+    );
 }
 
 #[test]
@@ -123,7 +149,13 @@ fn fsdp_gathers_and_scatters_are_issued_from_its_folder() {
 #[test]
 fn pipeline_sends_and_receives_are_issued_from_its_folder() {
     let events = traced_collectives(&["--pp", "2"], "tiny.toml");
-    issued_under(&events, "pp", &["send", "recv"], ANY, "crates/parallel/src/pipeline/");
+    issued_under(
+        &events,
+        "pp",
+        &["send", "recv"],
+        ANY,
+        "crates/parallel/src/pipeline/",
+    );
 }
 
 #[test]

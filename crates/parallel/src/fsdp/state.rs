@@ -55,7 +55,10 @@ impl Fsdp {
 
     /// This rank's shard pieces, keyed like the optimizer's state (`<segment>.flat.decay`, ...),
     /// cut in f32 from full tensors by parameter name (moments, master weights).
-    pub(super) fn slice_items(&self, full: &BTreeMap<String, Tensor>) -> Result<BTreeMap<String, Tensor>> {
+    pub(super) fn slice_items(
+        &self,
+        full: &BTreeMap<String, Tensor>,
+    ) -> Result<BTreeMap<String, Tensor>> {
         let mut out = BTreeMap::new();
         if full.is_empty() {
             return Ok(out);
@@ -74,7 +77,10 @@ impl Fsdp {
 
     /// The reverse of [`Fsdp::slice_items`]: full f32 tensors by parameter name from shard pieces
     /// keyed like the optimizer's state (a collective over the data-parallel group).
-    pub(super) fn gather_items(&self, items: &BTreeMap<String, Tensor>) -> Result<BTreeMap<String, Tensor>> {
+    pub(super) fn gather_items(
+        &self,
+        items: &BTreeMap<String, Tensor>,
+    ) -> Result<BTreeMap<String, Tensor>> {
         self.gather_full(|u| {
             let [d, p] = u.piece_names();
             let get = |n: Option<&str>| n.and_then(|n| items.get(n)).cloned();
