@@ -43,7 +43,7 @@ mod merge;
 pub mod parallel;
 
 pub use args::TrainArgs;
-pub use parallel::{DdpMode, ParallelConfig, Schedule};
+pub use parallel::{ParallelConfig, Schedule};
 
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]

@@ -1,4 +1,4 @@
-//! The training loop's view of a model split over ranks: a [`TrainableModel`] over the
+//! The model the training loop drives, split over ranks: [`Distributed`], over the
 //! [`ParallelModel`] that [`parallelize`] builds for any dp × pp × tp (+ ep, + ZeRO) plan. One
 //! device is the plan of a world of one, not a separate path: every layout runs this one step.
 //!
@@ -30,7 +30,7 @@
 //! `--grad-reduce-dtype` (f32 by default), and the memory report uses the mixed-precision rule
 //! (2 + 2 + 12 bytes per parameter, sharded as the ZeRO stage says).
 //!
-//! Checkpoints are layout-independent: [`TrainableModel::state_dict`] gathers every full tensor
+//! Checkpoints are layout-independent: [`Distributed::state_dict`] gathers every full tensor
 //! by name on every rank (a collective), and `load_state` slices them for this rank, so a run
 //! saved under tp 2 × pp 2 resumes under dp 2 with ZeRO-3, or tp 4.
 
@@ -51,8 +51,8 @@ use serde::Serialize;
 use crate::memory::{
     step_memory, ActivationLayout, ModelStateLayout, Phase, Routing, StepMemory, StepRun,
 };
+use crate::micro_step::MicroStep;
 use crate::trace::{CommMeter, RunPhase, Timeline};
-use crate::trainable::{MicroStep, TrainableModel};
 
 /// Pipeline figures of one step on this rank.
 #[derive(Debug, Clone, Serialize)]
@@ -201,7 +201,7 @@ pub struct Distributed {
 impl Distributed {
     /// Builds this rank's part from the full `weights` (the same on every rank). A collective
     /// over every group of `mesh`. Clipping is the loop's: it passes the coefficient to
-    /// [`TrainableModel::optimizer_step`].
+    /// [`Distributed::optimizer_step`].
     pub fn new(
         cfg: &GptConfig,
         weights: &BTreeMap<String, Tensor>,
@@ -296,8 +296,15 @@ fn expert_load(stats: &[MoeStats]) -> Vec<ExpertLoad> {
         .collect()
 }
 
-impl TrainableModel for Distributed {
-    fn forward_backward(
+/// What the loop calls: the step, the evaluation, checkpoint state, and what the memory and
+/// step reports read.
+impl Distributed {
+    /// Forward and backward of one micro-batch `(B, T)`, micro-step `micro` of the optimizer
+    /// step, adding [`MicroStep::loss_scale`] × its gradients to the accumulated ones (the last
+    /// micro-step syncs them); `mark` is called after the forward (on a pipeline, right before
+    /// this rank's first backward, where its activations peak) and after the backward (memory
+    /// report). Returns the micro-batch's mean loss over the global batch.
+    pub fn forward_backward(
         &mut self,
         inputs: &Tensor,
         targets: &Tensor,
@@ -374,7 +381,8 @@ impl TrainableModel for Distributed {
         Ok(loss)
     }
 
-    fn eval_loss(&mut self, inputs: &Tensor, targets: &Tensor) -> anyhow::Result<f64> {
+    /// Mean loss of a batch without gradients.
+    pub fn eval_loss(&mut self, inputs: &Tensor, targets: &Tensor) -> anyhow::Result<f64> {
         self.timeline.enter(RunPhase::Eval, None);
         let start = self.timeline.now_us();
         let loss = self.pm.eval_loss(inputs, targets)?;
@@ -383,7 +391,10 @@ impl TrainableModel for Distributed {
         Ok(loss)
     }
 
-    fn grad_sq_norm(&mut self) -> anyhow::Result<Tensor> {
+    /// Σ g² over all accumulated gradients of the whole model (a sharded model reduces it), as
+    /// one f64 on the model's device: the loop reads it once the optimizer step is queued, so
+    /// on a GPU the host does not wait for the norm in between.
+    pub fn grad_sq_norm(&mut self) -> anyhow::Result<Tensor> {
         let start = self.timeline.now_us();
         let sq = self.pm.grad_norm_sq_on_device()?;
         self.timeline
@@ -392,9 +403,9 @@ impl TrainableModel for Distributed {
     }
 
     /// Scales the gradients by `grad_scale`, the loop's clip coefficient of the norm
-    /// [`TrainableModel::grad_sq_norm`] gave (so the norm's all-reduce runs once per step), and
-    /// steps AdamW over this rank's part.
-    fn optimizer_step(&mut self, lr: f64, grad_scale: GradScale) -> anyhow::Result<()> {
+    /// [`Distributed::grad_sq_norm`] gave (so the norm's all-reduce runs once per step), steps
+    /// AdamW at `lr` over this rank's part, clears the gradients and keeps the step's report.
+    pub fn optimizer_step(&mut self, lr: f64, grad_scale: GradScale) -> anyhow::Result<()> {
         let start = self.timeline.now_us();
         self.pm.scaled_step(&mut self.opt, lr, grad_scale)?;
         let end = self.timeline.now_us();
@@ -414,7 +425,9 @@ impl TrainableModel for Distributed {
         Ok(())
     }
 
-    fn state_dict(&self) -> anyhow::Result<BTreeMap<String, Tensor>> {
+    /// Full parameter tensors by name (for checkpoints). Called on every rank (the sharded
+    /// parts are gathered here); only rank 0 writes.
+    pub fn state_dict(&self) -> anyhow::Result<BTreeMap<String, Tensor>> {
         self.timeline.enter(RunPhase::Checkpoint, None);
         let start = self.timeline.now_us();
         let state = self.pm.full_state()?;
@@ -423,7 +436,8 @@ impl TrainableModel for Distributed {
         Ok(state)
     }
 
-    fn optim_state(&self) -> anyhow::Result<AdamWState> {
+    /// Full optimizer state by parameter name (for checkpoints); called on every rank.
+    pub fn optim_state(&self) -> anyhow::Result<AdamWState> {
         self.timeline.enter(RunPhase::Checkpoint, None);
         let start = self.timeline.now_us();
         let state = self.pm.full_optimizer_state(&self.opt)?;
@@ -436,7 +450,9 @@ impl TrainableModel for Distributed {
         Ok(state)
     }
 
-    fn load_state(
+    /// Restore parameters and optimizer state saved by the two methods above, each rank
+    /// slicing its part.
+    pub fn load_state(
         &mut self,
         model: &BTreeMap<String, Tensor>,
         optim: AdamWState,
@@ -446,21 +462,24 @@ impl TrainableModel for Distributed {
         Ok(())
     }
 
-    /// The full shapes, whatever the layout: checkpoints hold full tensors.
-    fn param_shapes(&self) -> BTreeMap<String, Vec<usize>> {
+    /// Parameter shapes by name, to check a checkpoint against: the full shapes, whatever the
+    /// layout, since checkpoints hold full tensors.
+    pub fn param_shapes(&self) -> BTreeMap<String, Vec<usize>> {
         param_specs(&self.cfg)
             .into_iter()
             .map(|(n, s, _)| (n, s))
             .collect()
     }
 
-    fn memory_layout(&self) -> ModelStateLayout {
+    /// The bytes-per-parameter layout this rank holds (for the memory report).
+    pub fn memory_layout(&self) -> ModelStateLayout {
         self.layout
     }
 
-    /// This rank's blocks, micro-batches in flight, tp and ep splits and gathers
-    /// ([`ActivationLayout::for_plan`]).
-    fn step_memory(&self, cfg: &GptConfig, batch: usize, run: StepRun) -> StepMemory {
+    /// What a step over `batch` rows of `seq` tokens adds to this rank's memory (activations,
+    /// gathers, peak: [`crate::memory::rank_step_memory`]): this rank's blocks, micro-batches in
+    /// flight, tp and ep splits and gathers ([`ActivationLayout::for_plan`]).
+    pub fn step_memory(&self, cfg: &GptConfig, batch: usize, run: StepRun) -> StepMemory {
         let layout = ActivationLayout::for_plan(cfg, &self.plan, self.pp_rank, batch);
         let mut layout = layout.unwrap_or_else(|e| {
             tracing::warn!("memory estimate of the whole model (not per rank): {e}");
@@ -472,29 +491,37 @@ impl TrainableModel for Distributed {
         step_memory(cfg, &layout, &self.layout, run)
     }
 
-    fn comm_bytes(&self) -> u64 {
+    /// Communication buffer bytes this rank holds.
+    pub fn comm_bytes(&self) -> u64 {
         self.comm_buffer_bytes
     }
 
-    fn routing_is_measured(&self) -> bool {
+    /// Whether [`Distributed::step_memory`] counts the MoE rows the last step's router
+    /// dispatched (then the report recomputes it after every step); false: an even split.
+    pub fn routing_is_measured(&self) -> bool {
         self.cfg.moe.is_some() && self.last_expert_load().is_some()
     }
 
-    fn step_report(&self) -> Option<serde_json::Value> {
+    /// What the last optimizer step cost beyond the loss (communication, pipeline bubble,
+    /// expert load), as a JSON object; None in a world of one.
+    pub fn step_report(&self) -> Option<serde_json::Value> {
         self.last_report
             .as_ref()
             .filter(|_| !self.alone)
             .and_then(|r| serde_json::to_value(r).ok())
     }
 
-    fn step_line(&self) -> Option<String> {
+    /// The same as one human-readable line for the log.
+    pub fn step_line(&self) -> Option<String> {
         self.last_report
             .as_ref()
             .filter(|_| !self.alone)
             .map(|r| r.to_string())
     }
 
-    fn pipeline_timeline(&self) -> Option<serde_json::Value> {
+    /// The last optimizer step's pipeline timeline on this rank (spans of forward, backward,
+    /// send and receive wait per micro-batch), as a JSON object; None without a pipeline.
+    pub fn pipeline_timeline(&self) -> Option<serde_json::Value> {
         let p = self.last_report.as_ref()?.pipeline.as_ref()?;
         serde_json::to_value(&p.timeline).ok()
     }

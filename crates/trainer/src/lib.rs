@@ -13,8 +13,8 @@
 //!   `--set` resolved once into the run's description (`RunOptions`), the one place a run's
 //!   `ParallelPlan` is built and checked.
 //! - [`data`]: the built-in corpus, token shards, each data-parallel rank's slice.
-//! - [`train`]: the loop; [`trainable`]: `TrainableModel`, its one interface to a model;
-//!   [`distributed`]: that interface over any layout.
+//! - [`train`]: the loop; [`distributed`]: the model it drives, over any layout;
+//!   [`micro_step`]: which micro-step of an optimizer step the loop passes it.
 //! - [`checkpoint`], [`run_dir`]: what a run keeps, and the directory that belongs to one run.
 //!
 //! What a run measures and shows: [`progress`] (the step line), [`memory`] (the per-step
@@ -41,6 +41,7 @@ pub mod launch;
 pub mod layout;
 pub mod liveness;
 pub mod memory;
+pub mod micro_step;
 pub mod phases;
 pub mod progress;
 pub mod resolve;
@@ -48,5 +49,4 @@ pub mod run_dir;
 pub mod tools;
 pub mod trace;
 pub mod train;
-pub mod trainable;
 pub mod validate;

@@ -16,10 +16,9 @@
 //! [`train_loop`] runs the step (`train_step`) and then its observers (`train/observe.rs`: the
 //! evaluation, the step logs, the memory report, the checkpoint), which change nothing trained.
 //!
-//! The loop talks to the model only through [`TrainableModel`], so a parallel wrapper can own the
-//! forward/backward (pipeline schedules, FSDP gathers, DDP buckets) and the optimizer's view of the
-//! parameters (flat shards) without the loop changing. Its one implementation is
-//! [`Distributed`]: a single device is the world of one, the plan whose every group has one
+//! The loop drives one model type, [`Distributed`], which owns the forward/backward (pipeline
+//! schedules, FSDP gathers, DDP buckets) and the optimizer's view of the parameters (flat shards)
+//! under every layout: a single device is the world of one, the plan whose every group has one
 //! rank, run by the same step as every other layout (DDP over a group of one averages nothing).
 //!
 //! Resuming restores weights, AdamW moments and step, and the loader position; every batch is a
@@ -47,9 +46,9 @@ use crate::fsio::JsonLines;
 use crate::memory::{
     AnalyticMemory, BackwardPath, CpuProbe, MemoryProbe, MemoryTracker, ModelStateLayout, Phase,
 };
+use crate::micro_step::MicroStep;
 use crate::phases::{PhaseTimer, StepPhase, StepPhases};
 use crate::progress::{self, Progress};
-use crate::trainable::{MicroStep, TrainableModel};
 
 use observe::{evaluation, save_checkpoint, MemoryReports, StepLogs};
 
@@ -281,7 +280,7 @@ fn resume_checkpoint(
     Ok(checkpoint::load(&dir, device)?)
 }
 
-/// The loop itself, over any [`TrainableModel`]; `(dp, devices)`: the data-parallel degree
+/// The loop itself, over this rank's [`Distributed`] model; `(dp, devices)`: the data-parallel degree
 /// scales the token count, the number of devices the peak FLOP/s of the MFU; `state_baseline`
 /// is the memory probe's reading taken right before `model` was built (the memory report's
 /// model state is the level after each optimizer step minus it).
@@ -289,7 +288,7 @@ fn resume_checkpoint(
 pub fn train_loop(
     cfg: &TrainConfig,
     gcfg: &GptConfig,
-    model: &mut dyn TrainableModel,
+    model: &mut Distributed,
     mut loader: DataLoader,
     val: DataLoader,
     device: &Device,
@@ -330,7 +329,7 @@ pub fn train_loop(
     let flops_per_token = gcfg.flops_per_token(cfg.seq_len);
     let (peak, placeholder) = cfg.peak_flops();
     let layout = model.memory_layout();
-    let analytic_of = |model: &dyn TrainableModel| {
+    let analytic_of = |model: &Distributed| {
         let run = cfg.step_run(BackwardPath::on(cfg.backward(), device));
         let step = model.step_memory(gcfg, cfg.batch_size, run);
         AnalyticMemory::new(&model.memory_layout(), step, model.comm_bytes())
@@ -456,7 +455,7 @@ fn dropout_draw(cfg: &TrainConfig, step: u64, index: usize) -> Option<mtrain_mod
 /// them under `profile_phases`.
 fn train_step(
     cfg: &TrainConfig,
-    model: &mut dyn TrainableModel,
+    model: &mut Distributed,
     loader: &mut DataLoader,
     device: &Device,
     tracker: &mut MemoryTracker,
@@ -526,7 +525,7 @@ fn train_step(
 /// `step` (nanoGPT's estimate_loss; fresh batches at every evaluation, the same ones in a
 /// resumed run and under every layout).
 pub fn evaluate(
-    model: &mut dyn TrainableModel,
+    model: &mut Distributed,
     split: &DataLoader,
     step: u64,
     iters: usize,

@@ -60,14 +60,34 @@ pub use setup::{verify_same_init, DpError, Result};
 // What a strategy reports, under the API's name as well as the toolbox's.
 pub use crate::toolbox::{CommStats, ModelStateBytes};
 
-/// How DDP communicates gradients.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// How DDP communicates gradients; written `bucketed` or `naive` (its [`DdpMode::name`], also
+/// its serde form).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum DdpMode {
     /// Buckets in reverse order, all-reduced asynchronously as the backward produces them.
     #[default]
     Bucketed,
     /// One blocking all-reduce per tensor after the whole backward.
     Naive,
+}
+
+impl DdpMode {
+    /// Every mode, in the order a command line lists them.
+    pub const ALL: [DdpMode; 2] = [DdpMode::Bucketed, DdpMode::Naive];
+
+    /// How a config file and a command line write it.
+    pub fn name(self) -> &'static str {
+        match self {
+            DdpMode::Bucketed => "bucketed",
+            DdpMode::Naive => "naive",
+        }
+    }
+
+    /// The mode written `name`.
+    pub fn named(name: &str) -> Option<DdpMode> {
+        Self::ALL.into_iter().find(|m| m.name() == name)
+    }
 }
 
 /// DDP settings.

@@ -2,10 +2,12 @@
 //! [`parallel_overrides`], every layout or strategy flag given as the `[parallel]` key of the
 //! same name, which replaces the config file's value.
 
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, ValueEnum};
+use mtrain_parallel::ddp::DdpMode;
 
 use super::{merged, LayoutArgs};
-use crate::config::{DdpMode, Schedule};
+use crate::config::Schedule;
 use crate::layout::LayoutError;
 
 /// How the model is split and synchronised (data-parallel mode, FSDP/ZeRO, pipeline schedule).
@@ -49,7 +51,7 @@ pub struct StrategyArgs {
     pub pass_costs: Option<Vec<f64>>,
 
     /// Gradient all-reduce for data parallelism (default bucketed).
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = ddp_modes())]
     pub ddp_mode: Option<DdpMode>,
 
     /// DDP bucket size in MiB (default 25).
@@ -67,7 +69,7 @@ impl StrategyArgs {
                 .map(|c| c.iter().map(usize::to_string).collect::<Vec<_>>().join(","))
         };
         let schedule = |s: Option<Schedule>| spelled(s.and_then(|s| s.to_possible_value()));
-        let ddp_mode = |m: Option<DdpMode>| spelled(m.and_then(|m| m.to_possible_value()));
+        let ddp_mode = |m: Option<DdpMode>| m.map(|m| m.name().to_string());
         merged(
             "--schedule",
             &schedule(self.schedule),
@@ -114,6 +116,22 @@ impl StrategyArgs {
     }
 }
 
+/// `--ddp-mode`'s values: the parallel crate's modes by name, each with its help.
+fn ddp_modes() -> impl TypedValueParser<Value = DdpMode> {
+    let modes = [
+        (
+            DdpMode::Bucketed,
+            "Buckets of about `bucket_mb`, all-reduced asynchronously as soon as they fill",
+        ),
+        (
+            DdpMode::Naive,
+            "One all-reduce per parameter after the whole backward",
+        ),
+    ];
+    PossibleValuesParser::new(modes.map(|(m, help)| PossibleValue::new(m.name()).help(help)))
+        .map(|name| DdpMode::named(&name).expect("one of the listed names"))
+}
+
 /// The layout and strategy flags that were given, as `[parallel]` keys of the same names.
 pub fn parallel_overrides(layout: &LayoutArgs, strategy: &StrategyArgs) -> toml::Table {
     let mut t = toml::Table::new();
@@ -152,10 +170,7 @@ pub fn parallel_overrides(layout: &LayoutArgs, strategy: &StrategyArgs) -> toml:
         );
     }
     if let Some(m) = strategy.ddp_mode {
-        t.insert(
-            "ddp_mode".into(),
-            name(clap::ValueEnum::to_possible_value(&m)),
-        );
+        t.insert("ddp_mode".into(), toml::Value::String(m.name().into()));
     }
     if let Some(counts) = &strategy.stage_layers {
         t.insert(

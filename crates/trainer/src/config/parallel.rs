@@ -14,7 +14,7 @@
 //! mesh; [`ParallelConfig::of_plan`] writes a plan back as the table a checkpoint records.
 
 use mtrain_comm::mesh::MeshDims;
-use mtrain_parallel::ddp::DdpConfig;
+use mtrain_parallel::ddp::{DdpConfig, DdpMode};
 use mtrain_parallel::fsdp::{FsdpConfig, ZeroStage};
 use mtrain_parallel::parallelize::{DataParallelKind, ParallelPlan};
 use mtrain_parallel::pipeline::ScheduleKind;
@@ -108,16 +108,6 @@ pub enum Schedule {
     ZbV,
 }
 
-/// DDP gradient synchronisation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum DdpMode {
-    /// Buckets of about `bucket_mb`, all-reduced asynchronously as soon as they fill.
-    Bucketed,
-    /// One all-reduce per parameter after the whole backward.
-    Naive,
-}
-
 impl ParallelConfig {
     /// The parallel plan this table describes on the mesh `dims`, with the run's activation
     /// checkpointing and precision; not yet checked against a model (a run's plan is checked
@@ -154,10 +144,7 @@ impl ParallelConfig {
             0 => {
                 let cap = (self.bucket_mb * MIB) as usize;
                 DataParallelKind::Ddp(DdpConfig {
-                    mode: match self.ddp_mode {
-                        DdpMode::Bucketed => mtrain_parallel::ddp::DdpMode::Bucketed,
-                        DdpMode::Naive => mtrain_parallel::ddp::DdpMode::Naive,
-                    },
+                    mode: self.ddp_mode,
                     bucket_cap_bytes: cap.max(1),
                     first_bucket_cap_bytes: cap.clamp(1, 1 << 20),
                 })
@@ -195,14 +182,7 @@ impl ParallelConfig {
     pub fn of_plan(plan: &ParallelPlan) -> Self {
         let base = Self::default();
         let (zero_stage, ddp_mode, bucket_mb) = match plan.data {
-            DataParallelKind::Ddp(d) => (
-                0,
-                match d.mode {
-                    mtrain_parallel::ddp::DdpMode::Bucketed => DdpMode::Bucketed,
-                    mtrain_parallel::ddp::DdpMode::Naive => DdpMode::Naive,
-                },
-                d.bucket_cap_bytes as f64 / MIB,
-            ),
+            DataParallelKind::Ddp(d) => (0, d.mode, d.bucket_cap_bytes as f64 / MIB),
             DataParallelKind::Zero(z) => (z.stage as u8, base.ddp_mode, base.bucket_mb),
         };
         let (schedule, virtual_stages) = match plan.schedule {

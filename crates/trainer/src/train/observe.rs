@@ -16,16 +16,16 @@ use super::{evaluate, open_append, write_json_line};
 use crate::checkpoint::{self, CheckpointData};
 use crate::config::TrainConfig;
 use crate::data::DataLoader;
+use crate::distributed::Distributed;
 use crate::fsio::JsonLines;
 use crate::memory::{AnalyticMemory, MemoryTracker};
 use crate::progress::{self, Progress, StepMetrics};
-use crate::trainable::TrainableModel;
 
 /// The evaluation after `step` when one is due (every `eval_every` steps and after the last):
 /// (training split, validation split), each the mean loss of `eval_iters` random batches.
 pub(super) fn evaluation(
     cfg: &TrainConfig,
-    model: &mut dyn TrainableModel,
+    model: &mut Distributed,
     (train, val): (&DataLoader, &DataLoader),
     step: u64,
     device: &Device,
@@ -74,7 +74,7 @@ impl<'c> StepLogs<'c> {
     pub(super) fn record(
         &mut self,
         m: &StepMetrics,
-        model: &dyn TrainableModel,
+        model: &Distributed,
         bar: &Progress,
         log_now: bool,
     ) -> anyhow::Result<()> {
@@ -167,7 +167,7 @@ impl MemoryReports {
 /// written, on rank 0.
 pub(super) fn save_checkpoint(
     cfg: &TrainConfig,
-    model: &dyn TrainableModel,
+    model: &Distributed,
     loader: &DataLoader,
     step: u64,
     (rank, bar): (usize, &Progress),
