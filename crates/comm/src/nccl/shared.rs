@@ -11,6 +11,7 @@ use candle_core::cuda_backend::cudarc::driver::{CudaContext, CudaEvent};
 use candle_core::cuda_backend::cudarc::nccl::sys as nccl;
 
 use crate::communicator::OpKind;
+use crate::site::Site;
 
 /// The raw communicator handle, only ever used under `NcclGroup::issue` (see `group.rs`'s
 /// module doc).
