@@ -633,20 +633,11 @@ fn workers_of_an_external_launcher_end_when_the_store_host_dies() {
     wait_for(&err0, "step", Duration::from_secs(60));
     rank0.kill().expect("SIGKILL rank 0");
     rank0.wait().expect("reap rank 0");
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = rank1.try_wait().unwrap() {
-            break s;
-        }
-        if start.elapsed() > Duration::from_secs(5) {
-            let _ = rank1.kill();
-            let _ = rank1.wait();
-            panic!(
-                "rank 1 still running 5 s after the store's host died:\n{}",
-                text(&err1.lock().unwrap())
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    let Some(status) = exit_within(&mut rank1, Duration::from_secs(5)) else {
+        panic!(
+            "rank 1 still running 5 s after the store's host died:\n{}",
+            text(&err1.lock().unwrap())
+        );
     };
     std::thread::sleep(Duration::from_millis(200)); // the last lines of its stderr
     let log = text(&err1.lock().unwrap());
@@ -673,23 +664,13 @@ fn a_timed_out_collective_names_where_it_was_issued() {
         assert!(sent.success(), "kill {sig}");
     };
     signal("-STOP", &rank1);
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = rank0.try_wait().unwrap() {
-            break s;
-        }
-        if start.elapsed() > Duration::from_secs(20) {
-            let _ = rank0.kill();
-            let _ = rank0.wait();
-            signal("-CONT", &rank1);
-            let _ = rank1.kill();
-            panic!("rank 0 still running 20 s after rank 1 stopped");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = exit_within(&mut rank0, Duration::from_secs(20));
     signal("-CONT", &rank1);
     let _ = rank1.kill();
     let _ = rank1.wait();
+    let Some(status) = status else {
+        panic!("rank 0 still running 20 s after rank 1 stopped");
+    };
     std::thread::sleep(Duration::from_millis(200)); // the last lines of its stderr
     let log = text(&err0.lock().unwrap());
     assert_eq!(status.code(), Some(1), "{log}");
@@ -752,6 +733,23 @@ fn external_pair(args: &[&str], job: &str) -> (tempfile::TempDir, Vec<(Child, Co
         })
         .collect();
     (dir, workers)
+}
+
+/// The child's exit status once it exits within `limit`; None (the child killed and reaped)
+/// when it is still running then.
+fn exit_within(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    let start = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return Some(s);
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// A port `p` that is free now with `p + 1` free too (the port torchrun's store holds and the
