@@ -10,7 +10,7 @@
 use std::path::Path;
 
 mod common;
-use common::{mtrain, BoundedOutput};
+use common::traced_run;
 
 const STEPS: usize = 3;
 
@@ -34,24 +34,7 @@ fn world_all_reduces(run_dir: &Path, rank: usize) -> Vec<(String, u64)> {
 /// Trains `STEPS` steps of the tiny model under `layout` on `world` ranks with tracing on and
 /// checks every rank's world group.
 fn one_norm_all_reduce_per_step(layout: &[&str], world: usize) {
-    let dir = tempfile::Builder::new()
-        .prefix("mtrain-norm-")
-        .tempdir()
-        .expect("temp dir");
-    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/tiny.toml");
-    let steps = STEPS.to_string();
-    let o = mtrain(layout)
-        .args(["--config", &config.display().to_string()])
-        .args(["--steps", &steps, "--batch-size", "2", "--seq-len", "32"])
-        .args(["--eval-every", "0", "--trace", "--run-dir"])
-        .arg(dir.path())
-        .bounded_output();
-    assert!(
-        o.status.success(),
-        "{layout:?} failed:\n{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
+    let dir = traced_run("norm", layout, "tiny.toml", STEPS, 2, 0);
     for rank in 0..world {
         let ops = world_all_reduces(dir.path(), rank);
         let norm = ("all_reduce".to_string(), 8u64); // Σ g² as one f64

@@ -19,26 +19,11 @@ use std::path::Path;
 use serde_json::Value;
 
 mod common;
-use common::{mtrain, tmp, BoundedOutput};
+use common::traced_run;
 
 /// The collective events (category "comm") of `trace.json` after 3 steps under `layout`.
 fn traced_collectives(layout: &[&str], config: &str) -> Vec<Value> {
-    let dir = tmp("sites");
-    let config = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../configs")
-        .join(config);
-    let o = mtrain(layout)
-        .args(["--config", &config.display().to_string()])
-        .args(["--steps", "3", "--batch-size", "4", "--seq-len", "32"])
-        .args(["--eval-every", "2", "--trace", "--run-dir"])
-        .arg(dir.path())
-        .bounded_output();
-    assert!(
-        o.status.success(),
-        "{layout:?} failed:\n{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
+    let dir = traced_run("sites", layout, config, 3, 4, 2);
     let path = dir.path().join("trace.json");
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));

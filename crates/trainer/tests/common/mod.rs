@@ -60,6 +60,37 @@ where
     mtrain(args).bounded_output()
 }
 
+/// `mtrain LAYOUT --config configs/CONFIG --trace` for `steps` steps of `batch` sequences of 32
+/// tokens, evaluating every `eval_every` steps (0: never), into a fresh run directory (tagged
+/// `tag`), which it returns; fails the test, with what the run printed, unless it succeeds.
+pub fn traced_run(
+    tag: &str,
+    layout: &[&str],
+    config: &str,
+    steps: usize,
+    batch: usize,
+    eval_every: usize,
+) -> tempfile::TempDir {
+    let dir = tmp(tag);
+    let config = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../configs")
+        .join(config);
+    let o = mtrain(layout)
+        .args(["--config", &config.display().to_string()])
+        .args(["--steps", &steps.to_string(), "--batch-size", &batch.to_string()])
+        .args(["--seq-len", "32", "--eval-every", &eval_every.to_string()])
+        .args(["--trace", "--run-dir"])
+        .arg(dir.path())
+        .bounded_output();
+    assert!(
+        o.status.success(),
+        "{layout:?} failed:\n{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    dir
+}
+
 /// A fresh temporary directory named `mtrain-TAG-...`, removed when dropped.
 pub fn tmp(tag: &str) -> tempfile::TempDir {
     tempfile::Builder::new()
