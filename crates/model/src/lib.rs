@@ -22,6 +22,8 @@
 //! - [`dropout`]: dropout at nanoGPT's sites, its masks keyed by the global place of each
 //!   element ([`Draw`]), so every layout and every recompute draws them alike.
 //! - [`optim`]: AdamW (state by name), the learning-rate schedule, clipping.
+//! - [`source`]: `ParamSource`, the values of any region of a parameter (runs of its
+//!   row-major elements), so a rank reads only the piece it holds.
 
 pub mod config;
 pub mod dropout;
@@ -33,6 +35,7 @@ pub mod layers;
 pub mod moe;
 pub mod optim;
 pub mod param;
+pub mod source;
 pub mod tape;
 pub mod vocab;
 

@@ -20,6 +20,8 @@
 //!
 //! Legend: `V` vocabulary, `C` width, `E` experts, `S` model stages.
 
+use std::ops::Range;
+
 use mtrain_comm::MeshDims;
 use mtrain_model::GptConfig;
 
@@ -45,6 +47,34 @@ impl Placement {
             Placement::Sharded { .. } => numel / tp.max(1),
             Placement::Replicated { .. } => numel,
         }
+    }
+
+    /// The piece rank `rank` of a `size`-rank group holds, as row-major element ranges of the
+    /// full tensor of shape `full`, in the piece's own row-major order (what
+    /// [`crate::tensor_parallel::shard::shard`] cuts; a [`mtrain_model::source::ParamSource`] reads it).
+    ///
+    /// ```text
+    ///   Sharded { dim: 0, blocks: 3 }, (6, 2), rank 1 of 2: rows 1, 3, 5 → [2..4, 6..8, 10..12]
+    ///   Sharded { dim: 1, blocks: 1 }, (2, 4), rank 1 of 2: columns 2, 3 → [2..4, 6..8]
+    /// ```
+    pub fn runs(self, full: &[usize], rank: usize, size: usize) -> Vec<Range<usize>> {
+        let numel: usize = full.iter().product();
+        let (dim, blocks) = match self {
+            Placement::Sharded { dim, blocks } if size > 1 => (dim, blocks),
+            _ => return vec![0..numel],
+        };
+        let outer: usize = full[..dim].iter().product(); // index blocks before `dim`
+        let inner: usize = full[dim + 1..].iter().product(); // elements of one index of `dim`
+        let (block, chunk) = (full[dim] / blocks, full[dim] / blocks / size);
+        let mut runs = Vec::with_capacity(outer * blocks);
+        for o in 0..outer {
+            for b in 0..blocks {
+                let first = b * block + rank * chunk; // first index of `dim` this rank keeps
+                let start = (o * full[dim] + first) * inner;
+                runs.push(start..start + chunk * inner);
+            }
+        }
+        runs
     }
 }
 
@@ -204,6 +234,33 @@ mod tests {
                 partial_grad: false
             }
         );
+    }
+
+    #[test]
+    fn runs_read_what_shard_cuts() -> candle_core::Result<()> {
+        use candle_core::{Device, Tensor};
+        use mtrain_model::source::ParamSource;
+        use std::collections::BTreeMap;
+        let cases = [
+            (vec![12, 4], Placement::Sharded { dim: 0, blocks: 3 }, 2),
+            (vec![6, 8], Placement::Sharded { dim: 1, blocks: 1 }, 4),
+            (vec![12], Placement::Sharded { dim: 0, blocks: 3 }, 2),
+            (vec![2, 6, 4], Placement::Sharded { dim: 1, blocks: 3 }, 2),
+            (vec![5, 3], Placement::Replicated { partial_grad: false }, 2),
+        ];
+        for (shape, placement, size) in cases {
+            let n: usize = shape.iter().product();
+            let full = Tensor::arange(0f32, n as f32, &Device::Cpu)?.reshape(shape.clone())?;
+            let map = BTreeMap::from([("w".to_string(), full.clone())]);
+            for rank in 0..size {
+                let piece = crate::tensor_parallel::shard::shard(&full, placement, rank, size)
+                    .map_err(candle_core::Error::wrap)?;
+                let runs = placement.runs(&shape, rank, size);
+                let read = map.read("w", &shape, &runs)?;
+                assert_eq!(read, piece.flatten_all()?.to_vec1::<f32>()?, "{shape:?} {placement:?} {rank}");
+            }
+        }
+        Ok(())
     }
 
     #[test]
