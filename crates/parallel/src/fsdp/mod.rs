@@ -112,6 +112,12 @@ pub struct FsdpConfig {
     pub stage: ZeroStage,
     /// Start the next segment's all-gather before the current segment computes (stage 3).
     pub prefetch: bool,
+    /// Stage 3: free each segment's gathered weights right after its forward and gather them
+    /// again (prefetched) for its backward (PyTorch FSDP's option of this name, its default);
+    /// false keeps them from the forward to the backward: one gather per unit and pass, for
+    /// speed where memory allows. Activation checkpointing always frees them (its recompute
+    /// gathers them again).
+    pub reshard_after_forward: bool,
 }
 
 impl Default for FsdpConfig {
@@ -119,6 +125,7 @@ impl Default for FsdpConfig {
         Self {
             stage: ZeroStage::Three,
             prefetch: true,
+            reshard_after_forward: true,
         }
     }
 }
@@ -239,7 +246,7 @@ impl Fsdp {
             comm: &self.comm,
             stage: self.cfg.stage,
             prefetch: self.cfg.prefetch,
-            recompute,
+            reshard: recompute || self.cfg.reshard_after_forward,
             reduce,
             units: &mut self.units,
             residency: &mut self.residency,

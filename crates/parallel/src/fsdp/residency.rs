@@ -7,10 +7,20 @@
 //!   unit i       the parameters segment i is the first (lowest) user of: where their
 //!                gradient becomes final (the tied wte belongs to the embedding)
 //!   needs[i]     the units segment i uses, ascending
+//!
+//!   reshard after forward (the default; always under recompute):
 //!   forward  i   free needs[i-1] \ needs[i] │ wait needs[i] │ prefetch needs[i+1]
-//!   backward i   (recompute only) wait needs[i] │ prefetch needs[i-1]
+//!   backward i   wait needs[i] │ prefetch needs[i-1]              (gathered a second time)
 //!   after bwd i  free needs[i] \ needs[i-1]
+//!
+//!   kept from the forward to the backward (reshard_after_forward = false):
+//!   forward  i   wait needs[i] │ prefetch needs[i+1]               (nothing freed)
+//!   backward i   wait needs[i]                                     (resident: no gather)
+//!   after bwd i  free needs[i] \ (needs[0] ∪ … ∪ needs[i-1])       (the tied wte stays for
+//!                                                                   the embedding's backward)
 //! ```
+//! A wait on a resident unit is free; it gathers only a unit an earlier pass released (a
+//! pipeline's micro-batches interleave forwards and backwards).
 //! A rank running several chunks numbers their segments (and units) one after the other and
 //! applies the rule within each chunk's range; a unit used by two chunks (ZB-V's `wte` on rank
 //! 0) is listed by [`shared_across_chunks`].
@@ -42,10 +52,11 @@ pub struct Moves {
     pub prefetch: Vec<usize>,
 }
 
-/// Before segment `i`'s forward: free the previous segment's units it does not use, wait for
-/// its own, prefetch the next segment's (with `prefetch`).
-pub fn before_forward(needs: &[Vec<usize>], i: usize, prefetch: bool) -> Moves {
+/// Before segment `i`'s forward: free the previous segment's units it does not use (with
+/// `reshard`), wait for its own, prefetch the next segment's (with `prefetch`).
+pub fn before_forward(needs: &[Vec<usize>], i: usize, prefetch: bool, reshard: bool) -> Moves {
     let free = match i {
+        _ if !reshard => Vec::new(),
         0 => Vec::new(),
         _ => needs[i - 1]
             .iter()
@@ -64,11 +75,10 @@ pub fn before_forward(needs: &[Vec<usize>], i: usize, prefetch: bool) -> Moves {
     }
 }
 
-/// Before segment `i`'s backward when its forward is recomputed: wait for its units, prefetch
-/// the previous segment's (with `prefetch`). Without recompute nothing is gathered: the graph
-/// recorded in forward holds the weights.
-pub fn before_backward(needs: &[Vec<usize>], i: usize, prefetch: bool) -> Moves {
-    let prefetch = match prefetch && i > 0 {
+/// Before segment `i`'s backward (and its recompute): wait for its units; with `reshard` (the
+/// forward freed them) prefetch the previous segment's (with `prefetch`).
+pub fn before_backward(needs: &[Vec<usize>], i: usize, prefetch: bool, reshard: bool) -> Moves {
+    let prefetch = match reshard && prefetch && i > 0 {
         true => needs[i - 1].clone(),
         false => Vec::new(),
     };
@@ -79,12 +89,17 @@ pub fn before_backward(needs: &[Vec<usize>], i: usize, prefetch: bool) -> Moves 
     }
 }
 
-/// After segment `i`'s backward: the units it used that the segment before it does not.
-pub fn after_backward(needs: &[Vec<usize>], i: usize) -> Vec<usize> {
+/// After segment `i`'s backward: the units it used that the segment before it does not; without
+/// `reshard`, that no segment before it does (they stay resident for those backwards).
+pub fn after_backward(needs: &[Vec<usize>], i: usize, reshard: bool) -> Vec<usize> {
+    let earlier = match reshard {
+        true => i.saturating_sub(1)..i,
+        false => 0..i,
+    };
     needs[i]
         .iter()
         .copied()
-        .filter(|u| i == 0 || !needs[i - 1].contains(u))
+        .filter(|u| !needs[earlier.clone()].iter().any(|n| n.contains(u)))
         .collect()
 }
 
@@ -116,20 +131,34 @@ mod tests {
         // [embedding (wte, wpe), h.0, head (ln_f, wte)]: the head needs unit 0 too.
         let needs = vec![vec![0], vec![1], vec![0, 2]];
         assert_eq!(
-            before_forward(&needs, 1, true),
+            before_forward(&needs, 1, true, true),
             Moves {
                 free: vec![0],
                 wait: vec![1],
                 prefetch: vec![0, 2]
             }
         );
-        assert_eq!(before_forward(&needs, 2, false).free, vec![1]);
-        assert_eq!(after_backward(&needs, 2), vec![0, 2]);
-        assert_eq!(after_backward(&needs, 0), vec![0]);
+        assert_eq!(before_forward(&needs, 2, false, true).free, vec![1]);
+        assert_eq!(after_backward(&needs, 2, true), vec![0, 2]);
+        assert_eq!(after_backward(&needs, 0, true), vec![0]);
         assert_eq!(
-            before_backward(&needs, 0, true).prefetch,
+            before_backward(&needs, 0, true, true).prefetch,
             Vec::<usize>::new()
         );
+        assert_eq!(before_backward(&needs, 2, true, true).prefetch, vec![1]);
+    }
+
+    #[test]
+    fn kept_weights_are_freed_once_after_their_last_backward() {
+        // Without resharding the forward frees nothing and the backward prefetches nothing;
+        // the head's backward keeps the embedding's unit (the tied wte) for the embedding's.
+        let needs = vec![vec![0], vec![1], vec![0, 2]];
+        assert!((0..3).all(|i| before_forward(&needs, i, true, false).free.is_empty()));
+        assert!(before_backward(&needs, 2, true, false).prefetch.is_empty());
+        assert_eq!(before_backward(&needs, 2, true, false).wait, vec![0, 2]);
+        assert_eq!(after_backward(&needs, 2, false), vec![2]);
+        assert_eq!(after_backward(&needs, 1, false), vec![1]);
+        assert_eq!(after_backward(&needs, 0, false), vec![0]);
     }
 
     #[test]

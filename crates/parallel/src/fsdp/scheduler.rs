@@ -4,13 +4,17 @@
 //!
 //! ```text
 //!   forward   seg i:  free units of seg i-1 not used by seg i │ wait gather(i) │ start gather(i+1)
-//!   backward  seg i:  (recompute only) wait gather(i) │ start gather(i-1)
+//!   backward  seg i:  wait gather(i) (its second gather) │ start gather(i-1)
 //!             after:  reduce-scatter unit i's flat gradient (async) │ drop its full gradient
 //!                     (ZeRO-2/3) │ free units of seg i not used by seg i-1
 //! ```
-//! At most two units are resident or in flight at any moment in forward (the running segment's
-//! and the prefetched one), plus the tied embedding unit while the head runs. Segment i is the
-//! running chunk's ([`super::Fsdp::over_chunks`]); the units are numbered over all chunks.
+//! The tapes keep no weight, only its slot ([`mtrain_model::tape::SlotWeight`]), so a free
+//! after the forward returns the memory, and the backward reads the weights gathered again.
+//! At most two units are resident or in flight at any moment (the running segment's and the
+//! prefetched one), plus the tied embedding unit while the head runs. With
+//! `reshard_after_forward = false` the forward frees nothing and the backward gathers nothing
+//! (the rule's second table, [`super::residency`]). Segment i is the running chunk's
+//! ([`super::Fsdp::over_chunks`]); the units are numbered over all chunks.
 
 use std::ops::Range;
 
@@ -39,8 +43,9 @@ pub(super) struct Scheduler<'a> {
     pub(super) comm: &'a Comm,
     pub(super) stage: ZeroStage,
     pub(super) prefetch: bool,
-    /// The engine recomputes each segment's forward in backward (activation checkpointing).
-    pub(super) recompute: bool,
+    /// The forward frees each segment's weights and the backward gathers them again
+    /// (`reshard_after_forward`, or activation checkpointing, whose recompute needs them).
+    pub(super) reshard: bool,
     /// Reduce-scatter gradients in this backward.
     pub(super) reduce: bool,
     pub(super) units: &'a mut [FlatUnit],
@@ -132,19 +137,19 @@ impl Scheduler<'_> {
             self.chunk_needs(),
             i,
             self.prefetch,
+            self.reshard,
         ))
     }
 
     fn pre_backward_impl(&mut self, i: usize) -> Result<()> {
-        // Without recompute the engine differentiates the graph recorded in forward, which
-        // already holds the gathered weights.
-        if self.stage != ZeroStage::Three || !self.recompute {
+        if self.stage != ZeroStage::Three {
             return Ok(());
         }
         self.apply(residency::before_backward(
             self.chunk_needs(),
             i,
             self.prefetch,
+            self.reshard,
         ))
     }
 
@@ -164,7 +169,7 @@ impl Scheduler<'_> {
                 }
             }
         }
-        for u in residency::after_backward(self.chunk_needs(), i) {
+        for u in residency::after_backward(self.chunk_needs(), i, self.reshard) {
             self.free(u)?;
         }
         Ok(())

@@ -8,7 +8,8 @@
 //!               (the holdings table of the plan and the rank's coordinates)
 //!   ZeRO        units and needs by the engine's "first user owns it" rule over all the rank's
 //!               chunks (ZB-V's tied wte: one unit), gathers and frees by fsdp::residency
-//!               within each chunk, the moves the scheduler runs
+//!               within each chunk, the moves the scheduler runs: resharding after the
+//!               forward (or recomputing) gathers a unit a second time in the backward
 //!   per segment the tensor-, sequence- and expert-parallel collectives its layers describe
 //!               (tensor_parallel::mapping's tables, vocab::LOSS_ALL_REDUCES, MOE_EXCHANGES)
 //!               in forward, recompute and backward
@@ -132,6 +133,9 @@ struct Walk {
     zero: Option<ZeroStage>,
     prefetch: bool,
     recompute: bool,
+    /// ZeRO-3 frees each segment's weights after its forward and gathers them again for its
+    /// backward (`reshard_after_forward`, or the recompute).
+    reshard: bool,
     sp: bool,
     /// Sequences per micro-batch, sequence length, its local part, width.
     b: usize,
@@ -161,9 +165,9 @@ impl Walk {
         let table = Holdings::of_rank(cfg, plan, c).map_err(|e| CostError::Plan(e.to_string()))?;
         let (chunks, units) = zero_units(table.chunks);
         let gathered = units.iter().map(|u| u.numel == 0).collect();
-        let (zero, prefetch) = match plan.data {
-            DataParallelKind::Zero(z) => (Some(z.stage), z.prefetch),
-            DataParallelKind::Ddp(_) => (None, false),
+        let (zero, prefetch, reshard) = match plan.data {
+            DataParallelKind::Zero(z) => (Some(z.stage), z.prefetch, z.reshard_after_forward),
+            DataParallelKind::Ddp(_) => (None, false, false),
         };
         Ok(Self {
             placement: plan.effective_schedule().placement(),
@@ -179,6 +183,7 @@ impl Walk {
             zero,
             prefetch,
             recompute: plan.checkpointing,
+            reshard: plan.checkpointing || reshard,
             sp,
             b: shape.batch / dims.dp / plan.microbatches,
             t,
@@ -246,7 +251,8 @@ impl Walk {
     fn forward(&mut self, k: usize) {
         for (j, seg) in self.chunks[k].segments.clone().enumerate() {
             if self.z3() {
-                let m = residency::before_forward(&self.chunks[k].needs, j, self.prefetch);
+                let needs = &self.chunks[k].needs;
+                let m = residency::before_forward(needs, j, self.prefetch, self.reshard);
                 self.free(&m.free);
                 self.gather(&m.wait, Phase::Forward);
                 self.gather(&m.prefetch, Phase::Forward);
@@ -274,8 +280,9 @@ impl Walk {
     }
 
     fn backward_input(&mut self, k: usize, j: usize, seg: usize) {
-        if self.z3() && self.recompute {
-            let m = residency::before_backward(&self.chunks[k].needs, j, self.prefetch);
+        if self.z3() {
+            let needs = &self.chunks[k].needs;
+            let m = residency::before_backward(needs, j, self.prefetch, self.reshard);
             self.gather(&m.wait, Phase::Backward);
             self.gather(&m.prefetch, Phase::Backward);
         }
@@ -294,7 +301,7 @@ impl Walk {
                 .reduce_scatter(Group::Dp, what, Phase::Backward, rows, 1, DType::F32, true);
         }
         if self.z3() {
-            let free = residency::after_backward(&self.chunks[k].needs, j);
+            let free = residency::after_backward(&self.chunks[k].needs, j, self.reshard);
             self.free(&free);
         }
     }

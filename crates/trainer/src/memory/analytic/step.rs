@@ -14,8 +14,9 @@ pub struct StepMemory {
     /// Held at the end of the forward (before the first backward): what every segment pass in
     /// flight keeps, the engine's leaf copies of the segment inputs included.
     pub activations: u64,
-    /// ZeRO-3 weights gathered by the forward still held at its end: by its graphs until
-    /// their backward, or (checkpointing) the last segment's.
+    /// ZeRO-3 weights gathered by the forward still held at its end: every segment's, kept
+    /// until their backward, or (resharding after the forward, checkpointing) the last
+    /// segment's.
     pub gathered: u64,
     /// Gradients already written when the reported forward ends: the earlier micro-steps'
     /// under gradient accumulation (the report reads the last micro-step's forward).
@@ -37,6 +38,8 @@ pub struct StepMemory {
 ///   peak      = max over the first backward's segments j (last to first) of
 ///               activations − Σ_{i after j} (input + kept)_i / v + transient_j (+ kept_j recomputed)
 ///               + gradients of the segments after j and j + gathered weights not yet released
+///               (+ the two largest consecutive segments' weights, gathered again for the
+///               backward when the forward released them: resharding or checkpointing)
 ///   (with M > 1 passes also the last backward: one pass in flight, every gradient written)
 /// ```
 ///
@@ -94,16 +97,20 @@ pub fn rank_step_memory(
 
     let params = &layout.segment_params;
     let total_params = params.iter().sum::<u64>().max(1) as f64;
-    // Without checkpointing the graphs hold every gathered weight; with it, the forward frees
-    // each segment's weights when the next one starts, so the last segment's stay.
-    let gathered = match (layout.gathers_weights, checkpointing) {
+    // Resharding after the forward (the tapes keep only the weights' slots; an autograd graph
+    // keeps the tensors it used) or checkpointing, the forward frees each segment's weights
+    // when the next one starts, so the last segment's stay; otherwise every gathered weight is
+    // kept until its backward.
+    let reshards = layout.reshards_after_forward;
+    let released = checkpointing || (reshards && path != BackwardPath::Autograd);
+    let gathered = match (layout.gathers_weights, released) {
         (true, false) => (param_bytes as f64) * total_params,
         (true, true) => (param_bytes * params.last().copied().unwrap_or(0)) as f64,
         (false, _) => 0.0,
     };
-    // Under checkpointing ZeRO-3 gathers a segment again for its recompute, with the previous
+    // Then ZeRO-3 gathers a segment again for its backward (and recompute), with the previous
     // one prefetched: the two largest consecutive segments.
-    let regathered = match layout.gathers_weights && checkpointing {
+    let regathered = match layout.gathers_weights && (checkpointing || reshards) {
         true => {
             params
                 .windows(2)
@@ -395,23 +402,58 @@ mod tests {
         );
     }
 
-    /// ZeRO-3 without checkpointing: the forward's graphs hold every gathered weight.
+    /// ZeRO-3 without checkpointing, the gathered weights kept until the backward: the
+    /// forward's end holds every one of them (on the autograd path, its graphs hold them
+    /// whatever the option says).
     #[test]
     fn fsdp_forward_holds_the_gathered_weights() {
-        use mtrain_parallel::fsdp::{FsdpConfig, ZeroStage};
         let cfg = small();
-        let mut plan = ParallelPlan::new(mtrain_comm::MeshDims::new(2, 1, 1, 1));
-        plan.data = DataParallelKind::Zero(FsdpConfig {
-            stage: ZeroStage::Three,
-            ..FsdpConfig::default()
-        });
-        let l = ActivationLayout::for_plan(&cfg, &plan, 0, 4).expect("fsdp");
-        assert!(l.gathers_weights);
+        let l = fsdp_layout(&cfg, false);
+        assert!(l.gathers_weights && !l.reshards_after_forward);
         let s = step(&cfg, &l, false);
         assert_eq!(s.gathered, 4 * cfg.n_params() as u64);
         // With checkpointing only the last segment's weights are still gathered: the head's.
         let head = *l.segment_params.last().expect("a head");
         assert_eq!(step(&cfg, &l, true).gathered, 4 * head);
+        let autograd = step(&cfg, &fsdp_layout(&cfg, true), false);
+        assert_eq!(autograd.gathered, 4 * cfg.n_params() as u64);
+    }
+
+    fn fsdp_layout(cfg: &GptConfig, reshard_after_forward: bool) -> ActivationLayout {
+        use mtrain_parallel::fsdp::{FsdpConfig, ZeroStage};
+        let mut plan = ParallelPlan::new(mtrain_comm::MeshDims::new(2, 1, 1, 1));
+        plan.data = DataParallelKind::Zero(FsdpConfig {
+            stage: ZeroStage::Three,
+            reshard_after_forward,
+            ..FsdpConfig::default()
+        });
+        ActivationLayout::for_plan(cfg, &plan, 0, 4).expect("fsdp")
+    }
+
+    /// Resharding after the forward on the tapes: the forward's end and the peak hold the
+    /// last segment's weights and, for the backward, the two largest consecutive segments'
+    /// gathered again, where keeping them holds every segment's: the after-forward level
+    /// falls by every weight but the head's, the peak by the gathered-weights term less what
+    /// the backward gathers again.
+    #[test]
+    fn resharding_after_the_forward_drops_the_gathered_weights() {
+        let cfg = GptConfig {
+            n_embd: 32,
+            ..small()
+        };
+        let (kept, freed) = (fsdp_layout(&cfg, false), fsdp_layout(&cfg, true));
+        let run = |l: &ActivationLayout| {
+            rank_step_memory(&cfg, l, 4, 4, false, BackwardPath::CpuTapes, 4, 4.0)
+        };
+        let (k, f) = (run(&kept), run(&freed));
+        let p = &freed.segment_params;
+        let (all, head) = (p.iter().sum::<u64>(), *p.last().expect("a head"));
+        let pair = p.windows(2).map(|w| w[0] + w[1]).max().expect("segments");
+        assert_eq!(k.activations, f.activations);
+        assert_eq!((k.gathered, f.gathered), (4 * all, 4 * head));
+        assert_eq!(k.activations + k.gathered - (f.activations + f.gathered), 4 * (all - head));
+        assert!(k.peak >= f.peak + 4 * (all - head - pair), "{k:?} vs {f:?}");
+        assert!(f.peak >= f.activations + f.gathered + 4 * pair, "{f:?}");
     }
 
     #[test]
