@@ -8,16 +8,19 @@
 //!                gradient becomes final (the tied wte belongs to the embedding)
 //!   needs[i]     the units segment i uses, ascending
 //!
+//!   reads[i]     the units segment i's backward reads: needs[i], or none for a segment
+//!                whose backward reads no weight (the embedding's) unless it is recomputed
+//!
 //!   reshard after forward (the default; always under recompute):
 //!   forward  i   free needs[i-1] \ needs[i] │ wait needs[i] │ prefetch needs[i+1]
-//!   backward i   wait needs[i] │ prefetch needs[i-1]              (gathered a second time)
-//!   after bwd i  free needs[i] \ needs[i-1]
+//!   backward i   wait reads[i] │ prefetch reads[i-1]              (gathered a second time)
+//!   after bwd i  free needs[i] \ reads[i-1]
 //!
 //!   kept from the forward to the backward (reshard_after_forward = false):
 //!   forward  i   wait needs[i] │ prefetch needs[i+1]               (nothing freed)
-//!   backward i   wait needs[i]                                     (resident: no gather)
-//!   after bwd i  free needs[i] \ (needs[0] ∪ … ∪ needs[i-1])       (the tied wte stays for
-//!                                                                   the embedding's backward)
+//!   backward i   wait reads[i]                                     (resident: no gather)
+//!   after bwd i  free needs[i] \ (reads[0] ∪ … ∪ reads[i-1])       (kept for a backward
+//!                                                                   still to read it)
 //! ```
 //! A wait on a resident unit is free; it gathers only a unit an earlier pass released (a
 //! pipeline's micro-batches interleave forwards and backwards).
@@ -37,6 +40,20 @@ pub fn needs(uses: &[Vec<String>], owner: &BTreeMap<String, usize>) -> Vec<Vec<u
             u.sort_unstable();
             u.dedup();
             u
+        })
+        .collect()
+}
+
+/// The units each segment's backward reads ([`needs`] of the segments whose backward
+/// `reads_params`, none for the others), or all of them when the backward recomputes the
+/// forward.
+pub fn backward_needs(needs: &[Vec<usize>], reads_params: &[bool], recompute: bool) -> Vec<Vec<usize>> {
+    needs
+        .iter()
+        .zip(reads_params)
+        .map(|(n, &reads)| match reads || recompute {
+            true => n.clone(),
+            false => Vec::new(),
         })
         .collect()
 }
@@ -75,23 +92,25 @@ pub fn before_forward(needs: &[Vec<usize>], i: usize, prefetch: bool, reshard: b
     }
 }
 
-/// Before segment `i`'s backward (and its recompute): wait for its units; with `reshard` (the
-/// forward freed them) prefetch the previous segment's (with `prefetch`).
-pub fn before_backward(needs: &[Vec<usize>], i: usize, prefetch: bool, reshard: bool) -> Moves {
+/// Before segment `i`'s backward (and its recompute): wait for the units it reads (`reads`,
+/// [`backward_needs`]); with `reshard` (the forward freed them) prefetch the previous
+/// segment's (with `prefetch`).
+pub fn before_backward(reads: &[Vec<usize>], i: usize, prefetch: bool, reshard: bool) -> Moves {
     let prefetch = match reshard && prefetch && i > 0 {
-        true => needs[i - 1].clone(),
+        true => reads[i - 1].clone(),
         false => Vec::new(),
     };
     Moves {
         free: Vec::new(),
-        wait: needs[i].clone(),
+        wait: reads[i].clone(),
         prefetch,
     }
 }
 
-/// After segment `i`'s backward: the units it used that the segment before it does not; without
-/// `reshard`, that no segment before it does (they stay resident for those backwards).
-pub fn after_backward(needs: &[Vec<usize>], i: usize, reshard: bool) -> Vec<usize> {
+/// After segment `i`'s backward: the units it used that the segment before it does not read
+/// in its backward; without `reshard`, that no segment before it reads (they stay resident for
+/// those backwards).
+pub fn after_backward(needs: &[Vec<usize>], reads: &[Vec<usize>], i: usize, reshard: bool) -> Vec<usize> {
     let earlier = match reshard {
         true => i.saturating_sub(1)..i,
         false => 0..i,
@@ -99,7 +118,7 @@ pub fn after_backward(needs: &[Vec<usize>], i: usize, reshard: bool) -> Vec<usiz
     needs[i]
         .iter()
         .copied()
-        .filter(|u| !needs[earlier.clone()].iter().any(|n| n.contains(u)))
+        .filter(|u| !reads[earlier.clone()].iter().any(|n| n.contains(u)))
         .collect()
 }
 
@@ -139,26 +158,37 @@ mod tests {
             }
         );
         assert_eq!(before_forward(&needs, 2, false, true).free, vec![1]);
-        assert_eq!(after_backward(&needs, 2, true), vec![0, 2]);
-        assert_eq!(after_backward(&needs, 0, true), vec![0]);
+        assert_eq!(after_backward(&needs, &needs, 2, true), vec![0, 2]);
+        assert_eq!(after_backward(&needs, &needs, 0, true), vec![0]);
         assert_eq!(
             before_backward(&needs, 0, true, true).prefetch,
             Vec::<usize>::new()
         );
         assert_eq!(before_backward(&needs, 2, true, true).prefetch, vec![1]);
+        // The embedding's backward reads no weight: nothing is gathered again for it, unless
+        // it is recomputed.
+        let reads = backward_needs(&needs, &[false, true, true], false);
+        assert_eq!(reads, vec![vec![], vec![1], vec![0, 2]]);
+        assert!(before_backward(&reads, 1, true, true).prefetch.is_empty());
+        assert!(before_backward(&reads, 0, true, true).wait.is_empty());
+        assert_eq!(backward_needs(&needs, &[false, true, true], true), needs);
     }
 
     #[test]
     fn kept_weights_are_freed_once_after_their_last_backward() {
         // Without resharding the forward frees nothing and the backward prefetches nothing;
-        // the head's backward keeps the embedding's unit (the tied wte) for the embedding's.
+        // the head's backward keeps the embedding's unit (the tied wte) for a later backward
+        // that reads it.
         let needs = vec![vec![0], vec![1], vec![0, 2]];
         assert!((0..3).all(|i| before_forward(&needs, i, true, false).free.is_empty()));
         assert!(before_backward(&needs, 2, true, false).prefetch.is_empty());
         assert_eq!(before_backward(&needs, 2, true, false).wait, vec![0, 2]);
-        assert_eq!(after_backward(&needs, 2, false), vec![2]);
-        assert_eq!(after_backward(&needs, 1, false), vec![1]);
-        assert_eq!(after_backward(&needs, 0, false), vec![0]);
+        assert_eq!(after_backward(&needs, &needs, 2, false), vec![2]);
+        assert_eq!(after_backward(&needs, &needs, 1, false), vec![1]);
+        assert_eq!(after_backward(&needs, &needs, 0, false), vec![0]);
+        // An embedding that reads no weight in its backward frees the tied unit at the head's.
+        let reads = backward_needs(&needs, &[false, true, true], false);
+        assert_eq!(after_backward(&needs, &reads, 2, false), vec![0, 2]);
     }
 
     #[test]

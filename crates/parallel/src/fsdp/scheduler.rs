@@ -4,7 +4,8 @@
 //!
 //! ```text
 //!   forward   seg i:  free units of seg i-1 not used by seg i │ wait gather(i) │ start gather(i+1)
-//!   backward  seg i:  wait gather(i) (its second gather) │ start gather(i-1)
+//!   backward  seg i:  wait gather(i) (its second gather; none for a backward that reads no
+//!                     weight, the embedding's) │ start gather(i-1)
 //!             after:  reduce-scatter unit i's flat gradient (async) │ drop its full gradient
 //!                     (ZeRO-2/3) │ free units of seg i not used by seg i-1
 //! ```
@@ -52,6 +53,8 @@ pub(super) struct Scheduler<'a> {
     pub(super) residency: &'a mut [Residency],
     /// `needs[i]` for every segment of every chunk (unit indices are over all chunks).
     pub(super) needs: &'a [Vec<usize>],
+    /// The units each of those segments' backward reads ([`residency::backward_needs`]).
+    pub(super) reads: Vec<Vec<usize>>,
     /// Each chunk's segments, as a range of `needs`.
     pub(super) chunks: &'a [Range<usize>],
     /// The chunk of the pass running: the engine's segment i is `chunks[chunk].start + i`.
@@ -129,6 +132,11 @@ impl Scheduler<'_> {
         &self.needs[self.chunks[self.chunk].clone()]
     }
 
+    /// What the backwards of the running chunk's segments read.
+    fn chunk_reads(&self) -> &[Vec<usize>] {
+        &self.reads[self.chunks[self.chunk].clone()]
+    }
+
     fn pre_forward_impl(&mut self, i: usize) -> Result<()> {
         if self.stage != ZeroStage::Three {
             return Ok(());
@@ -146,7 +154,7 @@ impl Scheduler<'_> {
             return Ok(());
         }
         self.apply(residency::before_backward(
-            self.chunk_needs(),
+            self.chunk_reads(),
             i,
             self.prefetch,
             self.reshard,
@@ -169,7 +177,8 @@ impl Scheduler<'_> {
                 }
             }
         }
-        for u in residency::after_backward(self.chunk_needs(), i, self.reshard) {
+        let free = residency::after_backward(self.chunk_needs(), self.chunk_reads(), i, self.reshard);
+        for u in free {
             self.free(u)?;
         }
         Ok(())

@@ -121,6 +121,8 @@ struct Chunk {
     first: usize,
     /// `needs[j]`: the units the chunk's segment j uses.
     needs: Vec<Vec<usize>>,
+    /// `reads[j]`: those its backward reads (none for the embedding's, unless recomputed).
+    reads: Vec<Vec<usize>>,
 }
 
 /// The step being walked on one rank.
@@ -163,7 +165,7 @@ impl Walk {
         let sp = plan.sequence_parallel && dims.tp > 1;
         let t = shape.seq_len;
         let table = Holdings::of_rank(cfg, plan, c).map_err(|e| CostError::Plan(e.to_string()))?;
-        let (chunks, units) = zero_units(table.chunks);
+        let (chunks, units) = zero_units(table.chunks, plan.checkpointing);
         let gathered = units.iter().map(|u| u.numel == 0).collect();
         let (zero, prefetch, reshard) = match plan.data {
             DataParallelKind::Zero(z) => (Some(z.stage), z.prefetch, z.reshard_after_forward),
@@ -281,8 +283,8 @@ impl Walk {
 
     fn backward_input(&mut self, k: usize, j: usize, seg: usize) {
         if self.z3() {
-            let needs = &self.chunks[k].needs;
-            let m = residency::before_backward(needs, j, self.prefetch, self.reshard);
+            let reads = &self.chunks[k].reads;
+            let m = residency::before_backward(reads, j, self.prefetch, self.reshard);
             self.gather(&m.wait, Phase::Backward);
             self.gather(&m.prefetch, Phase::Backward);
         }
@@ -301,7 +303,8 @@ impl Walk {
                 .reduce_scatter(Group::Dp, what, Phase::Backward, rows, 1, DType::F32, true);
         }
         if self.z3() {
-            let free = residency::after_backward(&self.chunks[k].needs, j, self.reshard);
+            let c = &self.chunks[k];
+            let free = residency::after_backward(&c.needs, &c.reads, j, self.reshard);
             self.free(&free);
         }
     }
@@ -587,7 +590,7 @@ impl Walk {
 /// The chunks of the holdings table as the walk needs them, and the rank's ZeRO units: the
 /// segments of all chunks numbered one after the other, their parameters grouped into units by
 /// first use over that numbering (`Fsdp::over_chunks`), and what each segment needs.
-fn zero_units(tables: Vec<ChunkHoldings>) -> (Vec<Chunk>, Vec<Unit>) {
+fn zero_units(tables: Vec<ChunkHoldings>, recompute: bool) -> (Vec<Chunk>, Vec<Unit>) {
     let segs: Vec<_> = tables.iter().flat_map(|t| t.segments.iter()).collect();
     let uses: Vec<Vec<String>> = segs
         .iter()
@@ -595,6 +598,9 @@ fn zero_units(tables: Vec<ChunkHoldings>) -> (Vec<Chunk>, Vec<Unit>) {
         .collect();
     let owner = final_after_names(&uses);
     let needs = residency::needs(&uses, &owner);
+    // The embedding (segment 0 of the model) is the one segment whose backward reads no weight.
+    let reads_params: Vec<bool> = segs.iter().map(|s| s.index != 0).collect();
+    let reads = residency::backward_needs(&needs, &reads_params, recompute);
     let units = segs
         .iter()
         .enumerate()
@@ -620,6 +626,7 @@ fn zero_units(tables: Vec<ChunkHoldings>) -> (Vec<Chunk>, Vec<Unit>) {
                 segments: start..start + n,
                 first: first - n,
                 needs: needs[first - n..first].to_vec(),
+                reads: reads[first - n..first].to_vec(),
             }
         })
         .collect();
