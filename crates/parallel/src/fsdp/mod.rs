@@ -40,8 +40,8 @@
 //!                     start segment i+1's all-gather (prefetch, overlaps segment i's forward)
 //!   pre_backward(i)   gather segment i again (its second all-gather; the last segment's are
 //!                     still resident), start segment i-1's (prefetch)
-//!   post_backward(i)  reduce-scatter segment i's flat gradient (async); drop the full gradient;
-//!                     free segment i's weights
+//!   post_backward(i)  free segment i's weights; reduce-scatter its flat gradient (async);
+//!                     drop the full gradient
 //!   optimizer         AdamW on this rank's shards only (decay flag per piece)
 //!
 //!   gathered weights held, embedding + 4 blocks + head:

@@ -6,8 +6,8 @@
 //!   forward   seg i:  free units of seg i-1 not used by seg i │ wait gather(i) │ start gather(i+1)
 //!   backward  seg i:  wait gather(i) (its second gather; none for a backward that reads no
 //!                     weight, the embedding's) │ start gather(i-1)
-//!             after:  reduce-scatter unit i's flat gradient (async) │ drop its full gradient
-//!                     (ZeRO-2/3) │ free units of seg i not used by seg i-1
+//!             after:  free units of seg i not read by seg i-1 │ reduce-scatter unit i's flat
+//!                     gradient (async) │ drop its full gradient (ZeRO-2/3)
 //! ```
 //! The tapes keep no weight, only its slot ([`mtrain_model::tape::SlotWeight`]), so a free
 //! after the forward returns the memory, and the backward reads the weights gathered again.
@@ -161,9 +161,15 @@ impl Scheduler<'_> {
         ))
     }
 
-    /// After segment i of the running chunk: reduce-scatter its unit (a parameter it shares
-    /// with a lower segment, the head's `wte`, stays in `grads` for that segment's unit).
+    /// After segment i of the running chunk: free the units no earlier backward reads, then
+    /// reduce-scatter its unit (a parameter it shares with a lower segment, the head's `wte`,
+    /// stays in `grads` for that segment's unit).
     fn post_backward_impl(&mut self, i: usize, grads: &mut Grads) -> Result<()> {
+        // The weights go first: the flat gradient below is a unit's size too.
+        let free = residency::after_backward(self.chunk_needs(), self.chunk_reads(), i, self.reshard);
+        for u in free {
+            self.free(u)?;
+        }
         let u = self.chunks[self.chunk].start + i;
         if self.reduce && self.units[u].numel > 0 {
             let flat = self.units[u].flat_grad(grads)?; // (padded,)
@@ -176,10 +182,6 @@ impl Scheduler<'_> {
                     grads.remove(e.param.name());
                 }
             }
-        }
-        let free = residency::after_backward(self.chunk_needs(), self.chunk_reads(), i, self.reshard);
-        for u in free {
-            self.free(u)?;
         }
         Ok(())
     }

@@ -39,7 +39,8 @@ pub struct StepMemory {
 ///               activations − Σ_{i after j} (input + kept)_i / v + transient_j (+ kept_j recomputed)
 ///               + gradients of the segments after j and j + gathered weights not yet released
 ///               (+ the two largest consecutive segments' weights, gathered again for the
-///               backward when the forward released them: resharding or checkpointing)
+///               backward when the forward released them: resharding or checkpointing, and
+///               the gathered buffer of one being cut into its slots)
 ///   (with M > 1 passes also the last backward: one pass in flight, every gradient written)
 /// ```
 ///
@@ -115,14 +116,18 @@ pub fn rank_step_memory(
         (false, _) => 0.0,
     };
     // Then ZeRO-3 gathers a segment again for its backward (and recompute), with the previous
-    // one prefetched: the two largest consecutive segments.
+    // one prefetched: the two largest consecutive segments of those the forward freed (all but
+    // the last), and while a gathered buffer is cut into its parameters' slots (each a copy),
+    // that buffer beside them: a third segment.
     let regathered = match layout.gathers_weights && (checkpointing || reshards) {
         true => {
-            params
+            let again = &params[..params.len().saturating_sub(1)];
+            let largest = again.iter().copied().max().unwrap_or(0) as f64;
+            let pair = again
                 .windows(2)
                 .map(|w| (w[0] + w[1]) as f64)
-                .fold(params.first().copied().unwrap_or(0) as f64, f64::max)
-                * param_bytes as f64
+                .fold(largest, f64::max);
+            (pair + largest) * param_bytes as f64
         }
         false => 0.0,
     };
@@ -454,7 +459,9 @@ mod tests {
         let (k, f) = (run(&kept), run(&freed));
         let p = &freed.segment_params;
         let (all, head) = (p.iter().sum::<u64>(), p.last().expect("a head") + p[0]);
-        let pair = p.windows(2).map(|w| w[0] + w[1]).max().expect("segments");
+        let again = &p[..p.len() - 1];
+        let pair = again.windows(2).map(|w| w[0] + w[1]).max().expect("segments")
+            + again.iter().max().expect("a segment");
         assert_eq!(k.activations, f.activations);
         assert_eq!((k.gathered, f.gathered), (4 * all, 4 * head));
         assert_eq!(k.activations + k.gathered - (f.activations + f.gathered), 4 * (all - head));
