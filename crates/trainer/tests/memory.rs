@@ -15,6 +15,10 @@
 //! compute thread (`RAYON_NUM_THREADS=1`: 4 ranks share the machine's cores anyway), so the
 //! per-thread matmul workspace lies entirely in the baseline, read after a warm-up product.
 //!
+//! ZeRO-3 frees what it gathers: with `reshard_after_forward` (the default) the level at the end
+//! of the forward falls, on every rank, by at least the gathered-weights term it drops against
+//! `--reshard-after-forward false`, and the peak by about what the model predicts.
+//!
 //! Phases: for every layout the model counts, the predicted level at the end of the forward and
 //! the predicted peak match the measured ones on every rank within ±15%, at two widths; and
 //! `mtrain plan` prints the report's analytic figures. In this process the counting allocator
