@@ -40,7 +40,8 @@ pub struct StepMemory {
 ///               + gradients of the segments after j and j + gathered weights not yet released
 ///               (+ the two largest consecutive segments' weights, gathered again for the
 ///               backward when the forward released them: resharding or checkpointing, and
-///               the gathered buffer of one being cut into its slots)
+///               the gathered buffer of one being cut into its slots in place of transient_j
+///               when that is larger)
 ///   (with M > 1 passes also the last backward: one pass in flight, every gradient written)
 /// ```
 ///
@@ -117,9 +118,10 @@ pub fn rank_step_memory(
     };
     // Then ZeRO-3 gathers a segment again for its backward (and recompute), with the previous
     // one prefetched: the two largest consecutive segments of those the forward freed (all but
-    // the last), and while a gathered buffer is cut into its parameters' slots (each a copy),
-    // that buffer beside them: a third segment.
-    let regathered = match layout.gathers_weights && (checkpointing || reshards) {
+    // the last). Before a segment's backward runs, a gathered buffer is cut into its parameters'
+    // slots (each a copy): that buffer beside them, a third segment, where the segment's own
+    // backward transient comes later.
+    let (regathered, cut) = match layout.gathers_weights && (checkpointing || reshards) {
         true => {
             let again = &params[..params.len().saturating_sub(1)];
             let largest = again.iter().copied().max().unwrap_or(0) as f64;
@@ -127,9 +129,9 @@ pub fn rank_step_memory(
                 .windows(2)
                 .map(|w| (w[0] + w[1]) as f64)
                 .fold(largest, f64::max);
-            (pair + largest) * param_bytes as f64
+            (pair * param_bytes as f64, largest * param_bytes as f64)
         }
-        false => 0.0,
+        false => (0.0, 0.0),
     };
     let mut peak = activations + gathered;
     let (mut freed, mut done) = (0.0, 0.0);
@@ -139,7 +141,7 @@ pub fn rank_step_memory(
         let recomputed = if checkpointing { s.kept } else { 0.0 };
         let level = activations - freed
             + recomputed
-            + s.transient
+            + s.transient.max(cut)
             + grad_bytes * done
             + gathered * (1.0 - (done - p) / total_params)
             + regathered;
@@ -157,7 +159,7 @@ pub fn rank_step_memory(
             let left = gathered / n * (1.0 - done / total_params);
             let level = last - freed
                 + recomputed
-                + s.transient
+                + s.transient.max(cut)
                 + grad_bytes * total_params
                 + left
                 + regathered;
@@ -460,8 +462,7 @@ mod tests {
         let p = &freed.segment_params;
         let (all, head) = (p.iter().sum::<u64>(), p.last().expect("a head") + p[0]);
         let again = &p[..p.len() - 1];
-        let pair = again.windows(2).map(|w| w[0] + w[1]).max().expect("segments")
-            + again.iter().max().expect("a segment");
+        let pair = again.windows(2).map(|w| w[0] + w[1]).max().expect("segments");
         assert_eq!(k.activations, f.activations);
         assert_eq!((k.gathered, f.gathered), (4 * all, 4 * head));
         assert_eq!(k.activations + k.gathered - (f.activations + f.gathered), 4 * (all - head));
