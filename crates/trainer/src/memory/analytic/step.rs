@@ -38,6 +38,9 @@ pub struct StepMemory {
 ///   peak      = max over the first backward's segments j (last to first) of
 ///               activations − Σ_{i after j} (input + kept)_i / v + transient_j (+ kept_j recomputed)
 ///               + gradients of the segments after j and j + gathered weights not yet released
+///               (ZeRO-3: + the tied wte's full gradient held from the head's backward to the
+///               embedding's, three of them there; a unit's full gradient and its flat copy
+///               in place of transient_j when larger)
 ///               (+ the two largest consecutive segments' weights, gathered again for the
 ///               backward when the forward released them: resharding or checkpointing, and
 ///               the gathered buffer of one being cut into its slots in place of transient_j
@@ -133,15 +136,39 @@ pub fn rank_step_memory(
         }
         false => (0.0, 0.0),
     };
+    // ZeRO-3 reduce-scatters a unit's gradient right after its segment's backward: the full
+    // gradient and its flat copy exist together for that moment. The tied wte's full gradient,
+    // formed by the head's backward, is held until the embedding's unit is reduced, and the
+    // embedding's backward adds its own to it (the two and their sum).
+    let unit_grads = |p: f64| match layout.gathers_weights {
+        true => 2.0 * p * param_bytes as f64,
+        false => 0.0,
+    };
+    let last = segs.len().saturating_sub(1);
+    // wte's elements on a rank holding both of its ends (counted with the head, whose own unit
+    // is ln_f: wte's is the embedding's).
+    let tied_numel = match layout.gathers_weights && layout.holds_embedding && layout.holds_head {
+        true => params.last().map_or(0.0, |&p| p as f64 - 2.0 * d.c),
+        false => 0.0,
+    };
+    let tied = tied_numel * param_bytes as f64;
     let mut peak = activations + gathered;
     let (mut freed, mut done) = (0.0, 0.0);
     for (j, s) in segs.iter().enumerate().rev() {
         let p = params.get(j).copied().unwrap_or(0) as f64;
         done += p;
         let recomputed = if checkpointing { s.kept } else { 0.0 };
+        let (tied_held, unit) = match j {
+            0 => (3.0 * tied, p),
+            j if j == last => (tied, p - tied_numel),
+            _ => (tied, p),
+        };
+        // The segment's backward at its worst, or right after it (its tape dropped) the
+        // reduce-scatter's moment.
+        let moment = (recomputed + s.transient.max(cut)).max(unit_grads(unit) - held(s) / v);
         let level = activations - freed
-            + recomputed
-            + s.transient.max(cut)
+            + moment
+            + tied_held
             + grad_bytes * done
             + gathered * (1.0 - (done - p) / total_params)
             + regathered;
