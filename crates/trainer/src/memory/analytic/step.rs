@@ -163,16 +163,19 @@ pub fn rank_step_memory(
             j if j == last => (tied, p - tied_numel),
             _ => (tied, p),
         };
-        // The segment's backward at its worst, or right after it (its tape dropped) the
-        // reduce-scatter's moment.
-        let moment = (recomputed + s.transient.max(cut)).max(unit_grads(unit) - held(s) / v);
-        let level = activations - freed
-            + moment
-            + tied_held
-            + grad_bytes * done
+        let held_then = activations - freed + tied_held + grad_bytes * done;
+        // The segment's backward at its worst, then right after it (its tape dropped, its
+        // weights freed) the reduce-scatter's moment.
+        let computing = held_then
+            + recomputed
+            + s.transient.max(cut)
             + gathered * (1.0 - (done - p) / total_params)
             + regathered;
-        peak = peak.max(level);
+        let reducing = held_then - held(s) / v
+            + unit_grads(unit)
+            + gathered * (1.0 - done / total_params)
+            + (regathered - p * param_bytes as f64).max(0.0);
+        peak = peak.max(computing).max(reducing);
         freed += held(s) / v;
     }
     // The step's last backward (with M > 1 passes): one pass left in flight, every gradient of
