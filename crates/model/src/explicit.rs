@@ -71,7 +71,7 @@ use mtrain_kernels::{layer_norm, linear};
 
 use crate::layers::{LayerNorm, Mlp};
 use crate::param::Param;
-use crate::tape::{Collective, TapedLinear, WeightGrads};
+use crate::tape::{Collective, SlotWeight, TapedLinear, WeightGrads};
 
 pub use block::{block_tape, sharded_block_tape, BlockDropout};
 pub use head::{embedding_tape, head_tape};
@@ -112,60 +112,56 @@ fn bwd(c: &dyn Collective, dy: &Tensor) -> Result<Tensor> {
     c.backward(dy)
 }
 
-/// The dense linear layer as a tape runs it: its weight (out, in) and bias (out,), detached
-/// (the tape differentiates by hand), each product with its bias, residual or GELU in the
-/// GEMM's epilogue ([`linear`]). Tensor parallelism's column and row layers are the other
-/// [`TapedLinear`]s; they reach this one's tensors and names through its accessors.
+/// The dense linear layer as a tape runs it: the slots of its weight (out, in) and bias (out,)
+/// ([`SlotWeight`]: read, detached, by each pass; the tape differentiates by hand), each
+/// product with its bias, residual or GELU in the GEMM's epilogue ([`linear`]). Tensor
+/// parallelism's column and row layers are the other [`TapedLinear`]s; they reach this one's
+/// tensors and names through its accessors.
 pub struct DenseTape {
-    w_name: String,
-    b_name: String,
-    w: Tensor,
-    b: Tensor,
+    w: SlotWeight,
+    b: SlotWeight,
 }
 
 impl DenseTape {
     /// The tape of the layer with these parameters, for an input like `x`; None for a dtype
     /// the tapes do not take or that differs from the input's.
     pub fn of(weight: &Param, bias: &Param, x: &Tensor) -> Option<DenseTape> {
-        let (w, bt) = (weight.tensor().detach(), bias.tensor().detach());
-        if w.dtype() != x.dtype() || bt.dtype() != x.dtype() || !taped_dtype(&w) {
+        let (w, b) = (SlotWeight::of(weight), SlotWeight::of(bias));
+        if w.dtype() != x.dtype() || b.dtype() != x.dtype() || !taped_dtype(x) {
             return None;
         }
-        Some(DenseTape {
-            w_name: weight.name().to_string(),
-            b_name: bias.name().to_string(),
-            w,
-            b: bt,
-        })
+        Some(DenseTape { w, b })
     }
 
-    /// The bias (out,).
-    pub fn bias(&self) -> &Tensor {
-        &self.b
+    /// The bias (out,), read from its slot.
+    pub fn bias(&self) -> Result<Tensor> {
+        self.b.get()
     }
 
     /// The weight's and the bias's names.
     pub fn names(&self) -> (String, String) {
-        (self.w_name.clone(), self.b_name.clone())
+        (self.w.name().to_string(), self.b.name().to_string())
     }
 }
 
 impl TapedLinear for DenseTape {
-    fn weight(&self) -> &Tensor {
-        &self.w
+    fn weight(&self) -> Result<Tensor> {
+        self.w.get()
     }
 
     /// x (N, in) -> (x, x Wᵀ + b (N, out)).
     fn forward(&self, x: &Tensor, _b: usize) -> Result<(Tensor, Tensor)> {
-        Ok((x.clone(), linear::forward(x, &self.w, &self.b)?))
+        let y = linear::forward(x, &self.w.get()?, &self.b.get()?)?; // (N, out)
+        Ok((x.clone(), y))
     }
 
     fn forward_residual(&self, r: &Tensor, x: &Tensor, _b: usize) -> Result<(Tensor, Tensor)> {
-        Ok((x.clone(), linear::forward_residual(r, x, &self.w, &self.b)?))
+        let y = linear::forward_residual(r, x, &self.w.get()?, &self.b.get()?)?; // (N, out)
+        Ok((x.clone(), y))
     }
 
     fn forward_gelu(&self, x: &Tensor, _b: usize) -> Result<(Tensor, Tensor, Tensor)> {
-        let (f, g) = linear::forward_gelu(x, &self.w, &self.b)?; // (N, out) each
+        let (f, g) = linear::forward_gelu(x, &self.w.get()?, &self.b.get()?)?; // (N, out) each
         Ok((x.clone(), f, g))
     }
 
@@ -179,51 +175,50 @@ impl TapedLinear for DenseTape {
         grads: &mut WeightGrads,
         gelu_of: Option<&Tensor>,
     ) -> Result<Tensor> {
+        let w = self.w.get()?; // (out, in), gathered again under ZeRO-3
         let dx = match gelu_of {
-            Some(f) => linear::input_grad_gelu(dy, &self.w, f)?, // df (N, in)
-            None => mtrain_kernels::matmul(dy, &self.w)?,      // (N, in)
+            Some(f) => linear::input_grad_gelu(dy, &w, f)?, // df (N, in)
+            None => mtrain_kernels::matmul(dy, &w)?,      // (N, in)
         };
-        grads.linear(self.names(), dy, x, &self.b)?;
+        drop(w);
+        grads.linear(self.names(), dy, x, &self.b.get()?)?;
         Ok(dx)
     }
 
     fn zero_grads(&self, grads: &mut WeightGrads) -> Result<()> {
-        grads.push((self.w_name.clone(), self.w.zeros_like()?));
-        grads.push((self.b_name.clone(), self.b.zeros_like()?));
+        grads.push((self.w.name().to_string(), self.w.zeros()?));
+        grads.push((self.b.name().to_string(), self.b.zeros()?));
         Ok(())
     }
 }
 
-/// A LayerNorm's parameters, detached: its forward keeps [`Stats`] and its backward pushes the
-/// weight and bias gradients (every tape with a LayerNorm, here and in the sharded segments).
+/// A LayerNorm's parameter slots ([`SlotWeight`]): its forward keeps [`Stats`] and its
+/// backward pushes the weight and bias gradients (every tape with a LayerNorm, here and in the
+/// sharded segments).
 pub struct Norm {
-    w_name: String,
-    b_name: String,
-    w: Tensor,
-    b: Tensor,
+    w: SlotWeight,
+    b: SlotWeight,
     eps: f64,
 }
 
 impl Norm {
     /// The LayerNorm's tape parameters for an input like `x`, or None for another dtype.
     pub fn of(ln: &LayerNorm, x: &Tensor) -> Option<Norm> {
-        let (w, b) = (ln.weight.tensor().detach(), ln.bias.tensor().detach());
+        let (w, b) = (SlotWeight::of(&ln.weight), SlotWeight::of(&ln.bias));
         if !taped_dtype(x) || w.dtype() != x.dtype() || b.dtype() != x.dtype() {
             return None;
         }
-        Some(Norm {
-            w_name: ln.weight.name().to_string(),
-            b_name: ln.bias.name().to_string(),
-            w,
-            b,
-            eps: ln.eps,
-        })
+        Some(Norm { w, b, eps: ln.eps })
     }
 
     /// y and the (mean, rstd) statistics of x (N, C).
     pub fn forward(&self, x: &Tensor) -> Result<(Tensor, Stats)> {
-        let (y, mean, rstd) = layer_norm::forward(x, &self.w, &self.b, self.eps)?;
+        let (y, mean, rstd) = layer_norm::forward(x, &self.w.get()?, &self.b.get()?, self.eps)?;
         Ok((y, Stats { mean, rstd }))
+    }
+
+    fn names(&self) -> (String, String) {
+        (self.w.name().to_string(), self.b.name().to_string())
     }
 
     /// dx (N, C) from x, its statistics and dy; dw and db pushed to `grads`.
@@ -234,9 +229,10 @@ impl Norm {
         dy: &Tensor,
         grads: &mut WeightGrads,
     ) -> Result<Tensor> {
-        let (dx, dw, db) = layer_norm::backward(x, &self.w, dy, &s.mean, &s.rstd)?;
-        grads.push((self.w_name.clone(), dw));
-        grads.push((self.b_name.clone(), db));
+        let (dx, dw, db) = layer_norm::backward(x, &self.w.get()?, dy, &s.mean, &s.rstd)?;
+        let (w_name, b_name) = self.names();
+        grads.push((w_name, dw));
+        grads.push((b_name, db));
         Ok(dx)
     }
 
@@ -250,9 +246,11 @@ impl Norm {
         res: &Tensor,
         grads: &mut WeightGrads,
     ) -> Result<Tensor> {
-        let (dx, dw, db) = layer_norm::backward_residual(x, &self.w, dy, &s.mean, &s.rstd, res)?;
-        grads.push((self.w_name.clone(), dw));
-        grads.push((self.b_name.clone(), db));
+        let w = self.w.get()?;
+        let (dx, dw, db) = layer_norm::backward_residual(x, &w, dy, &s.mean, &s.rstd, res)?;
+        let (w_name, b_name) = self.names();
+        grads.push((w_name, dw));
+        grads.push((b_name, db));
         Ok(dx)
     }
 }

@@ -93,6 +93,12 @@ pub trait Segment: Send + Sync {
     ) -> Result<Option<Box<dyn Tape>>> {
         self.forward_taped(x, targets)
     }
+    /// Whether this segment's backward reads its parameters' values (a weight freed after the
+    /// forward must then be gathered again for it, [`crate::tape::SlotWeight`]); by default it
+    /// does.
+    fn backward_reads_params(&self) -> bool {
+        true
+    }
 }
 
 /// A pre-LayerNorm transformer block the engine runs: a [`Block`] on one device, or one whose
@@ -193,6 +199,12 @@ impl<V: VocabRows> Segment for Embedding<V> {
 
     fn params(&self) -> Vec<Param> {
         vec![self.wte.clone(), self.wpe.clone()]
+    }
+
+    /// The gradients of `wte` and `wpe` are the output's gradient scattered by the ids and
+    /// summed over the batch: no weight is read.
+    fn backward_reads_params(&self) -> bool {
+        false
     }
 
     fn forward_taped(

@@ -20,10 +20,74 @@
 //! A bias or a LayerNorm gradient comes out of the kernel that computes dx, so B forms it;
 //! every matrix product that only a weight gradient needs waits for W.
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use mtrain_kernels::linear;
 
 use crate::moe::stats::MoeStats;
+use crate::param::Param;
+
+/// A parameter as a tape keeps it: its slot, not the tensor in it. The forward reads the weight
+/// from the slot when it runs and the backward reads it again, so a tape never owns a weight:
+/// ZeRO-3 can free a segment's gathered weights right after its forward and gather them back
+/// into the slots before its backward (`parallel/src/fsdp/scheduler.rs`); everywhere else the
+/// slot holds the same tensor at both reads.
+///
+/// ```text
+///   forward   w = slot.get()  (gathered)  ──compute──>  drop w   ─ free: slot = placeholder
+///   backward  gather into the slot        w = slot.get()  ──dx = dy·w──>  drop w
+/// ```
+#[derive(Clone)]
+pub struct SlotWeight {
+    param: Param,
+    /// The shape, dtype and device the forward read.
+    dims: Vec<usize>,
+    dtype: DType,
+    device: Device,
+}
+
+impl SlotWeight {
+    /// The slot of `param`, remembering the weight it holds now.
+    pub fn of(param: &Param) -> SlotWeight {
+        let var = param.var();
+        SlotWeight {
+            dims: var.dims().to_vec(),
+            dtype: var.dtype(),
+            device: var.device().clone(),
+            param: param.clone(),
+        }
+    }
+
+    /// The parameter's name.
+    pub fn name(&self) -> &str {
+        self.param.name()
+    }
+
+    /// The dtype the forward read.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The weight in the slot now, detached; an error naming the parameter when its shape is
+    /// not the one the forward read (its gathered weight was freed and not gathered again).
+    pub fn get(&self) -> Result<Tensor> {
+        let t = self.param.tensor().detach();
+        if t.dims() != self.dims.as_slice() {
+            return Err(candle_core::Error::Msg(format!(
+                "`{}` holds {:?} where its forward read {:?}: a sharded weight must be gathered \
+                 into its slot before the backward that reads it",
+                self.param.name(),
+                t.dims(),
+                self.dims
+            )));
+        }
+        Ok(t)
+    }
+
+    /// Zeros of the weight's shape and dtype, without reading the slot.
+    pub fn zeros(&self) -> Result<Tensor> {
+        Tensor::zeros(self.dims.as_slice(), self.dtype, &self.device)
+    }
+}
 
 /// Gradients a tape's backward returns.
 pub struct TapeGrads {
@@ -189,8 +253,8 @@ pub trait Tape: Send {
 /// (none for the dense layer; f or g for tensor parallelism's column and row layers). Each
 /// forward returns the product's input, which the backward takes back as `x`.
 pub trait TapedLinear: Send + Sync {
-    /// This rank's weight (out, in).
-    fn weight(&self) -> &Tensor;
+    /// This rank's weight (out, in), read from its slot ([`SlotWeight`]).
+    fn weight(&self) -> Result<Tensor>;
     /// x (N, in) -> (the product's input, y (N', out)).
     fn forward(&self, x: &Tensor, b: usize) -> Result<(Tensor, Tensor)>;
     /// `r + y` for r (N', out): the layer and the residual add after it, the bias added in

@@ -26,7 +26,8 @@
 //! leaf copy of each segment input, and the worst moment of each segment's backward from
 //! candle's backward rules — no constant is fitted to a measurement. Per rank: its stage's
 //! segments, its micro-batches in flight, the tp/sp splits and their collectives' copies, the
-//! ZeRO-3 weights the forward's graphs hold, the MoE rows dispatched; the peak is the largest
+//! ZeRO-3 weights the forward still holds (all, or the last segment's when it reshards) and
+//! those the backward gathers again, the MoE rows dispatched; the peak is the largest
 //! moment of the first backward (and, with several passes per step, of the last, when every
 //! gradient exists), or the end of the forward.
 //!
@@ -297,7 +298,7 @@ impl MemoryReport {
                 "gathered weights",
                 mib(a.gathered),
                 None,
-                "(ZeRO-3, held by the forward's graphs)",
+                "(ZeRO-3, held at the end of the forward)",
             );
         }
         if a.comm > 0 {

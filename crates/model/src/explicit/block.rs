@@ -151,7 +151,7 @@ pub fn sharded_block_tape(
     };
     let (b, t, c) = x.dims3()?;
     let (h, d) = (wts.n_head, wts.head_dim);
-    if wts.c_attn.weight().dim(0)? != 3 * h * d || wts.c_proj.weight().dim(1)? != h * d {
+    if wts.c_attn.weight()?.dim(0)? != 3 * h * d || wts.c_proj.weight()?.dim(1)? != h * d {
         return Ok(None);
     }
     let x = x.detach().reshape((b * t, c))?; // (N_r, C), this rank's rows

@@ -11,7 +11,7 @@ use mtrain_kernels::{bias, embedding};
 use super::{err, taped_dtype, Norm, Stats};
 use crate::layers::LayerNorm;
 use crate::param::Param;
-use crate::tape::{Collective, SplitGrads, Tape, TapeGrads, WeightGrads};
+use crate::tape::{Collective, SlotWeight, SplitGrads, Tape, TapeGrads, WeightGrads};
 use crate::vocab::{LogitsGrad, VocabLoss, VocabRows};
 
 /// What the head tape keeps of the final LayerNorm and the LM head tied to `wte` (this rank's
@@ -23,8 +23,8 @@ use crate::vocab::{LogitsGrad, VocabLoss, VocabRows};
 /// ```
 struct TiedHead {
     pub ln_f: Norm,
-    pub wte_name: String,
-    pub wte: Tensor,
+    /// The slot of `wte` (V_r, C), read by the forward and again by the backward.
+    pub wte: SlotWeight,
     /// (B, this rank's T, C)
     pub dims: (usize, usize, usize),
     /// (N_r, C): the head's input
@@ -46,7 +46,7 @@ impl TiedHead {
         let Some(ln_f) = Norm::of(ln_f, x) else {
             return Ok(None);
         };
-        let (wte_name, wte) = (wte.name().to_string(), wte.tensor().detach());
+        let wte = SlotWeight::of(wte);
         if wte.dtype() != x.dtype() {
             return Ok(None);
         }
@@ -63,7 +63,6 @@ impl TiedHead {
         };
         Ok(Some(TiedHead {
             ln_f,
-            wte_name,
             wte,
             dims: (b, t, c),
             x,
@@ -99,15 +98,14 @@ impl TiedHead {
     ) -> Result<Tensor> {
         let TiedHead {
             ln_f,
-            wte_name,
             wte,
             dims: (b, t, c),
             x,
             s,
             h,
         } = self;
-        let dh = mtrain_kernels::matmul(&dz, &wte)?; // (N, C), this rank's part
-        grads.product(wte_name, &dz, &h)?; // (V_r, C)
+        let dh = mtrain_kernels::matmul(&dz, &wte.get()?)?; // (N, C), this rank's part
+        grads.product(wte.name().to_string(), &dz, &h)?; // (V_r, C)
         drop((dz, h));
         let dh = match enter {
             Some(enter) => {
@@ -163,7 +161,7 @@ pub fn head_tape(
             (b, n / b, c)
         )));
     }
-    let z = mtrain_kernels::matmul(&head.h, &head.wte.t()?)?; // (N, V_r)
+    let z = mtrain_kernels::matmul(&head.h, &head.wte.get()?.t()?)?; // (N, V_r)
     let (loss, grad) = vocab.loss_taped(z, &targets.flatten_all()?)?;
     Ok(Some(Box::new(HeadTape {
         head,

@@ -39,13 +39,13 @@ use super::{err, taped_dtype, MlpKept, MlpWeights};
 use crate::config::MoeConfig;
 use crate::layers::MoeParts;
 use crate::moe::{aux_loss, logsumexp, route, router_probs, ExpertMajor, MoeStats, Permutation};
-use crate::tape::{Exchange, WeightGrads};
+use crate::tape::{Exchange, SlotWeight, WeightGrads};
 
-/// A mixture of experts' weights, detached, and the exchange that reaches other ranks' experts.
+/// A mixture of experts' weight slots ([`SlotWeight`]), and the exchange that reaches other
+/// ranks' experts.
 pub(super) struct MoeWeights {
-    router_name: String,
     /// (E, C)
-    router: Tensor,
+    router: SlotWeight,
     /// This rank's E_l experts, in global expert order.
     experts: Vec<MlpWeights>,
     cfg: MoeConfig,
@@ -129,7 +129,7 @@ pub(super) struct MoeTape {
 impl MoeWeights {
     /// The tape's view of `parts` for an input like `x`, or None for another dtype.
     pub(super) fn of(parts: MoeParts<'_>, x: &Tensor) -> Option<MoeWeights> {
-        let router = parts.router.tensor().detach();
+        let router = SlotWeight::of(parts.router);
         if !taped_dtype(x) || router.dtype() != x.dtype() {
             return None;
         }
@@ -139,7 +139,6 @@ impl MoeWeights {
             .map(|m| MlpWeights::of(m, x))
             .collect::<Option<Vec<_>>>()?;
         Some(MoeWeights {
-            router_name: parts.router.name().to_string(),
             router,
             experts,
             cfg: parts.cfg.clone(),
@@ -157,7 +156,7 @@ impl MoeWeights {
                 "moe tape: {local} experts on each of {ranks} ranks, but moe.n_experts is {e_total}"
             )));
         }
-        let (logits, probs) = router_probs(h, &self.router)?; // (N, E) f32
+        let (logits, probs) = router_probs(h, &self.router.get()?)?; // (N, E) f32
         if probs.dim(1)? != e_total {
             return Err(err(format!(
                 "moe tape: the router has {} outputs but moe.n_experts is {e_total}",
@@ -318,8 +317,8 @@ impl MoeTape {
         };
         let hf = upcast(&h)?; // (N, C) f32
         let dw = dlogits.t()?.matmul(&hf)?; // (E, C)
-        grads.push((wts.router_name.clone(), dw.to_dtype(wts.router.dtype())?));
-        let dh_router = dlogits.matmul(&upcast(&wts.router)?)?; // (N, C) f32
+        grads.push((wts.router.name().to_string(), dw.to_dtype(wts.router.dtype())?));
+        let dh_router = dlogits.matmul(&upcast(&wts.router.get()?)?)?; // (N, C) f32
         dh + dh_router.to_dtype(h.dtype())?
     }
 }

@@ -13,7 +13,8 @@
 //! ```
 //! (+4Φ/N: the shard the optimizer updates and its reduced gradient, next to the full copies;
 //! the weight shard is the analogue of ZeRO's fp32 master copy. Stage 3 also holds the gathered
-//! weights of the segments in flight, at most two at a time ([`Fsdp::in_flight_bytes`]). With
+//! weights of the segments in flight, at most two at a time when they are freed after each
+//! forward ([`Fsdp::in_flight_bytes`]). With
 //! mixed precision ([`Fsdp::set_mixed_precision`]) the shards and gathers are bf16, the fp32
 //! master shards sit next to Adam's moments and are sharded like them, and the same table reads
 //! 2+2+12 bytes per parameter: 16Φ/N at stage 3. Gradients are reduce-scattered in the reduce
@@ -37,11 +38,15 @@
 //! ```text
 //!   pre_forward(i)    free segment i-1's gathered weights; wait for segment i's all-gather;
 //!                     start segment i+1's all-gather (prefetch, overlaps segment i's forward)
-//!   pre_backward(i)   with activation checkpointing: gather segment i again (its forward is
-//!                     recomputed), prefetch segment i-1
-//!   post_backward(i)  reduce-scatter segment i's flat gradient (async); drop the full gradient;
-//!                     free segment i's weights
+//!   pre_backward(i)   gather segment i again (its second all-gather; the last segment's are
+//!                     still resident), start segment i-1's (prefetch)
+//!   post_backward(i)  free segment i's weights; reduce-scatter its flat gradient (async);
+//!                     drop the full gradient
 //!   optimizer         AdamW on this rank's shards only (decay flag per piece)
+//!
+//!   gathered weights held, embedding + 4 blocks + head:
+//!     resharding after the forward   forward ▂▂▂▂▂▂ │ backward ▂▂▂▂▂▂     two segments at most
+//!     kept until the backward        forward ▁▂▃▄▅▆ │ backward ▆▅▄▃▂▁     the whole model
 //! ```
 //! Stages 1 and 2 keep full weights in place, so no gathers run in forward/backward; after the
 //! optimizer updates the shards, an all-gather per unit writes the new weights back. Stage 1
@@ -49,11 +54,17 @@
 //! reduce-scatter after every micro-step's backward and accumulate the shard, so full gradients
 //! never outlive one segment.
 //!
-//! Without activation checkpointing, a segment's tape (what its forward keeps for the backward)
-//! holds the gathered weights until that segment's backward: the slot is emptied after the
-//! forward but the memory only returns after the backward, and no second gather is needed.
-//! With checkpointing only the segment input is kept, so the weights really are freed after each
-//! use and gathered again for the recompute: that is where ZeRO-3's memory drop comes from.
+//! A segment's tape (what its forward keeps for the backward) holds its parameters' slots, not
+//! their weights ([`mtrain_model::tape::SlotWeight`]): the forward's free returns the memory,
+//! and the backward reads what `pre_backward` gathered into the slots again. That is PyTorch
+//! FSDP's `reshard_after_forward`, the default here ([`FsdpConfig::reshard_after_forward`]),
+//! and where ZeRO-3's memory drop comes from: each unit is gathered twice per pass (the last
+//! segment's once), and the forward ends holding the last segment's weights only. With
+//! `reshard_after_forward = false` the forward frees nothing and the backward gathers nothing:
+//! one gather per unit, every gathered block held at the end of the forward, freed after its
+//! backward. Activation checkpointing keeps only each segment's input and always frees the
+//! weights; its recompute reads them gathered again. (On the autograd path, the tests' oracle,
+//! the recorded graph holds the tensors it used whatever the option says.)
 
 pub mod residency;
 mod scheduler;
@@ -112,6 +123,12 @@ pub struct FsdpConfig {
     pub stage: ZeroStage,
     /// Start the next segment's all-gather before the current segment computes (stage 3).
     pub prefetch: bool,
+    /// Stage 3: free each segment's gathered weights right after its forward and gather them
+    /// again (prefetched) for its backward (PyTorch FSDP's option of this name, its default);
+    /// false keeps them from the forward to the backward: one gather per unit and pass, for
+    /// speed where memory allows. Activation checkpointing always frees them (its recompute
+    /// gathers them again).
+    pub reshard_after_forward: bool,
 }
 
 impl Default for FsdpConfig {
@@ -119,6 +136,7 @@ impl Default for FsdpConfig {
         Self {
             stage: ZeroStage::Three,
             prefetch: true,
+            reshard_after_forward: true,
         }
     }
 }
@@ -137,6 +155,8 @@ pub struct Fsdp {
     residency: Vec<Residency>,
     /// `needs[i]`: the units segment i uses.
     needs: Vec<Vec<usize>>,
+    /// Whether segment i's backward reads its weights ([`Segment::backward_reads_params`]).
+    reads_params: Vec<bool>,
     grads: Grads,
     /// fp32 master shards under mixed precision ([`Fsdp::with_mixed_precision`]).
     masters: Option<MasterWeights>,
@@ -184,6 +204,7 @@ impl Fsdp {
             .map(|s| s.params().iter().map(|p| p.name().to_string()).collect())
             .collect();
         let needs = residency::needs(&uses, &owner);
+        let reads_params = segments.iter().map(|s| s.backward_reads_params()).collect();
         let residency = units.iter().map(|_| Residency::Gathered).collect();
         let mut fsdp = Fsdp {
             comm,
@@ -193,6 +214,7 @@ impl Fsdp {
             units,
             residency,
             needs,
+            reads_params,
             grads: Grads::new(),
             masters: None,
             timer: None,
@@ -239,11 +261,12 @@ impl Fsdp {
             comm: &self.comm,
             stage: self.cfg.stage,
             prefetch: self.cfg.prefetch,
-            recompute,
+            reshard: recompute || self.cfg.reshard_after_forward,
             reduce,
             units: &mut self.units,
             residency: &mut self.residency,
             needs: &self.needs,
+            reads: residency::backward_needs(&self.needs, &self.reads_params, recompute),
             chunks: &self.chunks,
             chunk: 0,
             pending: Vec::new(),

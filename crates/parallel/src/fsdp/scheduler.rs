@@ -4,13 +4,18 @@
 //!
 //! ```text
 //!   forward   seg i:  free units of seg i-1 not used by seg i │ wait gather(i) │ start gather(i+1)
-//!   backward  seg i:  (recompute only) wait gather(i) │ start gather(i-1)
-//!             after:  reduce-scatter unit i's flat gradient (async) │ drop its full gradient
-//!                     (ZeRO-2/3) │ free units of seg i not used by seg i-1
+//!   backward  seg i:  wait gather(i) (its second gather; none for a backward that reads no
+//!                     weight, the embedding's) │ start gather(i-1)
+//!             after:  free units of seg i not read by seg i-1 │ reduce-scatter unit i's flat
+//!                     gradient (async) │ drop its full gradient (ZeRO-2/3)
 //! ```
-//! At most two units are resident or in flight at any moment in forward (the running segment's
-//! and the prefetched one), plus the tied embedding unit while the head runs. Segment i is the
-//! running chunk's ([`super::Fsdp::over_chunks`]); the units are numbered over all chunks.
+//! The tapes keep no weight, only its slot ([`mtrain_model::tape::SlotWeight`]), so a free
+//! after the forward returns the memory, and the backward reads the weights gathered again.
+//! At most two units are resident or in flight at any moment (the running segment's and the
+//! prefetched one), plus the tied embedding unit while the head runs. With
+//! `reshard_after_forward = false` the forward frees nothing and the backward gathers nothing
+//! (the rule's second table, [`super::residency`]). Segment i is the running chunk's
+//! ([`super::Fsdp::over_chunks`]); the units are numbered over all chunks.
 
 use std::ops::Range;
 
@@ -39,14 +44,17 @@ pub(super) struct Scheduler<'a> {
     pub(super) comm: &'a Comm,
     pub(super) stage: ZeroStage,
     pub(super) prefetch: bool,
-    /// The engine recomputes each segment's forward in backward (activation checkpointing).
-    pub(super) recompute: bool,
+    /// The forward frees each segment's weights and the backward gathers them again
+    /// (`reshard_after_forward`, or activation checkpointing, whose recompute needs them).
+    pub(super) reshard: bool,
     /// Reduce-scatter gradients in this backward.
     pub(super) reduce: bool,
     pub(super) units: &'a mut [FlatUnit],
     pub(super) residency: &'a mut [Residency],
     /// `needs[i]` for every segment of every chunk (unit indices are over all chunks).
     pub(super) needs: &'a [Vec<usize>],
+    /// The units each of those segments' backward reads ([`residency::backward_needs`]).
+    pub(super) reads: Vec<Vec<usize>>,
     /// Each chunk's segments, as a range of `needs`.
     pub(super) chunks: &'a [Range<usize>],
     /// The chunk of the pass running: the engine's segment i is `chunks[chunk].start + i`.
@@ -124,6 +132,11 @@ impl Scheduler<'_> {
         &self.needs[self.chunks[self.chunk].clone()]
     }
 
+    /// What the backwards of the running chunk's segments read.
+    fn chunk_reads(&self) -> &[Vec<usize>] {
+        &self.reads[self.chunks[self.chunk].clone()]
+    }
+
     fn pre_forward_impl(&mut self, i: usize) -> Result<()> {
         if self.stage != ZeroStage::Three {
             return Ok(());
@@ -132,25 +145,31 @@ impl Scheduler<'_> {
             self.chunk_needs(),
             i,
             self.prefetch,
+            self.reshard,
         ))
     }
 
     fn pre_backward_impl(&mut self, i: usize) -> Result<()> {
-        // Without recompute the engine differentiates the graph recorded in forward, which
-        // already holds the gathered weights.
-        if self.stage != ZeroStage::Three || !self.recompute {
+        if self.stage != ZeroStage::Three {
             return Ok(());
         }
         self.apply(residency::before_backward(
-            self.chunk_needs(),
+            self.chunk_reads(),
             i,
             self.prefetch,
+            self.reshard,
         ))
     }
 
-    /// After segment i of the running chunk: reduce-scatter its unit (a parameter it shares
-    /// with a lower segment, the head's `wte`, stays in `grads` for that segment's unit).
+    /// After segment i of the running chunk: free the units no earlier backward reads, then
+    /// reduce-scatter its unit (a parameter it shares with a lower segment, the head's `wte`,
+    /// stays in `grads` for that segment's unit).
     fn post_backward_impl(&mut self, i: usize, grads: &mut Grads) -> Result<()> {
+        // The weights go first: the flat gradient below is a unit's size too.
+        let free = residency::after_backward(self.chunk_needs(), self.chunk_reads(), i, self.reshard);
+        for u in free {
+            self.free(u)?;
+        }
         let u = self.chunks[self.chunk].start + i;
         if self.reduce && self.units[u].numel > 0 {
             let flat = self.units[u].flat_grad(grads)?; // (padded,)
@@ -163,9 +182,6 @@ impl Scheduler<'_> {
                     grads.remove(e.param.name());
                 }
             }
-        }
-        for u in residency::after_backward(self.chunk_needs(), i) {
-            self.free(u)?;
         }
         Ok(())
     }

@@ -90,11 +90,15 @@ impl Fsdp {
 
     /// Bytes of unsharded state in flight at the worst moment of a step, on top of
     /// [`analytic_model_state`]: at stage 3 the gathered weights of a segment and of the one
-    /// being prefetched; at stages 2 and 3 one unit's full gradient before its reduce-scatter.
+    /// being prefetched (every unit's, kept from the forward to the backward, without
+    /// `reshard_after_forward` and checkpointing); at stages 2 and 3 one unit's full gradient
+    /// before its reduce-scatter.
     pub fn in_flight_bytes(&self) -> usize {
         let unit_bytes = |u: &FlatUnit| u.full_bytes();
         let mut worst = 0;
-        if self.cfg.stage == ZeroStage::Three {
+        if self.cfg.stage == ZeroStage::Three && !self.cfg.reshard_after_forward {
+            worst = self.units.iter().map(unit_bytes).sum();
+        } else if self.cfg.stage == ZeroStage::Three {
             for (c, i) in self
                 .chunks
                 .iter()

@@ -128,7 +128,7 @@ impl ColumnTape {
 }
 
 impl TapedLinear for ColumnTape {
-    fn weight(&self) -> &Tensor {
+    fn weight(&self) -> candle_core::Result<Tensor> {
         self.dense.weight()
     }
 

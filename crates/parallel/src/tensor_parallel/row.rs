@@ -104,7 +104,7 @@ struct RowTape {
 impl RowTape {
     /// g(x_r W_rᵀ): the partial products summed over tp, (N, out) or (N/tp, out) under SP.
     fn summed_product(&self, x: &Tensor, b: usize) -> candle_core::Result<Tensor> {
-        let partial = mtrain_kernels::matmul(x, &self.dense.weight().t()?)?; // (N, out), partial
+        let partial = mtrain_kernels::matmul(x, &self.dense.weight()?.t()?)?; // (N, out), partial
         match self.g.forward() {
             Some(c) => c.run_rows(&partial, b, &self.group), // all-reduce: Σ_tp (N', out)
             None => Ok(partial),
@@ -113,13 +113,13 @@ impl RowTape {
 }
 
 impl TapedLinear for RowTape {
-    fn weight(&self) -> &Tensor {
+    fn weight(&self) -> candle_core::Result<Tensor> {
         self.dense.weight()
     }
 
     /// x_r (N, in/tp) -> (x_r, Σ_tp x_r W_rᵀ + b (N', out)).
     fn forward(&self, x: &Tensor, b: usize) -> candle_core::Result<(Tensor, Tensor)> {
-        let y = mtrain_kernels::bias_add(&self.summed_product(x, b)?, self.dense.bias())?;
+        let y = mtrain_kernels::bias_add(&self.summed_product(x, b)?, &self.dense.bias()?)?;
         Ok((x.clone(), y))
     }
 
@@ -130,7 +130,7 @@ impl TapedLinear for RowTape {
         x: &Tensor,
         b: usize,
     ) -> candle_core::Result<(Tensor, Tensor)> {
-        let y = bias::residual_add(r, &self.summed_product(x, b)?, self.dense.bias())?;
+        let y = bias::residual_add(r, &self.summed_product(x, b)?, &self.dense.bias()?)?;
         Ok((x.clone(), y)) // (N', out)
     }
 
@@ -155,13 +155,14 @@ impl TapedLinear for RowTape {
             Some(c) => c.run_rows(dy, b, &self.group)?, // SP: all-gather T (N, out)
             None => dy.clone(),                         // g: the identity
         };
-        let w = self.dense.weight();
+        let w = self.dense.weight()?; // (out, in/tp), gathered again under ZeRO-3
         let dx = match gelu_of {
-            Some(f) => fused::input_grad_gelu(&dy, w, f)?, // df (N, in/tp)
-            None => mtrain_kernels::matmul(&dy, w)?,       // (N, in/tp)
+            Some(f) => fused::input_grad_gelu(&dy, &w, f)?, // df (N, in/tp)
+            None => mtrain_kernels::matmul(&dy, &w)?,       // (N, in/tp)
         };
+        drop(w);
         let (w_name, b_name) = self.dense.names();
-        let db = bias::grad(dy_rows, self.dense.bias())?; // (out,)
+        let db = bias::grad(dy_rows, &self.dense.bias()?)?; // (out,)
         grads.product(w_name, &dy, x)?; // dW_r (out, in/tp), now or in W
         grads.push((b_name, db));
         Ok(dx)

@@ -90,7 +90,7 @@ pub fn plan(dp: usize, pp: usize, tp: usize, ep: usize) -> ParallelPlan {
 pub fn zero(stage: ZeroStage) -> DataParallelKind {
     DataParallelKind::Zero(FsdpConfig {
         stage,
-        prefetch: true,
+        ..FsdpConfig::default()
     })
 }
 

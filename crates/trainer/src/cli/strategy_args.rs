@@ -23,6 +23,11 @@ pub struct StrategyArgs {
     #[arg(long, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero_stage: Option<u8>,
 
+    /// FSDP (ZeRO-3): free each segment's gathered weights after its forward and gather them
+    /// again for its backward (default true); false keeps them until the backward.
+    #[arg(long, value_name = "BOOL")]
+    pub reshard_after_forward: Option<bool>,
+
     /// Sequence parallelism in the tensor-parallel regions (LayerNorm/dropout on T/tp).
     #[arg(long)]
     pub sequence_parallel: bool,
@@ -97,6 +102,11 @@ impl StrategyArgs {
         Ok(StrategyArgs {
             fsdp: self.fsdp || after.fsdp,
             zero_stage: merged("--zero-stage", &self.zero_stage, &after.zero_stage)?,
+            reshard_after_forward: merged(
+                "--reshard-after-forward",
+                &self.reshard_after_forward,
+                &after.reshard_after_forward,
+            )?,
             sequence_parallel: self.sequence_parallel || after.sequence_parallel,
             schedule: after.schedule.or(self.schedule),
             virtual_stages: merged(
@@ -162,6 +172,9 @@ pub fn parallel_overrides(layout: &LayoutArgs, strategy: &StrategyArgs) -> toml:
     }
     if let Some(z) = strategy.zero_stage {
         t.insert("zero_stage".into(), int(z as usize));
+    }
+    if let Some(r) = strategy.reshard_after_forward {
+        t.insert("reshard_after_forward".into(), toml::Value::Boolean(r));
     }
     if let Some(s) = strategy.schedule {
         t.insert(

@@ -42,6 +42,9 @@ pub struct ParallelConfig {
     pub fsdp: bool,
     /// ZeRO stage over dp: 0 = DDP, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters.
     pub zero_stage: u8,
+    /// Stage 3: free each segment's gathered weights right after its forward and gather them
+    /// again for its backward (PyTorch FSDP's option); false keeps them until the backward.
+    pub reshard_after_forward: bool,
     /// Sequence parallelism in the tensor-parallel regions (LayerNorm/dropout on T/tp).
     pub sequence_parallel: bool,
     /// Pipeline schedule: "gpipe", "1f1b" or "interleaved".
@@ -71,6 +74,7 @@ impl Default for ParallelConfig {
             ep: 1,
             fsdp: false,
             zero_stage: 0,
+            reshard_after_forward: true,
             sequence_parallel: false,
             schedule: Schedule::OneFOneB,
             virtual_stages: 2,
@@ -127,6 +131,17 @@ impl ParallelConfig {
             }
             (false, z) => z,
         };
+        if !self.reshard_after_forward && stage != 3 {
+            return Err(ConfigError::Invalid(format!(
+                "reshard_after_forward = false keeps ZeRO-3's gathered weights until the \
+                 backward, but the data parallelism here is {}; pass fsdp (or zero_stage = 3) \
+                 or leave reshard_after_forward at its default",
+                match stage {
+                    0 => "DDP".to_string(),
+                    z => format!("ZeRO stage {z}"),
+                }
+            )));
+        }
         if !(self.bucket_mb.is_finite() && self.bucket_mb > 0.0) {
             return Err(ConfigError::Invalid(format!(
                 "bucket_mb must be a positive number of MiB, got {}",
@@ -151,6 +166,7 @@ impl ParallelConfig {
             }
             z => DataParallelKind::Zero(FsdpConfig {
                 stage: ZeroStage::try_from(z).map_err(|e| ConfigError::Invalid(e.to_string()))?,
+                reshard_after_forward: self.reshard_after_forward,
                 ..FsdpConfig::default()
             }),
         };
@@ -185,6 +201,10 @@ impl ParallelConfig {
             DataParallelKind::Ddp(d) => (0, d.mode, d.bucket_cap_bytes as f64 / MIB),
             DataParallelKind::Zero(z) => (z.stage as u8, base.ddp_mode, base.bucket_mb),
         };
+        let reshard_after_forward = match plan.data {
+            DataParallelKind::Zero(z) => z.reshard_after_forward,
+            DataParallelKind::Ddp(_) => base.reshard_after_forward,
+        };
         let (schedule, virtual_stages) = match plan.schedule {
             ScheduleKind::GPipe => (Schedule::Gpipe, base.virtual_stages),
             ScheduleKind::OneFOneB => (Schedule::OneFOneB, base.virtual_stages),
@@ -201,6 +221,7 @@ impl ParallelConfig {
             ep: plan.dims.ep,
             fsdp: false,
             zero_stage,
+            reshard_after_forward,
             sequence_parallel: plan.sequence_parallel,
             schedule,
             virtual_stages,
@@ -242,6 +263,11 @@ mod tests {
             },
             ParallelConfig {
                 fsdp: true,
+                ..Default::default()
+            },
+            ParallelConfig {
+                fsdp: true,
+                reshard_after_forward: false,
                 ..Default::default()
             },
             ParallelConfig {
@@ -287,5 +313,12 @@ mod tests {
         };
         let e = stage.plan(dims, false, precision).unwrap_err().to_string();
         assert!(e.contains("zero stage must be 1, 2 or 3, got 4"), "{e}");
+        let kept = ParallelConfig {
+            zero_stage: 2,
+            reshard_after_forward: false,
+            ..Default::default()
+        };
+        let e = kept.plan(dims, false, precision).unwrap_err().to_string();
+        assert!(e.contains("reshard_after_forward") && e.contains("ZeRO stage 2"), "{e}");
     }
 }

@@ -8,7 +8,8 @@
 //!               (the holdings table of the plan and the rank's coordinates)
 //!   ZeRO        units and needs by the engine's "first user owns it" rule over all the rank's
 //!               chunks (ZB-V's tied wte: one unit), gathers and frees by fsdp::residency
-//!               within each chunk, the moves the scheduler runs
+//!               within each chunk, the moves the scheduler runs: resharding after the
+//!               forward (or recomputing) gathers a unit a second time in the backward
 //!   per segment the tensor-, sequence- and expert-parallel collectives its layers describe
 //!               (tensor_parallel::mapping's tables, vocab::LOSS_ALL_REDUCES, MOE_EXCHANGES)
 //!               in forward, recompute and backward
@@ -120,6 +121,8 @@ struct Chunk {
     first: usize,
     /// `needs[j]`: the units the chunk's segment j uses.
     needs: Vec<Vec<usize>>,
+    /// `reads[j]`: those its backward reads (none for the embedding's, unless recomputed).
+    reads: Vec<Vec<usize>>,
 }
 
 /// The step being walked on one rank.
@@ -132,6 +135,9 @@ struct Walk {
     zero: Option<ZeroStage>,
     prefetch: bool,
     recompute: bool,
+    /// ZeRO-3 frees each segment's weights after its forward and gathers them again for its
+    /// backward (`reshard_after_forward`, or the recompute).
+    reshard: bool,
     sp: bool,
     /// Sequences per micro-batch, sequence length, its local part, width.
     b: usize,
@@ -159,11 +165,11 @@ impl Walk {
         let sp = plan.sequence_parallel && dims.tp > 1;
         let t = shape.seq_len;
         let table = Holdings::of_rank(cfg, plan, c).map_err(|e| CostError::Plan(e.to_string()))?;
-        let (chunks, units) = zero_units(table.chunks);
+        let (chunks, units) = zero_units(table.chunks, plan.checkpointing);
         let gathered = units.iter().map(|u| u.numel == 0).collect();
-        let (zero, prefetch) = match plan.data {
-            DataParallelKind::Zero(z) => (Some(z.stage), z.prefetch),
-            DataParallelKind::Ddp(_) => (None, false),
+        let (zero, prefetch, reshard) = match plan.data {
+            DataParallelKind::Zero(z) => (Some(z.stage), z.prefetch, z.reshard_after_forward),
+            DataParallelKind::Ddp(_) => (None, false, false),
         };
         Ok(Self {
             placement: plan.effective_schedule().placement(),
@@ -179,6 +185,7 @@ impl Walk {
             zero,
             prefetch,
             recompute: plan.checkpointing,
+            reshard: plan.checkpointing || reshard,
             sp,
             b: shape.batch / dims.dp / plan.microbatches,
             t,
@@ -246,7 +253,8 @@ impl Walk {
     fn forward(&mut self, k: usize) {
         for (j, seg) in self.chunks[k].segments.clone().enumerate() {
             if self.z3() {
-                let m = residency::before_forward(&self.chunks[k].needs, j, self.prefetch);
+                let needs = &self.chunks[k].needs;
+                let m = residency::before_forward(needs, j, self.prefetch, self.reshard);
                 self.free(&m.free);
                 self.gather(&m.wait, Phase::Forward);
                 self.gather(&m.prefetch, Phase::Forward);
@@ -274,8 +282,9 @@ impl Walk {
     }
 
     fn backward_input(&mut self, k: usize, j: usize, seg: usize) {
-        if self.z3() && self.recompute {
-            let m = residency::before_backward(&self.chunks[k].needs, j, self.prefetch);
+        if self.z3() {
+            let reads = &self.chunks[k].reads;
+            let m = residency::before_backward(reads, j, self.prefetch, self.reshard);
             self.gather(&m.wait, Phase::Backward);
             self.gather(&m.prefetch, Phase::Backward);
         }
@@ -294,7 +303,8 @@ impl Walk {
                 .reduce_scatter(Group::Dp, what, Phase::Backward, rows, 1, DType::F32, true);
         }
         if self.z3() {
-            let free = residency::after_backward(&self.chunks[k].needs, j);
+            let c = &self.chunks[k];
+            let free = residency::after_backward(&c.needs, &c.reads, j, self.reshard);
             self.free(&free);
         }
     }
@@ -580,7 +590,7 @@ impl Walk {
 /// The chunks of the holdings table as the walk needs them, and the rank's ZeRO units: the
 /// segments of all chunks numbered one after the other, their parameters grouped into units by
 /// first use over that numbering (`Fsdp::over_chunks`), and what each segment needs.
-fn zero_units(tables: Vec<ChunkHoldings>) -> (Vec<Chunk>, Vec<Unit>) {
+fn zero_units(tables: Vec<ChunkHoldings>, recompute: bool) -> (Vec<Chunk>, Vec<Unit>) {
     let segs: Vec<_> = tables.iter().flat_map(|t| t.segments.iter()).collect();
     let uses: Vec<Vec<String>> = segs
         .iter()
@@ -588,6 +598,9 @@ fn zero_units(tables: Vec<ChunkHoldings>) -> (Vec<Chunk>, Vec<Unit>) {
         .collect();
     let owner = final_after_names(&uses);
     let needs = residency::needs(&uses, &owner);
+    // The embedding (segment 0 of the model) is the one segment whose backward reads no weight.
+    let reads_params: Vec<bool> = segs.iter().map(|s| s.index != 0).collect();
+    let reads = residency::backward_needs(&needs, &reads_params, recompute);
     let units = segs
         .iter()
         .enumerate()
@@ -613,6 +626,7 @@ fn zero_units(tables: Vec<ChunkHoldings>) -> (Vec<Chunk>, Vec<Unit>) {
                 segments: start..start + n,
                 first: first - n,
                 needs: needs[first - n..first].to_vec(),
+                reads: reads[first - n..first].to_vec(),
             }
         })
         .collect();

@@ -36,6 +36,9 @@ pub struct ActivationLayout {
     pub sequence_parallel: bool,
     /// ZeRO-3 (FSDP): each segment's weights are gathered for its forward.
     pub gathers_weights: bool,
+    /// ZeRO-3 frees each segment's gathered weights after its forward and gathers them again
+    /// for its backward (`reshard_after_forward`); otherwise they are kept until then.
+    pub reshards_after_forward: bool,
     /// The rows each of this rank's MoE blocks dispatched per pass, in block order (empty: an
     /// even split with every slot filled, [`Routing::even`]).
     pub routing: Vec<Routing>,
@@ -73,6 +76,7 @@ impl ActivationLayout {
             ep: 1,
             sequence_parallel: false,
             gathers_weights: false,
+            reshards_after_forward: false,
             routing: Vec::new(),
             segment_params: table
                 .segment_numels()
@@ -124,6 +128,7 @@ impl ActivationLayout {
             ep: plan.dims.ep.max(1),
             sequence_parallel: plan.sequence_parallel && plan.dims.tp > 1,
             gathers_weights: zero3,
+            reshards_after_forward: matches!(plan.data, DataParallelKind::Zero(z) if z.reshard_after_forward),
             routing: Vec::new(),
             segment_params: rank_holdings(cfg, plan, pp_rank)?
                 .segment_numels()

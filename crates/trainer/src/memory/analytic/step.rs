@@ -14,8 +14,9 @@ pub struct StepMemory {
     /// Held at the end of the forward (before the first backward): what every segment pass in
     /// flight keeps, the engine's leaf copies of the segment inputs included.
     pub activations: u64,
-    /// ZeRO-3 weights gathered by the forward still held at its end: by its graphs until
-    /// their backward, or (checkpointing) the last segment's.
+    /// ZeRO-3 weights gathered by the forward still held at its end: every segment's, kept
+    /// until their backward, or (resharding after the forward, checkpointing) the last
+    /// segment's.
     pub gathered: u64,
     /// Gradients already written when the reported forward ends: the earlier micro-steps'
     /// under gradient accumulation (the report reads the last micro-step's forward).
@@ -37,6 +38,13 @@ pub struct StepMemory {
 ///   peak      = max over the first backward's segments j (last to first) of
 ///               activations − Σ_{i after j} (input + kept)_i / v + transient_j (+ kept_j recomputed)
 ///               + gradients of the segments after j and j + gathered weights not yet released
+///               (ZeRO-3: + the tied wte's full gradient held from the head's backward to the
+///               embedding's, three of them there; a unit's full gradient and its flat copy
+///               in place of transient_j when larger)
+///               (+ the two largest consecutive segments' weights, gathered again for the
+///               backward when the forward released them: resharding or checkpointing, and
+///               the gathered buffer of one being cut into its slots in place of transient_j
+///               when that is larger)
 ///   (with M > 1 passes also the last backward: one pass in flight, every gradient written)
 /// ```
 ///
@@ -94,38 +102,80 @@ pub fn rank_step_memory(
 
     let params = &layout.segment_params;
     let total_params = params.iter().sum::<u64>().max(1) as f64;
-    // Without checkpointing the graphs hold every gathered weight; with it, the forward frees
-    // each segment's weights when the next one starts, so the last segment's stay.
-    let gathered = match (layout.gathers_weights, checkpointing) {
+    // Resharding after the forward (the tapes keep only the weights' slots; an autograd graph
+    // keeps the tensors it used) or checkpointing, the forward frees each segment's weights
+    // when the next one starts, so the last segment's stay (the head's: with the tied wte, the
+    // embedding's whole unit, wpe too); otherwise every gathered weight is kept until its
+    // backward.
+    let reshards = layout.reshards_after_forward;
+    let released = checkpointing || (reshards && path != BackwardPath::Autograd);
+    let tied_unit = match layout.holds_embedding && layout.holds_head && params.len() > 1 {
+        true => params[0],
+        false => 0,
+    };
+    let last = params.last().copied().unwrap_or(0) + tied_unit;
+    let gathered = match (layout.gathers_weights, released) {
         (true, false) => (param_bytes as f64) * total_params,
-        (true, true) => (param_bytes * params.last().copied().unwrap_or(0)) as f64,
+        (true, true) => (param_bytes * last) as f64,
         (false, _) => 0.0,
     };
-    // Under checkpointing ZeRO-3 gathers a segment again for its recompute, with the previous
-    // one prefetched: the two largest consecutive segments.
-    let regathered = match layout.gathers_weights && checkpointing {
+    // Then ZeRO-3 gathers a segment again for its backward (and recompute), with the previous
+    // one prefetched: the two largest consecutive segments of those the forward freed (all but
+    // the last). Before a segment's backward runs, a gathered buffer is cut into its parameters'
+    // slots (each a copy): that buffer beside them, a third segment, where the segment's own
+    // backward transient comes later.
+    let (regathered, cut) = match layout.gathers_weights && (checkpointing || reshards) {
         true => {
-            params
+            let again = &params[..params.len().saturating_sub(1)];
+            let largest = again.iter().copied().max().unwrap_or(0) as f64;
+            let pair = again
                 .windows(2)
                 .map(|w| (w[0] + w[1]) as f64)
-                .fold(params.first().copied().unwrap_or(0) as f64, f64::max)
-                * param_bytes as f64
+                .fold(largest, f64::max);
+            (pair * param_bytes as f64, largest * param_bytes as f64)
         }
+        false => (0.0, 0.0),
+    };
+    // ZeRO-3 reduce-scatters a unit's gradient right after its segment's backward: the full
+    // gradient and its flat copy exist together for that moment. The tied wte's full gradient,
+    // formed by the head's backward, is held until the embedding's unit is reduced, and the
+    // embedding's backward adds its own to it (the two and their sum).
+    let unit_grads = |p: f64| match layout.gathers_weights {
+        true => 2.0 * p * param_bytes as f64,
         false => 0.0,
     };
+    let last = segs.len().saturating_sub(1);
+    // wte's elements on a rank holding both of its ends (counted with the head, whose own unit
+    // is ln_f: wte's is the embedding's).
+    let tied_numel = match layout.gathers_weights && layout.holds_embedding && layout.holds_head {
+        true => params.last().map_or(0.0, |&p| p as f64 - 2.0 * d.c),
+        false => 0.0,
+    };
+    let tied = tied_numel * param_bytes as f64;
     let mut peak = activations + gathered;
     let (mut freed, mut done) = (0.0, 0.0);
     for (j, s) in segs.iter().enumerate().rev() {
         let p = params.get(j).copied().unwrap_or(0) as f64;
         done += p;
         let recomputed = if checkpointing { s.kept } else { 0.0 };
-        let level = activations - freed
+        let (tied_held, unit) = match j {
+            0 => (3.0 * tied, p),
+            j if j == last => (tied, p - tied_numel),
+            _ => (tied, p),
+        };
+        let held_then = activations - freed + tied_held + grad_bytes * done;
+        // The segment's backward at its worst, then right after it (its tape dropped, its
+        // weights freed) the reduce-scatter's moment.
+        let computing = held_then
             + recomputed
-            + s.transient
-            + grad_bytes * done
+            + s.transient.max(cut)
             + gathered * (1.0 - (done - p) / total_params)
             + regathered;
-        peak = peak.max(level);
+        let reducing = held_then - held(s) / v
+            + unit_grads(unit)
+            + gathered * (1.0 - done / total_params)
+            + (regathered - p * param_bytes as f64).max(0.0);
+        peak = peak.max(computing).max(reducing);
         freed += held(s) / v;
     }
     // The step's last backward (with M > 1 passes): one pass left in flight, every gradient of
@@ -139,7 +189,7 @@ pub fn rank_step_memory(
             let left = gathered / n * (1.0 - done / total_params);
             let level = last - freed
                 + recomputed
-                + s.transient
+                + s.transient.max(cut)
                 + grad_bytes * total_params
                 + left
                 + regathered;
@@ -395,23 +445,59 @@ mod tests {
         );
     }
 
-    /// ZeRO-3 without checkpointing: the forward's graphs hold every gathered weight.
+    /// ZeRO-3 without checkpointing, the gathered weights kept until the backward: the
+    /// forward's end holds every one of them (on the autograd path, its graphs hold them
+    /// whatever the option says).
     #[test]
     fn fsdp_forward_holds_the_gathered_weights() {
-        use mtrain_parallel::fsdp::{FsdpConfig, ZeroStage};
         let cfg = small();
+        let l = fsdp_layout(&cfg, false);
+        assert!(l.gathers_weights && !l.reshards_after_forward);
+        let s = step(&cfg, &l, false);
+        assert_eq!(s.gathered, 4 * cfg.n_params() as u64);
+        // With checkpointing only the last segment's weights are still gathered: the head's,
+        // and with the tied wte the rest of its unit, the embedding's wpe.
+        let head = l.segment_params.last().expect("a head") + l.segment_params[0];
+        assert_eq!(step(&cfg, &l, true).gathered, 4 * head);
+        let autograd = step(&cfg, &fsdp_layout(&cfg, true), false);
+        assert_eq!(autograd.gathered, 4 * cfg.n_params() as u64);
+    }
+
+    fn fsdp_layout(cfg: &GptConfig, reshard_after_forward: bool) -> ActivationLayout {
+        use mtrain_parallel::fsdp::{FsdpConfig, ZeroStage};
         let mut plan = ParallelPlan::new(mtrain_comm::MeshDims::new(2, 1, 1, 1));
         plan.data = DataParallelKind::Zero(FsdpConfig {
             stage: ZeroStage::Three,
+            reshard_after_forward,
             ..FsdpConfig::default()
         });
-        let l = ActivationLayout::for_plan(&cfg, &plan, 0, 4).expect("fsdp");
-        assert!(l.gathers_weights);
-        let s = step(&cfg, &l, false);
-        assert_eq!(s.gathered, 4 * cfg.n_params() as u64);
-        // With checkpointing only the last segment's weights are still gathered: the head's.
-        let head = *l.segment_params.last().expect("a head");
-        assert_eq!(step(&cfg, &l, true).gathered, 4 * head);
+        ActivationLayout::for_plan(cfg, &plan, 0, 4).expect("fsdp")
+    }
+
+    /// Resharding after the forward on the tapes: the forward's end holds the last segment's
+    /// weights (with the tied embedding's unit) and the backward the two largest consecutive
+    /// segments' gathered again, where keeping them holds every segment's: the after-forward
+    /// level falls by every weight but the head's unit, and the peak falls.
+    #[test]
+    fn resharding_after_the_forward_drops_the_gathered_weights() {
+        let cfg = GptConfig {
+            n_embd: 32,
+            ..small()
+        };
+        let (kept, freed) = (fsdp_layout(&cfg, false), fsdp_layout(&cfg, true));
+        let run = |l: &ActivationLayout| {
+            rank_step_memory(&cfg, l, 4, 4, false, BackwardPath::CpuTapes, 4, 4.0)
+        };
+        let (k, f) = (run(&kept), run(&freed));
+        let p = &freed.segment_params;
+        let (all, head) = (p.iter().sum::<u64>(), p.last().expect("a head") + p[0]);
+        let again = &p[..p.len() - 1];
+        let pair = again.windows(2).map(|w| w[0] + w[1]).max().expect("segments");
+        assert_eq!(k.activations, f.activations);
+        assert_eq!((k.gathered, f.gathered), (4 * all, 4 * head));
+        assert_eq!(k.activations + k.gathered - (f.activations + f.gathered), 4 * (all - head));
+        assert!(k.peak > f.peak, "{k:?} vs {f:?}");
+        assert!(f.peak >= f.activations + f.gathered + 4 * pair, "{f:?}");
     }
 
     #[test]
