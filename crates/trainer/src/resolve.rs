@@ -52,6 +52,7 @@ impl RunOptions {
     /// world is the mesh's check.)
     pub fn of_plan(cfg: &TrainConfig, mut plan: ParallelPlan) -> anyhow::Result<Self> {
         cfg.validate()?;
+        cfg.check_fits_host()?;
         plan.precision = cfg.precision();
         let world = plan.dims.world_size();
         let plan = check(cfg, plan, world).context("the layout does not fit the model")?;
@@ -86,6 +87,11 @@ pub fn resolve(cli: &Cli, launched_world: Option<usize>) -> anyhow::Result<Resol
     let cfg = cli
         .config_from(train)
         .context("resolving the training configuration")?;
+    if !matches!(cli.command, Some(Command::Plan(_))) {
+        // Training builds the model: refuse what this machine cannot hold. `plan` builds nothing.
+        cfg.check_fits_host()
+            .context("resolving the training configuration")?;
+    }
     let layout_args = cli.command_layout()?;
     layout_args.check_device(cfg.device)?;
     let layout = layout_args.resolve(&cfg.parallel, launched_world)?;
