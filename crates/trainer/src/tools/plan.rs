@@ -74,8 +74,9 @@ pub struct PlanArgs {
     #[arg(long, value_name = "N", default_value_t = 10)]
     pub top: usize,
 
-    /// One rank's forward of one micro-batch through one stage, measured (ms): the compute of
-    /// the prediction instead of FLOPs at --mfu (backward 2x, 3x with checkpointing).
+    /// A one-rank run's forward of one micro-batch of the whole model, measured (ms): the
+    /// prediction's compute instead of FLOPs at --mfu, split evenly over tp · pp (backward 2x,
+    /// 3x with checkpointing).
     #[arg(long, value_name = "MS")]
     pub forward_ms: Option<f64>,
 

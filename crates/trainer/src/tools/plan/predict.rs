@@ -76,8 +76,9 @@ fn in_pass(c: &Collective) -> bool {
     c.phase != Phase::Step && (p2p || (!c.overlappable && matches!(c.group, Group::Tp | Group::Ep)))
 }
 
-/// The prediction for `cfg` under `plan` on `machine`; `fwd_s` overrides the computed `f` (a
-/// measured one-rank forward of a micro-batch of one stage).
+/// The prediction for `cfg` under `plan` on `machine`; `fwd_s`, a one-rank forward of one
+/// micro-batch of the whole model (measured), replaces the FLOPs at the machine's MFU: `f` is
+/// its share, `fwd_s / (tp · pp)`.
 pub fn predict(
     cfg: &TrainConfig,
     plan: &ValidPlan,
@@ -93,9 +94,8 @@ pub fn predict(
     );
     let tokens_mb = (cfg.batch_size / m * cfg.seq_len) as f64;
     let fpt = model.flops_per_token(cfg.seq_len);
-    let f = fwd_s.unwrap_or(
-        fpt / 3.0 * tokens_mb / (dims.tp * pp) as f64 / (machine.gpu.peak_flops * machine.mfu),
-    );
+    let whole = fwd_s.unwrap_or(fpt / 3.0 * tokens_mb / (machine.gpu.peak_flops * machine.mfu));
+    let f = whole / (dims.tp * pp) as f64;
     let b = if plan.checkpointing { 3.0 * f } else { 2.0 * f };
     let shape = StepShape {
         batch: cfg.batch_size * dims.dp,
