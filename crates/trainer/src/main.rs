@@ -140,9 +140,10 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
                 print!("{}", plan::arithmetic::run(one, cluster)?);
                 return Ok(());
             }
-            let cli = plan::with_cluster_world(&cli)?;
+            let cli = cli.with_cluster_world()?;
             let Resolved { layout, run } = resolve(&cli, None)?;
-            plan::run(run.cfg(), &layout, &run.plan, &plan.args)
+            let check = &mtrain_trainer::resolve::check_plan;
+            plan::run(run.cfg(), &layout, &run.plan, &plan.args, check)
         }
         Some(Command::Prepare(args)) => {
             let summary = prepare::prepare(args)?;

@@ -113,6 +113,13 @@ pub fn resolve(cli: &Cli, launched_world: Option<usize>) -> anyhow::Result<Resol
     Ok(Resolved { layout, run })
 }
 
+/// A plan built in code to be priced, not run (`mtrain plan --search`): the launch's check
+/// ([`check`]) on the plan's own world, without this machine's memory.
+pub fn check_plan(cfg: &TrainConfig, plan: ParallelPlan) -> Result<ValidPlan, PlanError> {
+    let world = plan.dims.world_size();
+    check(cfg, plan, world)
+}
+
 /// The plan's one check: `plan` against `cfg`'s model, `world` ranks and the global batch of one
 /// micro-step (`batch_size · dp` sequences), so a layout that cannot work is refused with the
 /// arithmetic before anything runs.

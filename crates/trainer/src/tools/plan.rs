@@ -84,37 +84,6 @@ pub struct PlanArgs {
     pub collective: arithmetic::CollectiveArgs,
 }
 
-/// `cli` with `plan --gpus N --gpus-per-node G` as the launch's `--nnodes N/G --nproc-per-node
-/// G` (a port for the rendezvous line when none is given), so the layout resolves on that world.
-pub fn with_cluster_world(cli: &crate::cli::Cli) -> anyhow::Result<crate::cli::Cli> {
-    let mut cli = cli.clone();
-    let Some(crate::cli::Command::Plan(p)) = &mut cli.command else {
-        return Ok(cli);
-    };
-    let Some(gpus) = p.args.cluster.gpus else {
-        return Ok(cli);
-    };
-    let per_node = p.args.cluster.gpus_per_node.unwrap_or(gpus.min(8));
-    if per_node == 0 || !gpus.is_multiple_of(per_node) {
-        anyhow::bail!("--gpus {gpus} must be a positive multiple of --gpus-per-node {per_node} (whole nodes)");
-    }
-    let nodes = gpus / per_node;
-    for (flag, given, want) in [
-        ("--nnodes", cli.layout.nnodes.or(p.layout.nnodes), nodes),
-        ("--nproc-per-node", cli.layout.nproc_per_node.or(p.layout.nproc_per_node), per_node),
-    ] {
-        if given.is_some_and(|g| g != want) {
-            anyhow::bail!("{flag} {} contradicts --gpus {gpus} --gpus-per-node {per_node} ({flag} {want}); give one or the other", given.unwrap_or(0));
-        }
-    }
-    p.layout.nnodes = Some(nodes);
-    p.layout.nproc_per_node = Some(per_node);
-    if nodes > 1 && cli.layout.master_port.or(p.layout.master_port).is_none() {
-        p.layout.master_port = Some(29500);
-    }
-    Ok(cli)
-}
-
 /// The plan as text: the launch, the mesh, the model and the batch.
 pub fn render(cfg: &TrainConfig, layout: &Layout) -> Result<String, crate::config::ConfigError> {
     let dims: MeshDims = layout.dims;
@@ -357,6 +326,7 @@ pub fn run(
     layout: &Layout,
     plan: &ValidPlan,
     args: &PlanArgs,
+    check: &search::PlanCheck,
 ) -> anyhow::Result<()> {
     if args.search {
         let machine = args.cluster.machine(layout.world_size)?;
@@ -374,7 +344,7 @@ pub fn run(
         );
         print!("{}", machine.render(plan.dims, 0).lines().take(3).map(|l| format!("{l}\n")).collect::<String>());
         print!("{}", arithmetic::render_model_state(model.n_params() as u64, machine.gpu.memory_bytes));
-        let (found, tried) = search::search(cfg, &machine, global)?;
+        let (found, tried) = search::search(cfg, &machine, global, check)?;
         let config = args.train.config.as_ref().map_or("FILE".into(), |p| p.display().to_string());
         print!("{}", search::render(&found, tried, args.top, &machine, &config));
         return Ok(());
