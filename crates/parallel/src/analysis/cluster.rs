@@ -28,7 +28,6 @@
 //! Every group of the same kind runs at once (each dp group reduces its gradients at the same
 //! time), so the per-GPU share is what each gets: no group borrows another's NICs.
 
-use mtrain_comm::mesh::GroupKind;
 use mtrain_comm::MeshDims;
 
 use super::comm_cost::{CostModel, Group};
@@ -172,39 +171,40 @@ impl Span {
     }
 }
 
-/// The [`GroupKind`] of a cost-model group (`None` for the world, which is every rank).
-fn kind(group: Group) -> Option<GroupKind> {
-    match group {
-        Group::Tp => Some(GroupKind::Tp),
-        Group::Pp => Some(GroupKind::Pp),
-        Group::Dp => Some(GroupKind::Dp),
-        Group::Ep => Some(GroupKind::Ep),
-        Group::Edp => Some(GroupKind::Edp),
-        Group::World => None,
-    }
-}
-
 /// How the groups of `group` under `dims` lie on nodes of `gpus_per_node` consecutive ranks:
 /// the widest group's node count, and among groups that cross, the fewest ranks on one node.
+/// One pass over the ranks (a group is the ranks that share every other coordinate).
 pub fn span(dims: MeshDims, group: Group, gpus_per_node: usize) -> Span {
+    use std::collections::HashMap;
     let g = gpus_per_node.max(1);
-    let groups = match kind(group) {
-        Some(k) => dims.groups(k),
-        None => vec![(0..dims.world_size()).collect()],
-    };
+    let mut on_node: HashMap<((usize, usize, usize), usize), usize> = HashMap::new();
+    for r in 0..dims.world_size() {
+        let c = dims.coords(r);
+        let key = match group {
+            Group::Tp => (c.dp, c.pp, 0),
+            Group::Pp => (c.dp, c.tp, 0),
+            Group::Dp => (c.pp, c.tp, 0),
+            Group::Ep => (c.edp, c.pp, c.tp),
+            Group::Edp => (c.ep, c.pp, c.tp),
+            Group::World => (0, 0, 0),
+        };
+        *on_node.entry((key, r / g)).or_default() += 1;
+    }
+    // Per group: the nodes it touches and the fewest of its ranks on one of them.
+    let mut per_group: HashMap<(usize, usize, usize), (usize, usize)> = HashMap::new();
+    for ((key, _), n) in on_node {
+        let e = per_group.entry(key).or_insert((0, usize::MAX));
+        *e = (e.0 + 1, e.1.min(n));
+    }
+    let size = group.size(dims);
     let mut out = Span {
-        size: group.size(dims),
+        size,
         nodes: 1,
-        per_node: group.size(dims),
+        per_node: size,
     };
-    for ranks in groups {
-        let mut counts = std::collections::BTreeMap::<usize, usize>::new();
-        for r in ranks {
-            *counts.entry(r / g).or_default() += 1;
-        }
-        out.nodes = out.nodes.max(counts.len());
-        if counts.len() > 1 {
-            let fewest = counts.values().copied().min().unwrap_or(1);
+    for (nodes, fewest) in per_group.into_values() {
+        out.nodes = out.nodes.max(nodes);
+        if nodes > 1 {
             out.per_node = out.per_node.min(fewest);
         }
     }
@@ -280,6 +280,43 @@ mod tests {
                 per_node: 1
             }
         );
+    }
+
+    /// The one-pass span agrees with the mesh's own groups on every kind of a mixed mesh.
+    #[test]
+    fn the_span_is_the_mesh_groups() {
+        use mtrain_comm::mesh::GroupKind;
+        let dims = MeshDims::new(4, 3, 2, 2);
+        let kinds = [
+            (Group::Tp, GroupKind::Tp),
+            (Group::Pp, GroupKind::Pp),
+            (Group::Dp, GroupKind::Dp),
+            (Group::Ep, GroupKind::Ep),
+            (Group::Edp, GroupKind::Edp),
+        ];
+        for g in [2, 4, 8] {
+            for (group, kind) in kinds {
+                let mut want = Span {
+                    size: group.size(dims),
+                    nodes: 1,
+                    per_node: group.size(dims),
+                };
+                for ranks in dims.groups(kind) {
+                    let mut nodes: Vec<usize> = ranks.iter().map(|r| r / g).collect();
+                    nodes.dedup();
+                    want.nodes = want.nodes.max(nodes.len());
+                    if nodes.len() > 1 {
+                        let fewest = nodes
+                            .iter()
+                            .map(|n| ranks.iter().filter(|r| *r / g == *n).count())
+                            .min()
+                            .unwrap();
+                        want.per_node = want.per_node.min(fewest);
+                    }
+                }
+                assert_eq!(span(dims, group, g), want, "{group:?} on nodes of {g}");
+            }
+        }
     }
 
     /// Inside a node the intra link; across, the inter link's α and k NIC shares, capped by the

@@ -328,10 +328,19 @@ pub fn run(
     args: &PlanArgs,
     check: &search::PlanCheck,
 ) -> anyhow::Result<()> {
+    if let Some(ms) = args.forward_ms {
+        crate::validate::positive("--forward-ms", ms).map_err(anyhow::Error::msg)?;
+    }
     if args.search {
         let machine = args.cluster.machine(layout.world_size)?;
+        if machine.gpus > search::MAX_GPUS {
+            anyhow::bail!("--search ranks layouts of up to {} GPUs, not {}", search::MAX_GPUS, machine.gpus);
+        }
         let batch = cfg.batch_size * cfg.grad_accum * plan.dims.dp;
         let global = args.global_batch.unwrap_or(batch);
+        if global == 0 || global > crate::validate::MAX_COUNT {
+            anyhow::bail!("--global-batch {global} must be between 1 and {}", crate::validate::MAX_COUNT);
+        }
         let model = cfg.gpt_config()?;
         println!(
             "model: {} layers, width {}, {} heads, context {}; {:.2}B parameters; global batch {global} sequences of {} tokens",

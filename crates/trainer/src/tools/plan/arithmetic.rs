@@ -100,8 +100,9 @@ pub fn run(args: &CollectiveArgs, cluster: &ClusterArgs) -> anyhow::Result<Strin
         .bytes
         .ok_or_else(|| anyhow::anyhow!("--collective needs --bytes SIZE (e.g. 128M)"))?;
     let n = args.ranks.unwrap_or(8);
-    if n == 0 {
-        anyhow::bail!("--ranks must be at least 1");
+    let max = crate::launch::MAX_WORLD;
+    if n == 0 || n > max {
+        anyhow::bail!("--ranks {n} must be between 1 and the largest supported world of {max}");
     }
     let machine = cluster.machine(n.max(cluster.gpus.unwrap_or(n)))?;
     let op = kind.op();

@@ -125,6 +125,8 @@ pub struct Machine {
     pub inter: LinkSpec,
     /// Fraction of the peak the matrix multiplies reach.
     pub mfu: f64,
+    /// Spans worked out so far (one pass over the ranks each).
+    spans: std::cell::RefCell<std::collections::HashMap<(MeshDims, Group), Span>>,
 }
 
 impl ClusterArgs {
@@ -136,6 +138,10 @@ impl ClusterArgs {
     /// The machine these flags describe for a job of `world` ranks (`--gpus`, else the layout's).
     pub fn machine(&self, world: usize) -> anyhow::Result<Machine> {
         let gpus = self.gpus.unwrap_or(world);
+        let max = crate::launch::MAX_WORLD;
+        if gpus > max {
+            anyhow::bail!("--gpus {gpus} is above the largest supported world of {max} processes");
+        }
         let per_node = self.gpus_per_node.unwrap_or(gpus.min(8));
         if per_node == 0 || gpus == 0 || !gpus.is_multiple_of(per_node) {
             anyhow::bail!(
@@ -187,6 +193,7 @@ impl ClusterArgs {
             anyhow::bail!("--mfu {mfu} must be in (0, 1]: a fraction of the GPU's peak");
         }
         Ok(Machine {
+            spans: Default::default(),
             gpu,
             gpus,
             gpus_per_node: per_node,
@@ -210,7 +217,11 @@ pub const GROUPS: [Group; 6] = [
 impl Machine {
     /// How the groups of `group` lie on this machine's nodes.
     pub fn span(&self, dims: MeshDims, group: Group) -> Span {
-        span(dims, group, self.gpus_per_node)
+        *self
+            .spans
+            .borrow_mut()
+            .entry((dims, group))
+            .or_insert_with(|| span(dims, group, self.gpus_per_node))
     }
 
     /// The α-β of `op` over `n` ranks of a group of `group` under `dims`: the link it spans.

@@ -35,6 +35,9 @@ use crate::config::{ParallelConfig, Schedule, TrainConfig};
 /// (`mtrain_trainer::resolve::check_plan`, given by the caller).
 pub type PlanCheck = dyn Fn(&TrainConfig, ParallelPlan) -> Result<ValidPlan, PlanError>;
 
+/// Most GPUs `--search` enumerates layouts for.
+pub const MAX_GPUS: usize = 1 << 16;
+
 /// Fraction of a GPU's memory a layout may plan to use.
 pub const USABLE: f64 = 0.95;
 
