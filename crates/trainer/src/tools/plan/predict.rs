@@ -14,7 +14,9 @@
 //!
 //! The overlappable collectives are the ones the runtime issues beside compute
 //! ([`Collective::overlappable`]: DDP buckets, ZeRO's prefetched gathers and reduce-scatters):
-//! DDP and ZeRO-1/2 hide behind the backward, ZeRO-3's gathers behind forward and backward.
+//! DDP's buckets and ZeRO-1's reduction hide behind the last micro-batch's backward (the only
+//! one that synchronises), ZeRO-2's reduce-scatters behind every backward, ZeRO-3's gathers
+//! behind every forward and backward.
 //! FLOPs per token are [`mtrain_model::GptConfig::flops_per_token`] (6N + 12·L·C·T, MoE: the
 //! active parameters), split evenly over the stages; per rank, `f` is the same on every stage
 //! (the embedding's and head's extra work is left out).
@@ -105,8 +107,18 @@ pub fn predict(
             _ => DType::BF16,
         },
     };
-    let zero3 = matches!(plan.data, DataParallelKind::Zero(z) if z.stage as u8 == 3);
-    let window = ga as f64 * m as f64 * if zero3 { f + b } else { b };
+    // What the overlappable collectives hide behind: DDP's buckets and ZeRO-1's reduction run in
+    // the backward of the step's last micro-batch; ZeRO-2 reduce-scatters in every backward;
+    // ZeRO-3 also gathers in every forward.
+    let stage = match plan.data {
+        DataParallelKind::Zero(z) => z.stage as u8,
+        _ => 0,
+    };
+    let window = match stage {
+        0 | 1 => b,
+        2 => ga as f64 * m as f64 * b,
+        _ => ga as f64 * m as f64 * (f + b),
+    };
     // Per stage: pass costs with their in-pass comm, the step-phase comm, the overlappable pool,
     // and each group's total, in-pass and pool seconds.
     // One walk per stage shape: the ranks of the same shape issue the same collectives.

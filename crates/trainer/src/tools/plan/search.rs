@@ -96,7 +96,8 @@ impl Found {
 }
 
 /// The layouts of `cfg`'s model on `machine` for `global_batch` sequences that fit, fastest
-/// first, and how many were tried (plans checked).
+/// first, and how many were considered (those past a micro-batch that did not fit are not
+/// built: memory grows with the micro-batch, and checkpointing only lowers it).
 pub fn search(
     cfg: &TrainConfig,
     machine: &Machine,
@@ -135,16 +136,24 @@ pub fn search(
                     if state > memory {
                         continue;
                     }
-                    for ac in [false, true] {
-                        for mb in [1, 2, 4]
-                            .into_iter()
-                            .filter(|b| per_rank.is_multiple_of(*b))
-                        {
-                            let schedules: &[Schedule] = match pp {
-                                1 => &[Schedule::OneFOneB],
-                                _ => &[Schedule::OneFOneB, Schedule::Interleaved, Schedule::ZbH1],
-                            };
-                            for &schedule in schedules {
+                    let schedules: &[Schedule] = match pp {
+                        1 => &[Schedule::OneFOneB],
+                        _ => &[Schedule::OneFOneB, Schedule::Interleaved, Schedule::ZbH1],
+                    };
+                    for &schedule in schedules {
+                        // Memory grows with the micro-batch and checkpointing lowers it: past
+                        // the first micro-batch that does not fit with checkpointing, nothing
+                        // larger fits, with or without it.
+                        let mut too_big_from = usize::MAX;
+                        for ac in [true, false] {
+                            let mbs = [1, 2, 4]
+                                .into_iter()
+                                .filter(|b| per_rank.is_multiple_of(*b));
+                            for mb in mbs {
+                                tried += 1;
+                                if mb >= too_big_from {
+                                    break;
+                                }
                                 let mut c = cfg.clone();
                                 c.activation_checkpointing = ac;
                                 (c.batch_size, c.grad_accum) = match pp {
@@ -161,9 +170,15 @@ pub fn search(
                                     microbatches: (pp > 1).then_some(per_rank / mb),
                                     ..ParallelConfig::default()
                                 };
-                                tried += 1;
-                                if let Some(f) = evaluate(&c, machine, memory, check)? {
-                                    found.push(f);
+                                match evaluate(&c, machine, memory, check)? {
+                                    Outcome::Fits(f) => found.push(*f),
+                                    Outcome::Invalid => {}
+                                    Outcome::TooBig => {
+                                        if ac {
+                                            too_big_from = mb;
+                                        }
+                                        break;
+                                    }
                                 }
                             }
                         }
@@ -176,34 +191,43 @@ pub fn search(
     Ok((found, tried))
 }
 
+/// What one candidate of the search came to.
+enum Outcome {
+    /// The plan's check refused it (a degree that does not divide, too few micro-batches, ...).
+    Invalid,
+    /// A pipeline rank's peak is above the memory.
+    TooBig,
+    Fits(Box<Found>),
+}
+
 /// `c`'s layout if its plan is valid and every pipeline rank's peak fits in `memory` bytes.
 fn evaluate(
     c: &TrainConfig,
     machine: &Machine,
     memory: f64,
     check: &PlanCheck,
-) -> anyhow::Result<Option<Found>> {
+) -> anyhow::Result<Outcome> {
     let p = &c.parallel;
     let dims = MeshDims::new(p.dp.unwrap_or(1), p.pp, p.tp, p.ep);
     let Ok(mut plan) = p.plan(dims, c.activation_checkpointing, c.precision()) else {
-        return Ok(None);
+        return Ok(Outcome::Invalid);
     };
     plan.backward = c.backward();
     if dims.world_size() != machine.gpus {
-        return Ok(None);
+        return Ok(Outcome::Invalid);
     }
     let Ok(plan) = check(c, plan) else {
-        return Ok(None);
+        return Ok(Outcome::Invalid);
     };
     let Ok(reps) = super::stage_representatives(c, &plan) else {
-        return Ok(None);
+        return Ok(Outcome::Invalid);
     };
     let mut distinct = reps.clone();
     distinct.dedup();
     distinct.sort_unstable();
     distinct.dedup();
     let Ok(ranks) = super::rank_memory_of(c, &plan, distinct) else {
-        return Ok(None);
+        return Ok(Outcome::Invalid);
     };
     let peak = ranks
         .iter()
@@ -211,10 +235,10 @@ fn evaluate(
         .max()
         .unwrap_or(0);
     if peak as f64 > memory {
-        return Ok(None);
+        return Ok(Outcome::TooBig);
     }
     let prediction = predict(c, &plan, machine, None)?;
-    Ok(Some(Found {
+    Ok(Outcome::Fits(Box::new(Found {
         cfg: c.clone(),
         dims,
         peak_bytes: peak,
@@ -222,7 +246,7 @@ fn evaluate(
         tp_crosses: machine
             .span(dims, mtrain_parallel::analysis::comm_cost::Group::Tp)
             .crosses(),
-    }))
+    })))
 }
 
 /// The ranked table: the `top` fastest layouts, the fastest one that puts tp across nodes
@@ -235,7 +259,7 @@ pub fn render(
     config: &str,
 ) -> String {
     let mut s = format!(
-        "search: {tried} layouts checked, {} fit in {:.0} GB x {:.0}% per GPU; fastest first:\n",
+        "search: {tried} layouts considered, {} fit in {:.0} GB x {:.0}% per GPU; fastest first:\n",
         found.len(),
         machine.gpu.memory_bytes as f64 / 1e9,
         USABLE * 100.0
