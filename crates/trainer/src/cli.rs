@@ -6,6 +6,7 @@
 //! mtrain [LAYOUT] [STRATEGY] [TRAIN OPTIONS]        train (the default command)
 //! mtrain [LAYOUT] bench-comm [-b 8 -e 256M -f 2 --op all-reduce ...]
 //! mtrain plan [LAYOUT] [--config FILE]              print the rank grid, launch nothing
+//! mtrain plan --gpus 64 --gpus-per-node 8 [--search] the same on a cluster; rank the layouts
 //! mtrain parity --config X --vs "--tp 2 --pp 2"     one rank vs a layout, same global batch
 //! mtrain plot RUN_DIR                               loss, memory and pipeline charts (SVG)
 //! mtrain prepare | sample | export --hf OUT ...     single-process tools
