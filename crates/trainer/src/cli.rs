@@ -6,6 +6,7 @@
 //! mtrain [LAYOUT] [STRATEGY] [TRAIN OPTIONS]        train (the default command)
 //! mtrain [LAYOUT] bench-comm [-b 8 -e 256M -f 2 --op all-reduce ...]
 //! mtrain plan [LAYOUT] [--config FILE]              print the rank grid, launch nothing
+//! mtrain plan --gpus 64 --gpus-per-node 8 [--search] the same on a cluster; rank the layouts
 //! mtrain parity --config X --vs "--tp 2 --pp 2"     one rank vs a layout, same global batch
 //! mtrain plot RUN_DIR                               loss, memory and pipeline charts (SVG)
 //! mtrain prepare | sample | export --hf OUT ...     single-process tools
@@ -105,6 +106,38 @@ impl Cli {
             Some(Command::Plan(p)) => self.strategy.merge(&p.strategy),
             _ => Ok(self.strategy.clone()),
         }
+    }
+
+    /// This command line with `plan --gpus N --gpus-per-node G` as the launch's `--nnodes N/G
+    /// --nproc-per-node G` (a port for the rendezvous line when none is given), so the layout
+    /// resolves on that world.
+    pub fn with_cluster_world(&self) -> anyhow::Result<Cli> {
+        let mut cli = self.clone();
+        let Some(Command::Plan(p)) = &mut cli.command else {
+            return Ok(cli);
+        };
+        let Some(gpus) = p.args.cluster.gpus else {
+            return Ok(cli);
+        };
+        let per_node = p.args.cluster.gpus_per_node.unwrap_or(gpus.min(8));
+        if per_node == 0 || !gpus.is_multiple_of(per_node) {
+            anyhow::bail!("--gpus {gpus} must be a positive multiple of --gpus-per-node {per_node} (whole nodes)");
+        }
+        let nodes = gpus / per_node;
+        for (flag, given, want) in [
+            ("--nnodes", cli.layout.nnodes.or(p.layout.nnodes), nodes),
+            ("--nproc-per-node", cli.layout.nproc_per_node.or(p.layout.nproc_per_node), per_node),
+        ] {
+            if given.is_some_and(|g| g != want) {
+                anyhow::bail!("{flag} {} contradicts --gpus {gpus} --gpus-per-node {per_node} ({flag} {want}); give one or the other", given.unwrap_or(0));
+            }
+        }
+        p.layout.nnodes = Some(nodes);
+        p.layout.nproc_per_node = Some(per_node);
+        if nodes > 1 && cli.layout.master_port.or(p.layout.master_port).is_none() {
+            p.layout.master_port = Some(29500);
+        }
+        Ok(cli)
     }
 }
 

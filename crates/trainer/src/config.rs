@@ -393,8 +393,9 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// The numbers no other check covers: finite floats, counts in range, a model and a
-    /// micro-batch that fit in this machine's memory ([`crate::validate`]).
+    /// The numbers no other check covers: finite floats, counts and the model's dimensions in
+    /// range ([`crate::validate`]). Whether the run fits this machine is [`Self::check_fits_host`],
+    /// asked only by the commands that allocate.
     fn validate_numbers(&self, model: &GptConfig) -> Result<(), String> {
         use crate::validate::{self, MAX_COUNT};
         validate::positive("eps", self.eps)?;
@@ -402,11 +403,22 @@ impl TrainConfig {
         validate::non_negative("grad_clip", self.grad_clip)?;
         validate::at_most("grad_accum", self.grad_accum, MAX_COUNT)?;
         validate::at_most("eval_iters", self.eval_iters, MAX_COUNT)?;
+        validate::at_most("batch_size", self.batch_size, MAX_COUNT)?;
+        validate::model_shape(model)
+    }
+
+    /// A run that builds the model: its fp32 weights and a micro-batch's logits must fit in this
+    /// machine's memory ([`crate::validate::model_size`], [`crate::validate::micro_batch`]).
+    /// `mtrain plan` builds nothing and does not ask.
+    pub fn check_fits_host(&self) -> Result<(), ConfigError> {
+        use crate::validate;
+        let model = self.gpt_config()?;
         let memory = validate::host_memory_bytes();
-        validate::model_size(model, memory)?;
+        validate::model_size(&model, memory).map_err(ConfigError::Invalid)?;
         // On a GPU the logits live in device memory, which is only known once the device is open.
         let host = (self.device == DeviceKind::Cpu).then_some(memory).flatten();
         validate::micro_batch(self.batch_size, self.seq_len, model.vocab_size, host)
+            .map_err(ConfigError::Invalid)
     }
 
     /// Parse a whole config file's text (`[model]`, `[train]` and `[parallel]` tables) on top of

@@ -135,8 +135,15 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
     let launched_world = env.as_ref().map(|e| e.world_size);
     match &cli.command {
         Some(Command::Plan(plan)) => {
+            if plan.args.collective.collective.is_some() {
+                let (one, cluster) = (&plan.args.collective, &plan.args.cluster);
+                print!("{}", plan::arithmetic::run(one, cluster)?);
+                return Ok(());
+            }
+            let cli = cli.with_cluster_world()?;
             let Resolved { layout, run } = resolve(&cli, None)?;
-            plan::run(run.cfg(), &layout, &run.plan, &plan.args)
+            let check = &mtrain_trainer::resolve::check_plan;
+            plan::run(run.cfg(), &layout, &run.plan, &plan.args, check)
         }
         Some(Command::Prepare(args)) => {
             let summary = prepare::prepare(args)?;

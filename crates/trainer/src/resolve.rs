@@ -52,6 +52,7 @@ impl RunOptions {
     /// world is the mesh's check.)
     pub fn of_plan(cfg: &TrainConfig, mut plan: ParallelPlan) -> anyhow::Result<Self> {
         cfg.validate()?;
+        cfg.check_fits_host()?;
         plan.precision = cfg.precision();
         let world = plan.dims.world_size();
         let plan = check(cfg, plan, world).context("the layout does not fit the model")?;
@@ -86,6 +87,11 @@ pub fn resolve(cli: &Cli, launched_world: Option<usize>) -> anyhow::Result<Resol
     let cfg = cli
         .config_from(train)
         .context("resolving the training configuration")?;
+    if !matches!(cli.command, Some(Command::Plan(_))) {
+        // Training builds the model: refuse what this machine cannot hold. `plan` builds nothing.
+        cfg.check_fits_host()
+            .context("resolving the training configuration")?;
+    }
     let layout_args = cli.command_layout()?;
     layout_args.check_device(cfg.device)?;
     let layout = layout_args.resolve(&cfg.parallel, launched_world)?;
@@ -105,6 +111,13 @@ pub fn resolve(cli: &Cli, launched_world: Option<usize>) -> anyhow::Result<Resol
         trace: layout.trace,
     };
     Ok(Resolved { layout, run })
+}
+
+/// A plan built in code to be priced, not run (`mtrain plan --search`): the launch's check
+/// ([`check`]) on the plan's own world, without this machine's memory.
+pub fn check_plan(cfg: &TrainConfig, plan: ParallelPlan) -> Result<ValidPlan, PlanError> {
+    let world = plan.dims.world_size();
+    check(cfg, plan, world)
 }
 
 /// The plan's one check: `plan` against `cfg`'s model, `world` ranks and the global batch of one

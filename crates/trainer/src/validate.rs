@@ -4,9 +4,11 @@
 //! A refused number is reported with the option's name and the bound it broke, e.g.
 //! `eps inf must be a finite number > 0` or `model.vocab_size 100000000000 is above the largest
 //! supported 16777216`. Sizes are bounded twice: each dimension by a fixed limit that keeps the
-//! size arithmetic (parameter counts, byte counts) from overflowing, and the bytes they add up to
-//! by this machine's memory, so a model too large to allocate is refused with its size instead of
-//! ending in an allocation failure.
+//! size arithmetic (parameter counts, byte counts) from overflowing ([`model_shape`], checked for
+//! every command), and, for a run that allocates, the bytes they add up to by this machine's
+//! memory ([`model_size`], [`micro_batch`]), so a model too large to allocate is refused with its
+//! size instead of ending in an allocation failure. `mtrain plan` allocates nothing and takes a
+//! model of any size within the first bounds.
 
 use mtrain_model::GptConfig;
 
@@ -67,9 +69,8 @@ pub fn fits_in_memory(what: &str, bytes: u128, memory: Option<u64>) -> Result<()
     }
 }
 
-/// Refuse a model whose dimensions are out of range or whose fp32 weights (4 bytes per
-/// parameter, drawn in full on every rank at start) do not fit in this machine's memory.
-pub fn model_size(model: &GptConfig, memory: Option<u64>) -> Result<(), String> {
+/// Refuse a model whose dimensions are out of range (the bounds above).
+pub fn model_shape(model: &GptConfig) -> Result<(), String> {
     let field = |name: &str| format!("model.{name}");
     at_most(&field("vocab_size"), model.vocab_size, MAX_COUNT)?;
     at_most(&field("block_size"), model.block_size, MAX_COUNT)?;
@@ -79,6 +80,14 @@ pub fn model_size(model: &GptConfig, memory: Option<u64>) -> Result<(), String> 
     if let Some(moe) = &model.moe {
         at_most(&field("moe.n_experts"), moe.n_experts, MAX_DEPTH)?;
     }
+    Ok(())
+}
+
+/// Refuse a model whose dimensions are out of range ([`model_shape`]) or whose fp32 weights (4
+/// bytes per parameter, drawn in full on every rank at start) do not fit in this machine's
+/// memory.
+pub fn model_size(model: &GptConfig, memory: Option<u64>) -> Result<(), String> {
+    model_shape(model)?;
     // Within these bounds the parameter count stays below 2^62: no overflow.
     let n = model.n_params() as u128;
     fits_in_memory(
@@ -160,6 +169,16 @@ mod tests {
             e,
             "model.vocab_size 100000000000 is above the largest supported 16777216"
         );
+        // The shape alone, as `mtrain plan` checks it: any size within the bounds.
+        let big = GptConfig {
+            n_layer: 80,
+            n_head: 64,
+            n_embd: 8192,
+            ..GptConfig::gpt2_124m()
+        };
+        assert!(model_shape(&big).is_ok());
+        assert!(model_size(&big, gib).unwrap_err().contains("fp32 weights"));
+        assert_eq!(model_shape(&huge).unwrap_err(), e);
         let e = micro_batch(1 << 20, 1 << 10, 1 << 16, gib).unwrap_err();
         assert!(e.contains("logits") && e.contains("1.0 GiB"), "{e}");
     }

@@ -10,8 +10,24 @@
 //! model the configuration describes, the layers per stage, each pipeline rank's analytic
 //! memory ([`rank_memory`]: the same model and the same numbers as the analytic column of the
 //! `--mem-report` table), and the communication estimate.
-//! Nothing is launched and no network is touched, so it answers "which ranks talk to which" on
-//! a laptop for a 1000-GPU job.
+//! Nothing is launched, no network is touched and the model is never built (any size plans on
+//! any machine), so it answers "which ranks talk to which" on a laptop for a 1000-GPU job.
+//!
+//! ```text
+//! mtrain plan --config configs/gpt-70b.toml --gpus 64 --gpus-per-node 8 --gpu h100-sxm --tp 8 --pp 4
+//! mtrain plan --config configs/gpt-70b.toml --gpus 64 --gpus-per-node 8 --search --global-batch 1024
+//! mtrain plan --collective all-reduce --bytes 128M --ranks 8 --intra nvlink4
+//! ```
+//!
+//! With a cluster ([`machine`]: `--gpus`, `--gpu`, `--intra`, `--inter`) each group is priced on
+//! the link it spans, the 16-bytes-per-parameter arithmetic and each rank's peak are set against
+//! the GPU's memory, and the step time is predicted ([`predict`]); `--search` ranks every layout
+//! that fits ([`search`]); `--collective` prices one collective on a link ([`arithmetic`]).
+
+pub mod arithmetic;
+pub mod machine;
+pub mod predict;
+pub mod search;
 
 use clap::Args;
 use mtrain_comm::mesh::MeshDims;
@@ -40,6 +56,32 @@ pub struct PlanArgs {
     /// Put the predicted traffic and time next to what a `--trace` run recorded in RUN_DIR.
     #[arg(long, value_name = "RUN_DIR")]
     pub compare: Option<std::path::PathBuf>,
+
+    #[command(flatten)]
+    pub cluster: machine::ClusterArgs,
+
+    /// Rank every layout that fits the cluster's memory by predicted step time (the layout
+    /// flags given are not used).
+    #[arg(long)]
+    pub search: bool,
+
+    /// Sequences per optimizer step for --search (default: batch_size · grad_accum · dp of the
+    /// resolved layout).
+    #[arg(long, value_name = "SEQUENCES")]
+    pub global_batch: Option<usize>,
+
+    /// Layouts --search lists (default 10).
+    #[arg(long, value_name = "N", default_value_t = 10)]
+    pub top: usize,
+
+    /// A one-rank run's forward of one micro-batch of the whole model, measured (ms): the
+    /// prediction's compute instead of FLOPs at --mfu, split evenly over tp · pp (backward 2x,
+    /// 3x with checkpointing).
+    #[arg(long, value_name = "MS")]
+    pub forward_ms: Option<f64>,
+
+    #[command(flatten)]
+    pub collective: arithmetic::CollectiveArgs,
 }
 
 /// The plan as text: the launch, the mesh, the model and the batch.
@@ -197,9 +239,40 @@ pub struct RankMemory {
 /// Each pipeline rank's analytic memory under `plan` for the run `cfg`: the report's model, fed
 /// from the plan instead of from a built model.
 pub fn rank_memory(cfg: &TrainConfig, plan: &ParallelPlan) -> anyhow::Result<Vec<RankMemory>> {
+    rank_memory_of(cfg, plan, 0..plan.dims.pp.max(1))
+}
+
+/// For each pipeline rank, the first rank that runs stages of the same shape (as many blocks in
+/// each of its chunks, the embedding and the head alike): its collectives are the same, and
+/// as the first it holds the most activation sets in flight (GPipe, 1F1B, interleaved and
+/// ZB-H1 hold fewer the later the rank), so it stands for the others in a peak and a step.
+pub fn stage_representatives(cfg: &TrainConfig, plan: &ParallelPlan) -> anyhow::Result<Vec<usize>> {
+    let model = cfg.gpt_config()?;
+    let pp = plan.dims.pp.max(1);
+    let layout = plan.stage_layout(model.n_layer)?;
+    let last = layout.num_stages() - 1;
+    let shape = |r: usize| -> Vec<(usize, bool, bool)> {
+        (0..layout.num_stages())
+            .filter(|&s| layout.rank_of_stage(s, pp) == r)
+            .map(|s| (layout.blocks(s).len(), s == 0, s == last))
+            .collect()
+    };
+    let shapes: Vec<_> = (0..pp).map(shape).collect();
+    Ok((0..pp)
+        .map(|r| (0..=r).find(|&q| shapes[q] == shapes[r]).unwrap_or(r))
+        .collect())
+}
+
+/// [`rank_memory`] of the pipeline ranks `pp_ranks` only.
+pub fn rank_memory_of(
+    cfg: &TrainConfig,
+    plan: &ParallelPlan,
+    pp_ranks: impl IntoIterator<Item = usize>,
+) -> anyhow::Result<Vec<RankMemory>> {
     let model = cfg.gpt_config()?;
     let path = BackwardPath::of(cfg.backward(), cfg.device == DeviceKind::Cuda);
-    (0..plan.dims.pp.max(1))
+    pp_ranks
+        .into_iter()
         .map(|pp_rank| {
             let n = rank_params(&model, plan, pp_rank)?;
             let state = ModelStateLayout::for_plan(n, plan);
@@ -253,7 +326,38 @@ pub fn run(
     layout: &Layout,
     plan: &ValidPlan,
     args: &PlanArgs,
+    check: &search::PlanCheck,
 ) -> anyhow::Result<()> {
+    if let Some(ms) = args.forward_ms {
+        crate::validate::positive("--forward-ms", ms).map_err(anyhow::Error::msg)?;
+    }
+    if args.search {
+        let machine = args.cluster.machine(layout.world_size)?;
+        if machine.gpus > search::MAX_GPUS {
+            anyhow::bail!("--search ranks layouts of up to {} GPUs, not {}", search::MAX_GPUS, machine.gpus);
+        }
+        let batch = cfg.batch_size * cfg.grad_accum * plan.dims.dp;
+        let global = args.global_batch.unwrap_or(batch);
+        if global == 0 || global > crate::validate::MAX_COUNT {
+            anyhow::bail!("--global-batch {global} must be between 1 and {}", crate::validate::MAX_COUNT);
+        }
+        let model = cfg.gpt_config()?;
+        println!(
+            "model: {} layers, width {}, {} heads, context {}; {:.2}B parameters; global batch {global} sequences of {} tokens",
+            model.n_layer,
+            model.n_embd,
+            model.n_head,
+            model.block_size,
+            model.n_params() as f64 / 1e9,
+            cfg.seq_len
+        );
+        print!("{}", machine.render(plan.dims, 0).lines().take(3).map(|l| format!("{l}\n")).collect::<String>());
+        print!("{}", arithmetic::render_model_state(model.n_params() as u64, machine.gpu.memory_bytes));
+        let (found, tried) = search::search(cfg, &machine, global, check)?;
+        let config = args.train.config.as_ref().map_or("FILE".into(), |p| p.display().to_string());
+        print!("{}", search::render(&found, tried, args.top, &machine, &config));
+        return Ok(());
+    }
     print!("{}", render(cfg, layout)?);
     print!(
         "{}",
@@ -265,10 +369,67 @@ pub fn run(
         print!("{}", render_schedule_at(kind, pp, m, fbw)?);
         print!("{}", render_cost_aware(plan)?.unwrap_or_default());
     }
-    print!("{}", render_memory(plan, &rank_memory(cfg, plan)?));
-    let (ab, cmp) = (args.alpha_beta.as_deref(), args.compare.as_deref());
-    print!("{}", crate::tools::cost::plan_report(cfg, plan, ab, cmp)?);
+    let ranks = rank_memory(cfg, plan)?;
+    print!("{}", render_memory(plan, &ranks));
+    if !args.cluster.given() {
+        let (ab, cmp) = (args.alpha_beta.as_deref(), args.compare.as_deref());
+        print!("{}", crate::tools::cost::plan_report(cfg, plan, ab, cmp)?);
+        return Ok(());
+    }
+    let machine = args.cluster.machine(layout.world_size)?;
+    print!("{}", render_cluster(cfg, plan, &machine, &ranks, args.forward_ms)?);
     Ok(())
+}
+
+/// What a cluster adds to `plan`: the links each group spans (a tp group across nodes warned
+/// about), the model-state arithmetic, each pipeline rank's peak against the GPU's memory, the
+/// step's collectives priced on their links, and the predicted step.
+pub fn render_cluster(
+    cfg: &TrainConfig,
+    plan: &ValidPlan,
+    machine: &machine::Machine,
+    ranks: &[RankMemory],
+    forward_ms: Option<f64>,
+) -> anyhow::Result<String> {
+    use mtrain_parallel::analysis::comm_cost::{render, step_collectives, StepShape};
+    let model = cfg.gpt_config()?;
+    let dims = plan.dims;
+    let mb = cfg.batch_size / plan.microbatches.max(1);
+    let act = cfg.dtype.candle().size_in_bytes();
+    let block_out = (mb * cfg.seq_len * model.n_embd * act) as u64;
+    let mut s = machine.render(dims, block_out);
+    let card = machine.gpu.memory_bytes;
+    s.push_str(&arithmetic::render_model_state(model.n_params() as u64, card));
+    for r in ranks {
+        let a = &r.analytic;
+        let peak = a.params + a.optim + a.peak;
+        s.push_str(&format!(
+            "pp rank {}: peak {:.1} GB of {:.0} GB{}\n",
+            r.pp_rank,
+            peak as f64 / 1e9,
+            card as f64 / 1e9,
+            if peak as f64 > card as f64 * search::USABLE { " — does not fit" } else { "" }
+        ));
+    }
+    let shape = StepShape {
+        batch: cfg.batch_size * dims.dp,
+        seq_len: cfg.seq_len,
+        dtype: match cfg.dtype {
+            crate::config::DTypeKind::F32 => candle_core::DType::F32,
+            _ => candle_core::DType::BF16,
+        },
+    };
+    s.push_str("communication of one micro-step that ends an optimizer step, each group on the link it spans:\n");
+    let price = |g, op, n| machine.model(dims, g, op, n);
+    for p in 0..dims.pp {
+        let rank = dims.rank_of(0, p, 0);
+        let items = step_collectives(&model, plan, shape, rank)?;
+        s.push_str(&format!("rank {rank} (pp stage {p}, dp 0, tp 0):\n"));
+        s.push_str(&render(&items, dims, &price));
+    }
+    let p = predict::predict(cfg, plan, machine, forward_ms.map(|ms| ms / 1e3))?;
+    s.push_str(&predict::render(&p));
+    Ok(s)
 }
 
 #[cfg(test)]
