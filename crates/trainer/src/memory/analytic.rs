@@ -190,8 +190,9 @@ pub fn rank_params(
 /// does not hold, so each read adds only its own piece:
 ///
 /// ```text
-///   each piece of the holdings table (not at ZeRO-3)   fp32 values, then the parameter's copy:
-///                                                       4 + w bytes an element, w kept
+///   each piece of the holdings table (not at ZeRO-3)   fp32: the values read are the parameter
+///                                                       (4 an element); else fp32 values, then
+///                                                       the cast's copy: 4 + w, w kept
 ///   ZeRO: each unit's shard, in segment order           4 + w, w kept (the optimizer's piece)
 ///   mixed precision: the fp32 masters                   all read (4 an element), then each
 ///                                                       copied (4 for the largest in flight)
@@ -211,7 +212,8 @@ pub fn startup_bytes(table: &Holdings, plan: &ParallelPlan) -> u64 {
     };
     let pieces: Vec<u64> = table.unique().iter().map(|h| h.numel() as u64).collect();
     if stage != 3 {
-        pieces.iter().for_each(|&n| read(n, 4 + w, w));
+        let in_flight = if w == 4 { 4 } else { 4 + w };
+        pieces.iter().for_each(|&n| read(n, in_flight, w));
     }
     let shards = match stage {
         0 => Vec::new(),
