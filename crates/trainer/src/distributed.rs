@@ -40,6 +40,7 @@ use anyhow::Context;
 use candle_core::{Device, Tensor};
 use mtrain_comm::DeviceMesh;
 use mtrain_model::init::param_specs;
+use mtrain_model::source::ParamSource;
 use mtrain_model::optim::{AdamW, AdamWConfig, AdamWState, GradScale};
 use mtrain_model::{GptConfig, MoeStats};
 use mtrain_parallel::ddp::ModelStateBytes;
@@ -199,12 +200,12 @@ pub struct Distributed {
 }
 
 impl Distributed {
-    /// Builds this rank's part from the full `weights` (the same on every rank). A collective
-    /// over every group of `mesh`. Clipping is the loop's: it passes the coefficient to
+    /// Builds this rank's part, reading only its pieces from `weights` (a source of the same
+    /// values on every rank). A collective over every group of `mesh`. Clipping is the loop's: it passes the coefficient to
     /// [`Distributed::optimizer_step`].
     pub fn new(
         cfg: &GptConfig,
-        weights: &BTreeMap<String, Tensor>,
+        weights: &dyn ParamSource,
         plan: &ValidPlan,
         mesh: &DeviceMesh,
         device: &Device,
