@@ -541,8 +541,12 @@ fn add_weight_grads(
     grads: &mut Grads,
     hooks: &mut dyn Hooks,
 ) -> Result<()> {
+    let fresh = weights.fresh();
     for (name, t) in weights.finish()? {
-        grads.accumulate(&name, t)?;
+        match fresh {
+            true => grads.accumulate_fresh(&name, t)?,
+            false => grads.accumulate(&name, t)?,
+        }
     }
     hooks.post_backward(i, seg, grads)
 }
@@ -624,7 +628,7 @@ fn segment_backward(
         objective = (objective + a)?;
     }
     let mut store = objective.backward()?;
-    let mut weights = WeightGrads::now();
+    let mut weights = WeightGrads::from_autograd();
     for (name, t) in &params {
         let g = match store.remove(t) {
             Some(g) => g,

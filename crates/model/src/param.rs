@@ -15,7 +15,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 
-use candle_core::{Result, Shape, Tensor, Var};
+use candle_core::{CpuStorage, InplaceOp2, Layout, Result, Shape, Tensor, Var};
 
 /// A named trainable tensor in a shared, swappable slot.
 #[derive(Clone)]
@@ -119,6 +119,21 @@ impl Grads {
         Ok(())
     }
 
+    /// [`Grads::accumulate`] for a gradient nothing else reads (a tape's fresh result): on the
+    /// CPU, when it owns its whole f32 buffer, it takes the stored gradient's values in place
+    /// (`grad += stored`, the same bits as `stored + grad`), so two copies are alive at the sum
+    /// rather than three (the tied `wte`: the head's gradient, the embedding's and their sum
+    /// would be three tables of V × C). A clone of `grad` kept elsewhere would see the sum.
+    pub fn accumulate_fresh(&mut self, name: &str, grad: Tensor) -> Result<()> {
+        match self.map.get_mut(name) {
+            Some(g) if g.shape() == grad.shape() && grad.inplace_op2(g, &AddInPlace).is_ok() => {
+                *g = grad.detach()
+            }
+            _ => self.accumulate(name, grad)?,
+        }
+        Ok(())
+    }
+
     /// The gradient stored under `name`.
     pub fn get(&self, name: &str) -> Option<&Tensor> {
         self.map.get(name)
@@ -163,5 +178,60 @@ impl Grads {
     /// one read-back for all of them ([`mtrain_kernels::reduce::sq_sum_f64_all`]).
     pub fn sq_norm(&self) -> Result<f64> {
         mtrain_kernels::reduce::sq_sum_f64_all(self.map.values())
+    }
+}
+
+/// `dst += src` on CPU f32 tensors, where `dst` is a contiguous tensor owning its whole buffer
+/// (a fresh gradient, no view of a larger one) and `src` is contiguous; refused otherwise, and on
+/// other devices, so the caller adds out of place.
+struct AddInPlace;
+
+impl InplaceOp2 for AddInPlace {
+    fn name(&self) -> &'static str {
+        "gradient add in place"
+    }
+
+    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<()> {
+        let (CpuStorage::F32(dst), CpuStorage::F32(src)) = (s1, s2) else {
+            candle_core::bail!("gradient add in place: f32 only");
+        };
+        let (Some((0, end)), Some((lo, hi))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
+        else {
+            candle_core::bail!("gradient add in place: contiguous tensors only");
+        };
+        if end != dst.len() || hi - lo != end {
+            candle_core::bail!("gradient add in place: the gradient does not own its buffer");
+        }
+        for (d, s) in dst.iter_mut().zip(&src[lo..hi]) {
+            *d += *s;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn accumulating_in_place_gives_the_sum_and_leaves_views_alone() -> Result<()> {
+        let dev = Device::Cpu;
+        let a = Tensor::new(&[0.1f32, -2.5, 3.0e-8, 7.0], &dev)?;
+        let b = Tensor::new(&[0.2f32, 1.25, -1.0e-8, 1.0e7], &dev)?;
+        let mut grads = Grads::new();
+        let want = a.add(&b)?.to_vec1::<f32>()?;
+        grads.accumulate_fresh("w", a)?;
+        grads.accumulate_fresh("w", b)?; // in place into b's buffer
+        assert_eq!(grads.get("w").unwrap().to_vec1::<f32>()?, want);
+
+        // A view of a larger buffer is added out of place: the buffer keeps its values.
+        let big = Tensor::new(&[1f32, 2., 3., 4., 5., 6.], &dev)?;
+        let view = big.narrow(0, 2, 4)?;
+        grads.accumulate_fresh("w", view)?;
+        assert_eq!(big.to_vec1::<f32>()?, vec![1., 2., 3., 4., 5., 6.]);
+        let want: Vec<f32> = want.iter().zip([3f32, 4., 5., 6.]).map(|(x, y)| x + y).collect();
+        assert_eq!(grads.get("w").unwrap().to_vec1::<f32>()?, want);
+        Ok(())
     }
 }

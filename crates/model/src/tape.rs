@@ -102,6 +102,9 @@ pub struct TapeGrads {
 /// factors dy (N, out) and x (N, in) until [`WeightGrads::finish`] (W) forms it.
 pub struct WeightGrads {
     defer: bool,
+    /// Whether the gradients may share buffers with tensors read later (autograd's store: a
+    /// sum's operands get one gradient); a tape's are its own fresh results.
+    shared: bool,
     /// In the order they were given; a deferred product holds its place.
     grads: Vec<(String, WeightGrad)>,
 }
@@ -120,14 +123,29 @@ impl WeightGrads {
     pub fn now() -> Self {
         Self {
             defer: false,
+            shared: false,
             grads: Vec::new(),
         }
+    }
+
+    /// Gradients taken from autograd's store, which may share buffers with other gradients.
+    pub fn from_autograd() -> Self {
+        Self {
+            shared: true,
+            ..Self::now()
+        }
+    }
+
+    /// Whether each gradient is the pass's own fresh buffer ([`crate::Grads::accumulate_fresh`]).
+    pub fn fresh(&self) -> bool {
+        !self.shared
     }
 
     /// The weight products kept for later: B of a split backward.
     pub fn deferred() -> Self {
         Self {
             defer: true,
+            shared: false,
             grads: Vec::new(),
         }
     }
@@ -136,6 +154,7 @@ impl WeightGrads {
     pub fn formed(grads: Vec<(String, Tensor)>) -> Self {
         Self {
             defer: false,
+            shared: false,
             grads: grads
                 .into_iter()
                 .map(|(n, g)| (n, WeightGrad::Formed(g)))

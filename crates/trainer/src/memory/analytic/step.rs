@@ -139,7 +139,8 @@ pub fn rank_step_memory(
     // ZeRO-3 reduce-scatters a unit's gradient right after its segment's backward: the full
     // gradient and its flat copy exist together for that moment. The tied wte's full gradient,
     // formed by the head's backward, is held until the embedding's unit is reduced, and the
-    // embedding's backward adds its own to it (the two and their sum).
+    // embedding's backward adds its own to it: the two and their sum, or on the CPU tapes in
+    // f32 the two, the sum taken in place into the embedding's (`Grads::accumulate_fresh`).
     let unit_grads = |p: f64| match layout.gathers_weights {
         true => 2.0 * p * param_bytes as f64,
         false => 0.0,
@@ -152,6 +153,10 @@ pub fn rank_step_memory(
         false => 0.0,
     };
     let tied = tied_numel * param_bytes as f64;
+    let tied_copies = match path == BackwardPath::CpuTapes && param_bytes == 4 {
+        true => 2.0,
+        false => 3.0,
+    };
     let mut peak = activations + gathered;
     let (mut freed, mut done) = (0.0, 0.0);
     for (j, s) in segs.iter().enumerate().rev() {
@@ -159,7 +164,7 @@ pub fn rank_step_memory(
         done += p;
         let recomputed = if checkpointing { s.kept } else { 0.0 };
         let (tied_held, unit) = match j {
-            0 => (3.0 * tied, p),
+            0 => (tied_copies * tied, p),
             j if j == last => (tied, p - tied_numel),
             _ => (tied, p),
         };
