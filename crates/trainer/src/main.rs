@@ -306,6 +306,7 @@ fn make_backend(
             let opts = CpuOptions {
                 timeout: layout.comm_timeout,
                 trace: layout.trace,
+                ..CpuOptions::default()
             };
             Ok(Box::new(CpuBackend::init(env, opts)?))
         }
@@ -318,6 +319,7 @@ fn make_backend(
             let cpu = CpuOptions {
                 timeout: layout.comm_timeout,
                 trace: layout.trace,
+                ..CpuOptions::default()
             };
             // Ranks are placed round-robin on the GPUs.
             let device = || candle_core::Device::new_cuda(env.local_rank % gpus);
