@@ -69,10 +69,10 @@ pub struct Band {
 #[serde(deny_unknown_fields)]
 pub struct AutoRule {
     pub ranks: usize,
+    pub beyond: AllReduceAlgo,
     /// In increasing `up_to_bytes`.
     #[serde(default)]
     pub bands: Vec<Band>,
-    pub beyond: AllReduceAlgo,
 }
 
 impl AutoRule {
