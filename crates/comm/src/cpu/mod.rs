@@ -25,6 +25,7 @@
 //!
 //! Results are new CPU tensors; inputs may be non-contiguous.
 
+mod algorithms;
 mod binary_tree;
 mod conn;
 mod core;
@@ -47,6 +48,7 @@ use candle_core::Device;
 
 pub use group::CpuComm;
 
+pub use algorithms::all_reduce_schedule;
 pub use binary_tree::TREE_PIECE_BYTES;
 
 use self::core::GroupCore;

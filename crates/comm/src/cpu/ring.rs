@@ -28,6 +28,9 @@
 //! are received straight into the result, combined there with the input, and sent on from
 //! where they lie, so the input is never copied whole and no segment is copied to be sent.
 //!
+//! The chunk each rank sends at each step is the ring's [`schedule`], the one `mtrain explain
+//! ring` prints; the pump's plan is read off it.
+//!
 //! Reductions run in f32 for f32/bf16/f16 (partial sums of half-precision inputs travel as f32,
 //! and the all-gather of a half-precision result travels in its own dtype) and exactly for
 //! integers.

@@ -19,11 +19,8 @@
 
 use std::ops::Range;
 
-use candle_core::Tensor;
-
-use super::binary_tree::TREE_PIECE_BYTES;
 use super::core::GroupCore;
-use super::wire::{bytes_to_tensor, combine_slice, AccBuf, AccElem, Scratch};
+use super::wire::{combine_slice, AccElem, Scratch};
 use crate::algo::AllReduceAlgo;
 use crate::communicator::{chunk_range, ReduceOp, Result};
 
@@ -91,15 +88,6 @@ impl Schedule {
     }
 }
 
-/// The schedule `algo` runs over `ranks` ranks (at least 2).
-pub fn all_reduce_schedule(algo: AllReduceAlgo, ranks: usize) -> Schedule {
-    match algo {
-        AllReduceAlgo::Ring => super::ring::schedule(ranks),
-        AllReduceAlgo::Tree => super::binary_tree::schedule(ranks),
-        AllReduceAlgo::Rhd => super::halving_doubling::schedule(ranks),
-    }
-}
-
 /// The elements of `blocks` when `len` elements are cut into `of` blocks.
 pub fn block_range(len: usize, of: usize, blocks: &Range<usize>) -> Range<usize> {
     if blocks.is_empty() {
@@ -109,51 +97,12 @@ pub fn block_range(len: usize, of: usize, blocks: &Range<usize>) -> Range<usize>
 }
 
 /// Piece `k` of `pieces` of `range`.
-fn piece(range: &Range<usize>, pieces: usize, k: usize) -> Range<usize> {
+pub(crate) fn piece(range: &Range<usize>, pieces: usize, k: usize) -> Range<usize> {
     let c = chunk_range(range.len(), pieces, k);
     range.start + c.start..range.start + c.end
 }
 
 impl GroupCore {
-    /// All-reduce `x` by `algo`'s schedule (the headers already exchanged), in its
-    /// accumulation type; the result in `x`'s dtype.
-    pub(crate) fn scheduled_all_reduce(
-        &mut self,
-        x: &Tensor,
-        algo: AllReduceAlgo,
-        op: ReduceOp,
-    ) -> Result<Tensor> {
-        let (dtype, shape, numel) = (x.dtype(), x.dims().to_vec(), x.elem_count());
-        let mut acc = AccBuf::from_tensor(x)?;
-        match &mut acc {
-            AccBuf::F32(v) => self.run_algo(algo, v, op)?,
-            AccBuf::F64(v) => self.run_algo(algo, v, op)?,
-            AccBuf::U8(v) => self.run_algo(algo, v, op)?,
-            AccBuf::U32(v) => self.run_algo(algo, v, op)?,
-            AccBuf::I64(v) => self.run_algo(algo, v, op)?,
-        }
-        match acc.into_native(dtype) {
-            Ok(native) => native.into_tensor(&shape),
-            Err(acc) => bytes_to_tensor(&acc.to_native_bytes(0..numel, dtype), dtype, &shape),
-        }
-    }
-
-    /// Run `algo`'s schedule over this group on `buf`, in place; the tree pipelined in pieces
-    /// of [`TREE_PIECE_BYTES`].
-    pub(crate) fn run_algo<T: AccElem>(
-        &mut self,
-        algo: AllReduceAlgo,
-        buf: &mut [T],
-        op: ReduceOp,
-    ) -> Result<()> {
-        let piece = match algo {
-            AllReduceAlgo::Tree => TREE_PIECE_BYTES / std::mem::size_of::<T>(),
-            _ => 0,
-        };
-        let sched = all_reduce_schedule(algo, self.size);
-        self.run_schedule(&sched, buf, op, piece)
-    }
-
     /// Run this rank's part of `sched` on `buf` (our values in the accumulation type; the
     /// result on return). Each phase is walked piece by piece, in pieces of about
     /// `piece_elems` elements (0: whole), so a pipelined algorithm forwards a piece as soon as
@@ -210,70 +159,5 @@ impl GroupCore {
             }
         }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Runs a schedule on sets instead of numbers: each rank's block b starts as {rank}, a
-    /// reduce is a union, a copy replaces. Every algorithm must end with every rank holding
-    /// every block summed over all ranks exactly once.
-    fn simulate(s: &Schedule) -> Vec<Vec<Vec<usize>>> {
-        let mut held: Vec<Vec<Vec<usize>>> =
-            (0..s.ranks).map(|r| vec![vec![r]; s.blocks]).collect();
-        for step in &s.steps {
-            let before = held.clone();
-            for t in &step.transfers {
-                for b in t.blocks.clone() {
-                    let theirs = before[t.from][b].clone();
-                    let mine = &mut held[t.to][b];
-                    if t.reduce {
-                        assert!(
-                            theirs.iter().all(|r| !mine.contains(r)),
-                            "{:?} added twice",
-                            t
-                        );
-                        mine.extend(theirs);
-                        mine.sort();
-                    } else {
-                        *mine = theirs;
-                    }
-                }
-            }
-        }
-        held
-    }
-
-    #[test]
-    fn every_schedule_sums_every_block_once_on_every_rank() {
-        for algo in AllReduceAlgo::ALL {
-            for n in 2..=17 {
-                let s = all_reduce_schedule(algo, n);
-                let all: Vec<usize> = (0..n).collect();
-                for (r, blocks) in simulate(&s).iter().enumerate() {
-                    for (b, ranks) in blocks.iter().enumerate() {
-                        assert_eq!(ranks, &all, "{algo} n {n}: rank {r} block {b}");
-                    }
-                }
-                // No rank sends twice to the same peer within one step.
-                for step in &s.steps {
-                    let mut pairs: Vec<_> = step.transfers.iter().map(|t| (t.from, t.to)).collect();
-                    pairs.sort();
-                    pairs.dedup();
-                    assert_eq!(pairs.len(), step.transfers.len(), "{algo} n {n}");
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn blocks_tile_the_data() {
-        assert_eq!(block_range(10, 4, &(0..2)), 0..6);
-        assert_eq!(block_range(10, 4, &(2..4)), 6..10);
-        assert_eq!(block_range(3, 8, &(4..8)), 3..3);
-        assert_eq!(block_range(3, 8, &(1..1)), 0..0);
-        assert_eq!(piece(&(4..14), 3, 2), 11..14);
     }
 }
