@@ -28,6 +28,8 @@ use super::bench_comm::parse_size;
 
 /// The most ranks `explain` walks (its text grows as p²).
 pub const MAX_RANKS: usize = 64;
+/// The largest message `explain` counts the bytes of (1 TiB).
+pub const MAX_SIZE: u64 = 1 << 40;
 
 /// Options of `mtrain explain`.
 #[derive(Debug, Clone, Args)]
@@ -68,6 +70,9 @@ pub fn explain(args: &ExplainArgs) -> Result<String, String> {
             "--ranks must be 2 to {MAX_RANKS}, got {}",
             args.ranks
         ));
+    }
+    if args.size > MAX_SIZE {
+        return Err(format!("--size must be at most 1T ({MAX_SIZE} bytes), got {}", args.size));
     }
     if args.size == 0 || args.size % 4 != 0 {
         return Err(format!(

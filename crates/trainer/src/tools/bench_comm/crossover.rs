@@ -1,7 +1,8 @@
 //! `bench-comm --fit` on an all-reduce of the CPU backend: the sweep's sizes timed once per
 //! algorithm (ring, tree, halving-doubling, each on a group of its own), and the rule `--algo
 //! auto` follows, the fastest at each size, written into the α-β table as NCCL tunes per size.
-//! Then `auto` itself, following that rule, is timed over the same sizes, next to the best.
+//! Then `auto` itself, following that rule, is timed in a second pass beside the three again;
+//! its column is its time there against the best of that pass, scaled to the first pass's best.
 //!
 //! ```text
 //!   # crossover over 8 ranks (us; the fastest in brackets)
@@ -15,7 +16,7 @@ use std::io::Write;
 use std::time::Instant;
 
 use candle_core::Tensor;
-use mtrain_comm::{AlgoChoice, AllReduceAlgo, AutoRule, Backend, ReduceOp};
+use mtrain_comm::{AlgoChoice, AllReduceAlgo, AutoRule, Backend, Comm, ReduceOp};
 
 use super::{scalar_all_reduce, BenchCommArgs, BenchError};
 
@@ -84,40 +85,90 @@ pub fn measure(
     let world = backend.world();
     let ranks: Vec<usize> = (0..world.size()).collect();
     let dtype = args.dtype.dtype();
-    let mut c = Crossover {
-        ranks: world.size(),
-        rows: sizes
-            .iter()
-            .filter(|&&s| s as usize >= dtype.size_in_bytes())
-            .map(|&s| (s, [0.0; 4]))
-            .collect(),
-    };
-    // The three algorithms, then auto under the rule they give.
-    for i in 0..4 {
-        let (name, choice) = match AllReduceAlgo::ALL.get(i) {
-            Some(&algo) => (format!("bench-{algo}"), AlgoChoice::Fixed(algo)),
-            None => ("bench-auto".to_string(), AlgoChoice::Auto(vec![c.rule()])),
-        };
-        let Some(comm) = backend.new_group_with_algo(&ranks, &name, choice)? else {
-            return Ok(None);
-        };
-        for (bytes, times) in c.rows.iter_mut() {
-            let count = *bytes as usize / dtype.size_in_bytes();
-            let x = Tensor::ones(count, dtype, comm.device())?;
-            for _ in 0..args.warmup {
-                comm.all_reduce(&x, ReduceOp::Sum)?;
-            }
-            comm.barrier()?;
-            let start = Instant::now();
-            for _ in 0..args.iters {
-                comm.all_reduce(&x, ReduceOp::Sum)?;
-            }
-            comm.barrier()?;
-            let local_us = start.elapsed().as_secs_f64() * 1e6 / args.iters as f64;
-            times[i] = scalar_all_reduce(&world, local_us as f32, ReduceOp::Max)? as f64;
+    let sizes: Vec<u64> = sizes
+        .iter()
+        .copied()
+        .filter(|&s| s as usize >= dtype.size_in_bytes())
+        .collect();
+    let mut comms = Vec::new();
+    for algo in AllReduceAlgo::ALL {
+        let name = format!("bench-{algo}");
+        match backend.new_group_with_algo(&ranks, &name, AlgoChoice::Fixed(algo))? {
+            Some(c) => comms.push(c),
+            None => return Ok(None),
         }
     }
-    Ok(Some(c))
+    // The first pass sets the rule; the second times auto under it beside the three again,
+    // so auto is judged on numbers that did not choose it.
+    let first = Crossover {
+        ranks: world.size(),
+        rows: time_sizes(&world, &comms, args, &sizes)?,
+    };
+    let auto = AlgoChoice::Auto(vec![first.rule()]);
+    match backend.new_group_with_algo(&ranks, "bench-auto", auto)? {
+        Some(c) => comms.push(c),
+        None => return Ok(None),
+    }
+    let rows = time_sizes(&world, &comms, args, &sizes)?;
+    Ok(Some(Crossover {
+        ranks: world.size(),
+        rows: rows
+            .into_iter()
+            .zip(&first.rows)
+            .map(|((bytes, now), (_, before))| {
+                // The three from the first pass (the rule's numbers), auto from the second,
+                // as a share of the best of the three in the second.
+                let best_now = now[..3].iter().copied().fold(f64::INFINITY, f64::min);
+                let best_before = before[..3].iter().copied().fold(f64::INFINITY, f64::min);
+                (
+                    bytes,
+                    [
+                        before[0],
+                        before[1],
+                        before[2],
+                        now[3] / best_now * best_before,
+                    ],
+                )
+            })
+            .collect(),
+    }))
+}
+
+/// Each size timed on every group in turn, one op at a time (so a slow spell of a busy machine
+/// falls on all of them alike): per group, each rank's median op time, then the slowest rank's.
+fn time_sizes(
+    world: &Comm,
+    comms: &[Comm],
+    args: &BenchCommArgs,
+    sizes: &[u64],
+) -> Result<Vec<(u64, [f64; 4])>, BenchError> {
+    let dtype = args.dtype.dtype();
+    let mut rows = Vec::new();
+    for &bytes in sizes {
+        let x = Tensor::ones(
+            bytes as usize / dtype.size_in_bytes(),
+            dtype,
+            world.device(),
+        )?;
+        let mut samples = vec![Vec::with_capacity(args.iters); comms.len()];
+        for it in 0..args.warmup + args.iters {
+            for (comm, s) in comms.iter().zip(samples.iter_mut()) {
+                let start = Instant::now();
+                comm.all_reduce(&x, ReduceOp::Sum)?;
+                if it >= args.warmup {
+                    s.push(start.elapsed().as_secs_f64() * 1e6);
+                }
+            }
+        }
+        let mut times = [0.0; 4];
+        for (t, s) in times.iter_mut().zip(samples.iter_mut()) {
+            s.sort_by(f64::total_cmp);
+            let median = s[s.len() / 2];
+            *t = scalar_all_reduce(world, median as f32, ReduceOp::Max)? as f64;
+        }
+        rows.push((bytes, times));
+    }
+    Ok(rows)
 }
 
 #[cfg(test)]
