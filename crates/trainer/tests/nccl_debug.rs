@@ -6,17 +6,41 @@ mod common;
 use common::run_mtrain;
 
 #[test]
-#[cfg_attr(not(feature = "cuda"), ignore = "needs a CUDA device: build with --features cuda")]
+#[cfg_attr(
+    not(feature = "cuda"),
+    ignore = "needs a CUDA device: build with --features cuda"
+)]
 fn nccl_debug_prints_the_choice_per_size() {
     let out = run_mtrain([
-        "--nproc-per-node", "2", "bench-comm", "--device", "cuda", "-b", "8", "-e", "8M", "-f",
-        "16", "-n", "2", "-w", "1", "--nccl-debug",
+        "--nproc-per-node",
+        "2",
+        "bench-comm",
+        "--device",
+        "cuda",
+        "-b",
+        "8",
+        "-e",
+        "8M",
+        "-f",
+        "16",
+        "-n",
+        "2",
+        "-w",
+        "1",
+        "--nccl-debug",
     ]);
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(text.contains("# NCCL's choice per size"), "{text}");
     for size in [8u64, 128, 2048, 32768, 524288, 8388608] {
-        assert!(text.contains(&format!("{size:>12} B: algorithm ")), "no choice for {size} B in\n{text}");
+        assert!(
+            text.contains(&format!("{size:>12} B: algorithm ")),
+            "no choice for {size} B in\n{text}"
+        );
     }
 }
 
