@@ -135,7 +135,8 @@ pub fn measure(
 }
 
 /// Each size timed on every group in turn, one op at a time (so a slow spell of a busy machine
-/// falls on all of them alike): per group, each rank's median op time, then the slowest rank's.
+/// falls on all of them alike), each round starting at the next group: per group, each rank's
+/// median op time, then the slowest rank's.
 fn time_sizes(
     world: &Comm,
     comms: &[Comm],
@@ -152,11 +153,13 @@ fn time_sizes(
         )?;
         let mut samples = vec![Vec::with_capacity(args.iters); comms.len()];
         for it in 0..args.warmup + args.iters {
-            for (comm, s) in comms.iter().zip(samples.iter_mut()) {
+            // Each round starts one group further on, so no group always follows the same one.
+            for j in 0..comms.len() {
+                let g = (j + it) % comms.len();
                 let start = Instant::now();
-                comm.all_reduce(&x, ReduceOp::Sum)?;
+                comms[g].all_reduce(&x, ReduceOp::Sum)?;
                 if it >= args.warmup {
-                    s.push(start.elapsed().as_secs_f64() * 1e6);
+                    samples[g].push(start.elapsed().as_secs_f64() * 1e6);
                 }
             }
         }
