@@ -35,6 +35,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Shape, Tensor};
 
+use crate::algo::AlgoChoice;
 pub use crate::op_kind::OpKind;
 use crate::site::Site;
 use crate::trace::Tracer;
@@ -325,6 +326,18 @@ pub trait Backend: Send + Sync {
     /// Create the group made of these global ranks (sorted, containing this rank). Called by the
     /// member ranks only, and by all of them in the same order.
     fn new_group(&self, ranks: &[usize], name: &str) -> Result<Comm>;
+    /// [`new_group`](Self::new_group) whose all-reduce runs the algorithm `algo` picks, on a
+    /// backend that runs algorithms of its own (the CPU backend); `None` where a library picks
+    /// them itself (NCCL).
+    fn new_group_with_algo(
+        &self,
+        ranks: &[usize],
+        name: &str,
+        algo: AlgoChoice,
+    ) -> Result<Option<Comm>> {
+        let _ = (ranks, name, algo);
+        Ok(None)
+    }
     /// The device this process computes on.
     fn device(&self) -> Device;
 }

@@ -3,7 +3,8 @@
 //! # Layout
 //! - [`communicator`]: the `Communicator` trait every strategy talks through, `Work` handles,
 //!   `Backend` (creates groups).
-//! - [`cpu`]: the CPU backend over TCP (ring all-reduce = ring reduce-scatter + ring all-gather).
+//! - [`cpu`]: the CPU backend over TCP (ring all-reduce = ring reduce-scatter + ring all-gather;
+//!   tree and halving-doubling beside it, [`algo`] choosing among them by size).
 //! - `nccl` (feature `cuda`): the NCCL backend, one communicator and communication stream per
 //!   group, split by concern like `cpu`.
 //! - [`ipc`]: the ranks of one node as processes reading each other's GPU memory through
@@ -18,6 +19,7 @@
 //!   that issued it); [`op_kind`]: the kinds of collective
 //!   both the communicator and the trace name.
 
+pub mod algo;
 pub mod communicator;
 pub mod op_kind;
 pub mod cpu;
@@ -31,6 +33,7 @@ pub mod staged;
 pub mod store;
 pub mod trace;
 
+pub use algo::{AlgoChoice, AllReduceAlgo, AutoRule, Band};
 pub use communicator::{
     chunk_range, Backend, Comm, CommError, Communicator, OpKind, PendingWork, ReduceOp, Result,
     Work,

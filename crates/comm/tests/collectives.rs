@@ -484,6 +484,7 @@ fn ring_all_reduce_sends_2_n_minus_1_over_n_of_the_data() {
         let opts = CpuOptions {
             timeout: T,
             trace: true,
+            ..CpuOptions::default()
         };
         mtrain_comm::cpu::run_local_with(n, opts, |b| {
             let w = b.world();
@@ -511,6 +512,7 @@ fn async_all_reduce_overlaps_compute() {
     let opts = CpuOptions {
         timeout: T,
         trace: true,
+        ..CpuOptions::default()
     };
     mtrain_comm::cpu::run_local_with(2, opts, |b| {
         let w = b.world();
@@ -545,6 +547,7 @@ fn trace_totals_count_busy_and_blocked_time() {
     let opts = CpuOptions {
         timeout: T,
         trace: false,
+        ..CpuOptions::default()
     };
     let delay = Duration::from_millis(80);
     mtrain_comm::cpu::run_local_with(2, opts, |b| {

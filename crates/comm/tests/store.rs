@@ -146,6 +146,7 @@ fn cpu_backend_init_hosts_the_store_on_rank_0() {
                         CpuOptions {
                             timeout: T,
                             trace: false,
+                            ..CpuOptions::default()
                         },
                     )
                     .expect("init");

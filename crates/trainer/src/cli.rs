@@ -9,6 +9,7 @@
 //! mtrain plan --gpus 64 --gpus-per-node 8 [--search] the same on a cluster; rank the layouts
 //! mtrain parity --config X --vs "--tp 2 --pp 2"     one rank vs a layout, same global batch
 //! mtrain plot RUN_DIR                               loss, memory and pipeline charts (SVG)
+//! mtrain explain ring --ranks 4                     an all-reduce algorithm step by step
 //! mtrain prepare | sample | export --hf OUT ...     single-process tools
 //! ```
 //!
@@ -48,6 +49,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::tools::bench_comm::BenchCommArgs;
 use crate::config::{TrainArgs, TrainConfig};
+use crate::tools::explain::ExplainArgs;
 use crate::tools::hf::ExportArgs;
 use crate::layout::LayoutError;
 use crate::tools::plan::PlanArgs;
@@ -158,6 +160,9 @@ pub enum Command {
     Parity(ParityArgs),
     /// Draw a run directory's loss curve, per-rank memory timeline and pipeline timeline (SVG).
     Plot(PlotArgs),
+    /// Walk an all-reduce algorithm (ring, tree, rhd) step by step: who sends what to whom,
+    /// what each rank then holds, and the bytes each rank sent.
+    Explain(ExplainArgs),
 }
 
 /// `mtrain plan`: the layout and strategy flags it plans for, and its own.
@@ -307,7 +312,7 @@ mod tests {
             let sub = cmd.find_subcommand(name).expect(name);
             sub.get_arguments().filter_map(|a| a.get_long().map(str::to_string)).collect()
         };
-        for name in ["prepare", "sample", "plot", "parity"] {
+        for name in ["prepare", "sample", "plot", "parity", "explain"] {
             let f = flags(name);
             for layout in ["tp", "nproc-per-node", "fsdp", "zero-stage", "master-port"] {
                 assert!(!f.iter().any(|l| l == layout), "`{name}` takes --{layout}: {f:?}");

@@ -67,6 +67,10 @@ pub enum LayoutError {
     #[error("{flag} needs --device cuda: {why}")]
     NeedsCuda { flag: String, why: &'static str },
 
+    /// A flag that acts only on the CPU backend, given for a run whose collectives it is not.
+    #[error("{flag} applies to the CPU backend only: {why}")]
+    NeedsCpu { flag: String, why: &'static str },
+
     /// The plan's check's reasons (`ParallelPlan::validate`), with where the world size came from.
     #[error("{why} ({world_source})")]
     Plan { why: String, world_source: String },
@@ -96,6 +100,35 @@ pub struct Layout {
     pub comm: CommChoice,
     /// Record every collective (`--trace`).
     pub trace: bool,
+    /// The CPU backend's all-reduce algorithm (`--algo`).
+    pub algo: AlgoFlag,
+    /// The α-β table whose fitted thresholds `--algo auto` reads (`--algo-table`).
+    pub algo_table: Option<std::path::PathBuf>,
+}
+
+/// The CPU backend's all-reduce algorithm (`--algo`); every rank picks the same.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum AlgoFlag {
+    /// Ring reduce-scatter + ring all-gather: bandwidth-optimal, 2(p−1) steps.
+    #[default]
+    Ring,
+    /// Binary-tree reduce then broadcast, pipelined: 2·log2 p steps.
+    Tree,
+    /// Recursive halving-doubling: the ring's bytes in 2·log2 p steps.
+    Rhd,
+    /// By message size and group size: the thresholds of --algo-table, else the cost model's.
+    Auto,
+}
+
+impl std::fmt::Display for AlgoFlag {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            AlgoFlag::Ring => "ring",
+            AlgoFlag::Tree => "tree",
+            AlgoFlag::Rhd => "rhd",
+            AlgoFlag::Auto => "auto",
+        })
+    }
 }
 
 /// The collective backend on GPUs (`--comm`); the CPU device always uses the CPU backend, and

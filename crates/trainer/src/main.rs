@@ -35,7 +35,7 @@ use mtrain_trainer::launch::{self, LaunchError};
 use mtrain_trainer::layout::{CommChoice, Layout};
 use mtrain_trainer::liveness::{self, StoreWatch};
 use mtrain_trainer::resolve::{resolve, Resolved, RunOptions};
-use mtrain_trainer::tools::{bench_comm, hf, parity, plan, plot, prepare, sample};
+use mtrain_trainer::tools::{bench_comm, explain, hf, parity, plan, plot, prepare, sample};
 use mtrain_trainer::train;
 use tracing_subscriber::fmt::format::Writer;
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
@@ -189,12 +189,20 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
             let layout = layout_args.resolve(&cfg.parallel, launched_world)?;
             // No model to plan for: only the mesh's own numbers are checked.
             layout.dims.validate(layout.world_size)?;
+            if args.nccl_debug && args.device == DeviceKind::Cuda {
+                // Before NCCL starts here, and inherited by the workers launched below.
+                bench_comm::nccl_debug::set_env();
+            }
             distributed(&layout, env, args.device, None, |backend| {
                 bench_comm::run(args, backend)?;
                 Ok(())
             })
         }
         Some(Command::Parity(args)) => parity::run(args),
+        Some(Command::Explain(args)) => {
+            print!("{}", explain::explain(args).map_err(anyhow::Error::msg)?);
+            Ok(())
+        }
         Some(Command::Plot(args)) => {
             for path in plot::plot(args)? {
                 println!("wrote {}", path.display());
@@ -310,9 +318,16 @@ fn make_backend(
 ) -> anyhow::Result<Box<dyn Backend>> {
     match device {
         DeviceKind::Cpu => {
+            let algo = mtrain_trainer::tools::cost::algo_choice(
+                layout.algo,
+                layout.algo_table.as_deref(),
+                env.world_size,
+            )
+            .with_context(|| format!("--algo {}", layout.algo))?;
             let opts = CpuOptions {
                 timeout: layout.comm_timeout,
                 trace: layout.trace,
+                algo,
             };
             Ok(Box::new(CpuBackend::init(env, opts)?))
         }
@@ -325,6 +340,11 @@ fn make_backend(
             let cpu = CpuOptions {
                 timeout: layout.comm_timeout,
                 trace: layout.trace,
+                algo: mtrain_trainer::tools::cost::algo_choice(
+                    layout.algo,
+                    layout.algo_table.as_deref(),
+                    env.world_size,
+                )?,
             };
             // Ranks are placed round-robin on the GPUs.
             let device = || candle_core::Device::new_cuda(env.local_rank % gpus);

@@ -10,6 +10,7 @@ use candle_core::DType;
 
 use super::conn::{Peer, ReadFailure};
 use super::wire::{Header, Scratch};
+use crate::algo::AlgoChoice;
 use crate::communicator::{CommError, OpKind, Result};
 use crate::site::Site;
 use crate::trace::Tracer;
@@ -44,6 +45,8 @@ pub(crate) struct GroupCore {
     pub cur_sent: u64,
     /// Where the op being run was issued.
     pub cur_site: Site,
+    /// How this group picks its all-reduce algorithm.
+    pub algo: AlgoChoice,
     /// Where the in-place ring receives every segment, kept from one op to the next (one
     /// segment, [`SEGMENT_BYTES`], and a page).
     pub scratch: Scratch,
@@ -80,6 +83,7 @@ impl GroupCore {
             cur_seq: 0,
             cur_sent: 0,
             cur_site: Site::caller(),
+            algo: AlgoChoice::default(),
             scratch: Scratch::default(),
         }
     }

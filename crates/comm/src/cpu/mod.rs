@@ -17,16 +17,24 @@
 //!   all-reduce / reduce-scatter / all-gather ([`ring`], whose transfers the communication
 //!   thread drives itself with non-blocking calls, [`pump`]), binomial-tree broadcast and
 //!   reduce ([`tree`]), direct scatter / gather / all-to-all / send / recv ([`direct`]).
+//! - An all-reduce runs the algorithm its group's [`AlgoChoice`] picks for its size (the same
+//!   on every rank, and checked in the header): the ring, a pipelined binary tree
+//!   ([`binary_tree`]) or recursive halving-doubling ([`halving_doubling`]), each an
+//!   algorithm's [`schedule`] of steps.
 //! - Reads give up after the group's timeout; a failure poisons the group.
 //!
 //! Results are new CPU tensors; inputs may be non-contiguous.
 
+mod algorithms;
+mod binary_tree;
 mod conn;
 mod core;
 mod direct;
 mod group;
+mod halving_doubling;
 mod pump;
 mod ring;
+pub mod schedule;
 mod tree;
 mod wire;
 
@@ -40,7 +48,11 @@ use candle_core::Device;
 
 pub use group::CpuComm;
 
+pub use algorithms::all_reduce_schedule;
+pub use binary_tree::TREE_PIECE_BYTES;
+
 use self::core::GroupCore;
+use crate::algo::AlgoChoice;
 use crate::communicator::{Backend, Comm, CommError, Result};
 use crate::env::LaunchEnv;
 use crate::store::{StoreClient, StoreServer};
@@ -54,6 +66,8 @@ pub struct CpuOptions {
     pub timeout: Duration,
     /// Record every op in each group's tracer (otherwise only the last few are kept).
     pub trace: bool,
+    /// Which algorithm each group's all-reduce runs (ring, tree, halving-doubling, or by size).
+    pub algo: AlgoChoice,
 }
 
 impl Default for CpuOptions {
@@ -61,6 +75,7 @@ impl Default for CpuOptions {
         Self {
             timeout: Duration::from_secs(300),
             trace: false,
+            algo: AlgoChoice::default(),
         }
     }
 }
@@ -169,6 +184,10 @@ impl CpuBackend {
     }
 
     fn create_group(&self, ranks: &[usize], name: &str) -> Result<Comm> {
+        self.create_group_with(ranks, name, self.opts.algo.clone())
+    }
+
+    fn create_group_with(&self, ranks: &[usize], name: &str, algo: AlgoChoice) -> Result<Comm> {
         let me = self.env.rank;
         let n = self.env.world_size;
         if ranks.is_empty()
@@ -221,7 +240,7 @@ impl CpuBackend {
         }
         let tracer = Tracer::new(self.epoch);
         tracer.set_recording(self.opts.trace);
-        let core = GroupCore::new(
+        let mut core = GroupCore::new(
             my_index,
             name.to_string(),
             ranks.to_vec(),
@@ -231,6 +250,7 @@ impl CpuBackend {
             tracer,
             Arc::default(),
         );
+        core.algo = algo;
         Ok(Arc::new(CpuComm::start(core)?))
     }
 }
@@ -245,6 +265,15 @@ impl Backend for CpuBackend {
 
     fn new_group(&self, ranks: &[usize], name: &str) -> Result<Comm> {
         self.create_group(ranks, name)
+    }
+
+    fn new_group_with_algo(
+        &self,
+        ranks: &[usize],
+        name: &str,
+        algo: AlgoChoice,
+    ) -> Result<Option<Comm>> {
+        self.create_group_with(ranks, name, algo).map(Some)
     }
 
     fn device(&self) -> Device {

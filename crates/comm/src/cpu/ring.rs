@@ -28,6 +28,9 @@
 //! are received straight into the result, combined there with the input, and sent on from
 //! where they lie, so the input is never copied whole and no segment is copied to be sent.
 //!
+//! The chunk each rank sends at each step is the ring's [`schedule`], the one `mtrain explain
+//! ring` prints; the pump's plan is read off it.
+//!
 //! Reductions run in f32 for f32/bf16/f16 (partial sums of half-precision inputs travel as f32,
 //! and the all-gather of a half-precision result travels in its own dtype) and exactly for
 //! integers.
@@ -38,7 +41,9 @@ use candle_core::{DType, Tensor, WithDType};
 
 use super::core::{segments, GroupCore};
 use super::pump::{Arrival, Source};
+use super::schedule::{Phase, Schedule, Step, Transfer};
 use super::wire::{bytes_to_tensor, fresh_zeroed, with_elems, AccBuf, AccElem, HostBuf};
+use crate::algo::AllReduceAlgo;
 use crate::communicator::{chunk_range, ReduceOp, Result};
 
 /// What rank r of a ring of n sends first and receives, in order, for a reduce-scatter over
@@ -49,6 +54,8 @@ struct Plan {
 }
 
 impl Plan {
+    /// Read off the ring's [`schedule`]: our receives in step order, and our first sends (the
+    /// rest are forwarded arrivals).
     fn new(
         r: usize,
         n: usize,
@@ -57,27 +64,39 @@ impl Plan {
         reduce: bool,
         gather: bool,
     ) -> Plan {
-        let segs = |c: usize| segments(chunks[c % n].clone(), elem);
+        let sched = schedule(n);
+        let segs = |c: usize| segments(chunks[c].clone(), elem);
+        let chunk_to = |step: &Step| step.transfers.iter().find(|t| t.to == r).map(|t| t.blocks.start);
+        let chunk_from =
+            |step: &Step| step.transfers.iter().find(|t| t.from == r).map(|t| t.blocks.start);
         let mut arrivals = Vec::new();
         let first = if reduce {
-            // Step s receives chunk r-s-2 and adds our copy; the last one (s = n-2) is chunk r,
-            // complete. Each is forwarded: as the next reduce step, or as all-gather step 0.
-            for s in 0..n - 1 {
-                arrivals.extend(segs(r + 2 * n - s - 2).map(|range| Arrival {
+            // Each arrival is added to our copy; the last one is chunk r, complete. Each is
+            // forwarded: as the next reduce step, or as all-gather step 0.
+            for (s, step) in sched.phase(Phase::ReduceScatter).enumerate() {
+                let c = chunk_to(step).unwrap_or(r);
+                arrivals.extend(segs(c).map(|range| Arrival {
                     range,
                     reduce: true,
                     complete: s == n - 2,
                     forward: s < n - 2 || gather,
                 }));
             }
-            segs(r + n - 1).map(|c| (Source::Input, c)).collect()
+            let step0 = sched.phase(Phase::ReduceScatter).next();
+            segs(step0.and_then(chunk_from).unwrap_or(r))
+                .map(|c| (Source::Input, c))
+                .collect()
         } else {
-            segs(r).map(|c| (Source::Output, c)).collect()
+            let step0 = sched.phase(Phase::AllGather).next();
+            segs(step0.and_then(chunk_from).unwrap_or(r))
+                .map(|c| (Source::Output, c))
+                .collect()
         };
         if gather {
-            // Step s receives chunk r-s-1, final, and passes it on unless it has gone round.
-            for s in 0..n - 1 {
-                arrivals.extend(segs(r + 2 * n - s - 1).map(|range| Arrival {
+            // Each arrival is final and passed on unless it has gone round.
+            for (s, step) in sched.phase(Phase::AllGather).enumerate() {
+                let c = chunk_to(step).unwrap_or(r);
+                arrivals.extend(segs(c).map(|range| Arrival {
                     range,
                     reduce: false,
                     complete: false,
@@ -86,6 +105,39 @@ impl Plan {
             }
         }
         Plan { first, arrivals }
+    }
+}
+
+/// The ring over `n` ranks as steps, the data cut into n chunks: in reduce-scatter step s
+/// rank r sends chunk (r−s−1) mod n to r+1, which adds it to its own; in all-gather step s it
+/// sends chunk (r−s) mod n, complete, and r+1 keeps it.
+pub(crate) fn schedule(n: usize) -> Schedule {
+    let step = |phase: Phase, s: usize| Step {
+        phase,
+        transfers: (0..n)
+            .map(|r| {
+                let c = match phase {
+                    Phase::ReduceScatter => (r + 2 * n - s - 1) % n,
+                    _ => (r + n - s) % n,
+                };
+                Transfer {
+                    from: r,
+                    to: (r + 1) % n,
+                    blocks: c..c + 1,
+                    reduce: phase == Phase::ReduceScatter,
+                }
+            })
+            .collect(),
+    };
+    let steps = (0..n - 1)
+        .map(|s| step(Phase::ReduceScatter, s))
+        .chain((0..n - 1).map(|s| step(Phase::AllGather, s)))
+        .collect();
+    Schedule {
+        algo: AllReduceAlgo::Ring,
+        ranks: n,
+        blocks: n,
+        steps,
     }
 }
 
@@ -164,7 +216,11 @@ impl GroupCore {
         let (dtype, shape) = (x.dtype(), x.dims().to_vec());
         let mut mine = self.header(dtype, &shape);
         mine.reduce = Some(op);
+        mine.algo = self.algo.pick((x.elem_count() * dtype.size_in_bytes()) as u64, self.size);
         self.exchange_headers(|_| mine.clone())?;
+        if mine.algo != AllReduceAlgo::Ring {
+            return self.scheduled_all_reduce(x, mine.algo, op);
+        }
 
         let numel = x.elem_count();
         let n = self.size;
@@ -208,7 +264,11 @@ impl GroupCore {
         }
         let mut mine = self.header(dtype, shape);
         mine.reduce = Some(op);
+        mine.algo = self.algo.pick((buf.len() * dtype.size_in_bytes()) as u64, self.size);
         self.exchange_headers(|_| mine.clone())?;
+        if mine.algo != AllReduceAlgo::Ring {
+            return self.run_algo(mine.algo, buf, op);
+        }
         let n = self.size;
         let chunks: Vec<Range<usize>> = (0..n).map(|i| chunk_range(buf.len(), n, i)).collect();
         let es = std::mem::size_of::<T>();

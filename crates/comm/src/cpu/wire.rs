@@ -16,6 +16,7 @@
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor, WithDType};
 use half::{bf16, f16};
 
+use crate::algo::AllReduceAlgo;
 use crate::communicator::{CommError, OpKind, ReduceOp, Result};
 
 /// Header magic: "MTRH".
@@ -49,6 +50,8 @@ pub(crate) struct Header {
     pub shape: Vec<usize>,
     /// all_to_all only: rows this rank sends to the receiver of the header, and rows it expects back.
     pub pair: (u64, u64),
+    /// all_reduce only: the algorithm this rank runs (every rank must pick the same).
+    pub algo: AllReduceAlgo,
 }
 
 impl Header {
@@ -62,6 +65,7 @@ impl Header {
             root: None,
             shape: shape.to_vec(),
             pair: (0, 0),
+            algo: AllReduceAlgo::Ring,
         }
     }
 
@@ -91,6 +95,7 @@ impl Header {
         );
         b.extend_from_slice(&self.pair.0.to_le_bytes());
         b.extend_from_slice(&self.pair.1.to_le_bytes());
+        b.push(AllReduceAlgo::ALL.iter().position(|a| *a == self.algo).unwrap_or(255) as u8);
         b.extend_from_slice(&(self.shape.len() as u32).to_le_bytes());
         for d in &self.shape {
             b.extend_from_slice(&(*d as u64).to_le_bytes());
@@ -114,6 +119,7 @@ impl Header {
             x => Some(x as usize),
         };
         let pair = (r.u64()?, r.u64()?);
+        let algo = *AllReduceAlgo::ALL.get(r.u8()? as usize)?;
         let ndims = r.u32()? as usize;
         if ndims > 64 {
             return None;
@@ -130,6 +136,7 @@ impl Header {
             root,
             shape,
             pair,
+            algo,
         })
     }
 
@@ -140,6 +147,9 @@ impl Header {
             s.push_str(&format!("({r:?})"));
         }
         s.push_str(&format!(" {:?} {:?}", self.dtype, self.shape).to_lowercase());
+        if self.algo != AllReduceAlgo::Ring {
+            s.push_str(&format!(" by {}", self.algo));
+        }
         if let Some(root) = self.root {
             s.push_str(&format!(" root {root}"));
         }
@@ -160,7 +170,8 @@ impl Header {
             && self.reduce == theirs.reduce
             && self.seq == theirs.seq
             && self.group == theirs.group
-            && self.root == theirs.root;
+            && self.root == theirs.root
+            && self.algo == theirs.algo;
         same && match self.op {
             OpKind::AllReduce | OpKind::Reduce | OpKind::Broadcast | OpKind::ReduceScatter => {
                 self.shape == theirs.shape

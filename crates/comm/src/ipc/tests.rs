@@ -146,6 +146,7 @@ fn dead_worker(env: &LaunchEnv, dev: &Device) {
     let cpu = CpuOptions {
         timeout: Duration::from_secs(3),
         trace: false,
+        ..CpuOptions::default()
     };
     let opts = IpcOptions::from_env(Duration::from_secs(3)).unwrap();
     let b = IpcBackend::init(env, dev.clone(), cpu, opts).unwrap();
@@ -233,6 +234,7 @@ fn check_worker(env: &LaunchEnv, dev: &Device) {
     let cpu_opts = CpuOptions {
         timeout: Duration::from_secs(120),
         trace: false,
+        ..CpuOptions::default()
     };
     let opts = IpcOptions::from_env(Duration::from_secs(120)).unwrap();
     eprintln!("waits: {:?}", opts.wait);

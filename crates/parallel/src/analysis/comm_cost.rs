@@ -34,6 +34,7 @@
 //! Legend: `n` group size, `S` bytes of a rank's input, `B` batch, `T` sequence, `C` width,
 //! `M` micro-batches, `N` tokens of a micro-batch, `E` experts.
 
+mod algorithms;
 mod step;
 
 use std::fmt::Write as _;
@@ -41,6 +42,7 @@ use std::fmt::Write as _;
 use candle_core::DType;
 use mtrain_comm::{chunk_range, MeshDims, OpKind};
 
+pub use algorithms::{all_reduce_time, default_auto_rule, fastest_all_reduce};
 pub use step::step_collectives;
 
 /// Errors of the cost model.

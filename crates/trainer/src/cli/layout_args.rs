@@ -11,7 +11,7 @@ use mtrain_comm::mesh::MeshDims;
 use super::merged;
 use crate::config::{DeviceKind, ParallelConfig};
 use crate::launch::{LaunchSpec, MAX_WORLD};
-use crate::layout::{CommChoice, Layout, LayoutError, MAX_COMM_TIMEOUT_S};
+use crate::layout::{AlgoFlag, CommChoice, Layout, LayoutError, MAX_COMM_TIMEOUT_S};
 
 /// `--nnodes` when not given.
 const DEFAULT_NNODES: usize = 1;
@@ -76,6 +76,16 @@ pub struct LayoutArgs {
     /// RUN_DIR/trace-rank{N}.jsonl.
     #[arg(long)]
     pub trace: bool,
+
+    /// The CPU backend's all-reduce algorithm: ring (the default), tree, rhd (recursive
+    /// halving-doubling), or auto (by message size and group size). NCCL picks its own.
+    #[arg(long, value_enum, value_name = "ALGO")]
+    pub algo: Option<AlgoFlag>,
+
+    /// The α-β table (configs/alpha-beta/*.toml) whose thresholds, written by
+    /// `bench-comm --fit`, `--algo auto` follows; without one, the cost model's defaults.
+    #[arg(long, value_name = "FILE", requires = "algo")]
+    pub algo_table: Option<std::path::PathBuf>,
 }
 
 impl LayoutArgs {
@@ -98,6 +108,11 @@ impl LayoutArgs {
             comm_timeout: merged("--comm-timeout", &self.comm_timeout, &after.comm_timeout)?,
             comm: merged("--comm", &self.comm, &after.comm)?,
             trace: self.trace || after.trace,
+            algo: merged("--algo", &self.algo, &after.algo)?,
+            algo_table: match (&self.algo_table, &after.algo_table) {
+                (_, Some(b)) => Some(b.clone()),
+                (a, None) => a.clone(),
+            },
         })
     }
 }
@@ -107,6 +122,14 @@ impl LayoutArgs {
     /// the flag and what it needs, rather than running without it: `--comm` other than `auto`
     /// (the CPU device always runs its collectives on the CPU backend).
     pub fn check_device(&self, device: DeviceKind) -> Result<(), LayoutError> {
+        if let (Some(algo), DeviceKind::Cuda) = (self.algo, device) {
+            if self.comm != Some(CommChoice::Staged) {
+                return Err(LayoutError::NeedsCpu {
+                    flag: format!("--algo {algo}"),
+                    why: "it picks the CPU backend's all-reduce algorithm, and NCCL and CUDA IPC pick their own (see `bench-comm --nccl-debug`); with --comm staged it applies",
+                });
+            }
+        }
         match self.comm {
             Some(comm) if comm != CommChoice::Auto && device != DeviceKind::Cuda => {
                 Err(LayoutError::NeedsCuda {
@@ -226,6 +249,8 @@ impl LayoutArgs {
             comm_timeout: Duration::from_secs_f64(comm_timeout),
             comm: self.comm.unwrap_or_default(),
             trace: self.trace,
+            algo: self.algo.unwrap_or_default(),
+            algo_table: self.algo_table.clone(),
         })
     }
 }

@@ -35,7 +35,9 @@
 //! fit a sweep can be merged into (`--fit`) is `bench_comm/fit.rs`.
 
 mod check;
+mod crossover;
 mod fit;
+pub mod nccl_debug;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -117,9 +119,20 @@ pub struct BenchCommArgs {
 
     /// Least-squares fit α (latency per step) and β (bandwidth) of this op and world size to the
     /// sweep and merge them into this α-β table (TOML, e.g. configs/alpha-beta/<machine>.toml),
-    /// which `mtrain plan --alpha-beta FILE` reads.
+    /// which `mtrain plan --alpha-beta FILE` reads. For an all-reduce on the CPU backend, also
+    /// time each algorithm (ring, tree, rhd) at every size and write the fastest per size as
+    /// the table's `auto` rule for this world size, which `--algo auto --algo-table FILE` follows.
     #[arg(long, value_name = "FILE")]
     pub fit: Option<PathBuf>,
+
+    /// A link's peak bandwidth (GB/s): the table shows busbw as a share of it (`%peak`).
+    #[arg(long, value_name = "GB/S")]
+    pub peak_gbps: Option<f64>,
+
+    /// With --device cuda: set NCCL_DEBUG=INFO and NCCL_DEBUG_SUBSYS=TUNING for the ranks and
+    /// print the algorithm and protocol NCCL chose at each size.
+    #[arg(long)]
+    pub nccl_debug: bool,
 }
 
 /// The collectives bench-comm can measure.
@@ -256,6 +269,9 @@ pub struct BenchRow {
     pub busbw_gbps: f64,
     /// Wrong elements over all ranks; null under `-c 0`.
     pub wrong: Option<u64>,
+    /// busbw as a share of `--peak-gbps` (0..1).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_share: Option<f64>,
 }
 
 impl BenchReport {
@@ -341,6 +357,12 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
     if args.iters == 0 {
         return Err(BenchError::Invalid("-n/--iters must be at least 1".into()));
     }
+    if let Some(p) = args.peak_gbps.filter(|p| !(p.is_finite() && *p > 0.0)) {
+        return Err(BenchError::Invalid(format!("--peak-gbps must be a positive number of GB/s, got {p}")));
+    }
+    if args.nccl_debug && args.device != DeviceKind::Cuda {
+        return Err(BenchError::Invalid("--nccl-debug needs --device cuda: it shows what NCCL chose".into()));
+    }
     if let (Some(o), false) = (args.reduce_op, args.op.reduces()) {
         return Err(BenchError::Invalid(format!(
             "-o/--reduce-op {} applies to all-reduce and reduce-scatter, not {}",
@@ -413,10 +435,14 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
                 "not checked (-c 0)"
             }
         )?;
+        if let Some(p) = args.peak_gbps {
+            writeln!(table, "# %peak: busbw as a share of the link's peak, {p} GB/s")?;
+        }
         writeln!(
             table,
-            "# {:>12} {:>12} {:>9} {:>12} {:>12} {:>12} {:>8}",
-            "size(B)", "count", "type", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"
+            "# {:>12} {:>12} {:>9} {:>12} {:>12} {:>12} {:>8}{}",
+            "size(B)", "count", "type", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong",
+            if args.peak_gbps.is_some() { "    %peak" } else { "" }
         )?;
         table.flush()?;
     }
@@ -433,7 +459,8 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
         )?;
     }
     let mut rows = Vec::new();
-    for size in sweep_sizes(args.min_bytes, args.max_bytes, args.step_factor, smallest) {
+    let sizes = sweep_sizes(args.min_bytes, args.max_bytes, args.step_factor, smallest);
+    for &size in &sizes {
         let mut count = (size as usize) / elem;
         if args.op.splits_by_rank() {
             count -= count % n;
@@ -493,9 +520,10 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
             algbw_gbps: algbw,
             busbw_gbps: algbw * args.op.bus_factor(n),
             wrong,
+            peak_share: args.peak_gbps.map(|p| algbw * args.op.bus_factor(n) / p),
         };
         if r == 0 {
-            writeln!(
+            write!(
                 table,
                 "  {:>12} {:>12} {:>9} {:>12.1} {:>12.3} {:>12.3} {:>8}",
                 row.bytes,
@@ -507,6 +535,10 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
                 row.wrong
                     .map_or_else(|| "N/A".to_string(), |w| w.to_string())
             )?;
+            if let Some(share) = row.peak_share {
+                write!(table, " {:>8.1}%", share * 100.0)?;
+            }
+            writeln!(table)?;
             table.flush()?;
         }
         rows.push(row);
@@ -529,7 +561,19 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
         rows,
         avg_busbw_gbps: avg,
     };
+    let crossover = match (&args.fit, args.op, n > 1) {
+        (Some(_), BenchOp::AllReduce, true) => crossover::measure(backend, args, &sizes)?,
+        _ => None,
+    };
     if r == 0 {
+        if args.nccl_debug {
+            let path = nccl_debug::log_path(std::process::id());
+            let log = std::fs::read_to_string(&path).unwrap_or_default();
+            writeln!(table, "# NCCL's choice per size (rank 0's log {}):", path.display())?;
+            for (bytes, (algo, proto)) in nccl_debug::choices(&log) {
+                writeln!(table, "#   {bytes:>12} B: algorithm {algo}, protocol {proto}")?;
+            }
+        }
         if check {
             let total_wrong: u64 = report.rows.iter().filter_map(|r| r.wrong).sum();
             writeln!(
@@ -557,7 +601,11 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
             }
         }
         if let Some(path) = &args.fit {
-            fit::record(path, args, &report, &mut table)?;
+            if let Some(c) = &crossover {
+                c.print(&mut table)?;
+            }
+            let rule = crossover.as_ref().map(|c| c.rule());
+            fit::record(path, args, &report, rule, &mut table)?;
         }
     }
     Ok(report)

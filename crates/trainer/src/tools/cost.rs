@@ -21,16 +21,17 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use candle_core::DType;
-use mtrain_comm::{MeshDims, OpKind};
+use mtrain_comm::{AlgoChoice, AllReduceAlgo, AutoRule, MeshDims, OpKind};
 use mtrain_model::GptConfig;
 use mtrain_parallel::analysis::comm_cost::{
-    algorithm_steps, human_bytes, human_time, render, step_collectives, totals, CostModel, Group,
-    Phase, StepShape,
+    algorithm_steps, default_auto_rule, human_bytes, human_time, render, step_collectives, totals,
+    CostModel, Group, Phase, StepShape,
 };
 use mtrain_parallel::parallelize::ValidPlan;
 use serde::{Deserialize, Serialize};
 
 use crate::config::{DTypeKind, DeviceKind, TrainConfig};
+use crate::layout::AlgoFlag;
 use crate::fsio::IoContext;
 
 /// Errors of the cost commands.
@@ -87,6 +88,10 @@ pub struct AlphaBetaTable {
     pub default: CostModel,
     #[serde(default)]
     pub fit: Vec<Fit>,
+    /// `--algo auto`'s rule per group size, measured by `bench-comm --fit` (tables written
+    /// before it have none: the cost model's defaults apply).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub auto: Vec<AutoRule>,
 }
 
 impl AlphaBetaTable {
@@ -97,6 +102,7 @@ impl AlphaBetaTable {
             source: "default (not measured): CPU backend on loopback TCP".into(),
             default: CostModel::CPU_LOOPBACK_DEFAULT,
             fit: vec![],
+            auto: vec![],
         }
     }
 
@@ -106,6 +112,7 @@ impl AlphaBetaTable {
             source: "default (not measured): NVLink-class GPUs, one node".into(),
             default: CostModel::NVLINK_DEFAULT,
             fit: vec![],
+            auto: vec![],
         }
     }
 
@@ -142,6 +149,24 @@ impl AlphaBetaTable {
             })
     }
 
+    /// Replaces (or adds) the auto rule of the same group size.
+    pub fn upsert_auto(&mut self, rule: AutoRule) {
+        self.auto.retain(|r| r.ranks != rule.ranks);
+        self.auto.push(rule);
+        self.auto.sort_by_key(|r| r.ranks);
+    }
+
+    /// `--algo auto`'s rules for every group size up to `world`: the measured rule of that
+    /// size, else the one this table's α-β model implies (`comm_cost::default_auto_rule`).
+    pub fn auto_rules(&self, world: usize) -> Vec<AutoRule> {
+        (2..=world.max(2))
+            .map(|n| match self.auto.iter().find(|r| r.ranks == n) {
+                Some(r) => r.clone(),
+                None => default_auto_rule(&self.model(OpKind::AllReduce, n), n),
+            })
+            .collect()
+    }
+
     /// Replaces (or adds) the fit of the same op and size.
     pub fn upsert(&mut self, fit: Fit) {
         self.fit
@@ -150,6 +175,23 @@ impl AlphaBetaTable {
         self.fit
             .sort_by(|a, b| (a.op.as_str(), a.ranks).cmp(&(b.op.as_str(), b.ranks)));
     }
+}
+
+/// The CPU backend's all-reduce choice for `--algo flag` in a world of `world` ranks: auto's
+/// rules from the table at `table` (`--algo-table`), else from the CPU loopback defaults.
+pub fn algo_choice(flag: AlgoFlag, table: Option<&Path>, world: usize) -> Result<AlgoChoice> {
+    Ok(match flag {
+        AlgoFlag::Ring => AlgoChoice::Fixed(AllReduceAlgo::Ring),
+        AlgoFlag::Tree => AlgoChoice::Fixed(AllReduceAlgo::Tree),
+        AlgoFlag::Rhd => AlgoChoice::Fixed(AllReduceAlgo::Rhd),
+        AlgoFlag::Auto => AlgoChoice::Auto(
+            match table {
+                Some(path) => AlphaBetaTable::load(path)?,
+                None => AlphaBetaTable::cpu_default(),
+            }
+            .auto_rules(world),
+        ),
+    })
 }
 
 /// Least-squares α and β of `op` over `n` ranks from (message bytes S, seconds) points. S is

@@ -8,6 +8,8 @@
 //!   the two loss series compared.
 //! - [`bench_comm`]: `mtrain bench-comm`, collective bandwidth nccl-tests style, every result
 //!   checked.
+//! - [`explain`]: `mtrain explain ring --ranks 4`, an all-reduce algorithm walked step by
+//!   step from the schedule the CPU backend runs.
 //! - [`prepare`]: `mtrain prepare`, a text to token shards and its tokenizer.
 //! - [`sample`]: `mtrain sample`, text generated from a checkpoint.
 //! - [`hf`]: `mtrain export --hf` (a checkpoint as a Hugging Face GPT-2 directory) and the
@@ -18,6 +20,7 @@
 
 pub mod bench_comm;
 pub mod cost;
+pub mod explain;
 pub mod gpu_fit;
 pub mod hf;
 pub mod parity;

@@ -77,7 +77,12 @@ pub fn traced_run(
         .join(config);
     let o = mtrain(layout)
         .args(["--config", &config.display().to_string()])
-        .args(["--steps", &steps.to_string(), "--batch-size", &batch.to_string()])
+        .args([
+            "--steps",
+            &steps.to_string(),
+            "--batch-size",
+            &batch.to_string(),
+        ])
         .args(["--seq-len", "32", "--eval-every", &eval_every.to_string()])
         .args(["--trace", "--run-dir"])
         .arg(dir.path())

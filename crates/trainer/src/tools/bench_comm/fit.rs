@@ -6,7 +6,7 @@
 use std::io::Write;
 use std::path::Path;
 
-use mtrain_comm::OpKind;
+use mtrain_comm::{AutoRule, OpKind};
 
 use super::{BenchCommArgs, BenchError, BenchOp, BenchReport};
 use crate::config::DeviceKind;
@@ -18,6 +18,7 @@ pub(super) fn record(
     path: &Path,
     args: &BenchCommArgs,
     report: &BenchReport,
+    auto: Option<AutoRule>,
     table: &mut dyn Write,
 ) -> Result<(), BenchError> {
     let backend = match args.device {
@@ -34,8 +35,8 @@ pub(super) fn record(
         report.world_size,
         crate::tools::cost::today()
     );
-    let fit =
-        write_fit(path, report, backend, &command).map_err(|e| BenchError::Fit(e.to_string()))?;
+    let fit = write_fit(path, report, backend, &command, auto)
+        .map_err(|e| BenchError::Fit(e.to_string()))?;
     writeln!(
         table,
         "# fit {} over {} ranks: alpha {:.2} us per step, beta {:.3} GB/s (R^2 {:.4}) -> {}",
@@ -62,12 +63,14 @@ pub fn op_kind(op: BenchOp) -> OpKind {
 }
 
 /// `bench-comm --fit FILE`: fit the report's sweep and merge it into the table at `path`
-/// (created with the backend's defaults if missing); `command` records the sweep. Returns the fit.
+/// (created with the backend's defaults if missing), with `auto`'s measured rule for its world
+/// size when there is one; `command` records the sweep. Returns the fit.
 pub fn write_fit(
     path: &Path,
     report: &BenchReport,
     backend: &str,
     command: &str,
+    auto: Option<AutoRule>,
 ) -> Result<Fit, CostError> {
     let op = op_kind(report.op);
     let points: Vec<(f64, f64)> = report
@@ -87,6 +90,9 @@ pub fn write_fit(
     table.backend = backend.to_string();
     table.source = "fitted by `mtrain bench-comm --fit` (each fit names its sweep)".into();
     table.upsert(fit.clone());
+    if let Some(rule) = auto {
+        table.upsert_auto(rule);
+    }
     table.save(path)?;
     Ok(fit)
 }
