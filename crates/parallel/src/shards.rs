@@ -309,3 +309,11 @@ impl ParallelModel {
         Ok(())
     }
 }
+
+impl ParallelModel {
+    /// Waits until every rank of the world has reached this point (every shard file of a
+    /// checkpoint written, before rank 0 seals it).
+    pub fn barrier(&self) -> Result<()> {
+        Ok(self.world.barrier()?)
+    }
+}

@@ -299,10 +299,12 @@ pub fn train_loop(
     let _span = tracing::info_span!("train", rank).entered();
     let mut start_step = 0;
     if let Some(resume) = &cfg.resume {
+        let watch = observe::HeapWatch::start();
         let ckpt = resume_checkpoint(cfg, resume, device)?;
         ckpt.check_model(gcfg)?;
         ckpt.check_shapes(&model.param_shapes())?;
-        model.load_state(&ckpt.model, ckpt.optim)?;
+        model.load_checkpoint(&ckpt)?;
+        watch.record(cfg, model, (rank, ckpt.meta.step), "load", 0)?;
         loader.set_position(ckpt.meta.data_position);
         start_step = ckpt.meta.step;
         tracing::info!(rank, step = start_step, dir = %ckpt.dir.display(), "resumed");
