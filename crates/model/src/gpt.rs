@@ -454,6 +454,11 @@ impl ParamStore {
         Ok(Self { params })
     }
 
+    /// The store of `params`, by name.
+    pub fn from_params(params: BTreeMap<String, Param>) -> Self {
+        Self { params }
+    }
+
     /// The Param called `name`, or an error naming it.
     pub fn get(&self, name: &str) -> Result<Param> {
         self.params
@@ -510,17 +515,23 @@ impl Gpt {
             }
         }
         let p = ParamStore::new(weights, device)?;
-        let wte = p.get("wte.weight")?;
-        let mut segments: Vec<Arc<dyn Segment>> =
-            vec![Arc::new(Embedding::new(wte.clone(), p.get("wpe.weight")?))];
-        for i in 0..cfg.n_layer {
-            segments.push(Arc::new(Block::dense(&cfg, i, &p)?));
-        }
-        segments.push(Arc::new(Head::new(
-            LayerNorm::new(p.get("ln_f.weight")?, p.get("ln_f.bias")?),
-            wte,
-        )));
+        let segments = (0..cfg.n_layer + 2)
+            .map(|i| Gpt::segment(&cfg, i, &p))
+            .collect::<Result<_>>()?;
         Ok(Gpt { cfg, segments })
+    }
+
+    /// Segment `index` of `[embedding, h.0 … h.(L−1), head]` from the params of `p` (only the
+    /// ones it uses need be there; the embedding and the head share `p`'s one `wte`).
+    pub fn segment(cfg: &GptConfig, index: usize, p: &ParamStore) -> Result<Arc<dyn Segment>> {
+        Ok(match index {
+            0 => Arc::new(Embedding::new(p.get("wte.weight")?, p.get("wpe.weight")?)),
+            i if i <= cfg.n_layer => Arc::new(Block::dense(cfg, i - 1, p)?),
+            _ => Arc::new(Head::new(
+                LayerNorm::new(p.get("ln_f.weight")?, p.get("ln_f.bias")?),
+                p.get("wte.weight")?,
+            )),
+        })
     }
 
     /// Every parameter once, in a fixed order: wte, wpe, h.0 …, ln_f.

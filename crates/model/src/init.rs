@@ -4,18 +4,28 @@
 //! ~ N(0, 0.02/√(2·L)) so the residual stream's variance does not grow with depth, biases 0,
 //! LayerNorm weight 1 and bias 0.
 //!
-//! Each tensor is drawn from its own RNG seeded by `(seed, name)`. A rank that builds only its
-//! shard still initialises the full tensor from that seed and slices it, so every parallel layout
-//! starts from exactly the numbers the single-device run starts from, whatever order the tensors
-//! are created in.
+//! Every element is a pure function of `(seed, name, element index)`: the tensor's key is
+//! [`tensor_seed`]`(seed, name)`, and element `j` of the row-major single-device tensor is one
+//! of the two Box–Muller normals of the Philox4x32-10 draw at counter `j / 2` (cosine for even
+//! `j`, sine for odd). So any region of any parameter is drawn without drawing the rest
+//! ([`SeededInit`] is a [`ParamSource`]), and every parallel layout, each rank drawing only the
+//! pieces it holds, starts from exactly the numbers of the single-device run.
+//!
+//! ```text
+//!   counter k = j / 2 ──Philox(key = tensor_seed(seed, name))──► (x0, x1) 64-bit
+//!   u1 = 1 − x0/2⁶⁴ ∈ (0, 1]   u2 = x1/2⁶⁴   r = √(−2 ln u1)
+//!   element 2k = std · r · cos 2πu2      element 2k+1 = std · r · sin 2πu2
+//! ```
 
 use std::collections::BTreeMap;
 
+use std::ops::Range;
+
 use candle_core::{Device, Result, Tensor};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use mtrain_kernels::philox::draw_u64x2;
 
 use crate::config::GptConfig;
+use crate::source::ParamSource;
 
 /// Standard deviation of every weight matrix and embedding.
 pub const INIT_STD: f64 = 0.02;
@@ -96,39 +106,117 @@ pub fn tensor_seed(seed: u64, name: &str) -> u64 {
     z ^ (z >> 31)
 }
 
-/// One tensor drawn from its own RNG (Box–Muller normals), fp32 on the CPU.
+/// Elements `run` of a tensor initialised by `kind`, keyed by `key` ([`tensor_seed`]).
+fn draw_run(key: u64, kind: InitKind, run: Range<usize>, out: &mut Vec<f32>) {
+    let std = match kind {
+        InitKind::Zeros => return out.extend(std::iter::repeat_n(0f32, run.len())),
+        InitKind::Ones => return out.extend(std::iter::repeat_n(1f32, run.len())),
+        InitKind::Normal { std } => std,
+    };
+    const TWO_POW_M53: f64 = 1.0 / (1u64 << 53) as f64;
+    let mut j = run.start;
+    while j < run.end {
+        let k = (j / 2) as u64;
+        let [x0, x1] = draw_u64x2(key, [k as u32, (k >> 32) as u32, 0, 0]);
+        // u1 in (0, 1] so ln(u1) is finite; 53 bits, every value exact in f64.
+        let u1 = 1.0 - (x0 >> 11) as f64 * TWO_POW_M53;
+        let u2 = (x1 >> 11) as f64 * TWO_POW_M53;
+        let r = std * (-2.0 * u1.ln()).sqrt();
+        let theta = 2.0 * std::f64::consts::PI * u2;
+        if j % 2 == 0 {
+            out.push((r * theta.cos()) as f32);
+            j += 1;
+            if j == run.end {
+                break;
+            }
+        }
+        out.push((r * theta.sin()) as f32);
+        j += 1;
+    }
+}
+
+/// One tensor drawn whole (see the module doc), fp32 on the CPU.
 pub fn init_tensor(seed: u64, name: &str, shape: &[usize], kind: InitKind) -> Result<Tensor> {
     let n: usize = shape.iter().product();
-    let data = match kind {
-        InitKind::Zeros => vec![0f32; n],
-        InitKind::Ones => vec![1f32; n],
-        InitKind::Normal { std } => {
-            let mut rng = StdRng::seed_from_u64(tensor_seed(seed, name));
-            let mut out = Vec::with_capacity(n + 1);
-            while out.len() < n {
-                // u1 in (0, 1] so ln(u1) is finite.
-                let u1: f64 = 1.0 - rng.gen::<f64>();
-                let u2: f64 = rng.gen::<f64>();
-                let r = (-2.0 * u1.ln()).sqrt();
-                let theta = 2.0 * std::f64::consts::PI * u2;
-                out.push((std * r * theta.cos()) as f32);
-                out.push((std * r * theta.sin()) as f32);
-            }
-            out.truncate(n);
-            out
-        }
-    };
+    let mut data = Vec::with_capacity(n);
+    draw_run(tensor_seed(seed, name), kind, 0..n, &mut data);
     Tensor::from_vec(data, shape, &Device::Cpu)
 }
 
-/// Full fp32 CPU weights of `cfg` by GPT-2 name.
+/// The seeded initialisation of a model as a [`ParamSource`]: any run of any parameter, drawn
+/// alone. [`init_weights`] reads every tensor whole from it.
+pub struct SeededInit {
+    seed: u64,
+    specs: BTreeMap<String, (Vec<usize>, InitKind)>,
+}
+
+impl SeededInit {
+    /// The initialisation of `cfg` under `seed` (the config is checked first).
+    pub fn new(cfg: &GptConfig, seed: u64) -> Result<SeededInit> {
+        cfg.validate().map_err(candle_core::Error::wrap)?;
+        let specs = param_specs(cfg)
+            .into_iter()
+            .map(|(name, shape, kind)| (name, (shape, kind)))
+            .collect();
+        Ok(SeededInit { seed, specs })
+    }
+}
+
+impl ParamSource for SeededInit {
+    fn read(&self, name: &str, full_shape: &[usize], runs: &[Range<usize>]) -> Result<Vec<f32>> {
+        let (shape, kind) = self
+            .specs
+            .get(name)
+            .ok_or_else(|| candle_core::Error::Msg(format!("no parameter named `{name}`")))?;
+        if shape.as_slice() != full_shape {
+            candle_core::bail!("`{name}` has shape {shape:?}, expected {full_shape:?}");
+        }
+        let numel: usize = shape.iter().product();
+        let mut out = Vec::with_capacity(crate::source::runs_len(runs));
+        let key = tensor_seed(self.seed, name);
+        for r in runs {
+            if r.end > numel {
+                candle_core::bail!("`{name}` has {numel} elements; run {r:?} is outside it");
+            }
+            draw_run(key, *kind, r.clone(), &mut out);
+        }
+        Ok(out)
+    }
+}
+
+/// Full fp32 CPU weights of `cfg` by GPT-2 name: every tensor read whole from [`SeededInit`].
 pub fn init_weights(cfg: &GptConfig, seed: u64) -> Result<BTreeMap<String, Tensor>> {
-    cfg.validate().map_err(candle_core::Error::wrap)?;
+    let source = SeededInit::new(cfg, seed)?;
     param_specs(cfg)
         .into_iter()
-        .map(|(name, shape, kind)| {
-            let t = init_tensor(seed, &name, &shape, kind)?;
-            Ok((name, t))
+        .map(|(name, shape, _)| {
+            let n: usize = shape.iter().product();
+            let data = source.read(&name, &shape, &[0..n])?;
+            Ok((name, Tensor::from_vec(data, shape, &Device::Cpu)?))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn any_run_is_the_whole_tensor_s_elements() -> Result<()> {
+        let cfg = GptConfig::tiny();
+        let source = SeededInit::new(&cfg, 3)?;
+        let c = cfg.n_embd;
+        let (shape, n) = ([3 * c, c], 3 * c * c);
+        let whole = source.read("h.0.attn.c_attn.weight", &shape, &[0..n])?;
+        for runs in [vec![1..2], vec![3..10, 11..12, 50..n], vec![0..0, 7..8]] {
+            let got = source.read("h.0.attn.c_attn.weight", &shape, &runs)?;
+            let want: Vec<f32> = runs.iter().flat_map(|r| whole[r.clone()].to_vec()).collect();
+            assert_eq!(got, want, "runs {runs:?}");
+        }
+        assert!(source.read("h.0.attn.c_attn.weight", &[c, 3 * c], &[0..1]).is_err());
+        assert!(source.read("h.0.attn.c_attn.weight", &shape, &[n - 1..n + 1]).is_err());
+        let other = SeededInit::new(&cfg, 4)?.read("h.0.attn.c_attn.weight", &shape, &[0..n])?;
+        assert_ne!(whole, other, "the seed keys the draw");
+        Ok(())
+    }
 }

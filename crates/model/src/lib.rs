@@ -6,7 +6,8 @@
 //! # Layout
 //! - [`config`]: `GptConfig` / `MoeConfig`, presets, parameter and FLOP counts.
 //! - [`param`]: `Param` (a name and a swappable `Var`) and `Grads` (gradients by name).
-//! - [`init`]: layout-independent initialisation, one RNG per tensor name.
+//! - [`init`]: layout-independent initialisation, each element a counter-based draw keyed by
+//!   (seed, name, index), readable a region at a time (`SeededInit`).
 //! - [`layers`]: `Linear`, `LayerNorm`, `Mlp`, `CausalSelfAttention`, the `FeedForward` trait.
 //! - [`vocab`]: the tied vocabulary whole or split by rows, as the embedding (`VocabRows`) and
 //!   the head (`VocabLoss`) see it; `AllRows`, the whole of it.
@@ -43,7 +44,7 @@ pub use config::{ConfigError, GptConfig, MoeConfig};
 pub use dropout::{Draw, StepDraw};
 pub use engine::{Activations, Backward, Engine, HookResult, Hooks, NoHooks, PendingGrads};
 pub use gpt::{Block, BlockSegment, Embedding, Gpt, Head, Segment, SegmentOut};
-pub use init::init_weights;
+pub use init::{init_weights, SeededInit};
 pub use layers::{CausalSelfAttention, DenseLinear, FeedForward, FfnOut, LayerNorm, Linear, Mlp};
 pub use moe::{MoeLayer, MoeStats};
 pub use param::{Grads, Param};

@@ -45,6 +45,33 @@ impl ParamSource for BTreeMap<String, Tensor> {
     }
 }
 
+/// A region of one parameter that a rank holds, and where it sits on the rank: the elements
+/// `runs` of the single-device tensor `name` (shape `full_shape`), stored in order at elements
+/// `offset..offset + runs_len(runs)` of the flattened local tensor `local` (the parameter's own
+/// name, or a ZeRO shard piece such as `h.0.flat.decay`, which holds parts of several
+/// parameters). A rank's pieces say what it would write of its weights, fp32 masters or
+/// optimizer moments (keyed and cut alike) and what it reads back through a [`ParamSource`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Piece {
+    pub name: String,
+    pub full_shape: Vec<usize>,
+    pub runs: Vec<Range<usize>>,
+    pub local: String,
+    pub offset: usize,
+}
+
+impl Piece {
+    /// Elements of the piece.
+    pub fn len(&self) -> usize {
+        runs_len(&self.runs)
+    }
+
+    /// Whether the piece holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// Elements covered by `runs`.
 pub fn runs_len(runs: &[Range<usize>]) -> usize {
     runs.iter().map(|r| r.len()).sum()

@@ -38,7 +38,7 @@ fn small(moe: bool) -> GptConfig {
 }
 
 fn model(cfg: &GptConfig, dtype: DType) -> Result<Gpt> {
-    let w: BTreeMap<String, Tensor> = init_weights(cfg, 3)?
+    let w: BTreeMap<String, Tensor> = init_weights(cfg, 7)?
         .into_iter()
         .map(|(k, v)| Ok((k, v.to_dtype(dtype)?)))
         .collect::<Result<_>>()?;

@@ -1,16 +1,19 @@
-//! 4D composition: one top-down function that turns full weights and a [`ValidPlan`] (a
+//! 4D composition: one top-down function that turns a parameter source and a [`ValidPlan`] (a
 //! [`ParallelPlan`] its check accepted) into this rank's part of the model, applying the techniques in a fixed order:
 //!
 //! ```text
-//!   full weights (every rank, same seed)
-//!     │ 1. TP  tensor_parallel::build over the tp group: column/row shards, vocab-parallel wte,
-//!     │        sequence-parallel blocks                   (or expert_parallel::build_segments: EP)
-//!     │ 2. PP  PipelineStages::from_segments: keep the segments of this rank's stage(s)
+//!   parameter source (the seeded initialisation, a checkpoint, a Hugging Face file)
+//!     │ 0.     read this rank's pieces only: the holdings table's parameters (its stages, its
+//!     │        experts), each its tensor-parallel piece (Placement::runs); under ZeRO-3 none
+//!     │ 1. TP  tensor_parallel::Builder: column/row shards, vocab-parallel wte,
+//!     │        sequence-parallel blocks                   (or expert_parallel::segment: EP)
+//!     │ 2. PP  PipelineStages::build: only the segments of this rank's stage(s) are created
 //!     │ 3. DP  DDP: full replicas, checked equal; gradients averaged over dp (experts: edp)
-//!     │        ZeRO: one Fsdp per stage chunk over the dp group, driven by the pipeline's hooks
+//!     │        ZeRO: one Fsdp per stage chunk over the dp group, driven by the pipeline's hooks;
+//!     │        each unit reads its shard's runs from the source (stage 3: nothing else exists)
 //!     ▼
 //!   ParallelModel  (runtime.rs: forward_backward / grad_norm_sq / scaled_step;
-//!                   state.rs: full_state / load_full_state / ...)
+//!                   state.rs: full_state / load_full_state / pieces / ...)
 //!
 //!   rank = (dp_idx · pp + pp_idx) · tp + tp_idx      e.g. dp 2 × pp 2 × tp 2:
 //!             tp=0 tp=1
@@ -20,6 +23,11 @@
 //!   dp=1 pp=1:  6    7
 //! ```
 //!
+//! **No rank creates a tensor it does not hold.** Every element of every parameter is read from
+//! the source by its place in the single-device tensor, so the layouts start from the numbers
+//! of one device bit for bit, and a rank's startup memory is its own part of the model (plus
+//! one tensor in flight).
+//!
 //! **Every layout is a pipeline.** With pp = 1 the model is one stage and the executor's
 //! micro-batches are plain gradient accumulation, so there is one code path for every plan.
 //!
@@ -27,10 +35,10 @@
 //! experts) and the plan's stage layout; this function only applies it. The step it returns is
 //! [`crate::runtime`]'s, the state's gather and reshard [`crate::state`]'s.
 //!
-//! **Mixed precision** ([`ParallelPlan::precision`]). Every technique is built from the bf16
-//! cast of the full weights, so weights, activations, pipeline sends and tensor-parallel
-//! collectives are bf16; fp32 masters are cut from the fp32 weights like the optimizer moments
-//! (tp slice, then ZeRO shard pieces).
+//! **Mixed precision** ([`ParallelPlan::precision`]). Every piece is cast to bf16 as it is read,
+//! so weights, activations, pipeline sends and tensor-parallel collectives are bf16; fp32
+//! masters are read from the source like the optimizer moments are cut (tp piece, then ZeRO
+//! shard pieces).
 //!
 //! Refused by the plan's check ([`ParallelPlan::validate`], before a `ValidPlan` exists):
 //! tensor parallelism of an MoE model (experts are split by ep), ZeRO of an expert-parallel
@@ -39,29 +47,32 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use mtrain_comm::{Coords, DeviceMesh, MeshDims};
+use mtrain_model::gpt::ParamStore;
+use mtrain_model::source::{read_tensor, ParamSource};
 use mtrain_model::{Gpt, GptConfig, Grads, Param, Segment};
 
 use crate::ddp::{assign_buckets, verify_same_init, CommStats};
 use crate::expert_parallel;
-use crate::fsdp::Fsdp;
+use crate::fsdp::{Fsdp, Region, ZeroStage};
 use crate::holdings::Holdings;
 use crate::pipeline::{PipelineExecutor, PipelineStages, Schedule};
-use crate::placement::is_expert_param;
+use crate::placement::{is_expert_param, TIED};
 use crate::runtime::{FullReplicas, Replicas};
-use crate::tensor_parallel::{self, ShardLayout};
+use crate::tensor_parallel;
 use crate::toolbox::final_after;
 
 pub use crate::holdings::describe;
 pub use crate::plan::{DataParallelKind, ParallelPlan, PlanError, ValidPlan};
 pub use crate::runtime::{ParallelModel, ParallelizeError, Result, StepOut};
 
-/// Builds this rank's part of the model: TP → pipeline split → EP → FSDP or DDP (see the module
-/// doc). A collective on every group of `mesh`: every rank calls it with the same full weights.
+/// Builds this rank's part of the model: its pieces read from `source` → TP → its pipeline
+/// stages → EP → FSDP or DDP (see the module doc). A collective on every group of `mesh`: every
+/// rank calls it with a source of the same values (fp32; cast under mixed precision).
 pub fn parallelize(
     cfg: &GptConfig,
-    weights: &BTreeMap<String, Tensor>,
+    source: &dyn ParamSource,
     plan: &ValidPlan,
     mesh: &DeviceMesh,
     device: &Device,
@@ -72,46 +83,67 @@ pub fn parallelize(
             mesh: format!("{:?}", mesh.dims),
         });
     }
-    let fp32_weights = weights;
-    // The compute copy every technique below is built from (bf16 under mixed precision).
-    let cast: BTreeMap<String, Tensor>;
-    let weights = match plan.precision.is_mixed() {
-        true => {
-            let dtype = plan.precision.param_dtype;
-            cast = weights
-                .iter()
-                .map(|(n, t)| Ok((n.clone(), t.to_dtype(dtype)?)))
-                .collect::<candle_core::Result<_>>()?;
-            &cast
-        }
-        false => weights,
-    };
     let MeshDims { pp, tp, ep, .. } = plan.dims;
     let c = mesh.coords;
     let sp = plan.sequence_parallel && tp > 1;
-
-    // 1. Tensor (or expert) parallelism: this rank's segments [embedding, h.0 …, head].
-    let (segments, layout): (Vec<Arc<dyn Segment>>, Option<ShardLayout>) = if tp > 1 {
-        let m = tensor_parallel::build(cfg, weights, plan, &mesh.tp, sp, device)?;
-        (m.segments, Some(m.layout))
-    } else if ep > 1 {
-        (
-            expert_parallel::build_segments(cfg, weights, &mesh.ep, device)?,
-            None,
-        )
-    } else {
-        (Gpt::new(cfg.clone(), weights, device)?.segments, None)
+    // The compute dtype every piece is cast to (bf16 under mixed precision).
+    let dtype = match plan.precision.is_mixed() {
+        true => plan.precision.param_dtype,
+        false => DType::F32,
     };
+    let zero3 = matches!(plan.data, DataParallelKind::Zero(z) if z.stage == ZeroStage::Three);
 
-    // 2. Pipeline: keep this rank's stages.
+    // 0. This rank's pieces: what its stages use, its tp piece of each, only its experts. Under
+    //    ZeRO-3 the parameters are empty placeholders; the units read their shards (step 3).
+    let table = Holdings::of_rank(cfg, plan, c)?;
+    let mut regions = BTreeMap::new();
+    let mut pieces = BTreeMap::new();
+    for h in table.unique() {
+        let runs = h.placement.runs(&h.full_shape, c.tp, tp);
+        let (full_shape, shape) = (h.full_shape.clone(), h.shape.clone());
+        let local = match zero3 {
+            true => Tensor::zeros(0, dtype, device)?,
+            false => read_tensor(source, &h.name, &full_shape, &runs, &shape, device)?
+                .to_dtype(dtype)?,
+        };
+        let param = Param::new(h.name.as_str(), local)?;
+        pieces.insert(h.name.clone(), (full_shape.clone(), param));
+        let region = Region {
+            shape,
+            full_shape,
+            runs,
+        };
+        regions.insert(h.name.clone(), region);
+    }
+
+    // 1.–2. Tensor (or expert) parallelism, segment by segment, for this rank's stages only.
     let stage_layout = plan.stage_layout(cfg.n_layer)?;
-    let mut stages =
-        PipelineStages::from_segments(&segments, cfg.n_layer, cfg.n_embd, stage_layout, c.pp, pp)?;
+    let shared = [TIED.to_string()];
+    let build = |segment: &mut dyn FnMut(usize) -> Result<Arc<dyn Segment>>| {
+        PipelineStages::build(cfg.n_embd, stage_layout.clone(), c.pp, pp, &shared, segment)
+    };
+    let (mut stages, layout) = if tp > 1 {
+        let mut b = tensor_parallel::Builder::new(cfg, &pieces, plan, &mesh.tp, sp)?;
+        let stages = build(&mut |i| Ok(b.segment(i)?))?;
+        (stages, Some(b.layout))
+    } else {
+        let store = ParamStore::from_params(
+            pieces.iter().map(|(n, (_, p))| (n.clone(), p.clone())).collect(),
+        );
+        let stages = match ep > 1 {
+            true => build(&mut |i| Ok(expert_parallel::segment(cfg, i, &store, &mesh.ep)?))?,
+            false => build(&mut |i| Ok(Gpt::segment(cfg, i, &store)?))?,
+        };
+        (stages, None)
+    };
+    drop(pieces);
     if sp {
         stages = stages.with_sequence_split(tp, c.tp);
     }
-    drop(segments);
-    let table = check_holdings(cfg, plan, c, &stages)?;
+    let table = check_holdings(table, c, &stages, |p| match zero3 {
+        true => regions.get(p.name()).map(|r| r.shape.clone()).unwrap_or_default(),
+        false => p.shape().dims().to_vec(),
+    })?;
     let executor = PipelineExecutor::new(plan.schedule()?, plan.engine());
     let params = stages.params();
     let held: BTreeSet<String> = params.iter().map(|p| p.name().to_string()).collect();
@@ -130,11 +162,12 @@ pub fn parallelize(
 
     // 3. Data parallelism (experts: over edp): ZeRO shards the segments of all this rank's
     //    chunks over dp as one strategy (a parameter two chunks use, ZB-V's tied wte, is one
-    //    unit); DDP keeps full replicas, which must start equal.
+    //    unit), each unit reading its shard from the source; DDP keeps full replicas (their tp
+    //    pieces), which must start equal.
     let replicas = match plan.data {
         DataParallelKind::Zero(z) => {
             let chunks = stages.chunks().iter().map(|ch| ch.segments.clone());
-            let fsdp = Fsdp::over_chunks(mesh.dp.clone(), chunks.collect(), z)?;
+            let fsdp = Fsdp::over_chunks_from(mesh.dp.clone(), chunks.collect(), z, source, &regions)?;
             check_shared_units(&fsdp, executor.schedule(), c.pp)?;
             Replicas::Zero(Box::new(fsdp))
         }
@@ -182,7 +215,7 @@ pub fn parallelize(
         dropout: None,
     };
     if plan.precision.is_mixed() {
-        pm.attach_masters(fp32_weights)?;
+        pm.attach_masters(source)?;
     }
     Ok(pm)
 }
@@ -206,25 +239,22 @@ fn check_shared_units(fsdp: &Fsdp, schedule: &Schedule, pp_rank: usize) -> Resul
 }
 
 /// That the stages built hold exactly what [`Holdings`] says this rank holds: every segment's
-/// parameters by name and local shape, in order; the table, which then says which gradients
-/// are partial. A builder that drifts from the table is an
-/// error here rather than a wrong figure in the cost model or the memory report.
+/// parameters by name and local shape (`shape_of`: a ZeRO-3 placeholder's is its region's), in
+/// order; the table, which then says which gradients are partial. A builder that drifts from
+/// the table is an error here rather than a wrong figure in the cost model or the memory report.
 fn check_holdings(
-    cfg: &GptConfig,
-    plan: &ParallelPlan,
+    table: Holdings,
     c: Coords,
     stages: &PipelineStages,
+    shape_of: impl Fn(&Param) -> Vec<usize>,
 ) -> Result<Holdings> {
-    let table = Holdings::of_rank(cfg, plan, c)?;
     let built: Vec<(usize, Vec<(String, Vec<usize>)>)> = stages
         .chunks()
         .iter()
         .flat_map(|ch| stages.layout().segments(ch.stage).zip(&ch.segments))
         .map(|(index, seg)| {
             let params = seg.params();
-            let named = params
-                .iter()
-                .map(|p| (p.name().to_string(), p.shape().dims().to_vec()));
+            let named = params.iter().map(|p| (p.name().to_string(), shape_of(p)));
             (index, named.collect())
         })
         .collect();

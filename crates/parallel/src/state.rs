@@ -17,8 +17,10 @@ use std::collections::BTreeMap;
 
 use candle_core::{DType, Tensor};
 use mtrain_model::init::param_specs;
+use mtrain_model::source::{read_tensor, ParamSource, Piece};
 use mtrain_model::optim::{AdamW, AdamWState};
 
+use crate::fsdp::Region;
 use crate::mixed_precision::MasterWeights;
 use crate::placement::owner_of;
 use crate::runtime::{FullReplicas, ParallelModel, Replicas, Result};
@@ -26,16 +28,74 @@ use crate::tensor_parallel::shard::shard;
 use crate::toolbox::{set_weight, StateError};
 
 impl ParallelModel {
-    /// fp32 masters from the full fp32 weights, cut like this rank's optimizer state (tp slice,
+    /// fp32 masters read from `fp32_weights`, cut like this rank's optimizer state (tp piece,
     /// then ZeRO shard pieces).
-    pub(crate) fn attach_masters(&mut self, fp32_weights: &BTreeMap<String, Tensor>) -> Result<()> {
-        let local = self.local_slices(fp32_weights, "weight")?;
+    pub(crate) fn attach_masters(&mut self, fp32_weights: &dyn ParamSource) -> Result<()> {
         let precision = self.plan.precision;
-        match &mut self.replicas {
-            Replicas::Full(f) => f.masters = Some(MasterWeights::new(local)?),
-            Replicas::Zero(fsdp) => fsdp.set_mixed_precision(precision, &local)?,
+        if let Replicas::Zero(fsdp) = &mut self.replicas {
+            fsdp.set_mixed_precision(precision, fp32_weights)?;
+            return Ok(());
+        }
+        let mut local = BTreeMap::new();
+        for p in &self.params {
+            let r = self.region(p.name(), p.shape().dims());
+            let device = self.world.device();
+            let t = read_tensor(fp32_weights, p.name(), &r.full_shape, &r.runs, &r.shape, device)?;
+            local.insert(p.name().to_string(), t);
+        }
+        if let Replicas::Full(f) = &mut self.replicas {
+            f.masters = Some(MasterWeights::new(local)?);
         }
         Ok(())
+    }
+
+    /// Which elements of the single-device tensor `name` this rank's tensor of `shape` is: its
+    /// tensor-parallel piece ([`crate::placement::Placement::runs`]), or the whole tensor.
+    pub(crate) fn region(&self, name: &str, shape: &[usize]) -> Region {
+        match self.layout.as_ref().and_then(|l| l.get(name)) {
+            Some(spec) => Region {
+                shape: shape.to_vec(),
+                full_shape: spec.full_shape.clone(),
+                runs: spec
+                    .placement
+                    .runs(&spec.full_shape, self.coords.tp, self.plan.dims.tp),
+            },
+            None => Region::whole(shape),
+        }
+    }
+
+    /// What this rank holds, as pieces of the single-device parameters: each parameter's
+    /// tensor-parallel piece (the whole tensor without tp), or under ZeRO the parts of its shard
+    /// pieces. Weights, fp32 masters and AdamW moments are keyed and cut alike, so these say
+    /// where each of them sits in [`ParallelModel::local_weights`] and the optimizer's state.
+    pub fn pieces(&self) -> Vec<Piece> {
+        if let Replicas::Zero(fsdp) = &self.replicas {
+            return fsdp.pieces();
+        }
+        let piece = |p: &mtrain_model::Param| {
+            let r = self.region(p.name(), p.shape().dims());
+            Piece {
+                name: p.name().to_string(),
+                full_shape: r.full_shape,
+                runs: r.runs,
+                local: p.name().to_string(),
+                offset: 0,
+            }
+        };
+        self.params.iter().map(piece).collect()
+    }
+
+    /// This rank's weights as it holds them, keyed like [`ParallelModel::pieces`]' `local`
+    /// (parameter names, or ZeRO shard pieces), in the compute dtype.
+    pub fn local_weights(&self) -> BTreeMap<String, Tensor> {
+        match &self.replicas {
+            Replicas::Zero(fsdp) => fsdp.shard_pieces(),
+            Replicas::Full(_) => self
+                .params
+                .iter()
+                .map(|p| (p.name().to_string(), p.tensor().detach()))
+                .collect(),
+        }
     }
 
     /// From tensors of this rank's layout by name (full over dp) to every full tensor of the

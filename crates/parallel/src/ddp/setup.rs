@@ -41,9 +41,11 @@ pub enum DpError {
 
 pub type Result<T> = std::result::Result<T, DpError>;
 
-/// Checks that every rank holds the same initial weights: each rank computes (Σx, Σx², Σ i·x) of
-/// every parameter in f64, the checksums of all ranks are gathered, and any difference from rank 0
-/// fails on every rank with an error naming the rank and the parameter.
+/// Checks that every rank of `comm` holds the same initial `params`, each the piece this rank
+/// holds (a tensor-parallel slice, or the whole tensor; never a whole model it does not hold):
+/// each rank computes (Σx, Σx², Σ i·x) of every piece in f64, the checksums of all ranks are
+/// gathered, and any difference from rank 0 fails on every rank with an error naming the rank
+/// and the parameter.
 pub fn verify_same_init(comm: &Comm, params: &[Param]) -> Result<()> {
     if comm.size() == 1 {
         return Ok(()); // nobody to differ from

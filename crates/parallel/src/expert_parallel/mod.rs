@@ -57,6 +57,7 @@ mod all_to_all;
 mod exchange;
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
@@ -134,9 +135,7 @@ pub fn build_segments(
     ep: &Comm,
     device: &Device,
 ) -> Result<Vec<Arc<dyn Segment>>> {
-    let moe = cfg.moe.as_ref().ok_or(EpError::NotMoe)?;
-    let el = local_experts(moe, ep.size())?;
-    let mine = ep.rank() * el..(ep.rank() + 1) * el;
+    let mine = my_experts(cfg, ep)?;
     // Only this rank's experts reach the device.
     let local: BTreeMap<String, Tensor> = weights
         .iter()
@@ -144,6 +143,29 @@ pub fn build_segments(
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     let p = ParamStore::new(&local, device)?;
+    (0..cfg.n_layer + 2)
+        .map(|i| segment(cfg, i, &p, ep))
+        .collect()
+}
+
+/// The experts ep rank `ep.rank()` holds: `E / ep` consecutive ones.
+pub fn my_experts(cfg: &GptConfig, ep: &Comm) -> Result<Range<usize>> {
+    let moe = cfg.moe.as_ref().ok_or(EpError::NotMoe)?;
+    let el = local_experts(moe, ep.size())?;
+    Ok(ep.rank() * el..(ep.rank() + 1) * el)
+}
+
+/// Segment `index` of [`build_segments`] from the params of `p`, which must hold what it uses
+/// (non-expert parameters whole, this rank's experts); the embedding and the head share `p`'s
+/// one `wte`.
+pub fn segment(
+    cfg: &GptConfig,
+    index: usize,
+    p: &ParamStore,
+    ep: &Comm,
+) -> Result<Arc<dyn Segment>> {
+    let moe = cfg.moe.as_ref().ok_or(EpError::NotMoe)?;
+    let mine = my_experts(cfg, ep)?;
     let get = |name: &str| {
         p.get(name)
             .map_err(|_| EpError::MissingWeight(name.to_string()))
@@ -160,43 +182,44 @@ pub fn build_segments(
             get(&format!("{name}.bias"))?,
         ))
     };
-    let wte = get("wte.weight")?;
-    let mut segments: Vec<Arc<dyn Segment>> =
-        vec![Arc::new(Embedding::new(wte.clone(), get("wpe.weight")?))];
-    for i in 0..cfg.n_layer {
-        let h = format!("h.{i}");
-        let attn = CausalSelfAttention::new(
-            lin(&format!("{h}.attn.c_attn"))?,
-            lin(&format!("{h}.attn.c_proj"))?,
-            cfg.n_head,
-            cfg.head_dim(),
-        );
-        let experts = mine
-            .clone()
-            .map(|e| {
-                let prefix = format!("{h}.moe.experts.{e}");
-                Ok(Mlp::new(
-                    lin(&format!("{prefix}.c_fc"))?,
-                    lin(&format!("{prefix}.c_proj"))?,
-                ))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let ffn = moe_layer(
-            get(&format!("{h}.moe.router.weight"))?,
-            experts,
-            moe.clone(),
-            ep.clone(),
-        )?;
-        segments.push(Arc::new(Block::new(
-            h.clone(),
-            ln(&format!("{h}.ln_1"))?,
-            attn,
-            ln(&format!("{h}.ln_2"))?,
-            Box::new(ffn),
+    if index == 0 {
+        return Ok(Arc::new(Embedding::new(
+            get("wte.weight")?,
+            get("wpe.weight")?,
         )));
     }
-    segments.push(Arc::new(Head::new(ln("ln_f")?, wte)));
-    Ok(segments)
+    if index > cfg.n_layer {
+        return Ok(Arc::new(Head::new(ln("ln_f")?, get("wte.weight")?)));
+    }
+    let h = format!("h.{}", index - 1);
+    let attn = CausalSelfAttention::new(
+        lin(&format!("{h}.attn.c_attn"))?,
+        lin(&format!("{h}.attn.c_proj"))?,
+        cfg.n_head,
+        cfg.head_dim(),
+    );
+    let experts = mine
+        .map(|e| {
+            let prefix = format!("{h}.moe.experts.{e}");
+            Ok(Mlp::new(
+                lin(&format!("{prefix}.c_fc"))?,
+                lin(&format!("{prefix}.c_proj"))?,
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let ffn = moe_layer(
+        get(&format!("{h}.moe.router.weight"))?,
+        experts,
+        moe.clone(),
+        ep.clone(),
+    )?;
+    Ok(Arc::new(Block::new(
+        h.clone(),
+        ln(&format!("{h}.ln_1"))?,
+        attn,
+        ln(&format!("{h}.ln_2"))?,
+        Box::new(ffn),
+    )))
 }
 
 /// The expert load of the whole dp group: tokens kept per expert and drops, summed over the

@@ -68,6 +68,7 @@ use std::time::Instant;
 use candle_core::{DType, Tensor};
 use mtrain_comm::{Comm, ReduceOp};
 use mtrain_model::optim::{AdamW, OptimItem};
+use mtrain_model::source::ParamSource;
 use mtrain_model::{Engine, Grads, HookResult, Hooks, Param, Segment};
 
 use crate::ddp::{verify_same_init, DpError, Result};
@@ -80,6 +81,7 @@ use scheduler::{Residency, Scheduler};
 pub use state::analytic_model_state;
 use state::unit_has;
 use unit::FlatUnit;
+pub use unit::Region;
 
 /// Which model state is sharded across the data-parallel ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -160,6 +162,23 @@ impl Fsdp {
         chunks: Vec<Vec<Arc<dyn Segment>>>,
         cfg: FsdpConfig,
     ) -> Result<Fsdp> {
+        let params = unique_params(&chunks.concat());
+        let (values, regions) = unit::whole_regions(&params);
+        Self::over_chunks_from(comm, chunks, cfg, &values, &regions)
+    }
+
+    /// [`Fsdp::over_chunks`] reading every shard from `source`: `regions[name]` says which
+    /// elements of the single-device tensor each parameter is (a tensor-parallel piece). The
+    /// parameters' values are not read, so at stage 3 they may be empty placeholders and no
+    /// rank ever creates a full unit; those that hold values (stages 1 and 2) are checked equal
+    /// over `comm`, and every rank's units must have the same sizes.
+    pub fn over_chunks_from(
+        comm: Comm,
+        chunks: Vec<Vec<Arc<dyn Segment>>>,
+        cfg: FsdpConfig,
+        source: &dyn ParamSource,
+        regions: &BTreeMap<String, Region>,
+    ) -> Result<Fsdp> {
         let mut ranges = Vec::with_capacity(chunks.len());
         for c in &chunks {
             let start = ranges.last().map_or(0, |r: &Range<usize>| r.end);
@@ -167,18 +186,31 @@ impl Fsdp {
         }
         let segments: Vec<Arc<dyn Segment>> = chunks.into_iter().flatten().collect();
         let params = unique_params(&segments);
-        verify_same_init(&comm, &params)?;
+        let region = |p: &Param| {
+            regions.get(p.name()).cloned().ok_or_else(|| {
+                DpError::Config(format!("no region given for parameter `{}`", p.name()))
+            })
+        };
+        let mut with_values = Vec::new();
+        for p in &params {
+            if p.elem_count() == region(p)?.shape.iter().product::<usize>() {
+                with_values.push(p.clone());
+            }
+        }
+        verify_same_init(&comm, &with_values)?;
         let owner = final_after(&segments);
         let (rank, dp) = (comm.rank(), comm.size());
         let mut units = Vec::with_capacity(segments.len());
         for (i, seg) in segments.iter().enumerate() {
-            let mine: Vec<Param> = params
+            let mine = params
                 .iter()
                 .filter(|p| owner.get(p.name()) == Some(&i))
-                .cloned()
-                .collect();
-            units.push(FlatUnit::new(&seg.name(), mine, rank, dp, comm.device())?);
+                .map(|p| Ok((p.clone(), region(p)?)))
+                .collect::<Result<Vec<_>>>()?;
+            let device = comm.device();
+            units.push(FlatUnit::new(&seg.name(), mine, rank, dp, device, source)?);
         }
+        unit::verify_same_units(&comm, &units)?;
         let uses: Vec<Vec<String>> = segments
             .iter()
             .map(|s| s.params().iter().map(|p| p.name().to_string()).collect())
@@ -211,19 +243,29 @@ impl Fsdp {
 
     /// Mixed precision (call right after [`Fsdp::new`]): the segments compute in
     /// `precision.param_dtype` (they were built from weights of that dtype, so the shards and all-gathers are in it too), AdamW updates fp32
-    /// master shards cut from `fp32_weights` (the full weights by name, before the cast) exactly
-    /// as the optimizer moments are cut, and gradients are reduce-scattered and kept in
-    /// `precision.reduce_dtype`. Without mixed precision this changes nothing.
+    /// master shards read from `fp32_weights` (the weights before the cast, by the regions the
+    /// units were built with) exactly as the optimizer moments are cut, and gradients are
+    /// reduce-scattered and kept in `precision.reduce_dtype`. Without mixed precision this
+    /// changes nothing.
     pub fn set_mixed_precision(
         &mut self,
         precision: MixedPrecision,
-        fp32_weights: &BTreeMap<String, Tensor>,
+        fp32_weights: &dyn ParamSource,
     ) -> Result<()> {
         precision.validate()?;
         if !precision.is_mixed() {
             return Ok(());
         }
-        self.masters = Some(MasterWeights::new(self.slice_items(fp32_weights)?)?);
+        let mut shards = BTreeMap::new();
+        for u in self.units.iter().filter(|u| u.numel > 0) {
+            let (decay, plain) = u.split(&u.read_shard(fp32_weights, DType::F32)?)?;
+            for (name, t) in u.piece_names().into_iter().zip([decay, plain]) {
+                if let (Some(name), Some(t)) = (name, t) {
+                    shards.insert(name.to_string(), t);
+                }
+            }
+        }
+        self.masters = Some(MasterWeights::new(shards)?);
         for u in &mut self.units {
             u.reduce_dtype = precision.reduce_dtype;
         }

@@ -16,19 +16,58 @@
 //! All-gathering the shards gives back the padded buffer; [`FlatUnit::unflatten`] cuts it into
 //! the original tensors.
 //!
+//! A shard is read from a parameter source ([`FlatUnit::read_shard`]): each entry knows which
+//! elements of its single-device tensor it is (a tensor-parallel piece: [`Region::runs`]), so
+//! the shard's part of it is [`sub_runs`] of those, and no rank ever creates a full unit. At
+//! stage 3 the parameters themselves may be empty placeholders from the start.
+//!
 //! Legend: `numel` elements of the unit, `padded` = numel rounded up to dp, `shard` = padded / dp.
 
+use std::collections::BTreeMap;
+use std::ops::Range;
+
 use candle_core::{DType, Device, Result, Shape, Tensor};
+use mtrain_comm::Comm;
+use mtrain_model::source::{runs_len, sub_runs, ParamSource, Piece};
 use mtrain_model::{Grads, Param};
 
+use super::Fsdp;
+use crate::ddp::DpError;
 use crate::toolbox::decays;
 
-/// Where one parameter sits in the flat buffer.
+/// What a parameter of a unit is: its shape on this rank and which elements of its
+/// single-device tensor those are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Region {
+    /// The shape this rank holds (a tensor-parallel piece, or the whole tensor).
+    pub shape: Vec<usize>,
+    /// The single-device shape.
+    pub full_shape: Vec<usize>,
+    /// Row-major element runs of the single-device tensor, in the local tensor's order
+    /// ([`crate::placement::Placement::runs`]).
+    pub runs: Vec<Range<usize>>,
+}
+
+impl Region {
+    /// The whole of a tensor of `shape`.
+    pub fn whole(shape: &[usize]) -> Region {
+        Region {
+            shape: shape.to_vec(),
+            full_shape: shape.to_vec(),
+            runs: vec![0..shape.iter().product()],
+        }
+    }
+}
+
+/// Where one parameter sits in the flat buffer, and which elements of its single-device tensor
+/// it holds.
 pub(crate) struct Entry {
     pub param: Param,
     pub shape: Shape,
     pub offset: usize,
     pub numel: usize,
+    pub full_shape: Vec<usize>,
+    pub runs: Vec<Range<usize>>,
 }
 
 /// One segment's parameters, flattened and sharded.
@@ -58,27 +97,39 @@ pub(crate) struct FlatUnit {
 }
 
 impl FlatUnit {
-    /// Lays out `params` (full tensors, identical on every rank) and keeps rank `rank`'s shard.
+    /// Lays out `params` (each with its [`Region`]; their values are not read, so they may be
+    /// placeholders of their dtype) and keeps rank `rank`'s shard, read from `source`.
     pub fn new(
         name: &str,
-        params: Vec<Param>,
+        params: Vec<(Param, Region)>,
         rank: usize,
         dp: usize,
         device: &Device,
+        source: &dyn ParamSource,
     ) -> Result<FlatUnit> {
-        let dtype = params.first().map_or(DType::F32, |p| p.var().dtype());
-        let (decayed, plain): (Vec<Param>, Vec<Param>) =
-            params.into_iter().partition(|p| decays(p.shape().dims()));
-        let n_decay: usize = decayed.iter().map(|p| p.elem_count()).sum();
+        let dtype = params.first().map_or(DType::F32, |(p, _)| p.var().dtype());
+        let (decayed, plain): (Vec<_>, Vec<_>) =
+            params.into_iter().partition(|(_, r)| decays(&r.shape));
+        let n_decay: usize = decayed.iter().map(|(_, r)| r.shape.iter().product::<usize>()).sum();
         let mut entries = Vec::new();
         let mut offset = 0;
-        for param in decayed.into_iter().chain(plain) {
-            let numel = param.elem_count();
+        for (param, region) in decayed.into_iter().chain(plain) {
+            let numel = region.shape.iter().product();
+            if runs_len(&region.runs) != numel {
+                candle_core::bail!(
+                    "`{}`: runs of {} elements for a local shape {:?}",
+                    param.name(),
+                    runs_len(&region.runs),
+                    region.shape
+                );
+            }
             entries.push(Entry {
-                shape: param.shape(),
+                shape: Shape::from(region.shape),
                 param,
                 offset,
                 numel,
+                full_shape: region.full_shape,
+                runs: region.runs,
             });
             offset += numel;
         }
@@ -105,8 +156,7 @@ impl FlatUnit {
             grad_decay: None,
             grad_plain: None,
         };
-        let (decay, plain) = unit
-            .split(&unit.my_slice(&unit.flatten(dtype, |e| Some(e.param.tensor().detach()))?)?)?;
+        let (decay, plain) = unit.split(&unit.read_shard(source, dtype)?)?;
         unit.decay_shard = decay
             .map(|t| Param::new(format!("{name}.flat.decay"), t))
             .transpose()?;
@@ -114,6 +164,50 @@ impl FlatUnit {
             .map(|t| Param::new(format!("{name}.flat.no_decay"), t))
             .transpose()?;
         Ok(unit)
+    }
+
+    /// This rank's shard (shard,) in `dtype`, read from `source`: each entry's part of the
+    /// shard's flat range as runs of its single-device tensor, then the padding's zeros.
+    pub fn read_shard(&self, source: &dyn ParamSource, dtype: DType) -> Result<Tensor> {
+        let mut data = Vec::with_capacity(self.shard);
+        for (e, part) in self.shard_parts() {
+            let runs = sub_runs(&e.runs, part);
+            data.extend(source.read(e.param.name(), &e.full_shape, &runs)?);
+        }
+        data.resize(self.shard, 0.0);
+        Tensor::from_vec(data, self.shard, &self.device)?.to_dtype(dtype)
+    }
+
+    /// The entries this rank's shard overlaps, each with the overlap as positions in the
+    /// entry's local tensor, in shard order.
+    fn shard_parts(&self) -> impl Iterator<Item = (&Entry, Range<usize>)> {
+        let (lo, hi) = (self.start, self.start + self.shard);
+        self.entries.iter().filter_map(move |e| {
+            let (a, b) = (lo.max(e.offset), hi.min(e.offset + e.numel));
+            (a < b).then(|| (e, a - e.offset..b - e.offset))
+        })
+    }
+
+    /// What the shard holds as [`Piece`]s: per overlapped entry, its runs of the single-device
+    /// tensor and where they sit in the decayed or the not-decayed shard piece.
+    pub fn pieces(&self) -> Vec<Piece> {
+        let mut out = Vec::new();
+        let mut at = 0; // position in the shard
+        for (e, part) in self.shard_parts() {
+            let (local, offset) = match at < self.len_decay {
+                true => (self.piece_names()[0], at),
+                false => (self.piece_names()[1], at - self.len_decay),
+            };
+            out.push(Piece {
+                name: e.param.name().to_string(),
+                full_shape: e.full_shape.clone(),
+                runs: sub_runs(&e.runs, part.clone()),
+                local: local.unwrap_or_default().to_string(),
+                offset,
+            });
+            at += part.len();
+        }
+        out
     }
 
     /// The parameters' dtype (what the shards hold and the all-gathers move).
@@ -243,4 +337,60 @@ impl FlatUnit {
         let cut = |e: &Entry| flat.narrow(0, e.offset, e.numel)?.reshape(e.shape.clone());
         self.entries.iter().map(|e| Ok((e, cut(e)?))).collect()
     }
+}
+
+impl Fsdp {
+    /// What this rank's shards hold, as pieces of the single-device parameters (see
+    /// [`FlatUnit::pieces`]); the optimizer's moments and the fp32 masters are keyed and cut
+    /// alike.
+    pub fn pieces(&self) -> Vec<Piece> {
+        self.units.iter().flat_map(|u| u.pieces()).collect()
+    }
+
+    /// This rank's shard pieces by name (`<segment>.flat.decay`, `<segment>.flat.no_decay`).
+    pub fn shard_pieces(&self) -> BTreeMap<String, Tensor> {
+        let pieces = self.units.iter().flat_map(|u| [&u.decay_shard, &u.plain_shard]);
+        pieces
+            .flatten()
+            .map(|p| (p.name().to_string(), p.tensor().detach()))
+            .collect()
+    }
+}
+
+/// That every rank of `comm` laid out the same units (element counts per unit): ranks that built
+/// different models, whose shards would not fit together, are refused before any shard moves.
+pub(super) fn verify_same_units(comm: &Comm, units: &[FlatUnit]) -> crate::ddp::Result<()> {
+    if comm.size() == 1 {
+        return Ok(());
+    }
+    let sizes: Vec<i64> = units.iter().map(|u| u.numel as i64).collect();
+    let n = sizes.len();
+    let all = comm
+        .all_gather(&Tensor::from_vec(sizes, n, comm.device())?)?
+        .to_vec1::<i64>()?;
+    for rank in 1..comm.size() {
+        if let Some(u) = (0..n).find(|&u| all[rank * n + u] != all[u]) {
+            return Err(DpError::Config(format!(
+                "rank {rank}'s ZeRO unit {u} has {} elements but rank 0's has {}; every rank \
+                 must build the same model",
+                all[rank * n + u],
+                all[u]
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Each parameter's [`Region`] when it is whole: its current shape, read from the values
+/// themselves (`values`: the parameters' tensors by name, as a source for the shards).
+pub(super) fn whole_regions(params: &[Param]) -> (BTreeMap<String, Tensor>, BTreeMap<String, Region>) {
+    let values = params
+        .iter()
+        .map(|p| (p.name().to_string(), p.tensor().detach()))
+        .collect();
+    let regions = params
+        .iter()
+        .map(|p| (p.name().to_string(), Region::whole(p.shape().dims())))
+        .collect();
+    (values, regions)
 }

@@ -162,8 +162,6 @@ fn param_names(segs: &[Arc<dyn Segment>]) -> BTreeSet<String> {
 
 impl PipelineStages {
     /// Keep the segments of `model` that pipeline rank `rank` of `num_ranks` runs under `layout`.
-    /// Every rank builds the full model from the same seed and keeps its own stages, so each
-    /// stage starts from the numbers the single-device model has.
     pub fn new(model: &Gpt, layout: StageLayout, rank: usize, num_ranks: usize) -> Result<Self> {
         Self::from_segments(
             &model.segments,
@@ -185,13 +183,6 @@ impl PipelineStages {
         rank: usize,
         num_ranks: usize,
     ) -> Result<Self> {
-        let s = layout.num_stages();
-        if num_ranks == 0 || rank >= num_ranks || !s.is_multiple_of(num_ranks) {
-            return Err(PipelineError::Layout(format!(
-                "{s} model stages cannot be spread over {num_ranks} pipeline ranks as rank {rank} \
-                 (the stage count must be a multiple of the rank count)"
-            )));
-        }
         if layout.n_layer != n_layer || segments.len() != n_layer + 2 {
             return Err(PipelineError::Layout(format!(
                 "layout is for {} blocks but the model has {n_layer} blocks and {} segments",
@@ -199,34 +190,60 @@ impl PipelineStages {
                 segments.len()
             )));
         }
-        let stage_segments = |stage: usize| segments[layout.segments(stage)].to_vec();
-        let chunks = layout
-            .stages_of_rank(rank, num_ranks)
-            .into_iter()
-            .map(|stage| StageChunk {
-                stage,
-                segments: stage_segments(stage),
-            })
-            .collect();
+        let s = layout.num_stages();
+        let ends = |stage: usize| param_names(&segments[layout.segments(stage)]);
+        let shared: Vec<String> = ends(0).intersection(&ends(s - 1)).cloned().collect();
+        Self::build(n_embd, layout, rank, num_ranks, &shared, |i| {
+            Ok::<_, PipelineError>(segments[i].clone())
+        })
+    }
+
+    /// The stages pipeline rank `rank` of `num_ranks` runs under `layout`, creating only their
+    /// segments: `segment(i)` builds segment i of `[embedding, h.0, …, h.(L−1), head]` and is
+    /// called for this rank's segments alone, in order. `shared`: the parameters both the first
+    /// and the last model stage use (the tied `wte.weight`), exchanged when those stages are on
+    /// two ranks.
+    pub fn build<E: From<PipelineError>>(
+        n_embd: usize,
+        layout: StageLayout,
+        rank: usize,
+        num_ranks: usize,
+        shared: &[String],
+        mut segment: impl FnMut(usize) -> std::result::Result<Arc<dyn Segment>, E>,
+    ) -> std::result::Result<Self, E> {
+        let s = layout.num_stages();
+        if num_ranks == 0 || rank >= num_ranks || !s.is_multiple_of(num_ranks) {
+            return Err(E::from(PipelineError::Layout(format!(
+                "{s} model stages cannot be spread over {num_ranks} pipeline ranks as rank {rank} \
+                 (the stage count must be a multiple of the rank count)"
+            ))));
+        }
+        let mut chunks = Vec::new();
+        for stage in layout.stages_of_rank(rank, num_ranks) {
+            let segments = layout
+                .segments(stage)
+                .map(&mut segment)
+                .collect::<std::result::Result<Vec<_>, E>>()?;
+            chunks.push(StageChunk { stage, segments });
+        }
         // Summed over the pipeline group when the first and the last stage are on two ranks;
         // on one (the V) the rank's gradients already hold both uses.
         let (first, last) = (
             layout.rank_of_stage(0, num_ranks),
             layout.rank_of_stage(s - 1, num_ranks),
         );
-        let tied = if s > 1 && first != last {
-            let first = param_names(&stage_segments(0));
-            let last = param_names(&stage_segments(s - 1));
-            first.intersection(&last).cloned().collect()
-        } else {
-            Vec::new()
+        let tied = match s > 1 && first != last {
+            true => shared.to_vec(),
+            false => Vec::new(),
         };
-        let activation_dtype = segments
+        let activation_dtype = chunks
             .iter()
+            .flat_map(|c| &c.segments)
             .flat_map(|s| s.params())
             .next()
             .map(|p| p.var().dtype())
-            .ok_or_else(|| PipelineError::Layout("the model has no parameters".into()))?;
+            .ok_or_else(|| PipelineError::Layout("the model has no parameters".into()))
+            .map_err(E::from)?;
         Ok(Self {
             layout,
             rank,

@@ -30,8 +30,9 @@
 //! sequence there, and each all-reduce becomes a reduce-scatter (leaving a layer) plus an
 //! all-gather (entering the next) — the same bytes, and 1/tp of the activation memory.
 //!
-//! Every rank slices the same full weights ([`shard`]), so tp = N starts from the single-device
-//! numbers, and [`ShardLayout::full_grads`] turns a rank's gradients back into full tensors.
+//! Every rank reads its pieces of the same weights ([`shard`] cuts them from full tensors,
+//! [`Builder`] wraps pieces read alone), so tp = N starts from the single-device numbers, and
+//! [`ShardLayout::full_grads`] turns a rank's gradients back into full tensors.
 //!
 //! Legend: `B` batch, `T` sequence, `C` width, `V` vocabulary, `tp` group size.
 
@@ -57,7 +58,7 @@ pub use column::{ColumnInput, ColumnParallelLinear};
 pub use mapping::{BlockMappings, EmbeddingMappings, HeadMappings, Mapping, Site, TpCollective};
 pub use row::{RowOutput, RowParallelLinear};
 pub use sequence::SequenceParallelBlock;
-pub use shard::{Placement, ShardLayout, ShardSpec};
+pub use shard::{shard, Placement, ShardLayout, ShardSpec};
 pub use vocab::{
     vocab_parallel_cross_entropy, VocabParallelEmbedding, VocabParallelHead, VocabShard,
 };
@@ -121,6 +122,30 @@ pub fn build(
     sequence_parallel: bool,
     device: &Device,
 ) -> Result<TpModel> {
+    check_group(plan, tp)?;
+    let mut pieces = BTreeMap::new();
+    for (name, full) in weights {
+        let placement = tp_placement(name, sequence_parallel);
+        let piece = shard(full, placement, tp.rank(), tp.size()).map_err(|e| TpError::Shard {
+            name: name.clone(),
+            msg: e.to_string(),
+        })?;
+        let param = Param::new(name, piece.to_device(device)?)?;
+        pieces.insert(name.clone(), (full.dims().to_vec(), param));
+    }
+    let mut b = Builder::new(cfg, &pieces, plan, tp, sequence_parallel)?;
+    let segments = (0..cfg.n_layer + 2)
+        .map(|i| b.segment(i))
+        .collect::<Result<_>>()?;
+    Ok(TpModel {
+        segments,
+        layout: b.layout,
+        sequence_parallel,
+    })
+}
+
+/// That `tp` is the plan's tp group (its size).
+fn check_group(plan: &ValidPlan, tp: &Comm) -> Result<()> {
     if plan.dims.tp != tp.size() {
         return Err(TpError::Unsupported(format!(
             "the plan's tp {} is not the group's size {}",
@@ -128,40 +153,77 @@ pub fn build(
             tp.size()
         )));
     }
-    let mut b = Builder {
-        weights,
-        layout: ShardLayout::new(tp.rank(), tp.size()),
-        device,
-        sp: sequence_parallel,
-    };
-    let wte = b.param("wte.weight")?;
-    let wpe = b.param("wpe.weight")?;
-    let mut segments: Vec<Arc<dyn Segment>> = vec![Arc::new(VocabParallelEmbedding::over(
-        wte.clone(),
-        wpe,
-        VocabShard::new(tp.clone(), sequence_parallel),
-    ))];
-    let heads = cfg.n_head / tp.size();
-    let sub = BlockMappings::new(sequence_parallel); // attention's and the MLP's
-    let (input, output) = (
-        ColumnInput::entered_through(sub.enter.mapping),
-        RowOutput::left_through(sub.leave.mapping),
-    );
-    for i in 0..cfg.n_layer {
-        let h = format!("h.{i}");
-        let c_attn = b.column(&format!("{h}.attn.c_attn"), input, tp)?;
-        let c_proj = b.row(&format!("{h}.attn.c_proj"), output, tp)?;
+    Ok(())
+}
+
+/// This rank's tensor-parallel segments, one at a time, from its pieces of the weights: by
+/// GPT-2 name, the single-device shape and this rank's piece as a parameter (cut by the split
+/// rule, [`crate::placement::tp_placement`]). It records each parameter's placement as it uses
+/// it.
+pub struct Builder<'a> {
+    cfg: &'a GptConfig,
+    pieces: &'a BTreeMap<String, (Vec<usize>, Param)>,
+    /// Where every parameter wrapped so far lives.
+    pub layout: ShardLayout,
+    tp: &'a Comm,
+    sp: bool,
+    /// The tied `wte`, one `Param` for the embedding and the head.
+    wte: Option<Param>,
+}
+
+impl<'a> Builder<'a> {
+    /// A builder over `pieces` for the tp group `tp` (the plan's, see [`build`]).
+    pub fn new(
+        cfg: &'a GptConfig,
+        pieces: &'a BTreeMap<String, (Vec<usize>, Param)>,
+        plan: &ValidPlan,
+        tp: &'a Comm,
+        sequence_parallel: bool,
+    ) -> Result<Self> {
+        check_group(plan, tp)?;
+        Ok(Builder {
+            cfg,
+            pieces,
+            layout: ShardLayout::new(tp.rank(), tp.size()),
+            tp,
+            sp: sequence_parallel,
+            wte: None,
+        })
+    }
+
+    /// Segment `index` of `[embedding, h.0 … h.(L−1), head]`.
+    pub fn segment(&mut self, index: usize) -> Result<Arc<dyn Segment>> {
+        let (cfg, tp, sp) = (self.cfg, self.tp, self.sp);
+        if index == 0 {
+            let (wte, wpe) = (self.wte()?, self.param("wpe.weight")?);
+            let shard = VocabShard::new(tp.clone(), sp);
+            return Ok(Arc::new(VocabParallelEmbedding::over(wte, wpe, shard)));
+        }
+        if index > cfg.n_layer {
+            let (ln_f, wte) = (self.layer_norm("ln_f")?, self.wte()?);
+            let shard = VocabShard::new(tp.clone(), sp);
+            return Ok(Arc::new(VocabParallelHead::over(ln_f, wte, shard)));
+        }
+        let h = format!("h.{}", index - 1);
+        let heads = cfg.n_head / tp.size();
+        let sub = BlockMappings::new(sp); // attention's and the MLP's
+        let (input, output) = (
+            ColumnInput::entered_through(sub.enter.mapping),
+            RowOutput::left_through(sub.leave.mapping),
+        );
+        let c_attn = self.column(&format!("{h}.attn.c_attn"), input)?;
+        let c_proj = self.row(&format!("{h}.attn.c_proj"), output)?;
         let attn = CausalSelfAttention::new(c_attn, c_proj, heads, cfg.head_dim())
             .sharded_heads(tp.rank() * heads, cfg.n_head); // this rank's heads of the layer's
         let mlp = Mlp::new(
-            b.column(&format!("{h}.mlp.c_fc"), input, tp)?,
-            b.row(&format!("{h}.mlp.c_proj"), output, tp)?,
+            self.column(&format!("{h}.mlp.c_fc"), input)?,
+            self.row(&format!("{h}.mlp.c_proj"), output)?,
         );
         let (ln_1, ln_2) = (
-            b.layer_norm(&format!("{h}.ln_1"))?,
-            b.layer_norm(&format!("{h}.ln_2"))?,
+            self.layer_norm(&format!("{h}.ln_1"))?,
+            self.layer_norm(&format!("{h}.ln_2"))?,
         );
-        segments.push(match sequence_parallel {
+        Ok(match sp {
             false => Arc::new(Block::new(h, ln_1, attn, ln_2, Box::new(mlp))),
             true => Arc::new(SequenceParallelBlock::new(
                 h,
@@ -171,61 +233,42 @@ pub fn build(
                 mlp,
                 tp.clone(),
             )),
-        });
+        })
     }
-    let ln_f = b.layer_norm("ln_f")?;
-    segments.push(Arc::new(VocabParallelHead::over(
-        ln_f,
-        wte,
-        VocabShard::new(tp.clone(), sequence_parallel),
-    )));
-    Ok(TpModel {
-        segments,
-        layout: b.layout,
-        sequence_parallel,
-    })
-}
 
-/// Slices full weights into this rank's Params by the split rule
-/// ([`crate::placement::tp_placement`]) and records their placement.
-struct Builder<'a> {
-    weights: &'a BTreeMap<String, Tensor>,
-    layout: ShardLayout,
-    device: &'a Device,
-    sp: bool,
-}
+    fn wte(&mut self) -> Result<Param> {
+        if self.wte.is_none() {
+            self.wte = Some(self.param("wte.weight")?);
+        }
+        Ok(self.wte.clone().expect("just set"))
+    }
 
-impl Builder<'_> {
     fn param(&mut self, name: &str) -> Result<Param> {
-        let full = self
-            .weights
+        let (full_shape, param) = self
+            .pieces
             .get(name)
             .ok_or_else(|| TpError::MissingWeight(name.to_string()))?;
-        let local = self.layout.take(name, full, tp_placement(name, self.sp))?;
-        Ok(Param::new(name, local.to_device(self.device)?)?)
+        self.layout
+            .register(name, full_shape.clone(), tp_placement(name, self.sp));
+        Ok(param.clone())
     }
 
-    fn column(
-        &mut self,
-        prefix: &str,
-        input: ColumnInput,
-        group: &Comm,
-    ) -> Result<Box<dyn Linear>> {
+    fn column(&mut self, prefix: &str, input: ColumnInput) -> Result<Box<dyn Linear>> {
         Ok(Box::new(ColumnParallelLinear {
             weight: self.param(&format!("{prefix}.weight"))?, // (out/tp, in)
             bias: Some(self.param(&format!("{prefix}.bias"))?), // (out/tp,)
             input,
             gather_output: false,
-            group: group.clone(),
+            group: self.tp.clone(),
         }))
     }
 
-    fn row(&mut self, prefix: &str, output: RowOutput, group: &Comm) -> Result<Box<dyn Linear>> {
+    fn row(&mut self, prefix: &str, output: RowOutput) -> Result<Box<dyn Linear>> {
         Ok(Box::new(RowParallelLinear {
             weight: self.param(&format!("{prefix}.weight"))?, // (out, in/tp)
             bias: Some(self.param(&format!("{prefix}.bias"))?), // (out,)
             output,
-            group: group.clone(),
+            group: self.tp.clone(),
         }))
     }
 

@@ -18,8 +18,9 @@
 //!   └──────────┘
 //! ```
 //!
-//! Every rank slices the same full, seed-initialised weights, so a tp = N model starts from the
-//! single-device numbers; [`ShardLayout::full_grads`] gathers a rank's gradients back into full
+//! A rank's piece is a slice of the single-device tensor ([`shard`] cuts it from a full tensor;
+//! [`Placement::runs`] names its elements, so a parameter source reads it alone), so a tp = N
+//! model starts from the single-device numbers; [`ShardLayout::full_grads`] gathers a rank's gradients back into full
 //! tensors by name, for comparisons and checkpoints.
 
 use std::collections::BTreeMap;
@@ -57,13 +58,19 @@ impl ShardLayout {
         }
     }
 
+    /// Records that `name` (single-device shape `full_shape`) is laid out by `placement`.
+    pub fn register(&mut self, name: &str, full_shape: Vec<usize>, placement: Placement) {
+        let name = name.to_string();
+        let spec = ShardSpec {
+            name: name.clone(),
+            placement,
+            full_shape,
+        };
+        self.specs.insert(name, spec);
+    }
+
     /// Registers `name` with `placement` and returns this rank's piece of `full`.
     pub fn take(&mut self, name: &str, full: &Tensor, placement: Placement) -> Result<Tensor> {
-        let spec = ShardSpec {
-            name: name.to_string(),
-            placement,
-            full_shape: full.dims().to_vec(),
-        };
         let local = shard(full, placement, self.rank, self.size).map_err(|e| match e {
             TpError::Candle(e) => TpError::Shard {
                 name: name.to_string(),
@@ -75,7 +82,7 @@ impl ShardLayout {
             },
             other => other,
         })?;
-        self.specs.insert(name.to_string(), spec);
+        self.register(name, full.dims().to_vec(), placement);
         Ok(local)
     }
 
