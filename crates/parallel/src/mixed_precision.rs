@@ -160,23 +160,6 @@ impl MasterWeights {
         Ok(())
     }
 
-    /// Replaces the master `name` with `t` (cast to f32); an unknown name or another shape is
-    /// an error naming it.
-    pub fn set(&self, name: &str, t: &Tensor) -> Result<()> {
-        let m = self.masters.get(name).ok_or_else(|| {
-            PrecisionError::Config(format!("no master weight named `{name}` to load"))
-        })?;
-        if t.dims() != m.shape().dims() {
-            return Err(PrecisionError::Config(format!(
-                "master weight `{name}` has shape {:?} but this rank holds {:?}",
-                t.dims(),
-                m.shape().dims()
-            )));
-        }
-        m.set(&t.to_device(m.var().device())?.to_dtype(DType::F32)?)?;
-        Ok(())
-    }
-
     /// Bytes held by the masters.
     pub fn bytes(&self) -> usize {
         self.masters

@@ -32,7 +32,8 @@
 //!
 //! Checkpoints are layout-independent without a gather: [`Distributed::save_checkpoint`] has
 //! every rank write the pieces it holds with their place in the single-device tensors, and
-//! [`Distributed::load_checkpoint`] has each rank read only the runs of its own pieces, so a
+//! [`Distributed::new`] (the weights) and [`Distributed::load_moments`] have each rank read only
+//! the runs of its own pieces from the checkpoint, so a
 //! run saved under dp 4 with ZeRO-3 resumes under tp 2 × pp 2, or on one rank.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -41,6 +42,7 @@ use anyhow::Context;
 use candle_core::{Device, Tensor};
 use mtrain_comm::DeviceMesh;
 use mtrain_model::init::param_specs;
+use mtrain_model::source::ParamSource;
 use mtrain_model::optim::{AdamW, AdamWConfig, GradScale};
 use mtrain_model::{GptConfig, MoeStats};
 use mtrain_parallel::ddp::ModelStateBytes;
@@ -205,12 +207,13 @@ pub struct Distributed {
 }
 
 impl Distributed {
-    /// Builds this rank's part from the full `weights` (the same on every rank). A collective
-    /// over every group of `mesh`. Clipping is the loop's: it passes the coefficient to
+    /// Builds this rank's part from `weights` (the seeded initialisation, a Hugging Face file or
+    /// a checkpoint), each rank reading only what it holds. A collective over every group of
+    /// `mesh`. Clipping is the loop's: it passes the coefficient to
     /// [`Distributed::optimizer_step`].
     pub fn new(
         cfg: &GptConfig,
-        weights: &BTreeMap<String, Tensor>,
+        weights: &dyn ParamSource,
         plan: &ValidPlan,
         mesh: &DeviceMesh,
         device: &Device,
@@ -453,7 +456,7 @@ impl Distributed {
         }
         self.pm.barrier()?;
         let tmp = checkpoint::tmp_dir(run_dir, step);
-        let pieces: Vec<_> = self.pm.pieces().into_iter().filter(|p| p.stored).collect();
+        let pieces: Vec<_> = self.pm.pieces().into_iter().filter(|p| self.pm.stores(p)).collect();
         let optimizer_step = self.opt.steps_taken();
         let written = checkpoint::write_rank(&tmp, rank, &pieces, optimizer_step > 0, |p, k| {
             let t = self.pm.piece_values(&self.opt, p, k)?;
@@ -500,13 +503,13 @@ impl Distributed {
         }
     }
 
-    /// Restores the weights and optimizer state of `ckpt`, written under any layout: each
-    /// piece this rank holds reads only its own runs of each parameter.
-    pub fn load_checkpoint(&mut self, ckpt: &Checkpoint) -> anyhow::Result<()> {
-        let weights = ckpt.weights();
-        let moments = ckpt.moments();
-        let moments = moments.as_ref().map(|(m, v, step)| (&**m, &**v, *step));
-        self.pm.load_pieces(&mut self.opt, &*weights, moments)?;
+    /// Restores AdamW's state of `ckpt`, written under any layout (the weights came from it
+    /// through [`Distributed::new`]): each piece this rank holds reads only its own runs of
+    /// each moment.
+    pub fn load_moments(&mut self, ckpt: &Checkpoint) -> anyhow::Result<()> {
+        if let Some((m, v, step)) = ckpt.moments() {
+            self.pm.load_moments(&mut self.opt, &*m, &*v, step)?;
+        }
         Ok(())
     }
 
@@ -514,8 +517,8 @@ impl Distributed {
     /// stores every one) and of its largest piece's values (one parameter's buffer).
     pub fn piece_bytes(&self) -> (u64, u64) {
         let pieces = self.pm.pieces();
-        let all = pieces.iter().map(|p| p.numel() as u64).sum::<u64>();
-        let largest = pieces.iter().map(|p| p.numel() as u64).max().unwrap_or(0);
+        let all = pieces.iter().map(|p| p.len() as u64).sum::<u64>();
+        let largest = pieces.iter().map(|p| p.len() as u64).max().unwrap_or(0);
         (12 * all, 4 * largest)
     }
 

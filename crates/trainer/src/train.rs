@@ -35,6 +35,8 @@ use mtrain_comm::mesh::MeshDims;
 use mtrain_comm::{Backend, DeviceMesh};
 use mtrain_kernels::readback::ReadLater;
 use mtrain_model::optim::{clip_coef_on_device, lr_at, AdamWConfig, GradScale, LrSchedule};
+use mtrain_model::init::param_specs;
+use mtrain_model::source::ParamSource;
 use mtrain_model::{init_weights, GptConfig};
 use serde::Serialize;
 
@@ -113,8 +115,9 @@ struct Setup {
     dataset: Dataset,
     /// Heap bytes before any part of the model exists (0 without `--mem-report`).
     state_baseline: u64,
-    /// The full initial weights, the same on every rank.
-    weights: BTreeMap<String, Tensor>,
+    /// The full initial weights, the same on every rank (None when resuming: the checkpoint
+    /// is the model's source).
+    weights: Option<BTreeMap<String, Tensor>>,
     adamw: AdamWConfig,
 }
 
@@ -141,12 +144,13 @@ fn setup(cfg: &TrainConfig, gcfg: &GptConfig, device: &Device) -> anyhow::Result
         0
     };
     let weights = match (&cfg.init_from, &cfg.resume) {
+        (_, Some(_)) => None,
         (Some(path), None) => {
             let w = crate::tools::hf::load(path, gcfg)?;
             tracing::info!(path = %path.display(), "initial weights from a Hugging Face GPT-2 file");
-            w
+            Some(w)
         }
-        _ => init_weights(gcfg, cfg.seed)?,
+        (None, None) => Some(init_weights(gcfg, cfg.seed)?),
     };
     let adamw = AdamWConfig {
         beta1: cfg.beta1,
@@ -220,9 +224,25 @@ fn run_plan(
             weights,
             adamw,
         } = setup(cfg, &gcfg, &device)?;
-        let mut model = Distributed::new(&gcfg, &weights, plan, &mesh, &device, adamw)?
+        // Resuming: the checkpoint, under whatever layout wrote it, is the model's source.
+        let watch = observe::HeapWatch::start();
+        let resumed = match &cfg.resume {
+            Some(resume) => Some(resume_checkpoint(cfg, resume, &device, &gcfg)?),
+            None => None,
+        };
+        let from_ckpt = resumed.as_ref().map(|c| c.weights());
+        let source: &dyn ParamSource = match (&from_ckpt, &weights) {
+            (Some(w), _) => &**w,
+            (None, Some(w)) => w,
+            (None, None) => bail!("no initial weights and no checkpoint to resume"),
+        };
+        let mut model = Distributed::new(&gcfg, source, plan, &mesh, &device, adamw)?
             .with_timeline(timeline.clone());
-        drop(weights);
+        drop((from_ckpt, weights));
+        if let Some(c) = &resumed {
+            model.load_moments(c)?;
+            watch.record(cfg, &model, (rank, c.meta.step), "load", 0)?;
+        }
         if rank == 0 && world > 1 {
             let dp = match plan.dp_buckets() {
                 Some(_) => "gradients averaged in buckets during the backward",
@@ -243,6 +263,7 @@ fn run_plan(
             rank,
             (dims.dp, world),
             state_baseline,
+            resumed.as_ref(),
         )
     })();
     if opts.trace {
@@ -264,26 +285,32 @@ fn run_plan(
     result
 }
 
-/// Where `cfg.resume` points: "latest" means this run directory.
+/// The checkpoint `cfg.resume` points to ("latest": this run directory's newest that verifies),
+/// checked against the run's model (its `[model]` settings and every parameter's shape).
 fn resume_checkpoint(
     cfg: &TrainConfig,
     resume: &Path,
     device: &Device,
+    gcfg: &GptConfig,
 ) -> anyhow::Result<checkpoint::Checkpoint> {
-    if resume == Path::new("latest") {
-        let ckpt = checkpoint::load_latest_valid(&cfg.run_dir, device, |e| {
+    let ckpt = if resume == Path::new("latest") {
+        checkpoint::load_latest_valid(&cfg.run_dir, device, |e| {
             tracing::warn!("skipping a damaged checkpoint: {e}");
-        })?;
-        return Ok(ckpt);
-    }
-    let dir = checkpoint::resolve(resume)?;
-    Ok(checkpoint::load(&dir, device)?)
+        })?
+    } else {
+        checkpoint::load(&checkpoint::resolve(resume)?, device)?
+    };
+    ckpt.check_model(gcfg)?;
+    let shapes = param_specs(gcfg).into_iter().map(|(n, s, _)| (n, s)).collect();
+    ckpt.check_shapes(&shapes)?;
+    Ok(ckpt)
 }
 
 /// The loop itself, over this rank's [`Distributed`] model; `(dp, devices)`: the data-parallel degree
 /// scales the token count, the number of devices the peak FLOP/s of the MFU; `state_baseline`
 /// is the memory probe's reading taken right before `model` was built (the memory report's
-/// model state is the level after each optimizer step minus it).
+/// model state is the level after each optimizer step minus it); `resumed`: the checkpoint the
+/// model was built from, whose step and data position the loop continues from.
 #[allow(clippy::too_many_arguments)]
 pub fn train_loop(
     cfg: &TrainConfig,
@@ -295,16 +322,11 @@ pub fn train_loop(
     rank: usize,
     (dp, devices): (usize, usize),
     state_baseline: u64,
+    resumed: Option<&checkpoint::Checkpoint>,
 ) -> anyhow::Result<TrainSummary> {
     let _span = tracing::info_span!("train", rank).entered();
     let mut start_step = 0;
-    if let Some(resume) = &cfg.resume {
-        let watch = observe::HeapWatch::start();
-        let ckpt = resume_checkpoint(cfg, resume, device)?;
-        ckpt.check_model(gcfg)?;
-        ckpt.check_shapes(&model.param_shapes())?;
-        model.load_checkpoint(&ckpt)?;
-        watch.record(cfg, model, (rank, ckpt.meta.step), "load", 0)?;
+    if let Some(ckpt) = resumed {
         loader.set_position(ckpt.meta.data_position);
         start_step = ckpt.meta.step;
         tracing::info!(rank, step = start_step, dir = %ckpt.dir.display(), "resumed");

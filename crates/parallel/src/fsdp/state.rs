@@ -48,11 +48,6 @@ pub fn analytic_model_state(
 }
 
 impl Fsdp {
-    /// The flat units, one per segment (what each rank's shard of a parameter is cut from).
-    pub(crate) fn units(&self) -> &[FlatUnit] {
-        &self.units
-    }
-
     /// Bytes of the fp32 master shards (0 without mixed precision).
     pub fn master_bytes(&self) -> usize {
         self.masters.as_ref().map_or(0, |m| m.bytes())

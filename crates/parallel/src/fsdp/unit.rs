@@ -326,12 +326,6 @@ impl FlatUnit {
         Ok(())
     }
 
-    /// This rank's flat elements `[start, start + shard)` and how many of them are decayed
-    /// (the decay piece covers the first ones, the no-decay piece the next).
-    pub fn shard_span(&self) -> (std::ops::Range<usize>, usize) {
-        (self.start..self.start + self.shard, self.len_decay)
-    }
-
     /// Cuts a gathered buffer (padded,) into the original tensors, paired with their entries.
     pub fn unflatten(&self, flat: &Tensor) -> Result<Vec<(&Entry, Tensor)>> {
         let cut = |e: &Entry| flat.narrow(0, e.offset, e.numel)?.reshape(e.shape.clone());

@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use mtrain_parallel::shards::{Piece, StateKind};
+use mtrain_model::source::Piece;
+use mtrain_parallel::shards::StateKind;
 
 use super::manifest::{Manifest, PieceEntry, RankList, SavedLayout};
 use super::{
@@ -67,7 +68,7 @@ pub fn write_rank(
     let mut entries = Vec::new();
     for p in pieces {
         for k in kinds {
-            entries.push((format!("{}.{}", k.tag(), p.name), vec![p.numel()]));
+            entries.push((format!("{}.{}", k.tag(), p.name), vec![p.len()]));
         }
     }
     let failed = |path: &Path, e: anyhow::Error| CheckpointError::Encode {
