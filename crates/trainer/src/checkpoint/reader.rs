@@ -3,14 +3,14 @@
 //!
 //! ```text
 //!   asked: runs R of `name`        stored pieces of `name`: P0 (rank 0), P1 (rank 1), …
-//!   for each piece Pk meeting R:   read Pk's bytes (one seek), check its checksum,
-//!                                  copy R ∩ Pk into the answer
+//!   for each piece Pk meeting R:   stream Pk's bytes (one seek), check its checksum,
+//!                                  copying R ∩ Pk into the answer on the way
 //!   e.g. a tp 2 column slice [2..4, 6..8] of a (2, 4) tensor written by ZeRO on dp 2 as
 //!        P0 = [0..4], P1 = [4..8]:  P0 gives 2..4, P1 gives 6..8
 //! ```
 //!
-//! A piece is read whole (at most one parameter's shard) so that its checksum covers exactly the
-//! bytes used; a damaged piece is refused naming the file and the rank that wrote it. Opening
+//! A piece is read whole, a buffer at a time (never held whole), so that its checksum covers
+//! every byte used; a damaged piece is refused naming the file and the rank that wrote it. Opening
 //! checks the manifest (coverage, spans) and every shard file's size, so a truncated file is
 //! refused before anything is read; [`ShardedCheckpoint::verify_all`] also checks every file's
 //! checksum, a buffer at a time.
@@ -138,8 +138,15 @@ impl ShardedCheckpoint {
         Ok(())
     }
 
-    /// The values of kind `tag` of piece `p`, verified.
-    fn piece(&self, p: &PieceEntry, tag: &str) -> candle_core::Result<Vec<f32>> {
+    /// Copies the parts `(to, from, n)` of kind `tag` of piece `p` into `out`, checking the
+    /// piece's checksum over all of its bytes.
+    fn read_parts(
+        &self,
+        p: &PieceEntry,
+        tag: &str,
+        parts: &[(usize, usize, usize)],
+        out: &mut [f32],
+    ) -> candle_core::Result<()> {
         let fail = |what: String| {
             candle_core::Error::Msg(format!(
                 "checkpoint {} is unusable: {} (written by rank {}): {tag} of `{}`: {what}",
@@ -152,8 +159,8 @@ impl ShardedCheckpoint {
         let span = p
             .span(tag)
             .ok_or_else(|| fail("not stored (the checkpoint has no optimizer state)".into()))?;
-        match shard_file::read_span(&self.dir.join(&p.file), span) {
-            Ok(Ok(v)) => Ok(v),
+        match shard_file::read_span_into(&self.dir.join(&p.file), span, parts, out) {
+            Ok(Ok(())) => Ok(()),
             Ok(Err(why)) => Err(fail(why)),
             Err(e) => Err(fail(format!("{e:#}"))),
         }
@@ -216,11 +223,8 @@ impl ParamSource for KindSource<'_> {
             if parts.is_empty() {
                 continue;
             }
-            let data = c.piece(p, self.kind.tag())?;
-            for (to, from, n) in parts {
-                out[to..to + n].copy_from_slice(&data[from..from + n]);
-                filled += n;
-            }
+            c.read_parts(p, self.kind.tag(), &parts, &mut out)?;
+            filled += parts.iter().map(|&(_, _, n)| n).sum::<usize>();
         }
         if filled != out.len() {
             candle_core::bail!(

@@ -10,7 +10,8 @@
 //!
 //! The header is written first (every piece's size is known before its values are), then each
 //! piece's values are converted and hashed a buffer at a time, so writing holds one piece at
-//! most. The file is an ordinary safetensors file any reader opens; the manifest records each
+//! most, and a reader copies the parts it needs while it checks a piece a buffer at a time.
+//! The file is an ordinary safetensors file any reader opens; the manifest records each
 //! tensor's absolute offset and checksum, so a reader seeks straight to the bytes it needs.
 
 use std::fs::File;
@@ -24,7 +25,7 @@ use super::manifest::Span;
 use crate::fsio::{IoContext, IoError};
 
 /// Elements converted to bytes per write (and per read).
-const CHUNK: usize = 1 << 16;
+const CHUNK: usize = 1 << 13;
 
 /// Writes the f32 tensors `entries` (name, shape) to the safetensors file `path` (with
 /// `metadata` in its header), asking `values(i)` for entry i's values in order, one at a time;
@@ -103,19 +104,25 @@ pub fn write_safetensors(
     Ok((whole.digest(), spans))
 }
 
-/// The f32 values of `span` in the file `path`, read with one seek and verified against its
-/// checksum; `Err` says what differs (the caller names the piece, file and rank).
-pub fn read_span(path: &Path, span: &Span) -> anyhow::Result<Result<Vec<f32>, String>> {
+/// Reads the piece `span` of the file `path` with one seek, a buffer at a time, checking its
+/// checksum over every byte, and copies the parts `(to, from, n)` (elements `from .. from + n`
+/// of the piece to `out[to .. to + n]`) on the way, so only the buffer is held beyond `out`.
+/// `Ok(Err(why))` when the bytes are not the recorded ones (the caller names piece, file, rank).
+pub fn read_span_into(
+    path: &Path,
+    span: &Span,
+    parts: &[(usize, usize, usize)],
+    out: &mut [f32],
+) -> anyhow::Result<Result<(), String>> {
     let mut f = File::open(path).at("opening", path)?;
     f.seek(SeekFrom::Start(span.offset)).at("seeking in", path)?;
-    let n = (span.bytes / 4) as usize;
-    let mut out = Vec::with_capacity(n);
     let mut h = Fnv1a64::default();
+    let n = (span.bytes / 4) as usize;
     let mut buf = vec![0u8; 4 * CHUNK.min(n.max(1))];
-    let mut left = span.bytes as usize;
-    while left > 0 {
-        let take = left.min(buf.len());
-        if let Err(e) = f.read_exact(&mut buf[..take]) {
+    let mut at = 0; // element of the piece at buf[0]
+    while at < n {
+        let take = (n - at).min(CHUNK);
+        if let Err(e) = f.read_exact(&mut buf[..4 * take]) {
             if e.kind() == std::io::ErrorKind::UnexpectedEof {
                 return Ok(Err("the file ends before the piece does (truncated)".into()));
             }
@@ -126,13 +133,15 @@ pub fn read_span(path: &Path, span: &Span) -> anyhow::Result<Result<Vec<f32>, St
             }
             .into());
         }
-        h.update(&buf[..take]);
-        out.extend(
-            buf[..take]
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        );
-        left -= take;
+        h.update(&buf[..4 * take]);
+        for &(to, from, len) in parts {
+            let (lo, hi) = (from.max(at), (from + len).min(at + take));
+            for k in lo..hi {
+                let b = &buf[4 * (k - at)..4 * (k - at) + 4];
+                out[to + k - from] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        at += take;
     }
     let got = h.digest();
     if got.fnv1a64 != span.fnv1a64 {
@@ -144,7 +153,7 @@ pub fn read_span(path: &Path, span: &Span) -> anyhow::Result<Result<Vec<f32>, St
             span.fnv1a64
         )));
     }
-    Ok(Ok(out))
+    Ok(Ok(()))
 }
 
 /// The digest of the whole file at `path`, read a buffer at a time.
@@ -177,13 +186,21 @@ mod tests {
         assert_eq!(digest, FileDigest::of(&bytes));
         let st = safetensors::SafeTensors::deserialize(&bytes)?;
         assert_eq!(st.tensor("w.b")?.shape(), &[70_000]);
-        assert_eq!(read_span(&path, &spans[1])?.unwrap(), b);
-        assert_eq!(read_span(&path, &spans[0])?.unwrap(), a);
+        let read = |i: usize, n: usize| -> anyhow::Result<Result<Vec<f32>, String>> {
+            let mut out = vec![0f32; n];
+            Ok(read_span_into(&path, &spans[i], &[(0, 0, n)], &mut out)?.map(|_| out))
+        };
+        assert_eq!(read(1, b.len())?.unwrap(), b);
+        assert_eq!(read(0, 5)?.unwrap(), a);
+        // Parts of a piece, across buffers: b[8190..8194] and b[3..5].
+        let mut out = vec![0f32; 6];
+        read_span_into(&path, &spans[1], &[(0, 8190, 4), (4, 3, 2)], &mut out)?.unwrap();
+        assert_eq!(out, [&b[8190..8194], &b[3..5]].concat());
         let mut bad = bytes.clone();
         bad[spans[1].offset as usize + 9] ^= 1;
         std::fs::write(&path, &bad)?;
-        assert!(read_span(&path, &spans[1])?.unwrap_err().contains("checksum"));
-        assert_eq!(read_span(&path, &spans[0])?.unwrap(), a, "other pieces still read");
+        assert!(read(1, b.len())?.unwrap_err().contains("checksum"));
+        assert_eq!(read(0, 5)?.unwrap(), a, "other pieces still read");
         Ok(())
     }
 }

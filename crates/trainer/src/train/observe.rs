@@ -199,8 +199,9 @@ impl HeapWatch {
         Self { before }
     }
 
-    /// Appends `{rank, op, step, heap_rise_bytes, piece_bytes, largest_piece_bytes,
-    /// written_bytes}` (nothing unless the counting allocator is installed).
+    /// Appends `{rank, op, step, heap_rise_bytes, heap_kept_bytes, piece_bytes,
+    /// largest_piece_bytes, written_bytes}` (peak and end level over the start; nothing unless
+    /// the counting allocator is installed).
     pub(super) fn record(
         self,
         cfg: &TrainConfig,
@@ -213,12 +214,13 @@ impl HeapWatch {
             return Ok(());
         }
         let rise = CpuProbe.peak().saturating_sub(self.before);
+        let kept = CpuProbe.current().saturating_sub(self.before);
         let (pieces, largest) = model.piece_bytes();
         std::fs::create_dir_all(&cfg.run_dir)
             .with_context(|| format!("creating {}", cfg.run_dir.display()))?;
         let mut f = open_append(&cfg.run_dir.join("checkpoint-memory.jsonl"))?;
         let line = serde_json::json!({
-            "rank": rank, "op": op, "step": step, "heap_rise_bytes": rise,
+            "rank": rank, "op": op, "step": step, "heap_rise_bytes": rise, "heap_kept_bytes": kept,
             "piece_bytes": pieces, "largest_piece_bytes": largest, "written_bytes": written,
         });
         write_json_line(&mut f, &line)
