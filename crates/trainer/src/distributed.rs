@@ -496,9 +496,10 @@ impl Distributed {
                 DataParallelKind::Zero(z) => Some(z.stage as u8),
                 DataParallelKind::Ddp(_) => None,
             },
-            precision: match self.plan.precision.is_mixed() {
-                true => "bf16".into(),
-                false => "f32".into(),
+            precision: if self.plan.precision.is_mixed() {
+                "bf16".into()
+            } else {
+                "f32".into()
             },
         }
     }

@@ -169,11 +169,13 @@ impl Manifest {
             runs.sort_unstable();
             let mut at = 0;
             for (s, e, rank) in runs {
-                if s != at {
-                    let what = if s < at { "overlaps" } else { "leaves a gap before" };
+                if s < at {
                     problems.push(format!(
-                        "`{name}`: the piece of rank {rank} at {s}..{e} {what} element {at}"
+                        "`{name}`: the piece of rank {rank} at {s}..{e} overlaps another before \
+                         element {at}"
                     ));
+                } else if s > at {
+                    problems.push(format!("`{name}`: elements {at}..{s} are in no piece"));
                 }
                 at = at.max(e);
             }
@@ -183,9 +185,10 @@ impl Manifest {
                 ));
             }
         }
-        match problems.is_empty() {
-            true => Ok(()),
-            false => Err(problems.join("; ")),
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(problems.join("; "))
         }
     }
 }
@@ -230,9 +233,12 @@ mod tests {
         // Column halves of a (2, 4) tensor over tp = 2.
         let ok = manifest(vec![piece(0, vec![[0, 2], [4, 6]]), piece(1, vec![[2, 4], [6, 8]])]);
         ok.check_coverage().unwrap();
-        let gap = manifest(vec![piece(0, vec![[0, 2], [4, 6]]), piece(1, vec![[2, 4]])]);
+        let gap = manifest(vec![piece(0, vec![[0, 2], [4, 6]]), piece(1, vec![[6, 8]])]);
         let e = gap.check_coverage().unwrap_err();
-        assert!(e.contains("leaves a gap") && e.contains("cover 6 of its 8"), "{e}");
+        assert!(e.contains("elements 2..4 are in no piece"), "{e}");
+        let short = manifest(vec![piece(0, vec![[0, 2], [4, 6]]), piece(1, vec![[2, 4]])]);
+        let e = short.check_coverage().unwrap_err();
+        assert!(e.contains("pieces cover 6 of its 8 elements"), "{e}");
         let twice = manifest(vec![piece(0, vec![[0, 8]]), piece(1, vec![[2, 4], [6, 8]])]);
         let e = twice.check_coverage().unwrap_err();
         assert!(e.contains("rank 1 at 2..4 overlaps"), "{e}");

@@ -61,9 +61,10 @@ pub fn write_rank(
     mut values: impl FnMut(&Piece, StateKind) -> anyhow::Result<Vec<f32>>,
 ) -> Result<u64, CheckpointError> {
     let file = format!("rank-{rank:05}.safetensors");
-    let kinds: &[StateKind] = match moments {
-        true => &StateKind::ALL,
-        false => &StateKind::ALL[..1],
+    let kinds: &[StateKind] = if moments {
+        &StateKind::ALL
+    } else {
+        &StateKind::ALL[..1]
     };
     let mut entries = Vec::new();
     for p in pieces {
