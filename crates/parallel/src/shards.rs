@@ -24,7 +24,7 @@ use mtrain_model::optim::{AdamW, AdamWState};
 use mtrain_model::source::{ParamSource, Piece};
 
 use crate::placement::{expert_of, stage_of, Placement};
-use crate::runtime::{ParallelModel, Replicas, Result};
+use crate::runtime::{ParallelModel, Result};
 use crate::toolbox::StateError;
 
 /// What a piece's values are.
@@ -68,7 +68,7 @@ impl ParallelModel {
             Some(Placement::Sharded { .. })
         );
         let tp_ok = self.coords.tp == 0 || tp_sharded;
-        let dp_ok = matches!(self.replicas, Replicas::Zero(_))
+        let dp_ok = self.replicas.sharded_over_dp()
             || match expert_of(name) {
                 Some(_) => self.coords.edp == 0,
                 None => self.coords.dp == 0,
@@ -84,10 +84,7 @@ impl ParallelModel {
         piece: &Piece,
         kind: StateKind,
     ) -> Result<Option<Tensor>> {
-        let masters = match &self.replicas {
-            Replicas::Full(f) => f.masters.as_ref(),
-            Replicas::Zero(fsdp) => fsdp.masters(),
-        };
+        let masters = self.replicas.masters();
         let item = piece.local.as_str();
         let whole = match kind {
             StateKind::Weight => {
