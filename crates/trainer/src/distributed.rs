@@ -36,12 +36,11 @@
 //! the runs of its own pieces from the checkpoint, so a
 //! run saved under dp 4 with ZeRO-3 resumes under tp 2 × pp 2, or on one rank.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 use anyhow::Context;
 use candle_core::{Device, Tensor};
 use mtrain_comm::DeviceMesh;
-use mtrain_model::init::param_specs;
 use mtrain_model::source::ParamSource;
 use mtrain_model::optim::{AdamW, AdamWConfig, GradScale};
 use mtrain_model::{GptConfig, MoeStats};
@@ -521,15 +520,6 @@ impl Distributed {
         let all = pieces.iter().map(|p| p.len() as u64).sum::<u64>();
         let largest = pieces.iter().map(|p| p.len() as u64).max().unwrap_or(0);
         (12 * all, 4 * largest)
-    }
-
-    /// Parameter shapes by name, to check a checkpoint against: the single-device shapes,
-    /// whatever the layout.
-    pub fn param_shapes(&self) -> BTreeMap<String, Vec<usize>> {
-        param_specs(&self.cfg)
-            .into_iter()
-            .map(|(n, s, _)| (n, s))
-            .collect()
     }
 
     /// The bytes-per-parameter layout this rank holds (for the memory report).
