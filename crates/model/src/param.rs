@@ -40,6 +40,15 @@ impl Param {
         })
     }
 
+    /// Wraps `var` under `name` as it is, without copying it (a fresh `Var` nothing else
+    /// holds, such as one made from values just read).
+    pub fn from_var(name: impl Into<String>, var: Var) -> Param {
+        Param {
+            name: Arc::from(name.into()),
+            slot: Arc::new(RwLock::new(var)),
+        }
+    }
+
     /// The parameter's name (GPT-2 naming, e.g. `h.3.mlp.c_fc.weight`).
     pub fn name(&self) -> &str {
         &self.name

@@ -47,7 +47,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
 use mtrain_comm::{Coords, DeviceMesh, MeshDims};
 use mtrain_model::gpt::ParamStore;
 use mtrain_model::source::{read_tensor, ParamSource};
@@ -101,12 +101,18 @@ pub fn parallelize(
     for h in table.unique() {
         let runs = h.placement.runs(&h.full_shape, c.tp, tp);
         let (full_shape, shape) = (h.full_shape.clone(), h.shape.clone());
-        let local = match zero3 {
-            true => Tensor::zeros(0, dtype, device)?,
-            false => read_tensor(source, &h.name, &full_shape, &runs, &shape, device)?
-                .to_dtype(dtype)?,
+        let param = match (zero3, dtype) {
+            (true, _) => Param::new(h.name.as_str(), Tensor::zeros(0, dtype, device)?)?,
+            (false, DType::F32) => {
+                // The values read become the parameter's storage: no second copy.
+                let data = source.read(&h.name, &full_shape, &runs)?;
+                Param::from_var(h.name.as_str(), Var::from_vec(data, shape.as_slice(), device)?)
+            }
+            (false, _) => {
+                let t = read_tensor(source, &h.name, &full_shape, &runs, &shape, device)?;
+                Param::new(h.name.as_str(), t.to_dtype(dtype)?)?
+            }
         };
-        let param = Param::new(h.name.as_str(), local)?;
         pieces.insert(h.name.clone(), (full_shape.clone(), param));
         let region = Region {
             shape,

@@ -80,11 +80,39 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 pub use analytic::{
-    activation_bytes, bucket_bytes, rank_activation_bytes, rank_params, rank_step_memory,
-    step_memory, ActivationLayout, ActivationLayoutError, ModelStateLayout, StepMemory, StepRun,
+    activation_bytes, bucket_bytes, rank_activation_bytes, rank_params, rank_startup_bytes,
+    rank_step_memory, startup_bytes, step_memory, ActivationLayout, ActivationLayoutError,
+    ModelStateLayout, StepMemory, StepRun,
 };
 pub use kept::{BackwardPath, Dims, Routing, SegmentCost};
-pub use measured::{CountingAlloc, CpuProbe, MemoryProbe};
+pub use measured::{peak_rss, CountingAlloc, CpuProbe, MemoryProbe};
+
+/// The startup line of `--mem-report`, printed by every rank once its model is built: what it
+/// should hold ([`startup_bytes`]) beside the probe's peak while building, above the baseline,
+/// and the process's resident high-water mark so far.
+pub fn startup_line(rank: usize, analytic: u64, measured: u64, probe: &str) -> String {
+    let rss = peak_rss().map_or("unknown".into(), |b| mib(b).trim().to_string());
+    let (analytic, measured) = (mib(analytic), mib(measured));
+    format!(
+        "rank {rank} startup: analytic {}, measured peak {} ({probe}, above the baseline); \
+         process peak RSS {rss}",
+        analytic.trim(),
+        measured.trim()
+    )
+}
+
+/// A line of `--mem-report` on every rank: the most host memory the process has held since it
+/// started, up to `when` (after the last step, before its checkpoint; at the end of the run),
+/// as heap ([`CountingAlloc::lifetime_peak`], when it is the allocator) and as resident memory
+/// ([`peak_rss`]).
+pub fn run_peak_line(rank: usize, when: &str) -> String {
+    let rss = peak_rss().map_or("unknown".into(), |b| mib(b).trim().to_string());
+    let heap = match CountingAlloc::installed() {
+        true => mib(CountingAlloc::lifetime_peak()).trim().to_string(),
+        false => "not counted".into(),
+    };
+    format!("rank {rank} peak {when}: heap {heap}, process peak RSS {rss}")
+}
 
 /// The analytic side of a report: the model state by category and what the step adds to it.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]

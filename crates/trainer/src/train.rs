@@ -25,7 +25,6 @@
 //! function of the seed and its coordinates (`crate::data::sampling`) and nothing else is random,
 //! so a resumed run reproduces the uninterrupted loss series bit for bit.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -37,7 +36,8 @@ use mtrain_kernels::readback::ReadLater;
 use mtrain_model::optim::{clip_coef_on_device, lr_at, AdamWConfig, GradScale, LrSchedule};
 use mtrain_model::init::param_specs;
 use mtrain_model::source::ParamSource;
-use mtrain_model::{init_weights, GptConfig};
+use mtrain_model::{GptConfig, SeededInit};
+use mtrain_parallel::holdings::Holdings;
 use serde::Serialize;
 
 use crate::checkpoint;
@@ -46,7 +46,8 @@ use crate::data::{DataLoader, Dataset};
 use crate::distributed::Distributed;
 use crate::fsio::JsonLines;
 use crate::memory::{
-    AnalyticMemory, BackwardPath, CpuProbe, MemoryProbe, MemoryTracker, ModelStateLayout, Phase,
+    run_peak_line, startup_bytes, startup_line, AnalyticMemory, BackwardPath,
+    CpuProbe, MemoryProbe, MemoryTracker, ModelStateLayout, Phase,
 };
 use crate::micro_step::MicroStep;
 use crate::phases::{PhaseTimer, StepPhase, StepPhases};
@@ -115,14 +116,15 @@ struct Setup {
     dataset: Dataset,
     /// Heap bytes before any part of the model exists (0 without `--mem-report`).
     state_baseline: u64,
-    /// The full initial weights, the same on every rank (None when resuming: the checkpoint
-    /// is the model's source).
-    weights: Option<BTreeMap<String, Tensor>>,
+    /// Where the initial weights come from, the same on every rank: the seeded initialisation
+    /// (each rank draws only its pieces) or a Hugging Face file's full tensors.
+    weights: Box<dyn ParamSource>,
     adamw: AdamWConfig,
 }
 
 /// Open the data (checking it fits the model's vocabulary), read the memory baseline while
-/// nothing of the model exists yet, and draw the initial weights from the seed.
+/// nothing of the model exists yet, and name the initial weights' source (the seed's, or
+/// `--init-from`'s file).
 fn setup(cfg: &TrainConfig, gcfg: &GptConfig, device: &Device) -> anyhow::Result<Setup> {
     // On CUDA, memory a step frees stays reserved for the next step instead of going back to
     // the driver at each synchronise (the loss read-back, the gradient norm; used memory, which
@@ -143,14 +145,13 @@ fn setup(cfg: &TrainConfig, gcfg: &GptConfig, device: &Device) -> anyhow::Result
     } else {
         0
     };
-    let weights = match (&cfg.init_from, &cfg.resume) {
-        (_, Some(_)) => None,
+    let weights: Box<dyn ParamSource> = match (&cfg.init_from, &cfg.resume) {
         (Some(path), None) => {
             let w = crate::tools::hf::load(path, gcfg)?;
             tracing::info!(path = %path.display(), "initial weights from a Hugging Face GPT-2 file");
-            Some(w)
+            Box::new(w)
         }
-        (None, None) => Some(init_weights(gcfg, cfg.seed)?),
+        _ => Box::new(SeededInit::new(gcfg, cfg.seed)?),
     };
     let adamw = AdamWConfig {
         beta1: cfg.beta1,
@@ -224,6 +225,10 @@ fn run_plan(
             weights,
             adamw,
         } = setup(cfg, &gcfg, &device)?;
+        let probe = memory_probe(&device);
+        if cfg.mem_report {
+            probe.reset_peak(); // the startup peak: building the model
+        }
         // Resuming: the checkpoint, under whatever layout wrote it, is the model's source.
         let watch = observe::HeapWatch::start();
         let resumed = match &cfg.resume {
@@ -231,10 +236,9 @@ fn run_plan(
             None => None,
         };
         let from_ckpt = resumed.as_ref().map(|c| c.weights());
-        let source: &dyn ParamSource = match (&from_ckpt, &weights) {
-            (Some(w), _) => &**w,
-            (None, Some(w)) => w,
-            (None, None) => bail!("no initial weights and no checkpoint to resume"),
+        let source: &dyn ParamSource = match &from_ckpt {
+            Some(w) => &**w,
+            None => weights.as_ref(),
         };
         let mut model = Distributed::new(&gcfg, source, plan, &mesh, &device, adamw)?
             .with_timeline(timeline.clone());
@@ -242,6 +246,12 @@ fn run_plan(
         if let Some(c) = &resumed {
             model.load_moments(c)?;
             watch.record(cfg, &model, (rank, c.meta.step), "load", 0)?;
+        }
+        if cfg.mem_report {
+            let table = Holdings::of_rank(&gcfg, plan, mesh.coords)?;
+            let analytic = startup_bytes(&table, plan);
+            let measured = probe.peak().saturating_sub(state_baseline);
+            eprintln!("{}", startup_line(rank, analytic, measured, probe.name()));
         }
         if rank == 0 && world > 1 {
             let dp = match plan.dp_buckets() {
@@ -428,11 +438,17 @@ pub fn train_loop(
             let when = (step == start_step, last, log_now);
             mem_reports.record(&tracker, analytic, (step, rank), when, &bar)?;
         }
+        if cfg.mem_report && last {
+            bar.log(|| eprintln!("{}", run_peak_line(rank, "through the steps")));
+        }
         if let Some(dir) = save_checkpoint(cfg, model, &loader, step, (rank, &bar))? {
             summary.last_checkpoint = Some(dir);
         }
     }
     bar.finish();
+    if cfg.mem_report {
+        eprintln!("{}", run_peak_line(rank, "at the end of the run"));
+    }
     let executed = cfg.steps.saturating_sub(start_step);
     summary.tokens_per_s =
         executed as f64 * tokens_per_step / run_start.elapsed().as_secs_f64().max(1e-9);

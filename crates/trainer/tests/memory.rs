@@ -15,6 +15,10 @@
 //! compute thread (`RAYON_NUM_THREADS=1`: 4 ranks share the machine's cores anyway), so the
 //! per-thread matmul workspace lies entirely in the baseline, read after a warm-up product.
 //!
+//! Startup: every rank builds only its own part of the model, so its measured peak while
+//! building (above the baseline) is within 5% + 0.5 MiB of the analytic startup figure, and
+//! under `--dp 4 --fsdp` at most 0.35×, under `--tp 2 --pp 2` at most 0.45× the one-rank run's.
+//!
 //! Phases: for every layout the model counts, the predicted level at the end of the forward and
 //! the predicted peak match the measured ones on every rank within ±15%, at two widths; and
 //! `mtrain plan` prints the report's analytic figures. In this process the counting allocator
@@ -462,6 +466,80 @@ fn the_tape_and_autograd_forwards_keep_what_the_model_counts() {
                 err.abs() <= 0.15,
                 "{path:?} width {n_embd}: predicted {predicted} B, measured {measured} B ({:+.1}%)",
                 100.0 * err
+            );
+        }
+    }
+}
+
+/// Each rank's (analytic, measured) startup bytes from `mtrain [layout] --mem-report`, 1 step.
+fn startup(layout: &[&str]) -> Vec<(f64, f64)> {
+    let dir = tempfile::Builder::new()
+        .prefix("mtrain-startup-")
+        .tempdir()
+        .expect("temp dir");
+    let run_dir = dir.path().display().to_string();
+    let mut args = vec![
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--mem-report",
+        "--set",
+        "model.n_embd=256",
+        "--set",
+        "model.n_layer=4",
+        "--set",
+        "eval_every=0",
+        "--run-dir",
+        &run_dir,
+    ];
+    args.extend_from_slice(layout);
+    let out = mtrain(&args)
+        .env("RAYON_NUM_THREADS", "1")
+        .bounded_output();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "mtrain {args:?} failed:\n{text}");
+    let mib_after = |line: &str, key: &str| -> f64 {
+        let rest = &line[line.find(key).expect(key) + key.len()..];
+        let n = rest.split_whitespace().next().expect("a number");
+        n.parse::<f64>().expect("MiB") * (1 << 20) as f64
+    };
+    let ranks: Vec<(f64, f64)> = text
+        .lines()
+        .filter(|l| l.contains("startup: analytic"))
+        .map(|l| (mib_after(l, "analytic "), mib_after(l, "measured peak ")))
+        .collect();
+    assert!(!ranks.is_empty(), "no startup line:\n{text}");
+    ranks
+}
+
+#[test]
+fn every_rank_starts_with_its_own_part_of_the_model() {
+    let _serial = one_at_a_time();
+    let one = startup(&[]);
+    let fsdp = startup(&["--dp", "4", "--fsdp"]);
+    let tp_pp = startup(&["--tp", "2", "--pp", "2"]);
+    let zero1 = startup(&["--dp", "2", "--zero-stage", "1"]);
+    for (name, ranks) in [("one rank", &one), ("dp 4 fsdp", &fsdp), ("tp 2 pp 2", &tp_pp), ("dp 2 zero 1", &zero1)] {
+        for &(analytic, measured) in ranks.iter() {
+            assert!(
+                (measured - analytic).abs() <= 0.05 * analytic + 0.5 * (1 << 20) as f64,
+                "{name}: startup measured {measured} B against analytic {analytic} B"
+            );
+        }
+    }
+    let one = one[0].1;
+    for (name, ranks, most) in [("dp 4 fsdp", &fsdp, 0.35), ("tp 2 pp 2", &tp_pp, 0.45)] {
+        for &(_, measured) in ranks.iter() {
+            assert!(
+                measured <= most * one,
+                "{name}: a rank's startup peak {measured} B is above {most} x one rank's {one} B"
             );
         }
     }

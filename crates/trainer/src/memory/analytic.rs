@@ -184,6 +184,76 @@ pub fn rank_params(
     Ok(rank_holdings(cfg, plan, pp_rank)?.numel() as u64)
 }
 
+/// The highest number of bytes a rank holds while it builds its model, before its first step
+/// (the startup figure of the memory report and of `mtrain plan`), by replaying the reads of
+/// `parallel/src/parallelize.rs` in its order. A rank never creates a tensor of the model it
+/// does not hold, so each read adds only its own piece:
+///
+/// ```text
+///   each piece of the holdings table (not at ZeRO-3)   fp32: the values read are the parameter
+///                                                       (4 an element); else fp32 values, then
+///                                                       the cast's copy: 4 + w, w kept
+///   ZeRO: each unit's shard, in segment order           4 + w, w kept (the optimizer's piece)
+///   mixed precision: the fp32 masters                   all read (4 an element), then each
+///                                                       copied (4 for the largest in flight)
+/// ```
+/// (`w`: the compute dtype's bytes.) Gradients and AdamW's moments come with the first step.
+pub fn startup_bytes(table: &Holdings, plan: &ParallelPlan) -> u64 {
+    let state = ModelStateLayout::for_plan(table.numel() as u64, plan);
+    let w = state.param_bytes;
+    let (mut held, mut peak) = (0u64, 0u64);
+    let mut read = |n: u64, in_flight: u64, kept: u64| {
+        peak = peak.max(held + n * in_flight);
+        held += n * kept;
+    };
+    let stage = match plan.data {
+        DataParallelKind::Ddp(_) => 0,
+        DataParallelKind::Zero(z) => z.stage as u8,
+    };
+    let pieces: Vec<u64> = table.unique().iter().map(|h| h.numel() as u64).collect();
+    if stage != 3 {
+        let in_flight = if w == 4 { 4 } else { 4 + w };
+        pieces.iter().for_each(|&n| read(n, in_flight, w));
+    }
+    let shards = match stage {
+        0 => Vec::new(),
+        _ => unit_shards(table, plan.dims.dp.max(1) as u64),
+    };
+    shards.iter().for_each(|&n| read(n, 4 + w, w));
+    if plan.precision.is_mixed() {
+        let masters = match stage {
+            0 => &pieces,
+            _ => &shards,
+        };
+        let all: u64 = masters.iter().sum();
+        let largest = masters.iter().copied().max().unwrap_or(0);
+        read(all, 4, 4);
+        peak = peak.max(held + 4 * largest);
+    }
+    peak
+}
+
+/// The shard sizes (elements) of `table`'s ZeRO units over `dp` ranks, in segment order: each
+/// segment's parameters not used by an earlier one, padded up to a multiple of dp.
+fn unit_shards(table: &Holdings, dp: u64) -> Vec<u64> {
+    let mut seen = std::collections::BTreeSet::new();
+    let segments = table.chunks.iter().flat_map(|c| &c.segments);
+    let units = segments.map(|s| {
+        let owned = s.params.iter().filter(|h| seen.insert(h.name.clone()));
+        owned.map(|h| h.numel() as u64).sum::<u64>()
+    });
+    units.map(|n| n.div_ceil(dp)).collect()
+}
+
+/// [`startup_bytes`] of pipeline rank `pp_rank` under `plan` (any of its dp, tp, ep ranks).
+pub fn rank_startup_bytes(
+    cfg: &GptConfig,
+    plan: &ParallelPlan,
+    pp_rank: usize,
+) -> Result<u64, ActivationLayoutError> {
+    Ok(startup_bytes(&rank_holdings(cfg, plan, pp_rank)?, plan))
+}
+
 /// The holdings table of the first rank (dp 0, tp 0) of pipeline rank `pp_rank`: every rank of
 /// a pipeline rank holds as many elements (tp splits evenly, each ep rank holds E/ep experts).
 fn rank_holdings(

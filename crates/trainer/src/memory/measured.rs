@@ -15,6 +15,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 static CURRENT: AtomicU64 = AtomicU64::new(0);
 static PEAK: AtomicU64 = AtomicU64::new(0);
+/// The high-water mark of the whole process, never reset.
+static LIFETIME_PEAK: AtomicU64 = AtomicU64::new(0);
 static ALLOCS: AtomicU64 = AtomicU64::new(0);
 
 /// A global allocator over [`System`] that counts live bytes and their high-water mark.
@@ -24,11 +26,17 @@ impl CountingAlloc {
     fn grow(by: usize) {
         let now = CURRENT.fetch_add(by as u64, Ordering::Relaxed) + by as u64;
         PEAK.fetch_max(now, Ordering::Relaxed);
+        LIFETIME_PEAK.fetch_max(now, Ordering::Relaxed);
         ALLOCS.fetch_add(1, Ordering::Relaxed);
     }
 
     fn shrink(by: usize) {
         CURRENT.fetch_sub(by as u64, Ordering::Relaxed);
+    }
+
+    /// The most heap bytes the process has held at once, since it started.
+    pub fn lifetime_peak() -> u64 {
+        LIFETIME_PEAK.load(Ordering::Relaxed)
     }
 
     /// Whether this allocator is the process's global allocator (it has seen an allocation).
@@ -102,4 +110,13 @@ impl MemoryProbe for CpuProbe {
     fn reset_peak(&self) {
         PEAK.store(CURRENT.load(Ordering::Relaxed), Ordering::Relaxed);
     }
+}
+
+/// The process's peak resident memory (Linux's `VmHWM`, in bytes): the host memory it has held
+/// at most, heap, stacks and mapped code included. `None` where `/proc` does not say.
+pub fn peak_rss() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }

@@ -22,7 +22,7 @@ use crate::config::DeviceKind;
 use crate::config::{TrainArgs, TrainConfig};
 use crate::layout::Layout;
 use crate::memory::{
-    bucket_bytes, rank_params, step_memory, ActivationLayout, AnalyticMemory, BackwardPath,
+    bucket_bytes, rank_params, rank_startup_bytes, step_memory, ActivationLayout, AnalyticMemory, BackwardPath,
     ModelStateLayout,
 };
 
@@ -192,6 +192,9 @@ pub struct RankMemory {
     /// The report's analytic column: the model state, and what a step adds to it
     /// ([`step_memory`] on the run's backward path; the DDP buckets, [`bucket_bytes`]).
     pub analytic: AnalyticMemory,
+    /// What the rank holds once its model is built, before the first step
+    /// ([`rank_startup_bytes`]).
+    pub startup: u64,
 }
 
 /// Each pipeline rank's analytic memory under `plan` for the run `cfg`: the report's model, fed
@@ -210,6 +213,7 @@ pub fn rank_memory(cfg: &TrainConfig, plan: &ParallelPlan) -> anyhow::Result<Vec
                 pp_rank,
                 state,
                 analytic: AnalyticMemory::new(&state, step, comm),
+                startup: rank_startup_bytes(&model, plan, pp_rank)?,
             })
         })
         .collect()
@@ -227,9 +231,10 @@ pub fn render_memory(plan: &ParallelPlan, ranks: &[RankMemory]) -> String {
     for r in ranks {
         let (s, a) = (&r.state, &r.analytic);
         out.push_str(&format!(
-            "pp rank {}: {} params, model state {:.2} MiB (parameters {:.2}, gradients {:.2}, optimizer states {:.2}); a step adds activations {:.2} MiB, gathered weights {:.2}, comm buffers {:.2}: after forward +{:.2}, peak +{:.2} MiB\n",
+            "pp rank {}: {} params, startup {:.2} MiB, model state {:.2} MiB (parameters {:.2}, gradients {:.2}, optimizer states {:.2}); a step adds activations {:.2} MiB, gathered weights {:.2}, comm buffers {:.2}: after forward +{:.2}, peak +{:.2} MiB\n",
             r.pp_rank,
             s.n_params,
+            mib(r.startup),
             mib(s.total()),
             mib(a.params),
             mib(a.grads),
