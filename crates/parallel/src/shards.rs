@@ -64,7 +64,10 @@ impl ParallelModel {
         let layout = self.stages.layout();
         let pp_ok = layout.rank_of_stage(stage_of(name, layout), dims.pp) == self.coords.pp;
         let tp_sharded = matches!(
-            self.layout.as_ref().and_then(|l| l.get(name)).map(|s| s.placement),
+            self.layout
+                .as_ref()
+                .and_then(|l| l.get(name))
+                .map(|s| s.placement),
             Some(Placement::Sharded { .. })
         );
         let tp_ok = self.coords.tp == 0 || tp_sharded;

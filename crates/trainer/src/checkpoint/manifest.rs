@@ -225,13 +225,24 @@ mod tests {
             zero_stage: None,
             precision: "f32".into(),
         };
-        Manifest::merge(layout, false, vec![RankList { rank: 0, file: None, pieces }])
+        Manifest::merge(
+            layout,
+            false,
+            vec![RankList {
+                rank: 0,
+                file: None,
+                pieces,
+            }],
+        )
     }
 
     #[test]
     fn pieces_must_cover_each_element_once() {
         // Column halves of a (2, 4) tensor over tp = 2.
-        let ok = manifest(vec![piece(0, vec![[0, 2], [4, 6]]), piece(1, vec![[2, 4], [6, 8]])]);
+        let ok = manifest(vec![
+            piece(0, vec![[0, 2], [4, 6]]),
+            piece(1, vec![[2, 4], [6, 8]]),
+        ]);
         ok.check_coverage().unwrap();
         let gap = manifest(vec![piece(0, vec![[0, 2], [4, 6]]), piece(1, vec![[6, 8]])]);
         let e = gap.check_coverage().unwrap_err();

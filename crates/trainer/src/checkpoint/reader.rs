@@ -118,7 +118,10 @@ impl ShardedCheckpoint {
         for (file, want) in &self.files {
             let got = shard_file::digest_of(&self.dir.join(file))?;
             let why = if got.bytes != want.bytes {
-                format!("has {} bytes but {} were recorded (truncated or overwritten)", got.bytes, want.bytes)
+                format!(
+                    "has {} bytes but {} were recorded (truncated or overwritten)",
+                    got.bytes, want.bytes
+                )
             } else if got.fnv1a64 != want.fnv1a64 {
                 format!(
                     "checksum {} does not match the recorded {} (corrupted or edited)",
@@ -203,7 +206,12 @@ fn overlaps(asked: &[Range<usize>], piece: &[Range<usize>]) -> Vec<(usize, usize
 }
 
 impl ParamSource for KindSource<'_> {
-    fn read(&self, name: &str, full_shape: &[usize], runs: &[Range<usize>]) -> candle_core::Result<Vec<f32>> {
+    fn read(
+        &self,
+        name: &str,
+        full_shape: &[usize],
+        runs: &[Range<usize>],
+    ) -> candle_core::Result<Vec<f32>> {
         let c = self.ckpt;
         let Some(idx) = c.by_param.get(name) else {
             candle_core::bail!("checkpoint {} holds no parameter `{name}`", c.dir.display());

@@ -115,7 +115,8 @@ pub fn read_span_into(
     out: &mut [f32],
 ) -> anyhow::Result<Result<(), String>> {
     let mut f = File::open(path).at("opening", path)?;
-    f.seek(SeekFrom::Start(span.offset)).at("seeking in", path)?;
+    f.seek(SeekFrom::Start(span.offset))
+        .at("seeking in", path)?;
     let mut h = Fnv1a64::default();
     let n = (span.bytes / 4) as usize;
     let mut buf = vec![0u8; 4 * CHUNK.min(n.max(1))];
@@ -180,7 +181,10 @@ mod tests {
         let path = dir.path().join("rank-00000.safetensors");
         let a: Vec<f32> = (0..5).map(|i| i as f32).collect();
         let b: Vec<f32> = (0..70_000).map(|i| i as f32 * 0.5).collect();
-        let entries = [("w.a".to_string(), vec![5]), ("w.b".to_string(), vec![70_000])];
+        let entries = [
+            ("w.a".to_string(), vec![5]),
+            ("w.b".to_string(), vec![70_000]),
+        ];
         let (digest, spans) = write_safetensors(&path, &[], &entries, |i| Ok([&a, &b][i].clone()))?;
         let bytes = std::fs::read(&path)?;
         assert_eq!(digest, FileDigest::of(&bytes));

@@ -122,12 +122,11 @@ pub fn finish_sharded(
     let mut files = BTreeMap::new();
     for rank in 0..meta.world_size {
         let path = tmp.join(format!("rank-{rank:05}.json"));
-        let list: RankList = serde_json::from_slice(&fsio::read(&path)?).map_err(|e| {
-            CheckpointError::Encode {
+        let list: RankList =
+            serde_json::from_slice(&fsio::read(&path)?).map_err(|e| CheckpointError::Encode {
                 file: path.clone(),
                 reason: e.to_string(),
-            }
-        })?;
+            })?;
         if let Some((file, digest)) = list.file.clone() {
             files.insert(file, digest);
         }
@@ -154,4 +153,3 @@ pub fn finish_sharded(
     };
     publish(run_dir, tmp, &meta)
 }
-
