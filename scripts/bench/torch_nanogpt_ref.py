@@ -22,8 +22,8 @@ What it does, each part as nanoGPT's train.py does it:
   compute   bf16 autocast on CUDA (nanoGPT's dtype), fp32 on CPU
 
 Two options put the reference on mtrain's own footing, to tell the training apart from the draws:
-  --init-from RUN/step-N/model.safetensors   start from an mtrain checkpoint's weights (needs the
-                                             safetensors package)
+  --init-from RUN/step-N/rank-00000.safetensors   start from a one-rank mtrain run's checkpoint
+                                             weights (needs the safetensors package)
   --mtrain-batches                           draw every row, training and evaluation, as mtrain does
                                              (Philox4x32-10 keyed by the seed, crates/trainer/src/data/
                                              sampling.rs; one shard per split)
@@ -123,12 +123,20 @@ def mtrain_row_start(seed, split_id, evaluation, step, row, n_starts):
 
 
 def load_mtrain_weights(model, path):
-    """An mtrain checkpoint's tensors into `model` (h.i -> blocks.i; the MLP's names one level up)."""
+    """An mtrain checkpoint's tensors into `model` (h.i -> blocks.i; the MLP's names one level up).
+
+    `path`: a one-rank run's shard file (RUN/step-N/rank-00000.safetensors: every weight whole, as
+    a flat "w.<name>", reshaped here), or an older checkpoint's model.safetensors."""
     from safetensors.torch import load_file
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
     sd = {}
     for k, v in load_file(path).items():
+        if k.startswith(("m.", "v.")):
+            continue  # optimizer moments
+        k = k[2:] if k.startswith("w.") else k
         k = "blocks." + k[2:] if k.startswith("h.") else k
-        sd[k.replace(".mlp.", ".")] = v
+        k = k.replace(".mlp.", ".")
+        sd[k] = v.reshape(shapes[k]) if k in shapes else v
     model.load_state_dict(sd, strict=True)
 
 
@@ -169,7 +177,7 @@ def main():
     p.add_argument("--compile", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="CPU: intra-op threads (0: PyTorch's default)")
     p.add_argument("--run", default="torch-nanogpt", help="the run id written into every metrics line")
-    p.add_argument("--init-from", default="", help="an mtrain checkpoint's model.safetensors")
+    p.add_argument("--init-from", default="", help="a one-rank mtrain checkpoint's rank-00000.safetensors")
     p.add_argument("--mtrain-batches", action="store_true", help="draw rows as mtrain does (see above)")
     a = p.parse_args()
     cuda = a.device == "cuda"

@@ -325,6 +325,28 @@ impl AdamW {
         Ok(())
     }
 
+    /// The first and second moment of item `name`, as the optimizer holds them (no copy);
+    /// None before its first step.
+    pub fn moments(&self, name: &str) -> Option<(&Tensor, &Tensor)> {
+        Some((self.m.get(name)?, self.v.get(name)?))
+    }
+
+    /// Replaces the state with `state`'s moments as they are, without a copy: the optimizer
+    /// updates them in place afterwards, so they must be tensors nothing else shares (freshly
+    /// read from a checkpoint). Every `m` needs its `v` of the same shape.
+    pub fn load_state_owned(&mut self, state: AdamWState) -> Result<()> {
+        for name in state.m.keys().chain(state.v.keys()) {
+            match (state.m.get(name), state.v.get(name)) {
+                (Some(m), Some(v)) if m.shape() == v.shape() => {}
+                _ => candle_core::bail!("AdamW state for `{name}` lacks m or v of one shape"),
+            }
+        }
+        self.step = state.step;
+        self.m = state.m;
+        self.v = state.v;
+        Ok(())
+    }
+
     /// Bytes held by the moments.
     pub fn state_bytes(&self) -> usize {
         self.m

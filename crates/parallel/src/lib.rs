@@ -33,6 +33,9 @@
 //!   the dp average, the norm's count, the optimizer's items).
 //! - [`state`]: the layout-independent state (gather to full tensors, reshard into any plan);
 //!   apart from the step because checkpoints and parity checks use it and the loop does not.
+//! - [`shards`]: the same state without gathering: the pieces this rank holds (which elements
+//!   of each single-device tensor), their values, and filling them from any source: what a
+//!   sharded checkpoint writes and reads.
 //! - [`analysis`]: what a layout should cost, apart from the step: the α-β model of what it sends
 //!   per step and how long that should take ([`analysis::comm_cost`]).
 //! - [`toolbox`]: helpers every technique uses (parameter order, f64 sums, replicated-parameter
@@ -51,6 +54,7 @@ pub mod pipeline;
 pub mod placement;
 pub mod plan;
 pub mod runtime;
+pub mod shards;
 pub mod state;
 pub mod tensor_parallel;
 pub mod toolbox;

@@ -7,11 +7,12 @@
 //! ([`crate::placement::owner_of`]: dp 0, tp 0, the pp rank of its stage, an expert's ep rank),
 //! so every rank ends with the whole model. Loading slices the full tensors with the same
 //! placement ([`crate::placement::tp_placement`] through the layout), then ZeRO keeps its shard
-//! pieces. The optimizer moments and the fp32 masters travel the same way, so a checkpoint is the
-//! same file under every plan and a run saved as tp 2 × pp 2 resumes as dp 2 with ZeRO-3.
+//! pieces. The optimizer moments and the fp32 masters travel the same way, so full tensors
+//! gathered under one plan load under any other.
 //!
 //! This is its own module because it is the one part of the composed model that is not a
-//! training step: checkpoints, parity tests and `mtrain sample` use it, the loop never does.
+//! training step: parity tests use it, the loop never does. Checkpoints never gather: each rank
+//! writes and reads its own pieces ([`crate::shards`]).
 
 use std::collections::BTreeMap;
 

@@ -30,25 +30,28 @@
 //! `--grad-reduce-dtype` (f32 by default), and the memory report uses the mixed-precision rule
 //! (2 + 2 + 12 bytes per parameter, sharded as the ZeRO stage says).
 //!
-//! Checkpoints are layout-independent: [`Distributed::state_dict`] gathers every full tensor
-//! by name on every rank (a collective), and `load_state` slices them for this rank, so a run
-//! saved under tp 2 × pp 2 resumes under dp 2 with ZeRO-3, or tp 4.
+//! Checkpoints are layout-independent without a gather: [`Distributed::save_checkpoint`] has
+//! every rank write the pieces it holds with their place in the single-device tensors, and
+//! [`Distributed::new`] (the weights) and [`Distributed::load_moments`] have each rank read only
+//! the runs of its own pieces from the checkpoint, so a
+//! run saved under dp 4 with ZeRO-3 resumes under tp 2 × pp 2, or on one rank.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 use anyhow::Context;
 use candle_core::{Device, Tensor};
 use mtrain_comm::DeviceMesh;
-use mtrain_model::init::param_specs;
 use mtrain_model::source::ParamSource;
-use mtrain_model::optim::{AdamW, AdamWConfig, AdamWState, GradScale};
+use mtrain_model::optim::{AdamW, AdamWConfig, GradScale};
 use mtrain_model::{GptConfig, MoeStats};
 use mtrain_parallel::ddp::ModelStateBytes;
 use mtrain_parallel::holdings::Holdings;
 use mtrain_parallel::parallelize::{parallelize, ParallelModel, ParallelPlan, ValidPlan};
+use mtrain_parallel::plan::DataParallelKind;
 use mtrain_parallel::pipeline::executor::SpanKind;
 use serde::Serialize;
 
+use crate::checkpoint::{self, manifest::SavedLayout, Checkpoint};
 use crate::memory::{
     step_memory, ActivationLayout, ModelStateLayout, Phase, Routing, StepMemory, StepRun,
 };
@@ -197,11 +200,15 @@ pub struct Distributed {
     steps_started: u64,
     /// A world of one: no communication to report.
     alone: bool,
+    /// This rank and the world's size (checkpoint writing).
+    rank: usize,
+    world_size: usize,
 }
 
 impl Distributed {
-    /// Builds this rank's part, reading only its pieces from `weights` (a source of the same
-    /// values on every rank). A collective over every group of `mesh`. Clipping is the loop's: it passes the coefficient to
+    /// Builds this rank's part from `weights` (the seeded initialisation, a Hugging Face file or
+    /// a checkpoint), each rank reading only what it holds. A collective over every group of
+    /// `mesh`. Clipping is the loop's: it passes the coefficient to
     /// [`Distributed::optimizer_step`].
     pub fn new(
         cfg: &GptConfig,
@@ -234,6 +241,8 @@ impl Distributed {
             timeline: Timeline::new(&crate::trace::mesh_groups(mesh), false),
             steps_started: 0,
             alone: mesh.world.size() == 1,
+            rank: mesh.world.rank(),
+            world_size: mesh.world.size(),
         })
     }
 
@@ -426,50 +435,91 @@ impl Distributed {
         Ok(())
     }
 
-    /// Full parameter tensors by name (for checkpoints). Called on every rank (the sharded
-    /// parts are gathered here); only rank 0 writes.
-    pub fn state_dict(&self) -> anyhow::Result<BTreeMap<String, Tensor>> {
+    /// Writes this rank's part of the checkpoint of `step` into `run_dir` without gathering
+    /// anything: rank 0 prepares the temporary directory, every rank writes the pieces it
+    /// stores (weights or fp32 masters, and AdamW's moments once it has stepped), and rank 0
+    /// seals and publishes it (`crate::checkpoint`'s module doc). A collective on every rank;
+    /// returns the directory on rank 0 and the bytes this rank wrote.
+    pub fn save_checkpoint(
+        &self,
+        run_dir: &std::path::Path,
+        step: u64,
+        data_position: u64,
+        config: &crate::config::TrainConfig,
+    ) -> anyhow::Result<(Option<std::path::PathBuf>, u64)> {
         self.timeline.enter(RunPhase::Checkpoint, None);
         let start = self.timeline.now_us();
-        let state = self.pm.full_state()?;
+        let rank = self.rank;
+        if rank == 0 {
+            checkpoint::prepare_tmp(run_dir, step)?;
+        }
+        self.pm.barrier()?;
+        let tmp = checkpoint::tmp_dir(run_dir, step);
+        let pieces: Vec<_> = self.pm.pieces().into_iter().filter(|p| self.pm.stores(p)).collect();
+        let optimizer_step = self.opt.steps_taken();
+        let written = checkpoint::write_rank(&tmp, rank, &pieces, optimizer_step > 0, |p, k| {
+            let t = self.pm.piece_values(&self.opt, p, k)?;
+            let t = t.with_context(|| format!("no {k:?} of `{}` on rank {rank}", p.name))?;
+            Ok(t.to_vec1::<f32>()?)
+        })?;
+        self.pm.barrier()?;
+        let dir = match rank {
+            0 => Some(checkpoint::finish_sharded(
+                run_dir,
+                &tmp,
+                &checkpoint::ShardedMeta {
+                    step,
+                    config,
+                    data_position,
+                    optimizer_step,
+                    layout: self.saved_layout(),
+                    world_size: self.world_size,
+                },
+            )?),
+            _ => None,
+        };
         self.timeline
-            .span("gather state", None, start, self.timeline.now_us());
-        Ok(state)
+            .span("write shards", None, start, self.timeline.now_us());
+        Ok((dir, written))
     }
 
-    /// Full optimizer state by parameter name (for checkpoints); called on every rank.
-    pub fn optim_state(&self) -> anyhow::Result<AdamWState> {
-        self.timeline.enter(RunPhase::Checkpoint, None);
-        let start = self.timeline.now_us();
-        let state = self.pm.full_optimizer_state(&self.opt)?;
-        self.timeline.span(
-            "gather optimizer state",
-            None,
-            start,
-            self.timeline.now_us(),
-        );
-        Ok(state)
+    /// The layout recorded in a checkpoint's manifest.
+    fn saved_layout(&self) -> SavedLayout {
+        let d = self.plan.dims;
+        SavedLayout {
+            dp: d.dp,
+            pp: d.pp,
+            tp: d.tp,
+            ep: d.ep,
+            zero_stage: match &self.plan.data {
+                DataParallelKind::Zero(z) => Some(z.stage as u8),
+                DataParallelKind::Ddp(_) => None,
+            },
+            precision: if self.plan.precision.is_mixed() {
+                "bf16".into()
+            } else {
+                "f32".into()
+            },
+        }
     }
 
-    /// Restore parameters and optimizer state saved by the two methods above, each rank
-    /// slicing its part.
-    pub fn load_state(
-        &mut self,
-        model: &BTreeMap<String, Tensor>,
-        optim: AdamWState,
-    ) -> anyhow::Result<()> {
-        self.pm.load_full_state(model)?;
-        self.pm.load_optimizer_state(&mut self.opt, &optim)?;
+    /// Restores AdamW's state of `ckpt`, written under any layout (the weights came from it
+    /// through [`Distributed::new`]): each piece this rank holds reads only its own runs of
+    /// each moment.
+    pub fn load_moments(&mut self, ckpt: &Checkpoint) -> anyhow::Result<()> {
+        if let Some((m, v, step)) = ckpt.moments() {
+            self.pm.load_moments(&mut self.opt, &*m, &*v, step)?;
+        }
         Ok(())
     }
 
-    /// Parameter shapes by name, to check a checkpoint against: the full shapes, whatever the
-    /// layout, since checkpoints hold full tensors.
-    pub fn param_shapes(&self) -> BTreeMap<String, Vec<usize>> {
-        param_specs(&self.cfg)
-            .into_iter()
-            .map(|(n, s, _)| (n, s))
-            .collect()
+    /// Bytes of the pieces this rank holds (weights and both moments: what it writes when it
+    /// stores every one) and of its largest piece's values (one parameter's buffer).
+    pub fn piece_bytes(&self) -> (u64, u64) {
+        let pieces = self.pm.pieces();
+        let all = pieces.iter().map(|p| p.len() as u64).sum::<u64>();
+        let largest = pieces.iter().map(|p| p.len() as u64).max().unwrap_or(0);
+        (12 * all, 4 * largest)
     }
 
     /// The bytes-per-parameter layout this rank holds (for the memory report).

@@ -2,7 +2,7 @@
 //!
 //! `std::io::Error` carries only the OS's words ("No space left on device (os error 28)"). Every
 //! file operation of the trainer goes through [`IoContext::at`] (or a helper here built on it),
-//! so the error a user sees reads `writing runs/x/.tmp-step-00000100/model.safetensors: No space
+//! so the error a user sees reads `writing runs/x/.tmp-step-00000100/rank-00000.safetensors: No space
 //! left on device (os error 28)`.
 
 use std::fs::{self, File, OpenOptions};

@@ -34,9 +34,10 @@ use mtrain_comm::mesh::MeshDims;
 use mtrain_comm::{Backend, DeviceMesh};
 use mtrain_kernels::readback::ReadLater;
 use mtrain_model::optim::{clip_coef_on_device, lr_at, AdamWConfig, GradScale, LrSchedule};
+use mtrain_model::init::param_specs;
 use mtrain_model::source::ParamSource;
-use mtrain_parallel::holdings::Holdings;
 use mtrain_model::{GptConfig, SeededInit};
+use mtrain_parallel::holdings::Holdings;
 use serde::Serialize;
 
 use crate::checkpoint;
@@ -228,9 +229,24 @@ fn run_plan(
         if cfg.mem_report {
             probe.reset_peak(); // the startup peak: building the model
         }
-        let mut model = Distributed::new(&gcfg, weights.as_ref(), plan, &mesh, &device, adamw)?
+        // Resuming: the checkpoint, under whatever layout wrote it, is the model's source.
+        let watch = observe::HeapWatch::start();
+        let resumed = match &cfg.resume {
+            Some(resume) => Some(resume_checkpoint(cfg, resume, &device, &gcfg)?),
+            None => None,
+        };
+        let from_ckpt = resumed.as_ref().map(|c| c.weights());
+        let source: &dyn ParamSource = match &from_ckpt {
+            Some(w) => &**w,
+            None => weights.as_ref(),
+        };
+        let mut model = Distributed::new(&gcfg, source, plan, &mesh, &device, adamw)?
             .with_timeline(timeline.clone());
-        drop(weights);
+        drop((from_ckpt, weights));
+        if let Some(c) = &resumed {
+            model.load_moments(c)?;
+            watch.record(cfg, &model, (rank, c.meta.step), "load", 0)?;
+        }
         if cfg.mem_report {
             let table = Holdings::of_rank(&gcfg, plan, mesh.coords)?;
             let analytic = startup_bytes(&table, plan);
@@ -257,6 +273,7 @@ fn run_plan(
             rank,
             (dims.dp, world),
             state_baseline,
+            resumed.as_ref(),
         )
     })();
     if opts.trace {
@@ -278,26 +295,32 @@ fn run_plan(
     result
 }
 
-/// Where `cfg.resume` points: "latest" means this run directory.
+/// The checkpoint `cfg.resume` points to ("latest": this run directory's newest that verifies),
+/// checked against the run's model (its `[model]` settings and every parameter's shape).
 fn resume_checkpoint(
     cfg: &TrainConfig,
     resume: &Path,
     device: &Device,
+    gcfg: &GptConfig,
 ) -> anyhow::Result<checkpoint::Checkpoint> {
-    if resume == Path::new("latest") {
-        let ckpt = checkpoint::load_latest_valid(&cfg.run_dir, device, |e| {
+    let ckpt = if resume == Path::new("latest") {
+        checkpoint::load_latest_valid(&cfg.run_dir, device, |e| {
             tracing::warn!("skipping a damaged checkpoint: {e}");
-        })?;
-        return Ok(ckpt);
-    }
-    let dir = checkpoint::resolve(resume)?;
-    Ok(checkpoint::load(&dir, device)?)
+        })?
+    } else {
+        checkpoint::load(&checkpoint::resolve(resume)?, device)?
+    };
+    ckpt.check_model(gcfg)?;
+    let shapes = param_specs(gcfg).into_iter().map(|(n, s, _)| (n, s)).collect();
+    ckpt.check_shapes(&shapes)?;
+    Ok(ckpt)
 }
 
 /// The loop itself, over this rank's [`Distributed`] model; `(dp, devices)`: the data-parallel degree
 /// scales the token count, the number of devices the peak FLOP/s of the MFU; `state_baseline`
 /// is the memory probe's reading taken right before `model` was built (the memory report's
-/// model state is the level after each optimizer step minus it).
+/// model state is the level after each optimizer step minus it); `resumed`: the checkpoint the
+/// model was built from, whose step and data position the loop continues from.
 #[allow(clippy::too_many_arguments)]
 pub fn train_loop(
     cfg: &TrainConfig,
@@ -309,14 +332,11 @@ pub fn train_loop(
     rank: usize,
     (dp, devices): (usize, usize),
     state_baseline: u64,
+    resumed: Option<&checkpoint::Checkpoint>,
 ) -> anyhow::Result<TrainSummary> {
     let _span = tracing::info_span!("train", rank).entered();
     let mut start_step = 0;
-    if let Some(resume) = &cfg.resume {
-        let ckpt = resume_checkpoint(cfg, resume, device)?;
-        ckpt.check_model(gcfg)?;
-        ckpt.check_shapes(&model.param_shapes())?;
-        model.load_state(&ckpt.model, ckpt.optim)?;
+    if let Some(ckpt) = resumed {
         loader.set_position(ckpt.meta.data_position);
         start_step = ckpt.meta.step;
         tracing::info!(rank, step = start_step, dir = %ckpt.dir.display(), "resumed");

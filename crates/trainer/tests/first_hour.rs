@@ -502,12 +502,9 @@ fn init_from_loads_the_hf_layout() {
     ]);
     assert!(o.status.success(), "{}", text(&o));
     let latest = std::fs::read_to_string(run.join("latest")).unwrap();
-    let saved = candle_core::safetensors::load(
-        run.join(latest.trim()).join("model.safetensors"),
-        &Device::Cpu,
-    )
-    .unwrap();
-    let w = &saved["h.0.attn.c_attn.weight"]; // (3C, C)
+    let saved =
+        mtrain_trainer::checkpoint::load(&run.join(latest.trim()), &Device::Cpu).unwrap();
+    let w = &saved.tensor("h.0.attn.c_attn.weight", &Device::Cpu).unwrap(); // (3C, C)
     let hf_w = hf["transformer.h.0.attn.c_attn.weight"].t().unwrap(); // (C, 3C) -> (3C, C)
     let d = (w - &hf_w)
         .unwrap()

@@ -250,11 +250,12 @@ fn export_then_init_from_gives_the_weights_back_bit_for_bit() {
             assert!(said.contains(&format!("{dropped} padding rows")), "{said}");
         }
         let back = hf::load(&out, &cfg).expect("--init-from reads the export");
+        let model = ckpt.full_model(&Device::Cpu).unwrap();
         assert_eq!(
             back.keys().collect::<Vec<_>>(),
-            ckpt.model.keys().collect::<Vec<_>>()
+            model.keys().collect::<Vec<_>>()
         );
-        for (k, t) in &ckpt.model {
+        for (k, t) in &model {
             let (want, got) = (bits(t), bits(&back[k]));
             if k == "wte.weight" && dropped > 0 {
                 let kept = (cfg.vocab_size - dropped) * cfg.n_embd;
@@ -320,7 +321,8 @@ fn transformers_computes_mtrains_logits_for_a_tp2_pp2_run() {
     export(&run, &out);
     let (ckpt, cfg) = newest(&run);
     assert_eq!(ckpt.meta.step, 3);
-    compare_logits(&venv, &out, &cfg, &ckpt.model, &some_ids(2, 64, 256), 256);
+    let model = ckpt.full_model(&Device::Cpu).unwrap();
+    compare_logits(&venv, &out, &cfg, &model, &some_ids(2, 64, 256), 256);
 }
 
 #[test]
@@ -416,7 +418,8 @@ fn greedy_decoding_is_transformers_generate() {
         "AutoTokenizer encodes the prompt as mtrain does"
     );
     let guard = common::watchdog("mtrain's generate, in the test's process");
-    let model = Gpt::new(cfg, &ckpt.model, &Device::Cpu).unwrap();
+    let weights = ckpt.full_model(&Device::Cpu).unwrap();
+    let model = Gpt::new(cfg, &weights, &Device::Cpu).unwrap();
     let idx = Tensor::from_vec(our_prompt.clone(), (1, our_prompt.len()), &Device::Cpu).unwrap();
     let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(0);
     let ours: Vec<u32> = model
@@ -537,7 +540,8 @@ fn torchrun_runs_the_job_the_launcher_runs() {
     );
     let (a, _) = newest(&by_launcher);
     let (b, _) = newest(&by_torchrun);
-    for (k, t) in &a.model {
-        assert_eq!(bits(t), bits(&b.model[k]), "`{k}` after the torchrun job");
+    let (a, b) = (a.full_model(&Device::Cpu).unwrap(), b.full_model(&Device::Cpu).unwrap());
+    for (k, t) in &a {
+        assert_eq!(bits(t), bits(&b[k]), "`{k}` after the torchrun job");
     }
 }

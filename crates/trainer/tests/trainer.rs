@@ -186,8 +186,9 @@ fn check_resume(dropout: f64) {
     );
     let wa = checkpoint::load(&a.path().join(checkpoint::step_dir_name(12)), &Device::Cpu).unwrap();
     let wb = checkpoint::load(&b.path().join(checkpoint::step_dir_name(12)), &Device::Cpu).unwrap();
-    for (name, t) in &wa.model {
-        let diff = (t - &wb.model[name])
+    let (wa, wb) = (wa.full_model(&Device::Cpu).unwrap(), wb.full_model(&Device::Cpu).unwrap());
+    for (name, t) in &wa {
+        let diff = (t - &wb[name])
             .unwrap()
             .abs()
             .unwrap()
@@ -206,21 +207,25 @@ fn analytic_parameter_bytes_equal_the_tensors() {
     let dir = tempfile::tempdir().unwrap();
     let s = run(&short(dir.path(), 1));
     let ckpt = checkpoint::load(s.last_checkpoint.as_ref().unwrap(), &Device::Cpu).unwrap();
+    let (model, optim) = (
+        ckpt.full_model(&Device::Cpu).unwrap(),
+        ckpt.full_optim(&Device::Cpu).unwrap(),
+    );
     let bytes = |ts: &BTreeMap<String, candle_core::Tensor>| -> u64 {
         ts.values()
             .map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64)
             .sum()
     };
     assert_eq!(s.layout.n_params, GptConfig::tiny().n_params() as u64);
-    assert_eq!(s.layout.params(), bytes(&ckpt.model));
+    assert_eq!(s.layout.params(), bytes(&model));
     assert_eq!(
         s.layout.grads(),
-        bytes(&ckpt.model),
+        bytes(&model),
         "fp32 gradients, one per parameter"
     );
     assert_eq!(
         s.layout.optim(),
-        bytes(&ckpt.optim.m) + bytes(&ckpt.optim.v)
+        bytes(&optim.m) + bytes(&optim.v)
     );
     assert_eq!(s.layout.total(), 16 * s.layout.n_params);
 }
@@ -286,36 +291,36 @@ fn damaged_checkpoint_is_refused_and_the_previous_one_stays_usable() {
     let step4 = dir.path().join(checkpoint::step_dir_name(4));
     assert_eq!(checkpoint::latest(dir.path()).unwrap(), Some(step4.clone()));
 
-    // Truncate the newest weights.
-    let model_file = step4.join("model.safetensors");
-    let data = std::fs::read(&model_file).unwrap();
-    std::fs::write(&model_file, &data[..data.len() / 2]).unwrap();
+    // Truncate the newest shard file: refused on opening, naming the file and its rank.
+    let shard_file = step4.join("rank-00000.safetensors");
+    let data = std::fs::read(&shard_file).unwrap();
+    std::fs::write(&shard_file, &data[..data.len() / 2]).unwrap();
     let err = checkpoint::load(&step4, &Device::Cpu)
         .err()
         .expect("truncated checkpoint refused");
     let msg = err.to_string();
     assert!(
         matches!(err, CheckpointError::Corrupt { .. })
-            && msg.contains("model.safetensors")
+            && msg.contains("rank-00000.safetensors (written by rank 0)")
             && msg.contains("truncated"),
         "{msg}"
     );
 
-    // Same length, one flipped byte in the optimizer state: the checksum catches it.
-    std::fs::write(&model_file, &data).unwrap();
-    let optim_file = step4.join("optim.safetensors");
-    let mut o = std::fs::read(&optim_file).unwrap();
+    // Same length, one flipped byte in the last piece (an optimizer moment): its checksum
+    // refuses it when read, naming the file, the rank and the piece.
+    let mut o = data.clone();
     let k = o.len() - 3;
     o[k] ^= 0x40;
-    std::fs::write(&optim_file, &o).unwrap();
-    let msg = checkpoint::load(&step4, &Device::Cpu)
-        .err()
-        .expect("corrupt checkpoint refused")
-        .to_string();
+    std::fs::write(&shard_file, &o).unwrap();
+    let c = checkpoint::load(&step4, &Device::Cpu).expect("sizes and manifest are intact");
+    let msg = c.full_optim(&Device::Cpu).err().expect("corrupt piece refused").to_string();
     assert!(
-        msg.contains("optim.safetensors") && msg.contains("checksum"),
+        msg.contains("rank-00000.safetensors (written by rank 0)")
+            && msg.contains("v of `")
+            && msg.contains("checksum"),
         "{msg}"
     );
+    c.full_model(&Device::Cpu).expect("the weights' pieces are intact");
 
     // The previous checkpoint is intact, is what `latest` resumption falls back to, and resumes.
     checkpoint::load(&step2, &Device::Cpu).unwrap();
@@ -324,11 +329,47 @@ fn damaged_checkpoint_is_refused_and_the_previous_one_stays_usable() {
         checkpoint::load_latest_valid(dir.path(), &Device::Cpu, |e| skipped.push(e.to_string()))
             .unwrap();
     assert_eq!((c.dir.clone(), c.meta.step, skipped.len()), (step2, 2, 1));
+    assert!(skipped[0].contains("rank-00000.safetensors (written by rank 0) checksum"), "{skipped:?}");
     let resumed = run(&TrainConfig {
         resume: Some(PathBuf::from("latest")),
         ..short(dir.path(), 4)
     });
     assert_eq!((resumed.start_step, resumed.losses.len()), (2, 2));
+}
+
+/// A full-tensor checkpoint (format v2, what runs wrote before sharded checkpoints) still
+/// resumes, through the same source interface, to the same losses as the sharded one.
+#[test]
+fn a_full_tensor_checkpoint_still_resumes() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let full = run(&TrainConfig {
+        ckpt_every: 2,
+        ..short(&dir.path().join("full"), 4)
+    });
+    let c = checkpoint::load(&dir.path().join("full").join(checkpoint::step_dir_name(2)), &Device::Cpu)
+        .unwrap();
+    let (model, optim) = (
+        c.full_model(&Device::Cpu).unwrap(),
+        c.full_optim(&Device::Cpu).unwrap(),
+    );
+    let data = checkpoint::CheckpointData {
+        step: 2,
+        config: &c.meta.config,
+        data_position: c.meta.data_position,
+        model: &model,
+        optim: &optim,
+    };
+    let v2 = checkpoint::save_full(&dir.path().join("v2"), &data).unwrap();
+    assert!(v2.join("model.safetensors").is_file());
+    let back = checkpoint::load(&v2, &Device::Cpu).unwrap();
+    assert_eq!(back.meta.format, checkpoint::FORMAT_FULL);
+    let resumed = run(&TrainConfig {
+        resume: Some(v2),
+        ..short(&dir.path().join("resumed"), 4)
+    });
+    assert_eq!(resumed.start_step, 2);
+    assert_eq!(resumed.losses, full.losses[2..], "losses after resuming the v2 checkpoint");
 }
 
 /// meta.json is covered by a checksum too: an edited step or data position, or a missing
@@ -425,14 +466,29 @@ fn checkpoint_io_errors_name_the_operation_and_the_path() {
     // The run directory's place is taken by a regular file.
     let blocked = dir.path().join("not-a-dir");
     std::fs::write(&blocked, b"x").unwrap();
+    let msg = checkpoint::prepare_tmp(&blocked.join("run"), 1)
+        .err()
+        .expect("a sharded save fails")
+        .to_string();
+    assert!(
+        msg.starts_with(&format!(
+            "creating directory {}: ",
+            blocked.join("run").display()
+        )),
+        "{msg}"
+    );
+    let (model, optim) = (
+        c.full_model(&Device::Cpu).unwrap(),
+        c.full_optim(&Device::Cpu).unwrap(),
+    );
     let data = checkpoint::CheckpointData {
         step: 1,
         config: &c.meta.config,
         data_position: 1,
-        model: &c.model,
-        optim: &c.optim,
+        model: &model,
+        optim: &optim,
     };
-    let msg = checkpoint::save(&blocked.join("run"), &data)
+    let msg = checkpoint::save_full(&blocked.join("run"), &data)
         .err()
         .expect("save fails")
         .to_string();
@@ -830,12 +886,18 @@ fn bf16_mixed_precision_tracks_fp32() {
         "last 5 steps: fp32 {l} vs bf16 {m} (start {l0})"
     );
     let ckpt = checkpoint::load(bf16_run.last_checkpoint.as_ref().unwrap(), &Device::Cpu).unwrap();
-    assert!(
-        ckpt.model
-            .values()
-            .all(|t| t.dtype() == candle_core::DType::F32),
-        "master weights are fp32"
-    );
+    let sharded = match &ckpt.stored {
+        checkpoint::Stored::Sharded(s) => s,
+        checkpoint::Stored::Full { .. } => panic!("a run writes sharded checkpoints"),
+    };
+    assert_eq!(sharded.manifest().layout.precision, "bf16");
+    // The stored weights are the fp32 masters: some are not bf16 values.
+    let off_bf16 = ckpt.full_model(&Device::Cpu).unwrap().values().any(|t| {
+        let round = t.to_dtype(candle_core::DType::BF16).unwrap();
+        let back = round.to_dtype(candle_core::DType::F32).unwrap();
+        (t - back).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap() > 0.0
+    });
+    assert!(off_bf16, "master weights are fp32");
     assert_eq!(bf16_run.layout.total(), 16 * bf16_run.layout.n_params);
     assert_eq!(bf16_run.layout.params(), 2 * bf16_run.layout.n_params);
 }

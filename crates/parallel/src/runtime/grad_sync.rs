@@ -126,6 +126,19 @@ impl StageHooks for ZeroStageHooks<'_> {
 }
 
 impl Replicas {
+    /// The fp32 masters under mixed precision (keyed like the optimizer's items).
+    pub(crate) fn masters(&self) -> Option<&MasterWeights> {
+        match self {
+            Replicas::Full(f) => f.masters.as_ref(),
+            Replicas::Zero(fsdp) => fsdp.masters(),
+        }
+    }
+
+    /// Whether the dp ranks hold disjoint shards (ZeRO) rather than replicas (DDP).
+    pub(crate) fn sharded_over_dp(&self) -> bool {
+        matches!(self, Replicas::Zero(_))
+    }
+
     /// The sync of one micro-step (`sync`: the step's last). With one stage, dp > 1 and not
     /// DDP's naive mode (the textbook version, which waits for the whole backward), the
     /// average starts inside the last backward, in buckets or one per parameter.

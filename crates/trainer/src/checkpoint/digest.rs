@@ -4,6 +4,9 @@
 //! written after it. So every file of a checkpoint is covered: a truncated tensor file, a flipped
 //! byte, or an edited step or data position in meta.json is refused on load, naming the file.
 //!
+//! A sharded checkpoint (format v3) also records the digest of every piece in its manifest, so a
+//! reader that reads a few byte ranges of a shard file verifies exactly the bytes it uses.
+//!
 //! The checksum is 64-bit FNV-1a over the file's bytes: not cryptographic (it stops accidents
 //! and hand edits, not an adversary), but any flipped or missing byte changes it.
 
@@ -19,18 +22,47 @@ pub struct FileDigest {
     pub fnv1a64: String,
 }
 
+/// The digest of bytes fed in pieces (a file written or read a buffer at a time).
+#[derive(Debug, Clone, Copy)]
+pub struct Fnv1a64 {
+    h: u64,
+    bytes: u64,
+}
+
+impl Default for Fnv1a64 {
+    fn default() -> Self {
+        Self {
+            h: 0xcbf2_9ce4_8422_2325,
+            bytes: 0,
+        }
+    }
+}
+
+impl Fnv1a64 {
+    /// Feeds `data`.
+    pub fn update(&mut self, data: &[u8]) {
+        for &b in data {
+            self.h ^= b as u64;
+            self.h = self.h.wrapping_mul(0x0100_0000_01b3);
+        }
+        self.bytes += data.len() as u64;
+    }
+
+    /// Size and checksum of everything fed so far.
+    pub fn digest(&self) -> FileDigest {
+        FileDigest {
+            bytes: self.bytes,
+            fnv1a64: format!("{:016x}", self.h),
+        }
+    }
+}
+
 impl FileDigest {
     /// The digest of `data`.
     pub fn of(data: &[u8]) -> Self {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for &b in data {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-        Self {
-            bytes: data.len() as u64,
-            fnv1a64: format!("{h:016x}"),
-        }
+        let mut h = Fnv1a64::default();
+        h.update(data);
+        h.digest()
     }
 
     /// `Ok` when `data`, the contents of `file`, has this digest; otherwise what differs.

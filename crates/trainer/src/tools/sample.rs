@@ -112,7 +112,7 @@ pub fn sample(args: &SampleArgs) -> anyhow::Result<String> {
     let device = make_device(args.device, 0)?;
     let ckpt = checkpoint::load(&dir, &device)?;
     let mut cfg = ckpt.meta.config.gpt_config()?;
-    let mut weights = ckpt.model;
+    let mut weights = ckpt.full_model(&device)?;
     let tokenizer = match (&args.tokenizer, &ckpt.meta.config.data) {
         (Some(p), _) => Some(p.clone()),
         (None, DataSource::Shards(d)) => [d.join(CHARS_FILE), d.join("tokenizer.json")]

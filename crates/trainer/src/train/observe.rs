@@ -10,15 +10,15 @@
 
 use std::path::PathBuf;
 
+use anyhow::Context;
 use candle_core::Device;
 
 use super::{evaluate, open_append, write_json_line};
-use crate::checkpoint::{self, CheckpointData};
 use crate::config::TrainConfig;
 use crate::data::DataLoader;
 use crate::distributed::Distributed;
 use crate::fsio::JsonLines;
-use crate::memory::{AnalyticMemory, MemoryTracker};
+use crate::memory::{AnalyticMemory, CountingAlloc, CpuProbe, MemoryProbe, MemoryTracker};
 use crate::progress::{self, Progress, StepMetrics};
 
 /// The evaluation after `step` when one is due (every `eval_every` steps and after the last):
@@ -163,8 +163,7 @@ impl MemoryReports {
 }
 
 /// The checkpoint after `step` when one is due (every `ckpt_every` steps and after the last):
-/// every rank gathers (a sharded model's state is collective), rank 0 writes; the directory
-/// written, on rank 0.
+/// every rank writes the pieces it stores, rank 0 the manifest; the directory written, on rank 0.
 pub(super) fn save_checkpoint(
     cfg: &TrainConfig,
     model: &Distributed,
@@ -176,19 +175,54 @@ pub(super) fn save_checkpoint(
     if !(last || (cfg.ckpt_every > 0 && (step + 1) % cfg.ckpt_every == 0)) {
         return Ok(None);
     }
-    let model_state = model.state_dict()?;
-    let optim_state = model.optim_state()?;
-    if rank != 0 {
-        return Ok(None);
-    }
-    let data = CheckpointData {
-        step: step + 1,
-        config: cfg,
-        data_position: loader.position(),
-        model: &model_state,
-        optim: &optim_state,
-    };
-    let dir = checkpoint::save(&cfg.run_dir, &data)?;
+    let watch = HeapWatch::start();
+    let (dir, written) =
+        model.save_checkpoint(&cfg.run_dir, step + 1, loader.position(), cfg)?;
+    watch.record(cfg, model, (rank, step + 1), "save", written)?;
+    let Some(dir) = dir else { return Ok(None) };
     bar.log(|| tracing::info!(rank, step = step + 1, dir = %dir.display(), "checkpoint written"));
     Ok(Some(dir))
+}
+
+/// The host heap's rise while a checkpoint is written or read (counted by the binary's
+/// [`CountingAlloc`]), appended as a line of `RUN_DIR/checkpoint-memory.jsonl` with what the rank
+/// holds: the claim is that it stays within the rank's own pieces plus one piece's buffer.
+pub(super) struct HeapWatch {
+    before: u64,
+}
+
+impl HeapWatch {
+    /// Starts a new high-water mark at the heap's current size.
+    pub(super) fn start() -> Self {
+        let before = CpuProbe.current();
+        CpuProbe.reset_peak();
+        Self { before }
+    }
+
+    /// Appends `{rank, op, step, heap_rise_bytes, heap_kept_bytes, piece_bytes,
+    /// largest_piece_bytes, written_bytes}` (peak and end level over the start; nothing unless
+    /// the counting allocator is installed).
+    pub(super) fn record(
+        self,
+        cfg: &TrainConfig,
+        model: &Distributed,
+        (rank, step): (usize, u64),
+        op: &str,
+        written: u64,
+    ) -> anyhow::Result<()> {
+        if !CountingAlloc::installed() {
+            return Ok(());
+        }
+        let rise = CpuProbe.peak().saturating_sub(self.before);
+        let kept = CpuProbe.current().saturating_sub(self.before);
+        let (pieces, largest) = model.piece_bytes();
+        std::fs::create_dir_all(&cfg.run_dir)
+            .with_context(|| format!("creating {}", cfg.run_dir.display()))?;
+        let mut f = open_append(&cfg.run_dir.join("checkpoint-memory.jsonl"))?;
+        let line = serde_json::json!({
+            "rank": rank, "op": op, "step": step, "heap_rise_bytes": rise, "heap_kept_bytes": kept,
+            "piece_bytes": pieces, "largest_piece_bytes": largest, "written_bytes": written,
+        });
+        write_json_line(&mut f, &line)
+    }
 }

@@ -10,17 +10,17 @@
 //!   tokenizer_config.json   PreTrainedTokenizerFast, <|endoftext|> as bos/eos when it has one
 //! ```
 //!
-//! A checkpoint holds every tensor whole whatever the layout that trained it (the state module
-//! of mtrain-parallel gathers it before a checkpoint is written), so a run under tp 2 × pp 2
+//! Each parameter is read whole from the checkpoint's pieces (a sharded checkpoint is read
+//! through its source, a byte range per piece), converted and written before the next one is
+//! read, so exporting holds one parameter at a time and a run under tp 2 × pp 2 or ZeRO-3
 //! exports as one on one device does. The embedding's padding rows (the vocabulary rounded up
 //! to a multiple of 64) are dropped down to the tokenizer's vocabulary: no id reaches them, so
 //! every logit of a real token is unchanged; `--init-from OUT` pads them back with zeros.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
-use candle_core::{DType, Device, Tensor};
+use candle_core::Device;
 use mtrain_model::init::param_specs;
 use serde_json::{json, Value};
 use tokenizers::Tokenizer;
@@ -90,37 +90,42 @@ pub fn export(args: &ExportArgs) -> anyhow::Result<ExportSummary> {
     }
     let end_of_text = tok.token_to_id(END_OF_TEXT);
 
-    // This model's tensors in Hugging Face's names and shapes.
-    let mut tensors: BTreeMap<String, Tensor> = BTreeMap::new();
+    // This model's tensors in Hugging Face's names and shapes, read from the checkpoint and
+    // written one parameter at a time.
+    let shapes = ckpt.shapes();
+    let mut entries = Vec::new();
     let mut n_params = 0;
     for (name, shape, _) in param_specs(&cfg) {
-        let t = ckpt
-            .model
+        let stored = shapes
             .get(&name)
             .with_context(|| format!("{} has no tensor `{name}`", dir.display()))?;
         anyhow::ensure!(
-            t.dims() == shape.as_slice(),
-            "{}: `{name}` is {:?}, its model wants {shape:?}",
-            dir.display(),
-            t.dims()
+            stored == &shape,
+            "{}: `{name}` is {stored:?}, its model wants {shape:?}",
+            dir.display()
         );
-        let t = t.to_dtype(DType::F32)?;
-        let t = match conversion(&name) {
-            Conversion::Keep | Conversion::CropRows => t,
-            Conversion::Transpose => t.t()?.contiguous()?, // (out, in) -> (in, out)
-            Conversion::PadRows => t.narrow(0, 0, vocab)?.contiguous()?, // (V, C) -> (vocab, C)
+        let out_shape = match conversion(&name) {
+            Conversion::Keep | Conversion::CropRows => shape.clone(),
+            Conversion::Transpose => shape.iter().rev().copied().collect(), // (out, in) -> (in, out)
+            Conversion::PadRows => vec![vocab, shape[1]], // (V, C) -> (vocab, C)
         };
-        n_params += t.elem_count();
-        tensors.insert(format!("transformer.{name}"), t);
+        n_params += out_shape.iter().product::<usize>();
+        entries.push((name, out_shape));
     }
-    let bytes = safetensors::serialize(
-        tensors.iter().map(|(k, t)| (k.clone(), t)),
-        Some(std::collections::HashMap::from([(
-            "format".to_string(),
-            "pt".to_string(),
-        )])),
-    )
-    .context("encoding model.safetensors")?;
+    let hf_entries: Vec<(String, Vec<usize>)> = entries
+        .iter()
+        .map(|(n, s)| (format!("transformer.{n}"), s.clone()))
+        .collect();
+    let one = |i: usize| -> anyhow::Result<Vec<f32>> {
+        let name = &entries[i].0;
+        let t = ckpt.tensor(name, &Device::Cpu)?;
+        let t = match conversion(name) {
+            Conversion::Keep | Conversion::CropRows => t,
+            Conversion::Transpose => t.t()?.contiguous()?,
+            Conversion::PadRows => t.narrow(0, 0, vocab)?.contiguous()?,
+        };
+        Ok(t.flatten_all()?.to_vec1::<f32>()?)
+    };
 
     let config = json!({
         "architectures": ["GPT2LMHeadModel"],
@@ -157,7 +162,13 @@ pub fn export(args: &ExportArgs) -> anyhow::Result<ExportSummary> {
     std::fs::create_dir_all(out)
         .with_context(|| format!("creating directory {}", out.display()))?;
     let write = |file: &str, bytes: &[u8]| crate::fsio::write_synced(&out.join(file), bytes);
-    write(MODEL_FILE, &bytes)?;
+    checkpoint::shard_file::write_safetensors(
+        &out.join(MODEL_FILE),
+        &[("format", "pt")],
+        &hf_entries,
+        one,
+    )
+    .with_context(|| format!("writing {}", out.join(MODEL_FILE).display()))?;
     write(CONFIG_FILE, &pretty(&config)?)?;
     write(TOKENIZER_FILE, tokenizer.as_bytes())?;
     write(TOKENIZER_CONFIG_FILE, &pretty(&tokenizer_config)?)?;
