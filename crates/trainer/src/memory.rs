@@ -81,7 +81,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 pub use analytic::{
-    activation_bytes, bucket_bytes, rank_activation_bytes, rank_params, rank_startup_bytes,
+    activation_bytes, bucket_bytes, rank_activation_bytes, rank_checkpoint_bytes, rank_params, rank_startup_bytes,
     rank_step_memory, startup_bytes, step_memory, ActivationLayout, ActivationLayoutError,
     ModelStateLayout, StepMemory, StepRun,
 };
@@ -99,6 +99,34 @@ pub fn startup_line(rank: usize, analytic: u64, measured: u64, probe: &str) -> S
          process peak RSS {rss}",
         analytic.trim(),
         measured.trim()
+    )
+}
+
+/// The checkpoint line of `--mem-report`, printed by every rank after it writes (`op` "save")
+/// or reads ("load") a checkpoint: the heap's rise while doing it beside what it should be
+/// bounded by: one piece's buffer when writing (the pieces are written from where they live,
+/// one at a time), the rank's own pieces plus one piece's buffer when reading (the model is
+/// built from the files). `pieces` and `largest` are the bytes of the rank's pieces (weights or
+/// fp32 masters, Adam m and v) and of its largest piece of one kind.
+pub fn checkpoint_line(
+    rank: usize,
+    op: &str,
+    step: u64,
+    measured: u64,
+    pieces: u64,
+    largest: u64,
+) -> String {
+    let (bound, what) = match op {
+        "save" => (largest, "one piece"),
+        _ => (pieces + largest, "its own pieces + one piece"),
+    };
+    format!(
+        "rank {rank} checkpoint {op} at step {step}: heap rise {} measured, {} analytic ({what}; \
+         pieces {}, largest {})",
+        mib(measured).trim(),
+        mib(bound).trim(),
+        mib(pieces).trim(),
+        mib(largest).trim()
     )
 }
 

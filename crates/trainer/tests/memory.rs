@@ -260,6 +260,22 @@ fn plan_prints_the_reports_analytic_figures() {
             ranks += 1;
         }
         assert_eq!(ranks, l.world_size, "{layout:?}: one report per rank");
+
+        // The final checkpoint: every rank's pieces as the plan counts them, its largest piece
+        // within the plan's bound (a whole parameter, or under ZeRO a unit's shard).
+        let path = dir.path().join("checkpoint-memory.jsonl");
+        let text = std::fs::read_to_string(&path).expect("checkpoint-memory.jsonl");
+        let mut saved = 0;
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            let v: Value = serde_json::from_str(line).expect("a JSON line");
+            let rank = v["rank"].as_u64().expect("rank") as usize;
+            let (pieces, largest) = planned[(rank / l.dims.tp) % l.dims.pp].checkpoint;
+            assert_eq!(v["piece_bytes"].as_u64(), Some(pieces), "{layout:?} rank {rank}");
+            let got = v["largest_piece_bytes"].as_u64().expect("largest");
+            assert!(got <= largest && got > 0, "{layout:?} rank {rank}: {got} > {largest}");
+            saved += 1;
+        }
+        assert_eq!(saved, l.world_size, "{layout:?}: one save line per rank");
     }
 }
 

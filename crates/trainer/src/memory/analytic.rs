@@ -233,6 +233,29 @@ pub fn startup_bytes(table: &Holdings, plan: &ParallelPlan) -> u64 {
     peak
 }
 
+/// A checkpoint's bound on one rank, from its holdings: (the bytes of its pieces — fp32 weights
+/// or masters, Adam m and v, 12 per element it keeps state of — and of its largest piece of one
+/// kind). Writing rises by at most the second, reading by at most their sum (the
+/// `--mem-report` checkpoint line measures both). Under ZeRO a piece is at most a unit's shard.
+pub fn checkpoint_bytes(table: &Holdings, plan: &ParallelPlan) -> (u64, u64) {
+    let elements: Vec<u64> = match plan.data {
+        DataParallelKind::Ddp(_) => table.unique().iter().map(|h| h.numel() as u64).collect(),
+        DataParallelKind::Zero(_) => unit_shards(table, plan.dims.dp.max(1) as u64),
+    };
+    let largest = elements.iter().copied().max().unwrap_or(0);
+    (12 * elements.iter().sum::<u64>(), 4 * largest)
+}
+
+/// [`checkpoint_bytes`] of pipeline rank `pp_rank`'s first rank (every rank of a pipeline rank
+/// holds as many elements).
+pub fn rank_checkpoint_bytes(
+    cfg: &GptConfig,
+    plan: &ParallelPlan,
+    pp_rank: usize,
+) -> Result<(u64, u64), ActivationLayoutError> {
+    Ok(checkpoint_bytes(&rank_holdings(cfg, plan, pp_rank)?, plan))
+}
+
 /// The shard sizes (elements) of `table`'s ZeRO units over `dp` ranks, in segment order: each
 /// segment's parameters not used by an earlier one, padded up to a multiple of dp.
 fn unit_shards(table: &Holdings, dp: u64) -> Vec<u64> {

@@ -38,7 +38,7 @@ use crate::config::DeviceKind;
 use crate::config::{TrainArgs, TrainConfig};
 use crate::layout::Layout;
 use crate::memory::{
-    bucket_bytes, rank_params, rank_startup_bytes, step_memory, ActivationLayout, AnalyticMemory, BackwardPath,
+    bucket_bytes, rank_checkpoint_bytes, rank_params, rank_startup_bytes, step_memory, ActivationLayout, AnalyticMemory, BackwardPath,
     ModelStateLayout,
 };
 
@@ -237,6 +237,9 @@ pub struct RankMemory {
     /// What the rank holds once its model is built, before the first step
     /// ([`rank_startup_bytes`]).
     pub startup: u64,
+    /// A checkpoint's bound: (the rank's pieces, its largest piece), in bytes
+    /// ([`rank_checkpoint_bytes`]).
+    pub checkpoint: (u64, u64),
 }
 
 /// Each pipeline rank's analytic memory under `plan` for the run `cfg`: the report's model, fed
@@ -287,6 +290,7 @@ pub fn rank_memory_of(
                 state,
                 analytic: AnalyticMemory::new(&state, step, comm),
                 startup: rank_startup_bytes(&model, plan, pp_rank)?,
+                checkpoint: rank_checkpoint_bytes(&model, plan, pp_rank)?,
             })
         })
         .collect()
@@ -317,6 +321,14 @@ pub fn render_memory(plan: &ParallelPlan, ranks: &[RankMemory]) -> String {
             mib(a.comm),
             mib(a.forward()),
             mib(a.peak),
+        ));
+        let (pieces, largest) = r.checkpoint;
+        out.push_str(&format!(
+            "  checkpoint: its pieces {:.2} MiB (weights, Adam m and v); writing rises by at most {:.2} MiB (one piece), \
+             a resume by at most {:.2} MiB\n",
+            mib(pieces),
+            mib(largest),
+            mib(pieces + largest),
         ));
     }
     out

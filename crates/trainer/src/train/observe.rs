@@ -18,7 +18,7 @@ use crate::config::TrainConfig;
 use crate::data::DataLoader;
 use crate::distributed::Distributed;
 use crate::fsio::JsonLines;
-use crate::memory::{AnalyticMemory, CountingAlloc, CpuProbe, MemoryProbe, MemoryTracker};
+use crate::memory::{checkpoint_line, AnalyticMemory, CountingAlloc, CpuProbe, MemoryProbe, MemoryTracker};
 use crate::progress::{self, Progress, StepMetrics};
 
 /// The evaluation after `step` when one is due (every `eval_every` steps and after the last):
@@ -216,6 +216,9 @@ impl HeapWatch {
         let rise = CpuProbe.peak().saturating_sub(self.before);
         let kept = CpuProbe.current().saturating_sub(self.before);
         let (pieces, largest) = model.piece_bytes();
+        if cfg.mem_report {
+            eprintln!("{}", checkpoint_line(rank, op, step, rise, pieces, largest));
+        }
         std::fs::create_dir_all(&cfg.run_dir)
             .with_context(|| format!("creating {}", cfg.run_dir.display()))?;
         let mut f = open_append(&cfg.run_dir.join("checkpoint-memory.jsonl"))?;
