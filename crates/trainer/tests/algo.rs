@@ -3,29 +3,10 @@
 //! off one; `--algo` on NCCL is refused, naming what it applies to.
 
 mod common;
-use common::{run_mtrain, text, tmp};
+use common::{run_mtrain, text};
 
 fn parity(vs: &str) {
-    let dir = tmp("algo-parity");
-    let out_dir = dir.path().display().to_string();
-    let o = run_mtrain([
-        "parity",
-        "--vs",
-        vs,
-        "--steps",
-        "5",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "32",
-        "--tol",
-        "1e-5",
-        "--out",
-        &out_dir,
-    ]);
-    let t = text(&o);
-    assert!(o.status.success(), "parity `{vs}` failed:\n{t}");
-    assert!(t.contains("parity OK"), "{t}");
+    common::parity(&[], vs);
 }
 
 #[test]

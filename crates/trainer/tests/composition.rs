@@ -23,39 +23,7 @@ fn config(name: &str) -> String {
 
 /// `mtrain parity` of `vs` against one rank over 5 steps at rel ≤ 1e-5; returns the report.
 fn parity(cfg: &str, vs: &str) -> String {
-    let dir = tmp("parity");
-    let out_dir = dir.path().display().to_string();
-    let o = run_mtrain(&[
-        "parity",
-        "--config",
-        &config(cfg),
-        "--vs",
-        vs,
-        "--steps",
-        "5",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "32",
-        "--tol",
-        "1e-5",
-        "--out",
-        &out_dir,
-    ]);
-    let t = text(&o);
-    assert!(o.status.success(), "parity `{vs}` failed:\n{t}");
-    assert!(t.contains("parity OK"), "{t}");
-    // Five steps compared, side by side.
-    let rows = t
-        .lines()
-        .filter(|l| {
-            l.split_whitespace()
-                .next()
-                .is_some_and(|w| w.parse::<u64>().is_ok())
-        })
-        .count();
-    assert_eq!(rows, 5, "{t}");
-    t
+    common::parity(&["--config", &config(cfg)], vs)
 }
 
 #[test]

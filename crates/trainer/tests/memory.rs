@@ -56,16 +56,26 @@ fn within_tolerance(measured: f64, analytic: f64) -> bool {
 /// Runs `mtrain --dp 4 [extra] --mem-report` for 2 steps; returns each rank's (measured,
 /// analytic) model-state bytes of the last step.
 fn model_state(extra: &[&str]) -> Vec<(usize, f64, f64)> {
+    let mut layout = vec!["--dp", "4"];
+    layout.extend_from_slice(extra);
+    let (dir, text) = mem_report_run(&layout, "2");
+    // The table printed by rank 0 carries the model-state row.
+    assert!(text.contains("model state"), "no model state row:\n{text}");
+    read_last_step(&dir.path().join("memory.jsonl"))
+}
+
+/// `mtrain [layout] --mem-report` for `steps` steps of a width-256, 4-block model (batch 2 × 32,
+/// one compute thread): its run directory and everything it printed.
+fn mem_report_run(layout: &[&str], steps: &str) -> (tempfile::TempDir, String) {
     let dir = tempfile::Builder::new()
         .prefix("mtrain-memory-")
         .tempdir()
         .expect("temp dir");
     let run_dir = dir.path().display().to_string();
-    let mut args = vec![
-        "--dp",
-        "4",
+    let mut args = layout.to_vec();
+    args.extend_from_slice(&[
         "--steps",
-        "2",
+        steps,
         "--batch-size",
         "2",
         "--seq-len",
@@ -79,8 +89,7 @@ fn model_state(extra: &[&str]) -> Vec<(usize, f64, f64)> {
         "eval_every=0",
         "--run-dir",
         &run_dir,
-    ];
-    args.extend_from_slice(extra);
+    ]);
     let out = mtrain(&args)
         .env("RAYON_NUM_THREADS", "1")
         .bounded_output();
@@ -90,9 +99,7 @@ fn model_state(extra: &[&str]) -> Vec<(usize, f64, f64)> {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(out.status.success(), "mtrain {args:?} failed:\n{text}");
-    // The table printed by rank 0 carries the model-state row.
-    assert!(text.contains("model state"), "no model state row:\n{text}");
-    read_last_step(&dir.path().join("memory.jsonl"))
+    (dir, text)
 }
 
 fn read_last_step(path: &Path) -> Vec<(usize, f64, f64)> {
@@ -592,38 +599,7 @@ fn the_tape_and_autograd_forwards_keep_what_the_model_counts() {
 
 /// Each rank's (analytic, measured) startup bytes from `mtrain [layout] --mem-report`, 1 step.
 fn startup(layout: &[&str]) -> Vec<(f64, f64)> {
-    let dir = tempfile::Builder::new()
-        .prefix("mtrain-startup-")
-        .tempdir()
-        .expect("temp dir");
-    let run_dir = dir.path().display().to_string();
-    let mut args = vec![
-        "--steps",
-        "1",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "32",
-        "--mem-report",
-        "--set",
-        "model.n_embd=256",
-        "--set",
-        "model.n_layer=4",
-        "--set",
-        "eval_every=0",
-        "--run-dir",
-        &run_dir,
-    ];
-    args.extend_from_slice(layout);
-    let out = mtrain(&args)
-        .env("RAYON_NUM_THREADS", "1")
-        .bounded_output();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "mtrain {args:?} failed:\n{text}");
+    let (_dir, text) = mem_report_run(layout, "1");
     let mib_after = |line: &str, key: &str| -> f64 {
         let rest = &line[line.find(key).expect(key) + key.len()..];
         let n = rest.split_whitespace().next().expect("a number");

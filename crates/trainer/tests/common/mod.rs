@@ -119,6 +119,44 @@ pub fn losses(run_dir: &Path) -> Vec<(u64, f64)> {
         .collect()
 }
 
+/// `mtrain parity [before] --vs VS` over 5 steps of batch 2 × 32 at rel ≤ 1e-5: asserts it
+/// passes with one row per step and returns its report.
+pub fn parity(before: &[&str], vs: &str) -> String {
+    let dir = tmp("parity");
+    let out_dir = dir.path().display().to_string();
+    let mut args = vec!["parity"];
+    args.extend_from_slice(before);
+    args.extend_from_slice(&[
+        "--vs",
+        vs,
+        "--steps",
+        "5",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--tol",
+        "1e-5",
+        "--out",
+        &out_dir,
+    ]);
+    let o = run_mtrain(&args);
+    let t = text(&o);
+    assert!(o.status.success(), "parity `{vs}` failed:\n{t}");
+    assert!(t.contains("parity OK"), "{t}");
+    // Five steps compared, side by side.
+    let rows = t
+        .lines()
+        .filter(|l| {
+            l.split_whitespace()
+                .next()
+                .is_some_and(|w| w.parse::<u64>().is_ok())
+        })
+        .count();
+    assert_eq!(rows, 5, "{t}");
+    t
+}
+
 /// What a command printed: its stdout, then its stderr.
 pub fn text(o: &Output) -> String {
     format!(
