@@ -239,6 +239,16 @@ pub enum Group {
 }
 
 impl Group {
+    /// Every group, in the mesh's order.
+    pub const ALL: [Group; 6] = [
+        Group::Tp,
+        Group::Pp,
+        Group::Dp,
+        Group::Ep,
+        Group::Edp,
+        Group::World,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             Group::Tp => "tp",

@@ -273,16 +273,7 @@ pub fn fit_alpha_beta(op: OpKind, n: usize, points: &[(f64, f64)]) -> Result<Fit
 /// The α-β model for a trace group name (`tp`, or `tp[0,1]`) of a table.
 fn group_of(name: &str) -> Option<Group> {
     let base = name.split('[').next().unwrap_or(name);
-    [
-        Group::Tp,
-        Group::Pp,
-        Group::Dp,
-        Group::Ep,
-        Group::Edp,
-        Group::World,
-    ]
-    .into_iter()
-    .find(|g| g.name() == base)
+    Group::ALL.into_iter().find(|g| g.name() == base)
 }
 
 /// The communication section of `mtrain plan`: for the first rank of each pipeline stage, every

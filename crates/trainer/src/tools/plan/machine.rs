@@ -205,14 +205,7 @@ impl ClusterArgs {
 }
 
 /// The groups a step's collectives run on.
-pub const GROUPS: [Group; 6] = [
-    Group::Tp,
-    Group::Pp,
-    Group::Dp,
-    Group::Ep,
-    Group::Edp,
-    Group::World,
-];
+pub const GROUPS: [Group; 6] = Group::ALL;
 
 impl Machine {
     /// How the groups of `group` lie on this machine's nodes.
