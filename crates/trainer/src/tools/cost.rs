@@ -535,18 +535,11 @@ pub fn rank_totals(
 
 /// Sizes of a mesh's groups, for a header line.
 pub fn group_sizes(dims: MeshDims) -> String {
-    [
-        Group::Tp,
-        Group::Pp,
-        Group::Dp,
-        Group::Ep,
-        Group::Edp,
-        Group::World,
-    ]
-    .iter()
-    .map(|g| format!("{} {}", g.name(), g.size(dims)))
-    .collect::<Vec<_>>()
-    .join(", ")
+    Group::ALL
+        .iter()
+        .map(|g| format!("{} {}", g.name(), g.size(dims)))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Today's date (UTC) as `YYYY-MM-DD`, for the provenance line of a fitted table.

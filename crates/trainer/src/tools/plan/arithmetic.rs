@@ -7,36 +7,12 @@
 //! token (8192 · 2 B = 16 KiB) is latency-bound at about the fixed latency; a prefill of 8192
 //! tokens (128 MiB) sends 2·7/8 · 128 MiB = 224 MiB per rank, bandwidth-bound at about 0.56 ms.
 
-use clap::{Args, ValueEnum};
+use clap::Args;
 use mtrain_comm::OpKind;
 use mtrain_parallel::analysis::comm_cost::{human_bytes, human_time, CostModel};
 
 use super::machine::{ClusterArgs, LinkSpec};
-use crate::tools::bench_comm::parse_size;
-
-/// A collective `--collective` prices.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum CollectiveKind {
-    AllReduce,
-    AllGather,
-    ReduceScatter,
-    AllToAll,
-    Broadcast,
-    SendRecv,
-}
-
-impl CollectiveKind {
-    pub fn op(self) -> OpKind {
-        match self {
-            CollectiveKind::AllReduce => OpKind::AllReduce,
-            CollectiveKind::AllGather => OpKind::AllGather,
-            CollectiveKind::ReduceScatter => OpKind::ReduceScatter,
-            CollectiveKind::AllToAll => OpKind::AllToAll,
-            CollectiveKind::Broadcast => OpKind::Broadcast,
-            CollectiveKind::SendRecv => OpKind::Send,
-        }
-    }
-}
+use crate::tools::bench_comm::{op_kind, parse_size, BenchOp};
 
 /// The flags of one collective's price.
 #[derive(Debug, Clone, Default, Args)]
@@ -44,7 +20,7 @@ impl CollectiveKind {
 pub struct CollectiveArgs {
     /// Price one collective instead of a layout: its kind.
     #[arg(long, value_enum, value_name = "OP")]
-    pub collective: Option<CollectiveKind>,
+    pub collective: Option<BenchOp>,
 
     /// Message size of --collective (each rank's tensor; for all-gather its shard): 16K, 128M, 1G (powers of 1024).
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
@@ -105,7 +81,7 @@ pub fn run(args: &CollectiveArgs, cluster: &ClusterArgs) -> anyhow::Result<Strin
         anyhow::bail!("--ranks {n} must be between 1 and the largest supported world of {max}");
     }
     let machine = cluster.machine(n.max(cluster.gpus.unwrap_or(n)))?;
-    let op = kind.op();
+    let op = op_kind(kind);
     let dims = mtrain_comm::MeshDims::new(n, 1, 1, 1);
     let mut model = machine.model(dims, mtrain_parallel::analysis::comm_cost::Group::Dp, op, n);
     let across = machine
