@@ -81,7 +81,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 pub use analytic::{
-    activation_bytes, bucket_bytes, rank_activation_bytes, rank_checkpoint_bytes, rank_params, rank_startup_bytes,
+    activation_bytes, bucket_bytes, checkpoint_bytes, rank_activation_bytes, rank_checkpoint_bytes, rank_params, rank_startup_bytes,
     rank_step_memory, startup_bytes, step_memory, ActivationLayout, ActivationLayoutError,
     ModelStateLayout, StepMemory, StepRun,
 };

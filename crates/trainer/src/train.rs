@@ -46,7 +46,7 @@ use crate::data::{DataLoader, Dataset};
 use crate::distributed::Distributed;
 use crate::fsio::JsonLines;
 use crate::memory::{
-    run_peak_line, startup_bytes, startup_line, AnalyticMemory, BackwardPath,
+    checkpoint_bytes, run_peak_line, startup_bytes, startup_line, AnalyticMemory, BackwardPath,
     CpuProbe, MemoryProbe, MemoryTracker, ModelStateLayout, Phase,
 };
 use crate::micro_step::MicroStep;
@@ -249,7 +249,15 @@ fn run_plan(
         }
         if cfg.mem_report {
             let table = Holdings::of_rank(&gcfg, plan, mesh.coords)?;
-            let analytic = startup_bytes(&table, plan);
+            // A resumed rank builds from the checkpoint: its own pieces through one piece's
+            // buffer, the moments included.
+            let analytic = match &resumed {
+                Some(_) => {
+                    let (pieces, largest) = checkpoint_bytes(&table, plan);
+                    startup_bytes(&table, plan).max(pieces + largest)
+                }
+                None => startup_bytes(&table, plan),
+            };
             let measured = probe.peak().saturating_sub(state_baseline);
             eprintln!("{}", startup_line(rank, analytic, measured, probe.name()));
         }
