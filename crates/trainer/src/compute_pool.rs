@@ -120,6 +120,11 @@ fn pin_current_thread(cpu: usize) {
     }
 }
 
+thread_local! {
+    /// Whether this worker is running a [`Hot`] poller.
+    static POLLING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// The other workers of the pool kept polling for work while this lives (a step's compute), so a
 /// parallel section finds them awake: a worker that has gone to sleep takes tens of microseconds
 /// to wake, about as long as the sections of a small model's step last, and a step has a hundred
@@ -142,11 +147,18 @@ impl Hot {
             if ctx.index() == 0 {
                 return; // the step's own thread
             }
+            // A poller's stolen work can wait in a join and, waiting, pick up the next step's
+            // poller; that one would spin until its step ends, while the step waits for the
+            // work beneath it. So a poller started inside another returns at once.
+            if POLLING.with(|p| p.replace(true)) {
+                return;
+            }
             while !polling.load(Ordering::Relaxed) {
                 if rayon::yield_now() != Some(rayon::Yield::Executed) {
                     std::thread::yield_now(); // nothing to steal: let the OS run anything else
                 }
             }
+            POLLING.with(|p| p.set(false));
         });
         Some(Hot { stop })
     }
