@@ -570,7 +570,16 @@ pub fn run(args: &BenchCommArgs, backend: &dyn Backend) -> Result<BenchReport, B
             let path = nccl_debug::log_path(std::process::id());
             let log = std::fs::read_to_string(&path).unwrap_or_default();
             writeln!(table, "# NCCL's choice per size (rank 0's log {}):", path.display())?;
-            for (bytes, (algo, proto)) in nccl_debug::choices(&log) {
+            let choices = nccl_debug::choices(&log);
+            if choices.is_empty() {
+                let why = if n == 1 {
+                    "a group of one rank runs no algorithm; run with 2 or more ranks"
+                } else {
+                    "no tuning line in the log; this NCCL may log its choice in another form"
+                };
+                writeln!(table, "#   none logged: {why}")?;
+            }
+            for (bytes, (algo, proto)) in choices {
                 writeln!(table, "#   {bytes:>12} B: algorithm {algo}, protocol {proto}")?;
             }
         }

@@ -60,7 +60,8 @@ pub struct Prediction {
 impl Prediction {
     /// Exposed communication of every group.
     pub fn exposed_s(&self) -> f64 {
-        self.groups.iter().map(|g| g.exposed_s).sum()
+        // A fold from +0.0: an empty f64 sum is −0.0, printed as "-0.0 µs".
+        self.groups.iter().fold(0.0, |a, g| a + g.exposed_s)
     }
 }
 
