@@ -56,15 +56,22 @@ fn cached_logits_equal_the_whole_context_forward_at_every_position() -> Result<(
         assert_eq!(cache.len(), t + 1);
         check(t + 1, &logits)?;
     }
-    assert!(worst < 1e-5, "cached logits differ by {worst} of the largest");
+    assert!(
+        worst < 1e-5,
+        "cached logits differ by {worst} of the largest"
+    );
     // (B, H, p, D) keys and values per layer: 2 · 2 layers · 2 rows · 64 wide · 16 positions.
     assert_eq!(cache.bytes(), 2 * 2 * 2 * 64 * 16 * 4);
 
     // The cache is full: one more position, or several after the first, is refused by name.
     let one = idx.narrow(1, 0, 1)?;
-    let msg = decoder.forward(&one, &mut cache).err().map(|e| e.to_string());
+    let msg = decoder
+        .forward(&one, &mut cache)
+        .err()
+        .map(|e| e.to_string());
     assert!(
-        msg.as_deref().is_some_and(|m| m.contains("17") && m.contains("block_size 16")),
+        msg.as_deref()
+            .is_some_and(|m| m.contains("17") && m.contains("block_size 16")),
         "{msg:?}"
     );
     let mut short = decoder.cache();
@@ -74,7 +81,8 @@ fn cached_logits_equal_the_whole_context_forward_at_every_position() -> Result<(
         .err()
         .map(|e| e.to_string());
     assert!(
-        msg.as_deref().is_some_and(|m| m.contains("2 new positions after 1 cached")),
+        msg.as_deref()
+            .is_some_and(|m| m.contains("2 new positions after 1 cached")),
         "{msg:?}"
     );
     Ok(())
@@ -84,7 +92,7 @@ fn cached_logits_equal_the_whole_context_forward_at_every_position() -> Result<(
 fn cached_generation_gives_the_same_tokens_past_block_size() -> Result<()> {
     let gpt = model(4.0)?;
     let idx = Tensor::new(&[[1u32, 2, 3], [200, 100, 50]], &Device::Cpu)?; // (B, T0)
-    // 3 + 30 tokens: past block_size 16, both crop to the last 16 each step.
+                                                                           // 3 + 30 tokens: past block_size 16, both crop to the last 16 each step.
     let rng = || rand::rngs::mock::StepRng::new(0, 1);
     let plain = gpt.generate(&idx, 30, 0.0, None, &mut rng())?;
     let cached = gpt.generate_cached(&idx, 30, 0.0, None, &mut rng())?;

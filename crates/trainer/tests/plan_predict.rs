@@ -4,17 +4,20 @@
 //! collective exposed. `scripts/check-plan.sh` holds the same predictions against runs.
 
 use clap::Parser;
+use mtrain_parallel::parallelize::ValidPlan;
 use mtrain_trainer::cli::Cli;
 use mtrain_trainer::config::TrainConfig;
 use mtrain_trainer::tools::plan::machine::{ClusterArgs, Machine};
 use mtrain_trainer::tools::plan::predict::{predict, stage_shares, Measured, Prediction};
-use mtrain_parallel::parallelize::ValidPlan;
 
 /// The config and checked plan of `mtrain plan ARGS` on one node of `world` ranks.
 fn resolved(world: &str, args: &[&str]) -> (TrainConfig, ValidPlan) {
     let mut v = vec!["mtrain", "plan", "--gpus", world, "--gpus-per-node", world];
     v.extend(args);
-    let cli = Cli::try_parse_from(v).unwrap().with_cluster_world().unwrap();
+    let cli = Cli::try_parse_from(v)
+        .unwrap()
+        .with_cluster_world()
+        .unwrap();
     let r = mtrain_trainer::resolve::resolve(&cli, None).unwrap();
     (r.run.cfg().clone(), r.run.plan)
 }
@@ -82,7 +85,11 @@ fn ranks_sharing_cores_wait_for_them_and_hide_nothing() {
 fn a_shared_node_bounds_the_pipeline_by_its_work() {
     let (cfg, plan) = resolved("4", &["--pp", "4", "--microbatches", "4"]);
     let model = cfg.gpt_config().unwrap();
-    let w = stage_shares(&model, &plan.stage_layout(model.n_layer).unwrap(), cfg.seq_len);
+    let w = stage_shares(
+        &model,
+        &plan.stage_layout(model.n_layer).unwrap(),
+        cfg.seq_len,
+    );
     let own = predict(&cfg, &plan, &node(4, None), Some(PASSES)).unwrap();
     let two = predict(&cfg, &plan, &node(4, Some(2)), Some(PASSES)).unwrap();
     // On its own cores 1F1B takes at least every pass of the slowest stage plus the others'
@@ -101,7 +108,14 @@ fn a_shared_node_bounds_the_pipeline_by_its_work() {
 /// stage's costs), so a rank's chunks add up to its part of the model, not v times it.
 #[test]
 fn interleaved_chunks_add_up_to_the_ranks_part() {
-    let args = ["--pp", "2", "--schedule", "interleaved", "--microbatches", "4"];
+    let args = [
+        "--pp",
+        "2",
+        "--schedule",
+        "interleaved",
+        "--microbatches",
+        "4",
+    ];
     let (cfg, plan) = resolved("2", &args);
     let model = cfg.gpt_config().unwrap();
     let layout = plan.stage_layout(model.n_layer).unwrap();
@@ -110,5 +124,8 @@ fn interleaved_chunks_add_up_to_the_ranks_part() {
     // Rank 1 holds model stages 1 and 3 (the head's).
     let p = predict(&cfg, &plan, &node(2, None), Some(PASSES)).unwrap();
     assert!(close(p.compute_s, 4.0 * 0.035 * (w[1] + w[3])), "{p:?}");
-    assert!(p.step_s >= p.compute_s && p.step_s < 2.0 * p.compute_s, "{p:?}");
+    assert!(
+        p.step_s >= p.compute_s && p.step_s < 2.0 * p.compute_s,
+        "{p:?}"
+    );
 }

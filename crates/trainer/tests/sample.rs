@@ -69,7 +69,10 @@ fn kv_cache_samples_the_same_tokens_at_shakespeare_char_shape() {
     let shakespeare =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/bench/tinyshakespeare.txt");
     let full = std::fs::read_to_string(shakespeare).expect("tinyshakespeare.txt");
-    let cut = full.char_indices().nth(60_000).map_or(full.len(), |(i, _)| i);
+    let cut = full
+        .char_indices()
+        .nth(60_000)
+        .map_or(full.len(), |(i, _)| i);
     let corpus = dir.path().join("corpus.txt");
     std::fs::write(&corpus, &full[..cut]).expect("write corpus");
     let (t, d) = (
@@ -82,11 +85,27 @@ fn kv_cache_samples_the_same_tokens_at_shakespeare_char_shape() {
     // The recipe's model (6 layers, 6 heads, 384 wide, block 256), a few small steps.
     let recipe = config("shakespeare-char.toml");
     let o = run_mtrain(&[
-        "--config", &recipe, "--data", &d, "--run-dir", &run, "--steps", "3",
-        "--batch-size", "2", "--seq-len", "64", "--eval-iters", "1",
+        "--config",
+        &recipe,
+        "--data",
+        &d,
+        "--run-dir",
+        &run,
+        "--steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "64",
+        "--eval-iters",
+        "1",
     ]);
     assert!(o.status.success(), "train: {}", text(&o));
     let (cached, plain) = both_ways(&run, "ROMEO:", 40);
     assert_eq!(cached, plain);
-    assert_eq!(cached.trim_end_matches('\n').chars().count(), 46, "{cached:?}");
+    assert_eq!(
+        cached.trim_end_matches('\n').chars().count(),
+        46,
+        "{cached:?}"
+    );
 }
