@@ -171,7 +171,9 @@ fn attend(
     let (h, d) = (attn.n_head, attn.head_dim);
     let scale = 1.0 / (d as f64).sqrt();
     let qkv = mtrain_kernels::split_heads(&attn.c_attn.forward(x)?, 3, h)?; // (3, B, H, T, D)
-    let (k_new, v_new) = (qkv.get(1)?, qkv.get(2)?); // (B, H, T, D)
+    // Detached: a cached key must not hold the graph of the step that made it (and through it
+    // every earlier step's activations).
+    let (k_new, v_new) = (qkv.get(1)?.detach(), qkv.get(2)?.detach()); // (B, H, T, D)
     let y = match kv.take() {
         None => {
             *kv = Some((k_new, v_new));
