@@ -21,7 +21,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{Device, Result, Tensor};
 use rand::Rng;
 
 use crate::config::GptConfig;
@@ -588,8 +588,10 @@ impl Gpt {
         Ok(x)
     }
 
-    /// Appends `max_new_tokens` sampled tokens to idx (B, T0), feeding at most `block_size` tokens
-    /// back each step. `temperature` 0 means greedy; `top_k` keeps only the k most likely tokens.
+    /// Appends `max_new_tokens` sampled tokens to idx (B, T0), running the context (at most its
+    /// last `block_size` tokens) through the whole model for each; [`Gpt::generate_cached`] keeps
+    /// the keys and values instead. `temperature` 0 means greedy; `top_k` keeps only the k most
+    /// likely tokens.
     pub fn generate<R: Rng + ?Sized>(
         &self,
         idx: &Tensor,
@@ -608,53 +610,9 @@ impl Gpt {
             };
             let logits = self.logits(&cond)?; // (B, T, V)
             let last = logits.narrow(1, cond.dim(1)? - 1, 1)?.squeeze(1)?; // (B, V)
-            let rows = last.to_dtype(DType::F64)?.to_vec2::<f64>()?;
-            let next: Vec<u32> = rows
-                .iter()
-                .map(|row| sample_row(row, temperature, top_k, rng))
-                .collect();
-            let next = Tensor::from_vec(next, (rows.len(), 1), idx.device())?; // (B, 1)
+            let next = crate::decode::next_tokens(&last, temperature, top_k, rng)?; // (B, 1)
             idx = Tensor::cat(&[&idx, &next], 1)?; // (B, T + 1)
         }
         Ok(idx)
     }
-}
-
-/// Samples one token id from a row of logits.
-fn sample_row<R: Rng + ?Sized>(
-    logits: &[f64],
-    temperature: f64,
-    top_k: Option<usize>,
-    rng: &mut R,
-) -> u32 {
-    let argmax = |xs: &[f64]| {
-        xs.iter()
-            .enumerate()
-            .max_by(|a, b| a.1.total_cmp(b.1))
-            .map_or(0, |(i, _)| i)
-    };
-    if temperature <= 0.0 {
-        return argmax(logits) as u32;
-    }
-    let mut scaled: Vec<f64> = logits.iter().map(|l| l / temperature).collect();
-    if let Some(k) = top_k.filter(|&k| k > 0 && k < scaled.len()) {
-        let mut sorted = scaled.clone();
-        sorted.sort_by(|a, b| b.total_cmp(a));
-        let kth = sorted[k - 1];
-        scaled
-            .iter_mut()
-            .filter(|l| **l < kth)
-            .for_each(|l| *l = f64::NEG_INFINITY);
-    }
-    let max = scaled.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-    let weights: Vec<f64> = scaled.iter().map(|l| (l - max).exp()).collect();
-    let total: f64 = weights.iter().sum();
-    let mut u = rng.gen::<f64>() * total;
-    for (i, w) in weights.iter().enumerate() {
-        if u < *w {
-            return i as u32;
-        }
-        u -= w;
-    }
-    argmax(&scaled) as u32
 }

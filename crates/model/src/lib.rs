@@ -14,6 +14,7 @@
 //! - [`moe`]: top-k routing with capacity, the one experts layer (all experts here, or a rank's
 //!   with the group's exchange) and its auxiliary losses.
 //! - [`gpt`]: the model as a list of segments (embedding, blocks, head).
+//! - [`decode`]: generation with a KV cache (prefill once, then one position per token).
 //! - [`tape`]: `Tape`, what a segment's graph-free forward keeps for its hand-written backward;
 //!   `Collective` and `Exchange`, the communication a sharded layer hands its tape.
 //! - [`explicit`]: the tapes (hand-written backward) of the embedding, the block (dense, tensor-
@@ -27,6 +28,7 @@
 //!   row-major elements), so a rank reads only the piece it holds.
 
 pub mod config;
+pub mod decode;
 pub mod dropout;
 pub mod engine;
 pub mod explicit;
@@ -41,6 +43,7 @@ pub mod tape;
 pub mod vocab;
 
 pub use config::{ConfigError, GptConfig, MoeConfig};
+pub use decode::{Decoder, KvCache};
 pub use dropout::{Draw, StepDraw};
 pub use engine::{Activations, Backward, Engine, HookResult, Hooks, NoHooks, PendingGrads};
 pub use gpt::{Block, BlockSegment, Embedding, Gpt, Head, Segment, SegmentOut};

@@ -159,7 +159,9 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
             Ok(())
         }
         Some(Command::Sample(args)) => {
-            println!("{}", sample::sample(args)?);
+            let sampled = sample::sample(args)?;
+            println!("{}", sampled.text);
+            eprintln!("{}", sampled.rate_line());
             Ok(())
         }
         Some(Command::Export(args)) => {

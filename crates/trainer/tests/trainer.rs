@@ -109,8 +109,10 @@ fn tiny_learns_the_builtin_corpus_and_samples() {
         seed: 0,
         tokenizer: None,
         device: mtrain_trainer::config::DeviceKind::Cpu,
+        no_kv_cache: false,
     })
-    .unwrap();
+    .unwrap()
+    .text;
     eprintln!("sample: {text:?}");
     assert!(text.starts_with("the red ") && text.len() >= 60, "{text:?}");
     let continuation = &text["the red ".len()..];
@@ -855,8 +857,10 @@ fn prepare_writes_a_tokenizer_and_shards() {
         seed: 1,
         tokenizer: None,
         device: mtrain_trainer::config::DeviceKind::Cpu,
+        no_kv_cache: false,
     })
-    .unwrap();
+    .unwrap()
+    .text;
     assert!(text.starts_with("the"), "{text:?}");
 }
 

@@ -74,11 +74,15 @@ pub struct PlanArgs {
     #[arg(long, value_name = "N", default_value_t = 10)]
     pub top: usize,
 
-    /// A one-rank run's forward of one micro-batch of the whole model, measured (ms): the
-    /// prediction's compute instead of FLOPs at --mfu, split evenly over tp · pp (backward 2x,
-    /// 3x with checkpointing).
+    /// A one-rank run's forward of one micro-batch of the whole model, measured (ms, the
+    /// `forward` of `--profile-phases`): the prediction's compute instead of FLOPs at --mfu,
+    /// split over the stages by their FLOPs and over tp.
     #[arg(long, value_name = "MS")]
     pub forward_ms: Option<f64>,
+
+    /// The same run's backward (ms; default twice --forward-ms).
+    #[arg(long, value_name = "MS", requires = "forward_ms")]
+    pub backward_ms: Option<f64>,
 
     #[command(flatten)]
     pub collective: arithmetic::CollectiveArgs,
@@ -345,8 +349,10 @@ pub fn run(
     args: &PlanArgs,
     check: &search::PlanCheck,
 ) -> anyhow::Result<()> {
-    if let Some(ms) = args.forward_ms {
-        crate::validate::positive("--forward-ms", ms).map_err(anyhow::Error::msg)?;
+    for (name, ms) in [("--forward-ms", args.forward_ms), ("--backward-ms", args.backward_ms)] {
+        if let Some(ms) = ms {
+            crate::validate::positive(name, ms).map_err(anyhow::Error::msg)?;
+        }
     }
     if args.search {
         let machine = args.cluster.machine(layout.world_size)?;
@@ -394,7 +400,11 @@ pub fn run(
         return Ok(());
     }
     let machine = args.cluster.machine(layout.world_size)?;
-    print!("{}", render_cluster(cfg, plan, &machine, &ranks, args.forward_ms)?);
+    let measured = args.forward_ms.map(|f| predict::Measured {
+        forward_s: f / 1e3,
+        backward_s: args.backward_ms.map(|b| b / 1e3),
+    });
+    print!("{}", render_cluster(cfg, plan, &machine, &ranks, measured)?);
     Ok(())
 }
 
@@ -406,7 +416,7 @@ pub fn render_cluster(
     plan: &ValidPlan,
     machine: &machine::Machine,
     ranks: &[RankMemory],
-    forward_ms: Option<f64>,
+    measured: Option<predict::Measured>,
 ) -> anyhow::Result<String> {
     use mtrain_parallel::analysis::comm_cost::{render, step_collectives, StepShape};
     let model = cfg.gpt_config()?;
@@ -444,7 +454,7 @@ pub fn render_cluster(
         s.push_str(&format!("rank {rank} (pp stage {p}, dp 0, tp 0):\n"));
         s.push_str(&render(&items, dims, &price));
     }
-    let p = predict::predict(cfg, plan, machine, forward_ms.map(|ms| ms / 1e3))?;
+    let p = predict::predict(cfg, plan, machine, measured)?;
     s.push_str(&predict::render(&p));
     Ok(s)
 }

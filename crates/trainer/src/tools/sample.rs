@@ -5,6 +5,11 @@
 //! (found next to the run's token shards, or given with `--tokenizer`), with the character
 //! vocabulary `chars.json` of data prepared with `--chars`, or as raw bytes for the built-in
 //! byte-level corpus.
+//!
+//! By default the model decodes with a KV cache ([`mtrain_model::decode`]): the prompt runs once,
+//! then each new token runs alone against every block's cached keys and values;
+//! `--no-kv-cache` runs the whole context again for every token, as nanoGPT's `generate` does.
+//! Both give the same tokens for a dense model.
 
 use std::path::PathBuf;
 
@@ -48,6 +53,35 @@ pub struct SampleArgs {
     /// Where to run the model.
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
+    /// Run the whole context through the model for every new token instead of decoding one
+    /// position at a time against the cached keys and values.
+    #[arg(long)]
+    pub no_kv_cache: bool,
+}
+
+/// What `sample` generated, and how fast.
+pub struct Sampled {
+    /// The prompt followed by the continuation.
+    pub text: String,
+    /// Tokens generated.
+    pub new_tokens: usize,
+    /// Wall time of the generation (prefill and every new token), in seconds.
+    pub seconds: f64,
+    /// Whether the KV cache decoded.
+    pub kv_cache: bool,
+}
+
+impl Sampled {
+    /// `256 tokens in 3.20 s: 80.0 tokens/s (KV cache)`.
+    pub fn rate_line(&self) -> String {
+        format!(
+            "{} tokens in {:.2} s: {:.1} tokens/s ({})",
+            self.new_tokens,
+            self.seconds,
+            self.new_tokens as f64 / self.seconds.max(1e-9),
+            if self.kv_cache { "KV cache" } else { "no KV cache" }
+        )
+    }
 }
 
 /// How ids and text map to each other.
@@ -99,8 +133,8 @@ pub fn make_device(kind: DeviceKind, ordinal: usize) -> anyhow::Result<Device> {
     }
 }
 
-/// Generate from the checkpoint: returns the prompt followed by the continuation.
-pub fn sample(args: &SampleArgs) -> anyhow::Result<String> {
+/// Generate from the checkpoint: the prompt followed by the continuation, and the time it took.
+pub fn sample(args: &SampleArgs) -> anyhow::Result<Sampled> {
     crate::validate::non_negative("--temperature", args.temperature).map_err(anyhow::Error::msg)?;
     crate::validate::at_most(
         "--max-new-tokens",
@@ -160,7 +194,17 @@ pub fn sample(args: &SampleArgs) -> anyhow::Result<String> {
     let idx = Tensor::from_vec(ids, (1, n), &device)?; // (1, T0)
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
     let top_k = (args.top_k > 0).then_some(args.top_k);
-    let out = model.generate(&idx, args.max_new_tokens, args.temperature, top_k, &mut rng)?; // (1, T0 + new)
+    let (new, temp) = (args.max_new_tokens, args.temperature);
+    let start = std::time::Instant::now();
+    let out = match args.no_kv_cache {
+        false => model.generate_cached(&idx, new, temp, top_k, &mut rng)?, // (1, T0 + new)
+        true => model.generate(&idx, new, temp, top_k, &mut rng)?,         // (1, T0 + new)
+    };
     let out: Vec<u32> = out.squeeze(0)?.to_vec1()?;
-    codec.decode(&out)
+    Ok(Sampled {
+        text: codec.decode(&out)?,
+        new_tokens: new,
+        seconds: start.elapsed().as_secs_f64(),
+        kv_cache: !args.no_kv_cache,
+    })
 }

@@ -55,6 +55,11 @@ pub struct ClusterArgs {
     /// peak · this (default 0.5).
     #[arg(long, value_name = "F")]
     pub mfu: Option<f64>,
+
+    /// CPU nodes: the cores a node's ranks share. With fewer cores than ranks, the ranks wait
+    /// for cores and no collective overlaps compute (predict.rs); default: a device per rank.
+    #[arg(long, value_name = "K")]
+    pub cores_per_node: Option<usize>,
 }
 
 /// One link: a preset, or a fitted α-β table (its op- and size-specific fits).
@@ -125,6 +130,8 @@ pub struct Machine {
     pub inter: LinkSpec,
     /// Fraction of the peak the matrix multiplies reach.
     pub mfu: f64,
+    /// The cores a node's ranks share (CPU nodes); None: a device per rank.
+    pub cores_per_node: Option<usize>,
     /// Spans worked out so far (one pass over the ranks each).
     spans: std::cell::RefCell<std::collections::HashMap<(MeshDims, Group), Span>>,
 }
@@ -192,8 +199,12 @@ impl ClusterArgs {
         if !(mfu > 0.0 && mfu <= 1.0) {
             anyhow::bail!("--mfu {mfu} must be in (0, 1]: a fraction of the GPU's peak");
         }
+        if self.cores_per_node == Some(0) {
+            anyhow::bail!("--cores-per-node 0: a node needs at least one core");
+        }
         Ok(Machine {
             spans: Default::default(),
+            cores_per_node: self.cores_per_node,
             gpu,
             gpus,
             gpus_per_node: per_node,
@@ -208,6 +219,18 @@ impl ClusterArgs {
 pub const GROUPS: [Group; 6] = Group::ALL;
 
 impl Machine {
+    /// Ranks of a job of `world` on one node.
+    pub fn ranks_per_node(&self, world: usize) -> usize {
+        self.gpus_per_node.min(world).max(1)
+    }
+
+    /// The cores of a node whose ranks (of a job of `world`) outnumber them; None where every
+    /// rank has its own device or core.
+    pub fn shared_cores(&self, world: usize) -> Option<usize> {
+        self.cores_per_node
+            .filter(|&k| k < self.ranks_per_node(world))
+    }
+
     /// How the groups of `group` lie on this machine's nodes.
     pub fn span(&self, dims: MeshDims, group: Group) -> Span {
         *self

@@ -1,13 +1,19 @@
-//! The step time `mtrain plan` predicts for a layout on a [`Machine`]: compute from FLOPs,
-//! communication from the step's collectives priced on the links their groups span, the
-//! pipeline bubble from the schedule simulator.
+//! The step time `mtrain plan` predicts for a layout on a [`Machine`]: compute from FLOPs or
+//! from a one-rank run's measured passes, communication from the step's collectives priced on
+//! the links their groups span, the pipeline bubble from the schedule simulator, and on CPU
+//! nodes the cores the node's ranks share.
 //!
 //! ```text
-//!   f  = FLOPs/token / 3 · tokens of a micro-batch / (tp · pp) / (peak · mfu)   one rank's forward
-//!   b  = 2f, + f with activation checkpointing (the recompute)
-//!   F_s = f + (stage s's tp / ep / pp collectives in forward) / M      the passes the pipeline
-//!   B_s = b + (its collectives in backward) / M                        simulator is given
-//!   step = grad_accum · makespan(F, B)                                 (bubble included)
+//!   f, b = one rank's forward and backward of one micro-batch of the whole model: measured
+//!          (--forward-ms, --backward-ms; b = 2f if only f is given), else
+//!          f = FLOPs/token / 3 · tokens of a micro-batch / (peak · mfu), b = 2f
+//!   w_s  = model stage s's share of the FLOPs: its blocks', and the head's on the last stage
+//!   f_s  = f · w_s / tp      b_s = b · w_s / tp, + f_s with activation checkpointing
+//!   F_s = f_s + (its rank's tp / ep / pp collectives in forward) / (M · chunks)   the passes the
+//!   B_s = b_s + (its collectives in backward) / (M · chunks)                      simulator runs
+//!   pipeline = grad_accum · makespan(F, B)                              (bubble included)
+//!            = max(that, node's work / cores)    on a node of more ranks than cores
+//!   step = pipeline
 //!        + step-phase collectives that cannot overlap (norm, tied embedding, ...)
 //!        + max(0, overlappable collectives − the compute they hide behind)
 //! ```
@@ -18,14 +24,22 @@
 //! one that synchronises), ZeRO-2's reduce-scatters behind every backward, ZeRO-3's gathers
 //! behind every forward and backward.
 //! FLOPs per token are [`mtrain_model::GptConfig::flops_per_token`] (6N + 12·L·C·T, MoE: the
-//! active parameters), split evenly over the stages; per rank, `f` is the same on every stage
-//! (the embedding's and head's extra work is left out).
+//! active parameters): the head's 6·V·C on the last stage (the tied embedding's lookup does
+//! none), the rest an equal part per block, so a stage holding the head is the slower one.
+//!
+//! **Shared cores** (`--cores-per-node`, a CPU node): a node of `G` ranks on `K < G` cores
+//! runs them at `K / G` of a core each when all are busy, so the pipeline cannot finish before
+//! the node's work (every pass of its ranks) spread over its `K` cores; and no core is idle to
+//! hide a collective behind (the CPU backend's collectives are work of the same cores: copies
+//! and sums over loopback), so the overlappable collectives are all exposed. A one-rank run that
+//! measures `f` and `b` runs on as many threads as a rank of the layout gets.
 
 use candle_core::DType;
 use mtrain_comm::OpKind;
 use mtrain_parallel::analysis::comm_cost::{step_collectives, Collective, Group, Phase, StepShape};
 use mtrain_parallel::parallelize::{DataParallelKind, ValidPlan};
-use mtrain_parallel::pipeline::PassCosts;
+use mtrain_model::GptConfig;
+use mtrain_parallel::pipeline::{PassCosts, StageLayout};
 
 use super::machine::{Machine, GROUPS};
 use crate::config::{DTypeKind, TrainConfig};
@@ -45,7 +59,8 @@ pub struct GroupComm {
 /// What `plan` predicts for one optimizer step.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Prediction {
-    /// One rank's forward and backward (recompute included) of every micro-batch, no comm.
+    /// The busiest rank's forward and backward (recompute included) of every micro-batch, no
+    /// comm.
     pub compute_s: f64,
     /// Rank 0's idle fraction of the pipeline's simulated step.
     pub bubble: f64,
@@ -79,14 +94,37 @@ fn in_pass(c: &Collective) -> bool {
     c.phase != Phase::Step && (p2p || (!c.overlappable && matches!(c.group, Group::Tp | Group::Ep)))
 }
 
-/// The prediction for `cfg` under `plan` on `machine`; `fwd_s`, a one-rank forward of one
-/// micro-batch of the whole model (measured), replaces the FLOPs at the machine's MFU: `f` is
-/// its share, `fwd_s / (tp · pp)`.
+/// A one-rank run's passes of one micro-batch of the whole model, measured, in seconds: the
+/// prediction's compute instead of FLOPs at the machine's MFU.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Measured {
+    pub forward_s: f64,
+    /// None: twice the forward.
+    pub backward_s: Option<f64>,
+}
+
+/// Each model stage's share of the model's FLOPs per token (they sum to 1): its blocks' equal
+/// parts of everything but the head, and the head's 6·V·C on the last stage.
+pub fn stage_shares(model: &GptConfig, layout: &StageLayout, seq_len: usize) -> Vec<f64> {
+    let total = model.flops_per_token(seq_len);
+    let head = 6.0 * (model.vocab_size * model.n_embd) as f64;
+    let block = (total - head) / model.n_layer.max(1) as f64;
+    let last = layout.num_stages().saturating_sub(1);
+    (0..layout.num_stages())
+        .map(|s| {
+            let own = layout.blocks(s).len() as f64 * block;
+            (own + if s == last { head } else { 0.0 }) / total
+        })
+        .collect()
+}
+
+/// The prediction for `cfg` under `plan` on `machine`; `measured`, a one-rank run's passes,
+/// replaces the FLOPs at the machine's MFU.
 pub fn predict(
     cfg: &TrainConfig,
     plan: &ValidPlan,
     machine: &Machine,
-    fwd_s: Option<f64>,
+    measured: Option<Measured>,
 ) -> anyhow::Result<Prediction> {
     let model = cfg.gpt_config()?;
     let dims = plan.dims;
@@ -97,9 +135,31 @@ pub fn predict(
     );
     let tokens_mb = (cfg.batch_size / m * cfg.seq_len) as f64;
     let fpt = model.flops_per_token(cfg.seq_len);
-    let whole = fwd_s.unwrap_or(fpt / 3.0 * tokens_mb / (machine.gpu.peak_flops * machine.mfu));
-    let f = whole / (dims.tp * pp) as f64;
-    let b = if plan.checkpointing { 3.0 * f } else { 2.0 * f };
+    let (whole_f, whole_b) = match measured {
+        Some(x) => (x.forward_s, x.backward_s.unwrap_or(2.0 * x.forward_s)),
+        None => {
+            let f = fpt / 3.0 * tokens_mb / (machine.gpu.peak_flops * machine.mfu);
+            (f, 2.0 * f)
+        }
+    };
+    let layout = plan.stage_layout(model.n_layer)?;
+    // Per model stage: one micro-batch's forward and backward compute on one of its tp ranks.
+    let passes: Vec<(f64, f64)> = stage_shares(&model, &layout, cfg.seq_len)
+        .iter()
+        .map(|w| {
+            let (f, b) = (whole_f * w / dims.tp as f64, whole_b * w / dims.tp as f64);
+            (f, if plan.checkpointing { b + f } else { b })
+        })
+        .collect();
+    // Per pipeline rank: the forward and backward compute of one micro-batch, all its chunks.
+    let rank_passes: Vec<(f64, f64)> = (0..pp)
+        .map(|r| {
+            let stages = layout.stages_of_rank(r, pp);
+            let sum = |pick: fn(&(f64, f64)) -> f64| stages.iter().map(|&s| pick(&passes[s])).sum();
+            (sum(|p| p.0), sum(|p| p.1))
+        })
+        .collect();
+    let chunks = (layout.num_stages() / pp).max(1) as f64;
     let shape = StepShape {
         batch: cfg.batch_size * dims.dp,
         seq_len: cfg.seq_len,
@@ -108,27 +168,33 @@ pub fn predict(
             _ => DType::BF16,
         },
     };
-    // What the overlappable collectives hide behind: DDP's buckets and ZeRO-1's reduction run in
-    // the backward of the step's last micro-batch; ZeRO-2 reduce-scatters in every backward;
-    // ZeRO-3 also gathers in every forward.
+    // What the overlappable collectives hide behind, on pipeline rank r: DDP's buckets and
+    // ZeRO-1's reduction run in the backward of the step's last micro-batch; ZeRO-2
+    // reduce-scatters in every backward; ZeRO-3 also gathers in every forward. On shared cores,
+    // nothing.
     let stage = match plan.data {
         DataParallelKind::Zero(z) => z.stage as u8,
         _ => 0,
     };
-    let window = match stage {
-        0 | 1 => b,
-        2 => ga as f64 * m as f64 * b,
-        _ => ga as f64 * m as f64 * (f + b),
+    let shared = machine.shared_cores(dims.world_size());
+    let window = |r: usize| {
+        let (f, b) = rank_passes[r];
+        match (shared, stage) {
+            (Some(_), _) => 0.0,
+            (None, 0 | 1) => b,
+            (None, 2) => ga as f64 * m as f64 * b,
+            (None, _) => ga as f64 * m as f64 * (f + b),
+        }
     };
-    // Per stage: pass costs with their in-pass comm, the step-phase comm, the overlappable pool,
-    // and each group's total, in-pass and pool seconds.
+    // Per pipeline rank: its comm inside the passes (forward, backward; per micro-step), the
+    // step-phase comm, the overlappable pool, and each group's total, in-pass and pool seconds.
     // One walk per stage shape: the ranks of the same shape issue the same collectives.
     let reps = super::stage_representatives(cfg, plan)?;
-    let mut stages: Vec<(f64, f64, f64, f64, Vec<(f64, f64, f64)>)> = Vec::with_capacity(pp);
+    let mut comm: Vec<(f64, f64, f64, f64, Vec<(f64, f64, f64)>)> = Vec::with_capacity(pp);
     for p in 0..pp {
         if reps[p] != p {
-            let same = stages[reps[p]].clone();
-            stages.push(same);
+            let same = comm[reps[p]].clone();
+            comm.push(same);
             continue;
         }
         let items = step_collectives(&model, plan, shape, dims.rank_of(0, p, 0))?;
@@ -157,35 +223,48 @@ pub fn predict(
                 per_group[g].1 += t * reps;
             }
         }
-        stages.push((
-            f + fwd / m as f64,
-            b + bwd / m as f64,
-            step,
-            pool,
-            per_group,
-        ));
+        comm.push((fwd, bwd, step, pool, per_group));
     }
     let kind = plan.effective_schedule();
     let sched = plan.schedule()?;
-    let costs: Vec<PassCosts> = (0..sched.num_model_stages())
+    // Model stage s: its compute, and its rank's in-pass comm shared over the rank's chunks.
+    let stage_costs: Vec<(f64, f64)> = (0..sched.num_model_stages())
         .map(|s| {
-            let (fs, bs, ..) = stages[sched.rank_of_stage(s)];
-            match kind.splits_backward() {
-                true => PassCosts::of_stage(kind, [fs, bs / 2.0, bs / 2.0]),
-                false => PassCosts::of_stage(kind, [fs, bs, 0.0]),
-            }
+            let (fwd, bwd, ..) = comm[sched.rank_of_stage(s)];
+            let per = m as f64 * chunks;
+            (passes[s].0 + fwd / per, passes[s].1 + bwd / per)
+        })
+        .collect();
+    // Each model stage's own costs (a chunk's already): B split evenly into B and W where the
+    // schedule splits the backward.
+    let split = kind.splits_backward();
+    let costs: Vec<PassCosts> = stage_costs
+        .iter()
+        .map(|&(fs, bs)| PassCosts {
+            forward: fs,
+            backward: bs,
+            input_grad: if split { bs / 2.0 } else { bs },
+            weight_grad: if split { bs / 2.0 } else { 0.0 },
         })
         .collect();
     let sim = sched.simulate_with(&costs)?;
-    let pipeline = ga as f64 * sim.makespan();
-    // The stage whose step-phase and excess overlappable comm is largest finishes last.
-    let tail = |s: &(f64, f64, f64, f64, Vec<(f64, f64, f64)>)| s.2 + (s.3 - window).max(0.0);
+    let mut pipeline = ga as f64 * sim.makespan();
+    if let Some(cores) = shared {
+        // Every (dp, tp) replica of the pipeline runs each model stage's passes once per
+        // micro-batch; an average node holds ranks_per_node / pp of those replicas.
+        let replica: f64 = stage_costs.iter().map(|(f, b)| f + b).sum();
+        let per_node = machine.ranks_per_node(dims.world_size()) as f64;
+        let node_work = ga as f64 * m as f64 * replica * per_node / pp as f64;
+        pipeline = pipeline.max(node_work / cores as f64);
+    }
+    // The rank whose step-phase and excess overlappable comm is largest finishes last.
+    let tail = |r: usize| comm[r].2 + (comm[r].3 - window(r)).max(0.0);
     let worst = (0..pp)
-        .max_by(|&a, &b| tail(&stages[a]).total_cmp(&tail(&stages[b])))
+        .max_by(|&a, &b| tail(a).total_cmp(&tail(b)))
         .unwrap_or(0);
-    let (_, _, _, pool, per_group) = &stages[worst];
+    let (_, _, _, pool, per_group) = &comm[worst];
     let hidden = if *pool > 0.0 {
-        (pool - window).max(0.0) / pool
+        (pool - window(worst)).max(0.0) / pool
     } else {
         0.0
     };
@@ -200,10 +279,11 @@ pub fn predict(
             crosses: machine.span(dims, group).crosses(),
         })
         .collect();
-    let step_s = pipeline + tail(&stages[worst]);
+    let step_s = pipeline + tail(worst);
     let tokens = (cfg.batch_size * dims.dp * ga * cfg.seq_len) as f64;
+    let busiest = rank_passes.iter().map(|(f, b)| f + b).fold(0.0, f64::max);
     Ok(Prediction {
-        compute_s: ga as f64 * m as f64 * (f + b),
+        compute_s: ga as f64 * m as f64 * busiest,
         bubble: sim.bubble_fraction(0),
         groups,
         step_s,

@@ -1,0 +1,284 @@
+//! Decoding with a KV cache: the prompt runs through the model once (prefill), then each new
+//! token runs alone through every block, its query attending to the keys and values the earlier
+//! positions left in that block's cache.
+//!
+//! ```text
+//!   prefill  idx (B, T0) ─> wte[idx] + wpe[0..T0] ─> block i: q, k, v (B, H, T0, D)
+//!                                                   y = causal attention(q, k, v)
+//!                                                   cache[i] = (k, v)
+//!   step     next (B, 1) ─> wte[next] + wpe[p]    ─> block i: q, k, v (B, H, 1, D)
+//!            (p = cached positions)                 K, V = cache[i] ++ (k, v)   (B, H, p+1, D)
+//!                                                   y = softmax(q Kᵀ · scale) V  (B, H, 1, D)
+//!   both     ln_f and x · wteᵀ at the last position only ─> logits (B, V) ─> the next token
+//! ```
+//!
+//! Without the cache ([`Gpt::generate`]) every token costs a forward over the whole context, T
+//! positions through every weight; with it a token costs one position through every weight (a
+//! matrix-vector product each) and attention over the p cached positions. A new position's
+//! query needs no mask: every cached key is at or before it.
+//!
+//! Positions end at `block_size` (the rows of `wpe`). Past it [`Gpt::generate_cached`] does what
+//! [`Gpt::generate`] does, as nanoGPT's `generate`: the context is cropped to its last
+//! `block_size` tokens, whose positions have all moved by one, so every cached key is stale and
+//! the cropped window is prefilled again, for each further token — from there on a token costs
+//! a full forward, as without the cache, and gives the same token.
+//!
+//! A mixture of experts routes each decoded token alone, so no token of a step is dropped for
+//! capacity; over a whole context a token may be (`crate::moe::capacity`), and the two paths'
+//! tokens can differ for an MoE model. For a dense model they are the same up to rounding.
+//!
+//! Legend: `B` batch, `T` new positions, `p` cached positions, `H` heads, `D` head size,
+//! `C` width, `V` vocabulary.
+
+use candle_core::{DType, Result, Tensor};
+use rand::Rng;
+
+use crate::gpt::{Block, Embedding, Gpt, Head, ParamStore, Segment};
+use crate::layers::{CausalSelfAttention, LayerNorm};
+use mtrain_kernels::plain::{softmax_last_dim, upcast};
+
+/// Each block's keys and values of the positions run so far: (B, H, p, D) each.
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    len: usize,
+}
+
+impl KvCache {
+    /// An empty cache for `n_layer` blocks.
+    pub fn new(n_layer: usize) -> Self {
+        Self {
+            layers: vec![None; n_layer],
+            len: 0,
+        }
+    }
+
+    /// Positions cached.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Forgets every position.
+    pub fn clear(&mut self) {
+        self.layers.iter_mut().for_each(|l| *l = None);
+        self.len = 0;
+    }
+
+    /// Bytes the cached keys and values take.
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes())
+            .sum()
+    }
+}
+
+/// The model's segments as decoding runs them: the embedding at any position, each block with
+/// its cache, the head at the last position. They share the [`Gpt`]'s parameters.
+pub struct Decoder {
+    embedding: Embedding,
+    blocks: Vec<Block>,
+    head: Head,
+    block_size: usize,
+}
+
+impl Decoder {
+    /// The decoder of `gpt` (its parameters, not copies).
+    pub fn new(gpt: &Gpt) -> Result<Self> {
+        let cfg = &gpt.cfg;
+        let p = ParamStore::from_params(
+            gpt.params()
+                .into_iter()
+                .map(|p| (p.name().to_string(), p))
+                .collect(),
+        );
+        let ln_f = LayerNorm::new(p.get("ln_f.weight")?, p.get("ln_f.bias")?);
+        Ok(Self {
+            embedding: Embedding::new(p.get("wte.weight")?, p.get("wpe.weight")?),
+            blocks: (0..cfg.n_layer)
+                .map(|i| Block::dense(cfg, i, &p))
+                .collect::<Result<_>>()?,
+            head: Head::new(ln_f, p.get("wte.weight")?),
+            block_size: cfg.block_size,
+        })
+    }
+
+    /// An empty cache for this model.
+    pub fn cache(&self) -> KvCache {
+        KvCache::new(self.blocks.len())
+    }
+
+    /// Runs idx (B, T) at the positions after the cached ones, appending each block's keys and
+    /// values to `cache`; returns the logits of the last position (B, V). Several positions
+    /// only into an empty cache (the prefill); then one at a time.
+    pub fn forward(&self, idx: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let (_, t) = idx.dims2()?;
+        let first = cache.len;
+        if t == 0 || (first > 0 && t != 1) {
+            return Err(err(format!(
+                "decode: {t} new positions after {first} cached; give the prompt (at least one \
+                 position) to an empty cache, then one position at a time"
+            )));
+        }
+        if first + t > self.block_size {
+            return Err(err(format!(
+                "decode: positions up to {} exceed block_size {}; crop the context and prefill \
+                 again",
+                first + t,
+                self.block_size
+            )));
+        }
+        let mut x = self.embed(idx, first)?; // (B, T, C)
+        for (block, kv) in self.blocks.iter().zip(&mut cache.layers) {
+            x = block_step(block, &x, kv)?; // (B, T, C)
+        }
+        cache.len += t;
+        let last = x.narrow(1, t - 1, 1)?; // (B, 1, C)
+        self.head.forward(&last, None)?.out.squeeze(1) // (B, V)
+    }
+
+    /// wte[idx] + wpe[first..first + T]: (B, T, C), as [`Embedding`]'s forward at positions
+    /// starting from `first`.
+    fn embed(&self, idx: &Tensor, first: usize) -> Result<Tensor> {
+        let (b, t) = idx.dims2()?;
+        let wte = self.embedding.wte.tensor();
+        let c = wte.dim(1)?;
+        let tok = mtrain_kernels::embedding(&wte, &idx.flatten_all()?)?; // (B·T, C)
+        let pos = self.embedding.wpe.tensor().narrow(0, first, t)?; // (T, C)
+        tok.reshape((b, t, c))?.broadcast_add(&pos) // (B, T, C)
+    }
+}
+
+/// One block as [`Block`]'s forward without dropout computes it, the attention through `kv`.
+fn block_step(block: &Block, x: &Tensor, kv: &mut Option<(Tensor, Tensor)>) -> Result<Tensor> {
+    let a = attend(&block.attn, &block.ln_1.forward(x)?, kv)?; // (B, T, C)
+    let x = (x + a)?;
+    let ffn = block.ffn.forward(&block.ln_2.forward(&x)?)?;
+    x + ffn.out // (B, T, C)
+}
+
+/// Attention of x (B, T, C) over the cached positions and its own: the prefill's causal
+/// attention when `kv` is empty, else one query against the cache extended by its key and value.
+fn attend(
+    attn: &CausalSelfAttention,
+    x: &Tensor,
+    kv: &mut Option<(Tensor, Tensor)>,
+) -> Result<Tensor> {
+    let (h, d) = (attn.n_head, attn.head_dim);
+    let scale = 1.0 / (d as f64).sqrt();
+    let qkv = mtrain_kernels::split_heads(&attn.c_attn.forward(x)?, 3, h)?; // (3, B, H, T, D)
+    // Detached: a cached key must not hold the graph of the step that made it (and through it
+    // every earlier step's activations).
+    let (k_new, v_new) = (qkv.get(1)?.detach(), qkv.get(2)?.detach()); // (B, H, T, D)
+    let y = match kv.take() {
+        None => {
+            *kv = Some((k_new, v_new));
+            mtrain_kernels::causal_attention(&qkv, scale, None)? // (B, H, T, D)
+        }
+        Some((k_past, v_past)) => {
+            let k = Tensor::cat(&[&k_past, &k_new], 2)?; // (B, H, p + 1, D)
+            let v = Tensor::cat(&[&v_past, &v_new], 2)?; // (B, H, p + 1, D)
+            let q = (qkv.get(0)? * scale)?; // (B, H, 1, D)
+            let s = upcast(&q.matmul(&k.t()?)?)?; // (B, H, 1, p + 1) f32
+            let y = softmax_last_dim(&s)?.to_dtype(v.dtype())?.matmul(&v)?; // (B, H, 1, D)
+            *kv = Some((k, v));
+            y
+        }
+    };
+    let y = mtrain_kernels::merge_heads(&y.unsqueeze(0)?)?; // (B, T, H·D)
+    attn.c_proj.forward(&y) // (B, T, C)
+}
+
+impl Gpt {
+    /// [`Gpt::generate`] with a KV cache ([`Decoder`]): the prompt prefilled once, then one
+    /// position per new token; past `block_size`, the cropped window prefilled again for each
+    /// token. The same tokens as [`Gpt::generate`] (its logits up to rounding).
+    pub fn generate_cached<R: Rng + ?Sized>(
+        &self,
+        idx: &Tensor,
+        max_new_tokens: usize,
+        temperature: f64,
+        top_k: Option<usize>,
+        rng: &mut R,
+    ) -> Result<Tensor> {
+        let decoder = Decoder::new(self)?;
+        let mut cache = decoder.cache();
+        let mut idx = idx.clone();
+        for _ in 0..max_new_tokens {
+            let t = idx.dim(1)?;
+            let logits = if !cache.is_empty() && t <= self.cfg.block_size {
+                decoder.forward(&idx.narrow(1, t - 1, 1)?, &mut cache)? // (B, V)
+            } else {
+                cache.clear();
+                let first = t.saturating_sub(self.cfg.block_size);
+                decoder.forward(&idx.narrow(1, first, t - first)?, &mut cache)? // (B, V)
+            };
+            let next = next_tokens(&logits, temperature, top_k, rng)?; // (B, 1)
+            idx = Tensor::cat(&[&idx, &next], 1)?; // (B, t + 1)
+        }
+        Ok(idx)
+    }
+}
+
+/// The next token of each row of logits (B, V), drawn by [`sample_row`]: (B, 1) u32.
+pub(crate) fn next_tokens<R: Rng + ?Sized>(
+    logits: &Tensor,
+    temperature: f64,
+    top_k: Option<usize>,
+    rng: &mut R,
+) -> Result<Tensor> {
+    let rows = logits.to_dtype(DType::F64)?.to_vec2::<f64>()?;
+    let next: Vec<u32> = rows
+        .iter()
+        .map(|row| sample_row(row, temperature, top_k, rng))
+        .collect();
+    Tensor::from_vec(next, (rows.len(), 1), logits.device())
+}
+
+/// Samples one token id from a row of logits: the largest at `temperature` 0, else a draw from
+/// the softmax of logits / temperature over the `top_k` largest.
+fn sample_row<R: Rng + ?Sized>(
+    logits: &[f64],
+    temperature: f64,
+    top_k: Option<usize>,
+    rng: &mut R,
+) -> u32 {
+    let argmax = |xs: &[f64]| {
+        xs.iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map_or(0, |(i, _)| i)
+    };
+    if temperature <= 0.0 {
+        return argmax(logits) as u32;
+    }
+    let mut scaled: Vec<f64> = logits.iter().map(|l| l / temperature).collect();
+    if let Some(k) = top_k.filter(|&k| k > 0 && k < scaled.len()) {
+        let mut sorted = scaled.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        let kth = sorted[k - 1];
+        scaled
+            .iter_mut()
+            .filter(|l| **l < kth)
+            .for_each(|l| *l = f64::NEG_INFINITY);
+    }
+    let max = scaled.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let weights: Vec<f64> = scaled.iter().map(|l| (l - max).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    let mut u = rng.gen::<f64>() * total;
+    for (i, w) in weights.iter().enumerate() {
+        if u < *w {
+            return i as u32;
+        }
+        u -= w;
+    }
+    argmax(&scaled) as u32
+}
+
+fn err(msg: String) -> candle_core::Error {
+    candle_core::Error::Msg(msg)
+}

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# `mtrain plan`'s predicted step against the measured median step on CPU (issue #54), for four
+# layouts of the built-in tiny GPT (and configs/moe-tiny.toml for the experts):
+#
+#   --tp 2 --pp 2 --microbatches 2     (one-rank micro-batch 8)
+#   --dp 4 --fsdp                      (16)
+#   --pp 4 --microbatches 4            (4)
+#   --dp 2 --ep 2, moe-tiny            (16)
+#
+# For each: a one-rank run of the layout's micro-batch on the threads a rank of the layout gets
+# (RAYON_NUM_THREADS = cores / ranks, at least 1) with --profile-phases gives the medians of the
+# forward and the backward; `mtrain plan` predicts the layout's step from them
+# (--forward-ms, --backward-ms), the α-β table AB and the node's cores (--cores-per-node);
+# then the layout itself runs. Medians are over the steps after SKIP. FIT=1 first refits the α-β
+# table on this machine (`bench-comm --fit`, every op the layouts issue, at 2 and 4 ranks) into
+# target/check-plan/alpha-beta.toml and uses it.
+#
+# Each run starts on a quiet machine (scripts/quiet.sh: up to QUIET_WAIT s, default 120, for the
+# one-minute load average to fall to LOAD_LIMIT, default 0.5 per core); if any started above it,
+# the table is printed with the busy runs named and no verdict.
+#
+# Usage: scripts/check-plan.sh   (env: STEPS=40 SKIP=5 AB=configs/alpha-beta/cpu-loopback.toml
+#                                 FIT=0 LAYOUTS="tp2pp2 dp4fsdp pp4 dp2ep2" QUIET_WAIT=120
+#                                 LOAD_LIMIT=0.5·nproc --all MTRAIN=binary)
+# Results: printed, and target/check-plan/summary.tsv; each run's directory under target/check-plan/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+STEPS=${STEPS:-40}
+SKIP=${SKIP:-5}
+AB=${AB:-configs/alpha-beta/cpu-loopback.toml}
+FIT=${FIT:-0}
+LAYOUTS=${LAYOUTS:-"tp2pp2 dp4fsdp pp4 dp2ep2"}
+OUT=target/check-plan
+mkdir -p "$OUT"
+
+# shellcheck source=scripts/quiet.sh
+. scripts/quiet.sh
+bench_binary
+CORES=$(nproc)
+
+# layout NAME: sets FLAGS (the layout), CONFIG (config flags), MB (one-rank micro-batch), RANKS.
+layout() {
+    CONFIG=()
+    case "$1" in
+    tp2pp2) FLAGS=(--tp 2 --pp 2 --microbatches 2) MB=8 RANKS=4 ;;
+    dp4fsdp) FLAGS=(--dp 4 --fsdp) MB=16 RANKS=4 ;;
+    pp4) FLAGS=(--pp 4 --microbatches 4) MB=4 RANKS=4 ;;
+    dp2ep2) FLAGS=(--dp 2 --ep 2) CONFIG=(--config configs/moe-tiny.toml) MB=16 RANKS=2 ;;
+    *) echo "unknown layout $1 (one of tp2pp2 dp4fsdp pp4 dp2ep2)" >&2; exit 2 ;;
+    esac
+}
+
+# median RUN_DIR KEY: the median of metrics.jsonl's KEY (a dotted path) over the steps after SKIP.
+median() {
+    python3 - "$1" "$2" "$SKIP" <<'PY'
+import json, statistics, sys
+run, key, skip = sys.argv[1], sys.argv[2], int(sys.argv[3])
+vals = []
+for line in open(f"{run}/metrics.jsonl"):
+    v = json.loads(line)
+    if v.get("step", 0) <= skip:
+        continue
+    for k in key.split("."):
+        v = v.get(k) if isinstance(v, dict) else None
+    if isinstance(v, (int, float)):
+        vals.append(v)
+if not vals:
+    sys.exit(f"{run}/metrics.jsonl: no {key} after step {skip}")
+print(f"{statistics.median(vals):.3f}")
+PY
+}
+
+# predicted_ms TEXT: the `predicted step:` of plan's output, in ms.
+predicted_ms() {
+    python3 -c '
+import re, sys
+m = re.search(r"predicted step: ([0-9.]+) (ns|µs|ms|s)\b", sys.stdin.read())
+if not m:
+    sys.exit("no predicted step in plan output")
+scale = {"ns": 1e-6, "µs": 1e-3, "ms": 1.0, "s": 1e3}[m.group(2)]
+print(f"{float(m.group(1)) * scale:.3f}")'
+}
+
+if [ "$FIT" = 1 ]; then
+    cp "$AB" "$OUT/alpha-beta.toml"
+    AB=$OUT/alpha-beta.toml
+    for ranks in 2 4; do
+        for op in all-reduce all-gather reduce-scatter all-to-all send-recv; do
+            before_run "fit $op $ranks"
+            "$MTRAIN" --nproc-per-node "$ranks" bench-comm -b 4K -e 16M -f 2 --op "$op" \
+                --device cpu --fit "$AB" >"$OUT/fit-$op-$ranks.log" 2>&1
+            after_run "fit $op $ranks"
+        done
+    done
+fi
+
+printf 'layout\tone-rank forward ms\tbackward ms\tpredicted ms\tmeasured median ms\tpredicted/measured\n' >"$OUT/summary.tsv"
+for name in $LAYOUTS; do
+    layout "$name"
+    threads=$((CORES / RANKS > 0 ? CORES / RANKS : 1))
+    common=(--steps "$STEPS" --log-every 1 --eval-every 1000000 --overwrite)
+    before_run "$name one rank"
+    RAYON_NUM_THREADS=$threads "$MTRAIN" "${CONFIG[@]}" --batch-size "$MB" "${common[@]}" \
+        --profile-phases --run-dir "$OUT/$name-one" >"$OUT/$name-one.log" 2>&1
+    after_run "$name one rank"
+    fwd=$(median "$OUT/$name-one" phase_ms.forward)
+    bwd=$(median "$OUT/$name-one" phase_ms.backward)
+    plan=("$MTRAIN" plan "${CONFIG[@]}" "${FLAGS[@]}" --gpus "$RANKS" --gpus-per-node "$RANKS"
+        --cores-per-node "$CORES" --intra "$AB" --forward-ms "$fwd" --backward-ms "$bwd")
+    "${plan[@]}" >"$OUT/$name-plan.txt"
+    pred=$(predicted_ms <"$OUT/$name-plan.txt")
+    before_run "$name"
+    "$MTRAIN" "${CONFIG[@]}" "${FLAGS[@]}" "${common[@]}" --run-dir "$OUT/$name" >"$OUT/$name.log" 2>&1
+    after_run "$name"
+    meas=$(median "$OUT/$name" step_ms)
+    ratio=$(python3 -c "print(f'{$pred / $meas:.2f}')")
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$fwd" "$bwd" "$pred" "$meas" "$ratio" >>"$OUT/summary.tsv"
+    echo "$name: predicted $pred ms, measured $meas ms: $ratio   (${plan[*]})"
+done
+
+echo "$(date -u '+%Y-%m-%d %H:%M UTC'), $(cpu_line), $CORES cores, α-β $AB"
+column -t -s $'\t' "$OUT/summary.tsv"
+if [ ${#BUSY[@]} -gt 0 ]; then
+    echo "runs started above load $LOAD_LIMIT (timings are the neighbours' too; no verdict): ${BUSY[*]}"
+    exit 0
+fi
+python3 - "$OUT/summary.tsv" <<'PY'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1]), delimiter="\t"))
+bad = [r["layout"] for r in rows if abs(float(r["predicted/measured"]) - 1) > 0.15]
+print("every layout within ±15%" if not bad else f"outside ±15%: {', '.join(bad)}")
+PY
