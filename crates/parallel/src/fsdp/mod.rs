@@ -78,6 +78,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Tensor};
 use mtrain_comm::{Comm, ReduceOp};
+use mtrain_kernels::reduce::sum_f64_in_pieces;
 use mtrain_model::optim::{AdamW, OptimItem};
 use mtrain_model::source::ParamSource;
 use mtrain_model::{Engine, Grads, HookResult, Hooks, Param, Segment};
@@ -393,20 +394,18 @@ impl Fsdp {
     }
 
     /// Σ w(name) · g² over this rank's reduced gradient shards (no communication): each element
-    /// weighted by the weight of the parameter it belongs to.
+    /// weighted by the weight of the parameter it belongs to. A shard is read a piece at a time
+    /// ([`sum_f64_in_pieces`]): no f64 copy of it, nor a weight per element of its whole unit.
     pub fn local_grad_sq_norm(&self, weight: impl Fn(&str) -> f64) -> Result<f64> {
         let mut total = 0.0;
         for u in self.units.iter().filter(|u| u.numel > 0) {
-            let w = u.my_slice(&u.flatten(DType::F32, |e| {
-                Tensor::full(weight(e.param.name()) as f32, e.numel, self.comm.device()).ok()
-            })?)?; // (shard,)
-            let g = u.grad_shard()?.to_dtype(DType::F64)?; // (shard,)
-            total += mtrain_kernels::reduce::sum_f64(&(g.sqr()? * w.to_dtype(DType::F64)?)?)?;
+            total += sum_f64_in_pieces(u.shard_len(), |r| {
+                let w = u.shard_weights(r.clone(), &weight)?.to_dtype(DType::F64)?; // (r,)
+                u.grad_shard_part(r)?.to_dtype(DType::F64)?.sqr()? * w // (r,)
+            })?;
         }
         Ok(total)
     }
-
-
 
     /// Sums the gradient shards of `names` over `group`, leaving the others as they are (a
     /// collective over `group`, whose ranks must hold identically laid out units, as the ranks of
