@@ -268,6 +268,32 @@ mod tests {
         Ok(())
     }
 
+    /// Summed a piece at a time, a vector gives the bits of its whole sum (values whose sum
+    /// depends on the order: no rounding-free shortcut), at lengths around the row and piece
+    /// boundaries; each piece is asked for once, in order, within the vector.
+    #[test]
+    fn sum_in_pieces_has_the_bits_of_the_whole_sum() -> Result<()> {
+        let dev = Device::Cpu;
+        let piece = PIECE_ROWS * ROW;
+        for n in [0, 5, ROW, ROW + 3, piece, piece + ROW - 1, 2 * piece + 3 * ROW + 17] {
+            let v: Vec<f32> = (0..n)
+                .map(|i| ((i as f32 * 0.618_034).sin() * 1e3).powi(3))
+                .collect();
+            let t = Tensor::from_vec(v, n, &dev)?;
+            let asked = std::cell::RefCell::new(Vec::new());
+            let got = sum_f64_in_pieces(n, |r| {
+                asked.borrow_mut().push(r.clone());
+                t.narrow(0, r.start, r.len())
+            })?;
+            assert_eq!(got.to_bits(), sum_f64(&t)?.to_bits(), "n = {n}");
+            let asked = asked.into_inner();
+            let covered: Vec<usize> = asked.iter().flat_map(|r| r.clone()).collect();
+            assert_eq!(covered, (0..n).collect::<Vec<_>>(), "n = {n}: pieces {asked:?}");
+            assert!(asked.iter().all(|r| r.len() <= piece), "n = {n}: pieces {asked:?}");
+        }
+        Ok(())
+    }
+
     /// The list form equals the per-tensor sums on the CPU (mixed dtypes, an empty tensor), and
     /// on a GPU the fused partials equal the exact sum of squares of bf16 and f32 tensors of
     /// sizes around the block boundaries, and give the same bits twice.
