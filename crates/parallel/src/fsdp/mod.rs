@@ -71,14 +71,13 @@ mod scheduler;
 mod state;
 mod unit;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Tensor};
 use mtrain_comm::{Comm, ReduceOp, Work};
-use mtrain_kernels::reduce::sum_f64_in_pieces;
 use mtrain_model::optim::{AdamW, OptimItem};
 use mtrain_model::source::ParamSource;
 use mtrain_model::{Engine, Grads, HookResult, Hooks, Param, Segment};
@@ -91,7 +90,6 @@ use crate::toolbox::{
 };
 use scheduler::{Residency, Scheduler};
 pub use state::analytic_model_state;
-use state::unit_has;
 use unit::FlatUnit;
 pub use unit::Region;
 
