@@ -178,12 +178,10 @@ pub fn rank_step_memory(
         };
         done += unit;
         let held_then = activations - freed + tied_held + grad_bytes * done;
-        // Gathered again while the backward runs: the segment's own and the one before it
-        // (prefetched); the last segment's stayed from the forward (in `gathered`), and the
-        // embedding's backward reads no weight and has nothing before it (unless recomputed).
+        // Gathered again while the backward runs (`regathered`); but the embedding's backward
+        // reads no weight and has nothing before it to prefetch (unless it is recomputed).
         let again = match j {
             0 if !checkpointing => 0.0,
-            j if j == last => cut,
             _ => regathered,
         };
         // The segment's backward at its worst, then right after it (its tape dropped, its
