@@ -32,6 +32,8 @@
 //!
 //! B_k depends only on n_k, so the same gradients give the same norm, bit for bit, at every run.
 
+use std::ops::Range;
+
 use candle_core::{DType, Device, Result, Tensor};
 
 /// Elements each block sums in the first pass.
@@ -57,6 +59,36 @@ pub fn sum_all(t: &Tensor) -> Result<Tensor> {
 /// Σ of every element of `t`, computed in f64 and read back.
 pub fn sum_f64(t: &Tensor) -> Result<f64> {
     sum_all(&t.to_dtype(DType::F64)?)?.to_scalar::<f64>()
+}
+
+/// Rows of [`ROW`] that [`sum_f64_in_pieces`] asks for at a time (2 MiB of f64).
+const PIECE_ROWS: usize = 256;
+
+/// [`sum_f64`] of a vector of `n` elements that `piece(range)` forms a range at a time, the same
+/// bits as the whole vector's: [`sum_all`]'s first pass sums each row of [`ROW`] on its own, so
+/// the rows are summed piece by piece ([`PIECE_ROWS`] rows at most) and the row sums, `n / ROW`
+/// of them, go through the rest of it. Only one piece is held at a time.
+///
+/// ```text
+///   piece(0..R·ROW)      ─ Σ each row ─┐
+///   piece(R·ROW..2R·ROW) ─ Σ each row ─┼─ (n / ROW,) ++ Σ tail (n % ROW,) ─ sum_all ─> f64
+///   …                                  ┘
+/// ```
+pub fn sum_f64_in_pieces(n: usize, piece: impl Fn(Range<usize>) -> Result<Tensor>) -> Result<f64> {
+    if n <= ROW {
+        return sum_f64(&piece(0..n)?);
+    }
+    let full = n - n % ROW;
+    let mut sums = Vec::with_capacity(full / (PIECE_ROWS * ROW) + 2);
+    for a in (0..full).step_by(PIECE_ROWS * ROW) {
+        let b = (a + PIECE_ROWS * ROW).min(full);
+        let x = piece(a..b)?.to_dtype(DType::F64)?; // (b − a,)
+        sums.push(x.reshape(((b - a) / ROW, ROW))?.sum(1)?); // ((b − a) / ROW,)
+    }
+    if full < n {
+        sums.push(piece(full..n)?.to_dtype(DType::F64)?.sum_keepdim(0)?); // (1,)
+    }
+    sum_all(&Tensor::cat(&sums, 0)?)?.to_scalar::<f64>()
 }
 
 /// Σ t² over every element of `t`, computed in f64, as a device scalar (no read-back).
@@ -233,6 +265,32 @@ mod tests {
         let g = sum_all(x.as_tensor())?.backward()?;
         let ones = g.get(x.as_tensor()).expect("gradient of x").flatten_all()?;
         assert_eq!(ones.to_vec1::<f32>()?, vec![1f32; 3000]);
+        Ok(())
+    }
+
+    /// Summed a piece at a time, a vector gives the bits of its whole sum (values whose sum
+    /// depends on the order: no rounding-free shortcut), at lengths around the row and piece
+    /// boundaries; each piece is asked for once, in order, within the vector.
+    #[test]
+    fn sum_in_pieces_has_the_bits_of_the_whole_sum() -> Result<()> {
+        let dev = Device::Cpu;
+        let piece = PIECE_ROWS * ROW;
+        for n in [0, 5, ROW, ROW + 3, piece, piece + ROW - 1, 2 * piece + 3 * ROW + 17] {
+            let v: Vec<f32> = (0..n)
+                .map(|i| ((i as f32 * 0.618_034).sin() * 1e3).powi(3))
+                .collect();
+            let t = Tensor::from_vec(v, n, &dev)?;
+            let asked = std::cell::RefCell::new(Vec::new());
+            let got = sum_f64_in_pieces(n, |r| {
+                asked.borrow_mut().push(r.clone());
+                t.narrow(0, r.start, r.len())
+            })?;
+            assert_eq!(got.to_bits(), sum_f64(&t)?.to_bits(), "n = {n}");
+            let asked = asked.into_inner();
+            let covered: Vec<usize> = asked.iter().flat_map(|r| r.clone()).collect();
+            assert_eq!(covered, (0..n).collect::<Vec<_>>(), "n = {n}: pieces {asked:?}");
+            assert!(asked.iter().all(|r| r.len() <= piece), "n = {n}: pieces {asked:?}");
+        }
         Ok(())
     }
 

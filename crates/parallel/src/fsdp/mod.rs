@@ -71,13 +71,13 @@ mod scheduler;
 mod state;
 mod unit;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Tensor};
-use mtrain_comm::{Comm, ReduceOp};
+use mtrain_comm::{Comm, ReduceOp, Work};
 use mtrain_model::optim::{AdamW, OptimItem};
 use mtrain_model::source::ParamSource;
 use mtrain_model::{Engine, Grads, HookResult, Hooks, Param, Segment};
@@ -90,7 +90,6 @@ use crate::toolbox::{
 };
 use scheduler::{Residency, Scheduler};
 pub use state::analytic_model_state;
-use state::unit_has;
 use unit::FlatUnit;
 pub use unit::Region;
 
@@ -391,46 +390,6 @@ impl Fsdp {
         }
         Ok(())
     }
-
-    /// Σ w(name) · g² over this rank's reduced gradient shards (no communication): each element
-    /// weighted by the weight of the parameter it belongs to.
-    pub fn local_grad_sq_norm(&self, weight: impl Fn(&str) -> f64) -> Result<f64> {
-        let mut total = 0.0;
-        for u in self.units.iter().filter(|u| u.numel > 0) {
-            let w = u.my_slice(&u.flatten(DType::F32, |e| {
-                Tensor::full(weight(e.param.name()) as f32, e.numel, self.comm.device()).ok()
-            })?)?; // (shard,)
-            let g = u.grad_shard()?.to_dtype(DType::F64)?; // (shard,)
-            total += mtrain_kernels::reduce::sum_f64(&(g.sqr()? * w.to_dtype(DType::F64)?)?)?;
-        }
-        Ok(total)
-    }
-
-
-
-    /// Sums the gradient shards of `names` over `group`, leaving the others as they are (a
-    /// collective over `group`, whose ranks must hold identically laid out units, as the ranks of
-    /// a tensor-parallel group do).
-    pub fn all_reduce_grads_of(&mut self, names: &BTreeSet<String>, group: &Comm) -> Result<()> {
-        let device = self.comm.device().clone();
-        for u in self.units.iter_mut().filter(|u| unit_has(u, names)) {
-            let mask = u.my_slice(&u.flatten(u.reduce_dtype, |e| {
-                names
-                    .contains(e.param.name())
-                    .then(|| Tensor::ones(e.numel, u_dtype(e), &device).ok())
-                    .flatten()
-            })?)?; // (shard,)
-            let masked = (u.grad_shard()? * mask)?; // (shard,)
-            let summed = group.all_reduce(&masked, ReduceOp::Sum)?;
-            u.add_grad_shard(&(summed - masked)?)?;
-        }
-        Ok(())
-    }
-}
-
-
-fn u_dtype(e: &unit::Entry) -> DType {
-    e.param.var().dtype()
 }
 
 /// The strategy on its own: one chunk's forward and backward, the norm, the optimizer step.
@@ -490,6 +449,14 @@ impl Fsdp {
         Ok(total.first().copied().unwrap_or(0.0) as f64)
     }
 
+    /// Starts the all-gather of unit `k`'s updated shard (ZeRO-1/2's write-back).
+    fn write_back_gather(&mut self, k: usize) -> Result<Work> {
+        let shard = self.units[k].param_shard()?; // (shard,)
+        self.current.collectives += 1;
+        self.current.bytes += (shard.elem_count() * shard.dtype().size_in_bytes()) as u64;
+        Ok(self.comm.all_gather_async(&shard))
+    }
+
     /// What the optimizer updates: this rank's flat shards, each with its decay flag.
     pub fn optimizer_items(&self) -> Vec<OptimItem<'_>> {
         let mut items = Vec::new();
@@ -515,15 +482,19 @@ impl Fsdp {
     /// rank's full weights; drop the gradients; close the step's communication figures.
     pub fn after_optimizer_step(&mut self) -> Result<()> {
         if self.cfg.stage != ZeroStage::Three {
-            // Write the updated shards back into every rank's full weights.
-            let mut works = Vec::new();
-            for (k, u) in self.units.iter().enumerate().filter(|(_, u)| u.numel > 0) {
-                let shard = u.param_shard()?; // (shard,)
-                self.current.collectives += 1;
-                self.current.bytes += (shard.elem_count() * shard.dtype().size_in_bytes()) as u64;
-                works.push((k, self.comm.all_gather_async(&shard)));
-            }
-            for (k, work) in works {
+            // Write the updated shards back into every rank's full weights, the next unit's
+            // all-gather running while one is written: two units' weights gathered at most.
+            let units: Vec<usize> =
+                (0..self.units.len()).filter(|&k| self.units[k].numel > 0).collect();
+            let mut next = None;
+            for (i, &k) in units.iter().enumerate() {
+                let work = match next.take() {
+                    Some(work) => work,
+                    None => self.write_back_gather(k)?,
+                };
+                if let Some(&after) = units.get(i + 1) {
+                    next = Some(self.write_back_gather(after)?);
+                }
                 let flat = timed_wait(work, &mut self.current.exposed_comm_s)?; // (padded,)
                 for (e, t) in self.units[k].unflatten(&flat)? {
                     e.param.set(&t)?;

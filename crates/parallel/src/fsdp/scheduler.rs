@@ -172,16 +172,25 @@ impl Scheduler<'_> {
         }
         let u = self.chunks[self.chunk].start + i;
         if self.reduce && self.units[u].numel > 0 {
-            let flat = self.units[u].flat_grad(grads)?; // (padded,)
+            // ZeRO-2/3 take the full gradients out of `grads` first: they are freed once the
+            // flat copy is made, before the reduce-scatter (on the group's thread) allocates
+            // its buffers, not whenever this thread next runs.
+            let flat = match self.stage >= ZeroStage::Two {
+                true => {
+                    let mut own = Grads::new();
+                    for e in &self.units[u].entries {
+                        if let Some(g) = grads.remove(e.param.name()) {
+                            own.insert(e.param.name(), g);
+                        }
+                    }
+                    self.units[u].flat_grad(&own)? // (padded,)
+                }
+                false => self.units[u].flat_grad(grads)?, // (padded,)
+            };
             self.stats.collectives += 1;
             self.stats.bytes += (flat.elem_count() * flat.dtype().size_in_bytes()) as u64;
             self.pending
                 .push((u, self.comm.reduce_scatter_async(&flat, ReduceOp::Avg)));
-            if self.stage >= ZeroStage::Two {
-                for e in &self.units[u].entries {
-                    grads.remove(e.param.name());
-                }
-            }
         }
         Ok(())
     }

@@ -7,6 +7,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use candle_core::{DType, Tensor};
+use mtrain_comm::{Comm, ReduceOp};
+use mtrain_kernels::reduce::sum_f64_in_pieces;
 use mtrain_model::optim::{AdamW, AdamWState};
 
 use super::unit::FlatUnit;
@@ -271,4 +273,45 @@ impl Fsdp {
 
 pub(super) fn unit_has(u: &FlatUnit, names: &BTreeSet<String>) -> bool {
     u.numel > 0 && u.entries.iter().any(|e| names.contains(e.param.name()))
+}
+
+/// The gradient shards seen by a composed plan: the norm's share of this rank, the sums over a
+/// tensor-parallel group.
+impl Fsdp {
+    /// Σ w(name) · g² over this rank's reduced gradient shards (no communication): each element
+    /// weighted by the weight of the parameter it belongs to. A shard is read a piece at a time
+    /// ([`sum_f64_in_pieces`]): no f64 copy of it, nor a weight per element of its whole unit.
+    pub fn local_grad_sq_norm(&self, weight: impl Fn(&str) -> f64) -> Result<f64> {
+        let mut total = 0.0;
+        for u in self.units.iter().filter(|u| u.numel > 0) {
+            total += sum_f64_in_pieces(u.shard_len(), |r| {
+                let w = u.shard_weights(r.clone(), &weight)?.to_dtype(DType::F64)?; // (r,)
+                u.grad_shard_part(r)?.to_dtype(DType::F64)?.sqr()? * w // (r,)
+            })?;
+        }
+        Ok(total)
+    }
+
+    /// Sums the gradient shards of `names` over `group`, leaving the others as they are (a
+    /// collective over `group`, whose ranks must hold identically laid out units, as the ranks of
+    /// a tensor-parallel group do).
+    pub fn all_reduce_grads_of(&mut self, names: &BTreeSet<String>, group: &Comm) -> Result<()> {
+        let device = self.comm.device().clone();
+        for u in self.units.iter_mut().filter(|u| unit_has(u, names)) {
+            let mask = u.my_slice(&u.flatten(u.reduce_dtype, |e| {
+                names
+                    .contains(e.param.name())
+                    .then(|| Tensor::ones(e.numel, u_dtype(e), &device).ok())
+                    .flatten()
+            })?)?; // (shard,)
+            let masked = (u.grad_shard()? * mask)?; // (shard,)
+            let summed = group.all_reduce(&masked, ReduceOp::Sum)?;
+            u.add_grad_shard(&(summed - masked)?)?;
+        }
+        Ok(())
+    }
+}
+
+fn u_dtype(e: &super::unit::Entry) -> DType {
+    e.param.var().dtype()
 }

@@ -306,6 +306,45 @@ impl FlatUnit {
         )
     }
 
+    /// Elements in this rank's shard, its padding included.
+    pub fn shard_len(&self) -> usize {
+        self.shard
+    }
+
+    /// Elements `r` of [`FlatUnit::grad_shard`], read from its pieces without joining them
+    /// (zeros where nothing was reduced, and in the padding): (r,).
+    pub fn grad_shard_part(&self, r: Range<usize>) -> Result<Tensor> {
+        let (d, p) = (self.len_decay, self.len_plain);
+        let pieces = [(0, d, &self.grad_decay), (d, p, &self.grad_plain), (d + p, self.pad, &None)];
+        let mut parts = Vec::with_capacity(3);
+        for (at, len, g) in pieces {
+            let (a, b) = (r.start.max(at), r.end.min(at + len));
+            if a < b {
+                parts.push(match g {
+                    Some(g) => g.narrow(0, a - at, b - a)?.to_dtype(self.reduce_dtype)?,
+                    None => Tensor::zeros(b - a, self.reduce_dtype, &self.device)?,
+                });
+            }
+        }
+        Tensor::cat(&parts, 0)
+    }
+
+    /// `weight(name)` of each element `r` of this rank's shard as f32, the parameter's it
+    /// belongs to (0 in the padding): (r,).
+    pub fn shard_weights(&self, r: Range<usize>, weight: impl Fn(&str) -> f64) -> Result<Tensor> {
+        let runs = self.shard_parts().map(|(e, part)| (part.len(), weight(e.param.name()) as f32));
+        let mut parts = Vec::new();
+        let mut at = 0;
+        for (len, w) in runs.chain([(self.pad, 0.0)]) {
+            let (a, b) = (r.start.max(at), r.end.min(at + len));
+            if a < b {
+                parts.push(Tensor::full(w, b - a, &self.device)?);
+            }
+            at += len;
+        }
+        Tensor::cat(&parts, 0)
+    }
+
     /// The unit's full gradient from `grads` (zeros for a parameter without one) in the reduce
     /// dtype: (padded,).
     pub fn flat_grad(&self, grads: &Grads) -> Result<Tensor> {

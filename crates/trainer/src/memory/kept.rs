@@ -285,9 +285,10 @@ fn autograd_block_transient(d: &Dims, gelu_values: f64) -> f64 {
 ///              copy (`masters`) the CPU loop makes a new master, m and v of the tensor being
 ///              stepped = 3 of the largest stepped tensor (`largest` bytes, f32), the old ones
 ///              freed after it
-///   write-back ZeRO-1/2 (parallel/src/fsdp.rs, after_optimizer_step): every unit's updated
-///              shard joined and all-gathered at once, so `gathered` = the full weights plus
-///              the shards sent, before each unit's gathered weights replace the old ones
+///   write-back ZeRO-1/2 (parallel/src/fsdp/mod.rs, after_optimizer_step): each unit's
+///              updated shard joined and all-gathered, the next unit's gather running while one
+///              is written, so `gathered` = two consecutive units' full weights plus the shards
+///              sent
 /// ```
 pub fn optimizer_step(largest: f64, gathered: f64, path: BackwardPath, masters: bool) -> f64 {
     let update = match (path, masters) {

@@ -137,13 +137,19 @@ pub fn rank_step_memory(
         false => (0.0, 0.0),
     };
     // ZeRO-3 reduce-scatters a unit's gradient right after its segment's backward: the full
-    // gradient and its flat copy exist together for that moment. The tied wte's full gradient,
+    // gradient and its flat copy exist together while the copy is made; then the full gradient
+    // is freed and the collective holds the copy, and on the CPU backend also its f32
+    // accumulator of the whole unit and the rank's reduced part as bytes (the part itself
+    // becomes the gradient shard, counted with the gradients). The tied wte's full gradient,
     // formed by the head's backward, is held until the embedding's unit is reduced, and the
     // embedding's backward adds its own to it: the two and their sum, or on the CPU tapes in
-    // f32 the two, the sum taken in place into the embedding's (`Grads::accumulate_fresh`).
-    let unit_grads = |p: f64| match layout.gathers_weights {
-        true => 2.0 * p * param_bytes as f64,
-        false => 0.0,
+    // f32 the two, the sum taken in place into the embedding's (`Grads::accumulate_fresh`);
+    // that sum is then the embedding unit's gradient, with wpe's.
+    let cpu = path != BackwardPath::Tapes;
+    let unit_grads = |p: f64| match (layout.gathers_weights, cpu) {
+        (false, _) => 0.0,
+        (true, false) => 2.0 * p * param_bytes as f64,
+        (true, true) => p * (param_bytes as f64 + (param_bytes as f64).max(4.0 + grad_bytes)),
     };
     let last = segs.len().saturating_sub(1);
     // wte's elements on a rank holding both of its ends (counted with the head, whose own unit
@@ -158,28 +164,43 @@ pub fn rank_step_memory(
         false => 3.0,
     };
     let mut peak = activations + gathered;
-    let (mut freed, mut done) = (0.0, 0.0);
+    let (mut freed, mut swept, mut done) = (0.0, 0.0, 0.0);
     for (j, s) in segs.iter().enumerate().rev() {
         let p = params.get(j).copied().unwrap_or(0) as f64;
-        done += p;
+        swept += p;
         let recomputed = if checkpointing { s.kept } else { 0.0 };
+        // (wte's tables held then, and the unit reduced after the segment's backward: wte's
+        // gradient shard is written with the embedding's)
         let (tied_held, unit) = match j {
-            0 => (tied_copies * tied, p),
+            0 => (tied_copies * tied, p + tied_numel),
             j if j == last => (tied, p - tied_numel),
             _ => (tied, p),
         };
+        done += unit;
         let held_then = activations - freed + tied_held + grad_bytes * done;
+        // Gathered again while the backward runs (`regathered`); but the embedding's backward
+        // reads no weight and has nothing before it to prefetch (unless it is recomputed).
+        let again = match j {
+            0 if !checkpointing => 0.0,
+            _ => regathered,
+        };
         // The segment's backward at its worst, then right after it (its tape dropped, its
         // weights freed) the reduce-scatter's moment.
         let computing = held_then
             + recomputed
             + s.transient.max(cut)
-            + gathered * (1.0 - (done - p) / total_params)
-            + regathered;
-        let reducing = held_then - held(s) / v
+            + gathered * (1.0 - (swept - p) / total_params)
+            + again;
+        // (at the embedding, wte's tables are its unit's gradient, and nothing is left to
+        // gather)
+        let (tables, prefetched) = match j {
+            0 => (tied_held, 0.0),
+            _ => (0.0, (regathered - p * param_bytes as f64).max(0.0)),
+        };
+        let reducing = held_then - tables - held(s) / v
             + unit_grads(unit)
-            + gathered * (1.0 - done / total_params)
-            + (regathered - p * param_bytes as f64).max(0.0);
+            + gathered * (1.0 - swept / total_params)
+            + prefetched;
         peak = peak.max(computing).max(reducing);
         freed += held(s) / v;
     }
@@ -263,9 +284,11 @@ pub fn step_memory(
         true => 12.0 * c * c / tp / state.optim_shards as f64,
         false => widest,
     } * 4.0;
+    let pair = layout.segment_params.windows(2).map(|w| w[0] + w[1]).max();
+    let units = pair.or(layout.segment_params.first().copied()).unwrap_or(state.n_params);
     let gathered = match state.param_copy_shards {
         0 => 0.0,
-        n => state.n_params as f64 * state.param_bytes as f64 * (1.0 + 1.0 / n as f64),
+        n => units as f64 * state.param_bytes as f64 * (1.0 + 1.0 / n as f64),
     };
     let masters = state.master_bytes > 0;
     let optimizer = state.grads() as f64 + kept::optimizer_step(largest, gathered, path, masters);
