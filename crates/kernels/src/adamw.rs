@@ -167,6 +167,24 @@ pub fn step(
     h: &AdamWHyper,
     copy: Option<DType>,
 ) -> Result<AdamWOut> {
+    crate::profile::op(p.device(), || update(p, g, m, v, h, copy), |out| {
+        let read = [Some(p), Some(g), m, v].into_iter().flatten().collect::<Vec<_>>();
+        let written = [Some(&out.p), Some(&out.m), Some(&out.v), out.copy.as_ref()];
+        let written = written.into_iter().flatten().collect::<Vec<_>>();
+        let cost = crate::profile::Cost::elementwise(crate::profile::per_element("adamw"), p, &read, &written);
+        ("adamw".into(), cost)
+    })
+}
+
+/// [`step`] itself.
+fn update(
+    p: &Tensor,
+    g: &Tensor,
+    m: Option<&Tensor>,
+    v: Option<&Tensor>,
+    h: &AdamWHyper,
+    copy: Option<DType>,
+) -> Result<AdamWOut> {
     let state_f32 = [m, v]
         .into_iter()
         .flatten()
@@ -538,7 +556,20 @@ pub unsafe fn step_in_place(
             )));
         }
     }
-    launch_in_place(items, &decays, s, scale)
+    let run = || launch_in_place(items, &decays, s, scale);
+    crate::profile::op(items[0].p.device(), run, |_| {
+        let (mut flops, mut bytes) = (0.0, 0.0);
+        for it in items {
+            let c = crate::profile::Cost::elementwise(
+                crate::profile::per_element("adamw"),
+                it.p,
+                &[it.p, it.g, it.m, it.v],
+                &[[it.p, it.m, it.v].as_slice(), it.copy.as_slice()].concat(),
+            );
+            (flops, bytes) = (flops + c.flops, bytes + c.bytes);
+        }
+        ("adamw".into(), crate::profile::Cost { flops, bytes })
+    })
 }
 
 #[cfg(not(feature = "cuda"))]
