@@ -167,48 +167,33 @@ pub fn step(
     h: &AdamWHyper,
     copy: Option<DType>,
 ) -> Result<AdamWOut> {
-    crate::profile::op(p.device(), || update(p, g, m, v, h, copy), |out| {
-        let read = [Some(p), Some(g), m, v].into_iter().flatten().collect::<Vec<_>>();
-        let written = [Some(&out.p), Some(&out.m), Some(&out.v), out.copy.as_ref()];
-        let written = written.into_iter().flatten().collect::<Vec<_>>();
-        let cost = crate::profile::Cost::elementwise(crate::profile::per_element("adamw"), p, &read, &written);
-        ("adamw".into(), cost)
-    })
-}
-
-/// [`step`] itself.
-fn update(
-    p: &Tensor,
-    g: &Tensor,
-    m: Option<&Tensor>,
-    v: Option<&Tensor>,
-    h: &AdamWHyper,
-    copy: Option<DType>,
-) -> Result<AdamWOut> {
-    let state_f32 = [m, v]
-        .into_iter()
-        .flatten()
-        .all(|s| s.dtype() == DType::F32 && s.device().same_device(p.device()));
-    let mut out = if state_f32 && fuses(p, g) {
-        let (m, v) = moments_or_zeros(p, m, v)?;
-        fused(p, g, &m, &v, h, copy == Some(DType::BF16))?
-    } else {
-        let cpu_loop = crate::cpu::takes(&[p, g]) && crate::cpu::takes(&[m, v].map(|t| t.unwrap_or(p)));
-        let (p32, m, v) = match cpu_loop {
-            true => one_pass::update(p, g, m, v, h)?,
-            false => plain_update(p, g, m, v, h)?,
+    let read: Vec<&Tensor> = [Some(p), Some(g), m, v].into_iter().flatten().collect();
+    crate::profile::elementwise("adamw", &read, || {
+        let state_f32 = [m, v]
+            .into_iter()
+            .flatten()
+            .all(|s| s.dtype() == DType::F32 && s.device().same_device(p.device()));
+        let mut out = if state_f32 && fuses(p, g) {
+            let (m, v) = moments_or_zeros(p, m, v)?;
+            fused(p, g, &m, &v, h, copy == Some(DType::BF16))?
+        } else {
+            let cpu_loop = crate::cpu::takes(&[p, g]) && crate::cpu::takes(&[m, v].map(|t| t.unwrap_or(p)));
+            let (p32, m, v) = match cpu_loop {
+                true => one_pass::update(p, g, m, v, h)?,
+                false => plain_update(p, g, m, v, h)?,
+            };
+            AdamWOut {
+                p: p32.to_dtype(p.dtype())?,
+                m,
+                v,
+                copy: None,
+            }
         };
-        AdamWOut {
-            p: p32.to_dtype(p.dtype())?,
-            m,
-            v,
-            copy: None,
+        if let (Some(dtype), None) = (copy, &out.copy) {
+            out.copy = Some(out.p.to_dtype(dtype)?);
         }
-    };
-    if let (Some(dtype), None) = (copy, &out.copy) {
-        out.copy = Some(out.p.to_dtype(dtype)?);
-    }
-    Ok(out)
+        Ok(out)
+    })
 }
 
 /// The moments to update: the given ones, or on the first step (None) zeros of `p`'s shape,
@@ -558,17 +543,12 @@ pub unsafe fn step_in_place(
     }
     let run = || launch_in_place(items, &decays, s, scale);
     crate::profile::op(items[0].p.device(), run, |_| {
-        let (mut flops, mut bytes) = (0.0, 0.0);
-        for it in items {
-            let c = crate::profile::Cost::elementwise(
-                crate::profile::per_element("adamw"),
-                it.p,
-                &[it.p, it.g, it.m, it.v],
-                &[[it.p, it.m, it.v].as_slice(), it.copy.as_slice()].concat(),
-            );
-            (flops, bytes) = (flops + c.flops, bytes + c.bytes);
-        }
-        ("adamw".into(), crate::profile::Cost { flops, bytes })
+        let per = crate::profile::per_element("adamw");
+        let each = items.iter().map(|it| {
+            let written: Vec<&Tensor> = [it.p, it.m, it.v].into_iter().chain(it.copy).collect();
+            crate::profile::Cost::elementwise(per, it.p, &[it.p, it.g, it.m, it.v], &written)
+        });
+        ("adamw".into(), each.sum())
     })
 }
 

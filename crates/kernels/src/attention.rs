@@ -280,9 +280,8 @@ pub fn forward_tokens(
         Ok((y, TokensSaved { qkv, lse2 }))
     };
     crate::profile::op(qkv.device(), run, |(y, saved)| {
-        let read = crate::profile::bytes(&[qkv]);
-        let written = crate::profile::bytes(&[y, &saved.lse2]);
-        attention_cost("attention", qkv.dims(), 4.0, read + written)
+        let moved = crate::profile::bytes(&[qkv, y, &saved.lse2]);
+        crate::profile::attention("attention", qkv.dims(), 4.0, moved)
     })
 }
 
@@ -321,20 +320,8 @@ pub fn backward_tokens(
     };
     crate::profile::op(y.device(), run, |dqkv| {
         let moved = read + crate::profile::bytes(&[dqkv]);
-        attention_cost("attention backward", &dims, 8.0, moved)
+        crate::profile::attention("attention backward", &dims, 8.0, moved)
     })
-}
-
-/// The row of causal attention over qkv of dims (B, T, 3·H·D) or (3, B, H, T, D): `per` · B·H·T²·D
-/// FLOPs (4 forward: q·kᵀ and p·v; 8 backward: four products), `bytes` moved.
-fn attention_cost(name: &str, qkv: &[usize], per: f64, bytes: f64) -> (String, crate::profile::Cost) {
-    let (b, t, hd) = match qkv {
-        [b, t, three_hd] => (*b, *t, three_hd / 3),
-        [_, b, h, t, d] => (*b, *t, h * d),
-        _ => (0, 0, 0),
-    };
-    let flops = per * (b * t * t * hd) as f64;
-    (name.to_string(), crate::profile::Cost { flops, bytes })
 }
 
 /// ln Σ exp over the last dimension of s (..., T), the row maximum taken out first.

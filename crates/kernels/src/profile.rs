@@ -71,6 +71,27 @@ impl Cost {
     }
 }
 
+impl std::iter::Sum for Cost {
+    fn sum<I: Iterator<Item = Cost>>(iter: I) -> Cost {
+        iter.fold(Cost::default(), |a, c| Cost {
+            flops: a.flops + c.flops,
+            bytes: a.bytes + c.bytes,
+        })
+    }
+}
+
+/// The row `name` of causal attention over qkv of dims (B, T, 3·H·D) or (3, B, H, T, D):
+/// `per` · B·H·T²·D FLOPs (4 forward: q·kᵀ and p·v; 8 backward: four products), `bytes` moved.
+pub fn attention(name: &str, qkv: &[usize], per: f64, bytes: f64) -> (String, Cost) {
+    let (b, t, hd) = match qkv {
+        [b, t, three_hd] => (*b, *t, three_hd / 3),
+        [_, b, h, t, d] => (*b, *t, h * d),
+        _ => (0, 0, 0),
+    };
+    let flops = per * (b * t * t * hd) as f64;
+    (name.to_string(), Cost { flops, bytes })
+}
+
 /// Bytes of `ts` in their dtypes.
 pub fn bytes(ts: &[&Tensor]) -> f64 {
     ts.iter()
@@ -254,6 +275,13 @@ impl Outputs for (Tensor, Tensor) {
 impl Outputs for (Tensor, Tensor, Tensor) {
     fn tensors(&self) -> Vec<&Tensor> {
         vec![&self.0, &self.1, &self.2]
+    }
+}
+
+impl Outputs for crate::adamw::AdamWOut {
+    fn tensors(&self) -> Vec<&Tensor> {
+        let copy = self.copy.as_ref();
+        [Some(&self.p), Some(&self.m), Some(&self.v), copy].into_iter().flatten().collect()
     }
 }
 

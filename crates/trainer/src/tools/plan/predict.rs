@@ -17,8 +17,8 @@
 //! DDP's buckets and ZeRO-1's reduction hide behind the last micro-batch's backward (the only
 //! one that synchronises), ZeRO-2's reduce-scatters behind every backward, ZeRO-3's gathers
 //! behind every forward and backward.
-//! FLOPs per token are [`mtrain_model::GptConfig::flops_per_token`] (6N + 12·L·C·T, MoE: the
-//! active parameters), split evenly over the stages; per rank, `f` is the same on every stage
+//! FLOPs per token are [`mtrain_model::GptConfig::flops_per_token`] (6N + 12·L·C·T, N the
+//! weights a token is multiplied by, MoE: the active ones), split evenly over the stages; per rank, `f` is the same on every stage
 //! (the embedding's and head's extra work is left out).
 
 use candle_core::DType;
