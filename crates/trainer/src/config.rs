@@ -353,6 +353,11 @@ impl TrainConfig {
                 return bad(format!("{name} must be at least 1, got 0"));
             }
         }
+        if self.profile_ops && self.backward == Some(BackwardKind::Autograd) {
+            return bad("profile_ops counts the ops of the hand-written backward; autograd's run \
+                 outside them: drop backward = \"autograd\" (--backward autograd)"
+                .into());
+        }
         if !(0.0..1.0).contains(&self.dropout) {
             return bad(format!(
                 "dropout {} must be a probability in [0, 1)",

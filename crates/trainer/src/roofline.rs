@@ -401,8 +401,13 @@ mod tests {
         let shapes = layer_shapes(&GptConfig::tiny(), 1);
         assert_eq!(gemm_layers("gemm 1024x64x192", &shapes), "attn.qkv fwd");
         assert_eq!(gemm_layers("gemm 192x1024x64", &shapes), "attn.qkv wgrad");
-        // tiny's vocabulary (256) is the MLP's width: fc and the head share their shapes.
-        assert_eq!(gemm_layers("gemm 1024x64x256", &shapes), "mlp.fc fwd, lm_head fwd");
+        // tiny's vocabulary (256) is the MLP's width: fc, the head and proj's transpose share
+        // one shape.
+        let shared = "mlp.fc fwd, mlp.proj dgrad, lm_head fwd";
+        assert_eq!(gemm_layers("gemm 1024x64x256", &shapes), shared);
+        let wide = layer_shapes(&GptConfig::gpt2_124m(), 2);
+        assert_eq!(gemm_layers("gemm 8192x768x25152", &wide), "lm_head fwd");
+        assert_eq!(gemm_layers("gemm+bias 8192x768x1152", &wide), "attn.qkv fwd");
         assert_eq!(gemm_layers("layer_norm", &shapes), "");
     }
 }

@@ -286,9 +286,11 @@ fn run_plan(
             resumed.as_ref(),
             ops.as_mut(),
         )?;
+        // Every rank profiled the same steps, or none (a run with no step after its first).
         if let Some(ops) = ops {
-            ops.write(&cfg.run_dir)?;
-            write_ops_report(cfg, &gcfg, &mesh, &device)?;
+            if ops.write(&cfg.run_dir)?.is_some() {
+                write_ops_report(cfg, &gcfg, &mesh, &device)?;
+            }
         }
         Ok(summary)
     })();

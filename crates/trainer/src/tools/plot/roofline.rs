@@ -61,6 +61,8 @@ pub fn roofline_chart(report: &OpsReport, out: &Path) -> anyhow::Result<PathBuf>
         .configure_mesh()
         .x_desc("arithmetic intensity (FLOP/byte)")
         .y_desc("achieved FLOP/s")
+        .y_label_formatter(&|y| format!("{y:.0e}"))
+        .x_label_formatter(&|x| format!("{x}"))
         .draw()
         .map_err(plot_err)?;
     // A roof: bandwidth × intensity up to the ridge, the peak after it.
