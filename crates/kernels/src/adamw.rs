@@ -196,6 +196,12 @@ pub fn step(
     })
 }
 
+impl crate::profile::Outputs for AdamWOut {
+    fn tensors(&self) -> Vec<&Tensor> {
+        [Some(&self.p), Some(&self.m), Some(&self.v), self.copy.as_ref()].into_iter().flatten().collect()
+    }
+}
+
 /// The moments to update: the given ones, or on the first step (None) zeros of `p`'s shape,
 /// two storages, so that each may be written in place ((0 · β + 0) + x is x for every x the
 /// update makes: its `+ 0` leaves no −0).
@@ -541,8 +547,7 @@ pub unsafe fn step_in_place(
             )));
         }
     }
-    let run = || launch_in_place(items, &decays, s, scale);
-    crate::profile::op(items[0].p.device(), run, |_| {
+    crate::profile::op(items[0].p.device(), || launch_in_place(items, &decays, s, scale), |_| {
         let per = crate::profile::per_element("adamw");
         let each = items.iter().map(|it| {
             let written: Vec<&Tensor> = [it.p, it.m, it.v].into_iter().chain(it.copy).collect();

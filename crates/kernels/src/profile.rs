@@ -278,13 +278,6 @@ impl Outputs for (Tensor, Tensor, Tensor) {
     }
 }
 
-impl Outputs for crate::adamw::AdamWOut {
-    fn tensors(&self) -> Vec<&Tensor> {
-        let copy = self.copy.as_ref();
-        [Some(&self.p), Some(&self.m), Some(&self.v), copy].into_iter().flatten().collect()
-    }
-}
-
 /// [`op`] for the element-wise op `name`: [`per_element`] FLOPs on each element of its first
 /// input, the bytes of `inputs` and of what `f` returns.
 pub fn elementwise<R: Outputs>(
@@ -316,19 +309,48 @@ mod tests {
     fn only_the_outermost_op_is_timed() -> Result<()> {
         let dev = Device::Cpu;
         let x = Tensor::zeros((4, 8), candle_core::DType::F32, &dev)?;
-        let one = |name: &str| (name.to_string(), Cost { flops: 10.0, bytes: 4.0 });
+        let one = |name: &str| {
+            (
+                name.to_string(),
+                Cost {
+                    flops: 10.0,
+                    bytes: 4.0,
+                },
+            )
+        };
         op(&dev, || Ok(()), |_| one("off"))?;
         start();
-        op(&dev, || op(&dev, || x.exp(), |_| one("inner")), |_| one("outer"))?;
-        op(&dev, || x.exp(), |y| ("exp".into(), Cost::elementwise(1.0, y, &[&x], &[y])))?;
-        let _ = op(&dev, || Err::<(), _>(candle_core::Error::Msg("no".into())), |_| one("err"));
+        op(
+            &dev,
+            || op(&dev, || x.exp(), |_| one("inner")),
+            |_| one("outer"),
+        )?;
+        op(
+            &dev,
+            || x.exp(),
+            |y| ("exp".into(), Cost::elementwise(1.0, y, &[&x], &[y])),
+        )?;
+        let _ = op(
+            &dev,
+            || Err::<(), _>(candle_core::Error::Msg("no".into())),
+            |_| one("err"),
+        );
         let t = stop();
         assert_eq!(t.keys().collect::<Vec<_>>(), ["exp", "outer"]);
-        assert_eq!((t["outer"].calls, t["outer"].flops, t["outer"].bytes), (1, 10.0, 4.0));
+        assert_eq!(
+            (t["outer"].calls, t["outer"].flops, t["outer"].bytes),
+            (1, 10.0, 4.0)
+        );
         assert_eq!((t["exp"].flops, t["exp"].bytes), (32.0, 256.0));
         assert!(t["outer"].seconds > 0.0);
         assert!(!is_on() && stop().is_empty());
-        assert_eq!(Cost::gemm(2, (3, 4, 5), 4), Cost { flops: 240.0, bytes: 2.0 * 47.0 * 4.0 });
+        assert_eq!(
+            Cost::gemm(2, (3, 4, 5), 4),
+            Cost {
+                flops: 240.0,
+                bytes: 2.0 * 47.0 * 4.0
+            }
+        );
         Ok(())
     }
 }

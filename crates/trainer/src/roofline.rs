@@ -80,7 +80,9 @@ impl OpsProfiler {
             return None;
         }
         // The first step warms up (allocations, first-use compilation) unless it is the only one.
-        let first = (start_step + 1).min(cfg.steps.saturating_sub(1)).max(start_step);
+        let first = (start_step + 1)
+            .min(cfg.steps.saturating_sub(1))
+            .max(start_step);
         let steps = first..(first + PROFILED_STEPS).min(cfg.steps);
         Some(Self {
             groups: groups.to_vec(),
@@ -98,7 +100,11 @@ impl OpsProfiler {
     /// Before step `step`: profiling starts if it is one of the profiled steps.
     pub fn begin(&mut self, step: u64) {
         if self.steps.contains(&step) {
-            self.before = self.groups.iter().map(|g| g.tracer().totals_by_op()).collect();
+            self.before = self
+                .groups
+                .iter()
+                .map(|g| g.tracer().totals_by_op())
+                .collect();
             profile::start();
         }
     }
@@ -217,8 +223,8 @@ pub fn merge(
         let path = run_dir.join(format!("ops-rank{r}.json"));
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("reading {}", path.display()))?;
-        let part: RankOps = serde_json::from_str(&text)
-            .with_context(|| format!("parsing {}", path.display()))?;
+        let part: RankOps =
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
         parts.push(part);
     }
     let steps = parts.first().map(|p| p.steps.clone()).unwrap_or_default();
@@ -260,7 +266,11 @@ pub fn merge(
                 flops_per_s: rate(flops),
                 bytes_per_s: rate(bytes),
                 bound: bound.into(),
-                share: if step_total > 0.0 { seconds / step_total } else { 0.0 },
+                share: if step_total > 0.0 {
+                    seconds / step_total
+                } else {
+                    0.0
+                },
             }
         })
         .collect();
@@ -315,7 +325,11 @@ fn gemm_layers(name: &str, shapes: &[(&str, usize, usize)]) -> String {
     };
     let mut found: Vec<String> = Vec::new();
     for &(layer, i, o) in shapes {
-        for (pass, hit) in [("fwd", (k, n) == (i, o)), ("dgrad", (k, n) == (o, i)), ("wgrad", (m, n) == (o, i))] {
+        for (pass, hit) in [
+            ("fwd", (k, n) == (i, o)),
+            ("dgrad", (k, n) == (o, i)),
+            ("wgrad", (m, n) == (o, i)),
+        ] {
             let s = format!("{layer} {pass}");
             if hit && !found.contains(&s) {
                 found.push(s);
@@ -407,7 +421,10 @@ mod tests {
         assert_eq!(gemm_layers("gemm 1024x64x256", &shapes), shared);
         let wide = layer_shapes(&GptConfig::gpt2_124m(), 2);
         assert_eq!(gemm_layers("gemm 8192x768x25152", &wide), "lm_head fwd");
-        assert_eq!(gemm_layers("gemm+bias 8192x768x1152", &wide), "attn.qkv fwd");
+        assert_eq!(
+            gemm_layers("gemm+bias 8192x768x1152", &wide),
+            "attn.qkv fwd"
+        );
         assert_eq!(gemm_layers("layer_norm", &shapes), "");
     }
 }

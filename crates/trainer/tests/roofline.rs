@@ -42,11 +42,16 @@ fn profiled(layout: &[&str], dir: &Path) -> (Value, String) {
     );
     assert!(o.status.success(), "{layout:?} failed:\n{printed}");
     let text = std::fs::read_to_string(dir.join("ops.json")).expect("ops.json");
-    (serde_json::from_str(&text).expect("ops.json is JSON"), printed)
+    (
+        serde_json::from_str(&text).expect("ops.json is JSON"),
+        printed,
+    )
 }
 
 fn f(v: &Value, key: &str) -> f64 {
-    v[key].as_f64().unwrap_or_else(|| panic!("{key} missing in {v}"))
+    v[key]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{key} missing in {v}"))
 }
 
 /// What every profiled run holds; returns the rows' names.
@@ -54,7 +59,10 @@ fn check(ops: &Value, printed: &str, dir: &Path) -> Vec<String> {
     assert!(dir.join("roofline.svg").is_file(), "roofline.svg missing");
     let svg = std::fs::read_to_string(dir.join("roofline.svg")).unwrap();
     assert!(svg.contains("<svg") && svg.contains("attention"), "{svg}");
-    assert!(printed.contains("GEMM + attention:"), "the table was not printed:\n{printed}");
+    assert!(
+        printed.contains("GEMM + attention:"),
+        "the table was not printed:\n{printed}"
+    );
     let rows = ops["rows"].as_array().expect("rows");
     let model = f(ops, "model_flops");
     let counted: f64 = rows
@@ -69,7 +77,8 @@ fn check(ops: &Value, printed: &str, dir: &Path) -> Vec<String> {
         (counted / model - 1.0).abs() < 0.01,
         "GEMM + attention {counted:e} FLOPs against model_flops {model:e}"
     );
-    let ridge = f(&ops["roofs"]["measured"], "flops_per_s") / f(&ops["roofs"]["measured"], "bytes_per_s");
+    let ridge =
+        f(&ops["roofs"]["measured"], "flops_per_s") / f(&ops["roofs"]["measured"], "bytes_per_s");
     let step = f(ops, "step_seconds");
     let mut last = f64::INFINITY;
     for r in rows {
@@ -78,7 +87,10 @@ fn check(ops: &Value, printed: &str, dir: &Path) -> Vec<String> {
         let collective = r["name"].as_str().unwrap().contains(" (");
         assert!(f(r, "calls") > 0.0 && (bytes > 0.0 || collective), "{r}");
         let intensity = if bytes > 0.0 { flops / bytes } else { 0.0 };
-        assert!((f(r, "intensity") - intensity).abs() <= 1e-12 * intensity.max(1.0), "{r}");
+        assert!(
+            (f(r, "intensity") - intensity).abs() <= 1e-12 * intensity.max(1.0),
+            "{r}"
+        );
         let bound = r["bound"].as_str().unwrap();
         let want = match (collective, intensity >= ridge) {
             (true, _) => "network",
@@ -89,14 +101,23 @@ fn check(ops: &Value, printed: &str, dir: &Path) -> Vec<String> {
         assert!(secs <= last, "rows not sorted by time at {r}");
         last = secs;
         if secs > 0.0 {
-            assert!((f(r, "flops_per_s") - flops / secs).abs() <= 1e-9 * flops / secs, "{r}");
+            assert!(
+                (f(r, "flops_per_s") - flops / secs).abs() <= 1e-9 * flops / secs,
+                "{r}"
+            );
         }
     }
     let ops_time = f(ops, "op_seconds");
-    assert!(ops_time > 0.0 && ops_time <= step, "ops {ops_time} s, step {step} s");
+    assert!(
+        ops_time > 0.0 && ops_time <= step,
+        "ops {ops_time} s, step {step} s"
+    );
     let ranks = f(ops, "ranks");
     let shares: f64 = rows.iter().map(|r| f(r, "share")).sum();
-    assert!((shares - ops_time / step).abs() < 1e-9 * ranks.max(1.0), "shares {shares}");
+    assert!(
+        (shares - ops_time / step).abs() < 1e-9 * ranks.max(1.0),
+        "shares {shares}"
+    );
     let presets: Vec<&str> = ops["roofs"]["presets"]
         .as_array()
         .unwrap()
@@ -104,7 +125,9 @@ fn check(ops: &Value, printed: &str, dir: &Path) -> Vec<String> {
         .map(|p| p["name"].as_str().unwrap())
         .collect();
     assert_eq!(presets, ["h100-sxm", "h200", "a100-80gb"]);
-    rows.iter().map(|r| r["name"].as_str().unwrap().to_string()).collect()
+    rows.iter()
+        .map(|r| r["name"].as_str().unwrap().to_string())
+        .collect()
 }
 
 #[test]
@@ -134,7 +157,10 @@ fn one_process_puts_every_op_of_the_step_on_the_roofline() {
     // Every GEMM of the step is one of the model's layer passes.
     for r in ops["rows"].as_array().unwrap() {
         if r["name"].as_str().unwrap().starts_with("gemm") {
-            assert!(!r["layers"].as_str().unwrap().is_empty(), "a GEMM of no layer: {r}");
+            assert!(
+                !r["layers"].as_str().unwrap().is_empty(),
+                "a GEMM of no layer: {r}"
+            );
         }
     }
     assert_eq!(ops["steps"], serde_json::json!([1, 2]));
@@ -152,7 +178,13 @@ fn tp_and_pp_ranks_add_up_with_their_collectives_as_rows() {
     let names = check(&ops, &printed, dir.path());
     assert_eq!(f(&ops, "ranks"), 4.0);
     for group in ["(tp)", "(pp)"] {
-        assert!(names.iter().any(|n| n.ends_with(group)), "no {group} collective in {names:?}");
+        assert!(
+            names.iter().any(|n| n.ends_with(group)),
+            "no {group} collective in {names:?}"
+        );
     }
-    assert!(names.iter().any(|n| n.starts_with("all_reduce (tp)")), "{names:?}");
+    assert!(
+        names.iter().any(|n| n.starts_with("all_reduce (tp)")),
+        "{names:?}"
+    );
 }

@@ -71,7 +71,10 @@ pub fn roofline_chart(report: &OpsReport, out: &Path) -> anyhow::Result<PathBuf>
         vec![(x_lo, bw * x_lo), (ridge, flops), (x_hi, flops)]
     };
     chart
-        .draw_series(LineSeries::new(roof(m.flops_per_s, m.bytes_per_s), BLACK.stroke_width(2)))
+        .draw_series(LineSeries::new(
+            roof(m.flops_per_s, m.bytes_per_s),
+            BLACK.stroke_width(2),
+        ))
         .map_err(plot_err)?
         .label(format!("measured: {} / {}", m.gemm, m.copy))
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], BLACK.stroke_width(2)));
