@@ -16,7 +16,7 @@
 //! A caller blocks only while an op it waits for is unfinished, and one thread waits for one op at
 //! a time, so the blocked time of a step never exceeds the busy time of its groups.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::ops::{Add, Sub};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -97,6 +97,8 @@ struct Inner {
     recent: VecDeque<TraceEvent>,
     all: Vec<TraceEvent>,
     totals: TraceTotals,
+    /// The same totals per kind of op.
+    by_op: HashMap<OpKind, TraceTotals>,
     /// When the group's latest op finished (the earliest the next one could start).
     last_end_us: u64,
 }
@@ -155,6 +157,11 @@ impl Tracer {
         inner.totals.bytes += ev.bytes;
         inner.totals.bytes_sent += ev.bytes_sent;
         inner.totals.busy_us += ev.end_us.saturating_sub(start);
+        let op = inner.by_op.entry(ev.op).or_default();
+        op.ops += 1;
+        op.bytes += ev.bytes;
+        op.bytes_sent += ev.bytes_sent;
+        op.busy_us += ev.end_us.saturating_sub(start);
         inner.last_end_us = inner.last_end_us.max(ev.end_us);
         if inner.recent.len() == RECENT {
             inner.recent.pop_front();
@@ -175,14 +182,21 @@ impl Tracer {
         self.inner.lock().unwrap_or_else(|p| p.into_inner()).recent.iter().cloned().collect()
     }
 
-    /// A caller waited `waited_us` for an op of this group that was still running.
-    pub fn add_blocked(&self, waited_us: u64) {
-        self.lock().totals.blocked_us += waited_us;
+    /// A caller waited `waited_us` for an `op` of this group that was still running.
+    pub fn add_blocked(&self, op: OpKind, waited_us: u64) {
+        let mut inner = self.lock();
+        inner.totals.blocked_us += waited_us;
+        inner.by_op.entry(op).or_default().blocked_us += waited_us;
     }
 
     /// The running totals (subtract two readings for what happened in between).
     pub fn totals(&self) -> TraceTotals {
         self.lock().totals
+    }
+
+    /// The running totals of each kind of op this group has run.
+    pub fn totals_by_op(&self) -> HashMap<OpKind, TraceTotals> {
+        self.lock().by_op.clone()
     }
 
     /// Total payload bytes this group has sent since creation (or the last `clear`).
@@ -195,5 +209,6 @@ impl Tracer {
         inner.all.clear();
         inner.recent.clear();
         inner.totals = TraceTotals::default();
+        inner.by_op.clear();
     }
 }

@@ -167,30 +167,39 @@ pub fn step(
     h: &AdamWHyper,
     copy: Option<DType>,
 ) -> Result<AdamWOut> {
-    let state_f32 = [m, v]
-        .into_iter()
-        .flatten()
-        .all(|s| s.dtype() == DType::F32 && s.device().same_device(p.device()));
-    let mut out = if state_f32 && fuses(p, g) {
-        let (m, v) = moments_or_zeros(p, m, v)?;
-        fused(p, g, &m, &v, h, copy == Some(DType::BF16))?
-    } else {
-        let cpu_loop = crate::cpu::takes(&[p, g]) && crate::cpu::takes(&[m, v].map(|t| t.unwrap_or(p)));
-        let (p32, m, v) = match cpu_loop {
-            true => one_pass::update(p, g, m, v, h)?,
-            false => plain_update(p, g, m, v, h)?,
+    let read: Vec<&Tensor> = [Some(p), Some(g), m, v].into_iter().flatten().collect();
+    crate::profile::elementwise("adamw", &read, || {
+        let state_f32 = [m, v]
+            .into_iter()
+            .flatten()
+            .all(|s| s.dtype() == DType::F32 && s.device().same_device(p.device()));
+        let mut out = if state_f32 && fuses(p, g) {
+            let (m, v) = moments_or_zeros(p, m, v)?;
+            fused(p, g, &m, &v, h, copy == Some(DType::BF16))?
+        } else {
+            let cpu_loop = crate::cpu::takes(&[p, g]) && crate::cpu::takes(&[m, v].map(|t| t.unwrap_or(p)));
+            let (p32, m, v) = match cpu_loop {
+                true => one_pass::update(p, g, m, v, h)?,
+                false => plain_update(p, g, m, v, h)?,
+            };
+            AdamWOut {
+                p: p32.to_dtype(p.dtype())?,
+                m,
+                v,
+                copy: None,
+            }
         };
-        AdamWOut {
-            p: p32.to_dtype(p.dtype())?,
-            m,
-            v,
-            copy: None,
+        if let (Some(dtype), None) = (copy, &out.copy) {
+            out.copy = Some(out.p.to_dtype(dtype)?);
         }
-    };
-    if let (Some(dtype), None) = (copy, &out.copy) {
-        out.copy = Some(out.p.to_dtype(dtype)?);
+        Ok(out)
+    })
+}
+
+impl crate::profile::Outputs for AdamWOut {
+    fn tensors(&self) -> Vec<&Tensor> {
+        [Some(&self.p), Some(&self.m), Some(&self.v), self.copy.as_ref()].into_iter().flatten().collect()
     }
-    Ok(out)
 }
 
 /// The moments to update: the given ones, or on the first step (None) zeros of `p`'s shape,
@@ -538,7 +547,14 @@ pub unsafe fn step_in_place(
             )));
         }
     }
-    launch_in_place(items, &decays, s, scale)
+    crate::profile::op(items[0].p.device(), || launch_in_place(items, &decays, s, scale), |_| {
+        let per = crate::profile::per_element("adamw");
+        let each = items.iter().map(|it| {
+            let written: Vec<&Tensor> = [it.p, it.m, it.v].into_iter().chain(it.copy).collect();
+            crate::profile::Cost::elementwise(per, it.p, &[it.p, it.g, it.m, it.v], &written)
+        });
+        ("adamw".into(), each.sum())
+    })
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -258,25 +258,31 @@ pub fn forward_tokens(
     scale: f64,
     dropout: Option<&Mask>,
 ) -> Result<(Tensor, TokensSaved)> {
-    let dropout = dropout.filter(|m| m.p > 0.0);
-    #[cfg(feature = "cuda")]
-    if imp::takes_tokens(qkv, h, TcKernels::from_env(), dropout.is_some())? {
-        let (y, lse2) = imp::forward_tokens(qkv, h, scale)?;
-        let qkv = qkv.clone();
-        return Ok((y, TokensSaved { qkv, lse2 }));
-    }
-    if crate::cpu::takes(&[qkv]) {
-        // The CPU's products read the heads where c_attn wrote them; qkv is kept as it is.
-        let qkv = qkv.contiguous()?;
-        let hv = token_heads(&qkv, 3, h)?;
-        let (y, lse2) = cpu_forward(&hv[0], &hv[1], &hv[2], scale, dropout)?; // (B, H, T, D)
+    let run = || {
+        let dropout = dropout.filter(|m| m.p > 0.0);
+        #[cfg(feature = "cuda")]
+        if imp::takes_tokens(qkv, h, TcKernels::from_env(), dropout.is_some())? {
+            let (y, lse2) = imp::forward_tokens(qkv, h, scale)?;
+            let qkv = qkv.clone();
+            return Ok((y, TokensSaved { qkv, lse2 }));
+        }
+        if crate::cpu::takes(&[qkv]) {
+            // The CPU's products read the heads where c_attn wrote them; qkv is kept as it is.
+            let qkv = qkv.contiguous()?;
+            let hv = token_heads(&qkv, 3, h)?;
+            let (y, lse2) = cpu_forward(&hv[0], &hv[1], &hv[2], scale, dropout)?; // (B, H, T, D)
+            let y = crate::merge_heads(&y.unsqueeze(0)?)?; // (B, T, H·D)
+            return Ok((y, TokensSaved { qkv, lse2 }));
+        }
+        let qkv = crate::split_heads(qkv, 3, h)?; // (3, B, H, T, D)
+        let (y, lse2) = forward(&qkv, scale, dropout)?; // (B, H, T, D)
         let y = crate::merge_heads(&y.unsqueeze(0)?)?; // (B, T, H·D)
-        return Ok((y, TokensSaved { qkv, lse2 }));
-    }
-    let qkv = crate::split_heads(qkv, 3, h)?; // (3, B, H, T, D)
-    let (y, lse2) = forward(&qkv, scale, dropout)?; // (B, H, T, D)
-    let y = crate::merge_heads(&y.unsqueeze(0)?)?; // (B, T, H·D)
-    Ok((y, TokensSaved { qkv, lse2 }))
+        Ok((y, TokensSaved { qkv, lse2 }))
+    };
+    crate::profile::op(qkv.device(), run, |(y, saved)| {
+        let moved = crate::profile::bytes(&[qkv, y, &saved.lse2]);
+        crate::profile::attention("attention", qkv.dims(), 4.0, moved)
+    })
 }
 
 /// The gradient (B, T, 3·H·D) of [`forward_tokens`] from what it kept, its output `y` and the
@@ -291,23 +297,31 @@ pub fn backward_tokens(
     scale: f64,
     dropout: Option<&Mask>,
 ) -> Result<Tensor> {
-    let TokensSaved { qkv, lse2 } = saved;
-    let dy = dy.contiguous()?;
-    if qkv.rank() == 3 && crate::cpu::takes(&[&qkv, y, &dy, &lse2]) {
-        let y = y.contiguous()?;
-        let (hv, yv, dyv) = (token_heads(&qkv, 3, h)?, token_heads(&y, 1, h)?, token_heads(&dy, 1, h)?);
-        let (dq, dk, dv) = cpu_backward(&hv[0], &hv[1], &hv[2], &yv[0], &dyv[0], &lse2, scale, dropout)?;
-        return crate::cpu::tokens_grad(&dq, &dk, &dv, scale); // (B, T, 3·H·D)
-    }
-    if qkv.rank() == 3 {
-        #[cfg(feature = "cuda")]
-        return imp::backward_tokens(&qkv, &y.contiguous()?, &dy, &lse2, h, scale);
-        #[cfg(not(feature = "cuda"))]
-        return Err(msg("the tokens' attention backward runs on CUDA only".into()));
-    }
-    let apart = |t: &Tensor| crate::split_heads(t, 1, h)?.squeeze(0); // (B, H, T, D)
-    let dqkv = backward(&qkv, &apart(y)?, &apart(&dy)?, &lse2, scale, dropout)?; // (3, B, H, T, D)
-    crate::merge_heads(&dqkv) // (B, T, 3·H·D)
+    let read = crate::profile::bytes(&[&saved.qkv, &saved.lse2, y, dy]);
+    let dims = saved.qkv.dims().to_vec();
+    let run = || {
+        let TokensSaved { qkv, lse2 } = saved;
+        let dy = dy.contiguous()?;
+        if qkv.rank() == 3 && crate::cpu::takes(&[&qkv, y, &dy, &lse2]) {
+            let y = y.contiguous()?;
+            let (hv, yv, dyv) = (token_heads(&qkv, 3, h)?, token_heads(&y, 1, h)?, token_heads(&dy, 1, h)?);
+            let (dq, dk, dv) = cpu_backward(&hv[0], &hv[1], &hv[2], &yv[0], &dyv[0], &lse2, scale, dropout)?;
+            return crate::cpu::tokens_grad(&dq, &dk, &dv, scale); // (B, T, 3·H·D)
+        }
+        if qkv.rank() == 3 {
+            #[cfg(feature = "cuda")]
+            return imp::backward_tokens(&qkv, &y.contiguous()?, &dy, &lse2, h, scale);
+            #[cfg(not(feature = "cuda"))]
+            return Err(msg("the tokens' attention backward runs on CUDA only".into()));
+        }
+        let apart = |t: &Tensor| crate::split_heads(t, 1, h)?.squeeze(0); // (B, H, T, D)
+        let dqkv = backward(&qkv, &apart(y)?, &apart(&dy)?, &lse2, scale, dropout)?; // (3, B, H, T, D)
+        crate::merge_heads(&dqkv) // (B, T, 3·H·D)
+    };
+    crate::profile::op(y.device(), run, |dqkv| {
+        let moved = read + crate::profile::bytes(&[dqkv]);
+        crate::profile::attention("attention backward", &dims, 8.0, moved)
+    })
 }
 
 /// ln Σ exp over the last dimension of s (..., T), the row maximum taken out first.

@@ -32,35 +32,38 @@ fn fuses(x: &Tensor, b: &Tensor) -> bool {
 /// `x + b` for x (..., C), b (C,); differentiable in both. The fused kernel where it applies,
 /// else `broadcast_add`.
 pub fn bias_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if fuses(x, b) {
-        fused(x, b)
-    } else {
-        x.broadcast_add(b)
-    }
+    crate::profile::elementwise("bias", &[x, b], || match fuses(x, b) {
+        true => fused(x, b),
+        false => x.broadcast_add(b),
+    })
 }
 
 /// `r + (x + b)` for r, x (N, C) and b (C,), recording no graph: the residual add after a
 /// linear layer with that layer's bias folded in (db is then Σ_rows of the output gradient,
 /// [`grad`]). One pass on CUDA and on CPU in f32, two candle adds elsewhere.
 pub fn residual_add(r: &Tensor, x: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if fuses(x, b) && r.dtype() == x.dtype() {
-        return fused_residual_add(r, x, b);
-    }
-    if crate::cpu::takes(&[r, x, b]) {
-        return crate::cpu::residual_add(r, x, b);
-    }
-    r + x.broadcast_add(b)?
+    crate::profile::elementwise("residual", &[x, r, b], || {
+        if fuses(x, b) && r.dtype() == x.dtype() {
+            return fused_residual_add(r, x, b);
+        }
+        if crate::cpu::takes(&[r, x, b]) {
+            return crate::cpu::residual_add(r, x, b);
+        }
+        r + x.broadcast_add(b)?
+    })
 }
 
 /// db = Σ over the rows of dy (N, C), in b's dtype (summed in f32), recording no graph.
 pub fn grad(dy: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if crate::fused_for(dy) && b.dtype() == dy.dtype() {
-        return fused_grad(&dy.contiguous()?, b);
-    }
-    if crate::cpu::takes(&[dy, b]) && dy.dims().last() == b.dims().first() {
-        return crate::cpu::row_sum(dy);
-    }
-    upcast(dy)?.sum(0)?.to_dtype(b.dtype())
+    crate::profile::elementwise("bias grad", &[dy, b], || {
+        if crate::fused_for(dy) && b.dtype() == dy.dtype() {
+            return fused_grad(&dy.contiguous()?, b);
+        }
+        if crate::cpu::takes(&[dy, b]) && dy.dims().last() == b.dims().first() {
+            return crate::cpu::row_sum(dy);
+        }
+        upcast(dy)?.sum(0)?.to_dtype(b.dtype())
+    })
 }
 
 /// The fused kernel under autograd (CUDA only).

@@ -33,17 +33,19 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 /// Per-row cross-entropy (N,) f32 of logits (N, V) against u32 targets (N,) recording no graph,
 /// and the per-row log-sum-exp (N,) f32 that [`backward_in_place`] takes.
 pub fn forward(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
-    if crate::fused_for(logits) {
-        return fused_forward(logits, targets);
-    }
-    if crate::cpu::takes(&[logits]) {
-        return crate::cpu::cross_entropy(logits, targets);
-    }
-    let lf = upcast(logits)?;
-    let logp = log_softmax_last_dim(&lf)?; // (N, V)
-    let picked = logp.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?; // (N,)
-    let lse = (lf.narrow(1, 0, 1)?.squeeze(1)? - logp.narrow(1, 0, 1)?.squeeze(1)?)?; // (N,)
-    Ok((picked.neg()?, lse))
+    crate::profile::elementwise("cross_entropy", &[logits, targets], || {
+        if crate::fused_for(logits) {
+            return fused_forward(logits, targets);
+        }
+        if crate::cpu::takes(&[logits]) {
+            return crate::cpu::cross_entropy(logits, targets);
+        }
+        let lf = upcast(logits)?;
+        let logp = log_softmax_last_dim(&lf)?; // (N, V)
+        let picked = logp.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?; // (N,)
+        let lse = (lf.narrow(1, 0, 1)?.squeeze(1)? - logp.narrow(1, 0, 1)?.squeeze(1)?)?; // (N,)
+        Ok((picked.neg()?, lse))
+    })
 }
 
 /// dlogits (N, V) = (softmax − onehot(target)) · g in the logits' dtype, for per-row gradients
@@ -58,6 +60,18 @@ pub fn backward_in_place(
     lse: &Tensor,
     g: &Tensor,
 ) -> Result<Tensor> {
+    // In place: the logits are read and the gradient written over them.
+    let read = crate::profile::bytes(&[&logits, targets, lse, g]);
+    let (dev, elems) = (logits.device().clone(), logits.elem_count() as f64);
+    crate::profile::op(&dev, || in_place_grad(logits, targets, lse, g), |dz| {
+        let flops = crate::profile::per_element("cross_entropy backward") * elems;
+        let bytes = read + crate::profile::bytes(&[dz]);
+        ("cross_entropy backward".into(), crate::profile::Cost { flops, bytes })
+    })
+}
+
+/// [`backward_in_place`] itself.
+fn in_place_grad(logits: Tensor, targets: &Tensor, lse: &Tensor, g: &Tensor) -> Result<Tensor> {
     check_rows(&logits, targets)?;
     let n = logits.dim(0)?;
     if lse.dims() != [n] || g.dims() != [n] {

@@ -55,16 +55,28 @@ pub fn embedding(wte: &Tensor, idx: &Tensor) -> Result<Tensor> {
 /// Rows of `wte` (V, C) picked by `idx` (N,) u32, recording no graph; an id >= V is an error.
 /// The CUDA kernel, or on CPU the reference loop.
 pub fn forward(wte: &Tensor, idx: &Tensor) -> Result<Tensor> {
-    check_op_args(wte, idx)?;
-    wte.contiguous()?
-        .apply_op2_no_bwd(&idx.contiguous()?, &Embedding)
+    let run = || {
+        check_op_args(wte, idx)?;
+        wte.contiguous()?
+            .apply_op2_no_bwd(&idx.contiguous()?, &Embedding)
+    };
+    // The rows read are the rows written: the ids and twice the output move.
+    crate::profile::op(wte.device(), run, |y| {
+        let bytes = crate::profile::bytes(&[idx, y, y]);
+        ("embedding".into(), crate::profile::Cost { flops: 0.0, bytes })
+    })
 }
 
 /// The table gradient (vocab, C) of rows `idx` (N,) for dy (N, C), recording no graph, for ids
 /// that [`forward`] checked (no read-back): the scatter-add kernel, or on CPU the reference loop.
 pub fn backward(idx: &Tensor, dy: &Tensor, vocab: usize) -> Result<Tensor> {
-    check_grad_args(idx, dy)?;
-    grad(&idx.contiguous()?, &dy.contiguous()?, vocab, false)
+    crate::profile::op(dy.device(), || {
+        check_grad_args(idx, dy)?;
+        grad(&idx.contiguous()?, &dy.contiguous()?, vocab, false)
+    }, |dw| {
+        let cost = crate::profile::Cost::elementwise(1.0, dy, &[idx, dy], &[dw]);
+        ("embedding backward".into(), cost)
+    })
 }
 
 /// The op itself, under autograd: the CUDA kernels, or on CPU the reference loop; ids checked,

@@ -20,13 +20,15 @@ use crate::plain::{self, upcast};
 /// On a tensor that records no graph it is also the graph-free forward (on CPU in f32 the
 /// one-pass loop, since nothing is recorded).
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
-    if crate::fused_for(x) {
-        fused(x)
-    } else if !x.track_op() && crate::cpu::takes(&[x]) {
-        crate::cpu::gelu(x)
-    } else {
-        plain::gelu(x)
-    }
+    crate::profile::elementwise("gelu", &[x], || {
+        if crate::fused_for(x) {
+            fused(x)
+        } else if !x.track_op() && crate::cpu::takes(&[x]) {
+            crate::cpu::gelu(x)
+        } else {
+            plain::gelu(x)
+        }
+    })
 }
 
 /// The fused kernel under autograd (CUDA only).
@@ -38,21 +40,23 @@ pub(crate) fn fused(x: &Tensor) -> Result<Tensor> {
 /// candle ops for other dtypes: d/dx [x/2 (1 + tanh u)], u = k (x + a x³), is
 /// (1 + th)/2 + x/2 (1 − th²) k (1 + 3a x²).
 pub fn backward(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
-    if crate::fused_for(x) && dy.dtype() == x.dtype() {
-        return fused_backward(x, &dy.contiguous()?);
-    }
-    if crate::cpu::takes(&[x, dy]) {
-        return crate::cpu::gelu_backward(x, dy);
-    }
-    let (k, a) = ((2.0 / std::f64::consts::PI).sqrt(), 0.044715);
-    let xf = upcast(x)?;
-    let x2 = xf.sqr()?;
-    let th = ((&xf + (&xf * &x2)?.affine(a, 0.0)?)?.affine(k, 0.0)?).tanh()?;
-    let left = th.affine(0.5, 0.5)?;
-    let right = (&xf * th.sqr()?.affine(-1.0, 1.0)?)?
-        .affine(0.5 * k, 0.0)?
-        .mul(&x2.affine(3.0 * a, 1.0)?)?;
-    ((left + right)? * upcast(dy)?)?.to_dtype(x.dtype())
+    crate::profile::elementwise("gelu backward", &[x, dy], || {
+        if crate::fused_for(x) && dy.dtype() == x.dtype() {
+            return fused_backward(x, &dy.contiguous()?);
+        }
+        if crate::cpu::takes(&[x, dy]) {
+            return crate::cpu::gelu_backward(x, dy);
+        }
+        let (k, a) = ((2.0 / std::f64::consts::PI).sqrt(), 0.044715);
+        let xf = upcast(x)?;
+        let x2 = xf.sqr()?;
+        let th = ((&xf + (&xf * &x2)?.affine(a, 0.0)?)?.affine(k, 0.0)?).tanh()?;
+        let left = th.affine(0.5, 0.5)?;
+        let right = (&xf * th.sqr()?.affine(-1.0, 1.0)?)?
+            .affine(0.5 * k, 0.0)?
+            .mul(&x2.affine(3.0 * a, 1.0)?)?;
+        ((left + right)? * upcast(dy)?)?.to_dtype(x.dtype())
+    })
 }
 
 struct Gelu;

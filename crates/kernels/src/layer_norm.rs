@@ -61,18 +61,20 @@ pub(crate) fn fused(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tens
 /// LayerNorm of x (N, C) recording no graph: y and the per-row statistics mean and
 /// rstd = 1/√(var + eps), (N,) in f32, that [`backward`] takes.
 pub fn forward(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<(Tensor, Tensor, Tensor)> {
-    if fuses(x, w, b) {
-        return fused_forward(x, w, b, eps);
-    }
-    if crate::cpu::takes(&[x, w, b]) {
-        return crate::cpu::layer_norm(x, w, b, eps);
-    }
-    let (y, mean, std) = plain::layer_norm_parts(x, w, b, eps)?; // statistics (N, 1)
-    Ok((
-        y,
-        mean.squeeze(D::Minus1)?,
-        std.recip()?.squeeze(D::Minus1)?,
-    ))
+    crate::profile::elementwise("layer_norm", &[x, w, b], || {
+        if fuses(x, w, b) {
+            return fused_forward(x, w, b, eps);
+        }
+        if crate::cpu::takes(&[x, w, b]) {
+            return crate::cpu::layer_norm(x, w, b, eps);
+        }
+        let (y, mean, std) = plain::layer_norm_parts(x, w, b, eps)?; // statistics (N, 1)
+        Ok((
+            y,
+            mean.squeeze(D::Minus1)?,
+            std.recip()?.squeeze(D::Minus1)?,
+        ))
+    })
 }
 
 /// (dx, dw, db) of LayerNorm from x (N, C), w, dy and the statistics of [`forward`], recording
@@ -84,10 +86,12 @@ pub fn backward(
     mean: &Tensor,
     rstd: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    if fuses(x, w, dy) {
-        return fused_backward(x, w, dy, mean, rstd, None);
-    }
-    unfused_backward(x, w, dy, mean, rstd)
+    crate::profile::elementwise("layer_norm backward", &[x, w, dy, mean, rstd], || {
+        if fuses(x, w, dy) {
+            return fused_backward(x, w, dy, mean, rstd, None);
+        }
+        unfused_backward(x, w, dy, mean, rstd)
+    })
 }
 
 /// [`backward`] with the gradient of a residual branch added to dx: `(res + dx, dw, db)` for
@@ -102,12 +106,14 @@ pub fn backward_residual(
     rstd: &Tensor,
     res: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    like_x("residual", res, x)?;
-    if fuses(x, w, dy) {
-        return fused_backward(x, w, dy, mean, rstd, Some(&res.contiguous()?));
-    }
-    let (dx, dw, db) = unfused_backward(x, w, dy, mean, rstd)?;
-    Ok(((res + dx)?, dw, db))
+    crate::profile::elementwise("layer_norm backward", &[x, w, dy, mean, rstd, res], || {
+        like_x("residual", res, x)?;
+        if fuses(x, w, dy) {
+            return fused_backward(x, w, dy, mean, rstd, Some(&res.contiguous()?));
+        }
+        let (dx, dw, db) = unfused_backward(x, w, dy, mean, rstd)?;
+        Ok(((res + dx)?, dw, db))
+    })
 }
 
 /// An error naming `what` unless `t` has x's shape and dtype.

@@ -73,6 +73,7 @@ pub mod heads;
 pub mod layer_norm;
 pub mod linear;
 pub mod philox;
+pub mod profile;
 pub mod plain;
 pub mod ptx_cache;
 pub mod readback;

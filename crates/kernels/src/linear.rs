@@ -34,20 +34,20 @@ use crate::{bias, gelu};
 pub fn forward(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if lt::takes(&[x, w, b]) {
-        return lt::forward(x, w, b, None);
+        return fused("gemm+bias", (x, w, false), || lt::forward(x, w, b, None));
     }
     let y = crate::matmul(x, &w.t()?)?;
-    if crate::cpu::takes(&[&y, b]) {
-        return crate::cpu::bias_add(&y, b);
-    }
-    bias::bias_add(&y, b)
+    crate::profile::elementwise("bias", &[&y, b], || match crate::cpu::takes(&[&y, b]) {
+        true => crate::cpu::bias_add(&y, b),
+        false => bias::bias_add(&y, b),
+    })
 }
 
 /// `r + x wᵀ + b` for r (N, out): the layer and the residual add after it.
 pub fn forward_residual(r: &Tensor, x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if lt::takes(&[r, x, w, b]) {
-        return lt::forward(x, w, b, Some(r));
+        return fused("gemm+residual", (x, w, false), || lt::forward(x, w, b, Some(r)));
     }
     bias::residual_add(r, &crate::matmul(x, &w.t()?)?, b)
 }
@@ -56,7 +56,7 @@ pub fn forward_residual(r: &Tensor, x: &Tensor, w: &Tensor, b: &Tensor) -> Resul
 pub fn forward_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     if lt::takes(&[x, w, b]) && lt::aux_fits(w.dim(0)?) {
-        return lt::forward_gelu(x, w, b);
+        return fused("gemm+gelu", (x, w, false), || lt::forward_gelu(x, w, b));
     }
     let f = forward(x, w, b)?;
     let g = gelu::gelu(&f)?;
@@ -68,7 +68,7 @@ pub fn forward_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<(Tensor, Tenso
 pub fn input_grad_gelu(dy: &Tensor, w: &Tensor, f: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if lt::takes(&[dy, w, f]) && lt::aux_fits(w.dim(1)?) {
-        return lt::input_grad_gelu(dy, w, f);
+        return fused("gemm+gelu backward", (dy, w, true), || lt::input_grad_gelu(dy, w, f));
     }
     gelu::backward(f, &crate::matmul(dy, w)?)
 }
@@ -77,9 +77,26 @@ pub fn input_grad_gelu(dy: &Tensor, w: &Tensor, f: &Tensor) -> Result<Tensor> {
 pub fn weight_grad(dy: &Tensor, x: &Tensor, b: &Tensor) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     if lt::takes(&[dy, x, b]) && lt::bias_grad_fused() {
-        return lt::weight_grad(dy, x);
+        return crate::profile::op(dy.device(), || lt::weight_grad(dy, x), |_| {
+            let ((n, out), inp) = (dy.dims2().unwrap_or((0, 0)), x.dim(1).unwrap_or(0));
+            let cost = crate::profile::Cost::gemm(1, (out, n, inp), dy.dtype().size_in_bytes());
+            (crate::profile::gemm_name("gemm+bias grad", (out, n, inp)), cost)
+        });
     }
     Ok((crate::matmul(&dy.t()?, x)?, bias::grad(dy, b)?))
+}
+
+/// [`crate::profile::op`] for a GEMM of cuBLASLt with the epilogue `kind`: x (N, in) · wᵀ for
+/// w (out, in), or with `backward` dy (N, out) · w.
+#[cfg(feature = "cuda")]
+fn fused<R>(kind: &str, (x, w, backward): (&Tensor, &Tensor, bool), f: impl FnOnce() -> Result<R>) -> Result<R> {
+    crate::profile::op(x.device(), f, |_| {
+        let n = x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1);
+        let (out, inp) = w.dims2().unwrap_or((0, 0));
+        let (k, m) = if backward { (out, inp) } else { (inp, out) };
+        let cost = crate::profile::Cost::gemm(1, (n, k, m), x.dtype().size_in_bytes());
+        (crate::profile::gemm_name(kind, (n, k, m)), cost)
+    })
 }
 
 #[cfg(feature = "cuda")]

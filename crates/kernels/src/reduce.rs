@@ -93,7 +93,17 @@ pub fn sum_f64_in_pieces(n: usize, piece: impl Fn(Range<usize>) -> Result<Tensor
 
 /// Σ t² over every element of `t`, computed in f64, as a device scalar (no read-back).
 pub fn sq_sum_f64_tensor(t: &Tensor) -> Result<Tensor> {
-    sum_all(&t.to_dtype(DType::F64)?.sqr()?)
+    crate::profile::elementwise("sq_sum", &[t], || sum_all(&t.to_dtype(DType::F64)?.sqr()?))
+}
+
+/// The one-launch Σx² of `tensors` (CUDA), profiled as one `sq_sum`.
+fn sq_sum_fused(tensors: &[&Tensor]) -> Result<Tensor> {
+    crate::profile::op(tensors[0].device(), || partials::sq_sum(tensors), |s| {
+        let elems: usize = tensors.iter().map(|t| t.elem_count()).sum();
+        let flops = crate::profile::per_element("sq_sum") * elems as f64;
+        let bytes = crate::profile::bytes(tensors) + crate::profile::bytes(&[s]);
+        ("sq_sum".into(), crate::profile::Cost { flops, bytes })
+    })
 }
 
 /// Σ t² over every element of `t`, computed in f64 and read back.
@@ -113,7 +123,7 @@ pub fn sq_sum_f64_all<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Resu
         return Ok(0.0);
     }
     if fused_all(&tensors) {
-        return partials::sq_sum(&tensors)?.to_scalar::<f64>();
+        return sq_sum_fused(&tensors)?.to_scalar::<f64>();
     }
     let sums = crate::each_tensor(&tensors, |t| *t, |t| sq_sum_f64_tensor(t))?;
     Ok(Tensor::stack(&sums, 0)?.to_vec1::<f64>()?.into_iter().sum())
@@ -128,7 +138,7 @@ pub fn sq_sum_f64_all_on_device<'a>(
 ) -> Result<Tensor> {
     let tensors: Vec<&Tensor> = tensors.into_iter().collect();
     if !tensors.is_empty() && fused_all(&tensors) && tensors[0].device().same_device(device) {
-        return partials::sq_sum(&tensors);
+        return sq_sum_fused(&tensors);
     }
     Tensor::new(sq_sum_f64_all(tensors)?, device)
 }

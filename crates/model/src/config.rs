@@ -216,11 +216,26 @@ impl GptConfig {
         }
     }
 
-    /// Training FLOPs per token for sequence length T: 6N (forward + backward of every weight a
-    /// token passes through, [`GptConfig::n_active_params`]) plus 12·L·C·T for attention scores
-    /// (the PaLM / nanoGPT MFU formula).
+    /// Weights a token is multiplied by: every linear layer's (with MoE the `top_k` experts' and
+    /// the router's) and the tied `wte` as the LM head. Biases, LayerNorm gains and the position
+    /// table are added, not multiplied (0.7% of GPT-2 small's parameters; nanoGPT's MFU leaves
+    /// the position table out too).
+    pub fn n_matmul_params(&self) -> usize {
+        let c = self.n_embd;
+        let mlp = 8 * c * c;
+        let ffn = match &self.moe {
+            None => mlp,
+            Some(m) => m.top_k * mlp + m.n_experts * c,
+        };
+        self.vocab_size * c + self.n_layer * (4 * c * c + ffn)
+    }
+
+    /// Training FLOPs per token for sequence length T: 6N, N = [`GptConfig::n_matmul_params`]
+    /// (each weight's product forward, 2 FLOPs, and its two products backward, 4) plus 12·L·C·T
+    /// for attention's two products per head (4·T·C forward, 8·T·C backward; the PaLM / nanoGPT
+    /// MFU formula). The same closed forms `--profile-ops` counts its GEMMs and attention by.
     pub fn flops_per_token(&self, seq_len: usize) -> f64 {
-        6.0 * self.n_active_params() as f64
+        6.0 * self.n_matmul_params() as f64
             + 12.0 * self.n_layer as f64 * self.n_embd as f64 * seq_len as f64
     }
 }

@@ -46,12 +46,19 @@ fn n_params_matches_gpt2_and_tensor_sizes() -> Result<()> {
 #[test]
 fn flops_per_token_formula() {
     let cfg = GptConfig::tiny();
-    let expected = 6.0 * cfg.n_params() as f64 + 12.0 * 4.0 * 64.0 * 32.0;
+    // The multiplied weights: wte (the head) and each block's 12·C² of linear weights.
+    let matmul = 256 * 64 + 4 * 12 * 64 * 64;
+    assert_eq!(cfg.n_matmul_params(), matmul);
+    // Every parameter but the biases, LayerNorms and the position table.
+    let added = 64 * 64 + 4 * (4 * 64 + 3 * 64 + 64 + 4 * 64 + 64) + 2 * 64;
+    assert_eq!(cfg.n_params() - added, matmul);
+    let expected = 6.0 * matmul as f64 + 12.0 * 4.0 * 64.0 * 32.0;
     assert_eq!(cfg.flops_per_token(32), expected);
     // MoE: only top_k of n_experts MLPs count as active per token.
     let moe = GptConfig::moe_tiny();
     let mlp = 8 * 64 * 64 + 5 * 64;
     assert_eq!(moe.n_active_params(), moe.n_params() - 4 * 2 * mlp);
+    assert_eq!(moe.n_matmul_params(), 256 * 64 + 4 * (4 * 64 * 64 + 2 * 8 * 64 * 64 + 4 * 64));
 }
 
 #[test]

@@ -207,6 +207,9 @@ pub struct TrainConfig {
     /// Time each phase of a step (data, forward, backward, gradient norm, optimizer), with the
     /// device synchronised at every boundary; logged and recorded in metrics.jsonl.
     pub profile_phases: bool,
+    /// Time and count every op of the steps after the first (at most three): ops.json and
+    /// roofline.svg in the run directory (see `roofline`).
+    pub profile_ops: bool,
     /// Where to compute.
     pub device: DeviceKind,
     /// Compute dtype.
@@ -278,6 +281,7 @@ impl Default for TrainConfig {
             backward: None,
             mem_report: false,
             profile_phases: false,
+            profile_ops: false,
             device: DeviceKind::Cpu,
             dtype: DTypeKind::F32,
             grad_reduce_dtype: DTypeKind::F32,
@@ -348,6 +352,11 @@ impl TrainConfig {
             if v == 0 {
                 return bad(format!("{name} must be at least 1, got 0"));
             }
+        }
+        if self.profile_ops && self.backward == Some(BackwardKind::Autograd) {
+            return bad("profile_ops counts the ops of the hand-written backward; autograd's run \
+                 outside them: drop backward = \"autograd\" (--backward autograd)"
+                .into());
         }
         if !(0.0..1.0).contains(&self.dropout) {
             return bad(format!(

@@ -19,7 +19,8 @@
 //!
 //! What a run measures and shows: [`progress`] (the step line), [`memory`] (the per-step
 //! report: analytic next to measured; `gpu_memory`, its CUDA probe), [`phases`]
-//! (`--profile-phases`), [`trace`] (`--trace`'s files and a step's communication figures).
+//! (`--profile-phases`), [`roofline`] (`--profile-ops`: every op's FLOPs, bytes and time on the
+//! roofline), [`trace`] (`--trace`'s files and a step's communication figures).
 //!
 //! [`tools`]: the other subcommands, apart from the loop: `plan` (with `cost`'s α-β model),
 //! `parity`, `bench-comm`, `prepare`, `sample`, `export` and `--init-from` (`hf`: Hugging
@@ -45,6 +46,7 @@ pub mod micro_step;
 pub mod phases;
 pub mod progress;
 pub mod resolve;
+pub mod roofline;
 pub mod run_dir;
 pub mod tools;
 pub mod trace;

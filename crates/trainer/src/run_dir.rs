@@ -38,7 +38,7 @@ pub const RUN_FILE: &str = "run.json";
 /// The lock file rank 0 holds while the run lives.
 pub const LOCK_FILE: &str = ".lock";
 /// Files a run writes at the top of its directory.
-const RUN_FILES: [&str; 8] = [
+const RUN_FILES: [&str; 10] = [
     RUN_FILE,
     "metrics.jsonl",
     "memory.jsonl",
@@ -47,10 +47,19 @@ const RUN_FILES: [&str; 8] = [
     "loss.svg",
     "memory.svg",
     "pipeline.svg",
+    "ops.json",
+    "roofline.svg",
 ];
-/// Prefixes of the other files and directories a run writes: per-rank traces and timelines,
-/// checkpoints and checkpoints being written.
-const RUN_PREFIXES: [&str; 5] = ["trace-rank", "trace.", "pipeline-rank", "step-", ".tmp-step-"];
+/// Prefixes of the other files and directories a run writes: per-rank traces, timelines and op
+/// tables, checkpoints and checkpoints being written.
+const RUN_PREFIXES: [&str; 6] = [
+    "trace-rank",
+    "trace.",
+    "pipeline-rank",
+    "ops-rank",
+    "step-",
+    ".tmp-step-",
+];
 
 /// Why a run may not use its directory.
 #[derive(Debug, thiserror::Error)]

@@ -73,7 +73,7 @@ impl<T> Drop for Promise<T> {
 
 /// The caller's end of a slot; waiting adds the time blocked before the op finished to the
 /// group's [`Tracer`] totals (the step's exposed communication).
-struct CpuWork<T>(Arc<Slot<T>>, Tracer);
+struct CpuWork<T>(Arc<Slot<T>>, Tracer, OpKind);
 
 impl<T: Send> PendingWork<T> for CpuWork<T> {
     fn wait(self: Box<Self>) -> Result<T> {
@@ -82,7 +82,7 @@ impl<T: Send> PendingWork<T> for CpuWork<T> {
         loop {
             if let Some(v) = value.take() {
                 let finished = self.0.finished_us.load(Ordering::Acquire);
-                self.1.add_blocked(finished.saturating_sub(from_us));
+                self.1.add_blocked(self.2, finished.saturating_sub(from_us));
                 return v;
             }
             value = self.0.ready.wait(value).unwrap_or_else(|p| p.into_inner());
@@ -290,12 +290,12 @@ impl CpuComm {
             // The caller spent the op's time on it: exposed communication, as a wait would be,
             // up to the op's recorded end (so it never exceeds the op's busy time).
             let finished = slot.finished_us.load(Ordering::Acquire);
-            self.tracer.add_blocked(finished.saturating_sub(start_us));
+            self.tracer.add_blocked(op, finished.saturating_sub(start_us));
         } else if let Some(jobs) = &self.jobs {
             // If the thread is gone the job (and its promise) is dropped: the Work reports it.
             let _ = jobs.send(job);
         }
-        Work::new(Box::new(CpuWork(slot, self.tracer.clone())))
+        Work::new(Box::new(CpuWork(slot, self.tracer.clone(), op)))
     }
 }
 

@@ -119,7 +119,12 @@ pub fn step_in_place_cpu(
         && state.iter().all(|t| t.elem_count() == n)
         && (m.is_some() == v.is_some());
     match takes {
-        true => Ok(Some(update_in_place(p, g, m, v, h)?)),
+        true => {
+            // p, g, m, v read; p, m, v written (all of p's size, the moments f32 like p).
+            let cost = crate::profile::Cost::elementwise(crate::profile::per_element("adamw"), p, &[p, g, p, p], &[p, p, p]);
+            let mv = crate::profile::op(p.device(), || update_in_place(p, g, m, v, h), |_| ("adamw".into(), cost))?;
+            Ok(Some(mv))
+        }
         false => Ok(None),
     }
 }

@@ -41,6 +41,23 @@ const ROWS_MIN: usize = 256;
 /// `a · b` for a (M, K) and b (K, N), or a (B, H, M, K) and b (B, H, K, N): (M, N) or
 /// (B, H, M, N), as `a.matmul(b)`.
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    crate::profile::op(a.device(), || product(a, b), |_| gemm_cost(a, b))
+}
+
+/// The row `gemm MxKxN` (batches folded into M) of a (..., M, K) · (..., K, N), 2·M·K·N FLOPs.
+fn gemm_cost(a: &Tensor, b: &Tensor) -> (String, crate::profile::Cost) {
+    let (m, k) = match a.dims() {
+        [.., m, k] => (*m, *k),
+        _ => (1, a.elem_count()),
+    };
+    let n = b.dims().last().copied().unwrap_or(1);
+    let batch = a.elem_count() / (m * k).max(1);
+    let cost = crate::profile::Cost::gemm(batch, (m, k, n), a.dtype().size_in_bytes());
+    (crate::profile::gemm_name("gemm", (batch * m, k, n)), cost)
+}
+
+/// [`matmul`] itself.
+fn product(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if a.rank() == 2 && b.rank() == 2 {
         // One matrix of a batch of one: the same gemm call, split by the gemm itself.
         let four = |t: &Tensor| t.unsqueeze(0)?.unsqueeze(0);

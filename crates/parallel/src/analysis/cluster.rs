@@ -1,4 +1,5 @@
-//! The machine a plan is priced on: the GPU kind (memory, bf16 peak), GPUs per node, and the
+//! The machine a plan is priced on: the GPU kind (memory, bf16 peak; with the rest of its
+//! datasheet, the roofline's roofs and memory sizes), GPUs per node, and the
 //! link classes inside and between nodes; and which link each process group of a mesh spans.
 //!
 //! Ranks fill nodes in order (rank r sits on node ⌊r / G⌋, G GPUs per node: the launcher's
@@ -42,24 +43,96 @@ pub struct Gpu {
     pub peak_flops: f64,
 }
 
+/// A GPU kind's datasheet figures: the roofs of its roofline and the sizes of its memory
+/// hierarchy (decimal units as the datasheets give them; KiB/MiB where the architecture
+/// whitepapers do).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GpuSpec {
+    pub name: &'static str,
+    /// HBM capacity, GB (10⁹ bytes).
+    pub memory_gb: u64,
+    /// Dense bf16 tensor-core peak, TFLOP/s (no sparsity).
+    pub bf16_tflops: f64,
+    /// fp32 peak of the CUDA cores (not TF32 tensor cores), TFLOP/s.
+    pub fp32_tflops: f64,
+    /// HBM bandwidth, TB/s.
+    pub hbm_tb_s: f64,
+    /// L2 cache, MB.
+    pub l2_mb: f64,
+    /// Shared memory per SM at most (the rest of the SM's L1/shared block is L1), KiB.
+    pub smem_kib: u64,
+    /// Register file per SM, KiB (64 K 32-bit registers).
+    pub regs_kib: u64,
+    pub sms: u64,
+    /// Where the figures come from.
+    pub source: &'static str,
+}
+
+impl GpuSpec {
+    /// The ridge point of the bf16 roofline: FLOPs per byte of HBM traffic at which a kernel
+    /// stops being limited by bandwidth (peak / bandwidth).
+    pub fn ridge(&self) -> f64 {
+        self.bf16_tflops / self.hbm_tb_s
+    }
+}
+
 impl Gpu {
-    /// The presets: name, GB, dense bf16 TFLOP/s, source.
-    pub const PRESETS: [(&'static str, u64, f64, &'static str); 3] = [
-        // NVIDIA H100 Tensor Core GPU datasheet, SXM5: 80 GB HBM3, 989 TFLOPS bf16 dense
-        // (1,979 with sparsity).
-        ("h100-sxm", 80, 989.0, "NVIDIA H100 datasheet (SXM5)"),
-        // NVIDIA H200 datasheet: 141 GB HBM3e, the H100's compute (989 TFLOPS bf16 dense).
-        ("h200", 141, 989.0, "NVIDIA H200 datasheet (SXM)"),
-        // NVIDIA A100 datasheet: 80 GB HBM2e, 312 TFLOPS bf16 dense (624 with sparsity).
-        ("a100-80gb", 80, 312.0, "NVIDIA A100 datasheet (80 GB SXM)"),
+    /// The presets, one table for the planner (memory, bf16 peak) and the roofline (all of it).
+    pub const PRESETS: [GpuSpec; 3] = [
+        // H100 datasheet (SXM5): 80 GB HBM3 at 3.35 TB/s, 989 TFLOPS bf16 dense (1,979 with
+        // sparsity), 67 TFLOPS fp32; the Hopper architecture whitepaper: 132 SMs, 50 MB L2,
+        // 228 KB of shared memory per SM (of 256 KB L1/shared), 256 KB of registers per SM.
+        GpuSpec {
+            name: "h100-sxm",
+            memory_gb: 80,
+            bf16_tflops: 989.0,
+            fp32_tflops: 67.0,
+            hbm_tb_s: 3.35,
+            l2_mb: 50.0,
+            smem_kib: 228,
+            regs_kib: 256,
+            sms: 132,
+            source: "NVIDIA H100 datasheet (SXM5); NVIDIA H100 Tensor Core GPU Architecture whitepaper",
+        },
+        // H200 datasheet (SXM): 141 GB HBM3e at 4.8 TB/s, the H100's compute (989 TFLOPS bf16
+        // dense, 67 fp32) on the same GH100 die: 132 SMs, 50 MB L2, 228 KB shared per SM.
+        GpuSpec {
+            name: "h200",
+            memory_gb: 141,
+            bf16_tflops: 989.0,
+            fp32_tflops: 67.0,
+            hbm_tb_s: 4.8,
+            l2_mb: 50.0,
+            smem_kib: 228,
+            regs_kib: 256,
+            sms: 132,
+            source: "NVIDIA H200 datasheet (SXM); the H100 whitepaper for the GH100 die",
+        },
+        // A100 datasheet (80 GB SXM): HBM2e at 2,039 GB/s, 312 TFLOPS bf16 dense (624 with
+        // sparsity), 19.5 TFLOPS fp32; the Ampere whitepaper: 108 SMs, 40 MB L2, 164 KB of
+        // shared memory per SM (of 192 KB L1/shared), 256 KB of registers per SM.
+        GpuSpec {
+            name: "a100-80gb",
+            memory_gb: 80,
+            bf16_tflops: 312.0,
+            fp32_tflops: 19.5,
+            hbm_tb_s: 2.039,
+            l2_mb: 40.0,
+            smem_kib: 164,
+            regs_kib: 256,
+            sms: 108,
+            source: "NVIDIA A100 datasheet (80 GB SXM); NVIDIA A100 Tensor Core GPU Architecture whitepaper",
+        },
     ];
+
+    /// The datasheet figures of preset `name`, or `None`.
+    pub fn spec(name: &str) -> Option<&'static GpuSpec> {
+        Self::PRESETS.iter().find(|p| p.name == name)
+    }
 
     /// The preset of `name`, or `None`.
     pub fn preset(name: &str) -> Option<Gpu> {
-        Self::PRESETS
-            .iter()
-            .find(|p| p.0 == name)
-            .map(|&(n, gb, tflops, _)| Gpu::custom(n, gb as f64, tflops))
+        Self::spec(name).map(|p| Gpu::custom(p.name, p.memory_gb as f64, p.bf16_tflops))
     }
 
     /// A GPU of `gb` decimal gigabytes and `tflops` dense bf16 TFLOP/s.

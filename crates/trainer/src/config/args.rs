@@ -76,6 +76,10 @@ pub struct TrainArgs {
     /// Time each phase of a step (device synchronised at every boundary) and log it.
     #[arg(long)]
     pub profile_phases: bool,
+    /// Time and count every op of a few steps after the first (FLOPs, bytes, intensity): the
+    /// run directory's ops.json and roofline.svg, and a table.
+    #[arg(long)]
+    pub profile_ops: bool,
     /// Recompute activations in backward instead of storing them.
     #[arg(long)]
     pub activation_checkpointing: bool,
@@ -199,6 +203,9 @@ impl TrainArgs {
         }
         if self.profile_phases {
             put("profile_phases", toml::Value::Boolean(true));
+        }
+        if self.profile_ops {
+            put("profile_ops", toml::Value::Boolean(true));
         }
         if self.activation_checkpointing {
             put("activation_checkpointing", toml::Value::Boolean(true));

@@ -11,6 +11,8 @@
 //!                                    backward, after optimizer; a marker each) and the
 //!                                    predicted levels as dashed lines (end of forward, peak,
 //!                                    model state), integer step ticks
+//!   ops.json       -> roofline.svg   every op of a `--profile-ops` run at (FLOP/byte, FLOP/s)
+//!                                    under the measured roofs, sized by its share of the step
 //!   pipeline-rank{N}.jsonl           one step of the pipeline as it ran (runs with pp > 1):
 //!                  -> pipeline.svg   a row per rank, a box per forward (F<mb>), backward
 //!                                    (B<mb>), send, receive wait, and the idle gaps
@@ -27,12 +29,13 @@
 //! Only SVG is written: it needs no font files on the machine (the text is left to the viewer).
 
 //!
-//! Each chart is its own file: `plot/memory.rs` (the memory timeline) and `plot/pipeline.rs`
-//! (the pipeline's Gantt chart); this one reads the run directory, draws the loss and holds
+//! Each chart is its own file: `plot/memory.rs` (the memory timeline), `plot/pipeline.rs`
+//! (the pipeline's Gantt chart) and `plot/roofline.rs` (the roofline); this one reads the run directory, draws the loss and holds
 //! what the charts share (the palette, the value axis, reading JSON lines).
 
 mod memory;
 mod pipeline;
+mod roofline;
 
 use std::path::{Path, PathBuf};
 
@@ -43,6 +46,7 @@ use serde_json::Value;
 
 use memory::memory_chart;
 use pipeline::{pipeline_chart, read_timelines};
+pub use roofline::roofline_chart;
 
 /// Options of `mtrain plot`.
 #[derive(Debug, Clone, Args)]
@@ -230,6 +234,14 @@ pub fn plot_run(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     if memory.exists() {
         let svg = run_dir.join("memory.svg");
         written.push(memory_chart(&read_lines(&memory)?, &svg).with_context(|| writing(&svg))?);
+    }
+    let ops = run_dir.join("ops.json");
+    if ops.exists() {
+        let text = crate::fsio::read_to_string(&ops)?;
+        let report: crate::roofline::OpsReport =
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", ops.display()))?;
+        let svg = run_dir.join("roofline.svg");
+        written.push(roofline_chart(&report, &svg).with_context(|| writing(&svg))?);
     }
     if let Some((step, rows)) = read_timelines(run_dir)? {
         let svg = run_dir.join("pipeline.svg");

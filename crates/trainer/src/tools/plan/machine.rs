@@ -163,7 +163,7 @@ impl ClusterArgs {
                 _ => anyhow::bail!("--gpu custom needs --gpu-memory-gb and --gpu-tflops"),
             },
             (other, None) => {
-                let names: Vec<&str> = Gpu::PRESETS.iter().map(|p| p.0).collect();
+                let names: Vec<&str> = Gpu::PRESETS.iter().map(|p| p.name).collect();
                 anyhow::bail!(
                     "--gpu {other} is not a known kind: one of {}, or custom with --gpu-memory-gb and --gpu-tflops",
                     names.join(", ")

@@ -23,8 +23,8 @@
 //! DDP's buckets and ZeRO-1's reduction hide behind the last micro-batch's backward (the only
 //! one that synchronises), ZeRO-2's reduce-scatters behind every backward, ZeRO-3's gathers
 //! behind every forward and backward.
-//! FLOPs per token are [`mtrain_model::GptConfig::flops_per_token`] (6N + 12·L·C·T, MoE: the
-//! active parameters): the head's 6·V·C on the last stage (the tied embedding's lookup does
+//! FLOPs per token are [`mtrain_model::GptConfig::flops_per_token`] (6N + 12·L·C·T, N the weights
+//! a token is multiplied by, MoE: the active ones): the head's 6·V·C on the last stage (the tied embedding's lookup does
 //! none), the rest an equal part per block, so a stage holding the head is the slower one.
 //!
 //! **Shared cores** (`--cores-per-node`, a CPU node): a node of `G` ranks on `K < G` cores

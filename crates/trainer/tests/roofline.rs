@@ -1,0 +1,190 @@
+//! `--profile-ops` on real runs of configs/tiny.toml, one process and `--tp 2 --pp 2`:
+//!
+//! - ops.json and roofline.svg are written, and `mtrain plot` draws the roofline again;
+//! - the GEMM and attention rows' FLOPs add up to `model_flops` (the MFU count,
+//!   `flops_per_token` × tokens) within 1%: every product of the step is counted once;
+//! - every row's intensity is its FLOPs over its bytes and its bound follows the ridge point;
+//! - the ops' time is inside the step's (profiling costs stay out of the rows), and the rows
+//!   are sorted by time;
+//! - under tp × pp the collectives are rows of their own (bound "network").
+//!
+//! How much of the step the ops cover is a timing, measured on a quiet machine: see
+//! docs/results.md.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+mod common;
+use common::{run_mtrain, tmp};
+
+/// `mtrain --config configs/tiny.toml --device cpu --steps 3 --profile-ops LAYOUT` into `dir`;
+/// its ops.json and what it printed.
+fn profiled(layout: &[&str], dir: &Path) -> (Value, String) {
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/tiny.toml");
+    let mut args = vec![
+        "--config".to_string(),
+        config.display().to_string(),
+        "--device".into(),
+        "cpu".into(),
+        "--steps".into(),
+        "3".into(),
+        "--profile-ops".into(),
+        "--run-dir".into(),
+        dir.display().to_string(),
+    ];
+    args.extend(layout.iter().map(|s| s.to_string()));
+    let o = run_mtrain(&args);
+    let printed = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(o.status.success(), "{layout:?} failed:\n{printed}");
+    let text = std::fs::read_to_string(dir.join("ops.json")).expect("ops.json");
+    (
+        serde_json::from_str(&text).expect("ops.json is JSON"),
+        printed,
+    )
+}
+
+fn f(v: &Value, key: &str) -> f64 {
+    v[key]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{key} missing in {v}"))
+}
+
+/// What every profiled run holds; returns the rows' names.
+fn check(ops: &Value, printed: &str, dir: &Path) -> Vec<String> {
+    assert!(dir.join("roofline.svg").is_file(), "roofline.svg missing");
+    let svg = std::fs::read_to_string(dir.join("roofline.svg")).unwrap();
+    assert!(svg.contains("<svg") && svg.contains("attention"), "{svg}");
+    assert!(
+        printed.contains("GEMM + attention:"),
+        "the table was not printed:\n{printed}"
+    );
+    let rows = ops["rows"].as_array().expect("rows");
+    let model = f(ops, "model_flops");
+    let counted: f64 = rows
+        .iter()
+        .filter(|r| {
+            let n = r["name"].as_str().unwrap();
+            n.starts_with("gemm") || n.starts_with("attention")
+        })
+        .map(|r| f(r, "flops"))
+        .sum();
+    assert!(
+        (counted / model - 1.0).abs() < 0.01,
+        "GEMM + attention {counted:e} FLOPs against model_flops {model:e}"
+    );
+    let ridge =
+        f(&ops["roofs"]["measured"], "flops_per_s") / f(&ops["roofs"]["measured"], "bytes_per_s");
+    let step = f(ops, "step_seconds");
+    let mut last = f64::INFINITY;
+    for r in rows {
+        let (flops, bytes, secs) = (f(r, "flops"), f(r, "bytes"), f(r, "seconds"));
+        // A collective moves bytes_sent (none for a receive) and counts no FLOPs.
+        let collective = r["name"].as_str().unwrap().contains(" (");
+        assert!(f(r, "calls") > 0.0 && (bytes > 0.0 || collective), "{r}");
+        let intensity = if bytes > 0.0 { flops / bytes } else { 0.0 };
+        assert!(
+            (f(r, "intensity") - intensity).abs() <= 1e-12 * intensity.max(1.0),
+            "{r}"
+        );
+        let bound = r["bound"].as_str().unwrap();
+        let want = match (collective, intensity >= ridge) {
+            (true, _) => "network",
+            (false, true) => "compute",
+            (false, false) => "memory",
+        };
+        assert_eq!(bound, want, "{r}");
+        assert!(secs <= last, "rows not sorted by time at {r}");
+        last = secs;
+        if secs > 0.0 {
+            assert!(
+                (f(r, "flops_per_s") - flops / secs).abs() <= 1e-9 * flops / secs,
+                "{r}"
+            );
+        }
+    }
+    let ops_time = f(ops, "op_seconds");
+    assert!(
+        ops_time > 0.0 && ops_time <= step,
+        "ops {ops_time} s, step {step} s"
+    );
+    let ranks = f(ops, "ranks");
+    let shares: f64 = rows.iter().map(|r| f(r, "share")).sum();
+    assert!(
+        (shares - ops_time / step).abs() < 1e-9 * ranks.max(1.0),
+        "shares {shares}"
+    );
+    let presets: Vec<&str> = ops["roofs"]["presets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(presets, ["h100-sxm", "h200", "a100-80gb"]);
+    rows.iter()
+        .map(|r| r["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn one_process_puts_every_op_of_the_step_on_the_roofline() {
+    let dir = tmp("roofline");
+    let (ops, printed) = profiled(&[], dir.path());
+    let names = check(&ops, &printed, dir.path());
+    for op in [
+        "attention",
+        "attention backward",
+        "layer_norm",
+        "layer_norm backward",
+        "gelu",
+        "gelu backward",
+        "bias",
+        "residual",
+        "bias grad",
+        "cross_entropy",
+        "cross_entropy backward",
+        "embedding",
+        "embedding backward",
+        "adamw",
+        "sq_sum",
+    ] {
+        assert!(names.iter().any(|n| n == op), "no {op} row in {names:?}");
+    }
+    // Every GEMM of the step is one of the model's layer passes.
+    for r in ops["rows"].as_array().unwrap() {
+        if r["name"].as_str().unwrap().starts_with("gemm") {
+            assert!(
+                !r["layers"].as_str().unwrap().is_empty(),
+                "a GEMM of no layer: {r}"
+            );
+        }
+    }
+    assert_eq!(ops["steps"], serde_json::json!([1, 2]));
+    // `mtrain plot` draws the same picture from ops.json.
+    std::fs::remove_file(dir.path().join("roofline.svg")).unwrap();
+    let o = run_mtrain(["plot".to_string(), dir.path().display().to_string()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(dir.path().join("roofline.svg").is_file());
+}
+
+#[test]
+fn tp_and_pp_ranks_add_up_with_their_collectives_as_rows() {
+    let dir = tmp("roofline-tp-pp");
+    let (ops, printed) = profiled(&["--tp", "2", "--pp", "2"], dir.path());
+    let names = check(&ops, &printed, dir.path());
+    assert_eq!(f(&ops, "ranks"), 4.0);
+    for group in ["(tp)", "(pp)"] {
+        assert!(
+            names.iter().any(|n| n.ends_with(group)),
+            "no {group} collective in {names:?}"
+        );
+    }
+    assert!(
+        names.iter().any(|n| n.starts_with("all_reduce (tp)")),
+        "{names:?}"
+    );
+}
