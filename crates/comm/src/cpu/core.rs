@@ -4,11 +4,12 @@
 //! ranks (global ranks, so a user can find the process).
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use candle_core::DType;
 
 use super::conn::{Peer, ReadFailure};
+use super::link::LinkEmulator;
 use super::wire::{Header, Scratch};
 use crate::algo::AlgoChoice;
 use crate::communicator::{CommError, OpKind, Result};
@@ -50,6 +51,11 @@ pub(crate) struct GroupCore {
     /// Where the in-place ring receives every segment, kept from one op to the next (one
     /// segment, [`SEGMENT_BYTES`], and a page).
     pub scratch: Scratch,
+    /// The emulated link every op's messages cross, if any ([`super::link`]).
+    pub link: Option<LinkEmulator>,
+    /// When the op being run found every rank present (its headers exchanged, or a receive's
+    /// header read): where its emulated wire time starts.
+    pub synced: Option<Instant>,
 }
 
 impl GroupCore {
@@ -85,6 +91,8 @@ impl GroupCore {
             cur_site: Site::caller(),
             algo: AlgoChoice::default(),
             scratch: Scratch::default(),
+            link: None,
+            synced: None,
         }
     }
 
@@ -113,6 +121,16 @@ impl GroupCore {
         self.cur_site = site;
         self.cur_seq = 0;
         self.cur_sent = 0;
+        self.synced = None;
+    }
+
+    /// Under an emulated link, sleep until the op's messages would have arrived: from the
+    /// moment every rank was present, the wire time of `op` on `bytes` ([`LinkEmulator::op_time`]).
+    pub fn hold_on_link(&self, op: OpKind, bytes: u64) {
+        if let (Some(link), Some(synced)) = (&self.link, self.synced) {
+            let algo = self.algo.pick(bytes, self.size);
+            LinkEmulator::hold_until(synced, link.op_time(op, bytes, self.size, algo));
+        }
     }
 
     /// The next collective sequence number (the same on every member when they agree).
@@ -259,6 +277,7 @@ impl GroupCore {
             return Err(garbled(self));
         }
         let body = self.recv(p, len)?;
+        self.synced = Some(Instant::now());
         Header::decode(&body).ok_or_else(|| garbled(self))
     }
 
@@ -290,6 +309,7 @@ impl GroupCore {
                 });
             }
         }
+        self.synced = Some(Instant::now());
         Ok(all)
     }
 }

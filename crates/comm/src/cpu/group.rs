@@ -262,8 +262,11 @@ impl CpuComm {
                 Some(e) => Err(e),
                 None => {
                     let r = run(core);
-                    if let Err(e) = &r {
-                        core.poison(e);
+                    match &r {
+                        Err(e) => core.poison(e),
+                        // A receive's size is its result's: it holds itself ([`GroupCore::recv_from`]).
+                        Ok(_) if op != OpKind::Recv => core.hold_on_link(op, bytes),
+                        Ok(_) => {}
                     }
                     r
                 }
