@@ -52,6 +52,8 @@ pub struct ParallelPlan {
     pub data: DataParallelKind,
     /// Sequence parallelism inside the tp group (no effect when tp = 1).
     pub sequence_parallel: bool,
+    /// How the TP layers' collectives meet their products (`--tp-overlap`; no effect when tp = 1).
+    pub tp_overlap: crate::tensor_parallel::TpOverlap,
     /// Pipeline schedule (ignored when pp = 1: the one stage runs its micro-batches in turn).
     pub schedule: ScheduleKind,
     /// Micro-batches per step M; each rank's batch must split into M equal parts.
@@ -91,6 +93,7 @@ impl ParallelPlan {
             dims,
             data: DataParallelKind::Ddp(DdpConfig::default()),
             sequence_parallel: false,
+            tp_overlap: crate::tensor_parallel::TpOverlap::None,
             schedule: ScheduleKind::OneFOneB,
             microbatches: 1,
             stage_counts: None,
