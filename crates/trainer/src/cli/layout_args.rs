@@ -313,6 +313,22 @@ mod tests {
     }
 
     #[test]
+    fn link_takes_numbers_or_a_preset_and_names_what_is_wrong() {
+        let l = layout(&["--link", "20000,0.05"]).unwrap().link.expect("a link");
+        assert_eq!(l.alpha, Duration::from_millis(20));
+        assert_eq!(l.bytes_per_s, 0.05e9);
+        let ib = layout(&["--link", "ib-ndr"]).unwrap().link.expect("a preset");
+        assert!(ib.bytes_per_s > 1e10, "{ib:?}");
+        assert!(layout(&[]).unwrap().link.is_none());
+        let e = layout(&["--link", "fast"]).unwrap_err().to_string();
+        assert!(e.contains("--link \"fast\"") && e.contains("nvlink4"), "{e}");
+        let e = layout(&["--link", "5,0"]).unwrap_err().to_string();
+        assert!(e.contains("bandwidth > 0 GB/s"), "{e}");
+        let e = layout(&["--link", "5,x"]).unwrap_err().to_string();
+        assert!(e.contains("ALPHA_US,GBPS"), "{e}");
+    }
+
+    #[test]
     fn default_is_one_process() {
         let l = layout(&[]).unwrap();
         assert_eq!((l.dims.dp, l.dims.pp, l.dims.tp, l.dims.ep), (1, 1, 1, 1));
