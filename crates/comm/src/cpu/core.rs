@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 use candle_core::DType;
 
 use super::conn::{Peer, ReadFailure};
-use super::link::LinkEmulator;
 use super::wire::{Header, Scratch};
 use crate::algo::AlgoChoice;
 use crate::communicator::{CommError, OpKind, Result};
@@ -51,10 +50,8 @@ pub(crate) struct GroupCore {
     /// Where the in-place ring receives every segment, kept from one op to the next (one
     /// segment, [`SEGMENT_BYTES`], and a page).
     pub scratch: Scratch,
-    /// The emulated link every op's messages cross, if any ([`super::link`]).
-    pub link: Option<LinkEmulator>,
     /// When the op being run found every rank present (its headers exchanged, or a receive's
-    /// header read): where its emulated wire time starts.
+    /// header read): where its time on an emulated link starts ([`super::link`]).
     pub synced: Option<Instant>,
 }
 
@@ -91,7 +88,6 @@ impl GroupCore {
             cur_site: Site::caller(),
             algo: AlgoChoice::default(),
             scratch: Scratch::default(),
-            link: None,
             synced: None,
         }
     }
@@ -122,15 +118,6 @@ impl GroupCore {
         self.cur_seq = 0;
         self.cur_sent = 0;
         self.synced = None;
-    }
-
-    /// Under an emulated link, sleep until the op's messages would have arrived: from the
-    /// moment every rank was present, the wire time of `op` on `bytes` ([`LinkEmulator::op_time`]).
-    pub fn hold_on_link(&self, op: OpKind, bytes: u64) {
-        if let (Some(link), Some(synced)) = (&self.link, self.synced) {
-            let algo = self.algo.pick(bytes, self.size);
-            LinkEmulator::hold_until(synced, link.op_time(op, bytes, self.size, algo));
-        }
     }
 
     /// The next collective sequence number (the same on every member when they agree).

@@ -225,7 +225,6 @@ impl GroupCore {
         }
         let mut buf = HostBuf::zeros(dtype, shape.elem_count())?;
         self.recv_into(src, buf.as_bytes_mut())?;
-        self.hold_on_link(OpKind::Recv, (shape.elem_count() * dtype.size_in_bytes()) as u64);
         buf.into_tensor(shape.dims())
     }
 

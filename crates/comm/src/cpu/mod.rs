@@ -258,8 +258,7 @@ impl CpuBackend {
             Arc::default(),
         );
         core.algo = algo;
-        core.link = self.opts.link;
-        Ok(Arc::new(CpuComm::start(core)?))
+        Ok(Arc::new(CpuComm::start(core, self.opts.link)?))
     }
 }
 

@@ -28,7 +28,8 @@ use mtrain_model::tape::{TapedLinear, WeightGrads};
 use mtrain_model::{Linear, Param};
 
 use super::mapping::{Mapping, TpCollective};
-use super::overlap::{rows_of, TpOverlap};
+use super::overlap::{chunks, rows_of};
+use crate::plan::TpOverlap;
 use crate::ops::gather_from_tp_region;
 
 /// How a column-parallel layer receives its input.
@@ -174,7 +175,7 @@ impl TapedLinear for ColumnTape {
             // Nothing between the product and a GELU before it: one fused GEMM.
             return self.dense.backward(x, dy, b, grads, gelu_of); // (N, in)
         };
-        let dx = match self.overlap.chunks(b) {
+        let dx = match chunks(self.overlap, b) {
             None => {
                 let dx = self.dense.backward(x, dy, b, grads, None)?; // dy_r W_r (N, in), partial
                 f.run_rows(&dx, b, &self.group)? // all-reduce: Σ_tp (N, in)

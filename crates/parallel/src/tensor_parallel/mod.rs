@@ -57,7 +57,7 @@ pub mod vocab;
 
 pub use column::{ColumnInput, ColumnParallelLinear};
 pub use mapping::{BlockMappings, EmbeddingMappings, HeadMappings, Mapping, Site, TpCollective};
-pub use overlap::TpOverlap;
+pub use crate::plan::TpOverlap;
 pub use row::{RowOutput, RowParallelLinear};
 pub use sequence::SequenceParallelBlock;
 pub use shard::{shard, Placement, ShardLayout, ShardSpec};

@@ -15,8 +15,8 @@
 //! parallelism its reduce-scatter along T, which cut by sequences gives each rank the same T/tp
 //! positions of each); the column-parallel layer cuts the input gradient's all-reduce (f's
 //! conjugate) and computes the weight gradient while the last chunks are on the wire. A chunk is
-//! whole sequences, so every collective sees the (b, T, F) layout it always sees and the sums
-//! are those of the unchunked layer, element by element.
+//! whole sequences, so every collective sees the (b, T, F) layout it always sees; each sum is
+//! over the same ranks' values (at tp > 2 the ring may add them in another order).
 //!
 //! Legend: `N` rows (B·T), `F` features, `k` chunks.
 
@@ -28,38 +28,19 @@ use mtrain_comm::{chunk_range, Comm, ReduceOp, Work};
 use super::mapping::TpCollective;
 use super::SEQ_DIM;
 use crate::ops::comm_err;
-
-/// How a TP layer's collectives meet its products.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum TpOverlap {
-    /// Product, then its collective, waited inline.
-    #[default]
-    None,
-    /// The sequences cut into [`CHUNKS`] chunks, each chunk's collective overlapping the next
-    /// chunk's product.
-    Chunked,
-}
+use crate::plan::TpOverlap;
 
 /// Chunks of `--tp-overlap chunked` (fewer where a micro-batch has fewer sequences).
 pub const CHUNKS: usize = 4;
 
-impl TpOverlap {
-    /// The sequence ranges of a micro-batch of `b` sequences to run one after another, or None
-    /// where the layer runs whole (no overlap, or a single sequence).
-    pub fn chunks(self, b: usize) -> Option<Vec<Range<usize>>> {
-        let k = match self {
-            TpOverlap::None => return None,
-            TpOverlap::Chunked => CHUNKS.min(b),
-        };
-        (k > 1).then(|| (0..k).map(|i| chunk_range(b, k, i)).collect())
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            TpOverlap::None => "none",
-            TpOverlap::Chunked => "chunked",
-        }
-    }
+/// The sequence ranges of a micro-batch of `b` sequences to run one after another under
+/// `mode`, or None where the layer runs whole (no overlap, or a single sequence).
+pub fn chunks(mode: TpOverlap, b: usize) -> Option<Vec<Range<usize>>> {
+    let k = match mode {
+        TpOverlap::None => return None,
+        TpOverlap::Chunked => CHUNKS.min(b),
+    };
+    (k > 1).then(|| (0..k).map(|i| chunk_range(b, k, i)).collect())
 }
 
 /// A collective of [`TpCollective::start_rows`] on the wire.

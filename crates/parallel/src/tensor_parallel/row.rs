@@ -27,7 +27,8 @@ use mtrain_model::tape::{TapedLinear, WeightGrads};
 use mtrain_model::{Linear, Param};
 
 use super::mapping::Mapping;
-use super::overlap::{rows_of, TpOverlap};
+use super::overlap::{chunks, rows_of};
+use crate::plan::TpOverlap;
 
 /// Where a row-parallel layer's partial sums go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -115,7 +116,7 @@ impl RowTape {
         let Some(c) = self.g.forward() else {
             return mtrain_kernels::matmul(x, &w_t);
         };
-        let Some(chunks) = self.overlap.chunks(b) else {
+        let Some(chunks) = chunks(self.overlap, b) else {
             let partial = mtrain_kernels::matmul(x, &w_t)?; // (N, out), partial
             return c.run_rows(&partial, b, &self.group); // all-reduce: Σ_tp (N', out)
         };
