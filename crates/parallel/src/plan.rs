@@ -52,6 +52,8 @@ pub struct ParallelPlan {
     pub data: DataParallelKind,
     /// Sequence parallelism inside the tp group (no effect when tp = 1).
     pub sequence_parallel: bool,
+    /// How the TP layers' collectives meet their products (`--tp-overlap`; no effect when tp = 1).
+    pub tp_overlap: TpOverlap,
     /// Pipeline schedule (ignored when pp = 1: the one stage runs its micro-batches in turn).
     pub schedule: ScheduleKind,
     /// Micro-batches per step M; each rank's batch must split into M equal parts.
@@ -68,6 +70,26 @@ pub struct ParallelPlan {
     pub precision: MixedPrecision,
     /// Each segment's backward: its hand-written tape or candle's autograd.
     pub backward: Backward,
+}
+
+/// How the TP layers' collectives meet their products (`tensor_parallel/overlap.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TpOverlap {
+    /// Product, then its collective, waited inline.
+    #[default]
+    None,
+    /// The micro-batch's sequences in chunks, each chunk's collective on the wire while the
+    /// next chunk's product is computed.
+    Chunked,
+}
+
+impl TpOverlap {
+    pub fn name(self) -> &'static str {
+        match self {
+            TpOverlap::None => "none",
+            TpOverlap::Chunked => "chunked",
+        }
+    }
 }
 
 /// A plan [`ParallelPlan::validate`] accepted for a model, a world and a global batch. Only
@@ -91,6 +113,7 @@ impl ParallelPlan {
             dims,
             data: DataParallelKind::Ddp(DdpConfig::default()),
             sequence_parallel: false,
+            tp_overlap: TpOverlap::None,
             schedule: ScheduleKind::OneFOneB,
             microbatches: 1,
             stage_counts: None,

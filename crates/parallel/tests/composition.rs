@@ -28,6 +28,7 @@ use mtrain_parallel::holdings::Holdings;
 use mtrain_parallel::parallelize::{describe, parallelize, DataParallelKind, ParallelPlan};
 use mtrain_parallel::pipeline::ScheduleKind;
 use mtrain_parallel::placement::Placement;
+use mtrain_parallel::tensor_parallel::TpOverlap;
 use rand::{Rng, SeedableRng};
 
 use common::{adamw, optim_items, plan, rel, rel_f, tiny_gpt, with_moe, zero};
@@ -346,6 +347,17 @@ fn check_dropout_equals_one_device(
 #[test]
 fn tp2_pp2_dp2_equals_one_device() {
     check_equals_one_device(&cfg(), &plan(2, 2, 2, 1), 1);
+}
+
+/// `--tp-overlap chunked`: the row layers' g and the column layers' input-gradient all-reduce
+/// cut into chunks of the micro-batch's sequences, same tolerances.
+#[test]
+fn tp2_pp2_dp2_chunked_equals_one_device() {
+    let p = ParallelPlan {
+        tp_overlap: TpOverlap::Chunked,
+        ..plan(2, 2, 2, 1)
+    };
+    check_equals_one_device(&cfg(), &p, 1);
 }
 
 #[test]

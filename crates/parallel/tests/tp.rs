@@ -4,7 +4,8 @@
 //! - `*_matches_dense`: each layer against its single-device counterpart: output, input gradient,
 //!   weight and bias gradients (rel ≤ 1e-5).
 //! - `gpt_tp*`: the whole GPT with tp = 2 and 4, with and without sequence parallelism, equals one
-//!   device over 10 SGD steps (loss rel ≤ 1e-5, every gradient rel ≤ 1e-4).
+//!   device over 10 SGD steps (loss rel ≤ 1e-5, every gradient rel ≤ 1e-4); `*_chunked_*` the
+//!   same with `--tp-overlap chunked`.
 //! - `trace_*`: the collectives each block issues in forward and backward, that the tapes
 //!   issue the same ones (kind and bytes, in order) as autograd, and that every segment issues
 //!   exactly those of its mapping table (the cost model's description), in order.
@@ -32,7 +33,7 @@ use mtrain_parallel::ops::*;
 use mtrain_parallel::plan::{ParallelPlan, ValidPlan};
 use mtrain_parallel::tensor_parallel::{
     self, ColumnInput, ColumnParallelLinear, Placement, RowOutput, RowParallelLinear, ShardLayout,
-    VocabParallelEmbedding, VocabParallelHead, VocabShard,
+    TpOverlap, VocabParallelEmbedding, VocabParallelHead, VocabShard,
 };
 use rand::{Rng, SeedableRng};
 
@@ -268,6 +269,7 @@ fn column_and_row_parallel_linear_match_dense() {
                 input: ColumnInput::Replicated,
                 gather_output: true,
                 group: g.clone(),
+                overlap: TpOverlap::None,
             };
             let (xr, xt) = (
                 Var::from_tensor(&x).expect("v"),
@@ -305,6 +307,7 @@ fn column_and_row_parallel_linear_match_dense() {
                 bias: Some(pb.clone()),
                 output: RowOutput::AllReduce,
                 group: g.clone(),
+                overlap: TpOverlap::None,
             };
             let (xr, xt) = (
                 Var::from_tensor(&x).expect("v"),
@@ -363,12 +366,14 @@ fn attention_and_mlp_match_dense() {
                             input: ColumnInput::Replicated,
                             gather_output: false,
                             group: g.clone(),
+                            overlap: TpOverlap::None,
                         }),
                         false => Box::new(RowParallelLinear {
                             weight: tw,
                             bias: Some(tb),
                             output: RowOutput::AllReduce,
                             group: g.clone(),
+                            overlap: TpOverlap::None,
                         }),
                     };
                     (dense, par)
@@ -576,15 +581,25 @@ fn gpt_matches_single_device(tp: usize, sequence_parallel: bool) {
     gpt_matches_single_device_by(tp, sequence_parallel, Backward::default());
 }
 
-/// The tp model differentiated by `backward` against the single-device run (autograd).
 fn gpt_matches_single_device_by(tp: usize, sequence_parallel: bool, backward: Backward) {
+    gpt_matches_single_device_with(tp, sequence_parallel, backward, TpOverlap::None);
+}
+
+/// The tp model differentiated by `backward`, its collectives overlapped by `overlap`, against
+/// the single-device run (autograd).
+fn gpt_matches_single_device_with(
+    tp: usize,
+    sequence_parallel: bool,
+    backward: Backward,
+    overlap: TpOverlap,
+) {
     let reference = reference();
     let weights: BTreeMap<String, Tensor> = init_weights(&cfg(), 7).expect("init");
     on_ranks(tp, |g| {
         let model = tensor_parallel::build(
             &cfg(),
             &weights,
-            &tp_plan(g.size()),
+            &tp_plan_with(g.size(), overlap),
             &g,
             sequence_parallel,
             &Device::Cpu,
@@ -627,7 +642,7 @@ fn gpt_matches_single_device_by(tp: usize, sequence_parallel: bool, backward: Ba
         }
         if g.rank() == 0 {
             let (first, last) = (reference[0].0, reference[STEPS - 1].0);
-            eprintln!("tp {tp} sp {sequence_parallel} {backward:?}: loss {first:.4} -> {last:.4} over {STEPS} steps, worst loss rel {worst_loss:.1e}, worst grad rel {worst_grad:.1e}");
+            eprintln!("tp {tp} sp {sequence_parallel} {backward:?} overlap {}: loss {first:.4} -> {last:.4} over {STEPS} steps, worst loss rel {worst_loss:.1e}, worst grad rel {worst_grad:.1e}", overlap.name());
         }
     });
 }
@@ -652,9 +667,74 @@ fn gpt_tp4_sequence_parallel_matches_single_device() {
     gpt_matches_single_device(4, true);
 }
 
+#[test]
+fn gpt_tp2_chunked_matches_single_device() {
+    gpt_matches_single_device_with(2, false, Backward::Tapes, TpOverlap::Chunked);
+}
+
+#[test]
+fn gpt_tp4_chunked_matches_single_device() {
+    gpt_matches_single_device_with(4, false, Backward::Tapes, TpOverlap::Chunked);
+}
+
+#[test]
+fn gpt_tp2_sequence_parallel_chunked_matches_single_device() {
+    gpt_matches_single_device_with(2, true, Backward::Tapes, TpOverlap::Chunked);
+}
+
+#[test]
+fn gpt_tp4_sequence_parallel_chunked_matches_single_device() {
+    gpt_matches_single_device_with(4, true, Backward::Tapes, TpOverlap::Chunked);
+}
+
+/// `--tp-overlap chunked` issues each block's all-reduces once per chunk (the batch's two
+/// sequences: two chunks), each carrying half the bytes; the embedding's and the head's stay
+/// whole.
+#[test]
+fn trace_chunked_issues_each_collective_once_per_chunk() {
+    let weights: BTreeMap<String, Tensor> = init_weights(&cfg(), 7).expect("init");
+    let counts = |overlap: TpOverlap| {
+        on_ranks(2, |g| {
+            let model = tensor_parallel::build(&cfg(), &weights, &tp_plan_with(2, overlap), &g, false, &Device::Cpu)
+                .expect("build");
+            let (idx, tgt) = batch(0);
+            g.tracer().set_recording(true);
+            let before = g.tracer().events().len();
+            Engine::default()
+                .forward_backward(&model.segments, &idx, &tgt, 1.0, &mut Grads::new(), &mut NoHooks)
+                .expect("fwd/bwd");
+            let ev = g.tracer().events();
+            let ar: Vec<u64> = ev[before..]
+                .iter()
+                .filter(|e| e.op == OpKind::AllReduce && e.bytes >= (2 * 16 * 32 * 4) / 2)
+                .map(|e| e.bytes)
+                .collect();
+            ar
+        })
+        .remove(0)
+    };
+    let (none, chunked) = (counts(TpOverlap::None), counts(TpOverlap::Chunked));
+    let total = |v: &[u64]| v.iter().sum::<u64>();
+    let whole = none[0]; // (B, T, C) f32: every block all-reduce, the embedding's and the head's
+    let unchunked = chunked.iter().filter(|b| **b == whole).count();
+    assert_eq!(unchunked, 2, "the embedding's and the head's stay whole: {chunked:?}");
+    let halves = chunked.iter().filter(|b| **b == whole / 2).count();
+    assert_eq!(halves, 2 * (none.len() - 2), "{none:?} vs {chunked:?}");
+    assert_eq!(total(&chunked), total(&none), "the same bytes in all");
+}
+
 /// A checked plan of `tp` ranks for [`cfg`]: what [`tensor_parallel::build`] takes.
 fn tp_plan(tp: usize) -> ValidPlan {
     tp_plan_of(&cfg(), tp).expect("a tp plan")
+}
+
+fn tp_plan_with(tp: usize, overlap: TpOverlap) -> ValidPlan {
+    ParallelPlan {
+        tp_overlap: overlap,
+        ..ParallelPlan::new(MeshDims::new(1, 1, tp, 1))
+    }
+    .validate(&cfg(), tp, 2)
+    .expect("a tp plan")
 }
 
 fn tp_plan_of(c: &GptConfig, tp: usize) -> Result<ValidPlan, String> {

@@ -43,7 +43,7 @@ mod merge;
 pub mod parallel;
 
 pub use args::TrainArgs;
-pub use parallel::{ParallelConfig, Schedule};
+pub use parallel::{ParallelConfig, Schedule, TpOverlapFlag};
 
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]

@@ -75,6 +75,9 @@ pub enum LayoutError {
     #[error("{why} ({world_source})")]
     Plan { why: String, world_source: String },
 
+    #[error("--link {given:?}: {why}; give ALPHA_US,GBPS (e.g. 20000,0.05) or a link preset")]
+    Link { given: String, why: String },
+
     #[error("{0}")]
     Config(#[from] crate::config::ConfigError),
 
@@ -104,6 +107,8 @@ pub struct Layout {
     pub algo: AlgoFlag,
     /// The α-β table whose fitted thresholds `--algo auto` reads (`--algo-table`).
     pub algo_table: Option<std::path::PathBuf>,
+    /// The emulated link of the CPU backend (`--link`).
+    pub link: Option<mtrain_comm::cpu::LinkEmulator>,
 }
 
 /// The CPU backend's all-reduce algorithm (`--algo`); every rank picks the same.

@@ -330,6 +330,7 @@ fn make_backend(
                 timeout: layout.comm_timeout,
                 trace: layout.trace,
                 algo,
+                link: layout.link,
             };
             Ok(Box::new(CpuBackend::init(env, opts)?))
         }
@@ -347,6 +348,7 @@ fn make_backend(
                     layout.algo_table.as_deref(),
                     env.world_size,
                 )?,
+                link: layout.link,
             };
             // Ranks are placed round-robin on the GPUs.
             let device = || candle_core::Device::new_cuda(env.local_rank % gpus);

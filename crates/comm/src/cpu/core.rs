@@ -4,7 +4,7 @@
 //! ranks (global ranks, so a user can find the process).
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use candle_core::DType;
 
@@ -50,6 +50,9 @@ pub(crate) struct GroupCore {
     /// Where the in-place ring receives every segment, kept from one op to the next (one
     /// segment, [`SEGMENT_BYTES`], and a page).
     pub scratch: Scratch,
+    /// When the op being run found every rank present (its headers exchanged, or a receive's
+    /// header read): where its time on an emulated link starts ([`super::link`]).
+    pub synced: Option<Instant>,
 }
 
 impl GroupCore {
@@ -85,6 +88,7 @@ impl GroupCore {
             cur_site: Site::caller(),
             algo: AlgoChoice::default(),
             scratch: Scratch::default(),
+            synced: None,
         }
     }
 
@@ -113,6 +117,7 @@ impl GroupCore {
         self.cur_site = site;
         self.cur_seq = 0;
         self.cur_sent = 0;
+        self.synced = None;
     }
 
     /// The next collective sequence number (the same on every member when they agree).
@@ -259,6 +264,7 @@ impl GroupCore {
             return Err(garbled(self));
         }
         let body = self.recv(p, len)?;
+        self.synced = Some(Instant::now());
         Header::decode(&body).ok_or_else(|| garbled(self))
     }
 
@@ -290,6 +296,7 @@ impl GroupCore {
                 });
             }
         }
+        self.synced = Some(Instant::now());
         Ok(all)
     }
 }

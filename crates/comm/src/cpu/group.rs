@@ -23,6 +23,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Shape, Tensor};
 
 use super::core::GroupCore;
+use super::link::LinkEmulator;
 use super::wire::check_dtype;
 use crate::communicator::{
     all_reduce_and_copy_back, check_in_place, CommError, Communicator, OpKind, PendingWork,
@@ -114,6 +115,8 @@ pub struct CpuComm {
     queued: Arc<AtomicU64>,
     thread: Option<std::thread::JoinHandle<()>>,
     poison: Arc<Mutex<Option<String>>>,
+    /// The emulated link the group's messages cross, if any.
+    link: Option<LinkEmulator>,
 }
 
 impl Drop for CpuComm {
@@ -143,7 +146,7 @@ impl std::fmt::Debug for CpuComm {
 
 impl CpuComm {
     /// Start the communication thread for a group whose connections are already set up.
-    pub(crate) fn start(core: GroupCore) -> Result<Self> {
+    pub(crate) fn start(core: GroupCore, link: Option<LinkEmulator>) -> Result<Self> {
         let (jobs, queue) = mpsc::channel::<Job>();
         let (rank, name, globals, tracer, poison) = (
             core.rank,
@@ -173,6 +176,7 @@ impl CpuComm {
             queued: Arc::new(AtomicU64::new(0)),
             thread: Some(thread),
             poison,
+            link,
         })
     }
 
@@ -182,9 +186,11 @@ impl CpuComm {
         if let Err(e) = check_dtype(OpKind::Recv, &self.name, dtype) {
             return Work::ready(Err(e));
         }
-        let shape = shape.clone();
+        let (shape, link) = (shape.clone(), self.link);
         self.submit(Site::caller(), OpKind::Recv, None, Some(src), inline, move |c| {
-            c.recv_from(src, &shape, dtype)
+            let x = c.recv_from(src, &shape, dtype)?;
+            hold_on_link(link, c, OpKind::Recv, (x.elem_count() * dtype.size_in_bytes()) as u64);
+            Ok(x)
         })
     }
 
@@ -248,7 +254,7 @@ impl CpuComm {
             group: self.name.clone(),
         };
         let start_us = self.tracer.now_us();
-        let queued = self.queued.clone();
+        let (queued, link) = (self.queued.clone(), self.link);
         let here = inline
             && queued
                 .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire)
@@ -262,8 +268,11 @@ impl CpuComm {
                 Some(e) => Err(e),
                 None => {
                     let r = run(core);
-                    if let Err(e) = &r {
-                        core.poison(e);
+                    match &r {
+                        Err(e) => core.poison(e),
+                        // A receive's size is its result's: it holds itself (`recv_job`).
+                        Ok(_) if op != OpKind::Recv => hold_on_link(link, core, op, bytes),
+                        Ok(_) => {}
                     }
                     r
                 }
@@ -296,6 +305,15 @@ impl CpuComm {
             let _ = jobs.send(job);
         }
         Work::new(Box::new(CpuWork(slot, self.tracer.clone(), op)))
+    }
+}
+
+/// Under an emulated link, sleep until the op's messages would have arrived: from the moment
+/// every rank was present, the wire time of `op` on `bytes` ([`LinkEmulator::op_time`]).
+fn hold_on_link(link: Option<LinkEmulator>, core: &GroupCore, op: OpKind, bytes: u64) {
+    if let (Some(link), Some(synced)) = (link, core.synced) {
+        let algo = core.algo.pick(bytes, core.size);
+        LinkEmulator::hold_until(synced, link.op_time(op, bytes, core.size, algo));
     }
 }
 

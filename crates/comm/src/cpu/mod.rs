@@ -22,6 +22,8 @@
 //!   ([`binary_tree`]) or recursive halving-doubling ([`halving_doubling`]), each an
 //!   algorithm's [`schedule`] of steps.
 //! - Reads give up after the group's timeout; a failure poisons the group.
+//! - Under `--link` every op is held until an emulated wire of α + bytes/β per message would
+//!   have delivered it ([`link`]).
 //!
 //! Results are new CPU tensors; inputs may be non-contiguous.
 
@@ -32,6 +34,7 @@ mod core;
 mod direct;
 mod group;
 mod halving_doubling;
+mod link;
 mod pump;
 mod ring;
 pub mod schedule;
@@ -47,6 +50,7 @@ use std::time::{Duration, Instant};
 use candle_core::Device;
 
 pub use group::CpuComm;
+pub use link::LinkEmulator;
 
 pub use algorithms::all_reduce_schedule;
 pub use binary_tree::TREE_PIECE_BYTES;
@@ -68,6 +72,8 @@ pub struct CpuOptions {
     pub trace: bool,
     /// Which algorithm each group's all-reduce runs (ring, tree, halving-doubling, or by size).
     pub algo: AlgoChoice,
+    /// An emulated link every message crosses ([`LinkEmulator`]); `None`: loopback as it is.
+    pub link: Option<LinkEmulator>,
 }
 
 impl Default for CpuOptions {
@@ -76,6 +82,7 @@ impl Default for CpuOptions {
             timeout: Duration::from_secs(300),
             trace: false,
             algo: AlgoChoice::default(),
+            link: None,
         }
     }
 }
@@ -251,7 +258,7 @@ impl CpuBackend {
             Arc::default(),
         );
         core.algo = algo;
-        Ok(Arc::new(CpuComm::start(core)?))
+        Ok(Arc::new(CpuComm::start(core, self.opts.link)?))
     }
 }
 

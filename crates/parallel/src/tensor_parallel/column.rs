@@ -15,6 +15,9 @@
 //! ([`super::sequence`]) and reduce-scatters the gradient after it; the layer then issues
 //! nothing ([`ColumnInput::SequenceGathered`]).
 //!
+//! With `--tp-overlap chunked` the input gradient is computed and all-reduced chunk by chunk,
+//! and the weight gradient computed while the last chunks are on the wire ([`super::overlap`]).
+//!
 //! Legend: `N` rows (B·T), `in`/`out` the full layer's features, `tp` the group's size.
 
 use candle_core::Tensor;
@@ -25,6 +28,8 @@ use mtrain_model::tape::{TapedLinear, WeightGrads};
 use mtrain_model::{Linear, Param};
 
 use super::mapping::{Mapping, TpCollective};
+use super::overlap::{chunks, rows_of};
+use crate::plan::TpOverlap;
 use crate::ops::gather_from_tp_region;
 
 /// How a column-parallel layer receives its input.
@@ -67,6 +72,8 @@ pub struct ColumnParallelLinear {
     /// Gather the output slices into the full (…, out) on every rank (otherwise keep (…, out/tp)).
     pub gather_output: bool,
     pub group: Comm,
+    /// Whether f's all-reduce of the input gradient is cut into chunks that overlap the products.
+    pub overlap: TpOverlap,
 }
 
 impl Linear for ColumnParallelLinear {
@@ -99,6 +106,7 @@ impl Linear for ColumnParallelLinear {
             dense: DenseTape::of(&self.weight, self.bias.as_ref()?, x)?,
             f: self.input.mapping(),
             group: self.group.clone(),
+            overlap: self.overlap,
         }))
     }
 }
@@ -110,6 +118,7 @@ struct ColumnTape {
     /// f, or None where the block's sequence all-gather entered instead.
     f: Option<Mapping>,
     group: Comm,
+    overlap: TpOverlap,
 }
 
 impl ColumnTape {
@@ -166,8 +175,29 @@ impl TapedLinear for ColumnTape {
             // Nothing between the product and a GELU before it: one fused GEMM.
             return self.dense.backward(x, dy, b, grads, gelu_of); // (N, in)
         };
-        let dx = self.dense.backward(x, dy, b, grads, None)?; // dy_r W_r (N, in), partial
-        let dx = f.run_rows(&dx, b, &self.group)?; // all-reduce: Σ_tp (N, in)
+        let dx = match chunks(self.overlap, b) {
+            None => {
+                let dx = self.dense.backward(x, dy, b, grads, None)?; // dy_r W_r (N, in), partial
+                f.run_rows(&dx, b, &self.group)? // all-reduce: Σ_tp (N, in)
+            }
+            Some(chunks) => {
+                // Chunk i's all-reduce on the wire while chunk i+1's product, then dW and db,
+                // are computed.
+                let w = self.dense.weight()?; // (out/tp, in)
+                let mut in_flight = Vec::with_capacity(chunks.len());
+                for seqs in &chunks {
+                    let part = mtrain_kernels::matmul(&rows_of(dy, b, seqs)?, &w)?; // (N/k, in)
+                    in_flight.push(f.start_rows(&part, seqs.len(), &self.group)?);
+                }
+                drop(w);
+                grads.linear(self.dense.names(), dy, x, &self.dense.bias()?)?;
+                let sums = in_flight
+                    .into_iter()
+                    .map(|c| c.finish())
+                    .collect::<candle_core::Result<Vec<_>>>()?; // k × (N/k, in)
+                Tensor::cat(&sums, 0)? // Σ_tp (N, in)
+            }
+        };
         match gelu_of {
             Some(pre) => mtrain_kernels::gelu::backward(pre, &dx), // through the GELU before
             None => Ok(dx),

@@ -49,6 +49,7 @@ use crate::plan::ValidPlan;
 
 pub mod column;
 pub mod mapping;
+pub mod overlap;
 pub mod row;
 pub mod sequence;
 pub mod shard;
@@ -56,6 +57,7 @@ pub mod vocab;
 
 pub use column::{ColumnInput, ColumnParallelLinear};
 pub use mapping::{BlockMappings, EmbeddingMappings, HeadMappings, Mapping, Site, TpCollective};
+pub use crate::plan::TpOverlap;
 pub use row::{RowOutput, RowParallelLinear};
 pub use sequence::SequenceParallelBlock;
 pub use shard::{shard, Placement, ShardLayout, ShardSpec};
@@ -167,6 +169,7 @@ pub struct Builder<'a> {
     pub layout: ShardLayout,
     tp: &'a Comm,
     sp: bool,
+    overlap: TpOverlap,
     /// The tied `wte`, one `Param` for the embedding and the head.
     wte: Option<Param>,
 }
@@ -187,6 +190,7 @@ impl<'a> Builder<'a> {
             layout: ShardLayout::new(tp.rank(), tp.size()),
             tp,
             sp: sequence_parallel,
+            overlap: plan.tp_overlap,
             wte: None,
         })
     }
@@ -260,6 +264,7 @@ impl<'a> Builder<'a> {
             input,
             gather_output: false,
             group: self.tp.clone(),
+            overlap: self.overlap,
         }))
     }
 
@@ -269,6 +274,7 @@ impl<'a> Builder<'a> {
             bias: Some(self.param(&format!("{prefix}.bias"))?), // (out,)
             output,
             group: self.tp.clone(),
+            overlap: self.overlap,
         }))
     }
 

@@ -14,6 +14,8 @@
 //! the sums of its T/tp positions, (N/tp, out)) and an all-gather of the gradient in backward
 //! ([`RowOutput::ReduceScatterSequence`]).
 //!
+//! With `--tp-overlap chunked` the forward computes and sends chunk by chunk ([`super::overlap`]).
+//!
 //! Legend: `N` rows (B·T), `in`/`out` the full layer's features, `tp` the group's size.
 
 use candle_core::Tensor;
@@ -25,6 +27,8 @@ use mtrain_model::tape::{TapedLinear, WeightGrads};
 use mtrain_model::{Linear, Param};
 
 use super::mapping::Mapping;
+use super::overlap::{chunks, rows_of};
+use crate::plan::TpOverlap;
 
 /// Where a row-parallel layer's partial sums go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,6 +68,8 @@ pub struct RowParallelLinear {
     pub bias: Option<Param>,
     pub output: RowOutput,
     pub group: Comm,
+    /// Whether g is cut into chunks that overlap the product.
+    pub overlap: TpOverlap,
 }
 
 impl Linear for RowParallelLinear {
@@ -87,6 +93,7 @@ impl Linear for RowParallelLinear {
             dense: DenseTape::of(&self.weight, self.bias.as_ref()?, x)?,
             g: self.output.mapping(),
             group: self.group.clone(),
+            overlap: self.overlap,
         }))
     }
 }
@@ -99,16 +106,31 @@ struct RowTape {
     /// g, or the sequence reduce-scatter.
     g: Mapping,
     group: Comm,
+    overlap: TpOverlap,
 }
 
 impl RowTape {
     /// g(x_r W_rᵀ): the partial products summed over tp, (N, out) or (N/tp, out) under SP.
     fn summed_product(&self, x: &Tensor, b: usize) -> candle_core::Result<Tensor> {
-        let partial = mtrain_kernels::matmul(x, &self.dense.weight()?.t()?)?; // (N, out), partial
-        match self.g.forward() {
-            Some(c) => c.run_rows(&partial, b, &self.group), // all-reduce: Σ_tp (N', out)
-            None => Ok(partial),
+        let w_t = self.dense.weight()?.t()?; // (in/tp, out)
+        let Some(c) = self.g.forward() else {
+            return mtrain_kernels::matmul(x, &w_t);
+        };
+        let Some(chunks) = chunks(self.overlap, b) else {
+            let partial = mtrain_kernels::matmul(x, &w_t)?; // (N, out), partial
+            return c.run_rows(&partial, b, &self.group); // all-reduce: Σ_tp (N', out)
+        };
+        // Chunk i's g on the wire while chunk i+1's product is computed.
+        let mut in_flight = Vec::with_capacity(chunks.len());
+        for seqs in &chunks {
+            let partial = mtrain_kernels::matmul(&rows_of(x, b, seqs)?, &w_t)?; // (N/k, out)
+            in_flight.push(c.start_rows(&partial, seqs.len(), &self.group)?);
         }
+        let sums = in_flight
+            .into_iter()
+            .map(|f| f.finish())
+            .collect::<candle_core::Result<Vec<_>>>()?; // k × (N'/k, out)
+        Tensor::cat(&sums, 0) // (N', out)
     }
 }
 

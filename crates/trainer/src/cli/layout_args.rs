@@ -6,7 +6,9 @@
 use std::time::Duration;
 
 use clap::Args;
+use mtrain_comm::cpu::LinkEmulator;
 use mtrain_comm::mesh::MeshDims;
+use mtrain_parallel::analysis::cluster::Link;
 
 use super::merged;
 use crate::config::{DeviceKind, ParallelConfig};
@@ -86,6 +88,12 @@ pub struct LayoutArgs {
     /// `bench-comm --fit`, `--algo auto` follows; without one, the cost model's defaults.
     #[arg(long, value_name = "FILE", requires = "algo")]
     pub algo_table: Option<std::path::PathBuf>,
+
+    /// Emulate a link on the CPU backend: every message takes α + bytes/β on the wire (the
+    /// thread that runs the op sleeps until then). `ALPHA_US,GBPS` (`20000,0.05`: 20 ms and
+    /// 50 MB/s) or a link preset of the cost model (nvlink4, pcie4, ib-ndr, ...).
+    #[arg(long, value_name = "ALPHA_US,GBPS|PRESET")]
+    pub link: Option<String>,
 }
 
 impl LayoutArgs {
@@ -113,8 +121,31 @@ impl LayoutArgs {
                 (_, Some(b)) => Some(b.clone()),
                 (a, None) => a.clone(),
             },
+            link: merged("--link", &self.link, &after.link)?,
         })
     }
+}
+
+/// `--link`: `ALPHA_US,GBPS`, or the name of one of the cost model's link presets.
+fn parse_link(text: &str) -> Result<LinkEmulator, LayoutError> {
+    let bad = |why: String| LayoutError::Link {
+        given: text.to_string(),
+        why,
+    };
+    let (alpha_us, gb_s) = match text.split_once(',') {
+        Some((a, b)) => {
+            let num = |s: &str| s.trim().parse::<f64>().map_err(|e| bad(format!("{s:?}: {e}")));
+            (num(a)?, num(b)?)
+        }
+        None => match Link::preset(text) {
+            Some(l) => (l.model.alpha_s * 1e6, l.model.beta_bytes_per_s * 1e-9),
+            None => {
+                let names: Vec<_> = Link::PRESETS.iter().map(|l| l.name).collect();
+                return Err(bad(format!("not a preset (one of {})", names.join(", "))));
+            }
+        },
+    };
+    LinkEmulator::new(alpha_us, gb_s).map_err(|e| bad(e.to_string()))
 }
 
 impl LayoutArgs {
@@ -127,6 +158,14 @@ impl LayoutArgs {
                 return Err(LayoutError::NeedsCpu {
                     flag: format!("--algo {algo}"),
                     why: "it picks the CPU backend's all-reduce algorithm, and NCCL and CUDA IPC pick their own (see `bench-comm --nccl-debug`); with --comm staged it applies",
+                });
+            }
+        }
+        if let (Some(link), DeviceKind::Cuda) = (&self.link, device) {
+            if self.comm != Some(CommChoice::Staged) {
+                return Err(LayoutError::NeedsCpu {
+                    flag: format!("--link {link}"),
+                    why: "it emulates a link under the CPU backend's messages, and NCCL and CUDA IPC send over the real one; with --comm staged it applies",
                 });
             }
         }
@@ -251,6 +290,7 @@ impl LayoutArgs {
             trace: self.trace,
             algo: self.algo.unwrap_or_default(),
             algo_table: self.algo_table.clone(),
+            link: self.link.as_deref().map(parse_link).transpose()?,
         })
     }
 }
@@ -270,6 +310,22 @@ mod tests {
     /// default model and batch ([`crate::resolve::resolve`]).
     fn checked(args: &[&str]) -> anyhow::Result<Layout> {
         Ok(crate::resolve::resolve(&cli(args), None)?.layout)
+    }
+
+    #[test]
+    fn link_takes_numbers_or_a_preset_and_names_what_is_wrong() {
+        let l = layout(&["--link", "20000,0.05"]).unwrap().link.expect("a link");
+        assert_eq!(l.alpha, Duration::from_millis(20));
+        assert_eq!(l.bytes_per_s, 0.05e9);
+        let ib = layout(&["--link", "ib-ndr"]).unwrap().link.expect("a preset");
+        assert!(ib.bytes_per_s > 1e10, "{ib:?}");
+        assert!(layout(&[]).unwrap().link.is_none());
+        let e = layout(&["--link", "fast"]).unwrap_err().to_string();
+        assert!(e.contains("--link \"fast\"") && e.contains("nvlink4"), "{e}");
+        let e = layout(&["--link", "5,0"]).unwrap_err().to_string();
+        assert!(e.contains("bandwidth > 0 GB/s"), "{e}");
+        let e = layout(&["--link", "5,x"]).unwrap_err().to_string();
+        assert!(e.contains("ALPHA_US,GBPS"), "{e}");
     }
 
     #[test]

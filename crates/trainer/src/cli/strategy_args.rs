@@ -7,7 +7,7 @@ use clap::{Args, ValueEnum};
 use mtrain_parallel::ddp::DdpMode;
 
 use super::{merged, LayoutArgs};
-use crate::config::Schedule;
+use crate::config::{Schedule, TpOverlapFlag};
 use crate::layout::LayoutError;
 
 /// How the model is split and synchronised (data-parallel mode, FSDP/ZeRO, pipeline schedule).
@@ -31,6 +31,12 @@ pub struct StrategyArgs {
     /// Sequence parallelism in the tensor-parallel regions (LayerNorm/dropout on T/tp).
     #[arg(long)]
     pub sequence_parallel: bool,
+
+    /// How the TP layers' collectives meet their products (default none): chunked cuts the
+    /// sequences into chunks, each chunk's all-reduce (or reduce-scatter) overlapping the next
+    /// chunk's product.
+    #[arg(long, value_enum, value_name = "MODE")]
+    pub tp_overlap: Option<TpOverlapFlag>,
 
     /// Pipeline schedule (default 1f1b): gpipe, 1f1b, interleaved (its model chunks per rank
     /// from --virtual-stages), zb-h1 or zb-v.
@@ -108,6 +114,7 @@ impl StrategyArgs {
                 &after.reshard_after_forward,
             )?,
             sequence_parallel: self.sequence_parallel || after.sequence_parallel,
+            tp_overlap: after.tp_overlap.or(self.tp_overlap),
             schedule: after.schedule.or(self.schedule),
             virtual_stages: merged(
                 "--virtual-stages",
@@ -180,6 +187,12 @@ pub fn parallel_overrides(layout: &LayoutArgs, strategy: &StrategyArgs) -> toml:
         t.insert(
             "schedule".into(),
             name(clap::ValueEnum::to_possible_value(&s)),
+        );
+    }
+    if let Some(o) = strategy.tp_overlap {
+        t.insert(
+            "tp_overlap".into(),
+            name(clap::ValueEnum::to_possible_value(&o)),
         );
     }
     if let Some(m) = strategy.ddp_mode {

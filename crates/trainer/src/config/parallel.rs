@@ -19,6 +19,7 @@ use mtrain_parallel::fsdp::{FsdpConfig, ZeroStage};
 use mtrain_parallel::parallelize::{DataParallelKind, ParallelPlan};
 use mtrain_parallel::pipeline::ScheduleKind;
 use mtrain_parallel::plan::pass_costs_problem;
+use mtrain_parallel::tensor_parallel::TpOverlap;
 use serde::{Deserialize, Serialize};
 
 use super::ConfigError;
@@ -47,6 +48,9 @@ pub struct ParallelConfig {
     pub reshard_after_forward: bool,
     /// Sequence parallelism in the tensor-parallel regions (LayerNorm/dropout on T/tp).
     pub sequence_parallel: bool,
+    /// How the TP layers' collectives meet their products: "none" (inline) or "chunked" (the
+    /// sequences cut into chunks, each chunk's collective overlapping the next one's product).
+    pub tp_overlap: TpOverlapFlag,
     /// Pipeline schedule: "gpipe", "1f1b" or "interleaved".
     pub schedule: Schedule,
     /// Model chunks per pipeline rank under `schedule = "interleaved"` (Megatron's virtual stages).
@@ -76,6 +80,7 @@ impl Default for ParallelConfig {
             zero_stage: 0,
             reshard_after_forward: true,
             sequence_parallel: false,
+            tp_overlap: TpOverlapFlag::None,
             schedule: Schedule::OneFOneB,
             virtual_stages: 2,
             stage_layers: None,
@@ -83,6 +88,33 @@ impl Default for ParallelConfig {
             pass_costs: None,
             ddp_mode: DdpMode::Bucketed,
             bucket_mb: 25.0,
+        }
+    }
+}
+
+/// `tp_overlap` / `--tp-overlap`: how the TP layers' collectives meet their products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum TpOverlapFlag {
+    /// Each product, then its collective, waited inline.
+    None,
+    /// The sequences cut into chunks: a chunk's collective on the wire while the next chunk's
+    /// product is computed (the row layer's forward, the column layer's input gradient).
+    Chunked,
+}
+
+impl TpOverlapFlag {
+    fn to_plan(self) -> TpOverlap {
+        match self {
+            TpOverlapFlag::None => TpOverlap::None,
+            TpOverlapFlag::Chunked => TpOverlap::Chunked,
+        }
+    }
+
+    fn of_plan(o: TpOverlap) -> Self {
+        match o {
+            TpOverlap::None => TpOverlapFlag::None,
+            TpOverlap::Chunked => TpOverlapFlag::Chunked,
         }
     }
 }
@@ -174,6 +206,7 @@ impl ParallelConfig {
             dims,
             data,
             sequence_parallel: self.sequence_parallel,
+            tp_overlap: self.tp_overlap.to_plan(),
             schedule: match self.schedule {
                 Schedule::Gpipe => ScheduleKind::GPipe,
                 Schedule::OneFOneB => ScheduleKind::OneFOneB,
@@ -223,6 +256,7 @@ impl ParallelConfig {
             zero_stage,
             reshard_after_forward,
             sequence_parallel: plan.sequence_parallel,
+            tp_overlap: TpOverlapFlag::of_plan(plan.tp_overlap),
             schedule,
             virtual_stages,
             stage_layers: plan.stage_counts.clone(),
