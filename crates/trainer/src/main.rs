@@ -221,9 +221,10 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
             distributed(&layout, env, run.cfg().device, Some(&run), |backend| {
                 if backend.world().rank() == 0 {
                     tracing::info!(
-                        "layout dp={} pp={} tp={} ep={} (world {})",
+                        "layout dp={} pp={} cp={} tp={} ep={} (world {})",
                         layout.dims.dp,
                         layout.dims.pp,
+                        layout.dims.cp,
                         layout.dims.tp,
                         layout.dims.ep,
                         layout.world_size
