@@ -26,6 +26,7 @@
 //! - [`source`]: `ParamSource`, the values of any region of a parameter (runs of its
 //!   row-major elements), so a rank reads only the piece it holds.
 
+pub mod chunks;
 pub mod config;
 pub mod dropout;
 pub mod engine;
@@ -40,6 +41,7 @@ pub mod source;
 pub mod tape;
 pub mod vocab;
 
+pub use chunks::SequenceChunks;
 pub use config::{ConfigError, GptConfig, MoeConfig};
 pub use dropout::{Draw, StepDraw};
 pub use engine::{Activations, Backward, Engine, HookResult, Hooks, NoHooks, PendingGrads};
