@@ -63,6 +63,23 @@ impl Pass {
     }
 }
 
+/// One ring step: issues the pass of each of `sends` around the ring, runs `compute` (the
+/// block's attention) while they are in flight, then waits for them; returns what arrived
+/// from rank i−1, in the order of `sends`, and what `compute` returned.
+pub fn overlapped<T>(
+    group: &Comm,
+    sends: &[&Tensor],
+    compute: impl FnOnce() -> Result<T>,
+) -> Result<(Vec<Tensor>, T)> {
+    let passes: Vec<Pass> = sends
+        .iter()
+        .map(|x| Pass::issue(group, x))
+        .collect::<Result<_>>()?;
+    let out = compute()?;
+    let arrived = passes.into_iter().map(Pass::wait).collect::<Result<_>>()?;
+    Ok((arrived, out))
+}
+
 /// Which of this rank's query rows attend to the block of rank `j` at step `step`, and to which
 /// of its key rows: all to all on the diagonal (causal), all queries to j's early chunk when
 /// j < i, the late query chunk to both of j's chunks when j > i.
@@ -121,7 +138,7 @@ impl SequenceAttention for RingAttention {
         scale: f64,
     ) -> Result<(Tensor, Box<dyn AttentionKept>)> {
         let (b, t_r, _) = qkv.dims3()?;
-        let chunks = self.chunks;
+        let (chunks, group) = (self.chunks, &self.group);
         if t_r % 2 != 0 {
             return Err(candle_core::Error::Msg(format!(
                 "ring attention: {t_r} rows per rank cannot be two equal chunks"
@@ -130,37 +147,33 @@ impl SequenceAttention for RingAttention {
         let c = t_r / 2;
         let heads = mtrain_kernels::split_heads(qkv, 3, h)?.contiguous()?; // (3, B, H, T_r, D)
         let q = heads.get(0)?; // (B, H, T_r, D)
-        let mut kv = heads.narrow(0, 1, 2)?; // (2, B, H, T_r, D): this rank's keys and values
-        let mut next = (chunks.n > 1)
-            .then(|| Pass::issue(&self.group, &kv))
-            .transpose()?;
-        let (y, lse2) = attention::forward(&heads, scale, None)?; // the diagonal block
+        let kv = heads.narrow(0, 1, 2)?; // (2, B, H, T_r, D): this rank's keys and values
+        let first = if chunks.n > 1 { vec![&kv] } else { vec![] };
+        // Step 0, the diagonal (causal) block, while this rank's K, V go to rank i+1.
+        let (mut arrived, (y, lse2)) = overlapped(group, &first, || {
+            attention::forward(&heads, scale, None) // (B, H, T_r, D), lse2
+        })?;
         let lse_dims = lse2.dims().to_vec();
         let (mut y, mut lse2) = (y.to_dtype(DType::F32)?, lse2.reshape((b, h, t_r))?);
         for step in 1..chunks.n {
-            kv = next
-                .take()
-                .expect("issued for every step after the first")
-                .wait()?;
-            if step + 1 < chunks.n {
-                next = Some(Pass::issue(&self.group, &kv)?); // in flight during this block
-            }
+            let kv = arrived.remove(0); // rank (i − step)'s K, V
+            let sends = if step + 1 < chunks.n {
+                vec![&kv]
+            } else {
+                vec![]
+            };
             let (k, v) = (kv.get(0)?, kv.get(1)?);
-            (y, lse2) = match block_of(step, chunks) {
+            (arrived, (y, lse2)) = overlapped(group, &sends, || match block_of(step, chunks) {
                 Block::EarlyKeys => {
-                    let (yb, lb) = attention::full_forward(
-                        &q,
-                        &k.narrow(2, 0, c)?,
-                        &v.narrow(2, 0, c)?,
-                        scale,
-                    )?;
-                    merge(&y, &lse2, &yb, &lb, 0)?
+                    let (k0, v0) = (k.narrow(2, 0, c)?, v.narrow(2, 0, c)?);
+                    let (yb, lb) = attention::full_forward(&q, &k0, &v0, scale)?;
+                    merge(&y, &lse2, &yb, &lb, 0)
                 }
                 _ => {
                     let (yb, lb) = attention::full_forward(&q.narrow(2, c, c)?, &k, &v, scale)?;
-                    merge(&y, &lse2, &yb, &lb, c)?
+                    merge(&y, &lse2, &yb, &lb, c)
                 }
-            };
+            })?;
         }
         let out = y.to_dtype(qkv.dtype())?; // (B, H, T_r, D)
         let out = mtrain_kernels::merge_heads(&out.unsqueeze(0)?)?; // (B, T_r, H·D)
@@ -208,42 +221,33 @@ impl AttentionKept for RingKept {
         let apart =
             |t: &Tensor| -> Result<Tensor> { mtrain_kernels::split_heads(t, 1, h)?.squeeze(0) };
         let (yh, dyh) = (apart(y)?, apart(dy)?); // (B, H, T_r, D)
-        let t_r = lse2.dim(2)?;
-        let c = t_r / 2;
+        let c = lse2.dim(2)? / 2;
         let q = heads.get(0)?;
-        let mut kv = heads.narrow(0, 1, 2)?; // (2, B, H, T_r, D)
-        let mut next = (chunks.n > 1)
-            .then(|| Pass::issue(&group, &kv))
-            .transpose()?;
+        let kv = heads.narrow(0, 1, 2)?; // (2, B, H, T_r, D)
+        let first = if chunks.n > 1 { vec![&kv] } else { vec![] };
         // Step 0, the diagonal: the causal kernels' backward with the merged y and lse2.
-        let g = attention::backward(&heads, &yh, &dyh, &lse2.reshape(lse_dims)?, scale, None)?;
-        let g = g.to_dtype(DType::F32)?; // (3, B, H, T_r, D)
+        let (mut arrived, g) = overlapped(&group, &first, || {
+            let lse = lse2.reshape(lse_dims.as_slice())?;
+            attention::backward(&heads, &yh, &dyh, &lse, scale, None)?.to_dtype(DType::F32)
+        })?; // g: (3, B, H, T_r, D)
         let mut dq = g.get(0)?;
         let mut dkv = g.narrow(0, 1, 2)?; // for this rank's keys
         for step in 1..chunks.n {
-            kv = next
-                .take()
-                .expect("issued for every step after the first")
-                .wait()?;
-            let back = Pass::issue(&group, &dkv)?; // the accumulator follows its keys
+            let kv = arrived.remove(0); // rank (i − step)'s K, V
+                                        // The accumulator follows its keys: dkv goes on to i+1, i−1's comes in.
+            let mut sends = vec![&dkv];
             if step + 1 < chunks.n {
-                next = Some(Pass::issue(&group, &kv)?);
+                sends.push(&kv);
             }
             let (k, v) = (kv.get(0)?, kv.get(1)?);
-            let block = match block_of(step, chunks) {
+            let (got, block) = overlapped(&group, &sends, || match block_of(step, chunks) {
                 Block::EarlyKeys => {
                     let (k0, v0) = (k.narrow(2, 0, c)?, v.narrow(2, 0, c)?);
                     let (dqb, dk, dv) =
                         attention::full_backward(&q, &k0, &v0, &yh, &dyh, &lse2, scale)?;
-                    dq = (dq + dqb)?;
                     let late = Tensor::zeros(dk.dims(), DType::F32, dk.device())?;
-                    Tensor::stack(
-                        &[
-                            Tensor::cat(&[&dk, &late], 2)?,
-                            Tensor::cat(&[&dv, &late], 2)?,
-                        ],
-                        0,
-                    )?
+                    let pad = |t: &Tensor| Tensor::cat(&[t, &late], 2); // (B, H, T_r, D)
+                    Ok((dqb, Tensor::stack(&[pad(&dk)?, pad(&dv)?], 0)?))
                 }
                 _ => {
                     let rows = |t: &Tensor| t.narrow(2, c, c);
@@ -251,17 +255,67 @@ impl AttentionKept for RingKept {
                     let (dqb, dk, dv) =
                         attention::full_backward(&ql, &k, &v, &yl, &dyl, &ll, scale)?;
                     let early = Tensor::zeros(dqb.dims(), DType::F32, dqb.device())?;
-                    dq = (dq + Tensor::cat(&[&early, &dqb], 2)?)?;
-                    Tensor::stack(&[dk, dv], 0)?
+                    let dqb = Tensor::cat(&[&early, &dqb], 2)?; // (B, H, T_r, D)
+                    Ok((dqb, Tensor::stack(&[dk, dv], 0)?))
                 }
-            };
-            let carried = back.wait()?; // from rank i−1
-            dkv = (carried + block)?;
+            })?;
+            let mut got = got.into_iter();
+            let carried = got.next().expect("the accumulator of rank i−1"); // for KV_(i−step)
+            arrived = got.collect();
+            dq = (dq + block.0)?;
+            dkv = (carried + block.1)?;
         }
         if chunks.n > 1 {
-            dkv = Pass::issue(&group, &dkv)?.wait()?; // the n-th pass brings this rank's own
+            // The n-th pass brings this rank's own accumulator home.
+            dkv = overlapped(&group, &[&dkv], || Ok(()))?.0.remove(0);
         }
         let dqkv = Tensor::cat(&[&dq.unsqueeze(0)?, &dkv], 0)?.to_dtype(heads.dtype())?;
         mtrain_kernels::merge_heads(&dqkv) // (B, T_r, 3·H·D)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+    use mtrain_comm::cpu::run_local;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::{Duration, Instant};
+
+    /// The transfer of a step is in flight during its block's attention: rank 0's `compute`
+    /// does not return until rank 1 holds the block rank 0 is sending, so it passes only if the
+    /// send was issued before the compute (issuing it after would never end the wait).
+    #[test]
+    fn a_steps_transfer_is_in_flight_during_its_attention() {
+        let arrived_at_1 = AtomicBool::new(false);
+        let ok = run_local(2, Duration::from_secs(60), |backend| {
+            let group = mtrain_comm::Backend::world(&backend);
+            let rank = group.rank();
+            let x = Tensor::new(&[rank as f32 + 10.0], &Device::Cpu)?;
+            let (got, during) = overlapped(&group, &[&x], || match rank {
+                0 => {
+                    let start = Instant::now();
+                    while !arrived_at_1.load(Ordering::SeqCst) {
+                        if start.elapsed() > Duration::from_secs(20) {
+                            return Ok(false);
+                        }
+                        std::thread::yield_now();
+                    }
+                    Ok(true) // rank 1 received while this block was computing
+                }
+                _ => Ok(true),
+            })?;
+            if rank == 1 {
+                arrived_at_1.store(true, Ordering::SeqCst);
+            }
+            let from = got[0].to_vec1::<f32>()?[0];
+            Ok::<_, candle_core::Error>(during && from == (1 - rank) as f32 + 10.0)
+        });
+        for (rank, r) in ok.into_iter().enumerate() {
+            assert!(
+                r.expect("ring step"),
+                "rank {rank}: the transfer was not in flight"
+            );
+        }
     }
 }
