@@ -90,7 +90,7 @@ enum Block {
     LateQueries,
 }
 
-fn block_of(step: usize, chunks: SequenceChunks) -> Block {
+fn key_block_at(step: usize, chunks: SequenceChunks) -> Block {
     let j = (chunks.i + chunks.n - step) % chunks.n;
     match step {
         0 => Block::Diagonal,
@@ -163,17 +163,18 @@ impl SequenceAttention for RingAttention {
                 vec![]
             };
             let (k, v) = (kv.get(0)?, kv.get(1)?);
-            (arrived, (y, lse2)) = overlapped(group, &sends, || match block_of(step, chunks) {
-                Block::EarlyKeys => {
-                    let (k0, v0) = (k.narrow(2, 0, c)?, v.narrow(2, 0, c)?);
-                    let (yb, lb) = attention::full_forward(&q, &k0, &v0, scale)?;
-                    merge(&y, &lse2, &yb, &lb, 0)
-                }
-                _ => {
-                    let (yb, lb) = attention::full_forward(&q.narrow(2, c, c)?, &k, &v, scale)?;
-                    merge(&y, &lse2, &yb, &lb, c)
-                }
-            })?;
+            (arrived, (y, lse2)) =
+                overlapped(group, &sends, || match key_block_at(step, chunks) {
+                    Block::EarlyKeys => {
+                        let (k0, v0) = (k.narrow(2, 0, c)?, v.narrow(2, 0, c)?);
+                        let (yb, lb) = attention::full_forward(&q, &k0, &v0, scale)?;
+                        merge(&y, &lse2, &yb, &lb, 0)
+                    }
+                    _ => {
+                        let (yb, lb) = attention::full_forward(&q.narrow(2, c, c)?, &k, &v, scale)?;
+                        merge(&y, &lse2, &yb, &lb, c)
+                    }
+                })?;
         }
         let out = y.to_dtype(qkv.dtype())?; // (B, H, T_r, D)
         let out = mtrain_kernels::merge_heads(&out.unsqueeze(0)?)?; // (B, T_r, H·D)
@@ -240,7 +241,7 @@ impl AttentionKept for RingKept {
                 sends.push(&kv);
             }
             let (k, v) = (kv.get(0)?, kv.get(1)?);
-            let (got, block) = overlapped(&group, &sends, || match block_of(step, chunks) {
+            let (got, block) = overlapped(&group, &sends, || match key_block_at(step, chunks) {
                 Block::EarlyKeys => {
                     let (k0, v0) = (k.narrow(2, 0, c)?, v.narrow(2, 0, c)?);
                     let (dqb, dk, dv) =
