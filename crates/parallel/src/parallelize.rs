@@ -133,6 +133,9 @@ pub fn parallelize(
     };
     let (mut stages, layout) = if tp > 1 {
         let mut b = tensor_parallel::Builder::new(cfg, &pieces, plan, &mesh.tp, sp)?;
+        if cp > 1 {
+            b = b.with_cp(mesh.cp.clone());
+        }
         let stages = build(&mut |i| Ok(b.segment(i)?))?;
         (stages, Some(b.layout))
     } else {

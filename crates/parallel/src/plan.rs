@@ -294,8 +294,10 @@ fn cp_problems(plan: &ParallelPlan, cfg: &GptConfig) -> Vec<String> {
             2 * cp
         ));
     }
-    if tp > 1 {
-        why.push(format!("--cp {cp} with --tp {tp}: context parallelism runs with tp = 1 for now"));
+    if tp > 1 && plan.sequence_parallel {
+        why.push(format!(
+            "--cp {cp} with --sequence-parallel: context parallelism runs without sequence parallelism for now"
+        ));
     }
     if ep > 1 || cfg.moe.is_some() {
         why.push(format!("--cp {cp} with an MoE model: context parallelism runs dense models for now"));

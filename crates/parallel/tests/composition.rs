@@ -373,6 +373,13 @@ fn cp2_pp2_dp2_equals_one_device() {
     check_equals_one_device(&cfg(), &cp_plan(2, 2, 2, 1), 1);
 }
 
+/// The ring over each tp rank's heads: the column and row layers' collectives inside the
+/// ring's blocks, the vocabulary-parallel embedding at the chunks' positions.
+#[test]
+fn cp2_tp2_equals_one_device() {
+    check_equals_one_device(&cfg(), &cp_plan(2, 1, 1, 2), 1);
+}
+
 /// ZeRO-3 (FSDP) shards over dp × cp: 4 shards with dp 2 × cp 2.
 #[test]
 fn cp2_dp2_zero3_equals_one_device() {

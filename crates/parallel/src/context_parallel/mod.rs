@@ -134,6 +134,14 @@ impl BlockSegment for RingBlock {
     }
 }
 
+/// The chunks a rank of the cp `group` holds: its rank and 2n−1−rank.
+pub fn chunks_of(group: &Comm) -> SequenceChunks {
+    SequenceChunks {
+        n: group.size(),
+        i: group.rank(),
+    }
+}
+
 /// Segment `index` of the model (embedding, blocks, head) for a rank of the cp `group`: the
 /// embedding at its chunks' positions, the blocks over the ring.
 pub fn segment(
@@ -142,10 +150,7 @@ pub fn segment(
     p: &ParamStore,
     group: &Comm,
 ) -> Result<Arc<dyn Segment>> {
-    let chunks = SequenceChunks {
-        n: group.size(),
-        i: group.rank(),
-    };
+    let chunks = chunks_of(group);
     Ok(match index {
         0 => Arc::new(Embedding::new(p.get("wte.weight")?, p.get("wpe.weight")?).in_chunks(chunks)),
         i if i <= cfg.n_layer => {

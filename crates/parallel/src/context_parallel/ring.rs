@@ -23,10 +23,7 @@ pub struct RingAttention {
 impl RingAttention {
     /// The ring over `group`; this rank holds chunks `group.rank()` and 2n−1−rank.
     pub fn new(group: Comm) -> RingAttention {
-        let chunks = SequenceChunks {
-            n: group.size(),
-            i: group.rank(),
-        };
+        let chunks = super::chunks_of(&group);
         RingAttention { group, chunks }
     }
 }
