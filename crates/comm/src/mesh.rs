@@ -1,11 +1,12 @@
-//! The device mesh: how the world's ranks are arranged as dp x pp x tp, with expert parallelism
-//! (ep) carved out of dp, and the process groups of each kind.
+//! The device mesh: how the world's ranks are arranged as dp x pp x cp x tp, with expert
+//! parallelism (ep) carved out of dp, and the process groups of each kind.
 //!
 //! tp is innermost, so the ranks of a tensor-parallel group are consecutive and share a node's
-//! fast links; pp is next; dp is outermost:
+//! fast links; cp (context parallelism, the ring of sequence chunks) is next, as Megatron orders
+//! them; then pp; dp is outermost:
 //!
 //! ```text
-//! rank = (dp_idx * pp + pp_idx) * tp + tp_idx
+//! rank = ((dp_idx * pp + pp_idx) * cp + cp_idx) * tp + tp_idx
 //! ep_idx = dp_idx % ep      (position inside the expert-parallel group)
 //! edp_idx = dp_idx / ep     (position inside the expert-data-parallel group)
 //! ```
@@ -13,7 +14,10 @@
 //! Groups: ranks that differ only in one coordinate form a group of that kind. `ep` splits each
 //! dp group into blocks of `ep` consecutive dp indices (experts are sharded across a block);
 //! `edp` links the ranks that hold the same experts (expert gradients are averaged over it);
-//! `mp` is the model-parallel group of one dp index (all its pp x tp ranks).
+//! `mp` is the model-parallel group of one dp index (all its pp x cp x tp ranks). `cp` is the
+//! ring that K and V travel around; `dcp` joins dp and cp, the ranks that hold the same
+//! parameters and see different tokens, over which gradients are averaged (Megatron's
+//! data-parallel group with context parallelism). With cp = 1 it is the dp group.
 //!
 //! The 8-rank example `dp=2, pp=2, tp=2, ep=2`, as `mtrain plan` prints it (a unit test renders
 //! these lines from the functions below, so the picture cannot drift):
@@ -37,13 +41,15 @@ use std::fmt::Write as _;
 
 use crate::communicator::{Backend, Comm, CommError, Result};
 
-/// The sizes of the mesh's dimensions. World size = dp * pp * tp; ep divides dp.
+/// The sizes of the mesh's dimensions. World size = dp * pp * cp * tp; ep divides dp.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct MeshDims {
     pub dp: usize,
     pub pp: usize,
     pub tp: usize,
     pub ep: usize,
+    /// Context parallelism: ranks that split each sequence (1: none).
+    pub cp: usize,
 }
 
 /// One rank's position in the mesh.
@@ -52,6 +58,8 @@ pub struct Coords {
     pub dp: usize,
     pub pp: usize,
     pub tp: usize,
+    /// Position in the cp ring: which two chunks of each sequence this rank holds.
+    pub cp: usize,
     /// `dp % ep`: which expert shard this rank holds.
     pub ep: usize,
     /// `dp / ep`: which replica of the expert shards this rank belongs to.
@@ -67,16 +75,20 @@ pub enum GroupKind {
     Ep,
     Edp,
     Mp,
+    Cp,
+    Dcp,
 }
 
 impl GroupKind {
-    pub const ALL: [GroupKind; 6] = [
+    pub const ALL: [GroupKind; 8] = [
         GroupKind::Tp,
         GroupKind::Pp,
         GroupKind::Dp,
         GroupKind::Ep,
         GroupKind::Edp,
         GroupKind::Mp,
+        GroupKind::Cp,
+        GroupKind::Dcp,
     ];
 
     /// The group's name, as used in errors and traces.
@@ -88,17 +100,25 @@ impl GroupKind {
             GroupKind::Ep => "ep",
             GroupKind::Edp => "edp",
             GroupKind::Mp => "mp",
+            GroupKind::Cp => "cp",
+            GroupKind::Dcp => "dcp",
         }
     }
 }
 
 impl MeshDims {
+    /// Dimensions without context parallelism (cp = 1).
     pub fn new(dp: usize, pp: usize, tp: usize, ep: usize) -> Self {
-        Self { dp, pp, tp, ep }
+        Self { dp, pp, tp, ep, cp: 1 }
+    }
+
+    /// The same dimensions with `cp` ranks splitting each sequence.
+    pub fn with_cp(self, cp: usize) -> Self {
+        Self { cp, ..self }
     }
 
     pub fn world_size(&self) -> usize {
-        self.dp * self.pp * self.tp
+        self.dp * self.pp * self.cp * self.tp
     }
 
     /// Every way these dimensions fail to make a mesh of `world_size` ranks, with the
@@ -106,8 +126,8 @@ impl MeshDims {
     /// and the parallel plan's check both read it. A zero degree is reported alone (nothing
     /// else can be computed from it).
     pub fn problems(&self, world_size: usize) -> Vec<String> {
-        let Self { dp, pp, tp, ep } = *self;
-        let zeros: Vec<String> = [("dp", dp), ("pp", pp), ("tp", tp), ("ep", ep)]
+        let Self { dp, pp, tp, ep, cp } = *self;
+        let zeros: Vec<String> = [("dp", dp), ("pp", pp), ("tp", tp), ("ep", ep), ("cp", cp)]
             .into_iter()
             .filter(|&(_, v)| v == 0)
             .map(|(name, _)| format!("{name} must be at least 1, got 0"))
@@ -116,11 +136,17 @@ impl MeshDims {
             return zeros;
         }
         let mut why = Vec::new();
-        if dp * pp * tp != world_size {
-            why.push(format!(
-                "dp({dp}) * pp({pp}) * tp({tp}) = {} != world size {world_size}",
-                dp * pp * tp
-            ));
+        if dp * pp * cp * tp != world_size {
+            why.push(match cp {
+                1 => format!(
+                    "dp({dp}) * pp({pp}) * tp({tp}) = {} != world size {world_size}",
+                    dp * pp * tp
+                ),
+                _ => format!(
+                    "dp({dp}) * pp({pp}) * cp({cp}) * tp({tp}) = {} != world size {world_size}",
+                    dp * pp * cp * tp
+                ),
+            });
         }
         if dp % ep != 0 {
             why.push(format!(
@@ -140,20 +166,27 @@ impl MeshDims {
         }
     }
 
-    /// The global rank at these coordinates.
+    /// The global rank at these coordinates, on cp rank 0.
     pub fn rank_of(&self, dp_idx: usize, pp_idx: usize, tp_idx: usize) -> usize {
-        (dp_idx * self.pp + pp_idx) * self.tp + tp_idx
+        self.rank_at(dp_idx, pp_idx, 0, tp_idx)
+    }
+
+    /// The global rank at these coordinates.
+    pub fn rank_at(&self, dp_idx: usize, pp_idx: usize, cp_idx: usize, tp_idx: usize) -> usize {
+        ((dp_idx * self.pp + pp_idx) * self.cp + cp_idx) * self.tp + tp_idx
     }
 
     /// The coordinates of a global rank.
     pub fn coords(&self, rank: usize) -> Coords {
         let tp = rank % self.tp;
-        let pp = (rank / self.tp) % self.pp;
-        let dp = rank / (self.tp * self.pp);
+        let cp = (rank / self.tp) % self.cp;
+        let pp = (rank / (self.tp * self.cp)) % self.pp;
+        let dp = rank / (self.tp * self.cp * self.pp);
         Coords {
             dp,
             pp,
             tp,
+            cp,
             ep: dp % self.ep,
             edp: dp / self.ep,
         }
@@ -162,20 +195,26 @@ impl MeshDims {
     /// The ranks of the group of `kind` that contains `rank`, in increasing order.
     pub fn group_of(&self, kind: GroupKind, rank: usize) -> Vec<usize> {
         let c = self.coords(rank);
+        let at = |d: usize, p: usize, x: usize, t: usize| self.rank_at(d, p, x, t);
         match kind {
-            GroupKind::Tp => (0..self.tp).map(|t| self.rank_of(c.dp, c.pp, t)).collect(),
-            GroupKind::Pp => (0..self.pp).map(|p| self.rank_of(c.dp, p, c.tp)).collect(),
-            GroupKind::Dp => (0..self.dp).map(|d| self.rank_of(d, c.pp, c.tp)).collect(),
+            GroupKind::Tp => (0..self.tp).map(|t| at(c.dp, c.pp, c.cp, t)).collect(),
+            GroupKind::Pp => (0..self.pp).map(|p| at(c.dp, p, c.cp, c.tp)).collect(),
+            GroupKind::Dp => (0..self.dp).map(|d| at(d, c.pp, c.cp, c.tp)).collect(),
             GroupKind::Ep => (0..self.ep)
-                .map(|e| self.rank_of(c.edp * self.ep + e, c.pp, c.tp))
+                .map(|e| at(c.edp * self.ep + e, c.pp, c.cp, c.tp))
                 .collect(),
             GroupKind::Edp => (0..self.dp / self.ep)
-                .map(|k| self.rank_of(k * self.ep + c.ep, c.pp, c.tp))
+                .map(|k| at(k * self.ep + c.ep, c.pp, c.cp, c.tp))
                 .collect(),
             GroupKind::Mp => {
-                let start = c.dp * self.pp * self.tp;
-                (start..start + self.pp * self.tp).collect()
+                let start = c.dp * self.pp * self.cp * self.tp;
+                (start..start + self.pp * self.cp * self.tp).collect()
             }
+            GroupKind::Cp => (0..self.cp).map(|x| at(c.dp, c.pp, x, c.tp)).collect(),
+            GroupKind::Dcp => (0..self.dp)
+                .flat_map(|d| (0..self.cp).map(move |x| (d, x)))
+                .map(|(d, x)| at(d, c.pp, x, c.tp))
+                .collect(),
         }
     }
 
@@ -191,18 +230,28 @@ impl MeshDims {
         out
     }
 
-    /// The rank grid and every group, as printed by `mtrain plan`.
+    /// The rank grid and every group, as printed by `mtrain plan` (the cp and dcp groups where
+    /// cp > 1).
     pub fn render(&self) -> String {
         let mut s = String::new();
-        let (dp, pp, tp, ep) = (self.dp, self.pp, self.tp, self.ep);
-        let _ = writeln!(
-            s,
-            "mesh dp={dp} x pp={pp} x tp={tp} = {} ranks, ep={ep} (rank = (dp_idx * pp + pp_idx) * tp + tp_idx)",
-            self.world_size()
-        );
-        let width = self.world_size().saturating_sub(1).to_string().len().max(4);
-        let label = |d: usize, p: usize| format!("  dp={d} pp={p}:");
-        let label_width = label(dp - 1, pp - 1).len();
+        let (dp, pp, cp, tp, ep) = (self.dp, self.pp, self.cp, self.tp, self.ep);
+        let n = self.world_size();
+        let _ = match cp {
+            1 => writeln!(
+                s,
+                "mesh dp={dp} x pp={pp} x tp={tp} = {n} ranks, ep={ep} (rank = (dp_idx * pp + pp_idx) * tp + tp_idx)"
+            ),
+            _ => writeln!(
+                s,
+                "mesh dp={dp} x pp={pp} x cp={cp} x tp={tp} = {n} ranks, ep={ep} (rank = ((dp_idx * pp + pp_idx) * cp + cp_idx) * tp + tp_idx)"
+            ),
+        };
+        let width = n.saturating_sub(1).to_string().len().max(4);
+        let label = |d: usize, p: usize, x: usize| match cp {
+            1 => format!("  dp={d} pp={p}:"),
+            _ => format!("  dp={d} pp={p} cp={x}:"),
+        };
+        let label_width = label(dp - 1, pp - 1, cp - 1).len();
         let mut header = " ".repeat(label_width);
         for t in 0..tp {
             let _ = write!(header, " {:>width$}", format!("tp={t}"));
@@ -210,14 +259,19 @@ impl MeshDims {
         let _ = writeln!(s, "{header}");
         for d in 0..dp {
             for p in 0..pp {
-                let mut row = format!("{:<label_width$}", label(d, p));
-                for t in 0..tp {
-                    let _ = write!(row, " {:>width$}", self.rank_of(d, p, t));
+                for x in 0..cp {
+                    let mut row = format!("{:<label_width$}", label(d, p, x));
+                    for t in 0..tp {
+                        let _ = write!(row, " {:>width$}", self.rank_at(d, p, x, t));
+                    }
+                    let _ = writeln!(s, "{row}");
                 }
-                let _ = writeln!(s, "{row}");
             }
         }
         for kind in GroupKind::ALL {
+            if cp == 1 && matches!(kind, GroupKind::Cp | GroupKind::Dcp) {
+                continue;
+            }
             let groups: Vec<String> = self.groups(kind).iter().map(|g| format!("{g:?}")).collect();
             let _ = writeln!(
                 s,
@@ -242,6 +296,10 @@ pub struct DeviceMesh {
     pub ep: Comm,
     pub edp: Comm,
     pub mp: Comm,
+    /// The ring of context parallelism (this rank alone when cp = 1).
+    pub cp: Comm,
+    /// dp × cp: the ranks gradients are averaged over (the dp group when cp = 1).
+    pub dcp: Comm,
 }
 
 impl std::fmt::Debug for DeviceMesh {
@@ -255,7 +313,7 @@ impl std::fmt::Debug for DeviceMesh {
 
 impl DeviceMesh {
     /// Create this rank's groups. Every rank creates its groups in the same order (tp, pp, dp,
-    /// ep, edp, mp), so the group creations of all ranks line up.
+    /// ep, edp, mp, cp, then dcp where cp > 1), so the group creations of all ranks line up.
     pub fn new(backend: &dyn Backend, dims: MeshDims) -> Result<DeviceMesh> {
         let world = backend.world();
         dims.validate(world.size())?;
@@ -267,6 +325,11 @@ impl DeviceMesh {
         let ep = make(GroupKind::Ep)?;
         let edp = make(GroupKind::Edp)?;
         let mp = make(GroupKind::Mp)?;
+        let cp = make(GroupKind::Cp)?;
+        let dcp = match dims.cp {
+            1 => dp.clone(),
+            _ => make(GroupKind::Dcp)?,
+        };
         Ok(DeviceMesh {
             dims,
             coords: dims.coords(rank),
@@ -277,6 +340,8 @@ impl DeviceMesh {
             ep,
             edp,
             mp,
+            cp,
+            dcp,
         })
     }
 
@@ -294,6 +359,8 @@ impl DeviceMesh {
             GroupKind::Ep => &self.ep,
             GroupKind::Edp => &self.edp,
             GroupKind::Mp => &self.mp,
+            GroupKind::Cp => &self.cp,
+            GroupKind::Dcp => &self.dcp,
         }
     }
 
@@ -338,6 +405,7 @@ mod tests {
             for r in 0..d.world_size() {
                 let c = d.coords(r);
                 assert_eq!(d.rank_of(c.dp, c.pp, c.tp), r);
+                assert_eq!(c.cp, 0);
                 assert_eq!(c.edp * ep + c.ep, c.dp);
             }
             for kind in GroupKind::ALL {
@@ -358,6 +426,36 @@ mod tests {
                 dp
             );
         }
+    }
+
+    /// With cp, tp stays innermost and cp comes next: a cp ring of tp = 2 strides by 2, and
+    /// the dcp group holds every (dp, cp) pair of one (pp, tp).
+    #[test]
+    fn cp_sits_between_tp_and_pp() {
+        let d = MeshDims::new(2, 2, 2, 1).with_cp(2); // 16 ranks
+        d.validate(16).unwrap();
+        for r in 0..16 {
+            let c = d.coords(r);
+            assert_eq!(d.rank_at(c.dp, c.pp, c.cp, c.tp), r);
+        }
+        assert_eq!(d.coords(2).cp, 1);
+        assert_eq!(d.coords(4).pp, 1);
+        assert_eq!(d.group_of(GroupKind::Cp, 0), vec![0, 2]);
+        assert_eq!(d.group_of(GroupKind::Tp, 2), vec![2, 3]);
+        assert_eq!(d.group_of(GroupKind::Pp, 0), vec![0, 4]);
+        assert_eq!(d.group_of(GroupKind::Dp, 0), vec![0, 8]);
+        assert_eq!(d.group_of(GroupKind::Dcp, 0), vec![0, 2, 8, 10]);
+        assert_eq!(d.group_of(GroupKind::Mp, 9), (8..16).collect::<Vec<_>>());
+        for kind in GroupKind::ALL {
+            let mut seen: Vec<usize> = d.groups(kind).concat();
+            seen.sort();
+            assert_eq!(seen, (0..16).collect::<Vec<_>>(), "{kind:?}");
+        }
+        let text = d.render();
+        assert!(text.contains("cp groups:  [0, 2] [1, 3]"), "{text}");
+        assert!(text.contains("  dp=0 pp=1 cp=1:    6    7"), "{text}");
+        let err = MeshDims::new(2, 1, 1, 1).with_cp(2).validate(2).unwrap_err().to_string();
+        assert!(err.contains("dp(2) * pp(1) * cp(2) * tp(1) = 4 != world size 2"), "{err}");
     }
 
     #[test]

@@ -460,6 +460,8 @@ fn fused_backward(
     Err(msg("the flash attention backward runs on CUDA only".into()))
 }
 
+mod full;
+pub use full::{full_backward, full_forward};
 #[cfg(feature = "cuda")]
 mod imp;
 mod on_cpu;

@@ -73,7 +73,7 @@ use crate::layers::{LayerNorm, Mlp};
 use crate::param::Param;
 use crate::tape::{Collective, SlotWeight, TapedLinear, WeightGrads};
 
-pub use block::{block_tape, sharded_block_tape, BlockDropout};
+pub use block::{block_tape, sharded_block_tape, BlockDropout, LocalAttention};
 pub use head::{embedding_tape, head_tape};
 
 /// Whether the tapes take tensors of this dtype (the fused kernels' f32 and bf16).

@@ -33,7 +33,8 @@ use crate::layers::{
 };
 use crate::moe::{MoeLayer, MoeStats};
 use crate::param::Param;
-use crate::tape::{Collective, Tape};
+use crate::chunks::SequenceChunks;
+use crate::tape::{Collective, SequenceAttention, Tape};
 use crate::vocab::{AllRows, VocabLoss, VocabRows};
 
 /// What a segment returns: its output (the scalar loss for a head given targets), and for MoE
@@ -113,6 +114,11 @@ pub trait BlockSegment: Send + Sync {
     fn first_position(&self, _t: usize) -> usize {
         0
     }
+    /// The attention over a sequence split across ranks (context parallelism's ring; None:
+    /// this rank's attention over its whole sequence).
+    fn attention(&self) -> Option<Arc<dyn SequenceAttention>> {
+        None
+    }
     /// The block's forward, its dropout sites applied under `draw`.
     fn run(&self, x: &Tensor, draw: Option<&Draw>) -> Result<SegmentOut>;
 }
@@ -140,7 +146,7 @@ impl<B: BlockSegment> Segment for B {
     }
 
     fn forward_taped(&self, x: &Tensor, _t: Option<&Tensor>) -> Result<Option<Box<dyn Tape>>> {
-        self.block().tape(x, self.enter(), None)
+        self.block().tape(x, self.enter(), self.attention(), None)
     }
 
     fn forward_taped_drawn(
@@ -155,7 +161,7 @@ impl<B: BlockSegment> Segment for B {
             layer: self.block().layer,
             positions: Some(&first),
         };
-        self.block().tape(x, self.enter(), Some(&dropout))
+        self.block().tape(x, self.enter(), self.attention(), Some(&dropout))
     }
 }
 
@@ -173,6 +179,9 @@ pub struct Embedding<V: VocabRows = AllRows> {
     pub wpe: Param,
     /// Which vocabulary rows `wte` holds.
     pub vocab: V,
+    /// The two chunks of each sequence this rank holds under context parallelism (None: the
+    /// positions the vocabulary's split says, all of them without sequence parallelism).
+    pub chunks: Option<SequenceChunks>,
 }
 
 impl Embedding {
@@ -184,7 +193,20 @@ impl Embedding {
 impl<V: VocabRows> Embedding<V> {
     /// The embedding of the rows `vocab` says `wte` holds.
     pub fn over(wte: Param, wpe: Param, vocab: V) -> Self {
-        Self { wte, wpe, vocab }
+        Self {
+            wte,
+            wpe,
+            vocab,
+            chunks: None,
+        }
+    }
+
+    /// The same embedding of the rows at `chunks`' positions.
+    pub fn in_chunks(self, chunks: SequenceChunks) -> Self {
+        Self {
+            chunks: Some(chunks),
+            ..self
+        }
     }
 }
 
@@ -212,7 +234,7 @@ impl<V: VocabRows> Segment for Embedding<V> {
         idx: &Tensor,
         _targets: Option<&Tensor>,
     ) -> Result<Option<Box<dyn Tape>>> {
-        explicit::embedding_tape(&self.wte, &self.wpe, &self.vocab, idx)
+        explicit::embedding_tape(&self.wte, &self.wpe, &self.vocab, self.chunks, idx)
     }
 
     fn forward_drawn(&self, idx: &Tensor, _t: Option<&Tensor>, draw: &Draw) -> Result<SegmentOut> {
@@ -226,7 +248,7 @@ impl<V: VocabRows> Segment for Embedding<V> {
         draw: &Draw,
     ) -> Result<Option<Box<dyn Tape>>> {
         let mask = self.mask(Some(draw), idx.dim(1)?)?;
-        explicit::embedding_tape(&self.wte, &self.wpe, &self.vocab, idx)?
+        explicit::embedding_tape(&self.wte, &self.wpe, &self.vocab, self.chunks, idx)?
             .map(|tape| dropout::Dropped::wrap(tape, mask))
             .transpose()
     }
@@ -236,7 +258,13 @@ impl<V: VocabRows> Embedding<V> {
     /// The embedding site's mask of the output for a sequence of `t` under `draw`.
     fn mask(&self, draw: Option<&Draw>, t: usize) -> Result<Option<mtrain_kernels::dropout::Mask>> {
         let c = self.wte.tensor().dim(1)?;
-        embedding_mask(draw, (self.vocab.first_position(t), t), c)
+        let mask = embedding_mask(draw, (self.vocab.first_position(t), t), c)?;
+        if mask.is_some() && self.chunks.is_some() {
+            return Err(err(
+                "dropout under context parallelism is not drawn yet: set dropout = 0 with --cp".into(),
+            ));
+        }
+        Ok(mask)
     }
 
     /// The (summed) token rows plus wpe, dropped under `draw`.
@@ -258,8 +286,13 @@ impl<V: VocabRows> Embedding<V> {
             None => tok,
         };
         let tok = self.vocab.sum(&tok.reshape((b, t, c))?)?; // (B, T, C), or (B, T_r, C)
-        let first = self.vocab.first_position(t);
-        let pos = wpe.narrow(0, first, tok.dim(1)?)?; // (T, C), or (T_r, C)
+        let pos = match self.chunks {
+            Some(ch) => {
+                let runs = ch.runs(tok.dim(1)?).map(|(at, n)| wpe.narrow(0, at, n));
+                Tensor::cat(&runs.into_iter().collect::<Result<Vec<_>>>()?, 0)? // (T_r, C)
+            }
+            None => wpe.narrow(0, self.vocab.first_position(t), tok.dim(1)?)?, // (T, C), or (T_r, C)
+        };
         let x = tok.broadcast_add(&pos)?;
         Ok(SegmentOut::plain(match self.mask(draw, t)? {
             Some(m) => dropout::recorded(&x, &m)?,
@@ -308,15 +341,16 @@ impl Block {
     }
 
     /// Its hand-written backward ([`explicit::sharded_block_tape`]), `enter` after each
-    /// LayerNorm and the dropout sites of `dropout`.
-    fn tape(
+    /// LayerNorm, attention over the sequence by `context` and the dropout sites of `dropout`.
+    pub fn tape(
         &self,
         x: &Tensor,
         enter: Option<Arc<dyn Collective>>,
+        context: Option<Arc<dyn SequenceAttention>>,
         dropout: Option<&explicit::BlockDropout>,
     ) -> Result<Option<Box<dyn Tape>>> {
-        let (ln_1, attn, ln_2) = (&self.ln_1, &self.attn, &self.ln_2);
-        explicit::sharded_block_tape(ln_1, attn, ln_2, self.ffn.as_ref(), x, enter, dropout)
+        let (ln_1, attn, ln_2, ffn) = (&self.ln_1, &self.attn, &self.ln_2, self.ffn.as_ref());
+        explicit::sharded_block_tape(ln_1, attn, ln_2, ffn, x, enter, context, dropout)
     }
 }
 

@@ -27,6 +27,7 @@
 //! - [`source`]: `ParamSource`, the values of any region of a parameter (runs of its
 //!   row-major elements), so a rank reads only the piece it holds.
 
+pub mod chunks;
 pub mod config;
 pub mod decode;
 pub mod dropout;
@@ -42,6 +43,7 @@ pub mod source;
 pub mod tape;
 pub mod vocab;
 
+pub use chunks::SequenceChunks;
 pub use config::{ConfigError, GptConfig, MoeConfig};
 pub use decode::{Decoder, KvCache};
 pub use dropout::{Draw, StepDraw};

@@ -329,3 +329,19 @@ pub trait Exchange: Send + Sync {
     /// The combine, recorded likewise: y (R, F) back by the dispatch's splits swapped.
     fn combine(&self, y: &Tensor, send: &[usize], recv: &[usize]) -> Result<Tensor>;
 }
+
+/// A block's attention over the sequence, as a tape runs it: packed q | k | v of this rank's
+/// tokens (B, T_r, 3·H·D) in, the output (B, T_r, H·D) out. One device's is the causal
+/// kernels over the whole sequence ([`crate::explicit::LocalAttention`]); context parallelism's
+/// holds 1/cp of the sequence and brings the other ranks' keys and values around a ring (the
+/// parallel crate's `context_parallel`). The model crate knows no ranks.
+pub trait SequenceAttention: Send + Sync {
+    /// The output (B, T_r, H·D) of `h` heads at `scale`, and what the backward needs.
+    fn forward(&self, qkv: &Tensor, h: usize, scale: f64) -> Result<(Tensor, Box<dyn AttentionKept>)>;
+}
+
+/// What a [`SequenceAttention`]'s forward kept for its backward.
+pub trait AttentionKept: Send {
+    /// dqkv (B, T_r, 3·H·D) from the forward's output `y` and its gradient `dy` (B, T_r, H·D).
+    fn backward(self: Box<Self>, y: &Tensor, dy: &Tensor) -> Result<Tensor>;
+}

@@ -257,7 +257,7 @@ impl Holdings {
 /// first rank (the trainer's memory model turns the latter into bytes, as its per-step report
 /// does).
 pub fn describe(cfg: &GptConfig, plan: &ParallelPlan) -> String {
-    let MeshDims { pp, tp, .. } = plan.dims;
+    let MeshDims { pp, tp, cp, .. } = plan.dims;
     let mut s = String::new();
     let kind = plan.effective_schedule();
     let n_stages = plan.num_stages();
@@ -312,6 +312,16 @@ pub fn describe(cfg: &GptConfig, plan: &ParallelPlan) -> String {
             pp_rank,
             what.join(", "),
             n
+        );
+    }
+    if cp > 1 {
+        let _ = writeln!(
+            s,
+            "context parallel: cp {cp}, each sequence in {} chunks, cp rank i holds chunks i and {}-i; \
+             K and V pass around the cp ring ({} steps a layer), gradients averaged over dp x cp",
+            2 * cp,
+            2 * cp - 1,
+            cp - 1
         );
     }
     s

@@ -13,6 +13,7 @@
 //! - [`tensor_parallel`]: Megatron column/row layers, vocab-parallel embedding and loss.
 //! - [`pipeline`]: schedules as data, stages and the executor.
 //! - [`expert_parallel`]: MoE with all-to-all token dispatch.
+//! - [`context_parallel`]: each sequence split over the cp ranks, K and V around a ring.
 //!
 //! The composition, top-down:
 //! - [`plan`]: [`plan::ParallelPlan`], validated once (the only place the dp·pp·tp = world check
@@ -43,6 +44,7 @@
 //!   them.
 
 pub mod analysis;
+pub mod context_parallel;
 pub mod ddp;
 pub mod expert_parallel;
 pub mod fsdp;

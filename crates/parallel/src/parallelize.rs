@@ -6,9 +6,11 @@
 //!     │ 0.     read this rank's pieces only: the holdings table's parameters (its stages, its
 //!     │        experts), each its tensor-parallel piece (Placement::runs); under ZeRO-3 none
 //!     │ 1. TP  tensor_parallel::Builder: column/row shards, vocab-parallel wte,
-//!     │        sequence-parallel blocks                   (or expert_parallel::segment: EP)
+//!     │        sequence-parallel blocks                   (or expert_parallel::segment: EP,
+//!     │        context_parallel::segment: the ring's blocks and chunked positions, CP)
 //!     │ 2. PP  PipelineStages::build: only the segments of this rank's stage(s) are created
-//!     │ 3. DP  DDP: full replicas, checked equal; gradients averaged over dp (experts: edp)
+//!     │ 3. DP  DDP: full replicas, checked equal; gradients averaged over dp (experts: edp;
+//!     │        with cp, over dp × cp: the dcp group)
 //!     │        ZeRO: one Fsdp per stage chunk over the dp group, driven by the pipeline's hooks;
 //!     │        each unit reads its shard's runs from the source (stage 3: nothing else exists)
 //!     ▼
@@ -51,8 +53,9 @@ use candle_core::{DType, Device, Tensor, Var};
 use mtrain_comm::{Coords, DeviceMesh, MeshDims};
 use mtrain_model::gpt::ParamStore;
 use mtrain_model::source::{read_tensor, ParamSource};
-use mtrain_model::{Gpt, GptConfig, Grads, Param, Segment};
+use mtrain_model::{Gpt, GptConfig, Grads, Param, Segment, SequenceChunks};
 
+use crate::context_parallel;
 use crate::ddp::{assign_buckets, verify_same_init, CommStats};
 use crate::expert_parallel;
 use crate::fsdp::{Fsdp, Region, ZeroStage};
@@ -83,7 +86,7 @@ pub fn parallelize(
             mesh: format!("{:?}", mesh.dims),
         });
     }
-    let MeshDims { pp, tp, ep, .. } = plan.dims;
+    let MeshDims { pp, tp, ep, cp, .. } = plan.dims;
     let c = mesh.coords;
     let sp = plan.sequence_parallel && tp > 1;
     // The compute dtype every piece is cast to (bf16 under mixed precision).
@@ -130,15 +133,19 @@ pub fn parallelize(
     };
     let (mut stages, layout) = if tp > 1 {
         let mut b = tensor_parallel::Builder::new(cfg, &pieces, plan, &mesh.tp, sp)?;
+        if cp > 1 {
+            b = b.with_cp(mesh.cp.clone());
+        }
         let stages = build(&mut |i| Ok(b.segment(i)?))?;
         (stages, Some(b.layout))
     } else {
         let store = ParamStore::from_params(
             pieces.iter().map(|(n, (_, p))| (n.clone(), p.clone())).collect(),
         );
-        let stages = match ep > 1 {
-            true => build(&mut |i| Ok(expert_parallel::segment(cfg, i, &store, &mesh.ep)?))?,
-            false => build(&mut |i| Ok(Gpt::segment(cfg, i, &store)?))?,
+        let stages = match (ep > 1, cp > 1) {
+            (true, _) => build(&mut |i| Ok(expert_parallel::segment(cfg, i, &store, &mesh.ep)?))?,
+            (false, true) => build(&mut |i| Ok(context_parallel::segment(cfg, i, &store, &mesh.cp)?))?,
+            (false, false) => build(&mut |i| Ok(Gpt::segment(cfg, i, &store)?))?,
         };
         (stages, None)
     };
@@ -173,7 +180,7 @@ pub fn parallelize(
     let replicas = match plan.data {
         DataParallelKind::Zero(z) => {
             let chunks = stages.chunks().iter().map(|ch| ch.segments.clone());
-            let fsdp = Fsdp::over_chunks_from(mesh.dp.clone(), chunks.collect(), z, source, &regions)?;
+            let fsdp = Fsdp::over_chunks_from(mesh.dcp.clone(), chunks.collect(), z, source, &regions)?;
             check_shared_units(&fsdp, executor.schedule(), c.pp)?;
             Replicas::Zero(Box::new(fsdp))
         }
@@ -182,7 +189,7 @@ pub fn parallelize(
                 .iter()
                 .cloned()
                 .partition(|p| is_expert_param(p.name()));
-            verify_same_init(&mesh.dp, &dense)?;
+            verify_same_init(&mesh.dcp, &dense)?;
             verify_same_init(&mesh.edp, &experts)?;
             // DDP of one stage averages its gradients in buckets, as the backward makes them
             // final.
@@ -203,7 +210,8 @@ pub fn parallelize(
         cfg: cfg.clone(),
         coords: c,
         world: mesh.world.clone(),
-        dp: mesh.dp.clone(),
+        dp: mesh.dcp.clone(),
+        chunks: (cp > 1).then_some(SequenceChunks { n: cp, i: c.cp }),
         pp: mesh.pp.clone(),
         tp: mesh.tp.clone(),
         edp: mesh.edp.clone(),

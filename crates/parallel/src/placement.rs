@@ -281,6 +281,7 @@ mod tests {
             pp: 2,
             tp: 2,
             ep: 2,
+            cp: 1,
         };
         assert_eq!(
             owner_of("h.3.moe.experts.3.c_fc.weight", dims, &layout, 4),

@@ -137,7 +137,7 @@ impl ParallelPlan {
         match self.data {
             DataParallelKind::Ddp(d)
                 if d.mode == DdpMode::Bucketed
-                    && self.dims.dp > 1
+                    && self.dims.dp * self.dims.cp > 1
                     && self.dims.ep == 1
                     && self.num_stages() == 1 =>
             {
@@ -214,7 +214,7 @@ impl ParallelPlan {
     }
 
     fn layout_problems(&self, cfg: &GptConfig, world_size: usize) -> Vec<String> {
-        let MeshDims { dp, pp, tp, ep } = self.dims;
+        let MeshDims { dp, pp, tp, ep, cp } = self.dims;
         let mut why = Vec::new();
         if let Err(e) = cfg.validate() {
             why.push(e.to_string());
@@ -227,7 +227,7 @@ impl ParallelPlan {
         }
         // The mesh's own rule: no zero degree, dp·pp·tp = world, ep dividing dp.
         let mesh = self.dims.problems(world_size);
-        if [dp, pp, tp, ep].contains(&0) {
+        if [dp, pp, tp, ep, cp].contains(&0) {
             why.extend(mesh);
             return why;
         }
@@ -279,6 +279,9 @@ impl ParallelPlan {
         if tp > 1 {
             why.extend(tp_problems(cfg, tp));
         }
+        if cp > 1 {
+            why.extend(cp_problems(self, cfg));
+        }
         if ep > 1 {
             match &cfg.moe {
                 None => why.push(format!(
@@ -299,4 +302,33 @@ impl ParallelPlan {
         }
         why
     }
+}
+
+/// What context parallelism (cp > 1) does not compose with yet, and what it needs: each rank
+/// holds two chunks of every sequence, so block_size must split into 2·cp; the ring runs in
+/// the hand-written backward only.
+fn cp_problems(plan: &ParallelPlan, cfg: &GptConfig) -> Vec<String> {
+    let MeshDims { tp, ep, cp, .. } = plan.dims;
+    let mut why = Vec::new();
+    if !cfg.block_size.is_multiple_of(2 * cp) {
+        why.push(format!(
+            "block_size {} is not divisible by 2·cp = {}: each of the {cp} context-parallel ranks holds two equal chunks of the sequence",
+            cfg.block_size,
+            2 * cp
+        ));
+    }
+    if tp > 1 && plan.sequence_parallel {
+        why.push(format!(
+            "--cp {cp} with --sequence-parallel: context parallelism runs without sequence parallelism for now"
+        ));
+    }
+    if ep > 1 || cfg.moe.is_some() {
+        why.push(format!("--cp {cp} with an MoE model: context parallelism runs dense models for now"));
+    }
+    if plan.backward == Backward::Autograd {
+        why.push(format!(
+            "--cp {cp} needs the hand-written backward: ring attention has no autograd form"
+        ));
+    }
+    why
 }

@@ -58,8 +58,9 @@ use std::collections::BTreeSet;
 use candle_core::{DType, Tensor};
 use mtrain_comm::{Comm, CommError, Coords, ReduceOp};
 use mtrain_model::optim::{AdamW, GradScale};
-use mtrain_model::{Engine, GptConfig, Grads, Hooks, MoeStats, Param, StepDraw};
+use mtrain_model::{Engine, GptConfig, Grads, Hooks, MoeStats, Param, SequenceChunks, StepDraw};
 
+use crate::context_parallel::take_chunks;
 use crate::ddp::DpError;
 use crate::expert_parallel::{self, EpError};
 use crate::mixed_precision::PrecisionError;
@@ -127,7 +128,10 @@ pub struct ParallelModel {
     pub(crate) cfg: GptConfig,
     pub(crate) coords: Coords,
     pub(crate) world: Comm,
+    /// The group gradients and losses are averaged over: dp, or dp × cp (dcp).
     pub(crate) dp: Comm,
+    /// This rank's chunks of each sequence under context parallelism.
+    pub(crate) chunks: Option<SequenceChunks>,
     pub(crate) pp: Comm,
     pub(crate) tp: Comm,
     pub(crate) edp: Comm,
@@ -190,8 +194,8 @@ impl ParallelModel {
         self.dropout = draw;
     }
 
-    /// One micro-step on this rank's data-parallel slice (B_local, T); all tp/pp ranks of one dp
-    /// index pass the same batch. Gradients accumulate; `sync` marks the last micro-step, after
+    /// One micro-step on this rank's data-parallel slice (B_local, T); all tp/pp/cp ranks of one
+    /// dp index pass the same batch (under context parallelism each takes its chunks of it). Gradients accumulate; `sync` marks the last micro-step, after
     /// which the gradients are reduced and complete. `loss_scale` multiplies the gradients (1/K
     /// for K micro-steps).
     pub fn forward_backward(
@@ -217,6 +221,7 @@ impl ParallelModel {
         before_backward: &mut dyn FnMut(),
     ) -> Result<StepOut> {
         let t = std::time::Instant::now();
+        let (idx, targets) = &self.own_chunks(idx, targets)?; // (B_local, T/cp) under cp
         let rows = idx.dim(0)?;
         let draw = self
             .dropout
@@ -290,7 +295,7 @@ impl ParallelModel {
         let over_dp = sharded_over_dp
             || match is_expert_param(name) {
                 true => c.edp == 0,
-                false => c.dp == 0,
+                false => c.dp == 0 && c.cp == 0,
             };
         let over_tp = matches!(tp_placement(name, false), Placement::Sharded { .. }) || c.tp == 0;
         let over_pp = !self.tied.contains(name) || c.pp == 0;
@@ -368,6 +373,7 @@ impl ParallelModel {
     /// Mean loss of the batch without gradients, the same on every rank: the pipeline's
     /// forward ([`PipelineStages::forward_only`]), then the average over dp.
     pub fn eval_loss(&mut self, idx: &Tensor, targets: &Tensor) -> Result<f64> {
+        let (idx, targets) = &self.own_chunks(idx, targets)?; // (B_local, T/cp) under cp
         let (engine, replicas) = (&self.engine, &mut self.replicas);
         let chunks = self.stages.chunks();
         let loss = self.stages.forward_only(self.pp.as_ref(), idx, targets, |k, x, tgt| {
@@ -379,6 +385,15 @@ impl ParallelModel {
             .dp
             .all_reduce(&Tensor::new(&[loss], self.dp.device())?, ReduceOp::Avg)?;
         Ok(f64_of(&avg)?[0])
+    }
+
+    /// This rank's rows of a batch: its two chunks of each sequence under context parallelism
+    /// ([`crate::context_parallel::take_chunks`]), else the batch.
+    fn own_chunks(&self, idx: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok(match self.chunks {
+            Some(ch) => (take_chunks(idx, ch)?, take_chunks(targets, ch)?),
+            None => (idx.clone(), targets.clone()),
+        })
     }
 
     /// Bytes of the parameters, gradients and optimizer moments this rank holds right now.

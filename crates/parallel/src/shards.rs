@@ -74,7 +74,7 @@ impl ParallelModel {
         let dp_ok = self.replicas.sharded_over_dp()
             || match expert_of(name) {
                 Some(_) => self.coords.edp == 0,
-                None => self.coords.dp == 0,
+                None => self.coords.dp == 0 && self.coords.cp == 0,
             };
         pp_ok && tp_ok && dp_ok
     }

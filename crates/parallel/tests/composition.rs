@@ -360,6 +360,64 @@ fn tp2_pp2_dp2_chunked_equals_one_device() {
     check_equals_one_device(&cfg(), &p, 1);
 }
 
+/// `plan(dp, pp, tp, 1)` with `cp` ranks splitting each sequence (the ring's blocks, the
+/// chunked embedding, losses and gradients averaged over dp × cp).
+fn cp_plan(cp: usize, dp: usize, pp: usize, tp: usize) -> ParallelPlan {
+    let p = plan(dp, pp, tp, 1);
+    ParallelPlan {
+        dims: p.dims.with_cp(cp),
+        ..p
+    }
+}
+
+#[test]
+fn cp2_equals_one_device() {
+    check_equals_one_device(&cfg(), &cp_plan(2, 1, 1, 1), 1);
+}
+
+#[test]
+fn cp4_equals_one_device() {
+    check_equals_one_device(&cfg(), &cp_plan(4, 1, 1, 1), 1);
+}
+
+#[test]
+fn cp2_pp2_dp2_equals_one_device() {
+    check_equals_one_device(&cfg(), &cp_plan(2, 2, 2, 1), 1);
+}
+
+/// The ring over each tp rank's heads: the column and row layers' collectives inside the
+/// ring's blocks, the vocabulary-parallel embedding at the chunks' positions.
+#[test]
+fn cp2_tp2_equals_one_device() {
+    check_equals_one_device(&cfg(), &cp_plan(2, 1, 1, 2), 1);
+}
+
+/// ZeRO-3 (FSDP) shards over dp × cp: 4 shards with dp 2 × cp 2.
+#[test]
+fn cp2_dp2_zero3_equals_one_device() {
+    let p = ParallelPlan {
+        data: zero(ZeroStage::Three),
+        ..cp_plan(2, 2, 1, 1)
+    };
+    check_equals_one_device(&cfg(), &p, 1);
+}
+
+/// What context parallelism does not take is refused with the reason.
+#[test]
+fn validate_refuses_what_cp_does_not_take() {
+    let cfg = cfg();
+    let err = |p: &ParallelPlan| p.validate(&cfg, p.dims.world_size(), BATCH).unwrap_err().to_string();
+    let e = err(&cp_plan(3, 1, 1, 1));
+    assert!(e.contains("block_size 16 is not divisible by 2·cp = 6"), "{e}");
+    let autograd = ParallelPlan {
+        backward: Backward::Autograd,
+        ..cp_plan(2, 1, 1, 1)
+    };
+    assert!(err(&autograd).contains("needs the hand-written backward"));
+    let e = cp_plan(2, 1, 1, 1).validate(&cfg, 4, BATCH).unwrap_err().to_string();
+    assert!(e.contains("dp(1) * pp(1) * cp(2) * tp(1) = 2 != world size 4"), "{e}");
+}
+
 #[test]
 fn tp4_pp2_equals_one_device() {
     let p = ParallelPlan {

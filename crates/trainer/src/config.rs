@@ -370,6 +370,20 @@ impl TrainConfig {
                 self.seq_len, model.block_size
             ));
         }
+        let cp = self.parallel.cp;
+        if cp > 1 && !self.seq_len.is_multiple_of(2 * cp) {
+            return bad(format!(
+                "seq_len {} is not divisible by 2·cp = {}: each of the {cp} context-parallel ranks holds two equal chunks of every sequence",
+                self.seq_len,
+                2 * cp
+            ));
+        }
+        if cp > 1 && self.dropout > 0.0 {
+            return bad(format!(
+                "dropout {} with cp {cp}: context parallelism does not draw dropout masks yet; set dropout = 0",
+                self.dropout
+            ));
+        }
         if !(self.lr.is_finite() && self.lr > 0.0)
             || !(self.min_lr.is_finite() && self.min_lr >= 0.0)
         {

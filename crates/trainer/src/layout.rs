@@ -24,21 +24,23 @@ pub enum LayoutError {
     Zero { what: &'static str },
 
     /// dp is unset and the world does not split into tp·pp groups.
-    #[error("world size {world} ({world_source}) is not divisible by tp({tp}) * pp({pp}) = {tp_pp}, so dp cannot be inferred")]
+    #[error("world size {world} ({world_source}) is not divisible by {tp} * pp({pp}) = {tp_pp}, so dp cannot be inferred")]
     NotDivisible {
         world: usize,
         world_source: String,
-        tp: usize,
+        /// `tp(T)`, or `cp(C) * tp(T)`.
+        tp: String,
         pp: usize,
         tp_pp: usize,
     },
 
     /// The world does not spread evenly over the nodes.
-    #[error("dp({dp}) * pp({pp}) * tp({tp}) = {world} processes cannot be spread evenly over {nnodes} nodes ({world} % {nnodes} = {rem}); pass --nproc-per-node")]
+    #[error("dp({dp}) * pp({pp}) * {tp} = {world} processes cannot be spread evenly over {nnodes} nodes ({world} % {nnodes} = {rem}); pass --nproc-per-node")]
     Uneven {
         dp: usize,
         pp: usize,
-        tp: usize,
+        /// `tp(T)`, or `cp(C) * tp(T)`.
+        tp: String,
         world: usize,
         nnodes: usize,
         rem: usize,

@@ -222,12 +222,17 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
             }
             distributed(&layout, env, run.cfg().device, Some(&run), |backend| {
                 if backend.world().rank() == 0 {
+                    let d = layout.dims;
+                    let cp = match d.cp {
+                        1 => String::new(),
+                        cp => format!(" cp={cp}"),
+                    };
                     tracing::info!(
-                        "layout dp={} pp={} tp={} ep={} (world {})",
-                        layout.dims.dp,
-                        layout.dims.pp,
-                        layout.dims.tp,
-                        layout.dims.ep,
+                        "layout dp={} pp={}{cp} tp={} ep={} (world {})",
+                        d.dp,
+                        d.pp,
+                        d.tp,
+                        d.ep,
                         layout.world_size
                     );
                 }

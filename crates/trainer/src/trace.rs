@@ -55,6 +55,8 @@ pub fn mesh_groups(mesh: &DeviceMesh) -> Vec<Comm> {
         &mesh.ep,
         &mesh.edp,
         &mesh.mp,
+        &mesh.cp,
+        &mesh.dcp,
     ]
     .into_iter()
     .filter(|g| seen.insert(g.name().to_string()))

@@ -9,6 +9,7 @@
 //!   --dp 2 --fsdp                 dp     all-gathers, reduce-scatters parallel/src/fsdp/
 //!   --pp 2                        pp     sends and receives           parallel/src/pipeline/
 //!   moe-tiny --dp 2 --ep 2        ep     all-to-alls                  parallel/src/expert_parallel/
+//!   --cp 2                        cp     the ring's sends, receives   parallel/src/context_parallel/
 //! ```
 //!
 //! Each run evaluates once, so the evaluation's collectives are checked with the step's; the
@@ -148,4 +149,13 @@ fn expert_all_to_alls_are_issued_from_its_folder() {
     let events = traced_collectives(&["--dp", "2", "--ep", "2"], "moe-tiny.toml");
     let folder = "crates/parallel/src/expert_parallel/";
     issued_under(&events, "ep", &["all_to_all"], ANY, folder);
+}
+
+/// The ring's passes: each step's send and receive on the cp group, at the ring's one line for
+/// each, in the forward, the backward and the evaluation.
+#[test]
+fn ring_attention_sends_and_receives_are_issued_from_its_folder() {
+    let events = traced_collectives(&["--cp", "2"], "tiny.toml");
+    let folder = "crates/parallel/src/context_parallel/";
+    issued_under(&events, "cp", &["send", "recv"], ANY, folder);
 }

@@ -1100,7 +1100,7 @@ const README_MAX_LINES: usize = 150;
 
 /// The techniques the README's table and the codemap's reader's path cover, as their rows and
 /// sections name them.
-const TECHNIQUES: [&str; 5] = ["DDP", "FSDP", "TP", "pipeline", "experts"];
+const TECHNIQUES: [&str; 6] = ["DDP", "FSDP", "TP", "pipeline", "experts", "context parallel"];
 
 /// The heading of ARCHITECTURE.md's section that walks each technique's files.
 const READERS_PATH: &str = "## The reader's path per technique";

@@ -32,6 +32,7 @@ const ONE: MeshDims = MeshDims {
     pp: 1,
     tp: 1,
     ep: 1,
+    cp: 1,
 };
 
 fn run(cfg: &TrainConfig) -> TrainSummary {

@@ -20,7 +20,8 @@ use super::{across, bwd, err, fwd, MlpKept, MlpWeights, Norm, Stats};
 use crate::dropout::{self, BlockMasks, Draw};
 use crate::layers::{CausalSelfAttention, FeedForward, LayerNorm};
 use crate::moe::MoeStats;
-use crate::tape::{Collective, SplitGrads, Tape, TapeGrads, TapedLinear, WeightGrads};
+use crate::tape::{AttentionKept, Collective, SequenceAttention, SplitGrads, Tape, TapeGrads};
+use crate::tape::{TapedLinear, WeightGrads};
 use mtrain_kernels::dropout::Mask;
 
 /// The weights of a block's attention half and its second LayerNorm, when every layer has a
@@ -97,17 +98,46 @@ struct BlockTape {
     x: Tensor,
     s1: Stats,
     h1: Tensor,
-    /// c_attn's output and lse2, as attention's backward takes them.
-    att: attention::TokensSaved,
+    /// What attention kept for its backward (c_attn's output and lse2 on one device).
+    att: Box<dyn AttentionKept>,
     /// Attention's output (N, HD), c_proj's input.
     ym: Tensor,
     x1: Tensor,
     s2: Stats,
     ffn: FfnKept,
     out: Tensor,
-    /// The masks of the probabilities and of the two residual branches (keys, not values).
-    probs: Option<Mask>,
+    /// The masks of the two residual branches (keys, not values).
     masks: BlockMasks,
+}
+
+/// One device's attention over the whole sequence: the causal kernels
+/// ([`attention::forward_tokens`]), the probabilities dropped by `probs` where it is drawn.
+pub struct LocalAttention {
+    pub probs: Option<Mask>,
+}
+
+/// What [`LocalAttention`] kept: the kernels' saved tensors and the sizes and mask to run their
+/// backward with.
+struct LocalKept {
+    saved: attention::TokensSaved,
+    h: usize,
+    scale: f64,
+    probs: Option<Mask>,
+}
+
+impl SequenceAttention for LocalAttention {
+    fn forward(&self, qkv: &Tensor, h: usize, scale: f64) -> Result<(Tensor, Box<dyn AttentionKept>)> {
+        let (y, saved) = attention::forward_tokens(qkv, h, scale, self.probs.as_ref())?; // (B, T, HD)
+        let probs = self.probs.clone();
+        Ok((y, Box::new(LocalKept { saved, h, scale, probs })))
+    }
+}
+
+impl AttentionKept for LocalKept {
+    fn backward(self: Box<Self>, y: &Tensor, dy: &Tensor) -> Result<Tensor> {
+        let LocalKept { saved, h, scale, probs } = *self;
+        attention::backward_tokens(saved, y, dy, h, scale, probs.as_ref()) // (B, T, 3HD)
+    }
 }
 
 /// The graph-free forward of the block `x + attn(ln_1(x))`, then `+ ffn(ln_2(·))`, with its
@@ -122,7 +152,7 @@ pub fn block_tape(
     ffn: &dyn FeedForward,
     x: &Tensor,
 ) -> Result<Option<Box<dyn Tape>>> {
-    sharded_block_tape(ln_1, attn, ln_2, ffn, x, None, None)
+    sharded_block_tape(ln_1, attn, ln_2, ffn, x, None, None, None)
 }
 
 /// [`block_tape`] for a block whose layers may be sharded: the collectives of its linears
@@ -130,6 +160,8 @@ pub fn block_tape(
 /// all-gather along T, whose conjugate reduce-scatters) between each LayerNorm and its column
 /// layer. With no collectives anywhere this is the dense block. A mixture of experts takes no
 /// `enter` (its experts are split by ep; its all-to-alls are its own, [`super::moe`]).
+/// `context` is the attention over the sequence where it is not this rank's alone (context
+/// parallelism's ring); None: [`LocalAttention`].
 ///
 /// ```text
 ///   x ─ln_1─> enter ─ in(c_attn) ─ attention ─ out(c_proj) + b ─(+x)─> x1     (the same for
@@ -137,6 +169,7 @@ pub fn block_tape(
 /// ```
 ///
 /// [`Linear::taped`]: crate::layers::Linear::taped
+#[allow(clippy::too_many_arguments)]
 pub fn sharded_block_tape(
     ln_1: &LayerNorm,
     attn: &CausalSelfAttention,
@@ -144,6 +177,7 @@ pub fn sharded_block_tape(
     ffn: &dyn FeedForward,
     x: &Tensor,
     enter: Option<Arc<dyn Collective>>,
+    context: Option<Arc<dyn SequenceAttention>>,
     dropout_at: Option<&BlockDropout>,
 ) -> Result<Option<Box<dyn Tape>>> {
     let Some((wts, ffn)) = BlockWeights::of(ln_1, attn, ln_2, ffn, x, enter) else {
@@ -167,7 +201,15 @@ pub fn sharded_block_tape(
     let probs = attn.probs_mask(draw, layer, t_all)?;
     let first = dropout_at.and_then(|o| o.positions).map_or(0, |f| f(t_all));
     let masks = BlockMasks::new(draw, layer, (first, t_all), c)?;
-    let (ym, att) = attention::forward_tokens(&qkv, h, scale, probs.as_ref())?; // (B, T, HD)
+    if context.is_some() && (probs.is_some() || masks.attn.is_some() || masks.mlp.is_some()) {
+        return Err(err(
+            "dropout under context parallelism is not drawn yet: set dropout = 0 with --cp".into(),
+        ));
+    }
+    let (ym, att) = match context {
+        Some(ring) => ring.forward(&qkv, h, scale)?, // (B, T, HD)
+        None => LocalAttention { probs }.forward(&qkv, h, scale)?, // (B, T, HD)
+    };
     drop(qkv); // `att` holds it as the kernels read it
     let ym = ym.reshape((n, h * d))?; // (N, HD)
     let (ym, x1) = match &masks.attn {
@@ -212,7 +254,6 @@ pub fn sharded_block_tape(
         s2,
         ffn,
         out,
-        probs,
         masks,
     })))
 }
@@ -280,7 +321,6 @@ impl BlockTape {
             s2,
             ffn,
             out,
-            probs,
             masks,
         } = self;
         let dout = grad_out
@@ -321,9 +361,7 @@ impl BlockTape {
         drop(da);
         let (n, hd) = dym.dims2()?;
         let tokens = |t: &Tensor| t.reshape((b, n / b, hd)); // (B, T, HD)
-        let scale = 1.0 / (wts.head_dim as f64).sqrt();
-        let (h, dm) = (wts.n_head, probs.as_ref());
-        let dqkv = attention::backward_tokens(att, &tokens(&ym)?, &tokens(&dym)?, h, scale, dm)?;
+        let dqkv = att.backward(&tokens(&ym)?, &tokens(&dym)?)?; // (B, T, 3HD)
         drop((ym, dym));
         let dqkv = dqkv.reshape((n, 3 * hd))?; // (N, 3HD)
         let dh1 = wts.c_attn.backward(&h1, &dqkv, b, grads, None)?; // (N, C)

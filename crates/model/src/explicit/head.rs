@@ -12,6 +12,7 @@ use super::{err, taped_dtype, Norm, Stats};
 use crate::layers::LayerNorm;
 use crate::param::Param;
 use crate::tape::{Collective, SlotWeight, SplitGrads, Tape, TapeGrads, WeightGrads};
+use crate::chunks::SequenceChunks;
 use crate::vocab::{LogitsGrad, VocabLoss, VocabRows};
 
 /// What the head tape keeps of the final LayerNorm and the LM head tied to `wte` (this rank's
@@ -236,19 +237,20 @@ struct EmbeddingTape {
     /// (N, 1): 1 for the ids held here (None: all are)
     mine: Option<Tensor>,
     sum: Option<Arc<dyn Collective>>,
-    /// The first position the output covers.
-    offset: usize,
+    /// The runs of positions (first, length) the output's rows cover, in order.
+    runs: Vec<(usize, usize)>,
     out: Tensor,
 }
 
 /// The graph-free forward of the token plus position embedding with its tape: `wte[idx] +
 /// wpe[0..T]`, or with the vocabulary split ([`VocabRows`]) the holders' parts summed, then
-/// `wpe` at the positions the output covers. None where it has no hand-written backward (ids
-/// not u32, a dtype other than f32 or bf16).
+/// `wpe` at the positions the output covers (context parallelism's two `chunks` where given).
+/// None where it has no hand-written backward (ids not u32, a dtype other than f32 or bf16).
 pub fn embedding_tape(
     wte: &Param,
     wpe: &Param,
     vocab: &dyn VocabRows,
+    chunks: Option<SequenceChunks>,
     idx: &Tensor,
 ) -> Result<Option<Box<dyn Tape>>> {
     let (wte_name, wpe_name) = (wte.name().to_string(), wpe.name().to_string());
@@ -273,11 +275,16 @@ pub fn embedding_tape(
         Some(sum) => sum.forward(&tok)?,
         None => tok,
     }; // (B, T, C), or (B, T_r, C)
-    let offset = vocab.first_position(t);
     // The positions' rows of wpe added to every sequence: a bias that repeats every T_r·C
     // elements (one pass of the bias kernel on CUDA, where candle's broadcast add indexes).
     let (bs, tr, _) = tok.dims3()?;
-    let pos = wpe.narrow(0, offset, tr)?.flatten_all()?; // (T_r·C,)
+    let runs = match chunks {
+        Some(ch) => ch.runs(tr).to_vec(),
+        None => vec![(vocab.first_position(t), tr)],
+    };
+    let run_rows = |&(at, n): &(usize, usize)| wpe.narrow(0, at, n);
+    let pos = Tensor::cat(&runs.iter().map(run_rows).collect::<Result<Vec<_>>>()?, 0)?; // (T_r, C)
+    let pos = pos.flatten_all()?; // (T_r·C,)
     let out = bias::bias_add(&tok.reshape((bs, tr * c))?, &pos)?.reshape((bs, tr, c))?;
     Ok(Some(Box::new(EmbeddingTape {
         wte_name,
@@ -287,7 +294,7 @@ pub fn embedding_tape(
         rows,
         mine,
         sum,
-        offset,
+        runs,
         out,
     })))
 }
@@ -317,7 +324,7 @@ impl Tape for EmbeddingTape {
         let (b, t, c) = dtok.dims3()?;
         let dtok = held_here(dtok.reshape((b * t, c))?, self.mine.as_ref())?; // (N, C)
         let dwte = embedding::backward(&self.rows, &dtok, self.held)?; // (V or V/tp, C), rows checked
-        let dwpe = position_grad(&dout, self.offset, self.block_size)?; // (block_size, C)
+        let dwpe = position_grad(&dout, &self.runs, self.block_size)?; // (block_size, C)
         Ok(TapeGrads {
             params: vec![(self.wte_name, dwte), (self.wpe_name, dwpe)],
             input: None,
@@ -325,19 +332,29 @@ impl Tape for EmbeddingTape {
     }
 }
 
-/// The gradient (block_size, C) of the position table `wpe` whose rows `offset..offset + T`
-/// were added to every sequence of dx (B, T, C): Σ over the batch there, zero elsewhere.
-fn position_grad(dx: &Tensor, offset: usize, block_size: usize) -> Result<Tensor> {
-    let t = dx.dim(1)?;
-    if offset + t > block_size {
+/// The gradient (block_size, C) of the position table `wpe` whose rows `runs` (first, length,
+/// in order) were added to every sequence of dx (B, T, C): Σ over the batch there, zero
+/// elsewhere.
+fn position_grad(dx: &Tensor, runs: &[(usize, usize)], block_size: usize) -> Result<Tensor> {
+    if let Some(&(at, n)) = runs.iter().find(|&&(at, n)| at + n > block_size) {
         return Err(err(format!(
-            "position gradient: rows {offset}..{} exceed block_size {block_size}",
-            offset + t
+            "position gradient: rows {at}..{} exceed block_size {block_size}",
+            at + n
         )));
     }
     let dwpe = dx.sum(0)?; // (T, C)
-    if t == block_size {
-        return Ok(dwpe);
+    let c = dwpe.dim(1)?;
+    match runs {
+        [(_, t)] if *t == block_size => Ok(dwpe),
+        [(at, t)] => dwpe.pad_with_zeros(0, *at, block_size - at - t), // (block_size, C)
+        _ => {
+            let mut out = Tensor::zeros((block_size, c), dwpe.dtype(), dwpe.device())?;
+            let mut row = 0;
+            for &(at, n) in runs {
+                out = out.slice_assign(&[at..at + n, 0..c], &dwpe.narrow(0, row, n)?)?;
+                row += n;
+            }
+            Ok(out) // (block_size, C)
+        }
     }
-    dwpe.pad_with_zeros(0, offset, block_size - offset - t) // (block_size, C)
 }

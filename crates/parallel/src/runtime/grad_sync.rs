@@ -149,7 +149,7 @@ impl Replicas {
             && !naive
             && plan.dims.pp == 1
             && ctx.stages.chunks().len() == 1
-            && plan.dims.dp > 1;
+            && ctx.dp.size() > 1;
         match self {
             Replicas::Full(f) => {
                 if ctx.dp.size() > 1 && f.dp_timer.is_none() {
@@ -204,7 +204,7 @@ impl Replicas {
         let plan = ctx.plan;
         match self {
             Replicas::Full(f) => {
-                let reduces = plan.dims.dp > 1 || !ctx.partial.is_empty() || !ctx.tied.is_empty();
+                let reduces = ctx.dp.size() > 1 || !ctx.partial.is_empty() || !ctx.tied.is_empty();
                 if plan.precision.is_mixed() && reduces {
                     // Every reduction below (dp, tp partial sums, tied wte) runs in this dtype;
                     // with none (a world of one) the gradients stay as the backward left them.
@@ -212,7 +212,7 @@ impl Replicas {
                 }
                 if f.reduced {
                     f.reduced = false;
-                } else if plan.dims.dp > 1 {
+                } else if ctx.dp.size() > 1 {
                     let (n, bytes) = average::sync_grads(ctx.params, grads, ctx.dp, ctx.edp)?;
                     stats.collectives += n;
                     stats.bytes += bytes;

@@ -44,6 +44,7 @@ use mtrain_comm::{Comm, CommError};
 use mtrain_model::gpt::Block;
 use mtrain_model::{CausalSelfAttention, GptConfig, LayerNorm, Linear, Mlp, Param, Segment};
 
+use crate::context_parallel::{self, RingBlock};
 use crate::placement::tp_placement;
 use crate::plan::ValidPlan;
 
@@ -172,6 +173,9 @@ pub struct Builder<'a> {
     overlap: TpOverlap,
     /// The tied `wte`, one `Param` for the embedding and the head.
     wte: Option<Param>,
+    /// The cp group where context parallelism splits the sequence (its blocks' attention is
+    /// the ring, its embedding at the rank's chunks).
+    cp: Option<Comm>,
 }
 
 impl<'a> Builder<'a> {
@@ -192,7 +196,16 @@ impl<'a> Builder<'a> {
             sp: sequence_parallel,
             overlap: plan.tp_overlap,
             wte: None,
+            cp: None,
         })
+    }
+
+    /// The same builder for a rank of the cp group `cp` (without sequence parallelism).
+    pub fn with_cp(self, cp: Comm) -> Self {
+        Self {
+            cp: Some(cp),
+            ..self
+        }
     }
 
     /// Segment `index` of `[embedding, h.0 … h.(L−1), head]`.
@@ -201,7 +214,11 @@ impl<'a> Builder<'a> {
         if index == 0 {
             let (wte, wpe) = (self.wte()?, self.param("wpe.weight")?);
             let shard = VocabShard::new(tp.clone(), sp);
-            return Ok(Arc::new(VocabParallelEmbedding::over(wte, wpe, shard)));
+            let emb = VocabParallelEmbedding::over(wte, wpe, shard);
+            return Ok(match &self.cp {
+                Some(cp) => Arc::new(emb.in_chunks(context_parallel::chunks_of(cp))),
+                None => Arc::new(emb),
+            });
         }
         if index > cfg.n_layer {
             let (ln_f, wte) = (self.layer_norm("ln_f")?, self.wte()?);
@@ -227,9 +244,15 @@ impl<'a> Builder<'a> {
             self.layer_norm(&format!("{h}.ln_1"))?,
             self.layer_norm(&format!("{h}.ln_2"))?,
         );
-        Ok(match sp {
-            false => Arc::new(Block::new(h, ln_1, attn, ln_2, Box::new(mlp))),
-            true => Arc::new(SequenceParallelBlock::new(
+        Ok(match (sp, &self.cp) {
+            (false, cp) => {
+                let block = Block::new(h, ln_1, attn, ln_2, Box::new(mlp));
+                match cp {
+                    Some(cp) => Arc::new(RingBlock::new(block, cp.clone())),
+                    None => Arc::new(block),
+                }
+            }
+            (true, _) => Arc::new(SequenceParallelBlock::new(
                 h,
                 ln_1,
                 attn,

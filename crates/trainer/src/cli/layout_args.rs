@@ -42,7 +42,12 @@ pub struct LayoutArgs {
     #[arg(long, value_name = "E")]
     pub ep: Option<usize>,
 
-    /// Worker processes on this node; defaults to dp·tp·pp / nnodes.
+    /// Context-parallel degree: ranks that split each sequence into 2·cp chunks and pass K and
+    /// V around a ring (between tp and pp in the rank order); default 1.
+    #[arg(long, value_name = "C")]
+    pub cp: Option<usize>,
+
+    /// Worker processes on this node; defaults to dp·cp·tp·pp / nnodes.
     #[arg(long, alias = "nproc_per_node", value_name = "N")]
     pub nproc_per_node: Option<usize>,
 
@@ -104,6 +109,7 @@ impl LayoutArgs {
             tp: merged("--tp", &self.tp, &after.tp)?,
             pp: merged("--pp", &self.pp, &after.pp)?,
             ep: merged("--ep", &self.ep, &after.ep)?,
+            cp: merged("--cp", &self.cp, &after.cp)?,
             nproc_per_node: merged(
                 "--nproc-per-node",
                 &self.nproc_per_node,
@@ -195,6 +201,7 @@ impl LayoutArgs {
             ("--tp", Some(parallel.tp)),
             ("--pp", Some(parallel.pp)),
             ("--ep", Some(parallel.ep)),
+            ("--cp", Some(parallel.cp)),
             ("--nnodes", Some(nnodes)),
             ("--dp", parallel.dp),
             ("--nproc-per-node", self.nproc_per_node),
@@ -211,7 +218,12 @@ impl LayoutArgs {
         if !(comm_timeout.is_finite() && comm_timeout > 0.0 && comm_timeout <= MAX_COMM_TIMEOUT_S) {
             return Err(LayoutError::Timeout(comm_timeout));
         }
-        let (tp, pp) = (parallel.tp, parallel.pp);
+        // cp sits between tp and pp: for the world's arithmetic it widens tp.
+        let (tp, pp) = (parallel.tp * parallel.cp, parallel.pp);
+        let tp_named = match parallel.cp {
+            1 => format!("tp({})", parallel.tp),
+            cp => format!("cp({cp}) * tp({})", parallel.tp),
+        };
 
         // The world size, and a description of where it came from for error messages.
         let (world, nproc, world_source) = match (launched_world, self.nproc_per_node) {
@@ -231,7 +243,7 @@ impl LayoutArgs {
                     return Err(LayoutError::Uneven {
                         dp,
                         pp,
-                        tp,
+                        tp: tp_named.clone(),
                         world: w,
                         nnodes,
                         rem: w % nnodes,
@@ -254,7 +266,7 @@ impl LayoutArgs {
                     return Err(LayoutError::NotDivisible {
                         world,
                         world_source,
-                        tp,
+                        tp: tp_named.clone(),
                         pp,
                         tp_pp: tp * pp,
                     });
@@ -279,8 +291,9 @@ impl LayoutArgs {
             dims: MeshDims {
                 dp,
                 pp,
-                tp,
+                tp: parallel.tp,
                 ep: parallel.ep,
+                cp: parallel.cp,
             },
             world_size: world,
             world_source,

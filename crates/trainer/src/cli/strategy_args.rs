@@ -162,6 +162,7 @@ pub fn parallel_overrides(layout: &LayoutArgs, strategy: &StrategyArgs) -> toml:
         ("tp", layout.tp),
         ("pp", layout.pp),
         ("ep", layout.ep),
+        ("cp", layout.cp),
         ("virtual_stages", strategy.virtual_stages),
         ("microbatches", strategy.microbatches),
     ] {
@@ -275,6 +276,7 @@ mod tests {
             pp: 2,
             tp: 1,
             ep: 1,
+            cp: 1,
         };
         let cfg = cli.config().unwrap();
         let plan = cfg.parallel.plan(dims, false, cfg.precision()).unwrap();
@@ -295,6 +297,7 @@ mod tests {
             pp: 2,
             tp: 1,
             ep: 1,
+            cp: 1,
         };
         let plan_of = |costs: &str| {
             let cli = Cli::try_parse_from([

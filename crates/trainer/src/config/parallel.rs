@@ -39,6 +39,8 @@ pub struct ParallelConfig {
     pub pp: usize,
     /// Expert-parallel degree, carved out of dp (must divide dp).
     pub ep: usize,
+    /// Context-parallel degree: ranks that split each sequence, K and V passed around a ring.
+    pub cp: usize,
     /// Shard parameters, gradients and optimizer state over dp (FSDP, the same as `zero_stage = 3`).
     pub fsdp: bool,
     /// ZeRO stage over dp: 0 = DDP, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters.
@@ -76,6 +78,7 @@ impl Default for ParallelConfig {
             tp: 1,
             pp: 1,
             ep: 1,
+            cp: 1,
             fsdp: false,
             zero_stage: 0,
             reshard_after_forward: true,
@@ -252,6 +255,7 @@ impl ParallelConfig {
             tp: plan.dims.tp,
             pp: plan.dims.pp,
             ep: plan.dims.ep,
+            cp: plan.dims.cp,
             fsdp: false,
             zero_stage,
             reshard_after_forward,

@@ -117,7 +117,8 @@ impl ModelStateLayout {
             DataParallelKind::Ddp(_) => 0,
             DataParallelKind::Zero(z) => z.stage as u8,
         };
-        let dp = plan.dims.dp.max(1) as u64;
+        // ZeRO shards over every rank that holds the same parameters: dp × cp.
+        let dp = (plan.dims.dp * plan.dims.cp).max(1) as u64;
         Self {
             param_copy_shards: if matches!(stage, 1 | 2) { dp } else { 0 },
             grad_copy_shards: if stage == 1 { dp } else { 0 },
@@ -217,7 +218,7 @@ pub fn startup_bytes(table: &Holdings, plan: &ParallelPlan) -> u64 {
     }
     let shards = match stage {
         0 => Vec::new(),
-        _ => unit_shards(table, plan.dims.dp.max(1) as u64),
+        _ => unit_shards(table, (plan.dims.dp * plan.dims.cp).max(1) as u64),
     };
     shards.iter().for_each(|&n| read(n, 4 + w, w));
     if plan.precision.is_mixed() {
@@ -240,7 +241,7 @@ pub fn startup_bytes(table: &Holdings, plan: &ParallelPlan) -> u64 {
 pub fn checkpoint_bytes(table: &Holdings, plan: &ParallelPlan) -> (u64, u64) {
     let elements: Vec<u64> = match plan.data {
         DataParallelKind::Ddp(_) => table.unique().iter().map(|h| h.numel() as u64).collect(),
-        DataParallelKind::Zero(_) => unit_shards(table, plan.dims.dp.max(1) as u64),
+        DataParallelKind::Zero(_) => unit_shards(table, (plan.dims.dp * plan.dims.cp).max(1) as u64),
     };
     let largest = elements.iter().copied().max().unwrap_or(0);
     (12 * elements.iter().sum::<u64>(), 4 * largest)

@@ -34,6 +34,8 @@ pub struct ActivationLayout {
     pub ep: usize,
     /// Sequence parallelism inside the tp group.
     pub sequence_parallel: bool,
+    /// Context-parallel degree: each rank holds T/cp tokens of every sequence.
+    pub cp: usize,
     /// ZeRO-3 (FSDP): each segment's weights are gathered for its forward.
     pub gathers_weights: bool,
     /// ZeRO-3 frees each segment's gathered weights after its forward and gathers them again
@@ -75,6 +77,7 @@ impl ActivationLayout {
             tp: 1,
             ep: 1,
             sequence_parallel: false,
+            cp: 1,
             gathers_weights: false,
             reshards_after_forward: false,
             routing: Vec::new(),
@@ -115,7 +118,7 @@ impl ActivationLayout {
             .and_then(|s| Ok(s.simulate()?))
             .map_err(|e| err(e.to_string()))?;
         let zero3 = matches!(plan.data, DataParallelKind::Zero(z) if z.stage as u8 == 3)
-            && plan.dims.dp > 1;
+            && plan.dims.dp * plan.dims.cp > 1;
         Ok(Self {
             blocks: mine.iter().map(|&s| layout.blocks(s).len()).sum(),
             chunks: mine.len().max(1),
@@ -127,6 +130,7 @@ impl ActivationLayout {
             tp: plan.dims.tp.max(1),
             ep: plan.dims.ep.max(1),
             sequence_parallel: plan.sequence_parallel && plan.dims.tp > 1,
+            cp: plan.dims.cp.max(1),
             gathers_weights: zero3,
             reshards_after_forward: matches!(plan.data, DataParallelKind::Zero(z) if z.reshard_after_forward),
             routing: Vec::new(),

@@ -62,7 +62,7 @@ pub fn rank_step_memory(
 ) -> StepMemory {
     let d = Dims {
         b: layout.micro_batch as f64,
-        t: seq as f64,
+        t: (seq / layout.cp.max(1)) as f64, // this rank's tokens of a row
         c: cfg.n_embd as f64,
         h: cfg.n_head as f64,
         v: cfg.vocab_size as f64,
@@ -534,5 +534,25 @@ mod tests {
         let full = activation_bytes(&cfg, 8, 1024, 2, false);
         let ckpt = activation_bytes(&cfg, 8, 1024, 2, true);
         assert!(ckpt * 3 < full, "{ckpt} vs {full}");
+    }
+
+    /// Context parallelism: a rank keeps its T/cp tokens of each row, so the activations per
+    /// rank fall to about 1/cp (GPT-2 124M at T = 4096: within 15% of 1/cp for cp 2 and 4).
+    #[test]
+    fn context_parallelism_divides_the_activations_by_cp() {
+        let cfg = GptConfig::gpt2_124m();
+        let of = |cp: usize| {
+            let l = ActivationLayout {
+                cp,
+                ..ActivationLayout::single_device(&cfg, 1)
+            };
+            rank_step_memory(&cfg, &l, 4096, 4, false, BackwardPath::Tapes, 4, 4.0).activations
+                as f64
+        };
+        let one = of(1);
+        for cp in [2, 4] {
+            let ratio = of(cp) * cp as f64 / one;
+            assert!((0.85..1.15).contains(&ratio), "cp {cp}: {ratio:.3} of 1/cp");
+        }
     }
 }
