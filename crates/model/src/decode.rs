@@ -1,6 +1,7 @@
-//! Decoding with a KV cache: the prompt runs through the model once (prefill), then each new
-//! token runs alone through every block, its query attending to the keys and values the earlier
-//! positions left in that block's cache.
+//! Generation ([`Gpt::generate`], the whole context through the model for every token), and
+//! decoding with a KV cache ([`Gpt::generate_cached`]): the prompt runs through the model once
+//! (prefill), then each new token runs alone through every block, its query attending to the
+//! keys and values the earlier positions left in that block's cache.
 //!
 //! ```text
 //!   prefill  idx (B, T0) ─> wte[idx] + wpe[0..T0] ─> block i: q, k, v (B, H, T0, D)
@@ -171,8 +172,8 @@ fn attend(
     let (h, d) = (attn.n_head, attn.head_dim);
     let scale = 1.0 / (d as f64).sqrt();
     let qkv = mtrain_kernels::split_heads(&attn.c_attn.forward(x)?, 3, h)?; // (3, B, H, T, D)
-    // Detached: a cached key must not hold the graph of the step that made it (and through it
-    // every earlier step's activations).
+                                                                            // Detached: a cached key must not hold the graph of the step that made it (and through it
+                                                                            // every earlier step's activations).
     let (k_new, v_new) = (qkv.get(1)?.detach(), qkv.get(2)?.detach()); // (B, H, T, D)
     let y = match kv.take() {
         None => {
@@ -194,6 +195,34 @@ fn attend(
 }
 
 impl Gpt {
+    /// Appends `max_new_tokens` sampled tokens to idx (B, T0), running the context (at most its
+    /// last `block_size` tokens) through the whole model for each; [`Gpt::generate_cached`] keeps
+    /// the keys and values instead. `temperature` 0 means greedy; `top_k` keeps only the k most
+    /// likely tokens.
+    pub fn generate<R: Rng + ?Sized>(
+        &self,
+        idx: &Tensor,
+        max_new_tokens: usize,
+        temperature: f64,
+        top_k: Option<usize>,
+        rng: &mut R,
+    ) -> Result<Tensor> {
+        let mut idx = idx.clone();
+        for _ in 0..max_new_tokens {
+            let t = idx.dim(1)?;
+            let cond = if t > self.cfg.block_size {
+                idx.narrow(1, t - self.cfg.block_size, self.cfg.block_size)?
+            } else {
+                idx.clone()
+            };
+            let logits = self.logits(&cond)?; // (B, T, V)
+            let last = logits.narrow(1, cond.dim(1)? - 1, 1)?.squeeze(1)?; // (B, V)
+            let next = next_tokens(&last, temperature, top_k, rng)?; // (B, 1)
+            idx = Tensor::cat(&[&idx, &next], 1)?; // (B, T + 1)
+        }
+        Ok(idx)
+    }
+
     /// [`Gpt::generate`] with a KV cache ([`Decoder`]): the prompt prefilled once, then one
     /// position per new token; past `block_size`, the cropped window prefilled again for each
     /// token. The same tokens as [`Gpt::generate`] (its logits up to rounding).
@@ -225,7 +254,7 @@ impl Gpt {
 }
 
 /// The next token of each row of logits (B, V), drawn by [`sample_row`]: (B, 1) u32.
-pub(crate) fn next_tokens<R: Rng + ?Sized>(
+fn next_tokens<R: Rng + ?Sized>(
     logits: &Tensor,
     temperature: f64,
     top_k: Option<usize>,

@@ -22,7 +22,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use candle_core::{Device, Result, Tensor};
-use rand::Rng;
 
 use crate::config::GptConfig;
 use crate::dropout::{self, embedding_mask, BlockMasks, Draw};
@@ -620,33 +619,5 @@ impl Gpt {
             x = seg.forward(&x, None)?.out;
         }
         Ok(x)
-    }
-
-    /// Appends `max_new_tokens` sampled tokens to idx (B, T0), running the context (at most its
-    /// last `block_size` tokens) through the whole model for each; [`Gpt::generate_cached`] keeps
-    /// the keys and values instead. `temperature` 0 means greedy; `top_k` keeps only the k most
-    /// likely tokens.
-    pub fn generate<R: Rng + ?Sized>(
-        &self,
-        idx: &Tensor,
-        max_new_tokens: usize,
-        temperature: f64,
-        top_k: Option<usize>,
-        rng: &mut R,
-    ) -> Result<Tensor> {
-        let mut idx = idx.clone();
-        for _ in 0..max_new_tokens {
-            let t = idx.dim(1)?;
-            let cond = if t > self.cfg.block_size {
-                idx.narrow(1, t - self.cfg.block_size, self.cfg.block_size)?
-            } else {
-                idx.clone()
-            };
-            let logits = self.logits(&cond)?; // (B, T, V)
-            let last = logits.narrow(1, cond.dim(1)? - 1, 1)?.squeeze(1)?; // (B, V)
-            let next = crate::decode::next_tokens(&last, temperature, top_k, rng)?; // (B, 1)
-            idx = Tensor::cat(&[&idx, &next], 1)?; // (B, T + 1)
-        }
-        Ok(idx)
     }
 }

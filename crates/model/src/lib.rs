@@ -14,7 +14,8 @@
 //! - [`moe`]: top-k routing with capacity, the one experts layer (all experts here, or a rank's
 //!   with the group's exchange) and its auxiliary losses.
 //! - [`gpt`]: the model as a list of segments (embedding, blocks, head).
-//! - [`decode`]: generation with a KV cache (prefill once, then one position per token).
+//! - [`decode`]: generation, the whole context per token or with a KV cache (prefill once,
+//!   then one position per token).
 //! - [`tape`]: `Tape`, what a segment's graph-free forward keeps for its hand-written backward;
 //!   `Collective` and `Exchange`, the communication a sharded layer hands its tape.
 //! - [`explicit`]: the tapes (hand-written backward) of the embedding, the block (dense, tensor-
