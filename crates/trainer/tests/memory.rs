@@ -490,8 +490,19 @@ fn fsdp_frees_the_gathered_weights_after_each_forward() {
         assert_eq!(ranks.len(), 4, "one report per rank");
         ranks
     };
-    let freed = run(&[]);
-    let kept = run(&["--reshard-after-forward", "false"]);
+    // A level's highest point moves up when a rank's communication thread allocates before its
+    // main thread frees (a matter of scheduling on a loaded machine, never down): each layout
+    // runs twice and every rank keeps its lower measured levels.
+    let lowest = |extra: &[&str]| {
+        let (mut a, b) = (run(extra), run(extra));
+        for (x, y) in a.iter_mut().zip(&b) {
+            x[3] = x[3].min(y[3]);
+            x[4] = x[4].min(y[4]);
+        }
+        a
+    };
+    let freed = lowest(&[]);
+    let kept = lowest(&["--reshard-after-forward", "false"]);
     for (f, k) in freed.iter().zip(&kept) {
         let rank = f[0];
         let term = k[1] - f[1];
