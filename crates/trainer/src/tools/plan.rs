@@ -93,10 +93,11 @@ pub fn render(cfg: &TrainConfig, layout: &Layout) -> Result<String, crate::confi
     let dims: MeshDims = layout.dims;
     let spec = &layout.launch;
     let mut out = format!(
-        "world size {} = dp({}) * pp({}) * tp({}), ep({}) inside dp; {} process(es) per node x {} node(s), rendezvous at {}:{}\n",
+        "world size {} = dp({}) * pp({}) * {}tp({}), ep({}) inside dp; {} process(es) per node x {} node(s), rendezvous at {}:{}\n",
         layout.world_size,
         dims.dp,
         dims.pp,
+        if dims.cp > 1 { format!("cp({}) * ", dims.cp) } else { String::new() },
         dims.tp,
         dims.ep,
         spec.nproc_per_node,
