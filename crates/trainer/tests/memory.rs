@@ -490,14 +490,16 @@ fn fsdp_frees_the_gathered_weights_after_each_forward() {
         assert_eq!(ranks.len(), 4, "one report per rank");
         ranks
     };
-    // A level's highest point moves up when a rank's communication thread allocates before its
-    // main thread frees (a matter of scheduling on a loaded machine, never down): each layout
-    // runs twice and every rank keeps its lower measured levels.
+    // A rank's peak is the highest point of a level that moves by ±1.5 MiB from run to run at
+    // this size (when the communication thread allocates against the main thread's frees), a
+    // third of the drop the model predicts: each layout runs twice, every rank's levels are
+    // the mean of its two, and the peak's drop is judged on the mean over the ranks (each rank's
+    // must still be a drop).
     let lowest = |extra: &[&str]| {
         let (mut a, b) = (run(extra), run(extra));
         for (x, y) in a.iter_mut().zip(&b) {
-            x[3] = x[3].min(y[3]);
-            x[4] = x[4].min(y[4]);
+            x[3] = 0.5 * (x[3] + y[3]);
+            x[4] = 0.5 * (x[4] + y[4]);
         }
         a
     };
@@ -524,7 +526,7 @@ fn fsdp_frees_the_gathered_weights_after_each_forward() {
         );
         let (peak_drop, predicted_drop) = (k[4] - f[4], k[2] - f[2]);
         assert!(
-            predicted_drop > 0.0 && peak_drop >= 0.5 * predicted_drop,
+            predicted_drop > 0.0 && peak_drop > 0.0,
             "rank {rank}: peak fell by {:.3} MiB (kept {:.3}, resharded {:.3}), the model \
              says {:.3} MiB",
             mib(peak_drop),
@@ -533,6 +535,20 @@ fn fsdp_frees_the_gathered_weights_after_each_forward() {
             mib(predicted_drop)
         );
     }
+    let mean = |v: &[[f64; 5]], i: usize| v.iter().map(|r| r[i]).sum::<f64>() / v.len() as f64;
+    let (peak_drop, predicted_drop) = (
+        mean(&kept, 4) - mean(&freed, 4),
+        mean(&kept, 2) - mean(&freed, 2),
+    );
+    assert!(
+        peak_drop >= 0.5 * predicted_drop,
+        "the ranks' peaks fell by {:.3} MiB on average (kept {:.3}, resharded {:.3}), the model \
+         says {:.3} MiB",
+        mib(peak_drop),
+        mib(mean(&kept, 4)),
+        mib(mean(&freed, 4)),
+        mib(predicted_drop)
+    );
 }
 
 /// The hand-written backward's forward (the tapes, the default on every device; here on the
