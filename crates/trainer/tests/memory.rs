@@ -443,33 +443,7 @@ fn fsdp_frees_the_gathered_weights_after_each_forward() {
     let run = |extra: &[&str]| {
         let mut layout = vec!["--dp", "4", "--fsdp"];
         layout.extend_from_slice(extra);
-        let dir = tempfile::tempdir().expect("temp dir");
-        let run_dir = dir.path().display().to_string();
-        layout.extend([
-            "--steps",
-            "2",
-            "--batch-size",
-            "2",
-            "--seq-len",
-            "32",
-            "--mem-report",
-            "--set",
-            "model.n_embd=256",
-            "--set",
-            "model.n_layer=4",
-            "--set",
-            "eval_every=0",
-            "--run-dir",
-            &run_dir,
-        ]);
-        let out = mtrain(&layout)
-            .env("RAYON_NUM_THREADS", "1")
-            .bounded_output();
-        assert!(
-            out.status.success(),
-            "mtrain {layout:?} failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let (dir, _) = mem_report_run(&layout, "2");
         let text = std::fs::read_to_string(dir.path().join("memory.jsonl")).expect("memory.jsonl");
         let mut ranks: Vec<[f64; 5]> = text
             .lines()
