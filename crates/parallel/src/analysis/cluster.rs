@@ -41,6 +41,8 @@ pub struct Gpu {
     pub memory_bytes: u64,
     /// Dense bf16 matrix-multiply peak, FLOP/s (no sparsity).
     pub peak_flops: f64,
+    /// HBM bandwidth, bytes/s, where known (every preset; a custom kind with --gpu-hbm-tbs).
+    pub hbm_bytes_per_s: Option<f64>,
 }
 
 /// A GPU kind's datasheet figures: the roofs of its roofline and the sizes of its memory
@@ -132,15 +134,20 @@ impl Gpu {
 
     /// The preset of `name`, or `None`.
     pub fn preset(name: &str) -> Option<Gpu> {
-        Self::spec(name).map(|p| Gpu::custom(p.name, p.memory_gb as f64, p.bf16_tflops))
+        Self::spec(name).map(|p| Gpu {
+            hbm_bytes_per_s: Some(p.hbm_tb_s * 1e12),
+            ..Gpu::custom(p.name, p.memory_gb as f64, p.bf16_tflops)
+        })
     }
 
-    /// A GPU of `gb` decimal gigabytes and `tflops` dense bf16 TFLOP/s.
+    /// A GPU of `gb` decimal gigabytes and `tflops` dense bf16 TFLOP/s (its HBM bandwidth
+    /// unknown).
     pub fn custom(name: &str, gb: f64, tflops: f64) -> Gpu {
         Gpu {
             name: name.to_string(),
             memory_bytes: (gb * 1e9) as u64,
             peak_flops: tflops * 1e12,
+            hbm_bytes_per_s: None,
         }
     }
 }

@@ -25,6 +25,7 @@
 //! that fits ([`search`]); `--collective` prices one collective on a link ([`arithmetic`]).
 
 pub mod arithmetic;
+pub mod compute;
 pub mod machine;
 pub mod predict;
 pub mod search;

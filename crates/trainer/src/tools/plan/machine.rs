@@ -13,6 +13,7 @@ use mtrain_comm::{MeshDims, OpKind};
 use mtrain_parallel::analysis::cluster::{group_model, span, Gpu, Link, Span};
 use mtrain_parallel::analysis::comm_cost::{human_time, CostModel, Group};
 
+use super::compute::{ComputeRule, Shares};
 use crate::tools::cost::AlphaBetaTable;
 
 /// The cluster flags of `mtrain plan`.
@@ -40,6 +41,11 @@ pub struct ClusterArgs {
     #[arg(long, value_name = "TFLOPS")]
     pub gpu_tflops: Option<f64>,
 
+    /// HBM bandwidth of one GPU in TB/s, over the kind's (a custom kind needs it for the
+    /// roofline rule; without it, a pass is its FLOPs at half the peak, or at --mfu).
+    #[arg(long, value_name = "TBS")]
+    pub gpu_hbm_tbs: Option<f64>,
+
     /// The link inside a node: a preset (nvlink4, nvlink3, pcie4, pcie5) or an α-β table from
     /// `bench-comm --fit` (default: nvlink4, nvlink3 on A100).
     #[arg(long, value_name = "LINK|FILE")]
@@ -50,9 +56,9 @@ pub struct ClusterArgs {
     #[arg(long, value_name = "LINK|FILE")]
     pub inter: Option<String>,
 
-    /// Fraction of the GPU's peak its matrix multiplies reach (the MFU of a layout with no
-    /// communication, bubble or recompute); the compute time of a pass is its FLOPs over
-    /// peak · this (default 0.5).
+    /// Price every pass as its FLOPs at this fraction of the GPU's peak (the MFU of a layout
+    /// with no communication, bubble or recompute) instead of the roofline rule (compute.rs:
+    /// matmuls, attention and memory-bound bytes each at the share of its roof they reach).
     #[arg(long, value_name = "F")]
     pub mfu: Option<f64>,
 
@@ -128,8 +134,8 @@ pub struct Machine {
     pub gpus_per_node: usize,
     pub intra: LinkSpec,
     pub inter: LinkSpec,
-    /// Fraction of the peak the matrix multiplies reach.
-    pub mfu: f64,
+    /// How a pass no run measured is priced.
+    pub compute: ComputeRule,
     /// The cores a node's ranks share (CPU nodes); None: a device per rank.
     pub cores_per_node: Option<usize>,
     /// Spans worked out so far (one pass over the ranks each).
@@ -173,6 +179,7 @@ impl ClusterArgs {
         for (name, v) in [
             ("--gpu-memory-gb", self.gpu_memory_gb),
             ("--gpu-tflops", self.gpu_tflops),
+            ("--gpu-hbm-tbs", self.gpu_hbm_tbs),
         ] {
             if let Some(v) = v {
                 crate::validate::positive(name, v).map_err(anyhow::Error::msg)?;
@@ -183,6 +190,9 @@ impl ClusterArgs {
         }
         if let Some(tf) = self.gpu_tflops {
             gpu.peak_flops = tf * 1e12;
+        }
+        if let Some(tbs) = self.gpu_hbm_tbs {
+            gpu.hbm_bytes_per_s = Some(tbs * 1e12);
         }
         let a100 = gpu.name.starts_with("a100");
         let intra = LinkSpec::parse(self.intra.as_deref().unwrap_or(if a100 {
@@ -195,10 +205,16 @@ impl ClusterArgs {
         } else {
             "ib-ndr"
         }))?;
-        let mfu = self.mfu.unwrap_or(0.5);
-        if !(mfu > 0.0 && mfu <= 1.0) {
-            anyhow::bail!("--mfu {mfu} must be in (0, 1]: a fraction of the GPU's peak");
+        if let Some(mfu) = self.mfu {
+            if !(mfu > 0.0 && mfu <= 1.0) {
+                anyhow::bail!("--mfu {mfu} must be in (0, 1]: a fraction of the GPU's peak");
+            }
         }
+        let compute = match (self.mfu, gpu.hbm_bytes_per_s) {
+            (Some(mfu), _) => ComputeRule::Flops { mfu },
+            (None, Some(hbm)) => ComputeRule::Roofline(Shares::default_on(hbm)),
+            (None, None) => ComputeRule::Flops { mfu: 0.5 },
+        };
         if self.cores_per_node == Some(0) {
             anyhow::bail!("--cores-per-node 0: a node needs at least one core");
         }
@@ -210,7 +226,7 @@ impl ClusterArgs {
             gpus_per_node: per_node,
             intra,
             inter,
-            mfu,
+            compute,
         })
     }
 }
@@ -258,14 +274,14 @@ impl Machine {
         let mut s = String::new();
         let _ = writeln!(
             s,
-            "cluster: {} x {} ({:.0} GB, {:.0} TFLOP/s bf16 dense), {} GPUs per node x {} node(s); compute at {:.0}% of peak",
+            "cluster: {} x {} ({:.0} GB, {:.0} TFLOP/s bf16 dense), {} GPUs per node x {} node(s); {}",
             self.gpus,
             self.gpu.name,
             self.gpu.memory_bytes as f64 / 1e9,
             self.gpu.peak_flops / 1e12,
             self.gpus_per_node,
             self.gpus / self.gpus_per_node,
-            self.mfu * 100.0
+            super::compute::describe(self.compute)
         );
         let _ = writeln!(s, "  intra-node link: {}", self.intra.describe());
         let _ = writeln!(s, "  inter-node link: {}", self.inter.describe());

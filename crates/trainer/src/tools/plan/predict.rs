@@ -5,8 +5,8 @@
 //!
 //! ```text
 //!   f, b = one rank's forward and backward of one micro-batch of the whole model: measured
-//!          (--forward-ms, --backward-ms; b = 2f if only f is given), else
-//!          f = FLOPs/token / 3 · tokens of a micro-batch / (peak · mfu), b = 2f
+//!          (--forward-ms, --backward-ms; b = 2f if only f is given), else priced by the
+//!          machine's compute rule (compute.rs: the roofline rule, or FLOPs at --mfu)
 //!   w_s  = model stage s's share of the FLOPs: its blocks', and the head's on the last stage
 //!   f_s  = f · w_s / tp      b_s = b · w_s / tp, + f_s with activation checkpointing
 //!   F_s = f_s + (its rank's tp / ep / pp collectives in forward) / (M · chunks)   the passes the
@@ -14,6 +14,7 @@
 //!   pipeline = grad_accum · makespan(F, B)                              (bubble included)
 //!            = max(that, node's work / cores)    on a node of more ranks than cores
 //!   step = pipeline
+//!        + the optimizer's pass over the rank's shard (the roofline rule only)
 //!        + step-phase collectives that cannot overlap (norm, tied embedding, ...)
 //!        + max(0, overlappable collectives − the compute they hide behind)
 //! ```
@@ -41,6 +42,7 @@ use mtrain_parallel::parallelize::{DataParallelKind, ValidPlan};
 use mtrain_model::GptConfig;
 use mtrain_parallel::pipeline::{PassCosts, StageLayout};
 
+use super::compute;
 use super::machine::{Machine, GROUPS};
 use crate::config::{DTypeKind, TrainConfig};
 
@@ -137,10 +139,14 @@ pub fn predict(
     let fpt = model.flops_per_token(cfg.seq_len);
     let (whole_f, whole_b) = match measured {
         Some(x) => (x.forward_s, x.backward_s.unwrap_or(2.0 * x.forward_s)),
-        None => {
-            let f = fpt / 3.0 * tokens_mb / (machine.gpu.peak_flops * machine.mfu);
-            (f, 2.0 * f)
-        }
+        None => compute::passes(
+            machine.compute,
+            &model,
+            cfg.seq_len,
+            tokens_mb,
+            cfg.dtype.candle().size_in_bytes(),
+            machine.gpu.peak_flops,
+        ),
     };
     let layout = plan.stage_layout(model.n_layer)?;
     // Per model stage: one micro-batch's forward and backward compute on one of its tp ranks.
@@ -279,7 +285,17 @@ pub fn predict(
             crosses: machine.span(dims, group).crosses(),
         })
         .collect();
-    let step_s = pipeline + tail(worst);
+    // The optimizer's pass over the largest shard a rank updates (ZeRO: its dp part).
+    let mut optimizer = 0.0f64;
+    if measured.is_none() {
+        for p in 0..pp {
+            let params = crate::memory::rank_params(&model, plan, p)?;
+            let shard = if stage > 0 { params.div_ceil(dims.dp as u64) } else { params };
+            let s = compute::optimizer(machine.compute, shard, cfg.dtype.candle().size_in_bytes());
+            optimizer = optimizer.max(s);
+        }
+    }
+    let step_s = pipeline + optimizer + tail(worst);
     let tokens = (cfg.batch_size * dims.dp * ga * cfg.seq_len) as f64;
     let busiest = rank_passes.iter().map(|(f, b)| f + b).fold(0.0, f64::max);
     Ok(Prediction {
