@@ -82,7 +82,7 @@ fn ranks_sharing_cores_wait_for_them_and_hide_nothing() {
 }
 
 #[test]
-fn a_shared_node_bounds_the_pipeline_by_its_work() {
+fn a_shared_node_stretches_the_pipeline_between_its_work_and_half_speed() {
     let (cfg, plan) = resolved("4", &["--pp", "4", "--microbatches", "4"]);
     let model = cfg.gpt_config().unwrap();
     let w = stage_shares(
@@ -96,11 +96,11 @@ fn a_shared_node_bounds_the_pipeline_by_its_work() {
     // first forward and last backward: (M − 1) · (f + b) · w_3 + (f + b).
     let fb = 0.035;
     assert!(own.step_s >= 3.0 * fb * w[3] + fb, "{own:?}");
-    // On two cores: the 4 stages' 4 micro-batches over 2 cores, the sends of the 4 ranks (each
-    // at most the worst rank's) counted as the cores' work too.
-    let comm: f64 = two.groups.iter().map(|g| g.total_s).sum();
-    assert!(two.step_s >= 4.0 * fb / 2.0, "{two:?}");
-    assert!(two.step_s <= 4.0 * fb / 2.0 + 4.0 * comm, "{two:?}");
+    // On two cores the passes share them: never faster than the 4 stages' 4 micro-batches
+    // over 2 cores, never slower than every pass at half speed; and the fill and the drain,
+    // where fewer than two ranks work, add to the work bound.
+    assert!(two.step_s > 4.0 * fb / 2.0 * 1.05, "{two:?}");
+    assert!(two.step_s <= 2.0 * own.step_s, "{two:?} {own:?}");
     assert!(two.step_s > own.step_s);
 }
 

@@ -92,97 +92,202 @@ impl Schedule {
     /// its own B finished. Messages take no time. Fails with [`ScheduleError::Deadlock`] if
     /// work remains that no rank can start.
     pub fn simulate_with(&self, costs: &[PassCosts]) -> Result<Simulation, ScheduleError> {
-        let (p, m, s) = (self.stages, self.microbatches, self.num_model_stages());
+        let mut clock = Clock::new(self, costs)?;
+        let p = self.stages;
+        let mut free = vec![0.0f64; p];
+        loop {
+            let mut moved = false;
+            for r in 0..p {
+                while let Some(&action) = self.actions[r].get(clock.next[r]) {
+                    let Some(ready) = clock.ready(self, r, &action) else { break };
+                    let start = free[r].max(ready);
+                    let stage = self.model_stage(r, action.chunk());
+                    let end = start + costs[stage].of(action.kind());
+                    clock.record(r, stage, action, start, end);
+                    free[r] = end;
+                    moved = true;
+                }
+            }
+            if clock.done(self) {
+                break;
+            }
+            if !moved {
+                return Err(clock.deadlock(self));
+            }
+        }
+        Ok(clock.finish(self))
+    }
+
+    /// [`Self::simulate_with`] on ranks that share `cores` cores: while `n` passes run at once,
+    /// each advances at `min(1, cores / n)` of its own speed (processor sharing), so a pass
+    /// on the critical path stretches while the other ranks are busy, and runs at full speed
+    /// in the fill and the drain, where fewer ranks than cores have work.
+    ///
+    /// ```text
+    ///   4 ranks, 2 cores:  fill: 1, 2 busy → speed 1   steady: 4 busy → speed ½   drain: speed 1
+    /// ```
+    ///
+    /// `cores` may be fractional: a pipeline replica's part of a node whose cores several
+    /// replicas share.
+    pub fn simulate_shared(
+        &self,
+        costs: &[PassCosts],
+        cores: f64,
+    ) -> Result<Simulation, ScheduleError> {
+        let mut clock = Clock::new(self, costs)?;
+        let p = self.stages;
+        // Per rank: the pass it runs, its model stage, start and work left (at full speed).
+        let mut running: Vec<Option<(Action, usize, f64, f64)>> = vec![None; p];
+        let mut now = 0.0f64;
+        loop {
+            for (r, slot) in running.iter_mut().enumerate() {
+                if slot.is_some() {
+                    continue;
+                }
+                let Some(&action) = self.actions[r].get(clock.next[r]) else { continue };
+                if clock.ready(self, r, &action).is_some() {
+                    let stage = self.model_stage(r, action.chunk());
+                    *slot = Some((action, stage, now, costs[stage].of(action.kind())));
+                }
+            }
+            let busy = running.iter().flatten().count();
+            if busy == 0 {
+                if clock.done(self) {
+                    break;
+                }
+                return Err(clock.deadlock(self));
+            }
+            let speed = (cores / busy as f64).min(1.0);
+            let least = running.iter().flatten().map(|x| x.3).fold(f64::INFINITY, f64::min);
+            now += least / speed;
+            for (r, slot) in running.iter_mut().enumerate() {
+                let Some((action, stage, start, left)) = *slot else { continue };
+                if left <= least * (1.0 + 1e-12) {
+                    clock.record(r, stage, action, start, now);
+                    *slot = None;
+                } else {
+                    *slot = Some((action, stage, start, left - least));
+                }
+            }
+        }
+        Ok(clock.finish(self))
+    }
+}
+
+/// The state of a simulation: when each pass of (stage, micro-batch) ended, each rank's next
+/// action, its passes so far and its activation sets in flight.
+struct Clock {
+    fwd_end: Vec<Vec<Option<f64>>>,
+    /// The input gradient (fused backward or B).
+    grad_end: Vec<Vec<Option<f64>>>,
+    next: Vec<usize>,
+    spans: Vec<Vec<SimSpan>>,
+    alive: Vec<usize>,
+    peak_alive: Vec<usize>,
+}
+
+impl Clock {
+    fn new(sched: &Schedule, costs: &[PassCosts]) -> Result<Clock, ScheduleError> {
+        let (p, m, s) = (sched.stages, sched.microbatches, sched.num_model_stages());
         if costs.len() != s {
             return Err(ScheduleError::Costs {
                 expected: s,
                 got: costs.len(),
             });
         }
-        // The time each pass of (stage, micro-batch) ended.
-        let mut fwd_end = vec![vec![None::<f64>; m]; s];
-        let mut grad_end = vec![vec![None::<f64>; m]; s]; // the input gradient (fused or B)
-        let mut next = vec![0usize; p];
-        let mut free = vec![0.0f64; p];
-        let mut spans: Vec<Vec<SimSpan>> = vec![Vec::new(); p];
-        let mut alive = vec![0usize; p];
-        let mut peak_alive = vec![0usize; p];
-        loop {
-            let mut moved = false;
-            for r in 0..p {
-                while let Some(&action) = self.actions[r].get(next[r]) {
-                    let stage = self.model_stage(r, action.chunk());
-                    let mb = action.mb();
-                    let input = match action {
-                        Action::Forward { .. } => match self.input_stage(r, &action) {
-                            None => Some(0.0),
-                            Some(from) => fwd_end[from][mb],
-                        },
-                        Action::Backward { .. } | Action::InputGrad { .. } => {
-                            let own = fwd_end[stage][mb];
-                            match self.input_stage(r, &action) {
-                                None => own,
-                                Some(from) => own.and(grad_end[from][mb]),
-                            }
-                        }
-                        // Its own B ran earlier on this rank, or the order is wrong.
-                        Action::WeightGrad { .. } => grad_end[stage][mb],
-                    };
-                    let Some(ready) = input else { break };
-                    let start = free[r].max(ready);
-                    let end = start + costs[stage].of(action.kind());
-                    match action {
-                        Action::Forward { .. } => fwd_end[stage][mb] = Some(end),
-                        Action::Backward { .. } | Action::InputGrad { .. } => {
-                            grad_end[stage][mb] = Some(end)
-                        }
-                        Action::WeightGrad { .. } => {}
-                    }
-                    if action.is_forward() {
-                        alive[r] += 1;
-                        peak_alive[r] = peak_alive[r].max(alive[r]);
-                    } else if action.computes_weight_grads() {
-                        alive[r] -= 1;
-                    }
-                    spans[r].push(SimSpan { action, start, end });
-                    free[r] = end;
-                    next[r] += 1;
-                    moved = true;
+        Ok(Clock {
+            fwd_end: vec![vec![None; m]; s],
+            grad_end: vec![vec![None; m]; s],
+            next: vec![0; p],
+            spans: vec![Vec::new(); p],
+            alive: vec![0; p],
+            peak_alive: vec![0; p],
+        })
+    }
+
+    /// When `action`'s input exists, if it does yet: a forward of micro-batch i on stage s
+    /// once stage s − 1 finished its forward of i; a backward or B once stage s + 1 produced
+    /// the input gradient of i (and its own forward ran); a W once its own B finished.
+    fn ready(&self, sched: &Schedule, r: usize, action: &Action) -> Option<f64> {
+        let stage = sched.model_stage(r, action.chunk());
+        let mb = action.mb();
+        match action {
+            Action::Forward { .. } => match sched.input_stage(r, action) {
+                None => Some(0.0),
+                Some(from) => self.fwd_end[from][mb],
+            },
+            Action::Backward { .. } | Action::InputGrad { .. } => {
+                let own = self.fwd_end[stage][mb];
+                match sched.input_stage(r, action) {
+                    None => own,
+                    Some(from) => own.and(self.grad_end[from][mb]),
                 }
             }
-            let remaining = (0..p).any(|r| next[r] < self.actions[r].len());
-            if !remaining {
-                break;
-            }
-            if !moved {
-                let blocked = (0..p)
-                    .filter_map(|r| {
-                        self.actions[r]
-                            .get(next[r])
-                            .map(|a| format!("rank {r}: {a:?}"))
-                    })
-                    .collect::<Vec<_>>()
-                    .join(", ");
-                return Err(ScheduleError::Deadlock {
-                    passes_done: next.iter().sum(),
-                    blocked,
-                });
-            }
+            // Its own B ran earlier on this rank, or the order is wrong.
+            Action::WeightGrad { .. } => self.grad_end[stage][mb],
         }
+    }
+
+    /// Rank `r` ran `action` of model stage `stage` from `start` to `end`.
+    fn record(&mut self, r: usize, stage: usize, action: Action, start: f64, end: f64) {
+        let mb = action.mb();
+        match action {
+            Action::Forward { .. } => self.fwd_end[stage][mb] = Some(end),
+            Action::Backward { .. } | Action::InputGrad { .. } => {
+                self.grad_end[stage][mb] = Some(end)
+            }
+            Action::WeightGrad { .. } => {}
+        }
+        if action.is_forward() {
+            self.alive[r] += 1;
+            self.peak_alive[r] = self.peak_alive[r].max(self.alive[r]);
+        } else if action.computes_weight_grads() {
+            self.alive[r] -= 1;
+        }
+        self.spans[r].push(SimSpan { action, start, end });
+        self.next[r] += 1;
+    }
+
+    fn done(&self, sched: &Schedule) -> bool {
+        (0..sched.stages).all(|r| self.next[r] >= sched.actions[r].len())
+    }
+
+    fn deadlock(&self, sched: &Schedule) -> ScheduleError {
+        let blocked = (0..sched.stages)
+            .filter_map(|r| {
+                sched.actions[r]
+                    .get(self.next[r])
+                    .map(|a| format!("rank {r}: {a:?}"))
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        ScheduleError::Deadlock {
+            passes_done: self.next.iter().sum(),
+            blocked,
+        }
+    }
+
+    fn finish(self, sched: &Schedule) -> Simulation {
         // The grid's column: the shortest pass that ran.
-        let unit = spans
+        let unit = self
+            .spans
             .iter()
             .flatten()
             .map(|sp| sp.end - sp.start)
             .filter(|&d| d > 0.0)
             .fold(f64::INFINITY, f64::min);
-        Ok(Simulation {
-            virtual_stages: self.virtual_stages(),
-            makespan: free.iter().copied().fold(0.0, f64::max),
+        let makespan = self
+            .spans
+            .iter()
+            .filter_map(|s| s.last().map(|sp| sp.end))
+            .fold(0.0, f64::max);
+        Simulation {
+            virtual_stages: sched.virtual_stages(),
+            makespan,
             unit: if unit.is_finite() { unit } else { 1.0 },
-            spans,
-            peak_alive,
-        })
+            spans: self.spans,
+            peak_alive: self.peak_alive,
+        }
     }
 }
 

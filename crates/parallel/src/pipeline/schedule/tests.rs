@@ -604,3 +604,31 @@ fn zb_v_runs_the_embedding_chunks_last_w_after_the_heads() {
         }
     }
 }
+
+/// Sharing cores: with a core per rank nothing changes; with fewer, no pass finishes before
+/// its work at the cores' share, and a hand-worked GPipe grid.
+#[test]
+fn shared_cores_stretch_the_passes_that_run_together() {
+    for s in build_all_schedules() {
+        let costs = vec![PassCosts::EQUAL_SPLIT; s.num_model_stages()];
+        let own = s.simulate_with(&costs).unwrap();
+        let spare = s.simulate_shared(&costs, s.stages as f64).unwrap();
+        assert!((own.makespan() - spare.makespan()).abs() < 1e-9, "{:?}", s.kind);
+        let work: f64 = (0..s.stages).flat_map(|r| own.spans(r)).map(|sp| sp.end - sp.start).sum();
+        let one = s.simulate_shared(&costs, 1.0).unwrap();
+        assert!(one.makespan() >= work - 1e-9 && one.makespan() >= own.makespan() - 1e-9);
+    }
+    // GPipe, 2 ranks on 1 core, F = 1, B = 2: F0 alone (0-1); F1 and rank 1's F0 together at
+    // half speed (1-3); rank 1's F1 alone (3-4), its B0 alone (4-6); rank 0's B0 and rank 1's
+    // B1 together (6-10); rank 0's B1 alone (10-12).
+    let s = Schedule::new(ScheduleKind::GPipe, 2, 2).unwrap();
+    let c = PassCosts { forward: 1.0, backward: 2.0, input_grad: 2.0, weight_grad: 0.0 };
+    let sim = s.simulate_shared(&[c, c], 1.0).unwrap();
+    let ends = |r: usize| sim.spans(r).iter().map(|sp| (sp.start, sp.end)).collect::<Vec<_>>();
+    assert_eq!(ends(0), vec![(0.0, 1.0), (1.0, 3.0), (6.0, 10.0), (10.0, 12.0)]);
+    assert_eq!(ends(1), vec![(1.0, 3.0), (3.0, 4.0), (4.0, 6.0), (6.0, 10.0)]);
+    // A lone rank on half a core takes twice its work.
+    let s = Schedule::new(ScheduleKind::OneFOneB, 1, 3).unwrap();
+    let sim = s.simulate_shared(&[c], 0.5).unwrap();
+    assert!((sim.makespan() - 2.0 * 3.0 * 3.0).abs() < 1e-9);
+}

@@ -12,7 +12,7 @@
 //!   F_s = f_s + (its rank's tp / ep / pp collectives in forward) / (M · chunks)   the passes the
 //!   B_s = b_s + (its collectives in backward) / (M · chunks)                      simulator runs
 //!   pipeline = grad_accum · makespan(F, B)                              (bubble included)
-//!            = max(that, node's work / cores)    on a node of more ranks than cores
+//!              on a node of G ranks and K < G cores: the passes share the cores
 //!   step = pipeline
 //!        + the optimizer's pass over the rank's shard (the roofline rule only)
 //!        + step-phase collectives that cannot overlap (norm, tied embedding, ...)
@@ -29,8 +29,10 @@
 //! none), the rest an equal part per block, so a stage holding the head is the slower one.
 //!
 //! **Shared cores** (`--cores-per-node`, a CPU node): a node of `G` ranks on `K < G` cores
-//! runs them at `K / G` of a core each when all are busy, so the pipeline cannot finish before
-//! the node's work (every pass of its ranks) spread over its `K` cores; and no core is idle to
+//! runs them at `K / G` of a core each when all are busy: the schedule runs with each pass at
+//! `min(1, k / busy)` of its speed ([`mtrain_parallel::pipeline::Schedule::simulate_shared`],
+//! `k = K · pp / G` the cores of one pipeline replica), so the fill and the drain run at full
+//! speed and the steady state at the cores' share; and no core is idle to
 //! hide a collective behind (the CPU backend's collectives are work of the same cores: copies
 //! and sums over loopback), so the overlappable collectives are all exposed. A one-rank run that
 //! measures `f` and `b` runs on as many threads as a rank of the layout gets.
@@ -253,16 +255,16 @@ pub fn predict(
             weight_grad: if split { bs / 2.0 } else { 0.0 },
         })
         .collect();
-    let sim = sched.simulate_with(&costs)?;
-    let mut pipeline = ga as f64 * sim.makespan();
-    if let Some(cores) = shared {
-        // Every (dp, tp) replica of the pipeline runs each model stage's passes once per
-        // micro-batch; an average node holds ranks_per_node / pp of those replicas.
-        let replica: f64 = stage_costs.iter().map(|(f, b)| f + b).sum();
-        let per_node = machine.ranks_per_node(dims.world_size()) as f64;
-        let node_work = ga as f64 * m as f64 * replica * per_node / pp as f64;
-        pipeline = pipeline.max(node_work / cores as f64);
-    }
+    // On shared cores a pipeline replica's ranks get their part of the node's cores, and
+    // their passes stretch while more of them run than it has.
+    let sim = match shared {
+        None => sched.simulate_with(&costs)?,
+        Some(cores) => {
+            let per_node = machine.ranks_per_node(dims.world_size()) as f64;
+            sched.simulate_shared(&costs, cores as f64 * pp as f64 / per_node)?
+        }
+    };
+    let pipeline = ga as f64 * sim.makespan();
     // The rank whose step-phase and excess overlappable comm is largest finishes last.
     let tail = |r: usize| comm[r].2 + (comm[r].3 - window(r)).max(0.0);
     let worst = (0..pp)
