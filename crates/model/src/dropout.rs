@@ -24,46 +24,8 @@
 use candle_core::{DType, Result, Tensor};
 use mtrain_kernels::dropout::{Mask, MaskKey, Place, Site};
 
-use crate::chunks::SequenceChunks;
+use crate::chunks::Positions;
 use crate::tape::{Tape, TapeGrads};
-
-/// Where a pass's rows sit in each sequence of `t` positions: runs (first position, count),
-/// side by side along T in the order the rows hold them — all of `0..t` on one device, one
-/// run under sequence parallelism, a rank's two chunks under context parallelism.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Positions {
-    /// Positions of the whole sequence.
-    pub t: usize,
-    pub runs: Vec<(usize, usize)>,
-}
-
-impl Positions {
-    /// Every position of a sequence of `t`.
-    pub fn all(t: usize) -> Self {
-        Self::run(0, t, t)
-    }
-
-    /// Positions `first .. first + count` of a sequence of `t`.
-    pub fn run(first: usize, count: usize, t: usize) -> Self {
-        Positions {
-            t,
-            runs: vec![(first, count)],
-        }
-    }
-
-    /// The positions of `t_r` rows holding `chunks` of a sequence of `chunks.n · t_r`.
-    pub fn chunks(chunks: SequenceChunks, t_r: usize) -> Self {
-        Positions {
-            t: chunks.n * t_r,
-            runs: chunks.runs(t_r).to_vec(),
-        }
-    }
-
-    /// Rows per sequence these positions cover.
-    pub fn rows(&self) -> usize {
-        self.runs.iter().map(|r| r.1).sum()
-    }
-}
 
 /// The mask of an activation (B, T_r, C) whose rows hold [`Positions`]: one [`Mask`] per run,
 /// each with its rows' place in the global activation, with the run's row count.

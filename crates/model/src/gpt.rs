@@ -24,7 +24,7 @@ use std::sync::Arc;
 use candle_core::{Device, Result, Tensor};
 
 use crate::config::GptConfig;
-use crate::dropout::{self, embedding_mask, BlockMasks, Draw, Positions, RowMask};
+use crate::dropout::{self, embedding_mask, BlockMasks, Draw, RowMask};
 use crate::explicit;
 use crate::init::param_specs;
 use crate::layers::{
@@ -32,7 +32,7 @@ use crate::layers::{
 };
 use crate::moe::{MoeLayer, MoeStats};
 use crate::param::Param;
-use crate::chunks::SequenceChunks;
+use crate::chunks::{Positions, SequenceChunks};
 use crate::tape::{Collective, SequenceAttention, Tape};
 use crate::vocab::{AllRows, VocabLoss, VocabRows};
 

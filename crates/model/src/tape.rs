@@ -338,7 +338,7 @@ pub trait Exchange: Send + Sync {
 pub trait SequenceAttention: Send + Sync {
     /// The positions of the whole sequence that this rank's `t_r` rows hold (all of them on
     /// one device), which place the block's dropout masks.
-    fn positions(&self, t_r: usize) -> crate::dropout::Positions;
+    fn positions(&self, t_r: usize) -> crate::chunks::Positions;
     /// The output (B, T_r, H·D) of `h` heads at `scale`, the probabilities dropped by `probs`
     /// (the mask of the whole sequence's (T, T) probabilities, of which this rank draws the
     /// (query, key) pairs it computes), and what the backward needs.

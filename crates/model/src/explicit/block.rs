@@ -17,7 +17,8 @@ use mtrain_kernels::attention;
 
 use super::moe::{MoeTape, MoeWeights};
 use super::{across, bwd, err, fwd, MlpKept, MlpWeights, Norm, Stats};
-use crate::dropout::{self, BlockMasks, Draw, Positions};
+use crate::chunks::Positions;
+use crate::dropout::{self, BlockMasks, Draw};
 use crate::layers::{CausalSelfAttention, FeedForward, LayerNorm};
 use crate::moe::MoeStats;
 use crate::tape::{AttentionKept, Collective, SequenceAttention, SplitGrads, Tape, TapeGrads};

@@ -20,7 +20,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use mtrain_comm::{Comm, Work};
 use mtrain_kernels::attention::{self, BlockMask};
 use mtrain_kernels::dropout::Mask;
-use mtrain_model::dropout::Positions;
+use mtrain_model::chunks::Positions;
 use mtrain_model::tape::{AttentionKept, SequenceAttention};
 use mtrain_model::SequenceChunks;
 

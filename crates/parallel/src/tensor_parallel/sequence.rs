@@ -26,7 +26,8 @@
 
 use candle_core::{Result, Tensor};
 use mtrain_comm::{chunk_range, Comm};
-use mtrain_model::dropout::{BlockMasks, Positions};
+use mtrain_model::chunks::Positions;
+use mtrain_model::dropout::BlockMasks;
 use mtrain_model::tape::Collective;
 use mtrain_model::Draw;
 use mtrain_model::{Block, BlockSegment, CausalSelfAttention, LayerNorm, Mlp, SegmentOut};
