@@ -461,7 +461,7 @@ fn fused_backward(
 }
 
 mod full;
-pub use full::{full_backward, full_forward};
+pub use full::{full_backward, full_forward, BlockMask};
 #[cfg(feature = "cuda")]
 mod imp;
 mod on_cpu;

@@ -158,6 +158,40 @@ impl Mask {
         Tensor::from_vec(v, shape.to_vec(), &candle_core::Device::Cpu)?.to_device(dev)
     }
 
+    /// For a mask of attention probabilities (rows, H, T·T) of a sequence of `t`: the values of
+    /// the block of query positions `q` = (first, count) and key positions `k` = (first, count)
+    /// for `b` rows and `h` heads from the mask's offset, as a (b, h, q.1, k.1) f32 tensor on
+    /// `dev` — what one device draws for those (query, key) pairs, whichever rank holds them
+    /// (context parallelism's blocks of the (T, T) matrix). Seen as (rows, H, T, T), the
+    /// element (r, j, tq, tk) has the index of (r, j, tq·T + tk).
+    pub fn probs_block(
+        &self,
+        (b, h): (usize, usize),
+        t: usize,
+        q: (usize, usize),
+        k: (usize, usize),
+        dev: &candle_core::Device,
+    ) -> candle_core::Result<Tensor> {
+        let [rows, heads, tt] = self.place.global;
+        if tt != t * t {
+            return Err(candle_core::Error::Msg(format!(
+                "probability mask of {tt} columns per head is not that of a sequence of {t} ({})",
+                t * t
+            )));
+        }
+        let [r0, h0, _] = self.place.offset;
+        let shape = [b, h, q.1, k.1];
+        let v = mask_block(
+            &self.key,
+            self.p,
+            &[rows, heads, t, t],
+            &[r0, h0, q.0, k.0],
+            &shape,
+        )
+        .map_err(candle_core::Error::wrap)?;
+        Tensor::from_vec(v, shape.to_vec(), &candle_core::Device::Cpu)?.to_device(dev)
+    }
+
     /// The key as the kernels take it (`DropKey` in philox.cu).
     #[cfg(feature = "cuda")]
     pub(crate) fn device_key(&self) -> Result<DropKey, MaskError> {
@@ -467,6 +501,42 @@ mod tests {
         assert_eq!(keep(&k, 0.3, 17).unwrap(), full[17] != 0.0);
         let e = mask_block(&k, 0.3, &[b, t, c], &[0, 0, 6], &[4, 6, 5]).unwrap_err();
         assert!(e.to_string().contains("does not fit"), "{e}");
+    }
+
+    /// A block of (query, key) pairs of the probabilities (a context-parallel rank's queries
+    /// against another rank's keys) is the whole (rows, H, T, T) mask at those places.
+    #[test]
+    fn a_probability_block_is_the_whole_mask_at_its_pairs() {
+        let k = key(4, 1, Site::Attention);
+        let (rows, heads, t) = (3, 4, 8);
+        let m = Mask {
+            key: k,
+            p: 0.3,
+            place: Place {
+                global: [rows, heads, t * t],
+                offset: [1, 2, 0],
+            },
+        };
+        let full = m.values([2, 2, t * t]).unwrap(); // rows 1.., heads 2..
+        let dev = candle_core::Device::Cpu;
+        let (q, kk) = ((6, 2), (2, 3));
+        let got = m.probs_block((2, 2), t, q, kk, &dev).unwrap();
+        assert_eq!(got.dims(), &[2, 2, 2, 3]);
+        let got = got.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let mut want = Vec::new();
+        for r in 0..2 {
+            for j in 0..2 {
+                for tq in q.0..q.0 + q.1 {
+                    for tk in kk.0..kk.0 + kk.1 {
+                        want.push(full[(r * 2 + j) * t * t + tq * t + tk]);
+                    }
+                }
+            }
+        }
+        assert_eq!(got, want);
+        assert!(want.iter().any(|&v| v == 0.0) && want.iter().any(|&v| v != 0.0));
+        let e = m.probs_block((2, 2), 7, q, kk, &dev).unwrap_err();
+        assert!(e.to_string().contains("not that of a sequence of 7"), "{e}");
     }
 
     #[test]

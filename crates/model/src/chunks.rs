@@ -8,6 +8,9 @@
 //!                   rank         0     1     1     0      rank 0 rows: 0 1 6 7
 //!                                                         rank 1 rows: 2 3 4 5
 //! ```
+//!
+//! [`Positions`] says the same for any split of the rows (one device's, sequence parallelism's
+//! run, these chunks), which is where a rank's dropout masks are drawn ([`crate::dropout`]).
 
 /// This rank's chunks of a sequence split 2·`n` ways: `i` and 2n−1−i.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,6 +35,39 @@ impl SequenceChunks {
             .iter()
             .flat_map(|&(start, len)| start..start + len)
             .collect()
+    }
+}
+
+/// Where a pass's rows sit in each sequence of `t` positions: runs (first position, count),
+/// side by side along T in the order the rows hold them — all of `0..t` on one device, one
+/// run under sequence parallelism, a rank's two chunks under context parallelism.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Positions {
+    /// Positions of the whole sequence.
+    pub t: usize,
+    pub runs: Vec<(usize, usize)>,
+}
+
+impl Positions {
+    /// Every position of a sequence of `t`.
+    pub fn all(t: usize) -> Self {
+        Self::run(0, t, t)
+    }
+
+    /// Positions `first .. first + count` of a sequence of `t`.
+    pub fn run(first: usize, count: usize, t: usize) -> Self {
+        Positions {
+            t,
+            runs: vec![(first, count)],
+        }
+    }
+
+    /// The positions of `t_r` rows holding `chunks` of a sequence of `chunks.n · t_r`.
+    pub fn chunks(chunks: SequenceChunks, t_r: usize) -> Self {
+        Positions {
+            t: chunks.n * t_r,
+            runs: chunks.runs(t_r).to_vec(),
+        }
     }
 }
 

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use candle_core::{Device, Result, Tensor};
 
 use crate::config::GptConfig;
-use crate::dropout::{self, embedding_mask, BlockMasks, Draw};
+use crate::dropout::{self, embedding_mask, BlockMasks, Draw, RowMask};
 use crate::explicit;
 use crate::init::param_specs;
 use crate::layers::{
@@ -32,7 +32,7 @@ use crate::layers::{
 };
 use crate::moe::{MoeLayer, MoeStats};
 use crate::param::Param;
-use crate::chunks::SequenceChunks;
+use crate::chunks::{Positions, SequenceChunks};
 use crate::tape::{Collective, SequenceAttention, Tape};
 use crate::vocab::{AllRows, VocabLoss, VocabRows};
 
@@ -246,24 +246,26 @@ impl<V: VocabRows> Segment for Embedding<V> {
         _targets: Option<&Tensor>,
         draw: &Draw,
     ) -> Result<Option<Box<dyn Tape>>> {
-        let mask = self.mask(Some(draw), idx.dim(1)?)?;
-        explicit::embedding_tape(&self.wte, &self.wpe, &self.vocab, self.chunks, idx)?
-            .map(|tape| dropout::Dropped::wrap(tape, mask))
-            .transpose()
+        let tape = explicit::embedding_tape(&self.wte, &self.wpe, &self.vocab, self.chunks, idx)?;
+        tape.map(|tape| {
+            let mask = self.mask(Some(draw), idx.dim(1)?, tape.output().dim(1)?)?;
+            dropout::Dropped::wrap(tape, mask)
+        })
+        .transpose()
     }
 }
 
 impl<V: VocabRows> Embedding<V> {
-    /// The embedding site's mask of the output for a sequence of `t` under `draw`.
-    fn mask(&self, draw: Option<&Draw>, t: usize) -> Result<Option<mtrain_kernels::dropout::Mask>> {
+    /// The embedding site's mask of the output (B, `t_r`, C) of ids (B, `t`) under `draw`:
+    /// its rows at the chunks' positions of a sequence of cp · t_r under context parallelism,
+    /// else at the vocabulary split's (all of `t`, or sequence parallelism's run).
+    fn mask(&self, draw: Option<&Draw>, t: usize, t_r: usize) -> Result<Option<RowMask>> {
         let c = self.wte.tensor().dim(1)?;
-        let mask = embedding_mask(draw, (self.vocab.first_position(t), t), c)?;
-        if mask.is_some() && self.chunks.is_some() {
-            return Err(err(
-                "dropout under context parallelism is not drawn yet: set dropout = 0 with --cp".into(),
-            ));
-        }
-        Ok(mask)
+        let positions = match self.chunks {
+            Some(ch) => Positions::chunks(ch, t_r),
+            None => Positions::run(self.vocab.first_position(t), t_r, t),
+        };
+        embedding_mask(draw, &positions, c)
     }
 
     /// The (summed) token rows plus wpe, dropped under `draw`.
@@ -293,7 +295,7 @@ impl<V: VocabRows> Embedding<V> {
             None => wpe.narrow(0, self.vocab.first_position(t), tok.dim(1)?)?, // (T, C), or (T_r, C)
         };
         let x = tok.broadcast_add(&pos)?;
-        Ok(SegmentOut::plain(match self.mask(draw, t)? {
+        Ok(SegmentOut::plain(match self.mask(draw, t, x.dim(1)?)? {
             Some(m) => dropout::recorded(&x, &m)?,
             None => x,
         }))
@@ -415,7 +417,8 @@ impl BlockSegment for Block {
 
     fn run(&self, x: &Tensor, draw: Option<&Draw>) -> Result<SegmentOut> {
         let (_, t, c) = x.dims3()?;
-        let (masks, layer) = (BlockMasks::new(draw, self.layer, (0, t), c)?, self.layer);
+        let masks = BlockMasks::new(draw, self.layer, &Positions::all(t), c)?;
+        let layer = self.layer;
         let a = self
             .attn
             .forward_drawn(&self.ln_1.forward(x)?, draw, layer)?; // (B, T, C)

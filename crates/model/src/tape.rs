@@ -336,8 +336,19 @@ pub trait Exchange: Send + Sync {
 /// holds 1/cp of the sequence and brings the other ranks' keys and values around a ring (the
 /// parallel crate's `context_parallel`). The model crate knows no ranks.
 pub trait SequenceAttention: Send + Sync {
-    /// The output (B, T_r, H·D) of `h` heads at `scale`, and what the backward needs.
-    fn forward(&self, qkv: &Tensor, h: usize, scale: f64) -> Result<(Tensor, Box<dyn AttentionKept>)>;
+    /// The positions of the whole sequence that this rank's `t_r` rows hold (all of them on
+    /// one device), which place the block's dropout masks.
+    fn positions(&self, t_r: usize) -> crate::chunks::Positions;
+    /// The output (B, T_r, H·D) of `h` heads at `scale`, the probabilities dropped by `probs`
+    /// (the mask of the whole sequence's (T, T) probabilities, of which this rank draws the
+    /// (query, key) pairs it computes), and what the backward needs.
+    fn forward(
+        &self,
+        qkv: &Tensor,
+        h: usize,
+        scale: f64,
+        probs: Option<&mtrain_kernels::dropout::Mask>,
+    ) -> Result<(Tensor, Box<dyn AttentionKept>)>;
 }
 
 /// What a [`SequenceAttention`]'s forward kept for its backward.

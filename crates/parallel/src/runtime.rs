@@ -222,10 +222,11 @@ impl ParallelModel {
     ) -> Result<StepOut> {
         let t = std::time::Instant::now();
         let (idx, targets) = &self.own_chunks(idx, targets)?; // (B_local, T/cp) under cp
+        // This rank's rows of the global batch: its dp index's (the cp ranks of one dp index
+        // hold the same rows, each its chunks of them).
         let rows = idx.dim(0)?;
-        let draw = self
-            .dropout
-            .map(|d| d.rows(self.dp.rank() * rows, self.dp.size() * rows));
+        let (dp_rank, dp) = (self.coords.dp, self.plan.dims.dp);
+        let draw = self.dropout.map(|d| d.rows(dp_rank * rows, dp * rows));
         self.executor.set_dropout(draw);
         let ctx = SyncCtx {
             plan: &self.plan,

@@ -59,7 +59,7 @@ fn measure(cfg: &GptConfig, plan: &ParallelPlan) -> Vec<Counts> {
         let mesh = DeviceMesh::new(&backend, plan.dims).expect("mesh");
         let weights = init_weights(cfg, 7).expect("init");
         let mut model = parallelize(cfg, &weights, plan, &mesh, &Device::Cpu).expect("parallelize");
-        let groups = [
+        let mut groups = vec![
             &mesh.world,
             &mesh.tp,
             &mesh.pp,
@@ -68,7 +68,10 @@ fn measure(cfg: &GptConfig, plan: &ParallelPlan) -> Vec<Counts> {
             &mesh.edp,
             &mesh.mp,
         ];
-        for g in groups {
+        if plan.dims.cp > 1 {
+            groups.extend([&mesh.cp, &mesh.dcp]); // (dcp is the dp group itself at cp 1)
+        }
+        for &g in &groups {
             g.tracer().clear();
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
@@ -169,6 +172,66 @@ fn check(cfg: &GptConfig, plan: &ParallelPlan) {
         "{:?}: {total} bytes sent in one step over all ranks, as predicted",
         plan.dims
     );
+}
+
+/// `plan(dp, pp, tp, 1)` with `cp` ranks splitting each sequence.
+fn cp_plan(cp: usize, dp: usize, pp: usize, tp: usize) -> ParallelPlan {
+    let p = plan(dp, pp, tp, 1);
+    ParallelPlan {
+        dims: p.dims.with_cp(cp),
+        ..p
+    }
+}
+
+/// The cp ring's K, V and dK, dV passes of every block, and the gradient average and loss
+/// over dcp = dp × cp, as the tracer counts them: cp 4; cp 2 with tp 2 (each rank's heads),
+/// with pp 2 × dp 2, and under ZeRO-3 with activation checkpointing (the recompute's ring,
+/// ZeRO's gathers and reduce-scatters over dcp).
+#[test]
+fn cp_ring_bytes_match_the_trace() {
+    check(&cfg(), &cp_plan(4, 1, 1, 1));
+    check(&cfg(), &cp_plan(2, 1, 1, 2));
+    check(&cfg(), &cp_plan(2, 2, 2, 1));
+    let z3 = ParallelPlan {
+        data: zero(ZeroStage::Three),
+        checkpointing: true,
+        ..cp_plan(2, 2, 1, 1)
+    };
+    check(&cfg(), &z3);
+}
+
+/// The ring's figures by hand, B = 8 sequences of T = 8 at C = 32, f32, cp 2, one stage: a
+/// pass carries this rank's K and V, 2·B·(T/cp)·C = 2048 elements = 8192 B (dK, dV: the
+/// same, f32); per block 1 forward pass, 1 + 1 backward passes and the last accumulator
+/// pass home: 4 blocks → 4 K, V sends forward, 4 K, V + 8 dK, dV sends backward.
+#[test]
+fn cp_ring_figures_by_hand() {
+    let cfg = cfg();
+    let p = cp_plan(2, 1, 1, 1).validate(&cfg, 2, BATCH).expect("plan");
+    let shape = StepShape {
+        batch: BATCH,
+        seq_len: SEQ,
+        dtype: DType::F32,
+    };
+    let items = step_collectives(&cfg, &p, shape, 0).expect("predict");
+    let ring: Vec<_> = items
+        .iter()
+        .filter(|c| c.group == Group::Cp && c.op == OpKind::Send)
+        .map(|c| (c.what, c.phase, c.bytes_sent, c.count, c.overlappable))
+        .collect();
+    use mtrain_parallel::analysis::comm_cost::Phase::{Backward, Forward};
+    assert_eq!(
+        ring,
+        vec![
+            ("K, V around the ring", Forward, 8192, 4, true),
+            ("K, V around the ring", Backward, 8192, 4, true),
+            ("dK, dV accumulators", Backward, 8192, 4, true),
+            ("dK, dV home (last pass)", Backward, 8192, 4, false),
+        ]
+    );
+    // The loss is averaged over dcp (= cp here), not over the dp group of one.
+    assert!(items.iter().any(|c| c.group == Group::Dcp && c.what == "loss"));
+    assert!(items.iter().all(|c| c.group != Group::Dp));
 }
 
 #[test]

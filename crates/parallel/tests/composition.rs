@@ -402,6 +402,40 @@ fn cp2_dp2_zero3_equals_one_device() {
     check_equals_one_device(&cfg(), &p, 1);
 }
 
+/// Dropout 0.1 at every site under context parallelism: each rank draws the embedding and
+/// residual masks at its chunks' positions and, block by block of the ring, the
+/// probabilities' mask at the (query, key) pairs it computes; the same tolerances.
+#[test]
+fn dropout_cp2_equals_one_device() {
+    check_dropout_equals_one_device(&Device::Cpu, &cfg(), &cp_plan(2, 1, 1, 1), 1, DROPOUT);
+}
+
+#[test]
+fn dropout_cp4_equals_one_device() {
+    check_dropout_equals_one_device(&Device::Cpu, &cfg(), &cp_plan(4, 1, 1, 1), 1, DROPOUT);
+}
+
+/// Each tp rank's heads of the ring's blocks draw their heads' part of the mask.
+#[test]
+fn dropout_cp2_tp2_equals_one_device() {
+    check_dropout_equals_one_device(&Device::Cpu, &cfg(), &cp_plan(2, 1, 1, 2), 1, DROPOUT);
+}
+
+/// The rows of each dp index, each pipeline micro-batch's, under the ring.
+#[test]
+fn dropout_cp2_pp2_dp2_equals_one_device() {
+    check_dropout_equals_one_device(&Device::Cpu, &cfg(), &cp_plan(2, 2, 2, 1), 1, DROPOUT);
+}
+
+#[test]
+fn dropout_cp2_dp2_zero3_equals_one_device() {
+    let p = ParallelPlan {
+        data: zero(ZeroStage::Three),
+        ..cp_plan(2, 2, 1, 1)
+    };
+    check_dropout_equals_one_device(&Device::Cpu, &cfg(), &p, 1, DROPOUT);
+}
+
 /// What context parallelism does not take is refused with the reason.
 #[test]
 fn validate_refuses_what_cp_does_not_take() {

@@ -378,12 +378,6 @@ impl TrainConfig {
                 2 * cp
             ));
         }
-        if cp > 1 && self.dropout > 0.0 {
-            return bad(format!(
-                "dropout {} with cp {cp}: context parallelism does not draw dropout masks yet; set dropout = 0",
-                self.dropout
-            ));
-        }
         if !(self.lr.is_finite() && self.lr > 0.0)
             || !(self.min_lr.is_finite() && self.min_lr >= 0.0)
         {

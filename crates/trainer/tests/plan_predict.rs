@@ -4,6 +4,7 @@
 //! collective exposed. `scripts/check-plan.sh` holds the same predictions against runs.
 
 use clap::Parser;
+use mtrain_parallel::analysis::comm_cost::Group;
 use mtrain_parallel::parallelize::ValidPlan;
 use mtrain_trainer::cli::Cli;
 use mtrain_trainer::config::TrainConfig;
@@ -128,4 +129,37 @@ fn interleaved_chunks_add_up_to_the_ranks_part() {
         p.step_s >= p.compute_s && p.step_s < 2.0 * p.compute_s,
         "{p:?}"
     );
+}
+
+/// The cp ring (tiny GPT: B = 16 sequences of T = 64, width 64, 4 blocks, f32; cp 2 on
+/// NVLink 4): a pass carries 2·16·32·64·4 B = 256 KiB, α + S/β = 1 µs + 0.65536 µs; per block
+/// and micro-step one K, V pass forward, one K, V and one dK, dV pass backward, one last dK, dV
+/// pass home: 16 passes, 26.486 µs. Behind passes of a second each, the attention beside a
+/// pass (milliseconds) hides it, all but the 4 last passes (6.621 µs); behind nanosecond
+/// passes nothing is hidden.
+#[test]
+fn the_cp_ring_hides_behind_attention_but_its_last_pass() {
+    let (cfg, plan) = resolved("2", &["--cp", "2"]);
+    assert_eq!((cfg.batch_size, cfg.seq_len), (16, 64));
+    let pass = 1e-6 + 262_144.0 / 400e9;
+    let cp = |p: &Prediction| {
+        let g = p.groups.iter().find(|g| g.group == Group::Cp).expect("a cp row");
+        (g.total_s, g.exposed_s)
+    };
+    let slow = Measured {
+        forward_s: 1.0,
+        backward_s: Some(2.0),
+    };
+    let (total, exposed) = cp(&predict(&cfg, &plan, &node(2, None), Some(slow)).unwrap());
+    assert!(close(total, 16.0 * pass), "{total}");
+    assert!(close(exposed, 4.0 * pass), "{exposed}");
+    let fast = Measured {
+        forward_s: 1e-9,
+        backward_s: Some(2e-9),
+    };
+    let p = predict(&cfg, &plan, &node(2, None), Some(fast)).unwrap();
+    let (total, exposed) = cp(&p);
+    assert!(close(total, 16.0 * pass) && (total - exposed).abs() < 1e-9, "{total} {exposed}");
+    // Each rank computes half of the sequence: half of one rank's passes of the micro-batch.
+    assert!(close(p.compute_s, 1.5e-9), "{}", p.compute_s);
 }

@@ -17,6 +17,7 @@ use mtrain_kernels::attention;
 
 use super::moe::{MoeTape, MoeWeights};
 use super::{across, bwd, err, fwd, MlpKept, MlpWeights, Norm, Stats};
+use crate::chunks::Positions;
 use crate::dropout::{self, BlockMasks, Draw};
 use crate::layers::{CausalSelfAttention, FeedForward, LayerNorm};
 use crate::moe::MoeStats;
@@ -111,10 +112,8 @@ struct BlockTape {
 }
 
 /// One device's attention over the whole sequence: the causal kernels
-/// ([`attention::forward_tokens`]), the probabilities dropped by `probs` where it is drawn.
-pub struct LocalAttention {
-    pub probs: Option<Mask>,
-}
+/// ([`attention::forward_tokens`]), the probabilities dropped where a mask is drawn.
+pub struct LocalAttention;
 
 /// What [`LocalAttention`] kept: the kernels' saved tensors and the sizes and mask to run their
 /// backward with.
@@ -126,9 +125,19 @@ struct LocalKept {
 }
 
 impl SequenceAttention for LocalAttention {
-    fn forward(&self, qkv: &Tensor, h: usize, scale: f64) -> Result<(Tensor, Box<dyn AttentionKept>)> {
-        let (y, saved) = attention::forward_tokens(qkv, h, scale, self.probs.as_ref())?; // (B, T, HD)
-        let probs = self.probs.clone();
+    fn positions(&self, t_r: usize) -> Positions {
+        Positions::all(t_r)
+    }
+
+    fn forward(
+        &self,
+        qkv: &Tensor,
+        h: usize,
+        scale: f64,
+        probs: Option<&Mask>,
+    ) -> Result<(Tensor, Box<dyn AttentionKept>)> {
+        let (y, saved) = attention::forward_tokens(qkv, h, scale, probs)?; // (B, T, HD)
+        let probs = probs.cloned();
         Ok((y, Box::new(LocalKept { saved, h, scale, probs })))
     }
 }
@@ -197,19 +206,18 @@ pub fn sharded_block_tape(
     let scale = 1.0 / (d as f64).sqrt();
     let draw = dropout_at.map(|o| o.draw);
     let layer = dropout_at.map_or(0, |o| o.layer);
-    let t_all = n / b; // the whole sequence, which attention sees
-    let probs = attn.probs_mask(draw, layer, t_all)?;
-    let first = dropout_at.and_then(|o| o.positions).map_or(0, |f| f(t_all));
-    let masks = BlockMasks::new(draw, layer, (first, t_all), c)?;
-    if context.is_some() && (probs.is_some() || masks.attn.is_some() || masks.mlp.is_some()) {
-        return Err(err(
-            "dropout under context parallelism is not drawn yet: set dropout = 0 with --cp".into(),
-        ));
-    }
-    let (ym, att) = match context {
-        Some(ring) => ring.forward(&qkv, h, scale)?, // (B, T, HD)
-        None => LocalAttention { probs }.forward(&qkv, h, scale)?, // (B, T, HD)
+    let t_att = n / b; // the rows attention sees: the whole sequence, or this rank's under cp
+    // The masks' places in the whole sequence: context parallelism's chunks (the ring's
+    // positions), else sequence parallelism's run of the rows attention sees, else all.
+    let positions = match (&context, dropout_at.and_then(|o| o.positions)) {
+        (Some(ring), _) => ring.positions(t),
+        (None, Some(first)) => Positions::run(first(t_att), t, t_att),
+        (None, None) => Positions::all(t),
     };
+    let context: Arc<dyn SequenceAttention> = context.unwrap_or_else(|| Arc::new(LocalAttention));
+    let probs = attn.probs_mask(draw, layer, context.positions(t_att).t)?;
+    let masks = BlockMasks::new(draw, layer, &positions, c)?;
+    let (ym, att) = context.forward(&qkv, h, scale, probs.as_ref())?; // (B, T, HD)
     drop(qkv); // `att` holds it as the kernels read it
     let ym = ym.reshape((n, h * d))?; // (N, HD)
     let (ym, x1) = match &masks.attn {

@@ -3,9 +3,10 @@
 //! link classes inside and between nodes; and which link each process group of a mesh spans.
 //!
 //! Ranks fill nodes in order (rank r sits on node ⌊r / G⌋, G GPUs per node: the launcher's
-//! `node_rank · nproc_per_node + local_rank`), and the mesh puts tp innermost, then pp, then dp
-//! (`mtrain_comm::mesh`), so a group's ranks and the nodes they sit on follow from the
-//! dimensions alone:
+//! `node_rank · nproc_per_node + local_rank`), and the mesh puts tp innermost, then cp, then
+//! pp, then dp (`mtrain_comm::mesh`), so a group's ranks and the nodes they sit on follow from
+//! the dimensions alone (a cp group shares dp, pp and tp; dcp, the gradient average under
+//! context parallelism, shares pp and tp):
 //!
 //! ```text
 //!   64 GPUs, 8 per node, tp 8 · pp 4 · dp 2      node 0: ranks 0-7 = one tp group
@@ -257,21 +258,24 @@ impl Span {
 pub fn span(dims: MeshDims, group: Group, gpus_per_node: usize) -> Span {
     use std::collections::HashMap;
     let g = gpus_per_node.max(1);
-    let mut on_node: HashMap<((usize, usize, usize), usize), usize> = HashMap::new();
+    let mut on_node: HashMap<((usize, usize, usize, usize), usize), usize> = HashMap::new();
     for r in 0..dims.world_size() {
         let c = dims.coords(r);
+        // The coordinates the group's ranks share.
         let key = match group {
-            Group::Tp => (c.dp, c.pp, 0),
-            Group::Pp => (c.dp, c.tp, 0),
-            Group::Dp => (c.pp, c.tp, 0),
-            Group::Ep => (c.edp, c.pp, c.tp),
-            Group::Edp => (c.ep, c.pp, c.tp),
-            Group::World => (0, 0, 0),
+            Group::Tp => (c.dp, c.pp, c.cp, 0),
+            Group::Cp => (c.dp, c.pp, c.tp, 0),
+            Group::Pp => (c.dp, c.cp, c.tp, 0),
+            Group::Dp => (c.pp, c.cp, c.tp, 0),
+            Group::Dcp => (c.pp, c.tp, 0, 0),
+            Group::Ep => (c.edp, c.pp, c.cp, c.tp),
+            Group::Edp => (c.ep, c.pp, c.cp, c.tp),
+            Group::World => (0, 0, 0, 0),
         };
         *on_node.entry((key, r / g)).or_default() += 1;
     }
     // Per group: the nodes it touches and the fewest of its ranks on one of them.
-    let mut per_group: HashMap<(usize, usize, usize), (usize, usize)> = HashMap::new();
+    let mut per_group: HashMap<(usize, usize, usize, usize), (usize, usize)> = HashMap::new();
     for ((key, _), n) in on_node {
         let e = per_group.entry(key).or_insert((0, usize::MAX));
         *e = (e.0 + 1, e.1.min(n));
@@ -366,15 +370,17 @@ mod tests {
     #[test]
     fn the_span_is_the_mesh_groups() {
         use mtrain_comm::mesh::GroupKind;
-        let dims = MeshDims::new(4, 3, 2, 2);
         let kinds = [
             (Group::Tp, GroupKind::Tp),
+            (Group::Cp, GroupKind::Cp),
             (Group::Pp, GroupKind::Pp),
             (Group::Dp, GroupKind::Dp),
+            (Group::Dcp, GroupKind::Dcp),
             (Group::Ep, GroupKind::Ep),
             (Group::Edp, GroupKind::Edp),
         ];
-        for g in [2, 4, 8] {
+        let meshes = [MeshDims::new(4, 3, 2, 2), MeshDims::new(2, 2, 2, 2).with_cp(2)];
+        for (dims, g) in meshes.into_iter().flat_map(|d| [2, 4, 8].map(|g| (d, g))) {
             for (group, kind) in kinds {
                 let mut want = Span {
                     size: group.size(dims),
@@ -394,7 +400,7 @@ mod tests {
                         want.per_node = want.per_node.min(fewest);
                     }
                 }
-                assert_eq!(span(dims, group, g), want, "{group:?} on nodes of {g}");
+                assert_eq!(span(dims, group, g), want, "{dims:?}: {group:?} on nodes of {g}");
             }
         }
     }

@@ -231,8 +231,13 @@ pub fn broadcast_sent(bytes: u64, n: usize, r: usize, root: usize) -> u64 {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Group {
     Tp,
+    /// Context parallelism's ring: the ranks that split each sequence.
+    Cp,
     Pp,
     Dp,
+    /// dp × cp: the ranks that hold the same parameters, over which gradients and losses are
+    /// averaged under context parallelism (the dp group's role when cp > 1).
+    Dcp,
     Ep,
     Edp,
     World,
@@ -240,10 +245,12 @@ pub enum Group {
 
 impl Group {
     /// Every group, in the mesh's order.
-    pub const ALL: [Group; 6] = [
+    pub const ALL: [Group; 8] = [
         Group::Tp,
+        Group::Cp,
         Group::Pp,
         Group::Dp,
+        Group::Dcp,
         Group::Ep,
         Group::Edp,
         Group::World,
@@ -252,8 +259,10 @@ impl Group {
     pub fn name(self) -> &'static str {
         match self {
             Group::Tp => "tp",
+            Group::Cp => "cp",
             Group::Pp => "pp",
             Group::Dp => "dp",
+            Group::Dcp => "dcp",
             Group::Ep => "ep",
             Group::Edp => "edp",
             Group::World => "world",
@@ -264,14 +273,22 @@ impl Group {
     pub fn size(self, dims: MeshDims) -> usize {
         match self {
             Group::Tp => dims.tp,
+            Group::Cp => dims.cp,
             Group::Pp => dims.pp,
             Group::Dp => dims.dp,
+            Group::Dcp => dims.dp * dims.cp,
             Group::Ep => dims.ep,
             Group::Edp => dims.dp / dims.ep.max(1),
             Group::World => dims.world_size(),
         }
     }
 }
+
+/// What the cp ring's passes carry (`Collective::what`): this rank's K, V around the ring;
+/// the dK, dV accumulators behind them in the backward; the last accumulator pass home.
+pub const RING_KV: &str = "K, V around the ring";
+pub const RING_DKV: &str = "dK, dV accumulators";
+pub const RING_HOME: &str = "dK, dV home (last pass)";
 
 /// When in the step a collective runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -324,8 +341,10 @@ impl Tally {
         let c = self.dims.coords(self.rank);
         match g {
             Group::Tp => c.tp,
+            Group::Cp => c.cp,
             Group::Pp => c.pp,
             Group::Dp => c.dp,
+            Group::Dcp => c.dp * self.dims.cp + c.cp,
             Group::Ep => c.ep,
             Group::Edp => c.edp,
             Group::World => self.rank,

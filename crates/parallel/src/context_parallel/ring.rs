@@ -6,11 +6,21 @@
 //! in flight while the block's attention runs. Even ranks send first and odd ranks receive
 //! first, so that where a send waits for its receiver (NCCL) the ring cannot deadlock.
 //!
+//! **Dropout** on the probabilities: each block's probabilities are multiplied by the mask one
+//! device draws for the same (query, key) positions of the whole (T, T) matrix
+//! ([`Mask::probs_block`], drawn again in the backward), and the blocks merge as without it
+//! (`(P ∘ M) v` is linear in each block's `(P_b ∘ M_b) v_b`; the rule in
+//! [`attention::full_forward`]'s module). The causal kernels draw a mask at the places of the
+//! sequence they are given, so under dropout the diagonal block runs through the same
+//! materialised path as the others, with the causal mask.
+//!
 //! Legend: `B` batch, `H` heads, `T_r` this rank's rows (two chunks of `c`), `D` head size.
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use mtrain_comm::{Comm, Work};
-use mtrain_kernels::attention;
+use mtrain_kernels::attention::{self, BlockMask};
+use mtrain_kernels::dropout::Mask;
+use mtrain_model::chunks::Positions;
 use mtrain_model::tape::{AttentionKept, SequenceAttention};
 use mtrain_model::SequenceChunks;
 
@@ -96,6 +106,52 @@ fn key_block_at(step: usize, chunks: SequenceChunks) -> Block {
     }
 }
 
+/// The dropout of this rank's blocks of the probabilities: the mask of the whole sequence's
+/// (B, H, T·T), of which each block draws its (query, key) pairs.
+struct Drops<'a> {
+    mask: &'a Mask,
+    chunks: SequenceChunks,
+    /// (B, H) of this rank's heads, this rank's rows T_r.
+    b: usize,
+    h: usize,
+    t_r: usize,
+}
+
+impl Drops<'_> {
+    /// The mask (B, H, Tq, Tk) f32 of the block at `step`: this rank's query positions against
+    /// the positions of the keys it holds then (rank i − step's), as [`Block`] selects them.
+    fn at(&self, step: usize, dev: &Device) -> Result<Tensor> {
+        let SequenceChunks { n, i } = self.chunks;
+        let mine = self.chunks.runs(self.t_r);
+        let theirs = SequenceChunks { n, i: (i + n - step) % n }.runs(self.t_r);
+        let (q, k): (&[_], &[_]) = match key_block_at(step, self.chunks) {
+            Block::Diagonal => (&mine, &mine),
+            Block::EarlyKeys => (&mine, &theirs[..1]),
+            Block::LateQueries => (&mine[1..], &theirs),
+        };
+        let t = n * self.t_r;
+        let rows = q
+            .iter()
+            .map(|&qr| {
+                let cols = k
+                    .iter()
+                    .map(|&kr| self.mask.probs_block((self.b, self.h), t, qr, kr, dev))
+                    .collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&cols, 3) // (B, H, run of q, Tk)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&rows, 2) // (B, H, Tq, Tk)
+    }
+}
+
+/// The diagonal's mask under dropout: causal, and the block's draw.
+fn diagonal(drop: &Tensor) -> BlockMask<'_> {
+    BlockMask {
+        causal: true,
+        drop: Some(drop),
+    }
+}
+
 /// 2^x for f32 tensors.
 fn exp2(x: &Tensor) -> Result<Tensor> {
     (x * std::f64::consts::LN_2)?.exp()
@@ -128,11 +184,17 @@ fn merge(
 }
 
 impl SequenceAttention for RingAttention {
+    /// This rank's two chunks of a sequence of n · T_r.
+    fn positions(&self, t_r: usize) -> Positions {
+        Positions::chunks(self.chunks, t_r)
+    }
+
     fn forward(
         &self,
         qkv: &Tensor,
         h: usize,
         scale: f64,
+        probs: Option<&Mask>,
     ) -> Result<(Tensor, Box<dyn AttentionKept>)> {
         let (b, t_r, _) = qkv.dims3()?;
         let (chunks, group) = (self.chunks, &self.group);
@@ -146,9 +208,15 @@ impl SequenceAttention for RingAttention {
         let q = heads.get(0)?; // (B, H, T_r, D)
         let kv = heads.narrow(0, 1, 2)?; // (2, B, H, T_r, D): this rank's keys and values
         let first = if chunks.n > 1 { vec![&kv] } else { vec![] };
+        let drops = probs.map(|mask| Drops { mask, chunks, b, h, t_r });
+        let dev = qkv.device();
         // Step 0, the diagonal (causal) block, while this rank's K, V go to rank i+1.
-        let (mut arrived, (y, lse2)) = overlapped(group, &first, || {
-            attention::forward(&heads, scale, None) // (B, H, T_r, D), lse2
+        let (mut arrived, (y, lse2)) = overlapped(group, &first, || match &drops {
+            None => attention::forward(&heads, scale, None), // (B, H, T_r, D), lse2
+            Some(d) => {
+                let (k, v) = (heads.get(1)?, heads.get(2)?);
+                attention::full_forward(&q, &k, &v, scale, diagonal(&d.at(0, dev)?))
+            }
         })?;
         let lse_dims = lse2.dims().to_vec();
         let (mut y, mut lse2) = (y.to_dtype(DType::F32)?, lse2.reshape((b, h, t_r))?);
@@ -160,18 +228,25 @@ impl SequenceAttention for RingAttention {
                 vec![]
             };
             let (k, v) = (kv.get(0)?, kv.get(1)?);
-            (arrived, (y, lse2)) =
-                overlapped(group, &sends, || match key_block_at(step, chunks) {
+            (arrived, (y, lse2)) = overlapped(group, &sends, || {
+                let drop = drops.as_ref().map(|d| d.at(step, dev)).transpose()?;
+                let mask = BlockMask {
+                    causal: false,
+                    drop: drop.as_ref(),
+                };
+                match key_block_at(step, chunks) {
                     Block::EarlyKeys => {
                         let (k0, v0) = (k.narrow(2, 0, c)?, v.narrow(2, 0, c)?);
-                        let (yb, lb) = attention::full_forward(&q, &k0, &v0, scale)?;
+                        let (yb, lb) = attention::full_forward(&q, &k0, &v0, scale, mask)?;
                         merge(&y, &lse2, &yb, &lb, 0)
                     }
                     _ => {
-                        let (yb, lb) = attention::full_forward(&q.narrow(2, c, c)?, &k, &v, scale)?;
+                        let ql = q.narrow(2, c, c)?;
+                        let (yb, lb) = attention::full_forward(&ql, &k, &v, scale, mask)?;
                         merge(&y, &lse2, &yb, &lb, c)
                     }
-                })?;
+                }
+            })?;
         }
         let out = y.to_dtype(qkv.dtype())?; // (B, H, T_r, D)
         let out = mtrain_kernels::merge_heads(&out.unsqueeze(0)?)?; // (B, T_r, H·D)
@@ -183,6 +258,7 @@ impl SequenceAttention for RingAttention {
             lse_dims,
             h,
             scale,
+            probs: probs.cloned(),
         };
         Ok((out, Box::new(kept)))
     }
@@ -200,6 +276,8 @@ struct RingKept {
     lse_dims: Vec<usize>,
     h: usize,
     scale: f64,
+    /// The probabilities' dropout, drawn again block by block.
+    probs: Option<Mask>,
 }
 
 impl AttentionKept for RingKept {
@@ -215,18 +293,31 @@ impl AttentionKept for RingKept {
             lse_dims,
             h,
             scale,
+            probs,
         } = *self;
         let apart =
             |t: &Tensor| -> Result<Tensor> { mtrain_kernels::split_heads(t, 1, h)?.squeeze(0) };
         let (yh, dyh) = (apart(y)?, apart(dy)?); // (B, H, T_r, D)
-        let c = lse2.dim(2)? / 2;
+        let (b, t_r) = (yh.dim(0)?, lse2.dim(2)?);
+        let c = t_r / 2;
         let q = heads.get(0)?;
         let kv = heads.narrow(0, 1, 2)?; // (2, B, H, T_r, D)
         let first = if chunks.n > 1 { vec![&kv] } else { vec![] };
+        let drops = probs.as_ref().map(|mask| Drops { mask, chunks, b, h, t_r });
+        let dev = heads.device();
         // Step 0, the diagonal: the causal kernels' backward with the merged y and lse2.
-        let (mut arrived, g) = overlapped(&group, &first, || {
-            let lse = lse2.reshape(lse_dims.as_slice())?;
-            attention::backward(&heads, &yh, &dyh, &lse, scale, None)?.to_dtype(DType::F32)
+        let (mut arrived, g) = overlapped(&group, &first, || match &drops {
+            None => {
+                let lse = lse2.reshape(lse_dims.as_slice())?;
+                attention::backward(&heads, &yh, &dyh, &lse, scale, None)?.to_dtype(DType::F32)
+            }
+            Some(d) => {
+                let (k, v) = (heads.get(1)?, heads.get(2)?);
+                let drop = d.at(0, dev)?;
+                let (dq, dk, dv) =
+                    attention::full_backward(&q, &k, &v, &yh, &dyh, &lse2, scale, diagonal(&drop))?;
+                Tensor::stack(&[dq, dk, dv], 0)
+            }
         })?; // g: (3, B, H, T_r, D)
         let mut dq = g.get(0)?;
         let mut dkv = g.narrow(0, 1, 2)?; // for this rank's keys
@@ -238,11 +329,16 @@ impl AttentionKept for RingKept {
                 sends.push(&kv);
             }
             let (k, v) = (kv.get(0)?, kv.get(1)?);
+            let drop = drops.as_ref().map(|d| d.at(step, dev)).transpose()?;
+            let mask = BlockMask {
+                causal: false,
+                drop: drop.as_ref(),
+            };
             let (got, block) = overlapped(&group, &sends, || match key_block_at(step, chunks) {
                 Block::EarlyKeys => {
                     let (k0, v0) = (k.narrow(2, 0, c)?, v.narrow(2, 0, c)?);
                     let (dqb, dk, dv) =
-                        attention::full_backward(&q, &k0, &v0, &yh, &dyh, &lse2, scale)?;
+                        attention::full_backward(&q, &k0, &v0, &yh, &dyh, &lse2, scale, mask)?;
                     let late = Tensor::zeros(dk.dims(), DType::F32, dk.device())?;
                     let pad = |t: &Tensor| Tensor::cat(&[t, &late], 2); // (B, H, T_r, D)
                     Ok((dqb, Tensor::stack(&[pad(&dk)?, pad(&dv)?], 0)?))
@@ -251,7 +347,7 @@ impl AttentionKept for RingKept {
                     let rows = |t: &Tensor| t.narrow(2, c, c);
                     let (ql, yl, dyl, ll) = (rows(&q)?, rows(&yh)?, rows(&dyh)?, rows(&lse2)?);
                     let (dqb, dk, dv) =
-                        attention::full_backward(&ql, &k, &v, &yl, &dyl, &ll, scale)?;
+                        attention::full_backward(&ql, &k, &v, &yl, &dyl, &ll, scale, mask)?;
                     let early = Tensor::zeros(dqb.dims(), DType::F32, dqb.device())?;
                     let dqb = Tensor::cat(&[&early, &dqb], 2)?; // (B, H, T_r, D)
                     Ok((dqb, Tensor::stack(&[dk, dv], 0)?))

@@ -26,6 +26,7 @@
 
 use candle_core::{Result, Tensor};
 use mtrain_comm::{chunk_range, Comm};
+use mtrain_model::chunks::Positions;
 use mtrain_model::dropout::BlockMasks;
 use mtrain_model::tape::Collective;
 use mtrain_model::Draw;
@@ -80,7 +81,8 @@ impl BlockSegment for SequenceParallelBlock {
         // x: (B, T/tp, C)
         let h = ENTER.apply(&b.ln_1.forward(x)?, &self.group)?; // (B, T, C)
         let (t, c) = (h.dim(1)?, h.dim(2)?);
-        let masks = BlockMasks::new(draw, b.layer, (self.positions(t).start, t), c)?;
+        let mine = self.positions(t);
+        let masks = BlockMasks::new(draw, b.layer, &Positions::run(mine.start, mine.len(), t), c)?;
         let a = b.attn.forward_drawn(&h, draw, b.layer)?; // (B, T/tp, C): reduce-scattered
         let x = (x + masks.attn(&a)?)?; // (B, T/tp, C)
         let h = ENTER.apply(&b.ln_2.forward(&x)?, &self.group)?; // (B, T, C)

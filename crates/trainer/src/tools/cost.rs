@@ -302,13 +302,6 @@ pub fn plan_section(
             _ => "f32",
         }
     );
-    if dims.cp > 1 {
-        let _ = writeln!(
-            s,
-            "  not priced yet: the cp ring's K/V transfers (cp {}) and the gradient average over dp x cp; the rows below are the layout's without cp",
-            dims.cp
-        );
-    }
     if grad_accum > 1 {
         let _ = writeln!(
             s,

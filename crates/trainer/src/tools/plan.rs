@@ -449,12 +449,6 @@ pub fn render_cluster(
         },
     };
     s.push_str("communication of one micro-step that ends an optimizer step, each group on the link it spans:\n");
-    if dims.cp > 1 {
-        s.push_str(&format!(
-            "  not priced yet: the cp ring's K/V transfers (cp {}) and the gradient average over dp x cp; the rows below are the layout's without cp\n",
-            dims.cp
-        ));
-    }
     let price = |g, op, n| machine.model(dims, g, op, n);
     for p in 0..dims.pp {
         let rank = dims.rank_of(0, p, 0);

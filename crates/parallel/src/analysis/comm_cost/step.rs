@@ -13,8 +13,23 @@
 //!   per segment the tensor-, sequence- and expert-parallel collectives its layers describe
 //!               (tensor_parallel::mapping's tables, vocab::LOSS_ALL_REDUCES, MOE_EXCHANGES)
 //!               in forward, recompute and backward
+//!   cp ring     each block's K, V passes around the cp ring, and in the backward the dK, dV
+//!               accumulators behind them (context_parallel::ring; below)
 //!   after       runtime::finish_grads (dp average, Σ tp partial, tied wte), loss, expert load,
 //!               the gradient norm, ZeRO's write-back
+//! ```
+//!
+//! Under context parallelism a rank holds T/cp of each sequence (its activations, its tp
+//! collectives, its pipeline transfers), and the data-parallel work (the gradient average,
+//! ZeRO's shards, the loss) runs over dcp = dp × cp. A block's ring, per micro-batch, with
+//! `S_kv = 2·B·(T/cp)·(C/tp)` elements (this rank's K and V, its heads) — each pass a send to
+//! rank i+1 and a receive from i−1 at once, the bytes counted on the send:
+//!
+//! ```text
+//!   forward    cp−1 passes of K, V (activation dtype), each beside a block's attention
+//!   backward   cp−1 passes of K, V, and cp−1 of the dK, dV accumulators (f32) beside the
+//!              blocks' gradients; one more accumulator pass, after the last block, brings
+//!              each rank's dK, dV home with nothing to hide behind
 //! ```
 //!
 //! Payloads are counted exactly as the CPU backend sends them (see the parent module); the MoE
@@ -29,6 +44,7 @@ use mtrain_model::moe::capacity;
 use mtrain_model::{GptConfig, MoeConfig};
 
 use super::{ring_all_gather_sent, Collective, CostError, Group, Phase, Result, StepShape, Tally};
+use super::{RING_DKV, RING_HOME, RING_KV};
 use crate::ddp::{assign_bucket_sizes, DdpConfig, ParamSize};
 use crate::expert_parallel::{MoeExchange, MOE_EXCHANGES};
 use crate::fsdp::{residency, ZeroStage};
@@ -139,7 +155,10 @@ struct Walk {
     /// backward (`reshard_after_forward`, or the recompute).
     reshard: bool,
     sp: bool,
-    /// Sequences per micro-batch, sequence length, its local part, width.
+    /// The group gradients, losses and ZeRO shards go over: dp, or dcp under cp.
+    dpg: Group,
+    /// Sequences per micro-batch, this rank's positions of a sequence (T/cp), its local part
+    /// under sequence parallelism, width.
     b: usize,
     t: usize,
     t_loc: usize,
@@ -163,7 +182,7 @@ impl Walk {
         let dims = plan.dims;
         let c = dims.coords(rank);
         let sp = plan.sequence_parallel && dims.tp > 1;
-        let t = shape.seq_len;
+        let t = shape.seq_len / dims.cp;
         let table = Holdings::of_rank(cfg, plan, c).map_err(|e| CostError::Plan(e.to_string()))?;
         let (chunks, units) = zero_units(table.chunks, plan.checkpointing);
         let gathered = units.iter().map(|u| u.numel == 0).collect();
@@ -187,6 +206,7 @@ impl Walk {
             recompute: plan.checkpointing,
             reshard: plan.checkpointing || reshard,
             sp,
+            dpg: if dims.cp > 1 { Group::Dcp } else { Group::Dp },
             b: shape.batch / dims.dp / plan.microbatches,
             t,
             t_loc: if sp {
@@ -227,7 +247,7 @@ impl Walk {
                 let n = self.padded(self.units[u].numel);
                 let what = "ZeRO-3 weight gather";
                 self.tally
-                    .all_gather(Group::Dp, what, phase, n, 1, DType::F32, true);
+                    .all_gather(self.dpg, what, phase, n, 1, DType::F32, true);
             }
         }
     }
@@ -246,7 +266,8 @@ impl Walk {
     }
 
     fn padded(&self, n: usize) -> usize {
-        n.div_ceil(self.dims.dp) * self.dims.dp
+        let g = self.dpg.size(self.dims);
+        n.div_ceil(g) * g
     }
 
     /// One micro-batch's forward through chunk `k`.
@@ -300,7 +321,7 @@ impl Walk {
             let what = "ZeRO gradient reduce-scatter";
             let rows = self.padded(n);
             self.tally
-                .reduce_scatter(Group::Dp, what, Phase::Backward, rows, 1, DType::F32, true);
+                .reduce_scatter(self.dpg, what, Phase::Backward, rows, 1, DType::F32, true);
         }
         if self.z3() {
             let c = &self.chunks[k];
@@ -331,6 +352,35 @@ impl Walk {
                 self.exchange(e, phase);
             }
         }
+        if self.is_cp_block(seg) {
+            self.ring(phase, false);
+        }
+    }
+
+    fn is_cp_block(&self, seg: usize) -> bool {
+        self.dims.cp > 1 && (1..=self.n_layer).contains(&seg)
+    }
+
+    /// One block's passes around the cp ring (module doc): K, V in the forward (and the
+    /// recompute); in the `backward` also the dK, dV accumulators, the last pass exposed.
+    fn ring(&mut self, phase: Phase, backward: bool) {
+        let n = self.dims.cp;
+        let elems = 2 * self.b * self.t * (self.ch / self.dims.tp);
+        let (kv, dkv) = ((elems * self.act.size_in_bytes()) as u64, (elems * 4) as u64);
+        let mut pass = |what, bytes, hidden| {
+            let (send, recv) = (OpKind::Send, OpKind::Recv);
+            self.tally.push(Group::Cp, send, what, phase, bytes, bytes, hidden, false);
+            self.tally.push(Group::Cp, recv, what, phase, 0, 0, hidden, false);
+        };
+        for _ in 1..n {
+            pass(RING_KV, kv, true);
+            if backward {
+                pass(RING_DKV, dkv, true);
+            }
+        }
+        if backward {
+            pass(RING_HOME, dkv, false);
+        }
     }
 
     /// The collectives of segment `seg`'s backward: each forward collective's conjugate, last
@@ -346,6 +396,9 @@ impl Walk {
             for e in MoeExchange::backward_order() {
                 self.exchange(e, phase);
             }
+        }
+        if self.is_cp_block(seg) {
+            self.ring(phase, true);
         }
     }
 
@@ -426,10 +479,10 @@ impl Walk {
         // Summed between two pipeline ranks; in the V both ends are this rank's.
         let tied_here = n_stages > 1 && first != last && wte_local.is_some();
         match self.zero {
-            None if self.dims.dp > 1 && self.dp_buckets.is_some() => {
+            None if self.dpg.size(self.dims) > 1 && self.dp_buckets.is_some() => {
                 for numel in self.bucket_numels() {
                     self.tally.all_reduce(
-                        Group::Dp,
+                        self.dpg,
                         "gradient bucket",
                         step,
                         numel,
@@ -440,11 +493,11 @@ impl Walk {
                 self.sp_partial_sums(&held);
             }
             None => {
-                if self.dims.dp > 1 {
+                if self.dpg.size(self.dims) > 1 {
                     for p in &held {
                         let g = match p.expert {
                             Some(_) => Group::Edp,
-                            None => Group::Dp,
+                            None => self.dpg,
                         };
                         self.tally
                             .all_reduce(g, "gradient", step, p.numel(), DType::F32, true);
@@ -465,7 +518,7 @@ impl Walk {
                     for &(partial, _, numel) in &units {
                         if partial {
                             let what = "sequence-parallel partial gradients";
-                            let n = self.padded(numel) / self.dims.dp;
+                            let n = self.padded(numel) / self.dpg.size(self.dims);
                             self.tally
                                 .all_reduce(Group::Tp, what, step, n, DType::F32, false);
                         }
@@ -476,7 +529,7 @@ impl Walk {
                         if tied {
                             let (what, n) = ("tied wte gradient gather", self.padded(numel));
                             self.tally
-                                .all_gather(Group::Dp, what, step, n, 1, DType::F32, false);
+                                .all_gather(self.dpg, what, step, n, 1, DType::F32, false);
                         }
                     }
                 }
@@ -551,7 +604,7 @@ impl Walk {
                 .all_reduce(Group::Pp, "aux loss", step, 1, DType::F64, false);
         }
         self.tally
-            .all_reduce(Group::Dp, "loss", step, 2, DType::F64, false);
+            .all_reduce(self.dpg, "loss", step, 2, DType::F64, false);
         if let Some(m) = &self.moe {
             let layers: usize = self
                 .chunks
@@ -581,7 +634,7 @@ impl Walk {
             for n in sizes {
                 let (what, rows) = ("ZeRO weight write-back", self.padded(n));
                 self.tally
-                    .all_gather(Group::Dp, what, step, rows, 1, DType::F32, false);
+                    .all_gather(self.dpg, what, step, rows, 1, DType::F32, false);
             }
         }
     }

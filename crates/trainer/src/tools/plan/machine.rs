@@ -232,7 +232,7 @@ impl ClusterArgs {
 }
 
 /// The groups a step's collectives run on.
-pub const GROUPS: [Group; 6] = Group::ALL;
+pub const GROUPS: [Group; 8] = Group::ALL;
 
 impl Machine {
     /// Ranks of a job of `world` on one node.
@@ -287,7 +287,8 @@ impl Machine {
         let _ = writeln!(s, "  inter-node link: {}", self.inter.describe());
         for g in GROUPS {
             let sp = self.span(dims, g);
-            if sp.size <= 1 {
+            // dcp is the dp group itself without context parallelism.
+            if sp.size <= 1 || (g == Group::Dcp && dims.cp == 1) {
                 continue;
             }
             let m = self.model(dims, g, OpKind::AllReduce, sp.size);

@@ -8,7 +8,7 @@
 //!          (--forward-ms, --backward-ms; b = 2f if only f is given), else priced by the
 //!          machine's compute rule (compute.rs: the roofline rule, or FLOPs at --mfu)
 //!   w_s  = model stage s's share of the FLOPs: its blocks', and the head's on the last stage
-//!   f_s  = f · w_s / tp      b_s = b · w_s / tp, + f_s with activation checkpointing
+//!   f_s  = f · w_s / (tp·cp)      b_s = b · w_s / (tp·cp), + f_s with activation checkpointing
 //!   F_s = f_s + (its rank's tp / ep / pp collectives in forward) / (M · chunks)   the passes the
 //!   B_s = b_s + (its collectives in backward) / (M · chunks)                      simulator runs
 //!   pipeline = grad_accum · makespan(F, B)                              (bubble included)
@@ -18,6 +18,23 @@
 //!        + step-phase collectives that cannot overlap (norm, tied embedding, ...)
 //!        + max(0, overlappable collectives − the compute they hide behind)
 //! ```
+//!
+//! **The cp ring** (context parallelism) hides behind attention, not behind the step: each K, V
+//! pass runs beside one block of the ring's attention (B·(C/tp)·2c² query-key products of a
+//! rank, c = T/(2·cp) the chunk, 4 FLOPs each per head dimension forward, twice that backward;
+//! their time is that fraction of f and b), and a backward step's K, V and dK, dV passes beside
+//! one block's gradient. What a step's passes take beyond its block is exposed, in the pass:
+//!
+//! ```text
+//!   a_f = f · 8·B·(C/tp)·c² / (f's FLOPs)      a_b = b · 16·B·(C/tp)·c² / (b's FLOPs)
+//!   forward, per K, V pass:     max(0, kv − a_f)
+//!   backward, per block:        max(0, kv − a_b) + (cp−2)·max(0, kv + dkv − a_b) + max(0, dkv − a_b)
+//!                               (step 0 sends K, V; the middle steps both; the last dK, dV)
+//!   recompute, per K, V pass:   max(0, kv − a_f)
+//! ```
+//!
+//! The last accumulator pass, after the last block, is exposed whole; a pass's receive runs with
+//! its send and is priced with it.
 //!
 //! The overlappable collectives are the ones the runtime issues beside compute
 //! ([`Collective::overlappable`]: DDP buckets, ZeRO's prefetched gathers and reduce-scatters):
@@ -39,7 +56,9 @@
 
 use candle_core::DType;
 use mtrain_comm::OpKind;
-use mtrain_parallel::analysis::comm_cost::{step_collectives, Collective, Group, Phase, StepShape};
+use mtrain_parallel::analysis::comm_cost::{
+    step_collectives, Collective, Group, Phase, StepShape, RING_DKV,
+};
 use mtrain_parallel::parallelize::{DataParallelKind, ValidPlan};
 use mtrain_model::GptConfig;
 use mtrain_parallel::pipeline::{PassCosts, StageLayout};
@@ -152,10 +171,11 @@ pub fn predict(
     };
     let layout = plan.stage_layout(model.n_layer)?;
     // Per model stage: one micro-batch's forward and backward compute on one of its tp ranks.
+    let split = (dims.tp * dims.cp) as f64;
     let passes: Vec<(f64, f64)> = stage_shares(&model, &layout, cfg.seq_len)
         .iter()
         .map(|w| {
-            let (f, b) = (whole_f * w / dims.tp as f64, whole_b * w / dims.tp as f64);
+            let (f, b) = (whole_f * w / split, whole_b * w / split);
             (f, if plan.checkpointing { b + f } else { b })
         })
         .collect();
@@ -197,6 +217,7 @@ pub fn predict(
     // Per pipeline rank: its comm inside the passes (forward, backward; per micro-step), the
     // step-phase comm, the overlappable pool, and each group's total, in-pass and pool seconds.
     // One walk per stage shape: the ranks of the same shape issue the same collectives.
+    let ring = RingWindows::new(&model, cfg, dims, tokens_mb, fpt, (whole_f, whole_b), m);
     let reps = super::stage_representatives(cfg, plan)?;
     let mut comm: Vec<(f64, f64, f64, f64, Vec<(f64, f64, f64)>)> = Vec::with_capacity(pp);
     for p in 0..pp {
@@ -208,16 +229,22 @@ pub fn predict(
         let items = step_collectives(&model, plan, shape, dims.rank_of(0, p, 0))?;
         let (mut fwd, mut bwd, mut step, mut pool) = (0.0, 0.0, 0.0, 0.0);
         let mut per_group = vec![(0.0f64, 0.0f64, 0.0f64); GROUPS.len()];
+        let mut beside = RingPasses::default();
         for c in &items {
             let reps = if c.phase == Phase::Step {
                 1.0
             } else {
                 ga as f64
             };
+            if c.group == Group::Cp && c.op == OpKind::Recv {
+                continue; // with its send
+            }
             let t = priced(machine, plan, c);
             let g = GROUPS.iter().position(|&g| g == c.group).unwrap_or(0);
             per_group[g].0 += t * reps;
-            if in_pass(c) {
+            if c.group == Group::Cp && c.overlappable {
+                beside.add(c, t);
+            } else if in_pass(c) {
                 match c.phase {
                     Phase::Forward => fwd += t,
                     _ => bwd += t,
@@ -231,7 +258,10 @@ pub fn predict(
                 per_group[g].1 += t * reps;
             }
         }
-        comm.push((fwd, bwd, step, pool, per_group));
+        let (ring_f, ring_b) = beside.exposed(&ring, dims.cp);
+        let g = GROUPS.iter().position(|&g| g == Group::Cp).unwrap_or(0);
+        per_group[g].1 += (ring_f + ring_b) * ga as f64;
+        comm.push((fwd + ring_f, bwd + ring_b, step, pool, per_group));
     }
     let kind = plan.effective_schedule();
     let sched = plan.schedule()?;
@@ -310,6 +340,74 @@ pub fn predict(
     })
 }
 
+/// The attention compute one cp ring pass hides behind, per micro-batch: a block of the
+/// ring's forward (a_f) and of its backward (a_b), in seconds (module doc).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RingWindows {
+    pub forward_s: f64,
+    pub backward_s: f64,
+}
+
+impl RingWindows {
+    /// From the whole model's passes `(f, b)` of one micro-batch of `tokens_mb` tokens at
+    /// `fpt` FLOPs per token (forward a third), `m` micro-batches of the rank's batch.
+    pub fn new(
+        model: &GptConfig,
+        cfg: &TrainConfig,
+        dims: mtrain_comm::MeshDims,
+        tokens_mb: f64,
+        fpt: f64,
+        (f, b): (f64, f64),
+        m: usize,
+    ) -> RingWindows {
+        let c = (cfg.seq_len / (2 * dims.cp)) as f64;
+        let seqs = (cfg.batch_size / m.max(1)) as f64;
+        let block = 8.0 * seqs * (model.n_embd / dims.tp) as f64 * c * c; // forward FLOPs
+        let forward_flops = fpt / 3.0 * tokens_mb;
+        RingWindows {
+            forward_s: f * block / forward_flops,
+            backward_s: b * 2.0 * block / (2.0 * forward_flops),
+        }
+    }
+}
+
+/// A rank's cp passes that run beside attention, by kind: their priced seconds and count.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RingPasses {
+    pub forward: (f64, usize),
+    /// K, V passes in the backward: the backward's and the recompute's forward ring.
+    pub backward_kv: (f64, usize),
+    /// The dK, dV accumulators' passes beside the blocks' gradients.
+    pub backward_dkv: (f64, usize),
+}
+
+impl RingPasses {
+    fn add(&mut self, c: &Collective, t: f64) {
+        let kind = match (c.phase, c.what) {
+            (Phase::Forward, _) => &mut self.forward,
+            (_, RING_DKV) => &mut self.backward_dkv,
+            _ => &mut self.backward_kv,
+        };
+        *kind = (kind.0 + t, kind.1 + c.count);
+    }
+
+    /// (forward, backward) seconds the passes of a ring of `n` take beyond the attention
+    /// beside them, step by step: forward, each K, V pass beside a block (a_f); a block's
+    /// backward, K, V beside step 0, both beside steps 1 … n−2, dK, dV beside step n−1 (a_b
+    /// each); the recompute's K, V passes beside its forward blocks.
+    pub fn exposed(&self, w: &RingWindows, n: usize) -> (f64, f64) {
+        let each = |(s, k): (f64, usize)| if k == 0 { 0.0 } else { s / k as f64 };
+        let (f, kv, dkv) = (each(self.forward), each(self.backward_kv), each(self.backward_dkv));
+        let over = |x: f64, a: f64| (x - a).max(0.0);
+        let (a_f, a_b) = (w.forward_s, w.backward_s);
+        let forward = self.forward.1 as f64 * over(f, a_f);
+        let blocks = self.backward_dkv.1 as f64 / n.saturating_sub(1).max(1) as f64;
+        let block = over(kv, a_b) + n.saturating_sub(2) as f64 * over(kv + dkv, a_b) + over(dkv, a_b);
+        let recompute = self.backward_kv.1.saturating_sub(self.backward_dkv.1) as f64;
+        (forward, blocks * block + recompute * over(kv, a_f))
+    }
+}
+
 /// The prediction as `plan` prints it.
 pub fn render(p: &Prediction) -> String {
     use mtrain_parallel::analysis::comm_cost::human_time;
@@ -332,4 +430,43 @@ pub fn render(p: &Prediction) -> String {
         ));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A ring of 4, per pass: K, V 1 µs, dK, dV 2 µs; blocks of 0.5 µs forward, 2.5 µs backward.
+    /// One block's passes: forward 3 × (1 − 0.5) = 1.5 µs; backward step 0 max(0, 1 − 2.5) = 0,
+    /// steps 1-2 2 × max(0, 1 + 2 − 2.5) = 1 µs, step 3 max(0, 2 − 2.5) = 0; with a recompute,
+    /// its 3 K, V passes 3 × 0.5 = 1.5 µs more.
+    #[test]
+    fn ring_passes_hide_step_by_step() {
+        let us = 1e-6;
+        let w = RingWindows {
+            forward_s: 0.5 * us,
+            backward_s: 2.5 * us,
+        };
+        let one_block = RingPasses {
+            forward: (3.0 * us, 3),
+            backward_kv: (3.0 * us, 3),
+            backward_dkv: (6.0 * us, 3),
+        };
+        let (f, b) = one_block.exposed(&w, 4);
+        assert!((f - 1.5 * us).abs() < 1e-15 && (b - 1.0 * us).abs() < 1e-15, "{f} {b}");
+        let recomputed = RingPasses {
+            backward_kv: (6.0 * us, 6),
+            ..one_block
+        };
+        let (_, b) = recomputed.exposed(&w, 4);
+        assert!((b - 2.5 * us).abs() < 1e-15, "{b}");
+        // Two blocks expose twice one's.
+        let two = RingPasses {
+            forward: (6.0 * us, 6),
+            backward_kv: (6.0 * us, 6),
+            backward_dkv: (12.0 * us, 6),
+        };
+        let (f2, b2) = two.exposed(&w, 4);
+        assert!((f2 - 3.0 * us).abs() < 1e-15 && (b2 - 2.0 * us).abs() < 1e-15);
+    }
 }
