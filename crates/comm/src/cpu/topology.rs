@@ -219,8 +219,8 @@ mod tests {
         // Half-way round: half each way over 4 links, each link crossed by 4 half-messages.
         let half: Vec<_> = (0..8).map(|r| (r, (r + 4) % 8, 100.0)).collect();
         assert_eq!(ring.busiest_link(8, &half), 200.0);
-        // One message 2 places on, one 3 places back through the same link 2 -> 1... only
-        // where directions agree: 3 -> 1 and 4 -> 1 share 3 -> 2 and 2 -> 1.
+        // Messages share a link only in the same direction: 3 -> 1 and 4 -> 1 both cross
+        // 3 -> 2 and 2 -> 1; 1 -> 3 and 3 -> 1 cross the same links the two ways.
         assert_eq!(ring.busiest_link(8, &[(3, 1, 10.0), (4, 1, 10.0)]), 20.0);
         assert_eq!(ring.busiest_link(8, &[(1, 3, 10.0), (3, 1, 10.0)]), 10.0);
         // On a switch only the ports count: rank 1 receives both.
@@ -238,23 +238,38 @@ mod tests {
         // Ring algorithm: 14 steps of S/8 to a neighbour, on either topology.
         for t in Topology::ALL {
             let c = all_reduce_cost(Ring, 8, b, t);
-            assert!(close(c.steps, 14.0) && close(c.link_bytes, 1.75 * s), "{t}: {c:?}");
+            assert!(
+                close(c.steps, 14.0) && close(c.link_bytes, 1.75 * s),
+                "{t}: {c:?}"
+            );
         }
         // Halving-doubling on a switch: 6 steps, the ring's bytes.
         let c = all_reduce_cost(Rhd, 8, b, Topology::Switch);
-        assert!(close(c.steps, 6.0) && close(c.link_bytes, 1.75 * s), "{c:?}");
+        assert!(
+            close(c.steps, 6.0) && close(c.link_bytes, 1.75 * s),
+            "{c:?}"
+        );
         // On a ring: halving steps at distance 4 (S/2, half each way over 4 links: S on a
         // link), 2 (S/4 over 2 links: S/2), 1 (S/8); the doubling the same backwards.
         let c = all_reduce_cost(Rhd, 8, b, Topology::Ring);
-        assert!(close(c.steps, 6.0) && close(c.link_bytes, 3.25 * s), "{c:?}");
+        assert!(
+            close(c.steps, 6.0) && close(c.link_bytes, 3.25 * s),
+            "{c:?}"
+        );
         // Tree on a switch: reduce 7->3 (S), {3,4}->1 and {5,6}->2 (2S into 1 and 2),
         // {1,2}->0 (2S); the broadcast mirrors it.
         let c = all_reduce_cost(Tree, 8, b, Topology::Switch);
-        assert!(close(c.steps, 6.0) && close(c.link_bytes, 10.0 * s), "{c:?}");
+        assert!(
+            close(c.steps, 6.0) && close(c.link_bytes, 10.0 * s),
+            "{c:?}"
+        );
         // Tree on a ring: 7->3 is half-way (S/2); 3->1, 4->1, 5->2 all cross 3->2, and half of
         // 6->2 too (3.5S); 1->0 and 2->1->0 share 1->0 (2S). Twice: 12S.
         let c = all_reduce_cost(Tree, 8, b, Topology::Ring);
-        assert!(close(c.steps, 6.0) && close(c.link_bytes, 12.0 * s), "{c:?}");
+        assert!(
+            close(c.steps, 6.0) && close(c.link_bytes, 12.0 * s),
+            "{c:?}"
+        );
     }
 
     #[test]
@@ -264,8 +279,14 @@ mod tests {
         let c = all_reduce_cost(Tree, 8, 4 * TREE_PIECE_BYTES as u64, Topology::Switch);
         assert!(close(c.steps, 2.0 * (3.0 + 3.0)), "{c:?}");
         assert!(close(c.link_bytes, 2.0 * 11.0 * s), "{c:?}");
-        assert_eq!(all_reduce_cost(Rhd, 1, 1 << 20, Topology::Ring), WireCost::default());
-        let w = WireCost { steps: 6.0, link_bytes: 2e9 };
+        assert_eq!(
+            all_reduce_cost(Rhd, 1, 1 << 20, Topology::Ring),
+            WireCost::default()
+        );
+        let w = WireCost {
+            steps: 6.0,
+            link_bytes: 2e9,
+        };
         assert!(close(w.seconds(1e-3, 1e9), 2.006));
     }
 
