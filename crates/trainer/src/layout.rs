@@ -77,7 +77,7 @@ pub enum LayoutError {
     #[error("{why} ({world_source})")]
     Plan { why: String, world_source: String },
 
-    #[error("--link {given:?}: {why}; give ALPHA_US,GBPS (e.g. 20000,0.05) or a link preset")]
+    #[error("--link {given:?}: {why}; give ALPHA_US,GBPS (e.g. 20000,0.05) or a link preset, then optionally ,switch or ,ring")]
     Link { given: String, why: String },
 
     #[error("{0}")]

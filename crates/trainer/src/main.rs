@@ -328,6 +328,7 @@ fn make_backend(
             let algo = mtrain_trainer::tools::cost::algo_choice(
                 layout.algo,
                 layout.algo_table.as_deref(),
+                layout.link.as_ref(),
                 env.world_size,
             )
             .with_context(|| format!("--algo {}", layout.algo))?;
@@ -351,6 +352,7 @@ fn make_backend(
                 algo: mtrain_trainer::tools::cost::algo_choice(
                     layout.algo,
                     layout.algo_table.as_deref(),
+                    layout.link.as_ref(),
                     env.world_size,
                 )?,
                 link: layout.link,

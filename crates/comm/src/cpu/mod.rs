@@ -22,8 +22,8 @@
 //!   ([`binary_tree`]) or recursive halving-doubling ([`halving_doubling`]), each an
 //!   algorithm's [`schedule`] of steps.
 //! - Reads give up after the group's timeout; a failure poisons the group.
-//! - Under `--link` every op is held until an emulated wire of α + bytes/β per message would
-//!   have delivered it ([`link`]).
+//! - Under `--link` every op is held until an emulated wire of α + bytes/β per step would
+//!   have delivered it ([`link`]), its links a switch or a ring ([`topology`]).
 //!
 //! Results are new CPU tensors; inputs may be non-contiguous.
 
@@ -38,6 +38,7 @@ mod link;
 mod pump;
 mod ring;
 pub mod schedule;
+mod topology;
 mod tree;
 mod wire;
 
@@ -50,7 +51,8 @@ use std::time::{Duration, Instant};
 use candle_core::Device;
 
 pub use group::CpuComm;
-pub use link::LinkEmulator;
+pub use link::{op_cost, LinkEmulator};
+pub use topology::{all_reduce_cost, all_reduce_pieces, Topology, WireCost};
 
 pub use algorithms::all_reduce_schedule;
 pub use binary_tree::TREE_PIECE_BYTES;

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use clap::Args;
-use mtrain_comm::cpu::LinkEmulator;
+use mtrain_comm::cpu::{LinkEmulator, Topology};
 use mtrain_comm::mesh::MeshDims;
 use mtrain_parallel::analysis::cluster::Link;
 
@@ -90,14 +90,17 @@ pub struct LayoutArgs {
     pub algo: Option<AlgoFlag>,
 
     /// The α-β table (configs/alpha-beta/*.toml) whose thresholds, written by
-    /// `bench-comm --fit`, `--algo auto` follows; without one, the cost model's defaults.
+    /// `bench-comm --fit`, `--algo auto` follows; without one, the cost model's defaults (for
+    /// the `--link` when one is emulated).
     #[arg(long, value_name = "FILE", requires = "algo")]
     pub algo_table: Option<std::path::PathBuf>,
 
-    /// Emulate a link on the CPU backend: every message takes α + bytes/β on the wire (the
+    /// Emulate a link on the CPU backend: every step of an op takes α + bytes/β on the wire (the
     /// thread that runs the op sleeps until then). `ALPHA_US,GBPS` (`20000,0.05`: 20 ms and
-    /// 50 MB/s) or a link preset of the cost model (nvlink4, pcie4, ib-ndr, ...).
-    #[arg(long, value_name = "ALPHA_US,GBPS|PRESET")]
+    /// 50 MB/s) or a link preset of the cost model (nvlink4, pcie4, ib-ndr, ...), then
+    /// optionally the topology: `,switch` (the default: every pair one hop) or `,ring` (the
+    /// ranks on a ring of links, a message d places away crossing min(d, p−d) of them).
+    #[arg(long, value_name = "ALPHA_US,GBPS|PRESET[,TOPOLOGY]")]
     pub link: Option<String>,
 }
 
@@ -132,26 +135,44 @@ impl LayoutArgs {
     }
 }
 
-/// `--link`: `ALPHA_US,GBPS`, or the name of one of the cost model's link presets.
+/// `--link`: `ALPHA_US,GBPS` or the name of one of the cost model's link presets, either
+/// followed by `,TOPOLOGY` (`switch`, the default, or `ring`).
 fn parse_link(text: &str) -> Result<LinkEmulator, LayoutError> {
     let bad = |why: String| LayoutError::Link {
         given: text.to_string(),
         why,
     };
-    let (alpha_us, gb_s) = match text.split_once(',') {
-        Some((a, b)) => {
-            let num = |s: &str| s.trim().parse::<f64>().map_err(|e| bad(format!("{s:?}: {e}")));
+    let mut parts: Vec<&str> = text.split(',').map(str::trim).collect();
+    let topology = match parts.last().map(|p| (p, Topology::parse(p))) {
+        Some((_, Some(t))) if parts.len() > 1 => {
+            parts.pop();
+            t
+        }
+        _ => Topology::Switch,
+    };
+    let (alpha_us, gb_s) = match parts[..] {
+        [a, b] => {
+            let num = |s: &str| s.parse::<f64>().map_err(|e| bad(format!("{s:?}: {e}")));
             (num(a)?, num(b)?)
         }
-        None => match Link::preset(text) {
+        [name] => match Link::preset(name) {
             Some(l) => (l.model.alpha_s * 1e6, l.model.beta_bytes_per_s * 1e-9),
             None => {
                 let names: Vec<_> = Link::PRESETS.iter().map(|l| l.name).collect();
                 return Err(bad(format!("not a preset (one of {})", names.join(", "))));
             }
         },
+        _ => {
+            let names: Vec<_> = Topology::ALL.iter().map(|t| t.name()).collect();
+            return Err(bad(format!(
+                "expected ALPHA_US,GBPS or a preset, then optionally a topology (one of {})",
+                names.join(", ")
+            )));
+        }
     };
-    LinkEmulator::new(alpha_us, gb_s).map_err(|e| bad(e.to_string()))
+    Ok(LinkEmulator::new(alpha_us, gb_s)
+        .map_err(|e| bad(e.to_string()))?
+        .on(topology))
 }
 
 impl LayoutArgs {
@@ -339,6 +360,13 @@ mod tests {
         assert!(e.contains("bandwidth > 0 GB/s"), "{e}");
         let e = layout(&["--link", "5,x"]).unwrap_err().to_string();
         assert!(e.contains("ALPHA_US,GBPS"), "{e}");
+        assert_eq!(l.topology, Topology::Switch);
+        let r = layout(&["--link", "20,1,ring"]).unwrap().link.expect("a ring");
+        assert_eq!((r.alpha, r.topology), (Duration::from_micros(20), Topology::Ring));
+        let p = layout(&["--link", "pcie4,ring"]).unwrap().link.expect("a preset ring");
+        assert_eq!((p.bytes_per_s, p.topology), (25e9, Topology::Ring));
+        let e = layout(&["--link", "20,1,torus"]).unwrap_err().to_string();
+        assert!(e.contains("switch, ring"), "{e}");
     }
 
     #[test]

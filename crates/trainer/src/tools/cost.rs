@@ -21,6 +21,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use candle_core::DType;
+use mtrain_comm::cpu::{LinkEmulator, Topology};
 use mtrain_comm::{AlgoChoice, AllReduceAlgo, AutoRule, MeshDims, OpKind};
 use mtrain_model::GptConfig;
 use mtrain_parallel::analysis::comm_cost::{
@@ -162,7 +163,7 @@ impl AlphaBetaTable {
         (2..=world.max(2))
             .map(|n| match self.auto.iter().find(|r| r.ranks == n) {
                 Some(r) => r.clone(),
-                None => default_auto_rule(&self.model(OpKind::AllReduce, n), n),
+                None => default_auto_rule(&self.model(OpKind::AllReduce, n), Topology::Switch, n),
             })
             .collect()
     }
@@ -178,19 +179,32 @@ impl AlphaBetaTable {
 }
 
 /// The CPU backend's all-reduce choice for `--algo flag` in a world of `world` ranks: auto's
-/// rules from the table at `table` (`--algo-table`), else from the CPU loopback defaults.
-pub fn algo_choice(flag: AlgoFlag, table: Option<&Path>, world: usize) -> Result<AlgoChoice> {
+/// rules from the table at `table` (`--algo-table`), else from the cost model on `link` (the
+/// emulated link of `--link`, its α, β and topology: the sizes where the emulated times cross),
+/// else from the CPU loopback defaults.
+pub fn algo_choice(
+    flag: AlgoFlag,
+    table: Option<&Path>,
+    link: Option<&LinkEmulator>,
+    world: usize,
+) -> Result<AlgoChoice> {
     Ok(match flag {
         AlgoFlag::Ring => AlgoChoice::Fixed(AllReduceAlgo::Ring),
         AlgoFlag::Tree => AlgoChoice::Fixed(AllReduceAlgo::Tree),
         AlgoFlag::Rhd => AlgoChoice::Fixed(AllReduceAlgo::Rhd),
-        AlgoFlag::Auto => AlgoChoice::Auto(
-            match table {
-                Some(path) => AlphaBetaTable::load(path)?,
-                None => AlphaBetaTable::cpu_default(),
+        AlgoFlag::Auto => AlgoChoice::Auto(match (table, link) {
+            (Some(path), _) => AlphaBetaTable::load(path)?.auto_rules(world),
+            (None, Some(link)) => {
+                let model = CostModel {
+                    alpha_s: link.alpha.as_secs_f64(),
+                    beta_bytes_per_s: link.bytes_per_s,
+                };
+                (2..=world.max(2))
+                    .map(|n| default_auto_rule(&model, link.topology, n))
+                    .collect()
             }
-            .auto_rules(world),
-        ),
+            (None, None) => AlphaBetaTable::cpu_default().auto_rules(world),
+        }),
     })
 }
 
