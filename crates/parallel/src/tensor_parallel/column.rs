@@ -16,10 +16,8 @@
 //! nothing ([`ColumnInput::SequenceGathered`]).
 //!
 //! With `--tp-overlap chunked` the input gradient is computed and all-reduced chunk by chunk,
-//! and the weight gradient computed while the last chunks are on the wire ([`super::overlap`]).
-//! With `--tp-overlap ring` the layer takes the sequence part itself and runs the all-gather
-//! as a ring with its product, the reduce-scatter of the input gradient likewise
-//! ([`super::ring`], [`ColumnInput::SequenceRing`]).
+//! and the weight gradient computed while the last chunks are on the wire ([`super::overlap`]);
+//! with `ring`, the sequence all-gather is the layer's, a ring with its product.
 //!
 //! Legend: `N` rows (B·T), `in`/`out` the full layer's features, `tp` the group's size.
 
@@ -44,17 +42,14 @@ pub enum ColumnInput {
     /// The input already came through `gather_from_sequence_parallel_region`, whose backward
     /// reduce-scatters (sums) the gradient: nothing more to do here.
     SequenceGathered,
-    /// The input is this rank's part of the sequence (N/tp, in): the layer gathers it around
-    /// the ring, each part's product computed as it arrives, and reduce-scatters the input
-    /// gradient around the ring likewise (`--tp-overlap ring`, [`super::ring`]).
+    /// This rank's sequence part (N/tp, in), gathered around the ring ([`super::ring`]).
     SequenceRing,
 }
 
 impl ColumnInput {
     /// How the column layers of a sub-layer entered through `enter` ([`super::BlockMappings`]:
     /// f or the sequence all-gather) get their input: through f, which they issue, or already
-    /// gathered by the block. Under `--tp-overlap ring` the sequence all-gather is the
-    /// layer's own, fused with its product.
+    /// gathered by the block (or, under `--tp-overlap ring`, by the layer itself).
     pub fn entered_through(enter: Mapping, overlap: TpOverlap) -> Self {
         match (enter, overlap) {
             (Mapping::CopyToTp, _) => ColumnInput::Replicated,
@@ -127,8 +122,7 @@ impl Linear for ColumnParallelLinear {
 /// layer's tape over `W_r`, `b_r`) and f around it.
 struct ColumnTape {
     dense: DenseTape,
-    /// f, or None where the block's sequence all-gather entered instead (or, with `ring`,
-    /// the sequence all-gather, which the ring runs).
+    /// f, or None where the block's sequence all-gather entered instead.
     f: Option<Mapping>,
     /// The input is this rank's sequence part, gathered around the ring with the product.
     ring: bool,
@@ -145,37 +139,6 @@ impl ColumnTape {
         }
     }
 
-    /// The ring's forward from this rank's part x_r (N/tp, in): `product` on each part as it
-    /// is at hand; the gathered input (N, in) and the products laid out as whole sequences.
-    fn ring_forward(
-        &self,
-        x_r: &Tensor,
-        b: usize,
-        product: impl Fn(&Tensor) -> candle_core::Result<Vec<Tensor>>,
-    ) -> candle_core::Result<(Tensor, Vec<Tensor>)> {
-        ring::gather_with(x_r, b, &self.group, |x_c, _| product(x_c)) // (N, in), (N, out/tp)…
-    }
-
-    /// The ring's backward: dx_r = Σ_tp dy W_r at this rank's part (N/tp, in), each part's
-    /// product computed while the running sums travel, and dW_r, db_r while the first does.
-    fn ring_backward(
-        &self,
-        x: &Tensor,
-        dy: &Tensor,
-        b: usize,
-        grads: &mut WeightGrads,
-    ) -> candle_core::Result<Tensor> {
-        let w = self.dense.weight()?; // (out/tp, in)
-        let tp = self.group.size();
-        let bias = self.dense.bias()?;
-        let names = self.dense.names();
-        ring::reduce_scatter_with(
-            &self.group,
-            |c| mtrain_kernels::matmul(&ring::part_rows(dy, b, tp, c)?, &w), // (N/tp, in)
-            || grads.linear(names, dy, x, &bias),
-        )
-    }
-
     /// f's conjugate on the input gradient: the all-reduce over tp, or None.
     fn f_backward(&self) -> Option<TpCollective> {
         self.f.and_then(Mapping::backward)
@@ -190,8 +153,8 @@ impl TapedLinear for ColumnTape {
     /// x (N, in) -> (x, y_r = x W_rᵀ + b_r (N, out/tp)).
     fn forward(&self, x: &Tensor, b: usize) -> candle_core::Result<(Tensor, Tensor)> {
         if self.ring {
-            let (x, mut y) = self.ring_forward(x, b, |x_c| Ok(vec![self.dense.forward(x_c, b)?.1]))?;
-            return Ok((x, y.remove(0))); // (N, in), (N, out/tp)
+            let (x, y, _) = ring::column_forward(&self.dense, x, b, &self.group, false)?;
+            return Ok((x, y)); // (N, in), (N, out/tp)
         }
         let x = self.f_forward(x, b)?; // (N, in), the same on every rank
         self.dense.forward(&x, b)
@@ -204,8 +167,7 @@ impl TapedLinear for ColumnTape {
         b: usize,
     ) -> candle_core::Result<(Tensor, Tensor)> {
         if self.ring {
-            let (x, y) = self.forward(x, b)?;
-            return Ok((x, (r + y)?)); // (N, out/tp)
+            return self.forward(x, b).and_then(|(x, y)| Ok((x, (r + y)?))); // (N, out/tp)
         }
         let x = self.f_forward(x, b)?;
         self.dense.forward_residual(r, &x, b) // (N, out/tp)
@@ -213,13 +175,8 @@ impl TapedLinear for ColumnTape {
 
     fn forward_gelu(&self, x: &Tensor, b: usize) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
         if self.ring {
-            let (x, mut fg) = self.ring_forward(x, b, |x_c| {
-                let (_, f, g) = self.dense.forward_gelu(x_c, b)?;
-                Ok(vec![f, g])
-            })?;
-            let g = fg.pop().expect("gelu(f)");
-            let f = fg.pop().expect("f");
-            return Ok((x, f, g)); // (N, in), f, gelu(f) (N, out/tp)
+            let (x, f, g) = ring::column_forward(&self.dense, x, b, &self.group, true)?;
+            return Ok((x, f, g.expect("asked for gelu(f)"))); // (N, in), f, gelu(f) (N, out/tp)
         }
         let x = self.f_forward(x, b)?;
         self.dense.forward_gelu(&x, b) // f, gelu(f) (N, out/tp)
@@ -235,12 +192,7 @@ impl TapedLinear for ColumnTape {
         gelu_of: Option<&Tensor>,
     ) -> candle_core::Result<Tensor> {
         if self.ring {
-            if gelu_of.is_some() {
-                return Err(candle_core::Error::Msg(
-                    "--tp-overlap ring: a column-parallel layer after a GELU has no sequence part to reduce-scatter into; run it with --tp-overlap none".into(),
-                ));
-            }
-            return self.ring_backward(x, dy, b, grads); // (N/tp, in)
+            return ring::column_backward(&self.dense, x, dy, b, &self.group, grads, gelu_of);
         }
         let Some(f) = self.f_backward() else {
             // Nothing between the product and a GELU before it: one fused GEMM.

@@ -34,8 +34,7 @@ use crate::plan::TpOverlap;
 pub const CHUNKS: usize = 4;
 
 /// The sequence ranges of a micro-batch of `b` sequences to run one after another under
-/// `mode`, or None where the layer runs whole (no overlap, a single sequence, or the ring,
-/// which cuts by positions instead: [`super::ring`]).
+/// `mode`, or None where the layer runs whole (no chunks: none, ring, or one sequence).
 pub fn chunks(mode: TpOverlap, b: usize) -> Option<Vec<Range<usize>>> {
     let k = match mode {
         TpOverlap::None | TpOverlap::Ring => return None,

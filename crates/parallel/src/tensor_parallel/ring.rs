@@ -38,6 +38,9 @@
 
 use candle_core::{Result, Tensor};
 use mtrain_comm::{chunk_range, Comm};
+use mtrain_kernels::{bias, linear as fused};
+use mtrain_model::explicit::DenseTape;
+use mtrain_model::tape::{TapedLinear, WeightGrads};
 
 use crate::ops::comm_err;
 
@@ -153,4 +156,105 @@ pub fn reduce_scatter_with(
         f()?;
     }
     Ok(sum) // part r: Σ over the group (b·T_r, F)
+}
+
+/// The column-parallel layer's forward (this rank's `W_r` (out/tp, in), `b_r` in `dense`) from
+/// this rank's part x_r (N/tp, in): each part's product as it is at hand. Returns the gathered
+/// input x (N, in), y = x W_rᵀ + b_r (N, out/tp) and, with `gelu`, gelu(y).
+pub fn column_forward(
+    dense: &DenseTape,
+    x_r: &Tensor,
+    b: usize,
+    group: &Comm,
+    gelu: bool,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    let (x, mut outs) = gather_with(x_r, b, group, |x_c, _| match gelu {
+        false => Ok(vec![dense.forward(x_c, b)?.1]), // (N/tp, out/tp)
+        true => {
+            let (_, f, g) = dense.forward_gelu(x_c, b)?;
+            Ok(vec![f, g])
+        }
+    })?;
+    let g = if gelu { outs.pop() } else { None };
+    let y = outs.pop().expect("one product per part");
+    Ok((x, y, g))
+}
+
+/// The column-parallel layer's backward: dx_r = Σ_tp dy W_r at this rank's part (N/tp, in),
+/// each part's term computed while the running sums travel, and dW_r = dyᵀ x, db_r while the
+/// first one does. A GELU before the layer (`gelu_of`) has no place here: its input is a
+/// LayerNorm's under sequence parallelism.
+pub fn column_backward(
+    dense: &DenseTape,
+    x: &Tensor,
+    dy: &Tensor,
+    b: usize,
+    group: &Comm,
+    grads: &mut WeightGrads,
+    gelu_of: Option<&Tensor>,
+) -> Result<Tensor> {
+    if gelu_of.is_some() {
+        return Err(candle_core::Error::Msg(
+            "--tp-overlap ring: a column-parallel layer after a GELU has no sequence part to reduce-scatter into; run it with --tp-overlap none".into(),
+        ));
+    }
+    let w = dense.weight()?; // (out/tp, in)
+    let tp = group.size();
+    let bias = dense.bias()?;
+    reduce_scatter_with(
+        group,
+        |c| mtrain_kernels::matmul(&part_rows(dy, b, tp, c)?, &w), // (N/tp, in)
+        || grads.linear(dense.names(), dy, x, &bias),
+    )
+}
+
+/// The row-parallel layer's forward: Σ_tp x W_rᵀ at this rank's part (N/tp, out), x (N, in/tp)
+/// and `w_t` = W_rᵀ (in/tp, out); part c's running sum travels while part c − 1's product is
+/// computed.
+pub fn row_forward(x: &Tensor, w_t: &Tensor, b: usize, group: &Comm) -> Result<Tensor> {
+    let tp = group.size();
+    let part = |c| mtrain_kernels::matmul(&part_rows(x, b, tp, c)?, w_t); // (N/tp, out)
+    reduce_scatter_with(group, part, || Ok(()))
+}
+
+/// The row-parallel layer's backward from this rank's part of dy (N/tp, out): dy's parts
+/// gathered around the ring, each part's dx = dy_c W_r (through the GELU before the layer,
+/// `gelu_of` = f (N, in/tp)) and, formed now, its term dy_cᵀ x_c of dW_r computed as it is at
+/// hand. Returns dx (N, in/tp); dW_r (out, in/tp) and db (out,) (this rank's rows: the
+/// partial gradient sequence parallelism sums) into `grads`.
+pub fn row_backward(
+    dense: &DenseTape,
+    x: &Tensor,
+    dy_r: &Tensor,
+    b: usize,
+    group: &Comm,
+    grads: &mut WeightGrads,
+    gelu_of: Option<&Tensor>,
+) -> Result<Tensor> {
+    let w = dense.weight()?; // (out, in/tp)
+    let tp = group.size();
+    let now = !grads.defers();
+    let mut dw: Option<Tensor> = None;
+    let (dy, mut dx) = gather_with(dy_r, b, group, |dy_c, c| {
+        if now {
+            let term = mtrain_kernels::matmul(&dy_c.t()?, &part_rows(x, b, tp, c)?)?; // (out, in/tp)
+            dw = Some(match dw.take() {
+                Some(acc) => (acc + term)?,
+                None => term,
+            });
+        }
+        Ok(vec![match gelu_of {
+            Some(f) => fused::input_grad_gelu(dy_c, &w, &part_rows(f, b, tp, c)?)?,
+            None => mtrain_kernels::matmul(dy_c, &w)?, // (N/tp, in/tp)
+        }])
+    })?; // dy (N, out), dx (N, in/tp)
+    drop(w);
+    let (w_name, b_name) = dense.names();
+    let db = bias::grad(dy_r, &dense.bias()?)?; // (out,)
+    match dw {
+        Some(dw) => grads.push((w_name, dw)),   // Σ_parts dy_cᵀ x_c
+        None => grads.product(w_name, &dy, x)?, // kept for W
+    }
+    grads.push((b_name, db));
+    Ok(dx.remove(0))
 }

@@ -15,9 +15,7 @@
 //! ([`RowOutput::ReduceScatterSequence`]).
 //!
 //! With `--tp-overlap chunked` the forward computes and sends chunk by chunk ([`super::overlap`]).
-//! With `--tp-overlap ring` (sequence parallelism) the forward's reduce-scatter is a ring of
-//! running sums, each part's product computed while the previous sum travels, and the
-//! backward's all-gather of dy a ring whose parts each get their dx as they arrive
+//! With `--tp-overlap ring` the sequence reduce-scatter is a ring with the product
 //! ([`super::ring`]).
 //!
 //! Legend: `N` rows (B·T), `in`/`out` the full layer's features, `tp` the group's size.
@@ -31,7 +29,6 @@ use mtrain_model::tape::{TapedLinear, WeightGrads};
 use mtrain_model::{Linear, Param};
 
 use super::mapping::Mapping;
-use super::mapping::TpCollective;
 use super::overlap::{chunks, rows_of};
 use super::ring;
 use crate::plan::TpOverlap;
@@ -118,7 +115,7 @@ struct RowTape {
 impl RowTape {
     /// Whether g is sequence parallelism's reduce-scatter, run around the ring.
     fn ring(&self) -> bool {
-        self.overlap == TpOverlap::Ring && self.g.forward() == Some(TpCollective::ReduceScatter)
+        self.overlap == TpOverlap::Ring && self.g == Mapping::ReduceScatterToSequence
     }
 
     /// g(x_r W_rᵀ): the partial products summed over tp, (N, out) or (N/tp, out) under SP.
@@ -128,10 +125,7 @@ impl RowTape {
             return mtrain_kernels::matmul(x, &w_t);
         };
         if self.ring() {
-            // Part c's running sum travels while part c − 1's product is computed.
-            let tp = self.group.size();
-            let part = |p| mtrain_kernels::matmul(&ring::part_rows(x, b, tp, p)?, &w_t); // (N/tp, out)
-            return ring::reduce_scatter_with(&self.group, part, || Ok(())); // Σ_tp (N/tp, out)
+            return ring::row_forward(x, &w_t, b, &self.group); // Σ_tp (N/tp, out)
         }
         let Some(chunks) = chunks(self.overlap, b) else {
             let partial = mtrain_kernels::matmul(x, &w_t)?; // (N, out), partial
@@ -190,23 +184,10 @@ impl TapedLinear for RowTape {
         gelu_of: Option<&Tensor>,
     ) -> candle_core::Result<Tensor> {
         let dy_rows = dy; // (N', out), the rows the bias was added to
-        let (w_name, b_name) = self.dense.names();
         if self.ring() {
-            // dy's parts gathered around the ring, each part's dx computed as it is at hand.
-            let w = self.dense.weight()?; // (out, in/tp)
-            let tp = self.group.size();
-            let (dy, mut dx) = ring::gather_with(dy_rows, b, &self.group, |dy_c, c| {
-                Ok(vec![match gelu_of {
-                    Some(f) => fused::input_grad_gelu(dy_c, &w, &ring::part_rows(f, b, tp, c)?)?,
-                    None => mtrain_kernels::matmul(dy_c, &w)?, // (N/tp, in/tp)
-                }])
-            })?; // dy (N, out), dx (N, in/tp)
-            drop(w);
-            let db = bias::grad(dy_rows, &self.dense.bias()?)?; // (out,), this rank's rows
-            grads.product(w_name, &dy, x)?; // dW_r (out, in/tp)
-            grads.push((b_name, db));
-            return Ok(dx.remove(0));
+            return ring::row_backward(&self.dense, x, dy_rows, b, &self.group, grads, gelu_of);
         }
+        let (w_name, b_name) = self.dense.names();
         let dy = match self.g.backward() {
             Some(c) => c.run_rows(dy, b, &self.group)?, // SP: all-gather T (N, out)
             None => dy.clone(),                         // g: the identity
