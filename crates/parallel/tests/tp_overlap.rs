@@ -19,6 +19,7 @@
 mod common;
 
 use std::collections::BTreeMap;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
@@ -167,6 +168,10 @@ fn ring_hides_tp_communication_on_a_slow_link() {
 /// `mode` against `none` (both with sequence parallelism `sp` or both without): exposed TP
 /// communication at most `ratio` of none's, the step shorter by what was hidden less 15%.
 fn hides_tp_communication(sp: bool, mode: TpOverlap, ratio: f64) {
+    // One measurement at a time: the harness runs tests on parallel threads, and a second
+    // one's compute on the same two cores would be noise in this one's steps.
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     // The claims hold on a slow link: one where `none` waits at least 40% of its step. A load
     // change between the calibration and the runs can leave the link faster than that; then
     // the machine, not the overlap, moved, and the measurement is taken again (at most 3 times).
