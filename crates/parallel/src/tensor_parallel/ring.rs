@@ -27,9 +27,9 @@
 //!
 //! Each step's product is computed while the previous step's message is on the wire; what
 //! stays exposed is what a step's transfer takes beyond a step's product. The backward runs the
-//! conjugates the same way: the row layer's all-gather of dy with dx = dy W_r on each part,
-//! the column layer's reduce-scatter of dx = dy W_r with the weight gradient computed while
-//! the first running sum travels. A part is every sequence's positions of that rank, so the
+//! conjugates the same way: the row layer's all-gather of dy with dx = dy W_r and dW's term
+//! on each part, the column layer's reduce-scatter of dx = dy W_r with the weight gradient
+//! computed while the first running sum travels. A part is every sequence's positions of that rank, so the
 //! results are the ones the collectives give (each sum over the same ranks, added in the
 //! ring's order).
 //!
