@@ -29,9 +29,9 @@
 //! stays exposed is what a step's transfer takes beyond a step's product. The backward runs the
 //! conjugates the same way: the row layer's all-gather of dy with dx = dy W_r and dW's term
 //! on each part, the column layer's reduce-scatter of dx = dy W_r with the weight gradient
-//! computed while the first running sum travels. A part is every sequence's positions of that rank, so the
-//! results are the ones the collectives give (each sum over the same ranks, added in the
-//! ring's order).
+//! computed while the first running sum travels. A part is every sequence's positions of that
+//! rank, so the results are the ones the collectives give (each sum over the same ranks, added
+//! in the ring's order).
 //!
 //! Legend: `b` sequences, `T` positions, `T_r = T/tp` a rank's part, `F` features; activations
 //! are rows (b·T, F), sequence-major.
