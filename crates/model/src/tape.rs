@@ -141,6 +141,11 @@ impl WeightGrads {
         !self.shared
     }
 
+    /// Whether weight products are kept for later (B of a split backward) rather than formed.
+    pub fn defers(&self) -> bool {
+        self.defer
+    }
+
     /// The weight products kept for later: B of a split backward.
     pub fn deferred() -> Self {
         Self {

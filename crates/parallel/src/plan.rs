@@ -81,6 +81,10 @@ pub enum TpOverlap {
     /// The micro-batch's sequences in chunks, each chunk's collective on the wire while the
     /// next chunk's product is computed.
     Chunked,
+    /// Sequence parallelism's all-gather and reduce-scatter decomposed into tp steps of
+    /// send/receive around the group, each step's product on the part at hand while the next
+    /// part is on the wire (collective matmul; needs sequence parallelism).
+    Ring,
 }
 
 impl TpOverlap {
@@ -88,6 +92,7 @@ impl TpOverlap {
         match self {
             TpOverlap::None => "none",
             TpOverlap::Chunked => "chunked",
+            TpOverlap::Ring => "ring",
         }
     }
 }
@@ -279,6 +284,9 @@ impl ParallelPlan {
         if tp > 1 {
             why.extend(tp_problems(cfg, tp));
         }
+        if tp > 1 && self.tp_overlap == TpOverlap::Ring {
+            why.extend(ring_problems(self.sequence_parallel, cfg, tp));
+        }
         if cp > 1 {
             why.extend(cp_problems(self, cfg));
         }
@@ -302,6 +310,27 @@ impl ParallelPlan {
         }
         why
     }
+}
+
+/// What `--tp-overlap ring` needs: the all-gather and reduce-scatter it decomposes are
+/// sequence parallelism's (as in Megatron-LM, whose `tp_comm_overlap` asserts
+/// `sequence_parallel`: without it the layers' collective is an all-reduce of a product's whole
+/// output, which no step of a ring has at hand), and every rank's part of a sequence the same
+/// length, since each step receives a part the size of its own.
+pub fn ring_problems(sequence_parallel: bool, cfg: &GptConfig, tp: usize) -> Vec<String> {
+    let mut why = Vec::new();
+    if !sequence_parallel {
+        why.push(format!(
+            "--tp-overlap ring decomposes sequence parallelism's all-gather and reduce-scatter: add --sequence-parallel, or use --tp-overlap chunked with --tp {tp}"
+        ));
+    }
+    if !cfg.block_size.is_multiple_of(tp) {
+        why.push(format!(
+            "--tp-overlap ring passes equal parts of each sequence around the ring: block_size {} is not divisible by tp {tp}",
+            cfg.block_size
+        ));
+    }
+    why
 }
 
 /// What context parallelism (cp > 1) does not compose with yet, and what it needs: each rank

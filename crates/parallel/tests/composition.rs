@@ -360,6 +360,18 @@ fn tp2_pp2_dp2_chunked_equals_one_device() {
     check_equals_one_device(&cfg(), &p, 1);
 }
 
+/// `--tp-overlap ring` with sequence parallelism: each block's sequence all-gathers and
+/// reduce-scatters passed part by part around the tp ring with the products, same tolerances.
+#[test]
+fn tp2_pp2_dp2_sp_ring_equals_one_device() {
+    let p = ParallelPlan {
+        sequence_parallel: true,
+        tp_overlap: TpOverlap::Ring,
+        ..plan(2, 2, 2, 1)
+    };
+    check_equals_one_device(&cfg(), &p, 1);
+}
+
 /// `plan(dp, pp, tp, 1)` with `cp` ranks splitting each sequence (the ring's blocks, the
 /// chunked embedding, losses and gradients averaged over dp × cp).
 fn cp_plan(cp: usize, dp: usize, pp: usize, tp: usize) -> ParallelPlan {

@@ -5,7 +5,8 @@
 //!   weight and bias gradients (rel ≤ 1e-5).
 //! - `gpt_tp*`: the whole GPT with tp = 2 and 4, with and without sequence parallelism, equals one
 //!   device over 10 SGD steps (loss rel ≤ 1e-5, every gradient rel ≤ 1e-4); `*_chunked_*` the
-//!   same with `--tp-overlap chunked`.
+//!   same with `--tp-overlap chunked`, `*_ring_*` with `--tp-overlap ring` (which needs
+//!   sequence parallelism, and says so without it).
 //! - `trace_*`: the collectives each block issues in forward and backward, that the tapes
 //!   issue the same ones (kind and bytes, in order) as autograd, and that every segment issues
 //!   exactly those of its mapping table (the cost model's description), in order.
@@ -599,7 +600,7 @@ fn gpt_matches_single_device_with(
         let model = tensor_parallel::build(
             &cfg(),
             &weights,
-            &tp_plan_with(g.size(), overlap),
+            &tp_plan_sp(g.size(), sequence_parallel, overlap),
             &g,
             sequence_parallel,
             &Device::Cpu,
@@ -687,6 +688,95 @@ fn gpt_tp4_sequence_parallel_chunked_matches_single_device() {
     gpt_matches_single_device_with(4, true, Backward::Tapes, TpOverlap::Chunked);
 }
 
+#[test]
+fn gpt_tp2_sequence_parallel_ring_matches_single_device() {
+    gpt_matches_single_device_with(2, true, Backward::Tapes, TpOverlap::Ring);
+}
+
+#[test]
+fn gpt_tp4_sequence_parallel_ring_matches_single_device() {
+    gpt_matches_single_device_with(4, true, Backward::Tapes, TpOverlap::Ring);
+}
+
+/// The ring's autograd form (the column layer's all-gather as a differentiable op) against one
+/// device too: it is the oracle the tapes' ring is held to.
+#[test]
+fn gpt_tp2_sequence_parallel_ring_autograd_matches_single_device() {
+    gpt_matches_single_device_with(2, true, Backward::Autograd, TpOverlap::Ring);
+}
+
+/// `--tp-overlap ring` without sequence parallelism is refused, by the plan and by the
+/// builder, with what to do instead.
+#[test]
+fn ring_without_sequence_parallelism_is_refused() {
+    let plan = ParallelPlan {
+        tp_overlap: TpOverlap::Ring,
+        ..ParallelPlan::new(MeshDims::new(1, 1, 2, 1))
+    };
+    let e = plan.validate(&cfg(), 2, 2).expect_err("ring without SP").to_string();
+    assert!(e.contains("--tp-overlap ring") && e.contains("--sequence-parallel"), "{e}");
+    let weights: BTreeMap<String, Tensor> = init_weights(&cfg(), 7).expect("init");
+    let valid = tp_plan_sp(2, true, TpOverlap::Ring);
+    on_ranks(2, |g| {
+        let e = tensor_parallel::build(&cfg(), &weights, &valid, &g, false, &Device::Cpu)
+            .err()
+            .expect("ring built without SP")
+            .to_string();
+        assert!(e.contains("sequence parallelism"), "{e}");
+    });
+}
+
+/// `--tp-overlap ring` replaces each block's sequence all-gathers and reduce-scatters with
+/// tp − 1 sends and receives each, carrying the same bytes; the embedding's reduce-scatter and
+/// the head's all-gather stay collectives.
+#[test]
+fn trace_ring_passes_the_sequence_collectives_as_sends() {
+    let weights: BTreeMap<String, Tensor> = init_weights(&cfg(), 7).expect("init");
+    let ops = |overlap: TpOverlap| {
+        on_ranks(2, |g| {
+            let model = tensor_parallel::build(&cfg(), &weights, &tp_plan_sp(2, true, overlap), &g, true, &Device::Cpu)
+                .expect("build");
+            let (idx, tgt) = batch(0);
+            g.tracer().set_recording(true);
+            let before = g.tracer().events().len();
+            Engine::default()
+                .forward_backward(&model.segments, &idx, &tgt, 1.0, &mut Grads::new(), &mut NoHooks)
+                .expect("fwd/bwd");
+            let ev = g.tracer().events();
+            ev[before..].iter().map(|e| (e.op, e.bytes)).collect::<Vec<_>>()
+        })
+        .remove(0)
+    };
+    let (plain, ring) = (ops(TpOverlap::None), ops(TpOverlap::Ring));
+    let count = |v: &[(OpKind, u64)], k: OpKind| v.iter().filter(|e| e.0 == k).count();
+    let bytes = |v: &[(OpKind, u64)], k: &[OpKind]| -> u64 {
+        v.iter().filter(|e| k.contains(&e.0)).map(|e| e.1).sum()
+    };
+    let blocks = cfg().n_layer;
+    // Per block: 2 all-gathers and 2 reduce-scatters forward, their conjugates backward.
+    assert_eq!(count(&plain, OpKind::AllGather), 4 * blocks + 2, "{plain:?}");
+    assert_eq!(count(&ring, OpKind::AllGather), 2, "the head's input and the embedding's gradient: {ring:?}");
+    assert_eq!(count(&ring, OpKind::ReduceScatter), 2, "the embedding's sum and the head's gradient");
+    assert_eq!(count(&ring, OpKind::Send), 8 * blocks, "tp − 1 = 1 send per decomposed collective");
+    assert_eq!(count(&ring, OpKind::Recv), 8 * blocks);
+    // What one rank puts on the wire at tp = 2: an all-gather's traced bytes (its input, our
+    // part), half a reduce-scatter's (its input is the whole; the other part leaves).
+    let wire = |v: &[(OpKind, u64)]| -> u64 {
+        v.iter()
+            .map(|e| match e.0 {
+                OpKind::AllGather => e.1,
+                OpKind::ReduceScatter => e.1 / 2,
+                _ => 0,
+            })
+            .sum()
+    };
+    assert_eq!(
+        bytes(&ring, &[OpKind::Send]),
+        wire(&plain) - wire(&ring),
+        "the decomposed collectives' bytes, sent part by part"
+    );
+}
+
 /// `--tp-overlap chunked` issues each block's all-reduces once per chunk (the batch's two
 /// sequences: two chunks), each carrying half the bytes; the embedding's and the head's stay
 /// whole.
@@ -721,6 +811,17 @@ fn trace_chunked_issues_each_collective_once_per_chunk() {
     let halves = chunked.iter().filter(|b| **b == whole / 2).count();
     assert_eq!(halves, 2 * (none.len() - 2), "{none:?} vs {chunked:?}");
     assert_eq!(total(&chunked), total(&none), "the same bytes in all");
+}
+
+/// [`tp_plan_with`] with sequence parallelism on or off.
+fn tp_plan_sp(tp: usize, sequence_parallel: bool, overlap: TpOverlap) -> ValidPlan {
+    ParallelPlan {
+        sequence_parallel,
+        tp_overlap: overlap,
+        ..ParallelPlan::new(MeshDims::new(1, 1, tp, 1))
+    }
+    .validate(&cfg(), tp, 2)
+    .expect("a tp plan")
 }
 
 /// A checked plan of `tp` ranks for [`cfg`]: what [`tensor_parallel::build`] takes.

@@ -16,7 +16,8 @@
 //! nothing ([`ColumnInput::SequenceGathered`]).
 //!
 //! With `--tp-overlap chunked` the input gradient is computed and all-reduced chunk by chunk,
-//! and the weight gradient computed while the last chunks are on the wire ([`super::overlap`]).
+//! and the weight gradient computed while the last chunks are on the wire ([`super::overlap`]);
+//! with `ring`, the sequence all-gather is the layer's, a ring with its product.
 //!
 //! Legend: `N` rows (B·T), `in`/`out` the full layer's features, `tp` the group's size.
 
@@ -29,6 +30,7 @@ use mtrain_model::{Linear, Param};
 
 use super::mapping::{Mapping, TpCollective};
 use super::overlap::{chunks, rows_of};
+use super::ring;
 use crate::plan::TpOverlap;
 use crate::ops::gather_from_tp_region;
 
@@ -40,15 +42,18 @@ pub enum ColumnInput {
     /// The input already came through `gather_from_sequence_parallel_region`, whose backward
     /// reduce-scatters (sums) the gradient: nothing more to do here.
     SequenceGathered,
+    /// This rank's sequence part (N/tp, in), gathered around the ring ([`super::ring`]).
+    SequenceRing,
 }
 
 impl ColumnInput {
     /// How the column layers of a sub-layer entered through `enter` ([`super::BlockMappings`]:
     /// f or the sequence all-gather) get their input: through f, which they issue, or already
-    /// gathered by the block.
-    pub fn entered_through(enter: Mapping) -> Self {
-        match enter {
-            Mapping::CopyToTp => ColumnInput::Replicated,
+    /// gathered by the block (or, under `--tp-overlap ring`, by the layer itself).
+    pub fn entered_through(enter: Mapping, overlap: TpOverlap) -> Self {
+        match (enter, overlap) {
+            (Mapping::CopyToTp, _) => ColumnInput::Replicated,
+            (_, TpOverlap::Ring) => ColumnInput::SequenceRing,
             _ => ColumnInput::SequenceGathered,
         }
     }
@@ -58,6 +63,7 @@ impl ColumnInput {
         match self {
             ColumnInput::Replicated => Some(Mapping::CopyToTp),
             ColumnInput::SequenceGathered => None,
+            ColumnInput::SequenceRing => Some(Mapping::GatherFromSequence),
         }
     }
 }
@@ -105,6 +111,7 @@ impl Linear for ColumnParallelLinear {
         Some(Box::new(ColumnTape {
             dense: DenseTape::of(&self.weight, self.bias.as_ref()?, x)?,
             f: self.input.mapping(),
+            ring: self.input == ColumnInput::SequenceRing,
             group: self.group.clone(),
             overlap: self.overlap,
         }))
@@ -117,6 +124,8 @@ struct ColumnTape {
     dense: DenseTape,
     /// f, or None where the block's sequence all-gather entered instead.
     f: Option<Mapping>,
+    /// The input is this rank's sequence part, gathered around the ring with the product.
+    ring: bool,
     group: Comm,
     overlap: TpOverlap,
 }
@@ -143,6 +152,10 @@ impl TapedLinear for ColumnTape {
 
     /// x (N, in) -> (x, y_r = x W_rᵀ + b_r (N, out/tp)).
     fn forward(&self, x: &Tensor, b: usize) -> candle_core::Result<(Tensor, Tensor)> {
+        if self.ring {
+            let (x, y, _) = ring::column_forward(&self.dense, x, b, &self.group, false)?;
+            return Ok((x, y)); // (N, in), (N, out/tp)
+        }
         let x = self.f_forward(x, b)?; // (N, in), the same on every rank
         self.dense.forward(&x, b)
     }
@@ -153,11 +166,18 @@ impl TapedLinear for ColumnTape {
         x: &Tensor,
         b: usize,
     ) -> candle_core::Result<(Tensor, Tensor)> {
+        if self.ring {
+            return self.forward(x, b).and_then(|(x, y)| Ok((x, (r + y)?))); // (N, out/tp)
+        }
         let x = self.f_forward(x, b)?;
         self.dense.forward_residual(r, &x, b) // (N, out/tp)
     }
 
     fn forward_gelu(&self, x: &Tensor, b: usize) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        if self.ring {
+            let (x, f, g) = ring::column_forward(&self.dense, x, b, &self.group, true)?;
+            return Ok((x, f, g.expect("asked for gelu(f)"))); // (N, in), f, gelu(f) (N, out/tp)
+        }
         let x = self.f_forward(x, b)?;
         self.dense.forward_gelu(&x, b) // f, gelu(f) (N, out/tp)
     }
@@ -171,6 +191,9 @@ impl TapedLinear for ColumnTape {
         grads: &mut WeightGrads,
         gelu_of: Option<&Tensor>,
     ) -> candle_core::Result<Tensor> {
+        if self.ring {
+            return ring::column_backward(&self.dense, x, dy, b, &self.group, grads, gelu_of);
+        }
         let Some(f) = self.f_backward() else {
             // Nothing between the product and a GELU before it: one fused GEMM.
             return self.dense.backward(x, dy, b, grads, gelu_of); // (N, in)

@@ -51,6 +51,7 @@ use crate::plan::ValidPlan;
 pub mod column;
 pub mod mapping;
 pub mod overlap;
+pub mod ring;
 pub mod row;
 pub mod sequence;
 pub mod shard;
@@ -188,6 +189,11 @@ impl<'a> Builder<'a> {
         sequence_parallel: bool,
     ) -> Result<Self> {
         check_group(plan, tp)?;
+        if tp.size() > 1 && plan.tp_overlap == TpOverlap::Ring && !sequence_parallel {
+            return Err(TpError::Unsupported(
+                "--tp-overlap ring decomposes sequence parallelism's all-gather and reduce-scatter: build with sequence parallelism, or use --tp-overlap chunked".into(),
+            ));
+        }
         Ok(Builder {
             cfg,
             pieces,
@@ -229,7 +235,7 @@ impl<'a> Builder<'a> {
         let heads = cfg.n_head / tp.size();
         let sub = BlockMappings::new(sp); // attention's and the MLP's
         let (input, output) = (
-            ColumnInput::entered_through(sub.enter.mapping),
+            ColumnInput::entered_through(sub.enter.mapping, self.overlap),
             RowOutput::left_through(sub.leave.mapping),
         );
         let c_attn = self.column(&format!("{h}.attn.c_attn"), input)?;
@@ -259,6 +265,7 @@ impl<'a> Builder<'a> {
                 ln_2,
                 mlp,
                 tp.clone(),
+                self.overlap == TpOverlap::Ring,
             )),
         })
     }

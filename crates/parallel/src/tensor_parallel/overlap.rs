@@ -34,10 +34,10 @@ use crate::plan::TpOverlap;
 pub const CHUNKS: usize = 4;
 
 /// The sequence ranges of a micro-batch of `b` sequences to run one after another under
-/// `mode`, or None where the layer runs whole (no overlap, or a single sequence).
+/// `mode`, or None where the layer runs whole (no chunks: none, ring, or one sequence).
 pub fn chunks(mode: TpOverlap, b: usize) -> Option<Vec<Range<usize>>> {
     let k = match mode {
-        TpOverlap::None => return None,
+        TpOverlap::None | TpOverlap::Ring => return None,
         TpOverlap::Chunked => CHUNKS.min(b),
     };
     (k > 1).then(|| (0..k).map(|i| chunk_range(b, k, i)).collect())

@@ -15,6 +15,8 @@
 //! ([`RowOutput::ReduceScatterSequence`]).
 //!
 //! With `--tp-overlap chunked` the forward computes and sends chunk by chunk ([`super::overlap`]).
+//! With `--tp-overlap ring` the sequence reduce-scatter is a ring with the product
+//! ([`super::ring`]).
 //!
 //! Legend: `N` rows (B·T), `in`/`out` the full layer's features, `tp` the group's size.
 
@@ -28,6 +30,7 @@ use mtrain_model::{Linear, Param};
 
 use super::mapping::Mapping;
 use super::overlap::{chunks, rows_of};
+use super::ring;
 use crate::plan::TpOverlap;
 
 /// Where a row-parallel layer's partial sums go.
@@ -110,12 +113,20 @@ struct RowTape {
 }
 
 impl RowTape {
+    /// Whether g is sequence parallelism's reduce-scatter, run around the ring.
+    fn ring(&self) -> bool {
+        self.overlap == TpOverlap::Ring && self.g == Mapping::ReduceScatterToSequence
+    }
+
     /// g(x_r W_rᵀ): the partial products summed over tp, (N, out) or (N/tp, out) under SP.
     fn summed_product(&self, x: &Tensor, b: usize) -> candle_core::Result<Tensor> {
         let w_t = self.dense.weight()?.t()?; // (in/tp, out)
         let Some(c) = self.g.forward() else {
             return mtrain_kernels::matmul(x, &w_t);
         };
+        if self.ring() {
+            return ring::row_forward(x, &w_t, b, &self.group); // Σ_tp (N/tp, out)
+        }
         let Some(chunks) = chunks(self.overlap, b) else {
             let partial = mtrain_kernels::matmul(x, &w_t)?; // (N, out), partial
             return c.run_rows(&partial, b, &self.group); // all-reduce: Σ_tp (N', out)
@@ -173,6 +184,10 @@ impl TapedLinear for RowTape {
         gelu_of: Option<&Tensor>,
     ) -> candle_core::Result<Tensor> {
         let dy_rows = dy; // (N', out), the rows the bias was added to
+        if self.ring() {
+            return ring::row_backward(&self.dense, x, dy_rows, b, &self.group, grads, gelu_of);
+        }
+        let (w_name, b_name) = self.dense.names();
         let dy = match self.g.backward() {
             Some(c) => c.run_rows(dy, b, &self.group)?, // SP: all-gather T (N, out)
             None => dy.clone(),                         // g: the identity
@@ -183,7 +198,6 @@ impl TapedLinear for RowTape {
             None => mtrain_kernels::matmul(&dy, &w)?,       // (N, in/tp)
         };
         drop(w);
-        let (w_name, b_name) = self.dense.names();
         let db = bias::grad(dy_rows, &self.dense.bias()?)?; // (out,)
         grads.product(w_name, &dy, x)?; // dW_r (out, in/tp), now or in W
         grads.push((b_name, db));

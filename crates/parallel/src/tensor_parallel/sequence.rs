@@ -17,6 +17,10 @@
 //! after each LayerNorm, so its column layers take [`super::ColumnInput::SequenceGathered`], and
 //! the row layers `leave` ([`super::RowOutput::ReduceScatterSequence`]).
 //!
+//! Under `--tp-overlap ring` the column layers take this rank's part themselves
+//! ([`super::ColumnInput::SequenceRing`]) and run the all-gather as a ring with their product,
+//! so the block enters nothing of its own.
+//!
 //! It is the dense [`Block`] and the tp group; its [`Segment`](mtrain_model::Segment) methods
 //! are the dense block's ([`BlockSegment`]). Its hand-written backward is the dense block's
 //! ([`mtrain_model::explicit::sharded_block_tape`]) with the all-gather entering each sub-layer
@@ -40,6 +44,8 @@ use super::BlockMappings;
 pub struct SequenceParallelBlock {
     pub block: Block,
     pub group: Comm,
+    /// The column layers gather the sequence themselves, around the ring (`--tp-overlap ring`).
+    pub ring: bool,
 }
 
 impl SequenceParallelBlock {
@@ -50,10 +56,21 @@ impl SequenceParallelBlock {
         ln_2: LayerNorm,
         mlp: Mlp,
         group: Comm,
+        ring: bool,
     ) -> Self {
         Self {
             block: Block::new(name, ln_1, attn, ln_2, Box::new(mlp)),
             group,
+            ring,
+        }
+    }
+
+    /// The all-gather entering a sub-layer after its LayerNorm, where the block runs it (x
+    /// itself where the column layer gathers around the ring).
+    fn enter_on(&self, x: &Tensor) -> Result<Tensor> {
+        match self.ring {
+            true => Ok(x.clone()), // (B, T/tp, C): the column layer gathers
+            false => ENTER.apply(x, &self.group), // (B, T, C)
         }
     }
 }
@@ -67,9 +84,9 @@ impl BlockSegment for SequenceParallelBlock {
     }
 
     /// The sequence all-gather (its conjugate, the reduce-scatter of the gradient, in the
-    /// backward).
+    /// backward); none under the ring, whose column layers run it.
     fn enter(&self) -> Option<Arc<dyn Collective>> {
-        Some(ENTER.over(&self.group))
+        (!self.ring).then(|| ENTER.over(&self.group))
     }
 
     fn first_position(&self, t: usize) -> usize {
@@ -79,13 +96,17 @@ impl BlockSegment for SequenceParallelBlock {
     fn run(&self, x: &Tensor, draw: Option<&Draw>) -> Result<SegmentOut> {
         let b = &self.block;
         // x: (B, T/tp, C)
-        let h = ENTER.apply(&b.ln_1.forward(x)?, &self.group)?; // (B, T, C)
-        let (t, c) = (h.dim(1)?, h.dim(2)?);
+        let h = self.enter_on(&b.ln_1.forward(x)?)?; // (B, T, C), or (B, T/tp, C) under the ring
+        let t = match self.ring {
+            true => x.dim(1)? * self.group.size(), // T: the ring's parts are equal
+            false => h.dim(1)?,
+        };
+        let c = h.dim(2)?;
         let mine = self.positions(t);
         let masks = BlockMasks::new(draw, b.layer, &Positions::run(mine.start, mine.len(), t), c)?;
         let a = b.attn.forward_drawn(&h, draw, b.layer)?; // (B, T/tp, C): reduce-scattered
         let x = (x + masks.attn(&a)?)?; // (B, T/tp, C)
-        let h = ENTER.apply(&b.ln_2.forward(&x)?, &self.group)?; // (B, T, C)
+        let h = self.enter_on(&b.ln_2.forward(&x)?)?; // (B, T, C)
         let out = (x + masks.mlp(&b.ffn.forward(&h)?.out)?)?; // (B, T/tp, C)
         Ok(SegmentOut::plain(out))
     }

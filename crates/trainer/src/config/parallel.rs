@@ -104,6 +104,10 @@ pub enum TpOverlapFlag {
     /// The sequences cut into chunks: a chunk's collective on the wire while the next chunk's
     /// product is computed (the row layer's forward, the column layer's input gradient).
     Chunked,
+    /// With sequence parallelism: its all-gather and reduce-scatter as tp steps of
+    /// send/receive around the group, each step's product on the part at hand (collective
+    /// matmul).
+    Ring,
 }
 
 impl TpOverlapFlag {
@@ -111,6 +115,7 @@ impl TpOverlapFlag {
         match self {
             TpOverlapFlag::None => TpOverlap::None,
             TpOverlapFlag::Chunked => TpOverlap::Chunked,
+            TpOverlapFlag::Ring => TpOverlap::Ring,
         }
     }
 
@@ -118,6 +123,7 @@ impl TpOverlapFlag {
         match o {
             TpOverlap::None => TpOverlapFlag::None,
             TpOverlap::Chunked => TpOverlapFlag::Chunked,
+            TpOverlap::Ring => TpOverlapFlag::Ring,
         }
     }
 }

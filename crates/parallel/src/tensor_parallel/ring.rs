@@ -1,0 +1,260 @@
+//! `--tp-overlap ring`: sequence parallelism's all-gather and reduce-scatter decomposed into
+//! tp steps of send/receive around the group, each step's product on the part of the sequence
+//! at hand while the next part is on the wire (Wang et al. 2023, "Overlap communication with
+//! dependent computation via decomposition"; Transformer Engine's userbuffers ring exchange,
+//! JAX's collective matmul, torchtitan's async TP).
+//!
+//! Rank r holds part r of every sequence (positions `chunk_range(T, tp, r)`); it sends to
+//! r + 1 and receives from r − 1. The all-gather before a column-parallel product:
+//!
+//! ```text
+//!   tp = 4, rank 0     step 0        step 1        step 2        step 3
+//!   compute            x_0 W_rᵀ      x_3 W_rᵀ      x_2 W_rᵀ      x_1 W_rᵀ
+//!   wire               x_0 → 1       x_3 → 1       x_2 → 1
+//!                      x_3 ← 3       x_2 ← 3       x_1 ← 3        y = [y_0; y_1; y_2; y_3] along T
+//! ```
+//!
+//! and the reduce-scatter after a row-parallel product, where what travels is a running sum:
+//! the sum for part c starts at rank c + 1 and gathers one rank's partial product per hop,
+//! arriving complete at rank c after tp − 1 hops:
+//!
+//! ```text
+//!   tp = 4, rank 0     step 0        step 1              step 2              step 3
+//!   compute            P_3 = x W_rᵀ|₃  P_2               P_1                 P_0
+//!   wire               P_3 → 1       (P_2 + S_2) → 1     (P_1 + S_1) → 1
+//!                                    S_2 ← 3             S_1 ← 3             S_0 ← 3    y_0 = S_0 + P_0
+//! ```
+//!
+//! Each step's product is computed while the previous step's message is on the wire; what
+//! stays exposed is what a step's transfer takes beyond a step's product. The backward runs the
+//! conjugates the same way: the row layer's all-gather of dy with dx = dy W_r and dW's term
+//! on each part, the column layer's reduce-scatter of dx = dy W_r with the weight gradient
+//! computed while the first running sum travels. A part is every sequence's positions of that
+//! rank, so the results are the ones the collectives give (each sum over the same ranks, added
+//! in the ring's order).
+//!
+//! Legend: `b` sequences, `T` positions, `T_r = T/tp` a rank's part, `F` features; activations
+//! are rows (b·T, F), sequence-major.
+
+use candle_core::{Result, Tensor};
+use mtrain_comm::{chunk_range, Comm};
+use mtrain_kernels::{bias, linear as fused};
+use mtrain_model::explicit::DenseTape;
+use mtrain_model::tape::{TapedLinear, WeightGrads};
+
+use crate::ops::comm_err;
+
+/// Rows (b·T_c, F) of part `c` of (b·T, F): every sequence's positions `chunk_range(T, tp, c)`.
+pub fn part_rows(x: &Tensor, b: usize, tp: usize, c: usize) -> Result<Tensor> {
+    let (rows, f) = x.dims2()?;
+    let t = rows / b;
+    let r = chunk_range(t, tp, c);
+    x.reshape((b, t, f))?
+        .narrow(1, r.start, r.len())?
+        .contiguous()?
+        .reshape((b * r.len(), f)) // (b·T_c, F)
+}
+
+/// Parts (b·T_c, F) in the order c = 0, 1, … laid out as the rows (b·T, F) of whole sequences.
+fn assemble(parts: &[Tensor], b: usize) -> Result<Tensor> {
+    let seq = parts
+        .iter()
+        .map(|p| {
+            let (rows, f) = p.dims2()?;
+            p.reshape((b, rows / b, f)) // (b, T_c, F)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let y = Tensor::cat(&seq, 1)?; // (b, T, F)
+    let (_, t, f) = y.dims3()?;
+    y.reshape((b * t, f))
+}
+
+/// The ring's neighbours of this rank: (the rank it sends to, the rank it receives from).
+fn neighbours(group: &Comm) -> (usize, usize) {
+    let (r, p) = (group.rank(), group.size());
+    ((r + 1) % p, (r + p - 1) % p)
+}
+
+/// The all-gather of this rank's part `x_r` (b·T_r, F) around the ring, `on_part(x_c, c)` run
+/// on each part as it is at hand (the first step on our own) while the next one travels.
+/// Returns the gathered rows (b·T, F) and each of `on_part`'s outputs laid out likewise.
+#[track_caller]
+pub fn gather_with(
+    x_r: &Tensor,
+    b: usize,
+    group: &Comm,
+    mut on_part: impl FnMut(&Tensor, usize) -> Result<Vec<Tensor>>,
+) -> Result<(Tensor, Vec<Tensor>)> {
+    let (r, p) = (group.rank(), group.size());
+    let (next, prev) = neighbours(group);
+    let mut held = Some(x_r.contiguous()?); // (b·T_r, F), part r
+    let mut parts: Vec<Option<Tensor>> = vec![None; p];
+    let mut outs: Vec<Vec<Option<Tensor>>> = Vec::new();
+    let mut sends = Vec::with_capacity(p);
+    for s in 0..p {
+        let c = (r + p - s) % p; // the part at hand
+        let x_c = held.take().expect("a part is at hand at every step");
+        // Pass it on before computing on it: the next part travels during this product.
+        let incoming = (s + 1 < p).then(|| {
+            sends.push(group.send_async(&x_c, next));
+            group.recv_async(prev, x_c.shape(), x_c.dtype()) // part c − 1, the size of ours
+        });
+        for (i, y) in on_part(&x_c, c)?.into_iter().enumerate() {
+            if outs.len() <= i {
+                outs.push(vec![None; p]);
+            }
+            outs[i][c] = Some(y); // (b·T_c, F')
+        }
+        parts[c] = Some(x_c);
+        if let Some(w) = incoming {
+            held = Some(w.wait().map_err(comm_err)?);
+        }
+    }
+    for s in sends {
+        s.wait().map_err(comm_err)?;
+    }
+    let whole = |v: Vec<Option<Tensor>>| -> Result<Tensor> {
+        let v: Vec<Tensor> = v
+            .into_iter()
+            .map(|t| t.expect("every step fills its part"))
+            .collect();
+        assemble(&v, b)
+    };
+    let gathered = whole(parts)?; // (b·T, F)
+    let outs = outs.into_iter().map(whole).collect::<Result<Vec<_>>>()?; // (b·T, F') each
+    Ok((gathered, outs))
+}
+
+/// The reduce-scatter around the ring of this rank's partial product, computed part by part:
+/// `partial(c)` (b·T_c, F) is this rank's term of part c's sum. `alongside` runs once, while
+/// the first running sum travels (the column layer's weight gradient). Returns this rank's
+/// part of the sum over the group (b·T_r, F).
+#[track_caller]
+pub fn reduce_scatter_with(
+    group: &Comm,
+    mut partial: impl FnMut(usize) -> Result<Tensor>,
+    alongside: impl FnOnce() -> Result<()>,
+) -> Result<Tensor> {
+    let (r, p) = (group.rank(), group.size());
+    let (next, prev) = neighbours(group);
+    let part_at = |s: usize| (r + 2 * p - 1 - s) % p; // step s works on part r − 1 − s
+    let mut sum = partial(part_at(0))?.contiguous()?; // (b·T_c, F), the running sum we start
+    let mut alongside = Some(alongside);
+    for s in 1..p {
+        let send = group.send_async(&sum, next);
+        // What arrives is part_at(s)'s running sum: our own sum's shape, the parts being equal.
+        let incoming = group.recv_async(prev, sum.shape(), sum.dtype());
+        if let Some(f) = alongside.take() {
+            f()?;
+        }
+        let mine = partial(part_at(s))?; // (b·T_c, F), while the sum travels
+        let arrived = incoming.wait().map_err(comm_err)?;
+        send.wait().map_err(comm_err)?;
+        sum = (arrived + mine)?;
+    }
+    if let Some(f) = alongside {
+        f()?;
+    }
+    Ok(sum) // part r: Σ over the group (b·T_r, F)
+}
+
+/// The column-parallel layer's forward (this rank's `W_r` (out/tp, in), `b_r` in `dense`) from
+/// this rank's part x_r (N/tp, in): each part's product as it is at hand. Returns the gathered
+/// input x (N, in), y = x W_rᵀ + b_r (N, out/tp) and, with `gelu`, gelu(y).
+pub fn column_forward(
+    dense: &DenseTape,
+    x_r: &Tensor,
+    b: usize,
+    group: &Comm,
+    gelu: bool,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    let (x, mut outs) = gather_with(x_r, b, group, |x_c, _| match gelu {
+        false => Ok(vec![dense.forward(x_c, b)?.1]), // (N/tp, out/tp)
+        true => {
+            let (_, f, g) = dense.forward_gelu(x_c, b)?;
+            Ok(vec![f, g])
+        }
+    })?;
+    let g = if gelu { outs.pop() } else { None };
+    let y = outs.pop().expect("one product per part");
+    Ok((x, y, g))
+}
+
+/// The column-parallel layer's backward: dx_r = Σ_tp dy W_r at this rank's part (N/tp, in),
+/// each part's term computed while the running sums travel, and dW_r = dyᵀ x, db_r while the
+/// first one does. A GELU before the layer (`gelu_of`) has no place here: its input is a
+/// LayerNorm's under sequence parallelism.
+pub fn column_backward(
+    dense: &DenseTape,
+    x: &Tensor,
+    dy: &Tensor,
+    b: usize,
+    group: &Comm,
+    grads: &mut WeightGrads,
+    gelu_of: Option<&Tensor>,
+) -> Result<Tensor> {
+    if gelu_of.is_some() {
+        return Err(candle_core::Error::Msg(
+            "--tp-overlap ring: a column-parallel layer after a GELU has no sequence part to reduce-scatter into; run it with --tp-overlap none".into(),
+        ));
+    }
+    let w = dense.weight()?; // (out/tp, in)
+    let tp = group.size();
+    let bias = dense.bias()?;
+    reduce_scatter_with(
+        group,
+        |c| mtrain_kernels::matmul(&part_rows(dy, b, tp, c)?, &w), // (N/tp, in)
+        || grads.linear(dense.names(), dy, x, &bias),
+    )
+}
+
+/// The row-parallel layer's forward: Σ_tp x W_rᵀ at this rank's part (N/tp, out), x (N, in/tp)
+/// and `w_t` = W_rᵀ (in/tp, out); part c's running sum travels while part c − 1's product is
+/// computed.
+pub fn row_forward(x: &Tensor, w_t: &Tensor, b: usize, group: &Comm) -> Result<Tensor> {
+    let tp = group.size();
+    let part = |c| mtrain_kernels::matmul(&part_rows(x, b, tp, c)?, w_t); // (N/tp, out)
+    reduce_scatter_with(group, part, || Ok(()))
+}
+
+/// The row-parallel layer's backward from this rank's part of dy (N/tp, out): dy's parts
+/// gathered around the ring, each part's dx = dy_c W_r (through the GELU before the layer,
+/// `gelu_of` = f (N, in/tp)) and, formed now, its term dy_cᵀ x_c of dW_r computed as it is at
+/// hand. Returns dx (N, in/tp); dW_r (out, in/tp) and db (out,) (this rank's rows: the
+/// partial gradient sequence parallelism sums) into `grads`.
+pub fn row_backward(
+    dense: &DenseTape,
+    x: &Tensor,
+    dy_r: &Tensor,
+    b: usize,
+    group: &Comm,
+    grads: &mut WeightGrads,
+    gelu_of: Option<&Tensor>,
+) -> Result<Tensor> {
+    let w = dense.weight()?; // (out, in/tp)
+    let tp = group.size();
+    let now = !grads.defers();
+    let mut dw: Option<Tensor> = None;
+    let (dy, mut dx) = gather_with(dy_r, b, group, |dy_c, c| {
+        if now {
+            let term = mtrain_kernels::matmul(&dy_c.t()?, &part_rows(x, b, tp, c)?)?; // (out, in/tp)
+            dw = Some(match dw.take() {
+                Some(acc) => (acc + term)?,
+                None => term,
+            });
+        }
+        Ok(vec![match gelu_of {
+            Some(f) => fused::input_grad_gelu(dy_c, &w, &part_rows(f, b, tp, c)?)?,
+            None => mtrain_kernels::matmul(dy_c, &w)?, // (N/tp, in/tp)
+        }])
+    })?; // dy (N, out), dx (N, in/tp)
+    drop(w);
+    let (w_name, b_name) = dense.names();
+    let db = bias::grad(dy_r, &dense.bias()?)?; // (out,)
+    match dw {
+        Some(dw) => grads.push((w_name, dw)),   // Σ_parts dy_cᵀ x_c
+        None => grads.product(w_name, &dy, x)?, // kept for W
+    }
+    grads.push((b_name, db));
+    Ok(dx.remove(0))
+}
