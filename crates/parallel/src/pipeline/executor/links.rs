@@ -71,8 +71,7 @@ impl<'a> Links<'a> {
             let (pp, mb) = (self.pp, key.1);
             let work = rec.time(SpanKind::Send, Some(mb), chunk, || {
                 let work = pp.send_async(&x, to_rank);
-                // The yields are the send's time on this rank's timeline too.
-                let from = pp.tracer().now_us();
+                let from = pp.tracer().now_us(); // the yields are the send's time too
                 while pp.sends_complete_locally() && !work.is_done() {
                     std::thread::yield_now();
                 }
