@@ -25,6 +25,7 @@
 //! A GEMM's row is named by its shape (M×K×N); `layers` lists the layer passes of that shape
 //! (`fwd` x·Wᵀ, `dgrad` dy·W, `wgrad` dyᵀ·x), several where shapes coincide.
 
+pub mod decode;
 pub mod roofs;
 
 use std::collections::{BTreeMap, HashMap};
@@ -218,7 +219,7 @@ impl OpsProfiler {
         let flops = model_flops(cfg, gcfg, dims.dp);
         let world_size = dims.world_size();
         let (report, _) = merge(&cfg.run_dir, world_size, (cfg, gcfg, dims.tp), flops, roofs)?;
-        crate::tools::plot::roofline_chart(&report, &cfg.run_dir.join("roofline.svg"))?;
+        crate::tools::plot::run_roofline(&cfg.run_dir)?;
         eprintln!("{}", table(&report));
         Ok(())
     }
@@ -250,6 +251,10 @@ pub struct OpsReport {
     pub steps: Vec<u64>,
     pub device: String,
     pub dtype: String,
+    /// A decode run's report (`decode-ops.json`): then a "step" is one decoded token, and
+    /// `steps` the cached positions each profiled token ran against.
+    #[serde(default)]
+    pub decode: Option<decode::DecodeRun>,
     /// The step's model FLOPs: [`GptConfig::flops_per_token`] × the step's tokens (every rank).
     pub model_flops: f64,
     /// The mean wall time of a profiled step, and the ops' time per step (both per rank).
@@ -295,6 +300,26 @@ pub fn merge(
             serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
         parts.push(part);
     }
+    let on = (
+        format!("{:?}", cfg.device).to_lowercase(),
+        format!("{:?}", cfg.dtype).to_lowercase(),
+    );
+    let report = summarize(&parts, on, (gcfg, tp), model_flops, roofs);
+    let path = run_dir.join("ops.json");
+    crate::fsio::write_synced(&path, serde_json::to_string_pretty(&report)?.as_bytes())?;
+    Ok((report, path))
+}
+
+/// The ranks' `parts` added up, per step, into a report of a run on `(device, dtype)` of
+/// `gcfg` at tensor-parallel degree `tp` (which names the GEMMs' layers).
+pub fn summarize(
+    parts: &[RankOps],
+    (device, dtype): (String, String),
+    (gcfg, tp): (&GptConfig, usize),
+    model_flops: f64,
+    roofs: Roofs,
+) -> OpsReport {
+    let world = parts.len().max(1);
     let steps = parts.first().map(|p| p.steps.clone()).unwrap_or_default();
     let n = steps.len().max(1) as f64;
     let rank_seconds = parts
@@ -352,21 +377,19 @@ pub fn merge(
         .collect();
     rows.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
     let op_seconds = rows.iter().map(|r| r.seconds).sum::<f64>() / world as f64;
-    let report = OpsReport {
+    OpsReport {
         ranks: world,
         steps,
-        device: format!("{:?}", cfg.device).to_lowercase(),
-        dtype: format!("{:?}", cfg.dtype).to_lowercase(),
+        device,
+        dtype,
+        decode: None,
         model_flops,
         step_seconds: step_total / world as f64,
         op_seconds,
         rank_seconds,
         roofs,
         rows,
-    };
-    let path = run_dir.join("ops.json");
-    crate::fsio::write_synced(&path, serde_json::to_string_pretty(&report)?.as_bytes())?;
-    Ok((report, path))
+    }
 }
 
 /// The (in, out) of each linear layer kind a rank of tensor-parallel degree `tp` runs: the
@@ -420,14 +443,26 @@ fn gemm_layers(name: &str, shapes: &[(&str, usize, usize)]) -> String {
 pub fn table(r: &OpsReport) -> String {
     let mut out = String::new();
     let m = &r.roofs.measured;
-    out += &format!(
-        "ops of {} step(s) {:?} on {} rank(s), {} {}: per step, summed over ranks\n",
-        r.steps.len(),
-        r.steps,
-        r.ranks,
-        r.device,
-        r.dtype
-    );
+    out += &match &r.decode {
+        None => format!(
+            "ops of {} step(s) {:?} on {} rank(s), {} {}: per step, summed over ranks\n",
+            r.steps.len(),
+            r.steps,
+            r.ranks,
+            r.device,
+            r.dtype
+        ),
+        Some(d) => format!(
+            "decode ops of {} token(s) at batch {} with the KV cache, positions {}..={}, {} {}: \
+             per token\n",
+            r.steps.len(),
+            d.batch,
+            r.steps.first().unwrap_or(&0),
+            r.steps.last().unwrap_or(&0),
+            r.device,
+            r.dtype
+        ),
+    };
     out += &format!(
         "measured roofs: {:.1} GFLOP/s ({}), {:.1} GB/s ({}), ridge {:.1} FLOP/B\n",
         m.flops_per_s / 1e9,
@@ -465,17 +500,22 @@ pub fn table(r: &OpsReport) -> String {
     let gemm_attn: f64 = r
         .rows
         .iter()
-        .filter(|o| o.name.starts_with("gemm") || o.name.starts_with("attention"))
+        .filter(|o| o.name.starts_with("gemm") || o.name.contains("attention"))
         .map(|o| o.flops)
         .sum();
+    let count = match r.decode {
+        None => "flops_per_token x tokens",
+        Some(_) => "2 N_matmul + 4 L C (p + 1) per token",
+    };
     out += &format!(
-        "GEMM + attention: {:.4e} FLOP, model {:.4e} FLOP (flops_per_token x tokens): {:+.2}%\n",
+        "GEMM + attention: {:.4e} FLOP, model {:.4e} FLOP ({count}): {:+.2}%\n",
         gemm_attn,
         r.model_flops,
         (gemm_attn / r.model_flops - 1.0) * 100.0
     );
+    let step = if r.decode.is_some() { "token" } else { "step per rank" };
     out += &format!(
-        "ops {:.2} ms of a {:.2} ms step per rank ({:.0}%; the rest: host work between ops)",
+        "ops {:.2} ms of a {:.2} ms {step} ({:.0}%; the rest: host work between ops)",
         r.op_seconds * 1e3,
         r.step_seconds * 1e3,
         r.op_seconds / r.step_seconds.max(1e-12) * 100.0
