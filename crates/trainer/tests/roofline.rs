@@ -214,3 +214,69 @@ fn tp_and_pp_ranks_add_up_with_their_collectives_as_rows() {
         assert!(names.iter().any(|n| n == op), "no {op} row in {names:?}");
     }
 }
+
+/// `mtrain sample --profile-ops` on a profiled tiny run: decode-ops.json holds one token's ops at
+/// batch 1 with the KV cache, its GEMVs' FLOPs are 2 N_matmul per token and its attention's
+/// 4·L·C·(p + 1) at p cached positions, every op is below the ridge (memory-bound), and the
+/// run's roofline.svg draws them with the training step's.
+#[test]
+fn decode_with_the_kv_cache_is_on_the_same_roofline() {
+    let dir = tmp("roofline-decode");
+    let (ops, printed) = profiled(&[], dir.path());
+    check(&ops, &printed, dir.path());
+    let (prompt, new) = ("the ", 20usize);
+    let n = new.to_string();
+    let run = dir.path().display().to_string();
+    let o = run_mtrain([
+        "sample", "--checkpoint", &run, "--prompt", prompt, "--max-new-tokens", &n, "--top-k",
+        "1", "--profile-ops",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("decode ops of") && err.contains("decode-ops.json"), "{err}");
+    let text = std::fs::read_to_string(dir.path().join("decode-ops.json")).expect("decode-ops.json");
+    let dec: Value = serde_json::from_str(&text).expect("JSON");
+    assert_eq!(dec["decode"]["batch"], 1);
+    // The prefill and the first new token are not profiled: the others are, one position each
+    // against p = prompt + earlier tokens cached positions.
+    let positions: Vec<f64> = dec["steps"].as_array().unwrap().iter().map(|p| p.as_f64().unwrap()).collect();
+    let want: Vec<f64> = (prompt.len() + 1..prompt.len() + new - 1).map(|p| p as f64).collect();
+    assert_eq!(positions, want);
+    // tiny: 4 layers of width 64, vocabulary 256 (the bytes; the head is tied to wte).
+    let (l, c, v) = (4.0, 64.0, 256.0);
+    let n_matmul = v * c + l * 12.0 * c * c;
+    let rows = dec["rows"].as_array().unwrap();
+    let sum = |pick: &dyn Fn(&str) -> bool| -> f64 {
+        rows.iter().filter(|r| pick(r["name"].as_str().unwrap())).map(|r| f(r, "flops")).sum()
+    };
+    let gemv = sum(&|n| n.starts_with("gemm"));
+    assert!((gemv / (2.0 * n_matmul) - 1.0).abs() < 1e-9, "GEMVs {gemv} FLOPs per token");
+    let mean_p = positions.iter().sum::<f64>() / positions.len() as f64;
+    let attention = sum(&|n| n == "decode attention");
+    assert!((attention / (4.0 * l * c * (mean_p + 1.0)) - 1.0).abs() < 1e-9, "{attention}");
+    assert!(((gemv + attention) / f(&dec, "model_flops") - 1.0).abs() < 1e-9);
+    let ridge =
+        f(&dec["roofs"]["measured"], "flops_per_s") / f(&dec["roofs"]["measured"], "bytes_per_s");
+    for r in rows {
+        let (flops, bytes) = (f(r, "flops"), f(r, "bytes"));
+        assert!(bytes > 0.0 && f(r, "calls") > 0.0, "{r}");
+        assert!((f(r, "intensity") - flops / bytes).abs() <= 1e-12 * (flops / bytes).max(1.0));
+        assert_eq!(r["bound"], "memory", "{r}");
+        if r["name"].as_str().unwrap().starts_with("gemm") {
+            // One position: 2 FLOPs per f32 weight read, below 0.5 FLOP/B.
+            assert!(f(r, "intensity") < 0.5 && f(r, "intensity") > 0.45, "{r}");
+        }
+    }
+    assert!(ridge > 0.5, "ridge {ridge}");
+    for op in ["decode attention", "kv cache append", "layer_norm", "gelu", "residual", "embedding"] {
+        assert!(rows.iter().any(|r| r["name"] == op), "no {op} row in {rows:?}");
+    }
+    let svg = std::fs::read_to_string(dir.path().join("roofline.svg")).unwrap();
+    assert!(svg.contains("decode: decode attention") && svg.contains("attention backward"));
+    // `mtrain plot` draws both again.
+    std::fs::remove_file(dir.path().join("roofline.svg")).unwrap();
+    let o = run_mtrain(["plot".to_string(), run]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let svg = std::fs::read_to_string(dir.path().join("roofline.svg")).unwrap();
+    assert!(svg.contains("decode: gemm+bias 1x64x192"));
+}

@@ -102,7 +102,8 @@ impl DecodeProfile {
         }
         let n = self.positions.len() as f64;
         let (l, c) = (gcfg.n_layer as f64, gcfg.n_embd as f64);
-        let per_token = |p: &u64| 2.0 * gcfg.n_matmul_params() as f64 + 4.0 * l * c * (*p + 1) as f64;
+        let per_token =
+            |p: &u64| 2.0 * gcfg.n_matmul_params() as f64 + 4.0 * l * c * (*p + 1) as f64;
         let model_flops = self.positions.iter().map(per_token).sum::<f64>() / n * run.batch as f64;
         let rows = self
             .rows
@@ -131,7 +132,11 @@ impl DecodeProfile {
         report.decode = Some(run);
         for row in &mut report.rows {
             // Decoding runs forward passes only.
-            let fwd: Vec<&str> = row.layers.split(", ").filter(|l| l.ends_with(" fwd")).collect();
+            let fwd: Vec<&str> = row
+                .layers
+                .split(", ")
+                .filter(|l| l.ends_with(" fwd"))
+                .collect();
             row.layers = fwd.join(", ");
         }
         Ok(Some(report))
