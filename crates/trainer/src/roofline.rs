@@ -139,10 +139,11 @@ impl OpsProfiler {
 
     /// After step `step`, which took `seconds`: its ops and collectives are added up. After the
     /// last profiled step, before anything else the loop does (evaluation, checkpoint), every
-    /// rank writes its rows and rank 0 the report ([`OpsProfiler::report`]).
-    pub fn end(&mut self, step: u64, seconds: f64) -> anyhow::Result<()> {
+    /// rank writes its rows and rank 0 the report ([`OpsProfiler::report`]); true where
+    /// ops.json was written (then the caller draws roofline.svg).
+    pub fn end(&mut self, step: u64, seconds: f64) -> anyhow::Result<bool> {
         if !self.steps.contains(&step) {
-            return Ok(());
+            return Ok(false);
         }
         for (name, t) in profile::stop() {
             let row = self.ops.entry(name).or_default();
@@ -165,9 +166,9 @@ impl OpsProfiler {
         self.taken.step_seconds.push(seconds);
         if step + 1 == self.steps.end {
             self.write()?;
-            self.report()?;
+            return self.report();
         }
-        Ok(())
+        Ok(false)
     }
 
     /// This rank's rows, written to `run_dir/ops-rank{r}.json`.
@@ -199,8 +200,8 @@ impl OpsProfiler {
     }
 
     /// Once every rank wrote its rows: rank 0 measures the roofs, adds the rows up into
-    /// ops.json ([`merge`]), draws roofline.svg and prints the table.
-    fn report(&self) -> anyhow::Result<()> {
+    /// ops.json ([`merge`]) and prints the table; true on rank 0.
+    fn report(&self) -> anyhow::Result<bool> {
         let ReportInputs {
             cfg,
             gcfg,
@@ -210,7 +211,7 @@ impl OpsProfiler {
         } = &self.report;
         world.barrier().context("waiting for every rank's ops")?;
         if world.rank() != 0 {
-            return Ok(());
+            return Ok(false);
         }
         let roofs = Roofs {
             measured: roofs::measure(device, cfg.dtype.candle())?,
@@ -219,9 +220,8 @@ impl OpsProfiler {
         let flops = model_flops(cfg, gcfg, dims.dp);
         let world_size = dims.world_size();
         let (report, _) = merge(&cfg.run_dir, world_size, (cfg, gcfg, dims.tp), flops, roofs)?;
-        crate::tools::plot::run_roofline(&cfg.run_dir)?;
         eprintln!("{}", table(&report));
-        Ok(())
+        Ok(true)
     }
 }
 

@@ -416,7 +416,9 @@ pub fn train_loop(
         }
         let done = train_step(cfg, model, &mut loader, device, &mut tracker, (step, lr))?;
         if let Some(o) = ops.as_deref_mut() {
-            o.end(step, done.secs)?;
+            if o.end(step, done.secs)? {
+                crate::tools::plot::run_roofline(&cfg.run_dir)?;
+            }
         }
         let tokens_per_s = tokens_per_step / done.secs.max(1e-9);
         let mfu = flops_per_token * tokens_per_s / (peak * devices as f64);

@@ -143,12 +143,9 @@ impl DecodeProfile {
     }
 }
 
-/// Writes `report` to `run_dir`'s `decode-ops.json` and draws the run's roofline again with
-/// it; returns the files written.
-pub fn write(run_dir: &Path, report: &OpsReport) -> anyhow::Result<Vec<PathBuf>> {
+/// Writes `report` to `run_dir`'s `decode-ops.json`; returns its path.
+pub fn write(run_dir: &Path, report: &OpsReport) -> anyhow::Result<PathBuf> {
     let path = run_dir.join(DECODE_OPS);
     crate::fsio::write_synced(&path, serde_json::to_string_pretty(report)?.as_bytes())?;
-    let mut written = vec![path];
-    written.extend(crate::tools::plot::run_roofline(run_dir)?);
-    Ok(written)
+    Ok(path)
 }

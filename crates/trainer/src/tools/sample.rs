@@ -227,7 +227,9 @@ pub fn sample(args: &SampleArgs) -> anyhow::Result<Sampled> {
                          within block_size {}", cfg.block_size)
             })?;
             let run_dir = dir.parent().unwrap_or(&dir);
-            Some((crate::roofline::table(&report), decode::write(run_dir, &report)?))
+            let mut written = vec![decode::write(run_dir, &report)?];
+            written.extend(crate::tools::plot::run_roofline(run_dir)?);
+            Some((crate::roofline::table(&report), written))
         }
         None => None,
     };
