@@ -63,6 +63,11 @@ pub struct TraceTotals {
     /// Microseconds callers sat in `wait()` on an op of this group before it finished: the
     /// communication that compute did not hide.
     pub blocked_us: u64,
+    /// Microseconds callers spent inside the op's calls: issuing it and waiting for it, from
+    /// entering the call to leaving it (the hand-off to the communication thread and the
+    /// wake-up after the op finished included). What the op cost the caller's timeline, which
+    /// `--profile-ops` rows; `blocked_us` stops at the op's finish.
+    pub held_us: u64,
 }
 
 impl Add for TraceTotals {
@@ -74,6 +79,7 @@ impl Add for TraceTotals {
             bytes_sent: self.bytes_sent + o.bytes_sent,
             busy_us: self.busy_us + o.busy_us,
             blocked_us: self.blocked_us + o.blocked_us,
+            held_us: self.held_us + o.held_us,
         }
     }
 }
@@ -88,6 +94,7 @@ impl Sub for TraceTotals {
             bytes_sent: self.bytes_sent.saturating_sub(o.bytes_sent),
             busy_us: self.busy_us.saturating_sub(o.busy_us),
             blocked_us: self.blocked_us.saturating_sub(o.blocked_us),
+            held_us: self.held_us.saturating_sub(o.held_us),
         }
     }
 }
@@ -187,6 +194,13 @@ impl Tracer {
         let mut inner = self.lock();
         inner.totals.blocked_us += waited_us;
         inner.by_op.entry(op).or_default().blocked_us += waited_us;
+    }
+
+    /// A caller spent `held_us` inside a call that issued or waited for an `op` of this group.
+    pub fn add_held(&self, op: OpKind, held_us: u64) {
+        let mut inner = self.lock();
+        inner.totals.held_us += held_us;
+        inner.by_op.entry(op).or_default().held_us += held_us;
     }
 
     /// The running totals (subtract two readings for what happened in between).

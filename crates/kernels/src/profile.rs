@@ -116,9 +116,10 @@ pub fn bytes(ts: &[&Tensor]) -> f64 {
 /// | `sq_sum` | 2 | Σ x² |
 /// | `embedding` | 1 | wte row + wpe row |
 /// | `embedding backward` | 1 | scatter-add of dy rows |
+/// | `grad accumulate` | 1 | g = g + dg, a weight's gradient summed over passes |
 pub fn per_element(op: &str) -> f64 {
     match op {
-        "bias" | "bias grad" | "embedding" | "embedding backward" => 1.0,
+        "bias" | "bias grad" | "embedding" | "embedding backward" | "grad accumulate" => 1.0,
         "residual" | "sq_sum" => 2.0,
         "cross_entropy" | "cross_entropy backward" => 4.0,
         "layer_norm" => 8.0,

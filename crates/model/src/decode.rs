@@ -34,9 +34,11 @@
 use candle_core::{DType, Result, Tensor};
 use rand::Rng;
 
-use crate::gpt::{Block, Embedding, Gpt, Head, ParamStore, Segment};
-use crate::layers::{CausalSelfAttention, LayerNorm};
+use crate::gpt::{Block, Embedding, Gpt, ParamStore};
+use crate::layers::{CausalSelfAttention, LayerNorm, Linear};
+use crate::param::Param;
 use mtrain_kernels::plain::{softmax_last_dim, upcast};
+use mtrain_kernels::profile::{self, Cost};
 
 /// Each block's keys and values of the positions run so far: (B, H, p, D) each.
 pub struct KvCache {
@@ -83,7 +85,9 @@ impl KvCache {
 pub struct Decoder {
     embedding: Embedding,
     blocks: Vec<Block>,
-    head: Head,
+    /// The head: `ln_f`, then the product with the tied `wte`.
+    ln_f: LayerNorm,
+    wte: Param,
     block_size: usize,
 }
 
@@ -97,13 +101,13 @@ impl Decoder {
                 .map(|p| (p.name().to_string(), p))
                 .collect(),
         );
-        let ln_f = LayerNorm::new(p.get("ln_f.weight")?, p.get("ln_f.bias")?);
         Ok(Self {
             embedding: Embedding::new(p.get("wte.weight")?, p.get("wpe.weight")?),
             blocks: (0..cfg.n_layer)
                 .map(|i| Block::dense(cfg, i, &p))
                 .collect::<Result<_>>()?,
-            head: Head::new(ln_f, p.get("wte.weight")?),
+            ln_f: LayerNorm::new(p.get("ln_f.weight")?, p.get("ln_f.bias")?),
+            wte: p.get("wte.weight")?,
             block_size: cfg.block_size,
         })
     }
@@ -138,8 +142,13 @@ impl Decoder {
             x = block_step(block, &x, kv)?; // (B, T, C)
         }
         cache.len += t;
-        let last = x.narrow(1, t - 1, 1)?; // (B, 1, C)
-        self.head.forward(&last, None)?.out.squeeze(1) // (B, V)
+        let last = layer_norm(&self.ln_f, &x.narrow(1, t - 1, 1)?)?.squeeze(1)?; // (B, C)
+        let wte = self.wte.tensor(); // (V, C)
+        profile::op(last.device(), || last.matmul(&wte.t()?), |z| {
+            let (m, k, n) = (last.dim(0).unwrap_or(0), wte.dim(1).unwrap_or(0), z.dim(1).unwrap_or(0));
+            let cost = Cost::gemm(1, (m, k, n), last.dtype().size_in_bytes());
+            (profile::gemm_name("gemm", (m, k, n)), cost)
+        }) // (B, V)
     }
 
     /// wte[idx] + wpe[first..first + T]: (B, T, C), as [`Embedding`]'s forward at positions
@@ -148,18 +157,54 @@ impl Decoder {
         let (b, t) = idx.dims2()?;
         let wte = self.embedding.wte.tensor();
         let c = wte.dim(1)?;
-        let tok = mtrain_kernels::embedding(&wte, &idx.flatten_all()?)?; // (B·T, C)
-        let pos = self.embedding.wpe.tensor().narrow(0, first, t)?; // (T, C)
-        tok.reshape((b, t, c))?.broadcast_add(&pos) // (B, T, C)
+        let run = || {
+            let tok = mtrain_kernels::embedding(&wte, &idx.flatten_all()?)?; // (B·T, C)
+            let pos = self.embedding.wpe.tensor().narrow(0, first, t)?; // (T, C)
+            tok.reshape((b, t, c))?.broadcast_add(&pos) // (B, T, C)
+        };
+        // The kernels' row `embedding`: the two rows read, the sum written.
+        profile::op(idx.device(), run, |y| {
+            let cost = Cost::elementwise(1.0, y, &[idx, y, y], &[y]);
+            ("embedding".into(), cost)
+        })
     }
 }
 
 /// One block as [`Block`]'s forward without dropout computes it, the attention through `kv`.
 fn block_step(block: &Block, x: &Tensor, kv: &mut Option<(Tensor, Tensor)>) -> Result<Tensor> {
-    let a = attend(&block.attn, &block.ln_1.forward(x)?, kv)?; // (B, T, C)
-    let x = (x + a)?;
-    let ffn = block.ffn.forward(&block.ln_2.forward(&x)?)?;
-    x + ffn.out // (B, T, C)
+    let mlp = block
+        .ffn
+        .as_mlp()
+        .ok_or_else(|| err(format!("decode: block {} is not a dense MLP", block.name)))?;
+    let a = attend(&block.attn, &layer_norm(&block.ln_1, x)?, kv)?; // (B, T, C)
+    let x = residual(x, &a)?;
+    let h = mtrain_kernels::gelu(&linear(&*mlp.c_fc, &layer_norm(&block.ln_2, &x)?)?)?; // (B, T, 4C)
+    residual(&x, &linear(&*mlp.c_proj, &h)?) // (B, T, C)
+}
+
+/// `layer`'s forward on x (.., in): the profiler's row `gemm+bias M×K×N` (M the rows of x; one
+/// position at batch 1: a matrix-vector product, each weight read for 2 FLOPs), its bias add
+/// part of the row.
+fn linear(layer: &dyn Linear, x: &Tensor) -> Result<Tensor> {
+    profile::op(x.device(), || layer.forward(x), |y| {
+        let (k, n) = (x.dims().last().copied().unwrap_or(1), y.dims().last().copied().unwrap_or(1));
+        let mkn = (x.elem_count() / k.max(1), k, n);
+        let cost = Cost::gemm(1, mkn, x.dtype().size_in_bytes());
+        (profile::gemm_name("gemm+bias", mkn), cost)
+    })
+}
+
+/// `ln`'s forward on x, the profiler's row `layer_norm`.
+fn layer_norm(ln: &LayerNorm, x: &Tensor) -> Result<Tensor> {
+    let (w, b) = (ln.weight.tensor(), ln.bias.tensor());
+    profile::elementwise("layer_norm", &[x, &w, &b], || ln.forward(x))
+}
+
+/// r + a, the profiler's row `residual` (one add per element).
+fn residual(r: &Tensor, a: &Tensor) -> Result<Tensor> {
+    profile::op(r.device(), || r + a, |y| {
+        ("residual".into(), Cost::elementwise(1.0, y, &[r, a], &[y]))
+    })
 }
 
 /// Attention of x (B, T, C) over the cached positions and its own: the prefill's causal
@@ -171,7 +216,7 @@ fn attend(
 ) -> Result<Tensor> {
     let (h, d) = (attn.n_head, attn.head_dim);
     let scale = 1.0 / (d as f64).sqrt();
-    let qkv = mtrain_kernels::split_heads(&attn.c_attn.forward(x)?, 3, h)?; // (3, B, H, T, D)
+    let qkv = mtrain_kernels::split_heads(&linear(&*attn.c_attn, x)?, 3, h)?; // (3, B, H, T, D)
                                                                             // Detached: a cached key must not hold the graph of the step that made it (and through it
                                                                             // every earlier step's activations).
     let (k_new, v_new) = (qkv.get(1)?.detach(), qkv.get(2)?.detach()); // (B, H, T, D)
@@ -181,17 +226,32 @@ fn attend(
             mtrain_kernels::causal_attention(&qkv, scale, None)? // (B, H, T, D)
         }
         Some((k_past, v_past)) => {
-            let k = Tensor::cat(&[&k_past, &k_new], 2)?; // (B, H, p + 1, D)
-            let v = Tensor::cat(&[&v_past, &v_new], 2)?; // (B, H, p + 1, D)
-            let q = (qkv.get(0)? * scale)?; // (B, H, 1, D)
-            let s = upcast(&q.matmul(&k.t()?)?)?; // (B, H, 1, p + 1) f32
-            let y = softmax_last_dim(&s)?.to_dtype(v.dtype())?.matmul(&v)?; // (B, H, 1, D)
+            // The profiler's rows `kv cache append` (the cache copied into one a position
+            // longer) and `decode attention` (4·H·(p + 1)·D FLOPs: the two products).
+            let append = || {
+                let k = Tensor::cat(&[&k_past, &k_new], 2)?; // (B, H, p + 1, D)
+                let v = Tensor::cat(&[&v_past, &v_new], 2)?; // (B, H, p + 1, D)
+                Ok((k, v))
+            };
+            let (k, v) = profile::op(x.device(), append, |(k, v)| {
+                let bytes = profile::bytes(&[&k_past, &v_past, &k_new, &v_new, k, v]);
+                ("kv cache append".into(), Cost { flops: 0.0, bytes })
+            })?;
+            let q = qkv.get(0)?; // (B, H, 1, D)
+            let y = profile::op(x.device(), || {
+                let s = upcast(&(&q * scale)?.matmul(&k.t()?)?)?; // (B, H, 1, p + 1) f32
+                softmax_last_dim(&s)?.to_dtype(v.dtype())?.matmul(&v) // (B, H, 1, D)
+            }, |y| {
+                let flops = 4.0 * (k.elem_count() * q.dim(2).unwrap_or(1)) as f64;
+                let bytes = profile::bytes(&[&q, &k, &v, y]);
+                ("decode attention".into(), Cost { flops, bytes })
+            })?;
             *kv = Some((k, v));
             y
         }
     };
     let y = mtrain_kernels::merge_heads(&y.unsqueeze(0)?)?; // (B, T, H·D)
-    attn.c_proj.forward(&y) // (B, T, C)
+    linear(&*attn.c_proj, &y) // (B, T, C)
 }
 
 impl Gpt {
@@ -234,17 +294,39 @@ impl Gpt {
         top_k: Option<usize>,
         rng: &mut R,
     ) -> Result<Tensor> {
+        self.generate_cached_with(idx, max_new_tokens, (temperature, top_k), rng, |_, run| run())
+    }
+
+    /// [`Gpt::generate_cached`] with each forward of the decoder run through `each`, given the
+    /// cached positions before it (0: a prefill of the prompt or of the cropped window; p > 0:
+    /// one new position against p cached ones) and the forward, whose logits (B, V) it returns:
+    /// what `mtrain sample --profile-ops` times.
+    pub fn generate_cached_with<R, F>(
+        &self,
+        idx: &Tensor,
+        max_new_tokens: usize,
+        (temperature, top_k): (f64, Option<usize>),
+        rng: &mut R,
+        mut each: F,
+    ) -> Result<Tensor>
+    where
+        R: Rng + ?Sized,
+        F: FnMut(usize, &mut dyn FnMut() -> Result<Tensor>) -> Result<Tensor>,
+    {
         let decoder = Decoder::new(self)?;
         let mut cache = decoder.cache();
         let mut idx = idx.clone();
         for _ in 0..max_new_tokens {
             let t = idx.dim(1)?;
             let logits = if !cache.is_empty() && t <= self.cfg.block_size {
-                decoder.forward(&idx.narrow(1, t - 1, 1)?, &mut cache)? // (B, V)
+                let p = cache.len();
+                let next = idx.narrow(1, t - 1, 1)?; // (B, 1)
+                each(p, &mut || decoder.forward(&next, &mut cache))? // (B, V)
             } else {
                 cache.clear();
                 let first = t.saturating_sub(self.cfg.block_size);
-                decoder.forward(&idx.narrow(1, first, t - first)?, &mut cache)? // (B, V)
+                let window = idx.narrow(1, first, t - first)?; // (B, ≤ block_size)
+                each(0, &mut || decoder.forward(&window, &mut cache))? // (B, V)
             };
             let next = next_tokens(&logits, temperature, top_k, rng)?; // (B, 1)
             idx = Tensor::cat(&[&idx, &next], 1)?; // (B, t + 1)

@@ -111,7 +111,7 @@ impl Grads {
     pub fn accumulate(&mut self, name: &str, grad: Tensor) -> Result<()> {
         let grad = grad.detach();
         match self.map.get_mut(name) {
-            Some(g) => *g = g.add(&grad)?,
+            Some(g) => *g = accumulated(g, &grad, || g.add(&grad))?,
             None => {
                 self.map.insert(name.to_string(), grad);
             }
@@ -126,8 +126,11 @@ impl Grads {
     /// would be three tables of V × C). A clone of `grad` kept elsewhere would see the sum.
     pub fn accumulate_fresh(&mut self, name: &str, grad: Tensor) -> Result<()> {
         match self.map.get_mut(name) {
-            Some(g) if g.shape() == grad.shape() && grad.inplace_op2(g, &AddInPlace).is_ok() => {
-                *g = grad.detach()
+            Some(g) if g.shape() == grad.shape() => {
+                *g = accumulated(g, &grad, || match grad.inplace_op2(g, &AddInPlace) {
+                    Ok(()) => Ok(grad.detach()),
+                    Err(_) => g.add(&grad.detach()),
+                })?
             }
             _ => self.accumulate(name, grad)?,
         }
@@ -179,6 +182,17 @@ impl Grads {
     pub fn sq_norm(&self) -> Result<f64> {
         mtrain_kernels::reduce::sq_sum_f64_all(self.map.values())
     }
+}
+
+/// `f`, the sum of a gradient `g` and a new contribution `grad`, as the profiler's row
+/// `grad accumulate` (one add per element, both read, one written).
+fn accumulated<R>(g: &Tensor, grad: &Tensor, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    use mtrain_kernels::profile;
+    profile::op(grad.device(), f, |_| {
+        let per = profile::per_element("grad accumulate");
+        let cost = profile::Cost::elementwise(per, grad, &[g, grad], &[grad]);
+        ("grad accumulate".into(), cost)
+    })
 }
 
 /// `dst += src` on CPU f32 tensors, where `dst` is a contiguous tensor owning its whole buffer

@@ -162,6 +162,12 @@ fn run(cli: Cli, env: Option<LaunchEnv>) -> anyhow::Result<()> {
             let sampled = sample::sample(args)?;
             println!("{}", sampled.text);
             eprintln!("{}", sampled.rate_line());
+            if let Some((table, written)) = &sampled.ops {
+                eprintln!("{table}");
+                for path in written {
+                    eprintln!("wrote {}", path.display());
+                }
+            }
             Ok(())
         }
         Some(Command::Export(args)) => {

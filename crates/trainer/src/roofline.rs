@@ -2,9 +2,11 @@
 //! most three; the first warms up) run with the kernels' op profiler on
 //! ([`mtrain_kernels::profile`]: each op timed, the device synchronised around it, its FLOPs and
 //! bytes counted by closed form) and with each process group's per-op totals read around them
-//! (calls, bytes sent, the time the rank sat blocked on the collective). Each rank writes its
-//! rows; rank 0 adds them up over the ranks, measures the machine's roofs ([`roofs`]) and writes
-//! `ops.json` and `roofline.svg`, and prints the table, largest time first:
+//! (calls, bytes sent, and the rank's time inside the collective's calls, issuing it and
+//! waiting for it: [`TraceTotals::held_us`]). As soon as the last profiled step ends (before its
+//! evaluation or checkpoint) each rank writes its rows; rank 0 adds them up over the ranks,
+//! measures the machine's roofs ([`roofs`]) and writes `ops.json` and `roofline.svg`, and
+//! prints the table, largest time first:
 //!
 //! ```text
 //!   RUN_DIR/ops-rank{r}.json   this rank's rows, summed over the profiled steps
@@ -23,13 +25,16 @@
 //! A GEMM's row is named by its shape (M×K×N); `layers` lists the layer passes of that shape
 //! (`fwd` x·Wᵀ, `dgrad` dy·W, `wgrad` dyᵀ·x), several where shapes coincide.
 
+pub mod decode;
 pub mod roofs;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use mtrain_comm::{Comm, OpKind, TraceTotals};
+use candle_core::Device;
+use mtrain_comm::mesh::MeshDims;
+use mtrain_comm::{Comm, DeviceMesh, OpKind, TraceTotals};
 use mtrain_kernels::profile::{self, OpTotals};
 use mtrain_model::GptConfig;
 use serde::{Deserialize, Serialize};
@@ -48,7 +53,7 @@ pub struct RankRow {
     pub flops: f64,
     pub bytes: f64,
     pub seconds: f64,
-    /// Whether the row is a collective (its time is the time the rank sat blocked on it).
+    /// Whether the row is a collective (its time is the rank's time inside its calls).
     pub collective: bool,
 }
 
@@ -70,12 +75,28 @@ pub struct OpsProfiler {
     comm: BTreeMap<String, TraceTotals>,
     before: Vec<HashMap<OpKind, TraceTotals>>,
     taken: RankOps,
+    report: ReportInputs,
+}
+
+/// What the report needs once the profiled steps are done.
+struct ReportInputs {
+    cfg: TrainConfig,
+    gcfg: GptConfig,
+    dims: MeshDims,
+    world: Comm,
+    device: Device,
 }
 
 impl OpsProfiler {
-    /// The profiler of a run from `start_step` to `cfg.steps` on `groups` (this rank's), or None
-    /// without `profile_ops`.
-    pub fn new(cfg: &TrainConfig, start_step: u64, groups: &[Comm], rank: usize) -> Option<Self> {
+    /// The profiler of a run of `gcfg` from `start_step` to `cfg.steps` on this rank of `mesh`
+    /// (`groups`: its process groups), or None without `profile_ops`.
+    pub fn new(
+        (cfg, gcfg): (&TrainConfig, &GptConfig),
+        start_step: u64,
+        mesh: &DeviceMesh,
+        groups: &[Comm],
+        device: &Device,
+    ) -> Option<Self> {
         if !cfg.profile_ops {
             return None;
         }
@@ -91,8 +112,15 @@ impl OpsProfiler {
             comm: BTreeMap::new(),
             before: Vec::new(),
             taken: RankOps {
-                rank,
+                rank: mesh.rank(),
                 ..RankOps::default()
+            },
+            report: ReportInputs {
+                cfg: cfg.clone(),
+                gcfg: gcfg.clone(),
+                dims: mesh.dims,
+                world: mesh.world.clone(),
+                device: device.clone(),
             },
         })
     }
@@ -109,10 +137,13 @@ impl OpsProfiler {
         }
     }
 
-    /// After step `step`, which took `seconds`: its ops and collectives are added up.
-    pub fn end(&mut self, step: u64, seconds: f64) {
+    /// After step `step`, which took `seconds`: its ops and collectives are added up. After the
+    /// last profiled step, before anything else the loop does (evaluation, checkpoint), every
+    /// rank writes its rows and rank 0 the report ([`OpsProfiler::report`]); true where
+    /// ops.json was written (then the caller draws roofline.svg).
+    pub fn end(&mut self, step: u64, seconds: f64) -> anyhow::Result<bool> {
         if !self.steps.contains(&step) {
-            return;
+            return Ok(false);
         }
         for (name, t) in profile::stop() {
             let row = self.ops.entry(name).or_default();
@@ -133,15 +164,17 @@ impl OpsProfiler {
         }
         self.taken.steps.push(step);
         self.taken.step_seconds.push(seconds);
+        if step + 1 == self.steps.end {
+            self.write()?;
+            return self.report();
+        }
+        Ok(false)
     }
 
-    /// This rank's rows, written to `run_dir/ops-rank{r}.json`; None if no step was profiled.
-    pub fn write(self, run_dir: &Path) -> anyhow::Result<Option<PathBuf>> {
-        let mut taken = self.taken;
-        if taken.steps.is_empty() {
-            return Ok(None);
-        }
-        for (name, t) in self.ops {
+    /// This rank's rows, written to `run_dir/ops-rank{r}.json`.
+    fn write(&mut self) -> anyhow::Result<PathBuf> {
+        let mut taken = std::mem::take(&mut self.taken);
+        for (name, t) in std::mem::take(&mut self.ops) {
             taken.rows.push(RankRow {
                 name,
                 calls: t.calls,
@@ -151,19 +184,44 @@ impl OpsProfiler {
                 collective: false,
             });
         }
-        for (name, t) in self.comm {
+        for (name, t) in std::mem::take(&mut self.comm) {
             taken.rows.push(RankRow {
                 name,
                 calls: t.ops,
                 flops: 0.0,
                 bytes: t.bytes_sent as f64,
-                seconds: t.blocked_us as f64 * 1e-6,
+                seconds: t.held_us as f64 * 1e-6,
                 collective: true,
             });
         }
-        let path = run_dir.join(format!("ops-rank{}.json", taken.rank));
+        let path = self.report.cfg.run_dir.join(format!("ops-rank{}.json", taken.rank));
         crate::fsio::write_synced(&path, serde_json::to_string_pretty(&taken)?.as_bytes())?;
-        Ok(Some(path))
+        Ok(path)
+    }
+
+    /// Once every rank wrote its rows: rank 0 measures the roofs, adds the rows up into
+    /// ops.json ([`merge`]) and prints the table; true on rank 0.
+    fn report(&self) -> anyhow::Result<bool> {
+        let ReportInputs {
+            cfg,
+            gcfg,
+            dims,
+            world,
+            device,
+        } = &self.report;
+        world.barrier().context("waiting for every rank's ops")?;
+        if world.rank() != 0 {
+            return Ok(false);
+        }
+        let roofs = Roofs {
+            measured: roofs::measure(device, cfg.dtype.candle())?,
+            presets: roofs::presets(),
+        };
+        let flops = model_flops(cfg, gcfg, dims.dp);
+        let world_size = dims.world_size();
+        let (report, _) = merge(&cfg.run_dir, world_size, (cfg, gcfg, dims.tp), flops, roofs)?;
+        eprintln!("{}", table(&report));
+        Ok(true)
     }
 }
 
@@ -193,14 +251,29 @@ pub struct OpsReport {
     pub steps: Vec<u64>,
     pub device: String,
     pub dtype: String,
+    /// A decode run's report (`decode-ops.json`): then a "step" is one decoded token, and
+    /// `steps` the cached positions each profiled token ran against.
+    #[serde(default)]
+    pub decode: Option<decode::DecodeRun>,
     /// The step's model FLOPs: [`GptConfig::flops_per_token`] × the step's tokens (every rank).
     pub model_flops: f64,
     /// The mean wall time of a profiled step, and the ops' time per step (both per rank).
     pub step_seconds: f64,
     pub op_seconds: f64,
+    /// The same two for each rank, in rank order.
+    #[serde(default)]
+    pub rank_seconds: Vec<RankSeconds>,
     pub roofs: Roofs,
     /// Largest time first.
     pub rows: Vec<OpRow>,
+}
+
+/// One rank's mean wall time of a profiled step, and its ops' time per step.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RankSeconds {
+    pub rank: usize,
+    pub step_seconds: f64,
+    pub op_seconds: f64,
 }
 
 /// The step's model FLOPs: the count MFU uses, for every token of the global batch.
@@ -227,8 +300,36 @@ pub fn merge(
             serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
         parts.push(part);
     }
+    let on = (
+        format!("{:?}", cfg.device).to_lowercase(),
+        format!("{:?}", cfg.dtype).to_lowercase(),
+    );
+    let report = summarize(&parts, on, (gcfg, tp), model_flops, roofs);
+    let path = run_dir.join("ops.json");
+    crate::fsio::write_synced(&path, serde_json::to_string_pretty(&report)?.as_bytes())?;
+    Ok((report, path))
+}
+
+/// The ranks' `parts` added up, per step, into a report of a run on `(device, dtype)` of
+/// `gcfg` at tensor-parallel degree `tp` (which names the GEMMs' layers).
+pub fn summarize(
+    parts: &[RankOps],
+    (device, dtype): (String, String),
+    (gcfg, tp): (&GptConfig, usize),
+    model_flops: f64,
+    roofs: Roofs,
+) -> OpsReport {
+    let world = parts.len().max(1);
     let steps = parts.first().map(|p| p.steps.clone()).unwrap_or_default();
     let n = steps.len().max(1) as f64;
+    let rank_seconds = parts
+        .iter()
+        .map(|p| RankSeconds {
+            rank: p.rank,
+            step_seconds: p.step_seconds.iter().sum::<f64>() / n,
+            op_seconds: p.rows.iter().map(|r| r.seconds).sum::<f64>() / n,
+        })
+        .collect();
     let step_total: f64 = parts.iter().flat_map(|p| &p.step_seconds).sum::<f64>() / n;
     let mut sums: BTreeMap<String, RankRow> = BTreeMap::new();
     for row in parts.iter().flat_map(|p| &p.rows) {
@@ -276,20 +377,19 @@ pub fn merge(
         .collect();
     rows.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
     let op_seconds = rows.iter().map(|r| r.seconds).sum::<f64>() / world as f64;
-    let report = OpsReport {
+    OpsReport {
         ranks: world,
         steps,
-        device: format!("{:?}", cfg.device).to_lowercase(),
-        dtype: format!("{:?}", cfg.dtype).to_lowercase(),
+        device,
+        dtype,
+        decode: None,
         model_flops,
         step_seconds: step_total / world as f64,
         op_seconds,
+        rank_seconds,
         roofs,
         rows,
-    };
-    let path = run_dir.join("ops.json");
-    crate::fsio::write_synced(&path, serde_json::to_string_pretty(&report)?.as_bytes())?;
-    Ok((report, path))
+    }
 }
 
 /// The (in, out) of each linear layer kind a rank of tensor-parallel degree `tp` runs: the
@@ -343,14 +443,26 @@ fn gemm_layers(name: &str, shapes: &[(&str, usize, usize)]) -> String {
 pub fn table(r: &OpsReport) -> String {
     let mut out = String::new();
     let m = &r.roofs.measured;
-    out += &format!(
-        "ops of {} step(s) {:?} on {} rank(s), {} {}: per step, summed over ranks\n",
-        r.steps.len(),
-        r.steps,
-        r.ranks,
-        r.device,
-        r.dtype
-    );
+    out += &match &r.decode {
+        None => format!(
+            "ops of {} step(s) {:?} on {} rank(s), {} {}: per step, summed over ranks\n",
+            r.steps.len(),
+            r.steps,
+            r.ranks,
+            r.device,
+            r.dtype
+        ),
+        Some(d) => format!(
+            "decode ops of {} token(s) at batch {} with the KV cache, positions {}..={}, {} {}: \
+             per token\n",
+            r.steps.len(),
+            d.batch,
+            r.steps.first().unwrap_or(&0),
+            r.steps.last().unwrap_or(&0),
+            r.device,
+            r.dtype
+        ),
+    };
     out += &format!(
         "measured roofs: {:.1} GFLOP/s ({}), {:.1} GB/s ({}), ridge {:.1} FLOP/B\n",
         m.flops_per_s / 1e9,
@@ -388,21 +500,38 @@ pub fn table(r: &OpsReport) -> String {
     let gemm_attn: f64 = r
         .rows
         .iter()
-        .filter(|o| o.name.starts_with("gemm") || o.name.starts_with("attention"))
+        .filter(|o| o.name.starts_with("gemm") || o.name.contains("attention"))
         .map(|o| o.flops)
         .sum();
+    let count = match r.decode {
+        None => "flops_per_token x tokens",
+        Some(_) => "2 N_matmul + 4 L C (p + 1) per token",
+    };
     out += &format!(
-        "GEMM + attention: {:.4e} FLOP, model {:.4e} FLOP (flops_per_token x tokens): {:+.2}%\n",
+        "GEMM + attention: {:.4e} FLOP, model {:.4e} FLOP ({count}): {:+.2}%\n",
         gemm_attn,
         r.model_flops,
         (gemm_attn / r.model_flops - 1.0) * 100.0
     );
+    let step = if r.decode.is_some() { "token" } else { "step per rank" };
     out += &format!(
-        "ops {:.2} ms of a {:.2} ms step per rank ({:.0}%; the rest: host work between ops)",
+        "ops {:.2} ms of a {:.2} ms {step} ({:.0}%; the rest: host work between ops)",
         r.op_seconds * 1e3,
         r.step_seconds * 1e3,
         r.op_seconds / r.step_seconds.max(1e-12) * 100.0
     );
+    let cover = |s: &RankSeconds| s.op_seconds / s.step_seconds.max(1e-12);
+    if let Some(low) = r.rank_seconds.iter().min_by(|a, b| cover(a).total_cmp(&cover(b))) {
+        if r.ranks > 1 {
+            out += &format!(
+                "\nleast covered: rank {}, ops {:.2} ms of a {:.2} ms step ({:.0}%)",
+                low.rank,
+                low.op_seconds * 1e3,
+                low.step_seconds * 1e3,
+                cover(low) * 100.0
+            );
+        }
+    }
     out
 }
 

@@ -273,7 +273,7 @@ fn run_plan(
         let (d, n) = (mesh.coords.dp, dims.dp);
         let (loader, val) = loaders(cfg, &dataset, d, n)?;
         let start = resumed.as_ref().map_or(0, |c| c.meta.step);
-        let mut ops = OpsProfiler::new(cfg, start, &groups, rank);
+        let mut ops = OpsProfiler::new((cfg, &gcfg), start, &mesh, &groups, &device);
         let summary = train_loop(
             cfg,
             &gcfg,
@@ -286,12 +286,6 @@ fn run_plan(
             resumed.as_ref(),
             ops.as_mut(),
         )?;
-        // Every rank profiled the same steps, or none (a run with no step after its first).
-        if let Some(ops) = ops {
-            if ops.write(&cfg.run_dir)?.is_some() {
-                write_ops_report(cfg, &gcfg, &mesh, &device)?;
-            }
-        }
         Ok(summary)
     })();
     if opts.trace {
@@ -311,31 +305,6 @@ fn run_plan(
         eprint!("{}", crate::trace::recent_ops(rank, &groups));
     }
     result
-}
-
-/// `--profile-ops` once every rank wrote its rows: rank 0 measures the roofs, adds the rows up
-/// into ops.json, draws roofline.svg and prints the table ([`crate::roofline`]).
-fn write_ops_report(
-    cfg: &TrainConfig,
-    gcfg: &GptConfig,
-    mesh: &DeviceMesh,
-    device: &Device,
-) -> anyhow::Result<()> {
-    mesh.world.barrier().context("waiting for every rank's ops")?;
-    if mesh.rank() != 0 {
-        return Ok(());
-    }
-    let dims = mesh.dims;
-    let roofs = crate::roofline::roofs::Roofs {
-        measured: crate::roofline::roofs::measure(device, cfg.dtype.candle())?,
-        presets: crate::roofline::roofs::presets(),
-    };
-    let flops = crate::roofline::model_flops(cfg, gcfg, dims.dp);
-    let (report, _) = crate::roofline::merge(&cfg.run_dir, dims.world_size(), (cfg, gcfg, dims.tp), flops, roofs)?;
-    let svg = cfg.run_dir.join("roofline.svg");
-    crate::tools::plot::roofline_chart(&report, &svg)?;
-    eprintln!("{}", crate::roofline::table(&report));
-    Ok(())
 }
 
 /// The checkpoint `cfg.resume` points to ("latest": this run directory's newest that verifies),
@@ -447,7 +416,9 @@ pub fn train_loop(
         }
         let done = train_step(cfg, model, &mut loader, device, &mut tracker, (step, lr))?;
         if let Some(o) = ops.as_deref_mut() {
-            o.end(step, done.secs);
+            if o.end(step, done.secs)? {
+                crate::tools::plot::run_roofline(&cfg.run_dir)?;
+            }
         }
         let tokens_per_s = tokens_per_step / done.secs.max(1e-9);
         let mfu = flops_per_token * tokens_per_s / (peak * devices as f64);

@@ -111,6 +111,7 @@ fn tiny_learns_the_builtin_corpus_and_samples() {
         tokenizer: None,
         device: mtrain_trainer::config::DeviceKind::Cpu,
         no_kv_cache: false,
+        profile_ops: false,
     })
     .unwrap()
     .text;
@@ -859,6 +860,7 @@ fn prepare_writes_a_tokenizer_and_shards() {
         tokenizer: None,
         device: mtrain_trainer::config::DeviceKind::Cpu,
         no_kv_cache: false,
+        profile_ops: false,
     })
     .unwrap()
     .text;

@@ -84,6 +84,7 @@ impl<T: Send> PendingWork<T> for CpuWork<T> {
             if let Some(v) = value.take() {
                 let finished = self.0.finished_us.load(Ordering::Acquire);
                 self.1.add_blocked(self.2, finished.saturating_sub(from_us));
+                self.1.add_held(self.2, self.1.now_us().saturating_sub(from_us));
                 return v;
             }
             value = self.0.ready.wait(value).unwrap_or_else(|p| p.into_inner());
@@ -196,10 +197,12 @@ impl CpuComm {
 
     /// Wait until the communication thread has run every op queued so far (nothing is sent
     /// and nothing traced). Returns at once if none is pending or the thread is gone.
-    fn drain(&self) {
+    /// The wait is held time of `op`, the op about to be issued.
+    fn drain(&self, op: OpKind) {
         if self.queued.load(Ordering::Acquire) == 0 {
             return;
         }
+        let from_us = self.tracer.now_us();
         let (done, finished) = mpsc::channel::<()>();
         let job: Job = Box::new(move |_| {
             let _ = done.send(());
@@ -209,6 +212,7 @@ impl CpuComm {
                 let _ = finished.recv();
             }
         }
+        self.tracer.add_held(op, self.tracer.now_us().saturating_sub(from_us));
     }
 
     /// Queue `run` on the communication thread and hand back its `Work`. With `inline`, where
@@ -302,8 +306,10 @@ impl CpuComm {
             self.tracer.add_blocked(op, finished.saturating_sub(start_us));
         } else if let Some(jobs) = &self.jobs {
             // If the thread is gone the job (and its promise) is dropped: the Work reports it.
+            // Waking the thread may hand it the caller's core before `send` returns: held time.
             let _ = jobs.send(job);
         }
+        self.tracer.add_held(op, self.tracer.now_us().saturating_sub(start_us));
         Work::new(Box::new(CpuWork(slot, self.tracer.clone(), op)))
     }
 }
@@ -356,7 +362,7 @@ impl Communicator for CpuComm {
         check_in_place(&self.name, x)?;
         // An earlier op of this group may still have to read `x`: let it finish before the
         // write lock is taken, or it would wait on the lock while we wait on it.
-        self.drain();
+        self.drain(OpKind::AllReduce);
         let ring = InPlaceRing {
             site: Site::caller(),
             comm: self,

@@ -34,6 +34,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor, D};
 use mtrain_comm::{chunk_range, Comm, ReduceOp};
+use mtrain_kernels::profile;
 use mtrain_model::tape::Collective;
 use mtrain_model::vocab::{LogitsGrad, VocabLoss, VocabRows};
 use mtrain_model::{Embedding, Head};
@@ -177,16 +178,28 @@ impl VocabLoss for VocabShard {
                 .all_reduce(&t.contiguous()?, op)
                 .map_err(comm_err)
         };
-        let max = all_reduce(&z.max_keepdim(1)?, ReduceOp::Max)?; // (N, 1)
-        let z = z.broadcast_sub(&max)?; // (N, V/tp)
-        let exp = z.exp()?;
-        let sum_exp = all_reduce(&exp.sum_keepdim(1)?, ReduceOp::Sum)?; // (N, 1)
+        // Each local part between the all-reduces is a call of the row `cross_entropy`: 1 FLOP
+        // per logit for the max, 3 for z − m, e^· and Σ (the kernels' count, 4 per logit).
+        let max = loss_part(1.0, &z, &[&z], || z.max_keepdim(1))?; // (N, 1)
+        let max = all_reduce(&max, ReduceOp::Max)?; // (N, 1)
+        let (z, exp, sum_exp) = loss_part(3.0, &z, &[&z, &max], || {
+            let z = z.broadcast_sub(&max)?; // (N, V/tp)
+            let exp = z.exp()?;
+            let sum = exp.sum_keepdim(1)?; // (N, 1)
+            Ok((z, exp, sum))
+        })?;
+        let sum_exp = all_reduce(&sum_exp, ReduceOp::Sum)?; // (N, 1)
         let start = self.group.rank() * v_local;
-        let (rows, mine) = local_rows(targets, start, v_local, DType::F32)?;
-        let (rows, mine) = (rows.unsqueeze(1)?, mine.unsqueeze(1)?); // (N, 1)
-        let z_target = z.gather(&rows, 1)?.broadcast_mul(&mine)?; // (N, 1)
+        let (rows, mine, z_target) = loss_part(0.0, &z, &[targets], || {
+            let (rows, mine) = local_rows(targets, start, v_local, DType::F32)?;
+            let (rows, mine) = (rows.unsqueeze(1)?, mine.unsqueeze(1)?); // (N, 1)
+            let z_target = z.gather(&rows, 1)?.broadcast_mul(&mine)?; // (N, 1)
+            Ok((rows, mine, z_target))
+        })?;
         let z_target = all_reduce(&z_target, ReduceOp::Sum)?; // (N, 1)
-        let loss = (sum_exp.log()? - z_target)?.mean_all()?; // scalar f32
+        let loss = loss_part(0.0, &z, &[&sum_exp, &z_target], || {
+            (sum_exp.log()? - &z_target)?.mean_all() // scalar f32
+        })?;
         let kept = ShardLoss {
             exp,
             sum_exp,
@@ -215,15 +228,35 @@ struct ShardLoss {
 }
 
 impl LogitsGrad for ShardLoss {
+    /// The row `cross_entropy backward` of the kernels' profiler.
     fn grad(self: Box<Self>, g_row: f64) -> Result<Tensor> {
         let (exp, v_local) = (&self.exp, self.exp.dim(1)?);
-        let cols = Tensor::arange(0u32, v_local as u32, exp.device())?.unsqueeze(0)?; // (1, V/tp)
-        let onehot = cols
-            .broadcast_eq(&self.rows)?
-            .to_dtype(DType::F32)?
-            .broadcast_mul(&self.mine)?; // (N, V/tp)
-        (exp.broadcast_div(&self.sum_exp)? - onehot)? * g_row // (N, V/tp)
+        let read = [exp, &self.sum_exp, &self.rows, &self.mine];
+        let name = "cross_entropy backward";
+        profile::elementwise(name, &read, || {
+            let cols = Tensor::arange(0u32, v_local as u32, exp.device())?.unsqueeze(0)?; // (1, V/tp)
+            let onehot = cols
+                .broadcast_eq(&self.rows)?
+                .to_dtype(DType::F32)?
+                .broadcast_mul(&self.mine)?; // (N, V/tp)
+            (exp.broadcast_div(&self.sum_exp)? - onehot)? * g_row // (N, V/tp)
+        })
     }
+}
+
+/// One local part of the vocab-parallel loss on the logits z (N, V/tp), a call of the
+/// profiler's row `cross_entropy`: `per_logit` FLOPs on each logit, `inputs` read and what `f`
+/// returns written.
+fn loss_part<R: profile::Outputs>(
+    per_logit: f64,
+    z: &Tensor,
+    inputs: &[&Tensor],
+    f: impl FnOnce() -> Result<R>,
+) -> Result<R> {
+    profile::op(z.device(), f, |out| {
+        let cost = profile::Cost::elementwise(per_logit, z, inputs, &out.tensors());
+        ("cross_entropy".to_string(), cost)
+    })
 }
 
 /// Mean cross-entropy from vocabulary-sharded logits (…, V/tp) whose first column is token

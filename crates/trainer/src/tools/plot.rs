@@ -235,19 +235,34 @@ pub fn plot_run(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
         let svg = run_dir.join("memory.svg");
         written.push(memory_chart(&read_lines(&memory)?, &svg).with_context(|| writing(&svg))?);
     }
-    let ops = run_dir.join("ops.json");
-    if ops.exists() {
-        let text = crate::fsio::read_to_string(&ops)?;
-        let report: crate::roofline::OpsReport =
-            serde_json::from_str(&text).with_context(|| format!("parsing {}", ops.display()))?;
-        let svg = run_dir.join("roofline.svg");
-        written.push(roofline_chart(&report, &svg).with_context(|| writing(&svg))?);
-    }
+    written.extend(run_roofline(run_dir)?);
     if let Some((step, rows)) = read_timelines(run_dir)? {
         let svg = run_dir.join("pipeline.svg");
         written.push(pipeline_chart(step, &rows, &svg).with_context(|| writing(&svg))?);
     }
     Ok(written)
+}
+
+/// `run_dir`'s roofline.svg from its ops.json and decode-ops.json (either may be missing);
+/// None where neither is there.
+pub fn run_roofline(run_dir: &Path) -> anyhow::Result<Option<PathBuf>> {
+    let mut reports = Vec::new();
+    for name in ["ops.json", crate::roofline::decode::DECODE_OPS] {
+        let path = run_dir.join(name);
+        if path.exists() {
+            let text = crate::fsio::read_to_string(&path)?;
+            let report: crate::roofline::OpsReport = serde_json::from_str(&text)
+                .with_context(|| format!("parsing {}", path.display()))?;
+            reports.push(report);
+        }
+    }
+    if reports.is_empty() {
+        return Ok(None);
+    }
+    let svg = run_dir.join("roofline.svg");
+    let all: Vec<_> = reports.iter().collect();
+    let drawn = roofline_chart(&all, &svg).with_context(|| format!("writing {}", svg.display()))?;
+    Ok(Some(drawn))
 }
 
 fn loss_chart(lines: &[Value], out: &Path) -> anyhow::Result<PathBuf> {

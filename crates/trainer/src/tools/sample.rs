@@ -14,7 +14,7 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use mtrain_model::Gpt;
 use rand::SeedableRng;
 use tokenizers::Tokenizer;
@@ -23,6 +23,7 @@ use crate::checkpoint;
 use crate::config::DeviceKind;
 use crate::data::chars::{CharVocab, CHARS_FILE};
 use crate::data::DataSource;
+use crate::roofline::decode::{self, DecodeProfile, DecodeRun};
 use crate::tools::prepare;
 
 /// Arguments of `mtrain sample`.
@@ -57,6 +58,11 @@ pub struct SampleArgs {
     /// position at a time against the cached keys and values.
     #[arg(long)]
     pub no_kv_cache: bool,
+    /// Profile the decoding (every new token after the first, with the KV cache) op by op:
+    /// decode-ops.json and the roofline.svg of the checkpoint's run directory, with the
+    /// training step's ops where the run was profiled (`crate::roofline::decode`).
+    #[arg(long)]
+    pub profile_ops: bool,
 }
 
 /// What `sample` generated, and how fast.
@@ -69,6 +75,8 @@ pub struct Sampled {
     pub seconds: f64,
     /// Whether the KV cache decoded.
     pub kv_cache: bool,
+    /// With `--profile-ops`: the decode report's table and the files written.
+    pub ops: Option<(String, Vec<PathBuf>)>,
 }
 
 impl Sampled {
@@ -142,6 +150,9 @@ pub fn sample(args: &SampleArgs) -> anyhow::Result<Sampled> {
         crate::validate::MAX_COUNT,
     )
     .map_err(anyhow::Error::msg)?;
+    if args.profile_ops && args.no_kv_cache {
+        anyhow::bail!("--profile-ops profiles decoding with the KV cache; leave out --no-kv-cache");
+    }
     let dir = checkpoint::resolve(&args.checkpoint)?;
     let device = make_device(args.device, 0)?;
     let ckpt = checkpoint::load(&dir, &device)?;
@@ -195,16 +206,38 @@ pub fn sample(args: &SampleArgs) -> anyhow::Result<Sampled> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
     let top_k = (args.top_k > 0).then_some(args.top_k);
     let (new, temp) = (args.max_new_tokens, args.temperature);
+    let mut profiled = args.profile_ops.then(DecodeProfile::new);
     let start = std::time::Instant::now();
-    let out = match args.no_kv_cache {
-        false => model.generate_cached(&idx, new, temp, top_k, &mut rng)?, // (1, T0 + new)
-        true => model.generate(&idx, new, temp, top_k, &mut rng)?,         // (1, T0 + new)
+    let out = match (args.no_kv_cache, profiled.as_mut()) {
+        (false, None) => model.generate_cached(&idx, new, temp, top_k, &mut rng)?, // (1, T0 + new)
+        (false, Some(p)) => model.generate_cached_with(&idx, new, (temp, top_k), &mut rng, |at, run| {
+            p.forward(at, run)
+        })?,
+        (true, _) => model.generate(&idx, new, temp, top_k, &mut rng)?, // (1, T0 + new)
     };
+    let seconds = start.elapsed().as_secs_f64();
     let out: Vec<u32> = out.squeeze(0)?.to_vec1()?;
+    let ops = match profiled {
+        Some(p) => {
+            let dtype = weights.values().next().map_or(DType::F32, |w| w.dtype());
+            let on = (&device, if device.is_cpu() { "cpu" } else { "cuda" }, dtype);
+            let run = DecodeRun { batch: 1, prompt_tokens: n };
+            let report = p.report(&cfg, on, run)?.with_context(|| {
+                format!("--profile-ops: no token to profile; ask for at least 2 new tokens \
+                         within block_size {}", cfg.block_size)
+            })?;
+            let run_dir = dir.parent().unwrap_or(&dir);
+            let mut written = vec![decode::write(run_dir, &report)?];
+            written.extend(crate::tools::plot::run_roofline(run_dir)?);
+            Some((crate::roofline::table(&report), written))
+        }
+        None => None,
+    };
     Ok(Sampled {
         text: codec.decode(&out)?,
         new_tokens: new,
-        seconds: start.elapsed().as_secs_f64(),
+        seconds,
         kv_cache: !args.no_kv_cache,
+        ops,
     })
 }

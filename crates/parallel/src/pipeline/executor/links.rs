@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use candle_core::{DType, Shape, Tensor};
-use mtrain_comm::{Communicator, Work};
+use mtrain_comm::{Communicator, OpKind, Work};
 
 use super::super::schedule::{Action, Schedule};
 use super::super::{PipelineError, Result};
@@ -71,9 +71,11 @@ impl<'a> Links<'a> {
             let (pp, mb) = (self.pp, key.1);
             let work = rec.time(SpanKind::Send, Some(mb), chunk, || {
                 let work = pp.send_async(&x, to_rank);
+                let from = pp.tracer().now_us(); // the yields are the send's time too
                 while pp.sends_complete_locally() && !work.is_done() {
                     std::thread::yield_now();
                 }
+                pp.tracer().add_held(OpKind::Send, pp.tracer().now_us().saturating_sub(from));
                 work
             });
             self.sends.push(work);

@@ -9,7 +9,9 @@
 //!        └──────────────────────────── intensity, FLOP/B (log)
 //! ```
 //!
-//! Collectives have no FLOPs and are left off (they are in the table).
+//! Collectives have no FLOPs and are left off (they are in the table). A decode report
+//! (`decode-ops.json`, one token at batch 1 with the KV cache) is drawn on the same axes, its
+//! ops as triangles, sized by their share of the token.
 
 use std::path::{Path, PathBuf};
 
@@ -18,12 +20,16 @@ use plotters::prelude::*;
 use super::{palette, plot_err, W};
 use crate::roofline::OpsReport;
 
-/// Draws `report`'s ops and roofs into `out`.
-pub fn roofline_chart(report: &OpsReport, out: &Path) -> anyhow::Result<PathBuf> {
-    let points: Vec<_> = report
-        .rows
+/// Draws the ops of `reports` (a training step's and a decode token's, or either) on the roofs
+/// of the first into `out`.
+pub fn roofline_chart(reports: &[&OpsReport], out: &Path) -> anyhow::Result<PathBuf> {
+    let Some(report) = reports.first() else {
+        anyhow::bail!("no ops to draw into {}", out.display());
+    };
+    let points: Vec<_> = reports
         .iter()
-        .filter(|r| r.flops > 0.0 && r.bytes > 0.0 && r.seconds > 0.0)
+        .flat_map(|r| r.rows.iter().map(move |row| (r.decode.is_some(), row)))
+        .filter(|(_, r)| r.flops > 0.0 && r.bytes > 0.0 && r.seconds > 0.0)
         .collect();
     let m = &report.roofs.measured;
     let gpu = report.device != "cpu";
@@ -33,23 +39,32 @@ pub fn roofline_chart(report: &OpsReport, out: &Path) -> anyhow::Result<PathBuf>
         .map(|p| p.bf16_tflops * 1e12)
         .fold(m.flops_per_s, f64::max);
     let ridges = presets.iter().map(|p| p.ridge).fold(m.ridge(), f64::max);
-    let xs = points.iter().map(|p| p.intensity);
+    let xs = points.iter().map(|p| p.1.intensity);
     let x_lo = xs.clone().fold(m.ridge(), f64::min) / 4.0;
     let x_hi = xs.fold(ridges, f64::max) * 4.0;
     let y_lo = points
         .iter()
-        .map(|p| p.flops_per_s)
+        .map(|p| p.1.flops_per_s)
         .fold(m.bytes_per_s * x_lo, f64::min)
         / 4.0;
     let root = SVGBackend::new(out, (W, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(plot_err)?;
-    let title = format!(
-        "{} ops per step on {} {} rank(s); ridge {:.1} FLOP/B",
-        report.rows.len(),
-        report.ranks,
-        report.device,
-        m.ridge()
-    );
+    let title = match reports.iter().find(|r| r.decode.is_none()) {
+        Some(t) => format!(
+            "{} ops per step on {} {} rank(s){}; ridge {:.1} FLOP/B",
+            t.rows.len(),
+            t.ranks,
+            t.device,
+            if reports.len() > 1 { ", decode (triangles)" } else { "" },
+            m.ridge()
+        ),
+        None => format!(
+            "{} ops per decoded token on {}; ridge {:.1} FLOP/B",
+            report.rows.len(),
+            report.device,
+            m.ridge()
+        ),
+    };
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 18))
         .margin(12)
@@ -87,14 +102,19 @@ pub fn roofline_chart(report: &OpsReport, out: &Path) -> anyhow::Result<PathBuf>
             .label(format!("{} datasheet, bf16", p.name))
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], colour));
     }
-    for (i, r) in points.iter().enumerate() {
+    for (i, &(decode, r)) in points.iter().enumerate() {
         let colour = palette(i);
         let radius = (3.0 + 30.0 * r.share.max(0.0).sqrt()) as i32;
         let at = (r.intensity, r.flops_per_s);
-        chart
-            .draw_series([Circle::new(at, radius, colour.mix(0.5).filled())])
+        let style = colour.mix(0.5).filled();
+        let series = match decode {
+            false => chart.draw_series([Circle::new(at, radius, style)]),
+            true => chart.draw_series([TriangleMarker::new(at, radius, style)]),
+        };
+        let what = if decode { "decode: " } else { "" };
+        series
             .map_err(plot_err)?
-            .label(format!("{} ({:.0}%)", r.name, r.share * 100.0))
+            .label(format!("{what}{} ({:.0}%)", r.name, r.share * 100.0))
             .legend(move |(x, y)| Circle::new((x + 7, y), 4, colour.filled()));
     }
     chart
