@@ -109,7 +109,8 @@ fn tile(rows: usize, d: usize) -> usize {
 
 /// The shapes of the Hopper kernels at head size `d`; an error where they do not take it.
 fn hopper_shapes_of(d: usize) -> Result<HopperShapes> {
-    hopper_shapes(d).ok_or_else(|| msg(format!("the Hopper attention kernels take no head size {d}")))
+    hopper_shapes(d)
+        .ok_or_else(|| msg(format!("the Hopper attention kernels take no head size {d}")))
 }
 
 /// The dynamic shared memory of the four Hopper kernels (HP_FWD_SMEM, HP_DQ_SMEM,
