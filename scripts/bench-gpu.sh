@@ -259,7 +259,9 @@ PY
 
 # The binary against PyTorch eager and torch.compile over model sizes and context lengths, one
 # table: BENCH_CASES lists "NAME:L,H,C:B,T" (default GPT-2 124M, 350M, 774M, 1.5B at 8 x 1024,
-# 124M at 4 x 4096 and 2 x 8192), grad_accum 1, clipping 1.0, bf16. Every run does BENCH_WARMUP
+# 124M at 4 x 4096 and 2 x 8192; head size 128: 124M with 6 heads at 8 x 1024 and 4 x 4096, and
+# GPT-3 6.7B's width with 8 layers at 4 x 2048; NAME is torch_gpt_ref.py's preset without its
+# "gpt2-"), grad_accum 1, clipping 1.0, bf16. Every run does BENCH_WARMUP
 # steps (default 5) then BENCH_STEPS timed ones (default 25); throughput is the tokens of the
 # timed steps over their summed step times (the binary) or their wall time (PyTorch). The
 # binaries are BENCH_BINS (.gpu/NAME.xz, default "mtrain"), the last one the subject of the
@@ -275,7 +277,7 @@ sizes() {
   bins=${BENCH_BINS:-mtrain}
   for b in $bins; do [ -x "$BIN/$b" ] || mtrain_unpack ".gpu/$b.xz" "$BIN/$b"; done
   subject=${bins##* }
-  cases=${BENCH_CASES:-"124m:12,12,768:8,1024 350m:24,16,1024:8,1024 774m:36,20,1280:8,1024 1.5b:48,25,1600:8,1024 124m:12,12,768:4,4096 124m:12,12,768:2,8192"}
+  cases=${BENCH_CASES:-"124m:12,12,768:8,1024 350m:24,16,1024:8,1024 774m:36,20,1280:8,1024 1.5b:48,25,1600:8,1024 124m:12,12,768:4,4096 124m:12,12,768:2,8192 124m-h128:12,6,768:8,1024 124m-h128:12,6,768:4,4096 6.7b-8l:8,32,4096:4,2048"}
   warm=${BENCH_WARMUP:-5}
   steps=${BENCH_STEPS:-25}
   R="$OUT/sizes.jsonl"

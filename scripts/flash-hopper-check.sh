@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds scripts/bench/flash_hopper_check.cu (the Hopper attention kernels against the wide ones,
 # outside the binary) into .gpu/flash-hopper-check, with libcudart.so.13 beside it (the GPU
-# machines have the driver, not the toolkit). Extra arguments go to nvcc: -DHP_FWD_WGS=3
-# -DHP_FWD_BLOCKS=1 ... (all six HP_* together) to try other shapes.
+# machines have the driver, not the toolkit). Extra arguments go to nvcc: -DHEAD_DIM=128 for
+# the other head size, -DHP_FWD_WGS=3 -DHP_FWD_BLOCKS=1 ... (the six HP_*_WGS and HP_*_BLOCKS
+# of the two-pass kernels and HP_FWD_N together) to try other shapes.
 #   scripts/flash-hopper-check.sh build [NVCC_ARGS...]
 # then, on the GPU machine: .gpu/flash-hopper-check BH T REPS   (default 48 4096 20)
 set -euo pipefail

@@ -1,9 +1,11 @@
 // The Hopper attention kernels alone, outside the binary: flash_hopper_* against flash_wide_*
 // (the outputs and the three gradients, max |difference|) and the time of each kernel, on random
-// bf16 q, k, v, dO of (BH, T, 64). For choosing the kernels' shapes (HP_*_WGS, HP_*_BLOCKS) and
+// bf16 q, k, v, dO of (BH, T, HEAD_DIM), HEAD_DIM 64 unless the build line gives
+// -DHEAD_DIM=128. For choosing the kernels' shapes (HP_*_WGS, HP_*_BLOCKS, HP_FWD_N) and
 // finding their costs; claims about speed come from the binary (scripts/bench-gpu.sh).
 //
-//   build (here, nvcc of CUDA 13):  scripts/flash-hopper-check.sh build [-DHP_FWD_WGS=3 ...]
+//   build (here, nvcc of CUDA 13):  scripts/flash-hopper-check.sh build [-DHEAD_DIM=128]
+//                                   [-DHP_FWD_WGS=3 ...]
 //   run (on the GPU machine):       .gpu/flash-hopper-check BH T REPS
 #include <cstdio>
 #include <cstdlib>
@@ -11,18 +13,35 @@
 #include <vector>
 #include <cuda_runtime.h>
 #define ELEM_BF16 1
+#ifndef HEAD_DIM
 #define HEAD_DIM 64
+#endif
 // The shapes attention_path.rs passes to NVRTC, unless the build line gives others.
 #ifndef HP_FWD_WGS
+#if HEAD_DIM == 64
 #define HP_FWD_WGS 2
 #define HP_FWD_BLOCKS 2
+#define HP_FWD_N 128
 #define HP_DQ_WGS 2
 #define HP_DQ_BLOCKS 2
 #define HP_DKDV_WGS 1
 #define HP_DKDV_BLOCKS 3
+#else
+#define HP_FWD_WGS 2
+#define HP_FWD_BLOCKS 2
+#define HP_FWD_N 64
+#define HP_DQ_WGS 2
+#define HP_DQ_BLOCKS 1
+#define HP_DKDV_WGS 1
+#define HP_DKDV_BLOCKS 2
+#endif
 #endif
 #ifndef HP_BWD_WGS
+#if HEAD_DIM == 64
 #define HP_BWD_WGS 3
+#else
+#define HP_BWD_WGS 1
+#endif
 #define HP_BWD_BLOCKS 1
 #endif
 typedef unsigned short elem;

@@ -485,23 +485,15 @@ mod tests {
                 .to_dtype(dtype)
                 .unwrap()
         };
-        let (q, k, v, w) = (
-            r(&[b, h, t, d]),
-            r(&[b, h, t, d]),
-            r(&[b, h, t, d]),
-            r(&[b, h, t, d]),
-        );
+        let s = [b, h, t, d];
+        let (q, k, v, w) = (r(&s), r(&s), r(&s), r(&s));
         let scale = 1.0 / (d as f64).sqrt();
         let run = |fused: bool, dt: DType| {
             let vars: Vec<Var> = [&q, &k, &v]
                 .iter()
                 .map(|x| Var::from_tensor(&x.to_dtype(dt).unwrap()).unwrap())
                 .collect();
-            let (qv, kv, vv) = (
-                vars[0].as_tensor(),
-                vars[1].as_tensor(),
-                vars[2].as_tensor(),
-            );
+            let (qv, kv, vv) = (vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor());
             let y = if fused {
                 let qkv = Tensor::stack(&[qv, kv, vv], 0).unwrap(); // (3, B, H, T, D)
                 super::fused_with(&qkv, scale, kernels, None).unwrap()
@@ -549,20 +541,26 @@ mod tests {
     /// The Hopper kernels (the wide ones on other devices), the backward in two passes: one
     /// partial block (T = 100), a block whose second warpgroup has no row (T = 60), several
     /// blocks with a partial last one (T = 517: 5 forward blocks of 128 rows, 9 dkdv blocks
-    /// of 64 keys) and one long row set (T = 1000) where the forward walks 8 key tiles of 128.
+    /// of 64 keys) and one long row set (T = 1000) where the forward walks 8 key tiles of 128;
+    /// at D = 128 (rows of two 64-column swizzle atoms) the same lengths.
     #[test]
-    fn matches_plain_attention_bf16_hopper_d64() {
-        check(1, 2, 60, 64, DType::BF16, 1e-2, Hopper);
-        check(2, 1, 100, 64, DType::BF16, 1e-2, Hopper);
-        check(1, 2, 517, 64, DType::BF16, 1e-2, Hopper);
-        check(1, 1, 1000, 64, DType::BF16, 1e-2, Hopper);
+    fn matches_plain_attention_bf16_hopper_d64_d128() {
+        for d in [64, 128] {
+            check(1, 2, 60, d, DType::BF16, 1e-2, Hopper);
+            check(2, 1, 100, d, DType::BF16, 1e-2, Hopper);
+            check(1, 2, 517, d, DType::BF16, 1e-2, Hopper);
+            check(1, 1, 1000, d, DType::BF16, 1e-2, Hopper);
+        }
     }
 
     /// The backward in one pass: blocks of three warpgroups where only the first has keys
     /// (T = 60) or the last has none (T = 130), where the second has keys past T (T = 100),
-    /// where some see a tile and others not (T = 517, 1000), and past 2048 (T = 2100).
+    /// where some see a tile and others not (T = 517, 1000), and past 2048 (T = 2100); at
+    /// D = 128 (blocks of one warpgroup) a partial block and several blocks.
     #[test]
-    fn matches_plain_attention_bf16_hopper_one_pass_d64() {
+    fn matches_plain_attention_bf16_hopper_one_pass_d64_d128() {
+        check(2, 1, 100, 128, DType::BF16, 1e-2, HopperOnePass);
+        check(1, 2, 517, 128, DType::BF16, 1e-2, HopperOnePass);
         check(1, 2, 60, 64, DType::BF16, 1e-2, HopperOnePass);
         check(2, 1, 100, 64, DType::BF16, 1e-2, HopperOnePass);
         check(1, 1, 130, 64, DType::BF16, 1e-2, HopperOnePass);
@@ -647,12 +645,13 @@ mod tests {
     /// apart: bit for bit where the backward runs in two passes (T = 60, 517, 1000: the same
     /// arithmetic at other addresses); from T = 2048 on (one pass, dq added atomically) dk
     /// and dv bit for bit and dq against plain attention in f32 at the tolerance of the
-    /// other checks. B = 2, H = 3, so rows of several heads and batches interleave.
+    /// other checks. B = 2, H = 3, so rows of several heads and batches interleave; at D = 128
+    /// the same at T = 517.
     #[test]
-    fn tokens_layout_matches_heads_apart_bf16_d64() {
+    fn tokens_layout_matches_heads_apart_bf16_d64_d128() {
         let dev = cuda();
-        let (b, h, d) = (2, 3, 64);
-        for t in [60, 517, 1000, 2100] {
+        let (b, h) = (2, 3);
+        for (d, t) in [(64, 60), (64, 517), (64, 1000), (64, 2100), (128, 517)] {
             let r = |s: (usize, usize, usize)| {
                 Tensor::randn(0f32, 1f32, s, &dev).unwrap().to_dtype(DType::BF16).unwrap()
             };

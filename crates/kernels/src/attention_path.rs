@@ -21,7 +21,7 @@ pub fn uses_tensor_cores(dtype: DType, d: usize, offsets: &[usize]) -> bool {
 }
 
 /// Head sizes (bf16 only, compute capability 9.0) the Hopper kernels take.
-pub const HOPPER_HEAD_DIMS: [usize; 1] = [64];
+pub const HOPPER_HEAD_DIMS: [usize; 2] = [64, 128];
 
 /// How one Hopper kernel is laid out: warpgroups per block (each owns 64 rows, so a block
 /// owns `64 · warpgroups`), and the blocks per SM its registers are fitted to.
@@ -44,52 +44,86 @@ impl HopperShape {
     }
 }
 
-/// The shapes of `flash_hopper_fwd`, `flash_hopper_dq` and `flash_hopper_dkdv`, from timing
-/// them on an H200 at 4 × 12 × 4096, D = 64 (docs/journal.md, 2026-12-03): two blocks of two
-/// warpgroups per SM for the forward and dq (128 registers a thread), and for dkdv (its four
-/// accumulators need 168 registers) three blocks of one warpgroup, which run unsynchronised
-/// where one block of three waits at every tile for its slowest warpgroup.
+/// The shapes of the four Hopper kernels at one head size: `flash_hopper_fwd` (and the keys
+/// of its staged tiles), `flash_hopper_dq`, `flash_hopper_dkdv` and `flash_hopper_bwd` (the
+/// backward in one pass).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub const HOPPER_FWD: HopperShape = HopperShape {
-    warpgroups: 2,
-    blocks_per_sm: 2,
-};
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub const HOPPER_DQ: HopperShape = HopperShape {
-    warpgroups: 2,
-    blocks_per_sm: 2,
-};
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub const HOPPER_DKDV: HopperShape = HopperShape {
-    warpgroups: 1,
-    blocks_per_sm: 3,
-};
-/// The shape of `flash_hopper_bwd`, the backward in one pass: three warpgroups of 64 keys in a
-/// block (the largest that fits its shared memory), so that dq is added to memory once per
-/// 192 keys and not once per 64.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub const HOPPER_BWD: HopperShape = HopperShape {
-    warpgroups: 3,
-    blocks_per_sm: 1,
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HopperShapes {
+    pub fwd: HopperShape,
+    pub fwd_keys: usize,
+    pub dq: HopperShape,
+    pub dkdv: HopperShape,
+    pub bwd: HopperShape,
+}
+
+const fn shape(warpgroups: usize, blocks_per_sm: usize) -> HopperShape {
+    HopperShape {
+        warpgroups,
+        blocks_per_sm,
+    }
+}
+
+/// D = 64, from timing the kernels on an H200 at 4 × 12 × 4096 (docs/journal.md,
+/// 2026-12-03): two blocks of two warpgroups per SM for the forward and dq (128 registers a
+/// thread), and for dkdv (its four accumulators need 168 registers) three blocks of one
+/// warpgroup, which run unsynchronised where one block of three waits at every tile for its
+/// slowest warpgroup. The one-pass backward: three warpgroups of 64 keys in a block (the
+/// largest that fits its shared memory), so that dq is added to memory once per 192 keys and
+/// not once per 64. The forward stages key tiles of 128.
+pub const HOPPER_D64: HopperShapes = HopperShapes {
+    fwd: shape(2, 2),
+    fwd_keys: 128,
+    dq: shape(2, 2),
+    dkdv: shape(1, 3),
+    bwd: shape(3, 1),
 };
 
-/// The shapes as NVRTC options (`-DHP_FWD_WGS=2 …`), the only way the kernels learn them.
+/// D = 128, where a warpgroup's 64 x 128 accumulator is 64 registers a thread, from timing the
+/// kernels on an H100 at 48 × 4096 and 48 × 1024 (docs/BENCHMARKS.md, 2026-12-07): the forward
+/// as at D = 64 but with key tiles of 64 (S and P of 128 keys would not fit 128 registers
+/// beside O; 0.46 ms where one block of two or three warpgroups with tiles of 128 took 0.55);
+/// dq in one block of two warpgroups (168 registers; two blocks spill); dkdv, whose two
+/// accumulators alone are 128 registers, in two blocks of one warpgroup (0.81 ms, 0.85 for one
+/// block of two). The one-pass backward fits one warpgroup's tiles (128 KiB) in a block; it
+/// takes 2.4 ms where the two passes take 1.5, so it stays the choice of
+/// `MTRAIN_FLASH_KERNELS=hopper-one-pass` alone.
+pub const HOPPER_D128: HopperShapes = HopperShapes {
+    fwd: shape(2, 2),
+    fwd_keys: 64,
+    dq: shape(2, 1),
+    dkdv: shape(1, 2),
+    bwd: shape(1, 1),
+};
+
+/// The shapes of the Hopper kernels at head size `d`, None where they do not take it.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub fn hopper_options() -> Vec<String> {
-    [
-        ("FWD", HOPPER_FWD),
-        ("DQ", HOPPER_DQ),
-        ("DKDV", HOPPER_DKDV),
-        ("BWD", HOPPER_BWD),
-    ]
-    .iter()
-    .flat_map(|(n, s)| {
-        [
-            format!("-DHP_{n}_WGS={}", s.warpgroups),
-            format!("-DHP_{n}_BLOCKS={}", s.blocks_per_sm),
-        ]
-    })
-    .collect()
+pub fn hopper_shapes(d: usize) -> Option<HopperShapes> {
+    match d {
+        64 => Some(HOPPER_D64),
+        128 => Some(HOPPER_D128),
+        _ => None,
+    }
+}
+
+/// The shapes at head size `d` as NVRTC options (`-DHP_FWD_WGS=2 …`), the only way the
+/// kernels learn them; none where the Hopper kernels do not take `d`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub fn hopper_options(d: usize) -> Vec<String> {
+    let Some(s) = hopper_shapes(d) else {
+        return Vec::new();
+    };
+    let mut options: Vec<String> = [("FWD", s.fwd), ("DQ", s.dq), ("DKDV", s.dkdv), ("BWD", s.bwd)]
+        .iter()
+        .flat_map(|(n, s)| {
+            [
+                format!("-DHP_{n}_WGS={}", s.warpgroups),
+                format!("-DHP_{n}_BLOCKS={}", s.blocks_per_sm),
+            ]
+        })
+        .collect();
+    options.push(format!("-DHP_FWD_N={}", s.fwd_keys));
+    options
 }
 
 /// Which tensor-core kernels a bf16 call may run: the Hopper ones where they apply (else the
@@ -202,21 +236,27 @@ mod tests {
     use TcKernels::{Hopper, HopperOnePass, HopperTwoPass, Narrow, Wide};
 
     #[test]
-    fn hopper_kernels_take_bf16_d64_on_sm90_only() {
+    fn hopper_kernels_take_bf16_d64_and_d128_on_sm90_only() {
         assert_eq!(path(BF16, 64, &[0, 8], 90, Hopper), Path::Hopper);
         assert_eq!(path(BF16, 64, &[0, 8], 90, Hopper.for_mask(true)), Path::Tc);
         assert_eq!(path(BF16, 64, &[0, 8], 80, Hopper), Path::Wide);
         assert_eq!(path(BF16, 64, &[0, 8], 100, Hopper), Path::Wide);
-        assert_eq!(path(BF16, 128, &[0, 8], 90, Hopper), Path::Wide);
+        assert_eq!(path(BF16, 128, &[0, 8], 90, Hopper), Path::Hopper);
+        assert_eq!(path(BF16, 128, &[0, 8], 90, Hopper.for_mask(true)), Path::Cuda);
+        assert_eq!(path(BF16, 128, &[0, 8], 80, Hopper), Path::Wide);
+        assert_eq!(path(BF16, 96, &[0, 8], 90, Hopper), Path::Cuda);
         assert_eq!(path(BF16, 32, &[0, 8], 90, Hopper), Path::Wide);
         assert_eq!(path(BF16, 64, &[0, 4], 90, Hopper), Path::Cuda);
         assert_eq!(path(F32, 64, &[0, 0], 90, Hopper), Path::Cuda);
         assert_eq!(path(BF16, 64, &[0, 8], 90, Wide), Path::Wide);
         assert_eq!(path(BF16, 64, &[0, 8], 90, HopperOnePass), Path::Hopper);
         assert_eq!(path(BF16, 64, &[0, 8], 90, HopperTwoPass), Path::Hopper);
-        assert_eq!((HOPPER_DKDV.rows(), HOPPER_FWD.threads()), (64, 256));
-        assert!(hopper_options().contains(&"-DHP_DKDV_BLOCKS=3".to_string()));
-        assert!(hopper_options().contains(&"-DHP_BWD_WGS=3".to_string()));
+        assert_eq!((HOPPER_D64.dkdv.rows(), HOPPER_D64.fwd.threads()), (64, 256));
+        assert!(hopper_options(64).contains(&"-DHP_DKDV_BLOCKS=3".to_string()));
+        assert!(hopper_options(64).contains(&"-DHP_BWD_WGS=3".to_string()));
+        assert_eq!(hopper_options(64).len(), 9);
+        assert!(hopper_options(128).contains(&"-DHP_FWD_N=64".to_string()));
+        assert!(hopper_options(32).is_empty() && hopper_shapes(96).is_none());
     }
 
     #[test]

@@ -198,8 +198,8 @@ pub fn ptx(
     if let Some(b) = blocks {
         options.push(format!("-DWD_MIN_BLOCKS={b}"));
     }
-    if head_dim.is_some() && crate::attention_path::hopper_arch(cc) {
-        options.extend(crate::attention_path::hopper_options());
+    if let (Some(d), true) = (head_dim, crate::attention_path::hopper_arch(cc)) {
+        options.extend(crate::attention_path::hopper_options(d));
     }
     let arch = arch_name(cc)?;
     let mut parts = vec![SOURCE, arch];

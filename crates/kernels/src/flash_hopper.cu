@@ -1,6 +1,6 @@
 // ---------------------------------------------------------------------------------------------
 // Causal flash attention on Hopper's warpgroup tensor cores: bf16, f32 accumulation, HEAD_DIM
-// 64, compiled only for sm_90a (NVRTC's compute_90a). The algorithm, the operands and the
+// 64 or 128, compiled only for sm_90a (NVRTC's compute_90a). The algorithm, the operands and the
 // outputs are those of flash_wide_* (flash_wide.cu), which stay the readable path and the
 // fallback; what differs is the instruction. A warpgroup (4 warps, 128 threads) issues
 // wgmma.mma_async m64nNk16: one instruction multiplies a 64 x 16 A by a 16 x N B, A from
@@ -9,7 +9,7 @@
 //
 //   a block = W warpgroups = 64·W rows (queries in fwd and dq, keys in dkdv)
 //   ┌────────────────────┐  warpgroup 0: rows 0..63     each wgmma: 64 rows x N columns
-//   │ 64 rows ─ wgmma    │                               (N = 128 keys in fwd, 64 in bwd)
+//   │ 64 rows ─ wgmma    │                               (N = HP_FWD_N keys in fwd, 64 in bwd)
 //   ├────────────────────┤  warpgroup 1: rows 64..127
 //   │ 64 rows ─ wgmma    │  ...
 //   └────────────────────┘
@@ -19,21 +19,27 @@
 // and o, dO by `lout`: heads stored apart, or the rows of the linears' outputs read in place
 // (attention.rs's token layout); lse2, δ and dq's f32 accumulator are (BH, T) and (BH, T, D).
 //
-// W and the blocks per SM the registers are fitted to come from the compile options
-// (HP_{FWD,DQ,DKDV,BWD}_{WGS,BLOCKS}: attention_path.rs's HOPPER_* shapes, the one place they
-// are chosen); each kernel checks that its launch gave it the shared memory its layout needs.
+// W, the blocks per SM the registers are fitted to and the forward's keys per staged tile come
+// from the compile options (HP_{FWD,DQ,DKDV,BWD}_{WGS,BLOCKS}, HP_FWD_N: attention_path.rs's
+// HopperShapes per head size, the one place they are chosen); each kernel checks that its
+// launch gave it the shared memory its layout needs.
 //
 // Shared-memory tiles are (rows, HEAD_DIM) bf16 with the 128-byte swizzle wgmma reads: a row
 // is 128 bytes (64 elements), and in each group of 8 rows (1024 bytes, 1024-aligned) the
 // 16-byte chunk c of row r sits at chunk c ^ (r % 8), so that the 8 rows of a column chunk
-// lie in 8 different banks.
+// lie in 8 different banks. At HEAD_DIM 128 a row is two such 128-byte rows: the tile is two
+// (rows, 64) halves, one after the other (swizzle atoms along D), so column chunk c of row r
+// is chunk c % 8 of row r in half c / 8:
+//
+//   HEAD_DIM 128, R rows:  [ half 0: columns 0..63, R x 128 B ][ half 1: columns 64..127 ]
 //
 // One tile layout serves both operand roles through its descriptor:
 // - K-major (the reduction runs along HEAD_DIM, the row): Q, K, V, dO as the A or B of
-//   Q Kᵀ, dO Vᵀ, K Qᵀ, V dOᵀ; k-step kk starts 32·kk bytes into the rows, 8-row groups
-//   1024 bytes apart (the stride byte offset).
+//   Q Kᵀ, dO Vᵀ, K Qᵀ, V dOᵀ; k-step kk starts 32·(kk % 4) bytes into the rows of half
+//   kk / 4, 8-row groups 1024 bytes apart (the stride byte offset).
 // - MN-major (the reduction runs along the rows): V, K, dO, Q as the B of P V, dS K,
-//   Pᵀ dO, dSᵀ Q, with B's transpose bit set; k-step kk (16 rows) starts 2048·kk bytes in.
+//   Pᵀ dO, dSᵀ Q, with B's transpose bit set; k-step kk (16 rows) starts 2048·kk bytes in,
+//   and N = HEAD_DIM 128 spans both halves, R·128 bytes apart (the leading byte offset).
 // The A of those products (P, dS and their transposes) is the previous product's
 // accumulator, converted to bf16 in registers: the m64nN f32 layout (warp w holds rows
 // 16w..16w+15; within the warp the 16x8 C-tile layout of mma.sync per 8 columns, register
@@ -45,9 +51,9 @@
 // reading the results; shared memory written by cp.async is handed to the tensor cores'
 // (async) proxy with fence.proxy.async before the barrier that publishes a tile.
 // ---------------------------------------------------------------------------------------------
-#if defined(HEAD_DIM) && ELEM_BF16 && (HEAD_DIM == 64) && defined(HP_FWD_WGS) && \
+#if defined(HEAD_DIM) && ELEM_BF16 && (HEAD_DIM == 64 || HEAD_DIM == 128) && \
+    defined(HP_FWD_WGS) && \
     (defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__))
-#define HP_FWD_N 128 // keys per staged tile in the forward
 #define HP_BWD_N 64  // keys (dq) or queries (dkdv) per staged tile in the backward
 
 // The cp.async, bf16-pack, ex2 and quad-reduction helpers are flash_wide.cu's (wd_*), compiled
@@ -219,6 +225,48 @@ __device__ __forceinline__ void hp_rs64(float* d, const hp_u32* a, hp_u64 db, in
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
+// d (64 x 128, f32) = [d +] A B, A (64 x 16) in registers, B in shared memory (MN-major).
+__device__ __forceinline__ void hp_rs128(float* d, const hp_u32* a, hp_u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+}
+// d (64 x 128, f32) = [d +] A B, A and B in shared memory, both MN-major (transposed).
+__device__ __forceinline__ void hp_ss128_t(float* d, hp_u64 da, hp_u64 db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+// The products whose N is the head size (B read MN-major, its columns two 64-column swizzle
+// atoms apart at HEAD_DIM 128): A from registers, or A and B both transposed in shared memory.
+__device__ __forceinline__ void hp_rs_d(float* d, const hp_u32* a, hp_u64 db, int accumulate) {
+    if constexpr (HEAD_DIM == 64) hp_rs64(d, a, db, accumulate);
+    else hp_rs128(d, a, db, accumulate);
+}
+__device__ __forceinline__ void hp_ss_d_t(float* d, hp_u64 da, hp_u64 db, int accumulate) {
+    if constexpr (HEAD_DIM == 64) hp_ss64_t(d, da, db, accumulate);
+    else hp_ss128_t(d, da, db, accumulate);
+}
 template <int N>
 __device__ __forceinline__ void hp_ss(float* d, hp_u64 da, hp_u64 db, int accumulate) {
     if constexpr (N == 64) hp_ss64(d, da, db, accumulate);
@@ -273,15 +321,16 @@ __device__ __forceinline__ void hp_fwd_tile(float* acc, float* mrow, float* lrow
     hp_fence();
 #pragma unroll
     for (int kk = 0; kk < HP_FWD_N / 16; ++kk)
-        hp_rs64(acc, pa[kk], hp_desc_mn(vt, HP_FWD_N, kk), 1);
+        hp_rs_d(acc, pa[kk], hp_desc_mn(vt, HP_FWD_N, kk), 1);
     hp_commit();
     hp_wait();
     hp_hold<HEAD_DIM / 2>(acc);
 }
 
 // o = softmax(mask(q kᵀ scale)) v and lse2 per row, as flash_wide_fwd; q, k, v, o: (BH, T, D),
-// q, k, v laid out by `lin` and o by `lout` (HeadRows, kernels.cu), lse2: (BH, T). Per staged tile of 128 keys each warpgroup computes S (64 x 128) = Q Kᵀ
-// (Q and K from shared memory), the online softmax on S in registers (log2 domain, as in
+// q, k, v laid out by `lin` and o by `lout` (HeadRows, kernels.cu), lse2: (BH, T). Per staged
+// tile of HP_FWD_N keys each warpgroup computes S (64 x HP_FWD_N) = Q Kᵀ (Q and K from shared
+// memory), the online softmax on S in registers (log2 domain, as in
 // flash_wide_fwd), then O += P V with P from registers. Grid (ceil(T / HP_FWD_ROWS), BH),
 // 128·HP_FWD_WGS threads, HP_FWD_SMEM bytes of shared memory.
 #define HP_FWD_SMEM ((HP_FWD_ROWS + 4 * HP_FWD_N) * HEAD_DIM * 2 + 1024)
@@ -381,7 +430,7 @@ __device__ __forceinline__ void hp_dq_tile(float* acc, hp_u32 qa, hp_u32 da, hp_
     hp_fence();
 #pragma unroll
     for (int kk = 0; kk < HP_BWD_N / 16; ++kk)
-        hp_rs64(acc, sa[kk], hp_desc_mn(kt, HP_BWD_N, kk), 1);
+        hp_rs_d(acc, sa[kk], hp_desc_mn(kt, HP_BWD_N, kk), 1);
     hp_commit();
     hp_wait();
     hp_hold<HEAD_DIM / 2>(acc);
@@ -488,8 +537,8 @@ __device__ __forceinline__ void hp_bwd_dkdv(float* dka, float* dva, const hp_u32
     hp_fence();
 #pragma unroll
     for (int kk = 0; kk < HP_BWD_N / 16; ++kk) {
-        hp_rs64(dva, pa[kk], hp_desc_mn(dt, HP_BWD_N, kk), 1);
-        hp_rs64(dka, sa[kk], hp_desc_mn(qt, HP_BWD_N, kk), 1);
+        hp_rs_d(dva, pa[kk], hp_desc_mn(dt, HP_BWD_N, kk), 1);
+        hp_rs_d(dka, sa[kk], hp_desc_mn(qt, HP_BWD_N, kk), 1);
     }
     hp_commit();
     hp_wait();
@@ -587,7 +636,7 @@ extern "C" __global__ void __launch_bounds__(128 * HP_DKDV_WGS, HP_DKDV_BLOCKS)
 #define HP_BWD_ROWS (64 * HP_BWD_WGS)
 // One warpgroup's region: K, V (64 rows), Q and dO (2 x 64 rows), dSᵀ (2 x 64 x 64), lse2, δ.
 #define HP_BWD_WG_BYTES (8 * 64 * HEAD_DIM * 2 + 4 * HP_BWD_N * 4)
-#define HP_BWD_SMEM (HP_BWD_WGS * HP_BWD_WG_BYTES + 64 * 64 * 2 + 4 * 4 + 1024)
+#define HP_BWD_SMEM (HP_BWD_WGS * HP_BWD_WG_BYTES + 64 * HEAD_DIM * 2 + 4 * 4 + 1024)
 
 // Adds a (row, 2 columns) pair of dQ into the f32 accumulator.
 __device__ __forceinline__ void hp_red2(float* dst, float a, float b) {
@@ -615,7 +664,7 @@ extern "C" __global__ void __launch_bounds__(128 * HP_BWD_WGS, HP_BWD_BLOCKS)
     char* dss = dos + 2 * TILE;   // 2 x (64, 64): dSᵀ of tiles x with x % 2 = 0, 1
     float* ls = reinterpret_cast<float*>(dss + 2 * TILE);  // 2 x 64
     float* dls = ls + 2 * HP_BWD_N;                        // 2 x 64
-    char* zero = region0 + HP_BWD_WGS * HP_BWD_WG_BYTES;                       // (64, 64) zeros
+    char* zero = region0 + HP_BWD_WGS * HP_BWD_WG_BYTES;  // (64, D) zeros
     int* count = reinterpret_cast<int*>(zero + TILE);  // per buffer: dSᵀ stored
     int* owner = count + 2;    // per buffer: the tile whose dSᵀ it may take next
     const long bin = head_row(lin, blockIdx.y, 0), bout = head_row(lout, blockIdx.y, 0);
@@ -708,7 +757,7 @@ extern "C" __global__ void __launch_bounds__(128 * HP_BWD_WGS, HP_BWD_BLOCKS)
                 const hp_u32 kwa = wd_saddr(w < seen ? other : zero);
 #pragma unroll
                 for (int kk = 0; kk < 64 / 16; ++kk)
-                    hp_ss64_t(dqp, hp_desc_mn(dsa, 64, kk), hp_desc_mn(kwa, 64, kk), w + kk);
+                    hp_ss_d_t(dqp, hp_desc_mn(dsa, 64, kk), hp_desc_mn(kwa, 64, kk), w + kk);
             }
             hp_commit();
             hp_wait();

@@ -8,7 +8,7 @@ use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView};
 use candle_core::{CudaDevice, CudaStorage, Layout, Result, Tensor, WithDType};
 
-use super::super::attention_path::{HopperShape, HOPPER_BWD, HOPPER_DKDV, HOPPER_DQ, HOPPER_FWD};
+use super::super::attention_path::{hopper_shapes, HopperShape, HopperShapes};
 use super::super::cuda::Kernel;
 use super::super::cuda::{
     blocks, by_dtype, compute_capability, device, kernel, slice, storage, tensor, view,
@@ -107,15 +107,22 @@ fn tile(rows: usize, d: usize) -> usize {
     rows * d * 2
 }
 
+/// The shapes of the Hopper kernels at head size `d`; an error where they do not take it.
+fn hopper_shapes_of(d: usize) -> Result<HopperShapes> {
+    hopper_shapes(d)
+        .ok_or_else(|| msg(format!("the Hopper attention kernels take no head size {d}")))
+}
+
 /// The dynamic shared memory of the four Hopper kernels (HP_FWD_SMEM, HP_DQ_SMEM,
-/// HP_DKDV_SMEM and HP_BWD_SMEM): their tiles plus 1 KiB to align the first to 1024 bytes.
-fn hopper_smem(d: usize) -> [usize; 4] {
-    let fwd = tile(HOPPER_FWD.rows(), d) + 4 * tile(128, d);
-    let dq = 2 * tile(HOPPER_DQ.rows(), d) + 4 * tile(64, d);
-    let dkdv = 2 * tile(HOPPER_DKDV.rows(), d) + 4 * tile(64, d) + 4 * 64 * 4;
+/// HP_DKDV_SMEM and HP_BWD_SMEM) of `shapes` at head size `d`: their tiles plus 1 KiB to
+/// align the first to 1024 bytes.
+fn hopper_smem(shapes: HopperShapes, d: usize) -> [usize; 4] {
+    let fwd = tile(shapes.fwd.rows(), d) + 4 * tile(shapes.fwd_keys, d);
+    let dq = 2 * tile(shapes.dq.rows(), d) + 4 * tile(64, d);
+    let dkdv = 2 * tile(shapes.dkdv.rows(), d) + 4 * tile(64, d) + 4 * 64 * 4;
     // Per warpgroup K, V, 2 Q, 2 dO, 2 dSᵀ tiles and lse2, δ; a zero tile; two counters and
     // two owners.
-    let bwd = HOPPER_BWD.warpgroups * (8 * tile(64, d) + 4 * 64 * 4) + tile(64, 64) + 16;
+    let bwd = shapes.bwd.warpgroups * (8 * tile(64, d) + 4 * 64 * 4) + tile(64, d) + 16;
     [fwd + 1024, dq + 1024, dkdv + 1024, bwd + 1024]
 }
 
@@ -245,7 +252,10 @@ fn fwd_launch<T: CudaDType + DeviceRepr + WithDType>(
     let ad = attn_drop(dropout, hl)?;
     let f = kernel(dev, Some(d), T::DTYPE, name)?;
     let cfg = match path {
-        Path::Hopper => hopper_config(&f, HOPPER_FWD, t, bh, hopper_smem(d)[0])?,
+        Path::Hopper => {
+            let s = hopper_shapes_of(d)?;
+            hopper_config(&f, s.fwd, t, bh, hopper_smem(s, d)[0])?
+        }
         Path::Wide => wide_config(t, bh, d),
         Path::Tc => tc_config(t, bh),
         Path::Cuda => config(t, bh, d),
@@ -418,8 +428,8 @@ fn bwd_launch<T: CudaDType + DeviceRepr + WithDType>(
     // The launch of dq (shape 0) or dkdv (shape 1) on `f`.
     let cfg = |f: &Kernel, which: usize| match path {
         Path::Hopper => {
-            let shape = [HOPPER_DQ, HOPPER_DKDV][which];
-            hopper_config(f, shape, t, bh, hopper_smem(d)[1 + which])
+            let s = hopper_shapes_of(d)?;
+            hopper_config(f, [s.dq, s.dkdv][which], t, bh, hopper_smem(s, d)[1 + which])
         }
         Path::Wide => Ok(wide_config(t, bh, d)),
         Path::Tc => Ok(tc_config(t, bh)),
@@ -449,7 +459,8 @@ fn bwd_launch<T: CudaDType + DeviceRepr + WithDType>(
         b.arg(qs).arg(ks).arg(vs).arg(ds).arg(ls).arg(&delta).arg(&acc);
         b.arg(&dk).arg(&dv).arg(&t32).arg(&qscale).arg(&scale32);
         b.arg(&rows.input).arg(&rows.output);
-        let cfg = hopper_config(&f, HOPPER_BWD, t, bh, hopper_smem(d)[3])?;
+        let s = hopper_shapes_of(d)?;
+        let cfg = hopper_config(&f, s.bwd, t, bh, hopper_smem(s, d)[3])?;
         // SAFETY: argument types and order match `flash_hopper_bwd`.
         unsafe { b.launch(cfg) }.w()?;
         let f = kernel(dev, Some(d), dtype, "flash_hopper_dq_out")?;
