@@ -237,6 +237,36 @@ fn reduce_scatter_and_all_gather() {
     }
 }
 
+/// A reduce-scatter keeps only two chunk-sized slots, reused from step to step, where the
+/// all-reduce's first phase reduces into a buffer as long as the tensor: the rank's rows are
+/// the all-reduce's bit for bit, in the ring's summation order (values whose sums round, f32
+/// and bf16, sum and average), over several segments per chunk and uneven chunks.
+#[test]
+fn reduce_scatter_in_slots_sums_in_the_all_reduces_order() {
+    let len = 1_300_003; // 5.2 MB of f32: two 1 MiB segments per chunk at n = 4
+    for n in [2, 3, 4, 8] {
+        run_local(n, T, |b| {
+            let w = b.world();
+            let r = w.rank();
+            let v: Vec<f32> = (0..len)
+                .map(|i| ((r * 7919 + i * 104_729) % 1_000_003) as f32 / 997.0 - 500.0)
+                .collect();
+            let x = Tensor::from_vec(v, len, &Device::Cpu).expect("input");
+            let mine = chunk_range(len, n, r);
+            for dtype in [DType::F32, DType::BF16] {
+                let x = x.to_dtype(dtype).expect("dtype");
+                for op in [ReduceOp::Sum, ReduceOp::Avg] {
+                    let what = format!("{op:?} {dtype:?} n {n} rank {r}");
+                    let got = w.reduce_scatter(&x, op).expect("reduce_scatter");
+                    let all = w.all_reduce(&x, op).expect("all_reduce");
+                    let want = all.narrow(0, mine.start, mine.len()).expect("our rows");
+                    assert_eq!(to_f64(&got), to_f64(&want), "{what}");
+                }
+            }
+        });
+    }
+}
+
 #[test]
 fn broadcast_and_reduce_from_every_root() {
     for n in WORLDS {

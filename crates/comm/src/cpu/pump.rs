@@ -59,14 +59,24 @@ pub(crate) enum Source {
 /// What arrives from the left neighbour: one segment of the result, and what to do with it.
 #[derive(Debug, Clone)]
 pub(crate) struct Arrival {
-    /// Elements of the result it fills.
+    /// Elements of the tensor it carries (where our own values for it lie in the input).
     pub range: Range<usize>,
+    /// Where it lands in the result buffer, [`place`](Self::place): `range.start` when that
+    /// buffer is as long as the tensor, else an offset into a chunk-sized slot.
+    pub at: usize,
     /// Combine it with our input (reduce-scatter) or keep it as it came (all-gather).
     pub reduce: bool,
     /// With `reduce`: the segment now holds the reduction over every rank (`Avg` divides here).
     pub complete: bool,
     /// Send it on to the right neighbour once it is in place.
     pub forward: bool,
+}
+
+impl Arrival {
+    /// The elements of the result buffer it fills: `range.len()` of them from `at`.
+    pub fn place(&self) -> Range<usize> {
+        self.at..self.at + self.range.len()
+    }
 }
 
 /// A send in the queue: elements `range` of `from`, `done` bytes of it written so far.
@@ -79,7 +89,9 @@ struct Queued {
 impl GroupCore {
     /// Run one ring op: send `first` to the right neighbour, receive `arrivals` in order from
     /// the left one, combining, completing and forwarding each as it says. `input` and `out`
-    /// are in the accumulation type, `out` as long as the tensor; `first` may read either.
+    /// are in the accumulation type; `first` may read either (an `Input` range is the tensor's,
+    /// an `Output` range the buffer's). Each arrival lands at its [`place`](Arrival::place) in
+    /// `out` (as long as the tensor, or chunk-sized slots) and is forwarded from there.
     ///
     /// With `input` None the op runs in place: `out` starts as our input and ends as the
     /// result. Every segment then lands in the group's receive segment first (half a page off,
@@ -143,14 +155,14 @@ impl GroupCore {
                 if got == 0
                     && sends.iter().any(|q| {
                         (q.from == Source::Output || (in_place && !a.reduce))
-                            && overlaps(&q.range, &a.range)
+                            && overlaps(&q.range, &a.place())
                     })
                 {
                     break; // its place is still being sent from: let the send go first
                 }
                 let bytes: &mut [u8] = match in_place {
                     true => scratch.off_page(a.range.len() * es),
-                    false => bytemuck::cast_slice_mut(&mut out[a.range.clone()]),
+                    false => bytemuck::cast_slice_mut(&mut out[a.place()]),
                 };
                 match recv_some(left_fd, &mut bytes[got..]) {
                     Ok(k) => {
@@ -159,7 +171,7 @@ impl GroupCore {
                         if got < bytes.len() {
                             continue;
                         }
-                        let mine = &mut out[a.range.clone()];
+                        let mine = &mut out[a.place()];
                         match input {
                             Some(input) if a.reduce => {
                                 combine_into(mine, &input[a.range.clone()], op)
@@ -175,14 +187,14 @@ impl GroupCore {
                             }
                         }
                         if a.reduce && a.complete && op == ReduceOp::Avg {
-                            for e in &mut out[a.range.clone()] {
+                            for e in &mut out[a.place()] {
                                 *e = e.div_n(n);
                             }
                         }
                         if a.forward {
                             sends.push_back(Queued {
                                 from: Source::Output,
-                                range: a.range.clone(),
+                                range: a.place(),
                                 done: 0,
                             });
                         }
@@ -342,6 +354,7 @@ mod tests {
         let mut out = [0f32; 6];
         let arrivals = [Arrival {
             range: 0..3,
+            at: 0,
             reduce: true,
             complete: true,
             forward: true,
@@ -373,6 +386,7 @@ mod tests {
         let mut buf = [1f32, 2., 3., 10., 20., 30.];
         let arrivals = [Arrival {
             range: 0..3,
+            at: 0,
             reduce: true,
             complete: true,
             forward: true,
@@ -389,6 +403,38 @@ mod tests {
         assert_eq!(other.join().unwrap(), [10., 20., 30., 3., 3.5, 4.]);
     }
 
+    // A reduce-scatter into a chunk-sized slot: the segment of tensor elements 3..6 lands at
+    // the slot's start, is combined with input 3..6 there, and our first send reads input 0..3.
+    #[test]
+    fn a_segment_lands_in_its_slot_and_is_combined_with_its_elements_of_the_input() {
+        let (mut core, mut theirs) = ring_of_two(Duration::from_secs(10));
+        let other = std::thread::spawn(move || {
+            theirs.write_all(bytemuck::cast_slice(&[5f32; 3])).unwrap();
+            let mut got = [0u8; 3 * 4];
+            theirs.read_exact(&mut got).unwrap();
+            floats(&got)
+        });
+        let input = [1f32, 2., 3., 10., 20., 30.];
+        let mut slot = [0f32; 3];
+        let arrivals = [Arrival {
+            range: 3..6,
+            at: 0,
+            reduce: true,
+            complete: true,
+            forward: false,
+        }];
+        core.pump(
+            Some(&input),
+            &mut slot,
+            &[(Source::Input, 0..3)],
+            &arrivals,
+            ReduceOp::Sum,
+        )
+        .unwrap();
+        assert_eq!(slot, [15., 25., 35.]);
+        assert_eq!(other.join().unwrap(), [1., 2., 3.]);
+    }
+
     #[test]
     fn a_silent_neighbour_times_out_naming_it() {
         let timeout = Duration::from_millis(300);
@@ -396,6 +442,7 @@ mod tests {
         let (input, mut out) = ([1f32; 8], [0f32; 8]);
         let arrivals = [Arrival {
             range: 0..4,
+            at: 0,
             reduce: true,
             complete: true,
             forward: false,
@@ -422,6 +469,7 @@ mod tests {
         let (input, mut out) = ([1f32; 8], [0f32; 8]);
         let arrivals = [Arrival {
             range: 0..4,
+            at: 0,
             reduce: true,
             complete: true,
             forward: false,

@@ -27,6 +27,8 @@
 //! the chunk is still being reduced. The transfers are the [`pump`](super::pump)'s: segments
 //! are received straight into the result, combined there with the input, and sent on from
 //! where they lie, so the input is never copied whole and no segment is copied to be sent.
+//! A reduce-scatter alone keeps only the chunks in flight: its result buffer is two slots of
+//! one chunk each, step s's arrivals in slot s mod 2, 2/n of the tensor rather than all of it.
 //!
 //! The chunk each rank sends at each step is the ring's [`schedule`], the one `mtrain explain
 //! ring` prints; the pump's plan is read off it.
@@ -55,7 +57,9 @@ struct Plan {
 
 impl Plan {
     /// Read off the ring's [`schedule`]: our receives in step order, and our first sends (the
-    /// rest are forwarded arrivals).
+    /// rest are forwarded arrivals). Each arrival lands at its own elements of a result buffer
+    /// as long as the tensor, or with `slot` = w (a reduce-scatter alone) in a buffer of two
+    /// slots of w elements: reduce step s's chunk at the start of slot s mod 2.
     fn new(
         r: usize,
         n: usize,
@@ -63,9 +67,15 @@ impl Plan {
         elem: usize,
         reduce: bool,
         gather: bool,
+        slot: Option<usize>,
     ) -> Plan {
         let sched = schedule(n);
         let segs = |c: usize| segments(chunks[c].clone(), elem);
+        // Where segment `range` of chunk c, received in reduce step s, lands.
+        let at = |s: usize, c: usize, range: &Range<usize>| match slot {
+            Some(w) => (s % 2) * w + (range.start - chunks[c].start),
+            None => range.start,
+        };
         let chunk_to = |step: &Step| step.transfers.iter().find(|t| t.to == r).map(|t| t.blocks.start);
         let chunk_from =
             |step: &Step| step.transfers.iter().find(|t| t.from == r).map(|t| t.blocks.start);
@@ -76,6 +86,7 @@ impl Plan {
             for (s, step) in sched.phase(Phase::ReduceScatter).enumerate() {
                 let c = chunk_to(step).unwrap_or(r);
                 arrivals.extend(segs(c).map(|range| Arrival {
+                    at: at(s, c, &range),
                     range,
                     reduce: true,
                     complete: s == n - 2,
@@ -97,6 +108,7 @@ impl Plan {
             for (s, step) in sched.phase(Phase::AllGather).enumerate() {
                 let c = chunk_to(step).unwrap_or(r);
                 arrivals.extend(segs(c).map(|range| Arrival {
+                    at: range.start,
                     range,
                     reduce: false,
                     complete: false,
@@ -142,58 +154,79 @@ pub(crate) fn schedule(n: usize) -> Schedule {
 }
 
 impl GroupCore {
-    /// The ring over `out`, cut at `chunks`: with `x`, a reduce-scatter of `x` into `out`
-    /// (`out[chunks[rank]]` ends up reduced over all ranks, the rest is scratch); with `gather`,
-    /// an all-gather of `out`'s chunks (ours must be complete, or be made so by the
-    /// reduce-scatter before it). `T` is the accumulation type, or bytes for an all-gather alone.
-    fn ring<T: AccElem + WithDType>(
-        &mut self,
-        x: Option<&Tensor>,
-        out: &mut [T],
-        chunks: &[Range<usize>],
-        gather: bool,
-        op: ReduceOp,
-    ) -> Result<()> {
-        let es = std::mem::size_of::<T>();
-        let plan = Plan::new(self.rank, self.size, chunks, es, x.is_some(), gather);
-        match x {
-            Some(x) => with_elems(x, |input: &[T]| {
-                self.pump(Some(input), out, &plan.first, &plan.arrivals, op)
-            })?,
-            None => self.pump(Some(&[]), out, &plan.first, &plan.arrivals, op),
-        }
-    }
-
-    /// [`ring`](Self::ring) with `x` into a new buffer of its accumulation type `T`.
+    /// Reduce-scatter `x` over `chunks` in its accumulation type `T`, then all-gather in it too
+    /// when `gather`, into a new buffer; returns it and where our reduced chunk lies in it.
+    ///
+    /// With `gather` the buffer is as long as `x` and ends up whole. A reduce-scatter alone
+    /// needs only the chunks in flight: two slots of the largest chunk's length w (one in a
+    /// ring of two). Reduce step s's arrivals are combined in slot s mod 2 and forwarded from
+    /// there while step s+1's land in the other slot; step s+2's reuse the first once step s+1
+    /// has sent them on (the pump lands no receive where a queued send still reads). A rank
+    /// held there waits on its right neighbour taking in step s+1, which can itself wait only
+    /// on earlier steps: no cycle, whatever the sockets buffer. Our chunk, complete after step
+    /// n−2, is in slot n mod 2.
+    ///
+    /// ```text
+    ///   x (numel,) ──gather──────> out (numel,)       every chunk reduced over all ranks
+    ///   x (numel,) ──no gather───> out (2, w)         slot n mod 2 holds chunk r (|chunk r| ≤ w)
+    ///                              [ slot 0 | slot 1 ]   w = max |chunk|, 2w ≈ 2/n · numel
+    /// ```
+    ///
+    /// Each element is summed in the ring's order either way: the same bits.
     fn reduced<T: AccElem + WithDType>(
         &mut self,
         x: &Tensor,
         chunks: &[Range<usize>],
         gather: bool,
         op: ReduceOp,
-    ) -> Result<Vec<T>> {
-        let mut out = fresh_zeroed::<T>(x.elem_count());
-        self.ring(Some(x), &mut out, chunks, gather, op)?;
-        Ok(out)
+    ) -> Result<(Vec<T>, Range<usize>)> {
+        let (r, n) = (self.rank, self.size);
+        let (len, slot, ours) = match gather {
+            true => (x.elem_count(), None, chunks[r].clone()),
+            false => {
+                let w = chunks.iter().map(|c| c.len()).max().unwrap_or(0);
+                let at = (n % 2) * w; // slot (n − 2) mod 2
+                ((n - 1).min(2) * w, Some(w), at..at + chunks[r].len())
+            }
+        };
+        let mut out = fresh_zeroed::<T>(len);
+        let plan = Plan::new(r, n, chunks, std::mem::size_of::<T>(), true, gather, slot);
+        with_elems(x, |input: &[T]| {
+            self.pump(Some(input), &mut out, &plan.first, &plan.arrivals, op)
+        })??;
+        Ok((out, ours))
     }
 
-    /// Reduce-scatter `x` over `chunks` in its accumulation type, then all-gather in it too when
-    /// `gather`.
+    /// [`reduced`](Self::reduced) for `x`'s dtype: the buffer in its accumulation type and
+    /// where our reduced chunk lies in it.
     fn reduce_acc(
         &mut self,
         x: &Tensor,
         chunks: &[Range<usize>],
         gather: bool,
         op: ReduceOp,
-    ) -> Result<AccBuf> {
+    ) -> Result<(AccBuf, Range<usize>)> {
         Ok(match x.dtype() {
             DType::F32 | DType::BF16 | DType::F16 => {
-                AccBuf::F32(self.reduced(x, chunks, gather, op)?)
+                let (v, ours) = self.reduced(x, chunks, gather, op)?;
+                (AccBuf::F32(v), ours)
             }
-            DType::F64 => AccBuf::F64(self.reduced(x, chunks, gather, op)?),
-            DType::U8 => AccBuf::U8(self.reduced(x, chunks, gather, op)?),
-            DType::U32 => AccBuf::U32(self.reduced(x, chunks, gather, op)?),
-            DType::I64 => AccBuf::I64(self.reduced(x, chunks, gather, op)?),
+            DType::F64 => {
+                let (v, ours) = self.reduced(x, chunks, gather, op)?;
+                (AccBuf::F64(v), ours)
+            }
+            DType::U8 => {
+                let (v, ours) = self.reduced(x, chunks, gather, op)?;
+                (AccBuf::U8(v), ours)
+            }
+            DType::U32 => {
+                let (v, ours) = self.reduced(x, chunks, gather, op)?;
+                (AccBuf::U32(v), ours)
+            }
+            DType::I64 => {
+                let (v, ours) = self.reduced(x, chunks, gather, op)?;
+                (AccBuf::I64(v), ours)
+            }
             other => {
                 return Err(candle_core::Error::Msg(format!(
                     "dtype {other:?} cannot be reduced by the CPU backend"
@@ -205,7 +238,8 @@ impl GroupCore {
 
     /// The all-gather of `buf`'s chunks (byte ranges, one per rank); ours must be in place.
     fn ring_all_gather(&mut self, buf: &mut [u8], chunks: &[Range<usize>]) -> Result<()> {
-        self.ring::<u8>(None, buf, chunks, true, ReduceOp::Sum)
+        let plan = Plan::new(self.rank, self.size, chunks, 1, false, true, None);
+        self.pump(Some(&[]), buf, &plan.first, &plan.arrivals, ReduceOp::Sum)
     }
 
     pub(crate) fn all_reduce(&mut self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
@@ -229,7 +263,7 @@ impl GroupCore {
         // and the accumulator becomes the result. A half-precision result is gathered in its
         // own dtype instead, half the bytes of f32.
         let half = matches!(dtype, DType::BF16 | DType::F16);
-        let acc = self.reduce_acc(x, &chunks, !half, op)?;
+        let (acc, ours) = self.reduce_acc(x, &chunks, !half, op)?;
         let mut out = match acc.into_native(dtype) {
             Ok(native) => return native.into_tensor(&shape),
             Err(acc) => {
@@ -237,7 +271,7 @@ impl GroupCore {
                 let es = dtype.size_in_bytes();
                 let mut out = HostBuf::zeros(dtype, numel)?;
                 out.as_bytes_mut()[own.start * es..own.end * es]
-                    .copy_from_slice(&acc.to_native_bytes(own, dtype));
+                    .copy_from_slice(&acc.to_native_bytes(ours, dtype));
                 out
             }
         };
@@ -272,7 +306,7 @@ impl GroupCore {
         let n = self.size;
         let chunks: Vec<Range<usize>> = (0..n).map(|i| chunk_range(buf.len(), n, i)).collect();
         let es = std::mem::size_of::<T>();
-        let plan = Plan::new(self.rank, n, &chunks, es, true, true);
+        let plan = Plan::new(self.rank, n, &chunks, es, true, true, None);
         self.pump(None, buf, &plan.first, &plan.arrivals, op)
     }
 
@@ -301,11 +335,13 @@ impl GroupCore {
                 c.start * row..c.end * row
             })
             .collect();
-        let acc = self.reduce_acc(x, &chunks, false, op)?;
-        let own = chunks[self.rank].clone();
+        // Two chunk-sized slots, not the whole tensor (see `reduced`).
+        let (acc, ours) = self.reduce_acc(x, &chunks, false, op)?;
         let mut out_shape = shape.clone();
         out_shape[0] = chunk_range(rows, n, self.rank).len(); // (D/n, ...)
-        bytes_to_tensor(&acc.to_native_bytes(own, dtype), dtype, &out_shape)
+        let bytes = acc.to_native_bytes(ours, dtype);
+        drop(acc); // the slots go before the result is made from our chunk's bytes
+        bytes_to_tensor(&bytes, dtype, &out_shape)
     }
 
     pub(crate) fn all_gather(&mut self, x: &Tensor) -> Result<Tensor> {

@@ -38,6 +38,14 @@ use rayon::prelude::*;
 /// product of fewer than twice this many rows keeps the gemm's own split.
 const ROWS_MIN: usize = 256;
 
+/// The most rows one gemm call computes: a longer matrix goes in blocks of at most this many
+/// rows (balanced, so each has more than half of it), each block's call writing its rows of the
+/// one output. The gemm's packing buffers grow with the rows of its call (for the tied head's
+/// dwte = dzᵀ·h at GPT-2's vocabulary and 128 tokens, one of V × N f32, 24.6 MiB, beside the
+/// 147 MiB output), so a block bounds them by ROWS_BLOCK rows; the gemm's depth blocks depend
+/// on K alone, so each element is the same sum in the same order.
+const ROWS_BLOCK: usize = 2048;
+
 /// `a · b` for a (M, K) and b (K, N), or a (B, H, M, K) and b (B, H, K, N): (M, N) or
 /// (B, H, M, N), as `a.matmul(b)`.
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -110,8 +118,8 @@ fn batched(a: &Tensor, b: &Tensor, scale: f32) -> Result<Tensor> {
         true => gemm::Parallelism::None,
         false => gemm::Parallelism::Rayon(threads),
     };
-    // Rows r0.. of matrix i into `dst`, those rows of its (M, N) output, row-major.
-    let rows = |i: usize, r0: usize, dst: &mut [std::mem::MaybeUninit<f32>]| {
+    // Rows r0.. of matrix i into `dst`, those rows of its (M, N) output, row-major: one call.
+    let call = |i: usize, r0: usize, dst: &mut [std::mem::MaybeUninit<f32>]| {
         // SAFETY: the offsets and strides are those of valid layouts of `a` and `b` over `va`
         // and `vb` (any strides: the heads of a token-major tensor included), so every element
         // the gemm reads of rows r0.. of matrix i lies in them; `dst` is whole rows of one
@@ -141,6 +149,24 @@ fn batched(a: &Tensor, b: &Tensor, scale: f32) -> Result<Tensor> {
                 false,
                 parallelism,
             )
+        }
+    };
+    // The same rows in blocks of at most ROWS_BLOCK rows, one call each (n ≥ 2: a single
+    // column is a gemv, left whole; blocks of over ROWS_BLOCK / 2 rows stay clear of the
+    // gemm's small-matrix paths).
+    let rows = |i: usize, r0: usize, dst: &mut [std::mem::MaybeUninit<f32>]| {
+        let len = dst.len() / n;
+        let blocks = match n >= 2 {
+            true => len.div_ceil(ROWS_BLOCK),
+            false => 1,
+        };
+        if blocks <= 1 {
+            return call(i, r0, dst);
+        }
+        let bounds = |p: usize| p * len / blocks;
+        for p in 0..blocks {
+            let (b0, b1) = (bounds(p), bounds(p + 1));
+            call(i, r0 + b0, &mut dst[b0 * n..b1 * n]);
         }
     };
     // Not zeroed first: the gemm writes every element of C without reading it (k > 0).
@@ -286,12 +312,14 @@ mod tests {
     }
 
     /// The linear layers' three products (x wᵀ, dy w, dyᵀ x), above and below the gemm's
-    /// threading threshold, a view at an offset and a single row give candle's bits at one and
-    /// two threads; a non-matching pair fails as candle's does.
+    /// threading threshold and cut into row blocks, a view at an offset and a single row give
+    /// candle's bits at one and two threads; a non-matching pair fails as candle's does.
     #[test]
     fn rank_two_products_are_candle_bit_for_bit() -> Result<()> {
         let dev = Device::Cpu;
-        for (rows, i, o) in [(1024, 256, 768), (48, 20, 12), (1, 64, 32)] {
+        // The last two: products of more rows than ROWS_BLOCK (x wᵀ, and dyᵀ x of 5000 rows).
+        let shapes = [(1024, 256, 768), (48, 20, 12), (1, 64, 32), (4200, 48, 40), (128, 64, 5000)];
+        for (rows, i, o) in shapes {
             let x = Tensor::randn(0f32, 1.0, (rows, i), &dev)?;
             let w = Tensor::randn(0f32, 1.0, (o, i), &dev)?;
             let dy = Tensor::randn(0f32, 1.0, (rows, o), &dev)?;

@@ -41,6 +41,9 @@ pub struct ActivationLayout {
     /// ZeRO-3 frees each segment's gathered weights after its forward and gathers them again
     /// for its backward (`reshard_after_forward`); otherwise they are kept until then.
     pub reshards_after_forward: bool,
+    /// Ranks a ZeRO-3 unit is sharded over (dp · cp): its gradient is reduce-scattered into
+    /// that many shards.
+    pub zero_shards: usize,
     /// The rows each of this rank's MoE blocks dispatched per pass, in block order (empty: an
     /// even split with every slot filled, [`Routing::even`]).
     pub routing: Vec<Routing>,
@@ -80,6 +83,7 @@ impl ActivationLayout {
             cp: 1,
             gathers_weights: false,
             reshards_after_forward: false,
+            zero_shards: 1,
             routing: Vec::new(),
             segment_params: table
                 .segment_numels()
@@ -133,6 +137,7 @@ impl ActivationLayout {
             cp: plan.dims.cp.max(1),
             gathers_weights: zero3,
             reshards_after_forward: matches!(plan.data, DataParallelKind::Zero(z) if z.reshard_after_forward),
+            zero_shards: (plan.dims.dp * plan.dims.cp).max(1),
             routing: Vec::new(),
             segment_params: rank_holdings(cfg, plan, pp_rank)?
                 .segment_numels()

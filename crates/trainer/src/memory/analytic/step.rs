@@ -139,17 +139,19 @@ pub fn rank_step_memory(
     // ZeRO-3 reduce-scatters a unit's gradient right after its segment's backward: the full
     // gradient and its flat copy exist together while the copy is made; then the full gradient
     // is freed and the collective holds the copy, and on the CPU backend also its f32
-    // accumulator of the whole unit (the rank's reduced part, 1/dp of it, is copied out at its
-    // end: not counted). The tied wte's full gradient,
+    // accumulator, two slots of one shard each (one over two ranks), and the shard it returns:
+    // the higher of the two moments. The tied wte's full gradient,
     // formed by the head's backward, is held until the embedding's unit is reduced, and the
     // embedding's backward adds its own to it: the two and their sum, or on the CPU tapes in
     // f32 the two, the sum taken in place into the embedding's (`Grads::accumulate_fresh`);
     // that sum is then the embedding unit's gradient, with wpe's.
     let cpu = path != BackwardPath::Tapes;
+    let (w, k) = (param_bytes as f64, layout.zero_shards.max(1) as f64);
+    let ring = |p: f64| p / k * ((k - 1.0).min(2.0) * w.max(4.0) + w);
     let unit_grads = |p: f64| match (layout.gathers_weights, cpu) {
         (false, _) => 0.0,
-        (true, false) => 2.0 * p * param_bytes as f64,
-        (true, true) => p * (param_bytes as f64 + (param_bytes as f64).max(4.0)),
+        (true, false) => 2.0 * p * w,
+        (true, true) => p * w + (p * w).max(ring(p)),
     };
     let last = segs.len().saturating_sub(1);
     // wte's elements on a rank holding both of its ends (counted with the head, whose own unit
