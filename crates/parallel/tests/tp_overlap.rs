@@ -15,7 +15,10 @@
 //! and medians of several steps are compared. Every figure is a wall-clock time, but the wire
 //! times are sleeps of tens of milliseconds per collective, far above the scheduling noise. The
 //! model is wide (C = 1024) so that the products, which the overlap can hide behind, are most
-//! of the step, as in the models tensor parallelism is for.
+//! of the step, as in the models tensor parallelism is for. Each rank computes on the threads
+//! `mtrain` gives a worker (the machine's cores over the ranks, at least one): the ranks here are
+//! threads of one process, and sharing its one pool would make every rank's products contend for
+//! every core, a slowdown the command does not have.
 
 mod common;
 
@@ -70,6 +73,17 @@ fn model(g: &Comm, sp: bool, overlap: TpOverlap) -> TpModel {
     tensor_parallel::build(&cfg(), &weights, &plan, g, sp, &Device::Cpu).expect("build")
 }
 
+/// Runs `f` on a pool of the threads the launcher gives each of TP workers on this machine
+/// (cores / TP, at least one), as its `RAYON_NUM_THREADS` does.
+fn on_rank_threads<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    rayon::ThreadPoolBuilder::new()
+        .num_threads((cores / TP).max(1))
+        .build()
+        .expect("pool")
+        .install(f)
+}
+
 /// One forward and backward: its wall time and the time this rank waited on the tp group.
 fn step(m: &TpModel, g: &Comm) -> (Duration, Duration) {
     let (idx, tgt) = batch();
@@ -106,17 +120,19 @@ fn calibrate(sp: bool) -> (Duration, Duration) {
     };
     let unit = LinkEmulator::new(0.0, 1.0).expect("link");
     run_local_with(TP, opts, |b| {
-        let g = b.world();
-        let m = model(&g, sp, TpOverlap::None);
-        let times: Vec<Duration> = (0..3).map(|_| step(&m, &g).0).collect();
-        let first = g.tracer().events().len();
-        step(&m, &g);
-        let wire = g.tracer().events()[first..]
-            .iter()
-            .filter(|e| e.op != mtrain_comm::OpKind::Barrier)
-            .map(|e| unit.op_time(e.op, e.bytes, TP, AllReduceAlgo::Ring))
-            .sum();
-        (median(times), wire)
+        on_rank_threads(|| {
+            let g = b.world();
+            let m = model(&g, sp, TpOverlap::None);
+            let times: Vec<Duration> = (0..3).map(|_| step(&m, &g).0).collect();
+            let first = g.tracer().events().len();
+            step(&m, &g);
+            let wire = g.tracer().events()[first..]
+                .iter()
+                .filter(|e| e.op != mtrain_comm::OpKind::Barrier)
+                .map(|e| unit.op_time(e.op, e.bytes, TP, AllReduceAlgo::Ring))
+                .sum();
+            (median(times), wire)
+        })
     })
     .remove(0)
 }
@@ -136,22 +152,24 @@ fn measure(sp: bool, mode: TpOverlap) -> (Vec<Medians>, Duration, f64) {
         ..CpuOptions::default()
     };
     let per_rank = run_local_with(TP, opts, |b| {
-        let g = b.world();
-        let (none, chunked) = (model(&g, sp, TpOverlap::None), model(&g, sp, mode));
-        step(&none, &g);
-        step(&chunked, &g); // warm-up
-        let (mut a, mut c) = (vec![], vec![]);
-        for _ in 0..STEPS {
-            a.push(step(&none, &g));
-            c.push(step(&chunked, &g));
-        }
-        let med = |v: &[(Duration, Duration)]| {
-            (
-                median(v.iter().map(|x| x.0).collect()),
-                median(v.iter().map(|x| x.1).collect()),
-            )
-        };
-        (med(&a), med(&c))
+        on_rank_threads(|| {
+            let g = b.world();
+            let (none, chunked) = (model(&g, sp, TpOverlap::None), model(&g, sp, mode));
+            step(&none, &g);
+            step(&chunked, &g); // warm-up
+            let (mut a, mut c) = (vec![], vec![]);
+            for _ in 0..STEPS {
+                a.push(step(&none, &g));
+                c.push(step(&chunked, &g));
+            }
+            let med = |v: &[(Duration, Duration)]| {
+                (
+                    median(v.iter().map(|x| x.0).collect()),
+                    median(v.iter().map(|x| x.1).collect()),
+                )
+            };
+            (med(&a), med(&c))
+        })
     });
     (per_rank, compute, gb_s)
 }
@@ -183,7 +201,9 @@ fn hides_tp_communication(sp: bool, mode: TpOverlap, ratio: f64) {
         tries += 1;
         let (per_rank, compute, gb_s) = measure(sp, mode);
         let mut failed = None;
-        for (rank, ((step_none, exp_none), (step_mode, exp_mode))) in per_rank.into_iter().enumerate() {
+        for (rank, ((step_none, exp_none), (step_mode, exp_mode))) in
+            per_rank.into_iter().enumerate()
+        {
             let ms = |d: Duration| d.as_secs_f64() * 1e3;
             eprintln!(
                 "rank {rank} (sp {sp}): compute {:.1} ms, link {:.3} GB/s; none: step {:.1} ms, exposed tp {:.1} ms ({:.0}%); {name}: step {:.1} ms, exposed tp {:.1} ms ({:.2}x)",
@@ -201,7 +221,9 @@ fn hides_tp_communication(sp: bool, mode: TpOverlap, ratio: f64) {
             let problem = if exp_none.as_secs_f64() < 0.4 * step_none.as_secs_f64() {
                 Some(format!("the link is not slow enough: inline communication {exp_none:?} of a {step_none:?} step"))
             } else if exp_mode.as_secs_f64() > ratio * exp_none.as_secs_f64() {
-                Some(format!("{name} exposes {exp_mode:?}, more than {ratio}× the {exp_none:?} of none"))
+                Some(format!(
+                    "{name} exposes {exp_mode:?}, more than {ratio}× the {exp_none:?} of none"
+                ))
             } else if saved_step < saved_exposure - 0.15 * step_none.as_secs_f64() {
                 Some(format!(
                     "the step got {:.1} ms shorter for {:.1} ms less exposure",
@@ -217,9 +239,10 @@ fn hides_tp_communication(sp: bool, mode: TpOverlap, ratio: f64) {
         }
         match failed {
             None => return,
-            Some(p) if tries == 3 => panic!("{p} (the third measurement; the two before failed too)"),
+            Some(p) if tries == 3 => {
+                panic!("{p} (the third measurement; the two before failed too)")
+            }
             Some(p) => eprintln!("{p}; measuring again"),
         }
     }
 }
-
