@@ -13,6 +13,11 @@
 //!              grads[name] += ∂/∂param    (a tied weight sums over the segments using it)
 //!              post_backward(i)           (DDP: launch bucket; FSDP: reduce-scatter; PP: send gᵢ)
 //!
+//!            with hooks that free weights early (ZeRO-3), a tape's backward in two:
+//!              gᵢ = B of tapeᵢ            (the last read of segment i's weights)
+//!              weights_read(i)            (FSDP: free the gathered weights)
+//!              ∂/∂params(i) = W of tapeᵢ  (dyᵀ·x products: no weight read), then as above
+//!
 //! forward hooks: pre_forward(i) before and post_forward(i) after each segment's forward.
 //! ```
 //!
@@ -71,6 +76,17 @@ pub trait Hooks {
     }
     /// Segment `i`'s parameter gradients have been added to `grads`.
     fn post_backward(&mut self, _i: usize, _seg: &dyn Segment, _grads: &mut Grads) -> HookResult {
+        Ok(())
+    }
+    /// Whether [`Engine::backward`] takes each tape's backward in two, input gradient (B) then
+    /// weight gradients (W), calling [`Hooks::weights_read`] between them.
+    fn splits_backward(&self) -> bool {
+        false
+    }
+    /// Segment `i`'s backward has read its weights for the last time: its input gradient is
+    /// formed, and its weight gradients (products of activations and output gradients, which
+    /// read no weight) are not yet. Called where [`Hooks::splits_backward`] asks for it.
+    fn weights_read(&mut self, _i: usize, _seg: &dyn Segment) -> HookResult {
         Ok(())
     }
 }
@@ -338,7 +354,15 @@ impl Engine {
             hooks,
             |i, seg, rec, input, g, hooks| {
                 let leaf = input.leaf();
-                let (weights, grad_in) = segment_backward(i, seg, rec, leaf, g, loss_scale, false)?;
+                // B, weights_read, W where the hooks ask and the segment has a tape and an input
+                // gradient to form (the embedding's backward reads no weight).
+                let split = hooks.splits_backward()
+                    && leaf.is_some()
+                    && matches!(rec, Recorded::Tape(_));
+                let (weights, grad_in) = segment_backward(i, seg, rec, leaf, g, loss_scale, split)?;
+                if split {
+                    hooks.weights_read(i, seg)?;
+                }
                 add_weight_grads(i, seg, weights, grads, hooks)?;
                 Ok(grad_in)
             },

@@ -389,6 +389,89 @@ fn split_backward_gives_the_fused_gradients_exactly() -> Result<()> {
     Ok(())
 }
 
+/// Empties each segment's weight slots between its B and its W, as ZeRO-3 frees gathered
+/// weights (but those a segment before it still reads: the embedding's recompute reads the tied
+/// `wte`), and puts them back after the backward.
+struct FreesBetween {
+    events: Vec<String>,
+    freed: Vec<(Param, Tensor)>,
+    read_later: Vec<String>,
+}
+
+impl Hooks for FreesBetween {
+    fn pre_backward(&mut self, i: usize, _seg: &dyn Segment) -> Result<()> {
+        self.events.push(format!("B{i}"));
+        Ok(())
+    }
+    fn post_backward(&mut self, i: usize, _seg: &dyn Segment, _grads: &mut Grads) -> Result<()> {
+        self.events.push(format!("P{i}"));
+        Ok(())
+    }
+    fn splits_backward(&self) -> bool {
+        true
+    }
+    fn weights_read(&mut self, i: usize, seg: &dyn Segment) -> Result<()> {
+        self.events.push(format!("R{i}"));
+        for p in seg.params() {
+            if !self.read_later.iter().any(|n| n == p.name()) {
+                let placeholder = Tensor::zeros(0, p.tensor().dtype(), &Device::Cpu)?;
+                self.freed.push((p.clone(), p.tensor()));
+                p.replace(placeholder)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A backward whose hooks free every segment's weights between its input gradient (B) and its
+/// weight gradients (W) forms the fused backward's gradients bit for bit: W reads no weight
+/// (a read of a freed slot is an error naming the parameter).
+#[test]
+fn weights_freed_between_b_and_w_leave_the_gradients_exact() -> Result<()> {
+    for moe in [false, true] {
+        let cfg = small(moe);
+        let gpt = model(&cfg, DType::F32)?;
+        let (idx, tgt) = batch(&cfg, 2, 8)?;
+        for checkpointing in [false, true] {
+            let engine = Engine::new(checkpointing).with_backward(Backward::Tapes);
+            let what = format!("moe {moe}, checkpointing {checkpointing}");
+            let fused = engine_grads(&gpt, engine, &idx, &tgt)?;
+            let mut hooks = FreesBetween {
+                events: Vec::new(),
+                freed: Vec::new(),
+                read_later: match checkpointing {
+                    true => vec!["wte.weight".to_string()],
+                    false => vec![],
+                },
+            };
+            let mut grads = Grads::new();
+            let acts = engine.forward(&gpt.segments, &idx, Some(&tgt), &mut NoHooks)?;
+            engine.backward(&gpt.segments, acts, None, 1.0, &mut grads, &mut hooks)?;
+            assert_eq!(
+                hooks.events.join(" "),
+                "B3 R3 P3 B2 R2 P2 B1 R1 P1 B0 P0",
+                "{what}: the embedding's backward reads no weight and is not split"
+            );
+            let freed: Vec<&str> = hooks.freed.iter().map(|(p, _)| p.name()).collect();
+            assert_eq!(
+                freed.contains(&"wte.weight"),
+                !checkpointing,
+                "{what}: the head frees the tied wte unless the embedding recomputes: {freed:?}"
+            );
+            for (p, t) in hooks.freed.drain(..) {
+                p.replace(t)?;
+            }
+            assert_eq!(grads.iter().count(), fused.iter().count(), "{what}");
+            for (name, want) in fused.iter() {
+                let got = grads.get(name).expect("present");
+                let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                assert_eq!(diff, 0.0, "{what}: {name}");
+            }
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn checkpointing_keeps_only_inputs() -> Result<()> {
     let cfg = small(false);

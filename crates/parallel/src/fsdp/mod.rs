@@ -40,8 +40,9 @@
 //!                     start segment i+1's all-gather (prefetch, overlaps segment i's forward)
 //!   pre_backward(i)   gather segment i again (its second all-gather; the last segment's are
 //!                     still resident), start segment i-1's (prefetch)
-//!   post_backward(i)  free segment i's weights; reduce-scatter its flat gradient (async);
-//!                     drop the full gradient
+//!   weights_read(i)   segment i's input gradient is formed: free its weights before its weight
+//!                     gradients, which read none, are formed
+//!   post_backward(i)  reduce-scatter segment i's flat gradient (async); drop the full gradient
 //!   optimizer         AdamW on this rank's shards only (decay flag per piece)
 //!
 //!   gathered weights held, embedding + 4 blocks + head:
@@ -62,7 +63,7 @@
 //! segment's once), and the forward ends holding the last segment's weights only. With
 //! `reshard_after_forward = false` the forward frees nothing and the backward gathers nothing:
 //! one gather per unit, every gathered block held at the end of the forward, freed after its
-//! backward. Activation checkpointing keeps only each segment's input and always frees the
+//! backward (its weight gradients formed beside it). Activation checkpointing keeps only each segment's input and always frees the
 //! weights; its recompute reads them gathered again. (On the autograd path, the tests' oracle,
 //! the recorded graph holds the tensors it used whatever the option says.)
 
@@ -311,6 +312,7 @@ impl Fsdp {
             chunks: &self.chunks,
             chunk: 0,
             pending: Vec::new(),
+            freed_early: None,
             stats: &mut self.current,
             timer: self.timer.get_or_insert_with(OpTimer::default),
         }
@@ -353,6 +355,12 @@ impl Hooks for FsdpHooks<'_> {
     }
     fn post_backward(&mut self, i: usize, seg: &dyn Segment, grads: &mut Grads) -> HookResult {
         self.sched.post_backward(i, seg, grads)
+    }
+    fn splits_backward(&self) -> bool {
+        self.sched.splits_backward()
+    }
+    fn weights_read(&mut self, i: usize, seg: &dyn Segment) -> HookResult {
+        self.sched.weights_read(i, seg)
     }
 }
 

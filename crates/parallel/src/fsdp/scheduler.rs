@@ -6,8 +6,11 @@
 //!   forward   seg i:  free units of seg i-1 not used by seg i │ wait gather(i) │ start gather(i+1)
 //!   backward  seg i:  wait gather(i) (its second gather; none for a backward that reads no
 //!                     weight, the embedding's) │ start gather(i-1)
-//!             after:  free units of seg i not read by seg i-1 │ reduce-scatter unit i's flat
-//!                     gradient (async) │ drop its full gradient (ZeRO-2/3)
+//!             B of its tape, then (resharding) free units of seg i not read by seg i-1:
+//!                     its weight gradients, formed next, read no weight (the head's
+//!                     dwte = dzᵀ·h is formed with the tied embedding unit already freed)
+//!             after:  reduce-scatter unit i's flat gradient (async) │ drop its full gradient
+//!                     (ZeRO-2/3)
 //! ```
 //! The tapes keep no weight, only its slot ([`mtrain_model::tape::SlotWeight`]), so a free
 //! after the forward returns the memory, and the backward reads the weights gathered again.
@@ -61,6 +64,9 @@ pub(super) struct Scheduler<'a> {
     pub(super) chunk: usize,
     /// Reduce-scatters in flight, in issue order: (unit, work).
     pub(super) pending: Vec<(usize, Work)>,
+    /// The segment whose units [`Hooks::weights_read`] freed (its `post_backward` has nothing
+    /// left to free).
+    pub(super) freed_early: Option<usize>,
     pub(super) stats: &'a mut CommStats,
     pub(super) timer: &'a mut OpTimer,
 }
@@ -161,14 +167,22 @@ impl Scheduler<'_> {
         ))
     }
 
-    /// After segment i of the running chunk: free the units no earlier backward reads, then
-    /// reduce-scatter its unit (a parameter it shares with a lower segment, the head's `wte`,
-    /// stays in `grads` for that segment's unit).
-    fn post_backward_impl(&mut self, i: usize, grads: &mut Grads) -> Result<()> {
-        // The weights go first: the flat gradient below is a unit's size too.
+    /// Frees the units segment i of the running chunk used that no earlier backward reads.
+    fn free_after_backward(&mut self, i: usize) -> Result<()> {
         let free = residency::after_backward(self.chunk_needs(), self.chunk_reads(), i, self.reshard);
         for u in free {
             self.free(u)?;
+        }
+        Ok(())
+    }
+
+    /// After segment i of the running chunk: free the units no earlier backward reads (unless
+    /// freed between its B and W), then reduce-scatter its unit (a parameter it shares with a
+    /// lower segment, the head's `wte`, stays in `grads` for that segment's unit).
+    fn post_backward_impl(&mut self, i: usize, grads: &mut Grads) -> Result<()> {
+        // The weights go first: the flat gradient below is a unit's size too.
+        if self.freed_early.take() != Some(i) {
+            self.free_after_backward(i)?;
         }
         let u = self.chunks[self.chunk].start + i;
         if self.reduce && self.units[u].numel > 0 {
@@ -205,5 +219,14 @@ impl Hooks for Scheduler<'_> {
     }
     fn post_backward(&mut self, i: usize, _seg: &dyn Segment, grads: &mut Grads) -> HookResult {
         self.post_backward_impl(i, grads).map_err(hook_err)
+    }
+    /// ZeRO-3 resharding frees a segment's gathered weights as soon as its input gradient is
+    /// formed (with `reshard_after_forward = false`, at the end of its backward).
+    fn splits_backward(&self) -> bool {
+        self.stage == ZeroStage::Three && self.reshard
+    }
+    fn weights_read(&mut self, i: usize, _seg: &dyn Segment) -> HookResult {
+        self.freed_early = Some(i);
+        self.free_after_backward(i).map_err(hook_err)
     }
 }

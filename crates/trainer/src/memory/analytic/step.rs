@@ -45,6 +45,8 @@ pub struct StepMemory {
 ///               backward when the forward released them: resharding or checkpointing, and
 ///               the gathered buffer of one being cut into its slots in place of transient_j
 ///               when that is larger)
+///               (a tape's backward in two under ZeRO-3 resharding: less the smaller of j's
+///               own gradients, not formed in B, and j's own gathered weights, freed before W)
 ///   (with M > 1 passes also the last backward: one pass in flight, every gradient written)
 /// ```
 ///
@@ -165,6 +167,7 @@ pub fn rank_step_memory(
         true => 2.0,
         false => 3.0,
     };
+    let split = layout.gathers_weights && (checkpointing || reshards) && path.taped();
     let mut peak = activations + gathered;
     let (mut freed, mut swept, mut done) = (0.0, 0.0, 0.0);
     for (j, s) in segs.iter().enumerate().rev() {
@@ -193,6 +196,20 @@ pub fn rank_step_memory(
             + s.transient.max(cut)
             + gathered * (1.0 - (swept - p) / total_params)
             + again;
+        // A tape's backward in two where ZeRO-3 reshards: B with the segment's weights gathered
+        // and its gradients not formed, then W with the gradients formed and the weights freed
+        // (the head's: with the tied embedding's unit); the higher of the two.
+        let computing = match split && j > 0 {
+            true => {
+                let own_grads = grad_bytes * unit + if j == last { tied } else { 0.0 };
+                let own_weights = match j == last {
+                    true => (p + tied_unit as f64) * param_bytes as f64,
+                    false => p * param_bytes as f64,
+                };
+                computing - own_grads.min(own_weights)
+            }
+            false => computing,
+        };
         // (at the embedding, wte's tables are its unit's gradient, and nothing is left to
         // gather)
         let (tables, prefetched) = match j {
