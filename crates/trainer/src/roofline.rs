@@ -57,6 +57,20 @@ pub struct RankRow {
     pub collective: bool,
 }
 
+impl RankRow {
+    /// The row of an op's totals over the profiled steps.
+    pub fn op(name: String, t: &OpTotals) -> RankRow {
+        RankRow {
+            name,
+            calls: t.calls,
+            flops: t.flops,
+            bytes: t.bytes,
+            seconds: t.seconds,
+            collective: false,
+        }
+    }
+}
+
 /// What one rank measured: `ops-rank{r}.json`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct RankOps {
@@ -175,14 +189,7 @@ impl OpsProfiler {
     fn write(&mut self) -> anyhow::Result<PathBuf> {
         let mut taken = std::mem::take(&mut self.taken);
         for (name, t) in std::mem::take(&mut self.ops) {
-            taken.rows.push(RankRow {
-                name,
-                calls: t.calls,
-                flops: t.flops,
-                bytes: t.bytes,
-                seconds: t.seconds,
-                collective: false,
-            });
+            taken.rows.push(RankRow::op(name, &t));
         }
         for (name, t) in std::mem::take(&mut self.comm) {
             taken.rows.push(RankRow {

@@ -108,14 +108,7 @@ impl DecodeProfile {
         let rows = self
             .rows
             .into_iter()
-            .map(|(name, t)| RankRow {
-                name,
-                calls: t.calls,
-                flops: t.flops,
-                bytes: t.bytes,
-                seconds: t.seconds,
-                collective: false,
-            })
+            .map(|(name, t)| RankRow::op(name, &t))
             .collect();
         let part = RankOps {
             rank: 0,
