@@ -27,6 +27,7 @@ use mtrain_parallel::analysis::comm_cost::{
 use mtrain_parallel::ddp::{DdpConfig, DdpMode};
 use mtrain_parallel::fsdp::{FsdpConfig, ZeroStage};
 use mtrain_parallel::parallelize::{parallelize, DataParallelKind, ParallelPlan};
+use mtrain_parallel::plan::TpOverlap;
 use mtrain_parallel::pipeline::ScheduleKind;
 use rand::{Rng, SeedableRng};
 
@@ -306,6 +307,84 @@ fn tp2_sp_dp2_zero2_bytes_match_the_trace() {
         ..plan(2, 1, 2, 1)
     };
     check(&cfg(), &p);
+}
+
+#[test]
+fn tp2_dp2_chunked_bytes_match_the_trace() {
+    let p = ParallelPlan {
+        tp_overlap: TpOverlap::Chunked,
+        ..plan(2, 1, 2, 1)
+    };
+    check(&cfg(), &p);
+    let sp = ParallelPlan {
+        sequence_parallel: true,
+        ..p
+    };
+    check(&cfg(), &sp);
+}
+
+#[test]
+fn tp2_sp_ring_bytes_match_the_trace() {
+    let p = ParallelPlan {
+        sequence_parallel: true,
+        tp_overlap: TpOverlap::Ring,
+        ..plan(2, 1, 2, 1)
+    };
+    check(&cfg(), &p);
+    let tp4 = ParallelPlan {
+        sequence_parallel: true,
+        tp_overlap: TpOverlap::Ring,
+        ..plan(1, 1, 4, 1)
+    };
+    check(&cfg(), &tp4);
+}
+
+/// Under `--tp-overlap chunked` a block's reducing collectives are k of a k-th of the bytes,
+/// all but the last overlappable; the ring's sends are all overlappable; the whole-step bytes
+/// are those of `none`.
+#[test]
+fn tp_overlap_modes_price_their_cut_collectives() {
+    let shape = StepShape {
+        batch: BATCH * 2,
+        seq_len: SEQ,
+        dtype: DType::F32,
+    };
+    let items = |mode: TpOverlap, sp: bool| {
+        let p = ParallelPlan {
+            sequence_parallel: sp,
+            tp_overlap: mode,
+            ..plan(2, 1, 2, 1)
+        };
+        let world = p.dims.world_size();
+        let v = p.validate(&cfg(), world, shape.batch).expect("plan validates");
+        step_collectives(&cfg(), &v, shape, 0).expect("collectives")
+    };
+    let tp_bytes = |v: &[mtrain_parallel::analysis::comm_cost::Collective], hidden: bool| -> u64 {
+        v.iter()
+            .filter(|c| c.group == Group::Tp && c.overlappable == hidden)
+            .map(|c| c.bytes_sent * c.count as u64)
+            .sum()
+    };
+    let none = items(TpOverlap::None, false);
+    let chunked = items(TpOverlap::Chunked, false);
+    assert_eq!(tp_bytes(&none, true), 0, "nothing of none's overlaps");
+    // 4 blocks × (2 forward g + 2 backward f) = 16 cut all-reduces, 3 of 4 chunks hidden.
+    let (hidden, exposed) = (tp_bytes(&chunked, true), tp_bytes(&chunked, false));
+    let whole = tp_bytes(&none, false);
+    assert_eq!(hidden + exposed, whole, "the chunks carry the same bytes");
+    let block_bytes = 16 * mtrain_parallel::analysis::comm_cost::all_reduce_sent(
+        shape.batch / 2 * SEQ * 32,
+        DType::F32,
+        2,
+        0,
+    );
+    assert_eq!(hidden, block_bytes * 3 / 4, "3 of 4 chunks of every block collective");
+    let ring = items(TpOverlap::Ring, true);
+    let sends: Vec<_> = ring
+        .iter()
+        .filter(|c| c.group == Group::Tp && c.op == OpKind::Send)
+        .collect();
+    assert!(!sends.is_empty() && sends.iter().all(|c| c.overlappable));
 }
 
 #[test]

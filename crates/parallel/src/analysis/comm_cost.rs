@@ -36,6 +36,7 @@
 
 mod algorithms;
 mod step;
+mod tp;
 
 use std::fmt::Write as _;
 
@@ -367,8 +368,8 @@ impl Tally {
             return;
         }
         if let Some(c) = self.items.iter_mut().find(|c| {
-            (c.group, c.op, c.what, c.phase, c.bytes, c.bytes_sent)
-                == (group, op, what, phase, bytes, sent)
+            (c.group, c.op, c.what, c.phase, c.bytes, c.bytes_sent, c.overlappable)
+                == (group, op, what, phase, bytes, sent, overlappable)
         }) {
             c.count += 1;
             return;

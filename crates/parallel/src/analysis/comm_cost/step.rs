@@ -12,7 +12,8 @@
 //!               forward (or recomputing) gathers a unit a second time in the backward
 //!   per segment the tensor-, sequence- and expert-parallel collectives its layers describe
 //!               (tensor_parallel::mapping's tables, vocab::LOSS_ALL_REDUCES, MOE_EXCHANGES)
-//!               in forward, recompute and backward
+//!               in forward, recompute and backward; a block's cut as --tp-overlap cuts
+//!               them (tp.rs)
 //!   cp ring     each block's K, V passes around the cp ring, and in the backward the dK, dV
 //!               accumulators behind them (context_parallel::ring; below)
 //!   after       runtime::finish_grads (dp average, Σ tp partial, tied wte), loss, expert load,
@@ -44,6 +45,7 @@ use mtrain_model::moe::capacity;
 use mtrain_model::{GptConfig, MoeConfig};
 
 use super::{ring_all_gather_sent, Collective, CostError, Group, Phase, Result, StepShape, Tally};
+use super::tp;
 use super::{RING_DKV, RING_HOME, RING_KV};
 use crate::ddp::{assign_bucket_sizes, DdpConfig, ParamSize};
 use crate::expert_parallel::{MoeExchange, MOE_EXCHANGES};
@@ -52,7 +54,7 @@ use crate::holdings::{ChunkHoldings, Held, Holdings};
 use crate::pipeline::executor::gathered_f64s;
 use crate::pipeline::{Action, StagePlacement};
 use crate::placement::TIED;
-use crate::plan::{DataParallelKind, ParallelPlan, ValidPlan};
+use crate::plan::{DataParallelKind, ParallelPlan, TpOverlap, ValidPlan};
 use crate::tensor_parallel::vocab::LOSS_ALL_REDUCES;
 use crate::tensor_parallel::{BlockMappings, EmbeddingMappings, HeadMappings, Site, TpCollective};
 use crate::toolbox::final_after_names;
@@ -155,6 +157,7 @@ struct Walk {
     /// backward (`reshard_after_forward`, or the recompute).
     reshard: bool,
     sp: bool,
+    tp_overlap: TpOverlap,
     /// The group gradients, losses and ZeRO shards go over: dp, or dcp under cp.
     dpg: Group,
     /// Sequences per micro-batch, this rank's positions of a sequence (T/cp), its local part
@@ -206,6 +209,7 @@ impl Walk {
             recompute: plan.checkpointing,
             reshard: plan.checkpointing || reshard,
             sp,
+            tp_overlap: plan.tp_overlap,
             dpg: if dims.cp > 1 { Group::Dcp } else { Group::Dp },
             b: shape.batch / dims.dp / plan.microbatches,
             t,
@@ -336,7 +340,7 @@ impl Walk {
     fn segment_forward(&mut self, seg: usize, phase: Phase) {
         for site in self.tp_sites(seg) {
             if let Some(c) = site.mapping.forward() {
-                self.tp_collective(c, site.what, phase);
+                self.tp_collective(seg, (c, true), site.what, phase);
             }
         }
         if self.dims.tp > 1 && seg == self.n_layer + 1 {
@@ -389,7 +393,7 @@ impl Walk {
         let phase = Phase::Backward;
         for site in self.tp_sites(seg).into_iter().rev() {
             if let Some(c) = site.mapping.backward() {
-                self.tp_collective(c, site.what, phase);
+                self.tp_collective(seg, (c, false), site.what, phase);
             }
         }
         if self.is_moe_block(seg) {
@@ -416,21 +420,20 @@ impl Walk {
         }
     }
 
-    /// One mapping's collective on a micro-batch's activation (B, T, C), split along T.
-    fn tp_collective(&mut self, c: TpCollective, what: &'static str, phase: Phase) {
-        let (b, t, ch, act) = (self.b, self.t, self.ch, self.act);
-        let tally = &mut self.tally;
-        match c {
-            TpCollective::AllReduce => {
-                tally.all_reduce(Group::Tp, what, phase, b * t * ch, act, false)
-            }
-            TpCollective::AllGather => {
-                tally.all_gather(Group::Tp, what, phase, t, b * ch, act, false)
-            }
-            TpCollective::ReduceScatter => {
-                tally.reduce_scatter(Group::Tp, what, phase, t, b * ch, act, false)
-            }
-        }
+    /// One mapping's collective of segment `seg` (in its forward or its backward) on a
+    /// micro-batch's activation (B, T, C), split along T; a dense block's as `--tp-overlap`
+    /// cuts it ([`tp::collective`]).
+    fn tp_collective(
+        &mut self,
+        seg: usize,
+        c: (TpCollective, bool),
+        what: &'static str,
+        phase: Phase,
+    ) {
+        let dense_block = self.moe.is_none() && (1..=self.n_layer).contains(&seg);
+        let mode = dense_block.then_some(self.tp_overlap);
+        let x = tp::Operand { b: self.b, t: self.t, ch: self.ch, act: self.act };
+        tp::collective(&mut self.tally, mode, c, what, phase, x);
     }
 
     fn is_moe_block(&self, seg: usize) -> bool {

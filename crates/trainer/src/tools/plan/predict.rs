@@ -111,10 +111,12 @@ fn priced(machine: &Machine, plan: &ValidPlan, c: &Collective) -> f64 {
 }
 
 /// Whether a collective runs inside the passes (tensor, expert and pipeline traffic of the
-/// forward and backward), where the pipeline waits for it.
+/// forward and backward), where the pipeline waits for it; tensor and expert traffic an
+/// overlap mode puts beside a product (`--tp-overlap`'s chunks and ring steps) does not.
 fn in_pass(c: &Collective) -> bool {
-    let p2p = matches!(c.op, OpKind::Send | OpKind::Recv);
-    c.phase != Phase::Step && (p2p || (!c.overlappable && matches!(c.group, Group::Tp | Group::Ep)))
+    let p2p = matches!(c.op, OpKind::Send | OpKind::Recv) && c.group != Group::Tp;
+    let blocking = !c.overlappable && matches!(c.group, Group::Tp | Group::Ep);
+    c.phase != Phase::Step && (p2p || blocking)
 }
 
 /// A one-rank run's passes of one micro-batch of the whole model, measured, in seconds: the
