@@ -345,6 +345,17 @@ fn hooks_fire_in_order_and_split_ranges_compose() -> Result<()> {
     Ok(())
 }
 
+/// The same gradients as `fused`, by name, to the bit.
+fn assert_identical(grads: &Grads, fused: &Grads, what: &str) -> Result<()> {
+    assert_eq!(grads.iter().count(), fused.iter().count(), "{what}");
+    for (name, want) in fused.iter() {
+        let got = grads.get(name).expect("present");
+        let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert_eq!(diff, 0.0, "{what}: {name}");
+    }
+    Ok(())
+}
+
 /// The split backward (B, then W) adds exactly the fused backward's gradients, bit for bit, on
 /// the tapes and on autograd, dense and MoE, with and without recompute; B fires every
 /// `pre_backward` and no `post_backward`, W every `post_backward`; B keeps weight products for
@@ -377,12 +388,7 @@ fn split_backward_gives_the_fused_gradients_exactly() -> Result<()> {
                 engine.backward_weights(last, pending, &mut grads, &mut rec)?;
                 engine.backward_weights(first, first_pending, &mut grads, &mut NoHooks)?;
                 assert_eq!(rec.events.join(" "), "B1 B0 P1 P0", "{what}");
-                assert_eq!(grads.iter().count(), fused.iter().count(), "{what}");
-                for (name, want) in fused.iter() {
-                    let got = grads.get(name).expect("present");
-                    let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-                    assert_eq!(diff, 0.0, "{what}: {name}");
-                }
+                assert_identical(&grads, &fused, &what)?;
             }
         }
     }
@@ -461,12 +467,7 @@ fn weights_freed_between_b_and_w_leave_the_gradients_exact() -> Result<()> {
             for (p, t) in hooks.freed.drain(..) {
                 p.replace(t)?;
             }
-            assert_eq!(grads.iter().count(), fused.iter().count(), "{what}");
-            for (name, want) in fused.iter() {
-                let got = grads.get(name).expect("present");
-                let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-                assert_eq!(diff, 0.0, "{what}: {name}");
-            }
+            assert_identical(&grads, &fused, &what)?;
         }
     }
     Ok(())
