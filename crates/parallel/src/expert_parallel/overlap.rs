@@ -30,10 +30,25 @@ use candle_core::{Result, Tensor};
 use mtrain_comm::Comm;
 use mtrain_model::tape::PartRows;
 
+use super::MoeExchange;
 use crate::ops::comm_err;
 
 /// The parts `--ep-overlap` cuts a micro-batch's tokens into.
 pub const PARTS: usize = 2;
+
+/// The all-to-alls exchange `e` is issued as under dual-batch overlap, in order: what each
+/// carries and whether an expert computation runs while it crosses the wire (the timeline
+/// above). `first`: `e` is its pass's first token exchange (the forward's dispatch, the
+/// backward's conjugate of the combine), whose half a waits with nothing to compute; the
+/// other's half b leaves after the last experts. The counts stay one all-to-all.
+pub fn halves(e: MoeExchange, first: bool) -> Vec<(&'static str, bool)> {
+    let what = match e {
+        MoeExchange::Counts => return vec![(e.what(), false)],
+        MoeExchange::Dispatch => ["expert dispatch, half a", "expert dispatch, half b"],
+        MoeExchange::Combine => ["expert combine, half a", "expert combine, half b"],
+    };
+    vec![(what[0], !first), (what[1], first)]
+}
 
 /// Every part's dispatch issued at once; as part i's rows arrive, `experts(i, rows)` computes
 /// while the next part's dispatch (and the previous part's combine) crosses the wire, and part
