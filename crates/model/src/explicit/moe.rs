@@ -27,6 +27,13 @@
 //! row reached gets zero gradients; every rank runs both all-to-alls each way even when it
 //! sends or receives nothing, or its peers would wait for it.
 //!
+//! The dispatch, the experts and the combine run through [`Exchange::round_trip`], on the rows
+//! of the layer's tokens in parts: one, or under dual-batch overlap two halves of the tokens
+//! (routed together: one capacity, the same drops), each half's rows grouped by expert, the
+//! counts of both in one all-to-all; `tokens`, `gate` and `y_back` hold half a's rows, then
+//! half b's. The exchange decides when each half's all-to-alls wait (the parallel crate's
+//! `expert_parallel/overlap.rs`); an expert's weight gradients are the sum over the halves.
+//!
 //! Legend: `N` this rank's tokens, `C` width, `E` experts, `E_l` local experts, `S` rows this
 //! rank sends (its kept pairs), `R` rows its experts receive.
 

@@ -296,6 +296,31 @@ mod tests {
         assert_eq!(plan.microbatches, 4);
     }
 
+    /// `--ep-overlap` reaches the plan and the `[parallel]` table; the plan's check refuses it
+    /// without expert parallelism, naming the flag.
+    #[test]
+    fn ep_overlap_reaches_the_plan_or_is_refused() {
+        let cli = Cli::try_parse_from(["mtrain", "--dp", "2", "--ep", "2", "--ep-overlap"]).unwrap();
+        let cfg = cli.config().unwrap();
+        assert!(cfg.parallel.ep_overlap);
+        let dims = MeshDims {
+            dp: 2,
+            pp: 1,
+            tp: 1,
+            ep: 2,
+            cp: 1,
+        };
+        let plan = cfg.parallel.plan(dims, false, cfg.precision()).unwrap();
+        assert!(plan.ep_overlap);
+        let dense = MeshDims { ep: 1, ..dims };
+        let plan = cfg.parallel.plan(dense, false, cfg.precision()).unwrap();
+        let e = plan
+            .validate(&mtrain_model::GptConfig::tiny(), 2, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--ep-overlap") && e.contains("--ep 2"), "{e}");
+    }
+
     /// `--pass-costs` reaches the plan the executor builds its order from; anything but three
     /// positive costs is refused, naming the key.
     #[test]
