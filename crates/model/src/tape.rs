@@ -445,3 +445,35 @@ pub trait AttentionKept: Send {
     /// dqkv (B, T_r, 3·H·D) from the forward's output `y` and its gradient `dy` (B, T_r, H·D).
     fn backward(self: Box<Self>, y: &Tensor, dy: &Tensor) -> Result<Tensor>;
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(v: &[f32], rows: usize) -> Tensor {
+        Tensor::from_vec(v.to_vec(), (rows, v.len() / rows), &Device::Cpu).unwrap()
+    }
+
+    /// A layer's gradients from two parts of its rows, appended summed: formed ones added,
+    /// kept products stacked into one product, both equal to the gradient of all rows at once.
+    #[test]
+    fn gradients_of_parts_append_as_their_sum() {
+        let (dy0, x0) = (t(&[1., 2., 3., 4.], 2), t(&[5., 6., 7., 8., 9., 10.], 2)); // (2, 2), (2, 3)
+        let (dy1, x1) = (t(&[-1., 0.5], 1), t(&[2., -3., 4.], 1)); // (1, 2), (1, 3)
+        let all = Tensor::cat(&[&dy0, &dy1], 0).unwrap().t().unwrap();
+        let want = all.matmul(&Tensor::cat(&[&x0, &x1], 0).unwrap()).unwrap(); // (2, 3)
+        for mut grads in [WeightGrads::now(), WeightGrads::deferred()] {
+            let mut parts = grads.like();
+            parts.product("w".into(), &dy0, &x0).unwrap();
+            parts.push(("b".into(), t(&[1., 1.], 1)));
+            parts.product("w".into(), &dy1, &x1).unwrap();
+            parts.push(("b".into(), t(&[2., 3.], 1)));
+            grads.append_summed(parts).unwrap();
+            let got = grads.finish().unwrap();
+            assert_eq!(got.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["w", "b"]);
+            let diff = (&got[0].1 - &want).unwrap().abs().unwrap().max_all().unwrap();
+            assert!(diff.to_scalar::<f32>().unwrap() < 1e-6);
+            assert_eq!(got[1].1.to_vec2::<f32>().unwrap(), [[3., 4.]]);
+        }
+    }
+}

@@ -337,15 +337,18 @@ impl MoeTape {
         // The experts, between the combine's conjugate and the dispatch's, part by part; an
         // expert's gradients summed over the parts.
         let mut per_expert: Vec<WeightGrads> = wts.experts.iter().map(|_| grads.like()).collect();
-        let mut kept = experts.into_iter();
+        let mut forwards = experts.into_iter(); // part by part, as the forward kept them
         let dxs = route.round_trip(route.cut(&dy_back)?, &mut |i, dy_recv| {
             let slabs = &route.parts[i].slabs;
             let dy_sorted = slabs.sort(&dy_recv)?; // (R_i, C) by expert
             drop(dy_recv);
-            let part = kept.next().ok_or_else(|| err(format!("moe tape: no forward of part {i}")))?;
+            let part = forwards
+                .next()
+                .ok_or_else(|| err(format!("moe tape: no forward of part {i}")))?;
             let mut dxs = Vec::with_capacity(part.len());
             let mut at = 0;
-            for (((expert, kept), &rows), g) in wts.experts.iter().zip(part).zip(slabs.rows()).zip(&mut per_expert) {
+            let each = wts.experts.iter().zip(part).zip(slabs.rows());
+            for (((expert, kept), &rows), g) in each.zip(&mut per_expert) {
                 if let Some(kept) = kept {
                     dxs.push(expert.backward(kept, &dy_sorted.narrow(0, at, rows)?, 1, g)?); // (n_j, C)
                     at += rows;
