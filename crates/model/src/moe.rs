@@ -205,6 +205,34 @@ impl Permutation {
         }
     }
 
+    /// The rows of each of `k` parts of the `n` tokens, part i holding tokens
+    /// `i·n/k .. (i+1)·n/k` (whole sequences when k divides the batch), each grouped by expert
+    /// in this order: dual-batch overlap's halves. Every row is in one part; with k = 1 the
+    /// one part is this permutation.
+    pub fn split(&self, n: usize, k: usize) -> Vec<Permutation> {
+        let k = k.max(1);
+        let part_of = |t: usize| (0..k).rev().find(|&i| i * n / k <= t).unwrap_or(0);
+        let mut parts = vec![
+            Permutation {
+                tokens: Vec::new(),
+                gate_at: Vec::new(),
+                counts: vec![0; self.counts.len()],
+            };
+            k
+        ];
+        let mut row = 0;
+        for (e, &c) in self.counts.iter().enumerate() {
+            for r in row..row + c {
+                let p = &mut parts[part_of(self.tokens[r] as usize)];
+                p.tokens.push(self.tokens[r]);
+                p.gate_at.push(self.gate_at[r]);
+                p.counts[e] += 1;
+            }
+            row += c;
+        }
+        parts
+    }
+
     /// Rows for each rank when every rank holds `local` consecutive experts: (E / local,).
     pub fn splits(&self, local: usize) -> Vec<usize> {
         self.counts

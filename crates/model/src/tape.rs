@@ -118,6 +118,43 @@ enum WeightGrad {
     },
 }
 
+impl WeightGrad {
+    /// The gradient as a tensor (out, in): a kept product formed now.
+    fn formed(self) -> Result<Tensor> {
+        match self {
+            WeightGrad::Formed(t) => Ok(t),
+            WeightGrad::Product { dy, x } => mtrain_kernels::matmul(&dy.t()?, &x), // (out, in)
+        }
+    }
+
+    /// The sum of one parameter's gradients from parts of its rows: kept products stay one
+    /// product of the rows stacked; otherwise each is formed and they are added.
+    fn sum(mut parts: Vec<WeightGrad>) -> Result<WeightGrad> {
+        if parts.len() == 1 {
+            return Ok(parts.remove(0));
+        }
+        if parts.iter().all(|g| matches!(g, WeightGrad::Product { .. })) {
+            let (mut dys, mut xs) = (Vec::new(), Vec::new());
+            for g in parts {
+                if let WeightGrad::Product { dy, x } = g {
+                    dys.push(dy);
+                    xs.push(x);
+                }
+            }
+            return Ok(WeightGrad::Product {
+                dy: Tensor::cat(&dys, 0)?, // (Σ N_i, out)
+                x: Tensor::cat(&xs, 0)?,   // (Σ N_i, in)
+            });
+        }
+        let mut formed = parts.into_iter().map(WeightGrad::formed);
+        let first = formed
+            .next()
+            .ok_or_else(|| candle_core::Error::Msg("a weight gradient of no parts".into()))??;
+        let total = formed.try_fold(first, |t, g| t.add(&g?))?;
+        Ok(WeightGrad::Formed(total))
+    }
+}
+
 impl WeightGrads {
     /// Every gradient formed when it is given: the fused backward.
     pub fn now() -> Self {
@@ -208,6 +245,36 @@ impl WeightGrads {
         Ok(())
     }
 
+    /// An empty list that forms or keeps products as this one does.
+    pub fn like(&self) -> Self {
+        Self {
+            grads: Vec::new(),
+            ..*self
+        }
+    }
+
+    /// Whether no gradient has been given.
+    pub fn is_empty(&self) -> bool {
+        self.grads.is_empty()
+    }
+
+    /// `other`'s gradients appended, those it holds twice under one name summed (a layer run
+    /// on its rows in parts: dW = Σ_parts dyᵢᵀ·xᵢ, kept products as one product of the parts'
+    /// rows stacked, [dy₀; dy₁]ᵀ·[x₀; x₁]), in the order each name first came.
+    pub fn append_summed(&mut self, other: WeightGrads) -> Result<()> {
+        let mut merged: Vec<(String, Vec<WeightGrad>)> = Vec::with_capacity(other.grads.len());
+        for (name, g) in other.grads {
+            match merged.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, parts)) => parts.push(g),
+                None => merged.push((name, vec![g])),
+            }
+        }
+        for (name, parts) in merged {
+            self.grads.push((name, WeightGrad::sum(parts)?));
+        }
+        Ok(())
+    }
+
     /// Bytes of the factors kept for W (0 when nothing is deferred).
     pub fn held_bytes(&self) -> usize {
         let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
@@ -224,10 +291,7 @@ impl WeightGrads {
     pub fn finish(self) -> Result<Vec<(String, Tensor)>> {
         self.grads
             .into_iter()
-            .map(|(name, g)| match g {
-                WeightGrad::Formed(t) => Ok((name, t)),
-                WeightGrad::Product { dy, x } => Ok((name, mtrain_kernels::matmul(&dy.t()?, &x)?)), // (out, in)
-            })
+            .map(|(name, g)| Ok((name, g.formed()?)))
             .collect()
     }
 }
@@ -321,18 +385,38 @@ pub trait Collective: Send + Sync {
 pub trait Exchange: Send + Sync {
     /// Ranks of the group; rank p holds experts `p · E_l .. (p + 1) · E_l`.
     fn size(&self) -> usize;
-    /// The counts all-to-all: `counts` (ranks · E_l,) are the rows this rank sends to each
-    /// expert; returns (ranks · E_l,), entry `s · E_l + j` the rows rank s sends to this rank's
-    /// local expert j.
+    /// The counts all-to-all: `counts` (ranks · m,) are m counts for each rank (the rows this
+    /// rank sends to each of its E_l experts, per part of the tokens: m = parts · E_l); returns
+    /// (ranks · m,), entry `s · m + i` rank s's count i for this rank.
     fn counts(&self, counts: &[usize]) -> Result<Vec<usize>>;
-    /// The rows all-to-all: block p of x (`send[p]` rows, F) goes to rank p; returns the
-    /// blocks received from ranks 0, 1, … (`recv[s]` rows each).
-    fn rows(&self, x: &Tensor, send: &[usize], recv: &[usize]) -> Result<Tensor>;
+    /// Into how many parts a layer cuts its tokens for [`Exchange::round_trip`]: 1, or 2 under
+    /// dual-batch overlap (`--ep-overlap`).
+    fn parts(&self) -> usize;
+    /// The dispatch, the experts and the combine of each part of a layer's rows, in order:
+    /// part i's rows (S_i, F) go out by its splits, `experts(i, rows)` runs on the (R_i, F)
+    /// rows that came in, and its result goes back by the same splits swapped; returns each
+    /// part's (S_i, F). Each all-to-all is waited where it is issued, or, under dual-batch
+    /// overlap, the next part's dispatch and the previous part's combine are on the wire while
+    /// `experts` computes. The forward and the backward both run through it (the backward's
+    /// dispatch carries output gradients, its combine input gradients).
+    fn round_trip(
+        &self,
+        parts: Vec<PartRows<'_>>,
+        experts: &mut dyn FnMut(usize, Tensor) -> Result<Tensor>,
+    ) -> Result<Vec<Tensor>>;
     /// The dispatch as the autograd path records it: [`Exchange::rows`] of x (S, F) by the
     /// dispatch's splits, whose backward sends the gradient back the reverse way.
     fn dispatch(&self, x: &Tensor, send: &[usize], recv: &[usize]) -> Result<Tensor>;
     /// The combine, recorded likewise: y (R, F) back by the dispatch's splits swapped.
     fn combine(&self, y: &Tensor, send: &[usize], recv: &[usize]) -> Result<Tensor>;
+}
+
+/// One part of a layer's rows on their way to the experts ([`Exchange::round_trip`]): `x`
+/// (S_i, F) grouped by destination rank, `send[p]` rows to rank p, `recv[s]` rows from rank s.
+pub struct PartRows<'a> {
+    pub x: Tensor,
+    pub send: &'a [usize],
+    pub recv: &'a [usize],
 }
 
 /// A block's attention over the sequence, as a tape runs it: packed q | k | v of this rank's
@@ -360,4 +444,36 @@ pub trait SequenceAttention: Send + Sync {
 pub trait AttentionKept: Send {
     /// dqkv (B, T_r, 3·H·D) from the forward's output `y` and its gradient `dy` (B, T_r, H·D).
     fn backward(self: Box<Self>, y: &Tensor, dy: &Tensor) -> Result<Tensor>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(v: &[f32], rows: usize) -> Tensor {
+        Tensor::from_vec(v.to_vec(), (rows, v.len() / rows), &Device::Cpu).unwrap()
+    }
+
+    /// A layer's gradients from two parts of its rows, appended summed: formed ones added,
+    /// kept products stacked into one product, both equal to the gradient of all rows at once.
+    #[test]
+    fn gradients_of_parts_append_as_their_sum() {
+        let (dy0, x0) = (t(&[1., 2., 3., 4.], 2), t(&[5., 6., 7., 8., 9., 10.], 2)); // (2, 2), (2, 3)
+        let (dy1, x1) = (t(&[-1., 0.5], 1), t(&[2., -3., 4.], 1)); // (1, 2), (1, 3)
+        let all = Tensor::cat(&[&dy0, &dy1], 0).unwrap().t().unwrap();
+        let want = all.matmul(&Tensor::cat(&[&x0, &x1], 0).unwrap()).unwrap(); // (2, 3)
+        for mut grads in [WeightGrads::now(), WeightGrads::deferred()] {
+            let mut parts = grads.like();
+            parts.product("w".into(), &dy0, &x0).unwrap();
+            parts.push(("b".into(), t(&[1., 1.], 1)));
+            parts.product("w".into(), &dy1, &x1).unwrap();
+            parts.push(("b".into(), t(&[2., 3.], 1)));
+            grads.append_summed(parts).unwrap();
+            let got = grads.finish().unwrap();
+            assert_eq!(got.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["w", "b"]);
+            let diff = (&got[0].1 - &want).unwrap().abs().unwrap().max_all().unwrap();
+            assert!(diff.to_scalar::<f32>().unwrap() < 1e-6);
+            assert_eq!(got[1].1.to_vec2::<f32>().unwrap(), [[3., 4.]]);
+        }
+    }
 }

@@ -143,7 +143,9 @@ pub fn parallelize(
             pieces.iter().map(|(n, (_, p))| (n.clone(), p.clone())).collect(),
         );
         let stages = match (ep > 1, cp > 1) {
-            (true, _) => build(&mut |i| Ok(expert_parallel::segment(cfg, i, &store, &mesh.ep)?))?,
+            (true, _) => build(&mut |i| {
+                Ok(expert_parallel::segment(cfg, i, &store, &mesh.ep, plan.ep_overlap)?)
+            })?,
             (false, true) => build(&mut |i| Ok(context_parallel::segment(cfg, i, &store, &mesh.cp)?))?,
             (false, false) => build(&mut |i| Ok(Gpt::segment(cfg, i, &store)?))?,
         };

@@ -54,6 +54,10 @@ pub struct ParallelPlan {
     pub sequence_parallel: bool,
     /// How the TP layers' collectives meet their products (`--tp-overlap`; no effect when tp = 1).
     pub tp_overlap: TpOverlap,
+    /// Dual-batch overlap of the MoE layers' all-to-alls (`--ep-overlap`, needs ep > 1 and the
+    /// hand-written backward): each micro-batch's tokens in two halves, one half's dispatch and
+    /// combine on the wire while the other's experts compute (`expert_parallel/overlap.rs`).
+    pub ep_overlap: bool,
     /// Pipeline schedule (ignored when pp = 1: the one stage runs its micro-batches in turn).
     pub schedule: ScheduleKind,
     /// Micro-batches per step M; each rank's batch must split into M equal parts.
@@ -119,6 +123,7 @@ impl ParallelPlan {
             data: DataParallelKind::Ddp(DdpConfig::default()),
             sequence_parallel: false,
             tp_overlap: TpOverlap::None,
+            ep_overlap: false,
             schedule: ScheduleKind::OneFOneB,
             microbatches: 1,
             stage_counts: None,
@@ -307,6 +312,18 @@ impl ParallelPlan {
                     z.stage as u8
                 ));
             }
+        }
+        if self.ep_overlap && ep == 1 {
+            why.push(
+                "--ep-overlap overlaps the expert-parallel all-to-alls with the experts: it needs --ep 2 or more (and an MoE model)"
+                    .to_string(),
+            );
+        }
+        if self.ep_overlap && self.backward == Backward::Autograd {
+            why.push(
+                "--ep-overlap cuts the MoE layer's hand-written backward in halves; the autograd backward runs its all-to-alls inline: drop --backward autograd or --ep-overlap"
+                    .to_string(),
+            );
         }
         why
     }

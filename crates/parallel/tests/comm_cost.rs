@@ -7,6 +7,7 @@
 //!   all-to-alls depend on the routing: the prediction (balanced routing, capacity factor 1) is
 //!   an upper bound and the measurement must lie within a factor 2 below it.
 //! - `*_ddp_buckets_match_the_trace`: DDP of one stage, whose gradients travel in buckets.
+//! - `ep_overlap_prices_*`: `--ep-overlap`'s halves, the exposed half of the token rows.
 //! - `worked_example_*`: the chapter's example (hidden 8192, 8 ranks, bf16, NVLink-class
 //!   defaults): a decode token's all-reduce (16 KiB) is latency-bound, a prefill of 8192 tokens
 //!   (128 MiB) bandwidth-bound.
@@ -297,6 +298,71 @@ fn zero3_resharding_after_the_forward_gathers_again_in_the_backward() {
 #[test]
 fn dp2_ep2_moe_bytes_match_the_trace() {
     check(&moe_cfg(), &plan(2, 1, 1, 2));
+}
+
+/// `--ep-overlap`: every token exchange as two all-to-alls of half the rows, the counts of
+/// both halves in one.
+#[test]
+fn dp2_ep2_moe_ep_overlap_bytes_match_the_trace() {
+    let p = ParallelPlan {
+        ep_overlap: true,
+        ..plan(2, 1, 1, 2)
+    };
+    check(&moe_cfg(), &p);
+}
+
+/// Under `--ep-overlap` the same token rows cross the wire, in twice the all-to-alls, and of
+/// each pass's four halves the two beside the other half's experts are overlappable: the
+/// exposed token bytes are half the inline ones, and on any link the exposed all-to-all time
+/// is half the inline one's bandwidth time plus one α per half exchange.
+#[test]
+fn ep_overlap_prices_half_the_token_exchange_as_exposed() {
+    let cfg = moe_cfg();
+    let shape = StepShape {
+        batch: BATCH,
+        seq_len: SEQ,
+        dtype: DType::F32,
+    };
+    let tokens = |ep_overlap: bool| {
+        let p = ParallelPlan {
+            ep_overlap,
+            ..plan(2, 1, 1, 2)
+        };
+        let p = p.validate(&cfg, 2, BATCH).expect("plan");
+        let items: Vec<_> = step_collectives(&cfg, &p, shape, 0)
+            .expect("predict")
+            .into_iter()
+            .filter(|c| c.group == Group::Ep && c.what != "expert counts")
+            .collect();
+        let sum = |f: &dyn Fn(&&mtrain_parallel::analysis::comm_cost::Collective) -> bool| {
+            let hit = items.iter().filter(f);
+            let ops: usize = hit.clone().map(|c| c.count).sum();
+            (ops, hit.map(|c| c.bytes * c.count as u64).sum::<u64>())
+        };
+        let link = CostModel {
+            alpha_s: 1e-5,
+            beta_bytes_per_s: 1e8,
+        };
+        let exposed_s: f64 = items
+            .iter()
+            .filter(|c| !c.overlappable)
+            .map(|c| link.time(OpKind::AllToAll, 2, c.bytes).total_s() * c.count as f64)
+            .sum();
+        (sum(&|_| true), sum(&|c| !c.overlappable), exposed_s, link)
+    };
+    let (all_inline, exposed_inline, s_inline, link) = tokens(false);
+    let (all_over, exposed_over, s_over, _) = tokens(true);
+    let layers = cfg.n_layer;
+    assert_eq!(all_inline, (4 * layers, exposed_inline.1), "inline: all exposed");
+    assert_eq!(exposed_inline.0, 4 * layers);
+    assert_eq!(all_over, (8 * layers, all_inline.1), "the same rows in halves");
+    assert_eq!(exposed_over, (4 * layers, all_inline.1 / 2), "half of them exposed");
+    let alpha = link.alpha_s;
+    let want = (s_inline - 4.0 * layers as f64 * alpha) / 2.0 + 4.0 * layers as f64 * alpha;
+    assert!(
+        (s_over - want).abs() < 1e-9,
+        "exposed {s_over:.6} s, want half the bandwidth time plus α per half: {want:.6} s"
+    );
 }
 
 #[test]

@@ -499,6 +499,17 @@ fn dp2_ep2_moe_on_the_tapes_equals_one_device() {
     check_equals_one_device(&moe_cfg(), &p, 2);
 }
 
+/// `--ep-overlap`: each micro-batch's tokens in two halves, one half's dispatch and combine on
+/// the wire while the other half's experts compute, forward and backward; same tolerances.
+#[test]
+fn dp2_ep2_moe_ep_overlap_equals_one_device() {
+    let p = ParallelPlan {
+        ep_overlap: true,
+        ..plan(2, 1, 1, 2)
+    };
+    check_equals_one_device(&moe_cfg(), &p, 2);
+}
+
 /// tp × pp on the tapes: the column/row tapes with their f/g collectives, pipeline stages.
 #[test]
 fn tp2_pp2_on_the_tapes_equals_one_device() {

@@ -27,6 +27,13 @@
 //! row reached gets zero gradients; every rank runs both all-to-alls each way even when it
 //! sends or receives nothing, or its peers would wait for it.
 //!
+//! The dispatch, the experts and the combine run through [`Exchange::round_trip`], on the rows
+//! of the layer's tokens in parts: one, or under dual-batch overlap two halves of the tokens
+//! (routed together: one capacity, the same drops), each half's rows grouped by expert, the
+//! counts of both in one all-to-all; `tokens`, `gate` and `y_back` hold half a's rows, then
+//! half b's. The exchange decides when each half's all-to-alls wait (the parallel crate's
+//! `expert_parallel/overlap.rs`); an expert's weight gradients are the sum over the halves.
+//!
 //! Legend: `N` this rank's tokens, `C` width, `E` experts, `E_l` local experts, `S` rows this
 //! rank sends (its kept pairs), `R` rows its experts receive.
 
@@ -39,7 +46,7 @@ use super::{err, taped_dtype, MlpKept, MlpWeights};
 use crate::config::MoeConfig;
 use crate::layers::MoeParts;
 use crate::moe::{aux_loss, logsumexp, route, router_probs, ExpertMajor, MoeStats, Permutation};
-use crate::tape::{Exchange, SlotWeight, WeightGrads};
+use crate::tape::{Exchange, PartRows, SlotWeight, WeightGrads};
 
 /// A mixture of experts' weight slots ([`SlotWeight`]), and the exchange that reaches other
 /// ranks' experts.
@@ -52,51 +59,106 @@ pub(super) struct MoeWeights {
     exchange: Option<Arc<dyn Exchange>>,
 }
 
-/// Where this rank's rows go and where its experts' rows come from: the send splits of the
-/// rows all-to-all, and the received rows' receive splits and expert-major order.
+/// Where this rank's rows go and where its experts' rows come from, for each part of the
+/// layer's tokens (one, or two under dual-batch overlap): the send splits of the rows
+/// all-to-all, and the received rows' receive splits and expert-major order.
 struct Route {
     exchange: Option<Arc<dyn Exchange>>,
+    parts: Vec<PartRoute>,
+}
+
+/// One part's [`Route`].
+struct PartRoute {
     /// (ranks,)
     send: Vec<usize>,
     slabs: ExpertMajor,
+    /// S_i: the rows this rank sends (its kept pairs of the part's tokens).
+    rows: usize,
 }
 
 impl Route {
-    /// Exchanges the counts of `perm` (the counts all-to-all) over `exchange`.
-    fn of(exchange: Option<Arc<dyn Exchange>>, perm: &Permutation, local: usize) -> Result<Route> {
+    /// Exchanges the counts of every part of the permutation (one counts all-to-all, each
+    /// rank's counts part by part) over `exchange`.
+    fn of(exchange: Option<Arc<dyn Exchange>>, parts: &[Permutation], local: usize) -> Result<Route> {
+        let (k, e_total) = (parts.len(), parts.first().map_or(0, |p| p.counts.len()));
+        let ranks = e_total / local.max(1);
+        // [rank p][part i][local expert j]
+        let sent: Vec<usize> = (0..ranks)
+            .flat_map(|p| parts.iter().flat_map(move |q| q.counts[p * local..(p + 1) * local].iter().copied()))
+            .collect();
         let recv = match &exchange {
-            Some(x) => x.counts(&perm.counts)?,
-            None => perm.counts.clone(),
+            Some(x) => x.counts(&sent)?,
+            None => sent.clone(),
         };
-        if recv.len() != perm.counts.len() {
+        if recv.len() != sent.len() {
             return Err(err(format!(
-                "moe tape: the counts all-to-all returned {} counts for {} experts",
+                "moe tape: the counts all-to-all returned {} counts for {} sent",
                 recv.len(),
-                perm.counts.len()
+                sent.len()
             )));
         }
-        Ok(Route {
-            send: perm.splits(local),
-            slabs: ExpertMajor::of(&recv, local)?,
-            exchange,
-        })
+        let parts = parts
+            .iter()
+            .enumerate()
+            .map(|(i, q)| {
+                // [source s][local expert j] of part i
+                let got: Vec<usize> = (0..ranks)
+                    .flat_map(|s| recv[(s * k + i) * local..(s * k + i + 1) * local].iter().copied())
+                    .collect();
+                Ok(PartRoute {
+                    send: q.splits(local),
+                    slabs: ExpertMajor::of(&got, local)?,
+                    rows: q.tokens.len(),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Route { exchange, parts })
     }
 
-    /// Rows by destination rank (S, F) -> rows by source rank (R, F).
-    fn dispatch(&self, x: &Tensor) -> Result<Tensor> {
+    /// Each part's rows `xs[i]` (S_i, F) by destination rank to the experts, `experts(i, rows)`
+    /// on the (R_i, F) rows that arrived by source rank, and the result back (S_i, F): the
+    /// dispatch and the combine ([`Exchange::round_trip`]); on one device `experts` on the rows.
+    fn round_trip(
+        &self,
+        xs: Vec<Tensor>,
+        experts: &mut dyn FnMut(usize, Tensor) -> Result<Tensor>,
+    ) -> Result<Vec<Tensor>> {
         match &self.exchange {
-            Some(e) => e.rows(x, &self.send, self.slabs.sources()),
-            None => Ok(x.clone()),
+            Some(e) => {
+                let parts = xs
+                    .into_iter()
+                    .zip(&self.parts)
+                    .map(|(x, p)| PartRows {
+                        x,
+                        send: &p.send,
+                        recv: p.slabs.sources(),
+                    })
+                    .collect();
+                e.round_trip(parts, experts)
+            }
+            None => xs.into_iter().enumerate().map(|(i, x)| experts(i, x)).collect(),
         }
     }
 
-    /// Rows by source rank (R, F) -> back where they came from (S, F): the dispatch with its
-    /// splits swapped.
-    fn combine(&self, y: &Tensor) -> Result<Tensor> {
-        match &self.exchange {
-            Some(e) => e.rows(y, self.slabs.sources(), &self.send),
-            None => Ok(y.clone()),
-        }
+    /// (S, F) cut into the parts' rows, (S_i, F) each.
+    fn cut(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        let mut at = 0;
+        self.parts
+            .iter()
+            .map(|p| {
+                let part = x.narrow(0, at, p.rows)?; // (S_i, F)
+                at += p.rows;
+                Ok(part)
+            })
+            .collect()
+    }
+}
+
+/// The parts' results stacked back into one (S, F).
+fn stacked(mut parts: Vec<Tensor>) -> Result<Tensor> {
+    match parts.len() {
+        1 => Ok(parts.remove(0)),
+        _ => Tensor::cat(&parts, 0),
     }
 }
 
@@ -122,8 +184,8 @@ pub(super) struct MoeTape {
     gate: Tensor,
     /// (S, C): the experts' outputs back on this rank
     y_back: Tensor,
-    /// Per local expert, its MLP's tensors (None: no row reached it).
-    experts: Vec<Option<MlpKept>>,
+    /// Per part, per local expert, its MLP's tensors (None: no row of the part reached it).
+    experts: Vec<Vec<Option<MlpKept>>>,
 }
 
 impl MoeWeights {
@@ -170,34 +232,38 @@ impl MoeWeights {
             false => None,
         };
         drop(logits);
-        let perm = Permutation::of(&plan);
+        let parts = self.exchange.as_ref().map_or(1, |x| x.parts());
+        let perm = Permutation::of(&plan).split(n, parts); // rows of each part's tokens
         let route = Route::of(self.exchange.clone(), &perm, local)?;
-        let (dev, s_rows) = (h.device(), perm.tokens.len());
-        let tokens = Tensor::from_vec(perm.tokens, s_rows, dev)?; // (S,)
-        let gate_at = Tensor::from_vec(perm.gate_at, s_rows, dev)?; // (S,)
-        let x_recv = route.dispatch(&h.index_select(&tokens, 0)?)?; // (R, C) by source rank
-        let x_sorted = route.slabs.sort(&x_recv)?; // (R, C) by expert
-        drop(x_recv);
-        let mut experts = Vec::with_capacity(local);
-        let mut ys = Vec::with_capacity(local);
-        let mut at = 0;
-        for (expert, &rows) in self.experts.iter().zip(route.slabs.rows()) {
-            if rows == 0 {
-                experts.push(None);
-                continue;
+        let (dev, s_rows): (_, usize) = (h.device(), perm.iter().map(|p| p.tokens.len()).sum());
+        let cat = |f: fn(&Permutation) -> &Vec<u32>| perm.iter().flat_map(f).copied().collect();
+        let tokens = Tensor::from_vec(cat(|p| &p.tokens), s_rows, dev)?; // (S,) part by part
+        let gate_at = Tensor::from_vec(cat(|p| &p.gate_at), s_rows, dev)?; // (S,)
+        let xs = route.cut(&h.index_select(&tokens, 0)?)?; // (S_i, C) each
+        let mut experts = Vec::with_capacity(parts);
+        let ys = route.round_trip(xs, &mut |i, x_recv| {
+            let slabs = &route.parts[i].slabs;
+            let x_sorted = slabs.sort(&x_recv)?; // (R_i, C) by expert
+            drop(x_recv);
+            let (mut kept, mut ys) = (Vec::with_capacity(local), Vec::with_capacity(local));
+            let mut at = 0;
+            for (expert, &rows) in self.experts.iter().zip(slabs.rows()) {
+                if rows == 0 {
+                    kept.push(None);
+                    continue;
+                }
+                let (y, k) = expert.forward(&x_sorted.narrow(0, at, rows)?, None, 1)?; // (n_j, C)
+                ys.push(y);
+                kept.push(Some(k));
+                at += rows;
             }
-            let (y, kept) = expert.forward(&x_sorted.narrow(0, at, rows)?, None, 1)?; // (n_j, C)
-            ys.push(y);
-            experts.push(Some(kept));
-            at += rows;
-        }
-        let y_recv = match ys.is_empty() {
-            true => x_sorted.zeros_like()?, // (0, C): nothing arrived
-            false => route.slabs.unsort(&Tensor::cat(&ys, 0)?)?, // (R, C) by source rank
-        };
-        drop((ys, x_sorted));
-        let y_back = route.combine(&y_recv)?; // (S, C)
-        drop(y_recv);
+            experts.push(kept);
+            match ys.is_empty() {
+                true => x_sorted.zeros_like(), // (0, C): nothing arrived
+                false => slabs.unsort(&Tensor::cat(&ys, 0)?), // (R_i, C) by source rank
+            }
+        })?;
+        let y_back = stacked(ys)?; // (S, C)
         let gate = probs
             .flatten_all()?
             .index_select(&gate_at, 0)?
@@ -268,28 +334,41 @@ impl MoeTape {
         let dgate = (&dsel * &y_back)?.sum_keepdim(1)?; // (S, 1)
         let dy_back = dsel.broadcast_mul(&gate)?; // (S, C)
         drop((dsel, y_back, gate));
-        // The experts, between the combine's conjugate and the dispatch's.
-        let dy_sorted = route.slabs.sort(&route.dispatch(&dy_back)?)?; // (R, C) by expert
-        drop(dy_back);
-        let mut dxs = Vec::with_capacity(experts.len());
-        let mut at = 0;
-        for ((expert, kept), &rows) in wts.experts.iter().zip(experts).zip(route.slabs.rows()) {
-            match kept {
-                None => expert.zero_grads(grads)?,
-                Some(kept) => {
-                    dxs.push(expert.backward(kept, &dy_sorted.narrow(0, at, rows)?, 1, grads)?); // (n_j, C)
+        // The experts, between the combine's conjugate and the dispatch's, part by part; an
+        // expert's gradients summed over the parts.
+        let mut per_expert: Vec<WeightGrads> = wts.experts.iter().map(|_| grads.like()).collect();
+        let mut forwards = experts.into_iter(); // part by part, as the forward kept them
+        let dxs = route.round_trip(route.cut(&dy_back)?, &mut |i, dy_recv| {
+            let slabs = &route.parts[i].slabs;
+            let dy_sorted = slabs.sort(&dy_recv)?; // (R_i, C) by expert
+            drop(dy_recv);
+            let part = forwards
+                .next()
+                .ok_or_else(|| err(format!("moe tape: no forward of part {i}")))?;
+            let mut dxs = Vec::with_capacity(part.len());
+            let mut at = 0;
+            let each = wts.experts.iter().zip(part).zip(slabs.rows());
+            for (((expert, kept), &rows), g) in each.zip(&mut per_expert) {
+                if let Some(kept) = kept {
+                    dxs.push(expert.backward(kept, &dy_sorted.narrow(0, at, rows)?, 1, g)?); // (n_j, C)
                     at += rows;
                 }
             }
+            match dxs.is_empty() {
+                true => dy_sorted.zeros_like(),                  // (0, C)
+                false => slabs.unsort(&Tensor::cat(&dxs, 0)?), // (R_i, C) by source rank
+            }
+        })?;
+        drop(dy_back);
+        for (expert, g) in wts.experts.iter().zip(per_expert) {
+            match g.is_empty() {
+                true => expert.zero_grads(grads)?, // no row of any part reached it
+                false => grads.append_summed(g)?,
+            }
         }
-        let dx_recv = match dxs.is_empty() {
-            true => dy_sorted.zeros_like()?,                      // (0, C)
-            false => route.slabs.unsort(&Tensor::cat(&dxs, 0)?)?, // (R, C) by source rank
-        };
-        drop((dxs, dy_sorted));
-        let dx_perm = route.combine(&dx_recv)?; // (S, C)
+        let dx_perm = stacked(dxs)?; // (S, C)
         let dh = Tensor::zeros((n, c), h.dtype(), dev)?.index_add(&tokens, &dx_perm, 0)?; // (N, C)
-        drop((dx_recv, dx_perm));
+        drop(dx_perm);
         // The router: the gates' gradient and the auxiliary losses', through the softmax.
         let dprobs = Tensor::zeros(n * e_total, DType::F32, dev)?
             .index_add(&gate_at, &dgate.flatten_all()?.to_dtype(DType::F32)?, 0)?

@@ -35,6 +35,7 @@
 //! `M` micro-batches, `N` tokens of a micro-batch, `E` experts.
 
 mod algorithms;
+mod moe;
 mod step;
 mod tp;
 

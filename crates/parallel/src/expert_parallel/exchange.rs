@@ -1,12 +1,13 @@
 //! The ep group's row exchange as the hand-written backward takes it
 //! ([`mtrain_model::tape::Exchange`]): the counts all-to-all, and the rows all-to-all that is
-//! the dispatch one way and the combine the other; and the same two as the autograd path
-//! records them (the differentiable all-to-all, [`super::all_to_all`]), so both paths issue the
-//! same collectives.
+//! the dispatch one way and the combine the other, around the experts, waited inline or
+//! overlapped with the experts of the other half of the tokens ([`super::overlap`]); and the
+//! same two as the autograd path records them (the differentiable all-to-all,
+//! [`super::all_to_all`]), so both paths issue the same collectives.
 
 use candle_core::{Device, Result, Tensor};
 use mtrain_comm::Comm;
-use mtrain_model::tape::Exchange;
+use mtrain_model::tape::{Exchange, PartRows};
 
 use crate::ops::comm_err;
 
@@ -14,6 +15,19 @@ use crate::ops::comm_err;
 pub struct EpExchange {
     pub group: Comm,
     pub device: Device,
+    /// Dual-batch overlap (`--ep-overlap`): the tokens in two halves, each half's all-to-alls
+    /// on the wire while the other half's experts compute.
+    pub overlap: bool,
+}
+
+impl EpExchange {
+    /// The rows all-to-all, waited: block p of x (`send[p]` rows, F) to rank p; the blocks
+    /// received from ranks 0, 1, … (`recv[s]` rows each).
+    fn rows(&self, x: &Tensor, send: &[usize], recv: &[usize]) -> Result<Tensor> {
+        self.group
+            .all_to_all(&x.contiguous()?, send, recv)
+            .map_err(comm_err) // (Σ recv, F)
+    }
 }
 
 impl Exchange for EpExchange {
@@ -21,28 +35,47 @@ impl Exchange for EpExchange {
         self.group.size()
     }
 
-    /// Each rank sends E_l counts to every rank (the rows it has for that rank's experts).
+    fn parts(&self) -> usize {
+        match self.overlap {
+            true => super::overlap::PARTS,
+            false => 1,
+        }
+    }
+
+    /// Each rank sends m counts to every rank (the rows it has for that rank's experts, part
+    /// by part).
     fn counts(&self, counts: &[usize]) -> Result<Vec<usize>> {
         let ep = self.group.size();
         if !counts.len().is_multiple_of(ep) {
             return Err(candle_core::Error::Msg(format!(
-                "expert-parallel counts: {} experts do not split over ep {ep}",
+                "expert-parallel counts: {} counts do not split over ep {ep}",
                 counts.len()
             )));
         }
-        let el = counts.len() / ep;
+        let m = counts.len() / ep;
         let sent: Vec<u32> = counts.iter().map(|&c| c as u32).collect();
-        let t = Tensor::from_vec(sent, counts.len(), &self.device)?; // (ep · E_l,)
+        let t = Tensor::from_vec(sent, counts.len(), &self.device)?; // (ep · m,)
         let got = super::MoeExchange::Counts
-            .run(&t, &vec![el; ep], &vec![el; ep], &self.group)?
-            .to_vec1::<u32>()?; // (ep · E_l,) entry s·E_l + j: from rank s for local expert j
+            .run(&t, &vec![m; ep], &vec![m; ep], &self.group)?
+            .to_vec1::<u32>()?; // (ep · m,) entry s·m + i: rank s's count i
         Ok(got.into_iter().map(|c| c as usize).collect())
     }
 
-    fn rows(&self, x: &Tensor, send: &[usize], recv: &[usize]) -> Result<Tensor> {
-        self.group
-            .all_to_all(&x.contiguous()?, send, recv)
-            .map_err(comm_err) // (Σ recv, F)
+    fn round_trip(
+        &self,
+        parts: Vec<PartRows<'_>>,
+        experts: &mut dyn FnMut(usize, Tensor) -> Result<Tensor>,
+    ) -> Result<Vec<Tensor>> {
+        if self.overlap {
+            return super::overlap::dual_batch(&self.group, parts, experts);
+        }
+        let mut back = Vec::with_capacity(parts.len());
+        for (i, p) in parts.into_iter().enumerate() {
+            let x = self.rows(&p.x, p.send, p.recv)?; // (R_i, F) by source rank
+            let y = experts(i, x)?; // (R_i, F)
+            back.push(self.rows(&y, p.recv, p.send)?); // (S_i, F)
+        }
+        Ok(back)
     }
 
     fn dispatch(&self, x: &Tensor, send: &[usize], recv: &[usize]) -> Result<Tensor> {

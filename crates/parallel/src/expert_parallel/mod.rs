@@ -15,7 +15,8 @@
 //! ```
 //!
 //! The three exchanges and their backward order are [`MOE_EXCHANGES`]; the layer runs them and
-//! the cost model counts them.
+//! the cost model counts them. With `--ep-overlap` the tokens go in two halves, each half's
+//! dispatch and combine on the wire while the other half's experts compute ([`overlap`]).
 //!
 //! Routing is the model's own ([`mtrain_model::moe::route`] and friends), computed by each rank on
 //! its **local** tokens: capacity `ceil(k · N_local / E · cf)` is per rank, per step, as in
@@ -55,6 +56,7 @@
 
 mod all_to_all;
 mod exchange;
+pub mod overlap;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -106,8 +108,15 @@ pub fn local_experts(cfg: &MoeConfig, ep: usize) -> Result<usize> {
 
 /// The model's MoE layer ([`MoeLayer`]) with its experts across the ep group: this rank holds
 /// experts `ep_rank · E_l .. (ep_rank + 1) · E_l` (`experts`, `cfg.n_experts / ep.size()` of
-/// them), the router whole, and the rows travel over `ep` ([`EpExchange`]).
-pub fn moe_layer(router: Param, experts: Vec<Mlp>, cfg: MoeConfig, ep: Comm) -> Result<MoeLayer> {
+/// them), the router whole, and the rows travel over `ep` ([`EpExchange`]), in two halves that
+/// overlap each other's experts when `overlap` (the hand-written backward's path).
+pub fn moe_layer(
+    router: Param,
+    experts: Vec<Mlp>,
+    cfg: MoeConfig,
+    ep: Comm,
+    overlap: bool,
+) -> Result<MoeLayer> {
     let el = local_experts(&cfg, ep.size())?;
     if experts.len() != el {
         return Err(EpError::Layout(format!(
@@ -121,6 +130,7 @@ pub fn moe_layer(router: Param, experts: Vec<Mlp>, cfg: MoeConfig, ep: Comm) -> 
     let exchange = EpExchange {
         device: router.tensor().device().clone(),
         group: ep,
+        overlap,
     };
     Ok(MoeLayer::over(router, experts, cfg, Arc::new(exchange))?)
 }
@@ -128,11 +138,12 @@ pub fn moe_layer(router: Param, experts: Vec<Mlp>, cfg: MoeConfig, ep: Comm) -> 
 /// This rank's segments `[embedding, h.0 … h.{L-1}, head]` of an expert-parallel MoE GPT over
 /// the group `ep`, from full weights by name: every non-expert parameter whole, and of each
 /// block's experts only this rank's `E / ep` (keeping their global names, so gradients and
-/// checkpoints line up with the single-device model).
+/// checkpoints line up with the single-device model); `overlap` as in [`moe_layer`].
 pub fn build_segments(
     cfg: &GptConfig,
     weights: &BTreeMap<String, Tensor>,
     ep: &Comm,
+    overlap: bool,
     device: &Device,
 ) -> Result<Vec<Arc<dyn Segment>>> {
     let mine = my_experts(cfg, ep)?;
@@ -144,7 +155,7 @@ pub fn build_segments(
         .collect();
     let p = ParamStore::new(&local, device)?;
     (0..cfg.n_layer + 2)
-        .map(|i| segment(cfg, i, &p, ep))
+        .map(|i| segment(cfg, i, &p, ep, overlap))
         .collect()
 }
 
@@ -157,12 +168,13 @@ pub fn my_experts(cfg: &GptConfig, ep: &Comm) -> Result<Range<usize>> {
 
 /// Segment `index` of [`build_segments`] from the params of `p`, which must hold what it uses
 /// (non-expert parameters whole, this rank's experts); the embedding and the head share `p`'s
-/// one `wte`.
+/// one `wte`; `overlap` as in [`moe_layer`].
 pub fn segment(
     cfg: &GptConfig,
     index: usize,
     p: &ParamStore,
     ep: &Comm,
+    overlap: bool,
 ) -> Result<Arc<dyn Segment>> {
     let moe = cfg.moe.as_ref().ok_or(EpError::NotMoe)?;
     let mine = my_experts(cfg, ep)?;
@@ -212,6 +224,7 @@ pub fn segment(
         experts,
         moe.clone(),
         ep.clone(),
+        overlap,
     )?;
     Ok(Arc::new(Block::new(
         h.clone(),

@@ -254,7 +254,7 @@ fn ep_run(
 ) -> Vec<Res<RankReport>> {
     run_local(dp, Duration::from_secs(120), |b| -> Res<RankReport> {
         let mesh = DeviceMesh::new(&b as &dyn Backend, MeshDims::new(dp, 1, 1, ep)).map_err(s)?;
-        let segs = build_segments(cfg, weights, &mesh.ep, &Device::Cpu).map_err(s)?;
+        let segs = build_segments(cfg, weights, &mesh.ep, false, &Device::Cpu).map_err(s)?;
         let params = unique_params(&segs);
         let m = mesh.coords.dp; // this rank's micro-batch
         let mut opt = AdamW::new(AdamWConfig::default());
@@ -544,7 +544,7 @@ fn experts_must_divide_over_ep() {
     let cfg = tiny_moe();
     let w = init_weights(&cfg, 1).expect("weights");
     let errs = run_local(3, Duration::from_secs(30), |b| {
-        build_segments(&cfg, &w, &b.world(), &Device::Cpu)
+        build_segments(&cfg, &w, &b.world(), false, &Device::Cpu)
             .err()
             .map(|e| e.to_string())
     });
@@ -611,7 +611,7 @@ fn aux_loss_equals_hand_computation() {
             aux_loss_coef: aux_coef,
             z_loss_coef: z_coef,
         };
-        let layer = expert_parallel::moe_layer(router, vec![expert], cfg, g).map_err(s)?;
+        let layer = expert_parallel::moe_layer(router, vec![expert], cfg, g, false).map_err(s)?;
         let x = t(vec![1., 0., 0., 1., 1., 1., 1., -1.], &[4, 2])?;
         let out = layer.forward(&x).map_err(s)?;
         let aux = out
@@ -667,7 +667,7 @@ fn moe_layer_issues_its_described_exchanges_in_order() {
             aux_loss_coef: 0.0,
             z_loss_coef: 0.0,
         };
-        let layer = expert_parallel::moe_layer(router, vec![expert], cfg, g.clone()).map_err(s)?;
+        let layer = expert_parallel::moe_layer(router, vec![expert], cfg, g.clone(), false).map_err(s)?;
         let x = Var::from_tensor(&t(vec![1., 0., 0., 1., 1., 1., 1., -1.], &[4, 2])?).map_err(s)?;
         g.tracer().set_recording(true);
         let out = layer.forward(x.as_tensor()).map_err(s)?;

@@ -37,7 +37,7 @@ fn ep_block_tape_matches_autograd(ep: usize) -> Vec<MoeStats> {
     let w = init_weights(&cfg, 13).expect("weights");
     let results = run_local(ep, Duration::from_secs(60), |b| -> Res<MoeStats> {
         let g = b.world();
-        let segs = build_segments(&cfg, &w, &g, &Device::Cpu).map_err(s)?;
+        let segs = build_segments(&cfg, &w, &g, false, &Device::Cpu).map_err(s)?;
         let block = segs[1].as_ref();
         let r = g.rank() as u64;
         let (x, dout) = (
@@ -174,7 +174,7 @@ fn trace_ep_tapes_issue_the_collectives_of_autograd() {
         Duration::from_secs(60),
         |b| -> Res<Vec<Vec<(String, u64)>>> {
             let mesh = DeviceMesh::new(&b as &dyn Backend, MeshDims::new(2, 1, 1, 2)).map_err(s)?;
-            let segs = build_segments(&cfg, &w, &mesh.ep, &Device::Cpu).map_err(s)?;
+            let segs = build_segments(&cfg, &w, &mesh.ep, false, &Device::Cpu).map_err(s)?;
             let (idx, tgt) = batch(0, mesh.coords.dp, cfg.vocab_size);
             let tracer = mesh.ep.tracer();
             tracer.set_recording(true);

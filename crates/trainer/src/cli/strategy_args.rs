@@ -38,6 +38,12 @@ pub struct StrategyArgs {
     #[arg(long, value_enum, value_name = "MODE")]
     pub tp_overlap: Option<TpOverlapFlag>,
 
+    /// Dual-batch overlap for expert parallelism (needs --ep 2 or more): each micro-batch's
+    /// tokens in two halves, one half's all-to-alls on the wire while the other half's experts
+    /// compute, forward and backward.
+    #[arg(long)]
+    pub ep_overlap: bool,
+
     /// Pipeline schedule (default 1f1b): gpipe, 1f1b, interleaved (its model chunks per rank
     /// from --virtual-stages), zb-h1 or zb-v.
     #[arg(long, value_enum, alias = "pp-schedule")]
@@ -115,6 +121,7 @@ impl StrategyArgs {
             )?,
             sequence_parallel: self.sequence_parallel || after.sequence_parallel,
             tp_overlap: after.tp_overlap.or(self.tp_overlap),
+            ep_overlap: self.ep_overlap || after.ep_overlap,
             schedule: after.schedule.or(self.schedule),
             virtual_stages: merged(
                 "--virtual-stages",
@@ -173,6 +180,7 @@ pub fn parallel_overrides(layout: &LayoutArgs, strategy: &StrategyArgs) -> toml:
     for (key, on) in [
         ("fsdp", strategy.fsdp),
         ("sequence_parallel", strategy.sequence_parallel),
+        ("ep_overlap", strategy.ep_overlap),
     ] {
         if on {
             t.insert(key.into(), toml::Value::Boolean(true));
@@ -286,6 +294,31 @@ mod tests {
         );
         assert_eq!(plan.stage_counts, Some(vec![2, 1, 1, 2, 1, 1]));
         assert_eq!(plan.microbatches, 4);
+    }
+
+    /// `--ep-overlap` reaches the plan and the `[parallel]` table; the plan's check refuses it
+    /// without expert parallelism, naming the flag.
+    #[test]
+    fn ep_overlap_reaches_the_plan_or_is_refused() {
+        let cli = Cli::try_parse_from(["mtrain", "--dp", "2", "--ep", "2", "--ep-overlap"]).unwrap();
+        let cfg = cli.config().unwrap();
+        assert!(cfg.parallel.ep_overlap);
+        let dims = MeshDims {
+            dp: 2,
+            pp: 1,
+            tp: 1,
+            ep: 2,
+            cp: 1,
+        };
+        let plan = cfg.parallel.plan(dims, false, cfg.precision()).unwrap();
+        assert!(plan.ep_overlap);
+        let dense = MeshDims { ep: 1, ..dims };
+        let plan = cfg.parallel.plan(dense, false, cfg.precision()).unwrap();
+        let e = plan
+            .validate(&mtrain_model::GptConfig::tiny(), 2, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--ep-overlap") && e.contains("--ep 2"), "{e}");
     }
 
     /// `--pass-costs` reaches the plan the executor builds its order from; anything but three

@@ -53,6 +53,10 @@ pub struct ParallelConfig {
     /// How the TP layers' collectives meet their products: "none" (inline) or "chunked" (the
     /// sequences cut into chunks, each chunk's collective overlapping the next one's product).
     pub tp_overlap: TpOverlapFlag,
+    /// Dual-batch overlap of the MoE layers' all-to-alls (needs ep > 1): each micro-batch's
+    /// tokens in two halves, one half's dispatch and combine on the wire while the other
+    /// half's experts compute, forward and backward.
+    pub ep_overlap: bool,
     /// Pipeline schedule: "gpipe", "1f1b" or "interleaved".
     pub schedule: Schedule,
     /// Model chunks per pipeline rank under `schedule = "interleaved"` (Megatron's virtual stages).
@@ -84,6 +88,7 @@ impl Default for ParallelConfig {
             reshard_after_forward: true,
             sequence_parallel: false,
             tp_overlap: TpOverlapFlag::None,
+            ep_overlap: false,
             schedule: Schedule::OneFOneB,
             virtual_stages: 2,
             stage_layers: None,
@@ -216,6 +221,7 @@ impl ParallelConfig {
             data,
             sequence_parallel: self.sequence_parallel,
             tp_overlap: self.tp_overlap.to_plan(),
+            ep_overlap: self.ep_overlap,
             schedule: match self.schedule {
                 Schedule::Gpipe => ScheduleKind::GPipe,
                 Schedule::OneFOneB => ScheduleKind::OneFOneB,
@@ -267,6 +273,7 @@ impl ParallelConfig {
             reshard_after_forward,
             sequence_parallel: plan.sequence_parallel,
             tp_overlap: TpOverlapFlag::of_plan(plan.tp_overlap),
+            ep_overlap: plan.ep_overlap,
             schedule,
             virtual_stages,
             stage_layers: plan.stage_counts.clone(),

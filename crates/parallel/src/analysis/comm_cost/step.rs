@@ -41,7 +41,6 @@ use std::ops::Range;
 
 use candle_core::DType;
 use mtrain_comm::{chunk_range, Coords, MeshDims, OpKind};
-use mtrain_model::moe::capacity;
 use mtrain_model::{GptConfig, MoeConfig};
 
 use super::{ring_all_gather_sent, Collective, CostError, Group, Phase, Result, StepShape, Tally};
@@ -150,6 +149,8 @@ struct Walk {
     dims: MeshDims,
     n_layer: usize,
     moe: Option<MoeConfig>,
+    /// `--ep-overlap`: each token exchange in two halves.
+    ep_overlap: bool,
     zero: Option<ZeroStage>,
     prefetch: bool,
     recompute: bool,
@@ -204,6 +205,7 @@ impl Walk {
             dims,
             n_layer: cfg.n_layer,
             moe: cfg.moe.clone(),
+            ep_overlap: plan.ep_overlap,
             zero,
             prefetch,
             recompute: plan.checkpointing,
@@ -353,7 +355,7 @@ impl Walk {
         }
         if self.is_moe_block(seg) {
             for e in MOE_EXCHANGES {
-                self.exchange(e, phase);
+                self.exchange(e, phase, e == MoeExchange::Dispatch);
             }
         }
         if self.is_cp_block(seg) {
@@ -398,7 +400,7 @@ impl Walk {
         }
         if self.is_moe_block(seg) {
             for e in MoeExchange::backward_order() {
-                self.exchange(e, phase);
+                self.exchange(e, phase, e == MoeExchange::Combine);
             }
         }
         if self.is_cp_block(seg) {
@@ -440,25 +442,11 @@ impl Walk {
         self.moe.is_some() && self.dims.ep > 1 && (1..=self.n_layer).contains(&seg)
     }
 
-    /// One all-to-all of an MoE layer: the counts exactly, the token rows as a balanced-routing
-    /// estimate.
-    fn exchange(&mut self, e: MoeExchange, phase: Phase) {
+    /// One exchange of an MoE layer ([`super::moe::exchange`]); `first`: its pass's first.
+    fn exchange(&mut self, e: MoeExchange, phase: Phase, first: bool) {
         let Some(m) = &self.moe else { return };
-        let ep = self.dims.ep;
-        let (bytes, sent, estimate) = match e {
-            MoeExchange::Counts => {
-                let el = m.n_experts / ep;
-                ((m.n_experts * 4) as u64, ((ep - 1) * el * 4) as u64, false)
-            }
-            MoeExchange::Dispatch | MoeExchange::Combine => {
-                let (rows, sent) = balanced_rows(m, self.b * self.t_loc, ep);
-                let row = (self.ch * self.act.size_in_bytes()) as u64;
-                (rows * row, sent * row, true)
-            }
-        };
-        let (what, op) = (e.what(), OpKind::AllToAll);
-        self.tally
-            .push(Group::Ep, op, what, phase, bytes, sent, false, estimate);
+        let (tokens, row) = (self.b * self.t_loc, (self.ch * self.act.size_in_bytes()) as u64);
+        super::moe::exchange(&mut self.tally, m, (e, first), phase, tokens, row, self.ep_overlap);
     }
 
     /// `ParallelModel::finish_grads`: the dp average (DDP), then the sequence-parallel partial
@@ -687,14 +675,4 @@ fn zero_units(tables: Vec<ChunkHoldings>, recompute: bool) -> (Vec<Chunk>, Vec<U
         })
         .collect();
     (chunks, units)
-}
-
-/// (rows a rank's input holds, rows it sends to other ranks) of a token all-to-all under
-/// balanced routing: k·N/E tokens per expert, capped by the capacity.
-fn balanced_rows(m: &MoeConfig, tokens: usize, ep: usize) -> (u64, u64) {
-    let cap = capacity(tokens, m.n_experts, m.top_k, m.capacity_factor);
-    let per_expert = ((m.top_k * tokens) as f64 / m.n_experts as f64).round() as usize;
-    let kept = per_expert.min(cap) * m.n_experts;
-    let remote = kept * (ep - 1) / ep;
-    (kept as u64, remote as u64)
 }
