@@ -34,7 +34,7 @@ use mtrain_model::{init_weights, Engine, GptConfig, Grads, NoHooks, Segment};
 use mtrain_parallel::expert_parallel::build_segments;
 use rand::{Rng, SeedableRng};
 
-use common::{rel_f, tiny_gpt, try_rel, with_moe};
+use common::{on_rank_threads, rel_f, tiny_gpt, try_rel, with_moe};
 
 const EP: usize = 2;
 
@@ -169,17 +169,6 @@ fn wide_moe() -> GptConfig {
     }
 }
 
-/// Runs `f` on a pool of the threads the launcher gives each of EP workers on this machine
-/// (cores / EP, at least one), as its `RAYON_NUM_THREADS` does.
-fn on_rank_threads<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    rayon::ThreadPoolBuilder::new()
-        .num_threads((cores / EP).max(1))
-        .build()
-        .expect("pool")
-        .install(f)
-}
-
 /// One forward and backward: its wall time and the time this rank waited on the ep group.
 fn step(segs: &[Arc<dyn Segment>], g: &Comm, n: usize) -> (Duration, Duration) {
     let (idx, tgt) = batch(&wide_moe(), B, g.rank(), n);
@@ -209,7 +198,7 @@ fn calibrate() -> (Duration, Duration) {
     };
     let unit = LinkEmulator::new(0.0, 1.0).expect("link");
     run_local_with(EP, opts, |b| {
-        on_rank_threads(|| {
+        on_rank_threads(EP, || {
             let g = b.world();
             let segs = segments(&wide_moe(), &g, false);
             let times: Vec<Duration> = (0..3).map(|n| step(&segs, &g, n).0).collect();
@@ -241,7 +230,7 @@ fn measure() -> (Vec<Medians>, Duration, f64) {
         ..CpuOptions::default()
     };
     let per_rank = run_local_with(EP, opts, |b| {
-        on_rank_threads(|| {
+        on_rank_threads(EP, || {
             let g = b.world();
             let (inline, overlapped) = (
                 segments(&wide_moe(), &g, false),

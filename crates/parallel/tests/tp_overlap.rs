@@ -34,6 +34,8 @@ use mtrain_parallel::plan::ParallelPlan;
 use mtrain_parallel::tensor_parallel::{self, TpModel, TpOverlap};
 use rand::{Rng, SeedableRng};
 
+use common::on_rank_threads;
+
 const B: usize = 8; // sequences per micro-batch: 4 chunks of 2
 const TP: usize = 2;
 const STEPS: usize = 5;
@@ -73,17 +75,6 @@ fn model(g: &Comm, sp: bool, overlap: TpOverlap) -> TpModel {
     tensor_parallel::build(&cfg(), &weights, &plan, g, sp, &Device::Cpu).expect("build")
 }
 
-/// Runs `f` on a pool of the threads the launcher gives each of TP workers on this machine
-/// (cores / TP, at least one), as its `RAYON_NUM_THREADS` does.
-fn on_rank_threads<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    rayon::ThreadPoolBuilder::new()
-        .num_threads((cores / TP).max(1))
-        .build()
-        .expect("pool")
-        .install(f)
-}
-
 /// One forward and backward: its wall time and the time this rank waited on the tp group.
 fn step(m: &TpModel, g: &Comm) -> (Duration, Duration) {
     let (idx, tgt) = batch();
@@ -120,7 +111,7 @@ fn calibrate(sp: bool) -> (Duration, Duration) {
     };
     let unit = LinkEmulator::new(0.0, 1.0).expect("link");
     run_local_with(TP, opts, |b| {
-        on_rank_threads(|| {
+        on_rank_threads(TP, || {
             let g = b.world();
             let m = model(&g, sp, TpOverlap::None);
             let times: Vec<Duration> = (0..3).map(|_| step(&m, &g).0).collect();
@@ -152,7 +143,7 @@ fn measure(sp: bool, mode: TpOverlap) -> (Vec<Medians>, Duration, f64) {
         ..CpuOptions::default()
     };
     let per_rank = run_local_with(TP, opts, |b| {
-        on_rank_threads(|| {
+        on_rank_threads(TP, || {
             let g = b.world();
             let (none, chunked) = (model(&g, sp, TpOverlap::None), model(&g, sp, mode));
             step(&none, &g);

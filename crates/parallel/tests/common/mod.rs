@@ -112,3 +112,16 @@ pub fn optim_items<'a>(
         })
         .collect()
 }
+
+/// Runs `f` on a pool of the threads `mtrain`'s launcher gives each of `ranks` workers on this
+/// machine (its cores over the ranks, at least one), as the workers' `RAYON_NUM_THREADS` does:
+/// ranks that are threads of one test process would otherwise share one pool and contend for
+/// every core, a slowdown the command does not have.
+pub fn on_rank_threads<R: Send>(ranks: usize, f: impl FnOnce() -> R + Send) -> R {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    rayon::ThreadPoolBuilder::new()
+        .num_threads((cores / ranks).max(1))
+        .build()
+        .expect("pool")
+        .install(f)
+}
