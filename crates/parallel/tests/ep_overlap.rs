@@ -34,7 +34,7 @@ use mtrain_model::{init_weights, Engine, GptConfig, Grads, NoHooks, Segment};
 use mtrain_parallel::expert_parallel::build_segments;
 use rand::{Rng, SeedableRng};
 
-use common::{on_rank_threads, rel_f, tiny_gpt, try_rel, with_moe};
+use common::{on_rank_threads, overlap_claims, rel_f, tiny_gpt, try_rel, with_moe, Medians};
 
 const EP: usize = 2;
 
@@ -215,8 +215,6 @@ fn calibrate() -> (Duration, Duration) {
     .remove(0)
 }
 
-type Medians = ((Duration, Duration), (Duration, Duration));
-
 /// Calibrate, then run inline and overlapped alternately on the calibrated link: per rank,
 /// the medians of (step, exposed) of each; the compute and the link's GB/s.
 fn measure() -> (Vec<Medians>, Duration, f64) {
@@ -258,58 +256,9 @@ fn measure() -> (Vec<Medians>, Duration, f64) {
 #[test]
 fn ep_overlap_hides_expert_all_to_alls_on_a_slow_link() {
     let _turn = one_at_a_time();
-    // The claims hold on a slow link: one where the inline exchange waits at least 40% of its
-    // step. A load change between the calibration and the runs can leave the link faster than
-    // that, or slow one mode's steps and not the other's; then the machine, not the overlap,
-    // moved, and the measurement is taken again (at most 3 times): the claims must all hold
-    // in one of them.
-    let mut tries = 0;
-    loop {
-        tries += 1;
+    overlap_claims("ep", "--ep-overlap", RATIO, || {
         let (per_rank, compute, gb_s) = measure();
-        let mut failed = None;
-        for (rank, ((step_none, exp_none), (step_over, exp_over))) in
-            per_rank.into_iter().enumerate()
-        {
-            let ms = |d: Duration| d.as_secs_f64() * 1e3;
-            eprintln!(
-                "rank {rank}: compute {:.1} ms, link {:.4} GB/s; inline: step {:.1} ms, exposed ep {:.1} ms ({:.0}%); --ep-overlap: step {:.1} ms, exposed ep {:.1} ms ({:.2}x)",
-                ms(compute),
-                gb_s,
-                ms(step_none),
-                ms(exp_none),
-                100.0 * exp_none.as_secs_f64() / step_none.as_secs_f64(),
-                ms(step_over),
-                ms(exp_over),
-                exp_over.as_secs_f64() / exp_none.as_secs_f64(),
-            );
-            let saved_exposure = exp_none.as_secs_f64() - exp_over.as_secs_f64();
-            let saved_step = step_none.as_secs_f64() - step_over.as_secs_f64();
-            let problem = if exp_none.as_secs_f64() < 0.4 * step_none.as_secs_f64() {
-                Some(format!("the link is not slow enough: inline exchange {exp_none:?} of a {step_none:?} step"))
-            } else if exp_over.as_secs_f64() > RATIO * exp_none.as_secs_f64() {
-                Some(format!(
-                    "--ep-overlap exposes {exp_over:?}, more than {RATIO}× the inline {exp_none:?}"
-                ))
-            } else if saved_step < saved_exposure - 0.15 * step_none.as_secs_f64() {
-                Some(format!(
-                    "the step got {:.1} ms shorter for {:.1} ms less exposure",
-                    saved_step * 1e3,
-                    saved_exposure * 1e3
-                ))
-            } else {
-                None
-            };
-            if let Some(p) = problem {
-                failed.get_or_insert(format!("rank {rank}: {p}"));
-            }
-        }
-        match failed {
-            None => return,
-            Some(p) if tries == 3 => {
-                panic!("{p} (the third measurement; the two before failed too)")
-            }
-            Some(p) => eprintln!("{p}; measuring again"),
-        }
-    }
+        let ms = compute.as_secs_f64() * 1e3;
+        (per_rank, format!("compute {ms:.1} ms, link {gb_s:.4} GB/s"))
+    });
 }

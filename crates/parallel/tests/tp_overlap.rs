@@ -34,7 +34,7 @@ use mtrain_parallel::plan::ParallelPlan;
 use mtrain_parallel::tensor_parallel::{self, TpModel, TpOverlap};
 use rand::{Rng, SeedableRng};
 
-use common::on_rank_threads;
+use common::{on_rank_threads, overlap_claims, Medians};
 
 const B: usize = 8; // sequences per micro-batch: 4 chunks of 2
 const TP: usize = 2;
@@ -128,8 +128,6 @@ fn calibrate(sp: bool) -> (Duration, Duration) {
     .remove(0)
 }
 
-type Medians = ((Duration, Duration), (Duration, Duration));
-
 /// Calibrate, then run `none` and `mode` alternately on the calibrated link: per rank, the
 /// medians of (step, exposed) without overlap and with it; the compute and the link's GB/s.
 fn measure(sp: bool, mode: TpOverlap) -> (Vec<Medians>, Duration, f64) {
@@ -182,58 +180,10 @@ fn hides_tp_communication(sp: bool, mode: TpOverlap, ratio: f64) {
     // one's compute on the same two cores would be noise in this one's steps.
     static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
-    // The claims hold on a slow link: one where `none` waits at least 40% of its step. A load
-    // change between the calibration and the runs can leave the link faster than that, or slow
-    // one mode's steps and not the other's; then the machine, not the overlap, moved, and the
-    // measurement is taken again (at most 3 times): the claims must all hold in one of them.
     let name = mode.name();
-    let mut tries = 0;
-    loop {
-        tries += 1;
+    overlap_claims("tp", name, ratio, || {
         let (per_rank, compute, gb_s) = measure(sp, mode);
-        let mut failed = None;
-        for (rank, ((step_none, exp_none), (step_mode, exp_mode))) in
-            per_rank.into_iter().enumerate()
-        {
-            let ms = |d: Duration| d.as_secs_f64() * 1e3;
-            eprintln!(
-                "rank {rank} (sp {sp}): compute {:.1} ms, link {:.3} GB/s; none: step {:.1} ms, exposed tp {:.1} ms ({:.0}%); {name}: step {:.1} ms, exposed tp {:.1} ms ({:.2}x)",
-                ms(compute),
-                gb_s,
-                ms(step_none),
-                ms(exp_none),
-                100.0 * exp_none.as_secs_f64() / step_none.as_secs_f64(),
-                ms(step_mode),
-                ms(exp_mode),
-                exp_mode.as_secs_f64() / exp_none.as_secs_f64(),
-            );
-            let saved_exposure = exp_none.as_secs_f64() - exp_mode.as_secs_f64();
-            let saved_step = step_none.as_secs_f64() - step_mode.as_secs_f64();
-            let problem = if exp_none.as_secs_f64() < 0.4 * step_none.as_secs_f64() {
-                Some(format!("the link is not slow enough: inline communication {exp_none:?} of a {step_none:?} step"))
-            } else if exp_mode.as_secs_f64() > ratio * exp_none.as_secs_f64() {
-                Some(format!(
-                    "{name} exposes {exp_mode:?}, more than {ratio}× the {exp_none:?} of none"
-                ))
-            } else if saved_step < saved_exposure - 0.15 * step_none.as_secs_f64() {
-                Some(format!(
-                    "the step got {:.1} ms shorter for {:.1} ms less exposure",
-                    saved_step * 1e3,
-                    saved_exposure * 1e3
-                ))
-            } else {
-                None
-            };
-            if let Some(p) = problem {
-                failed.get_or_insert(format!("rank {rank}: {p}"));
-            }
-        }
-        match failed {
-            None => return,
-            Some(p) if tries == 3 => {
-                panic!("{p} (the third measurement; the two before failed too)")
-            }
-            Some(p) => eprintln!("{p}; measuring again"),
-        }
-    }
+        let ms = compute.as_secs_f64() * 1e3;
+        (per_rank, format!("sp {sp}: compute {ms:.1} ms, link {gb_s:.3} GB/s"))
+    });
 }

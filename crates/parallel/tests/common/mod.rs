@@ -6,6 +6,8 @@
 //! Each test file includes this module (`mod common;`) and uses its own subset of it.
 #![allow(dead_code)]
 
+use std::time::Duration;
+
 use candle_core::{DType, Device, Tensor};
 use mtrain_comm::MeshDims;
 use mtrain_model::optim::{AdamW, AdamWConfig, OptimItem};
@@ -124,4 +126,71 @@ pub fn on_rank_threads<R: Send>(ranks: usize, f: impl FnOnce() -> R + Send) -> R
         .build()
         .expect("pool")
         .install(f)
+}
+
+/// One rank's medians of (step, exposed communication): without an overlap mode, and with it.
+pub type Medians = ((Duration, Duration), (Duration, Duration));
+
+/// The overlap tests' three claims, on every rank: the link is slow (the inline run waits at
+/// least 40% of its step), the mode exposes at most `ratio` of the inline run's communication,
+/// and the step gets shorter by what was hidden less 15% of the step (the step-to-step noise
+/// of a 2-core machine other builds share). `measure` gives every rank's medians and a line on
+/// the setting (compute, link); a load change between its calibration and its runs can leave
+/// the link faster than that, or slow one mode's steps and not the other's, so a failed
+/// measurement is taken again, at most 3 times: the claims must all hold in one of them.
+/// `group` names the communication (`tp`, `ep`), `mode` the overlap.
+pub fn overlap_claims(
+    group: &str,
+    mode: &str,
+    ratio: f64,
+    mut measure: impl FnMut() -> (Vec<Medians>, String),
+) {
+    for tries in 1..=3 {
+        let (per_rank, setting) = measure();
+        let mut failed = None;
+        for (rank, ((step_none, exp_none), (step_mode, exp_mode))) in
+            per_rank.into_iter().enumerate()
+        {
+            let (s_none, e_none) = (step_none.as_secs_f64(), exp_none.as_secs_f64());
+            let (s_mode, e_mode) = (step_mode.as_secs_f64(), exp_mode.as_secs_f64());
+            eprintln!(
+                "rank {rank} ({setting}); inline: step {:.1} ms, exposed {group} {:.1} ms ({:.0}%); \
+                 {mode}: step {:.1} ms, exposed {group} {:.1} ms ({:.2}x)",
+                s_none * 1e3,
+                e_none * 1e3,
+                100.0 * e_none / s_none,
+                s_mode * 1e3,
+                e_mode * 1e3,
+                e_mode / e_none,
+            );
+            let (saved_exposure, saved_step) = (e_none - e_mode, s_none - s_mode);
+            let problem = if e_none < 0.4 * s_none {
+                Some(format!(
+                    "the link is not slow enough: inline communication {exp_none:?} of a {step_none:?} step"
+                ))
+            } else if e_mode > ratio * e_none {
+                Some(format!(
+                    "{mode} exposes {exp_mode:?}, more than {ratio}× the inline {exp_none:?}"
+                ))
+            } else if saved_step < saved_exposure - 0.15 * s_none {
+                Some(format!(
+                    "the step got {:.1} ms shorter for {:.1} ms less exposure",
+                    saved_step * 1e3,
+                    saved_exposure * 1e3
+                ))
+            } else {
+                None
+            };
+            if let Some(p) = problem {
+                failed.get_or_insert(format!("rank {rank}: {p}"));
+            }
+        }
+        match failed {
+            None => return,
+            Some(p) if tries == 3 => {
+                panic!("{p} (the third measurement; the two before failed too)")
+            }
+            Some(p) => eprintln!("{p}; measuring again"),
+        }
+    }
 }
