@@ -11,7 +11,10 @@
 # (RAYON_NUM_THREADS = cores / ranks, at least 1) with --profile-phases gives the medians of the
 # forward and the backward; `mtrain plan` predicts the layout's step from them
 # (--forward-ms, --backward-ms), the α-β table AB and the node's cores (--cores-per-node);
-# then the layout itself runs. Medians are over the steps after SKIP. FIT=1 first refits the α-β
+# for a layout with tp, three one-rank runs with --profile-ops give --tp-whole: the median of
+# their LayerNorm, residual and embedding rows' share of the passes' op time (what a tp rank
+# runs whole; the optimizer's and the gradient norm's rows are not passes); then the layout
+# runs. Medians are over the steps after SKIP. FIT=1 first refits the α-β
 # table on this machine (`bench-comm --fit`, every op the layouts issue, at 2 and 4 ranks) into
 # target/check-plan/alpha-beta.toml and uses it.
 #
@@ -71,6 +74,19 @@ print(f"{statistics.median(vals):.3f}")
 PY
 }
 
+# tp_whole RUN_DIR: the share of the passes' op time in RUN_DIR/ops.json that tp leaves whole.
+tp_whole() {
+    python3 - "$1/ops.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+step = ("adamw", "sq_sum", "grad accumulate")  # the optimizer and the gradient norm
+whole = ("layer_norm", "residual", "embedding")
+passes = [r for r in rows if not r["name"].startswith(step)]
+part = sum(r["seconds"] for r in passes if r["name"].startswith(whole))
+print(f"{part / sum(r['seconds'] for r in passes):.3f}")
+PY
+}
+
 # predicted_ms TEXT: the `predicted step:` of plan's output, in ms.
 predicted_ms() {
     python3 -c '
@@ -95,7 +111,7 @@ if [ "$FIT" = 1 ]; then
     done
 fi
 
-printf 'layout\tone-rank forward ms\tbackward ms\tpredicted ms\tmeasured median ms\tpredicted/measured\n' >"$OUT/summary.tsv"
+printf 'layout\tone-rank forward ms\tbackward ms\ttp whole\tpredicted ms\tmeasured median ms\tpredicted/measured\n' >"$OUT/summary.tsv"
 for name in $LAYOUTS; do
     layout "$name"
     threads=$((CORES / RANKS > 0 ? CORES / RANKS : 1))
@@ -106,8 +122,22 @@ for name in $LAYOUTS; do
     after_run "$name one rank"
     fwd=$(median "$OUT/$name-one" phase_ms.forward)
     bwd=$(median "$OUT/$name-one" phase_ms.backward)
+    whole=0
+    if [[ " ${FLAGS[*]} " == *" --tp "* ]]; then
+        shares=()
+        for i in 1 2 3; do # a profile times 3 steps: the median of three runs' shares
+            before_run "$name one rank, ops $i"
+            RAYON_NUM_THREADS=$threads "$MTRAIN" "${CONFIG[@]}" --batch-size "$MB" --steps 12 \
+                --log-every 1 --eval-every 1000000 --overwrite --profile-ops \
+                --run-dir "$OUT/$name-ops$i" >"$OUT/$name-ops$i.log" 2>&1
+            after_run "$name one rank, ops $i"
+            shares+=("$(tp_whole "$OUT/$name-ops$i")")
+        done
+        whole=$(printf '%s\n' "${shares[@]}" | sort -g | sed -n 2p)
+    fi
     plan=("$MTRAIN" plan "${CONFIG[@]}" "${FLAGS[@]}" --gpus "$RANKS" --gpus-per-node "$RANKS"
-        --cores-per-node "$CORES" --intra "$AB" --forward-ms "$fwd" --backward-ms "$bwd")
+        --cores-per-node "$CORES" --intra "$AB" --forward-ms "$fwd" --backward-ms "$bwd"
+        --tp-whole "$whole")
     "${plan[@]}" >"$OUT/$name-plan.txt"
     pred=$(predicted_ms <"$OUT/$name-plan.txt")
     before_run "$name"
@@ -115,7 +145,7 @@ for name in $LAYOUTS; do
     after_run "$name"
     meas=$(median "$OUT/$name" step_ms)
     ratio=$(python3 -c "print(f'{$pred / $meas:.2f}')")
-    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$fwd" "$bwd" "$pred" "$meas" "$ratio" >>"$OUT/summary.tsv"
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$fwd" "$bwd" "$whole" "$pred" "$meas" "$ratio" >>"$OUT/summary.tsv"
     echo "$name: predicted $pred ms, measured $meas ms: $ratio   (${plan[*]})"
 done
 

@@ -39,6 +39,7 @@ fn node(gpus: usize, cores: Option<usize>) -> Machine {
 const PASSES: Measured = Measured {
     forward_s: 0.010,
     backward_s: Some(0.025),
+    tp_whole: 0.0,
 };
 
 fn close(a: f64, b: f64) -> bool {
@@ -64,6 +65,38 @@ fn the_last_stage_carries_the_head() {
     // On a device per rank the busiest rank is the last stage: 4 micro-batches of its share.
     let p = predict(&cfg, &plan, &node(4, None), Some(PASSES)).unwrap();
     assert!(close(p.compute_s, 4.0 * 0.035 * w[1]), "{}", p.compute_s);
+}
+
+/// A tp rank runs the measured passes' tp-split part at 1/tp and their whole part (LayerNorms,
+/// residual adds: `--tp-whole`) in full; sequence parallelism splits that part too.
+#[test]
+fn a_tp_rank_runs_the_work_tp_leaves_whole_in_full() {
+    let args = ["--tp", "2", "--pp", "2", "--microbatches", "2"];
+    let (cfg, plan) = resolved("4", &args);
+    let model = cfg.gpt_config().unwrap();
+    let w = stage_shares(&model, &plan.stage_layout(model.n_layer).unwrap(), cfg.seq_len);
+    let with = |whole: f64, plan: &ValidPlan| {
+        let m = Measured { tp_whole: whole, ..PASSES };
+        predict(&cfg, plan, &node(4, None), Some(m)).unwrap().compute_s
+    };
+    // The busiest rank holds the last stage: 2 micro-batches of its share of f + b, of which
+    // a fifth is run whole and four fifths halved: 0.2 + 0.8 / 2 = 0.6 of it.
+    let busiest = 2.0 * 0.035 * w[1];
+    assert!(close(with(0.0, &plan), busiest * 0.5), "{}", with(0.0, &plan));
+    assert!(close(with(0.2, &plan), busiest * 0.6), "{}", with(0.2, &plan));
+    assert!(close(with(1.0, &plan), busiest), "{}", with(1.0, &plan));
+    // The whole part costs step time too, beyond the compute line.
+    let step = |whole: f64| {
+        let m = Measured { tp_whole: whole, ..PASSES };
+        predict(&cfg, &plan, &node(4, None), Some(m)).unwrap().step_s
+    };
+    assert!(step(0.2) > step(0.0) + 2.0 * 0.035 * w[1] * 0.1 * 0.99, "{} {}", step(0.2), step(0.0));
+    // Sequence parallelism: each rank normalises 1/tp of the sequence, so all of it is halved.
+    let mut sp = args.to_vec();
+    sp.push("--sequence-parallel");
+    let (_, sp_plan) = resolved("4", &sp);
+    assert!(sp_plan.sequence_parallel);
+    assert!(close(with(0.2, &sp_plan), busiest * 0.5), "{}", with(0.2, &sp_plan));
 }
 
 #[test]
@@ -149,6 +182,7 @@ fn the_cp_ring_hides_behind_attention_but_its_last_pass() {
     let slow = Measured {
         forward_s: 1.0,
         backward_s: Some(2.0),
+        tp_whole: 0.0,
     };
     let (total, exposed) = cp(&predict(&cfg, &plan, &node(2, None), Some(slow)).unwrap());
     assert!(close(total, 16.0 * pass), "{total}");
@@ -156,6 +190,7 @@ fn the_cp_ring_hides_behind_attention_but_its_last_pass() {
     let fast = Measured {
         forward_s: 1e-9,
         backward_s: Some(2e-9),
+        tp_whole: 0.0,
     };
     let p = predict(&cfg, &plan, &node(2, None), Some(fast)).unwrap();
     let (total, exposed) = cp(&p);

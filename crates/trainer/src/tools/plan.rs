@@ -85,6 +85,12 @@ pub struct PlanArgs {
     #[arg(long, value_name = "MS", requires = "forward_ms")]
     pub backward_ms: Option<f64>,
 
+    /// The fraction of the measured passes a tp rank runs whole, not split by tp (0 to 1: the
+    /// LayerNorm, residual and embedding rows' share of the one-rank run's `--profile-ops`
+    /// table; predict.rs `tp_rank_part`).
+    #[arg(long, value_name = "F", default_value_t = 0.0, requires = "forward_ms")]
+    pub tp_whole: f64,
+
     #[command(flatten)]
     pub collective: arithmetic::CollectiveArgs,
 }
@@ -356,6 +362,9 @@ pub fn run(
             crate::validate::positive(name, ms).map_err(anyhow::Error::msg)?;
         }
     }
+    if !(0.0..=1.0).contains(&args.tp_whole) {
+        anyhow::bail!("--tp-whole {} must be a fraction from 0 to 1 (the share of the passes tp leaves whole)", args.tp_whole);
+    }
     if args.search {
         let machine = args.cluster.machine(layout.world_size)?;
         if machine.gpus > search::MAX_GPUS {
@@ -405,6 +414,7 @@ pub fn run(
     let measured = args.forward_ms.map(|f| predict::Measured {
         forward_s: f / 1e3,
         backward_s: args.backward_ms.map(|b| b / 1e3),
+        tp_whole: args.tp_whole,
     });
     print!("{}", render_cluster(cfg, plan, &machine, &ranks, measured)?);
     Ok(())

@@ -8,7 +8,9 @@
 //!          (--forward-ms, --backward-ms; b = 2f if only f is given), else priced by the
 //!          machine's compute rule (compute.rs: the roofline rule, or FLOPs at --mfu)
 //!   w_s  = model stage s's share of the FLOPs: its blocks', and the head's on the last stage
-//!   f_s  = f · w_s / (tp·cp)      b_s = b · w_s / (tp·cp), + f_s with activation checkpointing
+//!   u    = the part of measured passes a tp rank does whole (--tp-whole; 0 when priced, and
+//!          with sequence parallelism, which splits that work over tp too)
+//!   f_s  = f · w_s · (u + (1 − u)/tp) / cp      b_s likewise, + f_s with activation checkpointing
 //!   F_s = f_s + (its rank's tp / ep / pp collectives in forward) / (M · chunks)   the passes the
 //!   B_s = b_s + (its collectives in backward) / (M · chunks)                      simulator runs
 //!   pipeline = grad_accum · makespan(F, B)                              (bubble included)
@@ -126,6 +128,28 @@ pub struct Measured {
     pub forward_s: f64,
     /// None: twice the forward.
     pub backward_s: Option<f64>,
+    /// The fraction of the passes that tensor parallelism leaves whole on every tp rank
+    /// ([`tp_rank_part`]).
+    pub tp_whole: f64,
+}
+
+/// The part of a one-rank pass one tp rank of a group of `tp` runs: tp splits the blocks'
+/// matrix multiplies (column- and row-parallel), attention (by heads), the GELU between them,
+/// the head and the loss (by vocabulary), but without sequence parallelism every rank runs the
+/// LayerNorms, the residual adds and the position embedding on the whole activations, so the
+/// fraction `whole` of the pass that is such work is not divided:
+///
+/// ```text
+///   tp rank's pass = pass · (whole + (1 − whole) / tp)        tp 2, whole 0.13: 0.565 of it
+/// ```
+///
+/// With sequence parallelism those ops run on 1/tp of the sequence: every part is divided.
+/// `whole` is measured from a one-rank run's `--profile-ops` table (the LayerNorm, residual
+/// and embedding rows' share of the passes' op time; `scripts/check-plan.sh`).
+pub fn tp_rank_part(tp: usize, whole: f64, sequence_parallel: bool) -> f64 {
+    let tp = tp.max(1) as f64;
+    let whole = if sequence_parallel { 0.0 } else { whole.clamp(0.0, 1.0) };
+    whole + (1.0 - whole) / tp
 }
 
 /// Each model stage's share of the model's FLOPs per token (they sum to 1): its blocks' equal
@@ -173,11 +197,12 @@ pub fn predict(
     };
     let layout = plan.stage_layout(model.n_layer)?;
     // Per model stage: one micro-batch's forward and backward compute on one of its tp ranks.
-    let split = (dims.tp * dims.cp) as f64;
+    let whole = measured.map_or(0.0, |x| x.tp_whole);
+    let part = tp_rank_part(dims.tp, whole, plan.sequence_parallel) / dims.cp as f64;
     let passes: Vec<(f64, f64)> = stage_shares(&model, &layout, cfg.seq_len)
         .iter()
         .map(|w| {
-            let (f, b) = (whole_f * w / split, whole_b * w / split);
+            let (f, b) = (whole_f * w * part, whole_b * w * part);
             (f, if plan.checkpointing { b + f } else { b })
         })
         .collect();
