@@ -458,6 +458,11 @@ impl StoreClient {
     }
 }
 
+/// One attempt to reach `addr`. A connection to a local port nobody listens on can meet
+/// itself: when the kernel picks that same port as the connection's own (the store's port in
+/// the ephemeral range, a client retrying while rank 0 starts), TCP's simultaneous open
+/// connects the socket to itself, holding the port the server is about to bind. Such a
+/// connection is dropped and counted as a failed attempt.
 fn connect_once(addr: &str) -> std::io::Result<TcpStream> {
     let mut last = std::io::Error::new(
         std::io::ErrorKind::NotFound,
@@ -465,6 +470,12 @@ fn connect_once(addr: &str) -> std::io::Result<TcpStream> {
     );
     for a in addr.to_socket_addrs()? {
         match TcpStream::connect_timeout(&a, Duration::from_secs(2)) {
+            Ok(s) if s.local_addr()? == s.peer_addr()? => {
+                last = std::io::Error::new(
+                    std::io::ErrorKind::ConnectionRefused,
+                    format!("{a}: connected to itself (no server listening yet)"),
+                );
+            }
             Ok(s) => return Ok(s),
             Err(e) => last = e,
         }
