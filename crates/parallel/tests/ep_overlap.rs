@@ -34,7 +34,7 @@ use mtrain_model::{init_weights, Engine, GptConfig, Grads, NoHooks, Segment};
 use mtrain_parallel::expert_parallel::build_segments;
 use rand::{Rng, SeedableRng};
 
-use common::{on_rank_threads, overlap_claims, rel_f, tiny_gpt, try_rel, with_moe, Medians};
+use common::{alternate, median, on_rank_threads, overlap_claims, rel_f, tiny_gpt, try_rel, with_moe, Medians};
 
 const EP: usize = 2;
 
@@ -183,11 +183,6 @@ fn step(segs: &[Arc<dyn Segment>], g: &Comm, n: usize) -> (Duration, Duration) {
     (took, Duration::from_micros(d.blocked_us))
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
 /// Without a link: the step's compute time, and the wire time of its all-to-alls on a link
 /// of 1 GB/s without latency.
 fn calibrate() -> (Duration, Duration) {
@@ -234,20 +229,7 @@ fn measure() -> (Vec<Medians>, Duration, f64) {
                 segments(&wide_moe(), &g, false),
                 segments(&wide_moe(), &g, true),
             );
-            step(&inline, &g, 0);
-            step(&overlapped, &g, 0); // warm-up
-            let (mut a, mut c) = (vec![], vec![]);
-            for n in 0..STEPS {
-                a.push(step(&inline, &g, n));
-                c.push(step(&overlapped, &g, n));
-            }
-            let med = |v: &[(Duration, Duration)]| {
-                (
-                    median(v.iter().map(|x| x.0).collect()),
-                    median(v.iter().map(|x| x.1).collect()),
-                )
-            };
-            (med(&a), med(&c))
+            alternate(STEPS, |n| step(&inline, &g, n), |n| step(&overlapped, &g, n))
         })
     });
     (per_rank, compute, gb_s)

@@ -34,7 +34,7 @@ use mtrain_parallel::plan::ParallelPlan;
 use mtrain_parallel::tensor_parallel::{self, TpModel, TpOverlap};
 use rand::{Rng, SeedableRng};
 
-use common::{on_rank_threads, overlap_claims, Medians};
+use common::{alternate, median, on_rank_threads, overlap_claims, Medians};
 
 const B: usize = 8; // sequences per micro-batch: 4 chunks of 2
 const TP: usize = 2;
@@ -96,11 +96,6 @@ fn step(m: &TpModel, g: &Comm) -> (Duration, Duration) {
     (took, Duration::from_micros(d.blocked_us))
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
 /// Without a link: the step's compute time, and the wire time of its collectives on a link of
 /// 1 GB/s without latency.
 fn calibrate(sp: bool) -> (Duration, Duration) {
@@ -144,20 +139,7 @@ fn measure(sp: bool, mode: TpOverlap) -> (Vec<Medians>, Duration, f64) {
         on_rank_threads(TP, || {
             let g = b.world();
             let (none, chunked) = (model(&g, sp, TpOverlap::None), model(&g, sp, mode));
-            step(&none, &g);
-            step(&chunked, &g); // warm-up
-            let (mut a, mut c) = (vec![], vec![]);
-            for _ in 0..STEPS {
-                a.push(step(&none, &g));
-                c.push(step(&chunked, &g));
-            }
-            let med = |v: &[(Duration, Duration)]| {
-                (
-                    median(v.iter().map(|x| x.0).collect()),
-                    median(v.iter().map(|x| x.1).collect()),
-                )
-            };
-            (med(&a), med(&c))
+            alternate(STEPS, |_| step(&none, &g), |_| step(&chunked, &g))
         })
     });
     (per_rank, compute, gb_s)

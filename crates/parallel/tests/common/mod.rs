@@ -131,6 +131,36 @@ pub fn on_rank_threads<R: Send>(ranks: usize, f: impl FnOnce() -> R + Send) -> R
 /// One rank's medians of (step, exposed communication): without an overlap mode, and with it.
 pub type Medians = ((Duration, Duration), (Duration, Duration));
 
+/// The middle of `v` once sorted.
+pub fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+/// One step of each after a warm-up one, then `steps` of each in turn (so a load change on the
+/// machine hits both): the medians of their (step, exposed) times. `inline(n)` and `mode(n)`
+/// run step n without the overlap and with it.
+pub fn alternate(
+    steps: usize,
+    mut inline: impl FnMut(usize) -> (Duration, Duration),
+    mut mode: impl FnMut(usize) -> (Duration, Duration),
+) -> Medians {
+    inline(0);
+    mode(0);
+    let (mut a, mut c) = (vec![], vec![]);
+    for n in 0..steps {
+        a.push(inline(n));
+        c.push(mode(n));
+    }
+    let med = |v: &[(Duration, Duration)]| {
+        (
+            median(v.iter().map(|x| x.0).collect()),
+            median(v.iter().map(|x| x.1).collect()),
+        )
+    };
+    (med(&a), med(&c))
+}
+
 /// The overlap tests' three claims, on every rank: the link is slow (the inline run waits at
 /// least 40% of its step), the mode exposes at most `ratio` of the inline run's communication,
 /// and the step gets shorter by what was hidden less 15% of the step (the step-to-step noise
