@@ -32,7 +32,7 @@ use mtrain_parallel::plan::TpOverlap;
 use mtrain_parallel::pipeline::ScheduleKind;
 use rand::{Rng, SeedableRng};
 
-use common::{plan, tiny_gpt, with_moe, zero};
+use common::{cp_plan, plan, tiny_gpt, with_moe, zero};
 
 const BATCH: usize = 8;
 const SEQ: usize = 8;
@@ -174,15 +174,6 @@ fn check(cfg: &GptConfig, plan: &ParallelPlan) {
         "{:?}: {total} bytes sent in one step over all ranks, as predicted",
         plan.dims
     );
-}
-
-/// `plan(dp, pp, tp, 1)` with `cp` ranks splitting each sequence.
-fn cp_plan(cp: usize, dp: usize, pp: usize, tp: usize) -> ParallelPlan {
-    let p = plan(dp, pp, tp, 1);
-    ParallelPlan {
-        dims: p.dims.with_cp(cp),
-        ..p
-    }
 }
 
 /// The cp ring's K, V and dK, dV passes of every block, and the gradient average and loss

@@ -31,7 +31,7 @@ use mtrain_parallel::placement::Placement;
 use mtrain_parallel::tensor_parallel::TpOverlap;
 use rand::{Rng, SeedableRng};
 
-use common::{adamw, optim_items, plan, rel, rel_f, tiny_gpt, with_moe, zero};
+use common::{adamw, cp_plan, optim_items, plan, rel, rel_f, tiny_gpt, with_moe, zero};
 
 const STEPS: usize = 5;
 const BATCH: usize = 8;
@@ -370,16 +370,6 @@ fn tp2_pp2_dp2_sp_ring_equals_one_device() {
         ..plan(2, 2, 2, 1)
     };
     check_equals_one_device(&cfg(), &p, 1);
-}
-
-/// `plan(dp, pp, tp, 1)` with `cp` ranks splitting each sequence (the ring's blocks, the
-/// chunked embedding, losses and gradients averaged over dp × cp).
-fn cp_plan(cp: usize, dp: usize, pp: usize, tp: usize) -> ParallelPlan {
-    let p = plan(dp, pp, tp, 1);
-    ParallelPlan {
-        dims: p.dims.with_cp(cp),
-        ..p
-    }
 }
 
 #[test]

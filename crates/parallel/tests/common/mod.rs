@@ -96,6 +96,16 @@ pub fn zero(stage: ZeroStage) -> DataParallelKind {
     })
 }
 
+/// `plan(dp, pp, tp, 1)` with `cp` ranks splitting each sequence (the ring's blocks, the
+/// chunked embedding, losses and gradients averaged over dp × cp).
+pub fn cp_plan(cp: usize, dp: usize, pp: usize, tp: usize) -> ParallelPlan {
+    let p = plan(dp, pp, tp, 1);
+    ParallelPlan {
+        dims: p.dims.with_cp(cp),
+        ..p
+    }
+}
+
 /// The optimizer items of whole parameters: each parameter for which `grad` gives a gradient,
 /// decayed when it is a matrix or an embedding (≥ 2-D), as nanoGPT does.
 pub fn optim_items<'a>(
