@@ -423,8 +423,8 @@ impl Walk {
     }
 
     /// One mapping's collective of segment `seg` (in its forward or its backward) on a
-    /// micro-batch's activation (B, T, C), split along T; a dense block's as `--tp-overlap`
-    /// cuts it ([`tp::collective`]).
+    /// micro-batch's activation (B, T, C), split along T; a block's as `--tp-overlap` cuts it
+    /// ([`tp::collective`]).
     fn tp_collective(
         &mut self,
         seg: usize,
@@ -432,8 +432,8 @@ impl Walk {
         what: &'static str,
         phase: Phase,
     ) {
-        let dense_block = self.moe.is_none() && (1..=self.n_layer).contains(&seg);
-        let mode = dense_block.then_some(self.tp_overlap);
+        let block = (1..=self.n_layer).contains(&seg);
+        let mode = block.then_some(self.tp_overlap);
         let x = tp::Operand { b: self.b, t: self.t, ch: self.ch, act: self.act };
         tp::collective(&mut self.tally, mode, c, what, phase, x);
     }

@@ -11,8 +11,8 @@
 //!             (b · T/tp rows) to the next rank, and as many receives, each beside a product
 //! ```
 //!
-//! The embedding's and the head's collectives are not cut, and neither are an MoE model's
-//! (its blocks run the experts in place of the MLP's row and column layers).
+//! The embedding's and the head's collectives are not cut. (An MoE model takes no tp: the plan
+//! refuses it.)
 
 use candle_core::DType;
 use mtrain_comm::OpKind;
@@ -32,8 +32,8 @@ pub(super) struct Operand {
 }
 
 /// One tensor-parallel collective `c`, in a forward (`forward`; the recompute's included) or
-/// a backward: a dense block's under `mode` (None: not a dense block's), whole where the mode
-/// does not cut it.
+/// a backward: a block's under `mode` (None: not a block's), whole where the mode does not cut
+/// it.
 pub(super) fn collective(
     tally: &mut Tally,
     mode: Option<TpOverlap>,
