@@ -148,6 +148,19 @@ impl Mask {
         )
     }
 
+    /// The same mask from `first` rows further on: the mask of a chunk of the block's rows
+    /// (sequences `first ..`), as one device draws it for them.
+    pub fn from_row(&self, first: usize) -> Mask {
+        let [r0, o1, o2] = self.place.offset;
+        Mask {
+            place: Place {
+                offset: [r0 + first, o1, o2],
+                ..self.place
+            },
+            ..*self
+        }
+    }
+
     /// The mask of a block (A, B, C) as an f32 tensor on `dev`.
     pub fn tensor(
         &self,

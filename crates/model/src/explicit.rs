@@ -64,6 +64,7 @@ mod moe;
 #[cfg(test)]
 mod tests;
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor};
@@ -71,7 +72,7 @@ use mtrain_kernels::{layer_norm, linear};
 
 use crate::layers::{LayerNorm, Mlp};
 use crate::param::Param;
-use crate::tape::{Collective, SlotWeight, TapedLinear, WeightGrads};
+use crate::tape::{cat_rows, rows_of, Collective, SlotWeight, TapedLinear, WeightGrads};
 
 pub use block::{block_tape, sharded_block_tape, BlockDropout, LocalAttention};
 pub use head::{embedding_tape, head_tape};
@@ -285,12 +286,17 @@ impl MlpWeights {
 
     /// `r + MLP(x)` for x (N, C) of a batch of `b` sequences (the residual added with c_proj's
     /// bias), or `MLP(x)` without `r`; and what the backward needs.
+    /// c_fc runs on the chunks of sequences c_proj asks for ([`TapedLinear::forward_from`]).
     fn forward(&self, x: &Tensor, r: Option<&Tensor>, b: usize) -> Result<(Tensor, MlpKept)> {
-        let (h, f, g) = self.c_fc.forward_gelu(x, b)?; // f, g (N, 4C/tp)
-        let (g, y) = match r {
-            Some(r) => self.c_proj.forward_residual(r, &g, b)?, // (N_r, C) = r + MLP
-            None => self.c_proj.forward(&g, b)?,                // (N_r, C)
+        let mut kept = Vec::new();
+        let mut fc = |seqs: Range<usize>| -> Result<Tensor> {
+            let (h, f, g) = self.c_fc.forward_gelu(&rows_of(x, b, &seqs)?, seqs.len())?;
+            kept.push((h, f)); // f, g (N_s, 4C/tp)
+            Ok(g)
         };
+        let (g, y) = self.c_proj.forward_from(r, b, &mut fc)?; // (N_r, C), + r when given
+        let (h, f): (Vec<_>, Vec<_>) = kept.into_iter().unzip();
+        let (h, f) = (cat_rows(h)?, cat_rows(f)?); // (N, C), (N, 4C/tp)
         Ok((y, MlpKept { h, f, g }))
     }
 

@@ -20,6 +20,8 @@
 //! A bias or a LayerNorm gradient comes out of the kernel that computes dx, so B forms it;
 //! every matrix product that only a weight gradient needs waits for W.
 
+use std::ops::Range;
+
 use candle_core::{DType, Device, Result, Tensor};
 use mtrain_kernels::linear;
 
@@ -363,6 +365,59 @@ pub trait TapedLinear: Send + Sync {
     ) -> Result<Tensor>;
     /// Zero gradients for the weight and bias, for a layer no row reached (an expert).
     fn zero_grads(&self, grads: &mut WeightGrads) -> Result<()>;
+
+    /// [`TapedLinear::forward`], or with `r` [`TapedLinear::forward_residual`], on an input
+    /// that the sub-layer before makes a chunk of sequences at a time: `make(seqs)` gives the
+    /// rows (N_i, in) of sequences `seqs` of the `b`. A layer that overlaps its collective with
+    /// compute (tensor parallelism's row layer under `--tp-overlap chunked`) asks for chunk
+    /// after chunk and sends each chunk's sum while the next chunk is made, so that the whole
+    /// sub-layer, not only this product, hides the wire; any other asks for all `b` at once.
+    /// Returns the product's input (all rows) and the output.
+    fn forward_from(
+        &self,
+        r: Option<&Tensor>,
+        b: usize,
+        make: &mut dyn FnMut(Range<usize>) -> Result<Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
+        let x = make(0..b)?; // (N, in)
+        match r {
+            Some(r) => self.forward_residual(r, &x, b),
+            None => self.forward(&x, b),
+        }
+    }
+
+    /// [`TapedLinear::backward`] (no GELU before the layer) on an output gradient made a chunk
+    /// of sequences at a time, `make(seqs)` giving dy's rows of sequences `seqs`: the conjugate
+    /// of [`TapedLinear::forward_from`] for a layer that reduces its input gradient (the column
+    /// layer's f), whose sum of chunk i is on the wire while chunk i+1's gradient is made.
+    fn backward_from(
+        &self,
+        x: &Tensor,
+        b: usize,
+        grads: &mut WeightGrads,
+        make: &mut dyn FnMut(Range<usize>) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let dy = make(0..b)?; // (N', out)
+        self.backward(x, &dy, b, grads, None)
+    }
+}
+
+/// The rows of sequences `seqs` in a (b·T, F) activation of `b` sequences (all of it, not a
+/// view, when `seqs` is every sequence).
+pub fn rows_of(x: &Tensor, b: usize, seqs: &Range<usize>) -> Result<Tensor> {
+    if seqs.start == 0 && seqs.end == b {
+        return Ok(x.clone());
+    }
+    let t = x.dim(0)? / b;
+    x.narrow(0, seqs.start * t, seqs.len() * t) // (len·T, F)
+}
+
+/// Chunks' rows (N_i, F) laid end to end again: (Σ N_i, F).
+pub fn cat_rows(mut parts: Vec<Tensor>) -> Result<Tensor> {
+    match parts.len() {
+        1 => Ok(parts.remove(0)),
+        _ => Tensor::cat(&parts, 0),
+    }
 }
 
 /// A collective that a sharded layer puts into a tape's forward, and its conjugate, which the

@@ -546,6 +546,17 @@ fn dropout_tp2_pp2_dp2_equals_one_device() {
     check_dropout_equals_one_device(&Device::Cpu, &cfg(), &plan(2, 2, 2, 1), 1, DROPOUT);
 }
 
+/// Dropout with `--tp-overlap chunked`: attention and the MLP run a chunk of the micro-batch's
+/// sequences at a time, each chunk drawing its own sequences' masks.
+#[test]
+fn dropout_tp2_pp2_dp2_chunked_equals_one_device() {
+    let p = ParallelPlan {
+        tp_overlap: TpOverlap::Chunked,
+        ..plan(2, 2, 2, 1)
+    };
+    check_dropout_equals_one_device(&Device::Cpu, &cfg(), &p, 1, DROPOUT);
+}
+
 /// Dropout under ZeRO-3, pp and activation checkpointing: the recompute draws the same masks.
 #[test]
 fn dropout_pp2_dp2_zero3_checkpointing_equals_one_device() {

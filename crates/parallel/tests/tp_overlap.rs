@@ -1,12 +1,12 @@
 //! `--tp-overlap chunked` and `ring` under the link emulator: on a link slow enough that the
-//! TP collectives waited inline take at least 40% of a step, the overlapped modes hide at least
-//! 10% of the communication the step waits for (chunked against `none`; ring, with sequence
-//! parallelism, against `none` with it), and the step gets shorter by what was hidden, less 15%
-//! of the step (the step-to-step noise of a 2-core machine that other builds share); the three
-//! claims must hold together in one of at most three measurements. What each
-//! mode can hide is bounded by the products beside its collectives: the forward's g (chunked)
-//! or sequence collectives (ring) only behind their own layer's product; the backward's behind
-//! the input and weight gradients (docs/results.md has the figures).
+//! TP collectives waited inline take at least 40% of a step, `chunked` leaves at most half of
+//! the communication the step waits for without overlap exposed, and `ring` (with sequence
+//! parallelism, against `none` with it) at most 0.9 of it; the step gets shorter by what was
+//! hidden, less 15% of the step (the step-to-step noise of a 2-core machine that other builds
+//! share); the three claims must hold together in one of at most three measurements. What each
+//! mode can hide is bounded by the compute beside its collectives: chunked's g behind the next
+//! chunk's whole sub-layer, ring's sequence collectives only behind their own layer's product;
+//! the backward's behind the input and weight gradients (docs/results.md has the figures).
 //!
 //! The link is calibrated to this machine in the run: a first pass without a link measures the
 //! step's compute and records its collectives; the link's bandwidth is then set so those
@@ -147,7 +147,7 @@ fn measure(sp: bool, mode: TpOverlap) -> (Vec<Medians>, Duration, f64) {
 
 #[test]
 fn chunked_hides_tp_communication_on_a_slow_link() {
-    hides_tp_communication(false, TpOverlap::Chunked, 0.9);
+    hides_tp_communication(false, TpOverlap::Chunked, 0.5);
 }
 
 #[test]

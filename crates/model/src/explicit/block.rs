@@ -10,6 +10,7 @@
 //!             (the residuals take dout and dx1 unmasked; every M drawn again, none kept)
 //! ```
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::{Result, Tensor};
@@ -22,7 +23,7 @@ use crate::dropout::{self, BlockMasks, Draw};
 use crate::layers::{CausalSelfAttention, FeedForward, LayerNorm};
 use crate::moe::MoeStats;
 use crate::tape::{AttentionKept, Collective, SequenceAttention, SplitGrads, Tape, TapeGrads};
-use crate::tape::{TapedLinear, WeightGrads};
+use crate::tape::{cat_rows, rows_of, TapedLinear, WeightGrads};
 use mtrain_kernels::dropout::Mask;
 
 /// The weights of a block's attention half and its second LayerNorm, when every layer has a
@@ -99,8 +100,9 @@ struct BlockTape {
     x: Tensor,
     s1: Stats,
     h1: Tensor,
-    /// What attention kept for its backward (c_attn's output and lse2 on one device).
-    att: Box<dyn AttentionKept>,
+    /// What attention kept for its backward (c_attn's output and lse2 on one device), for each
+    /// chunk of sequences it ran on (one, or `--tp-overlap chunked`'s chunks).
+    att: Vec<(Range<usize>, Box<dyn AttentionKept>)>,
     /// Attention's output (N, HD), c_proj's input.
     ym: Tensor,
     x1: Tensor,
@@ -109,6 +111,14 @@ struct BlockTape {
     out: Tensor,
     /// The masks of the two residual branches (keys, not values).
     masks: BlockMasks,
+}
+
+/// What c_attn and attention kept for one chunk of sequences (the forward's `attend`).
+struct Kept {
+    seqs: Range<usize>,
+    /// c_attn's input rows of the chunk.
+    h1: Tensor,
+    att: Box<dyn AttentionKept>,
 }
 
 /// One device's attention over the whole sequence: the causal kernels
@@ -200,33 +210,46 @@ pub fn sharded_block_tape(
     let x = x.detach().reshape((b * t, c))?; // (N_r, C), this rank's rows
     let (h1, s1) = wts.ln_1.forward(&x)?; // (N_r, C)
     let h1 = across(&wts.enter, &h1, b, fwd)?; // (N, C)
-    let (h1, qkv) = wts.c_attn.forward(&h1, b)?; // (N, 3HD)
-    let (n, _) = qkv.dims2()?;
-    let qkv = qkv.reshape((b, n / b, 3 * h * d))?; // (B, T, 3HD)
     let scale = 1.0 / (d as f64).sqrt();
     let draw = dropout_at.map(|o| o.draw);
     let layer = dropout_at.map_or(0, |o| o.layer);
-    let t_att = n / b; // the rows attention sees: the whole sequence, or this rank's under cp
+    let context_ring = context.is_some();
+    let context: Arc<dyn SequenceAttention> = context.unwrap_or_else(|| Arc::new(LocalAttention));
+    // c_attn and attention for sequences `seqs`, made when c_proj asks for them: all at once,
+    // or chunk by chunk where c_proj overlaps its collective with them.
+    let mut kept = Vec::new();
+    let mut t_att = 0; // the rows attention sees a sequence: T, or this rank's under cp
+    let mut attend = |seqs: Range<usize>| -> Result<Tensor> {
+        let bs = seqs.len();
+        let (h1, qkv) = wts.c_attn.forward(&rows_of(&h1, b, &seqs)?, bs)?; // (N_s, 3HD)
+        let n_s = qkv.dim(0)?;
+        t_att = n_s / bs;
+        let qkv = qkv.reshape((bs, t_att, 3 * h * d))?; // (B_s, T, 3HD)
+        let probs = attn.probs_mask(draw, layer, context.positions(t_att).t)?;
+        let probs = probs.map(|m| m.from_row(seqs.start)); // this chunk's sequences
+        let (ym, att) = context.forward(&qkv, h, scale, probs.as_ref())?; // (B_s, T, HD)
+        kept.push(Kept { seqs, h1, att });
+        ym.reshape((n_s, h * d)) // (N_s, HD)
+    };
+    let dropped = Draw::active(draw).is_some();
+    let (ym, a) = match dropped {
+        false => wts.c_proj.forward_from(Some(&x), b, &mut attend)?, // (N_r, C) = x + attention
+        true => wts.c_proj.forward_from(None, b, &mut attend)?,      // (N_r, C) = attention
+    };
     // The masks' places in the whole sequence: context parallelism's chunks (the ring's
     // positions), else sequence parallelism's run of the rows attention sees, else all.
-    let positions = match (&context, dropout_at.and_then(|o| o.positions)) {
-        (Some(ring), _) => ring.positions(t),
-        (None, Some(first)) => Positions::run(first(t_att), t, t_att),
-        (None, None) => Positions::all(t),
+    let positions = match (&context_ring, dropout_at.and_then(|o| o.positions)) {
+        (true, _) => context.positions(t),
+        (false, Some(first)) => Positions::run(first(t_att), t, t_att),
+        (false, None) => Positions::all(t),
     };
-    let context: Arc<dyn SequenceAttention> = context.unwrap_or_else(|| Arc::new(LocalAttention));
-    let probs = attn.probs_mask(draw, layer, context.positions(t_att).t)?;
     let masks = BlockMasks::new(draw, layer, &positions, c)?;
-    let (ym, att) = context.forward(&qkv, h, scale, probs.as_ref())?; // (B, T, HD)
-    drop(qkv); // `att` holds it as the kernels read it
-    let ym = ym.reshape((n, h * d))?; // (N, HD)
-    let (ym, x1) = match &masks.attn {
-        None => wts.c_proj.forward_residual(&x, &ym, b)?, // (N_r, C) = x + attention
-        Some(m) => {
-            let (ym, a) = wts.c_proj.forward(&ym, b)?; // (N_r, C)
-            (ym, (&x + dropout::rows(&a, b, m)?)?) // (N_r, C) = x + M_a ∘ attention
-        }
+    let x1 = match &masks.attn {
+        Some(m) => (&x + dropout::rows(&a, b, m)?)?, // (N_r, C) = x + M_a ∘ attention
+        None => a,
     };
+    let h1 = cat_rows(kept.iter().map(|k| k.h1.clone()).collect())?; // (N, C)
+    let att = kept.into_iter().map(|k| (k.seqs, k.att)).collect();
     let (h2, s2) = wts.ln_2.forward(&x1)?; // (N_r, C)
     let (out, ffn) = match ffn {
         Ffn::Mlp(mlp) => {
@@ -367,13 +390,31 @@ impl BlockTape {
         };
         let dym = wts.c_proj.backward(&ym, &da, b, grads, None)?; // (N, HD)
         drop(da);
-        let (n, hd) = dym.dims2()?;
-        let tokens = |t: &Tensor| t.reshape((b, n / b, hd)); // (B, T, HD)
-        let dqkv = att.backward(&tokens(&ym)?, &tokens(&dym)?)?; // (B, T, 3HD)
-        drop((ym, dym));
-        let dqkv = dqkv.reshape((n, 3 * hd))?; // (N, 3HD)
-        let dh1 = wts.c_attn.backward(&h1, &dqkv, b, grads, None)?; // (N, C)
-        drop((h1, dqkv));
+        let hd = dym.dim(1)?;
+        // Attention's backward for sequences `seqs`, made when c_attn asks for them: the chunks
+        // the forward ran, taken in order; its inputs freed with the last.
+        let mut att = att.into_iter().peekable();
+        let mut inputs = Some((ym, dym));
+        let mut attend_back = |seqs: Range<usize>| -> Result<Tensor> {
+            let (ym, dym) = inputs.as_ref().ok_or_else(|| err("attention backward ran".into()))?;
+            let mut parts = Vec::new();
+            while let Some((s, kept)) = att.next_if(|(s, _)| s.start < seqs.end) {
+                let tokens = |t: &Tensor| -> Result<Tensor> {
+                    let rows = rows_of(t, b, &s)?; // (N_s, HD)
+                    let n_s = rows.dim(0)?;
+                    rows.reshape((s.len(), n_s / s.len(), hd)) // (B_s, T, HD)
+                };
+                let dqkv = kept.backward(&tokens(ym)?, &tokens(dym)?)?; // (B_s, T, 3HD)
+                let n_s = dqkv.dim(0)? * dqkv.dim(1)?;
+                parts.push(dqkv.reshape((n_s, 3 * hd))?); // (N_s, 3HD)
+            }
+            if att.peek().is_none() {
+                inputs = None;
+            }
+            cat_rows(parts) // (N_seqs, 3HD)
+        };
+        let dh1 = wts.c_attn.backward_from(&h1, b, grads, &mut attend_back)?; // (N, C)
+        drop(h1);
         let dh1 = across(&wts.enter, &dh1, b, bwd)?; // (N_r, C)
         let dx = wts.ln_1.backward_residual(&x, &s1, &dh1, &dx1, grads)?; // (N_r, C)
         dx.reshape((b, t, c))

@@ -16,16 +16,20 @@
 //! nothing ([`ColumnInput::SequenceGathered`]).
 //!
 //! With `--tp-overlap chunked` the input gradient is computed and all-reduced chunk by chunk,
-//! and the weight gradient computed while the last chunks are on the wire ([`super::overlap`]);
+//! each chunk's output gradient made by the layers after (attention's backward) as it is asked
+//! for, and the weight gradient computed while the last chunks are on the wire
+//! ([`super::overlap`]);
 //! with `ring`, the sequence all-gather is the layer's, a ring with its product.
 //!
 //! Legend: `N` rows (B·T), `in`/`out` the full layer's features, `tp` the group's size.
+
+use std::ops::Range;
 
 use candle_core::Tensor;
 use mtrain_comm::Comm;
 use mtrain_model::explicit::DenseTape;
 use mtrain_model::layers::{linear, weight_and_bias};
-use mtrain_model::tape::{TapedLinear, WeightGrads};
+use mtrain_model::tape::{cat_rows, TapedLinear, WeightGrads};
 use mtrain_model::{Linear, Param};
 
 use super::mapping::{Mapping, TpCollective};
@@ -145,6 +149,38 @@ impl ColumnTape {
     }
 }
 
+impl ColumnTape {
+    /// dx = Σ_tp dy_r W_r (N, in) with dy made chunk by chunk: chunk i's all-reduce on the wire
+    /// while chunk i+1's dy is made and multiplied, then dW and db computed (or kept for W)
+    /// while the last chunks are on the wire.
+    fn chunked_input_grad(
+        &self,
+        f: TpCollective,
+        x: &Tensor,
+        chunks: Vec<Range<usize>>,
+        grads: &mut WeightGrads,
+        make: &mut dyn FnMut(Range<usize>) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Tensor> {
+        let w = self.dense.weight()?; // (out/tp, in)
+        let mut dys = Vec::with_capacity(chunks.len());
+        let mut in_flight = Vec::with_capacity(chunks.len());
+        for seqs in chunks {
+            let dy = make(seqs.clone())?; // (N/k, out/tp)
+            let part = mtrain_kernels::matmul(&dy, &w)?; // (N/k, in), partial
+            in_flight.push(f.start_rows(&part, seqs.len(), &self.group)?);
+            dys.push(dy);
+        }
+        drop(w);
+        let dy = cat_rows(dys)?; // (N, out/tp)
+        grads.linear(self.dense.names(), &dy, x, &self.dense.bias()?)?;
+        let sums = in_flight
+            .into_iter()
+            .map(|c| c.finish())
+            .collect::<candle_core::Result<Vec<_>>>()?; // k × (N/k, in)
+        cat_rows(sums) // Σ_tp (N, in)
+    }
+}
+
 impl TapedLinear for ColumnTape {
     fn weight(&self) -> candle_core::Result<Tensor> {
         self.dense.weight()
@@ -204,26 +240,30 @@ impl TapedLinear for ColumnTape {
                 f.run_rows(&dx, b, &self.group)? // all-reduce: Σ_tp (N, in)
             }
             Some(chunks) => {
-                // Chunk i's all-reduce on the wire while chunk i+1's product, then dW and db,
-                // are computed.
-                let w = self.dense.weight()?; // (out/tp, in)
-                let mut in_flight = Vec::with_capacity(chunks.len());
-                for seqs in &chunks {
-                    let part = mtrain_kernels::matmul(&rows_of(dy, b, seqs)?, &w)?; // (N/k, in)
-                    in_flight.push(f.start_rows(&part, seqs.len(), &self.group)?);
-                }
-                drop(w);
-                grads.linear(self.dense.names(), dy, x, &self.dense.bias()?)?;
-                let sums = in_flight
-                    .into_iter()
-                    .map(|c| c.finish())
-                    .collect::<candle_core::Result<Vec<_>>>()?; // k × (N/k, in)
-                Tensor::cat(&sums, 0)? // Σ_tp (N, in)
+                self.chunked_input_grad(f, x, chunks, grads, &mut |seqs| rows_of(dy, b, &seqs))?
             }
         };
         match gelu_of {
             Some(pre) => mtrain_kernels::gelu::backward(pre, &dx), // through the GELU before
             None => Ok(dx),
+        }
+    }
+
+    /// The layer after made its input gradient chunk by chunk, each chunk's f-conjugate sent
+    /// as the next is made.
+    fn backward_from(
+        &self,
+        x: &Tensor,
+        b: usize,
+        grads: &mut WeightGrads,
+        make: &mut dyn FnMut(Range<usize>) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Tensor> {
+        match (self.ring, self.f_backward(), chunks(self.overlap, b)) {
+            (false, Some(f), Some(chunks)) => self.chunked_input_grad(f, x, chunks, grads, make),
+            _ => {
+                let dy = make(0..b)?; // (N, out/tp)
+                self.backward(x, &dy, b, grads, None)
+            }
         }
     }
 

@@ -1,29 +1,38 @@
-//! Overlapping a TP layer's collective with its own product (`--tp-overlap chunked`): the
-//! micro-batch's sequences are cut into k chunks, and chunk i's collective is on the wire while
-//! chunk i+1's product is computed.
+//! Overlapping a TP sub-layer's collective with the sub-layer itself (`--tp-overlap chunked`):
+//! the micro-batch's sequences are cut into k chunks, and chunk i's collective is on the wire
+//! while chunk i+1 runs the whole sub-layer — c_attn, attention and c_proj's product, or c_fc,
+//! GELU and c_proj's product — up to its own collective.
 //!
 //! ```text
-//!   none      compute  [ x W_rᵀ (all rows)  ]
-//!             comm                           [ all-reduce (all rows) ]          y
+//!   none      compute  [ c_attn · attention · x W_rᵀ  (all rows) ]
+//!             comm                                                 [ all-reduce (all rows) ]   y
 //!
-//!   chunked   compute  [ x_0 W_rᵀ ][ x_1 W_rᵀ ][ x_2 W_rᵀ ][ x_3 W_rᵀ ]
-//!             comm                [ AR 0    ][ AR 1    ][ AR 2    ][ AR 3 ]     y = [y_0; …; y_3]
-//!                                                                   ^ exposed: the last chunk
+//!   chunked   compute  [ sub-layer 0 ][ sub-layer 1 ][ sub-layer 2 ][ sub-layer 3 ]
+//!             comm                    [ AR 0        ][ AR 1        ][ AR 2        ][ AR 3 ]
+//!                                                                                  ^ exposed
 //! ```
 //!
-//! The row-parallel layer cuts its forward this way (g's all-reduce, or under sequence
-//! parallelism its reduce-scatter along T, which cut by sequences gives each rank the same T/tp
-//! positions of each); the column-parallel layer cuts the input gradient's all-reduce (f's
-//! conjugate) and computes the weight gradient while the last chunks are on the wire. A chunk is
-//! whole sequences, so every collective sees the (b, T, F) layout it always sees; each sum is
-//! over the same ranks' values (at tp > 2 the ring may add them in another order).
+//! The row-parallel layer owns the schedule: it asks the sub-layer for its input a chunk at a
+//! time ([`TapedLinear::forward_from`]) and sends each chunk's sum (g's all-reduce, or under
+//! sequence parallelism its reduce-scatter along T, which cut by sequences gives each rank the
+//! same T/tp positions of each) before asking for the next. The column-parallel layer does the
+//! same with the input gradient's all-reduce (f's conjugate) in the backward, asking the layers
+//! after it for the output gradient chunk by chunk ([`TapedLinear::backward_from`]: attention's
+//! backward runs per chunk), and computes its weight gradient while the last chunks are on the
+//! wire. A chunk is whole sequences, so attention needs nothing from another chunk and every
+//! collective sees the (b, T, F) layout it always sees; each sum is over the same ranks' values
+//! (at tp > 2 the ring may add them in another order).
 //!
 //! Legend: `N` rows (B·T), `F` features, `k` chunks.
+//!
+//! [`TapedLinear::forward_from`]: mtrain_model::tape::TapedLinear::forward_from
+//! [`TapedLinear::backward_from`]: mtrain_model::tape::TapedLinear::backward_from
 
 use std::ops::Range;
 
 use candle_core::Tensor;
 use mtrain_comm::{chunk_range, Comm, ReduceOp, Work};
+pub use mtrain_model::tape::rows_of;
 
 use super::mapping::TpCollective;
 use super::SEQ_DIM;
@@ -92,10 +101,4 @@ impl TpCollective {
             b,
         })
     }
-}
-
-/// The rows of sequences `seqs` in a (b·T, F) activation of `b` sequences.
-pub fn rows_of(x: &Tensor, b: usize, seqs: &Range<usize>) -> candle_core::Result<Tensor> {
-    let t = x.dim(0)? / b;
-    x.narrow(0, seqs.start * t, seqs.len() * t)
 }

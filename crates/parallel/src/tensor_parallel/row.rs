@@ -14,18 +14,21 @@
 //! the sums of its T/tp positions, (N/tp, out)) and an all-gather of the gradient in backward
 //! ([`RowOutput::ReduceScatterSequence`]).
 //!
-//! With `--tp-overlap chunked` the forward computes and sends chunk by chunk ([`super::overlap`]).
+//! With `--tp-overlap chunked` the forward asks the sub-layer before for its input chunk by
+//! chunk and sends each chunk's sum while the next is made ([`super::overlap`]).
 //! With `--tp-overlap ring` the sequence reduce-scatter is a ring with the product
 //! ([`super::ring`]).
 //!
 //! Legend: `N` rows (B·T), `in`/`out` the full layer's features, `tp` the group's size.
+
+use std::ops::Range;
 
 use candle_core::Tensor;
 use mtrain_comm::Comm;
 use mtrain_kernels::{bias, linear as fused};
 use mtrain_model::explicit::DenseTape;
 use mtrain_model::layers::{linear, weight_and_bias};
-use mtrain_model::tape::{TapedLinear, WeightGrads};
+use mtrain_model::tape::{cat_rows, TapedLinear, WeightGrads};
 use mtrain_model::{Linear, Param};
 
 use super::mapping::Mapping;
@@ -118,30 +121,45 @@ impl RowTape {
         self.overlap == TpOverlap::Ring && self.g == Mapping::ReduceScatterToSequence
     }
 
-    /// g(x_r W_rᵀ): the partial products summed over tp, (N, out) or (N/tp, out) under SP.
-    fn summed_product(&self, x: &Tensor, b: usize) -> candle_core::Result<Tensor> {
+    /// g(x_r W_rᵀ) of the input `make` gives ([`TapedLinear::forward_from`]), chunk by chunk
+    /// under `chunked`: the input x_r (N, in/tp) and the partial products summed over tp,
+    /// (N, out) or (N/tp, out) under SP.
+    fn summed_product_from(
+        &self,
+        b: usize,
+        make: &mut dyn FnMut(Range<usize>) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
         let w_t = self.dense.weight()?.t()?; // (in/tp, out)
-        let Some(c) = self.g.forward() else {
-            return mtrain_kernels::matmul(x, &w_t);
+        let whole = match (self.g.forward(), self.ring()) {
+            (Some(c), false) => chunks(self.overlap, b).map(|chunks| (c, chunks)),
+            _ => None,
         };
-        if self.ring() {
-            return ring::row_forward(x, &w_t, b, &self.group); // Σ_tp (N/tp, out)
-        }
-        let Some(chunks) = chunks(self.overlap, b) else {
-            let partial = mtrain_kernels::matmul(x, &w_t)?; // (N, out), partial
-            return c.run_rows(&partial, b, &self.group); // all-reduce: Σ_tp (N', out)
+        let Some((c, chunks)) = whole else {
+            let x = make(0..b)?; // (N, in/tp)
+            let y = match self.g.forward() {
+                None => mtrain_kernels::matmul(&x, &w_t)?,
+                Some(_) if self.ring() => ring::row_forward(&x, &w_t, b, &self.group)?, // (N/tp, out)
+                Some(c) => {
+                    let partial = mtrain_kernels::matmul(&x, &w_t)?; // (N, out), partial
+                    c.run_rows(&partial, b, &self.group)? // all-reduce: Σ_tp (N', out)
+                }
+            };
+            return Ok((x, y));
         };
-        // Chunk i's g on the wire while chunk i+1's product is computed.
+        // Chunk i's g on the wire while chunk i+1 is made (the sub-layer before) and multiplied.
+        let mut inputs = Vec::with_capacity(chunks.len());
         let mut in_flight = Vec::with_capacity(chunks.len());
-        for seqs in &chunks {
-            let partial = mtrain_kernels::matmul(&rows_of(x, b, seqs)?, &w_t)?; // (N/k, out)
+        for seqs in chunks {
+            let x = make(seqs.clone())?; // (N/k, in/tp)
+            let partial = mtrain_kernels::matmul(&x, &w_t)?; // (N/k, out)
             in_flight.push(c.start_rows(&partial, seqs.len(), &self.group)?);
+            inputs.push(x);
         }
         let sums = in_flight
             .into_iter()
             .map(|f| f.finish())
             .collect::<candle_core::Result<Vec<_>>>()?; // k × (N'/k, out)
-        Tensor::cat(&sums, 0) // (N', out)
+        Ok((cat_rows(inputs)?, cat_rows(sums)?)) // (N, in/tp), (N', out)
     }
 }
 
@@ -152,8 +170,7 @@ impl TapedLinear for RowTape {
 
     /// x_r (N, in/tp) -> (x_r, Σ_tp x_r W_rᵀ + b (N', out)).
     fn forward(&self, x: &Tensor, b: usize) -> candle_core::Result<(Tensor, Tensor)> {
-        let y = mtrain_kernels::bias_add(&self.summed_product(x, b)?, &self.dense.bias()?)?;
-        Ok((x.clone(), y))
+        self.forward_from(None, b, &mut |seqs| rows_of(x, b, &seqs))
     }
 
     /// r + Σ_tp x_r W_rᵀ + b, the bias and the residual added in one pass.
@@ -163,8 +180,23 @@ impl TapedLinear for RowTape {
         x: &Tensor,
         b: usize,
     ) -> candle_core::Result<(Tensor, Tensor)> {
-        let y = bias::residual_add(r, &self.summed_product(x, b)?, &self.dense.bias()?)?;
-        Ok((x.clone(), y)) // (N', out)
+        self.forward_from(Some(r), b, &mut |seqs| rows_of(x, b, &seqs)) // (N', out)
+    }
+
+    /// The sub-layer before made chunk by chunk, each chunk's g sent as the next is made.
+    fn forward_from(
+        &self,
+        r: Option<&Tensor>,
+        b: usize,
+        make: &mut dyn FnMut(Range<usize>) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        let (x, sum) = self.summed_product_from(b, make)?; // (N, in/tp), (N', out)
+        let bias = self.dense.bias()?;
+        let y = match r {
+            Some(r) => bias::residual_add(r, &sum, &bias)?,
+            None => mtrain_kernels::bias_add(&sum, &bias)?,
+        };
+        Ok((x, y))
     }
 
     fn forward_gelu(&self, x: &Tensor, b: usize) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
