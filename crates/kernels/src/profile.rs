@@ -3,9 +3,16 @@
 //!
 //! ```text
 //!   off (the default)   op(..) = one relaxed atomic load, then the op itself
-//!   on                  sync ─ t0 ─ op ─ sync ─ t1     row[name] += (1 call, t1 − t0, FLOPs, bytes)
-//!                       (sync: the device's; a no-op on the CPU)
+//!   on, CPU             t0 ─ op ─ t1                   row[name] += (1 call, t1 − t0, FLOPs, bytes)
+//!   on, CUDA            e0 ─ op ─ e1 (events on the stream, no synchronisation); when the
+//!                       profiling stops, row[name] += (1 call, e1 − e0 as the GPU ran it, …)
 //! ```
+//!
+//! On a GPU the host only enqueues: an op's kernels run when the stream reaches them. Timing
+//! them with the host's clock would need a synchronisation on both sides, which empties the
+//! queue, so each op would carry a launch's latency and a kernel's tail; the two events are
+//! stamped by the stream itself, around exactly the op's kernels, and the step runs as it does
+//! unprofiled.
 //!
 //! **One rule.** Only the outermost op of a call stack is timed: an op called inside another
 //! (the GEMM inside attention, the bias add inside a linear layer's CPU path) is part of the
@@ -148,10 +155,14 @@ pub fn start() {
     ON.store(true, Ordering::SeqCst);
 }
 
-/// Stops profiling and returns the table, one row per op name.
+/// Stops profiling and returns the table, one row per op name (on a GPU, once the stream has
+/// run every op timed).
 pub fn stop() -> BTreeMap<String, OpTotals> {
     ON.store(false, Ordering::SeqCst);
-    std::mem::take(&mut *TABLE.lock().unwrap_or_else(|p| p.into_inner()))
+    let table = std::mem::take(&mut *TABLE.lock().unwrap_or_else(|p| p.into_inner()));
+    #[cfg(feature = "cuda")]
+    let table = gpu::resolve(table);
+    table
 }
 
 /// Whether ops are being profiled.
@@ -179,10 +190,10 @@ impl Drop for Open {
     }
 }
 
-/// Runs `f`, the op on `dev`; while profiling and outermost, times it with the device
-/// synchronised on both sides and adds the call to the row `what` names with the cost it gives
-/// for the result (both worked out after the clock stopped). Inside a [`section`] the call is
-/// counted and the section's time shared out.
+/// Runs `f`, the op on `dev`; while profiling and outermost, times it (the host's clock on the
+/// CPU, two events on the stream on a GPU) and adds the call to the row `what` names with the
+/// cost it gives for the result (both worked out after the clock stopped). Inside a
+/// [`section`] the call is counted and the section's time shared out.
 pub fn op<R>(
     dev: &Device,
     f: impl FnOnce() -> Result<R>,
@@ -195,11 +206,20 @@ pub fn op<R>(
     if !outer {
         return f();
     }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = dev {
+        let stream = d.cuda_stream();
+        let start = gpu::stamp(&stream)?;
+        let r = f()?;
+        let end = gpu::stamp(&stream)?;
+        let (name, cost) = what(&r);
+        gpu::pending(gpu::Timed { name, cost, start, end });
+        return Ok(r);
+    }
     if !SECTION_OPEN.load(Ordering::SeqCst) {
-        dev.synchronize()?;
         let t0 = Instant::now();
         let r = f()?;
-        dev.synchronize()?;
+        dev.synchronize()?; // a no-op on the CPU
         let seconds = t0.elapsed().as_secs_f64();
         let (name, cost) = what(&r);
         let mut table = TABLE.lock().unwrap_or_else(|p| p.into_inner());
@@ -246,6 +266,51 @@ pub fn section<R>(dev: &Device, f: impl FnOnce() -> Result<R>) -> Result<R> {
         row.seconds += seconds * share;
     }
     r
+}
+
+/// CUDA events around an op's kernels.
+#[cfg(feature = "cuda")]
+mod gpu {
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+
+    use candle_core::cuda_backend::cudarc::driver::{sys, CudaEvent, CudaStream};
+    use candle_core::Result;
+
+    use super::{Cost, OpTotals};
+
+    /// An op whose kernels lie between two events on the stream.
+    pub struct Timed {
+        pub name: String,
+        pub cost: Cost,
+        pub start: CudaEvent,
+        pub end: CudaEvent,
+    }
+
+    /// An event recorded on `stream` now, with timing on.
+    pub fn stamp(stream: &CudaStream) -> Result<CudaEvent> {
+        stream
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(candle_core::Error::wrap)
+    }
+
+    /// Ops timed by events, added to the table when profiling stops.
+    static PENDING: Mutex<Vec<Timed>> = Mutex::new(Vec::new());
+
+    pub fn pending(t: Timed) {
+        PENDING.lock().unwrap_or_else(|p| p.into_inner()).push(t);
+    }
+
+    /// `table` with every pending op added, each as the seconds the stream spent between its
+    /// events (waiting for the stream to reach the last).
+    pub fn resolve(mut table: BTreeMap<String, OpTotals>) -> BTreeMap<String, OpTotals> {
+        for t in std::mem::take(&mut *PENDING.lock().unwrap_or_else(|p| p.into_inner())) {
+            // An op whose events cannot be read (a failed stream) counts no time.
+            let ms = t.start.elapsed_ms(&t.end).unwrap_or(0.0);
+            super::add(table.entry(t.name).or_default(), t.cost, f64::from(ms) * 1e-3);
+        }
+        table
+    }
 }
 
 /// One call of `cost` taking `seconds`.
