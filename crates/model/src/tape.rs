@@ -389,13 +389,13 @@ pub trait Exchange: Send + Sync {
     /// rank sends to each of its E_l experts, per part of the tokens: m = parts · E_l); returns
     /// (ranks · m,), entry `s · m + i` rank s's count i for this rank.
     fn counts(&self, counts: &[usize]) -> Result<Vec<usize>>;
-    /// Into how many parts a layer cuts its tokens for [`Exchange::round_trip`]: 1, or 2 under
-    /// dual-batch overlap (`--ep-overlap`).
+    /// Into how many parts a layer cuts its tokens for [`Exchange::round_trip`]: 1, or more
+    /// under the pipelined overlap (`--ep-overlap`).
     fn parts(&self) -> usize;
     /// The dispatch, the experts and the combine of each part of a layer's rows, in order:
     /// part i's rows (S_i, F) go out by its splits, `experts(i, rows)` runs on the (R_i, F)
     /// rows that came in, and its result goes back by the same splits swapped; returns each
-    /// part's (S_i, F). Each all-to-all is waited where it is issued, or, under dual-batch
+    /// part's (S_i, F). Each all-to-all is waited where it is issued, or, under the pipelined
     /// overlap, the next part's dispatch and the previous part's combine are on the wire while
     /// `experts` computes. The forward and the backward both run through it (the backward's
     /// dispatch carries output gradients, its combine input gradients).

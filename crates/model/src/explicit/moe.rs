@@ -28,11 +28,12 @@
 //! sends or receives nothing, or its peers would wait for it.
 //!
 //! The dispatch, the experts and the combine run through [`Exchange::round_trip`], on the rows
-//! of the layer's tokens in parts: one, or under dual-batch overlap two halves of the tokens
-//! (routed together: one capacity, the same drops), each half's rows grouped by expert, the
-//! counts of both in one all-to-all; `tokens`, `gate` and `y_back` hold half a's rows, then
-//! half b's. The exchange decides when each half's all-to-alls wait (the parallel crate's
-//! `expert_parallel/overlap.rs`); an expert's weight gradients are the sum over the halves.
+//! of the layer's tokens in parts: one, or under the pipelined overlap as many as the exchange
+//! asks for (routed together: one capacity, the same drops), each part's rows grouped by
+//! expert, the counts of all of them in one all-to-all; `tokens`, `gate` and `y_back` hold
+//! part 0's rows, then part 1's, and so on. The exchange decides when each part's all-to-alls
+//! wait (the parallel crate's `expert_parallel/overlap.rs`); an expert's weight gradients are
+//! the sum over the parts.
 //!
 //! Legend: `N` this rank's tokens, `C` width, `E` experts, `E_l` local experts, `S` rows this
 //! rank sends (its kept pairs), `R` rows its experts receive.
@@ -60,7 +61,7 @@ pub(super) struct MoeWeights {
 }
 
 /// Where this rank's rows go and where its experts' rows come from, for each part of the
-/// layer's tokens (one, or two under dual-batch overlap): the send splits of the rows
+/// layer's tokens (one, or several under the pipelined overlap): the send splits of the rows
 /// all-to-all, and the received rows' receive splits and expert-major order.
 struct Route {
     exchange: Option<Arc<dyn Exchange>>,
