@@ -303,13 +303,14 @@ fn dp2_ep2_moe_ep_overlap_bytes_match_the_trace() {
     check(&moe_cfg(), &p);
 }
 
-/// Under `--ep-overlap` the same token rows cross the wire, in `PARTS` times the all-to-alls,
-/// and of each pass's 2·`PARTS` part exchanges all but the first dispatch and the last combine
-/// are overlappable: the exposed token bytes are 1/`PARTS` of the inline ones, and on any link
-/// the exposed all-to-all time is 1/`PARTS` of the inline one's bandwidth time plus one α per
-/// exposed part exchange.
+/// Under `--ep-overlap` the same token rows cross the wire, in `PARTS` times the all-to-alls;
+/// of the forward's 2·`PARTS` part exchanges all but the first dispatch and the last combine
+/// are overlappable, of the backward's all but the first: three parts of each layer's four
+/// exchanges are exposed, 3/(4·`PARTS`) of the inline token bytes, and on any link the exposed
+/// all-to-all time is that share of the inline one's bandwidth time plus one α per exposed
+/// part exchange.
 #[test]
-fn ep_overlap_prices_one_part_of_the_token_exchange_as_exposed() {
+fn ep_overlap_prices_three_parts_of_the_token_exchange_as_exposed() {
     let cfg = moe_cfg();
     let shape = StepShape {
         batch: BATCH,
@@ -350,14 +351,14 @@ fn ep_overlap_prices_one_part_of_the_token_exchange_as_exposed() {
     assert_eq!(exposed_inline.0, 4 * layers);
     let k = PARTS as u64;
     assert_eq!(all_over, (4 * PARTS * layers, all_inline.1), "the same rows in parts");
-    assert_eq!(exposed_over, (4 * layers, all_inline.1 / k), "one part of them exposed");
-    let alpha = link.alpha_s;
-    let per_exposed = 4.0 * layers as f64 * alpha;
-    let want = (s_inline - per_exposed) / PARTS as f64 + per_exposed;
+    let exposed = all_inline.1 / (4 * k) * 3;
+    assert_eq!(exposed_over, (3 * layers, exposed), "three parts a layer exposed");
+    let (alpha, n) = (link.alpha_s, layers as f64);
+    let one_part = (s_inline / (4.0 * n) - alpha) / PARTS as f64; // bandwidth time, s
+    let want = 3.0 * n * (alpha + one_part);
     assert!(
         (s_over - want).abs() < 1e-9,
-        "exposed {s_over:.6} s, want 1/{PARTS} of the bandwidth time plus α per exposed part: \
-         {want:.6} s"
+        "exposed {s_over:.6} s, want three parts a layer, α each: {want:.6} s"
     );
 }
 

@@ -16,10 +16,12 @@
 //!
 //! The link is calibrated to this machine in the run, as `tp_overlap.rs` does: a pass without a
 //! link measures the step's compute and records its all-to-alls, the link's bandwidth is set
-//! so that they take 0.9× the compute on the wire, and the two modes then run alternately,
+//! so that they take `WIRE`× the compute on the wire, and the two modes then run alternately,
 //! step by step, on the same ranks; medians of several steps are compared. The model is wide
 //! (C = 512, 4 experts, top-2) so that the experts, which the overlap hides behind, are most of
-//! the step. Each rank computes on the threads `mtrain` gives a worker (cores / ranks).
+//! the step, and the micro-batch long enough (16 sequences of 32 tokens) that each part's
+//! experts run on about 128 rows, where a part's GEMMs cost what the whole one's share does.
+//! Each rank computes on the threads `mtrain` gives a worker (cores / ranks).
 
 mod common;
 
@@ -155,12 +157,12 @@ fn overlapped_exchange_equals_the_inline_one() {
 // ---------------------------------------------------------------------------------------------
 
 /// Sequences per rank and micro-batch.
-const B: usize = 8;
-const STEPS: usize = 7;
+const B: usize = 16;
+const STEPS: usize = 9;
 /// The bar against the inline exchange's exposure (the floor is 1/PARTS).
 const RATIO: f64 = 0.5;
 /// The all-to-alls' wire time the link is set to, against the step's compute.
-const WIRE: f64 = 0.75;
+const WIRE: f64 = 0.7;
 
 fn wide_moe() -> GptConfig {
     GptConfig {
@@ -214,7 +216,7 @@ fn calibrate() -> (Duration, Duration) {
 /// the medians of (step, exposed) of each; the compute and the link's GB/s.
 fn measure() -> (Vec<Medians>, Duration, f64) {
     let (compute, wire_at_1gbs) = calibrate();
-    // The link that puts 0.75× the step's compute on the wire; 50 µs per message.
+    // The link that puts WIRE× the step's compute on the wire; 50 µs per message.
     let gb_s = wire_at_1gbs.as_secs_f64() / (WIRE * compute.as_secs_f64());
     let link = LinkEmulator::new(50.0, gb_s).expect("link");
     let opts = CpuOptions {

@@ -65,9 +65,10 @@ impl Exchange for EpExchange {
         &self,
         parts: Vec<PartRows<'_>>,
         experts: &mut dyn FnMut(usize, Tensor) -> Result<Tensor>,
+        tail: &mut dyn FnMut() -> Result<()>,
     ) -> Result<Vec<Tensor>> {
         if self.overlap {
-            return super::overlap::pipelined(&self.group, parts, experts);
+            return super::overlap::pipelined(&self.group, parts, experts, tail);
         }
         let mut back = Vec::with_capacity(parts.len());
         for (i, p) in parts.into_iter().enumerate() {
@@ -75,6 +76,7 @@ impl Exchange for EpExchange {
             let y = experts(i, x)?; // (R_i, F)
             back.push(self.rows(&y, p.recv, p.send)?); // (S_i, F)
         }
+        tail()?;
         Ok(back)
     }
 

@@ -1,14 +1,15 @@
 //! An MoE layer's all-to-alls in a step's tally: the counts exactly, the token rows as a
 //! balanced-routing estimate (k·N/E tokens per expert, capped by the capacity). Under
 //! `--ep-overlap` each token exchange is [`overlap::PARTS`] all-to-alls of a part of the rows
-//! each, and those an expert computation runs beside are overlappable ([`overlap::parts`]):
-//! per pass, of the 2k part exchanges all but the first dispatch and the last combine hide
-//! behind the neighbouring parts' experts, so the exposed token rows are 1/k of the inline
-//! layer's, at the price of k − 1 more α per exchange.
+//! each, and those a computation runs beside are overlappable ([`overlap::parts`]): of the
+//! forward's 2k part exchanges all but the first dispatch and the last combine hide behind
+//! the neighbouring parts' experts, and of the backward's all but the first (its last hides
+//! behind the weight products), so the exposed token rows are 3/(4k) of the inline layer's,
+//! at the price of k − 1 more α per exchange.
 //!
 //! ```text
-//!   inline          dispatch (exposed)              combine (exposed)
-//!   --ep-overlap    D0 (exposed) | D1 … D(k−1) hidden   C0 … C(k−2) hidden | C(k−1) (exposed)
+//!   inline        dispatch (exposed)              combine (exposed)
+//!   --ep-overlap  D0 (exposed) | D1 … D(k−1) hidden  C0 … C(k−2) hidden | C(k−1) forward: exposed
 //! ```
 
 use mtrain_comm::OpKind;
