@@ -10,9 +10,10 @@
 //!   EP communication with `--ep-overlap` is at most `RATIO` of the inline run's, and the step
 //!   is shorter by what was hidden less 15% of the step, all three in one of at most three
 //!   measurements. The parts' all-to-alls cross one wire one after another, pipelined, so the
-//!   first dispatch and the last combine of each layer pass stay exposed: 1/`PARTS` of the
-//!   inline exchange is the floor (`expert_parallel/overlap.rs`), and the bound, the issue's,
-//!   sits well above it (docs/results.md has the figures).
+//!   first dispatch of each pass and the forward's last combine stay exposed: below 1/`PARTS`
+//!   of the inline exchange is out of reach (`expert_parallel/overlap.rs`), and where the
+//!   forward's experts are shorter than the wire the wire sets the pace; the bound is the
+//!   issue's (docs/results.md has the figures).
 //!
 //! The link is calibrated to this machine in the run, as `tp_overlap.rs` does: a pass without a
 //! link measures the step's compute and records its all-to-alls, the link's bandwidth is set
