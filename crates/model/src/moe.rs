@@ -207,7 +207,7 @@ impl Permutation {
 
     /// The rows of each of `k` parts of the `n` tokens, part i holding tokens
     /// `i·n/k .. (i+1)·n/k` (whole sequences when k divides the batch), each grouped by expert
-    /// in this order: dual-batch overlap's halves. Every row is in one part; with k = 1 the
+    /// in this order: the pipelined overlap's parts. Every row is in one part; with k = 1 the
     /// one part is this permutation.
     pub fn split(&self, n: usize, k: usize) -> Vec<Permutation> {
         let k = k.max(1);

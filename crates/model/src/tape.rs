@@ -135,7 +135,10 @@ impl WeightGrad {
         if parts.len() == 1 {
             return Ok(parts.remove(0));
         }
-        if parts.iter().all(|g| matches!(g, WeightGrad::Product { .. })) {
+        if parts
+            .iter()
+            .all(|g| matches!(g, WeightGrad::Product { .. }))
+        {
             let (mut dys, mut xs) = (Vec::new(), Vec::new());
             for g in parts {
                 if let WeightGrad::Product { dy, x } = g {
@@ -262,7 +265,8 @@ impl WeightGrads {
 
     /// `other`'s gradients appended, those it holds twice under one name summed (a layer run
     /// on its rows in parts: dW = Σ_parts dyᵢᵀ·xᵢ, kept products as one product of the parts'
-    /// rows stacked, [dy₀; dy₁]ᵀ·[x₀; x₁]), in the order each name first came.
+    /// rows stacked, [dy₀; dy₁]ᵀ·[x₀; x₁]), in the order each name first came; a product
+    /// `other` kept is formed now where this list forms its products as they come.
     pub fn append_summed(&mut self, other: WeightGrads) -> Result<()> {
         let mut merged: Vec<(String, Vec<WeightGrad>)> = Vec::with_capacity(other.grads.len());
         for (name, g) in other.grads {
@@ -272,7 +276,11 @@ impl WeightGrads {
             }
         }
         for (name, parts) in merged {
-            self.grads.push((name, WeightGrad::sum(parts)?));
+            let g = match (WeightGrad::sum(parts)?, self.defer) {
+                (g, true) => g,
+                (g, false) => WeightGrad::Formed(g.formed()?),
+            };
+            self.grads.push((name, g));
         }
         Ok(())
     }
@@ -444,20 +452,23 @@ pub trait Exchange: Send + Sync {
     /// rank sends to each of its E_l experts, per part of the tokens: m = parts · E_l); returns
     /// (ranks · m,), entry `s · m + i` rank s's count i for this rank.
     fn counts(&self, counts: &[usize]) -> Result<Vec<usize>>;
-    /// Into how many parts a layer cuts its tokens for [`Exchange::round_trip`]: 1, or 2 under
-    /// dual-batch overlap (`--ep-overlap`).
+    /// Into how many parts a layer cuts its tokens for [`Exchange::round_trip`]: 1, or more
+    /// under the pipelined overlap (`--ep-overlap`).
     fn parts(&self) -> usize;
     /// The dispatch, the experts and the combine of each part of a layer's rows, in order:
     /// part i's rows (S_i, F) go out by its splits, `experts(i, rows)` runs on the (R_i, F)
     /// rows that came in, and its result goes back by the same splits swapped; returns each
-    /// part's (S_i, F). Each all-to-all is waited where it is issued, or, under dual-batch
+    /// part's (S_i, F). Each all-to-all is waited where it is issued, or, under the pipelined
     /// overlap, the next part's dispatch and the previous part's combine are on the wire while
-    /// `experts` computes. The forward and the backward both run through it (the backward's
-    /// dispatch carries output gradients, its combine input gradients).
+    /// `experts` computes. Then `tail()`, work that needs every part's experts but none of the
+    /// rows coming back (the backward's weight products), while the last combine is on the wire
+    /// under the overlap, after it inline. The forward and the backward both run through it
+    /// (the backward's dispatch carries output gradients, its combine input gradients).
     fn round_trip(
         &self,
         parts: Vec<PartRows<'_>>,
         experts: &mut dyn FnMut(usize, Tensor) -> Result<Tensor>,
+        tail: &mut dyn FnMut() -> Result<()>,
     ) -> Result<Vec<Tensor>>;
     /// The dispatch as the autograd path records it: [`Exchange::rows`] of x (S, F) by the
     /// dispatch's splits, whose backward sends the gradient back the reverse way.
@@ -509,24 +520,43 @@ mod tests {
         Tensor::from_vec(v.to_vec(), (rows, v.len() / rows), &Device::Cpu).unwrap()
     }
 
-    /// A layer's gradients from two parts of its rows, appended summed: formed ones added,
-    /// kept products stacked into one product, both equal to the gradient of all rows at once.
+    /// A layer's gradients from two parts of its rows, appended summed to a list that forms or
+    /// keeps its products: formed ones added, kept products stacked into one product (formed
+    /// now by a forming list), each equal to the gradient of all rows at once.
     #[test]
     fn gradients_of_parts_append_as_their_sum() {
         let (dy0, x0) = (t(&[1., 2., 3., 4.], 2), t(&[5., 6., 7., 8., 9., 10.], 2)); // (2, 2), (2, 3)
         let (dy1, x1) = (t(&[-1., 0.5], 1), t(&[2., -3., 4.], 1)); // (1, 2), (1, 3)
         let all = Tensor::cat(&[&dy0, &dy1], 0).unwrap().t().unwrap();
         let want = all.matmul(&Tensor::cat(&[&x0, &x1], 0).unwrap()).unwrap(); // (2, 3)
-        for mut grads in [WeightGrads::now(), WeightGrads::deferred()] {
-            let mut parts = grads.like();
+        let lists = [WeightGrads::now, WeightGrads::deferred];
+        for (mut grads, mut parts) in lists
+            .iter()
+            .flat_map(|a| lists.iter().map(move |b| (a(), b())))
+        {
             parts.product("w".into(), &dy0, &x0).unwrap();
             parts.push(("b".into(), t(&[1., 1.], 1)));
             parts.product("w".into(), &dy1, &x1).unwrap();
             parts.push(("b".into(), t(&[2., 3.], 1)));
             grads.append_summed(parts).unwrap();
+            if !grads.defers() {
+                assert_eq!(
+                    grads.held_bytes(),
+                    0,
+                    "a forming list holds no kept product"
+                );
+            }
             let got = grads.finish().unwrap();
-            assert_eq!(got.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["w", "b"]);
-            let diff = (&got[0].1 - &want).unwrap().abs().unwrap().max_all().unwrap();
+            assert_eq!(
+                got.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
+                ["w", "b"]
+            );
+            let diff = (&got[0].1 - &want)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap();
             assert!(diff.to_scalar::<f32>().unwrap() < 1e-6);
             assert_eq!(got[1].1.to_vec2::<f32>().unwrap(), [[3., 4.]]);
         }

@@ -54,9 +54,10 @@ pub struct ParallelPlan {
     pub sequence_parallel: bool,
     /// How the TP layers' collectives meet their products (`--tp-overlap`; no effect when tp = 1).
     pub tp_overlap: TpOverlap,
-    /// Dual-batch overlap of the MoE layers' all-to-alls (`--ep-overlap`, needs ep > 1 and the
-    /// hand-written backward): each micro-batch's tokens in two halves, one half's dispatch and
-    /// combine on the wire while the other's experts compute (`expert_parallel/overlap.rs`).
+    /// Pipelined overlap of the MoE layers' all-to-alls (`--ep-overlap`, needs ep > 1 and the
+    /// hand-written backward): each micro-batch's tokens in parts, each part's dispatch and
+    /// combine on the wire while a neighbouring part's experts compute
+    /// (`expert_parallel/overlap.rs`).
     pub ep_overlap: bool,
     /// Pipeline schedule (ignored when pp = 1: the one stage runs its micro-batches in turn).
     pub schedule: ScheduleKind,
@@ -321,7 +322,7 @@ impl ParallelPlan {
         }
         if self.ep_overlap && self.backward == Backward::Autograd {
             why.push(
-                "--ep-overlap cuts the MoE layer's hand-written backward in halves; the autograd backward runs its all-to-alls inline: drop --backward autograd or --ep-overlap"
+                "--ep-overlap cuts the MoE layer's hand-written backward in parts; the autograd backward runs its all-to-alls inline: drop --backward autograd or --ep-overlap"
                     .to_string(),
             );
         }

@@ -7,7 +7,7 @@
 //!   all-to-alls depend on the routing: the prediction (balanced routing, capacity factor 1) is
 //!   an upper bound and the measurement must lie within a factor 2 below it.
 //! - `*_ddp_buckets_match_the_trace`: DDP of one stage, whose gradients travel in buckets.
-//! - `ep_overlap_prices_*`: `--ep-overlap`'s halves, the exposed half of the token rows.
+//! - `ep_overlap_prices_*`: `--ep-overlap`'s parts, the exposed 1/`PARTS` of the token rows.
 //! - `worked_example_*`: the chapter's example (hidden 8192, 8 ranks, bf16, NVLink-class
 //!   defaults): a decode token's all-reduce (16 KiB) is latency-bound, a prefill of 8192 tokens
 //!   (128 MiB) bandwidth-bound.
@@ -26,6 +26,7 @@ use mtrain_parallel::analysis::comm_cost::{
     all_reduce_sent, broadcast_sent, step_collectives, Bound, CostModel, Group, StepShape,
 };
 use mtrain_parallel::ddp::{DdpConfig, DdpMode};
+use mtrain_parallel::expert_parallel::overlap::PARTS;
 use mtrain_parallel::fsdp::{FsdpConfig, ZeroStage};
 use mtrain_parallel::parallelize::{parallelize, DataParallelKind, ParallelPlan};
 use mtrain_parallel::plan::TpOverlap;
@@ -291,8 +292,8 @@ fn dp2_ep2_moe_bytes_match_the_trace() {
     check(&moe_cfg(), &plan(2, 1, 1, 2));
 }
 
-/// `--ep-overlap`: every token exchange as two all-to-alls of half the rows, the counts of
-/// both halves in one.
+/// `--ep-overlap`: every token exchange as `PARTS` all-to-alls of a part of the rows each, the
+/// counts of all parts in one.
 #[test]
 fn dp2_ep2_moe_ep_overlap_bytes_match_the_trace() {
     let p = ParallelPlan {
@@ -302,12 +303,14 @@ fn dp2_ep2_moe_ep_overlap_bytes_match_the_trace() {
     check(&moe_cfg(), &p);
 }
 
-/// Under `--ep-overlap` the same token rows cross the wire, in twice the all-to-alls, and of
-/// each pass's four halves the two beside the other half's experts are overlappable: the
-/// exposed token bytes are half the inline ones, and on any link the exposed all-to-all time
-/// is half the inline one's bandwidth time plus one α per half exchange.
+/// Under `--ep-overlap` the same token rows cross the wire, in `PARTS` times the all-to-alls;
+/// of the forward's 2·`PARTS` part exchanges all but the first dispatch and the last combine
+/// are overlappable, of the backward's all but the first: three parts of each layer's four
+/// exchanges are exposed, 3/(4·`PARTS`) of the inline token bytes, and on any link the exposed
+/// all-to-all time is that share of the inline one's bandwidth time plus one α per exposed
+/// part exchange.
 #[test]
-fn ep_overlap_prices_half_the_token_exchange_as_exposed() {
+fn ep_overlap_prices_three_parts_of_the_token_exchange_as_exposed() {
     let cfg = moe_cfg();
     let shape = StepShape {
         batch: BATCH,
@@ -346,13 +349,16 @@ fn ep_overlap_prices_half_the_token_exchange_as_exposed() {
     let layers = cfg.n_layer;
     assert_eq!(all_inline, (4 * layers, exposed_inline.1), "inline: all exposed");
     assert_eq!(exposed_inline.0, 4 * layers);
-    assert_eq!(all_over, (8 * layers, all_inline.1), "the same rows in halves");
-    assert_eq!(exposed_over, (4 * layers, all_inline.1 / 2), "half of them exposed");
-    let alpha = link.alpha_s;
-    let want = (s_inline - 4.0 * layers as f64 * alpha) / 2.0 + 4.0 * layers as f64 * alpha;
+    let k = PARTS as u64;
+    assert_eq!(all_over, (4 * PARTS * layers, all_inline.1), "the same rows in parts");
+    let exposed = all_inline.1 / (4 * k) * 3;
+    assert_eq!(exposed_over, (3 * layers, exposed), "three parts a layer exposed");
+    let (alpha, n) = (link.alpha_s, layers as f64);
+    let one_part = (s_inline / (4.0 * n) - alpha) / PARTS as f64; // bandwidth time, s
+    let want = 3.0 * n * (alpha + one_part);
     assert!(
         (s_over - want).abs() < 1e-9,
-        "exposed {s_over:.6} s, want half the bandwidth time plus α per half: {want:.6} s"
+        "exposed {s_over:.6} s, want three parts a layer, α each: {want:.6} s"
     );
 }
 

@@ -489,8 +489,8 @@ fn dp2_ep2_moe_on_the_tapes_equals_one_device() {
     check_equals_one_device(&moe_cfg(), &p, 2);
 }
 
-/// `--ep-overlap`: each micro-batch's tokens in two halves, one half's dispatch and combine on
-/// the wire while the other half's experts compute, forward and backward; same tolerances.
+/// `--ep-overlap`: each micro-batch's tokens in parts, each part's dispatch and combine on the
+/// wire while a neighbouring part's experts compute, forward and backward; same tolerances.
 #[test]
 fn dp2_ep2_moe_ep_overlap_equals_one_device() {
     let p = ParallelPlan {

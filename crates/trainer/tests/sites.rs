@@ -149,12 +149,12 @@ fn expert_all_to_alls_are_issued_from_its_folder() {
     let events = traced_collectives(&["--dp", "2", "--ep", "2"], "moe-tiny.toml");
     let folder = "crates/parallel/src/expert_parallel/";
     issued_under(&events, "ep", &["all_to_all"], ANY, folder);
-    // With --ep-overlap the halves' all-to-alls, issued without waiting, from the same folder.
+    // With --ep-overlap the parts' all-to-alls, issued without waiting, from the same folder.
     let events = traced_collectives(&["--dp", "2", "--ep", "2", "--ep-overlap"], "moe-tiny.toml");
     issued_under(&events, "ep", &["all_to_all"], ANY, folder);
     let site = |e: &&Value| e["args"]["site"].as_str().unwrap_or_default().to_string();
-    let halves = events.iter().map(|e| site(&e)).filter(|s| s.contains("overlap.rs"));
-    assert!(halves.count() > 0, "no all-to-all issued from expert_parallel/overlap.rs");
+    let parts = events.iter().map(|e| site(&e)).filter(|s| s.contains("overlap.rs"));
+    assert!(parts.count() > 0, "no all-to-all issued from expert_parallel/overlap.rs");
 }
 
 /// The ring's passes: each step's send and receive on the cp group, at the ring's one line for

@@ -28,15 +28,18 @@
 //! sends or receives nothing, or its peers would wait for it.
 //!
 //! The dispatch, the experts and the combine run through [`Exchange::round_trip`], on the rows
-//! of the layer's tokens in parts: one, or under dual-batch overlap two halves of the tokens
-//! (routed together: one capacity, the same drops), each half's rows grouped by expert, the
-//! counts of both in one all-to-all; `tokens`, `gate` and `y_back` hold half a's rows, then
-//! half b's. The exchange decides when each half's all-to-alls wait (the parallel crate's
-//! `expert_parallel/overlap.rs`); an expert's weight gradients are the sum over the halves.
+//! of the layer's tokens in parts: one, or under the pipelined overlap as many as the exchange
+//! asks for (routed together: one capacity, the same drops), each part's rows grouped by
+//! expert, the counts of all of them in one all-to-all; `tokens`, `gate` and `y_back` hold
+//! part 0's rows, then part 1's, and so on. The exchange decides when each part's all-to-alls
+//! wait (the parallel crate's `expert_parallel/overlap.rs`). In the backward an expert's weight
+//! products are kept over the parts and formed once on all its rows, in the exchange's tail
+//! (beside the last combine under the overlap).
 //!
 //! Legend: `N` this rank's tokens, `C` width, `E` experts, `E_l` local experts, `S` rows this
 //! rank sends (its kept pairs), `R` rows its experts receive.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor};
@@ -60,7 +63,7 @@ pub(super) struct MoeWeights {
 }
 
 /// Where this rank's rows go and where its experts' rows come from, for each part of the
-/// layer's tokens (one, or two under dual-batch overlap): the send splits of the rows
+/// layer's tokens (one, or several under the pipelined overlap): the send splits of the rows
 /// all-to-all, and the received rows' receive splits and expert-major order.
 struct Route {
     exchange: Option<Arc<dyn Exchange>>,
@@ -79,12 +82,20 @@ struct PartRoute {
 impl Route {
     /// Exchanges the counts of every part of the permutation (one counts all-to-all, each
     /// rank's counts part by part) over `exchange`.
-    fn of(exchange: Option<Arc<dyn Exchange>>, parts: &[Permutation], local: usize) -> Result<Route> {
+    fn of(
+        exchange: Option<Arc<dyn Exchange>>,
+        parts: &[Permutation],
+        local: usize,
+    ) -> Result<Route> {
         let (k, e_total) = (parts.len(), parts.first().map_or(0, |p| p.counts.len()));
         let ranks = e_total / local.max(1);
         // [rank p][part i][local expert j]
         let sent: Vec<usize> = (0..ranks)
-            .flat_map(|p| parts.iter().flat_map(move |q| q.counts[p * local..(p + 1) * local].iter().copied()))
+            .flat_map(|p| {
+                parts
+                    .iter()
+                    .flat_map(move |q| q.counts[p * local..(p + 1) * local].iter().copied())
+            })
             .collect();
         let recv = match &exchange {
             Some(x) => x.counts(&sent)?,
@@ -103,7 +114,11 @@ impl Route {
             .map(|(i, q)| {
                 // [source s][local expert j] of part i
                 let got: Vec<usize> = (0..ranks)
-                    .flat_map(|s| recv[(s * k + i) * local..(s * k + i + 1) * local].iter().copied())
+                    .flat_map(|s| {
+                        recv[(s * k + i) * local..(s * k + i + 1) * local]
+                            .iter()
+                            .copied()
+                    })
                     .collect();
                 Ok(PartRoute {
                     send: q.splits(local),
@@ -117,11 +132,13 @@ impl Route {
 
     /// Each part's rows `xs[i]` (S_i, F) by destination rank to the experts, `experts(i, rows)`
     /// on the (R_i, F) rows that arrived by source rank, and the result back (S_i, F): the
-    /// dispatch and the combine ([`Exchange::round_trip`]); on one device `experts` on the rows.
+    /// dispatch and the combine ([`Exchange::round_trip`]), `tail()` beside the last combine;
+    /// on one device `experts` on the rows, then `tail()`.
     fn round_trip(
         &self,
         xs: Vec<Tensor>,
         experts: &mut dyn FnMut(usize, Tensor) -> Result<Tensor>,
+        tail: &mut dyn FnMut() -> Result<()>,
     ) -> Result<Vec<Tensor>> {
         match &self.exchange {
             Some(e) => {
@@ -134,9 +151,17 @@ impl Route {
                         recv: p.slabs.sources(),
                     })
                     .collect();
-                e.round_trip(parts, experts)
+                e.round_trip(parts, experts, tail)
             }
-            None => xs.into_iter().enumerate().map(|(i, x)| experts(i, x)).collect(),
+            None => {
+                let ys = xs
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, x)| experts(i, x))
+                    .collect();
+                tail()?;
+                ys
+            }
         }
     }
 
@@ -241,28 +266,32 @@ impl MoeWeights {
         let gate_at = Tensor::from_vec(cat(|p| &p.gate_at), s_rows, dev)?; // (S,)
         let xs = route.cut(&h.index_select(&tokens, 0)?)?; // (S_i, C) each
         let mut experts = Vec::with_capacity(parts);
-        let ys = route.round_trip(xs, &mut |i, x_recv| {
-            let slabs = &route.parts[i].slabs;
-            let x_sorted = slabs.sort(&x_recv)?; // (R_i, C) by expert
-            drop(x_recv);
-            let (mut kept, mut ys) = (Vec::with_capacity(local), Vec::with_capacity(local));
-            let mut at = 0;
-            for (expert, &rows) in self.experts.iter().zip(slabs.rows()) {
-                if rows == 0 {
-                    kept.push(None);
-                    continue;
+        let ys = route.round_trip(
+            xs,
+            &mut |i, x_recv| {
+                let slabs = &route.parts[i].slabs;
+                let x_sorted = slabs.sort(&x_recv)?; // (R_i, C) by expert
+                drop(x_recv);
+                let (mut kept, mut ys) = (Vec::with_capacity(local), Vec::with_capacity(local));
+                let mut at = 0;
+                for (expert, &rows) in self.experts.iter().zip(slabs.rows()) {
+                    if rows == 0 {
+                        kept.push(None);
+                        continue;
+                    }
+                    let (y, k) = expert.forward(&x_sorted.narrow(0, at, rows)?, None, 1)?; // (n_j, C)
+                    ys.push(y);
+                    kept.push(Some(k));
+                    at += rows;
                 }
-                let (y, k) = expert.forward(&x_sorted.narrow(0, at, rows)?, None, 1)?; // (n_j, C)
-                ys.push(y);
-                kept.push(Some(k));
-                at += rows;
-            }
-            experts.push(kept);
-            match ys.is_empty() {
-                true => x_sorted.zeros_like(), // (0, C): nothing arrived
-                false => slabs.unsort(&Tensor::cat(&ys, 0)?), // (R_i, C) by source rank
-            }
-        })?;
+                experts.push(kept);
+                match ys.is_empty() {
+                    true => x_sorted.zeros_like(), // (0, C): nothing arrived
+                    false => slabs.unsort(&Tensor::cat(&ys, 0)?), // (R_i, C) by source rank
+                }
+            },
+            &mut || Ok(()),
+        )?;
         let y_back = stacked(ys)?; // (S, C)
         let gate = probs
             .flatten_all()?
@@ -335,10 +364,16 @@ impl MoeTape {
         let dy_back = dsel.broadcast_mul(&gate)?; // (S, C)
         drop((dsel, y_back, gate));
         // The experts, between the combine's conjugate and the dispatch's, part by part; an
-        // expert's gradients summed over the parts.
-        let mut per_expert: Vec<WeightGrads> = wts.experts.iter().map(|_| grads.like()).collect();
+        // expert's weight products kept over the parts, then, beside the last combine, its
+        // gradients summed over them: each weight's product formed once on the parts' rows
+        // stacked (one GEMM of the full depth) where `grads` forms its products.
+        let per_expert = RefCell::new(
+            (wts.experts.iter())
+                .map(|_| WeightGrads::deferred())
+                .collect::<Vec<_>>(),
+        );
         let mut forwards = experts.into_iter(); // part by part, as the forward kept them
-        let dxs = route.round_trip(route.cut(&dy_back)?, &mut |i, dy_recv| {
+        let experts = &mut |i: usize, dy_recv: Tensor| -> Result<Tensor> {
             let slabs = &route.parts[i].slabs;
             let dy_sorted = slabs.sort(&dy_recv)?; // (R_i, C) by expert
             drop(dy_recv);
@@ -348,24 +383,28 @@ impl MoeTape {
             let mut dxs = Vec::with_capacity(part.len());
             let mut at = 0;
             let each = wts.experts.iter().zip(part).zip(slabs.rows());
-            for (((expert, kept), &rows), g) in each.zip(&mut per_expert) {
+            for (((expert, kept), &rows), g) in each.zip(per_expert.borrow_mut().iter_mut()) {
                 if let Some(kept) = kept {
                     dxs.push(expert.backward(kept, &dy_sorted.narrow(0, at, rows)?, 1, g)?); // (n_j, C)
                     at += rows;
                 }
             }
             match dxs.is_empty() {
-                true => dy_sorted.zeros_like(),                  // (0, C)
+                true => dy_sorted.zeros_like(),                // (0, C)
                 false => slabs.unsort(&Tensor::cat(&dxs, 0)?), // (R_i, C) by source rank
             }
-        })?;
-        drop(dy_back);
-        for (expert, g) in wts.experts.iter().zip(per_expert) {
-            match g.is_empty() {
-                true => expert.zero_grads(grads)?, // no row of any part reached it
-                false => grads.append_summed(g)?,
+        };
+        let weights = &mut || {
+            for (expert, g) in wts.experts.iter().zip(per_expert.take()) {
+                match g.is_empty() {
+                    true => expert.zero_grads(grads)?, // no row of any part reached it
+                    false => grads.append_summed(g)?,
+                }
             }
-        }
+            Ok(())
+        };
+        let dxs = route.round_trip(route.cut(&dy_back)?, experts, weights)?;
+        drop(dy_back);
         let dx_perm = stacked(dxs)?; // (S, C)
         let dh = Tensor::zeros((n, c), h.dtype(), dev)?.index_add(&tokens, &dx_perm, 0)?; // (N, C)
         drop(dx_perm);
@@ -396,7 +435,10 @@ impl MoeTape {
         };
         let hf = upcast(&h)?; // (N, C) f32
         let dw = dlogits.t()?.matmul(&hf)?; // (E, C)
-        grads.push((wts.router.name().to_string(), dw.to_dtype(wts.router.dtype())?));
+        grads.push((
+            wts.router.name().to_string(),
+            dw.to_dtype(wts.router.dtype())?,
+        ));
         let dh_router = dlogits.matmul(&upcast(&wts.router.get()?)?)?; // (N, C) f32
         dh + dh_router.to_dtype(h.dtype())?
     }

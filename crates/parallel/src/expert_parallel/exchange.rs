@@ -1,8 +1,8 @@
 //! The ep group's row exchange as the hand-written backward takes it
 //! ([`mtrain_model::tape::Exchange`]): the counts all-to-all, and the rows all-to-all that is
 //! the dispatch one way and the combine the other, around the experts, waited inline or
-//! overlapped with the experts of the other half of the tokens ([`super::overlap`]); and the
-//! same two as the autograd path records them (the differentiable all-to-all,
+//! overlapped with the experts of the neighbouring parts of the tokens ([`super::overlap`]);
+//! and the same two as the autograd path records them (the differentiable all-to-all,
 //! [`super::all_to_all`]), so both paths issue the same collectives.
 
 use candle_core::{Device, Result, Tensor};
@@ -15,8 +15,8 @@ use crate::ops::comm_err;
 pub struct EpExchange {
     pub group: Comm,
     pub device: Device,
-    /// Dual-batch overlap (`--ep-overlap`): the tokens in two halves, each half's all-to-alls
-    /// on the wire while the other half's experts compute.
+    /// Pipelined overlap (`--ep-overlap`): the tokens in [`super::overlap::PARTS`] parts,
+    /// each part's all-to-alls on the wire while a neighbouring part's experts compute.
     pub overlap: bool,
 }
 
@@ -65,9 +65,10 @@ impl Exchange for EpExchange {
         &self,
         parts: Vec<PartRows<'_>>,
         experts: &mut dyn FnMut(usize, Tensor) -> Result<Tensor>,
+        tail: &mut dyn FnMut() -> Result<()>,
     ) -> Result<Vec<Tensor>> {
         if self.overlap {
-            return super::overlap::dual_batch(&self.group, parts, experts);
+            return super::overlap::pipelined(&self.group, parts, experts, tail);
         }
         let mut back = Vec::with_capacity(parts.len());
         for (i, p) in parts.into_iter().enumerate() {
@@ -75,6 +76,7 @@ impl Exchange for EpExchange {
             let y = experts(i, x)?; // (R_i, F)
             back.push(self.rows(&y, p.recv, p.send)?); // (S_i, F)
         }
+        tail()?;
         Ok(back)
     }
 

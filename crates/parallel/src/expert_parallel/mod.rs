@@ -15,8 +15,9 @@
 //! ```
 //!
 //! The three exchanges and their backward order are [`MOE_EXCHANGES`]; the layer runs them and
-//! the cost model counts them. With `--ep-overlap` the tokens go in two halves, each half's
-//! dispatch and combine on the wire while the other half's experts compute ([`overlap`]).
+//! the cost model counts them. With `--ep-overlap` the tokens go in parts, pipelined: each
+//! part's dispatch and combine on the wire while a neighbouring part's experts compute
+//! ([`overlap`]).
 //!
 //! Routing is the model's own ([`mtrain_model::moe::route`] and friends), computed by each rank on
 //! its **local** tokens: capacity `ceil(k · N_local / E · cf)` is per rank, per step, as in
@@ -108,8 +109,8 @@ pub fn local_experts(cfg: &MoeConfig, ep: usize) -> Result<usize> {
 
 /// The model's MoE layer ([`MoeLayer`]) with its experts across the ep group: this rank holds
 /// experts `ep_rank · E_l .. (ep_rank + 1) · E_l` (`experts`, `cfg.n_experts / ep.size()` of
-/// them), the router whole, and the rows travel over `ep` ([`EpExchange`]), in two halves that
-/// overlap each other's experts when `overlap` (the hand-written backward's path).
+/// them), the router whole, and the rows travel over `ep` ([`EpExchange`]), in parts that
+/// overlap their neighbours' experts when `overlap` (the hand-written backward's path).
 pub fn moe_layer(
     router: Param,
     experts: Vec<Mlp>,

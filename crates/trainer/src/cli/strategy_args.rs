@@ -38,8 +38,8 @@ pub struct StrategyArgs {
     #[arg(long, value_enum, value_name = "MODE")]
     pub tp_overlap: Option<TpOverlapFlag>,
 
-    /// Dual-batch overlap for expert parallelism (needs --ep 2 or more): each micro-batch's
-    /// tokens in two halves, one half's all-to-alls on the wire while the other half's experts
+    /// Pipelined overlap for expert parallelism (needs --ep 2 or more): each micro-batch's
+    /// tokens in parts, each part's all-to-alls on the wire while a neighbouring part's experts
     /// compute, forward and backward.
     #[arg(long)]
     pub ep_overlap: bool,

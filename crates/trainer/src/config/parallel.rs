@@ -53,9 +53,9 @@ pub struct ParallelConfig {
     /// How the TP layers' collectives meet their products: "none" (inline) or "chunked" (the
     /// sequences cut into chunks, each chunk's collective overlapping the next one's product).
     pub tp_overlap: TpOverlapFlag,
-    /// Dual-batch overlap of the MoE layers' all-to-alls (needs ep > 1): each micro-batch's
-    /// tokens in two halves, one half's dispatch and combine on the wire while the other
-    /// half's experts compute, forward and backward.
+    /// Pipelined overlap of the MoE layers' all-to-alls (needs ep > 1): each micro-batch's
+    /// tokens in parts, each part's dispatch and combine on the wire while a neighbouring
+    /// part's experts compute, forward and backward.
     pub ep_overlap: bool,
     /// Pipeline schedule: "gpipe", "1f1b" or "interleaved".
     pub schedule: Schedule,

@@ -1,13 +1,15 @@
 //! An MoE layer's all-to-alls in a step's tally: the counts exactly, the token rows as a
 //! balanced-routing estimate (k·N/E tokens per expert, capped by the capacity). Under
-//! `--ep-overlap` each token exchange is two all-to-alls of half the rows, and the one an
-//! expert computation runs beside is overlappable ([`overlap::halves`]): per pass, of the
-//! four half exchanges the middle two hide behind the other half's experts, so the exposed
-//! token rows are half the inline layer's, at the price of one more α per exchange.
+//! `--ep-overlap` each token exchange is [`overlap::PARTS`] all-to-alls of a part of the rows
+//! each, and those a computation runs beside are overlappable ([`overlap::parts`]): of the
+//! forward's 2k part exchanges all but the first dispatch and the last combine hide behind
+//! the neighbouring parts' experts, and of the backward's all but the first (its last hides
+//! behind the weight products), so the exposed token rows are 3/(4k) of the inline layer's,
+//! at the price of k − 1 more α per exchange.
 //!
 //! ```text
-//!   inline          dispatch (exposed)            combine (exposed)
-//!   --ep-overlap    D a (exposed) | D b (hidden)  C a (hidden) | C b (exposed)
+//!   inline        dispatch (exposed)              combine (exposed)
+//!   --ep-overlap  D0 (exposed) | D1 … D(k−1) hidden  C0 … C(k−2) hidden | C(k−1) forward: exposed
 //! ```
 
 use mtrain_comm::OpKind;
@@ -19,7 +21,7 @@ use crate::expert_parallel::overlap;
 use crate::expert_parallel::MoeExchange;
 
 /// Exchange `e` of one micro-batch's layer (`first`: the first token exchange of its pass) on
-/// `tokens` tokens of `row` bytes each, inline or in halves when `halves`.
+/// `tokens` tokens of `row` bytes each, inline or in [`overlap::PARTS`] parts when `in_parts`.
 pub(super) fn exchange(
     tally: &mut Tally,
     m: &MoeConfig,
@@ -27,11 +29,11 @@ pub(super) fn exchange(
     phase: Phase,
     tokens: usize,
     row: u64,
-    halves: bool,
+    in_parts: bool,
 ) {
     let ep = tally.dims.ep;
-    let (parts, token_parts) = match halves {
-        true => (overlap::halves(e, first), overlap::PARTS as u64),
+    let (parts, token_parts) = match in_parts {
+        true => (overlap::parts(e, first), overlap::PARTS as u64),
         false => (vec![(e.what(), false)], 1),
     };
     let k = parts.len() as u64;

@@ -149,7 +149,7 @@ struct Walk {
     dims: MeshDims,
     n_layer: usize,
     moe: Option<MoeConfig>,
-    /// `--ep-overlap`: each token exchange in two halves.
+    /// `--ep-overlap`: each token exchange in `expert_parallel::overlap::PARTS` parts.
     ep_overlap: bool,
     zero: Option<ZeroStage>,
     prefetch: bool,
