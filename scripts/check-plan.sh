@@ -13,7 +13,9 @@
 # (--forward-ms, --backward-ms), the α-β table AB and the node's cores (--cores-per-node);
 # for a layout with tp, three one-rank runs with --profile-ops give --tp-whole: the median of
 # their LayerNorm, residual and embedding rows' share of the passes' op time (what a tp rank
-# runs whole; the optimizer's and the gradient norm's rows are not passes); then the layout
+# runs whole; the optimizer's and the gradient norm's rows are not passes); for a layout with
+# ep, a one-rank run with --profile-ops gives --copy-gb-s: the copy bandwidth it measured (its
+# ops.json's roofs), what the ep ranks' permutations of the token rows run at; then the layout
 # runs. Medians are over the steps after SKIP. FIT=1 first refits the α-β
 # table on this machine (`bench-comm --fit`, every op the layouts issue, at 2 and 4 ranks) into
 # target/check-plan/alpha-beta.toml and uses it.
@@ -87,6 +89,15 @@ print(f"{part / sum(r['seconds'] for r in passes):.3f}")
 PY
 }
 
+# copy_gb_s RUN_DIR: the copy bandwidth (bytes read and written per second) RUN_DIR/ops.json
+# measured, in GB/s.
+copy_gb_s() {
+    python3 - "$1/ops.json" <<'PY'
+import json, sys
+print(f"{json.load(open(sys.argv[1]))['roofs']['measured']['bytes_per_s'] / 1e9:.3f}")
+PY
+}
+
 # predicted_ms TEXT: the `predicted step:` of plan's output, in ms.
 predicted_ms() {
     python3 -c '
@@ -135,9 +146,18 @@ for name in $LAYOUTS; do
         done
         whole=$(printf '%s\n' "${shares[@]}" | sort -g | sed -n 2p)
     fi
+    copy=()
+    if [[ " ${FLAGS[*]} " == *" --ep "* ]]; then
+        before_run "$name one rank, copy"
+        RAYON_NUM_THREADS=$threads "$MTRAIN" "${CONFIG[@]}" --batch-size "$MB" --steps 4 \
+            --log-every 1 --eval-every 1000000 --overwrite --profile-ops \
+            --run-dir "$OUT/$name-copy" >"$OUT/$name-copy.log" 2>&1
+        after_run "$name one rank, copy"
+        copy=(--copy-gb-s "$(copy_gb_s "$OUT/$name-copy")")
+    fi
     plan=("$MTRAIN" plan "${CONFIG[@]}" "${FLAGS[@]}" --gpus "$RANKS" --gpus-per-node "$RANKS"
         --cores-per-node "$CORES" --intra "$AB" --forward-ms "$fwd" --backward-ms "$bwd"
-        --tp-whole "$whole")
+        --tp-whole "$whole" "${copy[@]}")
     "${plan[@]}" >"$OUT/$name-plan.txt"
     pred=$(predicted_ms <"$OUT/$name-plan.txt")
     before_run "$name"

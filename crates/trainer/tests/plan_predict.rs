@@ -198,3 +198,53 @@ fn the_cp_ring_hides_behind_attention_but_its_last_pass() {
     // Each rank computes half of the sequence: half of one rank's passes of the micro-batch.
     assert!(close(p.compute_s, 1.5e-9), "{}", p.compute_s);
 }
+
+/// The tiny MoE (configs/moe-tiny.toml: 4 layers, width 64, 4 experts, top-2, f32) at dp 2 ×
+/// ep 2, 16 sequences of 64 tokens a rank: each token all-to-all carries k·N = 2048 rows of
+/// 256 B (balanced routing, under the capacity of 640 an expert), and the expert side gathers
+/// them once, reading and writing 512 KiB each; dispatch and combine both ways, 4 layers: 16
+/// gathers, 16 MiB a step, at the copy bandwidth. At ep 1 every expert is at home: none.
+#[test]
+fn expert_parallel_ranks_gather_their_token_rows() {
+    let moe = concat!(env!("CARGO_MANIFEST_DIR"), "/../../configs/moe-tiny.toml");
+    let copying = |gb_s: f64| {
+        ClusterArgs {
+            gpus: Some(2),
+            gpus_per_node: Some(2),
+            intra: Some("nvlink4".into()),
+            copy_gb_s: Some(gb_s),
+            ..ClusterArgs::default()
+        }
+        .machine(2)
+        .unwrap()
+    };
+    let at = |args: &[&str], gb_s: f64| {
+        let mut v = vec!["--config", moe, "--dp", "2"];
+        v.extend(args);
+        let (cfg, plan) = resolved("2", &v);
+        predict(&cfg, &plan, &copying(gb_s), Some(PASSES)).unwrap()
+    };
+    let ep = ["--ep", "2"];
+    let p = at(&ep, 10.0);
+    let bytes = 16.0 * 2.0 * (2048.0 * 64.0 * 4.0);
+    assert!(close(p.permute_s, bytes / 10e9), "{}", p.permute_s);
+    // In the passes: half the bandwidth, the step longer by the permutations once more.
+    let slow = at(&ep, 5.0);
+    assert!(close(slow.step_s - p.step_s, p.permute_s), "{} {}", slow.step_s, p.step_s);
+    assert!(close(slow.compute_s - p.compute_s, p.permute_s));
+    // The rows are k·N of width C: each of top-k, tokens and width halves them.
+    for fewer in [
+        &["--set", "model.moe.top_k=1"][..],
+        &["--batch-size", "8"],
+        &["--set", "model.n_embd=32"],
+    ] {
+        let mut args = ep.to_vec();
+        args.extend(fewer);
+        let half = at(&args, 10.0).permute_s;
+        assert!(close(half, p.permute_s / 2.0), "{fewer:?}: {half}");
+    }
+    // Every expert on every rank: no exchange, nothing to gather, whatever the bandwidth.
+    let home = at(&[], 10.0);
+    assert_eq!(home.permute_s, 0.0);
+    assert_eq!(home, at(&[], 5.0));
+}

@@ -66,6 +66,13 @@ pub struct ClusterArgs {
     /// for cores and no collective overlaps compute (predict.rs); default: a device per rank.
     #[arg(long, value_name = "K")]
     pub cores_per_node: Option<usize>,
+
+    /// Bytes a copy on one device reads and writes per second, in GB/s: what the
+    /// expert-parallel permutations run at (predict.rs). A `--profile-ops` run measures it
+    /// (its `ops.json`'s `roofs.measured.bytes_per_s`); default: the GPU's HBM bandwidth at the
+    /// roofline rule's memory-bound share.
+    #[arg(long, value_name = "GBS")]
+    pub copy_gb_s: Option<f64>,
 }
 
 /// One link: a preset, or a fitted α-β table (its op- and size-specific fits).
@@ -138,6 +145,9 @@ pub struct Machine {
     pub compute: ComputeRule,
     /// The cores a node's ranks share (CPU nodes); None: a device per rank.
     pub cores_per_node: Option<usize>,
+    /// Bytes read and written per second by a copy on one device; None: not known (a custom
+    /// GPU without a bandwidth), and copies are not priced.
+    pub copy_bytes_per_s: Option<f64>,
     /// Spans worked out so far (one pass over the ranks each).
     spans: std::cell::RefCell<std::collections::HashMap<(MeshDims, Group), Span>>,
 }
@@ -180,6 +190,7 @@ impl ClusterArgs {
             ("--gpu-memory-gb", self.gpu_memory_gb),
             ("--gpu-tflops", self.gpu_tflops),
             ("--gpu-hbm-tbs", self.gpu_hbm_tbs),
+            ("--copy-gb-s", self.copy_gb_s),
         ] {
             if let Some(v) = v {
                 crate::validate::positive(name, v).map_err(anyhow::Error::msg)?;
@@ -218,9 +229,13 @@ impl ClusterArgs {
         if self.cores_per_node == Some(0) {
             anyhow::bail!("--cores-per-node 0: a node needs at least one core");
         }
+        let copy_bytes_per_s = self.copy_gb_s.map(|g| g * 1e9).or(gpu
+            .hbm_bytes_per_s
+            .map(|hbm| hbm * Shares::default_on(hbm).hbm));
         Ok(Machine {
             spans: Default::default(),
             cores_per_node: self.cores_per_node,
+            copy_bytes_per_s,
             gpu,
             gpus,
             gpus_per_node: per_node,

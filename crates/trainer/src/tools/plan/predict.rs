@@ -11,8 +11,9 @@
 //!   u    = the part of measured passes a tp rank does whole (--tp-whole; 0 when priced, and
 //!          with sequence parallelism, which splits that work over tp too)
 //!   f_s  = f · w_s · (u + (1 − u)/tp) / cp      b_s likewise, + f_s with activation checkpointing
-//!   F_s = f_s + (its rank's tp / ep / pp collectives in forward) / (M · chunks)   the passes the
-//!   B_s = b_s + (its collectives in backward) / (M · chunks)                      simulator runs
+//!   F_s = f_s + (its rank's tp / ep / pp collectives in forward + p_f) / (M · chunks)   the passes
+//!   B_s = b_s + (its collectives in backward + p_b) / (M · chunks)          the simulator runs
+//!   p_f, p_b = the rank's expert-parallel permutations in forward and backward (below)
 //!   pipeline = grad_accum · makespan(F, B)                              (bubble included)
 //!              on a node of G ranks and K < G cores: the passes share the cores
 //!   step = pipeline
@@ -47,6 +48,20 @@
 //! a token is multiplied by, MoE: the active ones): the head's 6·V·C on the last stage (the tied embedding's lookup does
 //! none), the rest an equal part per block, so a stage holding the head is the slower one.
 //!
+//! **Expert-parallel permutations** (ep > 1): a one-rank run's MoE layer has every expert at
+//! home, so the rows it receives are already in expert order; a rank of an ep group receives
+//! them by source rank and gathers them into expert order before its experts (sort) and back
+//! into source order after them (unsort), in the forward and again on the gradients in the
+//! backward: one gather of the rows of each token all-to-all (dispatch, combine, and their
+//! conjugates), which the measured passes do not hold. A gather reads and writes its rows, at
+//! the machine's copy bandwidth ([`Machine::copy_bytes_per_s`]):
+//!
+//! ```text
+//!   p = Σ over the rank's token all-to-alls of the pass   2 · rows · C · s / copy bandwidth
+//!     = 8 · k·N · C · s per MoE layer and micro-batch (forward and backward; N tokens, top-k k,
+//!       rows the cost model's balanced-routing estimate)
+//! ```
+//!
 //! **Shared cores** (`--cores-per-node`, a CPU node): a node of `G` ranks on `K < G` cores
 //! runs them at `K / G` of a core each when all are busy: the schedule runs with each pass at
 //! `min(1, k / busy)` of its speed ([`mtrain_parallel::pipeline::Schedule::simulate_shared`],
@@ -58,11 +73,11 @@
 
 use candle_core::DType;
 use mtrain_comm::OpKind;
+use mtrain_model::GptConfig;
 use mtrain_parallel::analysis::comm_cost::{
     step_collectives, Collective, Group, Phase, StepShape, RING_DKV,
 };
 use mtrain_parallel::parallelize::{DataParallelKind, ValidPlan};
-use mtrain_model::GptConfig;
 use mtrain_parallel::pipeline::{PassCosts, StageLayout};
 
 use super::compute;
@@ -90,6 +105,8 @@ pub struct Prediction {
     /// Rank 0's idle fraction of the pipeline's simulated step.
     pub bubble: f64,
     pub groups: Vec<GroupComm>,
+    /// The expert-parallel permutations of a step on the busiest rank (in `compute_s` too).
+    pub permute_s: f64,
     pub step_s: f64,
     /// Tokens of the global batch per second.
     pub tokens_per_s: f64,
@@ -121,6 +138,16 @@ fn in_pass(c: &Collective) -> bool {
     c.phase != Phase::Step && (p2p || blocking)
 }
 
+/// Seconds of the expert side's gather of collective `c`'s rows, if it is a token all-to-all
+/// of an MoE layer (module doc): it reads and writes them once.
+fn permutation(machine: &Machine, c: &Collective) -> f64 {
+    let tokens = c.group == Group::Ep && c.op == OpKind::AllToAll && c.estimate;
+    match (tokens, machine.copy_bytes_per_s) {
+        (true, Some(bw)) => 2.0 * c.bytes as f64 * c.count as f64 / bw,
+        _ => 0.0,
+    }
+}
+
 /// A one-rank run's passes of one micro-batch of the whole model, measured, in seconds: the
 /// prediction's compute instead of FLOPs at the machine's MFU.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -148,7 +175,11 @@ pub struct Measured {
 /// and embedding rows' share of the passes' op time; `scripts/check-plan.sh`).
 pub fn tp_rank_part(tp: usize, whole: f64, sequence_parallel: bool) -> f64 {
     let tp = tp.max(1) as f64;
-    let whole = if sequence_parallel { 0.0 } else { whole.clamp(0.0, 1.0) };
+    let whole = if sequence_parallel {
+        0.0
+    } else {
+        whole.clamp(0.0, 1.0)
+    };
     whole + (1.0 - whole) / tp
 }
 
@@ -246,7 +277,7 @@ pub fn predict(
     // One walk per stage shape: the ranks of the same shape issue the same collectives.
     let ring = RingWindows::new(&model, cfg, dims, tokens_mb, fpt, (whole_f, whole_b), m);
     let reps = super::stage_representatives(cfg, plan)?;
-    let mut comm: Vec<(f64, f64, f64, f64, Vec<(f64, f64, f64)>)> = Vec::with_capacity(pp);
+    let mut comm: Vec<RankComm> = Vec::with_capacity(pp);
     for p in 0..pp {
         if reps[p] != p {
             let same = comm[reps[p]].clone();
@@ -255,6 +286,7 @@ pub fn predict(
         }
         let items = step_collectives(&model, plan, shape, dims.rank_of(0, p, 0))?;
         let (mut fwd, mut bwd, mut step, mut pool) = (0.0, 0.0, 0.0, 0.0);
+        let mut permute = (0.0, 0.0);
         let mut per_group = vec![(0.0f64, 0.0f64, 0.0f64); GROUPS.len()];
         let mut beside = RingPasses::default();
         for c in &items {
@@ -267,6 +299,11 @@ pub fn predict(
                 continue; // with its send
             }
             let t = priced(machine, plan, c);
+            match c.phase {
+                Phase::Forward => permute.0 += permutation(machine, c),
+                Phase::Backward => permute.1 += permutation(machine, c),
+                Phase::Step => {}
+            }
             let g = GROUPS.iter().position(|&g| g == c.group).unwrap_or(0);
             per_group[g].0 += t * reps;
             if c.group == Group::Cp && c.overlappable {
@@ -288,15 +325,23 @@ pub fn predict(
         let (ring_f, ring_b) = beside.exposed(&ring, dims.cp);
         let g = GROUPS.iter().position(|&g| g == Group::Cp).unwrap_or(0);
         per_group[g].1 += (ring_f + ring_b) * ga as f64;
-        comm.push((fwd + ring_f, bwd + ring_b, step, pool, per_group));
+        comm.push(RankComm {
+            forward: fwd + ring_f,
+            backward: bwd + ring_b,
+            step,
+            pool,
+            per_group,
+            permute,
+        });
     }
     let kind = plan.effective_schedule();
     let sched = plan.schedule()?;
     // Model stage s: its compute, and its rank's in-pass comm shared over the rank's chunks.
     let stage_costs: Vec<(f64, f64)> = (0..sched.num_model_stages())
         .map(|s| {
-            let (fwd, bwd, ..) = comm[sched.rank_of_stage(s)];
+            let c = &comm[sched.rank_of_stage(s)];
             let per = m as f64 * chunks;
+            let (fwd, bwd) = (c.forward + c.permute.0, c.backward + c.permute.1);
             (passes[s].0 + fwd / per, passes[s].1 + bwd / per)
         })
         .collect();
@@ -323,11 +368,13 @@ pub fn predict(
     };
     let pipeline = ga as f64 * sim.makespan();
     // The rank whose step-phase and excess overlappable comm is largest finishes last.
-    let tail = |r: usize| comm[r].2 + (comm[r].3 - window(r)).max(0.0);
+    let tail = |r: usize| comm[r].step + (comm[r].pool - window(r)).max(0.0);
     let worst = (0..pp)
         .max_by(|&a, &b| tail(a).total_cmp(&tail(b)))
         .unwrap_or(0);
-    let (_, _, _, pool, per_group) = &comm[worst];
+    let RankComm {
+        pool, per_group, ..
+    } = &comm[worst];
     let hidden = if *pool > 0.0 {
         (pool - window(worst)).max(0.0) / pool
     } else {
@@ -349,22 +396,52 @@ pub fn predict(
     if measured.is_none() {
         for p in 0..pp {
             let params = crate::memory::rank_params(&model, plan, p)?;
-            let shard = if stage > 0 { params.div_ceil(dims.dp as u64) } else { params };
+            let shard = if stage > 0 {
+                params.div_ceil(dims.dp as u64)
+            } else {
+                params
+            };
             let s = compute::optimizer(machine.compute, shard, cfg.dtype.candle().size_in_bytes());
             optimizer = optimizer.max(s);
         }
     }
     let step_s = pipeline + optimizer + tail(worst);
     let tokens = (cfg.batch_size * dims.dp * ga * cfg.seq_len) as f64;
-    let busiest = rank_passes.iter().map(|(f, b)| f + b).fold(0.0, f64::max);
+    // Per pipeline rank: its passes of every micro-batch of a micro-step, and its permutations.
+    let busiest = (0..pp)
+        .map(|r| {
+            let (f, b) = rank_passes[r];
+            let (pf, pb) = comm[r].permute;
+            (m as f64 * (f + b) + pf + pb, pf + pb)
+        })
+        .fold((0.0, 0.0), |a, x| if x.0 > a.0 { x } else { a });
     Ok(Prediction {
-        compute_s: ga as f64 * m as f64 * busiest,
+        compute_s: ga as f64 * busiest.0,
         bubble: sim.bubble_fraction(0),
         groups,
+        permute_s: ga as f64 * busiest.1,
         step_s,
         tokens_per_s: tokens / step_s,
         mfu: fpt * tokens / step_s / (machine.gpus as f64 * machine.gpu.peak_flops),
     })
+}
+
+/// One pipeline rank's communication in a step (per micro-step unless said), and its
+/// expert-parallel permutations.
+#[derive(Debug, Clone)]
+struct RankComm {
+    /// Collectives inside the forward passes (the cp ring's exposed part included).
+    forward: f64,
+    /// Collectives inside the backward passes.
+    backward: f64,
+    /// Step-phase collectives that cannot overlap, per step.
+    step: f64,
+    /// Overlappable collectives, per step.
+    pool: f64,
+    /// Per group of [`GROUPS`]: (total, in-pass or exposed, pooled) seconds per step.
+    per_group: Vec<(f64, f64, f64)>,
+    /// (forward, backward) seconds of the permutations around the token all-to-alls.
+    permute: (f64, f64),
 }
 
 /// The attention compute one cp ring pass hides behind, per micro-batch: a block of the
@@ -424,12 +501,17 @@ impl RingPasses {
     /// each); the recompute's K, V passes beside its forward blocks.
     pub fn exposed(&self, w: &RingWindows, n: usize) -> (f64, f64) {
         let each = |(s, k): (f64, usize)| if k == 0 { 0.0 } else { s / k as f64 };
-        let (f, kv, dkv) = (each(self.forward), each(self.backward_kv), each(self.backward_dkv));
+        let (f, kv, dkv) = (
+            each(self.forward),
+            each(self.backward_kv),
+            each(self.backward_dkv),
+        );
         let over = |x: f64, a: f64| (x - a).max(0.0);
         let (a_f, a_b) = (w.forward_s, w.backward_s);
         let forward = self.forward.1 as f64 * over(f, a_f);
         let blocks = self.backward_dkv.1 as f64 / n.saturating_sub(1).max(1) as f64;
-        let block = over(kv, a_b) + n.saturating_sub(2) as f64 * over(kv + dkv, a_b) + over(dkv, a_b);
+        let block =
+            over(kv, a_b) + n.saturating_sub(2) as f64 * over(kv + dkv, a_b) + over(dkv, a_b);
         let recompute = self.backward_kv.1.saturating_sub(self.backward_dkv.1) as f64;
         (forward, blocks * block + recompute * over(kv, a_f))
     }
@@ -447,6 +529,12 @@ pub fn render(p: &Prediction) -> String {
         p.tokens_per_s,
         p.mfu * 100.0
     );
+    if p.permute_s > 0.0 {
+        s.push_str(&format!(
+            "  ep permutations (the expert side's sort and unsort of the token rows) {} per step, in the passes\n",
+            human_time(p.permute_s)
+        ));
+    }
     for g in &p.groups {
         s.push_str(&format!(
             "  {:<5} communication {} per step, {} exposed{}\n",
@@ -480,7 +568,10 @@ mod tests {
             backward_dkv: (6.0 * us, 3),
         };
         let (f, b) = one_block.exposed(&w, 4);
-        assert!((f - 1.5 * us).abs() < 1e-15 && (b - 1.0 * us).abs() < 1e-15, "{f} {b}");
+        assert!(
+            (f - 1.5 * us).abs() < 1e-15 && (b - 1.0 * us).abs() < 1e-15,
+            "{f} {b}"
+        );
         let recomputed = RingPasses {
             backward_kv: (6.0 * us, 6),
             ..one_block
