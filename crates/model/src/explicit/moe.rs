@@ -27,14 +27,13 @@
 //! row reached gets zero gradients; every rank runs both all-to-alls each way even when it
 //! sends or receives nothing, or its peers would wait for it.
 //!
-//! The dispatch, the experts and the combine run through [`Exchange::round_trip`], on the rows
-//! of the layer's tokens in parts: one, or under the pipelined overlap as many as the exchange
-//! asks for (routed together: one capacity, the same drops), each part's rows grouped by
-//! expert, the counts of all of them in one all-to-all; `tokens`, `gate` and `y_back` hold
-//! part 0's rows, then part 1's, and so on. The exchange decides when each part's all-to-alls
-//! wait (the parallel crate's `expert_parallel/overlap.rs`). In the backward an expert's weight
-//! products are kept over the parts and formed once on all its rows, in the exchange's tail
-//! (beside the last combine under the overlap).
+//! Dispatch, experts and combine run through [`Exchange::round_trip`] on the layer's tokens in
+//! parts: one, or under the pipelined overlap as many as the exchange asks for (routed
+//! together: one capacity, the same drops), each part's rows grouped by expert, all counts in
+//! one all-to-all; `tokens`, `gate` and `y_back` hold part 0's rows, then part 1's, and so on.
+//! The exchange decides when each part's all-to-alls wait (`expert_parallel/overlap.rs` in the
+//! parallel crate). In the backward an expert's weight products are kept over the parts and
+//! formed once on all its rows, in the exchange's tail (beside the last combine).
 //!
 //! Legend: `N` this rank's tokens, `C` width, `E` experts, `E_l` local experts, `S` rows this
 //! rank sends (its kept pairs), `R` rows its experts receive.
