@@ -15,6 +15,16 @@
 //!
 //! A caller blocks only while an op it waits for is unfinished, and one thread waits for one op at
 //! a time, so the blocked time of a step never exceeds the busy time of its groups.
+//!
+//! On a GPU the host does not wait: the compute stream does. There the blocked time is the
+//! compute stream's stall, timed by two events around its wait on the op's `done` event, and
+//! known only once the stream has passed them ([`Tracer::add_blocked_on_device`]):
+//!
+//! ```text
+//!   comm stream:      |=====op=====|●done
+//!   compute stream:   ..gemm..●before ⧗ wait(done) ●after ..next kernel..
+//!   blocked:                  |xxxxxxx|             after − before, read when the totals are
+//! ```
 
 use std::collections::{HashMap, VecDeque};
 use std::ops::{Add, Sub};
@@ -99,6 +109,20 @@ impl Sub for TraceTotals {
     }
 }
 
+/// The microseconds a device stream waited for an op, readable once the device has passed
+/// the wait (reading it waits for that).
+pub type DeviceWait = Box<dyn FnOnce() -> u64 + Send>;
+
+/// Device waits not yet read.
+#[derive(Default)]
+struct Unsettled(Vec<(OpKind, DeviceWait)>);
+
+impl std::fmt::Debug for Unsettled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} device waits", self.0.len())
+    }
+}
+
 #[derive(Debug, Default)]
 struct Inner {
     recent: VecDeque<TraceEvent>,
@@ -108,6 +132,19 @@ struct Inner {
     by_op: HashMap<OpKind, TraceTotals>,
     /// When the group's latest op finished (the earliest the next one could start).
     last_end_us: u64,
+    /// Device waits, added to `blocked_us` when the totals are next read.
+    unsettled: Unsettled,
+}
+
+impl Inner {
+    /// Add every device wait to the blocked time (waiting for the device to pass them).
+    fn settle(&mut self) {
+        for (op, waited) in std::mem::take(&mut self.unsettled.0) {
+            let us = waited();
+            self.totals.blocked_us += us;
+            self.by_op.entry(op).or_default().blocked_us += us;
+        }
+    }
 }
 
 /// A cheap, cloneable handle to a group's trace.
@@ -196,6 +233,13 @@ impl Tracer {
         inner.by_op.entry(op).or_default().blocked_us += waited_us;
     }
 
+    /// A device stream waits for an `op` of this group; `waited` tells for how long once the
+    /// device has passed the wait. It is added to the blocked time when the totals are next
+    /// read, so read them where the host waits for the device anyway (a step's end).
+    pub fn add_blocked_on_device(&self, op: OpKind, waited: DeviceWait) {
+        self.lock().unsettled.0.push((op, waited));
+    }
+
     /// A caller spent `held_us` inside a call that issued or waited for an `op` of this group.
     pub fn add_held(&self, op: OpKind, held_us: u64) {
         let mut inner = self.lock();
@@ -203,14 +247,19 @@ impl Tracer {
         inner.by_op.entry(op).or_default().held_us += held_us;
     }
 
-    /// The running totals (subtract two readings for what happened in between).
+    /// The running totals (subtract two readings for what happened in between), device waits
+    /// included.
     pub fn totals(&self) -> TraceTotals {
-        self.lock().totals
+        let mut inner = self.lock();
+        inner.settle();
+        inner.totals
     }
 
-    /// The running totals of each kind of op this group has run.
+    /// The running totals of each kind of op this group has run, device waits included.
     pub fn totals_by_op(&self) -> HashMap<OpKind, TraceTotals> {
-        self.lock().by_op.clone()
+        let mut inner = self.lock();
+        inner.settle();
+        inner.by_op.clone()
     }
 
     /// Total payload bytes this group has sent since creation (or the last `clear`).
@@ -224,5 +273,71 @@ impl Tracer {
         inner.recent.clear();
         inner.totals = TraceTotals::default();
         inner.by_op.clear();
+        inner.unsettled.0.clear();
+    }
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    /// A device wait is read once, at the next reading of the totals, into the op's blocked
+    /// time and the group's.
+    #[test]
+    fn device_waits_are_read_with_the_totals() {
+        let t = Tracer::default();
+        let reads = Arc::new(AtomicUsize::new(0));
+        for us in [300, 40] {
+            let reads = reads.clone();
+            t.add_blocked_on_device(
+                OpKind::AllGather,
+                Box::new(move || {
+                    reads.fetch_add(1, Ordering::SeqCst);
+                    us
+                }),
+            );
+        }
+        t.add_blocked(OpKind::AllReduce, 5);
+        assert_eq!(reads.load(Ordering::SeqCst), 0, "added, not read");
+        assert_eq!(t.totals().blocked_us, 345);
+        assert_eq!(t.totals().blocked_us, 345, "each wait counts once");
+        assert_eq!(t.totals_by_op()[&OpKind::AllGather].blocked_us, 340);
+        assert_eq!(reads.load(Ordering::SeqCst), 2);
+    }
+}
+
+/// The compute stream's wait on a collective, timed on the device (`cuda` feature): how both GPU
+/// backends order their compute stream after an op.
+#[cfg(feature = "cuda")]
+pub(crate) mod device {
+    use candle_core::cuda_backend::cudarc::driver::{sys, CudaEvent, CudaStream, DriverError};
+
+    use super::Tracer;
+    use crate::op_kind::OpKind;
+
+    /// Make `compute` wait for `done` (the op's end on its communication stream), between two
+    /// timing events whose distance, the stall, `tracer` adds to the op's blocked time when its
+    /// totals are next read. The host does not wait.
+    pub(crate) fn wait_timed(
+        compute: &CudaStream,
+        done: &CudaEvent,
+        tracer: &Tracer,
+        op: OpKind,
+    ) -> Result<(), DriverError> {
+        let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let before = compute.record_event(timing)?;
+        compute.wait(done)?;
+        let after = compute.record_event(timing)?;
+        tracer.add_blocked_on_device(
+            op,
+            Box::new(move || {
+                // Waits for the stream to pass `after`; a stream that failed counts no time.
+                let ms = before.elapsed_ms(&after).unwrap_or(0.0);
+                (f64::from(ms) * 1e3).round() as u64
+            }),
+        );
+        Ok(())
     }
 }

@@ -13,7 +13,7 @@ use super::driver::{self, cuda_err};
 use super::protocol::FLAG_WORDS;
 use crate::communicator::{CommError, OpKind, PendingWork, Result};
 use crate::site::Site;
-use crate::trace::{TraceEvent, Tracer};
+use crate::trace::{device, TraceEvent, Tracer};
 
 /// An op on the communication stream that the watchdog watches.
 pub(super) struct InFlight {
@@ -55,7 +55,7 @@ impl<T> IpcWork<T> {
     pub(super) fn order_compute(&mut self) -> Result<()> {
         if let Some(done) = self.done.take() {
             let err = |e| cuda_err(&self.event.group, format!("{e:?}"));
-            self.compute.wait(&done).map_err(err)?;
+            device::wait_timed(&self.compute, &done, &self.tracer, self.event.op).map_err(err)?;
             if self.host_blocks || self.tracer.is_recording() {
                 // Poll with the timeout: the watchdog releases a wait that never comes.
                 let deadline = Instant::now() + self.timeout + Duration::from_secs(5);

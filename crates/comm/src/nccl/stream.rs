@@ -16,7 +16,7 @@ use super::shared::InFlight;
 use super::watchdog::abort;
 use crate::communicator::{CommError, OpKind, PendingWork, Result, Work};
 use crate::site::Site;
-use crate::trace::{TraceEvent, Tracer};
+use crate::trace::{device, TraceEvent, Tracer};
 
 impl NcclGroup {
     /// Issue one op: order the communication stream after the compute stream, enqueue the
@@ -227,8 +227,7 @@ impl<T> NcclWork<T> {
     /// Make the compute stream wait for the op (the host does not block).
     pub(super) fn order_compute(&mut self) -> Result<()> {
         if let Some(done) = self.done.take() {
-            self.compute
-                .wait(&done)
+            device::wait_timed(&self.compute, &done, &self.tracer, self.event.op)
                 .map_err(|e| driver_err(&self.event.group, e))?;
             if self.tracer.is_recording() {
                 // Exact end time for traces; only when recording, since it blocks the host.
