@@ -64,11 +64,31 @@ fn gemm_cost(a: &Tensor, b: &Tensor) -> (String, crate::profile::Cost) {
     (crate::profile::gemm_name("gemm", (batch * m, k, n)), cost)
 }
 
+/// The fewest elements of a weight W for which x · Wᵀ of few rows runs as (W · xᵀ)ᵀ: 4 MiB of
+/// f32, more than a core's L2.
+const WEIGHT_MIN: usize = 1 << 20;
+
+/// The most rows of x for which it does.
+const ROWS_MAX: usize = 512;
+
 /// [`matmul`] itself.
+///
+/// A layer's product x · Wᵀ reads W (N, K) row-major as a transposed right side, which the gemm
+/// streams unpacked from memory once per block of rows; with few rows and a W larger than the
+/// cache that dominates. Multiplied the other way round, (W · xᵀ)ᵀ, W is the left side, read in
+/// the gemm's row blocks, and the small xᵀ is what is streamed; the result, transposed into
+/// place, has the same bits (every element the same sum over K, blocked by K alone). Measured at
+/// one thread (AMD EPYC, 1024 → 2048): 64 rows 9.0 → 3.8 ms, 256 rows 16.7 → 12.8 ms, 1000 rows
+/// no gain (48.2 → 49.6 ms), hence the bounds above.
 fn product(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if a.rank() == 2 && b.rank() == 2 {
         // One matrix of a batch of one: the same gemm call, split by the gemm itself.
         let four = |t: &Tensor| t.unsqueeze(0)?.unsqueeze(0);
+        let (m, w) = (a.dim(0)?, b.t()?); // w: the weight (N, K) if b is its transposed view
+        if m <= ROWS_MAX && w.is_contiguous() && w.elem_count() >= WEIGHT_MIN && super::takes(&[a, b]) {
+            let yt = batched(&four(&w)?, &four(&a.t()?)?, 1.0)?.squeeze(0)?.squeeze(0)?; // (N, M)
+            return yt.t()?.contiguous(); // (M, N)
+        }
         return batched(&four(a)?, &four(b)?, 1.0)?.squeeze(0)?.squeeze(0);
     }
     batched(a, b, 1.0)
