@@ -727,7 +727,7 @@ fn ring_without_sequence_parallelism_is_refused() {
 }
 
 /// `--tp-overlap ring` replaces each block's sequence all-gathers and reduce-scatters with
-/// tp − 1 sends and receives each, carrying the same bytes; the embedding's reduce-scatter and
+/// tp − 1 steps of `PIECES` sends and receives each, carrying the same bytes; the embedding's reduce-scatter and
 /// the head's all-gather stay collectives.
 #[test]
 fn trace_ring_passes_the_sequence_collectives_as_sends() {
@@ -757,8 +757,9 @@ fn trace_ring_passes_the_sequence_collectives_as_sends() {
     assert_eq!(count(&plain, OpKind::AllGather), 4 * blocks + 2, "{plain:?}");
     assert_eq!(count(&ring, OpKind::AllGather), 2, "the head's input and the embedding's gradient: {ring:?}");
     assert_eq!(count(&ring, OpKind::ReduceScatter), 2, "the embedding's sum and the head's gradient");
-    assert_eq!(count(&ring, OpKind::Send), 8 * blocks, "tp − 1 = 1 send per decomposed collective");
-    assert_eq!(count(&ring, OpKind::Recv), 8 * blocks);
+    let k = tensor_parallel::ring::PIECES;
+    assert_eq!(count(&ring, OpKind::Send), 8 * blocks * k, "tp − 1 = 1 step of k pieces per decomposed collective");
+    assert_eq!(count(&ring, OpKind::Recv), 8 * blocks * k);
     // What one rank puts on the wire at tp = 2: an all-gather's traced bytes (its input, our
     // part), half a reduce-scatter's (its input is the whole; the other part leaves).
     let wire = |v: &[(OpKind, u64)]| -> u64 {

@@ -1,12 +1,13 @@
 //! `--tp-overlap chunked` and `ring` under the link emulator: on a link slow enough that the
-//! TP collectives waited inline take at least 40% of a step, `chunked` leaves at most half of
-//! the communication the step waits for without overlap exposed, and `ring` (with sequence
-//! parallelism, against `none` with it) at most 0.9 of it; the step gets shorter by what was
-//! hidden, less 15% of the step (the step-to-step noise of a 2-core machine that other builds
-//! share); the three claims must hold together in one of at most three measurements. What each
-//! mode can hide is bounded by the compute beside its collectives: chunked's g behind the next
-//! chunk's whole sub-layer, ring's sequence collectives only behind their own layer's product;
-//! the backward's behind the input and weight gradients (docs/results.md has the figures).
+//! TP collectives waited inline take at least 40% of a step, `chunked` and `ring` (with
+//! sequence parallelism, against `none` with it) each leave at most half of the communication
+//! the step waits for without overlap exposed; the step gets shorter by what was hidden, less
+//! 15% of the step (the step-to-step noise of a 2-core machine that other builds share); the
+//! three claims must hold together in one of at most three measurements. What each mode can
+//! hide is bounded by the compute beside its collectives: chunked's g behind the next chunk's
+//! whole sub-layer, ring's sequence collectives only behind their own layer's products, piece
+//! by piece; the backward's behind the input and weight gradients (docs/results.md has the
+//! figures).
 //!
 //! The link is calibrated to this machine in the run: a first pass without a link measures the
 //! step's compute and records its collectives; the link's bandwidth is then set so those
@@ -15,7 +16,9 @@
 //! and medians of several steps are compared. Every figure is a wall-clock time, but the wire
 //! times are sleeps of tens of milliseconds per collective, far above the scheduling noise. The
 //! model is wide (C = 1024) so that the products, which the overlap can hide behind, are most
-//! of the step, as in the models tensor parallelism is for. Each rank computes on the threads
+//! of the step, as in the models tensor parallelism is for, and the micro-batch (16 sequences)
+//! large enough that a chunk's or a piece's product is not dwarfed by a message's own cost on
+//! two cores (a wake-up of the communication thread, about a millisecond). Each rank computes on the threads
 //! `mtrain` gives a worker (the machine's cores over the ranks, at least one): the ranks here are
 //! threads of one process, and sharing its one pool would make every rank's products contend for
 //! every core, a slowdown the command does not have.
@@ -36,7 +39,7 @@ use rand::{Rng, SeedableRng};
 
 use common::{alternate, median, on_rank_threads, overlap_claims, Medians};
 
-const B: usize = 8; // sequences per micro-batch: 4 chunks of 2
+const B: usize = 16; // sequences per micro-batch: 4 chunks of 4
 const TP: usize = 2;
 const STEPS: usize = 5;
 
@@ -152,7 +155,7 @@ fn chunked_hides_tp_communication_on_a_slow_link() {
 
 #[test]
 fn ring_hides_tp_communication_on_a_slow_link() {
-    hides_tp_communication(true, TpOverlap::Ring, 0.9);
+    hides_tp_communication(true, TpOverlap::Ring, 0.5);
 }
 
 /// `mode` against `none` (both with sequence parallelism `sp` or both without): exposed TP

@@ -25,19 +25,33 @@
 //!                                    S_2 ← 3             S_1 ← 3             S_0 ← 3    y_0 = S_0 + P_0
 //! ```
 //!
-//! Each step's product is computed while the previous step's message is on the wire; what
-//! stays exposed is what a step's transfer takes beyond a step's product. The backward runs the
-//! conjugates the same way: the row layer's all-gather of dy with dx = dy W_r and dW's term
-//! on each part, the column layer's reduce-scatter of dx = dy W_r with the weight gradient
-//! computed while the first running sum travels. A part is every sequence's positions of that
+//! Each step's product is computed while the previous step's message is on the wire. A step
+//! sends its part in [`PIECES`] pieces of rows, each passed on as soon as it is at hand, so the
+//! product on a piece that has arrived runs while the next piece travels, and a running sum's
+//! first piece leaves while the second is computed:
+//!
+//! ```text
+//!   tp = 2, rank 0     all-gather                      reduce-scatter
+//!   compute            x_0 W_rᵀ  |x_1.0 W_rᵀ|x_1.1 W_rᵀ   P_1.0|P_1.1|P_0.0 |P_0.1
+//!   wire               x_0.0 x_0.1 → 1                          P_1.0 P_1.1 → 1
+//!                      x_1.0|x_1.1 ← 1                          S_0.0 S_0.1 ← 1   y_0 = S_0 + P_0
+//! ```
+//!
+//! What stays exposed is what a step's transfer takes beyond the products beside it. The
+//! backward runs the conjugates the same way: the row layer's all-gather of dy with
+//! dx = dy W_r on each piece and dW's term on each part once it is whole, the column layer's
+//! reduce-scatter of dx = dy W_r with the weight gradient computed while the first running
+//! sum travels. A part is every sequence's positions of that
 //! rank, so the results are the ones the collectives give (each sum over the same ranks, added
 //! in the ring's order).
 //!
 //! Legend: `b` sequences, `T` positions, `T_r = T/tp` a rank's part, `F` features; activations
 //! are rows (b·T, F), sequence-major.
 
+use std::ops::Range;
+
 use candle_core::{Result, Tensor};
-use mtrain_comm::{chunk_range, Comm};
+use mtrain_comm::{chunk_range, Comm, Work};
 use mtrain_kernels::{bias, linear as fused};
 use mtrain_model::explicit::DenseTape;
 use mtrain_model::tape::{TapedLinear, WeightGrads};
@@ -75,49 +89,83 @@ fn neighbours(group: &Comm) -> (usize, usize) {
     ((r + 1) % p, (r + p - 1) % p)
 }
 
-/// The all-gather of this rank's part `x_r` (b·T_r, F) around the ring, `on_part(x_c, c)` run
-/// on each part as it is at hand (the first step on our own) while the next one travels.
-/// Returns the gathered rows (b·T, F) and each of `on_part`'s outputs laid out likewise.
+/// How many pieces a ring step cuts its part into. Each is a message of its own, so more
+/// pieces hide more of a step's transfer at the cost of more messages and shorter products
+/// (docs/results.md has both measured).
+pub const PIECES: usize = 2;
+
+/// The row ranges of the pieces of a part of `rows` rows.
+pub fn pieces(rows: usize) -> Vec<Range<usize>> {
+    let k = PIECES.min(rows).max(1);
+    (0..k).map(|j| chunk_range(rows, k, j)).collect()
+}
+
+/// A piece of a part: in hand, or on the wire from the previous rank.
+enum Piece {
+    Held(Tensor),
+    Coming(Work<Tensor>),
+}
+
+/// The all-gather of this rank's part `x_r` (b·T_r, F) around the ring, `on_piece(x_cj, c,
+/// rows)` run on each piece of each part (its rows `rows` of part c) as it is at hand, our own
+/// part's once all of it is on the wire. Returns the gathered rows (b·T, F) and each of
+/// `on_piece`'s outputs laid out likewise.
 #[track_caller]
 pub fn gather_with(
     x_r: &Tensor,
     b: usize,
     group: &Comm,
-    mut on_part: impl FnMut(&Tensor, usize) -> Result<Vec<Tensor>>,
+    mut on_piece: impl FnMut(&Tensor, usize, Range<usize>) -> Result<Vec<Tensor>>,
 ) -> Result<(Tensor, Vec<Tensor>)> {
     let (r, p) = (group.rank(), group.size());
     let (next, prev) = neighbours(group);
-    let mut held = Some(x_r.contiguous()?); // (b·T_r, F), part r
-    let mut parts: Vec<Option<Tensor>> = vec![None; p];
-    let mut outs: Vec<Vec<Option<Tensor>>> = Vec::new();
-    let mut sends = Vec::with_capacity(p);
+    let x_r = x_r.contiguous()?; // (b·T_r, F), part r
+    let ranges = pieces(x_r.dim(0)?);
+    let mut hand: Vec<Piece> = ranges
+        .iter()
+        .map(|rg| Ok(Piece::Held(x_r.narrow(0, rg.start, rg.len())?)))
+        .collect::<Result<_>>()?;
+    let mut parts: Vec<Vec<Tensor>> = vec![Vec::new(); p];
+    let mut outs: Vec<Vec<Vec<Tensor>>> = Vec::new(); // [output][part][piece]
+    let mut sends = Vec::with_capacity((p - 1) * ranges.len());
     for s in 0..p {
         let c = (r + p - s) % p; // the part at hand
-        let x_c = held.take().expect("a part is at hand at every step");
-        // Pass it on before computing on it: the next part travels during this product.
-        let incoming = (s + 1 < p).then(|| {
-            sends.push(group.send_async(&x_c, next));
-            group.recv_async(prev, x_c.shape(), x_c.dtype()) // part c − 1, the size of ours
-        });
-        for (i, y) in on_part(&x_c, c)?.into_iter().enumerate() {
-            if outs.len() <= i {
-                outs.push(vec![None; p]);
+        let mut ready = Vec::with_capacity(ranges.len());
+        let mut coming = Vec::with_capacity(ranges.len());
+        for (j, piece) in std::mem::take(&mut hand).into_iter().enumerate() {
+            let x = match piece {
+                Piece::Held(x) => x,
+                Piece::Coming(w) => w.wait().map_err(comm_err)?,
+            };
+            // Pass each piece on as soon as it is here: the next rank's product on it runs
+            // while the rest of the part travels.
+            if s + 1 < p {
+                sends.push(group.send_async(&x, next));
+                coming.push(Piece::Coming(group.recv_async(prev, x.shape(), x.dtype())));
             }
-            outs[i][c] = Some(y); // (b·T_c, F')
+            ready.push(x);
+            // A piece that arrived is multiplied at once; our own part goes on the wire
+            // whole before its first product.
+            if s > 0 {
+                on_piece_at(&mut outs, &mut on_piece, &ready[j], c, p, ranges[j].clone())?;
+            }
         }
-        parts[c] = Some(x_c);
-        if let Some(w) = incoming {
-            held = Some(w.wait().map_err(comm_err)?);
+        if s == 0 {
+            for (x, rg) in ready.iter().zip(&ranges) {
+                on_piece_at(&mut outs, &mut on_piece, x, c, p, rg.clone())?;
+            }
         }
+        parts[c] = ready;
+        hand = coming;
     }
-    for s in sends {
-        s.wait().map_err(comm_err)?;
+    for w in sends {
+        w.wait().map_err(comm_err)?;
     }
-    let whole = |v: Vec<Option<Tensor>>| -> Result<Tensor> {
-        let v: Vec<Tensor> = v
+    let whole = |v: Vec<Vec<Tensor>>| -> Result<Tensor> {
+        let v = v
             .into_iter()
-            .map(|t| t.expect("every step fills its part"))
-            .collect();
+            .map(|pieces| Tensor::cat(&pieces, 0)) // (b·T_c, F)
+            .collect::<Result<Vec<_>>>()?;
         assemble(&v, b)
     };
     let gathered = whole(parts)?; // (b·T, F)
@@ -125,37 +173,78 @@ pub fn gather_with(
     Ok((gathered, outs))
 }
 
-/// The reduce-scatter around the ring of this rank's partial product, computed part by part:
-/// `partial(c)` (b·T_c, F) is this rank's term of part c's sum. `alongside` runs once, while
-/// the first running sum travels (the column layer's weight gradient). Returns this rank's
-/// part of the sum over the group (b·T_r, F).
+/// `on_piece`'s outputs for piece `rows` of part `c`, kept in `outs[output][c]`.
+fn on_piece_at(
+    outs: &mut Vec<Vec<Vec<Tensor>>>,
+    on_piece: &mut impl FnMut(&Tensor, usize, Range<usize>) -> Result<Vec<Tensor>>,
+    x: &Tensor,
+    c: usize,
+    p: usize,
+    rows: Range<usize>,
+) -> Result<()> {
+    for (i, y) in on_piece(x, c, rows)?.into_iter().enumerate() {
+        if outs.len() <= i {
+            outs.push(vec![Vec::new(); p]);
+        }
+        outs[i][c].push(y); // (rows, F')
+    }
+    Ok(())
+}
+
+/// The reduce-scatter around the ring of this rank's partial product, computed piece by piece:
+/// `partial(c, rows)` (rows, F) is this rank's term of the rows `rows` of part c's sum, a part
+/// having `part_rows` rows, and each piece of a running sum goes on as soon as it is formed.
+/// `alongside` runs once, while the first running sum travels (the column layer's weight
+/// gradient). Returns this rank's part of the sum over the group (b·T_r, F).
 #[track_caller]
 pub fn reduce_scatter_with(
     group: &Comm,
-    mut partial: impl FnMut(usize) -> Result<Tensor>,
+    part_rows: usize,
+    mut partial: impl FnMut(usize, Range<usize>) -> Result<Tensor>,
     alongside: impl FnOnce() -> Result<()>,
 ) -> Result<Tensor> {
     let (r, p) = (group.rank(), group.size());
     let (next, prev) = neighbours(group);
     let part_at = |s: usize| (r + 2 * p - 1 - s) % p; // step s works on part r − 1 − s
-    let mut sum = partial(part_at(0))?.contiguous()?; // (b·T_c, F), the running sum we start
+    let ranges = pieces(part_rows);
+    let mut sends = Vec::with_capacity((p - 1) * ranges.len());
+    // Step 0: our terms start part r − 1's running sums, each piece sent as it is formed.
+    let mut sums = Vec::with_capacity(ranges.len());
+    for rg in &ranges {
+        let sum = partial(part_at(0), rg.clone())?.contiguous()?; // (rows, F)
+        if p > 1 {
+            sends.push(group.send_async(&sum, next));
+        }
+        sums.push(sum);
+    }
     let mut alongside = Some(alongside);
     for s in 1..p {
-        let send = group.send_async(&sum, next);
-        // What arrives is part_at(s)'s running sum: our own sum's shape, the parts being equal.
-        let incoming = group.recv_async(prev, sum.shape(), sum.dtype());
+        // What arrives is part_at(s)'s running sum, piece by piece: our pieces' shapes, the
+        // parts being equal.
+        let incoming: Vec<_> = sums
+            .iter()
+            .map(|t| group.recv_async(prev, t.shape(), t.dtype()))
+            .collect();
         if let Some(f) = alongside.take() {
             f()?;
         }
-        let mine = partial(part_at(s))?; // (b·T_c, F), while the sum travels
-        let arrived = incoming.wait().map_err(comm_err)?;
-        send.wait().map_err(comm_err)?;
-        sum = (arrived + mine)?;
+        sums = Vec::with_capacity(ranges.len());
+        for (rg, w) in ranges.iter().zip(incoming) {
+            let mine = partial(part_at(s), rg.clone())?; // while the sum travels
+            let sum = (w.wait().map_err(comm_err)? + mine)?;
+            if s + 1 < p {
+                sends.push(group.send_async(&sum, next));
+            }
+            sums.push(sum);
+        }
     }
     if let Some(f) = alongside {
         f()?;
     }
-    Ok(sum) // part r: Σ over the group (b·T_r, F)
+    for w in sends {
+        w.wait().map_err(comm_err)?;
+    }
+    Tensor::cat(&sums, 0) // part r: Σ over the group (b·T_r, F)
 }
 
 /// The column-parallel layer's forward (this rank's `W_r` (out/tp, in), `b_r` in `dense`) from
@@ -168,7 +257,7 @@ pub fn column_forward(
     group: &Comm,
     gelu: bool,
 ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
-    let (x, mut outs) = gather_with(x_r, b, group, |x_c, _| match gelu {
+    let (x, mut outs) = gather_with(x_r, b, group, |x_c, _, _| match gelu {
         false => Ok(vec![dense.forward(x_c, b)?.1]), // (N/tp, out/tp)
         true => {
             let (_, f, g) = dense.forward_gelu(x_c, b)?;
@@ -201,9 +290,11 @@ pub fn column_backward(
     let w = dense.weight()?; // (out/tp, in)
     let tp = group.size();
     let bias = dense.bias()?;
+    let dy_part = |c, rows: Range<usize>| part_rows(dy, b, tp, c)?.narrow(0, rows.start, rows.len());
     reduce_scatter_with(
         group,
-        |c| mtrain_kernels::matmul(&part_rows(dy, b, tp, c)?, &w), // (N/tp, in)
+        dy.dim(0)? / tp,
+        |c, rows| mtrain_kernels::matmul(&dy_part(c, rows)?, &w), // (rows, in)
         || grads.linear(dense.names(), dy, x, &bias),
     )
 }
@@ -213,8 +304,11 @@ pub fn column_backward(
 /// computed.
 pub fn row_forward(x: &Tensor, w_t: &Tensor, b: usize, group: &Comm) -> Result<Tensor> {
     let tp = group.size();
-    let part = |c| mtrain_kernels::matmul(&part_rows(x, b, tp, c)?, w_t); // (N/tp, out)
-    reduce_scatter_with(group, part, || Ok(()))
+    let part = |c, rows: Range<usize>| {
+        let x_c = part_rows(x, b, tp, c)?.narrow(0, rows.start, rows.len())?;
+        mtrain_kernels::matmul(&x_c, w_t) // (rows, out)
+    };
+    reduce_scatter_with(group, x.dim(0)? / tp, part, || Ok(()))
 }
 
 /// The row-parallel layer's backward from this rank's part of dy (N/tp, out): dy's parts
@@ -235,18 +329,29 @@ pub fn row_backward(
     let tp = group.size();
     let now = !grads.defers();
     let mut dw: Option<Tensor> = None;
-    let (dy, mut dx) = gather_with(dy_r, b, group, |dy_c, c| {
+    let piece = |t: &Tensor, c, rows: &Range<usize>| {
+        part_rows(t, b, tp, c)?.narrow(0, rows.start, rows.len()) // (rows, ·)
+    };
+    let part_len = dy_r.dim(0)?; // b·T_r rows, every part's
+    let mut arrived: Vec<Tensor> = Vec::new(); // the pieces of the part at hand
+    let (dy, mut dx) = gather_with(dy_r, b, group, |dy_j, c, rows| {
+        let dx_j = match gelu_of {
+            Some(f) => fused::input_grad_gelu(dy_j, &w, &piece(f, c, &rows)?)?,
+            None => mtrain_kernels::matmul(dy_j, &w)?, // (rows, in/tp)
+        };
+        // dW's term of a part once it is whole: one product of the part's depth.
         if now {
+            arrived.push(dy_j.clone());
+        }
+        if now && rows.end == part_len {
+            let dy_c = Tensor::cat(&std::mem::take(&mut arrived), 0)?; // (b·T_r, out)
             let term = mtrain_kernels::matmul(&dy_c.t()?, &part_rows(x, b, tp, c)?)?; // (out, in/tp)
             dw = Some(match dw.take() {
                 Some(acc) => (acc + term)?,
                 None => term,
             });
         }
-        Ok(vec![match gelu_of {
-            Some(f) => fused::input_grad_gelu(dy_c, &w, &part_rows(f, b, tp, c)?)?,
-            None => mtrain_kernels::matmul(dy_c, &w)?, // (N/tp, in/tp)
-        }])
+        Ok(vec![dx_j])
     })?; // dy (N, out), dx (N, in/tp)
     drop(w);
     let (w_name, b_name) = dense.names();

@@ -102,19 +102,21 @@ fn cut(
         }
         TpOverlap::Ring => {
             let tp = tally.dims.tp;
-            let part = (b * (t / tp) * ch * act.size_in_bytes()) as u64;
             for _ in 1..tp {
-                tally.push(
-                    Group::Tp,
-                    OpKind::Send,
-                    what,
-                    phase,
-                    part,
-                    part,
-                    true,
-                    false,
-                );
-                tally.push(Group::Tp, OpKind::Recv, what, phase, 0, 0, true, false);
+                for rows in crate::tensor_parallel::ring::pieces(b * (t / tp)) {
+                    let piece = (rows.len() * ch * act.size_in_bytes()) as u64;
+                    tally.push(
+                        Group::Tp,
+                        OpKind::Send,
+                        what,
+                        phase,
+                        piece,
+                        piece,
+                        true,
+                        false,
+                    );
+                    tally.push(Group::Tp, OpKind::Recv, what, phase, 0, 0, true, false);
+                }
             }
             true
         }
