@@ -277,37 +277,6 @@ impl Tracer {
     }
 }
 
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::sync::atomic::AtomicUsize;
-
-    /// A device wait is read once, at the next reading of the totals, into the op's blocked
-    /// time and the group's.
-    #[test]
-    fn device_waits_are_read_with_the_totals() {
-        let t = Tracer::default();
-        let reads = Arc::new(AtomicUsize::new(0));
-        for us in [300, 40] {
-            let reads = reads.clone();
-            t.add_blocked_on_device(
-                OpKind::AllGather,
-                Box::new(move || {
-                    reads.fetch_add(1, Ordering::SeqCst);
-                    us
-                }),
-            );
-        }
-        t.add_blocked(OpKind::AllReduce, 5);
-        assert_eq!(reads.load(Ordering::SeqCst), 0, "added, not read");
-        assert_eq!(t.totals().blocked_us, 345);
-        assert_eq!(t.totals().blocked_us, 345, "each wait counts once");
-        assert_eq!(t.totals_by_op()[&OpKind::AllGather].blocked_us, 340);
-        assert_eq!(reads.load(Ordering::SeqCst), 2);
-    }
-}
-
 /// The compute stream's wait on a collective, timed on the device (`cuda` feature): how both GPU
 /// backends order their compute stream after an op.
 #[cfg(feature = "cuda")]
@@ -339,5 +308,35 @@ pub(crate) mod device {
             }),
         );
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    /// A device wait is read once, at the next reading of the totals, into the op's blocked
+    /// time and the group's.
+    #[test]
+    fn device_waits_are_read_with_the_totals() {
+        let t = Tracer::default();
+        let reads = Arc::new(AtomicUsize::new(0));
+        for us in [300, 40] {
+            let reads = reads.clone();
+            t.add_blocked_on_device(
+                OpKind::AllGather,
+                Box::new(move || {
+                    reads.fetch_add(1, Ordering::SeqCst);
+                    us
+                }),
+            );
+        }
+        t.add_blocked(OpKind::AllReduce, 5);
+        assert_eq!(reads.load(Ordering::SeqCst), 0, "added, not read");
+        assert_eq!(t.totals().blocked_us, 345);
+        assert_eq!(t.totals().blocked_us, 345, "each wait counts once");
+        assert_eq!(t.totals_by_op()[&OpKind::AllGather].blocked_us, 340);
+        assert_eq!(reads.load(Ordering::SeqCst), 2);
     }
 }

@@ -332,13 +332,24 @@ mod tests {
     }
 
     /// The linear layers' three products (x wᵀ, dy w, dyᵀ x), above and below the gemm's
-    /// threading threshold and cut into row blocks, a view at an offset and a single row give
+    /// threading threshold, cut into row blocks and, for x wᵀ, multiplied the other way round, a view at an offset and a single row give
     /// candle's bits at one and two threads; a non-matching pair fails as candle's does.
     #[test]
     fn rank_two_products_are_candle_bit_for_bit() -> Result<()> {
         let dev = Device::Cpu;
-        // The last two: products of more rows than ROWS_BLOCK (x wᵀ, and dyᵀ x of 5000 rows).
-        let shapes = [(1024, 256, 768), (48, 20, 12), (1, 64, 32), (4200, 48, 40), (128, 64, 5000)];
+        // Then: products of more rows than ROWS_BLOCK (x wᵀ, and dyᵀ x of 5000 rows); x wᵀ of a
+        // weight of WEIGHT_MIN elements as (w xᵀ)ᵀ (64 and 256 rows), and in the plain order
+        // past ROWS_MAX.
+        let shapes = [
+            (1024, 256, 768),
+            (48, 20, 12),
+            (1, 64, 32),
+            (4200, 48, 40),
+            (128, 64, 5000),
+            (64, 1024, 1024),
+            (256, 1024, 1024),
+            (ROWS_MAX + 88, 1024, 1024),
+        ];
         for (rows, i, o) in shapes {
             let x = Tensor::randn(0f32, 1.0, (rows, i), &dev)?;
             let w = Tensor::randn(0f32, 1.0, (o, i), &dev)?;
