@@ -69,6 +69,29 @@ pub fn part_rows(x: &Tensor, b: usize, tp: usize, c: usize) -> Result<Tensor> {
         .reshape((b * r.len(), f)) // (b·T_c, F)
 }
 
+/// The parts of rows (b·T, F) handed out a piece at a time, each part copied out once.
+struct Parts<'a> {
+    x: &'a Tensor,
+    b: usize,
+    tp: usize,
+    held: Option<(usize, Tensor)>,
+}
+
+impl<'a> Parts<'a> {
+    fn of(x: &'a Tensor, b: usize, tp: usize) -> Self {
+        Self { x, b, tp, held: None }
+    }
+
+    /// The rows `rows` of part c (rows, F).
+    fn piece(&mut self, c: usize, rows: &Range<usize>) -> Result<Tensor> {
+        if self.held.as_ref().is_none_or(|(at, _)| *at != c) {
+            self.held = Some((c, part_rows(self.x, self.b, self.tp, c)?)); // (b·T_c, F)
+        }
+        let (_, part) = self.held.as_ref().expect("held above");
+        part.narrow(0, rows.start, rows.len())
+    }
+}
+
 /// Parts (b·T_c, F) in the order c = 0, 1, … laid out as the rows (b·T, F) of whole sequences.
 fn assemble(parts: &[Tensor], b: usize) -> Result<Tensor> {
     let seq = parts
@@ -290,11 +313,11 @@ pub fn column_backward(
     let w = dense.weight()?; // (out/tp, in)
     let tp = group.size();
     let bias = dense.bias()?;
-    let dy_part = |c, rows: Range<usize>| part_rows(dy, b, tp, c)?.narrow(0, rows.start, rows.len());
+    let mut dy_parts = Parts::of(dy, b, tp);
     reduce_scatter_with(
         group,
         dy.dim(0)? / tp,
-        |c, rows| mtrain_kernels::matmul(&dy_part(c, rows)?, &w), // (rows, in)
+        |c, rows| mtrain_kernels::matmul(&dy_parts.piece(c, &rows)?, &w), // (rows, in)
         || grads.linear(dense.names(), dy, x, &bias),
     )
 }
@@ -304,10 +327,9 @@ pub fn column_backward(
 /// computed.
 pub fn row_forward(x: &Tensor, w_t: &Tensor, b: usize, group: &Comm) -> Result<Tensor> {
     let tp = group.size();
-    let part = |c, rows: Range<usize>| {
-        let x_c = part_rows(x, b, tp, c)?.narrow(0, rows.start, rows.len())?;
-        mtrain_kernels::matmul(&x_c, w_t) // (rows, out)
-    };
+    let mut parts = Parts::of(x, b, tp);
+    // (rows, out) of part c's term
+    let part = |c, rows: Range<usize>| mtrain_kernels::matmul(&parts.piece(c, &rows)?, w_t);
     reduce_scatter_with(group, x.dim(0)? / tp, part, || Ok(()))
 }
 
@@ -329,14 +351,12 @@ pub fn row_backward(
     let tp = group.size();
     let now = !grads.defers();
     let mut dw: Option<Tensor> = None;
-    let piece = |t: &Tensor, c, rows: &Range<usize>| {
-        part_rows(t, b, tp, c)?.narrow(0, rows.start, rows.len()) // (rows, ·)
-    };
+    let mut f_parts = gelu_of.map(|f| Parts::of(f, b, tp));
     let part_len = dy_r.dim(0)?; // b·T_r rows, every part's
     let mut arrived: Vec<Tensor> = Vec::new(); // the pieces of the part at hand
     let (dy, mut dx) = gather_with(dy_r, b, group, |dy_j, c, rows| {
-        let dx_j = match gelu_of {
-            Some(f) => fused::input_grad_gelu(dy_j, &w, &piece(f, c, &rows)?)?,
+        let dx_j = match &mut f_parts {
+            Some(f) => fused::input_grad_gelu(dy_j, &w, &f.piece(c, &rows)?)?,
             None => mtrain_kernels::matmul(dy_j, &w)?, // (rows, in/tp)
         };
         // dW's term of a part once it is whole: one product of the part's depth.
@@ -345,7 +365,8 @@ pub fn row_backward(
         }
         if now && rows.end == part_len {
             let dy_c = Tensor::cat(&std::mem::take(&mut arrived), 0)?; // (b·T_r, out)
-            let term = mtrain_kernels::matmul(&dy_c.t()?, &part_rows(x, b, tp, c)?)?; // (out, in/tp)
+            let x_c = part_rows(x, b, tp, c)?; // (b·T_r, in/tp)
+            let term = mtrain_kernels::matmul(&dy_c.t()?, &x_c)?; // (out, in/tp)
             dw = Some(match dw.take() {
                 Some(acc) => (acc + term)?,
                 None => term,
