@@ -244,6 +244,9 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     /// `send_splits[p]` rows of `x` (in order) go to peer p; `recv_splits[p]` rows come from peer p.
     #[track_caller]
     fn all_to_all_async(&self, x: &Tensor, send_splits: &[usize], recv_splits: &[usize]) -> Work;
+    /// Send `x` to `dst`. A send may wait, on the backend's stream, until `dst` has received
+    /// this rank's previous message to it (IPC keeps one per pair): a rank that sends to a peer
+    /// twice receives from it in between, or the peer's second send waits on it too.
     #[track_caller]
     fn send_async(&self, x: &Tensor, dst: usize) -> Work<()>;
     /// Whether a send's `Work` completes once this rank has handed the data off, whatever the

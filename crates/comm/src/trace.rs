@@ -18,10 +18,13 @@
 //!
 //! On a GPU the host does not wait: the compute stream does. There the blocked time is the
 //! compute stream's stall, timed by two events around its wait on the op's `done` event, and
-//! known only once the stream has passed them ([`Tracer::add_blocked_on_device`]):
+//! known only once the stream has passed them ([`Tracer::add_blocked_on_device`]). The op itself
+//! is timed the same way, by events around it on its communication stream, and recorded with
+//! that span when the totals are read ([`Tracer::record_on_device`]): the busy time is the
+//! device's, and `--trace` does not make the host wait for each op:
 //!
 //! ```text
-//!   comm stream:      |=====op=====|●done
+//!   comm stream:      ●begin|=====op=====|●done              the op: begin … done
 //!   compute stream:   ..gemm..●before ⧗ wait(done) ●after ..next kernel..
 //!   blocked:                  |xxxxxxx|             after − before, read when the totals are
 //! ```
@@ -113,13 +116,25 @@ impl Sub for TraceTotals {
 /// the wait (reading it waits for that).
 pub type DeviceWait = Box<dyn FnOnce() -> u64 + Send>;
 
-/// Device waits not yet read.
+/// Where an op began and ended on the device (microseconds since the tracer's epoch),
+/// readable once the device has passed its end (reading it waits for that).
+pub type DeviceSpan = Box<dyn FnOnce() -> (u64, u64) + Send>;
+
+/// Device waits and recorded ops not yet read, in issue order.
 #[derive(Default)]
-struct Unsettled(Vec<(OpKind, DeviceWait)>);
+struct Unsettled {
+    waits: Vec<(OpKind, DeviceWait)>,
+    ops: Vec<(TraceEvent, DeviceSpan)>,
+}
 
 impl std::fmt::Debug for Unsettled {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} device waits", self.0.len())
+        write!(
+            f,
+            "{} device waits, {} device ops",
+            self.waits.len(),
+            self.ops.len()
+        )
     }
 }
 
@@ -137,9 +152,34 @@ struct Inner {
 }
 
 impl Inner {
-    /// Add every device wait to the blocked time (waiting for the device to pass them).
+    /// Record a finished op: its busy span from max(start, the previous op's end) to its end.
+    fn record(&mut self, ev: TraceEvent, recording: bool) {
+        let start = ev.start_us.max(self.last_end_us);
+        let busy = ev.end_us.saturating_sub(start);
+        for t in [&mut self.totals, self.by_op.entry(ev.op).or_default()] {
+            t.ops += 1;
+            t.bytes += ev.bytes;
+            t.bytes_sent += ev.bytes_sent;
+            t.busy_us += busy;
+        }
+        self.last_end_us = self.last_end_us.max(ev.end_us);
+        if self.recent.len() == RECENT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(ev.clone());
+        if recording {
+            self.all.push(ev);
+        }
+    }
+
+    /// Record every device-timed op and add every device wait to the blocked time (waiting
+    /// for the device to pass them).
     fn settle(&mut self) {
-        for (op, waited) in std::mem::take(&mut self.unsettled.0) {
+        for (mut ev, span) in std::mem::take(&mut self.unsettled.ops) {
+            (ev.start_us, ev.end_us) = span();
+            self.record(ev, true);
+        }
+        for (op, waited) in std::mem::take(&mut self.unsettled.waits) {
             let us = waited();
             self.totals.blocked_us += us;
             self.by_op.entry(op).or_default().blocked_us += us;
@@ -195,35 +235,32 @@ impl Tracer {
 
     /// Record a finished op.
     pub fn record(&self, ev: TraceEvent) {
-        let mut inner = self.lock();
-        let start = ev.start_us.max(inner.last_end_us);
-        inner.totals.ops += 1;
-        inner.totals.bytes += ev.bytes;
-        inner.totals.bytes_sent += ev.bytes_sent;
-        inner.totals.busy_us += ev.end_us.saturating_sub(start);
-        let op = inner.by_op.entry(ev.op).or_default();
-        op.ops += 1;
-        op.bytes += ev.bytes;
-        op.bytes_sent += ev.bytes_sent;
-        op.busy_us += ev.end_us.saturating_sub(start);
-        inner.last_end_us = inner.last_end_us.max(ev.end_us);
-        if inner.recent.len() == RECENT {
-            inner.recent.pop_front();
-        }
-        inner.recent.push_back(ev.clone());
-        if self.is_recording() {
-            inner.all.push(ev);
-        }
+        let recording = self.is_recording();
+        self.lock().record(ev, recording);
     }
 
-    /// Every event recorded while recording was on, in completion order.
+    /// Record an op that runs on a device stream: `span` gives its start and end there once
+    /// the device has passed it, and the op is recorded (in issue order) when the totals or
+    /// the events are next read.
+    pub fn record_on_device(&self, ev: TraceEvent, span: DeviceSpan) {
+        self.lock().unsettled.ops.push((ev, span));
+    }
+
+    /// Every event recorded while recording was on, in completion order (device-timed ops
+    /// once the device has passed them).
     pub fn events(&self) -> Vec<TraceEvent> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner()).all.clone()
+        let mut inner = self.lock();
+        inner.settle();
+        inner.all.clone()
     }
 
-    /// The last few ops, recorded or not: what a timeout report prints.
+    /// The last few ops, recorded or not: what a timeout report prints. It never waits for the
+    /// device: an op still unread there is listed as issued (its end is its start).
     pub fn recent(&self) -> Vec<TraceEvent> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner()).recent.iter().cloned().collect()
+        let inner = self.lock();
+        let pending = inner.unsettled.ops.iter().map(|(ev, _)| ev.clone());
+        let all: Vec<_> = inner.recent.iter().cloned().chain(pending).collect();
+        all[all.len().saturating_sub(RECENT)..].to_vec()
     }
 
     /// A caller waited `waited_us` for an `op` of this group that was still running.
@@ -237,7 +274,7 @@ impl Tracer {
     /// device has passed the wait. It is added to the blocked time when the totals are next
     /// read, so read them where the host waits for the device anyway (a step's end).
     pub fn add_blocked_on_device(&self, op: OpKind, waited: DeviceWait) {
-        self.lock().unsettled.0.push((op, waited));
+        self.lock().unsettled.waits.push((op, waited));
     }
 
     /// A caller spent `held_us` inside a call that issued or waited for an `op` of this group.
@@ -273,7 +310,7 @@ impl Tracer {
         inner.recent.clear();
         inner.totals = TraceTotals::default();
         inner.by_op.clear();
-        inner.unsettled.0.clear();
+        inner.unsettled = Unsettled::default();
     }
 }
 
@@ -281,10 +318,65 @@ impl Tracer {
 /// backends order their compute stream after an op.
 #[cfg(feature = "cuda")]
 pub(crate) mod device {
+    use std::sync::{Arc, Mutex};
+    use std::time::Instant;
+
     use candle_core::cuda_backend::cudarc::driver::{sys, CudaEvent, CudaStream, DriverError};
 
-    use super::Tracer;
+    use super::{DeviceSpan, Tracer};
     use crate::op_kind::OpKind;
+
+    /// The flags of the events that time an op: its `begin` and `done` on its stream.
+    pub(crate) const TIMED: Option<sys::CUevent_flags> = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+
+    /// One timing event per process and the host instant at which it completed: the device's
+    /// times, as distances from it, become host instants (to within the f32 milliseconds CUDA
+    /// gives: a microsecond in the first 16 s, 8 µs after two minutes).
+    struct Anchor {
+        event: CudaEvent,
+        at: Instant,
+    }
+
+    /// The process's anchor, recorded on `stream` on first use (the host waits for it once).
+    fn anchor(stream: &CudaStream) -> Result<Arc<Anchor>, DriverError> {
+        static ANCHOR: Mutex<Option<Arc<Anchor>>> = Mutex::new(None);
+        let mut held = ANCHOR.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(a) = held
+            .as_ref()
+            .filter(|a| a.event.context() == stream.context())
+        {
+            return Ok(a.clone());
+        }
+        let event = stream.record_event(TIMED)?;
+        event.synchronize()?;
+        let a = Arc::new(Anchor {
+            event,
+            at: Instant::now(),
+        });
+        *held = Some(a.clone());
+        Ok(a)
+    }
+
+    /// A recorded op's span on its stream, from its timed `begin` and `done` events, in the
+    /// microseconds of a tracer counting from `epoch`.
+    pub(crate) fn span(
+        stream: &CudaStream,
+        begin: CudaEvent,
+        done: Arc<CudaEvent>,
+        epoch: Instant,
+    ) -> Result<DeviceSpan, DriverError> {
+        let anchor = anchor(stream)?;
+        Ok(Box::new(move || {
+            let base = anchor.at.saturating_duration_since(epoch).as_micros() as f64;
+            // Waits for the stream to pass `done`; a stream that failed gives the anchor.
+            let us = |e: &CudaEvent| {
+                let ms = anchor.event.elapsed_ms(e).unwrap_or(0.0);
+                (base + f64::from(ms) * 1e3).max(0.0).round() as u64
+            };
+            let start = us(&begin);
+            (start, us(&done).max(start))
+        }))
+    }
 
     /// Make `compute` wait for `done` (the op's end on its communication stream), between two
     /// timing events whose distance, the stall, `tracer` adds to the op's blocked time when its
@@ -295,10 +387,9 @@ pub(crate) mod device {
         tracer: &Tracer,
         op: OpKind,
     ) -> Result<(), DriverError> {
-        let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let before = compute.record_event(timing)?;
+        let before = compute.record_event(TIMED)?;
         compute.wait(done)?;
-        let after = compute.record_event(timing)?;
+        let after = compute.record_event(TIMED)?;
         tracer.add_blocked_on_device(
             op,
             Box::new(move || {
@@ -338,5 +429,56 @@ mod tests {
         assert_eq!(t.totals().blocked_us, 345, "each wait counts once");
         assert_eq!(t.totals_by_op()[&OpKind::AllGather].blocked_us, 340);
         assert_eq!(reads.load(Ordering::SeqCst), 2);
+    }
+
+    /// Ops timed on a device are recorded when the totals or events are next read, in issue
+    /// order, with the device's start and end; until then a timeout report lists them as issued.
+    #[test]
+    fn device_ops_are_recorded_when_read() {
+        let t = Tracer::default();
+        t.set_recording(true);
+        let reads = Arc::new(AtomicUsize::new(0));
+        for (seq, span) in [(0u64, (100, 400)), (1, (150, 500))] {
+            let ev = TraceEvent {
+                op: OpKind::AllReduce,
+                group: "tp".into(),
+                seq,
+                bytes: 8,
+                bytes_sent: 8,
+                start_us: 10,
+                end_us: 10,
+                peer: None,
+                site: Site::caller(),
+            };
+            let reads = reads.clone();
+            t.record_on_device(
+                ev,
+                Box::new(move || {
+                    reads.fetch_add(1, Ordering::SeqCst);
+                    span
+                }),
+            );
+        }
+        let issued = t.recent();
+        assert_eq!(
+            issued.iter().map(|e| (e.seq, e.end_us)).collect::<Vec<_>>(),
+            [(0, 10), (1, 10)]
+        );
+        assert_eq!(
+            reads.load(Ordering::SeqCst),
+            0,
+            "a timeout report does not wait for the device"
+        );
+        let ev = t.events();
+        assert_eq!(
+            ev.iter()
+                .map(|e| (e.start_us, e.end_us))
+                .collect::<Vec<_>>(),
+            [(100, 400), (150, 500)]
+        );
+        // Busy: 100..400, then the second from the first's end, 400..500.
+        assert_eq!(t.totals().busy_us, 400);
+        assert_eq!(t.totals().ops, 2);
+        assert_eq!(reads.load(Ordering::SeqCst), 2, "each span is read once");
     }
 }

@@ -15,7 +15,7 @@ use super::work::{InFlight, IpcWork};
 use crate::communicator::{OpKind, ReduceOp, Result};
 use crate::nccl::with_device_addrs;
 use crate::site::Site;
-use crate::trace::TraceEvent;
+use crate::trace::{device, TraceEvent};
 
 /// One op being enqueued: the group, its state (locked) and the op's collective target (the
 /// value its phase flags are set to and waited for: `protocol::OpNumbers`).
@@ -212,6 +212,10 @@ impl IpcGroup {
         self.stream
             .wait(&ready)
             .map_err(|e| self.err(format!("{e:?}")))?;
+        let begin = self
+            .stream
+            .record_event(device::TIMED)
+            .map_err(|e| self.err(format!("{e:?}")))?;
         let mut waits = Vec::new();
         with_device_addrs(&bufs, &self.stream, |addrs| {
             let mut is = Issue {
@@ -224,7 +228,7 @@ impl IpcGroup {
         })??;
         let done = Arc::new(
             self.stream
-                .record_event(None)
+                .record_event(device::TIMED)
                 .map_err(|e| self.err(format!("{e:?}")))?,
         );
         self.watch
@@ -240,6 +244,7 @@ impl IpcGroup {
                 waits,
             });
         Ok(IpcWork {
+            begin: Some(begin),
             done: Some(done),
             compute: self.compute.clone(),
             keep: bufs,

@@ -38,6 +38,8 @@ pub(super) struct Watch {
 
 /// The handle of an op in flight on the communication stream.
 pub(super) struct IpcWork<T> {
+    /// The op's start on the group's stream (`done` its end).
+    pub(super) begin: Option<CudaEvent>,
     pub(super) done: Option<Arc<CudaEvent>>,
     pub(super) compute: Arc<CudaStream>,
     /// Inputs and outputs: alive until the compute stream is ordered after `done`.
@@ -53,18 +55,20 @@ pub(super) struct IpcWork<T> {
 
 impl<T> IpcWork<T> {
     pub(super) fn order_compute(&mut self) -> Result<()> {
-        if let Some(done) = self.done.take() {
+        if let (Some(begin), Some(done)) = (self.begin.take(), self.done.take()) {
             let err = |e| cuda_err(&self.event.group, format!("{e:?}"));
             device::wait_timed(&self.compute, &done, &self.tracer, self.event.op).map_err(err)?;
-            if self.host_blocks || self.tracer.is_recording() {
+            if self.host_blocks {
                 // Poll with the timeout: the watchdog releases a wait that never comes.
                 let deadline = Instant::now() + self.timeout + Duration::from_secs(5);
                 while !done.is_complete() && Instant::now() < deadline {
                     std::thread::sleep(Duration::from_micros(20));
                 }
             }
-            self.event.end_us = self.tracer.now_us();
-            self.tracer.record(self.event.clone());
+            // The op's span on the group's stream, read with the totals.
+            let span =
+                device::span(&self.compute, begin, done, self.tracer.epoch()).map_err(err)?;
+            self.tracer.record_on_device(self.event.clone(), span);
         }
         self.keep.clear();
         Ok(())

@@ -71,13 +71,14 @@ impl NcclGroup {
         // Every value the compute stream wrote before this call is visible to the collective.
         let ready = self.compute.record_event(None).map_err(cu)?;
         self.comm_stream.wait(&ready).map_err(cu)?;
+        let begin = self.comm_stream.record_event(device::TIMED).map_err(cu)?;
         self.shared.ctx.bind_to_thread().map_err(cu)?;
         with_device_addrs(&bufs, &self.comm_stream, |addrs| {
             let stream = self.comm_stream.cu_stream() as nccl::cudaStream_t;
             enqueue(self.shared.comm.0, stream, addrs)
         })?
         .map_err(|e| self.nccl_err(op, seq, site, e))?;
-        let done = Arc::new(self.comm_stream.record_event(None).map_err(cu)?);
+        let done = Arc::new(self.comm_stream.record_event(device::TIMED).map_err(cu)?);
         self.shared
             .in_flight
             .lock()
@@ -101,6 +102,7 @@ impl NcclGroup {
             site,
         };
         Ok(NcclWork {
+            begin: Some(begin),
             done: Some(done),
             compute: self.compute.clone(),
             keep: bufs,
@@ -214,6 +216,8 @@ pub(super) fn slice_addr<'a>(
 
 /// The handle of an op in flight on the communication stream.
 pub(super) struct NcclWork<T> {
+    /// The op's start on the communication stream (`done` its end).
+    pub(super) begin: Option<CudaEvent>,
     pub(super) done: Option<Arc<CudaEvent>>,
     pub(super) compute: Arc<CudaStream>,
     /// Inputs and outputs: alive until the compute stream is ordered after `done`.
@@ -226,16 +230,12 @@ pub(super) struct NcclWork<T> {
 impl<T> NcclWork<T> {
     /// Make the compute stream wait for the op (the host does not block).
     pub(super) fn order_compute(&mut self) -> Result<()> {
-        if let Some(done) = self.done.take() {
-            device::wait_timed(&self.compute, &done, &self.tracer, self.event.op)
-                .map_err(|e| driver_err(&self.event.group, e))?;
-            if self.tracer.is_recording() {
-                // Exact end time for traces; only when recording, since it blocks the host.
-                done.synchronize()
-                    .map_err(|e| driver_err(&self.event.group, e))?;
-            }
-            self.event.end_us = self.tracer.now_us();
-            self.tracer.record(self.event.clone());
+        if let (Some(begin), Some(done)) = (self.begin.take(), self.done.take()) {
+            let cu = |e| driver_err(&self.event.group, e);
+            device::wait_timed(&self.compute, &done, &self.tracer, self.event.op).map_err(cu)?;
+            // The op's span on the communication stream, read with the totals.
+            let span = device::span(&self.compute, begin, done, self.tracer.epoch()).map_err(cu)?;
+            self.tracer.record_on_device(self.event.clone(), span);
         }
         self.keep.clear();
         Ok(())
