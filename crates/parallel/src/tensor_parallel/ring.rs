@@ -231,12 +231,21 @@ pub fn reduce_scatter_with(
     let part_at = |s: usize| (r + 2 * p - 1 - s) % p; // step s works on part r − 1 − s
     let ranges = pieces(part_rows);
     let mut sends = Vec::with_capacity((p - 1) * ranges.len());
+    // Each piece sent is followed at once by the receive of the piece that will come in its
+    // place: the wire then carries send, receive, send, receive on every rank alike, and a
+    // backend that holds one message per pair until it is received (IPC's mailboxes) never
+    // has a second send waiting on a receive queued behind it.
+    let mut coming = Vec::with_capacity(ranges.len());
+    let mut pass_on = |sum: &Tensor, coming: &mut Vec<Work<Tensor>>| {
+        sends.push(group.send_async(sum, next));
+        coming.push(group.recv_async(prev, sum.shape(), sum.dtype()));
+    };
     // Step 0: our terms start part r − 1's running sums, each piece sent as it is formed.
     let mut sums = Vec::with_capacity(ranges.len());
     for rg in &ranges {
         let sum = partial(part_at(0), rg.clone())?.contiguous()?; // (rows, F)
         if p > 1 {
-            sends.push(group.send_async(&sum, next));
+            pass_on(&sum, &mut coming);
         }
         sums.push(sum);
     }
@@ -244,10 +253,7 @@ pub fn reduce_scatter_with(
     for s in 1..p {
         // What arrives is part_at(s)'s running sum, piece by piece: our pieces' shapes, the
         // parts being equal.
-        let incoming: Vec<_> = sums
-            .iter()
-            .map(|t| group.recv_async(prev, t.shape(), t.dtype()))
-            .collect();
+        let incoming = std::mem::take(&mut coming);
         if let Some(f) = alongside.take() {
             f()?;
         }
@@ -256,7 +262,7 @@ pub fn reduce_scatter_with(
             let mine = partial(part_at(s), rg.clone())?; // while the sum travels
             let sum = (w.wait().map_err(comm_err)? + mine)?;
             if s + 1 < p {
-                sends.push(group.send_async(&sum, next));
+                pass_on(&sum, &mut coming);
             }
             sums.push(sum);
         }
