@@ -1,5 +1,5 @@
 //! A layer's products on the CPU at one thread, per row: y = x · Wᵀ as candle multiplies it
-//! (W read as a transposed right side) and as `matmul` does (a large weight by fewer than 512
+//! (W read as a transposed right side) and as `matmul` does (a large weight by at most 256
 //! rows as (W · xᵀ)ᵀ, the same bits: `rank_two_products_are_candle_bit_for_bit`), and the
 //! backward's dW = dyᵀ · x and dx = dy · W beside them.
 //!

@@ -64,12 +64,12 @@ fn gemm_cost(a: &Tensor, b: &Tensor) -> (String, crate::profile::Cost) {
     (crate::profile::gemm_name("gemm", (batch * m, k, n)), cost)
 }
 
-/// The fewest elements of a weight W for which x · Wᵀ of few rows runs as (W · xᵀ)ᵀ: 4 MiB of
+/// The fewest elements of a weight W for which x · Wᵀ of few rows runs as (W · xᵀ)ᵀ: 2 MiB of
 /// f32, more than a core's L2.
-const WEIGHT_MIN: usize = 1 << 20;
+const WEIGHT_MIN: usize = 1 << 19;
 
 /// The most rows of x for which it does.
-const ROWS_MAX: usize = 512;
+const ROWS_MAX: usize = 256;
 
 /// [`matmul`] itself.
 ///
@@ -78,8 +78,9 @@ const ROWS_MAX: usize = 512;
 /// cache that dominates. Multiplied the other way round, (W · xᵀ)ᵀ, W is the left side, read in
 /// the gemm's row blocks, and the small xᵀ is what is streamed; the result, transposed into
 /// place, has the same bits (every element the same sum over K, blocked by K alone). Measured at
-/// one thread (AMD EPYC, 1024 → 2048): 64 rows 9.0 → 3.8 ms, 256 rows 16.7 → 12.8 ms, 1000 rows
-/// no gain (48.2 → 49.6 ms), hence the bounds above.
+/// one thread (AMD EPYC, `weight_products` example): 1024 → 2048, 128 rows 10.7 → 5.7 ms, 256
+/// rows 16.6 → 12.2, 512 rows no gain (26.9 → 26.3); 512 → 1024, 128 rows 2.3 → 1.7, 256 rows
+/// 3.5 → 3.0, 512 rows a loss (5.7 → 7.9); 256 → 1024 no gain at any; hence the bounds above.
 fn product(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if a.rank() == 2 && b.rank() == 2 {
         // One matrix of a batch of one: the same gemm call, split by the gemm itself.
@@ -338,7 +339,7 @@ mod tests {
     fn rank_two_products_are_candle_bit_for_bit() -> Result<()> {
         let dev = Device::Cpu;
         // Then: products of more rows than ROWS_BLOCK (x wᵀ, and dyᵀ x of 5000 rows); x wᵀ of a
-        // weight of WEIGHT_MIN elements as (w xᵀ)ᵀ (64 and 256 rows), and in the plain order
+        // weight of WEIGHT_MIN elements or more as (w xᵀ)ᵀ (64, 128 and 256 rows), and in the plain order
         // past ROWS_MAX.
         let shapes = [
             (1024, 256, 768),
@@ -347,6 +348,7 @@ mod tests {
             (4200, 48, 40),
             (128, 64, 5000),
             (64, 1024, 1024),
+            (128, 512, 1024),
             (256, 1024, 1024),
             (ROWS_MAX + 88, 1024, 1024),
         ];
