@@ -172,12 +172,12 @@ impl Inner {
         }
     }
 
-    /// Record every device-timed op and add every device wait to the blocked time (waiting
-    /// for the device to pass them).
-    fn settle(&mut self) {
+    /// Record every device-timed op (keeping it among the events if `recording`) and add
+    /// every device wait to the blocked time (waiting for the device to pass them).
+    fn settle(&mut self, recording: bool) {
         for (mut ev, span) in std::mem::take(&mut self.unsettled.ops) {
             (ev.start_us, ev.end_us) = span();
-            self.record(ev, true);
+            self.record(ev, recording);
         }
         for (op, waited) in std::mem::take(&mut self.unsettled.waits) {
             let us = waited();
@@ -250,7 +250,7 @@ impl Tracer {
     /// once the device has passed them).
     pub fn events(&self) -> Vec<TraceEvent> {
         let mut inner = self.lock();
-        inner.settle();
+        inner.settle(self.is_recording());
         inner.all.clone()
     }
 
@@ -288,14 +288,14 @@ impl Tracer {
     /// included.
     pub fn totals(&self) -> TraceTotals {
         let mut inner = self.lock();
-        inner.settle();
+        inner.settle(self.is_recording());
         inner.totals
     }
 
     /// The running totals of each kind of op this group has run, device waits included.
     pub fn totals_by_op(&self) -> HashMap<OpKind, TraceTotals> {
         let mut inner = self.lock();
-        inner.settle();
+        inner.settle(self.is_recording());
         inner.by_op.clone()
     }
 
@@ -480,5 +480,11 @@ mod tests {
         assert_eq!(t.totals().busy_us, 400);
         assert_eq!(t.totals().ops, 2);
         assert_eq!(reads.load(Ordering::SeqCst), 2, "each span is read once");
+        // Not recording: counted in the totals, not kept among the events.
+        t.set_recording(false);
+        let ev = t.recent().pop().expect("an op");
+        t.record_on_device(ev, Box::new(|| (600, 700)));
+        assert_eq!(t.totals().ops, 3);
+        assert_eq!(t.events().len(), 2);
     }
 }
