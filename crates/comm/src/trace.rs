@@ -175,8 +175,17 @@ impl Inner {
     /// Record every device-timed op (keeping it among the events if `recording`) and add
     /// every device wait to the blocked time (waiting for the device to pass them).
     fn settle(&mut self, recording: bool) {
-        for (mut ev, span) in std::mem::take(&mut self.unsettled.ops) {
-            (ev.start_us, ev.end_us) = span();
+        let mut ops: Vec<TraceEvent> = std::mem::take(&mut self.unsettled.ops)
+            .into_iter()
+            .map(|(mut ev, span)| {
+                (ev.start_us, ev.end_us) = span();
+                ev
+            })
+            .collect();
+        // In the order they ran on the stream, which is the order they were issued in, not the
+        // order they were waited for (a ring's sends are waited for after its receives).
+        ops.sort_by_key(|ev| (ev.start_us, ev.seq));
+        for ev in ops {
             self.record(ev, recording);
         }
         for (op, waited) in std::mem::take(&mut self.unsettled.waits) {
@@ -431,14 +440,16 @@ mod tests {
         assert_eq!(reads.load(Ordering::SeqCst), 2);
     }
 
-    /// Ops timed on a device are recorded when the totals or events are next read, in issue
-    /// order, with the device's start and end; until then a timeout report lists them as issued.
+    /// Ops timed on a device are recorded when the totals or events are next read, in the order
+    /// they ran, with the device's start and end; until then a timeout report lists them as
+    /// issued.
     #[test]
     fn device_ops_are_recorded_when_read() {
         let t = Tracer::default();
         t.set_recording(true);
         let reads = Arc::new(AtomicUsize::new(0));
-        for (seq, span) in [(0u64, (100, 400)), (1, (150, 500))] {
+        // Waited for in another order than issued (as a ring's sends, after its receives).
+        for (seq, span) in [(1u64, (400, 500)), (0, (100, 400))] {
             let ev = TraceEvent {
                 op: OpKind::AllReduce,
                 group: "tp".into(),
@@ -462,7 +473,7 @@ mod tests {
         let issued = t.recent();
         assert_eq!(
             issued.iter().map(|e| (e.seq, e.end_us)).collect::<Vec<_>>(),
-            [(0, 10), (1, 10)]
+            [(1, 10), (0, 10)]
         );
         assert_eq!(
             reads.load(Ordering::SeqCst),
@@ -474,9 +485,9 @@ mod tests {
             ev.iter()
                 .map(|e| (e.start_us, e.end_us))
                 .collect::<Vec<_>>(),
-            [(100, 400), (150, 500)]
+            [(100, 400), (400, 500)]
         );
-        // Busy: 100..400, then the second from the first's end, 400..500.
+        // Busy: 100..400, then 400..500: each op whole, in the order they ran.
         assert_eq!(t.totals().busy_us, 400);
         assert_eq!(t.totals().ops, 2);
         assert_eq!(reads.load(Ordering::SeqCst), 2, "each span is read once");
