@@ -66,9 +66,10 @@
 //! runs them at `K / G` of a core each when all are busy: the schedule runs with each pass at
 //! `min(1, k / busy)` of its speed ([`mtrain_parallel::pipeline::Schedule::simulate_shared`],
 //! `k = K · pp / G` the cores of one pipeline replica), so the fill and the drain run at full
-//! speed and the steady state at the cores' share; and no core is idle to
-//! hide a collective behind (the CPU backend's collectives are work of the same cores: copies
-//! and sums over loopback), so the overlappable collectives are all exposed. A one-rank run that
+//! speed and the steady state at the cores' share. On any CPU node (`K ≥ G` too, each rank then
+//! computing on `K / G` threads) no core is idle to hide a collective behind (the CPU backend's
+//! collectives are work of the same cores: copies and sums over loopback), so the overlappable
+//! collectives are all exposed. A one-rank run that
 //! measures `f` and `b` runs on as many threads as a rank of the layout gets.
 
 use candle_core::DType;
@@ -256,20 +257,22 @@ pub fn predict(
     };
     // What the overlappable collectives hide behind, on pipeline rank r: DDP's buckets and
     // ZeRO-1's reduction run in the backward of the step's last micro-batch; ZeRO-2
-    // reduce-scatters in every backward; ZeRO-3 also gathers in every forward. On shared cores,
-    // nothing.
+    // reduce-scatters in every backward; ZeRO-3 also gathers in every forward. On a CPU node,
+    // nothing: its ranks' compute threads fill its cores, and the collectives are work of the
+    // same cores.
     let stage = match plan.data {
         DataParallelKind::Zero(z) => z.stage as u8,
         _ => 0,
     };
     let shared = machine.shared_cores(dims.world_size());
+    let cpu_node = machine.cores_per_node.is_some();
     let window = |r: usize| {
         let (f, b) = rank_passes[r];
-        match (shared, stage) {
-            (Some(_), _) => 0.0,
-            (None, 0 | 1) => b,
-            (None, 2) => ga as f64 * m as f64 * b,
-            (None, _) => ga as f64 * m as f64 * (f + b),
+        match (cpu_node, stage) {
+            (true, _) => 0.0,
+            (false, 0 | 1) => b,
+            (false, 2) => ga as f64 * m as f64 * b,
+            (false, _) => ga as f64 * m as f64 * (f + b),
         }
     };
     // Per pipeline rank: its comm inside the passes (forward, backward; per micro-step), the
