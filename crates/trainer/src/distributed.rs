@@ -36,7 +36,7 @@
 //! the runs of its own pieces from the checkpoint, so a
 //! run saved under dp 4 with ZeRO-3 resumes under tp 2 × pp 2, or on one rank.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use anyhow::Context;
 use candle_core::{Device, Tensor};
@@ -163,6 +163,9 @@ pub struct StepReport {
     /// Time this rank sat blocked waiting for a collective: communication not hidden behind
     /// compute (ms).
     pub exposed_comm_ms: f64,
+    /// The exposed time by group (`tp`, `ep`, `dp`, ...), the groups that made the rank wait.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub exposed_by_group: BTreeMap<String, f64>,
     /// Collectives of the step (what `mtrain plan` counts for this rank).
     pub collectives: u64,
     /// Bytes this rank sent to its peers (the plan's "sent/rank").
@@ -422,11 +425,17 @@ impl Distributed {
         self.timeline.span("optimizer", None, start, end);
         self.timeline.enter(RunPhase::Other, None);
         let c = self.pm.comm_stats();
-        let comm = self.meter.end();
+        let (comm, groups) = self.meter.end();
+        let exposed_by_group = groups
+            .into_iter()
+            .filter(|(_, t)| t.blocked_us > 0)
+            .map(|(name, t)| (name, t.blocked_us as f64 * 1e-3))
+            .collect();
         self.last_report = Some(StepReport {
             backward_ms: c.backward_s * 1e3,
             comm_ms: comm.busy_us as f64 * 1e-3,
             exposed_comm_ms: comm.blocked_us as f64 * 1e-3,
+            exposed_by_group,
             collectives: comm.ops,
             comm_bytes: comm.bytes_sent,
             pipeline: self.pipeline.take(),

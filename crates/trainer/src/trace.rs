@@ -68,7 +68,7 @@ pub fn mesh_groups(mesh: &DeviceMesh) -> Vec<Comm> {
 /// group with more than one rank, read when the step starts and when it ends.
 pub struct CommMeter {
     groups: Vec<Comm>,
-    start: Option<TraceTotals>,
+    start: Option<Vec<TraceTotals>>,
 }
 
 impl CommMeter {
@@ -80,10 +80,8 @@ impl CommMeter {
         }
     }
 
-    fn read(&self) -> TraceTotals {
-        self.groups
-            .iter()
-            .fold(TraceTotals::default(), |acc, g| acc + g.tracer().totals())
+    fn read(&self) -> Vec<TraceTotals> {
+        self.groups.iter().map(|g| g.tracer().totals()).collect()
     }
 
     /// A step starts: what the groups did so far is not its.
@@ -91,10 +89,19 @@ impl CommMeter {
         self.start = Some(self.read());
     }
 
-    /// The step ends: everything since [`CommMeter::begin`], summed over the groups.
-    pub fn end(&mut self) -> TraceTotals {
+    /// The step ends: everything since [`CommMeter::begin`], summed over the groups, and each
+    /// group's part by its name.
+    pub fn end(&mut self) -> (TraceTotals, Vec<(String, TraceTotals)>) {
         let now = self.read();
-        now - self.start.take().unwrap_or(now)
+        let start = self.start.take().unwrap_or_else(|| now.clone());
+        let parts: Vec<(String, TraceTotals)> = self
+            .groups
+            .iter()
+            .zip(now.into_iter().zip(start))
+            .map(|(g, (now, start))| (g.name().to_string(), now - start))
+            .collect();
+        let total = parts.iter().fold(TraceTotals::default(), |acc, (_, t)| acc + *t);
+        (total, parts)
     }
 }
 

@@ -89,6 +89,11 @@ fn check(layout: &[&str], world: usize, group_size: impl Fn(&str) -> usize, exac
             r["comm_ms"].as_f64().unwrap(),
             r["exposed_comm_ms"].as_f64().unwrap(),
         );
+        // The exposed time by group adds up to the whole, each a group of more than one rank.
+        let by_group = r["exposed_by_group"].as_object().cloned().unwrap_or_default();
+        let sum: f64 = by_group.values().map(|v| v.as_f64().unwrap()).sum();
+        assert!((sum - figures.3).abs() < 1e-6, "{key:?}: {by_group:?} vs {}", figures.3);
+        assert!(by_group.keys().all(|g| group_size(g) > 1), "{key:?}: {by_group:?}");
         reports.insert(key, figures);
     }
     assert_eq!(reports.len(), world * STEPS as usize, "{reports:?}");
