@@ -120,7 +120,7 @@ pub type DeviceWait = Box<dyn FnOnce() -> u64 + Send>;
 /// readable once the device has passed its end (reading it waits for that).
 pub type DeviceSpan = Box<dyn FnOnce() -> (u64, u64) + Send>;
 
-/// Device waits and recorded ops not yet read, in issue order.
+/// Device waits and device-timed ops not yet read, in the order they were waited for.
 #[derive(Default)]
 struct Unsettled {
     waits: Vec<(OpKind, DeviceWait)>,
@@ -147,7 +147,7 @@ struct Inner {
     by_op: HashMap<OpKind, TraceTotals>,
     /// When the group's latest op finished (the earliest the next one could start).
     last_end_us: u64,
-    /// Device waits, added to `blocked_us` when the totals are next read.
+    /// Device waits and device-timed ops, added up when the totals are next read.
     unsettled: Unsettled,
 }
 
@@ -249,8 +249,8 @@ impl Tracer {
     }
 
     /// Record an op that runs on a device stream: `span` gives its start and end there once
-    /// the device has passed it, and the op is recorded (in issue order) when the totals or
-    /// the events are next read.
+    /// the device has passed it, and the op is recorded (in the order the ops ran) when the
+    /// totals or the events are next read.
     pub fn record_on_device(&self, ev: TraceEvent, span: DeviceSpan) {
         self.lock().unsettled.ops.push((ev, span));
     }
@@ -323,8 +323,8 @@ impl Tracer {
     }
 }
 
-/// The compute stream's wait on a collective, timed on the device (`cuda` feature): how both GPU
-/// backends order their compute stream after an op.
+/// A collective and the compute stream's wait on it, timed on the device (`cuda` feature): how
+/// both GPU backends order their compute stream after an op ([`device::order_after`]).
 #[cfg(feature = "cuda")]
 pub(crate) mod device {
     use std::sync::{Arc, Mutex};
@@ -332,7 +332,7 @@ pub(crate) mod device {
 
     use candle_core::cuda_backend::cudarc::driver::{sys, CudaEvent, CudaStream, DriverError};
 
-    use super::{DeviceSpan, Tracer};
+    use super::{DeviceSpan, TraceEvent, Tracer};
     use crate::op_kind::OpKind;
 
     /// The flags of the events that time an op: its `begin` and `done` on its stream.
@@ -366,9 +366,25 @@ pub(crate) mod device {
         Ok(a)
     }
 
+    /// Make `compute` wait for the op `event` (`begin` … `done` on its communication stream)
+    /// without the host waiting: the stall ([`wait_timed`]) and the op's span ([`span`]) go to
+    /// `tracer`, read when its totals are next read.
+    pub(crate) fn order_after(
+        compute: &CudaStream,
+        begin: CudaEvent,
+        done: Arc<CudaEvent>,
+        tracer: &Tracer,
+        event: &TraceEvent,
+    ) -> Result<(), DriverError> {
+        wait_timed(compute, &done, tracer, event.op)?;
+        let span = span(compute, begin, done, tracer.epoch())?;
+        tracer.record_on_device(event.clone(), span);
+        Ok(())
+    }
+
     /// A recorded op's span on its stream, from its timed `begin` and `done` events, in the
     /// microseconds of a tracer counting from `epoch`.
-    pub(crate) fn span(
+    fn span(
         stream: &CudaStream,
         begin: CudaEvent,
         done: Arc<CudaEvent>,
@@ -390,7 +406,7 @@ pub(crate) mod device {
     /// Make `compute` wait for `done` (the op's end on its communication stream), between two
     /// timing events whose distance, the stall, `tracer` adds to the op's blocked time when its
     /// totals are next read. The host does not wait.
-    pub(crate) fn wait_timed(
+    fn wait_timed(
         compute: &CudaStream,
         done: &CudaEvent,
         tracer: &Tracer,

@@ -57,18 +57,16 @@ impl<T> IpcWork<T> {
     pub(super) fn order_compute(&mut self) -> Result<()> {
         if let (Some(begin), Some(done)) = (self.begin.take(), self.done.take()) {
             let err = |e| cuda_err(&self.event.group, format!("{e:?}"));
-            device::wait_timed(&self.compute, &done, &self.tracer, self.event.op).map_err(err)?;
-            if self.host_blocks {
+            let poll = self.host_blocks.then(|| done.clone());
+            device::order_after(&self.compute, begin, done, &self.tracer, &self.event)
+                .map_err(err)?;
+            if let Some(done) = poll {
                 // Poll with the timeout: the watchdog releases a wait that never comes.
                 let deadline = Instant::now() + self.timeout + Duration::from_secs(5);
                 while !done.is_complete() && Instant::now() < deadline {
                     std::thread::sleep(Duration::from_micros(20));
                 }
             }
-            // The op's span on the group's stream, read with the totals.
-            let span =
-                device::span(&self.compute, begin, done, self.tracer.epoch()).map_err(err)?;
-            self.tracer.record_on_device(self.event.clone(), span);
         }
         self.keep.clear();
         Ok(())

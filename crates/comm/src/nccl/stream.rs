@@ -231,11 +231,8 @@ impl<T> NcclWork<T> {
     /// Make the compute stream wait for the op (the host does not block).
     pub(super) fn order_compute(&mut self) -> Result<()> {
         if let (Some(begin), Some(done)) = (self.begin.take(), self.done.take()) {
-            let cu = |e| driver_err(&self.event.group, e);
-            device::wait_timed(&self.compute, &done, &self.tracer, self.event.op).map_err(cu)?;
-            // The op's span on the communication stream, read with the totals.
-            let span = device::span(&self.compute, begin, done, self.tracer.epoch()).map_err(cu)?;
-            self.tracer.record_on_device(self.event.clone(), span);
+            device::order_after(&self.compute, begin, done, &self.tracer, &self.event)
+                .map_err(|e| driver_err(&self.event.group, e))?;
         }
         self.keep.clear();
         Ok(())
