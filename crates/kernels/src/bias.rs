@@ -170,8 +170,9 @@ mod imp {
     };
     use super::super::msg;
 
-    /// Rows per block of `bias_grad` (BIAS_ROWS in kernels.cu) and its threads (columns).
-    const ROWS: usize = 128;
+    /// Rows per block of `bias_grad` (BIAS_ROWS in kernels.cu) and its threads (LN_WARPS
+    /// warps).
+    const ROWS: usize = 64;
     const THREADS: usize = 256;
 
     pub fn forward(
@@ -258,7 +259,9 @@ mod imp {
         let mut bl = f.builder();
         bl.arg(&ds).arg(&db).arg(&n32).arg(&c32);
         // SAFETY: argument types and order match `bias_grad` in kernels.cu.
-        unsafe { bl.launch(column_blocks(n, c, ROWS, THREADS)) }.w()?;
+        // A block takes 32 lanes × 16 bytes of columns at a time.
+        let cols = 32 * 16 / std::mem::size_of::<T>();
+        unsafe { bl.launch(column_blocks(n, c, ROWS, THREADS, cols)) }.w()?;
         drop(ds);
         drop(gd);
         tensor(&dev, db, c).to_dtype(b.dtype())

@@ -103,14 +103,15 @@ pub fn grid_stride(n: usize) -> LaunchConfig {
     blocks((n.div_ceil(256).clamp(1, 132 * 16), 1), 256)
 }
 
-/// A column reduction of an (n, c) matrix: thread j of a block sums column j over `rows`
-/// rows, so a warp reads 32 neighbouring addresses of one row.
+/// A column reduction of an (n, c) matrix: a block of `threads` sums `cols` adjacent columns
+/// over `rows` rows, its warps taking every so-many row and a warp's lanes the columns, so a
+/// warp reads `cols` neighbouring elements of one row.
 ///
 /// ```text
-///   grid (c / threads, n / rows)    block (threads,)
+///   grid (c / cols, n / rows)    block (threads,)
 /// ```
-pub fn column_blocks(n: usize, c: usize, rows: usize, threads: usize) -> LaunchConfig {
-    blocks((c.div_ceil(threads), n.div_ceil(rows)), threads)
+pub fn column_blocks(n: usize, c: usize, rows: usize, threads: usize, cols: usize) -> LaunchConfig {
+    blocks((c.div_ceil(cols), n.div_ceil(rows)), threads)
 }
 
 /// The CUDA source: the Philox generator the dropout masks are drawn from (`philox.cu`), the

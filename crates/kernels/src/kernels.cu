@@ -1097,9 +1097,11 @@ HEADS_KERNELS(unsigned int, 4)
 HEADS_KERNELS(unsigned short, 2)
 
 // ---------------------------------------------------------------------------------------------
-// Bias add y = x + b over rows of C, and its bias gradient db = Σ_rows dy: one thread per
-// column over BIAS_ROWS rows (consecutive threads read consecutive columns, so the reads are
-// coalesced), f32 partial sums added atomically into db (C,), which starts at 0.
+// Bias add y = x + b over rows of C, and its bias gradient db = Σ_rows dy, f32 partial sums
+// added atomically into db (C,), which starts at 0. The gradient's block is ln_bwd_dwdb's:
+// LN_WARPS warps take BIAS_ROWS rows and 32·W columns at a time, lane l summing columns
+// l·W .. l·W + W over its warp's rows (every LN_WARPS-th), so a warp reads 32·W adjacent
+// elements of a row per access (W = VEC, 16 bytes a lane, where rows_vec allows it).
 // ---------------------------------------------------------------------------------------------
 // VEC elements per access where rows_vec allows it, else one at a time.
 extern "C" __global__ void bias_add_fwd(const elem* x, const elem* b, elem* y, long n, int C) {
@@ -1139,13 +1141,40 @@ extern "C" __global__ void bias_residual_fwd(const elem* r, const elem* x, const
     for (long i = t0; i < n; i += step) st(y, i, ld(r, i) + (ld(x, i) + ld(b, i % C)));
 }
 
-#define BIAS_ROWS 128
-extern "C" __global__ void bias_grad(const elem* dy, float* db, int N, int C) {
-    const int col = blockIdx.x * blockDim.x + threadIdx.x;
-    if (col >= C) return;
+#define BIAS_ROWS 64
+template <int W>
+__device__ __forceinline__ void bias_grad_cols(const elem* dy, float* db, int N, int C,
+                                               float (*red)[32 * VEC]) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const long r0 = (long)blockIdx.y * BIAS_ROWS;
     const long r1 = min((long)N, r0 + BIAS_ROWS);
-    float s = 0.f;
-    for (long r = r0; r < r1; ++r) s += ld(dy, r * C + col);
-    atomicAdd(db + col, s);
+    for (int c0 = blockIdx.x * 32 * W; c0 < C; c0 += gridDim.x * 32 * W) {
+        const int col = c0 + lane * W;
+        float s[W], g[W];
+#pragma unroll
+        for (int k = 0; k < W; ++k) s[k] = 0.f;
+        if (col < C)
+            for (long r = r0 + warp; r < r1; r += LN_WARPS) {
+                ldw<W>(dy, r * C + col, g);
+#pragma unroll
+                for (int k = 0; k < W; ++k) s[k] += g[k];
+            }
+#pragma unroll
+        for (int k = 0; k < W; ++k) red[warp][lane * W + k] = s[k];
+        __syncthreads();
+        for (int j = threadIdx.x; j < 32 * W; j += blockDim.x)
+            if (c0 + j < C) {
+                float t = 0.f;
+#pragma unroll
+                for (int v = 0; v < LN_WARPS; ++v) t += red[v][j];
+                atomicAdd(db + c0 + j, t);
+            }
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void bias_grad(const elem* dy, float* db, int N, int C) {
+    __shared__ float red[LN_WARPS][32 * VEC];
+    if (rows_vec(C, dy)) bias_grad_cols<VEC>(dy, db, N, C, red);
+    else bias_grad_cols<1>(dy, db, N, C, red);
 }

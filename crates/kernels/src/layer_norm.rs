@@ -270,7 +270,9 @@ mod imp {
     use candle_core::cuda_backend::{CudaDType, WrapErr};
     use candle_core::{CudaStorage, Layout, Result, Tensor};
 
-    use super::super::cuda::{blocks, by_dtype, device, kernel, slice, storage, tensor, view};
+    use super::super::cuda::{
+        blocks, by_dtype, column_blocks, device, kernel, slice, storage, tensor, view,
+    };
     use super::super::msg;
 
     /// One warp per row, 8 rows per block.
@@ -402,7 +404,7 @@ mod imp {
         bl.arg(&xs).arg(&ds).arg(&ms).arg(&rs).arg(&dw).arg(&db);
         bl.arg(&n32).arg(&c32);
         let cols = 32 * 16 / std::mem::size_of::<T>();
-        let cfg = blocks((c.div_ceil(cols), n.div_ceil(DWDB_ROWS)), DWDB_THREADS);
+        let cfg = column_blocks(n, c, DWDB_ROWS, DWDB_THREADS, cols);
         // SAFETY: argument types and order match `ln_bwd_dwdb` in kernels.cu.
         unsafe { bl.launch(cfg) }.w()?;
 
