@@ -1178,17 +1178,3 @@ extern "C" __global__ void bias_grad(const elem* dy, float* db, int N, int C) {
     if (rows_vec(C, dy)) bias_grad_cols<VEC>(dy, db, N, C, red);
     else bias_grad_cols<1>(dy, db, N, C, red);
 }
-
-// ---------------------------------------------------------------------------------------------
-// The op profiler's hold (profile.rs): one thread waits `ns` nanoseconds of the GPU's global
-// timer, so that the op the host queues meanwhile is in the stream whole when the event before
-// it fires, and the two events around it time the GPU's work on it, not the host's launching.
-// ---------------------------------------------------------------------------------------------
-extern "C" __global__ void profile_hold(long long ns) {
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    do {
-        __nanosleep(1000);
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    } while ((long long)(t - t0) < ns);
-}

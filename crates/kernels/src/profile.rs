@@ -4,22 +4,15 @@
 //! ```text
 //!   off (the default)   op(..) = one relaxed atomic load, then the op itself
 //!   on, CPU             t0 ─ op ─ t1                   row[name] += (1 call, t1 − t0, FLOPs, bytes)
-//!   on, CUDA            hold ─ e0 ─ op ─ e1 (a wait kernel, then events on the stream, no
-//!                       synchronisation); when the profiling stops, row[name] += (1 call,
-//!                       e1 − e0 as the GPU ran it, …), and the holds' time is reported apart
+//!   on, CUDA            e0 ─ op ─ e1 (events on the stream, no synchronisation); when the
+//!                       profiling stops, row[name] += (1 call, e1 − e0 as the GPU ran it, …)
 //! ```
 //!
 //! On a GPU the host only enqueues: an op's kernels run when the stream reaches them. Timing
 //! them with the host's clock would need a synchronisation on both sides, which empties the
 //! queue, so each op would carry a launch's latency and a kernel's tail; the two events are
-//! stamped by the stream itself. Where the GPU is ahead of the host, though (a narrow model, a
-//! decoded token), the stream reaches e0 before the host has queued the op, and e1 − e0 holds
-//! the host's launching too. So each op is queued behind a *hold*, a one-thread kernel that
-//! waits on the GPU's clock for longer than the host takes to queue the op (twice the longest
-//! the host has taken for one so far, at least [`gpu::HOLD_MIN_NS`]): when e0 fires the op is
-//! in the stream whole, and e1 − e0 is the GPU's work on it. The holds' own time is measured
-//! (an event before each) and returned with the table, for the caller to take out of the
-//! step's: what is left is the GPU's time on the step's kernels.
+//! stamped by the stream itself, around exactly the op's kernels, and the step runs as it does
+//! unprofiled.
 //!
 //! **One rule.** Only the outermost op of a call stack is timed: an op called inside another
 //! (the GEMM inside attention, the bias add inside a linear layer's CPU path) is part of the
@@ -50,7 +43,7 @@ pub struct OpTotals {
     pub flops: f64,
     /// Bytes read and written (the compulsory traffic).
     pub bytes: f64,
-    /// Time: the host's clock on the CPU, the GPU's between two events on CUDA.
+    /// Wall time, the device synchronised before and after each call.
     pub seconds: f64,
 }
 
@@ -162,26 +155,14 @@ pub fn start() {
     ON.store(true, Ordering::SeqCst);
 }
 
-/// What one profiling took: a row per op name, and the seconds the GPU spent in the holds
-/// queued before the ops (0 on the CPU).
-#[derive(Debug, Default)]
-pub struct Profile {
-    pub rows: BTreeMap<String, OpTotals>,
-    pub held_seconds: f64,
-}
-
-/// Stops profiling and returns what it took (on a GPU, once the stream has run every op
-/// timed).
-pub fn stop() -> Profile {
+/// Stops profiling and returns the table, one row per op name (on a GPU, once the stream has
+/// run every op timed).
+pub fn stop() -> BTreeMap<String, OpTotals> {
     ON.store(false, Ordering::SeqCst);
-    let rows = std::mem::take(&mut *TABLE.lock().unwrap_or_else(|p| p.into_inner()));
+    let table = std::mem::take(&mut *TABLE.lock().unwrap_or_else(|p| p.into_inner()));
     #[cfg(feature = "cuda")]
-    return gpu::resolve(rows);
-    #[cfg(not(feature = "cuda"))]
-    Profile {
-        rows,
-        held_seconds: 0.0,
-    }
+    let table = gpu::resolve(table);
+    table
 }
 
 /// Whether ops are being profiled.
@@ -228,20 +209,11 @@ pub fn op<R>(
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = dev {
         let stream = d.cuda_stream();
-        let hold = gpu::hold(d)?;
         let start = gpu::stamp(&stream)?;
-        let queued = Instant::now();
         let r = f()?;
         let end = gpu::stamp(&stream)?;
-        gpu::queued_in(queued.elapsed());
         let (name, cost) = what(&r);
-        gpu::pending(gpu::Timed {
-            name,
-            cost,
-            hold,
-            start,
-            end,
-        });
+        gpu::pending(gpu::Timed { name, cost, start, end });
         return Ok(r);
     }
     if !SECTION_OPEN.load(Ordering::SeqCst) {
@@ -300,51 +272,19 @@ pub fn section<R>(dev: &Device, f: impl FnOnce() -> Result<R>) -> Result<R> {
 #[cfg(feature = "cuda")]
 mod gpu {
     use std::collections::BTreeMap;
-    use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::Mutex;
-    use std::time::Duration;
 
-    use candle_core::cuda_backend::cudarc::driver::{sys, CudaEvent, CudaStream, PushKernelArg};
-    use candle_core::cuda_backend::WrapErr;
-    use candle_core::{CudaDevice, DType, Result};
+    use candle_core::cuda_backend::cudarc::driver::{sys, CudaEvent, CudaStream};
+    use candle_core::Result;
 
-    use super::{Cost, OpTotals, Profile};
+    use super::{Cost, OpTotals};
 
-    /// An op whose kernels lie between two events on the stream, queued behind a hold that
-    /// began at the event `hold`.
+    /// An op whose kernels lie between two events on the stream.
     pub struct Timed {
         pub name: String,
         pub cost: Cost,
-        pub hold: CudaEvent,
         pub start: CudaEvent,
         pub end: CudaEvent,
-    }
-
-    /// The shortest hold, and the longest (a host that once stalled for long does not make
-    /// every later hold as long).
-    pub const HOLD_MIN_NS: u64 = 100_000;
-    const HOLD_MAX_NS: u64 = 20_000_000;
-
-    /// The next hold's length: twice the longest the host has taken to queue one op.
-    static HOLD_NS: AtomicU64 = AtomicU64::new(HOLD_MIN_NS);
-
-    /// An op took the host `d` to queue: later holds outlast twice that.
-    pub fn queued_in(d: Duration) {
-        let ns = (2 * d.as_nanos()).clamp(HOLD_MIN_NS as u128, HOLD_MAX_NS as u128) as u64;
-        HOLD_NS.fetch_max(ns, Ordering::Relaxed);
-    }
-
-    /// Queues the hold (`profile_hold` in kernels.cu) on `dev`'s stream, after an event that
-    /// marks its start.
-    pub fn hold(dev: &CudaDevice) -> Result<CudaEvent> {
-        let begin = stamp(&dev.cuda_stream())?;
-        let f = crate::cuda::kernel(dev, None, DType::F32, "profile_hold")?;
-        let ns = HOLD_NS.load(Ordering::Relaxed) as i64;
-        let mut bl = f.builder();
-        bl.arg(&ns);
-        // SAFETY: the argument's type matches `profile_hold`'s one long long.
-        unsafe { bl.launch(crate::cuda::blocks((1, 1), 1)) }.w()?;
-        Ok(begin)
     }
 
     /// An event recorded on `stream` now, with timing on.
@@ -362,23 +302,14 @@ mod gpu {
     }
 
     /// `table` with every pending op added, each as the seconds the stream spent between its
-    /// events (waiting for the stream to reach the last), and the holds' seconds.
-    pub fn resolve(mut rows: BTreeMap<String, OpTotals>) -> Profile {
-        let mut held_ms = 0.0;
+    /// events (waiting for the stream to reach the last).
+    pub fn resolve(mut table: BTreeMap<String, OpTotals>) -> BTreeMap<String, OpTotals> {
         for t in std::mem::take(&mut *PENDING.lock().unwrap_or_else(|p| p.into_inner())) {
             // An op whose events cannot be read (a failed stream) counts no time.
             let ms = t.start.elapsed_ms(&t.end).unwrap_or(0.0);
-            held_ms += f64::from(t.hold.elapsed_ms(&t.start).unwrap_or(0.0));
-            super::add(
-                rows.entry(t.name).or_default(),
-                t.cost,
-                f64::from(ms) * 1e-3,
-            );
+            super::add(table.entry(t.name).or_default(), t.cost, f64::from(ms) * 1e-3);
         }
-        Profile {
-            rows,
-            held_seconds: held_ms * 1e-3,
-        }
+        table
     }
 }
 
@@ -470,7 +401,7 @@ mod tests {
             || Err::<(), _>(candle_core::Error::Msg("no".into())),
             |_| one("err"),
         );
-        let t = stop().rows;
+        let t = stop();
         assert_eq!(t.keys().collect::<Vec<_>>(), ["exp", "outer"]);
         assert_eq!(
             (t["outer"].calls, t["outer"].flops, t["outer"].bytes),
@@ -478,7 +409,7 @@ mod tests {
         );
         assert_eq!((t["exp"].flops, t["exp"].bytes), (32.0, 256.0));
         assert!(t["outer"].seconds > 0.0);
-        assert!(!is_on() && stop().rows.is_empty());
+        assert!(!is_on() && stop().is_empty());
         assert_eq!(
             Cost::gemm(2, (3, 4, 5), 4),
             Cost {

@@ -1,8 +1,7 @@
 //! `--profile-ops`: every op of a few steps on the roofline. The steps after the first (at
 //! most three; the first warms up) run with the kernels' op profiler on
-//! ([`mtrain_kernels::profile`]: each op timed, on a GPU by two events around its kernels
-//! queued behind a hold, its FLOPs and bytes counted by closed form; a step's time is taken
-//! less the holds') and with each process group's per-op totals read around them
+//! ([`mtrain_kernels::profile`]: each op timed, the device synchronised around it, its FLOPs and
+//! bytes counted by closed form) and with each process group's per-op totals read around them
 //! (calls, bytes sent, and the rank's time inside the collective's calls, issuing it and
 //! waiting for it: [`TraceTotals::held_us`]). As soon as the last profiled step ends (before its
 //! evaluation or checkpoint) each rank writes its rows; rank 0 adds them up over the ranks,
@@ -160,8 +159,7 @@ impl OpsProfiler {
         if !self.steps.contains(&step) {
             return Ok(false);
         }
-        let profile = profile::stop();
-        for (name, t) in profile.rows {
+        for (name, t) in profile::stop() {
             let row = self.ops.entry(name).or_default();
             row.calls += t.calls;
             row.flops += t.flops;
@@ -179,7 +177,7 @@ impl OpsProfiler {
             }
         }
         self.taken.steps.push(step);
-        self.taken.step_seconds.push(seconds - profile.held_seconds);
+        self.taken.step_seconds.push(seconds);
         if step + 1 == self.steps.end {
             self.write()?;
             return self.report();
@@ -523,14 +521,8 @@ pub fn table(r: &OpsReport) -> String {
         (gemm_attn / r.model_flops - 1.0) * 100.0
     );
     let step = if r.decode.is_some() { "token" } else { "step per rank" };
-    // On a GPU the step is the GPU's time less the profiler's holds: what the ops leave is
-    // kernels outside them; on the CPU it is the host's own work.
-    let rest = match r.device.as_str() {
-        "cpu" => "host work between ops",
-        _ => "kernels outside the ops; the profiler's holds taken out",
-    };
     out += &format!(
-        "ops {:.2} ms of a {:.2} ms {step} ({:.0}%; the rest: {rest})",
+        "ops {:.2} ms of a {:.2} ms {step} ({:.0}%; the rest: host work between ops)",
         r.op_seconds * 1e3,
         r.step_seconds * 1e3,
         r.op_seconds / r.step_seconds.max(1e-12) * 100.0

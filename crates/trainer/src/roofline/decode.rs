@@ -74,9 +74,9 @@ impl DecodeProfile {
         let t0 = Instant::now();
         let logits = run();
         let seconds = t0.elapsed().as_secs_f64();
-        let profile = profile::stop();
+        let table = profile::stop();
         let logits = logits?;
-        for (name, t) in profile.rows {
+        for (name, t) in table {
             let row = self.rows.entry(name).or_default();
             row.calls += t.calls;
             row.flops += t.flops;
@@ -84,7 +84,7 @@ impl DecodeProfile {
             row.seconds += t.seconds;
         }
         self.positions.push(p as u64);
-        self.seconds.push(seconds - profile.held_seconds);
+        self.seconds.push(seconds);
         Ok(logits)
     }
 
