@@ -189,7 +189,10 @@ impl ParallelPlan {
             why.push(format!("batch {batch_size} is not divisible by dp {dp}"));
         } else if dp > 0 && m > 0 && !(batch_size / dp).is_multiple_of(m) {
             why.push(format!(
-                "per-rank batch {} (batch {batch_size} / dp {dp}) is not divisible by microbatches {m}",
+                "per-rank batch {} (batch {batch_size} / dp {dp}) is not divisible by microbatches {m}: \
+                 give --batch-size a multiple of {} or --microbatches a divisor of {}",
+                batch_size / dp,
+                dp * m,
                 batch_size / dp
             ));
         }
