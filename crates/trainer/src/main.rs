@@ -284,7 +284,7 @@ fn distributed(
     })?;
     let watch = watch_job(&env)?;
     if device == DeviceKind::Cpu {
-        let cpus = mtrain_trainer::compute_pool::pin_threads(env.local_rank, env.local_world_size);
+        let cpus = mtrain_trainer::compute_pool::pin_threads(env.local_rank);
         if !cpus.is_empty() {
             tracing::debug!("compute threads pinned to CPUs {cpus:?}");
         }
