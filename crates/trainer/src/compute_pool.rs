@@ -81,10 +81,10 @@ pub fn keep_freed_memory() {
 ///                                    CPU 1: rank 1 (stage 0, tp 1), rank 3 (stage 1, tp 1)
 /// ```
 ///
-/// (Left to the scheduler, both ranks of a tp pair at times shared a CPU, and every all-reduce
-/// between them waited for a switch: tp 2 × pp 2 of the tiny model on 2 CPUs 53 ms a step,
-/// pinned 41.) Called by a worker once its collectives' threads exist (they keep the whole
-/// mask), never by the launcher (its children would inherit a pinned mask).
+/// Left to the scheduler, both ranks of a tp pair at times share a CPU, and every all-reduce
+/// between them waits for a switch (docs/results.md, the plan's checks). Called by a worker
+/// once its collectives' threads exist (they keep the whole mask), never by the launcher (its
+/// children would inherit a pinned mask).
 pub fn pin_threads(local_rank: usize) -> Vec<usize> {
     #[cfg(target_os = "linux")]
     {
